@@ -1,0 +1,50 @@
+"""kvoffload: offload LLM serving KV caches to cheaper tiers, and decide what to keep there."""
+
+from kvoffload.core.errors import (
+    BlockNotFoundError,
+    BlockNotPinnedError,
+    BlockNotReadyError,
+    BlockStateError,
+    InvalidArgumentError,
+    KVOffloadError,
+)
+from kvoffload.core.hashing import hash_token_blocks, keys_for_tokens
+from kvoffload.core.keys import (
+    OffloadKey,
+    get_offload_block_hash,
+    get_offload_group_idx,
+    make_offload_key,
+)
+from kvoffload.core.layout import LAYOUT_PRESETS, KVLayout, layout_preset
+from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from kvoffload.core.specs import (
+    BlockIDsLoadStoreSpec,
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+)
+
+__all__ = [
+    "LAYOUT_PRESETS",
+    "BlockIDsLoadStoreSpec",
+    "BlockNotFoundError",
+    "BlockNotPinnedError",
+    "BlockNotReadyError",
+    "BlockStateError",
+    "CPULoadStoreSpec",
+    "GPULoadStoreSpec",
+    "InvalidArgumentError",
+    "KVLayout",
+    "KVOffloadError",
+    "LoadStoreSpec",
+    "OffloadKey",
+    "OffloadingEvent",
+    "OffloadingManager",
+    "PrepareStoreOutput",
+    "get_offload_block_hash",
+    "get_offload_group_idx",
+    "hash_token_blocks",
+    "keys_for_tokens",
+    "layout_preset",
+    "make_offload_key",
+]

@@ -1,0 +1,45 @@
+"""Exceptions raised for bad input.
+
+Every error the library raises for caller mistakes derives from
+:class:`KVOffloadError`, and also from the builtin a caller would expect
+(``ValueError`` for a bad argument, ``KeyError`` for an unknown block), so
+both ``except KVOffloadError`` and ``except KeyError`` work.
+"""
+
+from __future__ import annotations
+
+
+class KVOffloadError(Exception):
+    """Base class of every error kvoffload raises for bad input."""
+
+
+class InvalidArgumentError(KVOffloadError, ValueError):
+    """A constructor or call argument is out of range or unknown."""
+
+
+class BlockStateError(KVOffloadError, KeyError):
+    """A call names a block that is absent or in the wrong state for it.
+
+    ``key`` is the offending key; the manager's state is unchanged.
+    """
+
+    def __init__(self, message: str, key: bytes) -> None:
+        super().__init__(message)
+        self.message = message
+        self.key = key
+
+    def __str__(self) -> str:
+        # KeyError quotes its argument; keep the message readable instead.
+        return self.message
+
+
+class BlockNotFoundError(BlockStateError):
+    """The key is not held by the manager at all."""
+
+
+class BlockNotReadyError(BlockStateError):
+    """The key is held but its store has not completed, so it cannot be loaded."""
+
+
+class BlockNotPinnedError(BlockStateError):
+    """``complete_load`` named a key that no load holds."""

@@ -1,0 +1,51 @@
+"""Prefix-chained block hashes for callers that have token ids but no engine.
+
+Each full block's hash covers its tokens and its parent's hash, so one hash
+names a whole prefix and prefix lookups can walk keys in order. SHA-256 over a
+fixed byte encoding keeps the result identical across processes and runs,
+unlike Python's salted ``hash()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.keys import OffloadKey, make_offload_key
+
+ROOT_HASH = b"\x00" * 32
+"""Parent hash of a sequence's first block."""
+
+
+def hash_token_blocks(
+    token_ids: Sequence[int], block_size: int, parent_hash: bytes = ROOT_HASH
+) -> list[bytes]:
+    """Chained 32-byte hashes of the full ``block_size``-token blocks of ``token_ids``.
+
+    A trailing partial block is not hashed: it cannot be shared or offloaded.
+    ``parent_hash`` continues a chain (e.g. a cached prefix's last hash).
+    """
+    if block_size < 1:
+        raise InvalidArgumentError(f"block_size must be >= 1, got {block_size}")
+    block_format = struct.Struct(f"<{block_size}q")
+    hashes: list[bytes] = []
+    parent = parent_hash
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        try:
+            payload = block_format.pack(*token_ids[start : start + block_size])
+        except struct.error as exc:
+            raise InvalidArgumentError(
+                f"token ids must be integers that fit in 64 bits (block at {start}): {exc}"
+            ) from None
+        parent = hashlib.sha256(parent + payload).digest()
+        hashes.append(parent)
+    return hashes
+
+
+def keys_for_tokens(
+    token_ids: Sequence[int], block_size: int, group_idx: int = 0
+) -> list[OffloadKey]:
+    """Offload keys for the full blocks of ``token_ids`` in KV group ``group_idx``."""
+    return [make_offload_key(h, group_idx) for h in hash_token_blocks(token_ids, block_size)]

@@ -1,0 +1,29 @@
+"""Offload keys: a block's chained prefix hash followed by its KV-group index.
+
+Raw ``bytes`` instead of a ``(hash, group)`` tuple: keys are made in bulk and
+used as dict keys on the scheduler's hot path, where bytes hash and compare
+fastest and cost the garbage collector nothing.
+"""
+
+from __future__ import annotations
+
+from typing import NewType
+
+OffloadKey = NewType("OffloadKey", bytes)
+
+GROUP_IDX_BYTES = 4
+
+
+def make_offload_key(block_hash: bytes, group_idx: int) -> OffloadKey:
+    """Append ``group_idx`` as 4 big-endian bytes to ``block_hash``."""
+    return OffloadKey(block_hash + group_idx.to_bytes(GROUP_IDX_BYTES, "big", signed=False))
+
+
+def get_offload_block_hash(key: OffloadKey) -> bytes:
+    """The block hash part of ``key``."""
+    return key[:-GROUP_IDX_BYTES]
+
+
+def get_offload_group_idx(key: OffloadKey) -> int:
+    """The KV-group index part of ``key``."""
+    return int.from_bytes(key[-GROUP_IDX_BYTES:], "big")

@@ -1,0 +1,77 @@
+"""The scheduler-side offloading manager contract.
+
+A manager decides which blocks are offloaded and where; it never moves bytes.
+The engine drives it in this order for each request: ``touch`` and ``lookup``
+the request's keys, ``prepare_load`` the hit, ``complete_load`` once loaded,
+``prepare_store`` newly computed blocks, ``complete_store`` once written.
+Every method accepts any iterable of keys, generators included.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvoffload.core.keys import OffloadKey
+from kvoffload.core.specs import LoadStoreSpec
+
+
+@dataclass
+class PrepareStoreOutput:
+    """What ``prepare_store`` decided.
+
+    ``keys_to_store`` are the offered keys that need writing, in offer order;
+    ``store_spec`` names their destinations in the same order; ``evicted_keys``
+    were dropped to make room.
+    """
+
+    keys_to_store: list[OffloadKey]
+    store_spec: LoadStoreSpec
+    evicted_keys: list[OffloadKey]
+
+
+@dataclass
+class OffloadingEvent:
+    """Blocks that became loadable (``removed=False``) or were dropped (``removed=True``)."""
+
+    keys: list[OffloadKey]
+    medium: str
+    removed: bool
+
+
+class OffloadingManager(ABC):
+    """Decides what the offload tier holds; runs single-threaded in the scheduler."""
+
+    @abstractmethod
+    def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
+        """Length of the longest leading run of ``keys`` that is stored and ready.
+
+        ``None`` means "cannot tell yet, ask again later" (asynchronous backends).
+        """
+
+    @abstractmethod
+    def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
+        """Pin ``keys`` against eviction and return where to read them from."""
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:  # noqa: B027 - optional hook
+        """Mark ``keys`` as recently used; the first key becomes the most recent."""
+
+    def complete_load(self, keys: Iterable[OffloadKey]) -> None:  # noqa: B027
+        """Release the pins taken by ``prepare_load``."""
+
+    @abstractmethod
+    def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
+        """Reserve room for the offered keys not yet held; ``None`` if there is none.
+
+        A ``None`` leaves the manager exactly as it was.
+        """
+
+    def complete_store(  # noqa: B027 - optional hook
+        self, keys: Iterable[OffloadKey], success: bool = True
+    ) -> None:
+        """Make stored keys loadable, or drop them if the write failed."""
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Events since the last call; the batch is detached when this is called."""
+        return ()

@@ -1,0 +1,89 @@
+"""Descriptions of where blocks live, handed from the manager to the workers.
+
+A transfer is a ``(source, destination)`` pair of specs; workers route it by
+the pair of ``medium()`` names.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload.core.errors import InvalidArgumentError
+
+
+class LoadStoreSpec(ABC):
+    """Where a batch of blocks is read from or written to."""
+
+    @staticmethod
+    @abstractmethod
+    def medium() -> str:
+        """Name of the storage medium, used to route transfers."""
+
+
+class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
+    """A spec that names blocks by integer slot ids within one medium."""
+
+    def __init__(self, block_ids: Sequence[int] | npt.ArrayLike) -> None:
+        self.block_ids: npt.NDArray[np.int64] = np.asarray(block_ids, dtype=np.int64)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.block_ids.tolist()})"
+
+
+class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
+    """Slots of the CPU tier, one per offloaded block."""
+
+    @staticmethod
+    def medium() -> str:
+        return "CPU"
+
+
+class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
+    """GPU block ids of every KV group, concatenated group after group.
+
+    ``group_sizes[i]`` is how many ids belong to group ``i``. For loads,
+    ``block_indices[i]`` is the position within the request of group ``i``'s
+    first GPU block, which tells the worker how much of the first offloaded
+    block to skip when a load does not start on an offloaded-block boundary.
+    """
+
+    def __init__(
+        self,
+        block_ids: Sequence[int] | npt.ArrayLike,
+        group_sizes: Sequence[int],
+        block_indices: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__(block_ids)
+        self.group_sizes = tuple(group_sizes)
+        if sum(self.group_sizes) != len(self.block_ids):
+            raise InvalidArgumentError(
+                f"group_sizes {self.group_sizes} add up to {sum(self.group_sizes)}, "
+                f"but {len(self.block_ids)} block ids were given"
+            )
+        self.block_indices = None if block_indices is None else tuple(block_indices)
+        if self.block_indices is not None and len(self.block_indices) != len(self.group_sizes):
+            raise InvalidArgumentError(
+                f"block_indices has {len(self.block_indices)} entries for "
+                f"{len(self.group_sizes)} groups"
+            )
+
+    @staticmethod
+    def medium() -> str:
+        return "GPU"
+
+    def __repr__(self) -> str:
+        return (
+            f"GPULoadStoreSpec({self.block_ids.tolist()}, group_sizes={self.group_sizes}, "
+            f"block_indices={self.block_indices})"
+        )
+
+
+TransferSpec = tuple[LoadStoreSpec, LoadStoreSpec]
+"""A (source, destination) pair."""
+
+TransferType = tuple[str, str]
+"""A (source medium, destination medium) pair."""

@@ -1,0 +1,1 @@
+"""Replay serving workloads through a GPU prefix cache and the offload tiers."""
