@@ -23,6 +23,17 @@ from kvoffload.core.specs import (
     GPULoadStoreSpec,
     LoadStoreSpec,
 )
+from kvoffload.managers import (
+    CPUOffloadingManager,
+    FilterReusedOffloadingManager,
+    build_manager,
+)
+from kvoffload.policies import (
+    BlockStatus,
+    CachePolicy,
+    available_policies,
+    register_cache_policy,
+)
 
 __all__ = [
     "LAYOUT_PRESETS",
@@ -31,7 +42,11 @@ __all__ = [
     "BlockNotPinnedError",
     "BlockNotReadyError",
     "BlockStateError",
+    "BlockStatus",
     "CPULoadStoreSpec",
+    "CPUOffloadingManager",
+    "CachePolicy",
+    "FilterReusedOffloadingManager",
     "GPULoadStoreSpec",
     "InvalidArgumentError",
     "KVLayout",
@@ -41,10 +56,13 @@ __all__ = [
     "OffloadingEvent",
     "OffloadingManager",
     "PrepareStoreOutput",
+    "available_policies",
+    "build_manager",
     "get_offload_block_hash",
     "get_offload_group_idx",
     "hash_token_blocks",
     "keys_for_tokens",
     "layout_preset",
     "make_offload_key",
+    "register_cache_policy",
 ]

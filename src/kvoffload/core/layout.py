@@ -15,7 +15,7 @@ DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4, "float
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape of a model's KV cache: per layer, K and V of ``kv_heads × head_dim`` per token."""
+    """Shape of a model's KV cache: per layer, K and V of ``kv_heads * head_dim`` per token."""
 
     num_layers: int
     kv_heads: int
@@ -52,9 +52,7 @@ class KVLayout:
         return self.tokens_per_block * self.kv_heads * self.head_dim * self.dtype_bytes
 
     def with_block_size(self, tokens_per_block: int) -> KVLayout:
-        return KVLayout(
-            self.num_layers, self.kv_heads, self.head_dim, self.dtype, tokens_per_block
-        )
+        return KVLayout(self.num_layers, self.kv_heads, self.head_dim, self.dtype, tokens_per_block)
 
 
 LAYOUT_PRESETS: dict[str, KVLayout] = {

@@ -1,0 +1,27 @@
+"""Managers: own the blocks of a tier (slots, reference counts, events) or wrap one."""
+
+from __future__ import annotations
+
+from kvoffload.core.manager import OffloadingManager
+from kvoffload.managers.cpu import CPUOffloadingManager
+from kvoffload.managers.reuse_filter import FilterReusedOffloadingManager
+
+
+def build_manager(
+    num_blocks: int,
+    cache_policy: str = "lru",
+    store_threshold: int = 0,
+    max_tracker_size: int = 64_000,
+    enable_events: bool = False,
+) -> OffloadingManager:
+    """A CPU tier manager, behind the reuse filter when ``store_threshold >= 2``.
+
+    Thresholds below 2 mean "no filter", as in vLLM's configuration.
+    """
+    manager: OffloadingManager = CPUOffloadingManager(num_blocks, cache_policy, enable_events)
+    if store_threshold >= 2:
+        manager = FilterReusedOffloadingManager(manager, store_threshold, max_tracker_size)
+    return manager
+
+
+__all__ = ["CPUOffloadingManager", "FilterReusedOffloadingManager", "build_manager"]

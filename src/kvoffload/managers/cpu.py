@@ -1,0 +1,175 @@
+"""The CPU tier's manager: slot allocation, reference counts and events.
+
+Which block to evict is left to a :class:`~kvoffload.policies.CachePolicy`
+chosen by name; everything else about a block's life is decided here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from kvoffload.core.errors import (
+    BlockNotFoundError,
+    BlockNotPinnedError,
+    BlockNotReadyError,
+    InvalidArgumentError,
+)
+from kvoffload.core.keys import OffloadKey
+from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from kvoffload.core.specs import CPULoadStoreSpec
+from kvoffload.policies import PENDING_STORE, BlockStatus, create_cache_policy
+
+MEDIUM = CPULoadStoreSpec.medium()
+
+
+class CPUOffloadingManager(OffloadingManager):
+    """Holds up to ``num_blocks`` offloaded blocks in CPU slots ``0 .. num_blocks-1``.
+
+    Slots are handed out fresh in ascending order first, then reused from the
+    free list last-in-first-out. ``prepare_store`` is atomic: when it cannot
+    make room it returns ``None`` and nothing changes. Removal events are
+    emitted when blocks are evicted (at prepare time), store events when a
+    store completes successfully.
+    """
+
+    def __init__(self, num_blocks: int, cache_policy: str = "lru", enable_events: bool = False):
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise InvalidArgumentError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self._policy = create_cache_policy(cache_policy, num_blocks)
+        self._blocks: dict[OffloadKey, BlockStatus] = {}
+        self._num_allocated = 0
+        self._free_ids: list[int] = []
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+
+    @property
+    def policy(self) -> object:
+        """The eviction policy instance (for inspection and tests)."""
+        return self._policy
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_ids) + self.num_blocks - self._num_allocated
+
+    def __len__(self) -> int:
+        """Number of blocks held, pending ones included."""
+        return len(self._blocks)
+
+    def block_status(self, key: OffloadKey) -> BlockStatus | None:
+        """The status of ``key``, or ``None`` if it is not held (read-only use)."""
+        return self._blocks.get(key)
+
+    def lookup(self, keys: Iterable[OffloadKey]) -> int:
+        blocks = self._blocks
+        hits = 0
+        for key in keys:
+            block = blocks.get(key)
+            if block is None or block.ref_cnt < 0:
+                break
+            hits += 1
+        return hits
+
+    def prepare_load(self, keys: Iterable[OffloadKey]) -> CPULoadStoreSpec:
+        blocks = self._blocks
+        pinned: list[BlockStatus] = []
+        for key in keys:
+            block = blocks.get(key)
+            if block is None or block.ref_cnt < 0:
+                for done in pinned:
+                    done.ref_cnt -= 1
+                if block is None:
+                    raise BlockNotFoundError(f"cannot load {key!r}: it is not offloaded", key)
+                raise BlockNotReadyError(f"cannot load {key!r}: its store has not completed", key)
+            block.ref_cnt += 1
+            pinned.append(block)
+        return CPULoadStoreSpec([block.block_id for block in pinned])
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        self._policy.touch(keys)
+
+    def complete_load(self, keys: Iterable[OffloadKey]) -> None:
+        blocks = self._blocks
+        released: list[BlockStatus] = []
+        for key in keys:
+            block = blocks.get(key)
+            if block is None or block.ref_cnt <= 0:
+                for done in released:
+                    done.ref_cnt += 1
+                raise BlockNotPinnedError(
+                    f"cannot complete a load of {key!r}: no load holds it", key
+                )
+            block.ref_cnt -= 1
+            released.append(block)
+
+    def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
+        blocks = self._blocks
+        # Ordered and deduplicated; doubles as the set shielded from this eviction.
+        offered = dict.fromkeys(keys)
+        to_store = [key for key in offered if key not in blocks]
+        if not to_store:
+            return PrepareStoreOutput([], CPULoadStoreSpec(_NO_IDS), [])
+
+        evicted_keys: list[OffloadKey] = []
+        need = len(to_store) - self.num_free_blocks
+        if need > 0:
+            victims = self._policy.evict(need, offered)
+            if victims is None:
+                return None
+            free_ids = self._free_ids
+            for key, block in victims:
+                del blocks[key]
+                free_ids.append(block.block_id)
+                evicted_keys.append(key)
+            if self._events is not None:
+                self._events.append(OffloadingEvent(list(evicted_keys), MEDIUM, removed=True))
+
+        block_ids = self._allocate(len(to_store))
+        new_blocks = [BlockStatus(block_id) for block_id in block_ids]
+        blocks.update(zip(to_store, new_blocks, strict=True))
+        self._policy.insert(to_store, new_blocks)
+        return PrepareStoreOutput(to_store, CPULoadStoreSpec(block_ids), evicted_keys)
+
+    def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
+        blocks = self._blocks
+        changed: list[OffloadKey] = []
+        if success:
+            for key in keys:
+                block = blocks.get(key)
+                if block is not None and block.ref_cnt == PENDING_STORE:
+                    block.ref_cnt = 0
+                    changed.append(key)
+            if changed and self._events is not None:
+                self._events.append(OffloadingEvent(changed, MEDIUM, removed=False))
+            return
+        free_ids = self._free_ids
+        for key in keys:
+            block = blocks.get(key)
+            if block is not None and block.ref_cnt == PENDING_STORE:
+                del blocks[key]
+                free_ids.append(block.block_id)
+                changed.append(key)
+        if changed:
+            self._policy.remove(changed)
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """Events since the last call, detached at once: none is lost or replayed."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def _allocate(self, n: int) -> list[int]:
+        fresh = min(n, self.num_blocks - self._num_allocated)
+        block_ids = list(range(self._num_allocated, self._num_allocated + fresh))
+        self._num_allocated += fresh
+        reused = n - fresh
+        if reused:
+            free_ids = self._free_ids
+            block_ids.extend(reversed(free_ids[-reused:]))
+            del free_ids[-reused:]
+        return block_ids
+
+
+_NO_IDS = np.empty(0, dtype=np.int64)

@@ -1,0 +1,92 @@
+"""Admission by reuse: store only blocks that lookups have seen often enough.
+
+One-shot blocks are most of many workloads; writing them wastes transfer
+bandwidth and pushes out blocks that would have been hit. This decorator
+counts lookups per key and lets ``prepare_store`` offer the backing manager
+only keys counted at least ``store_threshold`` times.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.keys import OffloadKey
+from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from kvoffload.core.specs import LoadStoreSpec
+
+
+class FilterReusedOffloadingManager(OffloadingManager):
+    """Wraps ``backing``; intercepts ``lookup`` (to count) and ``prepare_store`` (to filter).
+
+    The tracker is an LRU table of at most ``max_tracker_size`` keys ordered by
+    last lookup. Filtering happens before delegation so skipped blocks never
+    take room in the tier; an empty offer is delegated too, and the backing
+    manager answers it with an empty output. ``stores_skipped`` counts offered
+    keys that the filter held back.
+    """
+
+    def __init__(
+        self,
+        backing: OffloadingManager,
+        store_threshold: int = 2,
+        max_tracker_size: int = 64_000,
+    ):
+        if store_threshold < 2:
+            raise InvalidArgumentError(
+                f"FilterReusedOffloadingManager store_threshold must be >= 2, got {store_threshold}"
+            )
+        if max_tracker_size < 1:
+            raise InvalidArgumentError(
+                "FilterReusedOffloadingManager max_tracker_size must be >= 1, "
+                f"got {max_tracker_size}"
+            )
+        self._backing = backing
+        self.store_threshold = store_threshold
+        self.max_tracker_size = max_tracker_size
+        self.counts: OrderedDict[OffloadKey, int] = OrderedDict()
+        self.stores_skipped = 0
+
+    @property
+    def backing(self) -> OffloadingManager:
+        return self._backing
+
+    def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
+        keys = list(keys)
+        counts = self.counts
+        move_to_end = counts.move_to_end
+        limit = self.max_tracker_size
+        for key in keys:
+            count = counts.get(key)
+            if count is None:
+                if len(counts) >= limit:
+                    counts.popitem(last=False)
+                counts[key] = 1
+            else:
+                counts[key] = count + 1
+                move_to_end(key)
+        return self._backing.lookup(keys)
+
+    def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
+        keys = list(keys)
+        counts = self.counts
+        threshold = self.store_threshold
+        eligible = [key for key in keys if counts.get(key, 0) >= threshold]
+        self.stores_skipped += len(keys) - len(eligible)
+        return self._backing.prepare_store(eligible)
+
+    def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
+        return self._backing.prepare_load(keys)
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        self._backing.touch(keys)
+
+    def complete_load(self, keys: Iterable[OffloadKey]) -> None:
+        self._backing.complete_load(keys)
+
+    def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
+        self._backing.complete_store(keys, success)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        return self._backing.take_events()

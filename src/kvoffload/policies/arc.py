@@ -1,0 +1,119 @@
+"""Adaptive Replacement Cache, as vLLM's offloading tier runs it.
+
+Deviations from textbook ARC that keep it identical to vLLM:
+a ghost hit (through ``touch``) only adapts the target size; the later store
+re-admits the block into T1. The replacement test is ``|T1| >= int(p)``
+without the B2 tie rule, ``p`` is a float, and each ghost list is bounded by
+the capacity on its own.
+
+One deliberate difference, a bug fix: when T1 is below its target and T2 has
+nothing evictable, vLLM's seed-era ARC gives up (stores fail with evictable
+blocks present); here eviction falls back to T1, as vLLM itself later did.
+Victims are found with one pass per list, not a rescan per victim.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Container, Iterable, Iterator, Sequence
+
+from kvoffload.core.keys import OffloadKey
+from kvoffload.policies.base import BlockStatus, CachePolicy, Victims
+from kvoffload.policies.registry import register_cache_policy
+
+
+@register_cache_policy("arc")
+class ARCCachePolicy(CachePolicy):
+    """T1 holds blocks seen once, T2 blocks touched again; B1/B2 remember evictions."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.target_t1_size = 0.0
+        self.t1: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+        self.t2: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+        self.b1: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.b2: OrderedDict[OffloadKey, None] = OrderedDict()
+
+    def insert(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus]) -> None:
+        self.t1.update(zip(keys, blocks, strict=True))
+        b1, b2 = self.b1, self.b2
+        if b1 or b2:
+            for key in keys:
+                b1.pop(key, None)
+                b2.pop(key, None)
+
+    def remove(self, keys: Iterable[OffloadKey]) -> None:
+        t1, t2 = self.t1, self.t2
+        for key in keys:
+            if t1.pop(key, None) is None:
+                t2.pop(key, None)
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
+        for key in reversed(list(keys)):
+            block = t1.get(key)
+            if block is not None:
+                if block.ref_cnt >= 0:
+                    del t1[key]
+                    t2[key] = block
+                else:
+                    # Pending: just prepared for store, not really seen twice.
+                    t1.move_to_end(key)
+            elif key in t2:
+                t2.move_to_end(key)
+            elif key in b1:
+                delta = max(1.0, len(b2) / len(b1))
+                self.target_t1_size = min(self.target_t1_size + delta, self.capacity)
+                b1.move_to_end(key)
+            elif key in b2:
+                delta = max(1.0, len(b1) / len(b2))
+                self.target_t1_size = max(self.target_t1_size - delta, 0.0)
+                b2.move_to_end(key)
+
+    def evict(self, n: int, protected: Container[OffloadKey]) -> Victims | None:
+        if n <= 0:
+            return []
+        t1_candidates = _evictable(self.t1, protected)
+        t2_candidates = _evictable(self.t2, protected)
+        target = int(self.target_t1_size)
+        virtual_t1 = len(self.t1)
+        from_t1: Victims = []
+        victims: Victims = []
+        for _ in range(n):
+            victim = next(t1_candidates, None) if virtual_t1 >= target else None
+            if victim is None:
+                victim = next(t2_candidates, None)
+                if victim is None:
+                    victim = next(t1_candidates, None)
+                    if victim is None:
+                        return None
+                    from_t1.append(victim)
+                    virtual_t1 -= 1
+            else:
+                from_t1.append(victim)
+                virtual_t1 -= 1
+            victims.append(victim)
+        self._apply(victims, from_t1)
+        return victims
+
+    def _apply(self, victims: Victims, from_t1: Victims) -> None:
+        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
+        t1_keys = {key for key, _ in from_t1}
+        for key, _ in victims:
+            if key in t1_keys:
+                del t1[key]
+                b1[key] = None
+            else:
+                del t2[key]
+                b2[key] = None
+        while len(b1) > self.capacity:
+            b1.popitem(last=False)
+        while len(b2) > self.capacity:
+            b2.popitem(last=False)
+
+
+def _evictable(
+    blocks: OrderedDict[OffloadKey, BlockStatus], protected: Container[OffloadKey]
+) -> Iterator[tuple[OffloadKey, BlockStatus]]:
+    """Ready, unpinned, unprotected blocks from the least recent end, lazily."""
+    return (item for item in blocks.items() if item[1].ref_cnt == 0 and item[0] not in protected)

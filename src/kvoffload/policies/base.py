@@ -1,0 +1,67 @@
+"""The policy interface: a policy only decides *which* block leaves the tier.
+
+The manager owns slots, reference counts and events and hands the policy the
+same :class:`BlockStatus` objects it keeps, so a policy can tell evictable
+blocks from pinned or pending ones without asking back.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Container, Iterable, Sequence
+
+from kvoffload.core.keys import OffloadKey
+
+PENDING_STORE = -1
+"""``ref_cnt`` of a block whose store has not completed: neither loadable nor evictable."""
+
+
+class BlockStatus:
+    """One offloaded block: its slot and how many loads hold it.
+
+    ``ref_cnt`` is :data:`PENDING_STORE` while the write is in flight, 0 when
+    the block is ready and evictable, and ``n > 0`` while ``n`` loads pin it.
+    """
+
+    __slots__ = ("block_id", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = PENDING_STORE
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ref_cnt >= 0
+
+    def __repr__(self) -> str:
+        return f"BlockStatus(block_id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+Victims = list[tuple[OffloadKey, BlockStatus]]
+
+
+class CachePolicy(ABC):
+    """Orders the blocks of one tier and picks eviction victims.
+
+    ``evict`` is atomic: it either returns exactly ``n`` victims (and forgets
+    them) or returns ``None`` and changes nothing.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+
+    @abstractmethod
+    def insert(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus]) -> None:
+        """Start tracking newly stored (still pending) blocks, in offer order."""
+
+    @abstractmethod
+    def remove(self, keys: Iterable[OffloadKey]) -> None:
+        """Stop tracking blocks whose store failed."""
+
+    @abstractmethod
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        """Record an access; keys may be absent. The first key ends up most recent."""
+
+    @abstractmethod
+    def evict(self, n: int, protected: Container[OffloadKey]) -> Victims | None:
+        """Choose ``n`` ready, unpinned blocks outside ``protected``, or ``None``."""

@@ -1,0 +1,54 @@
+"""Least-recently-used eviction over one ordered dict (front = least recent)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Container, Iterable, Sequence
+
+from kvoffload.core.keys import OffloadKey
+from kvoffload.policies.base import BlockStatus, CachePolicy, Victims
+from kvoffload.policies.registry import register_cache_policy
+
+
+@register_cache_policy("lru")
+class LRUCachePolicy(CachePolicy):
+    """Evicts the least recently inserted or touched ready, unpinned block.
+
+    ``touch`` walks the keys backwards so a request's first block ends up most
+    recent: tails leave before the shared heads they extend.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._order: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+
+    def insert(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus]) -> None:
+        self._order.update(zip(keys, blocks, strict=True))
+
+    def remove(self, keys: Iterable[OffloadKey]) -> None:
+        order = self._order
+        for key in keys:
+            order.pop(key, None)
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        order = self._order
+        move_to_end = order.move_to_end
+        for key in reversed(list(keys)):
+            if key in order:
+                move_to_end(key)
+
+    def evict(self, n: int, protected: Container[OffloadKey]) -> Victims | None:
+        if n <= 0:
+            return []
+        victims: Victims = []
+        for key, block in self._order.items():
+            if block.ref_cnt == 0 and key not in protected:
+                victims.append((key, block))
+                if len(victims) == n:
+                    break
+        else:
+            return None
+        order = self._order
+        for key, _ in victims:
+            del order[key]
+        return victims

@@ -1,0 +1,38 @@
+"""Policies by name, so configurations and the CLI can pick one with a string."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.policies.base import CachePolicy
+
+_POLICIES: dict[str, type[CachePolicy]] = {}
+
+
+def register_cache_policy(name: str) -> Callable[[type[CachePolicy]], type[CachePolicy]]:
+    """Class decorator registering a :class:`CachePolicy` under ``name``."""
+
+    def register(cls: type[CachePolicy]) -> type[CachePolicy]:
+        if name in _POLICIES and _POLICIES[name] is not cls:
+            raise InvalidArgumentError(f"cache policy {name!r} is already registered")
+        _POLICIES[name] = cls
+        return cls
+
+    return register
+
+
+def available_policies() -> list[str]:
+    """Registered policy names, sorted."""
+    return sorted(_POLICIES)
+
+
+def create_cache_policy(name: str, capacity: int) -> CachePolicy:
+    """A new policy instance; the error for an unknown name lists the known ones."""
+    try:
+        cls = _POLICIES[name]
+    except KeyError:
+        raise InvalidArgumentError(
+            f"unknown cache policy {name!r}; known: {', '.join(available_policies())}"
+        ) from None
+    return cls(capacity)
