@@ -25,10 +25,21 @@ class LoadStoreSpec(ABC):
 
 
 class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
-    """A spec that names blocks by integer slot ids within one medium."""
+    """A spec that names blocks by integer slot ids within one medium.
+
+    The int64 array is built on first use of ``block_ids``: the scheduler makes
+    a spec per call, and only a worker that moves bytes needs the array.
+    """
 
     def __init__(self, block_ids: Sequence[int] | npt.ArrayLike) -> None:
-        self.block_ids: npt.NDArray[np.int64] = np.asarray(block_ids, dtype=np.int64)
+        self._ids = block_ids
+        self._array: npt.NDArray[np.int64] | None = None
+
+    @property
+    def block_ids(self) -> npt.NDArray[np.int64]:
+        if self._array is None:
+            self._array = np.asarray(self._ids, dtype=np.int64)
+        return self._array
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.block_ids.tolist()})"

@@ -28,7 +28,9 @@ class CPUOffloadingManager(OffloadingManager):
     """Holds up to ``num_blocks`` offloaded blocks in CPU slots ``0 .. num_blocks-1``.
 
     Slots are handed out fresh in ascending order first, then reused from the
-    free list last-in-first-out. ``prepare_store`` is atomic: when it cannot
+    free list last-in-first-out. A freed slot keeps its :class:`BlockStatus`
+    object, which the next store of that slot reuses: no allocation per block
+    once the tier has filled. ``prepare_store`` is atomic: when it cannot
     make room it returns ``None`` and nothing changes. Removal events are
     emitted when blocks are evicted (at prepare time), store events when a
     store completes successfully.
@@ -41,7 +43,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._policy = create_cache_policy(cache_policy, num_blocks)
         self._blocks: dict[OffloadKey, BlockStatus] = {}
         self._num_allocated = 0
-        self._free_ids: list[int] = []
+        self._free: list[BlockStatus] = []
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
 
     @property
@@ -51,7 +53,7 @@ class CPUOffloadingManager(OffloadingManager):
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_ids) + self.num_blocks - self._num_allocated
+        return len(self._free) + self.num_blocks - self._num_allocated
 
     def __len__(self) -> int:
         """Number of blocks held, pending ones included."""
@@ -117,18 +119,17 @@ class CPUOffloadingManager(OffloadingManager):
             victims = self._policy.evict(need, offered)
             if victims is None:
                 return None
-            free_ids = self._free_ids
-            for key, block in victims:
+            evicted_keys = [key for key, _ in victims]
+            for key in evicted_keys:
                 del blocks[key]
-                free_ids.append(block.block_id)
-                evicted_keys.append(key)
+            self._free += [block for _, block in victims]
             if self._events is not None:
                 self._events.append(OffloadingEvent(list(evicted_keys), MEDIUM, removed=True))
 
-        block_ids = self._allocate(len(to_store))
-        new_blocks = [BlockStatus(block_id) for block_id in block_ids]
+        new_blocks = self._allocate(len(to_store))
         blocks.update(zip(to_store, new_blocks, strict=True))
         self._policy.insert(to_store, new_blocks)
+        block_ids = [block.block_id for block in new_blocks]
         return PrepareStoreOutput(to_store, CPULoadStoreSpec(block_ids), evicted_keys)
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
@@ -143,12 +144,12 @@ class CPUOffloadingManager(OffloadingManager):
             if changed and self._events is not None:
                 self._events.append(OffloadingEvent(changed, MEDIUM, removed=False))
             return
-        free_ids = self._free_ids
+        free = self._free
         for key in keys:
             block = blocks.get(key)
             if block is not None and block.ref_cnt == PENDING_STORE:
                 del blocks[key]
-                free_ids.append(block.block_id)
+                free.append(block)
                 changed.append(key)
         if changed:
             self._policy.remove(changed)
@@ -160,16 +161,24 @@ class CPUOffloadingManager(OffloadingManager):
         events, self._events = self._events, []
         return events
 
-    def _allocate(self, n: int) -> list[int]:
+    def _allocate(self, n: int) -> list[BlockStatus]:
+        """Pending blocks for ``n`` slots: fresh ids first, then freed ones, last freed first."""
         fresh = min(n, self.num_blocks - self._num_allocated)
-        block_ids = list(range(self._num_allocated, self._num_allocated + fresh))
+        new_blocks = [
+            BlockStatus(block_id)
+            for block_id in range(self._num_allocated, self._num_allocated + fresh)
+        ]
         self._num_allocated += fresh
         reused = n - fresh
         if reused:
-            free_ids = self._free_ids
-            block_ids.extend(reversed(free_ids[-reused:]))
-            del free_ids[-reused:]
-        return block_ids
+            free = self._free
+            recycled = free[-reused:]
+            del free[-reused:]
+            recycled.reverse()
+            for block in recycled:
+                block.ref_cnt = PENDING_STORE
+            new_blocks += recycled
+        return new_blocks
 
 
 _NO_IDS = np.empty(0, dtype=np.int64)

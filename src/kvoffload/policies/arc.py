@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Iterator, Sequence
+from itertools import islice
 
 from kvoffload.core.keys import OffloadKey
 from kvoffload.policies.base import BlockStatus, CachePolicy, Victims
@@ -50,7 +51,7 @@ class ARCCachePolicy(CachePolicy):
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
-        for key in reversed(list(keys)):
+        for key in reversed(keys if isinstance(keys, list) else list(keys)):
             block = t1.get(key)
             if block is not None:
                 if block.ref_cnt >= 0:
@@ -74,42 +75,29 @@ class ARCCachePolicy(CachePolicy):
         if n <= 0:
             return []
         t1_candidates = _evictable(self.t1, protected)
-        t2_candidates = _evictable(self.t2, protected)
-        target = int(self.target_t1_size)
-        virtual_t1 = len(self.t1)
-        from_t1: Victims = []
-        victims: Victims = []
-        for _ in range(n):
-            victim = next(t1_candidates, None) if virtual_t1 >= target else None
-            if victim is None:
-                victim = next(t2_candidates, None)
-                if victim is None:
-                    victim = next(t1_candidates, None)
-                    if victim is None:
-                        return None
-                    from_t1.append(victim)
-                    virtual_t1 -= 1
-            else:
-                from_t1.append(victim)
-                virtual_t1 -= 1
-            victims.append(victim)
-        self._apply(victims, from_t1)
-        return victims
+        # Each victim taken from T1 shrinks it; T1 gives victims while it is at
+        # or above the target, then T2, then T1 again (the fallback).
+        t1_turns = max(0, len(self.t1) - int(self.target_t1_size) + 1)
+        from_t1 = list(islice(t1_candidates, min(n, t1_turns)))
+        from_t2 = list(islice(_evictable(self.t2, protected), n - len(from_t1)))
+        fallback = list(islice(t1_candidates, n - len(from_t1) - len(from_t2)))
+        if len(from_t1) + len(from_t2) + len(fallback) < n:
+            return None
+        from_t1 += fallback
+        self._apply(from_t1, from_t2)
+        return from_t1[: n - len(from_t2) - len(fallback)] + from_t2 + fallback
 
-    def _apply(self, victims: Victims, from_t1: Victims) -> None:
+    def _apply(self, from_t1: Victims, from_t2: Victims) -> None:
         t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
-        t1_keys = {key for key, _ in from_t1}
-        for key, _ in victims:
-            if key in t1_keys:
-                del t1[key]
-                b1[key] = None
-            else:
-                del t2[key]
-                b2[key] = None
-        while len(b1) > self.capacity:
-            b1.popitem(last=False)
-        while len(b2) > self.capacity:
-            b2.popitem(last=False)
+        for key, _ in from_t1:
+            del t1[key]
+            b1[key] = None
+        for key, _ in from_t2:
+            del t2[key]
+            b2[key] = None
+        for ghosts in (b1, b2):
+            for _ in range(len(ghosts) - self.capacity):
+                ghosts.popitem(last=False)
 
 
 def _evictable(

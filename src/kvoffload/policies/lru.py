@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Sequence
+from itertools import islice
 
 from kvoffload.core.keys import OffloadKey
 from kvoffload.policies.base import BlockStatus, CachePolicy, Victims
@@ -33,20 +34,20 @@ class LRUCachePolicy(CachePolicy):
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         order = self._order
         move_to_end = order.move_to_end
-        for key in reversed(list(keys)):
+        for key in reversed(keys if isinstance(keys, list) else list(keys)):
             if key in order:
                 move_to_end(key)
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> Victims | None:
         if n <= 0:
             return []
-        victims: Victims = []
-        for key, block in self._order.items():
-            if block.ref_cnt == 0 and key not in protected:
-                victims.append((key, block))
-                if len(victims) == n:
-                    break
-        else:
+        candidates = (
+            item
+            for item in self._order.items()
+            if item[1].ref_cnt == 0 and item[0] not in protected
+        )
+        victims = list(islice(candidates, n))
+        if len(victims) < n:
             return None
         order = self._order
         for key, _ in victims:

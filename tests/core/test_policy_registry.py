@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Container, Iterable, Sequence
+
+import pytest
+
+from kvoffload import (
+    BlockStatus,
+    CachePolicy,
+    CPUOffloadingManager,
+    InvalidArgumentError,
+    OffloadKey,
+    available_policies,
+    make_offload_key,
+    register_cache_policy,
+)
+from kvoffload.policies.base import Victims
+from kvoffload.policies.registry import _POLICIES
+
+
+class FIFOPolicy(CachePolicy):
+    """Evicts in insertion order and ignores touches."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.order: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+
+    def insert(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus]) -> None:
+        self.order.update(zip(keys, blocks, strict=True))
+
+    def remove(self, keys: Iterable[OffloadKey]) -> None:
+        for key in keys:
+            self.order.pop(key, None)
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        return None
+
+    def evict(self, n: int, protected: Container[OffloadKey]) -> Victims | None:
+        victims = [(k, b) for k, b in self.order.items() if b.ref_cnt == 0 and k not in protected]
+        if len(victims) < n:
+            return None
+        for key, _ in victims[:n]:
+            del self.order[key]
+        return victims[:n]
+
+
+def test_a_registered_policy_is_usable_by_name() -> None:
+    register_cache_policy("test-fifo")(FIFOPolicy)
+    try:
+        assert "test-fifo" in available_policies()
+        m = CPUOffloadingManager(2, cache_policy="test-fifo")
+        k = [make_offload_key(bytes([i]), 0) for i in range(3)]
+        m.prepare_store(k[:2])
+        m.complete_store(k[:2])
+        m.touch(k[:1])  # FIFO ignores it: 0 is still the oldest
+        out = m.prepare_store(k[2:])
+        assert out is not None and out.evicted_keys == [k[0]]
+        with pytest.raises(InvalidArgumentError, match="already registered"):
+            register_cache_policy("lru")(FIFOPolicy)
+    finally:
+        _POLICIES.pop("test-fifo", None)
