@@ -144,3 +144,13 @@ def test_falls_back_to_t1_when_t2_has_nothing_evictable() -> None:
     out = m.prepare_store(keys(3))
     assert out is not None and ids(out.evicted_keys) == [2]
     assert ids(arc.b1) == [2]
+
+
+def test_t1_gives_victims_while_at_or_above_target() -> None:
+    m, arc = arc_manager(3, (1, 2, 3))
+    m.touch(keys(3))
+    arc.target_t1_size = 1.0
+    # |T1| = 2 >= 1: take 1; |T1| = 1 >= 1: take 2; |T1| = 0 < 1: take 3 from T2.
+    out = m.prepare_store(keys(4, 5, 6))
+    assert out is not None and ids(out.evicted_keys) == [1, 2, 3]
+    assert ids(arc.b1) == [1, 2] and ids(arc.b2) == [3]

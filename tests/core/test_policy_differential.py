@@ -85,13 +85,13 @@ class NaiveLRU(LRUCachePolicy):
         return chosen
 
 
-KEYS = [make_offload_key(i.to_bytes(2, "big"), 0) for i in range(10)]
+KEYS = [make_offload_key(i.to_bytes(2, "big"), 0) for i in range(6)]
 OPS = st.lists(
     st.tuples(
         st.sampled_from(["store", "complete", "fail", "touch", "load", "unload"]),
         st.lists(st.sampled_from(KEYS), max_size=5),
     ),
-    max_size=60,
+    max_size=80,
 )
 
 
@@ -99,7 +99,7 @@ def policy_state(m: CPUOffloadingManager) -> object:
     return {name: list(v) if hasattr(v, "keys") else v for name, v in vars(m.policy).items()}
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(policy=st.sampled_from(["arc", "lru"]), capacity=st.integers(1, 6), ops=OPS)
 def test_optimised_policy_agrees_with_naive(policy: str, capacity: int, ops: list) -> None:  # type: ignore[type-arg]
     fast = CPUOffloadingManager(capacity, policy, enable_events=True)
