@@ -1,0 +1,5 @@
+"""``python -m kvoffload``: the same as the ``kvoffload`` command."""
+
+from kvoffload.cli.main import main
+
+raise SystemExit(main())

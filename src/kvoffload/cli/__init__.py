@@ -1,0 +1,1 @@
+"""The ``kvoffload`` command line: the only part of the package that writes to the terminal."""

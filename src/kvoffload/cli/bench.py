@@ -1,0 +1,68 @@
+"""``kvoffload bench transfer``: the data plane's copy benchmark, run from the command line.
+
+The benchmark lives with the data plane (``kvoffload.dataplane.bench``) and
+needs torch, so it is imported only when this command is chosen; it adds
+its own options to the parser and returns its results as a dictionary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+from types import ModuleType
+from typing import Any
+
+from kvoffload.cli import output
+from kvoffload.core.errors import KVOffloadError
+
+BENCH_MODULE = "kvoffload.dataplane.bench"
+
+
+def register(commands: Any) -> argparse.ArgumentParser:
+    """Add ``bench transfer``; its options come later, from :func:`add_transfer_options`."""
+    bench = commands.add_parser("bench", help="micro-benchmarks", description="Micro-benchmarks.")
+    kinds = bench.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
+    transfer: argparse.ArgumentParser = kinds.add_parser(
+        "transfer",
+        help="GPU<->CPU block copy throughput of the data plane (needs torch)",
+        description="Measure the data plane's block copy throughput.",
+    )
+    transfer.set_defaults(run=run)
+    return transfer
+
+
+def _bench_module() -> ModuleType:
+    try:
+        return importlib.import_module(BENCH_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and BENCH_MODULE.startswith(exc.name):
+            raise KVOffloadError(
+                "the transfer benchmark needs kvoffload's data plane, which is not installed"
+            ) from None
+        raise KVOffloadError(
+            f"the transfer benchmark needs {exc.name}; install it with: "
+            "pip install 'kvoffload[torch]'"
+        ) from None
+
+
+def add_transfer_options(parser: argparse.ArgumentParser) -> None:
+    """Import the benchmark and let it register its options, then add ``--json``."""
+    _bench_module().add_cli_arguments(parser)
+    with contextlib.suppress(argparse.ArgumentError):  # unless the benchmark has its own
+        parser.add_argument("--json", metavar="PATH", help="write the results as JSON (- stdout)")
+
+
+def run(args: argparse.Namespace) -> int:
+    results: dict[str, Any] = _bench_module().run_from_args(args)
+    path = getattr(args, "json", None)
+    if path:
+        output.write_json(path, results)
+    if path != "-":
+        rows = [
+            (str(name), value if isinstance(value, str) else json.dumps(value))
+            for name, value in results.items()
+        ]
+        print(output.key_value_table(rows) if rows else "(no results)")
+    return 0

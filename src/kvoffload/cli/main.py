@@ -1,0 +1,56 @@
+"""Entry point of the ``kvoffload`` command.
+
+Library errors (:class:`~kvoffload.core.errors.KVOffloadError`) and file
+errors become one line on stderr and exit status 1, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvoffload.cli import bench, simulate, sweep, trace_stats
+from kvoffload.core.errors import KVOffloadError
+
+PROG = "kvoffload"
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The full parser, and the ``bench transfer`` sub-parser whose options load lazily."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Replay LLM serving workloads through a GPU prefix cache and KV offload "
+        "tiers, and report what an operator needs to size them.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    simulate.register(commands)
+    sweep.register(commands)
+    trace_stats.register(commands)
+    transfer = bench.register(commands)
+    return parser, transfer
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        parser, transfer = build_parser()
+        if args_list[:2] == ["bench", "transfer"]:
+            bench.add_transfer_options(transfer)
+        try:
+            args = parser.parse_args(args_list)
+        except SystemExit as exc:  # --help, or a usage error already reported by argparse
+            return exc.code if isinstance(exc.code, int) else 2
+        status: int = args.run(args)
+        return status
+    except KVOffloadError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"{PROG}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130

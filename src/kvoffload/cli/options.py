@@ -1,0 +1,175 @@
+"""Command-line options shared by the subcommands, and their translation into library objects."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.sim.generators import DEFAULT_MIX, DEFAULT_RATE, DEFAULT_REQUESTS, parse_mix
+from kvoffload.sim.run import SimConfig, blocks_for_gib
+from kvoffload.sim.sources import WorkloadSource
+from kvoffload.sim.traces import TRACE_FORMATS
+
+DEFAULT_GPU_GIB = 24.0
+DEFAULT_CPU_GIB = 96.0
+DEFAULT_LAYOUT = "llama-3.1-8b"
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workload (a trace, or a synthetic mix by default)")
+    group.add_argument("--trace", metavar="PATH", help="replay this trace file")
+    group.add_argument(
+        "--format",
+        default="auto",
+        choices=("auto", *TRACE_FORMATS),
+        help="trace schema (default: detect; mooncake has 512-token blocks, qwen 16)",
+    )
+    group.add_argument(
+        "--block-size",
+        type=int,
+        metavar="TOKENS",
+        help="tokens per block (default: the trace format's; 16 for synthetic workloads)",
+    )
+    mix = ",".join(f"{kind}={weight:g}" for kind, weight in DEFAULT_MIX.items())
+    group.add_argument(
+        "--mix",
+        default=mix,
+        help=f"synthetic kinds and weights, from chat, rag, agent, oneshot (default: {mix})",
+    )
+    group.add_argument(
+        "--requests",
+        type=int,
+        default=DEFAULT_REQUESTS,
+        help=f"synthetic requests (default: {DEFAULT_REQUESTS})",
+    )
+    group.add_argument("--seed", type=int, default=0, help="synthetic workload seed (default: 0)")
+    group.add_argument(
+        "--rate",
+        type=float,
+        default=DEFAULT_RATE,
+        help=f"synthetic arrivals per second (default: {DEFAULT_RATE:g})",
+    )
+
+
+def workload_source(args: argparse.Namespace) -> WorkloadSource:
+    return WorkloadSource(
+        trace=args.trace,
+        fmt=args.format,
+        block_tokens=args.block_size,
+        mix=tuple(parse_mix(args.mix).items()),
+        requests=args.requests,
+        seed=args.seed,
+        rate=args.rate,
+    )
+
+
+def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
+    gpu = parser.add_mutually_exclusive_group()
+    gpu.add_argument("--gpu-blocks", type=int, metavar="N", help="GPU prefix cache size in blocks")
+    gpu.add_argument(
+        "--gpu-gb",
+        type=float,
+        metavar="X",
+        help=f"GPU prefix cache size in GiB of KV (default: {DEFAULT_GPU_GIB:g})",
+    )
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine model")
+    group.add_argument(
+        "--layout",
+        help=f"KV layout preset that turns blocks into bytes (default: {DEFAULT_LAYOUT})",
+    )
+    group.add_argument(
+        "--max-tracker-size",
+        type=int,
+        default=64_000,
+        help="reuse filter's tracked keys (default: 64000)",
+    )
+    group.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="requests in flight at once, following arrival times (default: 1, sequential)",
+    )
+    group.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=10_000.0,
+        help="prefill throughput (default: 10000)",
+    )
+    group.add_argument(
+        "--decode-tokens-per-s",
+        type=float,
+        default=50.0,
+        help="decode speed of one request (default: 50)",
+    )
+    group.add_argument(
+        "--transfer-gb-per-s",
+        type=float,
+        default=25.0,
+        help="GPU<->offload bandwidth per direction in GB/s (default: 25)",
+    )
+
+
+def add_progress_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: only when stderr is a terminal)",
+    )
+
+
+def _blocks(blocks: int | None, gib: float | None, default_gib: float, layout: str, bt: int) -> int:
+    if blocks is not None:
+        if blocks < 0:
+            raise InvalidArgumentError(f"a capacity in blocks must be >= 0, got {blocks}")
+        return blocks
+    return blocks_for_gib(default_gib if gib is None else gib, layout, bt)
+
+
+def base_config(args: argparse.Namespace, block_tokens: int, default_layout: str) -> SimConfig:
+    """The run configuration from the engine and GPU options; offload tier still empty."""
+    layout = args.layout or default_layout
+    gpu_blocks = _blocks(args.gpu_blocks, args.gpu_gb, DEFAULT_GPU_GIB, layout, block_tokens)
+    return SimConfig(
+        gpu_blocks=gpu_blocks,
+        cpu_blocks=0,
+        max_tracker_size=args.max_tracker_size,
+        layout=layout,
+        concurrency=args.concurrency,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        decode_tokens_per_s=args.decode_tokens_per_s,
+        transfer_gb_per_s=args.transfer_gb_per_s,
+    )
+
+
+def cpu_blocks(blocks: int | None, gib: float | None, config: SimConfig, block_tokens: int) -> int:
+    """Offload capacity in blocks, from ``--cpu-blocks`` or ``--cpu-gb`` (or the default)."""
+    return _blocks(blocks, gib, DEFAULT_CPU_GIB, config.layout, block_tokens)
+
+
+def with_offload(config: SimConfig, cpu: int, policy: str, threshold: int) -> SimConfig:
+    return dataclasses.replace(config, cpu_blocks=cpu, policy=policy, store_threshold=threshold)
+
+
+def parse_ints(text: str, what: str) -> list[int]:
+    """A comma-separated list of integers, e.g. ``"0,2"``."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise InvalidArgumentError(
+            f"{what} must be comma-separated integers, got {text!r}"
+        ) from None
+
+
+def parse_floats(text: str, what: str) -> list[float]:
+    """A comma-separated list of numbers, e.g. ``"0,16,32.5"``."""
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise InvalidArgumentError(
+            f"{what} must be comma-separated numbers, got {text!r}"
+        ) from None

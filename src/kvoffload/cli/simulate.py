@@ -1,0 +1,204 @@
+"""``kvoffload simulate``: one configuration over one workload, as a table, JSON or CSV."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from kvoffload.cli import options, output
+from kvoffload.cli.progress import ProgressBar
+from kvoffload.core.errors import KVOffloadError
+from kvoffload.sim.run import RunReport, SimConfig, blocks_for_gib, simulate
+
+DATA_PLANE_LAYOUT = "tiny"
+"""Default layout with ``--data-plane``: real bytes are moved, so keep blocks small."""
+
+
+class DataPlaneMismatchError(KVOffloadError):
+    """Loaded blocks did not hold the bytes that were stored."""
+
+
+@dataclass(frozen=True)
+class DataPlaneCounts:
+    """What the data plane checked during a ``--data-plane`` run."""
+
+    verified_blocks: int
+    mismatched_blocks: int
+    failed_jobs: int
+
+
+def register(commands: Any) -> None:
+    parser = commands.add_parser(
+        "simulate",
+        help="replay a workload through a GPU prefix cache and an offload tier",
+        description="Replay a trace or a synthetic mix through a GPU prefix cache in front of "
+        "an offload tier, and report hit ratios, write traffic and prefill time saved.",
+    )
+    options.add_workload_arguments(parser)
+    tier = parser.add_argument_group("GPU cache and offload tier")
+    options.add_gpu_arguments(parser)
+    cpu = tier.add_mutually_exclusive_group()
+    cpu.add_argument("--cpu-blocks", type=int, metavar="N", help="offload tier size; 0: no tier")
+    cpu.add_argument(
+        "--cpu-gb",
+        type=float,
+        metavar="X",
+        help=f"offload tier size in GiB (default: {options.DEFAULT_CPU_GIB:g})",
+    )
+    tier.add_argument("--policy", default="lru", help="eviction policy (default: lru)")
+    tier.add_argument(
+        "--store-threshold",
+        type=int,
+        default=0,
+        help="store a block only after this many lookups; below 2: no filter (default: 0)",
+    )
+    options.add_engine_arguments(parser)
+    parser.add_argument(
+        "--no-bound", action="store_true", help="skip the Belady bound (halves the run time)"
+    )
+    plane = parser.add_argument_group("data plane")
+    plane.add_argument(
+        "--data-plane",
+        action="store_true",
+        help=f"move and verify real KV bytes (default layout then: {DATA_PLANE_LAYOUT}, "
+        "default capacities the same block counts as without it)",
+    )
+    plane.add_argument("--device", default="cpu", help="device for GPU blocks (default: cpu)")
+    parser.add_argument(
+        "--json", metavar="PATH", help="write the run as one JSON object (- stdout)"
+    )
+    parser.add_argument("--csv", metavar="PATH", help="write the run as one CSV row (- stdout)")
+    options.add_progress_argument(parser)
+    parser.set_defaults(run=run)
+
+
+def _data_plane(config: SimConfig, block_tokens: int, device: str) -> Any:
+    """The data plane's ``DataPlaneBackend``, imported only now: it needs torch."""
+    try:
+        module = importlib.import_module("kvoffload.sim.dataplane_backend")
+    except ModuleNotFoundError as exc:
+        if exc.name in ("kvoffload.sim.dataplane_backend", "kvoffload.dataplane"):
+            raise KVOffloadError(
+                "--data-plane needs kvoffload's data plane, not installed"
+            ) from None
+        raise KVOffloadError(
+            f"--data-plane needs {exc.name}; install it with: pip install 'kvoffload[torch]'"
+        ) from None
+    return module.DataPlaneBackend(
+        config.kv_layout(block_tokens), config.gpu_blocks, config.cpu_blocks, device
+    )
+
+
+def _default_capacities_in_blocks(args: argparse.Namespace, block_tokens: int) -> None:
+    """Give the data plane the default model's block counts, not its GiB of a tiny layout.
+
+    The hit ratios then match a run without ``--data-plane``, and the real
+    buffers stay small.
+    """
+    default = options.DEFAULT_LAYOUT
+    if args.gpu_blocks is None and args.gpu_gb is None:
+        args.gpu_blocks = blocks_for_gib(options.DEFAULT_GPU_GIB, default, block_tokens)
+    if args.cpu_blocks is None and args.cpu_gb is None:
+        args.cpu_blocks = blocks_for_gib(options.DEFAULT_CPU_GIB, default, block_tokens)
+
+
+def run(args: argparse.Namespace) -> int:
+    workload = options.workload_source(args).load()
+    bt = workload.block_tokens
+    if args.data_plane:
+        _default_capacities_in_blocks(args, bt)
+    config = options.base_config(
+        args, bt, DATA_PLANE_LAYOUT if args.data_plane else options.DEFAULT_LAYOUT
+    )
+    cpu = options.cpu_blocks(args.cpu_blocks, args.cpu_gb, config, bt)
+    config = options.with_offload(config, cpu, args.policy, args.store_threshold)
+    if args.no_bound:
+        config = dataclasses.replace(config, bound=False)
+    # The data plane's backend is duck-typed: a TransferBackend plus its check counters.
+    backend: Any = _data_plane(config, bt, args.device) if args.data_plane else None
+    bar = ProgressBar("simulate", ProgressBar.wanted(args.progress))
+    try:
+        report = simulate(workload, config, backend, bar)
+    finally:
+        bar.close()
+    data = report.as_dict()
+    plane = None
+    if backend is not None:
+        plane = DataPlaneCounts(
+            int(backend.verified_blocks), int(backend.mismatched_blocks), int(backend.failed_jobs)
+        )
+        data.update(dataclasses.asdict(plane))
+    if args.json:
+        output.write_json(args.json, data)
+    if args.csv:
+        output.write_csv(args.csv, [data])
+    if "-" not in (args.json, args.csv):
+        print(format_report(report, plane))
+    if plane is not None and plane.mismatched_blocks:
+        raise DataPlaneMismatchError(
+            f"data plane: {plane.mismatched_blocks} loaded blocks did not hold what was stored"
+        )
+    return 0
+
+
+def _bound(value: float | None) -> str:
+    return f"   (Belady bound {value:.3f})" if value is not None else ""
+
+
+def _blocks_and_bytes(blocks: int, num_bytes: int) -> str:
+    return f"{blocks:,} blocks ({output.size(num_bytes)})"
+
+
+def format_report(report: RunReport, plane: DataPlaneCounts | None = None) -> str:
+    """The run as a table for people."""
+    r = report
+    admission = (
+        f"store threshold {r.store_threshold}" if r.store_threshold >= 2 else "no store filter"
+    )
+    tier = "none"
+    if r.cpu_blocks:
+        tier = (
+            f"{output.size(r.cpu_gib * 2**30)} ({r.cpu_blocks:,} blocks), {r.policy}, {admission}"
+        )
+    rows = [
+        ("workload", r.workload),
+        (
+            "",
+            f"{r.requests:,} requests, {r.refs:,} block refs, {r.unique_blocks:,} unique blocks "
+            f"of {r.block_tokens} tokens",
+        ),
+        ("KV layout", f"{r.layout}, {output.size(r.bytes_per_block)} per block"),
+        ("GPU prefix cache", f"{output.size(r.gpu_gib * 2**30)} ({r.gpu_blocks:,} blocks)"),
+        ("offload tier", tier),
+        ("concurrency", str(r.concurrency)),
+        ("", ""),
+        ("total hit ratio", f"{r.total_hit_ratio:.3f}{_bound(r.belady_total_hit_ratio)}"),
+        ("  from GPU cache", f"{r.gpu_hit_ratio:.3f}"),
+        ("  from offload tier", f"{r.offload_hit_ratio:.3f}{_bound(r.belady_offload_hit_ratio)}"),
+        ("writes per block ref", f"{r.writes_per_ref:.3f}"),
+        ("offload written", _blocks_and_bytes(r.offload_blocks_written, r.offload_bytes_written)),
+        ("offload read", _blocks_and_bytes(r.offload_blocks_read, r.offload_bytes_read)),
+        ("skipped by admission", f"{r.stores_skipped_by_admission:,} blocks"),
+        ("rejected (tier full)", f"{r.stores_rejected:,} blocks"),
+        ("failed stores / loads", f"{r.stores_failed:,} / {r.loads_failed:,} blocks"),
+        ("offload evictions", f"{r.offload_evictions:,} blocks"),
+        (
+            "prefill time saved",
+            f"{r.prefill_seconds_saved:,.1f} s of {r.prefill_seconds_baseline:,.1f} s "
+            f"(offload tier: {r.prefill_seconds_saved_by_offload:,.1f} s net of loads)",
+        ),
+        ("manager time", f"{r.manager_us_per_block:.2f} us per block ref"),
+        ("replay", f"{r.wall_seconds:.2f} s, {r.refs_per_second:,.0f} block refs/s"),
+    ]
+    if plane is not None:
+        rows.append(
+            (
+                "data plane",
+                f"{plane.verified_blocks:,} blocks verified, "
+                f"{plane.mismatched_blocks:,} mismatched, {plane.failed_jobs:,} failed jobs",
+            )
+        )
+    return output.key_value_table(rows)

@@ -1,0 +1,118 @@
+"""``kvoffload sweep``: offload capacities x policies x thresholds, in parallel, with plots."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from kvoffload.cli import options, output
+from kvoffload.cli.progress import ProgressBar
+from kvoffload.sim.run import RunReport, blocks_for_gib
+from kvoffload.sim.sweep import run_sweep, sweep_configs
+
+
+def register(commands: Any) -> None:
+    parser = commands.add_parser(
+        "sweep",
+        help="compare offload capacities, policies and store thresholds",
+        description="Run every combination of offload capacity, policy and store threshold on "
+        "one workload, in parallel processes, each beside its Belady bound.",
+    )
+    options.add_workload_arguments(parser)
+    options.add_gpu_arguments(parser)
+    cpu = parser.add_mutually_exclusive_group()
+    cpu.add_argument(
+        "--cpu-blocks", metavar="N,N,...", help="offload capacities in blocks (0: no tier)"
+    )
+    cpu.add_argument(
+        "--cpu-gb",
+        metavar="X,X,...",
+        help="offload capacities in GiB (default: 1, 2, 4 and 8 times the GPU cache)",
+    )
+    parser.add_argument("--policies", default="lru,arc", help="policies (default: lru,arc)")
+    parser.add_argument(
+        "--thresholds", default="0,2", help="store thresholds; below 2: no filter (default: 0,2)"
+    )
+    options.add_engine_arguments(parser)
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="parallel processes (default: CPU count)",
+    )
+    parser.add_argument("--plot-dir", metavar="DIR", help="write PNG plots into DIR")
+    parser.add_argument("--json", metavar="PATH", help="write every run as a JSON list (- stdout)")
+    parser.add_argument("--csv", metavar="PATH", help="write every run as a CSV row (- stdout)")
+    options.add_progress_argument(parser)
+    parser.set_defaults(run=run)
+
+
+def _capacities(args: argparse.Namespace, gpu_blocks: int, layout: str, bt: int) -> list[int]:
+    if args.cpu_blocks is not None:
+        return options.parse_ints(args.cpu_blocks, "--cpu-blocks")
+    if args.cpu_gb is not None:
+        return [
+            blocks_for_gib(gib, layout, bt) for gib in options.parse_floats(args.cpu_gb, "--cpu-gb")
+        ]
+    return [gpu_blocks * factor for factor in (1, 2, 4, 8)]
+
+
+def run(args: argparse.Namespace) -> int:
+    source = options.workload_source(args)
+    workload = source.load()
+    bt = workload.block_tokens
+    base = options.base_config(args, bt, options.DEFAULT_LAYOUT)
+    configs = sweep_configs(
+        base,
+        _capacities(args, base.gpu_blocks, base.layout, bt),
+        [p.strip() for p in args.policies.split(",") if p.strip()],
+        options.parse_ints(args.thresholds, "--thresholds"),
+    )
+    bar = ProgressBar("sweep", ProgressBar.wanted(args.progress))
+    try:
+        reports = run_sweep(source, configs, jobs=args.jobs, progress=bar)
+    finally:
+        bar.close()
+    rows = [report.as_dict() for report in reports]
+    if args.json:
+        output.write_json(args.json, rows)
+    if args.csv:
+        output.write_csv(args.csv, rows)
+    plots: list[Path] = []
+    if args.plot_dir:
+        from kvoffload.sim.plots import plot_sweep
+
+        plots = plot_sweep(reports, args.plot_dir)
+    if "-" not in (args.json, args.csv):
+        print(format_sweep(reports))
+        for path in plots:
+            print(f"plot: {path}")
+    return 0
+
+
+def format_sweep(reports: list[RunReport]) -> str:
+    headers = ["policy", "threshold", "offload", "blocks", "total hit", "Belady"]
+    headers += ["offload hit", "writes/ref", "skipped", "refs/s"]
+    rows = [
+        [
+            r.policy,
+            str(r.store_threshold),
+            output.size(r.cpu_gib * 2**30),
+            f"{r.cpu_blocks:,}",
+            f"{r.total_hit_ratio:.3f}",
+            output.ratio(r.belady_total_hit_ratio),
+            f"{r.offload_hit_ratio:.3f}",
+            f"{r.writes_per_ref:.3f}",
+            f"{r.stores_skipped_by_admission:,}",
+            f"{r.refs_per_second:,.0f}",
+        ]
+        for r in reports
+    ]
+    first = reports[0]
+    title = (
+        f"{first.workload}: {first.refs:,} block refs; GPU {output.size(first.gpu_gib * 2**30)} "
+        f"({first.gpu_blocks:,} blocks), layout {first.layout}"
+    )
+    return title + "\n\n" + output.column_table(headers, rows)

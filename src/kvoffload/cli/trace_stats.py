@@ -1,0 +1,56 @@
+"""``kvoffload trace-stats``: how much reuse a trace has, before replaying it."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvoffload.cli import output
+from kvoffload.sim.sources import WorkloadSource
+from kvoffload.sim.trace_stats import TraceStats, trace_stats
+from kvoffload.sim.traces import TRACE_FORMATS
+
+
+def register(commands: Any) -> None:
+    parser = commands.add_parser(
+        "trace-stats",
+        help="requests, block references, reuse and reuse distances of a trace",
+        description="Summarise a trace's block references: how many repeat, how many blocks "
+        "are used only once, and how far apart reuses are (in distinct blocks).",
+    )
+    parser.add_argument("path", help="trace file")
+    parser.add_argument("--format", default="auto", choices=("auto", *TRACE_FORMATS))
+    parser.add_argument("--block-size", type=int, metavar="TOKENS", help="tokens per block")
+    parser.add_argument("--json", metavar="PATH", help="write the statistics as JSON (- stdout)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    workload = WorkloadSource(trace=args.path, fmt=args.format, block_tokens=args.block_size).load()
+    stats = trace_stats(workload)
+    if args.json:
+        output.write_json(args.json, stats.as_dict())
+    if args.json != "-":
+        print(format_stats(stats))
+    return 0
+
+
+def format_stats(s: TraceStats) -> str:
+    rows = [
+        ("trace", s.workload),
+        ("tokens per block", str(s.block_tokens)),
+        ("requests", f"{s.requests:,}"),
+        ("block references", f"{s.refs:,}"),
+        ("unique blocks", f"{s.unique_blocks:,}"),
+        ("repeat fraction", f"{s.repeat_fraction:.3f}  (hit ratio of an unbounded cache)"),
+        ("one-hit-wonder fraction", f"{s.one_hit_wonder_fraction:.3f}  (of unique blocks)"),
+        (
+            "blocks per request",
+            f"{s.mean_blocks_per_request:.1f} mean, {s.max_blocks_per_request:,} max",
+        ),
+        ("duration", f"{s.duration_seconds:,.1f} s"),
+        ("reuse distance p50", f"{s.reuse_distance_p50:,} blocks"),
+        ("reuse distance p90", f"{s.reuse_distance_p90:,} blocks"),
+        ("reuse distance p99", f"{s.reuse_distance_p99:,} blocks"),
+    ]
+    return output.key_value_table(rows)

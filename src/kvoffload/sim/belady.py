@@ -1,0 +1,89 @@
+"""The offline limit of an offload tier: Belady's furthest-next-use eviction.
+
+The bound replays the workload sequentially through the same GPU prefix
+cache, and gives the offload tier perfect knowledge of the future: every
+newly computed block is admitted, and whenever the tier is over capacity
+the block whose next use lies furthest ahead leaves (possibly the one just
+admitted, which amounts to not storing it). No online policy with the same
+capacity and the same GPU cache should do better; comparing a policy with
+this number shows how much any smarter policy could still gain.
+
+Next uses are precomputed in one backward pass and eviction uses a heap with
+lazy deletion, so the whole bound costs O(n log n) in the block references.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvoffload.core.keys import OffloadKey
+from kvoffload.sim.gpu_cache import GPUPrefixCache
+from kvoffload.sim.workload import Request
+
+
+@dataclass(frozen=True)
+class BeladyResult:
+    """Hits of the bound run, in blocks."""
+
+    refs: int
+    gpu_hit_blocks: int
+    offload_hit_blocks: int
+
+    @property
+    def total_hit_ratio(self) -> float:
+        return (self.gpu_hit_blocks + self.offload_hit_blocks) / self.refs if self.refs else 0.0
+
+    @property
+    def offload_hit_ratio(self) -> float:
+        return self.offload_hit_blocks / self.refs if self.refs else 0.0
+
+
+def next_uses(requests: Sequence[Request]) -> list[list[int]]:
+    """For each request and block, the index of the next request using that key.
+
+    Keys never used again get ``len(requests)``, later than any real use.
+    """
+    never = len(requests)
+    last_use: dict[OffloadKey, int] = {}
+    result: list[list[int]] = [[] for _ in requests]
+    for index in range(len(requests) - 1, -1, -1):
+        keys = requests[index].keys
+        result[index] = [last_use.get(key, never) for key in keys]
+        for key in keys:
+            last_use[key] = index
+    return result
+
+
+def belady_bound(requests: Sequence[Request], gpu_blocks: int, offload_blocks: int) -> BeladyResult:
+    """Hits of a GPU LRU prefix cache in front of a Belady offload tier of ``offload_blocks``."""
+    gpu = GPUPrefixCache(gpu_blocks)
+    uses = next_uses(requests) if offload_blocks > 0 else []
+    tier: dict[OffloadKey, int] = {}
+    heap: list[tuple[int, OffloadKey]] = []
+    refs = gpu_hits = offload_hits = 0
+    for index, req in enumerate(requests):
+        keys = req.keys
+        num_blocks = len(keys)
+        hit = gpu.match(keys)
+        slots = gpu.acquire(keys[:hit], num_blocks - hit)
+        refs += num_blocks
+        gpu_hits += hit
+        if offload_blocks > 0:
+            found = hit
+            while found < num_blocks and keys[found] in tier:
+                found += 1
+            offload_hits += found - hit
+            request_uses = uses[index]
+            for position, key in enumerate(keys):
+                if key in tier or position >= found:
+                    tier[key] = request_uses[position]
+                    heapq.heappush(heap, (-request_uses[position], key))
+            while len(tier) > offload_blocks:
+                negative_use, key = heapq.heappop(heap)
+                if tier.get(key) == -negative_use:
+                    del tier[key]
+        gpu.register(keys[hit:], slots[hit:])
+        gpu.release(slots)
+    return BeladyResult(refs, gpu_hits, offload_hits)

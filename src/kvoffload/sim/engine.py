@@ -1,0 +1,353 @@
+"""A serving engine model that drives an offloading manager the way vLLM's connector does.
+
+Requests are admitted first come, first served, up to ``concurrency`` at a
+time and only when their blocks fit in the GPU pool. For each request the
+engine
+
+1. matches the longest prefix held by the GPU prefix cache;
+2. ``touch``-es all of the request's keys in the offload tier, then
+   ``lookup``-s only the keys past the GPU hit (none if no block remains);
+   a ``None`` ("ask later") answer is counted and treated as no hit;
+3. ``prepare_load``-s the offload hit, copies it in, and ``complete_load``-s
+   it when the modelled transfer ends (a failed load is recomputed);
+4. prefills the rest, then ``prepare_store``-s the newly computed blocks
+   (loaded blocks are never stored again; ``None`` means "not stored"),
+   ``touch``-es the request's keys again after a non-empty store, and
+   ``complete_store``-s each store job when its modelled transfer ends;
+5. decodes, and releases its GPU blocks only once its stores have finished,
+   as vLLM keeps blocks alive while a store still reads them.
+
+Time is simulated: prefill and decode from token throughputs, transfers
+from a bandwidth shared first come, first served per direction. With
+``concurrency=1`` the next request starts only when the previous one is
+completely done, so the replay is sequential and deterministic.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.keys import OffloadKey
+from kvoffload.core.manager import OffloadingManager
+from kvoffload.sim.gpu_cache import GPUPrefixCache
+from kvoffload.sim.transfers import NullTransferBackend, TransferBackend
+from kvoffload.sim.workload import Request
+
+Progress = Callable[[int, int], None]
+"""Called with (requests finished, requests in total)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The hardware and serving parameters of the modelled engine."""
+
+    gpu_blocks: int
+    bytes_per_block: int
+    block_tokens: int
+    concurrency: int = 1
+    prefill_tokens_per_s: float = 10_000.0
+    decode_tokens_per_s: float = 50.0
+    transfer_bytes_per_s: float = 25e9
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_blocks", "bytes_per_block", "block_tokens", "concurrency"):
+            if getattr(self, name) < 1:
+                raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("prefill_tokens_per_s", "decode_tokens_per_s", "transfer_bytes_per_s"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass
+class EngineStats:
+    """What happened during a replay; all counts are in blocks unless named otherwise."""
+
+    requests: int = 0
+    refs: int = 0
+    gpu_hit_blocks: int = 0
+    offload_hit_blocks: int = 0
+    computed_blocks: int = 0
+    gpu_hit_tokens: int = 0
+    offload_hit_tokens: int = 0
+    prompt_tokens: int = 0
+    stored_blocks: int = 0
+    store_offered_blocks: int = 0
+    stores_skipped_by_admission: int = 0
+    stores_rejected: int = 0
+    stores_failed: int = 0
+    loads_failed: int = 0
+    offload_evictions: int = 0
+    gpu_evictions: int = 0
+    lookups: int = 0
+    lookups_deferred: int = 0
+    peak_pending_store_blocks: int = 0
+    peak_pinned_blocks: int = 0
+    load_seconds: float = 0.0
+    store_seconds: float = 0.0
+    simulated_seconds: float = 0.0
+    manager_seconds: float = 0.0
+
+
+class _Running:
+    """Per-request progress through the phases above."""
+
+    __slots__ = (
+        "computed_from",
+        "decoded",
+        "gpu_hits",
+        "load_hits",
+        "load_job",
+        "pending_stores",
+        "req",
+        "slots",
+    )
+
+    def __init__(self, req: Request, slots: list[int], gpu_hits: int, load_hits: int) -> None:
+        self.req = req
+        self.slots = slots
+        self.gpu_hits = gpu_hits
+        self.load_hits = load_hits
+        self.computed_from = gpu_hits + load_hits
+        self.load_job = -1
+        self.pending_stores = 0
+        self.decoded = False
+
+
+_LOAD_DONE, _PREFILL_DONE, _STORE_DONE, _DECODE_DONE = range(4)
+
+
+class ServingEngine:
+    """Replays requests through a GPU prefix cache in front of an optional offload tier."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        manager: OffloadingManager | None,
+        backend: TransferBackend | None = None,
+    ) -> None:
+        self.config = config
+        self.manager = manager
+        self.backend: TransferBackend = NullTransferBackend() if backend is None else backend
+        self.gpu = GPUPrefixCache(config.gpu_blocks)
+        self.stats = EngineStats()
+        self._events: list[tuple[float, int, int, _Running, int, list[OffloadKey]]] = []
+        self._seq = 0
+        self._now = 0.0
+        self._link_free_at = {"load": 0.0, "store": 0.0}
+        self._held: set[OffloadKey] = set()
+        self._pending_store_blocks = 0
+        self._pinned_blocks = 0
+
+    def run(self, requests: Sequence[Request], progress: Progress | None = None) -> EngineStats:
+        """Replay ``requests`` (sorted by arrival) to completion and return the counters."""
+        too_big = next((r for r in requests if len(r.keys) > self.config.gpu_blocks), None)
+        if too_big is not None:
+            raise InvalidArgumentError(
+                f"a request of {len(too_big.keys)} blocks cannot fit in a GPU cache of "
+                f"{self.config.gpu_blocks} blocks; give the GPU more blocks"
+            )
+        waiting: deque[Request] = deque()
+        next_arrival, active, finished, total = 0, 0, 0, len(requests)
+        events = self._events
+        while next_arrival < total or events or waiting:
+            arrival = requests[next_arrival].arrival_s if next_arrival < total else float("inf")
+            if events and events[0][0] < arrival:
+                when, _, kind, running, job, keys = heapq.heappop(events)
+                self._now = max(self._now, when)
+                if self._handle(kind, running, job, keys):
+                    self.gpu.release(running.slots)
+                    active -= 1
+                    finished += 1
+                    if progress is not None:
+                        progress(finished, total)
+            elif next_arrival < total:
+                self._now = max(self._now, arrival)
+                waiting.append(requests[next_arrival])
+                next_arrival += 1
+            while waiting and active < self.config.concurrency and self._start(waiting[0]):
+                waiting.popleft()
+                active += 1
+            if waiting and not active:
+                raise RuntimeError("an idle engine could not admit a request that fits")
+        self.backend.close()
+        self.stats.simulated_seconds = self._now
+        self.stats.gpu_evictions = self.gpu.evictions
+        return self.stats
+
+    def _at(
+        self,
+        delay: float,
+        kind: int,
+        running: _Running,
+        job: int = -1,
+        keys: list[OffloadKey] | None = None,
+    ) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (self._now + delay, self._seq, kind, running, job, keys or []))
+
+    def _transfer(self, direction: str, num_blocks: int) -> float:
+        """Queue a transfer on its direction's link; return the delay until it ends."""
+        seconds = num_blocks * self.config.bytes_per_block / self.config.transfer_bytes_per_s
+        if direction == "load":
+            self.stats.load_seconds += seconds
+        else:
+            self.stats.store_seconds += seconds
+        start = max(self._now, self._link_free_at[direction])
+        self._link_free_at[direction] = start + seconds
+        return start + seconds - self._now
+
+    def _timed(self, started: float) -> None:
+        self.stats.manager_seconds += time.perf_counter() - started
+
+    def _start(self, req: Request) -> bool:
+        """Admit ``req`` if its blocks fit on the GPU now; return whether it started."""
+        keys, gpu, manager, stats = req.keys, self.gpu, self.manager, self.stats
+        num_blocks = len(keys)
+        gpu_hits = gpu.match(keys)
+        if not gpu.fits(keys[:gpu_hits], num_blocks - gpu_hits):
+            return False
+        load_hits = 0
+        if manager is not None and num_blocks:
+            started = time.perf_counter()
+            manager.touch(keys)
+            if num_blocks > gpu_hits:
+                found = manager.lookup(keys[gpu_hits:])
+                stats.lookups += 1
+                if found is None:
+                    stats.lookups_deferred += 1
+                load_hits = found or 0
+            self._timed(started)
+        running = _Running(
+            req, gpu.acquire(keys[:gpu_hits], num_blocks - gpu_hits), gpu_hits, load_hits
+        )
+        stats.requests += 1
+        stats.refs += num_blocks
+        stats.prompt_tokens += req.input_tokens
+        stats.gpu_hit_blocks += gpu_hits
+        stats.gpu_hit_tokens += min(req.input_tokens, gpu_hits * self.config.block_tokens)
+        if load_hits and manager is not None:
+            hit_keys = keys[gpu_hits : gpu_hits + load_hits]
+            started = time.perf_counter()
+            spec = manager.prepare_load(hit_keys)
+            self._timed(started)
+            running.load_job = self._job_id()
+            self.backend.submit_load(
+                running.load_job, hit_keys, spec, running.slots[gpu_hits : gpu_hits + load_hits]
+            )
+            self._pinned_blocks += load_hits
+            stats.peak_pinned_blocks = max(stats.peak_pinned_blocks, self._pinned_blocks)
+            delay = self._transfer("load", load_hits)
+            self._at(delay, _LOAD_DONE, running)
+        else:
+            self._prefill(running)
+        return True
+
+    def _job_id(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _handle(self, kind: int, running: _Running, job: int, keys: list[OffloadKey]) -> bool:
+        """Process one event; return whether it finished its request."""
+        if kind == _LOAD_DONE:
+            self._load_done(running)
+        elif kind == _PREFILL_DONE:
+            self._prefill_done(running)
+        elif kind == _STORE_DONE:
+            self._store_done(running, job, keys)
+        else:
+            running.decoded = True
+        return running.decoded and running.pending_stores == 0
+
+    def _load_done(self, running: _Running) -> None:
+        start, end = running.gpu_hits, running.gpu_hits + running.load_hits
+        keys = running.req.keys[start:end]
+        ok = self.backend.finish(running.load_job)
+        if self.manager is not None:
+            started = time.perf_counter()
+            self.manager.complete_load(keys)
+            self._timed(started)
+        self._pinned_blocks -= len(keys)
+        if ok:
+            self.gpu.register(keys, running.slots[start:end])
+            self.stats.offload_hit_blocks += len(keys)
+            hit_tokens = min(running.req.input_tokens, end * self.config.block_tokens)
+            self.stats.offload_hit_tokens += hit_tokens - min(
+                running.req.input_tokens, start * self.config.block_tokens
+            )
+        else:
+            self.stats.loads_failed += len(keys)
+            running.computed_from = start
+        self._prefill(running)
+
+    def _prefill(self, running: _Running) -> None:
+        first = running.computed_from
+        cached_tokens = min(running.req.input_tokens, first * self.config.block_tokens)
+        seconds = (running.req.input_tokens - cached_tokens) / self.config.prefill_tokens_per_s
+        self._at(seconds, _PREFILL_DONE, running)
+
+    def _prefill_done(self, running: _Running) -> None:
+        req, slots, first = running.req, running.slots, running.computed_from
+        computed = req.keys[first:]
+        if computed:
+            self.backend.compute(computed, slots[first:])
+            self.gpu.register(computed, slots[first:])
+            self.stats.computed_blocks += len(computed)
+        self._store(running)
+        self._at(req.output_tokens / self.config.decode_tokens_per_s, _DECODE_DONE, running)
+
+    def _store(self, running: _Running) -> None:
+        """Offer the blocks this request computed (not loaded ones) to the offload tier."""
+        manager, stats, keys = self.manager, self.stats, running.req.keys
+        first = running.gpu_hits + running.load_hits
+        offered = keys[first:]
+        if manager is None or not offered:
+            return
+        stats.store_offered_blocks += len(offered)
+        started = time.perf_counter()
+        output = manager.prepare_store(offered)
+        self._timed(started)
+        if output is None:
+            stats.stores_rejected += len(offered)
+            return
+        held = self._held
+        held.difference_update(output.evicted_keys)
+        stats.offload_evictions += len(output.evicted_keys)
+        to_store = output.keys_to_store
+        chosen = set(to_store)
+        stats.stores_skipped_by_admission += sum(
+            1 for key in offered if key not in chosen and key not in held
+        )
+        if not to_store:
+            return
+        held.update(to_store)
+        started = time.perf_counter()
+        manager.touch(keys)
+        self._timed(started)
+        slot_of = dict(zip(offered, running.slots[first:], strict=True))
+        job = self._job_id()
+        self.backend.submit_store(job, to_store, [slot_of[k] for k in to_store], output.store_spec)
+        self._pending_store_blocks += len(to_store)
+        stats.peak_pending_store_blocks = max(
+            stats.peak_pending_store_blocks, self._pending_store_blocks
+        )
+        running.pending_stores += 1
+        self._at(self._transfer("store", len(to_store)), _STORE_DONE, running, job, to_store)
+
+    def _store_done(self, running: _Running, job: int, keys: list[OffloadKey]) -> None:
+        ok = self.backend.finish(job)
+        if self.manager is not None:  # always set: stores exist only with a tier
+            started = time.perf_counter()
+            self.manager.complete_store(keys, ok)
+            self._timed(started)
+        self._pending_store_blocks -= len(keys)
+        running.pending_stores -= 1
+        if ok:
+            self.stats.stored_blocks += len(keys)
+        else:
+            self.stats.stores_failed += len(keys)
+            self._held.difference_update(keys)

@@ -1,0 +1,220 @@
+"""Seeded synthetic serving workloads, for the default run and for tests.
+
+Four kinds of traffic, each with the reuse shape that matters for offloading:
+
+* ``chat``: multi-turn conversations over a few shared system prompts; each
+  turn's prompt is the whole conversation so far plus the new message.
+* ``rag``: questions over documents whose popularity follows a Zipf law; the
+  document (behind a shared instruction prompt) is the reusable prefix.
+* ``agent``: tool-using loops behind one long fixed tool prefix; each step
+  re-sends the growing history after a short tool-call pause.
+* ``oneshot``: unrelated prompts with no reuse at all.
+
+Blocks are keyed like an engine would: a full block's key names its whole
+prefix, so shared prefixes share keys and a trailing partial block has none.
+The same seed always gives the same workload.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import random
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.keys import OffloadKey
+from kvoffload.sim.workload import Request, Workload, block_id_key
+
+DEFAULT_MIX: dict[str, float] = {"chat": 0.4, "rag": 0.25, "agent": 0.2, "oneshot": 0.15}
+DEFAULT_REQUESTS = 2000
+DEFAULT_RATE = 4.0
+"""Requests per second across the whole mix."""
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    """Full-block ids of a token sequence, plus its length (the tail may be partial)."""
+
+    ids: tuple[int, ...]
+    tokens: int
+
+
+class _Keys:
+    """Mints fresh block ids and turns ids into (shared) offload keys."""
+
+    def __init__(self, block_tokens: int) -> None:
+        self.block_tokens = block_tokens
+        self._next_id = itertools.count()
+        self._keys: dict[int, OffloadKey] = {}
+
+    def extend(self, prefix: _Prefix, tokens: int) -> _Prefix:
+        """``prefix`` followed by ``tokens`` new tokens: newly full blocks get fresh ids."""
+        total = prefix.tokens + tokens
+        new_blocks = total // self.block_tokens - len(prefix.ids)
+        fresh = tuple(next(self._next_id) for _ in range(new_blocks))
+        return _Prefix(prefix.ids + fresh, total)
+
+    def request(self, arrival_s: float, prompt: _Prefix, output_tokens: int) -> Request:
+        keys = self._keys
+        out = []
+        for block_id in prompt.ids:
+            key = keys.get(block_id)
+            if key is None:
+                key = keys[block_id] = block_id_key(block_id)
+            out.append(key)
+        return Request(arrival_s, prompt.tokens, output_tokens, out)
+
+
+_EMPTY = _Prefix((), 0)
+Sessions = Iterator[list[Request]]
+"""Endless sessions (lists of requests), in order of their first arrival."""
+
+
+def _zipf_sampler(rng: random.Random, n: int, exponent: float) -> Callable[[], int]:
+    cumulative = list(itertools.accumulate(1.0 / (rank + 1) ** exponent for rank in range(n)))
+    total = cumulative[-1]
+    return lambda: min(bisect.bisect(cumulative, rng.random() * total), n - 1)
+
+
+def _chat(rng: random.Random, keys: _Keys, session_rate: float) -> Sessions:
+    systems = [keys.extend(_EMPTY, rng.randint(200, 1500)) for _ in range(8)]
+    pick_system = _zipf_sampler(rng, len(systems), 1.0)
+    start = 0.0
+    while True:
+        start += rng.expovariate(session_rate)
+        context, now, session = systems[pick_system()], start, []
+        for _ in range(min(1 + int(rng.expovariate(1 / 3)), 20)):
+            context = keys.extend(context, rng.randint(30, 600))
+            output = rng.randint(50, 700)
+            session.append(keys.request(now, context, output))
+            context = keys.extend(context, output)
+            now += rng.expovariate(1 / 45)
+        yield session
+
+
+def _rag(rng: random.Random, keys: _Keys, session_rate: float) -> Sessions:
+    instructions = keys.extend(_EMPTY, 300)
+    documents: dict[int, _Prefix] = {}
+    pick_document = _zipf_sampler(rng, 600, 1.0)
+    start = 0.0
+    while True:
+        start += rng.expovariate(session_rate)
+        doc = pick_document()
+        if doc not in documents:
+            documents[doc] = keys.extend(instructions, rng.randint(1000, 6000))
+        prompt = keys.extend(documents[doc], rng.randint(20, 200))
+        yield [keys.request(start, prompt, rng.randint(50, 300))]
+
+
+def _agent(rng: random.Random, keys: _Keys, session_rate: float) -> Sessions:
+    tools = keys.extend(_EMPTY, 6000)
+    start = 0.0
+    while True:
+        start += rng.expovariate(session_rate)
+        context, now, session = keys.extend(tools, rng.randint(200, 800)), start, []
+        for _ in range(min(1 + int(rng.expovariate(1 / 7)), 30)):
+            output = rng.randint(30, 150)
+            session.append(keys.request(now, context, output))
+            context = keys.extend(context, output + rng.randint(100, 1500))
+            now += rng.uniform(1.0, 5.0)
+        yield session
+
+
+def _oneshot(rng: random.Random, keys: _Keys, session_rate: float) -> Sessions:
+    start = 0.0
+    while True:
+        start += rng.expovariate(session_rate)
+        prompt = keys.extend(_EMPTY, rng.randint(100, 3000))
+        yield [keys.request(start, prompt, rng.randint(20, 400))]
+
+
+GENERATORS: dict[str, Callable[[random.Random, _Keys, float], Sessions]] = {
+    "chat": _chat,
+    "rag": _rag,
+    "agent": _agent,
+    "oneshot": _oneshot,
+}
+_MEAN_SESSION_REQUESTS = {"chat": 3.5, "rag": 1.0, "agent": 7.5, "oneshot": 1.0}
+
+
+def parse_mix(text: str) -> dict[str, float]:
+    """Parse ``"chat=0.5,rag=0.5"`` (or a single kind name, ``"rag"``) into weights."""
+    weights: dict[str, float] = {}
+    for part in text.split(","):
+        name, _, weight = part.partition("=")
+        name = name.strip()
+        try:
+            weights[name] = float(weight) if weight else 1.0
+        except ValueError:
+            raise InvalidArgumentError(
+                f"mix weight for {name!r} is not a number: {weight!r}"
+            ) from None
+    return weights
+
+
+def generate(
+    mix: Mapping[str, float] | None = None,
+    num_requests: int = DEFAULT_REQUESTS,
+    seed: int = 0,
+    block_tokens: int = 16,
+    rate: float = DEFAULT_RATE,
+) -> Workload:
+    """A workload of ``num_requests`` requests drawn from ``mix`` (kind → weight).
+
+    Each kind gets its weight's share of the requests and of the arrival
+    ``rate`` (requests per second), drawn from its own seeded random stream.
+    """
+    mix = DEFAULT_MIX if mix is None else mix
+    unknown = sorted(set(mix) - set(GENERATORS))
+    if unknown:
+        raise InvalidArgumentError(
+            f"unknown workload kind {unknown[0]!r}; known: {', '.join(GENERATORS)}"
+        )
+    total = sum(mix.values())
+    if any(w < 0 for w in mix.values()) or total <= 0:
+        raise InvalidArgumentError("mix weights must be >= 0 and not all zero")
+    if num_requests < 1 or block_tokens < 1 or rate <= 0:
+        raise InvalidArgumentError("requests and block size must be >= 1, rate > 0")
+    keys = _Keys(block_tokens)
+    counts = _apportion(num_requests, {k: w / total for k, w in mix.items()})
+    requests: list[Request] = []
+    for index, (kind, share) in enumerate(sorted(mix.items())):
+        if counts[kind] == 0:
+            continue
+        rng = random.Random(seed * 1000 + index)
+        session_rate = rate * share / total / _MEAN_SESSION_REQUESTS[kind]
+        requests += _take(GENERATORS[kind](rng, keys, session_rate), counts[kind])
+    requests.sort(key=lambda r: r.arrival_s)
+    name = "+".join(f"{k}={w / total:g}" for k, w in sorted(mix.items()) if counts[k])
+    return Workload(
+        name=f"synthetic({name}, seed={seed})", block_tokens=block_tokens, requests=requests
+    )
+
+
+def _apportion(n: int, shares: Mapping[str, float]) -> dict[str, int]:
+    """Split ``n`` by ``shares`` with largest remainders, so the counts add up to ``n``."""
+    exact = {k: n * s for k, s in shares.items()}
+    counts = {k: int(v) for k, v in exact.items()}
+    by_remainder = sorted(exact, key=lambda k: (counts[k] - exact[k], k))
+    for kind in by_remainder[: n - sum(counts.values())]:
+        counts[kind] += 1
+    return counts
+
+
+def _take(sessions: Sessions, n: int) -> list[Request]:
+    """The ``n`` earliest requests of sessions that start in order.
+
+    Sessions are drawn until the next one starts after the ``n``-th earliest
+    request seen so far, so no later session could contribute an earlier one.
+    """
+    taken: list[Request] = []
+    for session in sessions:
+        if len(taken) >= n:
+            taken.sort(key=lambda r: r.arrival_s)
+            if session[0].arrival_s > taken[n - 1].arrival_s:
+                break
+        taken += session
+    taken.sort(key=lambda r: r.arrival_s)
+    return taken[:n]

@@ -1,0 +1,108 @@
+"""The engine's GPU prefix cache: a fixed pool of block slots with LRU reuse.
+
+Modelled on vLLM's block pool. Every block a running request uses occupies a
+slot in ``[0, num_blocks)``; a slot whose block is complete (computed or
+loaded) is registered under its key so later requests can share it. When a
+request finishes, its slots are released tail first, so its first block ends
+up most recently used; released slots that still hold a registered block
+stay cached and are reused least recently released first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.keys import OffloadKey
+
+
+class GPUPrefixCache:
+    """Slot pool plus a key → slot index of the complete blocks it holds."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise InvalidArgumentError(f"the GPU needs at least 1 block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.evictions = 0
+        self._slot_of: dict[OffloadKey, int] = {}
+        self._key_of: list[OffloadKey | None] = [None] * num_blocks
+        self._refs = [0] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._cached: OrderedDict[int, None] = OrderedDict()
+
+    def __contains__(self, key: OffloadKey) -> bool:
+        return key in self._slot_of
+
+    def match(self, keys: Sequence[OffloadKey]) -> int:
+        """Length of the leading run of ``keys`` held as complete blocks."""
+        slot_of = self._slot_of
+        hits = 0
+        for key in keys:
+            if key not in slot_of:
+                break
+            hits += 1
+        return hits
+
+    def fits(self, shared: Sequence[OffloadKey], num_new: int) -> bool:
+        """Whether :meth:`acquire` of ``shared`` (all held) and ``num_new`` slots can succeed."""
+        return self._fits([self._slot_of[key] for key in shared], num_new)
+
+    def _fits(self, shared_slots: list[int], num_new: int) -> bool:
+        # Cached blocks the request shares stop being reclaimable once it holds them.
+        refs = self._refs
+        idle_shared = [refs[slot] for slot in shared_slots].count(0)
+        return num_new <= len(self._free) + len(self._cached) - idle_shared
+
+    def acquire(self, keys: Sequence[OffloadKey], num_new: int) -> list[int]:
+        """Take a reference on the slots of ``keys`` (all held) and ``num_new`` fresh slots.
+
+        Returns the shared slots followed by the new ones. New slots come from
+        the free list, then from the least recently released cached blocks,
+        whose keys are dropped.
+        """
+        slot_of, refs, cached = self._slot_of, self._refs, self._cached
+        slots = [slot_of[key] for key in keys]
+        if not self._fits(slots, num_new):
+            raise InvalidArgumentError(f"not enough GPU blocks for {num_new} new ones")
+        for slot in slots:
+            if refs[slot] == 0:
+                del cached[slot]
+            refs[slot] += 1
+        free, key_of = self._free, self._key_of
+        for _ in range(num_new):
+            if free:
+                slot = free.pop()
+            else:
+                slot = cached.popitem(last=False)[0]
+                evicted = key_of[slot]
+                if evicted is not None:  # always: only registered slots are cached
+                    del slot_of[evicted]
+                key_of[slot] = None
+                self.evictions += 1
+            refs[slot] = 1
+            slots.append(slot)
+        return slots
+
+    def register(self, keys: Sequence[OffloadKey], slots: Sequence[int]) -> None:
+        """Index the now complete blocks ``keys`` held in ``slots`` for sharing.
+
+        A key already held elsewhere (a concurrent request computed it first)
+        keeps its first slot; the duplicate slot is freed at release.
+        """
+        slot_of, key_of = self._slot_of, self._key_of
+        for key, slot in zip(keys, slots, strict=True):
+            if key not in slot_of:
+                slot_of[key] = slot
+                key_of[slot] = key
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Drop one reference on each slot, last slot first (tail-first release)."""
+        refs, cached, key_of, free = self._refs, self._cached, self._key_of, self._free
+        for slot in reversed(slots):
+            refs[slot] -= 1
+            if refs[slot] == 0:
+                if key_of[slot] is None:
+                    free.append(slot)
+                else:
+                    cached[slot] = None

@@ -1,0 +1,95 @@
+"""PNG plots of a sweep. Needs the optional ``plot`` extra (matplotlib), imported on first use."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvoffload.core.errors import KVOffloadError
+from kvoffload.sim.run import RunReport
+
+
+class PlotUnavailableError(KVOffloadError, ImportError):
+    """matplotlib is not installed."""
+
+
+def _figure() -> Any:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise PlotUnavailableError(
+            "plots need matplotlib; install it with: pip install 'kvoffload[plot]'"
+        ) from None
+    return Figure(figsize=(7.0, 4.5), layout="constrained")
+
+
+def _label(report: RunReport) -> str:
+    threshold = report.store_threshold
+    admission = f"store threshold {threshold}" if threshold >= 2 else "no filter"
+    return f"{report.policy}, {admission}"
+
+
+def _lines(reports: Sequence[RunReport]) -> dict[str, list[RunReport]]:
+    """Reports grouped by configuration (policy and threshold), each sorted by capacity."""
+    lines: dict[str, list[RunReport]] = {}
+    for report in reports:
+        lines.setdefault(_label(report), []).append(report)
+    for line in lines.values():
+        line.sort(key=lambda r: r.cpu_blocks)
+    return lines
+
+
+def _floats(line: Sequence[RunReport], name: str) -> list[float]:
+    values = (getattr(r, name) for r in line)
+    return [float("nan") if v is None else float(v) for v in values]
+
+
+def plot_sweep(reports: Sequence[RunReport], out_dir: str | Path) -> list[Path]:
+    """Write ``hit_ratio_vs_capacity.png`` and ``hit_ratio_vs_writes.png``; return their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = _lines(reports)
+    title = f"{reports[0].workload}, GPU {reports[0].gpu_gib:.3g} GiB"
+
+    capacity = _figure()
+    axes = capacity.add_subplot()
+    for label, line in lines.items():
+        axes.plot(
+            _floats(line, "cpu_gib"), _floats(line, "total_hit_ratio"), marker="o", label=label
+        )
+    bound_line = next(iter(lines.values()))
+    axes.plot(
+        _floats(bound_line, "cpu_gib"),
+        _floats(bound_line, "belady_total_hit_ratio"),
+        linestyle="--",
+        color="black",
+        label="Belady bound",
+    )
+    axes.set(
+        xlabel="offload tier capacity (GiB)", ylabel="total hit ratio (GPU + offload)", title=title
+    )
+    axes.grid(alpha=0.3)
+    axes.legend()
+    capacity_path = out / "hit_ratio_vs_capacity.png"
+    capacity.savefig(capacity_path, dpi=120)
+
+    tradeoff = _figure()
+    axes = tradeoff.add_subplot()
+    for label, line in lines.items():
+        axes.plot(
+            _floats(line, "writes_per_ref"),
+            _floats(line, "total_hit_ratio"),
+            marker="o",
+            label=label,
+        )
+    axes.set(
+        xlabel="offload writes per block reference",
+        ylabel="total hit ratio (GPU + offload)",
+        title=f"{title}: each point one capacity",
+    )
+    axes.grid(alpha=0.3)
+    axes.legend()
+    tradeoff_path = out / "hit_ratio_vs_writes.png"
+    tradeoff.savefig(tradeoff_path, dpi=120)
+    return [capacity_path, tradeoff_path]

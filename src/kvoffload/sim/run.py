@@ -1,0 +1,223 @@
+"""One simulation run: build the tier from a configuration, replay, and report metrics.
+
+A run's report is a flat record of scalars, so it serialises to one JSON
+object or one CSV row without translation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.layout import KVLayout, layout_preset
+from kvoffload.managers import build_manager
+from kvoffload.policies import available_policies
+from kvoffload.sim.belady import belady_bound
+from kvoffload.sim.engine import EngineConfig, Progress, ServingEngine
+from kvoffload.sim.transfers import TransferBackend
+from kvoffload.sim.workload import Workload
+
+GIB = 2**30
+"""Capacities in "GB" are GiB, as vLLM's ``--kv-offloading-size`` is."""
+
+Scalar = str | int | float | None
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Everything that defines a run besides the workload. ``cpu_blocks=0``: no offload tier."""
+
+    gpu_blocks: int
+    cpu_blocks: int
+    policy: str = "lru"
+    store_threshold: int = 0
+    max_tracker_size: int = 64_000
+    layout: str = "llama-3.1-8b"
+    concurrency: int = 1
+    prefill_tokens_per_s: float = 10_000.0
+    decode_tokens_per_s: float = 50.0
+    transfer_gb_per_s: float = 25.0
+    bound: bool = True
+    """Whether to compute the Belady bound beside the result."""
+
+    def __post_init__(self) -> None:
+        if self.cpu_blocks < 0:
+            raise InvalidArgumentError(f"cpu_blocks must be >= 0, got {self.cpu_blocks}")
+        if self.policy not in available_policies():
+            raise InvalidArgumentError(
+                f"unknown cache policy {self.policy!r}; known: {', '.join(available_policies())}"
+            )
+        if self.store_threshold < 0:
+            raise InvalidArgumentError(f"store threshold must be >= 0, got {self.store_threshold}")
+        layout_preset(self.layout)
+
+    def kv_layout(self, block_tokens: int) -> KVLayout:
+        """The layout preset, resized to the workload's block size."""
+        return layout_preset(self.layout).with_block_size(block_tokens)
+
+
+def blocks_for_gib(gib: float, layout: str, block_tokens: int) -> int:
+    """How many whole blocks of ``block_tokens`` tokens fit in ``gib`` GiB under ``layout``."""
+    if gib < 0:
+        raise InvalidArgumentError(f"a capacity in GB must be >= 0, got {gib}")
+    return int(gib * GIB // layout_preset(layout).with_block_size(block_tokens).bytes_per_block)
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """The metrics of one run. Ratios are per block reference; ``*_blocks`` count blocks."""
+
+    workload: str
+    requests: int
+    refs: int
+    unique_blocks: int
+    block_tokens: int
+    layout: str
+    bytes_per_block: int
+    gpu_blocks: int
+    gpu_gib: float
+    cpu_blocks: int
+    cpu_gib: float
+    policy: str
+    store_threshold: int
+    concurrency: int
+    total_hit_ratio: float
+    gpu_hit_ratio: float
+    offload_hit_ratio: float
+    belady_total_hit_ratio: float | None
+    """Total hit ratio with a Belady offload tier of the same size; ``None`` if not computed."""
+    belady_offload_hit_ratio: float | None
+    gpu_hit_blocks: int
+    offload_hit_blocks: int
+    computed_blocks: int
+    offload_blocks_written: int
+    offload_bytes_written: int
+    offload_blocks_read: int
+    offload_bytes_read: int
+    gpu_blocks_written: int
+    """Blocks written into GPU memory: computed by prefill or loaded from the tier."""
+    gpu_bytes_written: int
+    gpu_blocks_read: int
+    """Blocks read from GPU memory to be stored in the tier."""
+    gpu_bytes_read: int
+    writes_per_ref: float
+    stores_offered: int
+    stores_skipped_by_admission: int
+    stores_rejected: int
+    """Offered blocks not stored because ``prepare_store`` found no room (``None``)."""
+    stores_failed: int
+    loads_failed: int
+    offload_evictions: int
+    gpu_evictions: int
+    prefill_seconds_baseline: float
+    """Prefill time of every prompt token at the modelled throughput, with no cache at all."""
+    prefill_seconds_saved: float
+    prefill_seconds_saved_by_offload: float
+    """Prefill time the tier's hits saved, less the time spent loading them."""
+    load_seconds: float
+    store_seconds: float
+    lookups: int
+    lookups_deferred: int
+    peak_pending_store_blocks: int
+    peak_pinned_blocks: int
+    simulated_seconds: float
+    manager_us_per_block: float
+    wall_seconds: float
+    refs_per_second: float
+
+    def as_dict(self) -> dict[str, Scalar]:
+        return dataclasses.asdict(self)
+
+
+def simulate(
+    workload: Workload,
+    config: SimConfig,
+    backend: TransferBackend | None = None,
+    progress: Progress | None = None,
+) -> RunReport:
+    """Replay ``workload`` under ``config`` and return the run's metrics."""
+    started = time.perf_counter()
+    bytes_per_block = config.kv_layout(workload.block_tokens).bytes_per_block
+    engine_config = EngineConfig(
+        gpu_blocks=config.gpu_blocks,
+        bytes_per_block=bytes_per_block,
+        block_tokens=workload.block_tokens,
+        concurrency=config.concurrency,
+        prefill_tokens_per_s=config.prefill_tokens_per_s,
+        decode_tokens_per_s=config.decode_tokens_per_s,
+        transfer_bytes_per_s=config.transfer_gb_per_s * 1e9,
+    )
+    manager = None
+    if config.cpu_blocks > 0:
+        manager = build_manager(
+            config.cpu_blocks, config.policy, config.store_threshold, config.max_tracker_size
+        )
+    stats = ServingEngine(engine_config, manager, backend).run(workload.requests, progress)
+    bound = (
+        belady_bound(workload.requests, config.gpu_blocks, config.cpu_blocks)
+        if config.bound
+        else None
+    )
+    wall = time.perf_counter() - started
+
+    refs = stats.refs
+    per_ref = 1.0 / refs if refs else 0.0
+    written = stats.stored_blocks + stats.stores_failed
+    read = stats.offload_hit_blocks + stats.loads_failed
+    prefill_rate = config.prefill_tokens_per_s
+    saved_by_offload = stats.offload_hit_tokens / prefill_rate - stats.load_seconds
+    return RunReport(
+        workload=workload.name,
+        requests=stats.requests,
+        refs=refs,
+        unique_blocks=len({key for req in workload.requests for key in req.keys}),
+        block_tokens=workload.block_tokens,
+        layout=config.layout,
+        bytes_per_block=bytes_per_block,
+        gpu_blocks=config.gpu_blocks,
+        gpu_gib=config.gpu_blocks * bytes_per_block / GIB,
+        cpu_blocks=config.cpu_blocks,
+        cpu_gib=config.cpu_blocks * bytes_per_block / GIB,
+        policy=config.policy,
+        store_threshold=config.store_threshold,
+        concurrency=config.concurrency,
+        total_hit_ratio=(stats.gpu_hit_blocks + stats.offload_hit_blocks) * per_ref,
+        gpu_hit_ratio=stats.gpu_hit_blocks * per_ref,
+        offload_hit_ratio=stats.offload_hit_blocks * per_ref,
+        belady_total_hit_ratio=None if bound is None else bound.total_hit_ratio,
+        belady_offload_hit_ratio=None if bound is None else bound.offload_hit_ratio,
+        gpu_hit_blocks=stats.gpu_hit_blocks,
+        offload_hit_blocks=stats.offload_hit_blocks,
+        computed_blocks=stats.computed_blocks,
+        offload_blocks_written=written,
+        offload_bytes_written=written * bytes_per_block,
+        offload_blocks_read=read,
+        offload_bytes_read=read * bytes_per_block,
+        gpu_blocks_written=stats.computed_blocks + read,
+        gpu_bytes_written=(stats.computed_blocks + read) * bytes_per_block,
+        gpu_blocks_read=written,
+        gpu_bytes_read=written * bytes_per_block,
+        writes_per_ref=written * per_ref,
+        stores_offered=stats.store_offered_blocks,
+        stores_skipped_by_admission=stats.stores_skipped_by_admission,
+        stores_rejected=stats.stores_rejected,
+        stores_failed=stats.stores_failed,
+        loads_failed=stats.loads_failed,
+        offload_evictions=stats.offload_evictions,
+        gpu_evictions=stats.gpu_evictions,
+        prefill_seconds_baseline=stats.prompt_tokens / prefill_rate,
+        prefill_seconds_saved=stats.gpu_hit_tokens / prefill_rate + saved_by_offload,
+        prefill_seconds_saved_by_offload=saved_by_offload,
+        load_seconds=stats.load_seconds,
+        store_seconds=stats.store_seconds,
+        lookups=stats.lookups,
+        lookups_deferred=stats.lookups_deferred,
+        peak_pending_store_blocks=stats.peak_pending_store_blocks,
+        peak_pinned_blocks=stats.peak_pinned_blocks,
+        simulated_seconds=stats.simulated_seconds,
+        manager_us_per_block=stats.manager_seconds * 1e6 * per_ref,
+        wall_seconds=wall,
+        refs_per_second=refs / wall if wall > 0 else 0.0,
+    )

@@ -1,0 +1,38 @@
+"""Where a workload comes from, as a small picklable description.
+
+Sweeps ship this description to worker processes, each of which builds its
+own copy of the workload, instead of pickling every request across.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvoffload.sim.generators import DEFAULT_MIX, DEFAULT_RATE, DEFAULT_REQUESTS, generate
+from kvoffload.sim.traces import read_trace
+from kvoffload.sim.workload import Workload
+
+
+@dataclass(frozen=True)
+class WorkloadSource:
+    """A trace file (``trace`` set) or a seeded synthetic mix (``trace`` unset)."""
+
+    trace: str | None = None
+    fmt: str = "auto"
+    block_tokens: int | None = None
+    """Tokens per block; defaults to the trace format's, or 16 for synthetic workloads."""
+    mix: tuple[tuple[str, float], ...] = tuple(DEFAULT_MIX.items())
+    requests: int = DEFAULT_REQUESTS
+    seed: int = 0
+    rate: float = DEFAULT_RATE
+
+    def load(self) -> Workload:
+        if self.trace is not None:
+            return read_trace(self.trace, self.fmt, self.block_tokens)
+        return generate(
+            dict(self.mix),
+            num_requests=self.requests,
+            seed=self.seed,
+            block_tokens=16 if self.block_tokens is None else self.block_tokens,
+            rate=self.rate,
+        )

@@ -1,0 +1,163 @@
+"""Readers for public serving traces that carry per-block hash ids.
+
+Two schemas are understood: Mooncake's (``timestamp`` in milliseconds,
+``input_length``, ``output_length``, ``hash_ids``; 512-token blocks) and
+Alibaba's Qwen/Bailian traces (the same fields plus ``chat_id``,
+``parent_chat_id``, ``type`` and ``turn``; ``timestamp`` in seconds; 16-token
+blocks), the latter as JSON lines or CSV. Every problem is reported with the
+file and line it was found on.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
+from kvoffload.core.keys import OffloadKey
+from kvoffload.sim.workload import Request, Workload, block_id_key
+
+TRACE_FORMATS = ("mooncake", "qwen")
+DEFAULT_BLOCK_TOKENS = {"mooncake": 512, "qwen": 16}
+_SECONDS_PER_UNIT = {"mooncake": 1e-3, "qwen": 1.0}
+_MAX_BLOCK_ID = 2**64 - 1
+
+
+class TraceFormatError(KVOffloadError, ValueError):
+    """A trace file is missing, unreadable or has a malformed record."""
+
+
+def detect_format(path: Path) -> str:
+    """``"qwen"`` if the file is CSV or its first record has a ``chat_id``, else ``"mooncake"``."""
+    if path.suffix.lower() == ".csv":
+        return "qwen"
+    for _, record in _json_records(path):
+        return "qwen" if "chat_id" in record else "mooncake"
+    raise TraceFormatError(f"{path}: the trace has no records")
+
+
+def read_trace(path: str | Path, fmt: str = "auto", block_tokens: int | None = None) -> Workload:
+    """Read a trace file into a :class:`Workload` sorted by arrival time.
+
+    ``fmt`` is ``"mooncake"``, ``"qwen"`` or ``"auto"``; ``block_tokens``
+    defaults to the format's native block size.
+    """
+    path = Path(path)
+    if fmt == "auto":
+        fmt = detect_format(path)
+    if fmt not in TRACE_FORMATS:
+        raise InvalidArgumentError(
+            f"unknown trace format {fmt!r}; known: auto, {', '.join(TRACE_FORMATS)}"
+        )
+    block_tokens = DEFAULT_BLOCK_TOKENS[fmt] if block_tokens is None else block_tokens
+    if block_tokens < 1:
+        raise InvalidArgumentError(f"block size must be >= 1 token, got {block_tokens}")
+    records = _csv_records(path) if path.suffix.lower() == ".csv" else _json_records(path)
+    unit = _SECONDS_PER_UNIT[fmt]
+    keys_by_id: dict[int, OffloadKey] = {}
+    requests = [_to_request(path, line, rec, unit, keys_by_id) for line, rec in records]
+    if not requests:
+        raise TraceFormatError(f"{path}: the trace has no records")
+    requests.sort(key=lambda r: r.arrival_s)
+    return Workload(name=path.name, block_tokens=block_tokens, requests=requests)
+
+
+def _open_lines(path: Path) -> Iterator[tuple[int, str]]:
+    try:
+        with path.open(encoding="utf-8", newline="") as lines:
+            yield from enumerate(lines, start=1)
+    except OSError as exc:
+        raise TraceFormatError(f"{path}: cannot read trace: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise TraceFormatError(f"{path}: not a UTF-8 text file ({exc.reason})") from None
+
+
+def _json_records(path: Path) -> Iterator[tuple[int, Mapping[str, Any]]]:
+    for line_no, line in _open_lines(path):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TraceFormatError(f"{path}:{line_no}: invalid JSON: {exc.msg}") from None
+        if not isinstance(record, dict):
+            raise TraceFormatError(f"{path}:{line_no}: expected a JSON object per line")
+        yield line_no, record
+
+
+def _csv_records(path: Path) -> Iterator[tuple[int, Mapping[str, Any]]]:
+    header: list[str] | None = None
+    for line_no, line in _open_lines(path):
+        if not line.strip():
+            continue
+        row = next(csv.reader([line]))
+        if header is None:
+            header = [name.strip() for name in row]
+            continue
+        if len(row) != len(header):
+            raise TraceFormatError(
+                f"{path}:{line_no}: expected {len(header)} CSV fields, found {len(row)}"
+            )
+        yield line_no, dict(zip(header, row, strict=True))
+
+
+def _to_request(
+    path: Path,
+    line_no: int,
+    record: Mapping[str, Any],
+    seconds_per_unit: float,
+    keys_by_id: dict[int, OffloadKey],
+) -> Request:
+    where = f"{path}:{line_no}"
+    timestamp = _number(record, "timestamp", where)
+    input_tokens = int(_number(record, "input_length", where, integer=True))
+    output_tokens = int(_number(record, "output_length", where, integer=True))
+    keys = []
+    for block_id in _block_ids(record, where):
+        key = keys_by_id.get(block_id)
+        if key is None:
+            key = keys_by_id[block_id] = block_id_key(block_id)
+        keys.append(key)
+    return Request(timestamp * seconds_per_unit, input_tokens, output_tokens, keys)
+
+
+def _number(record: Mapping[str, Any], name: str, where: str, integer: bool = False) -> float:
+    if name not in record:
+        raise TraceFormatError(f"{where}: missing field {name!r}")
+    raw = record[name]
+    try:
+        value = float(raw) if isinstance(raw, str) else raw
+    except ValueError:
+        raise TraceFormatError(f"{where}: field {name!r} is not a number: {raw!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise TraceFormatError(f"{where}: field {name!r} is not a number: {raw!r}")
+    if value < 0 or (integer and value != int(value)):
+        kind = "a non-negative integer" if integer else "non-negative"
+        raise TraceFormatError(f"{where}: field {name!r} must be {kind}, got {raw!r}")
+    return value
+
+
+def _block_ids(record: Mapping[str, Any], where: str) -> list[int]:
+    if "hash_ids" not in record:
+        raise TraceFormatError(f"{where}: missing field 'hash_ids'")
+    raw = record["hash_ids"]
+    if isinstance(raw, str):
+        raw = raw.strip().strip("[]").replace(",", " ").split()
+    if not isinstance(raw, list):
+        raise TraceFormatError(f"{where}: 'hash_ids' must be a list of integers")
+    ids = []
+    for item in raw:
+        try:
+            block_id = int(item) if isinstance(item, str) else item
+        except ValueError:
+            block_id = None
+        if isinstance(block_id, bool) or not isinstance(block_id, int):
+            raise TraceFormatError(f"{where}: 'hash_ids' holds a non-integer {item!r}")
+        if not 0 <= block_id <= _MAX_BLOCK_ID:
+            raise TraceFormatError(f"{where}: hash id {block_id} is outside 0 .. 2**64-1")
+        ids.append(block_id)
+    return ids

@@ -1,0 +1,99 @@
+"""Wiring of the data-plane commands: real runs when the data plane is installed."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import types
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from kvoffload.cli.main import main
+from kvoffload.core.layout import KVLayout, layout_preset
+from kvoffload.sim.transfers import NullTransferBackend
+
+
+def test_data_plane_simulation_verifies_every_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("kvoffload.sim.dataplane_backend")
+    out = tmp_path / "run.json"
+    args = ["simulate", "--data-plane", "--requests", "60", "--seed", "2", "--no-progress"]
+    args += ["--gpu-blocks", "1200", "--cpu-blocks", "2400", "--concurrency", "4"]
+    assert main([*args, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["mismatched_blocks"] == 0
+    assert report["verified_blocks"] == report["offload_blocks_read"] > 0
+    assert "data plane" in capsys.readouterr().out
+
+
+def test_bench_transfer_registers_its_options(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("kvoffload.dataplane.bench")
+    assert main(["bench", "transfer", "--help"]) == 0
+    assert "--json" in capsys.readouterr().out
+
+
+def test_missing_data_plane_is_a_one_line_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real_import = importlib.import_module
+
+    def without_data_plane(name: str, package: str | None = None) -> object:
+        if name.startswith(("kvoffload.dataplane", "kvoffload.sim.dataplane_backend")):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", without_data_plane)
+    assert main(["bench", "transfer"]) == 1
+    assert main(["simulate", "--data-plane", "--requests", "20"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2
+    assert all("data plane" in line and "not installed" in line for line in err)
+
+
+class FakeDataPlane(NullTransferBackend):
+    """Stands in for the data plane's backend: records how it was built, reports counters."""
+
+    built: ClassVar[list[tuple[KVLayout, int, int, str]]] = []
+    mismatched: ClassVar[int] = 0
+
+    def __init__(self, layout: KVLayout, num_gpu: int, num_cpu: int, device: str = "cpu") -> None:
+        self.built.append((layout, num_gpu, num_cpu, device))
+        self.verified_blocks = 7
+        self.mismatched_blocks = self.mismatched
+        self.failed_jobs = 0
+
+
+@pytest.fixture
+def fake_data_plane(monkeypatch: pytest.MonkeyPatch) -> type[FakeDataPlane]:
+    module = types.ModuleType("kvoffload.sim.dataplane_backend")
+    module.DataPlaneBackend = FakeDataPlane  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "kvoffload.sim.dataplane_backend", module)
+    FakeDataPlane.built = []
+    FakeDataPlane.mismatched = 0
+    return FakeDataPlane
+
+
+def test_data_plane_wiring(
+    fake_data_plane: type[FakeDataPlane], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", "--data-plane", "--requests", "40", "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["verified_blocks"], report["mismatched_blocks"]) == (7, 0)
+    layout, num_gpu, num_cpu, device = fake_data_plane.built[0]
+    assert layout == layout_preset("tiny").with_block_size(16)
+    assert (num_gpu, num_cpu, device) == (12288, 49152, "cpu")  # the default model's counts
+    assert (report["gpu_blocks"], report["cpu_blocks"]) == (num_gpu, num_cpu)
+
+
+def test_data_plane_mismatch_fails_the_run(
+    fake_data_plane: type[FakeDataPlane], capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_data_plane.mismatched = 3
+    assert main(["simulate", "--data-plane", "--requests", "40", "--gpu-blocks", "3000"]) == 1
+    captured = capsys.readouterr()
+    assert "3 mismatched" in captured.out
+    assert captured.err.startswith("kvoffload: error: data plane: 3 loaded blocks")

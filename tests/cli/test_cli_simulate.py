@@ -1,0 +1,91 @@
+"""``kvoffload simulate`` end to end through ``main``: table, JSON, CSV and capacity options."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvoffload.cli.main import main
+
+SMALL = ["simulate", "--requests", "120", "--seed", "3", "--no-progress"]
+REQUIRED = [
+    "total_hit_ratio",
+    "offload_hit_ratio",
+    "writes_per_ref",
+    "belady_total_hit_ratio",
+    "refs",
+    "refs_per_second",
+]
+
+
+def test_table_json_and_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    json_path, csv_path = tmp_path / "run.json", tmp_path / "run.csv"
+    assert main([*SMALL, "--json", str(json_path), "--csv", str(csv_path)]) == 0
+    table = capsys.readouterr().out
+    assert "total hit ratio" in table and "Belady bound" in table
+    report = json.loads(json_path.read_text())
+    assert all(name in report for name in REQUIRED)
+    assert report["requests"] == 120
+    rows = list(csv.DictReader(csv_path.read_text().splitlines()))
+    assert len(rows) == 1
+    assert float(rows[0]["total_hit_ratio"]) == pytest.approx(report["total_hit_ratio"])
+
+
+def test_json_to_stdout_replaces_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SMALL, "--json", "-", "--progress"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["refs"] > 0
+    assert "simulate [" in captured.err  # the bar goes to stderr only
+
+
+def test_no_offload_tier(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SMALL, "--cpu-blocks", "0", "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["cpu_blocks"] == report["offload_hit_ratio"] == report["writes_per_ref"] == 0
+
+
+def test_capacities_in_gib_follow_the_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--gpu-gb", "4", "--cpu-gb", "10", "--layout", "llama-3.2-1b", "--json", "-"]
+    assert main([*SMALL, *args]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["bytes_per_block"] == 512 * 2**10  # 16 layers x 8 heads x 64 x 2 x 2 x 16
+    assert (report["gpu_blocks"], report["cpu_blocks"]) == (8192, 20480)
+
+
+def test_trace_with_policy_threshold_and_concurrency(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    lines = [
+        {
+            "timestamp": 10 * i,
+            "input_length": 1024,
+            "output_length": 2,
+            "hash_ids": [i % 3, 100 + i],
+        }
+        for i in range(30)
+    ]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = ["--trace", str(trace), "--gpu-blocks", "4", "--cpu-blocks", "8", "--policy", "arc"]
+    args += ["--store-threshold", "2", "--concurrency", "4", "--json", "-", "--no-progress"]
+    assert main(["simulate", *args]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["refs"], report["block_tokens"], report["policy"]) == (60, 512, "arc")
+    assert (report["store_threshold"], report["concurrency"]) == (2, 4)
+    assert report["stores_skipped_by_admission"] > 0
+
+
+def test_python_dash_m() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvoffload", "simulate", "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0
+    assert "--cpu-gb" in result.stdout

@@ -1,0 +1,49 @@
+"""``kvoffload sweep`` writes a table, JSON, CSV and plots; ``trace-stats`` summarises a trace."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from kvoffload.cli.main import main
+
+
+def test_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    args = ["sweep", "--requests", "100", "--gpu-blocks", "1500", "--cpu-blocks", "0,1500,6000"]
+    args += ["--policies", "lru", "--thresholds", "0,2", "--jobs", "2", "--no-progress"]
+    args += ["--plot-dir", str(tmp_path / "plots"), "--json", str(tmp_path / "s.json")]
+    args += ["--csv", str(tmp_path / "s.csv")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "Belady" in out and "plot:" in out
+    reports = json.loads((tmp_path / "s.json").read_text())
+    assert [(r["store_threshold"], r["cpu_blocks"]) for r in reports] == [
+        (0, 0),
+        (0, 1500),
+        (0, 6000),
+        (2, 0),
+        (2, 1500),
+        (2, 6000),
+    ]
+    assert len(list(csv.DictReader((tmp_path / "s.csv").read_text().splitlines()))) == 6
+    pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert pngs == ["hit_ratio_vs_capacity.png", "hit_ratio_vs_writes.png"]
+
+
+def test_trace_stats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text(
+        "chat_id,parent_chat_id,timestamp,input_length,output_length,type,turn,hash_ids\n"
+        '1,-1,0,32,5,text,1,"[1, 2]"\n'
+        '2,1,3,48,5,text,2,"[1, 2, 3]"\n'
+    )
+    assert main(["trace-stats", str(trace)]) == 0
+    assert "one-hit-wonder fraction" in capsys.readouterr().out
+    assert main(["trace-stats", str(trace), "--json", "-"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert (stats["requests"], stats["refs"], stats["unique_blocks"]) == (2, 5, 3)
+    assert stats["block_tokens"] == 16

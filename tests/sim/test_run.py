@@ -1,0 +1,76 @@
+"""A run's report: required keys, consistent totals, capacities and configuration errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.layout import layout_preset
+from kvoffload.sim.generators import generate
+from kvoffload.sim.run import GIB, SimConfig, blocks_for_gib, simulate
+from kvoffload.sim.workload import Workload
+
+REQUIRED = [
+    "total_hit_ratio",
+    "offload_hit_ratio",
+    "writes_per_ref",
+    "belady_total_hit_ratio",
+    "refs",
+    "refs_per_second",
+]
+
+
+@pytest.fixture(scope="module")
+def small() -> Workload:
+    return generate(num_requests=200, seed=1)
+
+
+def test_report_is_consistent(small: Workload) -> None:
+    report = simulate(small, SimConfig(gpu_blocks=1500, cpu_blocks=6000, store_threshold=2))
+    assert all(report.as_dict()[name] is not None for name in REQUIRED)
+    refs = report.refs
+    assert refs == small.num_refs
+    assert report.gpu_hit_blocks + report.offload_hit_blocks + report.computed_blocks == refs
+    assert report.total_hit_ratio == pytest.approx(report.gpu_hit_ratio + report.offload_hit_ratio)
+    assert report.writes_per_ref == pytest.approx(report.offload_blocks_written / refs)
+    assert report.offload_bytes_written == report.offload_blocks_written * 2 * 2**20
+    assert report.stores_skipped_by_admission > 0
+    assert 0 < report.prefill_seconds_saved < report.prefill_seconds_baseline
+
+
+def test_threshold_below_two_skips_nothing(small: Workload) -> None:
+    report = simulate(small, SimConfig(gpu_blocks=1500, cpu_blocks=6000, store_threshold=1))
+    assert report.stores_skipped_by_admission == 0
+
+
+def test_no_tier(small: Workload) -> None:
+    report = simulate(small, SimConfig(gpu_blocks=1500, cpu_blocks=0))
+    assert report.offload_hit_ratio == report.writes_per_ref == 0
+    assert report.total_hit_ratio == report.belady_total_hit_ratio
+
+
+def test_gib_to_blocks() -> None:
+    bytes_per_block = layout_preset("llama-3.1-8b").with_block_size(512).bytes_per_block
+    assert bytes_per_block == 64 * 2**20
+    assert blocks_for_gib(10, "llama-3.1-8b", 512) == 160
+    assert blocks_for_gib(10.01, "llama-3.1-8b", 512) == int(10.01 * GIB // bytes_per_block)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"policy": "fifo"}, "unknown cache policy 'fifo'"),
+        ({"cpu_blocks": -1}, "cpu_blocks"),
+        ({"layout": "gpt-5"}, "unknown KV layout"),
+        ({"store_threshold": -2}, "threshold"),
+    ],
+)
+def test_bad_configuration(kwargs: dict[str, object], message: str) -> None:
+    arguments: dict[str, object] = {"gpu_blocks": 10, "cpu_blocks": 10, **kwargs}
+    with pytest.raises(InvalidArgumentError, match=message):
+        SimConfig(**arguments)  # type: ignore[arg-type]
+
+
+def test_request_larger_than_the_gpu(small: Workload) -> None:
+    with pytest.raises(InvalidArgumentError, match="cannot fit in a GPU cache of 10 blocks"):
+        simulate(small, SimConfig(gpu_blocks=10, cpu_blocks=0))

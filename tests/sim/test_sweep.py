@@ -1,0 +1,52 @@
+"""Sweeps: the grid, parallel runs matching in-process runs, bounds attached, plots written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvoffload.sim.run import SimConfig
+from kvoffload.sim.sources import WorkloadSource
+from kvoffload.sim.sweep import run_sweep, sweep_configs
+
+SOURCE = WorkloadSource(requests=150, seed=4)
+TIMING = {"wall_seconds", "refs_per_second", "manager_us_per_block"}
+
+
+def configs() -> list[SimConfig]:
+    return sweep_configs(
+        SimConfig(gpu_blocks=1500, cpu_blocks=0), [0, 3000], ["lru", "arc"], [0, 2]
+    )
+
+
+def test_grid_order_and_no_per_run_bound() -> None:
+    grid = configs()
+    assert [(c.policy, c.store_threshold, c.cpu_blocks) for c in grid][:3] == [
+        ("lru", 0, 0),
+        ("lru", 0, 3000),
+        ("lru", 2, 0),
+    ]
+    assert len(grid) == 8 and not any(c.bound for c in grid)
+
+
+def test_parallel_matches_in_process_and_carries_bounds() -> None:
+    steps: list[tuple[int, int]] = []
+    serial = run_sweep(SOURCE, configs(), jobs=1, progress=lambda d, t: steps.append((d, t)))
+    parallel = run_sweep(SOURCE, configs(), jobs=2)
+    assert steps[-1] == (10, 10)  # 8 runs and 2 bounds
+    strip = [{k: v for k, v in r.as_dict().items() if k not in TIMING} for r in serial]
+    assert strip == [{k: v for k, v in r.as_dict().items() if k not in TIMING} for r in parallel]
+    for report in serial:
+        assert report.belady_total_hit_ratio is not None
+        assert report.total_hit_ratio <= report.belady_total_hit_ratio
+
+
+def test_plots_are_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from kvoffload.sim.plots import plot_sweep
+
+    paths = plot_sweep(run_sweep(SOURCE, configs(), jobs=1), tmp_path / "plots")
+    assert [p.name for p in paths] == ["hit_ratio_vs_capacity.png", "hit_ratio_vs_writes.png"]
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

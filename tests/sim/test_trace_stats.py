@@ -1,0 +1,35 @@
+"""Trace statistics: hand-checked reuse distances and the public trace's published figures."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvoffload.sim.trace_stats import reuse_distances, trace_stats
+from kvoffload.sim.traces import read_trace
+from kvoffload.sim.workload import Workload
+
+MakeWorkload = Callable[..., Workload]
+
+
+def test_reuse_distance_counts_distinct_blocks_in_between(make_workload: MakeWorkload) -> None:
+    # Reference stream a b a c b b: a after {b}; b after {a, c}; b right after b.
+    workload = make_workload([1, 2], [1, 3], [2], [2])
+    assert reuse_distances(workload) == [1, 2, 0]
+
+
+def test_summary(make_workload: MakeWorkload) -> None:
+    stats = trace_stats(make_workload([1, 2], [1, 3], [2], [2]))
+    assert (stats.requests, stats.refs, stats.unique_blocks) == (4, 6, 3)
+    assert stats.repeat_fraction == pytest.approx(3 / 6)
+    assert stats.one_hit_wonder_fraction == pytest.approx(1 / 3)
+    assert (stats.reuse_distance_p50, stats.reuse_distance_p99) == (1, 2)
+    assert stats.max_blocks_per_request == 2
+
+
+def test_public_trace_figures(mooncake_trace: Path) -> None:
+    stats = trace_stats(read_trace(mooncake_trace))
+    assert stats.repeat_fraction == pytest.approx(0.640, abs=0.0005)
+    assert stats.one_hit_wonder_fraction == pytest.approx(0.584, abs=0.0005)
