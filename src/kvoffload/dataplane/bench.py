@@ -1,0 +1,201 @@
+"""Store and load throughput of the data plane, beside a plain copy of the same bytes.
+
+Each round fills the CPU tier through the real manager and store handler
+(GPU ids shuffled, as an engine's free list leaves them), loads every block
+back through the load handler, then copies the same number of bytes with
+one contiguous ``copy_`` per job. Phases alternate within each round, so
+the machine's drift hits all three alike; each figure is the median over
+rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.keys import OffloadKey, make_offload_key
+from kvoffload.core.layout import layout_preset
+from kvoffload.core.specs import GPULoadStoreSpec, TransferSpec
+from kvoffload.dataplane.cpu_store import CPUBlockStore
+from kvoffload.dataplane.handlers import cpu_gpu_handlers
+from kvoffload.dataplane.kv_cache import PagedKVCache
+from kvoffload.dataplane.worker import OffloadingWorker
+from kvoffload.managers.cpu import CPUOffloadingManager
+
+DEFAULTS: dict[str, Any] = {
+    "layout": "llama-3.1-8b",
+    "gpu_blocks": 512,
+    "cpu_blocks": 512,
+    "blocks_per_job": 64,
+    "block_size_factor": 1,
+    "rounds": 5,
+    "device": "cpu",
+    "threads": None,
+    "seed": 0,
+}
+"""8B-class layout with 16-token blocks: 2 MiB per GPU block, 1 GiB per phase."""
+
+
+def measure_transfer(
+    layout: str = DEFAULTS["layout"],
+    gpu_blocks: int = DEFAULTS["gpu_blocks"],
+    cpu_blocks: int = DEFAULTS["cpu_blocks"],
+    blocks_per_job: int = DEFAULTS["blocks_per_job"],
+    block_size_factor: int = DEFAULTS["block_size_factor"],
+    rounds: int = DEFAULTS["rounds"],
+    device: str = DEFAULTS["device"],
+    threads: int | None = DEFAULTS["threads"],
+    seed: int = DEFAULTS["seed"],
+) -> dict[str, Any]:
+    """GB/s of stores, loads and a plain copy; see the module docstring for the method.
+
+    ``blocks_per_job`` counts offloaded blocks (of ``block_size_factor`` GPU
+    blocks each); the tier holds ``cpu_blocks`` of them and must fit in the
+    ``gpu_blocks`` GPU blocks. On CUDA the plain copy is device-to-pinned-host.
+    """
+    kv_layout = layout_preset(layout)
+    if rounds < 1 or blocks_per_job < 1:
+        raise InvalidArgumentError("rounds and blocks_per_job must be >= 1")
+    if cpu_blocks * block_size_factor > gpu_blocks:
+        raise InvalidArgumentError(
+            f"{cpu_blocks} CPU blocks of {block_size_factor} GPU blocks do not fit "
+            f"in {gpu_blocks} GPU blocks"
+        )
+    if threads is not None:
+        torch.set_num_threads(threads)
+    rng = np.random.default_rng(seed)
+    kv = PagedKVCache(kv_layout, gpu_blocks, device)
+    store = CPUBlockStore(kv_layout, cpu_blocks, block_size_factor)
+    store.data.fill_(0)  # fault the pages in now, not during the first store
+    worker = OffloadingWorker(cpu_gpu_handlers(kv.layers, store))
+    manager = CPUOffloadingManager(cpu_blocks)
+    job_bytes = blocks_per_job * block_size_factor * kv_layout.bytes_per_block
+    copy_src = torch.ones(job_bytes, dtype=torch.uint8, device=device)
+    copy_dst = torch.zeros(job_bytes, dtype=torch.uint8, pin_memory=device != "cpu")
+    samples: dict[str, list[float]] = {"store": [], "load": [], "copy": []}
+    next_key = 0
+    try:
+        for _ in range(rounds + 1):  # the first round warms up
+            keys = [_key(next_key + i) for i in range(cpu_blocks)]
+            next_key += cpu_blocks
+            jobs = [keys[i : i + blocks_per_job] for i in range(0, cpu_blocks, blocks_per_job)]
+            gpu_ids = [_gpu_ids(rng, gpu_blocks, len(job) * block_size_factor) for job in jobs]
+            store_seconds = _timed_jobs(
+                worker, [_store(manager, *j) for j in zip(jobs, gpu_ids, strict=True)]
+            )
+            for job in jobs:
+                manager.complete_store(job)
+            load_seconds = _timed_jobs(
+                worker, [_load(manager, *j) for j in zip(jobs, gpu_ids, strict=True)]
+            )
+            for job in jobs:
+                manager.complete_load(job)
+            copy_seconds = _timed_copies(copy_dst, copy_src, len(jobs))
+            moved = len(jobs) * job_bytes / 1e9
+            for name, seconds in (
+                ("store", store_seconds),
+                ("load", load_seconds),
+                ("copy", copy_seconds),
+            ):
+                samples[name].append(moved / seconds)
+    finally:
+        worker.close()
+    gbps = {name: statistics.median(values[1:]) for name, values in samples.items()}
+    return {
+        "layout": layout,
+        "device": device,
+        "threads": torch.get_num_threads(),
+        "block_bytes": kv_layout.bytes_per_block,
+        "block_size_factor": block_size_factor,
+        "bytes_per_job": job_bytes,
+        "jobs_per_round": -(-cpu_blocks // blocks_per_job),
+        "rounds": rounds,
+        "store_gbps": round(gbps["store"], 3),
+        "load_gbps": round(gbps["load"], 3),
+        "copy_gbps": round(gbps["copy"], 3),
+        "store_vs_copy": round(gbps["store"] / gbps["copy"], 3),
+        "load_vs_copy": round(gbps["load"] / gbps["copy"], 3),
+    }
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvoffload bench transfer`` (the CLI adds ``--json``)."""
+    parser.add_argument("--layout", default=DEFAULTS["layout"], help="KV layout preset")
+    for name, help_text in (
+        ("gpu-blocks", "GPU KV cache size in GPU blocks"),
+        ("cpu-blocks", "CPU tier size in offloaded blocks"),
+        ("blocks-per-job", "offloaded blocks per transfer job"),
+        ("block-size-factor", "GPU blocks per offloaded block"),
+        ("rounds", "measured rounds (after one warm-up round)"),
+        ("seed", "seed of the GPU block shuffle"),
+    ):
+        default = DEFAULTS[name.replace("-", "_")]
+        parser.add_argument(f"--{name}", type=int, default=default, help=f"{help_text} ({default})")
+    parser.add_argument("--device", default=DEFAULTS["device"], help="device of the KV cache")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    return measure_transfer(
+        layout=args.layout,
+        gpu_blocks=args.gpu_blocks,
+        cpu_blocks=args.cpu_blocks,
+        blocks_per_job=args.blocks_per_job,
+        block_size_factor=args.block_size_factor,
+        rounds=args.rounds,
+        device=args.device,
+        threads=args.threads,
+        seed=args.seed,
+    )
+
+
+def _key(i: int) -> OffloadKey:
+    return make_offload_key(i.to_bytes(8, "big"), 0)
+
+
+def _gpu_ids(rng: np.random.Generator, gpu_blocks: int, n: int) -> list[int]:
+    return [int(i) for i in rng.permutation(gpu_blocks)[:n]]
+
+
+def _store(
+    manager: CPUOffloadingManager, keys: list[OffloadKey], gpu_ids: list[int]
+) -> TransferSpec:
+    output = manager.prepare_store(keys)
+    if output is None or len(output.keys_to_store) != len(keys):
+        raise InvalidArgumentError("the benchmark's CPU tier could not take a job")
+    return GPULoadStoreSpec(gpu_ids, [len(gpu_ids)]), output.store_spec
+
+
+def _load(
+    manager: CPUOffloadingManager, keys: list[OffloadKey], gpu_ids: list[int]
+) -> TransferSpec:
+    return manager.prepare_load(keys), GPULoadStoreSpec(gpu_ids, [len(gpu_ids)])
+
+
+def _timed_jobs(worker: OffloadingWorker, specs: list[TransferSpec]) -> float:
+    """Seconds from submitting every job to the last one finishing."""
+    start = time.perf_counter()
+    for job_id, spec in enumerate(specs):
+        if not worker.transfer_async(job_id, spec):
+            raise InvalidArgumentError(f"benchmark job {job_id} was refused")
+    worker.wait(set(range(len(specs))))
+    seconds = time.perf_counter() - start
+    failed = [r.job_id for r in worker.get_finished() if not r.success]
+    if failed:
+        raise InvalidArgumentError(f"benchmark jobs {failed} failed")
+    return seconds
+
+
+def _timed_copies(dst: torch.Tensor, src: torch.Tensor, count: int) -> float:
+    start = time.perf_counter()
+    for _ in range(count):
+        dst.copy_(src, non_blocking=True)
+    if src.device.type == "cuda":
+        torch.cuda.synchronize(src.device)
+    return time.perf_counter() - start

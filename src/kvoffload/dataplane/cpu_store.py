@@ -1,0 +1,56 @@
+"""The CPU tier's bytes: one allocation, one fixed-size slot per offloaded block.
+
+Slot ``s`` holds ``block_size_factor`` consecutive GPU blocks, and each of
+those holds every layer's K and V page, so one offloaded block is one
+contiguous byte range: a run of adjacent slots moves in a single DMA, and a
+later tier can write a slot out as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.layout import KVLayout
+
+
+class CPUBlockStore:
+    """``num_blocks`` slots of ``block_size_factor * layout.bytes_per_block`` bytes.
+
+    The memory is pinned when CUDA is available (``pin_memory=None``), so that
+    copies to and from the GPU can run asynchronously. It is not cleared: the
+    manager never lets a slot be loaded before a store to it has completed.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        block_size_factor: int = 1,
+        pin_memory: bool | None = None,
+    ):
+        for name, value in (("num_blocks", num_blocks), ("block_size_factor", block_size_factor)):
+            if value < 1:
+                raise InvalidArgumentError(f"{name} must be >= 1, got {value}")
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.block_size_factor = block_size_factor
+        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.data = torch.empty(
+            (num_blocks, block_size_factor, 2 * layout.num_layers, layout.page_bytes),
+            dtype=torch.uint8,
+            pin_memory=pin,
+        )
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.block_size_factor * self.layout.bytes_per_block
+
+    def rows(self) -> torch.Tensor:
+        """``[num_blocks * factor, 2 * num_layers, page_bytes]``: row ``s * factor + j``
+        is sub-block ``j`` of slot ``s``, one page per layer's K and V."""
+        return self.data.flatten(0, 1)
+
+    def block(self, slot: int) -> torch.Tensor:
+        """Slot ``slot`` as ``[factor, 2 * num_layers, page_bytes]`` bytes (a view)."""
+        return self.data[slot]

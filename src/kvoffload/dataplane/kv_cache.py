@@ -1,0 +1,111 @@
+"""The engine's paged KV cache, and the byte-row views the copies work on.
+
+Each layer is one tensor ``[2, num_blocks, block_size, kv_heads, head_dim]``
+(K then V), as vLLM's attention backends keep it. Copies never look at the
+dtype: every layer's K and V become a *canonical* tensor of rows, row ``b``
+being block ``b``'s bytes, viewed with the widest element type the sizes and
+alignments allow, because torch's index kernels move wide elements fastest
+(16-byte elements copy about twice as fast as 2-byte ones on CPU).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.layout import KVLayout
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float8": torch.float8_e4m3fn,
+}
+
+_WIDE_DTYPES: dict[int, torch.dtype] = {
+    16: torch.complex128,
+    8: torch.int64,
+    4: torch.int32,
+    2: torch.int16,
+    1: torch.uint8,
+}
+"""Element type per width; copies are bitwise, so a float type only adds speed."""
+
+
+class PagedKVCache:
+    """One KV tensor per layer, all carved from one zeroed allocation on ``device``.
+
+    One allocation lets a copy move every layer's pages of a block in one
+    op (see :func:`page_groups`); engines that allocate layers separately
+    work too, with one op per layer's K and V.
+    """
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu"):
+        if num_blocks < 1:
+            raise InvalidArgumentError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.layout = layout
+        self.num_blocks = num_blocks
+        shape = (2, num_blocks, layout.tokens_per_block, layout.kv_heads, layout.head_dim)
+        self.buffer = torch.zeros(
+            (layout.num_layers, *shape), dtype=TORCH_DTYPES[layout.dtype], device=device
+        )
+        self.layers: list[torch.Tensor] = list(self.buffer.unbind(0))
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].device
+
+
+def page_groups(layers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The canonical page tensors (each layer's K, then V) as byte rows.
+
+    When all of them follow each other in one allocation, the result is a
+    single ``[num_tensors * num_blocks, page_bytes]`` tensor (row
+    ``t * num_blocks + b``), so that one indexed op moves a block's pages of
+    every layer at once. Otherwise it is one ``[num_blocks, page_bytes]``
+    tensor per canonical tensor, as the reference handles them.
+    """
+    if not layers:
+        raise InvalidArgumentError("at least one KV layer tensor is needed")
+    halves: list[torch.Tensor] = []
+    for layer in layers:
+        if layer.dim() < 3 or layer.shape[0] != 2:
+            raise InvalidArgumentError(
+                f"KV layer tensors must be [2, num_blocks, ...], got {tuple(layer.shape)}"
+            )
+        for half in layer.unbind(0):
+            page = half.flatten(1)
+            if page.stride(-1) != 1:
+                raise InvalidArgumentError("each KV block must be contiguous in memory")
+            halves.append(page.view(torch.uint8))
+    if len({h.shape for h in halves}) != 1:
+        raise InvalidArgumentError("all KV layer tensors must have the same block count and shape")
+    if all(_follows(a, b) for a, b in itertools.pairwise(halves)):
+        num_blocks, page_bytes = halves[0].shape
+        return [
+            torch.as_strided(halves[0], (len(halves) * num_blocks, page_bytes), (page_bytes, 1))
+        ]
+    return halves
+
+
+def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``b`` starts where ``a`` ends, both contiguous in one allocation."""
+    return (
+        a.is_contiguous()
+        and b.is_contiguous()
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and b.data_ptr() == a.data_ptr() + a.numel()
+    )
+
+
+def widest_element(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """The widest element type all these byte tensors can be viewed as."""
+    width = 16
+    for t in tensors:
+        for n in (t.shape[-1], t.data_ptr(), *t.stride()[:-1]):
+            while n % width:
+                width //= 2
+    return _WIDE_DTYPES[width]

@@ -1,0 +1,129 @@
+"""Where a handler's copies run: a background thread, or a dedicated CUDA stream.
+
+Both run jobs strictly in submission order, time them, and turn an exception
+raised by a job into a failed job instead of letting it reach the caller.
+A job is a callable that performs (on CPU) or enqueues (on CUDA) its copies.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Collection
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+Job = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    job_id: int
+    success: bool
+    seconds: float
+
+
+class JobRunner(Protocol):
+    def submit(self, job_id: int, job: Job, after_compute: bool) -> None:
+        """Start ``job``; with ``after_compute`` it first waits for queued compute."""
+
+    def poll(self) -> list[JobOutcome]:
+        """Jobs finished since the last call, in submission order."""
+
+    def wait(self, job_ids: Collection[int]) -> None:
+        """Block until these jobs (ids this runner never saw are ignored) are done."""
+
+    def close(self) -> None:
+        """Wait for every job, then release the thread or stream."""
+
+
+def _run(job_id: int, job: Job) -> bool:
+    try:
+        job()
+    except Exception:
+        logger.warning("transfer job %d failed", job_id, exc_info=True)
+        return False
+    return True
+
+
+class ThreadRunner:
+    """Runs jobs one at a time on a single background thread (CPU tensors).
+
+    The caller's CPU work is synchronous, so the queue needs no compute
+    barrier. Torch releases the GIL inside its kernels, so copies overlap
+    with the caller's Python.
+    """
+
+    def __init__(self, name: str = "kvoffload-transfer") -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._pending: deque[tuple[int, Future[JobOutcome]]] = deque()
+
+    def submit(self, job_id: int, job: Job, after_compute: bool) -> None:
+        self._pending.append((job_id, self._pool.submit(self._timed, job_id, job)))
+
+    @staticmethod
+    def _timed(job_id: int, job: Job) -> JobOutcome:
+        start = time.perf_counter()
+        success = _run(job_id, job)
+        return JobOutcome(job_id, success, time.perf_counter() - start)
+
+    def poll(self) -> list[JobOutcome]:
+        done: list[JobOutcome] = []
+        while self._pending and self._pending[0][1].done():
+            done.append(self._pending.popleft()[1].result())
+        return done
+
+    def wait(self, job_ids: Collection[int]) -> None:
+        for job_id, future in list(self._pending):
+            if job_id in job_ids:
+                future.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class CudaStreamRunner:
+    """Enqueues jobs on one dedicated CUDA stream, bracketed by timing events.
+
+    One stream per direction keeps its jobs in order without cross-stream
+    waits. ``after_compute`` makes the stream wait for the work already
+    queued on the caller's current stream, so a store never reads a block
+    before the model has finished writing it.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        self._pending: deque[tuple[int, bool, torch.cuda.Event, torch.cuda.Event]] = deque()
+
+    def submit(self, job_id: int, job: Job, after_compute: bool) -> None:
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        if after_compute:
+            self._stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(self._stream):
+            start.record(self._stream)
+            success = _run(job_id, job)
+            end.record(self._stream)
+        self._pending.append((job_id, success, start, end))
+
+    def poll(self) -> list[JobOutcome]:
+        done: list[JobOutcome] = []
+        while self._pending and self._pending[0][3].query():  # type: ignore[no-untyped-call]
+            job_id, success, start, end = self._pending.popleft()
+            done.append(JobOutcome(job_id, success, start.elapsed_time(end) / 1000.0))
+        return done
+
+    def wait(self, job_ids: Collection[int]) -> None:
+        for job_id, _, _, end in list(self._pending):
+            if job_id in job_ids:
+                end.synchronize()
+
+    def close(self) -> None:
+        self._stream.synchronize()

@@ -1,0 +1,66 @@
+"""Routes transfers to handlers by the media of their source and destination."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.specs import LoadStoreSpec, TransferSpec, TransferType
+from kvoffload.dataplane.handlers import OffloadingHandler, TransferResult
+
+logger = logging.getLogger(__name__)
+
+HandlerEntry = tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]
+
+
+class OffloadingWorker:
+    """One handler per ``(source medium, destination medium)`` pair.
+
+    ``transfer_async`` never raises: a refused or failing submission is
+    logged and reported as ``False``, so the engine's loop only has to
+    handle a result.
+    """
+
+    def __init__(self, handlers: Iterable[HandlerEntry] = ()) -> None:
+        self._handlers: dict[TransferType, OffloadingHandler] = {}
+        for src_cls, dst_cls, handler in handlers:
+            self.register_handler(src_cls, dst_cls, handler)
+
+    def register_handler(
+        self,
+        src_cls: type[LoadStoreSpec],
+        dst_cls: type[LoadStoreSpec],
+        handler: OffloadingHandler,
+    ) -> None:
+        pair = (src_cls.medium(), dst_cls.medium())
+        if pair in self._handlers:
+            raise InvalidArgumentError(f"a handler for {pair[0]}->{pair[1]} is already registered")
+        self._handlers[pair] = handler
+
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+        src, dst = spec
+        pair = (src.medium(), dst.medium())
+        handler = self._handlers.get(pair)
+        if handler is None:
+            logger.warning("job %d: no handler for %s->%s", job_id, *pair)
+            return False
+        try:
+            submitted = handler.transfer_async(job_id, spec)
+        except Exception:
+            logger.warning("job %d: %s->%s transfer refused", job_id, *pair, exc_info=True)
+            return False
+        if not submitted:
+            logger.warning("job %d: %s->%s handler declined the transfer", job_id, *pair)
+        return submitted
+
+    def get_finished(self) -> list[TransferResult]:
+        return [result for h in self._handlers.values() for result in h.get_finished()]
+
+    def wait(self, job_ids: Collection[int]) -> None:
+        for handler in self._handlers.values():
+            handler.wait(job_ids)
+
+    def close(self) -> None:
+        for handler in self._handlers.values():
+            handler.close()

@@ -1,0 +1,44 @@
+"""The transfer benchmark runs end to end on tiny sizes and reports what the CLI expects."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+pytest.importorskip("torch")
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.dataplane import bench
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_cli_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_run_from_args_reports_rates_and_ratios() -> None:
+    args = parse("--layout", "tiny", "--gpu-blocks", "64", "--cpu-blocks", "16")
+    args.blocks_per_job, args.rounds, args.block_size_factor = 4, 2, 2
+    results = bench.run_from_args(args)
+    for name in ("store_gbps", "load_gbps", "copy_gbps", "store_vs_copy", "load_vs_copy"):
+        assert isinstance(results[name], float) and results[name] > 0
+    assert results["store_vs_copy"] == pytest.approx(
+        results["store_gbps"] / results["copy_gbps"], rel=0.05, abs=1e-3
+    )
+    assert (results["layout"], results["block_size_factor"], results["jobs_per_round"]) == (
+        "tiny",
+        2,
+        4,
+    )
+
+
+def test_defaults_are_the_8b_class_layout() -> None:
+    args = parse()
+    assert (args.layout, args.gpu_blocks, args.blocks_per_job) == ("llama-3.1-8b", 512, 64)
+
+
+def test_a_tier_larger_than_the_gpu_cache_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="do not fit"):
+        bench.measure_transfer(layout="tiny", gpu_blocks=8, cpu_blocks=8, block_size_factor=2)

@@ -1,0 +1,92 @@
+"""Stores then loads through the handlers give back the exact bytes, on every copy path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dataplane_helpers import LAYOUTS, block_bytes, random_layers  # noqa: E402
+
+from kvoffload.core.specs import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec  # noqa: E402
+from kvoffload.dataplane import CPUBlockStore, CPUGPUHandler, OffloadingWorker  # noqa: E402
+from kvoffload.dataplane.kv_cache import page_groups  # noqa: E402
+
+NUM_GPU, NUM_CPU = 48, 10
+
+# (staged, min_run_bytes): staged path, direct runs only, scratch path only.
+PATHS = {"staged": (True, 0), "direct-runs": (False, 0), "direct-scratch": (False, 1 << 40)}
+
+
+def make_worker(layers: list[torch.Tensor], store: CPUBlockStore, path: str) -> OffloadingWorker:
+    staged, min_run = PATHS[path]
+    options = {"staged": staged, "min_run_bytes": min_run, "scratch_bytes": 3000}
+    return OffloadingWorker(
+        [
+            (GPULoadStoreSpec, CPULoadStoreSpec, CPUGPUHandler(layers, store, True, **options)),
+            (CPULoadStoreSpec, GPULoadStoreSpec, CPUGPUHandler(layers, store, False, **options)),
+        ]
+    )
+
+
+def run(worker: OffloadingWorker, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
+    assert worker.transfer_async(job_id, (src, dst))
+    worker.wait({job_id})
+    (result,) = worker.get_finished()
+    assert (result.job_id, result.success) == (job_id, True)
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("factor", [1, 2, 4])
+@pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
+@pytest.mark.parametrize("separate", [False, True], ids=["one-alloc", "per-layer"])
+def test_store_then_unaligned_load_is_bit_exact(
+    layout_name: str, factor: int, path: str, separate: bool
+) -> None:
+    layout = LAYOUTS[layout_name]
+    rng = np.random.default_rng(factor)
+    layers = random_layers(layout, NUM_GPU, seed=factor, separate=separate)
+    store = CPUBlockStore(layout, NUM_CPU, factor)
+    worker = make_worker(layers, store, path)
+    slots = [7, 2, 3, 9, 0]  # a run (2, 3) among scattered slots
+    src = rng.permutation(NUM_GPU)[: len(slots) * factor].tolist()
+    expected = {b: block_bytes(layers, b).clone() for b in src}
+    run(worker, 1, GPULoadStoreSpec(src, [len(src)]), CPULoadStoreSpec(slots))
+
+    # The CPU slot holds its factor GPU blocks in order, every layer's K and V.
+    for i, slot in enumerate(slots):
+        for j in range(factor):
+            assert torch.equal(store.block(slot)[j], expected[src[i * factor + j]])
+
+    for layer in layers:
+        layer.view(torch.uint8).fill_(0)
+    skip = factor - 1  # the GPU already holds the first factor-1 blocks of the request
+    dst = rng.permutation(NUM_GPU)[: len(src) - skip].tolist()
+    spec = GPULoadStoreSpec(dst, [len(dst)], block_indices=[skip])
+    run(worker, 2, CPULoadStoreSpec(slots), spec)
+    for gpu_block, source in zip(dst, src[skip:], strict=True):
+        assert torch.equal(block_bytes(layers, gpu_block), expected[source])
+    untouched = sorted(set(range(NUM_GPU)) - set(dst))
+    assert all(not block_bytes(layers, b).any() for b in untouched)
+    worker.close()
+
+
+def test_one_allocation_is_one_group_and_separate_layers_are_not() -> None:
+    layout = LAYOUTS["bf16"]
+    assert len(page_groups(random_layers(layout, 4, 0, separate=False))) == 1
+    assert len(page_groups(random_layers(layout, 4, 0, separate=True))) == 2 * layout.num_layers
+
+
+def test_result_reports_bytes_time_and_type() -> None:
+    layout = LAYOUTS["tiny-f16"]
+    layers = random_layers(layout, 8, 0, separate=False)
+    worker = make_worker(layers, CPUBlockStore(layout, 4, 2), "direct-runs")
+    assert worker.transfer_async(5, (GPULoadStoreSpec([1, 2, 3, 4], [4]), CPULoadStoreSpec([0, 3])))
+    worker.wait({5})
+    (result,) = worker.get_finished()
+    assert result.transfer_size == 4 * layout.bytes_per_block
+    assert result.transfer_time is not None and result.transfer_time >= 0
+    assert result.transfer_type == ("GPU", "CPU")
+    assert worker.get_finished() == []
+    worker.close()

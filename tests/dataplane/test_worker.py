@@ -1,0 +1,90 @@
+"""The worker routes by media, registers each pair once, and turns errors into False."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import pytest
+
+pytest.importorskip("torch")
+
+from dataplane_helpers import LAYOUTS, random_layers
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.specs import CPULoadStoreSpec, GPULoadStoreSpec, TransferSpec
+from kvoffload.dataplane import (
+    CPUBlockStore,
+    OffloadingHandler,
+    OffloadingWorker,
+    TransferResult,
+    cpu_gpu_handlers,
+)
+
+
+class Recorder(OffloadingHandler):
+    """Accepts everything and finishes at once; raises when asked to."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.submitted: list[int] = []
+        self.waited: list[set[int]] = []
+        self.fail = fail
+
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+        if self.fail:
+            raise RuntimeError("boom")
+        self.submitted.append(job_id)
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self.submitted = self.submitted, []
+        return [TransferResult(job_id, True) for job_id in done]
+
+    def wait(self, job_ids: Collection[int]) -> None:
+        self.waited.append(set(job_ids))
+
+
+def test_routes_by_source_and_destination_medium() -> None:
+    store, load = Recorder(), Recorder()
+    worker = OffloadingWorker(
+        [(GPULoadStoreSpec, CPULoadStoreSpec, store), (CPULoadStoreSpec, GPULoadStoreSpec, load)]
+    )
+    assert worker.transfer_async(1, (GPULoadStoreSpec([0], [1]), CPULoadStoreSpec([0])))
+    assert worker.transfer_async(2, (CPULoadStoreSpec([0]), GPULoadStoreSpec([0], [1])))
+    assert (store.submitted, load.submitted) == ([1], [2])
+    worker.wait({1, 2})
+    assert store.waited == load.waited == [{1, 2}]
+    assert sorted(r.job_id for r in worker.get_finished()) == [1, 2]
+
+
+def test_each_pair_registers_once() -> None:
+    worker = OffloadingWorker([(GPULoadStoreSpec, CPULoadStoreSpec, Recorder())])
+    with pytest.raises(InvalidArgumentError, match="GPU->CPU"):
+        worker.register_handler(GPULoadStoreSpec, CPULoadStoreSpec, Recorder())
+
+
+def test_unroutable_and_raising_transfers_are_false(caplog: pytest.LogCaptureFixture) -> None:
+    worker = OffloadingWorker([(GPULoadStoreSpec, CPULoadStoreSpec, Recorder(fail=True))])
+    assert not worker.transfer_async(1, (CPULoadStoreSpec([0]), GPULoadStoreSpec([0], [1])))
+    assert not worker.transfer_async(2, (GPULoadStoreSpec([0], [1]), CPULoadStoreSpec([0])))
+    assert "no handler" in caplog.text and "boom" in caplog.text
+    assert worker.get_finished() == []
+
+
+def test_bad_specs_and_duplicate_jobs_are_refused_not_raised() -> None:
+    layout = LAYOUTS["tiny-f16"]
+    layers = random_layers(layout, 8, 0, separate=False)
+    worker = OffloadingWorker(cpu_gpu_handlers(layers, CPUBlockStore(layout, 4)))
+    good = (GPULoadStoreSpec([1], [1]), CPULoadStoreSpec([0]))
+    assert not worker.transfer_async(1, (GPULoadStoreSpec([1, 2], [2]), CPULoadStoreSpec([0])))
+    assert not worker.transfer_async(2, (GPULoadStoreSpec([9], [1]), CPULoadStoreSpec([0])))
+    assert worker.transfer_async(3, good)
+    assert not worker.transfer_async(3, good)  # refused until its result is collected
+    worker.wait({3})
+    assert [r.job_id for r in worker.get_finished()] == [3]
+    worker.close()
+
+
+def test_handler_rejects_a_store_of_another_shape() -> None:
+    layers = random_layers(LAYOUTS["tiny-f16"], 8, 0, separate=False)
+    with pytest.raises(InvalidArgumentError, match="pages of"):
+        cpu_gpu_handlers(layers, CPUBlockStore(LAYOUTS["bf16"], 4))
