@@ -57,22 +57,22 @@ class FilterReusedOffloadingManager(OffloadingManager):
         counts = self.counts
         move_to_end = counts.move_to_end
         limit = self.max_tracker_size
+        # ``in`` then ``[]``: OrderedDict.get is several times slower.
         for key in keys:
-            count = counts.get(key)
-            if count is None:
+            if key in counts:
+                counts[key] += 1
+                move_to_end(key)
+            else:
                 if len(counts) >= limit:
                     counts.popitem(last=False)
                 counts[key] = 1
-            else:
-                counts[key] = count + 1
-                move_to_end(key)
         return self._backing.lookup(keys)
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
         keys = list(keys)
         counts = self.counts
         threshold = self.store_threshold
-        eligible = [key for key in keys if counts.get(key, 0) >= threshold]
+        eligible = [key for key in keys if key in counts and counts[key] >= threshold]
         self.stores_skipped += len(keys) - len(eligible)
         return self._backing.prepare_store(eligible)
 
