@@ -18,7 +18,7 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
-from kvoffload import OffloadKey, build_manager, make_offload_key
+from kvoffload import OffloadKey, block_id_key, build_manager
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def load_requests(path: Path) -> list[list[OffloadKey]]:
     with path.open() as lines:
         for line in lines:
             ids = json.loads(line)["hash_ids"]
-            requests.append([make_offload_key(i.to_bytes(8, "big"), 0) for i in ids])
+            requests.append([block_id_key(i) for i in ids])
     return requests
 
 

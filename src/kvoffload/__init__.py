@@ -11,6 +11,7 @@ from kvoffload.core.errors import (
 from kvoffload.core.hashing import hash_token_blocks, keys_for_tokens
 from kvoffload.core.keys import (
     OffloadKey,
+    block_id_key,
     get_offload_block_hash,
     get_offload_group_idx,
     make_offload_key,
@@ -57,6 +58,7 @@ __all__ = [
     "OffloadingManager",
     "PrepareStoreOutput",
     "available_policies",
+    "block_id_key",
     "build_manager",
     "get_offload_block_hash",
     "get_offload_group_idx",

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from kvoffload import CPUOffloadingManager, OffloadKey, make_offload_key
+from kvoffload import CPUOffloadingManager, OffloadKey, block_id_key
 from kvoffload.policies.arc import ARCCachePolicy
 
 
 def keys(*ids: int) -> list[OffloadKey]:
-    return [make_offload_key(i.to_bytes(8, "big"), 0) for i in ids]
+    return [block_id_key(i) for i in ids]
 
 
 def ids(table: object) -> list[int]:

@@ -16,12 +16,12 @@ from kvoffload import (
     OffloadingEvent,
     OffloadKey,
     PrepareStoreOutput,
-    make_offload_key,
+    block_id_key,
 )
 
 
 def keys(*ids: int) -> list[OffloadKey]:
-    return [make_offload_key(i.to_bytes(8, "big"), 0) for i in ids]
+    return [block_id_key(i) for i in ids]
 
 
 def ids_of(event_keys: Iterable[OffloadKey]) -> set[int]:

@@ -21,10 +21,10 @@ from kvoffload import (
     FilterReusedOffloadingManager,
     OffloadingManager,
     OffloadKey,
-    make_offload_key,
+    block_id_key,
 )
 
-UNIVERSE = [make_offload_key(i.to_bytes(8, "big"), 0) for i in range(5)]
+UNIVERSE = [block_id_key(i) for i in range(5)]
 KEY_LISTS = st.lists(st.sampled_from(UNIVERSE), max_size=6)
 PENDING = -1
 

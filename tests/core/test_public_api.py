@@ -22,6 +22,7 @@ EXPECTED = {
     "OffloadingManager",
     "PrepareStoreOutput",
     "available_policies",
+    "block_id_key",
     "build_manager",
     "get_offload_block_hash",
     "get_offload_group_idx",

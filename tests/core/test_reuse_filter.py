@@ -16,13 +16,13 @@ from kvoffload import (
     OffloadingManager,
     OffloadKey,
     PrepareStoreOutput,
+    block_id_key,
     build_manager,
-    make_offload_key,
 )
 
 
 def keys(*ids: int) -> list[OffloadKey]:
-    return [make_offload_key(i.to_bytes(8, "big"), 0) for i in ids]
+    return [block_id_key(i) for i in ids]
 
 
 def test_reference_filter_scenario() -> None:

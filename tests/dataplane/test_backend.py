@@ -11,14 +11,12 @@ torch = pytest.importorskip("torch")
 from dataplane_helpers import LAYOUTS  # noqa: E402
 
 from kvoffload.core.errors import InvalidArgumentError  # noqa: E402
-from kvoffload.core.keys import OffloadKey, make_offload_key  # noqa: E402
+from kvoffload.core.keys import OffloadKey, block_id_key  # noqa: E402
 from kvoffload.core.specs import CPULoadStoreSpec  # noqa: E402
 from kvoffload.managers import CPUOffloadingManager  # noqa: E402
 from kvoffload.sim.dataplane_backend import DataPlaneBackend  # noqa: E402
 
-
-def key(i: int) -> OffloadKey:
-    return make_offload_key(i.to_bytes(8, "big"), 0)
+key = block_id_key
 
 
 def test_content_depends_on_the_key_only() -> None:

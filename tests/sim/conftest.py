@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.sim.workload import Request, Workload, block_id_key
+from kvoffload import block_id_key
+from kvoffload.sim.workload import Request, Workload
 
 TRACE_NAME = "mooncake_synthetic_trace.jsonl"
 

@@ -6,12 +6,13 @@ from collections.abc import Callable, Iterable, Sequence
 
 import pytest
 
+from kvoffload import block_id_key
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import CPULoadStoreSpec, LoadStoreSpec
 from kvoffload.sim.engine import EngineConfig, EngineStats, ServingEngine
 from kvoffload.sim.transfers import NullTransferBackend
-from kvoffload.sim.workload import Workload, block_id_key
+from kvoffload.sim.workload import Workload
 
 Call = tuple[str, list[int]] | tuple[str, list[int], bool]
 

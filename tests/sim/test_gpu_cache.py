@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvoffload import block_id_key as key
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.sim.gpu_cache import GPUPrefixCache
-from kvoffload.sim.workload import block_id_key as key
 
 
 def test_tail_first_release_evicts_tails_before_heads() -> None:

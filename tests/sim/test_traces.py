@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from kvoffload import block_id_key
 from kvoffload.core.errors import KVOffloadError
 from kvoffload.sim.traces import TraceFormatError, detect_format, read_trace
-from kvoffload.sim.workload import block_id_key
 
 MOONCAKE = [
     {"timestamp": 2000, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 3]},

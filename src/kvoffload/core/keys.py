@@ -27,3 +27,15 @@ def get_offload_block_hash(key: OffloadKey) -> bytes:
 def get_offload_group_idx(key: OffloadKey) -> int:
     """The KV-group index part of ``key``."""
     return int.from_bytes(key[-GROUP_IDX_BYTES:], "big")
+
+
+BLOCK_ID_BYTES = 8
+
+
+def block_id_key(block_id: int, group_idx: int = 0) -> OffloadKey:
+    """The key of a block named by an integer id (8 big-endian bytes as its hash).
+
+    Traces name blocks by integer ids that already encode the whole prefix, so
+    the id itself can stand in for the engine's chained hash.
+    """
+    return make_offload_key(block_id.to_bytes(BLOCK_ID_BYTES, "big"), group_idx)

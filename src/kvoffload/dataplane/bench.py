@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kvoffload.core.errors import InvalidArgumentError
-from kvoffload.core.keys import OffloadKey, make_offload_key
+from kvoffload.core.keys import OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
 from kvoffload.core.specs import GPULoadStoreSpec, TransferSpec
 from kvoffload.dataplane.cpu_store import CPUBlockStore
@@ -82,7 +82,7 @@ def measure_transfer(
     next_key = 0
     try:
         for _ in range(rounds + 1):  # the first round warms up
-            keys = [_key(next_key + i) for i in range(cpu_blocks)]
+            keys = [block_id_key(next_key + i) for i in range(cpu_blocks)]
             next_key += cpu_blocks
             jobs = [keys[i : i + blocks_per_job] for i in range(0, cpu_blocks, blocks_per_job)]
             gpu_ids = [_gpu_ids(rng, gpu_blocks, len(job) * block_size_factor) for job in jobs]
@@ -153,10 +153,6 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
         threads=args.threads,
         seed=args.seed,
     )
-
-
-def _key(i: int) -> OffloadKey:
-    return make_offload_key(i.to_bytes(8, "big"), 0)
 
 
 def _gpu_ids(rng: np.random.Generator, gpu_blocks: int, n: int) -> list[int]:

@@ -16,7 +16,7 @@ from kvoffload.sim.sweep import run_sweep, sweep_configs
 from kvoffload.sim.trace_stats import TraceStats, trace_stats
 from kvoffload.sim.traces import TraceFormatError, read_trace
 from kvoffload.sim.transfers import NullTransferBackend, TransferBackend
-from kvoffload.sim.workload import Request, Workload, block_id_key
+from kvoffload.sim.workload import Request, Workload
 
 __all__ = [
     "DEFAULT_MIX",
@@ -35,7 +35,6 @@ __all__ = [
     "Workload",
     "WorkloadSource",
     "belady_bound",
-    "block_id_key",
     "blocks_for_gib",
     "generate",
     "parse_mix",

@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from kvoffload.core.errors import InvalidArgumentError
-from kvoffload.core.keys import OffloadKey
-from kvoffload.sim.workload import Request, Workload, block_id_key
+from kvoffload.core.keys import OffloadKey, block_id_key
+from kvoffload.sim.workload import Request, Workload
 
 DEFAULT_MIX: dict[str, float] = {"chat": 0.4, "rag": 0.25, "agent": 0.2, "oneshot": 0.15}
 DEFAULT_REQUESTS = 2000

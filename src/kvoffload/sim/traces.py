@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
-from kvoffload.core.keys import OffloadKey
-from kvoffload.sim.workload import Request, Workload, block_id_key
+from kvoffload.core.keys import OffloadKey, block_id_key
+from kvoffload.sim.workload import Request, Workload
 
 TRACE_FORMATS = ("mooncake", "qwen")
 DEFAULT_BLOCK_TOKENS = {"mooncake": 512, "qwen": 16}

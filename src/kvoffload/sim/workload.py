@@ -4,18 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvoffload.core.keys import OffloadKey, make_offload_key
-
-ID_BYTES = 8
-
-
-def block_id_key(block_id: int) -> OffloadKey:
-    """The offload key of trace block ``block_id`` (8 big-endian bytes, KV group 0).
-
-    Traces name blocks by integer ids that already encode the whole prefix, so
-    the id itself can stand in for the engine's chained hash.
-    """
-    return make_offload_key(block_id.to_bytes(ID_BYTES, "big"), 0)
+from kvoffload.core.keys import OffloadKey
 
 
 @dataclass(slots=True)
