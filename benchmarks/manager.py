@@ -6,6 +6,10 @@ the offload hit, ``prepare_store`` of the computed blocks and, when anything
 is stored, ``touch`` of all keys again and an immediate ``complete_store``.
 Only the manager calls are timed. Standard library only (plus kvoffload itself).
 
+Each configuration also runs through ``seed_literal.py``, an unoptimised
+rendering of the seed-era managers, in the same process, so the speed-up is a
+ratio measured under the same machine load.
+
     python benchmarks/manager.py [--trace PATH] [--repeat N] [--json PATH]
 """
 
@@ -18,7 +22,8 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
-from kvoffload import OffloadKey, block_id_key, build_manager
+from kvoffload import OffloadingManager, OffloadKey, block_id_key, build_manager
+from seed_literal import build_seed_manager
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[1]
@@ -42,8 +47,7 @@ def load_requests(path: Path) -> list[list[OffloadKey]]:
     return requests
 
 
-def replay(requests: list[list[OffloadKey]], policy: str, threshold: int) -> dict[str, float]:
-    manager = build_manager(CPU_BLOCKS, policy, store_threshold=threshold)
+def replay(requests: list[list[OffloadKey]], manager: OffloadingManager) -> dict[str, float]:
     gpu: OrderedDict[OffloadKey, None] = OrderedDict()
     refs = gpu_hits = offload_hits = writes = 0
     manager_ns = 0
@@ -97,14 +101,27 @@ def main() -> int:
         return 1
     requests = load_requests(args.trace)
     results = {}
-    print(f"{'policy':<6} {'thr':>3} {'total hit':>9} {'writes/ref':>10} {'us/ref':>7}")
+    print(
+        f"{'policy':<6} {'thr':>3} {'total hit':>9} {'writes/ref':>10} {'us/ref':>7} "
+        f"{'seed us/ref':>11} {'speed-up':>8}"
+    )
     for policy, threshold in CONFIGS:
-        runs = [replay(requests, policy, threshold) for _ in range(args.repeat)]
-        best = min(runs, key=lambda r: r["us_per_ref"])
+        ours, seed = [], []
+        for _ in range(args.repeat):
+            ours.append(
+                replay(requests, build_manager(CPU_BLOCKS, policy, store_threshold=threshold))
+            )
+            seed.append(replay(requests, build_seed_manager(CPU_BLOCKS, policy, threshold)))
+        best = min(ours, key=lambda r: r["us_per_ref"])
+        best_seed = min(seed, key=lambda r: r["us_per_ref"])
+        best["seed_us_per_ref"] = best_seed["us_per_ref"]
+        best["seed_total_hit_ratio"] = best_seed["total_hit_ratio"]
+        best["speedup"] = best_seed["us_per_ref"] / best["us_per_ref"]
         results[f"{policy}-t{threshold}"] = best
         print(
             f"{policy:<6} {threshold:>3} {best['total_hit_ratio']:>9.3f} "
-            f"{best['writes_per_ref']:>10.3f} {best['us_per_ref']:>7.2f}"
+            f"{best['writes_per_ref']:>10.3f} {best['us_per_ref']:>7.2f} "
+            f"{best['seed_us_per_ref']:>11.2f} {best['speedup']:>7.2f}x"
         )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
