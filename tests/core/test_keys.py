@@ -56,3 +56,12 @@ def test_bad_block_size_is_a_clear_error(block_size: int) -> None:
 def test_non_integer_tokens_are_a_clear_error() -> None:
     with pytest.raises(InvalidArgumentError, match="64 bits"):
         hash_token_blocks([1, 2**70], 2)
+
+
+def test_block_id_key_is_eight_big_endian_bytes_and_group() -> None:
+    from kvoffload import block_id_key
+
+    key = block_id_key(258, group_idx=3)
+    assert get_offload_block_hash(key) == (258).to_bytes(8, "big")
+    assert get_offload_group_idx(key) == 3
+    assert block_id_key(1) != block_id_key(256)
