@@ -17,7 +17,12 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from kvoffload import OffloadingManager, OffloadKey, PrepareStoreOutput
+from kvoffload import (
+    FilterReusedOffloadingManager,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+)
 from kvoffload.core.manager import OffloadingEvent
 from kvoffload.core.specs import LoadStoreSpec
 
@@ -251,12 +256,8 @@ class SeedCPUManager(OffloadingManager):
             self.events.clear()
 
 
-class SeedFilter(OffloadingManager):
-    def __init__(self, backing: OffloadingManager, store_threshold: int = 2) -> None:
-        self._backing = backing
-        self.store_threshold = store_threshold
-        self.max_tracker_size = 64_000
-        self.counts: OrderedDict[OffloadKey, int] = OrderedDict()
+class SeedFilter(FilterReusedOffloadingManager):
+    """The seed's counting and filtering; everything else is plain delegation, shared."""
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
         keys = list(keys)
@@ -268,23 +269,11 @@ class SeedFilter(OffloadingManager):
                 if len(self.counts) >= self.max_tracker_size:
                     self.counts.popitem(last=False)
                 self.counts[key] = 1
-        return self._backing.lookup(keys)
+        return self.backing.lookup(keys)
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
         eligible = [k for k in keys if self.counts.get(k, 0) >= self.store_threshold]
-        return self._backing.prepare_store(eligible)
-
-    def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
-        return self._backing.prepare_load(keys)
-
-    def touch(self, keys: Iterable[OffloadKey]) -> None:
-        self._backing.touch(keys)
-
-    def complete_load(self, keys: Iterable[OffloadKey]) -> None:
-        self._backing.complete_load(keys)
-
-    def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
-        self._backing.complete_store(keys, success)
+        return self.backing.prepare_store(eligible)
 
 
 def build_seed_manager(num_blocks: int, policy: str, store_threshold: int) -> OffloadingManager:
