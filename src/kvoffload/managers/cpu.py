@@ -19,7 +19,7 @@ from kvoffload.core.errors import (
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import CPULoadStoreSpec
-from kvoffload.policies import PENDING_STORE, BlockStatus, create_cache_policy
+from kvoffload.policies import PENDING_STORE, BlockStatus, CachePolicy, create_cache_policy
 
 MEDIUM = CPULoadStoreSpec.medium()
 
@@ -47,17 +47,13 @@ class CPUOffloadingManager(OffloadingManager):
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
 
     @property
-    def policy(self) -> object:
+    def policy(self) -> CachePolicy:
         """The eviction policy instance (for inspection and tests)."""
         return self._policy
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free) + self.num_blocks - self._num_allocated
-
-    def __len__(self) -> int:
-        """Number of blocks held, pending ones included."""
-        return len(self._blocks)
 
     def block_status(self, key: OffloadKey) -> BlockStatus | None:
         """The status of ``key``, or ``None`` if it is not held (read-only use)."""
