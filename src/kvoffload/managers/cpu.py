@@ -34,6 +34,12 @@ class CPUOffloadingManager(OffloadingManager):
     make room it returns ``None`` and nothing changes. Removal events are
     emitted when blocks are evicted (at prepare time), store events when a
     store completes successfully.
+
+    Raises :class:`~kvoffload.core.errors.InvalidArgumentError` for
+    ``num_blocks < 1`` or an unknown ``cache_policy`` (the message lists the
+    registered ones). Bad calls raise a
+    :class:`~kvoffload.core.errors.BlockStateError` naming the key and change
+    nothing: see :meth:`prepare_load` and :meth:`complete_load`.
     """
 
     def __init__(self, num_blocks: int, cache_policy: str = "lru", enable_events: bool = False):
@@ -70,6 +76,7 @@ class CPUOffloadingManager(OffloadingManager):
         return hits
 
     def prepare_load(self, keys: Iterable[OffloadKey]) -> CPULoadStoreSpec:
+        """Pin ``keys``; :class:`BlockNotFoundError` / :class:`BlockNotReadyError` otherwise."""
         blocks = self._blocks
         pinned: list[BlockStatus] = []
         for key in keys:
@@ -88,6 +95,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._policy.touch(keys)
 
     def complete_load(self, keys: Iterable[OffloadKey]) -> None:
+        """Unpin ``keys``; :class:`BlockNotPinnedError` for a key no load holds."""
         blocks = self._blocks
         released: list[BlockStatus] = []
         for key in keys:
