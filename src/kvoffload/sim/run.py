@@ -51,6 +51,10 @@ class SimConfig:
             )
         if self.store_threshold < 0:
             raise InvalidArgumentError(f"store threshold must be >= 0, got {self.store_threshold}")
+        if self.max_tracker_size < 1:
+            raise InvalidArgumentError(
+                f"max tracker size must be >= 1, got {self.max_tracker_size}"
+            )
         layout_preset(self.layout)
 
     def kv_layout(self, block_tokens: int) -> KVLayout:

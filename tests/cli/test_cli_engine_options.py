@@ -1,0 +1,72 @@
+"""Each engine-model and workload option of ``kvoffload simulate`` changes what it should."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from kvoffload.cli.main import main
+
+BASE = ["simulate", "--requests", "80", "--seed", "5", "--no-progress", "--json", "-"]
+SMALL_TIERS = ["--gpu-blocks", "900", "--cpu-blocks", "3000"]
+
+
+def run(capsys: pytest.CaptureFixture[str], *extra: str) -> dict[str, Any]:
+    assert main([*BASE, *SMALL_TIERS, *extra]) == 0
+    report: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return report
+
+
+def test_no_bound_skips_only_the_bound(capsys: pytest.CaptureFixture[str]) -> None:
+    with_bound = run(capsys)
+    without = run(capsys, "--no-bound")
+    assert with_bound["belady_total_hit_ratio"] >= with_bound["total_hit_ratio"]
+    assert without["belady_total_hit_ratio"] is None
+    assert without["total_hit_ratio"] == with_bound["total_hit_ratio"]
+
+
+def test_throughputs_scale_the_modelled_times(capsys: pytest.CaptureFixture[str]) -> None:
+    base = run(capsys, "--no-bound")
+    fast = run(
+        capsys,
+        "--no-bound",
+        "--prefill-tokens-per-s",
+        "20000",
+        "--decode-tokens-per-s",
+        "100",
+        "--transfer-gb-per-s",
+        "50",
+    )
+    assert fast["prefill_seconds_baseline"] == pytest.approx(base["prefill_seconds_baseline"] / 2)
+    assert fast["store_seconds"] == pytest.approx(base["store_seconds"] / 2)
+    assert fast["total_hit_ratio"] == base["total_hit_ratio"]
+
+
+def test_rate_and_block_size_shape_the_workload(capsys: pytest.CaptureFixture[str]) -> None:
+    base = run(capsys, "--no-bound")
+    spread = run(capsys, "--no-bound", "--rate", "0.5")
+    assert spread["simulated_seconds"] > base["simulated_seconds"]
+    coarse = run(capsys, "--no-bound", "--block-size", "32")
+    assert coarse["block_tokens"] == 32
+    assert coarse["refs"] < base["refs"]
+
+
+def test_tiny_tracker_starves_the_reuse_filter(capsys: pytest.CaptureFixture[str]) -> None:
+    roomy = run(capsys, "--no-bound", "--store-threshold", "2")
+    starved = run(capsys, "--no-bound", "--store-threshold", "2", "--max-tracker-size", "1")
+    assert starved["offload_blocks_written"] < roomy["offload_blocks_written"]
+    assert starved["stores_skipped_by_admission"] > roomy["stores_skipped_by_admission"]
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("--rate", "0"), ("--transfer-gb-per-s", "-1"), ("--max-tracker-size", "0")],
+)
+def test_bad_engine_options_are_one_line_errors(
+    option: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*BASE, option, value]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvoffload: error:")
