@@ -80,14 +80,14 @@ class ARCCachePolicy(CachePolicy):
         # Each victim taken from T1 shrinks it; T1 gives victims while it is at
         # or above the target, then T2, then T1 again (the fallback).
         t1_turns = max(0, len(self.t1) - int(self.target_t1_size) + 1)
-        from_t1 = list(islice(t1_candidates, min(n, t1_turns)))
-        from_t2 = list(islice(_evictable(self.t2, protected), n - len(from_t1)))
-        fallback = list(islice(t1_candidates, n - len(from_t1) - len(from_t2)))
-        if len(from_t1) + len(from_t2) + len(fallback) < n:
+        first = list(islice(t1_candidates, min(n, t1_turns)))
+        second = list(islice(_evictable(self.t2, protected), n - len(first)))
+        fallback = list(islice(t1_candidates, n - len(first) - len(second)))
+        victims = first + second + fallback
+        if len(victims) < n:
             return None
-        from_t1 += fallback
-        self._apply(from_t1, from_t2)
-        return from_t1[: n - len(from_t2) - len(fallback)] + from_t2 + fallback
+        self._apply(first + fallback, second)
+        return victims
 
     def _apply(self, from_t1: Victims, from_t2: Victims) -> None:
         t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
