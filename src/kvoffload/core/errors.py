@@ -43,3 +43,7 @@ class BlockNotReadyError(BlockStateError):
 
 class BlockNotPinnedError(BlockStateError):
     """``complete_load`` named a key that no load holds."""
+
+
+class InsufficientMemoryError(KVOffloadError, MemoryError):
+    """A buffer asked for does not fit in its device's memory; nothing was allocated."""

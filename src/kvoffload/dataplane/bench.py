@@ -76,8 +76,8 @@ def measure_transfer(
     worker = OffloadingWorker(cpu_gpu_handlers(kv.layers, store))
     manager = CPUOffloadingManager(cpu_blocks)
     job_bytes = blocks_per_job * block_size_factor * kv_layout.bytes_per_block
-    copy_src = torch.ones(job_bytes, dtype=torch.uint8, device=device)
-    copy_dst = torch.zeros(job_bytes, dtype=torch.uint8, pin_memory=device != "cpu")
+    copy_src = torch.ones(job_bytes, dtype=torch.uint8, device=kv.device)
+    copy_dst = torch.zeros(job_bytes, dtype=torch.uint8, pin_memory=kv.device.type == "cuda")
     samples: dict[str, list[float]] = {"store": [], "load": [], "copy": []}
     next_key = 0
     try:

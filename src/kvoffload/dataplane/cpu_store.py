@@ -12,6 +12,7 @@ import torch
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import KVLayout
+from kvoffload.dataplane.allocation import allocate
 
 
 class CPUBlockStore:
@@ -36,9 +37,11 @@ class CPUBlockStore:
         self.num_blocks = num_blocks
         self.block_size_factor = block_size_factor
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.data = torch.empty(
+        self.data = allocate(
             (num_blocks, block_size_factor, 2 * layout.num_layers, layout.page_bytes),
-            dtype=torch.uint8,
+            torch.uint8,
+            torch.device("cpu"),
+            "the CPU block store",
             pin_memory=pin,
         )
 

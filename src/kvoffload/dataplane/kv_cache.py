@@ -17,6 +17,7 @@ import torch
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import KVLayout
+from kvoffload.dataplane.allocation import allocate, resolve_device
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -49,8 +50,12 @@ class PagedKVCache:
         self.layout = layout
         self.num_blocks = num_blocks
         shape = (2, num_blocks, layout.tokens_per_block, layout.kv_heads, layout.head_dim)
-        self.buffer = torch.zeros(
-            (layout.num_layers, *shape), dtype=TORCH_DTYPES[layout.dtype], device=device
+        self.buffer = allocate(
+            (layout.num_layers, *shape),
+            TORCH_DTYPES[layout.dtype],
+            resolve_device(device),
+            "the paged KV cache",
+            zero=True,
         )
         self.layers: list[torch.Tensor] = list(self.buffer.unbind(0))
 

@@ -1,0 +1,50 @@
+"""Device parsing and buffer allocation that fail with a sentence, not a torch traceback.
+
+The data plane's buffers are sized by the operator (layout x blocks), so a
+typo in a device name or a capacity that does not fit in memory is an input
+error worth one clear line.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch device, checked to be a CPU or a usable CUDA device."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidArgumentError(f"unknown device {device!r}: {exc}") from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(f"device {device!r}: only cpu and cuda devices are supported")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError(
+            f"device {device!r} asked for, but this torch build sees no CUDA device"
+        )
+    return resolved
+
+
+def allocate(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    what: str,
+    *,
+    zero: bool = False,
+    pin_memory: bool = False,
+) -> torch.Tensor:
+    """A new tensor for ``what``; :class:`InsufficientMemoryError` if it does not fit."""
+    make = torch.zeros if zero else torch.empty
+    try:
+        return make(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+    except RuntimeError:  # torch.OutOfMemoryError is a RuntimeError too
+        gib = math.prod(shape) * dtype.itemsize / 2**30
+        raise InsufficientMemoryError(
+            f"cannot allocate {gib:.1f} GiB for {what} on {device}: not enough memory; "
+            "use a smaller KV layout or fewer blocks"
+        ) from None

@@ -1,0 +1,48 @@
+"""Bad devices and oversized buffers are one clear error, not a torch traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvoffload.cli.main import main  # noqa: E402
+from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError  # noqa: E402
+from kvoffload.core.layout import layout_preset  # noqa: E402
+from kvoffload.dataplane import CPUBlockStore, PagedKVCache  # noqa: E402
+from kvoffload.dataplane.allocation import allocate, resolve_device  # noqa: E402
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+
+
+def test_cpu_resolves() -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("name", ["foo", "cpu:x", "meta"])
+def test_unknown_or_unsupported_device(name: str) -> None:
+    with pytest.raises(InvalidArgumentError, match="device"):
+        resolve_device(name)
+
+
+@NO_CUDA
+def test_cuda_without_cuda_is_an_input_error() -> None:
+    with pytest.raises(InvalidArgumentError, match="sees no CUDA device"):
+        PagedKVCache(layout_preset("tiny"), 4, "cuda")
+
+
+def test_a_buffer_too_big_for_memory_names_its_size() -> None:
+    with pytest.raises(InsufficientMemoryError, match=r"cannot allocate 1048576\.0 GiB for test"):
+        allocate((2**50,), torch.uint8, torch.device("cpu"), "test")
+    with pytest.raises(MemoryError):  # the builtin base works too
+        CPUBlockStore(layout_preset("llama-3.1-8b"), 2**30)
+
+
+@NO_CUDA
+def test_cli_reports_a_missing_device_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["simulate", "--data-plane", "--device", "cuda", "--requests", "5", "--no-progress"]
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "kvoffload: error: device 'cuda' asked for, but this torch build sees no CUDA device"
+    ]
