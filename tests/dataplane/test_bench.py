@@ -42,3 +42,8 @@ def test_defaults_are_the_8b_class_layout() -> None:
 def test_a_tier_larger_than_the_gpu_cache_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="do not fit"):
         bench.measure_transfer(layout="tiny", gpu_blocks=8, cpu_blocks=8, block_size_factor=2)
+
+
+def test_bad_thread_count_is_an_input_error() -> None:
+    with pytest.raises(InvalidArgumentError, match="threads must be >= 1"):
+        bench.measure_transfer(layout="tiny", threads=0)

@@ -70,6 +70,15 @@ def test_format_detection(tmp_path: Path) -> None:
     assert detect_format(write_qwen_csv(tmp_path / "q.csv")) == "qwen"
 
 
+def test_a_forced_format_that_does_not_match_is_refused(tmp_path: Path) -> None:
+    mooncake = write_jsonl(tmp_path / "m.jsonl", MOONCAKE)
+    with pytest.raises(TraceFormatError, match="looks like a mooncake trace, not qwen"):
+        read_trace(mooncake, "qwen")
+    with pytest.raises(TraceFormatError, match="looks like a qwen trace, not mooncake"):
+        read_trace(write_qwen_csv(tmp_path / "q.csv"), "mooncake")
+    assert read_trace(mooncake, "mooncake").block_tokens == 512
+
+
 GOOD = '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}'
 
 

@@ -62,6 +62,8 @@ def measure_transfer(
     kv_layout = layout_preset(layout)
     if rounds < 1 or blocks_per_job < 1:
         raise InvalidArgumentError("rounds and blocks_per_job must be >= 1")
+    if threads is not None and threads < 1:
+        raise InvalidArgumentError(f"threads must be >= 1, got {threads}")
     if cpu_blocks * block_size_factor > gpu_blocks:
         raise InvalidArgumentError(
             f"{cpu_blocks} CPU blocks of {block_size_factor} GPU blocks do not fit "

@@ -47,11 +47,19 @@ def read_trace(path: str | Path, fmt: str = "auto", block_tokens: int | None = N
     defaults to the format's native block size.
     """
     path = Path(path)
-    if fmt == "auto":
-        fmt = detect_format(path)
-    if fmt not in TRACE_FORMATS:
+    if fmt != "auto" and fmt not in TRACE_FORMATS:
         raise InvalidArgumentError(
             f"unknown trace format {fmt!r}; known: auto, {', '.join(TRACE_FORMATS)}"
+        )
+    detected = detect_format(path)
+    if fmt == "auto":
+        fmt = detected
+    elif fmt != detected:
+        # The schemas differ in time unit and block size: a mix-up would run, wrongly.
+        raise TraceFormatError(
+            f"{path}: looks like a {detected} trace, not {fmt} "
+            f"({'has' if detected == 'qwen' else 'has no'} 'chat_id'); "
+            f"pass --format {detected} or auto"
         )
     block_tokens = DEFAULT_BLOCK_TOKENS[fmt] if block_tokens is None else block_tokens
     if block_tokens < 1:
