@@ -15,7 +15,7 @@ import torch
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.layout import KVLayout
-from kvoffload.core.specs import GPULoadStoreSpec, LoadStoreSpec
+from kvoffload.core.specs import GPULoadStoreSpec, LoadStoreSpec, TransferSpec
 from kvoffload.dataplane import (
     CPUBlockStore,
     FaultHook,
@@ -83,9 +83,7 @@ class DataPlaneBackend:
         gpu_block_ids: Sequence[int],
         dst: LoadStoreSpec,
     ) -> None:
-        src = GPULoadStoreSpec(list(gpu_block_ids), [len(gpu_block_ids)])
-        if not self.worker.transfer_async(job_id, (src, dst)):
-            self._results[job_id] = False
+        self._submit(job_id, (_gpu_spec(gpu_block_ids), dst))
 
     def submit_load(
         self,
@@ -94,9 +92,12 @@ class DataPlaneBackend:
         src: LoadStoreSpec,
         gpu_block_ids: Sequence[int],
     ) -> None:
-        dst = GPULoadStoreSpec(list(gpu_block_ids), [len(gpu_block_ids)])
         self._loads[job_id] = (list(keys), list(gpu_block_ids))
-        if not self.worker.transfer_async(job_id, (src, dst)):
+        self._submit(job_id, (src, _gpu_spec(gpu_block_ids)))
+
+    def _submit(self, job_id: int, spec: TransferSpec) -> None:
+        """Hand ``spec`` to the worker; a refused job is failed at once."""
+        if not self.worker.transfer_async(job_id, spec):
             self._results[job_id] = False
 
     def finish(self, job_id: int) -> bool:
@@ -157,6 +158,11 @@ class DataPlaneBackend:
     def _collect(self) -> None:
         for result in self.worker.get_finished():
             self._results[result.job_id] = result.success
+
+
+def _gpu_spec(gpu_block_ids: Sequence[int]) -> GPULoadStoreSpec:
+    """The engine's side of a job: these GPU blocks, all in KV group 0."""
+    return GPULoadStoreSpec(list(gpu_block_ids), [len(gpu_block_ids)])
 
 
 def _coefficients(key: bytes) -> tuple[int, int]:
