@@ -1,0 +1,1 @@
+"""Adapters that run kvoffload inside serving engines; each imports its engine lazily."""

@@ -1,0 +1,214 @@
+"""vLLM 0.33's per-key manager API on top of a kvoffload manager (the seed batch API).
+
+Every call keeps its meaning: ``lookup(key)`` is a one-key batch lookup whose
+``None`` ("ask again") is ``RETRY`` and whose pending block is
+``HIT_PENDING``; loads and stores pass straight through. Where vLLM 0.33 and
+the seed differ, this adapter follows vLLM:
+
+* recency is request-scoped: keys a request reads or stores become recent
+  when first seen by it (head of the prefix most recent), and once more, in
+  prefix order, when the request finishes; vLLM's scheduler no longer calls
+  ``touch``;
+* admission counts store offers (:class:`OfferCountFilter`), not lookups,
+  and keys already held are never filtered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+from kvoffload.core.keys import OffloadKey
+from kvoffload.core.manager import OffloadingManager as SeedManager
+from kvoffload.core.specs import BlockIDsLoadStoreSpec
+from kvoffload.integrations.vllm.offer_filter import OfferCountFilter
+from kvoffload.observe.counters import ManagerCounters
+from kvoffload.policies import BlockStatus
+
+METRIC_PREFIX = "vllm:kvoffload_"
+"""Our counters appear on vLLM's ``/metrics`` under this prefix."""
+
+HELD_BLOCKS_METRIC = f"{METRIC_PREFIX}held_blocks"
+
+Probe = Callable[[OffloadKey], BlockStatus | None]
+"""Where a key stands in the tier: ``None`` if absent, else its status (pending or ready)."""
+
+
+@dataclass
+class _RequestKeys:
+    """The keys one request has read or stored, first-seen order (per-request scratch)."""
+
+    owner: object
+    seen: dict[OffloadKey, None] = field(default_factory=dict)
+
+
+class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
+    """A vLLM ``OffloadingManager`` backed by a kvoffload manager.
+
+    ``build`` makes the backing manager and its ``probe``; it is called again
+    by :meth:`reset_cache`, which drops every block. ``offer_filter`` is the
+    vLLM-style admission (``None``: store everything offered).
+    """
+
+    def __init__(
+        self,
+        build: Callable[[], tuple[SeedManager, Probe]],
+        offer_filter: OfferCountFilter | None = None,
+        bytes_per_block: int = 0,
+    ) -> None:
+        self._build = build
+        self._manager, self._probe = build()
+        self._filter = offer_filter
+        self._bytes_per_block = bytes_per_block
+        self.counters = ManagerCounters()
+        self._reported = ManagerCounters()
+
+    @property
+    def backing(self) -> SeedManager:
+        return self._manager
+
+    def on_new_request(self, req_context: ReqContext) -> Any:
+        self._request_keys(req_context)
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> Any:
+        hits = self._manager.lookup((key,))
+        self.counters.lookups += 1
+        if hits is None:
+            return LookupResult.RETRY
+        if hits:
+            self.counters.lookup_hit_blocks += 1
+            return LookupResult.HIT
+        return LookupResult.MISS if self._probe(key) is None else LookupResult.HIT_PENDING
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> Any:
+        keys = list(keys)
+        spec = self._manager.prepare_load(keys)
+        self.counters.loads += len(keys)
+        self.counters.bytes_loaded += len(keys) * self._bytes_per_block
+        self._seen(keys, req_context)
+        return _vllm_spec(spec)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._manager.touch(keys)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._manager.complete_load(keys)
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> Any:
+        original = list(keys)
+        probe = self._probe
+        c = self.counters
+        c.stores_offered += len(original)
+        status = [probe(key) for key in original]
+        offered = original
+        if self._filter is not None:
+            self._filter.record(offered)
+            candidates = [key for key, st in zip(original, status, strict=True) if st is None]
+            admitted = set(self._filter.admit(candidates))
+            c.stores_skipped += len(candidates) - len(admitted)
+            # Held keys stay in the offer: the backing manager shields them from eviction.
+            offered = [
+                key
+                for key, st in zip(original, status, strict=True)
+                if st is not None or key in admitted
+            ]
+        output = self._manager.prepare_store(offered)
+        if output is None:
+            c.stores_rejected += len(offered)
+            return None
+        c.stores_admitted += len(output.keys_to_store)
+        c.evictions += len(output.evicted_keys)
+        c.held_blocks += len(output.keys_to_store) - len(output.evicted_keys)
+        stored = set(output.keys_to_store)
+        ready = {key for key, st in zip(original, status, strict=True) if st and st.is_ready}
+        self._seen([key for key in offered if key in stored or key in ready], req_context)
+        return PrepareStoreOutput(
+            keys_to_store=list(output.keys_to_store),
+            store_spec=_vllm_spec(output.store_spec),
+            evicted_keys=list(output.evicted_keys),
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        keys = list(keys)
+        pending = [key for key in keys if (st := self._probe(key)) is not None and not st.is_ready]
+        self._manager.complete_store(keys, success)
+        c = self.counters
+        if success:
+            c.stores_completed += len(pending)
+            c.bytes_stored += len(pending) * self._bytes_per_block
+        else:
+            c.stores_failed += len(pending)
+            c.held_blocks -= len(pending)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        state = req_context.get_state(_RequestKeys)
+        if state is None or state.owner is not self or not state.seen:
+            return
+        keys = list(state.seen)
+        positions = [req_context.get_offload_key_position(key) for key in keys]
+        if None not in positions:
+            keys = [key for _, key in sorted(zip(positions, keys, strict=True))]
+        state.seen.clear()
+        self._manager.touch(keys)
+
+    def take_events(self) -> Iterable[Any]:
+        for event in self._manager.take_events():
+            yield OffloadingEvent(
+                keys=list(event.keys), medium=Medium(event.medium), removed=event.removed
+            )
+
+    def reset_cache(self) -> None:
+        self._manager, self._probe = self._build()
+        self.counters.held_blocks = 0
+
+    def get_stats(self) -> Any:
+        """Our counters since the last call, as vLLM's stats (see :func:`metric_definitions`)."""
+        delta = self.counters.minus(self._reported)
+        self._reported = self.counters.copy()
+        stats = OffloadingConnectorStats()
+        for name, value in delta.as_dict().items():
+            if name == "held_blocks":
+                stats.set_gauge(HELD_BLOCKS_METRIC, value)
+            else:
+                stats.increase_counter(f"{METRIC_PREFIX}{name}", value)
+        return stats
+
+    def _request_keys(self, req_context: ReqContext) -> _RequestKeys:
+        state = req_context.get_state(_RequestKeys)
+        if state is None or state.owner is not self:
+            state = _RequestKeys(self)
+            req_context.set_state(state)
+        return state  # type: ignore[no-any-return]
+
+    def _seen(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
+        """Make keys first seen by this request recent, head of the prefix most recent."""
+        seen = self._request_keys(req_context).seen
+        new = [key for key in keys if key not in seen]
+        if new:
+            seen.update(dict.fromkeys(new))
+            self._manager.touch(new)
+
+
+def _vllm_spec(spec: Any) -> Any:
+    """Our CPU slot spec as vLLM's, which its connector and workers expect."""
+    if not isinstance(spec, BlockIDsLoadStoreSpec):
+        raise TypeError(f"the backing manager returned {type(spec).__name__}, not slot ids")
+    return CPULoadStoreSpec(spec.block_ids.tolist())

@@ -1,0 +1,59 @@
+"""Admission by store offers, as vLLM 0.33 counts them (not by lookups, as the seed does).
+
+vLLM 0.33 moved the reuse count from ``lookup`` to ``prepare_store`` (a
+lookup stops at the first miss, so a long prefix needed about twice as many
+repetitions to warm up). Inside vLLM the adapter follows vLLM, so this is the
+filter it uses; the seed's :class:`~kvoffload.managers.FilterReusedOffloadingManager`
+stays the reference for the batch API.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.keys import OffloadKey
+
+
+class OfferCountFilter:
+    """An LRU table of at most ``max_tracker_size`` keys, counting how often each was offered.
+
+    A key already tracked in an offer is protected from being pushed out by
+    the offer's new keys, so an offer larger than the table still counts
+    something. The threshold applies to new store candidates only.
+    """
+
+    def __init__(self, store_threshold: int, max_tracker_size: int = 64_000) -> None:
+        if store_threshold < 2:
+            raise InvalidArgumentError(f"store_threshold must be >= 2, got {store_threshold}")
+        if max_tracker_size < 1:
+            raise InvalidArgumentError(f"max_tracker_size must be >= 1, got {max_tracker_size}")
+        self.store_threshold = store_threshold
+        self.max_tracker_size = max_tracker_size
+        self.counts: OrderedDict[OffloadKey, int] = OrderedDict()
+
+    def record(self, keys: Sequence[OffloadKey]) -> None:
+        """Count one offer of ``keys``."""
+        counts = self.counts
+        protected: set[OffloadKey] = set()
+        for key in keys:
+            if key in counts:
+                counts[key] += 1
+                counts.move_to_end(key)
+                protected.add(key)
+        unprotected = len(counts) - len(protected)
+        for key in keys:
+            if key in counts:
+                continue
+            if len(counts) >= self.max_tracker_size:
+                if unprotected == 0:
+                    continue
+                counts.popitem(last=False)
+                unprotected -= 1
+            counts[key] = 1
+
+    def admit(self, candidates: Sequence[OffloadKey]) -> list[OffloadKey]:
+        """The candidates offered at least ``store_threshold`` times, in order."""
+        counts, threshold = self.counts, self.store_threshold
+        return [key for key in candidates if counts.get(key, 0) >= threshold]

@@ -1,0 +1,75 @@
+"""Each kvoffload eviction policy as a vLLM 0.33 ``CachePolicy``, for vLLM's own CPU manager.
+
+vLLM resolves ``eviction_policy`` as an attribute of
+``cache_policy_module_path``; ``kvoffload.integrations.vllm`` answers
+``kvoffload_<name>`` for every registered policy (``kvoffload_lru``,
+``kvoffload_arc``, and any registered later). vLLM keeps its manager (slots,
+reference counts, request-scoped access); only the victim choice is ours.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from vllm.v1.kv_offload.cpu.policies.base import CachePolicy as VLLMCachePolicy
+
+from kvoffload.core.keys import OffloadKey
+from kvoffload.policies import CachePolicy, available_policies, create_cache_policy
+
+PREFIX = "kvoffload_"
+
+
+class PolicyShim(VLLMCachePolicy):  # type: ignore[misc]
+    """Holds vLLM's chunk statuses by key and asks our policy for the order and victims.
+
+    vLLM's ``ChunkStatus`` has the ``ref_cnt`` our policies read (``-1``
+    pending, ``0`` evictable, ``>0`` pinned), so they work on it unchanged.
+    """
+
+    policy_name = "lru"
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self._chunks: dict[OffloadKey, Any] = {}
+        self._policy: CachePolicy = create_cache_policy(self.policy_name, cache_capacity)
+
+    def get(self, key: OffloadKey) -> Any:
+        return self._chunks.get(key)
+
+    def insert(self, key: OffloadKey, chunk: Any, req_context: Any) -> None:
+        self._chunks[key] = chunk
+        self._policy.insert([key], [chunk])
+
+    def remove(self, key: OffloadKey) -> None:
+        del self._chunks[key]
+        self._policy.remove([key])
+
+    def touch(self, keys: Iterable[OffloadKey], req_context: Any) -> None:
+        self._policy.touch(list(keys))
+
+    def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, Any]] | None:
+        victims = self._policy.evict(n, protected)
+        if victims is None:
+            return None
+        for key, _ in victims:
+            del self._chunks[key]
+        return list(victims)
+
+    def clear(self) -> None:
+        self._chunks.clear()
+        self._policy = create_cache_policy(self.policy_name, self.cache_capacity)
+
+
+_SHIMS: dict[str, type[PolicyShim]] = {}
+
+
+def policy_shim(attribute: str) -> type[PolicyShim]:
+    """The shim class for ``kvoffload_<name>``; one class per name, made on first use."""
+    name = attribute.removeprefix(PREFIX)
+    if not attribute.startswith(PREFIX) or name not in available_policies():
+        known = ", ".join(PREFIX + p for p in available_policies())
+        raise AttributeError(f"no kvoffload policy {attribute!r} for vLLM; known: {known}")
+    if name not in _SHIMS:
+        _SHIMS[name] = type(attribute, (PolicyShim,), {"policy_name": name})
+    return _SHIMS[name]

@@ -1,0 +1,101 @@
+"""The spec's settings, read from vLLM's ``kv_connector_extra_config`` mapping.
+
+No vLLM import here: the mapping is plain data, and checking it up front
+turns a typo into one clear error at start-up rather than a default silently
+taken. Keys are vLLM's own (what users of its CPU offloading already write)
+plus kvoffload's, all under the :data:`PREFIX`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.policies import available_policies
+
+PREFIX = "kvoffload."
+"""kvoffload's own keys start with this."""
+
+SPEC_KEYS = frozenset(
+    {"cpu_bytes_to_use", "eviction_policy", "store_threshold", "max_tracker_size"}
+)
+"""vLLM's CPU offloading keys that this spec reads."""
+
+CONNECTOR_KEYS = frozenset(
+    {
+        "spec_name",
+        "spec_module_path",
+        "block_size",
+        "blocks_per_chunk",
+        "canonical_layout",
+        "offload_prompt_only",
+        "self_describing_kv_events",
+        "sync_load_budget_bytes",
+    }
+)
+"""Keys that vLLM's offloading connector itself reads; accepted and left to it."""
+
+OWN_KEYS = frozenset({f"{PREFIX}admission", f"{PREFIX}remote_url"})
+"""kvoffload's keys. They name layers that are built by ``build_manager``."""
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    """The checked settings of one :class:`~kvoffload.integrations.vllm.spec.KVOffloadSpec`."""
+
+    cpu_bytes_to_use: int
+    eviction_policy: str = "lru"
+    store_threshold: int = 0
+    max_tracker_size: int = 64_000
+    admission: str | None = None
+    remote_url: str | None = None
+
+
+def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
+    """Check every key and value; an :class:`InvalidArgumentError` names the bad one."""
+    unknown = sorted(set(extra_config) - SPEC_KEYS - CONNECTOR_KEYS - OWN_KEYS)
+    if unknown:
+        raise InvalidArgumentError(
+            f"unknown kv_connector_extra_config key {unknown[0]!r} for kvoffload's spec; "
+            f"known: {', '.join(sorted(SPEC_KEYS | OWN_KEYS))} and vLLM's connector keys "
+            f"({', '.join(sorted(CONNECTOR_KEYS))})"
+        )
+    if "cpu_bytes_to_use" not in extra_config:
+        raise InvalidArgumentError("kv_connector_extra_config needs 'cpu_bytes_to_use'")
+    policy = extra_config.get("eviction_policy", "lru")
+    if policy not in available_policies():
+        raise InvalidArgumentError(
+            f"eviction_policy {policy!r} is not a kvoffload policy; "
+            f"known: {', '.join(available_policies())}"
+        )
+    return SpecSettings(
+        cpu_bytes_to_use=_int(extra_config, "cpu_bytes_to_use", 1),
+        eviction_policy=str(policy),
+        store_threshold=_int(extra_config, "store_threshold", 0, 0),
+        max_tracker_size=_int(extra_config, "max_tracker_size", 1, 64_000),
+        admission=_str(extra_config, f"{PREFIX}admission"),
+        remote_url=_str(extra_config, f"{PREFIX}remote_url"),
+    )
+
+
+def _int(config: Mapping[str, Any], key: str, minimum: int, default: int | None = None) -> int:
+    value = config.get(key, default)
+    # vLLM's own spec accepts numeric strings (JSON from the command line), so do the same.
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgumentError(
+            f"kv_connector_extra_config {key!r} must be an integer >= {minimum}, got {value!r}"
+        )
+    return value
+
+
+def _str(config: Mapping[str, Any], key: str) -> str | None:
+    value = config.get(key)
+    if value is not None and (not isinstance(value, str) or not value):
+        raise InvalidArgumentError(
+            f"kv_connector_extra_config {key!r} must be a non-empty string, got {value!r}"
+        )
+    return value

@@ -1,0 +1,104 @@
+"""``KVOffloadSpec``: kvoffload's managers and data plane as a vLLM 0.33 offloading spec.
+
+vLLM loads it out of tree from ``kv_connector_extra_config``::
+
+    {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.integrations.vllm",
+     "cpu_bytes_to_use": 64000000000, "eviction_policy": "arc", "store_threshold": 2}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingSpec,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.integrations.vllm.adapter import (
+    HELD_BLOCKS_METRIC,
+    METRIC_PREFIX,
+    Probe,
+    VLLMManagerAdapter,
+)
+from kvoffload.integrations.vllm.offer_filter import OfferCountFilter
+from kvoffload.integrations.vllm.settings import SpecSettings, parse_settings
+from kvoffload.managers import CPUOffloadingManager, build_manager
+from kvoffload.observe.counters import COUNTER_DOCS
+
+
+class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
+    """Scheduler side: a :class:`VLLMManagerAdapter` over our manager stack.
+    Worker side: our batched CPU<->GPU handlers behind vLLM's ``OffloadingWorker``.
+
+    The settings are checked in the constructor, so a bad key or value stops
+    vLLM at start-up with an error naming it.
+    """
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """Our counters and the held-blocks gauge, for vLLM's ``/metrics``."""
+        definitions: dict[str, Any] = {
+            f"{METRIC_PREFIX}{name}": OffloadingCounterMetadata(documentation=doc)
+            for name, doc in COUNTER_DOCS.items()
+        }
+        definitions[HELD_BLOCKS_METRIC] = OffloadingGaugeMetadata(
+            documentation="Blocks holding a slot in kvoffload's CPU tier (stored or pending)."
+        )
+        return definitions
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        self.settings: SpecSettings = parse_settings(self.extra_config)
+        if self.settings.admission is not None or self.settings.remote_url is not None:
+            key = "kvoffload.admission" if self.settings.admission else "kvoffload.remote_url"
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config {key!r} needs kvoffload's admission layers and "
+                "tiers, which this installation does not have"
+            )
+        world = max(1, config.parallel.world_size)
+        self.bytes_per_block = config.worker_kv_bytes_per_block * world * self.blocks_per_chunk
+        if self.bytes_per_block <= 0:
+            raise InvalidArgumentError("vLLM reported no KV bytes per block; cannot size the tier")
+        self.num_blocks = self.settings.cpu_bytes_to_use // self.bytes_per_block
+        if self.num_blocks < 1:
+            raise InvalidArgumentError(
+                f"cpu_bytes_to_use {self.settings.cpu_bytes_to_use} holds no offloaded block "
+                f"of {self.bytes_per_block} bytes"
+            )
+        self._manager: VLLMManagerAdapter | None = None
+        self._worker: Any = None
+
+    def build_backing(self) -> tuple[CPUOffloadingManager, Probe]:
+        """The manager stack behind the adapter; the one place to add layers and tiers."""
+        manager = build_manager(
+            self.num_blocks,
+            self.settings.eviction_policy,
+            enable_events=self.kv_events_config.enable_kv_cache_events,
+        )
+        if not isinstance(manager, CPUOffloadingManager):
+            raise TypeError(f"expected the CPU tier manager, got {type(manager).__name__}")
+        return manager, manager.block_status
+
+    def get_manager(self) -> VLLMManagerAdapter:
+        if self._manager is None:
+            threshold = self.settings.store_threshold
+            offer_filter = (
+                OfferCountFilter(threshold, self.settings.max_tracker_size)
+                if threshold >= 2
+                else None
+            )
+            self._manager = VLLMManagerAdapter(
+                self.build_backing, offer_filter, self.bytes_per_block
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: Any) -> Any:
+        if self._worker is None:
+            from kvoffload.integrations.vllm.worker import KVOffloadWorker
+
+            self._worker = KVOffloadWorker(kv_caches, self.num_blocks, self.blocks_per_chunk)
+        return self._worker

@@ -1,0 +1,87 @@
+"""vLLM 0.33's ``OffloadingWorker`` contract on kvoffload's batched CPU<->GPU handlers.
+
+vLLM hands the worker its *canonical* KV caches: one ``[num_blocks, page_bytes]``
+byte tensor per distinct KV buffer. Our handlers copy ``[2, num_blocks, ...]``
+layers (K and V), so each canonical page is viewed as two halves: no byte
+is copied to adapt, and a block's pages still move in batched gathers.
+Without CUDA the tensors are CPU tensors and copies run on a thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+from typing import Any
+
+import torch
+from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.layout import KVLayout
+from kvoffload.core.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from kvoffload.dataplane import CPUBlockStore, OffloadingHandler, cpu_gpu_handlers
+
+logger = logging.getLogger(__name__)
+
+
+class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
+    """Stores and loads for one KV-cache group, into a CPU store of ``num_blocks`` slots."""
+
+    def __init__(self, kv_caches: Any, num_blocks: int, blocks_per_chunk: int = 1) -> None:
+        if len(kv_caches.group_data_refs) != 1:
+            raise InvalidArgumentError(
+                f"kvoffload's worker handles one KV-cache group, got "
+                f"{len(kv_caches.group_data_refs)}"
+            )
+        pages = [_byte_rows(t.tensor) for t in kv_caches.tensors]
+        if not pages or len({p.shape for p in pages}) != 1 or pages[0].shape[1] % 2:
+            raise InvalidArgumentError(
+                "kvoffload's worker needs canonical KV tensors of one even page size, got "
+                f"{[tuple(p.shape) for p in pages]}"
+            )
+        num_gpu_blocks, page_bytes = pages[0].shape
+        halves = [p.view(num_gpu_blocks, 2, page_bytes // 2).transpose(0, 1) for p in pages]
+        layout = KVLayout(len(pages), 1, page_bytes // 2, "float8", tokens_per_block=1)
+        self.store = CPUBlockStore(layout, num_blocks, blocks_per_chunk)
+        (_, _, self._store), (_, _, self._load) = cpu_gpu_handlers(halves, self.store)
+
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        return _submit(self._store, job_id, _gpu(src_spec), CPULoadStoreSpec(dst_spec.block_ids))
+
+    def submit_load(
+        self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
+    ) -> bool:
+        return _submit(self._load, job_id, CPULoadStoreSpec(src_spec.block_ids), _gpu(dst_spec))
+
+    def get_finished(self) -> list[Any]:
+        return [
+            TransferResult(r.job_id, r.success, r.transfer_size, r.transfer_time)
+            for handler in (self._store, self._load)
+            for r in handler.get_finished()
+        ]
+
+    def wait(self, job_ids: Collection[int]) -> None:
+        self._store.wait(job_ids)
+        self._load.wait(job_ids)
+
+    def shutdown(self) -> None:
+        self._store.close()
+        self._load.close()
+
+
+def _byte_rows(tensor: torch.Tensor) -> torch.Tensor:
+    rows = tensor.view(torch.uint8) if tensor.dtype == torch.int8 else tensor
+    return rows.reshape(rows.shape[0], -1).view(torch.uint8)
+
+
+def _gpu(spec: Any) -> GPULoadStoreSpec:
+    return GPULoadStoreSpec(spec.block_ids, spec.group_sizes, spec.block_indices)
+
+
+def _submit(handler: OffloadingHandler, job_id: int, src: Any, dst: Any) -> bool:
+    """Submit, turning a refused job into ``False`` as vLLM's worker loop expects."""
+    try:
+        return handler.transfer_async(job_id, (src, dst))
+    except Exception:
+        logger.warning("kvoffload: job %d refused", job_id, exc_info=True)
+        return False

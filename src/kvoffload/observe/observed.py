@@ -1,0 +1,108 @@
+"""A manager decorator that counts every call and forwards the manager's events.
+
+The simulator and the CLI wrap the manager they build in it, so that metrics
+and KV events need no hooks inside the engine or the managers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from kvoffload.core.keys import OffloadKey
+from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from kvoffload.core.specs import LoadStoreSpec
+from kvoffload.observe.counters import ManagerCounters
+
+EventSink = Callable[[list[OffloadingEvent]], None]
+"""Receives each batch of events drained from the manager, in order."""
+
+
+class ObservedManager(OffloadingManager):
+    """Wraps ``backing`` without changing any answer; counts into :attr:`counters`.
+
+    When ``sinks`` are given, the backing manager's events are drained after
+    every call that can produce them (``prepare_store``, ``complete_store``)
+    and handed to each sink, so they reach the outside world in the step that
+    made them; :meth:`take_events` then returns nothing. Without sinks it
+    passes ``take_events`` through. ``held_blocks`` counts admitted blocks
+    less evicted and failed ones, which holds for any manager.
+    """
+
+    def __init__(
+        self,
+        backing: OffloadingManager,
+        bytes_per_block: int = 0,
+        sinks: Sequence[EventSink] = (),
+    ) -> None:
+        self._backing = backing
+        self._bytes_per_block = bytes_per_block
+        self._sinks = tuple(sinks)
+        self.counters = ManagerCounters()
+
+    @property
+    def backing(self) -> OffloadingManager:
+        return self._backing
+
+    def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
+        hits = self._backing.lookup(keys)
+        self.counters.lookups += 1
+        if hits:
+            self.counters.lookup_hit_blocks += hits
+        return hits
+
+    def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
+        keys = list(keys)
+        spec = self._backing.prepare_load(keys)
+        self.counters.loads += len(keys)
+        self.counters.bytes_loaded += len(keys) * self._bytes_per_block
+        return spec
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        self._backing.touch(keys)
+
+    def complete_load(self, keys: Iterable[OffloadKey]) -> None:
+        self._backing.complete_load(keys)
+
+    def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
+        offered = list(keys)
+        output = self._backing.prepare_store(offered)
+        c = self.counters
+        c.stores_offered += len(offered)
+        if output is None:
+            c.stores_rejected += len(offered)
+        else:
+            admitted = len(output.keys_to_store)
+            evicted = len(output.evicted_keys)
+            c.stores_admitted += admitted
+            c.evictions += evicted
+            c.held_blocks += admitted - evicted
+            skipped = getattr(self._backing, "stores_skipped", None)
+            if isinstance(skipped, int):
+                c.stores_skipped = skipped
+        self._drain()
+        return output
+
+    def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
+        keys = list(keys)
+        self._backing.complete_store(keys, success)
+        c = self.counters
+        if success:
+            c.stores_completed += len(keys)
+            c.bytes_stored += len(keys) * self._bytes_per_block
+        else:
+            c.stores_failed += len(keys)
+            c.held_blocks -= len(keys)
+        self._drain()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._sinks:
+            return ()
+        return self._backing.take_events()
+
+    def _drain(self) -> None:
+        if not self._sinks:
+            return
+        events = list(self._backing.take_events())
+        if events:
+            for sink in self._sinks:
+                sink(events)

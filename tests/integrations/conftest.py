@@ -1,0 +1,44 @@
+"""vLLM imported once per session (about 10 s), skipped cleanly where it is not installed."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+VLLM_MODULES = (
+    "vllm.v1.kv_offload.base",
+    "vllm.v1.kv_offload.config",
+    "vllm.v1.kv_offload.factory",
+    "vllm.v1.kv_offload.cpu.manager",
+    "vllm.distributed.kv_events",
+)
+
+
+def import_vllm() -> dict[str, ModuleType]:
+    """vLLM's modules; torch's own deprecation warnings from that import are not ours."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it)")
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r".*torch\.jit\.script_method.*", category=DeprecationWarning
+        )
+        return {name: importlib.import_module(name) for name in VLLM_MODULES}
+
+
+@pytest.fixture(scope="session")
+def vllm_modules() -> dict[str, ModuleType]:
+    return import_vllm()
+
+
+@pytest.fixture(scope="session")
+def mooncake_trace() -> Path:
+    env = os.environ.get("KVOFFLOAD_SHARED")
+    shared = Path(env) if env else Path(__file__).resolve().parents[2] / ".." / "shared"
+    path = shared / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
+    if not path.is_file():
+        pytest.skip(f"the Mooncake trace is not at {path} (set KVOFFLOAD_SHARED)")
+    return path

@@ -1,0 +1,106 @@
+"""Our spec against vLLM 0.33's own CPUOffloadingManager, through vLLM's per-key API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from vllm_helpers import create_spec
+
+from kvoffload import block_id_key
+from kvoffload.sim.traces import read_trace
+from kvoffload.sim.workload import Request
+
+CAPACITY = 4392
+"""Blocks in the tier: 10% of the trace's unique blocks, as the README's runs use."""
+
+
+def _vllm_manager(num_blocks: int, threshold: int, policy: str = "lru", path: Any = None) -> Any:
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    return CPUOffloadingManager(
+        num_blocks, policy, cache_policy_module_path=path, store_threshold=threshold
+    )
+
+
+def _ours(num_blocks: int, threshold: int, policy: str = "lru") -> Any:
+    extra = {"cpu_bytes_to_use": num_blocks * 1024, "eviction_policy": policy}
+    return create_spec({**extra, "store_threshold": threshold}).get_manager()
+
+
+@pytest.fixture(scope="module")
+def mooncake(mooncake_trace: Path) -> Any:
+    return read_trace(mooncake_trace)
+
+
+@pytest.mark.parametrize("threshold", [0, 2])
+def test_mooncake_matches_vllms_manager(
+    vllm_modules: dict[str, ModuleType], mooncake: Any, threshold: int
+) -> None:
+    from kvoffload.integrations.vllm.replay import replay
+
+    theirs = replay(_vllm_manager(CAPACITY, threshold), mooncake.requests, mooncake.block_tokens)
+    ours = replay(_ours(CAPACITY, threshold), mooncake.requests, mooncake.block_tokens)
+    assert theirs.hit_ratio > 0.2
+    assert abs(ours.hit_ratio - theirs.hit_ratio) <= 0.01
+    assert abs(ours.writes_per_ref - theirs.writes_per_ref) <= 0.01
+    if threshold:
+        assert (
+            ours.written_blocks
+            < 0.6
+            * replay(_ours(CAPACITY, 0), mooncake.requests, mooncake.block_tokens).written_blocks
+        )
+
+
+def _requests(prefixes: list[list[int]]) -> list[Request]:
+    return [
+        Request(float(i), 16 * len(p), 1, [block_id_key(b) for b in p])
+        for i, p in enumerate(prefixes)
+    ]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    prefixes=st.lists(
+        st.lists(st.integers(0, 12), min_size=1, max_size=6, unique=True), min_size=1, max_size=25
+    ),
+    capacity=st.integers(1, 8),
+    threshold=st.sampled_from([0, 2, 3]),
+)
+def test_every_request_matches_vllms_manager(
+    vllm_modules: dict[str, ModuleType], prefixes: list[list[int]], capacity: int, threshold: int
+) -> None:
+    """Request by request, the same hits, writes and refusals as vLLM's LRU manager."""
+    from kvoffload.integrations.vllm.replay import replay
+
+    theirs, ours = _vllm_manager(capacity, threshold), _ours(capacity, threshold)
+    for request in _requests(prefixes):
+        assert replay(ours, [request], 16) == replay(theirs, [request], 16)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_our_policies_run_inside_vllms_manager(
+    vllm_modules: dict[str, ModuleType], mooncake: Any, policy: str
+) -> None:
+    """``cache_policy_module_path``: vLLM's manager, our victim choice."""
+    from kvoffload.integrations.vllm.policy import PolicyShim
+    from kvoffload.integrations.vllm.replay import replay
+
+    path = "kvoffload.integrations.vllm"
+    shimmed = _vllm_manager(CAPACITY, 0, f"kvoffload_{policy}", path)
+    assert isinstance(shimmed._policy, PolicyShim)
+    assert shimmed._policy.policy_name == policy
+    requests = mooncake.requests
+    with_shim = replay(shimmed, requests, mooncake.block_tokens)
+    native = replay(_vllm_manager(CAPACITY, 0, policy), requests, mooncake.block_tokens)
+    assert with_shim.refs == native.refs
+    assert abs(with_shim.hit_ratio - native.hit_ratio) <= 0.01
+
+
+def test_an_unknown_shim_name_lists_ours(vllm_modules: dict[str, ModuleType]) -> None:
+    with pytest.raises(AttributeError, match="kvoffload_lru"):
+        _vllm_manager(4, 0, "kvoffload_mru", "kvoffload.integrations.vllm")

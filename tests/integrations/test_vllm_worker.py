@@ -1,0 +1,94 @@
+"""The worker side: vLLM's OffloadingWorker contract on our handlers, CPU canonical KV caches."""
+
+from __future__ import annotations
+
+import time
+from types import ModuleType
+from typing import Any
+
+import pytest
+from vllm_helpers import create_spec
+
+torch = pytest.importorskip("torch")
+
+NUM_GPU_BLOCKS = 12
+PAGE_BYTES = 256
+
+
+def _canonical_caches(num_tensors: int) -> Any:
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+    )
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randint(
+            -128, 128, (NUM_GPU_BLOCKS, PAGE_BYTES), dtype=torch.int8, generator=generator
+        )
+        for _ in range(num_tensors)
+    ]
+    return CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(t, PAGE_BYTES) for t in tensors],
+        group_data_refs=[[CanonicalKVCacheRef(i, PAGE_BYTES) for i in range(num_tensors)]],
+    )
+
+
+def _finish(worker: Any, job_ids: set[int]) -> dict[int, Any]:
+    worker.wait(job_ids)
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + 10
+    while set(results) != job_ids and time.monotonic() < deadline:
+        results.update({r.job_id: r for r in worker.get_finished()})
+    return results
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_store_then_load_round_trips_bytes(
+    vllm_modules: dict[str, ModuleType], blocks_per_chunk: int
+) -> None:
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadingWorker
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    num_tensors = 3
+    spec = create_spec(
+        {"cpu_bytes_to_use": 8 * num_tensors * PAGE_BYTES * blocks_per_chunk},
+        bytes_per_block=num_tensors * PAGE_BYTES,
+        blocks_per_chunk=blocks_per_chunk,
+    )
+    caches = _canonical_caches(num_tensors)
+    worker = spec.get_worker(caches)
+    assert isinstance(worker, OffloadingWorker)
+    assert spec.get_worker(caches) is worker
+    gpu = [t.tensor for t in caches.tensors]
+    source_blocks = [1, 2, 5, 6]
+    expected = [t[source_blocks].clone() for t in gpu]
+    slots = [3, 0] if blocks_per_chunk == 2 else [3, 0, 7, 4]
+    store = worker.submit_store(
+        1, GPULoadStoreSpec(source_blocks, [4], [0]), CPULoadStoreSpec(slots)
+    )
+    assert store
+    stored = _finish(worker, {1})
+    assert stored[1].success
+    assert stored[1].transfer_size == 4 * num_tensors * PAGE_BYTES
+    for t in gpu:
+        t.zero_()
+    targets = [9, 10, 11, 4]
+    assert worker.submit_load(2, CPULoadStoreSpec(slots), GPULoadStoreSpec(targets, [4], [0]))
+    assert _finish(worker, {2})[2].success
+    for t, want in zip(gpu, expected, strict=True):
+        assert torch.equal(t[targets], want)
+        assert not t[source_blocks].any()
+    worker.shutdown()
+
+
+def test_a_bad_job_is_refused_not_raised(vllm_modules: dict[str, ModuleType]) -> None:
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    spec = create_spec({"cpu_bytes_to_use": 4 * 2 * PAGE_BYTES}, bytes_per_block=2 * PAGE_BYTES)
+    worker = spec.get_worker(_canonical_caches(2))
+    out_of_range = CPULoadStoreSpec([99])
+    assert not worker.submit_store(1, GPULoadStoreSpec([0], [1], [0]), out_of_range)
+    worker.shutdown()
