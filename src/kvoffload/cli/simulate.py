@@ -8,7 +8,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from kvoffload.cli import options, output
+from kvoffload.cli import observe_options, options, output
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.core.errors import KVOffloadError
 from kvoffload.sim.run import RunReport, SimConfig, blocks_for_gib, simulate
@@ -71,6 +71,7 @@ def register(commands: Any) -> None:
         "--json", metavar="PATH", help="write the run as one JSON object (- stdout)"
     )
     parser.add_argument("--csv", metavar="PATH", help="write the run as one CSV row (- stdout)")
+    observe_options.add_observe_arguments(parser)
     options.add_progress_argument(parser)
     parser.set_defaults(run=run)
 
@@ -120,10 +121,17 @@ def run(args: argparse.Namespace) -> int:
     # The data plane's backend is duck-typed: a TransferBackend plus its check counters.
     backend: Any = _data_plane(config, bt, args.device) if args.data_plane else None
     bar = ProgressBar("simulate", ProgressBar.wanted(args.progress))
-    try:
-        report = simulate(workload, config, backend, bar)
-    finally:
-        bar.close()
+    with observe_options.observing(args, bt) as observers:
+        try:
+            report = simulate(workload, config, backend, bar, observers)
+        finally:
+            bar.close()
+        # Inside: results are written while the events and metrics endpoints are still up.
+        _write_results(args, report, backend)
+    return 0
+
+
+def _write_results(args: argparse.Namespace, report: RunReport, backend: Any) -> None:
     data = report.as_dict()
     plane = None
     if backend is not None:
@@ -141,7 +149,6 @@ def run(args: argparse.Namespace) -> int:
         raise DataPlaneMismatchError(
             f"data plane: {plane.mismatched_blocks} loaded blocks did not hold what was stored"
         )
-    return 0
 
 
 def _bound(value: float | None) -> str:

@@ -7,6 +7,6 @@ modules that need them (``events``, ``metrics``).
 """
 
 from kvoffload.observe.counters import ManagerCounters
-from kvoffload.observe.observed import ObservedManager
+from kvoffload.observe.observed import EventSink, ObservedManager, Observers
 
-__all__ = ["ManagerCounters", "ObservedManager"]
+__all__ = ["EventSink", "ManagerCounters", "ObservedManager", "Observers"]

@@ -7,6 +7,7 @@ and KV events need no hooks inside the engine or the managers.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
@@ -106,3 +107,21 @@ class ObservedManager(OffloadingManager):
         if events:
             for sink in self._sinks:
                 sink(events)
+
+
+@dataclass(frozen=True)
+class Observers:
+    """What a run attaches to the manager it builds: event sinks, and hooks given the wrapper.
+
+    ``on_manager`` hooks receive the :class:`ObservedManager` once it exists,
+    e.g. to register its counters with a metrics endpoint.
+    """
+
+    sinks: Sequence[EventSink] = ()
+    on_manager: Sequence[Callable[[ObservedManager], None]] = ()
+
+    def wrap(self, manager: OffloadingManager, bytes_per_block: int) -> ObservedManager:
+        observed = ObservedManager(manager, bytes_per_block, self.sinks)
+        for hook in self.on_manager:
+            hook(observed)
+        return observed

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import KVLayout, layout_preset
 from kvoffload.managers import build_manager
+from kvoffload.observe import Observers
 from kvoffload.policies import available_policies
 from kvoffload.sim.belady import belady_bound
 from kvoffload.sim.engine import EngineConfig, Progress, ServingEngine
@@ -140,8 +141,13 @@ def simulate(
     config: SimConfig,
     backend: TransferBackend | None = None,
     progress: Progress | None = None,
+    observers: Observers | None = None,
 ) -> RunReport:
-    """Replay ``workload`` under ``config`` and return the run's metrics."""
+    """Replay ``workload`` under ``config`` and return the run's metrics.
+
+    ``observers`` wrap the tier's manager (see :class:`~kvoffload.observe.Observers`)
+    to export its KV events and metrics while the replay runs.
+    """
     started = time.perf_counter()
     bytes_per_block = config.kv_layout(workload.block_tokens).bytes_per_block
     engine_config = EngineConfig(
@@ -156,8 +162,14 @@ def simulate(
     manager = None
     if config.cpu_blocks > 0:
         manager = build_manager(
-            config.cpu_blocks, config.policy, config.store_threshold, config.max_tracker_size
+            config.cpu_blocks,
+            config.policy,
+            config.store_threshold,
+            config.max_tracker_size,
+            enable_events=observers is not None and bool(observers.sinks),
         )
+        if observers is not None:
+            manager = observers.wrap(manager, bytes_per_block)
     stats = ServingEngine(engine_config, manager, backend).run(workload.requests, progress)
     bound = (
         belady_bound(workload.requests, config.gpu_blocks, config.cpu_blocks)

@@ -1,0 +1,74 @@
+"""Prometheus metrics of a running manager, read from its counters at scrape time.
+
+A collector rather than counters incremented per call: the hot path keeps
+plain integer additions, and a scrape reads a consistent snapshot.
+prometheus_client is imported here only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.observe.counters import COUNTER_DOCS, ManagerCounters
+
+PREFIX = "kvoffload_"
+
+
+class ManagerCollector(Collector):
+    """Exports ``counters()`` as ``kvoffload_<name>_total`` counters and ``kvoffload_held_blocks``.
+
+    ``labels`` (e.g. ``{"tier": "cpu", "policy": "lru"}``) tell managers apart
+    when one registry holds several.
+    """
+
+    def __init__(
+        self, counters: Callable[[], ManagerCounters], labels: dict[str, str] | None = None
+    ) -> None:
+        self._counters = counters
+        self._labels = dict(labels or {})
+
+    def collect(self) -> Iterator[Metric]:
+        values = self._counters().as_dict()
+        names, label_values = list(self._labels), list(self._labels.values())
+        for name, doc in COUNTER_DOCS.items():
+            family = CounterMetricFamily(f"{PREFIX}{name}", doc, labels=names)
+            family.add_metric(label_values, values[name])
+            yield family
+        held = GaugeMetricFamily(
+            f"{PREFIX}held_blocks", "Blocks holding a slot in the offload tier.", labels=names
+        )
+        held.add_metric(label_values, values["held_blocks"])
+        yield held
+
+
+class MetricsServer:
+    """An HTTP ``/metrics`` endpoint on 127.0.0.1 for one registry; ``port=0`` picks a free port."""
+
+    def __init__(self, port: int, host: str = "127.0.0.1") -> None:
+        if not 0 <= port <= 65535:
+            raise InvalidArgumentError(f"metrics port must be in 0..65535, got {port}")
+        self.registry = CollectorRegistry()
+        try:
+            self._server, self._thread = start_http_server(port, host, self.registry)
+        except OSError as exc:
+            raise InvalidArgumentError(f"cannot serve metrics on port {port}: {exc}") from None
+        self.port: int = self._server.server_port
+
+    def add(self, collector: Collector) -> None:
+        self.registry.register(collector)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,144 @@
+"""Publish KV event batches on a ZMQ PUB socket, with a replay socket for missed batches.
+
+The wire protocol is vLLM's ``ZmqEventPublisher``'s, so its subscribers and
+routers work unchanged: each batch is a multipart ``[topic, seq, payload]``
+(``seq`` 8 bytes big-endian, from 0); a replay client sends
+``[b"", start_seq]`` to the ROUTER socket and gets every buffered batch from
+``start_seq`` as ``[b"", topic, seq, payload]``, then ``[b"", b"", -1, b""]``.
+Both sockets live on one background thread (ZMQ sockets are not
+thread-safe), so ``publish`` never blocks the manager's caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Sequence
+
+import zmq
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.manager import OffloadingEvent
+from kvoffload.observe.events import KVEventBatch, encode_batch, make_batch, to_kv_events
+
+logger = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""The ``seq`` frame that ends a replay."""
+
+
+class KVEventPublisher:
+    """Binds ``endpoint`` (PUB) and, if given, ``replay_endpoint`` (ROUTER) at once.
+
+    A port that cannot be bound is an :class:`InvalidArgumentError` naming
+    the endpoint. The last ``buffer_batches`` batches stay available for
+    replay until :meth:`close`. Usable as an event sink of
+    :class:`~kvoffload.observe.ObservedManager` (``publisher.publish``).
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "kvoffload",
+        block_size: int = 16,
+        buffer_batches: int = 10_000,
+        data_parallel_rank: int = 0,
+    ) -> None:
+        self.topic = topic.encode()
+        self.block_size = block_size
+        self.data_parallel_rank = data_parallel_rank
+        self.published = 0
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._pub = self._bind(zmq.PUB, endpoint)
+        self._replay = None if replay_endpoint is None else self._bind(zmq.ROUTER, replay_endpoint)
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = (
+            None if self._replay is None else self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        )
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        # A batch to send, an Event to set once everything before it is sent, or None: stop.
+        self._queue: queue.Queue[KVEventBatch | threading.Event | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
+        self._thread.start()
+
+    def publish(self, events: Sequence[OffloadingEvent]) -> None:
+        """Queue the manager's events as one batch (nothing is sent for no events)."""
+        kv_events = to_kv_events(events, self.block_size)
+        if kv_events:
+            self._queue.put(make_batch(kv_events, self.data_parallel_rank))
+
+    def publish_batch(self, batch: KVEventBatch) -> None:
+        self._queue.put(batch)
+
+    def flush(self, timeout_s: float = 10.0) -> None:
+        """Wait until every queued batch has been sent."""
+        done = threading.Event()
+        self._queue.put(done)
+        done.wait(timeout_s)
+
+    def close(self) -> None:
+        """Send what is queued, then stop the thread and close both sockets."""
+        if not self._thread.is_alive():
+            return
+        self._queue.put(None)
+        self._thread.join()
+        self._pub.close(linger=1000)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+
+    def __enter__(self) -> KVEventPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _bind(self, kind: int, endpoint: str) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = self._context.socket(kind)
+        if kind == zmq.ROUTER:
+            sock.setsockopt(zmq.SNDHWM, 0)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            if kind == zmq.ROUTER:
+                self._pub.close(linger=0)
+            raise InvalidArgumentError(f"cannot bind KV events to {endpoint!r}: {exc}") from None
+        return sock
+
+    def _run(self) -> None:
+        while True:
+            if self._replay is not None:
+                while self._replay.poll(0):
+                    self._serve_replay()
+            try:
+                batch = self._queue.get(timeout=0.02)
+            except queue.Empty:
+                continue
+            if batch is None:
+                return
+            if isinstance(batch, threading.Event):
+                batch.set()
+                continue
+            seq = self.published
+            payload = encode_batch(batch)
+            self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+            self._buffer.append((seq, payload))
+            self.published += 1
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            logger.warning("ignoring a malformed replay request of %d frames", len(frames))
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for seq, payload in self._buffer:
+            if seq >= first:
+                self._replay.send_multipart(
+                    (client, b"", self.topic, seq.to_bytes(8, "big"), payload)
+                )
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))

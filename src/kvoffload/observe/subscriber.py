@@ -1,0 +1,108 @@
+"""Receive KV event batches from a vLLM-compatible publisher, repairing gaps by replay.
+
+A subscriber that joins late, or loses a batch (PUB sockets drop under
+load), sees a sequence number beyond the next one it expects; it then asks
+the replay socket for everything from the next expected number, so batches
+reach the caller exactly once and in order.
+"""
+
+from __future__ import annotations
+
+import zmq
+
+from kvoffload.observe.events import KVEventBatch, decode_batch
+from kvoffload.observe.publisher import END_SEQ
+
+Delivered = list[tuple[int, KVEventBatch]]
+
+
+class KVEventSubscriber:
+    """Connects to ``endpoint`` (PUB) and, for repairs, ``replay_endpoint`` (ROUTER).
+
+    ``bind=True`` binds ``endpoint`` instead, for publishers that connect
+    (vLLM's publisher connects to any endpoint without a ``*``).
+
+    ``gaps`` counts the gaps seen; ``repaired`` the batches recovered by
+    replay. Without a replay endpoint a gap is skipped over (and counted).
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        replay_timeout_s: float = 5.0,
+        bind: bool = False,
+    ) -> None:
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sub = self._context.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        if bind:
+            self._sub.bind(endpoint)
+        else:
+            self._sub.connect(endpoint)
+        self.endpoint = self._sub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._replay_endpoint = replay_endpoint
+        self._replay_timeout_ms = int(replay_timeout_s * 1000)
+        self.next_seq = 0
+        self.gaps = 0
+        self.repaired = 0
+
+    def receive(self, timeout_s: float = 1.0) -> Delivered:
+        """Batches that arrived within ``timeout_s`` (waiting only for the first), in order."""
+        delivered: Delivered = []
+        timeout_ms = int(timeout_s * 1000)
+        while self._sub.poll(timeout_ms):
+            timeout_ms = 0
+            _, seq_bytes, payload = self._sub.recv_multipart()
+            self.accept(int.from_bytes(seq_bytes, "big"), payload, delivered)
+        return delivered
+
+    def accept(self, seq: int, payload: bytes, delivered: Delivered) -> None:
+        """Take one published batch: drop a duplicate, repair a gap before it, then add it."""
+        if seq < self.next_seq:
+            return
+        if seq > self.next_seq:
+            self.gaps += 1
+            self._repair(seq, delivered)
+        delivered.append((seq, decode_batch(payload)))
+        self.next_seq = seq + 1
+
+    def catch_up(self) -> Delivered:
+        """Everything the replay socket still holds from ``next_seq`` on."""
+        delivered: Delivered = []
+        self._repair(None, delivered)
+        return delivered
+
+    def close(self) -> None:
+        self._sub.close(linger=0)
+
+    def __enter__(self) -> KVEventSubscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _repair(self, before: int | None, delivered: Delivered) -> None:
+        if self._replay_endpoint is None:
+            if before is not None:
+                self.next_seq = before
+            return
+        dealer = self._context.socket(zmq.DEALER)
+        try:
+            dealer.connect(self._replay_endpoint)
+            dealer.send_multipart((b"", self.next_seq.to_bytes(8, "big")))
+            while dealer.poll(self._replay_timeout_ms):
+                _, _, seq_bytes, payload = dealer.recv_multipart()
+                if seq_bytes == END_SEQ:
+                    break
+                seq = int.from_bytes(seq_bytes, "big")
+                if seq < self.next_seq or (before is not None and seq >= before):
+                    continue
+                delivered.append((seq, decode_batch(payload)))
+                self.next_seq = seq + 1
+                self.repaired += 1
+        finally:
+            dealer.close(linger=0)
+        if before is not None:
+            self.next_seq = max(self.next_seq, before)

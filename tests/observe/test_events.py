@@ -1,0 +1,212 @@
+"""KV events on real sockets: vLLM decodes ours, we decode vLLM's, gaps and late joins repair."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("zmq")
+pytest.importorskip("msgspec")
+
+from kvoffload import OffloadingEvent, block_id_key
+from kvoffload.observe.events import BlockRemoved, BlockStored, decode_batch
+from kvoffload.observe.indexer import PrefixIndex
+from kvoffload.observe.publisher import KVEventPublisher
+from kvoffload.observe.subscriber import Delivered, KVEventSubscriber
+
+LOCAL = "tcp://127.0.0.1:0"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stored(*ids: int) -> list[OffloadingEvent]:
+    return [OffloadingEvent([block_id_key(i) for i in ids], "CPU", removed=False)]
+
+
+def _receive_until(sub: KVEventSubscriber, count: int, timeout_s: float = 10.0) -> Delivered:
+    got: Delivered = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < count and time.monotonic() < deadline:
+        got += sub.receive(0.2)
+    return got
+
+
+def test_a_late_subscriber_catches_up_then_follows() -> None:
+    with KVEventPublisher(LOCAL, LOCAL, block_size=16) as pub:
+        for i in range(5):
+            pub.publish(_stored(i))
+        pub.flush()
+        with KVEventSubscriber(pub.endpoint, pub.replay_endpoint) as sub:
+            caught_up = sub.catch_up()
+            assert [seq for seq, _ in caught_up] == [0, 1, 2, 3, 4]
+            time.sleep(0.3)  # the SUB connection is up before the next batch
+            pub.publish(_stored(5))
+            pub.flush()
+            later = _receive_until(sub, 1)
+    assert [seq for seq, _ in later] == [5]
+    event = later[0][1].events[0]
+    assert isinstance(event, BlockStored)
+    assert event.block_hashes == [(5).to_bytes(8, "big")]
+    assert (event.medium, event.block_size, event.group_idx) == ("CPU", 16, 0)
+
+
+class _Lossy(KVEventSubscriber):
+    """Loses batch 2 the first time it arrives, as a congested PUB socket does."""
+
+    lost = False
+
+    def accept(self, seq: int, payload: bytes, delivered: Delivered) -> None:
+        if seq == 2 and not self.lost:
+            self.lost = True
+            return
+        super().accept(seq, payload, delivered)
+
+
+def test_a_dropped_batch_is_detected_by_its_gap_and_repaired() -> None:
+    with KVEventPublisher(LOCAL, LOCAL) as pub, _Lossy(pub.endpoint, pub.replay_endpoint) as sub:
+        time.sleep(0.3)
+        for i in range(6):
+            pub.publish(_stored(i))
+        pub.flush()
+        got = _receive_until(sub, 6)
+    assert sub.lost
+    assert [seq for seq, _ in got] == list(range(6))
+    assert (sub.gaps, sub.repaired) == (1, 1)
+
+
+def test_a_gap_without_replay_is_counted_and_skipped() -> None:
+    with KVEventPublisher(LOCAL) as pub, _Lossy(pub.endpoint) as sub:
+        time.sleep(0.3)
+        for i in range(4):
+            pub.publish(_stored(i))
+        pub.flush()
+        got = _receive_until(sub, 3)
+    assert [seq for seq, _ in got] == [0, 1, 3]
+    assert sub.gaps == 1
+
+
+def test_publishing_on_a_taken_port_names_the_endpoint() -> None:
+    from kvoffload import InvalidArgumentError
+
+    with (
+        KVEventPublisher(LOCAL) as first,
+        pytest.raises(InvalidArgumentError, match="cannot bind KV events"),
+    ):
+        KVEventPublisher(first.endpoint)
+
+
+def test_indexer_answers_the_longest_prefix() -> None:
+    index = PrefixIndex()
+    h = [i.to_bytes(8, "big") for i in range(5)]
+    from kvoffload.observe.events import make_batch
+
+    index.apply("a", make_batch([BlockStored(h[:2], None, [], 16, None, "CPU", None)]))
+    index.apply("b", make_batch([BlockStored(h[:4], None, [], 16, None, "CPU", None)]))
+    assert index.longest_prefix(h) == ("b", 4)
+    index.apply("b", make_batch([BlockRemoved([h[1]], "CPU")]))
+    assert index.longest_prefix(h) == ("a", 2)
+    assert index.longest_prefix([h[4]]) == (None, 0)
+    # Held twice (two media): one removal leaves it held.
+    index.apply("a", make_batch([BlockStored([h[0]], None, [], 16, None, "GPU", None)]))
+    index.apply("a", make_batch([BlockRemoved([h[0]], "CPU")]))
+    assert index.holds("a", h[0])
+
+
+def test_simulate_publishes_what_the_tier_holds(mooncake_trace: Path, tmp_path: Path) -> None:
+    """A router indexing ``kvoffload simulate``'s events (in another process) sees its tier."""
+    pub_port, replay_port = free_port(), free_port()
+    result = tmp_path / "run.json"
+    command = [
+        sys.executable, "-m", "kvoffload", "simulate", "--trace", str(mooncake_trace),
+        "--gpu-blocks", "878", "--cpu-blocks", "2196", "--no-bound", "--json", str(result),
+        "--kv-events-endpoint", f"tcp://127.0.0.1:{pub_port}",
+        "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port}",
+        "--serve-after", "3",
+    ]  # fmt: skip
+    index = PrefixIndex()
+    with subprocess.Popen(command, stderr=subprocess.PIPE) as proc:
+        try:
+            with KVEventSubscriber(
+                f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}"
+            ) as sub:
+                while not result.exists():
+                    for _, batch in sub.receive(0.2):
+                        index.apply("sim", batch)
+                    assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                # The results are written, the endpoints stay up for --serve-after.
+                for _, batch in sub.receive(0.5) + sub.catch_up():
+                    index.apply("sim", batch)
+        finally:
+            proc.wait(timeout=60)
+    assert proc.returncode == 0
+    import json
+
+    report = json.loads(result.read_text())
+    assert report["stores_failed"] == 0
+    held = report["offload_blocks_written"] - report["offload_evictions"]
+    assert 0 < held <= 2196
+    assert index.num_blocks("sim") == held
+
+
+def test_vllm_decodes_ours_and_we_decode_vllms(tmp_path: Path) -> None:
+    """vLLM's ZmqEventPublisher, in another process, to our subscriber; and our bytes to vLLM."""
+    pytest.importorskip("vllm")
+    payload_file = tmp_path / "ours.bin"
+    with KVEventPublisher(LOCAL) as pub, KVEventSubscriber(pub.endpoint) as sub:
+        time.sleep(0.3)
+        pub.publish([*_stored(7, 8), OffloadingEvent([block_id_key(7)], "CPU", removed=True)])
+        pub.flush()
+        ((_, batch),) = _receive_until(sub, 1)
+    from kvoffload.observe.events import encode_batch
+
+    payload_file.write_bytes(encode_batch(batch))
+    sub_port, replay_port = free_port(), free_port()
+    script = textwrap.dedent(
+        f"""
+        import time, warnings
+        warnings.simplefilter("ignore")
+        import msgspec
+        from vllm.distributed.kv_events import (
+            BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher)
+        payload = open({str(payload_file)!r}, "rb").read()
+        ours = msgspec.msgpack.Decoder(KVEventBatch).decode(payload)
+        stored, removed = ours.events
+        assert isinstance(stored, BlockStored) and isinstance(removed, BlockRemoved)
+        assert stored.block_hashes == [(7).to_bytes(8, "big"), (8).to_bytes(8, "big")]
+        assert stored.medium == "CPU" and removed.block_hashes == [(7).to_bytes(8, "big")]
+        pub = ZmqEventPublisher(0, "tcp://127.0.0.1:{sub_port}",
+                                "tcp://127.0.0.1:{replay_port}", topic="vllm")
+        for i in range(6):
+            # The first batches go out before the connection is up: the gap is repaired.
+            pub.publish(KVEventBatch(ts=time.time(), events=[
+                BlockStored([i], None, [1, 2], 16, None, "GPU", None)]))
+            time.sleep(1 if i == 3 else 0)
+        time.sleep(3)
+        pub.shutdown()
+        """
+    )
+    with KVEventSubscriber(
+        f"tcp://127.0.0.1:{sub_port}", f"tcp://127.0.0.1:{replay_port}", bind=True
+    ) as sub:
+        proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE)
+        try:
+            got = _receive_until(sub, 6, timeout_s=90)
+        finally:
+            _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert [seq for seq, _ in got] == list(range(6))
+    events: list[Any] = [b.events[0] for _, b in got]
+    assert all(isinstance(e, BlockStored) for e in events)
+    assert [e.block_hashes for e in events] == [[i] for i in range(6)]
+    assert decode_batch(payload_file.read_bytes()).events[0].medium == "CPU"
