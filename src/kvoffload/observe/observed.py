@@ -77,9 +77,10 @@ class ObservedManager(OffloadingManager):
             c.stores_admitted += admitted
             c.evictions += evicted
             c.held_blocks += admitted - evicted
-            skipped = getattr(self._backing, "stores_skipped", None)
-            if isinstance(skipped, int):
-                c.stores_skipped = skipped
+        # Admission layers count what they hold back, even when the tier then refuses the rest.
+        skipped = getattr(self._backing, "stores_skipped", None)
+        if isinstance(skipped, int):
+            c.stores_skipped = skipped
         self._drain()
         return output
 

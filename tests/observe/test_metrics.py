@@ -1,0 +1,108 @@
+"""Prometheus metrics scraped during and after a replay agree with the run's result."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("prometheus_client")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from kvoffload.observe import ObservedManager, Observers  # noqa: E402
+from kvoffload.observe.metrics import ManagerCollector, MetricsServer  # noqa: E402
+from kvoffload.sim.run import SimConfig, simulate  # noqa: E402
+from kvoffload.sim.traces import read_trace  # noqa: E402
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("kvoffload_")
+    }
+
+
+def _agrees_with(metrics: dict[str, float], report: dict[str, float]) -> None:
+    bpb = report["bytes_per_block"]
+    completed = report["offload_blocks_written"] - report["stores_failed"]
+    assert metrics["kvoffload_lookups_total"] == report["lookups"]
+    assert metrics["kvoffload_stores_offered_total"] == report["stores_offered"]
+    assert metrics["kvoffload_stores_rejected_total"] == report["stores_rejected"]
+    assert metrics["kvoffload_stores_skipped_total"] == report["stores_skipped_by_admission"]
+    assert metrics["kvoffload_evictions_total"] == report["offload_evictions"]
+    assert metrics["kvoffload_stores_completed_total"] == completed
+    assert metrics["kvoffload_loads_total"] == report["offload_blocks_read"]
+    assert metrics["kvoffload_bytes_stored_total"] == completed * bpb
+    assert metrics["kvoffload_bytes_loaded_total"] == report["offload_bytes_read"]
+    assert metrics["kvoffload_held_blocks"] == completed - report["offload_evictions"]
+
+
+@pytest.mark.parametrize("threshold", [0, 2])
+def test_scrapes_during_a_replay_agree_with_its_report(
+    mooncake_trace: Path, threshold: int
+) -> None:
+    workload = read_trace(mooncake_trace)
+    config = SimConfig(gpu_blocks=878, cpu_blocks=2196, store_threshold=threshold, bound=False)
+    seen: list[float] = []
+    with MetricsServer(0) as server:
+
+        def register(observed: ObservedManager) -> None:
+            server.add(ManagerCollector(lambda: observed.counters, {"tier": "cpu"}))
+
+        def progress(done: int, total: int) -> None:
+            if done % 1000 == 0 and done < total:
+                seen.append(scrape(server.port)["kvoffload_stores_offered_total"])
+
+        report = simulate(
+            workload, config, progress=progress, observers=Observers(on_manager=[register])
+        )
+        final = scrape(server.port)
+    assert len(seen) >= 2
+    assert seen == sorted(seen)
+    assert 0 < seen[0] < final["kvoffload_stores_offered_total"]
+    _agrees_with(final, report.as_dict())  # type: ignore[arg-type]
+    if threshold:
+        assert final["kvoffload_stores_skipped_total"] > 0
+
+
+def test_simulate_serves_metrics_on_the_port(mooncake_trace: Path, tmp_path: Path) -> None:
+    from test_events import free_port
+
+    port = free_port()
+    result = tmp_path / "run.json"
+    command = [
+        sys.executable, "-m", "kvoffload", "simulate", "--trace", str(mooncake_trace),
+        "--gpu-blocks", "878", "--cpu-blocks", "2196", "--no-bound", "--json", str(result),
+        "--metrics-port", str(port), "--serve-after", "5",
+    ]  # fmt: skip
+    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
+        try:
+            deadline = time.monotonic() + 120
+            while not result.exists() and time.monotonic() < deadline:
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                time.sleep(0.1)
+            time.sleep(0.2)  # the file is complete once written
+            final = scrape(port)
+        finally:
+            proc.wait(timeout=60)
+    assert proc.returncode == 0
+    _agrees_with(final, json.loads(result.read_text()))
+
+
+def test_a_bad_port_is_one_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvoffload.cli.main import main
+
+    assert main(["simulate", "--requests", "5", "--metrics-port", "70000"]) != 0
+    err = capsys.readouterr().err
+    assert "metrics port" in err
+    assert "Traceback" not in err

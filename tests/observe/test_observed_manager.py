@@ -1,0 +1,86 @@
+"""ObservedManager changes no answer, and its counters add up to what the calls did."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvoffload import OffloadingEvent, block_id_key, build_manager
+from kvoffload.observe import ObservedManager
+
+keys = st.lists(st.integers(0, 15), min_size=1, max_size=6, unique=True).map(
+    lambda ids: [block_id_key(i) for i in ids]
+)
+
+
+class ObservedBesideBare(RuleBasedStateMachine):
+    """The same calls on a bare manager and on an observed twin."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bare = build_manager(6, "lru", 2, 32, enable_events=True)
+        self.events: list[OffloadingEvent] = []
+        self.observed = ObservedManager(
+            build_manager(6, "lru", 2, 32, enable_events=True), 100, [self.events.extend]
+        )
+        self.pending: list[list[bytes]] = []
+        self.model = {"offered": 0, "admitted": 0, "evicted": 0, "completed": 0, "failed": 0}
+
+    @rule(ks=keys)
+    def lookup(self, ks: list[bytes]) -> None:
+        assert self.observed.lookup(ks) == self.bare.lookup(ks)
+
+    @rule(ks=keys)
+    def store(self, ks: list[bytes]) -> None:
+        ours, theirs = self.observed.prepare_store(ks), self.bare.prepare_store(ks)
+        self.model["offered"] += len(ks)
+        assert (ours is None) == (theirs is None)
+        if ours is not None and theirs is not None:
+            assert ours.keys_to_store == theirs.keys_to_store
+            assert ours.evicted_keys == theirs.evicted_keys
+            self.model["admitted"] += len(ours.keys_to_store)
+            self.model["evicted"] += len(ours.evicted_keys)
+            if ours.keys_to_store:
+                self.pending.append(list(ours.keys_to_store))
+
+    @rule(success=st.booleans())
+    def complete(self, success: bool) -> None:
+        if not self.pending:
+            return
+        done = self.pending.pop(0)
+        self.observed.complete_store(done, success)
+        self.bare.complete_store(done, success)
+        self.model["completed" if success else "failed"] += len(done)
+
+    @rule(ks=keys)
+    def load(self, ks: list[bytes]) -> None:
+        hits = self.bare.lookup(ks)
+        assert self.observed.lookup(ks) == hits
+        if hits:
+            assert self.observed.prepare_load(ks[:hits]).block_ids.tolist() == (
+                self.bare.prepare_load(ks[:hits]).block_ids.tolist()
+            )
+            self.observed.complete_load(ks[:hits])
+            self.bare.complete_load(ks[:hits])
+
+    @invariant()
+    def counters_and_events_agree(self) -> None:
+        c, m = self.observed.counters, self.model
+        assert c.stores_skipped == self.bare.stores_skipped  # type: ignore[attr-defined]
+        assert (c.stores_offered, c.stores_admitted, c.evictions) == (
+            m["offered"],
+            m["admitted"],
+            m["evicted"],
+        )
+        assert (c.stores_completed, c.stores_failed) == (m["completed"], m["failed"])
+        assert c.held_blocks == m["admitted"] - m["evicted"] - m["failed"]
+        assert c.bytes_stored == 100 * m["completed"]
+        assert list(self.observed.take_events()) == []
+        theirs = list(self.bare.take_events())
+        ours, self.events[:] = list(self.events), []
+        assert [(e.keys, e.removed) for e in ours] == [(e.keys, e.removed) for e in theirs]
+
+
+ObservedBesideBare.TestCase.settings = settings(max_examples=40, stateful_step_count=30)
+TestObservedBesideBare = ObservedBesideBare.TestCase
