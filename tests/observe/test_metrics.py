@@ -13,12 +13,12 @@ import pytest
 
 pytest.importorskip("prometheus_client")
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families
 
-from kvoffload.observe import ObservedManager, Observers  # noqa: E402
-from kvoffload.observe.metrics import ManagerCollector, MetricsServer  # noqa: E402
-from kvoffload.sim.run import SimConfig, simulate  # noqa: E402
-from kvoffload.sim.traces import read_trace  # noqa: E402
+from kvoffload.observe import ObservedManager, Observers
+from kvoffload.observe.metrics import ManagerCollector, MetricsServer
+from kvoffload.sim.run import SimConfig, simulate
+from kvoffload.sim.traces import read_trace
 
 
 def scrape(port: int) -> dict[str, float]:
