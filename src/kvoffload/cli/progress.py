@@ -1,16 +1,53 @@
-"""A one-line progress bar on stderr, redrawn at most ten times a second.
+"""Progress on stderr with rate and time left, fit for a terminal of any width and for log files.
 
-Written here rather than pulled in from a library to keep the package's
-dependencies to numpy. It never writes to stdout, so JSON sent there stays clean.
+In a terminal it is one line redrawn at most ten times a second, drawn with
+``rich`` when the ``cli`` extra is installed and by hand otherwise; in a log
+file (stderr not a terminal) it is a plain line every tenth of the way, never
+a carriage return. It never writes to stdout, so JSON sent there stays clean.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
-WIDTH = 30
+BAR_WIDTH = 30
+LOG_STEPS = 10
+"""Lines written to a log file over a whole run."""
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+def status_line(label: str, done: int, total: int, elapsed: float, width: int) -> str:
+    """``label [####----] done/total  rate/s  ETA m:ss``, dropping the bar, then the counts,
+    until it fits in ``width`` columns."""
+    rate = done / elapsed if elapsed > 0 else 0.0
+    if done >= total:
+        timing = f"{_clock(elapsed)} elapsed"
+    else:
+        timing = f"ETA {_clock((total - done) / rate)}" if rate > 0 else "ETA -"
+    counts = f"{done:,}/{total:,}"
+    speed = f"{rate:,.0f}/s"
+    filled = BAR_WIDTH * done // total if total else BAR_WIDTH
+    bar = "[" + "#" * filled + "-" * (BAR_WIDTH - filled) + "]"
+    percent = f"{100 * done // total if total else 100}%"
+    for parts in (
+        (label, bar, counts, speed, timing),
+        (label, percent, counts, speed, timing),
+        (label, percent, speed, timing),
+        (label, percent, timing),
+        (percent,),
+    ):
+        line = " ".join(parts)
+        if len(line) <= width:
+            return line
+    return percent[:width]
 
 
 class ProgressBar:
@@ -23,6 +60,9 @@ class ProgressBar:
         self._started = time.monotonic()
         self._last_draw = 0.0
         self._drawn = False
+        self._logged_step = -1
+        self._terminal = enabled and _isatty(self.stream)
+        self._rich = _RichBar(label, self.stream) if self._terminal else None
 
     @staticmethod
     def wanted(requested: bool | None) -> bool:
@@ -33,19 +73,83 @@ class ProgressBar:
         if not self.enabled:
             return
         now = time.monotonic()
+        if self._rich is not None and self._rich.active:
+            self._rich.update(done, total)
+            return
+        if not self._terminal:
+            self._log(done, total, now)
+            return
         if done < total and now - self._last_draw < 0.1:
             return
         self._last_draw = now
-        filled = WIDTH * done // total if total else WIDTH
-        bar = "#" * filled + "-" * (WIDTH - filled)
-        elapsed = now - self._started
-        self.stream.write(f"\r{self.label} [{bar}] {done}/{total} {elapsed:.1f}s")
+        width = shutil.get_terminal_size((80, 24)).columns - 1
+        line = status_line(self.label, done, total, now - self._started, width)
+        self.stream.write("\r" + line.ljust(width))
         self.stream.flush()
         self._drawn = True
 
     def close(self) -> None:
         """End the bar's line so later output starts on a fresh one."""
+        if self._rich is not None:
+            self._rich.close()
         if self._drawn:
             self.stream.write("\n")
             self.stream.flush()
             self._drawn = False
+
+    def _log(self, done: int, total: int, now: float) -> None:
+        step = LOG_STEPS * done // total if total else LOG_STEPS
+        if step == self._logged_step:
+            return
+        self._logged_step = step
+        line = status_line(self.label, done, total, now - self._started, 10_000)
+        self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def _isatty(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+class _RichBar:
+    """rich's bar with rate and time left, when the ``cli`` extra is installed."""
+
+    def __init__(self, label: str, stream: TextIO) -> None:
+        self.active = False
+        try:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TaskProgressColumn,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+        except ModuleNotFoundError:
+            return
+        self._progress: Any = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(bar_width=None),
+            TaskProgressColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[rate]}"),
+            TimeRemainingColumn(),
+            console=Console(file=stream),
+            transient=False,
+        )
+        self._task = self._progress.add_task(label, total=None, rate="")
+        self._started = time.monotonic()
+        self._progress.start()
+        self.active = True
+
+    def update(self, done: int, total: int) -> None:
+        elapsed = time.monotonic() - self._started
+        rate = f"{done / elapsed:,.0f}/s" if elapsed > 0 else ""
+        self._progress.update(self._task, completed=done, total=total, rate=rate)
+
+    def close(self) -> None:
+        if self.active:
+            self._progress.stop()
+            self.active = False

@@ -1,0 +1,78 @@
+"""Progress output: rate and time left, fitted to narrow terminals, plain lines in log files."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from kvoffload.cli.progress import ProgressBar, status_line
+
+
+def test_line_has_rate_and_time_left() -> None:
+    line = status_line("simulate", 250, 1000, 5.0, 120)
+    assert line.startswith("simulate [#######")
+    assert "250/1,000" in line
+    assert "50/s" in line
+    assert "ETA 0:15" in line
+
+
+def test_finished_line_shows_elapsed() -> None:
+    assert status_line("sweep", 8, 8, 3725.0, 120).endswith("1:02:05 elapsed")
+
+
+@pytest.mark.parametrize("width", [60, 40, 30, 20, 8, 3])
+def test_line_fits_narrow_terminals(width: int) -> None:
+    line = status_line("simulate", 12_345, 121_877, 2.0, width)
+    assert 0 < len(line) <= width
+    if width >= 30:
+        assert "ETA" in line
+
+
+def test_log_file_gets_plain_lines_without_carriage_returns() -> None:
+    log = io.StringIO()
+    bar = ProgressBar("simulate", True, log)
+    for done in range(0, 1001):
+        bar(done, 1000)
+    bar.close()
+    text = log.getvalue()
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert len(lines) == 11
+    assert lines[-1].startswith("simulate [##############################] 1,000/1,000")
+
+
+def test_disabled_bar_writes_nothing() -> None:
+    log = io.StringIO()
+    bar = ProgressBar("simulate", False, log)
+    bar(1, 2)
+    bar.close()
+    assert log.getvalue() == ""
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_terminal_draws_with_rich_when_installed() -> None:
+    pytest.importorskip("rich")
+    term = _Terminal()
+    bar = ProgressBar("simulate", True, term)
+    for done in (0, 500, 1000):
+        bar(done, 1000)
+    bar.close()
+    assert "1000/1000" in term.getvalue()
+
+
+def test_terminal_without_rich_redraws_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "rich.progress", None)
+    monkeypatch.setenv("COLUMNS", "50")
+    term = _Terminal()
+    bar = ProgressBar("simulate", True, term)
+    bar(1000, 1000)
+    bar.close()
+    text = term.getvalue()
+    assert text.startswith("\rsimulate 100%")
+    assert text.endswith("\n")
+    assert max(len(part) for part in text.split("\r")) <= 50
