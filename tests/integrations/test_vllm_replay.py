@@ -19,17 +19,24 @@ CAPACITY = 4392
 """Blocks in the tier: 10% of the trace's unique blocks, as the README's runs use."""
 
 
-def _vllm_manager(num_blocks: int, threshold: int, policy: str = "lru", path: Any = None) -> Any:
+def _vllm_manager(
+    num_blocks: int, threshold: int, policy: str = "lru", path: Any = None, tracker: int = 64_000
+) -> Any:
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
     return CPUOffloadingManager(
-        num_blocks, policy, cache_policy_module_path=path, store_threshold=threshold
+        num_blocks,
+        policy,
+        cache_policy_module_path=path,
+        store_threshold=threshold,
+        max_tracker_size=tracker,
     )
 
 
-def _ours(num_blocks: int, threshold: int, policy: str = "lru") -> Any:
+def _ours(num_blocks: int, threshold: int, policy: str = "lru", tracker: int = 64_000) -> Any:
     extra = {"cpu_bytes_to_use": num_blocks * 1024, "eviction_policy": policy}
-    return create_spec({**extra, "store_threshold": threshold}).get_manager()
+    extra |= {"store_threshold": threshold, "max_tracker_size": tracker}
+    return create_spec(extra).get_manager()
 
 
 @pytest.fixture(scope="module")
@@ -63,21 +70,27 @@ def _requests(prefixes: list[list[int]]) -> list[Request]:
     ]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     prefixes=st.lists(
         st.lists(st.integers(0, 12), min_size=1, max_size=6, unique=True), min_size=1, max_size=25
     ),
     capacity=st.integers(1, 8),
     threshold=st.sampled_from([0, 2, 3]),
+    tracker=st.integers(1, 8),
 )
 def test_every_request_matches_vllms_manager(
-    vllm_modules: dict[str, ModuleType], prefixes: list[list[int]], capacity: int, threshold: int
+    vllm_modules: dict[str, ModuleType],
+    prefixes: list[list[int]],
+    capacity: int,
+    threshold: int,
+    tracker: int,
 ) -> None:
     """Request by request, the same hits, writes and refusals as vLLM's LRU manager."""
     from kvoffload.integrations.vllm.replay import replay
 
-    theirs, ours = _vllm_manager(capacity, threshold), _ours(capacity, threshold)
+    theirs = _vllm_manager(capacity, threshold, tracker=tracker)
+    ours = _ours(capacity, threshold, tracker=tracker)
     for request in _requests(prefixes):
         assert replay(ours, [request], 16) == replay(theirs, [request], 16)
 

@@ -112,13 +112,13 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> Any:
         original = list(keys)
-        probe = self._probe
         c = self.counters
         c.stores_offered += len(original)
-        status = [probe(key) for key in original]
+        status = [self._probe(key) for key in original]
         offered = original
+        admitted: set[OffloadKey] | None = None
         if self._filter is not None:
-            self._filter.record(offered)
+            self._filter.record(original)
             candidates = [key for key, st in zip(original, status, strict=True) if st is None]
             admitted = set(self._filter.admit(candidates))
             c.stores_skipped += len(candidates) - len(admitted)
@@ -128,16 +128,21 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
                 for key, st in zip(original, status, strict=True)
                 if st is not None or key in admitted
             ]
+        # As vLLM: the request has seen its ready blocks and its store candidates, stored or not.
+        seen = [
+            key
+            for key, st in zip(original, status, strict=True)
+            if (st.is_ready if st is not None else admitted is None or key in admitted)
+        ]
         output = self._manager.prepare_store(offered)
+        # After the insertion, so that the head of the prefix ends up the most recent.
+        self._seen(seen, req_context)
         if output is None:
             c.stores_rejected += len(offered)
             return None
         c.stores_admitted += len(output.keys_to_store)
         c.evictions += len(output.evicted_keys)
         c.held_blocks += len(output.keys_to_store) - len(output.evicted_keys)
-        stored = set(output.keys_to_store)
-        ready = {key for key, st in zip(original, status, strict=True) if st and st.is_ready}
-        self._seen([key for key in offered if key in stored or key in ready], req_context)
         return PrepareStoreOutput(
             keys_to_store=list(output.keys_to_store),
             store_spec=_vllm_spec(output.store_spec),
