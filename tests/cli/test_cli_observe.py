@@ -1,0 +1,48 @@
+"""``simulate``'s KV-event and metrics options fail with one clear line."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvoffload.cli.main import main
+
+SMALL = ["simulate", "--requests", "5", "--no-progress"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--kv-events-endpoint", "bogus://x"], "cannot bind KV events to 'bogus://x'"),
+        (["--kv-events-replay-endpoint", "tcp://127.0.0.1:0"], "needs --kv-events-endpoint"),
+        (["--metrics-port", "0", "--serve-after", "-1"], "--serve-after must be >= 0"),
+        (["--metrics-port", "-3"], "metrics port must be in 0..65535"),
+    ],
+)
+def test_bad_observe_options(
+    capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    assert main([*SMALL, *extra]) == 1
+    err = capsys.readouterr().err
+    assert message in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_endpoints_on_free_ports_leave_the_result_unchanged(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("zmq")
+    pytest.importorskip("prometheus_client")
+    assert main([*SMALL, "--json", "-", "--no-bound"]) == 0
+    plain = capsys.readouterr().out
+    observed = [
+        "--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-replay-endpoint",
+        "tcp://127.0.0.1:0", "--metrics-port", "0",
+    ]  # fmt: skip
+    assert main([*SMALL, "--json", "-", "--no-bound", *observed]) == 0
+    drop = ("wall_seconds", "refs_per_second", "manager_us_per_block")
+    import json
+
+    a, b = json.loads(plain), json.loads(capsys.readouterr().out)
+    assert {k: v for k, v in a.items() if k not in drop} == {
+        k: v for k, v in b.items() if k not in drop
+    }
