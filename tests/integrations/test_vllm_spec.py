@@ -176,3 +176,42 @@ def test_reset_cache_drops_every_block(vllm_modules: dict[str, ModuleType]) -> N
     manager.complete_store([a], context)
     manager.reset_cache()
     assert manager.lookup(a, context) is LookupResult.MISS
+
+
+def test_vllms_own_metrics_frontend_shows_our_counters(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    """What ``get_stats`` reports reaches vLLM's ``/metrics`` through its offloading frontend."""
+    import functools
+    from types import SimpleNamespace
+
+    import prometheus_client
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadPromMetrics,
+    )
+    from vllm_helpers import SPEC_CONFIG
+
+    extra = {**SPEC_CONFIG, "cpu_bytes_to_use": 4 * 1024}
+    transfer = KVTransferConfig(
+        kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
+    )
+    registry = prometheus_client.CollectorRegistry()
+    kinds = (prometheus_client.Counter, prometheus_client.Gauge, prometheus_client.Histogram)
+    frontend = OffloadPromMetrics(
+        SimpleNamespace(kv_transfer_config=transfer),
+        {kind: functools.partial(kind, registry=registry) for kind in kinds},
+        ["engine"],
+        {0: ["0"]},
+    )
+    manager = create_spec(extra).get_manager()
+    a, b = block_id_key(1), block_id_key(2)
+    context = _context("r", [a, b])
+    manager.prepare_store([a, b], context)
+    manager.complete_store([a], context)
+    frontend.observe(manager.get_stats().data, 0)
+    text = prometheus_client.generate_latest(registry).decode()
+    assert 'vllm:kvoffload_stores_offered_total{engine="0"} 2.0' in text
+    assert 'vllm:kvoffload_stores_completed_total{engine="0"} 1.0' in text
+    assert 'vllm:kvoffload_bytes_stored_total{engine="0"} 1024.0' in text
+    assert 'vllm:kvoffload_held_blocks{engine="0"} 2.0' in text
