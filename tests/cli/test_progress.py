@@ -76,3 +76,26 @@ def test_terminal_without_rich_redraws_one_line(monkeypatch: pytest.MonkeyPatch)
     assert text.startswith("\rsimulate 100%")
     assert text.endswith("\n")
     assert max(len(part) for part in text.split("\r")) <= 50
+
+
+ROWS = [
+    ("workload", "synthetic(agent=0.2+chat=0.4+oneshot=0.15+rag=0.25, seed=0)"),
+    ("", "2,000 requests, 560,599 block refs, 125,616 unique blocks of 16 tokens"),
+    ("total hit ratio", "0.760   (Belady bound 0.776)"),
+]
+
+
+def test_tables_to_files_are_never_wrapped() -> None:
+    from kvoffload.cli.output import key_value_table
+
+    assert key_value_table(ROWS).splitlines()[0] == f"{'workload':<15}  {ROWS[0][1]}"
+
+
+@pytest.mark.parametrize("width", [80, 60, 40, 24])
+def test_tables_fit_narrow_terminals(width: int) -> None:
+    from kvoffload.cli.output import key_value_table
+
+    text = key_value_table(ROWS, width)
+    assert all(len(line) <= width for line in text.splitlines())
+    # Nothing lost or reordered: the same characters, only the white space differs.
+    assert "".join(text.split()) == "".join("".join(pair).replace(" ", "") for pair in ROWS)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import csv
 import io
 import json
+import shutil
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -37,9 +39,43 @@ def size(num_bytes: Value) -> str:
     return f"{value:,.1f} TiB"
 
 
-def key_value_table(rows: Sequence[tuple[str, str]]) -> str:
-    width = max(len(label) for label, _ in rows)
-    return "\n".join(f"{label:<{width}}  {value}".rstrip() for label, value in rows)
+NARROW = 50
+"""Below this many columns, a label goes on its own line, its value indented under it."""
+
+
+def terminal_width() -> int | None:
+    """Columns of the terminal stdout writes to; ``None`` for a file or a pipe (no wrapping)."""
+    if not sys.stdout.isatty():
+        return None
+    return shutil.get_terminal_size((80, 24)).columns
+
+
+def key_value_table(rows: Sequence[tuple[str, str]], width: int | None = None) -> str:
+    """Labels in one column, values in the next.
+
+    ``width`` (default: the terminal's, none for files and pipes) wraps long
+    values under their column, or, when narrower than :data:`NARROW`, puts
+    each value on its own indented line under its label.
+    """
+    label_width = max(len(label) for label, _ in rows)
+    width = terminal_width() if width is None else width
+    if width is None or all(label_width + 2 + len(value) <= width for _, value in rows):
+        return "\n".join(f"{label:<{label_width}}  {value}".rstrip() for label, value in rows)
+    lines: list[str] = []
+    if width < NARROW:
+        for label, value in rows:
+            if label:
+                lines.append(label)
+            # Under a nested label ("  from GPU cache"), indent further than the label.
+            pad = " " * (len(label) - len(label.lstrip()) + 2)
+            lines += textwrap.wrap(value, width, initial_indent=pad, subsequent_indent=pad)
+        return "\n".join(lines)
+    indent = " " * (label_width + 2)
+    for label, value in rows:
+        wrapped = textwrap.wrap(value, width - len(indent)) or [""]
+        lines.append(f"{label:<{label_width}}  {wrapped[0]}".rstrip())
+        lines += [indent + part for part in wrapped[1:]]
+    return "\n".join(lines)
 
 
 def column_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
