@@ -24,12 +24,14 @@ from kvoffload.sim.traces import read_trace
 def scrape(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
-    return {
-        sample.name: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name.startswith("kvoffload_")
-    }
+    metrics: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.startswith("kvoffload_"):
+                continue
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items() if k != "tier")
+            metrics[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return metrics
 
 
 def _agrees_with(metrics: dict[str, float], report: dict[str, float]) -> None:
@@ -106,3 +108,34 @@ def test_a_bad_port_is_one_clear_error(capsys: pytest.CaptureFixture[str]) -> No
     err = capsys.readouterr().err
     assert "metrics port" in err
     assert "Traceback" not in err
+
+
+def test_data_plane_copy_times_are_a_histogram_per_direction() -> None:
+    pytest.importorskip("torch")
+    from kvoffload.core.layout import layout_preset
+    from kvoffload.observe.metrics import TransferCollector
+    from kvoffload.observe.transfers import ObservedWorker
+    from kvoffload.sim.dataplane_backend import DataPlaneBackend
+    from kvoffload.sim.generators import generate
+
+    workload = generate(num_requests=60, seed=2)
+    config = SimConfig(gpu_blocks=2048, cpu_blocks=4096, layout="tiny", bound=False)
+    backend = DataPlaneBackend(
+        layout_preset("tiny").with_block_size(workload.block_tokens), 2048, 4096
+    )
+    watched: list[ObservedWorker] = []
+    with MetricsServer(0) as server:
+
+        def register(observed: ObservedWorker) -> None:
+            watched.append(observed)
+            server.add(TransferCollector(observed.latency))
+
+        report = simulate(workload, config, backend, observers=Observers(on_transfers=[register]))
+        backend.close()
+        metrics = scrape(server.port)
+    assert len(watched) == 1
+    assert report.offload_blocks_read > 0
+    for direction in ("store", "load"):
+        count = metrics[f'kvoffload_transfer_seconds_count{{direction="{direction}"}}']
+        assert count == watched[0].latency[direction].count > 0
+        assert metrics[f'kvoffload_transfer_seconds_sum{{direction="{direction}"}}'] > 0

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.observe import ObservedManager, Observers
+from kvoffload.observe.transfers import ObservedWorker
 
 
 def add_observe_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +71,7 @@ def observing(args: argparse.Namespace, block_tokens: int) -> Iterator[Observers
         return
     sinks: list[Callable[[Any], None]] = []
     hooks: list[Callable[[ObservedManager], None]] = []
+    transfer_hooks: list[Callable[[ObservedWorker], None]] = []
     with ExitStack() as stack:
         if args.kv_events_endpoint:
             publisher_module = _require("kvoffload.observe.publisher", "events")
@@ -89,7 +91,11 @@ def observing(args: argparse.Namespace, block_tokens: int) -> Iterator[Observers
             def register(observed: ObservedManager) -> None:
                 server.add(metrics.ManagerCollector(lambda: observed.counters, {"tier": "cpu"}))
 
+            def register_transfers(observed: ObservedWorker) -> None:
+                server.add(metrics.TransferCollector(observed.latency))
+
             hooks.append(register)
-        yield Observers(tuple(sinks), tuple(hooks))
+            transfer_hooks.append(register_transfers)
+        yield Observers(tuple(sinks), tuple(hooks), tuple(transfer_hooks))
         if args.serve_after > 0:
             time.sleep(args.serve_after)

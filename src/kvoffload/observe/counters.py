@@ -65,3 +65,30 @@ COUNTER_DOCS: dict[str, str] = {
     "bytes_loaded": "Bytes read from the offload tier (tier to device).",
 }
 """Help text of every cumulative counter; ``held_blocks`` is a gauge."""
+
+
+LATENCY_BUCKETS: tuple[float, ...] = (
+    1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+)  # fmt: skip
+"""Upper bounds in seconds: a block copy takes from tens of microseconds to a second or so."""
+
+
+@dataclass
+class LatencyHistogram:
+    """Cumulative counts of observations at or below each bucket's bound, plus their sum."""
+
+    bounds: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = dataclasses.field(default_factory=list)
+    count: int = 0
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * len(self.bounds)
+
+    def observe(self, value: float) -> None:
+        self.count += 1
+        self.total += value
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += 1

@@ -10,11 +10,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from kvoffload.core.errors import InvalidArgumentError
-from kvoffload.observe.counters import COUNTER_DOCS, ManagerCounters
+from kvoffload.observe.counters import COUNTER_DOCS, LatencyHistogram, ManagerCounters
 
 PREFIX = "kvoffload_"
 
@@ -44,6 +49,25 @@ class ManagerCollector(Collector):
         )
         held.add_metric(label_values, values["held_blocks"])
         yield held
+
+
+class TransferCollector(Collector):
+    """Exports per-direction copy times as the ``kvoffload_transfer_seconds`` histogram."""
+
+    def __init__(self, latency: dict[str, LatencyHistogram]) -> None:
+        self._latency = latency
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(
+            f"{PREFIX}transfer_seconds",
+            "Seconds each transfer job took to copy, by direction.",
+            labels=["direction"],
+        )
+        for direction, histogram in self._latency.items():
+            buckets = [(str(b), c) for b, c in zip(histogram.bounds, histogram.counts, strict=True)]
+            buckets.append(("+Inf", histogram.count))
+            family.add_metric([direction], buckets, histogram.total)
+        yield family
 
 
 class MetricsServer:

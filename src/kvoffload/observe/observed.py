@@ -13,6 +13,7 @@ from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import LoadStoreSpec
 from kvoffload.observe.counters import ManagerCounters
+from kvoffload.observe.transfers import ObservedWorker
 
 EventSink = Callable[[list[OffloadingEvent]], None]
 """Receives each batch of events drained from the manager, in order."""
@@ -120,9 +121,23 @@ class Observers:
 
     sinks: Sequence[EventSink] = ()
     on_manager: Sequence[Callable[[ObservedManager], None]] = ()
+    on_transfers: Sequence[Callable[[ObservedWorker], None]] = ()
 
     def wrap(self, manager: OffloadingManager, bytes_per_block: int) -> ObservedManager:
         observed = ObservedManager(manager, bytes_per_block, self.sinks)
         for hook in self.on_manager:
             hook(observed)
         return observed
+
+    def watch_transfers(self, backend: object) -> None:
+        """Put an :class:`ObservedWorker` in front of a data-plane backend's ``worker``.
+
+        Backends without a worker (the default one moves no bytes) have no
+        transfer latency to report and are left alone.
+        """
+        if not self.on_transfers or not hasattr(backend, "worker"):
+            return
+        observed = ObservedWorker(backend.worker)
+        backend.worker = observed
+        for hook in self.on_transfers:
+            hook(observed)

@@ -170,6 +170,7 @@ def simulate(
         )
         if observers is not None:
             manager = observers.wrap(manager, bytes_per_block)
+            observers.watch_transfers(backend)
     stats = ServingEngine(engine_config, manager, backend).run(workload.requests, progress)
     bound = (
         belady_bound(workload.requests, config.gpu_blocks, config.cpu_blocks)
