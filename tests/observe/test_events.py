@@ -42,6 +42,16 @@ def _receive_until(sub: KVEventSubscriber, count: int, timeout_s: float = 10.0) 
     return got
 
 
+def _connect(pub: KVEventPublisher, sub: KVEventSubscriber) -> None:
+    """Publish warm-up batches until one arrives: a SUB socket joins asynchronously."""
+    for _ in range(100):
+        pub.publish(_stored(99))
+        pub.flush()
+        if sub.receive(0.1):
+            return
+    raise AssertionError("the subscriber never connected")
+
+
 def test_a_late_subscriber_catches_up_then_follows() -> None:
     with KVEventPublisher(LOCAL, LOCAL, block_size=16) as pub:
         for i in range(5):
@@ -50,11 +60,12 @@ def test_a_late_subscriber_catches_up_then_follows() -> None:
         with KVEventSubscriber(pub.endpoint, pub.replay_endpoint) as sub:
             caught_up = sub.catch_up()
             assert [seq for seq, _ in caught_up] == [0, 1, 2, 3, 4]
-            time.sleep(0.3)  # the SUB connection is up before the next batch
+            _connect(pub, sub)
+            first = sub.next_seq
             pub.publish(_stored(5))
             pub.flush()
             later = _receive_until(sub, 1)
-    assert [seq for seq, _ in later] == [5]
+    assert [seq for seq, _ in later] == [first]
     event = later[0][1].events[0]
     assert isinstance(event, BlockStored)
     assert event.block_hashes == [(5).to_bytes(8, "big")]
@@ -62,12 +73,13 @@ def test_a_late_subscriber_catches_up_then_follows() -> None:
 
 
 class _Lossy(KVEventSubscriber):
-    """Loses batch 2 the first time it arrives, as a congested PUB socket does."""
+    """Loses batch ``drop`` the first time it arrives, as a congested PUB socket does."""
 
+    drop = -1
     lost = False
 
     def accept(self, seq: int, payload: bytes, delivered: Delivered) -> None:
-        if seq == 2 and not self.lost:
+        if seq == self.drop and not self.lost:
             self.lost = True
             return
         super().accept(seq, payload, delivered)
@@ -75,25 +87,29 @@ class _Lossy(KVEventSubscriber):
 
 def test_a_dropped_batch_is_detected_by_its_gap_and_repaired() -> None:
     with KVEventPublisher(LOCAL, LOCAL) as pub, _Lossy(pub.endpoint, pub.replay_endpoint) as sub:
-        time.sleep(0.3)
+        _connect(pub, sub)
+        first, gaps, repaired = sub.next_seq, sub.gaps, sub.repaired
+        sub.drop = first + 2
         for i in range(6):
             pub.publish(_stored(i))
         pub.flush()
         got = _receive_until(sub, 6)
     assert sub.lost
-    assert [seq for seq, _ in got] == list(range(6))
-    assert (sub.gaps, sub.repaired) == (1, 1)
+    assert [seq for seq, _ in got] == list(range(first, first + 6))
+    assert (sub.gaps - gaps, sub.repaired - repaired) == (1, 1)
 
 
 def test_a_gap_without_replay_is_counted_and_skipped() -> None:
     with KVEventPublisher(LOCAL) as pub, _Lossy(pub.endpoint) as sub:
-        time.sleep(0.3)
+        _connect(pub, sub)
+        first, gaps = sub.next_seq, sub.gaps
+        sub.drop = first + 2
         for i in range(4):
             pub.publish(_stored(i))
         pub.flush()
         got = _receive_until(sub, 3)
-    assert [seq for seq, _ in got] == [0, 1, 3]
-    assert sub.gaps == 1
+    assert [seq - first for seq, _ in got] == [0, 1, 3]
+    assert sub.gaps - gaps == 1
 
 
 def test_publishing_on_a_taken_port_names_the_endpoint() -> None:
@@ -188,10 +204,10 @@ def test_vllm_decodes_ours_and_we_decode_vllms(tmp_path: Path) -> None:
         pub = ZmqEventPublisher(0, "tcp://127.0.0.1:{sub_port}",
                                 "tcp://127.0.0.1:{replay_port}", topic="vllm")
         for i in range(6):
-            # The first batches go out before the connection is up: the gap is repaired.
+            # Batches sent before the connection is up are lost: the gap is repaired.
             pub.publish(KVEventBatch(ts=time.time(), events=[
                 BlockStored([i], None, [1, 2], 16, None, "GPU", None)]))
-            time.sleep(1 if i == 3 else 0)
+            time.sleep(0.5)
         time.sleep(3)
         pub.shutdown()
         """
