@@ -185,7 +185,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self.counters.held_blocks = 0
 
     def get_stats(self) -> Any:
-        """Our counters since the last call, as vLLM's stats (see :func:`metric_definitions`)."""
+        """Our counters since the last call, as vLLM's stats (declared by the spec)."""
         delta = self.counters.minus(self._reported)
         self._reported = self.counters.copy()
         stats = OffloadingConnectorStats()
