@@ -16,7 +16,7 @@ MakeWorkload = Callable[..., Workload]
 
 def test_next_uses(make_workload: MakeWorkload) -> None:
     workload = make_workload([1, 2], [3], [1, 4], [2])
-    assert next_uses(workload.requests) == [[2, 3], [4], [4, 4], [4]]
+    assert next_uses([r.keys for r in workload.requests]) == [[2, 3], [4], [4, 4], [4]]
 
 
 def test_furthest_next_use_is_evicted_even_when_just_stored(make_workload: MakeWorkload) -> None:

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 
 from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.sim.engine import PARTIAL_BLOCK_MODES
 from kvoffload.sim.generators import DEFAULT_MIX, DEFAULT_RATE, DEFAULT_REQUESTS, parse_mix
 from kvoffload.sim.run import SimConfig, blocks_for_gib
 from kvoffload.sim.sources import WorkloadSource
@@ -111,6 +112,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=25.0,
         help="GPU<->offload bandwidth per direction in GB/s (default: 25)",
     )
+    group.add_argument(
+        "--partial-block",
+        choices=PARTIAL_BLOCK_MODES,
+        default="cache",
+        help="a prompt's keyed partial last block: cache it like a full one, or drop it as "
+        "vLLM does (computed, never cached or offloaded) (default: cache)",
+    )
 
 
 def add_progress_argument(parser: argparse.ArgumentParser) -> None:
@@ -143,6 +151,7 @@ def base_config(args: argparse.Namespace, block_tokens: int, default_layout: str
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         decode_tokens_per_s=args.decode_tokens_per_s,
         transfer_gb_per_s=args.transfer_gb_per_s,
+        partial_block=args.partial_block,
     )
 
 

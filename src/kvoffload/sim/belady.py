@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from kvoffload.core.keys import OffloadKey
 from kvoffload.sim.gpu_cache import GPUPrefixCache
-from kvoffload.sim.workload import Request
+from kvoffload.sim.workload import Request, cacheable_keys
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class BeladyResult:
         return self.offload_hit_blocks / self.refs if self.refs else 0.0
 
 
-def next_uses(requests: Sequence[Request]) -> list[list[int]]:
+def next_uses(requests: Sequence[Sequence[OffloadKey]]) -> list[list[int]]:
     """For each request and block, the index of the next request using that key.
 
     Keys never used again get ``len(requests)``, later than any real use.
@@ -49,30 +49,41 @@ def next_uses(requests: Sequence[Request]) -> list[list[int]]:
     last_use: dict[OffloadKey, int] = {}
     result: list[list[int]] = [[] for _ in requests]
     for index in range(len(requests) - 1, -1, -1):
-        keys = requests[index].keys
+        keys = requests[index]
         result[index] = [last_use.get(key, never) for key in keys]
         for key in keys:
             last_use[key] = index
     return result
 
 
-def belady_bound(requests: Sequence[Request], gpu_blocks: int, offload_blocks: int) -> BeladyResult:
-    """Hits of a GPU LRU prefix cache in front of a Belady offload tier of ``offload_blocks``."""
+def belady_bound(
+    requests: Sequence[Request],
+    gpu_blocks: int,
+    offload_blocks: int,
+    drop_partial_of: int | None = None,
+) -> BeladyResult:
+    """Hits of a GPU LRU prefix cache in front of a Belady offload tier of ``offload_blocks``.
+
+    ``drop_partial_of``: the block size in tokens, to leave partial last blocks
+    uncached as the engine's ``partial_block="drop"`` does; ``None`` caches them.
+    """
     gpu = GPUPrefixCache(gpu_blocks)
-    uses = next_uses(requests) if offload_blocks > 0 else []
+    drop = drop_partial_of is not None
+    cacheable = [cacheable_keys(req, drop_partial_of or 1, drop) for req in requests]
+    uses = next_uses(cacheable) if offload_blocks > 0 else []
     tier: dict[OffloadKey, int] = {}
     heap: list[tuple[int, OffloadKey]] = []
     refs = gpu_hits = offload_hits = 0
     for index, req in enumerate(requests):
-        keys = req.keys
-        num_blocks = len(keys)
+        keys = cacheable[index]
+        num_blocks = len(req.keys)
         hit = gpu.match(keys)
         slots = gpu.acquire(keys[:hit], num_blocks - hit)
         refs += num_blocks
         gpu_hits += hit
         if offload_blocks > 0:
             found = hit
-            while found < num_blocks and keys[found] in tier:
+            while found < len(keys) and keys[found] in tier:
                 found += 1
             offload_hits += found - hit
             request_uses = uses[index]
@@ -84,6 +95,6 @@ def belady_bound(requests: Sequence[Request], gpu_blocks: int, offload_blocks: i
                 negative_use, key = heapq.heappop(heap)
                 if tier.get(key) == -negative_use:
                     del tier[key]
-        gpu.register(keys[hit:], slots[hit:])
+        gpu.register(keys[hit:], slots[hit : len(keys)])
         gpu.release(slots)
     return BeladyResult(refs, gpu_hits, offload_hits)

@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, as_completed
 
 from kvoffload.core.errors import InvalidArgumentError
-from kvoffload.sim.belady import BeladyResult, belady_bound
-from kvoffload.sim.run import RunReport, SimConfig, simulate
+from kvoffload.sim.belady import BeladyResult
+from kvoffload.sim.run import RunReport, SimConfig, bound_of, simulate
 from kvoffload.sim.sources import WorkloadSource
 from kvoffload.sim.workload import Workload
 
@@ -33,7 +33,7 @@ def _run_task(task: Task) -> RunReport | BeladyResult:
     source, config, is_bound = task
     workload = _workload(source)
     if is_bound:
-        return belady_bound(workload.requests, config.gpu_blocks, config.cpu_blocks)
+        return bound_of(workload, config)
     return simulate(workload, config)
 
 
