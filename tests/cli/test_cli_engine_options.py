@@ -67,6 +67,6 @@ def test_tiny_tracker_starves_the_reuse_filter(capsys: pytest.CaptureFixture[str
 def test_bad_engine_options_are_one_line_errors(
     option: str, value: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main([*BASE, option, value]) == 1
+    assert main([*BASE, option, value]) == 2  # a bad command line: usage error status
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("kvoffload: error:")

@@ -15,14 +15,21 @@ from collections.abc import Sequence
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
+from kvoffload.core.memory import check_fits
+
+BYTES_PER_SLOT = 160
+"""A generous estimate of what the pool's index costs per slot once it is in use."""
 
 
 class GPUPrefixCache:
     """Slot pool plus a key → slot index of the complete blocks it holds."""
 
     def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise InvalidArgumentError(f"the GPU needs at least 1 block, got {num_blocks}")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise InvalidArgumentError(
+                f"the GPU needs an integer >= 1 of blocks, got {num_blocks!r}"
+            )
+        check_fits(num_blocks * BYTES_PER_SLOT, f"a GPU prefix cache of {num_blocks:,} blocks")
         self.num_blocks = num_blocks
         self.evictions = 0
         self._slot_of: dict[OffloadKey, int] = {}
