@@ -10,6 +10,8 @@ this number shows how much any smarter policy could still gain.
 
 Next uses are precomputed in one backward pass and eviction uses a heap with
 lazy deletion, so the whole bound costs O(n log n) in the block references.
+A block with no next use would be the first victim anyway, so it never
+enters the tier (nor the heap): the same hits, far fewer heap entries.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def belady_bound(
     tier: dict[OffloadKey, int] = {}
     heap: list[tuple[int, OffloadKey]] = []
     refs = gpu_hits = offload_hits = 0
+    never = len(requests)
     for index, req in enumerate(requests):
         keys = cacheable[index]
         num_blocks = len(req.keys)
@@ -86,11 +89,13 @@ def belady_bound(
             while found < len(keys) and keys[found] in tier:
                 found += 1
             offload_hits += found - hit
-            request_uses = uses[index]
-            for position, key in enumerate(keys):
-                if key in tier or position >= found:
-                    tier[key] = request_uses[position]
-                    heapq.heappush(heap, (-request_uses[position], key))
+            # A block never used again is the first to leave: keep it out, or drop it, at once.
+            for position, (key, use) in enumerate(zip(keys, uses[index], strict=True)):
+                if use == never:
+                    tier.pop(key, None)
+                elif position >= found or key in tier:
+                    tier[key] = use
+                    heapq.heappush(heap, (-use, key))
             while len(tier) > offload_blocks:
                 negative_use, key = heapq.heappop(heap)
                 if tier.get(key) == -negative_use:
