@@ -190,6 +190,8 @@ class ServingEngine:
         self._pending_store_blocks = 0
         self._pinned_blocks = 0
         self._drop_partial = config.partial_block == "drop"
+        self.gpu_hits_by_start: list[int] = []
+        """Each request's GPU prefix hit, in the order the requests started."""
         self._retries: dict[int, int] = {}
         """Times each parked request (by ``id``) has been parked so far."""
 
@@ -292,16 +294,17 @@ class ServingEngine:
         keys = cacheable_keys(req, self.config.block_tokens, self._drop_partial)
         num_blocks = len(req.keys)
         gpu_hits = gpu.match(keys)
-        if not gpu.fits(keys[:gpu_hits], num_blocks - gpu_hits):
+        shared = gpu.slots_of(keys[:gpu_hits])
+        if not gpu.fits_slots(shared, num_blocks - gpu_hits):
             return _NO_ROOM
         load_hits = self._lookup(req, keys, gpu_hits)
         if load_hits is None:
             return _PARKED
         if self._retries:
             self._retries.pop(id(req), None)
-        running = _Running(
-            req, keys, gpu.acquire(keys[:gpu_hits], num_blocks - gpu_hits), gpu_hits, load_hits
-        )
+        slots = gpu.acquire_slots(shared, num_blocks - gpu_hits)
+        running = _Running(req, keys, slots, gpu_hits, load_hits)
+        self.gpu_hits_by_start.append(gpu_hits)
         stats.requests += 1
         stats.refs += num_blocks
         stats.prompt_tokens += req.input_tokens

@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import KVLayout, layout_preset
@@ -190,8 +192,13 @@ def simulate(
         manager = build_manager(
             config.cpu_blocks, config.policy, config.store_threshold, config.max_tracker_size
         )
-    stats = ServingEngine(engine_config, manager, backend).run(workload.requests, progress)
-    bound = bound_of(workload, config) if config.bound else None
+    engine = ServingEngine(engine_config, manager, backend)
+    stats = engine.run(workload.requests, progress)
+    bound = None
+    if config.bound:
+        # A sequential replay that parked no request ran the bound's own GPU cache already.
+        in_order = config.concurrency == 1 and not stats.lookups_deferred
+        bound = bound_of(workload, config, engine.gpu_hits_by_start if in_order else None)
     wall = time.perf_counter() - started
 
     refs = stats.refs
@@ -204,7 +211,7 @@ def simulate(
         workload=workload.name,
         requests=stats.requests,
         refs=refs,
-        unique_blocks=len({key for req in workload.requests for key in req.keys}),
+        unique_blocks=len(set(chain.from_iterable(req.keys for req in workload.requests))),
         block_tokens=workload.block_tokens,
         layout=config.layout,
         bytes_per_block=bytes_per_block,
@@ -256,7 +263,11 @@ def simulate(
     )
 
 
-def bound_of(workload: Workload, config: SimConfig) -> BeladyResult:
-    """The Belady bound of ``config``'s capacities over ``workload``."""
+def bound_of(
+    workload: Workload, config: SimConfig, gpu_hits: Sequence[int] | None = None
+) -> BeladyResult:
+    """The Belady bound of ``config``'s capacities over ``workload`` (see :func:`belady_bound`)."""
     drop_partial_of = workload.block_tokens if config.partial_block == "drop" else None
-    return belady_bound(workload.requests, config.gpu_blocks, config.cpu_blocks, drop_partial_of)
+    return belady_bound(
+        workload.requests, config.gpu_blocks, config.cpu_blocks, drop_partial_of, gpu_hits
+    )
