@@ -159,6 +159,8 @@ def test_report_derives_bytes_times_and_ratios() -> None:
     # r2's store, so r3 loads 4, computes 5 and evicts 7 to store it.
     assert (report.gpu_hit_blocks, report.offload_hit_blocks, report.computed_blocks) == (0, 2, 9)
     assert report.refs == 11 and report.unique_blocks == 7
+    assert report.gpu_gib == 3 * bytes_per_block / 2**30
+    assert report.cpu_gib == 4 * bytes_per_block / 2**30
     assert (report.offload_blocks_written, report.offload_blocks_read) == (9, 2)
     assert report.offload_bytes_written == 9 * bytes_per_block
     assert report.offload_bytes_read == 2 * bytes_per_block

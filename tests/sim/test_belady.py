@@ -88,11 +88,12 @@ def reference_bound(workload: Workload, gpu_blocks: int, offload_blocks: int) ->
     return gpu_hits, offload_hits
 
 
-requests = st.lists(st.lists(st.integers(0, 30), max_size=6), min_size=1, max_size=60)
+# Few distinct keys and a small tier: many blocks share a next use, so the tie order counts.
+requests = st.lists(st.lists(st.integers(0, 15), max_size=6), min_size=1, max_size=60)
 
 
 @settings(max_examples=150, deadline=None)
-@given(ids=requests, gpu_blocks=st.integers(6, 12), offload_blocks=st.integers(1, 20))
+@given(ids=requests, gpu_blocks=st.integers(6, 8), offload_blocks=st.integers(1, 6))
 def test_bound_matches_the_plain_heap_rendering(
     ids: list[list[int]], gpu_blocks: int, offload_blocks: int
 ) -> None:

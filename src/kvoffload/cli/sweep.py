@@ -63,6 +63,11 @@ def _capacities(args: argparse.Namespace, gpu_blocks: int, layout: str, bt: int)
 def run(args: argparse.Namespace) -> int:
     options.check_before_work(args)
     thresholds = options.parse_ints(args.thresholds, "--thresholds")
+    # Parsed once now only to refuse a bad list before the workload is built.
+    if args.cpu_blocks is not None:
+        options.parse_ints(args.cpu_blocks, "--cpu-blocks")
+    if args.cpu_gb is not None:
+        options.parse_floats(args.cpu_gb, "--cpu-gb")
     source = options.workload_source(args)
     workload = source.load()
     bt = workload.block_tokens
