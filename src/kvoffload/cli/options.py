@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 from collections.abc import Callable
 
@@ -250,6 +251,10 @@ def check_before_work(args: argparse.Namespace) -> None:
     plot_dir = getattr(args, "plot_dir", None)
     if plot_dir:
         output.check_writable_dir(plot_dir, "--plot-dir")
+        if importlib.util.find_spec("matplotlib") is None:
+            raise InvalidArgumentError(
+                "--plot-dir needs matplotlib; install it with: pip install 'kvoffload[plot]'"
+            )
     gpu_blocks = getattr(args, "gpu_blocks", None)
     if gpu_blocks is not None:
         check_fits(gpu_blocks * BYTES_PER_SLOT, f"a GPU prefix cache of {gpu_blocks:,} blocks")
