@@ -27,7 +27,7 @@ or offered, as in vLLM; it still counts as a block reference (always a miss).
 Time is simulated: prefill and decode from token throughputs, transfers
 from a bandwidth shared first come, first served per direction. With
 ``concurrency=1`` the next request starts only when the previous one is
-completely done, so the replay is sequential and deterministic.
+completely done (or parked), so the replay is sequential and deterministic.
 """
 
 from __future__ import annotations
