@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -67,6 +68,23 @@ def test_tiny_tracker_starves_the_reuse_filter(capsys: pytest.CaptureFixture[str
 def test_bad_engine_options_are_one_line_errors(
     option: str, value: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main([*BASE, option, value]) == 1
+    assert main([*BASE, option, value]) == 2  # a bad command line: usage error status
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("kvoffload: error:")
+
+
+def test_partial_block_drop_on_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Two identical 1,100-token prompts: 3 Mooncake blocks, the last one partial (76 tokens).
+    record = '{"timestamp": %d, "input_length": 1100, "output_length": 1, "hash_ids": [7, 8, 9]}'
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(record % t for t in (0, 1000)) + "\n")
+    argv = ["simulate", "--trace", str(trace), "--gpu-blocks", "4", "--cpu-blocks", "4"]
+    reports = {}
+    for mode in ("cache", "drop"):
+        assert main([*argv, "--partial-block", mode, "--json", "-", "--no-progress"]) == 0
+        reports[mode] = json.loads(capsys.readouterr().out)
+    assert reports["cache"]["gpu_hit_blocks"] == 3 and reports["drop"]["gpu_hit_blocks"] == 2
+    assert reports["cache"]["offload_blocks_written"] == 3
+    assert reports["drop"]["offload_blocks_written"] == 2
+    assert reports["drop"]["refs"] == reports["cache"]["refs"] == 6
+    assert reports["drop"]["partial_block"] == "drop"

@@ -32,7 +32,6 @@ def test_malformed_trace_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         (["--layout", "gpt-9"], "unknown KV layout"),
         (["--mix", "video=1"], "unknown workload kind"),
         (["--gpu-blocks", "3"], "cannot fit in a GPU cache of 3 blocks"),
-        (["--cpu-blocks", "-4"], "must be >= 0"),
         (["--trace", "/nonexistent/trace.jsonl", "--format", "mooncake"], "cannot read trace"),
         (["--json", "/nonexistent/dir/out.json"], "/nonexistent/dir/out.json"),
     ],
@@ -49,5 +48,6 @@ def test_sweep_bad_list(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_usage_errors_are_argparse_status_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--no-such-flag"]) == 2
+    assert "unrecognized arguments: --no-such-flag" in one_line_error(capsys)
     assert main([]) == 2
-    assert "usage:" in capsys.readouterr().err
+    assert "required: COMMAND" in one_line_error(capsys)

@@ -8,7 +8,7 @@ import pytest
 
 from kvoffload.sim.run import SimConfig
 from kvoffload.sim.sources import WorkloadSource
-from kvoffload.sim.sweep import run_sweep, sweep_configs
+from kvoffload.sim.sweep import SweepInterrupted, run_sweep, sweep_configs
 
 SOURCE = WorkloadSource(requests=150, seed=4)
 TIMING = {"wall_seconds", "refs_per_second", "manager_us_per_block"}
@@ -50,3 +50,28 @@ def test_plots_are_png(tmp_path: Path) -> None:
     assert [p.name for p in paths] == ["hit_ratio_vs_capacity.png", "hit_ratio_vs_writes.png"]
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_interrupted_sweep_keeps_the_finished_runs() -> None:
+    def stop_after_three(done: int, total: int) -> None:
+        if done == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(SweepInterrupted, match="after 3 of 8 runs") as stopped:
+        run_sweep(SOURCE, configs(), jobs=1, progress=stop_after_three)
+    finished = stopped.value.reports
+    assert [(r.policy, r.store_threshold, r.cpu_blocks) for r in finished] == [
+        ("lru", 0, 0),
+        ("lru", 0, 3000),
+        ("lru", 2, 0),
+    ]
+    # The bounds run last, so none had finished.
+    assert all(r.belady_total_hit_ratio is None for r in finished)
+    complete = run_sweep(SOURCE, configs()[:3], jobs=1)
+    strip = [{k: v for k, v in r.as_dict().items() if k not in TIMING} for r in complete]
+    assert strip == [
+        {k: v for k, v in r.as_dict().items() if k not in TIMING}
+        | {"belady_total_hit_ratio": c.belady_total_hit_ratio}
+        | {"belady_offload_hit_ratio": c.belady_offload_hit_ratio}
+        for r, c in zip(finished, complete, strict=True)
+    ]

@@ -1,7 +1,8 @@
 """Entry point of the ``kvoffload`` command.
 
 Library errors (:class:`~kvoffload.core.errors.KVOffloadError`) and file
-errors become one line on stderr and exit status 1, never a traceback.
+errors become one line on stderr and exit status 1, usage errors one line and
+status 2, Ctrl-C one line and status 130; never a traceback.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from kvoffload.cli import bench, simulate, sweep, trace_stats
 from kvoffload.core.errors import KVOffloadError
@@ -16,9 +18,16 @@ from kvoffload.core.errors import KVOffloadError
 PROG = "kvoffload"
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (and status 2), like every other error of the CLI."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{PROG}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The full parser, and the ``bench transfer`` sub-parser whose options load lazily."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         description="Replay LLM serving workloads through a GPU prefix cache and KV offload "
         "tiers, and report what an operator needs to size them.",
@@ -50,6 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         where = f": {exc.filename}" if exc.filename else ""
         print(f"{PROG}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print(f"{PROG}: error: out of memory; use a smaller workload or cache", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)

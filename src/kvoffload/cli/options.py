@@ -4,12 +4,58 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+import math
+from collections.abc import Callable
 
+from kvoffload.cli import output
 from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.memory import check_fits
+from kvoffload.sim.engine import PARTIAL_BLOCK_MODES
 from kvoffload.sim.generators import DEFAULT_MIX, DEFAULT_RATE, DEFAULT_REQUESTS, parse_mix
+from kvoffload.sim.gpu_cache import BYTES_PER_SLOT
 from kvoffload.sim.run import SimConfig, blocks_for_gib
 from kvoffload.sim.sources import WorkloadSource
 from kvoffload.sim.traces import TRACE_FORMATS
+
+
+def integer(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``minimum``, or one clear usage error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def number(minimum: float, allow_minimum: bool = True) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number >= (or >) ``minimum``; nan and inf are refused."""
+    relation = ">=" if allow_minimum else ">"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if value < minimum or (value == minimum and not allow_minimum):
+            raise argparse.ArgumentTypeError(f"must be {relation} {minimum:g}, got {text}")
+        return value
+
+    return parse
+
+
+POSITIVE_INT = integer(1)
+COUNT = integer(0)
+POSITIVE = number(0.0, allow_minimum=False)
+SIZE_GIB = number(0.0)
 
 DEFAULT_GPU_GIB = 24.0
 DEFAULT_CPU_GIB = 96.0
@@ -27,7 +73,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--block-size",
-        type=int,
+        type=POSITIVE_INT,
         metavar="TOKENS",
         help="tokens per block (default: the trace format's; 16 for synthetic workloads)",
     )
@@ -39,14 +85,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--requests",
-        type=int,
+        type=POSITIVE_INT,
         default=DEFAULT_REQUESTS,
         help=f"synthetic requests (default: {DEFAULT_REQUESTS})",
     )
-    group.add_argument("--seed", type=int, default=0, help="synthetic workload seed (default: 0)")
+    group.add_argument("--seed", type=COUNT, default=0, help="synthetic workload seed (default: 0)")
     group.add_argument(
         "--rate",
-        type=float,
+        type=POSITIVE,
         default=DEFAULT_RATE,
         help=f"synthetic arrivals per second (default: {DEFAULT_RATE:g})",
     )
@@ -66,10 +112,12 @@ def workload_source(args: argparse.Namespace) -> WorkloadSource:
 
 def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
     gpu = parser.add_mutually_exclusive_group()
-    gpu.add_argument("--gpu-blocks", type=int, metavar="N", help="GPU prefix cache size in blocks")
+    gpu.add_argument(
+        "--gpu-blocks", type=POSITIVE_INT, metavar="N", help="GPU prefix cache size in blocks"
+    )
     gpu.add_argument(
         "--gpu-gb",
-        type=float,
+        type=POSITIVE,
         metavar="X",
         help=f"GPU prefix cache size in GiB of KV (default: {DEFAULT_GPU_GIB:g})",
     )
@@ -83,33 +131,40 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--max-tracker-size",
-        type=int,
+        type=POSITIVE_INT,
         default=64_000,
         help="reuse filter's tracked keys (default: 64000)",
     )
     group.add_argument(
         "--concurrency",
-        type=int,
+        type=POSITIVE_INT,
         default=1,
         help="requests in flight at once, following arrival times (default: 1, sequential)",
     )
     group.add_argument(
         "--prefill-tokens-per-s",
-        type=float,
+        type=POSITIVE,
         default=10_000.0,
         help="prefill throughput (default: 10000)",
     )
     group.add_argument(
         "--decode-tokens-per-s",
-        type=float,
+        type=POSITIVE,
         default=50.0,
         help="decode speed of one request (default: 50)",
     )
     group.add_argument(
         "--transfer-gb-per-s",
-        type=float,
+        type=POSITIVE,
         default=25.0,
         help="GPU<->offload bandwidth per direction in GB/s (default: 25)",
+    )
+    group.add_argument(
+        "--partial-block",
+        choices=PARTIAL_BLOCK_MODES,
+        default="cache",
+        help="a prompt's keyed partial last block: cache it like a full one, or drop it as "
+        "vLLM does (computed, never cached or offloaded) (default: cache)",
     )
 
 
@@ -143,6 +198,7 @@ def base_config(args: argparse.Namespace, block_tokens: int, default_layout: str
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         decode_tokens_per_s=args.decode_tokens_per_s,
         transfer_gb_per_s=args.transfer_gb_per_s,
+        partial_block=args.partial_block,
     )
 
 
@@ -155,21 +211,50 @@ def with_offload(config: SimConfig, cpu: int, policy: str, threshold: int) -> Si
     return dataclasses.replace(config, cpu_blocks=cpu, policy=policy, store_threshold=threshold)
 
 
-def parse_ints(text: str, what: str) -> list[int]:
-    """A comma-separated list of integers, e.g. ``"0,2"``."""
+def parse_ints(text: str, what: str, minimum: int = 0) -> list[int]:
+    """A comma-separated list of integers >= ``minimum``, e.g. ``"0,2"``."""
     try:
-        return [int(part) for part in text.split(",") if part.strip()]
+        values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise InvalidArgumentError(
             f"{what} must be comma-separated integers, got {text!r}"
         ) from None
+    bad = next((value for value in values if value < minimum), None)
+    if bad is not None:
+        raise InvalidArgumentError(f"{what} values must be >= {minimum}, got {bad}")
+    return values
 
 
 def parse_floats(text: str, what: str) -> list[float]:
-    """A comma-separated list of numbers, e.g. ``"0,16,32.5"``."""
+    """A comma-separated list of finite numbers >= 0, e.g. ``"0,16,32.5"``."""
     try:
-        return [float(part) for part in text.split(",") if part.strip()]
+        values = [float(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise InvalidArgumentError(
             f"{what} must be comma-separated numbers, got {text!r}"
         ) from None
+    bad = next((v for v in values if not math.isfinite(v) or v < 0), None)
+    if bad is not None:
+        raise InvalidArgumentError(f"{what} values must be finite numbers >= 0, got {bad}")
+    return values
+
+
+def check_before_work(args: argparse.Namespace) -> None:
+    """Refuse what would fail only after the run: unwritable outputs, a GPU beyond memory.
+
+    Called first by ``simulate`` and ``sweep``, so a typo costs no run.
+    """
+    for option in ("json", "csv"):
+        path = getattr(args, option, None)
+        if path:
+            output.check_writable_file(path, f"--{option}")
+    plot_dir = getattr(args, "plot_dir", None)
+    if plot_dir:
+        output.check_writable_dir(plot_dir, "--plot-dir")
+        if importlib.util.find_spec("matplotlib") is None:
+            raise InvalidArgumentError(
+                "--plot-dir needs matplotlib; install it with: pip install 'kvoffload[plot]'"
+            )
+    gpu_blocks = getattr(args, "gpu_blocks", None)
+    if gpu_blocks is not None:
+        check_fits(gpu_blocks * BYTES_PER_SLOT, f"a GPU prefix cache of {gpu_blocks:,} blocks")

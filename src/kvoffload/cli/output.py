@@ -9,11 +9,14 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import shutil
 import sys
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from kvoffload.core.errors import InvalidArgumentError
 
 Value = str | int | float | None
 Row = Mapping[str, Value]
@@ -89,6 +92,34 @@ def column_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(headers), rule, *(line(r) for r in rows)])
+
+
+def check_writable_file(path: str, option: str) -> None:
+    """:class:`InvalidArgumentError` unless ``path`` (``-``: stdout) can be written."""
+    if path == "-":
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise InvalidArgumentError(f"{option} {path}: is a directory")
+    parent = target.parent
+    if not parent.is_dir():
+        raise InvalidArgumentError(f"{option} {path}: no such directory: {parent}")
+    if not os.access(target if target.exists() else parent, os.W_OK):
+        raise InvalidArgumentError(f"{option} {path}: not writable")
+
+
+def check_writable_dir(path: str, option: str) -> None:
+    """:class:`InvalidArgumentError` unless ``path`` is, or can be made, a writable directory."""
+    target = Path(path)
+    existing = target
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if not existing.is_dir():
+        raise InvalidArgumentError(f"{option} {path}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK):
+        raise InvalidArgumentError(f"{option} {path}: {existing} is not writable")
 
 
 def _write_text(path: str, text: str) -> None:

@@ -41,17 +41,19 @@ def register(commands: Any) -> None:
     tier = parser.add_argument_group("GPU cache and offload tier")
     options.add_gpu_arguments(parser)
     cpu = tier.add_mutually_exclusive_group()
-    cpu.add_argument("--cpu-blocks", type=int, metavar="N", help="offload tier size; 0: no tier")
+    cpu.add_argument(
+        "--cpu-blocks", type=options.COUNT, metavar="N", help="offload tier size; 0: no tier"
+    )
     cpu.add_argument(
         "--cpu-gb",
-        type=float,
+        type=options.SIZE_GIB,
         metavar="X",
         help=f"offload tier size in GiB (default: {options.DEFAULT_CPU_GIB:g})",
     )
     tier.add_argument("--policy", default="lru", help="eviction policy (default: lru)")
     tier.add_argument(
         "--store-threshold",
-        type=int,
+        type=options.COUNT,
         default=0,
         help="store a block only after this many lookups; below 2: no filter (default: 0)",
     )
@@ -107,6 +109,7 @@ def _default_capacities_in_blocks(args: argparse.Namespace, block_tokens: int) -
 
 
 def run(args: argparse.Namespace) -> int:
+    options.check_before_work(args)
     workload = options.workload_source(args).load()
     bt = workload.block_tokens
     if args.data_plane:

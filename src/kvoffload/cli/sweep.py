@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 from kvoffload.cli import options, output
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.sim.run import RunReport, blocks_for_gib
-from kvoffload.sim.sweep import run_sweep, sweep_configs
+from kvoffload.sim.sweep import SweepInterrupted, run_sweep, sweep_configs
 
 
 def register(commands: Any) -> None:
@@ -38,7 +39,7 @@ def register(commands: Any) -> None:
     options.add_engine_arguments(parser)
     parser.add_argument(
         "--jobs",
-        type=int,
+        type=options.POSITIVE_INT,
         default=os.cpu_count() or 1,
         help="parallel processes (default: CPU count)",
     )
@@ -60,6 +61,13 @@ def _capacities(args: argparse.Namespace, gpu_blocks: int, layout: str, bt: int)
 
 
 def run(args: argparse.Namespace) -> int:
+    options.check_before_work(args)
+    thresholds = options.parse_ints(args.thresholds, "--thresholds")
+    # Parsed once now only to refuse a bad list before the workload is built.
+    if args.cpu_blocks is not None:
+        options.parse_ints(args.cpu_blocks, "--cpu-blocks")
+    if args.cpu_gb is not None:
+        options.parse_floats(args.cpu_gb, "--cpu-gb")
     source = options.workload_source(args)
     workload = source.load()
     bt = workload.block_tokens
@@ -68,18 +76,17 @@ def run(args: argparse.Namespace) -> int:
         base,
         _capacities(args, base.gpu_blocks, base.layout, bt),
         [p.strip() for p in args.policies.split(",") if p.strip()],
-        options.parse_ints(args.thresholds, "--thresholds"),
+        thresholds,
     )
     bar = ProgressBar("sweep", ProgressBar.wanted(args.progress))
     try:
         reports = run_sweep(source, configs, jobs=args.jobs, progress=bar)
+    except SweepInterrupted as stop:
+        bar.close()
+        return _interrupted(args, stop)
     finally:
         bar.close()
-    rows = [report.as_dict() for report in reports]
-    if args.json:
-        output.write_json(args.json, rows)
-    if args.csv:
-        output.write_csv(args.csv, rows)
+    _write(args, reports)
     plots: list[Path] = []
     if args.plot_dir:
         from kvoffload.sim.plots import plot_sweep
@@ -90,6 +97,31 @@ def run(args: argparse.Namespace) -> int:
         for path in plots:
             print(f"plot: {path}")
     return 0
+
+
+def _write(args: argparse.Namespace, reports: list[RunReport]) -> None:
+    rows = [report.as_dict() for report in reports]
+    if args.json:
+        output.write_json(args.json, rows)
+    if args.csv and rows:
+        output.write_csv(args.csv, rows)
+
+
+def _interrupted(args: argparse.Namespace, stop: SweepInterrupted) -> int:
+    """Keep what finished: write and show it, then say so on one line; status 130."""
+    reports = stop.reports
+    _write(args, reports)
+    if reports and "-" not in (args.json, args.csv):
+        print(format_sweep(reports))
+    written = [path for path in (args.json, args.csv) if path and path != "-"]
+    if not reports:
+        kept = "no run had finished"
+    elif written:
+        kept = f"the finished runs were written to {' and '.join(written)}"
+    else:
+        kept = "the finished runs are shown above"
+    print(f"kvoffload: interrupted: {stop}; {kept}", file=sys.stderr)
+    return 130
 
 
 def format_sweep(reports: list[RunReport]) -> str:

@@ -15,6 +15,7 @@ from kvoffload.core.errors import (
     BlockNotPinnedError,
     BlockNotReadyError,
     InvalidArgumentError,
+    KVOffloadError,
 )
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
@@ -22,6 +23,19 @@ from kvoffload.core.specs import CPULoadStoreSpec
 from kvoffload.policies import PENDING_STORE, BlockStatus, CachePolicy, create_cache_policy
 
 MEDIUM = CPULoadStoreSpec.medium()
+
+
+class NotAKeyIterableError(KVOffloadError, TypeError):
+    """One key (bytes) or a string was passed where an iterable of keys is expected."""
+
+
+def check_key_iterable(keys: Iterable[OffloadKey], method: str) -> None:
+    """Refuse one key passed alone: iterating its bytes would name integer "keys"."""
+    if isinstance(keys, bytes | bytearray | str):
+        raise NotAKeyIterableError(
+            f"{method} expects an iterable of keys, got a single {type(keys).__name__} "
+            f"{keys[:16]!r}; wrap it in a list"
+        )
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -66,6 +80,7 @@ class CPUOffloadingManager(OffloadingManager):
         return self._blocks.get(key)
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int:
+        check_key_iterable(keys, "lookup")
         blocks = self._blocks
         hits = 0
         for key in keys:
@@ -77,6 +92,7 @@ class CPUOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Iterable[OffloadKey]) -> CPULoadStoreSpec:
         """Pin ``keys``; :class:`BlockNotFoundError` / :class:`BlockNotReadyError` otherwise."""
+        check_key_iterable(keys, "prepare_load")
         blocks = self._blocks
         pinned: list[BlockStatus] = []
         for key in keys:
@@ -92,10 +108,12 @@ class CPUOffloadingManager(OffloadingManager):
         return CPULoadStoreSpec([block.block_id for block in pinned])
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
+        check_key_iterable(keys, "touch")
         self._policy.touch(keys)
 
     def complete_load(self, keys: Iterable[OffloadKey]) -> None:
         """Unpin ``keys``; :class:`BlockNotPinnedError` for a key no load holds."""
+        check_key_iterable(keys, "complete_load")
         blocks = self._blocks
         released: list[BlockStatus] = []
         for key in keys:
@@ -110,6 +128,7 @@ class CPUOffloadingManager(OffloadingManager):
             released.append(block)
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
+        check_key_iterable(keys, "prepare_store")
         blocks = self._blocks
         # Ordered and deduplicated; doubles as the set shielded from this eviction.
         offered = dict.fromkeys(keys)
@@ -137,6 +156,7 @@ class CPUOffloadingManager(OffloadingManager):
         return PrepareStoreOutput(to_store, CPULoadStoreSpec(block_ids), evicted_keys)
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
+        check_key_iterable(keys, "complete_store")
         blocks = self._blocks
         changed: list[OffloadKey] = []
         if success:

@@ -15,6 +15,7 @@ from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import LoadStoreSpec
+from kvoffload.managers.cpu import check_key_iterable
 
 
 class FilterReusedOffloadingManager(OffloadingManager):
@@ -33,6 +34,14 @@ class FilterReusedOffloadingManager(OffloadingManager):
         store_threshold: int = 2,
         max_tracker_size: int = 64_000,
     ):
+        for name, value in (
+            ("store_threshold", store_threshold),
+            ("max_tracker_size", max_tracker_size),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidArgumentError(
+                    f"FilterReusedOffloadingManager {name} must be an integer, got {value!r}"
+                )
         if store_threshold < 2:
             raise InvalidArgumentError(
                 f"FilterReusedOffloadingManager store_threshold must be >= 2, got {store_threshold}"
@@ -53,6 +62,7 @@ class FilterReusedOffloadingManager(OffloadingManager):
         return self._backing
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
+        check_key_iterable(keys, "lookup")
         keys = list(keys)
         counts = self.counts
         move_to_end = counts.move_to_end
@@ -69,6 +79,7 @@ class FilterReusedOffloadingManager(OffloadingManager):
         return self._backing.lookup(keys)
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
+        check_key_iterable(keys, "prepare_store")
         keys = list(keys)
         counts = self.counts
         threshold = self.store_threshold

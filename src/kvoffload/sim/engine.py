@@ -7,7 +7,9 @@ engine
 1. matches the longest prefix held by the GPU prefix cache;
 2. ``touch``-es all of the request's keys in the offload tier, then
    ``lookup``-s only the keys past the GPU hit (none if no block remains);
-   a ``None`` ("ask later") answer is counted and treated as no hit;
+   a ``None`` ("ask later") answer parks the request, as vLLM's scheduler
+   does, and retries its touch and lookup ``lookup_retry_s`` later; after
+   ``max_lookup_retries`` retries it proceeds with no offload hit;
 3. ``prepare_load``-s the offload hit, copies it in, and ``complete_load``-s
    it when the modelled transfer ends (a failed load is recomputed);
 4. prefills the rest, then ``prepare_store``-s the newly computed blocks
@@ -17,29 +19,38 @@ engine
 5. decodes, and releases its GPU blocks only once its stores have finished,
    as vLLM keeps blocks alive while a store still reads them.
 
+With ``partial_block="drop"`` a prompt's partial last block (its length is
+not a multiple of the block size, yet the request has a key for it) is
+computed and takes a GPU slot, but is never matched, registered, looked up
+or offered, as in vLLM; it still counts as a block reference (always a miss).
+
 Time is simulated: prefill and decode from token throughputs, transfers
 from a bandwidth shared first come, first served per direction. With
 ``concurrency=1`` the next request starts only when the previous one is
-completely done, so the replay is sequential and deterministic.
+completely done (or parked), so the replay is sequential and deterministic.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager
 from kvoffload.sim.gpu_cache import GPUPrefixCache
 from kvoffload.sim.transfers import NullTransferBackend, TransferBackend
-from kvoffload.sim.workload import Request
+from kvoffload.sim.workload import Request, cacheable_keys
 
 Progress = Callable[[int, int], None]
 """Called with (requests finished, requests in total)."""
+
+PARTIAL_BLOCK_MODES = ("cache", "drop")
 
 
 @dataclass(frozen=True)
@@ -53,14 +64,34 @@ class EngineConfig:
     prefill_tokens_per_s: float = 10_000.0
     decode_tokens_per_s: float = 50.0
     transfer_bytes_per_s: float = 25e9
+    lookup_retry_s: float = 0.001
+    """How long a request whose lookup answered ``None`` waits before asking again."""
+    max_lookup_retries: int = 16
+    partial_block: str = "cache"
+    """``"cache"``: every key of a request is cacheable; ``"drop"``: see the module docstring."""
 
     def __post_init__(self) -> None:
         for name in ("gpu_blocks", "bytes_per_block", "block_tokens", "concurrency"):
-            if getattr(self, name) < 1:
-                raise InvalidArgumentError(f"{name} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
         for name in ("prefill_tokens_per_s", "decode_tokens_per_s", "transfer_bytes_per_s"):
-            if not getattr(self, name) > 0:
-                raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise InvalidArgumentError(f"{name} must be finite and > 0, got {value!r}")
+        retry = self.lookup_retry_s
+        if not (isinstance(retry, int | float) and math.isfinite(retry) and retry > 0):
+            raise InvalidArgumentError(f"lookup_retry_s must be finite and > 0, got {retry!r}")
+        retries = self.max_lookup_retries
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise InvalidArgumentError(
+                f"max_lookup_retries must be an integer >= 0, got {retries!r}"
+            )
+        if self.partial_block not in PARTIAL_BLOCK_MODES:
+            raise InvalidArgumentError(
+                f"partial_block must be one of {', '.join(PARTIAL_BLOCK_MODES)}, "
+                f"got {self.partial_block!r}"
+            )
 
 
 @dataclass
@@ -100,6 +131,7 @@ class _Running:
         "computed_from",
         "decoded",
         "gpu_hits",
+        "keys",
         "load_hits",
         "load_job",
         "pending_stores",
@@ -107,8 +139,17 @@ class _Running:
         "slots",
     )
 
-    def __init__(self, req: Request, slots: list[int], gpu_hits: int, load_hits: int) -> None:
+    def __init__(
+        self,
+        req: Request,
+        keys: list[OffloadKey],
+        slots: list[int],
+        gpu_hits: int,
+        load_hits: int,
+    ) -> None:
         self.req = req
+        self.keys = keys
+        """The cacheable keys: all of ``req.keys``, or all but a dropped partial block."""
         self.slots = slots
         self.gpu_hits = gpu_hits
         self.load_hits = load_hits
@@ -118,7 +159,13 @@ class _Running:
         self.decoded = False
 
 
-_LOAD_DONE, _PREFILL_DONE, _STORE_DONE, _DECODE_DONE = range(4)
+_LOAD_DONE, _PREFILL_DONE, _STORE_DONE, _DECODE_DONE, _RETRY = range(5)
+_STARTED, _NO_ROOM, _PARKED = range(3)
+
+Event = tuple[float, int, int, Any, int, list[OffloadKey]]
+"""(time, sequence number, kind, a ``_Running`` or a parked ``Request``, job id, job keys)."""
+
+_NO_KEYS: list[OffloadKey] = []
 
 
 class ServingEngine:
@@ -135,13 +182,18 @@ class ServingEngine:
         self.backend: TransferBackend = NullTransferBackend() if backend is None else backend
         self.gpu = GPUPrefixCache(config.gpu_blocks)
         self.stats = EngineStats()
-        self._events: list[tuple[float, int, int, _Running, int, list[OffloadKey]]] = []
+        self._events: list[Event] = []
         self._seq = 0
         self._now = 0.0
         self._link_free_at = {"load": 0.0, "store": 0.0}
         self._held: set[OffloadKey] = set()
         self._pending_store_blocks = 0
         self._pinned_blocks = 0
+        self._drop_partial = config.partial_block == "drop"
+        self.gpu_hits_by_start: list[int] = []
+        """Each request's GPU prefix hit, in the order the requests started."""
+        self._retries: dict[int, int] = {}
+        """Times each parked request (by ``id``) has been parked so far."""
 
     def run(self, requests: Sequence[Request], progress: Progress | None = None) -> EngineStats:
         """Replay ``requests`` (sorted by arrival) to completion and return the counters."""
@@ -154,25 +206,34 @@ class ServingEngine:
         waiting: deque[Request] = deque()
         next_arrival, active, finished, total = 0, 0, 0, len(requests)
         events = self._events
+        concurrency = self.config.concurrency
         while next_arrival < total or events or waiting:
-            arrival = requests[next_arrival].arrival_s if next_arrival < total else float("inf")
+            arrival = requests[next_arrival].arrival_s if next_arrival < total else math.inf
             if events and events[0][0] < arrival:
                 when, _, kind, running, job, keys = heapq.heappop(events)
-                self._now = max(self._now, when)
-                if self._handle(kind, running, job, keys):
+                if when > self._now:
+                    self._now = when
+                if kind == _RETRY:
+                    waiting.appendleft(running)
+                elif self._handle(kind, running, job, keys):
                     self.gpu.release(running.slots)
                     active -= 1
                     finished += 1
                     if progress is not None:
                         progress(finished, total)
             elif next_arrival < total:
-                self._now = max(self._now, arrival)
+                if arrival > self._now:
+                    self._now = arrival
                 waiting.append(requests[next_arrival])
                 next_arrival += 1
-            while waiting and active < self.config.concurrency and self._start(waiting[0]):
+            while waiting and active < concurrency:
+                outcome = self._start(waiting[0])
+                if outcome == _NO_ROOM:
+                    break
                 waiting.popleft()
-                active += 1
-            if waiting and not active:
+                if outcome == _STARTED:
+                    active += 1
+            if waiting and not active and not events:
                 raise RuntimeError("an idle engine could not admit a request that fits")
         self.backend.close()
         self.stats.simulated_seconds = self._now
@@ -183,12 +244,12 @@ class ServingEngine:
         self,
         delay: float,
         kind: int,
-        running: _Running,
+        payload: Any,
         job: int = -1,
-        keys: list[OffloadKey] | None = None,
+        keys: list[OffloadKey] = _NO_KEYS,
     ) -> None:
         self._seq += 1
-        heapq.heappush(self._events, (self._now + delay, self._seq, kind, running, job, keys or []))
+        heapq.heappush(self._events, (self._now + delay, self._seq, kind, payload, job, keys))
 
     def _transfer(self, direction: str, num_blocks: int) -> float:
         """Queue a transfer on its direction's link; return the delay until it ends."""
@@ -204,36 +265,55 @@ class ServingEngine:
     def _timed(self, started: float) -> None:
         self.stats.manager_seconds += time.perf_counter() - started
 
-    def _start(self, req: Request) -> bool:
-        """Admit ``req`` if its blocks fit on the GPU now; return whether it started."""
-        keys, gpu, manager, stats = req.keys, self.gpu, self.manager, self.stats
-        num_blocks = len(keys)
+    def _lookup(self, req: Request, keys: list[OffloadKey], gpu_hits: int) -> int | None:
+        """Touch and look up ``keys`` in the tier: the offload hit, or ``None`` if parked."""
+        manager, stats = self.manager, self.stats
+        if manager is None or not keys:
+            return 0
+        started = time.perf_counter()
+        manager.touch(keys)
+        found: int | None = 0
+        if len(keys) > gpu_hits:
+            found = manager.lookup(keys[gpu_hits:])
+            stats.lookups += 1
+        self._timed(started)
+        if found is not None:
+            return found
+        stats.lookups_deferred += 1
+        retries = self._retries
+        parked = retries.get(id(req), 0)
+        if parked < self.config.max_lookup_retries:
+            retries[id(req)] = parked + 1
+            self._at(self.config.lookup_retry_s, _RETRY, req)
+            return None
+        return 0
+
+    def _start(self, req: Request) -> int:
+        """Admit ``req`` if its blocks fit on the GPU now; return what became of it."""
+        gpu, stats = self.gpu, self.stats
+        keys = cacheable_keys(req, self.config.block_tokens, self._drop_partial)
+        num_blocks = len(req.keys)
         gpu_hits = gpu.match(keys)
-        if not gpu.fits(keys[:gpu_hits], num_blocks - gpu_hits):
-            return False
-        load_hits = 0
-        if manager is not None and num_blocks:
-            started = time.perf_counter()
-            manager.touch(keys)
-            if num_blocks > gpu_hits:
-                found = manager.lookup(keys[gpu_hits:])
-                stats.lookups += 1
-                if found is None:
-                    stats.lookups_deferred += 1
-                load_hits = found or 0
-            self._timed(started)
-        running = _Running(
-            req, gpu.acquire(keys[:gpu_hits], num_blocks - gpu_hits), gpu_hits, load_hits
-        )
+        shared = gpu.slots_of(keys[:gpu_hits])
+        if not gpu.fits_slots(shared, num_blocks - gpu_hits):
+            return _NO_ROOM
+        load_hits = self._lookup(req, keys, gpu_hits)
+        if load_hits is None:
+            return _PARKED
+        if self._retries:
+            self._retries.pop(id(req), None)
+        slots = gpu.acquire_slots(shared, num_blocks - gpu_hits)
+        running = _Running(req, keys, slots, gpu_hits, load_hits)
+        self.gpu_hits_by_start.append(gpu_hits)
         stats.requests += 1
         stats.refs += num_blocks
         stats.prompt_tokens += req.input_tokens
         stats.gpu_hit_blocks += gpu_hits
         stats.gpu_hit_tokens += min(req.input_tokens, gpu_hits * self.config.block_tokens)
-        if load_hits and manager is not None:
+        if load_hits and self.manager is not None:
             hit_keys = keys[gpu_hits : gpu_hits + load_hits]
             started = time.perf_counter()
-            spec = manager.prepare_load(hit_keys)
+            spec = self.manager.prepare_load(hit_keys)
             self._timed(started)
             running.load_job = self._job_id()
             self.backend.submit_load(
@@ -245,7 +325,7 @@ class ServingEngine:
             self._at(delay, _LOAD_DONE, running)
         else:
             self._prefill(running)
-        return True
+        return _STARTED
 
     def _job_id(self) -> int:
         self._seq += 1
@@ -265,7 +345,7 @@ class ServingEngine:
 
     def _load_done(self, running: _Running) -> None:
         start, end = running.gpu_hits, running.gpu_hits + running.load_hits
-        keys = running.req.keys[start:end]
+        keys = running.keys[start:end]
         ok = self.backend.finish(running.load_job)
         if self.manager is not None:
             started = time.perf_counter()
@@ -295,14 +375,16 @@ class ServingEngine:
         computed = req.keys[first:]
         if computed:
             self.backend.compute(computed, slots[first:])
-            self.gpu.register(computed, slots[first:])
+            cacheable = len(running.keys)
+            if cacheable > first:
+                self.gpu.register(running.keys[first:], slots[first:cacheable])
             self.stats.computed_blocks += len(computed)
         self._store(running)
         self._at(req.output_tokens / self.config.decode_tokens_per_s, _DECODE_DONE, running)
 
     def _store(self, running: _Running) -> None:
         """Offer the blocks this request computed (not loaded ones) to the offload tier."""
-        manager, stats, keys = self.manager, self.stats, running.req.keys
+        manager, stats, keys = self.manager, self.stats, running.keys
         first = running.gpu_hits + running.load_hits
         offered = keys[first:]
         if manager is None or not offered:
@@ -315,22 +397,27 @@ class ServingEngine:
             stats.stores_rejected += len(offered)
             return
         held = self._held
-        held.difference_update(output.evicted_keys)
-        stats.offload_evictions += len(output.evicted_keys)
+        if output.evicted_keys:
+            held.difference_update(output.evicted_keys)
+            stats.offload_evictions += len(output.evicted_keys)
         to_store = output.keys_to_store
-        chosen = set(to_store)
-        stats.stores_skipped_by_admission += sum(
-            1 for key in offered if key not in chosen and key not in held
-        )
-        if not to_store:
-            return
+        if to_store == offered:
+            slots = running.slots[first : first + len(offered)]
+        else:
+            chosen = set(to_store)
+            stats.stores_skipped_by_admission += sum(
+                1 for key in offered if key not in chosen and key not in held
+            )
+            if not to_store:
+                return
+            slot_of = dict(zip(offered, running.slots[first:], strict=False))
+            slots = [slot_of[k] for k in to_store]
         held.update(to_store)
         started = time.perf_counter()
         manager.touch(keys)
         self._timed(started)
-        slot_of = dict(zip(offered, running.slots[first:], strict=True))
         job = self._job_id()
-        self.backend.submit_store(job, to_store, [slot_of[k] for k in to_store], output.store_spec)
+        self.backend.submit_store(job, to_store, slots, output.store_spec)
         self._pending_store_blocks += len(to_store)
         stats.peak_pending_store_blocks = max(
             stats.peak_pending_store_blocks, self._pending_store_blocks

@@ -19,18 +19,22 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import random
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey, block_id_key
+from kvoffload.core.memory import check_fits
 from kvoffload.sim.workload import Request, Workload
 
 DEFAULT_MIX: dict[str, float] = {"chat": 0.4, "rag": 0.25, "agent": 0.2, "oneshot": 0.15}
 DEFAULT_REQUESTS = 2000
 DEFAULT_RATE = 4.0
 """Requests per second across the whole mix."""
+BYTES_PER_REQUEST = 8192
+"""A generous estimate of one generated request's memory (its key list, mostly)."""
 
 
 @dataclass(frozen=True)
@@ -172,11 +176,17 @@ def generate(
         raise InvalidArgumentError(
             f"unknown workload kind {unknown[0]!r}; known: {', '.join(GENERATORS)}"
         )
+    if not all(math.isfinite(w) and w >= 0 for w in mix.values()) or sum(mix.values()) <= 0:
+        raise InvalidArgumentError(
+            f"mix weights must be finite, >= 0 and not all zero, got {dict(mix)}"
+        )
     total = sum(mix.values())
-    if any(w < 0 for w in mix.values()) or total <= 0:
-        raise InvalidArgumentError("mix weights must be >= 0 and not all zero")
-    if num_requests < 1 or block_tokens < 1 or rate <= 0:
-        raise InvalidArgumentError("requests and block size must be >= 1, rate > 0")
+    for name, value in (("requests", num_requests), ("block size", block_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
+    if not (isinstance(rate, int | float) and math.isfinite(rate) and rate > 0):
+        raise InvalidArgumentError(f"rate must be a finite number > 0, got {rate!r}")
+    check_fits(num_requests * BYTES_PER_REQUEST, f"{num_requests:,} synthetic requests")
     keys = _Keys(block_tokens)
     counts = _apportion(num_requests, {k: w / total for k, w in mix.items()})
     requests: list[Request] = []

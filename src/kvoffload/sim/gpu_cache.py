@@ -15,14 +15,21 @@ from collections.abc import Sequence
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
+from kvoffload.core.memory import check_fits
+
+BYTES_PER_SLOT = 160
+"""A generous estimate of what the pool's index costs per slot once it is in use."""
 
 
 class GPUPrefixCache:
     """Slot pool plus a key → slot index of the complete blocks it holds."""
 
     def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise InvalidArgumentError(f"the GPU needs at least 1 block, got {num_blocks}")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise InvalidArgumentError(
+                f"the GPU needs an integer >= 1 of blocks, got {num_blocks!r}"
+            )
+        check_fits(num_blocks * BYTES_PER_SLOT, f"a GPU prefix cache of {num_blocks:,} blocks")
         self.num_blocks = num_blocks
         self.evictions = 0
         self._slot_of: dict[OffloadKey, int] = {}
@@ -46,9 +53,15 @@ class GPUPrefixCache:
 
     def fits(self, shared: Sequence[OffloadKey], num_new: int) -> bool:
         """Whether :meth:`acquire` of ``shared`` (all held) and ``num_new`` slots can succeed."""
-        return self._fits([self._slot_of[key] for key in shared], num_new)
+        return self.fits_slots(self.slots_of(shared), num_new)
 
-    def _fits(self, shared_slots: list[int], num_new: int) -> bool:
+    def slots_of(self, keys: Sequence[OffloadKey]) -> list[int]:
+        """The slots of ``keys``, all held: for :meth:`fits_slots` and :meth:`acquire_slots`."""
+        slot_of = self._slot_of
+        return [slot_of[key] for key in keys]
+
+    def fits_slots(self, shared_slots: list[int], num_new: int) -> bool:
+        """:meth:`fits`, given the shared blocks' slots."""
         # Cached blocks the request shares stop being reclaimable once it holds them.
         refs = self._refs
         idle_shared = [refs[slot] for slot in shared_slots].count(0)
@@ -61,28 +74,38 @@ class GPUPrefixCache:
         the free list, then from the least recently released cached blocks,
         whose keys are dropped.
         """
-        slot_of, refs, cached = self._slot_of, self._refs, self._cached
-        slots = [slot_of[key] for key in keys]
-        if not self._fits(slots, num_new):
+        return self.acquire_slots(self.slots_of(keys), num_new)
+
+    def acquire_slots(self, shared_slots: list[int], num_new: int) -> list[int]:
+        """:meth:`acquire`, given the shared blocks' slots (the list is extended and returned)."""
+        if not self.fits_slots(shared_slots, num_new):
             raise InvalidArgumentError(f"not enough GPU blocks for {num_new} new ones")
-        for slot in slots:
+        refs, cached = self._refs, self._cached
+        for slot in shared_slots:
             if refs[slot] == 0:
                 del cached[slot]
             refs[slot] += 1
-        free, key_of = self._free, self._key_of
-        for _ in range(num_new):
-            if free:
-                slot = free.pop()
-            else:
-                slot = cached.popitem(last=False)[0]
-                evicted = key_of[slot]
-                if evicted is not None:  # always: only registered slots are cached
-                    del slot_of[evicted]
+        free = self._free
+        reused = min(num_new, len(free))
+        if reused:
+            taken = free[len(free) - reused :]
+            del free[len(free) - reused :]
+            taken.reverse()
+            for slot in taken:
+                refs[slot] = 1
+            shared_slots += taken
+        evict = num_new - reused
+        if evict:
+            slot_of, key_of = self._slot_of, self._key_of
+            popitem = cached.popitem
+            for _ in range(evict):
+                slot = popitem(last=False)[0]
+                del slot_of[key_of[slot]]  # type: ignore[arg-type]  # cached slots hold a key
                 key_of[slot] = None
-                self.evictions += 1
-            refs[slot] = 1
-            slots.append(slot)
-        return slots
+                refs[slot] = 1
+                shared_slots.append(slot)
+            self.evictions += evict
+        return shared_slots
 
     def register(self, keys: Sequence[OffloadKey], slots: Sequence[int]) -> None:
         """Index the now complete blocks ``keys`` held in ``slots`` for sharing.
@@ -100,8 +123,9 @@ class GPUPrefixCache:
         """Drop one reference on each slot, last slot first (tail-first release)."""
         refs, cached, key_of, free = self._refs, self._cached, self._key_of, self._free
         for slot in reversed(slots):
-            refs[slot] -= 1
-            if refs[slot] == 0:
+            left = refs[slot] - 1
+            refs[slot] = left
+            if not left:
                 if key_of[slot] is None:
                     free.append(slot)
                 else:

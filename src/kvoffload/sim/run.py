@@ -7,16 +7,19 @@ object or one CSV row without translation.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import KVLayout, layout_preset
 from kvoffload.managers import build_manager
 from kvoffload.observe import Observers
 from kvoffload.policies import available_policies
-from kvoffload.sim.belady import belady_bound
-from kvoffload.sim.engine import EngineConfig, Progress, ServingEngine
+from kvoffload.sim.belady import BeladyResult, belady_bound
+from kvoffload.sim.engine import PARTIAL_BLOCK_MODES, EngineConfig, Progress, ServingEngine
 from kvoffload.sim.transfers import TransferBackend
 from kvoffload.sim.workload import Workload
 
@@ -42,8 +45,16 @@ class SimConfig:
     transfer_gb_per_s: float = 25.0
     bound: bool = True
     """Whether to compute the Belady bound beside the result."""
+    partial_block: str = "cache"
+    """``"cache"`` or ``"drop"`` a prompt's keyed partial last block (vLLM drops it)."""
 
     def __post_init__(self) -> None:
+        _check_numbers(self)
+        if self.partial_block not in PARTIAL_BLOCK_MODES:
+            raise InvalidArgumentError(
+                f"partial block mode must be one of {', '.join(PARTIAL_BLOCK_MODES)}, "
+                f"got {self.partial_block!r}"
+            )
         if self.cpu_blocks < 0:
             raise InvalidArgumentError(f"cpu_blocks must be >= 0, got {self.cpu_blocks}")
         if self.policy not in available_policies():
@@ -63,10 +74,31 @@ class SimConfig:
         return layout_preset(self.layout).with_block_size(block_tokens)
 
 
+_INTEGER_FIELDS = ("gpu_blocks", "cpu_blocks", "store_threshold", "max_tracker_size", "concurrency")
+_RATE_FIELDS = ("prefill_tokens_per_s", "decode_tokens_per_s", "transfer_gb_per_s")
+
+
+def _check_numbers(config: SimConfig) -> None:
+    """Integers must be integers and rates finite and positive, whatever the caller passed."""
+    for name in _INTEGER_FIELDS:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
+    if config.gpu_blocks < 1 or config.concurrency < 1:
+        raise InvalidArgumentError(
+            f"gpu_blocks and concurrency must be >= 1, got {config.gpu_blocks} "
+            f"and {config.concurrency}"
+        )
+    for name in _RATE_FIELDS:
+        value = getattr(config, name)
+        if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+            raise InvalidArgumentError(f"{name} must be a finite number > 0, got {value!r}")
+
+
 def blocks_for_gib(gib: float, layout: str, block_tokens: int) -> int:
     """How many whole blocks of ``block_tokens`` tokens fit in ``gib`` GiB under ``layout``."""
-    if gib < 0:
-        raise InvalidArgumentError(f"a capacity in GB must be >= 0, got {gib}")
+    if not (isinstance(gib, int | float) and math.isfinite(gib)) or gib < 0:
+        raise InvalidArgumentError(f"a capacity in GB must be a finite number >= 0, got {gib}")
     return int(gib * GIB // layout_preset(layout).with_block_size(block_tokens).bytes_per_block)
 
 
@@ -131,6 +163,7 @@ class RunReport:
     manager_us_per_block: float
     wall_seconds: float
     refs_per_second: float
+    partial_block: str
 
     def as_dict(self) -> dict[str, Scalar]:
         return dataclasses.asdict(self)
@@ -158,6 +191,7 @@ def simulate(
         prefill_tokens_per_s=config.prefill_tokens_per_s,
         decode_tokens_per_s=config.decode_tokens_per_s,
         transfer_bytes_per_s=config.transfer_gb_per_s * 1e9,
+        partial_block=config.partial_block,
     )
     manager = None
     if config.cpu_blocks > 0:
@@ -171,12 +205,13 @@ def simulate(
         if observers is not None:
             manager = observers.wrap(manager, bytes_per_block)
             observers.watch_transfers(backend)
-    stats = ServingEngine(engine_config, manager, backend).run(workload.requests, progress)
-    bound = (
-        belady_bound(workload.requests, config.gpu_blocks, config.cpu_blocks)
-        if config.bound
-        else None
-    )
+    engine = ServingEngine(engine_config, manager, backend)
+    stats = engine.run(workload.requests, progress)
+    bound = None
+    if config.bound:
+        # A sequential replay that parked no request ran the bound's own GPU cache already.
+        in_order = config.concurrency == 1 and not stats.lookups_deferred
+        bound = bound_of(workload, config, engine.gpu_hits_by_start if in_order else None)
     wall = time.perf_counter() - started
 
     refs = stats.refs
@@ -189,7 +224,7 @@ def simulate(
         workload=workload.name,
         requests=stats.requests,
         refs=refs,
-        unique_blocks=len({key for req in workload.requests for key in req.keys}),
+        unique_blocks=len(set(chain.from_iterable(req.keys for req in workload.requests))),
         block_tokens=workload.block_tokens,
         layout=config.layout,
         bytes_per_block=bytes_per_block,
@@ -237,4 +272,15 @@ def simulate(
         manager_us_per_block=stats.manager_seconds * 1e6 * per_ref,
         wall_seconds=wall,
         refs_per_second=refs / wall if wall > 0 else 0.0,
+        partial_block=config.partial_block,
+    )
+
+
+def bound_of(
+    workload: Workload, config: SimConfig, gpu_hits: Sequence[int] | None = None
+) -> BeladyResult:
+    """The Belady bound of ``config``'s capacities over ``workload`` (see :func:`belady_bound`)."""
+    drop_partial_of = workload.block_tokens if config.partial_block == "drop" else None
+    return belady_bound(
+        workload.requests, config.gpu_blocks, config.cpu_blocks, drop_partial_of, gpu_hits
     )

@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import multiprocessing
+import signal
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future, ProcessPoolExecutor, as_completed
 
-from kvoffload.core.errors import InvalidArgumentError
-from kvoffload.sim.belady import BeladyResult, belady_bound
-from kvoffload.sim.run import RunReport, SimConfig, simulate
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
+from kvoffload.sim.belady import BeladyResult
+from kvoffload.sim.run import RunReport, SimConfig, bound_of, simulate
 from kvoffload.sim.sources import WorkloadSource
 from kvoffload.sim.workload import Workload
 
@@ -33,7 +33,7 @@ def _run_task(task: Task) -> RunReport | BeladyResult:
     source, config, is_bound = task
     workload = _workload(source)
     if is_bound:
-        return belady_bound(workload.requests, config.gpu_blocks, config.cpu_blocks)
+        return bound_of(workload, config)
     return simulate(workload, config)
 
 
@@ -56,6 +56,15 @@ def sweep_configs(
     ]
 
 
+class SweepInterrupted(KVOffloadError):
+    """Ctrl-C stopped a sweep; ``reports`` holds the runs that had finished, in order."""
+
+    def __init__(self, reports: list[RunReport], total: int) -> None:
+        super().__init__(f"sweep interrupted after {len(reports)} of {total} runs")
+        self.reports = reports
+        self.total = total
+
+
 def run_sweep(
     source: WorkloadSource,
     configs: Sequence[SimConfig],
@@ -64,54 +73,86 @@ def run_sweep(
 ) -> list[RunReport]:
     """Run ``configs`` on ``jobs`` processes (1: in this process); reports keep ``configs`` order.
 
-    Every report gains the Belady bound of its offload capacity.
+    Every report gains the Belady bound of its offload capacity. On Ctrl-C,
+    pending runs are cancelled, workers stopped at once, and
+    :class:`SweepInterrupted` carries the finished runs (without a bound
+    where their capacity's bound had not finished).
     """
-    if jobs < 1:
-        raise InvalidArgumentError(f"jobs must be >= 1, got {jobs}")
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise InvalidArgumentError(f"jobs must be an integer >= 1, got {jobs!r}")
     capacities = sorted({c.cpu_blocks for c in configs})
     tasks: list[Task] = [(source, c, False) for c in configs]
     tasks += [(source, dataclasses.replace(configs[0], cpu_blocks=c), True) for c in capacities]
     results: list[RunReport | BeladyResult | None] = [None] * len(tasks)
-    if jobs == 1:
-        try:
-            for index, task in enumerate(tasks):
-                results[index] = _run_task(task)
-                if progress is not None:
-                    progress(index + 1, len(tasks))
-        finally:
-            _workload.cache_clear()
-    else:
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-            _collect(pool, tasks, results, progress)
-    bounds = dict(zip(capacities, results[len(configs) :], strict=True))
+    try:
+        if jobs == 1:
+            try:
+                for index, task in enumerate(tasks):
+                    results[index] = _run_task(task)
+                    if progress is not None:
+                        progress(index + 1, len(tasks))
+            finally:
+                _workload.cache_clear()
+        else:
+            _run_parallel(tasks, results, jobs, progress)
+    except KeyboardInterrupt:
+        finished = _with_bounds(results, len(configs), capacities)
+        raise SweepInterrupted(finished, len(configs)) from None
+    reports = _with_bounds(results, len(configs), capacities)
+    if len(reports) != len(configs):
+        raise RuntimeError("a sweep run returned no report")
+    return reports
+
+
+def _with_bounds(
+    results: Sequence[RunReport | BeladyResult | None], num_runs: int, capacities: list[int]
+) -> list[RunReport]:
+    """The finished runs, each given its capacity's bound if that finished too."""
+    bounds = dict(zip(capacities, results[num_runs:], strict=True))
     reports = []
-    for report in results[: len(configs)]:
+    for report in results[:num_runs]:
+        if report is None:
+            continue
         if not isinstance(report, RunReport):
             raise TypeError(f"a sweep run returned {report!r}")
         bound = bounds[report.cpu_blocks]
-        if not isinstance(bound, BeladyResult):
+        if bound is not None and not isinstance(bound, BeladyResult):
             raise TypeError(f"a bound task returned {bound!r}")
         reports.append(
             dataclasses.replace(
                 report,
-                belady_total_hit_ratio=bound.total_hit_ratio,
-                belady_offload_hit_ratio=bound.offload_hit_ratio,
+                belady_total_hit_ratio=None if bound is None else bound.total_hit_ratio,
+                belady_offload_hit_ratio=None if bound is None else bound.offload_hit_ratio,
             )
         )
     return reports
 
 
-def _collect(
-    pool: Executor,
+def _ignore_sigint() -> None:
+    """Workers leave Ctrl-C to the parent, which stops them: no traceback from each."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _indexed_task(item: tuple[int, Task]) -> tuple[int, RunReport | BeladyResult]:
+    index, task = item
+    return index, _run_task(task)
+
+
+def _run_parallel(
     tasks: Sequence[Task],
     results: list[RunReport | BeladyResult | None],
+    jobs: int,
     progress: Callable[[int, int], None] | None,
 ) -> None:
-    futures: dict[Future[RunReport | BeladyResult], int] = {
-        pool.submit(_run_task, task): index for index, task in enumerate(tasks)
-    }
-    for done, future in enumerate(as_completed(futures), start=1):
-        results[futures[future]] = future.result()
-        if progress is not None:
-            progress(done, len(tasks))
+    context = multiprocessing.get_context("spawn")
+    pool = context.Pool(min(jobs, len(tasks)), initializer=_ignore_sigint)
+    try:
+        finished = pool.imap_unordered(_indexed_task, enumerate(tasks))
+        for done, (index, result) in enumerate(finished, start=1):
+            results[index] = result
+            if progress is not None:
+                progress(done, len(tasks))
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()

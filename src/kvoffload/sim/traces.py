@@ -5,7 +5,11 @@ Two schemas are understood: Mooncake's (``timestamp`` in milliseconds,
 Alibaba's Qwen/Bailian traces (the same fields plus ``chat_id``,
 ``parent_chat_id``, ``type`` and ``turn``; ``timestamp`` in seconds; 16-token
 blocks), the latter as JSON lines or CSV. Every problem is reported with the
-file and line it was found on.
+file and line it was found on. One line may cost at most ``MAX_LINE_CHARS``
+characters (a longer one, or an endless stream such as ``/dev/zero``, is an
+error, not a hang), and a record's ``hash_ids`` must cover its
+``input_length`` in the format's own block size (the last block may be
+partial and keyed or not).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ TRACE_FORMATS = ("mooncake", "qwen")
 DEFAULT_BLOCK_TOKENS = {"mooncake": 512, "qwen": 16}
 _SECONDS_PER_UNIT = {"mooncake": 1e-3, "qwen": 1.0}
 _MAX_BLOCK_ID = 2**64 - 1
+MAX_LINE_CHARS = 16 * 2**20
+"""16 Mi characters: a million-token prompt in 16-token blocks takes well under 1 Mi."""
 
 
 class TraceFormatError(KVOffloadError, ValueError):
@@ -66,8 +72,9 @@ def read_trace(path: str | Path, fmt: str = "auto", block_tokens: int | None = N
         raise InvalidArgumentError(f"block size must be >= 1 token, got {block_tokens}")
     records = _csv_records(path) if path.suffix.lower() == ".csv" else _json_records(path)
     unit = _SECONDS_PER_UNIT[fmt]
+    native = DEFAULT_BLOCK_TOKENS[fmt]
     keys_by_id: dict[int, OffloadKey] = {}
-    requests = [_to_request(path, line, rec, unit, keys_by_id) for line, rec in records]
+    requests = [_to_request(path, line, rec, unit, native, keys_by_id) for line, rec in records]
     if not requests:
         raise TraceFormatError(f"{path}: the trace has no records")
     requests.sort(key=lambda r: r.arrival_s)
@@ -77,7 +84,15 @@ def read_trace(path: str | Path, fmt: str = "auto", block_tokens: int | None = N
 def _open_lines(path: Path) -> Iterator[tuple[int, str]]:
     try:
         with path.open(encoding="utf-8", newline="") as lines:
-            yield from enumerate(lines, start=1)
+            line_no = 0
+            while line := lines.readline(MAX_LINE_CHARS + 1):
+                line_no += 1
+                if len(line) > MAX_LINE_CHARS:
+                    raise TraceFormatError(
+                        f"{path}:{line_no}: line longer than {MAX_LINE_CHARS:,} characters; "
+                        "not a trace of one request per line"
+                    )
+                yield line_no, line
     except OSError as exc:
         raise TraceFormatError(f"{path}: cannot read trace: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
@@ -92,17 +107,24 @@ def _json_records(path: Path) -> Iterator[tuple[int, Mapping[str, Any]]]:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise TraceFormatError(f"{path}:{line_no}: invalid JSON: {exc.msg}") from None
+        except RecursionError:
+            raise TraceFormatError(f"{path}:{line_no}: JSON nested too deeply") from None
         if not isinstance(record, dict):
             raise TraceFormatError(f"{path}:{line_no}: expected a JSON object per line")
         yield line_no, record
 
 
 def _csv_records(path: Path) -> Iterator[tuple[int, Mapping[str, Any]]]:
+    # Long prompts make long hash_ids fields; the line bound is the real limit.
+    csv.field_size_limit(max(csv.field_size_limit(), MAX_LINE_CHARS))
     header: list[str] | None = None
     for line_no, line in _open_lines(path):
         if not line.strip():
             continue
-        row = next(csv.reader([line]))
+        try:
+            row = next(csv.reader([line]))
+        except csv.Error as exc:
+            raise TraceFormatError(f"{path}:{line_no}: invalid CSV: {exc}") from None
         if header is None:
             header = [name.strip() for name in row]
             continue
@@ -118,14 +140,23 @@ def _to_request(
     line_no: int,
     record: Mapping[str, Any],
     seconds_per_unit: float,
+    native_block_tokens: int,
     keys_by_id: dict[int, OffloadKey],
 ) -> Request:
     where = f"{path}:{line_no}"
     timestamp = _number(record, "timestamp", where)
     input_tokens = int(_number(record, "input_length", where, integer=True))
     output_tokens = int(_number(record, "output_length", where, integer=True))
+    block_ids = _block_ids(record, where)
+    full, partial = divmod(input_tokens, native_block_tokens)
+    if not full <= len(block_ids) <= full + (partial > 0):
+        expected = f"{full}" if not partial else f"{full} or {full + 1}"
+        raise TraceFormatError(
+            f"{where}: {len(block_ids)} hash_ids for an input_length of {input_tokens} tokens; "
+            f"{native_block_tokens}-token blocks make that {expected}"
+        )
     keys = []
-    for block_id in _block_ids(record, where):
+    for block_id in block_ids:
         key = keys_by_id.get(block_id)
         if key is None:
             key = keys_by_id[block_id] = block_id_key(block_id)

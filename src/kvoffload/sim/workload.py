@@ -21,6 +21,20 @@ class Request:
     keys: list[OffloadKey]
 
 
+def cacheable_keys(request: Request, block_tokens: int, drop_partial: bool) -> list[OffloadKey]:
+    """``request.keys``, less the key of a partial last block when ``drop_partial``.
+
+    vLLM never caches or offloads a prompt's partial last block; a source that
+    keys it anyway (Mooncake's ``hash_ids`` do) then has one key too many.
+    """
+    keys = request.keys
+    if drop_partial:
+        full = request.input_tokens // block_tokens
+        if len(keys) > full:
+            return keys[:full]
+    return keys
+
+
 @dataclass
 class Workload:
     """Requests sorted by arrival time, all keyed with blocks of ``block_tokens`` tokens."""

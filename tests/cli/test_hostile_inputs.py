@@ -1,0 +1,253 @@
+"""Hostile input ends in one line on stderr and a non-zero status, never a traceback or a hang.
+
+In-process through ``main`` where nothing could hang; in a subprocess with a
+timeout where the old behaviour was to loop or read forever.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvoffload import CPUOffloadingManager, FilterReusedOffloadingManager, block_id_key
+from kvoffload.cli.main import main
+
+CLI = [sys.executable, "-c", "import sys; from kvoffload.cli.main import main; sys.exit(main())"]
+SMALL = ["simulate", "--requests", "30", "--no-progress", "--no-bound"]
+RECORD = '{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}'
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvoffload: error: "), err
+    assert "Traceback" not in err
+    return err
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """The CLI in its own process; ``timeout`` only stops a hang on a loaded machine."""
+    return subprocess.run(
+        [*CLI, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--rate", "nan"], "--rate: must be a finite number"),
+        (["--rate", "inf"], "--rate: must be a finite number"),
+        (["--rate", "0"], "--rate: must be > 0"),
+        (["--cpu-gb", "nan"], "--cpu-gb: must be a finite number"),
+        (["--cpu-gb", "-1"], "--cpu-gb: must be >= 0"),
+        (["--gpu-gb", "inf"], "--gpu-gb: must be a finite number"),
+        (["--gpu-gb", "0"], "--gpu-gb: must be > 0"),
+        (["--gpu-blocks", "0"], "--gpu-blocks: must be >= 1"),
+        (["--gpu-blocks", "1e3"], "--gpu-blocks: expected an integer"),
+        (["--cpu-blocks", "-4"], "--cpu-blocks: must be >= 0"),
+        (["--requests", "0"], "--requests: must be >= 1"),
+        (["--block-size", "-16"], "--block-size: must be >= 1"),
+        (["--seed", "-1"], "--seed: must be >= 0"),
+        (["--store-threshold", "2.5"], "--store-threshold: expected an integer"),
+        (["--concurrency", "0"], "--concurrency: must be >= 1"),
+        (["--max-tracker-size", "-3"], "--max-tracker-size: must be >= 1"),
+        (["--prefill-tokens-per-s", "inf"], "must be a finite number"),
+        (["--decode-tokens-per-s", "nan"], "must be a finite number"),
+        (["--transfer-gb-per-s", "-0.5"], "must be > 0"),
+        (["--partial-block", "maybe"], "invalid choice: 'maybe'"),
+    ],
+)
+def test_bad_numbers_are_usage_errors(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*SMALL, *args]) == 2
+    assert message in one_line_error(capsys)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--mix", "chat=nan"], "mix weights must be finite"),
+        (["--mix", "chat=inf,rag=1"], "mix weights must be finite"),
+        (["--mix", "chat=-1,rag=1"], "mix weights must be finite"),
+        (["--gpu-blocks", "1000000000000"], "GPU prefix cache of 1,000,000,000,000 blocks"),
+        (["--requests", "1000000000000000"], "1,000,000,000,000,000 synthetic requests"),
+        (["--json", "/nonexistent/dir/out.json"], "no such directory"),
+        (["--csv", "/"], "--csv /: is a directory"),
+    ],
+)
+def test_bad_values_found_before_work(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*SMALL, *args]) == 1
+    assert message in one_line_error(capsys)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--cpu-gb", "1,nan"], "--cpu-gb values must be finite numbers >= 0, got nan"),
+        (["--cpu-gb", "inf"], "--cpu-gb values must be finite numbers >= 0, got inf"),
+        (["--cpu-blocks", "8,-1"], "--cpu-blocks values must be >= 0, got -1"),
+        (["--thresholds", "0,-2"], "--thresholds values must be >= 0, got -2"),
+        (["--policies", "lru,nope"], "unknown cache policy 'nope'"),
+    ],
+)
+def test_bad_sweep_lists(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sweep", "--requests", "20", "--jobs", "1", "--no-progress", *args]) == 1
+    assert message in one_line_error(capsys)
+
+
+def test_sweep_bad_jobs_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sweep", "--jobs", "0"]) == 2
+    assert "--jobs: must be >= 1" in one_line_error(capsys)
+
+
+def test_output_paths_are_checked_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The trace is bad too; the output path is reported, so it was checked first.
+    bad_trace = tmp_path / "bad.jsonl"
+    bad_trace.write_text("{\n")
+    assert main(["simulate", "--trace", str(bad_trace), "--json", str(tmp_path / "no/x")]) == 1
+    assert "no such directory" in one_line_error(capsys)
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    argv = ["sweep", "--trace", str(bad_trace), "--plot-dir", str(a_file / "plots")]
+    assert main(argv) == 1
+    assert "--plot-dir" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("[" * 100_000 + "\n", ":1: JSON nested too deeply"),
+        (
+            '{"timestamp": 0, "input_length": 5000, "output_length": 1, "hash_ids": [1, 2]}\n',
+            ":1: 2 hash_ids for an input_length of 5000 tokens; 512-token blocks make that 9 or 10",
+        ),
+        (
+            RECORD
+            + '\n{"timestamp": 1, "input_length": 1024, "output_length": 1, "hash_ids": []}\n',
+            ":2: 0 hash_ids for an input_length of 1024 tokens",
+        ),
+        (
+            '{"timestamp": 1e999, "input_length": 1, "output_length": 1, "hash_ids": [1]}\n',
+            "'timestamp' is not a number",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [1e400]}\n',
+            "non-integer",
+        ),
+        ("\n\n", "the trace has no records"),
+        ("[1, 2]\n", ":1: expected a JSON object per line"),
+    ],
+)
+def test_hostile_trace_lines(
+    tmp_path: Path, content: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(content)
+    assert main(["simulate", "--trace", str(trace), "--no-progress"]) == 1
+    assert message in one_line_error(capsys)
+
+
+def test_binary_and_directory_traces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    binary = tmp_path / "t.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    assert main(["simulate", "--trace", str(binary)]) == 1
+    assert "not a UTF-8 text file" in one_line_error(capsys)
+    assert main(["simulate", "--trace", str(tmp_path), "--format", "mooncake"]) == 1
+    assert "cannot read trace" in one_line_error(capsys)
+
+
+def _assert_one_line(result: subprocess.CompletedProcess[str], status: int, message: str) -> None:
+    assert result.returncode == status, result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    assert message in result.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
+def test_endless_trace_is_refused_not_read_forever() -> None:
+    result = run_cli("simulate", "--trace", "/dev/zero", "--format", "mooncake")
+    _assert_one_line(result, 1, "/dev/zero:1: line longer than 16,777,216 characters")
+
+
+def test_nan_rate_does_not_loop() -> None:
+    result = run_cli("simulate", "--rate", "nan", "--no-progress")
+    _assert_one_line(result, 2, "--rate: must be a finite number")
+
+
+def test_library_rejects_a_single_key_where_keys_are_expected() -> None:
+    tier = CPUOffloadingManager(8)
+    key = block_id_key(1)
+    for call in (tier.prepare_store, tier.lookup, tier.touch, tier.prepare_load):
+        with pytest.raises(TypeError, match="expects an iterable of keys, got a single bytes"):
+            call(key)
+    assert tier.num_free_blocks == 8
+    filtered = FilterReusedOffloadingManager(tier)
+    for call in (filtered.prepare_store, filtered.lookup):
+        with pytest.raises(TypeError, match="got a single"):
+            call(b"abc")
+    with pytest.raises(TypeError, match="got a single str"):
+        tier.complete_store("abc")
+
+
+@pytest.mark.parametrize("threshold", [2.5, "2", True])
+def test_library_rejects_a_non_integer_store_threshold(threshold: object) -> None:
+    with pytest.raises(ValueError, match="store_threshold must be an integer"):
+        FilterReusedOffloadingManager(CPUOffloadingManager(8), threshold)  # type: ignore[arg-type]
+
+
+def test_ctrl_c_stops_a_sweep_and_keeps_finished_runs(tmp_path: Path) -> None:
+    out_json, out_csv = tmp_path / "runs.json", tmp_path / "runs.csv"
+    capacities = ",".join(str(1000 * (i + 1)) for i in range(12))
+    argv = [*CLI, "sweep", "--requests", "1000", "--seed", "3"]
+    argv += ["--gpu-blocks", "3000", "--cpu-blocks", capacities, "--jobs", "2", "--progress"]
+    argv += ["--json", str(out_json), "--csv", str(out_csv)]
+    seen = bytearray()
+    first_done = threading.Event()
+    with subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL) as process:
+
+        def watch() -> None:
+            assert process.stderr is not None
+            while chunk := process.stderr.read1(4096):
+                seen.extend(chunk)
+                if b" 1/60 " in seen:
+                    first_done.set()
+            first_done.set()  # ended: the assertions below say how
+
+        reader = threading.Thread(target=watch, daemon=True)
+        reader.start()
+        try:
+            first_done.wait(120)
+            assert process.poll() is None, f"ended early: {seen.decode(errors='replace')}"
+            process.send_signal(signal.SIGINT)
+            sent = time.monotonic()
+            status = process.wait(timeout=60)
+            stopped_after = time.monotonic() - sent
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        reader.join(timeout=10)
+    err = seen.decode(errors="replace").split("\n")[-2]
+    assert status == 130
+    assert "Traceback" not in seen.decode(errors="replace")
+    assert err.startswith("kvoffload: interrupted: sweep interrupted after "), err
+    assert f"written to {out_json} and {out_csv}" in err
+    runs = json.loads(out_json.read_text())
+    assert 1 <= len(runs) < 48
+    assert len(out_csv.read_text().splitlines()) == len(runs) + 1
+    assert stopped_after < 30  # generous: it would otherwise run the remaining configurations
