@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kvoffload.admission import available_admissions
 from kvoffload.cli import options, output
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.sim.run import RunReport, blocks_for_gib
@@ -34,6 +35,11 @@ def register(commands: Any) -> None:
     parser.add_argument("--policies", default="lru,arc", help="policies (default: lru,arc)")
     parser.add_argument(
         "--thresholds", default="0,2", help="store thresholds; below 2: no filter (default: 0,2)"
+    )
+    parser.add_argument(
+        "--admissions",
+        default="none",
+        help="admission layers, from " + ", ".join(available_admissions()) + " (default: none)",
     )
     options.add_engine_arguments(parser)
     parser.add_argument(
@@ -69,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         _capacities(args, base.gpu_blocks, base.layout, bt),
         [p.strip() for p in args.policies.split(",") if p.strip()],
         options.parse_ints(args.thresholds, "--thresholds"),
+        [a.strip() for a in args.admissions.split(",") if a.strip()],
     )
     bar = ProgressBar("sweep", ProgressBar.wanted(args.progress))
     try:
@@ -93,10 +100,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_sweep(reports: list[RunReport]) -> str:
-    headers = ["policy", "threshold", "offload", "blocks", "total hit", "Belady"]
+    headers = ["admission", "policy", "threshold", "offload", "blocks", "total hit", "Belady"]
     headers += ["offload hit", "writes/ref", "skipped", "refs/s"]
     rows = [
         [
+            r.admission,
             r.policy,
             str(r.store_threshold),
             output.size(r.cpu_gib * 2**30),

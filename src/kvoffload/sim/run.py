@@ -10,10 +10,12 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
+from kvoffload.admission import available_admissions, find_admission, resolve_admission
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import KVLayout, layout_preset
+from kvoffload.core.manager import OffloadingManager
 from kvoffload.managers import build_manager
-from kvoffload.policies import available_policies
+from kvoffload.policies import available_policies, resolve_policy
 from kvoffload.sim.belady import belady_bound
 from kvoffload.sim.engine import EngineConfig, Progress, ServingEngine
 from kvoffload.sim.transfers import TransferBackend
@@ -41,6 +43,8 @@ class SimConfig:
     transfer_gb_per_s: float = 25.0
     bound: bool = True
     """Whether to compute the Belady bound beside the result."""
+    admission: str = "none"
+    """Admission layer in front of the tier, by name (``kvoffload.admission``)."""
 
     def __post_init__(self) -> None:
         if self.cpu_blocks < 0:
@@ -56,6 +60,10 @@ class SimConfig:
                 f"max tracker size must be >= 1, got {self.max_tracker_size}"
             )
         layout_preset(self.layout)
+        if self.admission not in available_admissions():
+            raise InvalidArgumentError(
+                f"unknown admission {self.admission!r}; known: {', '.join(available_admissions())}"
+            )
 
     def kv_layout(self, block_tokens: int) -> KVLayout:
         """The layout preset, resized to the workload's block size."""
@@ -130,6 +138,14 @@ class RunReport:
     manager_us_per_block: float
     wall_seconds: float
     refs_per_second: float
+    admission: str = "none"
+    """The admission layer's canonical name; the ``admission_*`` counters are its stats."""
+    admission_offers: int = 0
+    admission_admitted: int = 0
+    admission_rejected: int = 0
+    admission_ghost_hits: int = 0
+    admission_control: float | None = None
+    admission_bytes_per_key: float | None = None
 
     def as_dict(self) -> dict[str, Scalar]:
         return dataclasses.asdict(self)
@@ -156,7 +172,11 @@ def simulate(
     manager = None
     if config.cpu_blocks > 0:
         manager = build_manager(
-            config.cpu_blocks, config.policy, config.store_threshold, config.max_tracker_size
+            config.cpu_blocks,
+            config.policy,
+            config.store_threshold,
+            config.max_tracker_size,
+            admission=config.admission,
         )
     stats = ServingEngine(engine_config, manager, backend).run(workload.requests, progress)
     bound = (
@@ -172,7 +192,7 @@ def simulate(
     read = stats.offload_hit_blocks + stats.loads_failed
     prefill_rate = config.prefill_tokens_per_s
     saved_by_offload = stats.offload_hit_tokens / prefill_rate - stats.load_seconds
-    return RunReport(
+    report = RunReport(
         workload=workload.name,
         requests=stats.requests,
         refs=refs,
@@ -184,7 +204,7 @@ def simulate(
         gpu_gib=config.gpu_blocks * bytes_per_block / GIB,
         cpu_blocks=config.cpu_blocks,
         cpu_gib=config.cpu_blocks * bytes_per_block / GIB,
-        policy=config.policy,
+        policy=resolve_policy(config.policy),
         store_threshold=config.store_threshold,
         concurrency=config.concurrency,
         total_hit_ratio=(stats.gpu_hit_blocks + stats.offload_hit_blocks) * per_ref,
@@ -224,4 +244,25 @@ def simulate(
         manager_us_per_block=stats.manager_seconds * 1e6 * per_ref,
         wall_seconds=wall,
         refs_per_second=refs / wall if wall > 0 else 0.0,
+    )
+    return _with_admission(report, config, manager)
+
+
+def _with_admission(
+    report: RunReport, config: SimConfig, manager: OffloadingManager | None
+) -> RunReport:
+    """``report`` with the admission layer's name and counters filled in."""
+    report = dataclasses.replace(report, admission=resolve_admission(config.admission))
+    layer = None if manager is None else find_admission(manager)
+    if layer is None:
+        return report
+    stats = layer.stats()
+    return dataclasses.replace(
+        report,
+        admission_offers=stats.offers,
+        admission_admitted=stats.admitted,
+        admission_rejected=stats.rejected,
+        admission_ghost_hits=stats.ghost_hits,
+        admission_control=stats.control,
+        admission_bytes_per_key=stats.bytes_per_tracked_key,
     )

@@ -1,0 +1,103 @@
+"""A bounded-memory frequency sketch: count-min with 4-bit counters, a doorkeeper and aging.
+
+The first sighting of a key only sets its doorkeeper bit; later sightings
+increment four counters (one per row) that saturate at 15. After
+``sample_size`` increments every counter is halved and the doorkeeper
+cleared, so old popularity fades. Memory is fixed at construction: one byte
+per counter cell and per doorkeeper cell. Keys are hashed deterministically
+(not with Python's salted ``hash``), so runs repeat exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.keys import OffloadKey
+
+ROWS = 4
+MAX_COUNT = 15
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_ROW_SEEDS = np.array(
+    [0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93, 0xC2B2AE3D27D4EB4F],
+    dtype=np.uint64,
+)[:, None]
+
+
+def key_hashes(keys: Sequence[OffloadKey]) -> np.ndarray:
+    """64-bit hashes of ``keys`` from their last 12 bytes (hash tail and group index)."""
+    raw = np.fromiter(
+        (int.from_bytes(key[-12:], "little") & 0xFFFFFFFFFFFFFFFF for key in keys),
+        dtype=np.uint64,
+        count=len(keys),
+    )
+    mixed = raw * _GOLDEN
+    result: np.ndarray = mixed ^ (mixed >> np.uint64(31))
+    return result
+
+
+class FrequencySketch:
+    """Approximate sighting counts of the last ``sample_size`` sightings, in fixed memory.
+
+    Counters: ``ROWS`` rows of the power of two at or above ``sample_size``
+    one-byte cells. Doorkeeper: eight times as many one-byte cells, so that
+    fewer than one first sighting in eight is mistaken for a second one.
+    """
+
+    def __init__(self, sample_size: int) -> None:
+        if sample_size < 1:
+            raise InvalidArgumentError(f"sample_size must be >= 1, got {sample_size}")
+        self.sample_size = sample_size
+        bits = max(4, (sample_size - 1).bit_length())
+        self.width = 1 << bits
+        self._shift = np.uint64(64 - bits)
+        self._door_shift = np.uint64(64 - bits - 3)
+        self._counts = np.zeros((ROWS, self.width), dtype=np.uint8)
+        self._door = np.zeros(self.width << 3, dtype=np.bool_)
+        self._rows = np.arange(ROWS)[:, None]
+        self._added = 0
+        self.resets = 0
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self._counts.nbytes + self._door.nbytes)
+
+    def _cells(self, hashes: np.ndarray) -> np.ndarray:
+        rows: np.ndarray = (hashes[None, :] * _ROW_SEEDS) >> self._shift
+        return rows.astype(np.intp)
+
+    def _door_cells(self, hashes: np.ndarray) -> np.ndarray:
+        cells: np.ndarray = (hashes >> self._door_shift).astype(np.intp)
+        return cells
+
+    def increment(self, hashes: np.ndarray) -> None:
+        """Count one sighting of each hash (a hash repeated in one call counts once)."""
+        if not len(hashes):
+            return
+        door = self._door_cells(hashes)
+        seen = self._door[door]
+        self._door[door] = True
+        if seen.any():
+            cells = self._cells(hashes[seen])
+            current = self._counts[self._rows, cells]
+            self._counts[self._rows, cells] = np.minimum(current + 1, MAX_COUNT)
+        self._added += len(hashes)
+        if self._added >= self.sample_size:
+            self._age()
+
+    def estimate(self, hashes: np.ndarray) -> np.ndarray:
+        """Estimated sightings per hash: the doorkeeper bit plus the smallest row counter."""
+        if not len(hashes):
+            return np.zeros(0, dtype=np.int64)
+        counts = self._counts[self._rows, self._cells(hashes)].min(axis=0).astype(np.int64)
+        result: np.ndarray = counts + self._door[self._door_cells(hashes)]
+        return result
+
+    def _age(self) -> None:
+        """Halve every counter and clear the doorkeeper: old popularity fades."""
+        self._counts >>= 1
+        self._door[:] = False
+        self._added = 0
+        self.resets += 1
