@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from kvoffload.core.errors import InvalidArgumentError
 
-PRIOR_RETURNS = 1.0
+PRIOR_RETURNS = 0.9
 PRIOR_OUTCOMES = 2.0
-"""A class starts at a return rate of 1/2: admit until the traffic says otherwise."""
+"""A class starts just below a threshold of 1/2: nothing is written on first sight until
+blocks of its class come back (a single return is enough at the start), so a one-shot scan
+never fills the tier while the controller waits for evidence."""
 
 
 class ReuseController:

@@ -18,32 +18,42 @@ from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 
 ROWS = 4
+DOOR_BITS = 4
+"""The doorkeeper has ``2**DOOR_BITS`` cells per counter column."""
 MAX_COUNT = 15
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_DOOR_SEED = np.uint64(0x2545F4914F6CDD1D)
 _ROW_SEEDS = np.array(
-    [0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93, 0xC2B2AE3D27D4EB4F],
+    [0x9E3779B97F4A7C15, 0xD6E8FEB86659FD93, 0xC2B2AE3D27D4EB4F, 0xFF51AFD7ED558CCD],
     dtype=np.uint64,
 )[:, None]
 
 
 def key_hashes(keys: Sequence[OffloadKey]) -> np.ndarray:
-    """64-bit hashes of ``keys`` from their last 12 bytes (hash tail and group index)."""
+    """64-bit hashes of ``keys``: their last 12 bytes folded, then mixed (splitmix64)."""
     raw = np.fromiter(
-        (int.from_bytes(key[-12:], "little") & 0xFFFFFFFFFFFFFFFF for key in keys),
-        dtype=np.uint64,
-        count=len(keys),
+        (_fold(int.from_bytes(key[-12:], "big")) for key in keys), dtype=np.uint64, count=len(keys)
     )
-    mixed = raw * _GOLDEN
-    result: np.ndarray = mixed ^ (mixed >> np.uint64(31))
-    return result
+    raw ^= raw >> np.uint64(30)
+    raw *= _MIX1
+    raw ^= raw >> np.uint64(27)
+    raw *= _MIX2
+    raw ^= raw >> np.uint64(31)
+    return raw
+
+
+def _fold(value: int) -> int:
+    return (value ^ (value >> 64)) & 0xFFFFFFFFFFFFFFFF
 
 
 class FrequencySketch:
     """Approximate sighting counts of the last ``sample_size`` sightings, in fixed memory.
 
     Counters: ``ROWS`` rows of the power of two at or above ``sample_size``
-    one-byte cells. Doorkeeper: eight times as many one-byte cells, so that
-    fewer than one first sighting in eight is mistaken for a second one.
+    one-byte cells. Doorkeeper: a two-hash Bloom filter of sixteen times as
+    many one-byte cells, so that about one first sighting in a hundred (at
+    the end of a sample, fewer before) is mistaken for a second one.
     """
 
     def __init__(self, sample_size: int) -> None:
@@ -53,9 +63,9 @@ class FrequencySketch:
         bits = max(4, (sample_size - 1).bit_length())
         self.width = 1 << bits
         self._shift = np.uint64(64 - bits)
-        self._door_shift = np.uint64(64 - bits - 3)
+        self._door_shift = np.uint64(64 - bits - DOOR_BITS)
         self._counts = np.zeros((ROWS, self.width), dtype=np.uint8)
-        self._door = np.zeros(self.width << 3, dtype=np.bool_)
+        self._door = np.zeros(self.width << DOOR_BITS, dtype=np.bool_)
         self._rows = np.arange(ROWS)[:, None]
         self._added = 0
         self.resets = 0
@@ -68,17 +78,19 @@ class FrequencySketch:
         rows: np.ndarray = (hashes[None, :] * _ROW_SEEDS) >> self._shift
         return rows.astype(np.intp)
 
-    def _door_cells(self, hashes: np.ndarray) -> np.ndarray:
-        cells: np.ndarray = (hashes >> self._door_shift).astype(np.intp)
-        return cells
+    def _door_cells(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        first = (hashes >> self._door_shift).astype(np.intp)
+        second = ((hashes * _DOOR_SEED) >> self._door_shift).astype(np.intp)
+        return first, second
 
     def increment(self, hashes: np.ndarray) -> None:
         """Count one sighting of each hash (a hash repeated in one call counts once)."""
         if not len(hashes):
             return
-        door = self._door_cells(hashes)
-        seen = self._door[door]
-        self._door[door] = True
+        first, second = self._door_cells(hashes)
+        seen = self._door[first] & self._door[second]
+        self._door[first] = True
+        self._door[second] = True
         if seen.any():
             cells = self._cells(hashes[seen])
             current = self._counts[self._rows, cells]
@@ -92,7 +104,8 @@ class FrequencySketch:
         if not len(hashes):
             return np.zeros(0, dtype=np.int64)
         counts = self._counts[self._rows, self._cells(hashes)].min(axis=0).astype(np.int64)
-        result: np.ndarray = counts + self._door[self._door_cells(hashes)]
+        first, second = self._door_cells(hashes)
+        result: np.ndarray = counts + (self._door[first] & self._door[second])
         return result
 
     def _age(self) -> None:
