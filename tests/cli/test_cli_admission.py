@@ -42,7 +42,7 @@ def test_without_admission_the_json_says_none(capsys: pytest.CaptureFixture[str]
     ("option", "message"),
     [
         ("--admission", "unknown admission 'tiny'; known: feedback, none, recommended, sketch"),
-        ("--policy", "unknown cache policy 'tiny'; known: arc, lru, recommended, s3fifo, sieve"),
+        ("--policy", "unknown cache policy 'tiny'; known: arc, lru, "),
     ],
 )
 def test_bad_names_list_the_valid_ones(
@@ -51,6 +51,8 @@ def test_bad_names_list_the_valid_ones(
     assert main([*SMALL, *TIER, option, "tiny"]) != 0
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    if option == "--policy":
+        assert all(name in err for name in ("recommended", "s3fifo", "sieve", "slru"))
 
 
 def test_sweep_over_admissions(capsys: pytest.CaptureFixture[str]) -> None:
