@@ -73,3 +73,26 @@ def test_on_alternating_traffic_it_follows_the_better_setting() -> None:
     assert ours.total_hit_ratio > seed.total_hit_ratio + 0.01
     assert ours.total_hit_ratio >= everything.total_hit_ratio - 0.01
     assert ours.writes_per_ref < 0.6 * everything.writes_per_ref
+
+
+def test_overlapping_requests_and_the_seed_filter_stacked_keep_the_counts_consistent() -> None:
+    workload = generate(None, num_requests=300, seed=4)
+    unique = unique_blocks(workload)
+    gpu = max(max(len(r.keys) for r in workload.requests), unique // 50)
+    for threshold in (0, 2):
+        config = SimConfig(
+            gpu_blocks=gpu,
+            cpu_blocks=unique // 10,
+            concurrency=8,
+            store_threshold=threshold,
+            admission="recommended",
+            bound=False,
+        )
+        report = simulate(workload, config)
+        assert report.admission_offers == report.admission_admitted + report.admission_rejected
+        assert report.offload_blocks_written <= report.admission_admitted
+        assert report.stores_failed == report.loads_failed == 0
+        if threshold == 0:
+            assert report.admission_offers == report.stores_offered
+        else:  # the filter in front only passes on what it lets through
+            assert report.admission_offers <= report.stores_offered
