@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload import InvalidArgumentError, block_id_key
+from kvoffload import InvalidArgumentError, OffloadKey, block_id_key
 from kvoffload.admission import FrequencySketch, key_hashes
 from kvoffload.admission.sketch import MAX_COUNT
 
@@ -80,3 +80,30 @@ def test_few_first_sightings_look_like_second_ones() -> None:
 def test_bad_size_is_rejected() -> None:
     with pytest.raises(InvalidArgumentError, match="sample_size"):
         FrequencySketch(0)
+
+
+def test_the_vectorised_and_the_per_key_hashes_agree() -> None:
+    keys = [block_id_key(i, group) for i in (0, 1, 2**40 + 7, 2**63) for group in (0, 3)]
+    batch = key_hashes(keys).tolist()
+    one_by_one = [key_hashes([key]).tolist()[0] for key in keys]
+    mixed_lengths = key_hashes([OffloadKey(b"\x00" + keys[0]), *keys[1:]]).tolist()
+    assert batch == one_by_one
+    assert mixed_lengths[1:] == batch[1:]  # the per-key path, same formula
+    assert mixed_lengths[0] == batch[0]  # a longer key with the same last 12 bytes
+    short = key_hashes([OffloadKey(b"abc"), OffloadKey(b"abd")]).tolist()
+    assert short[0] != short[1]
+
+
+def test_request_hashes_reuse_the_request_for_its_offer_and_hash_anything_else() -> None:
+    from kvoffload.admission.sketch import RequestHashes
+
+    request = [block_id_key(i) for i in range(6)]
+    cache = RequestHashes()
+    full = cache.of_request(request)
+    assert cache.of_offer(request[2:]).tolist() == full[2:].tolist()
+    other = [block_id_key(i) for i in (9, 4, 5)]  # ends like the request, but differs
+    assert cache.of_offer(other).tolist() == key_hashes(other).tolist()
+    assert (
+        cache.of_offer([*request, block_id_key(7)]).tolist()
+        == key_hashes([*request, block_id_key(7)]).tolist()
+    )

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from kvoffload.admission.base import AdmissionLayer, AdmissionStats
 from kvoffload.admission.controller import ReuseController
 from kvoffload.admission.ghost import GhostRecords
-from kvoffload.admission.sketch import FrequencySketch, key_hashes
+from kvoffload.admission.sketch import FrequencySketch, RequestHashes
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager
 
@@ -45,12 +45,13 @@ class FeedbackAdmission(AdmissionLayer):
         super().__init__(backing, capacity)
         self.sketch = FrequencySketch(max(MIN_SAMPLE, SAMPLE_FACTOR * capacity))
         self.ghost = GhostRecords(capacity)
+        self._hashes = RequestHashes()
         self.controller = ReuseController(NUM_CLASSES, threshold, window=capacity)
         self.written = 0
         """Blocks admitted so far: the clock by which ghost records age."""
 
     def _sighting(self, keys: Sequence[OffloadKey]) -> None:
-        self.sketch.increment(key_hashes(keys))
+        self.sketch.increment(self._hashes.of_request(keys))
         ghost, controller = self.ghost, self.controller
         if not len(ghost):
             return
@@ -62,7 +63,7 @@ class FeedbackAdmission(AdmissionLayer):
                     self.ghost_hits += 1
 
     def _admit(self, offered: Sequence[OffloadKey], prefix: int) -> list[OffloadKey]:
-        seen = self.sketch.estimate(key_hashes(offered)) >= 2
+        seen = self.sketch.estimate(self._hashes.of_offer(offered)) >= 2
         ghost, controller, clock = self.ghost, self.controller, self.written
         for cls in ghost.expire(clock - self.capacity):
             controller.record(cls, False)

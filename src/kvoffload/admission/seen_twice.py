@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from kvoffload.admission.base import AdmissionLayer, AdmissionStats
 from kvoffload.admission.feedback import MIN_SAMPLE, SAMPLE_FACTOR
 from kvoffload.admission.ghost import GhostRecords
-from kvoffload.admission.sketch import FrequencySketch, key_hashes
+from kvoffload.admission.sketch import FrequencySketch, RequestHashes
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager
@@ -30,9 +30,10 @@ class SketchAdmission(AdmissionLayer):
         self.threshold = threshold
         self.sketch = FrequencySketch(max(MIN_SAMPLE, SAMPLE_FACTOR * capacity))
         self.ghost = GhostRecords(capacity)
+        self._hashes = RequestHashes()
 
     def _sighting(self, keys: Sequence[OffloadKey]) -> None:
-        self.sketch.increment(key_hashes(keys))
+        self.sketch.increment(self._hashes.of_request(keys))
         ghost = self.ghost
         if len(ghost):
             for key in keys:
@@ -40,7 +41,7 @@ class SketchAdmission(AdmissionLayer):
                     self.ghost_hits += 1
 
     def _admit(self, offered: Sequence[OffloadKey], prefix: int) -> list[OffloadKey]:
-        eligible = self.sketch.estimate(key_hashes(offered)) >= self.threshold
+        eligible = self.sketch.estimate(self._hashes.of_offer(offered)) >= self.threshold
         admitted = []
         for key, ok in zip(offered, eligible, strict=True):
             if ok:

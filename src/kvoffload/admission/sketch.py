@@ -18,6 +18,10 @@ from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 
 ROWS = 4
+TAIL_BYTES = 12
+"""Hashed part of a key: the end of its block hash and its 4-byte group index."""
+_LOW32 = np.uint64(0xFFFFFFFF)
+_32 = np.uint64(32)
 DOOR_BITS = 4
 """The doorkeeper has ``2**DOOR_BITS`` cells per counter column."""
 MAX_COUNT = 15
@@ -31,10 +35,23 @@ _ROW_SEEDS = np.array(
 
 
 def key_hashes(keys: Sequence[OffloadKey]) -> np.ndarray:
-    """64-bit hashes of ``keys``: their last 12 bytes folded, then mixed (splitmix64)."""
-    raw = np.fromiter(
-        (_fold(int.from_bytes(key[-12:], "big")) for key in keys), dtype=np.uint64, count=len(keys)
-    )
+    """64-bit hashes of ``keys``: their last 12 bytes folded to 64 bits, then mixed (splitmix64).
+
+    Keys of one length of at least 12 bytes (the usual case) are read in one
+    vectorised pass; any other batch key by key, with the same result.
+    """
+    n = len(keys)
+    width = len(keys[0]) if n else 0
+    data = b"".join(keys)
+    raw: np.ndarray
+    if width >= TAIL_BYTES and len(data) == width * n:
+        tail = np.frombuffer(data, dtype=np.uint8).reshape(n, width)[:, width - TAIL_BYTES :]
+        high = np.ascontiguousarray(tail[:, :8]).view(">u8").ravel().astype(np.uint64)
+        low = np.ascontiguousarray(tail[:, 8:]).view(">u4").ravel().astype(np.uint64)
+        raw = ((high & _LOW32) << _32) | low
+        raw ^= high >> _32
+    else:
+        raw = np.fromiter((_fold(key) for key in keys), dtype=np.uint64, count=n)
     raw ^= raw >> np.uint64(30)
     raw *= _MIX1
     raw ^= raw >> np.uint64(27)
@@ -43,8 +60,30 @@ def key_hashes(keys: Sequence[OffloadKey]) -> np.ndarray:
     return raw
 
 
-def _fold(value: int) -> int:
+def _fold(key: bytes) -> int:
+    """The last 12 bytes of ``key`` as a 96-bit number, folded to 64 bits."""
+    value = int.from_bytes(key[-TAIL_BYTES:], "big")
     return (value ^ (value >> 64)) & 0xFFFFFFFFFFFFFFFF
+
+
+class RequestHashes:
+    """Hashes of the last request seen, so that its offer (a suffix of it) is not hashed again."""
+
+    def __init__(self) -> None:
+        self._keys: Sequence[OffloadKey] = ()
+        self._hashes = np.zeros(0, dtype=np.uint64)
+
+    def of_request(self, keys: Sequence[OffloadKey]) -> np.ndarray:
+        """Hash a request's keys and remember them."""
+        self._keys, self._hashes = keys, key_hashes(keys)
+        return self._hashes
+
+    def of_offer(self, offered: Sequence[OffloadKey]) -> np.ndarray:
+        """Hashes of ``offered``: a slice of the last request's when it ends that request."""
+        start = len(self._keys) - len(offered)
+        if start >= 0 and list(self._keys[start:]) == list(offered):
+            return self._hashes[start:]
+        return key_hashes(offered)
 
 
 class FrequencySketch:
