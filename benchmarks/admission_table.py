@@ -1,5 +1,5 @@
 """The README's admission table: store-everything, the seed filter and the recommended
-configuration on every workload, at offload capacities of 10% and 25% of its unique blocks.
+configuration on every workload, at offload capacities of 5%, 10% and 25% of its unique blocks.
 
 The GPU prefix cache holds 2% of the workload's unique blocks, as in the
 Mooncake set-up (878 of 43,924), or the largest request if that is larger.
@@ -10,7 +10,7 @@ difference and writes ratio, and whether the goal (+0.008 hit, at most 0.9x
 writes) is met, plus the share of the gap to the Belady bound that the
 recommended configuration closes.
 
-    python benchmarks/admission_table.py [--jobs N] [--shares 0.1,0.25] [--json PATH]
+    python benchmarks/admission_table.py [--jobs N] [--shares 0.05,0.1,0.25] [--json PATH]
 """
 
 from __future__ import annotations
@@ -80,7 +80,9 @@ def run_row(name: str, share: float) -> dict[str, float | str | bool]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--shares", default="0.1,0.25", help="capacity shares of unique blocks")
+    parser.add_argument(
+        "--shares", default="0.05,0.1,0.25", help="capacity shares of unique blocks"
+    )
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     names = [n for n in WORKLOADS if n != "mooncake" or TRACE.is_file()]
