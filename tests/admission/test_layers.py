@@ -128,3 +128,19 @@ def test_build_manager_stacks_the_seed_filter_outside_the_admission_layer() -> N
     assert isinstance(layer, FeedbackAdmission)
     assert isinstance(layer.backing, CPUOffloadingManager)
     assert find_admission(build_manager(8)) is None
+
+
+@pytest.mark.parametrize("layer_class", [FeedbackAdmission, SketchAdmission])
+def test_memory_stays_bounded_whatever_the_traffic(
+    layer_class: type[FeedbackAdmission] | type[SketchAdmission],
+) -> None:
+    capacity = 32
+    layer = layer_class(CPUOffloadingManager(capacity), capacity)
+    before = layer.stats()
+    for i in range(1500):
+        serve(layer, keys(*range(i * 6, i * 6 + 6)))
+    after = layer.stats()
+    assert (after.memory_bytes, after.tracked_keys) == (before.memory_bytes, before.tracked_keys)
+    assert len(layer.ghost) <= capacity
+    assert len(layer._requests._open) <= 1  # every request was recognised and closed
+    assert layer.sketch.resets > 0  # aged: old sightings do not pile up
