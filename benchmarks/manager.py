@@ -7,10 +7,15 @@ is stored, ``touch`` of all keys again and an immediate ``complete_store``.
 Only the manager calls are timed. Standard library only (plus kvoffload itself).
 
 Each configuration also runs through ``seed_literal.py``, an unoptimised
-rendering of the seed-era managers, in the same process, so the speed-up is a
-ratio measured under the same machine load.
+rendering of the seed-era managers (LRU and ARC only), in the same process, so
+the speed-up is a ratio measured under the same machine load. When vLLM is
+importable, its own 0.33 ``CPUOffloadingManager`` (per-key ``lookup``, one
+``ReqContext`` per request) replays the same trace too, with the same policy
+where vLLM has it and LRU otherwise; ``vs vLLM`` is our time over vLLM's
+(below 1: faster). Every registered policy runs with and without the seed
+filter, and LRU also behind the admission layers.
 
-    python benchmarks/manager.py [--trace PATH] [--repeat N] [--json PATH]
+    python benchmarks/manager.py [--trace PATH] [--repeat N] [--no-vllm] [--json PATH]
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import json
 import sys
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvoffload import OffloadingManager, OffloadKey, block_id_key, build_manager
 from seed_literal import build_seed_manager
@@ -35,7 +42,11 @@ DEFAULT_TRACE = (
 )
 GPU_BLOCKS = 878
 CPU_BLOCKS = 4392
-CONFIGS = [("lru", 1), ("lru", 2), ("arc", 1), ("arc", 2)]
+POLICIES = ["lru", "arc", "s3fifo", "sieve", "slru"]
+CONFIGS = [(p, t, "none") for p in POLICIES for t in (1, 2)]
+CONFIGS += [("lru", 1, "sketch"), ("lru", 1, "recommended"), ("s3fifo", 1, "recommended")]
+SEED_POLICIES = {"lru", "arc"}
+VLLM_POLICIES = {"lru", "arc"}
 
 
 def load_requests(path: Path) -> list[list[OffloadKey]]:
@@ -90,38 +101,134 @@ def replay(requests: list[list[OffloadKey]], manager: OffloadingManager) -> dict
     }
 
 
+def replay_vllm(requests: list[list[OffloadKey]], manager: Any) -> dict[str, float]:
+    """The same replay through vLLM 0.33's per-key manager API."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    gpu: OrderedDict[OffloadKey, None] = OrderedDict()
+    refs = gpu_hits = offload_hits = writes = 0
+    manager_ns = 0
+    clock = time.perf_counter_ns
+    hit_result = LookupResult.HIT
+    for index, keys in enumerate(requests):
+        refs += len(keys)
+        gpu_hit = 0
+        for key in keys:
+            if key not in gpu:
+                break
+            gpu_hit += 1
+        rest = keys[gpu_hit:]
+        ctx = ReqContext(req_id=str(index))
+
+        start = clock()
+        manager.on_new_request(ctx)
+        manager.touch(keys, ctx)
+        hit = 0
+        for key in rest:
+            if manager.lookup(key, ctx) != hit_result:
+                break
+            hit += 1
+        if hit:
+            manager.prepare_load(rest[:hit], ctx)
+            manager.complete_load(rest[:hit], ctx)
+        out = manager.prepare_store(rest[hit:], ctx)
+        if out is not None and out.keys_to_store:
+            manager.touch(keys, ctx)
+            manager.complete_store(out.keys_to_store, ctx)
+            writes += len(out.keys_to_store)
+        manager.on_request_finished(ctx)
+        manager_ns += clock() - start
+
+        gpu_hits += gpu_hit
+        offload_hits += hit
+        for key in reversed(keys):
+            gpu[key] = None
+            gpu.move_to_end(key)
+        while len(gpu) > GPU_BLOCKS:
+            gpu.popitem(last=False)
+    return {
+        "total_hit_ratio": (gpu_hits + offload_hits) / refs,
+        "writes_per_ref": writes / refs,
+        "us_per_ref": manager_ns / 1000 / refs,
+    }
+
+
+def vllm_factory() -> Callable[[str, int], Any] | None:
+    """vLLM 0.33's CPU manager constructor, or ``None`` (with a note) if vLLM is absent."""
+    try:
+        from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+    except ImportError as exc:
+        print(f"note: vLLM not importable ({exc}); its column is skipped", file=sys.stderr)
+        return None
+
+    def build(policy: str, threshold: int) -> Any:
+        return CPUOffloadingManager(
+            num_chunks=CPU_BLOCKS, cache_policy=policy, store_threshold=threshold
+        )
+
+    return build
+
+
+def fastest(runs: list[dict[str, float]]) -> dict[str, float]:
+    return min(runs, key=lambda r: r["us_per_ref"])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--repeat", type=int, default=3, help="runs per config; the fastest counts")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's own manager")
     args = parser.parse_args()
     if not args.trace.exists():
         print(f"trace not found: {args.trace} (pass --trace)", file=sys.stderr)
         return 1
     requests = load_requests(args.trace)
-    results = {}
+    build_vllm = None if args.no_vllm else vllm_factory()
+    results: dict[str, dict[str, float]] = {}
+    vllm_runs: dict[tuple[str, int], dict[str, float]] = {}
     print(
-        f"{'policy':<6} {'thr':>3} {'total hit':>9} {'writes/ref':>10} {'us/ref':>7} "
-        f"{'seed us/ref':>11} {'speed-up':>8}"
+        f"{'policy':<6} {'thr':>3} {'admission':<11} {'total hit':>9} {'writes/ref':>10} "
+        f"{'us/ref':>7} {'seed us/ref':>11} {'vLLM us/ref':>11} {'vs vLLM':>7}"
     )
-    for policy, threshold in CONFIGS:
+    for policy, threshold, admission in CONFIGS:
         ours, seed = [], []
+        vllm_policy = policy if policy in VLLM_POLICIES else "lru"
+        measure_vllm = build_vllm is not None and (vllm_policy, threshold) not in vllm_runs
+        vllm: list[dict[str, float]] = []
         for _ in range(args.repeat):
-            ours.append(
-                replay(requests, build_manager(CPU_BLOCKS, policy, store_threshold=threshold))
+            manager = build_manager(
+                CPU_BLOCKS, policy, store_threshold=threshold, admission=admission
             )
-            seed.append(replay(requests, build_seed_manager(CPU_BLOCKS, policy, threshold)))
-        best = min(ours, key=lambda r: r["us_per_ref"])
-        best_seed = min(seed, key=lambda r: r["us_per_ref"])
-        best["seed_us_per_ref"] = best_seed["us_per_ref"]
-        best["seed_total_hit_ratio"] = best_seed["total_hit_ratio"]
-        best["speedup"] = best_seed["us_per_ref"] / best["us_per_ref"]
-        results[f"{policy}-t{threshold}"] = best
+            ours.append(replay(requests, manager))
+            if policy in SEED_POLICIES and admission == "none":
+                seed.append(replay(requests, build_seed_manager(CPU_BLOCKS, policy, threshold)))
+            if measure_vllm and build_vllm is not None:
+                vllm.append(replay_vllm(requests, build_vllm(vllm_policy, threshold)))
+        if vllm:
+            vllm_runs[(vllm_policy, threshold)] = fastest(vllm)
+        best = fastest(ours)
+        seed_text = vllm_text = ratio_text = "-"
+        if seed:
+            best["seed_us_per_ref"] = fastest(seed)["us_per_ref"]
+            seed_text = f"{best['seed_us_per_ref']:.2f}"
+        reference = vllm_runs.get((vllm_policy, threshold))
+        if reference is not None:
+            best["vllm_us_per_ref"] = reference["us_per_ref"]
+            best["vllm_total_hit_ratio"] = reference["total_hit_ratio"]
+            best["vs_vllm"] = best["us_per_ref"] / reference["us_per_ref"]
+            vllm_text = f"{reference['us_per_ref']:.2f}"
+            ratio_text = f"{best['vs_vllm']:.2f}x"
+        results[f"{policy}-t{threshold}-{admission}"] = best
         print(
-            f"{policy:<6} {threshold:>3} {best['total_hit_ratio']:>9.3f} "
-            f"{best['writes_per_ref']:>10.3f} {best['us_per_ref']:>7.2f} "
-            f"{best['seed_us_per_ref']:>11.2f} {best['speedup']:>7.2f}x"
+            f"{policy:<6} {threshold:>3} {admission:<11} {best['total_hit_ratio']:>9.3f} "
+            f"{best['writes_per_ref']:>10.3f} {best['us_per_ref']:>7.2f} {seed_text:>11} "
+            f"{vllm_text:>11} {ratio_text:>7}"
+        )
+    for (policy, threshold), run in vllm_runs.items():
+        print(
+            f"vLLM 0.33 {policy} thr {threshold}: total hit {run['total_hit_ratio']:.3f}, "
+            f"writes/ref {run['writes_per_ref']:.3f}"
         )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

@@ -19,6 +19,9 @@ from kvoffload import (
     block_id_key,
 )
 
+POLICIES = ["lru", "arc", "s3fifo", "sieve", "slru"]
+"""Every shipped policy runs the policy-independent scenarios."""
+
 
 def keys(*ids: int) -> list[OffloadKey]:
     return [block_id_key(i) for i in ids]
@@ -82,7 +85,7 @@ def test_reference_trace_lru() -> None:
     ]
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_already_stored_block_not_evicted_during_prepare_store(policy: str) -> None:
     m = CPUOffloadingManager(num_blocks=4, cache_policy=policy)
     m.prepare_store(keys(1, 2))
@@ -92,7 +95,7 @@ def test_already_stored_block_not_evicted_during_prepare_store(policy: str) -> N
     assert m.lookup(keys(2)) == 1
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_empty_and_already_held_offers_give_empty_output(policy: str) -> None:
     m = CPUOffloadingManager(num_blocks=2, cache_policy=policy)
     check_store(m.prepare_store([]), [], [], [])
@@ -164,7 +167,7 @@ def snapshot(m: CPUOffloadingManager) -> object:
     return status, policy, [b.block_id for b in m._free], m._num_allocated
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_bad_calls_raise_and_change_nothing(policy: str) -> None:
     m = CPUOffloadingManager(num_blocks=4, cache_policy=policy)
     m.prepare_store(keys(1, 2, 3))

@@ -1,5 +1,10 @@
 """Model-based tests: the manager (with and without the reuse filter) against a plain model.
 
+Every registered policy runs the same machine, alone, behind the seed filter,
+and with each admission layer stacked (under the filter when both are used).
+An admission layer may offer the tier any subset of what reaches it, in order;
+the model then follows what the tier was actually offered.
+
 After every step: lookups agree with the model's longest ready prefix, slot
 ids are unique and in range, the held blocks and their states match the
 model, and replaying all events gives exactly the ready set. A ``None`` from
@@ -9,6 +14,7 @@ take ready, unpinned keys outside the offer.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import hypothesis.strategies as st
@@ -21,12 +27,31 @@ from kvoffload import (
     FilterReusedOffloadingManager,
     OffloadingManager,
     OffloadKey,
+    PrepareStoreOutput,
+    available_policies,
     block_id_key,
 )
+from kvoffload.admission import wrap_with_admission
+from kvoffload.policies.registry import _POLICIES, ALIASES
 
 UNIVERSE = [block_id_key(i) for i in range(5)]
 KEY_LISTS = st.lists(st.sampled_from(UNIVERSE), max_size=6)
 PENDING = -1
+
+
+class RecordingCPU(CPUOffloadingManager):
+    """The real CPU manager, remembering what its last ``prepare_store`` was offered."""
+
+    last_offer: list[OffloadKey]
+
+    def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
+        self.last_offer = list(keys)
+        return super().prepare_store(self.last_offer)
+
+
+def is_subsequence(sub: list[OffloadKey], seq: list[OffloadKey]) -> bool:
+    it = iter(seq)
+    return all(any(key == other for other in it) for key in sub)
 
 
 def snapshot(m: CPUOffloadingManager) -> object:
@@ -38,14 +63,15 @@ def snapshot(m: CPUOffloadingManager) -> object:
 class ManagerMachine(RuleBasedStateMachine):
     policy = "lru"
     use_filter = False
+    admission = "none"
 
     @initialize(capacity=st.integers(1, 3), threshold=st.integers(2, 3), tracker=st.integers(1, 6))
     def setup(self, capacity: int, threshold: int, tracker: int) -> None:
         self.capacity = capacity
-        self.cpu = CPUOffloadingManager(capacity, self.policy, enable_events=True)
-        self.manager: OffloadingManager = self.cpu
+        self.cpu = RecordingCPU(capacity, self.policy, enable_events=True)
+        self.manager: OffloadingManager = wrap_with_admission(self.admission, self.cpu, capacity)
         if self.use_filter:
-            self.manager = FilterReusedOffloadingManager(self.cpu, threshold, tracker)
+            self.manager = FilterReusedOffloadingManager(self.manager, threshold, tracker)
         self.threshold, self.tracker = threshold, tracker
         self.ref: dict[OffloadKey, int] = {}  # model: key -> ref count (PENDING = -1)
         self.slot: dict[OffloadKey, int] = {}
@@ -87,12 +113,17 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(keys=KEY_LISTS)
     def prepare_store(self, keys: list[OffloadKey]) -> None:
-        offered = list(dict.fromkeys(self.eligible(keys)))
+        eligible = list(dict.fromkeys(self.eligible(keys)))
+        before = snapshot(self.cpu)
+        out = self.manager.prepare_store(iter(keys))
+        offered = list(dict.fromkeys(self.cpu.last_offer))
+        if self.admission == "none":
+            assert offered == eligible
+        else:
+            assert is_subsequence(offered, eligible)
         to_store = [k for k in offered if k not in self.ref]
         evictable = {k for k, r in self.ref.items() if r == 0 and k not in offered}
         need = len(to_store) - (self.capacity - len(self.ref))
-        before = snapshot(self.cpu)
-        out = self.manager.prepare_store(iter(keys))
         if to_store and need > len(evictable):
             assert out is None
             assert snapshot(self.cpu) == before
@@ -176,17 +207,29 @@ class ManagerMachine(RuleBasedStateMachine):
 
 
 SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None)
+STACKED = settings(max_examples=25, stateful_step_count=40, deadline=None)
+POLICIES = ["lru", "arc", "s3fifo", "sieve", "slru"]
+ADMISSIONS = ["none", "sketch", "feedback"]
 
 
-def machine(policy: str, use_filter: bool) -> type[ManagerMachine]:
-    return type(
-        f"{policy.upper()}{'Filtered' if use_filter else ''}Machine",
-        (ManagerMachine,),
-        {"policy": policy, "use_filter": use_filter},
-    )
+def machine(policy: str, use_filter: bool, admission: str = "none") -> type[ManagerMachine]:
+    name = f"{policy.upper()}{admission.title()}{'Filtered' if use_filter else ''}Machine"
+    attributes = {"policy": policy, "use_filter": use_filter, "admission": admission}
+    return type(name, (ManagerMachine,), attributes)
 
 
-TestLRU = SETTINGS(machine("lru", False)).TestCase
-TestLRUFiltered = SETTINGS(machine("lru", True)).TestCase
-TestARC = SETTINGS(machine("arc", False)).TestCase
-TestARCFiltered = SETTINGS(machine("arc", True)).TestCase
+def test_every_shipped_policy_has_a_machine() -> None:
+    shipped = {
+        name
+        for name in available_policies()
+        if name not in ALIASES and _POLICIES[name].__module__.startswith("kvoffload.")
+    }
+    assert sorted(POLICIES) == sorted(shipped)
+
+
+for _policy in POLICIES:
+    for _admission in ADMISSIONS:
+        for _filtered in (False, True):
+            _machine = machine(_policy, _filtered, _admission)
+            _settings = SETTINGS if _admission == "none" else STACKED
+            globals()[f"Test{_machine.__name__}"] = _settings(_machine).TestCase

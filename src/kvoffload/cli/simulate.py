@@ -8,6 +8,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
+from kvoffload.admission import available_admissions
 from kvoffload.cli import observe_options, options, output
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.core.errors import KVOffloadError
@@ -51,6 +52,11 @@ def register(commands: Any) -> None:
         help=f"offload tier size in GiB (default: {options.DEFAULT_CPU_GIB:g})",
     )
     tier.add_argument("--policy", default="lru", help="eviction policy (default: lru)")
+    tier.add_argument(
+        "--admission",
+        default="none",
+        help=f"admission layer, one of {', '.join(available_admissions())} (default: none)",
+    )
     tier.add_argument(
         "--store-threshold",
         type=options.COUNT,
@@ -119,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
     )
     cpu = options.cpu_blocks(args.cpu_blocks, args.cpu_gb, config, bt)
     config = options.with_offload(config, cpu, args.policy, args.store_threshold)
+    config = dataclasses.replace(config, admission=args.admission)
     if args.no_bound:
         config = dataclasses.replace(config, bound=False)
     # The data plane's backend is duck-typed: a TransferBackend plus its check counters.
@@ -168,6 +175,8 @@ def format_report(report: RunReport, plane: DataPlaneCounts | None = None) -> st
     admission = (
         f"store threshold {r.store_threshold}" if r.store_threshold >= 2 else "no store filter"
     )
+    if r.admission != "none":
+        admission += f", admission {r.admission}"
     tier = "none"
     if r.cpu_blocks:
         tier = (
@@ -192,6 +201,7 @@ def format_report(report: RunReport, plane: DataPlaneCounts | None = None) -> st
         ("offload written", _blocks_and_bytes(r.offload_blocks_written, r.offload_bytes_written)),
         ("offload read", _blocks_and_bytes(r.offload_blocks_read, r.offload_bytes_read)),
         ("skipped by admission", f"{r.stores_skipped_by_admission:,} blocks"),
+        *_admission_rows(r),
         ("rejected (tier full)", f"{r.stores_rejected:,} blocks"),
         ("failed stores / loads", f"{r.stores_failed:,} / {r.loads_failed:,} blocks"),
         ("offload evictions", f"{r.offload_evictions:,} blocks"),
@@ -212,3 +222,19 @@ def format_report(report: RunReport, plane: DataPlaneCounts | None = None) -> st
             )
         )
     return output.key_value_table(rows)
+
+
+def _admission_rows(r: RunReport) -> list[tuple[str, str]]:
+    """The admission layer's counters, when there is one."""
+    if r.admission == "none" or not r.cpu_blocks:
+        return []
+    control = "-" if r.admission_control is None else f"{r.admission_control:.2f}"
+    memory = "-" if r.admission_bytes_per_key is None else f"{r.admission_bytes_per_key:.1f}"
+    return [
+        (
+            f"admission {r.admission}",
+            f"{r.admission_admitted:,} of {r.admission_offers:,} offers admitted, "
+            f"{r.admission_ghost_hits:,} ghost hits",
+        ),
+        ("  control, memory", f"{control}, {memory} bytes per tracked key"),
+    ]

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvoffload.admission import available_admissions
 from kvoffload.cli import options, output
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.sim.run import RunReport, blocks_for_gib
@@ -35,6 +36,11 @@ def register(commands: Any) -> None:
     parser.add_argument("--policies", default="lru,arc", help="policies (default: lru,arc)")
     parser.add_argument(
         "--thresholds", default="0,2", help="store thresholds; below 2: no filter (default: 0,2)"
+    )
+    parser.add_argument(
+        "--admissions",
+        default="none",
+        help="admission layers, from " + ", ".join(available_admissions()) + " (default: none)",
     )
     options.add_engine_arguments(parser)
     parser.add_argument(
@@ -77,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         _capacities(args, base.gpu_blocks, base.layout, bt),
         [p.strip() for p in args.policies.split(",") if p.strip()],
         thresholds,
+        [a.strip() for a in args.admissions.split(",") if a.strip()],
     )
     bar = ProgressBar("sweep", ProgressBar.wanted(args.progress))
     try:
@@ -125,10 +132,11 @@ def _interrupted(args: argparse.Namespace, stop: SweepInterrupted) -> int:
 
 
 def format_sweep(reports: list[RunReport]) -> str:
-    headers = ["policy", "threshold", "offload", "blocks", "total hit", "Belady"]
+    headers = ["admission", "policy", "threshold", "offload", "blocks", "total hit", "Belady"]
     headers += ["offload hit", "writes/ref", "skipped", "refs/s"]
     rows = [
         [
+            r.admission,
             r.policy,
             str(r.store_threshold),
             output.size(r.cpu_gib * 2**30),

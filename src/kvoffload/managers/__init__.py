@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvoffload.admission import wrap_with_admission
 from kvoffload.core.manager import OffloadingManager
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.managers.reuse_filter import FilterReusedOffloadingManager
@@ -13,12 +14,15 @@ def build_manager(
     store_threshold: int = 0,
     max_tracker_size: int = 64_000,
     enable_events: bool = False,
+    admission: str = "none",
 ) -> OffloadingManager:
-    """A CPU tier manager, behind the reuse filter when ``store_threshold >= 2``.
+    """A CPU tier manager, behind the admission layer ``admission`` and then the reuse
+    filter when ``store_threshold >= 2`` (the filter is outermost: it sees calls first).
 
     Thresholds below 2 mean "no filter", as in vLLM's configuration.
     """
     manager: OffloadingManager = CPUOffloadingManager(num_blocks, cache_policy, enable_events)
+    manager = wrap_with_admission(admission, manager, num_blocks)
     if store_threshold >= 2:
         manager = FilterReusedOffloadingManager(manager, store_threshold, max_tracker_size)
     return manager

@@ -8,6 +8,8 @@ from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.policies.base import CachePolicy
 
 _POLICIES: dict[str, type[CachePolicy]] = {}
+ALIASES = {"recommended": "lru"}
+"""Names standing for a registered policy; ``recommended`` pairs with admission ``recommended``."""
 
 
 def register_cache_policy(name: str) -> Callable[[type[CachePolicy]], type[CachePolicy]]:
@@ -23,16 +25,20 @@ def register_cache_policy(name: str) -> Callable[[type[CachePolicy]], type[Cache
 
 
 def available_policies() -> list[str]:
-    """Registered policy names, sorted."""
-    return sorted(_POLICIES)
+    """Registered policy names and aliases, sorted."""
+    return sorted([*_POLICIES, *ALIASES])
+
+
+def resolve_policy(name: str) -> str:
+    """The registered name behind ``name``; the error for an unknown one lists the known ones."""
+    name = ALIASES.get(name, name)
+    if name not in _POLICIES:
+        raise InvalidArgumentError(
+            f"unknown cache policy {name!r}; known: {', '.join(available_policies())}"
+        )
+    return name
 
 
 def create_cache_policy(name: str, capacity: int) -> CachePolicy:
     """A new policy instance; the error for an unknown name lists the known ones."""
-    try:
-        cls = _POLICIES[name]
-    except KeyError:
-        raise InvalidArgumentError(
-            f"unknown cache policy {name!r}; known: {', '.join(available_policies())}"
-        ) from None
-    return cls(capacity)
+    return _POLICIES[resolve_policy(name)](capacity)

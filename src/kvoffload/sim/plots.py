@@ -27,6 +27,8 @@ def _figure() -> Any:
 def _label(report: RunReport) -> str:
     threshold = report.store_threshold
     admission = f"store threshold {threshold}" if threshold >= 2 else "no filter"
+    if report.admission != "none":
+        admission += f", {report.admission} admission"
     return f"{report.policy}, {admission}"
 
 

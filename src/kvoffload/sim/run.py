@@ -13,11 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
+from kvoffload.admission import available_admissions, find_admission, resolve_admission
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import KVLayout, layout_preset
+from kvoffload.core.manager import OffloadingManager
 from kvoffload.managers import build_manager
 from kvoffload.observe import Observers
-from kvoffload.policies import available_policies
+from kvoffload.policies import available_policies, resolve_policy
 from kvoffload.sim.belady import BeladyResult, belady_bound
 from kvoffload.sim.engine import PARTIAL_BLOCK_MODES, EngineConfig, Progress, ServingEngine
 from kvoffload.sim.transfers import TransferBackend
@@ -47,6 +49,8 @@ class SimConfig:
     """Whether to compute the Belady bound beside the result."""
     partial_block: str = "cache"
     """``"cache"`` or ``"drop"`` a prompt's keyed partial last block (vLLM drops it)."""
+    admission: str = "none"
+    """Admission layer in front of the tier, by name (``kvoffload.admission``)."""
 
     def __post_init__(self) -> None:
         _check_numbers(self)
@@ -68,6 +72,10 @@ class SimConfig:
                 f"max tracker size must be >= 1, got {self.max_tracker_size}"
             )
         layout_preset(self.layout)
+        if self.admission not in available_admissions():
+            raise InvalidArgumentError(
+                f"unknown admission {self.admission!r}; known: {', '.join(available_admissions())}"
+            )
 
     def kv_layout(self, block_tokens: int) -> KVLayout:
         """The layout preset, resized to the workload's block size."""
@@ -164,6 +172,14 @@ class RunReport:
     wall_seconds: float
     refs_per_second: float
     partial_block: str
+    admission: str = "none"
+    """The admission layer's canonical name; the ``admission_*`` counters are its stats."""
+    admission_offers: int = 0
+    admission_admitted: int = 0
+    admission_rejected: int = 0
+    admission_ghost_hits: int = 0
+    admission_control: float | None = None
+    admission_bytes_per_key: float | None = None
 
     def as_dict(self) -> dict[str, Scalar]:
         return dataclasses.asdict(self)
@@ -193,14 +209,15 @@ def simulate(
         transfer_bytes_per_s=config.transfer_gb_per_s * 1e9,
         partial_block=config.partial_block,
     )
-    manager = None
+    manager = built = None
     if config.cpu_blocks > 0:
-        manager = build_manager(
+        manager = built = build_manager(
             config.cpu_blocks,
             config.policy,
             config.store_threshold,
             config.max_tracker_size,
             enable_events=observers is not None and bool(observers.sinks),
+            admission=config.admission,
         )
         if observers is not None:
             manager = observers.wrap(manager, bytes_per_block)
@@ -220,7 +237,7 @@ def simulate(
     read = stats.offload_hit_blocks + stats.loads_failed
     prefill_rate = config.prefill_tokens_per_s
     saved_by_offload = stats.offload_hit_tokens / prefill_rate - stats.load_seconds
-    return RunReport(
+    report = RunReport(
         workload=workload.name,
         requests=stats.requests,
         refs=refs,
@@ -232,7 +249,7 @@ def simulate(
         gpu_gib=config.gpu_blocks * bytes_per_block / GIB,
         cpu_blocks=config.cpu_blocks,
         cpu_gib=config.cpu_blocks * bytes_per_block / GIB,
-        policy=config.policy,
+        policy=resolve_policy(config.policy),
         store_threshold=config.store_threshold,
         concurrency=config.concurrency,
         total_hit_ratio=(stats.gpu_hit_blocks + stats.offload_hit_blocks) * per_ref,
@@ -274,6 +291,7 @@ def simulate(
         refs_per_second=refs / wall if wall > 0 else 0.0,
         partial_block=config.partial_block,
     )
+    return _with_admission(report, config, built)
 
 
 def bound_of(
@@ -283,4 +301,24 @@ def bound_of(
     drop_partial_of = workload.block_tokens if config.partial_block == "drop" else None
     return belady_bound(
         workload.requests, config.gpu_blocks, config.cpu_blocks, drop_partial_of, gpu_hits
+    )
+
+
+def _with_admission(
+    report: RunReport, config: SimConfig, manager: OffloadingManager | None
+) -> RunReport:
+    """``report`` with the admission layer's name and counters filled in."""
+    report = dataclasses.replace(report, admission=resolve_admission(config.admission))
+    layer = None if manager is None else find_admission(manager)
+    if layer is None:
+        return report
+    stats = layer.stats()
+    return dataclasses.replace(
+        report,
+        admission_offers=stats.offers,
+        admission_admitted=stats.admitted,
+        admission_rejected=stats.rejected,
+        admission_ghost_hits=stats.ghost_hits,
+        admission_control=stats.control,
+        admission_bytes_per_key=stats.bytes_per_tracked_key,
     )

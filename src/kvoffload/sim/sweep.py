@@ -42,14 +42,23 @@ def sweep_configs(
     cpu_blocks: Sequence[int],
     policies: Sequence[str],
     thresholds: Sequence[int],
+    admissions: Sequence[str] = ("none",),
 ) -> list[SimConfig]:
-    """Every combination, in (policy, threshold, capacity) order, without per-run bounds."""
-    if not cpu_blocks or not policies or not thresholds:
-        raise InvalidArgumentError("a sweep needs at least one capacity, policy and threshold")
+    """Every combination, in (admission, policy, threshold, capacity) order, without bounds."""
+    if not cpu_blocks or not policies or not thresholds or not admissions:
+        raise InvalidArgumentError(
+            "a sweep needs at least one capacity, policy, threshold and admission"
+        )
     return [
         dataclasses.replace(
-            base, cpu_blocks=blocks, policy=policy, store_threshold=threshold, bound=False
+            base,
+            cpu_blocks=blocks,
+            policy=policy,
+            store_threshold=threshold,
+            bound=False,
+            admission=admission,
         )
+        for admission in admissions
         for policy in policies
         for threshold in thresholds
         for blocks in cpu_blocks

@@ -1,0 +1,68 @@
+"""Ghost records: recently decided keys, their class, and when they were decided.
+
+A ghost holds no data, only ``key -> (tag, clock)``. The clock is whatever
+the owner counts (here: blocks written to the tier), so a record can expire
+once the tier has turned over since it was made: a key that comes back
+before that is a *return*, one whose record expires or is pushed out is an
+*expiry*. At most ``capacity`` records are kept.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.keys import OffloadKey
+
+BYTES_PER_RECORD = 160
+"""Approximate CPython cost of one ordered-dict entry holding a bytes key and a small tuple."""
+
+
+class GhostRecords:
+    """At most ``capacity`` keys, oldest first, each with a tag and the clock when recorded."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise InvalidArgumentError(f"ghost capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._records: OrderedDict[OffloadKey, tuple[int, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._records
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.capacity * BYTES_PER_RECORD
+
+    def add(self, key: OffloadKey, tag: int, clock: int = 0) -> int | None:
+        """Record ``key``; return the tag of a record this pushed out, if any."""
+        records = self._records
+        if key in records:
+            records.move_to_end(key)
+            records[key] = (tag, clock)
+            return None
+        records[key] = (tag, clock)
+        if len(records) > self.capacity:
+            return records.popitem(last=False)[1][0]
+        return None
+
+    def take(self, key: OffloadKey) -> int | None:
+        """Forget ``key`` and return its tag, or ``None`` if it is not recorded."""
+        record = self._records.pop(key, None)
+        return None if record is None else record[0]
+
+    def expire(self, before: int) -> list[int]:
+        """Drop the records made at a clock below ``before``; return their tags."""
+        records = self._records
+        expired: list[int] = []
+        while records:
+            key = next(iter(records))
+            tag, clock = records[key]
+            if clock >= before:
+                break
+            del records[key]
+            expired.append(tag)
+        return expired

@@ -1,0 +1,79 @@
+"""Request boundaries inferred from the manager calls, without changing the contract.
+
+An engine ``touch``-es a request's full key list before its ``lookup``, and
+after a non-empty store touches the same list once more. The tracker keys an
+open request by its last key (a store's offer always ends there), so that
+
+* the first touch (or, for a driver that never touches, the first lookup) of
+  a request counts as one sighting, and re-polled lookups do not count again;
+* ``prepare_store`` learns how many leading blocks of the request were not
+  offered (its known prefix: GPU or tier hits);
+* the touch that follows a non-empty store is recognised and not counted.
+
+Nothing here is required for correctness: a driver with another call order
+only makes the counts coarser. At most ``capacity`` requests are open.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvoffload.core.keys import OffloadKey
+
+OPEN, STORED = 0, 1
+"""An open request's state: counted, or counted and awaiting its post-store touch."""
+
+
+class RequestTracker:
+    """Open requests by last key: ``(first key, length, state, counted by touch)``."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._open: OrderedDict[OffloadKey, tuple[OffloadKey, int, int, bool]] = OrderedDict()
+
+    def on_touch(self, keys: Sequence[OffloadKey]) -> bool:
+        """Whether this touch starts a request (count it) rather than closing a store."""
+        last = keys[-1]
+        entry = self._open.get(last)
+        if (
+            entry is not None
+            and entry[2] == STORED
+            and entry[0] == keys[0]
+            and entry[1] == len(keys)
+        ):
+            del self._open[last]
+            return False
+        self._put(last, (keys[0], len(keys), OPEN, True))
+        return True
+
+    def on_lookup(self, keys: Sequence[OffloadKey]) -> bool:
+        """Whether this lookup is the first sighting of its request (no touch came before)."""
+        if keys[-1] in self._open:
+            return False
+        self._put(keys[-1], (keys[0], len(keys), OPEN, False))
+        return True
+
+    def prefix_length(self, offered: Sequence[OffloadKey]) -> int:
+        """Blocks of the request before the offered ones (0 when the request is unknown)."""
+        entry = self._open.get(offered[-1])
+        if entry is None:
+            return 0
+        return max(0, entry[1] - len(offered))
+
+    def on_store(self, offered: Sequence[OffloadKey], stored_any: bool) -> None:
+        """A store was prepared: await the post-store touch, or close the request."""
+        last = offered[-1]
+        entry = self._open.get(last)
+        if entry is None:
+            return
+        if stored_any and entry[3]:
+            self._open[last] = (entry[0], entry[1], STORED, True)
+        else:
+            del self._open[last]
+
+    def _put(self, last: OffloadKey, entry: tuple[OffloadKey, int, int, bool]) -> None:
+        self._open[last] = entry
+        self._open.move_to_end(last)
+        if len(self._open) > self.capacity:
+            self._open.popitem(last=False)

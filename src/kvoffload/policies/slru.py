@@ -1,0 +1,74 @@
+"""Segmented LRU: blocks that were touched again are protected from blocks never touched since.
+
+New blocks enter the probation segment; a touch of a ready block moves it to
+the protected segment, which keeps at most ``PROTECTED_SHARE`` of the tier
+(its least recent blocks are demoted back to probation's most recent end).
+Victims come from probation's least recent end first, so a block admitted on
+first sight and never used leaves before any block that proved itself. Both
+segments keep LRU's backwards touch, so a request's tail leaves before its head.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Container, Iterable, Sequence
+from itertools import chain, islice
+
+from kvoffload.core.keys import OffloadKey
+from kvoffload.policies.base import BlockStatus, CachePolicy, Victims
+from kvoffload.policies.registry import register_cache_policy
+
+PROTECTED_SHARE = 0.8
+
+
+@register_cache_policy("slru")
+class SLRUCachePolicy(CachePolicy):
+    """Probation and protected LRU segments; eviction drains probation first."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.protected_limit = max(1, int(capacity * PROTECTED_SHARE))
+        self.probation: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+        self.protected: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+
+    def insert(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus]) -> None:
+        self.probation.update(zip(keys, blocks, strict=True))
+
+    def remove(self, keys: Iterable[OffloadKey]) -> None:
+        probation, protected = self.probation, self.protected
+        for key in keys:
+            if probation.pop(key, None) is None:
+                protected.pop(key, None)
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        probation, protected = self.probation, self.protected
+        for key in reversed(keys if isinstance(keys, list) else list(keys)):
+            if key in protected:
+                protected.move_to_end(key)
+            elif key in probation:
+                block = probation[key]
+                if block.ref_cnt >= 0:
+                    del probation[key]
+                    protected[key] = block
+                else:
+                    probation.move_to_end(key)
+        while len(protected) > self.protected_limit:
+            key, block = protected.popitem(last=False)
+            probation[key] = block
+
+    def evict(self, n: int, protected: Container[OffloadKey]) -> Victims | None:
+        if n <= 0:
+            return []
+        candidates = (
+            item
+            for item in chain(self.probation.items(), self.protected.items())
+            if item[1].ref_cnt == 0 and item[0] not in protected
+        )
+        victims = list(islice(candidates, n))
+        if len(victims) < n:
+            return None
+        probation, segment = self.probation, self.protected
+        for key, _ in victims:
+            if probation.pop(key, None) is None:
+                del segment[key]
+        return victims

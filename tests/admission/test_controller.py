@@ -1,0 +1,71 @@
+"""The feedback controller and its ghost records: bounds, convergence, recovery after a shift."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvoffload import InvalidArgumentError, block_id_key
+from kvoffload.admission import GhostRecords, ReuseController
+
+
+def feed(controller: ReuseController, cls: int, rate: float, n: int, rng: random.Random) -> None:
+    for _ in range(n):
+        controller.record(cls, rng.random() < rate)
+
+
+def test_starts_just_below_the_threshold_and_one_return_flips_a_class() -> None:
+    controller = ReuseController(4, threshold=0.5, window=100)
+    assert not any(controller.admits(c) for c in range(4))
+    assert controller.admitting_share == 0.0
+    controller.record(1, True)
+    assert controller.admits(1) and controller.admitting_share == 0.25
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.35, 0.65, 0.9])
+def test_converges_on_a_stationary_workload(rate: float) -> None:
+    controller = ReuseController(2, threshold=0.5, window=2000)
+    rng = random.Random(1)
+    feed(controller, 0, rate, 20_000, rng)
+    assert controller.rate(0) == pytest.approx(rate, abs=0.05)
+    assert controller.admits(0) == (rate >= 0.5)
+    assert not controller.admits(1)  # an untouched class keeps its prior
+    assert controller.admitting_share == (0.5 if rate >= 0.5 else 0.0)
+
+
+def test_recovers_after_a_shift_within_a_few_windows() -> None:
+    controller = ReuseController(1, threshold=0.5, window=500)
+    rng = random.Random(2)
+    feed(controller, 0, 0.05, 5000, rng)
+    assert not controller.admits(0)
+    feed(controller, 0, 0.9, 1500, rng)
+    assert controller.admits(0)
+    feed(controller, 0, 0.05, 1500, rng)
+    assert not controller.admits(0)
+
+
+def test_estimates_stay_bounded_by_the_window() -> None:
+    controller = ReuseController(1, threshold=0.5, window=100)
+    feed(controller, 0, 1.0, 10_000, random.Random(3))
+    assert controller.outcomes[0] <= 200
+
+
+def test_bad_arguments_are_rejected() -> None:
+    with pytest.raises(InvalidArgumentError, match="threshold"):
+        ReuseController(2, threshold=1.5, window=10)
+    with pytest.raises(InvalidArgumentError, match="window"):
+        ReuseController(2, threshold=0.5, window=0)
+    with pytest.raises(InvalidArgumentError, match="ghost capacity"):
+        GhostRecords(0)
+
+
+def test_ghost_is_bounded_and_reports_returns_and_expiries() -> None:
+    ghost = GhostRecords(3)
+    k = [block_id_key(i) for i in range(5)]
+    assert [ghost.add(k[i], i, clock=i) for i in range(3)] == [None, None, None]
+    assert ghost.add(k[3], 3, clock=3) == 0  # pushed out the oldest record
+    assert len(ghost) == 3
+    assert ghost.take(k[2]) == 2 and ghost.take(k[2]) is None
+    assert ghost.expire(before=3) == [1]
+    assert k[3] in ghost and len(ghost) == 1

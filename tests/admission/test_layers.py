@@ -1,0 +1,146 @@
+"""Admission layers over the real CPU manager: request inference, decisions, counters, registry."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvoffload import (
+    CPUOffloadingManager,
+    FilterReusedOffloadingManager,
+    InvalidArgumentError,
+    OffloadKey,
+    block_id_key,
+)
+from kvoffload.admission import (
+    FeedbackAdmission,
+    RequestTracker,
+    SketchAdmission,
+    available_admissions,
+    find_admission,
+    resolve_admission,
+    wrap_with_admission,
+)
+from kvoffload.managers import build_manager
+
+
+def keys(*ids: int) -> list[OffloadKey]:
+    return [block_id_key(i) for i in ids]
+
+
+def serve(
+    manager: FeedbackAdmission | SketchAdmission, request: list[OffloadKey]
+) -> list[OffloadKey]:
+    """One request in the engine's call order, with no GPU cache; returns the stored keys."""
+    manager.touch(request)
+    hits = manager.lookup(request) or 0
+    if hits:
+        manager.prepare_load(request[:hits])
+        manager.complete_load(request[:hits])
+    out = manager.prepare_store(request[hits:]) if hits < len(request) else None
+    if out is None or not out.keys_to_store:
+        return []
+    manager.touch(request)
+    manager.complete_store(out.keys_to_store)
+    return out.keys_to_store
+
+
+def test_tracker_counts_each_request_once_in_the_engine_order() -> None:
+    tracker = RequestTracker()
+    request = keys(1, 2, 3)
+    assert tracker.on_touch(request)  # the request starts
+    assert not tracker.on_lookup(request[1:])  # lookup past the GPU hit: same request
+    assert tracker.prefix_length(request[1:]) == 1
+    tracker.on_store(request[1:], stored_any=True)
+    assert not tracker.on_touch(request)  # the post-store touch
+    assert tracker.on_touch(request)  # the same prompt again: a new request
+
+
+def test_tracker_counts_a_driver_without_touch_once_per_request() -> None:
+    tracker = RequestTracker()
+    request = keys(1, 2)
+    assert tracker.on_lookup(request)
+    assert not tracker.on_lookup(request)  # a re-poll
+    tracker.on_store(request, stored_any=True)
+    assert tracker.on_lookup(request)
+
+
+def test_sketch_admission_stores_from_the_second_request_even_if_the_gpu_held_it() -> None:
+    layer = SketchAdmission(CPUOffloadingManager(16), capacity=16)
+    assert serve(layer, keys(1, 2)) == []
+    # The blocks were GPU hits the second time: only touched, never looked up.
+    layer.touch(keys(1, 2))
+    assert serve(layer, keys(1, 2, 3)) == keys(1, 2)
+    stats = layer.stats()
+    assert (stats.offers, stats.admitted, stats.rejected) == (5, 2, 3)
+    assert stats.ghost_hits == 2  # 1 and 2 were rejected, then seen again
+    assert stats.control == 2.0
+
+
+def test_feedback_stops_writing_a_one_shot_scan() -> None:
+    capacity = 64
+    layer = FeedbackAdmission(CPUOffloadingManager(capacity), capacity)
+    written = [len(serve(layer, keys(*range(i * 8, i * 8 + 8)))) for i in range(200)]
+    # The scan never comes back: at most the sketch's rare false "seen before" is written.
+    assert sum(written[-100:]) <= 8
+    assert layer.controller.rate(0) < 0.1
+    assert layer.stats().control < 1.0
+
+
+def test_feedback_keeps_writing_continuations_that_come_back() -> None:
+    capacity = 64
+    layer = FeedbackAdmission(CPUOffloadingManager(capacity), capacity)
+    hits = 0
+    for conversation in range(60):
+        base = conversation * 1000
+        history: list[OffloadKey] = []
+        for turn in range(4):
+            history = history + keys(*range(base + turn * 4, base + turn * 4 + 4))
+            hits += layer.lookup(history) or 0
+            serve(layer, history)
+    assert layer.controller.admits(2)  # extends a known prefix, not its last block
+    assert layer.controller.admits(3)
+    assert hits > 0
+
+
+def test_feedback_stats_report_a_bounded_footprint() -> None:
+    small = FeedbackAdmission(CPUOffloadingManager(100), 100).stats()
+    large = FeedbackAdmission(CPUOffloadingManager(10_000), 10_000).stats()
+    assert small.tracked_keys < large.tracked_keys
+    assert 0 < large.bytes_per_tracked_key < 100
+    assert large.memory_bytes < 100 * large.tracked_keys
+
+
+def test_registry_names_aliases_and_errors() -> None:
+    assert available_admissions() == ["feedback", "none", "recommended", "sketch"]
+    assert resolve_admission("recommended") == "feedback"
+    cpu = CPUOffloadingManager(4)
+    assert wrap_with_admission("none", cpu, 4) is cpu
+    with pytest.raises(InvalidArgumentError, match="known: feedback, none, recommended, sketch"):
+        wrap_with_admission("tinylfu", cpu, 4)
+    with pytest.raises(InvalidArgumentError, match="capacity"):
+        FeedbackAdmission(cpu, 0)
+
+
+def test_build_manager_stacks_the_seed_filter_outside_the_admission_layer() -> None:
+    manager = build_manager(8, "s3fifo", store_threshold=2, admission="recommended")
+    assert isinstance(manager, FilterReusedOffloadingManager)
+    layer = find_admission(manager)
+    assert isinstance(layer, FeedbackAdmission)
+    assert isinstance(layer.backing, CPUOffloadingManager)
+    assert find_admission(build_manager(8)) is None
+
+
+@pytest.mark.parametrize("layer_class", [FeedbackAdmission, SketchAdmission])
+def test_memory_stays_bounded_whatever_the_traffic(
+    layer_class: type[FeedbackAdmission] | type[SketchAdmission],
+) -> None:
+    capacity = 32
+    layer = layer_class(CPUOffloadingManager(capacity), capacity)
+    before = layer.stats()
+    for i in range(1500):
+        serve(layer, keys(*range(i * 6, i * 6 + 6)))
+    after = layer.stats()
+    assert (after.memory_bytes, after.tracked_keys) == (before.memory_bytes, before.tracked_keys)
+    assert len(layer.ghost) <= capacity
+    assert len(layer._requests._open) <= 1  # every request was recognised and closed
+    assert layer.sketch.resets > 0  # aged: old sightings do not pile up
