@@ -8,7 +8,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from kvoffload.cli import options, output
+from kvoffload.cli import options, output, tier_options
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.core.errors import KVOffloadError
 from kvoffload.sim.run import RunReport, SimConfig, blocks_for_gib, simulate
@@ -56,6 +56,7 @@ def register(commands: Any) -> None:
         help="store a block only after this many lookups; below 2: no filter (default: 0)",
     )
     options.add_engine_arguments(parser)
+    tier_options.add_tier_arguments(parser)
     parser.add_argument(
         "--no-bound", action="store_true", help="skip the Belady bound (halves the run time)"
     )
@@ -115,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
     )
     cpu = options.cpu_blocks(args.cpu_blocks, args.cpu_gb, config, bt)
     config = options.with_offload(config, cpu, args.policy, args.store_threshold)
+    config = tier_options.with_tiers(config, args, bt)
     if args.no_bound:
         config = dataclasses.replace(config, bound=False)
     # The data plane's backend is duck-typed: a TransferBackend plus its check counters.

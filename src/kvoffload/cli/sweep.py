@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvoffload.cli import options, output
+from kvoffload.cli import options, output, tier_options
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.sim.run import RunReport, blocks_for_gib
 from kvoffload.sim.sweep import run_sweep, sweep_configs
@@ -36,6 +36,7 @@ def register(commands: Any) -> None:
         "--thresholds", default="0,2", help="store thresholds; below 2: no filter (default: 0,2)"
     )
     options.add_engine_arguments(parser)
+    tier_options.add_tier_arguments(parser)
     parser.add_argument(
         "--jobs",
         type=int,
@@ -64,12 +65,14 @@ def run(args: argparse.Namespace) -> int:
     workload = source.load()
     bt = workload.block_tokens
     base = options.base_config(args, bt, options.DEFAULT_LAYOUT)
+    base = tier_options.with_tiers(base, args, bt)
     configs = sweep_configs(
         base,
         _capacities(args, base.gpu_blocks, base.layout, bt),
         [p.strip() for p in args.policies.split(",") if p.strip()],
         options.parse_ints(args.thresholds, "--thresholds"),
     )
+    configs = tier_options.separate_disk_dirs(configs)
     bar = ProgressBar("sweep", ProgressBar.wanted(args.progress))
     try:
         reports = run_sweep(source, configs, jobs=args.jobs, progress=bar)

@@ -12,10 +12,13 @@ from dataclasses import dataclass
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import KVLayout, layout_preset
-from kvoffload.managers import build_manager
+from kvoffload.core.manager import OffloadingManager
+from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager, build_manager
+from kvoffload.managers.tiered import TieredOffloadingManager, TierStats
 from kvoffload.policies import available_policies
+from kvoffload.sim import tier_model
 from kvoffload.sim.belady import belady_bound
-from kvoffload.sim.engine import EngineConfig, Progress, ServingEngine
+from kvoffload.sim.engine import EngineConfig, EngineStats, Progress, ServingEngine
 from kvoffload.sim.transfers import TransferBackend
 from kvoffload.sim.workload import Workload
 
@@ -41,6 +44,16 @@ class SimConfig:
     transfer_gb_per_s: float = 25.0
     bound: bool = True
     """Whether to compute the Belady bound beside the result."""
+    # Tiers below the CPU tier (issue 9): a disk directory and a shared server.
+    disk_dir: str | None = None
+    disk_blocks: int = 0
+    remote_url: str | None = None
+    tier_store_threshold: int = 0
+    """Admission to the lower tiers: lookups seen before a block is written there."""
+    disk_gb_per_s: float = tier_model.DISK_GB_PER_S
+    disk_latency_ms: float = tier_model.DISK_LATENCY_MS
+    remote_gb_per_s: float = tier_model.REMOTE_GB_PER_S
+    remote_latency_ms: float = tier_model.REMOTE_LATENCY_MS
 
     def __post_init__(self) -> None:
         if self.cpu_blocks < 0:
@@ -56,6 +69,26 @@ class SimConfig:
                 f"max tracker size must be >= 1, got {self.max_tracker_size}"
             )
         layout_preset(self.layout)
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        if self.disk_blocks < 0:
+            raise InvalidArgumentError(f"disk blocks must be >= 0, got {self.disk_blocks}")
+        if self.disk_dir is not None and self.disk_blocks < 1:
+            raise InvalidArgumentError("a disk tier (--disk-dir) needs a size: --disk-gb or --disk-blocks of at least one block")
+        self.tier_costs()
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        """Whether disk or remote tiers are used: only behind a CPU tier, which promotes hits."""
+        return self.cpu_blocks > 0 and (self.disk_dir is not None or self.remote_url is not None)
+
+    def tier_costs(self) -> dict[str, tier_model.TierCost]:
+        """The cost model of the lower tiers, by tier name."""
+        return {
+            "disk": tier_model.TierCost(self.disk_gb_per_s, self.disk_latency_ms),
+            "remote": tier_model.TierCost(self.remote_gb_per_s, self.remote_latency_ms),
+        }
 
     def kv_layout(self, block_tokens: int) -> KVLayout:
         """The layout preset, resized to the workload's block size."""
@@ -130,8 +163,11 @@ class RunReport:
     manager_us_per_block: float
     wall_seconds: float
     refs_per_second: float
+    tiers: dict[str, dict[str, Scalar]] = dataclasses.field(default_factory=dict)
+    """Per tier (``cpu``, ``disk``, ``remote``): hits, stores, bytes, failures, modelled seconds."""
 
-    def as_dict(self) -> dict[str, Scalar]:
+    def as_dict(self) -> dict[str, Scalar | dict[str, dict[str, Scalar]]]:
+        """The report; every value is a scalar except ``tiers``, a nested object."""
         return dataclasses.asdict(self)
 
 
@@ -153,12 +189,24 @@ def simulate(
         decode_tokens_per_s=config.decode_tokens_per_s,
         transfer_bytes_per_s=config.transfer_gb_per_s * 1e9,
     )
-    manager = None
-    if config.cpu_blocks > 0:
+    manager: OffloadingManager | None = None
+    tiered = None
+    if config.has_lower_tiers:
+        tiered = _tiered_manager(config, workload.block_tokens, backend)
+        manager = tiered
+        if config.store_threshold >= 2:
+            manager = FilterReusedOffloadingManager(
+                tiered, config.store_threshold, config.max_tracker_size
+            )
+    elif config.cpu_blocks > 0:
         manager = build_manager(
             config.cpu_blocks, config.policy, config.store_threshold, config.max_tracker_size
         )
-    stats = ServingEngine(engine_config, manager, backend).run(workload.requests, progress)
+    try:
+        stats = ServingEngine(engine_config, manager, backend).run(workload.requests, progress)
+    finally:
+        if tiered is not None:
+            tiered.close()
     bound = (
         belady_bound(workload.requests, config.gpu_blocks, config.cpu_blocks)
         if config.bound
@@ -224,4 +272,37 @@ def simulate(
         manager_us_per_block=stats.manager_seconds * 1e6 * per_ref,
         wall_seconds=wall,
         refs_per_second=refs / wall if wall > 0 else 0.0,
+        tiers=tier_model.tiers_report(
+            tiered,
+            tiered.cpu_stats if tiered is not None else _cpu_stats(stats),
+            bytes_per_block,
+            config.tier_costs(),
+        ),
+    )
+
+
+def _tiered_manager(
+    config: SimConfig, block_tokens: int, backend: TransferBackend | None
+) -> TieredOffloadingManager:
+    """The CPU tier with disk and remote tiers behind it; real bytes if ``backend`` has them."""
+    cpu = CPUOffloadingManager(config.cpu_blocks, config.policy)
+    return tier_model.build_tiered_manager(
+        cpu,
+        config.kv_layout(block_tokens),
+        config.layout,
+        disk_dir=config.disk_dir,
+        disk_blocks=config.disk_blocks,
+        remote_url=config.remote_url,
+        disk_policy=config.policy,
+        store_threshold=config.tier_store_threshold,
+        slot_bytes=getattr(backend, "slot_bytes", None),
+    )
+
+
+def _cpu_stats(stats: EngineStats) -> TierStats:
+    return TierStats(
+        hit_blocks=stats.offload_hit_blocks,
+        stored_blocks=stats.stored_blocks,
+        failed=stats.stores_failed + stats.loads_failed,
+        evicted=stats.offload_evictions,
     )
