@@ -224,6 +224,10 @@ class TieredOffloadingManager(OffloadingManager):
             events += tier.take_events()
         return events
 
+    def poll(self) -> None:
+        """Apply the promotions and tier writes that have finished (all of them when waiting)."""
+        self._drain()
+
     def close(self) -> None:
         """Wait for every promotion and write in flight, then close the tiers."""
         self._drain(wait=True)

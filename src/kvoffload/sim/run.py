@@ -75,7 +75,9 @@ class SimConfig:
         if self.disk_blocks < 0:
             raise InvalidArgumentError(f"disk blocks must be >= 0, got {self.disk_blocks}")
         if self.disk_dir is not None and self.disk_blocks < 1:
-            raise InvalidArgumentError("a disk tier (--disk-dir) needs a size: --disk-gb or --disk-blocks of at least one block")
+            raise InvalidArgumentError(
+                "a disk tier (--disk-dir) needs a size of >= 1 block: --disk-gb or --disk-blocks"
+            )
         self.tier_costs()
 
     @property

@@ -162,6 +162,7 @@ class DiskTier:
     def poll(self, wait: bool) -> None:
         """Make finished writes readable, forget failed ones and blocks found broken."""
         running = []
+        landed: list[OffloadKey] = []
         for batch, job in self._writes:
             if not (wait or job.done()):
                 running.append((batch, job))
@@ -171,12 +172,13 @@ class DiskTier:
             failed = [key for key, ok in zip(batch, written, strict=True) if not ok]
             for key in stored:
                 self._index[key].ref_cnt = 0
-            self.stats.stored_blocks += len(stored)
-            if stored and self._events is not None:
-                self._events.append(OffloadingEvent(stored, MEDIUM, removed=False))
+            landed += stored
             if failed:
                 self.stats.failed += len(failed)
                 self._forget(failed)
+        self.stats.stored_blocks += len(landed)
+        if landed and self._events is not None:
+            self._events.append(OffloadingEvent(landed, MEDIUM, removed=False))
         self._writes = running
         broken = []
         while not self._broken.empty():

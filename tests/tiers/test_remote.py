@@ -1,0 +1,184 @@
+"""The shared tier against real Valkey servers: standalone, Cluster, failures, AUTH."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tier_servers import ValkeyClusterProcesses, ValkeyProcess
+
+from kvoffload import OffloadKey, block_id_key
+from kvoffload.core.layout import layout_preset
+from kvoffload.tiers import CircuitBreaker, RemoteTier, RemoteTierError, layout_fingerprint
+from kvoffload.tiers.format import encode_block
+
+KEYS = [block_id_key(i) for i in range(40)]
+
+
+def fingerprint(name: str) -> bytes:
+    return layout_fingerprint(name, layout_preset("tiny"), 32)
+
+
+def payload(key: OffloadKey) -> bytes:
+    return (key * 4)[:32]
+
+
+def read_all(tier: RemoteTier, keys: list[OffloadKey]) -> tuple[list[bool], dict[int, bytes]]:
+    got: dict[int, bytes] = {}
+    ok = tier.read(keys, lambda i, data: got.__setitem__(i, bytes(data))).result(timeout=10)
+    return ok, got
+
+
+def store(tier: RemoteTier, keys: list[OffloadKey]) -> None:
+    tier.write(keys, [payload(key) for key in keys])
+    tier.poll(wait=True)
+
+
+def test_standalone_round_trip_under_the_fingerprint(valkey_server: ValkeyProcess) -> None:
+    tier = RemoteTier(valkey_server.url, fingerprint("standalone"), enable_events=True)
+    try:
+        assert not tier.is_cluster
+        tier.delete_all()
+        store(tier, KEYS[:10])
+        assert tier.present(KEYS) == 10 and tier.present(KEYS[5:]) == 5
+        ok, got = read_all(tier, KEYS[:12])
+        assert ok == [True] * 10 + [False] * 2
+        assert got == {i: payload(k) for i, k in enumerate(KEYS[:10])}
+        [event] = tier.take_events()
+        assert (event.medium, event.removed, event.keys) == ("REMOTE", False, KEYS[:10])
+        raw = valkey_server.client().get(tier.name(KEYS[0]))
+        assert raw is not None and raw.startswith(b"KVOB") and raw.endswith(payload(KEYS[0]))
+        other = RemoteTier(valkey_server.url, fingerprint("another-model"))
+        try:
+            assert other.present(KEYS) == 0
+        finally:
+            other.close()
+    finally:
+        tier.close()
+
+
+def test_cluster_round_trip_spreads_blocks_over_the_nodes(
+    valkey_cluster: ValkeyClusterProcesses,
+) -> None:
+    tier = RemoteTier(valkey_cluster.url, fingerprint("cluster"))
+    try:
+        assert tier.is_cluster
+        store(tier, KEYS)
+        assert tier.present(KEYS) == len(KEYS)
+        ok, got = read_all(tier, KEYS)
+        assert all(ok) and got == {i: payload(k) for i, k in enumerate(KEYS)}
+        assert all(node.client().dbsize() > 0 for node in valkey_cluster.nodes)
+    finally:
+        tier.close()
+
+
+WRITER = """
+import sys
+from kvoffload import block_id_key
+from kvoffload.core.layout import layout_preset
+from kvoffload.tiers import RemoteTier, layout_fingerprint
+tier = RemoteTier(sys.argv[1], layout_fingerprint("shared", layout_preset("tiny"), 32))
+keys = [block_id_key(i) for i in range(100, 130)]
+tier.write(keys, [(k * 4)[:32] for k in keys])
+tier.close()
+print(tier.stats.stored_blocks)
+"""
+
+
+def test_a_block_stored_by_another_process_is_a_hit_here(
+    valkey_cluster: ValkeyClusterProcesses,
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", WRITER, valkey_cluster.url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert done.stdout.strip() == "30"
+    keys = [block_id_key(i) for i in range(100, 130)]
+    tier = RemoteTier(valkey_cluster.url, fingerprint("shared"))
+    try:
+        assert tier.present(keys) == 30
+        ok, got = read_all(tier, keys)
+        assert all(ok) and got == {i: payload(k) for i, k in enumerate(keys)}
+    finally:
+        tier.close()
+
+
+def test_a_killed_server_degrades_to_counted_misses_and_recovers_by_itself(
+    own_server: ValkeyProcess,
+) -> None:
+    own_server.start()
+    breaker = CircuitBreaker(threshold=1, cooldown_s=0.05)
+    tier = RemoteTier(own_server.url + "?timeout_ms=200", fingerprint("kill"), breaker=breaker)
+    try:
+        store(tier, KEYS[:5])
+        own_server.stop()
+        assert tier.present(KEYS[:5]) == 0
+        ok, got = read_all(tier, KEYS[:5])
+        assert ok == [False] * 5 and not got
+        store(tier, KEYS[5:8])
+        assert tier.stats.failed >= 3 + 5 and tier.unavailable >= 2 and breaker.is_open
+        own_server.start()  # same port, empty: what was stored before is gone
+        time.sleep(0.06)
+        assert tier.present(KEYS[:5]) == 0
+        assert not breaker.is_open
+        store(tier, KEYS[10:12])
+        assert tier.present(KEYS[10:12]) == 2
+        ok, got = read_all(tier, KEYS[10:12])
+        assert ok == [True, True] and got[1] == payload(KEYS[11])
+    finally:
+        tier.close()
+
+
+def test_planted_corrupt_and_foreign_values_are_never_loaded_and_are_deleted(
+    valkey_server: ValkeyProcess,
+) -> None:
+    fp = fingerprint("planted")
+    tier = RemoteTier(valkey_server.url, fp)
+    client = valkey_server.client()
+    try:
+        tier.delete_all()
+        store(tier, KEYS[:4])
+        flipped = bytearray(client.get(tier.name(KEYS[1])) or b"")
+        flipped[-1] ^= 0x10
+        client.set(tier.name(KEYS[1]), bytes(flipped))
+        foreign = encode_block(KEYS[2], fingerprint("someone-else"), payload(KEYS[2]))
+        client.set(tier.name(KEYS[2]), foreign)
+        misplaced = encode_block(KEYS[0], fp, payload(KEYS[0]))
+        client.set(tier.name(KEYS[3]), misplaced)
+        ok, got = read_all(tier, KEYS[:4])
+        assert ok == [True, False, False, False] and list(got) == [0]
+        assert tier.stats.corrupt == 3
+        assert [client.exists(tier.name(k)) for k in KEYS[:4]] == [1, 0, 0, 0]
+    finally:
+        tier.close()
+
+
+def test_auth_wrong_or_missing_password_fails_clearly_at_start_up(tmp_path: Path) -> None:
+    server = ValkeyProcess(tmp_path / "auth", password="right-one")
+    server.start()
+    try:
+        base = f"redis://127.0.0.1:{server.port}/0"
+        with pytest.raises(RemoteTierError, match="authentication failed") as wrong:
+            RemoteTier(f"redis://:wrong@127.0.0.1:{server.port}/0", fingerprint("auth"))
+        assert "wrong" not in str(wrong.value).split("(")[0]
+        with pytest.raises(RemoteTierError, match="authentication failed"):
+            RemoteTier(base, fingerprint("auth"))
+        tier = RemoteTier(f"redis://default:right-one@127.0.0.1:{server.port}/0", fingerprint("a"))
+        try:
+            store(tier, KEYS[:2])
+            assert tier.present(KEYS[:2]) == 2
+        finally:
+            tier.close()
+    finally:
+        server.stop()
+
+
+def test_an_unreachable_server_fails_clearly_at_start_up(own_server: ValkeyProcess) -> None:
+    with pytest.raises(RemoteTierError, match="not reachable"):
+        RemoteTier(f"redis://127.0.0.1:{own_server.port}/0?timeout_ms=100", fingerprint("x"))

@@ -1,0 +1,153 @@
+"""Model-based test of the stack: the engine's calls in any order, invariants after each step.
+
+Beside the manager runs a model of what the engine holds (pins, stores in
+flight, failed stores) and a replay of every event. After every step:
+``lookup`` answers the CPU tier's ready prefix or ``None`` only while a
+promotion runs; the CPU and disk tiers stay within capacity; a ``None`` from
+``prepare_store`` changes nothing; no slot is pending without an owner;
+events replay to exactly what each tier holds; and a block the CPU tier
+evicted is on disk unless the disk evicted it or had no room (nothing lost).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvoffload import CPUOffloadingManager, OffloadKey, block_id_key
+from kvoffload.core.layout import layout_preset
+from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
+from kvoffload.policies import PENDING_STORE
+from kvoffload.tiers import DiskTier, layout_fingerprint
+
+UNIVERSE = [block_id_key(i) for i in range(6)]
+KEY_LISTS = st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=5)
+FP = layout_fingerprint("model", layout_preset("tiny"), 0)
+
+
+class StackMachine(RuleBasedStateMachine):
+    @initialize(
+        cpu=st.integers(1, 3), disk=st.integers(1, 4), policy=st.sampled_from(["lru", "arc"])
+    )
+    def setup(self, cpu: int, disk: int, policy: str) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="kvoffload-model-"))
+        self.cpu_capacity, self.disk_capacity = cpu, disk
+        self.disk = DiskTier(self.dir, disk, FP, policy, enable_events=True)
+        self.m = TieredOffloadingManager(
+            CPUOffloadingManager(cpu, policy, enable_events=True),
+            [(self.disk, TierSettings())],
+            wait_for_tiers=True,
+        )
+        self.loads: list[list[OffloadKey]] = []
+        self.stores: list[list[OffloadKey]] = []
+        self.cpu_events: set[OffloadKey] = set()
+        self.disk_events: set[OffloadKey] = set()
+        self.fell: set[OffloadKey] = set()  # evicted from the CPU, not since dropped by the disk
+
+    def teardown(self) -> None:
+        if hasattr(self, "m"):
+            self.m.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def ready_run(self, keys: list[OffloadKey]) -> int:
+        run = 0
+        for key in keys:
+            block = self.m.cpu.block_status(key)
+            if block is None or block.ref_cnt < 0:
+                break
+            run += 1
+        return run
+
+    @rule(keys=KEY_LISTS, load=st.booleans())
+    def lookup(self, keys: list[OffloadKey], load: bool) -> None:
+        self.m.touch(keys)
+        before = self.m.promotions_in_flight
+        found = self.m.lookup(keys)
+        if found is None:
+            assert self.m.promotions_in_flight > 0 or before > 0
+            return
+        assert found == self.ready_run(keys)
+        if load and found:
+            self.m.prepare_load(keys[:found])
+            self.loads.append(keys[:found])
+
+    @precondition(lambda self: self.loads)
+    @rule(data=st.data())
+    def finish_load(self, data: st.DataObject) -> None:
+        self.m.complete_load(self.loads.pop(data.draw(st.integers(0, len(self.loads) - 1))))
+
+    @rule(keys=KEY_LISTS)
+    def prepare_store(self, keys: list[OffloadKey]) -> None:
+        self.m.poll()
+        before = self.snapshot()
+        output = self.m.prepare_store(keys)
+        if output is None:
+            assert self.snapshot() == before
+            return
+        assert set(output.keys_to_store).isdisjoint(output.evicted_keys)
+        assert set(output.evicted_keys).isdisjoint(keys)
+        self.fell.update(output.evicted_keys)
+        if output.keys_to_store:
+            self.stores.append(output.keys_to_store)
+
+    @precondition(lambda self: self.stores)
+    @rule(data=st.data(), success=st.booleans())
+    def finish_store(self, data: st.DataObject, success: bool) -> None:
+        keys = self.stores.pop(data.draw(st.integers(0, len(self.stores) - 1)))
+        self.m.complete_store(keys, success)
+
+    def snapshot(self) -> object:
+        cpu = {k: (b.block_id, b.ref_cnt) for k, b in self.m.cpu._blocks.items()}
+        disk = {k: b.ref_cnt for k, b in self.disk._index.items()}
+        return cpu, disk, self.m.promotions_in_flight
+
+    @invariant()
+    def capacities_hold(self) -> None:
+        if hasattr(self, "m"):
+            assert len(self.m.cpu._blocks) <= self.cpu_capacity
+            assert len(self.disk) <= self.disk_capacity
+
+    @invariant()
+    def pins_and_pending_blocks_have_owners(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        pins: dict[OffloadKey, int] = {}
+        for keys in self.loads:
+            for key in keys:
+                pins[key] = pins.get(key, 0) + 1
+        in_flight = {key for keys in self.stores for key in keys}
+        for key, block in self.m.cpu._blocks.items():
+            if block.ref_cnt == PENDING_STORE:
+                assert key in in_flight or self.m.promotions_in_flight
+            else:
+                assert block.ref_cnt == pins.get(key, 0)
+
+    @invariant()
+    def events_replay_to_the_tiers_and_nothing_is_lost(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        self.m.poll()
+        for event in self.m.take_events():
+            target = self.cpu_events if event.medium == "CPU" else self.disk_events
+            assert event.medium in ("CPU", "DISK")
+            if event.removed:
+                target.difference_update(event.keys)
+                if event.medium == "DISK":
+                    self.fell.difference_update(event.keys)
+            else:
+                target.update(event.keys)
+        ready_cpu = {k for k, b in self.m.cpu._blocks.items() if b.ref_cnt >= 0}
+        ready_disk = {k for k, b in self.disk._index.items() if b.ref_cnt >= 0}
+        assert self.cpu_events == ready_cpu
+        assert self.disk_events == ready_disk
+        if not self.disk.stats.rejected:
+            assert self.fell <= ready_disk | ready_cpu
+
+
+StackMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestStack = StackMachine.TestCase
