@@ -195,6 +195,7 @@ def format_report(report: RunReport, plane: DataPlaneCounts | None = None) -> st
         ("manager time", f"{r.manager_us_per_block:.2f} us per block ref"),
         ("replay", f"{r.wall_seconds:.2f} s, {r.refs_per_second:,.0f} block refs/s"),
     ]
+    rows += tier_options.tier_rows(r)
     if plane is not None:
         rows.append(
             (

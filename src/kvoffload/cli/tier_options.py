@@ -6,8 +6,9 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from kvoffload.cli import output
 from kvoffload.sim import tier_model
-from kvoffload.sim.run import SimConfig, blocks_for_gib
+from kvoffload.sim.run import RunReport, SimConfig, blocks_for_gib
 
 
 def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,3 +78,23 @@ def separate_disk_dirs(configs: list[SimConfig]) -> list[SimConfig]:
         else config
         for config in configs
     ]
+
+
+def tier_rows(report: RunReport) -> list[tuple[str, str]]:
+    """Table rows for the lower tiers of a run (none without them)."""
+    rows = []
+    for name, entry in report.tiers.items():
+        if name == "cpu":
+            continue
+        rows.append(
+            (
+                f"{name} tier",
+                f"{output.count(entry['hit_blocks'])} blocks hit "
+                f"({output.size(entry['read_bytes'])}, modelled "
+                f"{output.ratio(entry.get('read_seconds'))} s), "
+                f"{output.count(entry['stored_blocks'])} stored "
+                f"({output.size(entry['written_bytes'])}), "
+                f"{output.count(entry['failed'])} failed, {output.count(entry['corrupt'])} corrupt",
+            )
+        )
+    return rows
