@@ -22,11 +22,14 @@ def payload(key: OffloadKey, size: int = 64) -> bytes:
     return (key * (size // len(key) + 1))[:size]
 
 
-def read_all(tier: DiskTier, keys: list[OffloadKey]) -> tuple[list[bool], dict[int, bytes]]:
-    got: dict[int, bytes] = {}
-    ok = tier.read(keys, lambda i, data: got.__setitem__(i, bytes(data))).result(timeout=10)
+def read_all(
+    tier: DiskTier, keys: list[OffloadKey], size: int = 64
+) -> tuple[list[bool], dict[int, bytes]]:
+    """Read into one buffer per key; the intact ones by position."""
+    buffers = [bytearray(size) for _ in keys]
+    ok = tier.read(keys, lambda i: memoryview(buffers[i])).result(timeout=10)
     tier.poll(wait=True)
-    return ok, got
+    return ok, {i: bytes(buffers[i]) for i, good in enumerate(ok) if good}
 
 
 def stored(tier: DiskTier, keys: list[OffloadKey], size: int = 64) -> DiskTier:
@@ -160,7 +163,7 @@ def small_filesystem(path: Path, size_kib: int) -> Iterator[str]:
         return
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (size_kib * 1024 // 4, hard))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size_kib * 1024 // 8, hard))
     try:
         yield "rlimit"
     finally:
@@ -182,7 +185,23 @@ def test_a_full_disk_degrades_to_failed_stores(tmp_path: Path) -> None:
             assert good >= 2 and good + tier.stats.failed == len(KEYS)
             assert len(tier) == good
             assert not list(tier.directory.glob("*.tmp"))
-            ok, got = read_all(tier, KEYS[:2])
+            ok, got = read_all(tier, KEYS[:2], 100)
             assert ok == [True, True] and got[1] == small[1]
         finally:
             tier.close()
+
+
+def test_a_target_of_the_wrong_size_fails_that_block_only(tmp_path: Path) -> None:
+    tier = stored(DiskTier(tmp_path, 20, FP), KEYS[:3])
+    try:
+        buffers = [bytearray(64), bytearray(10), bytearray(64)]
+        ok = tier.read(KEYS[:3], lambda i: memoryview(buffers[i])).result(timeout=10)
+        assert ok == [True, False, True] and bytes(buffers[2]) == payload(KEYS[2])
+
+        def broken(i: int) -> memoryview:
+            raise RuntimeError("no slot")
+
+        assert tier.read(KEYS[:2], broken).result(timeout=10) == [False, False]
+        assert tier.present(KEYS[:3]) == 3  # the blocks themselves are fine
+    finally:
+        tier.close()

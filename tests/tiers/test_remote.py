@@ -27,9 +27,9 @@ def payload(key: OffloadKey) -> bytes:
 
 
 def read_all(tier: RemoteTier, keys: list[OffloadKey]) -> tuple[list[bool], dict[int, bytes]]:
-    got: dict[int, bytes] = {}
-    ok = tier.read(keys, lambda i, data: got.__setitem__(i, bytes(data))).result(timeout=10)
-    return ok, got
+    buffers = [bytearray(32) for _ in keys]
+    ok = tier.read(keys, lambda i: memoryview(buffers[i])).result(timeout=10)
+    return ok, {i: bytes(buffers[i]) for i, good in enumerate(ok) if good}
 
 
 def store(tier: RemoteTier, keys: list[OffloadKey]) -> None:

@@ -1,14 +1,12 @@
 """The CPU block store's slots as bytes, for tiers that write them out and read them back.
 
 A slot is one contiguous byte range of the store (see :mod:`.cpu_store`), so
-a snapshot is one copy and a fill one copy, with no tensor per block.
+a snapshot is one copy, and a tier reads straight into a slot's view.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import numpy as np
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.dataplane.cpu_store import CPUBlockStore
@@ -27,9 +25,7 @@ class StoreSlotBytes:
     def snapshot(self, slots: Sequence[int]) -> list[bytes]:
         return [self._slots[slot].tobytes() for slot in slots]
 
-    def write(self, slot: int, payload: memoryview) -> None:
-        if len(payload) != self._slots.shape[1]:
-            raise InvalidArgumentError(
-                f"a CPU slot holds {self._slots.shape[1]} bytes, got a payload of {len(payload)}"
-            )
-        self._slots[slot] = np.frombuffer(payload, dtype=np.uint8)
+    def view(self, slot: int) -> memoryview:
+        if not 0 <= slot < len(self._slots):
+            raise InvalidArgumentError(f"no CPU slot {slot}; the store has {len(self._slots)}")
+        return memoryview(self._slots[slot])

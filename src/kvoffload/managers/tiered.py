@@ -29,10 +29,12 @@ from kvoffload.core.specs import CPULoadStoreSpec, LoadStoreSpec
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.policies import PENDING_STORE
 
-Sink = Callable[[int, memoryview], None]
-"""Receives ``(index in the read's keys, payload)`` for every block read intact.
+Target = Callable[[int], memoryview]
+"""Where block ``index`` of a read goes: a writable buffer of exactly its payload's size.
 
-A sink that raises marks that block as not read; the tier carries on.
+Tiers read straight into it and check the bytes there, so a block is copied
+once; a block that fails its check leaves garbage in a slot nobody may load.
+A target that raises, or has another size, makes that block a failed read.
 """
 
 
@@ -63,8 +65,8 @@ class LowerTier(Protocol):
         """Length of the leading run of ``keys`` this tier holds."""
         ...
 
-    def read(self, keys: Sequence[OffloadKey], sink: Sink) -> Future[list[bool]]:
-        """Read ``keys`` in the background, handing each intact payload to ``sink``."""
+    def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
+        """Read ``keys`` in the background into ``target``; per key, whether it arrived intact."""
         ...
 
     def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> None:
@@ -87,8 +89,8 @@ class SlotBytes(Protocol):
         """Copies of these slots' bytes, taken now (the slots may be reused next)."""
         ...
 
-    def write(self, slot: int, payload: memoryview) -> None:
-        """Fill ``slot`` with ``payload``; called from a tier's I/O threads."""
+    def view(self, slot: int) -> memoryview:
+        """``slot``'s bytes, writable; filled from a tier's I/O threads."""
         ...
 
 
@@ -279,15 +281,15 @@ class TieredOffloadingManager(OffloadingManager):
         tier = self.tiers[index]
         self.promotion_batches[index] += 1
         slot_bytes = self._slot_bytes
-        sink: Sink = _discard
+        target: Target = _no_bytes
         if slot_bytes is not None:
             slots = [self._slots[key] for key in keys]
 
-            def sink(index: int, payload: memoryview) -> None:
-                slot_bytes.write(slots[index], payload)
+            def target(index: int) -> memoryview:
+                return slot_bytes.view(slots[index])
 
         self._promoting.update(keys)
-        self._promotions.append(_Promotion(keys, tier.read(keys, sink)))
+        self._promotions.append(_Promotion(keys, tier.read(keys, target)))
 
     def _drain(self, wait: bool = False) -> None:
         """Finish the promotions whose reads are done (all of them when waiting)."""
@@ -318,5 +320,9 @@ class TieredOffloadingManager(OffloadingManager):
                 self._slots.pop(key, None)
 
 
-def _discard(index: int, payload: memoryview) -> None:
-    """The sink of a bookkeeping-only stack: there are no CPU bytes to fill."""
+_NOTHING = memoryview(bytearray(0))
+
+
+def _no_bytes(index: int) -> memoryview:
+    """The target of a bookkeeping-only stack: blocks have empty payloads."""
+    return _NOTHING

@@ -27,16 +27,15 @@ from typing import TypeVar
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent
-from kvoffload.managers.tiered import Sink, TierStats
+from kvoffload.managers.tiered import Target, TierStats
 from kvoffload.policies import PENDING_STORE, BlockStatus, create_cache_policy
 from kvoffload.tiers.format import (
     HEADER_BYTES,
     CorruptBlockError,
-    decode_block,
     encode_header,
     parse_header,
 )
-from kvoffload.tiers.sinks import deliver
+from kvoffload.tiers.targets import destination
 
 MEDIUM = "DISK"
 SUFFIX = ".kvb"
@@ -105,21 +104,21 @@ class DiskTier:
             run += 1
         return run
 
-    def read(self, keys: Sequence[OffloadKey], sink: Sink) -> Future[list[bool]]:
+    def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
         """Read ``keys`` (all stripes in parallel); a missing or broken block reads as ``False``."""
         keys = list(keys)
         self._policy.touch(reversed(keys))
         parts = [
-            (positions, self._stripes[s].submit(self._read_files, [keys[i] for i in positions]))
+            (positions, self._stripes[s].submit(self._read_files, keys, positions, target))
             for s, positions in self._by_stripe(keys).items()
         ]
         result: Future[list[bool]] = Future()
         outcome = [False] * len(keys)
         remaining = [len(parts)]
 
-        def gather(positions: list[int], part: Future[list[memoryview | None]]) -> None:
-            for i, payload in zip(positions, _outcome(part, len(positions), None), strict=True):
-                outcome[i] = payload is not None and deliver(sink, i, payload)
+        def gather(positions: list[int], part: Future[list[bool]]) -> None:
+            for i, ok in zip(positions, _outcome(part, len(positions), False), strict=True):
+                outcome[i] = ok
             with self._lock:
                 remaining[0] -= 1
                 if remaining[0]:
@@ -258,22 +257,34 @@ class DiskTier:
             return False
         return True
 
-    def _read_files(self, keys: list[OffloadKey]) -> list[memoryview | None]:
-        return [self._read_file(key) for key in keys]
+    def _read_files(
+        self, keys: list[OffloadKey], positions: list[int], target: Target
+    ) -> list[bool]:
+        return [self._read_file(keys[i], i, target) for i in positions]
 
-    def _read_file(self, key: OffloadKey) -> memoryview | None:
+    def _read_file(self, key: OffloadKey, index: int, target: Target) -> bool:
+        """Read ``key``'s payload straight into its target, then check it there."""
         path = self.path(key)
         try:
             with open(path, "rb", buffering=0) as file:
-                data = file.read()
-        except OSError:
-            return None
-        try:
-            return decode_block(data, key, self.fingerprint)
+                head = file.read(HEADER_BYTES + len(key))
+                header = parse_header(head)
+                header.check(key, self.fingerprint)
+                if os.fstat(file.fileno()).st_size != header.size + header.payload_bytes:
+                    raise CorruptBlockError(f"block file of {key!r} is torn")
+                view = destination(target, index, header.payload_bytes)
+                if view is None:
+                    return False
+                if header.payload_bytes and file.readinto(view) != header.payload_bytes:
+                    raise CorruptBlockError(f"block file of {key!r} is torn")
+            header.verify(view)
         except CorruptBlockError:
             _unlink(path)
             self._broken.put(key)
-            return None
+            return False
+        except OSError:
+            return False
+        return True
 
     def _delete_files(self, keys: list[OffloadKey]) -> None:
         for key in keys:
@@ -314,14 +325,14 @@ class DiskTier:
             with open(path, "rb") as file:
                 head = file.read(HEADER_BYTES + 256)
                 size = os.fstat(file.fileno()).st_size
-            key, fingerprint, payload_bytes = parse_header(head)
+            header = parse_header(head)
         except (OSError, CorruptBlockError):
             return None
-        if fingerprint != self.fingerprint or path.name != key.hex() + SUFFIX:
+        if header.fingerprint != self.fingerprint or path.name != header.key.hex() + SUFFIX:
             return None
-        if size != HEADER_BYTES + len(key) + payload_bytes:
+        if size != header.size + header.payload_bytes:
             return None
-        return OffloadKey(key)
+        return OffloadKey(header.key)
 
 
 def _outcome(job: Future[list[T]], n: int, failed: T) -> list[T]:

@@ -21,10 +21,10 @@ from typing import Any
 from kvoffload.core.errors import KVOffloadError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent
-from kvoffload.managers.tiered import Sink, TierStats
+from kvoffload.managers.tiered import Target, TierStats
 from kvoffload.tiers.breaker import CircuitBreaker
 from kvoffload.tiers.format import CorruptBlockError, decode_block, encode_block
-from kvoffload.tiers.sinks import deliver
+from kvoffload.tiers.targets import deliver
 from kvoffload.tiers.url import RemoteAddress, parse_remote_url
 
 MEDIUM = "REMOTE"
@@ -83,9 +83,9 @@ class RemoteTier:
             run += 1
         return run
 
-    def read(self, keys: Sequence[OffloadKey], sink: Sink) -> Future[list[bool]]:
+    def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
         keys = list(keys)
-        return self._pool.submit(self._read, keys, sink)
+        return self._pool.submit(self._read, keys, target)
 
     def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> None:
         keys = list(keys)
@@ -148,7 +148,7 @@ class RemoteTier:
             pipe.exists(name)
         return list(pipe.execute())
 
-    def _read(self, keys: list[OffloadKey], sink: Sink) -> list[bool]:
+    def _read(self, keys: list[OffloadKey], target: Target) -> list[bool]:
         names = [self.name(key) for key in keys]
         if self.is_cluster:
             values = self._call(lambda: self._client.mget_nonatomic(names))
@@ -168,7 +168,7 @@ class RemoteTier:
             except CorruptBlockError:
                 broken.append(names[i])
                 continue
-            outcome[i] = deliver(sink, i, payload)
+            outcome[i] = deliver(target, i, payload)
         if broken:
             self._call(lambda: self._delete(broken))
         with self._lock:
