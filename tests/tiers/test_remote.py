@@ -8,10 +8,13 @@ import time
 from pathlib import Path
 
 import pytest
+from tier_helpers import ByteSlots, content
 from tier_servers import ValkeyClusterProcesses, ValkeyProcess
 
-from kvoffload import OffloadKey, block_id_key
+from kvoffload import CPUOffloadingManager, OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
+from kvoffload.core.specs import CPULoadStoreSpec
+from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
 from kvoffload.tiers import CircuitBreaker, RemoteTier, RemoteTierError, layout_fingerprint
 from kvoffload.tiers.format import encode_block
 
@@ -77,22 +80,35 @@ def test_cluster_round_trip_spreads_blocks_over_the_nodes(
 
 WRITER = """
 import sys
-from kvoffload import block_id_key
+sys.path.insert(0, sys.argv[2])
+from tier_helpers import ByteSlots, content
+from kvoffload import CPUOffloadingManager, block_id_key
 from kvoffload.core.layout import layout_preset
+from kvoffload.core.specs import CPULoadStoreSpec
+from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
+from kvoffload import CPUOffloadingManager
+from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
 from kvoffload.tiers import RemoteTier, layout_fingerprint
-tier = RemoteTier(sys.argv[1], layout_fingerprint("shared", layout_preset("tiny"), 32))
+remote = RemoteTier(sys.argv[1], layout_fingerprint("shared", layout_preset("tiny"), 48))
+slots = ByteSlots(64, 48)
+m = TieredOffloadingManager(
+    CPUOffloadingManager(64), [(remote, TierSettings(write_through=True))], slots
+)
 keys = [block_id_key(i) for i in range(100, 130)]
-tier.write(keys, [(k * 4)[:32] for k in keys])
-tier.close()
-print(tier.stats.stored_blocks)
+out = m.prepare_store(keys)
+for key, slot in zip(out.keys_to_store, out.store_spec.block_ids.tolist()):
+    slots.view(slot)[:] = content(key, 48)
+m.complete_store(out.keys_to_store)
+m.close()
+print(remote.stats.stored_blocks)
 """
 
 
-def test_a_block_stored_by_another_process_is_a_hit_here(
+def test_two_managers_in_two_processes_share_the_cluster_tier(
     valkey_cluster: ValkeyClusterProcesses,
 ) -> None:
     done = subprocess.run(
-        [sys.executable, "-c", WRITER, valkey_cluster.url],
+        [sys.executable, "-c", WRITER, valkey_cluster.url, str(Path(__file__).parent)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -100,13 +116,21 @@ def test_a_block_stored_by_another_process_is_a_hit_here(
     )
     assert done.stdout.strip() == "30"
     keys = [block_id_key(i) for i in range(100, 130)]
-    tier = RemoteTier(valkey_cluster.url, fingerprint("shared"))
+    remote = RemoteTier(valkey_cluster.url, layout_fingerprint("shared", layout_preset("tiny"), 48))
+    slots = ByteSlots(64, 48)
+    m = TieredOffloadingManager(CPUOffloadingManager(64), [(remote, TierSettings(True))], slots)
     try:
-        assert tier.present(keys) == 30
-        ok, got = read_all(tier, keys)
-        assert all(ok) and got == {i: payload(k) for i, k in enumerate(keys)}
+        assert m.lookup(keys) is None
+        while (found := m.lookup(keys)) is None:
+            time.sleep(0.001)
+        assert found == 30 and remote.stats.hit_blocks == 30
+        spec = m.prepare_load(keys)
+        assert isinstance(spec, CPULoadStoreSpec)
+        for key, slot in zip(keys, spec.block_ids.tolist(), strict=True):
+            assert bytes(slots.view(slot)) == content(key, 48)
+        m.complete_load(keys)
     finally:
-        tier.close()
+        m.close()
 
 
 def test_a_killed_server_degrades_to_counted_misses_and_recovers_by_itself(

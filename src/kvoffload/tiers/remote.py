@@ -183,10 +183,16 @@ class RemoteTier:
         pipe.execute()
 
     def _write(self, keys: list[OffloadKey], values: list[bytes]) -> bool:
+        items = [(self.name(key), value) for key, value in zip(keys, values, strict=True)]
+        if self.is_cluster:
+            from valkey.crc import key_slot
+
+            items.sort(key=lambda item: key_slot(item[0]))  # one run of commands per slot
+
         def store() -> bool:
             pipe = self._client.pipeline(transaction=False)
-            for key, value in zip(keys, values, strict=True):
-                pipe.set(self.name(key), value)
+            for name, value in items:
+                pipe.set(name, value)
             pipe.execute()
             return True
 
