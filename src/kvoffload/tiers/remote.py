@@ -37,6 +37,9 @@ class RemoteTierError(KVOffloadError):
 class RemoteTier:
     """Blocks on a Valkey/Redis server or Cluster named by ``url`` (see :mod:`.url`).
 
+    Writes go out in pipelines of about ``chunk_bytes`` on ``io_threads``
+    connections, encoded there, never on the caller's thread.
+
     Start-up connects once and raises :class:`RemoteTierError` with a clear
     message for a wrong password or an unreachable server; after that no call
     raises for the server's sake.
@@ -51,9 +54,11 @@ class RemoteTier:
         *,
         breaker: CircuitBreaker | None = None,
         io_threads: int = 2,
+        chunk_bytes: int = 16 * 2**20,
         enable_events: bool = False,
     ) -> None:
         self.address = parse_remote_url(url)
+        self._chunk_bytes = chunk_bytes
         self.fingerprint = fingerprint
         self._prefix = b"kvo:" + fingerprint.hex().encode() + b":"
         self.breaker = breaker or CircuitBreaker()
@@ -88,12 +93,13 @@ class RemoteTier:
         return self._pool.submit(self._read, keys, target)
 
     def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> None:
-        keys = list(keys)
-        values = [
-            encode_block(key, self.fingerprint, payload)
-            for key, payload in zip(keys, payloads, strict=True)
-        ]
-        self._writes.append((keys, self._pool.submit(self._write, keys, values)))
+        """Encode and send on the I/O threads, in chunks, so encoding overlaps sending."""
+        keys, payloads = list(keys), list(payloads)
+        step = max(1, self._chunk_bytes // max(1, len(payloads[0]) if payloads else 1))
+        for start in range(0, len(keys), step):
+            chunk = keys[start : start + step]
+            job = self._pool.submit(self._write, chunk, payloads[start : start + step])
+            self._writes.append((chunk, job))
 
     def poll(self, wait: bool) -> None:
         running = []
@@ -182,8 +188,11 @@ class RemoteTier:
             pipe.delete(name)
         pipe.execute()
 
-    def _write(self, keys: list[OffloadKey], values: list[bytes]) -> bool:
-        items = [(self.name(key), value) for key, value in zip(keys, values, strict=True)]
+    def _write(self, keys: list[OffloadKey], payloads: list[bytes]) -> bool:
+        items = [
+            (self.name(key), encode_block(key, self.fingerprint, payload))
+            for key, payload in zip(keys, payloads, strict=True)
+        ]
         if self.is_cluster:
             from valkey.crc import key_slot
 
