@@ -121,7 +121,9 @@ def test_two_managers_in_two_processes_share_the_cluster_tier(
     m = TieredOffloadingManager(CPUOffloadingManager(64), [(remote, TierSettings(True))], slots)
     try:
         assert m.lookup(keys) is None
+        deadline = time.monotonic() + 10
         while (found := m.lookup(keys)) is None:
+            assert time.monotonic() < deadline, "a promotion never finished"
             time.sleep(0.001)
         assert found == 30 and remote.stats.hit_blocks == 30
         spec = m.prepare_load(keys)
@@ -206,3 +208,85 @@ def test_auth_wrong_or_missing_password_fails_clearly_at_start_up(tmp_path: Path
 def test_an_unreachable_server_fails_clearly_at_start_up(own_server: ValkeyProcess) -> None:
     with pytest.raises(RemoteTierError, match="not reachable"):
         RemoteTier(f"redis://127.0.0.1:{own_server.port}/0?timeout_ms=100", fingerprint("x"))
+
+
+def test_blocks_the_server_evicted_are_plain_misses(tmp_path: Path) -> None:
+    server = ValkeyProcess(
+        tmp_path / "small", "--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru"
+    )
+    server.start()
+    try:
+        tier = RemoteTier(server.url, fingerprint("maxmemory"))
+        big = [block_id_key(i) for i in range(200)]
+        try:
+            for start in range(0, len(big), 20):
+                chunk = big[start : start + 20]
+                tier.write(chunk, [payload(key) * 1000 for key in chunk])  # 32 kB each
+                tier.poll(wait=True)
+            held = [tier.present([key]) for key in big]
+            assert 0 < sum(held) < len(big)  # the server evicted some
+            buffers = [bytearray(32_000) for _ in big]
+            ok = tier.read(big, lambda i: memoryview(buffers[i])).result(timeout=10)
+            assert ok == [bool(h) for h in held]
+            assert all(bytes(buffers[i]) == payload(k) * 1000 for i, k in enumerate(big) if ok[i])
+            assert tier.stats.corrupt == 0 and tier.unavailable == 0
+        finally:
+            tier.close()
+    finally:
+        server.stop()
+
+
+def test_a_manager_keeps_serving_its_cpu_tier_while_the_server_is_down(
+    own_server: ValkeyProcess,
+) -> None:
+    own_server.start()
+    fp = layout_fingerprint("down", layout_preset("tiny"), 48)
+
+    def manager() -> tuple[TieredOffloadingManager, ByteSlots]:
+        remote = RemoteTier(own_server.url + "?timeout_ms=200", fp, breaker=CircuitBreaker(1, 0.05))
+        slots = ByteSlots(8, 48)
+        tiers = [(remote, TierSettings(write_through=True))]
+        return TieredOffloadingManager(CPUOffloadingManager(8), tiers, slots), slots
+
+    def store(m: TieredOffloadingManager, slots: ByteSlots, keys: list[OffloadKey]) -> None:
+        out = m.prepare_store(keys)
+        assert out is not None and isinstance(out.store_spec, CPULoadStoreSpec)
+        for key, slot in zip(out.keys_to_store, out.store_spec.block_ids.tolist(), strict=True):
+            slots.view(slot)[:] = content(key, 48)
+        m.complete_store(out.keys_to_store)
+
+    writer, writer_slots = manager()
+    reader, reader_slots = manager()
+    try:
+        store(writer, writer_slots, KEYS[:4])
+        writer.close()
+        assert reader.lookup(KEYS[:4]) is None  # promotion under way
+        own_server.stop()
+        deadline = time.monotonic() + 10
+        while (found := reader.lookup(KEYS[:6])) is None:
+            assert time.monotonic() < deadline, "a promotion never finished"
+            time.sleep(0.001)
+        # Whatever arrived before the kill is intact; what did not is a miss.
+        assert 0 <= found <= 4
+        spec = reader.prepare_load(KEYS[:found])
+        assert isinstance(spec, CPULoadStoreSpec)
+        for key, slot in zip(KEYS[:found], spec.block_ids.tolist(), strict=True):
+            assert bytes(reader_slots.view(slot)) == content(key, 48)
+        reader.complete_load(KEYS[:found])
+        store(reader, reader_slots, KEYS[6:8])  # CPU store fine, write-through dropped
+        assert reader.lookup(KEYS[6:8]) == 2
+        reader.poll()
+        time.sleep(0.1)
+        reader.poll()
+        remote = reader.tiers[0]
+        assert isinstance(remote, RemoteTier) and remote.stats.failed >= 2
+        own_server.start()
+        time.sleep(0.06)
+        store(reader, reader_slots, [KEYS[9]])
+        deadline = time.monotonic() + 10
+        while remote.stats.stored_blocks < 1 and time.monotonic() < deadline:
+            reader.poll()
+            time.sleep(0.005)
+        assert remote.present([KEYS[9]]) == 1  # reconnected by itself
+    finally:
+        reader.close()

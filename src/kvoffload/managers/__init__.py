@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvoffload.core.manager import OffloadingManager
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.managers.reuse_filter import FilterReusedOffloadingManager
+from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
 
 
 def build_manager(
@@ -24,4 +25,10 @@ def build_manager(
     return manager
 
 
-__all__ = ["CPUOffloadingManager", "FilterReusedOffloadingManager", "build_manager"]
+__all__ = [
+    "CPUOffloadingManager",
+    "FilterReusedOffloadingManager",
+    "TierSettings",
+    "TieredOffloadingManager",
+    "build_manager",
+]
