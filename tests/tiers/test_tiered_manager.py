@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
+from tier_helpers import ByteSlots, content
 from tier_servers import ValkeyProcess
 
 from kvoffload import CPUOffloadingManager, OffloadKey, block_id_key
@@ -142,3 +144,35 @@ def test_write_through_shares_blocks_between_two_managers(
     finally:
         first.close()
         second.close()
+
+
+def test_a_promotion_survives_the_demotion_that_evicts_it_from_a_full_disk(
+    tmp_path: Path,
+) -> None:
+    fp = layout_fingerprint("swap", layout_preset("tiny"), 40)
+    slots = ByteSlots(1, 40)
+    disk = DiskTier(tmp_path / "disk", 1, fp)
+    m = TieredOffloadingManager(CPUOffloadingManager(1), [(disk, TierSettings())], slots)
+
+    def store(key: OffloadKey) -> None:
+        output = m.prepare_store([key])
+        assert output is not None
+        slots.view(0)[:] = content(key, 40)
+        m.complete_store([key])
+
+    try:
+        store(K[0])
+        store(K[1])  # K[0] falls to the one-block disk
+        disk.poll(wait=True)
+        assert disk.present([K[0]]) == 1
+        # Promoting K[0] evicts K[1] from the CPU, whose demotion evicts K[0] from the disk.
+        assert m.lookup([K[0]]) is None
+        deadline = time.monotonic() + 10
+        while (found := m.lookup([K[0]])) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert found == 1 and bytes(slots.view(0)) == content(K[0], 40)
+        disk.poll(wait=True)
+        assert disk.present([K[1]]) == 1 and disk.present([K[0]]) == 0
+    finally:
+        m.close()

@@ -107,6 +107,10 @@ class TierSettings:
     store_threshold: int = 0
 
 
+_Demotion = tuple[list[OffloadKey], list[bytes]]
+"""Blocks the CPU tier evicted, with copies of their bytes (none when keeping books only)."""
+
+
 @dataclass
 class _Promotion:
     keys: list[OffloadKey]
@@ -181,12 +185,15 @@ class TieredOffloadingManager(OffloadingManager):
         output = self.cpu.prepare_store(keys[: hits + found])
         if output is None:
             return hits
-        self._placed(output)
+        # Evicted bytes are copied out before the promotions may overwrite their slots,
+        # and written down after the reads are queued, which then precede any delete.
+        demoted = self._placed(output)
         chosen = set(output.keys_to_store)
         for index, source in sources:
             wanted = [key for key in source if key in chosen]
             if wanted:
                 self._promote(index, wanted)
+        self._demote(demoted)
         return None if self._promoting else self.cpu.lookup(keys)
 
     def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
@@ -204,7 +211,7 @@ class TieredOffloadingManager(OffloadingManager):
         self._drain()
         output = self.cpu.prepare_store(keys)
         if output is not None:
-            self._placed(output)
+            self._demote(self._placed(output))
         return output
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
@@ -252,30 +259,49 @@ class TieredOffloadingManager(OffloadingManager):
                     seen.popitem(last=False)
                 seen[key] = 1
 
-    def _placed(self, output: PrepareStoreOutput) -> None:
-        """Record new slots and demote what the CPU tier evicted for them, bytes first."""
-        if output.evicted_keys:
-            self.cpu_stats.evicted += len(output.evicted_keys)
-            for tier, settings in zip(self.tiers, self._settings, strict=True):
-                if not settings.write_through:
-                    self._write(tier, settings, output.evicted_keys)
+    def _placed(self, output: PrepareStoreOutput) -> _Demotion:
+        """Record new slots; copy out the bytes of the blocks evicted for them."""
+        keys = output.evicted_keys
+        payloads: list[bytes] = []
+        if keys:
+            self.cpu_stats.evicted += len(keys)
             if self._slot_bytes is not None:
-                for key in output.evicted_keys:
-                    del self._slots[key]
+                payloads = self._slot_bytes.snapshot([self._slots.pop(key) for key in keys])
         if self._slot_bytes is not None and output.keys_to_store:
             ids = cast(CPULoadStoreSpec, output.store_spec).block_ids.tolist()
             self._slots.update(zip(output.keys_to_store, ids, strict=True))
+        return keys, payloads
 
-    def _write(self, tier: LowerTier, settings: TierSettings, keys: Sequence[OffloadKey]) -> None:
-        if settings.store_threshold >= 2:
-            seen = self._seen
-            keys = [key for key in keys if seen.get(key, 0) >= settings.store_threshold]
+    def _demote(self, demotion: _Demotion) -> None:
+        """Write evicted blocks to every write-back tier that admits them."""
+        keys, payloads = demotion
         if not keys:
             return
+        for tier, settings in zip(self.tiers, self._settings, strict=True):
+            if not settings.write_through:
+                chosen = self._admitted(settings, keys)
+                if chosen:
+                    tier.write(
+                        [keys[i] for i in chosen],
+                        [payloads[i] for i in chosen] if payloads else [b""] * len(chosen),
+                    )
+
+    def _write(self, tier: LowerTier, settings: TierSettings, keys: Sequence[OffloadKey]) -> None:
+        """Write ``keys``, ready in CPU slots, to ``tier`` (write-through)."""
+        chosen = [keys[i] for i in self._admitted(settings, keys)]
+        if not chosen:
+            return
         if self._slot_bytes is None:
-            tier.write(keys, [b""] * len(keys))
+            tier.write(chosen, [b""] * len(chosen))
         else:
-            tier.write(keys, self._slot_bytes.snapshot([self._slots[key] for key in keys]))
+            tier.write(chosen, self._slot_bytes.snapshot([self._slots[key] for key in chosen]))
+
+    def _admitted(self, settings: TierSettings, keys: Sequence[OffloadKey]) -> list[int]:
+        """Positions of the ``keys`` that ``settings``' admission threshold lets in."""
+        if settings.store_threshold < 2:
+            return list(range(len(keys)))
+        seen, threshold = self._seen, settings.store_threshold
+        return [i for i, key in enumerate(keys) if seen.get(key, 0) >= threshold]
 
     def _promote(self, index: int, keys: list[OffloadKey]) -> None:
         tier = self.tiers[index]
