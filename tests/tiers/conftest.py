@@ -1,7 +1,12 @@
-"""Session-wide Valkey servers (standalone and a 3-node Cluster), always stopped."""
+"""Session-wide Valkey servers (standalone and a 3-node Cluster), always stopped.
+
+A garbage collection after every test pins an unclosed socket on the test
+that leaked it (warnings are errors), instead of on the end of the session.
+"""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,3 +40,9 @@ def own_server(tmp_path: Path) -> Iterator[ValkeyProcess]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _collect_after() -> Iterator[None]:
+    yield
+    gc.collect()

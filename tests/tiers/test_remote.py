@@ -140,7 +140,7 @@ def test_a_killed_server_degrades_to_counted_misses_and_recovers_by_itself(
 ) -> None:
     own_server.start()
     breaker = CircuitBreaker(threshold=1, cooldown_s=0.05)
-    tier = RemoteTier(own_server.url + "?timeout_ms=200", fingerprint("kill"), breaker=breaker)
+    tier = RemoteTier(own_server.url + "&timeout_ms=1000", fingerprint("kill"), breaker=breaker)
     try:
         store(tier, KEYS[:5])
         own_server.stop()
@@ -227,7 +227,8 @@ def test_blocks_the_server_evicted_are_plain_misses(tmp_path: Path) -> None:
             assert 0 < sum(held) < len(big)  # the server evicted some
             buffers = [bytearray(32_000) for _ in big]
             ok = tier.read(big, lambda i: memoryview(buffers[i])).result(timeout=10)
-            assert ok == [bool(h) for h in held]
+            # The server may evict more while it serves the read: a miss, never a wrong block.
+            assert sum(ok) > 0 and all(held[i] for i, good in enumerate(ok) if good)
             assert all(bytes(buffers[i]) == payload(k) * 1000 for i, k in enumerate(big) if ok[i])
             assert tier.stats.corrupt == 0 and tier.unavailable == 0
         finally:
@@ -243,7 +244,9 @@ def test_a_manager_keeps_serving_its_cpu_tier_while_the_server_is_down(
     fp = layout_fingerprint("down", layout_preset("tiny"), 48)
 
     def manager() -> tuple[TieredOffloadingManager, ByteSlots]:
-        remote = RemoteTier(own_server.url + "?timeout_ms=200", fp, breaker=CircuitBreaker(1, 0.05))
+        remote = RemoteTier(
+            own_server.url + "&timeout_ms=1000", fp, breaker=CircuitBreaker(1, 0.05)
+        )
         slots = ByteSlots(8, 48)
         tiers = [(remote, TierSettings(write_through=True))]
         return TieredOffloadingManager(CPUOffloadingManager(8), tiers, slots), slots

