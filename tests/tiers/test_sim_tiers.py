@@ -57,6 +57,20 @@ def test_a_disk_run_reports_every_tier_and_its_model(tmp_path: Path) -> None:
     assert json.loads(json.dumps(report.as_dict()))["tiers"]["disk"]["hit_blocks"] == 4
 
 
+def test_the_disk_tier_has_its_own_policy(tmp_path: Path) -> None:
+    from kvoffload.sim.run import _tiered_manager
+    from kvoffload.tiers import DiskTier
+
+    for disk_policy, expected in ((None, "LRUCachePolicy"), ("arc", "ARCCachePolicy")):
+        cfg = config(disk_dir=str(tmp_path), disk_blocks=100, disk_policy=disk_policy)
+        stack = _tiered_manager(cfg, 16, None)
+        try:
+            disk = stack.tiers[0]
+            assert isinstance(disk, DiskTier) and type(disk._policy).__name__ == expected
+        finally:
+            stack.close()
+
+
 def test_without_lower_tiers_the_report_has_the_cpu_tier_only() -> None:
     report = simulate(promoted_workload(), config())
     assert set(report.tiers) == {"cpu"}
@@ -123,6 +137,8 @@ def test_tier_options_fail_with_one_clear_line(
     base = ["simulate", "--requests", "5", "--no-bound", "--no-progress"]
     assert main([*base, "--disk-dir", str(tmp_path)]) != 0
     assert "needs a size" in capsys.readouterr().err
+    assert main([*base, "--disk-dir", str(tmp_path), "--disk-gb", "1", "--disk-policy", "x"]) != 0
+    assert "unknown disk policy 'x'" in capsys.readouterr().err
     assert main([*base, "--remote", "http://nowhere"]) != 0
     assert "must start with" in capsys.readouterr().err
     assert main([*base, "--remote", f"redis://127.0.0.1:{own_server.port}/0?timeout_ms=50"]) != 0

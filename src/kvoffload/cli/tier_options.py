@@ -22,6 +22,9 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--disk-gb", type=float, metavar="X", help="disk tier size in GiB")
     size.add_argument("--disk-blocks", type=int, metavar="N", help="disk tier size in blocks")
     group.add_argument(
+        "--disk-policy", help="disk tier eviction policy (default: the CPU tier's --policy)"
+    )
+    group.add_argument(
         "--remote",
         metavar="URL",
         help="shared Valkey/Redis tier, e.g. redis://[user:pass@]host:port/0, rediss:// for "
@@ -57,6 +60,7 @@ def with_tiers(config: SimConfig, args: argparse.Namespace, block_tokens: int) -
         disk_blocks=disk_blocks,
         remote_url=args.remote,
         tier_store_threshold=args.tier_store_threshold,
+        disk_policy=args.disk_policy,
         disk_gb_per_s=args.disk_gb_per_s,
         disk_latency_ms=args.disk_latency_ms,
         remote_gb_per_s=args.remote_gb_per_s,

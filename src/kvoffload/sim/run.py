@@ -54,6 +54,8 @@ class SimConfig:
     disk_latency_ms: float = tier_model.DISK_LATENCY_MS
     remote_gb_per_s: float = tier_model.REMOTE_GB_PER_S
     remote_latency_ms: float = tier_model.REMOTE_LATENCY_MS
+    disk_policy: str | None = None
+    """The disk tier's eviction policy; ``None``: the CPU tier's."""
 
     def __post_init__(self) -> None:
         if self.cpu_blocks < 0:
@@ -74,6 +76,9 @@ class SimConfig:
     def _check_tiers(self) -> None:
         if self.disk_blocks < 0:
             raise InvalidArgumentError(f"disk blocks must be >= 0, got {self.disk_blocks}")
+        if self.disk_policy is not None and self.disk_policy not in available_policies():
+            known = ", ".join(available_policies())
+            raise InvalidArgumentError(f"unknown disk policy {self.disk_policy!r}; known: {known}")
         if self.disk_dir is not None and self.disk_blocks < 1:
             raise InvalidArgumentError(
                 "a disk tier (--disk-dir) needs a size of >= 1 block: --disk-gb or --disk-blocks"
@@ -295,7 +300,7 @@ def _tiered_manager(
         disk_dir=config.disk_dir,
         disk_blocks=config.disk_blocks,
         remote_url=config.remote_url,
-        disk_policy=config.policy,
+        disk_policy=config.disk_policy or config.policy,
         store_threshold=config.tier_store_threshold,
         slot_bytes=getattr(backend, "slot_bytes", None),
     )
