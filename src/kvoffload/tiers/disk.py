@@ -183,7 +183,8 @@ class DiskTier:
         while not self._broken.empty():
             key = self._broken.get()
             self.stats.corrupt += 1
-            if key in self._index:
+            block = self._index.get(key)
+            if block is not None and block.ref_cnt != PENDING_STORE:  # not a fresh rewrite
                 broken.append(key)
         if broken:
             self._forget(broken)
