@@ -111,7 +111,8 @@ class RemoteTier:
                 if self._events is not None:
                     self._events.append(OffloadingEvent(keys, MEDIUM, removed=False))
             else:
-                self.stats.failed += len(keys)
+                with self._lock:  # reads count their failures from the I/O threads
+                    self.stats.failed += len(keys)
         self._writes = running
 
     def take_events(self) -> list[OffloadingEvent]:
