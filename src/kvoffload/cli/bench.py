@@ -30,6 +30,21 @@ def register(commands: Any) -> argparse.ArgumentParser:
         description="Measure the data plane's block copy throughput.",
     )
     transfer.set_defaults(run=run)
+    tiers = kinds.add_parser(
+        "tiers",
+        help="store and load GB/s of the disk and shared tiers against plain file and SET/GET I/O",
+        description="Measure the disk tier against a plain sequential file write/read of the same "
+        "bytes, and the shared tier (with --remote) against pipelined SET/GET, same client.",
+    )
+    tiers.add_argument("--blocks", type=int, default=128, help="blocks per round (default: 128)")
+    tiers.add_argument(
+        "--block-mib", type=float, default=2.0, help="MiB per block (default: 2, an 8B model's)"
+    )
+    tiers.add_argument("--rounds", type=int, default=3, help="best of this many (default: 3)")
+    tiers.add_argument("--dir", help="directory for the disk tier (default: a temporary one)")
+    tiers.add_argument("--remote", metavar="URL", help="also measure the shared tier at URL")
+    tiers.add_argument("--json", metavar="PATH", help="write the results as JSON (- stdout)")
+    tiers.set_defaults(run=run_tiers)
     return transfer
 
 
@@ -56,6 +71,11 @@ def add_transfer_options(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = _bench_module().run_from_args(args)
+    _report(args, results)
+    return 0
+
+
+def _report(args: argparse.Namespace, results: dict[str, Any]) -> None:
     path = getattr(args, "json", None)
     if path:
         output.write_json(path, results)
@@ -65,4 +85,12 @@ def run(args: argparse.Namespace) -> int:
             for name, value in results.items()
         ]
         print(output.key_value_table(rows) if rows else "(no results)")
+
+
+def run_tiers(args: argparse.Namespace) -> int:
+    """``bench tiers``: torch-free; the shared tier's client is needed only with ``--remote``."""
+    from kvoffload.tiers.bench import measure_tiers
+
+    results = measure_tiers(args.blocks, args.block_mib, args.rounds, args.dir, args.remote)
+    _report(args, results)
     return 0

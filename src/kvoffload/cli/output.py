@@ -20,6 +20,8 @@ from kvoffload.core.errors import InvalidArgumentError
 
 Value = str | int | float | None
 Row = Mapping[str, Value]
+NestedRow = Mapping[str, "Value | NestedRow"]
+"""A row whose values may be objects themselves (a run's ``tiers``)."""
 
 
 def count(value: Value) -> str:
@@ -133,10 +135,23 @@ def write_json(path: str, data: object) -> None:
     _write_text(path, json.dumps(data, indent=2) + "\n")
 
 
-def write_csv(path: str, rows: Sequence[Row]) -> None:
-    """One header line from the first row's keys, then one line per row."""
+def flatten(row: NestedRow, prefix: str = "") -> dict[str, Value]:
+    """Nested objects become dotted columns: ``{"tiers": {"disk": {"hit_blocks": 1}}}``
+    gives ``tiers.disk.hit_blocks``."""
+    flat: dict[str, Value] = {}
+    for name, value in row.items():
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{prefix}{name}."))
+        else:
+            flat[prefix + name] = value
+    return flat
+
+
+def write_csv(path: str, rows: Sequence[NestedRow]) -> None:
+    """One header line from the first row's keys, then one line per row (nested: flattened)."""
+    flat = [flatten(row) for row in rows]
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), lineterminator="\n")
+    writer = csv.DictWriter(buffer, fieldnames=list(flat[0]), lineterminator="\n")
     writer.writeheader()
-    writer.writerows(rows)
+    writer.writerows(flat)
     _write_text(path, buffer.getvalue())

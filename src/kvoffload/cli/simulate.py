@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload.admission import available_admissions
-from kvoffload.cli import observe_options, options, output
+from kvoffload.cli import observe_options, options, output, tier_options
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.core.errors import KVOffloadError
 from kvoffload.sim.run import RunReport, SimConfig, blocks_for_gib, simulate
@@ -64,6 +64,7 @@ def register(commands: Any) -> None:
         help="store a block only after this many lookups; below 2: no filter (default: 0)",
     )
     options.add_engine_arguments(parser)
+    tier_options.add_tier_arguments(parser)
     parser.add_argument(
         "--no-bound", action="store_true", help="skip the Belady bound (halves the run time)"
     )
@@ -126,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
     cpu = options.cpu_blocks(args.cpu_blocks, args.cpu_gb, config, bt)
     config = options.with_offload(config, cpu, args.policy, args.store_threshold)
     config = dataclasses.replace(config, admission=args.admission)
+    config = tier_options.with_tiers(config, args, bt)
     if args.no_bound:
         config = dataclasses.replace(config, bound=False)
     # The data plane's backend is duck-typed: a TransferBackend plus its check counters.
@@ -213,6 +215,7 @@ def format_report(report: RunReport, plane: DataPlaneCounts | None = None) -> st
         ("manager time", f"{r.manager_us_per_block:.2f} us per block ref"),
         ("replay", f"{r.wall_seconds:.2f} s, {r.refs_per_second:,.0f} block refs/s"),
     ]
+    rows += tier_options.tier_rows(r)
     if plane is not None:
         rows.append(
             (

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.admission import available_admissions
-from kvoffload.cli import options, output
+from kvoffload.cli import options, output, tier_options
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.sim.run import RunReport, blocks_for_gib
 from kvoffload.sim.sweep import SweepInterrupted, run_sweep, sweep_configs
@@ -43,6 +43,7 @@ def register(commands: Any) -> None:
         help="admission layers, from " + ", ".join(available_admissions()) + " (default: none)",
     )
     options.add_engine_arguments(parser)
+    tier_options.add_tier_arguments(parser)
     parser.add_argument(
         "--jobs",
         type=options.POSITIVE_INT,
@@ -78,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     workload = source.load()
     bt = workload.block_tokens
     base = options.base_config(args, bt, options.DEFAULT_LAYOUT)
+    base = tier_options.with_tiers(base, args, bt)
     configs = sweep_configs(
         base,
         _capacities(args, base.gpu_blocks, base.layout, bt),
@@ -85,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         thresholds,
         [a.strip() for a in args.admissions.split(",") if a.strip()],
     )
+    configs = tier_options.separate_disk_dirs(configs)
     bar = ProgressBar("sweep", ProgressBar.wanted(args.progress))
     try:
         reports = run_sweep(source, configs, jobs=args.jobs, progress=bar)

@@ -6,6 +6,7 @@ from kvoffload.admission import wrap_with_admission
 from kvoffload.core.manager import OffloadingManager
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.managers.reuse_filter import FilterReusedOffloadingManager
+from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
 
 
 def build_manager(
@@ -28,4 +29,10 @@ def build_manager(
     return manager
 
 
-__all__ = ["CPUOffloadingManager", "FilterReusedOffloadingManager", "build_manager"]
+__all__ = [
+    "CPUOffloadingManager",
+    "FilterReusedOffloadingManager",
+    "TierSettings",
+    "TieredOffloadingManager",
+    "build_manager",
+]

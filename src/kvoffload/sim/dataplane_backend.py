@@ -2,7 +2,8 @@
 
 ``compute`` fills each block with content derived from its key alone, so the
 expected bytes of any loaded block can be regenerated at ``finish`` and
-compared bit for bit, wherever in the CPU tier the block has been.
+compared bit for bit, wherever in the CPU tier the block has been, and
+whichever lower tier (disk, remote) it was promoted back from.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvoffload.dataplane import (
     cpu_gpu_handlers,
 )
 from kvoffload.dataplane.kv_cache import widest_element
+from kvoffload.dataplane.slot_bytes import StoreSlotBytes
 
 _SEED_BITS = 31
 """Per-key coefficients stay below 2**31, so ``a * i + b`` fits in int64 for any block size."""
@@ -50,6 +52,8 @@ class DataPlaneBackend:
     ):
         self.kv_cache = PagedKVCache(layout, num_gpu_blocks, device)
         self.store = CPUBlockStore(layout, num_cpu_blocks)
+        self.slot_bytes = StoreSlotBytes(self.store)
+        """The CPU slots' bytes, for lower tiers: promotions fill slots the loads then verify."""
         self.worker = OffloadingWorker(
             cpu_gpu_handlers(self.kv_cache.layers, self.store, fault_hook=fault_hook)
         )

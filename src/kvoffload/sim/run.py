@@ -13,15 +13,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
-from kvoffload.admission import available_admissions, find_admission, resolve_admission
+from kvoffload.admission import (
+    available_admissions,
+    find_admission,
+    resolve_admission,
+    wrap_with_admission,
+)
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import KVLayout, layout_preset
 from kvoffload.core.manager import OffloadingManager
-from kvoffload.managers import build_manager
+from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager, build_manager
+from kvoffload.managers.tiered import TieredOffloadingManager, TierStats
 from kvoffload.observe import Observers
 from kvoffload.policies import available_policies, resolve_policy
+from kvoffload.sim import tier_model
 from kvoffload.sim.belady import BeladyResult, belady_bound
-from kvoffload.sim.engine import PARTIAL_BLOCK_MODES, EngineConfig, Progress, ServingEngine
+from kvoffload.sim.engine import (
+    PARTIAL_BLOCK_MODES,
+    EngineConfig,
+    EngineStats,
+    Progress,
+    ServingEngine,
+)
 from kvoffload.sim.transfers import TransferBackend
 from kvoffload.sim.workload import Workload
 
@@ -51,6 +64,18 @@ class SimConfig:
     """``"cache"`` or ``"drop"`` a prompt's keyed partial last block (vLLM drops it)."""
     admission: str = "none"
     """Admission layer in front of the tier, by name (``kvoffload.admission``)."""
+    # Tiers below the CPU tier (issue 9): a disk directory and a shared server.
+    disk_dir: str | None = None
+    disk_blocks: int = 0
+    remote_url: str | None = None
+    tier_store_threshold: int = 0
+    """Admission to the lower tiers: lookups seen before a block is written there."""
+    disk_gb_per_s: float = tier_model.DISK_GB_PER_S
+    disk_latency_ms: float = tier_model.DISK_LATENCY_MS
+    remote_gb_per_s: float = tier_model.REMOTE_GB_PER_S
+    remote_latency_ms: float = tier_model.REMOTE_LATENCY_MS
+    disk_policy: str | None = None
+    """The disk tier's eviction policy; ``None``: the CPU tier's."""
 
     def __post_init__(self) -> None:
         _check_numbers(self)
@@ -76,6 +101,31 @@ class SimConfig:
             raise InvalidArgumentError(
                 f"unknown admission {self.admission!r}; known: {', '.join(available_admissions())}"
             )
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        if self.disk_blocks < 0:
+            raise InvalidArgumentError(f"disk blocks must be >= 0, got {self.disk_blocks}")
+        if self.disk_policy is not None and self.disk_policy not in available_policies():
+            known = ", ".join(available_policies())
+            raise InvalidArgumentError(f"unknown disk policy {self.disk_policy!r}; known: {known}")
+        if self.disk_dir is not None and self.disk_blocks < 1:
+            raise InvalidArgumentError(
+                "a disk tier (--disk-dir) needs a size of >= 1 block: --disk-gb or --disk-blocks"
+            )
+        self.tier_costs()
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        """Whether disk or remote tiers are used: only behind a CPU tier, which promotes hits."""
+        return self.cpu_blocks > 0 and (self.disk_dir is not None or self.remote_url is not None)
+
+    def tier_costs(self) -> dict[str, tier_model.TierCost]:
+        """The cost model of the lower tiers, by tier name."""
+        return {
+            "disk": tier_model.TierCost(self.disk_gb_per_s, self.disk_latency_ms),
+            "remote": tier_model.TierCost(self.remote_gb_per_s, self.remote_latency_ms),
+        }
 
     def kv_layout(self, block_tokens: int) -> KVLayout:
         """The layout preset, resized to the workload's block size."""
@@ -180,8 +230,11 @@ class RunReport:
     admission_ghost_hits: int = 0
     admission_control: float | None = None
     admission_bytes_per_key: float | None = None
+    tiers: dict[str, dict[str, Scalar]] = dataclasses.field(default_factory=dict)
+    """Per tier (``cpu``, ``disk``, ``remote``): hits, stores, bytes, failures, modelled seconds."""
 
-    def as_dict(self) -> dict[str, Scalar]:
+    def as_dict(self) -> dict[str, Scalar | dict[str, dict[str, Scalar]]]:
+        """The report; every value is a scalar except ``tiers``, a nested object."""
         return dataclasses.asdict(self)
 
 
@@ -209,21 +262,35 @@ def simulate(
         transfer_bytes_per_s=config.transfer_gb_per_s * 1e9,
         partial_block=config.partial_block,
     )
-    manager = built = None
-    if config.cpu_blocks > 0:
-        manager = built = build_manager(
+    enable_events = observers is not None and bool(observers.sinks)
+    manager: OffloadingManager | None = None
+    tiered = None
+    if config.has_lower_tiers:
+        tiered = _tiered_manager(config, workload.block_tokens, backend, enable_events)
+        manager = wrap_with_admission(config.admission, tiered, config.cpu_blocks)
+        if config.store_threshold >= 2:
+            manager = FilterReusedOffloadingManager(
+                manager, config.store_threshold, config.max_tracker_size
+            )
+    elif config.cpu_blocks > 0:
+        manager = build_manager(
             config.cpu_blocks,
             config.policy,
             config.store_threshold,
             config.max_tracker_size,
-            enable_events=observers is not None and bool(observers.sinks),
+            enable_events=enable_events,
             admission=config.admission,
         )
-        if observers is not None:
-            manager = observers.wrap(manager, bytes_per_block)
-            observers.watch_transfers(backend)
+    built = manager
+    if manager is not None and observers is not None:
+        manager = observers.wrap(manager, bytes_per_block)
+        observers.watch_transfers(backend)
     engine = ServingEngine(engine_config, manager, backend)
-    stats = engine.run(workload.requests, progress)
+    try:
+        stats = engine.run(workload.requests, progress)
+    finally:
+        if tiered is not None:
+            tiered.close()
     bound = None
     if config.bound:
         # A sequential replay that parked no request ran the bound's own GPU cache already.
@@ -290,6 +357,12 @@ def simulate(
         wall_seconds=wall,
         refs_per_second=refs / wall if wall > 0 else 0.0,
         partial_block=config.partial_block,
+        tiers=tier_model.tiers_report(
+            tiered,
+            tiered.cpu_stats if tiered is not None else _cpu_stats(stats),
+            bytes_per_block,
+            config.tier_costs(),
+        ),
     )
     return _with_admission(report, config, built)
 
@@ -321,4 +394,31 @@ def _with_admission(
         admission_ghost_hits=stats.ghost_hits,
         admission_control=stats.control,
         admission_bytes_per_key=stats.bytes_per_tracked_key,
+    )
+
+
+def _tiered_manager(
+    config: SimConfig, block_tokens: int, backend: TransferBackend | None, enable_events: bool
+) -> TieredOffloadingManager:
+    """The CPU tier with disk and remote tiers behind it; real bytes if ``backend`` has them."""
+    cpu = CPUOffloadingManager(config.cpu_blocks, config.policy, enable_events)
+    return tier_model.build_tiered_manager(
+        cpu,
+        config.kv_layout(block_tokens),
+        config.layout,
+        disk_dir=config.disk_dir,
+        disk_blocks=config.disk_blocks,
+        remote_url=config.remote_url,
+        disk_policy=config.disk_policy or config.policy,
+        store_threshold=config.tier_store_threshold,
+        slot_bytes=getattr(backend, "slot_bytes", None),
+    )
+
+
+def _cpu_stats(stats: EngineStats) -> TierStats:
+    return TierStats(
+        hit_blocks=stats.offload_hit_blocks,
+        stored_blocks=stats.stored_blocks,
+        failed=stats.stores_failed + stats.loads_failed,
+        evicted=stats.offload_evictions,
     )

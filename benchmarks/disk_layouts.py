@@ -1,0 +1,128 @@
+"""Which on-disk layout for the disk tier: one file per block (temp + rename) or a segment?
+
+Both write the same blocks (the tier's header, then the payload) and read
+them back into one buffer, in the same run:
+
+* ``file``: each block in its own temporary file, renamed into place (what
+  :class:`kvoffload.tiers.DiskTier` does: a crash leaves whole blocks only);
+* ``segment``: blocks appended to one segment file, with an index of
+  (key, offset, length) and a CRC32 written after the batch.
+
+With ``--fsync`` each file is synced before its rename, while the segment is
+synced once per batch (its one advantage: group commit). Best of ``--rounds``.
+
+    python benchmarks/disk_layouts.py [--blocks 128] [--block-mib 2] [--fsync] [--dir PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+from kvoffload import block_id_key
+from kvoffload.core.layout import layout_preset
+from kvoffload.tiers.format import encode_header, layout_fingerprint
+
+
+def file_per_block(directory: Path, blocks: list[tuple[bytes, bytes]], fsync: bool) -> float:
+    started = time.perf_counter()
+    for key, payload in blocks:
+        final = directory / (key.hex() + ".kvb")
+        temp = final.with_suffix(".tmp")
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.writev(fd, [encode_header(key, FP, payload), payload])
+        if fsync:
+            os.fsync(fd)
+        os.close(fd)
+        os.replace(temp, final)
+    return time.perf_counter() - started
+
+
+def read_files(directory: Path, blocks: list[tuple[bytes, bytes]], buffer: memoryview) -> float:
+    size = len(blocks[0][1])
+    started = time.perf_counter()
+    for i, (key, _) in enumerate(blocks):
+        with open(directory / (key.hex() + ".kvb"), "rb", buffering=0) as file:
+            file.seek(len(encode_header(key, FP, b"")))
+            file.readinto(buffer[i * size : (i + 1) * size])
+    return time.perf_counter() - started
+
+
+def segment(directory: Path, blocks: list[tuple[bytes, bytes]], fsync: bool) -> float:
+    started = time.perf_counter()
+    index = []
+    with open(directory / "segment.kvs", "wb", buffering=0) as file:
+        offset = 0
+        for key, payload in blocks:
+            header = encode_header(key, FP, payload)
+            os.writev(file.fileno(), [header, payload])
+            index.append((key, offset + len(header), len(payload)))
+            offset += len(header) + len(payload)
+        if fsync:
+            os.fsync(file.fileno())
+    entries = b"".join(key + struct.pack("<QQ", at, n) for key, at, n in index)
+    with open(directory / "segment.idx", "wb") as file:
+        file.write(entries + struct.pack("<I", zlib.crc32(entries)))
+        if fsync:
+            os.fsync(file.fileno())
+    return time.perf_counter() - started
+
+
+def read_segment(directory: Path, blocks: list[tuple[bytes, bytes]], buffer: memoryview) -> float:
+    size = len(blocks[0][1])
+    entry = len(blocks[0][0]) + 16
+    started = time.perf_counter()
+    entries = (directory / "segment.idx").read_bytes()
+    with open(directory / "segment.kvs", "rb", buffering=0) as file:
+        for i in range(len(blocks)):
+            at, n = struct.unpack_from("<QQ", entries, i * entry + entry - 16)
+            file.seek(at)
+            file.readinto(buffer[i * size : i * size + n])
+    return time.perf_counter() - started
+
+
+FP = layout_fingerprint("bench", layout_preset("tiny"), 0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=128)
+    parser.add_argument("--block-mib", type=float, default=2.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--fsync", action="store_true")
+    parser.add_argument("--dir", default=None)
+    args = parser.parse_args()
+    size = int(args.block_mib * 2**20)
+    seed = os.urandom(size)
+    blocks = [(block_id_key(i), i.to_bytes(8, "little") + seed[8:]) for i in range(args.blocks)]
+    buffer = memoryview(bytearray(size * args.blocks))
+    total = size * args.blocks
+    best: dict[str, float] = {}
+    for r in range(args.rounds):
+        for name, write, read in (
+            ("file", file_per_block, read_files),
+            ("segment", segment, read_segment),
+        ):
+            scratch = Path(tempfile.mkdtemp(prefix=f"kvoffload-{name}-{r}-", dir=args.dir))
+            try:
+                times = {"write": write(scratch, blocks, args.fsync)}
+                times["read"] = read(scratch, blocks, buffer)
+            finally:
+                shutil.rmtree(scratch)
+            for op, seconds in times.items():
+                label = f"{name}_{op}_gbps"
+                best[label] = max(best.get(label, 0.0), total / seconds / 1e9)
+    best["write_ratio_file_to_segment"] = best["file_write_gbps"] / best["segment_write_gbps"]
+    best["read_ratio_file_to_segment"] = best["file_read_gbps"] / best["segment_read_gbps"]
+    print(json.dumps(best, indent=2))
+
+
+if __name__ == "__main__":
+    main()

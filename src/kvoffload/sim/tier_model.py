@@ -1,0 +1,123 @@
+"""The tiers below the CPU tier in a simulated run: how they are built and what they cost.
+
+Lower tiers are real (files in a directory, blocks on a Valkey/Redis
+server), so two runs against the same server share blocks. Their cost is
+modelled, not timed: a tier read or write of ``n`` blocks takes
+``latency + n * bytes_per_block / bandwidth`` (defaults below, overridable
+in :class:`~kvoffload.sim.run.SimConfig`). The model adds to the report; it
+does not delay the replay: the engine's lookup retry does that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.layout import KVLayout
+from kvoffload.managers.cpu import CPUOffloadingManager
+from kvoffload.managers.tiered import (
+    LowerTier,
+    SlotBytes,
+    TieredOffloadingManager,
+    TierSettings,
+    TierStats,
+)
+
+DISK_GB_PER_S = 3.0
+"""A PCIe 4 NVMe SSD, sequential."""
+DISK_LATENCY_MS = 0.1
+REMOTE_GB_PER_S = 5.0
+"""About half of a 100 Gb/s link, for a shared server under load."""
+REMOTE_LATENCY_MS = 0.5
+
+Scalar = str | int | float | None
+
+
+@dataclass(frozen=True)
+class TierCost:
+    """Bandwidth (GB/s, 1e9 bytes) and per-batch latency of one tier."""
+
+    gb_per_s: float
+    latency_ms: float
+
+    def __post_init__(self) -> None:
+        if not self.gb_per_s > 0:
+            raise InvalidArgumentError(f"a tier bandwidth must be > 0 GB/s, got {self.gb_per_s}")
+        if self.latency_ms < 0:
+            raise InvalidArgumentError(f"a tier latency must be >= 0 ms, got {self.latency_ms}")
+
+    def seconds(self, batches: int, blocks: int, bytes_per_block: int) -> float:
+        return batches * self.latency_ms / 1000 + blocks * bytes_per_block / (self.gb_per_s * 1e9)
+
+
+def build_tiered_manager(
+    cpu: CPUOffloadingManager,
+    fingerprint_layout: KVLayout,
+    model: str,
+    *,
+    disk_dir: str | None,
+    disk_blocks: int,
+    remote_url: str | None,
+    disk_policy: str,
+    store_threshold: int,
+    slot_bytes: SlotBytes | None,
+) -> TieredOffloadingManager:
+    """CPU, then disk (write-back), then the shared tier (write-through, so others see it).
+
+    Imports the tiers only now: a run without lower tiers needs neither
+    their files nor the server client.
+    """
+    from kvoffload.tiers import DiskTier, RemoteTier, layout_fingerprint
+
+    payload = fingerprint_layout.bytes_per_block if slot_bytes is not None else 0
+    fingerprint = layout_fingerprint(model, fingerprint_layout, payload)
+    tiers: list[tuple[LowerTier, TierSettings]] = []
+    try:
+        if disk_dir is not None:
+            if disk_blocks < 1:
+                raise InvalidArgumentError(f"a disk tier needs >= 1 block, got {disk_blocks}")
+            disk = DiskTier(disk_dir, disk_blocks, fingerprint, disk_policy)
+            tiers.append((disk, TierSettings(False, store_threshold)))
+        if remote_url is not None:
+            remote = RemoteTier(remote_url, fingerprint)
+            tiers.append((remote, TierSettings(True, store_threshold)))
+    except BaseException:
+        for tier, _ in tiers:
+            tier.close()
+        raise
+    return TieredOffloadingManager(cpu, tiers, slot_bytes, wait_for_tiers=True)
+
+
+def tier_report(
+    stats: TierStats, bytes_per_block: int, cost: TierCost | None, batches: int
+) -> dict[str, Scalar]:
+    """One tier's entry of the report's ``tiers`` object."""
+    entry: dict[str, Scalar] = {
+        "hit_blocks": stats.hit_blocks,
+        "stored_blocks": stats.stored_blocks,
+        "read_bytes": stats.hit_blocks * bytes_per_block,
+        "written_bytes": stats.stored_blocks * bytes_per_block,
+        "failed": stats.failed,
+        "corrupt": stats.corrupt,
+        "evicted": stats.evicted,
+        "rejected": stats.rejected,
+    }
+    if cost is not None:
+        entry["read_seconds"] = cost.seconds(batches, stats.hit_blocks, bytes_per_block)
+        entry["write_seconds"] = cost.seconds(0, stats.stored_blocks, bytes_per_block)
+    return entry
+
+
+def tiers_report(
+    tiered: TieredOffloadingManager | None,
+    cpu: TierStats,
+    bytes_per_block: int,
+    costs: dict[str, TierCost],
+) -> dict[str, dict[str, Scalar]]:
+    """``{"cpu": ..., "disk": ..., "remote": ...}``: the tiers this run had."""
+    report = {"cpu": tier_report(cpu, bytes_per_block, None, 0)}
+    if tiered is not None:
+        for tier, batches in zip(tiered.tiers, tiered.promotion_batches, strict=True):
+            name = tier.medium.lower()
+            report[name] = tier_report(tier.stats, bytes_per_block, costs.get(name), batches)
+    return report

@@ -1,0 +1,23 @@
+"""Tiers below the CPU tier: byte stores that need no torch (local disk, Valkey/Redis).
+
+Each implements :class:`~kvoffload.managers.tiered.LowerTier`; the shared
+tier's client package (``valkey``) is imported only when a remote tier is
+created.
+"""
+
+from kvoffload.tiers.breaker import CircuitBreaker
+from kvoffload.tiers.disk import DiskTier
+from kvoffload.tiers.format import CorruptBlockError, layout_fingerprint
+from kvoffload.tiers.remote import RemoteTier, RemoteTierError
+from kvoffload.tiers.url import RemoteAddress, parse_remote_url
+
+__all__ = [
+    "CircuitBreaker",
+    "CorruptBlockError",
+    "DiskTier",
+    "RemoteAddress",
+    "RemoteTier",
+    "RemoteTierError",
+    "layout_fingerprint",
+    "parse_remote_url",
+]

@@ -1,0 +1,198 @@
+"""``kvoffload bench tiers``: store and load GB/s of the disk and shared tiers, beside plain I/O.
+
+Each tier is measured against the plainest way to move the same bytes, in
+the same run: the disk tier against one sequential file written and read
+back with ``write``/``readinto``; the shared tier against pipelined SET and
+one multi-GET through the same ``valkey`` client. A load counts once the
+bytes are in a destination buffer, as a promotion puts them in a CPU slot.
+Each figure is the best of ``rounds``: the machines are shared and noisy.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.keys import OffloadKey, block_id_key
+from kvoffload.core.layout import layout_preset
+from kvoffload.tiers.disk import DiskTier
+from kvoffload.tiers.format import layout_fingerprint
+from kvoffload.tiers.remote import RemoteTier
+
+MIB = 2**20
+
+
+def _gbps(num_bytes: int, seconds: float) -> float:
+    return num_bytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+class _Blocks:
+    """``count`` distinct payloads of ``size`` bytes and one destination buffer for loads."""
+
+    def __init__(self, count: int, size: int) -> None:
+        self.size = size
+        seed = os.urandom(size)
+        self.payloads = [i.to_bytes(8, "little") + seed[8:] for i in range(count)]
+        self.buffer = bytearray(count * size)
+        self.view = memoryview(self.buffer)
+        self.total = count * size
+
+    def keys(self, round_index: int) -> list[OffloadKey]:
+        return [block_id_key(i, round_index) for i in range(len(self.payloads))]
+
+    def target(self, index: int) -> memoryview:
+        return self.view[index * self.size : (index + 1) * self.size]
+
+    def clear(self) -> None:
+        self.view[:] = bytes(len(self.buffer))
+
+    def verify(self) -> None:
+        for i, payload in enumerate(self.payloads):
+            if self.view[i * self.size : (i + 1) * self.size] != payload:
+                raise RuntimeError(f"block {i} did not come back intact")
+
+
+def measure_disk(blocks: _Blocks, directory: Path, rounds: int) -> dict[str, float]:
+    """Rounds alternate plain and tier; each round stores, loads, then deletes its bytes."""
+    fingerprint = layout_fingerprint("bench", layout_preset("tiny"), blocks.size)
+
+    def plain(i: int) -> tuple[float, float]:
+        path = directory / f"plain-{i}.bin"
+        started = time.perf_counter()
+        with open(path, "wb", buffering=0) as file:
+            for payload in blocks.payloads:
+                file.write(payload)
+        stored = time.perf_counter()
+        with open(path, "rb", buffering=0) as file:
+            for j in range(len(blocks.payloads)):
+                file.readinto(blocks.target(j))
+        loaded = time.perf_counter()
+        path.unlink()
+        return stored - started, loaded - stored
+
+    def tier(i: int) -> tuple[float, float]:
+        disk = DiskTier(directory / f"tier-{i}", len(blocks.payloads), fingerprint)
+        keys = blocks.keys(i)
+        try:
+            started = time.perf_counter()
+            disk.write(keys, blocks.payloads)
+            disk.poll(wait=True)
+            stored = time.perf_counter()
+            ok = disk.read(keys, blocks.target).result()
+            loaded = time.perf_counter()
+        finally:
+            disk.close()
+            shutil.rmtree(disk.directory, ignore_errors=True)
+        if not all(ok):
+            raise RuntimeError("the disk tier lost blocks during the benchmark")
+        return stored - started, loaded - stored
+
+    plain_times, tier_times = _alternate(rounds, plain, tier, blocks)
+    return _figures("disk", blocks.total, tier_times, plain_times)
+
+
+def measure_remote(blocks: _Blocks, url: str, rounds: int) -> dict[str, float]:
+    """As :func:`measure_disk`, against pipelined SET and one multi-GET with the tier's client."""
+    fingerprint = layout_fingerprint("bench", layout_preset("tiny"), blocks.size)
+    remote = RemoteTier(url, fingerprint)
+    client: Any = remote._client
+    get = client.mget_nonatomic if remote.is_cluster else client.mget
+
+    def plain(i: int) -> tuple[float, float]:
+        names = [f"kvoffload-bench:plain:{i}:{j}".encode() for j in range(len(blocks.payloads))]
+        started = time.perf_counter()
+        pipe = client.pipeline(transaction=False)
+        for name, payload in zip(names, blocks.payloads, strict=True):
+            pipe.set(name, payload)
+        pipe.execute()
+        stored = time.perf_counter()
+        for j, value in enumerate(get(names)):
+            blocks.target(j)[:] = value
+        loaded = time.perf_counter()
+        client.delete(*names)
+        return stored - started, loaded - stored
+
+    def tier(i: int) -> tuple[float, float]:
+        keys = blocks.keys(i)
+        started = time.perf_counter()
+        remote.write(keys, blocks.payloads)
+        remote.poll(wait=True)
+        stored = time.perf_counter()
+        ok = remote.read(keys, blocks.target).result()
+        loaded = time.perf_counter()
+        remote.delete_all()
+        if not all(ok):
+            raise RuntimeError("the shared tier lost blocks during the benchmark")
+        return stored - started, loaded - stored
+
+    try:
+        plain_times, tier_times = _alternate(rounds, plain, tier, blocks)
+    finally:
+        remote.close()
+    return _figures("remote", blocks.total, tier_times, plain_times)
+
+
+Round = Callable[[int], tuple[float, float]]
+
+
+def _alternate(
+    rounds: int, plain: Round, tier: Round, blocks: _Blocks
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """Best (store, load) seconds of each, rounds interleaved; the tier's loads verified."""
+    plain_times: list[tuple[float, float]] = []
+    tier_times: list[tuple[float, float]] = []
+    for i in range(rounds):
+        plain_times.append(plain(i))
+        blocks.clear()
+        tier_times.append(tier(i))
+        blocks.verify()
+    return _fastest(plain_times), _fastest(tier_times)
+
+
+def _fastest(times: list[tuple[float, float]]) -> tuple[float, float]:
+    return min(t[0] for t in times), min(t[1] for t in times)
+
+
+def _figures(
+    name: str, total: int, tier: tuple[float, float], plain: tuple[float, float]
+) -> dict[str, float]:
+    store, load = _gbps(total, tier[0]), _gbps(total, tier[1])
+    plain_store, plain_load = _gbps(total, plain[0]), _gbps(total, plain[1])
+    return {
+        f"{name}_store_gbps": store,
+        f"{name}_load_gbps": load,
+        f"{name}_plain_write_gbps": plain_store,
+        f"{name}_plain_read_gbps": plain_load,
+        f"{name}_store_ratio": store / plain_store,
+        f"{name}_load_ratio": load / plain_load,
+    }
+
+
+def measure_tiers(
+    blocks: int = 128,
+    block_mib: float = 2.0,
+    rounds: int = 3,
+    directory: str | None = None,
+    remote: str | None = None,
+) -> dict[str, Any]:
+    """Disk figures (in ``directory``, default a temporary one), and remote ones if ``remote``."""
+    if blocks < 1 or rounds < 1 or block_mib <= 0:
+        raise InvalidArgumentError(
+            f"blocks and rounds must be >= 1 and block MiB > 0, got {blocks}, {rounds}, {block_mib}"
+        )
+    data = _Blocks(blocks, int(block_mib * MIB))
+    results: dict[str, Any] = {"blocks": blocks, "block_bytes": data.size, "rounds": rounds}
+    scratch = Path(tempfile.mkdtemp(prefix="kvoffload-bench-", dir=directory))
+    try:
+        results.update(measure_disk(data, scratch, rounds))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if remote is not None:
+        results.update(measure_remote(data, remote, rounds))
+    return results

@@ -1,0 +1,28 @@
+"""Reading into a block's destination from an I/O thread, without ever raising there.
+
+An exception in an I/O thread would leave the read's future unresolved and
+the promotion waiting forever; a block that cannot be delivered is a failed
+read instead.
+"""
+
+from __future__ import annotations
+
+from kvoffload.managers.tiered import Target
+
+
+def destination(target: Target, index: int, size: int) -> memoryview | None:
+    """``target(index)`` if it gives a buffer of ``size`` bytes, else ``None``."""
+    try:
+        view = target(index)
+    except Exception:  # the destination's failure is this block's failed read, nothing more
+        return None
+    return view if view.nbytes == size and not view.readonly else None
+
+
+def deliver(target: Target, index: int, payload: memoryview) -> bool:
+    """Copy ``payload`` into ``target(index)``; whether it fitted."""
+    view = destination(target, index, len(payload))
+    if view is None:
+        return False
+    view.cast("B")[:] = payload
+    return True

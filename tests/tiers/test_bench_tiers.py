@@ -1,0 +1,35 @@
+"""``kvoffload bench tiers`` end to end, tiny sizes: every figure present and positive."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tier_servers import ValkeyProcess
+
+from kvoffload.cli.main import main
+
+
+def test_bench_tiers_reports_both_tiers_beside_their_baselines(
+    tmp_path: Path, valkey_server: ValkeyProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bench.json"
+    argv = ["bench", "tiers", "--blocks", "8", "--block-mib", "0.25", "--rounds", "1"]
+    argv += ["--dir", str(tmp_path), "--remote", valkey_server.url, "--json", str(path)]
+    assert main(argv) == 0
+    results = json.loads(path.read_text())
+    for tier in ("disk", "remote"):
+        for figure in ("store_gbps", "load_gbps", "plain_write_gbps", "plain_read_gbps"):
+            assert results[f"{tier}_{figure}"] > 0
+        assert results[f"{tier}_store_ratio"] == pytest.approx(
+            results[f"{tier}_store_gbps"] / results[f"{tier}_plain_write_gbps"]
+        )
+    assert "disk_load_ratio" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == [path]  # scratch files removed
+    assert valkey_server.client().keys("kvoffload-bench:*") == []
+
+
+def test_bench_tiers_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "tiers", "--blocks", "0"]) == 1
+    assert "blocks and rounds must be >= 1" in capsys.readouterr().err

@@ -1,0 +1,113 @@
+"""The block format, the layout fingerprint, URLs and the circuit breaker."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvoffload import block_id_key
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
+from kvoffload.core.layout import layout_preset
+from kvoffload.tiers import CircuitBreaker, CorruptBlockError, layout_fingerprint, parse_remote_url
+from kvoffload.tiers.format import HEADER_BYTES, decode_block, encode_block
+
+FP = layout_fingerprint("m", layout_preset("tiny"), 16)
+KEY = block_id_key(7)
+
+
+def test_a_block_round_trips_and_its_header_is_where_expected() -> None:
+    payload = bytes(range(16))
+    block = encode_block(KEY, FP, payload)
+    assert len(block) == HEADER_BYTES + len(KEY) + len(payload)
+    assert block[:4] == b"KVOB"
+    assert bytes(decode_block(block, KEY, FP)) == payload
+
+
+@pytest.mark.parametrize("position", [0, 5, HEADER_BYTES + 2, HEADER_BYTES + 12 + 3, -1])
+def test_any_flipped_byte_is_caught(position: int) -> None:
+    block = bytearray(encode_block(KEY, FP, bytes(range(16))))
+    block[position] ^= 0x40
+    with pytest.raises(CorruptBlockError):
+        decode_block(bytes(block), KEY, FP)
+
+
+def test_a_torn_block_is_caught() -> None:
+    block = encode_block(KEY, FP, bytes(range(16)))
+    for cut in (3, HEADER_BYTES - 1, HEADER_BYTES + 5, len(block) - 1):
+        with pytest.raises(CorruptBlockError):
+            decode_block(block[:cut], KEY, FP)
+
+
+def test_another_key_or_fingerprint_is_refused_by_name() -> None:
+    block = encode_block(KEY, FP, b"x" * 16)
+    with pytest.raises(CorruptBlockError, match="expected"):
+        decode_block(block, block_id_key(8), FP)
+    other = layout_fingerprint("other-model", layout_preset("tiny"), 16)
+    with pytest.raises(CorruptBlockError, match="fingerprint"):
+        decode_block(block, KEY, other)
+
+
+def test_fingerprints_separate_models_layouts_block_sizes_and_payloads() -> None:
+    tiny = layout_preset("tiny")
+    prints = {
+        layout_fingerprint("a", tiny, 16),
+        layout_fingerprint("b", tiny, 16),
+        layout_fingerprint("a", tiny.with_block_size(32), 16),
+        layout_fingerprint("a", layout_preset("llama-3.2-1b"), 16),
+        layout_fingerprint("a", tiny, 0),
+    }
+    assert len(prints) == 5
+    assert layout_fingerprint("a", tiny, 16) == layout_fingerprint("a", tiny, 16)
+
+
+def test_urls_of_every_scheme() -> None:
+    a = parse_remote_url("redis://127.0.0.1:7000/3")
+    assert (a.hosts, a.db, a.tls, a.cluster, a.password) == (
+        (("127.0.0.1", 7000),),
+        3,
+        False,
+        None,
+        None,
+    )
+    b = parse_remote_url("rediss://alice:s%40cret@cache.example:6380/0?timeout_ms=50")
+    assert (b.username, b.password, b.tls, b.timeout_s) == ("alice", "s@cret", True, 0.05)
+    assert "s@cret" not in b.redacted()
+    c = parse_remote_url("valkey://h1:1,h2:2,h3")
+    assert c.cluster is True and c.hosts == (("h1", 1), ("h2", 2), ("h3", 6379))
+    d = parse_remote_url("valkeys://:pw@h?cluster=no")
+    assert (d.password, d.username, d.cluster, d.tls) == ("pw", None, False, True)
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("http://h:1", "must start with"),
+        ("redis://h:port", "bad port"),
+        ("redis://h:1/x", "database number"),
+        ("redis://h1:1,h2:2/2", "only database 0"),
+        ("redis://h:1?colour=red", "unknown option"),
+        ("redis://:1", "names no host"),
+    ],
+)
+def test_bad_urls_say_what_is_wrong(url: str, message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        parse_remote_url(url)
+    assert issubclass(InvalidArgumentError, KVOffloadError)
+
+
+def test_the_breaker_opens_cools_down_and_closes_on_a_good_trial() -> None:
+    now = [0.0]
+    breaker = CircuitBreaker(threshold=2, cooldown_s=1.0, clock=lambda: now[0])
+    breaker.failure()
+    assert breaker.allow()
+    breaker.failure()
+    assert breaker.is_open and not breaker.allow()
+    now[0] = 1.5
+    assert breaker.allow()  # the one trial
+    assert not breaker.allow()  # no second one while it runs
+    breaker.failure()  # the trial failed: open again, cooling down from now
+    now[0] = 2.0
+    assert not breaker.allow()
+    now[0] = 2.6
+    assert breaker.allow()
+    breaker.success()
+    assert not breaker.is_open and breaker.allow() and breaker.times_opened == 1

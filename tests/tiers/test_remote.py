@@ -1,0 +1,295 @@
+"""The shared tier against real Valkey servers: standalone, Cluster, failures, AUTH."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tier_helpers import ByteSlots, content
+from tier_servers import ValkeyClusterProcesses, ValkeyProcess
+
+from kvoffload import CPUOffloadingManager, OffloadKey, block_id_key
+from kvoffload.core.layout import layout_preset
+from kvoffload.core.specs import CPULoadStoreSpec
+from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
+from kvoffload.tiers import CircuitBreaker, RemoteTier, RemoteTierError, layout_fingerprint
+from kvoffload.tiers.format import encode_block
+
+KEYS = [block_id_key(i) for i in range(40)]
+
+
+def fingerprint(name: str) -> bytes:
+    return layout_fingerprint(name, layout_preset("tiny"), 32)
+
+
+def payload(key: OffloadKey) -> bytes:
+    return (key * 4)[:32]
+
+
+def read_all(tier: RemoteTier, keys: list[OffloadKey]) -> tuple[list[bool], dict[int, bytes]]:
+    buffers = [bytearray(32) for _ in keys]
+    ok = tier.read(keys, lambda i: memoryview(buffers[i])).result(timeout=10)
+    return ok, {i: bytes(buffers[i]) for i, good in enumerate(ok) if good}
+
+
+def store(tier: RemoteTier, keys: list[OffloadKey]) -> None:
+    tier.write(keys, [payload(key) for key in keys])
+    tier.poll(wait=True)
+
+
+def test_standalone_round_trip_under_the_fingerprint(valkey_server: ValkeyProcess) -> None:
+    tier = RemoteTier(valkey_server.url, fingerprint("standalone"), enable_events=True)
+    try:
+        assert not tier.is_cluster
+        tier.delete_all()
+        store(tier, KEYS[:10])
+        assert tier.present(KEYS) == 10 and tier.present(KEYS[5:]) == 5
+        ok, got = read_all(tier, KEYS[:12])
+        assert ok == [True] * 10 + [False] * 2
+        assert got == {i: payload(k) for i, k in enumerate(KEYS[:10])}
+        [event] = tier.take_events()
+        assert (event.medium, event.removed, event.keys) == ("REMOTE", False, KEYS[:10])
+        raw = valkey_server.client().get(tier.name(KEYS[0]))
+        assert raw is not None and raw.startswith(b"KVOB") and raw.endswith(payload(KEYS[0]))
+        other = RemoteTier(valkey_server.url, fingerprint("another-model"))
+        try:
+            assert other.present(KEYS) == 0
+        finally:
+            other.close()
+    finally:
+        tier.close()
+
+
+def test_cluster_round_trip_spreads_blocks_over_the_nodes(
+    valkey_cluster: ValkeyClusterProcesses,
+) -> None:
+    tier = RemoteTier(valkey_cluster.url, fingerprint("cluster"))
+    try:
+        assert tier.is_cluster
+        store(tier, KEYS)
+        assert tier.present(KEYS) == len(KEYS)
+        ok, got = read_all(tier, KEYS)
+        assert all(ok) and got == {i: payload(k) for i, k in enumerate(KEYS)}
+        assert all(node.client().dbsize() > 0 for node in valkey_cluster.nodes)
+    finally:
+        tier.close()
+
+
+WRITER = """
+import sys
+sys.path.insert(0, sys.argv[2])
+from tier_helpers import ByteSlots, content
+from kvoffload import CPUOffloadingManager, block_id_key
+from kvoffload.core.layout import layout_preset
+from kvoffload.core.specs import CPULoadStoreSpec
+from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
+from kvoffload import CPUOffloadingManager
+from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
+from kvoffload.tiers import RemoteTier, layout_fingerprint
+remote = RemoteTier(sys.argv[1], layout_fingerprint("shared", layout_preset("tiny"), 48))
+slots = ByteSlots(64, 48)
+m = TieredOffloadingManager(
+    CPUOffloadingManager(64), [(remote, TierSettings(write_through=True))], slots
+)
+keys = [block_id_key(i) for i in range(100, 130)]
+out = m.prepare_store(keys)
+for key, slot in zip(out.keys_to_store, out.store_spec.block_ids.tolist()):
+    slots.view(slot)[:] = content(key, 48)
+m.complete_store(out.keys_to_store)
+m.close()
+print(remote.stats.stored_blocks)
+"""
+
+
+def test_two_managers_in_two_processes_share_the_cluster_tier(
+    valkey_cluster: ValkeyClusterProcesses,
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", WRITER, valkey_cluster.url, str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert done.stdout.strip() == "30"
+    keys = [block_id_key(i) for i in range(100, 130)]
+    remote = RemoteTier(valkey_cluster.url, layout_fingerprint("shared", layout_preset("tiny"), 48))
+    slots = ByteSlots(64, 48)
+    m = TieredOffloadingManager(CPUOffloadingManager(64), [(remote, TierSettings(True))], slots)
+    try:
+        assert m.lookup(keys) is None
+        deadline = time.monotonic() + 10
+        while (found := m.lookup(keys)) is None:
+            assert time.monotonic() < deadline, "a promotion never finished"
+            time.sleep(0.001)
+        assert found == 30 and remote.stats.hit_blocks == 30
+        spec = m.prepare_load(keys)
+        assert isinstance(spec, CPULoadStoreSpec)
+        for key, slot in zip(keys, spec.block_ids.tolist(), strict=True):
+            assert bytes(slots.view(slot)) == content(key, 48)
+        m.complete_load(keys)
+    finally:
+        m.close()
+
+
+def test_a_killed_server_degrades_to_counted_misses_and_recovers_by_itself(
+    own_server: ValkeyProcess,
+) -> None:
+    own_server.start()
+    breaker = CircuitBreaker(threshold=1, cooldown_s=0.05)
+    tier = RemoteTier(own_server.url + "&timeout_ms=1000", fingerprint("kill"), breaker=breaker)
+    try:
+        store(tier, KEYS[:5])
+        own_server.stop()
+        assert tier.present(KEYS[:5]) == 0
+        ok, got = read_all(tier, KEYS[:5])
+        assert ok == [False] * 5 and not got
+        store(tier, KEYS[5:8])
+        assert tier.stats.failed >= 3 + 5 and tier.unavailable >= 2 and breaker.is_open
+        own_server.start()  # same port, empty: what was stored before is gone
+        time.sleep(0.06)
+        assert tier.present(KEYS[:5]) == 0
+        assert not breaker.is_open
+        store(tier, KEYS[10:12])
+        assert tier.present(KEYS[10:12]) == 2
+        ok, got = read_all(tier, KEYS[10:12])
+        assert ok == [True, True] and got[1] == payload(KEYS[11])
+    finally:
+        tier.close()
+
+
+def test_planted_corrupt_and_foreign_values_are_never_loaded_and_are_deleted(
+    valkey_server: ValkeyProcess,
+) -> None:
+    fp = fingerprint("planted")
+    tier = RemoteTier(valkey_server.url, fp)
+    client = valkey_server.client()
+    try:
+        tier.delete_all()
+        store(tier, KEYS[:4])
+        flipped = bytearray(client.get(tier.name(KEYS[1])) or b"")
+        flipped[-1] ^= 0x10
+        client.set(tier.name(KEYS[1]), bytes(flipped))
+        foreign = encode_block(KEYS[2], fingerprint("someone-else"), payload(KEYS[2]))
+        client.set(tier.name(KEYS[2]), foreign)
+        misplaced = encode_block(KEYS[0], fp, payload(KEYS[0]))
+        client.set(tier.name(KEYS[3]), misplaced)
+        ok, got = read_all(tier, KEYS[:4])
+        assert ok == [True, False, False, False] and list(got) == [0]
+        assert tier.stats.corrupt == 3
+        assert [client.exists(tier.name(k)) for k in KEYS[:4]] == [1, 0, 0, 0]
+    finally:
+        tier.close()
+
+
+def test_auth_wrong_or_missing_password_fails_clearly_at_start_up(tmp_path: Path) -> None:
+    server = ValkeyProcess(tmp_path / "auth", password="right-one")
+    server.start()
+    try:
+        base = f"redis://127.0.0.1:{server.port}/0"
+        with pytest.raises(RemoteTierError, match="authentication failed") as wrong:
+            RemoteTier(f"redis://:wrong@127.0.0.1:{server.port}/0", fingerprint("auth"))
+        assert "wrong" not in str(wrong.value).split("(")[0]
+        with pytest.raises(RemoteTierError, match="authentication failed"):
+            RemoteTier(base, fingerprint("auth"))
+        tier = RemoteTier(f"redis://default:right-one@127.0.0.1:{server.port}/0", fingerprint("a"))
+        try:
+            store(tier, KEYS[:2])
+            assert tier.present(KEYS[:2]) == 2
+        finally:
+            tier.close()
+    finally:
+        server.stop()
+
+
+def test_an_unreachable_server_fails_clearly_at_start_up(own_server: ValkeyProcess) -> None:
+    with pytest.raises(RemoteTierError, match="not reachable"):
+        RemoteTier(f"redis://127.0.0.1:{own_server.port}/0?timeout_ms=100", fingerprint("x"))
+
+
+def test_blocks_the_server_evicted_are_plain_misses(tmp_path: Path) -> None:
+    server = ValkeyProcess(
+        tmp_path / "small", "--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru"
+    )
+    server.start()
+    try:
+        tier = RemoteTier(server.url, fingerprint("maxmemory"))
+        big = [block_id_key(i) for i in range(200)]
+        try:
+            for start in range(0, len(big), 20):
+                chunk = big[start : start + 20]
+                tier.write(chunk, [payload(key) * 1000 for key in chunk])  # 32 kB each
+                tier.poll(wait=True)
+            held = [tier.present([key]) for key in big]
+            assert 0 < sum(held) < len(big)  # the server evicted some
+            buffers = [bytearray(32_000) for _ in big]
+            ok = tier.read(big, lambda i: memoryview(buffers[i])).result(timeout=10)
+            # The server may evict more while it serves the read: a miss, never a wrong block.
+            assert sum(ok) > 0 and all(held[i] for i, good in enumerate(ok) if good)
+            assert all(bytes(buffers[i]) == payload(k) * 1000 for i, k in enumerate(big) if ok[i])
+            assert tier.stats.corrupt == 0 and tier.unavailable == 0
+        finally:
+            tier.close()
+    finally:
+        server.stop()
+
+
+def test_a_manager_keeps_serving_its_cpu_tier_while_the_server_is_down(
+    own_server: ValkeyProcess,
+) -> None:
+    own_server.start()
+    fp = layout_fingerprint("down", layout_preset("tiny"), 48)
+
+    def manager() -> tuple[TieredOffloadingManager, ByteSlots]:
+        remote = RemoteTier(
+            own_server.url + "&timeout_ms=1000", fp, breaker=CircuitBreaker(1, 0.05)
+        )
+        slots = ByteSlots(8, 48)
+        tiers = [(remote, TierSettings(write_through=True))]
+        return TieredOffloadingManager(CPUOffloadingManager(8), tiers, slots), slots
+
+    def store(m: TieredOffloadingManager, slots: ByteSlots, keys: list[OffloadKey]) -> None:
+        out = m.prepare_store(keys)
+        assert out is not None and isinstance(out.store_spec, CPULoadStoreSpec)
+        for key, slot in zip(out.keys_to_store, out.store_spec.block_ids.tolist(), strict=True):
+            slots.view(slot)[:] = content(key, 48)
+        m.complete_store(out.keys_to_store)
+
+    writer, writer_slots = manager()
+    reader, reader_slots = manager()
+    try:
+        store(writer, writer_slots, KEYS[:4])
+        writer.close()
+        assert reader.lookup(KEYS[:4]) is None  # promotion under way
+        own_server.stop()
+        deadline = time.monotonic() + 10
+        while (found := reader.lookup(KEYS[:6])) is None:
+            assert time.monotonic() < deadline, "a promotion never finished"
+            time.sleep(0.001)
+        # Whatever arrived before the kill is intact; what did not is a miss.
+        assert 0 <= found <= 4
+        spec = reader.prepare_load(KEYS[:found])
+        assert isinstance(spec, CPULoadStoreSpec)
+        for key, slot in zip(KEYS[:found], spec.block_ids.tolist(), strict=True):
+            assert bytes(reader_slots.view(slot)) == content(key, 48)
+        reader.complete_load(KEYS[:found])
+        store(reader, reader_slots, KEYS[6:8])  # CPU store fine, write-through dropped
+        assert reader.lookup(KEYS[6:8]) == 2
+        reader.poll()
+        time.sleep(0.1)
+        reader.poll()
+        remote = reader.tiers[0]
+        assert isinstance(remote, RemoteTier) and remote.stats.failed >= 2
+        own_server.start()
+        time.sleep(0.06)
+        store(reader, reader_slots, [KEYS[9]])
+        deadline = time.monotonic() + 10
+        while remote.stats.stored_blocks < 1 and time.monotonic() < deadline:
+            reader.poll()
+            time.sleep(0.005)
+        assert remote.present([KEYS[9]]) == 1  # reconnected by itself
+    finally:
+        reader.close()

@@ -1,0 +1,146 @@
+"""Simulated runs through CPU + disk + the shared tier: reports, CLI, and bytes verified."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from tier_servers import ValkeyProcess
+
+from kvoffload import block_id_key
+from kvoffload.cli.main import main
+from kvoffload.sim.run import SimConfig, simulate
+from kvoffload.sim.workload import Request, Workload
+
+TIER_FIELDS = {"hit_blocks", "stored_blocks", "read_bytes", "written_bytes", "failed"}
+
+
+def promoted_workload() -> Workload:
+    """Block run A falls out of a 16-block GPU and a 32-block CPU tier, comes back, and is reused.
+
+    A; fillers of 42 blocks (A leaves both, reaching the lower tiers); A
+    again (a lower-tier hit: promoted, recomputed by today's engine); fillers
+    of 20 blocks (A leaves the GPU only); A a third time: a CPU hit on
+    promoted bytes, verified by the data plane.
+    """
+    a = list(range(4))
+    fillers = [list(range(100 + 14 * i, 114 + 14 * i)) for i in range(3)]
+    shorter = [list(range(200 + 10 * i, 210 + 10 * i)) for i in range(2)]
+    order = [a, *fillers, a, *shorter, a]
+    return Workload(
+        "promoted",
+        16,
+        [
+            Request(float(i), len(ids) * 16, 1, [block_id_key(b) for b in ids])
+            for i, ids in enumerate(order)
+        ],
+    )
+
+
+def config(**tiers: object) -> SimConfig:
+    return SimConfig(gpu_blocks=16, cpu_blocks=32, layout="tiny", bound=False, **tiers)  # type: ignore[arg-type]
+
+
+def test_a_disk_run_reports_every_tier_and_its_model(tmp_path: Path) -> None:
+    report = simulate(promoted_workload(), config(disk_dir=str(tmp_path), disk_blocks=100))
+    tiers = report.tiers
+    assert set(tiers) == {"cpu", "disk"} and set(tiers["disk"]) >= TIER_FIELDS
+    assert tiers["disk"]["hit_blocks"] == 4  # A, promoted once
+    assert tiers["cpu"]["hit_blocks"] == 4 == report.offload_hit_blocks  # then loaded
+    disk_stored = tiers["disk"]["stored_blocks"]
+    assert isinstance(disk_stored, int) and disk_stored >= 4
+    assert tiers["disk"]["written_bytes"] == disk_stored * report.bytes_per_block
+    read_seconds = tiers["disk"]["read_seconds"]
+    assert isinstance(read_seconds, float) and read_seconds > 0
+    assert json.loads(json.dumps(report.as_dict()))["tiers"]["disk"]["hit_blocks"] == 4
+
+
+def test_the_disk_tier_has_its_own_policy(tmp_path: Path) -> None:
+    from kvoffload.sim.run import _tiered_manager
+    from kvoffload.tiers import DiskTier
+
+    for disk_policy, expected in ((None, "LRUCachePolicy"), ("arc", "ARCCachePolicy")):
+        cfg = config(disk_dir=str(tmp_path), disk_blocks=100, disk_policy=disk_policy)
+        stack = _tiered_manager(cfg, 16, None)
+        try:
+            disk = stack.tiers[0]
+            assert isinstance(disk, DiskTier) and type(disk._policy).__name__ == expected
+        finally:
+            stack.close()
+
+
+def test_without_lower_tiers_the_report_has_the_cpu_tier_only() -> None:
+    report = simulate(promoted_workload(), config())
+    assert set(report.tiers) == {"cpu"}
+    assert report.tiers["cpu"]["hit_blocks"] == report.offload_hit_blocks
+
+
+def test_bytes_come_back_bit_exact_through_disk_and_remote(
+    tmp_path: Path, own_server: ValkeyProcess
+) -> None:
+    pytest.importorskip("torch")
+    from kvoffload.core.layout import layout_preset
+    from kvoffload.sim.dataplane_backend import DataPlaneBackend
+
+    own_server.start()
+    for tiers in (
+        {"disk_dir": str(tmp_path / "disk"), "disk_blocks": 100},
+        {"remote_url": own_server.url},
+    ):
+        backend = DataPlaneBackend(layout_preset("tiny").with_block_size(16), 16, 32)
+        report = simulate(promoted_workload(), config(**tiers), backend)
+        lower = "disk" if "disk_dir" in tiers else "remote"
+        assert report.tiers[lower]["hit_blocks"] == 4
+        assert backend.verified_blocks == 4 and backend.mismatched_blocks == 0
+        assert backend.failed_jobs == 0
+
+
+def test_simulate_twice_against_one_server_hits_what_the_first_run_stored(
+    tmp_path: Path, own_server: ValkeyProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    own_server.start()
+    runs = []
+    for i in range(2):
+        path = tmp_path / f"run{i}.json"
+        argv = ["simulate", "--mix", "oneshot=1", "--requests", "30", "--gpu-blocks", "1500"]
+        argv += ["--cpu-blocks", "300", "--layout", "tiny", "--no-bound", "--no-progress"]
+        argv += ["--remote", own_server.url, "--json", str(path)]
+        assert main(argv) == 0
+        runs.append(json.loads(path.read_text())["tiers"]["remote"])
+    assert "remote" in capsys.readouterr().out
+    first, second = runs
+    assert first["hit_blocks"] == 0 and first["stored_blocks"] > 0
+    assert second["hit_blocks"] == first["stored_blocks"] and second["stored_blocks"] == 0
+
+
+def test_csv_flattens_the_tiers_and_sweep_gives_each_run_its_own_disk(tmp_path: Path) -> None:
+    path = tmp_path / "run.csv"
+    argv = ["simulate", "--requests", "20", "--gpu-blocks", "1500", "--cpu-blocks", "100"]
+    argv += ["--layout", "tiny", "--no-bound", "--no-progress", "--disk-dir", str(tmp_path / "d")]
+    assert main([*argv, "--disk-blocks", "500", "--csv", str(path)]) == 0
+    [row] = list(csv.DictReader(path.read_text().splitlines()))
+    assert int(row["tiers.disk.stored_blocks"]) > 0 and "tiers.cpu.hit_blocks" in row
+    sweep = ["sweep", "--requests", "20", "--gpu-blocks", "1500", "--cpu-blocks", "50,100"]
+    sweep += ["--policies", "lru", "--thresholds", "0", "--layout", "tiny", "--jobs", "1"]
+    sweep += ["--disk-dir", str(tmp_path / "s"), "--disk-gb", "1", "--json", str(path)]
+    assert main([*sweep, "--no-progress"]) == 0
+    rows = json.loads(path.read_text())
+    assert [r["tiers"]["disk"]["stored_blocks"] > 0 for r in rows] == [True, True]
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["cpu100-lru-t0", "cpu50-lru-t0"]
+
+
+def test_tier_options_fail_with_one_clear_line(
+    tmp_path: Path, own_server: ValkeyProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["simulate", "--requests", "5", "--no-bound", "--no-progress"]
+    assert main([*base, "--disk-dir", str(tmp_path)]) != 0
+    assert "needs a size" in capsys.readouterr().err
+    assert main([*base, "--disk-dir", str(tmp_path), "--disk-gb", "1", "--disk-policy", "x"]) != 0
+    assert "unknown disk policy 'x'" in capsys.readouterr().err
+    assert main([*base, "--remote", "http://nowhere"]) != 0
+    assert "must start with" in capsys.readouterr().err
+    assert main([*base, "--remote", f"redis://127.0.0.1:{own_server.port}/0?timeout_ms=50"]) != 0
+    err = capsys.readouterr().err
+    assert "not reachable" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

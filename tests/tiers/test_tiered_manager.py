@@ -1,0 +1,178 @@
+"""The tiered manager over a real CPU tier and a real disk tier (and the shared tier)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tier_helpers import ByteSlots, content
+from tier_servers import ValkeyProcess
+
+from kvoffload import CPUOffloadingManager, OffloadKey, block_id_key
+from kvoffload.core.layout import layout_preset
+from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
+from kvoffload.tiers import DiskTier, RemoteTier, layout_fingerprint
+
+FP = layout_fingerprint("tiered-test", layout_preset("tiny"), 0)
+K = [block_id_key(i) for i in range(10)]
+
+
+def stack(
+    tmp_path: Path, cpu_blocks: int = 2, disk_blocks: int = 8, threshold: int = 0
+) -> TieredOffloadingManager:
+    cpu = CPUOffloadingManager(cpu_blocks, enable_events=True)
+    disk = DiskTier(tmp_path / "disk", disk_blocks, FP, enable_events=True)
+    return TieredOffloadingManager(
+        cpu, [(disk, TierSettings(False, threshold))], wait_for_tiers=True
+    )
+
+
+def store(m: TieredOffloadingManager, keys: list[OffloadKey], success: bool = True) -> None:
+    output = m.prepare_store(keys)
+    assert output is not None
+    m.complete_store(output.keys_to_store, success)
+
+
+def test_a_cpu_eviction_falls_to_disk_and_a_disk_hit_is_promoted_first(tmp_path: Path) -> None:
+    m = stack(tmp_path)
+    try:
+        store(m, K[:2])
+        store(m, [K[2]])  # evicts K[0] (least recent) to disk
+        m.poll()
+        assert m.cpu.lookup([K[0]]) == 0 and m.tiers[0].present([K[0]]) == 1
+        assert m.lookup([K[0]]) is None  # promotion started
+        assert m.promotions_in_flight == 1 and m.lookup([K[0]]) == 1
+        spec = m.prepare_load([K[0]])
+        assert len(spec.block_ids) == 1
+        m.complete_load([K[0]])
+        assert m.tiers[0].stats.hit_blocks == 1 and m.promotion_batches == [1]
+        media = [(e.medium, e.removed, e.keys) for e in m.take_events()]
+        assert ("CPU", True, [K[0]]) in media and ("DISK", False, [K[0]]) in media
+        cpu = [event for event in media if event[0] == "CPU"]
+        assert cpu[-1] == ("CPU", False, [K[0]])  # loadable again, from the CPU tier
+    finally:
+        m.close()
+
+
+def test_a_promotion_never_evicts_the_cpu_hits_in_front_of_it(tmp_path: Path) -> None:
+    m = stack(tmp_path)
+    try:
+        store(m, [K[0]])
+        store(m, [K[1]])
+        store(m, [K[2]])  # K[0] to disk; the CPU holds K[1], K[2]
+        m.touch([K[2]])  # K[1], the CPU hit, is now the least recent
+        assert m.lookup([K[1], K[0]]) is None
+        assert m.lookup([K[1], K[0]]) == 2
+        assert m.cpu.lookup([K[2]]) == 0 and m.tiers[0].present([K[2]]) == 1
+    finally:
+        m.close()
+
+
+def test_a_failed_promotion_frees_its_slot_and_counts(tmp_path: Path) -> None:
+    m = stack(tmp_path)
+    try:
+        for key in K[:3]:
+            store(m, [key])
+        m.poll()
+        disk = m.tiers[0]
+        assert isinstance(disk, DiskTier)
+        path = disk.path(K[0])
+        path.write_bytes(path.read_bytes()[:-1] + b"\xff")  # header-only block: checksum byte
+        assert m.lookup([K[0]]) is None
+        assert m.lookup([K[0]]) == 0
+        assert m.cpu.block_status(K[0]) is None and m.promotions_in_flight == 0
+        assert disk.stats.corrupt == 1 and disk.present([K[0]]) == 0
+        store(m, [K[0]])  # stored again as new
+        assert m.lookup([K[0]]) == 1
+    finally:
+        m.close()
+
+
+def test_a_failed_cpu_store_never_reaches_the_lower_tiers(tmp_path: Path) -> None:
+    m = stack(tmp_path, cpu_blocks=1)
+    try:
+        store(m, [K[0]], success=False)
+        store(m, [K[1]])
+        store(m, [K[2]])
+        m.poll()
+        disk = m.tiers[0]
+        assert disk.present([K[0]]) == 0 and disk.present([K[1]]) == 1
+        assert m.cpu_stats.stored_blocks == 2
+    finally:
+        m.close()
+
+
+def test_admission_keeps_blocks_seen_once_off_the_disk(tmp_path: Path) -> None:
+    m = stack(tmp_path, cpu_blocks=1, threshold=2)
+    try:
+        m.lookup([K[0]])
+        m.lookup([K[0]])
+        store(m, [K[0]])
+        m.lookup([K[1]])
+        store(m, [K[1]])  # K[0], seen twice, falls to disk
+        store(m, [K[2]])  # K[1], seen once, is dropped
+        m.poll()
+        disk = m.tiers[0]
+        assert disk.present([K[0]]) == 1 and disk.present([K[1]]) == 0
+        assert disk.stats.stored_blocks == 1
+    finally:
+        m.close()
+
+
+def test_write_through_shares_blocks_between_two_managers(
+    tmp_path: Path, valkey_server: ValkeyProcess
+) -> None:
+    fp = layout_fingerprint("write-through", layout_preset("tiny"), 0)
+
+    def manager() -> TieredOffloadingManager:
+        remote = RemoteTier(valkey_server.url, fp, enable_events=True)
+        return TieredOffloadingManager(
+            CPUOffloadingManager(4),
+            [(remote, TierSettings(write_through=True))],
+            wait_for_tiers=True,
+        )
+
+    first, second = manager(), manager()
+    try:
+        first.tiers[0].delete_all()  # type: ignore[attr-defined]
+        store(first, K[:3])
+        first.poll()
+        assert [e.medium for e in first.take_events()] == ["REMOTE"]
+        assert second.lookup(K[:4]) is None
+        assert second.lookup(K[:4]) == 3
+        assert second.tiers[0].stats.hit_blocks == 3
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_promotion_survives_the_demotion_that_evicts_it_from_a_full_disk(
+    tmp_path: Path,
+) -> None:
+    fp = layout_fingerprint("swap", layout_preset("tiny"), 40)
+    slots = ByteSlots(1, 40)
+    disk = DiskTier(tmp_path / "disk", 1, fp)
+    m = TieredOffloadingManager(CPUOffloadingManager(1), [(disk, TierSettings())], slots)
+
+    def store(key: OffloadKey) -> None:
+        output = m.prepare_store([key])
+        assert output is not None
+        slots.view(0)[:] = content(key, 40)
+        m.complete_store([key])
+
+    try:
+        store(K[0])
+        store(K[1])  # K[0] falls to the one-block disk
+        disk.poll(wait=True)
+        assert disk.present([K[0]]) == 1
+        # Promoting K[0] evicts K[1] from the CPU, whose demotion evicts K[0] from the disk.
+        assert m.lookup([K[0]]) is None
+        deadline = time.monotonic() + 10
+        while (found := m.lookup([K[0]])) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert found == 1 and bytes(slots.view(0)) == content(K[0], 40)
+        disk.poll(wait=True)
+        assert disk.present([K[1]]) == 1 and disk.present([K[0]]) == 0
+    finally:
+        m.close()
