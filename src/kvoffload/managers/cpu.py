@@ -6,7 +6,7 @@ chosen by name; everything else about a block's life is decided here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 import numpy as np
 
@@ -78,6 +78,19 @@ class CPUOffloadingManager(OffloadingManager):
     def block_status(self, key: OffloadKey) -> BlockStatus | None:
         """The status of ``key``, or ``None`` if it is not held (read-only use)."""
         return self._blocks.get(key)
+
+    def holds(self, key: OffloadKey) -> bool:
+        """Whether ``key`` has a slot here (ready, pinned or still pending)."""
+        return key in self._blocks
+
+    def num_evictable_blocks(self, protected: Container[OffloadKey]) -> int:
+        """Ready, unpinned blocks outside ``protected``: what a store could evict now.
+
+        A scan of the tier; callers use it only when a store did not fit.
+        """
+        return sum(
+            1 for key, block in self._blocks.items() if block.ref_cnt == 0 and key not in protected
+        )
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int:
         check_key_iterable(keys, "lookup")

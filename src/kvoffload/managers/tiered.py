@@ -8,6 +8,15 @@ itself is a CPU store: its slot stays pending (neither loadable nor
 evictable) until the bytes are in, and a failed read frees the slot, so the
 CPU tier's invariants hold across the stack.
 
+A promotion is started once per block run and only for the longest prefix
+the CPU tier can take without evicting pinned, pending or reserved blocks.
+Once landed, the promoted prefix is *reserved* (pinned on behalf of the
+caller that asked) until a lookup reports it as a hit, so the promotions of
+other waiting requests cannot evict it before its requester asks again: a
+caller that retries always finds what was promoted for it, and every
+promoted block is read from its tier once. A reservation nobody claims ends
+after ``reserve_lookups`` further lookups.
+
 Blocks reach a lower tier either when the CPU tier evicts them (write-back)
 or as soon as their CPU store completes (write-through), each tier behind
 its own admission threshold. Lower tiers are duck-typed (:class:`LowerTier`):
@@ -135,9 +144,14 @@ class TieredOffloadingManager(OffloadingManager):
         *,
         wait_for_tiers: bool = False,
         max_tracker_size: int = 64_000,
+        reserve_lookups: int = 1024,
     ) -> None:
         if max_tracker_size < 1:
             raise InvalidArgumentError(f"max_tracker_size must be >= 1, got {max_tracker_size}")
+        if isinstance(reserve_lookups, bool) or not isinstance(reserve_lookups, int):
+            raise InvalidArgumentError(f"reserve_lookups must be an int, got {reserve_lookups!r}")
+        if reserve_lookups < 1:
+            raise InvalidArgumentError(f"reserve_lookups must be >= 1, got {reserve_lookups}")
         self.cpu = cpu
         self.tiers = [tier for tier, _ in tiers]
         self._settings = [settings for _, settings in tiers]
@@ -149,6 +163,10 @@ class TieredOffloadingManager(OffloadingManager):
         self._slots: dict[OffloadKey, int] = {}
         self._promotions: list[_Promotion] = []
         self._promoting: set[OffloadKey] = set()
+        self._reserved: dict[OffloadKey, int] = {}
+        """Landed promotions pinned for their requester, with the lookup count at landing."""
+        self._reserve_lookups = reserve_lookups
+        self._lookups = 0
         self.cpu_stats = TierStats()
         self.promotion_batches = [0] * len(self.tiers)
         """Reads started per lower tier (each one batch of blocks)."""
@@ -157,14 +175,25 @@ class TieredOffloadingManager(OffloadingManager):
     def promotions_in_flight(self) -> int:
         return len(self._promoting)
 
+    def is_reserved(self, key: OffloadKey) -> bool:
+        """Whether ``key`` is a landed promotion pinned until a lookup claims it."""
+        return key in self._reserved
+
+    def holds(self, key: OffloadKey) -> bool:
+        """Whether the CPU tier has a slot for ``key`` (ready, pinned or pending)."""
+        return self.cpu.holds(key)
+
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
         keys = list(keys)
         self._drain()
+        self._lookups += 1
+        if self._reserved:
+            self._expire()
         if self._counting:
             self._count(keys)
         hits = self.cpu.lookup(keys)
         if hits == len(keys) or not self.tiers:
-            return hits
+            return self._claim(keys, hits)
         if keys[hits] in self._promoting:
             return None
         rest = keys[hits:]
@@ -180,21 +209,27 @@ class TieredOffloadingManager(OffloadingManager):
             else:
                 break
         if not found:
-            return hits
+            return self._claim(keys, hits)
         # Offering the CPU hits too shields them from the eviction that makes room.
         output = self.cpu.prepare_store(keys[: hits + found])
         if output is None:
-            return hits
+            fit = self._fitting(keys[: hits + found], rest[:found])
+            output = self.cpu.prepare_store(keys[: hits + fit]) if fit else None
+            if output is None:
+                return self._claim(keys, hits)
         # Evicted bytes are copied out before the promotions may overwrite their slots,
         # and written down after the reads are queued, which then precede any delete.
         demoted = self._placed(output)
         chosen = set(output.keys_to_store)
+        started = False
         for index, source in sources:
-            wanted = [key for key in source if key in chosen]
+            wanted = [key for key in dict.fromkeys(source) if key in chosen]
+            chosen.difference_update(wanted)  # a key repeated in ``keys`` is read once
             if wanted:
                 self._promote(index, wanted)
+                started = True
         self._demote(demoted)
-        return None if self._promoting else self.cpu.lookup(keys)
+        return None if started else self._claim(keys, self.cpu.lookup(keys))
 
     def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
         spec = self.cpu.prepare_load(keys)
@@ -240,6 +275,7 @@ class TieredOffloadingManager(OffloadingManager):
     def close(self) -> None:
         """Wait for every promotion and write in flight, then close the tiers."""
         self._drain(wait=True)
+        self._release(list(self._reserved))
         for tier in self.tiers:
             tier.poll(wait=True)
             tier.close()
@@ -303,6 +339,41 @@ class TieredOffloadingManager(OffloadingManager):
         seen, threshold = self._seen, settings.store_threshold
         return [i for i, key in enumerate(keys) if seen.get(key, 0) >= threshold]
 
+    def _fitting(self, protected: list[OffloadKey], run: list[OffloadKey]) -> int:
+        """Length of the longest prefix of ``run`` the CPU tier has room to promote."""
+        room = self.cpu.num_free_blocks + self.cpu.num_evictable_blocks(set(protected))
+        fit = 0
+        for key in run:
+            if not self.cpu.holds(key):
+                if room == 0:
+                    break
+                room -= 1
+            fit += 1
+        return fit
+
+    def _claim(self, keys: list[OffloadKey], hits: int) -> int:
+        """Answer ``hits``; the reserved blocks among them pass to the caller, unpinned."""
+        if self._reserved and hits:
+            reserved = self._reserved
+            self._release([key for key in dict.fromkeys(keys[:hits]) if key in reserved])
+        return hits
+
+    def _expire(self) -> None:
+        """Unpin the reservations no lookup claimed within ``reserve_lookups`` lookups."""
+        oldest = self._lookups - self._reserve_lookups
+        expired = []
+        for key, stamp in self._reserved.items():
+            if stamp > oldest:
+                break
+            expired.append(key)
+        self._release(expired)
+
+    def _release(self, keys: list[OffloadKey]) -> None:
+        if keys:
+            for key in keys:
+                del self._reserved[key]
+            self.cpu.complete_load(keys)
+
     def _promote(self, index: int, keys: list[OffloadKey]) -> None:
         tier = self.tiers[index]
         self.promotion_batches[index] += 1
@@ -340,6 +411,12 @@ class TieredOffloadingManager(OffloadingManager):
         if good:
             self.cpu.complete_store(good, True)
             self.cpu_stats.stored_blocks += len(good)
+            # Only the intact prefix serves its requester; the rest are plain CPU blocks.
+            usable = intact.index(False) if bad else len(keys)
+            if usable:
+                self.cpu.prepare_load(keys[:usable])
+                stamp = self._lookups
+                self._reserved.update((key, stamp) for key in keys[:usable])
         if bad:
             self.cpu.complete_store(bad, False)
             for key in bad:
