@@ -17,6 +17,7 @@ import pytest
 from kvoffload import CPUOffloadingManager, block_id_key
 from kvoffload.core.layout import layout_preset
 from kvoffload.core.manager import OffloadingManager
+from kvoffload.managers.reuse_filter import FilterReusedOffloadingManager
 from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
 from kvoffload.sim.engine import EngineConfig, EngineStats, ServingEngine
 from kvoffload.sim.workload import Request
@@ -116,6 +117,28 @@ def test_many_parked_requests_over_a_tiny_cpu_tier_end_with_bounded_retries(
     assert disk.stats.hit_blocks == stats.offload_hit_blocks == m.cpu_stats.hit_blocks > 0
     assert stats.offload_hit_blocks + stats.computed_blocks == 12
     assert m.cpu.num_evictable_blocks(()) == len(m.cpu._blocks)  # no reservation left pinned
+
+
+def test_promoted_blocks_offered_for_storing_are_not_skipped_by_admission(
+    disk: DiskTier, tmp_path: Path
+) -> None:
+    """With no retry the request computes blocks 0,1 that its lookup promoted: the tier holds them.
+
+    Only admission refusals count as skipped: with no filter none; behind a
+    reuse filter (threshold 2, everything seen once) only block 20, the one
+    the tier does not hold (not on disk either).
+    """
+    m = stack(disk, 4)
+    stats = replay(m, [request(0.0, [0, 1])], max_lookup_retries=0)
+    m.close()
+    assert (stats.lookups_deferred, stats.offload_hit_blocks, stats.computed_blocks) == (1, 0, 2)
+    assert stats.stores_skipped_by_admission == 0 and stats.stored_blocks == 0
+
+    filtered = FilterReusedOffloadingManager(stack(filled_disk(tmp_path / "other"), 4), 2)
+    stats = replay(filtered, [request(0.0, [0, 1, 20])], max_lookup_retries=0)
+    assert isinstance(filtered.backing, TieredOffloadingManager)
+    filtered.backing.close()
+    assert stats.stores_skipped_by_admission == 1 and filtered.stores_skipped == 3
 
 
 def test_a_lookup_claims_its_reservation_and_an_unclaimed_one_expires(disk: DiskTier) -> None:

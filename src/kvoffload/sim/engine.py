@@ -38,7 +38,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
@@ -194,6 +194,7 @@ class ServingEngine:
         """Each request's GPU prefix hit, in the order the requests started."""
         self._retries: dict[int, int] = {}
         """Times each parked request (by ``id``) has been parked so far."""
+        self._holds = _holds_of(manager)
 
     def run(self, requests: Sequence[Request], progress: Progress | None = None) -> EngineStats:
         """Replay ``requests`` (sorted by arrival) to completion and return the counters."""
@@ -405,9 +406,11 @@ class ServingEngine:
             slots = running.slots[first : first + len(offered)]
         else:
             chosen = set(to_store)
-            stats.stores_skipped_by_admission += sum(
-                1 for key in offered if key not in chosen and key not in held
-            )
+            refused = [key for key in offered if key not in chosen and key not in held]
+            holds = self._holds
+            if refused and holds is not None:  # e.g. blocks promoted from a lower tier
+                refused = [key for key in refused if not holds(key)]
+            stats.stores_skipped_by_admission += len(refused)
             if not to_store:
                 return
             slot_of = dict(zip(offered, running.slots[first:], strict=False))
@@ -438,3 +441,19 @@ class ServingEngine:
         else:
             self.stats.stores_failed += len(keys)
             self._held.difference_update(keys)
+
+
+def _holds_of(manager: OffloadingManager | None) -> Callable[[OffloadKey], bool] | None:
+    """The tier's own ``holds(key)``, found through decorators' ``backing``; ``None`` if none.
+
+    The engine's held set knows only what the engine stored; a tier can also
+    place blocks itself (a tiered stack promotes lower-tier hits into its CPU
+    tier), and an offered block it already holds was not refused by admission.
+    """
+    current: object = manager
+    while current is not None:
+        holds = getattr(current, "holds", None)
+        if callable(holds):
+            return cast(Callable[[OffloadKey], bool], holds)
+        current = getattr(current, "backing", None)
+    return None
