@@ -176,3 +176,31 @@ def test_a_promotion_survives_the_demotion_that_evicts_it_from_a_full_disk(
         assert disk.present([K[1]]) == 1 and disk.present([K[0]]) == 0
     finally:
         m.close()
+
+
+def test_only_the_intact_prefix_of_a_promotion_is_reserved(tmp_path: Path) -> None:
+    """K0..K2 on disk, K1 with a flipped byte: K0 waits for its caller, K2 is a plain block."""
+    fp = layout_fingerprint("torn-run", layout_preset("tiny"), 40)
+    disk = DiskTier(tmp_path / "disk", 4, fp)
+    disk.write(K[:3], [content(key, 40) for key in K[:3]])
+    disk.poll(wait=True)
+    path = disk.path(K[1])
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    slots = ByteSlots(4, 40)
+    m = TieredOffloadingManager(
+        CPUOffloadingManager(4), [(disk, TierSettings())], slots, wait_for_tiers=True
+    )
+    try:
+        assert m.lookup(K[:3]) is None
+        m.poll()  # the promotion lands: K0 and K2 intact, K1 corrupt
+        assert m.is_reserved(K[0]) and not m.is_reserved(K[2])
+        assert m.cpu.block_status(K[0]).ref_cnt == 1  # type: ignore[union-attr]
+        assert m.cpu.block_status(K[2]).ref_cnt == 0 and not m.cpu.holds(K[1])  # type: ignore[union-attr]
+        assert disk.stats.corrupt == 1 and disk.stats.hit_blocks == 2
+        assert m.lookup(K[:3]) == 1 and not m.is_reserved(K[0])  # claimed, unpinned
+        assert m.cpu.block_status(K[0]).ref_cnt == 0  # type: ignore[union-attr]
+        assert bytes(slots.view(m.cpu.block_status(K[0]).block_id)) == content(K[0], 40)  # type: ignore[union-attr]
+    finally:
+        m.close()
