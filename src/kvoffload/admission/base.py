@@ -65,6 +65,16 @@ class AdmissionLayer(OffloadingManager):
     def stats(self) -> AdmissionStats:
         """Counters and footprint, for reports."""
 
+    def see_request(self, keys: Sequence[OffloadKey]) -> None:
+        """One request's keys in prefix order, from a driver that knows request boundaries.
+
+        For drivers whose lookups and touches are per key or partial (vLLM's
+        per-key API) and that therefore send those to :attr:`backing` directly:
+        counted once, as a request's first lookup would be.
+        """
+        if keys and self._requests.on_lookup(keys):
+            self._sighting(keys)
+
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         keys = keys if isinstance(keys, list) else list(keys)
         if keys and self._requests.on_touch(keys):
