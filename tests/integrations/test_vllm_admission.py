@@ -94,6 +94,22 @@ def test_sketch_admission_stores_on_the_second_request_only(
     assert manager.lookup(keys[2], _context("c", keys)) is LookupResult.HIT
 
 
+def test_a_request_that_offers_nothing_is_still_a_sighting(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    from vllm.v1.kv_offload.base import LookupResult
+
+    manager = _manager("sketch", num_blocks=8)
+    key = block_id_key(7)
+    looked = _context("a", [key])
+    manager.on_new_request(looked)
+    assert manager.lookup(key, looked) is LookupResult.MISS
+    manager.on_request_finished(looked)  # aborted before storing anything
+    storing = _context("b", [key])
+    manager.on_new_request(storing)
+    assert manager.prepare_store([key], storing).keys_to_store == [key]
+
+
 def test_admission_metrics_are_declared_only_with_a_layer(
     vllm_modules: dict[str, ModuleType],
 ) -> None:
@@ -143,3 +159,38 @@ def test_every_registered_policy_backs_the_spec_and_vllms_manager(
     assert ours_result.hit_ratio > 0.2
     assert abs(ours_result.hit_ratio - theirs_result.hit_ratio) <= 0.01
     assert abs(ours_result.writes_per_ref - theirs_result.writes_per_ref) <= 0.01
+
+
+def test_vllms_metrics_frontend_shows_the_admission_counters(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    import functools
+    from types import SimpleNamespace
+
+    import prometheus_client
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadPromMetrics,
+    )
+    from vllm_helpers import SPEC_CONFIG
+
+    extra = {**SPEC_CONFIG, "cpu_bytes_to_use": 8 * 1024, "kvoffload.admission": "sketch"}
+    transfer = KVTransferConfig(
+        kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
+    )
+    registry = prometheus_client.CollectorRegistry()
+    kinds = (prometheus_client.Counter, prometheus_client.Gauge, prometheus_client.Histogram)
+    frontend = OffloadPromMetrics(
+        SimpleNamespace(kv_transfer_config=transfer),
+        {kind: functools.partial(kind, registry=registry) for kind in kinds},
+        ["engine"],
+        {0: ["0"]},
+    )
+    manager = create_spec(extra).get_manager()
+    keys = [block_id_key(i) for i in range(2)]
+    manager.prepare_store(keys, _context("a", keys))
+    frontend.observe(manager.get_stats().data, 0)
+    text = prometheus_client.generate_latest(registry).decode()
+    assert 'vllm:kvoffload_stores_skipped_total{engine="0"} 2.0' in text
+    assert 'vllm:kvoffload_admission_ghost_hits_total{engine="0"} 0.0' in text
+    assert 'vllm:kvoffload_admission_control{engine="0"} 2.0' in text

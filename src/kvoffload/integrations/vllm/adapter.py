@@ -13,9 +13,10 @@ the seed differ, this adapter follows vLLM:
   and keys already held are never filtered.
 
 An admission layer in the backing stack (``kvoffload.admission``) sees each
-request once, at its first store offer, as the keys it looked up and offered
-in prefix order (GPU-held blocks it never looked up are not among them);
-per-key lookups and touches go past it to the tier, so they count no sightings.
+request once, at its first store offer (or when it finishes, if it offered
+nothing), as the keys it looked up and offered in prefix order (GPU-held
+blocks it never looked up are not among them); per-key lookups and touches go
+past it to the tier, so they count no sightings.
 """
 
 from __future__ import annotations
@@ -196,7 +197,12 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         state = req_context.get_state(_RequestKeys)
-        if state is None or state.owner is not self or not state.seen:
+        if state is None or state.owner is not self:
+            return
+        if self._layer is not None and state.unsighted:
+            # A request that only hit (or stored nothing) is still a sighting of its keys.
+            self._sight(self._layer, (), req_context, will_offer=False)
+        if not state.seen:
             return
         keys = list(state.seen)
         positions = [req_context.get_offload_key_position(key) for key in keys]
@@ -243,7 +249,11 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         return state  # type: ignore[no-any-return]
 
     def _sight(
-        self, layer: AdmissionLayer, offered: Sequence[OffloadKey], req_context: ReqContext
+        self,
+        layer: AdmissionLayer,
+        offered: Sequence[OffloadKey],
+        req_context: ReqContext,
+        will_offer: bool = True,
     ) -> None:
         """Show the layer the request's keys it has not seen yet, in prefix order."""
         state = self._request_keys(req_context)
@@ -257,7 +267,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         if None not in positions:
             keys = [key for _, key in sorted(zip(positions, keys, strict=True))]
         sighted.update(keys)
-        layer.see_request(keys)
+        layer.see_request(keys, will_offer)
 
     def _seen(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
         """Make keys first seen by this request recent, head of the prefix most recent."""
