@@ -14,6 +14,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -149,15 +150,33 @@ def _check_free(host: str, port: int, what: str) -> None:
             raise InvalidArgumentError(f"{what}: cannot bind: {reason}") from None
 
 
+@dataclass(frozen=True)
+class Observing:
+    """The run's observers (``None`` when no option asks for one) and what settles them."""
+
+    observers: Observers | None = None
+    flushes: tuple[Callable[[], None], ...] = ()
+
+    def settle(self) -> None:
+        """Wait until every KV event batch is sent and replayable.
+
+        Called before the results are written, so that whoever sees the
+        results can catch up on every event through the replay socket.
+        """
+        for flush in self.flushes:
+            flush()
+
+
 @contextmanager
-def observing(args: argparse.Namespace, block_tokens: int) -> Iterator[Observers | None]:
-    """The run's observers, or ``None`` when no option asks for one; endpoints close on exit.
+def observing(args: argparse.Namespace, block_tokens: int) -> Iterator[Observing]:
+    """The run's observers; endpoints close on exit.
 
     :func:`check_before_work` has checked the options.
     """
     if not args.kv_events_endpoint and args.metrics_port is None:
-        yield None
+        yield Observing()
         return
+    flushes: list[Callable[[], None]] = []
     sinks: list[Callable[[Any], None]] = []
     hooks: list[Callable[[ObservedManager], None]] = []
     transfer_hooks: list[Callable[[ObservedWorker], None]] = []
@@ -173,6 +192,7 @@ def observing(args: argparse.Namespace, block_tokens: int) -> Iterator[Observers
                 )
             )
             sinks.append(publisher.publish)
+            flushes.append(publisher.flush)
         if args.metrics_port is not None:
             metrics = _require("kvoffload.observe.metrics", "metrics")
             server = stack.enter_context(metrics.MetricsServer(args.metrics_port))
@@ -185,6 +205,8 @@ def observing(args: argparse.Namespace, block_tokens: int) -> Iterator[Observers
 
             hooks.append(register)
             transfer_hooks.append(register_transfers)
-        yield Observers(tuple(sinks), tuple(hooks), tuple(transfer_hooks))
+        yield Observing(
+            Observers(tuple(sinks), tuple(hooks), tuple(transfer_hooks)), tuple(flushes)
+        )
         if args.serve_after > 0:
             time.sleep(args.serve_after)

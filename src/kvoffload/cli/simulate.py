@@ -135,11 +135,12 @@ def run(args: argparse.Namespace) -> int:
     # The data plane's backend is duck-typed: a TransferBackend plus its check counters.
     backend: Any = _data_plane(config, bt, args.device) if args.data_plane else None
     bar = ProgressBar("simulate", ProgressBar.wanted(args.progress))
-    with observe_options.observing(args, bt) as observers:
+    with observe_options.observing(args, bt) as observing:
         try:
-            report = simulate(workload, config, backend, bar, observers)
+            report = simulate(workload, config, backend, bar, observing.observers)
         finally:
             bar.close()
+        observing.settle()
         # Inside: results are written while the events and metrics endpoints are still up.
         _write_results(args, report, backend)
     return 0
