@@ -5,9 +5,12 @@ Replays the Mooncake trace one request after another with
 per policy and store threshold, hit ratio and writes per block reference for
 both managers, and the microseconds per block reference each spent, measured
 in the same process (best of ``--repeat``), so the speed ratio holds under the
-machine's load. Needs vLLM installed (see the README's set-up).
+machine's load. ``--admission NAME`` puts that admission layer in front of
+our tier only (vLLM has none), to show what it saves against vLLM's manager.
+Needs vLLM installed (see the README's set-up).
 
     python benchmarks/vllm_replay.py [--trace PATH] [--blocks N] [--repeat N] [--json PATH]
+        [--admission NAME]
 """
 
 from __future__ import annotations
@@ -32,15 +35,17 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=4392, help="tier size (default: 4392)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--admission", default="none", help="our admission layer (default: none)")
     args = parser.parse_args()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
+        from kvoffload.admission import find_admission
         from kvoffload.integrations.vllm.adapter import VLLMManagerAdapter
         from kvoffload.integrations.vllm.offer_filter import OfferCountFilter
         from kvoffload.integrations.vllm.replay import replay
-        from kvoffload.managers import CPUOffloadingManager as OurCPUManager
+        from kvoffload.managers import build_manager
         from kvoffload.sim.traces import read_trace
 
     workload = read_trace(args.trace)
@@ -48,8 +53,10 @@ def main() -> None:
 
     def ours(policy: str, threshold: int) -> Any:
         def build() -> Any:
-            manager = OurCPUManager(n, policy)
-            return manager, manager.block_status
+            manager = build_manager(n, policy, admission=args.admission)
+            layer = find_admission(manager)
+            tier: Any = manager if layer is None else layer.backing
+            return manager, tier.block_status
 
         return VLLMManagerAdapter(build, OfferCountFilter(threshold) if threshold >= 2 else None)
 
@@ -78,6 +85,7 @@ def main() -> None:
             {
                 "policy": policy,
                 "store_threshold": threshold,
+                "ours_admission": args.admission,
                 "vllm_hit_ratio": v.hit_ratio,
                 "ours_hit_ratio": o.hit_ratio,
                 "vllm_writes_per_ref": v.writes_per_ref,

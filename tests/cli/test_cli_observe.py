@@ -12,9 +12,9 @@ SMALL = ["simulate", "--requests", "5", "--no-progress"]
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--kv-events-endpoint", "bogus://x"], "cannot bind KV events to 'bogus://x'"),
+        (["--kv-events-endpoint", "bogus://x"], "'bogus://x': expected tcp://HOST:PORT"),
         (["--kv-events-replay-endpoint", "tcp://127.0.0.1:0"], "needs --kv-events-endpoint"),
-        (["--metrics-port", "0", "--serve-after", "-1"], "--serve-after must be >= 0"),
+        (["--serve-after", "5"], "--serve-after needs --kv-events-endpoint or --metrics-port"),
         (["--metrics-port", "-3"], "metrics port must be in 0..65535"),
     ],
 )

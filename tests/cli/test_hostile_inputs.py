@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ import pytest
 
 from kvoffload import CPUOffloadingManager, FilterReusedOffloadingManager, block_id_key
 from kvoffload.cli.main import main
+from kvoffload.managers import build_manager
 
 CLI = [sys.executable, "-c", "import sys; from kvoffload.cli.main import main; sys.exit(main())"]
 SMALL = ["simulate", "--requests", "30", "--no-progress", "--no-bound"]
@@ -208,6 +210,130 @@ def test_library_rejects_a_single_key_where_keys_are_expected() -> None:
 def test_library_rejects_a_non_integer_store_threshold(threshold: object) -> None:
     with pytest.raises(ValueError, match="store_threshold must be an integer"):
         FilterReusedOffloadingManager(CPUOffloadingManager(8), threshold)  # type: ignore[arg-type]
+    # build_manager once took 1.5 for "below 2: no filter".
+    for value in (threshold, 1.5):
+        with pytest.raises(ValueError, match="store_threshold must be an integer"):
+            build_manager(8, store_threshold=value)  # type: ignore[arg-type]
+
+
+def test_library_lists_the_admission_names() -> None:
+    with pytest.raises(ValueError, match="unknown admission 'bogus'; known: feedback, none"):
+        build_manager(8, admission="bogus")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--admission", "bogus"], "--admission: unknown admission 'bogus'; known: feedback"),
+        (["--policy", "bogus"], "--policy: unknown cache policy 'bogus'; known: arc, lru"),
+        (["--kv-events-endpoint", "bogus"], "'bogus': expected tcp://HOST:PORT or ipc://PATH"),
+        (["--kv-events-endpoint", "inproc://x"], "'inproc://x': expected tcp://HOST:PORT"),
+        (["--kv-events-endpoint", "tcp://127.0.0.1"], "'tcp://127.0.0.1': expected tcp://"),
+        (["--kv-events-endpoint", "tcp://127.0.0.1:99999"], "port must be 0..65535 or *"),
+        (["--kv-events-endpoint", "tcp://10.255.255.254:5557"], "cannot bind"),
+        (
+            ["--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-replay-endpoint", "x"],
+            "--kv-events-replay-endpoint 'x': expected tcp://HOST:PORT",
+        ),
+        (
+            ["--kv-events-endpoint", "ipc:///tmp/e", "--kv-events-replay-endpoint", "ipc:///tmp/e"],
+            "--kv-events-endpoint and --kv-events-replay-endpoint are both 'ipc:///tmp/e'",
+        ),
+        (
+            ["--kv-events-replay-endpoint", "tcp://127.0.0.1:0"],
+            "--kv-events-replay-endpoint needs --kv-events-endpoint",
+        ),
+        (
+            ["--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-topic", "\udcff"],
+            "--kv-events-topic must be UTF-8 text",
+        ),
+        (["--metrics-port", "-1"], "metrics port must be in 0..65535, got -1"),
+        (["--metrics-port", "70000"], "metrics port must be in 0..65535, got 70000"),
+        (["--serve-after", "5"], "--serve-after needs --kv-events-endpoint or --metrics-port"),
+        (["--metrics-port", "0", "--serve-after", "1e9"], "--serve-after must be at most"),
+    ],
+)
+def test_bad_names_and_endpoints_are_refused_before_the_workload(
+    tmp_path: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The trace is bad too: an error naming the option shows it was checked first."""
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text("{\n")
+    assert main(["simulate", "--trace", str(trace), "--no-progress", *args]) == 1
+    assert message in one_line_error(capsys)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--admissions", "none,bogus"], "--admissions: unknown admission 'bogus'; known: "),
+        (["--policies", ",,"], "--policies needs at least one value, got ',,'"),
+        (["--policies", "lru,nope"], "--policies: unknown cache policy 'nope'; known: "),
+        (["--admissions", " , "], "--admissions needs at least one value"),
+        (["--thresholds", ",,"], "--thresholds needs at least one value"),
+        (["--cpu-blocks", ","], "--cpu-blocks needs at least one value"),
+        (["--cpu-gb", ""], "--cpu-gb needs at least one value"),
+    ],
+)
+def test_bad_sweep_names_are_refused_before_the_workload(
+    tmp_path: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text("{\n")
+    assert main(["sweep", "--trace", str(trace), "--jobs", "1", "--no-progress", *args]) == 1
+    assert message in one_line_error(capsys)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--metrics-port", "nan"], "--metrics-port: invalid int value: 'nan'"),
+        (["--metrics-port", "0", "--serve-after", "nan"], "--serve-after: must be a finite"),
+        (["--metrics-port", "0", "--serve-after", "inf"], "--serve-after: must be a finite"),
+        (["--metrics-port", "0", "--serve-after", "-1"], "--serve-after: must be >= 0"),
+        (["--partial-block", "bogus"], "invalid choice: 'bogus'"),
+    ],
+)
+def test_bad_observe_numbers_are_usage_errors(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*SMALL, *args]) == 2
+    assert message in one_line_error(capsys)
+
+
+def test_sweep_bad_partial_block_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sweep", "--partial-block", "bogus"]) == 2
+    assert "invalid choice: 'bogus'" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize(
+    "option", ["--kv-events-endpoint", "--kv-events-replay-endpoint", "--metrics-port"]
+)
+def test_a_port_in_use_is_refused_before_the_workload(
+    tmp_path: Path, option: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text("{\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        endpoint = f"tcp://127.0.0.1:{port}"
+        args = {
+            "--kv-events-endpoint": ["--kv-events-endpoint", endpoint],
+            "--kv-events-replay-endpoint": [
+                "--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-replay-endpoint", endpoint
+            ],
+            "--metrics-port": ["--metrics-port", str(port)],
+        }[option]  # fmt: skip
+        assert main(["simulate", "--trace", str(trace), "--no-progress", *args]) == 1
+    err = one_line_error(capsys)
+    assert option in err and "cannot bind: the port is in use" in err
+
+
+def test_an_endless_serve_after_is_refused_not_slept() -> None:
+    result = run_cli("simulate", "--metrics-port", "0", "--serve-after", "inf", "--no-progress")
+    _assert_one_line(result, 2, "--serve-after: must be a finite number")
 
 
 def test_ctrl_c_stops_a_sweep_and_keeps_finished_runs(tmp_path: Path) -> None:

@@ -39,6 +39,8 @@ def test_factory_builds_our_spec_and_sizes_the_tier(vllm_modules: dict[str, Modu
         ({}, "cpu_bytes_to_use"),
         ({"cpu_bytes_to_use": 4096, "kvoffload.admision": "tinylfu"}, "kvoffload.admision"),
         ({"cpu_bytes_to_use": 4096, "kvoffload.remote_url": ""}, "kvoffload.remote_url"),
+        ({"cpu_bytes_to_use": 4096, "kvoffload.admission": "bogus"}, "kvoffload.admission"),
+        ({"cpu_bytes_to_use": 4096, "kvoffload.admission": 3}, "kvoffload.admission"),
     ],
 )
 def test_bad_settings_fail_at_start_up_naming_the_key(

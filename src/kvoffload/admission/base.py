@@ -65,6 +65,20 @@ class AdmissionLayer(OffloadingManager):
     def stats(self) -> AdmissionStats:
         """Counters and footprint, for reports."""
 
+    def see_request(self, keys: Sequence[OffloadKey], will_offer: bool = True) -> None:
+        """One request's keys in prefix order, from a driver that knows request boundaries.
+
+        For drivers whose lookups and touches are per key or partial (vLLM's
+        per-key API) and that therefore send those to :attr:`backing` directly:
+        each call counts one sighting. With ``will_offer`` an offer ending at
+        the same key learns how many blocks precede it.
+        """
+        if not keys:
+            return
+        if will_offer:
+            self._requests.open(keys)
+        self._sighting(keys)
+
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         keys = keys if isinstance(keys, list) else list(keys)
         if keys and self._requests.on_touch(keys):

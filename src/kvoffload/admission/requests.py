@@ -54,6 +54,11 @@ class RequestTracker:
         self._put(keys[-1], (keys[0], len(keys), OPEN, False))
         return True
 
+    def open(self, keys: Sequence[OffloadKey]) -> None:
+        """Open a request a driver announces itself (already counted by it), replacing any
+        entry with the same last key."""
+        self._put(keys[-1], (keys[0], len(keys), OPEN, False))
+
     def prefix_length(self, offered: Sequence[OffloadKey]) -> int:
         """Blocks of the request before the offered ones (0 when the request is unknown)."""
         entry = self._open.get(offered[-1])

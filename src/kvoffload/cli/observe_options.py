@@ -7,16 +7,27 @@ for them, with one clear line naming the extra to install if they are absent.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import ipaddress
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from kvoffload.cli.options import number
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.observe import ObservedManager, Observers
 from kvoffload.observe.transfers import ObservedWorker
+
+MAX_SERVE_AFTER = 7 * 24 * 3600.0
+"""A week: longer is surely a typo (and beyond what ``time.sleep`` takes on some systems)."""
+
+ENDPOINT_SCHEMES = ("tcp://", "ipc://")
+"""ZMQ transports a subscriber in another process can reach."""
 
 
 def add_observe_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +54,7 @@ def add_observe_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--serve-after",
-        type=float,
+        type=number(0.0),
         default=0.0,
         metavar="SECONDS",
         help="keep the events and metrics endpoints up this long after the replay (default: 0)",
@@ -59,16 +70,113 @@ def _require(module: str, extra: str) -> ModuleType:
         ) from None
 
 
-@contextmanager
-def observing(args: argparse.Namespace, block_tokens: int) -> Iterator[Observers | None]:
-    """The run's observers, or ``None`` when no option asks for one; endpoints close on exit."""
-    if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
+def check_before_work(args: argparse.Namespace) -> None:
+    """Refuse bad endpoints, ports, topics and combinations before the workload is built.
+
+    A port already in use is found here by a trial bind, so a typo costs no replay.
+    """
+    events, replay = args.kv_events_endpoint, args.kv_events_replay_endpoint
+    if replay and not events:
         raise InvalidArgumentError("--kv-events-replay-endpoint needs --kv-events-endpoint")
-    if args.serve_after < 0:
-        raise InvalidArgumentError(f"--serve-after must be >= 0, got {args.serve_after}")
-    if not args.kv_events_endpoint and args.metrics_port is None:
-        yield None
+    if args.serve_after > MAX_SERVE_AFTER:
+        raise InvalidArgumentError(
+            f"--serve-after must be at most {MAX_SERVE_AFTER:g} seconds (a week), "
+            f"got {args.serve_after:g}"
+        )
+    if args.serve_after > 0 and not events and args.metrics_port is None:
+        raise InvalidArgumentError("--serve-after needs --kv-events-endpoint or --metrics-port")
+    port = args.metrics_port
+    if port is not None:
+        if not 0 <= port <= 65535:
+            raise InvalidArgumentError(f"metrics port must be in 0..65535, got {port}")
+        _check_free("127.0.0.1", port, f"--metrics-port {port}")
+    if events and events == replay and not events.endswith((":0", ":*")):
+        raise InvalidArgumentError(
+            f"--kv-events-endpoint and --kv-events-replay-endpoint are both {events!r}"
+        )
+    for option, endpoint in (
+        ("--kv-events-endpoint", events),
+        ("--kv-events-replay-endpoint", replay),
+    ):
+        if endpoint:
+            _check_endpoint(endpoint, option)
+    try:
+        args.kv_events_topic.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgumentError(
+            f"--kv-events-topic must be UTF-8 text, got {args.kv_events_topic!r}"
+        ) from None
+
+
+def _check_endpoint(endpoint: str, option: str) -> None:
+    """``tcp://HOST:PORT`` (PORT 0..65535 or ``*``) or ``ipc://PATH``; a TCP port must be free."""
+    if not endpoint.startswith(ENDPOINT_SCHEMES):
+        raise InvalidArgumentError(f"{option} {endpoint!r}: expected tcp://HOST:PORT or ipc://PATH")
+    address = endpoint.split("://", 1)[1]
+    if endpoint.startswith("ipc://"):
+        if not address:
+            raise InvalidArgumentError(f"{option} {endpoint!r}: expected ipc://PATH")
         return
+    host, _, port_text = address.rpartition(":")
+    if not host or not port_text:
+        raise InvalidArgumentError(f"{option} {endpoint!r}: expected tcp://HOST:PORT")
+    if port_text == "*":
+        return
+    if not port_text.isdigit() or int(port_text) > 65535:
+        raise InvalidArgumentError(
+            f"{option} {endpoint!r}: the port must be 0..65535 or *, got {port_text!r}"
+        )
+    host = host.strip("[]")
+    if host == "*":
+        host = "0.0.0.0"
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return  # a host or interface name: ZMQ resolves it when binding, and says so if it fails
+    _check_free(host, int(port_text), f"{option} {endpoint!r}")
+
+
+def _check_free(host: str, port: int, what: str) -> None:
+    """A trial bind, closed at once: a port in use or an address not on this machine is refused."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            reason = "the port is in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+            raise InvalidArgumentError(f"{what}: cannot bind: {reason}") from None
+
+
+@dataclass(frozen=True)
+class Observing:
+    """The run's observers (``None`` when no option asks for one) and what settles them."""
+
+    observers: Observers | None = None
+    flushes: tuple[Callable[[], None], ...] = ()
+
+    def settle(self) -> None:
+        """Wait until every KV event batch is sent and replayable.
+
+        Called before the results are written, so that whoever sees the
+        results can catch up on every event through the replay socket.
+        """
+        for flush in self.flushes:
+            flush()
+
+
+@contextmanager
+def observing(args: argparse.Namespace, block_tokens: int) -> Iterator[Observing]:
+    """The run's observers; endpoints close on exit.
+
+    :func:`check_before_work` has checked the options.
+    """
+    if not args.kv_events_endpoint and args.metrics_port is None:
+        yield Observing()
+        return
+    flushes: list[Callable[[], None]] = []
     sinks: list[Callable[[Any], None]] = []
     hooks: list[Callable[[ObservedManager], None]] = []
     transfer_hooks: list[Callable[[ObservedWorker], None]] = []
@@ -84,6 +192,7 @@ def observing(args: argparse.Namespace, block_tokens: int) -> Iterator[Observers
                 )
             )
             sinks.append(publisher.publish)
+            flushes.append(publisher.flush)
         if args.metrics_port is not None:
             metrics = _require("kvoffload.observe.metrics", "metrics")
             server = stack.enter_context(metrics.MetricsServer(args.metrics_port))
@@ -96,6 +205,8 @@ def observing(args: argparse.Namespace, block_tokens: int) -> Iterator[Observers
 
             hooks.append(register)
             transfer_hooks.append(register_transfers)
-        yield Observers(tuple(sinks), tuple(hooks), tuple(transfer_hooks))
+        yield Observing(
+            Observers(tuple(sinks), tuple(hooks), tuple(transfer_hooks)), tuple(flushes)
+        )
         if args.serve_after > 0:
             time.sleep(args.serve_after)

@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import math
 from collections.abc import Callable
+from typing import TypeVar
 
 from kvoffload.cli import output
 from kvoffload.core.errors import InvalidArgumentError
@@ -17,6 +18,8 @@ from kvoffload.sim.gpu_cache import BYTES_PER_SLOT
 from kvoffload.sim.run import SimConfig, blocks_for_gib
 from kvoffload.sim.sources import WorkloadSource
 from kvoffload.sim.traces import TRACE_FORMATS
+
+_T = TypeVar("_T")
 
 
 def integer(minimum: int) -> Callable[[str], int]:
@@ -222,7 +225,7 @@ def parse_ints(text: str, what: str, minimum: int = 0) -> list[int]:
     bad = next((value for value in values if value < minimum), None)
     if bad is not None:
         raise InvalidArgumentError(f"{what} values must be >= {minimum}, got {bad}")
-    return values
+    return _not_empty(values, text, what)
 
 
 def parse_floats(text: str, what: str) -> list[float]:
@@ -236,6 +239,28 @@ def parse_floats(text: str, what: str) -> list[float]:
     bad = next((v for v in values if not math.isfinite(v) or v < 0), None)
     if bad is not None:
         raise InvalidArgumentError(f"{what} values must be finite numbers >= 0, got {bad}")
+    return _not_empty(values, text, what)
+
+
+def parse_names(text: str, what: str, resolve: Callable[[str], str]) -> list[str]:
+    """A comma-separated list of registry names, each checked by ``resolve`` (which lists them)."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    for name in names:
+        check_name(name, what, resolve)
+    return _not_empty(names, text, what)
+
+
+def check_name(name: str, what: str, resolve: Callable[[str], str]) -> None:
+    """Refuse a name ``resolve`` does not know, naming the option ``what``."""
+    try:
+        resolve(name)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"{what}: {exc}") from None
+
+
+def _not_empty(values: list[_T], text: str, what: str) -> list[_T]:
+    if not values:
+        raise InvalidArgumentError(f"{what} needs at least one value, got {text!r}")
     return values
 
 

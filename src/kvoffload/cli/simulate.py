@@ -8,10 +8,11 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from kvoffload.admission import available_admissions
+from kvoffload.admission import available_admissions, resolve_admission
 from kvoffload.cli import observe_options, options, output, tier_options
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.core.errors import KVOffloadError
+from kvoffload.policies import resolve_policy
 from kvoffload.sim.run import RunReport, SimConfig, blocks_for_gib, simulate
 
 DATA_PLANE_LAYOUT = "tiny"
@@ -117,6 +118,9 @@ def _default_capacities_in_blocks(args: argparse.Namespace, block_tokens: int) -
 
 def run(args: argparse.Namespace) -> int:
     options.check_before_work(args)
+    options.check_name(args.policy, "--policy", resolve_policy)
+    options.check_name(args.admission, "--admission", resolve_admission)
+    observe_options.check_before_work(args)
     workload = options.workload_source(args).load()
     bt = workload.block_tokens
     if args.data_plane:
@@ -133,11 +137,12 @@ def run(args: argparse.Namespace) -> int:
     # The data plane's backend is duck-typed: a TransferBackend plus its check counters.
     backend: Any = _data_plane(config, bt, args.device) if args.data_plane else None
     bar = ProgressBar("simulate", ProgressBar.wanted(args.progress))
-    with observe_options.observing(args, bt) as observers:
+    with observe_options.observing(args, bt) as observing:
         try:
-            report = simulate(workload, config, backend, bar, observers)
+            report = simulate(workload, config, backend, bar, observing.observers)
         finally:
             bar.close()
+        observing.settle()
         # Inside: results are written while the events and metrics endpoints are still up.
         _write_results(args, report, backend)
     return 0

@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvoffload.admission import available_admissions
+from kvoffload.admission import available_admissions, resolve_admission
 from kvoffload.cli import options, output, tier_options
 from kvoffload.cli.progress import ProgressBar
+from kvoffload.policies import resolve_policy
 from kvoffload.sim.run import RunReport, blocks_for_gib
 from kvoffload.sim.sweep import SweepInterrupted, run_sweep, sweep_configs
 
@@ -70,6 +71,8 @@ def _capacities(args: argparse.Namespace, gpu_blocks: int, layout: str, bt: int)
 def run(args: argparse.Namespace) -> int:
     options.check_before_work(args)
     thresholds = options.parse_ints(args.thresholds, "--thresholds")
+    policies = options.parse_names(args.policies, "--policies", resolve_policy)
+    admissions = options.parse_names(args.admissions, "--admissions", resolve_admission)
     # Parsed once now only to refuse a bad list before the workload is built.
     if args.cpu_blocks is not None:
         options.parse_ints(args.cpu_blocks, "--cpu-blocks")
@@ -83,9 +86,9 @@ def run(args: argparse.Namespace) -> int:
     configs = sweep_configs(
         base,
         _capacities(args, base.gpu_blocks, base.layout, bt),
-        [p.strip() for p in args.policies.split(",") if p.strip()],
+        policies,
         thresholds,
-        [a.strip() for a in args.admissions.split(",") if a.strip()],
+        admissions,
     )
     configs = tier_options.separate_disk_dirs(configs)
     bar = ProgressBar("sweep", ProgressBar.wanted(args.progress))

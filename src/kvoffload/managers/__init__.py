@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kvoffload.admission import wrap_with_admission
+from kvoffload.admission import resolve_admission, wrap_with_admission
+from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.manager import OffloadingManager
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.managers.reuse_filter import FilterReusedOffloadingManager
@@ -20,8 +21,16 @@ def build_manager(
     """A CPU tier manager, behind the admission layer ``admission`` and then the reuse
     filter when ``store_threshold >= 2`` (the filter is outermost: it sees calls first).
 
-    Thresholds below 2 mean "no filter", as in vLLM's configuration.
+    Thresholds 0 and 1 mean "no filter", as in vLLM's configuration; anything but an
+    integer >= 0 is refused, so that ``1.5`` or ``"2"`` is not silently "no filter".
     """
+    if isinstance(store_threshold, bool) or not isinstance(store_threshold, int):
+        raise InvalidArgumentError(
+            f"store_threshold must be an integer >= 0, got {store_threshold!r}"
+        )
+    if store_threshold < 0:
+        raise InvalidArgumentError(f"store_threshold must be >= 0, got {store_threshold}")
+    resolve_admission(admission)
     manager: OffloadingManager = CPUOffloadingManager(num_blocks, cache_policy, enable_events)
     manager = wrap_with_admission(admission, manager, num_blocks)
     if store_threshold >= 2:

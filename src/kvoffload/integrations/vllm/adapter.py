@@ -11,6 +11,12 @@ the seed differ, this adapter follows vLLM:
   ``touch``;
 * admission counts store offers (:class:`OfferCountFilter`), not lookups,
   and keys already held are never filtered.
+
+An admission layer in the backing stack (``kvoffload.admission``) sees each
+request once, at its first store offer (or when it finishes, if it offered
+nothing), as the keys it looked up and offered in prefix order (GPU-held
+blocks it never looked up are not among them); per-key lookups and touches go
+past it to the tier, so they count no sightings.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
+from kvoffload.admission import AdmissionLayer, find_admission
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager as SeedManager
 from kvoffload.core.specs import BlockIDsLoadStoreSpec
@@ -44,6 +51,9 @@ METRIC_PREFIX = "vllm:kvoffload_"
 """Our counters appear on vLLM's ``/metrics`` under this prefix."""
 
 HELD_BLOCKS_METRIC = f"{METRIC_PREFIX}held_blocks"
+GHOST_HITS_METRIC = f"{METRIC_PREFIX}admission_ghost_hits"
+CONTROL_METRIC = f"{METRIC_PREFIX}admission_control"
+"""Reported only when an admission layer is configured."""
 
 Probe = Callable[[OffloadKey], BlockStatus | None]
 """Where a key stands in the tier: ``None`` if absent, else its status (pending or ready)."""
@@ -55,6 +65,9 @@ class _RequestKeys:
 
     owner: object
     seen: dict[OffloadKey, None] = field(default_factory=dict)
+    unsighted: dict[OffloadKey, None] = field(default_factory=dict)
+    """Looked-up keys not yet shown to the admission layer."""
+    sighted: set[OffloadKey] = field(default_factory=set)
 
 
 class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
@@ -72,11 +85,19 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         bytes_per_block: int = 0,
     ) -> None:
         self._build = build
-        self._manager, self._probe = build()
+        self._install()
         self._filter = offer_filter
         self._bytes_per_block = bytes_per_block
         self.counters = ManagerCounters()
         self._reported = ManagerCounters()
+        self._ghost_hits_before_reset = 0
+        self._ghost_hits_reported = 0
+
+    def _install(self) -> None:
+        """Build the backing stack; lookups and touches bypass its admission layer."""
+        self._manager, self._probe = self._build()
+        self._layer: AdmissionLayer | None = find_admission(self._manager)
+        self._direct: SeedManager = self._manager if self._layer is None else self._layer.backing
 
     @property
     def backing(self) -> SeedManager:
@@ -87,8 +108,10 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> Any:
-        hits = self._manager.lookup((key,))
+        hits = self._direct.lookup((key,))
         self.counters.lookups += 1
+        if self._layer is not None:
+            self._request_keys(req_context).unsighted[key] = None
         if hits is None:
             return LookupResult.RETRY
         if hits:
@@ -105,7 +128,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         return _vllm_spec(spec)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self._manager.touch(keys)
+        self._direct.touch(keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._manager.complete_load(keys)
@@ -134,7 +157,16 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             for key, st in zip(original, status, strict=True)
             if (st.is_ready if st is not None else admitted is None or key in admitted)
         ]
+        if self._layer is not None:
+            self._sight(self._layer, original, req_context)
         output = self._manager.prepare_store(offered)
+        if self._layer is not None and output is not None:
+            # The layer holds back fresh keys silently: whatever fresh key got no slot.
+            stored = set(output.keys_to_store)
+            held = {key for key, st in zip(original, status, strict=True) if st is not None}
+            fresh = sum(1 for key in offered if key not in held)
+            c.stores_skipped += fresh - len(output.keys_to_store)
+            seen = [key for key in seen if key in held or key in stored]
         # After the insertion, so that the head of the prefix ends up the most recent.
         self._seen(seen, req_context)
         if output is None:
@@ -165,14 +197,20 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         state = req_context.get_state(_RequestKeys)
-        if state is None or state.owner is not self or not state.seen:
+        if state is None or state.owner is not self:
+            return
+        if self._layer is not None and state.unsighted:
+            # A request that only hit (or stored nothing) is still a sighting of its keys.
+            self._sight(self._layer, (), req_context, will_offer=False)
+        if not state.seen:
             return
         keys = list(state.seen)
         positions = [req_context.get_offload_key_position(key) for key in keys]
         if None not in positions:
             keys = [key for _, key in sorted(zip(positions, keys, strict=True))]
         state.seen.clear()
-        self._manager.touch(keys)
+        state.sighted.clear()
+        self._direct.touch(keys)
 
     def take_events(self) -> Iterable[Any]:
         for event in self._manager.take_events():
@@ -181,7 +219,9 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             )
 
     def reset_cache(self) -> None:
-        self._manager, self._probe = self._build()
+        if self._layer is not None:
+            self._ghost_hits_before_reset += self._layer.ghost_hits
+        self._install()
         self.counters.held_blocks = 0
 
     def get_stats(self) -> Any:
@@ -194,6 +234,11 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
                 stats.set_gauge(HELD_BLOCKS_METRIC, value)
             else:
                 stats.increase_counter(f"{METRIC_PREFIX}{name}", value)
+        if self._layer is not None:
+            ghost_hits = self._ghost_hits_before_reset + self._layer.ghost_hits
+            stats.increase_counter(GHOST_HITS_METRIC, ghost_hits - self._ghost_hits_reported)
+            self._ghost_hits_reported = ghost_hits
+            stats.set_gauge(CONTROL_METRIC, self._layer.stats().control)
         return stats
 
     def _request_keys(self, req_context: ReqContext) -> _RequestKeys:
@@ -203,13 +248,34 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             req_context.set_state(state)
         return state  # type: ignore[no-any-return]
 
+    def _sight(
+        self,
+        layer: AdmissionLayer,
+        offered: Sequence[OffloadKey],
+        req_context: ReqContext,
+        will_offer: bool = True,
+    ) -> None:
+        """Show the layer the request's keys it has not seen yet, in prefix order."""
+        state = self._request_keys(req_context)
+        unsighted, sighted = state.unsighted, state.sighted
+        unsighted.update(dict.fromkeys(offered))
+        keys = [key for key in unsighted if key not in sighted]
+        unsighted.clear()
+        if not keys:
+            return
+        positions = [req_context.get_offload_key_position(key) for key in keys]
+        if None not in positions:
+            keys = [key for _, key in sorted(zip(positions, keys, strict=True))]
+        sighted.update(keys)
+        layer.see_request(keys, will_offer)
+
     def _seen(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
         """Make keys first seen by this request recent, head of the prefix most recent."""
         seen = self._request_keys(req_context).seen
         new = [key for key in keys if key not in seen]
         if new:
             seen.update(dict.fromkeys(new))
-            self._manager.touch(new)
+            self._direct.touch(new)
 
 
 def _vllm_spec(spec: Any) -> Any:

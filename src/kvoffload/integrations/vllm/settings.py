@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvoffload.admission import available_admissions
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.policies import available_policies
 
@@ -37,7 +38,13 @@ CONNECTOR_KEYS = frozenset(
 )
 """Keys that vLLM's offloading connector itself reads; accepted and left to it."""
 
-OWN_KEYS = frozenset({f"{PREFIX}admission", f"{PREFIX}remote_url"})
+ADMISSION_KEY = f"{PREFIX}admission"
+"""An admission layer by name (``kvoffload.admission`` registry); ``none`` stores everything."""
+
+REMOTE_URL_KEY = f"{PREFIX}remote_url"
+"""The shared tier's address. Accepted here and refused by the spec until the tiers are wired."""
+
+OWN_KEYS = frozenset({ADMISSION_KEY, REMOTE_URL_KEY})
 """kvoffload's keys. They name layers that are built by ``build_manager``."""
 
 
@@ -49,7 +56,7 @@ class SpecSettings:
     eviction_policy: str = "lru"
     store_threshold: int = 0
     max_tracker_size: int = 64_000
-    admission: str | None = None
+    admission: str = "none"
     remote_url: str | None = None
 
 
@@ -70,13 +77,19 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
             f"eviction_policy {policy!r} is not a kvoffload policy; "
             f"known: {', '.join(available_policies())}"
         )
+    admission = _str(extra_config, ADMISSION_KEY) or "none"
+    if admission not in available_admissions():
+        raise InvalidArgumentError(
+            f"kv_connector_extra_config {ADMISSION_KEY!r} {admission!r} is not a kvoffload "
+            f"admission layer; known: {', '.join(available_admissions())}"
+        )
     return SpecSettings(
         cpu_bytes_to_use=_int(extra_config, "cpu_bytes_to_use", 1),
         eviction_policy=str(policy),
         store_threshold=_int(extra_config, "store_threshold", 0, 0),
         max_tracker_size=_int(extra_config, "max_tracker_size", 1, 64_000),
-        admission=_str(extra_config, f"{PREFIX}admission"),
-        remote_url=_str(extra_config, f"{PREFIX}remote_url"),
+        admission=admission,
+        remote_url=_str(extra_config, REMOTE_URL_KEY),
     )
 
 

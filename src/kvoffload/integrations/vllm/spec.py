@@ -17,15 +17,24 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
+from kvoffload.admission import find_admission
 from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.manager import OffloadingManager
 from kvoffload.integrations.vllm.adapter import (
+    CONTROL_METRIC,
+    GHOST_HITS_METRIC,
     HELD_BLOCKS_METRIC,
     METRIC_PREFIX,
     Probe,
     VLLMManagerAdapter,
 )
 from kvoffload.integrations.vllm.offer_filter import OfferCountFilter
-from kvoffload.integrations.vllm.settings import SpecSettings, parse_settings
+from kvoffload.integrations.vllm.settings import (
+    ADMISSION_KEY,
+    REMOTE_URL_KEY,
+    SpecSettings,
+    parse_settings,
+)
 from kvoffload.managers import CPUOffloadingManager, build_manager
 from kvoffload.observe.counters import COUNTER_DOCS
 
@@ -40,7 +49,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
-        """Our counters and the held-blocks gauge, for vLLM's ``/metrics``."""
+        """Our counters and the held-blocks gauge (and the admission layer's), for ``/metrics``."""
         definitions: dict[str, Any] = {
             f"{METRIC_PREFIX}{name}": OffloadingCounterMetadata(documentation=doc)
             for name, doc in COUNTER_DOCS.items()
@@ -48,16 +57,25 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
         definitions[HELD_BLOCKS_METRIC] = OffloadingGaugeMetadata(
             documentation="Blocks holding a slot in kvoffload's CPU tier (stored or pending)."
         )
+        if extra_config.get(ADMISSION_KEY, "none") not in (None, "none"):
+            definitions[GHOST_HITS_METRIC] = OffloadingCounterMetadata(
+                documentation="First-seen offered blocks requested again while the "
+                "admission layer remembered them."
+            )
+            definitions[CONTROL_METRIC] = OffloadingGaugeMetadata(
+                documentation="The admission layer's control value (feedback: share of block "
+                "classes written on first sight; sketch: its sightings threshold)."
+            )
         return definitions
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         self.settings: SpecSettings = parse_settings(self.extra_config)
-        if self.settings.admission is not None or self.settings.remote_url is not None:
-            key = "kvoffload.admission" if self.settings.admission else "kvoffload.remote_url"
+        if self.settings.remote_url is not None:
+            # The shared tier plugs in at build_backing, the spec's one extension point.
             raise InvalidArgumentError(
-                f"kv_connector_extra_config {key!r} needs kvoffload's admission layers and "
-                "tiers, which this installation does not have"
+                f"kv_connector_extra_config {REMOTE_URL_KEY!r} needs kvoffload's shared tier, "
+                "which the vLLM spec does not support yet; remove the key"
             )
         world = max(1, config.parallel.world_size)
         self.bytes_per_block = config.worker_kv_bytes_per_block * world * self.blocks_per_chunk
@@ -72,16 +90,24 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
         self._manager: VLLMManagerAdapter | None = None
         self._worker: Any = None
 
-    def build_backing(self) -> tuple[CPUOffloadingManager, Probe]:
-        """The manager stack behind the adapter; the one place to add layers and tiers."""
+    def build_backing(self) -> tuple[OffloadingManager, Probe]:
+        """The manager stack behind the adapter; the one place to add layers and tiers.
+
+        The stack is the admission layer (if any) over the CPU tier; the probe
+        reads the tier itself. vLLM-style ``store_threshold`` filtering stays in
+        the adapter, because vLLM counts store offers where the seed counts lookups.
+        """
         manager = build_manager(
             self.num_blocks,
             self.settings.eviction_policy,
             enable_events=self.kv_events_config.enable_kv_cache_events,
+            admission=self.settings.admission,
         )
-        if not isinstance(manager, CPUOffloadingManager):
-            raise TypeError(f"expected the CPU tier manager, got {type(manager).__name__}")
-        return manager, manager.block_status
+        layer = find_admission(manager)
+        tier = manager if layer is None else layer.backing
+        if not isinstance(tier, CPUOffloadingManager):
+            raise TypeError(f"expected the CPU tier manager, got {type(tier).__name__}")
+        return manager, tier.block_status
 
     def get_manager(self) -> VLLMManagerAdapter:
         if self._manager is None:

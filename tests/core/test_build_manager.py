@@ -1,0 +1,31 @@
+"""``build_manager`` refuses arguments that would otherwise silently mean "no filter"."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvoffload import InvalidArgumentError
+from kvoffload.admission import available_admissions
+from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager, build_manager
+
+
+@pytest.mark.parametrize("threshold", [1.5, 2.0, "2", True, None, -1])
+def test_a_non_integer_or_negative_store_threshold_is_refused(threshold: Any) -> None:
+    with pytest.raises(InvalidArgumentError, match="store_threshold") as error:
+        build_manager(8, store_threshold=threshold)
+    assert repr(threshold) in str(error.value) or str(threshold) in str(error.value)
+
+
+@pytest.mark.parametrize(("threshold", "filtered"), [(0, False), (1, False), (2, True)])
+def test_integer_thresholds_keep_their_meaning(threshold: int, filtered: bool) -> None:
+    manager = build_manager(8, store_threshold=threshold)
+    expected = FilterReusedOffloadingManager if filtered else CPUOffloadingManager
+    assert type(manager) is expected
+
+
+def test_an_unknown_admission_lists_the_valid_names() -> None:
+    with pytest.raises(InvalidArgumentError, match="'bogus'") as error:
+        build_manager(8, admission="bogus")
+    assert all(name in str(error.value) for name in available_admissions())

@@ -1,0 +1,196 @@
+"""``kvoffload.admission`` and every registered policy, configured the way vLLM users do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from vllm_helpers import create_spec
+
+from kvoffload import InvalidArgumentError, block_id_key
+from kvoffload.admission import available_admissions
+from kvoffload.policies import available_policies, create_cache_policy
+from kvoffload.sim.traces import read_trace
+
+CAPACITY = 4392
+"""Blocks in the tier: 10% of the Mooncake trace's unique blocks, as in test_vllm_replay."""
+
+GHOST_HITS = "vllm:kvoffload_admission_ghost_hits"
+CONTROL = "vllm:kvoffload_admission_control"
+
+
+def _manager(admission: str, num_blocks: int = CAPACITY, **extra: Any) -> Any:
+    config = {"cpu_bytes_to_use": num_blocks * 1024, "kvoffload.admission": admission}
+    return create_spec(config | extra).get_manager()
+
+
+def _context(req_id: str, keys: list[bytes]) -> Any:
+    from vllm.v1.kv_offload.base import ReqContext
+
+    context = ReqContext(req_id=req_id)
+    for position, key in enumerate(keys, start=1):
+        context.set_offload_key_position(key, 16 * position)
+    return context
+
+
+@pytest.fixture(scope="module")
+def mooncake(mooncake_trace: Path) -> Any:
+    return read_trace(mooncake_trace)
+
+
+def test_recommended_admission_cuts_writes_on_mooncake(
+    vllm_modules: dict[str, ModuleType], mooncake: Any
+) -> None:
+    from kvoffload.integrations.vllm.replay import replay
+
+    everything = replay(_manager("none"), mooncake.requests, mooncake.block_tokens)
+    manager = _manager("recommended")
+    admitted = replay(manager, mooncake.requests, mooncake.block_tokens)
+    assert admitted.written_blocks < 0.5 * everything.written_blocks
+    assert admitted.hit_ratio >= everything.hit_ratio - 0.01
+    stats = manager.get_stats().reduce()
+    assert stats["vllm:kvoffload_stores_admitted"] == admitted.written_blocks
+    assert stats["vllm:kvoffload_stores_skipped"] > 0
+    # Offers of blocks already held are neither admitted nor skipped.
+    assert (
+        stats["vllm:kvoffload_stores_admitted"] + stats["vllm:kvoffload_stores_skipped"]
+        <= stats["vllm:kvoffload_stores_offered"]
+    )
+    assert stats[GHOST_HITS] > 0
+    assert 0.0 <= stats[CONTROL] <= 1.0
+
+
+def test_sketch_admission_stores_on_the_second_request_only(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    """Seen-twice admission counts requests, not vLLM's repeated per-key lookups."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    manager = _manager("sketch", num_blocks=8)
+    keys = [block_id_key(i) for i in range(3)]
+    first = _context("a", keys)
+    manager.on_new_request(first)
+    for _ in range(5):  # the scheduler re-polls a request's lookups
+        assert manager.lookup(keys[0], first) is LookupResult.MISS
+    assert manager.prepare_store(keys, first).keys_to_store == []
+    manager.on_request_finished(first)
+    stats = manager.get_stats().reduce()
+    assert (stats["vllm:kvoffload_stores_offered"], stats["vllm:kvoffload_stores_skipped"]) == (
+        3,
+        3,
+    )
+    second = _context("b", keys)
+    manager.on_new_request(second)
+    assert manager.lookup(keys[0], second) is LookupResult.MISS
+    output = manager.prepare_store(keys, second)
+    assert output.keys_to_store == keys
+    manager.complete_store(keys, second)
+    manager.on_request_finished(second)
+    stats = manager.get_stats().reduce()
+    assert stats["vllm:kvoffload_stores_admitted"] == 3
+    assert stats["vllm:kvoffload_stores_skipped"] == 0
+    assert manager.lookup(keys[2], _context("c", keys)) is LookupResult.HIT
+
+
+def test_a_request_that_offers_nothing_is_still_a_sighting(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    from vllm.v1.kv_offload.base import LookupResult
+
+    manager = _manager("sketch", num_blocks=8)
+    key = block_id_key(7)
+    looked = _context("a", [key])
+    manager.on_new_request(looked)
+    assert manager.lookup(key, looked) is LookupResult.MISS
+    manager.on_request_finished(looked)  # aborted before storing anything
+    storing = _context("b", [key])
+    manager.on_new_request(storing)
+    assert manager.prepare_store([key], storing).keys_to_store == [key]
+
+
+def test_admission_metrics_are_declared_only_with_a_layer(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    from kvoffload.integrations.vllm import KVOffloadSpec
+
+    with_layer = KVOffloadSpec.build_metric_definitions({"kvoffload.admission": "feedback"})
+    assert {GHOST_HITS, CONTROL} <= set(with_layer)
+    assert GHOST_HITS not in KVOffloadSpec.build_metric_definitions({})
+    values = _manager("feedback", num_blocks=4).get_stats().reduce()
+    assert set(values) <= set(with_layer)
+    assert GHOST_HITS not in _manager("none", num_blocks=4).get_stats().reduce()
+
+
+def test_an_unknown_admission_fails_at_start_up_listing_the_names(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    with pytest.raises(InvalidArgumentError) as error:
+        _manager("tinylfu", num_blocks=4)
+    message = str(error.value)
+    assert "'kvoffload.admission'" in message and "'tinylfu'" in message
+    assert all(name in message for name in available_admissions())
+
+
+def test_remote_url_is_refused_with_its_key(vllm_modules: dict[str, ModuleType]) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"'kvoffload\.remote_url'.*not support"):
+        create_spec({"cpu_bytes_to_use": 4096, "kvoffload.remote_url": "valkey://127.0.0.1:1"})
+
+
+@pytest.mark.parametrize("policy", available_policies())
+def test_every_registered_policy_backs_the_spec_and_vllms_manager(
+    vllm_modules: dict[str, ModuleType], mooncake: Any, policy: str
+) -> None:
+    """``eviction_policy`` with our spec, and ``kvoffload_<name>`` inside vLLM's manager."""
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    from kvoffload.integrations.vllm.replay import replay
+
+    ours = _manager("none", eviction_policy=policy)
+    expected = type(create_cache_policy(policy, 4))
+    assert type(ours.backing.policy) is expected
+    theirs = CPUOffloadingManager(
+        CAPACITY, f"kvoffload_{policy}", cache_policy_module_path="kvoffload.integrations.vllm"
+    )
+    assert type(theirs._policy._policy) is expected
+    ours_result = replay(ours, mooncake.requests, mooncake.block_tokens)
+    theirs_result = replay(theirs, mooncake.requests, mooncake.block_tokens)
+    assert ours_result.hit_ratio > 0.2
+    assert abs(ours_result.hit_ratio - theirs_result.hit_ratio) <= 0.01
+    assert abs(ours_result.writes_per_ref - theirs_result.writes_per_ref) <= 0.01
+
+
+def test_vllms_metrics_frontend_shows_the_admission_counters(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    import functools
+    from types import SimpleNamespace
+
+    import prometheus_client
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadPromMetrics,
+    )
+    from vllm_helpers import SPEC_CONFIG
+
+    extra = {**SPEC_CONFIG, "cpu_bytes_to_use": 8 * 1024, "kvoffload.admission": "sketch"}
+    transfer = KVTransferConfig(
+        kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
+    )
+    registry = prometheus_client.CollectorRegistry()
+    kinds = (prometheus_client.Counter, prometheus_client.Gauge, prometheus_client.Histogram)
+    frontend = OffloadPromMetrics(
+        SimpleNamespace(kv_transfer_config=transfer),
+        {kind: functools.partial(kind, registry=registry) for kind in kinds},
+        ["engine"],
+        {0: ["0"]},
+    )
+    manager = create_spec(extra).get_manager()
+    keys = [block_id_key(i) for i in range(2)]
+    manager.prepare_store(keys, _context("a", keys))
+    frontend.observe(manager.get_stats().data, 0)
+    text = prometheus_client.generate_latest(registry).decode()
+    assert 'vllm:kvoffload_stores_skipped_total{engine="0"} 2.0' in text
+    assert 'vllm:kvoffload_admission_ghost_hits_total{engine="0"} 0.0' in text
+    assert 'vllm:kvoffload_admission_control{engine="0"} 2.0' in text
