@@ -14,7 +14,7 @@ import json
 from types import ModuleType
 from typing import Any
 
-from kvoffload.cli import output
+from kvoffload.cli import options, output
 from kvoffload.core.errors import KVOffloadError
 
 BENCH_MODULE = "kvoffload.dataplane.bench"
@@ -36,11 +36,18 @@ def register(commands: Any) -> argparse.ArgumentParser:
         description="Measure the disk tier against a plain sequential file write/read of the same "
         "bytes, and the shared tier (with --remote) against pipelined SET/GET, same client.",
     )
-    tiers.add_argument("--blocks", type=int, default=128, help="blocks per round (default: 128)")
     tiers.add_argument(
-        "--block-mib", type=float, default=2.0, help="MiB per block (default: 2, an 8B model's)"
+        "--blocks", type=options.POSITIVE_INT, default=128, help="blocks per round (default: 128)"
     )
-    tiers.add_argument("--rounds", type=int, default=3, help="best of this many (default: 3)")
+    tiers.add_argument(
+        "--block-mib",
+        type=options.POSITIVE,
+        default=2.0,
+        help="MiB per block (default: 2, an 8B model's)",
+    )
+    tiers.add_argument(
+        "--rounds", type=options.POSITIVE_INT, default=3, help="best of this many (default: 3)"
+    )
     tiers.add_argument("--dir", help="directory for the disk tier (default: a temporary one)")
     tiers.add_argument("--remote", metavar="URL", help="also measure the shared tier at URL")
     tiers.add_argument("--json", metavar="PATH", help="write the results as JSON (- stdout)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvoffload.cli import output
+from kvoffload.cli import options, output
 from kvoffload.sim.sources import WorkloadSource
 from kvoffload.sim.trace_stats import TraceStats, trace_stats
 from kvoffload.sim.traces import TRACE_FORMATS
@@ -20,7 +20,9 @@ def register(commands: Any) -> None:
     )
     parser.add_argument("path", help="trace file")
     parser.add_argument("--format", default="auto", choices=("auto", *TRACE_FORMATS))
-    parser.add_argument("--block-size", type=int, metavar="TOKENS", help="tokens per block")
+    parser.add_argument(
+        "--block-size", type=options.POSITIVE_INT, metavar="TOKENS", help="tokens per block"
+    )
     parser.add_argument("--json", metavar="PATH", help="write the statistics as JSON (- stdout)")
     parser.set_defaults(run=run)
 

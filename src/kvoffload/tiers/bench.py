@@ -10,6 +10,7 @@ Each figure is the best of ``rounds``: the machines are shared and noisy.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -21,6 +22,7 @@ from typing import Any
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
+from kvoffload.core.memory import check_fits
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.format import layout_fingerprint
 from kvoffload.tiers.remote import RemoteTier
@@ -182,10 +184,12 @@ def measure_tiers(
     remote: str | None = None,
 ) -> dict[str, Any]:
     """Disk figures (in ``directory``, default a temporary one), and remote ones if ``remote``."""
-    if blocks < 1 or rounds < 1 or block_mib <= 0:
+    if blocks < 1 or rounds < 1 or not 0 < block_mib < math.inf:
         raise InvalidArgumentError(
             f"blocks and rounds must be >= 1 and block MiB > 0, got {blocks}, {rounds}, {block_mib}"
         )
+    # The payloads and the load buffer each hold every block.
+    check_fits(2 * blocks * block_mib * MIB, f"{blocks} blocks of {block_mib:g} MiB")
     data = _Blocks(blocks, int(block_mib * MIB))
     results: dict[str, Any] = {"blocks": blocks, "block_bytes": data.size, "rounds": rounds}
     scratch = Path(tempfile.mkdtemp(prefix="kvoffload-bench-", dir=directory))

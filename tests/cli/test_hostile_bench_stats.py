@@ -1,0 +1,54 @@
+"""``bench tiers`` and ``trace-stats`` refuse bad numbers on one line, before any work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvoffload.cli.main import main
+
+MOONCAKE_LIKE = '{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}'
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvoffload: error: "), err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--block-mib", "nan"], "--block-mib: must be a finite number"),
+        (["--block-mib", "0"], "--block-mib: must be > 0"),
+        (["--blocks", "0"], "--blocks: must be >= 1"),
+        (["--blocks", "2.5"], "--blocks: expected an integer"),
+        (["--rounds", "-1"], "--rounds: must be >= 1"),
+    ],
+)
+def test_bench_tiers_bad_numbers_are_usage_errors(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "tiers", *args]) == 2
+    assert message in one_line_error(capsys)
+
+
+def test_bench_tiers_larger_than_memory_is_refused_before_allocating(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "tiers", "--blocks", "100000000", "--block-mib", "1000"]) == 1
+    assert "GiB of memory" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"), [("0", "must be >= 1"), ("x", "expected an integer")]
+)
+def test_trace_stats_bad_block_size_is_a_usage_error(
+    value: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(MOONCAKE_LIKE + "\n")
+    assert main(["trace-stats", str(trace), "--block-size", value]) == 2
+    assert f"--block-size: {message}" in one_line_error(capsys)
