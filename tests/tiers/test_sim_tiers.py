@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
-from tier_servers import ValkeyProcess
 
 from kvoffload import block_id_key
 from kvoffload.cli.main import main
 from kvoffload.sim.run import SimConfig, simulate
 from kvoffload.sim.workload import Request, Workload
+from tier_servers import ValkeyProcess
 
 TIER_FIELDS = {"hit_blocks", "stored_blocks", "read_bytes", "written_bytes", "failed"}
 
