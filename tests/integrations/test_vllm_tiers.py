@@ -88,6 +88,23 @@ def test_a_second_instance_hits_what_the_first_wrote_to_the_shared_tier(
     assert other_model.get_manager().lookup(KEYS[0], _context("o", KEYS)) is LookupResult.MISS
 
 
+def test_an_admission_layer_sits_over_the_tier_stack(
+    vllm_modules: dict[str, ModuleType], valkey_server: ValkeyProcess, specs: list[Any]
+) -> None:
+    from kvoffload.admission import find_admission
+
+    extra = {
+        "cpu_bytes_to_use": 16 * 1024,
+        "kvoffload.remote_url": valkey_server.url,
+        "kvoffload.admission": "recommended",
+    }
+    spec = create_spec(extra, model="admission")
+    specs.append(spec)
+    layer = find_admission(spec.get_manager().backing)
+    assert layer is not None and isinstance(layer.backing, TieredOffloadingManager)
+    assert [tier.medium for tier in layer.backing.tiers] == ["REMOTE"]
+
+
 def test_a_pending_store_is_hit_pending_with_a_shared_tier(
     vllm_modules: dict[str, ModuleType], valkey_server: ValkeyProcess, specs: list[Any]
 ) -> None:
