@@ -377,3 +377,103 @@ def test_ctrl_c_stops_a_sweep_and_keeps_finished_runs(tmp_path: Path) -> None:
     assert 1 <= len(runs) < 48
     assert len(out_csv.read_text().splitlines()) == len(runs) + 1
     assert stopped_after < 30  # generous: it would otherwise run the remaining configurations
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--disk-dir", "d", "--disk-gb", "nan"], "--disk-gb: must be a finite number"),
+        (["--disk-dir", "d", "--disk-gb", "inf"], "--disk-gb: must be a finite number"),
+        (["--disk-dir", "d", "--disk-gb", "-1"], "--disk-gb: must be > 0"),
+        (["--disk-dir", "d", "--disk-blocks", "-1"], "--disk-blocks: must be >= 1"),
+        (["--disk-dir", "d", "--disk-blocks", "1e12"], "--disk-blocks: expected an integer"),
+        (["--disk-gb-per-s", "nan"], "--disk-gb-per-s: must be a finite number"),
+        (["--remote-gb-per-s", "0"], "--remote-gb-per-s: must be > 0"),
+        (["--disk-latency-ms", "inf"], "--disk-latency-ms: must be a finite number"),
+        (["--remote-latency-ms", "-1"], "--remote-latency-ms: must be >= 0"),
+        (["--tier-store-threshold", "1.5"], "--tier-store-threshold: expected an integer"),
+        (["--tier-store-threshold", "-1"], "--tier-store-threshold: must be >= 0"),
+    ],
+)
+@pytest.mark.parametrize("command", ["simulate", "sweep"])
+def test_bad_tier_numbers_are_usage_errors(
+    command: str, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([command, "--requests", "20", "--no-progress", *args]) == 2
+    assert message in one_line_error(capsys)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--disk-dir", "{tmp}/a-file", "--disk-gb", "1"], "is not a directory"),
+        (["--disk-dir", "{tmp}/a-file/d", "--disk-gb", "1"], "is not an existing directory"),
+        (["--disk-dir", "{tmp}/no/d", "--disk-blocks", "8"], "no is not an existing directory"),
+        (["--disk-dir", "{tmp}/d"], "--disk-dir needs a size: --disk-gb or --disk-blocks"),
+        (["--disk-gb", "1"], "--disk-gb needs --disk-dir"),
+        (["--disk-policy", "lru"], "--disk-policy needs --disk-dir"),
+        (
+            ["--disk-dir", "{tmp}/d", "--disk-blocks", "8", "--disk-policy", "bogus"],
+            "--disk-policy: unknown cache policy 'bogus'",
+        ),
+        (["--remote", "bogus://x"], "--remote: remote tier URL 'bogus://x' must start with"),
+        (["--remote", "redis://127.0.0.1:1/0"], "--remote: remote tier redis://127.0.0.1:1/0 is"),
+    ],
+)
+@pytest.mark.parametrize("command", ["simulate", "sweep"])
+def test_bad_tier_options_are_refused_before_the_workload(
+    tmp_path: Path, command: str, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The trace is bad too: an error naming the tier option shows it was checked first.
+    ``{tmp}`` is this test's directory, which holds a plain file ``a-file``.
+    """
+    (tmp_path / "a-file").write_text("x")
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text("{\n")
+    common = ["--trace", str(trace), "--no-progress"]
+    extra = ["--jobs", "1"] if command == "sweep" else []
+    args = [arg.format(tmp=tmp_path) for arg in args]
+    assert main([command, *common, *extra, *args]) == 1
+    assert message in one_line_error(capsys)
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_an_unwritable_disk_dir_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    assert main([*SMALL, "--disk-dir", str(locked / "d"), "--disk-blocks", "8"]) == 1
+    assert "is not writable" in one_line_error(capsys)
+
+
+def test_a_disk_tier_beyond_the_file_system_is_refused_with_real_bytes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("torch")
+    args = ["--disk-dir", str(tmp_path / "d"), "--disk-blocks", str(10**15), "--data-plane"]
+    assert main([*SMALL, *args]) == 1
+    assert "does not fit the" in one_line_error(capsys)
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_wrong_remote_password_is_refused_before_the_workload(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tier_servers import ValkeyProcess
+
+    server = ValkeyProcess(tmp_path / "auth", password="right-one")
+    server.start()
+    try:
+        trace = tmp_path / "bad.jsonl"
+        trace.write_text("{\n")
+        url = f"redis://:wrong@127.0.0.1:{server.port}/0?timeout_ms=2000"
+        for command, extra in (("simulate", []), ("sweep", ["--jobs", "1"])):
+            args = [command, "--trace", str(trace), "--no-progress", *extra, "--remote", url]
+            assert main(args) == 1
+            err = one_line_error(capsys)
+            assert "--remote: remote tier" in err and "authentication failed" in err
+            assert "wrong" not in err.replace("WRONGPASS", "")
+    finally:
+        server.stop()

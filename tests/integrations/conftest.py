@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import importlib
-import os
 import warnings
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -32,13 +30,3 @@ def import_vllm() -> dict[str, ModuleType]:
 @pytest.fixture(scope="session")
 def vllm_modules() -> dict[str, ModuleType]:
     return import_vllm()
-
-
-@pytest.fixture(scope="session")
-def mooncake_trace() -> Path:
-    env = os.environ.get("KVOFFLOAD_SHARED")
-    shared = Path(env) if env else Path(__file__).resolve().parents[2] / ".." / "shared"
-    path = shared / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
-    if not path.is_file():
-        pytest.skip(f"the Mooncake trace is not at {path} (set KVOFFLOAD_SHARED)")
-    return path

@@ -133,11 +133,6 @@ def test_an_unknown_admission_fails_at_start_up_listing_the_names(
     assert all(name in message for name in available_admissions())
 
 
-def test_remote_url_is_refused_with_its_key(vllm_modules: dict[str, ModuleType]) -> None:
-    with pytest.raises(InvalidArgumentError, match=r"'kvoffload\.remote_url'.*not support"):
-        create_spec({"cpu_bytes_to_use": 4096, "kvoffload.remote_url": "valkey://127.0.0.1:1"})
-
-
 @pytest.mark.parametrize("policy", available_policies())
 def test_every_registered_policy_backs_the_spec_and_vllms_manager(
     vllm_modules: dict[str, ModuleType], mooncake: Any, policy: str

@@ -15,6 +15,7 @@ def offloading_config(
     bytes_per_block: int = 1024,
     blocks_per_chunk: int = 1,
     events: bool = False,
+    model: str = "test-model",
 ) -> Any:
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
@@ -30,7 +31,7 @@ def offloading_config(
         enable_kv_cache_events=events,
         extra_config={**SPEC_CONFIG, **extra},
         engine_id="test-engine",
-        model=OffloadingModelConfig("test-model", "float16"),
+        model=OffloadingModelConfig(model, "float16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
         parallel=OffloadingParallelConfig(
             rank=0,

@@ -1,32 +1,13 @@
-"""Shared fixtures: the public Mooncake trace (skipped when absent) and small workloads."""
+"""Small workloads built from block-id lists."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
 from kvoffload import block_id_key
 from kvoffload.sim.workload import Request, Workload
-
-TRACE_NAME = "mooncake_synthetic_trace.jsonl"
-
-
-def shared_dir() -> Path:
-    """``$KVOFFLOAD_SHARED``, else the ``shared`` folder beside the repository."""
-    env = os.environ.get("KVOFFLOAD_SHARED")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / ".." / "shared"
-
-
-@pytest.fixture(scope="session")
-def mooncake_trace() -> Path:
-    path = shared_dir() / "data" / "traces" / TRACE_NAME
-    if not path.is_file():
-        pytest.skip(f"{TRACE_NAME} not found at {path} (set KVOFFLOAD_SHARED to its shared/ dir)")
-    return path
-
 
 MakeWorkload = Callable[..., Workload]
 

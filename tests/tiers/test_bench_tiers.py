@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-from tier_servers import ValkeyProcess
 
 from kvoffload.cli.main import main
+from tier_servers import ValkeyProcess
 
 
 def test_bench_tiers_reports_both_tiers_beside_their_baselines(

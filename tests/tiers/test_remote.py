@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 from tier_helpers import ByteSlots, content
-from tier_servers import ValkeyClusterProcesses, ValkeyProcess
 
 from kvoffload import CPUOffloadingManager, OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
@@ -17,6 +16,7 @@ from kvoffload.core.specs import CPULoadStoreSpec
 from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
 from kvoffload.tiers import CircuitBreaker, RemoteTier, RemoteTierError, layout_fingerprint
 from kvoffload.tiers.format import encode_block
+from tier_servers import ValkeyClusterProcesses, ValkeyProcess
 
 KEYS = [block_id_key(i) for i in range(40)]
 

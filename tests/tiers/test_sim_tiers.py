@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
-from tier_servers import ValkeyProcess
 
 from kvoffload import block_id_key
 from kvoffload.cli.main import main
 from kvoffload.sim.run import SimConfig, simulate
 from kvoffload.sim.workload import Request, Workload
+from tier_servers import ValkeyProcess
 
 TIER_FIELDS = {"hit_blocks", "stored_blocks", "read_bytes", "written_bytes", "failed"}
 
@@ -153,7 +153,7 @@ def test_tier_options_fail_with_one_clear_line(
     assert main([*base, "--disk-dir", str(tmp_path)]) != 0
     assert "needs a size" in capsys.readouterr().err
     assert main([*base, "--disk-dir", str(tmp_path), "--disk-gb", "1", "--disk-policy", "x"]) != 0
-    assert "unknown disk policy 'x'" in capsys.readouterr().err
+    assert "--disk-policy: unknown cache policy 'x'" in capsys.readouterr().err
     assert main([*base, "--remote", "http://nowhere"]) != 0
     assert "must start with" in capsys.readouterr().err
     assert main([*base, "--remote", f"redis://127.0.0.1:{own_server.port}/0?timeout_ms=50"]) != 0

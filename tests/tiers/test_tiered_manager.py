@@ -6,12 +6,12 @@ import time
 from pathlib import Path
 
 from tier_helpers import ByteSlots, content
-from tier_servers import ValkeyProcess
 
 from kvoffload import CPUOffloadingManager, OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
 from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
 from kvoffload.tiers import DiskTier, RemoteTier, layout_fingerprint
+from tier_servers import ValkeyProcess
 
 FP = layout_fingerprint("tiered-test", layout_preset("tiny"), 0)
 K = [block_id_key(i) for i in range(10)]

@@ -20,13 +20,13 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from tier_servers import ValkeyProcess
 
 from kvoffload import CPUOffloadingManager, OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
 from kvoffload.managers.tiered import LowerTier, TieredOffloadingManager, TierSettings
 from kvoffload.policies import PENDING_STORE
 from kvoffload.tiers import DiskTier, RemoteTier, layout_fingerprint
+from tier_servers import ValkeyProcess
 
 UNIVERSE = [block_id_key(i) for i in range(6)]
 KEY_LISTS = st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=5)

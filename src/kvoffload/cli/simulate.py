@@ -118,6 +118,7 @@ def _default_capacities_in_blocks(args: argparse.Namespace, block_tokens: int) -
 
 def run(args: argparse.Namespace) -> int:
     options.check_before_work(args)
+    tier_options.check_before_work(args)
     options.check_name(args.policy, "--policy", resolve_policy)
     options.check_name(args.admission, "--admission", resolve_admission)
     observe_options.check_before_work(args)

@@ -70,6 +70,7 @@ def _capacities(args: argparse.Namespace, gpu_blocks: int, layout: str, bt: int)
 
 def run(args: argparse.Namespace) -> int:
     options.check_before_work(args)
+    tier_options.check_before_work(args)
     thresholds = options.parse_ints(args.thresholds, "--thresholds")
     policies = options.parse_names(args.policies, "--policies", resolve_policy)
     admissions = options.parse_names(args.admissions, "--admissions", resolve_admission)

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import shutil
 from pathlib import Path
 
-from kvoffload.cli import output
+from kvoffload.cli import options, output
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
+from kvoffload.core.layout import layout_preset
+from kvoffload.policies import resolve_policy
 from kvoffload.sim import tier_model
 from kvoffload.sim.run import RunReport, SimConfig, blocks_for_gib
+from kvoffload.tiers.format import FINGERPRINT_BYTES
 
 
 def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,8 +25,10 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
         "--disk-dir", metavar="PATH", help="local-disk tier in this directory (kept across runs)"
     )
     size = group.add_mutually_exclusive_group()
-    size.add_argument("--disk-gb", type=float, metavar="X", help="disk tier size in GiB")
-    size.add_argument("--disk-blocks", type=int, metavar="N", help="disk tier size in blocks")
+    size.add_argument("--disk-gb", type=options.POSITIVE, metavar="X", help="disk tier size in GiB")
+    size.add_argument(
+        "--disk-blocks", type=options.POSITIVE_INT, metavar="N", help="disk tier size in blocks"
+    )
     group.add_argument(
         "--disk-policy", help="disk tier eviction policy (default: the CPU tier's --policy)"
     )
@@ -32,18 +40,88 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--tier-store-threshold",
-        type=int,
+        type=options.COUNT,
         default=0,
         help="write a block to disk/remote only after this many lookups; below 2: all (default: 0)",
     )
-    for name, what, default in (
-        ("disk-gb-per-s", "modelled disk bandwidth, GB/s", tier_model.DISK_GB_PER_S),
-        ("disk-latency-ms", "modelled disk latency per batch", tier_model.DISK_LATENCY_MS),
-        ("remote-gb-per-s", "modelled remote bandwidth, GB/s", tier_model.REMOTE_GB_PER_S),
-        ("remote-latency-ms", "modelled remote latency per batch", tier_model.REMOTE_LATENCY_MS),
+    latency = options.number(0.0)
+    for name, what, default, kind in (
+        ("disk-gb-per-s", "modelled disk bandwidth, GB/s", tier_model.DISK_GB_PER_S, None),
+        ("disk-latency-ms", "modelled disk latency per batch", tier_model.DISK_LATENCY_MS, 0),
+        ("remote-gb-per-s", "modelled remote bandwidth, GB/s", tier_model.REMOTE_GB_PER_S, None),
+        ("remote-latency-ms", "modelled remote latency per batch", tier_model.REMOTE_LATENCY_MS, 0),
     ):
         group.add_argument(
-            f"--{name}", type=float, default=default, help=f"{what} (default: {default:g})"
+            f"--{name}",
+            type=options.POSITIVE if kind is None else latency,
+            default=default,
+            help=f"{what} (default: {default:g})",
+        )
+
+
+def check_before_work(args: argparse.Namespace) -> None:
+    """Refuse tier options that would fail only once the workload is built: a size or
+    policy without a disk tier, an unusable directory, a server that cannot be reached.
+    """
+    disk_options = [
+        option
+        for option, value in (
+            ("--disk-gb", args.disk_gb),
+            ("--disk-blocks", args.disk_blocks),
+            ("--disk-policy", args.disk_policy),
+        )
+        if value is not None
+    ]
+    if args.disk_dir is None:
+        if disk_options:
+            raise InvalidArgumentError(f"{disk_options[0]} needs --disk-dir")
+    else:
+        if args.disk_gb is None and args.disk_blocks is None:
+            raise InvalidArgumentError("--disk-dir needs a size: --disk-gb or --disk-blocks")
+        _check_disk_dir(args.disk_dir)
+        if args.disk_policy is not None:
+            options.check_name(args.disk_policy, "--disk-policy", resolve_policy)
+    if args.remote is not None:
+        _check_remote(args.remote)
+
+
+def _check_disk_dir(path: str) -> None:
+    """An existing writable directory, or one that can be made in an existing one."""
+    target = Path(path)
+    if target.exists():
+        if not target.is_dir():
+            raise InvalidArgumentError(f"--disk-dir {path}: is not a directory")
+        place = target
+    else:
+        place = target.parent
+        if not place.is_dir():
+            raise InvalidArgumentError(f"--disk-dir {path}: {place} is not an existing directory")
+    if not os.access(place, os.W_OK | os.X_OK):
+        raise InvalidArgumentError(f"--disk-dir {path}: {place} is not writable")
+
+
+def _check_remote(url: str) -> None:
+    """Connect once (the URL's own timeout bounds it), so a typo costs no run."""
+    from kvoffload.tiers import RemoteTier
+
+    try:
+        RemoteTier(url, bytes(FINGERPRINT_BYTES)).close()
+    except KVOffloadError as exc:
+        raise type(exc)(f"--remote: {exc}") from None
+
+
+def _check_disk_space(args: argparse.Namespace, disk_blocks: int, bytes_per_block: int) -> None:
+    """With ``--data-plane`` the disk tier holds real bytes: it must fit the file system."""
+    if not getattr(args, "data_plane", False):
+        return
+    place = Path(args.disk_dir)
+    while not place.exists():
+        place = place.parent
+    total = shutil.disk_usage(place).total
+    if disk_blocks * bytes_per_block > total:
+        raise InvalidArgumentError(
+            f"a disk tier of {disk_blocks:,} blocks of {bytes_per_block:,} bytes does not fit "
+            f"the {total / 2**30:,.1f} GiB file system of --disk-dir {args.disk_dir}"
         )
 
 
@@ -54,6 +132,8 @@ def with_tiers(config: SimConfig, args: argparse.Namespace, block_tokens: int) -
         disk_blocks = args.disk_blocks or 0
         if args.disk_gb is not None:
             disk_blocks = blocks_for_gib(args.disk_gb, config.layout, block_tokens)
+        layout = layout_preset(config.layout).with_block_size(block_tokens)
+        _check_disk_space(args, disk_blocks, layout.bytes_per_block)
     return dataclasses.replace(
         config,
         disk_dir=args.disk_dir,

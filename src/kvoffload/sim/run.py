@@ -401,17 +401,23 @@ def _tiered_manager(
     config: SimConfig, block_tokens: int, backend: TransferBackend | None, enable_events: bool
 ) -> TieredOffloadingManager:
     """The CPU tier with disk and remote tiers behind it; real bytes if ``backend`` has them."""
+    # The tiers are imported only now: a run without them needs neither files nor client.
+    from kvoffload.tiers import build_tiered_manager, layout_fingerprint
+
     cpu = CPUOffloadingManager(config.cpu_blocks, config.policy, enable_events)
-    return tier_model.build_tiered_manager(
+    slot_bytes = getattr(backend, "slot_bytes", None)
+    layout = config.kv_layout(block_tokens)
+    payload = layout.bytes_per_block if slot_bytes is not None else 0
+    return build_tiered_manager(
         cpu,
-        config.kv_layout(block_tokens),
-        config.layout,
+        layout_fingerprint(config.layout, layout, payload),
         disk_dir=config.disk_dir,
         disk_blocks=config.disk_blocks,
         remote_url=config.remote_url,
         disk_policy=config.disk_policy or config.policy,
         store_threshold=config.tier_store_threshold,
-        slot_bytes=getattr(backend, "slot_bytes", None),
+        slot_bytes=slot_bytes,
+        wait_for_tiers=True,
     )
 
 

@@ -1,4 +1,4 @@
-"""The tiers below the CPU tier in a simulated run: how they are built and what they cost.
+"""What the tiers below the CPU tier cost in a simulated run (built by ``kvoffload.tiers``).
 
 Lower tiers are real (files in a directory, blocks on a Valkey/Redis
 server), so two runs against the same server share blocks. Their cost is
@@ -13,15 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvoffload.core.errors import InvalidArgumentError
-from kvoffload.core.layout import KVLayout
-from kvoffload.managers.cpu import CPUOffloadingManager
-from kvoffload.managers.tiered import (
-    LowerTier,
-    SlotBytes,
-    TieredOffloadingManager,
-    TierSettings,
-    TierStats,
-)
+from kvoffload.managers.tiered import TieredOffloadingManager, TierStats
 
 DISK_GB_PER_S = 3.0
 """A PCIe 4 NVMe SSD, sequential."""
@@ -48,44 +40,6 @@ class TierCost:
 
     def seconds(self, batches: int, blocks: int, bytes_per_block: int) -> float:
         return batches * self.latency_ms / 1000 + blocks * bytes_per_block / (self.gb_per_s * 1e9)
-
-
-def build_tiered_manager(
-    cpu: CPUOffloadingManager,
-    fingerprint_layout: KVLayout,
-    model: str,
-    *,
-    disk_dir: str | None,
-    disk_blocks: int,
-    remote_url: str | None,
-    disk_policy: str,
-    store_threshold: int,
-    slot_bytes: SlotBytes | None,
-) -> TieredOffloadingManager:
-    """CPU, then disk (write-back), then the shared tier (write-through, so others see it).
-
-    Imports the tiers only now: a run without lower tiers needs neither
-    their files nor the server client.
-    """
-    from kvoffload.tiers import DiskTier, RemoteTier, layout_fingerprint
-
-    payload = fingerprint_layout.bytes_per_block if slot_bytes is not None else 0
-    fingerprint = layout_fingerprint(model, fingerprint_layout, payload)
-    tiers: list[tuple[LowerTier, TierSettings]] = []
-    try:
-        if disk_dir is not None:
-            if disk_blocks < 1:
-                raise InvalidArgumentError(f"a disk tier needs >= 1 block, got {disk_blocks}")
-            disk = DiskTier(disk_dir, disk_blocks, fingerprint, disk_policy)
-            tiers.append((disk, TierSettings(False, store_threshold)))
-        if remote_url is not None:
-            remote = RemoteTier(remote_url, fingerprint)
-            tiers.append((remote, TierSettings(True, store_threshold)))
-    except BaseException:
-        for tier, _ in tiers:
-            tier.close()
-        raise
-    return TieredOffloadingManager(cpu, tiers, slot_bytes, wait_for_tiers=True)
 
 
 def tier_report(

@@ -7,8 +7,9 @@ created.
 
 from kvoffload.tiers.breaker import CircuitBreaker
 from kvoffload.tiers.disk import DiskTier
-from kvoffload.tiers.format import CorruptBlockError, layout_fingerprint
+from kvoffload.tiers.format import CorruptBlockError, fingerprint_of, layout_fingerprint
 from kvoffload.tiers.remote import RemoteTier, RemoteTierError
+from kvoffload.tiers.stack import build_tiered_manager
 from kvoffload.tiers.url import RemoteAddress, parse_remote_url
 
 __all__ = [
@@ -18,6 +19,8 @@ __all__ = [
     "RemoteAddress",
     "RemoteTier",
     "RemoteTierError",
+    "build_tiered_manager",
+    "fingerprint_of",
     "layout_fingerprint",
     "parse_remote_url",
 ]

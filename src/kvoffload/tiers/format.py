@@ -44,10 +44,20 @@ def layout_fingerprint(model: str, layout: KVLayout, payload_bytes: int) -> byte
     ``payload_bytes`` is 0 for bookkeeping-only runs, which then never mix
     with runs that store real bytes.
     """
-    text = (
-        f"{model}|{layout.num_layers}|{layout.kv_heads}|{layout.head_dim}|{layout.dtype}|"
-        f"{layout.tokens_per_block}|{payload_bytes}"
+    return fingerprint_of(
+        model,
+        layout.num_layers,
+        layout.kv_heads,
+        layout.head_dim,
+        layout.dtype,
+        layout.tokens_per_block,
+        payload_bytes,
     )
+
+
+def fingerprint_of(*parts: object) -> bytes:
+    """16 bytes naming ``parts``; for callers that describe their blocks without a KVLayout."""
+    text = "|".join(str(part) for part in parts)
     return hashlib.blake2b(text.encode(), digest_size=FINGERPRINT_BYTES).digest()
 
 

@@ -42,9 +42,13 @@ ADMISSION_KEY = f"{PREFIX}admission"
 """An admission layer by name (``kvoffload.admission`` registry); ``none`` stores everything."""
 
 REMOTE_URL_KEY = f"{PREFIX}remote_url"
-"""The shared tier's address. Accepted here and refused by the spec until the tiers are wired."""
+"""The shared tier's address (``kvoffload.tiers`` URL syntax), checked by connecting at start-up."""
 
-OWN_KEYS = frozenset({ADMISSION_KEY, REMOTE_URL_KEY})
+DISK_DIR_KEY = f"{PREFIX}disk_dir"
+DISK_BYTES_KEY = f"{PREFIX}disk_bytes"
+"""A local-disk tier: its directory and size; each needs the other."""
+
+OWN_KEYS = frozenset({ADMISSION_KEY, REMOTE_URL_KEY, DISK_DIR_KEY, DISK_BYTES_KEY})
 """kvoffload's keys. They name layers that are built by ``build_manager``."""
 
 
@@ -58,6 +62,12 @@ class SpecSettings:
     max_tracker_size: int = 64_000
     admission: str = "none"
     remote_url: str | None = None
+    disk_dir: str | None = None
+    disk_bytes: int = 0
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        return self.remote_url is not None or self.disk_dir is not None
 
 
 def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
@@ -83,6 +93,12 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
             f"kv_connector_extra_config {ADMISSION_KEY!r} {admission!r} is not a kvoffload "
             f"admission layer; known: {', '.join(available_admissions())}"
         )
+    disk_dir = _str(extra_config, DISK_DIR_KEY)
+    if (disk_dir is None) != (DISK_BYTES_KEY not in extra_config):
+        raise InvalidArgumentError(
+            f"kv_connector_extra_config {DISK_DIR_KEY!r} and {DISK_BYTES_KEY!r} go together; "
+            f"got only {DISK_BYTES_KEY if disk_dir is None else DISK_DIR_KEY!r}"
+        )
     return SpecSettings(
         cpu_bytes_to_use=_int(extra_config, "cpu_bytes_to_use", 1),
         eviction_policy=str(policy),
@@ -90,6 +106,8 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
         max_tracker_size=_int(extra_config, "max_tracker_size", 1, 64_000),
         admission=admission,
         remote_url=_str(extra_config, REMOTE_URL_KEY),
+        disk_dir=disk_dir,
+        disk_bytes=_int(extra_config, DISK_BYTES_KEY, 1, 0) if disk_dir is not None else 0,
     )
 
 

@@ -8,6 +8,7 @@ vLLM loads it out of tree from ``kv_connector_extra_config``::
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -17,7 +18,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from kvoffload.admission import find_admission
+from kvoffload.admission import find_admission, wrap_with_admission
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.manager import OffloadingManager
 from kvoffload.integrations.vllm.adapter import (
@@ -31,12 +32,17 @@ from kvoffload.integrations.vllm.adapter import (
 from kvoffload.integrations.vllm.offer_filter import OfferCountFilter
 from kvoffload.integrations.vllm.settings import (
     ADMISSION_KEY,
+    DISK_BYTES_KEY,
+    DISK_DIR_KEY,
     REMOTE_URL_KEY,
     SpecSettings,
     parse_settings,
 )
-from kvoffload.managers import CPUOffloadingManager, build_manager
+from kvoffload.managers import CPUOffloadingManager, TieredOffloadingManager, build_manager
 from kvoffload.observe.counters import COUNTER_DOCS
+from kvoffload.tiers import RemoteTierError, build_tiered_manager, fingerprint_of, parse_remote_url
+
+logger = logging.getLogger(__name__)
 
 
 class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
@@ -72,11 +78,13 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
         super().__init__(config)
         self.settings: SpecSettings = parse_settings(self.extra_config)
         if self.settings.remote_url is not None:
-            # The shared tier plugs in at build_backing, the spec's one extension point.
-            raise InvalidArgumentError(
-                f"kv_connector_extra_config {REMOTE_URL_KEY!r} needs kvoffload's shared tier, "
-                "which the vLLM spec does not support yet; remove the key"
-            )
+            # The URL's syntax now; the server answers when the scheduler builds its manager.
+            try:
+                parse_remote_url(self.settings.remote_url)
+            except InvalidArgumentError as exc:
+                raise InvalidArgumentError(
+                    f"kv_connector_extra_config {REMOTE_URL_KEY!r}: {exc}"
+                ) from None
         world = max(1, config.parallel.world_size)
         self.bytes_per_block = config.worker_kv_bytes_per_block * world * self.blocks_per_chunk
         if self.bytes_per_block <= 0:
@@ -87,7 +95,16 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 f"cpu_bytes_to_use {self.settings.cpu_bytes_to_use} holds no offloaded block "
                 f"of {self.bytes_per_block} bytes"
             )
+        self.disk_blocks = self.settings.disk_bytes // self.bytes_per_block
+        if self.settings.disk_dir is not None and self.disk_blocks < 1:
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config {DISK_BYTES_KEY!r} {self.settings.disk_bytes} holds "
+                f"no offloaded block of {self.bytes_per_block} bytes"
+            )
+        self.fingerprint = _fingerprint(config, self.bytes_per_block)
         self._manager: VLLMManagerAdapter | None = None
+        self._tiered: TieredOffloadingManager | None = None
+        self._warned = False
         self._worker: Any = None
 
     def build_backing(self) -> tuple[OffloadingManager, Probe]:
@@ -97,10 +114,17 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
         reads the tier itself. vLLM-style ``store_threshold`` filtering stays in
         the adapter, because vLLM counts store offers where the seed counts lookups.
         """
+        events = self.kv_events_config.enable_kv_cache_events
+        if self.settings.has_lower_tiers:
+            cpu = CPUOffloadingManager(self.num_blocks, self.settings.eviction_policy, events)
+            self._close_tiers()
+            self._tiered = self._open_tiers(cpu)
+            manager = wrap_with_admission(self.settings.admission, self._tiered, self.num_blocks)
+            return manager, cpu.block_status
         manager = build_manager(
             self.num_blocks,
             self.settings.eviction_policy,
-            enable_events=self.kv_events_config.enable_kv_cache_events,
+            enable_events=events,
             admission=self.settings.admission,
         )
         layer = find_admission(manager)
@@ -108,6 +132,45 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
         if not isinstance(tier, CPUOffloadingManager):
             raise TypeError(f"expected the CPU tier manager, got {type(tier).__name__}")
         return manager, tier.block_status
+
+    def _open_tiers(self, cpu: CPUOffloadingManager) -> TieredOffloadingManager:
+        """The lower tiers behind ``cpu``, through the simulator's builder; a tier that
+        cannot start (no server, a wrong password, an unusable directory) names its key.
+        """
+        settings = self.settings
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "kvoffload: the disk/shared tiers are scheduler-side only in this version; "
+                "blocks promoted from them carry no KV bytes to vLLM's workers"
+            )
+        try:
+            return build_tiered_manager(
+                cpu,
+                self.fingerprint,
+                disk_dir=settings.disk_dir,
+                disk_blocks=self.disk_blocks,
+                remote_url=settings.remote_url,
+                disk_policy=settings.eviction_policy,
+                store_threshold=0,
+                slot_bytes=None,
+                wait_for_tiers=False,
+            )
+        except RemoteTierError as exc:
+            raise RemoteTierError(f"kv_connector_extra_config {REMOTE_URL_KEY!r}: {exc}") from None
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config {DISK_DIR_KEY!r}: {exc}"
+            ) from None
+
+    def _close_tiers(self) -> None:
+        if self._tiered is not None:
+            tiered, self._tiered = self._tiered, None
+            tiered.close()
+
+    def close(self) -> None:
+        """Wait for the lower tiers' writes in flight and close them (nothing without tiers)."""
+        self._close_tiers()
 
     def get_manager(self) -> VLLMManagerAdapter:
         if self._manager is None:
@@ -128,3 +191,27 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
 
             self._worker = KVOffloadWorker(kv_caches, self.num_blocks, self.blocks_per_chunk)
         return self._worker
+
+
+def _fingerprint(config: OffloadingConfig, bytes_per_block: int) -> bytes:
+    """What a block's bytes mean under this vLLM configuration: model, dtype, block size,
+    KV groups, layout and parallelism. Scheduler-side tiers store no bytes (payload 0).
+    """
+    parallel = config.parallel
+    groups = [(group.tokens_per_block, group.layer_names) for group in config.groups]
+    return fingerprint_of(
+        "vllm",
+        config.model.name,
+        config.model.dtype,
+        config.cache.tokens_per_hash,
+        config.cache.blocks_per_chunk,
+        groups,
+        config.kv_cache_layout,
+        config.canonical_layout,
+        parallel.tp_size,
+        parallel.pp_size,
+        parallel.pcp_size,
+        parallel.dcp_size,
+        bytes_per_block,
+        0,
+    )

@@ -1,0 +1,57 @@
+"""Fixtures of the whole suite: the public Mooncake trace (skipped when absent) and
+session-wide Valkey servers (standalone and a 3-node Cluster), always stopped.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tier_servers import ValkeyClusterProcesses, ValkeyProcess
+
+TRACE_NAME = "mooncake_synthetic_trace.jsonl"
+
+
+def shared_dir() -> Path:
+    """``$KVOFFLOAD_SHARED``, else the ``shared`` folder beside the repository."""
+    env = os.environ.get("KVOFFLOAD_SHARED")
+    return Path(env) if env else Path(__file__).resolve().parents[1] / ".." / "shared"
+
+
+@pytest.fixture(scope="session")
+def mooncake_trace() -> Path:
+    path = shared_dir() / "data" / "traces" / TRACE_NAME
+    if not path.is_file():
+        pytest.skip(f"{TRACE_NAME} not found at {path} (set KVOFFLOAD_SHARED to its shared/ dir)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def valkey_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyProcess]:
+    server = ValkeyProcess(tmp_path_factory.mktemp("valkey")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyClusterProcesses]:
+    cluster = ValkeyClusterProcesses(tmp_path_factory.mktemp("cluster")).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[ValkeyProcess]:
+    """A short-lived server of this test alone (to kill, restart or protect with a password)."""
+    server = ValkeyProcess(tmp_path / "own")
+    try:
+        yield server
+    finally:
+        server.stop()
