@@ -1,4 +1,8 @@
-"""The spec's lower tiers: a shared Valkey tier two "instances" share, and a disk tier."""
+"""The spec's lower tiers: a shared Valkey tier two "instances" share, and a disk tier.
+
+Lower tiers move no KV bytes to vLLM's workers yet, so the spec runs them only
+with ``kvoffload.tiers_without_bytes``; every spec here but one sets it.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from vllm_helpers import create_spec
+import vllm_helpers
 
 from kvoffload import InvalidArgumentError, block_id_key
 from kvoffload.core.keys import OffloadKey
@@ -18,6 +22,30 @@ from kvoffload.tiers import RemoteTierError
 from tier_servers import ValkeyProcess
 
 KEYS = [block_id_key(i) for i in range(1, 9)]
+MEASURE_ONLY = {"kvoffload.tiers_without_bytes": True}
+
+
+def create_spec(extra: dict[str, Any], **kwargs: Any) -> Any:
+    """Our spec through vLLM's factory, with the lower tiers allowed to run without bytes."""
+    return vllm_helpers.create_spec({**MEASURE_ONLY, **extra}, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "tier",
+    [
+        {"kvoffload.remote_url": "redis://127.0.0.1:6379/0"},
+        {"kvoffload.disk_dir": "/tmp/x", "kvoffload.disk_bytes": 4096},
+    ],
+)
+def test_lower_tiers_are_refused_unless_running_without_bytes_is_asked_for(
+    vllm_modules: dict[str, ModuleType], tier: dict[str, Any]
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"stale KV.*kvoffload\.tiers_without_bytes"):
+        vllm_helpers.create_spec({"cpu_bytes_to_use": 4096, **tier})
+    with pytest.raises(InvalidArgumentError, match="must be true or false"):
+        vllm_helpers.create_spec(
+            {"cpu_bytes_to_use": 4096, "kvoffload.tiers_without_bytes": "yes", **tier}
+        )
 
 
 @pytest.fixture
