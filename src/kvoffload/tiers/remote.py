@@ -25,9 +25,10 @@ from kvoffload.managers.tiered import Target, TierStats
 from kvoffload.tiers.breaker import CircuitBreaker
 from kvoffload.tiers.format import CorruptBlockError, decode_block, encode_block
 from kvoffload.tiers.targets import deliver
-from kvoffload.tiers.url import RemoteAddress, parse_remote_url
+from kvoffload.tiers.url import RemoteAddress, TLSOptions, parse_remote_url
 
 MEDIUM = "REMOTE"
+_NO_CERT = TLSOptions()
 
 
 class RemoteTierError(KVOffloadError):
@@ -220,6 +221,8 @@ def _connect(address: RemoteAddress) -> tuple[Any, bool]:
         "socket_timeout": address.timeout_s,
         "socket_connect_timeout": address.timeout_s,
     }
+    if address.tls_options is not None:
+        common.update(address.tls_options.client_kwargs())
     where = address.redacted()
     try:
         client, cluster = _open(address, common)
@@ -230,8 +233,28 @@ def _connect(address: RemoteAddress) -> tuple[Any, bool]:
             raise RemoteTierError(f"remote tier {where}: authentication failed ({exc})") from None
         raise RemoteTierError(f"remote tier {where}: {exc}") from None
     except (valkey.exceptions.ValkeyError, OSError) as exc:
-        raise RemoteTierError(f"remote tier {where} is not reachable: {exc}") from None
+        if _tls_failure(exc):
+            hint = ""
+            if "VERIFY_FAILED" not in str(exc) and not (address.tls_options or _NO_CERT).certfile:
+                hint = " (if the server asks for a client certificate, give ssl_certfile=)"
+            raise RemoteTierError(
+                f"remote tier {where}: TLS handshake failed ({exc}){hint}"
+            ) from None
+        hint = "" if address.tls else " (if that port speaks TLS, use rediss://)"
+        raise RemoteTierError(f"remote tier {where} is not reachable: {exc}{hint}") from None
     return client, cluster
+
+
+def _tls_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` or what caused it is an ``ssl`` error (untrusted or missing certificate)."""
+    import ssl
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return "SSL" in str(exc)
 
 
 def _open(address: RemoteAddress, common: dict[str, Any]) -> tuple[Any, bool]:
