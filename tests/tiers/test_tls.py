@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 from tier_helpers import content
-from tier_servers import ValkeyProcess
+from tier_servers import BUS_OFFSET, ValkeyClusterProcesses, ValkeyProcess
 
 from kvoffload import OffloadKey, block_id_key
 from kvoffload.core.errors import InvalidArgumentError
@@ -169,6 +169,35 @@ class TLSServer:
         self.backend.stop()
 
 
+class TLSCluster:
+    """A 3-node Cluster whose nodes announce the ports of their TLS terminators."""
+
+    def __init__(self, directory: Path, certs: Certs) -> None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(certs.server, certs.server_key)
+        self.cluster = ValkeyClusterProcesses(directory)
+        self.terminators: list[TLSTerminator] = []
+        try:
+            for node in self.cluster.nodes:
+                terminator = TLSTerminator(context, node.port)
+                self.terminators.append(terminator)
+                node.extra += ["--cluster-announce-port", str(terminator.port)]
+                node.extra += ["--cluster-announce-bus-port", str(node.port + BUS_OFFSET)]
+            self.cluster.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def url(self, ca: Path) -> str:
+        hosts = ",".join(f"127.0.0.1:{t.port}" for t in self.terminators)
+        return f"rediss://{hosts}?timeout_ms={TIMEOUT_MS}&ssl_ca_certs={ca}"
+
+    def stop(self) -> None:
+        for terminator in self.terminators:
+            terminator.stop()
+        self.cluster.stop()
+
+
 @pytest.fixture(scope="module")
 def tls_server(tmp_path_factory: pytest.TempPathFactory, certs: Certs) -> Iterator[TLSServer]:
     server = TLSServer(tmp_path_factory.mktemp("tls"), certs, client_certs=False)
@@ -214,6 +243,24 @@ def test_blocks_round_trip_over_tls_with_the_ca_bundle(tls_server: TLSServer, ce
         assert raw is not None and raw.endswith(content(KEYS[0], BLOCK))
     finally:
         tier.close()
+
+
+def test_a_cluster_round_trip_over_tls(
+    tmp_path_factory: pytest.TempPathFactory, certs: Certs
+) -> None:
+    cluster = TLSCluster(tmp_path_factory.mktemp("tls-cluster"), certs)
+    try:
+        tier = RemoteTier(cluster.url(certs.ca), fingerprint("tls-cluster"))
+        try:
+            assert tier.is_cluster
+            round_trip(tier, KEYS)
+            assert all(node.client().dbsize() > 0 for node in cluster.cluster.nodes)
+        finally:
+            tier.close()
+        with pytest.raises(RemoteTierError, match="TLS handshake failed"):
+            RemoteTier(cluster.url(certs.stranger_ca), fingerprint("tls-cluster"))
+    finally:
+        cluster.stop()
 
 
 def test_a_client_that_does_not_trust_the_server_fails_at_start_up(

@@ -25,10 +25,9 @@ from kvoffload.managers.tiered import Target, TierStats
 from kvoffload.tiers.breaker import CircuitBreaker
 from kvoffload.tiers.format import CorruptBlockError, decode_block, encode_block
 from kvoffload.tiers.targets import deliver
-from kvoffload.tiers.url import RemoteAddress, TLSOptions, parse_remote_url
+from kvoffload.tiers.url import RemoteAddress, parse_remote_url
 
 MEDIUM = "REMOTE"
-_NO_CERT = TLSOptions()
 
 
 class RemoteTierError(KVOffloadError):
@@ -232,10 +231,15 @@ def _connect(address: RemoteAddress) -> tuple[Any, bool]:
         if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
             raise RemoteTierError(f"remote tier {where}: authentication failed ({exc})") from None
         raise RemoteTierError(f"remote tier {where}: {exc}") from None
-    except (valkey.exceptions.ValkeyError, OSError) as exc:
+    except (
+        valkey.exceptions.ValkeyError,
+        valkey.exceptions.ValkeyClusterException,
+        OSError,
+    ) as exc:
         if _tls_failure(exc):
+            has_cert = address.tls_options is not None and address.tls_options.certfile
             hint = ""
-            if "VERIFY_FAILED" not in str(exc) and not (address.tls_options or _NO_CERT).certfile:
+            if "VERIFY_FAILED" not in str(exc) and not has_cert:
                 hint = " (if the server asks for a client certificate, give ssl_certfile=)"
             raise RemoteTierError(
                 f"remote tier {where}: TLS handshake failed ({exc}){hint}"
@@ -254,7 +258,7 @@ def _tls_failure(exc: BaseException) -> bool:
         if isinstance(seen, ssl.SSLError):
             return True
         seen = seen.__cause__ or seen.__context__
-    return "SSL" in str(exc)
+    return False
 
 
 def _open(address: RemoteAddress, common: dict[str, Any]) -> tuple[Any, bool]:

@@ -15,7 +15,8 @@ a TLS URL (``rediss://``, ``valkeys://``) only:
   verified, host name included, unless ``none`` (or ``optional``) is given
   explicitly; ``ssl_check_hostname=no`` keeps the chain check but skips the
   host name (Cluster nodes that announce addresses their certificates do not
-  name).
+  name). The ``valkey`` Cluster client checks the chain only, whatever this
+  says; the start-up probe of a single seed host checks its name too.
 
 Paths must name existing files. An unknown option, or an ``ssl_*`` option on
 a plain URL, is an error that names it.
