@@ -18,8 +18,9 @@ a TLS URL (``rediss://``, ``valkeys://``) only:
   name). The ``valkey`` Cluster client checks the chain only, whatever this
   says; the start-up probe of a single seed host checks its name too.
 
-Paths must name existing files. An unknown option, or an ``ssl_*`` option on
-a plain URL, is an error that names it.
+Paths (percent-encoded where they hold ``&``, ``+`` or ``%``) must name
+existing files. An unknown option, or an ``ssl_*`` option on a plain URL, is
+an error that names it.
 """
 
 from __future__ import annotations
