@@ -220,6 +220,8 @@ def _connect(address: RemoteAddress) -> tuple[Any, bool]:
         "socket_timeout": address.timeout_s,
         "socket_connect_timeout": address.timeout_s,
     }
+    if address.tls_options is not None:
+        common.update(address.tls_options.client_kwargs())
     where = address.redacted()
     try:
         client, cluster = _open(address, common)
@@ -229,9 +231,34 @@ def _connect(address: RemoteAddress) -> tuple[Any, bool]:
         if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
             raise RemoteTierError(f"remote tier {where}: authentication failed ({exc})") from None
         raise RemoteTierError(f"remote tier {where}: {exc}") from None
-    except (valkey.exceptions.ValkeyError, OSError) as exc:
-        raise RemoteTierError(f"remote tier {where} is not reachable: {exc}") from None
+    except (
+        valkey.exceptions.ValkeyError,
+        valkey.exceptions.ValkeyClusterException,
+        OSError,
+    ) as exc:
+        if _tls_failure(exc):
+            has_cert = address.tls_options is not None and address.tls_options.certfile
+            hint = ""
+            if "VERIFY_FAILED" not in str(exc) and not has_cert:
+                hint = " (if the server asks for a client certificate, give ssl_certfile=)"
+            raise RemoteTierError(
+                f"remote tier {where}: TLS handshake failed ({exc}){hint}"
+            ) from None
+        hint = "" if address.tls else " (if that port speaks TLS, use rediss://)"
+        raise RemoteTierError(f"remote tier {where} is not reachable: {exc}{hint}") from None
     return client, cluster
+
+
+def _tls_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` or what caused it is an ``ssl`` error (untrusted or missing certificate)."""
+    import ssl
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _open(address: RemoteAddress, common: dict[str, Any]) -> tuple[Any, bool]:

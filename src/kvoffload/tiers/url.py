@@ -1,13 +1,32 @@
 """Connection URLs of the shared tier: ``redis://``, ``rediss://``, ``valkey://``, ``valkeys://``.
 
-``scheme://[user[:password]@]host[:port][,host[:port]...][/db][?timeout_ms=N&cluster=yes|no]``.
+``scheme://[user[:password]@]host[:port][,host[:port]...][/db][?option=value&...]``.
 Several hosts are the seed nodes of a Cluster; one host is asked at start-up
 whether it runs in Cluster mode unless ``cluster=`` says so.
+
+Options: ``timeout_ms=N`` (per call, default 250), ``cluster=yes|no``, and on
+a TLS URL (``rediss://``, ``valkeys://``) only:
+
+- ``ssl_ca_certs=PATH``: the CA bundle (PEM) that signed the server's
+  certificate; without it the system's trusted CAs are used;
+- ``ssl_certfile=PATH`` and ``ssl_keyfile=PATH``: the client's certificate and
+  key for mutual TLS (the key may also sit in the certificate file);
+- ``ssl_cert_reqs=required|optional|none``: the server's certificate is
+  verified, host name included, unless ``none`` (or ``optional``) is given
+  explicitly; ``ssl_check_hostname=no`` keeps the chain check but skips the
+  host name (Cluster nodes that announce addresses their certificates do not
+  name). The ``valkey`` Cluster client checks the chain only, whatever this
+  says; the start-up probe of a single seed host checks its name too.
+
+Paths (percent-encoded where they hold ``&``, ``+`` or ``%``) must name
+existing files. An unknown option, or an ``ssl_*`` option on a plain URL, is
+an error that names it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import parse_qs, unquote
 
 from kvoffload.core.errors import InvalidArgumentError
@@ -16,6 +35,32 @@ SCHEMES = {"redis": False, "valkey": False, "rediss": True, "valkeys": True}
 """Scheme to whether it means TLS."""
 DEFAULT_PORT = 6379
 DEFAULT_TIMEOUT_MS = 250.0
+CERT_REQS = ("required", "optional", "none")
+TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+TLS_OPTIONS = (*TLS_FILES, "ssl_cert_reqs", "ssl_check_hostname")
+_FLAGS = {"yes": True, "true": True, "1": True, "no": False, "false": False, "0": False}
+
+
+@dataclass(frozen=True)
+class TLSOptions:
+    """How a TLS connection trusts the server and proves who the client is."""
+
+    ca_certs: str | None = None
+    certfile: str | None = None
+    keyfile: str | None = None
+    cert_reqs: str = "required"
+    check_hostname: bool = True
+
+    def client_kwargs(self) -> dict[str, object]:
+        """The ``ssl_*`` arguments of a ``valkey`` client."""
+        return {
+            "ssl_ca_certs": self.ca_certs,
+            "ssl_certfile": self.certfile,
+            "ssl_keyfile": self.keyfile,
+            "ssl_cert_reqs": self.cert_reqs,
+            # Python's ssl refuses a host name check without chain verification.
+            "ssl_check_hostname": self.check_hostname and self.cert_reqs == "required",
+        }
 
 
 @dataclass(frozen=True)
@@ -29,6 +74,8 @@ class RemoteAddress:
     tls: bool = False
     cluster: bool | None = None
     timeout_s: float = DEFAULT_TIMEOUT_MS / 1000
+    tls_options: TLSOptions | None = None
+    """Set exactly when ``tls`` is."""
 
     def redacted(self) -> str:
         """The address without its password, for messages."""
@@ -63,24 +110,57 @@ def parse_remote_url(url: str) -> RemoteAddress:
     hosts = tuple(_host(part, url) for part in hostlist.split(","))
     db = _int(path.strip("/") or "0", "database number", url)
     params = {name: values[-1] for name, values in parse_qs(query).items()}
-    cluster = None
-    if "cluster" in params:
-        flag = params.pop("cluster").lower()
-        if flag not in ("yes", "no", "true", "false", "1", "0"):
-            raise InvalidArgumentError(f"cluster= must be yes or no in {url!r}, got {flag!r}")
-        cluster = flag in ("yes", "true", "1")
+    cluster = _flag(params.pop("cluster"), "cluster", url) if "cluster" in params else None
     if len(hosts) > 1:
         cluster = True
     timeout_ms = float(params.pop("timeout_ms", DEFAULT_TIMEOUT_MS))
+    tls = SCHEMES[scheme.lower()]
+    tls_options = _tls_options(params, url) if tls else None
     if params:
+        misplaced = sorted(name for name in params if name in TLS_OPTIONS)
+        if misplaced:
+            raise InvalidArgumentError(
+                f"option(s) {', '.join(misplaced)} need a TLS URL (rediss:// or valkeys://), "
+                f"in {url!r}"
+            )
         raise InvalidArgumentError(f"unknown option(s) {', '.join(sorted(params))} in {url!r}")
     if timeout_ms <= 0:
         raise InvalidArgumentError(f"timeout_ms must be > 0 in {url!r}")
     if cluster and db != 0:
         raise InvalidArgumentError(f"a Cluster has only database 0, got {db} in {url!r}")
     return RemoteAddress(
-        hosts, username, password, db, SCHEMES[scheme.lower()], cluster, timeout_ms / 1000
+        hosts, username, password, db, tls, cluster, timeout_ms / 1000, tls_options
     )
+
+
+def _tls_options(params: dict[str, str], url: str) -> TLSOptions:
+    """Pop the ``ssl_*`` options of a TLS URL from ``params``, checked."""
+    files = {name: params.pop(name, None) for name in TLS_FILES}
+    for name, path in files.items():
+        if path is not None and not Path(path).is_file():
+            raise InvalidArgumentError(f"{name}={path!r} is not a file, in {url!r}")
+    if files["ssl_keyfile"] and not files["ssl_certfile"]:
+        raise InvalidArgumentError(f"ssl_keyfile= needs ssl_certfile= too, in {url!r}")
+    cert_reqs = params.pop("ssl_cert_reqs", "required").lower()
+    if cert_reqs not in CERT_REQS:
+        raise InvalidArgumentError(
+            f"ssl_cert_reqs= must be one of {', '.join(CERT_REQS)} in {url!r}, got {cert_reqs!r}"
+        )
+    hostname = params.pop("ssl_check_hostname", "yes")
+    return TLSOptions(
+        files["ssl_ca_certs"],
+        files["ssl_certfile"],
+        files["ssl_keyfile"],
+        cert_reqs,
+        _flag(hostname, "ssl_check_hostname", url),
+    )
+
+
+def _flag(text: str, name: str, url: str) -> bool:
+    try:
+        return _FLAGS[text.lower()]
+    except KeyError:
+        raise InvalidArgumentError(f"{name}= must be yes or no in {url!r}, got {text!r}") from None
 
 
 def _host(part: str, url: str) -> tuple[str, int]:
