@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvoffload.cli.main import main
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.tiers.bench import measure_tiers
 from tier_servers import ValkeyProcess
 
 
@@ -30,6 +32,9 @@ def test_bench_tiers_reports_both_tiers_beside_their_baselines(
     assert valkey_server.client().keys("kvoffload-bench:*") == []
 
 
-def test_bench_tiers_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "tiers", "--blocks", "0"]) == 1
-    assert "blocks and rounds must be >= 1" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("blocks", "block_mib", "rounds"), [(0, 1.0, 1), (1, float("nan"), 1), (1, 1.0, 0)]
+)
+def test_measure_tiers_rejects_bad_sizes(blocks: int, block_mib: float, rounds: int) -> None:
+    with pytest.raises(InvalidArgumentError, match="blocks and rounds must be >= 1"):
+        measure_tiers(blocks, block_mib, rounds)

@@ -86,12 +86,30 @@ def test_urls_of_every_scheme() -> None:
         ("redis://h1:1,h2:2/2", "only database 0"),
         ("redis://h:1?colour=red", "unknown option"),
         ("redis://:1", "names no host"),
+        ("redis://h:1?timeout_ms=abc", "timeout_ms must be a number"),
+        ("redis://h:1?timeout_ms=nan", "timeout_ms must be > 0 and finite"),
+        ("redis://h:1?timeout_ms=0", "timeout_ms must be > 0 and finite"),
     ],
 )
 def test_bad_urls_say_what_is_wrong(url: str, message: str) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
         parse_remote_url(url)
     assert issubclass(InvalidArgumentError, KVOffloadError)
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://alice:hunter2@h:port/0", "redis://alice:***@h:port/0"),
+        ("rediss://hunter2@h/x", "rediss://***@h/x"),
+        ("redis://:hunter2@h:1?colour=red", "redis://:***@h:1?colour=red"),
+        ("http://bob:hunter2@h:1", "http://bob:***@h:1"),
+    ],
+)
+def test_url_errors_never_show_the_password(url: str, shown: str) -> None:
+    with pytest.raises(InvalidArgumentError) as error:
+        parse_remote_url(url)
+    assert "hunter2" not in str(error.value) and shown in str(error.value)
 
 
 def test_the_breaker_opens_cools_down_and_closes_on_a_good_trial() -> None:

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import pytest
 from tier_helpers import content
-from tier_servers import BUS_OFFSET, ValkeyClusterProcesses, ValkeyProcess
 
 from kvoffload import OffloadKey, block_id_key
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import layout_preset
 from kvoffload.tiers import RemoteTier, RemoteTierError, layout_fingerprint, parse_remote_url
+from tier_servers import BUS_OFFSET, ValkeyClusterProcesses, ValkeyProcess
 
 KEYS = [block_id_key(i) for i in range(6)]
 BLOCK = 4096

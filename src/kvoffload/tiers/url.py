@@ -25,6 +25,7 @@ an error that names it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, unquote
@@ -89,11 +90,15 @@ class RemoteAddress:
 
 
 def parse_remote_url(url: str) -> RemoteAddress:
-    """Parse ``url``; :class:`InvalidArgumentError` names what is wrong with it."""
+    """Parse ``url``; :class:`InvalidArgumentError` names what is wrong with it.
+
+    Messages quote the URL with its password hidden: they end up in logs.
+    """
+    shown = _without_password(url)
     scheme, sep, rest = url.partition("://")
     if not sep or scheme.lower() not in SCHEMES:
         raise InvalidArgumentError(
-            f"remote tier URL {url!r} must start with one of "
+            f"remote tier URL {shown!r} must start with one of "
             f"{', '.join(s + '://' for s in SCHEMES)}"
         )
     rest, _, query = rest.partition("?")
@@ -107,30 +112,57 @@ def parse_remote_url(url: str) -> RemoteAddress:
         if not colon and username is not None:
             # "redis://secret@host" is a password alone, as redis-py reads it.
             username, password = None, username
-    hosts = tuple(_host(part, url) for part in hostlist.split(","))
-    db = _int(path.strip("/") or "0", "database number", url)
+    hosts = tuple(_host(part, shown) for part in hostlist.split(","))
+    db = _int(path.strip("/") or "0", "database number", shown)
     params = {name: values[-1] for name, values in parse_qs(query).items()}
-    cluster = _flag(params.pop("cluster"), "cluster", url) if "cluster" in params else None
+    cluster = _flag(params.pop("cluster"), "cluster", shown) if "cluster" in params else None
     if len(hosts) > 1:
         cluster = True
-    timeout_ms = float(params.pop("timeout_ms", DEFAULT_TIMEOUT_MS))
+    timeout_ms = _timeout_ms(params.pop("timeout_ms", None), shown)
     tls = SCHEMES[scheme.lower()]
-    tls_options = _tls_options(params, url) if tls else None
+    tls_options = _tls_options(params, shown) if tls else None
     if params:
         misplaced = sorted(name for name in params if name in TLS_OPTIONS)
         if misplaced:
             raise InvalidArgumentError(
                 f"option(s) {', '.join(misplaced)} need a TLS URL (rediss:// or valkeys://), "
-                f"in {url!r}"
+                f"in {shown!r}"
             )
-        raise InvalidArgumentError(f"unknown option(s) {', '.join(sorted(params))} in {url!r}")
-    if timeout_ms <= 0:
-        raise InvalidArgumentError(f"timeout_ms must be > 0 in {url!r}")
+        raise InvalidArgumentError(f"unknown option(s) {', '.join(sorted(params))} in {shown!r}")
     if cluster and db != 0:
-        raise InvalidArgumentError(f"a Cluster has only database 0, got {db} in {url!r}")
+        raise InvalidArgumentError(f"a Cluster has only database 0, got {db} in {shown!r}")
     return RemoteAddress(
         hosts, username, password, db, tls, cluster, timeout_ms / 1000, tls_options
     )
+
+
+def _without_password(url: str) -> str:
+    """``url`` with the password of its user part replaced by ``***``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    ends = [i for i in (rest.find("/"), rest.find("?")) if i >= 0]
+    netloc_end = min(ends, default=len(rest))
+    userinfo, at, hosts = rest[:netloc_end].rpartition("@")
+    if not at:
+        return url
+    user, colon, _ = userinfo.partition(":")
+    hidden = f"{user}:***" if colon else "***"
+    return f"{scheme}{sep}{hidden}@{hosts}{rest[netloc_end:]}"
+
+
+def _timeout_ms(text: str | None, shown: str) -> float:
+    if text is None:
+        return DEFAULT_TIMEOUT_MS
+    try:
+        value = float(text)
+    except ValueError:
+        raise InvalidArgumentError(
+            f"timeout_ms must be a number, got {text!r} in {shown!r}"
+        ) from None
+    if not 0 < value < math.inf:
+        raise InvalidArgumentError(f"timeout_ms must be > 0 and finite, got {text!r} in {shown!r}")
+    return value
 
 
 def _tls_options(params: dict[str, str], url: str) -> TLSOptions:
