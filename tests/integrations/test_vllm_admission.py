@@ -159,28 +159,11 @@ def test_every_registered_policy_backs_the_spec_and_vllms_manager(
 def test_vllms_metrics_frontend_shows_the_admission_counters(
     vllm_modules: dict[str, ModuleType],
 ) -> None:
-    import functools
-    from types import SimpleNamespace
-
     import prometheus_client
-    from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-        OffloadPromMetrics,
-    )
-    from vllm_helpers import SPEC_CONFIG
+    from vllm_helpers import SPEC_CONFIG, metrics_frontend
 
     extra = {**SPEC_CONFIG, "cpu_bytes_to_use": 8 * 1024, "kvoffload.admission": "sketch"}
-    transfer = KVTransferConfig(
-        kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
-    )
-    registry = prometheus_client.CollectorRegistry()
-    kinds = (prometheus_client.Counter, prometheus_client.Gauge, prometheus_client.Histogram)
-    frontend = OffloadPromMetrics(
-        SimpleNamespace(kv_transfer_config=transfer),
-        {kind: functools.partial(kind, registry=registry) for kind in kinds},
-        ["engine"],
-        {0: ["0"]},
-    )
+    frontend, registry = metrics_frontend(extra)
     manager = create_spec(extra).get_manager()
     keys = [block_id_key(i) for i in range(2)]
     manager.prepare_store(keys, _context("a", keys))

@@ -184,28 +184,11 @@ def test_vllms_own_metrics_frontend_shows_our_counters(
     vllm_modules: dict[str, ModuleType],
 ) -> None:
     """What ``get_stats`` reports reaches vLLM's ``/metrics`` through its offloading frontend."""
-    import functools
-    from types import SimpleNamespace
-
     import prometheus_client
-    from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-        OffloadPromMetrics,
-    )
-    from vllm_helpers import SPEC_CONFIG
+    from vllm_helpers import SPEC_CONFIG, metrics_frontend
 
     extra = {**SPEC_CONFIG, "cpu_bytes_to_use": 4 * 1024}
-    transfer = KVTransferConfig(
-        kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
-    )
-    registry = prometheus_client.CollectorRegistry()
-    kinds = (prometheus_client.Counter, prometheus_client.Gauge, prometheus_client.Histogram)
-    frontend = OffloadPromMetrics(
-        SimpleNamespace(kv_transfer_config=transfer),
-        {kind: functools.partial(kind, registry=registry) for kind in kinds},
-        ["engine"],
-        {0: ["0"]},
-    )
+    frontend, registry = metrics_frontend(extra)
     manager = create_spec(extra).get_manager()
     a, b = block_id_key(1), block_id_key(2)
     context = _context("r", [a, b])

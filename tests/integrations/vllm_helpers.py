@@ -53,3 +53,28 @@ def create_spec(extra: dict[str, Any], **kwargs: Any) -> Any:
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
     return OffloadingSpecFactory.create_spec(offloading_config(extra, **kwargs))
+
+
+def metrics_frontend(extra: dict[str, Any]) -> tuple[Any, Any]:
+    """vLLM's offloading Prometheus frontend for ``extra``, on a registry of its own."""
+    import functools
+    from types import SimpleNamespace
+
+    import prometheus_client
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadPromMetrics,
+    )
+
+    transfer = KVTransferConfig(
+        kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
+    )
+    registry = prometheus_client.CollectorRegistry()
+    kinds = (prometheus_client.Counter, prometheus_client.Gauge, prometheus_client.Histogram)
+    frontend = OffloadPromMetrics(
+        SimpleNamespace(kv_transfer_config=transfer),
+        {kind: functools.partial(kind, registry=registry) for kind in kinds},
+        ["engine"],
+        {0: ["0"]},
+    )
+    return frontend, registry
