@@ -61,18 +61,40 @@ def load_requests(path: Path) -> list[list[OffloadKey]]:
     return requests
 
 
+class GPUPrefixLRU:
+    """The GPU prefix cache in front of the tier: an LRU of ``GPU_BLOCKS`` keys."""
+
+    def __init__(self) -> None:
+        self._keys: OrderedDict[OffloadKey, None] = OrderedDict()
+
+    def match(self, keys: list[OffloadKey]) -> int:
+        """Length of the leading run of ``keys`` the cache holds."""
+        held = self._keys
+        hit = 0
+        for key in keys:
+            if key not in held:
+                break
+            hit += 1
+        return hit
+
+    def release(self, keys: list[OffloadKey]) -> None:
+        """Keep a finished request's blocks; tail released first, so the head is most recent."""
+        held = self._keys
+        for key in reversed(keys):
+            held[key] = None
+            held.move_to_end(key)
+        while len(held) > GPU_BLOCKS:
+            held.popitem(last=False)
+
+
 def replay(requests: list[list[OffloadKey]], manager: OffloadingManager) -> dict[str, float]:
-    gpu: OrderedDict[OffloadKey, None] = OrderedDict()
+    gpu = GPUPrefixLRU()
     refs = gpu_hits = offload_hits = writes = 0
     manager_ns = 0
     clock = time.perf_counter_ns
     for keys in requests:
         refs += len(keys)
-        gpu_hit = 0
-        for key in keys:
-            if key not in gpu:
-                break
-            gpu_hit += 1
+        gpu_hit = gpu.match(keys)
         rest = keys[gpu_hit:]
 
         start = clock()
@@ -90,11 +112,7 @@ def replay(requests: list[list[OffloadKey]], manager: OffloadingManager) -> dict
 
         gpu_hits += gpu_hit
         offload_hits += hit
-        for key in reversed(keys):  # tail released first: the head ends up most recent
-            gpu[key] = None
-            gpu.move_to_end(key)
-        while len(gpu) > GPU_BLOCKS:
-            gpu.popitem(last=False)
+        gpu.release(keys)
     return {
         "total_hit_ratio": (gpu_hits + offload_hits) / refs,
         "offload_hit_ratio": offload_hits / refs,
@@ -108,18 +126,14 @@ def replay_vllm(requests: list[list[OffloadKey]], manager: Any) -> dict[str, flo
     """The same replay through vLLM 0.33's per-key manager API."""
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
-    gpu: OrderedDict[OffloadKey, None] = OrderedDict()
+    gpu = GPUPrefixLRU()
     refs = gpu_hits = offload_hits = writes = 0
     manager_ns = 0
     clock = time.perf_counter_ns
     hit_result = LookupResult.HIT
     for index, keys in enumerate(requests):
         refs += len(keys)
-        gpu_hit = 0
-        for key in keys:
-            if key not in gpu:
-                break
-            gpu_hit += 1
+        gpu_hit = gpu.match(keys)
         rest = keys[gpu_hit:]
         ctx = ReqContext(req_id=str(index))
 
@@ -144,11 +158,7 @@ def replay_vllm(requests: list[list[OffloadKey]], manager: Any) -> dict[str, flo
 
         gpu_hits += gpu_hit
         offload_hits += hit
-        for key in reversed(keys):
-            gpu[key] = None
-            gpu.move_to_end(key)
-        while len(gpu) > GPU_BLOCKS:
-            gpu.popitem(last=False)
+        gpu.release(keys)
     return {
         "total_hit_ratio": (gpu_hits + offload_hits) / refs,
         "writes_per_ref": writes / refs,

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from kvoffload.cli import options, output
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
-from kvoffload.core.layout import layout_preset
 from kvoffload.policies import resolve_policy
 from kvoffload.sim import tier_model
 from kvoffload.sim.run import RunReport, SimConfig, blocks_for_gib
@@ -132,8 +131,7 @@ def with_tiers(config: SimConfig, args: argparse.Namespace, block_tokens: int) -
         disk_blocks = args.disk_blocks or 0
         if args.disk_gb is not None:
             disk_blocks = blocks_for_gib(args.disk_gb, config.layout, block_tokens)
-        layout = layout_preset(config.layout).with_block_size(block_tokens)
-        _check_disk_space(args, disk_blocks, layout.bytes_per_block)
+        _check_disk_space(args, disk_blocks, config.kv_layout(block_tokens).bytes_per_block)
     return dataclasses.replace(
         config,
         disk_dir=args.disk_dir,
