@@ -5,17 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from cli_helpers import one_line_error
 
 from kvoffload.cli.main import main
 
 SMALL = ["simulate", "--requests", "50", "--no-progress"]
-
-
-def one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("kvoffload: error: "), err
-    assert "Traceback" not in err
-    return err
 
 
 def test_malformed_trace_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,17 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from cli_helpers import one_line_error
 
 from kvoffload.cli.main import main
 
 MOONCAKE_LIKE = '{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}'
-
-
-def one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("kvoffload: error: "), err
-    assert "Traceback" not in err
-    return err
 
 
 @pytest.mark.parametrize(

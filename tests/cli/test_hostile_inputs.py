@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_helpers import one_line_error
 
 from kvoffload import CPUOffloadingManager, FilterReusedOffloadingManager, block_id_key
 from kvoffload.cli.main import main
@@ -25,13 +26,6 @@ from kvoffload.managers import build_manager
 CLI = [sys.executable, "-c", "import sys; from kvoffload.cli.main import main; sys.exit(main())"]
 SMALL = ["simulate", "--requests", "30", "--no-progress", "--no-bound"]
 RECORD = '{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}'
-
-
-def one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("kvoffload: error: "), err
-    assert "Traceback" not in err
-    return err
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
