@@ -2,11 +2,12 @@
 
 Every value a tier writes is ``header | key | payload``. The header names the
 format, the key, the layout fingerprint and the payload length, and carries
-two checksums: a Fletcher-style pair of 64-bit sums over the payload (plain
-and position-weighted, so a flipped, lost or swapped word changes them) and
-a CRC32 over the header fields and the key. The payload sums run at memory
-speed in numpy, where a CRC32 of every payload byte would halve a tier's
-read rate; the payload is never copied to be checked. Nothing is pickled.
+two checksums: the 64-bit XXH3 digest of the payload and a CRC32 over the
+header fields and the key. XXH3 runs at about 18 GB/s on one core here,
+where CRC32 runs at 4 and the position-weighted 64-bit sums of format
+version 1 at 8: the checksum is on every store and load, and at those rates
+it would cost a tier a third of its speed. The payload is never copied to be
+checked. Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -15,21 +16,19 @@ import hashlib
 import struct
 import zlib
 
-import numpy as np
-import numpy.typing as npt
+import xxhash
 
 from kvoffload.core.errors import KVOffloadError
 from kvoffload.core.layout import KVLayout
 
 MAGIC = b"KVOB"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 FINGERPRINT_BYTES = 16
 
-_FIELDS = struct.Struct("<4sHH16sQQQ")
-"""magic, format version, key length, layout fingerprint, payload length, payload sums."""
+_FIELDS = struct.Struct("<4sHH16sQQ")
+"""magic, format version, key length, layout fingerprint, payload length, payload digest."""
 _CRC = struct.Struct("<I")
 HEADER_BYTES = _FIELDS.size + _CRC.size
-_WORD = 8
 
 
 class CorruptBlockError(KVOffloadError, ValueError):
@@ -61,25 +60,9 @@ def fingerprint_of(*parts: object) -> bytes:
     return hashlib.blake2b(text.encode(), digest_size=FINGERPRINT_BYTES).digest()
 
 
-_weights: dict[int, npt.NDArray[np.uint64]] = {}
-
-
-def payload_sums(payload: bytes | bytearray | memoryview) -> tuple[int, int]:
-    """``(sum of words, sum of word * position)`` over 64-bit words, both modulo 2**64."""
-    size = len(payload)
-    whole = size - size % _WORD
-    words = np.frombuffer(payload, dtype=np.uint64, count=whole // _WORD)
-    weights = _weights.get(len(words))
-    if weights is None:
-        weights = np.arange(1, len(words) + 1, dtype=np.uint64)
-        _weights[len(words)] = weights
-    plain = int(words.sum(dtype=np.uint64))
-    weighted = int(np.dot(words, weights))
-    if whole != size:
-        tail = int.from_bytes(bytes(memoryview(payload)[whole:]), "little") + 1
-        plain = (plain + tail) & 0xFFFF_FFFF_FFFF_FFFF
-        weighted = (weighted + tail * (len(words) + 1)) & 0xFFFF_FFFF_FFFF_FFFF
-    return plain, weighted
+def payload_digest(payload: bytes | bytearray | memoryview) -> int:
+    """The XXH3 64-bit digest of ``payload``, read in place."""
+    return xxhash.xxh3_64_intdigest(payload)
 
 
 def encode_header(key: bytes, fingerprint: bytes, payload: bytes | memoryview) -> bytes:
@@ -89,7 +72,7 @@ def encode_header(key: bytes, fingerprint: bytes, payload: bytes | memoryview) -
             f"a fingerprint has {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}"
         )
     fields = _FIELDS.pack(
-        MAGIC, FORMAT_VERSION, len(key), fingerprint, len(payload), *payload_sums(payload)
+        MAGIC, FORMAT_VERSION, len(key), fingerprint, len(payload), payload_digest(payload)
     )
     return fields + _CRC.pack(zlib.crc32(key, zlib.crc32(fields))) + key
 
@@ -102,13 +85,13 @@ def encode_block(key: bytes, fingerprint: bytes, payload: bytes | memoryview) ->
 class Header:
     """A parsed, CRC-checked header: what the payload after it must be."""
 
-    __slots__ = ("fingerprint", "key", "payload_bytes", "sums")
+    __slots__ = ("digest", "fingerprint", "key", "payload_bytes")
 
-    def __init__(self, key: bytes, fingerprint: bytes, payload_bytes: int, sums: tuple[int, int]):
+    def __init__(self, key: bytes, fingerprint: bytes, payload_bytes: int, digest: int):
         self.key = key
         self.fingerprint = fingerprint
         self.payload_bytes = payload_bytes
-        self.sums = sums
+        self.digest = digest
 
     @property
     def size(self) -> int:
@@ -127,7 +110,7 @@ class Header:
                 f"block of key {self.key!r} has {len(payload)} payload bytes, "
                 f"header says {self.payload_bytes}"
             )
-        if payload_sums(payload) != self.sums:
+        if payload_digest(payload) != self.digest:
             raise CorruptBlockError(f"block of key {self.key!r} fails its checksum")
 
 
@@ -135,7 +118,7 @@ def parse_header(data: bytes | bytearray | memoryview) -> Header:
     """The header at the start of ``data`` (which holds at least header and key)."""
     if len(data) < HEADER_BYTES:
         raise CorruptBlockError(f"a block header needs {HEADER_BYTES} bytes, got {len(data)}")
-    magic, version, key_len, fingerprint, size, plain, weighted = _FIELDS.unpack_from(data)
+    magic, version, key_len, fingerprint, size, digest = _FIELDS.unpack_from(data)
     if magic != MAGIC:
         raise CorruptBlockError(f"bad magic {bytes(magic)!r}")
     if version != FORMAT_VERSION:
@@ -146,7 +129,7 @@ def parse_header(data: bytes | bytearray | memoryview) -> Header:
     (crc,) = _CRC.unpack_from(data, _FIELDS.size)
     if zlib.crc32(key, zlib.crc32(bytes(data[: _FIELDS.size]))) != crc:
         raise CorruptBlockError("block header fails its checksum")
-    return Header(key, bytes(fingerprint), size, (plain, weighted))
+    return Header(key, bytes(fingerprint), size, digest)
 
 
 def decode_block(data: bytes | memoryview, key: bytes, fingerprint: bytes) -> memoryview:

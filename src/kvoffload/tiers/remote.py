@@ -3,7 +3,8 @@
 Values are :mod:`~kvoffload.tiers.format` blocks (a checksummed header, then
 the raw bytes) under ``kvo:<fingerprint hex>:<key hex>``, so two models never
 read each other's blocks. Reads are one multi-get per batch (grouped by hash
-slot in Cluster mode), writes one pipeline per batch. Every call has a
+slot in Cluster mode), writes one pipeline per batch and node, with header and
+payload sent apart (:mod:`.block_sets`), never joined. Every call has a
 timeout and goes through a circuit breaker: when the server is slow or down,
 lookups miss and stores are dropped, counted, and the tier reconnects by
 itself once a trial call succeeds. A block the server evicted (maxmemory) is
@@ -22,8 +23,9 @@ from kvoffload.core.errors import KVOffloadError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent
 from kvoffload.managers.tiered import Target, TierStats
+from kvoffload.tiers.block_sets import BlockWrite, send_sets
 from kvoffload.tiers.breaker import CircuitBreaker
-from kvoffload.tiers.format import CorruptBlockError, decode_block, encode_block
+from kvoffload.tiers.format import CorruptBlockError, decode_block, encode_header
 from kvoffload.tiers.targets import deliver
 from kvoffload.tiers.url import RemoteAddress, parse_remote_url
 
@@ -190,23 +192,39 @@ class RemoteTier:
         pipe.execute()
 
     def _write(self, keys: list[OffloadKey], payloads: list[bytes]) -> bool:
-        items = [
-            (self.name(key), encode_block(key, self.fingerprint, payload))
+        writes = [
+            BlockWrite(self.name(key), encode_header(key, self.fingerprint, payload), payload)
             for key, payload in zip(keys, payloads, strict=True)
         ]
-        if self.is_cluster:
-            from valkey.crc import key_slot
+        store = self._store_on_nodes if self.is_cluster else self._store
+        return self._call(lambda: store(writes)) is True
 
-            items.sort(key=lambda item: key_slot(item[0]))  # one run of commands per slot
+    def _store(self, writes: list[BlockWrite]) -> bool:
+        send_sets(self._client.connection_pool, writes)
+        return True
 
-        def store() -> bool:
+    def _store_on_nodes(self, writes: list[BlockWrite]) -> bool:
+        """One pipeline per node that owns the slots; the client's own one after a redirection.
+
+        A MOVED or ASK reply means the slot map changed: the client's pipeline
+        follows the redirection and refreshes the map, at the cost of joining
+        header and payload once.
+        """
+        import valkey
+
+        by_node: dict[str, tuple[Any, list[BlockWrite]]] = {}
+        for write in writes:
+            node = self._client.get_node_from_key(write.name)
+            by_node.setdefault(node.name, (node, []))[1].append(write)
+        try:
+            for node, group in by_node.values():
+                send_sets(node.valkey_connection.connection_pool, group)
+        except valkey.exceptions.ResponseError:
             pipe = self._client.pipeline(transaction=False)
-            for name, value in items:
-                pipe.set(name, value)
+            for name, header, payload in writes:
+                pipe.set(name, header + payload)
             pipe.execute()
-            return True
-
-        return self._call(store) is True
+        return True
 
 
 def _connect(address: RemoteAddress) -> tuple[Any, bool]:

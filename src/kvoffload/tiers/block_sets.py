@@ -1,0 +1,76 @@
+"""Pipelined SETs of blocks whose header and payload reach the socket as two pieces.
+
+A block's value on the server is ``header | key | payload`` (see
+:mod:`.format`). The client library's pipeline takes one buffer per value,
+so it needs the two joined: a copy of every payload, which ran at 1.4-1.6 GB/s
+on the dev VM against 3.2-4.4 GB/s for the SET itself and held the shared
+tier's stores to 0.6 of plain SET. Here the RESP of ``SET name value`` is
+written out directly: the bulk-string length covers both pieces, the small
+parts of consecutive commands are joined, and each large payload is handed to
+``sendall`` as it is. The replies are read through the client's own
+connection, so AUTH, TLS, timeouts and error replies behave as in the library.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+Payload = bytes | bytearray | memoryview
+
+JOIN_BELOW = 16 * 1024
+"""Payloads shorter than this are joined with the command bytes around them:
+one ``sendall`` per small block would cost more than copying it."""
+
+
+class BlockWrite(NamedTuple):
+    """One ``SET name header+payload``; ``header`` is what :func:`.format.encode_header` gives."""
+
+    name: bytes
+    header: bytes
+    payload: Payload
+
+
+def pack_sets(writes: Sequence[BlockWrite]) -> list[Payload]:
+    """The RESP of one SET per write, as the pieces to send in order."""
+    pieces: list[Payload] = []
+    joined: list[Payload] = []
+    for name, header, payload in writes:
+        value_length = len(header) + len(payload)
+        joined.append(
+            b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (len(name), name, value_length, header)
+        )
+        if len(payload) < JOIN_BELOW:
+            joined += (payload, b"\r\n")
+        else:
+            pieces += (b"".join(joined), payload)
+            joined = [b"\r\n"]
+    pieces.append(b"".join(joined))
+    return pieces
+
+
+def send_sets(pool: Any, writes: Sequence[BlockWrite]) -> None:
+    """SET every write over one connection of ``pool`` (a ``valkey`` connection pool).
+
+    Raises what the client raises: a socket failure (the connection closes
+    itself), or, once every reply is read, the first error reply
+    (``valkey.exceptions.ResponseError``, e.g. MOVED or OOM), so that the
+    connection goes back to the pool with nothing left unread.
+    """
+    from valkey.exceptions import ResponseError
+
+    if not writes:
+        return
+    first_error: ResponseError | None = None
+    connection = pool.get_connection("SET")
+    try:
+        connection.send_packed_command(pack_sets(writes))
+        for _ in writes:
+            try:
+                connection.read_response()
+            except ResponseError as error:
+                first_error = first_error or error
+    finally:
+        pool.release(connection)
+    if first_error is not None:
+        raise first_error
