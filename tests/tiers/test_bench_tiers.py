@@ -27,7 +27,23 @@ def test_bench_tiers_reports_both_tiers_beside_their_baselines(
         assert results[f"{tier}_store_ratio"] == pytest.approx(
             results[f"{tier}_store_gbps"] / results[f"{tier}_plain_write_gbps"]
         )
-    assert "disk_load_ratio" in capsys.readouterr().out
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == [
+        "tier",
+        "store",
+        "GB/s",
+        "plain",
+        "ratio",
+        "load",
+        "GB/s",
+        "plain",
+        "ratio",
+    ]
+    disk = lines[2].split()
+    assert disk[0] == "disk" and float(disk[3]) == pytest.approx(
+        results["disk_store_ratio"], abs=0.006
+    )
+    assert lines[3].split()[0] == "remote" and lines[4].startswith("8 blocks of ")
     assert list(tmp_path.iterdir()) == [path]  # scratch files removed
     assert valkey_server.client().keys("kvoffload-bench:*") == []
 

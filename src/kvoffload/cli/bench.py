@@ -99,5 +99,35 @@ def run_tiers(args: argparse.Namespace) -> int:
     from kvoffload.tiers.bench import measure_tiers
 
     results = measure_tiers(args.blocks, args.block_mib, args.rounds, args.dir, args.remote)
-    _report(args, results)
+    if args.json:
+        output.write_json(args.json, results)
+    if args.json != "-":
+        print(tier_table(results))
     return 0
+
+
+def tier_table(results: dict[str, Any]) -> str:
+    """One row per measured tier: its GB/s beside the plain baseline's, and the ratio."""
+    headers = ["tier", "store GB/s", "plain", "ratio", "load GB/s", "plain", "ratio"]
+    rows = [
+        [
+            tier,
+            *(
+                f"{results[f'{tier}_{figure}']:.2f}"
+                for figure in (
+                    "store_gbps",
+                    "plain_write_gbps",
+                    "store_ratio",
+                    "load_gbps",
+                    "plain_read_gbps",
+                    "load_ratio",
+                )
+            ),
+        ]
+        for tier in ("disk", "remote")
+        if f"{tier}_store_gbps" in results
+    ]
+    size = output.size(results["block_bytes"])
+    rounds = results["rounds"]
+    note = f"{results['blocks']} blocks of {size}, best of {rounds} round{'s' * (rounds != 1)}"
+    return output.column_table(headers, rows) + "\n" + note
