@@ -87,7 +87,14 @@ def test_blocks_written_back_to_disk_come_back_with_their_bytes(
     instance.load(KEYS[:2], [8, 9], context)
     for loaded, want in zip(instance.gpu(0, [8, 9]), expected, strict=True):
         assert torch.equal(loaded, want)
-    assert instance.scheduler.shared_slot_bytes().unavailable == 0
+    slot_bytes = instance.scheduler.shared_slot_bytes()
+    assert slot_bytes.unavailable == 0 and slot_bytes.mapped
+    instance.manager.shutdown()  # vLLM's scheduler, at the end: tiers closed, regions unmapped
+    assert not slot_bytes.mapped
+    path = instance.scheduler.region_path(0)
+    assert path.exists()
+    instance.workers[0].shutdown()  # the worker, at the end: its region is unlinked
+    assert not path.exists()
 
 
 def test_a_second_instance_loads_what_the_first_wrote_to_the_shared_tier(

@@ -147,13 +147,18 @@ class SharedRegion:
         sweep_stale_regions(path.parent)
         self._fd = self._create(path)
         try:
-            os.ftruncate(self._fd, size)
+            # Reserved up front: a short /dev/shm fails here, not later with SIGBUS in a copy.
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(self._fd, 0, size)
+            else:
+                os.ftruncate(self._fd, size)
             self._map = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED)
         except OSError as exc:
             self._unlink()
             os.close(self._fd)
             raise InsufficientMemoryError(
-                f"cannot create the shared KV buffer {path} of {size / 2**30:.2f} GiB: {exc}"
+                f"cannot create the shared KV buffer {path} of {size / 2**30:.2f} GiB: {exc}; "
+                f"make {path.parent} larger (e.g. docker --shm-size) or lower cpu_bytes_to_use"
             ) from None
         self.tensor: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
         self._pinned = self._pin() if (torch.cuda.is_available() if pin is None else pin) else 0

@@ -34,6 +34,9 @@ from kvoffload.managers.tiered import SlotBytesUnavailableError
 
 logger = logging.getLogger(__name__)
 
+SPARE_BUFFERS = 64
+"""Staging buffers kept for reuse with several ranks (each one block of every rank)."""
+
 
 class SharedSlotBytes:
     """:class:`~kvoffload.managers.tiered.SlotBytes` over ``paths`` (one region per rank,
@@ -56,6 +59,8 @@ class SharedSlotBytes:
         self._maps: list[mmap.mmap] = []
         self._ranks: list[npt.NDArray[np.uint8]] = []
         self._staged: dict[int, bytearray] = {}
+        self._spare: list[bytearray] = []
+        """Staging buffers of landed promotions, reused (fresh ones cost page faults)."""
         self._lock = threading.Lock()  # views are taken on tier I/O threads
         self._reason = ""
 
@@ -80,8 +85,8 @@ class SharedSlotBytes:
             raise InvalidArgumentError(f"no CPU slot {slot}; the regions have {self.num_blocks}")
         if len(ranks) == 1:
             return memoryview(ranks[0][slot])
-        staged = bytearray(self.slot_bytes)
         with self._lock:
+            staged = self._spare.pop() if self._spare else bytearray(self.slot_bytes)
             self._staged[slot] = staged
         return memoryview(staged)
 
@@ -93,16 +98,22 @@ class SharedSlotBytes:
         for slot, ok in zip(slots, intact, strict=True):
             with self._lock:
                 staged = self._staged.pop(slot, None)
-            if ok and staged is not None:
+            if staged is None:
+                continue
+            if ok:
                 source = np.frombuffer(staged, dtype=np.uint8)
                 for rank, rows in enumerate(self._ranks):
                     rows[slot] = source[rank * size : (rank + 1) * size]
+            with self._lock:
+                if len(self._spare) < SPARE_BUFFERS:
+                    self._spare.append(staged)
 
     def close(self) -> None:
         """Unmap the regions (the workers own and unlink them)."""
         with self._lock:
             self._ranks = []
             self._staged.clear()
+            self._spare.clear()
             maps, self._maps = self._maps, []
         for region in maps:
             try:
