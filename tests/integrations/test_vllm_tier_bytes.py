@@ -16,7 +16,13 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from vllm_helpers import Instance, lookup_until_settled, request_context
+from vllm_helpers import (
+    Instance,
+    canonical_caches,
+    create_spec,
+    lookup_until_settled,
+    request_context,
+)
 
 from kvoffload import block_id_key
 from kvoffload.core.keys import OffloadKey
@@ -278,3 +284,15 @@ def test_bytes_cross_from_a_worker_process_to_the_scheduler_and_back(
         if worker.is_alive():
             worker.kill()
             worker.join()
+
+
+def test_a_worker_whose_slots_differ_from_what_vllm_reported_stops_at_start_up(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    from kvoffload import InvalidArgumentError
+
+    engine_id = f"test-{uuid.uuid4().hex[:12]}"
+    spec = create_spec(_disk(tmp_path), bytes_per_block=3 * PAGE_BYTES, engine_id=engine_id)
+    with pytest.raises(InvalidArgumentError, match=r"stores 512 bytes.*vLLM reported 768"):
+        spec.get_worker(canonical_caches(NUM_TENSORS, 12, PAGE_BYTES, 0))
+    assert not spec.region_path(0).exists()

@@ -175,7 +175,13 @@ class SharedRegion:
             except FileExistsError:
                 self._replace_stale(path)
                 continue
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:  # only a sweeper that misjudged the file's age
+                os.close(fd)
+                raise InvalidArgumentError(
+                    f"cannot lock the shared KV buffer {path}: {exc}"
+                ) from None
             return fd
         raise InvalidArgumentError(f"cannot create the shared KV buffer {path}: it keeps existing")
 

@@ -60,9 +60,7 @@ class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
         halves = [p.view(num_gpu_blocks, 2, page_bytes // 2).transpose(0, 1) for p in pages]
         layout = KVLayout(len(pages), 1, page_bytes // 2, "float8", tokens_per_block=1)
         self.region: SharedRegion | None = None
-        if region is None:
-            self.store = CPUBlockStore(layout, num_blocks, blocks_per_chunk)
-        else:
+        if region is not None:
             own = blocks_per_chunk * layout.bytes_per_block
             if slot_bytes is not None and own != slot_bytes:
                 raise InvalidArgumentError(
@@ -71,10 +69,8 @@ class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
                 )
             self.region = SharedRegion(region, num_blocks * own)
         try:
-            if self.region is not None:
-                self.store = CPUBlockStore(
-                    layout, num_blocks, blocks_per_chunk, buffer=self.region.tensor
-                )
+            buffer = None if self.region is None else self.region.tensor
+            self.store = CPUBlockStore(layout, num_blocks, blocks_per_chunk, buffer=buffer)
             (_, _, self._store), (_, _, self._load) = cpu_gpu_handlers(halves, self.store)
         except BaseException:
             if self.region is not None:
