@@ -2,9 +2,9 @@
 
 One region per worker rank (see :mod:`.shared_region`); a slot's bytes are
 the ranks' bytes of that slot in rank order, which is what a lower tier
-stores. The regions are mapped on first use, because vLLM's workers create
-them after the scheduler has built its manager; until every rank's region
-is there, reading or filling a slot fails and is counted, never raised into
+stores. The regions are mapped on first use, because vLLM starts its
+workers and its scheduler in no order this side can rely on; until every
+rank's region is there, reading or filling a slot fails and is counted, never raised into
 the engine.
 
 Ordering. The tier stack snapshots a slot only when its block is ready
