@@ -160,17 +160,18 @@ def test_two_ranks_write_and_promote_the_concatenation_of_their_slots(
             assert torch.equal(loaded, want)
 
 
-def test_without_the_workers_buffers_blocks_are_counted_failures_not_errors(
+def test_without_the_workers_buffers_blocks_are_counted_failures_until_they_appear(
     vllm_modules: dict[str, ModuleType], tmp_path: Path, instances: Callable[..., Instance]
 ) -> None:
     from vllm.v1.kv_offload.base import LookupResult
 
     writer = instances(_disk(tmp_path))
+    writer_bytes = writer.gpu(0, [0])
     _evict_to_disk(writer)
     writer.close()  # its region is unlinked; the disk keeps the two blocks
 
     # Same model and disk, but its workers never created their buffers.
-    reader = instances(_disk(tmp_path), workers=False)
+    reader = instances(_disk(tmp_path), workers=False, seed=3)
     slot_bytes = reader.scheduler.shared_slot_bytes()
     disk = reader.manager.backing.tiers[0]
     assert disk.present(KEYS[:2]) == 2
@@ -187,6 +188,14 @@ def test_without_the_workers_buffers_blocks_are_counted_failures_not_errors(
     disk.poll(wait=True)
     assert (disk.stats.failed, slot_bytes.unavailable) == (2, 3)
     assert disk.present(KEYS[4:6]) == 0
+    # Once the workers are up, the same lookup promotes the block with its bytes.
+    reader.start_workers()
+    context = request_context("late", KEYS[:1])
+    _settle(reader, KEYS[:1], context)
+    reader.load(KEYS[:1], [11], context)
+    assert slot_bytes.mapped and slot_bytes.unavailable == 3
+    for loaded, want in zip(reader.gpu(0, [11]), writer_bytes, strict=True):
+        assert torch.equal(loaded, want)
 
 
 def _spawned_worker(path: str, num_blocks: int, seed: int, conn: Any) -> None:

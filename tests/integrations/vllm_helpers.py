@@ -168,18 +168,23 @@ class Instance:
                 world_size=world_size,
             )
 
+        self._spec = spec
         self.scheduler = spec(0)
         self.manager = self.scheduler.get_manager()
         self.caches = [
             canonical_caches(num_tensors, num_gpu_blocks, page_bytes, seed * 100 + rank)
             for rank in range(world_size)
         ]
-        self.workers = (
-            [spec(rank).get_worker(caches) for rank, caches in enumerate(self.caches)]
-            if workers
-            else []
-        )
+        self.workers: list[Any] = []
+        if workers:
+            self.start_workers()
         self._jobs = 0
+
+    def start_workers(self) -> None:
+        """Each rank's worker, as vLLM's connector builds it once the KV caches exist."""
+        self.workers = [
+            self._spec(rank).get_worker(caches) for rank, caches in enumerate(self.caches)
+        ]
 
     def gpu(self, rank: int, blocks: list[int]) -> list[Any]:
         """Copies of ``blocks`` of every KV tensor of ``rank``."""
