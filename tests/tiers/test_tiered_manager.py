@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from tier_helpers import ByteSlots, content
 
 from kvoffload import CPUOffloadingManager, OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
-from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
+from kvoffload.managers.tiered import (
+    SlotBytesUnavailableError,
+    TieredOffloadingManager,
+    TierSettings,
+)
 from kvoffload.tiers import DiskTier, RemoteTier, layout_fingerprint
 from tier_servers import ValkeyProcess
 
@@ -202,5 +207,65 @@ def test_only_the_intact_prefix_of_a_promotion_is_reserved(tmp_path: Path) -> No
         assert m.lookup(K[:3]) == 1 and not m.is_reserved(K[0])  # claimed, unpinned
         assert m.cpu.block_status(K[0]).ref_cnt == 0  # type: ignore[union-attr]
         assert bytes(slots.view(m.cpu.block_status(K[0]).block_id)) == content(K[0], 40)  # type: ignore[union-attr]
+    finally:
+        m.close()
+
+
+class GatedSlots(ByteSlots):
+    """Slot bytes that can be made unreachable, as a worker's buffer not mapped yet."""
+
+    def __init__(self, num_slots: int, slot_bytes: int) -> None:
+        super().__init__(num_slots, slot_bytes)
+        self.reachable = True
+
+    def view(self, slot: int) -> memoryview:
+        if not self.reachable:
+            raise SlotBytesUnavailableError("not mapped")
+        return super().view(slot)
+
+    def snapshot(self, slots: Sequence[int]) -> list[bytes]:
+        if not self.reachable:
+            raise SlotBytesUnavailableError("not mapped")
+        return super().snapshot(slots)
+
+
+def store_with_bytes(m: TieredOffloadingManager, slots: ByteSlots, key: OffloadKey) -> None:
+    """Store ``key`` with its content written into its slot, as a worker would."""
+    output = m.prepare_store([key])
+    assert output is not None
+    slot = int(output.store_spec.block_ids[0])  # type: ignore[attr-defined]
+    slots.data[slot * slots.slot_bytes : (slot + 1) * slots.slot_bytes] = content(key, 40)
+    m.complete_store([key])
+
+
+def test_unreachable_slot_bytes_are_counted_failures_and_a_failed_promotion_a_miss(
+    tmp_path: Path,
+) -> None:
+    fp = layout_fingerprint("gated", layout_preset("tiny"), 40)
+    disk = DiskTier(tmp_path / "disk", 8, fp)
+    slots = GatedSlots(2, 40)
+    m = TieredOffloadingManager(
+        CPUOffloadingManager(2), [(disk, TierSettings())], slots, wait_for_tiers=True
+    )
+    try:
+        for key in K[:2]:
+            store_with_bytes(m, slots, key)
+        slots.reachable = False
+        # Storing K2 evicts K0, whose bytes cannot be read: nothing is written down.
+        store_with_bytes(m, slots, K[2])
+        m.poll()
+        assert (disk.stats.failed, disk.stats.stored_blocks, disk.present([K[0]])) == (1, 0, 0)
+        slots.reachable = True
+        store_with_bytes(m, slots, K[3])  # evicts K1 with its bytes
+        m.poll()
+        assert disk.present([K[1]]) == 1
+        slots.reachable = False
+        assert m.lookup([K[1]]) is None  # promoting: the read cannot land
+        assert m.lookup([K[1]]) == 0  # the failed promotion answers a miss once
+        assert m.promotions_in_flight == 0 and not m.cpu.holds(K[1])
+        slots.reachable = True
+        assert m.lookup([K[1]]) is None  # then it is tried again, and lands
+        assert m.lookup([K[1]]) == 1
+        assert bytes(slots.view(m.cpu.block_status(K[1]).block_id)) == content(K[1], 40)  # type: ignore[union-attr]
     finally:
         m.close()

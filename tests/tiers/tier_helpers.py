@@ -18,6 +18,9 @@ class ByteSlots:
     def snapshot(self, slots: Sequence[int]) -> list[bytes]:
         return [bytes(self.view(slot)) for slot in slots]
 
+    def landed(self, slots: Sequence[int], intact: Sequence[bool]) -> None:
+        """Reads go straight into the slots: nothing to finish."""
+
 
 def content(key: bytes, size: int) -> bytes:
     """A block's bytes, derived from its key alone."""

@@ -21,6 +21,8 @@ class CPUBlockStore:
     The memory is pinned when CUDA is available (``pin_memory=None``), so that
     copies to and from the GPU can run asynchronously. It is not cleared: the
     manager never lets a slot be loaded before a store to it has completed.
+    ``buffer``: memory the caller owns (a shared region's tensor), ``uint8`` of
+    exactly the store's size, used as it is instead of allocating.
     """
 
     def __init__(
@@ -29,6 +31,7 @@ class CPUBlockStore:
         num_blocks: int,
         block_size_factor: int = 1,
         pin_memory: bool | None = None,
+        buffer: torch.Tensor | None = None,
     ):
         for name, value in (("num_blocks", num_blocks), ("block_size_factor", block_size_factor)):
             if value < 1:
@@ -36,13 +39,19 @@ class CPUBlockStore:
         self.layout = layout
         self.num_blocks = num_blocks
         self.block_size_factor = block_size_factor
+        shape = (num_blocks, block_size_factor, 2 * layout.num_layers, layout.page_bytes)
+        if buffer is not None:
+            size = num_blocks * self.slot_bytes
+            if buffer.dtype != torch.uint8 or buffer.device.type != "cpu" or buffer.numel() != size:
+                raise InvalidArgumentError(
+                    f"the CPU store's buffer must be {size} uint8 bytes on the CPU, got "
+                    f"{buffer.numel()} {buffer.dtype} on {buffer.device}"
+                )
+            self.data = buffer.view(shape)
+            return
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.data = allocate(
-            (num_blocks, block_size_factor, 2 * layout.num_layers, layout.page_bytes),
-            torch.uint8,
-            torch.device("cpu"),
-            "the CPU block store",
-            pin_memory=pin,
+            shape, torch.uint8, torch.device("cpu"), "the CPU block store", pin_memory=pin
         )
 
     @property

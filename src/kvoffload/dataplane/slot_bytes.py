@@ -29,3 +29,6 @@ class StoreSlotBytes:
         if not 0 <= slot < len(self._slots):
             raise InvalidArgumentError(f"no CPU slot {slot}; the store has {len(self._slots)}")
         return memoryview(self._slots[slot])
+
+    def landed(self, slots: Sequence[int], intact: Sequence[bool]) -> None:
+        """Nothing to do: tiers read straight into the slots."""

@@ -15,7 +15,10 @@ caller that asked) until a lookup reports it as a hit, so the promotions of
 other waiting requests cannot evict it before its requester asks again: a
 caller that retries always finds what was promoted for it, and every
 promoted block is read from its tier once. A reservation nobody claims ends
-after ``reserve_lookups`` further lookups.
+after ``reserve_lookups`` further lookups. A block whose promotion failed
+answers a miss to the next lookup that reaches it rather than being promoted
+again at once, so a caller that retries on ``None`` never waits forever for
+a block its tier cannot deliver.
 
 Blocks reach a lower tier either when the CPU tier evicts them (write-back)
 or as soon as their CPU store completes (write-through), each tier behind
@@ -31,7 +34,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol, cast
 
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import CPULoadStoreSpec, LoadStoreSpec
@@ -91,15 +94,29 @@ class LowerTier(Protocol):
     def close(self) -> None: ...
 
 
+class SlotBytesUnavailableError(KVOffloadError):
+    """The CPU slots' bytes cannot be reached now (e.g. a worker's buffer is not mapped yet)."""
+
+
 class SlotBytes(Protocol):
     """The bytes of the CPU tier's slots (the data plane's CPU block store)."""
 
     def snapshot(self, slots: Sequence[int]) -> list[bytes]:
-        """Copies of these slots' bytes, taken now (the slots may be reused next)."""
+        """Copies of these slots' bytes, taken now (the slots may be reused next).
+
+        :class:`SlotBytesUnavailableError` if they cannot be read: the stack then
+        writes none of these blocks down and counts them as the tiers' failed stores.
+        """
         ...
 
     def view(self, slot: int) -> memoryview:
         """``slot``'s bytes, writable; filled from a tier's I/O threads."""
+        ...
+
+    def landed(self, slots: Sequence[int], intact: Sequence[bool]) -> None:
+        """A read into these slots' views has finished (in the scheduler thread, before any
+        of them becomes loadable); ``intact`` per slot. Views that were staging buffers
+        are copied into place here."""
         ...
 
 
@@ -116,8 +133,9 @@ class TierSettings:
     store_threshold: int = 0
 
 
-_Demotion = tuple[list[OffloadKey], list[bytes]]
-"""Blocks the CPU tier evicted, with copies of their bytes (none when keeping books only)."""
+_Demotion = tuple[list[OffloadKey], list[bytes] | None]
+"""Blocks the CPU tier evicted, with copies of their bytes (empty when keeping books only,
+``None`` when the bytes could not be read)."""
 
 
 @dataclass
@@ -167,6 +185,8 @@ class TieredOffloadingManager(OffloadingManager):
         """Landed promotions pinned for their requester, with the lookup count at landing."""
         self._reserve_lookups = reserve_lookups
         self._lookups = 0
+        self._failed: OrderedDict[OffloadKey, None] = OrderedDict()
+        """Blocks whose promotion failed since a lookup last reached them (capped)."""
         self.cpu_stats = TierStats()
         self.promotion_batches = [0] * len(self.tiers)
         """Reads started per lower tier (each one batch of blocks)."""
@@ -197,6 +217,10 @@ class TieredOffloadingManager(OffloadingManager):
         if keys[hits] in self._promoting:
             return None
         rest = keys[hits:]
+        if self._failed and keys[hits] in self._failed:
+            for key in rest:
+                self._failed.pop(key, None)
+            return self._claim(keys, hits)
         sources: list[tuple[int, list[OffloadKey]]] = []
         found = 0
         while found < len(rest):
@@ -298,11 +322,15 @@ class TieredOffloadingManager(OffloadingManager):
     def _placed(self, output: PrepareStoreOutput) -> _Demotion:
         """Record new slots; copy out the bytes of the blocks evicted for them."""
         keys = output.evicted_keys
-        payloads: list[bytes] = []
+        payloads: list[bytes] | None = []
         if keys:
             self.cpu_stats.evicted += len(keys)
             if self._slot_bytes is not None:
-                payloads = self._slot_bytes.snapshot([self._slots.pop(key) for key in keys])
+                slots = [self._slots.pop(key) for key in keys]
+                try:
+                    payloads = self._slot_bytes.snapshot(slots)
+                except SlotBytesUnavailableError:
+                    payloads = None
         if self._slot_bytes is not None and output.keys_to_store:
             ids = cast(CPULoadStoreSpec, output.store_spec).block_ids.tolist()
             self._slots.update(zip(output.keys_to_store, ids, strict=True))
@@ -316,7 +344,9 @@ class TieredOffloadingManager(OffloadingManager):
         for tier, settings in zip(self.tiers, self._settings, strict=True):
             if not settings.write_through:
                 chosen = self._admitted(settings, keys)
-                if chosen:
+                if chosen and payloads is None:
+                    tier.stats.failed += len(chosen)
+                elif chosen:
                     tier.write(
                         [keys[i] for i in chosen],
                         [payloads[i] for i in chosen] if payloads else [b""] * len(chosen),
@@ -329,8 +359,13 @@ class TieredOffloadingManager(OffloadingManager):
             return
         if self._slot_bytes is None:
             tier.write(chosen, [b""] * len(chosen))
-        else:
-            tier.write(chosen, self._slot_bytes.snapshot([self._slots[key] for key in chosen]))
+            return
+        try:
+            payloads = self._slot_bytes.snapshot([self._slots[key] for key in chosen])
+        except SlotBytesUnavailableError:
+            tier.stats.failed += len(chosen)
+            return
+        tier.write(chosen, payloads)
 
     def _admitted(self, settings: TierSettings, keys: Sequence[OffloadKey]) -> list[int]:
         """Positions of the ``keys`` that ``settings``' admission threshold lets in."""
@@ -406,6 +441,8 @@ class TieredOffloadingManager(OffloadingManager):
         intact = promotion.result.result()
         keys = promotion.keys
         self._promoting.difference_update(keys)
+        if self._slot_bytes is not None:
+            self._slot_bytes.landed([self._slots[key] for key in keys], intact)
         good = [key for key, ok in zip(keys, intact, strict=True) if ok]
         bad = [key for key, ok in zip(keys, intact, strict=True) if not ok]
         if good:
@@ -419,8 +456,12 @@ class TieredOffloadingManager(OffloadingManager):
                 self._reserved.update((key, stamp) for key in keys[:usable])
         if bad:
             self.cpu.complete_store(bad, False)
+            failed = self._failed
             for key in bad:
                 self._slots.pop(key, None)
+                failed[key] = None
+            while len(failed) > self._max_tracker:
+                failed.popitem(last=False)
 
 
 _NOTHING = memoryview(bytearray(0))

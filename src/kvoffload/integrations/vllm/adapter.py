@@ -83,8 +83,10 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         build: Callable[[], tuple[SeedManager, Probe]],
         offer_filter: OfferCountFilter | None = None,
         bytes_per_block: int = 0,
+        on_shutdown: Callable[[], None] | None = None,
     ) -> None:
         self._build = build
+        self._on_shutdown = on_shutdown
         self._install()
         self._filter = offer_filter
         self._bytes_per_block = bytes_per_block
@@ -223,6 +225,11 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             self._ghost_hits_before_reset += self._layer.ghost_hits
         self._install()
         self.counters.held_blocks = 0
+
+    def shutdown(self) -> None:
+        """vLLM's end of the engine: let the spec finish and close its tiers."""
+        if self._on_shutdown is not None:
+            self._on_shutdown()
 
     def get_stats(self) -> Any:
         """Our counters since the last call, as vLLM's stats (declared by the spec)."""

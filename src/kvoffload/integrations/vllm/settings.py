@@ -48,12 +48,7 @@ DISK_DIR_KEY = f"{PREFIX}disk_dir"
 DISK_BYTES_KEY = f"{PREFIX}disk_bytes"
 """A local-disk tier: its directory and size; each needs the other."""
 
-TIERS_WITHOUT_BYTES_KEY = f"{PREFIX}tiers_without_bytes"
-"""Must be ``true`` to run the lower tiers under vLLM: they move no KV bytes to the workers yet."""
-
-OWN_KEYS = frozenset(
-    {ADMISSION_KEY, REMOTE_URL_KEY, DISK_DIR_KEY, DISK_BYTES_KEY, TIERS_WITHOUT_BYTES_KEY}
-)
+OWN_KEYS = frozenset({ADMISSION_KEY, REMOTE_URL_KEY, DISK_DIR_KEY, DISK_BYTES_KEY})
 """kvoffload's keys. They name layers that are built by ``build_manager``."""
 
 
@@ -105,20 +100,6 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
             f"got only {DISK_BYTES_KEY if disk_dir is None else DISK_DIR_KEY!r}"
         )
     remote_url = _str(extra_config, REMOTE_URL_KEY)
-    without_bytes = extra_config.get(TIERS_WITHOUT_BYTES_KEY, False)
-    if not isinstance(without_bytes, bool):
-        raise InvalidArgumentError(
-            f"kv_connector_extra_config {TIERS_WITHOUT_BYTES_KEY!r} must be true or false, "
-            f"got {without_bytes!r}"
-        )
-    if (remote_url is not None or disk_dir is not None) and not without_bytes:
-        # A promoted block would be reported loadable while its CPU slot holds stale bytes.
-        raise InvalidArgumentError(
-            f"kv_connector_extra_config {REMOTE_URL_KEY if remote_url else DISK_DIR_KEY!r}: "
-            "under vLLM the disk and shared tiers do not yet move KV bytes to the workers, so "
-            "serving from them would load stale KV; to measure their hit ratios with vLLM's "
-            f"scheduler anyway, also set {TIERS_WITHOUT_BYTES_KEY!r}: true"
-        )
     return SpecSettings(
         cpu_bytes_to_use=_int(extra_config, "cpu_bytes_to_use", 1),
         eviction_policy=str(policy),

@@ -8,7 +8,7 @@ vLLM loads it out of tree from ``kv_connector_extra_config``::
 
 from __future__ import annotations
 
-import logging
+from pathlib import Path
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -21,6 +21,8 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from kvoffload.admission import find_admission, wrap_with_admission
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.manager import OffloadingManager
+from kvoffload.dataplane.shared_region import default_directory, region_path
+from kvoffload.dataplane.shared_slot_bytes import SharedSlotBytes
 from kvoffload.integrations.vllm.adapter import (
     CONTROL_METRIC,
     GHOST_HITS_METRIC,
@@ -42,15 +44,17 @@ from kvoffload.managers import CPUOffloadingManager, TieredOffloadingManager, bu
 from kvoffload.observe.counters import COUNTER_DOCS
 from kvoffload.tiers import RemoteTierError, build_tiered_manager, fingerprint_of, parse_remote_url
 
-logger = logging.getLogger(__name__)
-
 
 class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
     """Scheduler side: a :class:`VLLMManagerAdapter` over our manager stack.
     Worker side: our batched CPU<->GPU handlers behind vLLM's ``OffloadingWorker``.
 
     The settings are checked in the constructor, so a bad key or value stops
-    vLLM at start-up with an error naming it.
+    vLLM at start-up with an error naming it. With lower tiers each worker
+    keeps its CPU slots in a shared region named by vLLM's engine id (unique
+    per launch and data-parallel replica, the same in the scheduler and the
+    workers) and its rank; the scheduler maps every rank's region
+    (:class:`SharedSlotBytes`) when its tier stack first needs the bytes.
     """
 
     @classmethod
@@ -85,8 +89,9 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 raise InvalidArgumentError(
                     f"kv_connector_extra_config {REMOTE_URL_KEY!r}: {exc}"
                 ) from None
-        world = max(1, config.parallel.world_size)
-        self.bytes_per_block = config.worker_kv_bytes_per_block * world * self.blocks_per_chunk
+        self.world_size = max(1, config.parallel.world_size)
+        self.rank_slot_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
+        self.bytes_per_block = self.rank_slot_bytes * self.world_size
         if self.bytes_per_block <= 0:
             raise InvalidArgumentError("vLLM reported no KV bytes per block; cannot size the tier")
         self.num_blocks = self.settings.cpu_bytes_to_use // self.bytes_per_block
@@ -104,8 +109,19 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
         self.fingerprint = _fingerprint(config, self.bytes_per_block)
         self._manager: VLLMManagerAdapter | None = None
         self._tiered: TieredOffloadingManager | None = None
-        self._warned = False
         self._worker: Any = None
+        self._slot_bytes: SharedSlotBytes | None = None
+
+    def region_path(self, rank: int) -> Path:
+        """Where worker ``rank`` keeps its CPU slots when lower tiers are configured."""
+        return region_path(default_directory(), self.config.engine_id, rank)
+
+    def shared_slot_bytes(self) -> SharedSlotBytes:
+        """The scheduler's view of the workers' slots (kept across cache resets)."""
+        if self._slot_bytes is None:
+            paths = [self.region_path(rank) for rank in range(self.world_size)]
+            self._slot_bytes = SharedSlotBytes(paths, self.num_blocks, self.rank_slot_bytes)
+        return self._slot_bytes
 
     def build_backing(self) -> tuple[OffloadingManager, Probe]:
         """The manager stack behind the adapter; the one place to add layers and tiers.
@@ -138,12 +154,6 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
         cannot start (no server, a wrong password, an unusable directory) names its key.
         """
         settings = self.settings
-        if not self._warned:
-            self._warned = True
-            logger.warning(
-                "kvoffload: the disk/shared tiers are scheduler-side only in this version; "
-                "blocks promoted from them carry no KV bytes to vLLM's workers"
-            )
         try:
             return build_tiered_manager(
                 cpu,
@@ -153,7 +163,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 remote_url=settings.remote_url,
                 disk_policy=settings.eviction_policy,
                 store_threshold=0,
-                slot_bytes=None,
+                slot_bytes=self.shared_slot_bytes(),
                 wait_for_tiers=False,
             )
         except RemoteTierError as exc:
@@ -169,8 +179,11 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             tiered.close()
 
     def close(self) -> None:
-        """Wait for the lower tiers' writes in flight and close them (nothing without tiers)."""
+        """Wait for the lower tiers' writes in flight, close them and unmap the workers'
+        regions (nothing without tiers); vLLM calls it through the manager's ``shutdown``."""
         self._close_tiers()
+        if self._slot_bytes is not None:
+            self._slot_bytes.close()
 
     def get_manager(self) -> VLLMManagerAdapter:
         if self._manager is None:
@@ -181,7 +194,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 else None
             )
             self._manager = VLLMManagerAdapter(
-                self.build_backing, offer_filter, self.bytes_per_block
+                self.build_backing, offer_filter, self.bytes_per_block, on_shutdown=self.close
             )
         return self._manager
 
@@ -189,13 +202,18 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
         if self._worker is None:
             from kvoffload.integrations.vllm.worker import KVOffloadWorker
 
-            self._worker = KVOffloadWorker(kv_caches, self.num_blocks, self.blocks_per_chunk)
+            region = None
+            if self.settings.has_lower_tiers:
+                region = self.region_path(self.config.parallel.rank)
+            self._worker = KVOffloadWorker(
+                kv_caches, self.num_blocks, self.blocks_per_chunk, region, self.rank_slot_bytes
+            )
         return self._worker
 
 
 def _fingerprint(config: OffloadingConfig, bytes_per_block: int) -> bytes:
     """What a block's bytes mean under this vLLM configuration: model, dtype, block size,
-    KV groups, layout and parallelism. Scheduler-side tiers store no bytes (payload 0).
+    KV groups, layout and parallelism; a block's payload is every rank's slot bytes.
     """
     parallel = config.parallel
     groups = [(group.tokens_per_block, group.layer_names) for group in config.groups]
@@ -213,5 +231,5 @@ def _fingerprint(config: OffloadingConfig, bytes_per_block: int) -> bytes:
         parallel.pcp_size,
         parallel.dcp_size,
         bytes_per_block,
-        0,
+        bytes_per_block,
     )

@@ -5,12 +5,17 @@ byte tensor per distinct KV buffer. Our handlers copy ``[2, num_blocks, ...]``
 layers (K and V), so each canonical page is viewed as two halves: no byte
 is copied to adapt, and a block's pages still move in batched gathers.
 Without CUDA the tensors are CPU tensors and copies run on a thread.
+
+With lower tiers the CPU slots live in a shared region (one file per rank,
+:mod:`kvoffload.dataplane.shared_region`), so that the scheduler's tier
+stack can write them down and promote blocks back into them.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,14 +25,26 @@ from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import KVLayout
 from kvoffload.core.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.dataplane import CPUBlockStore, OffloadingHandler, cpu_gpu_handlers
+from kvoffload.dataplane.shared_region import SharedRegion
 
 logger = logging.getLogger(__name__)
 
 
 class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
-    """Stores and loads for one KV-cache group, into a CPU store of ``num_blocks`` slots."""
+    """Stores and loads for one KV-cache group, into a CPU store of ``num_blocks`` slots.
 
-    def __init__(self, kv_caches: Any, num_blocks: int, blocks_per_chunk: int = 1) -> None:
+    ``region``: keep the slots in a shared region created at this path, whose
+    slots must be ``slot_bytes`` each (what the scheduler side expects).
+    """
+
+    def __init__(
+        self,
+        kv_caches: Any,
+        num_blocks: int,
+        blocks_per_chunk: int = 1,
+        region: Path | None = None,
+        slot_bytes: int | None = None,
+    ) -> None:
         if len(kv_caches.group_data_refs) != 1:
             raise InvalidArgumentError(
                 f"kvoffload's worker handles one KV-cache group, got "
@@ -42,8 +59,23 @@ class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
         num_gpu_blocks, page_bytes = pages[0].shape
         halves = [p.view(num_gpu_blocks, 2, page_bytes // 2).transpose(0, 1) for p in pages]
         layout = KVLayout(len(pages), 1, page_bytes // 2, "float8", tokens_per_block=1)
-        self.store = CPUBlockStore(layout, num_blocks, blocks_per_chunk)
-        (_, _, self._store), (_, _, self._load) = cpu_gpu_handlers(halves, self.store)
+        self.region: SharedRegion | None = None
+        if region is not None:
+            own = blocks_per_chunk * layout.bytes_per_block
+            if slot_bytes is not None and own != slot_bytes:
+                raise InvalidArgumentError(
+                    f"kvoffload's worker stores {own} bytes per offloaded block but vLLM "
+                    f"reported {slot_bytes}; the lower tiers cannot share its CPU slots"
+                )
+            self.region = SharedRegion(region, num_blocks * own)
+        try:
+            buffer = None if self.region is None else self.region.tensor
+            self.store = CPUBlockStore(layout, num_blocks, blocks_per_chunk, buffer=buffer)
+            (_, _, self._store), (_, _, self._load) = cpu_gpu_handlers(halves, self.store)
+        except BaseException:
+            if self.region is not None:
+                self.region.close()
+            raise
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
         return _submit(self._store, job_id, _gpu(src_spec), CPULoadStoreSpec(dst_spec.block_ids))
@@ -67,6 +99,8 @@ class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
     def shutdown(self) -> None:
         self._store.close()
         self._load.close()
+        if self.region is not None:
+            self.region.close()
 
 
 def _byte_rows(tensor: torch.Tensor) -> torch.Tensor:

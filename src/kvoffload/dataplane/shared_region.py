@@ -1,0 +1,228 @@
+"""A worker's CPU block buffer as a file in shared memory, so the scheduler process can map it.
+
+Under vLLM the workers own the CPU slots and the scheduler process owns the
+tier stack that writes slots down to disk or a server and reads them back.
+With lower tiers each worker rank keeps its slots in one file,
+``<directory>/kvoffload-<launch>-r<rank>.kv`` (``directory`` is ``/dev/shm``
+where it exists), that both processes map.
+
+Life cycle. The worker creates the file exclusively and holds an exclusive
+``flock`` on it for as long as it lives; the kernel drops that lock however
+the process ends. So a file whose lock nobody holds belongs to no live
+launch: the scheduler never maps one (see :func:`map_live_region`), a
+worker that finds one under its own name replaces it, and every worker
+removes such files left by crashed launches when it starts
+(:func:`sweep_stale_regions`). The creator unlinks its file on shutdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import logging
+import mmap
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "kvoffload-"
+SUFFIX = ".kv"
+STALE_AFTER_S = 60.0
+"""A lock-free region file younger than this may be one a live worker is still creating."""
+
+
+def default_directory() -> Path:
+    """``/dev/shm`` (memory-backed) where it exists, else the temporary directory."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+
+def _cudart() -> Any:
+    """torch's CUDA runtime bindings (untyped)."""
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
+def region_path(directory: Path, launch: str, rank: int) -> Path:
+    """The file of ``rank``'s buffer in ``launch``: readable, and distinct per launch id."""
+    if not launch:
+        raise InvalidArgumentError("a shared region needs a non-empty launch id")
+    if rank < 0:
+        raise InvalidArgumentError(f"rank must be >= 0, got {rank}")
+    readable = re.sub(r"[^A-Za-z0-9_.-]", "_", launch)[:64]
+    digest = hashlib.blake2b(launch.encode(), digest_size=4).hexdigest()
+    return directory / f"{PREFIX}{readable}-{digest}-r{rank}{SUFFIX}"
+
+
+def _locked_elsewhere(fd: int) -> bool:
+    """Whether another open file holds an exclusive lock on ``fd``'s file (a live owner)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return True
+        raise
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def sweep_stale_regions(directory: Path, older_than_s: float = STALE_AFTER_S) -> list[Path]:
+    """Remove region files no live process holds, older than ``older_than_s``; the removed."""
+    removed: list[Path] = []
+    now = time.time()
+    for path in directory.glob(f"{PREFIX}*{SUFFIX}"):
+        try:
+            if now - path.stat().st_mtime < older_than_s:
+                continue
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _same_file(fd, path):
+                path.unlink()
+                removed.append(path)
+        except OSError:
+            continue  # held by a live worker, or gone already
+        finally:
+            os.close(fd)
+    if removed:
+        logger.info(
+            "kvoffload: removed %d stale shared KV buffer(s) in %s", len(removed), directory
+        )
+    return removed
+
+
+def map_live_region(path: Path, size: int) -> mmap.mmap:
+    """``path`` mapped read-write, if a live worker holds it and it has ``size`` bytes.
+
+    :class:`FileNotFoundError` while the worker has not created it yet;
+    :class:`InvalidArgumentError` for a file of a dead launch or of another size.
+    """
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if not _locked_elsewhere(fd):
+            raise InvalidArgumentError(f"{path} is held by no live worker (a crashed launch?)")
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise InvalidArgumentError(f"{path} has {actual} bytes, expected {size}")
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+class SharedRegion:
+    """One worker's buffer of ``size`` bytes in a shared file it creates, locks and unlinks.
+
+    ``tensor`` is the whole buffer as ``uint8``. With ``pin`` (default: when
+    CUDA is available) it is registered with CUDA as pinned memory, so copies
+    to and from the GPU run asynchronously; if registration fails the copies
+    stay correct, only slower.
+    """
+
+    def __init__(self, path: Path, size: int, pin: bool | None = None) -> None:
+        if size < 1:
+            raise InvalidArgumentError(f"a shared region needs >= 1 byte, got {size}")
+        self.path = path
+        self.size = size
+        sweep_stale_regions(path.parent)
+        self._fd = self._create(path)
+        try:
+            # Reserved up front: a short /dev/shm fails here, not later with SIGBUS in a copy.
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(self._fd, 0, size)
+            else:
+                os.ftruncate(self._fd, size)
+            self._map = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED)
+        except OSError as exc:
+            self._unlink()
+            os.close(self._fd)
+            raise InsufficientMemoryError(
+                f"cannot create the shared KV buffer {path} of {size / 2**30:.2f} GiB: {exc}; "
+                f"make {path.parent} larger (e.g. docker --shm-size) or lower cpu_bytes_to_use"
+            ) from None
+        self.tensor: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._pinned = self._pin() if (torch.cuda.is_available() if pin is None else pin) else 0
+
+    @property
+    def pinned(self) -> bool:
+        return self._pinned != 0
+
+    def _create(self, path: Path) -> int:
+        """Create ``path`` exclusively and lock it, replacing a dead launch's file."""
+        for _ in range(3):
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            except FileExistsError:
+                self._replace_stale(path)
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:  # only a sweeper that misjudged the file's age
+                os.close(fd)
+                raise InvalidArgumentError(
+                    f"cannot lock the shared KV buffer {path}: {exc}"
+                ) from None
+            return fd
+        raise InvalidArgumentError(f"cannot create the shared KV buffer {path}: it keeps existing")
+
+    @staticmethod
+    def _replace_stale(path: Path) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if _locked_elsewhere(fd):
+                    raise InvalidArgumentError(
+                        f"the shared KV buffer {path} belongs to a running launch with the same "
+                        "engine id and rank; give each vLLM instance its own engine_id"
+                    )
+                if _same_file(fd, path):
+                    path.unlink()
+                    logger.warning("kvoffload: replaced a crashed launch's KV buffer %s", path)
+            finally:
+                os.close(fd)
+
+    def _pin(self) -> int:
+        """Register the mapping with CUDA; its address, or 0 if that failed."""
+        assert self.tensor is not None
+        address = self.tensor.data_ptr()
+        if int(_cudart().cudaHostRegister(address, self.size, 0)) != 0:
+            logger.warning("kvoffload: cannot pin %s; GPU copies will be synchronous", self.path)
+            return 0
+        return address
+
+    def _unlink(self) -> None:
+        if _same_file(self._fd, self.path):
+            self.path.unlink()
+
+    def close(self) -> None:
+        """Unpin, unlink and unmap (the scheduler's mapping stays valid until it closes)."""
+        if self.tensor is None:
+            return
+        if self._pinned:
+            _cudart().cudaHostUnregister(self._pinned)
+            self._pinned = 0
+        self.tensor = None
+        self._unlink()
+        os.close(self._fd)
+        with contextlib.suppress(BufferError):  # views still alive: unmapped when they go
+            self._map.close()

@@ -1,0 +1,141 @@
+"""Shared regions: a worker's CPU slots in a file the scheduler maps; naming, locks, cleanup."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvoffload.core.errors import InvalidArgumentError  # noqa: E402
+from kvoffload.core.layout import layout_preset  # noqa: E402
+from kvoffload.dataplane import CPUBlockStore  # noqa: E402
+from kvoffload.dataplane.shared_region import (  # noqa: E402
+    SharedRegion,
+    map_live_region,
+    region_path,
+    sweep_stale_regions,
+)
+from kvoffload.dataplane.shared_slot_bytes import SharedSlotBytes  # noqa: E402
+from kvoffload.managers.tiered import SlotBytesUnavailableError  # noqa: E402
+
+SLOT = 64
+
+
+def _age(path: Path, seconds: float) -> None:
+    past = time.time() - seconds
+    os.utime(path, (past, past))
+
+
+def test_names_are_per_launch_and_rank_and_safe(tmp_path: Path) -> None:
+    a0, a1 = region_path(tmp_path, "engine/a b", 0), region_path(tmp_path, "engine/a b", 1)
+    b0 = region_path(tmp_path, "engine_a_b", 0)  # the same once made readable
+    assert len({a0, a1, b0}) == 3 and a0.parent == tmp_path and "/" not in a0.name
+    with pytest.raises(InvalidArgumentError, match="launch id"):
+        region_path(tmp_path, "", 0)
+
+
+def test_a_region_is_a_locked_file_the_scheduler_maps_and_the_creator_unlinks(
+    tmp_path: Path,
+) -> None:
+    path = region_path(tmp_path, "launch", 0)
+    region = SharedRegion(path, 4 * SLOT, pin=False)
+    assert path.stat().st_size == 4 * SLOT and not region.pinned
+    assert region.tensor is not None
+    region.tensor[SLOT : 2 * SLOT] = torch.arange(SLOT, dtype=torch.uint8)
+    mapped = map_live_region(path, 4 * SLOT)
+    assert mapped[SLOT : 2 * SLOT] == bytes(range(SLOT))
+    mapped[0:3] = b"abc"  # and the worker sees the scheduler's writes
+    assert bytes(region.tensor[:3].numpy()) == b"abc"
+    with pytest.raises(InvalidArgumentError, match="expected 512"):
+        map_live_region(path, 8 * SLOT)
+    region.close()
+    region.close()
+    assert not path.exists()
+    assert mapped[SLOT + 1] == 1  # a mapping taken before the unlink stays valid
+    mapped.close()
+    with pytest.raises(FileNotFoundError):
+        map_live_region(path, 4 * SLOT)
+
+
+def test_a_crashed_launchs_file_is_never_mapped_and_is_replaced(tmp_path: Path) -> None:
+    path = region_path(tmp_path, "launch", 0)
+    path.write_bytes(b"\x07" * 4 * SLOT)  # same name, same size, nobody holds it
+    with pytest.raises(InvalidArgumentError, match="no live worker"):
+        map_live_region(path, 4 * SLOT)
+    region = SharedRegion(path, 4 * SLOT, pin=False)
+    try:
+        assert region.tensor is not None and not region.tensor.any()  # a new, zeroed file
+        with pytest.raises(InvalidArgumentError, match=r"running launch.*engine_id"):
+            SharedRegion(path, 4 * SLOT, pin=False)
+        assert path.exists()
+    finally:
+        region.close()
+
+
+def test_the_sweep_removes_only_old_files_no_live_worker_holds(tmp_path: Path) -> None:
+    live = SharedRegion(region_path(tmp_path, "live", 0), SLOT, pin=False)
+    try:
+        stale = region_path(tmp_path, "crashed", 0)
+        young = region_path(tmp_path, "starting", 0)
+        other = tmp_path / "not-ours.kv"
+        for path in (stale, young, other):
+            path.write_bytes(b"x")
+        for path in (stale, live.path, other):
+            _age(path, 3600)
+        assert sweep_stale_regions(tmp_path) == [stale]
+        assert live.path.exists() and young.exists() and other.exists()
+    finally:
+        live.close()
+
+
+def test_a_store_over_a_region_and_its_buffer_checks(tmp_path: Path) -> None:
+    layout = layout_preset("tiny")
+    size = 3 * layout.bytes_per_block
+    region = SharedRegion(region_path(tmp_path, "store", 0), size, pin=False)
+    try:
+        assert region.tensor is not None
+        store = CPUBlockStore(layout, 3, buffer=region.tensor)
+        store.block(2).fill_(9)
+        assert region.tensor[2 * layout.bytes_per_block :].eq(9).all()
+        with pytest.raises(InvalidArgumentError, match="must be"):
+            CPUBlockStore(layout, 4, buffer=region.tensor)
+    finally:
+        region.close()
+
+
+def test_slot_bytes_map_lazily_and_count_what_they_could_not_move(tmp_path: Path) -> None:
+    paths = [region_path(tmp_path, "lazy", rank) for rank in range(2)]
+    slots = SharedSlotBytes(paths, 4, SLOT)
+    assert slots.slot_bytes == 2 * SLOT
+    with pytest.raises(SlotBytesUnavailableError, match="not usable yet"):
+        slots.snapshot([0, 1])
+    first = SharedRegion(paths[0], 4 * SLOT, pin=False)
+    second = None
+    try:
+        with pytest.raises(SlotBytesUnavailableError):
+            slots.view(3)  # rank 1 is still missing
+        assert (slots.unavailable, slots.mapped) == (3, False)
+        second = SharedRegion(paths[1], 4 * SLOT, pin=False)
+        assert first.tensor is not None and second.tensor is not None
+        first.tensor[SLOT : 2 * SLOT] = 1
+        second.tensor[SLOT : 2 * SLOT] = 2
+        assert slots.snapshot([1]) == [b"\x01" * SLOT + b"\x02" * SLOT]
+        # A promotion into slot 3 is staged, lands in both ranks only when intact.
+        for slot, ok in ((3, True), (2, False)):
+            view = slots.view(slot)
+            view[:] = b"\x05" * SLOT + b"\x06" * SLOT
+            slots.landed([slot], [ok])
+        assert first.tensor[3 * SLOT :].eq(5).all() and second.tensor[3 * SLOT :].eq(6).all()
+        assert not first.tensor[2 * SLOT : 3 * SLOT].any()
+        with pytest.raises(InvalidArgumentError, match="no CPU slot 4"):
+            slots.view(4)
+        assert slots.unavailable == 3
+    finally:
+        slots.close()
+        first.close()
+        if second is not None:
+            second.close()
