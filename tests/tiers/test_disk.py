@@ -1,4 +1,4 @@
-"""The disk tier on real files: round trips, eviction, restart, torn and flipped blocks, ENOSPC."""
+"""The disk tier on a real slot file: round trips, slot reuse, restart, broken slots, ENOSPC."""
 
 from __future__ import annotations
 
@@ -7,15 +7,25 @@ import resource
 import shutil
 import signal
 import subprocess
+import tempfile
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tier_helpers import flip_byte
 
 from kvoffload import OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
 from kvoffload.tiers import DiskTier, layout_fingerprint
+from kvoffload.tiers.disk import SUPER_BYTES, encode_superblock, slot_stride
+from kvoffload.tiers.format import HEADER_BYTES
 
 FP = layout_fingerprint("disk-test", layout_preset("tiny"), 64)
 KEYS = [block_id_key(i) for i in range(12)]
+HEAD = HEADER_BYTES + len(KEYS[0])  # where a slot's payload starts
 
 
 def payload(key: OffloadKey, size: int = 64) -> bytes:
@@ -38,16 +48,22 @@ def stored(tier: DiskTier, keys: list[OffloadKey], size: int = 64) -> DiskTier:
     return tier
 
 
-def test_blocks_round_trip_through_files(tmp_path: Path) -> None:
+def offsets(tier: DiskTier, keys: list[OffloadKey]) -> list[int | None]:
+    return [tier.slot_offset(key) for key in keys]
+
+
+def test_blocks_round_trip_through_the_slot_file(tmp_path: Path) -> None:
     tier = stored(DiskTier(tmp_path, 20, FP, enable_events=True), KEYS[:10])
     try:
         assert tier.present(KEYS) == 10 and len(tier) == 10
         ok, got = read_all(tier, KEYS[:10])
         assert all(ok) and got == {i: payload(k) for i, k in enumerate(KEYS[:10])}
         assert tier.stats.stored_blocks == 10 and tier.stats.hit_blocks == 10
-        assert sorted(p.name for p in tier.directory.iterdir()) == sorted(
-            k.hex() + ".kvb" for k in KEYS[:10]
-        )
+        assert [p.name for p in tier.directory.iterdir()] == ["blocks.kvs"]
+        stride = slot_stride(64)
+        assert tier.stride == stride == 4096
+        assert sorted(offsets(tier, KEYS[:10])) == [SUPER_BYTES + i * stride for i in range(10)]
+        assert tier.path.stat().st_size <= SUPER_BYTES + 10 * stride
         [event] = tier.take_events()
         assert (event.medium, event.removed, sorted(event.keys)) == ("DISK", False, KEYS[:10])
         stored(tier, KEYS[:3])  # held already: not written again
@@ -56,30 +72,43 @@ def test_blocks_round_trip_through_files(tmp_path: Path) -> None:
         tier.close()
 
 
-def test_the_capacity_holds_and_the_least_recent_block_leaves(tmp_path: Path) -> None:
+def test_the_capacity_holds_and_an_evicted_slot_takes_the_new_block(tmp_path: Path) -> None:
     tier = stored(DiskTier(tmp_path, 4, FP, "lru", enable_events=True), KEYS[:4])
     try:
         read_all(tier, [KEYS[0]])
         tier.take_events()
+        freed = set(offsets(tier, KEYS[1:3]))
         stored(tier, KEYS[4:6])
         assert len(tier) == 4 and tier.stats.evicted == 2
         assert [tier.present([k]) for k in KEYS[:6]] == [1, 0, 0, 1, 1, 1]
+        assert set(offsets(tier, KEYS[4:6])) == freed  # the freed slots, reused
         removed = [e for e in tier.take_events() if e.removed]
         assert [sorted(e.keys) for e in removed] == [[KEYS[1], KEYS[2]]]
+        ok, got = read_all(tier, [KEYS[4], KEYS[5], KEYS[1]])
+        assert ok == [True, True, False] and got == {0: payload(KEYS[4]), 1: payload(KEYS[5])}
+        assert tier.path.stat().st_size <= SUPER_BYTES + 4 * slot_stride(64)
     finally:
         tier.close()
-    assert not tier.path(KEYS[1]).exists() and tier.path(KEYS[0]).exists()
 
 
-def test_a_restart_rebuilds_the_index_from_the_files(tmp_path: Path) -> None:
+def test_a_restart_rebuilds_the_index_from_the_slots(tmp_path: Path) -> None:
     stored(DiskTier(tmp_path, 20, FP), KEYS[:5]).close()
     again = DiskTier(tmp_path, 20, FP)
     try:
-        assert len(again) == 5 and again.present(KEYS) == 5
+        assert len(again) == 5 and again.present(KEYS) == 5 and again.stats.corrupt == 0
         ok, got = read_all(again, KEYS[:5])
         assert all(ok) and got[4] == payload(KEYS[4])
+        stored(again, KEYS[5:7])  # into free slots, not over the old blocks
+        ok, got = read_all(again, KEYS[:7])
+        assert all(ok) and got == {i: payload(k) for i, k in enumerate(KEYS[:7])}
     finally:
         again.close()
+    smaller = DiskTier(tmp_path, 3, FP)  # slots beyond the new capacity are cut off
+    try:
+        assert len(smaller) == 3 and smaller.present(KEYS[:3]) == 3
+        assert smaller.path.stat().st_size <= SUPER_BYTES + 3 * slot_stride(64)
+    finally:
+        smaller.close()
     other = DiskTier(tmp_path, 20, layout_fingerprint("another-model", layout_preset("tiny"), 64))
     try:
         assert len(other) == 0 and other.present(KEYS) == 0
@@ -87,46 +116,156 @@ def test_a_restart_rebuilds_the_index_from_the_files(tmp_path: Path) -> None:
         other.close()
 
 
-def test_a_restart_drops_torn_broken_and_unfinished_files(tmp_path: Path) -> None:
-    first = stored(DiskTier(tmp_path, 20, FP), KEYS[:5])
+def test_a_restart_drops_torn_and_broken_slots(tmp_path: Path) -> None:
+    first = stored(DiskTier(tmp_path, 20, FP), KEYS[:6])
+    where = dict(zip(KEYS[:6], offsets(first, KEYS[:6]), strict=True))
     first.close()
-    torn = first.path(KEYS[1])
-    torn.write_bytes(torn.read_bytes()[:-10])
-    bad_magic = first.path(KEYS[2])
-    data = bytearray(bad_magic.read_bytes())
-    data[0] ^= 0xFF
-    bad_magic.write_bytes(bytes(data))
-    misnamed = first.path(KEYS[3])
-    misnamed.rename(first.path(KEYS[9]))
-    unfinished = first.path(KEYS[6]).with_suffix(".tmp")
-    unfinished.write_bytes(b"half a block")
+    last = max(where, key=lambda k: where[k] or 0)
+    with open(first.path, "r+b") as file:
+        file.seek(where[KEYS[1]] or 0)
+        file.write(bytes(HEAD))  # header zeroed over its payload: a reuse cut short
+        file.seek(where[KEYS[2]] or 0)
+        file.write(b"XXXX")  # bad magic
+        file.seek((where[KEYS[3]] or 0) + 10)
+        file.write(b"\xff")  # a header field flipped: its CRC fails
+        file.truncate((where[last] or 0) + HEAD + 20)  # the last block cut short
     again = DiskTier(tmp_path, 20, FP)
     try:
-        assert len(again) == 2
-        assert [again.present([k]) for k in KEYS[:5]] == [1, 0, 0, 0, 1]
-        assert again.present([KEYS[9]]) == 0
-        assert again.stats.corrupt == 3
-        assert not torn.exists() and not bad_magic.exists() and not unfinished.exists()
+        expect = {KEYS[0], KEYS[4], KEYS[5]} - {last}
+        assert {k for k in KEYS if again.present([k])} == expect
+        assert again.stats.corrupt == 3  # bad magic, bad CRC, cut short
+        ok, got = read_all(again, sorted(expect))
+        assert all(ok) and set(got.values()) == {payload(k) for k in expect}
     finally:
         again.close()
 
 
-def test_a_flipped_payload_byte_is_never_loaded_and_the_file_goes(tmp_path: Path) -> None:
+def test_a_foreign_superblock_starts_the_tier_over(tmp_path: Path) -> None:
+    first = stored(DiskTier(tmp_path, 20, FP), KEYS[:3])
+    first.close()
+    foreign = layout_fingerprint("another-model", layout_preset("tiny"), 64)
+    with open(first.path, "r+b") as file:
+        file.write(encode_superblock(foreign, slot_stride(64)))
+    again = DiskTier(tmp_path, 20, FP)
+    try:
+        assert len(again) == 0 and again.path.stat().st_size == 0
+        stored(again, KEYS[3:5])
+        ok, got = read_all(again, KEYS[3:5])
+        assert all(ok) and got[1] == payload(KEYS[4])
+    finally:
+        again.close()
+    with open(first.path, "r+b") as file:
+        file.seek(26)
+        file.write(b"\xff")  # the superblock's stride field: its CRC fails
+    broken = DiskTier(tmp_path, 20, FP)
+    try:
+        assert len(broken) == 0
+    finally:
+        broken.close()
+
+
+def test_a_flipped_payload_byte_is_never_loaded_nor_indexed_again(tmp_path: Path) -> None:
     tier = stored(DiskTier(tmp_path, 20, FP, enable_events=True), KEYS[:3])
     try:
         tier.take_events()
-        path = tier.path(KEYS[1])
-        data = bytearray(path.read_bytes())
-        data[-5] ^= 0x01
-        path.write_bytes(bytes(data))
+        flip_byte(tier, KEYS[1], HEAD + 59)
         ok, got = read_all(tier, KEYS[:3])
         assert ok == [True, False, True] and 1 not in got
         assert tier.stats.corrupt == 1 and tier.stats.hit_blocks == 2
-        assert not path.exists() and tier.present(KEYS[:3]) == 1
+        assert tier.present(KEYS[:3]) == 1 and len(tier) == 2
         [event] = tier.take_events()
         assert event.removed and event.keys == [KEYS[1]]
     finally:
         tier.close()
+    again = DiskTier(tmp_path, 20, FP)
+    try:
+        assert len(again) == 2 and again.present([KEYS[1]]) == 0 and again.stats.corrupt == 0
+    finally:
+        again.close()
+
+
+def test_a_read_in_flight_while_its_slot_is_reused_gets_the_old_block(tmp_path: Path) -> None:
+    """The read holds the slot's stripe; the write into the reused slot queues behind it."""
+    tier = stored(DiskTier(tmp_path, 1, FP), KEYS[:1])
+    try:
+        entered, release = threading.Event(), threading.Event()
+        buffer = bytearray(64)
+
+        def held(_: int) -> memoryview:
+            entered.set()
+            release.wait(10)
+            return memoryview(buffer)
+
+        reading = tier.read(KEYS[:1], held)
+        assert entered.wait(10)
+        tier.write(KEYS[1:2], [payload(KEYS[1])])  # evicts KEYS[0], reuses its slot
+        assert tier.slot_offset(KEYS[1]) == SUPER_BYTES and tier.present(KEYS[:1]) == 0
+        release.set()
+        assert reading.result(timeout=10) == [True] and bytes(buffer) == payload(KEYS[0])
+        tier.poll(wait=True)
+        ok, got = read_all(tier, KEYS[:2])
+        assert ok == [False, True] and got[1] == payload(KEYS[1])
+    finally:
+        release.set()
+        tier.close()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["write", "read", "poll"]), st.integers(0, 7)),
+        max_size=40,
+    ),
+    st.integers(1, 3),
+    st.integers(1, 3),
+)
+def test_reads_never_deliver_another_keys_bytes(
+    steps: list[tuple[str, int]], capacity: int, io_threads: int
+) -> None:
+    """Writes, reads and polls in any order: a read is its key's bytes or a miss."""
+    with tempfile.TemporaryDirectory() as directory:
+        tier = DiskTier(directory, capacity, FP, io_threads=io_threads)
+        reads: list[tuple[OffloadKey, bytearray, Future[list[bool]]]] = []
+        try:
+            for op, k in steps:
+                key = KEYS[k]
+                if op == "write":
+                    tier.write([key], [payload(key)])
+                elif op == "read":
+                    buffer = bytearray(64)
+                    reads.append((key, buffer, tier.read([key], lambda _, b=buffer: memoryview(b))))
+                else:
+                    tier.poll(wait=False)
+                assert len(tier) <= capacity
+            for key, buffer, future in reads:
+                [ok] = future.result(timeout=10)
+                assert not ok or bytes(buffer) == payload(key)
+            tier.poll(wait=True)
+            assert tier.stats.corrupt == 0 and tier.stats.failed == 0
+        finally:
+            tier.close()
+
+
+def test_a_block_too_large_for_the_slots_is_a_failed_store(tmp_path: Path) -> None:
+    tier = stored(DiskTier(tmp_path, 20, FP), KEYS[:1])
+    try:
+        stored(tier, KEYS[1:3], 8192)  # the stride was fixed by the first write
+        assert tier.stats.failed == 2 and tier.stats.stored_blocks == 1 and len(tier) == 1
+        stored(tier, KEYS[3:4])
+        ok, got = read_all(tier, [KEYS[0], KEYS[3]])
+        assert ok == [True, True] and got[1] == payload(KEYS[3])
+    finally:
+        tier.close()
+
+
+def test_fsync_keeps_the_same_blocks(tmp_path: Path) -> None:
+    stored(DiskTier(tmp_path, 8, FP, fsync=True), KEYS[:4]).close()
+    again = DiskTier(tmp_path, 8, FP, fsync=True)
+    try:
+        ok, got = read_all(again, KEYS[:4])
+        assert all(ok) and got[3] == payload(KEYS[3])
+    finally:
+        again.close()
 
 
 def test_a_vanished_directory_turns_writes_into_counted_failures(tmp_path: Path) -> None:
@@ -163,7 +302,7 @@ def small_filesystem(path: Path, size_kib: int) -> Iterator[str]:
         return
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (size_kib * 1024 // 8, hard))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size_kib * 1024, hard))
     try:
         yield "rlimit"
     finally:
@@ -172,21 +311,22 @@ def small_filesystem(path: Path, size_kib: int) -> Iterator[str]:
 
 
 def test_a_full_disk_degrades_to_failed_stores(tmp_path: Path) -> None:
-    size = 16 * 1024
-    with small_filesystem(tmp_path / "small", 64) as kind:
+    """40 KiB hold the superblock's page and nine one-page slots: the rest fails."""
+    size = 1000
+    with small_filesystem(tmp_path / "small", 40) as kind:
         tier = DiskTier(tmp_path / "small", 100, FP, io_threads=1)
         try:
-            small = [payload(k, 100) for k in KEYS[:2]]
-            tier.write(KEYS[:2], small)  # small blocks fit either way
-            tier.poll(wait=True)
-            stored(tier, KEYS[2:], size)
+            stored(tier, KEYS, size)
             assert tier.stats.failed > 0, kind
             good = tier.stats.stored_blocks
             assert good >= 2 and good + tier.stats.failed == len(KEYS)
             assert len(tier) == good
-            assert not list(tier.directory.glob("*.tmp"))
-            ok, got = read_all(tier, KEYS[:2], 100)
-            assert ok == [True, True] and got[1] == small[1]
+            ok, got = read_all(tier, KEYS[:2], size)
+            assert ok == [True, True] and got[1] == payload(KEYS[1], size)
+            tier.close()
+            again = DiskTier(tmp_path / "small", 100, FP, io_threads=1)
+            tier = again
+            assert len(again) == good and again.stats.corrupt == 0  # no half-written slot
         finally:
             tier.close()
 

@@ -6,7 +6,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tier_helpers import ByteSlots, content
+from tier_helpers import ByteSlots, content, flip_byte
 
 from kvoffload import CPUOffloadingManager, OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
@@ -16,6 +16,7 @@ from kvoffload.managers.tiered import (
     TierSettings,
 )
 from kvoffload.tiers import DiskTier, RemoteTier, layout_fingerprint
+from kvoffload.tiers.format import HEADER_BYTES
 from tier_servers import ValkeyProcess
 
 FP = layout_fingerprint("tiered-test", layout_preset("tiny"), 0)
@@ -81,8 +82,7 @@ def test_a_failed_promotion_frees_its_slot_and_counts(tmp_path: Path) -> None:
         m.poll()
         disk = m.tiers[0]
         assert isinstance(disk, DiskTier)
-        path = disk.path(K[0])
-        path.write_bytes(path.read_bytes()[:-1] + b"\xff")  # header-only block: checksum byte
+        flip_byte(disk, K[0], HEADER_BYTES + len(K[0]) - 1)  # header-only block: its key
         assert m.lookup([K[0]]) is None
         assert m.lookup([K[0]]) == 0
         assert m.cpu.block_status(K[0]) is None and m.promotions_in_flight == 0
@@ -189,10 +189,7 @@ def test_only_the_intact_prefix_of_a_promotion_is_reserved(tmp_path: Path) -> No
     disk = DiskTier(tmp_path / "disk", 4, fp)
     disk.write(K[:3], [content(key, 40) for key in K[:3]])
     disk.poll(wait=True)
-    path = disk.path(K[1])
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0xFF
-    path.write_bytes(bytes(data))
+    flip_byte(disk, K[1], HEADER_BYTES + len(K[1]) + 39)  # the payload's last byte
     slots = ByteSlots(4, 40)
     m = TieredOffloadingManager(
         CPUOffloadingManager(4), [(disk, TierSettings())], slots, wait_for_tiers=True

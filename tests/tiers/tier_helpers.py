@@ -1,8 +1,11 @@
-"""CPU slot bytes in a plain bytearray: what a CPU tier's memory is, without torch."""
+"""CPU slot bytes in a plain bytearray (a CPU tier's memory, without torch); a disk byte flipper."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from kvoffload import OffloadKey
+from kvoffload.tiers import DiskTier
 
 
 class ByteSlots:
@@ -25,3 +28,14 @@ class ByteSlots:
 def content(key: bytes, size: int) -> bytes:
     """A block's bytes, derived from its key alone."""
     return (key * (size // len(key) + 1))[:size]
+
+
+def flip_byte(tier: DiskTier, key: bytes, offset: int) -> None:
+    """Flip the byte at ``offset`` into ``key``'s slot in the tier's slot file."""
+    start = tier.slot_offset(OffloadKey(key))
+    assert start is not None, "the tier does not hold this key"
+    with open(tier.path, "r+b") as file:
+        file.seek(start + offset)
+        byte = file.read(1)
+        file.seek(start + offset)
+        file.write(bytes([byte[0] ^ 0xFF]))
