@@ -1,15 +1,18 @@
-"""Which on-disk layout for the disk tier: one file per block (temp + rename) or a segment?
+"""Which on-disk layout for the disk tier: a file per block, a segment, or a slot file?
 
-Both write the same blocks (the tier's header, then the payload) and read
-them back into one buffer, in the same run:
+All three write the same blocks (the tier's header, then the payload) and
+read them back into one buffer, in the same run, on one thread:
 
 * ``file``: each block in its own temporary file, renamed into place (what
-  :class:`kvoffload.tiers.DiskTier` does: a crash leaves whole blocks only);
+  :class:`kvoffload.tiers.DiskTier` did first: a crash leaves whole blocks only);
 * ``segment``: blocks appended to one segment file, with an index of
-  (key, offset, length) and a CRC32 written after the batch.
+  (key, offset, length) and a CRC32 written after the batch;
+* ``slab``: blocks written in place into fixed-size slots of one sparse file,
+  the old header zeroed with the payload and the new header written last
+  (what the tier does now: a crash leaves a slot without a valid header).
 
-With ``--fsync`` each file is synced before its rename, while the segment is
-synced once per batch (its one advantage: group commit). Best of ``--rounds``.
+With ``--fsync`` each file is synced before its rename, the segment once per
+batch, and the slab twice per batch (payloads, then headers). Best of ``--rounds``.
 
     python benchmarks/disk_layouts.py [--blocks 128] [--block-mib 2] [--fsync] [--dir PATH]
 """
@@ -28,7 +31,8 @@ from pathlib import Path
 
 from kvoffload import block_id_key
 from kvoffload.core.layout import layout_preset
-from kvoffload.tiers.format import encode_header, layout_fingerprint
+from kvoffload.tiers.disk import SUPER_BYTES, encode_superblock, slot_stride
+from kvoffload.tiers.format import encode_header, layout_fingerprint, parse_header
 
 
 def file_per_block(directory: Path, blocks: list[tuple[bytes, bytes]], fsync: bool) -> float:
@@ -88,6 +92,44 @@ def read_segment(directory: Path, blocks: list[tuple[bytes, bytes]], buffer: mem
     return time.perf_counter() - started
 
 
+def slab(directory: Path, blocks: list[tuple[bytes, bytes]], fsync: bool) -> float:
+    stride = slot_stride(len(blocks[0][1]))
+    started = time.perf_counter()
+    fd = os.open(directory / "blocks.kvs", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, encode_superblock(FP, stride), 0)
+        headers = []
+        for slot, (key, payload) in enumerate(blocks):
+            header = encode_header(key, FP, payload)
+            os.pwritev(fd, [bytes(len(header)), payload], SUPER_BYTES + slot * stride)
+            headers.append(header)
+        if fsync:
+            os.fdatasync(fd)
+        for slot, header in enumerate(headers):
+            os.pwrite(fd, header, SUPER_BYTES + slot * stride)
+        if fsync:
+            os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - started
+
+
+def read_slab(directory: Path, blocks: list[tuple[bytes, bytes]], buffer: memoryview) -> float:
+    size = len(blocks[0][1])
+    stride = slot_stride(size)
+    head = len(encode_header(blocks[0][0], FP, b""))
+    started = time.perf_counter()
+    fd = os.open(directory / "blocks.kvs", os.O_RDONLY)
+    try:
+        for slot in range(len(blocks)):
+            at = SUPER_BYTES + slot * stride
+            parse_header(os.pread(fd, head, at))
+            os.preadv(fd, [buffer[slot * size : (slot + 1) * size]], at + head)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - started
+
+
 FP = layout_fingerprint("bench", layout_preset("tiny"), 0)
 
 
@@ -109,6 +151,7 @@ def main() -> None:
         for name, write, read in (
             ("file", file_per_block, read_files),
             ("segment", segment, read_segment),
+            ("slab", slab, read_slab),
         ):
             scratch = Path(tempfile.mkdtemp(prefix=f"kvoffload-{name}-{r}-", dir=args.dir))
             try:
@@ -121,6 +164,9 @@ def main() -> None:
                 best[label] = max(best.get(label, 0.0), total / seconds / 1e9)
     best["write_ratio_file_to_segment"] = best["file_write_gbps"] / best["segment_write_gbps"]
     best["read_ratio_file_to_segment"] = best["file_read_gbps"] / best["segment_read_gbps"]
+    best["write_ratio_slab_to_file"] = best["slab_write_gbps"] / best["file_write_gbps"]
+    best["write_ratio_slab_to_segment"] = best["slab_write_gbps"] / best["segment_write_gbps"]
+    best["read_ratio_slab_to_file"] = best["slab_read_gbps"] / best["file_read_gbps"]
     print(json.dumps(best, indent=2))
 
 

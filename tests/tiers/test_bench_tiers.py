@@ -54,3 +54,16 @@ def test_bench_tiers_reports_both_tiers_beside_their_baselines(
 def test_measure_tiers_rejects_bad_sizes(blocks: int, block_mib: float, rounds: int) -> None:
     with pytest.raises(InvalidArgumentError, match="blocks and rounds must be >= 1"):
         measure_tiers(blocks, block_mib, rounds)
+
+
+def test_bench_tiers_with_fsync_syncs_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bench.json"
+    argv = ["bench", "tiers", "--blocks", "4", "--block-mib", "0.25", "--rounds", "1", "--fsync"]
+    assert main([*argv, "--dir", str(tmp_path), "--json", str(path)]) == 0
+    results = json.loads(path.read_text())
+    assert results["fsync"] is True and results["disk_store_gbps"] > 0
+    assert "remote_store_gbps" not in results
+    assert capsys.readouterr().out.splitlines()[-1].endswith(", synced to disk")
+    assert list(tmp_path.iterdir()) == [path]

@@ -50,6 +50,11 @@ def register(commands: Any) -> argparse.ArgumentParser:
     )
     tiers.add_argument("--dir", help="directory for the disk tier (default: a temporary one)")
     tiers.add_argument("--remote", metavar="URL", help="also measure the shared tier at URL")
+    tiers.add_argument(
+        "--fsync",
+        action="store_true",
+        help="the disk tier syncs each batch, the plain file once written (power-loss safety)",
+    )
     tiers.add_argument("--json", metavar="PATH", help="write the results as JSON (- stdout)")
     tiers.set_defaults(run=run_tiers)
     return transfer
@@ -98,7 +103,9 @@ def run_tiers(args: argparse.Namespace) -> int:
     """``bench tiers``: torch-free; the shared tier's client is needed only with ``--remote``."""
     from kvoffload.tiers.bench import measure_tiers
 
-    results = measure_tiers(args.blocks, args.block_mib, args.rounds, args.dir, args.remote)
+    results = measure_tiers(
+        args.blocks, args.block_mib, args.rounds, args.dir, args.remote, fsync=args.fsync
+    )
     if args.json:
         output.write_json(args.json, results)
     if args.json != "-":
@@ -130,4 +137,6 @@ def tier_table(results: dict[str, Any]) -> str:
     size = output.size(results["block_bytes"])
     rounds = results["rounds"]
     note = f"{results['blocks']} blocks of {size}, best of {rounds} round{'s' * (rounds != 1)}"
+    if results.get("fsync"):
+        note += ", synced to disk"
     return output.column_table(headers, rows) + "\n" + note

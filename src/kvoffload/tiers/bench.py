@@ -60,8 +60,14 @@ class _Blocks:
                 raise RuntimeError(f"block {i} did not come back intact")
 
 
-def measure_disk(blocks: _Blocks, directory: Path, rounds: int) -> dict[str, float]:
-    """Rounds alternate plain and tier; each round stores, loads, then deletes its bytes."""
+def measure_disk(
+    blocks: _Blocks, directory: Path, rounds: int, fsync: bool = False
+) -> dict[str, float]:
+    """Rounds alternate plain and tier; each round stores, loads, then deletes its bytes.
+
+    With ``fsync`` the tier syncs each batch and the plain file is synced once
+    it is written: both stores end when the bytes are durable.
+    """
     fingerprint = layout_fingerprint("bench", layout_preset("tiny"), blocks.size)
 
     def plain(i: int) -> tuple[float, float]:
@@ -70,6 +76,8 @@ def measure_disk(blocks: _Blocks, directory: Path, rounds: int) -> dict[str, flo
         with open(path, "wb", buffering=0) as file:
             for payload in blocks.payloads:
                 file.write(payload)
+            if fsync:
+                os.fsync(file.fileno())
         stored = time.perf_counter()
         with open(path, "rb", buffering=0) as file:
             for j in range(len(blocks.payloads)):
@@ -79,7 +87,7 @@ def measure_disk(blocks: _Blocks, directory: Path, rounds: int) -> dict[str, flo
         return stored - started, loaded - stored
 
     def tier(i: int) -> tuple[float, float]:
-        disk = DiskTier(directory / f"tier-{i}", len(blocks.payloads), fingerprint)
+        disk = DiskTier(directory / f"tier-{i}", len(blocks.payloads), fingerprint, fsync=fsync)
         keys = blocks.keys(i)
         try:
             started = time.perf_counter()
@@ -182,6 +190,7 @@ def measure_tiers(
     rounds: int = 3,
     directory: str | None = None,
     remote: str | None = None,
+    fsync: bool = False,
 ) -> dict[str, Any]:
     """Disk figures (in ``directory``, default a temporary one), and remote ones if ``remote``."""
     if blocks < 1 or rounds < 1 or not 0 < block_mib < math.inf:
@@ -192,9 +201,11 @@ def measure_tiers(
     check_fits(2 * blocks * block_mib * MIB, f"{blocks} blocks of {block_mib:g} MiB")
     data = _Blocks(blocks, int(block_mib * MIB))
     results: dict[str, Any] = {"blocks": blocks, "block_bytes": data.size, "rounds": rounds}
+    if fsync:
+        results["fsync"] = True
     scratch = Path(tempfile.mkdtemp(prefix="kvoffload-bench-", dir=directory))
     try:
-        results.update(measure_disk(data, scratch, rounds))
+        results.update(measure_disk(data, scratch, rounds, fsync))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if remote is not None:
