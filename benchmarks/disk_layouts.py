@@ -1,7 +1,9 @@
 """Which on-disk layout for the disk tier: a file per block, a segment, or a slot file?
 
 All three write the same blocks (the tier's header, then the payload) and
-read them back into one buffer, in the same run, on one thread:
+read them back into one buffer, in the same run, on one thread, beside the
+``plain`` payloads written to one file as they are, and the payload digest
+alone (``digest_gbps``: what every layout adds to the plain write):
 
 * ``file``: each block in its own temporary file, renamed into place (what
   :class:`kvoffload.tiers.DiskTier` did first: a crash leaves whole blocks only);
@@ -32,7 +34,12 @@ from pathlib import Path
 from kvoffload import block_id_key
 from kvoffload.core.layout import layout_preset
 from kvoffload.tiers.disk import SUPER_BYTES, encode_superblock, slot_stride
-from kvoffload.tiers.format import encode_header, layout_fingerprint, parse_header
+from kvoffload.tiers.format import (
+    encode_header,
+    layout_fingerprint,
+    parse_header,
+    payload_digest,
+)
 
 
 def file_per_block(directory: Path, blocks: list[tuple[bytes, bytes]], fsync: bool) -> float:
@@ -130,6 +137,32 @@ def read_slab(directory: Path, blocks: list[tuple[bytes, bytes]], buffer: memory
     return time.perf_counter() - started
 
 
+def plain(directory: Path, blocks: list[tuple[bytes, bytes]], fsync: bool) -> float:
+    started = time.perf_counter()
+    with open(directory / "plain.bin", "wb", buffering=0) as file:
+        for _, payload in blocks:
+            file.write(payload)
+        if fsync:
+            os.fsync(file.fileno())
+    return time.perf_counter() - started
+
+
+def read_plain(directory: Path, blocks: list[tuple[bytes, bytes]], buffer: memoryview) -> float:
+    size = len(blocks[0][1])
+    started = time.perf_counter()
+    with open(directory / "plain.bin", "rb", buffering=0) as file:
+        for i in range(len(blocks)):
+            file.readinto(buffer[i * size : (i + 1) * size])
+    return time.perf_counter() - started
+
+
+def digest(blocks: list[tuple[bytes, bytes]]) -> float:
+    started = time.perf_counter()
+    for _, payload in blocks:
+        payload_digest(payload)
+    return time.perf_counter() - started
+
+
 FP = layout_fingerprint("bench", layout_preset("tiny"), 0)
 
 
@@ -148,7 +181,9 @@ def main() -> None:
     total = size * args.blocks
     best: dict[str, float] = {}
     for r in range(args.rounds):
+        best["digest_gbps"] = max(best.get("digest_gbps", 0.0), total / digest(blocks) / 1e9)
         for name, write, read in (
+            ("plain", plain, read_plain),
             ("file", file_per_block, read_files),
             ("segment", segment, read_segment),
             ("slab", slab, read_slab),
@@ -162,6 +197,8 @@ def main() -> None:
             for op, seconds in times.items():
                 label = f"{name}_{op}_gbps"
                 best[label] = max(best.get(label, 0.0), total / seconds / 1e9)
+    for name in ("file", "segment", "slab"):
+        best[f"write_ratio_{name}_to_plain"] = best[f"{name}_write_gbps"] / best["plain_write_gbps"]
     best["write_ratio_file_to_segment"] = best["file_write_gbps"] / best["segment_write_gbps"]
     best["read_ratio_file_to_segment"] = best["file_read_gbps"] / best["segment_read_gbps"]
     best["write_ratio_slab_to_file"] = best["slab_write_gbps"] / best["file_write_gbps"]
