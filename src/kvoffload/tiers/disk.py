@@ -125,6 +125,7 @@ class DiskTier:
             raise InvalidArgumentError(
                 f"a fingerprint has {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}"
             )
+        self._policy = create_cache_policy(cache_policy, capacity_blocks)
         self.capacity_blocks = capacity_blocks
         self.fingerprint = fingerprint
         self.directory = Path(directory) / fingerprint.hex()
@@ -138,7 +139,6 @@ class DiskTier:
             ) from None
         self.stats = TierStats()
         self._fsync = fsync
-        self._policy = create_cache_policy(cache_policy, capacity_blocks)
         self._index: dict[OffloadKey, BlockStatus] = {}
         self._free: list[int] = []
         self._stride: int | None = None
@@ -180,11 +180,14 @@ class DiskTier:
         keys = list(keys)
         self._policy.touch(reversed(keys))
         index = self._index
-        slots = [block.block_id if (block := index.get(key)) else -1 for key in keys]
+        stripes = len(self._stripes)
+        slots = [-1] * len(keys)
         groups: dict[int, list[int]] = {}
-        for i, slot in enumerate(slots):
-            if slot >= 0:
-                groups.setdefault(slot % len(self._stripes), []).append(i)
+        for i, key in enumerate(keys):
+            block = index.get(key)
+            if block is not None:
+                slots[i] = block.block_id
+                groups.setdefault(block.block_id % stripes, []).append(i)
         result: Future[list[bool]] = Future()
         outcome = [False] * len(keys)
         if not groups or self._stride is None:
