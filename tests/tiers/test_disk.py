@@ -23,7 +23,7 @@ from tier_helpers import flip_byte
 from kvoffload import OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
 from kvoffload.tiers import DiskTier, layout_fingerprint
-from kvoffload.tiers.disk import SUPER_BYTES, encode_superblock, slot_stride
+from kvoffload.tiers.disk import MAX_KEY_BYTES, SUPER_BYTES, encode_superblock, slot_stride
 from kvoffload.tiers.format import HEADER_BYTES
 
 FP = layout_fingerprint("disk-test", layout_preset("tiny"), 64)
@@ -295,6 +295,9 @@ def test_a_block_too_large_for_the_slots_is_a_failed_store(tmp_path: Path) -> No
     try:
         stored(tier, KEYS[1:3], 8192)  # the stride was fixed by the first write
         assert tier.stats.failed == 2 and tier.stats.stored_blocks == 1 and len(tier) == 1
+        long_key = OffloadKey(b"k" * (MAX_KEY_BYTES + 1))
+        stored(tier, [long_key])
+        assert tier.stats.failed == 3 and tier.present([long_key]) == 0
         stored(tier, KEYS[3:4])
         ok, got = read_all(tier, [KEYS[0], KEYS[3]])
         assert ok == [True, True] and got[1] == payload(KEYS[3])
