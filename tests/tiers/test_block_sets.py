@@ -20,15 +20,13 @@ def writes_of(sizes: list[int], prefix: bytes = b"bs:") -> list[BlockWrite]:
     for i, size in enumerate(sizes):
         key = block_id_key(i)
         payload = bytes((i + j) % 251 for j in range(size))
-        writes.append(
-            BlockWrite(prefix + key.hex().encode(), encode_header(key, FP, payload), payload)
-        )
+        writes.append(BlockWrite(prefix + key.hex().encode(), key, payload))
     return writes
 
 
 def test_large_payloads_go_out_as_they_are_and_small_ones_are_joined() -> None:
     writes = writes_of([10, JOIN_BELOW, 3, JOIN_BELOW + 1, 0])
-    pieces = pack_sets(writes)
+    pieces = list(pack_sets(writes, FP))
     assert [piece is writes[i].payload for i in (1, 3) for piece in pieces].count(True) == 2
     assert len(pieces) == 5  # commands before block 1, block 1, between, block 3, the rest
     assert b"".join(pieces).count(b"*3\r\n$3\r\nSET\r\n") == len(writes)
@@ -40,10 +38,10 @@ SIZES = [0, 1, 7, 100, JOIN_BELOW - 1, JOIN_BELOW, 3 * JOIN_BELOW + 5, 2**20, 5,
 def test_every_value_reads_back_as_header_then_payload(valkey_server: ValkeyProcess) -> None:
     client = valkey_server.client()
     writes = writes_of(SIZES)
-    send_sets(client.connection_pool, writes)
-    for i, (name, header, payload) in enumerate(writes):
+    send_sets(client.connection_pool, writes, FP)
+    for i, (name, key, payload) in enumerate(writes):
         value = client.get(name)
-        assert value == header + payload
+        assert value == encode_header(key, FP, payload) + payload
         assert bytes(decode_block(value, block_id_key(i), FP)) == payload
     client.delete(*(write.name for write in writes))
 
@@ -65,11 +63,11 @@ def test_an_error_reply_raises_after_every_reply_is_read_and_the_connection_stay
         refused = writes_of([2**20, 10], prefix=b"refused:")
         allowed = writes_of([2**20, 10], prefix=b"allowed:")
         with pytest.raises(valkey.exceptions.NoPermissionError):
-            send_sets(client.connection_pool, [refused[0], *allowed, refused[1]])
+            send_sets(client.connection_pool, [refused[0], *allowed, refused[1]], FP)
         assert [admin.get(write.name) for write in allowed] == [
-            write.header + write.payload for write in allowed
+            encode_header(write.key, FP, write.payload) + write.payload for write in allowed
         ]
-        send_sets(client.connection_pool, allowed)  # no stale reply is read as this one's
+        send_sets(client.connection_pool, allowed, FP)  # no stale reply is read as this one's
         assert admin.info("stats")["total_connections_received"] == connections
         assert admin.exists(*(write.name for write in refused)) == 0
     finally:

@@ -65,7 +65,7 @@ def payload_digest(payload: bytes | bytearray | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-def encode_header(key: bytes, fingerprint: bytes, payload: bytes | memoryview) -> bytes:
+def encode_header(key: bytes, fingerprint: bytes, payload: bytes | bytearray | memoryview) -> bytes:
     """``header | key``, to be followed by ``payload`` as it is (no copy of the payload)."""
     if len(fingerprint) != FINGERPRINT_BYTES:
         raise CorruptBlockError(

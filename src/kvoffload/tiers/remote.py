@@ -193,14 +193,14 @@ class RemoteTier:
 
     def _write(self, keys: list[OffloadKey], payloads: list[bytes]) -> bool:
         writes = [
-            BlockWrite(self.name(key), encode_header(key, self.fingerprint, payload), payload)
+            BlockWrite(self.name(key), key, payload)
             for key, payload in zip(keys, payloads, strict=True)
         ]
         store = self._store_on_nodes if self.is_cluster else self._store
         return self._call(lambda: store(writes)) is True
 
     def _store(self, writes: list[BlockWrite]) -> bool:
-        send_sets(self._client.connection_pool, writes)
+        send_sets(self._client.connection_pool, writes, self.fingerprint)
         return True
 
     def _store_on_nodes(self, writes: list[BlockWrite]) -> bool:
@@ -218,11 +218,11 @@ class RemoteTier:
             by_node.setdefault(node.name, (node, []))[1].append(write)
         try:
             for node, group in by_node.values():
-                send_sets(node.valkey_connection.connection_pool, group)
+                send_sets(node.valkey_connection.connection_pool, group, self.fingerprint)
         except valkey.exceptions.ResponseError:
             pipe = self._client.pipeline(transaction=False)
-            for name, header, payload in writes:
-                pipe.set(name, header + payload)
+            for name, key, payload in writes:
+                pipe.set(name, encode_header(key, self.fingerprint, payload) + payload)
             pipe.execute()
         return True
 
