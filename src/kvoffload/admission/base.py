@@ -89,7 +89,10 @@ class AdmissionLayer(OffloadingManager):
         keys = keys if isinstance(keys, list) else list(keys)
         if keys and self._requests.on_lookup(keys):
             self._sighting(keys)
-        return self._backing.lookup(keys)
+        found = self._backing.lookup(keys)
+        if found:
+            self._requests.on_hit(keys)
+        return found
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
         offered = list(dict.fromkeys(keys))
