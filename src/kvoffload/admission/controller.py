@@ -16,6 +16,8 @@ are admitted while that rate reaches ``threshold``. Counts are halved every
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from kvoffload.core.errors import InvalidArgumentError
 
 PRIOR_RETURNS = 0.9
@@ -91,6 +93,11 @@ class ReuseController:
         self._since_halving += 1
         if self._since_halving >= self.window:
             self._halve()
+
+    def record_all(self, tags: Iterable[int], returned: bool) -> None:
+        """``record`` of each of ``tags`` in turn, all with the same outcome."""
+        for tag in tags:
+            self.record(tag, returned)
 
     def _halve(self) -> None:
         self.returns = [r / 2 for r in self.returns]

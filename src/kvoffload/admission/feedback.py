@@ -67,38 +67,32 @@ class FeedbackAdmission(AdmissionLayer):
 
     def _sighting(self, keys: Sequence[OffloadKey]) -> None:
         self.sketch.increment(self._hashes.of_request(keys))
-        ghost, controller = self.ghost, self.controller
-        if not len(ghost):
-            return
-        for key in keys:
-            if key in ghost:
-                tag = ghost.take(key)
-                if tag is not None:
-                    controller.record(tag, True)
-                    self.ghost_hits += 1
+        if len(self.ghost):
+            returned = self.ghost.take_all(keys)
+            self.controller.record_all(returned, True)
+            self.ghost_hits += len(returned)
 
     def _admit(self, offered: Sequence[OffloadKey], prefix: int) -> list[OffloadKey]:
-        seen = self.sketch.estimate(self._hashes.of_offer(offered)) >= 2
+        seen = (self.sketch.estimate(self._hashes.of_offer(offered)) >= 2).tolist()
         ghost, controller, clock = self.ghost, self.controller, self.written
-        for tag in ghost.expire(clock - self.capacity):
-            controller.record(tag, False)
+        controller.record_all(ghost.expire(clock - self.capacity), False)
         first, tier_served = self._requests.origin(offered)
         group = root_group(first)
         body = controller.tag(first_seen_class(prefix, False, tier_served), group)
         tail = controller.tag(first_seen_class(prefix, True, tier_served), group)
+        # The request's first-seen blocks are decided together: by class and group.
         admits_body, admits_tail = controller.admits(body), controller.admits(tail)
-        last = len(offered) - 1
-        admitted: list[OffloadKey] = []
-        for i, key in enumerate(offered):
-            if seen[i]:
-                admitted.append(key)
-                continue
-            is_last = i == last
-            expired = ghost.add(key, tail if is_last else body, clock)
-            if expired is not None:
-                controller.record(expired, False)
-            if admits_tail if is_last else admits_body:
-                admitted.append(key)
+        new_body = [key for key, old in zip(offered[:-1], seen, strict=False) if not old]
+        pushed = ghost.add_all(new_body, body, clock)
+        if not seen[-1]:
+            pushed += ghost.add_all(offered[-1:], tail, clock)
+        controller.record_all(pushed, False)
+        if admits_body:
+            admitted = list(offered[:-1])
+        else:
+            admitted = [key for key, old in zip(offered[:-1], seen, strict=False) if old]
+        if seen[-1] or admits_tail:
+            admitted.append(offered[-1])
         self.written += len(admitted)
         return admitted
 
