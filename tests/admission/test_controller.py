@@ -86,3 +86,13 @@ def test_ghost_is_bounded_and_reports_returns_and_expiries() -> None:
     assert ghost.take(k[2]) == 2 and ghost.take(k[2]) is None
     assert ghost.expire(before=3) == [1]
     assert k[3] in ghost and len(ghost) == 1
+
+
+def test_ghost_batch_calls_match_one_key_at_a_time() -> None:
+    one, batch = GhostRecords(4), GhostRecords(4)
+    k = [block_id_key(i) for i in range(7)]
+    pushed = [one.add(key, 1, clock=0) for key in [*k[:3], k[0], *k[3:6]]]
+    assert batch.add_all([*k[:3], k[0], *k[3:6]], 1) == [p for p in pushed if p is not None]
+    assert [key in one for key in k] == [key in batch for key in k]
+    assert batch.take_all([k[6], k[5], k[0], k[5]]) == [1, 1]  # k[6] never added, k[5] once
+    assert k[5] not in batch and k[0] not in batch and len(batch) == 2
