@@ -79,8 +79,15 @@ class ReuseController:
     @property
     def admitting_share(self) -> float:
         """The control value: the share of class groups whose first-seen blocks are admitted."""
-        tags = range(len(self.group_outcomes))
-        return sum(self.admits(tag) for tag in tags) / len(tags)
+        pooled = [self.class_rate(cls) for cls in range(len(self.outcomes))]
+        groups, threshold = self.groups, self.threshold
+        counts = zip(self.group_returns, self.group_outcomes, strict=True)
+        admitting = sum(
+            (returns + GROUP_STRENGTH * pooled[tag // groups]) / (outcomes + GROUP_STRENGTH)
+            >= threshold
+            for tag, (returns, outcomes) in enumerate(counts)
+        )
+        return admitting / len(self.group_outcomes)
 
     def record(self, tag: int, returned: bool) -> None:
         """One outcome under ``tag``: its block came back (``True``) or expired."""
