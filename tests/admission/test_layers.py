@@ -169,3 +169,15 @@ def test_memory_stays_bounded_whatever_the_traffic(
     assert len(layer.ghost) <= capacity
     assert len(layer._requests._open) <= 1  # every request was recognised and closed
     assert layer.sketch.resets > 0  # aged: old sightings do not pile up
+
+
+def test_a_driver_that_looks_up_past_the_layer_can_report_tier_hits() -> None:
+    """vLLM's per-key lookups go to the backing manager directly: the driver announces the
+    request and reports that the tier served part of it."""
+    capacity = 64
+    layer = FeedbackAdmission(CPUOffloadingManager(capacity), capacity)
+    request = keys(1, 2, 3)
+    layer.see_request(request)
+    assert layer._requests.origin(request[1:]) == (request[0], False)
+    layer.saw_tier_hit(request)
+    assert layer._requests.origin(request[1:]) == (request[0], True)
