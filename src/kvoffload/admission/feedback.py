@@ -10,8 +10,8 @@ since. The :class:`ReuseController` turns returns and expiries into a
 decision per class and group. Classes split requests by whether they extend
 a known prefix, and if so whether the tier served part of it or only the GPU
 cache did, and blocks by whether they end the request; groups split requests
-by their root (first) block, so that applications with their own system
-prompt are judged on their own traffic. One-shot prompts and partial tails
+that extend a known prefix by their root (first) block, so that applications
+with their own system prompt are judged on their own traffic. One-shot prompts and partial tails
 stop being written, continuation turns are written on first sight.
 """
 
@@ -77,7 +77,8 @@ class FeedbackAdmission(AdmissionLayer):
         ghost, controller, clock = self.ghost, self.controller, self.written
         controller.record_all(ghost.expire(clock - self.capacity), False)
         first, tier_served = self._requests.origin(offered)
-        group = root_group(first)
+        # A request with no known prefix starts a new root, which says nothing: pooled.
+        group = root_group(first) if prefix > 0 else 0
         body = controller.tag(first_seen_class(prefix, False, tier_served), group)
         tail = controller.tag(first_seen_class(prefix, True, tier_served), group)
         # The request's first-seen blocks are decided together: by class and group.
