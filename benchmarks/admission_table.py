@@ -10,7 +10,11 @@ difference and writes ratio, and whether the goal (+0.008 hit, at most 0.9x
 writes) is met, plus the share of the gap to the Belady bound that the
 recommended configuration closes.
 
-    python benchmarks/admission_table.py [--jobs N] [--shares 0.05,0.1,0.25] [--json PATH]
+    python benchmarks/admission_table.py [--jobs N] [--shares 0.05,0.1,0.25] [--seed N]
+                                         [--json PATH]
+
+``--seed`` draws the synthetic workloads from another seed (the Mooncake rows
+are then skipped): a check on traffic the algorithm was not developed on.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import json
 import sys
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from kvoffload.sim.run import RunReport, SimConfig, simulate
@@ -42,9 +47,9 @@ CONFIGS = {
 HIT_GOAL, WRITES_GOAL = 0.008, 0.9
 
 
-def run_row(name: str, share: float) -> dict[str, float | str | bool]:
+def run_row(name: str, share: float, seed: int = 0) -> dict[str, float | str | bool]:
     """One workload at one capacity share: the three configurations and the bound."""
-    workload = WORKLOADS[name].load()
+    workload = replace(WORKLOADS[name], seed=seed).load()
     unique = len({key for request in workload.requests for key in request.keys})
     gpu = max(int(0.02 * unique), max(len(r.keys) for r in workload.requests))
     cpu = int(share * unique)
@@ -83,12 +88,13 @@ def main() -> int:
     parser.add_argument(
         "--shares", default="0.05,0.1,0.25", help="capacity shares of unique blocks"
     )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic workloads")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
-    names = [n for n in WORKLOADS if n != "mooncake" or TRACE.is_file()]
-    if "mooncake" not in names:
+    names = [n for n in WORKLOADS if n != "mooncake" or (TRACE.is_file() and not args.seed)]
+    if "mooncake" not in names and not args.seed:
         print(f"note: {TRACE} not found, Mooncake rows skipped", file=sys.stderr)
-    tasks = [(n, float(s)) for n in names for s in args.shares.split(",")]
+    tasks = [(n, float(s), args.seed) for n in names for s in args.shares.split(",")]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         rows = list(pool.map(run_row, *zip(*tasks, strict=True)))
     print(

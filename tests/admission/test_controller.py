@@ -51,11 +51,28 @@ def test_estimates_stay_bounded_by_the_window() -> None:
     assert controller.outcomes[0] <= 200
 
 
+def test_a_group_follows_its_own_traffic_and_an_unseen_one_its_class() -> None:
+    controller = ReuseController(1, threshold=0.5, window=10_000, groups=4)
+    returning, one_shot, unseen = (controller.tag(0, g) for g in (1, 2, 3))
+    rng = random.Random(4)
+    for _ in range(400):
+        controller.record(returning, rng.random() < 0.8)
+        for _ in range(3):
+            controller.record(one_shot, rng.random() < 0.05)
+    assert controller.class_rate(0) < 0.5  # the pooled class would admit nobody
+    assert controller.admits(returning) and not controller.admits(one_shot)
+    assert controller.rate(unseen) == pytest.approx(controller.class_rate(0))
+    assert controller.admitting_share == 0.25
+    assert controller.memory_bytes == 8 * 2 * (1 + 4)
+
+
 def test_bad_arguments_are_rejected() -> None:
     with pytest.raises(InvalidArgumentError, match="threshold"):
         ReuseController(2, threshold=1.5, window=10)
     with pytest.raises(InvalidArgumentError, match="window"):
         ReuseController(2, threshold=0.5, window=0)
+    with pytest.raises(InvalidArgumentError, match="groups"):
+        ReuseController(2, threshold=0.5, window=10, groups=0)
     with pytest.raises(InvalidArgumentError, match="ghost capacity"):
         GhostRecords(0)
 
@@ -69,3 +86,13 @@ def test_ghost_is_bounded_and_reports_returns_and_expiries() -> None:
     assert ghost.take(k[2]) == 2 and ghost.take(k[2]) is None
     assert ghost.expire(before=3) == [1]
     assert k[3] in ghost and len(ghost) == 1
+
+
+def test_ghost_batch_calls_match_one_key_at_a_time() -> None:
+    one, batch = GhostRecords(4), GhostRecords(4)
+    k = [block_id_key(i) for i in range(7)]
+    pushed = [one.add(key, 1, clock=0) for key in [*k[:3], k[0], *k[3:6]]]
+    assert batch.add_all([*k[:3], k[0], *k[3:6]], 1) == [p for p in pushed if p is not None]
+    assert [key in one for key in k] == [key in batch for key in k]
+    assert batch.take_all([k[6], k[5], k[0], k[5]]) == [1, 1]  # k[6] never added, k[5] once
+    assert k[5] not in batch and k[0] not in batch and len(batch) == 2

@@ -20,6 +20,7 @@ from kvoffload.admission import (
     resolve_admission,
     wrap_with_admission,
 )
+from kvoffload.admission.feedback import first_seen_class, root_group
 from kvoffload.managers import build_manager
 
 
@@ -82,7 +83,7 @@ def test_feedback_stops_writing_a_one_shot_scan() -> None:
     written = [len(serve(layer, keys(*range(i * 8, i * 8 + 8)))) for i in range(200)]
     # The scan never comes back: at most the sketch's rare false "seen before" is written.
     assert sum(written[-100:]) <= 8
-    assert layer.controller.rate(0) < 0.1
+    assert layer.controller.class_rate(0) < 0.1  # no known prefix, not the last block
     assert layer.stats().control < 1.0
 
 
@@ -97,9 +98,33 @@ def test_feedback_keeps_writing_continuations_that_come_back() -> None:
             history = history + keys(*range(base + turn * 4, base + turn * 4 + 4))
             hits += layer.lookup(history) or 0
             serve(layer, history)
-    assert layer.controller.admits(2)  # extends a known prefix, not its last block
-    assert layer.controller.admits(3)
+    # Each turn extends a prefix the tier served (classes 4 and 5); a conversation with a
+    # root never seen before gets its class's pooled decision.
+    controller, fresh = layer.controller, root_group(block_id_key(10**6))
+    assert controller.admits(controller.tag(first_seen_class(1, False, True), fresh))
+    assert controller.admits(controller.tag(first_seen_class(1, True, True), fresh))
     assert hits > 0
+
+
+def test_feedback_judges_each_root_prefix_on_its_own_traffic() -> None:
+    """Two applications behind their own system prompts: one's turns come back, the other's
+    questions never do. Both extend a prefix the tier serves (one class), yet only the first
+    one's new blocks are written on first sight."""
+    capacity = 256
+    layer = FeedbackAdmission(CPUOffloadingManager(capacity), capacity)
+    chat_root, rag_root = keys(1, 2), keys(500_000, 500_001)
+    assert root_group(chat_root[0]) != root_group(rag_root[0])
+    written = {"chat": 0, "rag": 0}
+    for i in range(300):
+        base = 1000 + i * 100
+        first_turn = chat_root + keys(base, base + 1, base + 2)
+        stored = {"chat": serve(layer, first_turn)}
+        serve(layer, first_turn + keys(base + 3, base + 4))
+        stored["rag"] = serve(layer, rag_root + keys(base + 50, base + 51, base + 52))
+        if i >= 200:
+            written = {app: written[app] + len(stored[app]) for app in written}
+    assert written["chat"] >= 250  # most first turns of the last 100 written at once
+    assert written["rag"] <= 10  # the never-reused questions are not
 
 
 def test_feedback_stats_report_a_bounded_footprint() -> None:
@@ -144,3 +169,15 @@ def test_memory_stays_bounded_whatever_the_traffic(
     assert len(layer.ghost) <= capacity
     assert len(layer._requests._open) <= 1  # every request was recognised and closed
     assert layer.sketch.resets > 0  # aged: old sightings do not pile up
+
+
+def test_a_driver_that_looks_up_past_the_layer_can_report_tier_hits() -> None:
+    """vLLM's per-key lookups go to the backing manager directly: the driver announces the
+    request and reports that the tier served part of it."""
+    capacity = 64
+    layer = FeedbackAdmission(CPUOffloadingManager(capacity), capacity)
+    request = keys(1, 2, 3)
+    layer.see_request(request)
+    assert layer._requests.origin(request[1:]) == (request[0], False)
+    layer.saw_tier_hit(request)
+    assert layer._requests.origin(request[1:]) == (request[0], True)

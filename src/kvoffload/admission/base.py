@@ -79,6 +79,15 @@ class AdmissionLayer(OffloadingManager):
             self._requests.open(keys)
         self._sighting(keys)
 
+    def saw_tier_hit(self, keys: Sequence[OffloadKey]) -> None:
+        """The tier served part of the request ``keys`` (as announced to :meth:`see_request`).
+
+        For drivers that send lookups to :attr:`backing` directly: without this
+        call such a request counts as one whose prefix only the GPU cache served.
+        """
+        if keys:
+            self._requests.on_hit(keys)
+
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         keys = keys if isinstance(keys, list) else list(keys)
         if keys and self._requests.on_touch(keys):
@@ -89,7 +98,10 @@ class AdmissionLayer(OffloadingManager):
         keys = keys if isinstance(keys, list) else list(keys)
         if keys and self._requests.on_lookup(keys):
             self._sighting(keys)
-        return self._backing.lookup(keys)
+        found = self._backing.lookup(keys)
+        if found:
+            self.saw_tier_hit(keys)
+        return found
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
         offered = list(dict.fromkeys(keys))

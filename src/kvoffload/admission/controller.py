@@ -1,15 +1,22 @@
 """The feedback controller: per-class reuse estimates from ghost returns and expiries.
 
 Each first-seen block that is offered for storing is recorded in a ghost
-under a *class* (how its request looked: did it extend a known prefix, is
-this its last block). If the key is seen again by a later request before its
-record expires, the class scores a return, otherwise an expiry. A class whose
-recent return rate reaches ``threshold`` has its first-seen blocks admitted.
-Counts are halved every ``window`` outcomes, so the estimates follow a
-workload that shifts.
+under a *class* (how its request looked: did it extend a known prefix, was
+that prefix served by the tier, is this its last block) and a *group* (which
+root prefix the request starts with: a system prompt, a tool preamble, a
+document set). If the key is seen again by a later request before its record
+expires, the class and group score a return, otherwise an expiry. A group's
+rate is its own counts shrunk towards its class's pooled rate, so a group
+with little evidence behaves like its class and one with much follows its
+own traffic: in a mix of applications, one whose continuations come back is
+admitted while one whose prompts are never reused is not. First-seen blocks
+are admitted while that rate reaches ``threshold``. Counts are halved every
+``window`` outcomes, so the estimates follow a workload that shifts.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from kvoffload.core.errors import InvalidArgumentError
 
@@ -18,48 +25,90 @@ PRIOR_OUTCOMES = 2.0
 """A class starts just below a threshold of 1/2: nothing is written on first sight until
 blocks of its class come back (a single return is enough at the start), so a one-shot scan
 never fills the tier while the controller waits for evidence."""
+GROUP_STRENGTH = 4.0
+"""How many outcomes' worth of weight a group gives its class's pooled rate."""
+BYTES_PER_COUNT = 8
 
 
 class ReuseController:
-    """Return rates of ``num_classes`` classes; ``admits(c)`` is the current decision."""
+    """Return rates of ``num_classes`` classes, each split into ``groups`` groups.
 
-    def __init__(self, num_classes: int, threshold: float, window: int) -> None:
+    A *tag* (``tag(cls, group)``) names one class's group; ``admits(tag)`` is
+    the current decision for first-seen blocks under it.
+    """
+
+    def __init__(self, num_classes: int, threshold: float, window: int, groups: int = 1) -> None:
         if num_classes < 1:
             raise InvalidArgumentError(f"num_classes must be >= 1, got {num_classes}")
         if not 0.0 <= threshold <= 1.0:
             raise InvalidArgumentError(f"threshold must be in [0, 1], got {threshold}")
         if window < 1:
             raise InvalidArgumentError(f"window must be >= 1, got {window}")
+        if groups < 1:
+            raise InvalidArgumentError(f"groups must be >= 1, got {groups}")
         self.threshold = threshold
         self.window = window
+        self.groups = groups
         self.returns = [0.0] * num_classes
         self.outcomes = [0.0] * num_classes
+        self.group_returns = [0.0] * (num_classes * groups)
+        self.group_outcomes = [0.0] * (num_classes * groups)
         self._since_halving = 0
-        self._admits = [self.rate(c) >= threshold for c in range(num_classes)]
 
-    def rate(self, cls: int) -> float:
-        """Estimated chance that a first-seen block of class ``cls`` is seen again soon."""
+    @property
+    def memory_bytes(self) -> int:
+        return BYTES_PER_COUNT * 2 * (len(self.outcomes) + len(self.group_outcomes))
+
+    def tag(self, cls: int, group: int = 0) -> int:
+        return cls * self.groups + group
+
+    def class_rate(self, cls: int) -> float:
+        """Pooled chance that a first-seen block of class ``cls`` is seen again soon."""
         return (self.returns[cls] + PRIOR_RETURNS) / (self.outcomes[cls] + PRIOR_OUTCOMES)
 
-    def admits(self, cls: int) -> bool:
-        return self._admits[cls]
+    def rate(self, tag: int) -> float:
+        """The group's own return rate, shrunk towards its class's pooled rate."""
+        pooled = self.class_rate(tag // self.groups)
+        return (self.group_returns[tag] + GROUP_STRENGTH * pooled) / (
+            self.group_outcomes[tag] + GROUP_STRENGTH
+        )
+
+    def admits(self, tag: int) -> bool:
+        return self.rate(tag) >= self.threshold
 
     @property
     def admitting_share(self) -> float:
-        """The control value: the share of classes whose first-seen blocks are admitted."""
-        return sum(self._admits) / len(self._admits)
+        """The control value: the share of class groups whose first-seen blocks are admitted."""
+        pooled = [self.class_rate(cls) for cls in range(len(self.outcomes))]
+        groups, threshold = self.groups, self.threshold
+        counts = zip(self.group_returns, self.group_outcomes, strict=True)
+        admitting = sum(
+            (returns + GROUP_STRENGTH * pooled[tag // groups]) / (outcomes + GROUP_STRENGTH)
+            >= threshold
+            for tag, (returns, outcomes) in enumerate(counts)
+        )
+        return admitting / len(self.group_outcomes)
 
-    def record(self, cls: int, returned: bool) -> None:
-        """One outcome for class ``cls``: its block came back (``True``) or expired."""
+    def record(self, tag: int, returned: bool) -> None:
+        """One outcome under ``tag``: its block came back (``True``) or expired."""
+        cls = tag // self.groups
         self.outcomes[cls] += 1.0
+        self.group_outcomes[tag] += 1.0
         if returned:
             self.returns[cls] += 1.0
-        self._admits[cls] = self.rate(cls) >= self.threshold
+            self.group_returns[tag] += 1.0
         self._since_halving += 1
         if self._since_halving >= self.window:
             self._halve()
 
+    def record_all(self, tags: Iterable[int], returned: bool) -> None:
+        """``record`` of each of ``tags`` in turn, all with the same outcome."""
+        for tag in tags:
+            self.record(tag, returned)
+
     def _halve(self) -> None:
         self.returns = [r / 2 for r in self.returns]
         self.outcomes = [o / 2 for o in self.outcomes]
+        self.group_returns = [r / 2 for r in self.group_returns]
+        self.group_outcomes = [o / 2 for o in self.group_outcomes]
         self._since_halving = 0

@@ -4,16 +4,20 @@ Blocks the frequency sketch has seen in an earlier request are admitted, as
 the seed filter would (but counted once per request, GPU-held blocks
 included). A first-seen block is admitted only if its class has recently
 been coming back before the tier would have evicted it: every first-seen
-offer, admitted or not, is recorded in a ghost under its class; a record
-expires once as many blocks as the tier holds have been admitted since. The
-:class:`ReuseController` turns returns and expiries into a per-class
-decision. Classes split requests by whether they extend a known prefix and
-blocks by whether they end the request: one-shot prompts and partial tails
+offer, admitted or not, is recorded in a ghost under its class and group; a
+record expires once as many blocks as the tier holds have been admitted
+since. The :class:`ReuseController` turns returns and expiries into a
+decision per class and group. Classes split requests by whether they extend
+a known prefix, and if so whether the tier served part of it or only the GPU
+cache did, and blocks by whether they end the request; groups split requests
+that extend a known prefix by their root (first) block, so that applications
+with their own system prompt are judged on their own traffic. One-shot prompts and partial tails
 stop being written, continuation turns are written on first sight.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 
 from kvoffload.admission.base import AdmissionLayer, AdmissionStats
@@ -23,7 +27,9 @@ from kvoffload.admission.sketch import FrequencySketch, RequestHashes
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager
 
-NUM_CLASSES = 4
+NUM_CLASSES = 6
+ROOT_GROUPS = 64
+"""Root prefixes are hashed into this many groups; a shared group only pools evidence."""
 DEFAULT_THRESHOLD = 0.5
 """Write a first-seen block when it is more likely than not to be read before it is evicted."""
 SAMPLE_FACTOR = 10
@@ -31,9 +37,16 @@ SAMPLE_FACTOR = 10
 MIN_SAMPLE = 1024
 
 
-def first_seen_class(prefix: int, is_last: bool) -> int:
-    """Class of a first-seen block: (request extends a known prefix) x (block ends it)."""
-    return (2 if prefix > 0 else 0) + (1 if is_last else 0)
+def first_seen_class(prefix: int, is_last: bool, tier_served: bool = False) -> int:
+    """Class of a first-seen block: (no known prefix, a prefix only the GPU cache served,
+    one the tier served part of) x (block ends the request)."""
+    known = 0 if prefix == 0 else 2 if tier_served else 1
+    return 2 * known + (1 if is_last else 0)
+
+
+def root_group(first: OffloadKey | None) -> int:
+    """The group of a request by its first key (deterministic, unlike ``hash``)."""
+    return 0 if first is None else zlib.crc32(first) % ROOT_GROUPS
 
 
 class FeedbackAdmission(AdmissionLayer):
@@ -46,39 +59,41 @@ class FeedbackAdmission(AdmissionLayer):
         self.sketch = FrequencySketch(max(MIN_SAMPLE, SAMPLE_FACTOR * capacity))
         self.ghost = GhostRecords(capacity)
         self._hashes = RequestHashes()
-        self.controller = ReuseController(NUM_CLASSES, threshold, window=capacity)
+        self.controller = ReuseController(
+            NUM_CLASSES, threshold, window=capacity, groups=ROOT_GROUPS
+        )
         self.written = 0
         """Blocks admitted so far: the clock by which ghost records age."""
 
     def _sighting(self, keys: Sequence[OffloadKey]) -> None:
         self.sketch.increment(self._hashes.of_request(keys))
-        ghost, controller = self.ghost, self.controller
-        if not len(ghost):
-            return
-        for key in keys:
-            if key in ghost:
-                cls = ghost.take(key)
-                if cls is not None:
-                    controller.record(cls, True)
-                    self.ghost_hits += 1
+        if len(self.ghost):
+            returned = self.ghost.take_all(keys)
+            self.controller.record_all(returned, True)
+            self.ghost_hits += len(returned)
 
     def _admit(self, offered: Sequence[OffloadKey], prefix: int) -> list[OffloadKey]:
-        seen = self.sketch.estimate(self._hashes.of_offer(offered)) >= 2
+        seen = (self.sketch.estimate(self._hashes.of_offer(offered)) >= 2).tolist()
         ghost, controller, clock = self.ghost, self.controller, self.written
-        for cls in ghost.expire(clock - self.capacity):
-            controller.record(cls, False)
-        last = len(offered) - 1
-        admitted: list[OffloadKey] = []
-        for i, key in enumerate(offered):
-            if seen[i]:
-                admitted.append(key)
-                continue
-            cls = first_seen_class(prefix, i == last)
-            expired = ghost.add(key, cls, clock)
-            if expired is not None:
-                controller.record(expired, False)
-            if controller.admits(cls):
-                admitted.append(key)
+        controller.record_all(ghost.expire(clock - self.capacity), False)
+        first, tier_served = self._requests.origin(offered)
+        # A request with no known prefix starts a new root, which says nothing: pooled.
+        group = root_group(first) if prefix > 0 else 0
+        body = controller.tag(first_seen_class(prefix, False, tier_served), group)
+        tail = controller.tag(first_seen_class(prefix, True, tier_served), group)
+        # The request's first-seen blocks are decided together: by class and group.
+        admits_body, admits_tail = controller.admits(body), controller.admits(tail)
+        new_body = [key for key, old in zip(offered[:-1], seen, strict=False) if not old]
+        pushed = ghost.add_all(new_body, body, clock)
+        if not seen[-1]:
+            pushed += ghost.add_all(offered[-1:], tail, clock)
+        controller.record_all(pushed, False)
+        if admits_body:
+            admitted = list(offered[:-1])
+        else:
+            admitted = [key for key, old in zip(offered[:-1], seen, strict=False) if old]
+        if seen[-1] or admits_tail:
+            admitted.append(offered[-1])
         self.written += len(admitted)
         return admitted
 
@@ -89,6 +104,8 @@ class FeedbackAdmission(AdmissionLayer):
             rejected=self.offers - self.admitted,
             ghost_hits=self.ghost_hits,
             control=self.controller.admitting_share,
-            memory_bytes=self.sketch.memory_bytes + self.ghost.memory_bytes,
+            memory_bytes=self.sketch.memory_bytes
+            + self.ghost.memory_bytes
+            + self.controller.memory_bytes,
             tracked_keys=self.sketch.sample_size + self.ghost.capacity,
         )

@@ -10,6 +10,7 @@ before that is a *return*, one whose record expires or is pushed out is an
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
@@ -48,6 +49,26 @@ class GhostRecords:
         if len(records) > self.capacity:
             return records.popitem(last=False)[1][0]
         return None
+
+    def add_all(self, keys: Iterable[OffloadKey], tag: int, clock: int = 0) -> list[int]:
+        """Record each of ``keys`` in turn, as ``add`` does; return the tags pushed out."""
+        records, capacity, record = self._records, self.capacity, (tag, clock)
+        pushed: list[int] = []
+        for key in keys:
+            if key in records:
+                records.move_to_end(key)
+                records[key] = record
+                continue
+            records[key] = record
+            if len(records) > capacity:
+                pushed.append(records.popitem(last=False)[1][0])
+        return pushed
+
+    def take_all(self, keys: Iterable[OffloadKey]) -> list[int]:
+        """Forget those of ``keys`` that are recorded; return their tags, in ``keys`` order."""
+        records = self._records
+        pop = records.pop
+        return [pop(key)[0] for key in keys if key in records]
 
     def take(self, key: OffloadKey) -> int | None:
         """Forget ``key`` and return its tag, or ``None`` if it is not recorded."""

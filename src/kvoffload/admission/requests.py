@@ -8,7 +8,9 @@ open request by its last key (a store's offer always ends there), so that
   a request counts as one sighting, and re-polled lookups do not count again;
 * ``prepare_store`` learns how many leading blocks of the request were not
   offered (its known prefix: GPU or tier hits);
-* the touch that follows a non-empty store is recognised and not counted.
+* the touch that follows a non-empty store is recognised and not counted;
+* ``prepare_store`` learns the request's first key (its root prefix) and
+  whether the tier's lookup served any of it.
 
 Nothing here is required for correctness: a driver with another call order
 only makes the counts coarser. At most ``capacity`` requests are open.
@@ -24,13 +26,16 @@ from kvoffload.core.keys import OffloadKey
 OPEN, STORED = 0, 1
 """An open request's state: counted, or counted and awaiting its post-store touch."""
 
+Entry = tuple[OffloadKey, int, int, bool, bool]
+"""``(first key, length, state, counted by touch, tier served a hit)``."""
+
 
 class RequestTracker:
-    """Open requests by last key: ``(first key, length, state, counted by touch)``."""
+    """Open requests by last key."""
 
     def __init__(self, capacity: int = 4096) -> None:
         self.capacity = capacity
-        self._open: OrderedDict[OffloadKey, tuple[OffloadKey, int, int, bool]] = OrderedDict()
+        self._open: OrderedDict[OffloadKey, Entry] = OrderedDict()
 
     def on_touch(self, keys: Sequence[OffloadKey]) -> bool:
         """Whether this touch starts a request (count it) rather than closing a store."""
@@ -44,20 +49,32 @@ class RequestTracker:
         ):
             del self._open[last]
             return False
-        self._put(last, (keys[0], len(keys), OPEN, True))
+        self._put(last, (keys[0], len(keys), OPEN, True, False))
         return True
 
     def on_lookup(self, keys: Sequence[OffloadKey]) -> bool:
         """Whether this lookup is the first sighting of its request (no touch came before)."""
         if keys[-1] in self._open:
             return False
-        self._put(keys[-1], (keys[0], len(keys), OPEN, False))
+        self._put(keys[-1], (keys[0], len(keys), OPEN, False, False))
         return True
 
     def open(self, keys: Sequence[OffloadKey]) -> None:
         """Open a request a driver announces itself (already counted by it), replacing any
         entry with the same last key."""
-        self._put(keys[-1], (keys[0], len(keys), OPEN, False))
+        self._put(keys[-1], (keys[0], len(keys), OPEN, False, False))
+
+    def on_hit(self, keys: Sequence[OffloadKey]) -> None:
+        """The tier's lookup of ``keys`` (a request's suffix past the GPU hit) found blocks."""
+        entry = self._open.get(keys[-1])
+        if entry is not None:
+            self._open[keys[-1]] = (entry[0], entry[1], entry[2], entry[3], True)
+
+    def origin(self, offered: Sequence[OffloadKey]) -> tuple[OffloadKey | None, bool]:
+        """The offer's request: its first key (``None`` when unknown), and whether the tier
+        served part of it."""
+        entry = self._open.get(offered[-1])
+        return (None, False) if entry is None else (entry[0], entry[4])
 
     def prefix_length(self, offered: Sequence[OffloadKey]) -> int:
         """Blocks of the request before the offered ones (0 when the request is unknown)."""
@@ -73,11 +90,11 @@ class RequestTracker:
         if entry is None:
             return
         if stored_any and entry[3]:
-            self._open[last] = (entry[0], entry[1], STORED, True)
+            self._open[last] = (entry[0], entry[1], STORED, True, entry[4])
         else:
             del self._open[last]
 
-    def _put(self, last: OffloadKey, entry: tuple[OffloadKey, int, int, bool]) -> None:
+    def _put(self, last: OffloadKey, entry: Entry) -> None:
         self._open[last] = entry
         self._open.move_to_end(last)
         if len(self._open) > self.capacity:
