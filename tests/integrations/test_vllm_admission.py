@@ -94,6 +94,41 @@ def test_sketch_admission_stores_on_the_second_request_only(
     assert manager.lookup(keys[2], _context("c", keys)) is LookupResult.HIT
 
 
+def test_a_request_the_tier_served_is_announced_as_such(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    """vLLM looks up only past the GPU cache's hit, so a lookup hit is a tier-served prefix."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    manager = _manager("sketch", num_blocks=64)
+    layer = manager._layer
+    announced: list[list[bytes]] = []
+    tier_hit = layer.saw_tier_hit
+    layer.saw_tier_hit = lambda keys: (announced.append(list(keys)), tier_hit(keys))
+    keys = [block_id_key(i) for i in range(6)]
+    for name in ("a1", "a2"):  # stored on its second sighting
+        first = _context(name, keys[:3])
+        manager.on_new_request(first)
+        assert manager.lookup(keys[0], first) is LookupResult.MISS
+        manager.complete_store(manager.prepare_store(keys[:3], first).keys_to_store, first)
+        manager.on_request_finished(first)
+    assert announced == []
+    served = _context("b", keys)
+    manager.on_new_request(served)
+    assert [manager.lookup(key, served) for key in keys[:4]] == [LookupResult.HIT] * 3 + [
+        LookupResult.MISS
+    ]
+    manager.prepare_store(keys[3:], served)
+    manager.on_request_finished(served)
+    assert announced == [keys]
+    missed = _context("c", [block_id_key(i) for i in range(10, 13)])
+    manager.on_new_request(missed)
+    assert manager.lookup(block_id_key(10), missed) is LookupResult.MISS
+    manager.prepare_store([block_id_key(10)], missed)
+    manager.on_request_finished(missed)
+    assert announced == [keys]
+
+
 def test_a_request_that_offers_nothing_is_still_a_sighting(
     vllm_modules: dict[str, ModuleType],
 ) -> None:

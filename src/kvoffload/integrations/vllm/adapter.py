@@ -68,6 +68,8 @@ class _RequestKeys:
     unsighted: dict[OffloadKey, None] = field(default_factory=dict)
     """Looked-up keys not yet shown to the admission layer."""
     sighted: set[OffloadKey] = field(default_factory=set)
+    tier_hit: bool = False
+    """A lookup of this request hit the tier (vLLM looks up only past the GPU cache's hit)."""
 
 
 class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
@@ -118,6 +120,8 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             return LookupResult.RETRY
         if hits:
             self.counters.lookup_hit_blocks += 1
+            if self._layer is not None:
+                self._request_keys(req_context).tier_hit = True
             return LookupResult.HIT
         return LookupResult.MISS if self._probe(key) is None else LookupResult.HIT_PENDING
 
@@ -275,6 +279,8 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             keys = [key for _, key in sorted(zip(positions, keys, strict=True))]
         sighted.update(keys)
         layer.see_request(keys, will_offer)
+        if state.tier_hit:
+            layer.saw_tier_hit(keys)
 
     def _seen(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
         """Make keys first seen by this request recent, head of the prefix most recent."""
