@@ -114,29 +114,22 @@ def run_tiers(args: argparse.Namespace) -> int:
 
 
 def tier_table(results: dict[str, Any]) -> str:
-    """One row per measured tier: its GB/s beside the plain baseline's, and the ratio."""
-    headers = ["tier", "store GB/s", "plain", "ratio", "load GB/s", "plain", "ratio"]
+    """One row per measured tier: its GB/s beside the plain baseline's, and the ratios."""
+    headers = ["tier", "store GB/s", "plain", "ratio", "median"]
+    headers += ["load GB/s", "plain", "ratio", "median"]
+    figures = ["store_gbps", "plain_write_gbps", "store_ratio", "store_ratio_median"]
+    figures += ["load_gbps", "plain_read_gbps", "load_ratio", "load_ratio_median"]
     rows = [
-        [
-            tier,
-            *(
-                f"{results[f'{tier}_{figure}']:.2f}"
-                for figure in (
-                    "store_gbps",
-                    "plain_write_gbps",
-                    "store_ratio",
-                    "load_gbps",
-                    "plain_read_gbps",
-                    "load_ratio",
-                )
-            ),
-        ]
+        [tier, *(f"{results[f'{tier}_{figure}']:.2f}" for figure in figures)]
         for tier in ("disk", "remote")
         if f"{tier}_store_gbps" in results
     ]
     size = output.size(results["block_bytes"])
     rounds = results["rounds"]
-    note = f"{results['blocks']} blocks of {size}, best of {rounds} round{'s' * (rounds != 1)}"
+    note = (
+        f"{results['blocks']} blocks of {size}; rates and ratios of the best of {rounds} "
+        f"round{'s' * (rounds != 1)}, median of the rounds' own ratios"
+    )
     if results.get("fsync"):
-        note += ", synced to disk"
+        note += "; synced to disk"
     return output.column_table(headers, rows) + "\n" + note

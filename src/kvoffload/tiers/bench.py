@@ -5,7 +5,9 @@ the same run: the disk tier against one sequential file written and read
 back with ``write``/``readinto``; the shared tier against pipelined SET and
 one multi-GET through the same ``valkey`` client. A load counts once the
 bytes are in a destination buffer, as a promotion puts them in a CPU slot.
-Each figure is the best of ``rounds``: the machines are shared and noisy.
+Each rate is the best of ``rounds`` and each ratio compares best rates; the
+machines are shared and noisy, so the median of the rounds' own ratios
+(each tier round against the plain round just before it) comes as well.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -151,29 +154,32 @@ def measure_remote(blocks: _Blocks, url: str, rounds: int) -> dict[str, float]:
 Round = Callable[[int], tuple[float, float]]
 
 
-def _alternate(
-    rounds: int, plain: Round, tier: Round, blocks: _Blocks
-) -> tuple[tuple[float, float], tuple[float, float]]:
-    """Best (store, load) seconds of each, rounds interleaved; the tier's loads verified."""
-    plain_times: list[tuple[float, float]] = []
-    tier_times: list[tuple[float, float]] = []
+Times = list[tuple[float, float]]
+"""(store, load) seconds of each round."""
+
+
+def _alternate(rounds: int, plain: Round, tier: Round, blocks: _Blocks) -> tuple[Times, Times]:
+    """(store, load) seconds of every round of each, interleaved; the tier's loads verified."""
+    plain_times: Times = []
+    tier_times: Times = []
     for i in range(rounds):
         plain_times.append(plain(i))
         blocks.clear()
         tier_times.append(tier(i))
         blocks.verify()
-    return _fastest(plain_times), _fastest(tier_times)
+    return plain_times, tier_times
 
 
-def _fastest(times: list[tuple[float, float]]) -> tuple[float, float]:
-    return min(t[0] for t in times), min(t[1] for t in times)
+def _figures(name: str, total: int, tier: Times, plain: Times) -> dict[str, float]:
+    """Rates of the best rounds and their ratios, and the median of the rounds' own ratios.
 
-
-def _figures(
-    name: str, total: int, tier: tuple[float, float], plain: tuple[float, float]
-) -> dict[str, float]:
-    store, load = _gbps(total, tier[0]), _gbps(total, tier[1])
-    plain_store, plain_load = _gbps(total, plain[0]), _gbps(total, plain[1])
+    A round of the tier and the plain round before it ran under the same load,
+    so the median of their ratios is the steadier figure where one lucky plain
+    round sets the best plain rate.
+    """
+    store, load = (_gbps(total, min(t[k] for t in tier)) for k in (0, 1))
+    plain_store, plain_load = (_gbps(total, min(t[k] for t in plain)) for k in (0, 1))
+    paired = [(p[0] / t[0], p[1] / t[1]) for t, p in zip(tier, plain, strict=True)]
     return {
         f"{name}_store_gbps": store,
         f"{name}_load_gbps": load,
@@ -181,6 +187,8 @@ def _figures(
         f"{name}_plain_read_gbps": plain_load,
         f"{name}_store_ratio": store / plain_store,
         f"{name}_load_ratio": load / plain_load,
+        f"{name}_store_ratio_median": statistics.median(r[0] for r in paired),
+        f"{name}_load_ratio_median": statistics.median(r[1] for r in paired),
     }
 
 
