@@ -38,7 +38,7 @@ SIZES = [0, 1, 7, 100, JOIN_BELOW - 1, JOIN_BELOW, 3 * JOIN_BELOW + 5, 2**20, 5,
 def test_every_value_reads_back_as_header_then_payload(valkey_server: ValkeyProcess) -> None:
     client = valkey_server.client()
     writes = writes_of(SIZES)
-    send_sets(client.connection_pool, writes, FP)
+    send_sets([(client.connection_pool, writes)], FP)
     for i, (name, key, payload) in enumerate(writes):
         value = client.get(name)
         assert value == encode_header(key, FP, payload) + payload
@@ -63,11 +63,11 @@ def test_an_error_reply_raises_after_every_reply_is_read_and_the_connection_stay
         refused = writes_of([2**20, 10], prefix=b"refused:")
         allowed = writes_of([2**20, 10], prefix=b"allowed:")
         with pytest.raises(valkey.exceptions.NoPermissionError):
-            send_sets(client.connection_pool, [refused[0], *allowed, refused[1]], FP)
+            send_sets([(client.connection_pool, [refused[0], *allowed, refused[1]])], FP)
         assert [admin.get(write.name) for write in allowed] == [
             encode_header(write.key, FP, write.payload) + write.payload for write in allowed
         ]
-        send_sets(client.connection_pool, allowed, FP)  # no stale reply is read as this one's
+        send_sets([(client.connection_pool, allowed)], FP)  # no stale reply is read as this one's
         assert admin.info("stats")["total_connections_received"] == connections
         assert admin.exists(*(write.name for write in refused)) == 0
     finally:
@@ -96,3 +96,30 @@ def test_a_cluster_write_after_a_stale_slot_map_follows_the_redirection(
         tier.delete_all()
     finally:
         tier.close()
+
+
+def test_batches_for_two_servers_are_all_sent_and_an_error_in_one_spares_the_other(
+    valkey_server: ValkeyProcess, own_server: ValkeyProcess
+) -> None:
+    own_server.start()
+    own_server.client().acl_setuser(
+        "writer", enabled=True, passwords=["+pw"], keys=["allowed:*"], commands=["+@all"]
+    )
+    limited = valkey.Valkey(
+        "127.0.0.1", own_server.port, username="writer", password="pw", socket_timeout=5
+    )
+    first = valkey_server.client()
+    try:
+        to_first = writes_of([2**20, 50], prefix=b"two-servers:")
+        to_second = writes_of([30, 2**20], prefix=b"allowed:") + writes_of([5], b"refused:")
+        batches = [(limited.connection_pool, to_second), (first.connection_pool, to_first)]
+        with pytest.raises(valkey.exceptions.NoPermissionError):
+            send_sets(batches, FP)
+        for client, writes in ((first, to_first), (own_server.client(), to_second[:2])):
+            assert [client.get(write.name) for write in writes] == [
+                encode_header(write.key, FP, write.payload) + write.payload for write in writes
+            ]
+        send_sets(batches[1:], FP)  # the connections went back clean
+        first.delete(*(write.name for write in to_first))
+    finally:
+        limited.close()

