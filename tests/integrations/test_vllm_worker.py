@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from types import ModuleType
 from typing import Any
 
 import pytest
-from vllm_helpers import create_spec
+from vllm_helpers import canonical_caches, create_spec, finish
 
 torch = pytest.importorskip("torch")
 
@@ -16,32 +15,7 @@ PAGE_BYTES = 256
 
 
 def _canonical_caches(num_tensors: int) -> Any:
-    from vllm.v1.kv_offload.base import (
-        CanonicalKVCacheRef,
-        CanonicalKVCaches,
-        CanonicalKVCacheTensor,
-    )
-
-    generator = torch.Generator().manual_seed(0)
-    tensors = [
-        torch.randint(
-            -128, 128, (NUM_GPU_BLOCKS, PAGE_BYTES), dtype=torch.int8, generator=generator
-        )
-        for _ in range(num_tensors)
-    ]
-    return CanonicalKVCaches(
-        tensors=[CanonicalKVCacheTensor(t, PAGE_BYTES) for t in tensors],
-        group_data_refs=[[CanonicalKVCacheRef(i, PAGE_BYTES) for i in range(num_tensors)]],
-    )
-
-
-def _finish(worker: Any, job_ids: set[int]) -> dict[int, Any]:
-    worker.wait(job_ids)
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + 10
-    while set(results) != job_ids and time.monotonic() < deadline:
-        results.update({r.job_id: r for r in worker.get_finished()})
-    return results
+    return canonical_caches(num_tensors, NUM_GPU_BLOCKS, PAGE_BYTES, seed=0)
 
 
 @pytest.mark.parametrize("blocks_per_chunk", [1, 2])
@@ -69,14 +43,14 @@ def test_store_then_load_round_trips_bytes(
         1, GPULoadStoreSpec(source_blocks, [4], [0]), CPULoadStoreSpec(slots)
     )
     assert store
-    stored = _finish(worker, {1})
+    stored = finish(worker, {1})
     assert stored[1].success
     assert stored[1].transfer_size == 4 * num_tensors * PAGE_BYTES
     for t in gpu:
         t.zero_()
     targets = [9, 10, 11, 4]
     assert worker.submit_load(2, CPULoadStoreSpec(slots), GPULoadStoreSpec(targets, [4], [0]))
-    assert _finish(worker, {2})[2].success
+    assert finish(worker, {2})[2].success
     for t, want in zip(gpu, expected, strict=True):
         assert torch.equal(t[targets], want)
         assert not t[source_blocks].any()
