@@ -77,8 +77,9 @@ def encode_header(key: bytes, fingerprint: bytes, payload: bytes | bytearray | m
     return fields + _CRC.pack(zlib.crc32(key, zlib.crc32(fields))) + key
 
 
-def encode_block(key: bytes, fingerprint: bytes, payload: bytes | memoryview) -> bytes:
-    """The whole value in one buffer (for servers, which take one value per key)."""
+def encode_block(key: bytes, fingerprint: bytes, payload: bytes | bytearray | memoryview) -> bytes:
+    """The whole value in one buffer, a copy of the payload: for clients that take one
+    buffer per value (see :mod:`.block_sets` for the way without the copy)."""
     return encode_header(key, fingerprint, payload) + payload
 
 

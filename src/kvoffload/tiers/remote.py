@@ -25,7 +25,7 @@ from kvoffload.core.manager import OffloadingEvent
 from kvoffload.managers.tiered import Target, TierStats
 from kvoffload.tiers.block_sets import BlockWrite, send_sets
 from kvoffload.tiers.breaker import CircuitBreaker
-from kvoffload.tiers.format import CorruptBlockError, decode_block, encode_header
+from kvoffload.tiers.format import CorruptBlockError, decode_block, encode_block
 from kvoffload.tiers.targets import deliver
 from kvoffload.tiers.url import RemoteAddress, parse_remote_url
 
@@ -218,19 +218,16 @@ class RemoteTier:
         """
         import valkey
 
-        by_node: dict[str, tuple[Any, list[BlockWrite]]] = {}
+        by_pool: dict[Any, list[BlockWrite]] = {}
         for write in writes:
             node = self._client.get_node_from_key(write.name)
-            by_node.setdefault(node.name, (node, []))[1].append(write)
-        batches = [
-            (node.valkey_connection.connection_pool, group) for node, group in by_node.values()
-        ]
+            by_pool.setdefault(node.valkey_connection.connection_pool, []).append(write)
         try:
-            send_sets(batches, self.fingerprint)
+            send_sets(list(by_pool.items()), self.fingerprint)
         except valkey.exceptions.ResponseError:
             pipe = self._client.pipeline(transaction=False)
             for name, key, payload in writes:
-                pipe.set(name, encode_header(key, self.fingerprint, payload) + payload)
+                pipe.set(name, encode_block(key, self.fingerprint, payload))
             pipe.execute()
         return True
 
