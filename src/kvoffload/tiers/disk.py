@@ -76,6 +76,11 @@ def slot_stride(payload_bytes: int) -> int:
     return -(-(HEADER_BYTES + MAX_KEY_BYTES + payload_bytes) // ALIGN) * ALIGN
 
 
+def slot_start(slot: int, stride: int) -> int:
+    """Where ``slot`` starts in the slot file."""
+    return SUPER_BYTES + slot * stride
+
+
 def encode_superblock(fingerprint: bytes, stride: int) -> bytes:
     fields = _SUPER.pack(SUPER_MAGIC, SUPER_VERSION, 0, fingerprint, stride)
     return fields + _CRC.pack(zlib.crc32(fields))
@@ -163,7 +168,7 @@ class DiskTier:
         block = self._index.get(key)
         if block is None or self._stride is None:
             return None
-        return SUPER_BYTES + block.block_id * self._stride
+        return slot_start(block.block_id, self._stride)
 
     def present(self, keys: Sequence[OffloadKey]) -> int:
         index = self._index
@@ -180,14 +185,8 @@ class DiskTier:
         keys = list(keys)
         self._policy.touch(reversed(keys))
         index = self._index
-        stripes = len(self._stripes)
-        slots = [-1] * len(keys)
-        groups: dict[int, list[int]] = {}
-        for i, key in enumerate(keys):
-            block = index.get(key)
-            if block is not None:
-                slots[i] = block.block_id
-                groups.setdefault(block.block_id % stripes, []).append(i)
+        slots = [-1 if (block := index.get(key)) is None else block.block_id for key in keys]
+        groups = self._by_stripe(slots)
         result: Future[list[bool]] = Future()
         outcome = [False] * len(keys)
         if not groups or self._stride is None:
@@ -238,14 +237,12 @@ class DiskTier:
         blocks = [BlockStatus(self._free.pop()) for _ in new]
         index.update(zip(new, blocks, strict=True))
         self._policy.insert(new, blocks)
-        groups: dict[int, list[int]] = {}
-        for i, block in enumerate(blocks):
-            groups.setdefault(block.block_id % len(self._stripes), []).append(i)
-        for s, positions in groups.items():
+        slots = [block.block_id for block in blocks]
+        for s, positions in self._by_stripe(slots).items():
             batch = [new[i] for i in positions]
             job = self._stripes[s].submit(
                 self._write_slots,
-                [blocks[i].block_id for i in positions],
+                [slots[i] for i in positions],
                 batch,
                 [offered[key] for key in batch],
                 self._stride,
@@ -305,6 +302,15 @@ class DiskTier:
         os.close(self._fd)
         self._fd = -1
 
+    def _by_stripe(self, slots: Sequence[int]) -> dict[int, list[int]]:
+        """Positions of the held slots (``-1``: not held) by the stripe that owns them."""
+        stripes = len(self._stripes)
+        groups: dict[int, list[int]] = {}
+        for i, slot in enumerate(slots):
+            if slot >= 0:
+                groups.setdefault(slot % stripes, []).append(i)
+        return groups
+
     def _evict(self, keys: list[OffloadKey]) -> None:
         """Drop ``keys`` from the index; their slots are free at once (nothing to delete)."""
         index = self._index
@@ -350,7 +356,7 @@ class DiskTier:
                 continue
             blank = memoryview(_ZERO_HEADER)[: len(header)]
             try:
-                done = os.pwritev(fd, [blank, payload], SUPER_BYTES + slot * stride)
+                done = os.pwritev(fd, [blank, payload], slot_start(slot, stride))
             except OSError:
                 done = -1
             headers.append(header if done == len(header) + len(payload) else None)
@@ -360,7 +366,7 @@ class DiskTier:
             if written is None:
                 continue
             try:
-                ok[i] = os.pwrite(fd, written, SUPER_BYTES + slot * stride) == len(written)
+                ok[i] = os.pwrite(fd, written, slot_start(slot, stride)) == len(written)
             except OSError:
                 continue
         if self._fsync and not _synced(fd):
@@ -383,7 +389,7 @@ class DiskTier:
         self, index: int, key: OffloadKey, slot: int, stride: int, target: Target
     ) -> bool:
         """Read ``key``'s payload straight into its target, then check it there."""
-        start = SUPER_BYTES + slot * stride
+        start = slot_start(slot, stride)
         try:
             header = parse_header(os.pread(self._fd, HEADER_BYTES + len(key), start))
             header.check(key, self.fingerprint)
@@ -406,7 +412,7 @@ class DiskTier:
     def _zero_header(self, slot: int, stride: int) -> None:
         """Make a broken slot empty, so that a restart does not index it again."""
         try:
-            os.pwrite(self._fd, _ZERO_HEADER, SUPER_BYTES + slot * stride)
+            os.pwrite(self._fd, _ZERO_HEADER, slot_start(slot, stride))
         except OSError:
             return
 
@@ -434,7 +440,7 @@ class DiskTier:
                 if size:
                     os.ftruncate(fd, 0)
                 return []
-            limit = SUPER_BYTES + self.capacity_blocks * stride
+            limit = slot_start(self.capacity_blocks, stride)
             if size > limit:
                 os.ftruncate(fd, limit)
                 size = limit
@@ -452,7 +458,7 @@ class DiskTier:
 
     def _check_slot(self, slot: int, stride: int, size: int) -> Header | None:
         """The slot's header if it looks intact, ``_EMPTY`` if blank, ``None`` if broken."""
-        start = SUPER_BYTES + slot * stride
+        start = slot_start(slot, stride)
         try:
             head = os.pread(self._fd, HEADER_BYTES + MAX_KEY_BYTES, start)
         except OSError:
