@@ -69,9 +69,7 @@ class ReuseController:
     def rate(self, tag: int) -> float:
         """The group's own return rate, shrunk towards its class's pooled rate."""
         pooled = self.class_rate(tag // self.groups)
-        return (self.group_returns[tag] + GROUP_STRENGTH * pooled) / (
-            self.group_outcomes[tag] + GROUP_STRENGTH
-        )
+        return _shrunk(self.group_returns[tag], self.group_outcomes[tag], pooled)
 
     def admits(self, tag: int) -> bool:
         return self.rate(tag) >= self.threshold
@@ -83,8 +81,7 @@ class ReuseController:
         groups, threshold = self.groups, self.threshold
         counts = zip(self.group_returns, self.group_outcomes, strict=True)
         admitting = sum(
-            (returns + GROUP_STRENGTH * pooled[tag // groups]) / (outcomes + GROUP_STRENGTH)
-            >= threshold
+            _shrunk(returns, outcomes, pooled[tag // groups]) >= threshold
             for tag, (returns, outcomes) in enumerate(counts)
         )
         return admitting / len(self.group_outcomes)
@@ -112,3 +109,8 @@ class ReuseController:
         self.group_returns = [r / 2 for r in self.group_returns]
         self.group_outcomes = [o / 2 for o in self.group_outcomes]
         self._since_halving = 0
+
+
+def _shrunk(returns: float, outcomes: float, pooled: float) -> float:
+    """A group's return rate with ``GROUP_STRENGTH`` outcomes' weight of its class's rate."""
+    return (returns + GROUP_STRENGTH * pooled) / (outcomes + GROUP_STRENGTH)
