@@ -15,7 +15,7 @@ from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import LoadStoreSpec
-from kvoffload.managers.cpu import check_key_iterable
+from kvoffload.managers.cpu import SINGLE_KEY_TYPES, refuse_single_key
 
 
 class FilterReusedOffloadingManager(OffloadingManager):
@@ -62,15 +62,18 @@ class FilterReusedOffloadingManager(OffloadingManager):
         return self._backing
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
-        check_key_iterable(keys, "lookup")
-        keys = list(keys)
+        if isinstance(keys, SINGLE_KEY_TYPES):
+            refuse_single_key(keys, "lookup")
+        keys = keys if type(keys) is list else list(keys)
         counts = self.counts
+        get = counts.get
         move_to_end = counts.move_to_end
         limit = self.max_tracker_size
-        # ``in`` then ``[]``: OrderedDict.get is several times slower.
+        # One probe to read the count; hash probes, not bytecodes, are the cost here.
         for key in keys:
-            if key in counts:
-                counts[key] += 1
+            seen = get(key)
+            if seen is not None:
+                counts[key] = seen + 1
                 move_to_end(key)
             else:
                 if len(counts) >= limit:
@@ -79,11 +82,12 @@ class FilterReusedOffloadingManager(OffloadingManager):
         return self._backing.lookup(keys)
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
-        check_key_iterable(keys, "prepare_store")
-        keys = list(keys)
-        counts = self.counts
+        if isinstance(keys, SINGLE_KEY_TYPES):
+            refuse_single_key(keys, "prepare_store")
+        keys = keys if type(keys) is list else list(keys)
+        get = self.counts.get
         threshold = self.store_threshold
-        eligible = [key for key in keys if key in counts and counts[key] >= threshold]
+        eligible = [key for key in keys if get(key, 0) >= threshold]
         self.stores_skipped += len(keys) - len(eligible)
         return self._backing.prepare_store(eligible)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Iterator, Sequence
-from itertools import islice
 
 from kvoffload.core.keys import OffloadKey
 from kvoffload.policies.base import BlockStatus, CachePolicy, Victims
@@ -37,13 +36,12 @@ class ARCCachePolicy(CachePolicy):
 
     def insert(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus]) -> None:
         self.t1.update(zip(keys, blocks, strict=True))
-        b1, b2 = self.b1, self.b2
-        if b1 or b2:
-            for key in keys:
-                if key in b1:
-                    del b1[key]
-                elif key in b2:
-                    del b2[key]
+        # The four lists are disjoint, so a key leaves the one ghost list it is in; the
+        # intersections are found in C and the deletion order does not matter.
+        for ghosts in (self.b1, self.b2):
+            if ghosts:
+                for key in ghosts.keys() & keys:
+                    del ghosts[key]
 
     def remove(self, keys: Iterable[OffloadKey]) -> None:
         t1, t2 = self.t1, self.t2
@@ -65,24 +63,27 @@ class ARCCachePolicy(CachePolicy):
             elif key in t2:
                 t2.move_to_end(key)
             elif key in b1:
-                delta = max(1.0, len(b2) / len(b1))
-                self.target_t1_size = min(self.target_t1_size + delta, self.capacity)
+                # max()/min() spelled out (first argument wins ties, as with the builtins).
+                delta = len(b2) / len(b1)
+                target = self.target_t1_size + (delta if delta > 1.0 else 1.0)
+                self.target_t1_size = target if target <= self.capacity else self.capacity
                 b1.move_to_end(key)
             elif key in b2:
-                delta = max(1.0, len(b1) / len(b2))
-                self.target_t1_size = max(self.target_t1_size - delta, 0.0)
+                delta = len(b1) / len(b2)
+                target = self.target_t1_size - (delta if delta > 1.0 else 1.0)
+                self.target_t1_size = target if target >= 0.0 else 0.0
                 b2.move_to_end(key)
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> Victims | None:
         if n <= 0:
             return []
-        t1_candidates = _evictable(self.t1, protected)
+        t1_candidates = iter(self.t1.items())
         # Each victim taken from T1 shrinks it; T1 gives victims while it is at
         # or above the target, then T2, then T1 again (the fallback).
-        t1_turns = max(0, len(self.t1) - int(self.target_t1_size) + 1)
-        first = list(islice(t1_candidates, min(n, t1_turns)))
-        second = list(islice(_evictable(self.t2, protected), n - len(first)))
-        fallback = list(islice(t1_candidates, n - len(first) - len(second)))
+        t1_turns = len(self.t1) - int(self.target_t1_size) + 1
+        first = _take(t1_candidates, n if n < t1_turns else t1_turns, protected)
+        second = _take(iter(self.t2.items()), n - len(first), protected)
+        fallback = _take(t1_candidates, n - len(first) - len(second), protected)
         victims = first + second + fallback
         if len(victims) < n:
             return None
@@ -98,12 +99,21 @@ class ARCCachePolicy(CachePolicy):
             del t2[key]
             b2[key] = None
         for ghosts in (b1, b2):
+            # Positional ``False``: a keyword costs an argument parse per call.
             for _ in range(len(ghosts) - self.capacity):
-                ghosts.popitem(last=False)
+                ghosts.popitem(False)
 
 
-def _evictable(
-    blocks: OrderedDict[OffloadKey, BlockStatus], protected: Container[OffloadKey]
-) -> Iterator[tuple[OffloadKey, BlockStatus]]:
-    """Ready, unpinned, unprotected blocks from the least recent end, lazily."""
-    return (item for item in blocks.items() if item[1].ref_cnt == 0 and item[0] not in protected)
+def _take(
+    items: Iterator[tuple[OffloadKey, BlockStatus]], k: int, protected: Container[OffloadKey]
+) -> Victims:
+    """Up to ``k`` ready, unpinned, unprotected blocks from ``items``, consuming no further."""
+    taken: Victims = []
+    if k > 0:
+        append = taken.append
+        for item in items:
+            if item[1].ref_cnt == 0 and item[0] not in protected:
+                append(item)
+                if len(taken) == k:
+                    break
+    return taken
