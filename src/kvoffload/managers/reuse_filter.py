@@ -68,7 +68,8 @@ class FilterReusedOffloadingManager(OffloadingManager):
         counts = self.counts
         get = counts.get
         move_to_end = counts.move_to_end
-        limit = self.max_tracker_size
+        # Free places in the tracker: only a new key changes its size, so no len() per key.
+        room = self.max_tracker_size - len(counts)
         # One probe to read the count; hash probes, not bytecodes, are the cost here.
         for key in keys:
             seen = get(key)
@@ -76,8 +77,10 @@ class FilterReusedOffloadingManager(OffloadingManager):
                 counts[key] = seen + 1
                 move_to_end(key)
             else:
-                if len(counts) >= limit:
-                    counts.popitem(last=False)
+                if room > 0:
+                    room -= 1
+                else:
+                    counts.popitem(False)
                 counts[key] = 1
         return self._backing.lookup(keys)
 

@@ -15,10 +15,10 @@ Victims are found with one pass per list, not a rescan per victim.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Sequence
 
 from kvoffload.core.keys import OffloadKey
-from kvoffload.policies.base import BlockStatus, CachePolicy, Victims
+from kvoffload.policies.base import BlockStatus, CachePolicy, Victims, take_evictable
 from kvoffload.policies.registry import register_cache_policy
 
 
@@ -81,9 +81,9 @@ class ARCCachePolicy(CachePolicy):
         # Each victim taken from T1 shrinks it; T1 gives victims while it is at
         # or above the target, then T2, then T1 again (the fallback).
         t1_turns = len(self.t1) - int(self.target_t1_size) + 1
-        first = _take(t1_candidates, n if n < t1_turns else t1_turns, protected)
-        second = _take(iter(self.t2.items()), n - len(first), protected)
-        fallback = _take(t1_candidates, n - len(first) - len(second), protected)
+        first = take_evictable(t1_candidates, n if n < t1_turns else t1_turns, protected)
+        second = take_evictable(iter(self.t2.items()), n - len(first), protected)
+        fallback = take_evictable(t1_candidates, n - len(first) - len(second), protected)
         victims = first + second + fallback
         if len(victims) < n:
             return None
@@ -99,21 +99,5 @@ class ARCCachePolicy(CachePolicy):
             del t2[key]
             b2[key] = None
         for ghosts in (b1, b2):
-            # Positional ``False``: a keyword costs an argument parse per call.
             for _ in range(len(ghosts) - self.capacity):
                 ghosts.popitem(False)
-
-
-def _take(
-    items: Iterator[tuple[OffloadKey, BlockStatus]], k: int, protected: Container[OffloadKey]
-) -> Victims:
-    """Up to ``k`` ready, unpinned, unprotected blocks from ``items``, consuming no further."""
-    taken: Victims = []
-    if k > 0:
-        append = taken.append
-        for item in items:
-            if item[1].ref_cnt == 0 and item[0] not in protected:
-                append(item)
-                if len(taken) == k:
-                    break
-    return taken

@@ -78,14 +78,14 @@ class S3FIFOCachePolicy(CachePolicy):
                 victims.append(victim)
         ghost = self.ghost
         for _ in range(len(ghost) - self.capacity):
-            ghost.popitem(last=False)
+            ghost.popitem(False)
         return victims
 
     def _from_small(self, protected: Container[OffloadKey]) -> Victim | None:
         """Walk small from its head once: promote touched blocks, evict the first untouched."""
         small, main, freq = self.small, self.main, self.freq
         for _ in range(len(small)):
-            key, block = small.popitem(last=False)
+            key, block = small.popitem(False)
             if block.ref_cnt != 0 or key in protected:
                 small[key] = block
             elif freq[key] > 0:
@@ -101,7 +101,7 @@ class S3FIFOCachePolicy(CachePolicy):
         """Walk main from its head, reinserting touched blocks with one touch less."""
         main, freq = self.main, self.freq
         for _ in range((MAX_FREQ + 1) * len(main)):
-            key, block = main.popitem(last=False)
+            key, block = main.popitem(False)
             if block.ref_cnt != 0 or key in protected:
                 main[key] = block
             elif freq[key] > 0:
