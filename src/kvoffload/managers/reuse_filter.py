@@ -22,10 +22,13 @@ class FilterReusedOffloadingManager(OffloadingManager):
     """Wraps ``backing``; intercepts ``lookup`` (to count) and ``prepare_store`` (to filter).
 
     The tracker is an LRU table of at most ``max_tracker_size`` keys ordered by
-    last lookup. Filtering happens before delegation so skipped blocks never
-    take room in the tier; an empty offer is delegated too, and the backing
-    manager answers it with an empty output. ``stores_skipped`` counts offered
-    keys that the filter held back.
+    last lookup: a plain dict while it fills (moving a key to the end of a dict
+    is cheaper than of an ``OrderedDict``, but a dict cannot drop its oldest key
+    cheaply), an ``OrderedDict`` from the first lookup that could overflow it,
+    in the same order; the counts are the same either way. Filtering happens
+    before delegation so skipped blocks never take room in the tier; an empty
+    offer is delegated too, and the backing manager answers it with an empty
+    output. ``stores_skipped`` counts offered keys that the filter held back.
     """
 
     def __init__(
@@ -54,7 +57,7 @@ class FilterReusedOffloadingManager(OffloadingManager):
         self._backing = backing
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
-        self.counts: OrderedDict[OffloadKey, int] = OrderedDict()
+        self.counts: dict[OffloadKey, int] = {}
         self.stores_skipped = 0
 
     @property
@@ -66,6 +69,16 @@ class FilterReusedOffloadingManager(OffloadingManager):
             refuse_single_key(keys, "lookup")
         keys = keys if type(keys) is list else list(keys)
         counts = self.counts
+        if not isinstance(counts, OrderedDict):
+            if len(keys) <= self.max_tracker_size - len(counts):
+                # Filling: no key can leave. Popped and reinserted at the end, each key
+                # keeps a plain dict's insertion order equal to the recency order.
+                pop = counts.pop
+                for key in keys:
+                    counts[key] = pop(key, 0) + 1
+                return self._backing.lookup(keys)
+            # This call may overflow the table: an OrderedDict from now on, same order.
+            counts = self.counts = OrderedDict(counts)
         get = counts.get
         move_to_end = counts.move_to_end
         # Free places in the tracker: only a new key changes its size, so no len() per key.
