@@ -157,6 +157,8 @@ class CPUOffloadingManager(OffloadingManager):
         blocks = self._blocks
         # Ordered and deduplicated; doubles as the set shielded from this eviction.
         offered = dict.fromkeys(keys)
+        if not offered:  # Most offers behind an admission filter: nothing to store.
+            return PrepareStoreOutput([], CPULoadStoreSpec(_NO_IDS), [])
         # Usually none is held: then one pass in C (a set intersection) finds that.
         if blocks.keys() & offered:
             to_store = [key for key in offered if key not in blocks]
