@@ -263,8 +263,10 @@ class SeedFilter(FilterReusedOffloadingManager):
     filter starts with a plain dict while its tracker fills).
     """
 
-    def __init__(self, backing: OffloadingManager, store_threshold: int) -> None:
-        super().__init__(backing, store_threshold)
+    def __init__(
+        self, backing: OffloadingManager, store_threshold: int, max_tracker_size: int
+    ) -> None:
+        super().__init__(backing, store_threshold, max_tracker_size)
         self.tracker: OrderedDict[OffloadKey, int] = OrderedDict()
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
@@ -284,8 +286,10 @@ class SeedFilter(FilterReusedOffloadingManager):
         return self.backing.prepare_store(eligible)
 
 
-def build_seed_manager(num_blocks: int, policy: str, store_threshold: int) -> OffloadingManager:
+def build_seed_manager(
+    num_blocks: int, policy: str, store_threshold: int, max_tracker_size: int = 64_000
+) -> OffloadingManager:
     manager: OffloadingManager = SeedCPUManager(num_blocks, policy)
     if store_threshold >= 2:
-        manager = SeedFilter(manager, store_threshold)
+        manager = SeedFilter(manager, store_threshold, max_tracker_size)
     return manager

@@ -36,12 +36,13 @@ class ARCCachePolicy(CachePolicy):
 
     def insert(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus]) -> None:
         self.t1.update(zip(keys, blocks, strict=True))
-        # The four lists are disjoint, so a key leaves the one ghost list it is in; the
-        # intersections are found in C and the deletion order does not matter.
-        for ghosts in (self.b1, self.b2):
-            if ghosts:
-                for key in ghosts.keys() & keys:
-                    del ghosts[key]
+        b1, b2 = self.b1, self.b2
+        if b1 or b2:
+            for key in keys:
+                if key in b1:
+                    del b1[key]
+                elif key in b2:
+                    del b2[key]
 
     def remove(self, keys: Iterable[OffloadKey]) -> None:
         t1, t2 = self.t1, self.t2
