@@ -17,8 +17,12 @@ configuration, interleaved, so that a burst of load on a shared machine hits
 both sides of the ratio. Every registered policy runs with and without the seed
 filter, and LRU also behind the admission layers.
 
+With ``--max-tracker-size N`` every side's store-threshold filter tracks at
+most ``N`` keys (default 64,000, which this trace never fills): a smaller
+table measures the filter when it is full and drops keys, as in a long run.
+
     python benchmarks/manager.py [--trace PATH] [--repeat N] [--no-vllm] [--policies P,...]
-        [--json PATH]
+        [--max-tracker-size N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ CONFIGS = [(p, t, "none") for p in POLICIES for t in (1, 2)]
 CONFIGS += [("lru", 1, "sketch"), ("lru", 1, "recommended"), ("s3fifo", 1, "recommended")]
 SEED_POLICIES = {"lru", "arc"}
 VLLM_POLICIES = {"lru", "arc"}
+TRACKER_SIZE = 64_000
 
 
 def load_requests(path: Path) -> list[list[OffloadKey]]:
@@ -166,7 +171,7 @@ def replay_vllm(requests: list[list[OffloadKey]], manager: Any) -> dict[str, flo
     }
 
 
-def vllm_factory() -> Callable[[str, int], Any] | None:
+def vllm_factory(max_tracker_size: int) -> Callable[[str, int], Any] | None:
     """vLLM 0.33's CPU manager constructor, or ``None`` (with a note) if vLLM is absent."""
     try:
         from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
@@ -176,7 +181,10 @@ def vllm_factory() -> Callable[[str, int], Any] | None:
 
     def build(policy: str, threshold: int) -> Any:
         return CPUOffloadingManager(
-            num_chunks=CPU_BLOCKS, cache_policy=policy, store_threshold=threshold
+            num_chunks=CPU_BLOCKS,
+            cache_policy=policy,
+            store_threshold=threshold,
+            max_tracker_size=max_tracker_size,
         )
 
     return build
@@ -193,6 +201,12 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's own manager")
     parser.add_argument(
+        "--max-tracker-size",
+        type=int,
+        default=TRACKER_SIZE,
+        help="keys each store-threshold filter tracks (smaller: the filter runs full)",
+    )
+    parser.add_argument(
         "--policies", help="comma-separated policies to run (default: all, with the admission rows)"
     )
     args = parser.parse_args()
@@ -200,7 +214,11 @@ def main() -> int:
         print(f"trace not found: {args.trace} (pass --trace)", file=sys.stderr)
         return 1
     requests = load_requests(args.trace)
-    build_vllm = None if args.no_vllm else vllm_factory()
+    if args.max_tracker_size < 1:
+        print(f"--max-tracker-size must be >= 1, got {args.max_tracker_size}", file=sys.stderr)
+        return 1
+    tracker = args.max_tracker_size
+    build_vllm = None if args.no_vllm else vllm_factory(tracker)
     results: dict[str, dict[str, float]] = {}
     vllm_runs: dict[tuple[str, int], dict[str, float]] = {}
     print(
@@ -216,11 +234,16 @@ def main() -> int:
         vllm: list[dict[str, float]] = []
         for _ in range(args.repeat):
             manager = build_manager(
-                CPU_BLOCKS, policy, store_threshold=threshold, admission=admission
+                CPU_BLOCKS,
+                policy,
+                store_threshold=threshold,
+                max_tracker_size=tracker,
+                admission=admission,
             )
             ours.append(replay(requests, manager))
             if policy in SEED_POLICIES and admission == "none":
-                seed.append(replay(requests, build_seed_manager(CPU_BLOCKS, policy, threshold)))
+                seed_manager = build_seed_manager(CPU_BLOCKS, policy, threshold, tracker)
+                seed.append(replay(requests, seed_manager))
             if build_vllm is not None:
                 vllm.append(replay_vllm(requests, build_vllm(vllm_policy, threshold)))
         reference = fastest(vllm) if vllm else None

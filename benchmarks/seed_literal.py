@@ -257,27 +257,39 @@ class SeedCPUManager(OffloadingManager):
 
 
 class SeedFilter(FilterReusedOffloadingManager):
-    """The seed's counting and filtering; everything else is plain delegation, shared."""
+    """The seed's counting and filtering; everything else is plain delegation, shared.
+
+    It keeps the seed's own ``OrderedDict`` tracker from the start (the package's
+    filter starts with a plain dict while its tracker fills).
+    """
+
+    def __init__(
+        self, backing: OffloadingManager, store_threshold: int, max_tracker_size: int
+    ) -> None:
+        super().__init__(backing, store_threshold, max_tracker_size)
+        self.tracker: OrderedDict[OffloadKey, int] = OrderedDict()
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
         keys = list(keys)
         for key in keys:
-            if key in self.counts:
-                self.counts.move_to_end(key)
-                self.counts[key] += 1
+            if key in self.tracker:
+                self.tracker.move_to_end(key)
+                self.tracker[key] += 1
             else:
-                if len(self.counts) >= self.max_tracker_size:
-                    self.counts.popitem(last=False)
-                self.counts[key] = 1
+                if len(self.tracker) >= self.max_tracker_size:
+                    self.tracker.popitem(last=False)
+                self.tracker[key] = 1
         return self.backing.lookup(keys)
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
-        eligible = [k for k in keys if self.counts.get(k, 0) >= self.store_threshold]
+        eligible = [k for k in keys if self.tracker.get(k, 0) >= self.store_threshold]
         return self.backing.prepare_store(eligible)
 
 
-def build_seed_manager(num_blocks: int, policy: str, store_threshold: int) -> OffloadingManager:
+def build_seed_manager(
+    num_blocks: int, policy: str, store_threshold: int, max_tracker_size: int = 64_000
+) -> OffloadingManager:
     manager: OffloadingManager = SeedCPUManager(num_blocks, policy)
     if store_threshold >= 2:
-        manager = SeedFilter(manager, store_threshold)
+        manager = SeedFilter(manager, store_threshold, max_tracker_size)
     return manager

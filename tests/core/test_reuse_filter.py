@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import given, settings
 
 from kvoffload import (
     CPULoadStoreSpec,
@@ -128,3 +131,34 @@ def test_build_manager_wraps_only_from_threshold_two() -> None:
     wrapped = build_manager(8, "arc", store_threshold=3, max_tracker_size=10)
     assert isinstance(wrapped, FilterReusedOffloadingManager)
     assert wrapped.store_threshold == 3 and wrapped.max_tracker_size == 10
+
+
+def test_tracker_order_survives_the_switch_from_filling_to_full() -> None:
+    f = FilterReusedOffloadingManager(CPUOffloadingManager(4), max_tracker_size=4)
+    f.lookup(keys(1, 2))
+    f.lookup(keys(1, 3))  # still filling: recency 2, 1, 3
+    assert list(f.counts) == keys(2, 1, 3)
+    f.lookup(keys(4, 5))  # may overflow: 4 fills the table, 5 pushes out 2
+    assert list(f.counts.items()) == list(zip(keys(1, 3, 4, 5), [2, 1, 1, 1], strict=True))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tracker=st.integers(1, 8),
+    calls=st.lists(st.lists(st.integers(0, 12), max_size=6), max_size=25),
+)
+def test_tracker_is_the_literal_lru_table(tracker: int, calls: list[list[int]]) -> None:
+    """Counts and recency order equal the seed's step-by-step OrderedDict, in both phases."""
+    f = FilterReusedOffloadingManager(CPUOffloadingManager(4), max_tracker_size=tracker)
+    literal: OrderedDict[bytes, int] = OrderedDict()
+    for ids in calls:
+        for key in keys(*ids):
+            if key in literal:
+                literal[key] += 1
+                literal.move_to_end(key)
+            else:
+                if len(literal) >= tracker:
+                    literal.popitem(last=False)
+                literal[key] = 1
+        f.lookup(keys(*ids))
+        assert list(f.counts.items()) == list(literal.items())

@@ -7,6 +7,7 @@ chosen by name; everything else about a block's life is decided here.
 from __future__ import annotations
 
 from collections.abc import Container, Iterable
+from typing import NoReturn
 
 import numpy as np
 
@@ -29,13 +30,19 @@ class NotAKeyIterableError(KVOffloadError, TypeError):
     """One key (bytes) or a string was passed where an iterable of keys is expected."""
 
 
-def check_key_iterable(keys: Iterable[OffloadKey], method: str) -> None:
-    """Refuse one key passed alone: iterating its bytes would name integer "keys"."""
-    if isinstance(keys, bytes | bytearray | str):
-        raise NotAKeyIterableError(
-            f"{method} expects an iterable of keys, got a single {type(keys).__name__} "
-            f"{keys[:16]!r}; wrap it in a list"
-        )
+SINGLE_KEY_TYPES = (bytes, bytearray, str)
+"""What ``keys`` must not be: one key alone, whose bytes would iterate as integer "keys".
+
+Checked inline with ``isinstance`` (a tuple, not a union rebuilt per call), so the hot
+methods pay for a function call only on the error path."""
+
+
+def refuse_single_key(keys: bytes | bytearray | str, method: str) -> NoReturn:
+    """Raise the error for one key (or a string) passed where an iterable of keys is due."""
+    raise NotAKeyIterableError(
+        f"{method} expects an iterable of keys, got a single {type(keys).__name__} "
+        f"{keys[:16]!r}; wrap it in a list"
+    )
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -93,7 +100,8 @@ class CPUOffloadingManager(OffloadingManager):
         )
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int:
-        check_key_iterable(keys, "lookup")
+        if isinstance(keys, SINGLE_KEY_TYPES):
+            refuse_single_key(keys, "lookup")
         blocks = self._blocks
         hits = 0
         for key in keys:
@@ -105,7 +113,8 @@ class CPUOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Iterable[OffloadKey]) -> CPULoadStoreSpec:
         """Pin ``keys``; :class:`BlockNotFoundError` / :class:`BlockNotReadyError` otherwise."""
-        check_key_iterable(keys, "prepare_load")
+        if isinstance(keys, SINGLE_KEY_TYPES):
+            refuse_single_key(keys, "prepare_load")
         blocks = self._blocks
         pinned: list[BlockStatus] = []
         for key in keys:
@@ -121,12 +130,14 @@ class CPUOffloadingManager(OffloadingManager):
         return CPULoadStoreSpec([block.block_id for block in pinned])
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
-        check_key_iterable(keys, "touch")
+        if isinstance(keys, SINGLE_KEY_TYPES):
+            refuse_single_key(keys, "touch")
         self._policy.touch(keys)
 
     def complete_load(self, keys: Iterable[OffloadKey]) -> None:
         """Unpin ``keys``; :class:`BlockNotPinnedError` for a key no load holds."""
-        check_key_iterable(keys, "complete_load")
+        if isinstance(keys, SINGLE_KEY_TYPES):
+            refuse_single_key(keys, "complete_load")
         blocks = self._blocks
         released: list[BlockStatus] = []
         for key in keys:
@@ -141,11 +152,18 @@ class CPUOffloadingManager(OffloadingManager):
             released.append(block)
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
-        check_key_iterable(keys, "prepare_store")
+        if isinstance(keys, SINGLE_KEY_TYPES):
+            refuse_single_key(keys, "prepare_store")
         blocks = self._blocks
         # Ordered and deduplicated; doubles as the set shielded from this eviction.
         offered = dict.fromkeys(keys)
-        to_store = [key for key in offered if key not in blocks]
+        if not offered:  # Most offers behind an admission filter: nothing to store.
+            return PrepareStoreOutput([], CPULoadStoreSpec(_NO_IDS), [])
+        # Usually none is held: then one pass in C (a set intersection) finds that.
+        if blocks.keys() & offered:
+            to_store = [key for key in offered if key not in blocks]
+        else:
+            to_store = list(offered)
         if not to_store:
             return PrepareStoreOutput([], CPULoadStoreSpec(_NO_IDS), [])
 
@@ -155,10 +173,12 @@ class CPUOffloadingManager(OffloadingManager):
             victims = self._policy.evict(need, offered)
             if victims is None:
                 return None
-            evicted_keys = [key for key, _ in victims]
-            for key in evicted_keys:
+            evicted_keys = []
+            append_key, free = evicted_keys.append, self._free.append
+            for key, block in victims:
                 del blocks[key]
-            self._free += [block for _, block in victims]
+                append_key(key)
+                free(block)
             if self._events is not None:
                 self._events.append(OffloadingEvent(list(evicted_keys), MEDIUM, removed=True))
 
@@ -169,7 +189,8 @@ class CPUOffloadingManager(OffloadingManager):
         return PrepareStoreOutput(to_store, CPULoadStoreSpec(block_ids), evicted_keys)
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
-        check_key_iterable(keys, "complete_store")
+        if isinstance(keys, SINGLE_KEY_TYPES):
+            refuse_single_key(keys, "complete_store")
         blocks = self._blocks
         changed: list[OffloadKey] = []
         if success:

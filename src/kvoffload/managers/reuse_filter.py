@@ -15,17 +15,20 @@ from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import LoadStoreSpec
-from kvoffload.managers.cpu import check_key_iterable
+from kvoffload.managers.cpu import SINGLE_KEY_TYPES, refuse_single_key
 
 
 class FilterReusedOffloadingManager(OffloadingManager):
     """Wraps ``backing``; intercepts ``lookup`` (to count) and ``prepare_store`` (to filter).
 
     The tracker is an LRU table of at most ``max_tracker_size`` keys ordered by
-    last lookup. Filtering happens before delegation so skipped blocks never
-    take room in the tier; an empty offer is delegated too, and the backing
-    manager answers it with an empty output. ``stores_skipped`` counts offered
-    keys that the filter held back.
+    last lookup: a plain dict while it fills (moving a key to the end of a dict
+    is cheaper than of an ``OrderedDict``, but a dict cannot drop its oldest key
+    cheaply), an ``OrderedDict`` from the first lookup that could overflow it,
+    in the same order; the counts are the same either way. Filtering happens
+    before delegation so skipped blocks never take room in the tier; an empty
+    offer is delegated too, and the backing manager answers it with an empty
+    output. ``stores_skipped`` counts offered keys that the filter held back.
     """
 
     def __init__(
@@ -54,7 +57,7 @@ class FilterReusedOffloadingManager(OffloadingManager):
         self._backing = backing
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
-        self.counts: OrderedDict[OffloadKey, int] = OrderedDict()
+        self.counts: dict[OffloadKey, int] = {}
         self.stores_skipped = 0
 
     @property
@@ -62,28 +65,45 @@ class FilterReusedOffloadingManager(OffloadingManager):
         return self._backing
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
-        check_key_iterable(keys, "lookup")
-        keys = list(keys)
+        if isinstance(keys, SINGLE_KEY_TYPES):
+            refuse_single_key(keys, "lookup")
+        keys = keys if type(keys) is list else list(keys)
         counts = self.counts
+        if not isinstance(counts, OrderedDict):
+            if len(keys) <= self.max_tracker_size - len(counts):
+                # Filling: no key can leave. Popped and reinserted at the end, each key
+                # keeps a plain dict's insertion order equal to the recency order.
+                pop = counts.pop
+                for key in keys:
+                    counts[key] = pop(key, 0) + 1
+                return self._backing.lookup(keys)
+            # This call may overflow the table: an OrderedDict from now on, same order.
+            counts = self.counts = OrderedDict(counts)
+        get = counts.get
         move_to_end = counts.move_to_end
-        limit = self.max_tracker_size
-        # ``in`` then ``[]``: OrderedDict.get is several times slower.
+        # Free places in the tracker: only a new key changes its size, so no len() per key.
+        room = self.max_tracker_size - len(counts)
+        # One probe to read the count; hash probes, not bytecodes, are the cost here.
         for key in keys:
-            if key in counts:
-                counts[key] += 1
+            seen = get(key)
+            if seen is not None:
+                counts[key] = seen + 1
                 move_to_end(key)
             else:
-                if len(counts) >= limit:
-                    counts.popitem(last=False)
+                if room > 0:
+                    room -= 1
+                else:
+                    counts.popitem(False)
                 counts[key] = 1
         return self._backing.lookup(keys)
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
-        check_key_iterable(keys, "prepare_store")
-        keys = list(keys)
-        counts = self.counts
+        if isinstance(keys, SINGLE_KEY_TYPES):
+            refuse_single_key(keys, "prepare_store")
+        keys = keys if type(keys) is list else list(keys)
+        get = self.counts.get
         threshold = self.store_threshold
-        eligible = [key for key in keys if key in counts and counts[key] >= threshold]
+        eligible = [key for key in keys if get(key, 0) >= threshold]
         self.stores_skipped += len(keys) - len(eligible)
         return self._backing.prepare_store(eligible)
 

@@ -15,11 +15,10 @@ Victims are found with one pass per list, not a rescan per victim.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Iterable, Iterator, Sequence
-from itertools import islice
+from collections.abc import Container, Iterable, Sequence
 
 from kvoffload.core.keys import OffloadKey
-from kvoffload.policies.base import BlockStatus, CachePolicy, Victims
+from kvoffload.policies.base import BlockStatus, CachePolicy, Victims, take_evictable
 from kvoffload.policies.registry import register_cache_policy
 
 
@@ -65,24 +64,27 @@ class ARCCachePolicy(CachePolicy):
             elif key in t2:
                 t2.move_to_end(key)
             elif key in b1:
-                delta = max(1.0, len(b2) / len(b1))
-                self.target_t1_size = min(self.target_t1_size + delta, self.capacity)
+                # max()/min() spelled out (first argument wins ties, as with the builtins).
+                delta = len(b2) / len(b1)
+                target = self.target_t1_size + (delta if delta > 1.0 else 1.0)
+                self.target_t1_size = target if target <= self.capacity else self.capacity
                 b1.move_to_end(key)
             elif key in b2:
-                delta = max(1.0, len(b1) / len(b2))
-                self.target_t1_size = max(self.target_t1_size - delta, 0.0)
+                delta = len(b1) / len(b2)
+                target = self.target_t1_size - (delta if delta > 1.0 else 1.0)
+                self.target_t1_size = target if target >= 0.0 else 0.0
                 b2.move_to_end(key)
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> Victims | None:
         if n <= 0:
             return []
-        t1_candidates = _evictable(self.t1, protected)
+        t1_candidates = iter(self.t1.items())
         # Each victim taken from T1 shrinks it; T1 gives victims while it is at
         # or above the target, then T2, then T1 again (the fallback).
-        t1_turns = max(0, len(self.t1) - int(self.target_t1_size) + 1)
-        first = list(islice(t1_candidates, min(n, t1_turns)))
-        second = list(islice(_evictable(self.t2, protected), n - len(first)))
-        fallback = list(islice(t1_candidates, n - len(first) - len(second)))
+        t1_turns = len(self.t1) - int(self.target_t1_size) + 1
+        first = take_evictable(t1_candidates, n if n < t1_turns else t1_turns, protected)
+        second = take_evictable(iter(self.t2.items()), n - len(first), protected)
+        fallback = take_evictable(t1_candidates, n - len(first) - len(second), protected)
         victims = first + second + fallback
         if len(victims) < n:
             return None
@@ -99,11 +101,4 @@ class ARCCachePolicy(CachePolicy):
             b2[key] = None
         for ghosts in (b1, b2):
             for _ in range(len(ghosts) - self.capacity):
-                ghosts.popitem(last=False)
-
-
-def _evictable(
-    blocks: OrderedDict[OffloadKey, BlockStatus], protected: Container[OffloadKey]
-) -> Iterator[tuple[OffloadKey, BlockStatus]]:
-    """Ready, unpinned, unprotected blocks from the least recent end, lazily."""
-    return (item for item in blocks.items() if item[1].ref_cnt == 0 and item[0] not in protected)
+                ghosts.popitem(False)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Sequence
-from itertools import islice
 
 from kvoffload.core.keys import OffloadKey
-from kvoffload.policies.base import BlockStatus, CachePolicy, Victims
+from kvoffload.policies.base import BlockStatus, CachePolicy, Victims, take_evictable
 from kvoffload.policies.registry import register_cache_policy
 
 
@@ -41,12 +40,7 @@ class LRUCachePolicy(CachePolicy):
     def evict(self, n: int, protected: Container[OffloadKey]) -> Victims | None:
         if n <= 0:
             return []
-        candidates = (
-            item
-            for item in self._order.items()
-            if item[1].ref_cnt == 0 and item[0] not in protected
-        )
-        victims = list(islice(candidates, n))
+        victims = take_evictable(iter(self._order.items()), n, protected)
         if len(victims) < n:
             return None
         order = self._order

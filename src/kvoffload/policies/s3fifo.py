@@ -54,11 +54,14 @@ class S3FIFOCachePolicy(CachePolicy):
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         freq, small, main = self.freq, self.small, self.main
+        get = freq.get
         for key in keys:
-            if key in freq:
+            # The count first: a saturated block needs no look at its queue.
+            count = get(key)
+            if count is not None and count < MAX_FREQ:
                 block = small[key] if key in small else main[key]
-                if block.ref_cnt >= 0 and freq[key] < MAX_FREQ:
-                    freq[key] += 1
+                if block.ref_cnt >= 0:
+                    freq[key] = count + 1
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> Victims | None:
         if n <= 0:
@@ -66,26 +69,29 @@ class S3FIFOCachePolicy(CachePolicy):
         if not _has_evictable(n, (self.small, self.main), protected):
             return None
         victims: Victims = []
+        small, main, small_target = self.small, self.main, self.small_target
+        from_small, from_main, take = self._from_small, self._from_main, victims.append
         while len(victims) < n:
-            victim = None
-            if len(self.small) >= self.small_target or not self.main:
-                victim = self._from_small(protected)
+            if len(small) >= small_target or not main:
+                victim = from_small(protected)
+                if victim is not None:
+                    take(victim)
+                    continue
+            victim = from_main(protected)
             if victim is None:
-                victim = self._from_main(protected)
-            if victim is None:
-                victim = self._from_small(protected)
+                victim = from_small(protected)
             if victim is not None:
-                victims.append(victim)
+                take(victim)
         ghost = self.ghost
         for _ in range(len(ghost) - self.capacity):
-            ghost.popitem(last=False)
+            ghost.popitem(False)
         return victims
 
     def _from_small(self, protected: Container[OffloadKey]) -> Victim | None:
         """Walk small from its head once: promote touched blocks, evict the first untouched."""
         small, main, freq = self.small, self.main, self.freq
         for _ in range(len(small)):
-            key, block = small.popitem(last=False)
+            key, block = small.popitem(False)
             if block.ref_cnt != 0 or key in protected:
                 small[key] = block
             elif freq[key] > 0:
@@ -101,7 +107,7 @@ class S3FIFOCachePolicy(CachePolicy):
         """Walk main from its head, reinserting touched blocks with one touch less."""
         main, freq = self.main, self.freq
         for _ in range((MAX_FREQ + 1) * len(main)):
-            key, block = main.popitem(last=False)
+            key, block = main.popitem(False)
             if block.ref_cnt != 0 or key in protected:
                 main[key] = block
             elif freq[key] > 0:

@@ -55,7 +55,7 @@ class SIEVECachePolicy(CachePolicy):
         while len(victims) < n:
             if not self.unswept:
                 self.unswept, self.swept = self.swept, self.unswept
-            key, block = self.unswept.popitem(last=False)
+            key, block = self.unswept.popitem(False)
             if block.ref_cnt != 0 or key in protected:
                 self.swept[key] = block
             elif key in visited:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Sequence
-from itertools import chain, islice
+from itertools import chain
 
 from kvoffload.core.keys import OffloadKey
-from kvoffload.policies.base import BlockStatus, CachePolicy, Victims
+from kvoffload.policies.base import BlockStatus, CachePolicy, Victims, take_evictable
 from kvoffload.policies.registry import register_cache_policy
 
 PROTECTED_SHARE = 0.8
@@ -53,18 +53,14 @@ class SLRUCachePolicy(CachePolicy):
                 else:
                     probation.move_to_end(key)
         while len(protected) > self.protected_limit:
-            key, block = protected.popitem(last=False)
+            key, block = protected.popitem(False)
             probation[key] = block
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> Victims | None:
         if n <= 0:
             return []
-        candidates = (
-            item
-            for item in chain(self.probation.items(), self.protected.items())
-            if item[1].ref_cnt == 0 and item[0] not in protected
-        )
-        victims = list(islice(candidates, n))
+        segments = chain(self.probation.items(), self.protected.items())
+        victims = take_evictable(segments, n, protected)
         if len(victims) < n:
             return None
         probation, segment = self.probation, self.protected
