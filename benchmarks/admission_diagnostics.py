@@ -3,9 +3,9 @@
 Replays a workload of the admission table through the recommended stack
 (feedback admission in front of an LRU CPU tier) with a recorder between the
 admission layer and the tier. Every write is classed by how it got in: on
-first sight (the controller's speculative admission) or seen before (the
-sketch had counted the block in an earlier request; the filter's rule). Per
-class it prints:
+first sight (the controller's speculative admission), split by the
+controller's classes, or seen before (the sketch had counted the block in an
+earlier request; the filter's rule). Per class it prints:
 
 * writes per block reference, and the share that are *rewrites* (the key had
   been written and evicted before);
@@ -31,14 +31,14 @@ import argparse
 import statistics
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from admission_table import WORKLOADS
-from kvoffload.admission.feedback import FeedbackAdmission
+from kvoffload.admission.feedback import FeedbackAdmission, first_seen_class
 from kvoffload.admission.sketch import key_hashes
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import (
@@ -51,7 +51,17 @@ from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.sim.engine import EngineConfig, ServingEngine
 from kvoffload.sim.run import SimConfig
 
-ORIGINS = ("first sight", "seen before")
+SEEN = "seen before"
+FIRST = "first sight"
+CLASS_NAMES = (
+    "no known prefix",
+    "no known prefix, last block",
+    "GPU-served prefix",
+    "GPU-served prefix, last block",
+    "tier-served prefix",
+    "tier-served prefix, last block",
+)
+"""The controller's first-seen classes, by ``first_seen_class``."""
 
 
 class Copy:
@@ -71,13 +81,16 @@ class WriteRecorder(OffloadingManager):
     """Passes every call to ``inner`` and records the life of each written copy.
 
     ``layer`` (set once the admission layer wraps the recorder) tells the
-    origin of a write: the layer's own test, a sketch count of at least 2.
+    origin of a write: the layer's own test, a sketch count of at least 2;
+    ``offer`` (set by :class:`RecordedFeedback`) the class of a first-seen one.
     """
 
     def __init__(self, inner: CPUOffloadingManager) -> None:
         self.inner = inner
         self.policy = inner.policy
         self.layer: FeedbackAdmission | None = None
+        self.offer: tuple[OffloadKey, int, bool] | None = None
+        """The last offer's last key, known prefix length, and whether the tier served it."""
         self.clock = 0
         self.held: dict[OffloadKey, Copy] = {}
         self.parent: dict[OffloadKey, OffloadKey] = {}
@@ -139,7 +152,7 @@ class WriteRecorder(OffloadingManager):
             seen = [False] * len(stored)
         position = {key: i for i, key in enumerate(self.request)}
         for key, old in zip(stored, seen, strict=True):
-            origin = ORIGINS[1] if old else ORIGINS[0]
+            origin = SEEN if old else f"{FIRST}: {self._class_of(key)}"
             self.clock += 1
             self.held[key] = Copy(origin, self.clock)
             self.just_written.add(key)
@@ -151,6 +164,12 @@ class WriteRecorder(OffloadingManager):
             if i > 0:
                 self.parent[key] = self.request[i - 1]
         return output
+
+    def _class_of(self, key: OffloadKey) -> str:
+        if self.offer is None:
+            return "unknown"
+        last, prefix, tier_served = self.offer
+        return CLASS_NAMES[first_seen_class(prefix, key == last, tier_served)]
 
     def _evicted(self, key: OffloadKey) -> None:
         copy = self.held.pop(key)
@@ -178,6 +197,20 @@ class WriteRecorder(OffloadingManager):
         return self.inner.take_events()
 
 
+class RecordedFeedback(FeedbackAdmission):
+    """The recommended layer, telling its recorder the class inputs of each offer."""
+
+    def __init__(self, recorder: WriteRecorder, capacity: int) -> None:
+        super().__init__(recorder, capacity)
+        self.recorder = recorder
+        recorder.layer = self
+
+    def _admit(self, offered: Sequence[OffloadKey], prefix: int) -> list[OffloadKey]:
+        tier_served = self._requests.origin(offered)[1]
+        self.recorder.offer = (offered[-1], prefix, tier_served)
+        return super()._admit(offered, prefix)
+
+
 def diagnose(name: str, share: float, seed: int) -> str:
     """One workload at one capacity share, as the admission table sizes it."""
     workload = replace(WORKLOADS[name], seed=seed).load()
@@ -196,8 +229,7 @@ def diagnose(name: str, share: float, seed: int) -> str:
         partial_block=sim.partial_block,
     )
     recorder = WriteRecorder(CPUOffloadingManager(cpu, "lru"))
-    layer = FeedbackAdmission(recorder, cpu)
-    recorder.layer = layer
+    layer = RecordedFeedback(recorder, cpu)
     stats = ServingEngine(engine_config, layer).run(workload.requests)
     refs = stats.refs
     hit = (stats.gpu_hit_blocks + stats.offload_hit_blocks) / refs
@@ -207,21 +239,32 @@ def diagnose(name: str, share: float, seed: int) -> str:
         f"tier hits/ref {stats.offload_hit_blocks / refs:.3f}"
     ]
     r = recorder
-    for origin in ORIGINS:
-        written = r.writes[origin]
-        if not written:
-            continue
-        unread = max(1, written - r.read_once[origin])
-        lines.append(
-            f"  {origin:11s}: writes/ref {written / refs:.3f}, rewrites"
-            f" {r.rewrites[origin] / written:.2f}, read {r.read_once[origin] / written:.2f}"
-            f" ({r.reads[origin] / written:.2f} reads"
-            f"/write); unread: asked while held {r.asked_unread[origin] / unread:.2f}, back"
-            f" after eviction {r.back_after_eviction[origin] / unread:.2f}; orphaned at eviction"
-            f" {r.orphans[origin] / max(1, r.evictions[origin]):.2f}; median life unread"
-            f" {_median(r.life_unread[origin])} / read {_median(r.life_read[origin])}"
-        )
+    first = sorted(label for label in r.writes if label.startswith(FIRST))
+    groups = [(f"{FIRST} (all)", first), *((label, [label]) for label in first), (SEEN, [SEEN])]
+    for title, labels in groups:
+        if sum(r.writes[label] for label in labels):
+            lines.append(_summary(r, title, labels, refs))
     return "\n".join(lines)
+
+
+def _summary(r: WriteRecorder, title: str, labels: list[str], refs: int) -> str:
+    """One line over the writes classed under ``labels``."""
+
+    def total(counter: Counter[str]) -> int:
+        return sum(counter[label] for label in labels)
+
+    written, read = total(r.writes), total(r.read_once)
+    unread = max(1, written - read)
+    life_unread = [life for label in labels for life in r.life_unread[label]]
+    life_read = [life for label in labels for life in r.life_read[label]]
+    return (
+        f"  {title}: writes/ref {written / refs:.3f}, rewrites {total(r.rewrites) / written:.2f}"
+        f", read {read / written:.2f} ({total(r.reads) / written:.2f} reads/write); unread:"
+        f" asked while held {total(r.asked_unread) / unread:.2f}, back after eviction"
+        f" {total(r.back_after_eviction) / unread:.2f}; orphaned at eviction"
+        f" {total(r.orphans) / max(1, total(r.evictions)):.2f}; median life unread"
+        f" {_median(life_unread)} / read {_median(life_read)}"
+    )
 
 
 def _median(values: list[int]) -> str:
