@@ -277,10 +277,16 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic workloads")
     args = parser.parse_args()
     for row in args.rows:
-        name, _, share = row.rpartition(":")
+        name, _, text = row.rpartition(":")
         if name not in WORKLOADS:
             parser.error(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
-        print(diagnose(name, float(share), args.seed), flush=True)
+        try:
+            share = float(text)
+        except ValueError:
+            share = 0.0
+        if not 0.0 < share <= 1.0:
+            parser.error(f"share must be a number in (0, 1], got {text!r} in {row!r}")
+        print(diagnose(name, share, args.seed), flush=True)
     return 0
 
 
