@@ -154,9 +154,10 @@ class FrequencySketch:
     def increment(self, hashes: np.ndarray) -> None:
         """Count one sighting of each hash (a hash repeated in one call counts once).
 
-        Every counter cell of the batch is written once: a seen hash's with its
-        read value plus one, an unseen hash's redirected to its own first
-        doorkeeper cell, which the doorkeeper update then sets, as it would anyway.
+        One write covers the counter cells of the batch: a seen hash's get
+        their read value plus one, an unseen hash's write is redirected to its
+        own first doorkeeper cell, which the doorkeeper update then sets, as
+        it would anyway.
         """
         if not len(hashes):
             return
