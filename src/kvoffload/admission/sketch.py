@@ -172,7 +172,10 @@ class FrequencySketch:
             self._age()
 
     def estimate(self, hashes: np.ndarray) -> np.ndarray:
-        """Estimated sightings per hash: the doorkeeper bit plus the smallest row counter."""
+        """Estimated sightings per hash: the doorkeeper bit plus the smallest row counter.
+
+        One byte each (at most ``MAX_COUNT + 1``), so no widening copy is made.
+        """
         if not len(hashes):
             return np.zeros(0, dtype=np.uint8)
         values = self._table[self._cells(hashes)]
