@@ -107,3 +107,79 @@ def test_request_hashes_reuse_the_request_for_its_offer_and_hash_anything_else()
         cache.of_offer([*request, block_id_key(7)]).tolist()
         == key_hashes([*request, block_id_key(7)]).tolist()
     )
+
+
+class ReferenceSketch:
+    """The sketch's definition, key by key on Python ints: what the vectorised one must equal."""
+
+    MASK = (1 << 64) - 1
+
+    def __init__(self, sample_size: int) -> None:
+        self.bits = max(4, (sample_size - 1).bit_length())
+        self.sample_size = sample_size
+        self.counts = [[0] * (1 << self.bits) for _ in range(4)]
+        self.door = [False] * (1 << (self.bits + 4))
+        self.added = 0
+
+    def hash(self, key: bytes) -> int:
+        value = int.from_bytes(key[-12:], "big")
+        h = (value ^ (value >> 64)) & self.MASK
+        h ^= h >> 30
+        h = h * 0xBF58476D1CE4E5B9 & self.MASK
+        h ^= h >> 27
+        h = h * 0x94D049BB133111EB & self.MASK
+        return h ^ (h >> 31)
+
+    def door_cells(self, h: int) -> tuple[int, int]:
+        shift = 64 - self.bits - 4
+        return h >> shift, (h * 0x2545F4914F6CDD1D & self.MASK) >> shift
+
+    def row_cells(self, h: int) -> list[int]:
+        seeds = (0x9E3779B97F4A7C15, 0xD6E8FEB86659FD93, 0xC2B2AE3D27D4EB4F, 0xFF51AFD7ED558CCD)
+        return [(h * seed & self.MASK) >> (64 - self.bits) for seed in seeds]
+
+    def increment(self, keys: list[OffloadKey]) -> None:
+        hashes = [self.hash(key) for key in keys]
+        seen = [all(self.door[c] for c in self.door_cells(h)) for h in hashes]
+        for h in hashes:
+            for cell in self.door_cells(h):
+                self.door[cell] = True
+        # Every counter is read before any is written: a cell shared in one batch counts once.
+        updates = [
+            (row, cell, min(self.counts[row][cell] + 1, MAX_COUNT))
+            for h, was_seen in zip(hashes, seen, strict=True)
+            if was_seen
+            for row, cell in enumerate(self.row_cells(h))
+        ]
+        for row, cell, value in updates:
+            self.counts[row][cell] = value
+        self.added += len(keys)
+        if self.added >= self.sample_size:
+            self.counts = [[c >> 1 for c in row] for row in self.counts]
+            self.door = [False] * len(self.door)
+            self.added = 0
+
+    def estimate(self, keys: list[OffloadKey]) -> list[int]:
+        result = []
+        for key in keys:
+            h = self.hash(key)
+            rows = min(self.counts[row][cell] for row, cell in enumerate(self.row_cells(h)))
+            result.append(rows + all(self.door[c] for c in self.door_cells(h)))
+        return result
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 120), min_size=1, max_size=40), min_size=1, max_size=25),
+    st.sampled_from([16, 64, 300]),
+)
+def test_the_sketch_equals_its_key_by_key_definition(batches: list[list[int]], size: int) -> None:
+    """Small tables, so that cells collide within a batch, and enough sightings to age."""
+    sketch, reference = FrequencySketch(size), ReferenceSketch(size)
+    probe = [block_id_key(i, i % 3) for i in range(121)]
+    for batch in batches:
+        keys = [block_id_key(i, i % 3) for i in batch]
+        assert key_hashes(keys).tolist() == [reference.hash(key) for key in keys]
+        sketch.increment(key_hashes(keys))
+        reference.increment(keys)
+        assert sketch.estimate(key_hashes(probe)).tolist() == reference.estimate(probe)

@@ -41,27 +41,32 @@ class GhostRecords:
     def add(self, key: OffloadKey, tag: int, clock: int = 0) -> int | None:
         """Record ``key``; return the tag of a record this pushed out, if any."""
         records = self._records
+        pushed = None
         if key in records:
             records.move_to_end(key)
-            records[key] = (tag, clock)
-            return None
+        elif len(records) >= self.capacity:
+            pushed = records.popitem(False)[1][0]
         records[key] = (tag, clock)
-        if len(records) > self.capacity:
-            return records.popitem(last=False)[1][0]
-        return None
+        return pushed
 
     def add_all(self, keys: Iterable[OffloadKey], tag: int, clock: int = 0) -> list[int]:
-        """Record each of ``keys`` in turn, as ``add`` does; return the tags pushed out."""
-        records, capacity, record = self._records, self.capacity, (tag, clock)
+        """Record each of ``keys`` in turn, as ``add`` does; return the tags pushed out.
+
+        A new key takes a free place while there is one (counted down, not
+        measured per key), else it pushes out the oldest record first, which
+        is the record that inserting it and then trimming would push out.
+        """
+        records, record = self._records, (tag, clock)
+        free = self.capacity - len(records)
         pushed: list[int] = []
         for key in keys:
             if key in records:
                 records.move_to_end(key)
-                records[key] = record
-                continue
+            elif free > 0:
+                free -= 1
+            else:
+                pushed.append(records.popitem(False)[1][0])
             records[key] = record
-            if len(records) > capacity:
-                pushed.append(records.popitem(last=False)[1][0])
         return pushed
 
     def take_all(self, keys: Iterable[OffloadKey]) -> list[int]:

@@ -98,4 +98,4 @@ class RequestTracker:
         self._open[last] = entry
         self._open.move_to_end(last)
         if len(self._open) > self.capacity:
-            self._open.popitem(last=False)
+            self._open.popitem(False)

@@ -20,43 +20,64 @@ from kvoffload.core.keys import OffloadKey
 ROWS = 4
 TAIL_BYTES = 12
 """Hashed part of a key: the end of its block hash and its 4-byte group index."""
-_LOW32 = np.uint64(0xFFFFFFFF)
-_32 = np.uint64(32)
 DOOR_BITS = 4
 """The doorkeeper has ``2**DOOR_BITS`` cells per counter column."""
 MAX_COUNT = 15
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
-_DOOR_SEED = np.uint64(0x2545F4914F6CDD1D)
-_ROW_SEEDS = np.array(
-    [0x9E3779B97F4A7C15, 0xD6E8FEB86659FD93, 0xC2B2AE3D27D4EB4F, 0xFF51AFD7ED558CCD],
-    dtype=np.uint64,
-)[:, None]
+_MIX1 = np.array(0xBF58476D1CE4E5B9, dtype=np.uint64)
+_MIX2 = np.array(0x94D049BB133111EB, dtype=np.uint64)
+_SHIFTS = [np.array(bits, dtype=np.uint64) for bits in (30, 27, 31)]
+"""Mixing constants as 0-d arrays: numpy converts those faster than scalars, per call."""
+_DOOR_SEED = 0x2545F4914F6CDD1D
+_ROW_SEEDS = [0x9E3779B97F4A7C15, 0xD6E8FEB86659FD93, 0xC2B2AE3D27D4EB4F, 0xFF51AFD7ED558CCD]
+_SATURATED_INCREMENT = np.minimum(np.arange(1, MAX_COUNT + 2), MAX_COUNT).astype(np.uint8)
+"""``count -> min(count + 1, MAX_COUNT)`` as one table look-up."""
+
+
+def _tail_dtype(width: int) -> np.dtype:
+    """A record of one ``width``-byte key whose fields are its last three big-endian words."""
+    return np.dtype(
+        {
+            "names": ["a", "b", "c"],
+            "formats": [">u4", ">u4", ">u4"],
+            "offsets": [width - TAIL_BYTES, width - 8, width - 4],
+            "itemsize": width,
+        }
+    )
+
+
+_TAIL_DTYPES = {width: _tail_dtype(width) for width in range(TAIL_BYTES, 65)}
 
 
 def key_hashes(keys: Sequence[OffloadKey]) -> np.ndarray:
     """64-bit hashes of ``keys``: their last 12 bytes folded to 64 bits, then mixed (splitmix64).
 
-    Keys of one length of at least 12 bytes (the usual case) are read in one
-    vectorised pass; any other batch key by key, with the same result.
+    The fold of the 96-bit tail ``a b c`` (three 32-bit words) is ``b`` over
+    ``c ^ a``. Keys of one length of at least 12 bytes (the usual case) are
+    read in one vectorised pass, as records of those three words, the fold
+    written as two 32-bit halves of each hash; any other batch key by key,
+    with the same result.
     """
     n = len(keys)
     width = len(keys[0]) if n else 0
     data = b"".join(keys)
     raw: np.ndarray
     if width >= TAIL_BYTES and len(data) == width * n:
-        tail = np.frombuffer(data, dtype=np.uint8).reshape(n, width)[:, width - TAIL_BYTES :]
-        high = np.ascontiguousarray(tail[:, :8]).view(">u8").ravel().astype(np.uint64)
-        low = np.ascontiguousarray(tail[:, 8:]).view(">u4").ravel().astype(np.uint64)
-        raw = ((high & _LOW32) << _32) | low
-        raw ^= high >> _32
+        tails = np.frombuffer(data, _TAIL_DTYPES.get(width) or _tail_dtype(width))
+        halves = np.empty((n, 2), dtype="<u4")
+        np.bitwise_xor(tails["c"], tails["a"], out=halves[:, 0])
+        halves[:, 1] = tails["b"]
+        raw = halves.view("<u8").ravel()
     else:
         raw = np.fromiter((_fold(key) for key in keys), dtype=np.uint64, count=n)
-    raw ^= raw >> np.uint64(30)
+    first, second, third = _SHIFTS
+    mixed = raw >> first
+    raw ^= mixed
     raw *= _MIX1
-    raw ^= raw >> np.uint64(27)
+    np.right_shift(raw, second, out=mixed)
+    raw ^= mixed
     raw *= _MIX2
-    raw ^= raw >> np.uint64(31)
+    np.right_shift(raw, third, out=mixed)
+    raw ^= mixed
     return raw
 
 
@@ -93,6 +114,12 @@ class FrequencySketch:
     one-byte cells. Doorkeeper: a two-hash Bloom filter of sixteen times as
     many one-byte cells, so that about one first sighting in a hundred (at
     the end of a sample, fewer before) is mistaken for a second one.
+
+    Both live in one flat byte table (the doorkeeper's two cells of a hash
+    first, then its four counter cells, each row at its own offset), so that
+    one multiply, shift and add give all six cells of a batch of hashes and
+    one gather reads them: a request's tens of keys cost a handful of numpy
+    calls, not one per row.
     """
 
     def __init__(self, sample_size: int) -> None:
@@ -101,55 +128,64 @@ class FrequencySketch:
         self.sample_size = sample_size
         bits = max(4, (sample_size - 1).bit_length())
         self.width = 1 << bits
-        self._shift = np.uint64(64 - bits)
-        self._door_shift = np.uint64(64 - bits - DOOR_BITS)
-        self._counts = np.zeros((ROWS, self.width), dtype=np.uint8)
-        self._door = np.zeros(self.width << DOOR_BITS, dtype=np.bool_)
-        self._rows = np.arange(ROWS)[:, None]
+        counters = ROWS * self.width
+        self._table = np.zeros(counters + (self.width << DOOR_BITS), dtype=np.uint8)
+        self._counts = self._table[:counters]
+        self._door = self._table[counters:]
+        door_shift, shift = 64 - bits - DOOR_BITS, 64 - bits
+        multipliers = [1, _DOOR_SEED, *_ROW_SEEDS]
+        self._multipliers = np.array(multipliers, dtype=np.uint64)[:, None]
+        self._shifts = np.array([door_shift] * 2 + [shift] * ROWS, dtype=np.uint64)[:, None]
+        offsets = [counters, counters] + [row * self.width for row in range(ROWS)]
+        self._offsets = np.array(offsets, dtype=np.intp)[:, None]
         self._added = 0
         self.resets = 0
 
     @property
     def memory_bytes(self) -> int:
-        return int(self._counts.nbytes + self._door.nbytes)
+        return int(self._table.nbytes)
 
     def _cells(self, hashes: np.ndarray) -> np.ndarray:
-        rows: np.ndarray = (hashes[None, :] * _ROW_SEEDS) >> self._shift
-        return rows.astype(np.intp)
-
-    def _door_cells(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        first = (hashes >> self._door_shift).astype(np.intp)
-        second = ((hashes * _DOOR_SEED) >> self._door_shift).astype(np.intp)
-        return first, second
+        """Table positions of each hash: two doorkeeper rows, then ``ROWS`` counter rows."""
+        cells: np.ndarray = ((hashes * self._multipliers) >> self._shifts).view(np.intp)
+        cells += self._offsets
+        return cells
 
     def increment(self, hashes: np.ndarray) -> None:
-        """Count one sighting of each hash (a hash repeated in one call counts once)."""
+        """Count one sighting of each hash (a hash repeated in one call counts once).
+
+        One write covers the counter cells of the batch: a seen hash's get
+        their read value plus one, an unseen hash's write is redirected to its
+        own first doorkeeper cell, which the doorkeeper update then sets, as
+        it would anyway.
+        """
         if not len(hashes):
             return
-        first, second = self._door_cells(hashes)
-        seen = self._door[first] & self._door[second]
-        self._door[first] = True
-        self._door[second] = True
-        if seen.any():
-            cells = self._cells(hashes[seen])
-            current = self._counts[self._rows, cells]
-            self._counts[self._rows, cells] = np.minimum(current + 1, MAX_COUNT)
+        cells = self._cells(hashes)
+        table = self._table
+        values = table[cells]
+        seen = values[0] & values[1]
+        table[np.where(seen, cells[2:], cells[0])] = _SATURATED_INCREMENT[values[2:]]
+        table[cells[:2]] = 1
         self._added += len(hashes)
         if self._added >= self.sample_size:
             self._age()
 
     def estimate(self, hashes: np.ndarray) -> np.ndarray:
-        """Estimated sightings per hash: the doorkeeper bit plus the smallest row counter."""
+        """Estimated sightings per hash: the doorkeeper bit plus the smallest row counter.
+
+        One byte each (at most ``MAX_COUNT + 1``), so no widening copy is made.
+        """
         if not len(hashes):
-            return np.zeros(0, dtype=np.int64)
-        counts = self._counts[self._rows, self._cells(hashes)].min(axis=0).astype(np.int64)
-        first, second = self._door_cells(hashes)
-        result: np.ndarray = counts + (self._door[first] & self._door[second])
+            return np.zeros(0, dtype=np.uint8)
+        values = self._table[self._cells(hashes)]
+        result: np.ndarray = np.minimum.reduce(values[2:], 0)
+        result += values[0] & values[1]
         return result
 
     def _age(self) -> None:
         """Halve every counter and clear the doorkeeper: old popularity fades."""
         self._counts >>= 1
-        self._door[:] = False
+        self._door[:] = 0
         self._added = 0
         self.resets += 1

@@ -1,0 +1,53 @@
+"""Ghost records against a plain model: a list of (key, tag, clock), oldest first."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvoffload import block_id_key
+from kvoffload.admission import GhostRecords
+
+Op = tuple[str, list[int], int]
+OPS = st.tuples(
+    st.sampled_from(["add", "add_all", "take_all", "expire"]),
+    st.lists(st.integers(0, 12), max_size=8),
+    st.integers(0, 5),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.lists(OPS, max_size=40))
+def test_ghost_matches_an_ordered_list_of_records(capacity: int, ops: list[Op]) -> None:
+    ghost = GhostRecords(capacity)
+    model: list[tuple[int, int, int]] = []  # (key id, tag, clock), oldest first
+    for clock, (name, ids, tag) in enumerate(ops, start=1):
+        if name in ("add", "add_all"):
+            ids = ids[:1] if name == "add" else ids
+            expected = []
+            for i in ids:
+                model = [r for r in model if r[0] != i] + [(i, tag, clock)]
+                if len(model) > capacity:
+                    expected.append(model.pop(0)[1])
+            keys = [block_id_key(i) for i in ids]
+            if name == "add":
+                got = [ghost.add(keys[0], tag, clock)] if keys else []
+                assert [t for t in got if t is not None] == expected
+            else:
+                assert ghost.add_all(keys, tag, clock) == expected
+        elif name == "take_all":
+            expected = []
+            for i in ids:
+                found = [r for r in model if r[0] == i]
+                if found:
+                    expected.append(found[0][1])
+                    model.remove(found[0])
+            assert ghost.take_all([block_id_key(i) for i in ids]) == expected
+        else:
+            before = clock - tag
+            expected = []
+            while model and model[0][2] < before:
+                expected.append(model.pop(0)[1])
+            assert ghost.expire(before) == expected
+        assert len(ghost) == len(model)
+        assert all(block_id_key(i) in ghost for i, _, _ in model)
