@@ -48,7 +48,7 @@ from kvoffload.core.manager import (
 )
 from kvoffload.core.specs import LoadStoreSpec
 from kvoffload.managers.cpu import CPUOffloadingManager
-from kvoffload.sim.engine import EngineConfig, ServingEngine
+from kvoffload.sim.engine import ServingEngine
 from kvoffload.sim.run import SimConfig
 
 SEEN = "seen before"
@@ -217,17 +217,7 @@ def diagnose(name: str, share: float, seed: int) -> str:
     unique = len({key for request in workload.requests for key in request.keys})
     gpu = max(int(0.02 * unique), max(len(r.keys) for r in workload.requests))
     cpu = int(share * unique)
-    sim = SimConfig(gpu_blocks=gpu, cpu_blocks=cpu)
-    engine_config = EngineConfig(
-        gpu_blocks=gpu,
-        bytes_per_block=sim.kv_layout(workload.block_tokens).bytes_per_block,
-        block_tokens=workload.block_tokens,
-        concurrency=sim.concurrency,
-        prefill_tokens_per_s=sim.prefill_tokens_per_s,
-        decode_tokens_per_s=sim.decode_tokens_per_s,
-        transfer_bytes_per_s=sim.transfer_gb_per_s * 1e9,
-        partial_block=sim.partial_block,
-    )
+    engine_config = SimConfig(gpu_blocks=gpu, cpu_blocks=cpu).engine_config(workload.block_tokens)
     recorder = WriteRecorder(CPUOffloadingManager(cpu, "lru"))
     layer = RecordedFeedback(recorder, cpu)
     stats = ServingEngine(engine_config, layer).run(workload.requests)

@@ -131,6 +131,19 @@ class SimConfig:
         """The layout preset, resized to the workload's block size."""
         return layout_preset(self.layout).with_block_size(block_tokens)
 
+    def engine_config(self, block_tokens: int) -> EngineConfig:
+        """The serving engine this run replays through, for a workload of ``block_tokens``."""
+        return EngineConfig(
+            gpu_blocks=self.gpu_blocks,
+            bytes_per_block=self.kv_layout(block_tokens).bytes_per_block,
+            block_tokens=block_tokens,
+            concurrency=self.concurrency,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            decode_tokens_per_s=self.decode_tokens_per_s,
+            transfer_bytes_per_s=self.transfer_gb_per_s * 1e9,
+            partial_block=self.partial_block,
+        )
+
 
 _INTEGER_FIELDS = ("gpu_blocks", "cpu_blocks", "store_threshold", "max_tracker_size", "concurrency")
 _RATE_FIELDS = ("prefill_tokens_per_s", "decode_tokens_per_s", "transfer_gb_per_s")
@@ -251,17 +264,8 @@ def simulate(
     to export its KV events and metrics while the replay runs.
     """
     started = time.perf_counter()
-    bytes_per_block = config.kv_layout(workload.block_tokens).bytes_per_block
-    engine_config = EngineConfig(
-        gpu_blocks=config.gpu_blocks,
-        bytes_per_block=bytes_per_block,
-        block_tokens=workload.block_tokens,
-        concurrency=config.concurrency,
-        prefill_tokens_per_s=config.prefill_tokens_per_s,
-        decode_tokens_per_s=config.decode_tokens_per_s,
-        transfer_bytes_per_s=config.transfer_gb_per_s * 1e9,
-        partial_block=config.partial_block,
-    )
+    engine_config = config.engine_config(workload.block_tokens)
+    bytes_per_block = engine_config.bytes_per_block
     enable_events = observers is not None and bool(observers.sinks)
     manager: OffloadingManager | None = None
     tiered = None
