@@ -40,17 +40,12 @@ class GhostRecords:
 
     def add(self, key: OffloadKey, tag: int, clock: int = 0) -> int | None:
         """Record ``key``; return the tag of a record this pushed out, if any."""
-        records = self._records
-        pushed = None
-        if key in records:
-            records.move_to_end(key)
-        elif len(records) >= self.capacity:
-            pushed = records.popitem(False)[1][0]
-        records[key] = (tag, clock)
-        return pushed
+        pushed = self.add_all((key,), tag, clock)
+        return pushed[0] if pushed else None
 
     def add_all(self, keys: Iterable[OffloadKey], tag: int, clock: int = 0) -> list[int]:
-        """Record each of ``keys`` in turn, as ``add`` does; return the tags pushed out.
+        """Record each of ``keys`` in turn (a recorded one moves to the newest end with its
+        new tag and clock); return the tags of the records pushed out.
 
         A new key takes a free place while there is one (counted down, not
         measured per key), else it pushes out the oldest record first, which
@@ -77,8 +72,8 @@ class GhostRecords:
 
     def take(self, key: OffloadKey) -> int | None:
         """Forget ``key`` and return its tag, or ``None`` if it is not recorded."""
-        record = self._records.pop(key, None)
-        return None if record is None else record[0]
+        taken = self.take_all((key,))
+        return taken[0] if taken else None
 
     def expire(self, before: int) -> list[int]:
         """Drop the records made at a clock below ``before``; return their tags."""

@@ -34,20 +34,13 @@ class SketchAdmission(AdmissionLayer):
 
     def _sighting(self, keys: Sequence[OffloadKey]) -> None:
         self.sketch.increment(self._hashes.of_request(keys))
-        ghost = self.ghost
-        if len(ghost):
-            for key in keys:
-                if ghost.take(key) is not None:
-                    self.ghost_hits += 1
+        if len(self.ghost):
+            self.ghost_hits += len(self.ghost.take_all(keys))
 
     def _admit(self, offered: Sequence[OffloadKey], prefix: int) -> list[OffloadKey]:
         eligible = self.sketch.estimate(self._hashes.of_offer(offered)) >= self.threshold
-        admitted = []
-        for key, ok in zip(offered, eligible, strict=True):
-            if ok:
-                admitted.append(key)
-            else:
-                self.ghost.add(key, 0)
+        admitted = [key for key, ok in zip(offered, eligible, strict=True) if ok]
+        self.ghost.add_all([key for key, ok in zip(offered, eligible, strict=True) if not ok], 0)
         return admitted
 
     def stats(self) -> AdmissionStats:
