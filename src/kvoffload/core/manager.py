@@ -40,6 +40,29 @@ class OffloadingEvent:
     removed: bool
 
 
+class EventLog:
+    """The events a manager or tier has to hand out through ``take_events``; with
+    ``enabled`` false nothing is kept, so a run without subscribers pays for none."""
+
+    __slots__ = ("_events", "enabled")
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._events: list[OffloadingEvent] = []
+
+    def record(self, keys: Iterable[OffloadKey], medium: str, removed: bool) -> None:
+        """One event for ``keys`` (copied: the caller may reuse its list)."""
+        if self.enabled:
+            self._events.append(OffloadingEvent(list(keys), medium, removed))
+
+    def take(self) -> list[OffloadingEvent]:
+        """Events since the last call, detached at once: none is lost or replayed."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
+
 class OffloadingManager(ABC):
     """Decides what the offload tier holds; runs single-threaded in the scheduler."""
 

@@ -19,7 +19,12 @@ from kvoffload.core.errors import (
     KVOffloadError,
 )
 from kvoffload.core.keys import OffloadKey
-from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from kvoffload.core.manager import (
+    EventLog,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+)
 from kvoffload.core.specs import CPULoadStoreSpec
 from kvoffload.policies import PENDING_STORE, BlockStatus, CachePolicy, create_cache_policy
 
@@ -71,7 +76,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._blocks: dict[OffloadKey, BlockStatus] = {}
         self._num_allocated = 0
         self._free: list[BlockStatus] = []
-        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._events = EventLog(enable_events)
 
     @property
     def policy(self) -> CachePolicy:
@@ -179,8 +184,7 @@ class CPUOffloadingManager(OffloadingManager):
                 del blocks[key]
                 append_key(key)
                 free(block)
-            if self._events is not None:
-                self._events.append(OffloadingEvent(list(evicted_keys), MEDIUM, removed=True))
+            self._events.record(evicted_keys, MEDIUM, removed=True)
 
         new_blocks = self._allocate(len(to_store))
         blocks.update(zip(to_store, new_blocks, strict=True))
@@ -199,8 +203,8 @@ class CPUOffloadingManager(OffloadingManager):
                 if block is not None and block.ref_cnt == PENDING_STORE:
                     block.ref_cnt = 0
                     changed.append(key)
-            if changed and self._events is not None:
-                self._events.append(OffloadingEvent(changed, MEDIUM, removed=False))
+            if changed:
+                self._events.record(changed, MEDIUM, removed=False)
             return
         free = self._free
         for key in keys:
@@ -214,10 +218,7 @@ class CPUOffloadingManager(OffloadingManager):
 
     def take_events(self) -> list[OffloadingEvent]:
         """Events since the last call, detached at once: none is lost or replayed."""
-        if not self._events:
-            return []
-        events, self._events = self._events, []
-        return events
+        return self._events.take()
 
     def _allocate(self, n: int) -> list[BlockStatus]:
         """Pending blocks for ``n`` slots: fresh ids first, then freed ones, last freed first."""

@@ -40,7 +40,7 @@ from typing import TypeVar
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
-from kvoffload.core.manager import OffloadingEvent
+from kvoffload.core.manager import EventLog, OffloadingEvent
 from kvoffload.managers.tiered import Target, TierStats
 from kvoffload.policies import PENDING_STORE, BlockStatus, create_cache_policy
 from kvoffload.tiers.format import (
@@ -152,7 +152,7 @@ class DiskTier:
         self._writes: list[tuple[list[OffloadKey], Future[list[bool]]]] = []
         self._broken: queue.SimpleQueue[tuple[OffloadKey, int]] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._events = EventLog(enable_events)
         self._rebuild()
 
     def __len__(self) -> int:
@@ -261,8 +261,7 @@ class DiskTier:
                 broken.append(key)
         if broken:
             self._forget(broken)
-            if self._events is not None:
-                self._events.append(OffloadingEvent(broken, MEDIUM, removed=True))
+            self._events.record(broken, MEDIUM, removed=True)
         running = []
         landed: list[OffloadKey] = []
         for batch, job in self._writes:
@@ -280,17 +279,14 @@ class DiskTier:
                 self._forget(failed)
         self._writes = running
         self.stats.stored_blocks += len(landed)
-        if landed and self._events is not None:
-            self._events.append(OffloadingEvent(landed, MEDIUM, removed=False))
+        if landed:
+            self._events.record(landed, MEDIUM, removed=False)
         superblock = self._superblock
         if superblock is not None and superblock.done() and not _succeeded(superblock):
             self._superblock = None  # written again with the next batch
 
     def take_events(self) -> list[OffloadingEvent]:
-        if not self._events:
-            return []
-        events, self._events = self._events, []
-        return events
+        return self._events.take()
 
     def close(self) -> None:
         """Finish the writes in flight and close the file; closing twice is harmless."""
@@ -316,8 +312,7 @@ class DiskTier:
         index = self._index
         self._free.extend(index.pop(key).block_id for key in keys)
         self.stats.evicted += len(keys)
-        if self._events is not None:
-            self._events.append(OffloadingEvent(keys, MEDIUM, removed=True))
+        self._events.record(keys, MEDIUM, removed=True)
 
     def _forget(self, keys: list[OffloadKey]) -> None:
         index = self._index

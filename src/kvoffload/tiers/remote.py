@@ -21,7 +21,7 @@ from typing import Any
 
 from kvoffload.core.errors import KVOffloadError
 from kvoffload.core.keys import OffloadKey
-from kvoffload.core.manager import OffloadingEvent
+from kvoffload.core.manager import EventLog, OffloadingEvent
 from kvoffload.managers.tiered import Target, TierStats
 from kvoffload.tiers.block_sets import BlockWrite, send_sets
 from kvoffload.tiers.breaker import CircuitBreaker
@@ -71,7 +71,7 @@ class RemoteTier:
         self._client, self.is_cluster = _connect(self.address)
         self._pool = ThreadPoolExecutor(io_threads, "kvoffload-remote")
         self._writes: list[tuple[list[OffloadKey], Future[bool]]] = []
-        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._events = EventLog(enable_events)
 
     def name(self, key: OffloadKey) -> bytes:
         return self._prefix + key.hex().encode()
@@ -115,18 +115,14 @@ class RemoteTier:
                 running.append((keys, job))
             elif job.result():
                 self.stats.stored_blocks += len(keys)
-                if self._events is not None:
-                    self._events.append(OffloadingEvent(keys, MEDIUM, removed=False))
+                self._events.record(keys, MEDIUM, removed=False)
             else:
                 with self._lock:  # reads count their failures from the I/O threads
                     self.stats.failed += len(keys)
         self._writes = running
 
     def take_events(self) -> list[OffloadingEvent]:
-        if not self._events:
-            return []
-        events, self._events = self._events, []
-        return events
+        return self._events.take()
 
     def close(self) -> None:
         self.poll(wait=True)
