@@ -105,8 +105,8 @@ class Shape:
             return f"mooncake, {self.factor:.0%} of requests (seed {self.seed})"
         return f"mooncake, {self.cut}"
 
-    def load(self) -> Workload:
-        """The shape's workload, built in memory."""
+    def load(self, trace: Path = TRACE) -> Workload:
+        """The shape's workload, built in memory (``trace``: the Mooncake trace's path)."""
         if not self.cut:
             source = WorkloadSource(
                 mix=self.mix,
@@ -116,7 +116,7 @@ class Shape:
                 block_tokens=self.block_tokens,
             )
             return source.load()
-        workload = read_trace(TRACE)
+        workload = read_trace(trace)
         requests = workload.requests
         if self.cut == "time":
             for request in requests:
