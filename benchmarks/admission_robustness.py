@@ -1,0 +1,305 @@
+"""How the recommended admission does on random traffic shapes it was not developed on.
+
+The admission table checks the recommended configuration on six workloads at
+three capacities, and a few held-out seeds and mixes; that says little about
+its worst case. This script draws ``--shapes`` random traffic shapes from a
+seeded RNG and runs, for each, store-everything (``store_threshold 0``), the
+seed filter (``store_threshold 2``) and ``--admission recommended --policy
+recommended`` in the same run, with the admission table's own comparison
+(``admission_table.compare``: LRU baselines, margin against the better one,
+the goal of +0.008 hit at no more than 0.9x its writes, the Belady bound).
+
+A shape varies what the table holds fixed:
+
+* synthetic traffic: one to four kinds of chat / RAG / agent / one-shot with
+  random weights, 1-12 requests/s, 500-6,000 requests, blocks of 16 or 32
+  tokens, and a workload seed drawn from 100 up (the development used seeds
+  0-5);
+* the Mooncake synthetic trace, transformed in memory: arrival times scaled
+  (x0.25-x4, i.e. compressed or stretched), a random subsample of its
+  requests, or its first or second half (skipped, with a note, when the
+  trace is absent);
+* for both: the offload tier at 3%-40% of the workload's unique blocks and
+  the GPU prefix cache at 1%-5% (at least the largest request), both
+  log-uniform.
+
+It prints one row per shape and a summary: the goal count, the minimum,
+10th percentile and median hit margin, the worst shapes, how often the
+recommended configuration writes more than the better baseline, and its
+worst writes ratios (against the better baseline and store-everything).
+
+    python benchmarks/admission_robustness.py [--shapes N] [--seed S] [--jobs J] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from admission_table import TRACE, compare, unique_blocks
+from kvoffload.sim.sources import WorkloadSource
+from kvoffload.sim.traces import read_trace
+from kvoffload.sim.workload import Workload
+
+KINDS = ("chat", "rag", "agent", "oneshot")
+KIND_COUNTS = {1: 3, 2: 3, 3: 2, 4: 1}
+"""How many kinds a synthetic shape mixes, with the weight of each count."""
+TRACE_SHARE = 0.15
+"""The share of shapes cut from the Mooncake trace."""
+TRACE_CUTS = ("time", "subsample", "first half", "second half")
+RATE = (1.0, 12.0)
+REQUESTS = (500, 6000)
+BLOCK_TOKENS = (16, 32)
+CPU_SHARE = (0.03, 0.40)
+GPU_SHARE = (0.01, 0.05)
+TIME_SCALE = (0.25, 4.0)
+SUBSAMPLE = (0.3, 0.8)
+LOSS = 0.005
+"""A hit margin below minus this is a loss worth naming."""
+WORST = 8
+"""Shapes listed in the summary, by hit margin."""
+Row = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One random traffic shape: where its requests come from and the cache sizes.
+
+    ``cut`` is empty for synthetic traffic (``mix``, ``rate``, ``requests``,
+    ``block_tokens``, ``seed``), or one of :data:`TRACE_CUTS` for the
+    Mooncake trace, with ``factor`` its time scale or kept share and ``seed``
+    the subsample's.
+    """
+
+    index: int
+    cpu_share: float
+    gpu_share: float
+    seed: int
+    mix: tuple[tuple[str, float], ...] = ()
+    rate: float = 0.0
+    requests: int = 0
+    block_tokens: int = 0
+    cut: str = ""
+    factor: float = 1.0
+
+    def describe(self) -> str:
+        """The traffic part of the shape, in one short phrase."""
+        if not self.cut:
+            kinds = " / ".join(f"{kind} {weight:.2f}" for kind, weight in self.mix)
+            return (
+                f"{kinds}, {self.rate:.1f}/s, {self.requests:,} req, "
+                f"{self.block_tokens} tok, seed {self.seed}"
+            )
+        if self.cut == "time":
+            return f"mooncake, time x{self.factor:.2f}"
+        if self.cut == "subsample":
+            return f"mooncake, {self.factor:.0%} of requests (seed {self.seed})"
+        return f"mooncake, {self.cut}"
+
+    def load(self, trace: Path = TRACE) -> Workload:
+        """The shape's workload, built in memory (``trace``: the Mooncake trace's path)."""
+        if not self.cut:
+            source = WorkloadSource(
+                mix=self.mix,
+                requests=self.requests,
+                seed=self.seed,
+                rate=self.rate,
+                block_tokens=self.block_tokens,
+            )
+            return source.load()
+        workload = read_trace(trace)
+        requests = workload.requests
+        if self.cut == "time":
+            for request in requests:
+                request.arrival_s *= self.factor
+        elif self.cut == "subsample":
+            keep = random.Random(self.seed).sample(
+                range(len(requests)), int(self.factor * len(requests))
+            )
+            requests = [requests[i] for i in sorted(keep)]
+        elif self.cut == "first half":
+            requests = requests[: len(requests) // 2]
+        else:
+            requests = requests[len(requests) // 2 :]
+        workload.requests = requests
+        return workload
+
+
+def _log_uniform(rng: random.Random, bounds: tuple[float, float]) -> float:
+    low, high = bounds
+    return math.exp(rng.uniform(math.log(low), math.log(high)))
+
+
+def draw_shape(rng: random.Random, index: int) -> Shape:
+    """One shape from ``rng``; every parameter inside its range above."""
+    cpu_share = round(_log_uniform(rng, CPU_SHARE), 3)
+    gpu_share = round(_log_uniform(rng, GPU_SHARE), 4)
+    seed = rng.randrange(100, 1_000_000)
+    if rng.random() < TRACE_SHARE:
+        cut = rng.choice(TRACE_CUTS)
+        factor = 1.0
+        if cut == "time":
+            factor = round(_log_uniform(rng, TIME_SCALE), 2)
+        elif cut == "subsample":
+            factor = round(rng.uniform(*SUBSAMPLE), 2)
+        return Shape(index, cpu_share, gpu_share, seed, cut=cut, factor=factor)
+    count = rng.choices(list(KIND_COUNTS), weights=list(KIND_COUNTS.values()))[0]
+    kinds = sorted(rng.sample(KINDS, count))
+    weights = [rng.uniform(0.1, 1.0) for _ in kinds]
+    mix = tuple((kind, round(w / sum(weights), 2)) for kind, w in zip(kinds, weights, strict=True))
+    return Shape(
+        index,
+        cpu_share,
+        gpu_share,
+        seed,
+        mix=mix,
+        rate=round(_log_uniform(rng, RATE), 1),
+        requests=int(round(_log_uniform(rng, REQUESTS), -2)),
+        block_tokens=rng.choice(BLOCK_TOKENS),
+    )
+
+
+def draw_shapes(count: int, seed: int) -> list[Shape]:
+    """``count`` shapes, the same ones for the same seed."""
+    rng = random.Random(seed)
+    return [draw_shape(rng, index) for index in range(count)]
+
+
+def run_shape(shape: Shape) -> Row:
+    """The admission table's comparison on one shape, with its parameters."""
+    workload = shape.load()
+    unique = unique_blocks(workload)
+    largest = max(len(r.keys) for r in workload.requests)
+    gpu = max(int(shape.gpu_share * unique), largest)
+    row = compare(workload, gpu, int(shape.cpu_share * unique))
+    everything = float(row["store-all writes"])
+    ours = float(row["recommended writes"])
+    return {
+        **asdict(shape),
+        "traffic": shape.describe(),
+        **row,
+        "writes vs store-all": ours / everything if everything else float("inf"),
+    }
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0-1) of ``values``, interpolated between the nearest ranks."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summarise(rows: list[Row]) -> Row:
+    """The figures the summary prints: goal count, margin quantiles, the worst shapes."""
+    margins = [r["hit margin"] for r in rows]
+    ratios = [r["writes ratio"] for r in rows]
+    versus_all = [r["writes vs store-all"] for r in rows]
+    finite = [x for x in ratios if math.isfinite(x)]
+    worst = sorted(rows, key=lambda r: r["hit margin"])[:WORST]
+    return {
+        "shapes": len(rows),
+        "goal met": sum(bool(r["goal met"]) for r in rows),
+        "min hit margin": min(margins),
+        "p10 hit margin": percentile(margins, 0.1),
+        "median hit margin": percentile(margins, 0.5),
+        "losses": sum(m < -LOSS for m in margins),
+        "writes more than better": sum(x > 1.0 for x in ratios) / len(rows),
+        "better writes nothing": len(ratios) - len(finite),
+        "worst writes ratio": max(finite, default=float("nan")),
+        "writes more than store-all": sum(x > 1.0 for x in versus_all),
+        "worst writes vs store-all": max(versus_all),
+        "worst shapes": [r["index"] for r in worst],
+    }
+
+
+def _print_rows(rows: list[Row]) -> None:
+    print(
+        "| # | traffic | tier | GPU | better baseline | Belady | hit margin "
+        "| writes vs better | writes vs store-all | goal |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['index']} | {r['traffic']} "
+            f"| {r['cpu_share']:.1%} ({r['cpu_blocks']:,}) "
+            f"| {r['gpu_blocks'] / r['unique_blocks']:.1%} "
+            f"({r['gpu_blocks']:,}) "
+            f"| {r['better baseline']} {r[r['better baseline'] + ' hit']:.3f} "
+            f"| {r['belady hit']:.3f} | {r['hit margin']:+.4f} "
+            f"| {r['writes ratio']:.2f}x | {r['writes vs store-all']:.2f}x "
+            f"| {'yes' if r['goal met'] else 'no'} |"
+        )
+
+
+def _print_summary(summary: Row, rows: list[Row]) -> None:
+    by_index = {r["index"]: r for r in rows}
+    n = summary["shapes"]
+    print()
+    print(f"shapes: {n}, goal met: {summary['goal met']} ({summary['goal met'] / n:.0%})")
+    print(
+        f"hit margin vs the better baseline: min {summary['min hit margin']:+.4f}, "
+        f"10th percentile {summary['p10 hit margin']:+.4f}, "
+        f"median {summary['median hit margin']:+.4f}; "
+        f"{summary['losses']} shapes lose more than {LOSS}"
+    )
+    print(
+        f"writes more than the better baseline on {summary['writes more than better']:.0%} "
+        f"of shapes (the better baseline writes nothing on {summary['better writes nothing']}); "
+        f"worst writes ratio {summary['worst writes ratio']:.2f}x"
+    )
+    print(
+        f"writes more than store-everything on {summary['writes more than store-all']} shapes; "
+        f"worst {summary['worst writes vs store-all']:.2f}x of its writes"
+    )
+    print("worst shapes by hit margin:")
+    for index in summary["worst shapes"]:
+        r = by_index[index]
+        print(
+            f"  #{index} {r['traffic']}, tier {r['cpu_share']:.1%}, "
+            f"GPU {r['gpu_blocks'] / r['unique_blocks']:.1%}: "
+            f"{r['hit margin']:+.4f} vs {r['better baseline']}, "
+            f"{r['writes ratio']:.2f}x writes"
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", type=int, default=250, help="how many shapes to draw")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the shape drawing")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--json", type=Path, help="also write the rows and the summary here")
+    args = parser.parse_args()
+    if args.shapes < 1:
+        parser.error(f"--shapes must be >= 1, got {args.shapes}")
+    shapes = draw_shapes(args.shapes, args.seed)
+    if not TRACE.is_file():
+        skipped = [s for s in shapes if s.cut]
+        shapes = [s for s in shapes if not s.cut]
+        print(f"note: {TRACE} not found, {len(skipped)} Mooncake shapes skipped", file=sys.stderr)
+        if not shapes:
+            return 1
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        rows = list(pool.map(run_shape, shapes))
+    summary = summarise(rows)
+    _print_rows(rows)
+    _print_summary(summary, rows)
+    if args.json:
+        args.json.write_text(json.dumps({"shapes": rows, "summary": summary}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The robustness benchmark's shape drawing: seeded, inside its ranges, and its trace cuts."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+
+def _load_script() -> ModuleType:
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "admission_robustness.py"
+    spec = importlib.util.spec_from_file_location("admission_robustness", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it runs
+    spec.loader.exec_module(module)
+    return module
+
+
+robust = _load_script()
+
+
+def test_the_same_seed_draws_the_same_shapes() -> None:
+    assert robust.draw_shapes(50, 7) == robust.draw_shapes(50, 7)
+    assert robust.draw_shapes(50, 7) != robust.draw_shapes(50, 8)
+    assert robust.draw_shapes(10, 7) == robust.draw_shapes(50, 7)[:10]
+
+
+def _inside(value: float, bounds: tuple[float, float]) -> bool:
+    return bounds[0] <= value <= bounds[1]
+
+
+def test_every_shape_stays_inside_its_ranges() -> None:
+    shapes = robust.draw_shapes(400, 0)
+    assert [s.index for s in shapes] == list(range(400))
+    synthetic = [s for s in shapes if not s.cut]
+    cuts = [s for s in shapes if s.cut]
+    for s in shapes:
+        assert _inside(s.cpu_share, robust.CPU_SHARE)
+        assert _inside(s.gpu_share, robust.GPU_SHARE)
+        assert s.seed >= 100
+    for s in synthetic:
+        kinds = [kind for kind, _ in s.mix]
+        assert len(set(kinds)) == len(kinds) and set(kinds) <= set(robust.KINDS)
+        assert all(weight > 0 for _, weight in s.mix)
+        assert sum(weight for _, weight in s.mix) == pytest.approx(1.0, abs=0.02)
+        assert _inside(s.rate, robust.RATE)
+        assert _inside(s.requests, robust.REQUESTS) and isinstance(s.requests, int)
+        assert s.block_tokens in robust.BLOCK_TOKENS
+    for s in cuts:
+        assert s.cut in robust.TRACE_CUTS
+        if s.cut == "time":
+            assert _inside(s.factor, robust.TIME_SCALE)
+        elif s.cut == "subsample":
+            assert _inside(s.factor, robust.SUBSAMPLE)
+    # The draw covers what the benchmark promises: every mix size and both sources.
+    assert {len(s.mix) for s in synthetic} == set(robust.KIND_COUNTS)
+    assert {s.cut for s in cuts} == set(robust.TRACE_CUTS)
+    assert {s.block_tokens for s in synthetic} == set(robust.BLOCK_TOKENS)
+
+
+def test_a_synthetic_shape_loads_with_its_size_and_block_tokens() -> None:
+    shape = robust.Shape(
+        0,
+        0.1,
+        0.02,
+        123,
+        mix=(("chat", 0.5), ("rag", 0.5)),
+        rate=3.0,
+        requests=200,
+        block_tokens=32,
+    )
+    workload = shape.load()
+    assert len(workload.requests) == 200
+    assert workload.block_tokens == 32
+    assert "chat 0.50 / rag 0.50" in shape.describe()
+
+
+def test_trace_cuts_scale_time_and_keep_the_right_requests(mooncake_trace: Path) -> None:
+    whole = robust.Shape(0, 0.1, 0.02, 1, cut="time", factor=1.0).load(mooncake_trace)
+    arrivals = [r.arrival_s for r in whole.requests]
+    n = len(arrivals)
+    stretched = robust.Shape(0, 0.1, 0.02, 1, cut="time", factor=2.5).load(mooncake_trace)
+    assert [r.arrival_s for r in stretched.requests] == pytest.approx([2.5 * a for a in arrivals])
+    first = robust.Shape(0, 0.1, 0.02, 1, cut="first half").load(mooncake_trace)
+    second = robust.Shape(0, 0.1, 0.02, 1, cut="second half").load(mooncake_trace)
+    assert [r.arrival_s for r in first.requests + second.requests] == arrivals
+    assert len(first.requests) == n // 2
+    sub = robust.Shape(0, 0.1, 0.02, 9, cut="subsample", factor=0.4).load(mooncake_trace)
+    kept = [r.arrival_s for r in sub.requests]
+    assert len(kept) == int(0.4 * n)
+    assert kept == sorted(kept) and set(kept) <= set(arrivals)
+    again = robust.Shape(0, 0.1, 0.02, 9, cut="subsample", factor=0.4).load(mooncake_trace)
+    assert [r.keys for r in again.requests] == [r.keys for r in sub.requests]
+
+
+def test_percentile_interpolates_between_ranks() -> None:
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert robust.percentile(values, 0.0) == 1.0
+    assert robust.percentile(values, 0.5) == 3.0
+    assert robust.percentile(values, 0.1) == pytest.approx(1.4)
+    assert robust.percentile(values, 1.0) == 5.0
+    with pytest.raises(ValueError, match="no values"):
+        robust.percentile([], 0.5)
+
+
+def test_summary_counts_losses_and_the_worst_shapes() -> None:
+    rows = [
+        {"index": i, "hit margin": m, "writes ratio": w, "writes vs store-all": a, "goal met": g}
+        for i, (m, w, a, g) in enumerate(
+            [(0.02, 0.5, 0.4, True), (-0.01, 1.5, 0.9, False), (0.0, float("inf"), 0.01, False)]
+        )
+    ]
+    summary = robust.summarise(rows)
+    assert summary["goal met"] == 1
+    assert summary["losses"] == 1
+    assert summary["min hit margin"] == -0.01
+    assert summary["worst shapes"][:2] == [1, 2]
+    assert summary["better writes nothing"] == 1
+    assert summary["worst writes ratio"] == 1.5
+    assert summary["writes more than better"] == pytest.approx(2 / 3)
+    assert summary["writes more than store-all"] == 0
