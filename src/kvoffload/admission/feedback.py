@@ -18,14 +18,11 @@ stop being written, continuation turns are written on first sight.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Sequence
-
-import numpy as np
+from collections.abc import Sequence
 
 from kvoffload.admission.base import AdmissionLayer, AdmissionStats
 from kvoffload.admission.controller import ReuseController
 from kvoffload.admission.ghost import GhostRecords
-from kvoffload.admission.shadow import ShadowTiers
 from kvoffload.admission.sketch import FrequencySketch, RequestHashes
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager
@@ -65,7 +62,6 @@ class FeedbackAdmission(AdmissionLayer):
         self.controller = ReuseController(
             NUM_CLASSES, threshold, window=capacity, groups=ROOT_GROUPS
         )
-        self.shadow = ShadowTiers(capacity)
         self.written = 0
         """Blocks admitted so far: the clock by which ghost records age."""
 
@@ -76,49 +72,17 @@ class FeedbackAdmission(AdmissionLayer):
             self.controller.record_all(returned, True)
             self.ghost_hits += len(returned)
 
-    def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
-        keys = keys if isinstance(keys, list) else list(keys)
-        found = super().lookup(keys)
-        if found is not None and keys:
-            self._shadow_reference(keys, found)
-        return found
-
-    def _shadow_reference(self, keys: Sequence[OffloadKey], found: int) -> None:
-        """Show the shadows the sampled keys of a tier lookup, with the layer's own decision
-        for the request (as if its ``found`` leading blocks were its known prefix)."""
-        hashes = self._hashes.of_offer(keys)
-        picked = self.shadow.sample(hashes)
-        if not len(picked):
-            return
-        sampled = hashes[picked]
-        seen = self.sketch.estimate(sampled) >= 2
-        first, tier_served = self._requests.origin(keys)
-        prefix = self._requests.prefix_length(keys) + found
-        _, _, admits_body, admits_tail = self._decide(first, prefix, tier_served)
-        first_sight = np.where(picked == len(keys) - 1, admits_tail, admits_body)
-        self.shadow.reference(sampled, seen | first_sight, seen)
-
-    def _decide(
-        self, first: OffloadKey | None, prefix: int, tier_served: bool
-    ) -> tuple[int, int, bool, bool]:
-        """The request's body and tail tags, and whether the controller admits each."""
-        controller = self.controller
-        # A request with no known prefix starts a new root, which says nothing: pooled.
-        group = root_group(first) if prefix > 0 else 0
-        body = controller.tag(first_seen_class(prefix, False, tier_served), group)
-        tail = controller.tag(first_seen_class(prefix, True, tier_served), group)
-        return body, tail, controller.admits(body), controller.admits(tail)
-
     def _admit(self, offered: Sequence[OffloadKey], prefix: int) -> list[OffloadKey]:
         seen = (self.sketch.estimate(self._hashes.of_offer(offered)) >= 2).tolist()
         ghost, controller, clock = self.ghost, self.controller, self.written
         controller.record_all(ghost.expire(clock - self.capacity), False)
         first, tier_served = self._requests.origin(offered)
-        # The request's first-seen blocks are decided together: by class and group,
-        # and only while the shadows say that first-seen writes pay.
-        body, tail, admits_body, admits_tail = self._decide(first, prefix, tier_served)
-        if not self.shadow.first_sight:
-            admits_body = admits_tail = False
+        # A request with no known prefix starts a new root, which says nothing: pooled.
+        group = root_group(first) if prefix > 0 else 0
+        body = controller.tag(first_seen_class(prefix, False, tier_served), group)
+        tail = controller.tag(first_seen_class(prefix, True, tier_served), group)
+        # The request's first-seen blocks are decided together: by class and group.
+        admits_body, admits_tail = controller.admits(body), controller.admits(tail)
         new_body = [key for key, old in zip(offered[:-1], seen, strict=False) if not old]
         pushed = ghost.add_all(new_body, body, clock)
         if not seen[-1]:
@@ -139,10 +103,9 @@ class FeedbackAdmission(AdmissionLayer):
             admitted=self.admitted,
             rejected=self.offers - self.admitted,
             ghost_hits=self.ghost_hits,
-            control=self.controller.admitting_share if self.shadow.first_sight else 0.0,
+            control=self.controller.admitting_share,
             memory_bytes=self.sketch.memory_bytes
             + self.ghost.memory_bytes
-            + self.controller.memory_bytes
-            + self.shadow.memory_bytes,
-            tracked_keys=self.sketch.sample_size + self.ghost.capacity + 2 * self.shadow.capacity,
+            + self.controller.memory_bytes,
+            tracked_keys=self.sketch.sample_size + self.ghost.capacity,
         )
