@@ -45,7 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from admission_table import TRACE, compare, unique_blocks
+from admission_table import TRACE, compare, positive_int
 from kvoffload.sim.sources import WorkloadSource
 from kvoffload.sim.traces import read_trace
 from kvoffload.sim.workload import Workload
@@ -176,11 +176,7 @@ def draw_shapes(count: int, seed: int) -> list[Shape]:
 
 def run_shape(shape: Shape) -> Row:
     """The admission table's comparison on one shape, with its parameters."""
-    workload = shape.load()
-    unique = unique_blocks(workload)
-    largest = max(len(r.keys) for r in workload.requests)
-    gpu = max(int(shape.gpu_share * unique), largest)
-    row = compare(workload, gpu, int(shape.cpu_share * unique))
+    row = compare(shape.load(), shape.gpu_share, shape.cpu_share)
     everything = float(row["store-all writes"])
     ours = float(row["recommended writes"])
     return {
@@ -277,13 +273,11 @@ def _print_summary(summary: Row, rows: list[Row]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", type=int, default=250, help="how many shapes to draw")
+    parser.add_argument("--shapes", type=positive_int, default=250, help="how many shapes to draw")
     parser.add_argument("--seed", type=int, default=0, help="seed of the shape drawing")
-    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--jobs", type=positive_int, default=2)
     parser.add_argument("--json", type=Path, help="also write the rows and the summary here")
     args = parser.parse_args()
-    if args.shapes < 1:
-        parser.error(f"--shapes must be >= 1, got {args.shapes}")
     shapes = draw_shapes(args.shapes, args.seed)
     if not TRACE.is_file():
         skipped = [s for s in shapes if s.cut]
