@@ -101,8 +101,11 @@ def draw(by_workload: dict[str, list[dict[str, Any]]], out: Path) -> None:
     figure.suptitle(
         "Admission: hit ratio against writes; labels: tier size as a share of unique blocks"
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=110)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(out, dpi=110)
+    except OSError as error:
+        raise SystemExit(f"error: cannot write {out}: {error.strerror or error}") from None
 
 
 def main() -> int:
