@@ -30,10 +30,10 @@ from wiping the first one's slots.
 File I/O runs on single-threaded stripes keyed by slot (slot % stripes), so
 a read of a slot and a later write into that slot, reused by another key,
 happen in call order without locks. Every job has a deadline
-(:mod:`.deadline`); a read lands in a staging buffer of its stripe and is
-copied into the caller's buffer only if its job was not given up on, so a
-call stuck in a hung file system can never write into a buffer that has
-since been reused. All runtime failures pass through :meth:`SlotFile._guard`.
+(:mod:`.deadline`); a read passes through a small buffer of its stripe and
+is copied into the caller's buffer chunk by chunk, each only if its job was
+not given up on, so a call stuck in a hung file system can never write into
+a buffer that has since been reused. All runtime failures pass through :meth:`SlotFile._guard`.
 """
 
 from __future__ import annotations
@@ -58,8 +58,14 @@ from kvoffload.core.keys import OffloadKey
 from kvoffload.managers.tiered import Target
 from kvoffload.tiers.breaker import CircuitBreaker
 from kvoffload.tiers.deadline import DeadlineStripes, Job
-from kvoffload.tiers.format import HEADER_BYTES, CorruptBlockError, encode_header, parse_header
-from kvoffload.tiers.targets import deliver
+from kvoffload.tiers.format import (
+    HEADER_BYTES,
+    CorruptBlockError,
+    encode_header,
+    parse_header,
+    payload_hasher,
+)
+from kvoffload.tiers.targets import destination
 
 SLOT_FILE = "blocks.kvs"
 LOCK_FILE = "lock"
@@ -74,6 +80,8 @@ DEFAULT_DEADLINE_S = 10.0
 """How long one I/O job may take, plus :data:`SLOWEST_BYTES_PER_S` for its bytes."""
 SLOWEST_BYTES_PER_S = 50e6
 """A device slower than this (50 MB/s) counts as failing."""
+READ_CHUNK_BYTES = 256 * 2**10
+"""Reads pass through a buffer of this size per stripe (cache-resident) on their way."""
 
 _SUPER = struct.Struct("<4sHH16sQQ")
 """magic, version, reserved, fingerprint, stride, payload length; a CRC32 of these follows."""
@@ -359,43 +367,58 @@ class SlotFile:
     ) -> Outcome:
         if job.abandoned:
             return Outcome.FAILED
-        staging = self._staging_buffer()
-        outcome = self._guard(functools.partial(self._fetch, key, slot, staging))
+        outcome = self._guard(functools.partial(self._fetch, job, index, key, slot, target))
         if outcome is Outcome.CORRUPT:
             self._guard(functools.partial(self._blank, slot))
-            return outcome
-        if outcome is not Outcome.OK:
-            return outcome
-        with job.lock:  # the deadline takes this lock too: no delivery after giving up
-            if job.abandoned or not deliver(target, index, staging):
-                return Outcome.FAILED
-        return Outcome.OK
+        return outcome
 
-    def _fetch(self, key: OffloadKey, slot: int, staging: memoryview) -> Outcome:
-        """Read ``key``'s block into ``staging`` and check it there; raises if it is not."""
+    def _fetch(
+        self, job: Job[list[Outcome]], index: int, key: OffloadKey, slot: int, target: Target
+    ) -> Outcome:
+        """Read ``key``'s block into its target through the stripe's chunk buffer, hashing
+        each chunk on the way; raises if the slot does not hold it intact.
+
+        Each chunk is copied out under the job's lock, after checking that the
+        deadline has not given the job up, so a read stuck in the file system
+        never lands in a buffer its caller has been told is free. Hashing the
+        chunk while it is in cache costs less than hashing the target after.
+        """
         assert self.stride is not None
+        size = self.payload_bytes or 0
         start = slot_start(slot, self.stride)
         header = parse_header(self.layer.pread(self._fd, HEADER_BYTES + len(key), start))
         header.check(key, self.fingerprint)
-        if header.payload_bytes != len(staging):
+        if header.payload_bytes != size:
             # Refused before reading: a length that is not the layout's is never read.
             raise CorruptBlockError(
                 f"slot of {key!r} announces {header.payload_bytes} payload bytes, "
-                f"the layout has {len(staging)}"
+                f"the layout has {size}"
             )
-        if len(staging) and self.layer.preadv(self._fd, [staging], start + header.size) != len(
-            staging
-        ):
-            raise CorruptBlockError(f"slot of {key!r} is torn")
-        header.verify(staging)
+        view = destination(target, index, size)
+        if view is None:
+            return Outcome.FAILED
+        into = view.cast("B") if view.format != "B" else view
+        chunk = self._chunk_buffer()
+        digest = payload_hasher()
+        done = 0
+        while done < size:
+            piece = chunk[: min(len(chunk), size - done)]
+            if self.layer.preadv(self._fd, [piece], start + header.size + done) != len(piece):
+                raise CorruptBlockError(f"slot of {key!r} is torn")
+            digest.update(piece)
+            with job.lock:  # the deadline takes this lock too
+                if job.abandoned:
+                    return Outcome.FAILED
+                into[done : done + len(piece)] = piece
+            done += len(piece)
+        header.verify_digest(digest.intdigest())
         return Outcome.OK
 
-    def _staging_buffer(self) -> memoryview:
-        """This stripe thread's buffer of one payload."""
-        size = self.payload_bytes or 0
+    def _chunk_buffer(self) -> memoryview:
+        """This stripe thread's read buffer, small enough to stay in cache."""
         buffer: bytearray | None = getattr(self._staging, "buffer", None)
-        if buffer is None or len(buffer) != size:
-            buffer = self._staging.buffer = bytearray(size)
+        if buffer is None:
+            buffer = self._staging.buffer = bytearray(READ_CHUNK_BYTES)
         return memoryview(buffer)
 
     def _blank(self, slot: int) -> Outcome:
