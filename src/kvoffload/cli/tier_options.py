@@ -125,7 +125,7 @@ def check_disk_fits(disk_dir: str, disk_blocks: int, payload_bytes: int, reused:
     if need > free:
         raise InvalidArgumentError(
             f"a disk tier of {disk_blocks:,} blocks takes {output.size(need)} "
-            f"(slots of {output.size(slot_stride(payload_bytes))}), more than the "
+            f"(slots of {output.size(slot_stride(payload_bytes))}) and does not fit the "
             f"{output.size(free)} free in the file system of --disk-dir {disk_dir}"
         )
 

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from kvoffload.core.errors import KVOffloadError
+from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.managers.tiered import Target
 from kvoffload.tiers.breaker import CircuitBreaker
@@ -91,14 +91,16 @@ _ZERO_HEADER = bytes(HEADER_BYTES + MAX_KEY_BYTES)
 T = TypeVar("T")
 
 
-class DiskTierError(KVOffloadError):
+class DiskTierError(InvalidArgumentError):
     """The disk tier cannot start: an unsafe or busy directory, or a file system not answering."""
 
 
 class Outcome(enum.Enum):
     OK = "ok"
     FAILED = "failed"
-    """An I/O error, a deadline missed, or a destination that did not take the bytes."""
+    """An I/O error, a deadline missed, or the breaker open: the read did not happen."""
+    UNDELIVERED = "undelivered"
+    """The block is fine but its destination did not take it (the caller's failure)."""
     CORRUPT = "corrupt"
     """The slot holds no valid block of this key and layout (now blanked)."""
 
@@ -396,7 +398,7 @@ class SlotFile:
             )
         view = destination(target, index, size)
         if view is None:
-            return Outcome.FAILED
+            return Outcome.UNDELIVERED
         into = view.cast("B") if view.format != "B" else view
         chunk = self._chunk_buffer()
         digest = payload_hasher()
