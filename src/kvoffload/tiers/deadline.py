@@ -156,8 +156,6 @@ class DeadlineStripes:
         self.breaker = breaker
         self.expired = 0
         """Jobs failed by their deadline."""
-        self.refused = 0
-        """Jobs refused at once because the breaker was open."""
         self._bytes_per_s = bytes_per_s
         self._count_lock = threading.Lock()
         self._open: set[Future[object]] = set()
@@ -170,8 +168,6 @@ class DeadlineStripes:
     def submit(self, stripe: int, work: Callable[[Job[T]], T], failed: T, nbytes: int) -> Future[T]:
         """Run ``work`` on ``stripe``; its future holds ``failed`` if refused, raising or late."""
         if not self.breaker.allow():
-            with self._count_lock:
-                self.refused += 1
             done: Future[T] = Future()
             done.set_result(failed)
             return done

@@ -150,11 +150,7 @@ class DiskTier:
         """Read ``keys``; a missing, broken, failed or late block reads as ``False``."""
         keys = list(keys)
         self._index.touch(reversed(keys))
-        slots = []
-        for key in keys:
-            block = self._index.block_status(key)
-            ready = block is not None and block.ref_cnt >= 0
-            slots.append(self._slot_of[block.block_id] if ready and block else -1)
+        slots = [self._slot(key) for key in keys]
         result: Future[list[bool]] = Future()
 
         def landed(done: Future[list[Outcome]]) -> None:
@@ -175,6 +171,13 @@ class DiskTier:
 
         self._file.read(keys, slots, target).add_done_callback(landed)
         return result
+
+    def _slot(self, key: OffloadKey) -> int:
+        """The slot of ``key`` if it is held and written, else ``-1``."""
+        block = self._index.block_status(key)
+        if block is None or block.ref_cnt < 0:
+            return -1
+        return self._slot_of[block.block_id]
 
     def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> None:
         """Queue writes of the keys not held yet, evicting to make room where possible."""
