@@ -35,7 +35,16 @@ T = TypeVar("T")
 class Job(Generic[T]):
     """One job on a stripe: its future, its deadline, and whether it was given up on."""
 
-    __slots__ = ("_breaker", "abandoned", "deadline", "failed", "future", "lock", "on_expire")
+    __slots__ = (
+        "_breaker",
+        "_settled",
+        "abandoned",
+        "deadline",
+        "failed",
+        "future",
+        "lock",
+        "on_expire",
+    )
 
     def __init__(
         self,
@@ -48,6 +57,7 @@ class Job(Generic[T]):
         self.deadline = deadline
         self.failed = failed
         self.abandoned = False
+        self._settled = False
         self.lock = threading.Lock()
         self.on_expire = on_expire
         self._breaker = breaker
@@ -56,16 +66,17 @@ class Job(Generic[T]):
         with self.lock:
             if self.abandoned:
                 return
-            self.future.set_result(result)
+            self._settled = True
+        self.future.set_result(result)  # outside the lock: callbacks run here
         self._breaker.success()
 
     def expire(self) -> None:
         """The deadline passed: fail the job now, whatever its thread is doing."""
         with self.lock:
-            if self.future.done():
+            if self._settled or self.abandoned:
                 return
             self.abandoned = True
-            self.future.set_result(self.failed)
+        self.future.set_result(self.failed)
         self._breaker.failure()
         self.on_expire()
 
@@ -93,14 +104,19 @@ class _Watchdog:
         self._thread.join()
 
     def _run(self) -> None:
-        with self._wake:
-            while not self._closed:
+        while True:
+            due: list[Job[Any]] = []
+            with self._wake:
+                if self._closed:
+                    return
                 now = time.monotonic()
-                while self._heap and (self._heap[0][2].future.done() or self._heap[0][0] <= now):
-                    _, _, job = heapq.heappop(self._heap)
-                    job.expire()
-                timeout = self._heap[0][0] - now if self._heap else None
-                self._wake.wait(timeout)
+                heap = self._heap
+                while heap and (heap[0][2].future.done() or heap[0][0] <= now):
+                    due.append(heapq.heappop(heap)[2])
+                if not due:
+                    self._wake.wait(heap[0][0] - now if heap else None)
+            for job in due:  # outside the lock: the futures' callbacks run here
+                job.expire()
 
 
 class _Stripe:
