@@ -233,7 +233,7 @@ class SlotFile:
         self.stride: int | None = None
         self.payload_bytes: int | None = None
         self._fsync = fsync
-        self._staging = threading.local()
+        self._chunks = threading.local()
         self.stripes = DeadlineStripes(
             io_threads, "kvoffload-disk", deadline_s, breaker, SLOWEST_BYTES_PER_S
         )
@@ -418,9 +418,9 @@ class SlotFile:
 
     def _chunk_buffer(self) -> memoryview:
         """This stripe thread's read buffer, small enough to stay in cache."""
-        buffer: bytearray | None = getattr(self._staging, "buffer", None)
+        buffer: bytearray | None = getattr(self._chunks, "buffer", None)
         if buffer is None:
-            buffer = self._staging.buffer = bytearray(READ_CHUNK_BYTES)
+            buffer = self._chunks.buffer = bytearray(READ_CHUNK_BYTES)
         return memoryview(buffer)
 
     def _blank(self, slot: int) -> Outcome:
