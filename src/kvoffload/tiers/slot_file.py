@@ -572,7 +572,12 @@ class SlotFile:
 
 
 def _open_dir(path: Path, parent: int | None, name: str) -> int:
-    """``path`` (``name`` in ``parent``), made 0700 if missing; a directory of ours, no link."""
+    """``path`` (``name`` in ``parent``), made 0700 if missing; a directory of ours, no link.
+
+    ``DIR`` itself (no ``parent``) may also be root's, as a mount point an
+    administrator made: everything below it is opened through descriptors
+    and must be ours, so its owner cannot swap what we use.
+    """
     where = name if parent is not None else str(path)
     try:
         if parent is None:
@@ -590,7 +595,7 @@ def _open_dir(path: Path, parent: int | None, name: str) -> int:
         raise
     try:
         info = os.fstat(fd)
-        if info.st_uid != os.geteuid():
+        if info.st_uid != os.geteuid() and (parent is not None or info.st_uid != 0):
             _refuse(path, f"is owned by uid {info.st_uid}, not by the running user")
         if info.st_mode & 0o077 and parent is not None:
             os.fchmod(fd, 0o700)  # ours: private, as if just made
