@@ -21,7 +21,8 @@ past it to the tier, so they count no sightings.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Sequence
+import threading
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
 from vllm.v1.kv_offload.base import (
+    Locality,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -44,6 +46,7 @@ from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager as SeedManager
 from kvoffload.core.specs import BlockIDsLoadStoreSpec
 from kvoffload.integrations.vllm.offer_filter import OfferCountFilter
+from kvoffload.managers import CPUOffloadingManager, TieredOffloadingManager
 from kvoffload.observe.counters import ManagerCounters
 from kvoffload.policies import BlockStatus
 
@@ -57,6 +60,18 @@ CONTROL_METRIC = f"{METRIC_PREFIX}admission_control"
 
 Probe = Callable[[OffloadKey], BlockStatus | None]
 """Where a key stands in the tier: ``None`` if absent, else its status (pending or ready)."""
+
+ConfigInfo = Mapping[str, str | int | float | bool]
+"""One series of ``vllm:kv_offload_config_info``: label name to value."""
+
+_EVENT_MEDIA: dict[str, tuple[Any, Any, str | None]] = {
+    "CPU": (Medium.CPU, None, None),
+    "DISK": (Medium.STORAGE, Locality.LOCAL, "DISK"),
+    "REMOTE": (Medium.STORAGE, Locality.REMOTE, "REMOTE"),
+}
+"""Our tier media as vLLM's event fields ``(medium, locality, ownership)``: vLLM's
+``Medium`` has CPU and STORAGE only, so a lower tier is STORAGE with its locality and
+our medium name as the event's ownership (the tier that published it)."""
 
 
 @dataclass
@@ -86,9 +101,13 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         offer_filter: OfferCountFilter | None = None,
         bytes_per_block: int = 0,
         on_shutdown: Callable[[], None] | None = None,
+        info: Sequence[ConfigInfo] = ({},),
     ) -> None:
         self._build = build
         self._on_shutdown = on_shutdown
+        self._info = [dict(series) for series in info]
+        self._lock = threading.Lock()
+        self._promotions_held = False
         self._install()
         self._filter = offer_filter
         self._bytes_per_block = bytes_per_block
@@ -102,6 +121,22 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._manager, self._probe = self._build()
         self._layer: AdmissionLayer | None = find_admission(self._manager)
         self._direct: SeedManager = self._manager if self._layer is None else self._layer.backing
+        direct = self._direct
+        cpu = direct.cpu if isinstance(direct, TieredOffloadingManager) else direct
+        if not isinstance(cpu, CPUOffloadingManager):
+            raise TypeError(f"expected kvoffload's CPU tier under the adapter, got {type(cpu)}")
+        self._cpu: CPUOffloadingManager = cpu
+        self._has_lower_tiers = isinstance(direct, TieredOffloadingManager) and bool(direct.tiers)
+
+    @property
+    def lock(self) -> threading.Lock:
+        """vLLM's exclusion over this manager and its tiers: its scheduler holds it from
+        a step's lookups to the loads and stores they lead to, and around every other hook.
+        A real lock, so that a caller on another thread (a client call, a stats reader)
+        cannot evict or promote between a lookup's ``HIT`` and the ``prepare_load`` that
+        pins it; our tiers' I/O threads never enter the manager, so it is never contended
+        by us."""
+        return self._lock
 
     @property
     def backing(self) -> SeedManager:
@@ -112,6 +147,11 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> Any:
+        if self._promotions_held and self._probe(key) is None:
+            # Until on_reset_flushed, a worker may still write a slot the reset freed: no
+            # promotion may fill one, so a block only in a lower tier is recomputed.
+            self.counters.lookups += 1
+            return LookupResult.MISS
         hits = self._direct.lookup((key,))
         self.counters.lookups += 1
         if self._layer is not None:
@@ -180,7 +220,6 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             return None
         c.stores_admitted += len(output.keys_to_store)
         c.evictions += len(output.evicted_keys)
-        c.held_blocks += len(output.keys_to_store) - len(output.evicted_keys)
         return PrepareStoreOutput(
             keys_to_store=list(output.keys_to_store),
             store_spec=_vllm_spec(output.store_spec),
@@ -199,7 +238,6 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             c.bytes_stored += len(pending) * self._bytes_per_block
         else:
             c.stores_failed += len(pending)
-            c.held_blocks -= len(pending)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         state = req_context.get_state(_RequestKeys)
@@ -220,15 +258,33 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
 
     def take_events(self) -> Iterable[Any]:
         for event in self._manager.take_events():
+            medium, locality, ownership = _EVENT_MEDIA.get(
+                event.medium, (Medium.STORAGE, None, event.medium)
+            )
             yield OffloadingEvent(
-                keys=list(event.keys), medium=Medium(event.medium), removed=event.removed
+                keys=list(event.keys),
+                medium=medium,
+                removed=event.removed,
+                locality=locality,
+                ownership=ownership,
             )
 
     def reset_cache(self) -> None:
+        """Drop every block of the CPU tier (and, through ``build``, what the spec says
+        of the lower tiers); promotions wait for :meth:`on_reset_flushed`."""
         if self._layer is not None:
             self._ghost_hits_before_reset += self._layer.ghost_hits
         self._install()
-        self.counters.held_blocks = 0
+        self._promotions_held = self._has_lower_tiers
+
+    def on_reset_flushed(self) -> None:
+        """The workers have reported every job in flight at the reset: promotions may
+        fill the slots it freed again."""
+        self._promotions_held = False
+
+    def config_info(self) -> list[dict[str, Any]]:
+        """The static facts of each tier, for ``vllm:kv_offload_config_info``."""
+        return [dict(series) for series in self._info]
 
     def shutdown(self) -> None:
         """vLLM's end of the engine: let the spec finish and close its tiers."""
@@ -237,6 +293,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
 
     def get_stats(self) -> Any:
         """Our counters since the last call, as vLLM's stats (declared by the spec)."""
+        self.counters.held_blocks = self._cpu.num_blocks - self._cpu.num_free_blocks
         delta = self.counters.minus(self._reported)
         self._reported = self.counters.copy()
         stats = OffloadingConnectorStats()
