@@ -106,7 +106,6 @@ class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
         if self.region is not None:
             self.region.close()
 
-
     def _handlers(self) -> tuple[OffloadingHandler, ...]:
         return (self._store, self._load, self._expedited)
 
