@@ -69,9 +69,9 @@ _EVENT_MEDIA: dict[str, tuple[Any, Any, str | None]] = {
     "DISK": (Medium.STORAGE, Locality.LOCAL, "DISK"),
     "REMOTE": (Medium.STORAGE, Locality.REMOTE, "REMOTE"),
 }
-"""Our tier media as vLLM's event fields ``(medium, locality, ownership)``: vLLM's
-``Medium`` has CPU and STORAGE only, so a lower tier is STORAGE with its locality and
-our medium name as the event's ownership (the tier that published it)."""
+"""Each of our tiers' media as vLLM's event fields ``(medium, locality, ownership)``:
+vLLM's ``Medium`` has CPU and STORAGE only, so a lower tier is STORAGE with its
+locality and our medium name as the event's ownership (the tier that published it)."""
 
 
 @dataclass
@@ -258,9 +258,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
 
     def take_events(self) -> Iterable[Any]:
         for event in self._manager.take_events():
-            medium, locality, ownership = _EVENT_MEDIA.get(
-                event.medium, (Medium.STORAGE, None, event.medium)
-            )
+            medium, locality, ownership = _EVENT_MEDIA[event.medium]
             yield OffloadingEvent(
                 keys=list(event.keys),
                 medium=medium,
