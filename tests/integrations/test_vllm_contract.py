@@ -8,6 +8,7 @@ import threading
 from types import ModuleType
 from typing import Any
 
+import pytest
 from vllm_helpers import SPEC_CONFIG, canonical_caches, create_spec, metrics_frontend
 from vllm_scheduler import connector_scheduler, connector_worker
 
@@ -24,60 +25,60 @@ def _context(req_id: str, keys: list[Any]) -> Any:
     return request_context(req_id, keys)
 
 
-def test_vllms_step_region_excludes_an_eviction_between_a_hit_and_its_load(
+def test_vllms_step_excludes_an_eviction_between_a_hit_and_its_load(
     vllm_modules: dict[str, ModuleType],
 ) -> None:
     """vLLM's scheduler holds ``manager.lock`` from a step's lookups to the loads that pin
-    their hits; another thread's store, which would evict the hit, waits for the step."""
-    from vllm.v1.kv_offload.base import LookupResult
+    their hits; another thread's store, which would evict the hits, waits for the step."""
+    from vllm_scheduler import allocate, end_step, offload_keys, vllm_request
 
-    spec = create_spec({"cpu_bytes_to_use": 2 * 1024})
+    spec = create_spec({"cpu_bytes_to_use": 2 * 1024})  # two blocks
     scheduler = connector_scheduler(spec)
     manager = spec.get_manager()
-    context = _context("old", KEYS[:2])
-    manager.prepare_store(KEYS[:2], context)
-    manager.complete_store(KEYS[:2], context)
+    request = vllm_request("reader", list(range(48)))
+    keys = offload_keys(request)[:2]
+    context = _context("old", keys)
+    manager.prepare_store(keys, context)
+    manager.complete_store(keys, context)
     outcome: dict[str, Any] = {}
 
     def evict() -> None:
         with manager.lock:
-            outcome["store"] = manager.prepare_store(KEYS[2:4], _context("new", KEYS[2:4]))
+            outcome["store"] = manager.prepare_store(KEYS[:2], _context("new", KEYS[:2]))
 
-    scheduler._acquire_step()  # what schedule() opens at its first manager call
+    scheduler.on_new_request(request)
+    other = threading.Thread(target=evict)
     try:
-        reader = _context("reader", KEYS[:2])
-        assert manager.lookup(KEYS[0], reader) is LookupResult.HIT
-        other = threading.Thread(target=evict)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (32, True)  # the step opens
         other.start()
         other.join(0.5)
-        assert other.is_alive()  # waiting for the step, not evicting the hit
-        spec_loaded = manager.prepare_load(KEYS[:1], reader)
+        assert other.is_alive()  # waiting for the step, not evicting its hits
+        allocate(scheduler, request, 3, 32)  # vLLM's prepare_load of the hits
     finally:
-        scheduler._release_step()
-    other.join(30)
+        meta = end_step(scheduler)  # the step closes
+        other.join(30)
     assert not other.is_alive()
-    assert spec_loaded.block_ids.tolist() in ([0], [1])
-    assert outcome["store"] is None  # one block pinned, one free slot: no room for two
-    manager.complete_load(KEYS[:1], reader)
+    (job,) = meta.load_jobs.values()
+    assert sorted(job.src_spec.block_ids.tolist()) == [0, 1]
+    assert outcome["store"] is None  # both blocks are pinned by the load: no room
 
 
 def test_an_eviction_outside_the_lock_would_have_broken_the_load(
     vllm_modules: dict[str, ModuleType],
 ) -> None:
     """The hazard the lock closes, shown without it: the load of a HIT evicted meanwhile."""
+    from vllm.v1.kv_offload.base import LookupResult
+
     spec = create_spec({"cpu_bytes_to_use": 2 * 1024})
     manager = spec.get_manager()
     context = _context("old", KEYS[:2])
     manager.prepare_store(KEYS[:2], context)
     manager.complete_store(KEYS[:2], context)
     reader = _context("reader", KEYS[:2])
-    manager.lookup(KEYS[0], reader)
+    assert manager.lookup(KEYS[0], reader) is LookupResult.HIT
     manager.prepare_store(KEYS[2:4], _context("new", KEYS[2:4]))
-    try:
+    with pytest.raises(BlockNotFoundError):
         manager.prepare_load(KEYS[:1], reader)
-    except BlockNotFoundError:
-        return
-    raise AssertionError("the evicted block was loadable")
 
 
 def test_config_info_reaches_vllms_info_metric_one_series_per_tier(

@@ -79,3 +79,47 @@ def test_tier_events_pass_vllms_connector_with_their_media(
         expected.add(("BlockRemoved", "CPU", None, None, h))
         expected.add(("BlockStored", "STORAGE", "LOCAL", "DISK", h))
     assert published == expected
+
+
+def test_only_the_disk_tier_promises_to_announce_removals(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, valkey_server: ValkeyProcess
+) -> None:
+    """vLLM keeps a stored block's event payload until each tier that promised to
+    announce its removal has done so: the disk tier evicts with an event, the shared
+    tier never removes, and the CPU tier's residency is vLLM's own."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    extra = {
+        "cpu_bytes_to_use": BLOCK_BYTES,
+        "kvoffload.disk_dir": str(tmp_path / "disk"),
+        "kvoffload.disk_bytes": slot_start(8, slot_stride(BLOCK_BYTES)),
+        "kvoffload.remote_url": valkey_server.url,
+    }
+    options: dict[str, Any] = {
+        "bytes_per_block": BLOCK_BYTES,
+        "events": True,
+        "engine_id": f"test-{uuid.uuid4().hex[:12]}",
+        "model": f"removal-{uuid.uuid4().hex[:8]}",
+    }
+    spec = create_spec(extra, **options)
+    worker = create_spec(extra, **options).get_worker(canonical_caches(2, 8, 256, seed=2))
+    manager = spec.get_manager()
+    try:
+        for index, key in enumerate(KEYS[:2]):  # the second evicts the first to disk
+            context = request_context(f"r{index}", [key])
+            output = manager.prepare_store([key], context)
+            assert worker.submit_store(index, GPULoadStoreSpec([0], [1], [0]), output.store_spec)
+            worker.wait({index})
+            assert all(result.success for result in worker.get_finished())
+            manager.complete_store([key], context)
+        for tier in manager.backing.tiers:
+            tier.poll(wait=True)
+        stored = {
+            (event.ownership, event.removal_expected)
+            for event in manager.take_events()
+            if not event.removed
+        }
+    finally:
+        worker.shutdown()
+        spec.close()
+    assert stored == {(None, False), ("DISK", True), ("REMOTE", False)}

@@ -9,6 +9,7 @@ flight at the reset) no promotion may fill a slot the reset freed.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -127,27 +128,52 @@ def test_reset_keeps_the_shared_tier_and_holds_promotions_until_flushed(
     valkey_server: ValkeyProcess,
     instances: Callable[..., Instance],
 ) -> None:
-    from vllm.v1.kv_offload.base import LookupResult
+    """Through vLLM's scheduler: a load in flight at the reset holds promotions from the
+    shared tier until the worker reports it; then the kept blocks come back."""
+    from vllm_scheduler import (
+        allocate,
+        end_step,
+        offload_keys,
+        report_finished,
+        vllm_request,
+    )
 
     extra = {"cpu_bytes_to_use": 8 * BLOCK_BYTES, "kvoffload.remote_url": valkey_server.url}
-    instance = instances(extra, model=f"reset-{uuid.uuid4().hex[:8]}")
-    expected = instance.gpu(0, [0, 1])
-    context = request_context("w", KEYS[:2])
-    instance.store(KEYS[:2], [0, 1], context)
-    instance.manager.on_request_finished(context)
-    manager = instance.manager
-    manager.reset_cache()
-    # A worker may still be writing a slot the reset freed: no promotion into one yet.
-    context = request_context("held", KEYS[:2])
-    assert lookup_until_settled(manager, KEYS[0], context) == [LookupResult.MISS]
-    manager.on_reset_flushed()
-    context = request_context("flushed", KEYS[:2])
-    for key in KEYS[:2]:
-        answers = lookup_until_settled(manager, key, context)
-        assert answers[0] is LookupResult.RETRY and answers[-1] is LookupResult.HIT, answers
-    instance.clear_gpu()
-    instance.load(KEYS[:2], [4, 5], context)
-    for loaded, want in zip(instance.gpu(0, [4, 5]), expected, strict=True):
+    model = f"reset-{uuid.uuid4().hex[:8]}"
+    local = vllm_request("local", list(range(48)))
+    shared = vllm_request("shared", list(range(100, 148)))
+    writer = instances(extra, model=model)
+    writer.store(offload_keys(shared)[:2], [0, 1], request_context("w", offload_keys(shared)))
+    expected = writer.gpu(0, [0, 1])
+    writer.scheduler.close()  # its write-through has landed on the server
+
+    engine = instances(extra, model=model, seed=9)
+    engine.store(offload_keys(local)[:2], [0, 1], request_context("e", offload_keys(local)))
+    scheduler = connector_scheduler(engine.scheduler)
+    scheduler.on_new_request(local)
+    assert scheduler.get_num_new_matched_tokens(local, 0) == (32, True)
+    allocate(scheduler, local, 3, 32)
+    (load_job,) = end_step(scheduler).load_jobs  # in flight at the reset
+    scheduler.reset_cache()
+
+    scheduler.on_new_request(shared)
+    assert scheduler.get_num_new_matched_tokens(shared, 0) == (0, False)  # held: recompute
+    end_step(scheduler)
+    report_finished(scheduler, [load_job])  # vLLM calls on_reset_flushed here
+
+    again = vllm_request("again", list(range(100, 148)))
+    scheduler.on_new_request(again)
+    answers = [scheduler.get_num_new_matched_tokens(again, 0)]
+    deadline = time.monotonic() + 10
+    while answers[-1][0] is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+        answers.append(scheduler.get_num_new_matched_tokens(again, 0))
+    assert answers[0] == (None, False) and answers[-1] == (32, True), answers
+    allocate(scheduler, again, 3, 32)
+    assert len(end_step(scheduler).load_jobs) == 1
+    engine.clear_gpu()
+    engine.load(offload_keys(again)[:2], [4, 5], request_context("l", offload_keys(again)))
+    for loaded, want in zip(engine.gpu(0, [4, 5]), expected, strict=True):
         assert torch.equal(loaded, want)
 
 

@@ -47,3 +47,49 @@ def connector_worker(spec: Any, kv_caches: Any) -> Any:
     worker = OffloadingConnectorWorker(spec, SimpleNamespace(), SimpleNamespace())
     worker._init_worker(kv_caches)
     return worker
+
+
+def vllm_request(req_id: str, prompt: list[int], block_size: int = 16) -> Any:
+    """A vLLM ``Request`` whose block hashes vLLM computes as its engine would."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(block_size, sha256)
+    return Request(req_id, prompt, SamplingParams(max_tokens=1), None, block_hasher=hasher)
+
+
+def offload_keys(request: Any) -> list[Any]:
+    """The request's offload keys (group 0), as vLLM's connector forms them."""
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    return [make_offload_key(block_hash, 0) for block_hash in request.block_hashes]
+
+
+def allocate(scheduler: Any, request: Any, num_blocks: int, num_external_tokens: int) -> None:
+    """What vLLM's scheduler does once the KV cache manager gave ``request`` its blocks."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    blocks = KVCacheBlocks(blocks=([KVCacheBlock(i + 1) for i in range(num_blocks)],))
+    scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+
+def end_step(scheduler: Any) -> Any:
+    """The end of a step that scheduled no tokens: the connector's metadata for it."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    return scheduler.build_connector_meta(SchedulerOutput.make_empty())
+
+
+def report_finished(scheduler: Any, job_ids: list[int]) -> None:
+    """One worker reports ``job_ids`` finished, as its connector output does."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingWorkerMetadata,
+    )
+    from vllm.v1.outputs import KVConnectorOutput
+
+    meta = OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(job_ids, 1))
+    scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=meta))

@@ -61,17 +61,18 @@ CONTROL_METRIC = f"{METRIC_PREFIX}admission_control"
 Probe = Callable[[OffloadKey], BlockStatus | None]
 """Where a key stands in the tier: ``None`` if absent, else its status (pending or ready)."""
 
-ConfigInfo = Mapping[str, str | int | float | bool]
+InfoSeries = Mapping[str, str | int | float | bool]
 """One series of ``vllm:kv_offload_config_info``: label name to value."""
 
-_EVENT_MEDIA: dict[str, tuple[Any, Any, str | None]] = {
-    "CPU": (Medium.CPU, None, None),
-    "DISK": (Medium.STORAGE, Locality.LOCAL, "DISK"),
-    "REMOTE": (Medium.STORAGE, Locality.REMOTE, "REMOTE"),
+_EVENT_MEDIA: dict[str, tuple[Any, Any, str | None, bool]] = {
+    "CPU": (Medium.CPU, None, None, False),
+    "DISK": (Medium.STORAGE, Locality.LOCAL, "DISK", True),
+    "REMOTE": (Medium.STORAGE, Locality.REMOTE, "REMOTE", False),
 }
-"""Each of our tiers' media as vLLM's event fields ``(medium, locality, ownership)``:
-vLLM's ``Medium`` has CPU and STORAGE only, so a lower tier is STORAGE with its
-locality and our medium name as the event's ownership (the tier that published it)."""
+"""Each of our tiers' media as vLLM's event fields ``(medium, locality, ownership,
+removal_expected)``: vLLM's ``Medium`` has CPU and STORAGE only, so a lower tier is
+STORAGE with its locality and our medium name as the event's ownership (the tier that
+published it). The disk tier announces its evictions; the shared tier never removes."""
 
 
 @dataclass
@@ -101,7 +102,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         offer_filter: OfferCountFilter | None = None,
         bytes_per_block: int = 0,
         on_shutdown: Callable[[], None] | None = None,
-        info: Sequence[ConfigInfo] = ({},),
+        info: Sequence[InfoSeries] = ({},),
     ) -> None:
         self._build = build
         self._on_shutdown = on_shutdown
@@ -130,12 +131,10 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
 
     @property
     def lock(self) -> threading.Lock:
-        """vLLM's exclusion over this manager and its tiers: its scheduler holds it from
-        a step's lookups to the loads and stores they lead to, and around every other hook.
-        A real lock, so that a caller on another thread (a client call, a stats reader)
-        cannot evict or promote between a lookup's ``HIT`` and the ``prepare_load`` that
-        pins it; our tiers' I/O threads never enter the manager, so it is never contended
-        by us."""
+        """vLLM's exclusion over this manager and its tiers, held by its scheduler from a
+        step's lookups to the loads that pin their hits. A real lock: a caller on another
+        thread cannot evict or promote in between. Our tiers' I/O threads never enter the
+        manager, so only vLLM's callers ever contend for it."""
         return self._lock
 
     @property
@@ -147,15 +146,14 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> Any:
-        if self._promotions_held and self._probe(key) is None:
-            # Until on_reset_flushed, a worker may still write a slot the reset freed: no
-            # promotion may fill one, so a block only in a lower tier is recomputed.
-            self.counters.lookups += 1
-            return LookupResult.MISS
-        hits = self._direct.lookup((key,))
         self.counters.lookups += 1
         if self._layer is not None:
             self._request_keys(req_context).unsighted[key] = None
+        if self._promotions_held and self._probe(key) is None:
+            # Until on_reset_flushed, a worker may still write a slot the reset freed: no
+            # promotion may fill one, so a block only in a lower tier is recomputed.
+            return LookupResult.MISS
+        hits = self._direct.lookup((key,))
         if hits is None:
             return LookupResult.RETRY
         if hits:
@@ -258,13 +256,14 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
 
     def take_events(self) -> Iterable[Any]:
         for event in self._manager.take_events():
-            medium, locality, ownership = _EVENT_MEDIA[event.medium]
+            medium, locality, ownership, announces_removal = _EVENT_MEDIA[event.medium]
             yield OffloadingEvent(
                 keys=list(event.keys),
                 medium=medium,
                 removed=event.removed,
                 locality=locality,
                 ownership=ownership,
+                removal_expected=announces_removal and not event.removed,
             )
 
     def reset_cache(self) -> None:

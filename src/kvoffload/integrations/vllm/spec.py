@@ -43,7 +43,7 @@ from kvoffload.integrations.vllm.settings import (
 from kvoffload.managers import CPUOffloadingManager, TieredOffloadingManager, build_manager
 from kvoffload.observe.counters import COUNTER_DOCS
 from kvoffload.tiers import RemoteTierError, build_tiered_manager, fingerprint_of, parse_remote_url
-from kvoffload.tiers.disk import SUPER_BYTES, DiskTier, slot_stride
+from kvoffload.tiers.disk import SUPER_BYTES, DiskTier, slot_start, slot_stride
 
 CONFIG_INFO_KEYS = (
     "tier",
@@ -101,7 +101,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
         """The labels of ``vllm:kv_offload_config_info``: one series per tier."""
         return CONFIG_INFO_KEYS
 
-    def config_info(self) -> list[dict[str, str | int]]:
+    def config_info(self) -> list[dict[str, str | int | bool]]:
         """The facts of each tier, CPU first, as :meth:`config_info_keys` names them."""
         settings = self.settings
         common = {
@@ -125,7 +125,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 "tier": "disk",
                 "medium": "DISK",
                 "num_blocks": self.disk_blocks,
-                "size_bytes": self.disk_blocks * self.disk_slot_bytes + SUPER_BYTES,
+                "size_bytes": slot_start(self.disk_blocks, self.disk_slot_bytes),
                 "eviction_policy": settings.eviction_policy,
                 "reset_drops_blocks": True,
             }
