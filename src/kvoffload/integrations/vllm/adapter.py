@@ -61,6 +61,10 @@ CONTROL_METRIC = f"{METRIC_PREFIX}admission_control"
 Probe = Callable[[OffloadKey], BlockStatus | None]
 """Where a key stands in the tier: ``None`` if absent, else its status (pending or ready)."""
 
+REPORTS_FLUSH = hasattr(OffloadingManager, "on_reset_flushed")
+"""Whether this vLLM tells the manager when the jobs in flight at a reset are done (0.33;
+0.32 never does, so holding promotions until then would hold them for good)."""
+
 InfoSeries = Mapping[str, str | int | float | bool]
 """One series of ``vllm:kv_offload_config_info``: label name to value."""
 
@@ -272,7 +276,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         if self._layer is not None:
             self._ghost_hits_before_reset += self._layer.ghost_hits
         self._install()
-        self._promotions_held = self._has_lower_tiers
+        self._promotions_held = self._has_lower_tiers and REPORTS_FLUSH
 
     def on_reset_flushed(self) -> None:
         """The workers have reported every job in flight at the reset: promotions may
