@@ -1,0 +1,107 @@
+"""The registered host pool's pages as byte buffers, for both of SGLang's interfaces.
+
+The zero-copy interface (``interface_v1``) names pages by host-pool token
+indices; ``get_page_buffer_meta`` turns them into the (pointer, size)
+segments each page occupies, which every SGLang host pool implements for
+its own layout: two per page for an MHA pool in ``page_first`` (K, V), two
+per layer in ``layer_first``, one for an MLA pool in ``page_first``. A page
+of one segment is read and written in place; a page of several is gathered
+into one buffer to be written and read through a staging buffer that is then
+scattered. The copy interface hands whole flat page tensors. torch is
+imported here; SGLang is not.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from kvoffload.core.errors import InvalidArgumentError
+
+LAYOUTS = ("page_first", "layer_first", "page_first_direct")
+"""Host-pool layouts whose page segments this backend has been checked with."""
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """``tensor``'s bytes in place (a CPU tensor; made contiguous if it was not)."""
+    flat = tensor.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    return flat.view(torch.uint8).numpy().data
+
+
+def _at(pointer: int, size: int) -> memoryview:
+    """A writable view of ``size`` bytes of the host pool at ``pointer``."""
+    return memoryview((ctypes.c_ubyte * size).from_address(pointer)).cast("B")
+
+
+class HostPages:
+    """Page geometry of ``pool`` (a ``HostKVCache``), checked once at registration."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.layout = str(pool.layout)
+        if self.layout not in LAYOUTS:
+            raise InvalidArgumentError(
+                f"kvoffload's HiCache backend supports the host layouts {', '.join(LAYOUTS)}; "
+                f"this host pool uses {self.layout!r} (set --hicache-mem-layout)"
+            )
+        self.page_size = int(pool.page_size)
+        page = pool.get_dummy_flat_data_page()
+        self.dtype = str(page.dtype)
+        self.page_bytes = int(page.numel()) * int(page.element_size())
+        pointers, sizes = pool.get_page_buffer_meta(torch.arange(self.page_size))
+        self.segments_per_page = len(pointers)
+        if self.segments_per_page < 1 or sum(sizes) != self.page_bytes:
+            raise InvalidArgumentError(
+                f"host pool pages of {self.page_bytes} bytes come in segments of {list(sizes)} "
+                "bytes; kvoffload cannot map them"
+            )
+
+    def dummy_page(self) -> torch.Tensor:
+        """A fresh flat page tensor (the copy interface's destination when none is given)."""
+        page: torch.Tensor = self.pool.get_dummy_flat_data_page()
+        return page
+
+    def segments(self, host_indices: torch.Tensor) -> list[list[memoryview]]:
+        """Per page of ``host_indices`` (``page_size`` indices each), its segments in order."""
+        pointers, sizes = self.pool.get_page_buffer_meta(host_indices)
+        n = self.segments_per_page
+        return [
+            [_at(p, s) for p, s in zip(pointers[i : i + n], sizes[i : i + n], strict=True)]
+            for i in range(0, len(pointers), n)
+        ]
+
+    @staticmethod
+    def payload(segments: list[memoryview]) -> bytes | memoryview:
+        """One page's bytes to write: in place when it is one segment, else gathered."""
+        return segments[0] if len(segments) == 1 else b"".join(segments)
+
+
+class PageTargets:
+    """Where a read of pages lands: in place for one-segment pages, else in staging buffers
+    that :meth:`scatter` copies into the segments of the pages that arrived intact."""
+
+    def __init__(self, pages: list[list[memoryview]], page_bytes: int) -> None:
+        self._pages = pages
+        self._staging: dict[int, memoryview] = {}
+        self._page_bytes = page_bytes
+
+    def view(self, page: int) -> memoryview:
+        segments = self._pages[page]
+        if len(segments) == 1:
+            return segments[0]
+        staging = self._staging.get(page)
+        if staging is None:
+            staging = self._staging[page] = memoryview(bytearray(self._page_bytes))
+        return staging
+
+    def scatter(self, intact: list[bool]) -> None:
+        for page, staging in self._staging.items():
+            if intact[page]:
+                offset = 0
+                for segment in self._pages[page]:
+                    segment[:] = staging[offset : offset + segment.nbytes]
+                    offset += segment.nbytes

@@ -1,0 +1,240 @@
+"""One tier below SGLang's host pool, as the backend drives it: lock, admission, counters.
+
+SGLang calls its storage backend from several threads at once (the prefetch
+query, the prefetch I/O and the backup thread); our tiers expect one caller,
+so every call into a tier goes through its path's lock. The admission layer
+sees what this tier sees: the lookups that reach L3 (sightings) and the
+host tier's write-backs (offers); it sits on a :class:`_Book` that keeps
+nothing, since the tier below decides eviction itself. No SGLang import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import cast
+
+from kvoffload.admission import AdmissionLayer, wrap_with_admission
+from kvoffload.core.keys import OffloadKey
+from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from kvoffload.core.specs import LoadStoreSpec
+from kvoffload.managers.tiered import LowerTier, Target
+from kvoffload.tiers.disk import DiskTier
+from kvoffload.tiers.remote import RemoteTier
+
+Payload = bytes | bytearray | memoryview
+EventSink = Callable[[list[OffloadingEvent]], None]
+
+
+@dataclass
+class TierCounters:
+    """What one tier did for SGLang, in pages, since the backend started."""
+
+    lookups: int = 0
+    lookup_hit_pages: int = 0
+    stores_offered: int = 0
+    stores_admitted: int = 0
+    stores_skipped: int = 0
+    """Offered pages the admission layer held back (reported stored to SGLang, not written)."""
+    stores_completed: int = 0
+    stores_failed: int = 0
+    loads: int = 0
+    """Pages read intact into the host pool."""
+    loads_failed: int = 0
+    """Pages asked for and not delivered: absent, unreachable, corrupt or evicted meanwhile."""
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    evictions: int = 0
+    corrupt: int = 0
+    unavailable: int = 0
+    """Calls refused by the open breaker or failed by the server (the shared tier only)."""
+    rejected: int = 0
+    held_pages: int = 0
+    """Disk: pages in the slot file; shared tier: pages written (the server may evict some)."""
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+class _Spec(LoadStoreSpec):
+    @staticmethod
+    def medium() -> str:
+        return "L3"
+
+
+_SPEC = _Spec()
+
+
+class _Book(OffloadingManager):
+    """The bottom of an admission layer over a tier: admits whatever the layer passes on."""
+
+    def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
+        return 0
+
+    def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
+        return _SPEC
+
+    def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
+        return PrepareStoreOutput(list(keys), _SPEC, [])
+
+
+Opener = Callable[[], LowerTier]
+"""Opens the tier (again, after :meth:`TierPath.clear` emptied a disk tier)."""
+
+
+class TierPath:
+    """The tier ``open`` gives, behind the admission layer ``admission`` (``none``: every page
+    is written). ``capacity`` (pages) sizes the layer's memory; ``page_bytes`` the byte counts.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        open_tier: Opener,
+        admission: str,
+        capacity: int,
+        page_bytes: int,
+        sink: EventSink | None = None,
+    ) -> None:
+        self.name = name
+        self.page_bytes = page_bytes
+        layer = wrap_with_admission(admission, _Book(), max(1, capacity))
+        self.layer = layer if isinstance(layer, AdmissionLayer) else None
+        self.counters = TierCounters()
+        self._open = open_tier
+        self._sink = sink
+        self._lock = threading.Lock()
+        self._admission_lock = threading.Lock()
+        self.tier = open_tier()
+        self._seen = (0, 0, 0, 0)
+        """The tier's (evicted, corrupt, rejected, unavailable) already in the counters."""
+        self._held_base = 0
+        """The shared tier's stored pages when it was last cleared."""
+
+    def present(self, keys: Sequence[OffloadKey]) -> int:
+        """Leading run of ``keys`` this tier holds."""
+        with self._lock:
+            held = self.tier.present(keys)
+            self.counters.lookups += 1
+            self.counters.lookup_hit_pages += held
+        return held
+
+    def sighted(self, request: Sequence[OffloadKey], served: bool) -> None:
+        """A lookup reached L3 for ``request`` (the pages before it included); ``served``:
+        this tier held part of what was asked."""
+        if self.layer is None or not request:
+            return
+        with self._admission_lock:
+            self.layer.see_request(request)
+            if served:
+                self.layer.saw_tier_hit(request)
+
+    def read(self, keys: Sequence[OffloadKey], target: Target) -> list[bool]:
+        """Read ``keys`` into ``target``; per key, whether it arrived intact."""
+        if not keys:
+            return []
+        with self._lock:
+            job = self.tier.read(keys, target)
+        intact = job.result()
+        with self._lock:
+            self.tier.poll(wait=False)  # forgets the disk's broken slots at once
+            self._update()
+            got = sum(intact)
+            c = self.counters
+            c.loads += got
+            c.loads_failed += len(keys) - got
+            c.bytes_loaded += got * self.page_bytes
+        return intact
+
+    def write(self, keys: Sequence[OffloadKey], payloads: Sequence[Payload]) -> list[bool]:
+        """Offer ``keys`` to admission and write the admitted ones; per key, ``False`` only
+        for a write that failed (a page held back by admission reads ``True``)."""
+        if not keys:
+            return []
+        admitted = self._admit(keys)
+        chosen = [i for i, key in enumerate(keys) if key in admitted]
+        result = [True] * len(keys)
+        if not chosen:
+            return result
+        batch = [keys[i] for i in chosen]
+        # Both tiers send any buffer as it is; the protocol says bytes for the simple case.
+        data = cast(Sequence[bytes], [payloads[i] for i in chosen])
+        with self._lock:
+            stored_before = self.tier.stats.stored_blocks
+            self.tier.write(batch, data)
+            self.tier.poll(wait=True)
+            stored = self.tier.stats.stored_blocks - stored_before
+            if isinstance(self.tier, DiskTier):
+                outcome = [self.tier.present([key]) == 1 for key in batch]
+            else:
+                outcome = [stored == len(batch)] * len(batch)
+            self._update()
+            c = self.counters
+            c.stores_completed += stored
+            c.stores_failed += outcome.count(False)
+            c.bytes_stored += stored * self.page_bytes
+        for i, ok in zip(chosen, outcome, strict=True):
+            result[i] = ok
+        return result
+
+    def clear(self) -> None:
+        """Drop every page of this tier (the shared tier: every page under our fingerprint)."""
+        with self._lock:
+            tier = self.tier
+            if isinstance(tier, RemoteTier):
+                tier.delete_all()
+                self._held_base = tier.stats.stored_blocks
+                self.counters.held_pages = 0
+            elif isinstance(tier, DiskTier):
+                self._update()
+                tier.close()
+                tier.path.unlink(missing_ok=True)
+                self.tier = self._open()
+                self._seen = (0, 0, 0, 0)
+                self._update()
+
+    def close(self) -> None:
+        with self._lock:
+            self.tier.poll(wait=True)
+            self._update()
+            self.tier.close()
+
+    def admission_stats(self) -> dict[str, float] | None:
+        if self.layer is None:
+            return None
+        with self._admission_lock:
+            return {k: float(v) for k, v in dataclasses.asdict(self.layer.stats()).items()}
+
+    def _admit(self, keys: Sequence[OffloadKey]) -> set[OffloadKey]:
+        c = self.counters
+        if self.layer is None:
+            admitted = set(keys)
+        else:
+            with self._admission_lock:
+                output = self.layer.prepare_store(keys)
+            admitted = set() if output is None else set(output.keys_to_store)
+        with self._lock:
+            c.stores_offered += len(keys)
+            c.stores_admitted += len(admitted)
+            c.stores_skipped += len(set(keys)) - len(admitted)
+        return admitted
+
+    def _update(self) -> None:
+        """Add the tier's new counts and hand its events on (under the lock)."""
+        tier, c = self.tier, self.counters
+        unavailable = tier.unavailable if isinstance(tier, RemoteTier) else 0
+        now = (tier.stats.evicted, tier.stats.corrupt, tier.stats.rejected, unavailable)
+        before, self._seen = self._seen, now
+        c.evictions += now[0] - before[0]
+        c.corrupt += now[1] - before[1]
+        c.rejected += now[2] - before[2]
+        c.unavailable += now[3] - before[3]
+        if isinstance(tier, DiskTier):
+            c.held_pages = len(tier)
+        else:
+            c.held_pages = tier.stats.stored_blocks - self._held_base
+        events = tier.take_events()
+        if events and self._sink is not None:
+            self._sink(events)
