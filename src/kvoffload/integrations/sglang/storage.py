@@ -258,6 +258,11 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             out[path.name] = values
         return out
 
+    def flush_events(self, timeout_s: float = 10.0) -> None:
+        """Wait until the KV events published so far are sent (nothing without a publisher)."""
+        if self._publisher is not None:
+            self._publisher.flush(timeout_s)
+
     def close(self) -> None:
         """Finish the writes in flight and close tiers, event publisher and metrics server."""
         self._close_parts()

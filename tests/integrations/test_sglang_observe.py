@@ -1,0 +1,128 @@
+"""What the world sees of the backend: KV events (media DISK and REMOTE), Prometheus, get_stats.
+
+SGLang's routers see nothing of L3 today; the backend publishes our KV
+events (vLLM's wire format) and serves our per-tier counters.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("sglang", reason="SGLang is not installed (CI installs it --no-deps)")
+pytest.importorskip("zmq")
+pytest.importorskip("prometheus_client")
+
+from prometheus_client.parser import text_string_to_metric_families
+from sglang_helpers import HostPool, create_backend, import_sglang, page_hash
+
+from kvoffload.observe.events import BlockRemoved, BlockStored
+from kvoffload.observe.subscriber import KVEventSubscriber
+from tier_servers import ValkeyProcess, free_port
+
+KEYS = [page_hash(i) for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def sglang() -> dict[str, ModuleType]:
+    return import_sglang()
+
+
+@pytest.fixture
+def backend_of(sglang: dict[str, ModuleType]) -> Any:
+    made: list[Any] = []
+
+    def make(extra: dict[str, Any], pool: HostPool, **kwargs: Any) -> Any:
+        backend = create_backend(sglang, {"interface_v1": 1, **extra}, pool, **kwargs)
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        backend.close()
+
+
+def tiers(tmp_path: Path, server: ValkeyProcess, disk_pages: int = 4) -> dict[str, Any]:
+    page_bytes = len(HostPool().page_bytes(0))
+    return {
+        "kvoffload.disk_dir": str(tmp_path / "l3"),
+        "kvoffload.disk_bytes": disk_pages * page_bytes,
+        "kvoffload.remote_url": server.url,
+    }
+
+
+def test_kv_events_name_the_medium_of_each_store_and_eviction(
+    backend_of: Any, tmp_path: Path, valkey_server: ValkeyProcess
+) -> None:
+    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    events = {"kvoffload.kv_events_endpoint": pub, "kvoffload.kv_events_replay_endpoint": replay}
+    pool = HostPool()
+    backend = backend_of({**tiers(tmp_path, valkey_server), **events}, pool, model="events")
+    pool.fill(list(range(6)), seed=1)
+    assert all(backend.batch_set_v1(KEYS[:4], pool.indices([0, 1, 2, 3])))
+    assert all(backend.batch_set_v1(KEYS[4:6], pool.indices([4, 5])))
+    backend.flush_events()
+    with KVEventSubscriber(pub, replay) as subscriber:
+        batches = subscriber.catch_up()
+    seen: dict[tuple[str, str | None], set[str]] = {}
+    for _, batch in batches:
+        for event in batch.events:
+            if isinstance(event, (BlockStored, BlockRemoved)):
+                hashes = {bytes(h).hex() for h in event.block_hashes}
+                seen.setdefault((type(event).__name__, event.medium), set()).update(hashes)
+    assert seen == {
+        ("BlockStored", "DISK"): set(KEYS[:6]),
+        ("BlockStored", "REMOTE"): set(KEYS[:6]),
+        ("BlockRemoved", "DISK"): set(KEYS[:2]),
+    }
+
+
+def test_prometheus_serves_each_tiers_counters(
+    backend_of: Any, tmp_path: Path, valkey_server: ValkeyProcess
+) -> None:
+    port = free_port()
+    pool = HostPool()
+    extra = {**tiers(tmp_path, valkey_server), "kvoffload.metrics_port": port}
+    backend = backend_of(extra, pool, model="metrics", tp_rank=0)
+    pool.fill(list(range(6)), seed=2)
+    assert all(backend.batch_set_v1(KEYS[:6], pool.indices(list(range(6))))[:4])
+    assert backend.batch_get_v1(KEYS[:2], pool.indices([6, 7])) == [True, True]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    samples = {
+        (sample.name, sample.labels["tier"]): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("kvoffload_l3_")
+    }
+    counters = backend.get_stats().kvoffload
+    for tier in ("disk", "remote"):
+        assert (
+            samples[("kvoffload_l3_stores_completed_total", tier)]
+            == (counters[tier]["stores_completed"])
+        )
+        assert samples[("kvoffload_l3_held_pages", tier)] == counters[tier]["held_pages"]
+    assert samples[("kvoffload_l3_stores_completed_total", "disk")] == 4
+    assert samples[("kvoffload_l3_rejected_total", "disk")] == 2
+    assert samples[("kvoffload_l3_stores_completed_total", "remote")] == 6
+    assert samples[("kvoffload_l3_loads_total", "disk")] == 2
+
+
+def test_get_stats_gives_sglang_its_metrics_and_ours(
+    backend_of: Any, tmp_path: Path, valkey_server: ValkeyProcess
+) -> None:
+    pool = HostPool()
+    backend = backend_of(tiers(tmp_path, valkey_server, 8), pool, model="stats", metrics=True)
+    pool.fill([0, 1, 2], seed=3)
+    assert all(backend.batch_set_v1(KEYS[:3], pool.indices([0, 1, 2])))
+    assert backend.batch_get_v1(KEYS[:3], pool.indices([3, 4, 5])) == [True] * 3
+    stats = backend.get_stats()
+    assert stats.backup_pgs == [3] and stats.prefetch_pgs == [3]
+    assert len(stats.backup_bandwidth) == 1 and stats.prefetch_bandwidth[0] > 0
+    assert stats.kvoffload["disk"]["loads"] == 3 and stats.kvoffload["remote"]["loads"] == 0
+    again = backend.get_stats()
+    assert again.prefetch_pgs == [] and again.kvoffload["disk"]["stores_completed"] == 3
