@@ -6,14 +6,15 @@ segments each page occupies, which every SGLang host pool implements for
 its own layout: two per page for an MHA pool in ``page_first`` (K, V), two
 per layer in ``layer_first``, one for an MLA pool in ``page_first``. A page
 of one segment is read and written in place; a page of several is gathered
-into one buffer to be written and read through a staging buffer that is then
-scattered. The copy interface hands whole flat page tensors. torch is
+into a staging buffer (kept per thread) to be written, and read into one that
+is then scattered. The copy interface hands whole flat page tensors. torch is
 imported here; SGLang is not.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 from typing import Any
 
 import torch
@@ -59,6 +60,7 @@ class HostPages:
                 f"host pool pages of {self.page_bytes} bytes come in segments of {list(sizes)} "
                 "bytes; kvoffload cannot map them"
             )
+        self._local = threading.local()
 
     def dummy_page(self) -> torch.Tensor:
         """A fresh flat page tensor (the copy interface's destination when none is given)."""
@@ -74,34 +76,51 @@ class HostPages:
             for i in range(0, len(pointers), n)
         ]
 
-    @staticmethod
-    def payload(segments: list[memoryview]) -> bytes | memoryview:
-        """One page's bytes to write: in place when it is one segment, else gathered."""
-        return segments[0] if len(segments) == 1 else b"".join(segments)
+    def payloads(self, pages: list[list[memoryview]]) -> list[memoryview]:
+        """The pages' bytes to write: in place for one-segment pages, else gathered into this
+        thread's staging buffer (valid until the thread's next call)."""
+        if self.segments_per_page == 1:
+            return [segments[0] for segments in pages]
+        staging = self.staging(len(pages))
+        out = []
+        for i, segments in enumerate(pages):
+            offset = i * self.page_bytes
+            for segment in segments:
+                staging[offset : offset + segment.nbytes] = segment
+                offset += segment.nbytes
+            out.append(staging[i * self.page_bytes : (i + 1) * self.page_bytes])
+        return out
+
+    def staging(self, pages: int) -> memoryview:
+        """This thread's staging buffer for ``pages`` pages, kept between calls: a fresh
+        buffer per call costs its page faults, more than the copy itself."""
+        need = pages * self.page_bytes
+        buffer: bytearray | None = getattr(self._local, "buffer", None)
+        if buffer is None or len(buffer) < need:
+            buffer = self._local.buffer = bytearray(need)
+        return memoryview(buffer)[:need]
 
 
 class PageTargets:
-    """Where a read of pages lands: in place for one-segment pages, else in staging buffers
+    """Where a read of pages lands: in place for one-segment pages, else in a staging buffer
     that :meth:`scatter` copies into the segments of the pages that arrived intact."""
 
-    def __init__(self, pages: list[list[memoryview]], page_bytes: int) -> None:
+    def __init__(self, host: HostPages, pages: list[list[memoryview]]) -> None:
         self._pages = pages
-        self._staging: dict[int, memoryview] = {}
-        self._page_bytes = page_bytes
+        self._page_bytes = host.page_bytes
+        self._staging = None if host.segments_per_page == 1 else host.staging(len(pages))
 
     def view(self, page: int) -> memoryview:
-        segments = self._pages[page]
-        if len(segments) == 1:
-            return segments[0]
-        staging = self._staging.get(page)
-        if staging is None:
-            staging = self._staging[page] = memoryview(bytearray(self._page_bytes))
-        return staging
+        if self._staging is None:
+            return self._pages[page][0]
+        return self._staging[page * self._page_bytes : (page + 1) * self._page_bytes]
 
     def scatter(self, intact: list[bool]) -> None:
-        for page, staging in self._staging.items():
+        if self._staging is None:
+            return
+        for page, segments in enumerate(self._pages):
             if intact[page]:
-                offset = 0
-                for segment in self._pages[page]:
-                    segment[:] = staging[offset : offset + segment.nbytes]
+                offset = page * self._page_bytes
+                for segment in segments:
+                    segment[:] = self._staging[offset : offset + segment.nbytes]
                     offset += segment.nbytes

@@ -152,7 +152,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         """Read pages straight into the host pool at ``host_indices``."""
         pages = self._pages()
         started = time.perf_counter()
-        targets = PageTargets(pages.segments(host_indices), pages.page_bytes)
+        targets = PageTargets(pages, pages.segments(host_indices))
         intact = self._read([page_key(key) for key in keys], targets.view)
         targets.scatter(intact)
         self._note(PREFETCH, intact, started)
@@ -169,7 +169,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             return [True] * len(keys)
         pages = self._pages()
         started = time.perf_counter()
-        payloads = [pages.payload(segments) for segments in pages.segments(host_indices)]
+        payloads = pages.payloads(pages.segments(host_indices))
         done = self._write([page_key(key) for key in keys], payloads)
         self._note(BACKUP, done, started)
         return done
