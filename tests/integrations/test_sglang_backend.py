@@ -208,3 +208,24 @@ def test_disk_evicts_by_its_policy_and_admission_holds_back_first_sightings(
     assert backend.batch_set_v1(KEYS[8:10], pool.indices([8, 9])) == [True, True]
     counters = backend.get_stats().kvoffload["disk"]
     assert counters["stores_skipped"] == 6 and counters["admission"]["rejected"] == 6
+
+
+@pytest.mark.parametrize("kind", ["disk", "valkey"])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_pages_gathered_and_scattered_in_parts(
+    backends: Any,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    layout: str,
+) -> None:
+    """Batches of several-segment pages go out and land in parts (here of 2 pages)."""
+    from kvoffload.integrations.sglang import pages
+
+    pool = HostPool(layout)
+    monkeypatch.setattr(pages, "GROUP_BYTES", 2 * len(pool.page_bytes(0)))
+    extra = {"interface_v1": 1, **tier_config(kind, tmp_path, request)}
+    backend = backends(extra, pool, model=f"parts-{kind}-{layout}")
+    assert backend.pages.group == 2
+    round_trip_v1(backend, pool, KEYS[:5], seed=8)

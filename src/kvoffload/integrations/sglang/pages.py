@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from kvoffload.core.errors import InvalidArgumentError
 
 LAYOUTS = ("page_first", "layer_first", "page_first_direct")
+GROUP_BYTES = 32 * 2**20
 """Host-pool layouts whose page segments this backend has been checked with."""
 
 
@@ -76,20 +78,32 @@ class HostPages:
             for i in range(0, len(pointers), n)
         ]
 
-    def payloads(self, pages: list[list[memoryview]]) -> list[memoryview]:
-        """The pages' bytes to write: in place for one-segment pages, else gathered into this
-        thread's staging buffer (valid until the thread's next call)."""
+    @property
+    def group(self) -> int:
+        """Pages per part of a batch whose pages need gathering or scattering (0: none do):
+        one part is copied while the one before it is on the wire."""
         if self.segments_per_page == 1:
-            return [segments[0] for segments in pages]
+            return 0
+        return max(1, GROUP_BYTES // self.page_bytes)
+
+    def parts(self, pages: list[list[memoryview]]) -> Iterator[tuple[int, list[memoryview]]]:
+        """The pages' bytes to write, as ``(first page, payloads)`` parts: in place for
+        one-segment pages, else gathered part by part into this thread's staging buffer
+        (valid until the thread's next call)."""
+        if self.group == 0:
+            yield 0, [segments[0] for segments in pages]
+            return
         staging = self.staging(len(pages))
-        out = []
-        for i, segments in enumerate(pages):
-            offset = i * self.page_bytes
-            for segment in segments:
-                staging[offset : offset + segment.nbytes] = segment
-                offset += segment.nbytes
-            out.append(staging[i * self.page_bytes : (i + 1) * self.page_bytes])
-        return out
+        size = self.page_bytes
+        for start in range(0, len(pages), self.group):
+            part = []
+            for i in range(start, min(start + self.group, len(pages))):
+                offset = i * size
+                for segment in pages[i]:
+                    staging[offset : offset + segment.nbytes] = segment
+                    offset += segment.nbytes
+                part.append(staging[i * size : (i + 1) * size])
+            yield start, part
 
     def staging(self, pages: int) -> memoryview:
         """This thread's staging buffer for ``pages`` pages, kept between calls: a fresh
@@ -103,7 +117,7 @@ class HostPages:
 
 class PageTargets:
     """Where a read of pages lands: in place for one-segment pages, else in a staging buffer
-    that :meth:`scatter` copies into the segments of the pages that arrived intact."""
+    that :meth:`scatter` copies into the segments of a page that arrived intact."""
 
     def __init__(self, host: HostPages, pages: list[list[memoryview]]) -> None:
         self._pages = pages
@@ -115,12 +129,10 @@ class PageTargets:
             return self._pages[page][0]
         return self._staging[page * self._page_bytes : (page + 1) * self._page_bytes]
 
-    def scatter(self, intact: list[bool]) -> None:
+    def scatter(self, page: int) -> None:
         if self._staging is None:
             return
-        for page, segments in enumerate(self._pages):
-            if intact[page]:
-                offset = page * self._page_bytes
-                for segment in segments:
-                    segment[:] = self._staging[offset : offset + segment.nbytes]
-                    offset += segment.nbytes
+        offset = page * self._page_bytes
+        for segment in self._pages[page]:
+            segment[:] = self._staging[offset : offset + segment.nbytes]
+            offset += segment.nbytes

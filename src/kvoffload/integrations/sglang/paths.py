@@ -10,9 +10,11 @@ nothing, since the tier below decides eviction itself. No SGLang import.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -80,6 +82,37 @@ class _Book(OffloadingManager):
         return PrepareStoreOutput(list(keys), _SPEC, [])
 
 
+Landed = Callable[[int, list[bool]], None]
+"""Called with the first position of a group of keys and their outcomes, as they finish."""
+
+
+def _shifted(target: Target, start: int, index: int) -> memoryview:
+    return target(start + index)
+
+
+class WriteBatch:
+    """The pages of one write in progress: :meth:`send` hands over their bytes in parts."""
+
+    def __init__(self, keys: Sequence[OffloadKey], admitted: set[OffloadKey]) -> None:
+        self.keys = keys
+        self.admitted = admitted
+        self.result = [True] * len(keys)
+        """Per key once the batch is done: ``False`` only for a write that failed."""
+        self.sent: list[int] = []
+        self.tier: LowerTier | None = None
+
+    def send(self, start: int, payloads: Sequence[Payload]) -> None:
+        """Write the admitted ones of ``keys[start : start + len(payloads)]`` (in the
+        background; the bytes must stay as they are until the batch is done)."""
+        chosen = [i for i in range(start, start + len(payloads)) if self.keys[i] in self.admitted]
+        if not chosen or self.tier is None:
+            return
+        # Both tiers send any buffer as it is; the protocol says bytes for the simple case.
+        data = cast(Sequence[bytes], [payloads[i - start] for i in chosen])
+        self.tier.write([self.keys[i] for i in chosen], data)
+        self.sent += chosen
+
+
 Opener = Callable[[], LowerTier]
 """Opens the tier (again, after :meth:`TierPath.clear` emptied a disk tier)."""
 
@@ -131,13 +164,35 @@ class TierPath:
             if served:
                 self.layer.saw_tier_hit(request)
 
-    def read(self, keys: Sequence[OffloadKey], target: Target) -> list[bool]:
-        """Read ``keys`` into ``target``; per key, whether it arrived intact."""
+    def read(
+        self,
+        keys: Sequence[OffloadKey],
+        target: Target,
+        group: int = 0,
+        landed: Landed | None = None,
+    ) -> list[bool]:
+        """Read ``keys`` into ``target``; per key, whether it arrived intact.
+
+        With ``group``, the keys go out as reads of that many at once, all
+        started together, and ``landed(start, intact)`` is called for each
+        as it finishes, in order: the caller's work on one group overlaps
+        the I/O of the next.
+        """
         if not keys:
             return []
+        step = group if group > 0 else len(keys)
+        starts = range(0, len(keys), step)
         with self._lock:
-            job = self.tier.read(keys, target)
-        intact = job.result()
+            jobs = [
+                self.tier.read(keys[s : s + step], functools.partial(_shifted, target, s))
+                for s in starts
+            ]
+        intact: list[bool] = []
+        for start, job in zip(starts, jobs, strict=True):
+            part = job.result()
+            if landed is not None:
+                landed(start, part)
+            intact += part
         with self._lock:
             self.tier.poll(wait=False)  # forgets the disk's broken slots at once
             self._update()
@@ -148,36 +203,38 @@ class TierPath:
             c.bytes_loaded += got * self.page_bytes
         return intact
 
+    @contextlib.contextmanager
+    def writing(self, keys: Sequence[OffloadKey]) -> Iterator[WriteBatch]:
+        """Offer ``keys`` to admission, then take their bytes part by part
+        (:meth:`WriteBatch.send`, each part sent at once) and wait for all at the end."""
+        batch = WriteBatch(keys, self._admit(keys) if keys else set())
+        with self._lock:
+            stored_before = self.tier.stats.stored_blocks
+            try:
+                batch.tier = self.tier
+                yield batch
+            finally:
+                self.tier.poll(wait=True)
+                stored = self.tier.stats.stored_blocks - stored_before
+                sent = batch.sent
+                if isinstance(self.tier, DiskTier):
+                    outcome = [self.tier.present([keys[i]]) == 1 for i in sent]
+                else:
+                    outcome = [stored == len(sent)] * len(sent)
+                self._update()
+                c = self.counters
+                c.stores_completed += stored
+                c.stores_failed += outcome.count(False)
+                c.bytes_stored += stored * self.page_bytes
+                for i, ok in zip(sent, outcome, strict=True):
+                    batch.result[i] = ok
+
     def write(self, keys: Sequence[OffloadKey], payloads: Sequence[Payload]) -> list[bool]:
         """Offer ``keys`` to admission and write the admitted ones; per key, ``False`` only
         for a write that failed (a page held back by admission reads ``True``)."""
-        if not keys:
-            return []
-        admitted = self._admit(keys)
-        chosen = [i for i, key in enumerate(keys) if key in admitted]
-        result = [True] * len(keys)
-        if not chosen:
-            return result
-        batch = [keys[i] for i in chosen]
-        # Both tiers send any buffer as it is; the protocol says bytes for the simple case.
-        data = cast(Sequence[bytes], [payloads[i] for i in chosen])
-        with self._lock:
-            stored_before = self.tier.stats.stored_blocks
-            self.tier.write(batch, data)
-            self.tier.poll(wait=True)
-            stored = self.tier.stats.stored_blocks - stored_before
-            if isinstance(self.tier, DiskTier):
-                outcome = [self.tier.present([key]) == 1 for key in batch]
-            else:
-                outcome = [stored == len(batch)] * len(batch)
-            self._update()
-            c = self.counters
-            c.stores_completed += stored
-            c.stores_failed += outcome.count(False)
-            c.bytes_stored += stored * self.page_bytes
-        for i, ok in zip(chosen, outcome, strict=True):
-            result[i] = ok
-        return result
+        with self.writing(keys) as batch:
+            batch.send(0, payloads)
+        return batch.result
 
     def clear(self) -> None:
         """Drop every page of this tier (the shared tier: every page under our fingerprint)."""

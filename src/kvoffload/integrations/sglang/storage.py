@@ -13,10 +13,11 @@ or failed write, never an exception into SGLang.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,13 @@ def _at(target: Any, positions: list[int], index: int) -> memoryview:
     """``target`` of the ``index``-th key of a read that asks only for ``positions``."""
     view: memoryview = target(positions[index])
     return view
+
+
+def _scatter(targets: PageTargets, positions: list[int], start: int, intact: list[bool]) -> None:
+    """Put the pages of a landed group that arrived intact into place."""
+    for j, ok in enumerate(intact):
+        if ok:
+            targets.scatter(positions[start + j])
 
 
 class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
@@ -153,8 +161,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         pages = self._pages()
         started = time.perf_counter()
         targets = PageTargets(pages, pages.segments(host_indices))
-        intact = self._read([page_key(key) for key in keys], targets.view)
-        targets.scatter(intact)
+        intact = self._read([page_key(key) for key in keys], targets.view, pages.group, targets)
         self._note(PREFETCH, intact, started)
         return intact
 
@@ -169,8 +176,9 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             return [True] * len(keys)
         pages = self._pages()
         started = time.perf_counter()
-        payloads = pages.payloads(pages.segments(host_indices))
-        done = self._write([page_key(key) for key in keys], payloads)
+        done = self._write(
+            [page_key(key) for key in keys], pages.parts(pages.segments(host_indices))
+        )
         self._note(BACKUP, done, started)
         return done
 
@@ -222,7 +230,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         payloads = [tensor_bytes(value) for value in values]
         if any(payload.nbytes != page_bytes for payload in payloads):
             return False
-        done = self._write([page_key(key) for key in keys], payloads)
+        done = self._write([page_key(key) for key in keys], [(0, payloads)])
         self._note(BACKUP, done, started)
         return all(done)
 
@@ -402,29 +410,43 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
                 break
         return found, served
 
-    def _read(self, keys: list[OffloadKey], target: Any) -> list[bool]:
-        """Each key from the first tier that delivers it intact."""
+    def _read(
+        self,
+        keys: list[OffloadKey],
+        target: Any,
+        group: int = 0,
+        targets: PageTargets | None = None,
+    ) -> list[bool]:
+        """Each key from the first tier that delivers it intact; with ``targets``, each page
+        is scattered into place as its group lands."""
         intact = [False] * len(keys)
         wanted = list(range(len(keys)))
         for path in self.paths:
             if not wanted:
                 break
             asked = wanted
-            got = path.read([keys[i] for i in asked], functools.partial(_at, target, asked))
+            landed = None if targets is None else functools.partial(_scatter, targets, asked)
+            got = path.read(
+                [keys[i] for i in asked], functools.partial(_at, target, asked), group, landed
+            )
             for i, ok in zip(asked, got, strict=True):
                 intact[i] = ok
             wanted = [i for i in asked if not intact[i]]
         return intact
 
-    def _write(self, keys: list[OffloadKey], payloads: Sequence[Payload]) -> list[bool]:
-        """Per page, whether some tier stored it or every tier's admission held it back."""
+    def _write(
+        self, keys: list[OffloadKey], parts: Iterable[tuple[int, Sequence[Payload]]]
+    ) -> list[bool]:
+        """Per page, whether some tier stored it or every tier's admission held it back;
+        each part goes to every tier as soon as it is made."""
         if not self.paths:
             return [False] * len(keys)
-        done = [False] * len(keys)
-        for path in self.paths:
-            for i, ok in enumerate(path.write(keys, payloads)):
-                done[i] = done[i] or ok
-        return done
+        with contextlib.ExitStack() as stack:
+            batches = [stack.enter_context(path.writing(keys)) for path in self.paths]
+            for start, payloads in parts:
+                for batch in batches:
+                    batch.send(start, payloads)
+        return [any(batch.result[i] for batch in batches) for i in range(len(keys))]
 
     def _note(self, kind: str, outcome: list[bool], started: float) -> None:
         """One call's pages and GB/s, for SGLang's storage metrics histograms."""
