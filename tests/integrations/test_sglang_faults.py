@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -84,6 +86,30 @@ def test_server_killed_mid_batch_is_counted_never_raised(
     assert written + failed == 56 and remote["stores_completed"] == 8 + written
     assert remote["stores_failed"] == failed + 3
     assert remote["loads_failed"] >= 9 and remote["unavailable"] >= 1
+
+
+def test_a_stalled_server_is_a_counted_miss_and_recovers(
+    backends: Any, own_server: ValkeyProcess
+) -> None:
+    own_server.start()
+    pool = HostPool()
+    url = own_server.url.replace("timeout_ms=2000", "timeout_ms=300")
+    backend = backends({"interface_v1": 1, "kvoffload.remote_url": url}, pool, model="stalled")
+    pool.fill([0, 1, 2], seed=4)
+    assert all(backend.batch_set_v1(KEYS[:3], pool.indices([0, 1, 2])))
+    assert own_server.process is not None
+    own_server.process.send_signal(signal.SIGSTOP)
+    try:
+        assert backend.batch_exists(KEYS[:3]) == 0
+        assert backend.batch_get_v1(KEYS[:3], pool.indices([3, 4, 5])) == [False] * 3
+    finally:
+        own_server.process.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 30  # the breaker lets a trial call through after its cooldown
+    while backend.batch_exists(KEYS[:3]) != 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert backend.batch_get_v1(KEYS[:3], pool.indices([3, 4, 5])) == [True] * 3
+    remote = backend.get_stats().kvoffload["remote"]
+    assert remote["unavailable"] >= 2 and remote["loads_failed"] == 3 and remote["loads"] == 3
 
 
 def test_a_corrupt_value_on_the_server_is_never_loaded(

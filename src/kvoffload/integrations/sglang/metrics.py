@@ -45,7 +45,7 @@ class TierCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         names = ["tier", *self._labels]
-        rows = [(path.name, path.counters.as_dict()) for path in self._paths]
+        rows = [(path.name, path.counters().as_dict()) for path in self._paths]
         extra = list(self._labels.values())
         for name, doc in COUNTER_DOCS.items():
             family = CounterMetricFamily(f"{NAME}{name}", doc, labels=names)

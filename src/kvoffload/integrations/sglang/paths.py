@@ -16,7 +16,7 @@ import functools
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from kvoffload.admission import AdmissionLayer, wrap_with_admission
 from kvoffload.core.keys import OffloadKey
@@ -118,8 +118,13 @@ Opener = Callable[[], LowerTier]
 
 
 class TierPath:
-    """The tier ``open`` gives, behind the admission layer ``admission`` (``none``: every page
-    is written). ``capacity`` (pages) sizes the layer's memory; ``page_bytes`` the byte counts.
+    """The tier ``open_tier`` gives, behind the admission layer ``admission`` (``none``: every
+    page is written). ``capacity`` (pages) sizes the layer's memory; ``page_bytes`` the byte
+    counts.
+
+    Locks: ``_lock`` serialises what changes the tier's own state (writes, polls, events,
+    and for the disk tier every call: its index belongs to one caller); the shared tier's
+    look-ups and reads are thread-safe, so a prefetch never waits behind a backup there.
     """
 
     def __init__(
@@ -135,23 +140,34 @@ class TierPath:
         self.page_bytes = page_bytes
         layer = wrap_with_admission(admission, _Book(), max(1, capacity))
         self.layer = layer if isinstance(layer, AdmissionLayer) else None
-        self.counters = TierCounters()
+        self._counters = TierCounters()
         self._open = open_tier
         self._sink = sink
         self._lock = threading.Lock()
+        self._count_lock = threading.Lock()
         self._admission_lock = threading.Lock()
         self.tier = open_tier()
+        self._lookup_lock: contextlib.AbstractContextManager[Any] = (
+            contextlib.nullcontext() if isinstance(self.tier, RemoteTier) else self._lock
+        )
         self._seen = (0, 0, 0, 0)
         """The tier's (evicted, corrupt, rejected, unavailable) already in the counters."""
         self._held_base = 0
         """The shared tier's stored pages when it was last cleared."""
 
+    def counters(self) -> TierCounters:
+        """A snapshot of the counters, the tier's own counts brought up to date."""
+        with self._count_lock:
+            self._derive()
+            return dataclasses.replace(self._counters)
+
     def present(self, keys: Sequence[OffloadKey]) -> int:
         """Leading run of ``keys`` this tier holds."""
-        with self._lock:
+        with self._lookup_lock:
             held = self.tier.present(keys)
-            self.counters.lookups += 1
-            self.counters.lookup_hit_pages += held
+        with self._count_lock:
+            self._counters.lookups += 1
+            self._counters.lookup_hit_pages += held
         return held
 
     def sighted(self, request: Sequence[OffloadKey], served: bool) -> None:
@@ -182,7 +198,7 @@ class TierPath:
             return []
         step = group if group > 0 else len(keys)
         starts = range(0, len(keys), step)
-        with self._lock:
+        with self._lookup_lock:
             jobs = [
                 self.tier.read(keys[s : s + step], functools.partial(_shifted, target, s))
                 for s in starts
@@ -193,11 +209,13 @@ class TierPath:
             if landed is not None:
                 landed(start, part)
             intact += part
-        with self._lock:
-            self.tier.poll(wait=False)  # forgets the disk's broken slots at once
-            self._update()
-            got = sum(intact)
-            c = self.counters
+        if isinstance(self.tier, DiskTier):
+            with self._lock:
+                self.tier.poll(wait=False)  # forgets the broken slots at once
+                self._drain_events()
+        got = sum(intact)
+        with self._count_lock:
+            c = self._counters
             c.loads += got
             c.loads_failed += len(keys) - got
             c.bytes_loaded += got * self.page_bytes
@@ -221,11 +239,12 @@ class TierPath:
                     outcome = [self.tier.present([keys[i]]) == 1 for i in sent]
                 else:
                     outcome = [stored == len(sent)] * len(sent)
-                self._update()
-                c = self.counters
-                c.stores_completed += stored
-                c.stores_failed += outcome.count(False)
-                c.bytes_stored += stored * self.page_bytes
+                self._drain_events()
+                with self._count_lock:
+                    c = self._counters
+                    c.stores_completed += stored
+                    c.stores_failed += outcome.count(False)
+                    c.bytes_stored += stored * self.page_bytes
                 for i, ok in zip(sent, outcome, strict=True):
                     batch.result[i] = ok
 
@@ -238,24 +257,23 @@ class TierPath:
 
     def clear(self) -> None:
         """Drop every page of this tier (the shared tier: every page under our fingerprint)."""
-        with self._lock:
+        with self._lock, self._count_lock:
             tier = self.tier
+            self._derive()
             if isinstance(tier, RemoteTier):
                 tier.delete_all()
                 self._held_base = tier.stats.stored_blocks
-                self.counters.held_pages = 0
             elif isinstance(tier, DiskTier):
-                self._update()
                 tier.close()
                 tier.path.unlink(missing_ok=True)
                 self.tier = self._open()
                 self._seen = (0, 0, 0, 0)
-                self._update()
+            self._derive()
 
     def close(self) -> None:
         with self._lock:
             self.tier.poll(wait=True)
-            self._update()
+            self._drain_events()
             self.tier.close()
 
     def admission_stats(self) -> dict[str, float] | None:
@@ -265,22 +283,22 @@ class TierPath:
             return {k: float(v) for k, v in dataclasses.asdict(self.layer.stats()).items()}
 
     def _admit(self, keys: Sequence[OffloadKey]) -> set[OffloadKey]:
-        c = self.counters
         if self.layer is None:
             admitted = set(keys)
         else:
             with self._admission_lock:
                 output = self.layer.prepare_store(keys)
             admitted = set() if output is None else set(output.keys_to_store)
-        with self._lock:
+        with self._count_lock:
+            c = self._counters
             c.stores_offered += len(keys)
             c.stores_admitted += len(admitted)
             c.stores_skipped += len(set(keys)) - len(admitted)
         return admitted
 
-    def _update(self) -> None:
-        """Add the tier's new counts and hand its events on (under the lock)."""
-        tier, c = self.tier, self.counters
+    def _derive(self) -> None:
+        """Add the tier's new counts of its own (under the count lock; they are plain ints)."""
+        tier, c = self.tier, self._counters
         unavailable = tier.unavailable if isinstance(tier, RemoteTier) else 0
         now = (tier.stats.evicted, tier.stats.corrupt, tier.stats.rejected, unavailable)
         before, self._seen = self._seen, now
@@ -292,6 +310,9 @@ class TierPath:
             c.held_pages = len(tier)
         else:
             c.held_pages = tier.stats.stored_blocks - self._held_base
-        events = tier.take_events()
+
+    def _drain_events(self) -> None:
+        """Hand the tier's events on (under the lock)."""
+        events = self.tier.take_events()
         if events and self._sink is not None:
             self._sink(events)

@@ -259,7 +259,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         """Per tier (``disk``, ``remote``): our counters, and the admission layer's if any."""
         out: dict[str, dict[str, Any]] = {}
         for path in self.paths:
-            values: dict[str, Any] = path.counters.as_dict()
+            values: dict[str, Any] = path.counters().as_dict()
             admission = path.admission_stats()
             if admission is not None:
                 values["admission"] = admission
