@@ -5,7 +5,9 @@ interface (``batch_set_v1`` from host-pool pages, ``batch_get_v1`` back into
 other pages, bytes checked) and, in the same run, through the plainest use
 of the same ``valkey`` client: one pipeline of SETs of the pages' bytes
 (already gathered, so the plain side pays no gather), then one MGET copied
-into a buffer. Rounds alternate; each row gives the best rates, their ratio,
+into a buffer. Beside it, the shared tier alone (``RemoteTier`` write and
+read of the gathered bytes), to tell what the tier costs from what the
+backend adds. Rounds alternate; each row gives the best rates, their ratio,
 and the median of each round's ratio to the plain round before it.
 
 The host pool is the tests' (``tests/integrations/sglang_helpers.py``, SGLang's
@@ -66,7 +68,7 @@ def start_server(directory: str) -> tuple[subprocess.Popen[bytes], str]:
 def measure(url: str, layout: str, mla: bool, args: argparse.Namespace) -> dict[str, float]:
     import valkey
 
-    from kvoffload.integrations.sglang.storage import KVOffloadStorage
+    from kvoffload.integrations.sglang.storage import KVOffloadStorage, page_key
 
     modules = import_sglang()
     n = args.pages
@@ -91,7 +93,9 @@ def measure(url: str, layout: str, mla: bool, args: argparse.Namespace) -> dict[
     landing = bytearray(n * page_bytes)
     view = memoryview(landing)
     plain_times: list[tuple[float, float]] = []
+    tier_times: list[tuple[float, float]] = []
     ours_times: list[tuple[float, float]] = []
+    tier = backend.paths[0].tier
     try:
         for r in range(args.rounds):
             names = [f"kvoffload-bench:plain:{r}:{i}".encode() for i in range(n)]
@@ -106,6 +110,17 @@ def measure(url: str, layout: str, mla: bool, args: argparse.Namespace) -> dict[
             loaded = time.perf_counter()
             client.delete(*names)
             plain_times.append((stored - started, loaded - stored))
+
+            tier_keys = [page_key(page_hash(-(r * n + i) - 1)) for i in range(n)]
+            started = time.perf_counter()
+            tier.write(tier_keys, expected)
+            tier.poll(wait=True)
+            stored = time.perf_counter()
+            got = tier.read(tier_keys, lambda i: view[i * page_bytes : (i + 1) * page_bytes])
+            if not all(got.result()):
+                raise RuntimeError("the shared tier lost pages during the benchmark")
+            loaded = time.perf_counter()
+            tier_times.append((stored - started, loaded - stored))
 
             keys = [page_hash(r * n + i) for i in range(n)]
             started = time.perf_counter()
@@ -125,12 +140,16 @@ def measure(url: str, layout: str, mla: bool, args: argparse.Namespace) -> dict[
     finally:
         backend.close()
         client.close()
-    return figures(n, page_bytes, plain_times, ours_times)
+    out = figures(n, page_bytes, plain_times, ours_times)
+    tier_only = figures(n, page_bytes, plain_times, tier_times)
+    out.update({f"tier_{name}": value for name, value in tier_only.items()})
+    return out
 
 
 def figures(
     n: int, page_bytes: int, plain: list[tuple[float, float]], ours: list[tuple[float, float]]
 ) -> dict[str, float]:
+    """Rates of the best rounds, their ratio, and the median of the rounds' own ratios."""
     out: dict[str, float] = {"page_bytes": page_bytes}
     for k, what in enumerate(("store", "load")):
         best_ours, best_plain = min(t[k] for t in ours), min(t[k] for t in plain)
@@ -163,17 +182,23 @@ def main() -> None:
             if process is not None:
                 process.kill()
                 process.wait()
-    print(f"{args.pages} pages per batch, best of {args.rounds} rounds; ratio = ours / plain")
-    side = f"{'pg/s':>10} {'GB/s':>6} {'plain':>6} {'ratio':>6} {'median':>6}"
-    print(f"{'':16} {'page KiB':>8} store {side}  load {side}")
+    print(f"{args.pages} pages per batch, best of {args.rounds} rounds; ratio: to plain SET/MGET")
+    print(
+        f"{'':16} {'page KiB':>8} | {'store pg/s':>10} {'GB/s':>5} {'plain':>5} {'ratio':>5} "
+        f"{'median':>6} {'tier':>5} | {'load pg/s':>9} {'GB/s':>5} {'plain':>5} {'ratio':>5} "
+        f"{'median':>6} {'tier':>5}"
+    )
     for name, f in rows.items():
         print(
-            f"{name:16} {f['page_bytes'] / 1024:8.0f}       "
-            f"{f['store_pages_per_s']:10.0f} {f['store_gbps']:6.2f} {f['plain_store_gbps']:6.2f} "
-            f"{f['store_ratio']:6.2f} {f['store_ratio_median']:6.2f}       "
-            f"{f['load_pages_per_s']:10.0f} {f['load_gbps']:6.2f} {f['plain_load_gbps']:6.2f} "
-            f"{f['load_ratio']:6.2f} {f['load_ratio_median']:6.2f}"
+            f"{name:16} {f['page_bytes'] / 1024:8.0f} | "
+            f"{f['store_pages_per_s']:10.0f} {f['store_gbps']:5.2f} {f['plain_store_gbps']:5.2f} "
+            f"{f['store_ratio']:5.2f} {f['store_ratio_median']:6.2f} "
+            f"{f['tier_store_ratio_median']:5.2f} | "
+            f"{f['load_pages_per_s']:9.0f} {f['load_gbps']:5.2f} {f['plain_load_gbps']:5.2f} "
+            f"{f['load_ratio']:5.2f} {f['load_ratio_median']:6.2f} "
+            f"{f['tier_load_ratio_median']:5.2f}"
         )
+    print("median: of each round's ratio; tier: the shared tier alone on gathered bytes (median)")
 
 
 if __name__ == "__main__":
