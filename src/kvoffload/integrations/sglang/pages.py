@@ -23,6 +23,8 @@ import torch
 from kvoffload.core.errors import InvalidArgumentError
 
 LAYOUTS = ("page_first", "layer_first", "page_first_direct")
+"""Host-pool layouts whose pages SGLang's pools describe as whole segments in page order
+(``page_first_direct`` as ``page_first``); the tests cover ``page_first`` and ``layer_first``."""
 GROUP_BYTES = 32 * 2**20
 """Host-pool layouts whose page segments this backend has been checked with."""
 
