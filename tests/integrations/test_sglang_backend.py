@@ -115,6 +115,9 @@ def test_copy_interface_round_trip(
     assert all(torch.equal(a, b) for a, b in zip(got[:4], pages, strict=True))
     single = backend.get(keys[1])
     assert single is not None and torch.equal(single, pages[1])
+    strided = torch.zeros(2 * pages[2].numel(), dtype=pages[2].dtype)[::2]  # not one run
+    filled = backend.get(keys[2], strided)
+    assert filled is not None and torch.equal(filled, pages[2])
 
 
 def test_batch_exists_counts_the_leading_run_across_tiers(

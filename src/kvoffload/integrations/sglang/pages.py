@@ -29,12 +29,14 @@ GROUP_BYTES = 32 * 2**20
 """Host-pool layouts whose page segments this backend has been checked with."""
 
 
+def flat_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as one flat run of memory: itself (a view) when it is one, else a copy."""
+    return tensor.detach().reshape(-1).contiguous()
+
+
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """``tensor``'s bytes in place (a CPU tensor; made contiguous if it was not)."""
-    flat = tensor.detach().reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    return flat.view(torch.uint8).numpy().data
+    """The bytes of a flat contiguous CPU tensor, in place (writable)."""
+    return tensor.view(torch.uint8).numpy().data
 
 
 def _at(pointer: int, size: int) -> memoryview:

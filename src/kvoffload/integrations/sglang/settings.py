@@ -19,8 +19,23 @@ from kvoffload.tiers.url import parse_remote_url
 
 PREFIX = "kvoffload."
 
-SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
-"""Keys SGLang reads itself: the ``dynamic`` loader's three and the zero-copy switch."""
+SGLANG_KEYS = frozenset(
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+        "tp_lcm_size",
+        "file_storage_path",
+    }
+)
+"""Keys SGLang reads itself (the ``dynamic`` loader's three, the zero-copy switch, its
+prefetch settings, which it mostly removes before the backend sees the mapping) or adds
+(``file_storage_path``, from ``--file-storage-path``): accepted and left to it."""
 
 DISK_DIR = f"{PREFIX}disk_dir"
 DISK_BYTES = f"{PREFIX}disk_bytes"

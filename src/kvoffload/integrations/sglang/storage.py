@@ -34,7 +34,12 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey, make_offload_key
 from kvoffload.core.manager import OffloadingEvent
-from kvoffload.integrations.sglang.pages import HostPages, PageTargets, tensor_bytes
+from kvoffload.integrations.sglang.pages import (
+    HostPages,
+    PageTargets,
+    flat_tensor,
+    tensor_bytes,
+)
 from kvoffload.integrations.sglang.paths import Payload, TierPath
 from kvoffload.integrations.sglang.settings import (
     DISK_BYTES,
@@ -121,7 +126,8 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
     SGLang at start-up with an error naming it; the tiers open when SGLang
     registers its host pool (the page geometry is known only then), and a
     server that cannot be reached or a directory that cannot be used stops it
-    there, naming the key too.
+    there, naming the key too. ``kwargs`` is what SGLang's factory passes on
+    to a dynamic backend (nothing this one reads).
     """
 
     def __init__(
@@ -162,7 +168,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             self._close_parts()
             raise
 
-    # The zero-copy interface ("interface_v1": 1).
+    # Look-ups (both interfaces), then the zero-copy interface ("interface_v1": 1).
 
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
@@ -223,7 +229,8 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         """Each page into its ``target_locations`` tensor (a new page tensor if none given)."""
         pages = self._pages()
         started = time.perf_counter()
-        targets = list(target_locations or [pages.dummy_page() for _ in keys])
+        # A destination that is not one run of memory is filled as a copy, returned instead.
+        targets = [flat_tensor(t) for t in target_locations or [pages.dummy_page() for _ in keys]]
         views = [tensor_bytes(target) for target in targets]
         intact = self._read([page_key(key) for key in keys], views.__getitem__)
         self._note(PREFETCH, intact, started)
@@ -252,7 +259,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             return False
         page_bytes = self._pages().page_bytes
         started = time.perf_counter()
-        payloads = [tensor_bytes(value) for value in values]
+        payloads = [tensor_bytes(flat_tensor(value)) for value in values]
         if any(payload.nbytes != page_bytes for payload in payloads):
             return False
         done = self._write([page_key(key) for key in keys], [(0, payloads)])
