@@ -8,7 +8,9 @@ of the same ``valkey`` client: one pipeline of SETs of the pages' bytes
 into a buffer. Beside it, the shared tier alone (``RemoteTier`` write and
 read of the gathered bytes), to tell what the tier costs from what the
 backend adds. Rounds alternate; each row gives the best rates, their ratio,
-and the median of each round's ratio to the plain round before it.
+and the median of each round's ratio to the plain round before it, then the
+client's CPU time per batch (all its threads), which a busy machine disturbs
+less than the wall clock.
 
 The host pool is the tests' (``tests/integrations/sglang_helpers.py``, SGLang's
 page layouts): SGLang's own does not import without a GPU stack. A Valkey
@@ -92,43 +94,41 @@ def measure(url: str, layout: str, mla: bool, args: argparse.Namespace) -> dict[
     client = valkey.Valkey.from_url(url.split("?")[0])
     landing = bytearray(n * page_bytes)
     view = memoryview(landing)
-    plain_times: list[tuple[float, float]] = []
-    tier_times: list[tuple[float, float]] = []
-    ours_times: list[tuple[float, float]] = []
+    plain_times: list[Times] = []
+    tier_times: list[Times] = []
+    ours_times: list[Times] = []
     tier = backend.paths[0].tier
     try:
         for r in range(args.rounds):
             names = [f"kvoffload-bench:plain:{r}:{i}".encode() for i in range(n)]
-            started = time.perf_counter()
+            started = _now()
             pipe = client.pipeline(transaction=False)
             for name, payload in zip(names, expected, strict=True):
                 pipe.set(name, payload)
             pipe.execute()
-            stored = time.perf_counter()
+            stored = _now()
             for i, value in enumerate(client.mget(names)):
                 view[i * page_bytes : (i + 1) * page_bytes] = value
-            loaded = time.perf_counter()
+            plain_times.append(_spans(started, stored, _now()))
             client.delete(*names)
-            plain_times.append((stored - started, loaded - stored))
 
             tier_keys = [page_key(page_hash(-(r * n + i) - 1)) for i in range(n)]
-            started = time.perf_counter()
+            started = _now()
             tier.write(tier_keys, expected)
             tier.poll(wait=True)
-            stored = time.perf_counter()
+            stored = _now()
             got = tier.read(tier_keys, lambda i: view[i * page_bytes : (i + 1) * page_bytes])
             if not all(got.result()):
                 raise RuntimeError("the shared tier lost pages during the benchmark")
-            loaded = time.perf_counter()
-            tier_times.append((stored - started, loaded - stored))
+            tier_times.append(_spans(started, stored, _now()))
 
             keys = [page_hash(r * n + i) for i in range(n)]
-            started = time.perf_counter()
+            started = _now()
             ok = backend.batch_set_v1(keys, source)
-            stored = time.perf_counter()
-            got = backend.batch_get_v1(keys, destination)
-            loaded = time.perf_counter()
-            if not (all(ok) and all(got)):
+            stored = _now()
+            got_pages = backend.batch_get_v1(keys, destination)
+            ours_times.append(_spans(started, stored, _now()))
+            if not (all(ok) and all(got_pages)):
                 raise RuntimeError("the backend lost pages during the benchmark")
             if [pool.page_bytes(p) for p in range(n, 2 * n)] != expected:
                 raise RuntimeError("pages did not come back intact")
@@ -136,19 +136,38 @@ def measure(url: str, layout: str, mla: bool, args: argparse.Namespace) -> dict[
             for p in range(n, 2 * n):
                 pool.set_from_flat_data_page(p * pool.page_size, blank)
             backend.clear()
-            ours_times.append((stored - started, loaded - stored))
     finally:
         backend.close()
         client.close()
     out = figures(n, page_bytes, plain_times, ours_times)
     tier_only = figures(n, page_bytes, plain_times, tier_times)
     out.update({f"tier_{name}": value for name, value in tier_only.items()})
+    for name, times in (("plain", plain_times), ("tier", tier_times), ("ours", ours_times)):
+        for k, what in ((2, "store"), (3, "load")):
+            out[f"{name}_{what}_cpu_ms"] = 1e3 * statistics.median(t[k] for t in times)
     return out
 
 
-def figures(
-    n: int, page_bytes: int, plain: list[tuple[float, float]], ours: list[tuple[float, float]]
-) -> dict[str, float]:
+Times = tuple[float, float, float, float]
+"""Store and load seconds of one round: wall clock, then this process's CPU (all threads)."""
+
+
+def _now() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def _spans(
+    started: tuple[float, float], stored: tuple[float, float], loaded: tuple[float, float]
+) -> Times:
+    return (
+        stored[0] - started[0],
+        loaded[0] - stored[0],
+        stored[1] - started[1],
+        loaded[1] - stored[1],
+    )
+
+
+def figures(n: int, page_bytes: int, plain: list[Times], ours: list[Times]) -> dict[str, float]:
     """Rates of the best rounds, their ratio, and the median of the rounds' own ratios."""
     out: dict[str, float] = {"page_bytes": page_bytes}
     for k, what in enumerate(("store", "load")):
@@ -199,6 +218,15 @@ def main() -> None:
             f"{f['tier_load_ratio_median']:5.2f}"
         )
     print("median: of each round's ratio; tier: the shared tier alone on gathered bytes (median)")
+    print("client CPU ms per batch (median; plain / tier / backend):")
+    for name, f in rows.items():
+        cpu = {
+            what: " / ".join(
+                f"{f[f'{side}_{what}_cpu_ms']:.0f}" for side in ("plain", "tier", "ours")
+            )
+            for what in ("store", "load")
+        }
+        print(f"  {name:16} store {cpu['store']:>16}   load {cpu['load']:>16}")
 
 
 if __name__ == "__main__":

@@ -174,6 +174,8 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
         """Leading run of ``keys`` held by the tiers together; a sighting for admission."""
+        if not keys:
+            return 0
         ours = [page_key(key) for key in keys]
         found, served = self._present(ours)
         prefix = extra_info.prefix_keys if extra_info is not None else None
