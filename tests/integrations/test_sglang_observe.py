@@ -6,6 +6,7 @@ events (vLLM's wire format) and serves our per-tier counters.
 
 from __future__ import annotations
 
+import socket
 import urllib.request
 from pathlib import Path
 from types import ModuleType
@@ -20,6 +21,7 @@ pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families
 from sglang_helpers import HostPool, create_backend, import_sglang, page_hash
 
+from kvoffload.integrations.sglang.storage import offset_endpoint
 from kvoffload.observe.events import BlockRemoved, BlockStored
 from kvoffload.observe.subscriber import KVEventSubscriber
 from tier_servers import ValkeyProcess, free_port
@@ -126,3 +128,45 @@ def test_get_stats_gives_sglang_its_metrics_and_ours(
     assert stats.kvoffload["disk"]["loads"] == 3 and stats.kvoffload["remote"]["loads"] == 0
     again = backend.get_stats()
     assert again.prefetch_pgs == [] and again.kvoffload["disk"]["stores_completed"] == 3
+
+
+def _two_free_ports() -> int:
+    """A port whose successor is free as well (one metrics port per rank)."""
+    while True:
+        port = free_port()
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+
+
+def test_each_rank_serves_its_metrics_on_its_own_port_and_rank_0_publishes(
+    backend_of: Any, tmp_path: Path
+) -> None:
+    port = _two_free_ports()
+    page_bytes = len(HostPool().page_bytes(0))
+    extra = {
+        "kvoffload.disk_dir": str(tmp_path),
+        "kvoffload.disk_bytes": 8 * page_bytes,
+        "kvoffload.metrics_port": port,
+        "kvoffload.kv_events_endpoint": f"tcp://127.0.0.1:{free_port()}",
+    }
+    pools = [HostPool(), HostPool()]
+    ranks = [backend_of(extra, pools[r], model="ranks", tp_rank=r, tp_size=2) for r in (0, 1)]
+    pools[1].fill([0, 1, 2], seed=4)
+    assert all(ranks[1].batch_set_v1(KEYS[:3], pools[1].indices([0, 1, 2])))
+    for rank in (0, 1):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port + rank}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        [stored] = [
+            sample
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "kvoffload_l3_stores_completed_total"
+        ]
+        assert stored.labels["tp_rank"] == str(rank) and stored.value == (3 if rank else 0)
+    assert ranks[0].publishes_events and not ranks[1].publishes_events
+    assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv-1"

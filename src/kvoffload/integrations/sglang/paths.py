@@ -1,8 +1,9 @@
 """One tier below SGLang's host pool, as the backend drives it: lock, admission, counters.
 
 SGLang calls its storage backend from several threads at once (the prefetch
-query, the prefetch I/O and the backup thread); our tiers expect one caller,
-so every call into a tier goes through its path's lock. The admission layer
+query, the prefetch I/O and the backup thread); our tiers expect one caller
+for what changes their state, so that goes through the path's lock (see
+:class:`TierPath`). The admission layer
 sees what this tier sees: the lookups that reach L3 (sightings) and the
 host tier's write-backs (offers); it sits on a :class:`_Book` that keeps
 nothing, since the tier below decides eviction itself. No SGLang import.

@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import functools
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -67,14 +68,16 @@ class L3Metrics:
     backup_bandwidth: list[float] = field(default_factory=list)
 
 
-@functools.cache
+METRICS_MODULE = "sglang.srt.observability.metrics_collector"
+
+
 def _metrics_class() -> type[Any]:
-    """SGLang's ``StorageMetrics`` (its collector asserts that type), else :class:`L3Metrics`."""
-    try:
-        from sglang.srt.observability.metrics_collector import StorageMetrics
-    except Exception:  # the module pulls torchvision and more, absent without a GPU stack
-        return L3Metrics
-    return StorageMetrics  # type: ignore[no-any-return]
+    """SGLang's ``StorageMetrics`` once SGLang has loaded its metrics module (its collector,
+    the only caller of ``get_stats``, asserts that type), else :class:`L3Metrics`; the
+    module itself is never imported here: it pulls torchvision and more."""
+    module = sys.modules.get(METRICS_MODULE)
+    found = getattr(module, "StorageMetrics", None)
+    return found if isinstance(found, type) else L3Metrics
 
 
 def page_key(key: str) -> OffloadKey:
@@ -90,6 +93,17 @@ def _at(target: Any, positions: list[int], index: int) -> memoryview:
     """``target`` of the ``index``-th key of a read that asks only for ``positions``."""
     view: memoryview = target(positions[index])
     return view
+
+
+def offset_endpoint(endpoint: str, offset: int) -> str:
+    """``endpoint`` for the ``offset``-th publisher: its TCP port plus ``offset``, or (another
+    transport) its address with ``-offset`` appended; unchanged for the first."""
+    if offset == 0:
+        return endpoint
+    head, sep, port = endpoint.rpartition(":")
+    if endpoint.startswith("tcp://") and sep and port.isdigit():
+        return f"{head}:{int(port) + offset}"
+    return f"{endpoint}-{offset}"
 
 
 def _lock_directory(directory: str, fingerprint: bytes) -> int:
@@ -300,6 +314,11 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             out[path.name] = values
         return out
 
+    @property
+    def publishes_events(self) -> bool:
+        """Whether this rank publishes KV events (the first TP rank of each stage does)."""
+        return self._publisher is not None
+
     def flush_events(self, timeout_s: float = 10.0) -> None:
         """Wait until the KV events published so far are sent (nothing without a publisher)."""
         if self._publisher is not None:
@@ -338,16 +357,20 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         )
 
     def _open_parts(self, pages: HostPages) -> None:
-        s = self.settings
-        if s.kv_events_endpoint is not None:
+        s, c = self.settings, self.storage_config
+        # The TP ranks of a stage hold the same pages (each its shard): the first one speaks
+        # for them, on the endpoints' ports plus its data-parallel replica and stage.
+        if s.kv_events_endpoint is not None and c.tp_rank == 0 and c.attn_cp_rank == 0:
             from kvoffload.observe.publisher import KVEventPublisher
 
+            stage = c.dp_rank * c.pp_size + c.pp_rank
+            replay = s.kv_events_replay_endpoint
             try:
                 self._publisher = KVEventPublisher(
-                    s.kv_events_endpoint,
-                    s.kv_events_replay_endpoint,
+                    offset_endpoint(s.kv_events_endpoint, stage),
+                    None if replay is None else offset_endpoint(replay, stage),
                     block_size=pages.page_size,
-                    data_parallel_rank=self.storage_config.dp_rank,
+                    data_parallel_rank=c.dp_rank,
                 )
             except InvalidArgumentError as exc:
                 raise InvalidArgumentError(
@@ -405,14 +428,21 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             from kvoffload.integrations.sglang.metrics import TierCollector
             from kvoffload.observe.metrics import MetricsServer
 
-            try:
-                self._metrics = MetricsServer(s.metrics_port)
+            rank = ((c.dp_rank * c.pp_size + c.pp_rank) * c.attn_cp_size + c.attn_cp_rank) * (
+                c.tp_size
+            ) + c.tp_rank
+            try:  # every rank has its own tiers, so its own port: the given one plus its rank
+                self._metrics = MetricsServer(s.metrics_port + rank if s.metrics_port else 0)
             except InvalidArgumentError as exc:
                 raise InvalidArgumentError(
                     f"hicache-storage-backend-extra-config {METRICS_PORT!r}: {exc}"
                 ) from None
-            c = self.storage_config
-            self._metrics.add(TierCollector(self.paths, {"tp_rank": str(c.tp_rank)}))
+            labels = {
+                "tp_rank": str(c.tp_rank),
+                "pp_rank": str(c.pp_rank),
+                "dp_rank": str(c.dp_rank),
+            }
+            self._metrics.add(TierCollector(self.paths, labels))
 
     def _close_parts(self) -> None:
         paths, self.paths = self.paths, []
