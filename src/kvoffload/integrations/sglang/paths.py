@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -89,6 +90,14 @@ Landed = Callable[[int, list[bool]], None]
 
 def _shifted(target: Target, start: int, index: int) -> memoryview:
     return target(start + index)
+
+
+def _outcome(job: Future[list[bool]], n: int) -> list[bool]:
+    """A read's per-key results; all failed if its I/O thread died unexpectedly."""
+    try:
+        return job.result()
+    except Exception:  # a tier's surprise is a failed read, never SGLang's exception
+        return [False] * n
 
 
 class WriteBatch:
@@ -206,7 +215,7 @@ class TierPath:
             ]
         intact: list[bool] = []
         for start, job in zip(starts, jobs, strict=True):
-            part = job.result()
+            part = _outcome(job, min(step, len(keys) - start))
             if landed is not None:
                 landed(start, part)
             intact += part
