@@ -25,10 +25,10 @@ from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import LoadStoreSpec
 from kvoffload.managers.tiered import LowerTier, Target
+from kvoffload.tiers.block_sets import Payload
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.remote import RemoteTier
 
-Payload = bytes | bytearray | memoryview
 EventSink = Callable[[list[OffloadingEvent]], None]
 
 

@@ -41,7 +41,7 @@ from kvoffload.integrations.sglang.pages import (
     flat_tensor,
     tensor_bytes,
 )
-from kvoffload.integrations.sglang.paths import Payload, TierPath
+from kvoffload.integrations.sglang.paths import TierPath
 from kvoffload.integrations.sglang.settings import (
     DISK_BYTES,
     DISK_DIR,
@@ -53,6 +53,7 @@ from kvoffload.integrations.sglang.settings import (
     parse_settings,
 )
 from kvoffload.tiers import DiskTier, RemoteTier, RemoteTierError, fingerprint_of
+from kvoffload.tiers.block_sets import Payload
 
 GB = 1e9
 PREFETCH, BACKUP = "prefetch", "backup"
