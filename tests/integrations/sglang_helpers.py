@@ -30,6 +30,33 @@ BACKEND = {
 }
 
 
+BAD_CONFIGS = [
+    ({"kvoffload.disk_dri": "/tmp/x"}, "kvoffload.disk_dri"),
+    ({"disk_dir": "/tmp/x"}, "disk_dir"),
+    ({"kvoffload.disk_dir": "/tmp/x"}, "kvoffload.disk_bytes"),
+    ({"kvoffload.disk_dir": "/tmp/x", "kvoffload.disk_bytes": -1}, "kvoffload.disk_bytes"),
+    ({"kvoffload.disk_dir": "/tmp/x", "kvoffload.disk_bytes": "lots"}, "kvoffload.disk_bytes"),
+    ({"kvoffload.disk_dir": "", "kvoffload.disk_bytes": 1}, "kvoffload.disk_dir"),
+    (
+        {"kvoffload.disk_dir": "/tmp/x", "kvoffload.disk_bytes": 9, "kvoffload.disk_policy": "x"},
+        "kvoffload.disk_policy",
+    ),
+    (
+        {"kvoffload.remote_url": "redis://h:1", "kvoffload.remote_admission": "sketchy"},
+        "kvoffload.remote_admission",
+    ),
+    (
+        {"kvoffload.remote_url": "redis://h:1", "kvoffload.remote_admission": "sketch"},
+        "kvoffload.remote_bytes",
+    ),
+    ({"kvoffload.remote_url": "http://h:1"}, "kvoffload.remote_url"),
+    ({"kvoffload.remote_url": "redis://h:1", "kvoffload.metrics_port": 70000}, "metrics_port"),
+    ({"kvoffload.remote_url": "redis://h:1", "interface_v1": "yes"}, "interface_v1"),
+    ({}, "kvoffload.disk_dir"),
+]
+"""Extra configs that must stop start-up, and the key each error must name."""
+
+
 def import_sglang() -> dict[str, ModuleType]:
     pytest.importorskip("sglang", reason="SGLang is not installed (CI installs it --no-deps)")
     return {name: importlib.import_module(name) for name in MODULES}
