@@ -14,9 +14,7 @@ or failed write, never an exception into SGLang.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
-import os
 import sys
 import threading
 import time
@@ -107,26 +105,6 @@ def offset_endpoint(endpoint: str, offset: int) -> str:
     return f"{endpoint}-{offset}"
 
 
-def _lock_directory(directory: str, fingerprint: bytes) -> int:
-    """Lock ``directory``'s tier of ``fingerprint`` for this process (a disk tier's index lives
-    in one process: a second one writing the same slot file would corrupt it)."""
-    where = f"hicache-storage-backend-extra-config {DISK_DIR!r}"
-    try:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        fd = os.open(Path(directory) / f"{fingerprint.hex()}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise InvalidArgumentError(f"{where}: cannot use {directory}: {exc}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise InvalidArgumentError(
-            f"{where}: {directory} is in use by another process for the same model and rank; "
-            "give each SGLang server its own directory"
-        ) from None
-    return fd
-
-
 def _scatter(targets: PageTargets, positions: list[int], start: int, intact: list[bool]) -> None:
     """Put the pages of a landed group that arrived intact into place."""
     for j, ok in enumerate(intact):
@@ -165,8 +143,6 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         self.paths: list[TierPath] = []
         self.fingerprint = b""
         self._publisher: Any = None
-        self._disk_lock: int | None = None
-        """The open lock file that keeps a second process off this disk tier."""
         self._metrics: Any = None
         self._recent = L3Metrics()
         self._recent_lock = threading.Lock()
@@ -380,9 +356,9 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         sink = None if self._publisher is None else self._publish
         events = sink is not None
         if s.disk_dir is not None:
-            # Data-parallel replicas have the same shard (fingerprint), not the same disk.
+            # Data-parallel replicas have the same shard (fingerprint), not the same disk;
+            # the tier itself locks its directory against a second process.
             disk_dir = str(Path(s.disk_dir) / f"dp{self.storage_config.dp_rank}")
-            self._disk_lock = _lock_directory(disk_dir, self.fingerprint)
             blocks = s.disk_bytes // pages.page_bytes
             if blocks < 1:
                 raise InvalidArgumentError(
@@ -449,9 +425,6 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         paths, self.paths = self.paths, []
         for path in paths:
             path.close()
-        if self._disk_lock is not None:
-            lock, self._disk_lock = self._disk_lock, None
-            os.close(lock)
         if self._publisher is not None:
             publisher, self._publisher = self._publisher, None
             publisher.close()
