@@ -55,7 +55,9 @@ def _shared(url: str, **extra: Any) -> dict[str, Any]:
 class Engine:
     """vLLM's tiering manager over ``tiers``, driven request by request."""
 
-    def __init__(self, tiers: list[dict[str, Any]], cpu_blocks: int, model: str) -> None:
+    def __init__(
+        self, tiers: list[dict[str, Any]], cpu_blocks: int, model: str, events: bool = False
+    ) -> None:
         from kvoffload.integrations.vllm.secondary_replay import TieringReplay, tiering_spec
 
         self.spec = tiering_spec(
@@ -64,6 +66,7 @@ class Engine:
             bytes_per_block=BLOCK_BYTES,
             engine_id=f"test-{uuid.uuid4().hex[:12]}",
             model=model,
+            events=events,
         )
         self.manager = self.spec.get_manager()
         self.payloads: dict[OffloadKey, Any] = {}
@@ -109,8 +112,10 @@ def engines() -> Iterator[Callable[..., Engine]]:
     """Builds engines (fresh engine ids); shuts them down even when a test fails."""
     made: list[Engine] = []
 
-    def make(tiers: list[dict[str, Any]], cpu_blocks: int = 4, model: str = "m") -> Engine:
-        engine = Engine(tiers, cpu_blocks, model)
+    def make(
+        tiers: list[dict[str, Any]], cpu_blocks: int = 4, model: str = "m", events: bool = False
+    ) -> Engine:
+        engine = Engine(tiers, cpu_blocks, model, events)
         made.append(engine)
         return engine
 
@@ -183,6 +188,23 @@ def test_admission_decides_what_the_cascade_writes(
     assert stats is not None and stats["admitted"] == 4 and stats["rejected"] == 4
 
 
+def test_the_disk_tier_publishes_its_stores_and_evictions_as_vllm_kv_events(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    from vllm.v1.kv_offload.base import Locality, Medium
+
+    entry = _disk(tmp_path, admission="none", enable_kv_events=True, locality="LOCAL")
+    engine = engines([{**entry, "disk_bytes": 4 * BLOCK_BYTES}], cpu_blocks=4, events=True)
+    engine.replay.request(KEYS[:4])
+    engine.replay.request(KEYS[4:6])  # the disk tier holds four: two are evicted
+    events = [e for e in engine.manager.take_events() if e.medium is Medium.STORAGE]
+    assert all(e.locality is Locality.LOCAL for e in events)
+    stored = [key for e in events if not e.removed for key in e.keys]
+    removed = [key for e in events if e.removed for key in e.keys]
+    assert sorted(stored) == sorted(KEYS[:6])
+    assert len(removed) == 2 and set(removed) <= set(KEYS[:4])
+
+
 def test_a_dead_server_is_counted_failures_and_misses_never_an_exception(
     vllm_modules: dict[str, ModuleType], own_server: ValkeyProcess, engines: Callable[..., Engine]
 ) -> None:
@@ -246,3 +268,67 @@ def test_a_bad_shared_entry_stops_start_up_naming_the_key(
         TieringOffloadingSpec.build_metric_definitions(
             {"secondary_tiers": [_shared("ftp://nowhere")]}
         )
+
+
+MOONCAKE_REQUESTS = 1500
+"""The trace's first requests: enough for the admission layers to learn, quick enough to test."""
+
+
+def _replay_mooncake(
+    requests: list[Any], admission: str, tmp_path: Path, server: ValkeyProcess
+) -> tuple[float, int, int]:
+    """Hit ratio and the bytes written to disk and to the server by one replay, sized as
+    benchmarks/vllm_secondary.py does: GPU 2%, CPU 5%, disk 10%, server 25% of unique blocks."""
+    from kvoffload.integrations.vllm.secondary_replay import TieringReplay, tiering_spec
+
+    unique = len({key for request in requests for key in request.keys})
+    gpu = max(unique // 50, max(len(r.keys) for r in requests))
+    cpu, disk, remote = unique // 20, unique // 10, unique // 4
+    client = server.client()
+    client.flushall()
+    used = int(client.info("memory")["used_memory"])
+    client.config_set("maxmemory", used + remote * (BLOCK_BYTES + 400))
+    client.config_set("maxmemory-policy", "allkeys-lru")
+    tiers = [
+        {**_disk(tmp_path / admission), "disk_bytes": disk * BLOCK_BYTES, "admission": admission},
+        {**_shared(server.url), "remote_bytes": remote * BLOCK_BYTES, "admission": admission},
+    ]
+    spec = tiering_spec(
+        tiers,
+        cpu * BLOCK_BYTES,
+        bytes_per_block=BLOCK_BYTES,
+        engine_id=f"mc-{uuid.uuid4().hex[:12]}",
+    )
+    manager = spec.get_manager()
+    replay = TieringReplay(manager, gpu_blocks=gpu)
+    try:
+        result = replay.run(requests)
+    finally:
+        replay.close()
+        manager.shutdown()
+    on_disk, on_server = (tier.counters for tier in manager.secondary_tiers)
+    assert on_disk.write_failures == on_server.write_failures == 0
+    return result.hit_ratio, on_disk.bytes_written, on_server.bytes_written
+
+
+def test_mooncake_replay_our_admission_cuts_the_cascade_writes_and_keeps_the_hit_ratio(
+    vllm_modules: dict[str, ModuleType],
+    mooncake_trace: Path,
+    tmp_path: Path,
+    own_server: ValkeyProcess,
+    record_property: Callable[[str, object], None],
+) -> None:
+    from kvoffload.sim.traces import read_trace
+
+    requests = read_trace(mooncake_trace).requests[:MOONCAKE_REQUESTS]
+    own_server.start()
+    everything = _replay_mooncake(requests, "none", tmp_path, own_server)
+    ours = _replay_mooncake(requests, "recommended", tmp_path, own_server)
+    report = (
+        f"hit ratio {ours[0]:.3f} vs vLLM's cascade-everything {everything[0]:.3f}; "
+        f"bytes written: disk {ours[1] / everything[1]:.2f}x, server {ours[2] / everything[2]:.2f}x"
+    )
+    record_property("mooncake", report)
+    print(report)
+    assert ours[1] <= 0.7 * everything[1] and ours[2] <= 0.7 * everything[2], report
+    assert ours[0] >= everything[0] - 0.005, report
