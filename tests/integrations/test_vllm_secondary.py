@@ -20,7 +20,7 @@ import pytest
 from kvoffload import block_id_key
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
-from tier_servers import ValkeyProcess
+from tier_servers import ValkeyClusterProcesses, ValkeyProcess
 
 torch = pytest.importorskip("torch")
 
@@ -160,6 +160,41 @@ def test_bytes_round_trip_through_a_real_valkey_and_only_for_the_same_model(
     assert (shared.counters.loaded_blocks, shared.counters.bytes_read) == (3, 3 * BLOCK_BYTES)
     other = engines([_shared(valkey_server.url, admission="none")], model="another-model")
     assert other.replay.request(KEYS[:3]) == 0  # another model's blocks are never offered
+
+
+def test_bytes_round_trip_through_a_three_node_cluster(
+    vllm_modules: dict[str, ModuleType],
+    valkey_cluster: ValkeyClusterProcesses,
+    engines: Callable[..., Engine],
+) -> None:
+    model = f"cluster-{uuid.uuid4().hex[:8]}"
+    first = engines([_shared(valkey_cluster.url, admission="none")], model=model, cpu_blocks=8)
+    first.replay.request(KEYS)
+    assert first.tiers[0].counters.written_blocks == len(KEYS)
+    second = engines([_shared(valkey_cluster.url, admission="none")], model=model, cpu_blocks=8)
+    for row, key in zip(second.loaded(KEYS), KEYS, strict=True):
+        assert torch.equal(row, first.payloads[key])
+
+
+def test_a_planted_corrupt_block_is_never_loaded_and_not_asked_for_again(
+    vllm_modules: dict[str, ModuleType],
+    valkey_server: ValkeyProcess,
+    engines: Callable[..., Engine],
+) -> None:
+    model = f"corrupt-{uuid.uuid4().hex[:8]}"
+    first = engines([_shared(valkey_server.url, admission="none")], model=model)
+    first.replay.request(KEYS[:2])
+    second = engines([_shared(valkey_server.url, admission="none")], model=model)
+    shared = second.tiers[0]
+    name = shared.tier.name(KEYS[0])
+    value = valkey_server.client().get(name)
+    valkey_server.client().set(name, value[:-1] + bytes([value[-1] ^ 0xFF]))
+    # Found on the server, promoted, failed its check: recomputed, never loaded.
+    assert second.replay.request(KEYS[:2]) == 0
+    assert shared.counters.load_failures >= 1
+    assert shared.tier.stats.corrupt == 1
+    # Deleted, and the recomputed block (the same bytes: fill is seeded by key) written again.
+    assert valkey_server.client().get(name) == value
 
 
 def test_admission_decides_what_the_cascade_writes(
