@@ -110,7 +110,8 @@ def bound_server(url: str, blocks: int) -> None:
 
     client = valkey.Valkey.from_url(url.split("?")[0])
     try:
-        client.flushall()
+        # SYNC: a lazy flush would still count the last run's blocks in used_memory.
+        client.execute_command("FLUSHALL", "SYNC")
         base = int(client.info("memory")["used_memory"])
         client.config_set("maxmemory", base + blocks * SERVER_BYTES_PER_BLOCK)
         client.config_set("maxmemory-policy", "allkeys-lru")

@@ -29,7 +29,7 @@ from __future__ import annotations
 import queue
 import time
 from abc import abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
@@ -300,15 +300,8 @@ class _RequestView:
     sighted: set[OffloadKey] = field(default_factory=set)
     answered: set[OffloadKey] = field(default_factory=set)
     tier_hit: bool = False
-    first_miss: int | None = None
-    """Position of the first key this tier answered a miss for: computed from there on."""
-
-    def computed(self, key: OffloadKey, context: ReqContext) -> bool:
-        """Whether the request computed ``key`` (rather than being served it)."""
-        if self.first_miss is None:
-            return False
-        position = context.get_offload_key_position(key)
-        return position is None or position >= self.first_miss
+    hits: set[OffloadKey] = field(default_factory=set)
+    misses: set[OffloadKey] = field(default_factory=set)
 
 
 @dataclass
@@ -316,6 +309,27 @@ class _RequestViews:
     """Per-request scratch of all our tiers (``ReqContext`` keeps one value per type)."""
 
     by_tier: dict[int, _RequestView] = field(default_factory=dict)
+
+    def computed(self, context: ReqContext) -> Callable[[OffloadKey], bool]:
+        """Whether the request computed a key rather than being served it: from the first
+        key that our tiers missed and none of them served (vLLM asks the next tier only
+        after a miss, and stops looking at the first key no tier has)."""
+        hits: set[OffloadKey] = set()
+        misses: set[OffloadKey] = set()
+        for view in self.by_tier.values():
+            hits |= view.hits
+            misses |= view.misses
+        positions = [context.get_offload_key_position(key) for key in misses - hits]
+        known = [position for position in positions if position is not None]
+        if not known:
+            return lambda key: False
+        start = min(known)
+
+        def computed(key: OffloadKey) -> bool:
+            position = context.get_offload_key_position(key)
+            return key not in hits and (position is None or position >= start)
+
+        return computed
 
 
 @dataclass
@@ -415,18 +429,17 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             self.counters.lookup_hits += int(found)
         if found:
             view.tier_hit = True
+            view.hits.add(key)
             return LookupResult.HIT
-        position = req_context.get_offload_key_position(key)
-        if position is not None and (view.first_miss is None or position < view.first_miss):
-            view.first_miss = position
+        view.misses.add(key)
         return LookupResult.MISS
 
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
         """Show the request to the layer; judge and write the blocks it computed.
 
-        Blocks before the first one this tier answered a miss for were served
-        to the request (by the GPU or CPU cache, or promoted from a tier):
+        Blocks before the first one our tiers missed and none served, and the
+        blocks one of them served, came to the request from a cache or a tier:
         offered again only because the request is offered whole, they are
         sightings, never writes (else each reuse in the CPU tier would write
         again what the disk tier evicted meanwhile).
@@ -439,7 +452,9 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         if self._owner.layer is None:  # vLLM's cascade-everything: every offer is written
             computed = list(range(len(keys)))
         else:
-            computed = [i for i, key in enumerate(keys) if view.computed(key, context)]
+            views = context.get_state(_RequestViews)
+            was_computed = views.computed(context)
+            computed = [i for i, key in enumerate(keys) if was_computed(key)]
         self.counters.offered_blocks += len(keys)
         self.counters.served_blocks += len(keys) - len(computed)
         if not computed:
