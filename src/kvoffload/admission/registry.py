@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from kvoffload.admission.base import AdmissionLayer
 from kvoffload.admission.feedback import FeedbackAdmission
+from kvoffload.admission.optimiser import OptimisingAdmission
 from kvoffload.admission.seen_twice import SketchAdmission
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.manager import OffloadingManager
@@ -19,9 +20,10 @@ AdmissionFactory = Callable[[OffloadingManager, int], AdmissionLayer]
 NO_ADMISSION = "none"
 _LAYERS: dict[str, AdmissionFactory] = {
     "feedback": FeedbackAdmission,
+    "optimiser": OptimisingAdmission,
     "sketch": SketchAdmission,
 }
-ALIASES = {"recommended": "feedback"}
+ALIASES = {"recommended": "optimiser"}
 
 
 def available_admissions() -> list[str]:
