@@ -141,7 +141,8 @@ def test_registry_names_aliases_and_errors() -> None:
     assert resolve_admission("recommended") == "optimiser"
     cpu = CPUOffloadingManager(4)
     assert wrap_with_admission("none", cpu, 4) is cpu
-    with pytest.raises(InvalidArgumentError, match="known: feedback, none, optimiser, recommended, sketch"):
+    known = "known: feedback, none, optimiser, recommended, sketch"
+    with pytest.raises(InvalidArgumentError, match=known):
         wrap_with_admission("tinylfu", cpu, 4)
     with pytest.raises(InvalidArgumentError, match="capacity"):
         FeedbackAdmission(cpu, 0)

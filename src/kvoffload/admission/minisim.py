@@ -205,16 +205,19 @@ class MiniSimulation:
             keys = max(1, round(capacity * factor / (1 << level_bits[level])))
             for name in self.candidates:
                 self.tiers[name, factor] = (MiniTier(keys, policy), level)
-        self._by_level = [
-            [(name, tier) for (name, _), (tier, lvl) in self.tiers.items() if lvl == index]
-            for index in range(len(level_bits))
-        ]
+        self._by_level = self._group_by_level()
         base_keys = self.tiers[self.candidates[0], 1.0][0].capacity
         self.window = WINDOW_TIERS * base_keys if window is None else window
         self._since_halving = 0.0
         self.seen = 0
         """Sampled references at the base rate since the start (never halved)."""
         self._open: OrderedDict[OffloadKey, _Open] = OrderedDict()
+
+    def _group_by_level(self) -> list[list[tuple[str, MiniTier]]]:
+        return [
+            [(name, tier) for (name, _), (tier, lvl) in self.tiers.items() if lvl == index]
+            for index in range(len(self._levels))
+        ]
 
     @property
     def sampling_rate(self) -> float:
@@ -374,14 +377,19 @@ class MiniSimulation:
             for name in self.candidates
         }
 
-    def _halve(self) -> None:
+    def _halve(self, factor: float = 0.5) -> None:
         for level in (*self._levels, self._exact):
-            level.refs /= 2
-            level.lookups /= 2
+            level.refs *= factor
+            level.lookups *= factor
         for tier, _ in self.tiers.values():
-            tier.hits /= 2
-            tier.writes /= 2
+            tier.hits *= factor
+            tier.writes *= factor
         self._since_halving = 0.0
+
+    def restart_window(self) -> None:
+        """Forget the windowed counters (the mini-tiers keep their contents): the end of a
+        cold start, whose empty tiers say little about the rules."""
+        self._halve(0.0)
 
 
 def _admitted_set(

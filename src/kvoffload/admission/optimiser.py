@@ -38,12 +38,20 @@ from kvoffload.policies.lru import LRUCachePolicy
 
 STORE_ALL, FILTER, FEEDBACK = "store-all", "filter", "feedback"
 CANDIDATES = (STORE_ALL, FILTER, FEEDBACK)
-INITIAL = FEEDBACK
-"""The candidate followed until the mini-simulations have evidence."""
+DEFAULT = FEEDBACK
+"""The rule followed until the first choice (the layer recommended before the optimiser)."""
+WARMUP_TIERS = 2.0
+"""The counts of the first this many 1x mini-tier-fulls of sampled references are dropped:
+while the mini-tiers fill and the rules start, they say little about the rules."""
+SETTLE_TIERS = 0.5
+"""The first choice comes this many 1x mini-tier-fulls of sampled references later."""
 HIT_TOLERANCE = 0.0015
 """Candidates this close to the best hit ratio (per block reference) count as tied on hits."""
-SWITCH_MARGIN = 0.002
+SWITCH_MARGIN = 0.003
 """The current candidate is kept while it is within the tolerance plus this margin."""
+DWELL_TIERS = 2.0
+"""After a switch the choice stays for this many 1x mini-tier-fulls of sampled references:
+a switch costs hits while the tier turns over, so flapping costs more than either rule."""
 WRITE_MARGIN = 0.1
 """A tied candidate must write this share fewer blocks than the current one to replace it."""
 WHATIF_FACTORS = (0.5, 1.0, 2.0, 4.0)
@@ -137,10 +145,12 @@ class OptimisingAdmission(AdmissionLayer):
         }
         policy = policy or tier_policy(backing)
         self.minisim = MiniSimulation(capacity, policy, CANDIDATES, WHATIF_FACTORS, bits=bits)
-        self.chosen = INITIAL
+        self.chosen = DEFAULT
         self.switches = 0
-        self._warmup = 2 * self.minisim.tiers[STORE_ALL, 1.0][0].capacity
-        self._next_choice = float(self._warmup)
+        self._next_choice = 0.0
+        self._dwell_until = 0.0
+        self._settled_at: float | None = None
+        """Sampled references at the end of the warm-up; ``None`` before."""
         self._credit = 0.0
         self._hashed: tuple[Sequence[OffloadKey], np.ndarray] = ((), np.zeros(0, np.uint64))
 
@@ -213,14 +223,24 @@ class OptimisingAdmission(AdmissionLayer):
         return output
 
     def _choose(self) -> None:
-        """Re-rank the candidates; evidence counts only after the warm-up."""
-        self._next_choice = self.minisim.seen + max(16.0, self._warmup / 32)
-        if self.minisim.tiers[STORE_ALL, 1.0][0].writes < 1:
+        """Re-rank the candidates: none in the warm-up, none while a switch dwells."""
+        seen, tier = self.minisim.seen, self.minisim.tiers[STORE_ALL, 1.0][0]
+        self._next_choice = seen + max(16.0, tier.capacity / 64)
+        if self._settled_at is None:
+            if seen < WARMUP_TIERS * tier.capacity:
+                return
+            self._settled_at = seen
+            self.minisim.restart_window()
+        if seen < max(self._settled_at + SETTLE_TIERS * tier.capacity, self._dwell_until):
             return
-        chosen = self.objective.choose(self.minisim.scores(), self.chosen)
-        if chosen != self.chosen:
-            self.chosen = chosen
+        self._switch(self.objective.choose(self.minisim.scores(), self.chosen))
+
+    def _switch(self, candidate: str) -> None:
+        if candidate != self.chosen:
+            self.chosen = candidate
             self.switches += 1
+            capacity = self.minisim.tiers[STORE_ALL, 1.0][0].capacity
+            self._dwell_until = self.minisim.seen + DWELL_TIERS * capacity
 
     def whatif(self) -> list[WhatIf]:
         """Every candidate at every capacity factor, as the mini-tiers see recent traffic."""
