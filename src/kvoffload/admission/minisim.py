@@ -32,6 +32,9 @@ MIN_MINI_KEYS = 1024
 least this many keys (every key for smaller tiers)."""
 MAX_BITS = 8
 """The lowest rate is 1 in 256."""
+MIN_WHATIF_KEYS = 256
+"""Mini-tiers kept only for the what-if figures (other capacities) hold at least this many
+keys: a quarter of the decision tiers' minimum, so that they cost less than those."""
 BYTES_PER_MINI_KEY = 400
 """Approximate CPython cost of one mini-tier key: the held dict's entry, the policy's
 ordered-dict entry and the status object."""
@@ -95,17 +98,24 @@ class MiniTier:
         room writes nothing.
         """
         held, dead = self._held, self._dead
-        gaps = behind_gap or [False] * len(keys)
-        new: list[OffloadKey] = []
-        new_dead: list[OffloadKey] = []
-        for key, gap in zip(keys, gaps, strict=True):
-            if key in held:
-                if not gap and key in dead:
-                    dead.discard(key)
-            elif key not in new:
-                new.append(key)
-                if gap:
-                    new_dead.append(key)
+        if behind_gap:
+            new = []
+            new_dead = []
+            for key, gap in zip(keys, behind_gap, strict=True):
+                if key in held:
+                    if not gap and key in dead:
+                        dead.discard(key)
+                elif key not in new:
+                    new.append(key)
+                    if gap:
+                        new_dead.append(key)
+        else:
+            new = [key for key in keys if key not in held]
+            new_dead = []
+            if dead:
+                dead.difference_update(keys)
+            if len(new) > 1 and len(set(new)) < len(new):
+                new = list(dict.fromkeys(new))
         if not new:
             return 0
         need = len(new) - (self.capacity - len(held))
@@ -160,10 +170,15 @@ class _Level:
 class _Open:
     """A request between its lookup and its store: its sampled keys per level."""
 
-    __slots__ = ("requested", "suffix", "suffix_start")
+    __slots__ = ("length", "positions", "requested", "suffix", "suffix_start")
 
-    def __init__(self, requested: list[list[OffloadKey]]) -> None:
+    def __init__(
+        self, requested: list[list[OffloadKey]], positions: list[list[int]], length: int
+    ) -> None:
         self.requested = requested
+        self.positions = positions
+        """Per level, the sampled keys' positions in the request."""
+        self.length = length
         self.suffix: list[list[OffloadKey]] = []
         self.suffix_start: list[list[int]] = []
         """Per level, each sampled suffix key's position from the end of the request."""
@@ -173,9 +188,8 @@ class MiniSimulation:
     """One mini-tier per (candidate, capacity factor), fed the same sampled keys.
 
     ``factors`` are capacities relative to the tier's; the 1x tier of each
-    candidate is sampled at the base rate ``2**-bits``, a larger factor ``f`` at
-    ``2**-bits / f`` (rounded to a power of two) so that every mini-tier holds
-    about the same number of keys, a smaller one at the base rate.
+    candidate, which the choice uses, is sampled at the base rate ``2**-bits``,
+    the others at a sparser rate (see :meth:`_bits_of`).
     """
 
     def __init__(
@@ -184,7 +198,7 @@ class MiniSimulation:
         policy: type[CachePolicy],
         candidates: Sequence[str],
         factors: Sequence[float] = (1.0,),
-        window: int | None = None,
+        window_tiers: float = WINDOW_TIERS,
         bits: int | None = None,
     ) -> None:
         if capacity < 1:
@@ -194,24 +208,35 @@ class MiniSimulation:
         self.bits = sampling_bits(capacity) if bits is None else bits
         self.candidates = list(candidates)
         self.factors = sorted(factors)
-        level_bits = sorted({self.bits + _extra_bits(f) for f in self.factors})
+        factor_bits = {f: self._bits_of(capacity, f) for f in self.factors}
+        level_bits = sorted(set(factor_bits.values()))
         self._levels = [_Level(b) for b in level_bits]
         self._exact = _Level(0)
         self._masks = [np.uint64((1 << b) - 1) for b in level_bits]
         self.tiers: dict[tuple[str, float], tuple[MiniTier, int]] = {}
         """``(candidate, factor) -> (mini-tier, level index)``."""
         for factor in self.factors:
-            level = level_bits.index(self.bits + _extra_bits(factor))
+            level = level_bits.index(factor_bits[factor])
             keys = max(1, round(capacity * factor / (1 << level_bits[level])))
             for name in self.candidates:
                 self.tiers[name, factor] = (MiniTier(keys, policy), level)
         self._by_level = self._group_by_level()
         base_keys = self.tiers[self.candidates[0], 1.0][0].capacity
-        self.window = WINDOW_TIERS * base_keys if window is None else window
+        if not window_tiers > 0:
+            raise InvalidArgumentError(f"window_tiers must be > 0, got {window_tiers}")
+        self.window = window_tiers * base_keys
+        """Sampled references between two halvings of the windowed counters."""
         self._since_halving = 0.0
         self.seen = 0
         """Sampled references at the base rate since the start (never halved)."""
         self._open: OrderedDict[OffloadKey, _Open] = OrderedDict()
+
+    def _bits_of(self, capacity: int, factor: float) -> int:
+        """The 1x tiers at the base rate; the others, which only feed what-if figures, at the
+        rate that leaves them :data:`MIN_WHATIF_KEYS` (never denser than the base rate)."""
+        if factor == 1.0:
+            return self.bits
+        return max(self.bits, sampling_bits(int(capacity * factor), MIN_WHATIF_KEYS))
 
     def _group_by_level(self) -> list[list[tuple[str, MiniTier]]]:
         return [
@@ -242,7 +267,8 @@ class MiniSimulation:
         sampled = float(level.total_lookups if cumulative else level.lookups)
         if not refs:
             return 0.0, 0.0, 0.0
-        return 1.0 - lookups / refs, lookups / refs, sampled
+        reach = min(1.0, lookups / refs)
+        return 1.0 - reach, reach, sampled
 
     @property
     def memory_bytes(self) -> int:
@@ -267,8 +293,6 @@ class MiniSimulation:
         exact.refs += len(keys)
         exact.total_refs += len(keys)
         positions = self._sample(keys, hashes)
-        if not positions[0]:
-            return
         requested = [[keys[i] for i in level] for level in positions]
         for level, sampled in zip(self._levels, requested, strict=True):
             level.refs += len(sampled)
@@ -277,7 +301,7 @@ class MiniSimulation:
             if sampled:
                 for _, tier in self._by_level[index]:
                     tier.touch(sampled)
-        self._open[keys[-1]] = _Open(requested)
+        self._open[keys[-1]] = _Open(requested, positions, len(keys))
         self._open.move_to_end(keys[-1])
         if len(self._open) > OPEN_REQUESTS:
             self._open.popitem(False)
@@ -286,19 +310,23 @@ class MiniSimulation:
         if self._since_halving >= self.window:
             self._halve()
 
-    def on_lookup(self, keys: Sequence[OffloadKey], hashes: np.ndarray) -> None:
-        """The keys past the GPU hit were looked up: score each mini-tier's leading run."""
-        entry = self._open.get(keys[-1]) if keys else None
-        if entry is None or entry.suffix:
+    def on_lookup(self, keys: Sequence[OffloadKey]) -> None:
+        """The keys past the GPU hit (a suffix of the request) were looked up: score each
+        mini-tier's leading run."""
+        if not keys:
             return
+        entry = self._open.get(keys[-1])
+        if entry is not None and entry.suffix:
+            return  # the same request looked up again
+        start = -1 if entry is None else entry.length - len(keys)
+        if entry is None or start < 0:
+            return  # not a suffix of a request seen: nothing to score it against
         self._exact.lookups += len(keys)
         self._exact.total_lookups += len(keys)
-        positions = self._sample(keys, hashes)
-        n = len(keys)
-        for index, level in enumerate(positions):
-            sampled = [keys[i] for i in level]
+        for index, level in enumerate(entry.positions):
+            sampled = [keys[i - start] for i in level if i >= start]
             entry.suffix.append(sampled)
-            entry.suffix_start.append([n - i for i in level])
+            entry.suffix_start.append([entry.length - i for i in level if i >= start])
             self._levels[index].lookups += len(sampled)
             self._levels[index].total_lookups += len(sampled)
             if sampled:
@@ -315,8 +343,22 @@ class MiniSimulation:
         that was stored before.
         """
         entry = self._open.pop(offered[-1], None) if offered else None
-        if entry is None or not entry.suffix:
-            return
+        if entry is not None and entry.suffix:
+            self._store(entry, offered, admitted)
+
+    def on_full_hit(self, last: OffloadKey) -> None:
+        """The tier served every key the request looked up, so no offer follows: each
+        mini-tier writes the sampled keys it lacks (every candidate admits a stored key)."""
+        entry = self._open.pop(last, None)
+        if entry is not None and entry.suffix:
+            self._store(entry, (), {name: None for name in self.candidates})
+
+    def _store(
+        self,
+        entry: _Open,
+        offered: Sequence[OffloadKey],
+        admitted: Mapping[str, Sequence[OffloadKey] | None],
+    ) -> None:
         n = len(offered)
         chosen = {name: _admitted_set(offered, keys) for name, keys in admitted.items()}
         for index, (sampled, from_end) in enumerate(
@@ -334,12 +376,9 @@ class MiniSimulation:
                 if keep is None:
                     written = tier.store(sampled)
                 else:
-                    to_store = [
-                        key for key, j in zip(sampled, at, strict=True) if j < 0 or key in keep
-                    ]
-                    behind = [
-                        j > gap for key, j in zip(sampled, at, strict=True) if j < 0 or key in keep
-                    ]
+                    kept = [j < 0 or key in keep for key, j in zip(sampled, at, strict=True)]
+                    to_store = [key for key, ok in zip(sampled, kept, strict=True) if ok]
+                    behind = [j > gap for j, ok in zip(at, kept, strict=True) if ok]
                     written = tier.store(to_store, behind) if to_store else 0
                 if written:
                     tier.touch(requested)
@@ -405,8 +444,3 @@ def _admitted_set(
             gap = index
             break
     return set(admitted), gap
-
-
-def _extra_bits(factor: float) -> int:
-    """Extra sampling bits for a tier ``factor`` times the size: log2 of it, for factors >= 1."""
-    return max(0, round(np.log2(factor))) if factor > 1 else 0

@@ -26,7 +26,7 @@ import numpy as np
 
 from kvoffload.admission.base import AdmissionLayer, AdmissionStats
 from kvoffload.admission.feedback import FeedbackAdmission
-from kvoffload.admission.minisim import MiniSimulation, WhatIf
+from kvoffload.admission.minisim import WINDOW_TIERS, MiniSimulation, WhatIf
 from kvoffload.admission.reuse_filter import FilterReusedOffloadingManager
 from kvoffload.admission.sketch import key_hashes
 from kvoffload.core.errors import InvalidArgumentError
@@ -129,6 +129,7 @@ class OptimisingAdmission(AdmissionLayer):
         objective: Objective | None = None,
         policy: type[CachePolicy] | None = None,
         bits: int | None = None,
+        window_tiers: float = WINDOW_TIERS,
     ) -> None:
         super().__init__(backing, capacity)
         check_write_budget(write_budget)
@@ -144,7 +145,9 @@ class OptimisingAdmission(AdmissionLayer):
             FEEDBACK: self.feedback,
         }
         policy = policy or tier_policy(backing)
-        self.minisim = MiniSimulation(capacity, policy, CANDIDATES, WHATIF_FACTORS, bits=bits)
+        self.minisim = MiniSimulation(
+            capacity, policy, CANDIDATES, WHATIF_FACTORS, window_tiers, bits
+        )
         self.chosen = DEFAULT
         self.switches = 0
         self._next_choice = 0.0
@@ -176,8 +179,14 @@ class OptimisingAdmission(AdmissionLayer):
         self.feedback.lookup(keys)
         self.filter.lookup(keys)
         if found is not None and keys:
-            self.minisim.on_lookup(keys, self._hashes(keys))
+            self.minisim.on_lookup(keys)
         return found
+
+    def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
+        keys = keys if isinstance(keys, list) else list(keys)
+        if keys:
+            self.minisim.on_full_hit(keys[-1])
+        return super().prepare_load(keys)
 
     def see_request(self, keys: Sequence[OffloadKey], will_offer: bool = True) -> None:
         """For per-key drivers (see :meth:`AdmissionLayer.see_request`): ``keys`` stand for the
@@ -188,7 +197,7 @@ class OptimisingAdmission(AdmissionLayer):
         self.feedback.see_request(keys, will_offer)
         self._probe.found = 0
         self.filter.lookup(list(keys))
-        self.minisim.on_lookup(keys, self._hashes(keys))
+        self.minisim.on_lookup(keys)
 
     def saw_tier_hit(self, keys: Sequence[OffloadKey]) -> None:
         super().saw_tier_hit(keys)
