@@ -14,7 +14,13 @@ import pytest
 from kvoffload import CPUOffloadingManager, InvalidArgumentError, OffloadKey, block_id_key
 from kvoffload.admission import MiniSimulation, MiniTier, Objective, OptimisingAdmission
 from kvoffload.admission.minisim import sampling_bits
-from kvoffload.admission.optimiser import FEEDBACK, FILTER, STORE_ALL, check_write_budget
+from kvoffload.admission.optimiser import (
+    BUDGET_BURST_REFS,
+    FEEDBACK,
+    FILTER,
+    STORE_ALL,
+    check_write_budget,
+)
 from kvoffload.managers import build_manager
 from kvoffload.policies.lru import LRUCachePolicy
 from kvoffload.sim.engine import EngineConfig, ServingEngine
@@ -196,3 +202,36 @@ def test_write_budget_errors(budget: object) -> None:
         check_write_budget(budget)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="write budget"):
         OptimisingAdmission(CPUOffloadingManager(8), 8, write_budget=budget)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("budget", [0.02, 0.1, 0.3])
+def test_a_write_budget_is_never_exceeded_over_any_window(budget: float) -> None:
+    """Writes up to any point stay within the budget's references; over any span they exceed
+    it by at most the burst the layer allows (``BUDGET_BURST_REFS`` references' worth)."""
+    workload = longchat(600)
+    capacity = 1000
+    layer = OptimisingAdmission(CPUOffloadingManager(capacity), capacity, write_budget=budget)
+    engine = ServingEngine(
+        EngineConfig(2 * max(len(r.keys) for r in workload.requests), 1, 512), layer
+    )
+    refs, writes = [0], [0]
+    for request in workload.requests:
+        engine.run([request])
+        refs.append(engine.stats.refs)
+        writes.append(engine.stats.stored_blocks)
+    burst = budget * BUDGET_BURST_REFS
+    for end in range(1, len(refs)):
+        assert writes[end] <= budget * refs[end] + 1e-9
+        for start in range(max(0, end - 40), end):
+            span = refs[end] - refs[start]
+            assert writes[end] - writes[start] <= budget * span + burst + 1e-9
+    if budget < 0.05:  # below every candidate's writes: the budget is used, not just kept
+        assert writes[-1] >= 0.5 * budget * refs[-1]
+
+
+def test_a_budget_above_every_candidate_changes_nothing() -> None:
+    workload = one_shot_heavy(800)
+    free = replay(workload, 300, admission="recommended")[:2]
+    assert replay(workload, 300, admission="recommended", write_budget=1.0)[:2] == free
+    with pytest.raises(InvalidArgumentError, match="needs admission 'recommended'"):
+        build_manager(300, admission="feedback", write_budget=0.5)

@@ -19,6 +19,7 @@ from kvoffload.admission import (
     resolve_admission,
     wrap_with_admission,
 )
+from kvoffload.admission.optimiser import check_write_budget
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import KVLayout, layout_preset
 from kvoffload.core.manager import OffloadingManager
@@ -64,6 +65,8 @@ class SimConfig:
     """``"cache"`` or ``"drop"`` a prompt's keyed partial last block (vLLM drops it)."""
     admission: str = "none"
     """Admission layer in front of the tier, by name (``kvoffload.admission``)."""
+    write_budget: float | None = None
+    """Writes per block reference the optimiser keeps to (``admission="recommended"``)."""
     # Tiers below the CPU tier (issue 9): a disk directory and a shared server.
     disk_dir: str | None = None
     disk_blocks: int = 0
@@ -100,6 +103,12 @@ class SimConfig:
         if self.admission not in available_admissions():
             raise InvalidArgumentError(
                 f"unknown admission {self.admission!r}; known: {', '.join(available_admissions())}"
+            )
+        check_write_budget(self.write_budget)
+        if self.write_budget is not None and resolve_admission(self.admission) != "optimiser":
+            raise InvalidArgumentError(
+                "a write budget needs --admission recommended (the optimiser), "
+                f"not {self.admission!r}"
             )
         self._check_tiers()
 
@@ -271,7 +280,9 @@ def simulate(
     tiered = None
     if config.has_lower_tiers:
         tiered = _tiered_manager(config, workload.block_tokens, backend, enable_events)
-        manager = wrap_with_admission(config.admission, tiered, config.cpu_blocks)
+        manager = wrap_with_admission(
+            config.admission, tiered, config.cpu_blocks, config.write_budget
+        )
         if config.store_threshold >= 2:
             manager = FilterReusedOffloadingManager(
                 manager, config.store_threshold, config.max_tracker_size
@@ -284,6 +295,7 @@ def simulate(
             config.max_tracker_size,
             enable_events=enable_events,
             admission=config.admission,
+            write_budget=config.write_budget,
         )
     built = manager
     if manager is not None and observers is not None:
