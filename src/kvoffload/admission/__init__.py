@@ -10,7 +10,7 @@ from kvoffload.admission.controller import ReuseController
 from kvoffload.admission.feedback import FeedbackAdmission
 from kvoffload.admission.ghost import GhostRecords
 from kvoffload.admission.minisim import MiniSimulation, MiniTier, WhatIf
-from kvoffload.admission.optimiser import Objective, OptimisingAdmission
+from kvoffload.admission.optimiser import Objective, OptimisingAdmission, check_write_budget
 from kvoffload.admission.registry import (
     available_admissions,
     find_admission,
@@ -36,6 +36,7 @@ __all__ = [
     "SketchAdmission",
     "WhatIf",
     "available_admissions",
+    "check_write_budget",
     "find_admission",
     "key_hashes",
     "resolve_admission",

@@ -34,7 +34,10 @@ class AdmissionStats:
     candidate: str = ""
     """The rule the layer follows now, for layers that choose among candidates."""
     whatif: tuple[WhatIf, ...] = ()
-    """What-if figures (candidate x capacity factor), for layers that simulate them."""
+    """What-if figures (candidate x capacity factor) over recent traffic, for layers that
+    simulate them."""
+    whatif_total: tuple[WhatIf, ...] = ()
+    """The same figures since the layer started."""
 
     @property
     def bytes_per_tracked_key(self) -> float:

@@ -269,6 +269,7 @@ class OptimisingAdmission(AdmissionLayer):
             tracked_keys=feedback.tracked_keys + FILTER_TRACKER + self.minisim.tracked_keys,
             candidate=self.chosen,
             whatif=tuple(self.whatif()),
+            whatif_total=tuple(self.minisim.figures(cumulative=True)),
         )
 
 

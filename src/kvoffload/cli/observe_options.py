@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from kvoffload.admission import find_admission
 from kvoffload.cli.options import number
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.observe import ObservedManager, Observers
@@ -199,6 +200,9 @@ def observing(args: argparse.Namespace, block_tokens: int) -> Iterator[Observing
 
             def register(observed: ObservedManager) -> None:
                 server.add(metrics.ManagerCollector(lambda: observed.counters, {"tier": "cpu"}))
+                layer = find_admission(observed)
+                if layer is not None:
+                    server.add(metrics.AdmissionCollector(layer.stats))
 
             def register_transfers(observed: ObservedWorker) -> None:
                 server.add(metrics.TransferCollector(observed.latency))

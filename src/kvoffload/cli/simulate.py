@@ -253,4 +253,24 @@ def _admission_rows(r: RunReport) -> list[tuple[str, str]]:
             f"{r.admission_ghost_hits:,} ghost hits",
         ),
         ("  control, memory", f"{control}, {memory} bytes per tracked key"),
+        *_whatif_rows(r),
     ]
+
+
+def _whatif_rows(r: RunReport) -> list[tuple[str, str]]:
+    """The optimiser's choice and its what-if table: hit ratio / writes per block reference
+    of each candidate at each capacity factor, over the whole run."""
+    if not r.whatif:
+        return []
+    factors = list(next(iter(r.whatif.values())))
+    rows = [
+        ("  following", r.admission_candidate),
+        ("  what-if (hit / writes)", "   ".join(f"{f + 'x':>13}" for f in factors)),
+    ]
+    for candidate, by_factor in r.whatif.items():
+        cells = (
+            f"{by_factor[f]['hit_ratio']:.3f} / {by_factor[f]['writes_per_ref']:.3f}"
+            for f in factors
+        )
+        rows.append((f"    {candidate}", "   ".join(f"{c:>13}" for c in cells)))
+    return rows

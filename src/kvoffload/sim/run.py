@@ -12,14 +12,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any
 
 from kvoffload.admission import (
+    WhatIf,
     available_admissions,
+    check_write_budget,
     find_admission,
     resolve_admission,
     wrap_with_admission,
 )
-from kvoffload.admission.optimiser import check_write_budget
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import KVLayout, layout_preset
 from kvoffload.core.manager import OffloadingManager
@@ -252,11 +254,16 @@ class RunReport:
     admission_ghost_hits: int = 0
     admission_control: float | None = None
     admission_bytes_per_key: float | None = None
+    admission_candidate: str = ""
+    """The rule an optimising layer followed at the end of the run."""
+    whatif: dict[str, dict[str, dict[str, float]]] = dataclasses.field(default_factory=dict)
+    """``candidate -> capacity factor -> {hit_ratio, writes_per_ref}`` over the whole run, from
+    an optimising layer's miniature simulations; empty for other layers."""
     tiers: dict[str, dict[str, Scalar]] = dataclasses.field(default_factory=dict)
     """Per tier (``cpu``, ``disk``, ``remote``): hits, stores, bytes, failures, modelled seconds."""
 
-    def as_dict(self) -> dict[str, Scalar | dict[str, dict[str, Scalar]]]:
-        """The report; every value is a scalar except ``tiers``, a nested object."""
+    def as_dict(self) -> dict[str, Any]:
+        """The report; every value is a scalar except ``tiers`` and ``whatif``, nested objects."""
         return dataclasses.asdict(self)
 
 
@@ -410,7 +417,21 @@ def _with_admission(
         admission_ghost_hits=stats.ghost_hits,
         admission_control=stats.control,
         admission_bytes_per_key=stats.bytes_per_tracked_key,
+        admission_candidate=stats.candidate,
+        whatif=whatif_table(stats.whatif_total),
     )
+
+
+def whatif_table(figures: Sequence[WhatIf]) -> dict[str, dict[str, dict[str, float]]]:
+    """What-if figures as ``candidate -> capacity factor (as text) -> figures``."""
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    for f in figures:
+        table.setdefault(f.candidate, {})[f"{f.capacity_factor:g}"] = {
+            "hit_ratio": f.hit_ratio,
+            "writes_per_ref": f.writes_per_ref,
+            "sampling_rate": f.sampling_rate,
+        }
+    return table
 
 
 def _tiered_manager(
