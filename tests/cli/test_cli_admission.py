@@ -21,7 +21,7 @@ def test_recommended_resolves_and_the_json_carries_admission_and_policy(
     assert (report["admission"], report["policy"]) == ("optimiser", "lru")
     assert report["admission_offers"] == report["admission_admitted"] + report["admission_rejected"]
     assert report["admission_offers"] == report["stores_offered"]
-    assert report["admission_control"] in (0.0, 1.0, 2.0)  # the candidate followed
+    assert 0.0 <= report["admission_control"] <= 1.0
     assert report["admission_bytes_per_key"] > 0
     assert report["admission_candidate"] in ("store-all", "filter", "feedback")
     whatif = report["whatif"]

@@ -262,7 +262,7 @@ class OptimisingAdmission(AdmissionLayer):
             admitted=self.admitted,
             rejected=self.offers - self.admitted,
             ghost_hits=feedback.ghost_hits,
-            control=float(CANDIDATES.index(self.chosen)),
+            control=feedback.control,
             memory_bytes=feedback.memory_bytes
             + BYTES_PER_FILTER_KEY * FILTER_TRACKER
             + self.minisim.memory_bytes,
