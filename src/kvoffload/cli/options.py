@@ -85,7 +85,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--mix",
         default=mix,
-        help=f"synthetic kinds and weights, from chat, rag, agent, oneshot, longchat (default: {mix})",
+        help="synthetic kinds and weights, from chat, rag, agent, oneshot, longchat "
+        f"(default: {mix})",
     )
     group.add_argument(
         "--requests",
