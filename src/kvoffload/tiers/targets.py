@@ -26,3 +26,12 @@ def deliver(target: Target, index: int, payload: memoryview) -> bool:
         return False
     view.cast("B")[:] = payload
     return True
+
+
+def byte_view(target: Target, index: int) -> memoryview | None:
+    """``target(index)`` as writable bytes, to receive into; ``None`` if it gives none."""
+    try:
+        view = target(index)
+        return None if view.readonly else view.cast("B")
+    except Exception:  # the destination's failure is this block's failed read, nothing more
+        return None
