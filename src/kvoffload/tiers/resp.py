@@ -175,6 +175,8 @@ class Connection:
             replies = [self.read_reply(deadline, MAX_LINE) for _ in parts]
         except ssl.SSLError as exc:  # TLS 1.3 refuses a missing client certificate here
             raise ConnectError("tls", _describe(exc)) from None
+        except TimeoutError:
+            raise ConnectError("network", "no full answer before the deadline") from None
         except OSError as exc:
             raise ConnectError("network", _describe(exc)) from None
         for reply in replies:
