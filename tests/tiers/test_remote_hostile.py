@@ -276,3 +276,41 @@ def test_the_tier_follows_ask_during_a_slot_migration(tmp_path: Path) -> None:
     finally:
         tier.close()
         cluster.stop()
+
+
+def test_simulate_against_a_server_paused_with_sigstop_at_start_up_or_mid_run(
+    tmp_path: Path, own_server: ValkeyProcess
+) -> None:
+    own_server.start()
+    process = own_server.process
+    assert process is not None
+    url = own_server.url.replace("timeout_ms=2000", "timeout_ms=300")
+    argv = [sys.executable, "-m", "kvoffload", "simulate", "--mix", "oneshot=1"]
+    argv += ["--requests", "200", "--gpu-blocks", "1500", "--cpu-blocks", "300"]
+    argv += ["--layout", "tiny", "--no-bound", "--no-progress", "--remote", url]
+    try:
+        process.send_signal(signal.SIGSTOP)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 1
+        assert "not reachable: no full answer before the deadline" in done.stderr
+        process.send_signal(signal.SIGCONT)
+        path = tmp_path / "first.json"
+        subprocess.run([*argv, "--json", str(path)], timeout=120, check=True)
+        admin = own_server.client()
+
+        def lookups() -> int:  # EXISTS calls: the run's lookups, not this test's INFOs
+            return int(admin.info("commandstats").get("cmdstat_exists", {}).get("calls", 0))
+
+        seen = lookups()
+        path = tmp_path / "second.json"
+        run = subprocess.Popen([*argv, "--json", str(path)], stderr=subprocess.PIPE, text=True)
+        while lookups() < seen + 20:
+            assert run.poll() is None, "the run ended before the server was paused"
+            threading.Event().wait(0.005)
+        process.send_signal(signal.SIGSTOP)
+        _, err = run.communicate(timeout=120)
+        assert run.returncode == 0, err
+        remote = json.loads(path.read_text())["tiers"]["remote"]
+        assert remote["failed"] > 0
+    finally:
+        process.send_signal(signal.SIGCONT)

@@ -80,6 +80,7 @@ def test_every_character_works_in_a_password_when_percent_encoded() -> None:
         2,
     )
     assert password not in address.redacted() and encoded not in address.redacted()
+    assert password not in repr(address)  # a logged address shows no password either
     hosts = parse_remote_url("redis://[::1]:7000,h.example.:7001,h-1_b").hosts
     assert hosts == (("::1", 7000), ("h.example.", 7001), ("h-1_b", 6379))
 

@@ -19,7 +19,7 @@ import socket
 import ssl
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvoffload.tiers.url import TLSOptions
 
@@ -95,7 +95,7 @@ class Credentials:
     """What a new connection needs besides the address: TLS, AUTH, database."""
 
     username: str | None
-    password: str | None
+    password: str | None = field(repr=False)
     db: int
     tls: TLSOptions | None
 

@@ -2,10 +2,20 @@
 
 ``scheme://[user[:password]@]host[:port][,host[:port]...][/db][?option=value&...]``.
 Several hosts are the seed nodes of a Cluster; one host is asked at start-up
-whether it runs in Cluster mode unless ``cluster=`` says so.
+whether it runs in Cluster mode unless ``cluster=`` says so. Hosts are DNS
+names (labels of 1 to 63 characters, 253 in all), IPv4 addresses or IPv6
+ones in brackets; ports run from 1 to 65535.
 
-Options: ``timeout_ms=N`` (per call, default 250), ``cluster=yes|no``, and on
-a TLS URL (``rediss://``, ``valkeys://``) only:
+User name and password are percent-encoded (RFC 3986), as ``redis-cli -u``
+and the client libraries read them: any character works, and ``/ ? # @ %``
+must be written ``%2F %3F %23 %40 %25``. An ``@`` past the host part (an
+unencoded ``/``, ``?`` or ``#`` in a password) is an error whose message
+hides everything before it; no message ever shows the password.
+
+Options: ``timeout_ms=N`` (default 250, at most 600000): the deadline of each
+whole operation (connect, send, the full reply), plus the time its bytes take
+at 100 MB/s; ``cluster=yes|no``; and on a TLS URL (``rediss://``,
+``valkeys://``) only:
 
 - ``ssl_ca_certs=PATH``: the CA bundle (PEM) that signed the server's
   certificate; without it the system's trusted CAs are used;
@@ -15,10 +25,9 @@ a TLS URL (``rediss://``, ``valkeys://``) only:
   verified, host name included, unless ``none`` (or ``optional``) is given
   explicitly; ``ssl_check_hostname=no`` keeps the chain check but skips the
   host name (Cluster nodes that announce addresses their certificates do not
-  name). The ``valkey`` Cluster client checks the chain only, whatever this
-  says; the start-up probe of a single seed host checks its name too.
+  name). Every node of a Cluster is checked alike.
 
-Paths (percent-encoded where they hold ``&``, ``+`` or ``%``) must name
+Paths (percent-encoded where they hold ``&``, ``+``, ``%`` or ``@``) must name
 existing files. An unknown option, or an ``ssl_*`` option on a plain URL, is
 an error that names it.
 """
@@ -27,7 +36,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qs, unquote
 
@@ -78,7 +87,8 @@ class RemoteAddress:
 
     hosts: tuple[tuple[str, int], ...]
     username: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
+    """Never in a repr, so that no log of the address shows it."""
     db: int = 0
     tls: bool = False
     cluster: bool | None = None
