@@ -22,7 +22,8 @@ from tier_helpers import content
 from kvoffload import OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
 from kvoffload.tiers import CircuitBreaker, RemoteTier, layout_fingerprint
-from kvoffload.tiers.format import encode_block
+from kvoffload.tiers.format import encode_block, payload_digest
+from kvoffload.tiers.remote import payload_hasher
 from tier_servers import FakeValkey, ValkeyClusterProcesses, ValkeyProcess
 
 BLOCK = 32
@@ -314,3 +315,16 @@ def test_simulate_against_a_server_paused_with_sigstop_at_start_up_or_mid_run(
         assert remote["failed"] > 0
     finally:
         process.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("sizes", [[0], [1, 2, 3], [2**20 + 7], [5, 70_000, 1, 300_000]])
+def test_the_streaming_checksum_of_loads_is_the_format_s_digest(sizes: list[int]) -> None:
+    """Loads checksum each piece as it lands; stores digest the payload whole."""
+    data = bytes(range(256)) * (sum(sizes) // 256 + 1)
+    payload = data[: sum(sizes)]
+    hasher = payload_hasher()
+    start = 0
+    for size in sizes:
+        hasher.update(memoryview(payload)[start : start + size])
+        start += size
+    assert hasher.intdigest() == payload_digest(payload)

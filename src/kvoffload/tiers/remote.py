@@ -29,6 +29,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import TypeVar
 
+import xxhash
+
 from kvoffload.core.errors import KVOffloadError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import EventLog, OffloadingEvent
@@ -487,15 +489,13 @@ class RemoteTier:
             header.check(key, self.fingerprint)
         except CorruptBlockError:
             header = None
-        connection.read_into(view, deadline)  # a bad block's bytes land in a slot nobody loads
+        digest = payload_hasher()
+        # A bad block's bytes land in a slot nobody loads.
+        connection.read_into(view, deadline, digest)
         connection.end_of_value(deadline)
-        if header is None:
+        if header is None or header.payload_bytes != view.nbytes:
             return _CORRUPT
-        try:
-            header.verify(view)
-        except CorruptBlockError:
-            return _CORRUPT
-        return _HIT
+        return _HIT if digest.intdigest() == header.digest else _CORRUPT
 
     def _delete(self, names: list[bytes], connection: Connection, deadline: Deadline) -> None:
         connection.send([b"".join(command(b"DEL", name) for name in names)], deadline)
@@ -575,6 +575,12 @@ class RemoteTier:
         return statuses
 
 
+def payload_hasher() -> xxhash.xxh3_64:
+    """The streaming form of :func:`~kvoffload.tiers.format.payload_digest` (XXH3-64):
+    fed each piece of a payload as it is received, it gives the same digest."""
+    return xxhash.xxh3_64()
+
+
 def _ok(reply: Reply) -> Reply:
     """``reply``, unless it is an error reply: then :class:`ServerReplyError`."""
     if isinstance(reply, ErrorReply):
@@ -617,10 +623,13 @@ def _start_error(exc: ConnectError, address: RemoteAddress, where: str) -> Remot
     message = str(exc)
     if exc.kind == "auth":
         return RemoteTierError(f"remote tier {where}: authentication failed ({message})")
-    if exc.kind == "tls":
+    if exc.kind in ("tls", "tls-refused"):
         has_cert = address.tls_options is not None and address.tls_options.certfile
+        refused = exc.kind == "tls-refused" or (
+            "alert" in message.lower() and "VERIFY_FAILED" not in message
+        )
         hint = ""
-        if "alert" in message.lower() and "VERIFY_FAILED" not in message and not has_cert:
+        if refused and not has_cert:
             hint = " (if the server asks for a client certificate, give ssl_certfile=)"
         return RemoteTierError(f"remote tier {where}: TLS handshake failed ({message}){hint}")
     if exc.kind == "server":

@@ -20,6 +20,7 @@ import ssl
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvoffload.tiers.url import TLSOptions
 
@@ -31,7 +32,15 @@ MAX_REPLY = 16 * 2**20
 DIRECT_BELOW = 64 * 1024
 """Values at least this long are received straight into their destination."""
 
+DIRECT_PIECE = 256 * 1024
+"""Most bytes one ``recv_into`` takes: each piece is checksummed while it is in cache."""
 Piece = bytes | bytearray | memoryview
+
+
+class Digest(Protocol):
+    """A running checksum, fed piece by piece."""
+
+    def update(self, data: memoryview, /) -> None: ...
 
 
 class DeadlineExceeded(TimeoutError):
@@ -43,7 +52,9 @@ class ProtocolError(ConnectionError):
 
 
 class ConnectError(Exception):
-    """A connection could not be opened; ``kind`` is ``tls``, ``auth`` or ``network``."""
+    """A connection could not be opened. ``kind``: ``network``, ``tls`` (the handshake),
+    ``tls-refused`` (the server ended TLS after the handshake, as TLS 1.3 refuses a
+    client certificate), ``auth`` or ``server`` (another error reply)."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
@@ -174,7 +185,7 @@ class Connection:
             self.send(parts, deadline)
             replies = [self.read_reply(deadline, MAX_LINE) for _ in parts]
         except ssl.SSLError as exc:  # TLS 1.3 refuses a missing client certificate here
-            raise ConnectError("tls", _describe(exc)) from None
+            raise ConnectError("tls-refused", _describe(exc)) from None
         except TimeoutError:
             raise ConnectError("network", "no full answer before the deadline") from None
         except OSError as exc:
@@ -227,25 +238,31 @@ class Connection:
                 raise ProtocolError(f"a reply line longer than {MAX_LINE} bytes")
             self._fill(deadline)
 
-    def read_into(self, destination: memoryview, deadline: Deadline) -> None:
+    def read_into(
+        self, destination: memoryview, deadline: Deadline, digest: Digest | None = None
+    ) -> None:
         """Fill ``destination`` (bytes) from the stream: buffered bytes first, then
-        ``recv_into`` straight into it when much is left."""
+        ``recv_into`` straight into it when much is left. ``digest`` is fed each piece
+        as it lands, while it is still in the CPU's cache."""
         size = destination.nbytes
         done = min(size, self._end - self._start)
         destination[:done] = self._view[self._start : self._start + done]
         self._start += done
+        if digest is not None and done:
+            digest.update(destination[:done])
         while done < size:
             if size - done < DIRECT_BELOW:
                 self._fill(deadline)
-                take = min(size - done, self._end - self._start)
-                destination[done : done + take] = self._view[self._start : self._start + take]
-                self._start += take
-                done += take
-                continue
-            self.sock.settimeout(deadline.left())
-            got = self.sock.recv_into(destination[done:])
-            if not got:
-                raise ConnectionError("the server closed the connection")
+                got = min(size - done, self._end - self._start)
+                destination[done : done + got] = self._view[self._start : self._start + got]
+                self._start += got
+            else:
+                self.sock.settimeout(deadline.left())
+                got = self.sock.recv_into(destination[done : done + DIRECT_PIECE])
+                if not got:
+                    raise ConnectionError("the server closed the connection")
+            if digest is not None:
+                digest.update(destination[done : done + got])
             done += got
 
     def skip(self, size: int, deadline: Deadline) -> None:
