@@ -35,9 +35,10 @@ def register(commands: Any) -> argparse.ArgumentParser:
     transfer.set_defaults(run=run)
     tiers = kinds.add_parser(
         "tiers",
-        help="store and load GB/s of the disk and shared tiers against plain file and SET/GET I/O",
+        help="store and load GB/s of the disk and shared tiers against plain file and socket I/O",
         description="Measure the disk tier against a plain sequential file write/read of the same "
-        "bytes, and the shared tier (with --remote) against pipelined SET/GET, same client.",
+        "bytes, and the shared tier (with --remote) against pipelined SET/GET on a raw socket "
+        "per node, each GET reply read with recv_into straight into its buffer.",
     )
     tiers.add_argument(
         "--blocks", type=options.POSITIVE_INT, default=128, help="blocks per round (default: 128)"
