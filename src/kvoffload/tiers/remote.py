@@ -169,6 +169,8 @@ class RemoteTier:
         self._context = _tls_context(self._credentials, self.address.redacted())
         self._nodes: dict[tuple[str, int], _Node] = {}
         self._slots: list[_Node] | None = None
+        """A Cluster's owner of each hash slot; ``None`` for a standalone server."""
+        self._server: _Node | None = None
         self.is_cluster = self._start()
         self._pool = ThreadPoolExecutor(io_threads, "kvoffload-remote")
         self._writes: list[tuple[list[OffloadKey], Future[list[bool]]]] = []
@@ -193,6 +195,9 @@ class RemoteTier:
             replies = self._call(node, partial(self._exists, names, indices))
             for index, reply in zip(indices, replies or (), strict=False):
                 found[index] = reply == 1
+                redirect = _redirect(reply) if isinstance(reply, ErrorReply) else None
+                if redirect is not None:  # absent this once; the map learns the new owner
+                    self._follow(redirect, node)
         return found.index(False) if False in found else len(found)
 
     def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
@@ -243,8 +248,15 @@ class RemoteTier:
         """Delete every block under this tier's fingerprint (for tests and resets)."""
         deleted = 0
         for node in self._primaries():
-            found = self._call(node, self._delete_matching)
-            deleted += found or 0
+            cursor = b"0"
+            while True:  # a deadline per page: a large keyspace takes many
+                page = self._call(node, partial(self._scan_page, cursor))
+                if page is None:
+                    break
+                cursor, count = page
+                deleted += count
+                if cursor == b"0":
+                    break
         return deleted
 
     def node_address(self, name: bytes) -> tuple[str, int]:
@@ -310,7 +322,10 @@ class RemoteTier:
                 connection.close()
                 last = ConnectError("network", str(exc) or type(exc).__name__)
                 continue
-            self._node(host, port, None if cluster else self.breaker).give(connection)
+            node = self._node(host, port, None if cluster else self.breaker)
+            node.give(connection)
+            if not cluster:
+                self._server = node
             return cluster
         assert last is not None
         raise _start_error(last, self.address, where) from None
@@ -358,8 +373,10 @@ class RemoteTier:
             return node
 
     def _node_of(self, name: bytes) -> _Node:
+        """The node that holds ``name``: the server, or the owner of its Cluster slot."""
         if self._slots is None:
-            return next(iter(self._nodes.values()))
+            assert self._server is not None
+            return self._server
         return self._slots[binascii.crc_hqx(name, 0) % SLOTS]
 
     def _primaries(self) -> list[_Node]:
@@ -502,24 +519,22 @@ class RemoteTier:
         for _ in names:
             connection.read_reply(deadline, MAX_LINE)  # a redirected one is left for later
 
-    def _delete_matching(self, connection: Connection, deadline: Deadline) -> int:
-        cursor = b"0"
+    def _scan_page(
+        self, cursor: bytes, connection: Connection, deadline: Deadline
+    ) -> tuple[bytes, int]:
+        """One SCAN page of this tier's names, deleted; the next cursor (``b"0"``: done)."""
+        connection.send(
+            [command(b"SCAN", cursor, b"MATCH", self._prefix + b"*", b"COUNT", 1000)], deadline
+        )
+        reply = _ok(connection.read_reply(deadline))
+        if not isinstance(reply, list) or len(reply) != 2 or not isinstance(reply[1], list):
+            raise ServerReplyError("SCAN gave a reply of an unknown shape")
+        found = [name for name in reply[1] if isinstance(name, bytes)]
         deleted = 0
-        while True:
-            connection.send(
-                [command(b"SCAN", cursor, b"MATCH", self._prefix + b"*", b"COUNT", 1000)],
-                deadline,
-            )
-            reply = _ok(connection.read_reply(deadline))
-            if not isinstance(reply, list) or len(reply) != 2 or not isinstance(reply[1], list):
-                raise ServerReplyError("SCAN gave a reply of an unknown shape")
-            found = [name for name in reply[1] if isinstance(name, bytes)]
-            if found:  # one DEL each: a Cluster refuses one over several slots
-                connection.send([b"".join(command(b"DEL", name) for name in found)], deadline)
-                deleted += sum(_ok(connection.read_reply(deadline, MAX_LINE)) == 1 for _ in found)
-            if not isinstance(reply[0], bytes) or reply[0] == b"0":
-                return deleted
-            cursor = reply[0]
+        if found:  # one DEL each: a Cluster refuses one over several slots
+            connection.send([b"".join(command(b"DEL", name) for name in found)], deadline)
+            deleted = sum(_ok(connection.read_reply(deadline, MAX_LINE)) == 1 for _ in found)
+        return (reply[0] if isinstance(reply[0], bytes) else b"0"), deleted
 
     def _write(self, keys: list[OffloadKey], payloads: list[bytes]) -> list[bool]:
         writes = [
