@@ -328,3 +328,21 @@ def test_the_streaming_checksum_of_loads_is_the_format_s_digest(sizes: list[int]
         hasher.update(memoryview(payload)[start : start + size])
         start += size
     assert hasher.intdigest() == payload_digest(payload)
+
+
+def test_connections_the_server_closed_while_idle_are_replaced_not_failed(
+    own_server: ValkeyProcess,
+) -> None:
+    """Valkey's idle ``timeout``, a proxy or a restart closes pooled connections: the next
+    call opens a fresh one instead of failing its blocks."""
+    own_server.start()
+    tier = RemoteTier(own_server.url, fingerprint("idle"))
+    try:
+        store(tier, KEYS[:2])
+        assert read(tier, KEYS[:2]) == [True, True]
+        own_server.client().execute_command("CLIENT", "KILL", "TYPE", "normal")
+        store(tier, KEYS[2:4])
+        assert read(tier, KEYS[:4]) == [True] * 4
+        assert tier.stats.failed == 0 and tier.unavailable == 0
+    finally:
+        tier.close()

@@ -87,8 +87,16 @@ class _Node:
         return f"{self.host}:{self.port}"
 
     def take(self) -> Connection | None:
-        with self._lock:
-            return self._idle.pop() if self._idle else None
+        """An idle connection the server has not closed meanwhile (its idle timeout, a
+        restart): one with something to read while idle is closed, not used."""
+        while True:
+            with self._lock:
+                if not self._idle:
+                    return None
+                connection = self._idle.pop()
+            if not connection.readable_now():
+                return connection
+            connection.close()
 
     def give(self, connection: Connection) -> None:
         if connection.broken:

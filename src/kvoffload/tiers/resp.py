@@ -15,6 +15,7 @@ holds the password.
 
 from __future__ import annotations
 
+import select
 import socket
 import ssl
 import time
@@ -197,6 +198,14 @@ class Connection:
 
     def close(self) -> None:
         self.sock.close()
+
+    def readable_now(self) -> bool:
+        """Whether bytes, or end-of-file, wait unasked: on an idle connection, a sign the
+        server closed it."""
+        if self._start != self._end:
+            return True
+        readable, _, _ = select.select([self.sock], [], [], 0)
+        return bool(readable)
 
     def send(self, pieces: Iterable[Piece], deadline: Deadline) -> None:
         """Send every piece in order, all before ``deadline``."""
