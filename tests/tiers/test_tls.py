@@ -393,3 +393,13 @@ def test_large_blocks_are_received_into_their_slots_over_tls(
     finally:
         tier.delete_all()
         tier.close()
+
+
+def test_bench_tiers_measures_the_tls_tier_beside_a_raw_tls_socket(
+    tls_server: TLSServer, certs: Certs, tmp_path: Path
+) -> None:
+    from kvoffload.tiers.bench import measure_tiers
+
+    results = measure_tiers(4, 0.05, 1, str(tmp_path), tls_server.url(ssl_ca_certs=certs.ca))
+    assert results["remote_plain_read_gbps"] > 0 and results["remote_load_gbps"] > 0
+    assert list(tmp_path.iterdir()) == []
