@@ -12,7 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload.tiers.resp import (
+    CHUNK,
     DIRECT_BELOW,
+    PEEK,
     Connection,
     Deadline,
     DeadlineExceeded,
@@ -100,22 +102,26 @@ def test_replies_cut_anywhere_are_read_whole(batch: list[Reply], cuts: list[int]
     .filter(bool)
     .map(lambda sizes: sizes[:4]),
     st.lists(st.integers(0, 4 * DIRECT_BELOW), max_size=20),
+    st.booleans(),
 )
 def test_values_land_in_their_destinations_with_their_digest(
-    sizes: list[int], cuts: list[int]
+    sizes: list[int], cuts: list[int], peek: bool
 ) -> None:
+    """``peek``: the buffer takes only a few hundred bytes before a large value, as
+    block loads ask, so that the value's bytes are received into it directly."""
     values = [bytes((i * 7 + j) % 251 for j in range(size)) for i, size in enumerate(sizes)]
     left, right = socket.socketpair()
     connection = Connection(right)
     try:
         sender = send_in_pieces(left, b"".join(encode(value) for value in values) + b":7\r\n", cuts)
         for value in values:
-            length = connection.read_bulk_length(Deadline(10))
+            most = PEEK if peek else CHUNK
+            length = connection.read_bulk_length(Deadline(10), peek)
             assert length == len(value)
             destination = bytearray(len(value))
             collect = Collect()
-            connection.read_into(memoryview(destination), Deadline(10), collect)
-            connection.end_of_value(Deadline(10))
+            connection.read_into(memoryview(destination), Deadline(10), collect, most)
+            connection.end_of_value(Deadline(10), peek)
             assert destination == value and b"".join(collect.pieces) == value
         assert connection.read_reply(Deadline(10)) == 7  # nothing was read past its value
         sender.join(10)

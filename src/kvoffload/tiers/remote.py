@@ -39,7 +39,10 @@ from kvoffload.tiers.block_sets import BlockWrite, pack_sets
 from kvoffload.tiers.breaker import CircuitBreaker
 from kvoffload.tiers.format import HEADER_BYTES, CorruptBlockError, parse_header
 from kvoffload.tiers.resp import (
+    CHUNK,
+    DIRECT_BELOW,
     MAX_LINE,
+    PEEK,
     ConnectError,
     Connection,
     Credentials,
@@ -484,7 +487,8 @@ class RemoteTier:
                 _ok(connection.read_reply(deadline, MAX_LINE))
             view = views[index]
             assert view is not None
-            length = connection.read_bulk_length(deadline)
+            large = view.nbytes >= DIRECT_BELOW
+            length = connection.read_bulk_length(deadline, large)
             if isinstance(length, ErrorReply):
                 statuses.append(_read_error(length))
                 continue
@@ -499,16 +503,24 @@ class RemoteTier:
                     statuses += [_AGAIN] * (len(indices) - position - 1)
                     return statuses
                 connection.skip(length, deadline)
-                connection.end_of_value(deadline)
+                connection.end_of_value(deadline, large)
                 continue
-            statuses.append(self._receive(connection, deadline, key, view))
+            statuses.append(self._receive(connection, deadline, key, view, large))
         return statuses
 
     def _receive(
-        self, connection: Connection, deadline: Deadline, key: OffloadKey, view: memoryview
+        self,
+        connection: Connection,
+        deadline: Deadline,
+        key: OffloadKey,
+        view: memoryview,
+        large: bool,
     ) -> _Status:
+        """Header and key (checked), then the payload into ``view``, checksummed as it
+        lands. ``large``: receive nothing past the header into the connection's buffer,
+        so the payload is copied once, by the kernel."""
         head = bytearray(HEADER_BYTES + len(key))
-        connection.read_into(memoryview(head), deadline)
+        connection.read_into(memoryview(head), deadline, most=PEEK if large else CHUNK)
         try:
             header = parse_header(head)
             header.check(key, self.fingerprint)
@@ -517,7 +529,7 @@ class RemoteTier:
         digest = payload_hasher()
         # A bad block's bytes land in a slot nobody loads.
         connection.read_into(view, deadline, digest)
-        connection.end_of_value(deadline)
+        connection.end_of_value(deadline, large)
         if header is None or header.payload_bytes != view.nbytes:
             return _CORRUPT
         return _HIT if digest.intdigest() == header.digest else _CORRUPT

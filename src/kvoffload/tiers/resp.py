@@ -30,6 +30,8 @@ CHUNK = 256 * 1024
 MAX_LINE = 64 * 1024
 MAX_REPLY = 16 * 2**20
 """Largest reply (other than a block read into its slot) accepted: INFO, CLUSTER SLOTS, SCAN."""
+PEEK = 512
+"""Bytes received for a length line, or a block's header, when a large value follows."""
 DIRECT_BELOW = 64 * 1024
 """Values at least this long are received straight into their destination."""
 
@@ -221,8 +223,9 @@ class Connection:
                 sent = sock.send(view)
                 view = view[sent:]
 
-    def _fill(self, deadline: Deadline) -> None:
-        """Receive more into the buffer (moving what is unread to its front first)."""
+    def _fill(self, deadline: Deadline, most: int = CHUNK) -> None:
+        """Receive up to ``most`` more bytes into the buffer (moving what is unread to its
+        front first)."""
         if self._start == self._end:
             self._start = self._end = 0
         elif self._end == len(self._buffer):
@@ -230,12 +233,12 @@ class Connection:
             self._buffer[:unread] = self._buffer[self._start : self._end]
             self._start, self._end = 0, unread
         self.sock.settimeout(deadline.left())
-        got = self.sock.recv_into(self._view[self._end :])
+        got = self.sock.recv_into(self._view[self._end : self._end + most])
         if not got:
             raise ConnectionError("the server closed the connection")
         self._end += got
 
-    def _line(self, deadline: Deadline) -> bytes:
+    def _line(self, deadline: Deadline, most: int = CHUNK) -> bytes:
         """The next line, without its CRLF."""
         while True:
             end = self._buffer.find(b"\r\n", self._start, self._end)
@@ -245,23 +248,29 @@ class Connection:
                 return line
             if self._end - self._start > MAX_LINE:
                 raise ProtocolError(f"a reply line longer than {MAX_LINE} bytes")
-            self._fill(deadline)
+            self._fill(deadline, most)
 
     def read_into(
-        self, destination: memoryview, deadline: Deadline, digest: Digest | None = None
+        self,
+        destination: memoryview,
+        deadline: Deadline,
+        digest: Digest | None = None,
+        most: int = CHUNK,
     ) -> None:
-        """Fill ``destination`` (bytes) from the stream: buffered bytes first, then
-        ``recv_into`` straight into it when much is left. ``digest`` is fed each piece
-        as it lands, while it is still in the CPU's cache."""
+        """Fill ``destination`` (bytes) from the stream: buffered bytes first, then, for
+        a destination of :data:`DIRECT_BELOW` bytes or more, ``recv_into`` straight into
+        it. ``digest`` is fed each piece as it lands, while it is still in cache; ``most``:
+        bytes a ``recv`` into the buffer may take (less before a large value)."""
         size = destination.nbytes
+        direct = size >= DIRECT_BELOW
         done = min(size, self._end - self._start)
         destination[:done] = self._view[self._start : self._start + done]
         self._start += done
         if digest is not None and done:
             digest.update(destination[:done])
         while done < size:
-            if size - done < DIRECT_BELOW:
-                self._fill(deadline)
+            if not direct:
+                self._fill(deadline, most)
                 got = min(size - done, self._end - self._start)
                 destination[done : done + got] = self._view[self._start : self._start + got]
                 self._start += got
@@ -283,17 +292,21 @@ class Connection:
             self._start += take
             size -= take
 
-    def end_of_value(self, deadline: Deadline) -> None:
-        """The CRLF after a bulk string's bytes."""
-        crlf = bytearray(2)
-        self.read_into(memoryview(crlf), deadline)
+    def end_of_value(self, deadline: Deadline, large_next: bool = False) -> None:
+        """The CRLF after a bulk string's bytes. ``large_next``: a large value is expected
+        next, so receive no more than its length line, lest its bytes be copied twice."""
+        while self._end - self._start < 2:
+            self._fill(deadline, PEEK if large_next else CHUNK)
+        crlf = self._buffer[self._start : self._start + 2]
+        self._start += 2
         if crlf != b"\r\n":
             raise ProtocolError("a bulk string not followed by CRLF")
 
-    def read_bulk_length(self, deadline: Deadline) -> int | ErrorReply:
+    def read_bulk_length(self, deadline: Deadline, large: bool = False) -> int | ErrorReply:
         """The length of the next reply, a bulk string (-1: nil), its bytes left unread;
-        or the error reply in its place."""
-        line = self._line(deadline)
+        or the error reply in its place. ``large``: a large value is expected, so receive
+        little more than this line (its bytes then go straight to their destination)."""
+        line = self._line(deadline, PEEK if large else CHUNK)
         kind, rest = line[:1], line[1:]
         if kind == b"-":
             return ErrorReply(rest.decode(errors="replace"))
