@@ -236,12 +236,9 @@ class RemoteTier:
                 running.append((keys, job))
                 continue
             stored = [key for key, ok in zip(keys, job.result(), strict=True) if ok]
+            self.stats.add(stored_blocks=len(stored), failed=len(keys) - len(stored))
             if stored:
-                self.stats.stored_blocks += len(stored)
                 self._events.record(stored, MEDIUM, removed=False)
-            if len(stored) < len(keys):
-                with self._lock:  # reads count their failures from the I/O threads
-                    self.stats.failed += len(keys) - len(stored)
         self._writes = running
 
     def take_events(self) -> list[OffloadingEvent]:
@@ -461,10 +458,7 @@ class RemoteTier:
         if corrupt:
             for node, indices in self._by_node(names, corrupt).items():
                 self._call(node, partial(self._delete, [names[i] for i in indices]))
-        with self._lock:
-            self.stats.hit_blocks += sum(outcome)
-            self.stats.corrupt += len(corrupt)
-            self.stats.failed += failed
+        self.stats.add(hit_blocks=sum(outcome), corrupt=len(corrupt), failed=failed)
         return outcome
 
     def _get_into(
