@@ -100,7 +100,7 @@ def test_an_eviction_outside_the_lock_would_have_broken_the_load(
 def test_config_info_reaches_vllms_info_metric_one_series_per_tier(
     vllm_modules: dict[str, ModuleType], tmp_path: Any, valkey_server: ValkeyProcess
 ) -> None:
-    from kvoffload.tiers.disk import slot_start, slot_stride
+    from kvoffload.tiers.slot_file import slot_start, slot_stride
 
     extra = {
         **SPEC_CONFIG,

@@ -13,7 +13,7 @@ from vllm_helpers import canonical_caches, create_spec, request_context
 from vllm_scheduler import connector_scheduler
 
 from kvoffload import block_id_key
-from kvoffload.tiers.disk import slot_start, slot_stride
+from kvoffload.tiers.slot_file import slot_start, slot_stride
 from tier_servers import ValkeyProcess
 
 KEYS = [block_id_key(i) for i in range(1, 7)]

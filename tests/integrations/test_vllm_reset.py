@@ -21,7 +21,7 @@ from vllm_helpers import Instance, lookup_until_settled, request_context
 from vllm_scheduler import connector_scheduler
 
 from kvoffload import block_id_key
-from kvoffload.tiers.disk import SUPER_BYTES, slot_start, slot_stride
+from kvoffload.tiers.slot_file import SUPER_BYTES, slot_start, slot_stride
 from tier_servers import ValkeyProcess
 
 torch = pytest.importorskip("torch")

@@ -26,7 +26,7 @@ from vllm_helpers import (
 
 from kvoffload import block_id_key
 from kvoffload.core.keys import OffloadKey
-from kvoffload.tiers.disk import slot_start, slot_stride
+from kvoffload.tiers.slot_file import slot_start, slot_stride
 from tier_servers import ValkeyProcess
 
 torch = pytest.importorskip("torch")

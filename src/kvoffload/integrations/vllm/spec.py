@@ -43,7 +43,8 @@ from kvoffload.integrations.vllm.settings import (
 from kvoffload.managers import CPUOffloadingManager, TieredOffloadingManager, build_manager
 from kvoffload.observe.counters import COUNTER_DOCS
 from kvoffload.tiers import RemoteTierError, build_tiered_manager, fingerprint_of, parse_remote_url
-from kvoffload.tiers.disk import SUPER_BYTES, DiskTier, slot_start, slot_stride
+from kvoffload.tiers.disk import DiskTier
+from kvoffload.tiers.slot_file import SUPER_BYTES, slot_start, slot_stride
 
 CONFIG_INFO_KEYS = (
     "tier",
