@@ -377,3 +377,15 @@ def test_mooncake_replay_our_admission_cuts_the_cascade_writes_and_keeps_the_hit
     print(report)
     assert ours[1] <= 0.7 * everything[1] and ours[2] <= 0.7 * everything[2], report
     assert ours[0] >= everything[0] - 0.005, report
+
+
+def test_remote_bytes_is_required_only_with_admission() -> None:
+    from kvoffload.integrations.vllm.secondary_settings import parse_shared_settings
+
+    entry = {"url": "redis://127.0.0.1:6379/0"}
+    with pytest.raises(InvalidArgumentError, match="key 'remote_bytes'"):
+        parse_shared_settings("KVOffloadSharedTier", entry)
+    unbounded = parse_shared_settings("KVOffloadSharedTier", {**entry, "admission": "none"})
+    assert unbounded.capacity_bytes == 0
+    with pytest.raises(InvalidArgumentError, match="key 'remote_bytes'"):
+        parse_shared_settings("KVOffloadSharedTier", {**entry, "remote_bytes": 0})

@@ -87,7 +87,9 @@ def parse_shared_settings(tier_type: str, entry: Mapping[str, Any]) -> Secondary
     return SecondarySettings(
         tier_type=tier_type,
         target=url,
-        capacity_bytes=_int(tier_type, entry, "remote_bytes", 1, None if needs_bytes else 0),
+        capacity_bytes=_int(
+            tier_type, entry, "remote_bytes", 1 if needs_bytes else 0, None if needs_bytes else 0
+        ),
         admission=admission,
         offer_hits=_bool(tier_type, entry, "offer_hits", True),
         io_threads=_int(tier_type, entry, "io_threads", 1, 2),
