@@ -235,3 +235,17 @@ def test_a_budget_above_every_candidate_changes_nothing() -> None:
     assert replay(workload, 300, admission="recommended", write_budget=1.0)[:2] == free
     with pytest.raises(InvalidArgumentError, match="needs admission 'recommended'"):
         build_manager(300, admission="feedback", write_budget=0.5)
+
+
+def test_stats_numbers_are_the_numeric_counters_only() -> None:
+    """Engines put ``numbers()`` into float-only stats dictionaries (SGLang's, vLLM's)."""
+    workload = longchat()
+    _, _, layer = replay(workload, 2000, admission="recommended")
+    assert layer is not None
+    stats = layer.stats()
+    assert stats.candidate and stats.whatif
+    numbers = stats.numbers()
+    assert all(isinstance(value, float) for value in numbers.values())
+    assert numbers["offers"] == stats.offers and numbers["admitted"] == stats.admitted
+    assert numbers["rejected"] == stats.rejected and numbers["control"] == stats.control
+    assert numbers["memory_bytes"] == stats.memory_bytes > 0

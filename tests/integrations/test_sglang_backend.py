@@ -232,3 +232,19 @@ def test_pages_gathered_and_scattered_in_parts(
     backend = backends(extra, pool, model=f"parts-{kind}-{layout}")
     assert backend.pages.group == 2
     round_trip_v1(backend, pool, KEYS[:5], seed=8)
+
+
+def test_stats_of_the_recommended_admission_reach_get_stats(backends: Any, tmp_path: Path) -> None:
+    pool = HostPool()
+    extra = {
+        "interface_v1": 1,
+        **disk(tmp_path, pages=4),
+        "kvoffload.disk_admission": "recommended",
+    }
+    backend = backends(extra, pool, model="optimiser")
+    pool.fill(list(range(4)), seed=7)
+    assert backend.batch_exists(KEYS[:4]) == 0
+    backend.batch_set_v1(KEYS[:4], pool.indices([0, 1, 2, 3]))
+    admission = backend.get_stats().kvoffload["disk"]["admission"]
+    assert admission["offers"] == 4.0
+    assert all(isinstance(value, float) for value in admission.values())

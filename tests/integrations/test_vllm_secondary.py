@@ -201,8 +201,8 @@ def test_admission_decides_what_the_cascade_writes(
     vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
 ) -> None:
     everything = engines([_disk(tmp_path / "a", admission="none")])
-    ours = engines([_disk(tmp_path / "b", admission="recommended")])
-    blind = engines([_disk(tmp_path / "c", admission="recommended", offer_hits=False)])
+    ours = engines([_disk(tmp_path / "b", admission="feedback")])
+    blind = engines([_disk(tmp_path / "c", admission="feedback", offer_hits=False)])
     trio = (everything, ours, blind)
 
     def counts(name: str) -> list[int]:

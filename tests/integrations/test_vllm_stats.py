@@ -48,7 +48,7 @@ def test_ghost_hits_reach_metrics_as_increments_across_reports_and_resets(
 ) -> None:
     from kvoffload.admission import find_admission
 
-    extra = {**SPEC_CONFIG, "cpu_bytes_to_use": 64 * 1024, "kvoffload.admission": "recommended"}
+    extra = {**SPEC_CONFIG, "cpu_bytes_to_use": 64 * 1024, "kvoffload.admission": "feedback"}
     frontend, registry = metrics_frontend(extra)
     manager = create_spec(extra).get_manager()
     total = 0

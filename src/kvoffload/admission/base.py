@@ -43,6 +43,19 @@ class AdmissionStats:
     def bytes_per_tracked_key(self) -> float:
         return self.memory_bytes / self.tracked_keys if self.tracked_keys else 0.0
 
+    def numbers(self) -> dict[str, float]:
+        """The numeric counters by name, for engines' stats dictionaries (the candidate
+        and what-if figures leave through their own metrics)."""
+        return {
+            "offers": float(self.offers),
+            "admitted": float(self.admitted),
+            "rejected": float(self.rejected),
+            "ghost_hits": float(self.ghost_hits),
+            "control": self.control,
+            "memory_bytes": float(self.memory_bytes),
+            "tracked_keys": float(self.tracked_keys),
+        }
+
 
 class AdmissionLayer(OffloadingManager):
     """Wraps ``backing``; ``capacity`` (the tier's blocks) sizes the layer's memory."""

@@ -290,7 +290,7 @@ class TierPath:
         if self.layer is None:
             return None
         with self._admission_lock:
-            return {k: float(v) for k, v in dataclasses.asdict(self.layer.stats()).items()}
+            return self.layer.stats().numbers()
 
     def _admit(self, keys: Sequence[OffloadKey]) -> set[OffloadKey]:
         if self.layer is None:

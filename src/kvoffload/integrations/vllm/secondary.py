@@ -265,7 +265,7 @@ class _Owner:
     def _admission_stats(self) -> dict[str, float] | None:
         if self.layer is None:
             return None
-        return {name: float(value) for name, value in asdict(self.layer.stats()).items()}
+        return self.layer.stats().numbers()
 
     def _close(self) -> None:
         try:
