@@ -54,9 +54,8 @@ def generate(llm: Any, prompts: list[list[int]]) -> dict[str, Any]:
     for output in outputs:
         completion = output.outputs[0]
         tokens.append(list(completion.token_ids))
-        logprobs.append(
-            [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
-        )
+        steps = zip(completion.logprobs, completion.token_ids, strict=True)
+        logprobs.append([step[token].logprob for step, token in steps])
     return {"tokens": tokens, "logprobs": logprobs, "seconds": seconds}
 
 
