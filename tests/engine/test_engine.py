@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_helpers import report, run_driver
 
-from conftest import report, run_driver
 from tier_servers import ValkeyProcess
 
 SPEC = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.integrations.vllm"}

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_helpers import ROOT, engine_env, report
 
-from conftest import ROOT, engine_env, report
 from tier_servers import free_port
 
 STARTUP_TIMEOUT_S = 300
