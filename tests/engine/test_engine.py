@@ -151,7 +151,9 @@ def _assert_same_outputs(engine: dict[str, Any], baseline: list[dict[str, Any]])
 
 
 def _counter(metrics: dict[str, float], name: str) -> float:
-    return metrics.get(name, 0.0)
+    """A metric vLLM reported (a missing one fails: a zero must be a measured zero)."""
+    assert name in metrics, f"{name} not among vLLM's metrics"
+    return metrics[name]
 
 
 def test_the_cpu_tier_serves_identical_outputs_after_a_reset(
