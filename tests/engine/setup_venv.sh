@@ -18,4 +18,4 @@ echo 'torch==2.13.0+cpu' >"$constraints"
 # `import vllm` (an OSError its audio module does not catch). A text model needs none of them.
 "$venv/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec
 "$venv/bin/pip" install --quiet -c "$constraints" -e '.[test]' tokenizers
-"$venv/bin/python" -c 'import vllm, kvoffload; print("vllm", vllm.__version__, "kvoffload", kvoffload.__version__)'
+"$venv/bin/python" -m kvoffload --version
