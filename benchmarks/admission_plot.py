@@ -1,4 +1,4 @@
-"""Draw the README's admission table as one hit-versus-writes panel per workload.
+"""Draw docs/admission.md's admission table as one hit-versus-writes panel per workload.
 
 Reads the rows that ``benchmarks/admission_table.py --json PATH`` writes. In
 each panel every configuration is a line through its capacities (the label

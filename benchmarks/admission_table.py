@@ -1,4 +1,4 @@
-"""The README's admission table: store-everything, the seed filter and the recommended
+"""The admission table of docs/admission.md: store-everything, the seed filter and the recommended
 configuration on every workload, at offload capacities of 5%, 10% and 25% of its unique blocks.
 
 The GPU prefix cache holds 2% of the workload's unique blocks, as in the
@@ -15,7 +15,7 @@ recommended configuration closes.
 
 ``--seed`` draws the synthetic workloads from another seed (the Mooncake rows
 are then skipped): a check on traffic the algorithm was not developed on.
-``--held-out`` runs the README's two held-out mixes instead (their own seeds
+``--held-out`` runs docs/admission.md's two held-out mixes instead (their own seeds
 and rates).
 """
 

@@ -33,13 +33,13 @@ from pathlib import Path
 
 from kvoffload import block_id_key
 from kvoffload.core.layout import layout_preset
-from kvoffload.tiers.disk import SUPER_BYTES, encode_superblock, slot_stride
 from kvoffload.tiers.format import (
     encode_header,
     layout_fingerprint,
     parse_header,
     payload_digest,
 )
+from kvoffload.tiers.slot_file import SUPER_BYTES, encode_superblock, slot_stride
 
 
 def file_per_block(directory: Path, blocks: list[tuple[bytes, bytes]], fsync: bool) -> float:
@@ -104,7 +104,7 @@ def slab(directory: Path, blocks: list[tuple[bytes, bytes]], fsync: bool) -> flo
     started = time.perf_counter()
     fd = os.open(directory / "blocks.kvs", os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        os.pwrite(fd, encode_superblock(FP, stride), 0)
+        os.pwrite(fd, encode_superblock(FP, stride, len(blocks[0][1])), 0)
         headers = []
         for slot, (key, payload) in enumerate(blocks):
             header = encode_header(key, FP, payload)

@@ -16,7 +16,7 @@ from kvoffload.sim.traces import read_trace
 from kvoffload.sim.workload import Request
 
 CAPACITY = 4392
-"""Blocks in the tier: 10% of the trace's unique blocks, as the README's runs use."""
+"""Blocks in the tier: 10% of the trace's unique blocks, as the manual's runs use."""
 
 
 def _vllm_manager(

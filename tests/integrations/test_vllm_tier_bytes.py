@@ -26,6 +26,7 @@ from vllm_helpers import (
 
 from kvoffload import block_id_key
 from kvoffload.core.keys import OffloadKey
+from kvoffload.tiers.slot_file import slot_start, slot_stride
 from tier_servers import ValkeyProcess
 
 torch = pytest.importorskip("torch")
@@ -52,10 +53,11 @@ def instances() -> Iterator[Callable[..., Instance]]:
 
 
 def _disk(tmp_path: Path, cpu_blocks: int = 2, world_size: int = 1) -> dict[str, Any]:
+    """A 2-block CPU tier over a disk tier whose slot file holds 16 blocks."""
     return {
         "cpu_bytes_to_use": cpu_blocks * BLOCK_BYTES * world_size,
         "kvoffload.disk_dir": str(tmp_path / "disk"),
-        "kvoffload.disk_bytes": 16 * BLOCK_BYTES * world_size,
+        "kvoffload.disk_bytes": slot_start(16, slot_stride(BLOCK_BYTES * world_size)),
     }
 
 

@@ -109,7 +109,7 @@ def test_a_disk_dir_that_is_a_file_fails_naming_the_key(
         {
             "cpu_bytes_to_use": 4096,
             "kvoffload.disk_dir": str(blocker / "disk"),
-            "kvoffload.disk_bytes": 4096,
+            "kvoffload.disk_bytes": 1 << 20,
         }
     )
     with pytest.raises(InvalidArgumentError, match=r"kvoffload\.disk_dir"):

@@ -50,7 +50,7 @@ def test_reference_trace_offload_figures(
     """Regression pins of the sequential replay (GPU 878, CPU 4,392 blocks), block for block.
 
     ``cache`` LRU gives the 0.262 (threshold 0) and 0.276 (threshold 2) total hit
-    ratios quoted in the README; a change to a policy's order or to the
+    ratios quoted in docs/simulate.md; a change to a policy's order or to the
     engine's accounting moves these counts.
     """
     config = SimConfig(

@@ -48,9 +48,30 @@ def test_mooncake_requests_sorted_with_seconds_and_keys_per_id(tmp_path: Path) -
     assert (second.input_tokens, second.output_tokens) == (1100, 5)
 
 
-def test_block_size_is_a_parameter(tmp_path: Path) -> None:
+def small_block_mooncake(block_tokens: int) -> list[dict[str, object]]:
+    """A Mooncake-format trace keyed per ``block_tokens`` tokens (Dynamo's generator, aiperf)."""
+    return [
+        {"timestamp": 0, "input_length": 5 * block_tokens, "output_length": 3,
+         "hash_ids": [0, 1, 2, 3, 4]},
+        {"timestamp": 40, "input_length": 3 * block_tokens + 1, "output_length": 2,
+         "hash_ids": [0, 1, 2, 9]},
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("block_tokens", [16, 32, 64])
+def test_block_size_reaches_the_consistency_check(tmp_path: Path, block_tokens: int) -> None:
+    path = write_jsonl(tmp_path / "t.jsonl", small_block_mooncake(block_tokens))
+    workload = read_trace(path, "mooncake", block_tokens=block_tokens)
+    assert workload.block_tokens == block_tokens
+    assert [len(r.keys) for r in workload.requests] == [5, 4]
+    with pytest.raises(TraceFormatError, match=rf"512-token blocks.*--block-size {block_tokens}"):
+        read_trace(path)  # the format's 512 tokens: refused, naming the size that fits
+
+
+def test_a_block_size_the_hash_ids_do_not_cover_is_refused(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "t.jsonl", MOONCAKE)
-    assert read_trace(path, "mooncake", block_tokens=256).block_tokens == 256
+    with pytest.raises(TraceFormatError, match="256-token blocks make that 4 or 5"):
+        read_trace(path, "mooncake", block_tokens=256)
 
 
 def test_qwen_jsonl_and_csv_read_the_same(tmp_path: Path) -> None:
@@ -61,6 +82,42 @@ def test_qwen_jsonl_and_csv_read_the_same(tmp_path: Path) -> None:
     assert from_jsonl.requests == from_csv.requests
     assert [r.arrival_s for r in from_csv.requests] == [0.5, 1.25]
     assert from_csv.requests[1].keys[:2] == from_csv.requests[0].keys
+
+
+LMBENCH = [  # newest first, nanosecond strings (LMCache's LMBench traces)
+    {"timestamp": "1718000002500000001", "input_length": 1100, "output_length": 5,
+     "hash_ids": [0, 1, 3]},
+    {"timestamp": "1718000000000000001", "input_length": 1024, "output_length": 9,
+     "hash_ids": [0, 1]},
+]  # fmt: skip
+
+
+def test_lmbench_traces_read_newest_first_in_nanoseconds(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "lmbench.jsonl", LMBENCH)
+    assert detect_format(path) == "lmbench"
+    workload = read_trace(path)
+    assert workload.block_tokens == 512
+    first, second = workload.requests
+    assert (first.arrival_s, second.arrival_s) == (0.0, 2.5)
+    assert (first.output_tokens, second.output_tokens) == (9, 5)
+    assert second.keys[:2] == first.keys
+    assert read_trace(path, "lmbench", block_tokens=512).requests == workload.requests
+    with pytest.raises(TraceFormatError, match="looks like a lmbench trace, not mooncake"):
+        read_trace(path, "mooncake")
+
+
+@pytest.mark.parametrize(
+    ("timestamp", "message"),
+    [("17e17", "whole number of nanoseconds"), ("-5", "non-negative"), (1.5, "whole number")],
+)
+def test_bad_lmbench_timestamps_name_file_and_line(
+    tmp_path: Path, timestamp: object, message: str
+) -> None:
+    bad = {**LMBENCH[1], "timestamp": timestamp}
+    path = write_jsonl(tmp_path / "lmbench.jsonl", [LMBENCH[0], bad])
+    with pytest.raises(TraceFormatError, match=message) as info:
+        read_trace(path)
+    assert f"{path}:2:" in str(info.value)
 
 
 def test_format_detection(tmp_path: Path) -> None:

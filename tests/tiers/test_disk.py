@@ -23,8 +23,14 @@ from tier_helpers import flip_byte
 from kvoffload import OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
 from kvoffload.tiers import DiskTier, layout_fingerprint
-from kvoffload.tiers.disk import MAX_KEY_BYTES, SUPER_BYTES, encode_superblock, slot_stride
 from kvoffload.tiers.format import HEADER_BYTES
+from kvoffload.tiers.slot_file import (
+    MAX_KEY_BYTES,
+    SUPER_BYTES,
+    Recovery,
+    encode_superblock,
+    slot_stride,
+)
 
 FP = layout_fingerprint("disk-test", layout_preset("tiny"), 64)
 KEYS = [block_id_key(i) for i in range(12)]
@@ -62,7 +68,7 @@ def test_blocks_round_trip_through_the_slot_file(tmp_path: Path) -> None:
         ok, got = read_all(tier, KEYS[:10])
         assert all(ok) and got == {i: payload(k) for i, k in enumerate(KEYS[:10])}
         assert tier.stats.stored_blocks == 10 and tier.stats.hit_blocks == 10
-        assert [p.name for p in tier.directory.iterdir()] == ["blocks.kvs"]
+        assert sorted(p.name for p in tier.directory.iterdir()) == ["blocks.kvs", "lock"]
         stride = slot_stride(64)
         assert tier.stride == stride == 4096
         assert sorted(offsets(tier, KEYS[:10])) == [SUPER_BYTES + i * stride for i in range(10)]
@@ -136,11 +142,18 @@ def test_a_restart_drops_torn_and_broken_slots(tmp_path: Path) -> None:
     try:
         expect = {KEYS[0], KEYS[4], KEYS[5]} - {last}
         assert {k for k in KEYS if again.present([k])} == expect
-        assert again.stats.corrupt == 3  # bad magic, bad CRC, cut short
+        # Torn: the zeroed header over its payload, the block cut short; corrupt: magic, CRC.
+        assert again.recovery == Recovery(recovered=len(expect), torn=2, foreign=0, corrupt=2)
+        assert again.stats.corrupt == 0  # the run's own count starts at zero
         ok, got = read_all(again, sorted(expect))
         assert all(ok) and set(got.values()) == {payload(k) for k in expect}
     finally:
         again.close()
+    once = DiskTier(tmp_path, 20, FP)  # each dropped slot was blanked: counted once
+    try:
+        assert once.recovery == Recovery(recovered=len(expect))
+    finally:
+        once.close()
 
 
 def test_a_foreign_superblock_starts_the_tier_over(tmp_path: Path) -> None:
@@ -148,10 +161,11 @@ def test_a_foreign_superblock_starts_the_tier_over(tmp_path: Path) -> None:
     first.close()
     foreign = layout_fingerprint("another-model", layout_preset("tiny"), 64)
     with open(first.path, "r+b") as file:
-        file.write(encode_superblock(foreign, slot_stride(64)))
+        file.write(encode_superblock(foreign, slot_stride(64), 64))
     again = DiskTier(tmp_path, 20, FP)
     try:
         assert len(again) == 0 and again.path.stat().st_size == 0
+        assert again.recovery == Recovery(foreign=3)  # the other layout's file, all its slots
         stored(again, KEYS[3:5])
         ok, got = read_all(again, KEYS[3:5])
         assert all(ok) and got[1] == payload(KEYS[4])
@@ -162,7 +176,7 @@ def test_a_foreign_superblock_starts_the_tier_over(tmp_path: Path) -> None:
         file.write(b"\xff")  # the superblock's stride field: its CRC fails
     broken = DiskTier(tmp_path, 20, FP)
     try:
-        assert len(broken) == 0
+        assert len(broken) == 0 and broken.recovery == Recovery(corrupt=1)
     finally:
         broken.close()
 

@@ -30,6 +30,14 @@ def test_any_flipped_byte_is_caught(position: int) -> None:
         decode_block(bytes(block), KEY, FP)
 
 
+@pytest.mark.parametrize("position", range(HEADER_BYTES - 4, HEADER_BYTES))
+def test_a_flipped_byte_in_the_headers_own_checksum_is_caught(position: int) -> None:
+    block = bytearray(encode_block(KEY, FP, bytes(range(16))))
+    block[position] ^= 0x01
+    with pytest.raises(CorruptBlockError, match="header fails its checksum"):
+        decode_block(bytes(block), KEY, FP)
+
+
 def test_a_torn_block_is_caught() -> None:
     block = encode_block(KEY, FP, bytes(range(16)))
     for cut in (3, HEADER_BYTES - 1, HEADER_BYTES + 5, len(block) - 1):

@@ -68,7 +68,7 @@ def test_the_disk_tier_has_its_own_policy(tmp_path: Path) -> None:
         stack = _tiered_manager(cfg, 16, None, False)
         try:
             disk = stack.tiers[0]
-            assert isinstance(disk, DiskTier) and type(disk._policy).__name__ == expected
+            assert isinstance(disk, DiskTier) and type(disk.policy).__name__ == expected
         finally:
             stack.close()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +16,7 @@ from kvoffload.managers.tiered import (
     TieredOffloadingManager,
     TierSettings,
 )
+from kvoffload.policies import PENDING_STORE
 from kvoffload.tiers import DiskTier, RemoteTier, layout_fingerprint
 from kvoffload.tiers.format import HEADER_BYTES
 from tier_servers import ValkeyProcess
@@ -265,4 +267,44 @@ def test_unreachable_slot_bytes_are_counted_failures_and_a_failed_promotion_a_mi
         assert m.lookup([K[1]]) == 1
         assert bytes(slots.view(m.cpu.block_status(K[1]).block_id)) == content(K[1], 40)  # type: ignore[union-attr]
     finally:
+        m.close()
+
+
+class HeldSlots(ByteSlots):
+    """Slot bytes whose views wait for :attr:`release`: a promotion that stays in flight."""
+
+    def __init__(self, num_slots: int, slot_bytes: int) -> None:
+        super().__init__(num_slots, slot_bytes)
+        self.release = threading.Event()
+
+    def view(self, slot: int) -> memoryview:
+        self.release.wait(10)
+        return super().view(slot)
+
+
+def test_completing_a_store_of_a_block_being_promoted_leaves_it_pending(tmp_path: Path) -> None:
+    """Neither a success (garbage made loadable) nor a failure (its slot freed) may land it."""
+    fp = layout_fingerprint("in-flight", layout_preset("tiny"), 40)
+    disk = DiskTier(tmp_path / "disk", 4, fp)
+    disk.write(K[:1], [content(K[0], 40)])
+    disk.poll(wait=True)
+    slots = HeldSlots(2, 40)
+    m = TieredOffloadingManager(CPUOffloadingManager(2), [(disk, TierSettings())], slots)
+    try:
+        assert m.lookup(K[:1]) is None and m.promotions_in_flight == 1
+        slot = m.cpu.block_status(K[0]).block_id  # type: ignore[union-attr]
+        for success in (True, False):
+            m.complete_store(K[:1], success)
+            block = m.cpu.block_status(K[0])
+            assert block is not None and block.ref_cnt == PENDING_STORE
+            assert block.block_id == slot and m.cpu.lookup(K[:1]) == 0
+        assert m.cpu_stats.stored_blocks == 0
+        slots.release.set()
+        deadline = time.monotonic() + 10
+        while (found := m.lookup(K[:1])) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert found == 1 and bytes(slots.view(slot)) == content(K[0], 40)
+    finally:
+        slots.release.set()
         m.close()

@@ -140,7 +140,7 @@ class StackMachine(RuleBasedStateMachine):
 
     def snapshot(self) -> object:
         cpu = {k: (b.block_id, b.ref_cnt) for k, b in self.m.cpu._blocks.items()}
-        disk = {k: b.ref_cnt for k, b in self.disk._index.items()}
+        disk = {k: b.ref_cnt for k, b in self.disk._index._blocks.items()}
         return cpu, disk, self.m.promotions_in_flight
 
     @invariant()
@@ -184,11 +184,11 @@ class StackMachine(RuleBasedStateMachine):
             else:
                 target.update(event.keys)
         ready_cpu = {k for k, b in self.m.cpu._blocks.items() if b.ref_cnt >= 0}
-        ready_disk = {k for k, b in self.disk._index.items() if b.ref_cnt >= 0}
+        ready_disk = {k for k, b in self.disk._index._blocks.items() if b.ref_cnt >= 0}
         assert self.cpu_events == ready_cpu
         assert self.disk_events == ready_disk
         if not self.disk.stats.rejected:  # on disk, or being written there
-            assert self.fell <= set(self.disk._index) | ready_cpu
+            assert self.fell <= set(self.disk._index._blocks) | ready_cpu
         if self.remote is not None:  # write-through: exactly what completed its CPU store
             self.remote.poll(wait=True)
             self.m.poll()

@@ -65,19 +65,24 @@ class AdmissionLayer(OffloadingManager):
     def stats(self) -> AdmissionStats:
         """Counters and footprint, for reports."""
 
-    def see_request(self, keys: Sequence[OffloadKey], will_offer: bool = True) -> None:
+    def see_request(
+        self, keys: Sequence[OffloadKey], will_offer: bool = True, counted: int = 0
+    ) -> None:
         """One request's keys in prefix order, from a driver that knows request boundaries.
 
         For drivers whose lookups and touches are per key or partial (vLLM's
         per-key API) and that therefore send those to :attr:`backing` directly:
         each call counts one sighting. With ``will_offer`` an offer ending at
-        the same key learns how many blocks precede it.
+        the same key learns how many blocks precede it. ``counted``: leading
+        keys an earlier call already showed for the same request (a request
+        offered in parts), not counted again.
         """
         if not keys:
             return
         if will_offer:
             self._requests.open(keys)
-        self._sighting(keys)
+        if counted < len(keys):
+            self._sighting(keys[counted:])
 
     def saw_tier_hit(self, keys: Sequence[OffloadKey]) -> None:
         """The tier served part of the request ``keys`` (as announced to :meth:`see_request`).

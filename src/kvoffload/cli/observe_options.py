@@ -20,8 +20,11 @@ from typing import Any
 
 from kvoffload.cli.options import number
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
+from kvoffload.core.manager import OffloadingManager
+from kvoffload.managers.tiered import LowerTier, TieredOffloadingManager
 from kvoffload.observe import ObservedManager, Observers
 from kvoffload.observe.transfers import ObservedWorker
+from kvoffload.sim.tier_model import recovery_counts
 
 MAX_SERVE_AFTER = 7 * 24 * 3600.0
 """A week: longer is surely a typo (and beyond what ``time.sleep`` takes on some systems)."""
@@ -150,6 +153,22 @@ def _check_free(host: str, port: int, what: str) -> None:
             raise InvalidArgumentError(f"{what}: cannot bind: {reason}") from None
 
 
+def lower_tiers(manager: OffloadingManager) -> list[LowerTier]:
+    """The tiers below the CPU tier of the stack under ``manager``'s wrappers (none if flat)."""
+    found: object = manager
+    while not isinstance(found, TieredOffloadingManager):
+        found = getattr(found, "backing", None)
+        if found is None:
+            return []
+    return found.tiers
+
+
+def recovery_by_tier(tiers: list[LowerTier]) -> dict[str, dict[str, int]]:
+    """Each tier's start-up recovery counts, for those that recover anything (the disk)."""
+    counts = {tier.medium.lower(): recovery_counts(tier) for tier in tiers}
+    return {name: found for name, found in counts.items() if found}
+
+
 @dataclass(frozen=True)
 class Observing:
     """The run's observers (``None`` when no option asks for one) and what settles them."""
@@ -199,6 +218,9 @@ def observing(args: argparse.Namespace, block_tokens: int) -> Iterator[Observing
 
             def register(observed: ObservedManager) -> None:
                 server.add(metrics.ManagerCollector(lambda: observed.counters, {"tier": "cpu"}))
+                tiers = lower_tiers(observed)
+                if tiers:
+                    server.add(metrics.RecoveryCollector(lambda: recovery_by_tier(tiers)))
 
             def register_transfers(observed: ObservedWorker) -> None:
                 server.add(metrics.TransferCollector(observed.latency))

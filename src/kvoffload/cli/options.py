@@ -72,13 +72,15 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         "--format",
         default="auto",
         choices=("auto", *TRACE_FORMATS),
-        help="trace schema (default: detect; mooncake has 512-token blocks, qwen 16)",
+        help="trace schema (default: detect; mooncake and lmbench have 512-token blocks, "
+        "qwen 16; --block-size names another)",
     )
     group.add_argument(
         "--block-size",
         type=POSITIVE_INT,
         metavar="TOKENS",
-        help="tokens per block (default: the trace format's; 16 for synthetic workloads)",
+        help="tokens per block, for a trace the size its hash_ids were keyed with "
+        "(default: the trace format's; 16 for synthetic workloads)",
     )
     mix = ",".join(f"{kind}={weight:g}" for kind, weight in DEFAULT_MIX.items())
     group.add_argument(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -10,10 +11,12 @@ from pathlib import Path
 
 from kvoffload.cli import options, output
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
+from kvoffload.core.layout import KVLayout
 from kvoffload.policies import resolve_policy
 from kvoffload.sim import tier_model
 from kvoffload.sim.run import RunReport, SimConfig, blocks_for_gib
-from kvoffload.tiers.format import FINGERPRINT_BYTES
+from kvoffload.tiers.format import FINGERPRINT_BYTES, layout_fingerprint
+from kvoffload.tiers.slot_file import SLOT_FILE, footprint, slot_stride
 
 
 def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,19 +112,34 @@ def _check_remote(url: str) -> None:
         raise type(exc)(f"--remote: {exc}") from None
 
 
-def _check_disk_space(args: argparse.Namespace, disk_blocks: int, bytes_per_block: int) -> None:
+def check_disk_fits(disk_dir: str, disk_blocks: int, payload_bytes: int, reused: Path) -> None:
+    """The full slot file (slots of their stride, not of their payload) must fit in the file
+    system's free space, plus what ``reused`` (this tier's file from an earlier run) holds."""
+    place = Path(disk_dir)
+    while not place.exists():
+        place = place.parent
+    free = shutil.disk_usage(place).free
+    with contextlib.suppress(OSError):  # without an earlier file there is nothing to reuse
+        free += reused.lstat().st_blocks * 512
+    need = footprint(disk_blocks, payload_bytes)
+    if need > free:
+        raise InvalidArgumentError(
+            f"a disk tier of {disk_blocks:,} blocks takes {output.size(need)} "
+            f"(slots of {output.size(slot_stride(payload_bytes))}) and does not fit the "
+            f"{output.size(free)} free in the file system of --disk-dir {disk_dir}"
+        )
+
+
+def _check_disk_space(
+    args: argparse.Namespace, disk_blocks: int, name: str, layout: KVLayout
+) -> None:
     """With ``--data-plane`` the disk tier holds real bytes: it must fit the file system."""
     if not getattr(args, "data_plane", False):
         return
-    place = Path(args.disk_dir)
-    while not place.exists():
-        place = place.parent
-    total = shutil.disk_usage(place).total
-    if disk_blocks * bytes_per_block > total:
-        raise InvalidArgumentError(
-            f"a disk tier of {disk_blocks:,} blocks of {bytes_per_block:,} bytes does not fit "
-            f"the {total / 2**30:,.1f} GiB file system of --disk-dir {args.disk_dir}"
-        )
+    payload = layout.bytes_per_block
+    fingerprint = layout_fingerprint(name, layout, payload)  # as the run names its directory
+    reused = Path(args.disk_dir) / fingerprint.hex() / SLOT_FILE
+    check_disk_fits(args.disk_dir, disk_blocks, payload, reused)
 
 
 def with_tiers(config: SimConfig, args: argparse.Namespace, block_tokens: int) -> SimConfig:
@@ -131,7 +149,7 @@ def with_tiers(config: SimConfig, args: argparse.Namespace, block_tokens: int) -
         disk_blocks = args.disk_blocks or 0
         if args.disk_gb is not None:
             disk_blocks = blocks_for_gib(args.disk_gb, config.layout, block_tokens)
-        _check_disk_space(args, disk_blocks, config.kv_layout(block_tokens).bytes_per_block)
+        _check_disk_space(args, disk_blocks, config.layout, config.kv_layout(block_tokens))
     return dataclasses.replace(
         config,
         disk_dir=args.disk_dir,
@@ -179,4 +197,14 @@ def tier_rows(report: RunReport) -> list[tuple[str, str]]:
                 f"{output.count(entry['failed'])} failed, {output.count(entry['corrupt'])} corrupt",
             )
         )
+        if "recovered" in entry:
+            rows.append(
+                (
+                    "",
+                    f"on start: {output.count(entry['recovered'])} blocks recovered, dropped "
+                    f"{output.count(entry['dropped_torn'])} torn, "
+                    f"{output.count(entry['dropped_foreign'])} foreign, "
+                    f"{output.count(entry['dropped_corrupt'])} corrupt",
+                )
+            )
     return rows

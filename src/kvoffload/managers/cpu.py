@@ -216,6 +216,26 @@ class CPUOffloadingManager(OffloadingManager):
         if changed:
             self._policy.remove(changed)
 
+    def remove(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        """Drop the ready, unpinned blocks among ``keys`` (a tier found their bytes broken).
+
+        Their slots are free at once; pending or pinned blocks stay. Returns
+        the keys dropped; no event is recorded (the caller reports its own).
+        """
+        if isinstance(keys, SINGLE_KEY_TYPES):
+            refuse_single_key(keys, "remove")
+        blocks = self._blocks
+        removed: list[OffloadKey] = []
+        for key in keys:
+            block = blocks.get(key)
+            if block is not None and block.ref_cnt == 0:
+                del blocks[key]
+                self._free.append(block)
+                removed.append(key)
+        if removed:
+            self._policy.remove(removed)
+        return removed
+
     def take_events(self) -> list[OffloadingEvent]:
         """Events since the last call, detached at once: none is lost or replayed."""
         return self._events.take()

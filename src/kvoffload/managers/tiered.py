@@ -28,10 +28,11 @@ this module moves no bytes itself and imports no tier.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, cast
 
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
@@ -52,7 +53,12 @@ A target that raises, or has another size, makes that block a failed read.
 
 @dataclass
 class TierStats:
-    """What one tier did, in blocks. ``failed``: stores or reads that did not happen."""
+    """What one tier did, in blocks. ``failed``: stores or reads that did not happen.
+
+    Written from the scheduler thread and from tiers' I/O threads alike, so
+    every write goes through :meth:`add`, under one lock; reading a field
+    needs none.
+    """
 
     hit_blocks: int = 0
     stored_blocks: int = 0
@@ -61,6 +67,15 @@ class TierStats:
     evicted: int = 0
     rejected: int = 0
     """Blocks offered for writing that did not fit (everything else was pinned or pending)."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **counts: int) -> None:
+        """Add ``counts`` (``failed=2, corrupt=1``) to the named fields, atomically."""
+        with self._lock:
+            for name, value in counts.items():
+                if name.startswith("_") or not hasattr(self, name):
+                    raise AttributeError(f"TierStats has no count {name!r}")
+                setattr(self, name, getattr(self, name) + value)
 
 
 class LowerTier(Protocol):
@@ -257,7 +272,7 @@ class TieredOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
         spec = self.cpu.prepare_load(keys)
-        self.cpu_stats.hit_blocks += len(spec.block_ids)
+        self.cpu_stats.add(hit_blocks=len(spec.block_ids))
         return spec
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
@@ -281,7 +296,7 @@ class TieredOffloadingManager(OffloadingManager):
             for key in landing:
                 self._slots.pop(key, None)
             return
-        self.cpu_stats.stored_blocks += len(landing)
+        self.cpu_stats.add(stored_blocks=len(landing))
         for tier, settings in zip(self.tiers, self._settings, strict=True):
             if settings.write_through:
                 self._write(tier, settings, landing)
@@ -324,7 +339,7 @@ class TieredOffloadingManager(OffloadingManager):
         keys = output.evicted_keys
         payloads: list[bytes] | None = []
         if keys:
-            self.cpu_stats.evicted += len(keys)
+            self.cpu_stats.add(evicted=len(keys))
             if self._slot_bytes is not None:
                 slots = [self._slots.pop(key) for key in keys]
                 try:
@@ -345,7 +360,7 @@ class TieredOffloadingManager(OffloadingManager):
             if not settings.write_through:
                 chosen = self._admitted(settings, keys)
                 if chosen and payloads is None:
-                    tier.stats.failed += len(chosen)
+                    tier.stats.add(failed=len(chosen))
                 elif chosen:
                     tier.write(
                         [keys[i] for i in chosen],
@@ -363,7 +378,7 @@ class TieredOffloadingManager(OffloadingManager):
         try:
             payloads = self._slot_bytes.snapshot([self._slots[key] for key in chosen])
         except SlotBytesUnavailableError:
-            tier.stats.failed += len(chosen)
+            tier.stats.add(failed=len(chosen))
             return
         tier.write(chosen, payloads)
 
@@ -447,7 +462,7 @@ class TieredOffloadingManager(OffloadingManager):
         bad = [key for key, ok in zip(keys, intact, strict=True) if not ok]
         if good:
             self.cpu.complete_store(good, True)
-            self.cpu_stats.stored_blocks += len(good)
+            self.cpu_stats.add(stored_blocks=len(good))
             # Only the intact prefix serves its requester; the rest are plain CPU blocks.
             usable = intact.index(False) if bad else len(keys)
             if usable:

@@ -7,7 +7,7 @@ prometheus_client is imported here only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import (
@@ -49,6 +49,36 @@ class ManagerCollector(Collector):
         )
         held.add_metric(label_values, values["held_blocks"])
         yield held
+
+
+class RecoveryCollector(Collector):
+    """Exports what lower tiers found on start: ``kvoffload_tier_recovered_blocks`` and
+    ``kvoffload_tier_dropped_blocks`` by ``reason`` (torn, foreign, corrupt).
+
+    ``counts()`` maps a tier name to its ``recovered`` and ``dropped_<reason>`` counts.
+    """
+
+    def __init__(self, counts: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        recovered = GaugeMetricFamily(
+            f"{PREFIX}tier_recovered_blocks",
+            "Blocks a lower tier found intact on start and serves again.",
+            labels=["tier"],
+        )
+        dropped = GaugeMetricFamily(
+            f"{PREFIX}tier_dropped_blocks",
+            "Slots a lower tier dropped on start, by reason (torn, foreign, corrupt).",
+            labels=["tier", "reason"],
+        )
+        for tier, counts in self._counts().items():
+            recovered.add_metric([tier], counts["recovered"])
+            for name, value in counts.items():
+                if name.startswith("dropped_"):
+                    dropped.add_metric([tier, name.removeprefix("dropped_")], value)
+        yield recovered
+        yield dropped
 
 
 class TransferCollector(Collector):

@@ -68,10 +68,20 @@ def tiers_report(
     bytes_per_block: int,
     costs: dict[str, TierCost],
 ) -> dict[str, dict[str, Scalar]]:
-    """``{"cpu": ..., "disk": ..., "remote": ...}``: the tiers this run had."""
+    """``{"cpu": ..., "disk": ..., "remote": ...}``: the tiers this run had; a tier that
+    recovers blocks on start (the disk tier) adds ``recovered`` and ``dropped_*``."""
     report = {"cpu": tier_report(cpu, bytes_per_block, None, 0)}
     if tiered is not None:
         for tier, batches in zip(tiered.tiers, tiered.promotion_batches, strict=True):
             name = tier.medium.lower()
             report[name] = tier_report(tier.stats, bytes_per_block, costs.get(name), batches)
+            report[name].update(recovery_counts(tier))
     return report
+
+
+def recovery_counts(tier: object) -> dict[str, int]:
+    """What ``tier`` found on start (``recovered``, ``dropped_torn`` ...); none if it keeps
+    nothing across runs."""
+    recovery = getattr(tier, "recovery", None)
+    counts = getattr(recovery, "as_dict", None)
+    return dict(counts()) if callable(counts) else {}

@@ -1,15 +1,17 @@
 """Readers for public serving traces that carry per-block hash ids.
 
-Two schemas are understood: Mooncake's (``timestamp`` in milliseconds,
-``input_length``, ``output_length``, ``hash_ids``; 512-token blocks) and
-Alibaba's Qwen/Bailian traces (the same fields plus ``chat_id``,
-``parent_chat_id``, ``type`` and ``turn``; ``timestamp`` in seconds; 16-token
-blocks), the latter as JSON lines or CSV. Every problem is reported with the
-file and line it was found on. One line may cost at most ``MAX_LINE_CHARS``
-characters (a longer one, or an endless stream such as ``/dev/zero``, is an
-error, not a hang), and a record's ``hash_ids`` must cover its
-``input_length`` in the format's own block size (the last block may be
-partial and keyed or not).
+Three schemas are understood: Mooncake's (``timestamp`` in milliseconds,
+``input_length``, ``output_length``, ``hash_ids``; 512-token blocks, which
+Dynamo's data generator and aiperf also write with 16- to 64-token blocks),
+LMCache's LMBench traces (Mooncake's keys, ``timestamp`` a string of
+nanoseconds, newest first) and Alibaba's Qwen/Bailian traces (the same fields
+plus ``chat_id``, ``parent_chat_id``, ``type`` and ``turn``; ``timestamp`` in
+seconds; 16-token blocks), the latter as JSON lines or CSV. Every problem is
+reported with the file and line it was found on. One line may cost at most
+``MAX_LINE_CHARS`` characters (a longer one, or an endless stream such as
+``/dev/zero``, is an error, not a hang), and a record's ``hash_ids`` must
+cover its ``input_length`` in the trace's block size (the format's, or the
+one the caller names; the last block may be partial and keyed or not).
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.keys import OffloadKey, block_id_key
 from kvoffload.sim.workload import Request, Workload
 
-TRACE_FORMATS = ("mooncake", "qwen")
-DEFAULT_BLOCK_TOKENS = {"mooncake": 512, "qwen": 16}
-_SECONDS_PER_UNIT = {"mooncake": 1e-3, "qwen": 1.0}
+TRACE_FORMATS = ("mooncake", "lmbench", "qwen")
+DEFAULT_BLOCK_TOKENS = {"mooncake": 512, "lmbench": 512, "qwen": 16}
+_SECONDS_PER_UNIT = {"mooncake": 1e-3, "lmbench": 1e-9, "qwen": 1.0}
+_COMMON_BLOCK_TOKENS = (16, 32, 64, 128, 256, 512, 1024)
+"""Block sizes suggested when a record's ``hash_ids`` do not fit the one in use."""
 _MAX_BLOCK_ID = 2**64 - 1
 MAX_LINE_CHARS = 16 * 2**20
 """16 Mi characters: a million-token prompt in 16-token blocks takes well under 1 Mi."""
@@ -38,12 +42,18 @@ class TraceFormatError(KVOffloadError, ValueError):
 
 
 def detect_format(path: Path) -> str:
-    """``"qwen"`` if the file is CSV or its first record has a ``chat_id``, else ``"mooncake"``."""
+    """``"qwen"`` if the file is CSV or its first record has a ``chat_id``, ``"lmbench"`` if
+    its timestamp is a string, else ``"mooncake"``."""
     if path.suffix.lower() == ".csv":
         return "qwen"
     for _, record in _json_records(path):
-        return "qwen" if "chat_id" in record else "mooncake"
+        if "chat_id" in record:
+            return "qwen"
+        return "lmbench" if isinstance(record.get("timestamp"), str) else "mooncake"
     raise TraceFormatError(f"{path}: the trace has no records")
+
+
+_TELLS = {"qwen": "has 'chat_id'", "lmbench": "string timestamps", "mooncake": "numbers"}
 
 
 def read_trace(path: str | Path, fmt: str = "auto", block_tokens: int | None = None) -> Workload:
@@ -63,20 +73,27 @@ def read_trace(path: str | Path, fmt: str = "auto", block_tokens: int | None = N
     elif fmt != detected:
         # The schemas differ in time unit and block size: a mix-up would run, wrongly.
         raise TraceFormatError(
-            f"{path}: looks like a {detected} trace, not {fmt} "
-            f"({'has' if detected == 'qwen' else 'has no'} 'chat_id'); "
+            f"{path}: looks like a {detected} trace, not {fmt} ({_TELLS[detected]}); "
             f"pass --format {detected} or auto"
         )
     block_tokens = DEFAULT_BLOCK_TOKENS[fmt] if block_tokens is None else block_tokens
     if block_tokens < 1:
         raise InvalidArgumentError(f"block size must be >= 1 token, got {block_tokens}")
     records = _csv_records(path) if path.suffix.lower() == ".csv" else _json_records(path)
-    unit = _SECONDS_PER_UNIT[fmt]
-    native = DEFAULT_BLOCK_TOKENS[fmt]
     keys_by_id: dict[int, OffloadKey] = {}
-    requests = [_to_request(path, line, rec, unit, native, keys_by_id) for line, rec in records]
-    if not requests:
+    exact = fmt == "lmbench"
+    stamped = [
+        _to_request(path, line, rec, block_tokens, exact, keys_by_id) for line, rec in records
+    ]
+    if not stamped:
         raise TraceFormatError(f"{path}: the trace has no records")
+    # Nanoseconds since the epoch lose precision as floats: times start at the first request.
+    start = min(stamp for stamp, _ in stamped) if exact else 0
+    unit = _SECONDS_PER_UNIT[fmt]
+    requests = [
+        Request((stamp - start) * unit, req.input_tokens, req.output_tokens, req.keys)
+        for stamp, req in stamped
+    ]
     requests.sort(key=lambda r: r.arrival_s)
     return Workload(name=path.name, block_tokens=block_tokens, requests=requests)
 
@@ -139,21 +156,24 @@ def _to_request(
     path: Path,
     line_no: int,
     record: Mapping[str, Any],
-    seconds_per_unit: float,
-    native_block_tokens: int,
+    block_tokens: int,
+    exact_time: bool,
     keys_by_id: dict[int, OffloadKey],
-) -> Request:
+) -> tuple[float | int, Request]:
+    """The record's timestamp in its own unit, and its request (arrival not set yet)."""
     where = f"{path}:{line_no}"
-    timestamp = _number(record, "timestamp", where)
+    timestamp = _whole(record, where) if exact_time else _number(record, "timestamp", where)
     input_tokens = int(_number(record, "input_length", where, integer=True))
     output_tokens = int(_number(record, "output_length", where, integer=True))
     block_ids = _block_ids(record, where)
-    full, partial = divmod(input_tokens, native_block_tokens)
-    if not full <= len(block_ids) <= full + (partial > 0):
+    if not _covers(len(block_ids), input_tokens, block_tokens):
+        full, partial = divmod(input_tokens, block_tokens)
         expected = f"{full}" if not partial else f"{full} or {full + 1}"
+        fitting = [b for b in _COMMON_BLOCK_TOKENS if _covers(len(block_ids), input_tokens, b)]
+        hint = f"; pass --block-size {fitting[0]} if the trace was keyed so" if fitting else ""
         raise TraceFormatError(
             f"{where}: {len(block_ids)} hash_ids for an input_length of {input_tokens} tokens; "
-            f"{native_block_tokens}-token blocks make that {expected}"
+            f"{block_tokens}-token blocks make that {expected}{hint}"
         )
     keys = []
     for block_id in block_ids:
@@ -161,7 +181,30 @@ def _to_request(
         if key is None:
             key = keys_by_id[block_id] = block_id_key(block_id)
         keys.append(key)
-    return Request(timestamp * seconds_per_unit, input_tokens, output_tokens, keys)
+    return timestamp, Request(0.0, input_tokens, output_tokens, keys)
+
+
+def _covers(num_ids: int, input_tokens: int, block_tokens: int) -> bool:
+    """Whether ``num_ids`` keys are the prompt's full blocks, with or without its partial one."""
+    full, partial = divmod(input_tokens, block_tokens)
+    return full <= num_ids <= full + (partial > 0)
+
+
+def _whole(record: Mapping[str, Any], where: str) -> int:
+    """An LMBench timestamp: a whole number of nanoseconds, as a string or an integer."""
+    if "timestamp" not in record:
+        raise TraceFormatError(f"{where}: missing field 'timestamp'")
+    raw = record["timestamp"]
+    value = raw.strip() if isinstance(raw, str) else raw
+    if isinstance(value, str) and value.lstrip("-").isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TraceFormatError(
+            f"{where}: field 'timestamp' must be a whole number of nanoseconds, got {raw!r}"
+        )
+    if value < 0:
+        raise TraceFormatError(f"{where}: field 'timestamp' must be non-negative, got {raw!r}")
+    return value
 
 
 def _number(record: Mapping[str, Any], name: str, where: str, integer: bool = False) -> float:

@@ -65,6 +65,12 @@ def payload_digest(payload: bytes | bytearray | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
+def payload_hasher() -> xxhash.xxh3_64:
+    """A running XXH3 64-bit digest, for payloads read piece by piece: ``intdigest()`` at
+    the end equals :func:`payload_digest` of the whole."""
+    return xxhash.xxh3_64()
+
+
 def encode_header(key: bytes, fingerprint: bytes, payload: bytes | bytearray | memoryview) -> bytes:
     """``header | key``, to be followed by ``payload`` as it is (no copy of the payload)."""
     if len(fingerprint) != FINGERPRINT_BYTES:
@@ -104,6 +110,11 @@ class Header:
             raise CorruptBlockError(f"block holds key {self.key!r}, expected {key!r}")
         if self.fingerprint != fingerprint:
             raise CorruptBlockError(f"block of key {key!r} has another layout fingerprint")
+
+    def verify_digest(self, digest: int) -> None:
+        """The payload's digest, computed by the caller as it read the payload, must match."""
+        if digest != self.digest:
+            raise CorruptBlockError(f"block of key {self.key!r} fails its checksum")
 
     def verify(self, payload: bytes | bytearray | memoryview) -> None:
         if len(payload) != self.payload_bytes:

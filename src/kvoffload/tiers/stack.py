@@ -25,6 +25,7 @@ def build_tiered_manager(
     store_threshold: int,
     slot_bytes: SlotBytes | None,
     wait_for_tiers: bool,
+    enable_events: bool = False,
 ) -> TieredOffloadingManager:
     """``cpu`` over the configured lower tiers; the shared one is write-through, so others
     see a block as soon as it is stored. Tiers opened before a failure are closed again.
@@ -34,10 +35,12 @@ def build_tiered_manager(
         if disk_dir is not None:
             if disk_blocks < 1:
                 raise InvalidArgumentError(f"a disk tier needs >= 1 block, got {disk_blocks}")
-            disk = DiskTier(disk_dir, disk_blocks, fingerprint, disk_policy)
+            disk = DiskTier(
+                disk_dir, disk_blocks, fingerprint, disk_policy, enable_events=enable_events
+            )
             tiers.append((disk, TierSettings(False, store_threshold)))
         if remote_url is not None:
-            remote = RemoteTier(remote_url, fingerprint)
+            remote = RemoteTier(remote_url, fingerprint, enable_events=enable_events)
             tiers.append((remote, TierSettings(True, store_threshold)))
     except BaseException:
         for tier, _ in tiers:

@@ -21,7 +21,8 @@ past it to the tier, so they count no sightings.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Sequence
+import threading
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
 from vllm.v1.kv_offload.base import (
+    Locality,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -44,6 +46,7 @@ from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager as SeedManager
 from kvoffload.core.specs import BlockIDsLoadStoreSpec
 from kvoffload.integrations.vllm.offer_filter import OfferCountFilter
+from kvoffload.managers import CPUOffloadingManager, TieredOffloadingManager
 from kvoffload.observe.counters import ManagerCounters
 from kvoffload.policies import BlockStatus
 
@@ -57,6 +60,23 @@ CONTROL_METRIC = f"{METRIC_PREFIX}admission_control"
 
 Probe = Callable[[OffloadKey], BlockStatus | None]
 """Where a key stands in the tier: ``None`` if absent, else its status (pending or ready)."""
+
+REPORTS_FLUSH = hasattr(OffloadingManager, "on_reset_flushed")
+"""Whether this vLLM tells the manager when the jobs in flight at a reset are done (0.33;
+0.32 never does, so holding promotions until then would hold them for good)."""
+
+InfoSeries = Mapping[str, str | int | float | bool]
+"""One series of ``vllm:kv_offload_config_info``: label name to value."""
+
+_EVENT_MEDIA: dict[str, tuple[Any, Any, str | None, bool]] = {
+    "CPU": (Medium.CPU, None, None, False),
+    "DISK": (Medium.STORAGE, Locality.LOCAL, "DISK", True),
+    "REMOTE": (Medium.STORAGE, Locality.REMOTE, "REMOTE", False),
+}
+"""Each of our tiers' media as vLLM's event fields ``(medium, locality, ownership,
+removal_expected)``: vLLM's ``Medium`` has CPU and STORAGE only, so a lower tier is
+STORAGE with its locality and our medium name as the event's ownership (the tier that
+published it). The disk tier announces its evictions; the shared tier never removes."""
 
 
 @dataclass
@@ -86,11 +106,15 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         offer_filter: OfferCountFilter | None = None,
         bytes_per_block: int = 0,
         on_shutdown: Callable[[], None] | None = None,
+        info: Sequence[InfoSeries] = ({},),
         recency_at_access: bool = True,
     ) -> None:
         self._build = build
         self._recency_at_access = recency_at_access
         self._on_shutdown = on_shutdown
+        self._info = [dict(series) for series in info]
+        self._lock = threading.Lock()
+        self._promotions_held = False
         self._install()
         self._filter = offer_filter
         self._bytes_per_block = bytes_per_block
@@ -104,6 +128,20 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._manager, self._probe = self._build()
         self._layer: AdmissionLayer | None = find_admission(self._manager)
         self._direct: SeedManager = self._manager if self._layer is None else self._layer.backing
+        direct = self._direct
+        cpu = direct.cpu if isinstance(direct, TieredOffloadingManager) else direct
+        if not isinstance(cpu, CPUOffloadingManager):
+            raise TypeError(f"expected kvoffload's CPU tier under the adapter, got {type(cpu)}")
+        self._cpu: CPUOffloadingManager = cpu
+        self._has_lower_tiers = isinstance(direct, TieredOffloadingManager) and bool(direct.tiers)
+
+    @property
+    def lock(self) -> threading.Lock:
+        """vLLM's exclusion over this manager and its tiers, held by its scheduler from a
+        step's lookups to the loads that pin their hits. A real lock: a caller on another
+        thread cannot evict or promote in between. Our tiers' I/O threads never enter the
+        manager, so only vLLM's callers ever contend for it."""
+        return self._lock
 
     @property
     def backing(self) -> SeedManager:
@@ -114,10 +152,14 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> Any:
-        hits = self._direct.lookup((key,))
         self.counters.lookups += 1
         if self._layer is not None:
             self._request_keys(req_context).unsighted[key] = None
+        if self._promotions_held and self._probe(key) is None:
+            # Until on_reset_flushed, a worker may still write a slot the reset freed: no
+            # promotion may fill one, so a block only in a lower tier is recomputed.
+            return LookupResult.MISS
+        hits = self._direct.lookup((key,))
         if hits is None:
             return LookupResult.RETRY
         if hits:
@@ -182,7 +224,6 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             return None
         c.stores_admitted += len(output.keys_to_store)
         c.evictions += len(output.evicted_keys)
-        c.held_blocks += len(output.keys_to_store) - len(output.evicted_keys)
         return PrepareStoreOutput(
             keys_to_store=list(output.keys_to_store),
             store_spec=_vllm_spec(output.store_spec),
@@ -201,7 +242,6 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             c.bytes_stored += len(pending) * self._bytes_per_block
         else:
             c.stores_failed += len(pending)
-            c.held_blocks -= len(pending)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         state = req_context.get_state(_RequestKeys)
@@ -222,15 +262,32 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
 
     def take_events(self) -> Iterable[Any]:
         for event in self._manager.take_events():
+            medium, locality, ownership, announces_removal = _EVENT_MEDIA[event.medium]
             yield OffloadingEvent(
-                keys=list(event.keys), medium=Medium(event.medium), removed=event.removed
+                keys=list(event.keys),
+                medium=medium,
+                removed=event.removed,
+                locality=locality,
+                ownership=ownership,
+                removal_expected=announces_removal and not event.removed,
             )
 
     def reset_cache(self) -> None:
+        """Drop every block of the CPU tier (and, through ``build``, what the spec says
+        of the lower tiers); promotions wait for :meth:`on_reset_flushed`."""
         if self._layer is not None:
             self._ghost_hits_before_reset += self._layer.ghost_hits
         self._install()
-        self.counters.held_blocks = 0
+        self._promotions_held = self._has_lower_tiers and REPORTS_FLUSH
+
+    def on_reset_flushed(self) -> None:
+        """The workers have reported every job in flight at the reset: promotions may
+        fill the slots it freed again."""
+        self._promotions_held = False
+
+    def config_info(self) -> list[dict[str, Any]]:
+        """The static facts of each tier, for ``vllm:kv_offload_config_info``."""
+        return [dict(series) for series in self._info]
 
     def shutdown(self) -> None:
         """vLLM's end of the engine: let the spec finish and close its tiers."""
@@ -239,6 +296,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
 
     def get_stats(self) -> Any:
         """Our counters since the last call, as vLLM's stats (declared by the spec)."""
+        self.counters.held_blocks = self._cpu.num_blocks - self._cpu.num_free_blocks
         delta = self.counters.minus(self._reported)
         self._reported = self.counters.copy()
         stats = OffloadingConnectorStats()

@@ -44,6 +44,25 @@ from kvoffload.integrations.vllm.versions import running_release
 from kvoffload.managers import CPUOffloadingManager, TieredOffloadingManager, build_manager
 from kvoffload.observe.counters import COUNTER_DOCS
 from kvoffload.tiers import RemoteTierError, build_tiered_manager, fingerprint_of, parse_remote_url
+from kvoffload.tiers.disk import DiskTier
+from kvoffload.tiers.slot_file import SUPER_BYTES, slot_start, slot_stride
+
+CONFIG_INFO_KEYS = (
+    "tier",
+    "medium",
+    "num_blocks",
+    "size_bytes",
+    "block_bytes",
+    "blocks_per_chunk",
+    "eviction_policy",
+    "store_threshold",
+    "admission",
+    "address",
+    "fingerprint",
+    "reset_drops_blocks",
+)
+"""Labels of ``vllm:kv_offload_config_info``; a tier leaves empty what it does not have
+(the shared tier has no size of its own, the lower tiers no admission)."""
 
 
 class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
@@ -79,6 +98,50 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             )
         return definitions
 
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """The labels of ``vllm:kv_offload_config_info``: one series per tier."""
+        return CONFIG_INFO_KEYS
+
+    def config_info(self) -> list[dict[str, str | int | bool]]:
+        """The facts of each tier, CPU first, as :meth:`config_info_keys` names them."""
+        settings = self.settings
+        common = {
+            "blocks_per_chunk": self.blocks_per_chunk,
+            "block_bytes": self.bytes_per_block,
+            "fingerprint": self.fingerprint.hex(),
+        }
+        cpu = {
+            "tier": "cpu",
+            "medium": "CPU",
+            "num_blocks": self.num_blocks,
+            "size_bytes": self.num_blocks * self.bytes_per_block,
+            "eviction_policy": settings.eviction_policy,
+            "store_threshold": settings.store_threshold,
+            "admission": settings.admission,
+            "reset_drops_blocks": True,
+        }
+        series = [{**common, **cpu}]
+        if settings.disk_dir is not None:
+            disk = {
+                "tier": "disk",
+                "medium": "DISK",
+                "num_blocks": self.disk_blocks,
+                "size_bytes": slot_start(self.disk_blocks, self.disk_slot_bytes),
+                "eviction_policy": settings.eviction_policy,
+                "reset_drops_blocks": True,
+            }
+            series.append({**common, **disk})
+        if settings.remote_url is not None:
+            remote = {
+                "tier": "remote",
+                "medium": "REMOTE",
+                "address": parse_remote_url(settings.remote_url).redacted(),
+                "reset_drops_blocks": False,
+            }
+            series.append({**common, **remote})
+        return series
+
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         self.release = running_release()
@@ -102,13 +165,17 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 f"cpu_bytes_to_use {self.settings.cpu_bytes_to_use} holds no offloaded block "
                 f"of {self.bytes_per_block} bytes"
             )
-        self.disk_blocks = self.settings.disk_bytes // self.bytes_per_block
+        # The whole slot file (superblock, and per block every rank's bytes with their
+        # header, page-aligned) fits in disk_bytes, however many ranks there are.
+        self.disk_slot_bytes = slot_stride(self.bytes_per_block)
+        self.disk_blocks = max(0, self.settings.disk_bytes - SUPER_BYTES) // self.disk_slot_bytes
         if self.settings.disk_dir is not None and self.disk_blocks < 1:
             raise InvalidArgumentError(
                 f"kv_connector_extra_config {DISK_BYTES_KEY!r} {self.settings.disk_bytes} holds "
-                f"no offloaded block of {self.bytes_per_block} bytes"
+                f"no offloaded block of {self.bytes_per_block} bytes (a disk slot takes "
+                f"{self.disk_slot_bytes} bytes, after a {SUPER_BYTES}-byte superblock)"
             )
-        self.fingerprint = _fingerprint(config, self.bytes_per_block)
+        self.fingerprint = _fingerprint(config, self.rank_slot_bytes, self.world_size)
         self._manager: VLLMManagerAdapter | None = None
         self._tiered: TieredOffloadingManager | None = None
         self._worker: Any = None
@@ -135,8 +202,11 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
         events = self.kv_events_config.enable_kv_cache_events
         if self.settings.has_lower_tiers:
             cpu = CPUOffloadingManager(self.num_blocks, self.settings.eviction_policy, events)
-            self._close_tiers()
-            self._tiered = self._open_tiers(cpu)
+            # A second build is vLLM's reset_cache: the local disk tier is this engine's
+            # and is emptied with the CPU tier; the shared tier belongs to every engine
+            # on it and keeps its blocks.
+            self._close_tiers(wipe_disk=self._tiered is not None)
+            self._tiered = self._open_tiers(cpu, events)
             manager = wrap_with_admission(self.settings.admission, self._tiered, self.num_blocks)
             return manager, cpu.block_status
         manager = build_manager(
@@ -151,7 +221,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             raise TypeError(f"expected the CPU tier manager, got {type(tier).__name__}")
         return manager, tier.block_status
 
-    def _open_tiers(self, cpu: CPUOffloadingManager) -> TieredOffloadingManager:
+    def _open_tiers(self, cpu: CPUOffloadingManager, events: bool) -> TieredOffloadingManager:
         """The lower tiers behind ``cpu``, through the simulator's builder; a tier that
         cannot start (no server, a wrong password, an unusable directory) names its key.
         """
@@ -167,6 +237,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 store_threshold=0,
                 slot_bytes=self.shared_slot_bytes(),
                 wait_for_tiers=False,
+                enable_events=events,
             )
         except RemoteTierError as exc:
             raise RemoteTierError(f"kv_connector_extra_config {REMOTE_URL_KEY!r}: {exc}") from None
@@ -175,10 +246,14 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 f"kv_connector_extra_config {DISK_DIR_KEY!r}: {exc}"
             ) from None
 
-    def _close_tiers(self) -> None:
+    def _close_tiers(self, wipe_disk: bool = False) -> None:
         if self._tiered is not None:
             tiered, self._tiered = self._tiered, None
             tiered.close()
+            if wipe_disk:
+                for tier in tiered.tiers:
+                    if isinstance(tier, DiskTier):
+                        tier.path.unlink(missing_ok=True)
 
     def close(self) -> None:
         """Wait for the lower tiers' writes in flight, close them and unmap the workers'
@@ -200,6 +275,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 offer_filter,
                 self.bytes_per_block,
                 on_shutdown=self.close,
+                info=self.config_info(),
                 recency_at_access=self.release.recency_at_access,
             )
         return self._manager
@@ -217,9 +293,17 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
         return self._worker
 
 
-def _fingerprint(config: OffloadingConfig, bytes_per_block: int) -> bytes:
-    """What a block's bytes mean under this vLLM configuration: model, dtype, block size,
-    KV groups, layout and parallelism; a block's payload is every rank's slot bytes.
+def _fingerprint(config: OffloadingConfig, rank_slot_bytes: int, world_size: int) -> bytes:
+    """What a block's bytes mean under this vLLM configuration.
+
+    A lower tier's block is every rank's slot bytes in rank order, so its
+    meaning depends on the model, the KV dtype, the block size (tokens per
+    hash, blocks per chunk, each group's tokens per block and layers), the
+    layout, and how the KV is split over ranks: tensor, pipeline, prefill- and
+    decode-context parallel sizes, the number of ranks and each rank's slot
+    size. Which rank holds which part follows from those sizes; the rank
+    itself and the data-parallel replica do not change the bytes, so replicas
+    of one deployment share blocks.
     """
     parallel = config.parallel
     groups = [(group.tokens_per_block, group.layer_names) for group in config.groups]
@@ -236,6 +320,6 @@ def _fingerprint(config: OffloadingConfig, bytes_per_block: int) -> bytes:
         parallel.pp_size,
         parallel.pcp_size,
         parallel.dcp_size,
-        bytes_per_block,
-        bytes_per_block,
+        world_size,
+        rank_slot_bytes,
     )

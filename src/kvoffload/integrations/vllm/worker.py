@@ -24,7 +24,7 @@ from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import KVLayout
 from kvoffload.core.specs import CPULoadStoreSpec, GPULoadStoreSpec
-from kvoffload.dataplane import CPUBlockStore, OffloadingHandler, cpu_gpu_handlers
+from kvoffload.dataplane import CPUBlockStore, CPUGPUHandler, OffloadingHandler, cpu_gpu_handlers
 from kvoffload.dataplane.shared_region import SharedRegion
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,9 @@ class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
             buffer = None if self.region is None else self.region.tensor
             self.store = CPUBlockStore(layout, num_blocks, blocks_per_chunk, buffer=buffer)
             (_, _, self._store), (_, _, self._load) = cpu_gpu_handlers(halves, self.store)
+            # Expedited loads (waited on within the step) get a thread or stream of their
+            # own, so that they never queue behind the regular loads.
+            self._expedited = CPUGPUHandler(halves, self.store, to_cpu=False)
         except BaseException:
             if self.region is not None:
                 self.region.close()
@@ -83,24 +86,28 @@ class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
     def submit_load(
         self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
     ) -> bool:
-        return _submit(self._load, job_id, CPULoadStoreSpec(src_spec.block_ids), _gpu(dst_spec))
+        handler = self._expedited if expedited else self._load
+        return _submit(handler, job_id, CPULoadStoreSpec(src_spec.block_ids), _gpu(dst_spec))
 
     def get_finished(self) -> list[Any]:
         return [
             TransferResult(r.job_id, r.success, r.transfer_size, r.transfer_time)
-            for handler in (self._store, self._load)
+            for handler in self._handlers()
             for r in handler.get_finished()
         ]
 
     def wait(self, job_ids: Collection[int]) -> None:
-        self._store.wait(job_ids)
-        self._load.wait(job_ids)
+        for handler in self._handlers():
+            handler.wait(job_ids)
 
     def shutdown(self) -> None:
-        self._store.close()
-        self._load.close()
+        for handler in self._handlers():
+            handler.close()
         if self.region is not None:
             self.region.close()
+
+    def _handlers(self) -> tuple[OffloadingHandler, ...]:
+        return (self._store, self._load, self._expedited)
 
 
 def _byte_rows(tensor: torch.Tensor) -> torch.Tensor:

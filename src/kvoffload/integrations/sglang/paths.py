@@ -1,0 +1,328 @@
+"""One tier below SGLang's host pool, as the backend drives it: lock, admission, counters.
+
+SGLang calls its storage backend from several threads at once (the prefetch
+query, the prefetch I/O and the backup thread); our tiers expect one caller
+for what changes their state, so that goes through the path's lock (see
+:class:`TierPath`). The admission layer
+sees what this tier sees: the lookups that reach L3 (sightings) and the
+host tier's write-backs (offers); it sits on a :class:`_Book` that keeps
+nothing, since the tier below decides eviction itself. No SGLang import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, cast
+
+from kvoffload.admission import AdmissionLayer, wrap_with_admission
+from kvoffload.core.keys import OffloadKey
+from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from kvoffload.core.specs import LoadStoreSpec
+from kvoffload.managers.tiered import LowerTier, Target
+from kvoffload.tiers.block_sets import Payload
+from kvoffload.tiers.disk import DiskTier
+from kvoffload.tiers.remote import RemoteTier
+
+EventSink = Callable[[list[OffloadingEvent]], None]
+
+
+@dataclass
+class TierCounters:
+    """What one tier did for SGLang, in pages, since the backend started."""
+
+    lookups: int = 0
+    lookup_hit_pages: int = 0
+    stores_offered: int = 0
+    stores_admitted: int = 0
+    stores_skipped: int = 0
+    """Offered pages the admission layer held back (reported stored to SGLang, not written)."""
+    stores_completed: int = 0
+    stores_failed: int = 0
+    loads: int = 0
+    """Pages read intact into the host pool."""
+    loads_failed: int = 0
+    """Pages asked for and not delivered: absent, unreachable, corrupt or evicted meanwhile."""
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    evictions: int = 0
+    corrupt: int = 0
+    unavailable: int = 0
+    """Calls refused by the open breaker or failed by the server (the shared tier only)."""
+    rejected: int = 0
+    held_pages: int = 0
+    """Disk: pages in the slot file; shared tier: pages written (the server may evict some)."""
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+class _Spec(LoadStoreSpec):
+    @staticmethod
+    def medium() -> str:
+        return "L3"
+
+
+_SPEC = _Spec()
+
+
+class _Book(OffloadingManager):
+    """The bottom of an admission layer over a tier: admits whatever the layer passes on."""
+
+    def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
+        return 0
+
+    def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
+        return _SPEC
+
+    def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
+        return PrepareStoreOutput(list(keys), _SPEC, [])
+
+
+Landed = Callable[[int, list[bool]], None]
+"""Called with the first position of a group of keys and their outcomes, as they finish."""
+
+
+def _shifted(target: Target, start: int, index: int) -> memoryview:
+    return target(start + index)
+
+
+def _outcome(job: Future[list[bool]], n: int) -> list[bool]:
+    """A read's per-key results; all failed if its I/O thread died unexpectedly."""
+    try:
+        return job.result()
+    except Exception:  # a tier's surprise is a failed read, never SGLang's exception
+        return [False] * n
+
+
+class WriteBatch:
+    """The pages of one write in progress: :meth:`send` hands over their bytes in parts."""
+
+    def __init__(self, keys: Sequence[OffloadKey], admitted: set[OffloadKey]) -> None:
+        self.keys = keys
+        self.admitted = admitted
+        self.result = [True] * len(keys)
+        """Per key once the batch is done: ``False`` only for a write that failed."""
+        self.sent: list[int] = []
+        self.tier: LowerTier | None = None
+
+    def send(self, start: int, payloads: Sequence[Payload]) -> None:
+        """Write the admitted ones of ``keys[start : start + len(payloads)]`` (in the
+        background; the bytes must stay as they are until the batch is done)."""
+        chosen = [i for i in range(start, start + len(payloads)) if self.keys[i] in self.admitted]
+        if not chosen or self.tier is None:
+            return
+        # Both tiers send any buffer as it is; the protocol says bytes for the simple case.
+        data = cast(Sequence[bytes], [payloads[i - start] for i in chosen])
+        self.tier.write([self.keys[i] for i in chosen], data)
+        self.sent += chosen
+
+
+Opener = Callable[[], LowerTier]
+"""Opens the tier (again, after :meth:`TierPath.clear` emptied a disk tier)."""
+
+
+class TierPath:
+    """The tier ``open_tier`` gives, behind the admission layer ``admission`` (``none``: every
+    page is written). ``capacity`` (pages) sizes the layer's memory; ``page_bytes`` the byte
+    counts.
+
+    Locks: ``_lock`` serialises what changes the tier's own state (writes, polls, events,
+    and for the disk tier every call: its index belongs to one caller); the shared tier's
+    look-ups and reads are thread-safe, so a prefetch never waits behind a backup there.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        open_tier: Opener,
+        admission: str,
+        capacity: int,
+        page_bytes: int,
+        sink: EventSink | None = None,
+    ) -> None:
+        self.name = name
+        self.page_bytes = page_bytes
+        layer = wrap_with_admission(admission, _Book(), max(1, capacity))
+        self.layer = layer if isinstance(layer, AdmissionLayer) else None
+        self._counters = TierCounters()
+        self._open = open_tier
+        self._sink = sink
+        self._lock = threading.Lock()
+        self._count_lock = threading.Lock()
+        self._admission_lock = threading.Lock()
+        self.tier = open_tier()
+        self._lookup_lock: contextlib.AbstractContextManager[Any] = (
+            contextlib.nullcontext() if isinstance(self.tier, RemoteTier) else self._lock
+        )
+        self._seen = (0, 0, 0, 0)
+        """The tier's (evicted, corrupt, rejected, unavailable) already in the counters."""
+        self._held_base = 0
+        """The shared tier's stored pages when it was last cleared."""
+
+    def counters(self) -> TierCounters:
+        """A snapshot of the counters, the tier's own counts brought up to date."""
+        with self._count_lock:
+            self._derive()
+            return dataclasses.replace(self._counters)
+
+    def present(self, keys: Sequence[OffloadKey]) -> int:
+        """Leading run of ``keys`` this tier holds."""
+        with self._lookup_lock:
+            held = self.tier.present(keys)
+        with self._count_lock:
+            self._counters.lookups += 1
+            self._counters.lookup_hit_pages += held
+        return held
+
+    def sighted(self, request: Sequence[OffloadKey], served: bool) -> None:
+        """A lookup reached L3 for ``request`` (the pages before it included); ``served``:
+        this tier held part of what was asked."""
+        if self.layer is None or not request:
+            return
+        with self._admission_lock:
+            self.layer.see_request(request)
+            if served:
+                self.layer.saw_tier_hit(request)
+
+    def read(
+        self,
+        keys: Sequence[OffloadKey],
+        target: Target,
+        group: int = 0,
+        landed: Landed | None = None,
+    ) -> list[bool]:
+        """Read ``keys`` into ``target``; per key, whether it arrived intact.
+
+        With ``group``, the keys go out as reads of that many at once, all
+        started together, and ``landed(start, intact)`` is called for each
+        as it finishes, in order: the caller's work on one group overlaps
+        the I/O of the next.
+        """
+        if not keys:
+            return []
+        step = group if group > 0 else len(keys)
+        starts = range(0, len(keys), step)
+        with self._lookup_lock:
+            jobs = [
+                self.tier.read(keys[s : s + step], functools.partial(_shifted, target, s))
+                for s in starts
+            ]
+        intact: list[bool] = []
+        for start, job in zip(starts, jobs, strict=True):
+            part = _outcome(job, min(step, len(keys) - start))
+            if landed is not None:
+                landed(start, part)
+            intact += part
+        if isinstance(self.tier, DiskTier):
+            with self._lock:
+                self.tier.poll(wait=False)  # forgets the broken slots at once
+                self._drain_events()
+        got = sum(intact)
+        with self._count_lock:
+            c = self._counters
+            c.loads += got
+            c.loads_failed += len(keys) - got
+            c.bytes_loaded += got * self.page_bytes
+        return intact
+
+    @contextlib.contextmanager
+    def writing(self, keys: Sequence[OffloadKey]) -> Iterator[WriteBatch]:
+        """Offer ``keys`` to admission, then take their bytes part by part
+        (:meth:`WriteBatch.send`, each part sent at once) and wait for all at the end."""
+        batch = WriteBatch(keys, self._admit(keys) if keys else set())
+        with self._lock:
+            stored_before = self.tier.stats.stored_blocks
+            try:
+                batch.tier = self.tier
+                yield batch
+            finally:
+                self.tier.poll(wait=True)
+                stored = self.tier.stats.stored_blocks - stored_before
+                sent = batch.sent
+                if isinstance(self.tier, DiskTier):
+                    outcome = [self.tier.present([keys[i]]) == 1 for i in sent]
+                else:
+                    outcome = [stored == len(sent)] * len(sent)
+                self._drain_events()
+                with self._count_lock:
+                    c = self._counters
+                    c.stores_completed += stored
+                    c.stores_failed += outcome.count(False)
+                    c.bytes_stored += stored * self.page_bytes
+                for i, ok in zip(sent, outcome, strict=True):
+                    batch.result[i] = ok
+
+    def write(self, keys: Sequence[OffloadKey], payloads: Sequence[Payload]) -> list[bool]:
+        """Offer ``keys`` to admission and write the admitted ones; per key, ``False`` only
+        for a write that failed (a page held back by admission reads ``True``)."""
+        with self.writing(keys) as batch:
+            batch.send(0, payloads)
+        return batch.result
+
+    def clear(self) -> None:
+        """Drop every page of this tier (the shared tier: every page under our fingerprint)."""
+        with self._lock, self._count_lock:
+            tier = self.tier
+            self._derive()
+            if isinstance(tier, RemoteTier):
+                tier.delete_all()
+                self._held_base = tier.stats.stored_blocks
+            elif isinstance(tier, DiskTier):
+                tier.close()
+                tier.path.unlink(missing_ok=True)
+                self.tier = self._open()
+                self._seen = (0, 0, 0, 0)
+            self._derive()
+
+    def close(self) -> None:
+        with self._lock:
+            self.tier.poll(wait=True)
+            self._drain_events()
+            self.tier.close()
+
+    def admission_stats(self) -> dict[str, float] | None:
+        if self.layer is None:
+            return None
+        with self._admission_lock:
+            return {k: float(v) for k, v in dataclasses.asdict(self.layer.stats()).items()}
+
+    def _admit(self, keys: Sequence[OffloadKey]) -> set[OffloadKey]:
+        if self.layer is None:
+            admitted = set(keys)
+        else:
+            with self._admission_lock:
+                output = self.layer.prepare_store(keys)
+            admitted = set() if output is None else set(output.keys_to_store)
+        with self._count_lock:
+            c = self._counters
+            c.stores_offered += len(keys)
+            c.stores_admitted += len(admitted)
+            c.stores_skipped += len(set(keys)) - len(admitted)
+        return admitted
+
+    def _derive(self) -> None:
+        """Add the tier's new counts of its own (under the count lock; they are plain ints)."""
+        tier, c = self.tier, self._counters
+        unavailable = tier.unavailable if isinstance(tier, RemoteTier) else 0
+        now = (tier.stats.evicted, tier.stats.corrupt, tier.stats.rejected, unavailable)
+        before, self._seen = self._seen, now
+        c.evictions += now[0] - before[0]
+        c.corrupt += now[1] - before[1]
+        c.rejected += now[2] - before[2]
+        c.unavailable += now[3] - before[3]
+        if isinstance(tier, DiskTier):
+            c.held_pages = len(tier)
+        else:
+            c.held_pages = tier.stats.stored_blocks - self._held_base
+
+    def _drain_events(self) -> None:
+        """Hand the tier's events on (under the lock)."""
+        events = self.tier.take_events()
+        if events and self._sink is not None:
+            self._sink(events)

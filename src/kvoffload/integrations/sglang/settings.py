@@ -1,0 +1,178 @@
+"""The backend's settings, read from SGLang's ``--hicache-storage-backend-extra-config`` JSON.
+
+No SGLang import here: the mapping is plain data, and checking all of it up
+front turns a typo into one clear error at start-up instead of a default
+silently taken. kvoffload's keys start with :data:`PREFIX`; the few keys
+SGLang itself reads from the same mapping are accepted and left to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvoffload.admission import available_admissions
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.policies import available_policies
+from kvoffload.tiers.url import parse_remote_url
+
+PREFIX = "kvoffload."
+
+SGLANG_KEYS = frozenset(
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+        "tp_lcm_size",
+        "file_storage_path",
+    }
+)
+"""Keys SGLang reads itself (the ``dynamic`` loader's three, the zero-copy switch, its
+prefetch settings, which it mostly removes before the backend sees the mapping) or adds
+(``file_storage_path``, from ``--file-storage-path``): accepted and left to it."""
+
+DISK_DIR = f"{PREFIX}disk_dir"
+DISK_BYTES = f"{PREFIX}disk_bytes"
+DISK_POLICY = f"{PREFIX}disk_policy"
+DISK_ADMISSION = f"{PREFIX}disk_admission"
+REMOTE_URL = f"{PREFIX}remote_url"
+REMOTE_ADMISSION = f"{PREFIX}remote_admission"
+REMOTE_BYTES = f"{PREFIX}remote_bytes"
+"""What the server may hold of ours: sizes the shared tier's admission layer only."""
+EVENTS_ENDPOINT = f"{PREFIX}kv_events_endpoint"
+EVENTS_REPLAY_ENDPOINT = f"{PREFIX}kv_events_replay_endpoint"
+METRICS_PORT = f"{PREFIX}metrics_port"
+
+OWN_KEYS = frozenset(
+    {
+        DISK_DIR,
+        DISK_BYTES,
+        DISK_POLICY,
+        DISK_ADMISSION,
+        REMOTE_URL,
+        REMOTE_ADMISSION,
+        REMOTE_BYTES,
+        EVENTS_ENDPOINT,
+        EVENTS_REPLAY_ENDPOINT,
+        METRICS_PORT,
+    }
+)
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    """The checked settings of one backend (:mod:`kvoffload.integrations.sglang.storage`)."""
+
+    interface_v1: bool = False
+    disk_dir: str | None = None
+    disk_bytes: int = 0
+    disk_policy: str = "lru"
+    disk_admission: str = "none"
+    remote_url: str | None = None
+    remote_admission: str = "none"
+    remote_bytes: int = 0
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    metrics_port: int | None = None
+
+
+def parse_settings(extra_config: Mapping[str, Any] | None) -> BackendSettings:
+    """Check every key and value; an :class:`InvalidArgumentError` names the bad one."""
+    config = dict(extra_config or {})
+    unknown = sorted(set(config) - SGLANG_KEYS - OWN_KEYS)
+    if unknown:
+        raise InvalidArgumentError(
+            f"unknown hicache-storage-backend-extra-config key {unknown[0]!r} for kvoffload; "
+            f"known: {', '.join(sorted(OWN_KEYS))} and SGLang's {', '.join(sorted(SGLANG_KEYS))}"
+        )
+    disk_dir = _str(config, DISK_DIR)
+    remote_url = _str(config, REMOTE_URL)
+    if disk_dir is None and remote_url is None:
+        raise InvalidArgumentError(
+            f"hicache-storage-backend-extra-config needs {DISK_DIR!r} or {REMOTE_URL!r} (or both)"
+        )
+    if (disk_dir is None) != (DISK_BYTES not in config):
+        missing = DISK_BYTES if disk_dir is not None else DISK_DIR
+        raise InvalidArgumentError(
+            f"hicache-storage-backend-extra-config {DISK_DIR!r} and {DISK_BYTES!r} go together; "
+            f"{missing!r} is missing"
+        )
+    if remote_url is not None:
+        try:
+            parse_remote_url(remote_url)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(
+                f"hicache-storage-backend-extra-config {REMOTE_URL!r}: {exc}"
+            ) from None
+    remote_admission = _choice(config, REMOTE_ADMISSION, available_admissions(), "none")
+    if remote_admission != "none" and REMOTE_BYTES not in config:
+        raise InvalidArgumentError(
+            f"hicache-storage-backend-extra-config {REMOTE_ADMISSION!r} {remote_admission!r} "
+            f"needs {REMOTE_BYTES!r} (what the server may hold of ours) to size its memory"
+        )
+    port = config.get(METRICS_PORT)
+    return BackendSettings(
+        interface_v1=_flag(config, "interface_v1"),
+        disk_dir=disk_dir,
+        disk_bytes=_int(config, DISK_BYTES, 1, 0) if disk_dir is not None else 0,
+        disk_policy=_choice(config, DISK_POLICY, available_policies(), "lru"),
+        disk_admission=_choice(config, DISK_ADMISSION, available_admissions(), "none"),
+        remote_url=remote_url,
+        remote_admission=remote_admission,
+        remote_bytes=_int(config, REMOTE_BYTES, 1, 0) if REMOTE_BYTES in config else 0,
+        kv_events_endpoint=_str(config, EVENTS_ENDPOINT),
+        kv_events_replay_endpoint=_str(config, EVENTS_REPLAY_ENDPOINT),
+        metrics_port=None if port is None else _int(config, METRICS_PORT, 0, 0, 65535),
+    )
+
+
+def _int(
+    config: Mapping[str, Any], key: str, minimum: int, default: int, maximum: int | None = None
+) -> int:
+    value = config.get(key, default)
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    bad = isinstance(value, bool) or not isinstance(value, int) or value < minimum
+    if bad or (maximum is not None and value > maximum):
+        bound = f"in {minimum}..{maximum}" if maximum is not None else f">= {minimum}"
+        raise InvalidArgumentError(
+            f"hicache-storage-backend-extra-config {key!r} must be an integer {bound}, "
+            f"got {value!r}"
+        )
+    return int(value)
+
+
+def _str(config: Mapping[str, Any], key: str) -> str | None:
+    value = config.get(key)
+    if value is not None and (not isinstance(value, str) or not value):
+        raise InvalidArgumentError(
+            f"hicache-storage-backend-extra-config {key!r} must be a non-empty string, "
+            f"got {value!r}"
+        )
+    return value
+
+
+def _choice(config: Mapping[str, Any], key: str, known: list[str], default: str) -> str:
+    value = config.get(key, default)
+    if value not in known:
+        raise InvalidArgumentError(
+            f"hicache-storage-backend-extra-config {key!r} {value!r} is not one of "
+            f"{', '.join(known)}"
+        )
+    return str(value)
+
+
+def _flag(config: Mapping[str, Any], key: str) -> bool:
+    """SGLang tests ``bool(value)``; only the values that reads unambiguously are taken."""
+    value = config.get(key, 0)
+    if value not in (0, 1, True, False):
+        raise InvalidArgumentError(
+            f"hicache-storage-backend-extra-config {key!r} must be 0 or 1, got {value!r}"
+        )
+    return bool(value)

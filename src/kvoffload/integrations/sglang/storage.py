@@ -1,0 +1,507 @@
+"""``KVOffloadStorage``: our disk and shared (Valkey/Redis) tiers as SGLang's HiCache L3.
+
+SGLang loads it with ``--hicache-storage-backend dynamic`` and an extra
+config naming this module and class (see :mod:`kvoffload.integrations.sglang`).
+Pages are keyed by SGLang's page hashes under a fingerprint of model, host
+layout, page size, dtype, page bytes, interface and shard (TP rank, or one
+shard for every rank of an MLA model), so two deployments that share a server
+only ever read pages that mean the same to them. Reads try the disk first,
+then the shared tier; writes go to each tier its admission layer lets them
+into. A slow or dead server, a full disk or a corrupt value is a counted miss
+or failed write, never an exception into SGLang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.keys import OffloadKey, make_offload_key
+from kvoffload.core.manager import OffloadingEvent
+from kvoffload.integrations.sglang.pages import (
+    HostPages,
+    PageTargets,
+    flat_tensor,
+    tensor_bytes,
+)
+from kvoffload.integrations.sglang.paths import TierPath
+from kvoffload.integrations.sglang.settings import (
+    DISK_BYTES,
+    DISK_DIR,
+    EVENTS_ENDPOINT,
+    METRICS_PORT,
+    REMOTE_BYTES,
+    REMOTE_URL,
+    BackendSettings,
+    parse_settings,
+)
+from kvoffload.tiers import DiskTier, RemoteTier, RemoteTierError, fingerprint_of
+from kvoffload.tiers.block_sets import Payload
+
+GB = 1e9
+PREFETCH, BACKUP = "prefetch", "backup"
+
+
+@dataclass
+class L3Metrics:
+    """SGLang's ``StorageMetrics`` fields, for installs where its metrics module cannot load."""
+
+    prefetch_pgs: list[int] = field(default_factory=list)
+    backup_pgs: list[int] = field(default_factory=list)
+    prefetch_bandwidth: list[float] = field(default_factory=list)
+    backup_bandwidth: list[float] = field(default_factory=list)
+
+
+METRICS_MODULE = "sglang.srt.observability.metrics_collector"
+
+
+def _metrics_class() -> type[Any]:
+    """SGLang's ``StorageMetrics`` once SGLang has loaded its metrics module (its collector,
+    the only caller of ``get_stats``, asserts that type), else :class:`L3Metrics`; the
+    module itself is never imported here: it pulls torchvision and more."""
+    module = sys.modules.get(METRICS_MODULE)
+    found = getattr(module, "StorageMetrics", None)
+    return found if isinstance(found, type) else L3Metrics
+
+
+def page_key(key: str) -> OffloadKey:
+    """SGLang's page hash (hex) as our key; any other string by its UTF-8 bytes."""
+    try:
+        raw = bytes.fromhex(key)
+    except ValueError:
+        raw = key.encode()
+    return make_offload_key(raw, 0)
+
+
+def _at(target: Any, positions: list[int], index: int) -> memoryview:
+    """``target`` of the ``index``-th key of a read that asks only for ``positions``."""
+    view: memoryview = target(positions[index])
+    return view
+
+
+def offset_endpoint(endpoint: str, offset: int) -> str:
+    """``endpoint`` for the ``offset``-th publisher: its TCP port plus ``offset``, or (another
+    transport) its address with ``-offset`` appended; unchanged for the first."""
+    if offset == 0:
+        return endpoint
+    head, sep, port = endpoint.rpartition(":")
+    if endpoint.startswith("tcp://") and sep and port.isdigit():
+        return f"{head}:{int(port) + offset}"
+    return f"{endpoint}-{offset}"
+
+
+def _scatter(targets: PageTargets, positions: list[int], start: int, intact: list[bool]) -> None:
+    """Put the pages of a landed group that arrived intact into place."""
+    for j, ok in enumerate(intact):
+        if ok:
+            targets.scatter(positions[start + j])
+
+
+class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
+    """A HiCache L3 backend over kvoffload's disk tier and shared tier.
+
+    The settings are checked in the constructor, so a bad key or value stops
+    SGLang at start-up with an error naming it; the tiers open when SGLang
+    registers its host pool (the page geometry is known only then), and a
+    server that cannot be reached or a directory that cannot be used stops it
+    there, naming the key too. ``kwargs`` is what SGLang's factory passes on
+    to a dynamic backend (nothing this one reads).
+    """
+
+    def __init__(
+        self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None
+    ) -> None:
+        self.storage_config = storage_config
+        self.settings: BackendSettings = parse_settings(storage_config.extra_config)
+        self.is_writer = bool(storage_config.is_storage_writer)
+        if (
+            self.settings.disk_dir is not None
+            and storage_config.is_mla_model
+            and storage_config.tp_size > 1
+        ):
+            raise InvalidArgumentError(
+                f"hicache-storage-backend-extra-config {DISK_DIR!r}: an MLA model's pages are "
+                f"written by one rank of {storage_config.tp_size} and read by all; a disk tier "
+                f"is one process's, so use {REMOTE_URL!r} for MLA with tp_size > 1"
+            )
+        self.pages: HostPages | None = None
+        self.paths: list[TierPath] = []
+        self.fingerprint = b""
+        self._publisher: Any = None
+        self._metrics: Any = None
+        self._recent = L3Metrics()
+        self._recent_lock = threading.Lock()
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        self._close_parts()
+        pages = HostPages(mem_pool_host)
+        self.pages = pages
+        self.fingerprint = self._fingerprint(pages)
+        try:
+            self._open_parts(pages)
+        except BaseException:
+            self._close_parts()
+            raise
+
+    # Look-ups (both interfaces), then the zero-copy interface ("interface_v1": 1).
+
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        """Leading run of ``keys`` held by the tiers together; a sighting for admission."""
+        if not keys:
+            return 0
+        ours = [page_key(key) for key in keys]
+        found, served = self._present(ours)
+        prefix = extra_info.prefix_keys if extra_info is not None else None
+        request = [page_key(key) for key in prefix or ()] + ours
+        for path in self.paths:
+            path.sighted(request, path.name in served)
+        return found
+
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Read pages straight into the host pool at ``host_indices``."""
+        pages = self._pages()
+        started = time.perf_counter()
+        targets = PageTargets(pages, pages.segments(host_indices))
+        intact = self._read([page_key(key) for key in keys], targets.view, pages.group, targets)
+        self._note(PREFETCH, intact, started)
+        return intact
+
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Write the host pool's pages at ``host_indices`` (MLA: the writer rank only)."""
+        if not self.is_writer:
+            return [True] * len(keys)
+        pages = self._pages()
+        started = time.perf_counter()
+        done = self._write(
+            [page_key(key) for key in keys], pages.parts(pages.segments(host_indices))
+        )
+        self._note(BACKUP, done, started)
+        return done
+
+    # The copy interface: flat page tensors.
+
+    def get(
+        self, key: str, target_location: Any | None = None, target_sizes: Any | None = None
+    ) -> torch.Tensor | None:
+        return self.batch_get([key], None if target_location is None else [target_location])[0]
+
+    def batch_get(
+        self,
+        keys: list[str],
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> list[torch.Tensor | None]:
+        """Each page into its ``target_locations`` tensor (a new page tensor if none given)."""
+        pages = self._pages()
+        started = time.perf_counter()
+        # A destination that is not one run of memory is filled as a copy, returned instead.
+        targets = [flat_tensor(t) for t in target_locations or [pages.dummy_page() for _ in keys]]
+        views = [tensor_bytes(target) for target in targets]
+        intact = self._read([page_key(key) for key in keys], views.__getitem__)
+        self._note(PREFETCH, intact, started)
+        return [target if ok else None for target, ok in zip(targets, intact, strict=True)]
+
+    def set(
+        self,
+        key: str,
+        value: Any | None = None,
+        target_location: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any | None = None,
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> bool:
+        """Write flat page tensors; whether every page is stored (or held back by admission)."""
+        if not self.is_writer:
+            return True
+        if values is None or len(values) != len(keys):
+            return False
+        page_bytes = self._pages().page_bytes
+        started = time.perf_counter()
+        payloads = [tensor_bytes(flat_tensor(value)) for value in values]
+        if any(payload.nbytes != page_bytes for payload in payloads):
+            return False
+        done = self._write([page_key(key) for key in keys], [(0, payloads)])
+        self._note(BACKUP, done, started)
+        return all(done)
+
+    def exists(self, key: str) -> bool:
+        return self._present([page_key(key)])[0] == 1
+
+    def clear(self) -> bool:
+        """Empty the disk tier and delete our pages from the shared tier."""
+        for path in self.paths:
+            path.clear()
+        return True
+
+    def get_stats(self) -> Any:
+        """SGLang's storage metrics since the last call, with ``kvoffload`` (our counters) added."""
+        with self._recent_lock:
+            recent, self._recent = self._recent, L3Metrics()
+        metrics = _metrics_class()()
+        metrics.prefetch_pgs.extend(recent.prefetch_pgs)
+        metrics.backup_pgs.extend(recent.backup_pgs)
+        metrics.prefetch_bandwidth.extend(recent.prefetch_bandwidth)
+        metrics.backup_bandwidth.extend(recent.backup_bandwidth)
+        metrics.kvoffload = self.counters()
+        return metrics
+
+    def counters(self) -> dict[str, dict[str, Any]]:
+        """Per tier (``disk``, ``remote``): our counters, and the admission layer's if any."""
+        out: dict[str, dict[str, Any]] = {}
+        for path in self.paths:
+            values: dict[str, Any] = path.counters().as_dict()
+            admission = path.admission_stats()
+            if admission is not None:
+                values["admission"] = admission
+            out[path.name] = values
+        return out
+
+    @property
+    def publishes_events(self) -> bool:
+        """Whether this rank publishes KV events (the first TP rank of each stage does)."""
+        return self._publisher is not None
+
+    def flush_events(self, timeout_s: float = 10.0) -> None:
+        """Wait until the KV events published so far are sent (nothing without a publisher)."""
+        if self._publisher is not None:
+            self._publisher.flush(timeout_s)
+
+    def close(self) -> None:
+        """Finish the writes in flight and close tiers, event publisher and metrics server."""
+        self._close_parts()
+
+    # Internals.
+
+    def _pages(self) -> HostPages:
+        if self.pages is None:
+            raise RuntimeError("SGLang called the storage backend before registering its host pool")
+        return self.pages
+
+    def _fingerprint(self, pages: HostPages) -> bytes:
+        c = self.storage_config
+        if c.is_mla_model:
+            shard: tuple[Any, ...] = ("mla", c.dcp_rank, c.dcp_size)
+        else:
+            shard = ("tp", c.tp_rank, c.tp_size)
+        return fingerprint_of(
+            "sglang-hicache",
+            c.model_name or "",
+            pages.layout,
+            pages.page_size,
+            pages.dtype,
+            pages.page_bytes,
+            "v1" if self.settings.interface_v1 else "copy",
+            *shard,
+            c.pp_rank,
+            c.pp_size,
+            c.attn_cp_rank,
+            c.attn_cp_size,
+        )
+
+    def _open_parts(self, pages: HostPages) -> None:
+        s, c = self.settings, self.storage_config
+        # The TP ranks of a stage hold the same pages (each its shard): the first one speaks
+        # for them, on the endpoints' ports plus its data-parallel replica and stage.
+        if s.kv_events_endpoint is not None and c.tp_rank == 0 and c.attn_cp_rank == 0:
+            from kvoffload.observe.publisher import KVEventPublisher
+
+            stage = c.dp_rank * c.pp_size + c.pp_rank
+            replay = s.kv_events_replay_endpoint
+            try:
+                self._publisher = KVEventPublisher(
+                    offset_endpoint(s.kv_events_endpoint, stage),
+                    None if replay is None else offset_endpoint(replay, stage),
+                    block_size=pages.page_size,
+                    data_parallel_rank=c.dp_rank,
+                )
+            except InvalidArgumentError as exc:
+                raise InvalidArgumentError(
+                    f"hicache-storage-backend-extra-config {EVENTS_ENDPOINT!r}: {exc}"
+                ) from None
+        sink = None if self._publisher is None else self._publish
+        events = sink is not None
+        if s.disk_dir is not None:
+            # Data-parallel replicas have the same shard (fingerprint), not the same disk;
+            # the tier itself locks its directory against a second process.
+            disk_dir = str(Path(s.disk_dir) / f"dp{self.storage_config.dp_rank}")
+            blocks = s.disk_bytes // pages.page_bytes
+            if blocks < 1:
+                raise InvalidArgumentError(
+                    f"hicache-storage-backend-extra-config {DISK_BYTES!r} {s.disk_bytes} holds "
+                    f"no page of {pages.page_bytes} bytes"
+                )
+
+            def open_disk() -> DiskTier:
+                try:
+                    return DiskTier(
+                        disk_dir, blocks, self.fingerprint, s.disk_policy, enable_events=events
+                    )
+                except InvalidArgumentError as exc:
+                    raise InvalidArgumentError(
+                        f"hicache-storage-backend-extra-config {DISK_DIR!r}: {exc}"
+                    ) from None
+
+            self.paths.append(
+                TierPath("disk", open_disk, s.disk_admission, blocks, pages.page_bytes, sink)
+            )
+        if s.remote_url is not None:
+            url = s.remote_url
+            capacity = s.remote_bytes // pages.page_bytes
+            if s.remote_admission != "none" and capacity < 1:
+                raise InvalidArgumentError(
+                    f"hicache-storage-backend-extra-config {REMOTE_BYTES!r} {s.remote_bytes} "
+                    f"holds no page of {pages.page_bytes} bytes"
+                )
+
+            def open_remote() -> RemoteTier:
+                try:
+                    return RemoteTier(url, self.fingerprint, enable_events=events)
+                except RemoteTierError as exc:
+                    raise RemoteTierError(
+                        f"hicache-storage-backend-extra-config {REMOTE_URL!r}: {exc}"
+                    ) from None
+
+            self.paths.append(
+                TierPath(
+                    "remote", open_remote, s.remote_admission, capacity, pages.page_bytes, sink
+                )
+            )
+        if s.metrics_port is not None:
+            from kvoffload.integrations.sglang.metrics import TierCollector
+            from kvoffload.observe.metrics import MetricsServer
+
+            rank = ((c.dp_rank * c.pp_size + c.pp_rank) * c.attn_cp_size + c.attn_cp_rank) * (
+                c.tp_size
+            ) + c.tp_rank
+            try:  # every rank has its own tiers, so its own port: the given one plus its rank
+                self._metrics = MetricsServer(s.metrics_port + rank if s.metrics_port else 0)
+            except InvalidArgumentError as exc:
+                raise InvalidArgumentError(
+                    f"hicache-storage-backend-extra-config {METRICS_PORT!r}: {exc}"
+                ) from None
+            labels = {
+                "tp_rank": str(c.tp_rank),
+                "pp_rank": str(c.pp_rank),
+                "dp_rank": str(c.dp_rank),
+            }
+            self._metrics.add(TierCollector(self.paths, labels))
+
+    def _close_parts(self) -> None:
+        paths, self.paths = self.paths, []
+        for path in paths:
+            path.close()
+        if self._publisher is not None:
+            publisher, self._publisher = self._publisher, None
+            publisher.close()
+        if self._metrics is not None:
+            metrics, self._metrics = self._metrics, None
+            metrics.close()
+
+    def _publish(self, events: list[OffloadingEvent]) -> None:
+        publisher = self._publisher
+        if publisher is not None:
+            publisher.publish(events)
+
+    def _present(self, keys: list[OffloadKey]) -> tuple[int, list[str]]:
+        """Leading run held by the tiers together (each run from the first tier holding it),
+        and which tiers served part of it."""
+        found = 0
+        served: list[str] = []
+        while found < len(keys):
+            for path in self.paths:
+                held = path.present(keys[found:])
+                if held:
+                    found += held
+                    served.append(path.name)
+                    break
+            else:
+                break
+        return found, served
+
+    def _read(
+        self,
+        keys: list[OffloadKey],
+        target: Any,
+        group: int = 0,
+        targets: PageTargets | None = None,
+    ) -> list[bool]:
+        """Each key from the first tier that delivers it intact; with ``targets``, each page
+        is scattered into place as its group lands."""
+        intact = [False] * len(keys)
+        wanted = list(range(len(keys)))
+        for path in self.paths:
+            if not wanted:
+                break
+            asked = wanted
+            landed = None if targets is None else functools.partial(_scatter, targets, asked)
+            got = path.read(
+                [keys[i] for i in asked], functools.partial(_at, target, asked), group, landed
+            )
+            for i, ok in zip(asked, got, strict=True):
+                intact[i] = ok
+            wanted = [i for i in asked if not intact[i]]
+        return intact
+
+    def _write(
+        self, keys: list[OffloadKey], parts: Iterable[tuple[int, Sequence[Payload]]]
+    ) -> list[bool]:
+        """Per page, whether some tier stored it or every tier's admission held it back;
+        each part goes to every tier as soon as it is made."""
+        if not self.paths:
+            return [False] * len(keys)
+        with contextlib.ExitStack() as stack:
+            batches = [stack.enter_context(path.writing(keys)) for path in self.paths]
+            for start, payloads in parts:
+                for batch in batches:
+                    batch.send(start, payloads)
+        return [any(batch.result[i] for batch in batches) for i in range(len(keys))]
+
+    def _note(self, kind: str, outcome: list[bool], started: float) -> None:
+        """One call's pages and GB/s, for SGLang's storage metrics histograms."""
+        if not self.storage_config.enable_storage_metrics or not outcome:
+            return
+        seconds = time.perf_counter() - started
+        rate = sum(outcome) * self._pages().page_bytes / seconds / GB if seconds > 0 else 0.0
+        with self._recent_lock:
+            recent = self._recent
+            if kind == PREFETCH:
+                recent.prefetch_pgs.append(len(outcome))
+                recent.prefetch_bandwidth.append(rate)
+            else:
+                recent.backup_pgs.append(len(outcome))
+                recent.backup_bandwidth.append(rate)

@@ -1,0 +1,734 @@
+"""Our disk and shared tiers as vLLM 0.33 secondary tiers, under vLLM's own CPU tier.
+
+vLLM's ``TieringOffloadingSpec`` keeps its CPU tier and cascades every store
+to every secondary tier; it forbids ``store_threshold`` with tiering. Here
+each of our tiers decides itself what of that cascade it writes, with an
+admission layer of its own that judges what this tier sees: the stores the
+CPU tier above offers (cascades) and the lookups that reach it (those the
+CPU tier missed). vLLM loads the classes out of tree from its extra config::
+
+    {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 64000000000,
+     "secondary_tiers": [
+       {"type": "KVOffloadDiskTier", "module_path": "kvoffload.integrations.vllm.secondary",
+        "disk_dir": "/nvme/kv", "disk_bytes": 500000000000},
+       {"type": "KVOffloadSharedTier", "module_path": "kvoffload.integrations.vllm.secondary",
+        "url": "redis://cache:6379/0", "remote_bytes": 2000000000000}]}
+
+Every call vLLM makes returns at once: each tier is owned by one thread of
+its own, which runs its lookups, writes and reads in call order (our tiers
+expect a single caller); lookups go through vLLM's ``AsyncLookupManager``
+(``RETRY`` until the answer is in, as vLLM's ``fs`` tier does). A cascade
+job keeps its CPU chunks pinned until its admitted blocks are written, and
+they are written straight from the CPU tier's shared memory, never copied
+on the scheduler thread. A slow or dead server, a full disk, a broken block:
+counted misses and failed jobs, never an exception into the engine.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from abc import abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+from typing_extensions import override
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingEvent,
+    OffloadingMetricMetadata,
+    OffloadingSpec,
+    OffloadKey,
+    OffloadPolicy,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvoffload.admission import AdmissionLayer, wrap_with_admission
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.manager import OffloadingEvent as TierEvent
+from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
+from kvoffload.core.specs import LoadStoreSpec
+from kvoffload.integrations.vllm.secondary_settings import (
+    SecondarySettings,
+    parse_disk_settings,
+    parse_shared_settings,
+)
+from kvoffload.managers.tiered import LowerTier, Target
+from kvoffload.tiers import DiskTier, RemoteTier, RemoteTierError, fingerprint_of
+
+MODULE_PATH = __name__
+"""What ``module_path`` of a tier entry names."""
+
+METRIC_PREFIX = "vllm:kvoffload_secondary_"
+TIER_TYPE_LABEL = "tier_type"
+
+
+@dataclass
+class SecondaryCounters:
+    """What one secondary tier did, in blocks (and bytes) since it started."""
+
+    lookups: int = 0
+    """Lookups answered (once per request and key), i.e. the CPU tier's misses that reached us."""
+    lookup_hits: int = 0
+    offered_blocks: int = 0
+    """Blocks the cascade offered (every store of the CPU tier above)."""
+    served_blocks: int = 0
+    """Offered blocks the request was served (a whole request is offered): sightings only."""
+    held_blocks: int = 0
+    """Offered blocks this tier already held: nothing to write, not judged."""
+    admitted_blocks: int = 0
+    skipped_blocks: int = 0
+    """Offered blocks the admission layer held back: not written."""
+    written_blocks: int = 0
+    bytes_written: int = 0
+    write_failures: int = 0
+    loaded_blocks: int = 0
+    bytes_read: int = 0
+    load_failures: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def minus(self, other: SecondaryCounters) -> SecondaryCounters:
+        mine, theirs = self.as_dict(), other.as_dict()
+        return SecondaryCounters(**{name: mine[name] - theirs[name] for name in mine})
+
+
+COUNTER_DOCS = {
+    "lookups": "Lookups that reached this secondary tier (the CPU tier missed).",
+    "lookup_hits": "Lookups this secondary tier answered with a hit.",
+    "offered_blocks": "Blocks the CPU tier's cascade offered to this secondary tier.",
+    "served_blocks": "Offered blocks the request was served from a cache (sightings, not writes).",
+    "held_blocks": "Offered blocks this secondary tier already held (not written again).",
+    "admitted_blocks": "Offered blocks this tier's admission layer let through.",
+    "skipped_blocks": "Offered blocks this tier's admission layer held back (not written).",
+    "written_blocks": "Blocks written to this secondary tier.",
+    "bytes_written": "Bytes written to this secondary tier.",
+    "write_failures": "Blocks whose write failed (server down or slow, disk full, ...).",
+    "loaded_blocks": "Blocks promoted from this secondary tier into the CPU tier, intact.",
+    "bytes_read": "Bytes promoted from this secondary tier into the CPU tier.",
+    "load_failures": "Blocks whose promotion failed (absent, unreachable or corrupt).",
+}
+
+
+class _Spec(LoadStoreSpec):
+    @staticmethod
+    def medium() -> str:
+        return "SECONDARY"
+
+
+_SPEC = _Spec()
+
+
+class _Book(OffloadingManager):
+    """The bottom of an admission layer over a secondary tier: admits what the layer
+    passes on (the tier below decides eviction itself)."""
+
+    def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
+        return 0
+
+    def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
+        return _SPEC
+
+    def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
+        return PrepareStoreOutput(list(keys), _SPEC, [])
+
+
+@dataclass(frozen=True)
+class _Sighting:
+    """A request's keys to show the admission layer (see ``AdmissionLayer.see_request``)."""
+
+    keys: list[OffloadKey]
+    counted: int
+    tier_hit: bool
+    will_offer: bool = True
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """What one cascade job came to, in blocks (of those judged: not served to the request)."""
+
+    held: int
+    admitted: int
+    written: int
+    failed: int
+
+
+class _Owner:
+    """The one thread that calls the tier and its admission layer, in call order.
+
+    Every operation turns the tier's failures into results; a surprise from the
+    tier (a bug) is a failed operation here, never an exception in the engine.
+    """
+
+    def __init__(self, tier: LowerTier, layer: AdmissionLayer | None, name: str) -> None:
+        self.tier = tier
+        self.layer = layer
+        self.events: queue.SimpleQueue[TierEvent] = queue.SimpleQueue()
+        self._thread = ThreadPoolExecutor(1, f"kvoffload-{name}")
+
+    def present(self, keys: list[OffloadKey]) -> list[bool]:
+        """Per key, whether it belongs to the leading run the tier holds (blocks the caller)."""
+        try:
+            held = self._thread.submit(self.tier.present, keys).result()
+        except Exception:  # a failed lookup is a miss
+            held = 0
+        return [i < held for i in range(len(keys))]
+
+    def sight(self, sighting: _Sighting) -> None:
+        """Show the admission layer a request (in the background, in call order)."""
+        self._thread.submit(self._sight, sighting)
+
+    def store(
+        self,
+        sighting: _Sighting | None,
+        keys: list[OffloadKey],
+        payloads: list[memoryview],
+    ) -> Future[_Stored]:
+        """Judge the offer ``keys`` (the request's computed blocks) and write what is admitted;
+        finishes once written."""
+        return self._thread.submit(self._store, sighting, keys, payloads)
+
+    def load(self, keys: list[OffloadKey], target: Target) -> Future[list[bool]]:
+        return self._thread.submit(self._load, keys, target)
+
+    def admission_stats(self) -> dict[str, float] | None:
+        return self._thread.submit(self._admission_stats).result()
+
+    def close(self) -> None:
+        self._thread.submit(self._close).result()
+        self._thread.shutdown(wait=True)
+
+    def _sight(self, sighting: _Sighting) -> None:
+        layer = self.layer
+        if layer is not None and sighting.keys:
+            layer.see_request(sighting.keys, sighting.will_offer, sighting.counted)
+            if sighting.tier_hit:
+                layer.saw_tier_hit(sighting.keys)
+
+    def _store(
+        self, sighting: _Sighting | None, keys: list[OffloadKey], payloads: list[memoryview]
+    ) -> _Stored:
+        tier, layer = self.tier, self.layer
+        if sighting is not None:
+            self._sight(sighting)
+        try:
+            # vLLM offers in prefix order, so what the tier holds is the leading run.
+            held = tier.present(keys)
+        except Exception:  # unknown: judge and write them all
+            held = 0
+        fresh = keys[held:]
+        admitted = fresh
+        if layer is not None and fresh:
+            output = layer.prepare_store(fresh)
+            chosen = set() if output is None else set(output.keys_to_store)
+            admitted = [key for key in fresh if key in chosen]
+        if not admitted:
+            return _Stored(held, 0, 0, 0)
+        chosen_payloads = dict(zip(keys, payloads, strict=True))
+        stats = tier.stats
+        stored, failed = stats.stored_blocks, stats.failed + stats.rejected
+        try:
+            # Straight from the CPU tier's rows: our tiers send any buffer as it is.
+            tier.write(admitted, [chosen_payloads[key] for key in admitted])
+            tier.poll(wait=True)
+        except Exception:  # a surprise from the tier is a failed write of the whole batch
+            self._take_events()
+            return _Stored(held, len(admitted), 0, len(admitted))
+        self._take_events()
+        written = stats.stored_blocks - stored
+        return _Stored(held, len(admitted), written, stats.failed + stats.rejected - failed)
+
+    def _load(self, keys: list[OffloadKey], target: Target) -> list[bool]:
+        try:
+            intact = self.tier.read(keys, target).result()
+            self.tier.poll(wait=False)  # forgets the disk's broken slots at once
+        except Exception:  # a surprise from the tier is a failed read
+            intact = [False] * len(keys)
+        self._take_events()
+        return intact
+
+    def _admission_stats(self) -> dict[str, float] | None:
+        if self.layer is None:
+            return None
+        return {name: float(value) for name, value in asdict(self.layer.stats()).items()}
+
+    def _close(self) -> None:
+        try:
+            self.tier.close()
+        finally:
+            self._take_events()
+
+    def _take_events(self) -> None:
+        for event in self.tier.take_events():
+            self.events.put(event)
+
+
+class _Lookups(AsyncLookupManager):  # type: ignore[misc]
+    """vLLM's batched, asynchronous lookups, answered by the tier's owner thread."""
+
+    def __init__(self, owner: _Owner, tier_type: str) -> None:
+        super().__init__(tier_type=tier_type)
+        self._owner = owner
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        # vLLM looks a request's keys up in prefix order, so the leading run is the answer.
+        return self._owner.present(keys)
+
+
+@dataclass
+class _RequestView:
+    """What one tier saw of one request: the keys shown to admission, in order, and the
+    looked-up keys not shown yet."""
+
+    unsighted: dict[OffloadKey, None] = field(default_factory=dict)
+    shown: list[OffloadKey] = field(default_factory=list)
+    sighted: set[OffloadKey] = field(default_factory=set)
+    answered: set[OffloadKey] = field(default_factory=set)
+    tier_hit: bool = False
+    hits: set[OffloadKey] = field(default_factory=set)
+    misses: set[OffloadKey] = field(default_factory=set)
+
+
+@dataclass
+class _RequestViews:
+    """Per-request scratch of all our tiers (``ReqContext`` keeps one value per type)."""
+
+    by_tier: dict[int, _RequestView] = field(default_factory=dict)
+
+    def computed(self, context: ReqContext) -> Callable[[OffloadKey], bool]:
+        """Whether the request computed a key rather than being served it: from the first
+        key that our tiers missed and none of them served (vLLM asks the next tier only
+        after a miss, and stops looking at the first key no tier has)."""
+        hits: set[OffloadKey] = set()
+        misses: set[OffloadKey] = set()
+        for view in self.by_tier.values():
+            hits |= view.hits
+            misses |= view.misses
+        positions = [context.get_offload_key_position(key) for key in misses - hits]
+        known = [position for position in positions if position is not None]
+        if not known:
+            return lambda key: False
+        start = min(known)
+
+        def computed(key: OffloadKey) -> bool:
+            position = context.get_offload_key_position(key)
+            return key not in hits and (position is None or position >= start)
+
+        return computed
+
+
+@dataclass
+class _Job:
+    result: Future[Any]
+    keys: list[OffloadKey]
+    is_load: bool
+    started: float
+
+
+class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
+    """One of our tiers behind its own admission layer, in vLLM's secondary-tier contract."""
+
+    tolerates_off_thread_polling: ClassVar[bool] = False
+    _KIND: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: BackpressureDetector | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        settings = self.parse(tier_type, options)
+        self.settings = settings
+        self.locality = Locality(settings.locality) if settings.locality else None
+        self.payload_bytes = _payload_bytes(offloading_spec, self.block_size_bytes)
+        self.capacity_blocks = settings.capacity_bytes // self.payload_bytes
+        self._flat = primary_kv_view.cast("B")
+        events = settings.enable_kv_events and _events_enabled(offloading_spec)
+        self.fingerprint = _fingerprint(offloading_spec, self.payload_bytes)
+        try:
+            tier = self._open(settings, events)
+        except BaseException:
+            self._flat.release()  # vLLM unmaps the CPU tier's region on a failed start
+            raise
+        self.counters = SecondaryCounters()
+        self._reported = SecondaryCounters()
+        layer = None
+        if settings.admission != "none":
+            wrapped = wrap_with_admission(settings.admission, _Book(), max(1, self.capacity_blocks))
+            layer = wrapped if isinstance(wrapped, AdmissionLayer) else None
+        self._owner = _Owner(tier, layer, self._KIND)
+        self._lookups = _Lookups(self._owner, tier_type)
+        self._jobs: dict[int, _Job] = {}
+        self._done: list[JobResult] = []
+
+    @classmethod
+    @abstractmethod
+    def parse(cls, tier_type: str, entry: dict[str, Any]) -> SecondarySettings:
+        """The checked settings of a tier entry of this kind."""
+
+    @abstractmethod
+    def _open(self, settings: SecondarySettings, events: bool) -> LowerTier:
+        """Our tier of this kind; start-up errors name the entry's key."""
+
+    @property
+    def tier(self) -> LowerTier:
+        """Our tier underneath (its owner thread is the only caller while running)."""
+        return self._owner.tier
+
+    @classmethod
+    @override
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        """Our counters; the entry is checked here too, so vLLM stops before any tier opens."""
+        cls.parse(str(extra_config.get("type", cls.__name__)), extra_config)
+        return {
+            f"{METRIC_PREFIX}{name}": OffloadingCounterMetadata(
+                documentation=doc, labelnames=(TIER_TYPE_LABEL,)
+            )
+            for name, doc in COUNTER_DOCS.items()
+        }
+
+    @override
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        """With ``offer_hits`` (the default, when admitting) vLLM offers every chunk of the
+        request, hits included: the blocks the CPU tier serves are sightings too, and a block
+        reused while in the CPU tier is offered again (only new blocks are ever written)."""
+        if self.settings.offer_hits and self._owner.layer is not None:
+            return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
+        return RequestOffloadingContext()
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        found = self._lookups.lookup(key, req_context)
+        view = self._view(req_context)
+        view.unsighted[key] = None
+        if found is None:
+            return LookupResult.RETRY
+        if key not in view.answered:
+            view.answered.add(key)
+            self.counters.lookups += 1
+            self.counters.lookup_hits += int(found)
+        if found:
+            view.tier_hit = True
+            view.hits.add(key)
+            return LookupResult.HIT
+        view.misses.add(key)
+        return LookupResult.MISS
+
+    @override
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        """Show the request to the layer; judge and write the blocks it computed.
+
+        Blocks before the first one our tiers missed and none served, and the
+        blocks one of them served, came to the request from a cache or a tier:
+        offered again only because the request is offered whole, they are
+        sightings, never writes (else each reuse in the CPU tier would write
+        again what the disk tier evicted meanwhile).
+        """
+        keys = list(job_metadata.keys)
+        context = job_metadata.req_context
+        view = self._view(context)
+        sighting = self._sighting(view, keys, context)
+        chunks = job_metadata.chunk_ids.tolist()
+        if self._owner.layer is None:  # vLLM's cascade-everything: every offer is written
+            computed = list(range(len(keys)))
+        else:
+            views = context.get_state(_RequestViews)
+            was_computed = views.computed(context)
+            computed = [i for i, key in enumerate(keys) if was_computed(key)]
+        self.counters.offered_blocks += len(keys)
+        self.counters.served_blocks += len(keys) - len(computed)
+        if not computed:
+            if sighting is not None:
+                self._owner.sight(sighting)
+            self._done.append(JobResult(job_metadata.job_id, True, transfer_time=0.0))
+            return
+        judged = [keys[i] for i in computed]
+        payloads = [self._row(chunks[i]) for i in computed]
+        self._jobs[job_metadata.job_id] = _Job(
+            self._owner.store(sighting, judged, payloads), judged, False, time.monotonic()
+        )
+
+    @override
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        rows = [self._row(chunk) for chunk in job_metadata.chunk_ids.tolist()]
+
+        def target(index: int) -> memoryview:
+            return rows[index]
+
+        self._jobs[job_metadata.job_id] = _Job(
+            self._owner.load(keys, target), keys, True, time.monotonic()
+        )
+
+    @override
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results, self._done = self._done, []
+        for job_id in [job_id for job_id, job in self._jobs.items() if job.result.done()]:
+            results.append(self._finish(job_id, self._jobs.pop(job_id)))
+        return results
+
+    @override
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs or self._done)
+
+    @override
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        events = self._owner.events
+        while not events.empty():
+            event = events.get()
+            yield OffloadingEvent(
+                keys=list(event.keys),
+                medium=Medium.STORAGE,
+                removed=event.removed,
+                locality=self.locality,
+            )
+
+    @override
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        views = req_context.get_state(_RequestViews)
+        view = None if views is None else views.by_tier.pop(id(self), None)
+        if view is not None and view.unsighted:
+            # A request that only looked up (or stored nothing) is still a sighting.
+            sighting = self._sighting(view, (), req_context, will_offer=False)
+            if sighting is not None:
+                self._owner.sight(sighting)
+        self._lookups.cleanup(req_context.req_id)
+
+    @override
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._lookups.flush()
+
+    @override
+    def drain_jobs(self) -> None:
+        for job in list(self._jobs.values()):
+            job.result.exception()  # waits; the tiers' own timeouts bound it
+
+    @override
+    def shutdown(self) -> None:
+        self.drain_jobs()
+        self._lookups.shutdown()
+        self._owner.close()
+        self._flat.release()  # vLLM unmaps the CPU tier's region next
+
+    @override
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """Our counters since the last call, labelled with this tier's type."""
+        delta = self.counters.minus(self._reported)
+        self._reported = SecondaryCounters(**self.counters.as_dict())
+        stats = OffloadingConnectorStats()
+        for name, value in delta.as_dict().items():
+            if value:
+                stats.increase_counter(f"{METRIC_PREFIX}{name}", value, (self.tier_type,))
+        return stats
+
+    @property
+    def layer(self) -> AdmissionLayer | None:
+        """This tier's admission layer (``None``: every offered block is written)."""
+        return self._owner.layer
+
+    def admission_stats(self) -> dict[str, float] | None:
+        """The admission layer's counters (``None`` without one), in call order."""
+        return self._owner.admission_stats()
+
+    def _row(self, chunk: int) -> memoryview:
+        start = chunk * self.block_size_bytes
+        return self._flat[start : start + self.payload_bytes]
+
+    def _sighting(
+        self,
+        view: _RequestView,
+        offered: Sequence[OffloadKey],
+        context: ReqContext,
+        will_offer: bool = True,
+    ) -> _Sighting | None:
+        """The request's keys for the layer: those shown before, then the new ones in prefix
+        order (looked up or offered), so an offer in parts is one request, counted once."""
+        if self._owner.layer is None:
+            return None
+        view.unsighted.update(dict.fromkeys(offered))
+        new = [key for key in view.unsighted if key not in view.sighted]
+        view.unsighted.clear()
+        positions = [context.get_offload_key_position(key) for key in new]
+        if None not in positions:
+            new = [key for _, key in sorted(zip(positions, new, strict=True))]
+        counted = len(view.shown)
+        view.sighted.update(new)
+        view.shown.extend(new)
+        return _Sighting(list(view.shown), counted, view.tier_hit, will_offer)
+
+    def _view(self, context: ReqContext) -> _RequestView:
+        views = context.get_state(_RequestViews)
+        if views is None:
+            views = _RequestViews()
+            context.set_state(views)
+        view: _RequestView = views.by_tier.setdefault(id(self), _RequestView())
+        return view
+
+    def _finish(self, job_id: int, job: _Job) -> JobResult:
+        elapsed = time.monotonic() - job.started
+        c = self.counters
+        if job.is_load:
+            intact = _result(job.result, [False] * len(job.keys))
+            good = [key for key, ok in zip(job.keys, intact, strict=True) if ok]
+            failed = [key for key, ok in zip(job.keys, intact, strict=True) if not ok]
+            c.loaded_blocks += len(good)
+            c.bytes_read += len(good) * self.payload_bytes
+            c.load_failures += len(failed)
+            if failed:
+                self._lookups.mark_miss(failed)  # so vLLM does not ask to promote them again
+                return JobResult(job_id, False, successful_keys=good or None, transfer_time=elapsed)
+            return JobResult(
+                job_id, True, transfer_time=elapsed, transfer_bytes=len(good) * self.payload_bytes
+            )
+        stored = _result(job.result, _Stored(0, 0, 0, len(job.keys)))
+        c.held_blocks += stored.held
+        c.admitted_blocks += stored.admitted
+        c.skipped_blocks += len(job.keys) - stored.held - stored.admitted
+        c.written_blocks += stored.written
+        c.bytes_written += stored.written * self.payload_bytes
+        c.write_failures += stored.failed
+        return JobResult(
+            job_id,
+            stored.failed == 0,
+            transfer_time=elapsed,
+            transfer_bytes=stored.written * self.payload_bytes,
+        )
+
+
+class KVOffloadDiskTier(_KVOffloadSecondaryTier):
+    """Our local-disk tier (one slot file, bounded, our eviction policy) as a secondary tier.
+
+    Entry keys: ``disk_dir``, ``disk_bytes`` (required), ``eviction_policy``,
+    ``admission``, ``io_threads``, ``fsync``, ``enable_kv_events``, ``locality``.
+    """
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+    _KIND = "disk"
+
+    @classmethod
+    @override
+    def parse(cls, tier_type: str, entry: dict[str, Any]) -> SecondarySettings:
+        return parse_disk_settings(tier_type, entry)
+
+    @override
+    def _open(self, settings: SecondarySettings, events: bool) -> LowerTier:
+        if self.capacity_blocks < 1:
+            raise InvalidArgumentError(
+                f"secondary tier {self.tier_type!r} key 'disk_bytes': {settings.capacity_bytes} "
+                f"holds no block of {self.payload_bytes} bytes"
+            )
+        try:
+            return DiskTier(
+                settings.target,
+                self.capacity_blocks,
+                self.fingerprint,
+                settings.eviction_policy,
+                io_threads=settings.io_threads,
+                fsync=settings.fsync,
+                enable_events=events,
+            )
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(
+                f"secondary tier {self.tier_type!r} key 'disk_dir': {exc}"
+            ) from None
+
+
+class KVOffloadSharedTier(_KVOffloadSecondaryTier):
+    """Our shared Valkey/Redis tier (standalone or Cluster) as a secondary tier.
+
+    Entry keys: ``url`` (required), ``remote_bytes`` (this instance's share of
+    the server, which sizes the admission layer; required unless ``admission``
+    is ``none``), ``admission``, ``io_threads``, ``enable_kv_events``,
+    ``locality`` (default ``REMOTE``). The server's own ``maxmemory-policy``
+    evicts.
+    """
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
+    _KIND = "shared"
+
+    @classmethod
+    @override
+    def parse(cls, tier_type: str, entry: dict[str, Any]) -> SecondarySettings:
+        return parse_shared_settings(tier_type, entry)
+
+    @override
+    def _open(self, settings: SecondarySettings, events: bool) -> LowerTier:
+        if settings.admission != "none" and self.capacity_blocks < 1:
+            raise InvalidArgumentError(
+                f"secondary tier {self.tier_type!r} key 'remote_bytes': "
+                f"{settings.capacity_bytes} holds no block of {self.payload_bytes} bytes"
+            )
+        try:
+            return RemoteTier(
+                settings.target,
+                self.fingerprint,
+                io_threads=settings.io_threads,
+                enable_events=events,
+            )
+        except (InvalidArgumentError, RemoteTierError) as exc:
+            raise type(exc)(f"secondary tier {self.tier_type!r} key 'url': {exc}") from None
+
+
+def _payload_bytes(spec: OffloadingSpec, row_bytes: int) -> int:
+    """The bytes of a chunk row that hold KV data: every rank's page, not the alignment pad."""
+    per_worker = int(getattr(spec, "cpu_page_size_per_worker", 0) or 0)
+    copies = 1 if getattr(spec, "replicated_layout", False) else spec.config.parallel.world_size
+    used = per_worker * max(1, copies)
+    return used if 0 < used <= row_bytes else row_bytes
+
+
+def _events_enabled(spec: OffloadingSpec) -> bool:
+    return bool(spec.kv_events_config.enable_kv_cache_events)
+
+
+def _fingerprint(spec: OffloadingSpec, payload_bytes: int) -> bytes:
+    """What a chunk's bytes mean under this vLLM configuration and CPU tier layout."""
+    config = spec.config
+    parallel = config.parallel
+    groups = [(group.tokens_per_block, group.layer_names) for group in config.groups]
+    return fingerprint_of(
+        "vllm-tiering",
+        config.model.name,
+        config.model.dtype,
+        config.cache.tokens_per_hash,
+        config.cache.blocks_per_chunk,
+        groups,
+        config.kv_cache_layout,
+        config.canonical_layout,
+        parallel.tp_size,
+        parallel.pp_size,
+        parallel.pcp_size,
+        parallel.dcp_size,
+        parallel.world_size,
+        bool(getattr(spec, "replicated_layout", False)),
+        payload_bytes,
+    )
+
+
+def _result(job: Future[Any], failed: Any) -> Any:
+    """A finished job's value; ``failed`` if it raised (a failed job, not the engine's problem)."""
+    try:
+        return job.result()
+    except Exception:  # see _Owner: never an exception into the engine
+        return failed

@@ -1,0 +1,227 @@
+"""I/O jobs that end by a deadline, on single-threaded stripes, behind a circuit breaker.
+
+A file system that stops answering (an NFS server gone, a dying disk) leaves
+a thread inside ``pread`` for as long as it likes. The caller must not wait
+with it: every job's future is resolved by the job or by its deadline,
+whichever comes first. Past the deadline the job is *abandoned*: its future
+holds the failure value, the breaker counts a failure (and, after a few,
+refuses new jobs at once until a trial job gets through), and whatever the
+stuck thread does later is ignored. Jobs check :attr:`Job.abandoned` before
+each step that has an effect outside the file (delivering bytes into a
+caller's buffer), under :attr:`Job.lock`, so nothing lands after the caller
+was told it failed. Stripe threads are daemons: a stuck one never holds up
+the process's exit.
+
+Errors that come back (``EIO``, ``ENOSPC``) are the job's own result, not a
+breaker failure: they cost no time, and a full disk still serves reads.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Generic, TypeVar
+
+from kvoffload.tiers.breaker import CircuitBreaker
+
+T = TypeVar("T")
+
+
+class Job(Generic[T]):
+    """One job on a stripe: its future, its deadline, and whether it was given up on."""
+
+    __slots__ = (
+        "_breaker",
+        "_settled",
+        "abandoned",
+        "deadline",
+        "failed",
+        "future",
+        "lock",
+        "on_expire",
+    )
+
+    def __init__(
+        self,
+        deadline: float,
+        failed: T,
+        breaker: CircuitBreaker,
+        on_expire: Callable[[], None],
+    ) -> None:
+        self.future: Future[T] = Future()
+        self.deadline = deadline
+        self.failed = failed
+        self.abandoned = False
+        self._settled = False
+        self.lock = threading.Lock()
+        self.on_expire = on_expire
+        self._breaker = breaker
+
+    def finish(self, result: T) -> None:
+        with self.lock:
+            if self.abandoned:
+                return
+            self._settled = True
+        self.future.set_result(result)  # outside the lock: callbacks run here
+        self._breaker.success()
+
+    def expire(self) -> None:
+        """The deadline passed: fail the job now, whatever its thread is doing."""
+        with self.lock:
+            if self._settled or self.abandoned:
+                return
+            self.abandoned = True
+        self.future.set_result(self.failed)
+        self._breaker.failure()
+        self.on_expire()
+
+
+class _Watchdog:
+    """One daemon thread that expires the jobs whose deadline passed."""
+
+    def __init__(self, name: str) -> None:
+        self._heap: list[tuple[float, int, Job[Any]]] = []
+        self._order = itertools.count()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def watch(self, job: Job[T]) -> None:
+        with self._wake:
+            heapq.heappush(self._heap, (job.deadline, next(self._order), job))
+            self._wake.notify()
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            due: list[Job[Any]] = []
+            with self._wake:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                heap = self._heap
+                while heap and (heap[0][2].future.done() or heap[0][0] <= now):
+                    due.append(heapq.heappop(heap)[2])
+                if not due:
+                    self._wake.wait(heap[0][0] - now if heap else None)
+            for job in due:  # outside the lock: the futures' callbacks run here
+                job.expire()
+
+
+class _Stripe:
+    """One daemon thread running its jobs in submission order."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Job[object], Callable[[Job[object]], object]] | None]
+        self._jobs = queue.SimpleQueue()
+        self.busy = False
+        """Whether the thread is inside a job now (a stuck one stays so)."""
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, job: Job[T], work: Callable[[Job[T]], T]) -> None:
+        self._jobs.put((job, work))  # type: ignore[arg-type]
+
+    def stop(self, wait: bool) -> None:
+        self._jobs.put(None)
+        if wait:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, work = item
+            if job.abandoned:
+                continue
+            self.busy = True
+            try:
+                result = work(job)
+            except Exception:  # the funnel: a job that raises is a failed job, never a hang
+                result = job.failed
+            finally:
+                self.busy = False
+            job.finish(result)
+
+
+class DeadlineStripes:
+    """``count`` stripes whose jobs each get ``deadline_s`` plus time for their bytes.
+
+    ``bytes_per_s`` is the slowest rate taken for a working device: a job
+    moving ``n`` bytes may take ``deadline_s + n / bytes_per_s``.
+    """
+
+    def __init__(
+        self,
+        count: int,
+        name: str,
+        deadline_s: float,
+        breaker: CircuitBreaker,
+        bytes_per_s: float,
+    ) -> None:
+        self.deadline_s = deadline_s
+        self.breaker = breaker
+        self.expired = 0
+        """Jobs failed by their deadline."""
+        self._bytes_per_s = bytes_per_s
+        self._count_lock = threading.Lock()
+        self._open: set[Future[object]] = set()
+        self._stripes = [_Stripe(f"{name}-{i}") for i in range(count)]
+        self._watchdog = _Watchdog(f"{name}-deadline")
+
+    def __len__(self) -> int:
+        return len(self._stripes)
+
+    def submit(self, stripe: int, work: Callable[[Job[T]], T], failed: T, nbytes: int) -> Future[T]:
+        """Run ``work`` on ``stripe``; its future holds ``failed`` if refused, raising or late."""
+        if not self.breaker.allow():
+            done: Future[T] = Future()
+            done.set_result(failed)
+            return done
+        deadline = time.monotonic() + self.deadline_s + nbytes / self._bytes_per_s
+        job = Job(deadline, failed, self.breaker, self._count_expired)
+        with self._count_lock:
+            self._open.add(job.future)  # type: ignore[arg-type]
+        job.future.add_done_callback(self._closed)  # type: ignore[arg-type]
+        self._watchdog.watch(job)
+        self._stripes[stripe].put(job, work)
+        return job.future
+
+    @property
+    def stuck(self) -> bool:
+        """Whether a stripe thread is still inside a job (after a deadline: a hung file)."""
+        return any(stripe.busy for stripe in self._stripes)
+
+    def close(self) -> bool:
+        """Wait for every job to finish or expire, then stop the threads.
+
+        Whether they all stopped: ``False`` when a thread is stuck past its
+        deadline, and then the file it uses must stay open (closing it would
+        let the stuck call land in whatever file reuses the descriptor).
+        """
+        with self._count_lock:
+            waiting = list(self._open)
+        for future in waiting:
+            future.result()
+        stopped = not self.stuck
+        for stripe in self._stripes:
+            stripe.stop(wait=stopped)
+        self._watchdog.close()
+        return stopped
+
+    def _closed(self, future: Future[object]) -> None:
+        with self._count_lock:
+            self._open.discard(future)
+
+    def _count_expired(self) -> None:
+        with self._count_lock:
+            self.expired += 1

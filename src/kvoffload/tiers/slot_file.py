@@ -1,0 +1,653 @@
+"""The disk tier's slot file: its format, its crash-safe writes, and every rule for the file system.
+
+``DIR/<fingerprint hex>/blocks.kvs`` starts with a checksummed superblock
+(magic, version, fingerprint, slot stride, payload length); slot ``i`` lies
+at ``SUPER_BYTES + i * stride`` and holds one block exactly as the shared
+tier stores it (:mod:`kvoffload.tiers.format`: header, key, payload). The
+layout is fixed by the first write (the payload size is constant per
+fingerprint) and the file stays sparse: it grows only where slots are
+written, so a full disk shows up as a failed store.
+
+Crash safety without temporary files: a slot is written payload first, with
+its old header zeroed in the same call, and its new header last, in a second
+call. A process killed between the two leaves a slot without a valid header,
+which a restart does not index; never an old header over new bytes. With
+``fsync=True`` a batch's payloads are synced before its headers are written,
+and the headers after (power-loss safety). A file per block with temp file +
+rename gives the same guarantee at the cost of an inode and a rename per
+block (30-50% of the store time in the kernel on the dev VM); an append-only
+segment needs compaction.
+
+What is not ours is never touched. The directory tree is opened one level at
+a time, each with ``O_NOFOLLOW`` relative to the one above, so nothing is
+created or written outside ``DIR``: ``DIR``, the fingerprint directory and the
+files in it must each be what they claim (a directory, a regular file with a
+single link), not a symbolic link, and owned by the running user. What this
+class creates is private (directories 0700, files 0600). An exclusive
+``flock`` on ``lock`` (which names the holder's pid) keeps a second process
+from wiping the first one's slots.
+
+File I/O runs on single-threaded stripes keyed by slot (slot % stripes), so
+a read of a slot and a later write into that slot, reused by another key,
+happen in call order without locks. Every job has a deadline
+(:mod:`.deadline`); a read passes through a small buffer of its stripe and
+is copied into the caller's buffer chunk by chunk, each only if its job was
+not given up on, so a call stuck in a hung file system can never write into
+a buffer that has since been reused. All runtime failures pass through :meth:`SlotFile._guard`.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import fcntl
+import functools
+import os
+import stat
+import struct
+import threading
+import zlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.keys import OffloadKey
+from kvoffload.managers.tiered import Target
+from kvoffload.tiers.breaker import CircuitBreaker
+from kvoffload.tiers.deadline import DeadlineStripes, Job
+from kvoffload.tiers.format import (
+    HEADER_BYTES,
+    CorruptBlockError,
+    encode_header,
+    parse_header,
+    payload_hasher,
+)
+from kvoffload.tiers.targets import destination
+
+SLOT_FILE = "blocks.kvs"
+LOCK_FILE = "lock"
+MAX_KEY_BYTES = 256
+"""The longest key a slot reserves room for (vLLM's keys have 36 bytes)."""
+ALIGN = 4096
+SUPER_BYTES = ALIGN
+"""Room before slot 0 for the superblock: slots start page-aligned."""
+SUPER_MAGIC = b"KVOS"
+SUPER_VERSION = 2
+DEFAULT_DEADLINE_S = 10.0
+"""How long one I/O job may take, plus :data:`SLOWEST_BYTES_PER_S` for its bytes."""
+SLOWEST_BYTES_PER_S = 50e6
+"""A device slower than this (50 MB/s) counts as failing."""
+READ_CHUNK_BYTES = 256 * 2**10
+"""Reads pass through a buffer of this size per stripe (cache-resident) on their way."""
+
+_SUPER = struct.Struct("<4sHH16sQQ")
+"""magic, version, reserved, fingerprint, stride, payload length; a CRC32 of these follows."""
+_CRC = struct.Struct("<I")
+_ZERO_HEADER = bytes(HEADER_BYTES + MAX_KEY_BYTES)
+
+T = TypeVar("T")
+
+
+class DiskTierError(InvalidArgumentError):
+    """The disk tier cannot start: an unsafe or busy directory, or a file system not answering."""
+
+
+class Outcome(enum.Enum):
+    OK = "ok"
+    FAILED = "failed"
+    """An I/O error, a deadline missed, or the breaker open: the read did not happen."""
+    UNDELIVERED = "undelivered"
+    """The block is fine but its destination did not take it (the caller's failure)."""
+    CORRUPT = "corrupt"
+    """The slot holds no valid block of this key and layout (now blanked)."""
+
+
+@dataclass
+class Recovery:
+    """What the start-up scan found: blocks indexed again and slots dropped, by reason."""
+
+    recovered: int = 0
+    torn: int = 0
+    """Writes cut short: a payload without its header, or a block cut by the end of the file."""
+    foreign: int = 0
+    """Blocks of another layout fingerprint (a whole file of another layout: all its slots)."""
+    corrupt: int = 0
+    """Headers that fail their checks, or announce another payload length than the layout's."""
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "recovered": self.recovered,
+            "dropped_torn": self.torn,
+            "dropped_foreign": self.foreign,
+            "dropped_corrupt": self.corrupt,
+        }
+
+
+def slot_stride(payload_bytes: int) -> int:
+    """Bytes per slot for payloads of ``payload_bytes``: header and longest key, page-aligned."""
+    return -(-(HEADER_BYTES + MAX_KEY_BYTES + payload_bytes) // ALIGN) * ALIGN
+
+
+def slot_start(slot: int, stride: int) -> int:
+    """Where ``slot`` starts in the slot file."""
+    return SUPER_BYTES + slot * stride
+
+
+def footprint(num_slots: int, payload_bytes: int) -> int:
+    """Bytes a full slot file of ``num_slots`` slots takes on disk."""
+    return SUPER_BYTES + num_slots * slot_stride(payload_bytes)
+
+
+def encode_superblock(fingerprint: bytes, stride: int, payload_bytes: int) -> bytes:
+    fields = _SUPER.pack(SUPER_MAGIC, SUPER_VERSION, 0, fingerprint, stride, payload_bytes)
+    return fields + _CRC.pack(zlib.crc32(fields))
+
+
+@dataclass(frozen=True)
+class Superblock:
+    """A superblock as found: ``ours`` if it names this fingerprint and format version."""
+
+    ours: bool
+    stride: int
+    payload_bytes: int
+
+
+def parse_superblock(data: bytes, fingerprint: bytes) -> Superblock | None:
+    """The superblock at the start of ``data``; ``None`` unless intact (magic, CRC, stride)."""
+    if len(data) < _SUPER.size + _CRC.size:
+        return None
+    magic, version, _, found, stride, payload = _SUPER.unpack_from(data)
+    (crc,) = _CRC.unpack_from(data, _SUPER.size)
+    if zlib.crc32(data[: _SUPER.size]) != crc or magic != SUPER_MAGIC:
+        return None
+    if stride <= 0 or stride % ALIGN:
+        return None
+    ours = version == SUPER_VERSION and found == fingerprint and slot_stride(payload) == stride
+    return Superblock(ours, int(stride), int(payload))
+
+
+class FileLayer:
+    """The system calls on an open slot file, in one place (tests slow or break them here)."""
+
+    def pread(self, fd: int, size: int, offset: int) -> bytes:
+        return os.pread(fd, size, offset)
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview | bytearray], offset: int) -> int:
+        return os.preadv(fd, buffers, offset)
+
+    def pwrite(self, fd: int, data: bytes | memoryview, offset: int) -> int:
+        return os.pwrite(fd, data, offset)
+
+    def pwritev(self, fd: int, buffers: Sequence[bytes | memoryview], offset: int) -> int:
+        return os.pwritev(fd, buffers, offset)
+
+    def fdatasync(self, fd: int) -> None:
+        os.fdatasync(fd)
+
+    def ftruncate(self, fd: int, size: int) -> None:
+        os.ftruncate(fd, size)
+
+    def fstat(self, fd: int) -> os.stat_result:
+        return os.fstat(fd)
+
+
+@dataclass
+class _Opened:
+    fd: int
+    lock_fd: int
+    found: list[tuple[OffloadKey, int]]
+    recovery: Recovery
+    superblock: Superblock | None
+
+
+class SlotFile:
+    """The slot file of ``fingerprint`` under ``root``, opened, locked and scanned.
+
+    :attr:`found` lists the intact blocks found, ``(key, slot)`` in slot
+    order, and :attr:`recovery` what the scan counted. Raises
+    :class:`DiskTierError` with a one-line reason when the directory is
+    unsafe, held by another process, or does not answer within the deadline.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        fingerprint: bytes,
+        capacity: int,
+        *,
+        io_threads: int,
+        fsync: bool,
+        deadline_s: float,
+        breaker: CircuitBreaker,
+        layer: FileLayer,
+    ) -> None:
+        self.root = Path(root)
+        self.fingerprint = fingerprint
+        self.capacity = capacity
+        self.directory = self.root / fingerprint.hex()
+        self.path = self.directory / SLOT_FILE
+        self.layer = layer
+        self.stride: int | None = None
+        self.payload_bytes: int | None = None
+        self._fsync = fsync
+        self._chunks = threading.local()
+        self.stripes = DeadlineStripes(
+            io_threads, "kvoffload-disk", deadline_s, breaker, SLOWEST_BYTES_PER_S
+        )
+        opened = self.stripes.submit(0, self._open, None, 0).result()
+        if not isinstance(opened, _Opened):
+            self.stripes.close()
+            if opened is None:
+                opened = (
+                    f"disk tier directory {self.directory} did not answer within {deadline_s:g} s"
+                    if self.stripes.expired
+                    else f"cannot open the disk tier in {self.directory}"
+                )
+            raise DiskTierError(opened)
+        self._fd, self._lock_fd = opened.fd, opened.lock_fd
+        self.found, self.recovery = opened.found, opened.recovery
+        self._superblock: Future[bool] | None = None
+        if opened.superblock is not None:
+            self.stride = opened.superblock.stride
+            self.payload_bytes = opened.superblock.payload_bytes
+            self._superblock = Future()
+            self._superblock.set_result(True)
+
+    def fix_layout(self, payload_bytes: int) -> None:
+        """The first write fixes the layout (a file found on start has fixed it already)."""
+        if self.stride is None:
+            self.stride = slot_stride(payload_bytes)
+            self.payload_bytes = payload_bytes
+
+    def read(
+        self, keys: Sequence[OffloadKey], slots: Sequence[int], target: Target
+    ) -> Future[list[Outcome]]:
+        """Read ``keys`` from their ``slots`` into ``target`` (all stripes in parallel)."""
+        groups = self._by_stripe(slots)
+        payload = self.payload_bytes or 0
+
+        def job_for(positions: list[int]) -> Callable[[Job[list[Outcome]]], list[Outcome]]:
+            return lambda job: [self._read(job, i, keys[i], slots[i], target) for i in positions]
+
+        return self._gather(
+            len(keys), groups, job_for, Outcome.FAILED, lambda n: n * (payload + ALIGN)
+        )
+
+    def write(
+        self, keys: Sequence[OffloadKey], slots: Sequence[int], payloads: Sequence[bytes]
+    ) -> Future[list[bool]]:
+        """Write ``keys`` into ``slots`` (payloads first, headers last); per key, whether it did."""
+        superblock = self._superblock_written()
+        groups = self._by_stripe(slots)
+        size = max((len(p) for p in payloads), default=0)
+
+        def job_for(positions: list[int]) -> Callable[[Job[list[bool]]], list[bool]]:
+            return lambda job: self._write(job, superblock, positions, keys, slots, payloads)
+
+        return self._gather(len(keys), groups, job_for, False, lambda n: n * (size + ALIGN))
+
+    def close(self) -> None:
+        """Finish or expire every job; close the file unless a thread is stuck in it."""
+        if self._fd < 0:
+            return
+        if self.stripes.close():
+            os.close(self._fd)
+            os.close(self._lock_fd)
+        self._fd = -1
+
+    # The calling thread's side: jobs out, futures back.
+
+    def _superblock_written(self) -> Future[bool]:
+        """The superblock's write, queued again if the last one failed."""
+        done = self._superblock
+        if done is None or (done.done() and not done.result()):
+            assert self.stride is not None and self.payload_bytes is not None
+            data = encode_superblock(self.fingerprint, self.stride, self.payload_bytes)
+            done = self.stripes.submit(0, lambda job: self._put_superblock(data), False, len(data))
+            self._superblock = done
+        return done
+
+    def _by_stripe(self, slots: Sequence[int]) -> dict[int, list[int]]:
+        """Positions of the slots (``-1``: none) by the stripe that owns them."""
+        stripes = len(self.stripes)
+        groups: dict[int, list[int]] = {}
+        for i, slot in enumerate(slots):
+            if slot >= 0:
+                groups.setdefault(slot % stripes, []).append(i)
+        return groups
+
+    def _gather(
+        self,
+        n: int,
+        groups: dict[int, list[int]],
+        job_for: Callable[[list[int]], Callable[[Job[list[T]]], list[T]]],
+        failed: T,
+        nbytes: Callable[[int], int],
+    ) -> Future[list[T]]:
+        """One future for the jobs of all stripes; positions without a slot get ``failed``."""
+        result: Future[list[T]] = Future()
+        outcome = [failed] * n
+        if not groups:
+            result.set_result(outcome)
+            return result
+        remaining = [len(groups)]
+        lock = threading.Lock()
+
+        def part_done(positions: list[int], part: Future[list[T]]) -> None:
+            for i, value in zip(positions, part.result(), strict=True):
+                outcome[i] = value
+            with lock:
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+            result.set_result(outcome)
+
+        for stripe, positions in groups.items():
+            part = self.stripes.submit(
+                stripe, job_for(positions), [failed] * len(positions), nbytes(len(positions))
+            )
+            part.add_done_callback(functools.partial(part_done, positions))
+        return result
+
+    # I/O threads from here on: the file only.
+
+    def _guard(self, step: Callable[[], Outcome]) -> Outcome:
+        """The one place where a runtime failure becomes an outcome: I/O errors fail the
+        block, a block that is not what its slot should hold is corrupt."""
+        try:
+            return step()
+        except CorruptBlockError:
+            return Outcome.CORRUPT
+        except OSError:
+            return Outcome.FAILED
+
+    def _read(
+        self, job: Job[list[Outcome]], index: int, key: OffloadKey, slot: int, target: Target
+    ) -> Outcome:
+        if job.abandoned:
+            return Outcome.FAILED
+        outcome = self._guard(functools.partial(self._fetch, job, index, key, slot, target))
+        if outcome is Outcome.CORRUPT:
+            self._guard(functools.partial(self._blank, slot))
+        return outcome
+
+    def _fetch(
+        self, job: Job[list[Outcome]], index: int, key: OffloadKey, slot: int, target: Target
+    ) -> Outcome:
+        """Read ``key``'s block into its target through the stripe's chunk buffer, hashing
+        each chunk on the way; raises if the slot does not hold it intact.
+
+        Each chunk is copied out under the job's lock, after checking that the
+        deadline has not given the job up, so a read stuck in the file system
+        never lands in a buffer its caller has been told is free. Hashing the
+        chunk while it is in cache costs less than hashing the target after.
+        """
+        assert self.stride is not None
+        size = self.payload_bytes or 0
+        start = slot_start(slot, self.stride)
+        header = parse_header(self.layer.pread(self._fd, HEADER_BYTES + len(key), start))
+        header.check(key, self.fingerprint)
+        if header.payload_bytes != size:
+            # Refused before reading: a length that is not the layout's is never read.
+            raise CorruptBlockError(
+                f"slot of {key!r} announces {header.payload_bytes} payload bytes, "
+                f"the layout has {size}"
+            )
+        view = destination(target, index, size)
+        if view is None:
+            return Outcome.UNDELIVERED
+        into = view.cast("B") if view.format != "B" else view
+        chunk = self._chunk_buffer()
+        digest = payload_hasher()
+        done = 0
+        while done < size:
+            piece = chunk[: min(len(chunk), size - done)]
+            if self.layer.preadv(self._fd, [piece], start + header.size + done) != len(piece):
+                raise CorruptBlockError(f"slot of {key!r} is torn")
+            digest.update(piece)
+            with job.lock:  # the deadline takes this lock too
+                if job.abandoned:
+                    return Outcome.FAILED
+                into[done : done + len(piece)] = piece
+            done += len(piece)
+        header.verify_digest(digest.intdigest())
+        return Outcome.OK
+
+    def _chunk_buffer(self) -> memoryview:
+        """This stripe thread's read buffer, small enough to stay in cache."""
+        buffer: bytearray | None = getattr(self._chunks, "buffer", None)
+        if buffer is None:
+            buffer = self._chunks.buffer = bytearray(READ_CHUNK_BYTES)
+        return memoryview(buffer)
+
+    def _blank(self, slot: int) -> Outcome:
+        """Make a broken slot empty, so that a restart does not index or count it again."""
+        assert self.stride is not None
+        self.layer.pwrite(self._fd, _ZERO_HEADER, slot_start(slot, self.stride))
+        return Outcome.OK
+
+    def _put_superblock(self, data: bytes) -> bool:
+        def put() -> Outcome:
+            written = self.layer.pwrite(self._fd, data, 0)
+            if self._fsync:
+                self.layer.fdatasync(self._fd)
+            return Outcome.OK if written == len(data) else Outcome.FAILED
+
+        return self._guard(put) is Outcome.OK
+
+    def _write(
+        self,
+        job: Job[list[bool]],
+        superblock: Future[bool],
+        positions: list[int],
+        keys: Sequence[OffloadKey],
+        slots: Sequence[int],
+        payloads: Sequence[bytes],
+    ) -> list[bool]:
+        """Payloads first (over zeroed old headers), then the headers: see the module docstring."""
+        failed = [False] * len(positions)
+        if not superblock.result() or self._guard(self._linked) is not Outcome.OK:
+            return failed
+        headers: list[bytes | None] = []
+        for i in positions:
+            key, payload = keys[i], payloads[i]
+            if job.abandoned or len(key) > MAX_KEY_BYTES or len(payload) != self.payload_bytes:
+                headers.append(None)
+                continue
+            header = encode_header(key, self.fingerprint, payload)
+            start = slot_start(slots[i], self.stride or 0)
+            step = self._guard(functools.partial(self._put, start, header, payload))
+            headers.append(header if step is Outcome.OK else None)
+        if self._fsync and self._guard(self._sync) is not Outcome.OK:
+            return failed
+        ok = failed.copy()
+        for n, (i, written) in enumerate(zip(positions, headers, strict=True)):
+            if written is None or job.abandoned:
+                continue
+            start = slot_start(slots[i], self.stride or 0)
+            ok[n] = self._guard(functools.partial(self._put, start, written)) is Outcome.OK
+        if self._fsync and self._guard(self._sync) is not Outcome.OK:
+            return failed
+        return ok
+
+    def _put(self, start: int, header: bytes, payload: bytes | None = None) -> Outcome:
+        """The header alone, or the payload behind a zeroed header of the same length."""
+        if payload is None:
+            done, size = self.layer.pwrite(self._fd, header, start), len(header)
+        else:
+            blank = memoryview(_ZERO_HEADER)[: len(header)]
+            done = self.layer.pwritev(self._fd, [blank, payload], start)
+            size = len(header) + len(payload)
+        return Outcome.OK if done == size else Outcome.FAILED
+
+    def _sync(self) -> Outcome:
+        self.layer.fdatasync(self._fd)
+        return Outcome.OK
+
+    def _linked(self) -> Outcome:
+        """Whether the slot file still has a name: a removed one is a failing disk."""
+        return Outcome.OK if self.layer.fstat(self._fd).st_nlink > 0 else Outcome.FAILED
+
+    # Start-up, on stripe 0 under the deadline: open, lock, scan.
+
+    def _open(self, job: Job[_Opened | str | None]) -> _Opened | str:
+        """The opened, locked and scanned file, or the one-line reason it cannot be used."""
+        fds: list[int] = []
+        try:
+            root = _open_dir(self.root, None, self.root.name or str(self.root))
+            fds.append(root)
+            directory = _open_dir(self.directory, root, self.directory.name)
+            fds.append(directory)
+            lock_fd = _open_file(self.directory / LOCK_FILE, directory)
+            fds.append(lock_fd)
+            _lock(lock_fd, self.directory)
+            fd = _open_file(self.path, directory)
+            fds.append(fd)
+            found, recovery, superblock = self._scan(fd)
+        except DiskTierError as exc:
+            _close_all(fds)
+            return str(exc)
+        except OSError as exc:
+            _close_all(fds)
+            return f"cannot use disk tier directory {self.directory}: {exc.strerror or exc}"
+        _close_all(fds[:2])
+        if job.abandoned:  # too late: the caller has given up; keep nothing open
+            _close_all(fds[2:])
+        return _Opened(fd, lock_fd, found, recovery, superblock)
+
+    def _scan(self, fd: int) -> tuple[list[tuple[OffloadKey, int]], Recovery, Superblock | None]:
+        """The intact blocks in slot order; a foreign or broken file starts over empty."""
+        recovery = Recovery()
+        layer = self.layer
+        size = layer.fstat(fd).st_size
+        head = layer.pread(fd, _SUPER.size + _CRC.size, 0)
+        found_super = parse_superblock(head, self.fingerprint)
+        if found_super is None or not found_super.ours:
+            if size:
+                if found_super is None:
+                    recovery.corrupt += 1  # the file as a whole: its layout is unknown
+                else:
+                    recovery.foreign += -(-max(size - SUPER_BYTES, 0) // found_super.stride)
+                layer.ftruncate(fd, 0)
+            return [], recovery, None
+        stride, payload = found_super.stride, found_super.payload_bytes
+        limit = slot_start(self.capacity, stride)
+        if size > limit:
+            layer.ftruncate(fd, limit)
+            size = limit
+        found: dict[OffloadKey, int] = {}
+        for slot in range(-(-max(size - SUPER_BYTES, 0) // stride)):
+            start = slot_start(slot, stride)
+            kind = self._classify(layer.pread(fd, HEADER_BYTES + MAX_KEY_BYTES, start), payload)
+            if isinstance(kind, bytes):
+                if start + HEADER_BYTES + len(kind) + payload > size:
+                    recovery.torn += 1
+                else:
+                    found.setdefault(OffloadKey(kind), slot)
+                    continue
+            elif kind is None:
+                continue
+            else:
+                setattr(recovery, kind, getattr(recovery, kind) + 1)
+            layer.pwrite(fd, _ZERO_HEADER, start)  # counted once: blank from now on
+        recovery.recovered = len(found)
+        return sorted(found.items(), key=lambda item: item[1]), recovery, found_super
+
+    def _classify(self, head: bytes, payload: int) -> bytes | str | None:
+        """A slot's key if its header is intact, ``None`` if blank, else why it is dropped."""
+        if not any(head[:HEADER_BYTES]):
+            return "torn" if any(head) else None
+        try:
+            header = parse_header(head)
+        except CorruptBlockError:
+            return "corrupt"
+        if header.fingerprint != self.fingerprint:
+            return "foreign"
+        if header.payload_bytes != payload or len(header.key) > MAX_KEY_BYTES:
+            return "corrupt"
+        return header.key
+
+
+def _open_dir(path: Path, parent: int | None, name: str) -> int:
+    """``path`` (``name`` in ``parent``), made 0700 if missing; a directory of ours, no link.
+
+    ``DIR`` itself (no ``parent``) may also be root's, as a mount point an
+    administrator made: everything below it is opened through descriptors
+    and must be ours, so its owner cannot swap what we use.
+    """
+    where = name if parent is not None else str(path)
+    try:
+        if parent is None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(where, 0o700, dir_fd=parent)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        raise DiskTierError(f"disk tier directory {path}: its parent does not exist") from None
+    try:
+        fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            _refuse(path, "is not a directory (or is a symbolic link, which is never followed)")
+        raise
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.geteuid() and (parent is not None or info.st_uid != 0):
+            _refuse(path, f"is owned by uid {info.st_uid}, not by the running user")
+        if info.st_mode & 0o077 and parent is not None:
+            os.fchmod(fd, 0o700)  # ours: private, as if just made
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_file(path: Path, parent: int) -> int:
+    """``path`` in ``parent``, made 0600 if missing; a regular file of ours with one link."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path.name, flags, 0o600, dir_fd=parent)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            _refuse(path, "is a symbolic link, which is never followed")
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            _refuse(path, "is not a regular file")
+        if info.st_uid != os.geteuid():
+            _refuse(path, f"is owned by uid {info.st_uid}, not by the running user")
+        if info.st_nlink != 1:
+            _refuse(path, f"has {info.st_nlink} hard links; a slot file has one")
+        if info.st_mode & 0o077:
+            os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _lock(fd: int, directory: Path) -> None:
+    """Hold ``fd``'s exclusive lock for the tier's life; name the holder when it is taken."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        raise DiskTierError(
+            f"disk tier directory {directory} is in use by process {holder}; "
+            "give each process its own disk directory"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+
+def _refuse(path: Path, why: str) -> None:
+    raise DiskTierError(f"disk tier path {path} {why}; refusing to use it")
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)

@@ -1,0 +1,234 @@
+"""kvoffload as SGLang's HiCache L3, built by SGLang's own factory from a ``dynamic`` config.
+
+Pages round-trip through both of SGLang's interfaces (flat page tensors, and
+zero-copy host-pool indices) against the disk tier and real Valkey servers
+(standalone and a 3-node Cluster), bytes compared. The host pool is ours
+(:class:`sglang_helpers.HostPool`, SGLang's page layouts): SGLang's own does
+not import without a GPU stack.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("sglang", reason="SGLang is not installed (CI installs it --no-deps)")
+
+from sglang_helpers import HostPool, create_backend, import_sglang, page_hash
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.integrations.sglang.storage import page_key
+from tier_servers import ValkeyProcess
+
+torch = pytest.importorskip("torch")
+
+KEYS = [page_hash(i) for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def sglang() -> dict[str, ModuleType]:
+    return import_sglang()
+
+
+@pytest.fixture
+def backends(sglang: dict[str, ModuleType]) -> Any:
+    """Builds backends; closes them even when a test fails."""
+    made: list[Any] = []
+
+    def make(extra: dict[str, Any], pool: HostPool | None, **kwargs: Any) -> Any:
+        backend = create_backend(sglang, extra, pool, **kwargs)
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        backend.close()
+
+
+def disk(tmp_path: Path, pages: int = 64, pool: HostPool | None = None) -> dict[str, Any]:
+    page_bytes = (pool or HostPool()).page_bytes(0).__len__()
+    return {"kvoffload.disk_dir": str(tmp_path / "l3"), "kvoffload.disk_bytes": pages * page_bytes}
+
+
+def tier_config(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, Any]:
+    if kind == "disk":
+        return disk(tmp_path)
+    server = request.getfixturevalue("valkey_server" if kind == "valkey" else "valkey_cluster")
+    return {"kvoffload.remote_url": server.url}
+
+
+def round_trip_v1(backend: Any, pool: HostPool, keys: list[str], seed: int) -> None:
+    """Store pages 0.. from the pool, wipe it, load them into other pages; bytes must match."""
+    n = len(keys)
+    pool.fill(list(range(n)), seed)
+    expected = [pool.page_bytes(p) for p in range(n)]
+    assert backend.batch_set_v1(keys, pool.indices(list(range(n)))) == [True] * n
+    pool.zero()
+    assert backend.batch_exists(keys) == n
+    into = list(range(n, 2 * n))
+    assert backend.batch_get_v1(keys, pool.indices(into)) == [True] * n
+    assert [pool.page_bytes(p) for p in into] == expected
+    assert all(pool.page_bytes(p) == bytes(len(expected[0])) for p in range(n))
+
+
+@pytest.mark.parametrize("kind", ["disk", "valkey", "cluster"])
+@pytest.mark.parametrize(
+    "layout,mla", [("page_first", False), ("layer_first", False), ("page_first", True)]
+)
+def test_zero_copy_round_trip(
+    backends: Any,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    kind: str,
+    layout: str,
+    mla: bool,
+) -> None:
+    pool = HostPool(layout, mla=mla)
+    extra = {"interface_v1": 1, **tier_config(kind, tmp_path, request)}
+    backend = backends(extra, pool, model=f"rt-{kind}-{layout}-{mla}", mla=mla)
+    round_trip_v1(backend, pool, KEYS[:6], seed=1)
+    stats = backend.get_stats().kvoffload
+    name = "disk" if kind == "disk" else "remote"
+    assert stats[name]["stores_completed"] == 6 and stats[name]["loads"] == 6
+    assert stats[name]["bytes_loaded"] == 6 * len(pool.page_bytes(0))
+
+
+@pytest.mark.parametrize("kind", ["disk", "valkey", "cluster"])
+def test_copy_interface_round_trip(
+    backends: Any, tmp_path: Path, request: pytest.FixtureRequest, kind: str
+) -> None:
+    pool = HostPool("layer_first")
+    backend = backends(tier_config(kind, tmp_path, request), pool, model=f"copy-{kind}")
+    keys = [page_hash(100 + i) for i in range(4)]
+    pool.fill([0, 1, 2, 3], seed=2)
+    pages = [pool.get_data_page(p * pool.page_size) for p in range(4)]
+    assert backend.batch_set(keys[:3], pages[:3]) is True
+    assert backend.set(keys[3], pages[3]) is True
+    assert backend.exists(keys[3]) and not backend.exists(page_hash(999))
+    targets = [pool.get_dummy_flat_data_page() for _ in keys]
+    got = backend.batch_get([*keys, page_hash(999)], [*targets, pool.get_dummy_flat_data_page()])
+    assert got[-1] is None
+    assert all(torch.equal(a, b) for a, b in zip(got[:4], pages, strict=True))
+    single = backend.get(keys[1])
+    assert single is not None and torch.equal(single, pages[1])
+    strided = torch.zeros(2 * pages[2].numel(), dtype=pages[2].dtype)[::2]  # not one run
+    filled = backend.get(keys[2], strided)
+    assert filled is not None and torch.equal(filled, pages[2])
+
+
+def test_batch_exists_counts_the_leading_run_across_tiers(
+    backends: Any, tmp_path: Path, valkey_server: ValkeyProcess
+) -> None:
+    pool = HostPool()
+    remote = {"interface_v1": 1, "kvoffload.remote_url": valkey_server.url}
+    both = backends({**remote, **disk(tmp_path)}, pool, model="prefix")
+    remote_only = backends(remote, pool, model="prefix")
+    pool.fill(list(range(6)), seed=3)
+    assert all(both.batch_set_v1([KEYS[i] for i in (0, 2, 4)], pool.indices([0, 2, 4])))
+    assert both.batch_exists(KEYS[:6]) == 1
+    assert both.batch_exists(KEYS[4:6]) == 1
+    # Page 1 on the server only, page 2 on disk only: the run spans both tiers.
+    assert remote_only.batch_set_v1([KEYS[1]], pool.indices([1])) == [True]
+    remote_tier = both.paths[1].tier
+    valkey_server.client().delete(remote_tier.name(page_key(KEYS[2])))
+    assert both.batch_exists(KEYS[:6]) == 3
+    assert both.batch_exists(KEYS[3:6]) == 0
+    expected = [pool.page_bytes(p) for p in range(3)]
+    pool.zero()
+    assert both.batch_get_v1(KEYS[:3], pool.indices([3, 4, 5])) == [True] * 3
+    assert [pool.page_bytes(p) for p in (3, 4, 5)] == expected
+    counters = both.get_stats().kvoffload
+    assert counters["disk"]["loads"] == 2 and counters["remote"]["loads"] == 1
+
+
+def test_two_backends_share_the_valkey_tier(backends: Any, valkey_server: ValkeyProcess) -> None:
+    """Two SGLang workers of one model: what one writes, the other loads."""
+    extra = {"interface_v1": 1, "kvoffload.remote_url": valkey_server.url}
+    writer_pool, reader_pool = HostPool(), HostPool()
+    writer = backends(extra, writer_pool, model="shared")
+    reader = backends(extra, reader_pool, model="shared")
+    other_model = backends(extra, HostPool(), model="another")
+    writer_pool.fill(list(range(5)), seed=4)
+    assert all(writer.batch_set_v1(KEYS[:5], writer_pool.indices(list(range(5)))))
+    assert reader.batch_exists(KEYS[:8]) == 5 and other_model.batch_exists(KEYS[:8]) == 0
+    assert reader.batch_get_v1(KEYS[:5], reader_pool.indices([7, 6, 5, 4, 3])) == [True] * 5
+    assert [reader_pool.page_bytes(p) for p in (7, 6, 5, 4, 3)] == [
+        writer_pool.page_bytes(p) for p in range(5)
+    ]
+    assert reader.get_stats().kvoffload["remote"]["loads"] == 5
+
+
+def test_mla_has_one_writer_rank_and_every_rank_reads(
+    backends: Any, tmp_path: Path, valkey_server: ValkeyProcess
+) -> None:
+    extra = {"interface_v1": 1, "kvoffload.remote_url": valkey_server.url}
+    pools = [HostPool(mla=True), HostPool(mla=True)]
+    ranks = [backends(extra, pools[r], model="mla", mla=True, tp_rank=r, tp_size=2) for r in (0, 1)]
+    for pool in pools:
+        pool.fill([0, 1], seed=5)
+    assert ranks[1].batch_set_v1(KEYS[:2], pools[1].indices([0, 1])) == [True, True]
+    assert ranks[1].batch_exists(KEYS[:2]) == 0  # the second rank wrote nothing
+    assert all(ranks[0].batch_set_v1(KEYS[:2], pools[0].indices([0, 1])))
+    assert ranks[1].batch_get_v1(KEYS[:2], pools[1].indices([2, 3])) == [True, True]
+    assert pools[1].page_bytes(2) == pools[0].page_bytes(0)
+    with pytest.raises(InvalidArgumentError, match=re.escape("kvoffload.disk_dir")):
+        backends(disk(tmp_path), HostPool(mla=True), mla=True, tp_rank=0, tp_size=2)
+
+
+def test_disk_evicts_by_its_policy_and_admission_holds_back_first_sightings(
+    backends: Any, tmp_path: Path
+) -> None:
+    pool = HostPool()
+    extra = {
+        "interface_v1": 1,
+        **disk(tmp_path, pages=4),
+        "kvoffload.disk_policy": "lru",
+        "kvoffload.disk_admission": "sketch",
+    }
+    backend = backends(extra, pool, model="admission")
+    pool.fill(list(range(10)), seed=6)
+    assert backend.batch_exists(KEYS[:8]) == 0  # first sighting
+    assert backend.batch_set_v1(KEYS[:4], pool.indices([0, 1, 2, 3])) == [True] * 4
+    counters = backend.get_stats().kvoffload["disk"]
+    assert counters["stores_skipped"] == 4 and counters["stores_completed"] == 0
+    assert backend.batch_exists(KEYS[:8]) == 0  # second sighting: now worth writing
+    assert backend.batch_set_v1(KEYS[:4], pool.indices([0, 1, 2, 3])) == [True] * 4
+    # Loading pages 0 and 1 makes them the most recent: 2 and 3 make room for 4 and 5.
+    assert backend.batch_get_v1(KEYS[:2], pool.indices([8, 9])) == [True] * 2
+    assert backend.batch_set_v1(KEYS[4:6], pool.indices([4, 5])) == [True] * 2
+    assert backend.batch_exists(KEYS[:2]) == 2 and backend.batch_exists(KEYS[2:6]) == 0
+    assert backend.batch_exists(KEYS[4:6]) == 2
+    counters = backend.get_stats().kvoffload["disk"]
+    assert counters["evictions"] == 2 and counters["held_pages"] == 4
+    # More pages in one batch than the disk holds: the rest are failed writes, not errors.
+    assert backend.batch_set_v1(KEYS[:6], pool.indices(list(range(6)))).count(False) == 2
+    assert backend.get_stats().kvoffload["disk"]["rejected"] == 2
+    pool.fill([8, 9], seed=7)
+    assert backend.batch_set_v1(KEYS[8:10], pool.indices([8, 9])) == [True, True]
+    counters = backend.get_stats().kvoffload["disk"]
+    assert counters["stores_skipped"] == 6 and counters["admission"]["rejected"] == 6
+
+
+@pytest.mark.parametrize("kind", ["disk", "valkey"])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_pages_gathered_and_scattered_in_parts(
+    backends: Any,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    layout: str,
+) -> None:
+    """Batches of several-segment pages go out and land in parts (here of 2 pages)."""
+    from kvoffload.integrations.sglang import pages
+
+    pool = HostPool(layout)
+    monkeypatch.setattr(pages, "GROUP_BYTES", 2 * len(pool.page_bytes(0)))
+    extra = {"interface_v1": 1, **tier_config(kind, tmp_path, request)}
+    backend = backends(extra, pool, model=f"parts-{kind}-{layout}")
+    assert backend.pages.group == 2
+    round_trip_v1(backend, pool, KEYS[:5], seed=8)

@@ -1,0 +1,200 @@
+"""The backend under failures: a server killed mid-batch, planted corrupt values, bad config.
+
+None of them may raise into SGLang once it runs: a dead server is a counted
+miss or failed write, a corrupt value is counted and never loaded. Bad
+configuration, on the other hand, stops start-up with an error naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("sglang", reason="SGLang is not installed (CI installs it --no-deps)")
+
+from sglang_helpers import BAD_CONFIGS, HostPool, create_backend, import_sglang, page_hash
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.integrations.sglang.storage import page_key
+from kvoffload.tiers import RemoteTierError
+from kvoffload.tiers.format import HEADER_BYTES
+from tier_servers import ValkeyProcess
+
+KEYS = [page_hash(i) for i in range(64)]
+
+
+@pytest.fixture(scope="module")
+def sglang() -> dict[str, ModuleType]:
+    return import_sglang()
+
+
+@pytest.fixture
+def backends(sglang: dict[str, ModuleType]) -> Any:
+    made: list[Any] = []
+
+    def make(extra: dict[str, Any], pool: HostPool | None, **kwargs: Any) -> Any:
+        backend = create_backend(sglang, extra, pool, **kwargs)
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        backend.close()
+
+
+def test_server_killed_mid_batch_is_counted_never_raised(
+    backends: Any, own_server: ValkeyProcess
+) -> None:
+    own_server.start()
+    pool = HostPool(pages=64)
+    url = own_server.url.replace("timeout_ms=2000", "timeout_ms=300")
+    backend = backends({"interface_v1": 1, "kvoffload.remote_url": url}, pool, model="killed")
+    pool.fill(list(range(64)), seed=1)
+    assert all(backend.batch_set_v1(KEYS[:8], pool.indices(list(range(8)))))
+    errors: list[BaseException] = []
+    results: list[list[bool]] = []
+
+    def keep_writing() -> None:
+        try:
+            for start in range(8, 64, 4):
+                pages = list(range(start, start + 4))
+                results.append(backend.batch_set_v1(KEYS[start : start + 4], pool.indices(pages)))
+        except BaseException as exc:  # recorded: the test fails on any
+            errors.append(exc)
+
+    writer = threading.Thread(target=keep_writing)
+    writer.start()
+    own_server.stop()
+    writer.join(timeout=60)
+    assert not writer.is_alive() and errors == []
+    assert backend.batch_exists(KEYS[:8]) == 0
+    assert backend.batch_get_v1(KEYS[:8], pool.indices(list(range(8)))) == [False] * 8
+    assert backend.batch_set_v1(KEYS[:2], pool.indices([0, 1])) == [False, False]
+    assert backend.get(KEYS[0]) is None
+    assert backend.batch_set(KEYS[:1], [pool.get_data_page(0)]) is False
+    remote = backend.get_stats().kvoffload["remote"]
+    written = sum(r.count(True) for r in results)
+    failed = sum(r.count(False) for r in results)
+    assert written + failed == 56 and remote["stores_completed"] == 8 + written
+    assert remote["stores_failed"] == failed + 3
+    assert remote["loads_failed"] >= 9 and remote["unavailable"] >= 1
+
+
+def test_a_stalled_server_is_a_counted_miss_and_recovers(
+    backends: Any, own_server: ValkeyProcess
+) -> None:
+    own_server.start()
+    pool = HostPool()
+    url = own_server.url.replace("timeout_ms=2000", "timeout_ms=300")
+    backend = backends({"interface_v1": 1, "kvoffload.remote_url": url}, pool, model="stalled")
+    pool.fill([0, 1, 2], seed=4)
+    assert all(backend.batch_set_v1(KEYS[:3], pool.indices([0, 1, 2])))
+    assert own_server.process is not None
+    own_server.process.send_signal(signal.SIGSTOP)
+    try:
+        assert backend.batch_exists(KEYS[:3]) == 0
+        assert backend.batch_get_v1(KEYS[:3], pool.indices([3, 4, 5])) == [False] * 3
+    finally:
+        own_server.process.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 30  # the breaker lets a trial call through after its cooldown
+    while backend.batch_exists(KEYS[:3]) != 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert backend.batch_get_v1(KEYS[:3], pool.indices([3, 4, 5])) == [True] * 3
+    remote = backend.get_stats().kvoffload["remote"]
+    assert remote["unavailable"] >= 2 and remote["loads_failed"] == 3 and remote["loads"] == 3
+
+
+def test_a_corrupt_value_on_the_server_is_never_loaded(
+    backends: Any, valkey_server: ValkeyProcess
+) -> None:
+    pool = HostPool()
+    backend = backends(
+        {"interface_v1": 1, "kvoffload.remote_url": valkey_server.url}, pool, model="corrupt"
+    )
+    pool.fill([0, 1], seed=2)
+    assert all(backend.batch_set_v1(KEYS[:2], pool.indices([0, 1])))
+    client = valkey_server.client()
+    name = backend.paths[0].tier.name(page_key(KEYS[1]))
+    value = bytearray(client.get(name))
+    value[-1] ^= 0xFF
+    client.set(name, bytes(value))
+    pool.zero()
+    assert backend.batch_get_v1(KEYS[:2], pool.indices([2, 3])) == [True, False]
+    assert pool.page_bytes(3) == bytes(len(pool.page_bytes(3)))  # nothing was delivered
+    assert client.get(name) is None  # the broken value is deleted
+    assert backend.get_stats().kvoffload["remote"]["corrupt"] == 1
+
+
+def test_a_corrupt_page_on_disk_is_never_loaded(backends: Any, tmp_path: Path) -> None:
+    pool = HostPool()
+    page_bytes = len(pool.page_bytes(0))
+    extra = {"kvoffload.disk_dir": str(tmp_path), "kvoffload.disk_bytes": 8 * page_bytes}
+    backend = backends(extra, pool, model="corrupt-disk")
+    pool.fill([0, 1], seed=3)
+    pages = [pool.get_data_page(p * pool.page_size) for p in (0, 1)]
+    assert backend.batch_set(KEYS[:2], pages) is True
+    disk = backend.paths[0].tier
+    offset = disk.slot_offset(page_key(KEYS[0]))
+    fd = os.open(disk.path, os.O_RDWR)
+    try:  # into the payload, past the header and the key
+        os.pwrite(fd, b"\x5a" * 16, offset + HEADER_BYTES + len(page_key(KEYS[0])) + 8)
+    finally:
+        os.close(fd)
+    got = backend.batch_get(KEYS[:2], [pool.get_dummy_flat_data_page() for _ in range(2)])
+    assert got[0] is None and got[1] is not None
+    assert backend.get_stats().kvoffload["disk"]["corrupt"] == 1
+    assert backend.batch_exists(KEYS[:2]) == 0  # forgotten once found broken
+
+
+@pytest.mark.parametrize("extra,named", BAD_CONFIGS)
+def test_bad_configuration_stops_start_up_naming_the_key(
+    sglang: dict[str, ModuleType], extra: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=re.escape(named)):
+        create_backend(sglang, extra, None)
+
+
+def test_tiers_that_cannot_open_stop_start_up_naming_the_key(
+    sglang: dict[str, ModuleType], tmp_path: Path, own_server: ValkeyProcess
+) -> None:
+    pool = HostPool()
+    unreachable = f"redis://127.0.0.1:{own_server.port}/0?timeout_ms=200"
+    with pytest.raises(RemoteTierError, match=re.escape("kvoffload.remote_url")):
+        create_backend(sglang, {"kvoffload.remote_url": unreachable}, pool)
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"")
+    with pytest.raises(InvalidArgumentError, match=re.escape("kvoffload.disk_dir")):
+        create_backend(
+            sglang, {"kvoffload.disk_dir": str(blocker), "kvoffload.disk_bytes": 10**9}, pool
+        )
+    with pytest.raises(InvalidArgumentError, match=re.escape("kvoffload.disk_bytes")):
+        tiny = {"kvoffload.disk_dir": str(tmp_path), "kvoffload.disk_bytes": 1}
+        create_backend(sglang, tiny, pool)
+
+
+def test_unsupported_host_layout_is_refused(sglang: dict[str, ModuleType], tmp_path: Path) -> None:
+    pool = HostPool()
+    pool.layout = "page_head"
+    with pytest.raises(InvalidArgumentError, match="page_head"):
+        create_backend(
+            sglang, {"kvoffload.disk_dir": str(tmp_path), "kvoffload.disk_bytes": 10**7}, pool
+        )
+
+
+def test_a_disk_tier_is_one_processs(backends: Any, tmp_path: Path) -> None:
+    """Two servers of one model and rank on one directory would corrupt its slot file."""
+    extra = {"kvoffload.disk_dir": str(tmp_path), "kvoffload.disk_bytes": 10**7}
+    first = backends(extra, HostPool(), model="locked")
+    with pytest.raises(InvalidArgumentError, match=r"'kvoffload\.disk_dir'.*in use by process"):
+        backends(extra, HostPool(), model="locked")
+    backends(extra, HostPool(), model="locked", tp_rank=1, tp_size=2)  # another shard: its own
+    first.close()
+    backends(extra, HostPool(), model="locked")  # free again once closed

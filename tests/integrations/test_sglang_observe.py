@@ -1,0 +1,172 @@
+"""What the world sees of the backend: KV events (media DISK and REMOTE), Prometheus, get_stats.
+
+SGLang's routers see nothing of L3 today; the backend publishes our KV
+events (vLLM's wire format) and serves our per-tier counters.
+"""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("sglang", reason="SGLang is not installed (CI installs it --no-deps)")
+pytest.importorskip("zmq")
+pytest.importorskip("prometheus_client")
+
+from prometheus_client.parser import text_string_to_metric_families
+from sglang_helpers import HostPool, create_backend, import_sglang, page_hash
+
+from kvoffload.integrations.sglang.storage import offset_endpoint
+from kvoffload.observe.events import BlockRemoved, BlockStored
+from kvoffload.observe.subscriber import KVEventSubscriber
+from tier_servers import ValkeyProcess, free_port
+
+KEYS = [page_hash(i) for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def sglang() -> dict[str, ModuleType]:
+    return import_sglang()
+
+
+@pytest.fixture
+def backend_of(sglang: dict[str, ModuleType]) -> Any:
+    made: list[Any] = []
+
+    def make(extra: dict[str, Any], pool: HostPool, **kwargs: Any) -> Any:
+        backend = create_backend(sglang, {"interface_v1": 1, **extra}, pool, **kwargs)
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        backend.close()
+
+
+def tiers(tmp_path: Path, server: ValkeyProcess, disk_pages: int = 4) -> dict[str, Any]:
+    page_bytes = len(HostPool().page_bytes(0))
+    return {
+        "kvoffload.disk_dir": str(tmp_path / "l3"),
+        "kvoffload.disk_bytes": disk_pages * page_bytes,
+        "kvoffload.remote_url": server.url,
+    }
+
+
+def test_kv_events_name_the_medium_of_each_store_and_eviction(
+    backend_of: Any, tmp_path: Path, valkey_server: ValkeyProcess
+) -> None:
+    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    events = {"kvoffload.kv_events_endpoint": pub, "kvoffload.kv_events_replay_endpoint": replay}
+    pool = HostPool()
+    backend = backend_of({**tiers(tmp_path, valkey_server), **events}, pool, model="events")
+    pool.fill(list(range(6)), seed=1)
+    assert all(backend.batch_set_v1(KEYS[:4], pool.indices([0, 1, 2, 3])))
+    assert all(backend.batch_set_v1(KEYS[4:6], pool.indices([4, 5])))
+    backend.flush_events()
+    with KVEventSubscriber(pub, replay) as subscriber:
+        batches = subscriber.catch_up()
+    seen: dict[tuple[str, str | None], set[str]] = {}
+    for _, batch in batches:
+        for event in batch.events:
+            if isinstance(event, (BlockStored, BlockRemoved)):
+                hashes = {bytes(h).hex() for h in event.block_hashes}
+                seen.setdefault((type(event).__name__, event.medium), set()).update(hashes)
+    assert seen == {
+        ("BlockStored", "DISK"): set(KEYS[:6]),
+        ("BlockStored", "REMOTE"): set(KEYS[:6]),
+        ("BlockRemoved", "DISK"): set(KEYS[:2]),
+    }
+
+
+def test_prometheus_serves_each_tiers_counters(
+    backend_of: Any, tmp_path: Path, valkey_server: ValkeyProcess
+) -> None:
+    port = free_port()
+    pool = HostPool()
+    extra = {**tiers(tmp_path, valkey_server), "kvoffload.metrics_port": port}
+    backend = backend_of(extra, pool, model="metrics", tp_rank=0)
+    pool.fill(list(range(6)), seed=2)
+    assert all(backend.batch_set_v1(KEYS[:6], pool.indices(list(range(6))))[:4])
+    assert backend.batch_get_v1(KEYS[:2], pool.indices([6, 7])) == [True, True]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    samples = {
+        (sample.name, sample.labels["tier"]): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("kvoffload_l3_")
+    }
+    counters = backend.get_stats().kvoffload
+    for tier in ("disk", "remote"):
+        assert (
+            samples[("kvoffload_l3_stores_completed_total", tier)]
+            == (counters[tier]["stores_completed"])
+        )
+        assert samples[("kvoffload_l3_held_pages", tier)] == counters[tier]["held_pages"]
+    assert samples[("kvoffload_l3_stores_completed_total", "disk")] == 4
+    assert samples[("kvoffload_l3_rejected_total", "disk")] == 2
+    assert samples[("kvoffload_l3_stores_completed_total", "remote")] == 6
+    assert samples[("kvoffload_l3_loads_total", "disk")] == 2
+
+
+def test_get_stats_gives_sglang_its_metrics_and_ours(
+    backend_of: Any, tmp_path: Path, valkey_server: ValkeyProcess
+) -> None:
+    pool = HostPool()
+    backend = backend_of(tiers(tmp_path, valkey_server, 8), pool, model="stats", metrics=True)
+    pool.fill([0, 1, 2], seed=3)
+    assert all(backend.batch_set_v1(KEYS[:3], pool.indices([0, 1, 2])))
+    assert backend.batch_get_v1(KEYS[:3], pool.indices([3, 4, 5])) == [True] * 3
+    stats = backend.get_stats()
+    assert stats.backup_pgs == [3] and stats.prefetch_pgs == [3]
+    assert len(stats.backup_bandwidth) == 1 and stats.prefetch_bandwidth[0] > 0
+    assert stats.kvoffload["disk"]["loads"] == 3 and stats.kvoffload["remote"]["loads"] == 0
+    again = backend.get_stats()
+    assert again.prefetch_pgs == [] and again.kvoffload["disk"]["stores_completed"] == 3
+
+
+def _two_free_ports() -> int:
+    """A port whose successor is free as well (one metrics port per rank)."""
+    while True:
+        port = free_port()
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+
+
+def test_each_rank_serves_its_metrics_on_its_own_port_and_rank_0_publishes(
+    backend_of: Any, tmp_path: Path
+) -> None:
+    port = _two_free_ports()
+    page_bytes = len(HostPool().page_bytes(0))
+    extra = {
+        "kvoffload.disk_dir": str(tmp_path),
+        "kvoffload.disk_bytes": 8 * page_bytes,
+        "kvoffload.metrics_port": port,
+        "kvoffload.kv_events_endpoint": f"tcp://127.0.0.1:{free_port()}",
+    }
+    pools = [HostPool(), HostPool()]
+    ranks = [backend_of(extra, pools[r], model="ranks", tp_rank=r, tp_size=2) for r in (0, 1)]
+    pools[1].fill([0, 1, 2], seed=4)
+    assert all(ranks[1].batch_set_v1(KEYS[:3], pools[1].indices([0, 1, 2])))
+    for rank in (0, 1):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port + rank}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        [stored] = [
+            sample
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "kvoffload_l3_stores_completed_total"
+        ]
+        assert stored.labels["tp_rank"] == str(rank) and stored.value == (3 if rank else 0)
+    assert ranks[0].publishes_events and not ranks[1].publishes_events
+    assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv-1"

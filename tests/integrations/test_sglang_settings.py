@@ -1,0 +1,51 @@
+"""The backend's extra-config keys, checked without SGLang: every bad key or value is named."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from sglang_helpers import BAD_CONFIGS
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.integrations.sglang.settings import BackendSettings, parse_settings
+
+
+def test_a_full_configuration_is_read_as_given() -> None:
+    settings = parse_settings(
+        {
+            "backend_name": "kvoffload",
+            "module_path": "kvoffload.integrations.sglang",
+            "class_name": "KVOffloadStorage",
+            "interface_v1": 1,
+            "hicache_storage_pass_prefix_keys": True,
+            "kvoffload.disk_dir": "/nvme/l3",
+            "kvoffload.disk_bytes": "4096",
+            "kvoffload.disk_policy": "arc",
+            "kvoffload.disk_admission": "recommended",
+            "kvoffload.remote_url": "redis://a:1,b:2?timeout_ms=50",
+            "kvoffload.remote_admission": "sketch",
+            "kvoffload.remote_bytes": 10**9,
+            "kvoffload.kv_events_endpoint": "tcp://*:5557",
+            "kvoffload.metrics_port": 0,
+        }
+    )
+    assert settings == BackendSettings(
+        interface_v1=True,
+        disk_dir="/nvme/l3",
+        disk_bytes=4096,
+        disk_policy="arc",
+        disk_admission="recommended",
+        remote_url="redis://a:1,b:2?timeout_ms=50",
+        remote_admission="sketch",
+        remote_bytes=10**9,
+        kv_events_endpoint="tcp://*:5557",
+        metrics_port=0,
+    )
+
+
+@pytest.mark.parametrize("extra,named", BAD_CONFIGS)
+def test_every_bad_key_or_value_is_named(extra: dict[str, Any], named: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=re.escape(named)):
+        parse_settings(extra)

@@ -1,0 +1,379 @@
+"""Our disk and shared tiers as vLLM 0.33 secondary tiers, through vLLM's own tiering classes.
+
+vLLM's ``TieringOffloadingSpec`` builds its CPU tier and loads our tiers out
+of tree from the extra config, as in a served engine. Its CPU worker needs
+CUDA, so the GPU -> CPU copies are played by writing CPU tensors' bytes into
+the CPU tier's shared-memory rows (``TieringReplay.fill``); everything below
+the CPU tier (cascades, lookups, promotions) is vLLM's code and ours.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from kvoffload import block_id_key
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.keys import OffloadKey
+from tier_servers import ValkeyClusterProcesses, ValkeyProcess
+
+torch = pytest.importorskip("torch")
+
+BLOCK_BYTES = 4096
+KEYS = [block_id_key(i) for i in range(1, 9)]
+
+
+def _disk(tmp_path: Path, **extra: Any) -> dict[str, Any]:
+    from kvoffload.integrations.vllm.secondary import MODULE_PATH
+
+    return {
+        "type": "KVOffloadDiskTier",
+        "module_path": MODULE_PATH,
+        "disk_dir": str(tmp_path / "disk"),
+        "disk_bytes": 64 * BLOCK_BYTES,
+        **extra,
+    }
+
+
+def _shared(url: str, **extra: Any) -> dict[str, Any]:
+    from kvoffload.integrations.vllm.secondary import MODULE_PATH
+
+    return {
+        "type": "KVOffloadSharedTier",
+        "module_path": MODULE_PATH,
+        "url": url,
+        "remote_bytes": 64 * BLOCK_BYTES,
+        **extra,
+    }
+
+
+class Engine:
+    """vLLM's tiering manager over ``tiers``, driven request by request."""
+
+    def __init__(
+        self, tiers: list[dict[str, Any]], cpu_blocks: int, model: str, events: bool = False
+    ) -> None:
+        from kvoffload.integrations.vllm.secondary_replay import TieringReplay, tiering_spec
+
+        self.spec = tiering_spec(
+            tiers,
+            cpu_blocks * BLOCK_BYTES,
+            bytes_per_block=BLOCK_BYTES,
+            engine_id=f"test-{uuid.uuid4().hex[:12]}",
+            model=model,
+            events=events,
+        )
+        self.manager = self.spec.get_manager()
+        self.payloads: dict[OffloadKey, Any] = {}
+        self.replay = TieringReplay(self.manager, fill=self._fill)
+        self.closed = False
+
+    @property
+    def tiers(self) -> list[Any]:
+        return list(self.manager.secondary_tiers)
+
+    def _fill(self, key: OffloadKey, row: memoryview) -> None:
+        """The worker's GPU -> CPU copy: a random CPU tensor's bytes into the chunk's row."""
+        generator = torch.Generator().manual_seed(int.from_bytes(key[:4], "big"))
+        tensor = torch.randint(-128, 128, (len(row),), dtype=torch.int8, generator=generator)
+        torch.frombuffer(row, dtype=torch.int8).copy_(tensor)
+        self.payloads[key] = tensor
+
+    def loaded(self, keys: list[OffloadKey]) -> list[Any]:
+        """Look ``keys`` up as vLLM's scheduler does, then the bytes of their CPU chunks."""
+        from vllm.v1.kv_offload.base import ReqContext
+
+        context = ReqContext(req_id=f"load-{uuid.uuid4().hex[:6]}")
+        self.manager.on_new_request(context)
+        assert self.replay.lookup(keys, context) == len(keys)
+        spec = self.manager.prepare_load(keys, context)
+        rows = [
+            torch.frombuffer(self.replay.row(chunk), dtype=torch.int8).clone()
+            for chunk in spec.block_ids.tolist()
+        ]
+        self.manager.complete_load(keys, context)
+        self.manager.on_request_finished(context)
+        return rows
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.replay.close()
+            self.manager.shutdown()
+
+
+@pytest.fixture
+def engines() -> Iterator[Callable[..., Engine]]:
+    """Builds engines (fresh engine ids); shuts them down even when a test fails."""
+    made: list[Engine] = []
+
+    def make(
+        tiers: list[dict[str, Any]], cpu_blocks: int = 4, model: str = "m", events: bool = False
+    ) -> Engine:
+        engine = Engine(tiers, cpu_blocks, model, events)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def test_bytes_written_by_one_engine_come_back_in_the_next_from_the_disk_tier(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    first = engines([_disk(tmp_path, admission="none")])
+    first.replay.request(KEYS[:4])
+    disk = first.tiers[0]
+    assert (disk.counters.written_blocks, disk.counters.write_failures) == (4, 0)
+    assert disk.counters.bytes_written == 4 * BLOCK_BYTES
+    payloads = first.payloads
+    first.close()  # the slot file is the only copy now
+
+    second = engines([_disk(tmp_path, admission="none")])
+    rows = second.loaded(KEYS[:4])
+    for row, key in zip(rows, KEYS[:4], strict=True):
+        assert torch.equal(row, payloads[key])
+    assert second.tiers[0].counters.loaded_blocks == 4
+
+
+def test_bytes_round_trip_through_a_real_valkey_and_only_for_the_same_model(
+    vllm_modules: dict[str, ModuleType],
+    valkey_server: ValkeyProcess,
+    engines: Callable[..., Engine],
+) -> None:
+    model = f"shared-{uuid.uuid4().hex[:8]}"
+    first = engines([_shared(valkey_server.url, admission="none")], model=model)
+    first.replay.request(KEYS[:3])
+    assert first.tiers[0].counters.written_blocks == 3
+
+    second = engines([_shared(valkey_server.url, admission="none")], model=model)
+    rows = second.loaded(KEYS[:3])
+    for row, key in zip(rows, KEYS[:3], strict=True):
+        assert torch.equal(row, first.payloads[key])
+    shared = second.tiers[0]
+    assert (shared.counters.loaded_blocks, shared.counters.bytes_read) == (3, 3 * BLOCK_BYTES)
+    other = engines([_shared(valkey_server.url, admission="none")], model="another-model")
+    assert other.replay.request(KEYS[:3]) == 0  # another model's blocks are never offered
+
+
+def test_bytes_round_trip_through_a_three_node_cluster(
+    vllm_modules: dict[str, ModuleType],
+    valkey_cluster: ValkeyClusterProcesses,
+    engines: Callable[..., Engine],
+) -> None:
+    model = f"cluster-{uuid.uuid4().hex[:8]}"
+    first = engines([_shared(valkey_cluster.url, admission="none")], model=model, cpu_blocks=8)
+    first.replay.request(KEYS)
+    assert first.tiers[0].counters.written_blocks == len(KEYS)
+    second = engines([_shared(valkey_cluster.url, admission="none")], model=model, cpu_blocks=8)
+    for row, key in zip(second.loaded(KEYS), KEYS, strict=True):
+        assert torch.equal(row, first.payloads[key])
+
+
+def test_a_planted_corrupt_block_is_never_loaded_and_not_asked_for_again(
+    vllm_modules: dict[str, ModuleType],
+    valkey_server: ValkeyProcess,
+    engines: Callable[..., Engine],
+) -> None:
+    model = f"corrupt-{uuid.uuid4().hex[:8]}"
+    first = engines([_shared(valkey_server.url, admission="none")], model=model)
+    first.replay.request(KEYS[:2])
+    second = engines([_shared(valkey_server.url, admission="none")], model=model)
+    shared = second.tiers[0]
+    name = shared.tier.name(KEYS[0])
+    value = valkey_server.client().get(name)
+    valkey_server.client().set(name, value[:-1] + bytes([value[-1] ^ 0xFF]))
+    # Found on the server, promoted, failed its check: recomputed, never loaded.
+    assert second.replay.request(KEYS[:2]) == 0
+    assert shared.counters.load_failures >= 1
+    assert shared.tier.stats.corrupt == 1
+    # Deleted, and the recomputed block (the same bytes: fill is seeded by key) written again.
+    assert valkey_server.client().get(name) == value
+
+
+def test_admission_decides_what_the_cascade_writes(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    everything = engines([_disk(tmp_path / "a", admission="none")])
+    ours = engines([_disk(tmp_path / "b", admission="recommended")])
+    blind = engines([_disk(tmp_path / "c", admission="recommended", offer_hits=False)])
+    trio = (everything, ours, blind)
+
+    def counts(name: str) -> list[int]:
+        return [getattr(engine.tiers[0].counters, name) for engine in trio]
+
+    for engine in trio:
+        assert engine.replay.request(KEYS[:4]) == 0
+    # vLLM's cascade reaches every tier; ours keeps a first-seen prompt out of the disk tier.
+    assert counts("offered_blocks") == [4, 4, 4]
+    assert counts("written_blocks") == [4, 0, 0]
+    assert counts("skipped_blocks") == [0, 4, 4]
+    for engine in trio:
+        assert engine.replay.request(KEYS[:4]) == 4  # the CPU tier serves the repeat
+    # offer_hits: the repeat is offered whole, a sighting for the layer, never a write.
+    assert counts("offered_blocks") == [4, 8, 4]
+    assert counts("served_blocks") == [0, 4, 0]
+    assert counts("written_blocks") == [4, 0, 0]
+    for engine in trio:
+        engine.replay.request(KEYS[4:8])  # the 4-block CPU tier evicts KEYS[:4]
+    # Ours saw the first prompt come back (the repeat, offered whole), so first-seen blocks
+    # of its class are now worth writing; without offer_hits the tier never saw it return.
+    assert counts("written_blocks") == [8, 4, 0]
+    # Back after the CPU tier let it go: the disk serves vLLM's copy; ours and the blind
+    # tier recompute it, and, seen before, write it now.
+    assert [engine.replay.request(KEYS[:4]) for engine in trio] == [4, 0, 0]
+    assert counts("written_blocks") == [8, 8, 4]
+    stats = ours.tiers[0].admission_stats()
+    assert stats is not None and stats["admitted"] == 8 and stats["rejected"] == 4
+
+
+def test_the_disk_tier_publishes_its_stores_and_evictions_as_vllm_kv_events(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    from vllm.v1.kv_offload.base import Locality, Medium
+
+    entry = _disk(tmp_path, admission="none", enable_kv_events=True, locality="LOCAL")
+    engine = engines([{**entry, "disk_bytes": 4 * BLOCK_BYTES}], cpu_blocks=4, events=True)
+    engine.replay.request(KEYS[:4])
+    engine.replay.request(KEYS[4:6])  # the disk tier holds four: two are evicted
+    events = [e for e in engine.manager.take_events() if e.medium is Medium.STORAGE]
+    assert all(e.locality is Locality.LOCAL for e in events)
+    stored = [key for e in events if not e.removed for key in e.keys]
+    removed = [key for e in events if e.removed for key in e.keys]
+    assert sorted(stored) == sorted(KEYS[:6])
+    assert len(removed) == 2 and set(removed) <= set(KEYS[:4])
+
+
+def test_a_dead_server_is_counted_failures_and_misses_never_an_exception(
+    vllm_modules: dict[str, ModuleType], own_server: ValkeyProcess, engines: Callable[..., Engine]
+) -> None:
+    own_server.start()
+    engine = engines([_shared(own_server.url, admission="none")], cpu_blocks=2)
+    engine.replay.request(KEYS[:2])
+    shared = engine.tiers[0]
+    assert shared.counters.written_blocks == 2
+    own_server.stop()
+    engine.replay.request(KEYS[2:4])  # cascades to a dead server; the CPU tier evicts
+    assert shared.counters.write_failures >= 1
+    assert shared.counters.written_blocks == 2
+    # KEYS[:2] left the CPU tier; the shared tier cannot answer: a miss, recomputed.
+    assert engine.replay.request(KEYS[:2]) == 0
+    stats = engine.manager.get_stats()
+    assert stats is not None
+
+
+@pytest.mark.parametrize(
+    ("entry", "key"),
+    [
+        ({"disk_byte": 1}, "disk_byte"),
+        ({"disk_bytes": None}, "disk_bytes"),
+        ({"disk_bytes": 100}, "disk_bytes"),
+        ({"admission": "bogus"}, "admission"),
+        ({"eviction_policy": "fifo-ish"}, "eviction_policy"),
+        ({"offer_hits": "yes"}, "offer_hits"),
+        ({"io_threads": 0}, "io_threads"),
+        ({"locality": "MARS"}, "locality"),
+    ],
+)
+def test_a_bad_disk_entry_stops_start_up_naming_the_key(
+    vllm_modules: dict[str, ModuleType],
+    tmp_path: Path,
+    entry: dict[str, Any],
+    key: str,
+) -> None:
+    from kvoffload.integrations.vllm.secondary_replay import tiering_spec
+
+    tier = {k: v for k, v in {**_disk(tmp_path), **entry}.items() if v is not None}
+    with pytest.raises(InvalidArgumentError, match=f"key '{key}'"):
+        tiering_spec([tier], 4 * BLOCK_BYTES, engine_id=f"bad-{uuid.uuid4().hex[:8]}").get_manager()
+
+
+def test_a_bad_shared_entry_stops_start_up_naming_the_key(
+    vllm_modules: dict[str, ModuleType], own_server: ValkeyProcess
+) -> None:
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    from kvoffload.integrations.vllm.secondary_replay import tiering_spec
+    from kvoffload.tiers import RemoteTierError
+
+    url = own_server.url  # never started: nothing listens there
+    with pytest.raises(RemoteTierError, match=r"key 'url'.*not reachable"):
+        tiering_spec([_shared(url)], 4 * BLOCK_BYTES, engine_id="bad-url").get_manager()
+    without_bytes = {k: v for k, v in _shared(url).items() if k != "remote_bytes"}
+    # Checked while vLLM builds its metric definitions, before any tier opens.
+    with pytest.raises(InvalidArgumentError, match="key 'remote_bytes'"):
+        TieringOffloadingSpec.build_metric_definitions({"secondary_tiers": [without_bytes]})
+    with pytest.raises(InvalidArgumentError, match="key 'url'"):
+        TieringOffloadingSpec.build_metric_definitions(
+            {"secondary_tiers": [_shared("ftp://nowhere")]}
+        )
+
+
+MOONCAKE_REQUESTS = 1500
+"""The trace's first requests: enough for the admission layers to learn, quick enough to test."""
+
+
+def _replay_mooncake(
+    requests: list[Any], admission: str, tmp_path: Path, server: ValkeyProcess
+) -> tuple[float, int, int]:
+    """Hit ratio and the bytes written to disk and to the server by one replay, sized as
+    benchmarks/vllm_secondary.py does: GPU 2%, CPU 5%, disk 10%, server 25% of unique blocks."""
+    from kvoffload.integrations.vllm.secondary_replay import TieringReplay, tiering_spec
+
+    unique = len({key for request in requests for key in request.keys})
+    gpu = max(unique // 50, max(len(r.keys) for r in requests))
+    cpu, disk, remote = unique // 20, unique // 10, unique // 4
+    client = server.client()
+    client.execute_command("FLUSHALL", "SYNC")  # a lazy flush still counts in used_memory
+    used = int(client.info("memory")["used_memory"])
+    client.config_set("maxmemory", used + remote * (BLOCK_BYTES + 400))
+    client.config_set("maxmemory-policy", "allkeys-lru")
+    tiers = [
+        {**_disk(tmp_path / admission), "disk_bytes": disk * BLOCK_BYTES, "admission": admission},
+        {**_shared(server.url), "remote_bytes": remote * BLOCK_BYTES, "admission": admission},
+    ]
+    spec = tiering_spec(
+        tiers,
+        cpu * BLOCK_BYTES,
+        bytes_per_block=BLOCK_BYTES,
+        engine_id=f"mc-{uuid.uuid4().hex[:12]}",
+    )
+    manager = spec.get_manager()
+    replay = TieringReplay(manager, gpu_blocks=gpu)
+    try:
+        result = replay.run(requests)
+    finally:
+        replay.close()
+        manager.shutdown()
+    on_disk, on_server = (tier.counters for tier in manager.secondary_tiers)
+    assert on_disk.write_failures == on_server.write_failures == 0
+    return result.hit_ratio, on_disk.bytes_written, on_server.bytes_written
+
+
+def test_mooncake_replay_our_admission_cuts_the_cascade_writes_and_keeps_the_hit_ratio(
+    vllm_modules: dict[str, ModuleType],
+    mooncake_trace: Path,
+    tmp_path: Path,
+    own_server: ValkeyProcess,
+    record_property: Callable[[str, object], None],
+) -> None:
+    from kvoffload.sim.traces import read_trace
+
+    requests = read_trace(mooncake_trace).requests[:MOONCAKE_REQUESTS]
+    own_server.start()
+    everything = _replay_mooncake(requests, "none", tmp_path, own_server)
+    ours = _replay_mooncake(requests, "recommended", tmp_path, own_server)
+    report = (
+        f"hit ratio {ours[0]:.3f} vs vLLM's cascade-everything {everything[0]:.3f}; "
+        f"bytes written: disk {ours[1] / everything[1]:.2f}x, server {ours[2] / everything[2]:.2f}x"
+    )
+    record_property("mooncake", report)
+    print(report)
+    assert ours[1] <= 0.7 * everything[1] and ours[2] <= 0.7 * everything[2], report
+    assert ours[0] >= everything[0] - 0.005, report

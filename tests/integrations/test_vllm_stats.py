@@ -1,0 +1,160 @@
+"""Our counters as vLLM's ``/metrics`` shows them: increments per report, gauges as levels,
+seconds as seconds. Each report goes through vLLM's own offloading metrics frontend."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+from vllm_helpers import (
+    SPEC_CONFIG,
+    Instance,
+    canonical_caches,
+    create_spec,
+    lookup_until_settled,
+    metrics_frontend,
+    request_context,
+)
+
+from kvoffload import block_id_key
+from tier_servers import ValkeyProcess
+
+KEYS = [block_id_key(i) for i in range(1, 9)]
+
+
+def _sample(registry: Any, name: str) -> float:
+    value = registry.get_sample_value(name, {"engine": "0"})
+    assert value is not None, name
+    return float(value)
+
+
+def _offer_twice(manager: Any, keys: list[Any], tag: str) -> None:
+    """Two requests offering ``keys``: the admission layer holds the first one's back and
+    remembers them, so the second one's offer is one ghost hit per key."""
+    for turn in range(2):
+        context = request_context(f"{tag}{turn}", keys)
+        for key in keys:
+            manager.lookup(key, context)
+        manager.prepare_store(keys, context)
+        manager.on_request_finished(context)
+
+
+def test_ghost_hits_reach_metrics_as_increments_across_reports_and_resets(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    from kvoffload.admission import find_admission
+
+    extra = {**SPEC_CONFIG, "cpu_bytes_to_use": 64 * 1024, "kvoffload.admission": "recommended"}
+    frontend, registry = metrics_frontend(extra)
+    manager = create_spec(extra).get_manager()
+    total = 0
+    for round_ in range(4):
+        if round_ == 2:
+            total += find_admission(manager.backing).ghost_hits
+            manager.reset_cache()  # a new admission layer, whose count starts again
+        keys = [block_id_key(100 * round_ + i) for i in range(3)]
+        _offer_twice(manager, keys, f"r{round_}-")
+        frontend.observe(manager.get_stats().data, 0)
+        reported = _sample(registry, "vllm:kvoffload_admission_ghost_hits_total")
+        assert reported == total + find_admission(manager.backing).ghost_hits
+    assert reported == 4 * 3
+
+
+def test_a_failed_store_gives_its_slots_back_in_the_held_blocks_gauge(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    extra = {**SPEC_CONFIG, "cpu_bytes_to_use": 4 * 1024}
+    frontend, registry = metrics_frontend(extra)
+    manager = create_spec(extra).get_manager()
+    context = request_context("r", KEYS[:3])
+    manager.prepare_store(KEYS[:3], context)
+    frontend.observe(manager.get_stats().data, 0)
+    assert _sample(registry, "vllm:kvoffload_held_blocks") == 3
+    manager.complete_store(KEYS[:1], context)
+    manager.complete_store(KEYS[1:3], context, success=False)
+    frontend.observe(manager.get_stats().data, 0)
+    assert _sample(registry, "vllm:kvoffload_held_blocks") == 1
+    assert _sample(registry, "vllm:kvoffload_stores_failed_total") == 2
+
+
+@pytest.fixture
+def instances() -> Iterator[Callable[..., Instance]]:
+    made: list[Instance] = []
+
+    def make(extra: dict[str, Any], **kwargs: Any) -> Instance:
+        instance = Instance(extra, f"test-{uuid.uuid4().hex[:12]}", **kwargs)
+        made.append(instance)
+        return instance
+
+    yield make
+    for instance in made:
+        instance.close()
+
+
+def test_held_blocks_counts_promoted_blocks_too(
+    vllm_modules: dict[str, ModuleType],
+    valkey_server: ValkeyProcess,
+    instances: Callable[..., Instance],
+) -> None:
+    """A promotion from the shared tier takes CPU slots without a store offer."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    extra = {"cpu_bytes_to_use": 4 * 512, "kvoffload.remote_url": valkey_server.url}
+    model = f"held-{uuid.uuid4().hex[:8]}"
+    writer = instances(extra, model=model)
+    context = request_context("w", KEYS[:2])
+    writer.store(KEYS[:2], [0, 1], context)
+    writer.scheduler.close()
+    reader = instances(extra, model=model)
+    context = request_context("r", KEYS[:2])
+    for key in KEYS[:2]:
+        assert lookup_until_settled(reader.manager, key, context)[-1] is LookupResult.HIT
+    values = reader.manager.get_stats().reduce()
+    assert values["vllm:kvoffload_held_blocks"] == 2
+    assert values["vllm:kvoffload_stores_admitted"] == 0
+
+
+def test_transfer_times_reach_vllm_as_seconds(vllm_modules: dict[str, ModuleType]) -> None:
+    """vLLM's worker adds each job's ``transfer_time`` to its load and store time counters:
+    seconds, so no more than the time the jobs took in all (not a job count or bytes)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+        TransferJob,
+    )
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+    from vllm_scheduler import connector_worker
+
+    spec = create_spec({"cpu_bytes_to_use": 8 * 512}, bytes_per_block=512)
+    connector = connector_worker(spec, canonical_caches(2, 8, 256, seed=4))
+    stores = {
+        job: TransferJob(f"s{job}", GPULoadStoreSpec([job], [1], [0]), CPULoadStoreSpec([job]))
+        for job in (1, 2)
+    }
+    loads = {
+        job: TransferJob(f"l{job}", CPULoadStoreSpec([job]), GPULoadStoreSpec([job], [1], [0]))
+        for job in (3, 4)
+    }
+    started = time.perf_counter()
+    connector.prepare_store_kv(OffloadingConnectorMetadata(load_jobs={}, store_jobs=stores))
+    connector.start_kv_transfers(OffloadingConnectorMetadata(load_jobs=loads, store_jobs={}))
+    connector.worker.wait({1, 2, 3, 4})
+    done: set[str] = set()
+    meta = None
+    deadline = time.monotonic() + 10
+    while (meta is None or len(meta.completed_jobs) < 4) and time.monotonic() < deadline:
+        done |= connector.get_finished(set())[1]
+        new = connector.build_connector_worker_meta()
+        meta = new if meta is None else (meta if new is None else meta.aggregate(new))
+    elapsed = time.perf_counter() - started
+    assert meta is not None and set(meta.completed_jobs) == {1, 2, 3, 4}
+    assert done == {"l3", "l4"}
+    stats = meta.transfer_stats
+    assert stats.store.bytes == stats.load.bytes == 2 * 512
+    assert 0 < stats.store.time <= elapsed
+    assert 0 < stats.load.time <= elapsed
+    connector.shutdown()

@@ -1,0 +1,318 @@
+"""The disk tier under a hung file system, a crash between a slot's two writes, and bad headers.
+
+A hung file system is a :class:`FileLayer` whose calls, once it is stalled,
+wait until it is released, as calls into an NFS mount whose server stopped
+answering do; the slot file under it is real.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+from tier_helpers import ByteSlots, content, flip_byte
+
+from kvoffload import CPUOffloadingManager, OffloadKey, block_id_key
+from kvoffload.core.layout import layout_preset
+from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
+from kvoffload.tiers import CircuitBreaker, DiskTier, layout_fingerprint
+from kvoffload.tiers.format import HEADER_BYTES, encode_header
+from kvoffload.tiers.slot_file import FileLayer, Recovery
+
+SIZE = 64
+FP = layout_fingerprint("disk-faults", layout_preset("tiny"), SIZE)
+KEYS = [block_id_key(i) for i in range(8)]
+
+
+class StalledLayer(FileLayer):
+    """System calls that, while :attr:`answering` is clear, wait for it: a hung mount."""
+
+    def __init__(self) -> None:
+        self.answering = threading.Event()
+        self.answering.set()
+        self.calls = 0
+
+    def _call(self) -> None:
+        self.calls += 1
+        self.answering.wait()
+
+    def pread(self, fd: int, size: int, offset: int) -> bytes:
+        self._call()
+        return super().pread(fd, size, offset)
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview | bytearray], offset: int) -> int:
+        self._call()
+        return super().preadv(fd, buffers, offset)
+
+    def pwrite(self, fd: int, data: bytes | memoryview, offset: int) -> int:
+        self._call()
+        return super().pwrite(fd, data, offset)
+
+    def pwritev(self, fd: int, buffers: Sequence[bytes | memoryview], offset: int) -> int:
+        self._call()
+        return super().pwritev(fd, buffers, offset)
+
+    def fstat(self, fd: int) -> os.stat_result:
+        self._call()
+        return super().fstat(fd)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def layer() -> Iterator[StalledLayer]:
+    stalled = StalledLayer()
+    yield stalled
+    stalled.answering.set()  # let stuck threads finish before the next test
+
+
+def read(tier: DiskTier, keys: list[OffloadKey]) -> tuple[list[bool], list[bytearray]]:
+    buffers = [bytearray(SIZE) for _ in keys]
+    ok = tier.read(keys, lambda i: memoryview(buffers[i])).result(timeout=30)
+    tier.poll(wait=True)
+    return ok, buffers
+
+
+def test_a_hung_file_system_fails_calls_by_their_deadline_and_opens_the_breaker(
+    tmp_path: Path, layer: StalledLayer
+) -> None:
+    clock = Clock()
+    breaker = CircuitBreaker(threshold=2, cooldown_s=60, clock=clock)
+    tier = DiskTier(
+        tmp_path, 8, FP, io_threads=1, deadline_s=0.2, breaker=breaker, file_layer=layer
+    )
+    try:
+        tier.write(KEYS[:3], [content(key, SIZE) for key in KEYS[:3]])
+        tier.poll(wait=True)
+        layer.answering.clear()
+        ok, buffers = read(tier, KEYS[:1])  # waits for its deadline, not for the mount
+        assert ok == [False] and tier.deadline_misses == 1 and not breaker.is_open
+        tier.write(KEYS[3:4], [content(KEYS[3], SIZE)])
+        tier.poll(wait=True)
+        assert tier.present(KEYS[3:4]) == 0 and breaker.is_open
+        assert tier.stats.failed == 2 and tier.deadline_misses == 2
+        calls = layer.calls
+        assert read(tier, KEYS[1:3])[0] == [False, False]  # refused at once: no call made
+        tier.write(KEYS[4:5], [content(KEYS[4], SIZE)])
+        tier.poll(wait=True)
+        assert layer.calls == calls and tier.stats.failed == 5
+        layer.answering.set()  # the mount answers again; the stuck read finishes, too late
+        clock.now = 61
+        ok, again = read(tier, KEYS[1:3])  # the trial goes through and closes the breaker
+        assert ok == [True, True] and not breaker.is_open
+        assert [bytes(b) for b in again] == [content(key, SIZE) for key in KEYS[1:3]]
+        assert bytes(buffers[0]) == bytes(SIZE)  # the late read never landed in its buffer
+    finally:
+        layer.answering.set()
+        tier.close()
+
+
+def test_closing_over_a_hung_file_system_returns(tmp_path: Path, layer: StalledLayer) -> None:
+    tier = DiskTier(tmp_path, 8, FP, io_threads=2, deadline_s=0.2, file_layer=layer)
+    tier.write(KEYS[:4], [content(key, SIZE) for key in KEYS[:4]])
+    tier.poll(wait=True)
+    layer.answering.clear()
+    tier.write(KEYS[4:6], [content(key, SIZE) for key in KEYS[4:6]])
+    tier.close()  # both writes expire; the stuck threads are left behind, the caller is not
+    assert tier.stats.failed == 2 and tier.stats.stored_blocks == 4
+
+
+def test_the_engine_goes_on_when_the_disk_hangs(tmp_path: Path, layer: StalledLayer) -> None:
+    """A promotion from a hung disk is a miss by its deadline; demotions fail and are counted."""
+    slots = ByteSlots(2, SIZE)
+    disk = DiskTier(tmp_path, 8, FP, deadline_s=0.2, file_layer=layer)
+    m = TieredOffloadingManager(
+        CPUOffloadingManager(2), [(disk, TierSettings())], slots, wait_for_tiers=True
+    )
+
+    def store(key: OffloadKey) -> None:
+        output = m.prepare_store([key])
+        assert output is not None
+        slot = int(output.store_spec.block_ids[0])  # type: ignore[attr-defined]
+        slots.view(slot)[:] = content(key, SIZE)
+        m.complete_store([key])
+
+    try:
+        for key in KEYS[:3]:
+            store(key)  # KEYS[0] falls to the disk
+        m.poll()
+        assert disk.present(KEYS[:1]) == 1
+        layer.answering.clear()
+        assert m.lookup(KEYS[:1]) is None  # the promotion starts
+        assert m.lookup(KEYS[:1]) == 0  # and fails by its deadline: a miss
+        for key in KEYS[3:6]:
+            store(key)  # more blocks fall; their writes fail by their deadline
+        m.poll()
+        assert disk.stats.failed >= 2 and disk.deadline_misses >= 2
+        assert m.lookup(KEYS[4:6]) == 2  # the CPU tier serves on
+    finally:
+        layer.answering.set()
+        m.close()
+
+
+def test_start_up_on_a_hung_file_system_is_one_clear_error(
+    tmp_path: Path, layer: StalledLayer
+) -> None:
+    DiskTier(tmp_path, 8, FP).close()
+    layer.answering.clear()
+    with pytest.raises(Exception, match=r"did not answer within 0\.2 s"):
+        DiskTier(tmp_path, 8, FP, deadline_s=0.2, file_layer=layer)
+
+
+CRASHER = """
+import os
+import sys
+from kvoffload import block_id_key
+from kvoffload.tiers import DiskTier
+from kvoffload.tiers.slot_file import FileLayer
+
+
+class DieBefore(FileLayer):
+    '''The process dies just before its n-th write to the slot file, as a kill would.'''
+
+    def __init__(self, n):
+        self.left = n
+
+    def count(self):
+        self.left -= 1
+        if self.left == 0:
+            os._exit(9)
+
+    def pwrite(self, fd, data, offset):
+        self.count()
+        return super().pwrite(fd, data, offset)
+
+    def pwritev(self, fd, buffers, offset):
+        self.count()
+        return super().pwritev(fd, buffers, offset)
+
+
+tier = DiskTier(sys.argv[1], 1, bytes.fromhex(sys.argv[2]), io_threads=1,
+                file_layer=DieBefore(int(sys.argv[3])))
+for i in range(2):  # one slot: the second block reuses the first one's
+    key = block_id_key(i)
+    tier.write([key], [bytes([0xA0 + i]) * 64])
+    tier.poll(wait=True)
+tier.close()
+"""
+
+
+@pytest.mark.parametrize(
+    ("die_before", "held", "torn"),
+    [
+        (1, [], 0),  # the superblock
+        (2, [], 0),  # the first block's payload
+        (3, [], 1),  # its header: a payload without one
+        (4, [0], 0),  # the second block's payload, over the first block
+        (5, [], 1),  # its header: the first block's header went with the payload write
+        (6, [1], 0),  # no crash
+    ],
+)
+def test_a_crash_between_any_two_writes_leaves_only_intact_blocks(
+    tmp_path: Path, die_before: int, held: list[int], torn: int
+) -> None:
+    """Deterministic: the child dies at one chosen write, so a wrong order fails every time."""
+    child = subprocess.run(
+        [sys.executable, "-c", CRASHER, str(tmp_path), FP.hex(), str(die_before)],
+        capture_output=True,
+        check=False,
+        timeout=60,
+    )
+    assert child.returncode == (0 if die_before == 6 else 9), child.stderr
+    tier = DiskTier(tmp_path, 1, FP)
+    try:
+        keys = [block_id_key(i) for i in held]
+        assert [k for k in map(block_id_key, range(2)) if tier.present([k])] == keys
+        assert tier.recovery == Recovery(recovered=len(held), torn=torn)
+        ok, buffers = read(tier, keys)
+        assert all(ok) and [bytes(b) for b in buffers] == [bytes([0xA0 + i]) * 64 for i in held]
+    finally:
+        tier.close()
+
+
+class CountingLayer(FileLayer):
+    """Records the sizes of the payload reads (``preadv``) made."""
+
+    def __init__(self) -> None:
+        self.payload_reads: list[int] = []
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview | bytearray], offset: int) -> int:
+        self.payload_reads.append(sum(len(b) for b in buffers))
+        return super().preadv(fd, buffers, offset)
+
+
+def plant_short_block(tier: DiskTier, key: OffloadKey, size: int) -> None:
+    """A valid header (key, fingerprint, checksums) announcing ``size`` payload bytes."""
+    start = tier.slot_offset(key)
+    assert start is not None
+    short = content(key, size)
+    with open(tier.path, "r+b") as file:
+        file.seek(start)
+        file.write(encode_header(key, FP, short) + short)
+
+
+def test_a_valid_header_of_another_length_is_corrupt_and_dropped_before_reading(
+    tmp_path: Path,
+) -> None:
+    layer = CountingLayer()
+    tier = DiskTier(tmp_path, 8, FP, file_layer=layer)
+    try:
+        tier.write(KEYS[:2], [content(key, SIZE) for key in KEYS[:2]])
+        tier.poll(wait=True)
+        plant_short_block(tier, KEYS[1], SIZE // 2)
+        ok, _ = read(tier, KEYS[:2])
+        assert ok == [True, False] and layer.payload_reads == [SIZE]  # KEYS[1]'s: never read
+        assert tier.stats.corrupt == 1 and tier.present(KEYS[1:2]) == 0
+        assert read(tier, KEYS[1:2])[0] == [False] and tier.stats.corrupt == 1  # not again
+    finally:
+        tier.close()
+    again = DiskTier(tmp_path, 8, FP)
+    try:  # blanked: a restart neither indexes nor counts it
+        assert again.recovery == Recovery(recovered=1) and again.present(KEYS[1:2]) == 0
+    finally:
+        again.close()
+
+
+def test_a_restart_drops_a_header_of_another_length(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 8, FP)
+    tier.write(KEYS[:3], [content(key, SIZE) for key in KEYS[:3]])
+    tier.poll(wait=True)
+    plant_short_block(tier, KEYS[2], SIZE * 2)
+    tier.close()
+    again = DiskTier(tmp_path, 8, FP)
+    try:
+        assert again.recovery == Recovery(recovered=2, corrupt=1)
+        assert again.present(KEYS[:3]) == 2 and again.present(KEYS[2:3]) == 0
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("position", range(HEADER_BYTES - 4, HEADER_BYTES))
+def test_a_flipped_byte_in_the_headers_own_checksum_is_caught(
+    tmp_path: Path, position: int
+) -> None:
+    tier = DiskTier(tmp_path, 8, FP)
+    try:
+        tier.write(KEYS[:2], [content(key, SIZE) for key in KEYS[:2]])
+        tier.poll(wait=True)
+        flip_byte(tier, KEYS[0], position)
+        assert read(tier, KEYS[:2])[0] == [False, True] and tier.stats.corrupt == 1
+        flip_byte(tier, KEYS[1], position)
+    finally:
+        tier.close()
+    again = DiskTier(tmp_path, 8, FP)
+    try:  # KEYS[0] was blanked when read; KEYS[1] is found by the scan
+        assert again.recovery == Recovery(corrupt=1) and len(again) == 0
+    finally:
+        again.close()

@@ -1,0 +1,191 @@
+"""The disk tier never touches what is not its own: links, other users' files, other processes."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvoffload import block_id_key
+from kvoffload.cli.main import main
+from kvoffload.core.layout import layout_preset
+from kvoffload.tiers import DiskTier, layout_fingerprint
+from kvoffload.tiers.slot_file import DiskTierError
+
+FP = layout_fingerprint("disk-safety", layout_preset("tiny"), 64)
+KEYS = [block_id_key(i) for i in range(6)]
+SIMULATE = ["simulate", "--requests", "20", "--gpu-blocks", "1500", "--cpu-blocks", "100"]
+SIMULATE += ["--layout", "tiny", "--no-bound", "--no-progress", "--disk-blocks", "500"]
+PRECIOUS = b"root:x:0:0:root:/root:/bin/bash\n"
+OTHER_UID = 65534  # nobody
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+@pytest.fixture
+def fingerprint_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    """The directory name ``simulate`` uses under ``--disk-dir``: predictable, as an attacker
+    would find by running it once."""
+    scratch = tmp_path / "scratch"
+    assert main([*SIMULATE, "--disk-dir", str(scratch)]) == 0
+    capsys.readouterr()
+    [name] = [p.name for p in scratch.iterdir()]
+    return name
+
+
+@pytest.fixture
+def victim(tmp_path: Path) -> Path:
+    path = tmp_path / "passwd"
+    path.write_bytes(PRECIOUS)
+    return path
+
+
+def test_a_symlink_planted_as_the_slot_file_is_refused_and_its_target_untouched(
+    tmp_path: Path, fingerprint_dir: str, victim: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "disk"
+    (root / fingerprint_dir).mkdir(parents=True)
+    (root / fingerprint_dir / "blocks.kvs").symlink_to(victim)
+    assert main([*SIMULATE, "--disk-dir", str(root)]) != 0
+    assert "symbolic link" in one_line_error(capsys)
+    assert victim.read_bytes() == PRECIOUS
+
+
+@pytest.mark.parametrize("planted", ["directory", "lock", "disk-dir"])
+def test_no_other_planted_link_is_followed(
+    tmp_path: Path,
+    fingerprint_dir: str,
+    victim: Path,
+    planted: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    root, elsewhere = tmp_path / "disk", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    if planted == "directory":
+        root.mkdir()
+        (root / fingerprint_dir).symlink_to(elsewhere, target_is_directory=True)
+    elif planted == "lock":
+        (root / fingerprint_dir).mkdir(parents=True)
+        (root / fingerprint_dir / "lock").symlink_to(victim)
+    else:
+        root.symlink_to(elsewhere, target_is_directory=True)
+    assert main([*SIMULATE, "--disk-dir", str(root)]) != 0
+    assert "symbolic link" in one_line_error(capsys)
+    assert victim.read_bytes() == PRECIOUS and list(elsewhere.iterdir()) == []
+
+
+def test_a_hard_link_to_another_file_is_refused(
+    tmp_path: Path, victim: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "disk" / FP.hex()).mkdir(parents=True)
+    os.link(victim, tmp_path / "disk" / FP.hex() / "blocks.kvs")
+    with pytest.raises(DiskTierError, match="2 hard links"):
+        DiskTier(tmp_path / "disk", 4, FP)
+    assert victim.read_bytes() == PRECIOUS
+
+
+def test_a_fifo_is_not_a_slot_file(tmp_path: Path) -> None:
+    (tmp_path / FP.hex()).mkdir()
+    os.mkfifo(tmp_path / FP.hex() / "blocks.kvs")
+    with pytest.raises(DiskTierError, match="not a regular file"):
+        DiskTier(tmp_path, 4, FP)
+
+
+@needs_root
+@pytest.mark.parametrize("owned", ["slot file", "directory", "disk-dir"])
+def test_what_another_user_owns_is_refused(tmp_path: Path, owned: str) -> None:
+    first = DiskTier(tmp_path / "disk", 4, FP)
+    first.write(KEYS[:2], [bytes(64)] * 2)
+    first.close()
+    path = {
+        "slot file": first.path,
+        "directory": first.directory,
+        "disk-dir": tmp_path / "disk",
+    }[owned]
+    before = first.path.read_bytes()
+    os.chown(path, OTHER_UID, OTHER_UID)
+    with pytest.raises(DiskTierError, match=f"owned by uid {OTHER_UID}, not by the running user"):
+        DiskTier(tmp_path / "disk", 4, FP)
+    assert first.path.read_bytes() == before
+
+
+def test_what_the_tier_creates_is_private(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path / "disk", 4, FP)
+    tier.close()
+    modes = {
+        path: stat.S_IMODE(path.stat().st_mode)
+        for path in (tmp_path / "disk", tier.directory, tier.path, tier.directory / "lock")
+    }
+    assert list(modes.values()) == [0o700, 0o700, 0o600, 0o600]
+    tier.directory.chmod(0o755)  # loosened by hand: tightened again on the next start
+    tier.path.chmod(0o644)
+    DiskTier(tmp_path / "disk", 4, FP).close()
+    assert stat.S_IMODE(tier.directory.stat().st_mode) == 0o700
+    assert stat.S_IMODE(tier.path.stat().st_mode) == 0o600
+
+
+HOLDER = """
+import sys
+from kvoffload import block_id_key
+from kvoffload.tiers import DiskTier
+tier = DiskTier(sys.argv[1], 8, bytes.fromhex(sys.argv[2]))
+keys = [block_id_key(i) for i in range(5)]
+tier.write(keys, [bytes(0)] * 5)
+tier.poll(wait=True)
+print("holding", flush=True)
+sys.stdin.readline()
+buffers = [bytearray(0) for _ in keys]
+ok = tier.read(keys, lambda i: memoryview(buffers[i])).result(timeout=10)
+print("kept", sum(ok), tier.present(keys), flush=True)
+tier.close()
+"""
+
+
+def test_a_second_process_on_the_same_directory_is_refused_naming_the_holder(
+    tmp_path: Path, fingerprint_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "disk"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(root), fingerprint_dir],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        assert holder.stdout.readline() == "holding\n"
+        assert main([*SIMULATE, "--disk-dir", str(root)]) != 0
+        err = one_line_error(capsys)
+        assert f"is in use by process {holder.pid}" in err
+        with pytest.raises(DiskTierError, match=f"in use by process {holder.pid}"):
+            DiskTier(root, 8, bytes.fromhex(fingerprint_dir))
+        holder.stdin.write("go on\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline() == "kept 5 5\n"  # the first keeps all its slots
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+        holder.stdout.close()
+    assert holder.returncode == 0
+    DiskTier(root, 8, bytes.fromhex(fingerprint_dir)).close()  # free again once it is gone
+
+
+def test_two_tiers_of_one_process_on_one_directory_are_refused_too(tmp_path: Path) -> None:
+    first = DiskTier(tmp_path, 4, FP)
+    try:
+        with pytest.raises(DiskTierError, match=f"in use by process {os.getpid()}"):
+            DiskTier(tmp_path, 4, FP)
+        other = DiskTier(tmp_path, 4, layout_fingerprint("another", layout_preset("tiny"), 64))
+        other.close()  # another layout has its own directory and lock
+    finally:
+        first.close()
