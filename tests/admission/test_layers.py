@@ -13,6 +13,7 @@ from kvoffload import (
 )
 from kvoffload.admission import (
     FeedbackAdmission,
+    OptimisingAdmission,
     RequestTracker,
     SketchAdmission,
     available_admissions,
@@ -136,11 +137,12 @@ def test_feedback_stats_report_a_bounded_footprint() -> None:
 
 
 def test_registry_names_aliases_and_errors() -> None:
-    assert available_admissions() == ["feedback", "none", "recommended", "sketch"]
-    assert resolve_admission("recommended") == "feedback"
+    assert available_admissions() == ["feedback", "none", "optimiser", "recommended", "sketch"]
+    assert resolve_admission("recommended") == "optimiser"
     cpu = CPUOffloadingManager(4)
     assert wrap_with_admission("none", cpu, 4) is cpu
-    with pytest.raises(InvalidArgumentError, match="known: feedback, none, recommended, sketch"):
+    known = "known: feedback, none, optimiser, recommended, sketch"
+    with pytest.raises(InvalidArgumentError, match=known):
         wrap_with_admission("tinylfu", cpu, 4)
     with pytest.raises(InvalidArgumentError, match="capacity"):
         FeedbackAdmission(cpu, 0)
@@ -150,7 +152,7 @@ def test_build_manager_stacks_the_seed_filter_outside_the_admission_layer() -> N
     manager = build_manager(8, "s3fifo", store_threshold=2, admission="recommended")
     assert isinstance(manager, FilterReusedOffloadingManager)
     layer = find_admission(manager)
-    assert isinstance(layer, FeedbackAdmission)
+    assert isinstance(layer, OptimisingAdmission)
     assert isinstance(layer.backing, CPUOffloadingManager)
     assert find_admission(build_manager(8)) is None
 

@@ -18,11 +18,54 @@ def test_recommended_resolves_and_the_json_carries_admission_and_policy(
     args = [*SMALL, *TIER, "--admission", "recommended", "--policy", "recommended", "--json", "-"]
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
-    assert (report["admission"], report["policy"]) == ("feedback", "lru")
+    assert (report["admission"], report["policy"]) == ("optimiser", "lru")
     assert report["admission_offers"] == report["admission_admitted"] + report["admission_rejected"]
     assert report["admission_offers"] == report["stores_offered"]
     assert 0.0 <= report["admission_control"] <= 1.0
     assert report["admission_bytes_per_key"] > 0
+    assert report["admission_candidate"] in ("store-all", "filter", "feedback")
+    whatif = report["whatif"]
+    assert sorted(whatif) == ["feedback", "filter", "store-all"]
+    for by_factor in whatif.values():
+        assert sorted(by_factor, key=float) == ["0.5", "1", "2", "4"]
+        for figures in by_factor.values():
+            assert 0.0 <= figures["hit_ratio"] <= 1.0 and figures["writes_per_ref"] >= 0.0
+
+
+def test_the_table_shows_the_what_if_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SMALL, *TIER, "--admission", "recommended"]) == 0
+    table = capsys.readouterr().out
+    assert "what-if (hit / writes)" in table and "4x" in table and "following" in table
+    for candidate in ("store-all", "filter", "feedback"):
+        assert f"    {candidate}" in table
+
+
+@pytest.mark.parametrize(
+    ("budget", "message"),
+    [
+        ("nan", "argument --write-budget: must be a finite number"),
+        ("-0.5", "argument --write-budget: must be >= 0"),
+        ("x", "argument --write-budget: expected a number"),
+    ],
+)
+def test_bad_write_budgets_are_one_clear_error(
+    budget: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*SMALL, *TIER, "--admission", "recommended", "--write-budget", budget]) != 0
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_write_budget_needs_the_optimiser_and_keeps_to_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main([*SMALL, *TIER, "--write-budget", "0.1"]) != 0
+    err = capsys.readouterr().err
+    assert "a write budget needs --admission recommended" in err and "Traceback" not in err
+    args = [*SMALL, *TIER, "--admission", "recommended", "--write-budget", "0.01", "--json", "-"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["writes_per_ref"] <= 0.01
 
 
 def test_the_table_shows_the_admission_layer(capsys: pytest.CaptureFixture[str]) -> None:
@@ -41,7 +84,10 @@ def test_without_admission_the_json_says_none(capsys: pytest.CaptureFixture[str]
 @pytest.mark.parametrize(
     ("option", "message"),
     [
-        ("--admission", "unknown admission 'tiny'; known: feedback, none, recommended, sketch"),
+        (
+            "--admission",
+            "unknown admission 'tiny'; known: feedback, none, optimiser, recommended, sketch",
+        ),
         ("--policy", "unknown cache policy 'tiny'; known: arc, lru, "),
     ],
 )
@@ -61,7 +107,7 @@ def test_sweep_over_admissions(capsys: pytest.CaptureFixture[str]) -> None:
     args += ["--jobs", "1", "--no-progress", "--json", "-"]
     assert main(args) == 0
     reports = json.loads(capsys.readouterr().out)
-    assert [r["admission"] for r in reports] == ["none", "feedback"]
+    assert [r["admission"] for r in reports] == ["none", "optimiser"]
     assert reports[1]["admission_offers"] > 0
     assert main([*args[:-2], "--admissions", "nope"]) != 0
     assert "unknown admission 'nope'" in capsys.readouterr().err

@@ -31,7 +31,9 @@ from kvoffload import (
     available_policies,
     block_id_key,
 )
-from kvoffload.admission import wrap_with_admission
+from kvoffload.admission import OptimisingAdmission, available_admissions, wrap_with_admission
+from kvoffload.admission.optimiser import CANDIDATES
+from kvoffload.admission.registry import ALIASES as ADMISSION_ALIASES
 from kvoffload.policies.registry import _POLICIES, ALIASES
 
 UNIVERSE = [block_id_key(i) for i in range(5)]
@@ -205,11 +207,21 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.replayed.update(event.keys)
         assert self.replayed == {k for k, r in self.ref.items() if r >= 0}
 
+    @invariant()
+    def optimiser_follows_a_candidate_and_reports_sane_what_ifs(self) -> None:
+        layer = self.manager.backing if self.use_filter else self.manager
+        if not isinstance(layer, OptimisingAdmission):
+            return
+        assert layer.chosen in CANDIDATES
+        for figure in layer.whatif():
+            assert 0.0 <= figure.hit_ratio <= 1.0 + 1e-9
+            assert figure.writes_per_ref >= 0.0
+
 
 SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None)
 STACKED = settings(max_examples=25, stateful_step_count=40, deadline=None)
 POLICIES = ["lru", "arc", "s3fifo", "sieve", "slru"]
-ADMISSIONS = ["none", "sketch", "feedback"]
+ADMISSIONS = ["none", "sketch", "feedback", "optimiser"]
 
 
 def machine(policy: str, use_filter: bool, admission: str = "none") -> type[ManagerMachine]:
@@ -225,6 +237,10 @@ def test_every_shipped_policy_has_a_machine() -> None:
         if name not in ALIASES and _POLICIES[name].__module__.startswith("kvoffload.")
     }
     assert sorted(POLICIES) == sorted(shipped)
+
+
+def test_every_admission_layer_has_a_machine() -> None:
+    assert sorted(ADMISSIONS) == sorted(set(available_admissions()) - set(ADMISSION_ALIASES))
 
 
 for _policy in POLICIES:

@@ -139,3 +139,36 @@ def test_data_plane_copy_times_are_a_histogram_per_direction() -> None:
         count = metrics[f'kvoffload_transfer_seconds_count{{direction="{direction}"}}']
         assert count == watched[0].latency[direction].count > 0
         assert metrics[f'kvoffload_transfer_seconds_sum{{direction="{direction}"}}'] > 0
+
+
+def test_the_optimiser_exports_its_what_if_figures_and_chosen_rule() -> None:
+    from kvoffload.admission import OptimisingAdmission, find_admission
+    from kvoffload.observe.metrics import AdmissionCollector
+    from kvoffload.sim.generators import generate
+
+    workload = generate({"chat": 0.6, "rag": 0.4}, num_requests=400, seed=1, rate=4.0)
+    layers: list[OptimisingAdmission] = []
+
+    def register(observed: ObservedManager) -> None:
+        layer = find_admission(observed)
+        assert isinstance(layer, OptimisingAdmission)
+        layers.append(layer)
+
+    config = SimConfig(gpu_blocks=400, cpu_blocks=600, admission="recommended", bound=False)
+    simulate(workload, config, observers=Observers(on_manager=(register,)))
+    with MetricsServer(0) as server:
+        server.add(AdmissionCollector(layers[0].stats))
+        metrics = scrape(server.port)
+    stats = layers[0].stats()
+    for figure in stats.whatif:
+        labels = f'candidate="{figure.candidate}",capacity_factor="{figure.capacity_factor:g}"'
+        assert metrics[f"kvoffload_whatif_hit_ratio{{{labels}}}"] == pytest.approx(figure.hit_ratio)
+        assert metrics[f"kvoffload_whatif_writes_per_ref{{{labels}}}"] == pytest.approx(
+            figure.writes_per_ref
+        )
+    chosen = {k: v for k, v in metrics.items() if k.startswith("kvoffload_admission_candidate")}
+    assert chosen == {
+        f'kvoffload_admission_candidate{{candidate="{name}"}}': float(name == stats.candidate)
+        for name in ("store-all", "filter", "feedback")
+    }
+    assert len(stats.whatif) == 12

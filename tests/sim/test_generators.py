@@ -82,3 +82,27 @@ def test_mix_weights_and_errors() -> None:
         parse_mix("chat=lots")
     with pytest.raises(InvalidArgumentError):
         generate({"chat": 0})
+
+
+def test_longchat_has_one_root_long_requests_and_mostly_single_use_blocks() -> None:
+    """The held-out chat trace's shape: one shared root block, tens of 512-token blocks per
+    request, about three quarters of unique blocks used once, reuse minutes apart."""
+    from collections import Counter
+
+    workload = generate({"longchat": 1}, num_requests=3000, seed=0, block_tokens=512, rate=3.4)
+    requests = workload.requests
+    assert len({r.keys[0] for r in requests}) == 1
+    lengths = [len(r.keys) for r in requests]
+    assert 15 <= sum(lengths) / len(lengths) <= 35 and max(lengths) <= 247
+    uses = Counter(key for r in requests for key in set(r.keys))
+    once = sum(1 for n in uses.values() if n == 1) / len(uses)
+    assert 0.65 <= once <= 0.9
+    last: dict[object, float] = {}
+    gaps = []
+    for r in requests:
+        for key in r.keys[1:]:
+            if key in last:
+                gaps.append(r.arrival_s - last[key])
+            last[key] = r.arrival_s
+    gaps.sort()
+    assert 60 <= gaps[len(gaps) // 2] <= 200

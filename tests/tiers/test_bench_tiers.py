@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -10,7 +14,7 @@ import pytest
 from kvoffload.cli.main import main
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.tiers.bench import measure_tiers
-from tier_servers import ValkeyProcess
+from tier_servers import FakeValkey, ValkeyClusterProcesses, ValkeyProcess
 
 
 def test_bench_tiers_reports_both_tiers_beside_their_baselines(
@@ -61,3 +65,70 @@ def test_bench_tiers_with_fsync_syncs_and_says_so(
     assert "remote_store_gbps" not in results
     assert capsys.readouterr().out.splitlines()[-1].endswith("; synced to disk")
     assert list(tmp_path.iterdir()) == [path]
+
+
+def one_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_a_block_too_small_to_hold_a_block_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "tiers", "--blocks", "4", "--block-mib", "0.000001", "--dir", str(tmp_path)]
+    assert main(argv) == 1
+    assert "a block of 1e-06 MiB is 1 bytes: at least 1024" in one_line(capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("die_after", "message"),
+    [
+        (12, "failed mid-run"),  # during the raw-socket baseline's loads
+        (30, "the shared tier lost 8 of 8 blocks"),  # during the tier's stores
+    ],
+)
+def test_a_server_dying_mid_bench_is_one_line_and_no_scratch_is_left(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], die_after: int, message: str
+) -> None:
+    server = FakeValkey(die_after=die_after)
+    try:
+        argv = ["bench", "tiers", "--blocks", "8", "--block-mib", "0.01", "--rounds", "1"]
+        assert main([*argv, "--dir", str(tmp_path), "--remote", server.url]) == 1
+    finally:
+        server.stop()
+    line = one_line(capsys)
+    assert line.startswith("kvoffload: error: bench tiers: ") and message in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sigterm_ends_bench_tiers_and_removes_its_scratch_directories(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "kvoffload", "bench", "tiers", "--blocks", "16"]
+    argv += ["--block-mib", "1", "--rounds", "100000", "--dir", str(tmp_path)]
+    process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(tmp_path.iterdir()):
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 130 and err.strip() == "kvoffload: interrupted"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_tiers_against_a_cluster_measures_a_raw_socket_per_node(
+    tmp_path: Path, valkey_cluster: ValkeyClusterProcesses
+) -> None:
+    path = tmp_path / "bench.json"
+    argv = ["bench", "tiers", "--blocks", "12", "--block-mib", "0.05", "--rounds", "2"]
+    argv += ["--dir", str(tmp_path), "--remote", valkey_cluster.url, "--json", str(path)]
+    assert main(argv) == 0
+    results = json.loads(path.read_text())
+    assert results["remote_plain_read_gbps"] > 0 and results["remote_load_gbps"] > 0
+    for node in valkey_cluster.nodes:
+        assert node.client().keys("kvoffload-bench:*") == []

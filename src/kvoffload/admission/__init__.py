@@ -9,6 +9,8 @@ from kvoffload.admission.base import AdmissionLayer, AdmissionStats
 from kvoffload.admission.controller import ReuseController
 from kvoffload.admission.feedback import FeedbackAdmission
 from kvoffload.admission.ghost import GhostRecords
+from kvoffload.admission.minisim import MiniSimulation, MiniTier, WhatIf
+from kvoffload.admission.optimiser import Objective, OptimisingAdmission, check_write_budget
 from kvoffload.admission.registry import (
     available_admissions,
     find_admission,
@@ -25,10 +27,16 @@ __all__ = [
     "FeedbackAdmission",
     "FrequencySketch",
     "GhostRecords",
+    "MiniSimulation",
+    "MiniTier",
+    "Objective",
+    "OptimisingAdmission",
     "RequestTracker",
     "ReuseController",
     "SketchAdmission",
+    "WhatIf",
     "available_admissions",
+    "check_write_budget",
     "find_admission",
     "key_hashes",
     "resolve_admission",

@@ -11,6 +11,7 @@ from abc import abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from kvoffload.admission.minisim import WhatIf
 from kvoffload.admission.requests import RequestTracker
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
@@ -30,6 +31,13 @@ class AdmissionStats:
     memory_bytes: int
     tracked_keys: int
     """How many keys the fixed-size structures are sized for."""
+    candidate: str = ""
+    """The rule the layer follows now, for layers that choose among candidates."""
+    whatif: tuple[WhatIf, ...] = ()
+    """What-if figures (candidate x capacity factor) over recent traffic, for layers that
+    simulate them."""
+    whatif_total: tuple[WhatIf, ...] = ()
+    """The same figures since the layer started."""
 
     @property
     def bytes_per_tracked_key(self) -> float:

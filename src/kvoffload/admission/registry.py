@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from kvoffload.admission.base import AdmissionLayer
 from kvoffload.admission.feedback import FeedbackAdmission
+from kvoffload.admission.optimiser import OptimisingAdmission, check_write_budget
 from kvoffload.admission.seen_twice import SketchAdmission
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.manager import OffloadingManager
@@ -17,11 +18,13 @@ from kvoffload.core.manager import OffloadingManager
 AdmissionFactory = Callable[[OffloadingManager, int], AdmissionLayer]
 
 NO_ADMISSION = "none"
+OPTIMISER = "optimiser"
 _LAYERS: dict[str, AdmissionFactory] = {
     "feedback": FeedbackAdmission,
+    OPTIMISER: OptimisingAdmission,
     "sketch": SketchAdmission,
 }
-ALIASES = {"recommended": "feedback"}
+ALIASES = {"recommended": "optimiser"}
 
 
 def available_admissions() -> list[str]:
@@ -39,9 +42,22 @@ def resolve_admission(name: str) -> str:
     return name
 
 
-def wrap_with_admission(name: str, backing: OffloadingManager, capacity: int) -> OffloadingManager:
-    """``backing`` behind the admission layer ``name`` (unchanged for ``none``)."""
+def wrap_with_admission(
+    name: str, backing: OffloadingManager, capacity: int, write_budget: float | None = None
+) -> OffloadingManager:
+    """``backing`` behind the admission layer ``name`` (unchanged for ``none``).
+
+    A ``write_budget`` (writes per block reference) needs the optimiser, the only
+    layer that can keep to one.
+    """
     canonical = resolve_admission(name)
+    check_write_budget(write_budget)
+    if write_budget is not None:
+        if canonical != OPTIMISER:
+            raise InvalidArgumentError(
+                f"a write budget needs admission 'recommended' (the optimiser), not {name!r}"
+            )
+        return OptimisingAdmission(backing, capacity, write_budget=write_budget)
     if canonical == NO_ADMISSION:
         return backing
     return _LAYERS[canonical](backing, capacity)

@@ -11,7 +11,10 @@ import argparse
 import contextlib
 import importlib
 import json
-from types import ModuleType
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType, ModuleType
 from typing import Any
 
 from kvoffload.cli import options, output
@@ -32,9 +35,10 @@ def register(commands: Any) -> argparse.ArgumentParser:
     transfer.set_defaults(run=run)
     tiers = kinds.add_parser(
         "tiers",
-        help="store and load GB/s of the disk and shared tiers against plain file and SET/GET I/O",
+        help="store and load GB/s of the disk and shared tiers against plain file and socket I/O",
         description="Measure the disk tier against a plain sequential file write/read of the same "
-        "bytes, and the shared tier (with --remote) against pipelined SET/GET, same client.",
+        "bytes, and the shared tier (with --remote) against pipelined SET/GET on a raw socket "
+        "per node, each GET reply read with recv_into straight into its buffer.",
     )
     tiers.add_argument(
         "--blocks", type=options.POSITIVE_INT, default=128, help="blocks per round (default: 128)"
@@ -103,14 +107,33 @@ def run_tiers(args: argparse.Namespace) -> int:
     """``bench tiers``: torch-free; the shared tier's client is needed only with ``--remote``."""
     from kvoffload.tiers.bench import measure_tiers
 
-    results = measure_tiers(
-        args.blocks, args.block_mib, args.rounds, args.dir, args.remote, fsync=args.fsync
-    )
+    with _sigterm_as_interrupt():
+        results = measure_tiers(
+            args.blocks, args.block_mib, args.rounds, args.dir, args.remote, fsync=args.fsync
+        )
     if args.json:
         output.write_json(args.json, results)
     if args.json != "-":
         print(tier_table(results))
     return 0
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds as Ctrl-C does, so the benchmark removes its scratch directories
+    and ends with one line (signal handlers belong to the main thread alone)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def tier_table(results: dict[str, Any]) -> str:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from kvoffload.admission import find_admission
 from kvoffload.cli.options import number
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.manager import OffloadingManager
@@ -221,6 +222,9 @@ def observing(args: argparse.Namespace, block_tokens: int) -> Iterator[Observing
                 tiers = lower_tiers(observed)
                 if tiers:
                     server.add(metrics.RecoveryCollector(lambda: recovery_by_tier(tiers)))
+                layer = find_admission(observed)
+                if layer is not None:
+                    server.add(metrics.AdmissionCollector(layer.stats))
 
             def register_transfers(observed: ObservedWorker) -> None:
                 server.add(metrics.TransferCollector(observed.latency))

@@ -59,6 +59,7 @@ POSITIVE_INT = integer(1)
 COUNT = integer(0)
 POSITIVE = number(0.0, allow_minimum=False)
 SIZE_GIB = number(0.0)
+WRITE_BUDGET = number(0.0)
 
 DEFAULT_GPU_GIB = 24.0
 DEFAULT_CPU_GIB = 96.0
@@ -86,7 +87,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--mix",
         default=mix,
-        help=f"synthetic kinds and weights, from chat, rag, agent, oneshot (default: {mix})",
+        help="synthetic kinds and weights, from chat, rag, agent, oneshot, longchat "
+        f"(default: {mix})",
     )
     group.add_argument(
         "--requests",

@@ -59,6 +59,13 @@ def register(commands: Any) -> None:
         help=f"admission layer, one of {', '.join(available_admissions())} (default: none)",
     )
     tier.add_argument(
+        "--write-budget",
+        type=options.WRITE_BUDGET,
+        default=None,
+        metavar="W",
+        help="with --admission recommended: at most W offload writes per block reference",
+    )
+    tier.add_argument(
         "--store-threshold",
         type=options.COUNT,
         default=0,
@@ -131,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     )
     cpu = options.cpu_blocks(args.cpu_blocks, args.cpu_gb, config, bt)
     config = options.with_offload(config, cpu, args.policy, args.store_threshold)
-    config = dataclasses.replace(config, admission=args.admission)
+    config = dataclasses.replace(config, admission=args.admission, write_budget=args.write_budget)
     config = tier_options.with_tiers(config, args, bt)
     if args.no_bound:
         config = dataclasses.replace(config, bound=False)
@@ -246,4 +253,24 @@ def _admission_rows(r: RunReport) -> list[tuple[str, str]]:
             f"{r.admission_ghost_hits:,} ghost hits",
         ),
         ("  control, memory", f"{control}, {memory} bytes per tracked key"),
+        *_whatif_rows(r),
     ]
+
+
+def _whatif_rows(r: RunReport) -> list[tuple[str, str]]:
+    """The optimiser's choice and its what-if table: hit ratio / writes per block reference
+    of each candidate at each capacity factor, over the whole run."""
+    if not r.whatif:
+        return []
+    factors = list(next(iter(r.whatif.values())))
+    rows = [
+        ("  following", r.admission_candidate),
+        ("  what-if (hit / writes)", "   ".join(f"{f + 'x':>13}" for f in factors)),
+    ]
+    for candidate, by_factor in r.whatif.items():
+        cells = (
+            f"{by_factor[f]['hit_ratio']:.3f} / {by_factor[f]['writes_per_ref']:.3f}"
+            for f in factors
+        )
+        rows.append((f"    {candidate}", "   ".join(f"{c:>13}" for c in cells)))
+    return rows

@@ -7,7 +7,9 @@ fastest and cost the garbage collector nothing.
 
 from __future__ import annotations
 
-from typing import NewType
+from typing import NewType, NoReturn
+
+from kvoffload.core.errors import KVOffloadError
 
 OffloadKey = NewType("OffloadKey", bytes)
 
@@ -39,3 +41,22 @@ def block_id_key(block_id: int, group_idx: int = 0) -> OffloadKey:
     the id itself can stand in for the engine's chained hash.
     """
     return make_offload_key(block_id.to_bytes(BLOCK_ID_BYTES, "big"), group_idx)
+
+
+class NotAKeyIterableError(KVOffloadError, TypeError):
+    """One key (bytes) or a string was passed where an iterable of keys is expected."""
+
+
+SINGLE_KEY_TYPES = (bytes, bytearray, str)
+"""What ``keys`` must not be: one key alone, whose bytes would iterate as integer "keys".
+
+Checked inline with ``isinstance`` (a tuple, not a union rebuilt per call), so the hot
+methods pay for a function call only on the error path."""
+
+
+def refuse_single_key(keys: bytes | bytearray | str, method: str) -> NoReturn:
+    """Raise the error for one key (or a string) passed where an iterable of keys is due."""
+    raise NotAKeyIterableError(
+        f"{method} expects an iterable of keys, got a single {type(keys).__name__} "
+        f"{keys[:16]!r}; wrap it in a list"
+    )

@@ -17,10 +17,12 @@ def build_manager(
     max_tracker_size: int = 64_000,
     enable_events: bool = False,
     admission: str = "none",
+    write_budget: float | None = None,
 ) -> OffloadingManager:
     """A CPU tier manager, behind the admission layer ``admission`` and then the reuse
     filter when ``store_threshold >= 2`` (the filter is outermost: it sees calls first).
 
+    ``write_budget`` (writes per block reference) needs ``admission="recommended"``.
     Thresholds 0 and 1 mean "no filter", as in vLLM's configuration; anything but an
     integer >= 0 is refused, so that ``1.5`` or ``"2"`` is not silently "no filter".
     """
@@ -32,7 +34,7 @@ def build_manager(
         raise InvalidArgumentError(f"store_threshold must be >= 0, got {store_threshold}")
     resolve_admission(admission)
     manager: OffloadingManager = CPUOffloadingManager(num_blocks, cache_policy, enable_events)
-    manager = wrap_with_admission(admission, manager, num_blocks)
+    manager = wrap_with_admission(admission, manager, num_blocks, write_budget)
     if store_threshold >= 2:
         manager = FilterReusedOffloadingManager(manager, store_threshold, max_tracker_size)
     return manager

@@ -7,7 +7,6 @@ chosen by name; everything else about a block's life is decided here.
 from __future__ import annotations
 
 from collections.abc import Container, Iterable
-from typing import NoReturn
 
 import numpy as np
 
@@ -16,9 +15,12 @@ from kvoffload.core.errors import (
     BlockNotPinnedError,
     BlockNotReadyError,
     InvalidArgumentError,
-    KVOffloadError,
 )
-from kvoffload.core.keys import OffloadKey
+from kvoffload.core.keys import (
+    SINGLE_KEY_TYPES,
+    OffloadKey,
+    refuse_single_key,
+)
 from kvoffload.core.manager import (
     EventLog,
     OffloadingEvent,
@@ -29,25 +31,6 @@ from kvoffload.core.specs import CPULoadStoreSpec
 from kvoffload.policies import PENDING_STORE, BlockStatus, CachePolicy, create_cache_policy
 
 MEDIUM = CPULoadStoreSpec.medium()
-
-
-class NotAKeyIterableError(KVOffloadError, TypeError):
-    """One key (bytes) or a string was passed where an iterable of keys is expected."""
-
-
-SINGLE_KEY_TYPES = (bytes, bytearray, str)
-"""What ``keys`` must not be: one key alone, whose bytes would iterate as integer "keys".
-
-Checked inline with ``isinstance`` (a tuple, not a union rebuilt per call), so the hot
-methods pay for a function call only on the error path."""
-
-
-def refuse_single_key(keys: bytes | bytearray | str, method: str) -> NoReturn:
-    """Raise the error for one key (or a string) passed where an iterable of keys is due."""
-    raise NotAKeyIterableError(
-        f"{method} expects an iterable of keys, got a single {type(keys).__name__} "
-        f"{keys[:16]!r}; wrap it in a list"
-    )
 
 
 class CPUOffloadingManager(OffloadingManager):

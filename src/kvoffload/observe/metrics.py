@@ -18,6 +18,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from kvoffload.admission.base import AdmissionStats
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.observe.counters import COUNTER_DOCS, LatencyHistogram, ManagerCounters
 
@@ -79,6 +80,49 @@ class RecoveryCollector(Collector):
                     dropped.add_metric([tier, name.removeprefix("dropped_")], value)
         yield recovered
         yield dropped
+
+
+class AdmissionCollector(Collector):
+    """Exports an admission layer's what-if figures and chosen rule, read from its stats.
+
+    ``kvoffload_whatif_hit_ratio`` and ``kvoffload_whatif_writes_per_ref`` (labels
+    ``candidate``, ``capacity_factor``) over recent traffic, and
+    ``kvoffload_admission_candidate`` (1 for the rule followed, 0 for the others).
+    A layer without what-if figures exports nothing.
+    """
+
+    def __init__(self, stats: Callable[[], AdmissionStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        if not stats.whatif:
+            return
+        labels = ["candidate", "capacity_factor"]
+        hits = GaugeMetricFamily(
+            f"{PREFIX}whatif_hit_ratio",
+            "Total hit ratio each admission rule would give at each tier size, recently.",
+            labels=labels,
+        )
+        writes = GaugeMetricFamily(
+            f"{PREFIX}whatif_writes_per_ref",
+            "Offload writes per block reference of each rule at each tier size, recently.",
+            labels=labels,
+        )
+        for figure in stats.whatif:
+            values = [figure.candidate, f"{figure.capacity_factor:g}"]
+            hits.add_metric(values, figure.hit_ratio)
+            writes.add_metric(values, figure.writes_per_ref)
+        chosen = GaugeMetricFamily(
+            f"{PREFIX}admission_candidate",
+            "1 for the admission rule the tier follows, 0 for the other candidates.",
+            labels=["candidate"],
+        )
+        for name in dict.fromkeys(figure.candidate for figure in stats.whatif):
+            chosen.add_metric([name], 1.0 if name == stats.candidate else 0.0)
+        yield hits
+        yield writes
+        yield chosen
 
 
 class TransferCollector(Collector):

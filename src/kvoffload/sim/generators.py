@@ -9,6 +9,11 @@ Four kinds of traffic, each with the reuse shape that matters for offloading:
 * ``agent``: tool-using loops behind one long fixed tool prefix; each step
   re-sends the growing history after a short tool-call pause.
 * ``oneshot``: unrelated prompts with no reuse at all.
+* ``longchat``: long conversations behind one system prompt of a single
+  block, sized for 512-token blocks (tens of blocks per request), with
+  minutes between turns and most sessions short, so most blocks are used
+  once and the reused ones come back from far: the shape of a real
+  assistant's traffic rather than of a benchmark.
 
 Blocks are keyed like an engine would: a full block's key names its whole
 prefix, so shared prefixes share keys and a trailing partial block has none.
@@ -134,13 +139,44 @@ def _oneshot(rng: random.Random, keys: _Keys, session_rate: float) -> Sessions:
         yield [keys.request(start, prompt, rng.randint(20, 400))]
 
 
+LONGCHAT_MAX_TOKENS = 126_000
+"""The longest ``longchat`` prompt: 246 blocks of 512 tokens."""
+LONGCHAT_ONE_TURN = 0.6
+
+
+def _longchat(rng: random.Random, keys: _Keys, session_rate: float) -> Sessions:
+    system = keys.extend(_EMPTY, 700)
+    start = 0.0
+    while True:
+        start += rng.expovariate(session_rate)
+        # Most sessions paste something long and never come back; the rest converse.
+        if rng.random() < LONGCHAT_ONE_TURN:
+            turns, message = 1, rng.lognormvariate(math.log(11_000), 0.9)
+        else:
+            turns = 2 + int(rng.expovariate(1 / 1.5))
+            message = rng.lognormvariate(math.log(3000), 1.2)
+        context, now, session = system, start, []
+        for _ in range(min(turns, 40)):
+            tokens = min(int(message), LONGCHAT_MAX_TOKENS - context.tokens)
+            if tokens < 1:
+                break
+            context = keys.extend(context, tokens)
+            output = rng.randint(200, 1200)
+            session.append(keys.request(now, context, output))
+            context = keys.extend(context, output)
+            now += rng.lognormvariate(math.log(150), 1.2)
+            message = rng.lognormvariate(math.log(700), 1.2)
+        yield session
+
+
 GENERATORS: dict[str, Callable[[random.Random, _Keys, float], Sessions]] = {
     "chat": _chat,
     "rag": _rag,
     "agent": _agent,
     "oneshot": _oneshot,
+    "longchat": _longchat,
 }
-_MEAN_SESSION_REQUESTS = {"chat": 3.5, "rag": 1.0, "agent": 7.5, "oneshot": 1.0}
+_MEAN_SESSION_REQUESTS = {"chat": 3.5, "rag": 1.0, "agent": 7.5, "oneshot": 1.0, "longchat": 1.82}
 
 
 def parse_mix(text: str) -> dict[str, float]:

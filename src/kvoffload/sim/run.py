@@ -12,9 +12,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any
 
 from kvoffload.admission import (
+    WhatIf,
     available_admissions,
+    check_write_budget,
     find_admission,
     resolve_admission,
     wrap_with_admission,
@@ -64,6 +67,8 @@ class SimConfig:
     """``"cache"`` or ``"drop"`` a prompt's keyed partial last block (vLLM drops it)."""
     admission: str = "none"
     """Admission layer in front of the tier, by name (``kvoffload.admission``)."""
+    write_budget: float | None = None
+    """Writes per block reference the optimiser keeps to (``admission="recommended"``)."""
     # Tiers below the CPU tier (issue 9): a disk directory and a shared server.
     disk_dir: str | None = None
     disk_blocks: int = 0
@@ -100,6 +105,12 @@ class SimConfig:
         if self.admission not in available_admissions():
             raise InvalidArgumentError(
                 f"unknown admission {self.admission!r}; known: {', '.join(available_admissions())}"
+            )
+        check_write_budget(self.write_budget)
+        if self.write_budget is not None and resolve_admission(self.admission) != "optimiser":
+            raise InvalidArgumentError(
+                "a write budget needs --admission recommended (the optimiser), "
+                f"not {self.admission!r}"
             )
         self._check_tiers()
 
@@ -243,11 +254,16 @@ class RunReport:
     admission_ghost_hits: int = 0
     admission_control: float | None = None
     admission_bytes_per_key: float | None = None
+    admission_candidate: str = ""
+    """The rule an optimising layer followed at the end of the run."""
+    whatif: dict[str, dict[str, dict[str, float]]] = dataclasses.field(default_factory=dict)
+    """``candidate -> capacity factor -> {hit_ratio, writes_per_ref}`` over the whole run, from
+    an optimising layer's miniature simulations; empty for other layers."""
     tiers: dict[str, dict[str, Scalar]] = dataclasses.field(default_factory=dict)
     """Per tier (``cpu``, ``disk``, ``remote``): hits, stores, bytes, failures, modelled seconds."""
 
-    def as_dict(self) -> dict[str, Scalar | dict[str, dict[str, Scalar]]]:
-        """The report; every value is a scalar except ``tiers``, a nested object."""
+    def as_dict(self) -> dict[str, Any]:
+        """The report; every value is a scalar except ``tiers`` and ``whatif``, nested objects."""
         return dataclasses.asdict(self)
 
 
@@ -271,7 +287,9 @@ def simulate(
     tiered = None
     if config.has_lower_tiers:
         tiered = _tiered_manager(config, workload.block_tokens, backend, enable_events)
-        manager = wrap_with_admission(config.admission, tiered, config.cpu_blocks)
+        manager = wrap_with_admission(
+            config.admission, tiered, config.cpu_blocks, config.write_budget
+        )
         if config.store_threshold >= 2:
             manager = FilterReusedOffloadingManager(
                 manager, config.store_threshold, config.max_tracker_size
@@ -284,6 +302,7 @@ def simulate(
             config.max_tracker_size,
             enable_events=enable_events,
             admission=config.admission,
+            write_budget=config.write_budget,
         )
     built = manager
     if manager is not None and observers is not None:
@@ -398,7 +417,21 @@ def _with_admission(
         admission_ghost_hits=stats.ghost_hits,
         admission_control=stats.control,
         admission_bytes_per_key=stats.bytes_per_tracked_key,
+        admission_candidate=stats.candidate,
+        whatif=whatif_table(stats.whatif_total),
     )
+
+
+def whatif_table(figures: Sequence[WhatIf]) -> dict[str, dict[str, dict[str, float]]]:
+    """What-if figures as ``candidate -> capacity factor (as text) -> figures``."""
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    for f in figures:
+        table.setdefault(f.candidate, {})[f"{f.capacity_factor:g}"] = {
+            "hit_ratio": f.hit_ratio,
+            "writes_per_ref": f.writes_per_ref,
+            "sampling_rate": f.sampling_rate,
+        }
+    return table
 
 
 def _tiered_manager(

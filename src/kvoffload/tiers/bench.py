@@ -2,8 +2,10 @@
 
 Each tier is measured against the plainest way to move the same bytes, in
 the same run: the disk tier against one sequential file written and read
-back with ``write``/``readinto``; the shared tier against pipelined SET and
-one multi-GET through the same ``valkey`` client. A load counts once the
+back with ``write``/``readinto``; the shared tier against a raw socket per
+node sending pipelined SETs and GETs and reading each GET reply with
+``recv_into`` straight into its destination: what the link and the server
+give. A load counts once the
 bytes are in a destination buffer, as a promotion puts them in a CPU slot.
 Each rate is the best of ``rounds`` and each ratio compares best rates; the
 machines are shared and noisy, so the median of the rounds' own ratios
@@ -15,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import socket
 import statistics
 import tempfile
 import time
@@ -22,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.keys import OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
 from kvoffload.core.memory import check_fits
@@ -31,6 +34,7 @@ from kvoffload.tiers.format import layout_fingerprint
 from kvoffload.tiers.remote import RemoteTier
 
 MIB = 2**20
+MIN_BLOCK_BYTES = 1024
 
 
 def _gbps(num_bytes: int, seconds: float) -> float:
@@ -60,7 +64,7 @@ class _Blocks:
     def verify(self) -> None:
         for i, payload in enumerate(self.payloads):
             if self.view[i * self.size : (i + 1) * self.size] != payload:
-                raise RuntimeError(f"block {i} did not come back intact")
+                raise KVOffloadError(f"bench tiers: block {i} did not come back intact")
 
 
 def measure_disk(
@@ -103,7 +107,7 @@ def measure_disk(
             disk.close()
             shutil.rmtree(disk.directory, ignore_errors=True)
         if not all(ok):
-            raise RuntimeError("the disk tier lost blocks during the benchmark")
+            raise KVOffloadError("bench tiers: the disk tier lost blocks during the benchmark")
         return stored - started, loaded - stored
 
     plain_times, tier_times = _alternate(rounds, plain, tier, blocks)
@@ -111,44 +115,121 @@ def measure_disk(
 
 
 def measure_remote(blocks: _Blocks, url: str, rounds: int) -> dict[str, float]:
-    """As :func:`measure_disk`, against pipelined SET and one multi-GET with the tier's client."""
+    """As :func:`measure_disk`, against a raw socket per node: pipelined SETs, then pipelined
+    GETs each read with ``recv_into`` straight into its destination (no client library)."""
     fingerprint = layout_fingerprint("bench", layout_preset("tiny"), blocks.size)
     remote = RemoteTier(url, fingerprint)
-    client: Any = remote._client
-    get = client.mget_nonatomic if remote.is_cluster else client.mget
-
-    def plain(i: int) -> tuple[float, float]:
-        names = [f"kvoffload-bench:plain:{i}:{j}".encode() for j in range(len(blocks.payloads))]
-        started = time.perf_counter()
-        pipe = client.pipeline(transaction=False)
-        for name, payload in zip(names, blocks.payloads, strict=True):
-            pipe.set(name, payload)
-        pipe.execute()
-        stored = time.perf_counter()
-        for j, value in enumerate(get(names)):
-            blocks.target(j)[:] = value
-        loaded = time.perf_counter()
-        client.delete(*names)
-        return stored - started, loaded - stored
-
-    def tier(i: int) -> tuple[float, float]:
-        keys = blocks.keys(i)
-        started = time.perf_counter()
-        remote.write(keys, blocks.payloads)
-        remote.poll(wait=True)
-        stored = time.perf_counter()
-        ok = remote.read(keys, blocks.target).result()
-        loaded = time.perf_counter()
-        remote.delete_all()
-        if not all(ok):
-            raise RuntimeError("the shared tier lost blocks during the benchmark")
-        return stored - started, loaded - stored
-
+    raw: _RawSockets | None = None
     try:
+        raw = _RawSockets(remote)
+
+        def plain(i: int) -> tuple[float, float]:
+            return raw.round(i, blocks)
+
+        def tier(i: int) -> tuple[float, float]:
+            keys = blocks.keys(i)
+            started = time.perf_counter()
+            remote.write(keys, blocks.payloads)
+            remote.poll(wait=True)
+            stored = time.perf_counter()
+            ok = remote.read(keys, blocks.target).result()
+            loaded = time.perf_counter()
+            remote.delete_all()
+            if not all(ok):
+                raise KVOffloadError(
+                    f"bench tiers: the shared tier lost {ok.count(False)} of {len(ok)} blocks "
+                    f"({remote.stats.failed} failed calls): is the server at "
+                    f"{remote.address.redacted()} still up?"
+                )
+            return stored - started, loaded - stored
+
         plain_times, tier_times = _alternate(rounds, plain, tier, blocks)
+    except OSError as exc:
+        raise KVOffloadError(
+            f"bench tiers: the server at {remote.address.redacted()} failed mid-run ({exc})"
+        ) from None
     finally:
+        if raw is not None:
+            raw.close()
         remote.close()
     return _figures("remote", blocks.total, tier_times, plain_times)
+
+
+class _RawSockets:
+    """The baseline: one plain socket per node (opened past TLS and AUTH by the tier),
+    the plainest pipelined SET and GET, each reply's length known in advance."""
+
+    TIMEOUT_S = 30.0
+
+    def __init__(self, remote: RemoteTier) -> None:
+        self._remote = remote
+        self._sockets: dict[tuple[str, int], socket.socket] = {}
+
+    def _socket(self, name: bytes) -> socket.socket:
+        where = self._remote.node_address(name)
+        if where not in self._sockets:
+            sock = self._remote.open_socket(name)
+            sock.settimeout(self.TIMEOUT_S)
+            self._sockets[where] = sock
+        return self._sockets[where]
+
+    def round(self, index: int, blocks: _Blocks) -> tuple[float, float]:
+        names = [b"kvoffload-bench:plain:%d:%d" % (index, j) for j in range(len(blocks.payloads))]
+        by_socket: dict[socket.socket, list[int]] = {}
+        for j, name in enumerate(names):
+            by_socket.setdefault(self._socket(name), []).append(j)
+        started = time.perf_counter()
+        for sock, indices in by_socket.items():
+            for j in indices:
+                name, payload = names[j], blocks.payloads[j]
+                sock.sendall(
+                    b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (len(name), name, len(payload))
+                )
+                sock.sendall(payload)
+                sock.sendall(b"\r\n")
+        for sock, indices in by_socket.items():
+            _expect(sock, b"+OK\r\n" * len(indices))
+        stored = time.perf_counter()
+        for sock, indices in by_socket.items():
+            sock.sendall(
+                b"".join(
+                    b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(names[j]), names[j]) for j in indices
+                )
+            )
+        for sock, indices in by_socket.items():
+            for j in indices:
+                _expect(sock, b"$%d\r\n" % blocks.size)
+                _receive(sock, blocks.target(j))
+                _expect(sock, b"\r\n")
+        loaded = time.perf_counter()
+        for sock, indices in by_socket.items():  # one DEL each: a Cluster node holds many slots
+            sock.sendall(
+                b"".join(
+                    b"*2\r\n$3\r\nDEL\r\n$%d\r\n%b\r\n" % (len(names[j]), names[j]) for j in indices
+                )
+            )
+            _expect(sock, b":1\r\n" * len(indices))
+        return stored - started, loaded - stored
+
+    def close(self) -> None:
+        for sock in self._sockets.values():
+            sock.close()
+
+
+def _receive(sock: socket.socket, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        got = sock.recv_into(view[done:])
+        if not got:
+            raise ConnectionError("the server closed the connection")
+        done += got
+
+
+def _expect(sock: socket.socket, reply: bytes) -> None:
+    got = bytearray(len(reply))
+    _receive(sock, memoryview(got))
+    if got != reply:
+        raise ConnectionError(f"unexpected reply {bytes(got[:40])!r} to the baseline")
 
 
 Round = Callable[[int], tuple[float, float]]
@@ -205,9 +286,15 @@ def measure_tiers(
         raise InvalidArgumentError(
             f"blocks and rounds must be >= 1 and block MiB > 0, got {blocks}, {rounds}, {block_mib}"
         )
+    size = int(block_mib * MIB)
+    if size < MIN_BLOCK_BYTES:
+        raise InvalidArgumentError(
+            f"a block of {block_mib:g} MiB is {size} bytes: at least {MIN_BLOCK_BYTES} "
+            f"({MIN_BLOCK_BYTES / MIB:g} MiB) are needed"
+        )
     # The payloads and the load buffer each hold every block.
     check_fits(2 * blocks * block_mib * MIB, f"{blocks} blocks of {block_mib:g} MiB")
-    data = _Blocks(blocks, int(block_mib * MIB))
+    data = _Blocks(blocks, size)
     results: dict[str, Any] = {"blocks": blocks, "block_bytes": data.size, "rounds": rounds}
     if fsync:
         results["fsync"] = True

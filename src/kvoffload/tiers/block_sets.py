@@ -10,15 +10,15 @@ parts of consecutive commands are joined, and each large payload is handed to
 ``sendall`` as it is. Each header, and so its payload digest, is computed
 just before its payload goes out, while the payload is still in the CPU's
 cache: 0.87-0.95 of plain SET against 0.82-0.89 with every header of a batch
-computed first (dev VM, same runs). The replies are read through the
-client's own connection, so AUTH, TLS, timeouts and error replies behave as
-in the library.
+computed first (dev VM, same runs). The shared tier sends the pieces and
+reads the replies on its own connections (:mod:`.resp`), under the
+operation's deadline.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from kvoffload.core.keys import OffloadKey
 from kvoffload.tiers.format import encode_header
@@ -54,43 +54,3 @@ def pack_sets(writes: Sequence[BlockWrite], fingerprint: bytes) -> Iterator[Payl
             yield payload
             joined = [b"\r\n"]
     yield b"".join(joined)
-
-
-Batch = tuple[Any, Sequence[BlockWrite]]
-"""A ``valkey`` connection pool (one server) and the writes for it."""
-
-
-def send_sets(batches: Sequence[Batch], fingerprint: bytes) -> None:
-    """SET each batch's writes over one connection of its pool.
-
-    Every batch is sent before any reply is read, so that the servers of a
-    Cluster store at once. Raises what the client raises: a socket failure
-    (the connections are closed), or, once every reply is read, the first
-    error reply (``valkey.exceptions.ResponseError``, e.g. MOVED or OOM), so
-    that the connections go back to their pools with nothing left unread.
-    """
-    from valkey.exceptions import ResponseError
-
-    first_error: ResponseError | None = None
-    taken: list[tuple[Any, Any, int]] = []
-    try:
-        for pool, writes in batches:
-            if writes:
-                connection = pool.get_connection("SET")
-                taken.append((pool, connection, len(writes)))
-                connection.send_packed_command(pack_sets(writes, fingerprint))
-        for _, connection, replies in taken:
-            for _ in range(replies):
-                try:
-                    connection.read_response()
-                except ResponseError as error:
-                    first_error = first_error or error
-    except BaseException:
-        for _, connection, _ in taken:
-            connection.disconnect()
-        raise
-    finally:
-        for pool, connection, _ in taken:
-            pool.release(connection)
-    if first_error is not None:
-        raise first_error

@@ -68,3 +68,7 @@ class CircuitBreaker:
                     self.times_opened += 1
                 self._opened_at = self._clock()
             self._trial_running = False
+
+    def fresh(self) -> CircuitBreaker:
+        """A closed breaker with these settings (one per Cluster node)."""
+        return CircuitBreaker(self.threshold, self.cooldown_s, self._clock)

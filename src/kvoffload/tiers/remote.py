@@ -1,50 +1,153 @@
-"""The shared tier on Valkey or Redis, standalone or Cluster, through the ``valkey`` client.
+"""The shared tier on Valkey or Redis, standalone or Cluster, through its own RESP client.
 
 Values are :mod:`~kvoffload.tiers.format` blocks (a checksummed header, then
 the raw bytes) under ``kvo:<fingerprint hex>:<key hex>``, so two models never
-read each other's blocks. Reads are one multi-get per batch (grouped by hash
-slot in Cluster mode), writes one pipeline per batch and node, with header and
-payload sent apart (:mod:`.block_sets`), never joined. Every call has a
-timeout and goes through a circuit breaker: when the server is slow or down,
+read each other's blocks. Reads are one pipeline of GETs per batch and node,
+each reply received straight into its destination slot (:mod:`.resp`);
+writes one pipeline of SETs per batch and node, header and payload sent apart
+(:mod:`.block_sets`), never joined.
+
+Every operation (connect, send, full reply) has one deadline: ``timeout_ms``
+plus the time its bytes take at :data:`SLOWEST_LINK`. Every operation goes
+through one call wrapper and the breaker of its node (one per Cluster node,
+so a dead node fails its slots only): when a server is slow, paused or down,
 lookups miss and stores are dropped, counted, and the tier reconnects by
 itself once a trial call succeeds. A block the server evicted (maxmemory) is
-a plain miss; a value that fails its header check is never loaded: it is
-counted and deleted.
+a plain miss. A value that fails its header check, or whose announced length
+is not the layout's (refused before its bytes are read), is never loaded: it
+is counted corrupt and deleted.
 """
 
 from __future__ import annotations
 
+import binascii
+import socket
+import ssl
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from functools import partial
+from typing import TypeVar
+
+import xxhash
 
 from kvoffload.core.errors import KVOffloadError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import EventLog, OffloadingEvent
 from kvoffload.managers.tiered import Target, TierStats
-from kvoffload.tiers.block_sets import BlockWrite, send_sets
+from kvoffload.tiers.block_sets import BlockWrite, pack_sets
 from kvoffload.tiers.breaker import CircuitBreaker
-from kvoffload.tiers.format import CorruptBlockError, decode_block, encode_block
-from kvoffload.tiers.targets import deliver
+from kvoffload.tiers.format import HEADER_BYTES, CorruptBlockError, parse_header
+from kvoffload.tiers.resp import (
+    CHUNK,
+    DIRECT_BELOW,
+    MAX_LINE,
+    PEEK,
+    ConnectError,
+    Connection,
+    Credentials,
+    Deadline,
+    ErrorReply,
+    Reply,
+    command,
+)
+from kvoffload.tiers.targets import byte_view
 from kvoffload.tiers.url import RemoteAddress, parse_remote_url
 
 MEDIUM = "REMOTE"
+SLOTS = 16384
+SLOWEST_LINK = 100e6
+"""Bytes per second an operation's deadline allows on top of ``timeout_ms``."""
+SKIP_BELOW = 1 << 20
+"""A value of the wrong length up to this size is read and dropped; a longer one is
+never read: its connection is closed instead."""
+MAX_HOPS = 4
+"""MOVED/ASK redirections followed per batch before its blocks count as failed."""
+
+T = TypeVar("T")
 
 
 class RemoteTierError(KVOffloadError):
     """The shared tier cannot start: the server refuses us or cannot be reached."""
 
 
+class ServerReplyError(Exception):
+    """The server answered a command with an error (OOM, NOAUTH, LOADING, ...)."""
+
+
+class _Node:
+    """One server: its idle connections and its breaker."""
+
+    def __init__(self, host: str, port: int, breaker: CircuitBreaker) -> None:
+        self.host = host
+        self.port = port
+        self.breaker = breaker
+        self._idle: list[Connection] = []
+        self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def take(self) -> Connection | None:
+        """An idle connection the server has not closed meanwhile (its idle timeout, a
+        restart): one with something to read while idle is closed, not used."""
+        while True:
+            with self._lock:
+                if not self._idle:
+                    return None
+                connection = self._idle.pop()
+            if not connection.readable_now():
+                return connection
+            connection.close()
+
+    def give(self, connection: Connection) -> None:
+        if connection.broken:
+            connection.close()
+            return
+        with self._lock:
+            self._idle.append(connection)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for connection in idle:
+            connection.close()
+
+
+# What one block of a batch came to on its node.
+_HIT, _MISS, _CORRUPT, _AGAIN = "hit", "miss", "corrupt", "again"
+
+
+class _Redirect:
+    """A MOVED or ASK reply: the slot lives (for good, or for this one command) elsewhere."""
+
+    __slots__ = ("address", "ask", "slot")
+
+    def __init__(self, slot: int, address: tuple[str, int], ask: bool) -> None:
+        self.slot = slot
+        self.address = address
+        self.ask = ask
+
+
+_Status = str | _Redirect
+_Job = tuple[_Node, list[int], bool]
+"""A node, the indices of a batch to send it, and whether each command needs ASKING."""
+ASKING = command("ASKING")
+
+
 class RemoteTier:
     """Blocks on a Valkey/Redis server or Cluster named by ``url`` (see :mod:`.url`).
 
     Writes go out in pipelines of about ``chunk_bytes`` on ``io_threads``
-    connections, encoded there, never on the caller's thread.
+    connections, encoded there, never on the caller's thread. ``breaker`` is
+    the standalone server's; in Cluster mode every node gets a fresh one with
+    its settings (:attr:`breakers`).
 
-    Start-up connects once and raises :class:`RemoteTierError` with a clear
-    message for a wrong password or an unreachable server; after that no call
-    raises for the server's sake.
+    Start-up connects once, under one deadline of ``timeout_ms``, and raises
+    :class:`RemoteTierError` with a clear message (never the password) for a
+    wrong password, a failed TLS handshake or an unreachable server; after
+    that no call raises for the server's sake.
     """
 
     medium = MEDIUM
@@ -66,29 +169,47 @@ class RemoteTier:
         self.breaker = breaker or CircuitBreaker()
         self.stats = TierStats()
         self.unavailable = 0
-        """Calls refused by the open breaker or failed by the server (timeouts included)."""
+        """Calls refused by an open breaker or failed by the server (timeouts included)."""
         self._lock = threading.Lock()
-        self._client, self.is_cluster = _connect(self.address)
+        self._credentials = Credentials(
+            self.address.username,
+            self.address.password,
+            self.address.db,
+            self.address.tls_options,
+        )
+        self._context = _tls_context(self._credentials, self.address.redacted())
+        self._nodes: dict[tuple[str, int], _Node] = {}
+        self._slots: list[_Node] | None = None
+        """A Cluster's owner of each hash slot; ``None`` for a standalone server."""
+        self._server: _Node | None = None
+        self.is_cluster = self._start()
         self._pool = ThreadPoolExecutor(io_threads, "kvoffload-remote")
-        self._writes: list[tuple[list[OffloadKey], Future[bool]]] = []
+        self._writes: list[tuple[list[OffloadKey], Future[list[bool]]]] = []
         self._events = EventLog(enable_events)
+
+    @property
+    def breakers(self) -> dict[str, CircuitBreaker]:
+        """Each known node's breaker, by ``host:port``."""
+        with self._lock:
+            return {node.name: node.breaker for node in self._nodes.values()}
 
     def name(self, key: OffloadKey) -> bytes:
         return self._prefix + key.hex().encode()
 
     def present(self, keys: Sequence[OffloadKey]) -> int:
-        """Leading run of ``keys`` on the server: one pipelined round trip of EXISTS."""
+        """Leading run of ``keys`` on the server: one pipelined round trip of EXISTS per node."""
         if not keys:
             return 0
-        found = self._call(lambda: self._exists([self.name(key) for key in keys]))
-        if found is None:
-            return 0
-        run = 0
-        for exists in found:
-            if not exists:
-                break
-            run += 1
-        return run
+        names = [self.name(key) for key in keys]
+        found = [False] * len(names)
+        for node, indices in self._by_node(names, range(len(names))).items():
+            replies = self._call(node, partial(self._exists, names, indices))
+            for index, reply in zip(indices, replies or (), strict=False):
+                found[index] = reply == 1
+                redirect = _redirect(reply) if isinstance(reply, ErrorReply) else None
+                if redirect is not None:  # absent this once; the map learns the new owner
+                    self._follow(redirect, node)
+        return found.index(False) if False in found else len(found)
 
     def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
         keys = list(keys)
@@ -113,12 +234,11 @@ class RemoteTier:
         for keys, job in self._writes:
             if not (wait or job.done()):
                 running.append((keys, job))
-            elif job.result():
-                self.stats.stored_blocks += len(keys)
-                self._events.record(keys, MEDIUM, removed=False)
-            else:
-                with self._lock:  # reads count their failures from the I/O threads
-                    self.stats.failed += len(keys)
+                continue
+            stored = [key for key, ok in zip(keys, job.result(), strict=True) if ok]
+            self.stats.add(stored_blocks=len(stored), failed=len(keys) - len(stored))
+            if stored:
+                self._events.record(stored, MEDIUM, removed=False)
         self._writes = running
 
     def take_events(self) -> list[OffloadingEvent]:
@@ -127,180 +247,421 @@ class RemoteTier:
     def close(self) -> None:
         self.poll(wait=True)
         self._pool.shutdown(wait=True)
-        self._client.close()
+        with self._lock:
+            nodes = list(self._nodes.values())
+        for node in nodes:
+            node.close()
 
     def delete_all(self) -> int:
         """Delete every block under this tier's fingerprint (for tests and resets)."""
-        names = list(self._client.scan_iter(match=self._prefix + b"*", count=1000))
-        for start in range(0, len(names), 1000):
-            self._client.delete(*names[start : start + 1000])
-        return len(names)
+        deleted = 0
+        for node in self._primaries():
+            cursor = b"0"
+            while True:  # a deadline per page: a large keyspace takes many
+                page = self._call(node, partial(self._scan_page, cursor))
+                if page is None:
+                    break
+                cursor, count = page
+                deleted += count
+                if cursor == b"0":
+                    break
+        return deleted
 
-    def _call(self, op: Any) -> Any:
-        """``op()`` through the breaker; ``None`` if refused or failed (counted)."""
-        if not self.breaker.allow():
+    def node_address(self, name: bytes) -> tuple[str, int]:
+        """``(host, port)`` of the node that holds ``name``."""
+        node = self._node_of(name)
+        return node.host, node.port
+
+    def open_socket(self, name: bytes) -> socket.socket:
+        """A socket to the node holding ``name``, past TLS, AUTH and SELECT; the caller
+        owns it. For the benchmark's raw-socket baseline."""
+        node = self._node_of(name)
+        connection = self._open(node.host, node.port, Deadline(self.address.timeout_s))
+        return connection.sock
+
+    # The one funnel of every runtime operation.
+
+    def _call(
+        self, node: _Node, op: Callable[[Connection, Deadline], T], size: int = 0
+    ) -> T | None:
+        """``op`` on a connection to ``node`` through its breaker, all of it before one
+        deadline; ``None`` if refused or failed (counted). ``size``: bytes it moves."""
+        if not node.breaker.allow():
             with self._lock:
                 self.unavailable += 1
             return None
+        deadline = Deadline(self.address.timeout_s + size / SLOWEST_LINK)
+        connection = None
         try:
-            result = op()
-        except Exception:  # any client or socket failure is the server's, never the engine's
-            self.breaker.failure()
+            connection = node.take() or self._open(node.host, node.port, deadline)
+            result = op(connection, deadline)
+        except Exception:  # any socket, TLS or protocol failure is the server's, never ours
+            if connection is not None:
+                connection.close()
+            node.breaker.failure()
             with self._lock:
                 self.unavailable += 1
             return None
-        self.breaker.success()
+        node.give(connection)
+        node.breaker.success()
         return result
 
-    def _exists(self, names: list[bytes]) -> list[int]:
-        pipe = self._client.pipeline(transaction=False)
-        for name in names:
-            pipe.exists(name)
-        return list(pipe.execute())
+    def _open(self, host: str, port: int, deadline: Deadline) -> Connection:
+        return Connection.open(host, port, self._credentials, self._context, deadline)
+
+    # Start-up: one deadline, clear errors.
+
+    def _start(self) -> bool:
+        """Connect to the first seed that answers; whether it is a Cluster."""
+        where = self.address.redacted()
+        last: ConnectError | None = None
+        for host, port in self.address.hosts:
+            deadline = Deadline(self.address.timeout_s)
+            try:
+                connection = self._open(host, port, deadline)
+            except ConnectError as exc:
+                if exc.kind != "network":
+                    raise _start_error(exc, self.address, where) from None
+                last = exc
+                continue
+            try:
+                cluster = self._discover(host, port, connection, deadline)
+            except (OSError, ServerReplyError) as exc:
+                connection.close()
+                last = ConnectError("network", str(exc) or type(exc).__name__)
+                continue
+            node = self._node(host, port, None if cluster else self.breaker)
+            node.give(connection)
+            if not cluster:
+                self._server = node
+            return cluster
+        assert last is not None
+        raise _start_error(last, self.address, where) from None
+
+    def _discover(self, host: str, port: int, connection: Connection, deadline: Deadline) -> bool:
+        """Ask whether the server runs in Cluster mode (unless the URL says); if so, its
+        slot map."""
+        cluster = self.address.cluster
+        if cluster is None:
+            connection.send([command("INFO", "cluster")], deadline)
+            info = _ok(connection.read_reply(deadline))
+            cluster = isinstance(info, bytes) and b"cluster_enabled:1" in info
+        if cluster:
+            connection.send([command("CLUSTER", "SLOTS")], deadline)
+            self._slots = self._slot_map(_ok(connection.read_reply(deadline)), host)
+        return cluster
+
+    def _slot_map(self, reply: Reply, seed_host: str) -> list[_Node]:
+        """Owner of each slot from CLUSTER SLOTS; a slot nobody owns goes to the first node."""
+        if not isinstance(reply, list) or not reply:
+            raise ServerReplyError("CLUSTER SLOTS named no slots")
+        owners: list[_Node | None] = [None] * SLOTS
+        for entry in reply:
+            if not isinstance(entry, list) or len(entry) < 3 or not isinstance(entry[2], list):
+                raise ServerReplyError("CLUSTER SLOTS gave an entry of an unknown shape")
+            low, high, (host, port, *_) = entry[0], entry[1], entry[2]
+            if not (isinstance(low, int) and isinstance(high, int) and isinstance(port, int)):
+                raise ServerReplyError("CLUSTER SLOTS gave an entry of an unknown shape")
+            name = host.decode() if isinstance(host, bytes) and host not in (b"", b"?") else ""
+            node = self._node(name or seed_host, port)
+            for slot in range(max(0, low), min(SLOTS - 1, high) + 1):
+                owners[slot] = node
+        first = next(node for node in owners if node is not None)
+        return [node or first for node in owners]
+
+    # Nodes and slots.
+
+    def _node(self, host: str, port: int, breaker: CircuitBreaker | None = None) -> _Node:
+        """The node at ``host:port``, made on first use with ``breaker`` (default: a fresh one)."""
+        with self._lock:
+            node = self._nodes.get((host, port))
+            if node is None:
+                node = _Node(host, port, breaker or self.breaker.fresh())
+                self._nodes[(host, port)] = node
+            return node
+
+    def _node_of(self, name: bytes) -> _Node:
+        """The node that holds ``name``: the server, or the owner of its Cluster slot."""
+        if self._slots is None:
+            assert self._server is not None
+            return self._server
+        return self._slots[binascii.crc_hqx(name, 0) % SLOTS]
+
+    def _primaries(self) -> list[_Node]:
+        if self._slots is None:
+            return [self._node_of(b"")]
+        return list(dict.fromkeys(self._slots))
+
+    def _by_node(self, names: Sequence[bytes], indices: Sequence[int]) -> dict[_Node, list[int]]:
+        groups: dict[_Node, list[int]] = {}
+        for index in indices:
+            groups.setdefault(self._node_of(names[index]), []).append(index)
+        return groups
+
+    def _follow(self, redirect: _Redirect, node: _Node) -> _Node:
+        """The node a redirection names; a MOVED one also updates the slot map."""
+        host, port = redirect.address
+        target = self._node(host or node.host, port)
+        if not redirect.ask and self._slots is not None:
+            self._slots[redirect.slot] = target
+        return target
+
+    # Operations, each on one connection under one deadline.
+
+    def _exists(
+        self, names: list[bytes], indices: list[int], connection: Connection, deadline: Deadline
+    ) -> list[Reply]:
+        connection.send([b"".join(command(b"EXISTS", names[i]) for i in indices)], deadline)
+        replies = [connection.read_reply(deadline, MAX_LINE) for _ in indices]
+        for reply in replies:
+            if isinstance(reply, ErrorReply) and _redirect(reply) is None:
+                raise ServerReplyError(reply.message)
+        return replies  # a redirected key counts as absent this once
 
     def _read(self, keys: list[OffloadKey], target: Target) -> list[bool]:
         names = [self.name(key) for key in keys]
-        if self.is_cluster:
-            values = self._call(lambda: self._client.mget_nonatomic(names))
-        else:
-            values = self._call(lambda: self._client.mget(names))
-        if values is None:
-            with self._lock:
-                self.stats.failed += len(keys)
-            return [False] * len(keys)
+        views = [byte_view(target, i) for i in range(len(keys))]
         outcome = [False] * len(keys)
-        broken = []
-        for i, (key, value) in enumerate(zip(keys, values, strict=True)):
-            if value is None:
+        corrupt: list[int] = []
+        failed = sum(view is None for view in views)
+        sizes = [0 if view is None else view.nbytes for view in views]
+        readable = [i for i, view in enumerate(views) if view is not None]
+        groups = self._by_node(names, readable)
+        jobs: list[_Job] = [(node, got, False) for node, got in groups.items()]
+        hops = 0
+        while jobs:
+            node, indices, asking = jobs.pop()
+            size = sum(len(names[i]) + sizes[i] for i in indices)
+            get = partial(self._get_into, keys, names, views, indices, asking)
+            statuses = self._call(node, get, size)
+            if statuses is None:
+                failed += len(indices)
                 continue
-            try:
-                payload = decode_block(value, key, self.fingerprint)
-            except CorruptBlockError:
-                broken.append(names[i])
-                continue
-            outcome[i] = deliver(target, i, payload)
-        if broken:
-            self._call(lambda: self._delete(broken))
-        with self._lock:
-            self.stats.hit_blocks += sum(outcome)
-            self.stats.corrupt += len(broken)
+            again = [i for i, status in zip(indices, statuses, strict=True) if status == _AGAIN]
+            if again:
+                jobs.append((node, again, asking))
+            moved: dict[tuple[_Node, bool], list[int]] = {}
+            for index, status in zip(indices, statuses, strict=True):
+                if status == _HIT:
+                    outcome[index] = True
+                elif status == _CORRUPT:
+                    corrupt.append(index)
+                elif isinstance(status, _Redirect):
+                    key = (self._follow(status, node), status.ask)
+                    moved.setdefault(key, []).append(index)
+            if moved:
+                hops += 1
+                if hops > MAX_HOPS:
+                    failed += sum(len(indices) for indices in moved.values())
+                    continue
+                jobs += [(where, indices, ask) for (where, ask), indices in moved.items()]
+        if corrupt:
+            for node, indices in self._by_node(names, corrupt).items():
+                self._call(node, partial(self._delete, [names[i] for i in indices]))
+        self.stats.add(hit_blocks=sum(outcome), corrupt=len(corrupt), failed=failed)
         return outcome
 
-    def _delete(self, names: list[bytes]) -> None:
-        pipe = self._client.pipeline(transaction=False)
-        for name in names:
-            pipe.delete(name)
-        pipe.execute()
+    def _get_into(
+        self,
+        keys: list[OffloadKey],
+        names: list[bytes],
+        views: list[memoryview | None],
+        indices: list[int],
+        asking: bool,
+        connection: Connection,
+        deadline: Deadline,
+    ) -> list[_Status]:
+        """GET each value straight into its view: the length first (a wrong one is refused
+        unread), then header and key (checked), then the payload, checksummed in place."""
+        prefix = ASKING if asking else b""
+        connection.send([b"".join(prefix + command(b"GET", names[i]) for i in indices)], deadline)
+        statuses: list[_Status] = []
+        for position, index in enumerate(indices):
+            if asking:
+                _ok(connection.read_reply(deadline, MAX_LINE))
+            view = views[index]
+            assert view is not None
+            large = view.nbytes >= DIRECT_BELOW
+            length = connection.read_bulk_length(deadline, large)
+            if isinstance(length, ErrorReply):
+                statuses.append(_read_error(length))
+                continue
+            if length < 0:
+                statuses.append(_MISS)
+                continue
+            key = keys[index]
+            if length != HEADER_BYTES + len(key) + view.nbytes:
+                statuses.append(_CORRUPT)
+                if length > SKIP_BELOW:  # never read: the rest of the batch goes again
+                    connection.broken = True
+                    statuses += [_AGAIN] * (len(indices) - position - 1)
+                    return statuses
+                connection.skip(length, deadline)
+                connection.end_of_value(deadline, large)
+                continue
+            statuses.append(self._receive(connection, deadline, key, view, large))
+        return statuses
 
-    def _write(self, keys: list[OffloadKey], payloads: list[bytes]) -> bool:
+    def _receive(
+        self,
+        connection: Connection,
+        deadline: Deadline,
+        key: OffloadKey,
+        view: memoryview,
+        large: bool,
+    ) -> _Status:
+        """Header and key (checked), then the payload into ``view``, checksummed as it
+        lands. ``large``: receive nothing past the header into the connection's buffer,
+        so the payload is copied once, by the kernel."""
+        head = bytearray(HEADER_BYTES + len(key))
+        connection.read_into(memoryview(head), deadline, most=PEEK if large else CHUNK)
+        try:
+            header = parse_header(head)
+            header.check(key, self.fingerprint)
+        except CorruptBlockError:
+            header = None
+        digest = payload_hasher()
+        # A bad block's bytes land in a slot nobody loads.
+        connection.read_into(view, deadline, digest)
+        connection.end_of_value(deadline, large)
+        if header is None or header.payload_bytes != view.nbytes:
+            return _CORRUPT
+        return _HIT if digest.intdigest() == header.digest else _CORRUPT
+
+    def _delete(self, names: list[bytes], connection: Connection, deadline: Deadline) -> None:
+        connection.send([b"".join(command(b"DEL", name) for name in names)], deadline)
+        for _ in names:
+            connection.read_reply(deadline, MAX_LINE)  # a redirected one is left for later
+
+    def _scan_page(
+        self, cursor: bytes, connection: Connection, deadline: Deadline
+    ) -> tuple[bytes, int]:
+        """One SCAN page of this tier's names, deleted; the next cursor (``b"0"``: done)."""
+        connection.send(
+            [command(b"SCAN", cursor, b"MATCH", self._prefix + b"*", b"COUNT", 1000)], deadline
+        )
+        reply = _ok(connection.read_reply(deadline))
+        if not isinstance(reply, list) or len(reply) != 2 or not isinstance(reply[1], list):
+            raise ServerReplyError("SCAN gave a reply of an unknown shape")
+        found = [name for name in reply[1] if isinstance(name, bytes)]
+        deleted = 0
+        if found:  # one DEL each: a Cluster refuses one over several slots
+            connection.send([b"".join(command(b"DEL", name) for name in found)], deadline)
+            deleted = sum(_ok(connection.read_reply(deadline, MAX_LINE)) == 1 for _ in found)
+        return (reply[0] if isinstance(reply[0], bytes) else b"0"), deleted
+
+    def _write(self, keys: list[OffloadKey], payloads: list[bytes]) -> list[bool]:
         writes = [
             BlockWrite(self.name(key), key, payload)
             for key, payload in zip(keys, payloads, strict=True)
         ]
-        store = self._store_on_nodes if self.is_cluster else self._store
-        return self._call(lambda: store(writes)) is True
+        names = [write.name for write in writes]
+        stored = [False] * len(writes)
+        jobs: list[_Job] = [
+            (node, got, False) for node, got in self._by_node(names, range(len(writes))).items()
+        ]
+        hops = 0
+        while jobs:
+            node, indices, asking = jobs.pop()
+            batch = [writes[i] for i in indices]
+            size = sum(len(write.payload) for write in batch)
+            statuses = self._call(node, partial(self._set_all, batch, asking), size)
+            if statuses is None:
+                continue
+            moved: dict[tuple[_Node, bool], list[int]] = {}
+            for index, status in zip(indices, statuses, strict=True):
+                if isinstance(status, _Redirect):
+                    moved.setdefault((self._follow(status, node), status.ask), []).append(index)
+                else:
+                    stored[index] = True
+            if moved and hops < MAX_HOPS:
+                hops += 1
+                jobs += [(where, indices, ask) for (where, ask), indices in moved.items()]
+        return stored
 
-    def _store(self, writes: list[BlockWrite]) -> bool:
-        send_sets([(self._client.connection_pool, writes)], self.fingerprint)
-        return True
-
-    def _store_on_nodes(self, writes: list[BlockWrite]) -> bool:
-        """One pipeline per node that owns the slots, all sent before any reply is read;
-        the client's own pipeline after a redirection.
-
-        A MOVED or ASK reply means the slot map changed: the client's pipeline
-        follows the redirection and refreshes the map, at the cost of joining
-        header and payload once.
-        """
-        import valkey
-
-        by_pool: dict[Any, list[BlockWrite]] = {}
-        for write in writes:
-            node = self._client.get_node_from_key(write.name)
-            by_pool.setdefault(node.valkey_connection.connection_pool, []).append(write)
-        try:
-            send_sets(list(by_pool.items()), self.fingerprint)
-        except valkey.exceptions.ResponseError:
-            pipe = self._client.pipeline(transaction=False)
-            for name, key, payload in writes:
-                pipe.set(name, encode_block(key, self.fingerprint, payload))
-            pipe.execute()
-        return True
+    def _set_all(
+        self, writes: list[BlockWrite], asking: bool, connection: Connection, deadline: Deadline
+    ) -> list[_Status]:
+        """SET every write, then read every reply; an error reply (other than a redirection)
+        fails the whole pipeline, as in the client library."""
+        if asking:
+            for write in writes:
+                connection.send([ASKING, *pack_sets([write], self.fingerprint)], deadline)
+        else:
+            connection.send(pack_sets(writes, self.fingerprint), deadline)
+        statuses: list[_Status] = []
+        error: ErrorReply | None = None
+        for _ in writes:
+            if asking:
+                _ok(connection.read_reply(deadline, MAX_LINE))
+            reply = connection.read_reply(deadline, MAX_LINE)
+            redirect = _redirect(reply) if isinstance(reply, ErrorReply) else None
+            if isinstance(reply, ErrorReply) and redirect is None:
+                error = error or reply
+            statuses.append(redirect or _HIT)
+        if error is not None:
+            raise ServerReplyError(error.message)
+        return statuses
 
 
-def _connect(address: RemoteAddress) -> tuple[Any, bool]:
-    """A connected client and whether it is a Cluster client; clear errors otherwise."""
-    import valkey
+def payload_hasher() -> xxhash.xxh3_64:
+    """The streaming form of :func:`~kvoffload.tiers.format.payload_digest` (XXH3-64):
+    fed each piece of a payload as it is received, it gives the same digest."""
+    return xxhash.xxh3_64()
 
-    common: dict[str, Any] = {
-        "username": address.username,
-        "password": address.password,
-        "ssl": address.tls,
-        "socket_timeout": address.timeout_s,
-        "socket_connect_timeout": address.timeout_s,
-    }
-    if address.tls_options is not None:
-        common.update(address.tls_options.client_kwargs())
-    where = address.redacted()
+
+def _ok(reply: Reply) -> Reply:
+    """``reply``, unless it is an error reply: then :class:`ServerReplyError`."""
+    if isinstance(reply, ErrorReply):
+        raise ServerReplyError(reply.message)
+    return reply
+
+
+def _redirect(reply: ErrorReply) -> _Redirect | None:
+    """The redirection in ``-MOVED 3999 host:port`` or ``-ASK 3999 host:port``."""
+    parts = reply.message.split()
+    if len(parts) != 3 or parts[0] not in ("MOVED", "ASK"):
+        return None
+    host, _, port = parts[2].rpartition(":")
     try:
-        client, cluster = _open(address, common)
-    except valkey.exceptions.AuthenticationError as exc:
-        raise RemoteTierError(f"remote tier {where}: authentication failed ({exc})") from None
-    except valkey.exceptions.ResponseError as exc:
-        if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
-            raise RemoteTierError(f"remote tier {where}: authentication failed ({exc})") from None
-        raise RemoteTierError(f"remote tier {where}: {exc}") from None
-    except (
-        valkey.exceptions.ValkeyError,
-        valkey.exceptions.ValkeyClusterException,
-        OSError,
-    ) as exc:
-        if _tls_failure(exc):
-            has_cert = address.tls_options is not None and address.tls_options.certfile
-            hint = ""
-            if "VERIFY_FAILED" not in str(exc) and not has_cert:
-                hint = " (if the server asks for a client certificate, give ssl_certfile=)"
-            raise RemoteTierError(
-                f"remote tier {where}: TLS handshake failed ({exc}){hint}"
-            ) from None
-        hint = "" if address.tls else " (if that port speaks TLS, use rediss://)"
-        raise RemoteTierError(f"remote tier {where} is not reachable: {exc}{hint}") from None
-    return client, cluster
+        return _Redirect(int(parts[1]) % SLOTS, (host.strip("[]"), int(port)), parts[0] == "ASK")
+    except ValueError:
+        return None
 
 
-def _tls_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` or what caused it is an ``ssl`` error (untrusted or missing certificate)."""
-    import ssl
+def _read_error(reply: ErrorReply) -> _Status:
+    """A GET's error reply: a redirection; a value of another type (planted) is corrupt;
+    anything else fails the call."""
+    redirect = _redirect(reply)
+    if redirect is not None:
+        return redirect
+    if reply.code == "WRONGTYPE":
+        return _CORRUPT
+    raise ServerReplyError(reply.message)
 
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, ssl.SSLError):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
 
-
-def _open(address: RemoteAddress, common: dict[str, Any]) -> tuple[Any, bool]:
-    """Connect and ping; nothing stays open if that fails."""
-    import valkey
-    from valkey.cluster import ClusterNode, ValkeyCluster
-
-    cluster = address.cluster
-    if cluster is None:
-        probe: Any = valkey.Valkey(*address.hosts[0], db=address.db, **common)
-        try:
-            cluster = int(probe.info("cluster").get("cluster_enabled", 0)) == 1
-        finally:
-            probe.close()
-    if cluster:
-        node: Any = ClusterNode
-        nodes = [node(host, port) for host, port in address.hosts]
-        client: Any = ValkeyCluster(startup_nodes=nodes, **common)
-    else:
-        client = valkey.Valkey(*address.hosts[0], db=address.db, **common)
+def _tls_context(credentials: Credentials, where: str) -> ssl.SSLContext | None:
     try:
-        client.ping()
-    except BaseException:
-        client.close()
-        raise
-    return client, cluster
+        return credentials.context()
+    except (OSError, ssl.SSLError) as exc:
+        raise RemoteTierError(f"remote tier {where}: cannot load the TLS files ({exc})") from None
+
+
+def _start_error(exc: ConnectError, address: RemoteAddress, where: str) -> RemoteTierError:
+    """The one line that says why start-up failed (the password never in it)."""
+    message = str(exc)
+    if exc.kind == "auth":
+        return RemoteTierError(f"remote tier {where}: authentication failed ({message})")
+    if exc.kind in ("tls", "tls-refused"):
+        has_cert = address.tls_options is not None and address.tls_options.certfile
+        refused = exc.kind == "tls-refused" or (
+            "alert" in message.lower() and "VERIFY_FAILED" not in message
+        )
+        hint = ""
+        if refused and not has_cert:
+            hint = " (if the server asks for a client certificate, give ssl_certfile=)"
+        return RemoteTierError(f"remote tier {where}: TLS handshake failed ({message}){hint}")
+    if exc.kind == "server":
+        return RemoteTierError(f"remote tier {where}: {message}")
+    hint = "" if address.tls else " (if that port speaks TLS, use rediss://)"
+    return RemoteTierError(f"remote tier {where} is not reachable: {message}{hint}")

@@ -19,10 +19,10 @@ def destination(target: Target, index: int, size: int) -> memoryview | None:
     return view if view.nbytes == size and not view.readonly else None
 
 
-def deliver(target: Target, index: int, payload: memoryview) -> bool:
-    """Copy ``payload`` into ``target(index)``; whether it fitted."""
-    view = destination(target, index, len(payload))
-    if view is None:
-        return False
-    view.cast("B")[:] = payload
-    return True
+def byte_view(target: Target, index: int) -> memoryview | None:
+    """``target(index)`` as writable bytes, to receive into; ``None`` if it gives none."""
+    try:
+        view = target(index)
+        return None if view.readonly else view.cast("B")
+    except Exception:  # the destination's failure is this block's failed read, nothing more
+        return None

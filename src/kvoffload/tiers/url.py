@@ -2,10 +2,20 @@
 
 ``scheme://[user[:password]@]host[:port][,host[:port]...][/db][?option=value&...]``.
 Several hosts are the seed nodes of a Cluster; one host is asked at start-up
-whether it runs in Cluster mode unless ``cluster=`` says so.
+whether it runs in Cluster mode unless ``cluster=`` says so. Hosts are DNS
+names (labels of 1 to 63 characters, 253 in all), IPv4 addresses or IPv6
+ones in brackets; ports run from 1 to 65535.
 
-Options: ``timeout_ms=N`` (per call, default 250), ``cluster=yes|no``, and on
-a TLS URL (``rediss://``, ``valkeys://``) only:
+User name and password are percent-encoded (RFC 3986), as ``redis-cli -u``
+and the client libraries read them: any character works, and ``/ ? # @ %``
+must be written ``%2F %3F %23 %40 %25``. An ``@`` past the host part (an
+unencoded ``/``, ``?`` or ``#`` in a password) is an error whose message
+hides everything before it; no message ever shows the password.
+
+Options: ``timeout_ms=N`` (default 250, at most 600000): the deadline of each
+whole operation (connect, send, the full reply), plus the time its bytes take
+at 100 MB/s; ``cluster=yes|no``; and on a TLS URL (``rediss://``,
+``valkeys://``) only:
 
 - ``ssl_ca_certs=PATH``: the CA bundle (PEM) that signed the server's
   certificate; without it the system's trusted CAs are used;
@@ -15,18 +25,18 @@ a TLS URL (``rediss://``, ``valkeys://``) only:
   verified, host name included, unless ``none`` (or ``optional``) is given
   explicitly; ``ssl_check_hostname=no`` keeps the chain check but skips the
   host name (Cluster nodes that announce addresses their certificates do not
-  name). The ``valkey`` Cluster client checks the chain only, whatever this
-  says; the start-up probe of a single seed host checks its name too.
+  name). Every node of a Cluster is checked alike.
 
-Paths (percent-encoded where they hold ``&``, ``+`` or ``%``) must name
+Paths (percent-encoded where they hold ``&``, ``+``, ``%`` or ``@``) must name
 existing files. An unknown option, or an ``ssl_*`` option on a plain URL, is
 an error that names it.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import ipaddress
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qs, unquote
 
@@ -39,6 +49,13 @@ DEFAULT_TIMEOUT_MS = 250.0
 CERT_REQS = ("required", "optional", "none")
 TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 TLS_OPTIONS = (*TLS_FILES, "ssl_cert_reqs", "ssl_check_hostname")
+MAX_TIMEOUT_MS = 600_000.0
+MAX_PORT = 65_535
+MAX_HOST_NAME = 253
+MAX_LABEL = 63
+ENCODE_HINT = "'/' '?' '#' '@' '%' as %2F %3F %23 %40 %25"
+_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?")
+_BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
 _FLAGS = {"yes": True, "true": True, "1": True, "no": False, "false": False, "0": False}
 
 
@@ -70,7 +87,8 @@ class RemoteAddress:
 
     hosts: tuple[tuple[str, int], ...]
     username: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
+    """Never in a repr, so that no log of the address shows it."""
     db: int = 0
     tls: bool = False
     cluster: bool | None = None
@@ -92,29 +110,38 @@ class RemoteAddress:
 def parse_remote_url(url: str) -> RemoteAddress:
     """Parse ``url``; :class:`InvalidArgumentError` names what is wrong with it.
 
-    Messages quote the URL with its password hidden: they end up in logs.
+    Messages quote the URL with its user part hidden (:func:`redact_url`):
+    they end up in logs.
     """
-    shown = _without_password(url)
+    shown = redact_url(url)
     scheme, sep, rest = url.partition("://")
     if not sep or scheme.lower() not in SCHEMES:
         raise InvalidArgumentError(
             f"remote tier URL {shown!r} must start with one of "
             f"{', '.join(s + '://' for s in SCHEMES)}"
         )
-    rest, _, query = rest.partition("?")
-    netloc, _, path = rest.partition("/")
+    end = _authority_end(rest)
+    netloc, tail = rest[:end], rest[end:]
+    if "@" in tail:
+        raise InvalidArgumentError(
+            f"remote tier URL {shown!r} has an '@' after its host part: percent-encode "
+            f"{ENCODE_HINT} in a user name or password, and '@' in a path as %40"
+        )
+    if "#" in tail:
+        raise InvalidArgumentError(f"remote tier URL {shown!r} has a '#': write it as %23")
+    path, _, query = tail.partition("?")
     userinfo, at, hostlist = netloc.rpartition("@")
     username = password = None
     if at:
         user, colon, secret = userinfo.partition(":")
-        username = unquote(user) or None
-        password = unquote(secret) if colon else None
+        username = _decode(user, shown) or None
+        password = _decode(secret, shown) if colon else None
         if not colon and username is not None:
             # "redis://secret@host" is a password alone, as redis-py reads it.
             username, password = None, username
     hosts = tuple(_host(part, shown) for part in hostlist.split(","))
     db = _int(path.strip("/") or "0", "database number", shown)
-    params = {name: values[-1] for name, values in parse_qs(query).items()}
+    params = {name: values[-1] for name, values in parse_qs(query, keep_blank_values=True).items()}
     cluster = _flag(params.pop("cluster"), "cluster", shown) if "cluster" in params else None
     if len(hosts) > 1:
         cluster = True
@@ -136,19 +163,43 @@ def parse_remote_url(url: str) -> RemoteAddress:
     )
 
 
-def _without_password(url: str) -> str:
-    """``url`` with the password of its user part replaced by ``***``."""
+def redact_url(url: str) -> str:
+    """``url`` with its user part hidden: ``user:***@`` for a well-formed one; when an
+    ``@`` stands past the host part (an unencoded ``/``, ``?`` or ``#`` in a password),
+    everything up to the last ``@`` is hidden, as it may all be secret."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url
-    ends = [i for i in (rest.find("/"), rest.find("?")) if i >= 0]
-    netloc_end = min(ends, default=len(rest))
-    userinfo, at, hosts = rest[:netloc_end].rpartition("@")
+    end = _authority_end(rest)
+    if "@" in rest[end:]:
+        return f"{scheme}{sep}***@{rest[rest.rindex('@') + 1 :]}"
+    userinfo, at, hosts = rest[:end].rpartition("@")
     if not at:
         return url
     user, colon, _ = userinfo.partition(":")
     hidden = f"{user}:***" if colon else "***"
-    return f"{scheme}{sep}{hidden}@{hosts}{rest[netloc_end:]}"
+    return f"{scheme}{sep}{hidden}@{hosts}{rest[end:]}"
+
+
+def _authority_end(rest: str) -> int:
+    """Where the host part of ``rest`` (the URL after ``://``) ends: its first ``/?#``."""
+    ends = [i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0]
+    return min(ends, default=len(rest))
+
+
+def _decode(text: str, shown: str) -> str:
+    """A percent-encoded user name or password (RFC 3986); a stray ``%`` is an error."""
+    if _BAD_ESCAPE.search(text):
+        raise InvalidArgumentError(
+            f"remote tier URL {shown!r}: a '%' in its user part must start a percent-encoded "
+            "byte such as %25 (for '%' itself)"
+        )
+    try:
+        return unquote(text, errors="strict")
+    except UnicodeDecodeError:
+        raise InvalidArgumentError(
+            f"remote tier URL {shown!r}: its user part must be UTF-8 once percent-decoded"
+        ) from None
 
 
 def _timeout_ms(text: str | None, shown: str) -> float:
@@ -160,8 +211,11 @@ def _timeout_ms(text: str | None, shown: str) -> float:
         raise InvalidArgumentError(
             f"timeout_ms must be a number, got {text!r} in {shown!r}"
         ) from None
-    if not 0 < value < math.inf:
-        raise InvalidArgumentError(f"timeout_ms must be > 0 and finite, got {text!r} in {shown!r}")
+    if not 0 < value <= MAX_TIMEOUT_MS:
+        raise InvalidArgumentError(
+            f"timeout_ms must be > 0 and finite, at most {MAX_TIMEOUT_MS:.0f} (10 minutes), "
+            f"got {text!r} in {shown!r}"
+        )
     return value
 
 
@@ -196,18 +250,57 @@ def _flag(text: str, name: str, url: str) -> bool:
 
 
 def _host(part: str, url: str) -> tuple[str, int]:
-    host, colon, port = part.rpartition(":") if ":" in part else (part, "", "")
-    host = host.strip("[]")
+    """``host[:port]`` or ``[IPv6]:port``, both checked."""
+    if part.startswith("["):
+        host, bracket, after = part[1:].partition("]")
+        if not bracket or (after and not after.startswith(":")):
+            raise InvalidArgumentError(f"bad IPv6 host {part!r} in {url!r}")
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise InvalidArgumentError(f"bad IPv6 address {host!r} in {url!r}") from None
+        port = after[1:] if after else None
+    else:
+        if part.count(":") > 1:
+            raise InvalidArgumentError(
+                f"host {part!r} in {url!r}: an IPv6 address goes in brackets, [::1]:6379"
+            )
+        host, colon, text = part.partition(":")
+        port = text if colon else None
+        _check_host_name(host, url)
+    if port is None:
+        return host, DEFAULT_PORT
+    number = _int(port, "port", url)
+    if not 1 <= number <= MAX_PORT:
+        raise InvalidArgumentError(f"port must be 1 to {MAX_PORT}, got {number} in {url!r}")
+    return host, number
+
+
+def _check_host_name(host: str, url: str) -> None:
+    """A DNS name or IPv4 address: labels of 1 to 63 letters, digits, ``-`` or ``_``."""
     if not host:
         raise InvalidArgumentError(f"remote tier URL {url!r} names no host")
-    return host, _int(port, "port", url) if colon else DEFAULT_PORT
+    name = host[:-1] if host.endswith(".") else host
+    if len(name) > MAX_HOST_NAME:
+        raise InvalidArgumentError(
+            f"host name of {len(name)} characters in {url!r}: at most {MAX_HOST_NAME}"
+        )
+    for label in name.split("."):
+        if not label:
+            raise InvalidArgumentError(f"host name {host!r} in {url!r} has an empty label")
+        if len(label) > MAX_LABEL:
+            raise InvalidArgumentError(
+                f"host name {host!r} in {url!r} has a label of {len(label)} characters: "
+                f"at most {MAX_LABEL}"
+            )
+        if not _LABEL.fullmatch(label):
+            raise InvalidArgumentError(
+                f"host name {host!r} in {url!r}: a label holds only letters, digits, '-' "
+                "and '_' (write an international name in its xn-- form)"
+            )
 
 
 def _int(text: str, what: str, url: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise InvalidArgumentError(f"bad {what} {text!r} in {url!r}") from None
-    if value < 0:
+    if not text.isascii() or not text.isdigit():
         raise InvalidArgumentError(f"bad {what} {text!r} in {url!r}")
-    return value
+    return int(text)

@@ -9,7 +9,7 @@ SGLang itself reads from the same mapping are accepted and left to it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvoffload.admission import available_admissions
@@ -74,7 +74,7 @@ class BackendSettings:
     disk_bytes: int = 0
     disk_policy: str = "lru"
     disk_admission: str = "none"
-    remote_url: str | None = None
+    remote_url: str | None = field(default=None, repr=False)  # may hold a password
     remote_admission: str = "none"
     remote_bytes: int = 0
     kv_events_endpoint: str | None = None

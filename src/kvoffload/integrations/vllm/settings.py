@@ -9,7 +9,7 @@ plus kvoffload's, all under the :data:`PREFIX`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvoffload.admission import available_admissions
@@ -61,7 +61,7 @@ class SpecSettings:
     store_threshold: int = 0
     max_tracker_size: int = 64_000
     admission: str = "none"
-    remote_url: str | None = None
+    remote_url: str | None = field(default=None, repr=False)  # may hold a password
     disk_dir: str | None = None
     disk_bytes: int = 0
 

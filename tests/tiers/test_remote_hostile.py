@@ -1,0 +1,348 @@
+"""The shared tier against servers and links that misbehave: it never stalls, every bad
+block is counted once, and one dead Cluster node fails only its own slots.
+
+A stall shows as a future or a thread that does not finish within a generous
+bound (a loaded CI machine), never as a timing assert; the servers are
+stopped, or resumed, before the tier is closed, so a failing test ends too.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from tier_helpers import content
+
+from kvoffload import OffloadKey, block_id_key
+from kvoffload.core.layout import layout_preset
+from kvoffload.tiers import CircuitBreaker, RemoteTier, layout_fingerprint
+from kvoffload.tiers.format import encode_block, payload_digest
+from kvoffload.tiers.remote import payload_hasher
+from tier_servers import FakeValkey, ValkeyClusterProcesses, ValkeyProcess
+
+BLOCK = 32
+KEYS = [block_id_key(i, 5) for i in range(12)]
+STALL_S = 20.0
+"""Longer than any deadline here by far: reaching it means the call stalled."""
+
+
+CLI = [sys.executable, "-m", "kvoffload", "simulate", "--requests", "5", "--no-bound"]
+CLI += ["--no-progress"]
+
+
+def fingerprint(name: str, size: int = BLOCK) -> bytes:
+    return layout_fingerprint(name, layout_preset("tiny"), size)
+
+
+def read(tier: RemoteTier, keys: list[OffloadKey], size: int = BLOCK) -> list[bool]:
+    buffers = [bytearray(size) for _ in keys]
+    ok = tier.read(keys, lambda i: memoryview(buffers[i])).result(timeout=STALL_S)
+    assert all(bytes(buffers[i]) == content(k, size) for i, k in enumerate(keys) if ok[i])
+    return ok
+
+
+def store(tier: RemoteTier, keys: list[OffloadKey], size: int = BLOCK) -> None:
+    tier.write(keys, [content(key, size) for key in keys])
+    tier.poll(wait=True)
+
+
+def finishes(call: Callable[[], object]) -> object:
+    """``call()`` in a thread; fails the test if it has not returned within STALL_S."""
+    result: list[object] = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+    thread.join(STALL_S)
+    assert not thread.is_alive(), "the call stalled"
+    return result[0]
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeValkey]:
+    server = FakeValkey()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_reply_that_trickles_at_start_up_ends_in_one_line(tmp_path: Path) -> None:
+    server = FakeValkey("trickle")
+    try:
+        done = subprocess.run(
+            [*CLI, "--remote", server.url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        server.stop()
+    assert done.returncode == 1
+    [line] = done.stderr.strip().splitlines()
+    assert "not reachable: no full answer before the deadline" in line
+
+
+def test_a_value_that_drips_mid_run_is_a_counted_failure_and_opens_the_breaker(
+    fake: FakeValkey,
+) -> None:
+    breaker = CircuitBreaker(threshold=1, cooldown_s=0.2)
+    tier = RemoteTier(fake.url, fingerprint("drip"), breaker=breaker)
+    try:
+        store(tier, KEYS[:4])
+        fake.mode = "drip"  # each byte comes well within a socket timeout, the value never
+        assert read(tier, KEYS[:4]) == [False] * 4
+        assert tier.stats.failed == 4 and breaker.is_open and tier.unavailable == 1
+        assert finishes(lambda: tier.present(KEYS[:4])) == 0  # refused by the open breaker
+        fake.mode = "normal"
+        threading.Event().wait(0.25)  # the cooldown
+        assert read(tier, KEYS[:4]) == [True] * 4 and not breaker.is_open
+    finally:
+        fake.stop()
+        tier.close()
+
+
+def test_a_value_announced_at_512_mb_is_refused_unread_counted_and_deleted(
+    fake: FakeValkey,
+) -> None:
+    tier = RemoteTier(fake.url, fingerprint("huge"))
+    try:
+        store(tier, KEYS[:3])
+        fake.mode = "huge"
+        assert read(tier, KEYS[:3]) == [False] * 3
+        assert tier.stats.corrupt == 3 and tier.stats.failed == 0
+        assert sorted(fake.deleted) == sorted(tier.name(key) for key in KEYS[:3])
+    finally:
+        fake.stop()
+        tier.close()
+
+
+def test_simulate_goes_on_when_the_server_starts_dripping_mid_run(
+    tmp_path: Path, fake: FakeValkey
+) -> None:
+    """The first run stores its blocks; in the second the server drips every value it
+    is asked for: the promotions fail within their deadlines, the run ends normally."""
+    argv = [sys.executable, "-m", "kvoffload", "simulate", "--mix", "oneshot=1"]
+    argv += ["--requests", "30", "--gpu-blocks", "1500", "--cpu-blocks", "300"]
+    argv += ["--layout", "tiny", "--no-bound", "--no-progress", "--remote", fake.url]
+    runs = []
+    for i in range(2):
+        if i == 1:
+            fake.mode = "drip"
+        path = tmp_path / f"run{i}.json"
+        done = subprocess.run(
+            [*argv, "--json", str(path)], capture_output=True, text=True, timeout=120, check=False
+        )
+        assert done.returncode == 0, done.stderr
+        runs.append(json.loads(path.read_text())["tiers"]["remote"])
+    assert runs[0]["stored_blocks"] > 0 and runs[0]["failed"] == 0
+    assert runs[1]["hit_blocks"] == 0 and runs[1]["failed"] > 0
+
+
+def test_a_real_server_paused_with_sigstop_never_stalls_the_tier(
+    own_server: ValkeyProcess,
+) -> None:
+    """Connecting still works (the kernel accepts), sending too: only the reply never
+    comes. Only a deadline on the whole call, not the connect timeout, ends it."""
+    own_server.start()
+    breaker = CircuitBreaker(threshold=2, cooldown_s=0.2)
+    tier = RemoteTier(own_server.url + "&timeout_ms=300", fingerprint("sigstop"), breaker=breaker)
+    process = own_server.process
+    assert process is not None
+    try:
+        store(tier, KEYS[:6])
+        process.send_signal(signal.SIGSTOP)
+        assert read(tier, KEYS[:6]) == [False] * 6  # on a pooled connection
+        assert finishes(lambda: tier.present(KEYS[:6])) == 0
+        assert breaker.is_open
+        tier.write(KEYS[6:8], [content(key, BLOCK) for key in KEYS[6:8]])
+        finishes(lambda: tier.poll(wait=True))
+        assert tier.stats.failed == 6 + 2
+        process.send_signal(signal.SIGCONT)
+        threading.Event().wait(0.25)
+        assert read(tier, KEYS[:6]) == [True] * 6 and not breaker.is_open
+    finally:
+        process.send_signal(signal.SIGCONT)
+        tier.close()
+
+
+def test_one_dead_cluster_node_fails_only_its_slots(tmp_path: Path) -> None:
+    cluster = ValkeyClusterProcesses(tmp_path / "cluster").start()
+    keys = [block_id_key(i, 9) for i in range(60)]
+    tier = RemoteTier(cluster.url, fingerprint("cluster-node"), breaker=CircuitBreaker(1, 60))
+    try:
+        store(tier, keys)
+        dead = cluster.nodes[1]
+        where = [tier.node_address(tier.name(key)) for key in keys]
+        on_dead = [w == ("127.0.0.1", dead.port) for w in where]
+        assert 0 < sum(on_dead) < len(keys)
+        dead.stop()
+        assert read(tier, keys) == [not d for d in on_dead]
+        breakers = tier.breakers
+        assert breakers[f"127.0.0.1:{dead.port}"].is_open
+        assert [b.is_open for name, b in breakers.items() if name != f"127.0.0.1:{dead.port}"] == [
+            False,
+            False,
+        ]
+        # The live nodes keep taking stores and answering lookups.
+        more = [block_id_key(i, 10) for i in range(30)]
+        store(tier, more)
+        alive = [key for key in more if tier.node_address(tier.name(key))[1] != dead.port]
+        assert tier.stats.stored_blocks == len(keys) + len(alive)
+        assert tier.present(alive) == len(alive)
+    finally:
+        tier.close()
+        cluster.stop()
+
+
+@pytest.fixture
+def planted(valkey_server: ValkeyProcess) -> Iterator[RemoteTier]:
+    tier = RemoteTier(valkey_server.url, fingerprint("planted-length"))
+    tier.delete_all()
+    try:
+        yield tier
+    finally:
+        tier.delete_all()
+        tier.close()
+
+
+def test_a_valid_header_with_the_wrong_length_is_counted_once_and_deleted(
+    planted: RemoteTier, valkey_server: ValkeyProcess
+) -> None:
+    """Right key, fingerprint and checksum, but 64 payload bytes where the layout has 32."""
+    client = valkey_server.client()
+    store(planted, KEYS[:3])
+    longer = encode_block(KEYS[1], planted.fingerprint, content(KEYS[1], 2 * BLOCK))
+    client.set(planted.name(KEYS[1]), longer)
+    assert read(planted, KEYS[:3]) == [True, False, True]
+    assert planted.stats.corrupt == 1 and planted.stats.failed == 0
+    assert client.exists(planted.name(KEYS[1])) == 0  # so it is never read again
+    assert read(planted, KEYS[:3]) == [True, False, True] and planted.stats.corrupt == 1
+
+
+def test_a_long_planted_value_is_refused_before_its_bytes_are_read(
+    planted: RemoteTier, valkey_server: ValkeyProcess
+) -> None:
+    client = valkey_server.client()
+    store(planted, KEYS[:3])
+    size = 64 * 2**20
+    client.set(planted.name(KEYS[0]), encode_block(KEYS[0], planted.fingerprint, bytes(size)))
+    sent = client.info("stats")["total_net_output_bytes"]
+    assert read(planted, KEYS[:3]) == [False, True, True]  # its neighbours still load
+    # The server got as far as the sockets' buffers take, nowhere near the whole value.
+    assert client.info("stats")["total_net_output_bytes"] - sent < size // 2
+    assert planted.stats.corrupt == 1 and client.exists(planted.name(KEYS[0])) == 0
+
+
+def test_values_of_another_type_or_empty_are_corrupt_and_deleted(
+    planted: RemoteTier, valkey_server: ValkeyProcess
+) -> None:
+    client = valkey_server.client()
+    store(planted, KEYS[:4])
+    client.delete(planted.name(KEYS[1]), planted.name(KEYS[2]))
+    client.rpush(planted.name(KEYS[1]), b"a list")
+    client.set(planted.name(KEYS[2]), b"")
+    assert read(planted, KEYS[:4]) == [True, False, False, True]
+    assert planted.stats.corrupt == 2
+    assert client.exists(planted.name(KEYS[1]), planted.name(KEYS[2])) == 0
+
+
+def test_the_tier_follows_ask_during_a_slot_migration(tmp_path: Path) -> None:
+    """A slot half-way between two nodes: a key the old owner lacks is asked of the new
+    one, with ASKING, for stores and for loads, as the client library does."""
+    cluster = ValkeyClusterProcesses(tmp_path / "ask").start()
+    tier = RemoteTier(cluster.url, fingerprint("ask"))
+    try:
+        key = KEYS[0]
+        name = tier.name(key)
+        source_port = tier.node_address(name)[1]
+        source = next(node for node in cluster.nodes if node.port == source_port)
+        target = next(node for node in cluster.nodes if node.port != source_port)
+        slot = source.client().execute_command("CLUSTER", "KEYSLOT", name)
+        target_id = target.client().execute_command("CLUSTER", "MYID")
+        source_id = source.client().execute_command("CLUSTER", "MYID")
+        target.client().execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+        source.client().execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+        store(tier, [key])
+        assert tier.stats.stored_blocks == 1 and tier.stats.failed == 0
+        assert source.client().execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
+        assert target.client().execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 1
+        assert read(tier, [key]) == [True]
+        assert tier.node_address(name)[1] == source_port  # ASK never changes the map
+    finally:
+        tier.close()
+        cluster.stop()
+
+
+def test_simulate_against_a_server_paused_with_sigstop_at_start_up_or_mid_run(
+    tmp_path: Path, own_server: ValkeyProcess
+) -> None:
+    own_server.start()
+    process = own_server.process
+    assert process is not None
+    url = own_server.url.replace("timeout_ms=2000", "timeout_ms=300")
+    argv = [sys.executable, "-m", "kvoffload", "simulate", "--mix", "oneshot=1"]
+    argv += ["--requests", "200", "--gpu-blocks", "1500", "--cpu-blocks", "300"]
+    argv += ["--layout", "tiny", "--no-bound", "--no-progress", "--remote", url]
+    try:
+        process.send_signal(signal.SIGSTOP)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 1
+        assert "not reachable: no full answer before the deadline" in done.stderr
+        process.send_signal(signal.SIGCONT)
+        path = tmp_path / "first.json"
+        subprocess.run([*argv, "--json", str(path)], timeout=120, check=True)
+        admin = own_server.client()
+
+        def lookups() -> int:  # EXISTS calls: the run's lookups, not this test's INFOs
+            return int(admin.info("commandstats").get("cmdstat_exists", {}).get("calls", 0))
+
+        seen = lookups()
+        path = tmp_path / "second.json"
+        run = subprocess.Popen([*argv, "--json", str(path)], stderr=subprocess.PIPE, text=True)
+        while lookups() < seen + 20:
+            assert run.poll() is None, "the run ended before the server was paused"
+            threading.Event().wait(0.005)
+        process.send_signal(signal.SIGSTOP)
+        _, err = run.communicate(timeout=120)
+        assert run.returncode == 0, err
+        remote = json.loads(path.read_text())["tiers"]["remote"]
+        assert remote["failed"] > 0
+    finally:
+        process.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("sizes", [[0], [1, 2, 3], [2**20 + 7], [5, 70_000, 1, 300_000]])
+def test_the_streaming_checksum_of_loads_is_the_format_s_digest(sizes: list[int]) -> None:
+    """Loads checksum each piece as it lands; stores digest the payload whole."""
+    data = bytes(range(256)) * (sum(sizes) // 256 + 1)
+    payload = data[: sum(sizes)]
+    hasher = payload_hasher()
+    start = 0
+    for size in sizes:
+        hasher.update(memoryview(payload)[start : start + size])
+        start += size
+    assert hasher.intdigest() == payload_digest(payload)
+
+
+def test_connections_the_server_closed_while_idle_are_replaced_not_failed(
+    own_server: ValkeyProcess,
+) -> None:
+    """Valkey's idle ``timeout``, a proxy or a restart closes pooled connections: the next
+    call opens a fresh one instead of failing its blocks."""
+    own_server.start()
+    tier = RemoteTier(own_server.url, fingerprint("idle"))
+    try:
+        store(tier, KEYS[:2])
+        assert read(tier, KEYS[:2]) == [True, True]
+        own_server.client().execute_command("CLIENT", "KILL", "TYPE", "normal")
+        store(tier, KEYS[2:4])
+        assert read(tier, KEYS[:4]) == [True] * 4
+        assert tier.stats.failed == 0 and tier.unavailable == 0
+    finally:
+        tier.close()

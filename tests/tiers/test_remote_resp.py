@@ -1,0 +1,169 @@
+"""The shared tier's RESP reader over a real socket pair: replies cut into any pieces
+read back whole, values land in their destinations, and the deadline holds."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvoffload.tiers.resp import (
+    CHUNK,
+    DIRECT_BELOW,
+    PEEK,
+    Connection,
+    Deadline,
+    DeadlineExceeded,
+    ErrorReply,
+    ProtocolError,
+    Reply,
+)
+
+
+def encode(reply: Reply) -> bytes:
+    if isinstance(reply, ErrorReply):
+        return b"-%s\r\n" % reply.message.encode()
+    if isinstance(reply, int):
+        return b":%d\r\n" % reply
+    if reply is None:
+        return b"$-1\r\n"
+    if isinstance(reply, bytes):
+        return b"$%d\r\n%b\r\n" % (len(reply), reply)
+    return b"*%d\r\n" % len(reply) + b"".join(encode(item) for item in reply)
+
+
+replies: st.SearchStrategy[Reply] = st.recursive(
+    st.none()
+    | st.integers(-(2**62), 2**62)
+    | st.binary(max_size=300)
+    | st.builds(ErrorReply, st.from_regex(r"[A-Z]{2,6} [a-z0-9 ]{0,20}", fullmatch=True)),
+    lambda inner: st.lists(inner, max_size=4),
+    max_leaves=12,
+)
+
+
+class Collect:
+    """A digest that keeps the pieces it is fed."""
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes] = []
+
+    def update(self, data: memoryview, /) -> None:
+        self.pieces.append(bytes(data))
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, Connection]]:
+    left, right = socket.socketpair()
+    connection = Connection(right)
+    try:
+        yield left, connection
+    finally:
+        left.close()
+        connection.close()
+
+
+def send_in_pieces(sock: socket.socket, data: bytes, cuts: list[int]) -> threading.Thread:
+    """Send ``data`` from a thread, cut at ``cuts``, as a slow link delivers it."""
+
+    def run() -> None:
+        start = 0
+        for cut in [*sorted(set(cuts)), len(data)]:
+            if start < cut <= len(data):
+                sock.sendall(data[start:cut])
+                start = cut
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(replies, min_size=1, max_size=6), st.lists(st.integers(0, 4000), max_size=30))
+def test_replies_cut_anywhere_are_read_whole(batch: list[Reply], cuts: list[int]) -> None:
+    left, right = socket.socketpair()
+    connection = Connection(right)
+    try:
+        sender = send_in_pieces(left, b"".join(encode(reply) for reply in batch), cuts)
+        assert [connection.read_reply(Deadline(10)) for _ in batch] == batch
+        sender.join(10)
+    finally:
+        left.close()
+        connection.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.sampled_from([0, 1, 17, DIRECT_BELOW - 1, DIRECT_BELOW, 3 * DIRECT_BELOW + 5]))
+    .filter(bool)
+    .map(lambda sizes: sizes[:4]),
+    st.lists(st.integers(0, 4 * DIRECT_BELOW), max_size=20),
+    st.booleans(),
+)
+def test_values_land_in_their_destinations_with_their_digest(
+    sizes: list[int], cuts: list[int], peek: bool
+) -> None:
+    """``peek``: the buffer takes only a few hundred bytes before a large value, as
+    block loads ask, so that the value's bytes are received into it directly."""
+    values = [bytes((i * 7 + j) % 251 for j in range(size)) for i, size in enumerate(sizes)]
+    left, right = socket.socketpair()
+    connection = Connection(right)
+    try:
+        sender = send_in_pieces(left, b"".join(encode(value) for value in values) + b":7\r\n", cuts)
+        for value in values:
+            most = PEEK if peek else CHUNK
+            length = connection.read_bulk_length(Deadline(10), peek)
+            assert length == len(value)
+            destination = bytearray(len(value))
+            collect = Collect()
+            connection.read_into(memoryview(destination), Deadline(10), collect, most)
+            connection.end_of_value(Deadline(10), peek)
+            assert destination == value and b"".join(collect.pieces) == value
+        assert connection.read_reply(Deadline(10)) == 7  # nothing was read past its value
+        sender.join(10)
+    finally:
+        left.close()
+        connection.close()
+
+
+def test_a_reply_that_never_ends_meets_the_deadline(pair: tuple[socket.socket, Connection]) -> None:
+    left, connection = pair
+    left.sendall(b"$10\r\nonly")
+    with pytest.raises(TimeoutError):
+        connection.read_reply(Deadline(0.2))
+    with pytest.raises(DeadlineExceeded):
+        Deadline(-1).left()
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"$99999999999\r\n", "more than this call accepts"),
+        (b"*99999999999\r\n", "more than this call accepts"),
+        (b"?what\r\n", "unknown reply type"),
+        (b":12x\r\n", "bad number"),
+        (b"$3\r\nabcXY", "not followed by CRLF"),
+        (b"+" + b"P" * 70_000, "longer than 65536 bytes"),
+    ],
+)
+def test_replies_we_do_not_accept_are_protocol_errors(
+    pair: tuple[socket.socket, Connection], data: bytes, message: str
+) -> None:
+    left, connection = pair
+    threading.Thread(target=left.sendall, args=(data,), daemon=True).start()
+    with pytest.raises(ProtocolError, match=message):
+        connection.read_reply(Deadline(5))
+
+
+def test_a_closed_server_is_a_connection_error(pair: tuple[socket.socket, Connection]) -> None:
+    left, connection = pair
+    left.sendall(b"+OK\r\n")
+    left.close()
+    assert connection.read_reply(Deadline(5)) == b"OK"
+    assert connection.readable_now()  # end-of-file waits: the pool would drop it
+    with pytest.raises(ConnectionError, match="closed the connection"):
+        connection.read_reply(Deadline(5))

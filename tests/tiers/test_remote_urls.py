@@ -1,0 +1,165 @@
+"""Shared-tier URLs: credentials never shown, percent-encoded passwords, and one clear
+line for every odd URL, at parse time or against a real server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+
+from kvoffload import block_id_key
+from kvoffload.cli.main import main
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.layout import layout_preset
+from kvoffload.tiers import RemoteTier, RemoteTierError, layout_fingerprint, parse_remote_url
+from tier_servers import ValkeyProcess
+
+SECRET = "hunt3r-Two"
+"""In every password below: no message may hold it, or any part of it."""
+
+
+def shows_no_secret(text: str) -> bool:
+    return all(part not in text for part in ("hunt3r", "Two"))
+
+
+CLI = [sys.executable, "-m", "kvoffload", "simulate", "--requests", "5", "--no-bound"]
+CLI += ["--no-progress"]
+
+
+def one_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        (f"redis://user:{SECRET[:6]}/{SECRET[6:]}@h:1/0", "an '@' after its host part"),
+        (f"redis://:{SECRET[:6]}?{SECRET[6:]}@h:1/0", "an '@' after its host part"),
+        (f"redis://:{SECRET[:6]}#{SECRET[6:]}@h:1", "an '@' after its host part"),
+        (f"redis://:{SECRET}%zz@h:1", "a '%' in its user part must start a percent-encoded"),
+        (f"redis://:{SECRET}%ff@h:1", "must be UTF-8"),
+        (f"redis://:{SECRET}@h:0", "port must be 1 to 65535, got 0"),
+        (f"redis://:{SECRET}@h:65536", "port must be 1 to 65535, got 65536"),
+        (f"redis://:{SECRET}@h:-1", "bad port '-1'"),
+        (f"redis://:{SECRET}@a..b:1", "has an empty label"),
+        (f"redis://:{SECRET}@.a:1", "has an empty label"),
+        (f"redis://:{SECRET}@{'x' * 64}.example:1", "has a label of 64 characters: at most 63"),
+        (f"redis://:{SECRET}@{'a.' * 130}b:1", "at most 253"),
+        (f"redis://:{SECRET}@ho st:1", "a label holds only letters"),
+        (f"redis://:{SECRET}@::1:6379", "an IPv6 address goes in brackets"),
+        (f"redis://:{SECRET}@[::g]:6379", "bad IPv6 address"),
+        (f"redis://:{SECRET}@h:1?timeout_ms=1e300", "at most 600000"),
+        (f"redis://:{SECRET}@h:1?timeout_ms=inf", "timeout_ms must be > 0 and finite"),
+        (f"redis://:{SECRET}@h:1?timeout_ms=", "timeout_ms must be a number"),
+        (f"redis://:{SECRET}@h:1/0#frag", "has a '#': write it as %23"),
+        (f"redis://:{SECRET}@h:1?colour=red", "unknown option"),
+        (f"redis://{SECRET}@:1", "names no host"),
+    ],
+)
+def test_bad_urls_say_what_is_wrong_and_never_show_the_user_part(url: str, message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=message) as error:
+        parse_remote_url(url)
+    assert shows_no_secret(str(error.value)), str(error.value)
+
+
+def test_every_character_works_in_a_password_when_percent_encoded() -> None:
+    password = "p/w?x@y#z%1 :+&=é"
+    encoded = quote(password, safe="")
+    address = parse_remote_url(f"redis://alice:{encoded}@h:7/2?timeout_ms=5")
+    assert (address.username, address.password, address.hosts, address.db) == (
+        "alice",
+        password,
+        (("h", 7),),
+        2,
+    )
+    assert password not in address.redacted() and encoded not in address.redacted()
+    assert password not in repr(address)  # a logged address shows no password either
+    hosts = parse_remote_url("redis://[::1]:7000,h.example.:7001,h-1_b").hosts
+    assert hosts == (("::1", 7000), ("h.example.", 7001), ("h-1_b", 6379))
+
+
+def test_a_percent_encoded_password_authenticates_against_a_real_server(tmp_path: Path) -> None:
+    password = f"{SECRET}/?@#%:"
+    server = ValkeyProcess(tmp_path / "pw", password=password).start()
+    fp = layout_fingerprint("password", layout_preset("tiny"), 8)
+    try:
+        tier = RemoteTier(server.url, fp)  # the URL percent-encodes the password
+        try:
+            tier.write([block_id_key(1)], [b"12345678"])
+            tier.poll(wait=True)
+            assert tier.present([block_id_key(1)]) == 1
+        finally:
+            tier.close()
+        wrong = server.url.replace(quote(password, safe=""), quote(password[:-1], safe=""))
+        with pytest.raises(RemoteTierError, match="authentication failed") as error:
+            RemoteTier(wrong, fp)
+        assert shows_no_secret(str(error.value))
+    finally:
+        server.stop()
+
+
+def test_no_output_of_a_run_holds_the_password(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run that works, one with a wrong password and one with no server: stdout,
+    stderr and the JSON report hold no part of the password."""
+    server = ValkeyProcess(tmp_path / "run", password=SECRET).start()
+    try:
+        path = tmp_path / "run.json"
+        argv = ["simulate", "--requests", "10", "--gpu-blocks", "1500", "--cpu-blocks", "100"]
+        argv += ["--layout", "tiny", "--no-bound", "--no-progress"]
+        assert main([*argv, "--remote", server.url, "--json", str(path)]) == 0
+        out = capsys.readouterr()
+        report = path.read_text()
+        assert json.loads(report)["tiers"]["remote"]["stored_blocks"] > 0
+        assert shows_no_secret(out.out + out.err + report)
+        assert main([*argv, "--remote", server.url.replace(SECRET, SECRET + "x")]) == 1
+        assert "authentication failed" in (line := one_line(capsys)) and shows_no_secret(line)
+    finally:
+        server.stop()
+    assert main([*argv, "--remote", server.url]) == 1
+    assert "is not reachable" in (line := one_line(capsys)) and shows_no_secret(line)
+
+
+def test_rediss_against_a_plain_server_says_the_tls_handshake_failed(
+    valkey_server: ValkeyProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"rediss://:{SECRET}@127.0.0.1:{valkey_server.port}/0?timeout_ms=500"
+    argv = ["simulate", "--requests", "5", "--no-bound", "--no-progress", "--remote", url]
+    assert main(argv) == 1
+    line = one_line(capsys)
+    assert "TLS handshake failed" in line and "does that port speak TLS?" in line
+    assert shows_no_secret(line)
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("redis://127.0.0.1:{port}/0?timeout_ms=1e300", "at most 600000"),
+        ("redis://127.0.0.1:{port}/0?timeout_ms=99999999999999999999", "at most 600000"),
+        ("redis://a..b:1", "has an empty label"),
+        (f"redis://{'x' * 64}:1", "a label of 64 characters"),
+        ("redis://h:0", "port must be 1 to 65535"),
+        ("redis://h:70000", "port must be 1 to 65535"),
+    ],
+)
+def test_odd_urls_end_in_one_line_from_the_command_line(
+    url: str, message: str, valkey_server: ValkeyProcess
+) -> None:
+    done = subprocess.run(
+        [*CLI, "--remote", url.format(port=valkey_server.port)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("kvoffload: error: --remote: ") and message in lines[0]
