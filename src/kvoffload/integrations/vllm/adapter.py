@@ -6,9 +6,9 @@ Every call keeps its meaning: ``lookup(key)`` is a one-key batch lookup whose
 the seed differ, this adapter follows vLLM:
 
 * recency is request-scoped: keys a request reads or stores become recent
-  when first seen by it (head of the prefix most recent), and once more, in
-  prefix order, when the request finishes; vLLM's scheduler no longer calls
-  ``touch``;
+  when first seen by it (head of the prefix most recent; vLLM 0.33 only, 0.32
+  waits), and once more, in prefix order, when the request finishes; vLLM's
+  scheduler no longer calls ``touch``;
 * admission counts store offers (:class:`OfferCountFilter`), not lookups,
   and keys already held are never filtered.
 
@@ -107,8 +107,10 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         bytes_per_block: int = 0,
         on_shutdown: Callable[[], None] | None = None,
         info: Sequence[InfoSeries] = ({},),
+        recency_at_access: bool = True,
     ) -> None:
         self._build = build
+        self._recency_at_access = recency_at_access
         self._on_shutdown = on_shutdown
         self._info = [dict(series) for series in info]
         self._lock = threading.Lock()
@@ -341,12 +343,15 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             layer.saw_tier_hit(keys)
 
     def _seen(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
-        """Make keys first seen by this request recent, head of the prefix most recent."""
+        """Record keys first seen by this request; with ``recency_at_access`` (vLLM 0.33)
+        make them recent now, head of the prefix most recent (0.32 waits for the finish).
+        """
         seen = self._request_keys(req_context).seen
         new = [key for key in keys if key not in seen]
         if new:
             seen.update(dict.fromkeys(new))
-            self._direct.touch(new)
+            if self._recency_at_access:
+                self._direct.touch(new)
 
 
 def _vllm_spec(spec: Any) -> Any:

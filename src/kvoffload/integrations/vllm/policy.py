@@ -1,4 +1,4 @@
-"""Each kvoffload eviction policy as a vLLM 0.33 ``CachePolicy``, for vLLM's own CPU manager.
+"""Each kvoffload eviction policy as a vLLM 0.32/0.33 ``CachePolicy``, for vLLM's own CPU manager.
 
 vLLM resolves ``eviction_policy`` as an attribute of
 ``cache_policy_module_path``; ``kvoffload.integrations.vllm`` answers
@@ -15,6 +15,7 @@ from typing import Any
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy as VLLMCachePolicy
 
 from kvoffload.core.keys import OffloadKey
+from kvoffload.integrations.vllm.versions import running_release
 from kvoffload.policies import CachePolicy, available_policies, create_cache_policy
 
 PREFIX = "kvoffload_"
@@ -37,7 +38,8 @@ class PolicyShim(VLLMCachePolicy):  # type: ignore[misc]
     def get(self, key: OffloadKey) -> Any:
         return self._chunks.get(key)
 
-    def insert(self, key: OffloadKey, chunk: Any, req_context: Any) -> None:
+    def insert(self, key: OffloadKey, chunk: Any, req_context: Any = None) -> None:
+        """0.33 passes the storing request's context, 0.32 none; our policies need neither."""
         self._chunks[key] = chunk
         self._policy.insert([key], [chunk])
 
@@ -65,7 +67,11 @@ _SHIMS: dict[str, type[PolicyShim]] = {}
 
 
 def policy_shim(attribute: str) -> type[PolicyShim]:
-    """The shim class for ``kvoffload_<name>``; one class per name, made on first use."""
+    """The shim class for ``kvoffload_<name>``; one class per name, made on first use.
+
+    vLLM resolves the name when it builds its CPU manager: an untested vLLM stops here.
+    """
+    running_release()
     name = attribute.removeprefix(PREFIX)
     if not attribute.startswith(PREFIX) or name not in available_policies():
         known = ", ".join(PREFIX + p for p in available_policies())

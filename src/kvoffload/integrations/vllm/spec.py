@@ -40,6 +40,7 @@ from kvoffload.integrations.vllm.settings import (
     SpecSettings,
     parse_settings,
 )
+from kvoffload.integrations.vllm.versions import running_release
 from kvoffload.managers import CPUOffloadingManager, TieredOffloadingManager, build_manager
 from kvoffload.observe.counters import COUNTER_DOCS
 from kvoffload.tiers import RemoteTierError, build_tiered_manager, fingerprint_of, parse_remote_url
@@ -143,6 +144,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
+        self.release = running_release()
         self.settings: SpecSettings = parse_settings(self.extra_config)
         if self.settings.remote_url is not None:
             # The URL's syntax now; the server answers when the scheduler builds its manager.
@@ -274,6 +276,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 self.bytes_per_block,
                 on_shutdown=self.close,
                 info=self.config_info(),
+                recency_at_access=self.release.recency_at_access,
             )
         return self._manager
 

@@ -1,0 +1,105 @@
+"""Runs real vLLM engines for the engine tests; started by them with the engine venv's python.
+
+``python driver.py JOB.json OUT.json``. The job names the model and a list of engines, each
+with its ``kv_connector_extra_config`` (``null``: no connector, the baseline) and its steps:
+``generate`` (token-id prompts, greedy, with logprobs), ``reset`` (``reset_prefix_cache()``:
+the engine's own prefix cache, so the next requests must load from the offload tier) and
+``metrics`` (vLLM's ``get_metrics()``, summed over labels). Engines run one after another in
+this process, each shut down before the next starts. The output has, per engine, its start-up
+seconds and each step's result.
+
+vLLM's engine spawns processes that import ``__main__`` again: everything runs under the guard.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SAMPLING = {"temperature": 0.0, "max_tokens": 8, "logprobs": 1, "seed": 0}
+
+
+def kv_transfer_config(extra: dict[str, Any]) -> Any:
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
+    )
+
+
+def metrics(llm: Any) -> dict[str, float]:
+    """Each counter and gauge by name, summed over its label sets (one engine here)."""
+    values: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        value = getattr(metric, "value", None)
+        if isinstance(value, (int, float)):
+            values[metric.name] = values.get(metric.name, 0.0) + float(value)
+    return values
+
+
+def generate(llm: Any, prompts: list[list[int]]) -> dict[str, Any]:
+    from vllm import SamplingParams, TokensPrompt
+
+    start = time.perf_counter()
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts],
+        SamplingParams(**SAMPLING),
+        use_tqdm=False,
+    )
+    seconds = time.perf_counter() - start
+    tokens, logprobs = [], []
+    for output in outputs:
+        completion = output.outputs[0]
+        tokens.append(list(completion.token_ids))
+        steps = zip(completion.logprobs, completion.token_ids, strict=True)
+        logprobs.append([step[token].logprob for step, token in steps])
+    return {"tokens": tokens, "logprobs": logprobs, "seconds": seconds}
+
+
+def run_engine(model: str, engine: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM
+
+    extra = engine.get("extra")
+    kwargs: dict[str, Any] = {}
+    if extra is not None:
+        kwargs["kv_transfer_config"] = kv_transfer_config(extra)
+    start = time.perf_counter()
+    llm = LLM(
+        model=model,
+        dtype="bfloat16",
+        block_size=engine.get("block_size", 32),
+        max_model_len=2048,
+        max_num_seqs=8,
+        seed=0,
+        enforce_eager=True,
+        disable_log_stats=False,
+        **kwargs,
+    )
+    result: dict[str, Any] = {"startup_seconds": time.perf_counter() - start, "steps": []}
+    try:
+        for step in engine["steps"]:
+            if step["do"] == "generate":
+                result["steps"].append(generate(llm, step["prompts"]))
+            elif step["do"] == "reset":
+                result["steps"].append({"reset": llm.reset_prefix_cache()})
+            elif step["do"] == "metrics":
+                result["steps"].append({"metrics": metrics(llm)})
+            else:
+                raise ValueError(f"unknown step {step['do']!r}")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    return result
+
+
+def main(job_path: str, out_path: str) -> None:
+    job = json.loads(Path(job_path).read_text())
+    results = [run_engine(job["model"], engine) for engine in job["engines"]]
+    Path(out_path).write_text(json.dumps({"engines": results}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

