@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import uuid
 import warnings
+from collections.abc import Callable, Iterator
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -30,3 +33,21 @@ def import_vllm() -> dict[str, ModuleType]:
 @pytest.fixture(scope="session")
 def vllm_modules() -> dict[str, ModuleType]:
     return import_vllm()
+
+
+@pytest.fixture
+def instances(vllm_modules: dict[str, ModuleType]) -> Iterator[Callable[..., Any]]:
+    """Builds ``vllm_helpers.Instance`` objects with fresh engine ids; shuts them down even
+    when a test fails."""
+    from vllm_helpers import Instance
+
+    made: list[Instance] = []
+
+    def make(extra: dict[str, Any], **kwargs: Any) -> Instance:
+        instance = Instance(extra, f"test-{uuid.uuid4().hex[:12]}", **kwargs)
+        made.append(instance)
+        return instance
+
+    yield make
+    for instance in made:
+        instance.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -104,20 +104,6 @@ def test_what_does_not_change_the_bytes_keeps_the_fingerprint(
 ) -> None:
     base = _base()
     assert _fingerprint(KEEPS_BYTES[change](base)) == _fingerprint(base)
-
-
-@pytest.fixture
-def instances() -> Iterator[Callable[..., Instance]]:
-    made: list[Instance] = []
-
-    def make(extra: dict[str, Any], **kwargs: Any) -> Instance:
-        instance = Instance(extra, f"test-{uuid.uuid4().hex[:12]}", **kwargs)
-        made.append(instance)
-        return instance
-
-    yield make
-    for instance in made:
-        instance.close()
 
 
 def test_tp1_blocks_are_a_miss_for_tp2_with_the_same_bytes_per_block(

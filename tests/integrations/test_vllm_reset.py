@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -29,20 +29,6 @@ torch = pytest.importorskip("torch")
 KEYS = [block_id_key(i) for i in range(1, 13)]
 BLOCK_BYTES = 2 * 256
 """Per rank: two KV tensors of 256-byte pages (the ``Instance`` default)."""
-
-
-@pytest.fixture
-def instances() -> Iterator[Callable[..., Instance]]:
-    made: list[Instance] = []
-
-    def make(extra: dict[str, Any], **kwargs: Any) -> Instance:
-        instance = Instance(extra, f"test-{uuid.uuid4().hex[:12]}", **kwargs)
-        made.append(instance)
-        return instance
-
-    yield make
-    for instance in made:
-        instance.close()
 
 
 def _store_in_pairs(instance: Instance, keys: list[Any]) -> None:

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-import pytest
 from vllm_helpers import (
     SPEC_CONFIG,
     Instance,
@@ -79,20 +78,6 @@ def test_a_failed_store_gives_its_slots_back_in_the_held_blocks_gauge(
     frontend.observe(manager.get_stats().data, 0)
     assert _sample(registry, "vllm:kvoffload_held_blocks") == 1
     assert _sample(registry, "vllm:kvoffload_stores_failed_total") == 2
-
-
-@pytest.fixture
-def instances() -> Iterator[Callable[..., Instance]]:
-    made: list[Instance] = []
-
-    def make(extra: dict[str, Any], **kwargs: Any) -> Instance:
-        instance = Instance(extra, f"test-{uuid.uuid4().hex[:12]}", **kwargs)
-        made.append(instance)
-        return instance
-
-    yield make
-    for instance in made:
-        instance.close()
 
 
 def test_held_blocks_counts_promoted_blocks_too(

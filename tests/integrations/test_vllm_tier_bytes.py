@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -35,21 +35,6 @@ KEYS = [block_id_key(i) for i in range(1, 9)]
 NUM_TENSORS = 2
 PAGE_BYTES = 256
 BLOCK_BYTES = NUM_TENSORS * PAGE_BYTES
-
-
-@pytest.fixture
-def instances() -> Iterator[Callable[..., Instance]]:
-    """Builds instances with fresh engine ids; shuts them down even when a test fails."""
-    made: list[Instance] = []
-
-    def make(extra: dict[str, Any], **kwargs: Any) -> Instance:
-        instance = Instance(extra, f"test-{uuid.uuid4().hex[:12]}", **kwargs)
-        made.append(instance)
-        return instance
-
-    yield make
-    for instance in made:
-        instance.close()
 
 
 def _disk(tmp_path: Path, cpu_blocks: int = 2, world_size: int = 1) -> dict[str, Any]:
