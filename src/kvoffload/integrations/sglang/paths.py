@@ -5,7 +5,7 @@ query, the prefetch I/O and the backup thread); our tiers expect one caller
 for what changes their state, so that goes through the path's lock (see
 :class:`TierPath`). The admission layer
 sees what this tier sees: the lookups that reach L3 (sightings) and the
-host tier's write-backs (offers); it sits on a :class:`_Book` that keeps
+host tier's write-backs (offers); it sits on an ``AdmitAllManager`` that keeps
 nothing, since the tier below decides eviction itself. No SGLang import.
 """
 
@@ -15,15 +15,16 @@ import contextlib
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, cast
 
 from kvoffload.admission import AdmissionLayer, wrap_with_admission
 from kvoffload.core.keys import OffloadKey
-from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from kvoffload.core.manager import OffloadingEvent
 from kvoffload.core.specs import LoadStoreSpec
+from kvoffload.managers.admit_all import AdmitAllManager
 from kvoffload.managers.tiered import LowerTier, Target
 from kvoffload.tiers.block_sets import Payload
 from kvoffload.tiers.disk import DiskTier
@@ -69,19 +70,6 @@ class _Spec(LoadStoreSpec):
 
 
 _SPEC = _Spec()
-
-
-class _Book(OffloadingManager):
-    """The bottom of an admission layer over a tier: admits whatever the layer passes on."""
-
-    def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
-        return 0
-
-    def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
-        return _SPEC
-
-    def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
-        return PrepareStoreOutput(list(keys), _SPEC, [])
 
 
 Landed = Callable[[int, list[bool]], None]
@@ -148,7 +136,7 @@ class TierPath:
     ) -> None:
         self.name = name
         self.page_bytes = page_bytes
-        layer = wrap_with_admission(admission, _Book(), max(1, capacity))
+        layer = wrap_with_admission(admission, AdmitAllManager(_SPEC), max(1, capacity))
         self.layer = layer if isinstance(layer, AdmissionLayer) else None
         self._counters = TierCounters()
         self._open = open_tier

@@ -60,13 +60,13 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvoffload.admission import AdmissionLayer, wrap_with_admission
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.manager import OffloadingEvent as TierEvent
-from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import LoadStoreSpec
 from kvoffload.integrations.vllm.secondary_settings import (
     SecondarySettings,
     parse_disk_settings,
     parse_shared_settings,
 )
+from kvoffload.managers.admit_all import AdmitAllManager
 from kvoffload.managers.tiered import LowerTier, Target
 from kvoffload.tiers import DiskTier, RemoteTier, RemoteTierError, fingerprint_of
 
@@ -132,20 +132,6 @@ class _Spec(LoadStoreSpec):
 
 
 _SPEC = _Spec()
-
-
-class _Book(OffloadingManager):
-    """The bottom of an admission layer over a secondary tier: admits what the layer
-    passes on (the tier below decides eviction itself)."""
-
-    def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
-        return 0
-
-    def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
-        return _SPEC
-
-    def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
-        return PrepareStoreOutput(list(keys), _SPEC, [])
 
 
 @dataclass(frozen=True)
@@ -372,7 +358,9 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         self._reported = SecondaryCounters()
         layer = None
         if settings.admission != "none":
-            wrapped = wrap_with_admission(settings.admission, _Book(), max(1, self.capacity_blocks))
+            wrapped = wrap_with_admission(
+                settings.admission, AdmitAllManager(_SPEC), max(1, self.capacity_blocks)
+            )
             layer = wrapped if isinstance(wrapped, AdmissionLayer) else None
         self._owner = _Owner(tier, layer, self._KIND)
         self._lookups = _Lookups(self._owner, tier_type)
