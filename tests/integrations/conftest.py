@@ -51,3 +51,29 @@ def instances(vllm_modules: dict[str, ModuleType]) -> Iterator[Callable[..., Any
     yield make
     for instance in made:
         instance.close()
+
+
+@pytest.fixture(scope="module")
+def sglang() -> dict[str, ModuleType]:
+    """SGLang's storage modules, skipped cleanly where SGLang is not installed."""
+    from sglang_helpers import import_sglang
+
+    return import_sglang()
+
+
+@pytest.fixture
+def backends(sglang: dict[str, ModuleType]) -> Iterator[Callable[..., Any]]:
+    """Builds SGLang backends (``sglang_helpers.create_backend``); closes them even when a
+    test fails."""
+    from sglang_helpers import HostPool, create_backend
+
+    made: list[Any] = []
+
+    def make(extra: dict[str, Any], pool: HostPool | None, **kwargs: Any) -> Any:
+        backend = create_backend(sglang, extra, pool, **kwargs)
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        backend.close()

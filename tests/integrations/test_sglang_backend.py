@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
 pytest.importorskip("sglang", reason="SGLang is not installed (CI installs it --no-deps)")
 
-from sglang_helpers import HostPool, create_backend, import_sglang, page_hash
+from sglang_helpers import HostPool, page_hash
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.integrations.sglang.storage import page_key
@@ -27,26 +26,6 @@ from tier_servers import ValkeyProcess
 torch = pytest.importorskip("torch")
 
 KEYS = [page_hash(i) for i in range(12)]
-
-
-@pytest.fixture(scope="module")
-def sglang() -> dict[str, ModuleType]:
-    return import_sglang()
-
-
-@pytest.fixture
-def backends(sglang: dict[str, ModuleType]) -> Any:
-    """Builds backends; closes them even when a test fails."""
-    made: list[Any] = []
-
-    def make(extra: dict[str, Any], pool: HostPool | None, **kwargs: Any) -> Any:
-        backend = create_backend(sglang, extra, pool, **kwargs)
-        made.append(backend)
-        return backend
-
-    yield make
-    for backend in made:
-        backend.close()
 
 
 def disk(tmp_path: Path, pages: int = 64, pool: HostPool | None = None) -> dict[str, Any]:

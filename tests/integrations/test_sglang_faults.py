@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("sglang", reason="SGLang is not installed (CI installs it --no-deps)")
 
-from sglang_helpers import BAD_CONFIGS, HostPool, create_backend, import_sglang, page_hash
+from sglang_helpers import BAD_CONFIGS, HostPool, create_backend, page_hash
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.integrations.sglang.storage import page_key
@@ -29,25 +29,6 @@ from kvoffload.tiers.format import HEADER_BYTES
 from tier_servers import ValkeyProcess
 
 KEYS = [page_hash(i) for i in range(64)]
-
-
-@pytest.fixture(scope="module")
-def sglang() -> dict[str, ModuleType]:
-    return import_sglang()
-
-
-@pytest.fixture
-def backends(sglang: dict[str, ModuleType]) -> Any:
-    made: list[Any] = []
-
-    def make(extra: dict[str, Any], pool: HostPool | None, **kwargs: Any) -> Any:
-        backend = create_backend(sglang, extra, pool, **kwargs)
-        made.append(backend)
-        return backend
-
-    yield make
-    for backend in made:
-        backend.close()
 
 
 def test_server_killed_mid_batch_is_counted_never_raised(

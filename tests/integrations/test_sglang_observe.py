@@ -19,7 +19,7 @@ pytest.importorskip("zmq")
 pytest.importorskip("prometheus_client")
 
 from prometheus_client.parser import text_string_to_metric_families
-from sglang_helpers import HostPool, create_backend, import_sglang, page_hash
+from sglang_helpers import HostPool, create_backend, page_hash
 
 from kvoffload.integrations.sglang.storage import offset_endpoint
 from kvoffload.observe.events import BlockRemoved, BlockStored
@@ -27,11 +27,6 @@ from kvoffload.observe.subscriber import KVEventSubscriber
 from tier_servers import ValkeyProcess, free_port
 
 KEYS = [page_hash(i) for i in range(8)]
-
-
-@pytest.fixture(scope="module")
-def sglang() -> dict[str, ModuleType]:
-    return import_sglang()
 
 
 @pytest.fixture
