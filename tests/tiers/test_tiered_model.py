@@ -23,7 +23,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvoffload import CPUOffloadingManager, OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
-from kvoffload.managers.tiered import LowerTier, TieredOffloadingManager, TierSettings
+from kvoffload.core.tier_protocol import LowerTier
+from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
 from kvoffload.policies import PENDING_STORE
 from kvoffload.tiers import DiskTier, RemoteTier, layout_fingerprint
 from tier_servers import ValkeyProcess

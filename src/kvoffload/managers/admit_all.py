@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from kvoffload.admission import AdmissionLayer, wrap_with_admission
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import LoadStoreSpec
@@ -29,3 +30,16 @@ class AdmitAllManager(OffloadingManager):
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
         return PrepareStoreOutput(list(keys), self._spec, [])
+
+
+def admission_book(
+    admission: str, spec: LoadStoreSpec, capacity: int, write_budget: float | None = None
+) -> AdmissionLayer | None:
+    """The admission layer ``admission`` over an :class:`AdmitAllManager`, sized for a tier
+    of ``capacity`` blocks (``None`` for ``none``: every offer is written).
+
+    The one assembly of a tier's own decision book: the tiered stack's lower tiers,
+    SGLang's L3 tiers and vLLM's secondary tiers all use it.
+    """
+    layer = wrap_with_admission(admission, AdmitAllManager(spec), max(1, capacity), write_budget)
+    return layer if isinstance(layer, AdmissionLayer) else None

@@ -25,8 +25,9 @@ from kvoffload.admission import (
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import KVLayout, layout_preset
 from kvoffload.core.manager import OffloadingManager
+from kvoffload.core.tier_protocol import TierStats
 from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager, build_manager
-from kvoffload.managers.tiered import TieredOffloadingManager, TierStats
+from kvoffload.managers.tiered import TieredOffloadingManager
 from kvoffload.observe import Observers
 from kvoffload.policies import available_policies, resolve_policy
 from kvoffload.sim import tier_model

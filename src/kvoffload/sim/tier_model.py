@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvoffload.core.errors import InvalidArgumentError
-from kvoffload.managers.tiered import TieredOffloadingManager, TierStats
+from kvoffload.core.tier_protocol import TierStats
+from kvoffload.managers.tiered import TieredOffloadingManager
 
 DISK_GB_PER_S = 3.0
 """A PCIe 4 NVMe SSD, sequential."""

@@ -1,6 +1,6 @@
 """Tiers below the CPU tier: byte stores that need no torch (local disk, Valkey/Redis).
 
-Each implements :class:`~kvoffload.managers.tiered.LowerTier`; the shared
+Each implements :class:`~kvoffload.core.tier_protocol.LowerTier`; the shared
 tier's client package (``valkey``) is imported only when a remote tier is
 created.
 """

@@ -8,8 +8,9 @@ same rules; only the fingerprint (what the blocks' bytes mean) differs.
 from __future__ import annotations
 
 from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.tier_protocol import LowerTier, SlotBytes
 from kvoffload.managers.cpu import CPUOffloadingManager
-from kvoffload.managers.tiered import LowerTier, SlotBytes, TieredOffloadingManager, TierSettings
+from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.remote import RemoteTier
 
