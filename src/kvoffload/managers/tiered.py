@@ -165,6 +165,11 @@ class TieredOffloadingManager(OffloadingManager):
         """Per lower tier, blocks offered for writing and those its admission let through."""
 
     @property
+    def tier_settings(self) -> list[TierSettings]:
+        """Each lower tier's settings, in tier order."""
+        return list(self._settings)
+
+    @property
     def promotions_in_flight(self) -> int:
         return len(self._promoting)
 
