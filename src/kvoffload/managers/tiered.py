@@ -163,6 +163,9 @@ class TieredOffloadingManager(OffloadingManager):
         self.offered_blocks = [0] * len(self.tiers)
         self.admitted_blocks = [0] * len(self.tiers)
         """Per lower tier, blocks offered for writing and those its admission let through."""
+        self.judged_blocks = 0
+        """Block references the lower tiers' admission layers saw (lookups past the CPU hit,
+        a retry not counted again): what their write budgets are per."""
 
     @property
     def tier_settings(self) -> list[TierSettings]:
@@ -249,6 +252,7 @@ class TieredOffloadingManager(OffloadingManager):
         rest = keys[hits:]
         layers = [layer for layer in self.admissions if layer is not None]
         if fresh:
+            self.judged_blocks += len(rest)
             for layer in layers:
                 layer.see_request(rest, will_offer=False)
         found = self._reach(keys, hits)

@@ -33,6 +33,7 @@ from kvoffload.integrations.vllm.settings import (
     ADMISSION_KEY,
     DISK_BYTES_KEY,
     DISK_DIR_KEY,
+    REMOTE_BYTES_KEY,
     REMOTE_URL_KEY,
     SpecSettings,
     parse_settings,
@@ -59,7 +60,7 @@ CONFIG_INFO_KEYS = (
     "reset_drops_blocks",
 )
 """Labels of ``vllm:kv_offload_config_info``; a tier leaves empty what it does not have
-(the shared tier has no size of its own, the lower tiers no admission)."""
+(the shared tier has no size of its own, a lower tier no admission unless it has its own)."""
 
 
 class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
@@ -128,6 +129,8 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 "eviction_policy": settings.eviction_policy,
                 "reset_drops_blocks": True,
             }
+            if settings.disk_admission != "none":
+                disk["admission"] = settings.disk_admission
             series.append({**common, **disk})
         if settings.remote_url is not None:
             remote = {
@@ -136,6 +139,8 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 "address": parse_remote_url(settings.remote_url).redacted(),
                 "reset_drops_blocks": False,
             }
+            if settings.remote_admission != "none":
+                remote["admission"] = settings.remote_admission
             series.append({**common, **remote})
         return series
 
@@ -172,6 +177,12 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 f"no offloaded block of {self.bytes_per_block} bytes (a disk slot takes "
                 f"{self.disk_slot_bytes} bytes, after a {SUPER_BYTES}-byte superblock)"
             )
+        self.remote_blocks = self.settings.remote_bytes // self.bytes_per_block
+        if self.settings.remote_admission != "none" and self.remote_blocks < 1:
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config {REMOTE_BYTES_KEY!r} {self.settings.remote_bytes} "
+                f"holds no offloaded block of {self.bytes_per_block} bytes"
+            )
         self.fingerprint = _fingerprint(config, self.rank_slot_bytes, self.world_size)
         self._manager: VLLMManagerAdapter | None = None
         self._stack: Stack | None = None
@@ -205,8 +216,9 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
         # emptied with the CPU tier; the shared tier belongs to every engine on it and
         # keeps its blocks.
         self._close_tiers(wipe_disk=self._stack is not None)
+        config = self.stack_config(events, self.shared_slot_bytes())
         try:
-            self._stack = build_stack(self.stack_config(events, self.shared_slot_bytes()))
+            self._stack = build_stack(config)
         except RemoteTierError as exc:
             raise RemoteTierError(f"kv_connector_extra_config {REMOTE_URL_KEY!r}: {exc}") from None
         except InvalidArgumentError as exc:
@@ -225,6 +237,11 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             disk_dir=settings.disk_dir,
             disk_blocks=self.disk_blocks,
             remote_url=settings.remote_url,
+            remote_blocks=self.remote_blocks,
+            disk_admission=settings.disk_admission,
+            disk_write_budget=settings.disk_write_budget,
+            remote_admission=settings.remote_admission,
+            remote_write_budget=settings.remote_write_budget,
             enable_events=events,
             slot_bytes=slot_bytes,
             fingerprint=self.fingerprint,
