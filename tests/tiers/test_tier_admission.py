@@ -10,12 +10,14 @@ import pytest
 
 from kvoffload import block_id_key
 from kvoffload.admission import OptimisingAdmission
-from kvoffload.admission.optimiser import BUDGET_BURST_REFS
+from kvoffload.admission.optimiser import BUDGET_BURST_REFS, tier_policy
+from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.stack import StackConfig
+from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
 from kvoffload.sim.engine import EngineConfig, ServingEngine
 from kvoffload.sim.run import SimConfig, simulate
 from kvoffload.sim.sources import WorkloadSource
-from kvoffload.tiers import build_stack
+from kvoffload.tiers import DiskTier, build_stack
 
 ONE_SHOT_HEAVY = WorkloadSource(mix=(("oneshot", 0.7), ("chat", 0.3)), requests=300)
 
@@ -103,3 +105,46 @@ def test_a_retried_lookup_is_one_reference_to_the_tier(tmp_path: Path) -> None:
         assert tiered.lookup(keys) == 3 and tiered.judged_blocks == 5
     finally:
         stack.close()
+
+
+def test_the_disk_tiers_optimiser_models_the_disk_tiers_policy(tmp_path: Path) -> None:
+    config = StackConfig(
+        8,
+        disk_dir=str(tmp_path),
+        disk_blocks=8,
+        disk_policy="arc",
+        disk_admission="recommended",
+        fingerprint=bytes(16),
+    )
+    stack = build_stack(config)
+    try:
+        assert stack.disk is not None and stack.disk_admission is not None
+        assert tier_policy(stack.disk_admission.backing).__name__ == "ARCCachePolicy"
+    finally:
+        stack.close()
+
+
+@pytest.mark.parametrize(
+    ("admission", "budget", "written"), [("none", None, 4), ("recommended", 0.0, 0)]
+)
+def test_a_write_through_tier_writes_what_its_own_layer_admits(
+    tmp_path: Path, admission: str, budget: float | None, written: int
+) -> None:
+    """Completed CPU stores offered to a write-through tier pass its layer first: a zero
+    budget writes none of them, no layer all of them; the CPU tier stores them either way."""
+    disk = DiskTier(tmp_path, 8, bytes(16))
+    settings = TierSettings(True, admission=admission, write_budget=budget, capacity=8)
+    tiered = TieredOffloadingManager(
+        CPUOffloadingManager(8), [(disk, settings)], wait_for_tiers=True
+    )
+    keys = [block_id_key(i) for i in range(4)]
+    try:
+        assert tiered.lookup(keys) == 0
+        assert tiered.prepare_store(keys) is not None
+        tiered.complete_store(keys)
+        tiered.poll()
+        assert tiered.cpu.lookup(keys) == 4
+        assert (tiered.offered_blocks, tiered.admitted_blocks) == ([4], [written])
+        assert disk.stats.stored_blocks == written
+    finally:
+        tiered.close()

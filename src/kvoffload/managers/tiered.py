@@ -53,6 +53,7 @@ from kvoffload.core.tier_protocol import (
 from kvoffload.managers.admit_all import admission_book
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.policies import PENDING_STORE
+from kvoffload.policies.base import CachePolicy
 
 
 @dataclass(frozen=True)
@@ -153,8 +154,8 @@ class TieredOffloadingManager(OffloadingManager):
         self.promotion_batches = [0] * len(self.tiers)
         """Reads started per lower tier (each one batch of blocks)."""
         self.admissions: list[AdmissionLayer | None] = [
-            admission_book(s.admission, _BookSpec(), s.capacity, s.write_budget)
-            for s in self._settings
+            admission_book(s.admission, _BookSpec(), s.capacity, s.write_budget, _policy_of(tier))
+            for tier, s in zip(self.tiers, self._settings, strict=True)
         ]
         """Per lower tier, its admission layer (``None``: its threshold alone decides)."""
         self._judging = any(layer is not None for layer in self.admissions)
@@ -486,6 +487,13 @@ class TieredOffloadingManager(OffloadingManager):
                 failed[key] = None
             while len(failed) > self._max_tracker:
                 failed.popitem(last=False)
+
+
+def _policy_of(tier: LowerTier) -> CachePolicy | None:
+    """The eviction policy a tier keeps its index by, if it has one (the disk tier does;
+    the shared server evicts by its own rules)."""
+    policy = getattr(tier, "policy", None)
+    return policy if isinstance(policy, CachePolicy) else None
 
 
 _NOTHING = memoryview(bytearray(0))
