@@ -18,11 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvoffload.core.layout import KVLayout
+from kvoffload.core.tier_protocol import SlotBytes
 from kvoffload.dataplane import CPUBlockStore
 from kvoffload.dataplane.shared_region import SharedRegion, region_path
 from kvoffload.dataplane.shared_slot_bytes import SharedSlotBytes
 from kvoffload.dataplane.slot_bytes import StoreSlotBytes
-from kvoffload.managers.tiered import SlotBytes
 
 
 def _best(repeats: int, run: Callable[[], None]) -> float:

@@ -41,11 +41,10 @@ def main() -> None:
         warnings.simplefilter("ignore", DeprecationWarning)
         from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-        from kvoffload.admission import find_admission
         from kvoffload.integrations.vllm.adapter import VLLMManagerAdapter
         from kvoffload.integrations.vllm.offer_filter import OfferCountFilter
         from kvoffload.integrations.vllm.replay import replay
-        from kvoffload.managers import build_manager
+        from kvoffload.managers import StackConfig, build_cpu_stack
         from kvoffload.sim.traces import read_trace
 
     workload = read_trace(args.trace)
@@ -53,10 +52,7 @@ def main() -> None:
 
     def ours(policy: str, threshold: int) -> Any:
         def build() -> Any:
-            manager = build_manager(n, policy, admission=args.admission)
-            layer = find_admission(manager)
-            tier: Any = manager if layer is None else layer.backing
-            return manager, tier.block_status
+            return build_cpu_stack(StackConfig(n, policy, admission=args.admission))
 
         return VLLMManagerAdapter(build, OfferCountFilter(threshold) if threshold >= 2 else None)
 

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 from kvoffload.core.errors import InvalidArgumentError  # noqa: E402
 from kvoffload.core.layout import layout_preset  # noqa: E402
+from kvoffload.core.tier_protocol import SlotBytesUnavailableError  # noqa: E402
 from kvoffload.dataplane import CPUBlockStore  # noqa: E402
 from kvoffload.dataplane.shared_region import (  # noqa: E402
     SharedRegion,
@@ -20,7 +21,6 @@ from kvoffload.dataplane.shared_region import (  # noqa: E402
     sweep_stale_regions,
 )
 from kvoffload.dataplane.shared_slot_bytes import SharedSlotBytes  # noqa: E402
-from kvoffload.managers.tiered import SlotBytesUnavailableError  # noqa: E402
 
 SLOT = 64
 

@@ -31,6 +31,11 @@ DOCUMENTED = {
     "kvoffload.remote_url": ("remote_url", None),
     "kvoffload.disk_dir": ("disk_dir", None),
     "kvoffload.disk_bytes": ("disk_bytes", 0),
+    "kvoffload.disk_admission": ("disk_admission", "none"),
+    "kvoffload.disk_write_budget": ("disk_write_budget", None),
+    "kvoffload.remote_admission": ("remote_admission", "none"),
+    "kvoffload.remote_write_budget": ("remote_write_budget", None),
+    "kvoffload.remote_bytes": ("remote_bytes", 0),
 }
 """Key -> (settings field, default), as the documentation's table of keys gives them."""
 

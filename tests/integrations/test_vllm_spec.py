@@ -10,7 +10,7 @@ from vllm_helpers import create_spec
 
 from kvoffload import InvalidArgumentError, block_id_key
 from kvoffload.integrations.vllm.settings import parse_settings
-from kvoffload.managers import CPUOffloadingManager
+from kvoffload.managers import CPUOffloadingManager, Stack
 
 
 def test_factory_builds_our_spec_and_sizes_the_tier(vllm_modules: dict[str, ModuleType]) -> None:
@@ -103,9 +103,9 @@ def test_a_deferred_lookup_is_retry(vllm_modules: dict[str, ModuleType]) -> None
         def lookup(self, keys: Any) -> int | None:
             return None
 
-    def build() -> Any:
+    def build() -> Stack:
         manager = Deferring(4)
-        return manager, manager.block_status
+        return Stack(manager, manager)
 
     adapter = VLLMManagerAdapter(build)
     assert adapter.lookup(block_id_key(1), _context("r", [])) is LookupResult.RETRY

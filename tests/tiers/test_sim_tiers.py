@@ -60,14 +60,13 @@ def test_a_disk_run_reports_every_tier_and_its_model(tmp_path: Path) -> None:
 
 
 def test_the_disk_tier_has_its_own_policy(tmp_path: Path) -> None:
-    from kvoffload.sim.run import _tiered_manager
-    from kvoffload.tiers import DiskTier
+    from kvoffload.tiers import DiskTier, build_stack
 
     for disk_policy, expected in ((None, "LRUCachePolicy"), ("arc", "ARCCachePolicy")):
         cfg = config(disk_dir=str(tmp_path), disk_blocks=100, disk_policy=disk_policy)
-        stack = _tiered_manager(cfg, 16, None, False)
+        stack = build_stack(cfg.stack_config(bytes(16)))
         try:
-            disk = stack.tiers[0]
+            disk = stack.disk
             assert isinstance(disk, DiskTier) and type(disk.policy).__name__ == expected
         finally:
             stack.close()

@@ -9,12 +9,13 @@ prefill a block, 1 ms of transfer a block, 100 ms of decode per request.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
 from kvoffload import CPUOffloadingManager, block_id_key
+from kvoffload.core.keys import OffloadKey
 from kvoffload.core.layout import layout_preset
 from kvoffload.core.manager import OffloadingManager
 from kvoffload.managers.reuse_filter import FilterReusedOffloadingManager
@@ -49,7 +50,12 @@ def stack(disk: DiskTier, cpu_blocks: int) -> TieredOffloadingManager:
     )
 
 
-def replay(manager: OffloadingManager, requests: Sequence[Request], **extra: int) -> EngineStats:
+def replay(
+    manager: OffloadingManager,
+    requests: Sequence[Request],
+    holds: Callable[[OffloadKey], bool] | None = None,
+    **extra: int,
+) -> EngineStats:
     config = EngineConfig(
         gpu_blocks=16,
         bytes_per_block=1000,
@@ -59,7 +65,7 @@ def replay(manager: OffloadingManager, requests: Sequence[Request], **extra: int
         transfer_bytes_per_s=1e6,
         **extra,
     )
-    return ServingEngine(config, manager).run(requests)
+    return ServingEngine(config, manager, holds=holds).run(requests)
 
 
 def request(at: float, ids: Sequence[int]) -> Request:
@@ -134,10 +140,10 @@ def test_promoted_blocks_offered_for_storing_are_not_skipped_by_admission(
     assert (stats.lookups_deferred, stats.offload_hit_blocks, stats.computed_blocks) == (1, 0, 2)
     assert stats.stores_skipped_by_admission == 0 and stats.stored_blocks == 0
 
-    filtered = FilterReusedOffloadingManager(stack(filled_disk(tmp_path / "other"), 4), 2)
-    stats = replay(filtered, [request(0.0, [0, 1, 20])], max_lookup_retries=0)
-    assert isinstance(filtered.backing, TieredOffloadingManager)
-    filtered.backing.close()
+    tiered = stack(filled_disk(tmp_path / "other"), 4)
+    filtered = FilterReusedOffloadingManager(tiered, 2)
+    stats = replay(filtered, [request(0.0, [0, 1, 20])], tiered.holds, max_lookup_retries=0)
+    tiered.close()
     assert stats.stores_skipped_by_admission == 1 and filtered.stores_skipped == 3
 
 

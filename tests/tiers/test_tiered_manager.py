@@ -11,11 +11,8 @@ from tier_helpers import ByteSlots, content, flip_byte
 
 from kvoffload import CPUOffloadingManager, OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
-from kvoffload.managers.tiered import (
-    SlotBytesUnavailableError,
-    TieredOffloadingManager,
-    TierSettings,
-)
+from kvoffload.core.tier_protocol import SlotBytesUnavailableError
+from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
 from kvoffload.policies import PENDING_STORE
 from kvoffload.tiers import DiskTier, RemoteTier, layout_fingerprint
 from kvoffload.tiers.format import HEADER_BYTES

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvoffload.managers.tiered import TierStats
+from kvoffload.core.tier_protocol import TierStats
 
 
 @pytest.fixture

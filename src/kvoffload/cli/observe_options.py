@@ -22,7 +22,8 @@ from kvoffload.admission import find_admission
 from kvoffload.cli.options import number
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.manager import OffloadingManager
-from kvoffload.managers.tiered import LowerTier, TieredOffloadingManager
+from kvoffload.core.tier_protocol import LowerTier
+from kvoffload.managers.tiered import TieredOffloadingManager
 from kvoffload.observe import ObservedManager, Observers
 from kvoffload.observe.transfers import ObservedWorker
 from kvoffload.sim.tier_model import recovery_counts

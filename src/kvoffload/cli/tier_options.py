@@ -9,6 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
+from kvoffload.admission import available_admissions, resolve_admission
 from kvoffload.cli import options, output
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.layout import KVLayout
@@ -45,6 +46,28 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
         type=options.COUNT,
         default=0,
         help="write a block to disk/remote only after this many lookups; below 2: all (default: 0)",
+    )
+    for tier in ("disk", "remote"):
+        group.add_argument(
+            f"--{tier}-admission",
+            default="none",
+            metavar="NAME",
+            help=f"the {tier} tier's own admission layer after --tier-store-threshold, one of "
+            f"{', '.join(available_admissions())} (default: none)",
+        )
+        group.add_argument(
+            f"--{tier}-write-budget",
+            type=options.WRITE_BUDGET,
+            default=None,
+            metavar="W",
+            help=f"with --{tier}-admission recommended: at most W {tier} writes per block "
+            f"reference reaching the {tier} tier",
+        )
+    group.add_argument(
+        "--remote-blocks",
+        type=options.POSITIVE_INT,
+        metavar="N",
+        help="the shared tier's size in blocks as --remote-admission models it (required with it)",
     )
     latency = options.number(0.0)
     for name, what, default, kind in (
@@ -83,6 +106,26 @@ def check_before_work(args: argparse.Namespace) -> None:
         _check_disk_dir(args.disk_dir)
         if args.disk_policy is not None:
             options.check_name(args.disk_policy, "--disk-policy", resolve_policy)
+    for tier, present in (("disk", args.disk_dir is not None), ("remote", args.remote is not None)):
+        admission, budget = (
+            getattr(args, f"{tier}_admission"),
+            getattr(args, f"{tier}_write_budget"),
+        )
+        options.check_name(admission, f"--{tier}-admission", resolve_admission)
+        if not present and (admission != "none" or budget is not None):
+            option = f"--{tier}-admission" if admission != "none" else f"--{tier}-write-budget"
+            raise InvalidArgumentError(
+                f"{option} needs {'--disk-dir' if tier == 'disk' else '--remote'}"
+            )
+        if budget is not None and resolve_admission(admission) != "optimiser":
+            raise InvalidArgumentError(
+                f"--{tier}-write-budget needs --{tier}-admission recommended (the optimiser), "
+                f"not {admission!r}"
+            )
+    if args.remote_admission != "none" and args.remote_blocks is None:
+        raise InvalidArgumentError(
+            "--remote-admission needs --remote-blocks (the shared tier's size it models)"
+        )
     if args.remote is not None:
         _check_remote(args.remote)
 
@@ -156,6 +199,11 @@ def with_tiers(config: SimConfig, args: argparse.Namespace, block_tokens: int) -
         disk_blocks=disk_blocks,
         remote_url=args.remote,
         tier_store_threshold=args.tier_store_threshold,
+        disk_admission=args.disk_admission,
+        disk_write_budget=args.disk_write_budget,
+        remote_admission=args.remote_admission,
+        remote_write_budget=args.remote_write_budget,
+        remote_blocks=args.remote_blocks or 0,
         disk_policy=args.disk_policy,
         disk_gb_per_s=args.disk_gb_per_s,
         disk_latency_ms=args.disk_latency_ms,
@@ -197,6 +245,14 @@ def tier_rows(report: RunReport) -> list[tuple[str, str]]:
                 f"{output.count(entry['failed'])} failed, {output.count(entry['corrupt'])} corrupt",
             )
         )
+        if entry.get("admission", "none") != "none":
+            rows.append(
+                (
+                    "",
+                    f"admission {entry['admission']}: {output.count(entry['admitted_blocks'])} "
+                    f"of {output.count(entry['offered_blocks'])} offered blocks admitted",
+                )
+            )
         if "recovered" in entry:
             rows.append(
                 (

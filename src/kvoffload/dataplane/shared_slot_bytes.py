@@ -29,8 +29,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.tier_protocol import SlotBytesUnavailableError
 from kvoffload.dataplane.shared_region import map_live_region
-from kvoffload.managers.tiered import SlotBytesUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ SPARE_BUFFERS = 64
 
 
 class SharedSlotBytes:
-    """:class:`~kvoffload.managers.tiered.SlotBytes` over ``paths`` (one region per rank,
+    """:class:`~kvoffload.core.tier_protocol.SlotBytes` over ``paths`` (one region per rank,
     rank order), each of ``num_blocks`` slots of ``rank_slot_bytes``.
 
     ``unavailable``: blocks not written down or not promoted because a region

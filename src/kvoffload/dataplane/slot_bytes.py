@@ -13,7 +13,7 @@ from kvoffload.dataplane.cpu_store import CPUBlockStore
 
 
 class StoreSlotBytes:
-    """:class:`~kvoffload.managers.tiered.SlotBytes` over a :class:`CPUBlockStore`."""
+    """:class:`~kvoffload.core.tier_protocol.SlotBytes` over a :class:`CPUBlockStore`."""
 
     def __init__(self, store: CPUBlockStore) -> None:
         self._slots = store.data.numpy().reshape(store.num_blocks, -1)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from kvoffload.admission import resolve_admission, wrap_with_admission
-from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.manager import OffloadingManager
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.managers.reuse_filter import FilterReusedOffloadingManager
+from kvoffload.managers.stack import Stack, StackConfig, build_cpu_stack
 from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
 
 
@@ -26,24 +25,25 @@ def build_manager(
     Thresholds 0 and 1 mean "no filter", as in vLLM's configuration; anything but an
     integer >= 0 is refused, so that ``1.5`` or ``"2"`` is not silently "no filter".
     """
-    if isinstance(store_threshold, bool) or not isinstance(store_threshold, int):
-        raise InvalidArgumentError(
-            f"store_threshold must be an integer >= 0, got {store_threshold!r}"
-        )
-    if store_threshold < 0:
-        raise InvalidArgumentError(f"store_threshold must be >= 0, got {store_threshold}")
-    resolve_admission(admission)
-    manager: OffloadingManager = CPUOffloadingManager(num_blocks, cache_policy, enable_events)
-    manager = wrap_with_admission(admission, manager, num_blocks, write_budget)
-    if store_threshold >= 2:
-        manager = FilterReusedOffloadingManager(manager, store_threshold, max_tracker_size)
-    return manager
+    config = StackConfig(
+        num_blocks,
+        cache_policy,
+        store_threshold,
+        max_tracker_size,
+        admission,
+        write_budget,
+        enable_events=enable_events,
+    )
+    return build_cpu_stack(config).manager
 
 
 __all__ = [
     "CPUOffloadingManager",
     "FilterReusedOffloadingManager",
+    "Stack",
+    "StackConfig",
     "TierSettings",
     "TieredOffloadingManager",
+    "build_cpu_stack",
     "build_manager",
 ]

@@ -10,16 +10,23 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from kvoffload.admission import AdmissionLayer, wrap_with_admission
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import LoadStoreSpec
+from kvoffload.policies.base import CachePolicy
 
 
 class AdmitAllManager(OffloadingManager):
-    """Finds nothing, admits every offered key whole; ``spec`` names the tier's medium."""
+    """Finds nothing, admits every offered key whole; ``spec`` names the tier's medium.
 
-    def __init__(self, spec: LoadStoreSpec) -> None:
+    ``policy``: the tier's own eviction policy, which an optimising layer on top models
+    (``None``: LRU).
+    """
+
+    def __init__(self, spec: LoadStoreSpec, policy: CachePolicy | None = None) -> None:
         self._spec = spec
+        self.policy = policy
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
         return 0
@@ -29,3 +36,21 @@ class AdmitAllManager(OffloadingManager):
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
         return PrepareStoreOutput(list(keys), self._spec, [])
+
+
+def admission_book(
+    admission: str,
+    spec: LoadStoreSpec,
+    capacity: int,
+    write_budget: float | None = None,
+    policy: CachePolicy | None = None,
+) -> AdmissionLayer | None:
+    """The admission layer ``admission`` over an :class:`AdmitAllManager`, sized for a tier
+    of ``capacity`` blocks (``None`` for ``none``: every offer is written).
+
+    The one assembly of a tier's own decision book: the tiered stack's lower tiers,
+    SGLang's L3 tiers and vLLM's secondary tiers all use it.
+    """
+    book = AdmitAllManager(spec, policy)
+    layer = wrap_with_admission(admission, book, max(1, capacity), write_budget)
+    return layer if isinstance(layer, AdmissionLayer) else None

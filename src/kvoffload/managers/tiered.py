@@ -22,117 +22,38 @@ a block its tier cannot deliver.
 
 Blocks reach a lower tier either when the CPU tier evicts them (write-back)
 or as soon as their CPU store completes (write-through), each tier behind
-its own admission threshold. Lower tiers are duck-typed (:class:`LowerTier`):
+its own admission: a lookup threshold, and optionally an admission layer
+(``kvoffload.admission``, the optimiser included) over a decision book
+(:func:`~kvoffload.managers.admit_all.admission_book`) that judges what this
+tier sees: the stores offered to it and the lookups that reach it (the keys
+past the CPU tier's hit). Lower tiers are duck-typed (:class:`LowerTier`):
 this module moves no bytes itself and imports no tier.
 """
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Protocol, cast
+from dataclasses import dataclass
+from typing import cast
 
-from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
+from kvoffload.admission import AdmissionLayer, resolve_admission
+from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import CPULoadStoreSpec, LoadStoreSpec
+from kvoffload.core.tier_protocol import (
+    LowerTier,
+    SlotBytes,
+    SlotBytesUnavailableError,
+    Target,
+    TierStats,
+)
+from kvoffload.managers.admit_all import admission_book
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.policies import PENDING_STORE
-
-Target = Callable[[int], memoryview]
-"""Where block ``index`` of a read goes: a writable buffer of exactly its payload's size.
-
-Tiers read straight into it and check the bytes there, so a block is copied
-once; a block that fails its check leaves garbage in a slot nobody may load.
-A target that raises, or has another size, makes that block a failed read.
-"""
-
-
-@dataclass
-class TierStats:
-    """What one tier did, in blocks. ``failed``: stores or reads that did not happen.
-
-    Written from the scheduler thread and from tiers' I/O threads alike, so
-    every write goes through :meth:`add`, under one lock; reading a field
-    needs none.
-    """
-
-    hit_blocks: int = 0
-    stored_blocks: int = 0
-    failed: int = 0
-    corrupt: int = 0
-    evicted: int = 0
-    rejected: int = 0
-    """Blocks offered for writing that did not fit (everything else was pinned or pending)."""
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, **counts: int) -> None:
-        """Add ``counts`` (``failed=2, corrupt=1``) to the named fields, atomically."""
-        with self._lock:
-            for name, value in counts.items():
-                if name.startswith("_") or not hasattr(self, name):
-                    raise AttributeError(f"TierStats has no count {name!r}")
-                setattr(self, name, getattr(self, name) + value)
-
-
-class LowerTier(Protocol):
-    """A tier below the CPU tier. Called from the scheduler thread only.
-
-    Implementations do their I/O on their own threads and never raise into
-    the caller for a failed read or write: they count it in ``stats``.
-    """
-
-    medium: str
-    stats: TierStats
-
-    def present(self, keys: Sequence[OffloadKey]) -> int:
-        """Length of the leading run of ``keys`` this tier holds."""
-        ...
-
-    def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
-        """Read ``keys`` in the background into ``target``; per key, whether it arrived intact."""
-        ...
-
-    def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> None:
-        """Store ``keys`` in the background (keys already held are skipped)."""
-        ...
-
-    def poll(self, wait: bool) -> None:
-        """Apply finished background writes; with ``wait``, first wait for all of them."""
-        ...
-
-    def take_events(self) -> list[OffloadingEvent]: ...
-
-    def close(self) -> None: ...
-
-
-class SlotBytesUnavailableError(KVOffloadError):
-    """The CPU slots' bytes cannot be reached now (e.g. a worker's buffer is not mapped yet)."""
-
-
-class SlotBytes(Protocol):
-    """The bytes of the CPU tier's slots (the data plane's CPU block store)."""
-
-    def snapshot(self, slots: Sequence[int]) -> list[bytes]:
-        """Copies of these slots' bytes, taken now (the slots may be reused next).
-
-        :class:`SlotBytesUnavailableError` if they cannot be read: the stack then
-        writes none of these blocks down and counts them as the tiers' failed stores.
-        """
-        ...
-
-    def view(self, slot: int) -> memoryview:
-        """``slot``'s bytes, writable; filled from a tier's I/O threads."""
-        ...
-
-    def landed(self, slots: Sequence[int], intact: Sequence[bool]) -> None:
-        """A read into these slots' views has finished (in the scheduler thread, before any
-        of them becomes loadable); ``intact`` per slot. Views that were staging buffers
-        are copied into place here."""
-        ...
+from kvoffload.policies.base import CachePolicy
 
 
 @dataclass(frozen=True)
@@ -142,10 +63,37 @@ class TierSettings:
     ``write_through``: as soon as their CPU store completes; otherwise when
     the CPU tier evicts them. ``store_threshold``: a block is written only
     once lookups have seen it this many times (below 2: every block).
+    ``admission``: then an admission layer by name decides among those
+    (``none``: all pass), modelling a tier of ``capacity`` blocks and keeping,
+    with the optimiser, to ``write_budget`` writes per block reference that
+    reaches this tier.
     """
 
     write_through: bool = False
     store_threshold: int = 0
+    admission: str = "none"
+    write_budget: float | None = None
+    capacity: int = 0
+
+    def __post_init__(self) -> None:
+        threshold = self.store_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise InvalidArgumentError(
+                f"a tier's store_threshold must be an integer >= 0, got {threshold!r}"
+            )
+        if resolve_admission(self.admission) != "none" and self.capacity < 1:
+            raise InvalidArgumentError(
+                f"a tier's admission {self.admission!r} needs its capacity (>= 1 block), "
+                f"got {self.capacity}"
+            )
+
+
+class _BookSpec(LoadStoreSpec):
+    """What a lower tier's decision book hands out: nothing anybody loads."""
+
+    @staticmethod
+    def medium() -> str:
+        return "TIER"
 
 
 _Demotion = tuple[list[OffloadKey], list[bytes] | None]
@@ -205,6 +153,25 @@ class TieredOffloadingManager(OffloadingManager):
         self.cpu_stats = TierStats()
         self.promotion_batches = [0] * len(self.tiers)
         """Reads started per lower tier (each one batch of blocks)."""
+        self.admissions: list[AdmissionLayer | None] = [
+            admission_book(s.admission, _BookSpec(), s.capacity, s.write_budget, _policy_of(tier))
+            for tier, s in zip(self.tiers, self._settings, strict=True)
+        ]
+        """Per lower tier, its admission layer (``None``: its threshold alone decides)."""
+        self._judging = any(layer is not None for layer in self.admissions)
+        self._sighted: OrderedDict[tuple[OffloadKey, int], None] = OrderedDict()
+        """Lookups answered ``None`` whose keys the books saw: their retries are not new."""
+        self.offered_blocks = [0] * len(self.tiers)
+        self.admitted_blocks = [0] * len(self.tiers)
+        """Per lower tier, blocks offered for writing and those its admission let through."""
+        self.judged_blocks = 0
+        """Block references the lower tiers' admission layers saw (lookups past the CPU hit,
+        a retry not counted again): what their write budgets are per."""
+
+    @property
+    def tier_settings(self) -> list[TierSettings]:
+        """Each lower tier's settings, in tier order."""
+        return list(self._settings)
 
     @property
     def promotions_in_flight(self) -> int:
@@ -231,6 +198,12 @@ class TieredOffloadingManager(OffloadingManager):
             return self._claim(keys, hits)
         if keys[hits] in self._promoting:
             return None
+        if self._judging:
+            return self._judged(keys, hits)
+        return self._reach(keys, hits)
+
+    def _reach(self, keys: list[OffloadKey], hits: int) -> int | None:
+        """The lookup past the CPU tier's ``hits``: promote what the lower tiers hold."""
         rest = keys[hits:]
         if self._failed and keys[hits] in self._failed:
             for key in rest:
@@ -270,6 +243,31 @@ class TieredOffloadingManager(OffloadingManager):
         self._demote(demoted)
         return None if started else self._claim(keys, self.cpu.lookup(keys))
 
+    def _judged(self, keys: list[OffloadKey], hits: int) -> int | None:
+        """:meth:`_reach`, first showing the lower tiers' books the keys this lookup takes
+        past the CPU tier, once per request: a retry after ``None`` (the same keys) is no
+        new reference."""
+        request = (keys[-1], len(keys))
+        sighted = self._sighted
+        fresh = request not in sighted
+        rest = keys[hits:]
+        layers = [layer for layer in self.admissions if layer is not None]
+        if fresh:
+            self.judged_blocks += len(rest)
+            for layer in layers:
+                layer.see_request(rest, will_offer=False)
+        found = self._reach(keys, hits)
+        if found is None:
+            sighted[request] = None
+            while len(sighted) > self._max_tracker:
+                sighted.popitem(last=False)
+        else:
+            sighted.pop(request, None)
+        if fresh and (found is None or found > hits):
+            for layer in layers:
+                layer.saw_tier_hit(rest)
+        return found
+
     def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
         spec = self.cpu.prepare_load(keys)
         self.cpu_stats.add(hit_blocks=len(spec.block_ids))
@@ -297,9 +295,9 @@ class TieredOffloadingManager(OffloadingManager):
                 self._slots.pop(key, None)
             return
         self.cpu_stats.add(stored_blocks=len(landing))
-        for tier, settings in zip(self.tiers, self._settings, strict=True):
-            if settings.write_through:
-                self._write(tier, settings, landing)
+        for index, settings in enumerate(self._settings):
+            if settings.write_through and landing:
+                self._write(index, landing)
 
     def take_events(self) -> list[OffloadingEvent]:
         events = list(self.cpu.take_events())
@@ -356,9 +354,9 @@ class TieredOffloadingManager(OffloadingManager):
         keys, payloads = demotion
         if not keys:
             return
-        for tier, settings in zip(self.tiers, self._settings, strict=True):
+        for index, (tier, settings) in enumerate(zip(self.tiers, self._settings, strict=True)):
             if not settings.write_through:
-                chosen = self._admitted(settings, keys)
+                chosen = self._admitted(index, keys)
                 if chosen and payloads is None:
                     tier.stats.add(failed=len(chosen))
                 elif chosen:
@@ -367,9 +365,10 @@ class TieredOffloadingManager(OffloadingManager):
                         [payloads[i] for i in chosen] if payloads else [b""] * len(chosen),
                     )
 
-    def _write(self, tier: LowerTier, settings: TierSettings, keys: Sequence[OffloadKey]) -> None:
-        """Write ``keys``, ready in CPU slots, to ``tier`` (write-through)."""
-        chosen = [keys[i] for i in self._admitted(settings, keys)]
+    def _write(self, index: int, keys: Sequence[OffloadKey]) -> None:
+        """Write ``keys``, ready in CPU slots, to lower tier ``index`` (write-through)."""
+        tier = self.tiers[index]
+        chosen = [keys[i] for i in self._admitted(index, keys)]
         if not chosen:
             return
         if self._slot_bytes is None:
@@ -382,12 +381,23 @@ class TieredOffloadingManager(OffloadingManager):
             return
         tier.write(chosen, payloads)
 
-    def _admitted(self, settings: TierSettings, keys: Sequence[OffloadKey]) -> list[int]:
-        """Positions of the ``keys`` that ``settings``' admission threshold lets in."""
+    def _admitted(self, index: int, keys: Sequence[OffloadKey]) -> list[int]:
+        """Positions of the ``keys`` that lower tier ``index``'s admission lets in: its
+        threshold, then its admission layer."""
+        settings = self._settings[index]
         if settings.store_threshold < 2:
-            return list(range(len(keys)))
-        seen, threshold = self._seen, settings.store_threshold
-        return [i for i, key in enumerate(keys) if seen.get(key, 0) >= threshold]
+            chosen = list(range(len(keys)))
+        else:
+            seen, threshold = self._seen, settings.store_threshold
+            chosen = [i for i, key in enumerate(keys) if seen.get(key, 0) >= threshold]
+        layer = self.admissions[index]
+        if layer is not None and chosen:
+            output = layer.prepare_store([keys[i] for i in chosen])
+            stored = set() if output is None else set(output.keys_to_store)
+            chosen = [i for i in chosen if keys[i] in stored]
+        self.offered_blocks[index] += len(keys)
+        self.admitted_blocks[index] += len(chosen)
+        return chosen
 
     def _fitting(self, protected: list[OffloadKey], run: list[OffloadKey]) -> int:
         """Length of the longest prefix of ``run`` the CPU tier has room to promote."""
@@ -477,6 +487,13 @@ class TieredOffloadingManager(OffloadingManager):
                 failed[key] = None
             while len(failed) > self._max_tracker:
                 failed.popitem(last=False)
+
+
+def _policy_of(tier: LowerTier) -> CachePolicy | None:
+    """The eviction policy a tier keeps its index by, if it has one (the disk tier does;
+    the shared server evicts by its own rules)."""
+    policy = getattr(tier, "policy", None)
+    return policy if isinstance(policy, CachePolicy) else None
 
 
 _NOTHING = memoryview(bytearray(0))

@@ -38,7 +38,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
@@ -176,6 +176,7 @@ class ServingEngine:
         config: EngineConfig,
         manager: OffloadingManager | None,
         backend: TransferBackend | None = None,
+        holds: Callable[[OffloadKey], bool] | None = None,
     ) -> None:
         self.config = config
         self.manager = manager
@@ -194,7 +195,11 @@ class ServingEngine:
         """Each request's GPU prefix hit, in the order the requests started."""
         self._retries: dict[int, int] = {}
         """Times each parked request (by ``id``) has been parked so far."""
-        self._holds = _holds_of(manager)
+        self._holds = holds if holds is not None else getattr(manager, "holds", None)
+        """The tier's own ``holds(key)`` (the stack's, :attr:`Stack.holds`): the engine's held
+        set knows only what the engine stored; a tier can also place blocks itself (a tiered
+        stack promotes lower-tier hits into its CPU tier), and an offered block it already
+        holds was not refused by admission."""
 
     def run(self, requests: Sequence[Request], progress: Progress | None = None) -> EngineStats:
         """Replay ``requests`` (sorted by arrival) to completion and return the counters."""
@@ -441,19 +446,3 @@ class ServingEngine:
         else:
             self.stats.stores_failed += len(keys)
             self._held.difference_update(keys)
-
-
-def _holds_of(manager: OffloadingManager | None) -> Callable[[OffloadKey], bool] | None:
-    """The tier's own ``holds(key)``, found through decorators' ``backing``; ``None`` if none.
-
-    The engine's held set knows only what the engine stored; a tier can also
-    place blocks itself (a tiered stack promotes lower-tier hits into its CPU
-    tier), and an offered block it already holds was not refused by admission.
-    """
-    current: object = manager
-    while current is not None:
-        holds = getattr(current, "holds", None)
-        if callable(holds):
-            return cast(Callable[[OffloadKey], bool], holds)
-        current = getattr(current, "backing", None)
-    return None

@@ -15,18 +15,16 @@ from itertools import chain
 from typing import Any
 
 from kvoffload.admission import (
+    AdmissionLayer,
     WhatIf,
     available_admissions,
     check_write_budget,
-    find_admission,
     resolve_admission,
-    wrap_with_admission,
 )
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import KVLayout, layout_preset
-from kvoffload.core.manager import OffloadingManager
-from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager, build_manager
-from kvoffload.managers.tiered import TieredOffloadingManager, TierStats
+from kvoffload.core.tier_protocol import SlotBytes, TierStats
+from kvoffload.managers.stack import Stack, StackConfig, build_cpu_stack
 from kvoffload.observe import Observers
 from kvoffload.policies import available_policies, resolve_policy
 from kvoffload.sim import tier_model
@@ -75,6 +73,14 @@ class SimConfig:
     remote_url: str | None = None
     tier_store_threshold: int = 0
     """Admission to the lower tiers: lookups seen before a block is written there."""
+    disk_admission: str = "none"
+    """The disk tier's own admission layer, after ``tier_store_threshold``."""
+    disk_write_budget: float | None = None
+    """Writes per block reference reaching the disk tier (``disk_admission="recommended"``)."""
+    remote_admission: str = "none"
+    remote_write_budget: float | None = None
+    remote_blocks: int = 0
+    """The shared tier's size as its admission layer models it."""
     disk_gb_per_s: float = tier_model.DISK_GB_PER_S
     disk_latency_ms: float = tier_model.DISK_LATENCY_MS
     remote_gb_per_s: float = tier_model.REMOTE_GB_PER_S
@@ -125,11 +131,44 @@ class SimConfig:
                 "a disk tier (--disk-dir) needs a size of >= 1 block: --disk-gb or --disk-blocks"
             )
         self.tier_costs()
+        if self.cpu_blocks > 0:
+            self.stack_config()  # the stack's own checks, each naming its field
 
     @property
     def has_lower_tiers(self) -> bool:
         """Whether disk or remote tiers are used: only behind a CPU tier, which promotes hits."""
         return self.cpu_blocks > 0 and (self.disk_dir is not None or self.remote_url is not None)
+
+    def stack_config(
+        self,
+        fingerprint: bytes = b"",
+        slot_bytes: SlotBytes | None = None,
+        enable_events: bool = False,
+    ) -> StackConfig:
+        """The manager stack of this run (lower tiers only behind a CPU tier)."""
+        tiers = self.has_lower_tiers
+        return StackConfig(
+            self.cpu_blocks,
+            self.policy,
+            self.store_threshold,
+            self.max_tracker_size,
+            self.admission,
+            self.write_budget,
+            disk_dir=self.disk_dir if tiers else None,
+            disk_blocks=self.disk_blocks,
+            disk_policy=self.disk_policy,
+            remote_url=self.remote_url if tiers else None,
+            remote_blocks=self.remote_blocks,
+            tier_store_threshold=self.tier_store_threshold,
+            disk_admission=self.disk_admission,
+            disk_write_budget=self.disk_write_budget,
+            remote_admission=self.remote_admission,
+            remote_write_budget=self.remote_write_budget,
+            enable_events=enable_events,
+            wait_for_tiers=True,
+            slot_bytes=slot_bytes,
+            fingerprint=fingerprint,
+        )
 
     def tier_costs(self) -> dict[str, tier_model.TierCost]:
         """The cost model of the lower tiers, by tier name."""
@@ -283,37 +322,20 @@ def simulate(
     engine_config = config.engine_config(workload.block_tokens)
     bytes_per_block = engine_config.bytes_per_block
     enable_events = observers is not None and bool(observers.sinks)
-    manager: OffloadingManager | None = None
-    tiered = None
-    if config.has_lower_tiers:
-        tiered = _tiered_manager(config, workload.block_tokens, backend, enable_events)
-        manager = wrap_with_admission(
-            config.admission, tiered, config.cpu_blocks, config.write_budget
-        )
-        if config.store_threshold >= 2:
-            manager = FilterReusedOffloadingManager(
-                manager, config.store_threshold, config.max_tracker_size
-            )
-    elif config.cpu_blocks > 0:
-        manager = build_manager(
-            config.cpu_blocks,
-            config.policy,
-            config.store_threshold,
-            config.max_tracker_size,
-            enable_events=enable_events,
-            admission=config.admission,
-            write_budget=config.write_budget,
-        )
-    built = manager
+    stack = _stack(config, workload.block_tokens, backend, enable_events)
+    manager = None if stack is None else stack.manager
     if manager is not None and observers is not None:
         manager = observers.wrap(manager, bytes_per_block)
         observers.watch_transfers(backend)
-    engine = ServingEngine(engine_config, manager, backend)
+    engine = ServingEngine(
+        engine_config, manager, backend, holds=None if stack is None else stack.holds
+    )
     try:
         stats = engine.run(workload.requests, progress)
     finally:
-        if tiered is not None:
-            tiered.close()
+        if stack is not None:
+            stack.close()
+    tiered = None if stack is None else stack.tiered
     bound = None
     if config.bound:
         # A sequential replay that parked no request ran the bound's own GPU cache already.
@@ -387,7 +409,7 @@ def simulate(
             config.tier_costs(),
         ),
     )
-    return _with_admission(report, config, built)
+    return _with_admission(report, config, None if stack is None else stack.admission)
 
 
 def bound_of(
@@ -401,11 +423,10 @@ def bound_of(
 
 
 def _with_admission(
-    report: RunReport, config: SimConfig, manager: OffloadingManager | None
+    report: RunReport, config: SimConfig, layer: AdmissionLayer | None
 ) -> RunReport:
     """``report`` with the admission layer's name and counters filled in."""
     report = dataclasses.replace(report, admission=resolve_admission(config.admission))
-    layer = None if manager is None else find_admission(manager)
     if layer is None:
         return report
     stats = layer.stats()
@@ -434,28 +455,23 @@ def whatif_table(figures: Sequence[WhatIf]) -> dict[str, dict[str, dict[str, flo
     return table
 
 
-def _tiered_manager(
+def _stack(
     config: SimConfig, block_tokens: int, backend: TransferBackend | None, enable_events: bool
-) -> TieredOffloadingManager:
-    """The CPU tier with disk and remote tiers behind it; real bytes if ``backend`` has them."""
+) -> Stack | None:
+    """The run's manager stack (``None`` without a CPU tier); real bytes in the lower tiers
+    if ``backend`` has them."""
+    if config.cpu_blocks == 0:
+        return None
+    if not config.has_lower_tiers:
+        return build_cpu_stack(config.stack_config(enable_events=enable_events))
     # The tiers are imported only now: a run without them needs neither files nor client.
-    from kvoffload.tiers import build_tiered_manager, layout_fingerprint
+    from kvoffload.tiers import build_stack, layout_fingerprint
 
-    cpu = CPUOffloadingManager(config.cpu_blocks, config.policy, enable_events)
     slot_bytes = getattr(backend, "slot_bytes", None)
     layout = config.kv_layout(block_tokens)
     payload = layout.bytes_per_block if slot_bytes is not None else 0
-    return build_tiered_manager(
-        cpu,
-        layout_fingerprint(config.layout, layout, payload),
-        disk_dir=config.disk_dir,
-        disk_blocks=config.disk_blocks,
-        remote_url=config.remote_url,
-        disk_policy=config.disk_policy or config.policy,
-        store_threshold=config.tier_store_threshold,
-        slot_bytes=slot_bytes,
-        wait_for_tiers=True,
-    )
+    fingerprint = layout_fingerprint(config.layout, layout, payload)
+    return build_stack(config.stack_config(fingerprint, slot_bytes, enable_events))
 
 
 def _cpu_stats(stats: EngineStats) -> TierStats:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvoffload.admission import resolve_admission
 from kvoffload.core.errors import InvalidArgumentError
-from kvoffload.managers.tiered import TieredOffloadingManager, TierStats
+from kvoffload.core.tier_protocol import TierStats
+from kvoffload.managers.tiered import TieredOffloadingManager
 
 DISK_GB_PER_S = 3.0
 """A PCIe 4 NVMe SSD, sequential."""
@@ -72,11 +74,23 @@ def tiers_report(
     recovers blocks on start (the disk tier) adds ``recovered`` and ``dropped_*``."""
     report = {"cpu": tier_report(cpu, bytes_per_block, None, 0)}
     if tiered is not None:
-        for tier, batches in zip(tiered.tiers, tiered.promotion_batches, strict=True):
+        for index, tier in enumerate(tiered.tiers):
             name = tier.medium.lower()
+            batches = tiered.promotion_batches[index]
             report[name] = tier_report(tier.stats, bytes_per_block, costs.get(name), batches)
             report[name].update(recovery_counts(tier))
+            report[name].update(admission_counts(tiered, index))
     return report
+
+
+def admission_counts(tiered: TieredOffloadingManager, index: int) -> dict[str, Scalar]:
+    """Lower tier ``index``'s admission: its layer's name, the blocks offered for writing
+    to it and those admitted (after its threshold and its layer)."""
+    return {
+        "admission": resolve_admission(tiered.tier_settings[index].admission),
+        "offered_blocks": tiered.offered_blocks[index],
+        "admitted_blocks": tiered.admitted_blocks[index],
+    }
 
 
 def recovery_counts(tier: object) -> dict[str, int]:

@@ -1,6 +1,6 @@
 """Tiers below the CPU tier: byte stores that need no torch (local disk, Valkey/Redis).
 
-Each implements :class:`~kvoffload.managers.tiered.LowerTier`; the shared
+Each implements :class:`~kvoffload.core.tier_protocol.LowerTier`; the shared
 tier's client package (``valkey``) is imported only when a remote tier is
 created.
 """
@@ -9,7 +9,7 @@ from kvoffload.tiers.breaker import CircuitBreaker
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.format import CorruptBlockError, fingerprint_of, layout_fingerprint
 from kvoffload.tiers.remote import RemoteTier, RemoteTierError
-from kvoffload.tiers.stack import build_tiered_manager
+from kvoffload.tiers.stack import Stack, StackConfig, build_stack
 from kvoffload.tiers.url import RemoteAddress, parse_remote_url
 
 __all__ = [
@@ -19,7 +19,9 @@ __all__ = [
     "RemoteAddress",
     "RemoteTier",
     "RemoteTierError",
-    "build_tiered_manager",
+    "Stack",
+    "StackConfig",
+    "build_stack",
     "fingerprint_of",
     "layout_fingerprint",
     "parse_remote_url",

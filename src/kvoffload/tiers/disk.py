@@ -24,8 +24,8 @@ from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import EventLog, OffloadingEvent
 from kvoffload.core.specs import CPULoadStoreSpec
+from kvoffload.core.tier_protocol import Target, TierStats
 from kvoffload.managers.cpu import CPUOffloadingManager
-from kvoffload.managers.tiered import Target, TierStats
 from kvoffload.policies import CachePolicy
 from kvoffload.tiers.breaker import CircuitBreaker
 from kvoffload.tiers.format import FINGERPRINT_BYTES

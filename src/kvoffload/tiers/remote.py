@@ -34,7 +34,7 @@ import xxhash
 from kvoffload.core.errors import KVOffloadError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import EventLog, OffloadingEvent
-from kvoffload.managers.tiered import Target, TierStats
+from kvoffload.core.tier_protocol import Target, TierStats
 from kvoffload.tiers.block_sets import BlockWrite, pack_sets
 from kvoffload.tiers.breaker import CircuitBreaker
 from kvoffload.tiers.format import HEADER_BYTES, CorruptBlockError, parse_header

@@ -55,7 +55,7 @@ from typing import TypeVar
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
-from kvoffload.managers.tiered import Target
+from kvoffload.core.tier_protocol import Target
 from kvoffload.tiers.breaker import CircuitBreaker
 from kvoffload.tiers.deadline import DeadlineStripes, Job
 from kvoffload.tiers.format import (

@@ -7,7 +7,7 @@ read instead.
 
 from __future__ import annotations
 
-from kvoffload.managers.tiered import Target
+from kvoffload.core.tier_protocol import Target
 
 
 def destination(target: Target, index: int, size: int) -> memoryview | None:

@@ -20,12 +20,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, cast
 
-from kvoffload.admission import AdmissionLayer, wrap_with_admission
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent
 from kvoffload.core.specs import LoadStoreSpec
-from kvoffload.managers.admit_all import AdmitAllManager
-from kvoffload.managers.tiered import LowerTier, Target
+from kvoffload.core.tier_protocol import LowerTier, Target
+from kvoffload.managers.admit_all import admission_book
 from kvoffload.tiers.block_sets import Payload
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.remote import RemoteTier
@@ -136,8 +135,7 @@ class TierPath:
     ) -> None:
         self.name = name
         self.page_bytes = page_bytes
-        layer = wrap_with_admission(admission, AdmitAllManager(_SPEC), max(1, capacity))
-        self.layer = layer if isinstance(layer, AdmissionLayer) else None
+        self.layer = admission_book(admission, _SPEC, capacity)
         self._counters = TierCounters()
         self._open = open_tier
         self._sink = sink

@@ -41,12 +41,13 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from kvoffload.admission import AdmissionLayer, find_admission
+from kvoffload.admission import AdmissionLayer
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager as SeedManager
 from kvoffload.core.specs import BlockIDsLoadStoreSpec
 from kvoffload.integrations.vllm.offer_filter import OfferCountFilter
-from kvoffload.managers import CPUOffloadingManager, TieredOffloadingManager
+from kvoffload.managers import CPUOffloadingManager
+from kvoffload.managers.stack import Stack
 from kvoffload.observe.counters import ManagerCounters
 from kvoffload.policies import BlockStatus
 
@@ -95,14 +96,14 @@ class _RequestKeys:
 class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
     """A vLLM ``OffloadingManager`` backed by a kvoffload manager.
 
-    ``build`` makes the backing manager and its ``probe``; it is called again
+    ``build`` makes the backing stack (:func:`kvoffload.tiers.build_stack`); it is called again
     by :meth:`reset_cache`, which drops every block. ``offer_filter`` is the
     vLLM-style admission (``None``: store everything offered).
     """
 
     def __init__(
         self,
-        build: Callable[[], tuple[SeedManager, Probe]],
+        build: Callable[[], Stack],
         offer_filter: OfferCountFilter | None = None,
         bytes_per_block: int = 0,
         on_shutdown: Callable[[], None] | None = None,
@@ -125,15 +126,13 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
 
     def _install(self) -> None:
         """Build the backing stack; lookups and touches bypass its admission layer."""
-        self._manager, self._probe = self._build()
-        self._layer: AdmissionLayer | None = find_admission(self._manager)
-        self._direct: SeedManager = self._manager if self._layer is None else self._layer.backing
-        direct = self._direct
-        cpu = direct.cpu if isinstance(direct, TieredOffloadingManager) else direct
-        if not isinstance(cpu, CPUOffloadingManager):
-            raise TypeError(f"expected kvoffload's CPU tier under the adapter, got {type(cpu)}")
-        self._cpu: CPUOffloadingManager = cpu
-        self._has_lower_tiers = isinstance(direct, TieredOffloadingManager) and bool(direct.tiers)
+        stack = self._build()
+        self._manager: SeedManager = stack.manager
+        self._probe: Probe = stack.cpu.block_status
+        self._layer: AdmissionLayer | None = stack.admission
+        self._direct: SeedManager = stack.direct
+        self._cpu: CPUOffloadingManager = stack.cpu
+        self._has_lower_tiers = stack.tiered is not None and bool(stack.tiered.tiers)
 
     @property
     def lock(self) -> threading.Lock:

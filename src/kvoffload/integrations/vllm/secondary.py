@@ -57,17 +57,17 @@ from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvoffload.admission import AdmissionLayer, wrap_with_admission
+from kvoffload.admission import AdmissionLayer
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.manager import OffloadingEvent as TierEvent
 from kvoffload.core.specs import LoadStoreSpec
+from kvoffload.core.tier_protocol import LowerTier, Target
 from kvoffload.integrations.vllm.secondary_settings import (
     SecondarySettings,
     parse_disk_settings,
     parse_shared_settings,
 )
-from kvoffload.managers.admit_all import AdmitAllManager
-from kvoffload.managers.tiered import LowerTier, Target
+from kvoffload.managers.admit_all import admission_book
 from kvoffload.tiers import DiskTier, RemoteTier, RemoteTierError, fingerprint_of
 
 MODULE_PATH = __name__
@@ -356,12 +356,7 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             raise
         self.counters = SecondaryCounters()
         self._reported = SecondaryCounters()
-        layer = None
-        if settings.admission != "none":
-            wrapped = wrap_with_admission(
-                settings.admission, AdmitAllManager(_SPEC), max(1, self.capacity_blocks)
-            )
-            layer = wrapped if isinstance(wrapped, AdmissionLayer) else None
+        layer = admission_book(settings.admission, _SPEC, self.capacity_blocks)
         self._owner = _Owner(tier, layer, self._KIND)
         self._lookups = _Lookups(self._owner, tier_type)
         self._jobs: dict[int, _Job] = {}

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvoffload.admission import available_admissions
+from kvoffload.admission import available_admissions, check_write_budget, resolve_admission
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.policies import available_policies
 
@@ -48,7 +48,26 @@ DISK_DIR_KEY = f"{PREFIX}disk_dir"
 DISK_BYTES_KEY = f"{PREFIX}disk_bytes"
 """A local-disk tier: its directory and size; each needs the other."""
 
-OWN_KEYS = frozenset({ADMISSION_KEY, REMOTE_URL_KEY, DISK_DIR_KEY, DISK_BYTES_KEY})
+DISK_ADMISSION_KEY = f"{PREFIX}disk_admission"
+DISK_WRITE_BUDGET_KEY = f"{PREFIX}disk_write_budget"
+REMOTE_ADMISSION_KEY = f"{PREFIX}remote_admission"
+REMOTE_WRITE_BUDGET_KEY = f"{PREFIX}remote_write_budget"
+REMOTE_BYTES_KEY = f"{PREFIX}remote_bytes"
+"""Each lower tier's own admission layer and write budget (writes per block reference
+reaching it); the shared tier's size as its admission layer models it."""
+TIER_ADMISSION_KEYS = frozenset(
+    {
+        DISK_ADMISSION_KEY,
+        DISK_WRITE_BUDGET_KEY,
+        REMOTE_ADMISSION_KEY,
+        REMOTE_WRITE_BUDGET_KEY,
+        REMOTE_BYTES_KEY,
+    }
+)
+
+OWN_KEYS = frozenset(
+    {ADMISSION_KEY, REMOTE_URL_KEY, DISK_DIR_KEY, DISK_BYTES_KEY, *TIER_ADMISSION_KEYS}
+)
 """kvoffload's keys. They name layers that are built by ``build_manager``."""
 
 
@@ -64,6 +83,11 @@ class SpecSettings:
     remote_url: str | None = field(default=None, repr=False)  # may hold a password
     disk_dir: str | None = None
     disk_bytes: int = 0
+    disk_admission: str = "none"
+    disk_write_budget: float | None = None
+    remote_admission: str = "none"
+    remote_write_budget: float | None = None
+    remote_bytes: int = 0
 
     @property
     def has_lower_tiers(self) -> bool:
@@ -100,6 +124,9 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
             f"got only {DISK_BYTES_KEY if disk_dir is None else DISK_DIR_KEY!r}"
         )
     remote_url = _str(extra_config, REMOTE_URL_KEY)
+    tier_admission = _tier_admission(
+        extra_config, disk=disk_dir is not None, remote=remote_url is not None
+    )
     return SpecSettings(
         cpu_bytes_to_use=_int(extra_config, "cpu_bytes_to_use", 1),
         eviction_policy=str(policy),
@@ -109,7 +136,52 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
         remote_url=remote_url,
         disk_dir=disk_dir,
         disk_bytes=_int(extra_config, DISK_BYTES_KEY, 1, 0) if disk_dir is not None else 0,
+        **tier_admission,
     )
+
+
+def _tier_admission(config: Mapping[str, Any], *, disk: bool, remote: bool) -> dict[str, Any]:
+    """The lower tiers' own admission settings, each key checked and named on error."""
+    settings: dict[str, Any] = {}
+    for tier, present, key, budget_key in (
+        ("disk", disk, DISK_ADMISSION_KEY, DISK_WRITE_BUDGET_KEY),
+        ("remote", remote, REMOTE_ADMISSION_KEY, REMOTE_WRITE_BUDGET_KEY),
+    ):
+        admission = _str(config, key) or "none"
+        if admission not in available_admissions():
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config {key!r} {admission!r} is not a kvoffload "
+                f"admission layer; known: {', '.join(available_admissions())}"
+            )
+        budget = config.get(budget_key)
+        if budget is not None:
+            try:
+                check_write_budget(budget)
+            except InvalidArgumentError as exc:
+                raise InvalidArgumentError(
+                    f"kv_connector_extra_config {budget_key!r}: {exc}"
+                ) from None
+            if resolve_admission(admission) != "optimiser":
+                raise InvalidArgumentError(
+                    f"kv_connector_extra_config {budget_key!r} needs {key!r} 'recommended' "
+                    f"(the optimiser), not {admission!r}"
+                )
+        if not present and (admission != "none" or budget is not None):
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config {key if admission != 'none' else budget_key!r} "
+                f"needs the {tier} tier ({DISK_DIR_KEY if tier == 'disk' else REMOTE_URL_KEY!r})"
+            )
+        settings[f"{tier}_admission"] = admission
+        settings[f"{tier}_write_budget"] = None if budget is None else float(budget)
+    if settings["remote_admission"] != "none" and REMOTE_BYTES_KEY not in config:
+        raise InvalidArgumentError(
+            f"kv_connector_extra_config {REMOTE_ADMISSION_KEY!r} needs {REMOTE_BYTES_KEY!r} "
+            "(what the server may hold of ours: it sizes the admission layer)"
+        )
+    settings["remote_bytes"] = (
+        _int(config, REMOTE_BYTES_KEY, 1, 0) if REMOTE_BYTES_KEY in config else 0
+    )
+    return settings
 
 
 def _int(config: Mapping[str, Any], key: str, minimum: int, default: int | None = None) -> int:

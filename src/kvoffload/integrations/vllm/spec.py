@@ -18,9 +18,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from kvoffload.admission import find_admission, wrap_with_admission
 from kvoffload.core.errors import InvalidArgumentError
-from kvoffload.core.manager import OffloadingManager
 from kvoffload.dataplane.shared_region import default_directory, region_path
 from kvoffload.dataplane.shared_slot_bytes import SharedSlotBytes
 from kvoffload.integrations.vllm.adapter import (
@@ -28,7 +26,6 @@ from kvoffload.integrations.vllm.adapter import (
     GHOST_HITS_METRIC,
     HELD_BLOCKS_METRIC,
     METRIC_PREFIX,
-    Probe,
     VLLMManagerAdapter,
 )
 from kvoffload.integrations.vllm.offer_filter import OfferCountFilter
@@ -36,14 +33,15 @@ from kvoffload.integrations.vllm.settings import (
     ADMISSION_KEY,
     DISK_BYTES_KEY,
     DISK_DIR_KEY,
+    REMOTE_BYTES_KEY,
     REMOTE_URL_KEY,
     SpecSettings,
     parse_settings,
 )
 from kvoffload.integrations.vllm.versions import running_release
-from kvoffload.managers import CPUOffloadingManager, TieredOffloadingManager, build_manager
+from kvoffload.managers.stack import Stack, StackConfig
 from kvoffload.observe.counters import COUNTER_DOCS
-from kvoffload.tiers import RemoteTierError, build_tiered_manager, fingerprint_of, parse_remote_url
+from kvoffload.tiers import RemoteTierError, build_stack, fingerprint_of, parse_remote_url
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.slot_file import SUPER_BYTES, slot_start, slot_stride
 
@@ -62,7 +60,7 @@ CONFIG_INFO_KEYS = (
     "reset_drops_blocks",
 )
 """Labels of ``vllm:kv_offload_config_info``; a tier leaves empty what it does not have
-(the shared tier has no size of its own, the lower tiers no admission)."""
+(the shared tier has no size of its own, a lower tier no admission unless it has its own)."""
 
 
 class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
@@ -131,6 +129,8 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 "eviction_policy": settings.eviction_policy,
                 "reset_drops_blocks": True,
             }
+            if settings.disk_admission != "none":
+                disk["admission"] = settings.disk_admission
             series.append({**common, **disk})
         if settings.remote_url is not None:
             remote = {
@@ -139,6 +139,8 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 "address": parse_remote_url(settings.remote_url).redacted(),
                 "reset_drops_blocks": False,
             }
+            if settings.remote_admission != "none":
+                remote["admission"] = settings.remote_admission
             series.append({**common, **remote})
         return series
 
@@ -175,9 +177,16 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 f"no offloaded block of {self.bytes_per_block} bytes (a disk slot takes "
                 f"{self.disk_slot_bytes} bytes, after a {SUPER_BYTES}-byte superblock)"
             )
+        self.remote_blocks = self.settings.remote_bytes // self.bytes_per_block
+        if self.settings.remote_admission != "none" and self.remote_blocks < 1:
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config {REMOTE_BYTES_KEY!r} {self.settings.remote_bytes} "
+                f"holds no offloaded block of {self.bytes_per_block} bytes"
+            )
         self.fingerprint = _fingerprint(config, self.rank_slot_bytes, self.world_size)
         self._manager: VLLMManagerAdapter | None = None
-        self._tiered: TieredOffloadingManager | None = None
+        self._stack: Stack | None = None
+        """The last stack built with lower tiers (closed on a reset or at shutdown)."""
         self._worker: Any = None
         self._slot_bytes: SharedSlotBytes | None = None
 
@@ -192,68 +201,58 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             self._slot_bytes = SharedSlotBytes(paths, self.num_blocks, self.rank_slot_bytes)
         return self._slot_bytes
 
-    def build_backing(self) -> tuple[OffloadingManager, Probe]:
-        """The manager stack behind the adapter; the one place to add layers and tiers.
+    def build_backing(self) -> Stack:
+        """The manager stack behind the adapter, through the package's one builder.
 
-        The stack is the admission layer (if any) over the CPU tier; the probe
-        reads the tier itself. vLLM-style ``store_threshold`` filtering stays in
-        the adapter, because vLLM counts store offers where the seed counts lookups.
+        The stack is the admission layer (if any) over the CPU tier and its lower tiers.
+        vLLM-style ``store_threshold`` filtering stays in the adapter, because vLLM counts
+        store offers where the seed counts lookups.
         """
         events = self.kv_events_config.enable_kv_cache_events
-        if self.settings.has_lower_tiers:
-            cpu = CPUOffloadingManager(self.num_blocks, self.settings.eviction_policy, events)
-            # A second build is vLLM's reset_cache: the local disk tier is this engine's
-            # and is emptied with the CPU tier; the shared tier belongs to every engine
-            # on it and keeps its blocks.
-            self._close_tiers(wipe_disk=self._tiered is not None)
-            self._tiered = self._open_tiers(cpu, events)
-            manager = wrap_with_admission(self.settings.admission, self._tiered, self.num_blocks)
-            return manager, cpu.block_status
-        manager = build_manager(
-            self.num_blocks,
-            self.settings.eviction_policy,
-            enable_events=events,
-            admission=self.settings.admission,
-        )
-        layer = find_admission(manager)
-        tier = manager if layer is None else layer.backing
-        if not isinstance(tier, CPUOffloadingManager):
-            raise TypeError(f"expected the CPU tier manager, got {type(tier).__name__}")
-        return manager, tier.block_status
-
-    def _open_tiers(self, cpu: CPUOffloadingManager, events: bool) -> TieredOffloadingManager:
-        """The lower tiers behind ``cpu``, through the simulator's builder; a tier that
-        cannot start (no server, a wrong password, an unusable directory) names its key.
-        """
         settings = self.settings
+        if not settings.has_lower_tiers:
+            return build_stack(self.stack_config(events))
+        # A second build is vLLM's reset_cache: the local disk tier is this engine's and is
+        # emptied with the CPU tier; the shared tier belongs to every engine on it and
+        # keeps its blocks.
+        self._close_tiers(wipe_disk=self._stack is not None)
+        config = self.stack_config(events, self.shared_slot_bytes())
         try:
-            return build_tiered_manager(
-                cpu,
-                self.fingerprint,
-                disk_dir=settings.disk_dir,
-                disk_blocks=self.disk_blocks,
-                remote_url=settings.remote_url,
-                disk_policy=settings.eviction_policy,
-                store_threshold=0,
-                slot_bytes=self.shared_slot_bytes(),
-                wait_for_tiers=False,
-                enable_events=events,
-            )
+            self._stack = build_stack(config)
         except RemoteTierError as exc:
             raise RemoteTierError(f"kv_connector_extra_config {REMOTE_URL_KEY!r}: {exc}") from None
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(
                 f"kv_connector_extra_config {DISK_DIR_KEY!r}: {exc}"
             ) from None
+        return self._stack
+
+    def stack_config(self, events: bool, slot_bytes: SharedSlotBytes | None = None) -> StackConfig:
+        """The stack these settings describe; lower tiers share the CPU tier's policy."""
+        settings = self.settings
+        return StackConfig(
+            self.num_blocks,
+            settings.eviction_policy,
+            admission=settings.admission,
+            disk_dir=settings.disk_dir,
+            disk_blocks=self.disk_blocks,
+            remote_url=settings.remote_url,
+            remote_blocks=self.remote_blocks,
+            disk_admission=settings.disk_admission,
+            disk_write_budget=settings.disk_write_budget,
+            remote_admission=settings.remote_admission,
+            remote_write_budget=settings.remote_write_budget,
+            enable_events=events,
+            slot_bytes=slot_bytes,
+            fingerprint=self.fingerprint,
+        )
 
     def _close_tiers(self, wipe_disk: bool = False) -> None:
-        if self._tiered is not None:
-            tiered, self._tiered = self._tiered, None
-            tiered.close()
-            if wipe_disk:
-                for tier in tiered.tiers:
-                    if isinstance(tier, DiskTier):
-                        tier.path.unlink(missing_ok=True)
+        if self._stack is not None:
+            stack, self._stack = self._stack, None
+            stack.close()
+            if wipe_disk and isinstance(stack.disk, DiskTier):
+                stack.disk.path.unlink(missing_ok=True)
 
     def close(self) -> None:
         """Wait for the lower tiers' writes in flight, close them and unmap the workers'

@@ -1,0 +1,111 @@
+"""The contract between the tier stack and the tiers below the CPU tier.
+
+It lives in ``core`` because both sides need it: the stack
+(:mod:`kvoffload.managers.tiered`) calls tiers, the tiers
+(:mod:`kvoffload.tiers`) and the data plane's slot stores implement it, and
+managers may not import tiers nor tiers import managers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvoffload.core.errors import KVOffloadError
+from kvoffload.core.keys import OffloadKey
+from kvoffload.core.manager import OffloadingEvent
+
+Target = Callable[[int], memoryview]
+"""Where block ``index`` of a read goes: a writable buffer of exactly its payload's size.
+
+Tiers read straight into it and check the bytes there, so a block is copied
+once; a block that fails its check leaves garbage in a slot nobody may load.
+A target that raises, or has another size, makes that block a failed read.
+"""
+
+
+@dataclass
+class TierStats:
+    """What one tier did, in blocks. ``failed``: stores or reads that did not happen.
+
+    Written from the scheduler thread and from tiers' I/O threads alike, so
+    every write goes through :meth:`add`, under one lock; reading a field
+    needs none.
+    """
+
+    hit_blocks: int = 0
+    stored_blocks: int = 0
+    failed: int = 0
+    corrupt: int = 0
+    evicted: int = 0
+    rejected: int = 0
+    """Blocks offered for writing that did not fit (everything else was pinned or pending)."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **counts: int) -> None:
+        """Add ``counts`` (``failed=2, corrupt=1``) to the named fields, atomically."""
+        with self._lock:
+            for name, value in counts.items():
+                if name.startswith("_") or not hasattr(self, name):
+                    raise AttributeError(f"TierStats has no count {name!r}")
+                setattr(self, name, getattr(self, name) + value)
+
+
+class LowerTier(Protocol):
+    """A tier below the CPU tier. Called from the scheduler thread only.
+
+    Implementations do their I/O on their own threads and never raise into
+    the caller for a failed read or write: they count it in ``stats``.
+    """
+
+    medium: str
+    stats: TierStats
+
+    def present(self, keys: Sequence[OffloadKey]) -> int:
+        """Length of the leading run of ``keys`` this tier holds."""
+        ...
+
+    def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
+        """Read ``keys`` in the background into ``target``; per key, whether it arrived intact."""
+        ...
+
+    def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> None:
+        """Store ``keys`` in the background (keys already held are skipped)."""
+        ...
+
+    def poll(self, wait: bool) -> None:
+        """Apply finished background writes; with ``wait``, first wait for all of them."""
+        ...
+
+    def take_events(self) -> list[OffloadingEvent]: ...
+
+    def close(self) -> None: ...
+
+
+class SlotBytesUnavailableError(KVOffloadError):
+    """The CPU slots' bytes cannot be reached now (e.g. a worker's buffer is not mapped yet)."""
+
+
+class SlotBytes(Protocol):
+    """The bytes of the CPU tier's slots (the data plane's CPU block store)."""
+
+    def snapshot(self, slots: Sequence[int]) -> list[bytes]:
+        """Copies of these slots' bytes, taken now (the slots may be reused next).
+
+        :class:`SlotBytesUnavailableError` if they cannot be read: the stack then
+        writes none of these blocks down and counts them as the tiers' failed stores.
+        """
+        ...
+
+    def view(self, slot: int) -> memoryview:
+        """``slot``'s bytes, writable; filled from a tier's I/O threads."""
+        ...
+
+    def landed(self, slots: Sequence[int], intact: Sequence[bool]) -> None:
+        """A read into these slots' views has finished (in the scheduler thread, before any
+        of them becomes loadable); ``intact`` per slot. Views that were staging buffers
+        are copied into place here."""
+        ...

@@ -1,0 +1,190 @@
+"""A manager stack's configuration and its named parts, and the one place that orders them.
+
+The order is fixed here and nowhere else: the reuse filter outermost (it sees
+calls first), then the admission layer, then the CPU tier, alone or as the top
+of a :class:`TieredOffloadingManager`. :func:`assemble` does that over a
+bottom it is given; opening the lower tiers is
+:func:`kvoffload.tiers.stack.build_stack`'s, one layer up, because managers
+may not import tiers. Callers take the parts from :class:`Stack`'s handles
+and walk no ``backing`` to find them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvoffload.admission import (
+    AdmissionLayer,
+    available_admissions,
+    check_write_budget,
+    resolve_admission,
+    wrap_with_admission,
+)
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.keys import OffloadKey
+from kvoffload.core.manager import OffloadingManager
+from kvoffload.core.tier_protocol import LowerTier, SlotBytes
+from kvoffload.managers.cpu import CPUOffloadingManager
+from kvoffload.managers.reuse_filter import FilterReusedOffloadingManager
+from kvoffload.managers.tiered import TieredOffloadingManager
+
+OPTIMISER = "optimiser"
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """Everything that defines a manager stack; checked on construction, each error naming
+    its field. ``disk_dir`` / ``remote_url`` ``None``: no such tier.
+
+    ``admission`` / ``write_budget`` judge stores into the CPU tier; ``disk_admission``,
+    ``remote_admission`` and their budgets (writes per block reference reaching that
+    tier) each tier's own writes, after ``tier_store_threshold``. ``remote_blocks`` is
+    the shared tier's size as its admission layer models it (the server's is unknown).
+    """
+
+    cpu_blocks: int
+    policy: str = "lru"
+    store_threshold: int = 0
+    max_tracker_size: int = 64_000
+    admission: str = "none"
+    write_budget: float | None = None
+    disk_dir: str | None = None
+    disk_blocks: int = 0
+    disk_policy: str | None = None
+    """``None``: the CPU tier's policy."""
+    remote_url: str | None = field(default=None, repr=False)  # may hold a password
+    remote_blocks: int = 0
+    tier_store_threshold: int = 0
+    disk_admission: str = "none"
+    disk_write_budget: float | None = None
+    remote_admission: str = "none"
+    remote_write_budget: float | None = None
+    enable_events: bool = False
+    wait_for_tiers: bool = False
+    slot_bytes: SlotBytes | None = field(default=None, compare=False)
+    """The CPU slots' bytes; ``None``: the lower tiers keep books only (empty payloads)."""
+    fingerprint: bytes = b""
+    """What the lower tiers' blocks mean (:func:`~kvoffload.tiers.layout_fingerprint`)."""
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_blocks", "store_threshold", "disk_blocks", "remote_blocks"):
+            _integer(name, getattr(self, name), 0)
+        _integer("cpu_blocks", self.cpu_blocks, 1)
+        _integer("max_tracker_size", self.max_tracker_size, 1)
+        _integer("tier_store_threshold", self.tier_store_threshold, 0)
+        _admission("admission", self.admission, "write_budget", self.write_budget)
+        _admission(
+            "disk_admission", self.disk_admission, "disk_write_budget", self.disk_write_budget
+        )
+        _admission(
+            "remote_admission",
+            self.remote_admission,
+            "remote_write_budget",
+            self.remote_write_budget,
+        )
+        if self.disk_dir is not None and self.disk_blocks < 1:
+            raise InvalidArgumentError(
+                f"disk_blocks: a disk tier needs >= 1 block, got {self.disk_blocks}"
+            )
+        if self.disk_dir is None and self.disk_admission != "none":
+            raise InvalidArgumentError("disk_admission needs a disk tier (disk_dir)")
+        if self.remote_url is None and self.remote_admission != "none":
+            raise InvalidArgumentError("remote_admission needs a shared tier (remote_url)")
+        if self.remote_admission != "none" and self.remote_blocks < 1:
+            raise InvalidArgumentError(
+                f"remote_admission {self.remote_admission!r} needs remote_blocks >= 1 (the "
+                "shared tier's size its admission layer models)"
+            )
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        return self.disk_dir is not None or self.remote_url is not None
+
+
+def _integer(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _admission(name: str, value: str, budget_name: str, budget: float | None) -> None:
+    if value not in available_admissions():
+        raise InvalidArgumentError(
+            f"{name}: unknown admission {value!r}; known: {', '.join(available_admissions())}"
+        )
+    try:
+        check_write_budget(budget)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"{budget_name}: {exc}") from None
+    if budget is not None and resolve_admission(value) != OPTIMISER:
+        raise InvalidArgumentError(
+            f"{budget_name} needs {name} 'recommended' (the optimiser), not {value!r}"
+        )
+
+
+@dataclass
+class Stack:
+    """A built stack: ``manager`` (outermost, what an engine calls) and its parts by name;
+    a part the configuration does not have is ``None``."""
+
+    manager: OffloadingManager
+    cpu: CPUOffloadingManager
+    filter: FilterReusedOffloadingManager | None = None
+    admission: AdmissionLayer | None = None
+    tiered: TieredOffloadingManager | None = None
+    disk: LowerTier | None = None
+    remote: LowerTier | None = None
+
+    @property
+    def direct(self) -> OffloadingManager:
+        """The manager under the filter and the admission layer: where per-key drivers send
+        lookups and touches that must count no sighting."""
+        return self.tiered if self.tiered is not None else self.cpu
+
+    @property
+    def disk_admission(self) -> AdmissionLayer | None:
+        return self._tier_admission(self.disk)
+
+    @property
+    def remote_admission(self) -> AdmissionLayer | None:
+        return self._tier_admission(self.remote)
+
+    def _tier_admission(self, tier: LowerTier | None) -> AdmissionLayer | None:
+        if tier is None or self.tiered is None:
+            return None
+        return self.tiered.admissions[self.tiered.tiers.index(tier)]
+
+    def holds(self, key: OffloadKey) -> bool:
+        """Whether the CPU tier has a slot for ``key`` (ready, pinned or pending)."""
+        return self.cpu.holds(key)
+
+    def close(self) -> None:
+        """Wait for the lower tiers' I/O in flight and close them (nothing without tiers)."""
+        if self.tiered is not None:
+            self.tiered.close()
+
+
+def assemble(config: StackConfig, stack: Stack) -> Stack:
+    """``stack`` (its CPU tier, and its tiered manager if any) under ``config``'s admission
+    layer and then its reuse filter; ``stack.manager`` becomes the outermost."""
+    bottom: OffloadingManager = stack.tiered if stack.tiered is not None else stack.cpu
+    manager = wrap_with_admission(config.admission, bottom, config.cpu_blocks, config.write_budget)
+    if isinstance(manager, AdmissionLayer):
+        stack.admission = manager
+    if config.store_threshold >= 2:
+        stack.filter = FilterReusedOffloadingManager(
+            manager, config.store_threshold, config.max_tracker_size
+        )
+        manager = stack.filter
+    stack.manager = manager
+    return stack
+
+
+def build_cpu_stack(config: StackConfig) -> Stack:
+    """The stack of a configuration without lower tiers (refused here: they need
+    :func:`kvoffload.tiers.stack.build_stack`)."""
+    if config.has_lower_tiers:
+        raise InvalidArgumentError("lower tiers are opened by kvoffload.tiers.build_stack")
+    cpu = CPUOffloadingManager(config.cpu_blocks, config.policy, config.enable_events)
+    return assemble(config, Stack(cpu, cpu))

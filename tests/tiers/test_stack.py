@@ -1,0 +1,166 @@
+"""The one builder: every part a configuration asks for has its handle, each bad setting is
+refused naming its field, and tiers opened before a failure are closed again."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvoffload.admission import FeedbackAdmission, OptimisingAdmission
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager, build_manager
+from kvoffload.managers.stack import StackConfig, build_cpu_stack
+from kvoffload.managers.tiered import TieredOffloadingManager
+from kvoffload.tiers import DiskTier, RemoteTier, RemoteTierError, build_stack
+from kvoffload.tiers.slot_file import DiskTierError
+from tier_servers import ValkeyProcess
+
+FINGERPRINT = bytes(range(16))
+
+
+def test_a_cpu_stack_has_only_its_cpu_tier() -> None:
+    stack = build_stack(StackConfig(8))
+    assert isinstance(stack.cpu, CPUOffloadingManager) and stack.manager is stack.cpu
+    assert stack.direct is stack.cpu
+    parts = (stack.filter, stack.admission, stack.tiered, stack.disk, stack.remote)
+    assert parts == (None, None, None, None, None)
+    assert (stack.disk_admission, stack.remote_admission) == (None, None)
+
+
+def test_the_filter_is_outermost_then_the_admission_layer_then_the_cpu_tier() -> None:
+    stack = build_stack(StackConfig(8, store_threshold=2, admission="recommended"))
+    assert isinstance(stack.filter, FilterReusedOffloadingManager)
+    assert isinstance(stack.admission, OptimisingAdmission)
+    assert stack.manager is stack.filter and stack.filter.backing is stack.admission
+    assert stack.admission.backing is stack.cpu and stack.direct is stack.cpu
+
+
+def test_build_manager_keeps_its_meaning_through_the_builder() -> None:
+    manager = build_manager(8, "arc", 3, admission="feedback")
+    assert isinstance(manager, FilterReusedOffloadingManager)
+    assert isinstance(manager.backing, FeedbackAdmission)
+    assert isinstance(manager.backing.backing, CPUOffloadingManager)
+
+
+def test_a_disk_stack_names_its_tier_and_its_admission(tmp_path: Path) -> None:
+    config = StackConfig(
+        8,
+        admission="feedback",
+        disk_dir=str(tmp_path),
+        disk_blocks=32,
+        disk_admission="recommended",
+        disk_write_budget=0.5,
+        fingerprint=FINGERPRINT,
+    )
+    stack = build_stack(config)
+    try:
+        assert isinstance(stack.tiered, TieredOffloadingManager)
+        assert isinstance(stack.disk, DiskTier) and stack.remote is None
+        assert stack.tiered.tiers == [stack.disk] and stack.tiered.cpu is stack.cpu
+        assert isinstance(stack.admission, FeedbackAdmission)
+        assert stack.admission.backing is stack.tiered and stack.direct is stack.tiered
+        layer = stack.disk_admission
+        assert isinstance(layer, OptimisingAdmission)
+        assert layer.capacity == 32 and layer.objective.write_budget == 0.5
+        assert stack.remote_admission is None
+    finally:
+        stack.close()
+
+
+def test_a_disk_tier_without_its_own_admission_has_no_layer(tmp_path: Path) -> None:
+    stack = build_stack(
+        StackConfig(8, disk_dir=str(tmp_path), disk_blocks=4, fingerprint=FINGERPRINT)
+    )
+    try:
+        assert stack.tiered is not None and stack.tiered.admissions == [None]
+        assert stack.disk_admission is None and stack.admission is None
+        assert stack.manager is stack.tiered
+    finally:
+        stack.close()
+
+
+def test_a_remote_stack_names_its_tier(valkey_server: ValkeyProcess) -> None:
+    config = StackConfig(
+        8,
+        remote_url=valkey_server.url,
+        remote_blocks=64,
+        remote_admission="sketch",
+        fingerprint=b"stack-remote-tst",
+    )
+    stack = build_stack(config)
+    try:
+        assert isinstance(stack.remote, RemoteTier) and stack.disk is None
+        assert stack.remote_admission is not None and stack.remote_admission.capacity == 64
+    finally:
+        stack.close()
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"cpu_blocks": 0}, "cpu_blocks"),
+        ({"store_threshold": 1.5}, "store_threshold"),
+        ({"tier_store_threshold": -1}, "tier_store_threshold"),
+        ({"max_tracker_size": 0}, "max_tracker_size"),
+        ({"admission": "bogus"}, "admission"),
+        ({"write_budget": 0.5}, "write_budget"),
+        ({"disk_dir": "d", "disk_blocks": 0}, "disk_blocks"),
+        ({"disk_admission": "recommended"}, "disk_admission"),
+        ({"disk_dir": "d", "disk_blocks": 4, "disk_admission": "nope"}, "disk_admission"),
+        (
+            {
+                "disk_dir": "d",
+                "disk_blocks": 4,
+                "disk_admission": "feedback",
+                "disk_write_budget": 1,
+            },
+            "disk_write_budget",
+        ),
+        (
+            {
+                "disk_dir": "d",
+                "disk_blocks": 4,
+                "disk_admission": "recommended",
+                "disk_write_budget": -1,
+            },
+            "disk_write_budget",
+        ),
+        ({"remote_url": "redis://h:1", "remote_admission": "recommended"}, "remote_blocks"),
+        ({"remote_admission": "recommended", "remote_blocks": 4}, "remote_admission"),
+    ],
+)
+def test_a_bad_setting_is_refused_naming_its_field(fields: dict[str, Any], named: str) -> None:
+    values: dict[str, Any] = {"cpu_blocks": 8, **fields}
+    with pytest.raises(InvalidArgumentError, match=named):
+        StackConfig(**values)
+
+
+def test_the_cpu_only_builder_refuses_lower_tiers(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="build_stack"):
+        build_cpu_stack(StackConfig(8, disk_dir=str(tmp_path), disk_blocks=4))
+
+
+def _refused_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_a_tier_that_fails_to_open_closes_the_ones_opened_before(tmp_path: Path) -> None:
+    """The shared tier cannot connect: the disk tier opened first releases its directory,
+    which a second tier on it could not take while it stayed open."""
+    url = f"redis://127.0.0.1:{_refused_port()}/0?timeout_ms=100"
+    config = StackConfig(
+        8, disk_dir=str(tmp_path), disk_blocks=4, remote_url=url, fingerprint=FINGERPRINT
+    )
+    with pytest.raises(RemoteTierError):
+        build_stack(config)
+    held = DiskTier(tmp_path, 4, FINGERPRINT)  # free again: the failed build closed its tier
+    try:
+        with pytest.raises(DiskTierError, match="in use"):
+            DiskTier(tmp_path, 4, FINGERPRINT)  # and an open tier does hold it
+    finally:
+        held.close()

@@ -1,0 +1,150 @@
+"""Each lower tier's own admission layer: it judges the stores offered to its tier and the
+lookups that reach it, writes fewer blocks than writing everything on one-shot traffic, and
+keeps to its own write budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvoffload import block_id_key
+from kvoffload.admission import OptimisingAdmission
+from kvoffload.admission.optimiser import BUDGET_BURST_REFS, tier_policy
+from kvoffload.managers import CPUOffloadingManager
+from kvoffload.managers.stack import StackConfig
+from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
+from kvoffload.sim.engine import EngineConfig, ServingEngine
+from kvoffload.sim.run import SimConfig, simulate
+from kvoffload.sim.sources import WorkloadSource
+from kvoffload.tiers import DiskTier, build_stack
+
+ONE_SHOT_HEAVY = WorkloadSource(mix=(("oneshot", 0.7), ("chat", 0.3)), requests=300)
+
+
+def _disk_run(tmp_path: Path, admission: str) -> dict[str, object]:
+    config = SimConfig(
+        gpu_blocks=600,
+        cpu_blocks=1000,
+        bound=False,
+        disk_dir=str(tmp_path / admission),
+        disk_blocks=5000,
+        disk_admission=admission,
+    )
+    return simulate(ONE_SHOT_HEAVY.load(), config).as_dict()
+
+
+def test_the_optimiser_writes_fewer_disk_blocks_than_writing_everything(tmp_path: Path) -> None:
+    every, judged = _disk_run(tmp_path, "none"), _disk_run(tmp_path, "recommended")
+    disk_all, disk_judged = every["tiers"]["disk"], judged["tiers"]["disk"]  # type: ignore[index]
+    assert disk_all["admission"] == "none" and disk_judged["admission"] == "optimiser"
+    assert disk_all["admitted_blocks"] == disk_all["offered_blocks"] > 0
+    assert disk_judged["admitted_blocks"] < disk_judged["offered_blocks"]
+    assert disk_judged["stored_blocks"] < disk_all["stored_blocks"] / 2
+    # Above the disk tier nothing changed: the CPU tier admitted the same way in both runs.
+    assert judged["admission"] == every["admission"] == "none"
+
+
+@pytest.mark.parametrize("budget", [0.02, 0.1])
+def test_a_disk_write_budget_holds_over_every_window(tmp_path: Path, budget: float) -> None:
+    """Disk writes over any span of requests exceed ``budget`` times the references that
+    reached the disk tier in it by at most the burst the layer allows."""
+    workload = ONE_SHOT_HEAVY.load()
+    config = StackConfig(
+        200,
+        disk_dir=str(tmp_path),
+        disk_blocks=2000,
+        disk_admission="recommended",
+        disk_write_budget=budget,
+        wait_for_tiers=True,
+        fingerprint=bytes(16),
+    )
+    stack = build_stack(config)
+    assert stack.tiered is not None and isinstance(stack.disk_admission, OptimisingAdmission)
+    tiered = stack.tiered
+    longest = max(len(request.keys) for request in workload.requests)
+    engine = ServingEngine(
+        EngineConfig(longest + 50, 1, workload.block_tokens), stack.manager, holds=stack.holds
+    )
+    refs, writes = [0], [0]
+    try:
+        for request in workload.requests:
+            engine.run([request])
+            refs.append(tiered.judged_blocks)
+            writes.append(tiered.admitted_blocks[0])
+    finally:
+        stack.close()
+    assert refs[-1] > 0 and writes[-1] > 0
+    burst = budget * BUDGET_BURST_REFS
+    for start in range(len(refs)):
+        for end in range(start + 1, len(refs)):
+            spent = writes[end] - writes[start]
+            assert spent <= budget * (refs[end] - refs[start]) + burst + 1
+    assert writes[-1] <= budget * refs[-1] + 1
+
+
+def test_a_retried_lookup_is_one_reference_to_the_tier(tmp_path: Path) -> None:
+    """The retry after ``None`` (the same keys, past the promoted blocks) is not shown to the
+    tier's layer again; the same keys asked by a later request are."""
+    config = StackConfig(
+        8,
+        disk_dir=str(tmp_path),
+        disk_blocks=8,
+        disk_admission="feedback",
+        wait_for_tiers=True,
+        fingerprint=bytes(16),
+    )
+    stack = build_stack(config)
+    assert stack.tiered is not None and stack.disk is not None
+    tiered, keys = stack.tiered, [block_id_key(i) for i in range(4)]
+    try:
+        stack.disk.write(keys[:3], [b""] * 3)
+        stack.disk.poll(wait=True)
+        assert tiered.lookup(keys) is None and tiered.judged_blocks == 4
+        assert tiered.lookup(keys) == 3 and tiered.judged_blocks == 4
+        assert tiered.lookup(keys) == 3 and tiered.judged_blocks == 5
+    finally:
+        stack.close()
+
+
+def test_the_disk_tiers_optimiser_models_the_disk_tiers_policy(tmp_path: Path) -> None:
+    config = StackConfig(
+        8,
+        disk_dir=str(tmp_path),
+        disk_blocks=8,
+        disk_policy="arc",
+        disk_admission="recommended",
+        fingerprint=bytes(16),
+    )
+    stack = build_stack(config)
+    try:
+        assert stack.disk is not None and stack.disk_admission is not None
+        assert tier_policy(stack.disk_admission.backing).__name__ == "ARCCachePolicy"
+    finally:
+        stack.close()
+
+
+@pytest.mark.parametrize(
+    ("admission", "budget", "written"), [("none", None, 4), ("recommended", 0.0, 0)]
+)
+def test_a_write_through_tier_writes_what_its_own_layer_admits(
+    tmp_path: Path, admission: str, budget: float | None, written: int
+) -> None:
+    """Completed CPU stores offered to a write-through tier pass its layer first: a zero
+    budget writes none of them, no layer all of them; the CPU tier stores them either way."""
+    disk = DiskTier(tmp_path, 8, bytes(16))
+    settings = TierSettings(True, admission=admission, write_budget=budget, capacity=8)
+    tiered = TieredOffloadingManager(
+        CPUOffloadingManager(8), [(disk, settings)], wait_for_tiers=True
+    )
+    keys = [block_id_key(i) for i in range(4)]
+    try:
+        assert tiered.lookup(keys) == 0
+        assert tiered.prepare_store(keys) is not None
+        tiered.complete_store(keys)
+        tiered.poll()
+        assert tiered.cpu.lookup(keys) == 4
+        assert (tiered.offered_blocks, tiered.admitted_blocks) == ([4], [written])
+        assert disk.stats.stored_blocks == written
+    finally:
+        tiered.close()
