@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from hypothesis import given, settings
@@ -167,3 +168,61 @@ def test_a_closed_server_is_a_connection_error(pair: tuple[socket.socket, Connec
     assert connection.readable_now()  # end-of-file waits: the pool would drop it
     with pytest.raises(ConnectionError, match="closed the connection"):
         connection.read_reply(Deadline(5))
+
+
+def receive_all(sock: socket.socket, size: int) -> bytes:
+    got = bytearray()
+    while len(got) < size:
+        piece = sock.recv(size - len(got))
+        if not piece:
+            break
+        got += piece
+    return bytes(got)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.binary(max_size=3 * DIRECT_BELOW).filter(bool), min_size=1, max_size=6))
+def test_pieces_made_ahead_go_out_in_order(pieces: list[bytes]) -> None:
+    """The look-ahead of SETs: each piece is made on another thread while the one before
+    it is sent, and the stream is the pieces in order, whole."""
+    made_on: list[str] = []
+
+    def make() -> Iterator[bytes]:
+        for piece in pieces:
+            made_on.append(threading.current_thread().name)
+            yield piece
+
+    left, right = socket.socketpair()
+    connection = Connection(right)
+    expected = b"".join(pieces)
+    try:
+        with ThreadPoolExecutor(1, "ahead") as ahead:
+            receiver = ThreadPoolExecutor(1)
+            got = receiver.submit(receive_all, left, len(expected))
+            connection.send(make(), Deadline(10), ahead)
+            assert got.result(10) == expected
+            receiver.shutdown()
+        assert made_on and all(name.startswith("ahead") for name in made_on)
+    finally:
+        left.close()
+        connection.close()
+
+
+def test_a_piece_made_too_slowly_meets_the_deadline(
+    pair: tuple[socket.socket, Connection],
+) -> None:
+    """Making the next piece (hashing a payload) counts against the send's deadline."""
+    release = threading.Event()
+
+    def make() -> Iterator[bytes]:
+        yield b"first"
+        release.wait(10)
+        yield b"never sent in time"
+
+    _, connection = pair
+    with ThreadPoolExecutor(1) as ahead:
+        try:
+            with pytest.raises(TimeoutError):
+                connection.send(make(), Deadline(0.3), ahead)
+        finally:
+            release.set()

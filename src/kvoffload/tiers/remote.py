@@ -5,7 +5,9 @@ the raw bytes) under ``kvo:<fingerprint hex>:<key hex>``, so two models never
 read each other's blocks. Reads are one pipeline of GETs per batch and node,
 each reply received straight into its destination slot (:mod:`.resp`);
 writes one pipeline of SETs per batch and node, header and payload sent apart
-(:mod:`.block_sets`), never joined.
+(:mod:`.block_sets`), never joined, each header (the checksum of its payload)
+made on a second thread while the payload before it goes out: serially the
+checksum held stores to 0.75-0.77 of a raw socket's SETs.
 
 Every operation (connect, send, full reply) has one deadline: ``timeout_ms``
 plus the time its bytes take at :data:`SLOWEST_LINK`. Every operation goes
@@ -184,6 +186,8 @@ class RemoteTier:
         self._server: _Node | None = None
         self.is_cluster = self._start()
         self._pool = ThreadPoolExecutor(io_threads, "kvoffload-remote")
+        self._ahead = ThreadPoolExecutor(io_threads, "kvoffload-remote-ahead")
+        """Makes each SET's header while the payload before it is sent (one per I/O thread)."""
         self._writes: list[tuple[list[OffloadKey], Future[list[bool]]]] = []
         self._events = EventLog(enable_events)
 
@@ -247,6 +251,7 @@ class RemoteTier:
     def close(self) -> None:
         self.poll(wait=True)
         self._pool.shutdown(wait=True)
+        self._ahead.shutdown(wait=True)
         with self._lock:
             nodes = list(self._nodes.values())
         for node in nodes:
@@ -588,7 +593,7 @@ class RemoteTier:
             for write in writes:
                 connection.send([ASKING, *pack_sets([write], self.fingerprint)], deadline)
         else:
-            connection.send(pack_sets(writes, self.fingerprint), deadline)
+            connection.send(pack_sets(writes, self.fingerprint), deadline, self._ahead)
         statuses: list[_Status] = []
         error: ErrorReply | None = None
         for _ in writes:

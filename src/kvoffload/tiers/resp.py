@@ -20,6 +20,7 @@ import socket
 import ssl
 import time
 from collections.abc import Iterable
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -209,19 +210,33 @@ class Connection:
         readable, _, _ = select.select([self.sock], [], [], 0)
         return bool(readable)
 
-    def send(self, pieces: Iterable[Piece], deadline: Deadline) -> None:
-        """Send every piece in order, all before ``deadline``."""
+    def send(
+        self, pieces: Iterable[Piece], deadline: Deadline, ahead: Executor | None = None
+    ) -> None:
+        """Send every piece in order, all before ``deadline``. With ``ahead``, each next
+        piece is made on that executor while the one before it is sent: a SET's header
+        (the checksum of its payload) is computed as the previous payload goes out."""
+        if ahead is None:
+            for piece in pieces:
+                self._send_piece(piece, deadline)
+            return
+        made = iter(pieces)
+        following = ahead.submit(next, made, None)
+        while (piece := following.result(deadline.left())) is not None:
+            following = ahead.submit(next, made, None)
+            self._send_piece(piece, deadline)
+
+    def _send_piece(self, piece: Piece, deadline: Deadline) -> None:
         sock = self.sock
-        for piece in pieces:
-            if not self._tls:
-                sock.settimeout(deadline.left())
-                sock.sendall(piece)  # the timeout bounds the whole sendall
-                continue
-            view = memoryview(piece).cast("B")
-            while view.nbytes:
-                sock.settimeout(deadline.left())
-                sent = sock.send(view)
-                view = view[sent:]
+        if not self._tls:
+            sock.settimeout(deadline.left())
+            sock.sendall(piece)  # the timeout bounds the whole sendall
+            return
+        view = memoryview(piece).cast("B")
+        while view.nbytes:
+            sock.settimeout(deadline.left())
+            sent = sock.send(view)
+            view = view[sent:]
 
     def _fill(self, deadline: Deadline, most: int = CHUNK) -> None:
         """Receive up to ``most`` more bytes into the buffer (moving what is unread to its
