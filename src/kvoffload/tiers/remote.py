@@ -9,7 +9,7 @@ writes one pipeline of SETs per batch and node, header and payload sent apart
 made on a second thread while the payload before it goes out: serially the
 checksum held stores to 0.75-0.77 of a raw socket's SETs.
 
-Every operation (connect, send, full reply) has one deadline: ``timeout_ms``
+Every operation (name lookup, connect, send, full reply) has one deadline: ``timeout_ms``
 plus the time its bytes take at :data:`SLOWEST_LINK`. Every operation goes
 through one call wrapper and the breaker of its node (one per Cluster node,
 so a dead node fails its slots only): when a server is slow, paused or down,
@@ -51,6 +51,7 @@ from kvoffload.tiers.resp import (
     Deadline,
     ErrorReply,
     Reply,
+    Resolver,
     command,
 )
 from kvoffload.tiers.targets import byte_view
@@ -148,8 +149,10 @@ class RemoteTier:
 
     Start-up connects once, under one deadline of ``timeout_ms``, and raises
     :class:`RemoteTierError` with a clear message (never the password) for a
-    wrong password, a failed TLS handshake or an unreachable server; after
-    that no call raises for the server's sake.
+    wrong password, a failed TLS handshake, a host name that does not resolve
+    or an unreachable server; after that no call raises for the server's sake.
+    ``resolver`` looks host names up under each operation's deadline (default:
+    the system's, answers kept a minute, see :class:`~.resp.Resolver`).
     """
 
     medium = MEDIUM
@@ -163,8 +166,10 @@ class RemoteTier:
         io_threads: int = 2,
         chunk_bytes: int = 256 * 2**20,
         enable_events: bool = False,
+        resolver: Resolver | None = None,
     ) -> None:
         self.address = parse_remote_url(url)
+        self._resolver = resolver or Resolver()
         self._chunk_bytes = chunk_bytes
         self.fingerprint = fingerprint
         self._prefix = b"kvo:" + fingerprint.hex().encode() + b":"
@@ -312,7 +317,9 @@ class RemoteTier:
         return result
 
     def _open(self, host: str, port: int, deadline: Deadline) -> Connection:
-        return Connection.open(host, port, self._credentials, self._context, deadline)
+        return Connection.open(
+            host, port, self._credentials, self._context, deadline, self._resolver
+        )
 
     # Start-up: one deadline, clear errors.
 
@@ -325,7 +332,7 @@ class RemoteTier:
             try:
                 connection = self._open(host, port, deadline)
             except ConnectError as exc:
-                if exc.kind != "network":
+                if exc.kind not in ("network", "resolve"):
                     raise _start_error(exc, self.address, where) from None
                 last = exc
                 continue
@@ -666,7 +673,7 @@ def _start_error(exc: ConnectError, address: RemoteAddress, where: str) -> Remot
         if refused and not has_cert:
             hint = " (if the server asks for a client certificate, give ssl_certfile=)"
         return RemoteTierError(f"remote tier {where}: TLS handshake failed ({message}){hint}")
-    if exc.kind == "server":
+    if exc.kind in ("server", "resolve"):
         return RemoteTierError(f"remote tier {where}: {message}")
     hint = "" if address.tls else " (if that port speaks TLS, use rediss://)"
     return RemoteTierError(f"remote tier {where} is not reachable: {message}{hint}")
