@@ -31,6 +31,7 @@ DOCUMENTED = {
     "kvoffload.remote_url": ("remote_url", None),
     "kvoffload.disk_dir": ("disk_dir", None),
     "kvoffload.disk_bytes": ("disk_bytes", 0),
+    "kvoffload.disk_timeout_ms": ("disk_timeout_ms", 10_000.0),
 }
 """Key -> (settings field, default), as the documentation's table of keys gives them."""
 

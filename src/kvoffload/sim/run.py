@@ -81,6 +81,8 @@ class SimConfig:
     remote_latency_ms: float = tier_model.REMOTE_LATENCY_MS
     disk_policy: str | None = None
     """The disk tier's eviction policy; ``None``: the CPU tier's."""
+    disk_timeout_ms: float = 10_000.0
+    """The deadline of each disk tier operation (plus its bytes at 50 MB/s)."""
 
     def __post_init__(self) -> None:
         _check_numbers(self)
@@ -124,6 +126,10 @@ class SimConfig:
             raise InvalidArgumentError(
                 "a disk tier (--disk-dir) needs a size of >= 1 block: --disk-gb or --disk-blocks"
             )
+        if self.disk_dir is not None:
+            from kvoffload.tiers.disk import check_timeout_ms  # the tiers only when asked for
+
+            check_timeout_ms(self.disk_timeout_ms, "the disk timeout")
         self.tier_costs()
 
     @property
@@ -455,6 +461,7 @@ def _tiered_manager(
         store_threshold=config.tier_store_threshold,
         slot_bytes=slot_bytes,
         wait_for_tiers=True,
+        disk_deadline_s=config.disk_timeout_ms / 1000,
     )
 
 

@@ -12,6 +12,7 @@ from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.managers.tiered import LowerTier, SlotBytes, TieredOffloadingManager, TierSettings
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.remote import RemoteTier
+from kvoffload.tiers.slot_file import DEFAULT_DEADLINE_S
 
 
 def build_tiered_manager(
@@ -26,6 +27,7 @@ def build_tiered_manager(
     slot_bytes: SlotBytes | None,
     wait_for_tiers: bool,
     enable_events: bool = False,
+    disk_deadline_s: float = DEFAULT_DEADLINE_S,
 ) -> TieredOffloadingManager:
     """``cpu`` over the configured lower tiers; the shared one is write-through, so others
     see a block as soon as it is stored. Tiers opened before a failure are closed again.
@@ -36,7 +38,12 @@ def build_tiered_manager(
             if disk_blocks < 1:
                 raise InvalidArgumentError(f"a disk tier needs >= 1 block, got {disk_blocks}")
             disk = DiskTier(
-                disk_dir, disk_blocks, fingerprint, disk_policy, enable_events=enable_events
+                disk_dir,
+                disk_blocks,
+                fingerprint,
+                disk_policy,
+                enable_events=enable_events,
+                deadline_s=disk_deadline_s,
             )
             tiers.append((disk, TierSettings(False, store_threshold)))
         if remote_url is not None:

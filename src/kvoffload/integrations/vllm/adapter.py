@@ -48,7 +48,9 @@ from kvoffload.core.specs import BlockIDsLoadStoreSpec
 from kvoffload.integrations.vllm.offer_filter import OfferCountFilter
 from kvoffload.managers import CPUOffloadingManager, TieredOffloadingManager
 from kvoffload.observe.counters import ManagerCounters
+from kvoffload.observe.metrics import recovery_samples
 from kvoffload.policies import BlockStatus
+from kvoffload.sim.tier_model import recovery_counts
 
 METRIC_PREFIX = "vllm:kvoffload_"
 """Our counters appear on vLLM's ``/metrics`` under this prefix."""
@@ -310,6 +312,12 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             stats.increase_counter(GHOST_HITS_METRIC, ghost_hits - self._ghost_hits_reported)
             self._ghost_hits_reported = ghost_hits
             stats.set_gauge(CONTROL_METRIC, self._layer.stats().control)
+        if self._has_lower_tiers:
+            assert isinstance(self._direct, TieredOffloadingManager)
+            counts = {tier.medium.lower(): recovery_counts(tier) for tier in self._direct.tiers}
+            found = {name: tier_counts for name, tier_counts in counts.items() if tier_counts}
+            for name, labels, value in recovery_samples(found):
+                stats.set_gauge(f"{METRIC_PREFIX}{name}", value, labels)
         return stats
 
     def _request_keys(self, req_context: ReqContext) -> _RequestKeys:

@@ -15,6 +15,7 @@ from typing import Any
 from kvoffload.admission import available_admissions
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.policies import available_policies
+from kvoffload.tiers.disk import DEFAULT_TIMEOUT_MS, check_timeout_ms
 
 PREFIX = "kvoffload."
 """kvoffload's own keys start with this."""
@@ -48,7 +49,12 @@ DISK_DIR_KEY = f"{PREFIX}disk_dir"
 DISK_BYTES_KEY = f"{PREFIX}disk_bytes"
 """A local-disk tier: its directory and size; each needs the other."""
 
-OWN_KEYS = frozenset({ADMISSION_KEY, REMOTE_URL_KEY, DISK_DIR_KEY, DISK_BYTES_KEY})
+DISK_TIMEOUT_KEY = f"{PREFIX}disk_timeout_ms"
+"""The deadline of each disk tier operation in milliseconds (needs the disk tier)."""
+
+OWN_KEYS = frozenset(
+    {ADMISSION_KEY, REMOTE_URL_KEY, DISK_DIR_KEY, DISK_BYTES_KEY, DISK_TIMEOUT_KEY}
+)
 """kvoffload's keys. They name layers that are built by ``build_manager``."""
 
 
@@ -64,6 +70,7 @@ class SpecSettings:
     remote_url: str | None = field(default=None, repr=False)  # may hold a password
     disk_dir: str | None = None
     disk_bytes: int = 0
+    disk_timeout_ms: float = DEFAULT_TIMEOUT_MS
 
     @property
     def has_lower_tiers(self) -> bool:
@@ -100,6 +107,16 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
             f"got only {DISK_BYTES_KEY if disk_dir is None else DISK_DIR_KEY!r}"
         )
     remote_url = _str(extra_config, REMOTE_URL_KEY)
+    disk_timeout_ms = DEFAULT_TIMEOUT_MS
+    if DISK_TIMEOUT_KEY in extra_config:
+        if disk_dir is None:
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config {DISK_TIMEOUT_KEY!r} needs the disk tier "
+                f"({DISK_DIR_KEY!r} and {DISK_BYTES_KEY!r})"
+            )
+        disk_timeout_ms = check_timeout_ms(
+            extra_config[DISK_TIMEOUT_KEY], f"kv_connector_extra_config {DISK_TIMEOUT_KEY!r}"
+        )
     return SpecSettings(
         cpu_bytes_to_use=_int(extra_config, "cpu_bytes_to_use", 1),
         eviction_policy=str(policy),
@@ -109,6 +126,7 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
         remote_url=remote_url,
         disk_dir=disk_dir,
         disk_bytes=_int(extra_config, DISK_BYTES_KEY, 1, 0) if disk_dir is not None else 0,
+        disk_timeout_ms=disk_timeout_ms,
     )
 
 

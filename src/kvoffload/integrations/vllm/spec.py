@@ -43,6 +43,7 @@ from kvoffload.integrations.vllm.settings import (
 from kvoffload.integrations.vllm.versions import running_release
 from kvoffload.managers import CPUOffloadingManager, TieredOffloadingManager, build_manager
 from kvoffload.observe.counters import COUNTER_DOCS
+from kvoffload.observe.metrics import RECOVERY_DOCS, RECOVERY_LABELS
 from kvoffload.tiers import RemoteTierError, build_tiered_manager, fingerprint_of, parse_remote_url
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.slot_file import SUPER_BYTES, slot_start, slot_stride
@@ -96,6 +97,11 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 documentation="The admission layer's control value (feedback: share of block "
                 "classes written on first sight; sketch: its sightings threshold)."
             )
+        if extra_config.get(DISK_DIR_KEY) is not None:  # what the disk tier found on start
+            for name, doc in RECOVERY_DOCS.items():
+                definitions[f"{METRIC_PREFIX}{name}"] = OffloadingGaugeMetadata(
+                    documentation=doc, labelnames=RECOVERY_LABELS[name]
+                )
         return definitions
 
     @classmethod
@@ -238,6 +244,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 slot_bytes=self.shared_slot_bytes(),
                 wait_for_tiers=False,
                 enable_events=events,
+                disk_deadline_s=settings.disk_timeout_ms / 1000,
             )
         except RemoteTierError as exc:
             raise RemoteTierError(f"kv_connector_extra_config {REMOTE_URL_KEY!r}: {exc}") from None
