@@ -334,18 +334,26 @@ class Connection:
     def send(
         self, pieces: Iterable[Piece], deadline: Deadline, ahead: Executor | None = None
     ) -> None:
-        """Send every piece in order, all before ``deadline``. With ``ahead``, each next
-        piece is made on that executor while the one before it is sent: a SET's header
-        (the checksum of its payload) is computed as the previous payload goes out."""
+        """Send every piece in order, all before ``deadline``. With ``ahead``, the piece
+        after a large one (:data:`DIRECT_BELOW` bytes or more) is made on that executor
+        while the large one is sent: a SET's header (the checksum of its payload) is
+        computed as the payload before it goes out. After a small piece the next one is
+        made here (a payload, made at no cost): one hand-over per block."""
         if ahead is None:
             for piece in pieces:
                 self._send_piece(piece, deadline)
             return
         made = iter(pieces)
-        following: Future[Piece | None] = ahead.submit(next, made, None)
-        while (made_now := following.result(deadline.left())) is not None:
-            following = ahead.submit(next, made, None)
-            self._send_piece(made_now, deadline)
+        current: Piece | None = next(made, None)
+        while current is not None:
+            size = current.nbytes if isinstance(current, memoryview) else len(current)
+            if size < DIRECT_BELOW:
+                self._send_piece(current, deadline)
+                current = next(made, None)
+                continue
+            following: Future[Piece | None] = ahead.submit(next, made, None)
+            self._send_piece(current, deadline)
+            current = following.result(deadline.left())
 
     def _send_piece(self, piece: Piece, deadline: Deadline) -> None:
         sock = self.sock
