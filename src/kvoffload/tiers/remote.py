@@ -9,8 +9,8 @@ writes one pipeline of SETs per batch and node, header and payload sent apart
 made on a second thread while the payload before it goes out: serially the
 checksum held stores to 0.75-0.77 of a raw socket's SETs.
 
-Every operation (name lookup, connect, send, full reply) has one deadline: ``timeout_ms``
-plus the time its bytes take at :data:`SLOWEST_LINK`. Every operation goes
+Every operation (name lookup, connect, send, full reply) has one deadline:
+``timeout_ms`` plus the time its bytes take at :data:`SLOWEST_LINK`. Every operation goes
 through one call wrapper and the breaker of its node (one per Cluster node,
 so a dead node fails its slots only): when a server is slow, paused or down,
 lookups miss and stores are dropped, counted, and the tier reconnects by
