@@ -115,3 +115,19 @@ def test_the_check_is_the_tier_s_own() -> None:
     assert check_timeout_ms(600_000, "x") == 600_000.0
     with pytest.raises(InvalidArgumentError, match="x must be a number of milliseconds"):
         check_timeout_ms("", "x")
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), 600_001.0])
+def test_a_library_caller_gets_the_same_check(tmp_path: Path, value: float) -> None:
+    """``SimConfig`` (the simulator's API) refuses what the CLI refuses."""
+    from kvoffload.sim.run import SimConfig
+
+    with pytest.raises(InvalidArgumentError, match="the disk timeout must be a number"):
+        SimConfig(
+            gpu_blocks=16,
+            cpu_blocks=32,
+            disk_dir=str(tmp_path),
+            disk_blocks=8,
+            disk_timeout_ms=value,
+        )
+    assert SimConfig(gpu_blocks=16, cpu_blocks=32, disk_timeout_ms=value).disk_dir is None
