@@ -36,6 +36,7 @@ DOCUMENTED = {
     "kvoffload.remote_admission": ("remote_admission", "none"),
     "kvoffload.remote_write_budget": ("remote_write_budget", None),
     "kvoffload.remote_bytes": ("remote_bytes", 0),
+    "kvoffload.disk_timeout_ms": ("disk_timeout_ms", 10_000.0),
 }
 """Key -> (settings field, default), as the documentation's table of keys gives them."""
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from types import FrameType, ModuleType
 from typing import Any
 
-from kvoffload.cli import options, output
+from kvoffload.cli import options, output, tier_options
 from kvoffload.core.errors import KVOffloadError
 
 BENCH_MODULE = "kvoffload.dataplane.bench"
@@ -59,6 +59,7 @@ def register(commands: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="the disk tier syncs each batch, the plain file once written (power-loss safety)",
     )
+    tier_options.add_disk_timeout_argument(tiers)
     tiers.add_argument("--json", metavar="PATH", help="write the results as JSON (- stdout)")
     tiers.set_defaults(run=run_tiers)
     return transfer
@@ -106,10 +107,17 @@ def _report(args: argparse.Namespace, results: dict[str, Any]) -> None:
 def run_tiers(args: argparse.Namespace) -> int:
     """``bench tiers``: torch-free; the shared tier's client is needed only with ``--remote``."""
     from kvoffload.tiers.bench import measure_tiers
+    from kvoffload.tiers.disk import DEFAULT_TIMEOUT_MS
 
     with _sigterm_as_interrupt():
         results = measure_tiers(
-            args.blocks, args.block_mib, args.rounds, args.dir, args.remote, fsync=args.fsync
+            args.blocks,
+            args.block_mib,
+            args.rounds,
+            args.dir,
+            args.remote,
+            fsync=args.fsync,
+            disk_timeout_ms=args.disk_timeout_ms or DEFAULT_TIMEOUT_MS,
         )
     if args.json:
         output.write_json(args.json, results)

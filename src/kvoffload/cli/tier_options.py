@@ -16,6 +16,7 @@ from kvoffload.core.layout import KVLayout
 from kvoffload.policies import resolve_policy
 from kvoffload.sim import tier_model
 from kvoffload.sim.run import RunReport, SimConfig, blocks_for_gib
+from kvoffload.tiers.disk import DEFAULT_TIMEOUT_MS, MAX_TIMEOUT_MS, check_timeout_ms
 from kvoffload.tiers.format import FINGERPRINT_BYTES, layout_fingerprint
 from kvoffload.tiers.slot_file import SLOT_FILE, footprint, slot_stride
 
@@ -35,6 +36,7 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--disk-policy", help="disk tier eviction policy (default: the CPU tier's --policy)"
     )
+    add_disk_timeout_argument(group)
     group.add_argument(
         "--remote",
         metavar="URL",
@@ -84,6 +86,26 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
         )
 
 
+def add_disk_timeout_argument(group: argparse._ActionsContainer) -> None:
+    """``--disk-timeout-ms``, for ``simulate``, ``sweep`` and ``bench tiers``."""
+    group.add_argument(
+        "--disk-timeout-ms",
+        type=disk_timeout_ms,
+        metavar="MS",
+        help="deadline of each disk tier operation, plus its bytes at 50 MB/s; past it the "
+        f"operation fails, counted, and the engine goes on (default: {DEFAULT_TIMEOUT_MS:g}, "
+        f"at most {MAX_TIMEOUT_MS:.0f})",
+    )
+
+
+def disk_timeout_ms(text: str) -> float:
+    """An argparse ``type`` for ``--disk-timeout-ms``."""
+    try:
+        return check_timeout_ms(text, "it")
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("it ")) from None
+
+
 def check_before_work(args: argparse.Namespace) -> None:
     """Refuse tier options that would fail only once the workload is built: a size or
     policy without a disk tier, an unusable directory, a server that cannot be reached.
@@ -94,6 +116,7 @@ def check_before_work(args: argparse.Namespace) -> None:
             ("--disk-gb", args.disk_gb),
             ("--disk-blocks", args.disk_blocks),
             ("--disk-policy", args.disk_policy),
+            ("--disk-timeout-ms", args.disk_timeout_ms),
         )
         if value is not None
     ]
@@ -205,6 +228,7 @@ def with_tiers(config: SimConfig, args: argparse.Namespace, block_tokens: int) -
         remote_write_budget=args.remote_write_budget,
         remote_blocks=args.remote_blocks or 0,
         disk_policy=args.disk_policy,
+        disk_timeout_ms=args.disk_timeout_ms or DEFAULT_TIMEOUT_MS,
         disk_gb_per_s=args.disk_gb_per_s,
         disk_latency_ms=args.disk_latency_ms,
         remote_gb_per_s=args.remote_gb_per_s,

@@ -52,6 +52,8 @@ class StackConfig:
     disk_blocks: int = 0
     disk_policy: str | None = None
     """``None``: the CPU tier's policy."""
+    disk_deadline_s: float | None = None
+    """The deadline of each disk I/O job; ``None``: the disk tier's default."""
     remote_url: str | None = field(default=None, repr=False)  # may hold a password
     remote_blocks: int = 0
     tier_store_threshold: int = 0

@@ -23,6 +23,26 @@ from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.observe.counters import COUNTER_DOCS, LatencyHistogram, ManagerCounters
 
 PREFIX = "kvoffload_"
+RECOVERED_BLOCKS = "tier_recovered_blocks"
+DROPPED_BLOCKS = "tier_dropped_blocks"
+RECOVERY_DOCS = {
+    RECOVERED_BLOCKS: "Blocks a lower tier found intact on start and serves again.",
+    DROPPED_BLOCKS: "Slots a lower tier dropped on start, by reason (torn, foreign, corrupt).",
+}
+RECOVERY_LABELS = {RECOVERED_BLOCKS: ("tier",), DROPPED_BLOCKS: ("tier", "reason")}
+"""The two recovery gauges, here and on vLLM's ``/metrics`` (``vllm:kvoffload_...``)."""
+
+
+def recovery_samples(
+    counts: Mapping[str, Mapping[str, int]],
+) -> Iterator[tuple[str, tuple[str, ...], int]]:
+    """``(gauge, label values, value)`` for each tier's ``recovered`` and ``dropped_<reason>``
+    counts (``counts`` by tier name): one reading for both ``/metrics`` endpoints."""
+    for tier, found in counts.items():
+        yield RECOVERED_BLOCKS, (tier,), found["recovered"]
+        for name, value in found.items():
+            if name.startswith("dropped_"):
+                yield DROPPED_BLOCKS, (tier, name.removeprefix("dropped_")), value
 
 
 class ManagerCollector(Collector):
@@ -63,23 +83,13 @@ class RecoveryCollector(Collector):
         self._counts = counts
 
     def collect(self) -> Iterator[Metric]:
-        recovered = GaugeMetricFamily(
-            f"{PREFIX}tier_recovered_blocks",
-            "Blocks a lower tier found intact on start and serves again.",
-            labels=["tier"],
-        )
-        dropped = GaugeMetricFamily(
-            f"{PREFIX}tier_dropped_blocks",
-            "Slots a lower tier dropped on start, by reason (torn, foreign, corrupt).",
-            labels=["tier", "reason"],
-        )
-        for tier, counts in self._counts().items():
-            recovered.add_metric([tier], counts["recovered"])
-            for name, value in counts.items():
-                if name.startswith("dropped_"):
-                    dropped.add_metric([tier, name.removeprefix("dropped_")], value)
-        yield recovered
-        yield dropped
+        families = {
+            name: GaugeMetricFamily(f"{PREFIX}{name}", doc, labels=list(RECOVERY_LABELS[name]))
+            for name, doc in RECOVERY_DOCS.items()
+        }
+        for name, labels, value in recovery_samples(self._counts()):
+            families[name].add_metric(list(labels), value)
+        yield from families.values()
 
 
 class AdmissionCollector(Collector):

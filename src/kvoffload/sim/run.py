@@ -87,6 +87,8 @@ class SimConfig:
     remote_latency_ms: float = tier_model.REMOTE_LATENCY_MS
     disk_policy: str | None = None
     """The disk tier's eviction policy; ``None``: the CPU tier's."""
+    disk_timeout_ms: float = 10_000.0
+    """The deadline of each disk tier operation (plus its bytes at 50 MB/s)."""
 
     def __post_init__(self) -> None:
         _check_numbers(self)
@@ -130,6 +132,10 @@ class SimConfig:
             raise InvalidArgumentError(
                 "a disk tier (--disk-dir) needs a size of >= 1 block: --disk-gb or --disk-blocks"
             )
+        if self.disk_dir is not None:
+            from kvoffload.tiers.disk import check_timeout_ms  # the tiers only when asked for
+
+            check_timeout_ms(self.disk_timeout_ms, "the disk timeout")
         self.tier_costs()
         if self.cpu_blocks > 0:
             self.stack_config()  # the stack's own checks, each naming its field
@@ -157,6 +163,7 @@ class SimConfig:
             disk_dir=self.disk_dir if tiers else None,
             disk_blocks=self.disk_blocks,
             disk_policy=self.disk_policy,
+            disk_deadline_s=self.disk_timeout_ms / 1000,
             remote_url=self.remote_url if tiers else None,
             remote_blocks=self.remote_blocks,
             tier_store_threshold=self.tier_store_threshold,

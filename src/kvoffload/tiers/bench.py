@@ -32,6 +32,7 @@ from kvoffload.core.memory import check_fits
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.format import layout_fingerprint
 from kvoffload.tiers.remote import RemoteTier
+from kvoffload.tiers.slot_file import DEFAULT_DEADLINE_S
 
 MIB = 2**20
 MIN_BLOCK_BYTES = 1024
@@ -68,7 +69,11 @@ class _Blocks:
 
 
 def measure_disk(
-    blocks: _Blocks, directory: Path, rounds: int, fsync: bool = False
+    blocks: _Blocks,
+    directory: Path,
+    rounds: int,
+    fsync: bool = False,
+    deadline_s: float = DEFAULT_DEADLINE_S,
 ) -> dict[str, float]:
     """Rounds alternate plain and tier; each round stores, loads, then deletes its bytes.
 
@@ -94,7 +99,13 @@ def measure_disk(
         return stored - started, loaded - stored
 
     def tier(i: int) -> tuple[float, float]:
-        disk = DiskTier(directory / f"tier-{i}", len(blocks.payloads), fingerprint, fsync=fsync)
+        disk = DiskTier(
+            directory / f"tier-{i}",
+            len(blocks.payloads),
+            fingerprint,
+            fsync=fsync,
+            deadline_s=deadline_s,
+        )
         keys = blocks.keys(i)
         try:
             started = time.perf_counter()
@@ -280,6 +291,7 @@ def measure_tiers(
     directory: str | None = None,
     remote: str | None = None,
     fsync: bool = False,
+    disk_timeout_ms: float = DEFAULT_DEADLINE_S * 1000,
 ) -> dict[str, Any]:
     """Disk figures (in ``directory``, default a temporary one), and remote ones if ``remote``."""
     if blocks < 1 or rounds < 1 or not 0 < block_mib < math.inf:
@@ -300,7 +312,7 @@ def measure_tiers(
         results["fsync"] = True
     scratch = Path(tempfile.mkdtemp(prefix="kvoffload-bench-", dir=directory))
     try:
-        results.update(measure_disk(data, scratch, rounds, fsync))
+        results.update(measure_disk(data, scratch, rounds, fsync, disk_timeout_ms / 1000))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if remote is not None:

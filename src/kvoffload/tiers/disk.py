@@ -39,6 +39,29 @@ from kvoffload.tiers.slot_file import (
 )
 
 MEDIUM = "DISK"
+MAX_TIMEOUT_MS = 600_000.0
+"""The longest deadline a disk operation may be given (10 minutes), as for the shared tier."""
+DEFAULT_TIMEOUT_MS = DEFAULT_DEADLINE_S * 1000
+
+
+def check_timeout_ms(value: object, what: str) -> float:
+    """``value`` (a number, or a numeric string as JSON from a command line holds) as a
+    disk deadline in milliseconds: > 0, finite, at most :data:`MAX_TIMEOUT_MS`;
+    :class:`InvalidArgumentError` naming ``what`` otherwise."""
+    number: float | None = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+    if number is None or not 0 < number <= MAX_TIMEOUT_MS:  # nan fails both comparisons
+        raise InvalidArgumentError(
+            f"{what} must be a number of milliseconds > 0 and at most {MAX_TIMEOUT_MS:.0f} "
+            f"(10 minutes), got {value!r}"
+        )
+    return number
 
 
 class DiskTier:
@@ -125,6 +148,11 @@ class DiskTier:
     def policy(self) -> CachePolicy:
         """The eviction policy instance (for inspection and tests)."""
         return self._index.policy
+
+    @property
+    def deadline_s(self) -> float:
+        """The deadline of each I/O job, before the time its bytes may take."""
+        return self._file.stripes.deadline_s
 
     @property
     def deadline_misses(self) -> int:

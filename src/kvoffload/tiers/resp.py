@@ -8,20 +8,24 @@ what is left of it; replies are bounded in size (a value is read only when
 its announced length is the one expected), and a value is read straight into
 its destination with ``recv_into``, no intermediate ``bytes``.
 
-Connecting (TCP, then TLS, then AUTH and SELECT) runs under the same
-deadline; its failures are :class:`ConnectError` with a message that never
-holds the password.
+Connecting (name resolution, TCP, then TLS, then AUTH and SELECT) runs under
+the same deadline (:class:`Resolver`); its failures are :class:`ConnectError`
+with a message that never holds the password.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import math
 import select
 import socket
 import ssl
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvoffload.tiers.url import TLSOptions
 
@@ -135,6 +139,124 @@ class Credentials:
         return context
 
 
+Address = tuple[int, int, int, tuple[Any, ...]]
+"""What :func:`socket.getaddrinfo` gives for one address: family, type, protocol, sockaddr."""
+Lookup = Callable[[str, int], list[Address]]
+
+
+def getaddrinfo(host: str, port: int) -> list[Address]:
+    """The system resolver's TCP addresses of ``host``."""
+    return [
+        (family, kind, proto, sockaddr)
+        for family, kind, proto, _, sockaddr in socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM
+        )
+    ]
+
+
+class Resolver:
+    """Host names to addresses, each lookup bounded by the operation's deadline.
+
+    ``getaddrinfo`` has no timeout of its own: a resolver that does not answer
+    held a connect, and with it the scheduler, for as long as it liked. Here
+    a lookup runs on a daemon thread and the caller waits for it no longer
+    than its deadline allows, then fails (a counted failure, like a server
+    that does not answer). One lookup per name runs at a time, however many
+    callers wait for it, so a hung resolver holds one thread per name.
+    Answers are kept ``ttl_s`` seconds; past that the last answer is still
+    used for up to ``stale_s`` more while a new lookup runs in the background,
+    so a resolver outage neither stalls nor takes down a running tier. IP
+    addresses are never looked up.
+    """
+
+    def __init__(self, lookup: Lookup = getaddrinfo, ttl_s: float = 60.0, stale_s: float = 3600.0):
+        self._lookup = lookup
+        self._ttl_s = ttl_s
+        self._stale_s = stale_s
+        self._lock = threading.Lock()
+        self._answers: dict[tuple[str, int], tuple[float, list[Address]]] = {}
+        self._running: dict[tuple[str, int], Future[list[Address]]] = {}
+
+    def resolve(self, host: str, port: int, deadline: Deadline) -> list[Address]:
+        """The addresses of ``host``; :class:`ConnectError` (``resolve``) if there is no
+        answer before ``deadline``."""
+        numeric = _numeric(host, port)
+        if numeric is not None:
+            return numeric
+        name = (host, port)
+        with self._lock:
+            answer = self._answers.get(name)
+            age = math.inf if answer is None else time.monotonic() - answer[0]
+            if answer is not None and age < self._ttl_s:
+                return answer[1]
+            running = self._running.get(name)
+            if running is None:
+                running = self._running[name] = self._start(name)
+            if answer is not None and age < self._ttl_s + self._stale_s:
+                return answer[1]  # refreshed in the background, nobody waits for it
+        try:
+            return running.result(timeout=max(0.0, deadline.at - time.monotonic()))
+        except Exception as exc:  # late, or the resolver's own error
+            if isinstance(exc, TimeoutError):
+                why = "no answer before the deadline"
+            elif isinstance(exc, OSError) and exc.strerror:
+                why = exc.strerror  # without gaierror's "[Errno -2]"
+            else:
+                why = _describe(exc)
+            raise ConnectError("resolve", f"cannot resolve host {host!r} ({why})") from None
+
+    def _start(self, name: tuple[str, int]) -> Future[list[Address]]:
+        """A lookup of ``name`` on its own daemon thread (a hung one never blocks exit)."""
+        future: Future[list[Address]] = Future()
+
+        def run() -> None:
+            try:
+                addresses = self._lookup(*name)
+                if not addresses:
+                    raise OSError("no addresses")
+            except BaseException as exc:  # handed to every waiter
+                with self._lock:
+                    self._running.pop(name, None)
+                future.set_exception(exc)
+                return
+            with self._lock:
+                self._running.pop(name, None)
+                self._answers[name] = (time.monotonic(), addresses)
+            future.set_result(addresses)
+
+        threading.Thread(target=run, name=f"kvoffload-resolve-{name[0]}", daemon=True).start()
+        return future
+
+
+def _numeric(host: str, port: int) -> list[Address] | None:
+    """The address of an IP ``host``, no lookup; ``None`` for a name."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if ip.version == 4:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 0, (host, port))]
+    return [(socket.AF_INET6, socket.SOCK_STREAM, 0, (host, port, 0, 0))]
+
+
+def _connect(addresses: list[Address], deadline: Deadline) -> socket.socket:
+    """A TCP connection to the first of ``addresses`` that takes one before ``deadline``."""
+    last: BaseException | None = None
+    for family, kind, proto, sockaddr in addresses:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(deadline.left())
+            sock.connect(sockaddr)
+        except (OSError, UnicodeError) as exc:
+            sock.close()
+            last = exc
+            if isinstance(exc, DeadlineExceeded):
+                break
+            continue
+        return sock
+    raise ConnectError("network", _describe(last) if last else "no address to connect to")
+
+
 class Connection:
     """One socket to one server, with a read buffer; pipelines are sent whole, then read."""
 
@@ -156,12 +278,12 @@ class Connection:
         credentials: Credentials,
         context: ssl.SSLContext | None,
         deadline: Deadline,
+        resolver: Resolver,
     ) -> Connection:
-        """Connect, then TLS, AUTH and SELECT as ``credentials`` ask; :class:`ConnectError`."""
-        try:
-            sock = socket.create_connection((host, port), timeout=deadline.left())
-        except (OSError, UnicodeError) as exc:
-            raise ConnectError("network", _describe(exc)) from None
+        """Resolve (under the deadline too), connect, then TLS, AUTH and SELECT as
+        ``credentials`` ask; :class:`ConnectError`."""
+        addresses = resolver.resolve(host, port, deadline)
+        sock = _connect(addresses, deadline)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if context is not None:
@@ -209,19 +331,41 @@ class Connection:
         readable, _, _ = select.select([self.sock], [], [], 0)
         return bool(readable)
 
-    def send(self, pieces: Iterable[Piece], deadline: Deadline) -> None:
-        """Send every piece in order, all before ``deadline``."""
-        sock = self.sock
-        for piece in pieces:
-            if not self._tls:
-                sock.settimeout(deadline.left())
-                sock.sendall(piece)  # the timeout bounds the whole sendall
+    def send(
+        self, pieces: Iterable[Piece], deadline: Deadline, ahead: Executor | None = None
+    ) -> None:
+        """Send every piece in order, all before ``deadline``. With ``ahead``, the piece
+        after a large one (:data:`DIRECT_BELOW` bytes or more) is made on that executor
+        while the large one is sent: a SET's header (the checksum of its payload) is
+        computed as the payload before it goes out. After a small piece the next one is
+        made here (a payload, made at no cost): one hand-over per block."""
+        if ahead is None:
+            for piece in pieces:
+                self._send_piece(piece, deadline)
+            return
+        made = iter(pieces)
+        current: Piece | None = next(made, None)
+        while current is not None:
+            size = current.nbytes if isinstance(current, memoryview) else len(current)
+            if size < DIRECT_BELOW:
+                self._send_piece(current, deadline)
+                current = next(made, None)
                 continue
-            view = memoryview(piece).cast("B")
-            while view.nbytes:
-                sock.settimeout(deadline.left())
-                sent = sock.send(view)
-                view = view[sent:]
+            following: Future[Piece | None] = ahead.submit(next, made, None)
+            self._send_piece(current, deadline)
+            current = following.result(deadline.left())
+
+    def _send_piece(self, piece: Piece, deadline: Deadline) -> None:
+        sock = self.sock
+        if not self._tls:
+            sock.settimeout(deadline.left())
+            sock.sendall(piece)  # the timeout bounds the whole sendall
+            return
+        view = memoryview(piece).cast("B")
+        while view.nbytes:
+            sock.settimeout(deadline.left())
+            sent = sock.send(view)
+            view = view[sent:]
 
     def _fill(self, deadline: Deadline, most: int = CHUNK) -> None:
         """Receive up to ``most`` more bytes into the buffer (moving what is unread to its

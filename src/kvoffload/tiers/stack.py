@@ -17,6 +17,7 @@ from kvoffload.managers.stack import Stack, StackConfig, assemble, build_cpu_sta
 from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.remote import RemoteTier
+from kvoffload.tiers.slot_file import DEFAULT_DEADLINE_S
 
 
 def build_stack(config: StackConfig) -> Stack:
@@ -43,6 +44,7 @@ def _tiered(
                 config.fingerprint,
                 config.disk_policy or config.policy,
                 enable_events=config.enable_events,
+                deadline_s=config.disk_deadline_s or DEFAULT_DEADLINE_S,
             )
             settings = TierSettings(
                 False,

@@ -49,7 +49,9 @@ from kvoffload.integrations.vllm.offer_filter import OfferCountFilter
 from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.stack import Stack
 from kvoffload.observe.counters import ManagerCounters
+from kvoffload.observe.metrics import recovery_samples
 from kvoffload.policies import BlockStatus
+from kvoffload.sim.tier_model import recovery_counts
 
 METRIC_PREFIX = "vllm:kvoffload_"
 """Our counters appear on vLLM's ``/metrics`` under this prefix."""
@@ -132,6 +134,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._layer: AdmissionLayer | None = stack.admission
         self._direct: SeedManager = stack.direct
         self._cpu: CPUOffloadingManager = stack.cpu
+        self._tiered = stack.tiered
         self._has_lower_tiers = stack.tiered is not None and bool(stack.tiered.tiers)
 
     @property
@@ -309,6 +312,11 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             stats.increase_counter(GHOST_HITS_METRIC, ghost_hits - self._ghost_hits_reported)
             self._ghost_hits_reported = ghost_hits
             stats.set_gauge(CONTROL_METRIC, self._layer.stats().control)
+        if self._tiered is not None:
+            counts = {tier.medium.lower(): recovery_counts(tier) for tier in self._tiered.tiers}
+            found = {name: tier_counts for name, tier_counts in counts.items() if tier_counts}
+            for name, labels, value in recovery_samples(found):
+                stats.set_gauge(f"{METRIC_PREFIX}{name}", value, labels)
         return stats
 
     def _request_keys(self, req_context: ReqContext) -> _RequestKeys:

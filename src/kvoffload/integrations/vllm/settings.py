@@ -15,6 +15,7 @@ from typing import Any
 from kvoffload.admission import available_admissions, check_write_budget, resolve_admission
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.policies import available_policies
+from kvoffload.tiers.disk import DEFAULT_TIMEOUT_MS, check_timeout_ms
 
 PREFIX = "kvoffload."
 """kvoffload's own keys start with this."""
@@ -65,8 +66,18 @@ TIER_ADMISSION_KEYS = frozenset(
     }
 )
 
+DISK_TIMEOUT_KEY = f"{PREFIX}disk_timeout_ms"
+"""The deadline of each disk tier operation in milliseconds (needs the disk tier)."""
+
 OWN_KEYS = frozenset(
-    {ADMISSION_KEY, REMOTE_URL_KEY, DISK_DIR_KEY, DISK_BYTES_KEY, *TIER_ADMISSION_KEYS}
+    {
+        ADMISSION_KEY,
+        REMOTE_URL_KEY,
+        DISK_DIR_KEY,
+        DISK_BYTES_KEY,
+        DISK_TIMEOUT_KEY,
+        *TIER_ADMISSION_KEYS,
+    }
 )
 """kvoffload's keys. They name layers that are built by ``build_manager``."""
 
@@ -88,6 +99,7 @@ class SpecSettings:
     remote_admission: str = "none"
     remote_write_budget: float | None = None
     remote_bytes: int = 0
+    disk_timeout_ms: float = DEFAULT_TIMEOUT_MS
 
     @property
     def has_lower_tiers(self) -> bool:
@@ -127,6 +139,16 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
     tier_admission = _tier_admission(
         extra_config, disk=disk_dir is not None, remote=remote_url is not None
     )
+    disk_timeout_ms = DEFAULT_TIMEOUT_MS
+    if DISK_TIMEOUT_KEY in extra_config:
+        if disk_dir is None:
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config {DISK_TIMEOUT_KEY!r} needs the disk tier "
+                f"({DISK_DIR_KEY!r} and {DISK_BYTES_KEY!r})"
+            )
+        disk_timeout_ms = check_timeout_ms(
+            extra_config[DISK_TIMEOUT_KEY], f"kv_connector_extra_config {DISK_TIMEOUT_KEY!r}"
+        )
     return SpecSettings(
         cpu_bytes_to_use=_int(extra_config, "cpu_bytes_to_use", 1),
         eviction_policy=str(policy),
@@ -137,6 +159,7 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
         disk_dir=disk_dir,
         disk_bytes=_int(extra_config, DISK_BYTES_KEY, 1, 0) if disk_dir is not None else 0,
         **tier_admission,
+        disk_timeout_ms=disk_timeout_ms,
     )
 
 

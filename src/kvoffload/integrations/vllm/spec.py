@@ -41,6 +41,7 @@ from kvoffload.integrations.vllm.settings import (
 from kvoffload.integrations.vllm.versions import running_release
 from kvoffload.managers.stack import Stack, StackConfig
 from kvoffload.observe.counters import COUNTER_DOCS
+from kvoffload.observe.metrics import RECOVERY_DOCS, RECOVERY_LABELS
 from kvoffload.tiers import RemoteTierError, build_stack, fingerprint_of, parse_remote_url
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.slot_file import SUPER_BYTES, slot_start, slot_stride
@@ -94,6 +95,11 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 documentation="The admission layer's control value (feedback: share of block "
                 "classes written on first sight; sketch: its sightings threshold)."
             )
+        if extra_config.get(DISK_DIR_KEY) is not None:  # what the disk tier found on start
+            for name, doc in RECOVERY_DOCS.items():
+                definitions[f"{METRIC_PREFIX}{name}"] = OffloadingGaugeMetadata(
+                    documentation=doc, labelnames=RECOVERY_LABELS[name]
+                )
         return definitions
 
     @classmethod
@@ -236,6 +242,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             admission=settings.admission,
             disk_dir=settings.disk_dir,
             disk_blocks=self.disk_blocks,
+            disk_deadline_s=settings.disk_timeout_ms / 1000,
             remote_url=settings.remote_url,
             remote_blocks=self.remote_blocks,
             disk_admission=settings.disk_admission,

@@ -1,0 +1,192 @@
+"""Name resolution of the shared tier under each operation's deadline: a resolver that
+hangs or fails ends start-up in one line and a runtime call as a counted failure, never
+a stall; a known answer keeps serving while the resolver is down; IPs are never looked up.
+
+The resolver is a real :class:`Resolver` over a lookup this test controls (it
+answers 127.0.0.1, fails, or hangs until released); the server is a real
+Valkey. Stalls show as calls that do not return within a generous bound.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from functools import partial
+
+import pytest
+from tier_helpers import content
+
+from kvoffload import OffloadKey, block_id_key
+from kvoffload.core.layout import layout_preset
+from kvoffload.tiers import CircuitBreaker, RemoteTier, RemoteTierError, layout_fingerprint
+from kvoffload.tiers.resp import Address, ConnectError, Deadline, Resolver
+from tier_servers import ValkeyProcess
+
+BLOCK = 32
+KEYS = [block_id_key(i, 17) for i in range(8)]
+STALL_S = 20.0
+"""Far longer than any deadline here: reaching it means the call stalled."""
+NAME = "kv.test"
+
+
+class ControlledLookup:
+    """A lookup of :data:`NAME` that answers 127.0.0.1, raises, or hangs until released."""
+
+    def __init__(self) -> None:
+        self.mode = "answer"
+        self.calls = 0
+        self.release = threading.Event()
+
+    def __call__(self, host: str, port: int) -> list[Address]:
+        self.calls += 1
+        if self.mode == "hang":
+            self.release.wait(STALL_S)
+        if self.mode == "fail":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        assert host == NAME
+        return [(socket.AF_INET, socket.SOCK_STREAM, 0, ("127.0.0.1", port))]
+
+
+@pytest.fixture
+def lookup() -> Iterator[ControlledLookup]:
+    controlled = ControlledLookup()
+    try:
+        yield controlled
+    finally:
+        controlled.release.set()  # no lookup thread outlives the test
+
+
+def url(server: ValkeyProcess, timeout_ms: int = 300) -> str:
+    return f"redis://{NAME}:{server.port}/0?timeout_ms={timeout_ms}"
+
+
+def fingerprint(name: str) -> bytes:
+    return layout_fingerprint(name, layout_preset("tiny"), BLOCK)
+
+
+def finishes(call: Callable[[], object]) -> object:
+    """``call()`` in a thread; fails the test if it has not returned within STALL_S."""
+    result: list[object] = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+    thread.join(STALL_S)
+    assert not thread.is_alive(), "the call stalled"
+    return result[0]
+
+
+def store(tier: RemoteTier, keys: list[OffloadKey]) -> None:
+    tier.write(keys, [content(key, BLOCK) for key in keys])
+    tier.poll(wait=True)
+
+
+def read(tier: RemoteTier, keys: list[OffloadKey]) -> list[bool]:
+    buffers = [bytearray(BLOCK) for _ in keys]
+    ok: list[bool] = tier.read(keys, lambda i: memoryview(buffers[i])).result(timeout=STALL_S)
+    assert all(bytes(buffers[i]) == content(k, BLOCK) for i, k in enumerate(keys) if ok[i])
+    return ok
+
+
+def drop_connections(server: ValkeyProcess) -> None:
+    """Close the tier's pooled connections from the server: its next call connects anew."""
+    server.client().execute_command("CLIENT", "KILL", "TYPE", "normal")
+
+
+@pytest.mark.parametrize("mode", ["hang", "fail"])
+def test_a_name_without_answer_at_start_up_ends_in_one_line(
+    valkey_server: ValkeyProcess, lookup: ControlledLookup, mode: str
+) -> None:
+    lookup.mode = mode
+
+    def start() -> str:
+        try:
+            RemoteTier(url(valkey_server), fingerprint("dns"), resolver=Resolver(lookup)).close()
+        except RemoteTierError as exc:
+            return str(exc)
+        return "started"
+
+    message = finishes(start)
+    assert isinstance(message, str) and message.startswith("remote tier redis://kv.test:")
+    why = "no answer before the deadline" if mode == "hang" else "Name or service not known"
+    assert f"cannot resolve host 'kv.test' ({why})" in message
+
+
+def test_a_hung_resolver_mid_run_is_a_counted_failure_not_a_stall(
+    valkey_server: ValkeyProcess, lookup: ControlledLookup
+) -> None:
+    """Without a usable earlier answer (none kept here), a call that must connect waits
+    for the lookup no longer than its deadline, fails, and counts; once the resolver
+    answers again the tier serves again."""
+    breaker = CircuitBreaker(threshold=100)
+    resolver = Resolver(lookup, ttl_s=0, stale_s=0)
+    tier = RemoteTier(
+        url(valkey_server), fingerprint("dns-hang"), breaker=breaker, resolver=resolver
+    )
+    try:
+        store(tier, KEYS[:2])
+        assert read(tier, KEYS[:2]) == [True, True]
+        lookup.mode = "hang"
+        drop_connections(valkey_server)
+        finishes(lambda: store(tier, KEYS[2:4]))
+        assert tier.stats.failed == 2 and tier.stats.stored_blocks == 2
+        assert finishes(lambda: read(tier, KEYS[:2])) == [False, False]
+        assert tier.stats.failed == 4 and tier.unavailable == 2
+        lookup.mode = "answer"
+        lookup.release.set()
+        assert finishes(lambda: read(tier, KEYS[:2])) == [True, True]
+    finally:
+        lookup.release.set()
+        tier.close()
+
+
+def test_a_known_answer_serves_while_the_resolver_hangs(
+    valkey_server: ValkeyProcess, lookup: ControlledLookup
+) -> None:
+    """Past its time an answer is still used while one lookup refreshes it in the
+    background: a resolver outage costs a running tier nothing."""
+    tier = RemoteTier(
+        url(valkey_server), fingerprint("dns-stale"), resolver=Resolver(lookup, ttl_s=0)
+    )
+    try:
+        lookup.mode = "hang"
+        for keys in (KEYS[:3], KEYS[3:6]):
+            drop_connections(valkey_server)
+            finishes(partial(store, tier, keys))
+            assert finishes(partial(read, tier, keys)) == [True] * 3
+        assert tier.stats.failed == 0 and tier.unavailable == 0
+        assert lookup.calls == 2  # start-up, then one refresh, still hung, for every call
+    finally:
+        lookup.release.set()
+        tier.close()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_ip_addresses_are_never_looked_up(host: str, lookup: ControlledLookup) -> None:
+    lookup.mode = "fail"
+    (address,) = Resolver(lookup).resolve(host, 6379, Deadline(1))
+    assert address[3][:2] == (host, 6379) and lookup.calls == 0
+
+
+def test_a_failed_lookup_is_not_kept(lookup: ControlledLookup) -> None:
+    resolver = Resolver(lookup)
+    lookup.mode = "fail"
+    with pytest.raises(ConnectError, match=r"cannot resolve host 'kv\.test'") as failed:
+        resolver.resolve(NAME, 6379, Deadline(5))
+    assert failed.value.kind == "resolve"
+    lookup.mode = "answer"
+    assert resolver.resolve(NAME, 6379, Deadline(5))[0][3] == ("127.0.0.1", 6379)
+    assert resolver.resolve(NAME, 6379, Deadline(5))[0][3] == ("127.0.0.1", 6379)
+    assert lookup.calls == 2  # the answer is kept, the failure was not
+
+
+def test_simulate_with_a_name_that_does_not_resolve_ends_in_one_line() -> None:
+    """The system resolver, for a name that can never resolve (RFC 2606's ``.invalid``):
+    whether it answers at once or not at all here, one line and a non-zero exit."""
+    command = [sys.executable, "-m", "kvoffload", "simulate", "--requests", "5", "--no-bound"]
+    command += ["--no-progress", "--remote", "redis://kvoffload.invalid:6379/0?timeout_ms=300"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot resolve host 'kvoffload.invalid'" in lines[0], lines
