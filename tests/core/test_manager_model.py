@@ -221,7 +221,7 @@ class ManagerMachine(RuleBasedStateMachine):
 SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None)
 STACKED = settings(max_examples=25, stateful_step_count=40, deadline=None)
 POLICIES = ["lru", "arc", "s3fifo", "sieve", "slru"]
-ADMISSIONS = ["none", "sketch", "feedback", "optimiser"]
+ADMISSIONS = ["none", "sketch", "feedback", "filter", "optimiser"]
 
 
 def machine(policy: str, use_filter: bool, admission: str = "none") -> type[ManagerMachine]:

@@ -58,6 +58,7 @@ def register(commands: Any) -> None:
         default="none",
         help=f"admission layer, one of {', '.join(available_admissions())} (default: none)",
     )
+    options.add_admission_param_argument(tier)
     tier.add_argument(
         "--write-budget",
         type=options.WRITE_BUDGET,
@@ -128,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
     tier_options.check_before_work(args)
     options.check_name(args.policy, "--policy", resolve_policy)
     options.check_name(args.admission, "--admission", resolve_admission)
+    params = options.admission_param_pairs(args)
     observe_options.check_before_work(args)
     workload = options.workload_source(args).load()
     bt = workload.block_tokens
@@ -138,7 +140,9 @@ def run(args: argparse.Namespace) -> int:
     )
     cpu = options.cpu_blocks(args.cpu_blocks, args.cpu_gb, config, bt)
     config = options.with_offload(config, cpu, args.policy, args.store_threshold)
-    config = dataclasses.replace(config, admission=args.admission, write_budget=args.write_budget)
+    config = dataclasses.replace(
+        config, admission=args.admission, write_budget=args.write_budget, admission_params=params
+    )
     config = tier_options.with_tiers(config, args, bt)
     if args.no_bound:
         config = dataclasses.replace(config, bound=False)

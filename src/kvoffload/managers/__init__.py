@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvoffload.admission import resolve_admission, wrap_with_admission
+from kvoffload.admission import registry, wrap_with_admission
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.manager import OffloadingManager
 from kvoffload.managers.cpu import CPUOffloadingManager
@@ -18,11 +18,13 @@ def build_manager(
     enable_events: bool = False,
     admission: str = "none",
     write_budget: float | None = None,
+    admission_params: object | None = None,
 ) -> OffloadingManager:
     """A CPU tier manager, behind the admission layer ``admission`` and then the reuse
     filter when ``store_threshold >= 2`` (the filter is outermost: it sees calls first).
 
-    ``write_budget`` (writes per block reference) needs ``admission="recommended"``.
+    ``write_budget`` (writes per block reference) needs ``admission="recommended"``;
+    ``admission_params`` are the rule's parameters (see ``wrap_with_admission``).
     Thresholds 0 and 1 mean "no filter", as in vLLM's configuration; anything but an
     integer >= 0 is refused, so that ``1.5`` or ``"2"`` is not silently "no filter".
     """
@@ -32,9 +34,9 @@ def build_manager(
         )
     if store_threshold < 0:
         raise InvalidArgumentError(f"store_threshold must be >= 0, got {store_threshold}")
-    resolve_admission(admission)
+    params = registry.admission_params(admission, admission_params)
     manager: OffloadingManager = CPUOffloadingManager(num_blocks, cache_policy, enable_events)
-    manager = wrap_with_admission(admission, manager, num_blocks, write_budget)
+    manager = wrap_with_admission(admission, manager, num_blocks, write_budget, params)
     if store_threshold >= 2:
         manager = FilterReusedOffloadingManager(manager, store_threshold, max_tracker_size)
     return manager

@@ -35,6 +35,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
+from kvoffload.admission.reuse_counts import ReuseCounts
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
@@ -192,7 +193,7 @@ class TieredOffloadingManager(OffloadingManager):
         self._wait = wait_for_tiers
         self._max_tracker = max_tracker_size
         self._counting = any(s.store_threshold >= 2 for s in self._settings)
-        self._seen: OrderedDict[OffloadKey, int] = OrderedDict()
+        self._seen = ReuseCounts(max_tracker_size)
         self._slots: dict[OffloadKey, int] = {}
         self._promotions: list[_Promotion] = []
         self._promoting: set[OffloadKey] = set()
@@ -324,15 +325,7 @@ class TieredOffloadingManager(OffloadingManager):
         return block is not None and block.ref_cnt == PENDING_STORE
 
     def _count(self, keys: list[OffloadKey]) -> None:
-        seen = self._seen
-        for key in keys:
-            if key in seen:
-                seen.move_to_end(key)
-                seen[key] += 1
-            else:
-                if len(seen) >= self._max_tracker:
-                    seen.popitem(last=False)
-                seen[key] = 1
+        self._seen.count(keys)
 
     def _placed(self, output: PrepareStoreOutput) -> _Demotion:
         """Record new slots; copy out the bytes of the blocks evicted for them."""
@@ -386,7 +379,7 @@ class TieredOffloadingManager(OffloadingManager):
         """Positions of the ``keys`` that ``settings``' admission threshold lets in."""
         if settings.store_threshold < 2:
             return list(range(len(keys)))
-        seen, threshold = self._seen, settings.store_threshold
+        seen, threshold = self._seen.counts, settings.store_threshold
         return [i for i, key in enumerate(keys) if seen.get(key, 0) >= threshold]
 
     def _fitting(self, protected: list[OffloadKey], run: list[OffloadKey]) -> int:

@@ -24,6 +24,11 @@ not a multiple of the block size, yet the request has a key for it) is
 computed and takes a GPU slot, but is never matched, registered, looked up
 or offered, as in vLLM; it still counts as a block reference (always a miss).
 
+The engine knows request boundaries: when the tier has an admission layer it
+announces each request to it (``begin_request`` before the touch and lookup,
+``end_request`` after the store offer), so the layer does not guess them
+from the call order.
+
 Time is simulated: prefill and decode from token throughputs, transfers
 from a bandwidth shared first come, first served per direction. With
 ``concurrency=1`` the next request starts only when the previous one is
@@ -40,6 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+from kvoffload.admission import find_admission
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager
@@ -195,6 +201,7 @@ class ServingEngine:
         self._retries: dict[int, int] = {}
         """Times each parked request (by ``id``) has been parked so far."""
         self._holds = _holds_of(manager)
+        self._layer = None if manager is None else find_admission(manager)
 
     def run(self, requests: Sequence[Request], progress: Progress | None = None) -> EngineStats:
         """Replay ``requests`` (sorted by arrival) to completion and return the counters."""
@@ -272,6 +279,8 @@ class ServingEngine:
         if manager is None or not keys:
             return 0
         started = time.perf_counter()
+        if self._layer is not None:
+            self._layer.begin_request(keys, lookup_follows=True)
         manager.touch(keys)
         found: int | None = 0
         if len(keys) > gpu_hits:
@@ -381,6 +390,10 @@ class ServingEngine:
                 self.gpu.register(running.keys[first:], slots[first:cacheable])
             self.stats.computed_blocks += len(computed)
         self._store(running)
+        if self._layer is not None:
+            started = time.perf_counter()
+            self._layer.end_request(running.keys)
+            self._timed(started)
         self._at(req.output_tokens / self.config.decode_tokens_per_s, _DECODE_DONE, running)
 
     def _store(self, running: _Running) -> None:

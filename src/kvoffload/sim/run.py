@@ -16,12 +16,14 @@ from typing import Any
 
 from kvoffload.admission import (
     WhatIf,
+    admission_params,
     available_admissions,
     check_write_budget,
     find_admission,
     resolve_admission,
     wrap_with_admission,
 )
+from kvoffload.admission.registry import ParamPairs
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import KVLayout, layout_preset
 from kvoffload.core.manager import OffloadingManager
@@ -69,6 +71,8 @@ class SimConfig:
     """Admission layer in front of the tier, by name (``kvoffload.admission``)."""
     write_budget: float | None = None
     """Writes per block reference the optimiser keeps to (``admission="recommended"``)."""
+    admission_params: ParamPairs = ()
+    """The admission rule's parameters, ``(name, value)`` pairs (``--admission-param``)."""
     # Tiers below the CPU tier (issue 9): a disk directory and a shared server.
     disk_dir: str | None = None
     disk_blocks: int = 0
@@ -106,6 +110,7 @@ class SimConfig:
             raise InvalidArgumentError(
                 f"unknown admission {self.admission!r}; known: {', '.join(available_admissions())}"
             )
+        admission_params(self.admission, self.admission_params)
         check_write_budget(self.write_budget)
         if self.write_budget is not None and resolve_admission(self.admission) != "optimiser":
             raise InvalidArgumentError(
@@ -288,7 +293,11 @@ def simulate(
     if config.has_lower_tiers:
         tiered = _tiered_manager(config, workload.block_tokens, backend, enable_events)
         manager = wrap_with_admission(
-            config.admission, tiered, config.cpu_blocks, config.write_budget
+            config.admission,
+            tiered,
+            config.cpu_blocks,
+            config.write_budget,
+            config.admission_params,
         )
         if config.store_threshold >= 2:
             manager = FilterReusedOffloadingManager(
@@ -303,6 +312,7 @@ def simulate(
             enable_events=enable_events,
             admission=config.admission,
             write_budget=config.write_budget,
+            admission_params=config.admission_params,
         )
     built = manager
     if manager is not None and observers is not None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from kvoffload.admission import AdmissionLayer, wrap_with_admission
+from kvoffload.admission.registry import ParamPairs
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent
 from kvoffload.core.specs import LoadStoreSpec
@@ -133,10 +134,13 @@ class TierPath:
         capacity: int,
         page_bytes: int,
         sink: EventSink | None = None,
+        admission_params: ParamPairs = (),
     ) -> None:
         self.name = name
         self.page_bytes = page_bytes
-        layer = wrap_with_admission(admission, AdmitAllManager(_SPEC), max(1, capacity))
+        layer = wrap_with_admission(
+            admission, AdmitAllManager(_SPEC), max(1, capacity), params=admission_params
+        )
         self.layer = layer if isinstance(layer, AdmissionLayer) else None
         self._counters = TierCounters()
         self._open = open_tier
@@ -174,9 +178,7 @@ class TierPath:
         if self.layer is None or not request:
             return
         with self._admission_lock:
-            self.layer.see_request(request)
-            if served:
-                self.layer.saw_tier_hit(request)
+            self.layer.begin_request(request, tier_hit=served)
 
     def read(
         self,
@@ -286,6 +288,8 @@ class TierPath:
         else:
             with self._admission_lock:
                 output = self.layer.prepare_store(keys)
+                if keys:
+                    self.layer.end_request(keys)
             admitted = set() if output is None else set(output.keys_to_store)
         with self._count_lock:
             c = self._counters

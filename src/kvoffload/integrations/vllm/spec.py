@@ -207,13 +207,19 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             # on it and keeps its blocks.
             self._close_tiers(wipe_disk=self._tiered is not None)
             self._tiered = self._open_tiers(cpu, events)
-            manager = wrap_with_admission(self.settings.admission, self._tiered, self.num_blocks)
+            manager = wrap_with_admission(
+                self.settings.admission,
+                self._tiered,
+                self.num_blocks,
+                params=self.settings.admission_params,
+            )
             return manager, cpu.block_status
         manager = build_manager(
             self.num_blocks,
             self.settings.eviction_policy,
             enable_events=events,
             admission=self.settings.admission,
+            admission_params=self.settings.admission_params,
         )
         layer = find_admission(manager)
         tier = manager if layer is None else layer.backing
