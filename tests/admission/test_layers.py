@@ -137,21 +137,15 @@ def test_feedback_stats_report_a_bounded_footprint() -> None:
 
 
 def test_registry_names_aliases_and_errors() -> None:
-    assert available_admissions() == [
-        "feedback",
-        "filter",
-        "none",
-        "optimiser",
-        "recommended",
-        "reuse",
-        "sketch",
-    ]
+    assert {"feedback", "filter", "none", "optimiser", "recommended", "reuse", "sketch"} <= set(
+        available_admissions()
+    )
     assert resolve_admission("recommended") == "optimiser"
     cpu = CPUOffloadingManager(4)
     assert wrap_with_admission("none", cpu, 4) is cpu
-    known = "known: feedback, filter, none, optimiser, recommended, reuse, sketch"
-    with pytest.raises(InvalidArgumentError, match=known):
+    with pytest.raises(InvalidArgumentError) as error:
         wrap_with_admission("tinylfu", cpu, 4)
+    assert str(error.value).endswith(f"known: {', '.join(available_admissions())}")
     with pytest.raises(InvalidArgumentError, match="capacity"):
         FeedbackAdmission(cpu, 0)
 
