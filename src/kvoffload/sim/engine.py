@@ -27,7 +27,8 @@ or offered, as in vLLM; it still counts as a block reference (always a miss).
 The engine knows request boundaries: when the tier has an admission layer it
 announces each request to it (``begin_request`` before the touch and lookup,
 ``end_request`` after the store offer), so the layer does not guess them
-from the call order.
+from the call order. A parked request is announced again with each retry of
+its touch and lookup, and counted again, as the guessed boundaries counted it.
 
 Time is simulated: prefill and decode from token throughputs, transfers
 from a bandwidth shared first come, first served per direction. With
