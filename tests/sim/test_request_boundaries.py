@@ -82,3 +82,20 @@ def test_explicit_boundaries_decide_as_the_guessed_ones_did(admission: str) -> N
     assert explicit == inferred
     assert layer.stats() == fallback.stats()
     assert explicit["stores_skipped_by_admission"] > 0
+
+
+def test_behind_the_seed_filter_each_request_is_one_sighting() -> None:
+    """The filter in front offers the layer a subset of the request; guessed boundaries
+    took the touch after such a store for a new request. Announced ones count it once."""
+    engine, layer = _engine("sketch", seed_filter=True)
+    sightings = [0]
+    sighting = layer._sighting
+
+    def counted(keys: Sequence[OffloadKey]) -> None:
+        sightings[0] += 1
+        sighting(keys)
+
+    layer._sighting = counted  # type: ignore[method-assign]
+    stats = engine.run(WORKLOAD.requests)
+    assert 0 < layer.offers < stats.store_offered_blocks  # the filter held some back
+    assert sightings[0] == stats.requests
