@@ -40,3 +40,17 @@ def test_a_bad_parameter_stops_before_the_run(
     captured = capsys.readouterr()
     assert message in captured.err and "Traceback" not in captured.err
     assert captured.out == ""
+
+
+def test_the_seed_filter_by_name_is_the_store_threshold(capsys: pytest.CaptureFixture[str]) -> None:
+    small = [*SMALL, "--gpu-blocks", "1500", "--cpu-blocks", "3000"]
+    assert main([*small, "--admission", "reuse", "--admission-param", "store_threshold=3"]) == 0
+    table = capsys.readouterr().out
+    assert "admission filter" in table and "offers admitted" not in table
+    skipped = [line for line in table.splitlines() if line.startswith("skipped by admission")]
+    assert main([*small, "--store-threshold", "3"]) == 0
+    assert skipped == [
+        line
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("skipped by admission")
+    ]

@@ -245,8 +245,9 @@ def format_report(report: RunReport, plane: DataPlaneCounts | None = None) -> st
 
 
 def _admission_rows(r: RunReport) -> list[tuple[str, str]]:
-    """The admission layer's counters, when there is one."""
-    if r.admission == "none" or not r.cpu_blocks:
+    """The admission layer's counters, when there is one (the seed filter, ``filter``,
+    keeps none: its held-back blocks are the "skipped by admission" row)."""
+    if r.admission == "none" or not r.cpu_blocks or r.admission_bytes_per_key is None:
         return []
     control = "-" if r.admission_control is None else f"{r.admission_control:.2f}"
     memory = "-" if r.admission_bytes_per_key is None else f"{r.admission_bytes_per_key:.1f}"
