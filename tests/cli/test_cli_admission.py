@@ -86,7 +86,7 @@ def test_without_admission_the_json_says_none(capsys: pytest.CaptureFixture[str]
     [
         (
             "--admission",
-            "unknown admission 'tiny'; known: feedback, none, optimiser, recommended, sketch",
+            "unknown admission 'tiny'; known: feedback, filter, none, optimiser, recommended, ",
         ),
         ("--policy", "unknown cache policy 'tiny'; known: arc, lru, "),
     ],

@@ -103,8 +103,14 @@ def test_a_request_the_tier_served_is_announced_as_such(
     manager = _manager("sketch", num_blocks=64)
     layer = manager._layer
     announced: list[list[bytes]] = []
-    tier_hit = layer.saw_tier_hit
-    layer.saw_tier_hit = lambda keys: (announced.append(list(keys)), tier_hit(keys))
+    begin = layer.begin_request
+
+    def begin_request(keys: list[bytes], **kwargs: Any) -> None:
+        if kwargs.get("tier_hit"):
+            announced.append(list(keys))
+        begin(keys, **kwargs)
+
+    layer.begin_request = begin_request
     keys = [block_id_key(i) for i in range(6)]
     for name in ("a1", "a2"):  # stored on its second sighting
         first = _context(name, keys[:3])

@@ -28,6 +28,7 @@ DOCUMENTED = {
     "store_threshold": ("store_threshold", 0),
     "max_tracker_size": ("max_tracker_size", 64_000),
     "kvoffload.admission": ("admission", "none"),
+    "kvoffload.admission_params": ("admission_params", ()),
     "kvoffload.remote_url": ("remote_url", None),
     "kvoffload.disk_dir": ("disk_dir", None),
     "kvoffload.disk_bytes": ("disk_bytes", 0),

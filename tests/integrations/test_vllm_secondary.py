@@ -389,3 +389,18 @@ def test_remote_bytes_is_required_only_with_admission() -> None:
     assert unbounded.capacity_bytes == 0
     with pytest.raises(InvalidArgumentError, match="key 'remote_bytes'"):
         parse_shared_settings("KVOffloadSharedTier", {**entry, "remote_bytes": 0})
+
+
+def test_the_cascade_begins_and_ends_every_request_at_the_admission_layer(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    from test_admission_entry_points import record
+
+    engine = engines([_disk(tmp_path, admission="sketch", admission_params={"threshold": 1})])
+    layer = engine.tiers[0]._owner.layer
+    assert layer is not None and layer.threshold == 1
+    calls = record(layer)
+    assert engine.replay.request(KEYS[:4]) == 0
+    engine.close()  # the tier's thread has run every job
+    assert [(name, keys) for name, keys, _ in calls] == [("begin", KEYS[:4]), ("end", KEYS[:4])]
+    assert engine.tiers[0].counters.written_blocks == 4  # threshold 1: written on first sight

@@ -3,6 +3,15 @@
 Subclasses see every request once (``_sighting``) and choose the admitted
 subset of each offer (``_admit``); everything else is delegated unchanged to
 the backing manager, so a layer composes with any manager and any policy.
+
+Request boundaries: a driver that knows them announces each request with
+:meth:`AdmissionLayer.begin_request` and closes it with
+:meth:`AdmissionLayer.end_request` (the simulator's engine model, vLLM's
+adapter and secondary tiers, SGLang's backend all do). From the first
+``begin_request`` on, ``touch`` and ``lookup`` no longer count sightings.
+Only a bare seed-style caller that never announces requests gets the
+fallback: boundaries guessed from the call order
+(:class:`~kvoffload.admission.requests.RequestTracker`).
 """
 
 from __future__ import annotations
@@ -10,6 +19,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvoffload.admission.minisim import WhatIf
 from kvoffload.admission.requests import RequestTracker
@@ -66,6 +76,8 @@ class AdmissionLayer(OffloadingManager):
         self._backing = backing
         self.capacity = capacity
         self._requests = RequestTracker()
+        self._announced = False
+        """Whether a driver announces request boundaries (no guessing from the call order)."""
         self.offers = 0
         self.admitted = 0
         self.ghost_hits = 0
@@ -73,6 +85,11 @@ class AdmissionLayer(OffloadingManager):
     @property
     def backing(self) -> OffloadingManager:
         return self._backing
+
+    @property
+    def announced(self) -> bool:
+        """Whether a driver announces request boundaries (else they are guessed)."""
+        return self._announced
 
     @abstractmethod
     def _sighting(self, keys: Sequence[OffloadKey]) -> None:
@@ -86,47 +103,65 @@ class AdmissionLayer(OffloadingManager):
     def stats(self) -> AdmissionStats:
         """Counters and footprint, for reports."""
 
-    def see_request(
-        self, keys: Sequence[OffloadKey], will_offer: bool = True, counted: int = 0
-    ) -> None:
-        """One request's keys in prefix order, from a driver that knows request boundaries.
+    @classmethod
+    def from_params(cls, backing: OffloadingManager, capacity: int, params: Any) -> Any:
+        """The layer as the registry builds it: ``params`` is its parameters dataclass."""
+        return cls(backing, capacity, params=params)  # type: ignore[call-arg]
 
-        For drivers whose lookups and touches are per key or partial (vLLM's
-        per-key API) and that therefore send those to :attr:`backing` directly:
-        each call counts one sighting. With ``will_offer`` an offer ending at
-        the same key learns how many blocks precede it. ``counted``: leading
-        keys an earlier call already showed for the same request (a request
-        offered in parts), not counted again.
+    def begin_request(
+        self,
+        keys: Sequence[OffloadKey],
+        *,
+        lookup_follows: bool = False,
+        will_offer: bool = True,
+        counted: int = 0,
+        tier_hit: bool = False,
+    ) -> None:
+        """A request's keys in prefix order (GPU-held blocks included), from a driver that
+        knows request boundaries; counts one sighting.
+
+        ``lookup_follows``: the driver sends this request's ``touch`` and ``lookup``
+        through the layer next (the engine model); otherwise (per-key drivers: vLLM,
+        SGLang) they go to :attr:`backing` directly and ``keys`` stand for the lookup
+        too, and ``tier_hit`` says whether the tier served part of it. With
+        ``will_offer`` an offer ending at the same key learns how many blocks precede it.
+        ``counted``: leading keys an earlier call already showed for the same request (a
+        request offered in parts), not counted again.
         """
+        self._announced = True
         if not keys:
             return
-        if will_offer:
+        if lookup_follows:
+            self._requests.open(keys, touched=True)
+        elif will_offer:
             self._requests.open(keys)
         if counted < len(keys):
             self._sighting(keys[counted:])
-
-    def saw_tier_hit(self, keys: Sequence[OffloadKey]) -> None:
-        """The tier served part of the request ``keys`` (as announced to :meth:`see_request`).
-
-        For drivers that send lookups to :attr:`backing` directly: without this
-        call such a request counts as one whose prefix only the GPU cache served.
-        """
-        if keys:
+        if tier_hit:
             self._requests.on_hit(keys)
+
+    def end_request(self, keys: Sequence[OffloadKey]) -> None:
+        """The request ``keys`` (as given to :meth:`begin_request`, or its offer: what ends
+        at the same key) is done: forget it.
+
+        A request never ended stays open until the bounded tracker drops it (or, for
+        drivers without ``lookup_follows``, until its offer)."""
+        if keys:
+            self._requests.close(keys)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         keys = keys if isinstance(keys, list) else list(keys)
-        if keys and self._requests.on_touch(keys):
+        if keys and not self._announced and self._requests.on_touch(keys):
             self._sighting(keys)
         self._backing.touch(keys)
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
         keys = keys if isinstance(keys, list) else list(keys)
-        if keys and self._requests.on_lookup(keys):
+        if keys and not self._announced and self._requests.on_lookup(keys):
             self._sighting(keys)
         found = self._backing.lookup(keys)
-        if found:
-            self.saw_tier_hit(keys)
+        if found and keys:
+            self._requests.on_hit(keys)
         return found
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:

@@ -37,7 +37,16 @@ class ReuseController:
     the current decision for first-seen blocks under it.
     """
 
-    def __init__(self, num_classes: int, threshold: float, window: int, groups: int = 1) -> None:
+    def __init__(
+        self,
+        num_classes: int,
+        threshold: float,
+        window: int,
+        groups: int = 1,
+        prior_returns: float = PRIOR_RETURNS,
+        prior_outcomes: float = PRIOR_OUTCOMES,
+        group_strength: float = GROUP_STRENGTH,
+    ) -> None:
         if num_classes < 1:
             raise InvalidArgumentError(f"num_classes must be >= 1, got {num_classes}")
         if not 0.0 <= threshold <= 1.0:
@@ -48,6 +57,9 @@ class ReuseController:
             raise InvalidArgumentError(f"groups must be >= 1, got {groups}")
         self.threshold = threshold
         self.window = window
+        self.prior_returns = prior_returns
+        self.prior_outcomes = prior_outcomes
+        self.group_strength = group_strength
         self.groups = groups
         self.returns = [0.0] * num_classes
         self.outcomes = [0.0] * num_classes
@@ -64,12 +76,14 @@ class ReuseController:
 
     def class_rate(self, cls: int) -> float:
         """Pooled chance that a first-seen block of class ``cls`` is seen again soon."""
-        return (self.returns[cls] + PRIOR_RETURNS) / (self.outcomes[cls] + PRIOR_OUTCOMES)
+        return (self.returns[cls] + self.prior_returns) / (self.outcomes[cls] + self.prior_outcomes)
 
     def rate(self, tag: int) -> float:
         """The group's own return rate, shrunk towards its class's pooled rate."""
         pooled = self.class_rate(tag // self.groups)
-        return _shrunk(self.group_returns[tag], self.group_outcomes[tag], pooled)
+        return _shrunk(
+            self.group_returns[tag], self.group_outcomes[tag], pooled, self.group_strength
+        )
 
     def admits(self, tag: int) -> bool:
         return self.rate(tag) >= self.threshold
@@ -78,10 +92,10 @@ class ReuseController:
     def admitting_share(self) -> float:
         """The control value: the share of class groups whose first-seen blocks are admitted."""
         pooled = [self.class_rate(cls) for cls in range(len(self.outcomes))]
-        groups, threshold = self.groups, self.threshold
+        groups, threshold, strength = self.groups, self.threshold, self.group_strength
         counts = zip(self.group_returns, self.group_outcomes, strict=True)
         admitting = sum(
-            _shrunk(returns, outcomes, pooled[tag // groups]) >= threshold
+            _shrunk(returns, outcomes, pooled[tag // groups], strength) >= threshold
             for tag, (returns, outcomes) in enumerate(counts)
         )
         return admitting / len(self.group_outcomes)
@@ -111,6 +125,6 @@ class ReuseController:
         self._since_halving = 0
 
 
-def _shrunk(returns: float, outcomes: float, pooled: float) -> float:
-    """A group's return rate with ``GROUP_STRENGTH`` outcomes' weight of its class's rate."""
-    return (returns + GROUP_STRENGTH * pooled) / (outcomes + GROUP_STRENGTH)
+def _shrunk(returns: float, outcomes: float, pooled: float, strength: float) -> float:
+    """A group's return rate with ``strength`` outcomes' weight of its class's rate."""
+    return (returns + strength * pooled) / (outcomes + strength)

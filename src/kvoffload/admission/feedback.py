@@ -19,10 +19,18 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvoffload.admission.base import AdmissionLayer, AdmissionStats
-from kvoffload.admission.controller import ReuseController
+from kvoffload.admission.controller import (
+    GROUP_STRENGTH,
+    PRIOR_OUTCOMES,
+    PRIOR_RETURNS,
+    ReuseController,
+)
 from kvoffload.admission.ghost import GhostRecords
+from kvoffload.admission.params import check_params, param
+from kvoffload.admission.registry import register_admission
 from kvoffload.admission.sketch import FrequencySketch, RequestHashes
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager
@@ -44,23 +52,51 @@ def first_seen_class(prefix: int, is_last: bool, tier_served: bool = False) -> i
     return 2 * known + (1 if is_last else 0)
 
 
-def root_group(first: OffloadKey | None) -> int:
+def root_group(first: OffloadKey | None, groups: int = ROOT_GROUPS) -> int:
     """The group of a request by its first key (deterministic, unlike ``hash``)."""
-    return 0 if first is None else zlib.crc32(first) % ROOT_GROUPS
+    return 0 if first is None else zlib.crc32(first) % groups
 
 
+@dataclass(frozen=True)
+class FeedbackParams:
+    """What a user may set of the feedback rule (``--admission-param key=value``)."""
+
+    threshold: float = param(
+        DEFAULT_THRESHOLD, 0.0, 1.0, "return rate at which first-seen blocks are written"
+    )
+    root_groups: int = param(ROOT_GROUPS, 1, 1 << 20, "groups root prefixes are hashed into")
+    sample_factor: int = param(SAMPLE_FACTOR, 1, 1000, "sketch sample size in tier-fulls")
+    min_sample: int = param(MIN_SAMPLE, 1, 1 << 30, "smallest sketch sample size, in keys")
+    prior_returns: float = param(PRIOR_RETURNS, 0.0, help="prior returns of every class")
+    prior_outcomes: float = param(PRIOR_OUTCOMES, 1e-9, help="prior outcomes of every class")
+    group_strength: float = param(
+        GROUP_STRENGTH, 0.0, help="outcomes' weight of the class rate in a group's rate"
+    )
+
+    def __post_init__(self) -> None:
+        check_params(self, "feedback")
+
+
+@register_admission("feedback", params=FeedbackParams)
 class FeedbackAdmission(AdmissionLayer):
     """Seen-before blocks always; first-seen blocks per class, from ghost feedback."""
 
     def __init__(
-        self, backing: OffloadingManager, capacity: int, threshold: float = DEFAULT_THRESHOLD
+        self, backing: OffloadingManager, capacity: int, params: FeedbackParams | None = None
     ) -> None:
         super().__init__(backing, capacity)
-        self.sketch = FrequencySketch(max(MIN_SAMPLE, SAMPLE_FACTOR * capacity))
+        self.params = p = params or FeedbackParams()
+        self.sketch = FrequencySketch(max(p.min_sample, p.sample_factor * capacity))
         self.ghost = GhostRecords(capacity)
         self._hashes = RequestHashes()
         self.controller = ReuseController(
-            NUM_CLASSES, threshold, window=capacity, groups=ROOT_GROUPS
+            NUM_CLASSES,
+            p.threshold,
+            window=capacity,
+            groups=p.root_groups,
+            prior_returns=p.prior_returns,
+            prior_outcomes=p.prior_outcomes,
+            group_strength=p.group_strength,
         )
         self.written = 0
         """Blocks admitted so far: the clock by which ghost records age."""
@@ -78,7 +114,7 @@ class FeedbackAdmission(AdmissionLayer):
         controller.record_all(ghost.expire(clock - self.capacity), False)
         first, tier_served = self._requests.origin(offered)
         # A request with no known prefix starts a new root, which says nothing: pooled.
-        group = root_group(first) if prefix > 0 else 0
+        group = root_group(first, self.params.root_groups) if prefix > 0 else 0
         body = controller.tag(first_seen_class(prefix, False, tier_served), group)
         tail = controller.tag(first_seen_class(prefix, True, tier_served), group)
         # The request's first-seen blocks are decided together: by class and group.

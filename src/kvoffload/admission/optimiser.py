@@ -27,6 +27,8 @@ import numpy as np
 from kvoffload.admission.base import AdmissionLayer, AdmissionStats
 from kvoffload.admission.feedback import FeedbackAdmission
 from kvoffload.admission.minisim import WINDOW_TIERS, MiniSimulation, WhatIf
+from kvoffload.admission.params import check_params, param
+from kvoffload.admission.registry import register_admission
 from kvoffload.admission.reuse_filter import FilterReusedOffloadingManager
 from kvoffload.admission.sketch import key_hashes
 from kvoffload.core.errors import InvalidArgumentError
@@ -118,6 +120,32 @@ class Objective:
         return target
 
 
+@dataclass(frozen=True)
+class OptimiserParams:
+    """What a user may set of the optimiser (``--admission-param key=value``)."""
+
+    hit_tolerance: float = param(
+        HIT_TOLERANCE, 0.0, 1.0, "hit ratio gap within which candidates tie on hits"
+    )
+    switch_margin: float = param(
+        SWITCH_MARGIN, 0.0, 1.0, "extra hit gap the current candidate is kept within"
+    )
+    write_margin: float = param(
+        WRITE_MARGIN, 0.0, help="share fewer writes a tied candidate needs to replace it"
+    )
+    window_tiers: float = param(
+        WINDOW_TIERS, 0.01, help="the mini-tiers' recent window, in tier-fulls"
+    )
+    filter_threshold: int = param(
+        FILTER_THRESHOLD, 2, help="the filter candidate's store threshold"
+    )
+    filter_tracker: int = param(FILTER_TRACKER, 1, help="the filter candidate's tracker size")
+
+    def __post_init__(self) -> None:
+        check_params(self, "optimiser")
+
+
+@register_admission("optimiser", params=OptimiserParams)
 class OptimisingAdmission(AdmissionLayer):
     """Follows whichever candidate rule its miniature simulations rank best right now."""
 
@@ -129,16 +157,24 @@ class OptimisingAdmission(AdmissionLayer):
         objective: Objective | None = None,
         policy: type[CachePolicy] | None = None,
         bits: int | None = None,
-        window_tiers: float = WINDOW_TIERS,
+        window_tiers: float | None = None,
+        params: OptimiserParams | None = None,
     ) -> None:
         super().__init__(backing, capacity)
         check_write_budget(write_budget)
-        self.objective = objective or Objective(write_budget=write_budget)
+        self.params = p = params or OptimiserParams()
+        if window_tiers is None:
+            window_tiers = p.window_tiers
+        self.objective = objective or Objective(
+            p.hit_tolerance, p.switch_margin, p.write_margin, write_budget
+        )
         if write_budget is not None and self.objective.write_budget != write_budget:
             raise InvalidArgumentError("give the write budget once: in the objective or alone")
         self._probe = _Probe()
         self.feedback = FeedbackAdmission(self._probe, capacity)
-        self.filter = FilterReusedOffloadingManager(self._probe, FILTER_THRESHOLD, FILTER_TRACKER)
+        self.filter = FilterReusedOffloadingManager(
+            self._probe, p.filter_threshold, p.filter_tracker
+        )
         self._candidates: dict[str, OffloadingManager] = {
             STORE_ALL: self._probe,
             FILTER: self.filter,
@@ -188,28 +224,45 @@ class OptimisingAdmission(AdmissionLayer):
             self.minisim.on_full_hit(keys[-1])
         return super().prepare_load(keys)
 
-    def see_request(
-        self, keys: Sequence[OffloadKey], will_offer: bool = True, counted: int = 0
+    def begin_request(
+        self,
+        keys: Sequence[OffloadKey],
+        *,
+        lookup_follows: bool = False,
+        will_offer: bool = True,
+        counted: int = 0,
+        tier_hit: bool = False,
     ) -> None:
-        """For per-key drivers (see :meth:`AdmissionLayer.see_request`): ``keys`` stand for the
-        request's lookup too, so the filter counts them and the mini-tiers score them.
+        """See :meth:`AdmissionLayer.begin_request`. For per-key drivers (no
+        ``lookup_follows``) ``keys`` stand for the request's lookup too, so the filter
+        counts them and the mini-tiers score them, and the feedback candidate is told of
+        the request. With ``lookup_follows`` the candidates see the touch and lookup that
+        follow, as they always have: the feedback candidate infers the request from them
+        (the figures of docs/admission.md were measured so).
 
         A later part of a request offered in parts (``counted`` > 0) counts only its new
         keys in the filter; the mini-tiers scored the request's lookup with its first part.
         """
-        if not keys:
+        super().begin_request(
+            keys,
+            lookup_follows=lookup_follows,
+            will_offer=will_offer,
+            counted=counted,
+            tier_hit=tier_hit,
+        )
+        if lookup_follows or not keys:
             return
-        super().see_request(keys, will_offer, counted)
-        self.feedback.see_request(keys, will_offer, counted)
+        self.feedback.begin_request(keys, will_offer=will_offer, counted=counted, tier_hit=tier_hit)
         self._probe.found = 0
         if counted < len(keys):
             self.filter.lookup(list(keys[counted:]))
         if counted == 0:
             self.minisim.on_lookup(keys)
 
-    def saw_tier_hit(self, keys: Sequence[OffloadKey]) -> None:
-        super().saw_tier_hit(keys)
-        self.feedback.saw_tier_hit(keys)
+    def end_request(self, keys: Sequence[OffloadKey]) -> None:
+        if self.feedback.announced:
+            self.feedback.end_request(keys)
+        super().end_request(keys)
 
     def _sighting(self, keys: Sequence[OffloadKey]) -> None:
         self.minisim.on_request(keys, self._hashes(keys))
@@ -272,9 +325,11 @@ class OptimisingAdmission(AdmissionLayer):
             ghost_hits=feedback.ghost_hits,
             control=feedback.control,
             memory_bytes=feedback.memory_bytes
-            + BYTES_PER_FILTER_KEY * FILTER_TRACKER
+            + BYTES_PER_FILTER_KEY * self.params.filter_tracker
             + self.minisim.memory_bytes,
-            tracked_keys=feedback.tracked_keys + FILTER_TRACKER + self.minisim.tracked_keys,
+            tracked_keys=feedback.tracked_keys
+            + self.params.filter_tracker
+            + self.minisim.tracked_keys,
             candidate=self.chosen,
             whatif=tuple(self.whatif()),
             whatif_total=tuple(self.minisim.figures(cumulative=True)),

@@ -1,66 +1,180 @@
-"""Admission layers by name, so configurations and the CLI can pick one with a string.
+"""Admission rules by name, so configurations and the CLI can pick one with a string.
 
-``none`` stores every offered block. ``recommended`` is an alias of the
-configuration this project recommends.
+A rule registers itself with ``@register_admission("name", params=SomeParams)``
+on its class, in its own module under ``kvoffload.admission``; every module
+of the package is imported on the first look-up, so a new rule is one file
+(see docs/admission.md, "Adding an admission rule"). ``none`` stores every
+offered block; aliases (``recommended``, ``reuse``) name a registered rule.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+import json
+import pkgutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 from kvoffload.admission.base import AdmissionLayer
-from kvoffload.admission.feedback import FeedbackAdmission
-from kvoffload.admission.optimiser import OptimisingAdmission, check_write_budget
-from kvoffload.admission.seen_twice import SketchAdmission
+from kvoffload.admission.params import NoParams, ParamValue, check_params, parse_params
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.manager import OffloadingManager
 
-AdmissionFactory = Callable[[OffloadingManager, int], AdmissionLayer]
-
 NO_ADMISSION = "none"
 OPTIMISER = "optimiser"
-_LAYERS: dict[str, AdmissionFactory] = {
-    "feedback": FeedbackAdmission,
-    OPTIMISER: OptimisingAdmission,
-    "sketch": SketchAdmission,
-}
-ALIASES = {"recommended": "optimiser"}
+ALIASES = {"recommended": OPTIMISER, "reuse": "filter"}
+"""Names standing for a registered rule; ``recommended`` pairs with policy ``recommended``."""
+
+RawParams = Mapping[str, ParamValue]
+ParamPairs = tuple[tuple[str, ParamValue], ...]
+"""Checked raw parameters in a hashable form, for frozen settings dataclasses."""
+
+
+class AdmissionRule(Protocol):
+    """What a registered class offers: a layer over ``backing`` built from its parameters."""
+
+    @classmethod
+    def from_params(cls, backing: OffloadingManager, capacity: int, params: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Registered:
+    """One registered rule: its class and its parameters dataclass."""
+
+    name: str
+    cls: type[AdmissionRule]
+    params: type[Any]
+
+
+_RULES: dict[str, Registered] = {}
+_loaded = False
+
+R = TypeVar("R", bound=type[Any])
+
+
+def register_admission(name: str, params: type[Any] = NoParams) -> Callable[[R], R]:
+    """Class decorator registering an admission rule under ``name``.
+
+    The class builds itself with ``from_params(backing, capacity, params)``
+    (:class:`AdmissionLayer` has one that calls ``cls(backing, capacity, params=params)``).
+    """
+
+    def register(cls: R) -> R:
+        known = _RULES.get(name)
+        if name == NO_ADMISSION or name in ALIASES or (known is not None and known.cls is not cls):
+            raise InvalidArgumentError(f"admission {name!r} is already registered")
+        _RULES[name] = Registered(name, cls, params)
+        return cls
+
+    return register
+
+
+def _rules() -> dict[str, Registered]:
+    """The registry, after importing every module of the package once (which registers)."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        package = importlib.import_module("kvoffload.admission")
+        for module in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"kvoffload.admission.{module.name}")
+    return _RULES
 
 
 def available_admissions() -> list[str]:
     """Valid admission names, aliases included, sorted."""
-    return sorted([NO_ADMISSION, *_LAYERS, *ALIASES])
+    return sorted([NO_ADMISSION, *_rules(), *ALIASES])
 
 
 def resolve_admission(name: str) -> str:
     """The canonical name of ``name``; the error for an unknown one lists the valid names."""
     name = ALIASES.get(name, name)
-    if name != NO_ADMISSION and name not in _LAYERS:
+    if name != NO_ADMISSION and name not in _rules():
         raise InvalidArgumentError(
             f"unknown admission {name!r}; known: {', '.join(available_admissions())}"
         )
     return name
 
 
+def params_class(name: str) -> type[Any]:
+    """The parameters dataclass of the rule ``name`` (:class:`NoParams` for ``none``)."""
+    canonical = resolve_admission(name)
+    return NoParams if canonical == NO_ADMISSION else _rules()[canonical].params
+
+
+def admission_params(name: str, raw: RawParams | object | None = None) -> Any:
+    """The parameters of rule ``name``: ``raw`` is ``None`` (defaults), a flat
+    ``key -> value`` mapping (see :func:`~kvoffload.admission.params.parse_params`) or its
+    items as pairs, or an instance of the rule's dataclass."""
+    cls = params_class(name)
+    if raw is None:
+        return cls()
+    if isinstance(raw, cls):
+        check_params(raw, resolve_admission(name))
+        return raw
+    if isinstance(raw, tuple):
+        raw = dict(raw)
+    if not isinstance(raw, Mapping):
+        raise InvalidArgumentError(
+            f"admission parameters must be a mapping of name to value, got {raw!r}"
+        )
+    if raw and cls is NoParams:
+        raise InvalidArgumentError(
+            f"admission {name!r} takes no parameters, got {', '.join(sorted(raw))}"
+        )
+    return parse_params(cls, raw, resolve_admission(name))
+
+
+def config_params(name: str, value: object, where: str) -> ParamPairs:
+    """Raw parameters of rule ``name`` from an engine's extra-config, checked: ``value`` is
+    ``None``, a mapping of name to value, or JSON text of one; errors start with ``where``."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise InvalidArgumentError(
+                f"{where} must be a JSON object of admission parameters, got {value!r}"
+            ) from None
+    if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
+        raise InvalidArgumentError(
+            f"{where} must be a mapping of admission parameter to value, got {value!r}"
+        )
+    try:
+        admission_params(name, value)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"{where}: {exc}") from None
+    return tuple(sorted(value.items()))
+
+
 def wrap_with_admission(
-    name: str, backing: OffloadingManager, capacity: int, write_budget: float | None = None
+    name: str,
+    backing: OffloadingManager,
+    capacity: int,
+    write_budget: float | None = None,
+    params: RawParams | object | None = None,
 ) -> OffloadingManager:
-    """``backing`` behind the admission layer ``name`` (unchanged for ``none``).
+    """``backing`` behind the admission rule ``name`` (unchanged for ``none``).
 
     A ``write_budget`` (writes per block reference) needs the optimiser, the only
-    layer that can keep to one.
+    layer that can keep to one. ``params``: see :func:`admission_params`.
     """
+    from kvoffload.admission.optimiser import OptimisingAdmission, check_write_budget
+
     canonical = resolve_admission(name)
+    parsed = admission_params(canonical, params)
     check_write_budget(write_budget)
     if write_budget is not None:
         if canonical != OPTIMISER:
             raise InvalidArgumentError(
                 f"a write budget needs admission 'recommended' (the optimiser), not {name!r}"
             )
-        return OptimisingAdmission(backing, capacity, write_budget=write_budget)
+        return OptimisingAdmission(backing, capacity, write_budget=write_budget, params=parsed)
     if canonical == NO_ADMISSION:
         return backing
-    return _LAYERS[canonical](backing, capacity)
+    built: OffloadingManager = _rules()[canonical].cls.from_params(backing, capacity, parsed)
+    return built
 
 
 def find_admission(manager: OffloadingManager) -> AdmissionLayer | None:

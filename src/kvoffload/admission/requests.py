@@ -1,6 +1,12 @@
-"""Request boundaries inferred from the manager calls, without changing the contract.
+"""Open requests, keyed by their last key; and, for bare callers, boundaries guessed.
 
-An engine ``touch``-es a request's full key list before its ``lookup``, and
+Drivers that know request boundaries announce them
+(:meth:`~kvoffload.admission.base.AdmissionLayer.begin_request` /
+``end_request``), which only :meth:`RequestTracker.open` and
+:meth:`RequestTracker.close` an entry. The rest of this module is the
+fallback for a bare seed-style caller that announces nothing, where the
+boundaries are inferred from the manager calls, without changing the
+contract. An engine ``touch``-es a request's full key list before its ``lookup``, and
 after a non-empty store touches the same list once more. The tracker keys an
 open request by its last key (a store's offer always ends there), so that
 
@@ -59,10 +65,14 @@ class RequestTracker:
         self._put(keys[-1], (keys[0], len(keys), OPEN, False, False))
         return True
 
-    def open(self, keys: Sequence[OffloadKey]) -> None:
+    def open(self, keys: Sequence[OffloadKey], touched: bool = False) -> None:
         """Open a request a driver announces itself (already counted by it), replacing any
-        entry with the same last key."""
-        self._put(keys[-1], (keys[0], len(keys), OPEN, False, False))
+        entry with the same last key; ``touched``: its touches go through the layer."""
+        self._put(keys[-1], (keys[0], len(keys), OPEN, touched, False))
+
+    def close(self, keys: Sequence[OffloadKey]) -> None:
+        """Forget the open request that ends at ``keys[-1]`` (the request, or its offer)."""
+        self._open.pop(keys[-1], None)
 
     def on_hit(self, keys: Sequence[OffloadKey]) -> None:
         """The tier's lookup of ``keys`` (a request's suffix past the GPU hit) found blocks."""

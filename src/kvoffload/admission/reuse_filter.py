@@ -3,28 +3,44 @@
 One-shot blocks are most of many workloads; writing them wastes transfer
 bandwidth and pushes out blocks that would have been hit. This decorator
 counts lookups per key and lets ``prepare_store`` offer the backing manager
-only keys counted at least ``store_threshold`` times.
+only keys counted at least ``store_threshold`` times. Registered as admission
+``filter`` (alias ``reuse``); it is the reference class the other rules are
+measured against, so its semantics are the seed's exactly.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
+from kvoffload.admission.params import check_params, param
+from kvoffload.admission.registry import register_admission
+from kvoffload.admission.reuse_counts import ReuseCounts
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import SINGLE_KEY_TYPES, OffloadKey, refuse_single_key
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import LoadStoreSpec
 
 
+@dataclass(frozen=True)
+class FilterParams:
+    """What a user may set of the seed filter (``--admission-param key=value``)."""
+
+    store_threshold: int = param(2, 2, help="lookups a block must be counted in to be stored")
+    max_tracker_size: int = param(64_000, 1, help="keys the LRU count table holds")
+
+    def __post_init__(self) -> None:
+        check_params(self, "filter")
+
+
+@register_admission("filter", params=FilterParams)
 class FilterReusedOffloadingManager(OffloadingManager):
     """Wraps ``backing``; intercepts ``lookup`` (to count) and ``prepare_store`` (to filter).
 
     The tracker is an LRU table of at most ``max_tracker_size`` keys ordered by
-    last lookup: a plain dict while it fills (moving a key to the end of a dict
-    is cheaper than of an ``OrderedDict``, but a dict cannot drop its oldest key
-    cheaply), an ``OrderedDict`` from the first lookup that could overflow it,
-    in the same order; the counts are the same either way. Filtering happens
+    last lookup (:class:`~kvoffload.admission.reuse_counts.ReuseCounts`, the one
+    bounded counter every "seen N times" rule uses). Filtering happens
     before delegation so skipped blocks never take room in the tier; an empty
     offer is delegated too, and the backing manager answers it with an empty
     output. ``stores_skipped`` counts offered keys that the filter held back.
@@ -56,53 +72,35 @@ class FilterReusedOffloadingManager(OffloadingManager):
         self._backing = backing
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
-        self.counts: dict[OffloadKey, int] = {}
+        self.reuse = ReuseCounts(max_tracker_size)
         self.stores_skipped = 0
+
+    @classmethod
+    def from_params(cls, backing: OffloadingManager, capacity: int, params: Any) -> Any:
+        """The filter as the admission registry builds it (``capacity`` is not used)."""
+        return cls(backing, params.store_threshold, params.max_tracker_size)
 
     @property
     def backing(self) -> OffloadingManager:
         return self._backing
 
+    @property
+    def counts(self) -> dict[OffloadKey, int]:
+        """The tracker's table, least recently looked-up key first."""
+        return self.reuse.counts
+
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
         if isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "lookup")
         keys = keys if type(keys) is list else list(keys)
-        counts = self.counts
-        if not isinstance(counts, OrderedDict):
-            if len(keys) <= self.max_tracker_size - len(counts):
-                # Filling: no key can leave. Popped and reinserted at the end, each key
-                # keeps a plain dict's insertion order equal to the recency order.
-                pop = counts.pop
-                for key in keys:
-                    counts[key] = pop(key, 0) + 1
-                return self._backing.lookup(keys)
-            # This call may overflow the table: an OrderedDict from now on, same order.
-            counts = self.counts = OrderedDict(counts)
-        get = counts.get
-        move_to_end = counts.move_to_end
-        # Free places in the tracker: only a new key changes its size, so no len() per key.
-        room = self.max_tracker_size - len(counts)
-        # One probe to read the count; hash probes, not bytecodes, are the cost here.
-        for key in keys:
-            seen = get(key)
-            if seen is not None:
-                counts[key] = seen + 1
-                move_to_end(key)
-            else:
-                if room > 0:
-                    room -= 1
-                else:
-                    counts.popitem(False)
-                counts[key] = 1
+        self.reuse.count(keys)
         return self._backing.lookup(keys)
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
         if isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "prepare_store")
         keys = keys if type(keys) is list else list(keys)
-        get = self.counts.get
-        threshold = self.store_threshold
-        eligible = [key for key in keys if get(key, 0) >= threshold]
+        eligible = self.reuse.at_least(keys, self.store_threshold)
         self.stores_skipped += len(keys) - len(eligible)
         return self._backing.prepare_store(eligible)
 

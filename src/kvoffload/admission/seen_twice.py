@@ -10,25 +10,41 @@ are counted as ghost hits (the admission the threshold cost).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvoffload.admission.base import AdmissionLayer, AdmissionStats
 from kvoffload.admission.feedback import MIN_SAMPLE, SAMPLE_FACTOR
 from kvoffload.admission.ghost import GhostRecords
+from kvoffload.admission.params import check_params, param
+from kvoffload.admission.registry import register_admission
 from kvoffload.admission.sketch import FrequencySketch, RequestHashes
-from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager
 
 
+@dataclass(frozen=True)
+class SketchParams:
+    """What a user may set of the sketch rule (``--admission-param key=value``)."""
+
+    threshold: int = param(2, 1, 15, "requests a block must be seen in to be stored")
+    sample_factor: int = param(SAMPLE_FACTOR, 1, 1000, "sketch sample size in tier-fulls")
+    min_sample: int = param(MIN_SAMPLE, 1, 1 << 30, "smallest sketch sample size, in keys")
+
+    def __post_init__(self) -> None:
+        check_params(self, "sketch")
+
+
+@register_admission("sketch", params=SketchParams)
 class SketchAdmission(AdmissionLayer):
     """Stores a block once seen in ``threshold`` requests."""
 
-    def __init__(self, backing: OffloadingManager, capacity: int, threshold: int = 2) -> None:
-        if threshold < 1:
-            raise InvalidArgumentError(f"sketch admission threshold must be >= 1, got {threshold}")
+    def __init__(
+        self, backing: OffloadingManager, capacity: int, params: SketchParams | None = None
+    ) -> None:
         super().__init__(backing, capacity)
-        self.threshold = threshold
-        self.sketch = FrequencySketch(max(MIN_SAMPLE, SAMPLE_FACTOR * capacity))
+        self.params = p = params or SketchParams()
+        self.threshold = p.threshold
+        self.sketch = FrequencySketch(max(p.min_sample, p.sample_factor * capacity))
         self.ghost = GhostRecords(capacity)
         self._hashes = RequestHashes()
 

@@ -9,6 +9,8 @@ import math
 from collections.abc import Callable
 from typing import TypeVar
 
+from kvoffload.admission import admission_params, parse_pairs
+from kvoffload.admission.registry import ParamPairs
 from kvoffload.cli import output
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.memory import check_fits
@@ -244,6 +246,28 @@ def parse_floats(text: str, what: str) -> list[float]:
     if bad is not None:
         raise InvalidArgumentError(f"{what} values must be finite numbers >= 0, got {bad}")
     return _not_empty(values, text, what)
+
+
+def add_admission_param_argument(group: argparse._ArgumentGroup) -> None:
+    """``--admission-param key=value``, repeatable: the admission rule's parameters."""
+    group.add_argument(
+        "--admission-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a parameter of the --admission rule, repeatable (see docs/admission.md, "
+        "Parameters; an unknown key lists the valid ones)",
+    )
+
+
+def admission_param_pairs(args: argparse.Namespace) -> ParamPairs:
+    """The checked ``--admission-param`` values for ``args.admission``."""
+    pairs = parse_pairs(args.admission_param, "--admission-param")
+    try:
+        admission_params(args.admission, pairs)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"--admission-param: {exc}") from None
+    return tuple(sorted(pairs.items()))
 
 
 def parse_names(text: str, what: str, resolve: Callable[[str], str]) -> list[str]:

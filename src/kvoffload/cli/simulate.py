@@ -58,6 +58,7 @@ def register(commands: Any) -> None:
         default="none",
         help=f"admission layer, one of {', '.join(available_admissions())} (default: none)",
     )
+    options.add_admission_param_argument(tier)
     tier.add_argument(
         "--write-budget",
         type=options.WRITE_BUDGET,
@@ -128,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
     tier_options.check_before_work(args)
     options.check_name(args.policy, "--policy", resolve_policy)
     options.check_name(args.admission, "--admission", resolve_admission)
+    params = options.admission_param_pairs(args)
     observe_options.check_before_work(args)
     workload = options.workload_source(args).load()
     bt = workload.block_tokens
@@ -138,7 +140,9 @@ def run(args: argparse.Namespace) -> int:
     )
     cpu = options.cpu_blocks(args.cpu_blocks, args.cpu_gb, config, bt)
     config = options.with_offload(config, cpu, args.policy, args.store_threshold)
-    config = dataclasses.replace(config, admission=args.admission, write_budget=args.write_budget)
+    config = dataclasses.replace(
+        config, admission=args.admission, write_budget=args.write_budget, admission_params=params
+    )
     config = tier_options.with_tiers(config, args, bt)
     if args.no_bound:
         config = dataclasses.replace(config, bound=False)
@@ -241,8 +245,9 @@ def format_report(report: RunReport, plane: DataPlaneCounts | None = None) -> st
 
 
 def _admission_rows(r: RunReport) -> list[tuple[str, str]]:
-    """The admission layer's counters, when there is one."""
-    if r.admission == "none" or not r.cpu_blocks:
+    """The admission layer's counters, when there is one (the seed filter, ``filter``,
+    keeps none: its held-back blocks are the "skipped by admission" row)."""
+    if r.admission == "none" or not r.cpu_blocks or r.admission_bytes_per_key is None:
         return []
     control = "-" if r.admission_control is None else f"{r.admission_control:.2f}"
     memory = "-" if r.admission_bytes_per_key is None else f"{r.admission_bytes_per_key:.1f}"

@@ -17,11 +17,13 @@ def build_manager(
     enable_events: bool = False,
     admission: str = "none",
     write_budget: float | None = None,
+    admission_params: object | None = None,
 ) -> OffloadingManager:
     """A CPU tier manager, behind the admission layer ``admission`` and then the reuse
     filter when ``store_threshold >= 2`` (the filter is outermost: it sees calls first).
 
-    ``write_budget`` (writes per block reference) needs ``admission="recommended"``.
+    ``write_budget`` (writes per block reference) needs ``admission="recommended"``;
+    ``admission_params`` are the rule's parameters (see ``wrap_with_admission``).
     Thresholds 0 and 1 mean "no filter", as in vLLM's configuration; anything but an
     integer >= 0 is refused, so that ``1.5`` or ``"2"`` is not silently "no filter".
     """
@@ -32,6 +34,7 @@ def build_manager(
         max_tracker_size,
         admission,
         write_budget,
+        admission_params=admission_params,
         enable_events=enable_events,
     )
     return build_cpu_stack(config).manager

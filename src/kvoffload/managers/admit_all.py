@@ -44,13 +44,15 @@ def admission_book(
     capacity: int,
     write_budget: float | None = None,
     policy: CachePolicy | None = None,
+    params: object | None = None,
 ) -> AdmissionLayer | None:
     """The admission layer ``admission`` over an :class:`AdmitAllManager`, sized for a tier
-    of ``capacity`` blocks (``None`` for ``none``: every offer is written).
+    of ``capacity`` blocks (``None`` for ``none``: every offer is written); ``params``: the
+    rule's parameters (see :func:`~kvoffload.admission.registry.admission_params`).
 
     The one assembly of a tier's own decision book: the tiered stack's lower tiers,
     SGLang's L3 tiers and vLLM's secondary tiers all use it.
     """
     book = AdmitAllManager(spec, policy)
-    layer = wrap_with_admission(admission, book, max(1, capacity), write_budget)
+    layer = wrap_with_admission(admission, book, max(1, capacity), write_budget, params)
     return layer if isinstance(layer, AdmissionLayer) else None

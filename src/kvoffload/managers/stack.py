@@ -20,6 +20,7 @@ from kvoffload.admission import (
     resolve_admission,
     wrap_with_admission,
 )
+from kvoffload.admission.registry import admission_params
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager
@@ -48,6 +49,8 @@ class StackConfig:
     max_tracker_size: int = 64_000
     admission: str = "none"
     write_budget: float | None = None
+    admission_params: object | None = field(default=None, compare=False)
+    """The CPU tier's rule's parameters (see ``admission_params`` in the registry)."""
     disk_dir: str | None = None
     disk_blocks: int = 0
     disk_policy: str | None = None
@@ -75,6 +78,10 @@ class StackConfig:
         _integer("max_tracker_size", self.max_tracker_size, 1)
         _integer("tier_store_threshold", self.tier_store_threshold, 0)
         _admission("admission", self.admission, "write_budget", self.write_budget)
+        try:
+            admission_params(self.admission, self.admission_params)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"admission_params: {exc}") from None
         _admission(
             "disk_admission", self.disk_admission, "disk_write_budget", self.disk_write_budget
         )
@@ -171,7 +178,9 @@ def assemble(config: StackConfig, stack: Stack) -> Stack:
     """``stack`` (its CPU tier, and its tiered manager if any) under ``config``'s admission
     layer and then its reuse filter; ``stack.manager`` becomes the outermost."""
     bottom: OffloadingManager = stack.tiered if stack.tiered is not None else stack.cpu
-    manager = wrap_with_admission(config.admission, bottom, config.cpu_blocks, config.write_budget)
+    manager = wrap_with_admission(
+        config.admission, bottom, config.cpu_blocks, config.write_budget, config.admission_params
+    )
     if isinstance(manager, AdmissionLayer):
         stack.admission = manager
     if config.store_threshold >= 2:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from kvoffload.admission import AdmissionLayer, resolve_admission
+from kvoffload.admission.reuse_counts import ReuseCounts
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
@@ -140,7 +141,7 @@ class TieredOffloadingManager(OffloadingManager):
         self._wait = wait_for_tiers
         self._max_tracker = max_tracker_size
         self._counting = any(s.store_threshold >= 2 for s in self._settings)
-        self._seen: OrderedDict[OffloadKey, int] = OrderedDict()
+        self._seen = ReuseCounts(max_tracker_size)
         self._slots: dict[OffloadKey, int] = {}
         self._promotions: list[_Promotion] = []
         self._promoting: set[OffloadKey] = set()
@@ -246,7 +247,8 @@ class TieredOffloadingManager(OffloadingManager):
     def _judged(self, keys: list[OffloadKey], hits: int) -> int | None:
         """:meth:`_reach`, first showing the lower tiers' books the keys this lookup takes
         past the CPU tier, once per request: a retry after ``None`` (the same keys) is no
-        new reference."""
+        new reference. No offer follows such a sighting (the tier's stores come from the
+        CPU tier's write-back), so whether the tier served it does not matter to the book."""
         request = (keys[-1], len(keys))
         sighted = self._sighted
         fresh = request not in sighted
@@ -255,7 +257,7 @@ class TieredOffloadingManager(OffloadingManager):
         if fresh:
             self.judged_blocks += len(rest)
             for layer in layers:
-                layer.see_request(rest, will_offer=False)
+                layer.begin_request(rest, will_offer=False)
         found = self._reach(keys, hits)
         if found is None:
             sighted[request] = None
@@ -263,9 +265,6 @@ class TieredOffloadingManager(OffloadingManager):
                 sighted.popitem(last=False)
         else:
             sighted.pop(request, None)
-        if fresh and (found is None or found > hits):
-            for layer in layers:
-                layer.saw_tier_hit(rest)
         return found
 
     def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
@@ -322,15 +321,7 @@ class TieredOffloadingManager(OffloadingManager):
         return block is not None and block.ref_cnt == PENDING_STORE
 
     def _count(self, keys: list[OffloadKey]) -> None:
-        seen = self._seen
-        for key in keys:
-            if key in seen:
-                seen.move_to_end(key)
-                seen[key] += 1
-            else:
-                if len(seen) >= self._max_tracker:
-                    seen.popitem(last=False)
-                seen[key] = 1
+        self._seen.count(keys)
 
     def _placed(self, output: PrepareStoreOutput) -> _Demotion:
         """Record new slots; copy out the bytes of the blocks evicted for them."""
@@ -388,7 +379,7 @@ class TieredOffloadingManager(OffloadingManager):
         if settings.store_threshold < 2:
             chosen = list(range(len(keys)))
         else:
-            seen, threshold = self._seen, settings.store_threshold
+            seen, threshold = self._seen.counts, settings.store_threshold
             chosen = [i for i, key in enumerate(keys) if seen.get(key, 0) >= threshold]
         layer = self.admissions[index]
         if layer is not None and chosen:

@@ -24,6 +24,12 @@ not a multiple of the block size, yet the request has a key for it) is
 computed and takes a GPU slot, but is never matched, registered, looked up
 or offered, as in vLLM; it still counts as a block reference (always a miss).
 
+The engine knows request boundaries: when the tier has an admission layer it
+announces each request to it (``begin_request`` before the touch and lookup,
+``end_request`` after the store offer), so the layer does not guess them
+from the call order. A parked request is announced again with each retry of
+its touch and lookup, and counted again, as the guessed boundaries counted it.
+
 Time is simulated: prefill and decode from token throughputs, transfers
 from a bandwidth shared first come, first served per direction. With
 ``concurrency=1`` the next request starts only when the previous one is
@@ -40,6 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvoffload.admission import AdmissionLayer, find_admission
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager
@@ -177,6 +184,7 @@ class ServingEngine:
         manager: OffloadingManager | None,
         backend: TransferBackend | None = None,
         holds: Callable[[OffloadKey], bool] | None = None,
+        admission: AdmissionLayer | None = None,
     ) -> None:
         self.config = config
         self.manager = manager
@@ -200,6 +208,11 @@ class ServingEngine:
         set knows only what the engine stored; a tier can also place blocks itself (a tiered
         stack promotes lower-tier hits into its CPU tier), and an offered block it already
         holds was not refused by admission."""
+        self._layer = admission
+        if admission is None and manager is not None:
+            self._layer = find_admission(manager)
+        """The outermost admission layer, told where each request begins and ends (found
+        in ``manager`` for a caller that does not name it)."""
 
     def run(self, requests: Sequence[Request], progress: Progress | None = None) -> EngineStats:
         """Replay ``requests`` (sorted by arrival) to completion and return the counters."""
@@ -277,6 +290,8 @@ class ServingEngine:
         if manager is None or not keys:
             return 0
         started = time.perf_counter()
+        if self._layer is not None:
+            self._layer.begin_request(keys, lookup_follows=True)
         manager.touch(keys)
         found: int | None = 0
         if len(keys) > gpu_hits:
@@ -386,6 +401,10 @@ class ServingEngine:
                 self.gpu.register(running.keys[first:], slots[first:cacheable])
             self.stats.computed_blocks += len(computed)
         self._store(running)
+        if self._layer is not None:
+            started = time.perf_counter()
+            self._layer.end_request(running.keys)
+            self._timed(started)
         self._at(req.output_tokens / self.config.decode_tokens_per_s, _DECODE_DONE, running)
 
     def _store(self, running: _Running) -> None:

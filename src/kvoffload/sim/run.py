@@ -17,10 +17,12 @@ from typing import Any
 from kvoffload.admission import (
     AdmissionLayer,
     WhatIf,
+    admission_params,
     available_admissions,
     check_write_budget,
     resolve_admission,
 )
+from kvoffload.admission.registry import ParamPairs
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import KVLayout, layout_preset
 from kvoffload.core.tier_protocol import SlotBytes, TierStats
@@ -67,6 +69,8 @@ class SimConfig:
     """Admission layer in front of the tier, by name (``kvoffload.admission``)."""
     write_budget: float | None = None
     """Writes per block reference the optimiser keeps to (``admission="recommended"``)."""
+    admission_params: ParamPairs = ()
+    """The admission rule's parameters, ``(name, value)`` pairs (``--admission-param``)."""
     # Tiers below the CPU tier (issue 9): a disk directory and a shared server.
     disk_dir: str | None = None
     disk_blocks: int = 0
@@ -114,6 +118,7 @@ class SimConfig:
             raise InvalidArgumentError(
                 f"unknown admission {self.admission!r}; known: {', '.join(available_admissions())}"
             )
+        admission_params(self.admission, self.admission_params)
         check_write_budget(self.write_budget)
         if self.write_budget is not None and resolve_admission(self.admission) != "optimiser":
             raise InvalidArgumentError(
@@ -160,6 +165,7 @@ class SimConfig:
             self.max_tracker_size,
             self.admission,
             self.write_budget,
+            admission_params=self.admission_params,
             disk_dir=self.disk_dir if tiers else None,
             disk_blocks=self.disk_blocks,
             disk_policy=self.disk_policy,
@@ -335,7 +341,11 @@ def simulate(
         manager = observers.wrap(manager, bytes_per_block)
         observers.watch_transfers(backend)
     engine = ServingEngine(
-        engine_config, manager, backend, holds=None if stack is None else stack.holds
+        engine_config,
+        manager,
+        backend,
+        holds=None if stack is None else stack.holds,
+        admission=None if stack is None else stack.admission,
     )
     try:
         stats = engine.run(workload.requests, progress)

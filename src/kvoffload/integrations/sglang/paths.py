@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, cast
 
+from kvoffload.admission.registry import ParamPairs
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent
 from kvoffload.core.specs import LoadStoreSpec
@@ -132,10 +133,11 @@ class TierPath:
         capacity: int,
         page_bytes: int,
         sink: EventSink | None = None,
+        admission_params: ParamPairs = (),
     ) -> None:
         self.name = name
         self.page_bytes = page_bytes
-        self.layer = admission_book(admission, _SPEC, capacity)
+        self.layer = admission_book(admission, _SPEC, capacity, params=admission_params)
         self._counters = TierCounters()
         self._open = open_tier
         self._sink = sink
@@ -172,9 +174,7 @@ class TierPath:
         if self.layer is None or not request:
             return
         with self._admission_lock:
-            self.layer.see_request(request)
-            if served:
-                self.layer.saw_tier_hit(request)
+            self.layer.begin_request(request, tier_hit=served)
 
     def read(
         self,
@@ -284,6 +284,8 @@ class TierPath:
         else:
             with self._admission_lock:
                 output = self.layer.prepare_store(keys)
+                if keys:
+                    self.layer.end_request(keys)
             admitted = set() if output is None else set(output.keys_to_store)
         with self._count_lock:
             c = self._counters

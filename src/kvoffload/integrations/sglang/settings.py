@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvoffload.admission import available_admissions
+from kvoffload.admission import available_admissions, config_params
+from kvoffload.admission.registry import ParamPairs
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.policies import available_policies
 from kvoffload.tiers.url import parse_remote_url
@@ -41,8 +42,11 @@ DISK_DIR = f"{PREFIX}disk_dir"
 DISK_BYTES = f"{PREFIX}disk_bytes"
 DISK_POLICY = f"{PREFIX}disk_policy"
 DISK_ADMISSION = f"{PREFIX}disk_admission"
+DISK_ADMISSION_PARAMS = f"{PREFIX}disk_admission_params"
 REMOTE_URL = f"{PREFIX}remote_url"
 REMOTE_ADMISSION = f"{PREFIX}remote_admission"
+REMOTE_ADMISSION_PARAMS = f"{PREFIX}remote_admission_params"
+"""Each tier's admission parameters: a mapping (or JSON text of one) of name to value."""
 REMOTE_BYTES = f"{PREFIX}remote_bytes"
 """What the server may hold of ours: sizes the shared tier's admission layer only."""
 EVENTS_ENDPOINT = f"{PREFIX}kv_events_endpoint"
@@ -55,8 +59,10 @@ OWN_KEYS = frozenset(
         DISK_BYTES,
         DISK_POLICY,
         DISK_ADMISSION,
+        DISK_ADMISSION_PARAMS,
         REMOTE_URL,
         REMOTE_ADMISSION,
+        REMOTE_ADMISSION_PARAMS,
         REMOTE_BYTES,
         EVENTS_ENDPOINT,
         EVENTS_REPLAY_ENDPOINT,
@@ -74,8 +80,10 @@ class BackendSettings:
     disk_bytes: int = 0
     disk_policy: str = "lru"
     disk_admission: str = "none"
+    disk_admission_params: ParamPairs = ()
     remote_url: str | None = field(default=None, repr=False)  # may hold a password
     remote_admission: str = "none"
+    remote_admission_params: ParamPairs = ()
     remote_bytes: int = 0
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
@@ -117,14 +125,17 @@ def parse_settings(extra_config: Mapping[str, Any] | None) -> BackendSettings:
             f"needs {REMOTE_BYTES!r} (what the server may hold of ours) to size its memory"
         )
     port = config.get(METRICS_PORT)
+    disk_admission = _choice(config, DISK_ADMISSION, available_admissions(), "none")
     return BackendSettings(
         interface_v1=_flag(config, "interface_v1"),
         disk_dir=disk_dir,
         disk_bytes=_int(config, DISK_BYTES, 1, 0) if disk_dir is not None else 0,
         disk_policy=_choice(config, DISK_POLICY, available_policies(), "lru"),
-        disk_admission=_choice(config, DISK_ADMISSION, available_admissions(), "none"),
+        disk_admission=disk_admission,
+        disk_admission_params=_params(config, DISK_ADMISSION_PARAMS, disk_admission),
         remote_url=remote_url,
         remote_admission=remote_admission,
+        remote_admission_params=_params(config, REMOTE_ADMISSION_PARAMS, remote_admission),
         remote_bytes=_int(config, REMOTE_BYTES, 1, 0) if REMOTE_BYTES in config else 0,
         kv_events_endpoint=_str(config, EVENTS_ENDPOINT),
         kv_events_replay_endpoint=_str(config, EVENTS_REPLAY_ENDPOINT),
@@ -146,6 +157,11 @@ def _int(
             f"got {value!r}"
         )
     return int(value)
+
+
+def _params(config: Mapping[str, Any], key: str, admission: str) -> ParamPairs:
+    where = f"hicache-storage-backend-extra-config {key!r}"
+    return config_params(admission, config.get(key), where)
 
 
 def _str(config: Mapping[str, Any], key: str) -> str | None:

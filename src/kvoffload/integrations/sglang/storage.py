@@ -377,7 +377,15 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
                     ) from None
 
             self.paths.append(
-                TierPath("disk", open_disk, s.disk_admission, blocks, pages.page_bytes, sink)
+                TierPath(
+                    "disk",
+                    open_disk,
+                    s.disk_admission,
+                    blocks,
+                    pages.page_bytes,
+                    sink,
+                    s.disk_admission_params,
+                )
             )
         if s.remote_url is not None:
             url = s.remote_url
@@ -398,7 +406,13 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
 
             self.paths.append(
                 TierPath(
-                    "remote", open_remote, s.remote_admission, capacity, pages.page_bytes, sink
+                    "remote",
+                    open_remote,
+                    s.remote_admission,
+                    capacity,
+                    pages.page_bytes,
+                    sink,
+                    s.remote_admission_params,
                 )
             )
         if s.metrics_port is not None:

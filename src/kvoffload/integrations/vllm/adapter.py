@@ -12,11 +12,12 @@ the seed differ, this adapter follows vLLM:
 * admission counts store offers (:class:`OfferCountFilter`), not lookups,
   and keys already held are never filtered.
 
-An admission layer in the backing stack (``kvoffload.admission``) sees each
-request once, at its first store offer (or when it finishes, if it offered
-nothing), as the keys it looked up and offered in prefix order (GPU-held
-blocks it never looked up are not among them); per-key lookups and touches go
-past it to the tier, so they count no sightings.
+An admission layer in the backing stack (``kvoffload.admission``) is told of
+each request explicitly (``begin_request`` at its first store offer, or when
+it finishes if it offered nothing, ``end_request`` after the offer), as the
+keys it looked up and offered in prefix order (GPU-held blocks it never
+looked up are not among them); per-key lookups and touches go past it to the
+tier, so they count no sightings.
 """
 
 from __future__ import annotations
@@ -209,9 +210,10 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             for key, st in zip(original, status, strict=True)
             if (st.is_ready if st is not None else admitted is None or key in admitted)
         ]
-        if self._layer is not None:
-            self._sight(self._layer, original, req_context)
+        began = None if self._layer is None else self._sight(self._layer, original, req_context)
         output = self._manager.prepare_store(offered)
+        if began and self._layer is not None:
+            self._layer.end_request(began)
         if self._layer is not None and output is not None:
             # The layer holds back fresh keys silently: whatever fresh key got no slot.
             stored = set(output.keys_to_store)
@@ -251,7 +253,9 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             return
         if self._layer is not None and state.unsighted:
             # A request that only hit (or stored nothing) is still a sighting of its keys.
-            self._sight(self._layer, (), req_context, will_offer=False)
+            began = self._sight(self._layer, (), req_context, will_offer=False)
+            if began:
+                self._layer.end_request(began)
         if not state.seen:
             return
         keys = list(state.seen)
@@ -332,22 +336,22 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         offered: Sequence[OffloadKey],
         req_context: ReqContext,
         will_offer: bool = True,
-    ) -> None:
-        """Show the layer the request's keys it has not seen yet, in prefix order."""
+    ) -> list[OffloadKey]:
+        """Begin the request at the layer with its keys it has not seen yet, in prefix order;
+        those keys (none: nothing to show)."""
         state = self._request_keys(req_context)
         unsighted, sighted = state.unsighted, state.sighted
         unsighted.update(dict.fromkeys(offered))
         keys = [key for key in unsighted if key not in sighted]
         unsighted.clear()
         if not keys:
-            return
+            return keys
         positions = [req_context.get_offload_key_position(key) for key in keys]
         if None not in positions:
             keys = [key for _, key in sorted(zip(positions, keys, strict=True))]
         sighted.update(keys)
-        layer.see_request(keys, will_offer)
-        if state.tier_hit:
-            layer.saw_tier_hit(keys)
+        layer.begin_request(keys, will_offer=will_offer, tier_hit=state.tier_hit)
+        return keys
 
     def _seen(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
         """Record keys first seen by this request; with ``recency_at_access`` (vLLM 0.33)

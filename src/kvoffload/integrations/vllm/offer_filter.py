@@ -9,15 +9,16 @@ stays the reference for the batch API.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
+from kvoffload.admission.reuse_counts import ReuseCounts
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 
 
 class OfferCountFilter:
-    """An LRU table of at most ``max_tracker_size`` keys, counting how often each was offered.
+    """A :class:`~kvoffload.admission.reuse_counts.ReuseCounts` table of at most
+    ``max_tracker_size`` keys, counting how often each was offered.
 
     A key already tracked in an offer is protected from being pushed out by
     the offer's new keys, so an offer larger than the table still counts
@@ -31,29 +32,17 @@ class OfferCountFilter:
             raise InvalidArgumentError(f"max_tracker_size must be >= 1, got {max_tracker_size}")
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
-        self.counts: OrderedDict[OffloadKey, int] = OrderedDict()
+        self.reuse = ReuseCounts(max_tracker_size)
+
+    @property
+    def counts(self) -> dict[OffloadKey, int]:
+        """The table, least recently offered key first."""
+        return self.reuse.counts
 
     def record(self, keys: Sequence[OffloadKey]) -> None:
         """Count one offer of ``keys``."""
-        counts = self.counts
-        protected: set[OffloadKey] = set()
-        for key in keys:
-            if key in counts:
-                counts[key] += 1
-                counts.move_to_end(key)
-                protected.add(key)
-        unprotected = len(counts) - len(protected)
-        for key in keys:
-            if key in counts:
-                continue
-            if len(counts) >= self.max_tracker_size:
-                if unprotected == 0:
-                    continue
-                counts.popitem(last=False)
-                unprotected -= 1
-            counts[key] = 1
+        self.reuse.count_shielded(keys)
 
     def admit(self, candidates: Sequence[OffloadKey]) -> list[OffloadKey]:
         """The candidates offered at least ``store_threshold`` times, in order."""
-        counts, threshold = self.counts, self.store_threshold
-        return [key for key in candidates if counts.get(key, 0) >= threshold]
+        return self.reuse.at_least(candidates, self.store_threshold)

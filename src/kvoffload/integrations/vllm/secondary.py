@@ -136,7 +136,7 @@ _SPEC = _Spec()
 
 @dataclass(frozen=True)
 class _Sighting:
-    """A request's keys to show the admission layer (see ``AdmissionLayer.see_request``)."""
+    """A request's keys to announce to the admission layer (``AdmissionLayer.begin_request``)."""
 
     keys: list[OffloadKey]
     counted: int
@@ -202,9 +202,14 @@ class _Owner:
     def _sight(self, sighting: _Sighting) -> None:
         layer = self.layer
         if layer is not None and sighting.keys:
-            layer.see_request(sighting.keys, sighting.will_offer, sighting.counted)
-            if sighting.tier_hit:
-                layer.saw_tier_hit(sighting.keys)
+            layer.begin_request(
+                sighting.keys,
+                will_offer=sighting.will_offer,
+                counted=sighting.counted,
+                tier_hit=sighting.tier_hit,
+            )
+            if not sighting.will_offer:
+                layer.end_request(sighting.keys)
 
     def _store(
         self, sighting: _Sighting | None, keys: list[OffloadKey], payloads: list[memoryview]
@@ -223,6 +228,8 @@ class _Owner:
             output = layer.prepare_store(fresh)
             chosen = set() if output is None else set(output.keys_to_store)
             admitted = [key for key in fresh if key in chosen]
+        if layer is not None and sighting is not None and sighting.keys:
+            layer.end_request(sighting.keys)
         if not admitted:
             return _Stored(held, 0, 0, 0)
         chosen_payloads = dict(zip(keys, payloads, strict=True))
@@ -356,7 +363,9 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             raise
         self.counters = SecondaryCounters()
         self._reported = SecondaryCounters()
-        layer = admission_book(settings.admission, _SPEC, self.capacity_blocks)
+        layer = admission_book(
+            settings.admission, _SPEC, self.capacity_blocks, params=settings.admission_params
+        )
         self._owner = _Owner(tier, layer, self._KIND)
         self._lookups = _Lookups(self._owner, tier_type)
         self._jobs: dict[int, _Job] = {}

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvoffload.admission import available_admissions
+from kvoffload.admission import available_admissions, config_params
+from kvoffload.admission.registry import ParamPairs
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.policies import available_policies
 from kvoffload.tiers.url import parse_remote_url
@@ -22,7 +23,9 @@ from kvoffload.tiers.url import parse_remote_url
 VLLM_KEYS = frozenset({"type", "module_path", "backpressure"})
 """Keys vLLM's own tiering reads from a tier entry; accepted and left to it."""
 
-COMMON_KEYS = frozenset({"admission", "offer_hits", "io_threads", "enable_kv_events", "locality"})
+COMMON_KEYS = frozenset(
+    {"admission", "admission_params", "offer_hits", "io_threads", "enable_kv_events", "locality"}
+)
 DISK_KEYS = COMMON_KEYS | {"disk_dir", "disk_bytes", "eviction_policy", "fsync"}
 SHARED_KEYS = COMMON_KEYS | {"url", "remote_bytes"}
 
@@ -41,6 +44,8 @@ class SecondarySettings:
     target: str
     capacity_bytes: int
     admission: str = DEFAULT_ADMISSION
+    admission_params: ParamPairs = ()
+    """The admission rule's parameters (entry key ``admission_params``: name to value)."""
     offer_hits: bool = True
     eviction_policy: str = "lru"
     io_threads: int = 2
@@ -64,6 +69,7 @@ def parse_disk_settings(tier_type: str, entry: Mapping[str, Any]) -> SecondarySe
         target=_required_str(tier_type, entry, "disk_dir"),
         capacity_bytes=_int(tier_type, entry, "disk_bytes", 1, None),
         admission=_admission(tier_type, entry),
+        admission_params=_admission_params(tier_type, entry),
         offer_hits=_bool(tier_type, entry, "offer_hits", True),
         eviction_policy=str(policy),
         io_threads=_int(tier_type, entry, "io_threads", 1, 2),
@@ -91,6 +97,7 @@ def parse_shared_settings(tier_type: str, entry: Mapping[str, Any]) -> Secondary
             tier_type, entry, "remote_bytes", 1 if needs_bytes else 0, None if needs_bytes else 0
         ),
         admission=admission,
+        admission_params=_admission_params(tier_type, entry),
         offer_hits=_bool(tier_type, entry, "offer_hits", True),
         io_threads=_int(tier_type, entry, "io_threads", 1, 2),
         enable_kv_events=_bool(tier_type, entry, "enable_kv_events"),
@@ -118,6 +125,14 @@ def _admission(tier_type: str, entry: Mapping[str, Any]) -> str:
             f"known: {', '.join(available_admissions())}",
         )
     return str(name)
+
+
+def _admission_params(tier_type: str, entry: Mapping[str, Any]) -> ParamPairs:
+    return config_params(
+        _admission(tier_type, entry),
+        entry.get("admission_params"),
+        f"secondary tier {tier_type!r} key 'admission_params'",
+    )
 
 
 def _required_str(tier_type: str, entry: Mapping[str, Any], key: str) -> str:

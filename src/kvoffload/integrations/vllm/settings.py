@@ -12,7 +12,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvoffload.admission import available_admissions, check_write_budget, resolve_admission
+from kvoffload.admission import (
+    available_admissions,
+    check_write_budget,
+    config_params,
+    resolve_admission,
+)
+from kvoffload.admission.registry import ParamPairs
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.policies import available_policies
 from kvoffload.tiers.disk import DEFAULT_TIMEOUT_MS, check_timeout_ms
@@ -41,6 +47,9 @@ CONNECTOR_KEYS = frozenset(
 
 ADMISSION_KEY = f"{PREFIX}admission"
 """An admission layer by name (``kvoffload.admission`` registry); ``none`` stores everything."""
+
+ADMISSION_PARAMS_KEY = f"{PREFIX}admission_params"
+"""The admission rule's parameters: a mapping (or JSON text of one) of name to value."""
 
 REMOTE_URL_KEY = f"{PREFIX}remote_url"
 """The shared tier's address (``kvoffload.tiers`` URL syntax), checked by connecting at start-up."""
@@ -72,6 +81,7 @@ DISK_TIMEOUT_KEY = f"{PREFIX}disk_timeout_ms"
 OWN_KEYS = frozenset(
     {
         ADMISSION_KEY,
+        ADMISSION_PARAMS_KEY,
         REMOTE_URL_KEY,
         DISK_DIR_KEY,
         DISK_BYTES_KEY,
@@ -91,6 +101,7 @@ class SpecSettings:
     store_threshold: int = 0
     max_tracker_size: int = 64_000
     admission: str = "none"
+    admission_params: ParamPairs = ()
     remote_url: str | None = field(default=None, repr=False)  # may hold a password
     disk_dir: str | None = None
     disk_bytes: int = 0
@@ -129,6 +140,11 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
             f"kv_connector_extra_config {ADMISSION_KEY!r} {admission!r} is not a kvoffload "
             f"admission layer; known: {', '.join(available_admissions())}"
         )
+    params = config_params(
+        admission,
+        extra_config.get(ADMISSION_PARAMS_KEY),
+        f"kv_connector_extra_config {ADMISSION_PARAMS_KEY!r}",
+    )
     disk_dir = _str(extra_config, DISK_DIR_KEY)
     if (disk_dir is None) != (DISK_BYTES_KEY not in extra_config):
         raise InvalidArgumentError(
@@ -155,6 +171,7 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
         store_threshold=_int(extra_config, "store_threshold", 0, 0),
         max_tracker_size=_int(extra_config, "max_tracker_size", 1, 64_000),
         admission=admission,
+        admission_params=params,
         remote_url=remote_url,
         disk_dir=disk_dir,
         disk_bytes=_int(extra_config, DISK_BYTES_KEY, 1, 0) if disk_dir is not None else 0,

@@ -240,6 +240,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             self.num_blocks,
             settings.eviction_policy,
             admission=settings.admission,
+            admission_params=settings.admission_params,
             disk_dir=settings.disk_dir,
             disk_blocks=self.disk_blocks,
             disk_deadline_s=settings.disk_timeout_ms / 1000,

@@ -1,0 +1,108 @@
+"""Admission parameters: one frozen dataclass per rule, checked and parsed here only.
+
+Each field is declared with :func:`param` (default, bounds, one line of
+help); :func:`check_params` validates an instance (called from each
+dataclass's ``__post_init__``), and :func:`parse_params` builds one from a
+flat ``name -> value`` mapping whose values are strings (the CLI's
+``key=value``) or JSON numbers (vLLM's and SGLang's extra-config). Every
+error names the key, and an unknown key lists the valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from kvoffload.core.errors import InvalidArgumentError
+
+ParamValue = str | int | float
+"""A raw parameter value: text from the command line, or a JSON number."""
+
+P = TypeVar("P")
+
+
+def param(default: float, low: float, high: float = math.inf, help: str = "") -> Any:
+    """A parameter field: ``default`` (its type, int or float, is the field's), inclusive
+    bounds ``low``..``high``, and the one line shown by ``--help`` and the docs."""
+    return dataclasses.field(default=default, metadata={"low": low, "high": high, "help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class NoParams:
+    """The parameters of a rule that has none."""
+
+
+def check_params(params: object, rule: str) -> None:
+    """Raise :class:`InvalidArgumentError` naming the first field of ``params`` whose value
+    has the wrong type or lies outside its bounds."""
+    for field in dataclasses.fields(params):  # type: ignore[arg-type]
+        value = getattr(params, field.name)
+        low, high = field.metadata["low"], field.metadata["high"]
+        wants_int = isinstance(field.default, int)
+        kind = "an integer" if wants_int else "a number"
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int if wants_int else int | float)
+            or not math.isfinite(value)
+        ):
+            raise InvalidArgumentError(
+                f"admission parameter {field.name!r} of {rule!r} must be {kind}, got {value!r}"
+            )
+        if not low <= value <= high:
+            bounds = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
+            raise InvalidArgumentError(
+                f"admission parameter {field.name!r} of {rule!r} must be {bounds}, got {value!r}"
+            )
+
+
+def parse_params(cls: type[P], raw: Mapping[str, ParamValue], rule: str) -> P:
+    """``cls`` from ``raw``; absent keys keep their defaults."""
+    fields = {field.name: field for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    values: dict[str, int | float] = {}
+    for key, value in raw.items():
+        field = fields.get(key)
+        if field is None:
+            valid = ", ".join(sorted(fields)) or "none"
+            raise InvalidArgumentError(
+                f"unknown admission parameter {key!r} for {rule!r}; valid: {valid}"
+            )
+        values[key] = _convert(value, isinstance(field.default, int), key, rule)
+    return cls(**values)
+
+
+def param_help(cls: type[Any]) -> dict[str, str]:
+    """``name -> "help (default D)"`` of each parameter of ``cls``."""
+    return {
+        field.name: f"{field.metadata['help']} (default {field.default})"
+        for field in dataclasses.fields(cls)
+    }
+
+
+def parse_pairs(pairs: list[str] | tuple[str, ...], what: str) -> dict[str, str]:
+    """``["key=value", ...]`` as a mapping (a later key wins); ``what`` names the option."""
+    parsed: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise InvalidArgumentError(f"{what} takes key=value, got {pair!r}")
+        parsed[key.strip()] = value.strip()
+    return parsed
+
+
+def _convert(value: object, wants_int: bool, key: str, rule: str) -> int | float:
+    kind = "an integer" if wants_int else "a number"
+    if isinstance(value, str):
+        try:
+            return int(value) if wants_int else float(value)
+        except ValueError:
+            pass
+    elif not isinstance(value, bool) and isinstance(value, int | float):
+        if not wants_int:
+            return float(value)
+        if isinstance(value, int):
+            return value
+    raise InvalidArgumentError(
+        f"admission parameter {key!r} of {rule!r} must be {kind}, got {value!r}"
+    )

@@ -1,0 +1,98 @@
+"""One bounded reuse counter: how often each recent key was seen, in at most ``max_keys`` keys.
+
+It is the table behind every "seen N times" rule: the seed filter (counts
+lookups), vLLM's offer filter (counts store offers) and the tiered
+manager's lower-tier threshold (counts lookups). An LRU table ordered by
+last count: a plain dict while it fills (moving a key to the end of a dict
+is cheaper than of an ``OrderedDict``, but a dict cannot drop its oldest key
+cheaply), an ``OrderedDict`` from the first count that could overflow it, in
+the same order; the counts are the same either way.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.keys import OffloadKey
+
+
+class ReuseCounts:
+    """Counts of at most ``max_keys`` keys; the least recently counted key leaves first."""
+
+    def __init__(self, max_keys: int) -> None:
+        if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1:
+            raise InvalidArgumentError(f"max tracked keys must be an int >= 1, got {max_keys!r}")
+        self.max_keys = max_keys
+        self.counts: dict[OffloadKey, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    def get(self, key: OffloadKey) -> int:
+        return self.counts.get(key, 0)
+
+    def at_least(self, keys: Sequence[OffloadKey], threshold: int) -> list[OffloadKey]:
+        """The ``keys`` counted at least ``threshold`` times, in order."""
+        get = self.counts.get
+        return [key for key in keys if get(key, 0) >= threshold]
+
+    def count(self, keys: Sequence[OffloadKey]) -> None:
+        """Count each of ``keys`` once more, in order (a repeated key twice); a new key
+        pushes out the least recently counted one when the table is full."""
+        counts = self.counts
+        if not isinstance(counts, OrderedDict):
+            if len(keys) <= self.max_keys - len(counts):
+                # Filling: no key can leave. Popped and reinserted at the end, each key
+                # keeps a plain dict's insertion order equal to the recency order.
+                pop = counts.pop
+                for key in keys:
+                    counts[key] = pop(key, 0) + 1
+                return
+            counts = self._ordered()
+        get = counts.get
+        move_to_end = counts.move_to_end
+        # Free places in the table: only a new key changes its size, so no len() per key.
+        room = self.max_keys - len(counts)
+        # One probe to read the count; hash probes, not bytecodes, are the cost here.
+        for key in keys:
+            seen = get(key)
+            if seen is not None:
+                counts[key] = seen + 1
+                move_to_end(key)
+            else:
+                if room > 0:
+                    room -= 1
+                else:
+                    counts.popitem(False)
+                counts[key] = 1
+
+    def count_shielded(self, keys: Sequence[OffloadKey]) -> None:
+        """Count ``keys`` once each, tracked keys first: a key already tracked is shielded
+        from being pushed out by the batch's new keys, so a batch larger than the table
+        still counts something (vLLM's offer filter)."""
+        counts = self._ordered()
+        shielded: set[OffloadKey] = set()
+        for key in keys:
+            if key in counts:
+                counts[key] += 1
+                counts.move_to_end(key)
+                shielded.add(key)
+        unshielded = len(counts) - len(shielded)
+        for key in keys:
+            if key in counts:
+                continue
+            if len(counts) >= self.max_keys:
+                if unshielded == 0:
+                    continue
+                counts.popitem(last=False)
+                unshielded -= 1
+            counts[key] = 1
+
+    def _ordered(self) -> OrderedDict[OffloadKey, int]:
+        """The table as an ``OrderedDict`` (converted once, same order)."""
+        counts = self.counts
+        if not isinstance(counts, OrderedDict):
+            counts = self.counts = OrderedDict(counts)
+        return counts

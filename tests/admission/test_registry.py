@@ -1,0 +1,222 @@
+"""The admission registry and its parameters: names, aliases, registration, parsing, checks."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from kvoffload import InvalidArgumentError, block_id_key
+from kvoffload.admission import (
+    AdmissionLayer,
+    AdmissionStats,
+    FeedbackAdmission,
+    FeedbackParams,
+    FilterReusedOffloadingManager,
+    OptimisingAdmission,
+    SketchAdmission,
+    admission_params,
+    available_admissions,
+    config_params,
+    param,
+    params_class,
+    register_admission,
+    registry,
+    resolve_admission,
+    wrap_with_admission,
+)
+from kvoffload.admission.controller import GROUP_STRENGTH, PRIOR_OUTCOMES, PRIOR_RETURNS
+from kvoffload.admission.feedback import DEFAULT_THRESHOLD, MIN_SAMPLE, ROOT_GROUPS, SAMPLE_FACTOR
+from kvoffload.admission.optimiser import FILTER_THRESHOLD, FILTER_TRACKER, HIT_TOLERANCE
+from kvoffload.admission.params import check_params, parse_pairs
+from kvoffload.core.keys import OffloadKey
+from kvoffload.managers import CPUOffloadingManager, build_manager
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Rules a test registers leave with the test."""
+    monkeypatch.setattr(registry, "_RULES", dict(registry._rules()))
+    yield
+
+
+@dataclasses.dataclass(frozen=True)
+class EveryNthParams:
+    every: int = param(2, 1, help="store every n-th offered block")
+
+    def __post_init__(self) -> None:
+        check_params(self, "every-nth")
+
+
+class EveryNth(AdmissionLayer):
+    """A rule written the way docs/admission.md says: one class, one decorator."""
+
+    def __init__(self, backing, capacity, params: EveryNthParams | None = None) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(backing, capacity)
+        self.params = params or EveryNthParams()
+        self.sightings = 0
+
+    def _sighting(self, keys: Sequence[OffloadKey]) -> None:
+        self.sightings += 1
+
+    def _admit(self, offered: Sequence[OffloadKey], prefix: int) -> list[OffloadKey]:
+        return list(offered[:: self.params.every])
+
+    def stats(self) -> AdmissionStats:
+        return AdmissionStats(self.offers, self.admitted, self.offers - self.admitted, 0, 0.0, 0, 0)
+
+
+def test_names_and_aliases_resolve_and_an_unknown_name_lists_the_known_ones() -> None:
+    assert resolve_admission("recommended") == "optimiser"
+    assert resolve_admission("reuse") == "filter"
+    assert {"none", "feedback", "filter", "optimiser", "sketch"} <= set(available_admissions())
+    with pytest.raises(InvalidArgumentError) as error:
+        resolve_admission("tinylfu")
+    assert all(name in str(error.value) for name in available_admissions())
+
+
+def test_every_name_builds_its_class() -> None:
+    built = {
+        name: type(wrap_with_admission(name, CPUOffloadingManager(8), 8))
+        for name in ("feedback", "filter", "optimiser", "reuse", "sketch", "recommended")
+    }
+    assert built == {
+        "feedback": FeedbackAdmission,
+        "filter": FilterReusedOffloadingManager,
+        "optimiser": OptimisingAdmission,
+        "reuse": FilterReusedOffloadingManager,
+        "sketch": SketchAdmission,
+        "recommended": OptimisingAdmission,
+    }
+
+
+def test_a_second_class_under_a_taken_name_is_refused(scratch_registry: None) -> None:
+    for taken in ("feedback", "none", "recommended"):
+        with pytest.raises(InvalidArgumentError, match="already registered"):
+            register_admission(taken)(EveryNth)
+    assert register_admission("feedback")(FeedbackAdmission) is FeedbackAdmission  # re-import
+
+
+def test_a_new_rule_is_one_decorator_and_takes_its_parameters(scratch_registry: None) -> None:
+    register_admission("every-nth", params=EveryNthParams)(EveryNth)
+    assert "every-nth" in available_admissions()
+    layer = wrap_with_admission("every-nth", CPUOffloadingManager(8), 8, params={"every": "3"})
+    assert isinstance(layer, EveryNth) and layer.params.every == 3
+    keys = [block_id_key(i) for i in range(7)]
+    layer.begin_request(keys, lookup_follows=True)
+    output = layer.prepare_store(keys)
+    assert output is not None and output.keys_to_store == keys[::3]
+    assert layer.sightings == 1
+    with pytest.raises(InvalidArgumentError, match="'every' of 'every-nth' must be >= 1"):
+        wrap_with_admission("every-nth", CPUOffloadingManager(8), 8, params={"every": 0})
+
+
+def test_the_defaults_are_the_constants_the_figures_were_measured_with() -> None:
+    assert FeedbackParams() == FeedbackParams(
+        DEFAULT_THRESHOLD,
+        ROOT_GROUPS,
+        SAMPLE_FACTOR,
+        MIN_SAMPLE,
+        PRIOR_RETURNS,
+        PRIOR_OUTCOMES,
+        GROUP_STRENGTH,
+    )
+    optimiser = admission_params("recommended")
+    assert (optimiser.hit_tolerance, optimiser.filter_threshold, optimiser.filter_tracker) == (
+        HIT_TOLERANCE,
+        FILTER_THRESHOLD,
+        FILTER_TRACKER,
+    )
+    assert dataclasses.asdict(admission_params("filter")) == {
+        "store_threshold": 2,
+        "max_tracker_size": 64_000,
+    }
+
+
+def test_parameters_reach_the_layer() -> None:
+    feedback = wrap_with_admission(
+        "feedback",
+        CPUOffloadingManager(8),
+        8,
+        params={"threshold": "0.25", "root_groups": 4, "min_sample": "16", "sample_factor": 2},
+    )
+    assert isinstance(feedback, FeedbackAdmission)
+    controller = feedback.controller
+    assert (controller.threshold, controller.groups) == (0.25, 4)
+    assert (
+        feedback.sketch.sample_size
+        == FeedbackAdmission(
+            CPUOffloadingManager(8), 8, FeedbackParams(min_sample=16, sample_factor=2)
+        ).sketch.sample_size
+    )
+    assert (
+        feedback.sketch.sample_size
+        != FeedbackAdmission(CPUOffloadingManager(8), 8).sketch.sample_size
+    )
+    sketch = wrap_with_admission("sketch", CPUOffloadingManager(8), 8, params={"threshold": 3})
+    assert isinstance(sketch, SketchAdmission) and sketch.threshold == 3
+    optimiser = wrap_with_admission(
+        "recommended",
+        CPUOffloadingManager(8),
+        8,
+        params={"hit_tolerance": 0.01, "filter_threshold": "3", "filter_tracker": "100"},
+    )
+    assert isinstance(optimiser, OptimisingAdmission)
+    assert optimiser.objective.hit_tolerance == 0.01
+    assert (optimiser.filter.store_threshold, optimiser.filter.max_tracker_size) == (3, 100)
+    seed = build_manager(
+        8, admission="reuse", admission_params={"store_threshold": 3, "max_tracker_size": 5}
+    )
+    assert isinstance(seed, FilterReusedOffloadingManager)
+    assert (seed.store_threshold, seed.max_tracker_size) == (3, 5)
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "message"),
+    [
+        ("feedback", {"thresold": "0.3"}, "unknown admission parameter 'thresold'.*valid: "),
+        ("feedback", {"threshold": "1.5"}, r"'threshold' of 'feedback' must be in \[0.0, 1.0\]"),
+        ("feedback", {"root_groups": "2.5"}, "'root_groups' of 'feedback' must be an integer"),
+        ("feedback", {"root_groups": True}, "'root_groups' of 'feedback' must be an integer"),
+        ("feedback", {"prior_returns": "nan"}, "'prior_returns' of 'feedback' must be a number"),
+        ("sketch", {"threshold": "x"}, "'threshold' of 'sketch' must be an integer"),
+        ("filter", {"store_threshold": 1}, "'store_threshold' of 'filter' must be >= 2"),
+        ("optimiser", {"switch_margin": -1}, "'switch_margin' of 'optimiser' must be in"),
+        ("none", {"threshold": "2"}, "'none' takes no parameters"),
+    ],
+)
+def test_a_bad_parameter_is_one_error_naming_the_key(
+    name: str, raw: dict[str, object], message: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        admission_params(name, raw)  # type: ignore[arg-type]
+
+
+def test_an_unknown_key_lists_every_valid_one() -> None:
+    with pytest.raises(InvalidArgumentError) as error:
+        admission_params("optimiser", {"tolerance": 0.1})
+    fields = [field.name for field in dataclasses.fields(params_class("optimiser"))]
+    assert all(field in str(error.value) for field in fields)
+
+
+def test_every_rules_parameters_accept_their_defaults_as_text() -> None:
+    for name in available_admissions():
+        cls = params_class(name)
+        defaults = dataclasses.asdict(cls())
+        assert admission_params(name, {k: str(v) for k, v in defaults.items()}) == cls()
+
+
+def test_key_value_pairs_and_extra_config_values() -> None:
+    assert parse_pairs(["a=1", " b = x ", "a=2"], "--admission-param") == {"a": "2", "b": "x"}
+    with pytest.raises(InvalidArgumentError, match="--admission-param takes key=value"):
+        parse_pairs(["threshold"], "--admission-param")
+    assert config_params("sketch", '{"threshold": 3}', "where") == (("threshold", 3),)
+    assert config_params("sketch", {"threshold": "3"}, "where") == (("threshold", "3"),)
+    assert config_params("sketch", None, "where") == ()
+    with pytest.raises(InvalidArgumentError, match=r"^where must be a JSON object"):
+        config_params("sketch", "{threshold", "where")
+    with pytest.raises(InvalidArgumentError, match=r"^where must be a mapping"):
+        config_params("sketch", [1], "where")
+    with pytest.raises(InvalidArgumentError, match=r"^where: unknown admission parameter 'x'"):
+        config_params("sketch", {"x": 1}, "where")

@@ -1,0 +1,82 @@
+"""The one bounded reuse counter against plain models of its two counting rules."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import hypothesis.strategies as st
+from hypothesis import given, settings
+
+from kvoffload import block_id_key
+from kvoffload.admission.reuse_counts import ReuseCounts
+from kvoffload.core.keys import OffloadKey
+
+KEYS = [block_id_key(i) for i in range(8)]
+BATCHES = st.lists(
+    st.tuples(st.booleans(), st.lists(st.sampled_from(KEYS), max_size=7)), max_size=12
+)
+
+
+def lru_model(model: list[list[object]], keys: list[OffloadKey], size: int) -> None:
+    """The seed filter's rule, key by key: count, make most recent, drop the oldest."""
+    for key in keys:
+        entry = next((e for e in model if e[0] == key), None)
+        if entry is None:
+            if len(model) >= size:
+                model.pop(0)
+            model.append([key, 1])
+        else:
+            model.remove(entry)
+            entry[1] += 1  # type: ignore[operator]
+            model.append(entry)
+
+
+def shielded_model(model: list[list[object]], keys: list[OffloadKey], size: int) -> None:
+    """vLLM's offer rule: tracked keys first, then new keys, never pushing out a key the
+    batch counted (tracked or new)."""
+    tracked = {e[0] for e in model}
+    counted: list[OffloadKey] = []
+    for key in keys:
+        if key in tracked:
+            entry = next(e for e in model if e[0] == key)
+            model.remove(entry)
+            entry[1] += 1  # type: ignore[operator]
+            model.append(entry)
+            counted.append(key)
+    for key in keys:
+        if any(e[0] == key for e in model):
+            continue
+        if len(model) >= size:
+            victim = next((e for e in model if e[0] not in counted), None)
+            if victim is None:
+                continue
+            model.remove(victim)
+        model.append([key, 1])
+        counted.append(key)
+
+
+@settings(max_examples=200, deadline=None)
+@given(size=st.integers(1, 6), batches=BATCHES)
+def test_both_rules_match_their_models_in_counts_and_order(
+    size: int, batches: list[tuple[bool, list[OffloadKey]]]
+) -> None:
+    counter, model = ReuseCounts(size), []  # type: ignore[var-annotated]
+    for shielded, keys in batches:
+        if shielded:
+            counter.count_shielded(keys)
+            shielded_model(model, keys, size)
+        else:
+            counter.count(keys)
+            lru_model(model, keys, size)
+        assert list(counter.counts.items()) == [(key, count) for key, count in model]
+        assert len(counter) <= size
+        assert counter.at_least(KEYS, 2) == [k for k in KEYS if counter.get(k) >= 2]
+
+
+def test_the_table_turns_ordered_only_when_it_could_overflow() -> None:
+    counter = ReuseCounts(3)
+    counter.count(KEYS[:3])
+    assert not isinstance(counter.counts, OrderedDict)
+    counter.count(KEYS[3:4])
+    assert isinstance(counter.counts, OrderedDict)
+    assert list(counter.counts) == KEYS[1:4]

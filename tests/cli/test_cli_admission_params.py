@@ -1,0 +1,56 @@
+"""``--admission-param key=value`` in ``simulate``: it reaches the rule, and a bad one is an
+error naming the key before any work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvoffload.cli.main import main
+
+SMALL = ["simulate", "--requests", "120", "--seed", "3", "--no-progress", "--no-bound"]
+TIER = ["--gpu-blocks", "1500", "--cpu-blocks", "3000", "--admission", "sketch", "--json", "-"]
+
+
+def _admitted(capsys: pytest.CaptureFixture[str], *params: str) -> int:
+    assert main([*SMALL, *TIER, *[f"--admission-param={p}" for p in params]]) == 0
+    return int(json.loads(capsys.readouterr().out)["admission_admitted"])
+
+
+def test_a_parameter_reaches_the_rule(capsys: pytest.CaptureFixture[str]) -> None:
+    default = _admitted(capsys)
+    assert _admitted(capsys, "threshold=2") == default  # the default, given explicitly
+    assert _admitted(capsys, "threshold=1") > default  # stores on first sight
+    assert _admitted(capsys, "threshold=1", "threshold=3") < default  # the last one wins
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (["thresold=2"], "--admission-param: unknown admission parameter 'thresold' for 'sketch'"),
+        (["threshold=0"], "'threshold' of 'sketch' must be in [1, 15]"),
+        (["threshold"], "--admission-param takes key=value, got 'threshold'"),
+    ],
+)
+def test_a_bad_parameter_stops_before_the_run(
+    capsys: pytest.CaptureFixture[str], params: list[str], message: str
+) -> None:
+    assert main([*SMALL, *TIER, *[f"--admission-param={p}" for p in params]]) != 0
+    captured = capsys.readouterr()
+    assert message in captured.err and "Traceback" not in captured.err
+    assert captured.out == ""
+
+
+def test_the_seed_filter_by_name_is_the_store_threshold(capsys: pytest.CaptureFixture[str]) -> None:
+    small = [*SMALL, "--gpu-blocks", "1500", "--cpu-blocks", "3000"]
+    assert main([*small, "--admission", "reuse", "--admission-param", "store_threshold=3"]) == 0
+    table = capsys.readouterr().out
+    assert "admission filter" in table and "offers admitted" not in table
+    skipped = [line for line in table.splitlines() if line.startswith("skipped by admission")]
+    assert main([*small, "--store-threshold", "3"]) == 0
+    assert skipped == [
+        line
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("skipped by admission")
+    ]
