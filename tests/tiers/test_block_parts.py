@@ -3,6 +3,7 @@ part by part, read back into parts, checksummed over all of them, on disk and re
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +24,16 @@ from kvoffload.tiers.format import (
 )
 from tier_servers import ValkeyProcess
 
-SPLIT = [JOIN_BELOW + 7, 100, 2 * JOIN_BELOW]
-"""Part sizes of a written block: a large part, a small one (joined), a large one."""
+SPLIT = [JOIN_BELOW + 7, 2 * JOIN_BELOW, 100, 3 * JOIN_BELOW]
+"""Part sizes of a written block: two large parts (one ``sendmsg``), a small one (joined with
+the bytes around it), a large one."""
 SIZE = sum(SPLIT)
 FP = layout_fingerprint("block-parts", layout_preset("tiny"), SIZE)
 KEYS = [block_id_key(i, 31) for i in range(4)]
 
 
 def parts_of(i: int, split: list[int] = SPLIT) -> list[memoryview]:
-    whole = bytes((i * 7 + j) % 253 for j in range(sum(split)))
+    whole = random.Random(i).randbytes(sum(split))
     out, at = [], 0
     for size in split:
         out.append(memoryview(bytearray(whole[at : at + size])))
@@ -54,8 +56,9 @@ def test_a_payload_in_parts_is_the_same_block_as_its_bytes_joined() -> None:
     assert encode_header(KEYS[0], FP, parts) == encode_header(KEYS[0], FP, whole)
     assert encode_block(KEYS[0], FP, parts) == encode_block(KEYS[0], FP, whole)
     pieces = list(pack_sets([BlockWrite(b"n", KEYS[0], parts)], FP))
-    assert any(piece is parts[0] for piece in pieces) and any(piece is parts[2] for piece in pieces)
-    assert not any(piece is parts[1] for piece in pieces)  # a small part is joined
+    assert pieces[1] == (parts[0], parts[1]) and pieces[3] is parts[3]
+    assert all(p is not parts[2] for p in pieces) and bytes(parts[2]) in pieces[2]
+    pieces = [joined(list(p)) if isinstance(p, tuple) else bytes(p) for p in pieces]
     assert b"".join(pieces).endswith(whole + b"\r\n")
 
 
@@ -110,6 +113,24 @@ def test_valkey_tier_writes_parts_and_reads_into_parts(
         again = into_parts(read_split, 3)
         assert tier.read(KEYS[:3], again.__getitem__).result(timeout=10) == [True, False, True]
         assert tier.stats.corrupt == 1 and client.exists(name) == 0  # deleted, never loaded
+    finally:
+        tier.delete_all()
+        tier.close()
+
+
+def test_more_large_parts_than_one_sendmsg_takes(valkey_server: ValkeyProcess) -> None:
+    """A value of 700 large parts goes out in several ``sendmsg`` calls, each picking up
+    where the kernel stopped (partial sends included)."""
+    split = [JOIN_BELOW] * 700
+    fp = layout_fingerprint("block-parts", layout_preset("tiny"), sum(split))
+    tier = RemoteTier(valkey_server.url, fp)
+    try:
+        written = [parts_of(i, split) for i in range(2)]
+        tier.write(KEYS[:2], written)
+        tier.poll(wait=True)
+        targets = into_parts([sum(split)], 2)
+        assert tier.read(KEYS[:2], targets.__getitem__).result(timeout=30) == [True, True]
+        assert [joined(t) for t in targets] == [joined(p) for p in written]
     finally:
         tier.delete_all()
         tier.close()

@@ -37,7 +37,11 @@ DIRECT_BELOW = 64 * 1024
 
 DIRECT_PIECE = 256 * 1024
 """Most bytes one ``recv_into`` takes: each piece is checksummed while it is in cache."""
-Piece = bytes | bytearray | memoryview
+Piece = bytes | bytearray | memoryview | tuple[bytes | bytearray | memoryview, ...]
+"""Bytes to send; a tuple of buffers goes out with scatter-gather ``sendmsg`` (the parts of
+one value, :mod:`.block_sets`), one system call for many buffers."""
+SENDMSG_BUFFERS = 512
+"""Buffers per ``sendmsg`` call, under the kernel's IOV_MAX (1024)."""
 
 
 class Digest(Protocol):
@@ -213,6 +217,9 @@ class Connection:
         """Send every piece in order, all before ``deadline``."""
         sock = self.sock
         for piece in pieces:
+            if isinstance(piece, tuple):
+                self._send_parts(piece, deadline)
+                continue
             if not self._tls:
                 sock.settimeout(deadline.left())
                 sock.sendall(piece)  # the timeout bounds the whole sendall
@@ -222,6 +229,27 @@ class Connection:
                 sock.settimeout(deadline.left())
                 sent = sock.send(view)
                 view = view[sent:]
+
+    def _send_parts(
+        self, parts: tuple[bytes | bytearray | memoryview, ...], deadline: Deadline
+    ) -> None:
+        """Send ``parts`` in order: ``sendmsg`` over as many as it takes at once (TLS sockets
+        have none: one send each)."""
+        if self._tls:
+            self.send(parts, deadline)
+            return
+        views = [view for view in (memoryview(part).cast("B") for part in parts) if view.nbytes]
+        first = 0
+        while first < len(views):
+            self.sock.settimeout(deadline.left())
+            sent = self.sock.sendmsg(views[first : first + SENDMSG_BUFFERS])
+            while sent and first < len(views):
+                size = views[first].nbytes
+                if sent < size:
+                    views[first] = views[first][sent:]
+                    break
+                sent -= size
+                first += 1
 
     def _fill(self, deadline: Deadline, most: int = CHUNK) -> None:
         """Receive up to ``most`` more bytes into the buffer (moving what is unread to its
