@@ -262,3 +262,19 @@ def test_stats_of_the_recommended_admission_reach_get_stats(backends: Any, tmp_p
     admission = backend.get_stats().kvoffload["disk"]["admission"]
     assert admission["offers"] == 4.0
     assert all(isinstance(value, float) for value in admission.values())
+
+
+def test_a_hybrid_models_extra_host_pool_stops_the_attach_naming_it(
+    backends: Any, sglang: dict[str, Any], tmp_path: Path
+) -> None:
+    """SGLang 0.5.23's hybrid controller registers each host pool through
+    ``register_mem_host_pool_v2`` and then calls ``batch_*_v2`` for the non-KV ones; the KV
+    pool is accepted, any other stops the attach with one line naming it."""
+    names = sglang["sglang.srt.mem_cache.hicache_storage"].PoolName
+    pool = HostPool()
+    backend = backends({"interface_v1": 1, **disk(tmp_path)}, pool, model="hybrid")
+    backend.register_mem_host_pool_v2(pool, names.KV)
+    assert backend.registered_pools == {names.KV: pool}
+    with pytest.raises(InvalidArgumentError, match="host pool 'mamba', which needs SGLang's batch"):
+        backend.register_mem_host_pool_v2(HostPool(mla=True), names.MAMBA)
+    round_trip_v1(backend, pool, KEYS[:2], seed=4)  # the KV pages still work

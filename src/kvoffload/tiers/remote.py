@@ -523,8 +523,10 @@ class RemoteTier:
             header = None
         digest = payload_hasher()
         # A bad block's bytes land in a slot nobody loads.
-        for part in view:
-            connection.read_into(part, deadline, digest)
+        if len(view) == 1:
+            connection.read_into(view[0], deadline, digest)
+        else:
+            connection.read_parts_into(view, deadline, digest)
         connection.end_of_value(deadline, large)
         if header is None or header.payload_bytes != sum(part.nbytes for part in view):
             return _CORRUPT

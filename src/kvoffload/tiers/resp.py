@@ -19,7 +19,7 @@ import select
 import socket
 import ssl
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -310,6 +310,51 @@ class Connection:
             if digest is not None:
                 digest.update(destination[done : done + got])
             done += got
+
+    def read_parts_into(
+        self, parts: Sequence[memoryview], deadline: Deadline, digest: Digest | None = None
+    ) -> None:
+        """Fill ``parts`` (bytes) in order from the stream, as :meth:`read_into` fills one:
+        buffered bytes first, then one ``recvmsg_into`` across as many parts as make
+        :data:`DIRECT_PIECE` bytes (TLS sockets have none: :meth:`read_into` each)."""
+        views = [part for part in parts if part.nbytes]
+        k = at = 0
+        while k < len(views) and self._start < self._end:
+            view = views[k]
+            n = min(view.nbytes - at, self._end - self._start)
+            view[at : at + n] = self._view[self._start : self._start + n]
+            self._start += n
+            if digest is not None:
+                digest.update(view[at : at + n])
+            at += n
+            if at == view.nbytes:
+                k, at = k + 1, 0
+        while k < len(views):
+            if self._tls:
+                self.read_into(views[k][at:], deadline, digest)
+                k, at = k + 1, 0
+                continue
+            batch: list[memoryview] = []
+            room = DIRECT_PIECE
+            for view in views[k : k + SENDMSG_BUFFERS]:
+                piece = view[at : at + room] if not batch else view[:room]
+                batch.append(piece)
+                room -= piece.nbytes
+                if room <= 0:
+                    break
+            self.sock.settimeout(deadline.left())
+            got = self.sock.recvmsg_into(batch)[0]
+            if not got:
+                raise ConnectionError("the server closed the connection")
+            while got:
+                view = views[k]
+                n = min(view.nbytes - at, got)
+                if digest is not None:
+                    digest.update(view[at : at + n])
+                at += n
+                got -= n
+                if at == view.nbytes:
+                    k, at = k + 1, 0
 
     def skip(self, size: int, deadline: Deadline) -> None:
         """Read and drop ``size`` bytes."""

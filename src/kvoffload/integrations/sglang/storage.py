@@ -147,6 +147,21 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             self._close_parts()
             raise
 
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """SGLang's hybrid-model controller registers every host pool of the model here; the
+        KV pool (the one :meth:`register_mem_pool_host` got) is ours, any other (Mamba, SWA,
+        indexer states) would need the ``batch_*_v2`` interface, which this backend does not
+        implement: the attach stops, naming the pool, rather than failing mid-request."""
+        if host_pool is getattr(self, "mem_pool_host", None):
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
+            return
+        name = getattr(host_pool_name, "value", host_pool_name)
+        raise InvalidArgumentError(
+            f"kvoffload's HiCache backend stores the KV pool's pages only; this model also has "
+            f"the host pool {name!r}, which needs SGLang's batch_*_v2 interface (hybrid models: "
+            "Mamba, SWA, indexer pools), not implemented: use another L3 backend for this model"
+        )
+
     # Look-ups (both interfaces), then the zero-copy interface ("interface_v1": 1).
 
     def batch_exists(
