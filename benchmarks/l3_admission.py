@@ -174,7 +174,7 @@ def run_row(name: str, share: float, host_share: float) -> dict[str, Any]:
     return row
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot(rows: list[dict[str, Any]], path: Path, host_share: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -196,7 +196,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     for ax in axes:
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
         ax.legend()
-    fig.suptitle("Admission into SGLang's L3 (GPU 2%, host 5% of unique blocks; LRU)")
+    fig.suptitle(
+        f"Admission into SGLang's L3 (GPU {GPU_SHARE:.0%}, host {host_share:.0%} of unique "
+        "blocks; LRU)"
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -237,7 +240,7 @@ def main() -> int:
             f"| {cells[0]} | {cells[1]} | {r['writes ratio']:.2f}x | {r['hit kept']:+.3f} |"
         )
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, args.plot, args.host_share)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return 0
