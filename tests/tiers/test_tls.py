@@ -403,3 +403,22 @@ def test_bench_tiers_measures_the_tls_tier_beside_a_raw_tls_socket(
     results = measure_tiers(4, 0.05, 1, str(tmp_path), tls_server.url(ssl_ca_certs=certs.ca))
     assert results["remote_plain_read_gbps"] > 0 and results["remote_load_gbps"] > 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_value_in_parts_round_trips_over_tls(tls_server: TLSServer, certs: Certs) -> None:
+    """TLS sockets have no ``sendmsg``/``recvmsg_into``: parts go out and in one by one."""
+    tier = RemoteTier(tls_server.url(ssl_ca_certs=certs.ca), fingerprint("tls-parts"))
+    split = [70_000, 5, 80_000, 90_000]
+    try:
+        payloads = [
+            [bytes([i, j]) * (size // 2) + bytes(size % 2) for j, size in enumerate(split)]
+            for i in range(2)
+        ]
+        tier.write(KEYS[:2], payloads)
+        tier.poll(wait=True)
+        targets = [[memoryview(bytearray(s)) for s in (1, sum(split) - 2, 1)] for _ in range(2)]
+        assert tier.read(KEYS[:2], targets.__getitem__).result(timeout=10) == [True, True]
+        assert [b"".join(map(bytes, t)) for t in targets] == [b"".join(p) for p in payloads]
+    finally:
+        tier.delete_all()
+        tier.close()

@@ -60,6 +60,15 @@ def register(commands: Any) -> argparse.ArgumentParser:
         help="the disk tier syncs each batch, the plain file once written (power-loss safety)",
     )
     tier_options.add_disk_timeout_argument(tiers)
+    tiers.add_argument(
+        "--sglang",
+        nargs="?",
+        const="v1,copy",
+        metavar="INTERFACES",
+        help="instead, pages through the SGLang HiCache backend (v1, copy or both, the default) "
+        "against the same tier's plain path, for MHA page_first/layer_first and MLA; "
+        "--blocks pages of about --block-mib each",
+    )
     tiers.add_argument("--json", metavar="PATH", help="write the results as JSON (- stdout)")
     tiers.set_defaults(run=run_tiers)
     return transfer
@@ -109,6 +118,8 @@ def run_tiers(args: argparse.Namespace) -> int:
     from kvoffload.tiers.bench import measure_tiers
     from kvoffload.tiers.disk import DEFAULT_TIMEOUT_MS
 
+    if args.sglang is not None:
+        return _run_sglang(args)
     with _sigterm_as_interrupt():
         results = measure_tiers(
             args.blocks,
@@ -123,6 +134,30 @@ def run_tiers(args: argparse.Namespace) -> int:
         output.write_json(args.json, results)
     if args.json != "-":
         print(tier_table(results))
+    return 0
+
+
+def _run_sglang(args: argparse.Namespace) -> int:
+    """``bench tiers --sglang``: needs torch and SGLang's storage modules, imported only here."""
+    if args.fsync:
+        raise KVOffloadError(
+            "bench tiers: --fsync is for the plain tier benchmark; --sglang measures the "
+            "backend's disk tier as SGLang runs it (no --fsync)"
+        )
+    try:
+        from kvoffload.integrations.sglang.bench import measure_sglang, parse_interfaces, table_rows
+    except ImportError as exc:
+        raise KVOffloadError(f"bench tiers --sglang needs {exc.name}; see docs/sglang.md") from None
+    interfaces = parse_interfaces(args.sglang)
+    with _sigterm_as_interrupt():
+        results = measure_sglang(
+            args.blocks, args.block_mib, args.rounds, args.dir, args.remote, interfaces
+        )
+    if args.json:
+        output.write_json(args.json, results)
+    if args.json != "-":
+        headers, rows, note = table_rows(results)
+        print(output.column_table(headers, rows) + "\n" + note)
     return 0
 
 

@@ -28,7 +28,7 @@ from kvoffload.core.tier_protocol import Target, TierStats
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.policies import CachePolicy
 from kvoffload.tiers.breaker import CircuitBreaker
-from kvoffload.tiers.format import FINGERPRINT_BYTES
+from kvoffload.tiers.format import FINGERPRINT_BYTES, payload_size
 from kvoffload.tiers.slot_file import (
     DEFAULT_DEADLINE_S,
     FileLayer,
@@ -214,7 +214,7 @@ class DiskTier:
         new = [key for key in offered if not index.holds(key)]
         if not new:
             return
-        self._file.fix_layout(len(offered[new[0]]))
+        self._file.fix_layout(payload_size(offered[new[0]]))
         output = index.prepare_store(offered)
         if output is None:
             fit = index.num_free_blocks + index.num_evictable_blocks(offered)

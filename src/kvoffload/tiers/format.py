@@ -8,6 +8,11 @@ where CRC32 runs at 4 and the position-weighted 64-bit sums of format
 version 1 at 8: the checksum is on every store and load, and at those rates
 it would cost a tier a third of its speed. The payload is never copied to be
 checked. Nothing is pickled.
+
+A payload may come as several buffers (:data:`Parts`: an SGLang MHA page is
+its K and V segments, one pair per layer in ``layer_first``): its bytes are
+the parts one after the other, its digest runs over them in order, and no
+tier ever joins them; the stored block is the same as for the joined bytes.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import zlib
+from collections.abc import Sequence
 
 import xxhash
 
@@ -24,6 +30,12 @@ from kvoffload.core.layout import KVLayout
 MAGIC = b"KVOB"
 FORMAT_VERSION = 2
 FINGERPRINT_BYTES = 16
+
+Buffer = bytes | bytearray | memoryview
+Parts = Sequence[Buffer]
+"""One payload in several buffers, in order (a list or tuple of them)."""
+Payload = Buffer | Parts
+"""A block's payload: one buffer, or its parts."""
 
 _FIELDS = struct.Struct("<4sHH16sQQ")
 """magic, format version, key length, layout fingerprint, payload length, payload digest."""
@@ -60,9 +72,29 @@ def fingerprint_of(*parts: object) -> bytes:
     return hashlib.blake2b(text.encode(), digest_size=FINGERPRINT_BYTES).digest()
 
 
-def payload_digest(payload: bytes | bytearray | memoryview) -> int:
-    """The XXH3 64-bit digest of ``payload``, read in place."""
-    return xxhash.xxh3_64_intdigest(payload)
+def payload_parts(payload: Payload) -> Parts:
+    """``payload``'s buffers in order (one for a single buffer)."""
+    return (payload,) if isinstance(payload, bytes | bytearray | memoryview) else payload
+
+
+def buffer_size(buffer: Buffer) -> int:
+    """Bytes of ``buffer`` (a memoryview of wider items counts its bytes, not its items)."""
+    return buffer.nbytes if isinstance(buffer, memoryview) else len(buffer)
+
+
+def payload_size(payload: Payload) -> int:
+    """Bytes of ``payload``, all its parts together."""
+    return sum(buffer_size(part) for part in payload_parts(payload))
+
+
+def payload_digest(payload: Payload) -> int:
+    """The XXH3 64-bit digest of ``payload`` (its parts in order), read in place."""
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return xxhash.xxh3_64_intdigest(payload)
+    digest = xxhash.xxh3_64()
+    for part in payload:
+        digest.update(part)
+    return digest.intdigest()
 
 
 def payload_hasher() -> xxhash.xxh3_64:
@@ -71,22 +103,22 @@ def payload_hasher() -> xxhash.xxh3_64:
     return xxhash.xxh3_64()
 
 
-def encode_header(key: bytes, fingerprint: bytes, payload: bytes | bytearray | memoryview) -> bytes:
+def encode_header(key: bytes, fingerprint: bytes, payload: Payload) -> bytes:
     """``header | key``, to be followed by ``payload`` as it is (no copy of the payload)."""
     if len(fingerprint) != FINGERPRINT_BYTES:
         raise CorruptBlockError(
             f"a fingerprint has {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}"
         )
     fields = _FIELDS.pack(
-        MAGIC, FORMAT_VERSION, len(key), fingerprint, len(payload), payload_digest(payload)
+        MAGIC, FORMAT_VERSION, len(key), fingerprint, payload_size(payload), payload_digest(payload)
     )
     return fields + _CRC.pack(zlib.crc32(key, zlib.crc32(fields))) + key
 
 
-def encode_block(key: bytes, fingerprint: bytes, payload: bytes | bytearray | memoryview) -> bytes:
+def encode_block(key: bytes, fingerprint: bytes, payload: Payload) -> bytes:
     """The whole value in one buffer, a copy of the payload: for clients that take one
     buffer per value (see :mod:`.block_sets` for the way without the copy)."""
-    return encode_header(key, fingerprint, payload) + payload
+    return b"".join((encode_header(key, fingerprint, payload), *payload_parts(payload)))
 
 
 class Header:
@@ -116,10 +148,11 @@ class Header:
         if digest != self.digest:
             raise CorruptBlockError(f"block of key {self.key!r} fails its checksum")
 
-    def verify(self, payload: bytes | bytearray | memoryview) -> None:
-        if len(payload) != self.payload_bytes:
+    def verify(self, payload: Payload) -> None:
+        size = payload_size(payload)
+        if size != self.payload_bytes:
             raise CorruptBlockError(
-                f"block of key {self.key!r} has {len(payload)} payload bytes, "
+                f"block of key {self.key!r} has {size} payload bytes, "
                 f"header says {self.payload_bytes}"
             )
         if payload_digest(payload) != self.digest:

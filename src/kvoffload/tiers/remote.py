@@ -39,7 +39,7 @@ from kvoffload.core.manager import EventLog, OffloadingEvent
 from kvoffload.core.tier_protocol import Target, TierStats
 from kvoffload.tiers.block_sets import BlockWrite, pack_sets
 from kvoffload.tiers.breaker import CircuitBreaker
-from kvoffload.tiers.format import HEADER_BYTES, CorruptBlockError, parse_header
+from kvoffload.tiers.format import HEADER_BYTES, CorruptBlockError, parse_header, payload_size
 from kvoffload.tiers.resp import (
     CHUNK,
     DIRECT_BELOW,
@@ -54,7 +54,7 @@ from kvoffload.tiers.resp import (
     Resolver,
     command,
 )
-from kvoffload.tiers.targets import byte_view
+from kvoffload.tiers.targets import destination_parts
 from kvoffload.tiers.url import RemoteAddress, parse_remote_url
 
 MEDIUM = "REMOTE"
@@ -232,7 +232,7 @@ class RemoteTier:
         of plain SET, one per 256 MiB batch at 0.87 (medians of 8 rounds, dev VM).
         """
         keys, payloads = list(keys), list(payloads)
-        step = max(1, self._chunk_bytes // max(1, len(payloads[0]) if payloads else 1))
+        step = max(1, self._chunk_bytes // max(1, payload_size(payloads[0]) if payloads else 1))
         for start in range(0, len(keys), step):
             chunk = keys[start : start + step]
             job = self._pool.submit(self._write, chunk, payloads[start : start + step])
@@ -432,11 +432,11 @@ class RemoteTier:
 
     def _read(self, keys: list[OffloadKey], target: Target) -> list[bool]:
         names = [self.name(key) for key in keys]
-        views = [byte_view(target, i) for i in range(len(keys))]
+        views = [destination_parts(target, i) for i in range(len(keys))]
         outcome = [False] * len(keys)
         corrupt: list[int] = []
         failed = sum(view is None for view in views)
-        sizes = [0 if view is None else view.nbytes for view in views]
+        sizes = [0 if view is None else sum(part.nbytes for part in view) for view in views]
         readable = [i for i, view in enumerate(views) if view is not None]
         groups = self._by_node(names, readable)
         jobs: list[_Job] = [(node, got, False) for node, got in groups.items()]
@@ -477,7 +477,7 @@ class RemoteTier:
         self,
         keys: list[OffloadKey],
         names: list[bytes],
-        views: list[memoryview | None],
+        views: list[list[memoryview] | None],
         indices: list[int],
         asking: bool,
         connection: Connection,
@@ -493,7 +493,8 @@ class RemoteTier:
                 _ok(connection.read_reply(deadline, MAX_LINE))
             view = views[index]
             assert view is not None
-            large = view.nbytes >= DIRECT_BELOW
+            size = sum(part.nbytes for part in view)
+            large = size >= DIRECT_BELOW
             length = connection.read_bulk_length(deadline, large)
             if isinstance(length, ErrorReply):
                 statuses.append(_read_error(length))
@@ -502,7 +503,7 @@ class RemoteTier:
                 statuses.append(_MISS)
                 continue
             key = keys[index]
-            if length != HEADER_BYTES + len(key) + view.nbytes:
+            if length != HEADER_BYTES + len(key) + size:
                 statuses.append(_CORRUPT)
                 if length > SKIP_BELOW:  # never read: the rest of the batch goes again
                     connection.broken = True
@@ -519,12 +520,12 @@ class RemoteTier:
         connection: Connection,
         deadline: Deadline,
         key: OffloadKey,
-        view: memoryview,
+        view: list[memoryview],
         large: bool,
     ) -> _Status:
-        """Header and key (checked), then the payload into ``view``, checksummed as it
-        lands. ``large``: receive nothing past the header into the connection's buffer,
-        so the payload is copied once, by the kernel."""
+        """Header and key (checked), then the payload into the parts of ``view`` in order,
+        checksummed as it lands. ``large``: receive nothing past the header into the
+        connection's buffer, so the payload is copied once, by the kernel."""
         head = bytearray(HEADER_BYTES + len(key))
         connection.read_into(memoryview(head), deadline, most=PEEK if large else CHUNK)
         try:
@@ -534,9 +535,12 @@ class RemoteTier:
             header = None
         digest = payload_hasher()
         # A bad block's bytes land in a slot nobody loads.
-        connection.read_into(view, deadline, digest)
+        if len(view) == 1:
+            connection.read_into(view[0], deadline, digest)
+        else:
+            connection.read_parts_into(view, deadline, digest)
         connection.end_of_value(deadline, large)
-        if header is None or header.payload_bytes != view.nbytes:
+        if header is None or header.payload_bytes != sum(part.nbytes for part in view):
             return _CORRUPT
         return _HIT if digest.intdigest() == header.digest else _CORRUPT
 
@@ -576,7 +580,7 @@ class RemoteTier:
         while jobs:
             node, indices, asking = jobs.pop()
             batch = [writes[i] for i in indices]
-            size = sum(len(write.payload) for write in batch)
+            size = sum(payload_size(write.payload) for write in batch)
             statuses = self._call(node, partial(self._set_all, batch, asking), size)
             if statuses is None:
                 continue

@@ -22,7 +22,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -41,7 +41,20 @@ DIRECT_BELOW = 64 * 1024
 
 DIRECT_PIECE = 256 * 1024
 """Most bytes one ``recv_into`` takes: each piece is checksummed while it is in cache."""
-Piece = bytes | bytearray | memoryview
+Piece = bytes | bytearray | memoryview | tuple[bytes | bytearray | memoryview, ...]
+"""Bytes to send; a tuple of buffers goes out with scatter-gather ``sendmsg`` (the parts of
+one value, :mod:`.block_sets`), one system call for many buffers."""
+
+
+def size_of(piece: Piece) -> int:
+    """The bytes ``piece`` sends (all parts of a tuple)."""
+    if isinstance(piece, tuple):
+        return sum(size_of(part) for part in piece)
+    return piece.nbytes if isinstance(piece, memoryview) else len(piece)
+
+
+SENDMSG_BUFFERS = 512
+"""Buffers per ``sendmsg`` call, under the kernel's IOV_MAX (1024)."""
 
 
 class Digest(Protocol):
@@ -346,8 +359,7 @@ class Connection:
         made = iter(pieces)
         current: Piece | None = next(made, None)
         while current is not None:
-            size = current.nbytes if isinstance(current, memoryview) else len(current)
-            if size < DIRECT_BELOW:
+            if size_of(current) < DIRECT_BELOW:
                 self._send_piece(current, deadline)
                 current = next(made, None)
                 continue
@@ -356,6 +368,9 @@ class Connection:
             current = following.result(deadline.left())
 
     def _send_piece(self, piece: Piece, deadline: Deadline) -> None:
+        if isinstance(piece, tuple):
+            self._send_parts(piece, deadline)
+            return
         sock = self.sock
         if not self._tls:
             sock.settimeout(deadline.left())
@@ -366,6 +381,27 @@ class Connection:
             sock.settimeout(deadline.left())
             sent = sock.send(view)
             view = view[sent:]
+
+    def _send_parts(
+        self, parts: tuple[bytes | bytearray | memoryview, ...], deadline: Deadline
+    ) -> None:
+        """Send ``parts`` in order: ``sendmsg`` over as many as it takes at once (TLS sockets
+        have none: one send each)."""
+        if self._tls:
+            self.send(parts, deadline)
+            return
+        views = [view for view in (memoryview(part).cast("B") for part in parts) if view.nbytes]
+        first = 0
+        while first < len(views):
+            self.sock.settimeout(deadline.left())
+            sent = self.sock.sendmsg(views[first : first + SENDMSG_BUFFERS])
+            while sent and first < len(views):
+                size = views[first].nbytes
+                if sent < size:
+                    views[first] = views[first][sent:]
+                    break
+                sent -= size
+                first += 1
 
     def _fill(self, deadline: Deadline, most: int = CHUNK) -> None:
         """Receive up to ``most`` more bytes into the buffer (moving what is unread to its
@@ -426,6 +462,51 @@ class Connection:
             if digest is not None:
                 digest.update(destination[done : done + got])
             done += got
+
+    def read_parts_into(
+        self, parts: Sequence[memoryview], deadline: Deadline, digest: Digest | None = None
+    ) -> None:
+        """Fill ``parts`` (bytes) in order from the stream, as :meth:`read_into` fills one:
+        buffered bytes first, then one ``recvmsg_into`` across as many parts as make
+        :data:`DIRECT_PIECE` bytes (TLS sockets have none: :meth:`read_into` each)."""
+        views = [part for part in parts if part.nbytes]
+        k = at = 0
+        while k < len(views) and self._start < self._end:
+            view = views[k]
+            n = min(view.nbytes - at, self._end - self._start)
+            view[at : at + n] = self._view[self._start : self._start + n]
+            self._start += n
+            if digest is not None:
+                digest.update(view[at : at + n])
+            at += n
+            if at == view.nbytes:
+                k, at = k + 1, 0
+        while k < len(views):
+            if self._tls:
+                self.read_into(views[k][at:], deadline, digest)
+                k, at = k + 1, 0
+                continue
+            batch: list[memoryview] = []
+            room = DIRECT_PIECE
+            for view in views[k : k + SENDMSG_BUFFERS]:
+                piece = view[at : at + room] if not batch else view[:room]
+                batch.append(piece)
+                room -= piece.nbytes
+                if room <= 0:
+                    break
+            self.sock.settimeout(deadline.left())
+            got = self.sock.recvmsg_into(batch)[0]
+            if not got:
+                raise ConnectionError("the server closed the connection")
+            while got:
+                view = views[k]
+                n = min(view.nbytes - at, got)
+                if digest is not None:
+                    digest.update(view[at : at + n])
+                at += n
+                got -= n
+                if at == view.nbytes:
+                    k, at = k + 1, 0
 
     def skip(self, size: int, deadline: Deadline) -> None:
         """Read and drop ``size`` bytes."""

@@ -61,11 +61,14 @@ from kvoffload.tiers.deadline import DeadlineStripes, Job
 from kvoffload.tiers.format import (
     HEADER_BYTES,
     CorruptBlockError,
+    Payload,
     encode_header,
     parse_header,
     payload_hasher,
+    payload_parts,
+    payload_size,
 )
-from kvoffload.tiers.targets import destination
+from kvoffload.tiers.targets import destination_parts
 
 SLOT_FILE = "blocks.kvs"
 LOCK_FILE = "lock"
@@ -277,12 +280,12 @@ class SlotFile:
         )
 
     def write(
-        self, keys: Sequence[OffloadKey], slots: Sequence[int], payloads: Sequence[bytes]
+        self, keys: Sequence[OffloadKey], slots: Sequence[int], payloads: Sequence[Payload]
     ) -> Future[list[bool]]:
         """Write ``keys`` into ``slots`` (payloads first, headers last); per key, whether it did."""
         superblock = self._superblock_written()
         groups = self._by_stripe(slots)
-        size = max((len(p) for p in payloads), default=0)
+        size = max((payload_size(p) for p in payloads), default=0)
 
         def job_for(positions: list[int]) -> Callable[[Job[list[bool]]], list[bool]]:
             return lambda job: self._write(job, superblock, positions, keys, slots, payloads)
@@ -396,13 +399,13 @@ class SlotFile:
                 f"slot of {key!r} announces {header.payload_bytes} payload bytes, "
                 f"the layout has {size}"
             )
-        view = destination(target, index, size)
-        if view is None:
+        parts = destination_parts(target, index, size)
+        if parts is None:
             return Outcome.UNDELIVERED
-        into = view.cast("B") if view.format != "B" else view
         chunk = self._chunk_buffer()
         digest = payload_hasher()
         done = 0
+        cursor = (0, 0)
         while done < size:
             piece = chunk[: min(len(chunk), size - done)]
             if self.layer.preadv(self._fd, [piece], start + header.size + done) != len(piece):
@@ -411,7 +414,7 @@ class SlotFile:
             with job.lock:  # the deadline takes this lock too
                 if job.abandoned:
                     return Outcome.FAILED
-                into[done : done + len(piece)] = piece
+                cursor = _spread(parts, cursor, piece)
             done += len(piece)
         header.verify_digest(digest.intdigest())
         return Outcome.OK
@@ -445,7 +448,7 @@ class SlotFile:
         positions: list[int],
         keys: Sequence[OffloadKey],
         slots: Sequence[int],
-        payloads: Sequence[bytes],
+        payloads: Sequence[Payload],
     ) -> list[bool]:
         """Payloads first (over zeroed old headers), then the headers: see the module docstring."""
         failed = [False] * len(positions)
@@ -454,7 +457,11 @@ class SlotFile:
         headers: list[bytes | None] = []
         for i in positions:
             key, payload = keys[i], payloads[i]
-            if job.abandoned or len(key) > MAX_KEY_BYTES or len(payload) != self.payload_bytes:
+            if (
+                job.abandoned
+                or len(key) > MAX_KEY_BYTES
+                or payload_size(payload) != self.payload_bytes
+            ):
                 headers.append(None)
                 continue
             header = encode_header(key, self.fingerprint, payload)
@@ -473,14 +480,16 @@ class SlotFile:
             return failed
         return ok
 
-    def _put(self, start: int, header: bytes, payload: bytes | None = None) -> Outcome:
-        """The header alone, or the payload behind a zeroed header of the same length."""
+    def _put(self, start: int, header: bytes, payload: Payload | None = None) -> Outcome:
+        """The header alone, or the payload (its parts in one ``pwritev``) behind a zeroed
+        header of the same length."""
         if payload is None:
             done, size = self.layer.pwrite(self._fd, header, start), len(header)
         else:
             blank = memoryview(_ZERO_HEADER)[: len(header)]
-            done = self.layer.pwritev(self._fd, [blank, payload], start)
-            size = len(header) + len(payload)
+            parts = [memoryview(part) for part in payload_parts(payload)]
+            done = self.layer.pwritev(self._fd, [blank, *parts], start)
+            size = len(header) + payload_size(payload)
         return Outcome.OK if done == size else Outcome.FAILED
 
     def _sync(self) -> Outcome:
@@ -651,3 +660,18 @@ def _refuse(path: Path, why: str) -> None:
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
+
+
+def _spread(parts: list[memoryview], cursor: tuple[int, int], piece: memoryview) -> tuple[int, int]:
+    """Copy ``piece`` into ``parts`` from ``cursor`` (part, offset in it) on; the cursor after."""
+    part, at = cursor
+    taken = 0
+    while taken < len(piece) and part < len(parts):
+        into = parts[part]
+        n = min(into.nbytes - at, len(piece) - taken)
+        into[at : at + n] = piece[taken : taken + n]
+        taken += n
+        at += n
+        if at == into.nbytes:
+            part, at = part + 1, 0
+    return part, at

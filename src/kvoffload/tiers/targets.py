@@ -2,7 +2,9 @@
 
 An exception in an I/O thread would leave the read's future unresolved and
 the promotion waiting forever; a block that cannot be delivered is a failed
-read instead.
+read instead. A destination may be one buffer or, for a payload stored from
+parts (:data:`~kvoffload.tiers.format.Parts`), a list of buffers filled in
+order, so nothing has to scatter a staging copy afterwards.
 """
 
 from __future__ import annotations
@@ -10,19 +12,20 @@ from __future__ import annotations
 from kvoffload.core.tier_protocol import Target
 
 
-def destination(target: Target, index: int, size: int) -> memoryview | None:
-    """``target(index)`` if it gives a buffer of ``size`` bytes, else ``None``."""
+def destination_parts(
+    target: Target, index: int, size: int | None = None
+) -> list[memoryview] | None:
+    """``target(index)`` as writable byte views in order (one for a single buffer), if
+    they hold ``size`` bytes together (any size when ``None``), else ``None``."""
     try:
-        view = target(index)
+        got: object = target(index)
+        parts: list[memoryview] = []
+        for view in got if isinstance(got, list | tuple) else [got]:
+            if not isinstance(view, memoryview) or view.readonly:
+                return None
+            parts.append(view.cast("B") if view.format != "B" else view)
     except Exception:  # the destination's failure is this block's failed read, nothing more
         return None
-    return view if view.nbytes == size and not view.readonly else None
-
-
-def byte_view(target: Target, index: int) -> memoryview | None:
-    """``target(index)`` as writable bytes, to receive into; ``None`` if it gives none."""
-    try:
-        view = target(index)
-        return None if view.readonly else view.cast("B")
-    except Exception:  # the destination's failure is this block's failed read, nothing more
+    if size is not None and sum(part.nbytes for part in parts) != size:
         return None
+    return parts

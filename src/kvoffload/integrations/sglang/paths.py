@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -72,14 +71,6 @@ class _Spec(LoadStoreSpec):
 _SPEC = _Spec()
 
 
-Landed = Callable[[int, list[bool]], None]
-"""Called with the first position of a group of keys and their outcomes, as they finish."""
-
-
-def _shifted(target: Target, start: int, index: int) -> memoryview:
-    return target(start + index)
-
-
 def _outcome(job: Future[list[bool]], n: int) -> list[bool]:
     """A read's per-key results; all failed if its I/O thread died unexpectedly."""
     try:
@@ -89,7 +80,7 @@ def _outcome(job: Future[list[bool]], n: int) -> list[bool]:
 
 
 class WriteBatch:
-    """The pages of one write in progress: :meth:`send` hands over their bytes in parts."""
+    """The pages of one write in progress: :meth:`send` hands over their bytes."""
 
     def __init__(self, keys: Sequence[OffloadKey], admitted: set[OffloadKey]) -> None:
         self.keys = keys
@@ -99,14 +90,14 @@ class WriteBatch:
         self.sent: list[int] = []
         self.tier: LowerTier | None = None
 
-    def send(self, start: int, payloads: Sequence[Payload]) -> None:
-        """Write the admitted ones of ``keys[start : start + len(payloads)]`` (in the
-        background; the bytes must stay as they are until the batch is done)."""
-        chosen = [i for i in range(start, start + len(payloads)) if self.keys[i] in self.admitted]
+    def send(self, payloads: Sequence[Payload]) -> None:
+        """Write the admitted ones of ``keys`` from ``payloads`` (one buffer or its parts
+        each), in the background: the bytes must stay as they are until the batch is done."""
+        chosen = [i for i in range(len(payloads)) if self.keys[i] in self.admitted]
         if not chosen or self.tier is None:
             return
-        # Both tiers send any buffer as it is; the protocol says bytes for the simple case.
-        data = cast(Sequence[bytes], [payloads[i - start] for i in chosen])
+        # Both tiers send any buffer, or parts, as they are; the protocol says bytes.
+        data = cast(Sequence[bytes], [payloads[i] for i in chosen])
         self.tier.write([self.keys[i] for i in chosen], data)
         self.sent += chosen
 
@@ -176,35 +167,14 @@ class TierPath:
         with self._admission_lock:
             self.layer.begin_request(request, tier_hit=served)
 
-    def read(
-        self,
-        keys: Sequence[OffloadKey],
-        target: Target,
-        group: int = 0,
-        landed: Landed | None = None,
-    ) -> list[bool]:
-        """Read ``keys`` into ``target``; per key, whether it arrived intact.
-
-        With ``group``, the keys go out as reads of that many at once, all
-        started together, and ``landed(start, intact)`` is called for each
-        as it finishes, in order: the caller's work on one group overlaps
-        the I/O of the next.
-        """
+    def read(self, keys: Sequence[OffloadKey], target: Target) -> list[bool]:
+        """Read ``keys`` into ``target`` (per key one buffer or its parts); per key, whether
+        it arrived intact."""
         if not keys:
             return []
-        step = group if group > 0 else len(keys)
-        starts = range(0, len(keys), step)
         with self._lookup_lock:
-            jobs = [
-                self.tier.read(keys[s : s + step], functools.partial(_shifted, target, s))
-                for s in starts
-            ]
-        intact: list[bool] = []
-        for start, job in zip(starts, jobs, strict=True):
-            part = _outcome(job, min(step, len(keys) - start))
-            if landed is not None:
-                landed(start, part)
-            intact += part
+            job = self.tier.read(keys, target)
+        intact = _outcome(job, len(keys))
         if isinstance(self.tier, DiskTier):
             with self._lock:
                 self.tier.poll(wait=False)  # forgets the broken slots at once
@@ -219,8 +189,8 @@ class TierPath:
 
     @contextlib.contextmanager
     def writing(self, keys: Sequence[OffloadKey]) -> Iterator[WriteBatch]:
-        """Offer ``keys`` to admission, then take their bytes part by part
-        (:meth:`WriteBatch.send`, each part sent at once) and wait for all at the end."""
+        """Offer ``keys`` to admission, then take their bytes (:meth:`WriteBatch.send`, sent
+        at once) and wait for all at the end."""
         batch = WriteBatch(keys, self._admit(keys) if keys else set())
         with self._lock:
             stored_before = self.tier.stats.stored_blocks
@@ -248,7 +218,7 @@ class TierPath:
         """Offer ``keys`` to admission and write the admitted ones; per key, ``False`` only
         for a write that failed (a page held back by admission reads ``True``)."""
         with self.writing(keys) as batch:
-            batch.send(0, payloads)
+            batch.send(payloads)
         return batch.result
 
     def clear(self) -> None:

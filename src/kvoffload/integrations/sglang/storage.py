@@ -18,7 +18,7 @@ import functools
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,12 +33,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey, make_offload_key
 from kvoffload.core.manager import OffloadingEvent
-from kvoffload.integrations.sglang.pages import (
-    HostPages,
-    PageTargets,
-    flat_tensor,
-    tensor_bytes,
-)
+from kvoffload.integrations.sglang.pages import HostPages, flat_tensor, tensor_bytes, tensor_parts
 from kvoffload.integrations.sglang.paths import TierPath
 from kvoffload.integrations.sglang.settings import (
     DISK_BYTES,
@@ -51,7 +46,7 @@ from kvoffload.integrations.sglang.settings import (
     parse_settings,
 )
 from kvoffload.tiers import DiskTier, RemoteTier, RemoteTierError, fingerprint_of
-from kvoffload.tiers.block_sets import Payload
+from kvoffload.tiers.format import Payload, payload_size
 
 GB = 1e9
 PREFETCH, BACKUP = "prefetch", "backup"
@@ -88,10 +83,10 @@ def page_key(key: str) -> OffloadKey:
     return make_offload_key(raw, 0)
 
 
-def _at(target: Any, positions: list[int], index: int) -> memoryview:
-    """``target`` of the ``index``-th key of a read that asks only for ``positions``."""
-    view: memoryview = target(positions[index])
-    return view
+def _at(target: Any, positions: list[int], index: int) -> Any:
+    """``target`` of the ``index``-th key of a read that asks only for ``positions``: one
+    buffer, or a page's segments."""
+    return target(positions[index])
 
 
 def offset_endpoint(endpoint: str, offset: int) -> str:
@@ -103,13 +98,6 @@ def offset_endpoint(endpoint: str, offset: int) -> str:
     if endpoint.startswith("tcp://") and sep and port.isdigit():
         return f"{head}:{int(port) + offset}"
     return f"{endpoint}-{offset}"
-
-
-def _scatter(targets: PageTargets, positions: list[int], start: int, intact: list[bool]) -> None:
-    """Put the pages of a landed group that arrived intact into place."""
-    for j, ok in enumerate(intact):
-        if ok:
-            targets.scatter(positions[start + j])
 
 
 class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
@@ -159,6 +147,21 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             self._close_parts()
             raise
 
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """SGLang's hybrid-model controller registers every host pool of the model here; the
+        KV pool (the one :meth:`register_mem_pool_host` got) is ours, any other (Mamba, SWA,
+        indexer states) would need the ``batch_*_v2`` interface, which this backend does not
+        implement: the attach stops, naming the pool, rather than failing mid-request."""
+        if host_pool is getattr(self, "mem_pool_host", None):
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
+            return
+        name = getattr(host_pool_name, "value", host_pool_name)
+        raise InvalidArgumentError(
+            f"kvoffload's HiCache backend stores the KV pool's pages only; this model also has "
+            f"the host pool {name!r}, which needs SGLang's batch_*_v2 interface (hybrid models: "
+            "Mamba, SWA, indexer pools), not implemented: use another L3 backend for this model"
+        )
+
     # Look-ups (both interfaces), then the zero-copy interface ("interface_v1": 1).
 
     def batch_exists(
@@ -181,11 +184,11 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        """Read pages straight into the host pool at ``host_indices``."""
+        """Read pages straight into the host pool at ``host_indices`` (each into its segments)."""
         pages = self._pages()
         started = time.perf_counter()
-        targets = PageTargets(pages, pages.segments(host_indices))
-        intact = self._read([page_key(key) for key in keys], targets.view, pages.group, targets)
+        segments = pages.segments(host_indices)
+        intact = self._read([page_key(key) for key in keys], segments.__getitem__)
         self._note(PREFETCH, intact, started)
         return intact
 
@@ -195,14 +198,13 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        """Write the host pool's pages at ``host_indices`` (MLA: the writer rank only)."""
+        """Write the host pool's pages at ``host_indices``, each from its segments as they are
+        (MLA: the writer rank only)."""
         if not self.is_writer:
             return [True] * len(keys)
         pages = self._pages()
         started = time.perf_counter()
-        done = self._write(
-            [page_key(key) for key in keys], pages.parts(pages.segments(host_indices))
-        )
+        done = self._write([page_key(key) for key in keys], pages.segments(host_indices))
         self._note(BACKUP, done, started)
         return done
 
@@ -252,10 +254,10 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             return False
         page_bytes = self._pages().page_bytes
         started = time.perf_counter()
-        payloads = [tensor_bytes(flat_tensor(value)) for value in values]
-        if any(payload.nbytes != page_bytes for payload in payloads):
+        payloads = [tensor_parts(value) for value in values]
+        if any(payload_size(payload) != page_bytes for payload in payloads):
             return False
-        done = self._write([page_key(key) for key in keys], [(0, payloads)])
+        done = self._write([page_key(key) for key in keys], payloads)
         self._note(BACKUP, done, started)
         return all(done)
 
@@ -467,42 +469,28 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
                 break
         return found, served
 
-    def _read(
-        self,
-        keys: list[OffloadKey],
-        target: Any,
-        group: int = 0,
-        targets: PageTargets | None = None,
-    ) -> list[bool]:
-        """Each key from the first tier that delivers it intact; with ``targets``, each page
-        is scattered into place as its group lands."""
+    def _read(self, keys: list[OffloadKey], target: Any) -> list[bool]:
+        """Each key from the first tier that delivers it intact."""
         intact = [False] * len(keys)
         wanted = list(range(len(keys)))
         for path in self.paths:
             if not wanted:
                 break
             asked = wanted
-            landed = None if targets is None else functools.partial(_scatter, targets, asked)
-            got = path.read(
-                [keys[i] for i in asked], functools.partial(_at, target, asked), group, landed
-            )
+            got = path.read([keys[i] for i in asked], functools.partial(_at, target, asked))
             for i, ok in zip(asked, got, strict=True):
                 intact[i] = ok
             wanted = [i for i in asked if not intact[i]]
         return intact
 
-    def _write(
-        self, keys: list[OffloadKey], parts: Iterable[tuple[int, Sequence[Payload]]]
-    ) -> list[bool]:
-        """Per page, whether some tier stored it or every tier's admission held it back;
-        each part goes to every tier as soon as it is made."""
+    def _write(self, keys: list[OffloadKey], payloads: Sequence[Payload]) -> list[bool]:
+        """Per page, whether some tier stored it or every tier's admission held it back."""
         if not self.paths:
             return [False] * len(keys)
         with contextlib.ExitStack() as stack:
             batches = [stack.enter_context(path.writing(keys)) for path in self.paths]
-            for start, payloads in parts:
-                for batch in batches:
-                    batch.send(start, payloads)
+            for batch in batches:
+                batch.send(payloads)
         return [any(batch.result[i] for batch in batches) for i in range(len(keys))]
 
     def _note(self, kind: str, outcome: list[bool], started: float) -> None:

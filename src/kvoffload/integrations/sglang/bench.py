@@ -1,0 +1,299 @@
+"""``kvoffload bench tiers --sglang``: pages through the HiCache backend beside the plain tier path.
+
+For each tier (the disk tier, and the shared tier with ``--remote``), each
+page shape (MHA ``page_first``, MHA ``layer_first``, MLA ``page_first``)
+and each of SGLang's interfaces (``v1``: host-pool indices; ``copy``: page
+tensors), one batch of pages is stored through the backend and loaded back
+into other pages (bytes checked), and in the same run the tier under it
+stores and loads the same bytes as one buffer per page (the plain tier
+path: what a single-buffer layout would cost). Rounds alternate; rates are
+the best rounds', ratios compare best rates, and the median of the rounds'
+own ratios comes beside them. The copy interface's page tensors are made
+before the clock starts and put back after it stops: SGLang makes them, the
+backend only moves their bytes.
+
+The host pool is a small one of ours with SGLang's buffer shapes and page
+methods (:class:`BenchPool`); SGLang's own needs its GPU stack to import.
+Page geometry: 32 tokens, 8 KV heads of 128 (MHA) or a 576-wide latent
+(MLA), bfloat16, as many layers as make a page of about ``page_mib``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
+from kvoffload.core.memory import check_fits
+
+INTERFACES = ("v1", "copy")
+SHAPES = {
+    "MHA page_first": ("page_first", False),
+    "MHA layer_first": ("layer_first", False),
+    "MLA page_first": ("page_first", True),
+}
+PAGE_TOKENS, HEADS, HEAD_DIM, MLA_DIM = 32, 8, 128, 576
+MIB = 2**20
+SGLANG_MISSING = (
+    "bench tiers --sglang needs SGLang's storage modules; install sglang==0.5.23 with "
+    "--no-deps and the packages docs/sglang.md lists"
+)
+
+
+def parse_interfaces(text: str) -> tuple[str, ...]:
+    """``v1``, ``copy`` or both, comma-separated; anything else is a one-line error."""
+    chosen = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    unknown = [name for name in chosen if name not in INTERFACES]
+    if unknown or not chosen:
+        raise InvalidArgumentError(
+            f"bench tiers --sglang: unknown interface {(unknown or [text])[0]!r} "
+            f"(choose from {', '.join(INTERFACES)}, comma-separated)"
+        )
+    return chosen
+
+
+class BenchPool:
+    """A host KV pool of ``pages`` pages with SGLang's buffer shapes and page methods."""
+
+    def __init__(self, layout: str, mla: bool, pages: int, layers: int) -> None:
+        self.layout = layout
+        self.page_size = PAGE_TOKENS
+        self.size = pages * PAGE_TOKENS
+        self.layer_num = layers
+        self.head_num = 1 if mla else HEADS
+        self.head_dim = MLA_DIM if mla else HEAD_DIM
+        self.mla = mla
+        self.dtype = torch.bfloat16
+        tokens = (layers, self.size) if layout == "layer_first" else (self.size, layers)
+        inner = (*tokens, self.head_num, self.head_dim)
+        self.kv_buffer = torch.zeros(inner if mla else (2, *inner), dtype=self.dtype)
+
+    def _page(self, index: int) -> torch.Tensor:
+        tokens = slice(index, index + self.page_size)
+        lead: tuple[slice, ...] = () if self.mla else (slice(None),)
+        where = (*lead, slice(None), tokens) if self.layout == "layer_first" else (*lead, tokens)
+        return self.kv_buffer[where]
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        page = self._page(int(index))
+        return page.flatten() if flat else page
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros_like(self._page(0)).flatten()
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        view = self._page(int(index))
+        view.copy_(data_page.reshape(view.shape))
+
+    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        """(pointer, size) segments of each page, in SGLang's order for these layouts."""
+        row = self.head_num * self.head_dim * self.dtype.itemsize
+        base = self.kv_buffer.data_ptr()
+        v_offset = 0 if self.mla else self.layer_num * self.size * row
+        pointers: list[int] = []
+        for start in indices.tolist()[:: self.page_size]:
+            if self.layout == "layer_first":
+                for layer in range(self.layer_num):
+                    k = base + start * row + layer * self.size * row
+                    pointers += [k] if self.mla else [k, k + v_offset]
+                size = self.page_size * row
+            else:
+                k = base + start * self.layer_num * row
+                pointers += [k] if self.mla else [k, k + v_offset]
+                size = self.page_size * self.layer_num * row
+        return pointers, [size] * len(pointers)
+
+    def indices(self, pages: range) -> torch.Tensor:
+        return torch.cat([torch.arange(p * PAGE_TOKENS, (p + 1) * PAGE_TOKENS) for p in pages])
+
+    def page_bytes(self, page: int) -> bytes:
+        return bytes(self.get_data_page(page * PAGE_TOKENS).contiguous().view(torch.uint8).numpy())
+
+
+def layers_for(page_mib: float, mla: bool) -> int:
+    """Layers that make a page of about ``page_mib`` (at least one)."""
+    per_layer = PAGE_TOKENS * (MLA_DIM if mla else 2 * HEADS * HEAD_DIM) * 2
+    return max(1, round(page_mib * MIB / per_layer))
+
+
+Times = list[tuple[float, float]]
+
+
+def _config(extra: dict[str, Any], mla: bool, model: str) -> Any:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name=model,
+        extra_config={
+            "backend_name": "kvoffload",
+            "module_path": "kvoffload.integrations.sglang",
+            "class_name": "KVOffloadStorage",
+            **extra,
+        },
+    )
+
+
+def measure_row(
+    tier_extra: dict[str, Any], shape: str, interface: str, pages: int, page_mib: float, rounds: int
+) -> dict[str, Any]:
+    """One tier, page shape and interface: backend rounds alternated with plain tier rounds."""
+    from kvoffload.integrations.sglang.storage import KVOffloadStorage, page_key
+
+    layout, mla = SHAPES[shape]
+    pool = BenchPool(layout, mla, 2 * pages, layers_for(page_mib, mla))
+    generator = torch.Generator().manual_seed(0)
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=generator))
+    source, into = range(pages), range(pages, 2 * pages)
+    expected = [pool.page_bytes(p) for p in source]
+    size = len(expected[0])
+    extra = {"interface_v1": int(interface == "v1"), **tier_extra}
+    if "kvoffload.disk_dir" in extra:
+        extra["kvoffload.disk_bytes"] = 2 * pages * size + size
+    backend = KVOffloadStorage(_config(extra, mla, f"bench-{shape}-{interface}"), {})
+    backend.register_mem_pool_host(pool)
+    landing = memoryview(bytearray(pages * size))
+    plain_times: Times = []
+    ours_times: Times = []
+
+    def plain(r: int) -> tuple[float, float]:
+        tier = backend.paths[0].tier
+        keys = [page_key(f"plain-{r}-{i}") for i in range(pages)]
+        started = time.perf_counter()
+        tier.write(keys, expected)
+        tier.poll(wait=True)
+        stored = time.perf_counter()
+        ok = tier.read(keys, lambda i: landing[i * size : (i + 1) * size]).result()
+        loaded = time.perf_counter()
+        if not all(ok):
+            raise KVOffloadError("bench tiers --sglang: the tier lost pages during the benchmark")
+        return stored - started, loaded - stored
+
+    def ours(r: int) -> tuple[float, float]:
+        keys = [f"{r}-{i}" for i in range(pages)]
+        if interface == "v1":
+            started = time.perf_counter()
+            ok = all(backend.batch_set_v1(keys, pool.indices(source)))
+            stored = time.perf_counter()
+            got = all(backend.batch_get_v1(keys, pool.indices(into)))
+            loaded = time.perf_counter()
+        else:
+            values = [pool.get_data_page(p * PAGE_TOKENS) for p in source]
+            targets = [pool.get_dummy_flat_data_page() for _ in keys]
+            started = time.perf_counter()
+            ok = backend.batch_set(keys, values)
+            stored = time.perf_counter()
+            loads = backend.batch_get(keys, targets)
+            loaded = time.perf_counter()
+            got = all(page is not None for page in loads)
+            for p, page in zip(into, loads, strict=True):
+                if page is not None:
+                    pool.set_from_flat_data_page(p * PAGE_TOKENS, page)
+        if not (ok and got and [pool.page_bytes(p) for p in into] == expected):
+            raise KVOffloadError("bench tiers --sglang: pages did not come back intact")
+        return stored - started, loaded - stored
+
+    try:
+        for r in range(rounds):
+            plain_times.append(plain(r))
+            ours_times.append(ours(r))
+            for p in into:
+                pool.set_from_flat_data_page(p * PAGE_TOKENS, pool.get_dummy_flat_data_page())
+            backend.clear()
+    finally:
+        backend.close()
+    return _figures(pages, size, plain_times, ours_times)
+
+
+def _figures(pages: int, size: int, plain: Times, ours: Times) -> dict[str, Any]:
+    out: dict[str, Any] = {"page_bytes": size}
+    for k, what in enumerate(("store", "load")):
+        best, best_plain = min(t[k] for t in ours), min(t[k] for t in plain)
+        out[f"{what}_pages_per_s"] = pages / best
+        out[f"{what}_gbps"] = pages * size / best / 1e9
+        out[f"plain_{what}_gbps"] = pages * size / best_plain / 1e9
+        out[f"{what}_ratio"] = best_plain / best
+        out[f"{what}_ratio_median"] = statistics.median(
+            p[k] / o[k] for p, o in zip(plain, ours, strict=True)
+        )
+    return out
+
+
+def measure_sglang(
+    pages: int,
+    page_mib: float,
+    rounds: int,
+    directory: str | None = None,
+    remote: str | None = None,
+    interfaces: tuple[str, ...] = INTERFACES,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Rows for every tier, page shape and interface: ``{"sglang": [row, ...]}``."""
+    try:
+        import sglang.srt.mem_cache.hicache_storage  # noqa: F401
+    except ImportError:
+        raise KVOffloadError(SGLANG_MISSING) from None
+    # The pool holds two copies of each page; the expected bytes and the landing buffer one.
+    check_fits(4 * pages * page_mib * MIB, f"{pages} SGLang pages of {page_mib:g} MiB")
+    rows: list[dict[str, Any]] = []
+    scratch = Path(tempfile.mkdtemp(prefix="kvoffload-bench-sglang-", dir=directory))
+    try:
+        tiers: list[tuple[str, Callable[[int], dict[str, Any]]]] = [
+            ("disk", lambda n: {"kvoffload.disk_dir": str(scratch / f"row-{n}")})
+        ]
+        if remote is not None:
+            tiers.append(("remote", lambda n: {"kvoffload.remote_url": remote}))
+        for tier, extra in tiers:
+            for shape in SHAPES:
+                for interface in interfaces:
+                    if progress is not None:
+                        progress(f"{tier} {shape} {interface}")
+                    figures = measure_row(
+                        extra(len(rows)), shape, interface, pages, page_mib, rounds
+                    )
+                    rows.append({"tier": tier, "shape": shape, "interface": interface, **figures})
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {"pages": pages, "rounds": rounds, "sglang": rows}
+
+
+def table_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]], str]:
+    """Headers, one row per tier, page shape and interface (backend GB/s beside the plain tier
+    path's, ratios), and the note under them."""
+    headers = ["tier", "shape", "interface", "page KiB", "store GB/s", "plain", "ratio"]
+    headers += ["median", "load GB/s", "plain", "ratio", "median"]
+    rows = []
+    for row in results["sglang"]:
+        cells = [row["tier"], row["shape"], row["interface"], f"{row['page_bytes'] / 1024:.0f}"]
+        for what in ("store", "load"):
+            cells += [
+                f"{row[figure]:.2f}"
+                for figure in (
+                    f"{what}_gbps",
+                    f"plain_{what}_gbps",
+                    f"{what}_ratio",
+                    f"{what}_ratio_median",
+                )
+            ]
+        rows.append(cells)
+    rounds = results["rounds"]
+    note = (
+        f"{results['pages']} pages per batch; plain: the same tier, one buffer per page; best of "
+        f"{rounds} round{'s' * (rounds != 1)}, median of the rounds' own ratios"
+    )
+    return headers, rows, note

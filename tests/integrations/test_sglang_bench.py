@@ -1,0 +1,60 @@
+"""``kvoffload bench tiers --sglang``: its options, and one tiny run through the real SGLang
+classes against the disk tier and real Valkey (figures present, bytes checked by the run)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvoffload.cli.main import main
+from tier_servers import ValkeyProcess
+
+TINY = ["bench", "tiers", "--blocks", "3", "--block-mib", "0.2", "--rounds", "1"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--sglang", "v3"], "unknown interface 'v3' (choose from v1, copy"),
+        (["--sglang", ","], "unknown interface ','"),
+        (["--sglang", "--fsync"], "--fsync is for the plain tier benchmark"),
+    ],
+)
+def test_bad_sglang_options_stop_with_one_line(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*TINY, *extra]) == 1
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("kvoffload: error: bench tiers") and message in lines[0]
+
+
+def test_sglang_rows_for_every_tier_shape_and_interface(
+    sglang: Any,
+    tmp_path: Path,
+    valkey_server: ValkeyProcess,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = tmp_path / "bench.json"
+    before = valkey_server.client().dbsize()  # the server is shared with other tests
+    argv = [*TINY, "--sglang", "--dir", str(tmp_path), "--remote", valkey_server.url]
+    assert main([*argv, "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["sglang"]
+    combos = {(r["tier"], r["shape"], r["interface"]) for r in rows}
+    assert len(rows) == len(combos) == 12
+    for row in rows:
+        for figure in ("store_gbps", "load_gbps", "plain_store_gbps", "plain_load_gbps"):
+            assert row[figure] > 0
+        assert row["store_ratio"] == pytest.approx(row["store_gbps"] / row["plain_store_gbps"])
+        assert row["load_ratio_median"] == pytest.approx(row["load_ratio"])  # one round
+    mha = next(r for r in rows if r["shape"] == "MHA layer_first")
+    assert mha["page_bytes"] == 2 * (2 * 32 * 8 * 128 * 2)  # 0.2 MiB: 2 layers of 128 KiB
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["tier", "shape", "interface"] and len(lines) == 2 + 12 + 1
+    assert lines[-1].startswith("3 pages per batch; plain: the same tier")
+    assert list(tmp_path.iterdir()) == [path]  # scratch removed
+    assert valkey_server.client().dbsize() == before  # the backend cleared its pages

@@ -1,0 +1,137 @@
+"""Blocks whose payload is several buffers (an SGLang MHA page's K and V segments): written
+part by part, read back into parts, checksummed over all of them, on disk and real Valkey."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tier_helpers import flip_byte
+
+from kvoffload import block_id_key
+from kvoffload.core.layout import layout_preset
+from kvoffload.tiers import DiskTier, RemoteTier, layout_fingerprint
+from kvoffload.tiers.block_sets import JOIN_BELOW, BlockWrite, pack_sets
+from kvoffload.tiers.format import (
+    HEADER_BYTES,
+    CorruptBlockError,
+    decode_block,
+    encode_block,
+    encode_header,
+    payload_digest,
+)
+from tier_servers import ValkeyProcess
+
+SPLIT = [JOIN_BELOW + 7, 2 * JOIN_BELOW, 100, 3 * JOIN_BELOW]
+"""Part sizes of a written block: two large parts (one ``sendmsg``), a small one (joined with
+the bytes around it), a large one."""
+SIZE = sum(SPLIT)
+FP = layout_fingerprint("block-parts", layout_preset("tiny"), SIZE)
+KEYS = [block_id_key(i, 31) for i in range(4)]
+
+
+def parts_of(i: int, split: list[int] = SPLIT) -> list[memoryview]:
+    whole = random.Random(i).randbytes(sum(split))
+    out, at = [], 0
+    for size in split:
+        out.append(memoryview(bytearray(whole[at : at + size])))
+        at += size
+    return out
+
+
+def joined(parts: list[Any]) -> bytes:
+    return b"".join(bytes(part) for part in parts)
+
+
+def into_parts(split: list[int], n: int) -> list[list[memoryview]]:
+    return [[memoryview(bytearray(size)) for size in split] for _ in range(n)]
+
+
+def test_a_payload_in_parts_is_the_same_block_as_its_bytes_joined() -> None:
+    parts = parts_of(1)
+    whole = joined(parts)
+    assert payload_digest(parts) == payload_digest(whole)
+    assert encode_header(KEYS[0], FP, parts) == encode_header(KEYS[0], FP, whole)
+    assert encode_block(KEYS[0], FP, parts) == encode_block(KEYS[0], FP, whole)
+    pieces = list(pack_sets([BlockWrite(b"n", KEYS[0], parts)], FP))
+    assert pieces[1] == (parts[0], parts[1]) and pieces[3] is parts[3]
+    assert all(p is not parts[2] for p in pieces) and bytes(parts[2]) in pieces[2]
+    pieces = [joined(list(p)) if isinstance(p, tuple) else bytes(p) for p in pieces]
+    assert b"".join(pieces).endswith(whole + b"\r\n")
+
+
+def test_a_flipped_byte_in_the_second_part_fails_the_checksum() -> None:
+    block = bytearray(encode_block(KEYS[0], FP, parts_of(2)))
+    block[HEADER_BYTES + len(KEYS[0]) + SPLIT[0] + 3] ^= 0xFF
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        decode_block(bytes(block), KEYS[0], FP)
+
+
+@pytest.mark.parametrize("read_split", [SPLIT, [SIZE], [5, SIZE - 5 - 9, 9]])
+def test_disk_tier_writes_parts_and_reads_into_parts(tmp_path: Path, read_split: list[int]) -> None:
+    tier = DiskTier(tmp_path, 8, FP)
+    try:
+        written = [parts_of(i) for i in range(3)]
+        tier.write(KEYS[:3], written)
+        tier.poll(wait=True)
+        assert tier.stats.stored_blocks == 3
+        targets = into_parts(read_split, 3)
+        assert tier.read(KEYS[:3], targets.__getitem__).result(timeout=10) == [True] * 3
+        assert [joined(t) for t in targets] == [joined(p) for p in written]
+        flip_byte(tier, KEYS[1], HEADER_BYTES + len(KEYS[1]) + SPLIT[0] + 3)
+        again = into_parts(read_split, 3)
+        assert tier.read(KEYS[:3], again.__getitem__).result(timeout=10) == [True, False, True]
+        assert tier.stats.corrupt == 1
+        short = into_parts([SIZE - 1], 1)  # parts that do not hold the block: not delivered
+        assert tier.read(KEYS[:1], short.__getitem__).result(timeout=10) == [False]
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("read_split", [SPLIT, [SIZE], [5, SIZE - 5 - 9, 9]])
+def test_valkey_tier_writes_parts_and_reads_into_parts(
+    valkey_server: ValkeyProcess, read_split: list[int]
+) -> None:
+    tier = RemoteTier(valkey_server.url, FP)
+    client = valkey_server.client()
+    try:
+        written = [parts_of(i) for i in range(3)]
+        tier.write(KEYS[:3], written)
+        tier.poll(wait=True)
+        assert tier.stats.stored_blocks == 3
+        for key, parts in zip(KEYS, written, strict=False):
+            assert client.get(tier.name(key)) == encode_block(key, FP, joined(parts))
+        targets = into_parts(read_split, 3)
+        assert tier.read(KEYS[:3], targets.__getitem__).result(timeout=10) == [True] * 3
+        assert [joined(t) for t in targets] == [joined(p) for p in written]
+        name = tier.name(KEYS[1])
+        value = bytearray(client.get(name))
+        value[HEADER_BYTES + len(KEYS[1]) + SPLIT[0] + 3] ^= 0xFF
+        client.set(name, bytes(value))
+        again = into_parts(read_split, 3)
+        assert tier.read(KEYS[:3], again.__getitem__).result(timeout=10) == [True, False, True]
+        assert tier.stats.corrupt == 1 and client.exists(name) == 0  # deleted, never loaded
+    finally:
+        tier.delete_all()
+        tier.close()
+
+
+def test_more_large_parts_than_one_sendmsg_takes(valkey_server: ValkeyProcess) -> None:
+    """A value of 700 large parts goes out in several ``sendmsg`` calls, each picking up
+    where the kernel stopped (partial sends included), and comes back the same way."""
+    split = [JOIN_BELOW] * 700
+    fp = layout_fingerprint("block-parts", layout_preset("tiny"), sum(split))
+    tier = RemoteTier(valkey_server.url, fp)
+    try:
+        written = [parts_of(i, split) for i in range(2)]
+        tier.write(KEYS[:2], written)
+        tier.poll(wait=True)
+        for read_split in ([sum(split)], split):  # one buffer; many recvmsg_into calls
+            targets = into_parts(read_split, 2)
+            assert tier.read(KEYS[:2], targets.__getitem__).result(timeout=30) == [True, True]
+            assert [joined(t) for t in targets] == [joined(p) for p in written]
+    finally:
+        tier.delete_all()
+        tier.close()
