@@ -21,6 +21,7 @@ from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -28,6 +29,8 @@ from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.policies.base import BlockStatus, CachePolicy
 from kvoffload.policies.lru import LRUCachePolicy
+from kvoffload.policies.s3fifo import MAX_FREQ as S3FIFO_MAX_FREQ
+from kvoffload.policies.s3fifo import S3FIFOCachePolicy
 
 MIN_MINI_KEYS = 1024
 """The sampling rate is the highest power-of-two fraction that leaves a 1x mini-tier at
@@ -231,11 +234,32 @@ class LRUMiniTier(MiniTier):
                 move_to_end(key)
 
 
+class S3FIFOMiniTier(MiniTier):
+    """:class:`MiniTier` under S3-FIFO with a touch that counts without reading the block:
+    a mini-tier's blocks are always ready, which is all the policy's touch checks."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity, S3FIFOCachePolicy)
+        self._freq = cast(S3FIFOCachePolicy, self.policy).freq
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        freq = self._freq
+        get = freq.get
+        for key in keys:
+            count = get(key)
+            if count is not None and count < S3FIFO_MAX_FREQ:
+                freq[key] = count + 1
+
+
 def mini_tier(capacity: int, policy: type[CachePolicy], generic: bool = False) -> MiniTier:
-    """A mini-tier under ``policy``: the specialised one where there is one (LRU), unless
-    ``generic``."""
-    if policy is LRUCachePolicy and not generic:
+    """A mini-tier under ``policy``: a specialised one where there is one (LRU, S3-FIFO),
+    unless ``generic``."""
+    if generic:
+        return MiniTier(capacity, policy)
+    if policy is LRUCachePolicy:
         return LRUMiniTier(capacity)
+    if policy is S3FIFOCachePolicy:
+        return S3FIFOMiniTier(capacity)
     return MiniTier(capacity, policy)
 
 
