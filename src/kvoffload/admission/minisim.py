@@ -503,6 +503,8 @@ class MiniSimulation:
         offered: Sequence[OffloadKey],
         admitted: Mapping[str, Sequence[OffloadKey] | None],
     ) -> None:
+        if not entry.suffix[0]:
+            return  # no sampled lookup key at the base rate, hence at none (levels nest)
         n = len(offered)
         chosen = {name: _admitted_set(offered, keys) for name, keys in admitted.items()}
         everything = all(keep is None for keep, _ in chosen.values())
@@ -510,7 +512,7 @@ class MiniSimulation:
             entry.suffix, entry.suffix_start, entry.requested, self._by_level, strict=True
         ):
             if not sampled:
-                continue
+                break
             if everything:
                 for _, tier in tiers:
                     if tier.store(sampled):
@@ -524,6 +526,11 @@ class MiniSimulation:
                 keep, gap = chosen[name]
                 if keep is None:
                     written = tier.store(sampled)
+                elif not keep:
+                    # Nothing admitted: only the keys the tier served are stored, none behind
+                    # a gap (a store without gaps).
+                    to_store = [key for key, j in zip(sampled, at, strict=True) if j < 0]
+                    written = tier.store(to_store) if to_store else 0
                 else:
                     to_store = []
                     behind = []
