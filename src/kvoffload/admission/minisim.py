@@ -21,7 +21,6 @@ from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import cast
 
 import numpy as np
 
@@ -30,6 +29,7 @@ from kvoffload.core.keys import OffloadKey
 from kvoffload.policies.base import BlockStatus, CachePolicy
 from kvoffload.policies.lru import LRUCachePolicy
 from kvoffload.policies.s3fifo import MAX_FREQ as S3FIFO_MAX_FREQ
+from kvoffload.policies.s3fifo import SMALL_SHARE as S3FIFO_SMALL_SHARE
 from kvoffload.policies.s3fifo import S3FIFOCachePolicy
 
 MIN_MINI_KEYS = 1024
@@ -235,12 +235,138 @@ class LRUMiniTier(MiniTier):
 
 
 class S3FIFOMiniTier(MiniTier):
-    """:class:`MiniTier` under S3-FIFO with a touch that counts without reading the block:
-    a mini-tier's blocks are always ready, which is all the policy's touch checks."""
+    """:class:`MiniTier` under S3-FIFO, specialised: the policy's queues of keys alone.
+
+    The same decisions as the generic tier under
+    :class:`~kvoffload.policies.s3fifo.S3FIFOCachePolicy` (a differential test
+    holds them equal): a mini-tier's blocks are always ready and unpinned, so
+    the policy's checks of a block's state fall away and no status objects are
+    kept; the held keys are the keys of the touch counts.
+    """
 
     def __init__(self, capacity: int) -> None:
-        super().__init__(capacity, S3FIFOCachePolicy)
-        self._freq = cast(S3FIFOCachePolicy, self.policy).freq
+        if capacity < 1:
+            raise InvalidArgumentError(f"mini-tier capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.small_target = max(1, int(capacity * S3FIFO_SMALL_SHARE))
+        self._small: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._main: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._freq: dict[OffloadKey, int] = {}
+        """Held keys and their touch counts."""
+        self._dead: set[OffloadKey] = set()
+        self.hits = 0.0
+        self.writes = 0.0
+        self.total_hits = 0
+        self.total_writes = 0
+
+    def __len__(self) -> int:
+        return len(self._freq)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._freq
+
+    def hit_run(self, keys: Sequence[OffloadKey]) -> int:
+        held, dead = self._freq, self._dead
+        run = 0
+        for key in keys:
+            if key not in held or key in dead:
+                break
+            run += 1
+        if run:
+            self.hits += run
+            self.total_hits += run
+        return run
+
+    def store(self, keys: Sequence[OffloadKey], behind_gap: Sequence[bool] = ()) -> int:
+        held, dead = self._freq, self._dead
+        new: dict[OffloadKey, bool] = {}
+        if behind_gap:
+            for key, gap in zip(keys, behind_gap, strict=True):
+                if key in held:
+                    if not gap and key in dead:
+                        dead.discard(key)
+                elif key not in new:
+                    new[key] = gap
+        else:
+            for key in keys:
+                if key in held:
+                    if key in dead:
+                        dead.discard(key)
+                else:
+                    new[key] = False
+        if not new:
+            return 0
+        need = len(new) - (self.capacity - len(held))
+        if need > 0:
+            protected = set(keys)
+            # The distinct held keys of ``keys`` cannot leave: too few others, no write.
+            if len(held) - (len(protected) - len(new)) < need:
+                return 0
+            self._evict(need, protected)
+        small, main, ghost = self._small, self._main, self._ghost
+        for key, gap in new.items():
+            if key in ghost:
+                del ghost[key]
+                main[key] = None
+            else:
+                small[key] = None
+            held[key] = 0
+            if gap:
+                dead.add(key)
+        written = len(new)
+        self.writes += written
+        self.total_writes += written
+        return written
+
+    def _evict(self, n: int, protected: set[OffloadKey]) -> None:
+        """The policy's eviction of ``n`` keys outside ``protected`` (at least ``n`` exist)."""
+        small, main, small_target, dead = self._small, self._main, self.small_target, self._dead
+        while n:
+            if len(small) >= small_target or not main:
+                victim = self._from_small(protected)
+                if victim is not None:
+                    dead.discard(victim)
+                    n -= 1
+                    continue
+            victim = self._from_main(protected)
+            if victim is None:
+                victim = self._from_small(protected)
+            if victim is not None:
+                dead.discard(victim)
+                n -= 1
+        ghost = self._ghost
+        for _ in range(len(ghost) - self.capacity):
+            ghost.popitem(False)
+
+    def _from_small(self, protected: set[OffloadKey]) -> OffloadKey | None:
+        small, main, freq = self._small, self._main, self._freq
+        for _ in range(len(small)):
+            key = small.popitem(False)[0]
+            if key in protected:
+                small[key] = None
+            elif freq[key] > 0:
+                freq[key] = 0
+                main[key] = None
+            else:
+                del freq[key]
+                self._ghost[key] = None
+                return key
+        return None
+
+    def _from_main(self, protected: set[OffloadKey]) -> OffloadKey | None:
+        main, freq = self._main, self._freq
+        for _ in range((S3FIFO_MAX_FREQ + 1) * len(main)):
+            key = main.popitem(False)[0]
+            if key in protected:
+                main[key] = None
+            elif freq[key] > 0:
+                freq[key] -= 1
+                main[key] = None
+            else:
+                del freq[key]
+                return key
+        return None
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         freq = self._freq
