@@ -17,6 +17,7 @@ counted since the last halving, so the figures follow a workload that shifts.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,10 @@ import numpy as np
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.policies.base import BlockStatus, CachePolicy
+from kvoffload.policies.lru import LRUCachePolicy
+from kvoffload.policies.s3fifo import MAX_FREQ as S3FIFO_MAX_FREQ
+from kvoffload.policies.s3fifo import SMALL_SHARE as S3FIFO_SMALL_SHARE
+from kvoffload.policies.s3fifo import S3FIFOCachePolicy
 
 MIN_MINI_KEYS = 1024
 """The sampling rate is the highest power-of-two fraction that leaves a 1x mini-tier at
@@ -141,6 +146,249 @@ class MiniTier:
         self.policy.touch(keys)
 
 
+class LRUMiniTier(MiniTier):
+    """:class:`MiniTier` under LRU, specialised: one ordered dict of ``key -> unreachable``.
+
+    The same decisions as the generic tier under
+    :class:`~kvoffload.policies.lru.LRUCachePolicy` (a differential test holds
+    them equal), in one structure: a mini-tier's blocks are never pinned or
+    pending, so no status objects are needed, and the unreachable mark is the
+    entry's value, so that a hit run reads each key with one probe.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise InvalidArgumentError(f"mini-tier capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._order: OrderedDict[OffloadKey, bool] = OrderedDict()
+        """Least recent first; the value is ``True`` while the key is unreachable."""
+        self.hits = 0.0
+        self.writes = 0.0
+        self.total_hits = 0
+        self.total_writes = 0
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def hit_run(self, keys: Sequence[OffloadKey]) -> int:
+        get = self._order.get
+        run = 0
+        for key in keys:
+            if get(key, True):
+                break
+            run += 1
+        if run:
+            self.hits += run
+            self.total_hits += run
+        return run
+
+    def store(self, keys: Sequence[OffloadKey], behind_gap: Sequence[bool] = ()) -> int:
+        order = self._order
+        get = order.get
+        new: dict[OffloadKey, bool] = {}
+        if behind_gap:
+            for key, gap in zip(keys, behind_gap, strict=True):
+                dead = get(key)
+                if dead is None:
+                    if key not in new:
+                        new[key] = gap
+                elif dead and not gap:
+                    order[key] = False
+        else:
+            for key in keys:
+                dead = get(key)
+                if dead is None:
+                    new[key] = False
+                elif dead:
+                    order[key] = False
+        if not new:
+            return 0
+        need = len(new) - (self.capacity - len(order))
+        if need > 0:
+            protected = set(keys)
+            victims = []
+            for key in order:
+                if key not in protected:
+                    victims.append(key)
+                    need -= 1
+                    if not need:
+                        break
+            if need:
+                return 0
+            for key in victims:
+                del order[key]
+        order.update(new)
+        written = len(new)
+        self.writes += written
+        self.total_writes += written
+        return written
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        order = self._order
+        move_to_end = order.move_to_end
+        for key in reversed(keys):
+            if key in order:
+                move_to_end(key)
+
+
+class S3FIFOMiniTier(MiniTier):
+    """:class:`MiniTier` under S3-FIFO, specialised: the policy's queues of keys alone.
+
+    The same decisions as the generic tier under
+    :class:`~kvoffload.policies.s3fifo.S3FIFOCachePolicy` (a differential test
+    holds them equal): a mini-tier's blocks are always ready and unpinned, so
+    the policy's checks of a block's state fall away and no status objects are
+    kept; the held keys are the keys of the touch counts.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise InvalidArgumentError(f"mini-tier capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.small_target = max(1, int(capacity * S3FIFO_SMALL_SHARE))
+        self._small: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._main: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._freq: dict[OffloadKey, int] = {}
+        """Held keys and their touch counts."""
+        self._dead: set[OffloadKey] = set()
+        self.hits = 0.0
+        self.writes = 0.0
+        self.total_hits = 0
+        self.total_writes = 0
+
+    def __len__(self) -> int:
+        return len(self._freq)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._freq
+
+    def hit_run(self, keys: Sequence[OffloadKey]) -> int:
+        held, dead = self._freq, self._dead
+        run = 0
+        for key in keys:
+            if key not in held or key in dead:
+                break
+            run += 1
+        if run:
+            self.hits += run
+            self.total_hits += run
+        return run
+
+    def store(self, keys: Sequence[OffloadKey], behind_gap: Sequence[bool] = ()) -> int:
+        held, dead = self._freq, self._dead
+        new: dict[OffloadKey, bool] = {}
+        if behind_gap:
+            for key, gap in zip(keys, behind_gap, strict=True):
+                if key in held:
+                    if not gap and key in dead:
+                        dead.discard(key)
+                elif key not in new:
+                    new[key] = gap
+        else:
+            for key in keys:
+                if key in held:
+                    if key in dead:
+                        dead.discard(key)
+                else:
+                    new[key] = False
+        if not new:
+            return 0
+        need = len(new) - (self.capacity - len(held))
+        if need > 0:
+            protected = set(keys)
+            # The distinct held keys of ``keys`` cannot leave: too few others, no write.
+            if len(held) - (len(protected) - len(new)) < need:
+                return 0
+            self._evict(need, protected)
+        small, main, ghost = self._small, self._main, self._ghost
+        for key, gap in new.items():
+            if key in ghost:
+                del ghost[key]
+                main[key] = None
+            else:
+                small[key] = None
+            held[key] = 0
+            if gap:
+                dead.add(key)
+        written = len(new)
+        self.writes += written
+        self.total_writes += written
+        return written
+
+    def _evict(self, n: int, protected: set[OffloadKey]) -> None:
+        """The policy's eviction of ``n`` keys outside ``protected`` (at least ``n`` exist)."""
+        small, main, small_target, dead = self._small, self._main, self.small_target, self._dead
+        while n:
+            if len(small) >= small_target or not main:
+                victim = self._from_small(protected)
+                if victim is not None:
+                    dead.discard(victim)
+                    n -= 1
+                    continue
+            victim = self._from_main(protected)
+            if victim is None:
+                victim = self._from_small(protected)
+            if victim is not None:
+                dead.discard(victim)
+                n -= 1
+        ghost = self._ghost
+        for _ in range(len(ghost) - self.capacity):
+            ghost.popitem(False)
+
+    def _from_small(self, protected: set[OffloadKey]) -> OffloadKey | None:
+        small, main, freq = self._small, self._main, self._freq
+        for _ in range(len(small)):
+            key = small.popitem(False)[0]
+            if key in protected:
+                small[key] = None
+            elif freq[key] > 0:
+                freq[key] = 0
+                main[key] = None
+            else:
+                del freq[key]
+                self._ghost[key] = None
+                return key
+        return None
+
+    def _from_main(self, protected: set[OffloadKey]) -> OffloadKey | None:
+        main, freq = self._main, self._freq
+        for _ in range((S3FIFO_MAX_FREQ + 1) * len(main)):
+            key = main.popitem(False)[0]
+            if key in protected:
+                main[key] = None
+            elif freq[key] > 0:
+                freq[key] -= 1
+                main[key] = None
+            else:
+                del freq[key]
+                return key
+        return None
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        freq = self._freq
+        get = freq.get
+        for key in keys:
+            count = get(key)
+            if count is not None and count < S3FIFO_MAX_FREQ:
+                freq[key] = count + 1
+
+
+def mini_tier(capacity: int, policy: type[CachePolicy], generic: bool = False) -> MiniTier:
+    """A mini-tier under ``policy``: a specialised one where there is one (LRU, S3-FIFO),
+    unless ``generic``."""
+    if generic:
+        return MiniTier(capacity, policy)
+    if policy is LRUCachePolicy:
+        return LRUMiniTier(capacity)
+    if policy is S3FIFOCachePolicy:
+        return S3FIFOMiniTier(capacity)
+    return MiniTier(capacity, policy)
+
+
 @dataclass(frozen=True)
 class WhatIf:
     """One candidate at one capacity, as its mini-tier sees the recent traffic."""
@@ -200,6 +448,7 @@ class MiniSimulation:
         factors: Sequence[float] = (1.0,),
         window_tiers: float = WINDOW_TIERS,
         bits: int | None = None,
+        generic: bool = False,
     ) -> None:
         if capacity < 1:
             raise InvalidArgumentError(f"mini-simulation capacity must be >= 1, got {capacity}")
@@ -212,14 +461,15 @@ class MiniSimulation:
         level_bits = sorted(set(factor_bits.values()))
         self._levels = [_Level(b) for b in level_bits]
         self._exact = _Level(0)
-        self._masks = [np.uint64((1 << b) - 1) for b in level_bits]
+        self._masks = [(1 << b) - 1 for b in level_bits]
+        self._low = np.uint64(self._masks[-1])
         self.tiers: dict[tuple[str, float], tuple[MiniTier, int]] = {}
         """``(candidate, factor) -> (mini-tier, level index)``."""
         for factor in self.factors:
             level = level_bits.index(factor_bits[factor])
             keys = max(1, round(capacity * factor / (1 << level_bits[level])))
             for name in self.candidates:
-                self.tiers[name, factor] = (MiniTier(keys, policy), level)
+                self.tiers[name, factor] = (mini_tier(keys, policy, generic), level)
         self._by_level = self._group_by_level()
         base_keys = self.tiers[self.candidates[0], 1.0][0].capacity
         if not window_tiers > 0:
@@ -230,6 +480,7 @@ class MiniSimulation:
         self.seen = 0
         """Sampled references at the base rate since the start (never halved)."""
         self._open: OrderedDict[OffloadKey, _Open] = OrderedDict()
+        self._admit_all: dict[str, Sequence[OffloadKey] | None] = dict.fromkeys(self.candidates)
 
     def _bits_of(self, capacity: int, factor: float) -> int:
         """The 1x tiers at the base rate; the others, which only feed what-if figures, at the
@@ -278,37 +529,49 @@ class MiniSimulation:
     def tracked_keys(self) -> int:
         return sum(tier.capacity for tier, _ in self.tiers.values())
 
-    def _sample(self, keys: Sequence[OffloadKey], hashes: np.ndarray) -> list[list[int]]:
-        """Positions of the sampled keys, per level."""
-        positions: list[list[int]] = []
-        picked = np.arange(len(keys))
-        for mask in self._masks:
-            picked = picked[(hashes[picked] & mask) == 0]
-            positions.append(picked.tolist())
-        return positions
+    def _sample(self, hashes: np.ndarray) -> list[list[int]]:
+        """Positions of the sampled keys, per level: each level's are a subset of the one
+        before (its mask has more bits), so each is filtered from the one before."""
+        masks = self._masks
+        if masks[-1]:
+            low = (hashes & self._low).tolist()
+            mask = masks[0]
+            picked = [i for i, v in enumerate(low) if not v & mask] if mask else [*range(len(low))]
+            positions = [picked]
+            for mask in masks[1:]:
+                picked = [i for i in picked if not low[i] & mask]
+                positions.append(picked)
+            return positions
+        return [[*range(len(hashes))] for _ in masks]
 
     def on_request(self, keys: Sequence[OffloadKey], hashes: np.ndarray) -> None:
         """A request's keys (GPU-held ones included), once per request: count and touch."""
         exact = self._exact
-        exact.refs += len(keys)
-        exact.total_refs += len(keys)
-        positions = self._sample(keys, hashes)
-        requested = [[keys[i] for i in level] for level in positions]
-        for level, sampled in zip(self._levels, requested, strict=True):
-            level.refs += len(sampled)
-            level.total_refs += len(sampled)
-        for index, sampled in enumerate(requested):
+        n = len(keys)
+        exact.refs += n
+        exact.total_refs += n
+        positions = self._sample(hashes)
+        requested = []
+        for level, picked, tiers in zip(self._levels, positions, self._by_level, strict=True):
+            sampled = [keys[i] for i in picked]
+            requested.append(sampled)
             if sampled:
-                for _, tier in self._by_level[index]:
+                level.refs += len(sampled)
+                level.total_refs += len(sampled)
+                for _, tier in tiers:
                     tier.touch(sampled)
-        self._open[keys[-1]] = _Open(requested, positions, len(keys))
-        self._open.move_to_end(keys[-1])
-        if len(self._open) > OPEN_REQUESTS:
-            self._open.popitem(False)
-        self.seen += len(requested[0])
-        self._since_halving += len(requested[0])
-        if self._since_halving >= self.window:
-            self._halve()
+        opened = self._open
+        last = keys[-1]
+        opened[last] = _Open(requested, positions, n)
+        opened.move_to_end(last)
+        if len(opened) > OPEN_REQUESTS:
+            opened.popitem(False)
+        base = len(requested[0])
+        if base:
+            self.seen += base
+            self._since_halving += base
+            if self._since_halving >= self.window:
+                self._halve()
 
     def on_lookup(self, keys: Sequence[OffloadKey]) -> None:
         """The keys past the GPU hit (a suffix of the request) were looked up: score each
@@ -316,22 +579,29 @@ class MiniSimulation:
         if not keys:
             return
         entry = self._open.get(keys[-1])
-        if entry is not None and entry.suffix:
-            return  # the same request looked up again
-        start = -1 if entry is None else entry.length - len(keys)
-        if entry is None or start < 0:
-            return  # not a suffix of a request seen: nothing to score it against
+        if entry is None or entry.suffix:
+            return  # unknown (nothing to score it against), or the same request again
+        length = entry.length
+        start = length - len(keys)
+        if start < 0:
+            return
         self._exact.lookups += len(keys)
         self._exact.total_lookups += len(keys)
-        for index, level in enumerate(entry.positions):
-            sampled = [keys[i - start] for i in level if i >= start]
-            entry.suffix.append(sampled)
-            entry.suffix_start.append([entry.length - i for i in level if i >= start])
-            self._levels[index].lookups += len(sampled)
-            self._levels[index].total_lookups += len(sampled)
-            if sampled:
-                for _, tier in self._by_level[index]:
-                    tier.hit_run(sampled)
+        suffix, suffix_start = entry.suffix, entry.suffix_start
+        for picked, level, tiers in zip(entry.positions, self._levels, self._by_level, strict=True):
+            cut = bisect_left(picked, start) if start else 0
+            if cut == len(picked):
+                suffix.append([])
+                suffix_start.append([])
+                continue
+            inside = picked[cut:] if cut else picked
+            sampled = [keys[i - start] for i in inside]
+            suffix.append(sampled)
+            suffix_start.append([length - i for i in inside])
+            level.lookups += len(sampled)
+            level.total_lookups += len(sampled)
+            for _, tier in tiers:
+                tier.hit_run(sampled)
 
     def on_offer(
         self, offered: Sequence[OffloadKey], admitted: Mapping[str, Sequence[OffloadKey] | None]
@@ -351,7 +621,7 @@ class MiniSimulation:
         mini-tier writes the sampled keys it lacks (every candidate admits a stored key)."""
         entry = self._open.pop(last, None)
         if entry is not None and entry.suffix:
-            self._store(entry, (), {name: None for name in self.candidates})
+            self._store(entry, (), self._admit_all)
 
     def _store(
         self,
@@ -359,26 +629,41 @@ class MiniSimulation:
         offered: Sequence[OffloadKey],
         admitted: Mapping[str, Sequence[OffloadKey] | None],
     ) -> None:
+        if not entry.suffix[0]:
+            return  # no sampled lookup key at the base rate, hence at none (levels nest)
         n = len(offered)
         chosen = {name: _admitted_set(offered, keys) for name, keys in admitted.items()}
-        for index, (sampled, from_end) in enumerate(
-            zip(entry.suffix, entry.suffix_start, strict=True)
+        everything = all(keep is None for keep, _ in chosen.values())
+        for sampled, from_end, requested, tiers in zip(
+            entry.suffix, entry.suffix_start, entry.requested, self._by_level, strict=True
         ):
             if not sampled:
+                break
+            if everything:
+                for _, tier in tiers:
+                    if tier.store(sampled):
+                        tier.touch(requested)
                 continue
             at = [
                 n - end if end <= n and offered[n - end] == key else -1
                 for key, end in zip(sampled, from_end, strict=True)
             ]
-            requested = entry.requested[index]
-            for name, tier in self._by_level[index]:
+            for name, tier in tiers:
                 keep, gap = chosen[name]
                 if keep is None:
                     written = tier.store(sampled)
+                elif not keep:
+                    # Nothing admitted: only the keys the tier served are stored, none behind
+                    # a gap (a store without gaps).
+                    to_store = [key for key, j in zip(sampled, at, strict=True) if j < 0]
+                    written = tier.store(to_store) if to_store else 0
                 else:
-                    kept = [j < 0 or key in keep for key, j in zip(sampled, at, strict=True)]
-                    to_store = [key for key, ok in zip(sampled, kept, strict=True) if ok]
-                    behind = [j > gap for j, ok in zip(at, kept, strict=True) if ok]
+                    to_store = []
+                    behind = []
+                    for key, j in zip(sampled, at, strict=True):
+                        if j < 0 or key in keep:
+                            to_store.append(key)
+                            behind.append(j > gap)
                     written = tier.store(to_store, behind) if to_store else 0
                 if written:
                     tier.touch(requested)

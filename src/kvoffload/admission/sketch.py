@@ -48,7 +48,30 @@ def _tail_dtype(width: int) -> np.dtype:
 _TAIL_DTYPES = {width: _tail_dtype(width) for width in range(TAIL_BYTES, 65)}
 
 
+_LAST: list[tuple[list[OffloadKey], np.ndarray]] = [([], np.zeros(0, dtype=np.uint64))]
+"""The last list of keys hashed (a copy) and its hashes (read-only)."""
+
+
 def key_hashes(keys: Sequence[OffloadKey]) -> np.ndarray:
+    """64-bit hashes of ``keys`` (see :func:`_hashes`), read-only.
+
+    The last list hashed is remembered: the optimiser's feedback candidate and
+    its mini-simulations each ask for a request's hashes, which are then
+    computed once. A list equal to the last one (compared key by key, not by
+    identity, so a list changed in place since is hashed again) gets the same
+    array.
+    """
+    last_keys, last = _LAST[0]
+    if type(keys) is list and keys == last_keys:
+        return last
+    hashes = _hashes(keys)
+    hashes.flags.writeable = False
+    if type(keys) is list:
+        _LAST[0] = (keys.copy(), hashes)
+    return hashes
+
+
+def _hashes(keys: Sequence[OffloadKey]) -> np.ndarray:
     """64-bit hashes of ``keys``: their last 12 bytes folded to 64 bits, then mixed (splitmix64).
 
     The fold of the 96-bit tail ``a b c`` (three 32-bit words) is ``b`` over
