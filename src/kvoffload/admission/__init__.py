@@ -6,11 +6,18 @@ counters through :class:`AdmissionStats`.
 """
 
 from kvoffload.admission.base import AdmissionLayer, AdmissionStats
+from kvoffload.admission.budget import (
+    BudgetCredit,
+    WriteBudget,
+    attach_clock,
+    check_write_budget,
+    parse_bytes,
+)
 from kvoffload.admission.controller import ReuseController
 from kvoffload.admission.feedback import FeedbackAdmission
 from kvoffload.admission.ghost import GhostRecords
 from kvoffload.admission.minisim import MiniSimulation, MiniTier, WhatIf
-from kvoffload.admission.optimiser import Objective, OptimisingAdmission, check_write_budget
+from kvoffload.admission.optimiser import Objective, OptimisingAdmission
 from kvoffload.admission.registry import (
     available_admissions,
     find_admission,
@@ -24,6 +31,7 @@ from kvoffload.admission.sketch import FrequencySketch, key_hashes
 __all__ = [
     "AdmissionLayer",
     "AdmissionStats",
+    "BudgetCredit",
     "FeedbackAdmission",
     "FrequencySketch",
     "GhostRecords",
@@ -35,10 +43,13 @@ __all__ = [
     "ReuseController",
     "SketchAdmission",
     "WhatIf",
+    "WriteBudget",
+    "attach_clock",
     "available_admissions",
     "check_write_budget",
     "find_admission",
     "key_hashes",
+    "parse_bytes",
     "resolve_admission",
     "wrap_with_admission",
 ]

@@ -19,12 +19,14 @@ changes only when the current candidate falls out of that set by a margin
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from kvoffload.admission.base import AdmissionLayer, AdmissionStats
+from kvoffload.admission.budget import BudgetCredit, WriteBudget, check_write_budget
 from kvoffload.admission.feedback import FeedbackAdmission
 from kvoffload.admission.minisim import WINDOW_TIERS, MiniSimulation, WhatIf
 from kvoffload.admission.reuse_filter import FilterReusedOffloadingManager
@@ -59,8 +61,6 @@ FILTER_THRESHOLD, FILTER_TRACKER = 2, 64_000
 """The seed filter as vLLM configures it by default."""
 BYTES_PER_FILTER_KEY = 120
 """Approximate CPython cost of one tracked key in the filter's table."""
-BUDGET_BURST_REFS = 1024
-"""A write budget may be spent ahead by at most this many block references' worth."""
 
 
 class _Probe(OffloadingManager):
@@ -96,7 +96,8 @@ class Objective:
     switch_margin: float = SWITCH_MARGIN
     write_margin: float = WRITE_MARGIN
     write_budget: float | None = None
-    """Writes per block reference; ``None`` for no budget."""
+    """Writes per block reference; ``None`` for no budget (a per-time budget is converted
+    at the observed reference rate before each choice)."""
 
     def choose(self, scores: Mapping[str, tuple[float, float]], current: str) -> str:
         """The candidate to follow, given ``candidate -> (hits, writes)`` per reference."""
@@ -125,16 +126,21 @@ class OptimisingAdmission(AdmissionLayer):
         self,
         backing: OffloadingManager,
         capacity: int,
-        write_budget: float | None = None,
+        write_budget: float | WriteBudget | None = None,
         objective: Objective | None = None,
         policy: type[CachePolicy] | None = None,
         bits: int | None = None,
         window_tiers: float = WINDOW_TIERS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(backing, capacity)
         check_write_budget(write_budget)
-        self.objective = objective or Objective(write_budget=write_budget)
-        if write_budget is not None and self.objective.write_budget != write_budget:
+        budget = objective.write_budget if write_budget is None and objective else write_budget
+        self.write_credit = None if budget is None else BudgetCredit(budget, clock)
+        """The budget's token bucket; ``clock`` (seconds) drives a per-time budget."""
+        per_ref = None if self.write_credit is None else self.write_credit.writes_per_ref()
+        self.objective = objective or Objective(write_budget=per_ref)
+        if self.objective.write_budget not in (None, per_ref):
             raise InvalidArgumentError("give the write budget once: in the objective or alone")
         self._probe = _Probe()
         self.feedback = FeedbackAdmission(self._probe, capacity)
@@ -154,7 +160,6 @@ class OptimisingAdmission(AdmissionLayer):
         self._dwell_until = 0.0
         self._settled_at: float | None = None
         """Sampled references at the end of the warm-up; ``None`` before."""
-        self._credit = 0.0
         self._hashed: tuple[Sequence[OffloadKey], np.ndarray] = ((), np.zeros(0, np.uint64))
 
     def _hashes(self, keys: Sequence[OffloadKey]) -> np.ndarray:
@@ -214,9 +219,8 @@ class OptimisingAdmission(AdmissionLayer):
     def _sighting(self, keys: Sequence[OffloadKey]) -> None:
         self.minisim.on_request(keys, self._hashes(keys))
         self.ghost_hits = self.feedback.ghost_hits
-        if self.objective.write_budget is not None:
-            cap = self.objective.write_budget * BUDGET_BURST_REFS
-            self._credit = min(cap, self._credit + self.objective.write_budget * len(keys))
+        if self.write_credit is not None:
+            self.write_credit.earn(len(keys))
 
     def _admit(self, offered: Sequence[OffloadKey], prefix: int) -> list[OffloadKey]:
         probe = self._probe
@@ -229,14 +233,15 @@ class OptimisingAdmission(AdmissionLayer):
             self._choose()
         chosen = admitted[self.chosen]
         keys = list(offered) if chosen is None else chosen
-        if self.objective.write_budget is not None:
-            keys = keys[: int(self._credit + 1e-9)]
+        if self.write_credit is not None:
+            self.write_credit.earn(0)
+            keys = keys[: self.write_credit.allowance()]
         return keys
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
         output = super().prepare_store(keys)
-        if output is not None and self.objective.write_budget is not None:
-            self._credit -= len(output.keys_to_store)
+        if output is not None and self.write_credit is not None:
+            self.write_credit.spend(len(output.keys_to_store))
         return output
 
     def _choose(self) -> None:
@@ -250,6 +255,9 @@ class OptimisingAdmission(AdmissionLayer):
             self.minisim.restart_window()
         if seen < max(self._settled_at + SETTLE_TIERS * tier.capacity, self._dwell_until):
             return
+        if self.write_credit is not None and not self.write_credit.budget.per_ref:
+            per_ref = self.write_credit.writes_per_ref()
+            self.objective = replace(self.objective, write_budget=per_ref)
         self._switch(self.objective.choose(self.minisim.scores(), self.chosen))
 
     def _switch(self, candidate: str) -> None:
@@ -278,19 +286,6 @@ class OptimisingAdmission(AdmissionLayer):
             candidate=self.chosen,
             whatif=tuple(self.whatif()),
             whatif_total=tuple(self.minisim.figures(cumulative=True)),
-        )
-
-
-def check_write_budget(budget: float | None) -> None:
-    """A write budget is ``None`` or a finite number of writes per block reference >= 0."""
-    if budget is None:
-        return
-    if isinstance(budget, bool) or not isinstance(budget, int | float):
-        raise InvalidArgumentError(f"write budget must be a number, got {budget!r}")
-    if not math.isfinite(budget) or budget < 0:
-        raise InvalidArgumentError(
-            f"write budget must be a finite number of writes per block reference >= 0, "
-            f"got {budget!r}"
         )
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvoffload.admission.base import AdmissionLayer
+from kvoffload.admission.budget import WriteBudget, check_write_budget
 from kvoffload.admission.feedback import FeedbackAdmission
-from kvoffload.admission.optimiser import OptimisingAdmission, check_write_budget
+from kvoffload.admission.optimiser import OptimisingAdmission
 from kvoffload.admission.seen_twice import SketchAdmission
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.manager import OffloadingManager
@@ -43,12 +44,15 @@ def resolve_admission(name: str) -> str:
 
 
 def wrap_with_admission(
-    name: str, backing: OffloadingManager, capacity: int, write_budget: float | None = None
+    name: str,
+    backing: OffloadingManager,
+    capacity: int,
+    write_budget: float | WriteBudget | None = None,
 ) -> OffloadingManager:
     """``backing`` behind the admission layer ``name`` (unchanged for ``none``).
 
-    A ``write_budget`` (writes per block reference) needs the optimiser, the only
-    layer that can keep to one.
+    A ``write_budget`` (writes per block reference, or a :class:`WriteBudget`) needs
+    the optimiser, the only layer that can keep to one.
     """
     canonical = resolve_admission(name)
     check_write_budget(write_budget)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvoffload.admission import resolve_admission, wrap_with_admission
+from kvoffload.admission import WriteBudget, resolve_admission, wrap_with_admission
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.manager import OffloadingManager
 from kvoffload.managers.cpu import CPUOffloadingManager
@@ -17,12 +17,13 @@ def build_manager(
     max_tracker_size: int = 64_000,
     enable_events: bool = False,
     admission: str = "none",
-    write_budget: float | None = None,
+    write_budget: float | WriteBudget | None = None,
 ) -> OffloadingManager:
     """A CPU tier manager, behind the admission layer ``admission`` and then the reuse
     filter when ``store_threshold >= 2`` (the filter is outermost: it sees calls first).
 
-    ``write_budget`` (writes per block reference) needs ``admission="recommended"``.
+    ``write_budget`` (writes per block reference, or a :class:`WriteBudget`) needs
+    ``admission="recommended"``.
     Thresholds 0 and 1 mean "no filter", as in vLLM's configuration; anything but an
     integer >= 0 is refused, so that ``1.5`` or ``"2"`` is not silently "no filter".
     """

@@ -16,6 +16,8 @@ from typing import Any
 
 from kvoffload.admission import (
     WhatIf,
+    WriteBudget,
+    attach_clock,
     available_admissions,
     check_write_budget,
     find_admission,
@@ -67,8 +69,11 @@ class SimConfig:
     """``"cache"`` or ``"drop"`` a prompt's keyed partial last block (vLLM drops it)."""
     admission: str = "none"
     """Admission layer in front of the tier, by name (``kvoffload.admission``)."""
-    write_budget: float | None = None
-    """Writes per block reference the optimiser keeps to (``admission="recommended"``)."""
+    write_budget: float | WriteBudget | None = None
+    """The budget the optimiser keeps to (``admission="recommended"``): writes per block
+    reference, or a :class:`WriteBudget` in bytes per second or drive writes per day."""
+    drive_bytes: int | None = None
+    """The drive's size for a budget in drive writes per day; ``None``: the disk tier's."""
     # Tiers below the CPU tier (issue 9): a disk directory and a shared server.
     disk_dir: str | None = None
     disk_blocks: int = 0
@@ -113,6 +118,7 @@ class SimConfig:
                 f"not {self.admission!r}"
             )
         self._check_tiers()
+        self.sized_write_budget(1)
 
     def _check_tiers(self) -> None:
         if self.disk_blocks < 0:
@@ -125,6 +131,18 @@ class SimConfig:
                 "a disk tier (--disk-dir) needs a size of >= 1 block: --disk-gb or --disk-blocks"
             )
         self.tier_costs()
+
+    def sized_write_budget(self, bytes_per_block: int) -> WriteBudget | None:
+        """The write budget with the block and drive sizes it converts with; the drive is
+        ``drive_bytes``, or else the disk tier (``disk_blocks`` blocks)."""
+        if self.write_budget is None:
+            return None
+        drive = self.drive_bytes
+        if drive is None and self.disk_dir is not None:
+            drive = self.disk_blocks * bytes_per_block
+        budget = WriteBudget.parse(self.write_budget).sized(bytes_per_block, drive)
+        budget.check()
+        return budget
 
     @property
     def has_lower_tiers(self) -> bool:
@@ -282,14 +300,13 @@ def simulate(
     started = time.perf_counter()
     engine_config = config.engine_config(workload.block_tokens)
     bytes_per_block = engine_config.bytes_per_block
+    write_budget = config.sized_write_budget(bytes_per_block)
     enable_events = observers is not None and bool(observers.sinks)
     manager: OffloadingManager | None = None
     tiered = None
     if config.has_lower_tiers:
         tiered = _tiered_manager(config, workload.block_tokens, backend, enable_events)
-        manager = wrap_with_admission(
-            config.admission, tiered, config.cpu_blocks, config.write_budget
-        )
+        manager = wrap_with_admission(config.admission, tiered, config.cpu_blocks, write_budget)
         if config.store_threshold >= 2:
             manager = FilterReusedOffloadingManager(
                 manager, config.store_threshold, config.max_tracker_size
@@ -302,13 +319,15 @@ def simulate(
             config.max_tracker_size,
             enable_events=enable_events,
             admission=config.admission,
-            write_budget=config.write_budget,
+            write_budget=write_budget,
         )
     built = manager
     if manager is not None and observers is not None:
         manager = observers.wrap(manager, bytes_per_block)
         observers.watch_transfers(backend)
     engine = ServingEngine(engine_config, manager, backend)
+    if built is not None:
+        attach_clock(built, engine.now)  # a per-time budget runs on trace time
     try:
         stats = engine.run(workload.requests, progress)
     finally:
