@@ -31,6 +31,8 @@ DOCUMENTED = {
     "kvoffload.remote_url": ("remote_url", None),
     "kvoffload.disk_dir": ("disk_dir", None),
     "kvoffload.disk_bytes": ("disk_bytes", 0),
+    "kvoffload.write_budget": ("write_budget", None),
+    "kvoffload.drive_bytes": ("drive_bytes", None),
 }
 """Key -> (settings field, default), as the documentation's table of keys gives them."""
 

@@ -156,7 +156,7 @@ class WriteBudget:
             if self.drive_bytes is None:
                 raise InvalidArgumentError(
                     f"a write budget of {self.describe()} needs the drive's size "
-                    "(--drive-bytes, or a disk tier, whose size is taken)"
+                    "(--drive-bytes or kvoffload.drive_bytes, or a disk tier, whose size is taken)"
                 )
             return self.amount * self.drive_bytes / SECONDS_PER_DAY
         raise InvalidArgumentError(f"a write budget of {self.describe()} is not per second")

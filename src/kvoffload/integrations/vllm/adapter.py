@@ -48,6 +48,7 @@ from kvoffload.core.specs import BlockIDsLoadStoreSpec
 from kvoffload.integrations.vllm.offer_filter import OfferCountFilter
 from kvoffload.managers import CPUOffloadingManager, TieredOffloadingManager
 from kvoffload.observe.counters import ManagerCounters
+from kvoffload.observe.metrics import whatif_gauges
 from kvoffload.policies import BlockStatus
 
 METRIC_PREFIX = "vllm:kvoffload_"
@@ -309,7 +310,11 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             ghost_hits = self._ghost_hits_before_reset + self._layer.ghost_hits
             stats.increase_counter(GHOST_HITS_METRIC, ghost_hits - self._ghost_hits_reported)
             self._ghost_hits_reported = ghost_hits
-            stats.set_gauge(CONTROL_METRIC, self._layer.stats().control)
+            layer_stats = self._layer.stats()
+            stats.set_gauge(CONTROL_METRIC, layer_stats.control)
+            for name, series in whatif_gauges(layer_stats).items():
+                for labels, level in series.items():
+                    stats.set_gauge(f"{METRIC_PREFIX}{name}", level, labels)
         return stats
 
     def _request_keys(self, req_context: ReqContext) -> _RequestKeys:

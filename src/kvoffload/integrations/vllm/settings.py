@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvoffload.admission import available_admissions
+from kvoffload.admission import WriteBudget, available_admissions, parse_bytes, resolve_admission
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.policies import available_policies
 
@@ -48,7 +48,21 @@ DISK_DIR_KEY = f"{PREFIX}disk_dir"
 DISK_BYTES_KEY = f"{PREFIX}disk_bytes"
 """A local-disk tier: its directory and size; each needs the other."""
 
-OWN_KEYS = frozenset({ADMISSION_KEY, REMOTE_URL_KEY, DISK_DIR_KEY, DISK_BYTES_KEY})
+WRITE_BUDGET_KEY = f"{PREFIX}write_budget"
+DRIVE_BYTES_KEY = f"{PREFIX}drive_bytes"
+"""The optimiser's write budget (``--write-budget``'s strings: ``0.2``, ``200MB/s``,
+``1dwpd``) and the drive size drive writes per day convert with (default: the disk tier's)."""
+
+OWN_KEYS = frozenset(
+    {
+        ADMISSION_KEY,
+        REMOTE_URL_KEY,
+        DISK_DIR_KEY,
+        DISK_BYTES_KEY,
+        WRITE_BUDGET_KEY,
+        DRIVE_BYTES_KEY,
+    }
+)
 """kvoffload's keys. They name layers that are built by ``build_manager``."""
 
 
@@ -64,6 +78,8 @@ class SpecSettings:
     remote_url: str | None = field(default=None, repr=False)  # may hold a password
     disk_dir: str | None = None
     disk_bytes: int = 0
+    write_budget: WriteBudget | None = None
+    drive_bytes: int | None = None
 
     @property
     def has_lower_tiers(self) -> bool:
@@ -100,6 +116,7 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
             f"got only {DISK_BYTES_KEY if disk_dir is None else DISK_DIR_KEY!r}"
         )
     remote_url = _str(extra_config, REMOTE_URL_KEY)
+    write_budget, drive_bytes = _write_budget(extra_config, admission)
     return SpecSettings(
         cpu_bytes_to_use=_int(extra_config, "cpu_bytes_to_use", 1),
         eviction_policy=str(policy),
@@ -109,7 +126,30 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
         remote_url=remote_url,
         disk_dir=disk_dir,
         disk_bytes=_int(extra_config, DISK_BYTES_KEY, 1, 0) if disk_dir is not None else 0,
+        write_budget=write_budget,
+        drive_bytes=drive_bytes,
     )
+
+
+def _write_budget(
+    config: Mapping[str, Any], admission: str
+) -> tuple[WriteBudget | None, int | None]:
+    """The write budget and drive size keys, checked (the budget needs the optimiser)."""
+    try:
+        budget = None
+        if config.get(WRITE_BUDGET_KEY) is not None:
+            budget = WriteBudget.parse(config[WRITE_BUDGET_KEY])
+        drive = config.get(DRIVE_BYTES_KEY)
+        drive_bytes = None if drive is None else parse_bytes(drive, "drive size")
+    except InvalidArgumentError as exc:
+        key = DRIVE_BYTES_KEY if "drive size" in str(exc) else WRITE_BUDGET_KEY
+        raise InvalidArgumentError(f"kv_connector_extra_config {key!r}: {exc}") from None
+    if budget is not None and resolve_admission(admission) != "optimiser":
+        raise InvalidArgumentError(
+            f"kv_connector_extra_config {WRITE_BUDGET_KEY!r} needs {ADMISSION_KEY!r} "
+            f"'recommended' (the optimiser), not {admission!r}"
+        )
+    return budget, drive_bytes
 
 
 def _int(config: Mapping[str, Any], key: str, minimum: int, default: int | None = None) -> int:

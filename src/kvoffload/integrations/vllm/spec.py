@@ -18,7 +18,13 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from kvoffload.admission import find_admission, wrap_with_admission
+from kvoffload.admission import (
+    WriteBudget,
+    available_admissions,
+    find_admission,
+    resolve_admission,
+    wrap_with_admission,
+)
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.manager import OffloadingManager
 from kvoffload.dataplane.shared_region import default_directory, region_path
@@ -37,12 +43,14 @@ from kvoffload.integrations.vllm.settings import (
     DISK_BYTES_KEY,
     DISK_DIR_KEY,
     REMOTE_URL_KEY,
+    WRITE_BUDGET_KEY,
     SpecSettings,
     parse_settings,
 )
 from kvoffload.integrations.vllm.versions import running_release
 from kvoffload.managers import CPUOffloadingManager, TieredOffloadingManager, build_manager
 from kvoffload.observe.counters import COUNTER_DOCS
+from kvoffload.observe.metrics import CANDIDATE, WHATIF_DOCS, WHATIF_LABELS
 from kvoffload.tiers import RemoteTierError, build_tiered_manager, fingerprint_of, parse_remote_url
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.slot_file import SUPER_BYTES, slot_start, slot_stride
@@ -96,6 +104,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 documentation="The admission layer's control value (feedback: share of block "
                 "classes written on first sight; sketch: its sightings threshold)."
             )
+            definitions.update(_whatif_definitions(extra_config))
         return definitions
 
     @classmethod
@@ -175,11 +184,30 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 f"no offloaded block of {self.bytes_per_block} bytes (a disk slot takes "
                 f"{self.disk_slot_bytes} bytes, after a {SUPER_BYTES}-byte superblock)"
             )
+        self.write_budget = self._sized_write_budget()
         self.fingerprint = _fingerprint(config, self.rank_slot_bytes, self.world_size)
         self._manager: VLLMManagerAdapter | None = None
         self._tiered: TieredOffloadingManager | None = None
         self._worker: Any = None
         self._slot_bytes: SharedSlotBytes | None = None
+
+    def _sized_write_budget(self) -> WriteBudget | None:
+        """The CPU tier's write budget in its blocks; drive writes per day count against
+        ``kvoffload.drive_bytes``, or else the disk tier's size."""
+        budget = self.settings.write_budget
+        if budget is None:
+            return None
+        drive = self.settings.drive_bytes
+        if drive is None and self.settings.disk_dir is not None:
+            drive = self.settings.disk_bytes
+        budget = budget.sized(self.bytes_per_block, drive)
+        try:
+            budget.check()
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config {WRITE_BUDGET_KEY!r}: {exc}"
+            ) from None
+        return budget
 
     def region_path(self, rank: int) -> Path:
         """Where worker ``rank`` keeps its CPU slots when lower tiers are configured."""
@@ -207,13 +235,16 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             # on it and keeps its blocks.
             self._close_tiers(wipe_disk=self._tiered is not None)
             self._tiered = self._open_tiers(cpu, events)
-            manager = wrap_with_admission(self.settings.admission, self._tiered, self.num_blocks)
+            manager = wrap_with_admission(
+                self.settings.admission, self._tiered, self.num_blocks, self.write_budget
+            )
             return manager, cpu.block_status
         manager = build_manager(
             self.num_blocks,
             self.settings.eviction_policy,
             enable_events=events,
             admission=self.settings.admission,
+            write_budget=self.write_budget,
         )
         layer = find_admission(manager)
         tier = manager if layer is None else layer.backing
@@ -291,6 +322,20 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 kv_caches, self.num_blocks, self.blocks_per_chunk, region, self.rank_slot_bytes
             )
         return self._worker
+
+
+def _whatif_definitions(extra_config: dict[str, Any]) -> dict[str, Any]:
+    """The optimiser's what-if and candidate gauges, labelled as kvoffload's own exporter
+    labels them; none for another admission layer (or a name start-up will refuse)."""
+    admission = extra_config.get(ADMISSION_KEY)
+    if admission not in available_admissions() or resolve_admission(admission) != "optimiser":
+        return {}
+    return {
+        f"{METRIC_PREFIX}{name}": OffloadingGaugeMetadata(
+            documentation=doc, labelnames=("candidate",) if name == CANDIDATE else WHATIF_LABELS
+        )
+        for name, doc in WHATIF_DOCS.items()
+    }
 
 
 def _fingerprint(config: OffloadingConfig, rank_slot_bytes: int, world_size: int) -> bytes:
