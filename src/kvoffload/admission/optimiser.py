@@ -173,9 +173,14 @@ class OptimisingAdmission(AdmissionLayer):
         return hashes
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
+        """The feedback candidate is shown a request where it starts, never the touch after
+        the real tier's store: that tier may store when the candidate did not, and the
+        candidate would count that touch as a second sighting (its own offers as returns)."""
         keys = keys if isinstance(keys, list) else list(keys)
-        self.feedback.touch(keys)
-        super().touch(keys)
+        if keys and self._requests.on_touch(keys):
+            self.feedback.see_request(keys)
+            self._sighting(keys)
+        self.backing.touch(keys)
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
         keys = keys if isinstance(keys, list) else list(keys)
@@ -204,13 +209,15 @@ class OptimisingAdmission(AdmissionLayer):
         """
         if not keys:
             return
-        super().see_request(keys, will_offer, counted)
         self.feedback.see_request(keys, will_offer, counted)
+        super().see_request(keys, will_offer, counted)
         self._probe.found = 0
         if counted < len(keys):
             self.filter.lookup(list(keys[counted:]))
         if counted == 0:
             self.minisim.on_lookup(keys)
+            if not will_offer:  # announced at its end, after its loads: no offer follows
+                self.minisim.on_full_hit(keys[-1])
 
     def saw_tier_hit(self, keys: Sequence[OffloadKey]) -> None:
         super().saw_tier_hit(keys)
