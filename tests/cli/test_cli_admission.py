@@ -47,7 +47,7 @@ def test_the_table_shows_the_what_if_figures(capsys: pytest.CaptureFixture[str])
         ("-0.5", "argument --write-budget: must be >= 0"),
         ("x", "argument --write-budget: expected writes per block reference (0.2), bytes per"),
         ("200MB", "argument --write-budget: expected writes per block reference"),
-        ("1dwpd", "needs the drive's size (--drive-bytes, or a disk tier"),
+        ("1dwpd", "needs the drive's size (--drive-bytes or kvoffload.drive_bytes, or a disk"),
     ],
 )
 def test_bad_write_budgets_are_one_clear_error(

@@ -24,7 +24,11 @@ SECONDS_PER_DAY = 86_400.0
 BURST_REFS = 1024
 """A per-reference budget may be spent ahead by at most this many references' worth."""
 BURST_SECONDS = 10.0
-"""A per-time budget may be spent ahead by at most this many seconds' worth (or one block)."""
+"""A budget in bytes per second may be spent ahead by at most this many seconds' worth (or
+one block): a cap on the write rate, as a link's or a drive's bandwidth is."""
+DWPD_BURST_SECONDS = 3600.0
+"""A budget in drive writes per day may be spent ahead by at most an hour's worth: wear
+counts the day's total, so bursts may use what quiet minutes left."""
 RATE_WINDOW_REFS = 1 << 16
 """The reference rate that converts a per-time budget into writes per reference is
 measured over about this many recent references (counts halve past it)."""
@@ -204,7 +208,8 @@ class BudgetCredit:
     Per-reference budgets earn ``amount`` per block reference, at most
     :data:`BURST_REFS` references' worth banked; per-time budgets earn their
     blocks per second of :attr:`clock`, at most :data:`BURST_SECONDS`' worth
-    (or one block) banked. The bucket starts empty, so from the first call
+    (:data:`DWPD_BURST_SECONDS`' for drive writes per day; at least one block)
+    banked. The bucket starts empty, so from the first call
     writes never exceed what was earned; over any span they exceed the span's
     earnings by at most the bank.
     """
@@ -222,7 +227,8 @@ class BudgetCredit:
             self._cap = self._rate * BURST_REFS
         else:
             self._rate = self.budget.blocks_per_second()
-            self._cap = max(self._rate * BURST_SECONDS, 1.0)
+            burst = DWPD_BURST_SECONDS if self.budget.unit == DWPD else BURST_SECONDS
+            self._cap = max(self._rate * burst, 1.0)
         self._credit = 0.0
         self._last: float | None = None
         self._refs = 0.0
