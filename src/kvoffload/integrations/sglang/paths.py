@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, cast
 
-from kvoffload.admission import AdmissionLayer, wrap_with_admission
+from kvoffload.admission import AdmissionLayer, WriteBudget, wrap_with_admission
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent
 from kvoffload.core.specs import LoadStoreSpec
@@ -133,10 +133,13 @@ class TierPath:
         capacity: int,
         page_bytes: int,
         sink: EventSink | None = None,
+        write_budget: WriteBudget | None = None,
     ) -> None:
         self.name = name
         self.page_bytes = page_bytes
-        layer = wrap_with_admission(admission, AdmitAllManager(_SPEC), max(1, capacity))
+        layer = wrap_with_admission(
+            admission, AdmitAllManager(_SPEC), max(1, capacity), write_budget
+        )
         self.layer = layer if isinstance(layer, AdmissionLayer) else None
         self._counters = TierCounters()
         self._open = open_tier

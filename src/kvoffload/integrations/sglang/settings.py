@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvoffload.admission import available_admissions
+from kvoffload.admission import WriteBudget, available_admissions, resolve_admission
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.policies import available_policies
 from kvoffload.tiers.url import parse_remote_url
@@ -48,6 +48,11 @@ REMOTE_BYTES = f"{PREFIX}remote_bytes"
 EVENTS_ENDPOINT = f"{PREFIX}kv_events_endpoint"
 EVENTS_REPLAY_ENDPOINT = f"{PREFIX}kv_events_replay_endpoint"
 METRICS_PORT = f"{PREFIX}metrics_port"
+DISK_WRITE_BUDGET = f"{PREFIX}disk_write_budget"
+REMOTE_WRITE_BUDGET = f"{PREFIX}remote_write_budget"
+"""A tier's write budget (``--write-budget``'s strings: ``0.2``, ``200MB/s``, ``1dwpd``),
+kept by that tier's optimiser (its admission ``recommended``); drive writes per day count
+against the tier's size (``disk_bytes``, ``remote_bytes``)."""
 
 OWN_KEYS = frozenset(
     {
@@ -61,6 +66,8 @@ OWN_KEYS = frozenset(
         EVENTS_ENDPOINT,
         EVENTS_REPLAY_ENDPOINT,
         METRICS_PORT,
+        DISK_WRITE_BUDGET,
+        REMOTE_WRITE_BUDGET,
     }
 )
 
@@ -80,6 +87,8 @@ class BackendSettings:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     metrics_port: int | None = None
+    disk_write_budget: WriteBudget | None = None
+    remote_write_budget: WriteBudget | None = None
 
 
 def parse_settings(extra_config: Mapping[str, Any] | None) -> BackendSettings:
@@ -117,19 +126,43 @@ def parse_settings(extra_config: Mapping[str, Any] | None) -> BackendSettings:
             f"needs {REMOTE_BYTES!r} (what the server may hold of ours) to size its memory"
         )
     port = config.get(METRICS_PORT)
+    disk_admission = _choice(config, DISK_ADMISSION, available_admissions(), "none")
     return BackendSettings(
         interface_v1=_flag(config, "interface_v1"),
         disk_dir=disk_dir,
         disk_bytes=_int(config, DISK_BYTES, 1, 0) if disk_dir is not None else 0,
         disk_policy=_choice(config, DISK_POLICY, available_policies(), "lru"),
-        disk_admission=_choice(config, DISK_ADMISSION, available_admissions(), "none"),
+        disk_admission=disk_admission,
         remote_url=remote_url,
         remote_admission=remote_admission,
         remote_bytes=_int(config, REMOTE_BYTES, 1, 0) if REMOTE_BYTES in config else 0,
         kv_events_endpoint=_str(config, EVENTS_ENDPOINT),
         kv_events_replay_endpoint=_str(config, EVENTS_REPLAY_ENDPOINT),
         metrics_port=None if port is None else _int(config, METRICS_PORT, 0, 0, 65535),
+        disk_write_budget=_budget(config, DISK_WRITE_BUDGET, DISK_ADMISSION, disk_admission),
+        remote_write_budget=_budget(
+            config, REMOTE_WRITE_BUDGET, REMOTE_ADMISSION, remote_admission
+        ),
     )
+
+
+def _budget(
+    config: Mapping[str, Any], key: str, admission_key: str, admission: str
+) -> WriteBudget | None:
+    """A tier's write budget, checked: it needs that tier's optimiser."""
+    value = config.get(key)
+    if value is None:
+        return None
+    try:
+        budget = WriteBudget.parse(value)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"hicache-storage-backend-extra-config {key!r}: {exc}") from None
+    if resolve_admission(admission) != "optimiser":
+        raise InvalidArgumentError(
+            f"hicache-storage-backend-extra-config {key!r} needs {admission_key!r} "
+            f"'recommended' (the optimiser), not {admission!r}"
+        )
+    return budget
 
 
 def _int(
