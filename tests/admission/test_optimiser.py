@@ -13,14 +13,10 @@ import pytest
 
 from kvoffload import CPUOffloadingManager, InvalidArgumentError, OffloadKey, block_id_key
 from kvoffload.admission import MiniSimulation, MiniTier, Objective, OptimisingAdmission
+from kvoffload.admission.budget import BURST_REFS as BUDGET_BURST_REFS
+from kvoffload.admission.budget import check_write_budget
 from kvoffload.admission.minisim import sampling_bits
-from kvoffload.admission.optimiser import (
-    BUDGET_BURST_REFS,
-    FEEDBACK,
-    FILTER,
-    STORE_ALL,
-    check_write_budget,
-)
+from kvoffload.admission.optimiser import FEEDBACK, FILTER, STORE_ALL
 from kvoffload.managers import build_manager
 from kvoffload.policies.lru import LRUCachePolicy
 from kvoffload.sim.engine import EngineConfig, ServingEngine

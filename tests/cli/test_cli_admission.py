@@ -45,7 +45,9 @@ def test_the_table_shows_the_what_if_figures(capsys: pytest.CaptureFixture[str])
     [
         ("nan", "argument --write-budget: must be a finite number"),
         ("-0.5", "argument --write-budget: must be >= 0"),
-        ("x", "argument --write-budget: expected a number"),
+        ("x", "argument --write-budget: expected writes per block reference (0.2), bytes per"),
+        ("200MB", "argument --write-budget: expected writes per block reference"),
+        ("1dwpd", "needs the drive's size (--drive-bytes or kvoffload.drive_bytes, or a disk"),
     ],
 )
 def test_bad_write_budgets_are_one_clear_error(
@@ -66,6 +68,23 @@ def test_a_write_budget_needs_the_optimiser_and_keeps_to_it(
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["writes_per_ref"] <= 0.01
+
+
+def test_budgets_in_bytes_per_second_and_drive_writes_keep_to_trace_time(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = [*SMALL, *TIER, "--admission", "recommended", "--json", "-"]
+    assert main(args) == 0
+    free = json.loads(capsys.readouterr().out)
+    per_s = free["offload_bytes_written"] / free["simulated_seconds"] / 4
+    drive = per_s * 86_400
+    for budget in (f"{per_s:.0f}B/s", f"{per_s / 2**20:.6f}MiB/s", "1dwpd"):
+        assert main([*args, "--write-budget", budget, "--drive-bytes", f"{drive:.0f}"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert 0 < report["offload_bytes_written"] <= per_s * report["simulated_seconds"] * 1.0001
+    assert main([*args, "--write-budget", "1dwpd", "--drive-bytes", "0"]) != 0
+    err = capsys.readouterr().err
+    assert "argument --drive-bytes: must be >= 1 byte" in err and len(err.strip().splitlines()) == 1
 
 
 def test_the_table_shows_the_admission_layer(capsys: pytest.CaptureFixture[str]) -> None:

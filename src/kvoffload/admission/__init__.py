@@ -7,16 +7,18 @@ name with its parameters dataclass (:func:`register_admission`).
 """
 
 from kvoffload.admission.base import AdmissionLayer, AdmissionStats
+from kvoffload.admission.budget import (
+    BudgetCredit,
+    WriteBudget,
+    attach_clock,
+    check_write_budget,
+    parse_bytes,
+)
 from kvoffload.admission.controller import ReuseController
 from kvoffload.admission.feedback import FeedbackAdmission, FeedbackParams
 from kvoffload.admission.ghost import GhostRecords
 from kvoffload.admission.minisim import MiniSimulation, MiniTier, WhatIf
-from kvoffload.admission.optimiser import (
-    Objective,
-    OptimiserParams,
-    OptimisingAdmission,
-    check_write_budget,
-)
+from kvoffload.admission.optimiser import Objective, OptimiserParams, OptimisingAdmission
 from kvoffload.admission.params import NoParams, param, parse_pairs
 from kvoffload.admission.registry import (
     admission_params,
@@ -36,6 +38,7 @@ from kvoffload.admission.sketch import FrequencySketch, key_hashes
 __all__ = [
     "AdmissionLayer",
     "AdmissionStats",
+    "BudgetCredit",
     "FeedbackAdmission",
     "FeedbackParams",
     "FilterParams",
@@ -53,7 +56,9 @@ __all__ = [
     "SketchAdmission",
     "SketchParams",
     "WhatIf",
+    "WriteBudget",
     "admission_params",
+    "attach_clock",
     "available_admissions",
     "check_write_budget",
     "config_params",
@@ -61,6 +66,7 @@ __all__ = [
     "key_hashes",
     "param",
     "params_class",
+    "parse_bytes",
     "parse_pairs",
     "register_admission",
     "resolve_admission",

@@ -19,12 +19,14 @@ changes only when the current candidate falls out of that set by a margin
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from kvoffload.admission.base import AdmissionLayer, AdmissionStats
+from kvoffload.admission.budget import BudgetCredit, WriteBudget, check_write_budget
 from kvoffload.admission.feedback import FeedbackAdmission
 from kvoffload.admission.minisim import WINDOW_TIERS, MiniSimulation, WhatIf
 from kvoffload.admission.params import check_params, param
@@ -61,8 +63,6 @@ FILTER_THRESHOLD, FILTER_TRACKER = 2, 64_000
 """The seed filter as vLLM configures it by default."""
 BYTES_PER_FILTER_KEY = 120
 """Approximate CPython cost of one tracked key in the filter's table."""
-BUDGET_BURST_REFS = 1024
-"""A write budget may be spent ahead by at most this many block references' worth."""
 
 
 class _Probe(OffloadingManager):
@@ -98,7 +98,8 @@ class Objective:
     switch_margin: float = SWITCH_MARGIN
     write_margin: float = WRITE_MARGIN
     write_budget: float | None = None
-    """Writes per block reference; ``None`` for no budget."""
+    """Writes per block reference; ``None`` for no budget (a per-time budget is converted
+    at the observed reference rate before each choice)."""
 
     def choose(self, scores: Mapping[str, tuple[float, float]], current: str) -> str:
         """The candidate to follow, given ``candidate -> (hits, writes)`` per reference."""
@@ -153,22 +154,27 @@ class OptimisingAdmission(AdmissionLayer):
         self,
         backing: OffloadingManager,
         capacity: int,
-        write_budget: float | None = None,
+        write_budget: float | WriteBudget | None = None,
         objective: Objective | None = None,
         policy: type[CachePolicy] | None = None,
         bits: int | None = None,
         window_tiers: float | None = None,
         params: OptimiserParams | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(backing, capacity)
         check_write_budget(write_budget)
         self.params = p = params or OptimiserParams()
         if window_tiers is None:
             window_tiers = p.window_tiers
+        budget = objective.write_budget if write_budget is None and objective else write_budget
+        self.write_credit = None if budget is None else BudgetCredit(budget, clock)
+        """The budget's token bucket; ``clock`` (seconds) drives a per-time budget."""
+        per_ref = None if self.write_credit is None else self.write_credit.writes_per_ref()
         self.objective = objective or Objective(
-            p.hit_tolerance, p.switch_margin, p.write_margin, write_budget
+            p.hit_tolerance, p.switch_margin, p.write_margin, per_ref
         )
-        if write_budget is not None and self.objective.write_budget != write_budget:
+        if self.objective.write_budget not in (None, per_ref):
             raise InvalidArgumentError("give the write budget once: in the objective or alone")
         self._probe = _Probe()
         self.feedback = FeedbackAdmission(self._probe, capacity)
@@ -190,7 +196,6 @@ class OptimisingAdmission(AdmissionLayer):
         self._dwell_until = 0.0
         self._settled_at: float | None = None
         """Sampled references at the end of the warm-up; ``None`` before."""
-        self._credit = 0.0
         self._hashed: tuple[Sequence[OffloadKey], np.ndarray] = ((), np.zeros(0, np.uint64))
 
     def _hashes(self, keys: Sequence[OffloadKey]) -> np.ndarray:
@@ -204,9 +209,14 @@ class OptimisingAdmission(AdmissionLayer):
         return hashes
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
+        """The feedback candidate is shown a request where it starts, never the touch after
+        the real tier's store: that tier may store when the candidate did not, and the
+        candidate would count that touch as a second sighting (its own offers as returns)."""
         keys = keys if isinstance(keys, list) else list(keys)
-        self.feedback.touch(keys)
-        super().touch(keys)
+        if keys and not self._announced and self._requests.on_touch(keys):
+            self.feedback.begin_request(keys, lookup_follows=True)
+            self._sighting(keys)
+        self.backing.touch(keys)
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
         keys = keys if isinstance(keys, list) else list(keys)
@@ -236,9 +246,9 @@ class OptimisingAdmission(AdmissionLayer):
         """See :meth:`AdmissionLayer.begin_request`. For per-key drivers (no
         ``lookup_follows``) ``keys`` stand for the request's lookup too, so the filter
         counts them and the mini-tiers score them, and the feedback candidate is told of
-        the request. With ``lookup_follows`` the candidates see the touch and lookup that
-        follow, as they always have: the feedback candidate infers the request from them
-        (the figures of docs/admission.md were measured so).
+        the request. With ``lookup_follows`` the feedback candidate is told the request
+        starts here and the filter and mini-tiers see the lookup that follows; the touch
+        after the real tier's store is no new sighting for the candidate (see :meth:`touch`).
 
         A later part of a request offered in parts (``counted`` > 0) counts only its new
         keys in the filter; the mini-tiers scored the request's lookup with its first part.
@@ -250,7 +260,10 @@ class OptimisingAdmission(AdmissionLayer):
             counted=counted,
             tier_hit=tier_hit,
         )
-        if lookup_follows or not keys:
+        if not keys:
+            return
+        if lookup_follows:
+            self.feedback.begin_request(keys, lookup_follows=True)
             return
         self.feedback.begin_request(keys, will_offer=will_offer, counted=counted, tier_hit=tier_hit)
         self._probe.found = 0
@@ -258,6 +271,8 @@ class OptimisingAdmission(AdmissionLayer):
             self.filter.lookup(list(keys[counted:]))
         if counted == 0:
             self.minisim.on_lookup(keys)
+            if not will_offer:  # announced at its end, after its loads: no offer follows
+                self.minisim.on_full_hit(keys[-1])
 
     def end_request(self, keys: Sequence[OffloadKey]) -> None:
         if self.feedback.announced:
@@ -267,9 +282,8 @@ class OptimisingAdmission(AdmissionLayer):
     def _sighting(self, keys: Sequence[OffloadKey]) -> None:
         self.minisim.on_request(keys, self._hashes(keys))
         self.ghost_hits = self.feedback.ghost_hits
-        if self.objective.write_budget is not None:
-            cap = self.objective.write_budget * BUDGET_BURST_REFS
-            self._credit = min(cap, self._credit + self.objective.write_budget * len(keys))
+        if self.write_credit is not None:
+            self.write_credit.earn(len(keys))
 
     def _admit(self, offered: Sequence[OffloadKey], prefix: int) -> list[OffloadKey]:
         probe = self._probe
@@ -282,14 +296,15 @@ class OptimisingAdmission(AdmissionLayer):
             self._choose()
         chosen = admitted[self.chosen]
         keys = list(offered) if chosen is None else chosen
-        if self.objective.write_budget is not None:
-            keys = keys[: int(self._credit + 1e-9)]
+        if self.write_credit is not None:
+            self.write_credit.earn(0)
+            keys = keys[: self.write_credit.allowance()]
         return keys
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
         output = super().prepare_store(keys)
-        if output is not None and self.objective.write_budget is not None:
-            self._credit -= len(output.keys_to_store)
+        if output is not None and self.write_credit is not None:
+            self.write_credit.spend(len(output.keys_to_store))
         return output
 
     def _choose(self) -> None:
@@ -303,6 +318,9 @@ class OptimisingAdmission(AdmissionLayer):
             self.minisim.restart_window()
         if seen < max(self._settled_at + SETTLE_TIERS * tier.capacity, self._dwell_until):
             return
+        if self.write_credit is not None and not self.write_credit.budget.per_ref:
+            per_ref = self.write_credit.writes_per_ref()
+            self.objective = replace(self.objective, write_budget=per_ref)
         self._switch(self.objective.choose(self.minisim.scores(), self.chosen))
 
     def _switch(self, candidate: str) -> None:
@@ -333,19 +351,6 @@ class OptimisingAdmission(AdmissionLayer):
             candidate=self.chosen,
             whatif=tuple(self.whatif()),
             whatif_total=tuple(self.minisim.figures(cumulative=True)),
-        )
-
-
-def check_write_budget(budget: float | None) -> None:
-    """A write budget is ``None`` or a finite number of writes per block reference >= 0."""
-    if budget is None:
-        return
-    if isinstance(budget, bool) or not isinstance(budget, int | float):
-        raise InvalidArgumentError(f"write budget must be a number, got {budget!r}")
-    if not math.isfinite(budget) or budget < 0:
-        raise InvalidArgumentError(
-            f"write budget must be a finite number of writes per block reference >= 0, "
-            f"got {budget!r}"
         )
 
 

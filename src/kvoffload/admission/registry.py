@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from kvoffload.admission.base import AdmissionLayer
+from kvoffload.admission.budget import WriteBudget, check_write_budget
 from kvoffload.admission.params import NoParams, ParamValue, check_params, parse_params
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.manager import OffloadingManager
@@ -152,15 +153,16 @@ def wrap_with_admission(
     name: str,
     backing: OffloadingManager,
     capacity: int,
-    write_budget: float | None = None,
+    write_budget: float | WriteBudget | None = None,
     params: RawParams | object | None = None,
 ) -> OffloadingManager:
     """``backing`` behind the admission rule ``name`` (unchanged for ``none``).
 
-    A ``write_budget`` (writes per block reference) needs the optimiser, the only
-    layer that can keep to one. ``params``: see :func:`admission_params`.
+    A ``write_budget`` (writes per block reference, or a :class:`WriteBudget`) needs
+    the optimiser, the only layer that can keep to one. ``params``: see
+    :func:`admission_params`.
     """
-    from kvoffload.admission.optimiser import OptimisingAdmission, check_write_budget
+    from kvoffload.admission.optimiser import OptimisingAdmission
 
     canonical = resolve_admission(name)
     parsed = admission_params(canonical, params)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from kvoffload.admission import admission_params, parse_pairs
+from kvoffload.admission.budget import WriteBudget, parse_bytes
 from kvoffload.admission.registry import ParamPairs
 from kvoffload.cli import output
 from kvoffload.core.errors import InvalidArgumentError
@@ -61,11 +62,46 @@ POSITIVE_INT = integer(1)
 COUNT = integer(0)
 POSITIVE = number(0.0, allow_minimum=False)
 SIZE_GIB = number(0.0)
-WRITE_BUDGET = number(0.0)
+
+
+def _usage(parse: Callable[[str], _T], prefix: str) -> Callable[[str], _T]:
+    """An argparse ``type`` from a library parser: its error becomes the usage error."""
+
+    def parse_text(text: str) -> _T:
+        try:
+            return parse(text)
+        except InvalidArgumentError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(prefix)) from None
+
+    return parse_text
+
+
+WRITE_BUDGET = _usage(WriteBudget.parse, "write budget: ")
+DRIVE_BYTES = _usage(lambda text: parse_bytes(text, "drive size"), "drive size: ")
 
 DEFAULT_GPU_GIB = 24.0
 DEFAULT_CPU_GIB = 96.0
 DEFAULT_LAYOUT = "llama-3.1-8b"
+
+
+def add_write_budget_arguments(group: argparse._ArgumentGroup) -> None:
+    """``--write-budget`` in one of three units, and the drive size drive writes need."""
+    group.add_argument(
+        "--write-budget",
+        type=WRITE_BUDGET,
+        default=None,
+        metavar="W",
+        help="with --admission recommended: at most W offload writes per block reference "
+        "(0.2), bytes per second (200MB/s, 1GiB/s) or drive writes per day (1dwpd)",
+    )
+    group.add_argument(
+        "--drive-bytes",
+        type=DRIVE_BYTES,
+        default=None,
+        metavar="SIZE",
+        help="the drive's size for a budget in drive writes per day, e.g. 1.92TB "
+        "(default: the disk tier's size)",
+    )
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:

@@ -59,13 +59,7 @@ def register(commands: Any) -> None:
         help=f"admission layer, one of {', '.join(available_admissions())} (default: none)",
     )
     options.add_admission_param_argument(tier)
-    tier.add_argument(
-        "--write-budget",
-        type=options.WRITE_BUDGET,
-        default=None,
-        metavar="W",
-        help="with --admission recommended: at most W offload writes per block reference",
-    )
+    options.add_write_budget_arguments(tier)
     tier.add_argument(
         "--store-threshold",
         type=options.COUNT,
@@ -141,7 +135,11 @@ def run(args: argparse.Namespace) -> int:
     cpu = options.cpu_blocks(args.cpu_blocks, args.cpu_gb, config, bt)
     config = options.with_offload(config, cpu, args.policy, args.store_threshold)
     config = dataclasses.replace(
-        config, admission=args.admission, write_budget=args.write_budget, admission_params=params
+        config,
+        admission=args.admission,
+        write_budget=args.write_budget,
+        drive_bytes=args.drive_bytes,
+        admission_params=params,
     )
     config = tier_options.with_tiers(config, args, bt)
     if args.no_bound:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvoffload.admission import WriteBudget
 from kvoffload.core.manager import OffloadingManager
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.managers.reuse_filter import FilterReusedOffloadingManager
@@ -16,14 +17,15 @@ def build_manager(
     max_tracker_size: int = 64_000,
     enable_events: bool = False,
     admission: str = "none",
-    write_budget: float | None = None,
+    write_budget: float | WriteBudget | None = None,
     admission_params: object | None = None,
 ) -> OffloadingManager:
     """A CPU tier manager, behind the admission layer ``admission`` and then the reuse
     filter when ``store_threshold >= 2`` (the filter is outermost: it sees calls first).
 
-    ``write_budget`` (writes per block reference) needs ``admission="recommended"``;
-    ``admission_params`` are the rule's parameters (see ``wrap_with_admission``).
+    ``write_budget`` (writes per block reference, or a :class:`WriteBudget`) needs
+    ``admission="recommended"``; ``admission_params`` are the rule's parameters (see
+    ``wrap_with_admission``).
     Thresholds 0 and 1 mean "no filter", as in vLLM's configuration; anything but an
     integer >= 0 is refused, so that ``1.5`` or ``"2"`` is not silently "no filter".
     """

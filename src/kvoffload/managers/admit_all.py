@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvoffload.admission import AdmissionLayer, wrap_with_admission
+from kvoffload.admission import AdmissionLayer, WriteBudget, wrap_with_admission
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import LoadStoreSpec
@@ -42,7 +42,7 @@ def admission_book(
     admission: str,
     spec: LoadStoreSpec,
     capacity: int,
-    write_budget: float | None = None,
+    write_budget: float | WriteBudget | None = None,
     policy: CachePolicy | None = None,
     params: object | None = None,
 ) -> AdmissionLayer | None:

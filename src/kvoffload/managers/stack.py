@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from kvoffload.admission import (
     AdmissionLayer,
+    WriteBudget,
     available_admissions,
     check_write_budget,
     resolve_admission,
@@ -48,7 +49,7 @@ class StackConfig:
     store_threshold: int = 0
     max_tracker_size: int = 64_000
     admission: str = "none"
-    write_budget: float | None = None
+    write_budget: float | WriteBudget | None = None
     admission_params: object | None = field(default=None, compare=False)
     """The CPU tier's rule's parameters (see ``admission_params`` in the registry)."""
     disk_dir: str | None = None
@@ -117,7 +118,7 @@ def _integer(name: str, value: object, minimum: int) -> None:
         raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
 
 
-def _admission(name: str, value: str, budget_name: str, budget: float | None) -> None:
+def _admission(name: str, value: str, budget_name: str, budget: float | WriteBudget | None) -> None:
     if value not in available_admissions():
         raise InvalidArgumentError(
             f"{name}: unknown admission {value!r}; known: {', '.join(available_admissions())}"

@@ -45,6 +45,39 @@ def recovery_samples(
                 yield DROPPED_BLOCKS, (tier, name.removeprefix("dropped_")), value
 
 
+WHATIF_HIT_RATIO, WHATIF_WRITES, CANDIDATE = (
+    "whatif_hit_ratio",
+    "whatif_writes_per_ref",
+    "admission_candidate",
+)
+WHATIF_LABELS = ("candidate", "capacity_factor")
+WHATIF_DOCS = {
+    WHATIF_HIT_RATIO: "Total hit ratio each admission rule would give at each tier size, recently.",
+    WHATIF_WRITES: "Offload writes per block reference of each rule at each tier size, recently.",
+    CANDIDATE: "1 for the admission rule the tier follows, 0 for the other candidates.",
+}
+"""The what-if gauges, by name without prefix: here and on vLLM's ``/metrics``."""
+
+
+def whatif_gauges(stats: AdmissionStats) -> dict[str, dict[tuple[str, ...], float]]:
+    """The what-if gauges' values by label values, as both exporters show them: the hit
+    ratio and writes per ``(candidate, capacity_factor)``, and 1 for the candidate followed
+    (0 for the others, labelled ``(candidate,)``); empty for a layer without what-if figures."""
+    if not stats.whatif:
+        return {}
+    gauges: dict[str, dict[tuple[str, ...], float]] = {
+        WHATIF_HIT_RATIO: {},
+        WHATIF_WRITES: {},
+        CANDIDATE: {},
+    }
+    for figure in stats.whatif:
+        labels = (figure.candidate, f"{figure.capacity_factor:g}")
+        gauges[WHATIF_HIT_RATIO][labels] = figure.hit_ratio
+        gauges[WHATIF_WRITES][labels] = figure.writes_per_ref
+        gauges[CANDIDATE][(figure.candidate,)] = 1.0 if figure.candidate == stats.candidate else 0.0
+    return gauges
+
+
 class ManagerCollector(Collector):
     """Exports ``counters()`` as ``kvoffload_<name>_total`` counters and ``kvoffload_held_blocks``.
 
@@ -105,34 +138,12 @@ class AdmissionCollector(Collector):
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._stats()
-        if not stats.whatif:
-            return
-        labels = ["candidate", "capacity_factor"]
-        hits = GaugeMetricFamily(
-            f"{PREFIX}whatif_hit_ratio",
-            "Total hit ratio each admission rule would give at each tier size, recently.",
-            labels=labels,
-        )
-        writes = GaugeMetricFamily(
-            f"{PREFIX}whatif_writes_per_ref",
-            "Offload writes per block reference of each rule at each tier size, recently.",
-            labels=labels,
-        )
-        for figure in stats.whatif:
-            values = [figure.candidate, f"{figure.capacity_factor:g}"]
-            hits.add_metric(values, figure.hit_ratio)
-            writes.add_metric(values, figure.writes_per_ref)
-        chosen = GaugeMetricFamily(
-            f"{PREFIX}admission_candidate",
-            "1 for the admission rule the tier follows, 0 for the other candidates.",
-            labels=["candidate"],
-        )
-        for name in dict.fromkeys(figure.candidate for figure in stats.whatif):
-            chosen.add_metric([name], 1.0 if name == stats.candidate else 0.0)
-        yield hits
-        yield writes
-        yield chosen
+        for name, series in whatif_gauges(self._stats()).items():
+            labels = list(WHATIF_LABELS) if name != CANDIDATE else ["candidate"]
+            family = GaugeMetricFamily(f"{PREFIX}{name}", WHATIF_DOCS[name], labels=labels)
+            for values, value in series.items():
+                family.add_metric(list(values), value)
+            yield family
 
 
 class TransferCollector(Collector):

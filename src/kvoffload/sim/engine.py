@@ -214,6 +214,11 @@ class ServingEngine:
         """The outermost admission layer, told where each request begins and ends (found
         in ``manager`` for a caller that does not name it)."""
 
+    def now(self) -> float:
+        """The trace time the replay has reached, in seconds: the clock of a write budget
+        in bytes per second or drive writes per day."""
+        return self._now
+
     def run(self, requests: Sequence[Request], progress: Progress | None = None) -> EngineStats:
         """Replay ``requests`` (sorted by arrival) to completion and return the counters."""
         too_big = next((r for r in requests if len(r.keys) > self.config.gpu_blocks), None)

@@ -17,7 +17,9 @@ from typing import Any
 from kvoffload.admission import (
     AdmissionLayer,
     WhatIf,
+    WriteBudget,
     admission_params,
+    attach_clock,
     available_admissions,
     check_write_budget,
     resolve_admission,
@@ -67,8 +69,11 @@ class SimConfig:
     """``"cache"`` or ``"drop"`` a prompt's keyed partial last block (vLLM drops it)."""
     admission: str = "none"
     """Admission layer in front of the tier, by name (``kvoffload.admission``)."""
-    write_budget: float | None = None
-    """Writes per block reference the optimiser keeps to (``admission="recommended"``)."""
+    write_budget: float | WriteBudget | None = None
+    """The budget the optimiser keeps to (``admission="recommended"``): writes per block
+    reference, or a :class:`WriteBudget` in bytes per second or drive writes per day."""
+    drive_bytes: int | None = None
+    """The drive's size for a budget in drive writes per day; ``None``: the disk tier's."""
     admission_params: ParamPairs = ()
     """The admission rule's parameters, ``(name, value)`` pairs (``--admission-param``)."""
     # Tiers below the CPU tier (issue 9): a disk directory and a shared server.
@@ -126,6 +131,7 @@ class SimConfig:
                 f"not {self.admission!r}"
             )
         self._check_tiers()
+        self.sized_write_budget(1)
 
     def _check_tiers(self) -> None:
         if self.disk_blocks < 0:
@@ -145,6 +151,18 @@ class SimConfig:
         if self.cpu_blocks > 0:
             self.stack_config()  # the stack's own checks, each naming its field
 
+    def sized_write_budget(self, bytes_per_block: int) -> WriteBudget | None:
+        """The write budget with the block and drive sizes it converts with; the drive is
+        ``drive_bytes``, or else the disk tier (``disk_blocks`` blocks)."""
+        if self.write_budget is None:
+            return None
+        drive = self.drive_bytes
+        if drive is None and self.disk_dir is not None:
+            drive = self.disk_blocks * bytes_per_block
+        budget = WriteBudget.parse(self.write_budget).sized(bytes_per_block, drive)
+        budget.check()
+        return budget
+
     @property
     def has_lower_tiers(self) -> bool:
         """Whether disk or remote tiers are used: only behind a CPU tier, which promotes hits."""
@@ -155,8 +173,10 @@ class SimConfig:
         fingerprint: bytes = b"",
         slot_bytes: SlotBytes | None = None,
         enable_events: bool = False,
+        bytes_per_block: int = 1,
     ) -> StackConfig:
-        """The manager stack of this run (lower tiers only behind a CPU tier)."""
+        """The manager stack of this run (lower tiers only behind a CPU tier); the write
+        budget is sized to ``bytes_per_block``."""
         tiers = self.has_lower_tiers
         return StackConfig(
             self.cpu_blocks,
@@ -164,7 +184,7 @@ class SimConfig:
             self.store_threshold,
             self.max_tracker_size,
             self.admission,
-            self.write_budget,
+            self.sized_write_budget(bytes_per_block),
             admission_params=self.admission_params,
             disk_dir=self.disk_dir if tiers else None,
             disk_blocks=self.disk_blocks,
@@ -335,7 +355,7 @@ def simulate(
     engine_config = config.engine_config(workload.block_tokens)
     bytes_per_block = engine_config.bytes_per_block
     enable_events = observers is not None and bool(observers.sinks)
-    stack = _stack(config, workload.block_tokens, backend, enable_events)
+    stack = _stack(config, workload.block_tokens, bytes_per_block, backend, enable_events)
     manager = None if stack is None else stack.manager
     if manager is not None and observers is not None:
         manager = observers.wrap(manager, bytes_per_block)
@@ -347,6 +367,8 @@ def simulate(
         holds=None if stack is None else stack.holds,
         admission=None if stack is None else stack.admission,
     )
+    if stack is not None:
+        attach_clock(stack.manager, engine.now)  # a per-time budget runs on trace time
     try:
         stats = engine.run(workload.requests, progress)
     finally:
@@ -473,14 +495,20 @@ def whatif_table(figures: Sequence[WhatIf]) -> dict[str, dict[str, dict[str, flo
 
 
 def _stack(
-    config: SimConfig, block_tokens: int, backend: TransferBackend | None, enable_events: bool
+    config: SimConfig,
+    block_tokens: int,
+    bytes_per_block: int,
+    backend: TransferBackend | None,
+    enable_events: bool,
 ) -> Stack | None:
     """The run's manager stack (``None`` without a CPU tier); real bytes in the lower tiers
     if ``backend`` has them."""
     if config.cpu_blocks == 0:
         return None
     if not config.has_lower_tiers:
-        return build_cpu_stack(config.stack_config(enable_events=enable_events))
+        return build_cpu_stack(
+            config.stack_config(enable_events=enable_events, bytes_per_block=bytes_per_block)
+        )
     # The tiers are imported only now: a run without them needs neither files nor client.
     from kvoffload.tiers import build_stack, layout_fingerprint
 
@@ -488,7 +516,7 @@ def _stack(
     layout = config.kv_layout(block_tokens)
     payload = layout.bytes_per_block if slot_bytes is not None else 0
     fingerprint = layout_fingerprint(config.layout, layout, payload)
-    return build_stack(config.stack_config(fingerprint, slot_bytes, enable_events))
+    return build_stack(config.stack_config(fingerprint, slot_bytes, enable_events, bytes_per_block))
 
 
 def _cpu_stats(stats: EngineStats) -> TierStats:

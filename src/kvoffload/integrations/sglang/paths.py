@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, cast
 
+from kvoffload.admission import WriteBudget
 from kvoffload.admission.registry import ParamPairs
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent
@@ -125,10 +126,13 @@ class TierPath:
         page_bytes: int,
         sink: EventSink | None = None,
         admission_params: ParamPairs = (),
+        write_budget: WriteBudget | None = None,
     ) -> None:
         self.name = name
         self.page_bytes = page_bytes
-        self.layer = admission_book(admission, _SPEC, capacity, params=admission_params)
+        self.layer = admission_book(
+            admission, _SPEC, capacity, write_budget, params=admission_params
+        )
         self._counters = TierCounters()
         self._open = open_tier
         self._sink = sink

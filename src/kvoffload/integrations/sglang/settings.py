@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvoffload.admission import available_admissions, config_params
+from kvoffload.admission import WriteBudget, available_admissions, config_params, resolve_admission
 from kvoffload.admission.registry import ParamPairs
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.policies import available_policies
@@ -52,6 +52,11 @@ REMOTE_BYTES = f"{PREFIX}remote_bytes"
 EVENTS_ENDPOINT = f"{PREFIX}kv_events_endpoint"
 EVENTS_REPLAY_ENDPOINT = f"{PREFIX}kv_events_replay_endpoint"
 METRICS_PORT = f"{PREFIX}metrics_port"
+DISK_WRITE_BUDGET = f"{PREFIX}disk_write_budget"
+REMOTE_WRITE_BUDGET = f"{PREFIX}remote_write_budget"
+"""A tier's write budget (``--write-budget``'s strings: ``0.2``, ``200MB/s``, ``1dwpd``),
+kept by that tier's optimiser (its admission ``recommended``); drive writes per day count
+against the tier's size (``disk_bytes``, ``remote_bytes``)."""
 
 OWN_KEYS = frozenset(
     {
@@ -67,6 +72,8 @@ OWN_KEYS = frozenset(
         EVENTS_ENDPOINT,
         EVENTS_REPLAY_ENDPOINT,
         METRICS_PORT,
+        DISK_WRITE_BUDGET,
+        REMOTE_WRITE_BUDGET,
     }
 )
 
@@ -88,6 +95,8 @@ class BackendSettings:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     metrics_port: int | None = None
+    disk_write_budget: WriteBudget | None = None
+    remote_write_budget: WriteBudget | None = None
 
 
 def parse_settings(extra_config: Mapping[str, Any] | None) -> BackendSettings:
@@ -140,7 +149,30 @@ def parse_settings(extra_config: Mapping[str, Any] | None) -> BackendSettings:
         kv_events_endpoint=_str(config, EVENTS_ENDPOINT),
         kv_events_replay_endpoint=_str(config, EVENTS_REPLAY_ENDPOINT),
         metrics_port=None if port is None else _int(config, METRICS_PORT, 0, 0, 65535),
+        disk_write_budget=_budget(config, DISK_WRITE_BUDGET, DISK_ADMISSION, disk_admission),
+        remote_write_budget=_budget(
+            config, REMOTE_WRITE_BUDGET, REMOTE_ADMISSION, remote_admission
+        ),
     )
+
+
+def _budget(
+    config: Mapping[str, Any], key: str, admission_key: str, admission: str
+) -> WriteBudget | None:
+    """A tier's write budget, checked: it needs that tier's optimiser."""
+    value = config.get(key)
+    if value is None:
+        return None
+    try:
+        budget = WriteBudget.parse(value)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"hicache-storage-backend-extra-config {key!r}: {exc}") from None
+    if resolve_admission(admission) != "optimiser":
+        raise InvalidArgumentError(
+            f"hicache-storage-backend-extra-config {key!r} needs {admission_key!r} "
+            f"'recommended' (the optimiser), not {admission!r}"
+        )
+    return budget
 
 
 def _int(

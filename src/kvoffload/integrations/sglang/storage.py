@@ -30,6 +30,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
+from kvoffload.admission import WriteBudget
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey, make_offload_key
 from kvoffload.core.manager import OffloadingEvent
@@ -378,6 +379,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
                         f"hicache-storage-backend-extra-config {DISK_DIR!r}: {exc}"
                     ) from None
 
+            budget = _sized_budget(s.disk_write_budget, pages.page_bytes, s.disk_bytes, "disk")
             self.paths.append(
                 TierPath(
                     "disk",
@@ -387,6 +389,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
                     pages.page_bytes,
                     sink,
                     s.disk_admission_params,
+                    budget,
                 )
             )
         if s.remote_url is not None:
@@ -406,6 +409,9 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
                         f"hicache-storage-backend-extra-config {REMOTE_URL!r}: {exc}"
                     ) from None
 
+            budget = _sized_budget(
+                s.remote_write_budget, pages.page_bytes, s.remote_bytes or None, "remote"
+            )
             self.paths.append(
                 TierPath(
                     "remote",
@@ -415,6 +421,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
                     pages.page_bytes,
                     sink,
                     s.remote_admission_params,
+                    budget,
                 )
             )
         if s.metrics_port is not None:
@@ -507,3 +514,18 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             else:
                 recent.backup_pgs.append(len(outcome))
                 recent.backup_bandwidth.append(rate)
+
+
+def _sized_budget(
+    budget: WriteBudget | None, page_bytes: int, drive_bytes: int | None, tier: str
+) -> WriteBudget | None:
+    """A tier's write budget in its pages; drive writes per day count against its size."""
+    if budget is None:
+        return None
+    sized = budget.sized(page_bytes, drive_bytes)
+    try:
+        sized.check()
+    except InvalidArgumentError as exc:
+        key = f"kvoffload.{tier}_write_budget"
+        raise InvalidArgumentError(f"hicache-storage-backend-extra-config {key!r}: {exc}") from None
+    return sized

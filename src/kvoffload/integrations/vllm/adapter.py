@@ -50,7 +50,7 @@ from kvoffload.integrations.vllm.offer_filter import OfferCountFilter
 from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.stack import Stack
 from kvoffload.observe.counters import ManagerCounters
-from kvoffload.observe.metrics import recovery_samples
+from kvoffload.observe.metrics import recovery_samples, whatif_gauges
 from kvoffload.policies import BlockStatus
 from kvoffload.sim.tier_model import recovery_counts
 
@@ -315,7 +315,11 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             ghost_hits = self._ghost_hits_before_reset + self._layer.ghost_hits
             stats.increase_counter(GHOST_HITS_METRIC, ghost_hits - self._ghost_hits_reported)
             self._ghost_hits_reported = ghost_hits
-            stats.set_gauge(CONTROL_METRIC, self._layer.stats().control)
+            layer_stats = self._layer.stats()
+            stats.set_gauge(CONTROL_METRIC, layer_stats.control)
+            for name, series in whatif_gauges(layer_stats).items():
+                for labels, level in series.items():
+                    stats.set_gauge(f"{METRIC_PREFIX}{name}", level, labels)
         if self._tiered is not None:
             counts = {tier.medium.lower(): recovery_counts(tier) for tier in self._tiered.tiers}
             found = {name: tier_counts for name, tier_counts in counts.items() if tier_counts}

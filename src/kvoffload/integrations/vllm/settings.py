@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvoffload.admission import (
+    WriteBudget,
     available_admissions,
     check_write_budget,
     config_params,
+    parse_bytes,
     resolve_admission,
 )
 from kvoffload.admission.registry import ParamPairs
@@ -78,6 +80,11 @@ TIER_ADMISSION_KEYS = frozenset(
 DISK_TIMEOUT_KEY = f"{PREFIX}disk_timeout_ms"
 """The deadline of each disk tier operation in milliseconds (needs the disk tier)."""
 
+WRITE_BUDGET_KEY = f"{PREFIX}write_budget"
+DRIVE_BYTES_KEY = f"{PREFIX}drive_bytes"
+"""The optimiser's write budget (``--write-budget``'s strings: ``0.2``, ``200MB/s``,
+``1dwpd``) and the drive size drive writes per day convert with (default: the disk tier's)."""
+
 OWN_KEYS = frozenset(
     {
         ADMISSION_KEY,
@@ -87,6 +94,8 @@ OWN_KEYS = frozenset(
         DISK_BYTES_KEY,
         DISK_TIMEOUT_KEY,
         *TIER_ADMISSION_KEYS,
+        WRITE_BUDGET_KEY,
+        DRIVE_BYTES_KEY,
     }
 )
 """kvoffload's keys. They name layers that are built by ``build_manager``."""
@@ -111,6 +120,8 @@ class SpecSettings:
     remote_write_budget: float | None = None
     remote_bytes: int = 0
     disk_timeout_ms: float = DEFAULT_TIMEOUT_MS
+    write_budget: WriteBudget | None = None
+    drive_bytes: int | None = None
 
     @property
     def has_lower_tiers(self) -> bool:
@@ -165,6 +176,7 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
         disk_timeout_ms = check_timeout_ms(
             extra_config[DISK_TIMEOUT_KEY], f"kv_connector_extra_config {DISK_TIMEOUT_KEY!r}"
         )
+    write_budget, drive_bytes = _write_budget(extra_config, admission)
     return SpecSettings(
         cpu_bytes_to_use=_int(extra_config, "cpu_bytes_to_use", 1),
         eviction_policy=str(policy),
@@ -177,6 +189,8 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
         disk_bytes=_int(extra_config, DISK_BYTES_KEY, 1, 0) if disk_dir is not None else 0,
         **tier_admission,
         disk_timeout_ms=disk_timeout_ms,
+        write_budget=write_budget,
+        drive_bytes=drive_bytes,
     )
 
 
@@ -222,6 +236,27 @@ def _tier_admission(config: Mapping[str, Any], *, disk: bool, remote: bool) -> d
         _int(config, REMOTE_BYTES_KEY, 1, 0) if REMOTE_BYTES_KEY in config else 0
     )
     return settings
+
+
+def _write_budget(
+    config: Mapping[str, Any], admission: str
+) -> tuple[WriteBudget | None, int | None]:
+    """The write budget and drive size keys, checked (the budget needs the optimiser)."""
+    try:
+        budget = None
+        if config.get(WRITE_BUDGET_KEY) is not None:
+            budget = WriteBudget.parse(config[WRITE_BUDGET_KEY])
+        drive = config.get(DRIVE_BYTES_KEY)
+        drive_bytes = None if drive is None else parse_bytes(drive, "drive size")
+    except InvalidArgumentError as exc:
+        key = DRIVE_BYTES_KEY if "drive size" in str(exc) else WRITE_BUDGET_KEY
+        raise InvalidArgumentError(f"kv_connector_extra_config {key!r}: {exc}") from None
+    if budget is not None and resolve_admission(admission) != "optimiser":
+        raise InvalidArgumentError(
+            f"kv_connector_extra_config {WRITE_BUDGET_KEY!r} needs {ADMISSION_KEY!r} "
+            f"'recommended' (the optimiser), not {admission!r}"
+        )
+    return budget, drive_bytes
 
 
 def _int(config: Mapping[str, Any], key: str, minimum: int, default: int | None = None) -> int:

@@ -18,6 +18,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
+from kvoffload.admission import WriteBudget, available_admissions, resolve_admission
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.dataplane.shared_region import default_directory, region_path
 from kvoffload.dataplane.shared_slot_bytes import SharedSlotBytes
@@ -35,13 +36,20 @@ from kvoffload.integrations.vllm.settings import (
     DISK_DIR_KEY,
     REMOTE_BYTES_KEY,
     REMOTE_URL_KEY,
+    WRITE_BUDGET_KEY,
     SpecSettings,
     parse_settings,
 )
 from kvoffload.integrations.vllm.versions import running_release
 from kvoffload.managers.stack import Stack, StackConfig
 from kvoffload.observe.counters import COUNTER_DOCS
-from kvoffload.observe.metrics import RECOVERY_DOCS, RECOVERY_LABELS
+from kvoffload.observe.metrics import (
+    CANDIDATE,
+    RECOVERY_DOCS,
+    RECOVERY_LABELS,
+    WHATIF_DOCS,
+    WHATIF_LABELS,
+)
 from kvoffload.tiers import RemoteTierError, build_stack, fingerprint_of, parse_remote_url
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.slot_file import SUPER_BYTES, slot_start, slot_stride
@@ -95,6 +103,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 documentation="The admission layer's control value (feedback: share of block "
                 "classes written on first sight; sketch: its sightings threshold)."
             )
+            definitions.update(_whatif_definitions(extra_config))
         if extra_config.get(DISK_DIR_KEY) is not None:  # what the disk tier found on start
             for name, doc in RECOVERY_DOCS.items():
                 definitions[f"{METRIC_PREFIX}{name}"] = OffloadingGaugeMetadata(
@@ -189,12 +198,31 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 f"kv_connector_extra_config {REMOTE_BYTES_KEY!r} {self.settings.remote_bytes} "
                 f"holds no offloaded block of {self.bytes_per_block} bytes"
             )
+        self.write_budget = self._sized_write_budget()
         self.fingerprint = _fingerprint(config, self.rank_slot_bytes, self.world_size)
         self._manager: VLLMManagerAdapter | None = None
         self._stack: Stack | None = None
         """The last stack built with lower tiers (closed on a reset or at shutdown)."""
         self._worker: Any = None
         self._slot_bytes: SharedSlotBytes | None = None
+
+    def _sized_write_budget(self) -> WriteBudget | None:
+        """The CPU tier's write budget in its blocks; drive writes per day count against
+        ``kvoffload.drive_bytes``, or else the disk tier's size."""
+        budget = self.settings.write_budget
+        if budget is None:
+            return None
+        drive = self.settings.drive_bytes
+        if drive is None and self.settings.disk_dir is not None:
+            drive = self.settings.disk_bytes
+        budget = budget.sized(self.bytes_per_block, drive)
+        try:
+            budget.check()
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config {WRITE_BUDGET_KEY!r}: {exc}"
+            ) from None
+        return budget
 
     def region_path(self, rank: int) -> Path:
         """Where worker ``rank`` keeps its CPU slots when lower tiers are configured."""
@@ -240,6 +268,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             self.num_blocks,
             settings.eviction_policy,
             admission=settings.admission,
+            write_budget=self.write_budget,
             admission_params=settings.admission_params,
             disk_dir=settings.disk_dir,
             disk_blocks=self.disk_blocks,
@@ -298,6 +327,20 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 kv_caches, self.num_blocks, self.blocks_per_chunk, region, self.rank_slot_bytes
             )
         return self._worker
+
+
+def _whatif_definitions(extra_config: dict[str, Any]) -> dict[str, Any]:
+    """The optimiser's what-if and candidate gauges, labelled as kvoffload's own exporter
+    labels them; none for another admission layer (or a name start-up will refuse)."""
+    admission = extra_config.get(ADMISSION_KEY)
+    if admission not in available_admissions() or resolve_admission(admission) != "optimiser":
+        return {}
+    return {
+        f"{METRIC_PREFIX}{name}": OffloadingGaugeMetadata(
+            documentation=doc, labelnames=("candidate",) if name == CANDIDATE else WHATIF_LABELS
+        )
+        for name, doc in WHATIF_DOCS.items()
+    }
 
 
 def _fingerprint(config: OffloadingConfig, rank_slot_bytes: int, world_size: int) -> bytes:

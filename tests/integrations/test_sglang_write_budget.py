@@ -1,0 +1,72 @@
+"""``kvoffload.disk_write_budget`` / ``kvoffload.remote_write_budget``: the optimiser of
+SGLang's L3 tiers keeps the same budget strings as ``--write-budget``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvoffload.admission import OptimisingAdmission
+from kvoffload.admission.budget import BYTES_PER_S, DWPD, PER_REF
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.integrations.sglang.settings import parse_settings
+
+DISK = {"kvoffload.disk_dir": "/tmp/unused", "kvoffload.disk_bytes": 1 << 20}
+OPTIMISER = {"kvoffload.disk_admission": "recommended"}
+
+
+@pytest.mark.parametrize(
+    ("budget", "unit"), [("0.2", PER_REF), (0.2, PER_REF), ("1MB/s", BYTES_PER_S), ("2dwpd", DWPD)]
+)
+def test_each_tier_takes_a_budget_in_any_unit(budget: str | float, unit: str) -> None:
+    settings = parse_settings({**DISK, **OPTIMISER, "kvoffload.disk_write_budget": budget})
+    assert settings.disk_write_budget is not None
+    assert settings.disk_write_budget.unit == unit
+    assert settings.remote_write_budget is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            {**OPTIMISER, "kvoffload.disk_write_budget": "fast"},
+            "'kvoffload.disk_write_budget': write budget: expected writes per block reference",
+        ),
+        (
+            {**OPTIMISER, "kvoffload.disk_write_budget": "nan"},
+            "'kvoffload.disk_write_budget': write budget: must be a finite number",
+        ),
+        (
+            {"kvoffload.disk_write_budget": "0.1"},
+            "'kvoffload.disk_write_budget' needs 'kvoffload.disk_admission' 'recommended'",
+        ),
+    ],
+)
+def test_a_bad_budget_is_named(extra: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidArgumentError) as error:
+        parse_settings({**DISK, **extra})
+    assert message in str(error.value)
+
+
+def test_the_disk_tiers_optimiser_counts_its_pages_and_its_size_as_the_drive(
+    backends: Any, tmp_path: Path
+) -> None:
+    pytest.importorskip("sglang", reason="SGLang is not installed (CI installs it --no-deps)")
+    from sglang_helpers import HostPool
+
+    pool = HostPool()
+    page_bytes = len(pool.page_bytes(0))
+    extra = {
+        "kvoffload.disk_dir": str(tmp_path / "l3"),
+        "kvoffload.disk_bytes": 64 * page_bytes,
+        **OPTIMISER,
+        "kvoffload.disk_write_budget": "1dwpd",
+    }
+    backend = backends(extra, pool, model="budget")
+    (path,) = backend.paths
+    assert isinstance(path.layer, OptimisingAdmission)
+    credit = path.layer.write_credit
+    assert credit is not None and credit.budget.block_bytes == page_bytes
+    assert credit.budget.bytes_per_second() == pytest.approx(64 * page_bytes / 86_400)

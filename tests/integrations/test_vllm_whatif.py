@@ -1,0 +1,151 @@
+"""The optimiser inside vLLM 0.33: its what-if figures and chosen rule travel through vLLM's
+connector stats to its ``/metrics``, and ``kvoffload.write_budget`` keeps its budget."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import pytest
+from vllm_helpers import SPEC_CONFIG, create_spec, metrics_frontend
+from vllm_scheduler import connector_scheduler
+
+from kvoffload import InvalidArgumentError
+from kvoffload.admission import OptimisingAdmission, find_admission
+from kvoffload.admission.budget import BYTES_PER_S, DWPD, PER_REF
+from kvoffload.sim.generators import generate
+from kvoffload.sim.workload import Workload
+
+HIT, WRITES, CANDIDATE = (
+    "vllm:kvoffload_whatif_hit_ratio",
+    "vllm:kvoffload_whatif_writes_per_ref",
+    "vllm:kvoffload_admission_candidate",
+)
+
+
+def _workload() -> Workload:
+    return generate({"chat": 1.0}, num_requests=300, seed=0, block_tokens=16, rate=2.0)
+
+
+def _optimiser(manager: Any) -> OptimisingAdmission:
+    layer = find_admission(manager.backing)
+    assert isinstance(layer, OptimisingAdmission)
+    return layer
+
+
+def test_whatif_figures_reach_vllms_stats_and_metrics_as_our_exporter_shows_them(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    import prometheus_client
+
+    from kvoffload.integrations.vllm.replay import replay
+    from kvoffload.observe.metrics import AdmissionCollector
+
+    extra = {**SPEC_CONFIG, "cpu_bytes_to_use": 300 * 1024, "kvoffload.admission": "recommended"}
+    frontend, registry = metrics_frontend(extra)
+    spec = create_spec(extra)
+    scheduler = connector_scheduler(spec)
+    manager = spec.get_manager()
+    workload = _workload()
+    replay(manager, workload.requests, workload.block_tokens)
+    layer = _optimiser(manager)
+    figures = layer.stats().whatif
+    assert len(figures) == 12  # three candidates at four capacity factors
+    stats = scheduler.get_stats()  # vLLM's connector scheduler asks our manager
+    gauges = stats.data["data"]
+    for figure in figures:
+        labels = (figure.candidate, f"{figure.capacity_factor:g}")
+        assert gauges[HIT][labels] == figure.hit_ratio
+        assert gauges[WRITES][labels] == figure.writes_per_ref
+    assert {k for k, v in gauges[CANDIDATE].items() if v == 1.0} == {(layer.chosen,)}
+    frontend.observe(stats.data, 0)
+    # Our own exporter (``kvoffload simulate --metrics-port``) on the same layer:
+    ours = prometheus_client.CollectorRegistry()
+    ours.register(AdmissionCollector(layer.stats))
+    compared = 0
+    for family in ours.collect():
+        for sample in family.samples:
+            labels = {**sample.labels, "engine": "0"}
+            assert registry.get_sample_value(f"vllm:{sample.name}", labels) == (sample.value)
+            compared += 1
+    assert compared == 12 + 12 + 3
+    text = prometheus_client.generate_latest(registry).decode()
+    assert f"# TYPE {HIT} gauge" in text and f"# TYPE {CANDIDATE} gauge" in text
+    assert f'{CANDIDATE}{{candidate="{layer.chosen}",engine="0"}} 1.0' in text
+
+
+def test_whatif_gauges_are_declared_only_for_the_optimiser(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    from kvoffload.integrations.vllm import KVOffloadSpec
+
+    for name in ("recommended", "optimiser"):
+        definitions = KVOffloadSpec.build_metric_definitions({"kvoffload.admission": name})
+        assert definitions[HIT].labelnames == ("candidate", "capacity_factor")
+        assert definitions[CANDIDATE].labelnames == ("candidate",)
+    for extra in ({"kvoffload.admission": "feedback"}, {}, {"kvoffload.admission": "bogus"}):
+        assert HIT not in KVOffloadSpec.build_metric_definitions(extra)
+    extra = {**SPEC_CONFIG, "cpu_bytes_to_use": 8 * 1024, "kvoffload.admission": "feedback"}
+    assert HIT not in create_spec(extra).get_manager().get_stats().data["data"]
+
+
+@pytest.mark.parametrize(
+    ("budget", "unit"), [("0.02", PER_REF), (0.02, PER_REF), ("20kB/s", BYTES_PER_S)]
+)
+def test_the_write_budget_key_reaches_the_optimiser_in_the_tiers_block_size(
+    vllm_modules: dict[str, ModuleType], budget: str | float, unit: str
+) -> None:
+    from kvoffload.integrations.vllm.replay import replay
+
+    extra = {
+        "cpu_bytes_to_use": 300 * 1024,
+        "kvoffload.admission": "recommended",
+        "kvoffload.write_budget": budget,
+    }
+    manager = create_spec(extra).get_manager()
+    credit = _optimiser(manager).write_credit
+    assert credit is not None and credit.budget.unit == unit
+    assert credit.budget.block_bytes == 1024  # the spec's bytes per block
+    if unit == PER_REF:
+        workload = _workload()
+        result = replay(manager, workload.requests, workload.block_tokens)
+        assert 0 < result.written_blocks <= 0.02 * result.refs
+    else:
+        assert credit.budget.blocks_per_second() == pytest.approx(20_000 / 1024)
+
+
+def test_drive_writes_per_day_take_the_disk_tiers_size_or_the_drive_key(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    extra = {
+        "cpu_bytes_to_use": 64 * 1024,
+        "kvoffload.admission": "recommended",
+        "kvoffload.write_budget": "2dwpd",
+        "kvoffload.drive_bytes": "1.92TB",
+    }
+    credit = _optimiser(create_spec(extra).get_manager()).write_credit
+    assert credit is not None and credit.budget.unit == DWPD
+    assert credit.budget.bytes_per_second() == pytest.approx(2 * 1.92e12 / 86_400)
+    del extra["kvoffload.drive_bytes"]
+    with pytest.raises(InvalidArgumentError, match=r"'kvoffload.write_budget': .*drive's size"):
+        create_spec(extra)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"kvoffload.write_budget": "lots"}, "'kvoffload.write_budget': write budget: expected"),
+        ({"kvoffload.write_budget": "-1MB/s"}, "'kvoffload.write_budget': write budget: must"),
+        ({"kvoffload.drive_bytes": "big"}, "'kvoffload.drive_bytes': drive size: must be"),
+        (
+            {"kvoffload.admission": "feedback", "kvoffload.write_budget": "0.1"},
+            "needs 'kvoffload.admission' 'recommended'",
+        ),
+    ],
+)
+def test_a_bad_write_budget_key_stops_vllm_at_start_up(
+    vllm_modules: dict[str, ModuleType], extra: dict[str, Any], message: str
+) -> None:
+    config = {"cpu_bytes_to_use": 8 * 1024, "kvoffload.admission": "recommended", **extra}
+    with pytest.raises(InvalidArgumentError, match=message):
+        create_spec(config)
