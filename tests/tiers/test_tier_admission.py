@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvoffload import block_id_key
-from kvoffload.admission import OptimisingAdmission
+from kvoffload.admission import OptimisingAdmission, WriteBudget
 from kvoffload.admission.budget import BURST_REFS as BUDGET_BURST_REFS
 from kvoffload.admission.optimiser import tier_policy
 from kvoffload.managers import CPUOffloadingManager
@@ -149,3 +149,26 @@ def test_a_write_through_tier_writes_what_its_own_layer_admits(
         assert disk.stats.stored_blocks == written
     finally:
         tiered.close()
+
+
+def test_a_disk_budget_in_bytes_per_second_holds_on_trace_time(tmp_path: Path) -> None:
+    """``--disk-write-budget 5MB/s``: the disk tier's writes, in the run's block bytes,
+    stay within the rate times the simulated run's duration plus the bank (10 s of budget)."""
+    workload = ONE_SHOT_HEAVY.load()
+    config = SimConfig(
+        gpu_blocks=600,
+        cpu_blocks=1000,
+        bound=False,
+        disk_dir=str(tmp_path / "budget"),
+        disk_blocks=5000,
+        disk_admission="recommended",
+        disk_write_budget=WriteBudget.parse("5MB/s"),
+    )
+    report = simulate(workload, config).as_dict()
+    unlimited = _disk_run(tmp_path, "recommended")
+    block_bytes = config.engine_config(workload.block_tokens).bytes_per_block
+    seconds = report["simulated_seconds"]
+    assert isinstance(seconds, float) and seconds > 0
+    written = report["tiers"]["disk"]["admitted_blocks"] * block_bytes  # type: ignore[index]
+    assert 0 < written <= 5e6 * (seconds + 10) + block_bytes
+    assert written < unlimited["tiers"]["disk"]["admitted_blocks"] * block_bytes  # type: ignore[index]

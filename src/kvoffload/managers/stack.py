@@ -62,9 +62,9 @@ class StackConfig:
     remote_blocks: int = 0
     tier_store_threshold: int = 0
     disk_admission: str = "none"
-    disk_write_budget: float | None = None
+    disk_write_budget: float | WriteBudget | None = None
     remote_admission: str = "none"
-    remote_write_budget: float | None = None
+    remote_write_budget: float | WriteBudget | None = None
     enable_events: bool = False
     wait_for_tiers: bool = False
     slot_bytes: SlotBytes | None = field(default=None, compare=False)

@@ -38,7 +38,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import cast
 
-from kvoffload.admission import AdmissionLayer, resolve_admission
+from kvoffload.admission import AdmissionLayer, WriteBudget, resolve_admission
 from kvoffload.admission.reuse_counts import ReuseCounts
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
@@ -66,14 +66,14 @@ class TierSettings:
     once lookups have seen it this many times (below 2: every block).
     ``admission``: then an admission layer by name decides among those
     (``none``: all pass), modelling a tier of ``capacity`` blocks and keeping,
-    with the optimiser, to ``write_budget`` writes per block reference that
-    reaches this tier.
+    with the optimiser, to ``write_budget`` (writes per block reference that
+    reaches this tier, or a sized :class:`~kvoffload.admission.WriteBudget`).
     """
 
     write_through: bool = False
     store_threshold: int = 0
     admission: str = "none"
-    write_budget: float | None = None
+    write_budget: float | WriteBudget | None = None
     capacity: int = 0
 
     def __post_init__(self) -> None:

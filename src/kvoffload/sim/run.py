@@ -84,10 +84,10 @@ class SimConfig:
     """Admission to the lower tiers: lookups seen before a block is written there."""
     disk_admission: str = "none"
     """The disk tier's own admission layer, after ``tier_store_threshold``."""
-    disk_write_budget: float | None = None
+    disk_write_budget: float | WriteBudget | None = None
     """Writes per block reference reaching the disk tier (``disk_admission="recommended"``)."""
     remote_admission: str = "none"
-    remote_write_budget: float | None = None
+    remote_write_budget: float | WriteBudget | None = None
     remote_blocks: int = 0
     """The shared tier's size as its admission layer models it."""
     disk_gb_per_s: float = tier_model.DISK_GB_PER_S
@@ -154,14 +154,10 @@ class SimConfig:
     def sized_write_budget(self, bytes_per_block: int) -> WriteBudget | None:
         """The write budget with the block and drive sizes it converts with; the drive is
         ``drive_bytes``, or else the disk tier (``disk_blocks`` blocks)."""
-        if self.write_budget is None:
-            return None
         drive = self.drive_bytes
         if drive is None and self.disk_dir is not None:
             drive = self.disk_blocks * bytes_per_block
-        budget = WriteBudget.parse(self.write_budget).sized(bytes_per_block, drive)
-        budget.check()
-        return budget
+        return _sized(self.write_budget, bytes_per_block, drive)
 
     @property
     def has_lower_tiers(self) -> bool:
@@ -194,9 +190,15 @@ class SimConfig:
             remote_blocks=self.remote_blocks,
             tier_store_threshold=self.tier_store_threshold,
             disk_admission=self.disk_admission,
-            disk_write_budget=self.disk_write_budget,
+            disk_write_budget=_sized(
+                self.disk_write_budget,
+                bytes_per_block,
+                self.drive_bytes or self.disk_blocks * bytes_per_block,
+            ),
             remote_admission=self.remote_admission,
-            remote_write_budget=self.remote_write_budget,
+            remote_write_budget=_sized(
+                self.remote_write_budget, bytes_per_block, self.remote_blocks * bytes_per_block
+            ),
             enable_events=enable_events,
             wait_for_tiers=True,
             slot_bytes=slot_bytes,
@@ -367,8 +369,10 @@ def simulate(
         holds=None if stack is None else stack.holds,
         admission=None if stack is None else stack.admission,
     )
-    if stack is not None:
-        attach_clock(stack.manager, engine.now)  # a per-time budget runs on trace time
+    if stack is not None:  # a per-time budget runs on trace time
+        for layer in (stack.manager, stack.disk_admission, stack.remote_admission):
+            if layer is not None:
+                attach_clock(layer, engine.now)
     try:
         stats = engine.run(workload.requests, progress)
     finally:
@@ -492,6 +496,17 @@ def whatif_table(figures: Sequence[WhatIf]) -> dict[str, dict[str, dict[str, flo
             "sampling_rate": f.sampling_rate,
         }
     return table
+
+
+def _sized(
+    budget: float | WriteBudget | None, bytes_per_block: int, drive_bytes: int | None
+) -> WriteBudget | None:
+    """``budget`` with the block and drive sizes a per-time budget converts with."""
+    if budget is None:
+        return None
+    sized = WriteBudget.parse(budget).sized(bytes_per_block, drive_bytes or None)
+    sized.check()
+    return sized
 
 
 def _stack(
