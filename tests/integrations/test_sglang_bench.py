@@ -55,6 +55,7 @@ def test_sglang_rows_for_every_tier_shape_and_interface(
     assert mha["page_bytes"] == 2 * (2 * 32 * 8 * 128 * 2)  # 0.2 MiB: 2 layers of 128 KiB
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:3] == ["tier", "shape", "interface"] and len(lines) == 2 + 12 + 1
-    assert lines[-1].startswith("3 pages per batch; plain: the same tier")
+    assert lines[-1].startswith("3 pages per batch; plain: disk, the same tier")
+    assert "remote, pipelined SET / GET of the same bytes on a plain socket" in lines[-1]
     assert list(tmp_path.iterdir()) == [path]  # scratch removed
     assert valkey_server.client().dbsize() == before  # the backend cleared its pages

@@ -42,13 +42,16 @@ def _gbps(num_bytes: int, seconds: float) -> float:
     return num_bytes / seconds / 1e9 if seconds > 0 else 0.0
 
 
-class _Blocks:
+class BenchBlocks:
     """``count`` distinct payloads of ``size`` bytes and one destination buffer for loads."""
 
-    def __init__(self, count: int, size: int) -> None:
+    def __init__(self, count: int, size: int, payloads: list[bytes] | None = None) -> None:
         self.size = size
-        seed = os.urandom(size)
-        self.payloads = [i.to_bytes(8, "little") + seed[8:] for i in range(count)]
+        if payloads is None:
+            seed = os.urandom(size)
+            payloads = [i.to_bytes(8, "little") + seed[8:] for i in range(count)]
+        self.payloads = payloads
+        """Given ``payloads`` (``count`` of ``size`` bytes) are benchmarked as they are."""
         self.buffer = bytearray(count * size)
         self.view = memoryview(self.buffer)
         self.total = count * size
@@ -69,7 +72,7 @@ class _Blocks:
 
 
 def measure_disk(
-    blocks: _Blocks,
+    blocks: BenchBlocks,
     directory: Path,
     rounds: int,
     fsync: bool = False,
@@ -125,14 +128,14 @@ def measure_disk(
     return _figures("disk", blocks.total, tier_times, plain_times)
 
 
-def measure_remote(blocks: _Blocks, url: str, rounds: int) -> dict[str, float]:
+def measure_remote(blocks: BenchBlocks, url: str, rounds: int) -> dict[str, float]:
     """As :func:`measure_disk`, against a raw socket per node: pipelined SETs, then pipelined
     GETs each read with ``recv_into`` straight into its destination (no client library)."""
     fingerprint = layout_fingerprint("bench", layout_preset("tiny"), blocks.size)
     remote = RemoteTier(url, fingerprint)
-    raw: _RawSockets | None = None
+    raw: RawSockets | None = None
     try:
-        raw = _RawSockets(remote)
+        raw = RawSockets(remote)
 
         def plain(i: int) -> tuple[float, float]:
             return raw.round(i, blocks)
@@ -166,7 +169,7 @@ def measure_remote(blocks: _Blocks, url: str, rounds: int) -> dict[str, float]:
     return _figures("remote", blocks.total, tier_times, plain_times)
 
 
-class _RawSockets:
+class RawSockets:
     """The baseline: one plain socket per node (opened past TLS and AUTH by the tier),
     the plainest pipelined SET and GET, each reply's length known in advance."""
 
@@ -184,7 +187,7 @@ class _RawSockets:
             self._sockets[where] = sock
         return self._sockets[where]
 
-    def round(self, index: int, blocks: _Blocks) -> tuple[float, float]:
+    def round(self, index: int, blocks: BenchBlocks) -> tuple[float, float]:
         names = [b"kvoffload-bench:plain:%d:%d" % (index, j) for j in range(len(blocks.payloads))]
         by_socket: dict[socket.socket, list[int]] = {}
         for j, name in enumerate(names):
@@ -250,7 +253,7 @@ Times = list[tuple[float, float]]
 """(store, load) seconds of each round."""
 
 
-def _alternate(rounds: int, plain: Round, tier: Round, blocks: _Blocks) -> tuple[Times, Times]:
+def _alternate(rounds: int, plain: Round, tier: Round, blocks: BenchBlocks) -> tuple[Times, Times]:
     """(store, load) seconds of every round of each, interleaved; the tier's loads verified."""
     plain_times: Times = []
     tier_times: Times = []
@@ -306,7 +309,7 @@ def measure_tiers(
         )
     # The payloads and the load buffer each hold every block.
     check_fits(2 * blocks * block_mib * MIB, f"{blocks} blocks of {block_mib:g} MiB")
-    data = _Blocks(blocks, size)
+    data = BenchBlocks(blocks, size)
     results: dict[str, Any] = {"blocks": blocks, "block_bytes": data.size, "rounds": rounds}
     if fsync:
         results["fsync"] = True

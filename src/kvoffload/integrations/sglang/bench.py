@@ -4,9 +4,11 @@ For each tier (the disk tier, and the shared tier with ``--remote``), each
 page shape (MHA ``page_first``, MHA ``layer_first``, MLA ``page_first``)
 and each of SGLang's interfaces (``v1``: host-pool indices; ``copy``: page
 tensors), one batch of pages is stored through the backend and loaded back
-into other pages (bytes checked), and in the same run the tier under it
-stores and loads the same bytes as one buffer per page (the plain tier
-path: what a single-buffer layout would cost). Rounds alternate; rates are
+into other pages (bytes checked), and in the same run the same bytes go the
+plain way: on disk, the tier under the backend with one buffer per page (what a
+single-buffer layout would cost); on the shared tier, the plainest pipelined
+SET and GET on a raw socket to the same server (GET replies read straight into
+place; no client library, no header, no checksum). Rounds alternate; rates are
 the best rounds', ratios compare best rates, and the median of the rounds'
 own ratios comes beside them. The copy interface's page tensors are made
 before the clock starts and put back after it stops: SGLang makes them, the
@@ -32,6 +34,8 @@ import torch
 
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.memory import check_fits
+from kvoffload.tiers.bench import BenchBlocks, RawSockets
+from kvoffload.tiers.remote import RemoteTier
 
 INTERFACES = ("v1", "copy")
 SHAPES = {
@@ -171,7 +175,19 @@ def measure_row(
     plain_times: Times = []
     ours_times: Times = []
 
+    raw: RawSockets | None = None
+    if "kvoffload.remote_url" in extra:  # the plainest pipelined SET / GET of the same bytes
+        remote = backend.paths[0].tier
+        if not isinstance(remote, RemoteTier):
+            raise KVOffloadError("bench tiers --sglang: the shared tier did not open")
+        raw, blocks = RawSockets(remote), BenchBlocks(pages, size, expected)
+
     def plain(r: int) -> tuple[float, float]:
+        if raw is not None:
+            times = raw.round(r, blocks)
+            blocks.verify()
+            blocks.clear()
+            return times
         tier = backend.paths[0].tier
         keys = [page_key(f"plain-{r}-{i}") for i in range(pages)]
         started = time.perf_counter()
@@ -216,6 +232,8 @@ def measure_row(
                 pool.set_from_flat_data_page(p * PAGE_TOKENS, pool.get_dummy_flat_data_page())
             backend.clear()
     finally:
+        if raw is not None:
+            raw.close()
         backend.close()
     return _figures(pages, size, plain_times, ours_times)
 
@@ -293,7 +311,8 @@ def table_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]], str
         rows.append(cells)
     rounds = results["rounds"]
     note = (
-        f"{results['pages']} pages per batch; plain: the same tier, one buffer per page; best of "
+        f"{results['pages']} pages per batch; plain: disk, the same tier with one buffer per "
+        "page; remote, pipelined SET / GET of the same bytes on a plain socket; best of "
         f"{rounds} round{'s' * (rounds != 1)}, median of the rounds' own ratios"
     )
     return headers, rows, note
