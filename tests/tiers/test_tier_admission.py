@@ -10,7 +10,8 @@ import pytest
 
 from kvoffload import block_id_key
 from kvoffload.admission import OptimisingAdmission
-from kvoffload.admission.optimiser import BUDGET_BURST_REFS, tier_policy
+from kvoffload.admission.budget import BURST_REFS as BUDGET_BURST_REFS
+from kvoffload.admission.optimiser import tier_policy
 from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.stack import StackConfig
 from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
