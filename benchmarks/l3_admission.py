@@ -33,7 +33,8 @@ from typing import Any
 
 from admission_table import GPU_SHARE, TRACE, WORKLOADS, positive_int, unique_blocks
 from kvoffload.core.keys import OffloadKey
-from kvoffload.integrations.sglang.paths import TierPath
+from kvoffload.integrations.sglang.paths import L3_SPEC, TierPath
+from kvoffload.managers.admit_all import admission_book
 from kvoffload.sim.workload import Workload
 
 ADMISSIONS = ("none", "recommended")
@@ -125,7 +126,7 @@ class Lru:
 def replay(workload: Workload, gpu: int, host: int, l3: int, admission: str) -> dict[str, float]:
     """One replay of ``workload`` through GPU -> host -> L3 (``admission`` into L3)."""
     tier = KeyTier(l3)
-    path = TierPath("l3", lambda: tier, admission, l3, page_bytes=1)
+    path = TierPath("l3", lambda: tier, admission_book(admission, L3_SPEC, l3), page_bytes=1)
     gpu_cache, host_cache = Lru(gpu), Lru(host)
     refs = gpu_hits = host_hits = l3_hits = l3_lookups = 0
     for request in workload.requests:

@@ -11,6 +11,7 @@ and walk no ``backing`` to find them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvoffload.admission import (
@@ -28,9 +29,91 @@ from kvoffload.core.manager import OffloadingManager
 from kvoffload.core.tier_protocol import LowerTier, SlotBytes
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.managers.reuse_filter import FilterReusedOffloadingManager
-from kvoffload.managers.tiered import TieredOffloadingManager
+from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
+from kvoffload.policies import available_policies
 
 OPTIMISER = "optimiser"
+DISK, REMOTE = "disk", "remote"
+"""The kinds of lower tier: a disk directory (write-back), a shared server (write-through)."""
+
+
+@dataclass(frozen=True)
+class LowerTierConfig:
+    """One lower tier and its admission book: the disk tier (``location`` its directory) or
+    the shared tier (``location`` its URL), opened by :mod:`kvoffload.tiers.stack`.
+
+    ``blocks``: the disk tier's size, or the shared tier's as its admission book models it
+    (0: unknown); ``None`` until known (SGLang counts pages once its host pool registers).
+    Checked on construction (again on :func:`dataclasses.replace`); an error names the field
+    as the caller spells it: ``names`` maps a field to the caller's key, ``where`` prefixes.
+    """
+
+    kind: str
+    location: str = field(repr=False)  # a URL may hold a password
+    blocks: int | None = 0
+    policy: str = "lru"
+    """The disk tier's eviction policy (the shared server evicts by its own rules)."""
+    deadline_s: float | None = None
+    """The deadline of each disk I/O job; ``None``: the disk tier's default."""
+    admission: str = "none"
+    admission_params: object | None = field(default=None, compare=False)
+    write_budget: float | WriteBudget | None = None
+    where: str = field(default="", compare=False, repr=False)
+    names: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        try:
+            self._check()
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"{self.where}{exc}") from None
+
+    def key(self, name: str) -> str:
+        """The caller's name of field ``name``."""
+        return self.names.get(name, name)
+
+    def tier_settings(self, store_threshold: int = 0) -> TierSettings:
+        """How the tiered manager writes to this tier: write-back to disk, write-through to
+        the shared tier (others see a block as soon as it is stored)."""
+        return TierSettings(
+            self.kind == REMOTE,
+            store_threshold,
+            self.admission,
+            self.write_budget,
+            self.blocks or 0,
+            self.admission_params,
+        )
+
+    def _check(self) -> None:
+        if self.kind not in (DISK, REMOTE):
+            raise InvalidArgumentError(f"a lower tier is {DISK!r} or {REMOTE!r}, not {self.kind!r}")
+        if not isinstance(self.location, str) or not self.location:
+            raise InvalidArgumentError(
+                f"{self.key('location')} must be a non-empty string, got {self.location!r}"
+            )
+        if self.kind == DISK and self.policy not in available_policies():
+            raise InvalidArgumentError(
+                f"{self.key('policy')} {self.policy!r} is not one of "
+                f"{', '.join(available_policies())}"
+            )
+        admission, budget = self.key("admission"), self.key("write_budget")
+        _admission(admission, self.admission, budget, self.write_budget)
+        try:
+            admission_params(self.admission, self.admission_params)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"{self.key('admission_params')}: {exc}") from None
+        if self.blocks is None:
+            return
+        _integer(self.key("blocks"), self.blocks, 0)
+        if self.kind == DISK and self.blocks < 1:
+            raise InvalidArgumentError(
+                f"{self.key('blocks')}: a disk tier needs >= 1 block, got {self.blocks}"
+            )
+        if self.admission != "none" and self.blocks < 1:
+            raise InvalidArgumentError(
+                f"{admission} {self.admission!r} needs {self.key('blocks')} >= 1 (the "
+                f"{'shared ' if self.kind == REMOTE else ''}tier's size its admission layer "
+                "models)"
+            )
 
 
 @dataclass(frozen=True)
@@ -71,6 +154,10 @@ class StackConfig:
     """The CPU slots' bytes; ``None``: the lower tiers keep books only (empty payloads)."""
     fingerprint: bytes = b""
     """What the lower tiers' blocks mean (:func:`~kvoffload.tiers.layout_fingerprint`)."""
+    disk_tier: LowerTierConfig | None = field(init=False, compare=False, repr=False)
+    remote_tier: LowerTierConfig | None = field(init=False, compare=False, repr=False)
+    """The lower tiers' settings as :func:`kvoffload.tiers.stack.build_stack` opens them
+    (``None``: no such tier); their checks are :class:`LowerTierConfig`'s."""
 
     def __post_init__(self) -> None:
         for name in ("cpu_blocks", "store_threshold", "disk_blocks", "remote_blocks"):
@@ -83,32 +170,51 @@ class StackConfig:
             admission_params(self.admission, self.admission_params)
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"admission_params: {exc}") from None
-        _admission(
-            "disk_admission", self.disk_admission, "disk_write_budget", self.disk_write_budget
-        )
-        _admission(
-            "remote_admission",
-            self.remote_admission,
-            "remote_write_budget",
-            self.remote_write_budget,
-        )
-        if self.disk_dir is not None and self.disk_blocks < 1:
-            raise InvalidArgumentError(
-                f"disk_blocks: a disk tier needs >= 1 block, got {self.disk_blocks}"
+        for kind, where, tier in (
+            ("disk", "disk_dir", "a disk"),
+            ("remote", "remote_url", "a shared"),
+        ):
+            if getattr(self, where) is not None:
+                continue
+            for name in (f"{kind}_admission", f"{kind}_write_budget"):
+                if getattr(self, name) not in ("none", None):
+                    raise InvalidArgumentError(f"{name} needs {tier} tier ({where})")
+        disk = remote = None
+        if self.disk_dir is not None:
+            disk = LowerTierConfig(
+                DISK,
+                self.disk_dir,
+                self.disk_blocks,
+                self.disk_policy or self.policy,
+                self.disk_deadline_s,
+                self.disk_admission,
+                None,
+                self.disk_write_budget,
+                names=_field_names(DISK, "disk_dir"),
             )
-        if self.disk_dir is None and self.disk_admission != "none":
-            raise InvalidArgumentError("disk_admission needs a disk tier (disk_dir)")
-        if self.remote_url is None and self.remote_admission != "none":
-            raise InvalidArgumentError("remote_admission needs a shared tier (remote_url)")
-        if self.remote_admission != "none" and self.remote_blocks < 1:
-            raise InvalidArgumentError(
-                f"remote_admission {self.remote_admission!r} needs remote_blocks >= 1 (the "
-                "shared tier's size its admission layer models)"
+        if self.remote_url is not None:
+            remote = LowerTierConfig(
+                REMOTE,
+                self.remote_url,
+                self.remote_blocks,
+                admission=self.remote_admission,
+                write_budget=self.remote_write_budget,
+                names=_field_names(REMOTE, "remote_url"),
             )
+        object.__setattr__(self, "disk_tier", disk)
+        object.__setattr__(self, "remote_tier", remote)
 
     @property
     def has_lower_tiers(self) -> bool:
         return self.disk_dir is not None or self.remote_url is not None
+
+
+def _field_names(kind: str, location: str) -> dict[str, str]:
+    """A :class:`StackConfig` tier's fields by their :class:`LowerTierConfig` names."""
+    names = {name: f"{kind}_{name}" for name in ("blocks", "policy", "deadline_s")}
+    names.update(admission=f"{kind}_admission", write_budget=f"{kind}_write_budget")
+    names.update(admission_params=f"{kind}_admission_params", location=location)
+    return names
 
 
 def _integer(name: str, value: object, minimum: int) -> None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 from kvoffload.admission import AdmissionLayer, WriteBudget, resolve_admission
@@ -67,7 +67,8 @@ class TierSettings:
     ``admission``: then an admission layer by name decides among those
     (``none``: all pass), modelling a tier of ``capacity`` blocks and keeping,
     with the optimiser, to ``write_budget`` (writes per block reference that
-    reaches this tier, or a sized :class:`~kvoffload.admission.WriteBudget`).
+    reaches this tier, or a sized :class:`~kvoffload.admission.WriteBudget`);
+    ``admission_params``: the rule's parameters.
     """
 
     write_through: bool = False
@@ -75,6 +76,7 @@ class TierSettings:
     admission: str = "none"
     write_budget: float | WriteBudget | None = None
     capacity: int = 0
+    admission_params: object | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         threshold = self.store_threshold
@@ -155,7 +157,14 @@ class TieredOffloadingManager(OffloadingManager):
         self.promotion_batches = [0] * len(self.tiers)
         """Reads started per lower tier (each one batch of blocks)."""
         self.admissions: list[AdmissionLayer | None] = [
-            admission_book(s.admission, _BookSpec(), s.capacity, s.write_budget, _policy_of(tier))
+            admission_book(
+                s.admission,
+                _BookSpec(),
+                s.capacity,
+                s.write_budget,
+                _policy_of(tier),
+                s.admission_params,
+            )
             for tier, s in zip(self.tiers, self._settings, strict=True)
         ]
         """Per lower tier, its admission layer (``None``: its threshold alone decides)."""

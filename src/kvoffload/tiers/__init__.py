@@ -9,13 +9,14 @@ from kvoffload.tiers.breaker import CircuitBreaker
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.format import CorruptBlockError, fingerprint_of, layout_fingerprint
 from kvoffload.tiers.remote import RemoteTier, RemoteTierError
-from kvoffload.tiers.stack import Stack, StackConfig, build_stack
+from kvoffload.tiers.stack import LowerTierConfig, Stack, StackConfig, build_stack, lower_tiers
 from kvoffload.tiers.url import RemoteAddress, parse_remote_url
 
 __all__ = [
     "CircuitBreaker",
     "CorruptBlockError",
     "DiskTier",
+    "LowerTierConfig",
     "RemoteAddress",
     "RemoteTier",
     "RemoteTierError",
@@ -24,5 +25,6 @@ __all__ = [
     "build_stack",
     "fingerprint_of",
     "layout_fingerprint",
+    "lower_tiers",
     "parse_remote_url",
 ]

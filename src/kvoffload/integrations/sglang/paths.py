@@ -6,7 +6,8 @@ for what changes their state, so that goes through the path's lock (see
 :class:`TierPath`). The admission layer
 sees what this tier sees: the lookups that reach L3 (sightings) and the
 host tier's write-backs (offers); it sits on an ``AdmitAllManager`` that keeps
-nothing, since the tier below decides eviction itself. No SGLang import.
+nothing, since the tier below decides eviction itself. Tier and layer come from the
+stack builder (:func:`kvoffload.tiers.stack.lower_tiers`). No SGLang import.
 """
 
 from __future__ import annotations
@@ -19,13 +20,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, cast
 
-from kvoffload.admission import WriteBudget
-from kvoffload.admission.registry import ParamPairs
+from kvoffload.admission import AdmissionLayer
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent
 from kvoffload.core.specs import LoadStoreSpec
 from kvoffload.core.tier_protocol import LowerTier, Target
-from kvoffload.managers.admit_all import admission_book
 from kvoffload.tiers.block_sets import Payload
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.remote import RemoteTier
@@ -69,7 +68,8 @@ class _Spec(LoadStoreSpec):
         return "L3"
 
 
-_SPEC = _Spec()
+L3_SPEC = _Spec()
+"""What the L3 tiers' admission books hand out (nothing anybody loads through them)."""
 
 
 def _outcome(job: Future[list[bool]], n: int) -> list[bool]:
@@ -108,9 +108,8 @@ Opener = Callable[[], LowerTier]
 
 
 class TierPath:
-    """The tier ``open_tier`` gives, behind the admission layer ``admission`` (``none``: every
-    page is written). ``capacity`` (pages) sizes the layer's memory; ``page_bytes`` the byte
-    counts.
+    """The tier ``open_tier`` gives, behind the admission layer ``layer`` (``None``: every
+    page is written); ``page_bytes`` sizes the byte counts.
 
     Locks: ``_lock`` serialises what changes the tier's own state (writes, polls, events,
     and for the disk tier every call: its index belongs to one caller); the shared tier's
@@ -121,18 +120,13 @@ class TierPath:
         self,
         name: str,
         open_tier: Opener,
-        admission: str,
-        capacity: int,
+        layer: AdmissionLayer | None,
         page_bytes: int,
         sink: EventSink | None = None,
-        admission_params: ParamPairs = (),
-        write_budget: WriteBudget | None = None,
     ) -> None:
         self.name = name
         self.page_bytes = page_bytes
-        self.layer = admission_book(
-            admission, _SPEC, capacity, write_budget, params=admission_params
-        )
+        self.layer = layer
         self._counters = TierCounters()
         self._open = open_tier
         self._sink = sink

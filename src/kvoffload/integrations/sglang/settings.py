@@ -12,9 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvoffload.admission import WriteBudget, available_admissions, config_params, resolve_admission
+from kvoffload.admission import WriteBudget, available_admissions, config_params
 from kvoffload.admission.registry import ParamPairs
 from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.managers.stack import DISK, REMOTE, LowerTierConfig
 from kvoffload.policies import available_policies
 from kvoffload.tiers.url import parse_remote_url
 
@@ -98,6 +99,50 @@ class BackendSettings:
     disk_write_budget: WriteBudget | None = None
     remote_write_budget: WriteBudget | None = None
 
+    @property
+    def disk_tier(self) -> LowerTierConfig | None:
+        """The disk tier as the stack builder opens it, its size in pages still unknown."""
+        if self.disk_dir is None:
+            return None
+        return LowerTierConfig(
+            DISK,
+            self.disk_dir,
+            None,
+            self.disk_policy,
+            admission=self.disk_admission,
+            admission_params=self.disk_admission_params,
+            write_budget=self.disk_write_budget,
+            where=WHERE,
+            names=_tier_keys(DISK, DISK_DIR, DISK_BYTES),
+        )
+
+    @property
+    def remote_tier(self) -> LowerTierConfig | None:
+        """The shared tier as the stack builder opens it, its size in pages still unknown."""
+        if self.remote_url is None:
+            return None
+        return LowerTierConfig(
+            REMOTE,
+            self.remote_url,
+            None,
+            admission=self.remote_admission,
+            admission_params=self.remote_admission_params,
+            write_budget=self.remote_write_budget,
+            where=WHERE,
+            names=_tier_keys(REMOTE, REMOTE_URL, REMOTE_BYTES),
+        )
+
+
+WHERE = "hicache-storage-backend-extra-config "
+
+
+def _tier_keys(kind: str, location: str, size: str) -> dict[str, str]:
+    """A tier's :class:`LowerTierConfig` fields by this backend's keys, as errors quote them."""
+    keys = {name: f"{PREFIX}{kind}_{name}" for name in ("policy", "admission", "write_budget")}
+    keys.update(admission_params=f"{PREFIX}{kind}_admission_params", location=location)
+    keys["blocks"] = size
+    return {name: repr(key) for name, key in keys.items()}
+
 
 def parse_settings(extra_config: Mapping[str, Any] | None) -> BackendSettings:
     """Check every key and value; an :class:`InvalidArgumentError` names the bad one."""
@@ -135,7 +180,7 @@ def parse_settings(extra_config: Mapping[str, Any] | None) -> BackendSettings:
         )
     port = config.get(METRICS_PORT)
     disk_admission = _choice(config, DISK_ADMISSION, available_admissions(), "none")
-    return BackendSettings(
+    settings = BackendSettings(
         interface_v1=_flag(config, "interface_v1"),
         disk_dir=disk_dir,
         disk_bytes=_int(config, DISK_BYTES, 1, 0) if disk_dir is not None else 0,
@@ -149,30 +194,22 @@ def parse_settings(extra_config: Mapping[str, Any] | None) -> BackendSettings:
         kv_events_endpoint=_str(config, EVENTS_ENDPOINT),
         kv_events_replay_endpoint=_str(config, EVENTS_REPLAY_ENDPOINT),
         metrics_port=None if port is None else _int(config, METRICS_PORT, 0, 0, 65535),
-        disk_write_budget=_budget(config, DISK_WRITE_BUDGET, DISK_ADMISSION, disk_admission),
-        remote_write_budget=_budget(
-            config, REMOTE_WRITE_BUDGET, REMOTE_ADMISSION, remote_admission
-        ),
+        disk_write_budget=_budget(config, DISK_WRITE_BUDGET),
+        remote_write_budget=_budget(config, REMOTE_WRITE_BUDGET),
     )
+    _ = settings.disk_tier, settings.remote_tier  # their checks stop a budget without its rule
+    return settings
 
 
-def _budget(
-    config: Mapping[str, Any], key: str, admission_key: str, admission: str
-) -> WriteBudget | None:
-    """A tier's write budget, checked: it needs that tier's optimiser."""
+def _budget(config: Mapping[str, Any], key: str) -> WriteBudget | None:
+    """A tier's write budget as written (the tier's settings check that its rule keeps it)."""
     value = config.get(key)
     if value is None:
         return None
     try:
-        budget = WriteBudget.parse(value)
+        return WriteBudget.parse(value)
     except InvalidArgumentError as exc:
-        raise InvalidArgumentError(f"hicache-storage-backend-extra-config {key!r}: {exc}") from None
-    if resolve_admission(admission) != "optimiser":
-        raise InvalidArgumentError(
-            f"hicache-storage-backend-extra-config {key!r} needs {admission_key!r} "
-            f"'recommended' (the optimiser), not {admission!r}"
-        )
-    return budget
+        raise InvalidArgumentError(f"{WHERE}{key!r}: {exc}") from None
 
 
 def _int(

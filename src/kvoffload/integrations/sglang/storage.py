@@ -14,6 +14,7 @@ or failed write, never an exception into SGLang.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import sys
 import threading
@@ -35,7 +36,7 @@ from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey, make_offload_key
 from kvoffload.core.manager import OffloadingEvent
 from kvoffload.integrations.sglang.pages import HostPages, flat_tensor, tensor_bytes, tensor_parts
-from kvoffload.integrations.sglang.paths import TierPath
+from kvoffload.integrations.sglang.paths import L3_SPEC, TierPath
 from kvoffload.integrations.sglang.settings import (
     DISK_BYTES,
     DISK_DIR,
@@ -46,7 +47,7 @@ from kvoffload.integrations.sglang.settings import (
     BackendSettings,
     parse_settings,
 )
-from kvoffload.tiers import DiskTier, RemoteTier, RemoteTierError, fingerprint_of
+from kvoffload.tiers import fingerprint_of, lower_tiers
 from kvoffload.tiers.format import Payload, payload_size
 
 GB = 1e9
@@ -358,72 +359,43 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
                 ) from None
         sink = None if self._publisher is None else self._publish
         events = sink is not None
-        if s.disk_dir is not None:
-            # Data-parallel replicas have the same shard (fingerprint), not the same disk;
-            # the tier itself locks its directory against a second process.
-            disk_dir = str(Path(s.disk_dir) / f"dp{self.storage_config.dp_rank}")
+        disk = remote = None
+        if s.disk_tier is not None:
             blocks = s.disk_bytes // pages.page_bytes
             if blocks < 1:
                 raise InvalidArgumentError(
                     f"hicache-storage-backend-extra-config {DISK_BYTES!r} {s.disk_bytes} holds "
                     f"no page of {pages.page_bytes} bytes"
                 )
-
-            def open_disk() -> DiskTier:
-                try:
-                    return DiskTier(
-                        disk_dir, blocks, self.fingerprint, s.disk_policy, enable_events=events
-                    )
-                except InvalidArgumentError as exc:
-                    raise InvalidArgumentError(
-                        f"hicache-storage-backend-extra-config {DISK_DIR!r}: {exc}"
-                    ) from None
-
-            budget = _sized_budget(s.disk_write_budget, pages.page_bytes, s.disk_bytes, "disk")
-            self.paths.append(
-                TierPath(
-                    "disk",
-                    open_disk,
-                    s.disk_admission,
-                    blocks,
-                    pages.page_bytes,
-                    sink,
-                    s.disk_admission_params,
-                    budget,
-                )
+            # Data-parallel replicas have the same shard (fingerprint), not the same disk;
+            # the tier itself locks its directory against a second process.
+            disk = dataclasses.replace(
+                s.disk_tier,
+                location=str(Path(s.disk_tier.location) / f"dp{c.dp_rank}"),
+                blocks=blocks,
+                write_budget=_sized_budget(
+                    s.disk_write_budget, pages.page_bytes, s.disk_bytes, "disk"
+                ),
             )
-        if s.remote_url is not None:
-            url = s.remote_url
+        if s.remote_tier is not None:
             capacity = s.remote_bytes // pages.page_bytes
             if s.remote_admission != "none" and capacity < 1:
                 raise InvalidArgumentError(
                     f"hicache-storage-backend-extra-config {REMOTE_BYTES!r} {s.remote_bytes} "
                     f"holds no page of {pages.page_bytes} bytes"
                 )
-
-            def open_remote() -> RemoteTier:
-                try:
-                    return RemoteTier(url, self.fingerprint, enable_events=events)
-                except RemoteTierError as exc:
-                    raise RemoteTierError(
-                        f"hicache-storage-backend-extra-config {REMOTE_URL!r}: {exc}"
-                    ) from None
-
-            budget = _sized_budget(
-                s.remote_write_budget, pages.page_bytes, s.remote_bytes or None, "remote"
+            remote = dataclasses.replace(
+                s.remote_tier,
+                blocks=capacity,
+                write_budget=_sized_budget(
+                    s.remote_write_budget, pages.page_bytes, s.remote_bytes or None, "remote"
+                ),
             )
-            self.paths.append(
-                TierPath(
-                    "remote",
-                    open_remote,
-                    s.remote_admission,
-                    capacity,
-                    pages.page_bytes,
-                    sink,
-                    s.remote_admission_params,
-                    budget,
-                )
-            )
+        # Openers, not open tiers: a path opens its own, and reopens a disk tier it emptied.
+        tiers = lower_tiers(disk, remote, self.fingerprint, L3_SPEC, enable_events=events)
+        for name, parts in (("disk", tiers.disk), ("remote", tiers.remote)):
+            if parts is not None:
+                self.paths.append(TierPath(name, parts.open, parts.book, pages.page_bytes, sink))
         if s.metrics_port is not None:
             from kvoffload.integrations.sglang.metrics import TierCollector
             from kvoffload.observe.metrics import MetricsServer
