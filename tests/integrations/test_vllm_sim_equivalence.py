@@ -52,7 +52,13 @@ def test_the_optimiser_decides_and_reports_the_same_under_vllms_adapter(
     vllm_modules: dict[str, ModuleType], name: str
 ) -> None:
     from kvoffload.integrations.vllm.replay import replay
+    from kvoffload.integrations.vllm.versions import running_release
 
+    if not running_release().recency_at_access:
+        pytest.skip(
+            "this vLLM makes a request's blocks recent when it finishes (0.32), the "
+            "simulator when they are used: the same rules over another LRU order"
+        )
     mix, requests, block_tokens = WORKLOADS[name]
     workload = generate(mix, num_requests=requests, seed=0, block_tokens=block_tokens, rate=1.0)
     gpu = max(len(r.keys) for r in workload.requests)
