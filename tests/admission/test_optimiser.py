@@ -7,7 +7,6 @@ except where sampling itself is under test.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -166,64 +165,15 @@ def test_objective_hits_first_then_fewer_writes_and_never_above_store_everything
     scores = {STORE_ALL: (0.30, 0.60), FILTER: (0.29, 0.10), FEEDBACK: (0.25, 0.05)}
     assert objective.choose(scores, FEEDBACK) == STORE_ALL  # hits first
     assert objective.choose(scores, FILTER) == STORE_ALL
-    # Hysteresis between the baselines: the current one stays within the switch margin.
-    scores = {STORE_ALL: (0.300, 0.60), FILTER: (0.2985, 0.59), FEEDBACK: (0.25, 0.05)}
+    # Hysteresis: the current rule stays while within tolerance plus margin.
+    scores = {STORE_ALL: (0.300, 0.60), FILTER: (0.296, 0.10), FEEDBACK: (0.25, 0.05)}
     assert objective.choose(scores, FILTER) == FILTER
-    assert objective.choose(scores, STORE_ALL) == STORE_ALL
     # A rule writing more than store-everything is never chosen, whatever its hits.
     scores = {STORE_ALL: (0.30, 0.60), FILTER: (0.20, 0.10), FEEDBACK: (0.40, 0.70)}
     assert objective.choose(scores, FEEDBACK) == STORE_ALL
     budgeted = replace(objective, write_budget=0.2)
     assert budgeted.choose({**scores, FEEDBACK: (0.25, 0.30)}, STORE_ALL) == FILTER
     assert budgeted.choose({STORE_ALL: (0.3, 0.6), FILTER: (0.2, 0.25)}, STORE_ALL) == FILTER
-
-
-def test_a_rule_other_than_the_baselines_is_followed_only_on_confident_evidence() -> None:
-    """The feedback rule's advantage must clear ``confidence`` standard errors of the paired
-    difference against every baseline; once followed, half of that keeps it."""
-    objective = Objective(confidence=2.0, hit_tolerance=0.001, switch_margin=0.001)
-    scores = {STORE_ALL: (0.300, 0.60), FILTER: (0.290, 0.20), FEEDBACK: (0.310, 0.30)}
-
-    def spread(value: float) -> Callable[[str, str], float]:
-        return lambda a, b: value
-
-    assert objective.choose(scores, STORE_ALL, spread(0.004)) == FEEDBACK  # 0.010 > 2 x 0.004
-    assert objective.choose(scores, STORE_ALL, spread(0.006)) == STORE_ALL  # 0.010 < 2 x 0.006
-    assert objective.choose(scores, FEEDBACK, spread(0.006)) == FEEDBACK  # kept: 0.010 > 0.006
-    assert objective.choose(scores, FEEDBACK, spread(0.012)) == STORE_ALL
-    # Fewer writes on a tie only when the tie is confident: within 0.001 by two errors.
-    scores = {STORE_ALL: (0.300, 0.60), FILTER: (0.290, 0.20), FEEDBACK: (0.2995, 0.30)}
-    assert objective.choose(scores, STORE_ALL, spread(0.0002)) == FEEDBACK
-    assert objective.choose(scores, STORE_ALL, spread(0.002)) == STORE_ALL
-    # Between the baselines the point estimates decide; a frugal one needs a confident tie.
-    scores = {STORE_ALL: (0.300, 0.60), FILTER: (0.2995, 0.20), FEEDBACK: (0.2, 0.1)}
-    assert objective.choose(scores, STORE_ALL, spread(0.0002)) == FILTER
-    assert objective.choose(scores, STORE_ALL, spread(0.002)) == STORE_ALL
-    assert objective.choose(scores, FILTER, spread(0.002)) == FILTER  # within the margin
-
-
-def test_the_warm_up_follows_store_everything() -> None:
-    """Until the evidence decides, the tier stores every offered block, as store-everything
-    does, even on traffic that the filter serves better."""
-    workload = one_shot_heavy(1500)
-    capacity = 300
-    layer = OptimisingAdmission(CPUOffloadingManager(capacity), capacity)
-    plain = CPUOffloadingManager(capacity)
-    gpu = 2 * max(len(r.keys) for r in workload.requests)
-    engine = ServingEngine(EngineConfig(gpu, 1, 256), layer)
-    everything = ServingEngine(EngineConfig(gpu, 1, 256), plain)
-    steps = 0
-    for request in workload.requests:
-        engine.run([request])
-        everything.run([request])
-        if layer.chosen != STORE_ALL:
-            break
-        steps += 1
-        assert layer.offers == layer.admitted
-        assert engine.stats.stored_blocks == everything.stats.stored_blocks
-    assert steps > 10  # a warm-up of at least one mini-tier-full of sampled references
-    assert layer.minisim.seen >= capacity
-    assert layer.chosen == FILTER  # then the evidence moves it off
 
 
 def test_mini_tier_counts_a_hit_only_in_the_leading_run_and_not_behind_a_gap() -> None:

@@ -270,11 +270,6 @@ class MiniSimulation:
         reach = min(1.0, lookups / refs)
         return 1.0 - reach, reach, sampled
 
-    def lookup_totals(self) -> tuple[int, int, int]:
-        """Since the start: block references, lookups past the GPU hit, and sampled lookups
-        at the base rate (what turns the 1x mini-tiers' counts into per-reference figures)."""
-        return self._exact.total_refs, self._exact.total_lookups, self._levels[0].total_lookups
-
     @property
     def memory_bytes(self) -> int:
         return BYTES_PER_MINI_KEY * sum(tier.capacity for tier, _ in self.tiers.values())
