@@ -29,6 +29,11 @@ recommended configuration writes more than the better baseline, and its
 worst writes ratios (against the better baseline and store-everything).
 
     python benchmarks/admission_robustness.py [--shapes N] [--seed S] [--jobs J] [--json PATH]
+                                              [--baselines DIR]
+
+``--baselines DIR`` keeps each shape's baseline figures and Belady bound in
+``DIR`` and reuses them (see ``admission_table.py``): a change to the
+recommended configuration then re-runs only its own run per shape.
 """
 
 from __future__ import annotations
@@ -174,9 +179,11 @@ def draw_shapes(count: int, seed: int) -> list[Shape]:
     return [draw_shape(rng, index) for index in range(count)]
 
 
-def run_shape(shape: Shape) -> Row:
+def run_shape(shape: Shape, baselines: Path | None = None) -> Row:
     """The admission table's comparison on one shape, with its parameters."""
-    row = compare(shape.load(), shape.gpu_share, shape.cpu_share)
+    name = f"shape {shape.describe()} {shape.cpu_share} {shape.gpu_share}.json"
+    cached = baselines / name.replace("/", "-") if baselines else None
+    row = compare(shape.load(), shape.gpu_share, shape.cpu_share, cached)
     everything = float(row["store-all writes"])
     ours = float(row["recommended writes"])
     return {
@@ -277,7 +284,12 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the shape drawing")
     parser.add_argument("--jobs", type=positive_int, default=2)
     parser.add_argument("--json", type=Path, help="also write the rows and the summary here")
+    parser.add_argument(
+        "--baselines", type=Path, help="keep and reuse the baselines' figures in this folder"
+    )
     args = parser.parse_args()
+    if args.baselines:
+        args.baselines.mkdir(parents=True, exist_ok=True)
     shapes = draw_shapes(args.shapes, args.seed)
     if not TRACE.is_file():
         skipped = [s for s in shapes if s.cut]
@@ -286,7 +298,7 @@ def main() -> int:
         if not shapes:
             return 1
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        rows = list(pool.map(run_shape, shapes))
+        rows = list(pool.map(run_shape, shapes, [args.baselines] * len(shapes)))
     summary = summarise(rows)
     _print_rows(rows)
     _print_summary(summary, rows)

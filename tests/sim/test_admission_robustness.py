@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -123,3 +124,28 @@ def test_summary_counts_losses_and_the_worst_shapes() -> None:
     assert summary["worst writes ratio"] == 1.5
     assert summary["writes more than better"] == pytest.approx(2 / 3)
     assert summary["writes more than store-all"] == 0
+
+
+def test_kept_baselines_give_the_same_row_and_skip_the_baseline_runs(tmp_path: Path) -> None:
+    """A shape's row with its baselines read back equals the row computed afresh, and a
+    kept file is what the second run reads (a changed figure in it shows in the row)."""
+    shape = robust.Shape(
+        0,
+        0.1,
+        0.02,
+        7,
+        mix=(("chat", 0.6), ("oneshot", 0.4)),
+        rate=4.0,
+        requests=150,
+        block_tokens=32,
+    )
+    fresh = robust.run_shape(shape)
+    first = robust.run_shape(shape, tmp_path)
+    (kept,) = tmp_path.iterdir()
+    assert robust.run_shape(shape, tmp_path) == first == fresh
+    figures = json.loads(kept.read_text())
+    figures["store-all"][0] += 0.5
+    kept.write_text(json.dumps(figures))
+    changed = robust.run_shape(shape, tmp_path)
+    assert changed["store-all hit"] == pytest.approx(fresh["store-all hit"] + 0.5)
+    assert changed["recommended hit"] == fresh["recommended hit"]
