@@ -2,10 +2,10 @@
 
 SGLang's own host pools (``sglang.srt.mem_cache.pool_host``) do not import on
 a CPU-only install: the package pulls ``torchvision`` through its model
-configs. :class:`HostPool` is ours, with the same buffer shapes and the same
-``get_page_buffer_meta`` / flat-page methods as SGLang's MHA and MLA host
-pools in the ``layer_first`` and ``page_first`` layouts, which is all the
-backend uses of a pool.
+configs. :class:`HostPool` is ours (the benchmark's :class:`BenchPool`), with
+the same buffer shapes and the same ``get_page_buffer_meta`` / flat-page
+methods as SGLang's MHA and MLA host pools in the ``layer_first`` and
+``page_first`` layouts, which is all the backend uses of a pool.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from kvoffload.integrations.sglang.bench import BenchPool  # noqa: E402
 
 MODULES = (
     "sglang.srt.mem_cache.hicache_storage",
@@ -67,8 +69,9 @@ def page_hash(i: int) -> str:
     return hashlib.sha256(f"page-{i}".encode()).hexdigest()
 
 
-class HostPool:
-    """``pages`` pages of ``page_size`` tokens; MHA (K and V) or MLA (one latent vector)."""
+class HostPool(BenchPool):
+    """``pages`` pages of ``page_size`` tokens; MHA (K and V) or MLA (one latent vector):
+    the benchmark's host pool with small test-sized defaults."""
 
     def __init__(
         self,
@@ -81,68 +84,8 @@ class HostPool:
         mla: bool = False,
         dtype: Any = None,
     ) -> None:
-        self.layout = layout
-        self.page_size = page_size
-        self.size = pages * page_size
-        self.layer_num = layers
-        self.head_num = 1 if mla else heads
-        self.head_dim = head_dim
-        self.mla = mla
-        self.dtype = dtype or torch.bfloat16
-        self.kv_buffer = torch.zeros(self._dims(), dtype=self.dtype)
-
-    def _dims(self) -> tuple[int, ...]:
-        tokens, layers, heads, dim = self.size, self.layer_num, self.head_num, self.head_dim
-        if self.layout == "layer_first":
-            inner: tuple[int, ...] = (layers, tokens, heads, dim)
-        elif self.layout == "page_first":
-            inner = (tokens, layers, heads, dim)
-        else:
-            raise ValueError(self.layout)
-        return inner if self.mla else (2, *inner)
-
-    def _token_slice(self, index: int) -> tuple[slice, ...]:
-        tokens = slice(index, index + self.page_size)
-        lead = () if self.mla else (slice(None),)
-        if self.layout == "layer_first":
-            return (*lead, slice(None), tokens)
-        return (*lead, tokens)
-
-    def get_data_page(self, index: int, flat: bool = True) -> Any:
-        page = self.kv_buffer[self._token_slice(int(index))]
-        return page.flatten() if flat else page
-
-    def get_dummy_flat_data_page(self) -> Any:
-        return torch.zeros_like(self.get_data_page(0)).flatten()
-
-    def set_from_flat_data_page(self, index: int, data_page: Any) -> None:
-        view = self.kv_buffer[self._token_slice(int(index))]
-        view.copy_(data_page.reshape(view.shape))
-
-    def get_page_buffer_meta(self, indices: Any) -> tuple[list[int], list[int]]:
-        """(pointer, size) segments of each page, in SGLang's order for these layouts."""
-        assert len(indices) % self.page_size == 0
-        item = self.dtype.itemsize
-        row = self.head_num * self.head_dim * item  # one token of one layer
-        base = self.kv_buffer.data_ptr()
-        v_offset = 0 if self.mla else self.layer_num * self.size * row
-        pointers: list[int] = []
-        for start in indices.tolist()[:: self.page_size]:
-            if self.layout == "layer_first":
-                for layer in range(self.layer_num):
-                    k = base + start * row + layer * self.size * row
-                    pointers += [k] if self.mla else [k, k + v_offset]
-                size = self.page_size * row
-            else:
-                k = base + start * self.layer_num * row
-                pointers += [k] if self.mla else [k, k + v_offset]
-                size = self.page_size * self.layer_num * row
-        return pointers, [size] * len(pointers)
-
-    def indices(self, pages: list[int]) -> Any:
-        """Host token indices of whole pages, as SGLang hands them to the backend."""
-        return torch.cat(
-            [torch.arange(p * self.page_size, (p + 1) * self.page_size) for p in pages]
+        super().__init__(
+            layout, mla, pages, layers, page_size, heads, head_dim, dtype or torch.bfloat16
         )
 
     def fill(self, pages: list[int], seed: int) -> None:
@@ -152,10 +95,6 @@ class HostPool:
             self.set_from_flat_data_page(
                 p * self.page_size, torch.randn(page.shape, generator=generator).to(self.dtype)
             )
-
-    def page_bytes(self, page: int) -> bytes:
-        flat = self.get_data_page(page * self.page_size).contiguous()
-        return bytes(flat.view(torch.uint8).numpy())
 
     def zero(self) -> None:
         self.kv_buffer.zero_()

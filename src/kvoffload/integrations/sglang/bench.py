@@ -26,7 +26,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -64,17 +64,34 @@ def parse_interfaces(text: str) -> tuple[str, ...]:
 
 
 class BenchPool:
-    """A host KV pool of ``pages`` pages with SGLang's buffer shapes and page methods."""
+    """A host KV pool of ``pages`` pages with SGLang's buffer shapes and page methods
+    (``page_first`` or ``layer_first``; MHA: K and V, MLA: one latent vector per token).
 
-    def __init__(self, layout: str, mla: bool, pages: int, layers: int) -> None:
+    SGLang's own pool needs its GPU stack to import; this one has the same layout, so the
+    backend cannot tell them apart. ``heads`` and ``head_dim`` default to the benchmark's
+    page geometry (8 heads of 128, or a 576-wide latent)."""
+
+    def __init__(
+        self,
+        layout: str,
+        mla: bool,
+        pages: int,
+        layers: int,
+        page_size: int = PAGE_TOKENS,
+        heads: int = HEADS,
+        head_dim: int | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        if layout not in ("page_first", "layer_first"):
+            raise InvalidArgumentError(f"unknown host pool layout {layout!r}")
         self.layout = layout
-        self.page_size = PAGE_TOKENS
-        self.size = pages * PAGE_TOKENS
+        self.page_size = page_size
+        self.size = pages * page_size
         self.layer_num = layers
-        self.head_num = 1 if mla else HEADS
-        self.head_dim = MLA_DIM if mla else HEAD_DIM
+        self.head_num = 1 if mla else heads
+        self.head_dim = head_dim or (MLA_DIM if mla else HEAD_DIM)
         self.mla = mla
-        self.dtype = torch.bfloat16
+        self.dtype = dtype
         tokens = (layers, self.size) if layout == "layer_first" else (self.size, layers)
         inner = (*tokens, self.head_num, self.head_dim)
         self.kv_buffer = torch.zeros(inner if mla else (2, *inner), dtype=self.dtype)
@@ -114,11 +131,14 @@ class BenchPool:
                 size = self.page_size * self.layer_num * row
         return pointers, [size] * len(pointers)
 
-    def indices(self, pages: range) -> torch.Tensor:
-        return torch.cat([torch.arange(p * PAGE_TOKENS, (p + 1) * PAGE_TOKENS) for p in pages])
+    def indices(self, pages: Iterable[int]) -> torch.Tensor:
+        """Host token indices of whole pages, as SGLang hands them to the backend."""
+        size = self.page_size
+        return torch.cat([torch.arange(p * size, (p + 1) * size) for p in pages])
 
     def page_bytes(self, page: int) -> bytes:
-        return bytes(self.get_data_page(page * PAGE_TOKENS).contiguous().view(torch.uint8).numpy())
+        flat = self.get_data_page(page * self.page_size).contiguous()
+        return bytes(flat.view(torch.uint8).numpy())
 
 
 def layers_for(page_mib: float, mla: bool) -> int:
