@@ -60,13 +60,22 @@ def sampling_bits(capacity: int, min_keys: int = MIN_MINI_KEYS, max_bits: int = 
 class MiniTier:
     """A tier of ``capacity`` keys with no data, no slots and no pending stores."""
 
+    _keys: Mapping[OffloadKey, object]
+    """The held keys (the specialised tiers keep them in their own structure)."""
+
     def __init__(self, capacity: int, policy: type[CachePolicy]) -> None:
+        self._start(capacity)
+        self.policy = policy(capacity)
+        self._held: dict[OffloadKey, BlockStatus] = {}
+        self._keys = self._held
+        self._free: list[BlockStatus] = []
+
+    def _start(self, capacity: int) -> None:
+        """What every mini-tier starts with: its capacity, no unreachable keys, no counts."""
         if capacity < 1:
             raise InvalidArgumentError(f"mini-tier capacity must be >= 1, got {capacity}")
         self.capacity = capacity
-        self.policy = policy(capacity)
-        self._held: dict[OffloadKey, BlockStatus] = {}
-        self._free: list[BlockStatus] = []
+        self._keys = {}
         self._dead: set[OffloadKey] = set()
         self.hits = 0.0
         self.writes = 0.0
@@ -75,14 +84,14 @@ class MiniTier:
         self.total_writes = 0
 
     def __len__(self) -> int:
-        return len(self._held)
+        return len(self._keys)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._held
+        return key in self._keys
 
     def hit_run(self, keys: Sequence[OffloadKey]) -> int:
         """How many leading ``keys`` are held and reachable."""
-        held, dead = self._held, self._dead
+        held, dead = self._keys, self._dead
         run = 0
         for key in keys:
             if key not in held or key in dead:
@@ -157,21 +166,10 @@ class LRUMiniTier(MiniTier):
     """
 
     def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise InvalidArgumentError(f"mini-tier capacity must be >= 1, got {capacity}")
-        self.capacity = capacity
+        self._start(capacity)
         self._order: OrderedDict[OffloadKey, bool] = OrderedDict()
         """Least recent first; the value is ``True`` while the key is unreachable."""
-        self.hits = 0.0
-        self.writes = 0.0
-        self.total_hits = 0
-        self.total_writes = 0
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._order
+        self._keys = self._order
 
     def hit_run(self, keys: Sequence[OffloadKey]) -> int:
         get = self._order.get
@@ -245,38 +243,14 @@ class S3FIFOMiniTier(MiniTier):
     """
 
     def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise InvalidArgumentError(f"mini-tier capacity must be >= 1, got {capacity}")
-        self.capacity = capacity
+        self._start(capacity)
         self.small_target = max(1, int(capacity * S3FIFO_SMALL_SHARE))
         self._small: OrderedDict[OffloadKey, None] = OrderedDict()
         self._main: OrderedDict[OffloadKey, None] = OrderedDict()
         self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
         self._freq: dict[OffloadKey, int] = {}
         """Held keys and their touch counts."""
-        self._dead: set[OffloadKey] = set()
-        self.hits = 0.0
-        self.writes = 0.0
-        self.total_hits = 0
-        self.total_writes = 0
-
-    def __len__(self) -> int:
-        return len(self._freq)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._freq
-
-    def hit_run(self, keys: Sequence[OffloadKey]) -> int:
-        held, dead = self._freq, self._dead
-        run = 0
-        for key in keys:
-            if key not in held or key in dead:
-                break
-            run += 1
-        if run:
-            self.hits += run
-            self.total_hits += run
-        return run
+        self._keys = self._freq
 
     def store(self, keys: Sequence[OffloadKey], behind_gap: Sequence[bool] = ()) -> int:
         held, dead = self._freq, self._dead
