@@ -67,8 +67,9 @@ from kvoffload.integrations.vllm.secondary_settings import (
     parse_disk_settings,
     parse_shared_settings,
 )
+from kvoffload.integrations.vllm.spec import config_fingerprint
 from kvoffload.managers.admit_all import admission_book
-from kvoffload.tiers import DiskTier, RemoteTier, RemoteTierError, fingerprint_of
+from kvoffload.tiers import DiskTier, RemoteTier, RemoteTierError
 
 MODULE_PATH = __name__
 """What ``module_path`` of a tier entry names."""
@@ -697,24 +698,9 @@ def _events_enabled(spec: OffloadingSpec) -> bool:
 def _fingerprint(spec: OffloadingSpec, payload_bytes: int) -> bytes:
     """What a chunk's bytes mean under this vLLM configuration and CPU tier layout."""
     config = spec.config
-    parallel = config.parallel
-    groups = [(group.tokens_per_block, group.layer_names) for group in config.groups]
-    return fingerprint_of(
-        "vllm-tiering",
-        config.model.name,
-        config.model.dtype,
-        config.cache.tokens_per_hash,
-        config.cache.blocks_per_chunk,
-        groups,
-        config.kv_cache_layout,
-        config.canonical_layout,
-        parallel.tp_size,
-        parallel.pp_size,
-        parallel.pcp_size,
-        parallel.dcp_size,
-        parallel.world_size,
-        bool(getattr(spec, "replicated_layout", False)),
-        payload_bytes,
+    replicated = bool(getattr(spec, "replicated_layout", False))
+    return config_fingerprint(
+        "vllm-tiering", config, config.parallel.world_size, replicated, payload_bytes
     )
 
 

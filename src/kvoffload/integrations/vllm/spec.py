@@ -355,10 +355,18 @@ def _fingerprint(config: OffloadingConfig, rank_slot_bytes: int, world_size: int
     itself and the data-parallel replica do not change the bytes, so replicas
     of one deployment share blocks.
     """
+    return config_fingerprint("vllm", config, world_size, rank_slot_bytes)
+
+
+def config_fingerprint(
+    tag: str, config: OffloadingConfig, world_size: int, *layout: object
+) -> bytes:
+    """The fingerprint of ``config``'s KV meaning under ``tag`` (our spec: ``vllm``; the
+    secondary tiers: ``vllm-tiering``), followed by the caller's ``layout`` fields."""
     parallel = config.parallel
     groups = [(group.tokens_per_block, group.layer_names) for group in config.groups]
     return fingerprint_of(
-        "vllm",
+        tag,
         config.model.name,
         config.model.dtype,
         config.cache.tokens_per_hash,
@@ -371,5 +379,5 @@ def _fingerprint(config: OffloadingConfig, rank_slot_bytes: int, world_size: int
         parallel.pcp_size,
         parallel.dcp_size,
         world_size,
-        rank_slot_bytes,
+        *layout,
     )
