@@ -167,3 +167,14 @@ def test_the_secondary_entry_holds_the_builders_config_sized_when_the_chunk_is_k
         parse_disk_settings("T", {**DISK_ENTRY, "disk_bytes": 1000}).sized(4096)
     unbounded = parse_shared_settings("S", {"url": SHARED_ENTRY["url"], "admission": "none"})
     assert unbounded.sized(4096).blocks == 0
+
+
+def test_a_secondary_write_budget_reaches_the_builders_optimiser() -> None:
+    from kvoffload.admission import OptimisingAdmission
+    from kvoffload.core.specs import CPULoadStoreSpec
+    from kvoffload.tiers.stack import tier_book
+
+    settings = parse_disk_settings("KVOffloadDiskTier", {**DISK_ENTRY, "write_budget": "0.2"})
+    layer = tier_book(settings.sized(4096), CPULoadStoreSpec([]))
+    assert isinstance(layer, OptimisingAdmission)
+    assert layer.capacity == 256 and layer.objective.write_budget == 0.2
