@@ -379,6 +379,78 @@ def test_mooncake_replay_our_admission_cuts_the_cascade_writes_and_keeps_the_hit
     assert ours[0] >= everything[0] - 0.005, report
 
 
+def test_each_tier_and_its_admission_layer_are_the_stack_builders_parts(
+    vllm_modules: dict[str, ModuleType],
+    tmp_path: Path,
+    valkey_server: ValkeyProcess,
+    engines: Callable[..., Engine],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The secondary tiers open what the builder's opener opens and judge with the book it
+    builds, from the entry's settings sized in chunks: no tier built on the side."""
+    from kvoffload.admission import AdmissionLayer, FeedbackAdmission
+    from kvoffload.admission.seen_twice import SketchAdmission
+    from kvoffload.integrations.vllm import secondary
+    from kvoffload.managers.admit_all import ReuseBook
+    from kvoffload.policies.arc import ARCCachePolicy
+    from kvoffload.tiers import DiskTier, RemoteTier
+
+    opened: list[tuple[Any, Any]] = []
+    books: list[tuple[Any, Any]] = []
+    opener, book = secondary.tier_opener, secondary.tier_book
+
+    def recording_opener(config: Any, fingerprint: bytes, **kwargs: Any) -> Any:
+        open_tier = opener(config, fingerprint, **kwargs)
+
+        def recording_open() -> Any:
+            tier = open_tier()
+            opened.append((config, tier))
+            return tier
+
+        return recording_open
+
+    def recording_book(config: Any, spec: Any) -> Any:
+        layer = book(config, spec)
+        books.append((config, layer))
+        return layer
+
+    monkeypatch.setattr(secondary, "tier_opener", recording_opener)
+    monkeypatch.setattr(secondary, "tier_book", recording_book)
+    disk_entry = _disk(
+        tmp_path,
+        eviction_policy="arc",
+        admission="sketch",
+        admission_params={"threshold": 3},
+        io_threads=3,
+        disk_timeout_ms=2500,
+    )
+    engine = engines(
+        [
+            disk_entry,
+            _shared(valkey_server.url, admission="feedback"),
+            _shared(valkey_server.url, admission="filter", remote_bytes=8 * BLOCK_BYTES),
+        ]
+    )
+    assert len(opened) == len(books) == len(engine.tiers) == 3
+    for tier, (config, opened_tier), (book_config, layer) in zip(
+        engine.tiers, opened, books, strict=True
+    ):
+        assert config is book_config is tier.tier_config
+        assert tier.tier is opened_tier and tier.layer is layer
+        assert isinstance(layer, AdmissionLayer) and layer.capacity == config.blocks
+        assert opened_tier.fingerprint == tier.fingerprint
+    disk, shared, filtered = engine.tiers
+    assert isinstance(disk.tier, DiskTier) and isinstance(disk.tier.policy, ARCCachePolicy)
+    assert disk.tier.capacity_blocks == disk.tier_config.blocks == 64
+    assert disk.tier.deadline_s == 2.5
+    assert isinstance(disk.layer, SketchAdmission) and disk.layer.threshold == 3
+    assert isinstance(shared.tier, RemoteTier) and isinstance(shared.layer, FeedbackAdmission)
+    assert shared.tier_config.blocks == 64
+    assert isinstance(filtered.layer, ReuseBook) and filtered.tier_config.blocks == 8
+    engine.replay.request(KEYS[:2])  # seen once: the filter's book admits nothing yet
+    assert filtered.counters.written_blocks == 0 and filtered.layer.offers > 0
+
+
 def test_remote_bytes_is_required_only_with_admission() -> None:
     from kvoffload.integrations.vllm.secondary_settings import parse_shared_settings
 

@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from kvoffload import block_id_key
-from kvoffload.admission import OptimisingAdmission, WriteBudget
+from kvoffload.admission import (
+    AdmissionLayer,
+    OptimisingAdmission,
+    WriteBudget,
+    available_admissions,
+)
 from kvoffload.admission.budget import BURST_REFS as BUDGET_BURST_REFS
 from kvoffload.admission.optimiser import tier_policy
 from kvoffload.managers import CPUOffloadingManager
@@ -172,3 +177,36 @@ def test_a_disk_budget_in_bytes_per_second_holds_on_trace_time(tmp_path: Path) -
     written = report["tiers"]["disk"]["admitted_blocks"] * block_bytes  # type: ignore[index]
     assert 0 < written <= 5e6 * (seconds + 10) + block_bytes
     assert written < unlimited["tiers"]["disk"]["admitted_blocks"] * block_bytes  # type: ignore[index]
+
+
+@pytest.mark.parametrize("name", [name for name in available_admissions() if name != "none"])
+def test_every_accepted_disk_admission_is_the_disk_tiers_layer_and_judges_its_writes(
+    tmp_path: Path, name: str
+) -> None:
+    """``--disk-admission NAME`` as the simulator builds it: the disk tier's handle is that
+    rule's layer (the seed filter's too, as a book that counts requests), and the disk
+    tier writes only what it admits."""
+    workload = ONE_SHOT_HEAVY.load()
+    config = SimConfig(
+        gpu_blocks=600,
+        cpu_blocks=200,
+        disk_dir=str(tmp_path),
+        disk_blocks=2000,
+        disk_admission=name,
+    )
+    stack = build_stack(config.stack_config(bytes(16)))
+    layer, tiered = stack.disk_admission, stack.tiered
+    assert isinstance(layer, AdmissionLayer) and tiered is not None
+    assert tiered.admissions == [layer] and stack.remote_admission is None
+    assert stack.admission is None  # the CPU tier's own stays "none"
+    longest = max(len(request.keys) for request in workload.requests)
+    engine = ServingEngine(
+        EngineConfig(longest + 50, 1, workload.block_tokens), stack.manager, holds=stack.holds
+    )
+    try:
+        engine.run(workload.requests)
+    finally:
+        stack.close()
+    assert layer.offers == tiered.offered_blocks[0] > 0
+    assert 0 < layer.admitted == tiered.admitted_blocks[0] < layer.offers
+    assert layer.stats().offers == layer.offers

@@ -8,9 +8,16 @@ then alone decides which offered blocks are written.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-from kvoffload.admission import AdmissionLayer, WriteBudget, wrap_with_admission
+from kvoffload.admission import (
+    AdmissionLayer,
+    AdmissionStats,
+    FilterReusedOffloadingManager,
+    WriteBudget,
+    wrap_with_admission,
+)
+from kvoffload.admission.ghost import BYTES_PER_RECORD
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import LoadStoreSpec
@@ -55,4 +62,42 @@ def admission_book(
     """
     book = AdmitAllManager(spec, policy)
     layer = wrap_with_admission(admission, book, max(1, capacity), write_budget, params)
+    if isinstance(layer, FilterReusedOffloadingManager):
+        return ReuseBook(book, max(1, capacity), layer)
     return layer if isinstance(layer, AdmissionLayer) else None
+
+
+class ReuseBook(AdmissionLayer):
+    """The reuse filter's rule (``filter``) as a tier's book.
+
+    The filter counts the lookups that pass through it, but a tier's book sees
+    requests (:meth:`~AdmissionLayer.begin_request`), not lookups: here its table
+    counts each request's keys once, and an offered key is written once counted
+    ``store_threshold`` times. ``rule`` is the filter the registry built, for its
+    checked parameters, its table and its ``stores_skipped``.
+    """
+
+    def __init__(
+        self, backing: OffloadingManager, capacity: int, rule: FilterReusedOffloadingManager
+    ) -> None:
+        super().__init__(backing, capacity)
+        self.rule = rule
+
+    def _sighting(self, keys: Sequence[OffloadKey]) -> None:
+        self.rule.reuse.count(keys)
+
+    def _admit(self, offered: Sequence[OffloadKey], prefix: int) -> list[OffloadKey]:
+        admitted = self.rule.reuse.at_least(offered, self.rule.store_threshold)
+        self.rule.stores_skipped += len(offered) - len(admitted)
+        return admitted
+
+    def stats(self) -> AdmissionStats:
+        return AdmissionStats(
+            offers=self.offers,
+            admitted=self.admitted,
+            rejected=self.offers - self.admitted,
+            ghost_hits=self.ghost_hits,
+            control=float(self.rule.store_threshold),
+            memory_bytes=self.rule.max_tracker_size * BYTES_PER_RECORD,
+            tracked_keys=self.rule.max_tracker_size,
+        )

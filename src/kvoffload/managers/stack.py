@@ -35,6 +35,8 @@ from kvoffload.policies import available_policies
 OPTIMISER = "optimiser"
 DISK, REMOTE = "disk", "remote"
 """The kinds of lower tier: a disk directory (write-back), a shared server (write-through)."""
+MAX_DEADLINE_S = 600.0
+"""The longest deadline of a disk I/O job (10 minutes, the disk tier's own bound)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,10 @@ class LowerTierConfig:
     admission: str = "none"
     admission_params: object | None = field(default=None, compare=False)
     write_budget: float | WriteBudget | None = None
+    io_threads: int = 2
+    """The tier's I/O threads (the shared tier's connections)."""
+    fsync: bool = False
+    """Whether the disk tier syncs each write to the device before reporting it."""
     where: str = field(default="", compare=False, repr=False)
     names: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -89,6 +95,20 @@ class LowerTierConfig:
         if not isinstance(self.location, str) or not self.location:
             raise InvalidArgumentError(
                 f"{self.key('location')} must be a non-empty string, got {self.location!r}"
+            )
+        _integer(self.key("io_threads"), self.io_threads, 1)
+        if not isinstance(self.fsync, bool):
+            raise InvalidArgumentError(
+                f"{self.key('fsync')} must be true or false, got {self.fsync!r}"
+            )
+        if self.deadline_s is not None and not (
+            isinstance(self.deadline_s, int | float)
+            and not isinstance(self.deadline_s, bool)
+            and 0 < self.deadline_s <= MAX_DEADLINE_S
+        ):
+            raise InvalidArgumentError(
+                f"{self.key('deadline_s')} must be > 0 s and at most {MAX_DEADLINE_S:.0f} s, "
+                f"got {self.deadline_s!r}"
             )
         if self.kind == DISK and self.policy not in available_policies():
             raise InvalidArgumentError(

@@ -61,6 +61,8 @@ def tier_opener(
                     blocks,
                     fingerprint,
                     config.policy,
+                    io_threads=config.io_threads,
+                    fsync=config.fsync,
                     enable_events=enable_events,
                     deadline_s=config.deadline_s or DEFAULT_DEADLINE_S,
                 )
@@ -73,8 +75,13 @@ def tier_opener(
 
     def open_remote() -> LowerTier:
         try:
-            return RemoteTier(config.location, fingerprint, enable_events=enable_events)
-        except RemoteTierError as exc:
+            return RemoteTier(
+                config.location,
+                fingerprint,
+                io_threads=config.io_threads,
+                enable_events=enable_events,
+            )
+        except (InvalidArgumentError, RemoteTierError) as exc:
             if not config.where:
                 raise
             raise type(exc)(f"{where}: {exc}") from None

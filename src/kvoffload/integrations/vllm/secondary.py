@@ -58,7 +58,6 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoffload.admission import AdmissionLayer
-from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.manager import OffloadingEvent as TierEvent
 from kvoffload.core.specs import LoadStoreSpec
 from kvoffload.core.tier_protocol import LowerTier, Target
@@ -68,8 +67,7 @@ from kvoffload.integrations.vllm.secondary_settings import (
     parse_shared_settings,
 )
 from kvoffload.integrations.vllm.spec import config_fingerprint
-from kvoffload.managers.admit_all import admission_book
-from kvoffload.tiers import DiskTier, RemoteTier, RemoteTierError
+from kvoffload.tiers.stack import tier_book, tier_opener
 
 MODULE_PATH = __name__
 """What ``module_path`` of a tier entry names."""
@@ -353,20 +351,21 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         self.settings = settings
         self.locality = Locality(settings.locality) if settings.locality else None
         self.payload_bytes = _payload_bytes(offloading_spec, self.block_size_bytes)
-        self.capacity_blocks = settings.capacity_bytes // self.payload_bytes
         self._flat = primary_kv_view.cast("B")
         events = settings.enable_kv_events and _events_enabled(offloading_spec)
         self.fingerprint = _fingerprint(offloading_spec, self.payload_bytes)
         try:
-            tier = self._open(settings, events)
+            # The stack builder's opener and book, as the simulator's, the spec's and
+            # SGLang's tiers: every setting means and is checked the same.
+            self.tier_config = settings.sized(self.payload_bytes)
+            self.capacity_blocks = self.tier_config.blocks or 0
+            tier = tier_opener(self.tier_config, self.fingerprint, enable_events=events)()
         except BaseException:
             self._flat.release()  # vLLM unmaps the CPU tier's region on a failed start
             raise
         self.counters = SecondaryCounters()
         self._reported = SecondaryCounters()
-        layer = admission_book(
-            settings.admission, _SPEC, self.capacity_blocks, params=settings.admission_params
-        )
+        layer = tier_book(self.tier_config, _SPEC)
         self._owner = _Owner(tier, layer, self._KIND)
         self._lookups = _Lookups(self._owner, tier_type)
         self._jobs: dict[int, _Job] = {}
@@ -376,10 +375,6 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
     @abstractmethod
     def parse(cls, tier_type: str, entry: dict[str, Any]) -> SecondarySettings:
         """The checked settings of a tier entry of this kind."""
-
-    @abstractmethod
-    def _open(self, settings: SecondarySettings, events: bool) -> LowerTier:
-        """Our tier of this kind; start-up errors name the entry's key."""
 
     @property
     def tier(self) -> LowerTier:
@@ -612,7 +607,8 @@ class KVOffloadDiskTier(_KVOffloadSecondaryTier):
     """Our local-disk tier (one slot file, bounded, our eviction policy) as a secondary tier.
 
     Entry keys: ``disk_dir``, ``disk_bytes`` (required), ``eviction_policy``,
-    ``admission``, ``io_threads``, ``fsync``, ``enable_kv_events``, ``locality``.
+    ``disk_timeout_ms``, ``admission``, ``admission_params``, ``write_budget``,
+    ``io_threads``, ``fsync``, ``enable_kv_events``, ``locality``.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -623,37 +619,15 @@ class KVOffloadDiskTier(_KVOffloadSecondaryTier):
     def parse(cls, tier_type: str, entry: dict[str, Any]) -> SecondarySettings:
         return parse_disk_settings(tier_type, entry)
 
-    @override
-    def _open(self, settings: SecondarySettings, events: bool) -> LowerTier:
-        if self.capacity_blocks < 1:
-            raise InvalidArgumentError(
-                f"secondary tier {self.tier_type!r} key 'disk_bytes': {settings.capacity_bytes} "
-                f"holds no block of {self.payload_bytes} bytes"
-            )
-        try:
-            return DiskTier(
-                settings.target,
-                self.capacity_blocks,
-                self.fingerprint,
-                settings.eviction_policy,
-                io_threads=settings.io_threads,
-                fsync=settings.fsync,
-                enable_events=events,
-            )
-        except InvalidArgumentError as exc:
-            raise InvalidArgumentError(
-                f"secondary tier {self.tier_type!r} key 'disk_dir': {exc}"
-            ) from None
-
 
 class KVOffloadSharedTier(_KVOffloadSecondaryTier):
     """Our shared Valkey/Redis tier (standalone or Cluster) as a secondary tier.
 
     Entry keys: ``url`` (required), ``remote_bytes`` (this instance's share of
     the server, which sizes the admission layer; required unless ``admission``
-    is ``none``), ``admission``, ``io_threads``, ``enable_kv_events``,
-    ``locality`` (default ``REMOTE``). The server's own ``maxmemory-policy``
-    evicts.
+    is ``none``), ``admission``, ``admission_params``, ``write_budget``,
+    ``io_threads``, ``enable_kv_events``, ``locality`` (default ``REMOTE``). The
+    server's own ``maxmemory-policy`` evicts.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -664,23 +638,6 @@ class KVOffloadSharedTier(_KVOffloadSecondaryTier):
     @override
     def parse(cls, tier_type: str, entry: dict[str, Any]) -> SecondarySettings:
         return parse_shared_settings(tier_type, entry)
-
-    @override
-    def _open(self, settings: SecondarySettings, events: bool) -> LowerTier:
-        if settings.admission != "none" and self.capacity_blocks < 1:
-            raise InvalidArgumentError(
-                f"secondary tier {self.tier_type!r} key 'remote_bytes': "
-                f"{settings.capacity_bytes} holds no block of {self.payload_bytes} bytes"
-            )
-        try:
-            return RemoteTier(
-                settings.target,
-                self.fingerprint,
-                io_threads=settings.io_threads,
-                enable_events=events,
-            )
-        except (InvalidArgumentError, RemoteTierError) as exc:
-            raise type(exc)(f"secondary tier {self.tier_type!r} key 'url': {exc}") from None
 
 
 def _payload_bytes(spec: OffloadingSpec, row_bytes: int) -> int:

@@ -10,23 +10,33 @@ and skip them.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, cast
 
-from kvoffload.admission import available_admissions, config_params
+from kvoffload.admission import WriteBudget
 from kvoffload.admission.registry import ParamPairs
 from kvoffload.core.errors import InvalidArgumentError
-from kvoffload.policies import available_policies
+from kvoffload.managers.stack import DISK, REMOTE, LowerTierConfig
+from kvoffload.tiers.disk import check_timeout_ms
 from kvoffload.tiers.url import parse_remote_url
 
 VLLM_KEYS = frozenset({"type", "module_path", "backpressure"})
 """Keys vLLM's own tiering reads from a tier entry; accepted and left to it."""
 
 COMMON_KEYS = frozenset(
-    {"admission", "admission_params", "offer_hits", "io_threads", "enable_kv_events", "locality"}
+    {
+        "admission",
+        "admission_params",
+        "write_budget",
+        "offer_hits",
+        "io_threads",
+        "enable_kv_events",
+        "locality",
+    }
 )
-DISK_KEYS = COMMON_KEYS | {"disk_dir", "disk_bytes", "eviction_policy", "fsync"}
+DISK_KEYS = COMMON_KEYS | {"disk_dir", "disk_bytes", "eviction_policy", "fsync", "disk_timeout_ms"}
 SHARED_KEYS = COMMON_KEYS | {"url", "remote_bytes"}
 
 DEFAULT_ADMISSION = "recommended"
@@ -34,46 +44,88 @@ DEFAULT_ADMISSION = "recommended"
 
 LOCALITIES = ("LOCAL", "REMOTE")
 
+TIER_KEYS = {
+    "location": "disk_dir",
+    "blocks": "disk_bytes",
+    "policy": "eviction_policy",
+    "deadline_s": "disk_timeout_ms",
+    "admission": "admission",
+    "admission_params": "admission_params",
+    "write_budget": "write_budget",
+    "io_threads": "io_threads",
+    "fsync": "fsync",
+}
+"""The entry's key of each :class:`LowerTierConfig` field, as its errors name them."""
+
 
 @dataclass(frozen=True)
 class SecondarySettings:
-    """One checked tier entry. ``capacity_bytes`` sizes the admission layer's memory
-    (and, for the disk tier, the slot file); ``target`` is the directory or URL."""
+    """One checked tier entry. ``tier``: the tier and its admission layer as the stack
+    builder opens them (:func:`~kvoffload.tiers.stack.tier_opener`,
+    :func:`~kvoffload.tiers.stack.tier_book`), its size in blocks ``None`` until the CPU
+    tier's chunk size is known; ``capacity_bytes`` sizes it (and the admission layer's
+    memory). ``write_budget`` is the entry's as written, sized in chunks at open."""
 
     tier_type: str
-    target: str
+    tier: LowerTierConfig
     capacity_bytes: int
-    admission: str = DEFAULT_ADMISSION
-    admission_params: ParamPairs = ()
-    """The admission rule's parameters (entry key ``admission_params``: name to value)."""
+    write_budget: WriteBudget | None = None
     offer_hits: bool = True
-    eviction_policy: str = "lru"
-    io_threads: int = 2
-    fsync: bool = False
     enable_kv_events: bool = False
     locality: str | None = None
+
+    @property
+    def admission(self) -> str:
+        return self.tier.admission
+
+    @property
+    def admission_params(self) -> ParamPairs:
+        """The admission rule's parameters (entry key ``admission_params``: name to value)."""
+        return cast(ParamPairs, self.tier.admission_params or ())
+
+    def sized(self, block_bytes: int) -> LowerTierConfig:
+        """The tier in blocks of ``block_bytes`` (the chunk's KV bytes); a size that holds no
+        block (and is needed) names its key."""
+        blocks = self.capacity_bytes // block_bytes
+        if blocks < 1 and (self.tier.kind == DISK or self.tier.admission != "none"):
+            raise InvalidArgumentError(
+                f"{self.tier.where}{self.tier.key('blocks')}: {self.capacity_bytes} holds no "
+                f"block of {block_bytes} bytes"
+            )
+        budget = self.write_budget
+        if budget is not None:
+            budget = budget.sized(block_bytes, self.capacity_bytes or None)
+            try:
+                budget.check()
+            except InvalidArgumentError as exc:
+                raise _error(self.tier_type, "write_budget", str(exc)) from None
+        return replace(self.tier, blocks=blocks, write_budget=budget)
 
 
 def parse_disk_settings(tier_type: str, entry: Mapping[str, Any]) -> SecondarySettings:
     """The disk tier's entry: ``disk_dir`` and ``disk_bytes`` are required."""
     _check_keys(tier_type, entry, DISK_KEYS)
-    policy = entry.get("eviction_policy", "lru")
-    if policy not in available_policies():
-        raise _error(
-            tier_type,
-            "eviction_policy",
-            f"{policy!r} is not a kvoffload policy; known: {', '.join(available_policies())}",
-        )
+    timeout = entry.get("disk_timeout_ms")
+    if timeout is not None:
+        where = f"secondary tier {tier_type!r} key 'disk_timeout_ms'"
+        timeout = check_timeout_ms(timeout, where) / 1000
+    budget = _budget(tier_type, entry)
+    tier = _tier(
+        tier_type,
+        entry,
+        DISK,
+        _required_str(tier_type, entry, "disk_dir"),
+        budget,
+        policy=entry.get("eviction_policy", "lru"),
+        deadline_s=timeout,
+        fsync=entry.get("fsync", False),
+    )
     return SecondarySettings(
         tier_type=tier_type,
-        target=_required_str(tier_type, entry, "disk_dir"),
+        tier=tier,
         capacity_bytes=_int(tier_type, entry, "disk_bytes", 1, None),
-        admission=_admission(tier_type, entry),
-        admission_params=_admission_params(tier_type, entry),
+        write_budget=budget,
         offer_hits=_bool(tier_type, entry, "offer_hits", True),
-        eviction_policy=str(policy),
-        io_threads=_int(tier_type, entry, "io_threads", 1, 2),
-        fsync=_bool(tier_type, entry, "fsync"),
         enable_kv_events=_bool(tier_type, entry, "enable_kv_events"),
         locality=_locality(tier_type, entry, None),
     )
@@ -83,25 +135,51 @@ def parse_shared_settings(tier_type: str, entry: Mapping[str, Any]) -> Secondary
     """The shared tier's entry: ``url`` is required, and ``remote_bytes`` (this instance's
     share of the server, which sizes the admission layer) unless admission is ``none``."""
     _check_keys(tier_type, entry, SHARED_KEYS)
-    admission = _admission(tier_type, entry)
-    needs_bytes = admission != "none"
     url = _required_str(tier_type, entry, "url")
     try:
         parse_remote_url(url)  # its syntax now; the server answers when the tier opens
     except InvalidArgumentError as exc:
         raise _error(tier_type, "url", str(exc)) from None
+    budget = _budget(tier_type, entry)
+    tier = _tier(tier_type, entry, REMOTE, url, budget)
+    needs_bytes = tier.admission != "none"
     return SecondarySettings(
         tier_type=tier_type,
-        target=url,
+        tier=tier,
         capacity_bytes=_int(
             tier_type, entry, "remote_bytes", 1 if needs_bytes else 0, None if needs_bytes else 0
         ),
-        admission=admission,
-        admission_params=_admission_params(tier_type, entry),
+        write_budget=budget,
         offer_hits=_bool(tier_type, entry, "offer_hits", True),
-        io_threads=_int(tier_type, entry, "io_threads", 1, 2),
         enable_kv_events=_bool(tier_type, entry, "enable_kv_events"),
         locality=_locality(tier_type, entry, "REMOTE"),
+    )
+
+
+def _tier(
+    tier_type: str,
+    entry: Mapping[str, Any],
+    kind: str,
+    location: str,
+    budget: WriteBudget | None,
+    **fields: Any,
+) -> LowerTierConfig:
+    """The entry's tier settings, checked by :class:`LowerTierConfig` (naming its keys);
+    its size stays unknown (``None``) until the chunk size is."""
+    names = {name: f"key {key!r}" for name, key in TIER_KEYS.items()}
+    if kind == REMOTE:
+        names.update(location="key 'url'", blocks="key 'remote_bytes'")
+    return LowerTierConfig(
+        kind,
+        location,
+        None,
+        admission=entry.get("admission", DEFAULT_ADMISSION),
+        admission_params=_admission_params(tier_type, entry),
+        write_budget=budget,
+        io_threads=_integral(entry.get("io_threads", 2)),
+        where=f"secondary tier {tier_type!r} ",
+        names=names,
+        **fields,
     )
 
 
@@ -115,24 +193,43 @@ def _check_keys(tier_type: str, entry: Mapping[str, Any], known: frozenset[str])
         raise _error(tier_type, unknown[0], f"unknown key; known: {', '.join(sorted(known))}")
 
 
-def _admission(tier_type: str, entry: Mapping[str, Any]) -> str:
-    name = entry.get("admission", DEFAULT_ADMISSION)
-    if name not in available_admissions():
-        raise _error(
-            tier_type,
-            "admission",
-            f"{name!r} is not a kvoffload admission layer; "
-            f"known: {', '.join(available_admissions())}",
-        )
-    return str(name)
+def _admission_params(tier_type: str, entry: Mapping[str, Any]) -> object:
+    """The entry's admission parameters as name-value pairs (JSON text decoded); checked
+    against the rule by :class:`LowerTierConfig`."""
+    value = entry.get("admission_params")
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise _error(
+                tier_type,
+                "admission_params",
+                f"must be a JSON object of admission parameters, got {value!r}",
+            ) from None
+    if isinstance(value, Mapping) and all(isinstance(key, str) for key in value):
+        return tuple(sorted(value.items()))
+    return value
 
 
-def _admission_params(tier_type: str, entry: Mapping[str, Any]) -> ParamPairs:
-    return config_params(
-        _admission(tier_type, entry),
-        entry.get("admission_params"),
-        f"secondary tier {tier_type!r} key 'admission_params'",
-    )
+def _budget(tier_type: str, entry: Mapping[str, Any]) -> WriteBudget | None:
+    """The entry's write budget as written (its rule is checked with the tier's settings)."""
+    value = entry.get("write_budget")
+    if value is None:
+        return None
+    try:
+        return WriteBudget.parse(value)
+    except InvalidArgumentError as exc:
+        raise _error(tier_type, "write_budget", str(exc)) from None
+
+
+def _integral(value: Any) -> Any:
+    """A count as JSON from the command line may spell it (``"4"``, ``4.0``) as an int;
+    anything else unchanged, for the check to refuse."""
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 def _required_str(tier_type: str, entry: Mapping[str, Any], key: str) -> str:
@@ -147,14 +244,9 @@ def _required_str(tier_type: str, entry: Mapping[str, Any], key: str) -> str:
 def _int(
     tier_type: str, entry: Mapping[str, Any], key: str, minimum: int, default: int | None
 ) -> int:
-    value = entry.get(key, default)
+    value = _integral(entry.get(key, default))
     if value is None:
         raise _error(tier_type, key, "required")
-    # JSON from the command line: accept numeric strings, as vLLM's own keys do.
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise _error(tier_type, key, f"must be an integer >= {minimum}, got {value!r}")
     return value
