@@ -105,12 +105,20 @@ CASES = {
     ),
     "an unknown eviction policy": (
         {"policy": "fifo-ish"},
-        [_simulator(disk_policy="fifo-ish"), _secondary("disk", eviction_policy="fifo-ish")],
+        [
+            _simulator(disk_policy="fifo-ish"),
+            _sglang("disk", policy="fifo-ish"),
+            _secondary("disk", eviction_policy="fifo-ish"),
+        ],
     ),
     "an unknown admission": (
         {"admission": "bogus"},
         [
             _simulator(disk_admission="bogus"),
+            _spec("disk", admission="bogus"),
+            _spec("remote", admission="bogus"),
+            _sglang("disk", admission="bogus"),
+            _sglang("remote", admission="bogus"),
             _secondary("disk", admission="bogus"),
             _secondary("remote", admission="bogus"),
         ],

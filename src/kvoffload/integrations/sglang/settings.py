@@ -12,11 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvoffload.admission import WriteBudget, available_admissions, config_params
+from kvoffload.admission import WriteBudget, config_params
 from kvoffload.admission.registry import ParamPairs
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.managers.stack import DISK, REMOTE, LowerTierConfig
-from kvoffload.policies import available_policies
 from kvoffload.tiers.url import parse_remote_url
 
 PREFIX = "kvoffload."
@@ -172,19 +171,19 @@ def parse_settings(extra_config: Mapping[str, Any] | None) -> BackendSettings:
             raise InvalidArgumentError(
                 f"hicache-storage-backend-extra-config {REMOTE_URL!r}: {exc}"
             ) from None
-    remote_admission = _choice(config, REMOTE_ADMISSION, available_admissions(), "none")
+    remote_admission = _str(config, REMOTE_ADMISSION) or "none"
     if remote_admission != "none" and REMOTE_BYTES not in config:
         raise InvalidArgumentError(
             f"hicache-storage-backend-extra-config {REMOTE_ADMISSION!r} {remote_admission!r} "
             f"needs {REMOTE_BYTES!r} (what the server may hold of ours) to size its memory"
         )
     port = config.get(METRICS_PORT)
-    disk_admission = _choice(config, DISK_ADMISSION, available_admissions(), "none")
+    disk_admission = _str(config, DISK_ADMISSION) or "none"
     settings = BackendSettings(
         interface_v1=_flag(config, "interface_v1"),
         disk_dir=disk_dir,
         disk_bytes=_int(config, DISK_BYTES, 1, 0) if disk_dir is not None else 0,
-        disk_policy=_choice(config, DISK_POLICY, available_policies(), "lru"),
+        disk_policy=_str(config, DISK_POLICY) or "lru",
         disk_admission=disk_admission,
         disk_admission_params=_params(config, DISK_ADMISSION_PARAMS, disk_admission),
         remote_url=remote_url,
@@ -241,16 +240,6 @@ def _str(config: Mapping[str, Any], key: str) -> str | None:
             f"got {value!r}"
         )
     return value
-
-
-def _choice(config: Mapping[str, Any], key: str, known: list[str], default: str) -> str:
-    value = config.get(key, default)
-    if value not in known:
-        raise InvalidArgumentError(
-            f"hicache-storage-backend-extra-config {key!r} {value!r} is not one of "
-            f"{', '.join(known)}"
-        )
-    return str(value)
 
 
 def _flag(config: Mapping[str, Any], key: str) -> bool:

@@ -15,13 +15,13 @@ from typing import Any
 from kvoffload.admission import (
     WriteBudget,
     available_admissions,
-    check_write_budget,
     config_params,
     parse_bytes,
     resolve_admission,
 )
 from kvoffload.admission.registry import ParamPairs
 from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.managers.stack import DISK, REMOTE, LowerTierConfig
 from kvoffload.policies import available_policies
 from kvoffload.tiers.disk import DEFAULT_TIMEOUT_MS, check_timeout_ms
 
@@ -163,9 +163,7 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
             f"got only {DISK_BYTES_KEY if disk_dir is None else DISK_DIR_KEY!r}"
         )
     remote_url = _str(extra_config, REMOTE_URL_KEY)
-    tier_admission = _tier_admission(
-        extra_config, disk=disk_dir is not None, remote=remote_url is not None
-    )
+    tier_admission = _tier_admission(extra_config, disk_dir=disk_dir, remote_url=remote_url)
     disk_timeout_ms = DEFAULT_TIMEOUT_MS
     if DISK_TIMEOUT_KEY in extra_config:
         if disk_dir is None:
@@ -194,39 +192,36 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
     )
 
 
-def _tier_admission(config: Mapping[str, Any], *, disk: bool, remote: bool) -> dict[str, Any]:
-    """The lower tiers' own admission settings, each key checked and named on error."""
+def _tier_admission(
+    config: Mapping[str, Any], *, disk_dir: str | None, remote_url: str | None
+) -> dict[str, Any]:
+    """The lower tiers' own admission settings, checked by the stack builder's
+    :class:`LowerTierConfig` (its size still unknown), each error naming this spec's key."""
     settings: dict[str, Any] = {}
-    for tier, present, key, budget_key in (
-        ("disk", disk, DISK_ADMISSION_KEY, DISK_WRITE_BUDGET_KEY),
-        ("remote", remote, REMOTE_ADMISSION_KEY, REMOTE_WRITE_BUDGET_KEY),
+    for kind, location, location_key, key, budget_key in (
+        (DISK, disk_dir, DISK_DIR_KEY, DISK_ADMISSION_KEY, DISK_WRITE_BUDGET_KEY),
+        (REMOTE, remote_url, REMOTE_URL_KEY, REMOTE_ADMISSION_KEY, REMOTE_WRITE_BUDGET_KEY),
     ):
         admission = _str(config, key) or "none"
-        if admission not in available_admissions():
-            raise InvalidArgumentError(
-                f"kv_connector_extra_config {key!r} {admission!r} is not a kvoffload "
-                f"admission layer; known: {', '.join(available_admissions())}"
-            )
         budget = config.get(budget_key)
-        if budget is not None:
-            try:
-                check_write_budget(budget)
-            except InvalidArgumentError as exc:
+        if location is None:
+            if admission != "none" or budget is not None:
                 raise InvalidArgumentError(
-                    f"kv_connector_extra_config {budget_key!r}: {exc}"
-                ) from None
-            if resolve_admission(admission) != "optimiser":
-                raise InvalidArgumentError(
-                    f"kv_connector_extra_config {budget_key!r} needs {key!r} 'recommended' "
-                    f"(the optimiser), not {admission!r}"
+                    f"kv_connector_extra_config {key if admission != 'none' else budget_key!r} "
+                    f"needs the {kind} tier ({location_key!r})"
                 )
-        if not present and (admission != "none" or budget is not None):
-            raise InvalidArgumentError(
-                f"kv_connector_extra_config {key if admission != 'none' else budget_key!r} "
-                f"needs the {tier} tier ({DISK_DIR_KEY if tier == 'disk' else REMOTE_URL_KEY!r})"
+        else:
+            LowerTierConfig(
+                kind,
+                location,
+                None,
+                admission=admission,
+                write_budget=budget,
+                where="kv_connector_extra_config ",
+                names={"admission": repr(key), "write_budget": repr(budget_key)},
             )
-        settings[f"{tier}_admission"] = admission
-        settings[f"{tier}_write_budget"] = None if budget is None else float(budget)
+        settings[f"{kind}_admission"] = admission
+        settings[f"{kind}_write_budget"] = None if budget is None else float(budget)
     if settings["remote_admission"] != "none" and REMOTE_BYTES_KEY not in config:
         raise InvalidArgumentError(
             f"kv_connector_extra_config {REMOTE_ADMISSION_KEY!r} needs {REMOTE_BYTES_KEY!r} "
