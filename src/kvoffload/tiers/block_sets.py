@@ -22,7 +22,9 @@ operation's deadline.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor, Future
 from typing import NamedTuple
 
 from kvoffload.core.keys import OffloadKey
@@ -34,9 +36,9 @@ from kvoffload.tiers.format import (
     payload_parts,
     payload_size,
 )
-from kvoffload.tiers.resp import Piece
+from kvoffload.tiers.resp import Deadline, Piece
 
-__all__ = ["JOIN_BELOW", "BlockWrite", "Payload", "pack_sets"]
+__all__ = ["JOIN_BELOW", "BlockWrite", "HeadersAhead", "Payload", "pack_sets"]
 
 JOIN_BELOW = 16 * 1024
 """Payloads shorter than this are joined with the command bytes around them:
@@ -51,12 +53,18 @@ class BlockWrite(NamedTuple):
     payload: Payload
 
 
-def pack_sets(writes: Sequence[BlockWrite], fingerprint: bytes) -> Iterator[Piece]:
-    """The RESP of one SET per write, as the pieces to send in order, made as they are sent."""
+def pack_sets(
+    writes: Sequence[BlockWrite],
+    fingerprint: bytes,
+    headers: Callable[[int], bytes] | None = None,
+) -> Iterator[Piece]:
+    """The RESP of one SET per write, as the pieces to send in order, made as they are sent.
+    ``headers``: the header of write ``i`` (:class:`HeadersAhead`); by default each is made
+    here, just before its payload goes out."""
     joined: list[Buffer] = []
-    for name, key, payload in writes:
+    for i, (name, key, payload) in enumerate(writes):
         parts = payload_parts(payload)
-        header = encode_header(key, fingerprint, parts)
+        header = encode_header(key, fingerprint, parts) if headers is None else headers(i)
         value_length = len(header) + payload_size(parts)
         joined.append(
             b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (len(name), name, value_length, header)
@@ -77,3 +85,62 @@ def pack_sets(writes: Sequence[BlockWrite], fingerprint: bytes) -> Iterator[Piec
             joined = []
         joined.append(b"\r\n")
     yield b"".join(joined)
+
+
+class HeadersAhead:
+    """The headers of a batch of writes (each the checksum of its payload), all made in
+    order by one job on ``executor`` while the payloads before them go out.
+
+    A store must hash each payload as well as send it, and the raw socket does
+    not: on one thread the two add up. Here the sender makes the first header
+    itself (nothing to overlap with yet) and one job makes the others, running
+    ahead of the sender (XXH3 reads a payload 2-3x as fast as the socket sends
+    it), so the sender seldom waits. One hand-over per batch: a hand-over per
+    block (a job per header, made while the payload before it was sent) cost
+    a thread wake-up each, and on an idle VM left the hash on the sender's
+    core; one job that stays runnable is taken by whichever core has time
+    (see docs/tiers.md, "Stores: the checksum beside the send"). Waiting for a
+    header counts against the operation's ``deadline``; :meth:`stop` ends the
+    job early when the send fails.
+    """
+
+    def __init__(
+        self,
+        writes: Sequence[BlockWrite],
+        fingerprint: bytes,
+        executor: Executor,
+        deadline: Deadline,
+    ) -> None:
+        self._writes = writes
+        self._fingerprint = fingerprint
+        self._deadline = deadline
+        self._made: list[Future[bytes]] = [Future() for _ in writes]
+        self._stopped = threading.Event()
+        if len(writes) > 1:
+            executor.submit(self._make_from, 1)
+
+    def header(self, index: int) -> bytes:
+        """Write ``index``'s header: made here for the first, else waited for (within the
+        deadline: :class:`TimeoutError`)."""
+        if index == 0:
+            return self._encode(0)
+        return self._made[index].result(self._deadline.left())
+
+    def stop(self) -> None:
+        """Make no more headers (those already made stay)."""
+        self._stopped.set()
+
+    def _make_from(self, first: int) -> None:
+        for index in range(first, len(self._writes)):
+            if self._stopped.is_set():
+                return
+            try:
+                self._made[index].set_result(self._encode(index))
+            except BaseException as exc:  # handed to the sender, who fails the operation
+                for made in self._made[index:]:
+                    made.set_exception(exc)
+                return
+
+    def _encode(self, index: int) -> bytes:
+        _, key, payload = self._writes[index]
+        return encode_header(key, self._fingerprint, payload_parts(payload))
