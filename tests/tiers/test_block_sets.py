@@ -59,7 +59,7 @@ def test_headers_made_ahead_are_the_inline_ones_from_one_job_per_batch() -> None
     writes = writes_of([JOIN_BELOW, 5, 2 * JOIN_BELOW, 0, JOIN_BELOW + 7])
     with CountingExecutor() as executor:
         headers = HeadersAhead(writes, FP, executor, Deadline(10))
-        ahead = list(pack_sets(writes, FP, headers.header))
+        ahead = list(pack_sets(writes, FP, headers))
         assert executor.jobs == 1
         assert HeadersAhead(writes[:1], FP, executor, Deadline(10)).header(0)
         assert executor.jobs == 1  # a batch of one has nothing to make ahead

@@ -606,7 +606,7 @@ class RemoteTier:
         else:
             headers = HeadersAhead(writes, self.fingerprint, self._ahead, deadline)
             try:
-                connection.send(pack_sets(writes, self.fingerprint, headers.header), deadline)
+                connection.send(pack_sets(writes, self.fingerprint, headers), deadline)
             finally:
                 headers.stop()
         statuses: list[_Status] = []
