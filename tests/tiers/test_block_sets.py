@@ -15,7 +15,13 @@ import pytest
 from kvoffload import block_id_key
 from kvoffload.core.layout import layout_preset
 from kvoffload.tiers import RemoteTier, layout_fingerprint
-from kvoffload.tiers.block_sets import JOIN_BELOW, BlockWrite, HeadersAhead, pack_sets
+from kvoffload.tiers.block_sets import (
+    GIL_HELD_UP_TO,
+    JOIN_BELOW,
+    BlockWrite,
+    HeadersAhead,
+    pack_sets,
+)
 from kvoffload.tiers.format import CorruptBlockError, decode_block, encode_header
 from kvoffload.tiers.remote import SLOTS
 from kvoffload.tiers.resp import Deadline
@@ -66,6 +72,48 @@ def test_headers_made_ahead_are_the_inline_ones_from_one_job_per_batch() -> None
     assert b"".join(ahead) == b"".join(pack_sets(writes, FP))
     for (_, key, payload), i in zip(writes, range(len(writes)), strict=True):
         assert headers.header(i) == encode_header(key, FP, payload)
+
+
+def parted_writes(part_bytes: int, parts: int, count: int) -> list[BlockWrite]:
+    """Writes whose payloads come in ``parts`` buffers of ``part_bytes`` each."""
+    return [
+        BlockWrite(
+            b"bs:%d" % i,
+            block_id_key(i),
+            [bytes([i + k]) * part_bytes for k in range(parts)],
+        )
+        for i in range(count)
+    ]
+
+
+def test_payloads_hashed_under_the_gil_get_one_job_per_header() -> None:
+    """Parts of 64 KiB or less (an SGLang layer_first page) are hashed with the GIL held:
+    each header after the first is one job, started as the payload before it goes out;
+    the pipeline is still the inline one."""
+    writes = parted_writes(GIL_HELD_UP_TO, 4, 5)
+    with CountingExecutor() as executor:
+        ahead = list(pack_sets(writes, FP, HeadersAhead(writes, FP, executor, Deadline(10))))
+        assert executor.jobs == len(writes) - 1
+    assert b"".join(map(joined, ahead)) == b"".join(map(joined, pack_sets(writes, FP)))
+
+
+def test_payloads_of_small_parts_only_still_get_their_headers() -> None:
+    """Parts too small to go out on their own (joined with the command bytes) still
+    start the next header's job: the batch goes out well within its deadline."""
+    writes = parted_writes(JOIN_BELOW // 4, 3, 4)
+    with ThreadPoolExecutor(1) as executor:
+        started = time.monotonic()
+        ahead = list(pack_sets(writes, FP, HeadersAhead(writes, FP, executor, Deadline(5))))
+        assert time.monotonic() - started < 2
+    assert b"".join(map(joined, ahead)) == b"".join(map(joined, pack_sets(writes, FP)))
+
+
+def joined(piece: object) -> bytes:
+    """A piece's bytes (a tuple of parts joined)."""
+    if isinstance(piece, tuple):
+        return b"".join(bytes(part) for part in piece)
+    assert isinstance(piece, bytes | bytearray | memoryview)
+    return bytes(piece)
 
 
 def gated_executor() -> tuple[ThreadPoolExecutor, threading.Event]:
