@@ -15,7 +15,8 @@ goes out the same way: its small parts joined with the bytes around them,
 each run of large ones as one tuple, which the connection sends with one
 scatter-gather ``sendmsg`` (an SGLang ``layer_first`` page is 2 parts per
 layer: a ``sendall`` each cost 0.7 of the single-buffer store rate), so a
-value built from several buffers is never joined either. The shared tier sends the pieces and
+value built from several buffers is never joined either. The shared tier has the headers
+made on another thread instead (:class:`HeadersAhead`), sends the pieces and
 reads the replies on its own connections (:mod:`.resp`), under the
 operation's deadline.
 """

@@ -5,9 +5,9 @@ the raw bytes) under ``kvo:<fingerprint hex>:<key hex>``, so two models never
 read each other's blocks. Reads are one pipeline of GETs per batch and node,
 each reply received straight into its destination slot (:mod:`.resp`);
 writes one pipeline of SETs per batch and node, header and payload sent apart
-(:mod:`.block_sets`), never joined, each header (the checksum of its payload)
-made on a second thread while the payload before it goes out: serially the
-checksum held stores to 0.75-0.77 of a raw socket's SETs.
+(:mod:`.block_sets`), never joined, the headers (each the checksum of its
+payload) made on a second thread while the payloads before them go out:
+serially the checksum held stores to 0.75-0.77 of a raw socket's SETs.
 
 Every operation (name lookup, connect, send, full reply) has one deadline:
 ``timeout_ms`` plus the time its bytes take at :data:`SLOWEST_LINK`. Every operation goes
