@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import binascii
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from kvoffload import block_id_key
 from kvoffload.core.layout import layout_preset
 from kvoffload.tiers import RemoteTier, layout_fingerprint
-from kvoffload.tiers.block_sets import JOIN_BELOW, BlockWrite, pack_sets
-from kvoffload.tiers.format import decode_block, encode_header
+from kvoffload.tiers.block_sets import (
+    GIL_HELD_UP_TO,
+    JOIN_BELOW,
+    BlockWrite,
+    HeadersAhead,
+    pack_sets,
+)
+from kvoffload.tiers.format import CorruptBlockError, decode_block, encode_header
 from kvoffload.tiers.remote import SLOTS
+from kvoffload.tiers.resp import Deadline
 from tier_servers import ValkeyClusterProcesses, ValkeyProcess
 
 FP = layout_fingerprint("block-sets", layout_preset("tiny"), 0)
@@ -31,6 +45,120 @@ def test_large_payloads_go_out_as_they_are_and_small_ones_are_joined() -> None:
     assert [piece is writes[i].payload for i in (1, 3) for piece in pieces].count(True) == 2
     assert len(pieces) == 5  # commands before block 1, block 1, between, block 3, the rest
     assert b"".join(pieces).count(b"*3\r\n$3\r\nSET\r\n") == len(writes)
+
+
+class CountingExecutor(ThreadPoolExecutor):
+    """A real one-thread pool that counts the jobs handed to it."""
+
+    def __init__(self) -> None:
+        super().__init__(1, "headers")
+        self.jobs = 0
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        self.jobs += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+def test_headers_made_ahead_are_the_inline_ones_from_one_job_per_batch() -> None:
+    """One job makes every header after the first (the sender makes that one): the
+    pipeline is byte for byte the one whose headers are made inline."""
+    writes = writes_of([JOIN_BELOW, 5, 2 * JOIN_BELOW, 0, JOIN_BELOW + 7])
+    with CountingExecutor() as executor:
+        headers = HeadersAhead(writes, FP, executor, Deadline(10))
+        ahead = list(pack_sets(writes, FP, headers))
+        assert executor.jobs == 1
+        assert HeadersAhead(writes[:1], FP, executor, Deadline(10)).header(0)
+        assert executor.jobs == 1  # a batch of one has nothing to make ahead
+    assert b"".join(ahead) == b"".join(pack_sets(writes, FP))
+    for (_, key, payload), i in zip(writes, range(len(writes)), strict=True):
+        assert headers.header(i) == encode_header(key, FP, payload)
+
+
+def parted_writes(part_bytes: int, parts: int, count: int) -> list[BlockWrite]:
+    """Writes whose payloads come in ``parts`` buffers of ``part_bytes`` each."""
+    return [
+        BlockWrite(
+            b"bs:%d" % i,
+            block_id_key(i),
+            [bytes([i + k]) * part_bytes for k in range(parts)],
+        )
+        for i in range(count)
+    ]
+
+
+def test_payloads_hashed_under_the_gil_get_one_job_per_header() -> None:
+    """Parts of 64 KiB or less (an SGLang layer_first page) are hashed with the GIL held:
+    each header after the first is one job, started as the payload before it goes out;
+    the pipeline is still the inline one."""
+    writes = parted_writes(GIL_HELD_UP_TO, 4, 5)
+    with CountingExecutor() as executor:
+        ahead = list(pack_sets(writes, FP, HeadersAhead(writes, FP, executor, Deadline(10))))
+        assert executor.jobs == len(writes) - 1
+    assert b"".join(map(joined, ahead)) == b"".join(map(joined, pack_sets(writes, FP)))
+
+
+def test_payloads_of_small_parts_only_still_get_their_headers() -> None:
+    """Parts too small to go out on their own (joined with the command bytes) still
+    start the next header's job: the batch goes out well within its deadline."""
+    writes = parted_writes(JOIN_BELOW // 4, 3, 4)
+    with ThreadPoolExecutor(1) as executor:
+        started = time.monotonic()
+        ahead = list(pack_sets(writes, FP, HeadersAhead(writes, FP, executor, Deadline(5))))
+        assert time.monotonic() - started < 2
+    assert b"".join(map(joined, ahead)) == b"".join(map(joined, pack_sets(writes, FP)))
+
+
+def joined(piece: object) -> bytes:
+    """A piece's bytes (a tuple of parts joined)."""
+    if isinstance(piece, tuple):
+        return b"".join(bytes(part) for part in piece)
+    assert isinstance(piece, bytes | bytearray | memoryview)
+    return bytes(piece)
+
+
+def gated_executor() -> tuple[ThreadPoolExecutor, threading.Event]:
+    """A one-thread pool whose thread is held until the event is set."""
+    executor, gate = ThreadPoolExecutor(1), threading.Event()
+    executor.submit(gate.wait, 10)
+    return executor, gate
+
+
+def test_waiting_for_a_header_counts_against_the_deadline() -> None:
+    """A header the job has not made yet (its thread held) fails the send in time."""
+    writes = writes_of([JOIN_BELOW] * 3)
+    executor, gate = gated_executor()
+    try:
+        headers = HeadersAhead(writes, FP, executor, Deadline(0.3))
+        assert headers.header(0) == encode_header(writes[0].key, FP, writes[0].payload)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            headers.header(1)
+        assert time.monotonic() - started < 2
+    finally:
+        gate.set()
+        executor.shutdown()
+
+
+def test_a_stopped_batch_makes_no_more_headers() -> None:
+    """After a failed send the job ends without hashing the rest of the batch."""
+    writes = writes_of([JOIN_BELOW] * 4)
+    executor, gate = gated_executor()
+    headers = HeadersAhead(writes, FP, executor, Deadline(0.5))
+    headers.stop()
+    gate.set()
+    executor.shutdown(wait=True)  # the job has run, and made nothing
+    with pytest.raises(TimeoutError):
+        headers.header(1)
+
+
+def test_a_header_that_cannot_be_made_fails_the_send() -> None:
+    """The job's error reaches the sender (a fingerprint of the wrong size, here)."""
+    writes = writes_of([JOIN_BELOW] * 3)
+    with ThreadPoolExecutor(1) as executor:
+        headers = HeadersAhead(writes, FP[:5], executor, Deadline(10))
+        for i in range(3):
+            with pytest.raises(CorruptBlockError):
+                headers.header(i)
 
 
 SIZES = [1, 7, 100, JOIN_BELOW - 1, JOIN_BELOW, 3 * JOIN_BELOW + 5, 2**20, 5, 2**20 + 3]

@@ -182,52 +182,21 @@ def receive_all(sock: socket.socket, size: int) -> bytes:
 
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.binary(max_size=3 * DIRECT_BELOW).filter(bool), min_size=1, max_size=6))
-def test_pieces_made_ahead_go_out_in_order(pieces: list[bytes]) -> None:
-    """The look-ahead of SETs: the piece after a large one is made on another thread
-    while the large one is sent, the others on the caller's; the stream is the pieces
-    in order, whole."""
-    made_on: list[str] = []
+def test_pieces_made_as_they_are_sent_go_out_in_order(pieces: list[bytes]) -> None:
+    """A SET pipeline is a generator (each header made as its turn comes): the stream is
+    the pieces in order, whole."""
 
     def make() -> Iterator[bytes]:
-        for piece in pieces:
-            made_on.append(threading.current_thread().name)
-            yield piece
+        yield from pieces
 
     left, right = socket.socketpair()
     connection = Connection(right)
     expected = b"".join(pieces)
     try:
-        with ThreadPoolExecutor(1, "ahead") as ahead:
-            receiver = ThreadPoolExecutor(1)
+        with ThreadPoolExecutor(1) as receiver:
             got = receiver.submit(receive_all, left, len(expected))
-            connection.send(make(), Deadline(10), ahead)
+            connection.send(make(), Deadline(10))
             assert got.result(10) == expected
-            receiver.shutdown()
-        assert made_on[0] == threading.current_thread().name
-        for before, name in zip(pieces, made_on[1:], strict=False):
-            assert name.startswith("ahead") == (len(before) >= DIRECT_BELOW), made_on
     finally:
         left.close()
         connection.close()
-
-
-def test_a_piece_made_too_slowly_meets_the_deadline(
-    pair: tuple[socket.socket, Connection],
-) -> None:
-    """Making the next piece (hashing a payload) counts against the send's deadline."""
-    release = threading.Event()
-
-    def make() -> Iterator[bytes]:
-        yield bytes(DIRECT_BELOW)  # large: the next piece is made ahead, under the deadline
-        release.wait(10)
-        yield b"never sent in time"
-
-    left, connection = pair
-    drained = ThreadPoolExecutor(1).submit(receive_all, left, DIRECT_BELOW)  # sends never wait
-    with ThreadPoolExecutor(1) as ahead:
-        try:
-            with pytest.raises(TimeoutError):
-                connection.send(make(), Deadline(0.3), ahead)
-        finally:
-            release.set()
-    assert len(drained.result(10)) == DIRECT_BELOW  # the first piece went out in time

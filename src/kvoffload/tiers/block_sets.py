@@ -15,15 +15,18 @@ goes out the same way: its small parts joined with the bytes around them,
 each run of large ones as one tuple, which the connection sends with one
 scatter-gather ``sendmsg`` (an SGLang ``layer_first`` page is 2 parts per
 layer: a ``sendall`` each cost 0.7 of the single-buffer store rate), so a
-value built from several buffers is never joined either. The shared tier sends the pieces and
+value built from several buffers is never joined either. The shared tier has the headers
+made on another thread instead (:class:`HeadersAhead`), sends the pieces and
 reads the replies on its own connections (:mod:`.resp`), under the
 operation's deadline.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from concurrent.futures import Executor, Future
+from typing import NamedTuple, Protocol
 
 from kvoffload.core.keys import OffloadKey
 from kvoffload.tiers.format import (
@@ -34,9 +37,9 @@ from kvoffload.tiers.format import (
     payload_parts,
     payload_size,
 )
-from kvoffload.tiers.resp import Piece
+from kvoffload.tiers.resp import Deadline, Piece
 
-__all__ = ["JOIN_BELOW", "BlockWrite", "Payload", "pack_sets"]
+__all__ = ["JOIN_BELOW", "BlockWrite", "HeaderSource", "HeadersAhead", "Payload", "pack_sets"]
 
 JOIN_BELOW = 16 * 1024
 """Payloads shorter than this are joined with the command bytes around them:
@@ -51,29 +54,134 @@ class BlockWrite(NamedTuple):
     payload: Payload
 
 
-def pack_sets(writes: Sequence[BlockWrite], fingerprint: bytes) -> Iterator[Piece]:
-    """The RESP of one SET per write, as the pieces to send in order, made as they are sent."""
+class HeaderSource(Protocol):
+    """Where :func:`pack_sets` takes each write's header from (:class:`HeadersAhead`)."""
+
+    def header(self, index: int) -> bytes:
+        """Write ``index``'s header (``header | key``)."""
+        ...
+
+    def sending(self, index: int) -> None:
+        """Write ``index``'s payload is about to go out."""
+        ...
+
+
+def pack_sets(
+    writes: Sequence[BlockWrite],
+    fingerprint: bytes,
+    headers: HeaderSource | None = None,
+) -> Iterator[Piece]:
+    """The RESP of one SET per write, as the pieces to send in order, made as they are sent.
+    ``headers``: where each header comes from; by default each is made here, just before
+    its payload goes out."""
     joined: list[Buffer] = []
-    for name, key, payload in writes:
+    for i, (name, key, payload) in enumerate(writes):
         parts = payload_parts(payload)
-        header = encode_header(key, fingerprint, parts)
+        header = encode_header(key, fingerprint, parts) if headers is None else headers.header(i)
         value_length = len(header) + payload_size(parts)
         joined.append(
             b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (len(name), name, value_length, header)
         )
         large: list[Buffer] = []
+        told = headers is None
         for part in parts:
             if buffer_size(part) >= JOIN_BELOW:
                 large.append(part)
                 continue
             if large:
                 yield b"".join(joined)
+                if not told and headers is not None:
+                    headers.sending(i)
+                    told = True
                 yield large[0] if len(large) == 1 else tuple(large)
                 joined, large = [], []
             joined.append(part)
         if large:
             yield b"".join(joined)
+        if not told and headers is not None:  # a payload of small parts only: now
+            headers.sending(i)
+        if large:
             yield large[0] if len(large) == 1 else tuple(large)
             joined = []
         joined.append(b"\r\n")
     yield b"".join(joined)
+
+
+GIL_HELD_UP_TO = 64 * 1024
+"""``xxhash`` (4.x) hashes a buffer of up to this many bytes without releasing the GIL."""
+
+
+class HeadersAhead:
+    """The headers of a batch of writes (each the checksum of its payload), made on
+    ``executor`` while the payloads before them go out (a :class:`HeaderSource`).
+
+    A store must hash each payload as well as send it, and the raw socket does
+    not: on one thread the two add up. Here the sender makes the first header
+    itself (nothing to overlap with yet) and one job makes the others in order,
+    running ahead of the sender (XXH3 reads a payload 2-3x as fast as the
+    socket sends it), so the sender seldom waits: one hand-over per batch,
+    where a job per header cost a thread wake-up per block (see docs/tiers.md,
+    "Stores: the checksum beside the send"). A payload in several parts, some
+    of them small (:data:`GIL_HELD_UP_TO`: an SGLang ``layer_first`` page), is
+    hashed with the GIL held, which stalls the sender's Python for as long as
+    the hash runs; for those, each header gets its own job, started only as the
+    payload before it goes out (:meth:`sending`), so that the sender is inside
+    its ``sendmsg`` (GIL released) by the time the job takes the GIL. Waiting
+    for a header counts against the operation's ``deadline``; :meth:`stop` ends
+    the job early when the send fails.
+    """
+
+    def __init__(
+        self,
+        writes: Sequence[BlockWrite],
+        fingerprint: bytes,
+        executor: Executor,
+        deadline: Deadline,
+    ) -> None:
+        self._writes = writes
+        self._fingerprint = fingerprint
+        self._executor = executor
+        self._deadline = deadline
+        self._stopped = threading.Event()
+        self._one_by_one = bool(writes) and _hashed_under_gil(writes[0].payload)
+        self._made: list[Future[bytes]] = [Future() for _ in writes]
+        if len(writes) > 1 and not self._one_by_one:
+            executor.submit(self._make_from, 1)
+
+    def header(self, index: int) -> bytes:
+        """Write ``index``'s header: made here for the first, else waited for (within the
+        deadline: :class:`TimeoutError`)."""
+        if index == 0:
+            return self._encode(0)
+        return self._made[index].result(self._deadline.left())
+
+    def sending(self, index: int) -> None:
+        """Payload ``index`` goes out now: time to make the next header, if it is made
+        one by one."""
+        if self._one_by_one and index + 1 < len(self._writes) and not self._stopped.is_set():
+            self._made[index + 1] = self._executor.submit(self._encode, index + 1)
+
+    def stop(self) -> None:
+        """Make no more headers (those already made stay)."""
+        self._stopped.set()
+
+    def _make_from(self, first: int) -> None:
+        for index in range(first, len(self._writes)):
+            if self._stopped.is_set():
+                return
+            try:
+                self._made[index].set_result(self._encode(index))
+            except BaseException as exc:  # handed to the sender, who fails the operation
+                for made in self._made[index:]:
+                    made.set_exception(exc)
+                return
+
+    def _encode(self, index: int) -> bytes:
+        _, key, payload = self._writes[index]
+        return encode_header(key, self._fingerprint, payload_parts(payload))
+
+
+def _hashed_under_gil(payload: Payload) -> bool:
+    """Whether hashing ``payload`` holds the GIL for long: several parts, some small."""
+    parts = payload_parts(payload)
+    return len(parts) > 1 and any(buffer_size(part) <= GIL_HELD_UP_TO for part in parts)

@@ -5,9 +5,9 @@ the raw bytes) under ``kvo:<fingerprint hex>:<key hex>``, so two models never
 read each other's blocks. Reads are one pipeline of GETs per batch and node,
 each reply received straight into its destination slot (:mod:`.resp`);
 writes one pipeline of SETs per batch and node, header and payload sent apart
-(:mod:`.block_sets`), never joined, each header (the checksum of its payload)
-made on a second thread while the payload before it goes out: serially the
-checksum held stores to 0.75-0.77 of a raw socket's SETs.
+(:mod:`.block_sets`), never joined, the headers (each the checksum of its
+payload) made on a second thread while the payloads before them go out:
+serially the checksum held stores to 0.75-0.77 of a raw socket's SETs.
 
 Every operation (name lookup, connect, send, full reply) has one deadline:
 ``timeout_ms`` plus the time its bytes take at :data:`SLOWEST_LINK`. Every operation goes
@@ -37,7 +37,7 @@ from kvoffload.core.errors import KVOffloadError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import EventLog, OffloadingEvent
 from kvoffload.core.tier_protocol import Target, TierStats
-from kvoffload.tiers.block_sets import BlockWrite, pack_sets
+from kvoffload.tiers.block_sets import BlockWrite, HeadersAhead, pack_sets
 from kvoffload.tiers.breaker import CircuitBreaker
 from kvoffload.tiers.format import HEADER_BYTES, CorruptBlockError, parse_header, payload_size
 from kvoffload.tiers.resp import (
@@ -192,7 +192,7 @@ class RemoteTier:
         self.is_cluster = self._start()
         self._pool = ThreadPoolExecutor(io_threads, "kvoffload-remote")
         self._ahead = ThreadPoolExecutor(io_threads, "kvoffload-remote-ahead")
-        """Makes each SET's header while the payload before it is sent (one per I/O thread)."""
+        """Makes the SET headers of a batch while its payloads go out (one per I/O thread)."""
         self._writes: list[tuple[list[OffloadKey], Future[list[bool]]]] = []
         self._events = EventLog(enable_events)
 
@@ -604,7 +604,11 @@ class RemoteTier:
             for write in writes:
                 connection.send([ASKING, *pack_sets([write], self.fingerprint)], deadline)
         else:
-            connection.send(pack_sets(writes, self.fingerprint), deadline, self._ahead)
+            headers = HeadersAhead(writes, self.fingerprint, self._ahead, deadline)
+            try:
+                connection.send(pack_sets(writes, self.fingerprint, headers), deadline)
+            finally:
+                headers.stop()
         statuses: list[_Status] = []
         error: ErrorReply | None = None
         for _ in writes:

@@ -23,7 +23,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -44,13 +44,6 @@ DIRECT_PIECE = 256 * 1024
 Piece = bytes | bytearray | memoryview | tuple[bytes | bytearray | memoryview, ...]
 """Bytes to send; a tuple of buffers goes out with scatter-gather ``sendmsg`` (the parts of
 one value, :mod:`.block_sets`), one system call for many buffers."""
-
-
-def size_of(piece: Piece) -> int:
-    """The bytes ``piece`` sends (all parts of a tuple)."""
-    if isinstance(piece, tuple):
-        return sum(size_of(part) for part in piece)
-    return piece.nbytes if isinstance(piece, memoryview) else len(piece)
 
 
 SENDMSG_BUFFERS = 512
@@ -344,28 +337,11 @@ class Connection:
         readable, _, _ = select.select([self.sock], [], [], 0)
         return bool(readable)
 
-    def send(
-        self, pieces: Iterable[Piece], deadline: Deadline, ahead: Executor | None = None
-    ) -> None:
-        """Send every piece in order, all before ``deadline``. With ``ahead``, the piece
-        after a large one (:data:`DIRECT_BELOW` bytes or more) is made on that executor
-        while the large one is sent: a SET's header (the checksum of its payload) is
-        computed as the payload before it goes out. After a small piece the next one is
-        made here (a payload, made at no cost): one hand-over per block."""
-        if ahead is None:
-            for piece in pieces:
-                self._send_piece(piece, deadline)
-            return
-        made = iter(pieces)
-        current: Piece | None = next(made, None)
-        while current is not None:
-            if size_of(current) < DIRECT_BELOW:
-                self._send_piece(current, deadline)
-                current = next(made, None)
-                continue
-            following: Future[Piece | None] = ahead.submit(next, made, None)
-            self._send_piece(current, deadline)
-            current = following.result(deadline.left())
+    def send(self, pieces: Iterable[Piece], deadline: Deadline) -> None:
+        """Send every piece in order, all before ``deadline`` (making a piece, when
+        ``pieces`` makes them as they are taken, counts against it too)."""
+        for piece in pieces:
+            self._send_piece(piece, deadline)
 
     def _send_piece(self, piece: Piece, deadline: Deadline) -> None:
         if isinstance(piece, tuple):
