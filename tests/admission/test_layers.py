@@ -185,3 +185,25 @@ def test_a_driver_that_looks_up_past_the_layer_can_report_tier_hits() -> None:
     assert layer._requests.origin(request[1:]) == (request[0], False)
     layer.begin_request(request, tier_hit=True)
     assert layer._requests.origin(request[1:]) == (request[0], True)
+
+
+def test_admit_passes_on_what_prepare_store_would_with_the_same_counts() -> None:
+    from kvoffload.admission.optimiser import _Probe
+
+    runs: list[tuple[list[list[OffloadKey]], int, int]] = []
+    for direct in (False, True):
+        probe = _Probe()
+        layer = FeedbackAdmission(probe, 64)
+        passed: list[list[OffloadKey]] = []
+        for start in range(0, 40, 4):
+            request = keys(*range(4), *range(100 + start, 108 + start))
+            layer.begin_request(request)
+            offered = request[4:]
+            if direct:
+                passed.append(layer.admit(offered))
+            else:
+                layer.prepare_store(offered)
+                passed.append(probe.stored)
+        runs.append((passed, layer.offers, layer.admitted))
+    assert runs[0] == runs[1]
+    assert any(runs[0][0]) and runs[0][2] < runs[0][1]

@@ -183,3 +183,17 @@ def test_the_sketch_equals_its_key_by_key_definition(batches: list[list[int]], s
         sketch.increment(key_hashes(keys))
         reference.increment(keys)
         assert sketch.estimate(key_hashes(probe)).tolist() == reference.estimate(probe)
+
+
+def test_request_hashes_give_an_offer_the_cells_of_its_hashes() -> None:
+    from kvoffload.admission.sketch import RequestHashes
+
+    sketch = FrequencySketch(1024)
+    request = [block_id_key(i) for i in range(6)]
+    cache = RequestHashes()
+    sketch.increment(cache.of_request(request), cache.cells(sketch))
+    for offered in (request[2:], [block_id_key(i) for i in (9, 4, 5)]):
+        hashes, cells = cache.offer(offered, sketch)
+        assert hashes.tolist() == key_hashes(offered).tolist()
+        assert cells.tolist() == sketch.cells(key_hashes(offered)).tolist()
+        assert sketch.estimate(hashes, cells).tolist() == sketch.estimate(hashes).tolist()

@@ -175,6 +175,16 @@ class AdmissionLayer(OffloadingManager):
         self._requests.on_store(offered, output is not None and bool(output.keys_to_store))
         return output
 
+    def admit(self, offered: list[OffloadKey]) -> list[OffloadKey]:
+        """What :meth:`prepare_store` of ``offered`` (distinct, not empty) passes on, with
+        the same counts and request state, for a backing that stores all it is given (the
+        optimiser's candidates): no backing call, no copy."""
+        admitted = self._admit(offered, self._requests.prefix_length(offered))
+        self.offers += len(offered)
+        self.admitted += len(admitted)
+        self._requests.on_store(offered, bool(admitted))
+        return admitted
+
     def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
         return self._backing.prepare_load(keys)
 

@@ -113,9 +113,19 @@ class ReuseController:
             self._halve()
 
     def record_all(self, tags: Iterable[int], returned: bool) -> None:
-        """``record`` of each of ``tags`` in turn, all with the same outcome."""
+        """``record`` of each of ``tags`` in turn, all with the same outcome (inlined: an
+        offer's pushed-out and expired records come by the dozen)."""
+        groups, window = self.groups, self.window
         for tag in tags:
-            self.record(tag, returned)
+            cls = tag // groups
+            self.outcomes[cls] += 1.0
+            self.group_outcomes[tag] += 1.0
+            if returned:
+                self.returns[cls] += 1.0
+                self.group_returns[tag] += 1.0
+            self._since_halving += 1
+            if self._since_halving >= window:
+                self._halve()
 
     def _halve(self) -> None:
         self.returns = [r / 2 for r in self.returns]

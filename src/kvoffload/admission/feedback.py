@@ -102,14 +102,16 @@ class FeedbackAdmission(AdmissionLayer):
         """Blocks admitted so far: the clock by which ghost records age."""
 
     def _sighting(self, keys: Sequence[OffloadKey]) -> None:
-        self.sketch.increment(self._hashes.of_request(keys))
+        hashes = self._hashes.of_request(keys)
+        self.sketch.increment(hashes, self._hashes.cells(self.sketch))
         if len(self.ghost):
             returned = self.ghost.take_all(keys)
             self.controller.record_all(returned, True)
             self.ghost_hits += len(returned)
 
     def _admit(self, offered: Sequence[OffloadKey], prefix: int) -> list[OffloadKey]:
-        seen = (self.sketch.estimate(self._hashes.of_offer(offered)) >= 2).tolist()
+        hashes, cells = self._hashes.offer(offered, self.sketch)
+        seen = (self.sketch.estimate(hashes, cells) >= 2).tolist()
         ghost, controller, clock = self.ghost, self.controller, self.written
         controller.record_all(ghost.expire(clock - self.capacity), False)
         first, tier_served = self._requests.origin(offered)

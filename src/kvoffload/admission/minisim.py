@@ -207,17 +207,22 @@ class LRUMiniTier(MiniTier):
         need = len(new) - (self.capacity - len(order))
         if need > 0:
             protected = set(keys)
-            victims = []
-            for key in order:
-                if key not in protected:
-                    victims.append(key)
-                    need -= 1
-                    if not need:
-                        break
-            if need:
+            # The held keys of ``keys`` cannot leave: too few others, no write.
+            if len(order) - (len(protected) - len(new)) < need:
                 return 0
-            for key in victims:
-                del order[key]
+            # The oldest unprotected keys leave, popped from the old end; a protected key
+            # met there goes back to its place.
+            popitem = order.popitem
+            kept = []
+            while need:
+                key, dead = popitem(False)
+                if key in protected:
+                    kept.append((key, dead))
+                else:
+                    need -= 1
+            for key, dead in reversed(kept):
+                order[key] = dead
+                order.move_to_end(key, False)
         order.update(new)
         written = len(new)
         self.writes += written
@@ -445,6 +450,8 @@ class MiniSimulation:
             for name in self.candidates:
                 self.tiers[name, factor] = (mini_tier(keys, policy, generic), level)
         self._by_level = self._group_by_level()
+        self._tiers_of = [[tier for _, tier in tiers] for tiers in self._by_level]
+        """Per level, its mini-tiers alone."""
         base_keys = self.tiers[self.candidates[0], 1.0][0].capacity
         if not window_tiers > 0:
             raise InvalidArgumentError(f"window_tiers must be > 0, got {window_tiers}")
@@ -513,7 +520,8 @@ class MiniSimulation:
             picked = [i for i, v in enumerate(low) if not v & mask] if mask else [*range(len(low))]
             positions = [picked]
             for mask in masks[1:]:
-                picked = [i for i in picked if not low[i] & mask]
+                if picked:
+                    picked = [i for i in picked if not low[i] & mask]
                 positions.append(picked)
             return positions
         return [[*range(len(hashes))] for _ in masks]
@@ -526,13 +534,13 @@ class MiniSimulation:
         exact.total_refs += n
         positions = self._sample(hashes)
         requested = []
-        for level, picked, tiers in zip(self._levels, positions, self._by_level, strict=True):
+        for level, picked, tiers in zip(self._levels, positions, self._tiers_of, strict=True):
             sampled = [keys[i] for i in picked]
             requested.append(sampled)
             if sampled:
                 level.refs += len(sampled)
                 level.total_refs += len(sampled)
-                for _, tier in tiers:
+                for tier in tiers:
                     tier.touch(sampled)
         opened = self._open
         last = keys[-1]
@@ -562,7 +570,7 @@ class MiniSimulation:
         self._exact.lookups += len(keys)
         self._exact.total_lookups += len(keys)
         suffix, suffix_start = entry.suffix, entry.suffix_start
-        for picked, level, tiers in zip(entry.positions, self._levels, self._by_level, strict=True):
+        for picked, level, tiers in zip(entry.positions, self._levels, self._tiers_of, strict=True):
             cut = bisect_left(picked, start) if start else 0
             if cut == len(picked):
                 suffix.append([])
@@ -574,7 +582,7 @@ class MiniSimulation:
             suffix_start.append([length - i for i in inside])
             level.lookups += len(sampled)
             level.total_lookups += len(sampled)
-            for _, tier in tiers:
+            for tier in tiers:
                 tier.hit_run(sampled)
 
     def on_offer(

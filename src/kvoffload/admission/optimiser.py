@@ -181,11 +181,6 @@ class OptimisingAdmission(AdmissionLayer):
         self.filter = FilterReusedOffloadingManager(
             self._probe, p.filter_threshold, p.filter_tracker
         )
-        self._candidates: dict[str, OffloadingManager] = {
-            STORE_ALL: self._probe,
-            FILTER: self.filter,
-            FEEDBACK: self.feedback,
-        }
         policy = policy or tier_policy(backing)
         self.minisim = MiniSimulation(
             capacity, policy, CANDIDATES, WHATIF_FACTORS, window_tiers, bits
@@ -286,11 +281,12 @@ class OptimisingAdmission(AdmissionLayer):
             self.write_credit.earn(len(keys))
 
     def _admit(self, offered: Sequence[OffloadKey], prefix: int) -> list[OffloadKey]:
-        probe = self._probe
-        admitted: dict[str, list[OffloadKey] | None] = {STORE_ALL: None}
-        for name in (FILTER, FEEDBACK):
-            self._candidates[name].prepare_store(offered)
-            admitted[name] = probe.stored
+        offered = offered if isinstance(offered, list) else list(offered)
+        admitted: dict[str, list[OffloadKey] | None] = {
+            STORE_ALL: None,
+            FILTER: self.filter.admit(offered),
+            FEEDBACK: self.feedback.admit(offered),
+        }
         self.minisim.on_offer(offered, admitted)
         if self.minisim.seen >= self._next_choice:
             self._choose()

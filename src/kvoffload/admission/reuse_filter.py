@@ -100,9 +100,14 @@ class FilterReusedOffloadingManager(OffloadingManager):
         if isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "prepare_store")
         keys = keys if type(keys) is list else list(keys)
+        return self._backing.prepare_store(self.admit(keys))
+
+    def admit(self, keys: list[OffloadKey]) -> list[OffloadKey]:
+        """The offered ``keys`` that :meth:`prepare_store` passes on, counted as skipped
+        or not (the optimiser's candidate calls it alone)."""
         eligible = self.reuse.at_least(keys, self.store_threshold)
         self.stores_skipped += len(keys) - len(eligible)
-        return self._backing.prepare_store(eligible)
+        return eligible
 
     def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
         return self._backing.prepare_load(keys)

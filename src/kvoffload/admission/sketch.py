@@ -116,18 +116,47 @@ class RequestHashes:
     def __init__(self) -> None:
         self._keys: Sequence[OffloadKey] = ()
         self._hashes = np.zeros(0, dtype=np.uint64)
+        self._cells: np.ndarray | None = None
 
     def of_request(self, keys: Sequence[OffloadKey]) -> np.ndarray:
         """Hash a request's keys and remember them."""
         self._keys, self._hashes = keys, key_hashes(keys)
+        self._cells = None
         return self._hashes
+
+    def cells(self, sketch: FrequencySketch) -> np.ndarray:
+        """The last request's cells in ``sketch`` (always the same sketch), computed once."""
+        if self._cells is None:
+            self._cells = sketch.cells(self._hashes)
+        return self._cells
+
+    def _offer_start(self, offered: Sequence[OffloadKey]) -> int:
+        """Where ``offered`` starts in the last request when it ends that request, else -1."""
+        last = self._keys
+        start = len(last) - len(offered)
+        if start < 0:
+            return -1
+        if type(last) is list and type(offered) is list:
+            same = last[start:] == offered
+        else:
+            same = list(last[start:]) == list(offered)
+        return start if same else -1
 
     def of_offer(self, offered: Sequence[OffloadKey]) -> np.ndarray:
         """Hashes of ``offered``: a slice of the last request's when it ends that request."""
-        start = len(self._keys) - len(offered)
-        if start >= 0 and list(self._keys[start:]) == list(offered):
-            return self._hashes[start:]
-        return key_hashes(offered)
+        start = self._offer_start(offered)
+        return self._hashes[start:] if start >= 0 else key_hashes(offered)
+
+    def offer(
+        self, offered: Sequence[OffloadKey], sketch: FrequencySketch
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Hashes of ``offered`` and their ``sketch`` cells: slices of the last request's
+        when it ends that request (a cell depends on the hash alone)."""
+        start = self._offer_start(offered)
+        if start >= 0:
+            return self._hashes[start:], self.cells(sketch)[:, start:]
+        hashes = key_hashes(offered)
+        return hashes, sketch.cells(hashes)
 
 
 class FrequencySketch:
@@ -168,14 +197,16 @@ class FrequencySketch:
     def memory_bytes(self) -> int:
         return int(self._table.nbytes)
 
-    def _cells(self, hashes: np.ndarray) -> np.ndarray:
-        """Table positions of each hash: two doorkeeper rows, then ``ROWS`` counter rows."""
+    def cells(self, hashes: np.ndarray) -> np.ndarray:
+        """Table positions of each hash: two doorkeeper rows, then ``ROWS`` counter rows
+        (one column per hash)."""
         cells: np.ndarray = ((hashes * self._multipliers) >> self._shifts).view(np.intp)
         cells += self._offsets
         return cells
 
-    def increment(self, hashes: np.ndarray) -> None:
-        """Count one sighting of each hash (a hash repeated in one call counts once).
+    def increment(self, hashes: np.ndarray, cells: np.ndarray | None = None) -> None:
+        """Count one sighting of each hash (a hash repeated in one call counts once);
+        ``cells``: their :meth:`cells`, if known.
 
         One write covers the counter cells of the batch: a seen hash's get
         their read value plus one, an unseen hash's write is redirected to its
@@ -184,7 +215,8 @@ class FrequencySketch:
         """
         if not len(hashes):
             return
-        cells = self._cells(hashes)
+        if cells is None:
+            cells = self.cells(hashes)
         table = self._table
         values = table[cells]
         seen = values[0] & values[1]
@@ -194,14 +226,15 @@ class FrequencySketch:
         if self._added >= self.sample_size:
             self._age()
 
-    def estimate(self, hashes: np.ndarray) -> np.ndarray:
-        """Estimated sightings per hash: the doorkeeper bit plus the smallest row counter.
+    def estimate(self, hashes: np.ndarray, cells: np.ndarray | None = None) -> np.ndarray:
+        """Estimated sightings per hash: the doorkeeper bit plus the smallest row counter
+        (``cells``: their :meth:`cells`, if known).
 
         One byte each (at most ``MAX_COUNT + 1``), so no widening copy is made.
         """
         if not len(hashes):
             return np.zeros(0, dtype=np.uint8)
-        values = self._table[self._cells(hashes)]
+        values = self._table[self.cells(hashes) if cells is None else cells]
         result: np.ndarray = np.minimum.reduce(values[2:], 0)
         result += values[0] & values[1]
         return result
