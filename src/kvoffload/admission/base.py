@@ -103,6 +103,21 @@ class AdmissionLayer(OffloadingManager):
     def stats(self) -> AdmissionStats:
         """Counters and footprint, for reports."""
 
+    def _stats(
+        self, control: float, memory_bytes: int, tracked_keys: int, ghost_hits: int | None = None
+    ) -> AdmissionStats:
+        """The layer's offer counters beside its rule's own figures (``ghost_hits``: the
+        layer's unless given)."""
+        return AdmissionStats(
+            offers=self.offers,
+            admitted=self.admitted,
+            rejected=self.offers - self.admitted,
+            ghost_hits=self.ghost_hits if ghost_hits is None else ghost_hits,
+            control=control,
+            memory_bytes=memory_bytes,
+            tracked_keys=tracked_keys,
+        )
+
     @classmethod
     def from_params(cls, backing: OffloadingManager, capacity: int, params: Any) -> Any:
         """The layer as the registry builds it: ``params`` is its parameters dataclass."""

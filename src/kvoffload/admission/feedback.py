@@ -136,14 +136,8 @@ class FeedbackAdmission(AdmissionLayer):
         return admitted
 
     def stats(self) -> AdmissionStats:
-        return AdmissionStats(
-            offers=self.offers,
-            admitted=self.admitted,
-            rejected=self.offers - self.admitted,
-            ghost_hits=self.ghost_hits,
-            control=self.controller.admitting_share,
-            memory_bytes=self.sketch.memory_bytes
-            + self.ghost.memory_bytes
-            + self.controller.memory_bytes,
-            tracked_keys=self.sketch.sample_size + self.ghost.capacity,
+        return self._stats(
+            self.controller.admitting_share,
+            self.sketch.memory_bytes + self.ghost.memory_bytes + self.controller.memory_bytes,
+            self.sketch.sample_size + self.ghost.capacity,
         )

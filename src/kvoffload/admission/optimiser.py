@@ -332,18 +332,16 @@ class OptimisingAdmission(AdmissionLayer):
 
     def stats(self) -> AdmissionStats:
         feedback = self.feedback.stats()
-        return AdmissionStats(
-            offers=self.offers,
-            admitted=self.admitted,
-            rejected=self.offers - self.admitted,
-            ghost_hits=feedback.ghost_hits,
-            control=feedback.control,
-            memory_bytes=feedback.memory_bytes
+        counted = self._stats(
+            feedback.control,
+            feedback.memory_bytes
             + BYTES_PER_FILTER_KEY * self.params.filter_tracker
             + self.minisim.memory_bytes,
-            tracked_keys=feedback.tracked_keys
-            + self.params.filter_tracker
-            + self.minisim.tracked_keys,
+            feedback.tracked_keys + self.params.filter_tracker + self.minisim.tracked_keys,
+            feedback.ghost_hits,
+        )
+        return replace(
+            counted,
             candidate=self.chosen,
             whatif=tuple(self.whatif()),
             whatif_total=tuple(self.minisim.figures(cumulative=True)),

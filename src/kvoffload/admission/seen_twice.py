@@ -60,12 +60,8 @@ class SketchAdmission(AdmissionLayer):
         return admitted
 
     def stats(self) -> AdmissionStats:
-        return AdmissionStats(
-            offers=self.offers,
-            admitted=self.admitted,
-            rejected=self.offers - self.admitted,
-            ghost_hits=self.ghost_hits,
-            control=float(self.threshold),
-            memory_bytes=self.sketch.memory_bytes + self.ghost.memory_bytes,
-            tracked_keys=self.sketch.sample_size + self.ghost.capacity,
+        return self._stats(
+            float(self.threshold),
+            self.sketch.memory_bytes + self.ghost.memory_bytes,
+            self.sketch.sample_size + self.ghost.capacity,
         )

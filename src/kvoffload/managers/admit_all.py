@@ -92,12 +92,8 @@ class ReuseBook(AdmissionLayer):
         return admitted
 
     def stats(self) -> AdmissionStats:
-        return AdmissionStats(
-            offers=self.offers,
-            admitted=self.admitted,
-            rejected=self.offers - self.admitted,
-            ghost_hits=self.ghost_hits,
-            control=float(self.rule.store_threshold),
-            memory_bytes=self.rule.max_tracker_size * BYTES_PER_RECORD,
-            tracked_keys=self.rule.max_tracker_size,
+        return self._stats(
+            float(self.rule.store_threshold),
+            self.rule.max_tracker_size * BYTES_PER_RECORD,
+            self.rule.max_tracker_size,
         )
