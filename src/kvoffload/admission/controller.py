@@ -102,18 +102,10 @@ class ReuseController:
 
     def record(self, tag: int, returned: bool) -> None:
         """One outcome under ``tag``: its block came back (``True``) or expired."""
-        cls = tag // self.groups
-        self.outcomes[cls] += 1.0
-        self.group_outcomes[tag] += 1.0
-        if returned:
-            self.returns[cls] += 1.0
-            self.group_returns[tag] += 1.0
-        self._since_halving += 1
-        if self._since_halving >= self.window:
-            self._halve()
+        self.record_all((tag,), returned)
 
     def record_all(self, tags: Iterable[int], returned: bool) -> None:
-        """``record`` of each of ``tags`` in turn, all with the same outcome (inlined: an
+        """One outcome under each of ``tags`` in turn, all the same (the layer's path: an
         offer's pushed-out and expired records come by the dozen)."""
         groups, window = self.groups, self.window
         for tag in tags:
