@@ -334,7 +334,10 @@ def test_an_endless_serve_after_is_refused_not_slept() -> None:
 def test_ctrl_c_stops_a_sweep_and_keeps_finished_runs(tmp_path: Path) -> None:
     out_json, out_csv = tmp_path / "runs.json", tmp_path / "runs.csv"
     capacities = ",".join(str(1000 * (i + 1)) for i in range(12))
-    argv = [*CLI, "sweep", "--requests", "8000", "--seed", "3"]
+    # A shell's background job (`nohup ... &`, some CI runners) starts with Ctrl-C ignored, and
+    # a child inherits that: this one takes Ctrl-C as an interactive terminal's child does.
+    interactive = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    argv = [*CLI[:2], interactive + CLI[2], "sweep", "--requests", "8000", "--seed", "3"]
     argv += ["--gpu-blocks", "3000", "--cpu-blocks", capacities, "--jobs", "2", "--progress"]
     argv += ["--json", str(out_json), "--csv", str(out_csv)]
     seen = bytearray()
