@@ -202,8 +202,9 @@ def test_admit_passes_on_what_prepare_store_would_with_the_same_counts() -> None
             if direct:
                 passed.append(layer.admit(offered))
             else:
-                layer.prepare_store(offered)
-                passed.append(probe.stored)
+                output = layer.prepare_store(offered)
+                assert output is not None
+                passed.append(list(output.keys_to_store))
         runs.append((passed, layer.offers, layer.admitted))
     assert runs[0] == runs[1]
     assert any(runs[0][0]) and runs[0][2] < runs[0][1]

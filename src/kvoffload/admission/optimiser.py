@@ -1,7 +1,7 @@
 """The admission optimiser: candidate rules run as miniature simulations; the tier follows the best.
 
 Every candidate is an existing rule stacked on a :class:`_Probe` (a manager
-that records what it is asked to store and stores nothing): store-everything
+that answers lookups as the real tier did and stores nothing): store-everything
 (the probe alone), the seed filter (:class:`FilterReusedOffloadingManager`,
 threshold 2) and the feedback layer. Each sees every call the tier sees and
 decides every offer; a :class:`~kvoffload.admission.minisim.MiniSimulation`
@@ -67,11 +67,10 @@ BYTES_PER_FILTER_KEY = 120
 
 class _Probe(OffloadingManager):
     """The bottom of a candidate's stack: answers lookups with the real tier's answer and
-    records the keys a candidate would store."""
+    stores nothing (the optimiser asks each candidate's ``admit`` for its decision)."""
 
     def __init__(self) -> None:
         self.found: int | None = 0
-        self.stored: list[OffloadKey] = []
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
         return self.found
@@ -83,8 +82,7 @@ class _Probe(OffloadingManager):
         return None
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
-        self.stored = list(keys)
-        return PrepareStoreOutput(self.stored, CPULoadStoreSpec([]), [])
+        return PrepareStoreOutput(list(keys), CPULoadStoreSpec([]), [])
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
         return None
