@@ -113,7 +113,7 @@ def test_the_vllm_adapter_begins_and_ends_every_request(vllm_modules: Any) -> No
     manager.prepare_store(keys, stores)
     manager.on_request_finished(stores)
     assert [(name, got) for name, got, _ in calls] == [("begin", keys), ("end", keys)]
-    assert calls[0][2] == {"will_offer": True, "tier_hit": False}
+    assert calls[0][2] == {"will_offer": True, "tier_hit": False, "gpu_held": 0}
     calls.clear()
     looks = _context("looks", keys[:2])
     manager.on_new_request(looks)
@@ -121,6 +121,23 @@ def test_the_vllm_adapter_begins_and_ends_every_request(vllm_modules: Any) -> No
     manager.on_request_finished(looks)
     assert [(name, got) for name, got, _ in calls] == [("begin", keys[:1]), ("end", keys[:1])]
     assert calls[0][2]["will_offer"] is False
+    calls.clear()
+    # The GPU holds the first two blocks: vLLM looks up from the third; the adapter shows
+    # the whole request, the GPU-held prefix first, from the positions vLLM recorded.
+    behind_gpu = _context("behind the GPU", keys)
+    manager.on_new_request(behind_gpu)
+    manager.lookup(keys[2], behind_gpu)
+    manager.prepare_store(keys[2:], behind_gpu)
+    manager.on_request_finished(behind_gpu)
+    assert [(name, got) for name, got, _ in calls] == [("begin", keys), ("end", keys)]
+    assert calls[0][2] == {"will_offer": True, "tier_hit": False, "gpu_held": 2}
+    calls.clear()
+    # The GPU holds all of it: no lookup, no offer, still one sighting of every block.
+    all_on_gpu = _context("all on the GPU", keys)
+    manager.on_new_request(all_on_gpu)
+    manager.on_request_finished(all_on_gpu)
+    assert [(name, got) for name, got, _ in calls] == [("begin", keys), ("end", keys)]
+    assert calls[0][2] == {"will_offer": False, "tier_hit": False, "gpu_held": 4}
 
 
 def test_the_sglang_backend_begins_at_the_lookup_and_ends_at_the_offer(

@@ -131,14 +131,16 @@ class AdmissionLayer(OffloadingManager):
         will_offer: bool = True,
         counted: int = 0,
         tier_hit: bool = False,
+        gpu_held: int = 0,
     ) -> None:
         """A request's keys in prefix order (GPU-held blocks included), from a driver that
         knows request boundaries; counts one sighting.
 
         ``lookup_follows``: the driver sends this request's ``touch`` and ``lookup``
         through the layer next (the engine model); otherwise (per-key drivers: vLLM,
-        SGLang) they go to :attr:`backing` directly and ``keys`` stand for the lookup
-        too, and ``tier_hit`` says whether the tier served part of it. With
+        SGLang) they go to :attr:`backing` directly and ``keys[gpu_held:]`` (the keys
+        past the GPU's prefix hit) stand for the lookup too, and ``tier_hit`` says
+        whether the tier served part of it. With
         ``will_offer`` an offer ending at the same key learns how many blocks precede it.
         ``counted``: leading keys an earlier call already showed for the same request (a
         request offered in parts), not counted again.

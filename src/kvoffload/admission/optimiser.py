@@ -235,10 +235,12 @@ class OptimisingAdmission(AdmissionLayer):
         will_offer: bool = True,
         counted: int = 0,
         tier_hit: bool = False,
+        gpu_held: int = 0,
     ) -> None:
         """See :meth:`AdmissionLayer.begin_request`. For per-key drivers (no
-        ``lookup_follows``) ``keys`` stand for the request's lookup too, so the filter
-        counts them and the mini-tiers score them, and the feedback candidate is told of
+        ``lookup_follows``) ``keys[gpu_held:]`` stand for the request's lookup too, so the
+        filter counts them and the mini-tiers score them (as the engine model's lookup past
+        the GPU hit), and the feedback candidate is told of
         the request. With ``lookup_follows`` the feedback candidate is told the request
         starts here and the filter and mini-tiers see the lookup that follows; the touch
         after the real tier's store is no new sighting for the candidate (see :meth:`touch`).
@@ -252,6 +254,7 @@ class OptimisingAdmission(AdmissionLayer):
             will_offer=will_offer,
             counted=counted,
             tier_hit=tier_hit,
+            gpu_held=gpu_held,
         )
         if not keys:
             return
@@ -260,10 +263,11 @@ class OptimisingAdmission(AdmissionLayer):
             return
         self.feedback.begin_request(keys, will_offer=will_offer, counted=counted, tier_hit=tier_hit)
         self._probe.found = 0
-        if counted < len(keys):
-            self.filter.lookup(list(keys[counted:]))
-        if counted == 0:
-            self.minisim.on_lookup(keys)
+        looked_up = max(counted, gpu_held)
+        if looked_up < len(keys):
+            self.filter.lookup(list(keys[looked_up:]))
+        if counted == 0 and gpu_held < len(keys):
+            self.minisim.on_lookup(keys[gpu_held:] if gpu_held else keys)
             if not will_offer:  # announced at its end, after its loads: no offer follows
                 self.minisim.on_full_hit(keys[-1])
 

@@ -14,10 +14,11 @@ the seed differ, this adapter follows vLLM:
 
 An admission layer in the backing stack (``kvoffload.admission``) is told of
 each request explicitly (``begin_request`` at its first store offer, or when
-it finishes if it offered nothing, ``end_request`` after the offer), as the
-keys it looked up and offered in prefix order (GPU-held blocks it never
-looked up are not among them); per-key lookups and touches go past it to the
-tier, so they count no sightings.
+it finishes if it offered nothing, ``end_request`` after the offer), as its
+keys in prefix order: the GPU's prefix hit first (the keys vLLM recorded for
+the request before the first one it looked up or offered), then those it
+looked up and offered; per-key lookups and touches go past it to the tier, so
+they count no sightings.
 """
 
 from __future__ import annotations
@@ -251,8 +252,9 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         state = req_context.get_state(_RequestKeys)
         if state is None or state.owner is not self:
             return
-        if self._layer is not None and state.unsighted:
-            # A request that only hit (or stored nothing) is still a sighting of its keys.
+        if self._layer is not None and (state.unsighted or not state.sighted):
+            # A request that only hit (or stored nothing, or the GPU held all of it) is still
+            # a sighting of its keys.
             began = self._sight(self._layer, (), req_context, will_offer=False)
             if began:
                 self._layer.end_request(began)
@@ -342,19 +344,34 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         will_offer: bool = True,
     ) -> list[OffloadKey]:
         """Begin the request at the layer with its keys it has not seen yet, in prefix order;
-        those keys (none: nothing to show)."""
+        those keys (none: nothing to show).
+
+        The first time, the request's leading keys that were neither looked up nor offered
+        come first: the GPU's prefix hit, which vLLM's scheduler never looks up, found
+        in the key positions it records for the whole request. The layer then sees each
+        request as the simulator shows it (GPU-held blocks counted, only the rest looked up).
+        """
         state = self._request_keys(req_context)
         unsighted, sighted = state.unsighted, state.sighted
         unsighted.update(dict.fromkeys(offered))
         keys = [key for key in unsighted if key not in sighted]
         unsighted.clear()
-        if not keys:
+        first = not sighted
+        if not keys and not first:
             return keys
         positions = [req_context.get_offload_key_position(key) for key in keys]
+        gpu_held: list[OffloadKey] = []
         if None not in positions:
             keys = [key for _, key in sorted(zip(positions, keys, strict=True))]
+            if first:
+                gpu_held = _leading_keys(req_context, min(positions, default=None))
+                keys = gpu_held + keys
+        if not keys:
+            return keys
         sighted.update(keys)
-        layer.begin_request(keys, will_offer=will_offer, tier_hit=state.tier_hit)
+        layer.begin_request(
+            keys, will_offer=will_offer, tier_hit=state.tier_hit, gpu_held=len(gpu_held)
+        )
         return keys
 
     def _seen(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
@@ -367,6 +384,18 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             seen.update(dict.fromkeys(new))
             if self._recency_at_access:
                 self._direct.touch(new)
+
+
+def _leading_keys(req_context: ReqContext, before: int | None) -> list[OffloadKey]:
+    """The request's keys that end before token ``before`` (``None``: all of them), in
+    prefix order, from the positions vLLM's scheduler records for every key of the request
+    (``ReqContext`` has no public way to list them; without the record, none)."""
+    recorded: Mapping[OffloadKey, int] = getattr(req_context, "_offload_key_positions", {})
+    held = [
+        (position, key) for key, position in recorded.items() if before is None or position < before
+    ]
+    held.sort()
+    return [key for _, key in held]
 
 
 def _vllm_spec(spec: Any) -> Any:
