@@ -16,7 +16,7 @@ from kvoffload.admission import MiniSimulation, MiniTier, Objective, OptimisingA
 from kvoffload.admission.budget import BURST_REFS as BUDGET_BURST_REFS
 from kvoffload.admission.budget import check_write_budget
 from kvoffload.admission.minisim import sampling_bits
-from kvoffload.admission.optimiser import FEEDBACK, FILTER, STORE_ALL
+from kvoffload.admission.optimiser import FEEDBACK, FILTER, STORE_ALL, OptimiserParams
 from kvoffload.managers import build_manager
 from kvoffload.policies.lru import LRUCachePolicy
 from kvoffload.sim.engine import EngineConfig, ServingEngine
@@ -108,6 +108,60 @@ def test_switches_within_a_bounded_number_of_references_after_the_traffic_change
     bound = 3 * window_tiers * capacity
     assert switched_after is not None and switched_after <= bound
     assert layer.chosen in (FILTER, FEEDBACK)
+
+
+def _first_choice_at(
+    layer: OptimisingAdmission, engine: ServingEngine, requests: list[Request]
+) -> float:
+    """Sampled references the layer had seen when it first left its starting rule."""
+    for request in requests:
+        engine.run([request])
+        if layer.switches:
+            return layer.minisim.seen
+    raise AssertionError("the layer never switched")
+
+
+def test_the_warm_up_is_a_parameter() -> None:
+    """No switch before ``warmup_tiers + settle_tiers`` 1x mini-tier-fulls of sampled
+    references; a shorter warm-up leaves the starting rule sooner on traffic where the
+    filter wins."""
+    capacity = 300
+    workload = one_shot_heavy(1500)
+    longest = max(len(r.keys) for r in workload.requests)
+    first: dict[float, float] = {}
+    for warmup, settle in ((0.0, 0.0), (2.0, 0.5), (4.0, 1.0)):
+        layer = OptimisingAdmission(
+            CPUOffloadingManager(capacity),
+            capacity,
+            params=OptimiserParams(warmup_tiers=warmup, settle_tiers=settle),
+        )
+        engine = ServingEngine(EngineConfig(2 * longest, 1, workload.block_tokens), layer)
+        first[warmup + settle] = _first_choice_at(layer, engine, workload.requests)
+        assert layer.minisim.bits == 0
+        assert first[warmup + settle] >= (warmup + settle) * capacity
+    assert first[0.0] < min(first[2.5], first[5.0])
+
+
+def test_the_dwell_after_a_switch_is_a_parameter() -> None:
+    """With a dwell longer than the run, the choice made on long chat survives the change
+    to one-shot traffic that makes the default dwell switch again."""
+    first, second = longchat(800), one_shot_heavy(3000)
+    change_s = first.requests[-1].arrival_s + 1.0
+    requests = shifted(first, b"a", 0.0) + shifted(second, b"b", change_s)
+    gpu = 2 * max(len(r.keys) for r in requests)
+    switches = {}
+    for dwell in (2.0, 1000.0):
+        capacity = 1000
+        layer = OptimisingAdmission(
+            CPUOffloadingManager(capacity),
+            capacity,
+            window_tiers=4.0,
+            params=OptimiserParams(dwell_tiers=dwell),
+        )
+        ServingEngine(EngineConfig(gpu, 1, 512), layer).run(requests)
+        switches[dwell] = (layer.switches, layer.chosen)
+    assert switches[1000.0] == (1, STORE_ALL)
+    assert switches[2.0][0] >= 2 and switches[2.0][1] in (FILTER, FEEDBACK)
 
 
 @pytest.mark.parametrize(

@@ -135,6 +135,15 @@ class OptimiserParams:
     window_tiers: float = param(
         WINDOW_TIERS, 0.01, help="the mini-tiers' recent window, in tier-fulls"
     )
+    warmup_tiers: float = param(
+        WARMUP_TIERS, 0.0, help="mini-tier-fulls of sampled references dropped from the counts"
+    )
+    settle_tiers: float = param(
+        SETTLE_TIERS, 0.0, help="mini-tier-fulls after the warm-up before the first choice"
+    )
+    dwell_tiers: float = param(
+        DWELL_TIERS, 0.0, help="mini-tier-fulls a choice stays after each switch"
+    )
     filter_threshold: int = param(
         FILTER_THRESHOLD, 2, help="the filter candidate's store threshold"
     )
@@ -307,14 +316,14 @@ class OptimisingAdmission(AdmissionLayer):
 
     def _choose(self) -> None:
         """Re-rank the candidates: none in the warm-up, none while a switch dwells."""
-        seen, tier = self.minisim.seen, self.minisim.tiers[STORE_ALL, 1.0][0]
+        seen, tier, p = self.minisim.seen, self.minisim.tiers[STORE_ALL, 1.0][0], self.params
         self._next_choice = seen + max(16.0, tier.capacity / 64)
         if self._settled_at is None:
-            if seen < WARMUP_TIERS * tier.capacity:
+            if seen < p.warmup_tiers * tier.capacity:
                 return
             self._settled_at = seen
             self.minisim.restart_window()
-        if seen < max(self._settled_at + SETTLE_TIERS * tier.capacity, self._dwell_until):
+        if seen < max(self._settled_at + p.settle_tiers * tier.capacity, self._dwell_until):
             return
         if self.write_credit is not None and not self.write_credit.budget.per_ref:
             per_ref = self.write_credit.writes_per_ref()
@@ -326,7 +335,7 @@ class OptimisingAdmission(AdmissionLayer):
             self.chosen = candidate
             self.switches += 1
             capacity = self.minisim.tiers[STORE_ALL, 1.0][0].capacity
-            self._dwell_until = self.minisim.seen + DWELL_TIERS * capacity
+            self._dwell_until = self.minisim.seen + self.params.dwell_tiers * capacity
 
     def whatif(self) -> list[WhatIf]:
         """Every candidate at every capacity factor, as the mini-tiers see recent traffic."""
