@@ -29,11 +29,16 @@ recommended configuration writes more than the better baseline, and its
 worst writes ratios (against the better baseline and store-everything).
 
     python benchmarks/admission_robustness.py [--shapes N] [--seed S] [--jobs J] [--json PATH]
-                                              [--baselines DIR]
+                                              [--baselines DIR] [--write-budget W]
 
 ``--baselines DIR`` keeps each shape's baseline figures and Belady bound in
 ``DIR`` and reuses them (see ``admission_table.py``): a change to the
 recommended configuration then re-runs only its own run per shape.
+
+``--write-budget W`` gives the recommended run a budget of ``W`` writes per
+block reference (the baselines keep none) and the summary says on how many
+shapes its writes stayed within it, and the highest writes per reference
+against the budget.
 """
 
 from __future__ import annotations
@@ -179,11 +184,13 @@ def draw_shapes(count: int, seed: int) -> list[Shape]:
     return [draw_shape(rng, index) for index in range(count)]
 
 
-def run_shape(shape: Shape, baselines: Path | None = None) -> Row:
+def run_shape(
+    shape: Shape, baselines: Path | None = None, write_budget: float | None = None
+) -> Row:
     """The admission table's comparison on one shape, with its parameters."""
     name = f"shape {shape.describe()} {shape.cpu_share} {shape.gpu_share}.json"
     cached = baselines / name.replace("/", "-") if baselines else None
-    row = compare(shape.load(), shape.gpu_share, shape.cpu_share, cached)
+    row = compare(shape.load(), shape.gpu_share, shape.cpu_share, cached, write_budget)
     everything = float(row["store-all writes"])
     ours = float(row["recommended writes"])
     return {
@@ -192,6 +199,17 @@ def run_shape(shape: Shape, baselines: Path | None = None) -> Row:
         **row,
         "writes vs store-all": ours / everything if everything else float("inf"),
     }
+
+
+def budget_per_ref(text: str) -> float:
+    """An argparse type: a write budget in writes per block reference (> 0)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -205,13 +223,23 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def summarise(rows: list[Row]) -> Row:
-    """The figures the summary prints: goal count, margin quantiles, the worst shapes."""
+def summarise(rows: list[Row], write_budget: float | None = None) -> Row:
+    """The figures the summary prints: goal count, margin quantiles, the worst shapes, and
+    with ``write_budget`` how the recommended runs kept it."""
     margins = [r["hit margin"] for r in rows]
     ratios = [r["writes ratio"] for r in rows]
     versus_all = [r["writes vs store-all"] for r in rows]
     finite = [x for x in ratios if math.isfinite(x)]
     worst = sorted(rows, key=lambda r: r["hit margin"])[:WORST]
+    budget: Row = {}
+    if write_budget is not None:
+        writes = [float(r["recommended writes"]) for r in rows]
+        budget = {
+            "write budget": write_budget,
+            # The budget's bucket starts empty: over a whole run, writes stay within it.
+            "within budget": sum(w <= write_budget + 1e-12 for w in writes),
+            "highest writes per ref": max(writes),
+        }
     return {
         "shapes": len(rows),
         "goal met": sum(bool(r["goal met"]) for r in rows),
@@ -225,6 +253,7 @@ def summarise(rows: list[Row]) -> Row:
         "writes more than store-all": sum(x > 1.0 for x in versus_all),
         "worst writes vs store-all": max(versus_all),
         "worst shapes": [r["index"] for r in worst],
+        **budget,
     }
 
 
@@ -267,6 +296,12 @@ def _print_summary(summary: Row, rows: list[Row]) -> None:
         f"writes more than store-everything on {summary['writes more than store-all']} shapes; "
         f"worst {summary['worst writes vs store-all']:.2f}x of its writes"
     )
+    if "write budget" in summary:
+        print(
+            f"write budget {summary['write budget']} writes per reference: kept on "
+            f"{summary['within budget']} of {n} shapes; highest "
+            f"{summary['highest writes per ref']:.4f}"
+        )
     print("worst shapes by hit margin:")
     for index in summary["worst shapes"]:
         r = by_index[index]
@@ -287,6 +322,11 @@ def main() -> int:
     parser.add_argument(
         "--baselines", type=Path, help="keep and reuse the baselines' figures in this folder"
     )
+    parser.add_argument(
+        "--write-budget",
+        type=budget_per_ref,
+        help="the recommended run's write budget, in writes per block reference",
+    )
     args = parser.parse_args()
     if args.baselines:
         args.baselines.mkdir(parents=True, exist_ok=True)
@@ -298,8 +338,9 @@ def main() -> int:
         if not shapes:
             return 1
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        rows = list(pool.map(run_shape, shapes, [args.baselines] * len(shapes)))
-    summary = summarise(rows)
+        budgets = [args.write_budget] * len(shapes)
+        rows = list(pool.map(run_shape, shapes, [args.baselines] * len(shapes), budgets))
+    summary = summarise(rows, args.write_budget)
     _print_rows(rows)
     _print_summary(summary, rows)
     if args.json:

@@ -84,14 +84,19 @@ def unique_blocks(workload: Workload) -> int:
 
 
 def compare(
-    workload: Workload, gpu_share: float, cpu_share: float, cached: Path | None = None
+    workload: Workload,
+    gpu_share: float,
+    cpu_share: float,
+    cached: Path | None = None,
+    write_budget: float | None = None,
 ) -> dict[str, float | str | bool]:
     """The three configurations on ``workload``, the Belady bound and the margin.
 
     Cache sizes are shares of the workload's unique blocks; the GPU cache
     holds at least the largest request. ``cached``: a file holding the
     baselines' hit ratios and writes and the bound, read if it exists,
-    written otherwise (admission does not change them).
+    written otherwise (admission does not change them). ``write_budget``: the
+    recommended run's budget in writes per block reference (the baselines have none).
     """
     unique = unique_blocks(workload)
     gpu = max(int(gpu_share * unique), max(len(r.keys) for r in workload.requests))
@@ -104,6 +109,8 @@ def compare(
             continue
         bound = label == "recommended" and known is None
         config = SimConfig(gpu_blocks=gpu, cpu_blocks=cpu, bound=bound)
+        if label == "recommended" and write_budget is not None:
+            changes = {**changes, "write_budget": write_budget}
         report: RunReport = simulate(workload, SimConfig(**{**config.__dict__, **changes}))
         figures[label] = (report.total_hit_ratio, report.writes_per_ref)
         if bound:

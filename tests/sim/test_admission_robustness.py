@@ -149,3 +149,28 @@ def test_kept_baselines_give_the_same_row_and_skip_the_baseline_runs(tmp_path: P
     changed = robust.run_shape(shape, tmp_path)
     assert changed["store-all hit"] == pytest.approx(fresh["store-all hit"] + 0.5)
     assert changed["recommended hit"] == fresh["recommended hit"]
+
+
+def test_a_write_budget_reaches_the_recommended_run_and_the_summary() -> None:
+    """With ``--write-budget`` the recommended run writes within it (the baselines keep
+    theirs), and the summary counts the shapes that kept it."""
+    shape = robust.Shape(
+        0, 0.1, 0.02, 7, mix=(("chat", 0.6), ("rag", 0.4)), rate=4.0, requests=150, block_tokens=32
+    )
+    free = robust.run_shape(shape)
+    budget = 0.5 * float(free["recommended writes"])
+    capped = robust.run_shape(shape, write_budget=budget)
+    assert 0 < capped["recommended writes"] <= budget < free["recommended writes"]
+    assert capped["store-all writes"] == free["store-all writes"]
+    summary = robust.summarise([free, capped], budget)
+    assert summary["within budget"] == 1
+    assert summary["highest writes per ref"] == free["recommended writes"]
+    assert "write budget" not in robust.summarise([free])
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "lots"])
+def test_a_bad_write_budget_is_refused(text: str) -> None:
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError):
+        robust.budget_per_ref(text)
