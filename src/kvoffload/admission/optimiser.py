@@ -1,19 +1,29 @@
-"""The admission optimiser: candidate rules run as miniature simulations; the tier follows the best.
+"""The admission optimiser: candidate rules run in exact worlds; the real tier mirrors the best.
 
-Every candidate is an existing rule stacked on a :class:`_Probe` (a manager
-that answers lookups as the real tier did and stores nothing): store-everything
-(the probe alone), the seed filter (:class:`FilterReusedOffloadingManager`,
-threshold 2) and the feedback layer. Each sees every call the tier sees and
-decides every offer; a :class:`~kvoffload.admission.minisim.MiniSimulation`
-replays each candidate's decisions on hash-sampled keys through a mini-tier
-under the tier's own policy, and the real tier stores what the chosen
-candidate admits.
+Every candidate is an existing rule: store-everything, the seed filter
+(:class:`FilterReusedOffloadingManager`, threshold 2) and the feedback layer.
+Each runs in a world of its own (:mod:`kvoffload.admission.worlds`): a key-only
+tier of the real tier's size and policy that answers the rule's lookups, so each
+world is exactly what the tier would have done under that rule from the start
+(for store-everything and the filter: the baselines themselves). The real tier
+follows the best world and *mirrors* it: it stores an offered block only if the
+followed world holds it, and only blocks that world holds are made recent, so
+blocks written under an earlier rule age out first. Whatever the real tier did
+before, after a switch it lacks only blocks the new world holds, each costing at
+most one miss before it is stored again: the real tier's hits track the followed
+world's, and the followed world is, up to the objective's tolerances, the best
+one, the baselines included.
 
 The objective: hits first; among candidates within ``HIT_TOLERANCE`` of the best
 hit ratio, the fewest writes; never a candidate that writes more than
 store-everything, nor (with a write budget) more than the budget. The choice
-changes only when the current candidate falls out of that set by a margin
-(hysteresis), so that noise in the sampled figures does not make it flap.
+changes only when the current candidate falls out of that set by a margin and
+not within a dwell after a switch (hysteresis). Store-everything is followed
+until a world's tier fills: before that, no rule has lost a hit.
+
+Every candidate also runs, fed what the real tier answers, through a
+:class:`~kvoffload.admission.minisim.MiniSimulation` on hash-sampled keys at
+other capacities: the what-if figures.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from kvoffload.admission.params import check_params, param
 from kvoffload.admission.registry import register_admission
 from kvoffload.admission.reuse_filter import FilterReusedOffloadingManager
 from kvoffload.admission.sketch import key_hashes
+from kvoffload.admission.worlds import World, WorldProbe, Worlds
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
@@ -42,20 +53,18 @@ from kvoffload.policies.lru import LRUCachePolicy
 
 STORE_ALL, FILTER, FEEDBACK = "store-all", "filter", "feedback"
 CANDIDATES = (STORE_ALL, FILTER, FEEDBACK)
-DEFAULT = FEEDBACK
-"""The rule followed until the first choice (the layer recommended before the optimiser)."""
-WARMUP_TIERS = 2.0
-"""The counts of the first this many 1x mini-tier-fulls of sampled references are dropped:
-while the mini-tiers fill and the rules start, they say little about the rules."""
-SETTLE_TIERS = 0.5
-"""The first choice comes this many 1x mini-tier-fulls of sampled references later."""
-HIT_TOLERANCE = 0.0015
+DEFAULT = STORE_ALL
+"""The rule followed until a world's tier fills (vLLM's default: it loses no hit then)."""
+HIT_TOLERANCE = 0.0005
 """Candidates this close to the best hit ratio (per block reference) count as tied on hits."""
-SWITCH_MARGIN = 0.003
+SWITCH_MARGIN = 0.002
 """The current candidate is kept while it is within the tolerance plus this margin."""
 DWELL_TIERS = 2.0
-"""After a switch the choice stays for this many 1x mini-tier-fulls of sampled references:
-a switch costs hits while the tier turns over, so flapping costs more than either rule."""
+"""After a switch the choice stays for this many tier-fulls of references: a switch costs
+hits while the tier turns over, so flapping costs more than either rule."""
+DWELL_SHARE = 0.25
+"""The dwell is at most this share of the references seen so far: a choice made early, on
+little evidence, can be corrected soon."""
 WRITE_MARGIN = 0.1
 """A tied candidate must write this share fewer blocks than the current one to replace it."""
 WHATIF_FACTORS = (0.5, 1.0, 2.0, 4.0)
@@ -133,16 +142,10 @@ class OptimiserParams:
         WRITE_MARGIN, 0.0, help="share fewer writes a tied candidate needs to replace it"
     )
     window_tiers: float = param(
-        WINDOW_TIERS, 0.01, help="the mini-tiers' recent window, in tier-fulls"
-    )
-    warmup_tiers: float = param(
-        WARMUP_TIERS, 0.0, help="mini-tier-fulls of sampled references dropped from the counts"
-    )
-    settle_tiers: float = param(
-        SETTLE_TIERS, 0.0, help="mini-tier-fulls after the warm-up before the first choice"
+        WINDOW_TIERS, 0.01, help="the worlds' and mini-tiers' recent window, in tier-fulls"
     )
     dwell_tiers: float = param(
-        DWELL_TIERS, 0.0, help="mini-tier-fulls a choice stays after each switch"
+        DWELL_TIERS, 0.0, help="tier-fulls of references a choice stays after each switch"
     )
     filter_threshold: int = param(
         FILTER_THRESHOLD, 2, help="the filter candidate's store threshold"
@@ -192,12 +195,30 @@ class OptimisingAdmission(AdmissionLayer):
         self.minisim = MiniSimulation(
             capacity, policy, CANDIDATES, WHATIF_FACTORS, window_tiers, bits
         )
+        filter_probe, feedback_probe = WorldProbe(), WorldProbe()
+        self._world_feedback = FeedbackAdmission(feedback_probe, capacity)
+        self.worlds = Worlds(
+            {
+                STORE_ALL: World(capacity, policy),
+                FILTER: World(
+                    capacity,
+                    policy,
+                    FilterReusedOffloadingManager(
+                        filter_probe, p.filter_threshold, p.filter_tracker
+                    ),
+                    filter_probe,
+                ),
+                FEEDBACK: World(capacity, policy, self._world_feedback, feedback_probe),
+            },
+            window_tiers * capacity,
+        )
         self.chosen = DEFAULT
         self.switches = 0
+        self._seen = 0
+        """References since the start (never halved)."""
         self._next_choice = 0.0
-        self._dwell_until = 0.0
-        self._settled_at: float | None = None
-        """Sampled references at the end of the warm-up; ``None`` before."""
+        self._pending: Sequence[OffloadKey] | None = None
+        """The request whose worlds wait for its lookup (to learn the GPU's prefix hit)."""
         self._hashed: tuple[Sequence[OffloadKey], np.ndarray] = ((), np.zeros(0, np.uint64))
 
     def _hashes(self, keys: Sequence[OffloadKey]) -> np.ndarray:
@@ -211,18 +232,24 @@ class OptimisingAdmission(AdmissionLayer):
         return hashes
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
-        """The feedback candidate is shown a request where it starts, never the touch after
-        the real tier's store: that tier may store when the candidate did not, and the
-        candidate would count that touch as a second sighting (its own offers as returns)."""
+        """Only blocks the followed world holds are made recent in the real tier (the
+        others, written under an earlier rule, age out first). The feedback candidate is
+        shown a request where it starts, never the touch after the real tier's store: that
+        tier may store when the candidate did not, and the candidate would count that touch
+        as a second sighting (its own offers as returns)."""
         keys = keys if isinstance(keys, list) else list(keys)
         if keys and not self._announced and self._requests.on_touch(keys):
             self.feedback.begin_request(keys, lookup_follows=True)
             self._sighting(keys)
-        self.backing.touch(keys)
+        followed = self.worlds[self.chosen]
+        self.backing.touch([key for key in keys if key in followed])
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
         keys = keys if isinstance(keys, list) else list(keys)
         found = super().lookup(keys)
+        pending = self._pending
+        if pending is not None and keys and pending[-1] == keys[-1] and len(keys) <= len(pending):
+            self._run_worlds(len(pending) - len(keys))
         self._probe.found = found
         self.feedback.lookup(keys)
         self.filter.lookup(keys)
@@ -270,6 +297,10 @@ class OptimisingAdmission(AdmissionLayer):
         if lookup_follows:
             self.feedback.begin_request(keys, lookup_follows=True)
             return
+        if counted:
+            self._pending = None  # a later part: the worlds ran the request with its first
+        else:
+            self._run_worlds(gpu_held)
         self.feedback.begin_request(keys, will_offer=will_offer, counted=counted, tier_hit=tier_hit)
         self._probe.found = 0
         looked_up = max(counted, gpu_held)
@@ -286,6 +317,9 @@ class OptimisingAdmission(AdmissionLayer):
         super().end_request(keys)
 
     def _sighting(self, keys: Sequence[OffloadKey]) -> None:
+        if self._pending is not None:  # never looked up: the GPU held all of it
+            self._run_worlds(len(self._pending))
+        self._pending = keys
         self.minisim.on_request(keys, self._hashes(keys))
         self.ghost_hits = self.feedback.ghost_hits
         if self.write_credit is not None:
@@ -299,10 +333,12 @@ class OptimisingAdmission(AdmissionLayer):
             FEEDBACK: self.feedback.admit(offered),
         }
         self.minisim.on_offer(offered, admitted)
-        if self.minisim.seen >= self._next_choice:
+        if self._pending is not None:  # an offer with no lookup before it
+            self._run_worlds(0)
+        if self._seen >= self._next_choice:
             self._choose()
-        chosen = admitted[self.chosen]
-        keys = list(offered) if chosen is None else chosen
+        followed = self.worlds[self.chosen]
+        keys = [key for key in offered if key in followed]
         if self.write_credit is not None:
             self.write_credit.earn(0)
             keys = keys[: self.write_credit.allowance()]
@@ -314,28 +350,30 @@ class OptimisingAdmission(AdmissionLayer):
             self.write_credit.spend(len(output.keys_to_store))
         return output
 
+    def _run_worlds(self, gpu_held: int) -> None:
+        """Run the pending request through every world, ``gpu_held`` of its keys on the GPU."""
+        keys = self._pending
+        self._pending = None
+        if keys:
+            self.worlds.request(keys, min(gpu_held, len(keys)))
+            self._seen += len(keys)
+
     def _choose(self) -> None:
-        """Re-rank the candidates: none in the warm-up, none while a switch dwells."""
-        seen, tier, p = self.minisim.seen, self.minisim.tiers[STORE_ALL, 1.0][0], self.params
-        self._next_choice = seen + max(16.0, tier.capacity / 64)
-        if self._settled_at is None:
-            if seen < p.warmup_tiers * tier.capacity:
-                return
-            self._settled_at = seen
-            self.minisim.restart_window()
-        if seen < max(self._settled_at + p.settle_tiers * tier.capacity, self._dwell_until):
+        """Re-rank the worlds: none before one fills, none while a switch dwells."""
+        self._next_choice = self._seen + max(16.0, self.capacity / 64)
+        if not self.worlds.full:
             return
         if self.write_credit is not None and not self.write_credit.budget.per_ref:
             per_ref = self.write_credit.writes_per_ref()
             self.objective = replace(self.objective, write_budget=per_ref)
-        self._switch(self.objective.choose(self.minisim.scores(), self.chosen))
+        self._switch(self.objective.choose(self.worlds.scores(), self.chosen))
 
     def _switch(self, candidate: str) -> None:
         if candidate != self.chosen:
             self.chosen = candidate
             self.switches += 1
-            capacity = self.minisim.tiers[STORE_ALL, 1.0][0].capacity
-            self._dwell_until = self.minisim.seen + self.params.dwell_tiers * capacity
+            dwell = self.params.dwell_tiers * self.capacity
+            self._next_choice = self._seen + min(dwell, DWELL_SHARE * self._seen)
 
     def whatif(self) -> list[WhatIf]:
         """Every candidate at every capacity factor, as the mini-tiers see recent traffic."""
@@ -343,12 +381,20 @@ class OptimisingAdmission(AdmissionLayer):
 
     def stats(self) -> AdmissionStats:
         feedback = self.feedback.stats()
+        world_feedback = self._world_feedback.stats()
         counted = self._stats(
             feedback.control,
             feedback.memory_bytes
             + BYTES_PER_FILTER_KEY * self.params.filter_tracker
-            + self.minisim.memory_bytes,
-            feedback.tracked_keys + self.params.filter_tracker + self.minisim.tracked_keys,
+            + self.minisim.memory_bytes
+            + self.worlds.memory_bytes
+            + world_feedback.memory_bytes
+            + BYTES_PER_FILTER_KEY * self.params.filter_tracker,
+            feedback.tracked_keys
+            + world_feedback.tracked_keys
+            + 2 * self.params.filter_tracker
+            + self.minisim.tracked_keys
+            + self.worlds.tracked_keys,
             feedback.ghost_hits,
         )
         return replace(
