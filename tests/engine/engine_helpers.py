@@ -105,6 +105,20 @@ def run_engine_script(python: Path, *args: str, log: Path, timeout: float) -> No
         pytest.fail(f"{args[0]} exited {returncode}:\n" + "\n".join(tail))
 
 
+def track(process: subprocess.Popen[bytes]) -> None:
+    """Kill ``process`` (started in a session of its own) at the session's end if it is
+    still running then."""
+    with _LOCK:
+        if _STOPPED.is_set():
+            _stop(process)
+            pytest.fail("the session ended before the engines ran")
+        _RUNNING.add(process)
+
+
+def untrack(process: subprocess.Popen[bytes]) -> None:
+    _RUNNING.discard(process)
+
+
 def _stop(process: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
@@ -141,7 +155,7 @@ class Started(Generic[T]):
         except BaseException as error:  # a pytest.fail as well, raised again by wait
             self._error = error
 
-    def join(self, timeout: float) -> None:
+    def join(self, timeout: float | None) -> None:
         self._thread.join(timeout)
 
     def wait(self) -> T:
@@ -170,14 +184,21 @@ def beside_the_other_tests(module_file: str) -> Callable[[EngineWork], EngineWor
 
 
 def begin(python: Path, modules: set[Path], work: Path) -> None:
-    """Begin the tiny model's build, then each of ``modules``' registered work, in threads."""
+    """Begin the tiny model's build, then ``modules``' registered work one module after
+    another (one engine at a time), in threads."""
     model = Started(lambda: build_tiny_model(python, work / "tiny-llama"))
-    STARTED[HERE] = model
-    for module in modules & _WORK.keys():
+    STARTED[HERE] = previous = model
+    for module in sorted(modules & _WORK.keys()):
         folder = work / module.stem
         folder.mkdir()
-        run = _WORK[module]
-        STARTED[module] = Started(lambda run=run, folder=folder: run(python, model.wait(), folder))
+
+        def after(
+            run: EngineWork = _WORK[module], folder: Path = folder, last: Any = previous
+        ) -> Any:
+            last.join(None)
+            return run(python, model.wait(), folder)
+
+        STARTED[module] = previous = Started(after)
 
 
 def build_tiny_model(python: Path, directory: Path) -> Path:
