@@ -29,6 +29,7 @@ from concurrent.futures import Executor, Future
 from typing import NamedTuple, Protocol
 
 from kvoffload.core.keys import OffloadKey
+from kvoffload.tiers.checksum import holds_gil
 from kvoffload.tiers.format import (
     Buffer,
     Payload,
@@ -107,10 +108,6 @@ def pack_sets(
     yield b"".join(joined)
 
 
-GIL_HELD_UP_TO = 64 * 1024
-"""``xxhash`` (4.x) hashes a buffer of up to this many bytes without releasing the GIL."""
-
-
 class HeadersAhead:
     """The headers of a batch of writes (each the checksum of its payload), made on
     ``executor`` while the payloads before them go out (a :class:`HeaderSource`).
@@ -143,7 +140,7 @@ class HeadersAhead:
         self._executor = executor
         self._deadline = deadline
         self._stopped = threading.Event()
-        self._one_by_one = bool(writes) and _hashed_under_gil(writes[0].payload)
+        self._one_by_one = bool(writes) and holds_gil(payload_parts(writes[0].payload))
         self._made: list[Future[bytes]] = [Future() for _ in writes]
         if len(writes) > 1 and not self._one_by_one:
             executor.submit(self._make_from, 1)
@@ -179,9 +176,3 @@ class HeadersAhead:
     def _encode(self, index: int) -> bytes:
         _, key, payload = self._writes[index]
         return encode_header(key, self._fingerprint, payload_parts(payload))
-
-
-def _hashed_under_gil(payload: Payload) -> bool:
-    """Whether hashing ``payload`` holds the GIL for long: several parts, some small."""
-    parts = payload_parts(payload)
-    return len(parts) > 1 and any(buffer_size(part) <= GIL_HELD_UP_TO for part in parts)

@@ -26,6 +26,7 @@ import xxhash
 
 from kvoffload.core.errors import KVOffloadError
 from kvoffload.core.layout import KVLayout
+from kvoffload.tiers import checksum
 
 MAGIC = b"KVOB"
 FORMAT_VERSION = 2
@@ -91,6 +92,9 @@ def payload_digest(payload: Payload) -> int:
     """The XXH3 64-bit digest of ``payload`` (its parts in order), read in place."""
     if isinstance(payload, bytes | bytearray | memoryview):
         return xxhash.xxh3_64_intdigest(payload)
+    gil_free = checksum.parts_digest
+    if gil_free is not None and checksum.many_small(payload):
+        return gil_free(payload)
     digest = xxhash.xxh3_64()
     for part in payload:
         digest.update(part)

@@ -462,14 +462,18 @@ class Connection:
                 self.read_into(views[k][at:], deadline, digest)
                 k, at = k + 1, 0
                 continue
-            batch: list[memoryview] = []
-            room = DIRECT_PIECE
-            for view in views[k : k + SENDMSG_BUFFERS]:
-                piece = view[at : at + room] if not batch else view[:room]
-                batch.append(piece)
-                room -= piece.nbytes
+            # Up to a piece, from where the current part stands; a part sliced only
+            # where the piece ends inside it.
+            first = views[k]
+            if at or first.nbytes > DIRECT_PIECE:
+                first = first[at : at + DIRECT_PIECE]
+            batch = [first]
+            room = DIRECT_PIECE - first.nbytes
+            for view in views[k + 1 : k + SENDMSG_BUFFERS]:
                 if room <= 0:
                     break
+                batch.append(view if view.nbytes <= room else view[:room])
+                room -= view.nbytes
             self.sock.settimeout(deadline.left())
             got = self.sock.recvmsg_into(batch)[0]
             if not got:
@@ -478,7 +482,7 @@ class Connection:
                 view = views[k]
                 n = min(view.nbytes - at, got)
                 if digest is not None:
-                    digest.update(view[at : at + n])
+                    digest.update(view if n == view.nbytes else view[at : at + n])
                 at += n
                 got -= n
                 if at == view.nbytes:
