@@ -119,11 +119,12 @@ class HeadersAhead:
     socket sends it), so the sender seldom waits: one hand-over per batch,
     where a job per header cost a thread wake-up per block (see docs/tiers.md,
     "Stores: the checksum beside the send"). A payload in several parts, some
-    of them small (:data:`GIL_HELD_UP_TO`: an SGLang ``layer_first`` page), is
-    hashed with the GIL held, which stalls the sender's Python for as long as
-    the hash runs; for those, each header gets its own job, started only as the
-    payload before it goes out (:meth:`sending`), so that the sender is inside
-    its ``sendmsg`` (GIL released) by the time the job takes the GIL. Waiting
+    of them small (an SGLang ``layer_first`` page), is hashed with the GIL
+    released through :mod:`.checksum`; only where that is not available
+    (:func:`~.checksum.holds_gil`) would its hash stall the sender's Python, and
+    then each header gets its own job, started only as the payload before it
+    goes out (:meth:`sending`), so that the sender is inside its ``sendmsg``
+    (GIL released) by the time the job takes the GIL. Waiting
     for a header counts against the operation's ``deadline``; :meth:`stop` ends
     the job early when the send fails.
     """

@@ -89,7 +89,8 @@ def payload_size(payload: Payload) -> int:
 
 
 def payload_digest(payload: Payload) -> int:
-    """The XXH3 64-bit digest of ``payload`` (its parts in order), read in place."""
+    """The XXH3 64-bit digest of ``payload`` (its parts in order), read in place; several
+    parts, some small, are hashed with the GIL released (:mod:`.checksum`)."""
     if isinstance(payload, bytes | bytearray | memoryview):
         return xxhash.xxh3_64_intdigest(payload)
     gil_free = checksum.parts_digest
