@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 
 import pytest
@@ -80,3 +81,16 @@ def test_large_parts_and_single_buffers_keep_xxhash() -> None:
     assert not checksum.many_small([big, big])
     assert not checksum.many_small([b"small"])
     assert checksum.many_small([big, b"small"])
+
+
+def test_a_part_stays_exported_while_it_is_hashed() -> None:
+    """The hash runs with the GIL released: a bytearray part is held exported meanwhile,
+    so no other thread can resize it under the hash."""
+    part = bytearray(b"page" * 1000)
+    address, held = checksum._pinned(part)
+    with pytest.raises(BufferError):
+        part.extend(b"more")
+    assert ctypes.string_at(address, 4) == b"page"
+    del held
+    part.extend(b"more")
+    assert part.endswith(b"more")

@@ -29,17 +29,22 @@ GIL_HELD_UP_TO = 64 * 1024
 """``xxhash`` (4.x) hashes a buffer of up to this many bytes without releasing the GIL."""
 
 
-def _address(part: Buffer) -> int:
-    """Where ``part``'s bytes start (``part`` stays referenced by the caller meanwhile)."""
-    if isinstance(part, bytes):
-        address = ctypes.cast(ctypes.c_char_p(part), ctypes.c_void_p).value
+def _pinned(part: Buffer) -> tuple[int, object]:
+    """Where ``part``'s bytes start, and the object that holds its buffer exported (so a
+    bytearray cannot be resized under the hash) until the caller drops it."""
+    held: object
+    if isinstance(part, bytes):  # immutable: the pointer stays valid while part lives
+        held = ctypes.c_char_p(part)
+        address = ctypes.cast(held, ctypes.c_void_p).value
     elif isinstance(part, bytearray) or not part.readonly:
-        address = ctypes.addressof(ctypes.c_char.from_buffer(part))
+        held = ctypes.c_char.from_buffer(part)
+        address = ctypes.addressof(held)
     else:
-        address = np.frombuffer(part, np.uint8).ctypes.data
+        array = np.frombuffer(part, np.uint8)
+        held, address = array, array.ctypes.data
     if address is None:  # pragma: no cover - ctypes gives NULL only for empty buffers
         raise ValueError("a buffer without an address")
-    return address
+    return address, held
 
 
 def _size(part: Buffer) -> int:
@@ -75,7 +80,9 @@ def _load() -> Callable[[Sequence[Buffer]], int] | None:
             for part in parts:
                 size = _size(part)
                 if size:
-                    update(state, _address(part), size)
+                    address, held = _pinned(part)
+                    update(state, address, size)
+                    del held
             return int(final(state))
         finally:
             free(state)
