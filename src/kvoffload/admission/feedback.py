@@ -18,10 +18,10 @@ stop being written, continuation turns are written on first sight.
 from __future__ import annotations
 
 import zlib
-from itertools import compress
-from operator import not_
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress
+from operator import not_
 
 from kvoffload.admission.base import AdmissionLayer, AdmissionStats
 from kvoffload.admission.controller import (
