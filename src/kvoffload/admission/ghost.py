@@ -10,7 +10,7 @@ before that is a *return*, one whose record expires or is pushed out is an
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
@@ -43,28 +43,17 @@ class GhostRecords:
         pushed = self.add_all((key,), tag, clock)
         return pushed[0] if pushed else None
 
-    def add_all(self, keys: Sequence[OffloadKey], tag: int, clock: int = 0) -> list[int]:
+    def add_all(self, keys: Iterable[OffloadKey], tag: int, clock: int = 0) -> list[int]:
         """Record each of ``keys`` in turn (a recorded one moves to the newest end with its
         new tag and clock); return the tags of the records pushed out.
 
         A new key takes a free place while there is one (counted down, not
         measured per key), else it pushes out the oldest record first, which
         is the record that inserting it and then trimming would push out.
-        Distinct keys none of which is recorded (an offer's first-seen blocks,
-        the usual case) are added in one update after the oldest records leave:
-        while the ghost holds at least as many records as leave, those are the
-        ones the key-by-key path pushes out.
         """
         records, record = self._records, (tag, clock)
         free = self.capacity - len(records)
-        fresh = dict.fromkeys(keys, record)
-        if len(fresh) == len(keys) <= self.capacity and records.keys().isdisjoint(fresh):
-            leaving = len(fresh) - free
-            popitem = records.popitem
-            pushed = [popitem(False)[1][0] for _ in range(leaving)] if leaving > 0 else []
-            records.update(fresh)
-            return pushed
-        pushed = []
+        pushed: list[int] = []
         for key in keys:
             if key in records:
                 records.move_to_end(key)
