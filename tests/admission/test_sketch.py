@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -92,6 +94,17 @@ def test_the_vectorised_and_the_per_key_hashes_agree() -> None:
     assert mixed_lengths[0] == batch[0]  # a longer key with the same last 12 bytes
     short = key_hashes([OffloadKey(b"abc"), OffloadKey(b"abd")]).tolist()
     assert short[0] != short[1]
+
+
+@pytest.mark.parametrize("width", [12, 13, 16, 32, 37])
+def test_the_strided_hashes_of_any_key_width_agree_with_the_per_key_path(width: int) -> None:
+    rng = random.Random(width)
+    keys = [OffloadKey(rng.randbytes(width)) for _ in range(20)]
+    vectorised = key_hashes(keys).tolist()
+    # A key of another length sends the whole batch down the per-key path.
+    per_key = key_hashes([*keys, OffloadKey(rng.randbytes(width + 1))]).tolist()[:-1]
+    assert vectorised == per_key
+    assert len(set(vectorised)) == len(keys)
 
 
 def test_request_hashes_reuse_the_request_for_its_offer_and_hash_anything_else() -> None:

@@ -1,11 +1,44 @@
-"""Fixtures of the engine tests: the engine venv's python and the tiny model (once each)."""
+"""Fixtures of the engine tests: the engine venv's python and the tiny model (once each).
+
+The engine tests run last, and their engines start when collection ends, in a thread: they
+run beside every other test instead of before them (``engine_helpers`` says why).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from engine_helpers import HERE, engine_python, run_engine_script
+from engine_helpers import (
+    HERE,
+    STARTED,
+    begin,
+    build_tiny_model,
+    engine_python,
+    engine_python_path,
+    stop_engine_scripts,
+)
+
+
+def _ours(item: pytest.Item) -> bool:
+    return item.path.resolve().parent == HERE
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items[:] = [item for item in items if not _ours(item)] + [item for item in items if _ours(item)]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    modules = {item.path.resolve() for item in session.items if _ours(item)}
+    python = engine_python_path()
+    if not modules or session.config.option.collectonly or not python.exists():
+        return  # the fixtures skip (or fail under CI) where the venv is missing
+    begin(python, modules, session.config._tmp_path_factory.mktemp("engine"))
+
+
+def pytest_sessionfinish() -> None:
+    stop_engine_scripts()
 
 
 @pytest.fixture(scope="session")
@@ -16,9 +49,8 @@ def python_for_engines() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(python_for_engines: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random Llama and its tokenizer, built once per session (about 6 s)."""
-    directory = tmp_path_factory.mktemp("engine") / "tiny-llama"
-    log = directory.parent / "tiny_model.log"
-    run_engine_script(
-        python_for_engines, str(HERE / "tiny_model.py"), str(directory), log=log, timeout=300
-    )
-    return directory
+    started = STARTED.get(HERE)
+    if started is not None:
+        model: Path = started.wait()
+        return model
+    return build_tiny_model(python_for_engines, tmp_path_factory.mktemp("engine") / "tiny-llama")

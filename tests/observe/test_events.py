@@ -178,7 +178,7 @@ def test_simulate_publishes_what_the_tier_holds(mooncake_trace: Path, tmp_path: 
 def test_vllm_decodes_ours_and_we_decode_vllms(tmp_path: Path) -> None:
     """vLLM's ZmqEventPublisher, in another process, to our subscriber; and our bytes to vLLM."""
     pytest.importorskip("vllm")
-    payload_file = tmp_path / "ours.bin"
+    payload_file, received = tmp_path / "ours.bin", tmp_path / "received"
     with KVEventPublisher(LOCAL) as pub, KVEventSubscriber(pub.endpoint) as sub:
         time.sleep(0.3)
         pub.publish([*_stored(7, 8), OffloadingEvent([block_id_key(7)], "CPU", removed=True)])
@@ -190,7 +190,7 @@ def test_vllm_decodes_ours_and_we_decode_vllms(tmp_path: Path) -> None:
     sub_port, replay_port = free_port(), free_port()
     script = textwrap.dedent(
         f"""
-        import time, warnings
+        import os, time, warnings
         warnings.simplefilter("ignore")
         import msgspec
         from vllm.distributed.kv_events import (
@@ -208,7 +208,10 @@ def test_vllm_decodes_ours_and_we_decode_vllms(tmp_path: Path) -> None:
             pub.publish(KVEventBatch(ts=time.time(), events=[
                 BlockStored([i], None, [1, 2], 16, None, "GPU", None)]))
             time.sleep(0.5)
-        time.sleep(3)
+        # Up (to answer the replay of a gap) until the test has every batch.
+        deadline = time.monotonic() + 60
+        while not os.path.exists({str(received)!r}) and time.monotonic() < deadline:
+            time.sleep(0.05)
         pub.shutdown()
         """
     )
@@ -219,6 +222,7 @@ def test_vllm_decodes_ours_and_we_decode_vllms(tmp_path: Path) -> None:
         try:
             got = _receive_until(sub, 6, timeout_s=90)
         finally:
+            received.touch()
             _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert [seq for seq, _ in got] == list(range(6))

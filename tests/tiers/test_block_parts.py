@@ -22,6 +22,7 @@ from kvoffload.tiers.format import (
     encode_header,
     payload_digest,
 )
+from kvoffload.tiers.resp import DIRECT_PIECE
 from tier_servers import ValkeyProcess
 
 SPLIT = [JOIN_BELOW + 7, 2 * JOIN_BELOW, 100, 3 * JOIN_BELOW]
@@ -128,7 +129,9 @@ def test_more_large_parts_than_one_sendmsg_takes(valkey_server: ValkeyProcess) -
         written = [parts_of(i, split) for i in range(2)]
         tier.write(KEYS[:2], written)
         tier.poll(wait=True)
-        for read_split in ([sum(split)], split):  # one buffer; many recvmsg_into calls
+        big = DIRECT_PIECE + 11  # a part longer than one recvmsg_into piece, then a tiny one
+        splits = ([sum(split)], split, [big, 7, sum(split) - big - 7])
+        for read_split in splits:  # one buffer; many recvmsg_into calls
             targets = into_parts(read_split, 2)
             assert tier.read(KEYS[:2], targets.__getitem__).result(timeout=30) == [True, True]
             assert [joined(t) for t in targets] == [joined(p) for p in written]

@@ -14,14 +14,14 @@ import pytest
 
 from kvoffload import block_id_key
 from kvoffload.core.layout import layout_preset
-from kvoffload.tiers import RemoteTier, layout_fingerprint
+from kvoffload.tiers import RemoteTier, checksum, layout_fingerprint
 from kvoffload.tiers.block_sets import (
-    GIL_HELD_UP_TO,
     JOIN_BELOW,
     BlockWrite,
     HeadersAhead,
     pack_sets,
 )
+from kvoffload.tiers.checksum import GIL_HELD_UP_TO
 from kvoffload.tiers.format import CorruptBlockError, decode_block, encode_header
 from kvoffload.tiers.remote import SLOTS
 from kvoffload.tiers.resp import Deadline
@@ -86,14 +86,21 @@ def parted_writes(part_bytes: int, parts: int, count: int) -> list[BlockWrite]:
     ]
 
 
-def test_payloads_hashed_under_the_gil_get_one_job_per_header() -> None:
-    """Parts of 64 KiB or less (an SGLang layer_first page) are hashed with the GIL held:
-    each header after the first is one job, started as the payload before it goes out;
-    the pipeline is still the inline one."""
+@pytest.mark.parametrize("gil_free", [True, False])
+def test_payloads_of_small_parts_get_their_jobs_by_how_they_are_hashed(
+    gil_free: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parts of 64 KiB or less (an SGLang layer_first page): hashed with the GIL released
+    (XXH3 through ctypes) they get one job per batch, as single buffers do; hashed with
+    ``xxhash`` (GIL held: no GIL-free digest here) each header after the first is one
+    job, started as the payload before it goes out. The pipeline is the inline one."""
+    assert checksum.parts_digest is not None  # the xxhash wheel exports XXH3's C API
+    if not gil_free:
+        monkeypatch.setattr(checksum, "parts_digest", None)
     writes = parted_writes(GIL_HELD_UP_TO, 4, 5)
     with CountingExecutor() as executor:
         ahead = list(pack_sets(writes, FP, HeadersAhead(writes, FP, executor, Deadline(10))))
-        assert executor.jobs == len(writes) - 1
+        assert executor.jobs == (1 if gil_free else len(writes) - 1)
     assert b"".join(map(joined, ahead)) == b"".join(map(joined, pack_sets(writes, FP)))
 
 

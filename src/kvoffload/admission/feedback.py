@@ -20,6 +20,8 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress
+from operator import not_
 
 from kvoffload.admission.base import AdmissionLayer, AdmissionStats
 from kvoffload.admission.controller import (
@@ -121,15 +123,13 @@ class FeedbackAdmission(AdmissionLayer):
         tail = controller.tag(first_seen_class(prefix, True, tier_served), group)
         # The request's first-seen blocks are decided together: by class and group.
         admits_body, admits_tail = controller.admits(body), controller.admits(tail)
-        new_body = [key for key, old in zip(offered[:-1], seen, strict=False) if not old]
-        pushed = ghost.add_all(new_body, body, clock)
+        # ``compress`` stops at the body's end: the last key is decided on its own.
+        body_keys = offered[:-1]
+        pushed = ghost.add_all(list(compress(body_keys, map(not_, seen))), body, clock)
         if not seen[-1]:
             pushed += ghost.add_all(offered[-1:], tail, clock)
         controller.record_all(pushed, False)
-        if admits_body:
-            admitted = list(offered[:-1])
-        else:
-            admitted = [key for key, old in zip(offered[:-1], seen, strict=False) if old]
+        admitted = list(body_keys) if admits_body else list(compress(body_keys, seen))
         if seen[-1] or admits_tail:
             admitted.append(offered[-1])
         self.written += len(admitted)

@@ -154,6 +154,27 @@ class MiniTier:
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self.policy.touch(keys)
 
+    def store_admitted(
+        self,
+        keys: Sequence[OffloadKey],
+        at: Sequence[int],
+        keep: set[OffloadKey] | None,
+        gap: int,
+    ) -> int:
+        """:meth:`store` of what a candidate's tier writes of a request's sampled lookup
+        ``keys``: those the real tier served (``at`` -1, else the key's offer index) and
+        those in ``keep`` (``None``: every offered key), each behind a gap past offer
+        index ``gap`` (the candidate's first key left out)."""
+        if keep is None:
+            return self.store(keys)
+        to_store = []
+        behind = []
+        for key, j in zip(keys, at, strict=True):
+            if j < 0 or key in keep:
+                to_store.append(key)
+                behind.append(j > gap)
+        return self.store(to_store, behind) if to_store else 0
+
 
 class LRUMiniTier(MiniTier):
     """:class:`MiniTier` under LRU, specialised: one ordered dict of ``key -> unreachable``.
@@ -204,6 +225,39 @@ class LRUMiniTier(MiniTier):
                     order[key] = False
         if not new:
             return 0
+        return self._insert(new, keys)
+
+    def store_admitted(
+        self,
+        keys: Sequence[OffloadKey],
+        at: Sequence[int],
+        keep: set[OffloadKey] | None,
+        gap: int,
+    ) -> int:
+        if keep is None:
+            return self.store(keys)
+        # The generic path's filtering and :meth:`store`'s gap path in one pass.
+        order = self._order
+        get = order.get
+        new: dict[OffloadKey, bool] = {}
+        stored = []
+        for key, j in zip(keys, at, strict=True):
+            if j < 0 or key in keep:
+                stored.append(key)
+                dead = get(key)
+                if dead is None:
+                    if key not in new:
+                        new[key] = j > gap
+                elif dead and j <= gap:
+                    order[key] = False
+        if not new:
+            return 0
+        return self._insert(new, stored)
+
+    def _insert(self, new: dict[OffloadKey, bool], keys: Sequence[OffloadKey]) -> int:
+        """Write ``new`` (not held: key -> unreachable), evicting the oldest keys outside
+        ``keys``; how many were written (none if ``keys`` leave too little room)."""
+        order = self._order
         need = len(new) - (self.capacity - len(order))
         if need > 0:
             protected = set(keys)
@@ -632,21 +686,13 @@ class MiniSimulation:
             ]
             for name, tier in tiers:
                 keep, gap = chosen[name]
-                if keep is None:
-                    written = tier.store(sampled)
-                elif not keep:
+                if keep is not None and not keep:
                     # Nothing admitted: only the keys the tier served are stored, none behind
                     # a gap (a store without gaps).
                     to_store = [key for key, j in zip(sampled, at, strict=True) if j < 0]
                     written = tier.store(to_store) if to_store else 0
                 else:
-                    to_store = []
-                    behind = []
-                    for key, j in zip(sampled, at, strict=True):
-                        if j < 0 or key in keep:
-                            to_store.append(key)
-                            behind.append(j > gap)
-                    written = tier.store(to_store, behind) if to_store else 0
+                    written = tier.store_admitted(sampled, at, keep, gap)
                 if written:
                     tier.touch(requested)
 

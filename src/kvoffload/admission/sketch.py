@@ -33,21 +33,6 @@ _SATURATED_INCREMENT = np.minimum(np.arange(1, MAX_COUNT + 2), MAX_COUNT).astype
 """``count -> min(count + 1, MAX_COUNT)`` as one table look-up."""
 
 
-def _tail_dtype(width: int) -> np.dtype:
-    """A record of one ``width``-byte key whose fields are its last three big-endian words."""
-    return np.dtype(
-        {
-            "names": ["a", "b", "c"],
-            "formats": [">u4", ">u4", ">u4"],
-            "offsets": [width - TAIL_BYTES, width - 8, width - 4],
-            "itemsize": width,
-        }
-    )
-
-
-_TAIL_DTYPES = {width: _tail_dtype(width) for width in range(TAIL_BYTES, 65)}
-
-
 _LAST: list[tuple[list[OffloadKey], np.ndarray]] = [([], np.zeros(0, dtype=np.uint64))]
 """The last list of keys hashed (a copy) and its hashes (read-only)."""
 
@@ -75,21 +60,19 @@ def _hashes(keys: Sequence[OffloadKey]) -> np.ndarray:
     """64-bit hashes of ``keys``: their last 12 bytes folded to 64 bits, then mixed (splitmix64).
 
     The fold of the 96-bit tail ``a b c`` (three 32-bit words) is ``b`` over
-    ``c ^ a``. Keys of one length of at least 12 bytes (the usual case) are
-    read in one vectorised pass, as records of those three words, the fold
-    written as two 32-bit halves of each hash; any other batch key by key,
-    with the same result.
+    ``c ^ a``, that is the big-endian 64-bit word ``b c`` xor ``a``. Keys of one
+    length of at least 12 bytes (the usual case) are read in one vectorised
+    pass, as two strided views of the joined keys (those two words of each key);
+    any other batch key by key, with the same result.
     """
     n = len(keys)
     width = len(keys[0]) if n else 0
     data = b"".join(keys)
     raw: np.ndarray
     if width >= TAIL_BYTES and len(data) == width * n:
-        tails = np.frombuffer(data, _TAIL_DTYPES.get(width) or _tail_dtype(width))
-        halves = np.empty((n, 2), dtype="<u4")
-        np.bitwise_xor(tails["c"], tails["a"], out=halves[:, 0])
-        halves[:, 1] = tails["b"]
-        raw = halves.view("<u8").ravel()
+        last_two = np.ndarray((n,), ">u8", data, width - 8, (width,))
+        first_word = np.ndarray((n,), ">u4", data, width - TAIL_BYTES, (width,))
+        raw = last_two ^ first_word
     else:
         raw = np.fromiter((_fold(key) for key in keys), dtype=np.uint64, count=n)
     first, second, third = _SHIFTS

@@ -29,6 +29,7 @@ from concurrent.futures import Executor, Future
 from typing import NamedTuple, Protocol
 
 from kvoffload.core.keys import OffloadKey
+from kvoffload.tiers.checksum import holds_gil
 from kvoffload.tiers.format import (
     Buffer,
     Payload,
@@ -107,10 +108,6 @@ def pack_sets(
     yield b"".join(joined)
 
 
-GIL_HELD_UP_TO = 64 * 1024
-"""``xxhash`` (4.x) hashes a buffer of up to this many bytes without releasing the GIL."""
-
-
 class HeadersAhead:
     """The headers of a batch of writes (each the checksum of its payload), made on
     ``executor`` while the payloads before them go out (a :class:`HeaderSource`).
@@ -122,11 +119,12 @@ class HeadersAhead:
     socket sends it), so the sender seldom waits: one hand-over per batch,
     where a job per header cost a thread wake-up per block (see docs/tiers.md,
     "Stores: the checksum beside the send"). A payload in several parts, some
-    of them small (:data:`GIL_HELD_UP_TO`: an SGLang ``layer_first`` page), is
-    hashed with the GIL held, which stalls the sender's Python for as long as
-    the hash runs; for those, each header gets its own job, started only as the
-    payload before it goes out (:meth:`sending`), so that the sender is inside
-    its ``sendmsg`` (GIL released) by the time the job takes the GIL. Waiting
+    of them small (an SGLang ``layer_first`` page), is hashed with the GIL
+    released through :mod:`.checksum`; only where that is not available
+    (:func:`~.checksum.holds_gil`) would its hash stall the sender's Python, and
+    then each header gets its own job, started only as the payload before it
+    goes out (:meth:`sending`), so that the sender is inside its ``sendmsg``
+    (GIL released) by the time the job takes the GIL. Waiting
     for a header counts against the operation's ``deadline``; :meth:`stop` ends
     the job early when the send fails.
     """
@@ -143,7 +141,7 @@ class HeadersAhead:
         self._executor = executor
         self._deadline = deadline
         self._stopped = threading.Event()
-        self._one_by_one = bool(writes) and _hashed_under_gil(writes[0].payload)
+        self._one_by_one = bool(writes) and holds_gil(payload_parts(writes[0].payload))
         self._made: list[Future[bytes]] = [Future() for _ in writes]
         if len(writes) > 1 and not self._one_by_one:
             executor.submit(self._make_from, 1)
@@ -179,9 +177,3 @@ class HeadersAhead:
     def _encode(self, index: int) -> bytes:
         _, key, payload = self._writes[index]
         return encode_header(key, self._fingerprint, payload_parts(payload))
-
-
-def _hashed_under_gil(payload: Payload) -> bool:
-    """Whether hashing ``payload`` holds the GIL for long: several parts, some small."""
-    parts = payload_parts(payload)
-    return len(parts) > 1 and any(buffer_size(part) <= GIL_HELD_UP_TO for part in parts)

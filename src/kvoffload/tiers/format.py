@@ -26,6 +26,7 @@ import xxhash
 
 from kvoffload.core.errors import KVOffloadError
 from kvoffload.core.layout import KVLayout
+from kvoffload.tiers import checksum
 
 MAGIC = b"KVOB"
 FORMAT_VERSION = 2
@@ -88,9 +89,13 @@ def payload_size(payload: Payload) -> int:
 
 
 def payload_digest(payload: Payload) -> int:
-    """The XXH3 64-bit digest of ``payload`` (its parts in order), read in place."""
+    """The XXH3 64-bit digest of ``payload`` (its parts in order), read in place; several
+    parts, some small, are hashed with the GIL released (:mod:`.checksum`)."""
     if isinstance(payload, bytes | bytearray | memoryview):
         return xxhash.xxh3_64_intdigest(payload)
+    gil_free = checksum.parts_digest
+    if gil_free is not None and checksum.many_small(payload):
+        return gil_free(payload)
     digest = xxhash.xxh3_64()
     for part in payload:
         digest.update(part)

@@ -444,7 +444,7 @@ class RemoteTier:
         while jobs:
             node, indices, asking = jobs.pop()
             size = sum(len(names[i]) + sizes[i] for i in indices)
-            get = partial(self._get_into, keys, names, views, indices, asking)
+            get = partial(self._get_into, keys, names, views, sizes, indices, asking)
             statuses = self._call(node, get, size)
             if statuses is None:
                 failed += len(indices)
@@ -478,6 +478,7 @@ class RemoteTier:
         keys: list[OffloadKey],
         names: list[bytes],
         views: list[list[memoryview] | None],
+        sizes: list[int],
         indices: list[int],
         asking: bool,
         connection: Connection,
@@ -493,7 +494,7 @@ class RemoteTier:
                 _ok(connection.read_reply(deadline, MAX_LINE))
             view = views[index]
             assert view is not None
-            size = sum(part.nbytes for part in view)
+            size = sizes[index]
             large = size >= DIRECT_BELOW
             length = connection.read_bulk_length(deadline, large)
             if isinstance(length, ErrorReply):
@@ -512,7 +513,7 @@ class RemoteTier:
                 connection.skip(length, deadline)
                 connection.end_of_value(deadline, large)
                 continue
-            statuses.append(self._receive(connection, deadline, key, view, large))
+            statuses.append(self._receive(connection, deadline, key, view, size, large))
         return statuses
 
     def _receive(
@@ -521,6 +522,7 @@ class RemoteTier:
         deadline: Deadline,
         key: OffloadKey,
         view: list[memoryview],
+        size: int,
         large: bool,
     ) -> _Status:
         """Header and key (checked), then the payload into the parts of ``view`` in order,
@@ -540,7 +542,7 @@ class RemoteTier:
         else:
             connection.read_parts_into(view, deadline, digest)
         connection.end_of_value(deadline, large)
-        if header is None or header.payload_bytes != sum(part.nbytes for part in view):
+        if header is None or header.payload_bytes != size:
             return _CORRUPT
         return _HIT if digest.intdigest() == header.digest else _CORRUPT
 

@@ -444,45 +444,58 @@ class Connection:
     ) -> None:
         """Fill ``parts`` (bytes) in order from the stream, as :meth:`read_into` fills one:
         buffered bytes first, then one ``recvmsg_into`` across as many parts as make
-        :data:`DIRECT_PIECE` bytes (TLS sockets have none: :meth:`read_into` each)."""
+        :data:`DIRECT_PIECE` bytes (TLS sockets have none: :meth:`read_into` each). Each
+        part is checksummed as it fills, while in cache; the loop is written for an SGLang
+        ``layer_first`` page (16 parts of 64 KiB, 16,384 a GiB)."""
         views = [part for part in parts if part.nbytes]
+        sizes = [view.nbytes for view in views]
+        count = len(views)
         k = at = 0
-        while k < len(views) and self._start < self._end:
-            view = views[k]
-            n = min(view.nbytes - at, self._end - self._start)
-            view[at : at + n] = self._view[self._start : self._start + n]
+        while k < count and self._start < self._end:
+            n = min(sizes[k] - at, self._end - self._start)
+            views[k][at : at + n] = self._view[self._start : self._start + n]
             self._start += n
             if digest is not None:
-                digest.update(view[at : at + n])
+                digest.update(views[k][at : at + n])
             at += n
-            if at == view.nbytes:
+            if at == sizes[k]:
                 k, at = k + 1, 0
-        while k < len(views):
-            if self._tls:
-                self.read_into(views[k][at:], deadline, digest)
-                k, at = k + 1, 0
-                continue
-            batch: list[memoryview] = []
-            room = DIRECT_PIECE
-            for view in views[k : k + SENDMSG_BUFFERS]:
-                piece = view[at : at + room] if not batch else view[:room]
-                batch.append(piece)
-                room -= piece.nbytes
-                if room <= 0:
-                    break
-            self.sock.settimeout(deadline.left())
-            got = self.sock.recvmsg_into(batch)[0]
+        if self._tls:
+            for index in range(k, count):
+                self.read_into(views[index][at:], deadline, digest)
+                at = 0
+            return
+        sock = self.sock
+        update = None if digest is None else digest.update
+        while k < count:
+            # Up to a piece from where part k stands; a part is sliced only where the
+            # piece starts or ends inside it.
+            if at or sizes[k] > DIRECT_PIECE:
+                batch = [views[k][at : at + DIRECT_PIECE]]
+                room = DIRECT_PIECE - batch[0].nbytes
+            else:
+                batch = [views[k]]
+                room = DIRECT_PIECE - sizes[k]
+            j, last = k + 1, min(count, k + SENDMSG_BUFFERS)
+            while room > 0 and j < last:
+                batch.append(views[j] if sizes[j] <= room else views[j][:room])
+                room -= sizes[j]
+                j += 1
+            sock.settimeout(deadline.left())
+            got = sock.recvmsg_into(batch)[0]
             if not got:
                 raise ConnectionError("the server closed the connection")
             while got:
-                view = views[k]
-                n = min(view.nbytes - at, got)
-                if digest is not None:
-                    digest.update(view[at : at + n])
-                at += n
-                got -= n
-                if at == view.nbytes:
-                    k, at = k + 1, 0
+                left = sizes[k] - at
+                if got < left:
+                    if update is not None:
+                        update(views[k][at : at + got])
+                    at += got
+                    break
+                if update is not None:
+                    update(views[k][at:] if at else views[k])
+                got -= left
+                k, at = k + 1, 0
 
     def skip(self, size: int, deadline: Deadline) -> None:
         """Read and drop ``size`` bytes."""

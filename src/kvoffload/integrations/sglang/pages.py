@@ -79,6 +79,7 @@ class HostPages:
         self.dtype = str(page.dtype)
         self.page_bytes = int(page.numel()) * int(page.element_size())
         pointers, sizes = pool.get_page_buffer_meta(torch.arange(self.page_size))
+        self._region = _region(pool)
         self.segments_per_page = len(pointers)
         if self.segments_per_page < 1 or sum(sizes) != self.page_bytes:
             raise InvalidArgumentError(
@@ -95,7 +96,37 @@ class HostPages:
         """Per page of ``host_indices`` (``page_size`` indices each), its segments in order."""
         pointers, sizes = self.pool.get_page_buffer_meta(host_indices)
         n = self.segments_per_page
+        at = _at if self._region is None else self._region.at
         return [
-            [_at(p, s) for p, s in zip(pointers[i : i + n], sizes[i : i + n], strict=True)]
+            [at(p, s) for p, s in zip(pointers[i : i + n], sizes[i : i + n], strict=True)]
             for i in range(0, len(pointers), n)
         ]
+
+
+class _Region:
+    """The host pool's one buffer as a byte view: a segment inside it is a slice of the
+    view (0.2 us), where a ctypes view of the segment costs 2.5 us; a ``layer_first``
+    batch of 128 pages has 2,048 segments."""
+
+    def __init__(self, base: int, whole: memoryview) -> None:
+        self.base = base
+        self.whole = whole
+        self.end = whole.nbytes
+
+    def at(self, pointer: int, size: int) -> memoryview:
+        """A writable view of ``size`` bytes at ``pointer`` (outside the buffer: its own)."""
+        offset = pointer - self.base
+        if offset < 0 or offset + size > self.end:
+            return _at(pointer, size)
+        return self.whole[offset : offset + size]
+
+
+def _region(pool: Any) -> _Region | None:
+    """The pool's ``kv_buffer`` (SGLang's MHA and MLA host pools keep their pages in one
+    CPU tensor) as one byte view, if it is one run of CPU memory."""
+    buffer = getattr(pool, "kv_buffer", None)
+    if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu":
+        return None
+    if not buffer.is_contiguous() or buffer.numel() == 0:
+        return None
+    return _Region(buffer.data_ptr(), tensor_bytes(buffer.reshape(-1)))

@@ -1,0 +1,58 @@
+"""A host pool's page segments as byte views: slices of the pool's buffer, else ctypes views."""
+
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from sglang_helpers import HostPool, torch
+
+from kvoffload.integrations.sglang.pages import HostPages, _region
+
+
+def address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def pages_bytes(pages: HostPages, indices: Any) -> list[bytes]:
+    return [b"".join(bytes(s) for s in page) for page in pages.segments(indices)]
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("mla", [False, True])
+def test_segments_are_the_pools_own_bytes_either_way(layout: str, mla: bool) -> None:
+    """Slices of the one buffer view and ctypes views name the same memory: the same
+    addresses, the pages' bytes, and a write through a segment lands in the pool."""
+    pool = HostPool(layout, mla=mla)
+    pool.fill(list(range(4)), seed=3)
+    sliced, own = HostPages(pool), HostPages(pool)
+    own._region = None
+    assert sliced._region is not None
+    indices = pool.indices([2, 0, 3])
+    expected = [pool.page_bytes(p) for p in (2, 0, 3)]
+    assert pages_bytes(sliced, indices) == pages_bytes(own, indices)
+    if layout == "page_first" or mla:  # MHA layer_first: K and V interleaved by layer
+        assert pages_bytes(sliced, indices) == expected
+    for a, b in zip(sliced.segments(indices), own.segments(indices), strict=True):
+        assert [address(s) for s in a] == [address(s) for s in b]
+    first = sliced.segments(pool.indices([1]))[0][0]
+    first[:] = bytes(first.nbytes)
+    assert pool.page_bytes(1).startswith(bytes(first.nbytes))
+
+
+def test_only_one_contiguous_cpu_buffer_is_sliced() -> None:
+    """A ``kv_buffer`` that is not one run of CPU memory (or none) gets no region; a
+    pointer outside the region gets its own view at that pointer."""
+    whole = torch.arange(64, dtype=torch.int16).reshape(4, 16)
+    assert _region(SimpleNamespace(kv_buffer=whole.t())) is None
+    assert _region(SimpleNamespace()) is None
+    region = _region(SimpleNamespace(kv_buffer=whole))
+    assert region is not None and region.base == whole.data_ptr()
+    assert bytes(region.at(whole.data_ptr() + 32, 4)) == bytes(whole.numpy().tobytes()[32:36])
+    other = bytearray(b"elsewhere")
+    outside = region.at(address(memoryview(other)), len(other))
+    assert bytes(outside) == b"elsewhere"
+    outside[:4] = b"ELSE"
+    assert other.startswith(b"ELSE")
