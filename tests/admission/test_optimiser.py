@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
+from itertools import pairwise
 
 import pytest
 
@@ -219,7 +220,7 @@ def test_a_choice_dwells_after_each_switch(dwell: float) -> None:
             switched_at.append(engine.stats.refs)
     assert len(switched_at) >= 2
     longest = max(len(r.keys) for r in requests)
-    for earlier, later in zip(switched_at, switched_at[1:], strict=False):
+    for earlier, later in pairwise(switched_at):
         assert later - earlier >= min(dwell * capacity, earlier / 4) - 2 * longest
 
 
