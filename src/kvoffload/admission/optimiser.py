@@ -62,6 +62,13 @@ SWITCH_MARGIN = 0.002
 DWELL_TIERS = 2.0
 """After a switch the choice stays for this many tier-fulls of references: a switch costs
 hits while the tier turns over, so flapping costs more than either rule."""
+SAMPLED_WARMUP_TIERS = 2.0
+"""A lower tier (no mirroring) chooses on its sampled 1x mini-tiers, fed what that tier
+is offered: the counts of this many mini-tier-fulls of sampled references are dropped,
+the first choice comes half a mini-tier-full later, and until then the feedback rule is
+followed, with the wider tolerances the sampling noise needs."""
+SAMPLED_OBJECTIVE = (0.0015, 0.003)
+"""``(hit tolerance, switch margin)`` of a lower tier's sampled choice."""
 DWELL_SHARE = 0.25
 """The dwell is at most this share of the references seen so far: a choice made early, on
 little evidence, can be corrected soon."""
@@ -219,6 +226,13 @@ class OptimisingAdmission(AdmissionLayer):
         self._next_choice = 0.0
         self._pending: Sequence[OffloadKey] | None = None
         """The request whose worlds wait for its lookup (to learn the GPU's prefix hit)."""
+        self._settled_at: float | None = None
+        """A lower tier's sampled references at the end of its warm-up; ``None`` before."""
+        self._offers_follow = False
+        """Whether a driver announced a request whose offer follows (its missed blocks):
+        the worlds' model of the tier. A lower tier of the tiered manager is only told of
+        lookups, and offered the blocks the tier above evicts; it stores what the chosen
+        rule admits of them instead of mirroring."""
         self._hashed: tuple[Sequence[OffloadKey], np.ndarray] = ((), np.zeros(0, np.uint64))
 
     def _hashes(self, keys: Sequence[OffloadKey]) -> np.ndarray:
@@ -241,8 +255,15 @@ class OptimisingAdmission(AdmissionLayer):
         if keys and not self._announced and self._requests.on_touch(keys):
             self.feedback.begin_request(keys, lookup_follows=True)
             self._sighting(keys)
-        followed = self.worlds[self.chosen]
-        self.backing.touch([key for key in keys if key in followed])
+        if self._mirrors:
+            followed = self.worlds[self.chosen]
+            keys = [key for key in keys if key in followed]
+        self.backing.touch(keys)
+
+    @property
+    def _mirrors(self) -> bool:
+        """Whether the real tier mirrors the followed world (see ``_offers_follow``)."""
+        return self._offers_follow or not self._announced
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
         keys = keys if isinstance(keys, list) else list(keys)
@@ -294,6 +315,8 @@ class OptimisingAdmission(AdmissionLayer):
         )
         if not keys:
             return
+        if lookup_follows or will_offer:
+            self._offers_follow = True
         if lookup_follows:
             self.feedback.begin_request(keys, lookup_follows=True)
             return
@@ -337,8 +360,12 @@ class OptimisingAdmission(AdmissionLayer):
             self._run_worlds(0)
         if self._seen >= self._next_choice:
             self._choose()
-        followed = self.worlds[self.chosen]
-        keys = [key for key in offered if key in followed]
+        if self._mirrors:
+            followed = self.worlds[self.chosen]
+            keys = [key for key in offered if key in followed]
+        else:
+            chosen = admitted[self.chosen if self.switches or self._settled_at else FEEDBACK]
+            keys = list(offered) if chosen is None else chosen
         if self.write_credit is not None:
             self.write_credit.earn(0)
             keys = keys[: self.write_credit.allowance()]
@@ -361,12 +388,30 @@ class OptimisingAdmission(AdmissionLayer):
     def _choose(self) -> None:
         """Re-rank the worlds: none before one fills, none while a switch dwells."""
         self._next_choice = self._seen + max(16.0, self.capacity / 64)
-        if not self.worlds.full:
-            return
+        if self._mirrors:
+            if not self.worlds.full:
+                return
+            scores = self.worlds.scores()
+        else:
+            seen, tier = self.minisim.seen, self.minisim.tiers[STORE_ALL, 1.0][0]
+            if self._settled_at is None:
+                if seen < SAMPLED_WARMUP_TIERS * tier.capacity:
+                    return
+                self._settled_at = seen
+                self.minisim.restart_window()
+            if seen < self._settled_at + 0.5 * tier.capacity:
+                return
+            if not self.switches:
+                self.chosen = FEEDBACK
+            scores = self.minisim.scores()
         if self.write_credit is not None and not self.write_credit.budget.per_ref:
             per_ref = self.write_credit.writes_per_ref()
             self.objective = replace(self.objective, write_budget=per_ref)
-        self._switch(self.objective.choose(self.worlds.scores(), self.chosen))
+        objective = self.objective
+        if not self._mirrors:
+            tolerance, margin = SAMPLED_OBJECTIVE
+            objective = replace(objective, hit_tolerance=tolerance, switch_margin=margin)
+        self._switch(objective.choose(scores, self.chosen))
 
     def _switch(self, candidate: str) -> None:
         if candidate != self.chosen:
