@@ -188,11 +188,11 @@ def test_a_driver_that_looks_up_past_the_layer_can_report_tier_hits() -> None:
 
 
 def test_admit_passes_on_what_prepare_store_would_with_the_same_counts() -> None:
-    from kvoffload.admission.optimiser import _Probe
+    from kvoffload.admission.worlds import Probe
 
     runs: list[tuple[list[list[OffloadKey]], int, int]] = []
     for direct in (False, True):
-        probe = _Probe()
+        probe = Probe()
         layer = FeedbackAdmission(probe, 64)
         passed: list[list[OffloadKey]] = []
         for start in range(0, 40, 4):

@@ -43,11 +43,11 @@ from kvoffload.admission.params import check_params, param
 from kvoffload.admission.registry import register_admission
 from kvoffload.admission.reuse_filter import FilterReusedOffloadingManager
 from kvoffload.admission.sketch import key_hashes
-from kvoffload.admission.worlds import World, WorldProbe, Worlds
+from kvoffload.admission.worlds import Probe, World, Worlds
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
-from kvoffload.core.specs import CPULoadStoreSpec, LoadStoreSpec
+from kvoffload.core.specs import LoadStoreSpec
 from kvoffload.policies.base import CachePolicy
 from kvoffload.policies.lru import LRUCachePolicy
 
@@ -79,29 +79,6 @@ FILTER_THRESHOLD, FILTER_TRACKER = 2, 64_000
 """The seed filter as vLLM configures it by default."""
 BYTES_PER_FILTER_KEY = 120
 """Approximate CPython cost of one tracked key in the filter's table."""
-
-
-class _Probe(OffloadingManager):
-    """The bottom of a candidate's stack: answers lookups with the real tier's answer and
-    stores nothing (the optimiser asks each candidate's ``admit`` for its decision)."""
-
-    def __init__(self) -> None:
-        self.found: int | None = 0
-
-    def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
-        return self.found
-
-    def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
-        return CPULoadStoreSpec([])
-
-    def complete_load(self, keys: Iterable[OffloadKey]) -> None:
-        return None
-
-    def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
-        return PrepareStoreOutput(list(keys), CPULoadStoreSpec([]), [])
-
-    def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
-        return None
 
 
 @dataclass(frozen=True)
@@ -193,7 +170,7 @@ class OptimisingAdmission(AdmissionLayer):
         )
         if self.objective.write_budget not in (None, per_ref):
             raise InvalidArgumentError("give the write budget once: in the objective or alone")
-        self._probe = _Probe()
+        self._probe = Probe()
         self.feedback = FeedbackAdmission(self._probe, capacity)
         self.filter = FilterReusedOffloadingManager(
             self._probe, p.filter_threshold, p.filter_tracker
@@ -202,7 +179,7 @@ class OptimisingAdmission(AdmissionLayer):
         self.minisim = MiniSimulation(
             capacity, policy, CANDIDATES, WHATIF_FACTORS, window_tiers, bits
         )
-        filter_probe, feedback_probe = WorldProbe(), WorldProbe()
+        filter_probe, feedback_probe = Probe(), Probe()
         self._world_feedback = FeedbackAdmission(feedback_probe, capacity)
         self.worlds = Worlds(
             {

@@ -21,12 +21,13 @@ from kvoffload.core.specs import CPULoadStoreSpec, LoadStoreSpec
 from kvoffload.policies.base import CachePolicy
 
 
-class WorldProbe(OffloadingManager):
-    """The bottom of a world's rule: answers lookups with the world's own hit run and
-    stores nothing (the world asks its rule's ``admit`` for its decision)."""
+class Probe(OffloadingManager):
+    """The bottom of a candidate rule's stack: answers lookups with the hit run set in
+    :attr:`found` (a world's own, or what the real tier answered) and stores nothing (the
+    caller asks the rule's ``admit`` for its decision)."""
 
     def __init__(self) -> None:
-        self.found = 0
+        self.found: int | None = 0
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
         return self.found
@@ -59,7 +60,7 @@ class World:
         capacity: int,
         policy: type[CachePolicy],
         rule: AdmissionLayer | FilterReusedOffloadingManager | None = None,
-        probe: WorldProbe | None = None,
+        probe: Probe | None = None,
     ) -> None:
         if (rule is None) != (probe is None):
             raise ValueError("a world's rule and its probe go together")
