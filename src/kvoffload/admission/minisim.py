@@ -668,7 +668,7 @@ class MiniSimulation:
         if not entry.suffix[0]:
             return  # no sampled lookup key at the base rate, hence at none (levels nest)
         n = len(offered)
-        chosen = {name: _admitted_set(offered, keys) for name, keys in admitted.items()}
+        chosen = {name: admitted_set(offered, keys) for name, keys in admitted.items()}
         everything = all(keep is None for keep, _ in chosen.values())
         for sampled, from_end, requested, tiers in zip(
             entry.suffix, entry.suffix_start, entry.requested, self._by_level, strict=True
@@ -744,7 +744,7 @@ class MiniSimulation:
         self._halve(0.0)
 
 
-def _admitted_set(
+def admitted_set(
     offered: Sequence[OffloadKey], admitted: Sequence[OffloadKey] | None
 ) -> tuple[set[OffloadKey] | None, int]:
     """The admitted keys (``None``: all of the offer) and the offer index of the first key

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvoffload.admission.base import AdmissionLayer
-from kvoffload.admission.minisim import BYTES_PER_MINI_KEY, MiniTier, mini_tier
+from kvoffload.admission.minisim import BYTES_PER_MINI_KEY, MiniTier, admitted_set, mini_tier
 from kvoffload.admission.reuse_filter import FilterReusedOffloadingManager
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
@@ -94,26 +94,11 @@ class World:
         if rule is None:
             written = tier.store(offered)
         else:
-            written = self._store_admitted(offered, rule.admit(offered))
+            keep, gap = admitted_set(offered, rule.admit(offered))
+            written = tier.store_admitted(offered, range(len(offered)), keep, gap)
         if written:
             self.writes += written
             tier.touch(keys)
-
-    def _store_admitted(self, offered: list[OffloadKey], admitted: list[OffloadKey]) -> int:
-        tier = self.tier
-        if len(admitted) == len(offered):
-            return tier.store(offered)
-        if not admitted:
-            return 0
-        keep = set(admitted)
-        behind: list[bool] = []
-        gap = False
-        for key in offered:
-            if key in keep:
-                behind.append(gap)
-            else:
-                gap = True
-        return tier.store(admitted, behind)
 
 
 class Worlds:
