@@ -21,9 +21,14 @@ changes only when the current candidate falls out of that set by a margin and
 not within a dwell after a switch (hysteresis). Store-everything is followed
 until a world's tier fills: before that, no rule has lost a hit.
 
-Every candidate also runs, fed what the real tier answers, through a
-:class:`~kvoffload.admission.minisim.MiniSimulation` on hash-sampled keys at
-other capacities: the what-if figures.
+A :class:`~kvoffload.admission.minisim.MiniSimulation` on hash-sampled keys
+gives the what-if figures: each candidate at other capacities, storing what its
+world holds (what a tier mirroring that world stores).
+
+A lower tier of the tiered manager is only told of lookups, and offered what the
+tier above evicts: it cannot mirror. There each candidate rule also runs fed what
+the real tier answers, the sampled 1x mini-tiers rank them, and the tier stores
+what the chosen rule admits.
 """
 
 from __future__ import annotations
@@ -175,6 +180,8 @@ class OptimisingAdmission(AdmissionLayer):
         self.filter = FilterReusedOffloadingManager(
             self._probe, p.filter_threshold, p.filter_tracker
         )
+        """The candidate rules fed what the real tier answers: only a tier that does not
+        mirror (see ``_offers_follow``) feeds them and chooses on their sampled figures."""
         policy = policy or tier_policy(backing)
         self.minisim = MiniSimulation(
             capacity, policy, CANDIDATES, WHATIF_FACTORS, window_tiers, bits
@@ -196,6 +203,7 @@ class OptimisingAdmission(AdmissionLayer):
             },
             window_tiers * capacity,
         )
+        self._held = {name: world.held for name, world in self.worlds.worlds.items()}
         self.chosen = DEFAULT
         self.switches = 0
         self._seen = 0
@@ -230,11 +238,10 @@ class OptimisingAdmission(AdmissionLayer):
         as a second sighting (its own offers as returns)."""
         keys = keys if isinstance(keys, list) else list(keys)
         if keys and not self._announced and self._requests.on_touch(keys):
-            self.feedback.begin_request(keys, lookup_follows=True)
             self._sighting(keys)
         if self._mirrors:
-            followed = self.worlds[self.chosen]
-            keys = [key for key in keys if key in followed]
+            held = self.worlds[self.chosen].held
+            keys = [key for key in keys if key in held]
         self.backing.touch(keys)
 
     @property
@@ -248,9 +255,10 @@ class OptimisingAdmission(AdmissionLayer):
         pending = self._pending
         if pending is not None and keys and pending[-1] == keys[-1] and len(keys) <= len(pending):
             self._run_worlds(len(pending) - len(keys))
-        self._probe.found = found
-        self.feedback.lookup(keys)
-        self.filter.lookup(keys)
+        if not self._mirrors:
+            self._probe.found = found
+            self.feedback.lookup(keys)
+            self.filter.lookup(keys)
         if found is not None and keys:
             self.minisim.on_lookup(keys)
         return found
@@ -295,17 +303,19 @@ class OptimisingAdmission(AdmissionLayer):
         if lookup_follows or will_offer:
             self._offers_follow = True
         if lookup_follows:
-            self.feedback.begin_request(keys, lookup_follows=True)
             return
         if counted:
             self._pending = None  # a later part: the worlds ran the request with its first
         else:
             self._run_worlds(gpu_held)
-        self.feedback.begin_request(keys, will_offer=will_offer, counted=counted, tier_hit=tier_hit)
-        self._probe.found = 0
-        looked_up = max(counted, gpu_held)
-        if looked_up < len(keys):
-            self.filter.lookup(list(keys[looked_up:]))
+        if not self._mirrors:
+            self.feedback.begin_request(
+                keys, will_offer=will_offer, counted=counted, tier_hit=tier_hit
+            )
+            self._probe.found = 0
+            looked_up = max(counted, gpu_held)
+            if looked_up < len(keys):
+                self.filter.lookup(list(keys[looked_up:]))
         if counted == 0 and gpu_held < len(keys):
             self.minisim.on_lookup(keys[gpu_held:] if gpu_held else keys)
             if not will_offer:  # announced at its end, after its loads: no offer follows
@@ -321,25 +331,28 @@ class OptimisingAdmission(AdmissionLayer):
             self._run_worlds(len(self._pending))
         self._pending = keys
         self.minisim.on_request(keys, self._hashes(keys))
-        self.ghost_hits = self.feedback.ghost_hits
+        self.ghost_hits = (self._world_feedback if self._mirrors else self.feedback).ghost_hits
         if self.write_credit is not None:
             self.write_credit.earn(len(keys))
 
     def _admit(self, offered: Sequence[OffloadKey], prefix: int) -> list[OffloadKey]:
         offered = offered if isinstance(offered, list) else list(offered)
-        admitted: dict[str, list[OffloadKey] | None] = {
-            STORE_ALL: None,
-            FILTER: self.filter.admit(offered),
-            FEEDBACK: self.feedback.admit(offered),
-        }
-        self.minisim.on_offer(offered, admitted)
         if self._pending is not None:  # an offer with no lookup before it
             self._run_worlds(0)
+        if self._mirrors:
+            self.minisim.on_offer_held(offered, self._held)
+        else:
+            admitted: dict[str, list[OffloadKey] | None] = {
+                STORE_ALL: None,
+                FILTER: self.filter.admit(offered),
+                FEEDBACK: self.feedback.admit(offered),
+            }
+            self.minisim.on_offer(offered, admitted)
         if self._seen >= self._next_choice:
             self._choose()
         if self._mirrors:
-            followed = self.worlds[self.chosen]
-            keys = [key for key in offered if key in followed]
+            held = self.worlds[self.chosen].held
+            keys = [key for key in offered if key in held]
         else:
             chosen = admitted[self.chosen if self.switches or self._settled_at else FEEDBACK]
             keys = list(offered) if chosen is None else chosen
@@ -402,22 +415,21 @@ class OptimisingAdmission(AdmissionLayer):
         return self.minisim.figures()
 
     def stats(self) -> AdmissionStats:
-        feedback = self.feedback.stats()
-        world_feedback = self._world_feedback.stats()
+        rules = [self._world_feedback.stats()]
+        if not self._mirrors:
+            rules.insert(0, self.feedback.stats())
+        filters = len(rules) * self.params.filter_tracker
         counted = self._stats(
-            feedback.control,
-            feedback.memory_bytes
-            + BYTES_PER_FILTER_KEY * self.params.filter_tracker
+            rules[0].control,
+            sum(rule.memory_bytes for rule in rules)
+            + BYTES_PER_FILTER_KEY * filters
             + self.minisim.memory_bytes
-            + self.worlds.memory_bytes
-            + world_feedback.memory_bytes
-            + BYTES_PER_FILTER_KEY * self.params.filter_tracker,
-            feedback.tracked_keys
-            + world_feedback.tracked_keys
-            + 2 * self.params.filter_tracker
+            + self.worlds.memory_bytes,
+            sum(rule.tracked_keys for rule in rules)
+            + filters
             + self.minisim.tracked_keys
             + self.worlds.tracked_keys,
-            feedback.ghost_hits,
+            rules[0].ghost_hits,
         )
         return replace(
             counted,

@@ -65,6 +65,8 @@ class World:
         if (rule is None) != (probe is None):
             raise ValueError("a world's rule and its probe go together")
         self.tier: MiniTier = mini_tier(capacity, policy)
+        self.held = self.tier.held
+        """The tier's held keys: what a tier mirroring this world may keep."""
         self.rule = rule
         self.probe = probe
         self.hits = 0.0
