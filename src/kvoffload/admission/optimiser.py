@@ -62,7 +62,7 @@ DEFAULT = STORE_ALL
 """The rule followed until a world's tier fills (vLLM's default: it loses no hit then)."""
 HIT_TOLERANCE = 0.0005
 """Candidates this close to the best hit ratio (per block reference) count as tied on hits."""
-SWITCH_MARGIN = 0.002
+SWITCH_MARGIN = 0.001
 """The current candidate is kept while it is within the tolerance plus this margin."""
 DWELL_TIERS = 2.0
 """After a switch the choice stays for this many tier-fulls of references: a switch costs
@@ -74,6 +74,10 @@ the first choice comes half a mini-tier-full later, and until then the feedback 
 followed, with the wider tolerances the sampling noise needs."""
 SAMPLED_OBJECTIVE = (0.0015, 0.003)
 """``(hit tolerance, switch margin)`` of a lower tier's sampled choice."""
+EVIDENCE_TIERS = 0.1
+"""The write tie-break waits until the best world has hit this many tier-fulls of blocks
+in the window: tiers that have shown no reuse yet tie every rule at zero hits, and the
+rule that writes least would lose every hit that reuse brings later."""
 DWELL_SHARE = 0.25
 """The dwell is at most this share of the references seen so far: a choice made early, on
 little evidence, can be corrected soon."""
@@ -97,14 +101,22 @@ class Objective:
     """Writes per block reference; ``None`` for no budget (a per-time budget is converted
     at the observed reference rate before each choice)."""
 
-    def choose(self, scores: Mapping[str, tuple[float, float]], current: str) -> str:
-        """The candidate to follow, given ``candidate -> (hits, writes)`` per reference."""
+    def choose(
+        self, scores: Mapping[str, tuple[float, float]], current: str, informed: bool = True
+    ) -> str:
+        """The candidate to follow, given ``candidate -> (hits, writes)`` per reference.
+
+        Not ``informed`` (the best candidate has hit too few blocks for a tie on hits to
+        mean anything), the most hits, then the most writes, win outright: a rule that
+        writes less is followed only once hits say what its refusals cost."""
         ceiling = scores[STORE_ALL][1] if STORE_ALL in scores else math.inf
         if self.write_budget is not None:
             ceiling = min(ceiling, self.write_budget)
         feasible = {n: s for n, s in scores.items() if s[1] <= ceiling + 1e-12}
         if not feasible:
             return min(scores, key=lambda n: scores[n][1])
+        if not informed:
+            return max(feasible, key=lambda n: feasible[n])
         best = max(hits for hits, _ in feasible.values())
         tied = [n for n, (hits, _) in feasible.items() if hits >= best - self.hit_tolerance]
         target = min(tied, key=lambda n: feasible[n][1])
@@ -135,6 +147,9 @@ class OptimiserParams:
     )
     dwell_tiers: float = param(
         DWELL_TIERS, 0.0, help="tier-fulls of references a choice stays after each switch"
+    )
+    evidence_tiers: float = param(
+        EVIDENCE_TIERS, 0.0, help="tier-fulls of hits the best world needs before writes tie-break"
     )
     filter_threshold: int = param(
         FILTER_THRESHOLD, 2, help="the filter candidate's store threshold"
@@ -401,7 +416,11 @@ class OptimisingAdmission(AdmissionLayer):
         if not self._mirrors:
             tolerance, margin = SAMPLED_OBJECTIVE
             objective = replace(objective, hit_tolerance=tolerance, switch_margin=margin)
-        self._switch(objective.choose(scores, self.chosen))
+        informed = True
+        if self._mirrors:
+            best = max(world.hits for world in self.worlds.worlds.values())
+            informed = best >= self.params.evidence_tiers * self.capacity
+        self._switch(objective.choose(scores, self.chosen, informed))
 
     def _switch(self, candidate: str) -> None:
         if candidate != self.chosen:
