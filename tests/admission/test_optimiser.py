@@ -112,6 +112,42 @@ def test_switches_within_a_bounded_number_of_references_after_the_traffic_change
     assert switched_after is not None and switched_after <= bound
 
 
+def _reuse_after_a_quiet_phase(capacity: int) -> list[Request]:
+    """Requests of blocks never seen again for ten tier-fulls, then the last of them
+    asked again: no rule has hit a block when the choice is first made."""
+    blocks, block_tokens = 10, 16
+    quiet = [[block_id_key(r * blocks + b) for b in range(blocks)] for r in range(capacity)]
+    again = quiet[-(capacity // (2 * blocks)) :]
+    return [
+        Request(0.5 * i, blocks * block_tokens, 1, keys) for i, keys in enumerate(quiet + again)
+    ]
+
+
+@pytest.mark.parametrize("evidence", [0.0, None])
+def test_writes_are_saved_only_once_hits_have_been_measured(evidence: float | None) -> None:
+    """With nothing hit yet every rule ties at zero hits; following the one that writes
+    least then loses every block that comes back later (``evidence_tiers`` 0: the old
+    rule, which this test shows failing)."""
+    capacity = 500
+    requests = _reuse_after_a_quiet_phase(capacity)
+    gpu = 2 * len(requests[0].keys)
+    results = []
+    for params in (
+        None,
+        OptimiserParams() if evidence is None else OptimiserParams(evidence_tiers=evidence),
+    ):
+        cpu = CPUOffloadingManager(capacity)
+        manager = cpu if params is None else OptimisingAdmission(cpu, capacity, params=params)
+        stats = ServingEngine(EngineConfig(gpu, 1, 16), manager).run(requests)
+        results.append(stats.offload_hit_blocks / stats.refs)
+    everything, optimised = results
+    assert everything > 0.04
+    if evidence is None:
+        assert optimised >= everything - 0.003
+    else:
+        assert optimised < everything - 0.03
+
+
 class _Recording(CPUOffloadingManager):
     """A CPU tier that notes, at each store, whether the layer's followed world holds
     every block it is asked to store."""
@@ -281,7 +317,12 @@ def test_objective_hits_first_then_fewer_writes_and_never_above_store_everything
     # A rule writing more than store-everything is never chosen, whatever its hits.
     scores = {STORE_ALL: (0.30, 0.60), FILTER: (0.20, 0.10), FEEDBACK: (0.40, 0.70)}
     assert objective.choose(scores, FEEDBACK) == STORE_ALL
+    # Uninformed (too few hits to tie on): the most hits, then the most writes.
+    silent = {STORE_ALL: (0.0, 0.60), FILTER: (0.0, 0.0), FEEDBACK: (0.0, 0.05)}
+    assert objective.choose(silent, STORE_ALL) == FILTER
+    assert objective.choose(silent, FILTER, informed=False) == STORE_ALL
     budgeted = replace(objective, write_budget=0.2)
+    assert budgeted.choose(silent, STORE_ALL, informed=False) == FEEDBACK
     assert budgeted.choose({**scores, FEEDBACK: (0.25, 0.30)}, STORE_ALL) == FILTER
     assert budgeted.choose({STORE_ALL: (0.3, 0.6), FILTER: (0.2, 0.25)}, STORE_ALL) == FILTER
 
