@@ -89,27 +89,44 @@ def shifted(workload: Workload, tag: bytes, start_s: float) -> list[Request]:
     ]
 
 
-def test_switches_within_a_bounded_number_of_references_after_the_traffic_changes() -> None:
+def _switch_after_change(params: OptimiserParams) -> tuple[int, int]:
+    """One-shot-heavy traffic, then long chat (keys of its own): references from the change
+    to the switch to store-everything, and the hits the wait cost (store-everything's
+    world against the world followed, over that span)."""
     first = one_shot_heavy(1500)
     second = longchat(1500)
     change_s = first.requests[-1].arrival_s + 1.0
     requests = shifted(first, b"a", 0.0) + shifted(second, b"b", change_s)
     capacity, window_tiers = 1000, 4.0
     cpu = CPUOffloadingManager(capacity)
-    layer = OptimisingAdmission(cpu, capacity, window_tiers=window_tiers)
+    layer = OptimisingAdmission(cpu, capacity, window_tiers=window_tiers, params=params)
     engine = ServingEngine(EngineConfig(2 * max(len(r.keys) for r in requests), 1, 512), layer)
     engine.run(requests[: len(first.requests)])
-    assert layer.chosen in (FILTER, FEEDBACK)
+    left = layer.chosen
+    assert left in (FILTER, FEEDBACK)
     refs_at_change = engine.stats.refs
-    switched_after: int | None = None
+    worlds = layer.worlds.worlds
+    at_change = {n: w.tier.total_hits for n, w in worlds.items()}
     for request in requests[len(first.requests) :]:
         engine.run([request])
         if layer.chosen == STORE_ALL:
-            switched_after = engine.stats.refs - refs_at_change
-            break
-    # Bounded by the evidence window: the old traffic's counts halve every window.
-    bound = 3 * window_tiers * capacity
-    assert switched_after is not None and switched_after <= bound
+            waited = (worlds[STORE_ALL].tier.total_hits - at_change[STORE_ALL]) - (
+                worlds[left].tier.total_hits - at_change[left]
+            )
+            return engine.stats.refs - refs_at_change, waited
+    raise AssertionError("never switched to store-everything")
+
+
+def test_switches_within_a_bounded_number_of_references_after_the_traffic_changes() -> None:
+    """Without the switch threshold the switch comes within a bound set by the window (the
+    old traffic's counts halve every window); the threshold makes it later, but the hits
+    that costs stay within about the threshold."""
+    capacity, window_tiers = 1000, 4.0
+    refs, waited = _switch_after_change(OptimiserParams(switch_tiers=0.0))
+    assert refs <= 3 * window_tiers * capacity
+    default = OptimiserParams()
+    _, waited_default = _switch_after_change(default)
+    assert 0 < waited_default - waited <= 2 * default.switch_tiers * capacity
 
 
 def _reuse_after_a_quiet_phase(capacity: int) -> list[Request]:

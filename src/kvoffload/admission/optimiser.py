@@ -62,7 +62,7 @@ DEFAULT = STORE_ALL
 """The rule followed until a world's tier fills (vLLM's default: it loses no hit then)."""
 HIT_TOLERANCE = 0.0005
 """Candidates this close to the best hit ratio (per block reference) count as tied on hits."""
-SWITCH_MARGIN = 0.001
+SWITCH_MARGIN = 0.002
 """The current candidate is kept while it is within the tolerance plus this margin."""
 DWELL_TIERS = 2.0
 """After a switch the choice stays for this many tier-fulls of references: a switch costs
@@ -74,6 +74,10 @@ the first choice comes half a mini-tier-full later, and until then the feedback 
 followed, with the wider tolerances the sampling noise needs."""
 SAMPLED_OBJECTIVE = (0.0015, 0.003)
 """``(hit tolerance, switch margin)`` of a lower tier's sampled choice."""
+SWITCH_TIERS = 0.05
+"""A switch for hits waits until the new world has hit this many tier-fulls of blocks more
+than the followed one since the last switch: each switch costs up to a miss per block the
+new world holds and the tier lacks, so two rules that trade a small lead must not flap."""
 EVIDENCE_TIERS = 0.1
 """The write tie-break waits until the best world has hit this many tier-fulls of blocks
 in the window: tiers that have shown no reuse yet tie every rule at zero hits, and the
@@ -147,6 +151,9 @@ class OptimiserParams:
     )
     dwell_tiers: float = param(
         DWELL_TIERS, 0.0, help="tier-fulls of references a choice stays after each switch"
+    )
+    switch_tiers: float = param(
+        SWITCH_TIERS, 0.0, help="tier-fulls of hits a rule must gain before a switch for hits"
     )
     evidence_tiers: float = param(
         EVIDENCE_TIERS, 0.0, help="tier-fulls of hits the best world needs before writes tie-break"
@@ -420,12 +427,27 @@ class OptimisingAdmission(AdmissionLayer):
         if self._mirrors:
             best = max(world.hits for world in self.worlds.worlds.values())
             informed = best >= self.params.evidence_tiers * self.capacity
-        self._switch(objective.choose(scores, self.chosen, informed))
+        candidate = objective.choose(scores, self.chosen, informed)
+        if candidate != self.chosen and informed and self._mirrors:
+            lead = scores[candidate][0] - scores[self.chosen][0]
+            if lead > objective.hit_tolerance and self._gained(candidate) < (
+                self.params.switch_tiers * self.capacity
+            ):
+                candidate = self.chosen
+        self._switch(candidate)
+
+    def _gained(self, candidate: str) -> float:
+        """Hits ``candidate``'s world made beyond the followed world's since the last
+        switch, over the window: a switch for hits must first have paid for the refill
+        it costs."""
+        since = self.worlds.hits_since_mark
+        return since(candidate) - since(self.chosen)
 
     def _switch(self, candidate: str) -> None:
         if candidate != self.chosen:
             self.chosen = candidate
             self.switches += 1
+            self.worlds.mark()
             dwell = self.params.dwell_tiers * self.capacity
             self._next_choice = self._seen + min(dwell, DWELL_SHARE * self._seen)
 
