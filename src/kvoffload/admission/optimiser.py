@@ -75,9 +75,11 @@ followed, with the wider tolerances the sampling noise needs."""
 SAMPLED_OBJECTIVE = (0.0015, 0.003)
 """``(hit tolerance, switch margin)`` of a lower tier's sampled choice."""
 SWITCH_TIERS = 0.05
-"""A switch for hits waits until the new world has hit this many tier-fulls of blocks more
-than the followed one since the last switch: each switch costs up to a miss per block the
-new world holds and the tier lacks, so two rules that trade a small lead must not flap."""
+"""A switch away from a rule that writes less than store-everything waits until the new
+world has hit this many tier-fulls of blocks more than the followed one since the last
+switch: each such switch costs up to a miss per block the new world holds and the tier
+lacks, so two rules that trade a small lead must not flap. Leaving store-everything costs
+no refill (its tier holds the offered blocks of every rule's recent past) and is free."""
 EVIDENCE_TIERS = 0.1
 """The write tie-break waits until the best world has hit this many tier-fulls of blocks
 in the window: tiers that have shown no reuse yet tie every rule at zero hits, and the
@@ -153,7 +155,7 @@ class OptimiserParams:
         DWELL_TIERS, 0.0, help="tier-fulls of references a choice stays after each switch"
     )
     switch_tiers: float = param(
-        SWITCH_TIERS, 0.0, help="tier-fulls of hits a rule must gain before a switch for hits"
+        SWITCH_TIERS, 0.0, help="tier-fulls of hits a rule must gain before a switch to it"
     )
     evidence_tiers: float = param(
         EVIDENCE_TIERS, 0.0, help="tier-fulls of hits the best world needs before writes tie-break"
@@ -428,18 +430,14 @@ class OptimisingAdmission(AdmissionLayer):
             best = max(world.hits for world in self.worlds.worlds.values())
             informed = best >= self.params.evidence_tiers * self.capacity
         candidate = objective.choose(scores, self.chosen, informed)
-        if candidate != self.chosen and informed and self._mirrors:
-            lead = scores[candidate][0] - scores[self.chosen][0]
-            if lead > objective.hit_tolerance and self._gained(candidate) < (
-                self.params.switch_tiers * self.capacity
-            ):
+        if candidate != self.chosen and informed and self._mirrors and self.chosen != STORE_ALL:
+            if self._gained(candidate) < self.params.switch_tiers * self.capacity:
                 candidate = self.chosen
         self._switch(candidate)
 
     def _gained(self, candidate: str) -> float:
         """Hits ``candidate``'s world made beyond the followed world's since the last
-        switch, over the window: a switch for hits must first have paid for the refill
-        it costs."""
+        switch, over the window: a switch must first have paid for the refill it costs."""
         since = self.worlds.hits_since_mark
         return since(candidate) - since(self.chosen)
 
