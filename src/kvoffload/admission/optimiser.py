@@ -430,9 +430,11 @@ class OptimisingAdmission(AdmissionLayer):
             best = max(world.hits for world in self.worlds.worlds.values())
             informed = best >= self.params.evidence_tiers * self.capacity
         candidate = objective.choose(scores, self.chosen, informed)
-        if candidate != self.chosen and informed and self._mirrors and self.chosen != STORE_ALL:
-            if self._gained(candidate) < self.params.switch_tiers * self.capacity:
-                candidate = self.chosen
+        leaves = candidate != self.chosen and informed and self._mirrors
+        if leaves and self.chosen != STORE_ALL and self._gained(candidate) < (
+            self.params.switch_tiers * self.capacity
+        ):
+            candidate = self.chosen
         self._switch(candidate)
 
     def _gained(self, candidate: str) -> float:
