@@ -431,8 +431,10 @@ class OptimisingAdmission(AdmissionLayer):
             informed = best >= self.params.evidence_tiers * self.capacity
         candidate = objective.choose(scores, self.chosen, informed)
         leaves = candidate != self.chosen and informed and self._mirrors
-        if leaves and self.chosen != STORE_ALL and self._gained(candidate) < (
-            self.params.switch_tiers * self.capacity
+        if (
+            leaves
+            and self.chosen != STORE_ALL
+            and self._gained(candidate) < (self.params.switch_tiers * self.capacity)
         ):
             candidate = self.chosen
         self._switch(candidate)
