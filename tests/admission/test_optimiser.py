@@ -334,12 +334,15 @@ def test_objective_hits_first_then_fewer_writes_and_never_above_store_everything
     # A rule writing more than store-everything is never chosen, whatever its hits.
     scores = {STORE_ALL: (0.30, 0.60), FILTER: (0.20, 0.10), FEEDBACK: (0.40, 0.70)}
     assert objective.choose(scores, FEEDBACK) == STORE_ALL
-    # Uninformed (too few hits to tie on): the most hits, then the most writes.
+    # Uninformed (too few hits to tie on): store-everything wins a tie it is in; a tie it
+    # is not in goes to the fewer writes.
     silent = {STORE_ALL: (0.0, 0.60), FILTER: (0.0, 0.0), FEEDBACK: (0.0, 0.05)}
     assert objective.choose(silent, STORE_ALL) == FILTER
     assert objective.choose(silent, FILTER, informed=False) == STORE_ALL
+    thrashing = {STORE_ALL: (0.0, 0.60), FILTER: (0.01, 0.02), FEEDBACK: (0.01, 0.09)}
+    assert objective.choose(thrashing, STORE_ALL, informed=False) == FILTER
     budgeted = replace(objective, write_budget=0.2)
-    assert budgeted.choose(silent, STORE_ALL, informed=False) == FEEDBACK
+    assert budgeted.choose(silent, STORE_ALL, informed=False) == FILTER
     assert budgeted.choose({**scores, FEEDBACK: (0.25, 0.30)}, STORE_ALL) == FILTER
     assert budgeted.choose({STORE_ALL: (0.3, 0.6), FILTER: (0.2, 0.25)}, STORE_ALL) == FILTER
 

@@ -113,18 +113,18 @@ class Objective:
         """The candidate to follow, given ``candidate -> (hits, writes)`` per reference.
 
         Not ``informed`` (the best candidate has hit too few blocks for a tie on hits to
-        mean anything), the most hits, then the most writes, win outright: a rule that
-        writes less is followed only once hits say what its refusals cost."""
+        mean anything), store-everything wins a tie it is in, outright: a rule that writes
+        less than it is preferred only once hits say what its refusals cost."""
         ceiling = scores[STORE_ALL][1] if STORE_ALL in scores else math.inf
         if self.write_budget is not None:
             ceiling = min(ceiling, self.write_budget)
         feasible = {n: s for n, s in scores.items() if s[1] <= ceiling + 1e-12}
         if not feasible:
             return min(scores, key=lambda n: scores[n][1])
-        if not informed:
-            return max(feasible, key=lambda n: feasible[n])
         best = max(hits for hits, _ in feasible.values())
         tied = [n for n, (hits, _) in feasible.items() if hits >= best - self.hit_tolerance]
+        if not informed and STORE_ALL in tied:
+            return STORE_ALL
         target = min(tied, key=lambda n: feasible[n][1])
         if target == current or current not in feasible:
             return target
