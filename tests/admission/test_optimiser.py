@@ -89,27 +89,80 @@ def shifted(workload: Workload, tag: bytes, start_s: float) -> list[Request]:
     ]
 
 
-def test_switches_within_a_bounded_number_of_references_after_the_traffic_changes() -> None:
+def _switch_after_change(params: OptimiserParams) -> tuple[int, int]:
+    """One-shot-heavy traffic, then long chat (keys of its own): references from the change
+    to the switch to store-everything, and the hits the wait cost (store-everything's
+    world against the world followed, over that span)."""
     first = one_shot_heavy(1500)
     second = longchat(1500)
     change_s = first.requests[-1].arrival_s + 1.0
     requests = shifted(first, b"a", 0.0) + shifted(second, b"b", change_s)
     capacity, window_tiers = 1000, 4.0
     cpu = CPUOffloadingManager(capacity)
-    layer = OptimisingAdmission(cpu, capacity, window_tiers=window_tiers)
+    layer = OptimisingAdmission(cpu, capacity, window_tiers=window_tiers, params=params)
     engine = ServingEngine(EngineConfig(2 * max(len(r.keys) for r in requests), 1, 512), layer)
     engine.run(requests[: len(first.requests)])
-    assert layer.chosen in (FILTER, FEEDBACK)
+    left = layer.chosen
+    assert left in (FILTER, FEEDBACK)
     refs_at_change = engine.stats.refs
-    switched_after: int | None = None
+    worlds = layer.worlds.worlds
+    at_change = {n: w.tier.total_hits for n, w in worlds.items()}
     for request in requests[len(first.requests) :]:
         engine.run([request])
         if layer.chosen == STORE_ALL:
-            switched_after = engine.stats.refs - refs_at_change
-            break
-    # Bounded by the evidence window: the old traffic's counts halve every window.
-    bound = 3 * window_tiers * capacity
-    assert switched_after is not None and switched_after <= bound
+            waited = (worlds[STORE_ALL].tier.total_hits - at_change[STORE_ALL]) - (
+                worlds[left].tier.total_hits - at_change[left]
+            )
+            return engine.stats.refs - refs_at_change, waited
+    raise AssertionError("never switched to store-everything")
+
+
+def test_switches_within_a_bounded_number_of_references_after_the_traffic_changes() -> None:
+    """Without the switch threshold the switch comes within a bound set by the window (the
+    old traffic's counts halve every window); the threshold makes it later, but the hits
+    that costs stay within about the threshold."""
+    capacity, window_tiers = 1000, 4.0
+    refs, waited = _switch_after_change(OptimiserParams(switch_tiers=0.0))
+    assert refs <= 3 * window_tiers * capacity
+    default = OptimiserParams()
+    _, waited_default = _switch_after_change(default)
+    assert 0 < waited_default - waited <= 2 * default.switch_tiers * capacity
+
+
+def _reuse_after_a_quiet_phase(capacity: int) -> list[Request]:
+    """Requests of blocks never seen again for ten tier-fulls, then the last of them
+    asked again: no rule has hit a block when the choice is first made."""
+    blocks, block_tokens = 10, 16
+    quiet = [[block_id_key(r * blocks + b) for b in range(blocks)] for r in range(capacity)]
+    again = quiet[-(capacity // (2 * blocks)) :]
+    return [
+        Request(0.5 * i, blocks * block_tokens, 1, keys) for i, keys in enumerate(quiet + again)
+    ]
+
+
+@pytest.mark.parametrize("evidence", [0.0, None])
+def test_writes_are_saved_only_once_hits_have_been_measured(evidence: float | None) -> None:
+    """With nothing hit yet every rule ties at zero hits; following the one that writes
+    least then loses every block that comes back later (``evidence_tiers`` 0: the old
+    rule, which this test shows failing)."""
+    capacity = 500
+    requests = _reuse_after_a_quiet_phase(capacity)
+    gpu = 2 * len(requests[0].keys)
+    results = []
+    for params in (
+        None,
+        OptimiserParams() if evidence is None else OptimiserParams(evidence_tiers=evidence),
+    ):
+        cpu = CPUOffloadingManager(capacity)
+        manager = cpu if params is None else OptimisingAdmission(cpu, capacity, params=params)
+        stats = ServingEngine(EngineConfig(gpu, 1, 16), manager).run(requests)
+        results.append(stats.offload_hit_blocks / stats.refs)
+    everything, optimised = results
+    assert everything > 0.04
+    if evidence is None:
+        assert optimised >= everything - 0.003
+    else:
+        assert optimised < everything - 0.03
 
 
 class _Recording(CPUOffloadingManager):
@@ -281,7 +334,15 @@ def test_objective_hits_first_then_fewer_writes_and_never_above_store_everything
     # A rule writing more than store-everything is never chosen, whatever its hits.
     scores = {STORE_ALL: (0.30, 0.60), FILTER: (0.20, 0.10), FEEDBACK: (0.40, 0.70)}
     assert objective.choose(scores, FEEDBACK) == STORE_ALL
+    # Uninformed (too few hits to tie on): store-everything wins a tie it is in; a tie it
+    # is not in goes to the fewer writes.
+    silent = {STORE_ALL: (0.0, 0.60), FILTER: (0.0, 0.0), FEEDBACK: (0.0, 0.05)}
+    assert objective.choose(silent, STORE_ALL) == FILTER
+    assert objective.choose(silent, FILTER, informed=False) == STORE_ALL
+    thrashing = {STORE_ALL: (0.0, 0.60), FILTER: (0.01, 0.02), FEEDBACK: (0.01, 0.09)}
+    assert objective.choose(thrashing, STORE_ALL, informed=False) == FILTER
     budgeted = replace(objective, write_budget=0.2)
+    assert budgeted.choose(silent, STORE_ALL, informed=False) == FILTER
     assert budgeted.choose({**scores, FEEDBACK: (0.25, 0.30)}, STORE_ALL) == FILTER
     assert budgeted.choose({STORE_ALL: (0.3, 0.6), FILTER: (0.2, 0.25)}, STORE_ALL) == FILTER
 

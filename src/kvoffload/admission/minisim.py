@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,6 +88,11 @@ class MiniTier:
 
     def __contains__(self, key: object) -> bool:
         return key in self._keys
+
+    @property
+    def held(self) -> Mapping[OffloadKey, object]:
+        """The held keys (reachable or not), for membership tests without a call per key."""
+        return self._keys
 
     def hit_run(self, keys: Sequence[OffloadKey]) -> int:
         """How many leading ``keys`` are held and reachable."""
@@ -158,7 +163,7 @@ class MiniTier:
         self,
         keys: Sequence[OffloadKey],
         at: Sequence[int],
-        keep: set[OffloadKey] | None,
+        keep: Collection[OffloadKey] | None,
         gap: int,
     ) -> int:
         """:meth:`store` of what a candidate's tier writes of a request's sampled lookup
@@ -231,7 +236,7 @@ class LRUMiniTier(MiniTier):
         self,
         keys: Sequence[OffloadKey],
         at: Sequence[int],
-        keep: set[OffloadKey] | None,
+        keep: Collection[OffloadKey] | None,
         gap: int,
     ) -> int:
         if keep is None:
@@ -515,7 +520,9 @@ class MiniSimulation:
         self.seen = 0
         """Sampled references at the base rate since the start (never halved)."""
         self._open: OrderedDict[OffloadKey, _Open] = OrderedDict()
-        self._admit_all: dict[str, Sequence[OffloadKey] | None] = dict.fromkeys(self.candidates)
+        self._admit_all: dict[str, tuple[Collection[OffloadKey] | None, int]] = {
+            name: (None, 0) for name in self.candidates
+        }
 
     def _bits_of(self, capacity: int, factor: float) -> int:
         """The 1x tiers at the base rate; the others, which only feed what-if figures, at the
@@ -649,26 +656,43 @@ class MiniSimulation:
         that was stored before.
         """
         entry = self._open.pop(offered[-1], None) if offered else None
-        if entry is not None and entry.suffix:
-            self._store(entry, offered, admitted)
+        if entry is not None and entry.suffix and entry.suffix[0]:
+            self._store(
+                entry, offered, {name: admitted_set(offered, a) for name, a in admitted.items()}
+            )
+
+    def on_offer_held(
+        self, offered: Sequence[OffloadKey], held: Mapping[str, Collection[OffloadKey]]
+    ) -> None:
+        """:meth:`on_offer` with each candidate's admitted part given as what its exact
+        world holds after the request (:mod:`~kvoffload.admission.worlds`): what a tier
+        mirroring that world stores, at every capacity."""
+        entry = self._open.pop(offered[-1], None) if offered else None
+        if entry is None or not entry.suffix or not entry.suffix[0]:
+            return
+        chosen: dict[str, tuple[Collection[OffloadKey] | None, int]] = {}
+        for name, keys in held.items():
+            gap = next((i for i, key in enumerate(offered) if key not in keys), len(offered))
+            chosen[name] = (None, gap) if gap == len(offered) else (keys, gap)
+        self._store(entry, offered, chosen)
 
     def on_full_hit(self, last: OffloadKey) -> None:
         """The tier served every key the request looked up, so no offer follows: each
         mini-tier writes the sampled keys it lacks (every candidate admits a stored key)."""
         entry = self._open.pop(last, None)
-        if entry is not None and entry.suffix:
+        if entry is not None and entry.suffix and entry.suffix[0]:
             self._store(entry, (), self._admit_all)
 
     def _store(
         self,
         entry: _Open,
         offered: Sequence[OffloadKey],
-        admitted: Mapping[str, Sequence[OffloadKey] | None],
+        chosen: Mapping[str, tuple[Collection[OffloadKey] | None, int]],
     ) -> None:
-        if not entry.suffix[0]:
-            return  # no sampled lookup key at the base rate, hence at none (levels nest)
+        """Store ``entry``'s sampled lookup keys per candidate: ``chosen`` gives each its
+        admitted keys (``None``: every offered key) and the offer index of its first key
+        left out (at least one sampled key at the base rate, hence at every level)."""
         n = len(offered)
-        chosen = {name: admitted_set(offered, keys) for name, keys in admitted.items()}
         everything = all(keep is None for keep, _ in chosen.values())
         for sampled, from_end, requested, tiers in zip(
             entry.suffix, entry.suffix_start, entry.requested, self._by_level, strict=True

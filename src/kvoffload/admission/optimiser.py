@@ -21,9 +21,14 @@ changes only when the current candidate falls out of that set by a margin and
 not within a dwell after a switch (hysteresis). Store-everything is followed
 until a world's tier fills: before that, no rule has lost a hit.
 
-Every candidate also runs, fed what the real tier answers, through a
-:class:`~kvoffload.admission.minisim.MiniSimulation` on hash-sampled keys at
-other capacities: the what-if figures.
+A :class:`~kvoffload.admission.minisim.MiniSimulation` on hash-sampled keys
+gives the what-if figures: each candidate at other capacities, storing what its
+world holds (what a tier mirroring that world stores).
+
+A lower tier of the tiered manager is only told of lookups, and offered what the
+tier above evicts: it cannot mirror. There each candidate rule also runs fed what
+the real tier answers, the sampled 1x mini-tiers rank them, and the tier stores
+what the chosen rule admits.
 """
 
 from __future__ import annotations
@@ -69,6 +74,16 @@ the first choice comes half a mini-tier-full later, and until then the feedback 
 followed, with the wider tolerances the sampling noise needs."""
 SAMPLED_OBJECTIVE = (0.0015, 0.003)
 """``(hit tolerance, switch margin)`` of a lower tier's sampled choice."""
+SWITCH_TIERS = 0.05
+"""A switch away from a rule that writes less than store-everything waits until the new
+world has hit this many tier-fulls of blocks more than the followed one since the last
+switch: each such switch costs up to a miss per block the new world holds and the tier
+lacks, so two rules that trade a small lead must not flap. Leaving store-everything costs
+no refill (its tier holds the offered blocks of every rule's recent past) and is free."""
+EVIDENCE_TIERS = 0.1
+"""The write tie-break waits until the best world has hit this many tier-fulls of blocks
+in the window: tiers that have shown no reuse yet tie every rule at zero hits, and the
+rule that writes least would lose every hit that reuse brings later."""
 DWELL_SHARE = 0.25
 """The dwell is at most this share of the references seen so far: a choice made early, on
 little evidence, can be corrected soon."""
@@ -92,8 +107,14 @@ class Objective:
     """Writes per block reference; ``None`` for no budget (a per-time budget is converted
     at the observed reference rate before each choice)."""
 
-    def choose(self, scores: Mapping[str, tuple[float, float]], current: str) -> str:
-        """The candidate to follow, given ``candidate -> (hits, writes)`` per reference."""
+    def choose(
+        self, scores: Mapping[str, tuple[float, float]], current: str, informed: bool = True
+    ) -> str:
+        """The candidate to follow, given ``candidate -> (hits, writes)`` per reference.
+
+        Not ``informed`` (the best candidate has hit too few blocks for a tie on hits to
+        mean anything), store-everything wins a tie it is in, outright: a rule that writes
+        less than it is preferred only once hits say what its refusals cost."""
         ceiling = scores[STORE_ALL][1] if STORE_ALL in scores else math.inf
         if self.write_budget is not None:
             ceiling = min(ceiling, self.write_budget)
@@ -102,6 +123,8 @@ class Objective:
             return min(scores, key=lambda n: scores[n][1])
         best = max(hits for hits, _ in feasible.values())
         tied = [n for n, (hits, _) in feasible.items() if hits >= best - self.hit_tolerance]
+        if not informed and STORE_ALL in tied:
+            return STORE_ALL
         target = min(tied, key=lambda n: feasible[n][1])
         if target == current or current not in feasible:
             return target
@@ -130,6 +153,12 @@ class OptimiserParams:
     )
     dwell_tiers: float = param(
         DWELL_TIERS, 0.0, help="tier-fulls of references a choice stays after each switch"
+    )
+    switch_tiers: float = param(
+        SWITCH_TIERS, 0.0, help="tier-fulls of hits a rule must gain before a switch to it"
+    )
+    evidence_tiers: float = param(
+        EVIDENCE_TIERS, 0.0, help="tier-fulls of hits the best world needs before writes tie-break"
     )
     filter_threshold: int = param(
         FILTER_THRESHOLD, 2, help="the filter candidate's store threshold"
@@ -175,6 +204,8 @@ class OptimisingAdmission(AdmissionLayer):
         self.filter = FilterReusedOffloadingManager(
             self._probe, p.filter_threshold, p.filter_tracker
         )
+        """The candidate rules fed what the real tier answers: only a tier that does not
+        mirror (see ``_offers_follow``) feeds them and chooses on their sampled figures."""
         policy = policy or tier_policy(backing)
         self.minisim = MiniSimulation(
             capacity, policy, CANDIDATES, WHATIF_FACTORS, window_tiers, bits
@@ -196,6 +227,7 @@ class OptimisingAdmission(AdmissionLayer):
             },
             window_tiers * capacity,
         )
+        self._held = {name: world.held for name, world in self.worlds.worlds.items()}
         self.chosen = DEFAULT
         self.switches = 0
         self._seen = 0
@@ -230,11 +262,10 @@ class OptimisingAdmission(AdmissionLayer):
         as a second sighting (its own offers as returns)."""
         keys = keys if isinstance(keys, list) else list(keys)
         if keys and not self._announced and self._requests.on_touch(keys):
-            self.feedback.begin_request(keys, lookup_follows=True)
             self._sighting(keys)
         if self._mirrors:
-            followed = self.worlds[self.chosen]
-            keys = [key for key in keys if key in followed]
+            held = self.worlds[self.chosen].held
+            keys = [key for key in keys if key in held]
         self.backing.touch(keys)
 
     @property
@@ -248,9 +279,10 @@ class OptimisingAdmission(AdmissionLayer):
         pending = self._pending
         if pending is not None and keys and pending[-1] == keys[-1] and len(keys) <= len(pending):
             self._run_worlds(len(pending) - len(keys))
-        self._probe.found = found
-        self.feedback.lookup(keys)
-        self.filter.lookup(keys)
+        if not self._mirrors:
+            self._probe.found = found
+            self.feedback.lookup(keys)
+            self.filter.lookup(keys)
         if found is not None and keys:
             self.minisim.on_lookup(keys)
         return found
@@ -295,17 +327,19 @@ class OptimisingAdmission(AdmissionLayer):
         if lookup_follows or will_offer:
             self._offers_follow = True
         if lookup_follows:
-            self.feedback.begin_request(keys, lookup_follows=True)
             return
         if counted:
             self._pending = None  # a later part: the worlds ran the request with its first
         else:
             self._run_worlds(gpu_held)
-        self.feedback.begin_request(keys, will_offer=will_offer, counted=counted, tier_hit=tier_hit)
-        self._probe.found = 0
-        looked_up = max(counted, gpu_held)
-        if looked_up < len(keys):
-            self.filter.lookup(list(keys[looked_up:]))
+        if not self._mirrors:
+            self.feedback.begin_request(
+                keys, will_offer=will_offer, counted=counted, tier_hit=tier_hit
+            )
+            self._probe.found = 0
+            looked_up = max(counted, gpu_held)
+            if looked_up < len(keys):
+                self.filter.lookup(list(keys[looked_up:]))
         if counted == 0 and gpu_held < len(keys):
             self.minisim.on_lookup(keys[gpu_held:] if gpu_held else keys)
             if not will_offer:  # announced at its end, after its loads: no offer follows
@@ -321,25 +355,28 @@ class OptimisingAdmission(AdmissionLayer):
             self._run_worlds(len(self._pending))
         self._pending = keys
         self.minisim.on_request(keys, self._hashes(keys))
-        self.ghost_hits = self.feedback.ghost_hits
+        self.ghost_hits = (self._world_feedback if self._mirrors else self.feedback).ghost_hits
         if self.write_credit is not None:
             self.write_credit.earn(len(keys))
 
     def _admit(self, offered: Sequence[OffloadKey], prefix: int) -> list[OffloadKey]:
         offered = offered if isinstance(offered, list) else list(offered)
-        admitted: dict[str, list[OffloadKey] | None] = {
-            STORE_ALL: None,
-            FILTER: self.filter.admit(offered),
-            FEEDBACK: self.feedback.admit(offered),
-        }
-        self.minisim.on_offer(offered, admitted)
         if self._pending is not None:  # an offer with no lookup before it
             self._run_worlds(0)
+        if self._mirrors:
+            self.minisim.on_offer_held(offered, self._held)
+        else:
+            admitted: dict[str, list[OffloadKey] | None] = {
+                STORE_ALL: None,
+                FILTER: self.filter.admit(offered),
+                FEEDBACK: self.feedback.admit(offered),
+            }
+            self.minisim.on_offer(offered, admitted)
         if self._seen >= self._next_choice:
             self._choose()
         if self._mirrors:
-            followed = self.worlds[self.chosen]
-            keys = [key for key in offered if key in followed]
+            held = self.worlds[self.chosen].held
+            keys = [key for key in offered if key in held]
         else:
             chosen = admitted[self.chosen if self.switches or self._settled_at else FEEDBACK]
             keys = list(offered) if chosen is None else chosen
@@ -388,12 +425,31 @@ class OptimisingAdmission(AdmissionLayer):
         if not self._mirrors:
             tolerance, margin = SAMPLED_OBJECTIVE
             objective = replace(objective, hit_tolerance=tolerance, switch_margin=margin)
-        self._switch(objective.choose(scores, self.chosen))
+        informed = True
+        if self._mirrors:
+            best = max(world.hits for world in self.worlds.worlds.values())
+            informed = best >= self.params.evidence_tiers * self.capacity
+        candidate = objective.choose(scores, self.chosen, informed)
+        leaves = candidate != self.chosen and informed and self._mirrors
+        if (
+            leaves
+            and self.chosen != STORE_ALL
+            and self._gained(candidate) < (self.params.switch_tiers * self.capacity)
+        ):
+            candidate = self.chosen
+        self._switch(candidate)
+
+    def _gained(self, candidate: str) -> float:
+        """Hits ``candidate``'s world made beyond the followed world's since the last
+        switch, over the window: a switch must first have paid for the refill it costs."""
+        since = self.worlds.hits_since_mark
+        return since(candidate) - since(self.chosen)
 
     def _switch(self, candidate: str) -> None:
         if candidate != self.chosen:
             self.chosen = candidate
             self.switches += 1
+            self.worlds.mark()
             dwell = self.params.dwell_tiers * self.capacity
             self._next_choice = self._seen + min(dwell, DWELL_SHARE * self._seen)
 
@@ -402,22 +458,21 @@ class OptimisingAdmission(AdmissionLayer):
         return self.minisim.figures()
 
     def stats(self) -> AdmissionStats:
-        feedback = self.feedback.stats()
-        world_feedback = self._world_feedback.stats()
+        rules = [self._world_feedback.stats()]
+        if not self._mirrors:
+            rules.insert(0, self.feedback.stats())
+        filters = len(rules) * self.params.filter_tracker
         counted = self._stats(
-            feedback.control,
-            feedback.memory_bytes
-            + BYTES_PER_FILTER_KEY * self.params.filter_tracker
+            rules[0].control,
+            sum(rule.memory_bytes for rule in rules)
+            + BYTES_PER_FILTER_KEY * filters
             + self.minisim.memory_bytes
-            + self.worlds.memory_bytes
-            + world_feedback.memory_bytes
-            + BYTES_PER_FILTER_KEY * self.params.filter_tracker,
-            feedback.tracked_keys
-            + world_feedback.tracked_keys
-            + 2 * self.params.filter_tracker
+            + self.worlds.memory_bytes,
+            sum(rule.tracked_keys for rule in rules)
+            + filters
             + self.minisim.tracked_keys
             + self.worlds.tracked_keys,
-            feedback.ghost_hits,
+            rules[0].ghost_hits,
         )
         return replace(
             counted,

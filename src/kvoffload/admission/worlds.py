@@ -65,11 +65,15 @@ class World:
         if (rule is None) != (probe is None):
             raise ValueError("a world's rule and its probe go together")
         self.tier: MiniTier = mini_tier(capacity, policy)
+        self.held = self.tier.held
+        """The tier's held keys: what a tier mirroring this world may keep."""
         self.rule = rule
         self.probe = probe
         self.hits = 0.0
         self.writes = 0.0
         """Hits and writes, halved with the worlds' window."""
+        self.hits_at_mark = 0.0
+        """:attr:`hits` when :meth:`Worlds.mark` was last called, halved with them."""
 
     def __contains__(self, key: object) -> bool:
         return key in self.tier
@@ -127,7 +131,18 @@ class Worlds:
             for world in self.worlds.values():
                 world.hits /= 2
                 world.writes /= 2
+                world.hits_at_mark /= 2
             self._since_halving = 0.0
+
+    def mark(self) -> None:
+        """Start counting every world's hits since now (the optimiser's last switch)."""
+        for world in self.worlds.values():
+            world.hits_at_mark = world.hits
+
+    def hits_since_mark(self, name: str) -> float:
+        """Hits of world ``name`` since :meth:`mark`, over the window (halved with it)."""
+        world = self.worlds[name]
+        return world.hits - world.hits_at_mark
 
     @property
     def full(self) -> bool:
