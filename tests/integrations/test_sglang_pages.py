@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from sglang_helpers import HostPool, torch
 
-from kvoffload.integrations.sglang.pages import HostPages, _region
+from kvoffload.integrations.sglang.pages import HostPages, _region, tensor_parts
 
 
 def address(view: memoryview) -> int:
@@ -56,3 +56,27 @@ def test_only_one_contiguous_cpu_buffer_is_sliced() -> None:
     assert bytes(outside) == b"elsewhere"
     outside[:4] = b"ELSE"
     assert other.startswith(b"ELSE")
+    inside = whole.data_ptr() + 8
+    views = region.views([inside, address(memoryview(other)), inside + 2], [4, 4, 2])
+    assert [bytes(v) for v in views] == [
+        whole.numpy().tobytes()[8:12],
+        b"ELSE",
+        whole.numpy().tobytes()[10:12],
+    ]
+    assert region.views([], []) == []
+
+
+def test_a_page_tensors_bytes_are_its_own_memory_in_element_order() -> None:
+    """A flat page (the copy interface's) is one view of its memory; one that wants grad,
+    a 2-D one and one that is not one run of memory give the same bytes as a copy would."""
+    flat = torch.arange(40, dtype=torch.bfloat16)
+    (view,) = tensor_parts(flat)
+    assert bytes(view) == flat.view(torch.int16).numpy().tobytes()
+    view[:4] = bytes(4)  # the first two bfloat16 elements
+    assert flat[0].item() == 0.0 and flat[1].item() == 0.0
+    graded = torch.arange(40, dtype=torch.float32, requires_grad=True)
+    assert b"".join(map(bytes, tensor_parts(graded))) == graded.detach().numpy().tobytes()
+    square = torch.arange(64, dtype=torch.int16).reshape(8, 8)
+    for tensor in (square, square.t(), square[:, ::2]):
+        expected = tensor.contiguous().numpy().tobytes()
+        assert b"".join(map(bytes, tensor_parts(tensor))) == expected

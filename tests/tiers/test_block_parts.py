@@ -63,6 +63,21 @@ def test_a_payload_in_parts_is_the_same_block_as_its_bytes_joined() -> None:
     assert b"".join(pieces).endswith(whole + b"\r\n")
 
 
+def test_a_payload_of_large_parts_only_goes_out_as_one_run_of_its_own_buffers() -> None:
+    """An SGLang page's segments (every part large): one scatter-gather piece holding the
+    parts themselves, and the stream is the SET of the joined bytes."""
+    split = [JOIN_BELOW, 3 * JOIN_BELOW + 1, JOIN_BELOW]
+    writes = [BlockWrite(b"n%d" % i, KEYS[i], parts_of(i, split)) for i in range(2)]
+    pieces = list(pack_sets(writes, FP))
+    runs = [piece for piece in pieces if isinstance(piece, tuple)]
+    assert len(runs) == 2
+    for run, write in zip(runs, writes, strict=True):
+        assert all(a is b for a, b in zip(run, write.payload, strict=True))
+    stream = b"".join(joined(list(p)) if isinstance(p, tuple) else bytes(p) for p in pieces)
+    flat = [BlockWrite(w.name, w.key, joined(list(w.payload))) for w in writes]
+    assert stream == b"".join(bytes(p) for p in pack_sets(flat, FP))
+
+
 def test_a_flipped_byte_in_the_second_part_fails_the_checksum() -> None:
     block = bytearray(encode_block(KEYS[0], FP, parts_of(2)))
     block[HEADER_BYTES + len(KEYS[0]) + SPLIT[0] + 3] ^= 0xFF

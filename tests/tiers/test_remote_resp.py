@@ -200,3 +200,40 @@ def test_pieces_made_as_they_are_sent_go_out_in_order(pieces: list[bytes]) -> No
     finally:
         left.close()
         connection.close()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(st.integers(0, 3 * DIRECT_BELOW), min_size=1, max_size=12),
+    st.sampled_from(["bytes", "bytearray", "view", "wide view"]),
+)
+def test_parts_go_out_whole_and_in_order_however_much_one_sendmsg_takes(
+    sizes: list[int], kind: str
+) -> None:
+    """The parts of one value (a tuple) through a small send buffer: the first
+    ``sendmsg`` takes what fits, each next one picks up inside the part it stopped in, and
+    the stream is the parts one after the other (empty parts and wide views included)."""
+    data = [bytes((i * 13 + j) % 251 for j in range(size)) for i, size in enumerate(sizes)]
+    parts: list[bytes | bytearray | memoryview]
+    if kind == "bytes":
+        parts = list(data)
+    elif kind == "bytearray":
+        parts = [bytearray(d) for d in data]
+    elif kind == "view":
+        parts = [memoryview(bytearray(d)) for d in data]
+    else:  # a view of 2-byte items counts its bytes, not its items
+        parts = [memoryview(bytearray(d[: len(d) // 2 * 2])).cast("H") for d in data]
+        data = [bytes(part) for part in parts]
+    expected = b"".join(data)
+    left, right = socket.socketpair()
+    left.settimeout(10)  # a lost byte fails the test rather than hanging it
+    right.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    connection = Connection(right)
+    try:
+        with ThreadPoolExecutor(1) as receiver:
+            got = receiver.submit(receive_all, left, len(expected))
+            connection.send([tuple(parts)], Deadline(10))
+            assert got.result(10) == expected
+    finally:
+        left.close()
+        connection.close()

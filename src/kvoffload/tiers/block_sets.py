@@ -33,10 +33,8 @@ from kvoffload.tiers.checksum import holds_gil
 from kvoffload.tiers.format import (
     Buffer,
     Payload,
-    buffer_size,
     encode_header,
     payload_parts,
-    payload_size,
 )
 from kvoffload.tiers.resp import Deadline, Piece
 
@@ -79,14 +77,23 @@ def pack_sets(
     for i, (name, key, payload) in enumerate(writes):
         parts = payload_parts(payload)
         header = encode_header(key, fingerprint, parts) if headers is None else headers.header(i)
-        value_length = len(header) + payload_size(parts)
+        sizes = [part.nbytes if type(part) is memoryview else len(part) for part in parts]
+        value_length = len(header) + sum(sizes)
         joined.append(
             b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (len(name), name, value_length, header)
         )
+        if len(parts) > 1 and min(sizes) >= JOIN_BELOW:
+            # Every part large (an SGLang page's segments): one run, no part looked at twice.
+            yield b"".join(joined)
+            if headers is not None:
+                headers.sending(i)
+            yield tuple(parts)
+            joined = [b"\r\n"]
+            continue
         large: list[Buffer] = []
         told = headers is None
-        for part in parts:
-            if buffer_size(part) >= JOIN_BELOW:
+        for part, size in zip(parts, sizes, strict=True):
+            if size >= JOIN_BELOW:
                 large.append(part)
                 continue
             if large:

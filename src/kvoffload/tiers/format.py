@@ -85,7 +85,10 @@ def buffer_size(buffer: Buffer) -> int:
 
 def payload_size(payload: Payload) -> int:
     """Bytes of ``payload``, all its parts together."""
-    return sum(buffer_size(part) for part in payload_parts(payload))
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return buffer_size(payload)
+    # In line: a page of many parts is sized on every store (16 parts an SGLang page).
+    return sum(part.nbytes if type(part) is memoryview else len(part) for part in payload)
 
 
 def payload_digest(payload: Payload) -> int:

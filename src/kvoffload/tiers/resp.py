@@ -50,6 +50,19 @@ SENDMSG_BUFFERS = 512
 """Buffers per ``sendmsg`` call, under the kernel's IOV_MAX (1024)."""
 
 
+def _unsent(
+    parts: tuple[bytes | bytearray | memoryview, ...], sent: int
+) -> tuple[bytes | bytearray | memoryview, ...]:
+    """What is left of ``parts`` once their first ``sent`` bytes are sent."""
+    for index, part in enumerate(parts):
+        size = part.nbytes if type(part) is memoryview else len(part)
+        if sent < size:
+            rest = memoryview(part).cast("B")[sent:]
+            return (rest, *parts[index + 1 :])
+        sent -= size
+    return ()
+
+
 class Digest(Protocol):
     """A running checksum, fed piece by piece."""
 
@@ -366,6 +379,16 @@ class Connection:
         if self._tls:
             self.send(parts, deadline)
             return
+        sock = self.sock
+        if len(parts) <= SENDMSG_BUFFERS:
+            # Most often one call sends them all: then nothing is sliced, cast or counted
+            # part by part (an SGLang layer_first page is 16 parts, 16,384 a GiB).
+            total = sum(part.nbytes if type(part) is memoryview else len(part) for part in parts)
+            sock.settimeout(deadline.left())
+            sent = sock.sendmsg(parts)
+            if sent == total:
+                return
+            parts = _unsent(parts, sent)
         views = [view for view in (memoryview(part).cast("B") for part in parts) if view.nbytes]
         first = 0
         while first < len(views):

@@ -10,9 +10,9 @@ single-buffer layout would cost); on the shared tier, the plainest pipelined
 SET and GET on a raw socket to the same server (GET replies read straight into
 place; no client library, no header, no checksum). Rounds alternate; rates are
 the best rounds', ratios compare best rates, and the median of the rounds'
-own ratios comes beside them. The copy interface's page tensors are made
-before the clock starts and put back after it stops: SGLang makes them, the
-backend only moves their bytes.
+own ratios comes beside them. The copy interface's page tensors and the zero-copy
+interface's host indices are made before the clock starts (the tensors put back
+after it stops): SGLang makes them, the backend only moves their bytes.
 
 The host pool is a small one of ours with SGLang's buffer shapes and page
 methods (:class:`BenchPool`); SGLang's own needs its GPU stack to import.
@@ -184,6 +184,9 @@ def measure_row(
     generator = torch.Generator().manual_seed(0)
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=generator))
     source, into = range(pages), range(pages, 2 * pages)
+    # SGLang hands the backend its host indices made: not on the clock, as the copy
+    # interface's page tensors are not.
+    source_indices, into_indices = pool.indices(source), pool.indices(into)
     expected = [pool.page_bytes(p) for p in source]
     size = len(expected[0])
     extra = {"interface_v1": int(interface == "v1"), **tier_extra}
@@ -221,12 +224,12 @@ def measure_row(
         return stored - started, loaded - stored
 
     def ours(r: int) -> tuple[float, float]:
-        keys = [f"{r}-{i}" for i in range(pages)]
+        keys = [f"{r:032x}{i:032x}" for i in range(pages)]  # hex, as SGLang's page hashes
         if interface == "v1":
             started = time.perf_counter()
-            ok = all(backend.batch_set_v1(keys, pool.indices(source)))
+            ok = all(backend.batch_set_v1(keys, source_indices))
             stored = time.perf_counter()
-            got = all(backend.batch_get_v1(keys, pool.indices(into)))
+            got = all(backend.batch_get_v1(keys, into_indices))
             loaded = time.perf_counter()
         else:
             values = [pool.get_data_page(p * PAGE_TOKENS) for p in source]

@@ -43,6 +43,10 @@ def tensor_parts(tensor: torch.Tensor) -> list[memoryview]:
     """The bytes of a CPU tensor in its element order, in place: one view when it is one run
     of memory, else the views of its slices along the first dimension, recursively (an MHA
     page's K and V halves), so no copy joins them."""
+    if tensor.dim() == 1 and tensor.is_contiguous() and not tensor.requires_grad:
+        # A flat page (what SGLang's copy interface hands): its bytes at once, 2 us against
+        # 6 us through the general path, 128 pages a batch.
+        return [tensor.view(torch.uint8).numpy().data]
     tensor = tensor.detach()
     if tensor.is_contiguous():
         return [tensor_bytes(tensor.reshape(-1))]
@@ -96,11 +100,14 @@ class HostPages:
         """Per page of ``host_indices`` (``page_size`` indices each), its segments in order."""
         pointers, sizes = self.pool.get_page_buffer_meta(host_indices)
         n = self.segments_per_page
-        at = _at if self._region is None else self._region.at
-        return [
-            [at(p, s) for p, s in zip(pointers[i : i + n], sizes[i : i + n], strict=True)]
-            for i in range(0, len(pointers), n)
-        ]
+        region = self._region
+        if region is None:
+            views = [_at(p, s) for p, s in zip(pointers, sizes, strict=True)]
+        else:
+            views = region.views(pointers, sizes)
+        if n == 1:
+            return [[view] for view in views]
+        return [views[i : i + n] for i in range(0, len(views), n)]
 
 
 class _Region:
@@ -119,6 +126,15 @@ class _Region:
         if offset < 0 or offset + size > self.end:
             return _at(pointer, size)
         return self.whole[offset : offset + size]
+
+    def views(self, pointers: list[int], sizes: list[int]) -> list[memoryview]:
+        """:meth:`at` of each segment, in one pass (no call per segment: 2,048 of them in
+        a ``layer_first`` batch) where all lie inside the buffer."""
+        base, whole = self.base, self.whole
+        pairs = list(zip(pointers, sizes, strict=True))
+        if pairs and min(pointers) >= base and max(p + s for p, s in pairs) - base <= self.end:
+            return [whole[p - base : p - base + s] for p, s in pairs]
+        return [self.at(p, s) for p, s in pairs]
 
 
 def _region(pool: Any) -> _Region | None:
