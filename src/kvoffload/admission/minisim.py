@@ -655,8 +655,8 @@ class MiniSimulation:
         written wherever the mini-tier lacks it: every candidate admits a key
         that was stored before.
         """
-        entry = self._open.pop(offered[-1], None) if offered else None
-        if entry is not None and entry.suffix and entry.suffix[0]:
+        entry = self._take(offered)
+        if entry is not None:
             self._store(
                 entry, offered, {name: admitted_set(offered, a) for name, a in admitted.items()}
             )
@@ -667,8 +667,8 @@ class MiniSimulation:
         """:meth:`on_offer` with each candidate's admitted part given as what its exact
         world holds after the request (:mod:`~kvoffload.admission.worlds`): what a tier
         mirroring that world stores, at every capacity."""
-        entry = self._open.pop(offered[-1], None) if offered else None
-        if entry is None or not entry.suffix or not entry.suffix[0]:
+        entry = self._take(offered)
+        if entry is None:
             return
         chosen: dict[str, tuple[Collection[OffloadKey] | None, int]] = {}
         for name, keys in held.items():
@@ -679,9 +679,15 @@ class MiniSimulation:
     def on_full_hit(self, last: OffloadKey) -> None:
         """The tier served every key the request looked up, so no offer follows: each
         mini-tier writes the sampled keys it lacks (every candidate admits a stored key)."""
-        entry = self._open.pop(last, None)
-        if entry is not None and entry.suffix and entry.suffix[0]:
+        entry = self._take((last,))
+        if entry is not None:
             self._store(entry, (), self._admit_all)
+
+    def _take(self, keys: Sequence[OffloadKey]) -> _Open | None:
+        """Forget the open request ending at ``keys``' last key; it, if it has a sampled
+        lookup key to store (at the base rate, hence at every level: levels nest)."""
+        entry = self._open.pop(keys[-1], None) if keys else None
+        return entry if entry is not None and entry.suffix and entry.suffix[0] else None
 
     def _store(
         self,

@@ -256,10 +256,8 @@ class OptimisingAdmission(AdmissionLayer):
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         """Only blocks the followed world holds are made recent in the real tier (the
-        others, written under an earlier rule, age out first). The feedback candidate is
-        shown a request where it starts, never the touch after the real tier's store: that
-        tier may store when the candidate did not, and the candidate would count that touch
-        as a second sighting (its own offers as returns)."""
+        others, written under an earlier rule, age out first). No candidate rule sees a
+        touch: each world shows its rule the request where it starts."""
         keys = keys if isinstance(keys, list) else list(keys)
         if keys and not self._announced and self._requests.on_touch(keys):
             self._sighting(keys)
@@ -406,6 +404,8 @@ class OptimisingAdmission(AdmissionLayer):
             if not self.worlds.full:
                 return
             scores = self.worlds.scores()
+            best = max(world.hits for world in self.worlds.worlds.values())
+            informed = best >= self.params.evidence_tiers * self.capacity
         else:
             seen, tier = self.minisim.seen, self.minisim.tiers[STORE_ALL, 1.0][0]
             if self._settled_at is None:
@@ -418,6 +418,7 @@ class OptimisingAdmission(AdmissionLayer):
             if not self.switches:
                 self.chosen = FEEDBACK
             scores = self.minisim.scores()
+            informed = True
         if self.write_credit is not None and not self.write_credit.budget.per_ref:
             per_ref = self.write_credit.writes_per_ref()
             self.objective = replace(self.objective, write_budget=per_ref)
@@ -425,10 +426,6 @@ class OptimisingAdmission(AdmissionLayer):
         if not self._mirrors:
             tolerance, margin = SAMPLED_OBJECTIVE
             objective = replace(objective, hit_tolerance=tolerance, switch_margin=margin)
-        informed = True
-        if self._mirrors:
-            best = max(world.hits for world in self.worlds.worlds.values())
-            informed = best >= self.params.evidence_tiers * self.capacity
         candidate = objective.choose(scores, self.chosen, informed)
         leaves = candidate != self.chosen and informed and self._mirrors
         if (
