@@ -19,6 +19,7 @@ from kvoffload.admission.budget import BURST_REFS as BUDGET_BURST_REFS
 from kvoffload.admission.budget import check_write_budget
 from kvoffload.admission.minisim import sampling_bits
 from kvoffload.admission.optimiser import FEEDBACK, FILTER, STORE_ALL, OptimiserParams
+from kvoffload.admission.worlds import World, Worlds
 from kvoffload.core.manager import PrepareStoreOutput
 from kvoffload.managers import build_manager
 from kvoffload.policies.lru import LRUCachePolicy
@@ -127,6 +128,23 @@ def test_switches_within_a_bounded_number_of_references_after_the_traffic_change
     default = OptimiserParams()
     _, waited_default = _switch_after_change(default)
     assert 0 < waited_default - waited <= 2 * default.switch_tiers * capacity
+
+
+def test_hits_since_a_mark_halve_with_the_window() -> None:
+    """The switch threshold's count is over the window: the mark halves with the hits, so
+    a window's halving neither invents nor loses hits made since the mark."""
+    worlds = Worlds({STORE_ALL: World(4, LRUCachePolicy)}, window=8)
+    first = [block_id_key(0), block_id_key(1)]
+    worlds.request(first, 0)
+    worlds.request(first, 0)  # 2 hits
+    worlds.mark()
+    assert worlds.hits_since_mark(STORE_ALL) == 0
+    for n in range(2, 6):  # 8 references of blocks never seen again: a halving, no hit
+        worlds.request([block_id_key(10 * n), block_id_key(10 * n + 1)], 0)
+    assert worlds[STORE_ALL].hits == 1.0  # halved once
+    assert worlds.hits_since_mark(STORE_ALL) == 0
+    worlds.request([block_id_key(50), block_id_key(99)], 0)  # one hit since the mark
+    assert worlds.hits_since_mark(STORE_ALL) == 1
 
 
 def _reuse_after_a_quiet_phase(capacity: int) -> list[Request]:
