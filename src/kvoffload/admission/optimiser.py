@@ -14,6 +14,23 @@ most one miss before it is stored again: the real tier's hits track the followed
 world's, and the followed world is, up to the objective's tolerances, the best
 one, the baselines included.
 
+Three things keep that true when recent figures mislead (``docs/admission.md``):
+
+* **The guard** bounds the loss: the baselines' worlds count every hit each
+  baseline made since the start, the real tier counts its own, and once the
+  real tier trails the leading baseline by more than a small share of the
+  references seen, it follows that baseline until the gap is back within half
+  of it.
+* **Steered eviction**: under a policy with one eviction order (LRU, the
+  recommended one), the followed world's blocks among the tier's coldest are
+  made recent before a store, so the tier evicts blocks the world does not hold
+  first and keeps what the world keeps.
+* **The hedge**: while the followed world leaves most of its tier empty (a rule
+  that admits little), the real tier stores every offered block in that room;
+  steered eviction makes those the first to leave once the world's own blocks
+  need the room. A rule that kept little then costs no hits store-everything's
+  recent blocks would have given.
+
 The objective: hits first; among candidates within ``HIT_TOLERANCE`` of the best
 hit ratio, the fewest writes; never a candidate that writes more than
 store-everything, nor (with a write budget) more than the budget. The choice
@@ -35,7 +52,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -84,6 +101,21 @@ EVIDENCE_TIERS = 0.1
 """The write tie-break waits until the best world has hit this many tier-fulls of blocks
 in the window: tiers that have shown no reuse yet tie every rule at zero hits, and the
 rule that writes least would lose every hit that reuse brings later."""
+LOSS_SHARE = 0.0015
+"""The guard's allowance: the real tier may trail the leading baseline's hits since the
+start by this share of the references seen (plus ``LOSS_TIERS``) before it follows it."""
+LOSS_TIERS = 0.02
+"""The guard's allowance in tier-fulls of hits, beside ``LOSS_SHARE``: early on, when few
+references have been seen, one switch's refill must not trip it."""
+GUARD_RELEASE = 0.75
+"""The guard lets go once the gap is back within this share of the allowance (the gap stays
+put while the leader is followed and the allowance grows, so a hold lasts about a third of
+the references seen when it began), or sooner on evidence (see ``_guard``)."""
+HEDGE_ROOM = 0.75
+"""The hedge stores every offered block while the followed world's tier is more than this
+share empty; below it the extra writes would crowd the transfer link for little."""
+BASELINES = (STORE_ALL, FILTER)
+"""The rules the guard measures the real tier against: the goal's baselines."""
 DWELL_SHARE = 0.25
 """The dwell is at most this share of the references seen so far: a choice made early, on
 little evidence, can be corrected soon."""
@@ -160,6 +192,15 @@ class OptimiserParams:
     evidence_tiers: float = param(
         EVIDENCE_TIERS, 0.0, help="tier-fulls of hits the best world needs before writes tie-break"
     )
+    loss_share: float = param(
+        LOSS_SHARE, 0.0, 1.0, "share of references the tier's hits may trail the best baseline"
+    )
+    loss_tiers: float = param(
+        LOSS_TIERS, 0.0, help="tier-fulls of hits it may trail, beside loss_share"
+    )
+    hedge_room: float = param(
+        HEDGE_ROOM, 0.0, 1.0, "empty share of the followed world's tier above which all is stored"
+    )
     filter_threshold: int = param(
         FILTER_THRESHOLD, 2, help="the filter candidate's store threshold"
     )
@@ -233,6 +274,18 @@ class OptimisingAdmission(AdmissionLayer):
         self._seen = 0
         """References since the start (never halved)."""
         self._next_choice = 0.0
+        self._dwell_until = 0.0
+        """References before which only the guard changes the choice (a switch dwells)."""
+        self._loaded = 0
+        self._excused = 0.0
+        """Gap the guard let go of on evidence (see :meth:`_guard`)."""
+        """The real tier's hits since the start: the blocks loaded from it."""
+        self.guarded: str | None = None
+        """The baseline the guard makes the real tier follow; ``None`` while it does not."""
+        self.hedged = 0
+        """Blocks the hedge stored beyond the followed world's (offered, not yet stored)."""
+        self._cold_order = _steerable(backing)
+        """The real tier's policy, where its eviction can be steered by touches."""
         self._pending: Sequence[OffloadKey] | None = None
         """The request whose worlds wait for its lookup (to learn the GPU's prefix hit)."""
         self._settled_at: float | None = None
@@ -288,6 +341,7 @@ class OptimisingAdmission(AdmissionLayer):
     def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
         keys = keys if isinstance(keys, list) else list(keys)
         if keys:
+            self._loaded += len(keys)
             self.minisim.on_full_hit(keys[-1])
         return super().prepare_load(keys)
 
@@ -375,12 +429,47 @@ class OptimisingAdmission(AdmissionLayer):
         if self._mirrors:
             held = self.worlds[self.chosen].held
             keys = [key for key in offered if key in held]
+            if self.chosen != STORE_ALL and self._cold_order is not None:
+                keys = self._steer(offered, keys, held, self._cold_order)
         else:
             chosen = admitted[self.chosen if self.switches or self._settled_at else FEEDBACK]
             keys = list(offered) if chosen is None else chosen
         if self.write_credit is not None:
             self.write_credit.earn(0)
             keys = keys[: self.write_credit.allowance()]
+        return keys
+
+    def _steer(
+        self,
+        offered: list[OffloadKey],
+        keys: list[OffloadKey],
+        held: Container[OffloadKey],
+        policy: CachePolicy,
+    ) -> list[OffloadKey]:
+        """What the real tier stores of ``offered`` (``keys``: what the followed world holds)
+        with the hedge, after making the world's blocks among the coldest recent, so that
+        the store evicts blocks the world does not hold first."""
+        world = self.worlds[self.chosen].tier
+        if self.capacity - len(world) > self.params.hedge_room * self.capacity:
+            self.hedged += len(offered) - len(keys)
+            keys = offered
+        coldest = policy.coldest()
+        if coldest is None:
+            return keys
+        need = sum(1 for key in keys if key not in coldest) - (self.capacity - len(coldest))
+        if need <= 0:
+            return keys
+        stored = set(keys)
+        rescued = []
+        for key in coldest:
+            if key in held:
+                rescued.append(key)
+            elif key not in stored:
+                need -= 1
+                if not need:
+                    break
+        if rescued:
+            self.backing.touch(rescued)
         return keys
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
@@ -401,12 +490,14 @@ class OptimisingAdmission(AdmissionLayer):
         """Re-rank the worlds: none before one fills, none while a switch dwells."""
         self._next_choice = self._seen + max(16.0, self.capacity / 64)
         if self._mirrors:
-            if not self.worlds.full:
+            if not self.worlds.full or self._guard() or self._seen < self._dwell_until:
                 return
             scores = self.worlds.scores()
             best = max(world.hits for world in self.worlds.worlds.values())
             informed = best >= self.params.evidence_tiers * self.capacity
         else:
+            if self._seen < self._dwell_until:
+                return
             seen, tier = self.minisim.seen, self.minisim.tiers[STORE_ALL, 1.0][0]
             if self._settled_at is None:
                 if seen < SAMPLED_WARMUP_TIERS * tier.capacity:
@@ -436,6 +527,60 @@ class OptimisingAdmission(AdmissionLayer):
             candidate = self.chosen
         self._switch(candidate)
 
+    def _guard(self) -> bool:
+        """Whether the guard holds the choice: a bound on what following the best world may
+        cost, whatever the traffic does next.
+
+        The gap is how far the real tier's hits since the start trail the leading baseline
+        world's (less what earlier releases excused). Past the allowance (``loss_share`` of
+        the references seen plus ``loss_tiers`` tier-fulls) the real tier follows that
+        baseline, which stops the gap growing but for a refill; not while the followed
+        world out-hits the leader over the window (the gap is then a switch's refill, which
+        following the leader would only repeat). The guard lets go once the gap is back
+        within ``GUARD_RELEASE`` of the allowance, or once some world has hit a switch's
+        worth (``switch_tiers``) more than the guarded one since the hold began: then what
+        is left of the gap beyond that share is excused, so the choice is free again and
+        the guard holds anew only if the gap grows by another allowance. Under a write
+        budget only the baselines that kept it count.
+
+        The real tier's hits are the blocks loaded through this layer: where loads bypass
+        it (vLLM's secondary tiers, SGLang's L3, which load from the tier directly), none
+        are seen and the guard stays off."""
+        if not self._loaded:
+            return False
+        p = self.params
+        budget = self.objective.write_budget
+        totals = {}
+        for name in BASELINES:
+            tier = self.worlds[name].tier
+            if budget is None or tier.total_writes <= budget * self._seen:
+                totals[name] = tier.total_hits
+        if not totals:
+            self.guarded = None
+            return False
+        leader = max(totals, key=totals.__getitem__)
+        guarded = self.guarded
+        if guarded in totals and totals[leader] < totals[guarded] + p.switch_tiers * self.capacity:
+            leader = guarded
+        gap = totals[leader] - self._loaded - self._excused
+        allowance = p.loss_share * self._seen + p.loss_tiers * self.capacity
+        worlds = self.worlds
+        if guarded is not None:
+            since = worlds.hits_since_mark
+            gained = max(since(name) for name in CANDIDATES) - since(guarded)
+            if gained >= p.switch_tiers * self.capacity:
+                self._excused += max(0.0, gap - GUARD_RELEASE * allowance)
+                self.guarded = None
+                return False
+            if gap <= GUARD_RELEASE * allowance:
+                self.guarded = None
+                return False
+        elif gap <= allowance or worlds[leader].hits < worlds[self.chosen].hits:
+            return False
+        self.guarded = leader
+        self._switch(leader)
+        return True
+
     def _gained(self, candidate: str) -> float:
         """Hits ``candidate``'s world made beyond the followed world's since the last
         switch, over the window: a switch must first have paid for the refill it costs."""
@@ -448,7 +593,7 @@ class OptimisingAdmission(AdmissionLayer):
             self.switches += 1
             self.worlds.mark()
             dwell = self.params.dwell_tiers * self.capacity
-            self._next_choice = self._seen + min(dwell, DWELL_SHARE * self._seen)
+            self._dwell_until = self._seen + min(dwell, DWELL_SHARE * self._seen)
 
     def whatif(self) -> list[WhatIf]:
         """Every candidate at every capacity factor, as the mini-tiers see recent traffic."""
@@ -479,16 +624,28 @@ class OptimisingAdmission(AdmissionLayer):
         )
 
 
-def tier_policy(manager: OffloadingManager) -> type[CachePolicy]:
-    """The eviction policy class of the tier under ``manager`` (LRU if none is found)."""
+def _policy_of(manager: OffloadingManager) -> CachePolicy | None:
+    """The eviction policy of the tier under ``manager``, if one is found."""
     current: object = manager
     while current is not None:
         policy = getattr(current, "policy", None)
         if isinstance(policy, CachePolicy):
-            return type(policy)
+            return policy
         cpu = getattr(current, "cpu", None)
         policy = getattr(cpu, "policy", None)
         if isinstance(policy, CachePolicy):
-            return type(policy)
+            return policy
         current = getattr(current, "backing", None)
-    return LRUCachePolicy
+    return None
+
+
+def tier_policy(manager: OffloadingManager) -> type[CachePolicy]:
+    """The eviction policy class of the tier under ``manager`` (LRU if none is found)."""
+    policy = _policy_of(manager)
+    return LRUCachePolicy if policy is None else type(policy)
+
+
+def _steerable(manager: OffloadingManager) -> CachePolicy | None:
+    """The tier's policy under ``manager`` where touches steer its evictions."""
+    policy = _policy_of(manager)
+    return policy if policy is not None and policy.coldest() is not None else None

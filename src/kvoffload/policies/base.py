@@ -11,7 +11,7 @@ keyword costs an argument parse per call, and these calls are per block.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import Collection, Container, Iterable, Iterator, Sequence
 
 from kvoffload.core.keys import OffloadKey
 
@@ -68,6 +68,12 @@ class CachePolicy(ABC):
     @abstractmethod
     def evict(self, n: int, protected: Container[OffloadKey]) -> Victims | None:
         """Choose ``n`` ready, unpinned blocks outside ``protected``, or ``None``."""
+
+    def coldest(self) -> Collection[OffloadKey] | None:
+        """The tracked keys, the next to be evicted first, where one order decides evictions
+        and ``touch`` moves a key out of its front (so a caller may steer which block
+        leaves); ``None`` for policies whose victims depend on more than one order."""
+        return None
 
 
 def take_evictable(

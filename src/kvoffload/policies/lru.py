@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Container, Iterable, KeysView, Sequence
 
 from kvoffload.core.keys import OffloadKey
 from kvoffload.policies.base import BlockStatus, CachePolicy, Victims, take_evictable
@@ -36,6 +36,9 @@ class LRUCachePolicy(CachePolicy):
         for key in reversed(keys if isinstance(keys, list) else list(keys)):
             if key in order:
                 move_to_end(key)
+
+    def coldest(self) -> KeysView[OffloadKey]:
+        return self._order.keys()
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> Victims | None:
         if n <= 0:
