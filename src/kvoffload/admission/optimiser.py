@@ -19,14 +19,15 @@ Three things keep that true when recent figures mislead (``docs/admission.md``):
 * **The guard** bounds the loss: the baselines' worlds count every hit each
   baseline made since the start, the real tier counts its own, and once the
   real tier trails the leading baseline by more than a small share of the
-  references seen, it follows that baseline until the gap is back within half
-  of it.
+  references seen, it follows that baseline until the gap is back within three
+  quarters of that share, or another world has paid for a switch.
 * **Steered eviction**: under a policy with one eviction order (LRU, the
   recommended one), the followed world's blocks among the tier's coldest are
   made recent before a store, so the tier evicts blocks the world does not hold
   first and keeps what the world keeps.
-* **The hedge**: while the followed world leaves most of its tier empty (a rule
-  that admits little), the real tier stores every offered block in that room;
+* **The hedge** (where eviction can be steered): while the followed world leaves
+  most of its tier empty (a rule that admits little), the real tier stores every
+  offered block in that room;
   steered eviction makes those the first to leave once the world's own blocks
   need the room. A rule that kept little then costs no hits store-everything's
   recent blocks would have given.
@@ -52,7 +53,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -113,7 +114,8 @@ put while the leader is followed and the allowance grows, so a hold lasts about 
 the references seen when it began), or sooner on evidence (see ``_guard``)."""
 HEDGE_ROOM = 0.75
 """The hedge stores every offered block while the followed world's tier is more than this
-share empty; below it the extra writes would crowd the transfer link for little."""
+share empty; hedging whenever any room was left lost hits where the filter's world was
+filling (docs/admission-research.md)."""
 BASELINES = (STORE_ALL, FILTER)
 """The rules the guard measures the real tier against: the goal's baselines."""
 DWELL_SHARE = 0.25
@@ -277,15 +279,15 @@ class OptimisingAdmission(AdmissionLayer):
         self._dwell_until = 0.0
         """References before which only the guard changes the choice (a switch dwells)."""
         self._loaded = 0
+        """The real tier's hits since the start: the blocks loaded from it."""
         self._excused = 0.0
         """Gap the guard let go of on evidence (see :meth:`_guard`)."""
-        """The real tier's hits since the start: the blocks loaded from it."""
         self.guarded: str | None = None
         """The baseline the guard makes the real tier follow; ``None`` while it does not."""
         self.hedged = 0
         """Blocks the hedge stored beyond the followed world's (offered, not yet stored)."""
-        self._cold_order = _steerable(backing)
-        """The real tier's policy, where its eviction can be steered by touches."""
+        self._cold_order = _cold_order(backing)
+        """The real tier's keys, the next evicted first, where touches steer its eviction."""
         self._pending: Sequence[OffloadKey] | None = None
         """The request whose worlds wait for its lookup (to learn the GPU's prefix hit)."""
         self._settled_at: float | None = None
@@ -444,7 +446,7 @@ class OptimisingAdmission(AdmissionLayer):
         offered: list[OffloadKey],
         keys: list[OffloadKey],
         held: Container[OffloadKey],
-        policy: CachePolicy,
+        coldest: Collection[OffloadKey],
     ) -> list[OffloadKey]:
         """What the real tier stores of ``offered`` (``keys``: what the followed world holds)
         with the hedge, after making the world's blocks among the coldest recent, so that
@@ -453,9 +455,6 @@ class OptimisingAdmission(AdmissionLayer):
         if self.capacity - len(world) > self.params.hedge_room * self.capacity:
             self.hedged += len(offered) - len(keys)
             keys = offered
-        coldest = policy.coldest()
-        if coldest is None:
-            return keys
         need = sum(1 for key in keys if key not in coldest) - (self.capacity - len(coldest))
         if need <= 0:
             return keys
@@ -645,7 +644,8 @@ def tier_policy(manager: OffloadingManager) -> type[CachePolicy]:
     return LRUCachePolicy if policy is None else type(policy)
 
 
-def _steerable(manager: OffloadingManager) -> CachePolicy | None:
-    """The tier's policy under ``manager`` where touches steer its evictions."""
+def _cold_order(manager: OffloadingManager) -> Collection[OffloadKey] | None:
+    """The keys of the tier under ``manager``, the next evicted first, where touches steer
+    its evictions (:meth:`CachePolicy.coldest`)."""
     policy = _policy_of(manager)
-    return policy if policy is not None and policy.coldest() is not None else None
+    return None if policy is None else policy.coldest()

@@ -70,9 +70,10 @@ class CachePolicy(ABC):
         """Choose ``n`` ready, unpinned blocks outside ``protected``, or ``None``."""
 
     def coldest(self) -> Collection[OffloadKey] | None:
-        """The tracked keys, the next to be evicted first, where one order decides evictions
-        and ``touch`` moves a key out of its front (so a caller may steer which block
-        leaves); ``None`` for policies whose victims depend on more than one order."""
+        """The tracked keys, the next to be evicted first, as a view that stays current,
+        where one order decides evictions and ``touch`` moves a key out of its front (so a
+        caller may steer which block leaves); ``None`` for policies whose victims depend on
+        more than one order."""
         return None
 
 
