@@ -385,6 +385,21 @@ def test_the_guard_lets_go_once_another_world_has_paid_for_a_switch() -> None:
     assert layer._guard() and layer.chosen == STORE_ALL
 
 
+def test_the_guard_counts_the_tiers_hits_as_the_blocks_loaded_and_is_off_without_them() -> None:
+    """The real tier's hits are the blocks loaded through the layer, one per block; a tier
+    whose loads bypass the layer (none seen) has no yardstick, and the guard stays off."""
+    mix, requests, block_tokens, rate, capacity = WORLD_WORKLOADS[2]
+    workload = generate(mix, num_requests=requests, seed=0, block_tokens=block_tokens, rate=rate)
+    layer = OptimisingAdmission(CPUOffloadingManager(capacity), capacity)
+    gpu = 2 * max(len(r.keys) for r in workload.requests)
+    stats = ServingEngine(EngineConfig(gpu, 1, block_tokens), layer).run(workload.requests)
+    assert layer._loaded == stats.offload_hit_blocks > 0
+    blind = _guard_layer(FEEDBACK)
+    blind._loaded = 0
+    blind.worlds[STORE_ALL].tier.total_hits = 60_000
+    assert not blind._guard() and blind.chosen == FEEDBACK
+
+
 def test_the_guard_leaves_a_refill_alone_and_keeps_to_baselines_within_the_budget() -> None:
     """A gap while the followed world still out-hits the leader (over the window) is a
     refill after a switch, which following the leader would only repeat; under a write
