@@ -14,7 +14,9 @@ most one miss before it is stored again: the real tier's hits track the followed
 world's, and the followed world is, up to the objective's tolerances, the best
 one, the baselines included.
 
-Three things keep that true when recent figures mislead (``docs/admission.md``):
+Three opt-in mechanisms (``guard=1``, ``steer=1``) aim to keep that true when recent
+figures mislead; they are off by default, as each lost on some traffic it was not
+developed on (``docs/admission-research.md``):
 
 * **The guard** bounds the loss: the baselines' worlds count every hit each
   baseline made since the start, the real tier counts its own, and once the
@@ -194,6 +196,10 @@ class OptimiserParams:
     evidence_tiers: float = param(
         EVIDENCE_TIERS, 0.0, help="tier-fulls of hits the best world needs before writes tie-break"
     )
+    guard: int = param(0, 0, 1, "1: the guard (off by default: it lost on Mooncake cuts)")
+    steer: int = param(
+        0, 0, 1, "1: steered eviction and the hedge, under LRU (off by default, see the docs)"
+    )
     loss_share: float = param(
         LOSS_SHARE, 0.0, 1.0, "share of references the tier's hits may trail the best baseline"
     )
@@ -286,7 +292,7 @@ class OptimisingAdmission(AdmissionLayer):
         """The baseline the guard makes the real tier follow; ``None`` while it does not."""
         self.hedged = 0
         """Blocks the hedge stored beyond the followed world's (offered, not yet stored)."""
-        self._cold_order = _cold_order(backing)
+        self._cold_order = _cold_order(backing) if p.steer else None
         """The real tier's keys, the next evicted first, where touches steer its eviction."""
         self._pending: Sequence[OffloadKey] | None = None
         """The request whose worlds wait for its lookup (to learn the GPU's prefix hit)."""
@@ -545,9 +551,9 @@ class OptimisingAdmission(AdmissionLayer):
         The real tier's hits are the blocks loaded through this layer: where loads bypass
         it (vLLM's secondary tiers, SGLang's L3, which load from the tier directly), none
         are seen and the guard stays off."""
-        if not self._loaded:
-            return False
         p = self.params
+        if not p.guard or not self._loaded:
+            return False
         budget = self.objective.write_budget
         totals = {}
         for name in BASELINES:
