@@ -16,17 +16,19 @@ from kvoffload.tiers import DiskTier, RemoteTier, layout_fingerprint
 from kvoffload.tiers.block_sets import JOIN_BELOW, BlockWrite, pack_sets
 from kvoffload.tiers.format import (
     HEADER_BYTES,
+    TRAILER_BYTES,
     CorruptBlockError,
     decode_block,
     encode_block,
     encode_header,
+    encode_trailed_block,
     payload_digest,
 )
 from kvoffload.tiers.resp import DIRECT_PIECE
 from tier_servers import ValkeyProcess
 
 SPLIT = [JOIN_BELOW + 7, 2 * JOIN_BELOW, 100, 3 * JOIN_BELOW]
-"""Part sizes of a written block: two large parts (one ``sendmsg``), a small one (joined with
+"""Part sizes of a written block: two large parts (sent as they are), a small one (joined with
 the bytes around it), a large one."""
 SIZE = sum(SPLIT)
 FP = layout_fingerprint("block-parts", layout_preset("tiny"), SIZE)
@@ -56,24 +58,23 @@ def test_a_payload_in_parts_is_the_same_block_as_its_bytes_joined() -> None:
     assert payload_digest(parts) == payload_digest(whole)
     assert encode_header(KEYS[0], FP, parts) == encode_header(KEYS[0], FP, whole)
     assert encode_block(KEYS[0], FP, parts) == encode_block(KEYS[0], FP, whole)
+    assert encode_trailed_block(KEYS[0], FP, parts) == encode_trailed_block(KEYS[0], FP, whole)
     pieces = list(pack_sets([BlockWrite(b"n", KEYS[0], parts)], FP))
-    assert pieces[1] == (parts[0], parts[1]) and pieces[3] is parts[3]
-    assert all(p is not parts[2] for p in pieces) and bytes(parts[2]) in pieces[2]
-    pieces = [joined(list(p)) if isinstance(p, tuple) else bytes(p) for p in pieces]
-    assert b"".join(pieces).endswith(whole + b"\r\n")
+    assert pieces[1] is parts[0] and pieces[2] is parts[1] and pieces[4] is parts[3]
+    assert all(p is not parts[2] for p in pieces) and bytes(parts[2]) == pieces[3]
+    stream = b"".join(bytes(p) for p in pieces)
+    assert stream[: -TRAILER_BYTES - 2].endswith(whole) and stream.endswith(b"\r\n")
 
 
-def test_a_payload_of_large_parts_only_goes_out_as_one_run_of_its_own_buffers() -> None:
-    """An SGLang page's segments (every part large): one scatter-gather piece holding the
-    parts themselves, and the stream is the SET of the joined bytes."""
+def test_a_payload_of_large_parts_only_goes_out_as_its_own_buffers() -> None:
+    """An SGLang page's segments (every part large): each part itself, none joined, and the
+    stream is the SET of the joined bytes."""
     split = [JOIN_BELOW, 3 * JOIN_BELOW + 1, JOIN_BELOW]
     writes = [BlockWrite(b"n%d" % i, KEYS[i], parts_of(i, split)) for i in range(2)]
     pieces = list(pack_sets(writes, FP))
-    runs = [piece for piece in pieces if isinstance(piece, tuple)]
-    assert len(runs) == 2
-    for run, write in zip(runs, writes, strict=True):
-        assert all(a is b for a, b in zip(run, write.payload, strict=True))
-    stream = b"".join(joined(list(p)) if isinstance(p, tuple) else bytes(p) for p in pieces)
+    own = [piece for piece in pieces if any(piece is part for w in writes for part in w.payload)]
+    assert len(own) == 6
+    stream = b"".join(bytes(p) for p in pieces)
     flat = [BlockWrite(w.name, w.key, joined(list(w.payload))) for w in writes]
     assert stream == b"".join(bytes(p) for p in pack_sets(flat, FP))
 
@@ -118,7 +119,7 @@ def test_valkey_tier_writes_parts_and_reads_into_parts(
         tier.poll(wait=True)
         assert tier.stats.stored_blocks == 3
         for key, parts in zip(KEYS, written, strict=False):
-            assert client.get(tier.name(key)) == encode_block(key, FP, joined(parts))
+            assert client.get(tier.name(key)) == encode_trailed_block(key, FP, joined(parts))
         targets = into_parts(read_split, 3)
         assert tier.read(KEYS[:3], targets.__getitem__).result(timeout=10) == [True] * 3
         assert [joined(t) for t in targets] == [joined(p) for p in written]
@@ -134,9 +135,10 @@ def test_valkey_tier_writes_parts_and_reads_into_parts(
         tier.close()
 
 
-def test_more_large_parts_than_one_sendmsg_takes(valkey_server: ValkeyProcess) -> None:
-    """A value of 700 large parts goes out in several ``sendmsg`` calls, each picking up
-    where the kernel stopped (partial sends included), and comes back the same way."""
+def test_more_large_parts_than_one_recvmsg_into_takes(valkey_server: ValkeyProcess) -> None:
+    """A value of 700 large parts goes out part by part and comes back into one buffer, into
+    its parts (several ``recvmsg_into`` calls, each picking up where the kernel stopped)
+    and into parts that cut across the written ones."""
     split = [JOIN_BELOW] * 700
     fp = layout_fingerprint("block-parts", layout_preset("tiny"), sum(split))
     tier = RemoteTier(valkey_server.url, fp)

@@ -15,7 +15,7 @@ from kvoffload.core.layout import layout_preset
 from kvoffload.core.specs import CPULoadStoreSpec
 from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
 from kvoffload.tiers import CircuitBreaker, RemoteTier, RemoteTierError, layout_fingerprint
-from kvoffload.tiers.format import encode_block
+from kvoffload.tiers.format import encode_trailed_block
 from tier_servers import ValkeyClusterProcesses, ValkeyProcess
 
 KEYS = [block_id_key(i) for i in range(40)]
@@ -53,7 +53,7 @@ def test_standalone_round_trip_under_the_fingerprint(valkey_server: ValkeyProces
         [event] = tier.take_events()
         assert (event.medium, event.removed, event.keys) == ("REMOTE", False, KEYS[:10])
         raw = valkey_server.client().get(tier.name(KEYS[0]))
-        assert raw is not None and raw.startswith(b"KVOB") and raw.endswith(payload(KEYS[0]))
+        assert raw == encode_trailed_block(KEYS[0], tier.fingerprint, payload(KEYS[0]))
         other = RemoteTier(valkey_server.url, fingerprint("another-model"))
         try:
             assert other.present(KEYS) == 0
@@ -173,9 +173,9 @@ def test_planted_corrupt_and_foreign_values_are_never_loaded_and_are_deleted(
         flipped = bytearray(client.get(tier.name(KEYS[1])) or b"")
         flipped[-1] ^= 0x10
         client.set(tier.name(KEYS[1]), bytes(flipped))
-        foreign = encode_block(KEYS[2], fingerprint("someone-else"), payload(KEYS[2]))
+        foreign = encode_trailed_block(KEYS[2], fingerprint("someone-else"), payload(KEYS[2]))
         client.set(tier.name(KEYS[2]), foreign)
-        misplaced = encode_block(KEYS[0], fp, payload(KEYS[0]))
+        misplaced = encode_trailed_block(KEYS[0], fp, payload(KEYS[0]))
         client.set(tier.name(KEYS[3]), misplaced)
         ok, got = read_all(tier, KEYS[:4])
         assert ok == [True, False, False, False] and list(got) == [0]

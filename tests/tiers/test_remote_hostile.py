@@ -22,8 +22,7 @@ from tier_helpers import content
 from kvoffload import OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
 from kvoffload.tiers import CircuitBreaker, RemoteTier, layout_fingerprint
-from kvoffload.tiers.format import encode_block, payload_digest
-from kvoffload.tiers.remote import payload_hasher
+from kvoffload.tiers.format import encode_trailed_block, payload_digest, payload_hasher
 from tier_servers import FakeValkey, ValkeyClusterProcesses, ValkeyProcess
 
 BLOCK = 32
@@ -217,7 +216,7 @@ def test_a_valid_header_with_the_wrong_length_is_counted_once_and_deleted(
     """Right key, fingerprint and checksum, but 64 payload bytes where the layout has 32."""
     client = valkey_server.client()
     store(planted, KEYS[:3])
-    longer = encode_block(KEYS[1], planted.fingerprint, content(KEYS[1], 2 * BLOCK))
+    longer = encode_trailed_block(KEYS[1], planted.fingerprint, content(KEYS[1], 2 * BLOCK))
     client.set(planted.name(KEYS[1]), longer)
     assert read(planted, KEYS[:3]) == [True, False, True]
     assert planted.stats.corrupt == 1 and planted.stats.failed == 0
@@ -231,7 +230,9 @@ def test_a_long_planted_value_is_refused_before_its_bytes_are_read(
     client = valkey_server.client()
     store(planted, KEYS[:3])
     size = 64 * 2**20
-    client.set(planted.name(KEYS[0]), encode_block(KEYS[0], planted.fingerprint, bytes(size)))
+    client.set(
+        planted.name(KEYS[0]), encode_trailed_block(KEYS[0], planted.fingerprint, bytes(size))
+    )
     sent = client.info("stats")["total_net_output_bytes"]
     assert read(planted, KEYS[:3]) == [False, True, True]  # its neighbours still load
     # The server got as far as the sockets' buffers take, nowhere near the whole value.
@@ -319,7 +320,8 @@ def test_simulate_against_a_server_paused_with_sigstop_at_start_up_or_mid_run(
 
 @pytest.mark.parametrize("sizes", [[0], [1, 2, 3], [2**20 + 7], [5, 70_000, 1, 300_000]])
 def test_the_streaming_checksum_of_loads_is_the_format_s_digest(sizes: list[int]) -> None:
-    """Loads checksum each piece as it lands; stores digest the payload whole."""
+    """Loads checksum each piece as it lands, stores each piece as it goes out: the same
+    digest as the payload's whole."""
     data = bytes(range(256)) * (sum(sizes) // 256 + 1)
     payload = data[: sum(sizes)]
     hasher = payload_hasher()

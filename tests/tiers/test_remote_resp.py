@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +17,7 @@ from kvoffload.tiers.resp import (
     CHUNK,
     DIRECT_BELOW,
     PEEK,
+    WAIT_SLICE,
     Connection,
     Deadline,
     DeadlineExceeded,
@@ -140,6 +142,61 @@ def test_a_reply_that_never_ends_meets_the_deadline(pair: tuple[socket.socket, C
         Deadline(-1).left()
 
 
+@pytest.mark.parametrize("reader", ["never reads", "trickles"])
+def test_a_send_the_peer_does_not_take_meets_the_deadline_within_a_slice(
+    pair: tuple[socket.socket, Connection], reader: str
+) -> None:
+    """The socket is blocking with kernel timeouts of a slice: a peer that reads nothing,
+    or a byte now and then, cannot hold a send past its deadline by more than a slice."""
+    left, connection = pair
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(0.01):
+            try:
+                left.recv(1)
+            except OSError:
+                return
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    if reader == "trickles":
+        thread.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError):
+            connection.send([b"x" * (16 * 2**20)], Deadline(0.3))
+        assert time.monotonic() - started < 0.3 + WAIT_SLICE + 0.5
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join(5)
+
+
+def test_a_receive_from_a_trickling_peer_meets_the_deadline(
+    pair: tuple[socket.socket, Connection],
+) -> None:
+    """Each byte that comes in resets the kernel's timeout: the deadline is checked between
+    receives all the same."""
+    left, connection = pair
+    stop = threading.Event()
+
+    def trickle() -> None:
+        left.sendall(b"$100000\r\n")
+        while not stop.wait(0.01):
+            left.sendall(b"y")
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError):
+            connection.read_into(memoryview(bytearray(100_000)), Deadline(0.3))
+        assert time.monotonic() - started < 0.3 + WAIT_SLICE + 0.5
+    finally:
+        stop.set()
+        thread.join(5)
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [
@@ -207,12 +264,12 @@ def test_pieces_made_as_they_are_sent_go_out_in_order(pieces: list[bytes]) -> No
     st.lists(st.integers(0, 3 * DIRECT_BELOW), min_size=1, max_size=12),
     st.sampled_from(["bytes", "bytearray", "view", "wide view"]),
 )
-def test_parts_go_out_whole_and_in_order_however_much_one_sendmsg_takes(
+def test_pieces_go_out_whole_and_in_order_however_much_one_send_takes(
     sizes: list[int], kind: str
 ) -> None:
-    """The parts of one value (a tuple) through a small send buffer: the first
-    ``sendmsg`` takes what fits, each next one picks up inside the part it stopped in, and
-    the stream is the parts one after the other (empty parts and wide views included)."""
+    """Pieces through a small send buffer: each ``send`` takes what fits, the next picks up
+    inside the piece where it stopped, and the stream is the pieces one after the other
+    (empty pieces and wide views included)."""
     data = [bytes((i * 13 + j) % 251 for j in range(size)) for i, size in enumerate(sizes)]
     parts: list[bytes | bytearray | memoryview]
     if kind == "bytes":
@@ -232,7 +289,7 @@ def test_parts_go_out_whole_and_in_order_however_much_one_sendmsg_takes(
     try:
         with ThreadPoolExecutor(1) as receiver:
             got = receiver.submit(receive_all, left, len(expected))
-            connection.send([tuple(parts)], Deadline(10))
+            connection.send(parts, Deadline(10))
             assert got.result(10) == expected
     finally:
         left.close()

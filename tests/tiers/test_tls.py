@@ -29,6 +29,7 @@ from kvoffload import OffloadKey, block_id_key
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import layout_preset
 from kvoffload.tiers import RemoteTier, RemoteTierError, layout_fingerprint, parse_remote_url
+from kvoffload.tiers.format import encode_trailed_block
 from tier_servers import BUS_OFFSET, ValkeyClusterProcesses, ValkeyProcess
 
 KEYS = [block_id_key(i) for i in range(6)]
@@ -248,7 +249,7 @@ def test_blocks_round_trip_over_tls_with_the_ca_bundle(tls_server: TLSServer, ce
         round_trip(tier, KEYS)
         # The bytes really sit on the server behind the TLS end.
         raw = tls_server.backend.client().get(tier.name(KEYS[0]))
-        assert raw is not None and raw.endswith(content(KEYS[0], BLOCK))
+        assert raw == encode_trailed_block(KEYS[0], tier.fingerprint, content(KEYS[0], BLOCK))
     finally:
         tier.close()
 

@@ -2,10 +2,11 @@
 
 ``xxhash`` (4.x) hashes a buffer of up to 64 KiB with the GIL held. An SGLang
 ``layer_first`` page is one K and one V segment per layer, 64 KiB each for
-32-token pages of 8 heads of 128 in bfloat16, so its digest, made on the
-shared tier's look-ahead thread, held the GIL for the whole page and stalled
-the sending thread between its system calls: those stores ran at 0.52-0.62
-of plain SET on a quiet VM, against 0.8 for pages of large parts. The
+32-token pages of 8 heads of 128 in bfloat16, so its digest held the GIL for
+the whole page and stalled every other thread (when the shared tier made its
+headers on a look-ahead thread, before format 3, those stores ran at
+0.52-0.62 of plain SET on a quiet VM, against 0.8 for pages of large parts);
+the disk tier's headers still need the digest of a whole page. The
 ``xxhash`` extension exports XXH3's C streaming API; called through
 :mod:`ctypes`, each call releases the GIL, so the hash of such a page runs
 beside the sender's Python. The digest is the same function over the same
@@ -121,9 +122,3 @@ def many_small(parts: Sequence[Buffer]) -> bool:
     """Whether ``parts`` are several, some of them small enough for ``xxhash`` to hash with
     the GIL held (an SGLang ``layer_first`` page)."""
     return len(parts) > 1 and any(_size(part) <= GIL_HELD_UP_TO for part in parts)
-
-
-def holds_gil(parts: Sequence[Buffer]) -> bool:
-    """Whether :func:`kvoffload.tiers.format.payload_digest` of ``parts`` holds the GIL for
-    long: :func:`many_small`, and no GIL-free digest here."""
-    return parts_digest is None and many_small(parts)

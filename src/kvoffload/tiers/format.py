@@ -1,9 +1,17 @@
 """The on-disk and on-server form of one block: a checksummed header, then raw bytes.
 
-Every value a tier writes is ``header | key | payload``. The header names the
+Every value the disk tier writes is ``header | key | payload``. The header names the
 format, the key, the layout fingerprint and the payload length, and carries
 two checksums: the 64-bit XXH3 digest of the payload and a CRC32 over the
-header fields and the key. XXH3 runs at about 18 GB/s on one core here,
+header fields and the key. The shared tier's values are *trailed*
+(:data:`TRAILED_VERSION`): ``header | key | payload | digest``, the header's
+digest field zero and the digest in the 8 bytes after the payload. A SET's
+header goes out before its payload, so a digest inside it must be made before
+the first payload byte is sent, reading the payload once to hash it and once
+more to send it; trailed, the store hashes each piece just before it sends it
+(see :mod:`.block_sets` for what that gained). The disk tier keeps
+the digest in the header: its crash safety rests on the header, written
+last, vouching for the payload before it. XXH3 runs at about 18 GB/s on one core here,
 where CRC32 runs at 4 and the position-weighted 64-bit sums of format
 version 1 at 8: the checksum is on every store and load, and at those rates
 it would cost a tier a third of its speed. The payload is never copied to be
@@ -30,6 +38,9 @@ from kvoffload.tiers import checksum
 
 MAGIC = b"KVOB"
 FORMAT_VERSION = 2
+"""The digest in the header (the disk tier)."""
+TRAILED_VERSION = 3
+"""The digest after the payload (the shared tier)."""
 FINGERPRINT_BYTES = 16
 
 Buffer = bytes | bytearray | memoryview
@@ -42,6 +53,8 @@ _FIELDS = struct.Struct("<4sHH16sQQ")
 """magic, format version, key length, layout fingerprint, payload length, payload digest."""
 _CRC = struct.Struct("<I")
 HEADER_BYTES = _FIELDS.size + _CRC.size
+_TRAILER = struct.Struct("<Q")
+TRAILER_BYTES = _TRAILER.size
 
 
 class CorruptBlockError(KVOffloadError, ValueError):
@@ -111,22 +124,53 @@ def payload_hasher() -> xxhash.xxh3_64:
     return xxhash.xxh3_64()
 
 
-def encode_header(key: bytes, fingerprint: bytes, payload: Payload) -> bytes:
-    """``header | key``, to be followed by ``payload`` as it is (no copy of the payload)."""
+def _header(key: bytes, fingerprint: bytes, version: int, size: int, digest: int) -> bytes:
     if len(fingerprint) != FINGERPRINT_BYTES:
         raise CorruptBlockError(
             f"a fingerprint has {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}"
         )
-    fields = _FIELDS.pack(
-        MAGIC, FORMAT_VERSION, len(key), fingerprint, payload_size(payload), payload_digest(payload)
-    )
+    fields = _FIELDS.pack(MAGIC, version, len(key), fingerprint, size, digest)
     return fields + _CRC.pack(zlib.crc32(key, zlib.crc32(fields))) + key
+
+
+def encode_header(key: bytes, fingerprint: bytes, payload: Payload) -> bytes:
+    """``header | key``, to be followed by ``payload`` as it is (no copy of the payload)."""
+    return _header(key, fingerprint, FORMAT_VERSION, payload_size(payload), payload_digest(payload))
+
+
+def encode_trailed_header(key: bytes, fingerprint: bytes, payload_bytes: int) -> bytes:
+    """``header | key`` of a trailed block: made without reading the payload, which follows,
+    then :func:`encode_trailer` of its digest."""
+    return _header(key, fingerprint, TRAILED_VERSION, payload_bytes, 0)
+
+
+def encode_trailer(digest: int) -> bytes:
+    """The 8 bytes after a trailed block's payload: its XXH3 64-bit digest."""
+    return _TRAILER.pack(digest)
+
+
+def parse_trailer(data: bytes | bytearray | memoryview) -> int:
+    """The digest a trailer carries."""
+    (digest,) = _TRAILER.unpack(data)
+    return int(digest)
 
 
 def encode_block(key: bytes, fingerprint: bytes, payload: Payload) -> bytes:
     """The whole value in one buffer, a copy of the payload: for clients that take one
     buffer per value (see :mod:`.block_sets` for the way without the copy)."""
     return b"".join((encode_header(key, fingerprint, payload), *payload_parts(payload)))
+
+
+def encode_trailed_block(key: bytes, fingerprint: bytes, payload: Payload) -> bytes:
+    """A trailed block (the shared tier's values) in one buffer, a copy of the payload."""
+    parts = payload_parts(payload)
+    return b"".join(
+        (
+            encode_trailed_header(key, fingerprint, payload_size(parts)),
+            *parts,
+            encode_trailer(payload_digest(parts)),
+        )
+    )
 
 
 class Header:
@@ -167,15 +211,16 @@ class Header:
             raise CorruptBlockError(f"block of key {self.key!r} fails its checksum")
 
 
-def parse_header(data: bytes | bytearray | memoryview) -> Header:
-    """The header at the start of ``data`` (which holds at least header and key)."""
+def parse_header(data: bytes | bytearray | memoryview, version: int = FORMAT_VERSION) -> Header:
+    """The header at the start of ``data`` (which holds at least header and key), of
+    format ``version`` (:data:`TRAILED_VERSION` for the shared tier's values)."""
     if len(data) < HEADER_BYTES:
         raise CorruptBlockError(f"a block header needs {HEADER_BYTES} bytes, got {len(data)}")
-    magic, version, key_len, fingerprint, size, digest = _FIELDS.unpack_from(data)
+    magic, found, key_len, fingerprint, size, digest = _FIELDS.unpack_from(data)
     if magic != MAGIC:
         raise CorruptBlockError(f"bad magic {bytes(magic)!r}")
-    if version != FORMAT_VERSION:
-        raise CorruptBlockError(f"unknown block format version {version}")
+    if found != version:
+        raise CorruptBlockError(f"block format version {found}, expected {version}")
     if len(data) < HEADER_BYTES + key_len:
         raise CorruptBlockError("block header cut short inside the key")
     key = bytes(data[HEADER_BYTES : HEADER_BYTES + key_len])
@@ -191,5 +236,18 @@ def decode_block(data: bytes | memoryview, key: bytes, fingerprint: bytes) -> me
     header = parse_header(view)
     header.check(key, fingerprint)
     payload = view[header.size :]
+    header.verify(payload)
+    return payload
+
+
+def decode_trailed_block(data: bytes | memoryview, key: bytes, fingerprint: bytes) -> memoryview:
+    """:func:`decode_block` for a trailed block."""
+    view = memoryview(data)
+    header = parse_header(view, TRAILED_VERSION)
+    header.check(key, fingerprint)
+    if view.nbytes < header.size + TRAILER_BYTES:
+        raise CorruptBlockError(f"block of key {key!r} cut short before its digest")
+    payload = view[header.size : view.nbytes - TRAILER_BYTES]
+    header.digest = parse_trailer(view[view.nbytes - TRAILER_BYTES :])
     header.verify(payload)
     return payload

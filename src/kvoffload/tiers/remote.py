@@ -1,13 +1,12 @@
 """The shared tier on Valkey or Redis, standalone or Cluster, through its own RESP client.
 
-Values are :mod:`~kvoffload.tiers.format` blocks (a checksummed header, then
-the raw bytes) under ``kvo:<fingerprint hex>:<key hex>``, so two models never
-read each other's blocks. Reads are one pipeline of GETs per batch and node,
-each reply received straight into its destination slot (:mod:`.resp`);
-writes one pipeline of SETs per batch and node, header and payload sent apart
-(:mod:`.block_sets`), never joined, the headers (each the checksum of its
-payload) made on a second thread while the payloads before them go out:
-serially the checksum held stores to 0.75-0.77 of a raw socket's SETs.
+Values are trailed :mod:`~kvoffload.tiers.format` blocks (a checksummed header,
+the raw bytes, then their digest) under ``kvo3:<fingerprint hex>:<key hex>``, so two
+models never read each other's blocks. Reads are one pipeline of GETs per batch and node,
+each reply received straight into its destination slot and checksummed as it lands
+(:mod:`.resp`); writes one pipeline of SETs per batch and node, header, payload and
+digest sent apart (:mod:`.block_sets`), never joined, each piece of the payload hashed
+just before it goes out.
 
 Every operation (name lookup, connect, send, full reply) has one deadline:
 ``timeout_ms`` plus the time its bytes take at :data:`SLOWEST_LINK`. Every operation goes
@@ -31,15 +30,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import TypeVar
 
-import xxhash
-
 from kvoffload.core.errors import KVOffloadError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import EventLog, OffloadingEvent
 from kvoffload.core.tier_protocol import Target, TierStats
-from kvoffload.tiers.block_sets import BlockWrite, HeadersAhead, pack_sets
+from kvoffload.tiers.block_sets import BlockWrite, pack_sets
 from kvoffload.tiers.breaker import CircuitBreaker
-from kvoffload.tiers.format import HEADER_BYTES, CorruptBlockError, parse_header, payload_size
+from kvoffload.tiers.format import (
+    HEADER_BYTES,
+    TRAILED_VERSION,
+    TRAILER_BYTES,
+    CorruptBlockError,
+    parse_header,
+    parse_trailer,
+    payload_hasher,
+    payload_size,
+)
 from kvoffload.tiers.resp import (
     CHUNK,
     DIRECT_BELOW,
@@ -172,7 +178,9 @@ class RemoteTier:
         self._resolver = resolver or Resolver()
         self._chunk_bytes = chunk_bytes
         self.fingerprint = fingerprint
-        self._prefix = b"kvo:" + fingerprint.hex().encode() + b":"
+        # The format version in the name: blocks of another version's clients on the same
+        # server are never found (they age out), never read as corrupt and deleted.
+        self._prefix = b"kvo%d:" % TRAILED_VERSION + fingerprint.hex().encode() + b":"
         self.breaker = breaker or CircuitBreaker()
         self.stats = TierStats()
         self.unavailable = 0
@@ -191,8 +199,6 @@ class RemoteTier:
         self._server: _Node | None = None
         self.is_cluster = self._start()
         self._pool = ThreadPoolExecutor(io_threads, "kvoffload-remote")
-        self._ahead = ThreadPoolExecutor(io_threads, "kvoffload-remote-ahead")
-        """Makes the SET headers of a batch while its payloads go out (one per I/O thread)."""
         self._writes: list[tuple[list[OffloadKey], Future[list[bool]]]] = []
         self._events = EventLog(enable_events)
 
@@ -256,7 +262,6 @@ class RemoteTier:
     def close(self) -> None:
         self.poll(wait=True)
         self._pool.shutdown(wait=True)
-        self._ahead.shutdown(wait=True)
         with self._lock:
             nodes = list(self._nodes.values())
         for node in nodes:
@@ -504,7 +509,7 @@ class RemoteTier:
                 statuses.append(_MISS)
                 continue
             key = keys[index]
-            if length != HEADER_BYTES + len(key) + size:
+            if length != HEADER_BYTES + len(key) + size + TRAILER_BYTES:
                 statuses.append(_CORRUPT)
                 if length > SKIP_BELOW:  # never read: the rest of the batch goes again
                     connection.broken = True
@@ -526,12 +531,14 @@ class RemoteTier:
         large: bool,
     ) -> _Status:
         """Header and key (checked), then the payload into the parts of ``view`` in order,
-        checksummed as it lands. ``large``: receive nothing past the header into the
-        connection's buffer, so the payload is copied once, by the kernel."""
+        checksummed as it lands, then the digest it must have. ``large``: receive nothing
+        past the header into the connection's buffer, so the payload is copied once, by
+        the kernel."""
+        most = PEEK if large else CHUNK
         head = bytearray(HEADER_BYTES + len(key))
-        connection.read_into(memoryview(head), deadline, most=PEEK if large else CHUNK)
+        connection.read_into(memoryview(head), deadline, most=most)
         try:
-            header = parse_header(head)
+            header = parse_header(head, TRAILED_VERSION)
             header.check(key, self.fingerprint)
         except CorruptBlockError:
             header = None
@@ -541,10 +548,12 @@ class RemoteTier:
             connection.read_into(view[0], deadline, digest)
         else:
             connection.read_parts_into(view, deadline, digest)
+        trailer = bytearray(TRAILER_BYTES)
+        connection.read_into(memoryview(trailer), deadline, most=most)
         connection.end_of_value(deadline, large)
         if header is None or header.payload_bytes != size:
             return _CORRUPT
-        return _HIT if digest.intdigest() == header.digest else _CORRUPT
+        return _HIT if digest.intdigest() == parse_trailer(trailer) else _CORRUPT
 
     def _delete(self, names: list[bytes], connection: Connection, deadline: Deadline) -> None:
         connection.send([b"".join(command(b"DEL", name) for name in names)], deadline)
@@ -606,11 +615,7 @@ class RemoteTier:
             for write in writes:
                 connection.send([ASKING, *pack_sets([write], self.fingerprint)], deadline)
         else:
-            headers = HeadersAhead(writes, self.fingerprint, self._ahead, deadline)
-            try:
-                connection.send(pack_sets(writes, self.fingerprint, headers), deadline)
-            finally:
-                headers.stop()
+            connection.send(pack_sets(writes, self.fingerprint), deadline)
         statuses: list[_Status] = []
         error: ErrorReply | None = None
         for _ in writes:
@@ -624,12 +629,6 @@ class RemoteTier:
         if error is not None:
             raise ServerReplyError(error.message)
         return statuses
-
-
-def payload_hasher() -> xxhash.xxh3_64:
-    """The streaming form of :func:`~kvoffload.tiers.format.payload_digest` (XXH3-64):
-    fed each piece of a payload as it is received, it gives the same digest."""
-    return xxhash.xxh3_64()
 
 
 def _ok(reply: Reply) -> Reply:
