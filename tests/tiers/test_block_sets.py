@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import binascii
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvoffload import block_id_key
 from kvoffload.core.layout import layout_preset
 from kvoffload.tiers import RemoteTier, layout_fingerprint
-from kvoffload.tiers.block_sets import HASH_PIECE, JOIN_BELOW, BlockWrite, pack_sets
+from kvoffload.tiers.block_sets import HASH_PIECE, JOIN_BELOW, BlockWrite, DigestsAhead, pack_sets
 from kvoffload.tiers.format import (
     TRAILER_BYTES,
     CorruptBlockError,
@@ -18,7 +23,7 @@ from kvoffload.tiers.format import (
     encode_trailed_block,
 )
 from kvoffload.tiers.remote import SLOTS
-from kvoffload.tiers.resp import command
+from kvoffload.tiers.resp import Deadline, command
 from tier_servers import ValkeyClusterProcesses, ValkeyProcess
 
 FP = layout_fingerprint("block-sets", layout_preset("tiny"), 0)
@@ -74,6 +79,65 @@ def test_large_payloads_go_out_in_place_and_small_ones_are_joined() -> None:
     # commands, block 1, between, block 3, between, the parts' four, the rest
     assert len(pieces) == 1 + 1 + 1 + 1 + 1 + 4 + 1
     assert b"".join(map(joined, pieces)).count(b"*3\r\n$3\r\nSET\r\n") == len(writes)
+
+
+class CountingExecutor(ThreadPoolExecutor):
+    """A real one-thread pool that counts the jobs handed to it."""
+
+    def __init__(self) -> None:
+        super().__init__(1, "digests")
+        self.jobs = 0
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        self.jobs += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+def test_digests_made_ahead_give_the_same_pipeline_from_one_job_per_batch() -> None:
+    """Single buffers' digests made on another thread, beside their send: the pipeline is
+    byte for byte the one hashed by the sender, and a batch is one job."""
+    writes = writes_of([10, JOIN_BELOW, 3, 3 * HASH_PIECE + 5, 0, 2 * JOIN_BELOW])
+    writes.append(BlockWrite(b"parts", block_id_key(9), [b"a" * JOIN_BELOW, b"b" * 9]))
+    with CountingExecutor() as executor:
+        ahead = list(pack_sets(writes, FP, DigestsAhead(writes, executor, Deadline(10))))
+        assert executor.jobs == 1
+    assert b"".join(map(joined, ahead)) == b"".join(map(joined, pack_sets(writes, FP)))
+    assert any(piece is writes[3].payload for piece in ahead)  # whole, not cut
+
+
+def gated_executor() -> tuple[ThreadPoolExecutor, threading.Event]:
+    """A one-thread pool whose thread is held until the event is set."""
+    executor, gate = ThreadPoolExecutor(1), threading.Event()
+    executor.submit(gate.wait, 10)
+    return executor, gate
+
+
+def test_waiting_for_a_digest_counts_against_the_deadline() -> None:
+    """A digest the job has not made yet (its thread held) fails the send in time."""
+    writes = writes_of([JOIN_BELOW] * 3)
+    executor, gate = gated_executor()
+    try:
+        pieces = pack_sets(writes, FP, DigestsAhead(writes, executor, Deadline(0.3)))
+        next(pieces), next(pieces)  # the first SET's head, then its payload
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            next(pieces)  # its trailer needs the digest
+        assert time.monotonic() - started < 2
+    finally:
+        gate.set()
+        executor.shutdown()
+
+
+def test_a_stopped_batch_makes_no_more_digests() -> None:
+    """After a failed send the job ends without hashing the rest of the batch."""
+    writes = writes_of([JOIN_BELOW] * 4)
+    executor, gate = gated_executor()
+    ahead = DigestsAhead(writes, executor, Deadline(0.5))
+    ahead.stop()
+    gate.set()
+    executor.shutdown(wait=True)  # the job has run, and made nothing
+    with pytest.raises(TimeoutError):
+        ahead.digest(0)
 
 
 def test_a_block_that_cannot_be_encoded_fails_the_send() -> None:

@@ -34,7 +34,7 @@ from kvoffload.core.errors import KVOffloadError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import EventLog, OffloadingEvent
 from kvoffload.core.tier_protocol import Target, TierStats
-from kvoffload.tiers.block_sets import BlockWrite, pack_sets
+from kvoffload.tiers.block_sets import BlockWrite, DigestsAhead, pack_sets
 from kvoffload.tiers.breaker import CircuitBreaker
 from kvoffload.tiers.format import (
     HEADER_BYTES,
@@ -199,6 +199,8 @@ class RemoteTier:
         self._server: _Node | None = None
         self.is_cluster = self._start()
         self._pool = ThreadPoolExecutor(io_threads, "kvoffload-remote")
+        self._ahead = ThreadPoolExecutor(io_threads, "kvoffload-remote-ahead")
+        """Hashes a batch's single-buffer payloads while they go out (one per I/O thread)."""
         self._writes: list[tuple[list[OffloadKey], Future[list[bool]]]] = []
         self._events = EventLog(enable_events)
 
@@ -262,6 +264,7 @@ class RemoteTier:
     def close(self) -> None:
         self.poll(wait=True)
         self._pool.shutdown(wait=True)
+        self._ahead.shutdown(wait=True)
         with self._lock:
             nodes = list(self._nodes.values())
         for node in nodes:
@@ -615,7 +618,11 @@ class RemoteTier:
             for write in writes:
                 connection.send([ASKING, *pack_sets([write], self.fingerprint)], deadline)
         else:
-            connection.send(pack_sets(writes, self.fingerprint), deadline)
+            ahead = DigestsAhead(writes, self._ahead, deadline)
+            try:
+                connection.send(pack_sets(writes, self.fingerprint, ahead), deadline)
+            finally:
+                ahead.stop()
         statuses: list[_Status] = []
         error: ErrorReply | None = None
         for _ in writes:
