@@ -121,6 +121,24 @@ def test_sigterm_ends_bench_tiers_and_removes_its_scratch_directories(tmp_path: 
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_interrupt_the_moment_the_scratch_directory_exists_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM lands as KeyboardInterrupt wherever the main thread is, also just after the
+    scratch directory is made: it is removed all the same (it used to be made, and named,
+    before the ``try`` that removes it)."""
+    made = Path.mkdir
+
+    def mkdir_then_interrupt(self: Path, *args: object, **kwargs: object) -> None:
+        made(self, *args, **kwargs)  # type: ignore[arg-type]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "mkdir", mkdir_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        measure_tiers(4, 0.01, 1, directory=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bench_tiers_against_a_cluster_measures_a_raw_socket_per_node(
     tmp_path: Path, valkey_cluster: ValkeyClusterProcesses
 ) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import shutil
 import socket
 import statistics
@@ -40,6 +41,15 @@ MIN_BLOCK_BYTES = 1024
 
 def _gbps(num_bytes: int, seconds: float) -> float:
     return num_bytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def scratch_path(directory: str | None) -> Path:
+    """A fresh name for a benchmark's scratch directory under ``directory`` (default: the
+    system's temporary one), not yet made. The caller makes it inside the ``try`` whose
+    ``finally`` removes it: ``tempfile.mkdtemp`` makes the directory before it returns its
+    name, so an interrupt (SIGTERM) in between left a directory nobody removed."""
+    parent = Path(directory) if directory is not None else Path(tempfile.gettempdir())
+    return parent / f"kvoffload-bench-{secrets.token_hex(8)}"
 
 
 class BenchBlocks:
@@ -313,8 +323,9 @@ def measure_tiers(
     results: dict[str, Any] = {"blocks": blocks, "block_bytes": data.size, "rounds": rounds}
     if fsync:
         results["fsync"] = True
-    scratch = Path(tempfile.mkdtemp(prefix="kvoffload-bench-", dir=directory))
+    scratch = scratch_path(directory)
     try:
+        scratch.mkdir(mode=0o700)
         results.update(measure_disk(data, scratch, rounds, fsync, disk_timeout_ms / 1000))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -24,17 +24,15 @@ from __future__ import annotations
 
 import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.memory import check_fits
-from kvoffload.tiers.bench import BenchBlocks, RawSockets
+from kvoffload.tiers.bench import BenchBlocks, RawSockets, scratch_path
 from kvoffload.tiers.remote import RemoteTier
 
 INTERFACES = ("v1", "copy")
@@ -292,8 +290,9 @@ def measure_sglang(
     # The pool holds two copies of each page; the expected bytes and the landing buffer one.
     check_fits(4 * pages * page_mib * MIB, f"{pages} SGLang pages of {page_mib:g} MiB")
     rows: list[dict[str, Any]] = []
-    scratch = Path(tempfile.mkdtemp(prefix="kvoffload-bench-sglang-", dir=directory))
+    scratch = scratch_path(directory)
     try:
+        scratch.mkdir(mode=0o700)
         tiers: list[tuple[str, Callable[[int], dict[str, Any]]]] = [
             ("disk", lambda n: {"kvoffload.disk_dir": str(scratch / f"row-{n}")})
         ]
