@@ -35,12 +35,12 @@ from kvoffload.tiers.format import (
     TRAILER_BYTES,
     Buffer,
     Payload,
+    buffer_size,
     encode_trailed_header,
     encode_trailer,
     payload_digest,
     payload_hasher,
     payload_parts,
-    payload_size,
 )
 from kvoffload.tiers.resp import Deadline, Piece
 
@@ -63,6 +63,12 @@ class BlockWrite(NamedTuple):
     name: bytes
     key: OffloadKey
     payload: Payload
+
+
+def hashed_ahead(parts: Sequence[Buffer]) -> bool:
+    """Whether a payload goes out whole with its digest from :class:`DigestsAhead`: one
+    buffer too large to be joined (the job and the sender both ask this, so they agree)."""
+    return len(parts) == 1 and buffer_size(parts[0]) >= JOIN_BELOW
 
 
 class DigestsAhead:
@@ -94,9 +100,8 @@ class DigestsAhead:
             if self._stopped.is_set():
                 return
             parts = payload_parts(payload)
-            whole = len(parts) == 1 and payload_size(parts) >= JOIN_BELOW
             try:  # 0 for a payload the sender hashes itself
-                self._made[index].set_result(payload_digest(parts) if whole else 0)
+                self._made[index].set_result(payload_digest(parts) if hashed_ahead(parts) else 0)
             except BaseException as exc:  # handed to the sender, who fails the operation
                 for made in self._made[index:]:
                     made.set_exception(exc)
@@ -120,7 +125,7 @@ def pack_sets(
             b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b"
             % (len(name), name, len(header) + size + TRAILER_BYTES, header)
         )
-        if ahead is not None and len(parts) == 1 and sizes[0] >= JOIN_BELOW:
+        if ahead is not None and hashed_ahead(parts):
             yield b"".join(joined)
             yield parts[0]
             joined = [encode_trailer(ahead.digest(index)) + b"\r\n"]

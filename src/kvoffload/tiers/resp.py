@@ -3,10 +3,10 @@
 The shared tier's own client: the ``valkey`` library bounds each socket read
 by its timeout, so a server that trickles a reply one byte at a time, or
 announces a 512 MB value and drips it, held a call for ever. Here every call
-of :class:`Connection` takes a :class:`Deadline` and gives each ``recv`` only
-what is left of it; replies are bounded in size (a value is read only when
-its announced length is the one expected), and a value is read straight into
-its destination with ``recv_into``, no intermediate ``bytes``.
+of :class:`Connection` takes a :class:`Deadline`, and no ``send`` or ``recv``
+waits past what is left of it (plus one slice, below); replies are bounded in
+size (a value is read only when its announced length is the one expected), and
+a value is read straight into its destination with ``recv_into``, no intermediate ``bytes``.
 
 A plain (not TLS) socket stays blocking, with kernel send and receive timeouts
 of :data:`WAIT_SLICE`: a call that moves no byte for a slice comes back, the
@@ -363,23 +363,14 @@ class Connection:
             self._send_piece(piece, deadline)
 
     def _send_piece(self, piece: Piece, deadline: Deadline) -> None:
-        sock = self.sock
-        if not self._tls:
-            send = sock.send
-            while True:
-                deadline.left()
-                try:
-                    sent = send(piece)
-                except BlockingIOError:  # a slice without a byte moved
-                    continue
-                if sent == (piece.nbytes if type(piece) is memoryview else len(piece)):
-                    return
-                piece = memoryview(piece).cast("B")[sent:]
-        view = memoryview(piece).cast("B")
+        """Send ``piece`` whole: ``send`` after ``send``, each under ``deadline``."""
+        size = piece.nbytes if type(piece) is memoryview else len(piece)
+        sent = self._moved(self.sock.send, piece, deadline)
+        if sent == size:
+            return
+        view = memoryview(piece).cast("B")[sent:]
         while view.nbytes:
-            sock.settimeout(deadline.left())
-            sent = sock.send(view)
-            view = view[sent:]
+            view = view[self._moved(self.sock.send, view, deadline) :]
 
     def _moved(self, call: Callable[[Any], _R], buffers: Any, deadline: Deadline) -> _R:
         """``call(buffers)`` (a send or receive on the socket) once it moves bytes, under
