@@ -28,8 +28,8 @@ from kvoffload.tiers.resp import DIRECT_PIECE
 from tier_servers import ValkeyProcess
 
 SPLIT = [JOIN_BELOW + 7, 2 * JOIN_BELOW, 100, 3 * JOIN_BELOW]
-"""Part sizes of a written block: two large parts (sent as they are), a small one (joined with
-the bytes around it), a large one."""
+"""Part sizes of a written block: two large parts, a small one, a large one (all sent as
+they are, gathered in one ``sendmsg``)."""
 SIZE = sum(SPLIT)
 FP = layout_fingerprint("block-parts", layout_preset("tiny"), SIZE)
 KEYS = [block_id_key(i, 31) for i in range(4)]
@@ -48,6 +48,11 @@ def joined(parts: list[Any]) -> bytes:
     return b"".join(bytes(part) for part in parts)
 
 
+def flat(pieces: list[Any]) -> bytes:
+    """The bytes ``pieces`` send, a gathered piece's buffers in order."""
+    return b"".join(flat(list(p)) if isinstance(p, tuple) else bytes(p) for p in pieces)
+
+
 def into_parts(split: list[int], n: int) -> list[list[memoryview]]:
     return [[memoryview(bytearray(size)) for size in split] for _ in range(n)]
 
@@ -60,23 +65,27 @@ def test_a_payload_in_parts_is_the_same_block_as_its_bytes_joined() -> None:
     assert encode_block(KEYS[0], FP, parts) == encode_block(KEYS[0], FP, whole)
     assert encode_trailed_block(KEYS[0], FP, parts) == encode_trailed_block(KEYS[0], FP, whole)
     pieces = list(pack_sets([BlockWrite(b"n", KEYS[0], parts)], FP))
-    assert pieces[1] is parts[0] and pieces[2] is parts[1] and pieces[4] is parts[3]
-    assert all(p is not parts[2] for p in pieces) and bytes(parts[2]) == pieces[3]
-    stream = b"".join(bytes(p) for p in pieces)
+    gathered, trailer = pieces
+    assert isinstance(gathered, tuple) and isinstance(trailer, bytes)
+    # every part in place, the small one too: one sendmsg takes them all
+    assert len(gathered) == 1 + len(parts)
+    assert all(a is b for a, b in zip(gathered[1:], parts, strict=True))
+    stream = flat(pieces)
     assert stream[: -TRAILER_BYTES - 2].endswith(whole) and stream.endswith(b"\r\n")
 
 
 def test_a_payload_of_large_parts_only_goes_out_as_its_own_buffers() -> None:
-    """An SGLang page's segments (every part large): each part itself, none joined, and the
-    stream is the SET of the joined bytes."""
+    """An SGLang page's segments (every part large): each part itself, none joined, a page's
+    parts gathered in one piece, and the stream is the SET of the joined bytes."""
     split = [JOIN_BELOW, 3 * JOIN_BELOW + 1, JOIN_BELOW]
     writes = [BlockWrite(b"n%d" % i, KEYS[i], parts_of(i, split)) for i in range(2)]
     pieces = list(pack_sets(writes, FP))
-    own = [piece for piece in pieces if any(piece is part for w in writes for part in w.payload)]
-    assert len(own) == 6
-    stream = b"".join(bytes(p) for p in pieces)
-    flat = [BlockWrite(w.name, w.key, joined(list(w.payload))) for w in writes]
-    assert stream == b"".join(bytes(p) for p in pack_sets(flat, FP))
+    gathered = [piece for piece in pieces if isinstance(piece, tuple)]
+    assert len(gathered) == 2
+    for piece, write in zip(gathered, writes, strict=True):
+        assert all(a is b for a, b in zip(piece[1:], write.payload, strict=True))
+    whole = [BlockWrite(w.name, w.key, joined(list(w.payload))) for w in writes]
+    assert flat(pieces) == flat(list(pack_sets(whole, FP)))
 
 
 def test_a_flipped_byte_in_the_second_part_fails_the_checksum() -> None:
@@ -136,7 +145,8 @@ def test_valkey_tier_writes_parts_and_reads_into_parts(
 
 
 def test_more_large_parts_than_one_recvmsg_into_takes(valkey_server: ValkeyProcess) -> None:
-    """A value of 700 large parts goes out part by part and comes back into one buffer, into
+    """A value of 700 large parts goes out in two ``sendmsg`` calls or more (at most 512
+    buffers each) and comes back into one buffer, into
     its parts (several ``recvmsg_into`` calls, each picking up where the kernel stopped)
     and into parts that cut across the written ones."""
     split = [JOIN_BELOW] * 700

@@ -15,7 +15,7 @@ import pytest
 from kvoffload import block_id_key
 from kvoffload.core.layout import layout_preset
 from kvoffload.tiers import RemoteTier, layout_fingerprint
-from kvoffload.tiers.block_sets import HASH_PIECE, JOIN_BELOW, BlockWrite, DigestsAhead, pack_sets
+from kvoffload.tiers.block_sets import JOIN_BELOW, BlockWrite, DigestsAhead, pack_sets
 from kvoffload.tiers.format import (
     TRAILER_BYTES,
     CorruptBlockError,
@@ -38,7 +38,12 @@ def writes_of(sizes: list[int], prefix: bytes = b"bs:") -> list[BlockWrite]:
     return writes
 
 
+LARGE = 64 * 1024
+
+
 def joined(piece: object) -> bytes:
+    if isinstance(piece, tuple):
+        return b"".join(map(joined, piece))
     assert isinstance(piece, bytes | bytearray | memoryview)
     return bytes(piece)
 
@@ -46,8 +51,9 @@ def joined(piece: object) -> bytes:
 def test_the_pipeline_is_one_set_of_each_trailed_block() -> None:
     """Byte for byte, the pieces are ``SET name block`` of each write, the block trailed by
     its payload's digest, whatever the sizes and however the payloads are split."""
-    writes = writes_of([10, JOIN_BELOW, 3, 3 * HASH_PIECE + 5, 0, HASH_PIECE])
+    writes = writes_of([10, JOIN_BELOW, 3, 3 * LARGE + 5, 0, LARGE])
     writes.append(BlockWrite(b"parts", block_id_key(9), [b"a" * 5, b"b" * JOIN_BELOW, b"c" * 7]))
+    writes.append(BlockWrite(b"small", block_id_key(10), [b"d" * 5, b"e" * 9]))
     stream = b"".join(map(joined, pack_sets(writes, FP)))
     assert stream == b"".join(
         command(b"SET", name, encode_trailed_block(key, FP, payload))
@@ -56,28 +62,28 @@ def test_the_pipeline_is_one_set_of_each_trailed_block() -> None:
 
 
 def test_large_payloads_go_out_in_place_and_small_ones_are_joined() -> None:
-    """A payload of ``JOIN_BELOW`` bytes or more goes out as its own memory, never copied: a
-    single buffer whole, a part longer than ``HASH_PIECE`` as views of it, in pieces of
-    that size (each hashed just before it is taken)."""
-    writes = writes_of([10, JOIN_BELOW, 3, 2 * HASH_PIECE + 1, 0])
-    long_part = bytes(range(256)) * (2 * HASH_PIECE // 256) + b"x"
-    writes.append(BlockWrite(b"parts", block_id_key(9), [b"a" * JOIN_BELOW, long_part]))
+    """A payload of ``JOIN_BELOW`` bytes or more goes out as its own memory, never copied:
+    all its parts gathered in one piece (one ``sendmsg``) behind the command bytes before
+    them; smaller payloads are joined with the command bytes around them."""
+    writes = writes_of([10, JOIN_BELOW, 3, 2 * LARGE + 1, 0])
+    small, long_part = b"a" * 100, bytes(range(256)) * (2 * LARGE // 256) + b"x"
+    writes.append(BlockWrite(b"parts", block_id_key(9), [small, long_part]))
     pieces = list(pack_sets(writes, FP))
-
-    def own(piece: object) -> bool:
-        memory = piece.obj if isinstance(piece, memoryview) else piece
-        return any(memory is w.payload for w in writes) or memory is long_part
-
-    assert [joined(piece) for piece in pieces if own(piece)] == [
-        writes[1].payload,
-        writes[3].payload,
-        long_part[:HASH_PIECE],
-        long_part[HASH_PIECE : 2 * HASH_PIECE],
-        long_part[2 * HASH_PIECE :],
+    gathered = [piece for piece in pieces if isinstance(piece, tuple)]
+    assert [piece[1:] for piece in gathered] == [
+        (writes[1].payload,),
+        (writes[3].payload,),
+        (small, long_part),
     ]
-    assert pieces[-5] is writes[-1].payload[0]
-    # commands, block 1, between, block 3, between, the parts' four, the rest
-    assert len(pieces) == 1 + 1 + 1 + 1 + 1 + 4 + 1
+    assert all(
+        a is b
+        for piece, w in zip(gathered, (1, 3, 5), strict=True)
+        for a, b in zip(
+            piece[1:], (writes[w].payload,) if w < 5 else (small, long_part), strict=True
+        )
+    )
+    # each large payload behind its own command bytes, then what follows the last
+    assert len(pieces) == len(gathered) + 1
     assert b"".join(map(joined, pieces)).count(b"*3\r\n$3\r\nSET\r\n") == len(writes)
 
 
@@ -94,15 +100,15 @@ class CountingExecutor(ThreadPoolExecutor):
 
 
 def test_digests_made_ahead_give_the_same_pipeline_from_one_job_per_batch() -> None:
-    """Single buffers' digests made on another thread, beside their send: the pipeline is
+    """Large payloads' digests made on another thread, beside their send: the pipeline is
     byte for byte the one hashed by the sender, and a batch is one job."""
-    writes = writes_of([10, JOIN_BELOW, 3, 3 * HASH_PIECE + 5, 0, 2 * JOIN_BELOW])
+    writes = writes_of([10, JOIN_BELOW, 3, 3 * LARGE + 5, 0, 2 * JOIN_BELOW])
     writes.append(BlockWrite(b"parts", block_id_key(9), [b"a" * JOIN_BELOW, b"b" * 9]))
     with CountingExecutor() as executor:
         ahead = list(pack_sets(writes, FP, DigestsAhead(writes, executor, Deadline(10))))
         assert executor.jobs == 1
     assert b"".join(map(joined, ahead)) == b"".join(map(joined, pack_sets(writes, FP)))
-    assert any(piece is writes[3].payload for piece in ahead)  # whole, not cut
+    assert any(isinstance(p, tuple) and p[1] is writes[3].payload for p in ahead)  # in place
 
 
 def gated_executor() -> tuple[ThreadPoolExecutor, threading.Event]:
@@ -118,7 +124,7 @@ def test_waiting_for_a_digest_counts_against_the_deadline() -> None:
     executor, gate = gated_executor()
     try:
         pieces = pack_sets(writes, FP, DigestsAhead(writes, executor, Deadline(0.3)))
-        next(pieces), next(pieces)  # the first SET's head, then its payload
+        next(pieces)  # the first SET's head and payload
         started = time.monotonic()
         with pytest.raises(TimeoutError):
             next(pieces)  # its trailer needs the digest

@@ -22,6 +22,7 @@ from kvoffload.tiers.resp import (
     Deadline,
     DeadlineExceeded,
     ErrorReply,
+    Piece,
     ProtocolError,
     Reply,
 )
@@ -142,9 +143,10 @@ def test_a_reply_that_never_ends_meets_the_deadline(pair: tuple[socket.socket, C
         Deadline(-1).left()
 
 
+@pytest.mark.parametrize("gathered", [False, True])
 @pytest.mark.parametrize("reader", ["never reads", "trickles"])
 def test_a_send_the_peer_does_not_take_meets_the_deadline_within_a_slice(
-    pair: tuple[socket.socket, Connection], reader: str
+    pair: tuple[socket.socket, Connection], reader: str, gathered: bool
 ) -> None:
     """The socket is blocking with kernel timeouts of a slice: a peer that reads nothing,
     or a byte now and then, cannot hold a send past its deadline by more than a slice."""
@@ -164,7 +166,9 @@ def test_a_send_the_peer_does_not_take_meets_the_deadline_within_a_slice(
     started = time.monotonic()
     try:
         with pytest.raises(TimeoutError):
-            connection.send([b"x" * (16 * 2**20)], Deadline(0.3))
+            payload = b"x" * (8 * 2**20)
+            piece: Piece = (payload, payload) if gathered else payload + payload
+            connection.send([piece], Deadline(0.3))
         assert time.monotonic() - started < 0.3 + WAIT_SLICE + 0.5
     finally:
         stop.set()
@@ -237,6 +241,37 @@ def receive_all(sock: socket.socket, size: int) -> bytes:
     return bytes(got)
 
 
+def test_a_gathered_piece_the_peer_takes_in_pauses_goes_out_whole_and_in_order() -> None:
+    """A peer that pauses longer than a slice between reads makes ``sendmsg`` return having
+    sent part of the buffers (inside one, or at a boundary); the next call picks up there."""
+    buffers = tuple(
+        memoryview(bytearray((i * 7 + j) % 251 for j in range(size))).cast("H")
+        for i, size in enumerate([10_000, 6, 30_000, 0, 4_096, 50_002])
+    )
+    expected = b"".join(bytes(b) for b in buffers)
+    left, right = socket.socketpair()
+    left.settimeout(10)
+    right.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    left.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    connection = Connection(right)
+
+    def pausing() -> bytes:
+        got = bytearray()
+        while len(got) < len(expected):
+            time.sleep(2 * WAIT_SLICE if len(got) < len(expected) // 2 else 0)
+            got += left.recv(3_000)
+        return bytes(got)
+
+    try:
+        with ThreadPoolExecutor(1) as receiver:
+            got = receiver.submit(pausing)
+            connection.send([b"head", buffers, b"tail"], Deadline(30))
+            assert got.result(30) == b"head" + expected + b"tail"
+    finally:
+        left.close()
+        connection.close()
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.binary(max_size=3 * DIRECT_BELOW).filter(bool), min_size=1, max_size=6))
 def test_pieces_made_as_they_are_sent_go_out_in_order(pieces: list[bytes]) -> None:
@@ -259,17 +294,19 @@ def test_pieces_made_as_they_are_sent_go_out_in_order(pieces: list[bytes]) -> No
         connection.close()
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     st.lists(st.integers(0, 3 * DIRECT_BELOW), min_size=1, max_size=12),
     st.sampled_from(["bytes", "bytearray", "view", "wide view"]),
+    st.lists(st.integers(1, 4), max_size=6),
 )
 def test_pieces_go_out_whole_and_in_order_however_much_one_send_takes(
-    sizes: list[int], kind: str
+    sizes: list[int], kind: str, groups: list[int]
 ) -> None:
-    """Pieces through a small send buffer: each ``send`` takes what fits, the next picks up
-    inside the piece where it stopped, and the stream is the pieces one after the other
-    (empty pieces and wide views included)."""
+    """Pieces through a small send buffer: each ``send`` (or ``sendmsg`` of a tuple of
+    buffers) takes what fits, the next picks up inside the buffer where it stopped, and the
+    stream is the pieces one after the other (empty pieces, wide views and buffers gathered
+    in ``groups`` of that many included)."""
     data = [bytes((i * 13 + j) % 251 for j in range(size)) for i, size in enumerate(sizes)]
     parts: list[bytes | bytearray | memoryview]
     if kind == "bytes":
@@ -282,6 +319,12 @@ def test_pieces_go_out_whole_and_in_order_however_much_one_send_takes(
         parts = [memoryview(bytearray(d[: len(d) // 2 * 2])).cast("H") for d in data]
         data = [bytes(part) for part in parts]
     expected = b"".join(data)
+    pieces: list[Piece] = []
+    for size in groups:
+        if parts:
+            pieces.append(tuple(parts[:size]))
+            parts = parts[size:]
+    pieces.extend(parts)
     left, right = socket.socketpair()
     left.settimeout(10)  # a lost byte fails the test rather than hanging it
     right.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
@@ -289,7 +332,7 @@ def test_pieces_go_out_whole_and_in_order_however_much_one_send_takes(
     try:
         with ThreadPoolExecutor(1) as receiver:
             got = receiver.submit(receive_all, left, len(expected))
-            connection.send(parts, Deadline(10))
+            connection.send(pieces, Deadline(10))
             assert got.result(10) == expected
     finally:
         left.close()

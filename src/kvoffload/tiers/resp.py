@@ -51,12 +51,13 @@ DIRECT_BELOW = 64 * 1024
 
 DIRECT_PIECE = 256 * 1024
 """Most bytes one ``recv_into`` takes: each piece is checksummed while it is in cache."""
-Piece = bytes | bytearray | memoryview
-"""Bytes to send."""
+Buffer = bytes | bytearray | memoryview
+Piece = Buffer | tuple[Buffer, ...]
+"""Bytes to send: one buffer, or a tuple of buffers sent together (one ``sendmsg``)."""
 
 
 SENDMSG_BUFFERS = 512
-"""Buffers per ``recvmsg_into`` call, under the kernel's IOV_MAX (1024)."""
+"""Buffers per ``sendmsg`` or ``recvmsg_into`` call, under the kernel's IOV_MAX (1024)."""
 
 WAIT_SLICE = 0.05
 """Seconds a plain socket's send or receive may wait without moving a byte before the
@@ -278,6 +279,10 @@ def _connect(addresses: list[Address], deadline: Deadline) -> socket.socket:
     raise ConnectError("network", _describe(last) if last else "no address to connect to")
 
 
+def _size(buffer: Buffer) -> int:
+    return buffer.nbytes if type(buffer) is memoryview else len(buffer)
+
+
 class Connection:
     """One socket to one server, with a read buffer; pipelines are sent whole, then read."""
 
@@ -364,6 +369,9 @@ class Connection:
 
     def _send_piece(self, piece: Piece, deadline: Deadline) -> None:
         """Send ``piece`` whole: ``send`` after ``send``, each under ``deadline``."""
+        if isinstance(piece, tuple):
+            self._send_gathered(piece, deadline)
+            return
         size = piece.nbytes if type(piece) is memoryview else len(piece)
         sent = self._moved(self.sock.send, piece, deadline)
         if sent == size:
@@ -371,6 +379,28 @@ class Connection:
         view = memoryview(piece).cast("B")[sent:]
         while view.nbytes:
             view = view[self._moved(self.sock.send, view, deadline) :]
+
+    def _send_gathered(self, buffers: tuple[Buffer, ...], deadline: Deadline) -> None:
+        """Send ``buffers`` in order, as few ``sendmsg`` calls as the kernel takes them in
+        (a TLS socket has none: one buffer after another)."""
+        if self._tls:
+            for buffer in buffers:
+                self._send_piece(buffer, deadline)
+            return
+        pending = [b for b in buffers if _size(b)]
+        start = 0
+        while start < len(pending):
+            sent = self._moved(
+                self.sock.sendmsg, pending[start : start + SENDMSG_BUFFERS], deadline
+            )
+            while sent:
+                first = pending[start]
+                size = _size(first)
+                if sent < size:
+                    pending[start] = memoryview(first).cast("B")[sent:]
+                    break
+                sent -= size
+                start += 1
 
     def _moved(self, call: Callable[[Any], _R], buffers: Any, deadline: Deadline) -> _R:
         """``call(buffers)`` (a send or receive on the socket) once it moves bytes, under
