@@ -37,6 +37,8 @@ def test_segments_are_the_pools_own_bytes_either_way(layout: str, mla: bool) -> 
         assert pages_bytes(sliced, indices) == expected
     for a, b in zip(sliced.segments(indices), own.segments(indices), strict=True):
         assert [address(s) for s in a] == [address(s) for s in b]
+        # each page's segments carry their own addresses, so they are hashed in place
+        assert a.addresses == b.addresses == [address(s) for s in a]
     first = sliced.segments(pool.indices([1]))[0][0]
     first[:] = bytes(first.nbytes)
     assert pool.page_bytes(1).startswith(bytes(first.nbytes))

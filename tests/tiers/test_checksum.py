@@ -51,6 +51,28 @@ def test_any_split_of_a_payload_has_the_digest_of_the_whole(data: bytes, cuts: l
     assert gil_free(parts) == xxhash.xxh3_64_intdigest(data)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.binary(min_size=0, max_size=300_000), st.lists(st.integers(0, 300_000), max_size=12))
+def test_addressed_parts_hash_their_bytes_at_their_addresses(data: bytes, cuts: list[int]) -> None:
+    """Parts that come with their addresses (an SGLang pool's segments) are hashed there:
+    the digest of the whole; a part given the address of another part's bytes is not."""
+    backing = bytearray(data)
+    whole = memoryview(backing)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(backing)) if data else 0
+    edges = sorted({0, len(data), *(min(c, len(data)) for c in cuts)})
+    spans = list(itertools.pairwise(edges))
+    parts = checksum.AddressedParts([whole[a:b] for a, b in spans], [base + a for a, _ in spans])
+    assert gil_free(parts) == xxhash.xxh3_64_intdigest(data)
+    moved = [(a, b) for a, b in spans if b - a > 1 and data[a:b] != data[a + 1 : b + 1]]
+    if moved:
+        a, b = moved[0]
+        addresses = [base + x + (1 if (x, y) == (a, b) else 0) for x, y in spans]
+        wrong = checksum.AddressedParts([whole[x:y] for x, y in spans], addresses)
+        assert gil_free(wrong) != xxhash.xxh3_64_intdigest(data)
+    with pytest.raises(ValueError, match="addresses"):
+        checksum.AddressedParts([whole], [])
+
+
 @pytest.mark.parametrize("available", [True, False])
 def test_blocks_of_small_parts_are_the_same_either_way(
     available: bool, monkeypatch: pytest.MonkeyPatch

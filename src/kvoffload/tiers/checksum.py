@@ -30,6 +30,23 @@ GIL_HELD_UP_TO = 64 * 1024
 """``xxhash`` (4.x) hashes a buffer of up to this many bytes without releasing the GIL."""
 
 
+class AddressedParts(list[memoryview]):
+    """A payload's parts, each with the address of its first byte, for parts whose memory
+    outlives them (an SGLang host pool's segments, made from the pointers the pool gives;
+    whoever makes one vouches that each address is its part's): they are hashed without
+    exporting each part to :mod:`ctypes` first, which costs 1-2 us a part (a
+    ``layer_first`` page has 16). SGLang ``layer_first`` page stores went from medians of
+    0.65-0.73 of plain SET to 0.69-0.75 (four alternating pairs, dev VM)."""
+
+    __slots__ = ("addresses",)
+
+    def __init__(self, parts: list[memoryview], addresses: list[int]) -> None:
+        if len(parts) != len(addresses):
+            raise ValueError(f"{len(parts)} parts with {len(addresses)} addresses")
+        super().__init__(parts)
+        self.addresses = addresses
+
+
 def _pinned(part: Buffer) -> tuple[int, object]:
     """Where ``part``'s bytes start, and the object that holds its buffer exported (so a
     bytearray cannot be resized under the hash) until the caller drops it."""
@@ -80,6 +97,11 @@ def _load() -> Callable[[Sequence[Buffer]], int] | None:
             raise MemoryError("XXH3_createState failed")
         try:
             reset(state)
+            if type(parts) is AddressedParts:
+                for segment, address in zip(parts, parts.addresses, strict=True):
+                    if segment.nbytes:
+                        update(state, address, segment.nbytes)
+                return int(final(state))
             for part in parts:
                 # A writable view (an SGLang segment) is exported in line: the helpers'
                 # calls and checks cost more than the update itself for 64 KiB parts.

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.tiers.checksum import AddressedParts
 
 LAYOUTS = ("page_first", "layer_first", "page_first_direct")
 """Host-pool layouts whose pages SGLang's pools describe as whole segments in page order
@@ -96,8 +97,9 @@ class HostPages:
         page: torch.Tensor = self.pool.get_dummy_flat_data_page()
         return page
 
-    def segments(self, host_indices: torch.Tensor) -> list[list[memoryview]]:
-        """Per page of ``host_indices`` (``page_size`` indices each), its segments in order."""
+    def segments(self, host_indices: torch.Tensor) -> list[AddressedParts]:
+        """Per page of ``host_indices`` (``page_size`` indices each), its segments in order,
+        with their addresses in the pool (so the shared tier hashes them in place)."""
         pointers, sizes = self.pool.get_page_buffer_meta(host_indices)
         n = self.segments_per_page
         region = self._region
@@ -105,9 +107,9 @@ class HostPages:
             views = [_at(p, s) for p, s in zip(pointers, sizes, strict=True)]
         else:
             views = region.views(pointers, sizes)
-        if n == 1:
-            return [[view] for view in views]
-        return [views[i : i + n] for i in range(0, len(views), n)]
+        return [
+            AddressedParts(views[i : i + n], pointers[i : i + n]) for i in range(0, len(views), n)
+        ]
 
 
 class _Region:
