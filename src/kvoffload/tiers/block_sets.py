@@ -54,10 +54,10 @@ class BlockWrite(NamedTuple):
     payload: Payload
 
 
-def hashed_ahead(parts: Sequence[Buffer]) -> bool:
-    """Whether a payload goes out as its own memory, its digest from :class:`DigestsAhead`
-    (the job and the sender both ask this, so they agree)."""
-    return payload_size(parts) >= JOIN_BELOW
+def hashed_ahead(size: int) -> bool:
+    """Whether a payload of ``size`` bytes goes out as its own memory, its digest from
+    :class:`DigestsAhead` (the job and the sender both ask this, so they agree)."""
+    return size >= JOIN_BELOW
 
 
 class DigestsAhead:
@@ -89,7 +89,8 @@ class DigestsAhead:
                 return
             parts = payload_parts(payload)
             try:  # 0 for a payload the sender hashes itself
-                self._made[index].set_result(payload_digest(parts) if hashed_ahead(parts) else 0)
+                digest = payload_digest(parts) if hashed_ahead(payload_size(parts)) else 0
+                self._made[index].set_result(digest)
             except BaseException as exc:  # handed to the sender, who fails the operation
                 for made in self._made[index:]:
                     made.set_exception(exc)
@@ -113,11 +114,11 @@ def pack_sets(
             b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b"
             % (len(name), name, len(header) + size + TRAILER_BYTES, header)
         )
-        if size < JOIN_BELOW:
+        if not hashed_ahead(size):
             joined.extend(parts)
             joined.append(encode_trailer(payload_digest(parts)) + b"\r\n")
             continue
-        digest = 0 if ahead is not None else payload_digest(parts)
+        digest = 0 if ahead is not None else payload_digest(parts)  # before it goes out
         yield (b"".join(joined), *parts)
         if ahead is not None:
             digest = ahead.digest(index)

@@ -37,6 +37,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from kvoffload.tiers.format import Buffer, buffer_size
 from kvoffload.tiers.url import TLSOptions
 
 CHUNK = 256 * 1024
@@ -51,7 +52,6 @@ DIRECT_BELOW = 64 * 1024
 
 DIRECT_PIECE = 256 * 1024
 """Most bytes one ``recv_into`` takes: each piece is checksummed while it is in cache."""
-Buffer = bytes | bytearray | memoryview
 Piece = Buffer | tuple[Buffer, ...]
 """Bytes to send: one buffer, or a tuple of buffers sent together (one ``sendmsg``)."""
 
@@ -279,10 +279,6 @@ def _connect(addresses: list[Address], deadline: Deadline) -> socket.socket:
     raise ConnectError("network", _describe(last) if last else "no address to connect to")
 
 
-def _size(buffer: Buffer) -> int:
-    return buffer.nbytes if type(buffer) is memoryview else len(buffer)
-
-
 class Connection:
     """One socket to one server, with a read buffer; pipelines are sent whole, then read."""
 
@@ -387,7 +383,7 @@ class Connection:
             for buffer in buffers:
                 self._send_piece(buffer, deadline)
             return
-        pending = [b for b in buffers if _size(b)]
+        pending = [b for b in buffers if buffer_size(b)]
         start = 0
         while start < len(pending):
             sent = self._moved(
@@ -395,7 +391,7 @@ class Connection:
             )
             while sent:
                 first = pending[start]
-                size = _size(first)
+                size = buffer_size(first)
                 if sent < size:
                     pending[start] = memoryview(first).cast("B")[sent:]
                     break
