@@ -24,8 +24,9 @@ from tier_servers import ValkeyProcess
 SPEC = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.integrations.vllm"}
 BLOCK_TOKENS = 32
 """vLLM's CPU attention kernel needs a block size that is a multiple of 32."""
-BYTES_PER_BLOCK = 2 * 2 * 2 * 32 * 2 * BLOCK_TOKENS
-"""The tiny model's KV bytes per block: layers x (K, V) x KV heads x head size x bf16."""
+BYTES_PER_BLOCK = 2 * 2 * 2 * 32 * 4 * BLOCK_TOKENS
+"""The tiny model's KV bytes per block: layers x (K, V) x KV heads x head size x float32
+(the engines' dtype, ``driver.ENGINE_DTYPE``)."""
 SMALL_TIER = 8 * BYTES_PER_BLOCK
 """A CPU tier of 8 blocks: two of the 4-block prompts, so a third evicts."""
 BIG_TIER = 64_000_000

@@ -59,7 +59,8 @@ class Server:
         self.model = str(model)
         self.port = free_port()
         args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model]
-        args += ["--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16"]
+        # float32, not bfloat16: see driver.ENGINE_DTYPE (AMX attention died of SIGILL).
+        args += ["--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32"]
         args += ["--block-size", "32", "--max-model-len", "2048", "--enforce-eager"]
         args += ["--kv-transfer-config", json.dumps(TRANSFER_CONFIG)]
         env = engine_env() | {"VLLM_SERVER_DEV_MODE": "1"}  # for POST /reset_prefix_cache
