@@ -1,7 +1,8 @@
 """Runs real vLLM engines for the engine tests; started by them with the engine venv's python.
 
-``python driver.py JOB.json OUT.json``. The job names the model and a list of engines, each
-with its ``kv_connector_extra_config`` (``null``: no connector, the baseline) and its steps:
+``python driver.py JOB.json OUT.json``. The job names the model, its dtype and a list of
+engines, each with its ``kv_connector_extra_config`` (``null``: no connector, the baseline)
+and its steps:
 ``generate`` (token-id prompts, greedy, with logprobs), ``reset`` (``reset_prefix_cache()``:
 the engine's own prefix cache, so the next requests must load from the offload tier) and
 ``metrics`` (vLLM's ``get_metrics()``, summed over labels). Engines run one after another in
@@ -40,12 +41,6 @@ def metrics(llm: Any) -> dict[str, float]:
     return values
 
 
-ENGINE_DTYPE = "float32"
-"""Not bfloat16: there vLLM's CPU attention takes its AMX kernel where the CPU has AMX, and
-on a Sapphire Rapids VM that kernel died of SIGILL on a request whose 1,023 tokens came
-from the tier (a worker exit -4). float32 takes the vector kernel on every x86 CPU."""
-
-
 def generate(llm: Any, prompts: list[list[int]]) -> dict[str, Any]:
     from vllm import SamplingParams, TokensPrompt
 
@@ -65,7 +60,7 @@ def generate(llm: Any, prompts: list[list[int]]) -> dict[str, Any]:
     return {"tokens": tokens, "logprobs": logprobs, "seconds": seconds}
 
 
-def run_engine(model: str, engine: dict[str, Any]) -> dict[str, Any]:
+def run_engine(model: str, dtype: str, engine: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM
 
     extra = engine.get("extra")
@@ -75,7 +70,7 @@ def run_engine(model: str, engine: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     llm = LLM(
         model=model,
-        dtype=ENGINE_DTYPE,
+        dtype=dtype,
         block_size=engine.get("block_size", 32),
         max_model_len=2048,
         max_num_seqs=8,
@@ -103,7 +98,7 @@ def run_engine(model: str, engine: dict[str, Any]) -> dict[str, Any]:
 
 def main(job_path: str, out_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
-    results = [run_engine(job["model"], engine) for engine in job["engines"]]
+    results = [run_engine(job["model"], job["dtype"], engine) for engine in job["engines"]]
     Path(out_path).write_text(json.dumps({"engines": results}))
 
 

