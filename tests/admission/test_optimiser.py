@@ -487,14 +487,16 @@ def test_what_if_figures_match_full_runs(
     mix: dict[str, float], block_tokens: int, rate: float
 ) -> None:
     """Store-everything and the filter do not depend on the tier they write to, so their
-    mini-tiers match full runs of those sizes: within 0.01 hit ratio and 0.02 writes per
-    reference with every key sampled (here 0.5x and 1x), 0.04 and 0.06 at 1 in 8 or more
-    often (the what-if tiers of 2x and 4x)."""
+    what-if figures match full runs of those sizes: within 0.01 hit ratio and 0.02 writes
+    per reference with every key sampled (here 0.5x, and 1x, which the exact worlds give),
+    0.04 and 0.06 at 1 in 8 or more often (the what-if tiers of 2x and 4x)."""
     workload = generate(mix, num_requests=800, seed=3, block_tokens=block_tokens, rate=rate)
     capacity = 600
     _, _, layer = replay(workload, capacity, admission="recommended")
     assert layer is not None and layer.minisim.bits == 0
-    figures = {(f.candidate, f.capacity_factor): f for f in layer.minisim.figures(True)}
+    assert not layer.minisim.decides  # a mirroring tier: the worlds are its 1x figures
+    figures = {(f.candidate, f.capacity_factor): f for f in layer.whatif(cumulative=True)}
+    assert len(figures) == len(layer.whatif(cumulative=True)) == 12
     for factor in (0.5, 1.0, 2.0, 4.0):
         size = int(capacity * factor)
         for name, kwargs in ((STORE_ALL, {}), (FILTER, {"store_threshold": 2})):
@@ -507,7 +509,8 @@ def test_what_if_figures_match_full_runs(
 
 
 def test_sampled_what_if_figures_stay_close_to_full_runs() -> None:
-    """At a sampling rate of 1 in 4 the 1x store-everything figure is within 0.02."""
+    """At a sampling rate of 1 in 8 (262 keys) the 0.5x store-everything and filter figures
+    are within 0.02 of full runs; the 1x figure, the exact world's, equals the full run."""
     workload = generate(
         {"chat": 0.7, "rag": 0.3}, num_requests=1000, seed=5, block_tokens=16, rate=4.0
     )
@@ -515,11 +518,16 @@ def test_sampled_what_if_figures_stay_close_to_full_runs() -> None:
     assert sampling_bits(capacity) == 2
     hit, writes, layer = replay(workload, capacity, admission="recommended")
     assert layer is not None
+    figures = {(f.candidate, f.capacity_factor): f for f in layer.whatif(cumulative=True)}
     everything, everything_writes, _ = replay(workload, capacity)
-    figures = {(f.candidate, f.capacity_factor): f for f in layer.minisim.figures(True)}
-    assert figures[STORE_ALL, 1.0].sampling_rate == 0.25
-    assert figures[STORE_ALL, 1.0].hit_ratio == pytest.approx(everything, abs=0.02)
-    assert figures[STORE_ALL, 1.0].writes_per_ref == pytest.approx(everything_writes, abs=0.04)
+    assert figures[STORE_ALL, 1.0].sampling_rate == 1.0
+    assert figures[STORE_ALL, 1.0].hit_ratio == pytest.approx(everything, abs=1e-9)
+    assert figures[STORE_ALL, 1.0].writes_per_ref == pytest.approx(everything_writes, abs=1e-9)
+    for name, kwargs in ((STORE_ALL, {}), (FILTER, {"store_threshold": 2})):
+        half, half_writes, _ = replay(workload, capacity // 2, **kwargs)
+        assert figures[name, 0.5].sampling_rate == 0.125
+        assert figures[name, 0.5].hit_ratio == pytest.approx(half, abs=0.02)
+        assert figures[name, 0.5].writes_per_ref == pytest.approx(half_writes, abs=0.04)
     assert writes <= everything_writes and hit > 0
 
 
@@ -561,8 +569,12 @@ def test_mini_tier_counts_a_hit_only_in_the_leading_run_and_not_behind_a_gap() -
 
 
 def test_mini_simulation_checks_its_arguments() -> None:
-    with pytest.raises(InvalidArgumentError, match="include 1"):
-        MiniSimulation(100, LRUCachePolicy, [STORE_ALL], (0.5, 2.0))
+    with pytest.raises(InvalidArgumentError, match="capacity factors"):
+        MiniSimulation(100, LRUCachePolicy, [STORE_ALL], (0.5, 0.0))
+    with pytest.raises(InvalidArgumentError, match="capacity factors"):
+        MiniSimulation(100, LRUCachePolicy, [STORE_ALL], ())
+    with pytest.raises(InvalidArgumentError, match="no 1x tiers"):
+        MiniSimulation(100, LRUCachePolicy, [STORE_ALL], (0.5, 2.0)).scores()
     with pytest.raises(InvalidArgumentError, match="window_tiers"):
         MiniSimulation(100, LRUCachePolicy, [STORE_ALL], window_tiers=0.0)
     assert sampling_bits(100_000) == 6 and sampling_bits(1000) == 0

@@ -21,6 +21,8 @@ from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import compress, count
+from operator import not_
 
 import numpy as np
 
@@ -209,7 +211,13 @@ class LRUMiniTier(MiniTier):
             self.total_hits += run
         return run
 
-    def store(self, keys: Sequence[OffloadKey], behind_gap: Sequence[bool] = ()) -> int:
+    def store(
+        self,
+        keys: Sequence[OffloadKey],
+        behind_gap: Sequence[bool] = (),
+        request: Sequence[OffloadKey] = (),
+    ) -> int:
+        """See :meth:`MiniTier.store`; ``request``: see :meth:`_insert`."""
         order = self._order
         get = order.get
         new: dict[OffloadKey, bool] = {}
@@ -230,7 +238,7 @@ class LRUMiniTier(MiniTier):
                     order[key] = False
         if not new:
             return 0
-        return self._insert(new, keys)
+        return self._insert(new, keys, request)
 
     def store_admitted(
         self,
@@ -238,9 +246,11 @@ class LRUMiniTier(MiniTier):
         at: Sequence[int],
         keep: Collection[OffloadKey] | None,
         gap: int,
+        request: Sequence[OffloadKey] = (),
     ) -> int:
+        """See :meth:`MiniTier.store_admitted`; ``request``: see :meth:`_insert`."""
         if keep is None:
-            return self.store(keys)
+            return self.store(keys, request=request)
         # The generic path's filtering and :meth:`store`'s gap path in one pass.
         order = self._order
         get = order.get
@@ -257,18 +267,34 @@ class LRUMiniTier(MiniTier):
                     order[key] = False
         if not new:
             return 0
-        return self._insert(new, stored)
+        return self._insert(new, stored, request)
 
-    def _insert(self, new: dict[OffloadKey, bool], keys: Sequence[OffloadKey]) -> int:
+    def _insert(
+        self,
+        new: dict[OffloadKey, bool],
+        keys: Sequence[OffloadKey],
+        request: Sequence[OffloadKey] = (),
+    ) -> int:
         """Write ``new`` (not held: key -> unreachable), evicting the oldest keys outside
-        ``keys``; how many were written (none if ``keys`` leave too little room)."""
+        ``keys``; how many were written (none if ``keys`` leave too little room).
+
+        ``request``: the keys of the request storing ``keys``, which the caller makes
+        recent after the store instead of before it (one touch, not two). They then
+        leave last, as if touched first: the others are evicted first, and where too few
+        others are held the request is touched here first. The order after the caller's
+        touch is the order that touching, storing and touching again gives."""
         order = self._order
         need = len(new) - (self.capacity - len(order))
         if need > 0:
-            protected = set(keys)
-            # The held keys of ``keys`` cannot leave: too few others, no write.
-            if len(order) - (len(protected) - len(new)) < need:
-                return 0
+            if request and len(order) - len(request) >= need:
+                protected = set(request)
+            else:
+                if request:
+                    self.touch(request)
+                protected = set(keys)
+                # The held keys of ``keys`` cannot leave: too few others, no write.
+                if len(order) - (len(protected) - len(new)) < need:
+                    return 0
             # The oldest unprotected keys leave, popped from the old end; a protected key
             # met there goes back to its place.
             popitem = order.popitem
@@ -474,8 +500,10 @@ class MiniSimulation:
     """One mini-tier per (candidate, capacity factor), fed the same sampled keys.
 
     ``factors`` are capacities relative to the tier's; the 1x tier of each
-    candidate, which the choice uses, is sampled at the base rate ``2**-bits``,
-    the others at a sparser rate (see :meth:`_bits_of`).
+    candidate, which a lower tier's choice uses, is sampled at the base rate
+    ``2**-bits``, the others at a sparser rate (see :meth:`_bits_of`). Without 1x
+    among them (a mirroring tier, whose exact worlds give the 1x figures) there are
+    no decision tiers and no :meth:`scores`.
     """
 
     def __init__(
@@ -490,11 +518,13 @@ class MiniSimulation:
     ) -> None:
         if capacity < 1:
             raise InvalidArgumentError(f"mini-simulation capacity must be >= 1, got {capacity}")
-        if 1.0 not in factors or any(f <= 0 for f in factors):
-            raise InvalidArgumentError(f"capacity factors must be > 0 and include 1, got {factors}")
+        if not factors or any(f <= 0 for f in factors):
+            raise InvalidArgumentError(f"capacity factors must be > 0, got {factors}")
         self.bits = sampling_bits(capacity) if bits is None else bits
         self.candidates = list(candidates)
         self.factors = sorted(factors)
+        self.decides = 1.0 in self.factors
+        """Whether it runs the 1x tiers that :meth:`scores` ranks."""
         factor_bits = {f: self._bits_of(capacity, f) for f in self.factors}
         level_bits = sorted(set(factor_bits.values()))
         self._levels = [_Level(b) for b in level_bits]
@@ -511,14 +541,15 @@ class MiniSimulation:
         self._by_level = self._group_by_level()
         self._tiers_of = [[tier for _, tier in tiers] for tiers in self._by_level]
         """Per level, its mini-tiers alone."""
-        base_keys = self.tiers[self.candidates[0], 1.0][0].capacity
+        base_keys = max(1, round(capacity / (1 << level_bits[0])))
+        """A 1x tier's keys at the densest rate: the window's unit."""
         if not window_tiers > 0:
             raise InvalidArgumentError(f"window_tiers must be > 0, got {window_tiers}")
         self.window = window_tiers * base_keys
         """Sampled references between two halvings of the windowed counters."""
         self._since_halving = 0.0
         self.seen = 0
-        """Sampled references at the base rate since the start (never halved)."""
+        """Sampled references at the densest rate since the start (never halved)."""
         self._open: OrderedDict[OffloadKey, _Open] = OrderedDict()
         self._admit_all: dict[str, tuple[Collection[OffloadKey] | None, int]] = {
             name: (None, 0) for name in self.candidates
@@ -543,7 +574,7 @@ class MiniSimulation:
 
     @property
     def refs(self) -> float:
-        """Sampled references at the base rate (halved with the other counters)."""
+        """Sampled references at the densest rate (halved with the other counters)."""
         return self._levels[0].refs
 
     def _scale(self, level: _Level, cumulative: bool) -> tuple[float, float, float]:
@@ -671,9 +702,11 @@ class MiniSimulation:
         if entry is None:
             return
         chosen: dict[str, tuple[Collection[OffloadKey] | None, int]] = {}
+        n = len(offered)
         for name, keys in held.items():
-            gap = next((i for i, key in enumerate(offered) if key not in keys), len(offered))
-            chosen[name] = (None, gap) if gap == len(offered) else (keys, gap)
+            # The first offered key the world lacks, found without a Python call per key.
+            gap = next(compress(count(), map(not_, map(keys.__contains__, offered))), n)
+            chosen[name] = (None, gap) if gap == n else (keys, gap)
         self._store(entry, offered, chosen)
 
     def on_full_hit(self, last: OffloadKey) -> None:
@@ -685,7 +718,7 @@ class MiniSimulation:
 
     def _take(self, keys: Sequence[OffloadKey]) -> _Open | None:
         """Forget the open request ending at ``keys``' last key; it, if it has a sampled
-        lookup key to store (at the base rate, hence at every level: levels nest)."""
+        lookup key to store (at the densest rate, hence at every level: levels nest)."""
         entry = self._open.pop(keys[-1], None) if keys else None
         return entry if entry is not None and entry.suffix and entry.suffix[0] else None
 
@@ -697,7 +730,7 @@ class MiniSimulation:
     ) -> None:
         """Store ``entry``'s sampled lookup keys per candidate: ``chosen`` gives each its
         admitted keys (``None``: every offered key) and the offer index of its first key
-        left out (at least one sampled key at the base rate, hence at every level)."""
+        left out (at least one sampled key at the densest rate, hence at every level)."""
         n = len(offered)
         everything = all(keep is None for keep, _ in chosen.values())
         for sampled, from_end, requested, tiers in zip(
@@ -749,6 +782,8 @@ class MiniSimulation:
 
     def scores(self) -> dict[str, tuple[float, float]]:
         """``candidate -> (tier hits, writes)`` per block reference, at 1x capacity."""
+        if not self.decides:
+            raise InvalidArgumentError("this mini-simulation runs no 1x tiers to score")
         _, reach, sampled = self._scale(self._levels[0], cumulative=False)
         scale = reach / sampled if sampled else 0.0
         return {

@@ -41,9 +41,10 @@ changes only when the current candidate falls out of that set by a margin and
 not within a dwell after a switch (hysteresis). Store-everything is followed
 until a world's tier fills: before that, no rule has lost a hit.
 
-A :class:`~kvoffload.admission.minisim.MiniSimulation` on hash-sampled keys
-gives the what-if figures: each candidate at other capacities, storing what its
-world holds (what a tier mirroring that world stores).
+The worlds are the 1x what-if figures, exactly. A
+:class:`~kvoffload.admission.minisim.MiniSimulation` on hash-sampled keys gives
+the others: each candidate at other capacities, storing what its world holds
+(what a tier mirroring that world stores).
 
 A lower tier of the tiered manager is only told of lookups, and offered what the
 tier above evicts: it cannot mirror. There each candidate rule also runs fed what
@@ -256,9 +257,8 @@ class OptimisingAdmission(AdmissionLayer):
         """The candidate rules fed what the real tier answers: only a tier that does not
         mirror (see ``_offers_follow``) feeds them and chooses on their sampled figures."""
         policy = policy or tier_policy(backing)
-        self.minisim = MiniSimulation(
-            capacity, policy, CANDIDATES, WHATIF_FACTORS, window_tiers, bits
-        )
+        self._minisim_args = (capacity, policy, CANDIDATES, window_tiers, bits)
+        self._minisim: MiniSimulation | None = None
         filter_probe, feedback_probe = Probe(), Probe()
         self._world_feedback = FeedbackAdmission(feedback_probe, capacity)
         self.worlds = Worlds(
@@ -304,6 +304,20 @@ class OptimisingAdmission(AdmissionLayer):
         lookups, and offered the blocks the tier above evicts; it stores what the chosen
         rule admits of them instead of mirroring."""
         self._hashed: tuple[Sequence[OffloadKey], np.ndarray] = ((), np.zeros(0, np.uint64))
+
+    @property
+    def minisim(self) -> MiniSimulation:
+        """The what-if mini-tiers, made at the first request, when it is known whether the
+        tier mirrors: a mirroring tier's exact worlds are its 1x figures, so only a tier
+        that does not mirror, which chooses on them, runs the sampled 1x tiers (made anew
+        if a tier that mirrored stops)."""
+        sim = self._minisim
+        if sim is None or not (sim.decides or self._mirrors):
+            capacity, policy, candidates, window_tiers, bits = self._minisim_args
+            factors = [f for f in WHATIF_FACTORS if f != 1.0 or not self._mirrors]
+            sim = MiniSimulation(capacity, policy, candidates, factors, window_tiers, bits)
+            self._minisim = sim
+        return sim
 
     def _hashes(self, keys: Sequence[OffloadKey]) -> np.ndarray:
         """Hashes of ``keys``: a slice of the last request's when they end that request."""
@@ -374,6 +388,8 @@ class OptimisingAdmission(AdmissionLayer):
         A later part of a request offered in parts (``counted`` > 0) counts only its new
         keys in the filter; the mini-tiers scored the request's lookup with its first part.
         """
+        if keys and (lookup_follows or will_offer):
+            self._offers_follow = True
         super().begin_request(
             keys,
             lookup_follows=lookup_follows,
@@ -382,11 +398,7 @@ class OptimisingAdmission(AdmissionLayer):
             tier_hit=tier_hit,
             gpu_held=gpu_held,
         )
-        if not keys:
-            return
-        if lookup_follows or will_offer:
-            self._offers_follow = True
-        if lookup_follows:
+        if not keys or lookup_follows:
             return
         if counted:
             self._pending = None  # a later part: the worlds ran the request with its first
@@ -406,6 +418,11 @@ class OptimisingAdmission(AdmissionLayer):
                 self.minisim.on_full_hit(keys[-1])
 
     def end_request(self, keys: Sequence[OffloadKey]) -> None:
+        """See :meth:`AdmissionLayer.end_request`; a request never looked up (the GPU held
+        all of it) runs through the worlds here, so that the last one counts too."""
+        pending = self._pending
+        if pending is not None and keys and pending[-1] == keys[-1]:
+            self._run_worlds(len(pending))
         if self.feedback.announced:
             self.feedback.end_request(keys)
         super().end_request(keys)
@@ -600,9 +617,17 @@ class OptimisingAdmission(AdmissionLayer):
             dwell = self.params.dwell_tiers * self.capacity
             self._dwell_until = self._seen + min(dwell, DWELL_SHARE * self._seen)
 
-    def whatif(self) -> list[WhatIf]:
-        """Every candidate at every capacity factor, as the mini-tiers see recent traffic."""
-        return self.minisim.figures()
+    def whatif(self, cumulative: bool = False) -> list[WhatIf]:
+        """Every candidate at every capacity factor over recent traffic (``cumulative``:
+        since the start): the mini-tiers' figures, and at 1x the exact worlds' where the
+        mini-tiers run none."""
+        sim = self.minisim
+        figures = sim.figures(cumulative)
+        if not sim.decides:
+            figures += self.worlds.figures(cumulative)
+            order = {name: index for index, name in enumerate(CANDIDATES)}
+            figures.sort(key=lambda f: (f.capacity_factor, order[f.candidate]))
+        return figures
 
     def stats(self) -> AdmissionStats:
         rules = [self._world_feedback.stats()]
@@ -625,7 +650,7 @@ class OptimisingAdmission(AdmissionLayer):
             counted,
             candidate=self.chosen,
             whatif=tuple(self.whatif()),
-            whatif_total=tuple(self.minisim.figures(cumulative=True)),
+            whatif_total=tuple(self.whatif(cumulative=True)),
         )
 
 

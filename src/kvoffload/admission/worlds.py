@@ -13,7 +13,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvoffload.admission.base import AdmissionLayer
-from kvoffload.admission.minisim import BYTES_PER_MINI_KEY, MiniTier, admitted_set, mini_tier
+from kvoffload.admission.minisim import (
+    BYTES_PER_MINI_KEY,
+    LRUMiniTier,
+    MiniTier,
+    WhatIf,
+    admitted_set,
+    mini_tier,
+)
 from kvoffload.admission.reuse_filter import FilterReusedOffloadingManager
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
@@ -52,7 +59,8 @@ class World:
     key made recent, the keys past the GPU hit looked up (the leading run held
     is the hit), the rest offered and the admitted part written, a block behind
     a refused one written but unreachable, and every key made recent again
-    after a write.
+    after a write. An LRU tier makes the keys recent once, after the store, which
+    leaves the same order (:meth:`LRUMiniTier._insert`).
     """
 
     def __init__(
@@ -65,6 +73,7 @@ class World:
         if (rule is None) != (probe is None):
             raise ValueError("a world's rule and its probe go together")
         self.tier: MiniTier = mini_tier(capacity, policy)
+        self._lru = self.tier if isinstance(self.tier, LRUMiniTier) else None
         self.held = self.tier.held
         """The tier's held keys: what a tier mirroring this world may keep."""
         self.rule = rule
@@ -79,22 +88,34 @@ class World:
         return key in self.tier
 
     def request(self, keys: Sequence[OffloadKey], gpu_held: int) -> None:
-        tier, rule = self.tier, self.rule
-        tier.touch(keys)
+        lru = self._lru
+        if lru is None:
+            self._request(keys, gpu_held)
+        else:
+            self._request_lru(lru, keys, gpu_held)
+
+    def _lookup(self, keys: Sequence[OffloadKey], gpu_held: int) -> list[OffloadKey]:
+        """The request's lookup, counted and shown to the rule; the keys it offers."""
+        rule = self.rule
         if isinstance(rule, AdmissionLayer):
             rule.begin_request(keys, lookup_follows=True)
         looked = keys[gpu_held:] if gpu_held else keys
         if not looked:
-            return
-        found = tier.hit_run(looked)
+            return []
+        found = self.tier.hit_run(looked)
         self.hits += found
         if rule is not None and self.probe is not None:
             self.probe.found = found
             rule.lookup(looked if isinstance(looked, list) else list(looked))
         offered = looked[found:]
+        return list(dict.fromkeys(offered)) if offered else []
+
+    def _request(self, keys: Sequence[OffloadKey], gpu_held: int) -> None:
+        tier, rule = self.tier, self.rule
+        tier.touch(keys)
+        offered = self._lookup(keys, gpu_held)
         if not offered:
             return
-        offered = list(dict.fromkeys(offered))
         if rule is None:
             written = tier.store(offered)
         else:
@@ -104,10 +125,25 @@ class World:
             self.writes += written
             tier.touch(keys)
 
+    def _request_lru(self, tier: LRUMiniTier, keys: Sequence[OffloadKey], gpu_held: int) -> None:
+        """:meth:`_request` with one touch, after the store (the same order)."""
+        rule = self.rule
+        offered = self._lookup(keys, gpu_held)
+        if offered:
+            if rule is None:
+                written = tier.store(offered, request=keys)
+            else:
+                keep, gap = admitted_set(offered, rule.admit(offered))
+                written = tier.store_admitted(offered, range(len(offered)), keep, gap, keys)
+            self.writes += written
+        tier.touch(keys)
+
 
 class Worlds:
     """The candidates' worlds, fed the same requests; windowed hits and writes per
-    reference (halved every ``window`` references) for the choice."""
+    reference (halved every ``window`` references) for the choice, and the same since the
+    start: each world is its rule at the tier's own size, so they are the exact 1x
+    what-if figures of a mirroring tier."""
 
     def __init__(self, worlds: Mapping[str, World], window: float) -> None:
         if not window > 0:
@@ -115,6 +151,10 @@ class Worlds:
         self.worlds = dict(worlds)
         self.window = window
         self.refs = 0.0
+        self.gpu_hits = 0.0
+        """Keys the GPU held, halved with :attr:`refs`."""
+        self.total_refs = 0
+        self.total_gpu_hits = 0
         self._since_halving = 0.0
 
     def __getitem__(self, name: str) -> World:
@@ -125,9 +165,13 @@ class Worlds:
             world.request(keys, gpu_held)
         n = len(keys)
         self.refs += n
+        self.gpu_hits += gpu_held
+        self.total_refs += n
+        self.total_gpu_hits += gpu_held
         self._since_halving += n
         if self._since_halving >= self.window:
             self.refs /= 2
+            self.gpu_hits /= 2
             for world in self.worlds.values():
                 world.hits /= 2
                 world.writes /= 2
@@ -153,6 +197,28 @@ class Worlds:
         """``candidate -> (tier hits, writes)`` per block reference over the window."""
         refs = self.refs or 1.0
         return {name: (w.hits / refs, w.writes / refs) for name, w in self.worlds.items()}
+
+    def figures(self, cumulative: bool = False) -> list[WhatIf]:
+        """Each world as a what-if figure at 1x: total hits (GPU and tier) and writes per
+        reference over the window (``cumulative``: since the start)."""
+        refs = float(self.total_refs if cumulative else self.refs)
+        gpu = float(self.total_gpu_hits if cumulative else self.gpu_hits)
+        result = []
+        for name, world in self.worlds.items():
+            tier = world.tier
+            hits = float(tier.total_hits) if cumulative else world.hits
+            writes = float(tier.total_writes) if cumulative else world.writes
+            result.append(
+                WhatIf(
+                    candidate=name,
+                    capacity_factor=1.0,
+                    hit_ratio=(gpu + hits) / refs if refs else 0.0,
+                    writes_per_ref=writes / refs if refs else 0.0,
+                    capacity=tier.capacity,
+                    sampling_rate=1.0,
+                )
+            )
+        return result
 
     @property
     def memory_bytes(self) -> int:
