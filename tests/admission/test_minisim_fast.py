@@ -50,6 +50,30 @@ def test_a_specialised_mini_tier_decides_as_the_generic_one(
         assert fast.writes > capacity  # evictions happened
 
 
+def test_an_lru_store_that_touches_its_request_after_orders_as_touch_store_touch() -> None:
+    """``LRUMiniTier.store(..., request=r)`` followed by one touch of ``r`` leaves the
+    held keys, their order and the counts of touching ``r``, storing and touching again
+    on the generic tier (the worlds' one-touch path), through evictions where too few
+    keys outside the request are held."""
+    for seed in range(40):
+        rng = random.Random(seed)
+        capacity = rng.randint(1, 10)
+        fast, generic = LRUMiniTier(capacity), MiniTier(capacity, LRUCachePolicy)
+        for _ in range(300):
+            request = [block_id_key(rng.randrange(20)) for _ in range(rng.randint(1, 7))]
+            offered = list(dict.fromkeys(k for k in request if rng.random() < 0.7))
+            generic.touch(request)
+            written = generic.store(offered)
+            if written:
+                generic.touch(request)
+            assert fast.store(offered, request=request) == written
+            fast.touch(request)
+            order = [key for key in generic.policy.coldest() or ()]
+            assert list(fast._order) == order
+        assert (fast.writes, fast.total_writes) == (generic.writes, generic.total_writes)
+        assert fast.writes > capacity
+
+
 def drive(simulation: MiniSimulation, seed: int) -> None:
     """A seeded stream of requests sharing prefixes, looked up past a GPU hit and offered
     with each candidate admitting its own part (some all, some a prefix, some scattered)."""
