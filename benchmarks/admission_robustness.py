@@ -26,7 +26,10 @@ A shape varies what the table holds fixed:
 It prints one row per shape and a summary: the goal count, the minimum,
 10th percentile and median hit margin, the worst shapes, how often the
 recommended configuration writes more than the better baseline, and its
-worst writes ratios (against the better baseline and store-everything).
+worst writes ratios (against the better baseline and store-everything). The
+margin is also given in tier-fulls of hits (margin x references / tier blocks):
+the unit of ``admission_lower_bound.py``, where any online rule can be made to
+miss half a tier-full, whatever the run's length.
 
     python benchmarks/admission_robustness.py [--shapes N] [--seed S] [--jobs J] [--json PATH]
                                               [--baselines DIR] [--write-budget W]
@@ -198,6 +201,9 @@ def run_shape(
         "traffic": shape.describe(),
         **row,
         "writes vs store-all": ours / everything if everything else float("inf"),
+        "margin tier-fulls": float(row["hit margin"])
+        * int(row["refs"])
+        / max(1, int(row["cpu_blocks"])),
     }
 
 
@@ -231,6 +237,7 @@ def summarise(rows: list[Row], write_budget: float | None = None) -> Row:
     versus_all = [r["writes vs store-all"] for r in rows]
     finite = [x for x in ratios if math.isfinite(x)]
     worst = sorted(rows, key=lambda r: r["hit margin"])[:WORST]
+    in_tiers = sorted(rows, key=lambda r: r["margin tier-fulls"])
     budget: Row = {}
     if write_budget is not None:
         writes = [float(r["recommended writes"]) for r in rows]
@@ -253,6 +260,8 @@ def summarise(rows: list[Row], write_budget: float | None = None) -> Row:
         "writes more than store-all": sum(x > 1.0 for x in versus_all),
         "worst writes vs store-all": max(versus_all),
         "worst shapes": [r["index"] for r in worst],
+        "min margin tier-fulls": in_tiers[0]["margin tier-fulls"],
+        "worst shapes in tier-fulls": [r["index"] for r in in_tiers[:WORST]],
         **budget,
     }
 
@@ -288,6 +297,10 @@ def _print_summary(summary: Row, rows: list[Row]) -> None:
         f"{summary['losses']} shapes lose more than {LOSS}"
     )
     print(
+        f"hit margin in tier-fulls of hits: min {summary['min margin tier-fulls']:+.3f} "
+        f"(shapes {', '.join(f'#{i}' for i in summary['worst shapes in tier-fulls'][:3])})"
+    )
+    print(
         f"writes more than the better baseline on {summary['writes more than better']:.0%} "
         f"of shapes (the better baseline writes nothing on {summary['better writes nothing']}); "
         f"worst writes ratio {summary['worst writes ratio']:.2f}x"
@@ -308,7 +321,8 @@ def _print_summary(summary: Row, rows: list[Row]) -> None:
         print(
             f"  #{index} {r['traffic']}, tier {r['cpu_share']:.1%}, "
             f"GPU {r['gpu_blocks'] / r['unique_blocks']:.1%}: "
-            f"{r['hit margin']:+.4f} vs {r['better baseline']}, "
+            f"{r['hit margin']:+.4f} ({r['margin tier-fulls']:+.3f} tier-fulls) "
+            f"vs {r['better baseline']}, "
             f"{r['writes ratio']:.2f}x writes"
         )
 

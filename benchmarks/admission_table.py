@@ -130,6 +130,7 @@ def compare(
         "gpu_blocks": gpu,
         "cpu_blocks": cpu,
         "unique_blocks": unique,
+        "refs": sum(len(r.keys) for r in workload.requests),
         **{f"{label} hit": figures[label][0] for label in CONFIGS},
         **{f"{label} writes": figures[label][1] for label in CONFIGS},
         "belady hit": belady,

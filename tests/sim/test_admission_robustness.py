@@ -110,16 +110,29 @@ def test_percentile_interpolates_between_ranks() -> None:
 
 def test_summary_counts_losses_and_the_worst_shapes() -> None:
     rows = [
-        {"index": i, "hit margin": m, "writes ratio": w, "writes vs store-all": a, "goal met": g}
-        for i, (m, w, a, g) in enumerate(
-            [(0.02, 0.5, 0.4, True), (-0.01, 1.5, 0.9, False), (0.0, float("inf"), 0.01, False)]
+        {
+            "index": i,
+            "hit margin": m,
+            "writes ratio": w,
+            "writes vs store-all": a,
+            "goal met": g,
+            "margin tier-fulls": t,
+        }
+        for i, (m, w, a, g, t) in enumerate(
+            [
+                (0.02, 0.5, 0.4, True, 0.3),
+                (-0.01, 1.5, 0.9, False, -0.1),
+                (-0.001, float("inf"), 0.01, False, -0.4),
+            ]
         )
     ]
     summary = robust.summarise(rows)
+    assert summary["min margin tier-fulls"] == -0.4  # a long run's small margin
+    assert summary["worst shapes in tier-fulls"] == [2, 1, 0]
     assert summary["goal met"] == 1
     assert summary["losses"] == 1
     assert summary["min hit margin"] == -0.01
-    assert summary["worst shapes"][:2] == [1, 2]
+    assert summary["worst shapes"] == [1, 2, 0]
     assert summary["better writes nothing"] == 1
     assert summary["worst writes ratio"] == 1.5
     assert summary["writes more than better"] == pytest.approx(2 / 3)
@@ -140,6 +153,11 @@ def test_kept_baselines_give_the_same_row_and_skip_the_baseline_runs(tmp_path: P
         block_tokens=32,
     )
     fresh = robust.run_shape(shape)
+    refs = sum(len(r.keys) for r in shape.load().requests)
+    assert fresh["refs"] == refs
+    assert fresh["margin tier-fulls"] == pytest.approx(
+        fresh["hit margin"] * refs / fresh["cpu_blocks"]
+    )
     first = robust.run_shape(shape, tmp_path)
     (kept,) = tmp_path.iterdir()
     assert robust.run_shape(shape, tmp_path) == first == fresh
