@@ -4,26 +4,12 @@ the same blocks at the branch in both runs misses half a tier-full in one of the
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
+from benchmark_scripts import load_benchmark
 
 from kvoffload.managers import build_manager
 from kvoffload.sim.engine import EngineConfig, ServingEngine
 
-
-def _load_script() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "admission_lower_bound.py"
-    spec = importlib.util.spec_from_file_location("admission_lower_bound", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bound = _load_script()
+bound = load_benchmark("admission_lower_bound")
 CAPACITY = 40
 
 

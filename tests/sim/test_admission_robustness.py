@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from benchmark_scripts import load_benchmark
 
-
-def _load_script() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "admission_robustness.py"
-    spec = importlib.util.spec_from_file_location("admission_robustness", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it runs
-    spec.loader.exec_module(module)
-    return module
-
-
-robust = _load_script()
+robust = load_benchmark("admission_robustness")
 
 
 def test_the_same_seed_draws_the_same_shapes() -> None:

@@ -3,27 +3,13 @@ prefix hit become recent in the tier, through the engine's call order."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
+from benchmark_scripts import load_benchmark
 
 from kvoffload import block_id_key
 from kvoffload.managers import build_manager
 from kvoffload.managers.cpu import CPUOffloadingManager
 
-
-def _load_script() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_exclusive.py"
-    spec = importlib.util.spec_from_file_location("gpu_exclusive", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-exclusive = _load_script()
+exclusive = load_benchmark("gpu_exclusive")
 
 
 def test_only_blocks_past_the_gpu_hit_become_recent() -> None:
