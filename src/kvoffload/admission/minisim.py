@@ -21,8 +21,6 @@ from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import compress, count
-from operator import not_
 
 import numpy as np
 
@@ -704,8 +702,7 @@ class MiniSimulation:
         chosen: dict[str, tuple[Collection[OffloadKey] | None, int]] = {}
         n = len(offered)
         for name, keys in held.items():
-            # The first offered key the world lacks, found without a Python call per key.
-            gap = next(compress(count(), map(not_, map(keys.__contains__, offered))), n)
+            gap = next((i for i, key in enumerate(offered) if key not in keys), n)
             chosen[name] = (None, gap) if gap == n else (keys, gap)
         self._store(entry, offered, chosen)
 
