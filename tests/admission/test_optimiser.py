@@ -634,3 +634,18 @@ def test_stats_numbers_are_the_numeric_counters_only() -> None:
     assert numbers["offers"] == stats.offers and numbers["admitted"] == stats.admitted
     assert numbers["rejected"] == stats.rejected and numbers["control"] == stats.control
     assert numbers["memory_bytes"] == stats.memory_bytes > 0
+
+
+def test_a_last_request_the_gpu_held_whole_counts_in_the_worlds() -> None:
+    """A request the GPU cache holds whole is never looked up; its worlds run when it ends,
+    so that the worlds' references and GPU hits (the 1x what-if figures) equal the run's."""
+    first = [block_id_key(i) for i in range(4)]
+    requests = [Request(0.0, 64, 1, first), Request(1.0, 64, 1, list(first))]
+    manager = build_manager(16, "lru", admission="recommended")
+    assert isinstance(manager, OptimisingAdmission)
+    stats = ServingEngine(EngineConfig(8, 1, 16), manager).run(requests)
+    assert stats.gpu_hit_blocks == 4  # the second request: the GPU held all of it
+    assert manager.worlds.total_refs == stats.refs == 8
+    assert manager.worlds.total_gpu_hits == 4
+    figures = {(f.candidate, f.capacity_factor): f for f in manager.whatif(cumulative=True)}
+    assert figures[STORE_ALL, 1.0].hit_ratio == pytest.approx(4 / 8)  # the GPU's, no tier hit
