@@ -10,8 +10,10 @@ sees the same requests until the branch, so its tier holds the same blocks there
 both runs, at most ``capacity`` of the ``2 x capacity`` in P and O: whatever it keeps,
 it misses at least ``capacity / 2`` blocks that the better baseline hits, in A or in B.
 Over the ``9 x capacity`` references of a run that is 1/18 (0.056) of the hit ratio,
-whatever ``capacity`` is, far past the 0.003 the goal allows; a run of ``N`` references
-that ends the same way loses ``capacity / 2N``, below 0.003 only past 167 tier-fulls.
+whatever ``capacity`` is, far past the 0.003 the goal allows. A longer run that ends the
+same way loses ``capacity / 2N`` of ``N`` references, but traffic that repeats the branch,
+each time asking for what the rule's tier holds less of, keeps the loss of a rule that
+follows one world at a time at 1/18 whatever the length.
 Each request is one block (no prefix effect) and the GPU cache holds one.
 
 The script runs store-everything, the seed filter and the recommended configuration on
