@@ -13,7 +13,7 @@ Over the ``9 x capacity`` references of a run that is 1/18 (0.056) of the hit ra
 whatever ``capacity`` is, far past the 0.003 the goal allows. A longer run that ends the
 same way loses ``capacity / 2N`` of ``N`` references, but traffic that repeats the branch,
 each time asking for what the rule's tier holds less of, keeps the loss of a rule that
-follows one world at a time at 1/18 whatever the length.
+follows one world at a time at 1/18 or more, whatever the length.
 Each request is one block (no prefix effect) and the GPU cache holds one.
 
 The script runs store-everything, the seed filter and the recommended configuration on
