@@ -649,3 +649,28 @@ def test_a_last_request_the_gpu_held_whole_counts_in_the_worlds() -> None:
     assert manager.worlds.total_gpu_hits == 4
     figures = {(f.candidate, f.capacity_factor): f for f in manager.whatif(cumulative=True)}
     assert figures[STORE_ALL, 1.0].hit_ratio == pytest.approx(4 / 8)  # the GPU's, no tier hit
+
+
+def test_worlds_stay_the_baselines_when_a_request_repeats_its_keys() -> None:
+    """A request whose keys repeat (the API allows it) is deduplicated in each world as the
+    real tier's offer is, so every world still equals a full run of its rule (the feedback
+    rule counts a repeated offer twice otherwise); requests whose keys are distinct skip
+    that (the worlds' fast path)."""
+    workload = generate({"chat": 0.6, "rag": 0.4}, num_requests=300, seed=4, block_tokens=32)
+    for i, request in enumerate(workload.requests):
+        if i % 3 == 0:
+            request.keys = [*request.keys, *request.keys[:2], request.keys[-1]]
+    gpu, capacity = max(len(r.keys) for r in workload.requests), 1500
+    layer = build_manager(capacity, "lru", admission="recommended")
+    assert isinstance(layer, OptimisingAdmission)
+    ServingEngine(EngineConfig(gpu, 1, 32), layer).run(workload.requests)
+    rules = {STORE_ALL: {}, FILTER: {"store_threshold": 2}, FEEDBACK: {"admission": "feedback"}}
+    for name, kwargs in rules.items():
+        manager = build_manager(capacity, "lru", **kwargs)  # type: ignore[arg-type]
+        stats = ServingEngine(EngineConfig(gpu, 1, 32), manager).run(workload.requests)
+        tier = layer.worlds[name].tier
+        assert (tier.total_hits, tier.total_writes) == (
+            stats.offload_hit_blocks,
+            stats.stored_blocks,
+        )
+        assert stats.offload_hit_blocks > 0

@@ -87,14 +87,17 @@ class World:
     def __contains__(self, key: object) -> bool:
         return key in self.tier
 
-    def request(self, keys: Sequence[OffloadKey], gpu_held: int) -> None:
+    def request(self, keys: Sequence[OffloadKey], gpu_held: int, unique: bool = False) -> None:
+        """Run a request; ``unique``: its keys are known to be distinct (no deduplication)."""
         lru = self._lru
         if lru is None:
-            self._request(keys, gpu_held)
+            self._request(keys, gpu_held, unique)
         else:
-            self._request_lru(lru, keys, gpu_held)
+            self._request_lru(lru, keys, gpu_held, unique)
 
-    def _lookup(self, keys: Sequence[OffloadKey], gpu_held: int) -> list[OffloadKey]:
+    def _lookup(
+        self, keys: Sequence[OffloadKey], gpu_held: int, unique: bool = False
+    ) -> list[OffloadKey]:
         """The request's lookup, counted and shown to the rule; the keys it offers."""
         rule = self.rule
         if isinstance(rule, AdmissionLayer):
@@ -108,12 +111,14 @@ class World:
             self.probe.found = found
             rule.lookup(looked if isinstance(looked, list) else list(looked))
         offered = looked[found:]
-        return list(dict.fromkeys(offered)) if offered else []
+        if not offered:
+            return []
+        return offered if unique and type(offered) is list else list(dict.fromkeys(offered))
 
-    def _request(self, keys: Sequence[OffloadKey], gpu_held: int) -> None:
+    def _request(self, keys: Sequence[OffloadKey], gpu_held: int, unique: bool = False) -> None:
         tier, rule = self.tier, self.rule
         tier.touch(keys)
-        offered = self._lookup(keys, gpu_held)
+        offered = self._lookup(keys, gpu_held, unique)
         if not offered:
             return
         if rule is None:
@@ -125,10 +130,12 @@ class World:
             self.writes += written
             tier.touch(keys)
 
-    def _request_lru(self, tier: LRUMiniTier, keys: Sequence[OffloadKey], gpu_held: int) -> None:
+    def _request_lru(
+        self, tier: LRUMiniTier, keys: Sequence[OffloadKey], gpu_held: int, unique: bool = False
+    ) -> None:
         """:meth:`_request` with one touch, after the store (the same order)."""
         rule = self.rule
-        offered = self._lookup(keys, gpu_held)
+        offered = self._lookup(keys, gpu_held, unique)
         if offered:
             if rule is None:
                 written = tier.store(offered, request=keys)
@@ -161,9 +168,10 @@ class Worlds:
         return self.worlds[name]
 
     def request(self, keys: Sequence[OffloadKey], gpu_held: int) -> None:
-        for world in self.worlds.values():
-            world.request(keys, gpu_held)
         n = len(keys)
+        unique = len(set(keys)) == n
+        for world in self.worlds.values():
+            world.request(keys, gpu_held, unique)
         self.refs += n
         self.gpu_hits += gpu_held
         self.total_refs += n
