@@ -95,9 +95,7 @@ class World:
         else:
             self._request_lru(lru, keys, gpu_held, unique)
 
-    def _lookup(
-        self, keys: Sequence[OffloadKey], gpu_held: int, unique: bool = False
-    ) -> list[OffloadKey]:
+    def _lookup(self, keys: Sequence[OffloadKey], gpu_held: int, unique: bool) -> list[OffloadKey]:
         """The request's lookup, counted and shown to the rule; the keys it offers."""
         rule = self.rule
         if isinstance(rule, AdmissionLayer):
@@ -115,7 +113,7 @@ class World:
             return []
         return offered if unique and type(offered) is list else list(dict.fromkeys(offered))
 
-    def _request(self, keys: Sequence[OffloadKey], gpu_held: int, unique: bool = False) -> None:
+    def _request(self, keys: Sequence[OffloadKey], gpu_held: int, unique: bool) -> None:
         tier, rule = self.tier, self.rule
         tier.touch(keys)
         offered = self._lookup(keys, gpu_held, unique)
@@ -131,7 +129,7 @@ class World:
             tier.touch(keys)
 
     def _request_lru(
-        self, tier: LRUMiniTier, keys: Sequence[OffloadKey], gpu_held: int, unique: bool = False
+        self, tier: LRUMiniTier, keys: Sequence[OffloadKey], gpu_held: int, unique: bool
     ) -> None:
         """:meth:`_request` with one touch, after the store (the same order)."""
         rule = self.rule
