@@ -16,6 +16,7 @@ ratio and writes per block reference of both.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -73,13 +74,19 @@ class GPUExclusiveTouch(OffloadingManager):
 
 
 def run_row(row: str) -> str:
-    name, _, share = row.partition(":")
+    name, _, text = row.partition(":")
     if name not in WORKLOADS:
         raise SystemExit(f"unknown workload {name!r}: one of {', '.join(WORKLOADS)}")
+    try:
+        share = float(text)
+    except ValueError:
+        share = math.nan
+    if not 0 < share <= 1:
+        raise SystemExit(f"row {row!r}: the tier share must be a number in (0, 1], got {text!r}")
     workload = WORKLOADS[name].load()
     unique = unique_blocks(workload)
     gpu = max(int(GPU_SHARE * unique), max(len(r.keys) for r in workload.requests))
-    cpu = int(float(share) * unique)
+    cpu = int(share * unique)
     figures = []
     for exclusive in (False, True):
         manager: OffloadingManager = build_manager(cpu, "lru")
@@ -90,7 +97,7 @@ def run_row(row: str) -> str:
         )
         hit = (stats.gpu_hit_blocks + stats.offload_hit_blocks) / stats.refs
         figures.append(f"{hit:.4f} / {stats.stored_blocks / stats.refs:.3f}")
-    return f"| {name} | {float(share):.0%} ({cpu:,}) | {gpu:,} | {figures[0]} | {figures[1]} |"
+    return f"| {name} | {share:.0%} ({cpu:,}) | {gpu:,} | {figures[0]} | {figures[1]} |"
 
 
 def main() -> int:

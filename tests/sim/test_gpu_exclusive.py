@@ -3,6 +3,7 @@ prefix hit become recent in the tier, through the engine's call order."""
 
 from __future__ import annotations
 
+import pytest
 from benchmark_scripts import load_benchmark
 
 from kvoffload import block_id_key
@@ -45,3 +46,11 @@ def test_a_request_the_gpu_held_whole_makes_nothing_recent() -> None:
     manager.touch(keys[1:])
     assert manager.lookup(keys[2:]) == 1
     assert list(tier.policy.coldest()) == [keys[0], keys[1], keys[2]]
+
+
+@pytest.mark.parametrize(
+    "row", ["chat:abc", "chat:nan", "chat:-0.1", "chat:inf", "chat:", "chat:1.5"]
+)
+def test_a_bad_tier_share_stops_with_one_line(row: str) -> None:
+    with pytest.raises(SystemExit, match="tier share must be a number in"):
+        exclusive.run_row(row)
