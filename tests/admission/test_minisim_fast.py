@@ -21,16 +21,19 @@ from kvoffload.policies.s3fifo import S3FIFOCachePolicy
 SPECIALISED = [(LRUCachePolicy, LRUMiniTier), (S3FIFOCachePolicy, S3FIFOMiniTier)]
 
 
+@pytest.mark.parametrize("pending", [True, False])
 @pytest.mark.parametrize(("policy", "fast_class"), SPECIALISED)
 def test_a_specialised_mini_tier_decides_as_the_generic_one(
-    policy: type[CachePolicy], fast_class: type[MiniTier]
+    policy: type[CachePolicy], fast_class: type[MiniTier], pending: bool
 ) -> None:
     """Seeded streams of touches, hit runs and stores (with and without gaps) over a few
-    keys, so that evictions choose among touched, revived and unreachable keys."""
+    keys, so that evictions choose among touched, revived and unreachable keys; with and
+    without a store's blocks pending until the next touch."""
     for seed in range(30):
         rng = random.Random(seed)
         capacity = rng.randint(1, 8)
-        fast, generic = mini_tier(capacity, policy), MiniTier(capacity, policy)
+        fast = mini_tier(capacity, policy, pending=pending)
+        generic = MiniTier(capacity, policy, pending)
         assert type(fast) is fast_class
         for _ in range(300):
             keys = [block_id_key(rng.randrange(16)) for _ in range(rng.randint(0, 6))]

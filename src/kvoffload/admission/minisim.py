@@ -26,7 +26,7 @@ import numpy as np
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
-from kvoffload.policies.base import BlockStatus, CachePolicy
+from kvoffload.policies.base import PENDING_STORE, BlockStatus, CachePolicy
 from kvoffload.policies.lru import LRUCachePolicy
 from kvoffload.policies.s3fifo import MAX_FREQ as S3FIFO_MAX_FREQ
 from kvoffload.policies.s3fifo import SMALL_SHARE as S3FIFO_SMALL_SHARE
@@ -58,23 +58,36 @@ def sampling_bits(capacity: int, min_keys: int = MIN_MINI_KEYS, max_bits: int = 
 
 
 class MiniTier:
-    """A tier of ``capacity`` keys with no data, no slots and no pending stores."""
+    """A tier of ``capacity`` keys with no data and no slots.
+
+    With ``pending`` (the default) a store's blocks stay pending until the touch that
+    follows it, as the real tier's do until ``complete_store``: the engine (and vLLM's
+    connector) touches a request's keys again after ``prepare_store``, and a policy that
+    counts touches (ARC, S3-FIFO, SIEVE, SLRU) does not count that touch for a block still
+    pending, so the mini-tier is the real tier scaled down. Without it that touch promotes
+    every block just written, which the worlds keep on purpose
+    (:mod:`~kvoffload.admission.worlds`). Under LRU a touch only reorders: no difference.
+    """
 
     _keys: Mapping[OffloadKey, object]
     """The held keys (the specialised tiers keep them in their own structure)."""
 
-    def __init__(self, capacity: int, policy: type[CachePolicy]) -> None:
-        self._start(capacity)
+    def __init__(self, capacity: int, policy: type[CachePolicy], pending: bool = True) -> None:
+        self._start(capacity, pending)
         self.policy = policy(capacity)
         self._held: dict[OffloadKey, BlockStatus] = {}
         self._keys = self._held
         self._free: list[BlockStatus] = []
+        self._unsettled: list[BlockStatus] = []
+        """The last store's blocks while pending, until the touch after it."""
 
-    def _start(self, capacity: int) -> None:
+    def _start(self, capacity: int, pending: bool = True) -> None:
         """What every mini-tier starts with: its capacity, no unreachable keys, no counts."""
         if capacity < 1:
             raise InvalidArgumentError(f"mini-tier capacity must be >= 1, got {capacity}")
         self.capacity = capacity
+        self.pending = pending
+        """Whether a store's blocks stay pending until the touch after it (see the class)."""
         self._keys = {}
         self._dead: set[OffloadKey] = set()
         self.hits = 0.0
@@ -116,6 +129,7 @@ class MiniTier:
         it without a write. As the real tier does, an offer that cannot make
         room writes nothing.
         """
+        self._settle()
         held, dead = self._held, self._dead
         if behind_gap:
             new = []
@@ -147,8 +161,11 @@ class MiniTier:
                 dead.discard(key)
                 self._free.append(status)
         statuses = [self._free.pop() if self._free else BlockStatus(0) for _ in new]
+        state = PENDING_STORE if self.pending else 0
         for status in statuses:
-            status.ref_cnt = 0
+            status.ref_cnt = state
+        if self.pending:
+            self._unsettled = statuses
         held.update(zip(new, statuses, strict=True))
         dead.update(new_dead)
         self.policy.insert(new, statuses)
@@ -158,6 +175,14 @@ class MiniTier:
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self.policy.touch(keys)
+        self._settle()
+
+    def _settle(self) -> None:
+        """The last store's blocks are written (its ``complete_store``)."""
+        if self._unsettled:
+            for status in self._unsettled:
+                status.ref_cnt = 0
+            self._unsettled = []
 
     def store_admitted(
         self,
@@ -325,13 +350,14 @@ class S3FIFOMiniTier(MiniTier):
 
     The same decisions as the generic tier under
     :class:`~kvoffload.policies.s3fifo.S3FIFOCachePolicy` (a differential test
-    holds them equal): a mini-tier's blocks are always ready and unpinned, so
-    the policy's checks of a block's state fall away and no status objects are
-    kept; the held keys are the keys of the touch counts.
+    holds them equal): a mini-tier's blocks are never pinned and pending (with
+    ``pending``) only from a store to the touch after it, so the policy's checks
+    of a block's state come down to skipping the last store's keys in that touch,
+    and no status objects are kept; the held keys are the keys of the touch counts.
     """
 
-    def __init__(self, capacity: int) -> None:
-        self._start(capacity)
+    def __init__(self, capacity: int, pending: bool = True) -> None:
+        self._start(capacity, pending)
         self.small_target = max(1, int(capacity * S3FIFO_SMALL_SHARE))
         self._small: OrderedDict[OffloadKey, None] = OrderedDict()
         self._main: OrderedDict[OffloadKey, None] = OrderedDict()
@@ -339,8 +365,11 @@ class S3FIFOMiniTier(MiniTier):
         self._freq: dict[OffloadKey, int] = {}
         """Held keys and their touch counts."""
         self._keys = self._freq
+        self._fresh: Collection[OffloadKey] = ()
+        """The last store's keys, pending until the touch after it (not counted there)."""
 
     def store(self, keys: Sequence[OffloadKey], behind_gap: Sequence[bool] = ()) -> int:
+        self._fresh = ()
         held, dead = self._freq, self._dead
         new: dict[OffloadKey, bool] = {}
         if behind_gap:
@@ -376,6 +405,8 @@ class S3FIFOMiniTier(MiniTier):
             held[key] = 0
             if gap:
                 dead.add(key)
+        if self.pending:
+            self._fresh = new
         written = len(new)
         self.writes += written
         self.total_writes += written
@@ -431,24 +462,27 @@ class S3FIFOMiniTier(MiniTier):
         return None
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
-        freq = self._freq
+        freq, fresh = self._freq, self._fresh
         get = freq.get
         for key in keys:
             count = get(key)
-            if count is not None and count < S3FIFO_MAX_FREQ:
+            if count is not None and count < S3FIFO_MAX_FREQ and key not in fresh:
                 freq[key] = count + 1
+        self._fresh = ()
 
 
-def mini_tier(capacity: int, policy: type[CachePolicy], generic: bool = False) -> MiniTier:
+def mini_tier(
+    capacity: int, policy: type[CachePolicy], generic: bool = False, pending: bool = True
+) -> MiniTier:
     """A mini-tier under ``policy``: a specialised one where there is one (LRU, S3-FIFO),
-    unless ``generic``."""
+    unless ``generic``; ``pending``: see :class:`MiniTier`."""
     if generic:
-        return MiniTier(capacity, policy)
+        return MiniTier(capacity, policy, pending)
     if policy is LRUCachePolicy:
         return LRUMiniTier(capacity)
     if policy is S3FIFOCachePolicy:
-        return S3FIFOMiniTier(capacity)
-    return MiniTier(capacity, policy)
+        return S3FIFOMiniTier(capacity, pending)
+    return MiniTier(capacity, policy, pending)
 
 
 @dataclass(frozen=True)

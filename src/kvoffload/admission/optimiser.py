@@ -41,10 +41,12 @@ changes only when the current candidate falls out of that set by a margin and
 not within a dwell after a switch (hysteresis). Store-everything is followed
 until a world's tier fills: before that, no rule has lost a hit.
 
-The worlds are the 1x what-if figures, exactly. A
+Under LRU the worlds are the 1x what-if figures, exactly. A
 :class:`~kvoffload.admission.minisim.MiniSimulation` on hash-sampled keys gives
 the others: each candidate at other capacities, storing what its world holds
-(what a tier mirroring that world stores).
+(what a tier mirroring that world stores); under a policy whose worlds are
+approximations (:func:`~kvoffload.admission.worlds.exact_worlds`) its sampled
+1x mini-tiers give the 1x figures too.
 
 A lower tier of the tiered manager is only told of lookups, and offered what the
 tier above evicts: it cannot mirror. There each candidate rule also runs fed what
@@ -69,7 +71,7 @@ from kvoffload.admission.params import check_params, param
 from kvoffload.admission.registry import register_admission
 from kvoffload.admission.reuse_filter import FilterReusedOffloadingManager
 from kvoffload.admission.sketch import key_hashes
-from kvoffload.admission.worlds import Probe, World, Worlds
+from kvoffload.admission.worlds import Probe, World, Worlds, exact_worlds
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
@@ -259,6 +261,7 @@ class OptimisingAdmission(AdmissionLayer):
         policy = policy or tier_policy(backing)
         self._minisim_args = (capacity, policy, CANDIDATES, window_tiers, bits)
         self._minisim: MiniSimulation | None = None
+        self._exact_worlds = exact_worlds(policy)
         filter_probe, feedback_probe = Probe(), Probe()
         self._world_feedback = FeedbackAdmission(feedback_probe, capacity)
         self.worlds = Worlds(
@@ -309,12 +312,13 @@ class OptimisingAdmission(AdmissionLayer):
     def minisim(self) -> MiniSimulation:
         """The what-if mini-tiers, made at the first request, when it is known whether the
         tier mirrors: a mirroring tier's exact worlds are its 1x figures, so only a tier
-        that does not mirror, which chooses on them, runs the sampled 1x tiers (made anew
-        if a tier that mirrored stops)."""
+        that does not mirror, which chooses on them, or whose worlds are approximations
+        runs the sampled 1x tiers (made anew if a tier that mirrored stops)."""
         sim = self._minisim
-        if sim is None or not (sim.decides or self._mirrors):
+        worlds_at_1x = self._mirrors and self._exact_worlds
+        if sim is None or not (sim.decides or worlds_at_1x):
             capacity, policy, candidates, window_tiers, bits = self._minisim_args
-            factors = [f for f in WHATIF_FACTORS if f != 1.0 or not self._mirrors]
+            factors = [f for f in WHATIF_FACTORS if f != 1.0 or not worlds_at_1x]
             sim = MiniSimulation(capacity, policy, candidates, factors, window_tiers, bits)
             self._minisim = sim
         return sim
@@ -620,7 +624,7 @@ class OptimisingAdmission(AdmissionLayer):
     def whatif(self, cumulative: bool = False) -> list[WhatIf]:
         """Every candidate at every capacity factor over recent traffic (``cumulative``:
         since the start): the mini-tiers' figures, and at 1x the exact worlds' where the
-        mini-tiers run none."""
+        mini-tiers run none (a mirroring tier under LRU)."""
         sim = self.minisim
         figures = sim.figures(cumulative)
         if not sim.decides:

@@ -1,11 +1,19 @@
 """Exact worlds: each candidate rule on a key-only tier of the real tier's size and policy.
 
 A world is fed every request (its keys, GPU-held ones first, and how many the
-GPU held) and answers its rule's lookups from its own tier, so it holds, hits
-and writes exactly what the real tier would have, had it followed that rule
-from the start. For store-everything and the seed filter that is the baseline
-itself, whatever the real tier did; the optimiser follows the best world and
-makes the real tier mirror it (``admission/optimiser.py``).
+GPU held) and answers its rule's lookups from its own tier, so under LRU it
+holds, hits and writes exactly what the real tier would have, had it followed
+that rule from the start. For store-everything and the seed filter that is the
+baseline itself, whatever the real tier did; the optimiser follows the best
+world and makes the real tier mirror it (``admission/optimiser.py``).
+
+Under the policies that count touches (ARC, S3-FIFO, SIEVE, SLRU) a world's tier
+counts the touch after a store for the blocks it just wrote, which the real
+tier, where they are still pending, does not (:class:`MiniTier`'s ``pending``);
+so there a world approximates its rule's tier (ARC's and SLRU's come out as
+LRU's). Made exact, the real tier mirroring them did worse (docs/admission.md,
+"Under policies other than LRU"), so they stay so; :func:`exact_worlds` says
+where they are exact.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import CPULoadStoreSpec, LoadStoreSpec
 from kvoffload.policies.base import CachePolicy
+from kvoffload.policies.lru import LRUCachePolicy
 
 
 class Probe(OffloadingManager):
@@ -72,7 +81,7 @@ class World:
     ) -> None:
         if (rule is None) != (probe is None):
             raise ValueError("a world's rule and its probe go together")
-        self.tier: MiniTier = mini_tier(capacity, policy)
+        self.tier: MiniTier = mini_tier(capacity, policy, pending=False)
         self._lru = self.tier if isinstance(self.tier, LRUMiniTier) else None
         self.held = self.tier.held
         """The tier's held keys: what a tier mirroring this world may keep."""
@@ -144,11 +153,16 @@ class World:
         tier.touch(keys)
 
 
+def exact_worlds(policy: type[CachePolicy]) -> bool:
+    """Whether worlds under ``policy`` are exactly their rules' tiers (see the module)."""
+    return policy is LRUCachePolicy
+
+
 class Worlds:
     """The candidates' worlds, fed the same requests; windowed hits and writes per
     reference (halved every ``window`` references) for the choice, and the same since the
-    start: each world is its rule at the tier's own size, so they are the exact 1x
-    what-if figures of a mirroring tier."""
+    start: each world is its rule at the tier's own size, so under LRU they are the exact
+    1x what-if figures of a mirroring tier."""
 
     def __init__(self, worlds: Mapping[str, World], window: float) -> None:
         if not window > 0:
