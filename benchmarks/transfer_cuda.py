@@ -36,7 +36,7 @@ def pinned_copy_gbps(job_bytes: int, jobs: int, rounds: int) -> dict[str, float]
                 dst.copy_(src, non_blocking=True)
             torch.cuda.synchronize()
             rates[name].append(jobs * job_bytes / (time.perf_counter() - start) / 1e9)
-    return {f"torch_{name}_gbps": statistics.median(v[1:]) for name, v in rates.items()}
+    return {f"torch_{name}_gbps": round(statistics.median(v[1:]), 3) for name, v in rates.items()}
 
 
 def main() -> int:

@@ -53,6 +53,17 @@ def _cudart() -> Any:
     return torch.cuda.cudart()  # type: ignore[no-untyped-call]
 
 
+def _consume_cuda_error() -> None:
+    """Clear the error a failed CUDA runtime call leaves behind.
+
+    The runtime keeps it until it is read, and torch reads it after its next
+    kernel launch, which then fails in the engine's code (seen on an H200 after
+    a refused ``cudaHostRegister``). A one-element launch of ours reads it first.
+    """
+    with contextlib.suppress(RuntimeError):
+        torch.zeros(1, device="cuda")
+
+
 def region_path(directory: Path, launch: str, rank: int) -> Path:
     """The file of ``rank``'s buffer in ``launch``: readable, and distinct per launch id."""
     if not launch:
@@ -205,8 +216,15 @@ class SharedRegion:
         """Register the mapping with CUDA; its address, or 0 if that failed."""
         assert self.tensor is not None
         address = self.tensor.data_ptr()
-        if int(_cudart().cudaHostRegister(address, self.size, 0)) != 0:
-            logger.warning("kvoffload: cannot pin %s; GPU copies will be synchronous", self.path)
+        error = int(_cudart().cudaHostRegister(address, self.size, 0))
+        if error != 0:
+            _consume_cuda_error()
+            logger.warning(
+                "kvoffload: cannot pin %s (cudaHostRegister error %d; CUDA pins files in "
+                "memory, such as /dev/shm's, not on disk); GPU copies will be synchronous",
+                self.path,
+                error,
+            )
             return 0
         return address
 

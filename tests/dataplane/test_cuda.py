@@ -1,0 +1,202 @@
+"""The CUDA paths on a real GPU: dedicated streams, pinned stores, staged copies.
+
+Every other data-plane test runs the same logic with CPU tensors; these need a
+CUDA device and skip without one (CI has none). They exercise what CPU tensors
+cannot: many jobs in flight on the copy streams at once, a store that must
+wait for the model's work still queued on the compute stream, timings from
+CUDA events, and a shared region registered with CUDA (``cudaHostRegister``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device (the CPU paths are tested elsewhere)", allow_module_level=True)
+
+from dataplane_helpers import LAYOUTS, block_bytes, random_layers  # noqa: E402
+
+from kvoffload.core.specs import CPULoadStoreSpec, GPULoadStoreSpec  # noqa: E402
+from kvoffload.dataplane import CPUBlockStore, CPUGPUHandler, OffloadingWorker  # noqa: E402
+from kvoffload.dataplane.shared_region import (  # noqa: E402
+    SharedRegion,
+    default_directory,
+    region_path,
+)
+
+NUM_GPU, NUM_CPU, JOBS = 96, 64, 16
+
+
+def cuda_layers(layout_name: str, seed: int, separate: bool) -> list[torch.Tensor]:
+    return [
+        layer.to("cuda")
+        for layer in random_layers(LAYOUTS[layout_name], NUM_GPU, seed=seed, separate=separate)
+    ]
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the file system holding ``path``, from the longest mount point above it."""
+    mount, kind = "", ""
+    for line in Path("/proc/mounts").read_text().splitlines():
+        _, point, point_kind, *_ = line.split()
+        if f"{path}/".startswith(f"{point.rstrip('/')}/") and len(point) >= len(mount):
+            mount, kind = point, point_kind
+    return kind
+
+
+def make_worker(
+    layers: list[torch.Tensor], store: CPUBlockStore, staging_bytes: int
+) -> OffloadingWorker:
+    return OffloadingWorker(
+        [
+            (
+                GPULoadStoreSpec,
+                CPULoadStoreSpec,
+                CPUGPUHandler(layers, store, True, staging_bytes=staging_bytes),
+            ),
+            (
+                CPULoadStoreSpec,
+                GPULoadStoreSpec,
+                CPUGPUHandler(layers, store, False, staging_bytes=staging_bytes),
+            ),
+        ]
+    )
+
+
+def finish(worker: OffloadingWorker, job_ids: set[int]) -> None:
+    worker.wait(job_ids)
+    results = worker.get_finished()
+    assert {r.job_id for r in results} == job_ids
+    assert all(r.success for r in results)
+    assert all(r.transfer_time is not None and r.transfer_time > 0 for r in results)
+
+
+@pytest.mark.parametrize("staging_blocks", [1, 3, 1 << 10], ids=["1", "3", "all"])
+@pytest.mark.parametrize("factor", [1, 4])
+@pytest.mark.parametrize("layout_name", ["bf16", "fp8-odd"])
+@pytest.mark.parametrize("separate", [False, True], ids=["one-alloc", "per-layer"])
+def test_jobs_in_flight_together_round_trip_bit_exact(
+    layout_name: str, factor: int, staging_blocks: int, separate: bool
+) -> None:
+    """``JOBS`` stores queued back to back, then as many loads, before any wait:
+    a staging buffer or index tensor reused too early would corrupt some block."""
+    layout = LAYOUTS[layout_name]
+    layers = cuda_layers(layout_name, seed=factor, separate=separate)
+    store = CPUBlockStore(layout, NUM_CPU, factor)
+    assert store.data.is_pinned()
+    worker = make_worker(layers, store, staging_blocks * layout.bytes_per_block)
+    rng = np.random.default_rng(factor + staging_blocks)
+    slots_per_job = NUM_CPU // JOBS
+    slots = rng.permutation(NUM_CPU).reshape(JOBS, slots_per_job).tolist()
+    sources = [rng.permutation(NUM_GPU)[: slots_per_job * factor].tolist() for _ in range(JOBS)]
+    expected = [[block_bytes(layers, b).cpu() for b in job] for job in sources]
+    for job in range(JOBS):
+        spec = GPULoadStoreSpec(sources[job], [len(sources[job])])
+        assert worker.transfer_async(job, (spec, CPULoadStoreSpec(slots[job])))
+    finish(worker, set(range(JOBS)))
+    for job in range(JOBS):
+        for i, slot in enumerate(slots[job]):
+            for j in range(factor):
+                assert torch.equal(store.block(slot)[j], expected[job][i * factor + j])
+
+    for layer in layers:
+        layer.view(torch.uint8).fill_(0)
+    order = rng.permutation(NUM_GPU).tolist()
+    per_job = slots_per_job * factor
+    # Consecutive jobs share half their GPU blocks: queue order decides what stays.
+    targets = [
+        [order[(job * per_job // 2 + i) % NUM_GPU] for i in range(per_job)] for job in range(JOBS)
+    ]
+    loaded: dict[int, torch.Tensor] = {}
+    for job in range(JOBS):
+        spec = GPULoadStoreSpec(targets[job], [len(targets[job])])
+        assert worker.transfer_async(JOBS + job, (CPULoadStoreSpec(slots[job]), spec))
+        for block, source in zip(targets[job], expected[job], strict=True):
+            loaded[block] = source
+    finish(worker, set(range(JOBS, 2 * JOBS)))
+    for block in range(NUM_GPU):
+        want = loaded.get(block)
+        got = block_bytes(layers, block).cpu()
+        assert torch.equal(got, want) if want is not None else not got.any()
+    worker.close()
+
+
+def test_a_store_waits_for_the_work_queued_before_it() -> None:
+    """The model's last write to a block is still queued behind a long kernel on
+    the compute stream when the store is submitted: the copy stream must wait."""
+    layout = LAYOUTS["bf16"]
+    layers = cuda_layers("bf16", seed=0, separate=False)
+    store = CPUBlockStore(layout, 4)
+    worker = make_worker(layers, store, 1 << 20)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of one SM's cycles
+    for layer in layers:
+        layer[:, 5].view(torch.uint8).fill_(0xA5)
+    assert worker.transfer_async(1, (GPULoadStoreSpec([5], [1]), CPULoadStoreSpec([2])))
+    finish(worker, {1})
+    assert bool(store.block(2).eq(0xA5).all())
+    worker.close()
+
+
+def test_a_pinned_shared_region_carries_a_round_trip() -> None:
+    """In the directory workers use (``/dev/shm``): CUDA pins memory-backed files."""
+    layout = LAYOUTS["tiny-f16"]
+    size = 8 * layout.bytes_per_block
+    region = SharedRegion(region_path(default_directory(), f"cuda-test-{os.getpid()}", 0), size)
+    try:
+        assert region.pinned and region.tensor is not None
+        store = CPUBlockStore(layout, 8, buffer=region.tensor)
+        layers = cuda_layers("tiny-f16", seed=3, separate=False)
+        worker = make_worker(layers, store, 1 << 20)
+        blocks = [40, 41, 7, 90]
+        expected = [block_bytes(layers, b).cpu() for b in blocks]
+        assert worker.transfer_async(
+            1, (GPULoadStoreSpec(blocks, [4]), CPULoadStoreSpec([6, 0, 3, 1]))
+        )
+        finish(worker, {1})
+        for layer in layers:
+            layer.view(torch.uint8).fill_(0)
+        targets = [1, 2, 3, 4]
+        assert worker.transfer_async(
+            2, (CPULoadStoreSpec([6, 0, 3, 1]), GPULoadStoreSpec(targets, [4]))
+        )
+        finish(worker, {2})
+        for block, want in zip(targets, expected, strict=True):
+            assert torch.equal(block_bytes(layers, block).cpu(), want)
+        worker.close()
+        del store
+    finally:
+        region.close()
+
+
+def test_a_region_on_disk_stays_correct_when_cuda_cannot_pin_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """CUDA refuses to pin a file on a disk file system (seen on ext4): the copies
+    turn synchronous, the bytes stay right, and the warning says why."""
+    on_tmpfs = filesystem_type(tmp_path) == "tmpfs"
+    if on_tmpfs:
+        pytest.skip(f"{tmp_path} is memory-backed here, so CUDA pins it")
+    layout = LAYOUTS["tiny-f16"]
+    region = SharedRegion(region_path(tmp_path, "disk", 0), 4 * layout.bytes_per_block)
+    try:
+        assert not region.pinned and region.tensor is not None
+        # The refused registration leaves no error behind for torch's next launch.
+        assert int(torch.ones(4, device="cuda").sum()) == 4
+        assert "cudaHostRegister error" in caplog.text and "/dev/shm" in caplog.text
+        store = CPUBlockStore(layout, 4, buffer=region.tensor)
+        layers = cuda_layers("tiny-f16", seed=4, separate=False)
+        worker = make_worker(layers, store, 1 << 20)
+        expected = block_bytes(layers, 11).cpu()
+        assert worker.transfer_async(1, (GPULoadStoreSpec([11], [1]), CPULoadStoreSpec([3])))
+        finish(worker, {1})
+        assert torch.equal(store.block(3)[0], expected)
+        worker.close()
+        del store
+    finally:
+        region.close()
