@@ -4,7 +4,8 @@ Every other data-plane test runs the same logic with CPU tensors; these need a
 CUDA device and skip without one (CI has none). They exercise what CPU tensors
 cannot: many jobs in flight on the copy streams at once, a store that must
 wait for the model's work still queued on the compute stream, timings from
-CUDA events, and a shared region registered with CUDA (``cudaHostRegister``).
+CUDA events, a shared region registered with CUDA (``cudaHostRegister``), and a
+CPU store that locks exactly its own bytes.
 """
 
 from __future__ import annotations
@@ -200,3 +201,22 @@ def test_a_region_on_disk_stays_correct_when_cuda_cannot_pin_it(
         del store
     finally:
         region.close()
+
+
+def resident_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS line in /proc/self/status")
+
+
+def test_a_cpu_store_locks_exactly_its_own_bytes() -> None:
+    """torch's pinned allocator would lock 256 MiB for this 200 MiB store (it rounds up
+    to a power of two); registered, the store is pinned and resident at its own size."""
+    layout = LAYOUTS["tiny-f16"]
+    before = resident_bytes()
+    store = CPUBlockStore(layout, (200 << 20) // layout.bytes_per_block)
+    grown = resident_bytes() - before
+    size = store.data.numel()
+    assert store.data.is_pinned()
+    assert 0.9 * size <= grown <= 1.1 * size, (grown, size)

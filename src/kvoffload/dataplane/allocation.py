@@ -36,12 +36,11 @@ def allocate(
     what: str,
     *,
     zero: bool = False,
-    pin_memory: bool = False,
 ) -> torch.Tensor:
     """A new tensor for ``what``; :class:`InsufficientMemoryError` if it does not fit."""
     make = torch.zeros if zero else torch.empty
     try:
-        return make(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+        return make(shape, dtype=dtype, device=device)
     except RuntimeError:  # torch.OutOfMemoryError is a RuntimeError too
         gib = math.prod(shape) * dtype.itemsize / 2**30
         raise InsufficientMemoryError(

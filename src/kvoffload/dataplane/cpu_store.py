@@ -8,19 +8,23 @@ later tier can write a slot out as it is.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import KVLayout
 from kvoffload.dataplane.allocation import allocate
+from kvoffload.dataplane.pinning import register, unregister
 
 
 class CPUBlockStore:
     """``num_blocks`` slots of ``block_size_factor * layout.bytes_per_block`` bytes.
 
-    The memory is pinned when CUDA is available (``pin_memory=None``), so that
-    copies to and from the GPU can run asynchronously. It is not cleared: the
-    manager never lets a slot be loaded before a store to it has completed.
+    The memory is pinned when CUDA is available (``pin_memory=None``), exactly
+    the store's bytes, so that copies to and from the GPU run asynchronously. It
+    is not cleared: the manager never lets a slot be loaded before a store to it
+    has completed.
     ``buffer``: memory the caller owns (a shared region's tensor), ``uint8`` of
     exactly the store's size, used as it is instead of allocating.
     """
@@ -50,9 +54,13 @@ class CPUBlockStore:
             self.data = buffer.view(shape)
             return
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.data = allocate(
-            shape, torch.uint8, torch.device("cpu"), "the CPU block store", pin_memory=pin
-        )
+        if pin and not torch.cuda.is_available():
+            raise InvalidArgumentError("pin_memory=True needs CUDA, and torch sees no CUDA device")
+        self.data = allocate(shape, torch.uint8, torch.device("cpu"), "the CPU block store")
+        if pin:
+            # Registered, not allocated pinned: torch's pinned allocator rounds up to a
+            # power of two. Unregistered when the store goes, its memory still held.
+            weakref.finalize(self, unregister, register(self.data, "the CPU block store"))
 
     @property
     def slot_bytes(self) -> int:

@@ -28,11 +28,11 @@ import re
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError
+from kvoffload.dataplane.pinning import register, unregister
 
 logger = logging.getLogger(__name__)
 
@@ -46,22 +46,6 @@ def default_directory() -> Path:
     """``/dev/shm`` (memory-backed) where it exists, else the temporary directory."""
     shm = Path("/dev/shm")
     return shm if shm.is_dir() else Path(tempfile.gettempdir())
-
-
-def _cudart() -> Any:
-    """torch's CUDA runtime bindings (untyped)."""
-    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
-
-
-def _consume_cuda_error() -> None:
-    """Clear the error a failed CUDA runtime call leaves behind.
-
-    The runtime keeps it until it is read, and torch reads it after its next
-    kernel launch, which then fails in the engine's code (seen on an H200 after
-    a refused ``cudaHostRegister``). A one-element launch of ours reads it first.
-    """
-    with contextlib.suppress(RuntimeError):
-        torch.zeros(1, device="cuda")
 
 
 def region_path(directory: Path, launch: str, rank: int) -> Path:
@@ -172,7 +156,8 @@ class SharedRegion:
                 f"make {path.parent} larger (e.g. docker --shm-size) or lower cpu_bytes_to_use"
             ) from None
         self.tensor: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
-        self._pinned = self._pin() if (torch.cuda.is_available() if pin is None else pin) else 0
+        pin = torch.cuda.is_available() if pin is None else pin
+        self._pinned = register(self.tensor, str(path)) if pin else 0
 
     @property
     def pinned(self) -> bool:
@@ -212,22 +197,6 @@ class SharedRegion:
             finally:
                 os.close(fd)
 
-    def _pin(self) -> int:
-        """Register the mapping with CUDA; its address, or 0 if that failed."""
-        assert self.tensor is not None
-        address = self.tensor.data_ptr()
-        error = int(_cudart().cudaHostRegister(address, self.size, 0))
-        if error != 0:
-            _consume_cuda_error()
-            logger.warning(
-                "kvoffload: cannot pin %s (cudaHostRegister error %d; CUDA pins files in "
-                "memory, such as /dev/shm's, not on disk); GPU copies will be synchronous",
-                self.path,
-                error,
-            )
-            return 0
-        return address
-
     def _unlink(self) -> None:
         if _same_file(self._fd, self.path):
             self.path.unlink()
@@ -236,9 +205,8 @@ class SharedRegion:
         """Unpin, unlink and unmap (the scheduler's mapping stays valid until it closes)."""
         if self.tensor is None:
             return
-        if self._pinned:
-            _cudart().cudaHostUnregister(self._pinned)
-            self._pinned = 0
+        unregister(self._pinned)
+        self._pinned = 0
         self.tensor = None
         self._unlink()
         os.close(self._fd)
