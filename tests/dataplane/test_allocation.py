@@ -31,6 +31,12 @@ def test_cuda_without_cuda_is_an_input_error() -> None:
         PagedKVCache(layout_preset("tiny"), 4, "cuda")
 
 
+@NO_CUDA
+def test_a_pinned_cpu_store_without_cuda_is_an_input_error() -> None:
+    with pytest.raises(InvalidArgumentError, match="pin_memory=True needs CUDA"):
+        CPUBlockStore(layout_preset("tiny"), 4, pin_memory=True)
+
+
 def test_a_buffer_too_big_for_memory_names_its_size() -> None:
     with pytest.raises(InsufficientMemoryError, match=r"cannot allocate 1048576\.0 GiB for test"):
         allocate((2**50,), torch.uint8, torch.device("cpu"), "test")

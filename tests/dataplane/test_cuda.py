@@ -180,8 +180,7 @@ def test_a_region_on_disk_stays_correct_when_cuda_cannot_pin_it(
 ) -> None:
     """CUDA refuses to pin a file on a disk file system (seen on ext4): the copies
     turn synchronous, the bytes stay right, and the warning says why."""
-    on_tmpfs = filesystem_type(tmp_path) == "tmpfs"
-    if on_tmpfs:
+    if filesystem_type(tmp_path) == "tmpfs":
         pytest.skip(f"{tmp_path} is memory-backed here, so CUDA pins it")
     layout = LAYOUTS["tiny-f16"]
     region = SharedRegion(region_path(tmp_path, "disk", 0), 4 * layout.bytes_per_block)
