@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 SAMPLING = {"temperature": 0.0, "max_tokens": 8, "logprobs": 1, "seed": 0}
+OUR_LABELS = ("candidate", "capacity_factor")
+"""kvoffload's metric labels (the what-if gauges'), kept apart by :func:`metrics`."""
 
 
 def kv_transfer_config(extra: dict[str, Any]) -> Any:
@@ -32,12 +34,17 @@ def kv_transfer_config(extra: dict[str, Any]) -> Any:
 
 
 def metrics(llm: Any) -> dict[str, float]:
-    """Each counter and gauge by name, summed over its label sets (one engine here)."""
+    """Each counter and gauge by name, summed over its label sets (one engine here), and
+    each one labelled with kvoffload's own labels also as ``name{label=value,...}``."""
     values: dict[str, float] = {}
     for metric in llm.get_metrics():
         value = getattr(metric, "value", None)
         if isinstance(value, (int, float)):
             values[metric.name] = values.get(metric.name, 0.0) + float(value)
+            ours = sorted((k, v) for k, v in metric.labels.items() if k in OUR_LABELS)
+            if ours:
+                labels = ",".join(f"{k}={v}" for k, v in ours)
+                values[f"{metric.name}{{{labels}}}"] = float(value)
     return values
 
 

@@ -162,6 +162,15 @@ def _assert_same_outputs(engine: dict[str, Any], baseline: list[dict[str, Any]])
         assert mine["logprobs"] == base["logprobs"]
 
 
+def _labelled(metrics: dict[str, float], name: str) -> dict[str, float]:
+    """The values of ``name`` by kvoffload's labels (``label=value,...``)."""
+    return {
+        key[len(name) + 1 : -1]: value
+        for key, value in metrics.items()
+        if key.startswith(f"{name}{{")
+    }
+
+
 def _counter(metrics: dict[str, float], name: str) -> float:
     """A metric vLLM reported (a missing one fails: a zero must be a measured zero)."""
     assert name in metrics, f"{name} not among vLLM's metrics"
@@ -208,6 +217,25 @@ def test_store_threshold_and_admission_store_on_the_second_offer(runs: dict[str,
     assert _counter(last, "vllm:kvoffload_stores_completed") == DISTINCT_SHARED_BLOCKS
     assert _counter(last, "vllm:kvoffload_loads") > 0
     assert _counter(last, "vllm:external_prefix_cache_hits") > 0
+
+
+def test_the_optimisers_whatif_reaches_vllms_metrics(runs: dict[str, Any]) -> None:
+    """What the optimiser would give per candidate and tier size, and which candidate it
+    follows, travel through the spec's stats to vLLM's own metrics."""
+    last = _metrics(runs["admission"]["engines"][0]["steps"])[-1]
+    followed = _labelled(last, "vllm:kvoffload_admission_candidate")
+    assert set(followed) == {"candidate=feedback", "candidate=filter", "candidate=store-all"}
+    assert sorted(followed.values()) == [0.0, 0.0, 1.0]
+    for gauge in ("vllm:kvoffload_whatif_hit_ratio", "vllm:kvoffload_whatif_writes_per_ref"):
+        values = _labelled(last, gauge)
+        assert set(values) == {
+            f"candidate={candidate},capacity_factor={factor}"
+            for candidate in ("feedback", "filter", "store-all")
+            for factor in ("0.5", "1", "2", "4")
+        }, gauge
+        assert all(0.0 <= value <= 1.0 for value in values.values()), values
+    # The second and third passes hit the tier, and every rule stores a block offered twice.
+    assert min(_labelled(last, "vllm:kvoffload_whatif_hit_ratio").values()) > 0
 
 
 def test_an_evicting_policy_keeps_outputs_identical(runs: dict[str, Any]) -> None:
