@@ -35,6 +35,8 @@ BYTES_PER_BLOCK = 2 * 2 * 2 * 32 * ENGINE_DTYPE_BYTES * BLOCK_TOKENS
 SMALL_TIER = 8 * BYTES_PER_BLOCK
 """A CPU tier of 8 blocks: two of the 4-block prompts, so a third evicts."""
 BIG_TIER = 64_000_000
+WRITE_BUDGET = 0.25
+"""Writes per block reference: a pass of ``SHARED`` (30 references) earns 7 of its 14 blocks."""
 
 _rng = random.Random(2026)
 
@@ -77,6 +79,17 @@ def scenarios(remote_url: str, disk_dir: Path) -> dict[str, list[dict[str, Any]]
                     "kvoffload.admission": "recommended",
                 },
                 "steps": THREE_PASSES,
+            }
+        ],
+        "budget": [
+            {
+                "extra": {
+                    **SPEC,
+                    "cpu_bytes_to_use": BIG_TIER,
+                    "kvoffload.admission": "recommended",
+                    "kvoffload.write_budget": str(WRITE_BUDGET),
+                },
+                "steps": TWO_PASSES,
             }
         ],
         "evicting": [
@@ -236,6 +249,31 @@ def test_the_optimisers_whatif_reaches_vllms_metrics(runs: dict[str, Any]) -> No
         assert all(0.0 <= value <= 1.0 for value in values.values()), values
     # The second and third passes hit the tier, and every rule stores a block offered twice.
     assert min(_labelled(last, "vllm:kvoffload_whatif_hit_ratio").values()) > 0
+
+
+def test_a_write_budget_caps_what_the_engine_stores(
+    runs: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The budget's bucket starts empty and earns per block reference, so the first pass
+    (3 prompts of 10 blocks) may store at most a quarter of its 30 references, half of what
+    it offers; what it stored is the shared prefix's head, loaded after the reset."""
+    engine, baseline = runs["budget"]["engines"][0], runs["budget"]["baseline"][0]
+    _assert_same_outputs(engine, baseline)
+    first, last = _metrics(engine["steps"])
+    stored = _counter(first, "vllm:kvoffload_stores_completed")
+    references = len(SHARED) * len(SHARED[0]) // BLOCK_TOKENS
+    assert 0 < stored <= WRITE_BUDGET * references < DISTINCT_SHARED_BLOCKS
+    assert _counter(last, "vllm:kvoffload_stores_completed") <= WRITE_BUDGET * 2 * references
+    assert _counter(last, "vllm:kvoffload_loads") > 0
+    report(
+        capsys,
+        [
+            f"write budget {WRITE_BUDGET}/ref: {stored:.0f} of {DISTINCT_SHARED_BLOCKS} blocks "
+            f"stored in the first pass ({references} references), "
+            f"{_counter(last, 'vllm:kvoffload_stores_completed'):.0f} after the second, "
+            f"{_counter(last, 'vllm:kvoffload_loads'):.0f} loaded; outputs identical"
+        ],
+    )
 
 
 def test_an_evicting_policy_keeps_outputs_identical(runs: dict[str, Any]) -> None:
