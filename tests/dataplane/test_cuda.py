@@ -134,6 +134,12 @@ def test_a_store_waits_for_the_work_queued_before_it() -> None:
     layers = cuda_layers("bf16", seed=0, separate=False)
     store = CPUBlockStore(layout, 4)
     worker = make_worker(layers, store, 1 << 20)
+    # Every kernel used below runs once first: CUDA loads a kernel lazily on first use, and
+    # a load waits for the work queued before it, which would hide the race tested here.
+    layers[0][:, 6].view(torch.uint8).fill_(0x5A)
+    torch.cuda._sleep(1)
+    assert worker.transfer_async(0, (GPULoadStoreSpec([6], [1]), CPULoadStoreSpec([1])))
+    finish(worker, {0})
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # about 0.1 s of one SM's cycles
     for layer in layers:

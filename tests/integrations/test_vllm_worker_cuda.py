@@ -116,6 +116,14 @@ def test_a_store_waits_for_the_models_last_write(worker: tuple[KVOffloadWorker, 
     submitted at once must copy what it wrote, not what the block held before."""
     offload, caches = worker
     gpu = caches.tensors[0].tensor
+    # Every kernel used below runs once first: CUDA loads a kernel lazily on first use, and
+    # a load waits for the work queued before it, which would hide the race tested here.
+    gpu[9].fill_(1.0)
+    torch.cuda._sleep(1)
+    assert offload.submit_store(0, gpu_spec([9]), cpu_spec([1]))
+    assert finish(offload, {0})[0].success
+    assert offload.submit_load(3, cpu_spec([1]), gpu_spec([10]))
+    assert finish(offload, {3})[3].success
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # about 0.1 s of one SM's cycles, on the compute stream
     gpu[7].fill_(3.0)
