@@ -29,27 +29,15 @@ with warnings.catch_warnings():  # torch's deprecation warnings from vLLM's impo
     )
     base = pytest.importorskip("vllm.v1.kv_offload.base")
 
+from vllm_helpers import canonical_caches, finish  # noqa: E402
+
 from kvoffload.dataplane.shared_region import default_directory, region_path  # noqa: E402
 from kvoffload.integrations.vllm.worker import KVOffloadWorker  # noqa: E402
 
 NUM_GPU_BLOCKS, NUM_CPU_BLOCKS, TENSORS = 64, 48, 4
 PAGE_BYTES = 2 * 8 * 128 * 2 * 16
-"""K and V of 8 heads of 128 bf16 elements for 16 tokens: an even page, as vLLM's are."""
-
-
-def cuda_caches(seed: int) -> Any:
-    generator = torch.Generator().manual_seed(seed)
-    shape = (NUM_GPU_BLOCKS, PAGE_BYTES)
-    tensors = [
-        torch.randint(-128, 128, shape, dtype=torch.int8, generator=generator)
-        .to("cuda")
-        .view(torch.bfloat16)
-        for _ in range(TENSORS)
-    ]
-    return base.CanonicalKVCaches(
-        tensors=[base.CanonicalKVCacheTensor(t, PAGE_BYTES) for t in tensors],
-        group_data_refs=[[base.CanonicalKVCacheRef(i, PAGE_BYTES) for i in range(TENSORS)]],
-    )
+"""K and V of 8 heads of 128 bf16 elements for 16 tokens, in bytes: an even page, as
+vLLM's are."""
 
 
 def gpu_spec(blocks: list[int]) -> Any:
@@ -62,19 +50,9 @@ def cpu_spec(slots: list[int]) -> Any:
     return CPULoadStoreSpec(slots)
 
 
-def finish(worker: KVOffloadWorker, job_ids: set[int]) -> dict[int, Any]:
-    worker.wait(job_ids)
-    results: dict[int, Any] = {}
-    for _ in range(1000):
-        results.update({r.job_id: r for r in worker.get_finished()})
-        if set(results) == job_ids:
-            break
-    return results
-
-
 @pytest.fixture(params=["private", "shared-region"])
 def worker(request: pytest.FixtureRequest) -> Iterator[tuple[KVOffloadWorker, Any]]:
-    caches = cuda_caches(seed=1)
+    caches = canonical_caches(TENSORS, NUM_GPU_BLOCKS, PAGE_BYTES, seed=1, device="cuda")
     region = None
     if request.param == "shared-region":
         region = region_path(default_directory(), f"cuda-{uuid.uuid4().hex[:8]}", 0)
@@ -98,17 +76,19 @@ def test_jobs_in_flight_together_round_trip_through_vllms_worker(
     for job, (blocks, where) in enumerate(zip(sources, slots, strict=True)):
         assert offload.submit_store(job, gpu_spec(blocks), cpu_spec(where))
     stored = finish(offload, set(range(8)))
+    assert len(stored) == 8
     assert all(result.success for result in stored.values())
     assert all(result.transfer_size == 4 * TENSORS * PAGE_BYTES for result in stored.values())
     targets = [[NUM_GPU_BLOCKS - 1 - 4 * job - i for i in range(4)] for job in range(8)]
     for job, (where, blocks) in enumerate(zip(slots, targets, strict=True)):
         assert offload.submit_load(100 + job, cpu_spec(where), gpu_spec(blocks), job % 2 == 1)
     loaded = finish(offload, {100 + job for job in range(8)})
+    assert len(loaded) == 8
     assert all(result.success for result in loaded.values())
     torch.cuda.synchronize()
     for want, blocks in zip(expected, targets, strict=True):
-        for tensor, block_bytes in zip(gpu, want, strict=True):  # bytes: random bf16 has NaNs
-            assert torch.equal(tensor[blocks].view(torch.uint8), block_bytes.view(torch.uint8))
+        for tensor, block_bytes in zip(gpu, want, strict=True):
+            assert torch.equal(tensor[blocks], block_bytes)
 
 
 def test_a_store_waits_for_the_models_last_write(worker: tuple[KVOffloadWorker, Any]) -> None:
@@ -118,7 +98,7 @@ def test_a_store_waits_for_the_models_last_write(worker: tuple[KVOffloadWorker, 
     gpu = caches.tensors[0].tensor
     # Every kernel used below runs once first: CUDA loads a kernel lazily on first use, and
     # a load waits for the work queued before it, which would hide the race tested here.
-    gpu[9].fill_(1.0)
+    gpu[9].fill_(1)
     torch.cuda._sleep(1)
     assert offload.submit_store(0, gpu_spec([9]), cpu_spec([1]))
     assert finish(offload, {0})[0].success
@@ -126,10 +106,10 @@ def test_a_store_waits_for_the_models_last_write(worker: tuple[KVOffloadWorker, 
     assert finish(offload, {3})[3].success
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # about 0.1 s of one SM's cycles, on the compute stream
-    gpu[7].fill_(3.0)
+    gpu[7].fill_(3)
     assert offload.submit_store(1, gpu_spec([7]), cpu_spec([0]))
     assert finish(offload, {1})[1].success
     assert offload.submit_load(2, cpu_spec([0]), gpu_spec([8]))
     assert finish(offload, {2})[2].success
     torch.cuda.synchronize()
-    assert bool((gpu[8] == 3.0).all())
+    assert bool((gpu[8] == 3).all())

@@ -83,8 +83,11 @@ def metrics_frontend(extra: dict[str, Any]) -> tuple[Any, Any]:
     return frontend, registry
 
 
-def canonical_caches(num_tensors: int, num_blocks: int, page_bytes: int, seed: int) -> Any:
-    """vLLM's canonical KV caches over random CPU tensors (one group, one page size)."""
+def canonical_caches(
+    num_tensors: int, num_blocks: int, page_bytes: int, seed: int, device: str = "cpu"
+) -> Any:
+    """vLLM's canonical KV caches over random tensors on ``device`` (one group, one page
+    size)."""
     import torch
     from vllm.v1.kv_offload.base import (
         CanonicalKVCacheRef,
@@ -94,7 +97,9 @@ def canonical_caches(num_tensors: int, num_blocks: int, page_bytes: int, seed: i
 
     generator = torch.Generator().manual_seed(seed)
     tensors = [
-        torch.randint(-128, 128, (num_blocks, page_bytes), dtype=torch.int8, generator=generator)
+        torch.randint(
+            -128, 128, (num_blocks, page_bytes), dtype=torch.int8, generator=generator
+        ).to(device)
         for _ in range(num_tensors)
     ]
     return CanonicalKVCaches(
