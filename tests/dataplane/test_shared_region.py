@@ -61,6 +61,16 @@ def test_a_region_is_a_locked_file_the_scheduler_maps_and_the_creator_unlinks(
         map_live_region(path, 4 * SLOT)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_a_pinned_region_without_cuda_is_an_input_error_and_leaves_no_file(
+    tmp_path: Path,
+) -> None:
+    path = region_path(tmp_path, "launch", 0)
+    with pytest.raises(InvalidArgumentError, match="pin=True needs CUDA"):
+        SharedRegion(path, 4 * SLOT, pin=True)
+    assert not path.exists()
+
+
 def test_a_crashed_launchs_file_is_never_mapped_and_is_replaced(tmp_path: Path) -> None:
     path = region_path(tmp_path, "launch", 0)
     path.write_bytes(b"\x07" * 4 * SLOT)  # same name, same size, nobody holds it

@@ -15,7 +15,7 @@ import torch
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import KVLayout
 from kvoffload.dataplane.allocation import allocate
-from kvoffload.dataplane.pinning import register, unregister
+from kvoffload.dataplane.pinning import register, unregister, wants_pinning
 
 
 class CPUBlockStore:
@@ -53,9 +53,7 @@ class CPUBlockStore:
                 )
             self.data = buffer.view(shape)
             return
-        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        if pin and not torch.cuda.is_available():
-            raise InvalidArgumentError("pin_memory=True needs CUDA, and torch sees no CUDA device")
+        pin = wants_pinning(pin_memory, "pin_memory")
         self.data = allocate(shape, torch.uint8, torch.device("cpu"), "the CPU block store")
         if pin:
             # Registered, not allocated pinned: torch's pinned allocator rounds up to a

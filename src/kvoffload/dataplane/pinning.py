@@ -15,7 +15,19 @@ from typing import Any
 
 import torch
 
+from kvoffload.core.errors import InvalidArgumentError
+
 logger = logging.getLogger(__name__)
+
+
+def wants_pinning(pin: bool | None, argument: str) -> bool:
+    """Whether to pin: ``pin``, or where it is ``None`` whether torch sees a CUDA device;
+    an explicit request without CUDA is an input error (``argument`` names it), raised
+    before anything is allocated."""
+    available = torch.cuda.is_available()
+    if pin and not available:
+        raise InvalidArgumentError(f"{argument}=True needs CUDA, and torch sees no CUDA device")
+    return available if pin is None else pin
 
 
 def _cudart() -> Any:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError
-from kvoffload.dataplane.pinning import register, unregister
+from kvoffload.dataplane.pinning import register, unregister, wants_pinning
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +137,7 @@ class SharedRegion:
     def __init__(self, path: Path, size: int, pin: bool | None = None) -> None:
         if size < 1:
             raise InvalidArgumentError(f"a shared region needs >= 1 byte, got {size}")
+        pin = wants_pinning(pin, "pin")
         self.path = path
         self.size = size
         sweep_stale_regions(path.parent)
@@ -156,7 +157,6 @@ class SharedRegion:
                 f"make {path.parent} larger (e.g. docker --shm-size) or lower cpu_bytes_to_use"
             ) from None
         self.tensor: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
-        pin = torch.cuda.is_available() if pin is None else pin
         self._pinned = register(self.tensor, str(path)) if pin else 0
 
     @property
