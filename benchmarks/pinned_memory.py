@@ -97,6 +97,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
+    for name in ("gib", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if not torch.cuda.is_available():
         print(
             "pinned_memory: CUDA is not available here; run it on a GPU machine.", file=sys.stderr
