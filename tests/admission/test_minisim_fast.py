@@ -9,16 +9,37 @@ import random
 import numpy as np
 import pytest
 
-from kvoffload import OffloadKey, block_id_key
-from kvoffload.admission import MiniSimulation, MiniTier, key_hashes
-from kvoffload.admission.minisim import LRUMiniTier, S3FIFOMiniTier, mini_tier
+from kvoffload import OffloadKey, block_id_key, build_manager
+from kvoffload.admission import MiniSimulation, MiniTier, key_hashes, minisim
+from kvoffload.admission.minisim import (
+    CompiledLRUMiniTier,
+    LRUMiniTier,
+    S3FIFOMiniTier,
+    mini_tier,
+)
 from kvoffload.admission.optimiser import CANDIDATES, WHATIF_FACTORS
 from kvoffload.admission.sketch import _hashes
+from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.policies.base import CachePolicy
 from kvoffload.policies.lru import LRUCachePolicy
 from kvoffload.policies.s3fifo import S3FIFOCachePolicy
 
-SPECIALISED = [(LRUCachePolicy, LRUMiniTier), (S3FIFOCachePolicy, S3FIFOMiniTier)]
+SPECIALISED = [
+    (LRUCachePolicy, CompiledLRUMiniTier or LRUMiniTier),
+    (S3FIFOCachePolicy, S3FIFOMiniTier),
+]
+LRU_TIERS = [
+    LRUMiniTier,
+    pytest.param(
+        CompiledLRUMiniTier,
+        marks=pytest.mark.skipif(
+            CompiledLRUMiniTier is None, reason="kvoffload was installed without a C compiler"
+        ),
+    ),
+]
+needs_compiled = pytest.mark.skipif(
+    CompiledLRUMiniTier is None, reason="kvoffload was installed without a C compiler"
+)
 
 
 @pytest.mark.parametrize("pending", [True, False])
@@ -53,7 +74,10 @@ def test_a_specialised_mini_tier_decides_as_the_generic_one(
         assert fast.writes > capacity  # evictions happened
 
 
-def test_an_lru_store_that_touches_its_request_after_orders_as_touch_store_touch() -> None:
+@pytest.mark.parametrize("lru_tier", LRU_TIERS)
+def test_an_lru_store_that_touches_its_request_after_orders_as_touch_store_touch(
+    lru_tier: type[LRUMiniTier],
+) -> None:
     """``LRUMiniTier.store(..., request=r)`` followed by one touch of ``r`` leaves the
     held keys, their order and the counts of touching ``r``, storing and touching again
     on the generic tier (the worlds' one-touch path), through evictions where too few
@@ -61,7 +85,7 @@ def test_an_lru_store_that_touches_its_request_after_orders_as_touch_store_touch
     for seed in range(40):
         rng = random.Random(seed)
         capacity = rng.randint(1, 10)
-        fast, generic = LRUMiniTier(capacity), MiniTier(capacity, LRUCachePolicy)
+        fast, generic = lru_tier(capacity), MiniTier(capacity, LRUCachePolicy)
         for _ in range(300):
             request = [block_id_key(rng.randrange(20)) for _ in range(rng.randint(1, 7))]
             offered = list(dict.fromkeys(k for k in request if rng.random() < 0.7))
@@ -72,9 +96,103 @@ def test_an_lru_store_that_touches_its_request_after_orders_as_touch_store_touch
             assert fast.store(offered, request=request) == written
             fast.touch(request)
             order = [key for key in generic.policy.coldest() or ()]
-            assert list(fast._order) == order
+            assert fast.in_order() == order
         assert (fast.writes, fast.total_writes) == (generic.writes, generic.total_writes)
         assert fast.writes > capacity
+
+
+def some_keys(rng: random.Random) -> list[OffloadKey]:
+    return [block_id_key(rng.randrange(20)) for _ in range(rng.randint(0, 8))]
+
+
+@needs_compiled
+def test_the_compiled_lru_tier_decides_as_the_pure_python_one() -> None:
+    """Seeded streams of every operation the worlds and mini-simulations use (stores with
+    gaps, admitted subsets, a request to protect or to touch first, revivals), over few
+    keys and small capacities so that evictions, protections and refusals are frequent:
+    the same answers, order, unreachable marks and counts after every step."""
+    assert CompiledLRUMiniTier is not None
+    for seed in range(400):
+        rng = random.Random(seed)
+        capacity = rng.randint(1, 10)
+        python, compiled = LRUMiniTier(capacity), CompiledLRUMiniTier(capacity)
+
+        for _ in range(200):
+            offered, action = some_keys(rng), rng.random()
+            request = some_keys(rng) + (offered if rng.random() < 0.5 else [])
+            if action < 0.2:
+                python.touch(offered)
+                compiled.touch(offered)
+            elif action < 0.4:
+                assert python.hit_run(offered) == compiled.hit_run(offered)
+            elif action < 0.7:
+                gaps = [rng.random() < 0.3 for _ in offered] if rng.random() < 0.5 else []
+                assert python.store(offered, gaps, request) == compiled.store(
+                    offered, gaps, request
+                )
+            else:
+                at = [rng.choice([-1, rng.randrange(10)]) for _ in offered]
+                keep = None if rng.random() < 0.2 else {k for k in offered if rng.random() < 0.6}
+                gap = rng.randrange(10)
+                assert python.store_admitted(
+                    offered, at, keep, gap, request
+                ) == compiled.store_admitted(offered, at, keep, gap, request)
+            assert python.in_order() == compiled.in_order() and len(python) == len(compiled)
+            assert [python.unreachable(k) for k in python.in_order()] == [
+                compiled.unreachable(k) for k in compiled.in_order()
+            ]
+        assert (python.hits, python.writes, python.total_hits, python.total_writes) == (
+            compiled.hits,
+            compiled.writes,
+            compiled.total_hits,
+            compiled.total_writes,
+        )
+        assert python.total_writes > capacity  # evictions happened
+
+
+@needs_compiled
+def test_the_compiled_lru_tier_refuses_bad_input_clearly() -> None:
+    assert CompiledLRUMiniTier is not None
+    with pytest.raises(InvalidArgumentError, match="capacity must be >= 1"):
+        CompiledLRUMiniTier(0)
+    tier = CompiledLRUMiniTier(4)
+    with pytest.raises(ValueError, match="differ in length"):
+        tier.store([block_id_key(1), block_id_key(2)], [True])
+    with pytest.raises(TypeError, match="keys must be a sequence"):
+        tier.hit_run(5)  # type: ignore[arg-type]
+    assert len(tier) == 0 and tier.total_writes == 0
+
+
+def test_the_optimiser_decides_the_same_over_compiled_and_pure_python_tiers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The whole recommended stack, replayed twice: its choices, what-if figures and the
+    real tier's hits do not depend on which LRU tier the worlds and mini-tiers run on."""
+    results = []
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(minisim, "CompiledLRUMiniTier", None)
+        manager = build_manager(300, "lru", admission="recommended")
+        rng = random.Random(7)
+        roots = [[block_id_key(10**6 + 10 * r + i) for i in range(4)] for r in range(5)]
+        hits = stored = 0
+        for _ in range(3000):
+            keys = [*rng.choice(roots), *(block_id_key(rng.randrange(900)) for _ in range(8))]
+            manager.touch(keys)
+            hit = manager.lookup(keys) or 0
+            if hit:
+                manager.prepare_load(keys[:hit])
+                manager.complete_load(keys[:hit])
+            out = manager.prepare_store(keys[hit:])
+            if out is not None and out.keys_to_store:
+                manager.touch(keys)
+                manager.complete_store(out.keys_to_store)
+                stored += len(out.keys_to_store)
+            hits += hit
+        stats = manager.stats()
+        results.append((hits, stored, stats.candidate, stats.whatif))
+    assert results[0] == results[1]
+    assert results[0][0] > 0 and results[0][3]
 
 
 def drive(simulation: MiniSimulation, seed: int) -> None:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvoffload import InvalidArgumentError, OffloadKey, block_id_key
 from kvoffload.admission import FrequencySketch, key_hashes
+from kvoffload.admission import sketch as sketch_module
 from kvoffload.admission.sketch import MAX_COUNT
 
 
@@ -201,12 +202,50 @@ def test_the_sketch_equals_its_key_by_key_definition(batches: list[list[int]], s
 def test_request_hashes_give_an_offer_the_cells_of_its_hashes() -> None:
     from kvoffload.admission.sketch import RequestHashes
 
-    sketch = FrequencySketch(1024)
+    sketch = FrequencySketch(1024, use_compiled=False)
     request = [block_id_key(i) for i in range(6)]
     cache = RequestHashes()
     sketch.increment(cache.of_request(request), cache.cells(sketch))
     for offered in (request[2:], [block_id_key(i) for i in (9, 4, 5)]):
         hashes, cells = cache.offer(offered, sketch)
         assert hashes.tolist() == key_hashes(offered).tolist()
+        assert cells is not None
         assert cells.tolist() == sketch.cells(key_hashes(offered)).tolist()
         assert sketch.estimate(hashes, cells).tolist() == sketch.estimate(hashes).tolist()
+    if sketch_module.compiled is not None:  # the compiled sketch finds its cells itself
+        assert cache.offer(request[2:], FrequencySketch(1024))[1] is None
+
+
+needs_compiled = pytest.mark.skipif(
+    sketch_module.compiled is None, reason="kvoffload was installed without a C compiler"
+)
+
+
+@needs_compiled
+def test_the_compiled_hashes_equal_numpys_for_every_key_length() -> None:
+    rng = random.Random(3)
+    for length in (*range(0, 20), 24, 40):
+        keys = [OffloadKey(rng.randbytes(length)) for _ in range(50)]
+        compiled = np.frombuffer(sketch_module.compiled.hash_keys(keys), np.uint64)
+        assert compiled.tolist() == sketch_module.numpy_hashes(keys).tolist()
+    with pytest.raises(TypeError, match="keys must be bytes"):
+        sketch_module.compiled.hash_keys(["not bytes"])
+
+
+@needs_compiled
+@pytest.mark.parametrize("sample_size", [16, 300, 5000])
+def test_the_compiled_sketch_counts_as_the_numpy_one(sample_size: int) -> None:
+    """Batches with repeated keys and, in a small sketch, keys that share cells (where
+    the order of reads and writes decides the counts): the same table after every batch,
+    through agings, and the same estimates."""
+    rng = random.Random(sample_size)
+    fast, slow = FrequencySketch(sample_size), FrequencySketch(sample_size, use_compiled=False)
+    assert fast.compiled and not slow.compiled
+    for _ in range(400):
+        batch = hashes(*(rng.randrange(3 * sample_size) for _ in range(rng.randint(0, 40))))
+        fast.increment(batch)
+        slow.increment(batch)
+        assert np.array_equal(fast._table, slow._table)
+        assert fast.estimate(batch).tolist() == slow.estimate(batch).tolist()
+    assert fast.resets == slow.resets > 0
+    assert fast._table.any()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Container, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +31,11 @@ from kvoffload.policies.lru import LRUCachePolicy
 from kvoffload.policies.s3fifo import MAX_FREQ as S3FIFO_MAX_FREQ
 from kvoffload.policies.s3fifo import SMALL_SHARE as S3FIFO_SMALL_SHARE
 from kvoffload.policies.s3fifo import S3FIFOCachePolicy
+
+try:
+    from kvoffload.admission._lru_tier import LRUTier
+except ImportError:  # installed without a C compiler: the pure-Python tiers alone
+    LRUTier = None  # type: ignore[assignment,misc]
 
 MIN_MINI_KEYS = 1024
 """The sampling rate is the highest power-of-two fraction that leaves a 1x mini-tier at
@@ -103,7 +108,7 @@ class MiniTier:
         return key in self._keys
 
     @property
-    def held(self) -> Mapping[OffloadKey, object]:
+    def held(self) -> Container[OffloadKey]:
         """The held keys (reachable or not), for membership tests without a call per key."""
         return self._keys
 
@@ -188,7 +193,7 @@ class MiniTier:
         self,
         keys: Sequence[OffloadKey],
         at: Sequence[int],
-        keep: Collection[OffloadKey] | None,
+        keep: Container[OffloadKey] | None,
         gap: int,
     ) -> int:
         """:meth:`store` of what a candidate's tier writes of a request's sampled lookup
@@ -267,7 +272,7 @@ class LRUMiniTier(MiniTier):
         self,
         keys: Sequence[OffloadKey],
         at: Sequence[int],
-        keep: Collection[OffloadKey] | None,
+        keep: Container[OffloadKey] | None,
         gap: int,
         request: Sequence[OffloadKey] = (),
     ) -> int:
@@ -343,6 +348,28 @@ class LRUMiniTier(MiniTier):
         for key in reversed(keys):
             if key in order:
                 move_to_end(key)
+
+    def in_order(self) -> list[OffloadKey]:
+        """The held keys, least recent first."""
+        return list(self._order)
+
+    def unreachable(self, key: OffloadKey) -> bool:
+        """Whether held ``key`` was written behind a gap (a prefix lookup stops at it)."""
+        return bool(self._order.get(key, False))
+
+
+CompiledLRUMiniTier: type[LRUMiniTier] | None = None
+"""The LRU mini-tier in C (``_lru_tier.c``), where the package was built with a compiler:
+the same decisions, a few times faster; ``None`` where only the pure-Python tier exists."""
+if LRUTier is not None:
+
+    class _CompiledLRUMiniTier(LRUTier, LRUMiniTier):
+        """:class:`LRUMiniTier` with every operation in C; its state lives in the C object."""
+
+        def __init__(self, capacity: int) -> None:
+            """Nothing to do: the C type's constructor made the tier."""
+
+    CompiledLRUMiniTier = _CompiledLRUMiniTier
 
 
 class S3FIFOMiniTier(MiniTier):
@@ -479,7 +506,7 @@ def mini_tier(
     if generic:
         return MiniTier(capacity, policy, pending)
     if policy is LRUCachePolicy:
-        return LRUMiniTier(capacity)
+        return (CompiledLRUMiniTier or LRUMiniTier)(capacity)
     if policy is S3FIFOCachePolicy:
         return S3FIFOMiniTier(capacity, pending)
     return MiniTier(capacity, policy, pending)
@@ -725,7 +752,7 @@ class MiniSimulation:
             )
 
     def on_offer_held(
-        self, offered: Sequence[OffloadKey], held: Mapping[str, Collection[OffloadKey]]
+        self, offered: Sequence[OffloadKey], held: Mapping[str, Container[OffloadKey]]
     ) -> None:
         """:meth:`on_offer` with each candidate's admitted part given as what its exact
         world holds after the request (:mod:`~kvoffload.admission.worlds`): what a tier
@@ -733,7 +760,7 @@ class MiniSimulation:
         entry = self._take(offered)
         if entry is None:
             return
-        chosen: dict[str, tuple[Collection[OffloadKey] | None, int]] = {}
+        chosen: dict[str, tuple[Container[OffloadKey] | None, int]] = {}
         n = len(offered)
         for name, keys in held.items():
             gap = next((i for i, key in enumerate(offered) if key not in keys), n)
@@ -757,7 +784,7 @@ class MiniSimulation:
         self,
         entry: _Open,
         offered: Sequence[OffloadKey],
-        chosen: Mapping[str, tuple[Collection[OffloadKey] | None, int]],
+        chosen: Mapping[str, tuple[Container[OffloadKey] | None, int]],
     ) -> None:
         """Store ``entry``'s sampled lookup keys per candidate: ``chosen`` gives each its
         admitted keys (``None``: every offered key) and the offer index of its first key

@@ -17,6 +17,11 @@ import numpy as np
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 
+try:
+    from kvoffload.admission import _sketch as compiled
+except ImportError:  # installed without a C compiler: the numpy path alone
+    compiled = None  # type: ignore[assignment]
+
 ROWS = 4
 TAIL_BYTES = 12
 """Hashed part of a key: the end of its block hash and its 4-byte group index."""
@@ -50,13 +55,22 @@ def key_hashes(keys: Sequence[OffloadKey]) -> np.ndarray:
     if type(keys) is list and keys == last_keys:
         return last
     hashes = _hashes(keys)
-    hashes.flags.writeable = False
+    if hashes.flags.writeable:
+        hashes.flags.writeable = False
     if type(keys) is list:
         _LAST[0] = (keys.copy(), hashes)
     return hashes
 
 
 def _hashes(keys: Sequence[OffloadKey]) -> np.ndarray:
+    """64-bit hashes of ``keys`` (see :func:`numpy_hashes`): in one C call where the
+    package was compiled, else by numpy."""
+    if compiled is None:
+        return numpy_hashes(keys)
+    return np.frombuffer(compiled.hash_keys(keys), dtype=np.uint64)
+
+
+def numpy_hashes(keys: Sequence[OffloadKey]) -> np.ndarray:
     """64-bit hashes of ``keys``: their last 12 bytes folded to 64 bits, then mixed (splitmix64).
 
     The fold of the 96-bit tail ``a b c`` (three 32-bit words) is ``b`` over
@@ -107,8 +121,11 @@ class RequestHashes:
         self._cells = None
         return self._hashes
 
-    def cells(self, sketch: FrequencySketch) -> np.ndarray:
-        """The last request's cells in ``sketch`` (always the same sketch), computed once."""
+    def cells(self, sketch: FrequencySketch) -> np.ndarray | None:
+        """The last request's cells in ``sketch`` (always the same sketch), computed once;
+        ``None`` where the compiled sketch finds them itself."""
+        if sketch.compiled:
+            return None
         if self._cells is None:
             self._cells = sketch.cells(self._hashes)
         return self._cells
@@ -132,14 +149,16 @@ class RequestHashes:
 
     def offer(
         self, offered: Sequence[OffloadKey], sketch: FrequencySketch
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Hashes of ``offered`` and their ``sketch`` cells: slices of the last request's
-        when it ends that request (a cell depends on the hash alone)."""
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Hashes of ``offered`` and their ``sketch`` cells (``None``: see :meth:`cells`):
+        slices of the last request's when it ends that request (a cell depends on the hash
+        alone)."""
         start = self._offer_start(offered)
         if start >= 0:
-            return self._hashes[start:], self.cells(sketch)[:, start:]
+            cells = self.cells(sketch)
+            return self._hashes[start:], None if cells is None else cells[:, start:]
         hashes = key_hashes(offered)
-        return hashes, sketch.cells(hashes)
+        return hashes, None if sketch.compiled else sketch.cells(hashes)
 
 
 class FrequencySketch:
@@ -157,11 +176,14 @@ class FrequencySketch:
     calls, not one per row.
     """
 
-    def __init__(self, sample_size: int) -> None:
+    def __init__(self, sample_size: int, use_compiled: bool = True) -> None:
         if sample_size < 1:
             raise InvalidArgumentError(f"sample_size must be >= 1, got {sample_size}")
         self.sample_size = sample_size
+        self.compiled = use_compiled and compiled is not None
+        """Whether increments and estimates run in C (``_sketch.c``), not in numpy."""
         bits = max(4, (sample_size - 1).bit_length())
+        self._bits = bits
         self.width = 1 << bits
         counters = ROWS * self.width
         self._table = np.zeros(counters + (self.width << DOOR_BITS), dtype=np.uint8)
@@ -198,16 +220,20 @@ class FrequencySketch:
         """
         if not len(hashes):
             return
-        if cells is None:
-            cells = self.cells(hashes)
+        if self.compiled:
+            compiled.increment(self._table, hashes, self._bits)
+        else:
+            self._increment(hashes, self.cells(hashes) if cells is None else cells)
+        self._added += len(hashes)
+        if self._added >= self.sample_size:
+            self._age()
+
+    def _increment(self, hashes: np.ndarray, cells: np.ndarray) -> None:
         table = self._table
         values = table[cells]
         seen = values[0] & values[1]
         table[np.where(seen, cells[2:], cells[0])] = _SATURATED_INCREMENT[values[2:]]
         table[cells[:2]] = 1
-        self._added += len(hashes)
-        if self._added >= self.sample_size:
-            self._age()
 
     def estimate(self, hashes: np.ndarray, cells: np.ndarray | None = None) -> np.ndarray:
         """Estimated sightings per hash: the doorkeeper bit plus the smallest row counter
@@ -217,6 +243,8 @@ class FrequencySketch:
         """
         if not len(hashes):
             return np.zeros(0, dtype=np.uint8)
+        if self.compiled:
+            return np.frombuffer(compiled.estimate(self._table, hashes, self._bits), np.uint8)
         values = self._table[self.cells(hashes) if cells is None else cells]
         result: np.ndarray = np.minimum.reduce(values[2:], 0)
         result += values[0] & values[1]

@@ -1,0 +1,18 @@
+"""The compiled modules: built where a C compiler is found, skipped (pure Python) if not."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "kvoffload.admission._lru_tier",
+            ["src/kvoffload/admission/_lru_tier.c"],
+            optional=True,
+        ),
+        Extension(
+            "kvoffload.admission._sketch",
+            ["src/kvoffload/admission/_sketch.c"],
+            optional=True,
+        ),
+    ]
+)

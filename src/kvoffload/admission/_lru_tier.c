@@ -1,0 +1,739 @@
+/* The LRU mini-tier in C: the same decisions as ``minisim.LRUMiniTier``, without a
+ * Python-level loop per key.
+ *
+ * The optimiser runs three exact worlds and a dozen sampled mini-tiers beside the real
+ * tier, so these few operations (hit run, touch, store with its evictions) are most of
+ * its per-reference cost. The tier is a fixed pool of ``capacity`` nodes on a doubly
+ * linked list (oldest first) and an open-addressing table of node indices (linear
+ * probing, backward-shift deletion, so no tombstones build up). Keys are held by
+ * reference and compared as Python objects (bytes in practice, compared directly).
+ *
+ * Every operation mirrors the pure-Python tier step by step (``minisim.py`` says why
+ * each step is there); ``tests/admission/test_minisim_fast.py`` holds the two equal.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+
+#define NONE (-1)
+#define DEAD 1u       /* written behind a gap: unreachable by a prefix lookup */
+#define PROTECTED 2u  /* may not be evicted by the store in progress */
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t capacity;
+    Py_ssize_t size;
+    size_t mask;                /* table slots - 1 */
+    Py_ssize_t *table;          /* node index per slot, or NONE */
+    PyObject **node_key;
+    Py_hash_t *node_hash;
+    Py_ssize_t *prev, *next;    /* the recency list; ``next`` also chains free nodes */
+    unsigned char *flags;
+    Py_ssize_t oldest, newest, free_list;
+    /* Scratch for one store: the distinct new keys, their gap flags, a set over them,
+     * and the nodes a store protected. */
+    PyObject **new_key;
+    Py_hash_t *new_hash;
+    unsigned char *new_dead;
+    Py_ssize_t new_len, new_cap;
+    Py_ssize_t *new_set;
+    size_t new_set_mask;
+    Py_ssize_t *guarded;
+    Py_ssize_t guarded_len, guarded_cap;
+    double hits, writes;
+    long long total_hits, total_writes;
+} LRUTier;
+
+static int
+keys_equal(PyObject *a, PyObject *b)
+{
+    if (a == b) {
+        return 1;
+    }
+    if (PyBytes_CheckExact(a) && PyBytes_CheckExact(b)) {
+        Py_ssize_t n = PyBytes_GET_SIZE(a);
+        return n == PyBytes_GET_SIZE(b) && memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b), (size_t)n) == 0;
+    }
+    return PyObject_RichCompareBool(a, b, Py_EQ);
+}
+
+static size_t
+spread(Py_hash_t hash)
+{
+    uint64_t h = (uint64_t)hash;
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdULL;
+    h ^= h >> 33;
+    return (size_t)h;
+}
+
+/* The slot holding ``key``'s node, or the empty slot where it would go (*found 0);
+ * -1 with an exception set if a comparison failed. */
+static Py_ssize_t
+find_slot(LRUTier *self, PyObject *key, Py_hash_t hash, int *found)
+{
+    size_t slot = spread(hash) & self->mask;
+    for (;;) {
+        Py_ssize_t node = self->table[slot];
+        if (node == NONE) {
+            *found = 0;
+            return (Py_ssize_t)slot;
+        }
+        if (self->node_hash[node] == hash) {
+            int eq = keys_equal(self->node_key[node], key);
+            if (eq < 0) {
+                return -1;
+            }
+            if (eq) {
+                *found = 1;
+                return (Py_ssize_t)slot;
+            }
+        }
+        slot = (slot + 1) & self->mask;
+    }
+}
+
+/* ``key``'s node, NONE if not held, or -2 with an exception set. */
+static Py_ssize_t
+find_node(LRUTier *self, PyObject *key, Py_hash_t *hash_out)
+{
+    Py_hash_t hash = PyObject_Hash(key);
+    if (hash == -1) {
+        return -2;
+    }
+    if (hash_out != NULL) {
+        *hash_out = hash;
+    }
+    int found;
+    Py_ssize_t slot = find_slot(self, key, hash, &found);
+    if (slot < 0) {
+        return -2;
+    }
+    return found ? self->table[slot] : NONE;
+}
+
+static void
+unlink_node(LRUTier *self, Py_ssize_t node)
+{
+    Py_ssize_t before = self->prev[node], after = self->next[node];
+    if (before == NONE) {
+        self->oldest = after;
+    } else {
+        self->next[before] = after;
+    }
+    if (after == NONE) {
+        self->newest = before;
+    } else {
+        self->prev[after] = before;
+    }
+}
+
+static void
+append_node(LRUTier *self, Py_ssize_t node)
+{
+    self->prev[node] = self->newest;
+    self->next[node] = NONE;
+    if (self->newest == NONE) {
+        self->oldest = node;
+    } else {
+        self->next[self->newest] = node;
+    }
+    self->newest = node;
+}
+
+/* Drop ``node`` from the table (backward-shift deletion), the list and the pool. */
+static int
+evict_node(LRUTier *self, Py_ssize_t node)
+{
+    int found;
+    Py_ssize_t at = find_slot(self, self->node_key[node], self->node_hash[node], &found);
+    if (at < 0) {
+        return -1;
+    }
+    size_t hole = (size_t)at, probe = hole;
+    for (;;) {
+        probe = (probe + 1) & self->mask;
+        Py_ssize_t moved = self->table[probe];
+        if (moved == NONE) {
+            break;
+        }
+        size_t home = spread(self->node_hash[moved]) & self->mask;
+        /* ``moved`` may fill the hole unless its home lies cyclically in (hole, probe]. */
+        int stays = hole <= probe ? (hole < home && home <= probe) : (hole < home || home <= probe);
+        if (!stays) {
+            self->table[hole] = moved;
+            hole = probe;
+        }
+    }
+    self->table[hole] = NONE;
+    unlink_node(self, node);
+    Py_CLEAR(self->node_key[node]);
+    self->flags[node] = 0;
+    self->next[node] = self->free_list;
+    self->free_list = node;
+    self->size--;
+    return 0;
+}
+
+static int
+grow(void **buffer, Py_ssize_t count, size_t item)
+{
+    void *bigger = PyMem_Realloc(*buffer, (size_t)count * item);
+    if (bigger == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *buffer = bigger;
+    return 0;
+}
+
+/* Make room for ``n`` new keys in the scratch and empty it. */
+static int
+scratch_reset(LRUTier *self, Py_ssize_t n)
+{
+    if (n > self->new_cap || self->new_set == NULL) {
+        Py_ssize_t cap = n < 64 ? 64 : n;
+        if (grow((void **)&self->new_key, cap, sizeof(PyObject *)) < 0 ||
+            grow((void **)&self->new_hash, cap, sizeof(Py_hash_t)) < 0 ||
+            grow((void **)&self->new_dead, cap, 1) < 0) {
+            return -1;
+        }
+        size_t slots = 1;
+        while (slots < (size_t)cap * 2) {
+            slots <<= 1;
+        }
+        if (grow((void **)&self->new_set, (Py_ssize_t)slots, sizeof(Py_ssize_t)) < 0) {
+            return -1;
+        }
+        self->new_cap = cap;
+        self->new_set_mask = slots - 1;
+    }
+    memset(self->new_set, 0xff, (self->new_set_mask + 1) * sizeof(Py_ssize_t));
+    self->new_len = 0;
+    return 0;
+}
+
+/* Add ``key`` (not held) to the new keys unless already there: the dict's first-wins. */
+static int
+scratch_add(LRUTier *self, PyObject *key, Py_hash_t hash, int dead)
+{
+    size_t slot = spread(hash) & self->new_set_mask;
+    for (;;) {
+        Py_ssize_t index = self->new_set[slot];
+        if (index == NONE) {
+            break;
+        }
+        if (self->new_hash[index] == hash) {
+            int eq = keys_equal(self->new_key[index], key);
+            if (eq < 0) {
+                return -1;
+            }
+            if (eq) {
+                return 0;
+            }
+        }
+        slot = (slot + 1) & self->new_set_mask;
+    }
+    Py_ssize_t index = self->new_len++;
+    self->new_set[slot] = index;
+    self->new_key[index] = key;
+    self->new_hash[index] = hash;
+    self->new_dead[index] = (unsigned char)(dead ? DEAD : 0);
+    return 0;
+}
+
+static int
+touch_all(LRUTier *self, PyObject **keys, Py_ssize_t n)
+{
+    for (Py_ssize_t i = n - 1; i >= 0; i--) {
+        Py_ssize_t node = find_node(self, keys[i], NULL);
+        if (node == -2) {
+            return -1;
+        }
+        if (node != NONE && node != self->newest) {
+            unlink_node(self, node);
+            append_node(self, node);
+        }
+    }
+    return 0;
+}
+
+/* Mark the held keys among ``keys`` protected; how many distinct ones, or -1. */
+static Py_ssize_t
+protect(LRUTier *self, PyObject **keys, Py_ssize_t n)
+{
+    Py_ssize_t marked = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t node = find_node(self, keys[i], NULL);
+        if (node == -2) {
+            return -1;
+        }
+        if (node != NONE && !(self->flags[node] & PROTECTED)) {
+            if (self->guarded_len == self->guarded_cap) {
+                Py_ssize_t cap = self->guarded_cap ? 2 * self->guarded_cap : 64;
+                if (grow((void **)&self->guarded, cap, sizeof(Py_ssize_t)) < 0) {
+                    return -1;
+                }
+                self->guarded_cap = cap;
+            }
+            self->guarded[self->guarded_len++] = node;
+            self->flags[node] |= PROTECTED;
+            marked++;
+        }
+    }
+    return marked;
+}
+
+static void
+unprotect(LRUTier *self)
+{
+    for (Py_ssize_t i = 0; i < self->guarded_len; i++) {
+        self->flags[self->guarded[i]] &= (unsigned char)~PROTECTED;
+    }
+    self->guarded_len = 0;
+}
+
+/* Write the scratch's new keys, evicting the oldest keys outside ``keys`` (or outside
+ * ``request`` where enough others are held); see ``LRUMiniTier._insert``. */
+static Py_ssize_t
+insert_new(LRUTier *self, PyObject **keys, Py_ssize_t n, PyObject **request, Py_ssize_t n_request)
+{
+    Py_ssize_t need = self->new_len - (self->capacity - self->size);
+    if (need > 0) {
+        if (n_request && self->size - n_request >= need) {
+            if (protect(self, request, n_request) < 0) {
+                unprotect(self);
+                return -1;
+            }
+        } else {
+            if (n_request && touch_all(self, request, n_request) < 0) {
+                return -1;
+            }
+            Py_ssize_t held = protect(self, keys, n);
+            if (held < 0 || self->size - held < need) {
+                unprotect(self);
+                return held < 0 ? -1 : 0;
+            }
+        }
+        Py_ssize_t node = self->oldest;
+        while (need) {
+            Py_ssize_t after = self->next[node];
+            if (!(self->flags[node] & PROTECTED)) {
+                if (evict_node(self, node) < 0) {
+                    unprotect(self);
+                    return -1;
+                }
+                need--;
+            }
+            node = after;
+        }
+        unprotect(self);
+    }
+    for (Py_ssize_t i = 0; i < self->new_len; i++) {
+        int found;
+        Py_ssize_t slot = find_slot(self, self->new_key[i], self->new_hash[i], &found);
+        if (slot < 0) {
+            return -1;
+        }
+        Py_ssize_t node = self->free_list;
+        self->free_list = self->next[node];
+        Py_INCREF(self->new_key[i]);
+        self->node_key[node] = self->new_key[i];
+        self->node_hash[node] = self->new_hash[i];
+        self->flags[node] = self->new_dead[i];
+        self->table[slot] = node;
+        append_node(self, node);
+        self->size++;
+    }
+    Py_ssize_t written = self->new_len;
+    self->new_len = 0;
+    self->writes += (double)written;
+    self->total_writes += written;
+    return written;
+}
+
+/* A sequence argument as a borrowed item array (``*holder`` owns it; NULL for absent). */
+static int
+as_items(PyObject *arg, const char *what, PyObject **holder, PyObject ***items, Py_ssize_t *n)
+{
+    *holder = NULL;
+    *items = NULL;
+    *n = 0;
+    if (arg == NULL) {
+        return 0;
+    }
+    PyObject *fast = PySequence_Fast(arg, what);
+    if (fast == NULL) {
+        return -1;
+    }
+    *holder = fast;
+    *items = PySequence_Fast_ITEMS(fast);
+    *n = PySequence_Fast_GET_SIZE(fast);
+    return 0;
+}
+
+static PyObject *
+tier_store_impl(LRUTier *self, PyObject *keys, PyObject *behind_gap, PyObject *request)
+{
+    PyObject *keys_fast = NULL, *gap_fast = NULL, *request_fast = NULL;
+    PyObject **key_items, **gap_items, **request_items;
+    Py_ssize_t n, n_gap, n_request;
+    Py_ssize_t written = -1;
+    if (as_items(keys, "keys must be a sequence", &keys_fast, &key_items, &n) < 0 ||
+        as_items(behind_gap, "behind_gap must be a sequence", &gap_fast, &gap_items, &n_gap) < 0 ||
+        as_items(request, "request must be a sequence", &request_fast, &request_items, &n_request) < 0) {
+        goto done;
+    }
+    if (n_gap && n_gap != n) {
+        PyErr_SetString(PyExc_ValueError, "keys and behind_gap differ in length");
+        goto done;
+    }
+    if (scratch_reset(self, n) < 0) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int gap = 0;
+        if (n_gap && (gap = PyObject_IsTrue(gap_items[i])) < 0) {
+            goto done;
+        }
+        Py_hash_t hash;
+        Py_ssize_t node = find_node(self, key_items[i], &hash);
+        if (node == -2) {
+            goto done;
+        }
+        if (node == NONE) {
+            if (scratch_add(self, key_items[i], hash, gap) < 0) {
+                goto done;
+            }
+        } else if ((self->flags[node] & DEAD) && !gap) {
+            self->flags[node] &= (unsigned char)~DEAD;
+        }
+    }
+    written = self->new_len ? insert_new(self, key_items, n, request_items, n_request) : 0;
+done:
+    self->new_len = 0;
+    Py_XDECREF(keys_fast);
+    Py_XDECREF(gap_fast);
+    Py_XDECREF(request_fast);
+    return written < 0 ? NULL : PyLong_FromSsize_t(written);
+}
+
+static PyObject *
+tier_store(LRUTier *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"keys", "behind_gap", "request", NULL};
+    PyObject *keys, *behind_gap = NULL, *request = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO:store", names, &keys, &behind_gap, &request)) {
+        return NULL;
+    }
+    return tier_store_impl(self, keys, behind_gap, request);
+}
+
+static PyObject *
+tier_store_admitted(LRUTier *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"keys", "at", "keep", "gap", "request", NULL};
+    PyObject *keys, *at, *keep, *request = NULL;
+    Py_ssize_t gap;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOn|O:store_admitted", names, &keys, &at, &keep, &gap,
+                                     &request)) {
+        return NULL;
+    }
+    if (keep == Py_None) {
+        return tier_store_impl(self, keys, NULL, request);
+    }
+    PyObject *keys_fast = NULL, *at_fast = NULL, *request_fast = NULL;
+    PyObject **key_items, **at_items, **request_items, **stored = NULL;
+    Py_ssize_t n, n_at, n_request, n_stored = 0;
+    Py_ssize_t written = -1;
+    if (as_items(keys, "keys must be a sequence", &keys_fast, &key_items, &n) < 0 ||
+        as_items(at, "at must be a sequence", &at_fast, &at_items, &n_at) < 0 ||
+        as_items(request, "request must be a sequence", &request_fast, &request_items, &n_request) < 0) {
+        goto done;
+    }
+    if (n_at != n) {
+        PyErr_SetString(PyExc_ValueError, "keys and at differ in length");
+        goto done;
+    }
+    if (scratch_reset(self, n) < 0) {
+        goto done;
+    }
+    stored = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(PyObject *));
+    if (stored == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t j = PyLong_AsSsize_t(at_items[i]);
+        if (j == -1 && PyErr_Occurred()) {
+            goto done;
+        }
+        if (j >= 0) {
+            int kept = PySequence_Contains(keep, key_items[i]);
+            if (kept < 0) {
+                goto done;
+            }
+            if (!kept) {
+                continue;
+            }
+        }
+        stored[n_stored++] = key_items[i];
+        Py_hash_t hash;
+        Py_ssize_t node = find_node(self, key_items[i], &hash);
+        if (node == -2) {
+            goto done;
+        }
+        if (node == NONE) {
+            if (scratch_add(self, key_items[i], hash, j > gap) < 0) {
+                goto done;
+            }
+        } else if ((self->flags[node] & DEAD) && j <= gap) {
+            self->flags[node] &= (unsigned char)~DEAD;
+        }
+    }
+    written = self->new_len ? insert_new(self, stored, n_stored, request_items, n_request) : 0;
+done:
+    self->new_len = 0;
+    PyMem_Free(stored);
+    Py_XDECREF(keys_fast);
+    Py_XDECREF(at_fast);
+    Py_XDECREF(request_fast);
+    return written < 0 ? NULL : PyLong_FromSsize_t(written);
+}
+
+static PyObject *
+tier_hit_run(LRUTier *self, PyObject *keys)
+{
+    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
+    if (fast == NULL) {
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), run = 0;
+    for (; run < n; run++) {
+        Py_ssize_t node = find_node(self, items[run], NULL);
+        if (node == -2) {
+            Py_DECREF(fast);
+            return NULL;
+        }
+        if (node == NONE || (self->flags[node] & DEAD)) {
+            break;
+        }
+    }
+    Py_DECREF(fast);
+    self->hits += (double)run;
+    self->total_hits += run;
+    return PyLong_FromSsize_t(run);
+}
+
+static PyObject *
+tier_touch(LRUTier *self, PyObject *keys)
+{
+    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
+    if (fast == NULL) {
+        return NULL;
+    }
+    int failed = touch_all(self, PySequence_Fast_ITEMS(fast), PySequence_Fast_GET_SIZE(fast));
+    Py_DECREF(fast);
+    if (failed) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+tier_in_order(LRUTier *self, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *result = PyList_New(self->size);
+    if (result == NULL) {
+        return NULL;
+    }
+    Py_ssize_t i = 0;
+    for (Py_ssize_t node = self->oldest; node != NONE; node = self->next[node]) {
+        Py_INCREF(self->node_key[node]);
+        PyList_SET_ITEM(result, i++, self->node_key[node]);
+    }
+    return result;
+}
+
+static PyObject *
+tier_unreachable(LRUTier *self, PyObject *key)
+{
+    Py_ssize_t node = find_node(self, key, NULL);
+    if (node == -2) {
+        return NULL;
+    }
+    return PyBool_FromLong(node != NONE && (self->flags[node] & DEAD));
+}
+
+static Py_ssize_t
+tier_len(LRUTier *self)
+{
+    return self->size;
+}
+
+static int
+tier_contains(LRUTier *self, PyObject *key)
+{
+    Py_ssize_t node = find_node(self, key, NULL);
+    return node == -2 ? -1 : node != NONE;
+}
+
+static PyObject *
+tier_held(LRUTier *self, void *Py_UNUSED(closure))
+{
+    Py_INCREF(self);
+    return (PyObject *)self;
+}
+
+static void
+tier_free_buffers(LRUTier *self)
+{
+    if (self->node_key != NULL) {
+        for (Py_ssize_t node = self->oldest; node != NONE; node = self->next[node]) {
+            Py_CLEAR(self->node_key[node]);
+        }
+    }
+    PyMem_Free(self->table);
+    PyMem_Free(self->node_key);
+    PyMem_Free(self->node_hash);
+    PyMem_Free(self->prev);
+    PyMem_Free(self->next);
+    PyMem_Free(self->flags);
+    PyMem_Free(self->new_key);
+    PyMem_Free(self->new_hash);
+    PyMem_Free(self->new_dead);
+    PyMem_Free(self->new_set);
+    PyMem_Free(self->guarded);
+}
+
+static void
+tier_dealloc(LRUTier *self)
+{
+    tier_free_buffers(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+tier_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"capacity", NULL};
+    Py_ssize_t capacity;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n:LRUTier", names, &capacity)) {
+        return NULL;
+    }
+    if (capacity < 1) {
+        PyObject *errors = PyImport_ImportModule("kvoffload.core.errors");
+        PyObject *invalid = errors ? PyObject_GetAttrString(errors, "InvalidArgumentError") : NULL;
+        Py_XDECREF(errors);
+        if (invalid != NULL) {
+            PyErr_Format(invalid, "mini-tier capacity must be >= 1, got %zd", capacity);
+            Py_DECREF(invalid);
+        }
+        return NULL;
+    }
+    if (capacity > PY_SSIZE_T_MAX / 8) {
+        PyErr_SetString(PyExc_OverflowError, "mini-tier capacity too large");
+        return NULL;
+    }
+    LRUTier *self = (LRUTier *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    size_t slots = 8;
+    while (slots < (size_t)capacity * 2) {
+        slots <<= 1;
+    }
+    self->capacity = capacity;
+    self->mask = slots - 1;
+    self->oldest = self->newest = NONE;
+    self->table = PyMem_Malloc(slots * sizeof(Py_ssize_t));
+    self->node_key = PyMem_Calloc((size_t)capacity, sizeof(PyObject *));
+    self->node_hash = PyMem_Malloc((size_t)capacity * sizeof(Py_hash_t));
+    self->prev = PyMem_Malloc((size_t)capacity * sizeof(Py_ssize_t));
+    self->next = PyMem_Malloc((size_t)capacity * sizeof(Py_ssize_t));
+    self->flags = PyMem_Calloc((size_t)capacity, 1);
+    if (!self->table || !self->node_key || !self->node_hash || !self->prev || !self->next || !self->flags) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    memset(self->table, 0xff, slots * sizeof(Py_ssize_t));
+    for (Py_ssize_t node = 0; node < capacity; node++) {
+        self->next[node] = node + 1 < capacity ? node + 1 : NONE;
+    }
+    self->free_list = 0;
+    return (PyObject *)self;
+}
+
+static PyMethodDef tier_methods[] = {
+    {"hit_run", (PyCFunction)tier_hit_run, METH_O, "How many leading keys are held and reachable."},
+    {"touch", (PyCFunction)tier_touch, METH_O, "Make the held keys recent, the first most recent."},
+    {"store", (PyCFunction)(void (*)(void))tier_store, METH_VARARGS | METH_KEYWORDS,
+     "store(keys, behind_gap=(), request=()): see LRUMiniTier.store."},
+    {"store_admitted", (PyCFunction)(void (*)(void))tier_store_admitted, METH_VARARGS | METH_KEYWORDS,
+     "store_admitted(keys, at, keep, gap, request=()): see LRUMiniTier.store_admitted."},
+    {"in_order", (PyCFunction)tier_in_order, METH_NOARGS, "The held keys, least recent first."},
+    {"unreachable", (PyCFunction)tier_unreachable, METH_O, "Whether a held key is behind a gap."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef tier_members[] = {
+    {"capacity", T_PYSSIZET, offsetof(LRUTier, capacity), READONLY, "Keys the tier holds at most."},
+    {"hits", T_DOUBLE, offsetof(LRUTier, hits), 0, "Hits, halved with the caller's window."},
+    {"writes", T_DOUBLE, offsetof(LRUTier, writes), 0, "Writes, halved with the caller's window."},
+    {"total_hits", T_LONGLONG, offsetof(LRUTier, total_hits), 0, "Hits since the start."},
+    {"total_writes", T_LONGLONG, offsetof(LRUTier, total_writes), 0, "Writes since the start."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef tier_getset[] = {
+    {"held", (getter)tier_held, NULL, "The tier itself: membership of held keys.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PySequenceMethods tier_as_sequence = {
+    .sq_length = (lenfunc)tier_len,
+    .sq_contains = (objobjproc)tier_contains,
+};
+
+static PyTypeObject LRUTierType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvoffload.admission._lru_tier.LRUTier",
+    .tp_basicsize = sizeof(LRUTier),
+    .tp_dealloc = (destructor)tier_dealloc,
+    .tp_as_sequence = &tier_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "An LRU mini-tier of capacity keys (no data): LRUMiniTier's decisions in C.",
+    .tp_methods = tier_methods,
+    .tp_members = tier_members,
+    .tp_getset = tier_getset,
+    .tp_new = tier_new,
+};
+
+static struct PyModuleDef lru_tier_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvoffload.admission._lru_tier",
+    .m_doc = "The LRU mini-tier's hot paths in C (minisim.LRUMiniTier is the reference).",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC
+PyInit__lru_tier(void)
+{
+    if (PyType_Ready(&LRUTierType) < 0) {
+        return NULL;
+    }
+    PyObject *module = PyModule_Create(&lru_tier_module);
+    if (module == NULL) {
+        return NULL;
+    }
+    Py_INCREF(&LRUTierType);
+    if (PyModule_AddObject(module, "LRUTier", (PyObject *)&LRUTierType) < 0) {
+        Py_DECREF(&LRUTierType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

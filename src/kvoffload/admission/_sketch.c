@@ -1,0 +1,220 @@
+/* The frequency sketch's per-request work in C: key hashes, and the sketch's increment
+ * and estimate over a batch of hashes.
+ *
+ * ``sketch.py`` does the same with a dozen numpy calls per request, each costing about a
+ * microsecond whatever its size; a request has tens of keys, so the call overhead was
+ * most of the work. The arithmetic is that of the numpy path, step for step (the same
+ * fold, mix, multipliers and shifts, and numpy's order of reads and writes where one
+ * batch touches a cell twice); ``tests/admission/test_sketch.py`` holds the two equal.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define ROWS 4
+#define DOOR_BITS 4
+#define MAX_COUNT 15
+#define TAIL_BYTES 12
+#define LANES (2 + ROWS) /* two doorkeeper cells, then one counter per row */
+
+static const uint64_t MULTIPLIERS[LANES] = {
+    1ULL, 0x2545F4914F6CDD1DULL, 0x9E3779B97F4A7C15ULL,
+    0xD6E8FEB86659FD93ULL, 0xC2B2AE3D27D4EB4FULL, 0xFF51AFD7ED558CCDULL,
+};
+
+/* The key's last 12 bytes as a 96-bit big-endian number, folded to 64 bits, mixed. */
+static uint64_t
+key_hash(const unsigned char *key, Py_ssize_t length)
+{
+    Py_ssize_t start = length > TAIL_BYTES ? length - TAIL_BYTES : 0;
+    uint64_t low = 0, high = 0;
+    for (Py_ssize_t i = start; i < length; i++) {
+        high = (high << 8) | (low >> 56);
+        low = (low << 8) | key[i];
+    }
+    uint64_t h = low ^ high;
+    h ^= h >> 30;
+    h *= 0xBF58476D1CE4E5B9ULL;
+    h ^= h >> 27;
+    h *= 0x94D049BB133111EBULL;
+    h ^= h >> 31;
+    return h;
+}
+
+static PyObject *
+hash_keys(PyObject *Py_UNUSED(module), PyObject *keys)
+{
+    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
+    if (fast == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    PyObject *result = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(uint64_t));
+    if (result == NULL) {
+        Py_DECREF(fast);
+        return NULL;
+    }
+    uint64_t *out = (uint64_t *)PyBytes_AS_STRING(result);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyBytes_Check(items[i])) {
+            PyErr_Format(PyExc_TypeError, "keys must be bytes, got %.100s", Py_TYPE(items[i])->tp_name);
+            Py_DECREF(result);
+            Py_DECREF(fast);
+            return NULL;
+        }
+        out[i] = key_hash((const unsigned char *)PyBytes_AS_STRING(items[i]), PyBytes_GET_SIZE(items[i]));
+    }
+    Py_DECREF(fast);
+    return result;
+}
+
+/* The table and the hashes as buffers, checked against the sketch's width. */
+typedef struct {
+    Py_buffer table, hashes;
+    Py_ssize_t n, width, counters;
+    int shift, door_shift;
+} Batch;
+
+static int
+batch_open(Batch *batch, PyObject *args, const char *name, int writable)
+{
+    PyObject *table, *hashes;
+    int bits;
+    if (!PyArg_ParseTuple(args, "OOi", &table, &hashes, &bits)) {
+        return -1;
+    }
+    if (bits < 1 || bits > 40) {
+        PyErr_Format(PyExc_ValueError, "%s: width bits must be in 1..40, got %d", name, bits);
+        return -1;
+    }
+    if (PyObject_GetBuffer(table, &batch->table, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) {
+        return -1;
+    }
+    if (PyObject_GetBuffer(hashes, &batch->hashes, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&batch->table);
+        return -1;
+    }
+    batch->width = (Py_ssize_t)1 << bits;
+    batch->counters = ROWS * batch->width;
+    batch->shift = 64 - bits;
+    batch->door_shift = 64 - bits - DOOR_BITS;
+    batch->n = batch->hashes.len / (Py_ssize_t)sizeof(uint64_t);
+    if (batch->table.len != batch->counters + (batch->width << DOOR_BITS) ||
+        batch->hashes.len % (Py_ssize_t)sizeof(uint64_t)) {
+        PyErr_Format(PyExc_ValueError, "%s: table or hashes do not fit a sketch of that width", name);
+        PyBuffer_Release(&batch->table);
+        PyBuffer_Release(&batch->hashes);
+        return -1;
+    }
+    return 0;
+}
+
+static void
+batch_close(Batch *batch)
+{
+    PyBuffer_Release(&batch->table);
+    PyBuffer_Release(&batch->hashes);
+}
+
+static Py_ssize_t
+cell(const Batch *batch, uint64_t hash, int lane)
+{
+    uint64_t product = hash * MULTIPLIERS[lane];
+    if (lane < 2) {
+        return batch->counters + (Py_ssize_t)(product >> batch->door_shift);
+    }
+    return (lane - 2) * batch->width + (Py_ssize_t)(product >> batch->shift);
+}
+
+/* One sighting of each hash: every read before any write, then the counter writes in
+ * numpy's order (row by row), an unseen hash's redirected to its first doorkeeper cell,
+ * then the doorkeeper cells set; see FrequencySketch.increment. */
+static PyObject *
+increment(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    Batch batch;
+    if (batch_open(&batch, args, "increment", 1) < 0) {
+        return NULL;
+    }
+    Py_ssize_t n = batch.n;
+    unsigned char *table = batch.table.buf;
+    const uint64_t *hashes = batch.hashes.buf;
+    Py_ssize_t *cells = PyMem_Malloc((size_t)(n ? n : 1) * LANES * sizeof(Py_ssize_t));
+    unsigned char *values = PyMem_Malloc((size_t)(n ? n : 1) * LANES);
+    if (cells == NULL || values == NULL) {
+        PyMem_Free(cells);
+        PyMem_Free(values);
+        batch_close(&batch);
+        return PyErr_NoMemory();
+    }
+    for (int lane = 0; lane < LANES; lane++) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_ssize_t at = cell(&batch, hashes[i], lane);
+            cells[lane * n + i] = at;
+            values[lane * n + i] = table[at];
+        }
+    }
+    for (int lane = 2; lane < LANES; lane++) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int seen = values[i] & values[n + i];
+            unsigned char count = values[lane * n + i];
+            table[seen ? cells[lane * n + i] : cells[i]] = count < MAX_COUNT ? count + 1 : MAX_COUNT;
+        }
+    }
+    for (Py_ssize_t i = 0; i < 2 * n; i++) {
+        table[cells[i]] = 1;
+    }
+    PyMem_Free(cells);
+    PyMem_Free(values);
+    batch_close(&batch);
+    Py_RETURN_NONE;
+}
+
+/* Per hash: the doorkeeper bit plus the smallest counter, as bytes. */
+static PyObject *
+estimate(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    Batch batch;
+    if (batch_open(&batch, args, "estimate", 0) < 0) {
+        return NULL;
+    }
+    PyObject *result = PyBytes_FromStringAndSize(NULL, batch.n);
+    if (result != NULL) {
+        unsigned char *out = (unsigned char *)PyBytes_AS_STRING(result);
+        const unsigned char *table = batch.table.buf;
+        const uint64_t *hashes = batch.hashes.buf;
+        for (Py_ssize_t i = 0; i < batch.n; i++) {
+            unsigned char least = table[cell(&batch, hashes[i], 2)];
+            for (int lane = 3; lane < LANES; lane++) {
+                unsigned char count = table[cell(&batch, hashes[i], lane)];
+                least = count < least ? count : least;
+            }
+            out[i] = (unsigned char)(least + (table[cell(&batch, hashes[i], 0)] & table[cell(&batch, hashes[i], 1)]));
+        }
+    }
+    batch_close(&batch);
+    return result;
+}
+
+static PyMethodDef sketch_methods[] = {
+    {"hash_keys", hash_keys, METH_O, "hash_keys(keys) -> bytes: each key's 64-bit hash, native order."},
+    {"increment", increment, METH_VARARGS, "increment(table, hashes, bits): one sighting of each hash."},
+    {"estimate", estimate, METH_VARARGS, "estimate(table, hashes, bits) -> bytes: sightings per hash."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef sketch_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvoffload.admission._sketch",
+    .m_doc = "The frequency sketch's per-request work in C (sketch.py's numpy path is the reference).",
+    .m_size = -1,
+    .m_methods = sketch_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__sketch(void)
+{
+    return PyModule_Create(&sketch_module);
+}

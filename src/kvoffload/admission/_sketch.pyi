@@ -1,0 +1,9 @@
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvoffload.core.keys import OffloadKey
+
+def hash_keys(keys: Sequence[OffloadKey]) -> bytes: ...
+def increment(table: np.ndarray, hashes: np.ndarray, bits: int) -> None: ...
+def estimate(table: np.ndarray, hashes: np.ndarray, bits: int) -> bytes: ...
