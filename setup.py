@@ -7,6 +7,13 @@ setup(
         Extension(
             "kvoffload.admission._lru_tier",
             ["src/kvoffload/admission/_lru_tier.c"],
+            depends=["src/kvoffload/admission/_recency.h"],
+            optional=True,
+        ),
+        Extension(
+            "kvoffload.admission._reuse_counts",
+            ["src/kvoffload/admission/_reuse_counts.c"],
+            depends=["src/kvoffload/admission/_recency.h"],
             optional=True,
         ),
         Extension(

@@ -5,6 +5,9 @@ For each request, in the order vLLM's connector uses: ``touch`` of all keys,
 the offload hit, ``prepare_store`` of the computed blocks and, when anything
 is stored, ``touch`` of all keys again and an immediate ``complete_store``.
 Only the manager calls are timed. Standard library only (plus kvoffload itself).
+Each replay starts after a full garbage collection with no other side's manager
+alive: a manager of many Python objects left alive would slow the other side's
+collections and flatter the ratio.
 
 Each configuration also runs through ``seed_literal.py``, an unoptimised
 rendering of the seed-era managers (LRU and ARC only), in the same process, so
@@ -28,6 +31,7 @@ table measures the filter when it is full and drops keys, as in a long run.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -190,6 +194,17 @@ def vllm_factory(max_tracker_size: int) -> Callable[[str, int], Any] | None:
     return build
 
 
+def timed(
+    run: Callable[[list[list[OffloadKey]], Any], dict[str, float]],
+    requests: list[list[OffloadKey]],
+    manager: Any,
+) -> dict[str, float]:
+    """``run`` of ``manager`` after a full collection, with only that manager alive: each
+    side's collections then walk its own objects, not the other's."""
+    gc.collect()
+    return run(requests, manager)
+
+
 def fastest(runs: list[dict[str, float]]) -> dict[str, float]:
     return min(runs, key=lambda r: r["us_per_ref"])
 
@@ -240,12 +255,14 @@ def main() -> int:
                 max_tracker_size=tracker,
                 admission=admission,
             )
-            ours.append(replay(requests, manager))
+            ours.append(timed(replay, requests, manager))
+            del manager  # alive, its objects would slow the next side's garbage collection
             if policy in SEED_POLICIES and admission == "none":
                 seed_manager = build_seed_manager(CPU_BLOCKS, policy, threshold, tracker)
-                seed.append(replay(requests, seed_manager))
+                seed.append(timed(replay, requests, seed_manager))
+                del seed_manager
             if build_vllm is not None:
-                vllm.append(replay_vllm(requests, build_vllm(vllm_policy, threshold)))
+                vllm.append(timed(replay_vllm, requests, build_vllm(vllm_policy, threshold)))
         reference = fastest(vllm) if vllm else None
         if reference is not None:
             earlier = vllm_runs.get((vllm_policy, threshold))

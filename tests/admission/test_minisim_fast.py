@@ -233,7 +233,13 @@ def test_a_mini_simulation_over_specialised_tiers_gives_the_generic_figures(
     assert any(figure.hit_ratio > 0 for figure in fast.figures(cumulative=True))
 
 
-def test_sampling_picks_the_keys_whose_low_hash_bits_are_zero_at_every_level() -> None:
+@pytest.mark.parametrize("compiled", [True, False])
+def test_sampling_picks_the_keys_whose_low_hash_bits_are_zero_at_every_level(
+    compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In C where built, and in Python."""
+    if not compiled:
+        monkeypatch.setattr(minisim, "sampled_positions", None)
     simulation = MiniSimulation(2**14, LRUCachePolicy, CANDIDATES, WHATIF_FACTORS)
     level_bits = [level.bits for level in simulation._levels]
     assert len(set(level_bits)) > 1 and min(level_bits) > 0

@@ -5,11 +5,22 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import given, settings
 
-from kvoffload import block_id_key
-from kvoffload.admission.reuse_counts import ReuseCounts
+from kvoffload import InvalidArgumentError, block_id_key
+from kvoffload.admission.reuse_counts import CompiledReuseCounts, ReuseCounts, reuse_counts
 from kvoffload.core.keys import OffloadKey
+
+TABLES = [
+    ReuseCounts,
+    pytest.param(
+        CompiledReuseCounts,
+        marks=pytest.mark.skipif(
+            CompiledReuseCounts is None, reason="kvoffload was installed without a C compiler"
+        ),
+    ),
+]
 
 KEYS = [block_id_key(i) for i in range(8)]
 BATCHES = st.lists(
@@ -55,12 +66,14 @@ def shielded_model(model: list[list[object]], keys: list[OffloadKey], size: int)
         counted.append(key)
 
 
+@pytest.mark.parametrize("table", TABLES)
 @settings(max_examples=200, deadline=None)
 @given(size=st.integers(1, 6), batches=BATCHES)
 def test_both_rules_match_their_models_in_counts_and_order(
-    size: int, batches: list[tuple[bool, list[OffloadKey]]]
+    table: type[ReuseCounts], size: int, batches: list[tuple[bool, list[OffloadKey]]]
 ) -> None:
-    counter, model = ReuseCounts(size), []  # type: ignore[var-annotated]
+    """The Python table and the compiled one (where built) against the same models."""
+    counter, model = table(size), []  # type: ignore[var-annotated]
     for shielded, keys in batches:
         if shielded:
             counter.count_shielded(keys)
@@ -71,6 +84,7 @@ def test_both_rules_match_their_models_in_counts_and_order(
         assert list(counter.counts.items()) == [(key, count) for key, count in model]
         assert len(counter) <= size
         assert counter.at_least(KEYS, 2) == [k for k in KEYS if counter.get(k) >= 2]
+        assert [key in counter.counts for key in KEYS] == [counter.get(key) > 0 for key in KEYS]
 
 
 def test_the_table_turns_ordered_only_when_it_could_overflow() -> None:
@@ -80,3 +94,19 @@ def test_the_table_turns_ordered_only_when_it_could_overflow() -> None:
     counter.count(KEYS[3:4])
     assert isinstance(counter.counts, OrderedDict)
     assert list(counter.counts) == KEYS[1:4]
+
+
+@pytest.mark.parametrize("table", TABLES)
+@pytest.mark.parametrize("bad", [0, -3, True, 2.5, "8"])
+def test_a_table_refuses_a_size_that_is_not_a_positive_int(
+    table: type[ReuseCounts], bad: object
+) -> None:
+    with pytest.raises(InvalidArgumentError, match="max tracked keys must be an int >= 1"):
+        table(bad)  # type: ignore[arg-type]
+
+
+def test_the_factory_gives_the_compiled_table_where_it_was_built() -> None:
+    counter = reuse_counts(4)
+    assert type(counter) is (CompiledReuseCounts or ReuseCounts)
+    counter.count([KEYS[0], KEYS[1], KEYS[0]])
+    assert counter.counts == {KEYS[1]: 1, KEYS[0]: 2} and counter.max_keys == 4

@@ -247,5 +247,9 @@ def test_the_compiled_sketch_counts_as_the_numpy_one(sample_size: int) -> None:
         slow.increment(batch)
         assert np.array_equal(fast._table, slow._table)
         assert fast.estimate(batch).tolist() == slow.estimate(batch).tolist()
+        for threshold in (1, 2, 3):
+            flags = fast.seen_at_least(batch, threshold)
+            assert flags == slow.seen_at_least(batch, threshold)
+            assert flags == (slow.estimate(batch) >= threshold).tolist()
     assert fast.resets == slow.resets > 0
     assert fast._table.any()

@@ -3,35 +3,23 @@
  *
  * The optimiser runs three exact worlds and a dozen sampled mini-tiers beside the real
  * tier, so these few operations (hit run, touch, store with its evictions) are most of
- * its per-reference cost. The tier is a fixed pool of ``capacity`` nodes on a doubly
- * linked list (oldest first) and an open-addressing table of node indices (linear
- * probing, backward-shift deletion, so no tombstones build up). Keys are held by
- * reference and compared as Python objects (bytes in practice, compared directly).
+ * its per-reference cost. The tier is a bounded recency table (``_recency.h``) with a
+ * flag per node: unreachable (written behind a gap), or protected from the store in
+ * progress.
  *
  * Every operation mirrors the pure-Python tier step by step (``minisim.py`` says why
  * each step is there); ``tests/admission/test_minisim_fast.py`` holds the two equal.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_recency.h"
 #include <structmember.h>
-#include <stdint.h>
-#include <string.h>
 
-#define NONE (-1)
 #define DEAD 1u       /* written behind a gap: unreachable by a prefix lookup */
 #define PROTECTED 2u  /* may not be evicted by the store in progress */
 
 typedef struct {
     PyObject_HEAD
-    Py_ssize_t capacity;
-    Py_ssize_t size;
-    size_t mask;                /* table slots - 1 */
-    Py_ssize_t *table;          /* node index per slot, or NONE */
-    PyObject **node_key;
-    Py_hash_t *node_hash;
-    Py_ssize_t *prev, *next;    /* the recency list; ``next`` also chains free nodes */
-    unsigned char *flags;
-    Py_ssize_t oldest, newest, free_list;
+    Recency r;
+    unsigned char *flags;       /* per node */
     /* Scratch for one store: the distinct new keys, their gap flags, a set over them,
      * and the nodes a store protected. */
     PyObject **new_key;
@@ -42,140 +30,10 @@ typedef struct {
     size_t new_set_mask;
     Py_ssize_t *guarded;
     Py_ssize_t guarded_len, guarded_cap;
+    Py_ssize_t capacity;        /* r.capacity, as an attribute */
     double hits, writes;
     long long total_hits, total_writes;
 } LRUTier;
-
-static int
-keys_equal(PyObject *a, PyObject *b)
-{
-    if (a == b) {
-        return 1;
-    }
-    if (PyBytes_CheckExact(a) && PyBytes_CheckExact(b)) {
-        Py_ssize_t n = PyBytes_GET_SIZE(a);
-        return n == PyBytes_GET_SIZE(b) && memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b), (size_t)n) == 0;
-    }
-    return PyObject_RichCompareBool(a, b, Py_EQ);
-}
-
-static size_t
-spread(Py_hash_t hash)
-{
-    uint64_t h = (uint64_t)hash;
-    h ^= h >> 33;
-    h *= 0xff51afd7ed558ccdULL;
-    h ^= h >> 33;
-    return (size_t)h;
-}
-
-/* The slot holding ``key``'s node, or the empty slot where it would go (*found 0);
- * -1 with an exception set if a comparison failed. */
-static Py_ssize_t
-find_slot(LRUTier *self, PyObject *key, Py_hash_t hash, int *found)
-{
-    size_t slot = spread(hash) & self->mask;
-    for (;;) {
-        Py_ssize_t node = self->table[slot];
-        if (node == NONE) {
-            *found = 0;
-            return (Py_ssize_t)slot;
-        }
-        if (self->node_hash[node] == hash) {
-            int eq = keys_equal(self->node_key[node], key);
-            if (eq < 0) {
-                return -1;
-            }
-            if (eq) {
-                *found = 1;
-                return (Py_ssize_t)slot;
-            }
-        }
-        slot = (slot + 1) & self->mask;
-    }
-}
-
-/* ``key``'s node, NONE if not held, or -2 with an exception set. */
-static Py_ssize_t
-find_node(LRUTier *self, PyObject *key, Py_hash_t *hash_out)
-{
-    Py_hash_t hash = PyObject_Hash(key);
-    if (hash == -1) {
-        return -2;
-    }
-    if (hash_out != NULL) {
-        *hash_out = hash;
-    }
-    int found;
-    Py_ssize_t slot = find_slot(self, key, hash, &found);
-    if (slot < 0) {
-        return -2;
-    }
-    return found ? self->table[slot] : NONE;
-}
-
-static void
-unlink_node(LRUTier *self, Py_ssize_t node)
-{
-    Py_ssize_t before = self->prev[node], after = self->next[node];
-    if (before == NONE) {
-        self->oldest = after;
-    } else {
-        self->next[before] = after;
-    }
-    if (after == NONE) {
-        self->newest = before;
-    } else {
-        self->prev[after] = before;
-    }
-}
-
-static void
-append_node(LRUTier *self, Py_ssize_t node)
-{
-    self->prev[node] = self->newest;
-    self->next[node] = NONE;
-    if (self->newest == NONE) {
-        self->oldest = node;
-    } else {
-        self->next[self->newest] = node;
-    }
-    self->newest = node;
-}
-
-/* Drop ``node`` from the table (backward-shift deletion), the list and the pool. */
-static int
-evict_node(LRUTier *self, Py_ssize_t node)
-{
-    int found;
-    Py_ssize_t at = find_slot(self, self->node_key[node], self->node_hash[node], &found);
-    if (at < 0) {
-        return -1;
-    }
-    size_t hole = (size_t)at, probe = hole;
-    for (;;) {
-        probe = (probe + 1) & self->mask;
-        Py_ssize_t moved = self->table[probe];
-        if (moved == NONE) {
-            break;
-        }
-        size_t home = spread(self->node_hash[moved]) & self->mask;
-        /* ``moved`` may fill the hole unless its home lies cyclically in (hole, probe]. */
-        int stays = hole <= probe ? (hole < home && home <= probe) : (hole < home || home <= probe);
-        if (!stays) {
-            self->table[hole] = moved;
-            hole = probe;
-        }
-    }
-    self->table[hole] = NONE;
-    unlink_node(self, node);
-    Py_CLEAR(self->node_key[node]);
-    self->flags[node] = 0;
-    self->next[node] = self->free_list;
-    self->free_list = node;
-    self->size--;
-    return 0;
-}
 
 static int
 grow(void **buffer, Py_ssize_t count, size_t item)
@@ -219,14 +77,14 @@ scratch_reset(LRUTier *self, Py_ssize_t n)
 static int
 scratch_add(LRUTier *self, PyObject *key, Py_hash_t hash, int dead)
 {
-    size_t slot = spread(hash) & self->new_set_mask;
+    size_t slot = recency_spread(hash) & self->new_set_mask;
     for (;;) {
         Py_ssize_t index = self->new_set[slot];
         if (index == NONE) {
             break;
         }
         if (self->new_hash[index] == hash) {
-            int eq = keys_equal(self->new_key[index], key);
+            int eq = recency_keys_equal(self->new_key[index], key);
             if (eq < 0) {
                 return -1;
             }
@@ -248,13 +106,12 @@ static int
 touch_all(LRUTier *self, PyObject **keys, Py_ssize_t n)
 {
     for (Py_ssize_t i = n - 1; i >= 0; i--) {
-        Py_ssize_t node = find_node(self, keys[i], NULL);
-        if (node == -2) {
+        Py_ssize_t node = recency_find(&self->r, keys[i], NULL);
+        if (node == LOOKUP_FAILED) {
             return -1;
         }
-        if (node != NONE && node != self->newest) {
-            unlink_node(self, node);
-            append_node(self, node);
+        if (node != NONE) {
+            recency_make_newest(&self->r, node);
         }
     }
     return 0;
@@ -266,8 +123,8 @@ protect(LRUTier *self, PyObject **keys, Py_ssize_t n)
 {
     Py_ssize_t marked = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t node = find_node(self, keys[i], NULL);
-        if (node == -2) {
+        Py_ssize_t node = recency_find(&self->r, keys[i], NULL);
+        if (node == LOOKUP_FAILED) {
             return -1;
         }
         if (node != NONE && !(self->flags[node] & PROTECTED)) {
@@ -300,9 +157,9 @@ unprotect(LRUTier *self)
 static Py_ssize_t
 insert_new(LRUTier *self, PyObject **keys, Py_ssize_t n, PyObject **request, Py_ssize_t n_request)
 {
-    Py_ssize_t need = self->new_len - (self->capacity - self->size);
+    Py_ssize_t need = self->new_len - (self->r.capacity - self->r.size);
     if (need > 0) {
-        if (n_request && self->size - n_request >= need) {
+        if (n_request && self->r.size - n_request >= need) {
             if (protect(self, request, n_request) < 0) {
                 unprotect(self);
                 return -1;
@@ -312,16 +169,17 @@ insert_new(LRUTier *self, PyObject **keys, Py_ssize_t n, PyObject **request, Py_
                 return -1;
             }
             Py_ssize_t held = protect(self, keys, n);
-            if (held < 0 || self->size - held < need) {
+            if (held < 0 || self->r.size - held < need) {
                 unprotect(self);
                 return held < 0 ? -1 : 0;
             }
         }
-        Py_ssize_t node = self->oldest;
+        Py_ssize_t node = self->r.oldest;
         while (need) {
-            Py_ssize_t after = self->next[node];
+            Py_ssize_t after = self->r.next[node];
             if (!(self->flags[node] & PROTECTED)) {
-                if (evict_node(self, node) < 0) {
+                self->flags[node] = 0;
+                if (recency_remove(&self->r, node) < 0) {
                     unprotect(self);
                     return -1;
                 }
@@ -332,20 +190,11 @@ insert_new(LRUTier *self, PyObject **keys, Py_ssize_t n, PyObject **request, Py_
         unprotect(self);
     }
     for (Py_ssize_t i = 0; i < self->new_len; i++) {
-        int found;
-        Py_ssize_t slot = find_slot(self, self->new_key[i], self->new_hash[i], &found);
-        if (slot < 0) {
+        Py_ssize_t node = recency_add(&self->r, self->new_key[i], self->new_hash[i]);
+        if (node < 0) {
             return -1;
         }
-        Py_ssize_t node = self->free_list;
-        self->free_list = self->next[node];
-        Py_INCREF(self->new_key[i]);
-        self->node_key[node] = self->new_key[i];
-        self->node_hash[node] = self->new_hash[i];
         self->flags[node] = self->new_dead[i];
-        self->table[slot] = node;
-        append_node(self, node);
-        self->size++;
     }
     Py_ssize_t written = self->new_len;
     self->new_len = 0;
@@ -399,8 +248,8 @@ tier_store_impl(LRUTier *self, PyObject *keys, PyObject *behind_gap, PyObject *r
             goto done;
         }
         Py_hash_t hash;
-        Py_ssize_t node = find_node(self, key_items[i], &hash);
-        if (node == -2) {
+        Py_ssize_t node = recency_find(&self->r, key_items[i], &hash);
+        if (node == LOOKUP_FAILED) {
             goto done;
         }
         if (node == NONE) {
@@ -481,8 +330,8 @@ tier_store_admitted(LRUTier *self, PyObject *args, PyObject *kwargs)
         }
         stored[n_stored++] = key_items[i];
         Py_hash_t hash;
-        Py_ssize_t node = find_node(self, key_items[i], &hash);
-        if (node == -2) {
+        Py_ssize_t node = recency_find(&self->r, key_items[i], &hash);
+        if (node == LOOKUP_FAILED) {
             goto done;
         }
         if (node == NONE) {
@@ -513,8 +362,8 @@ tier_hit_run(LRUTier *self, PyObject *keys)
     PyObject **items = PySequence_Fast_ITEMS(fast);
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), run = 0;
     for (; run < n; run++) {
-        Py_ssize_t node = find_node(self, items[run], NULL);
-        if (node == -2) {
+        Py_ssize_t node = recency_find(&self->r, items[run], NULL);
+        if (node == LOOKUP_FAILED) {
             Py_DECREF(fast);
             return NULL;
         }
@@ -546,23 +395,14 @@ tier_touch(LRUTier *self, PyObject *keys)
 static PyObject *
 tier_in_order(LRUTier *self, PyObject *Py_UNUSED(ignored))
 {
-    PyObject *result = PyList_New(self->size);
-    if (result == NULL) {
-        return NULL;
-    }
-    Py_ssize_t i = 0;
-    for (Py_ssize_t node = self->oldest; node != NONE; node = self->next[node]) {
-        Py_INCREF(self->node_key[node]);
-        PyList_SET_ITEM(result, i++, self->node_key[node]);
-    }
-    return result;
+    return recency_keys(&self->r);
 }
 
 static PyObject *
 tier_unreachable(LRUTier *self, PyObject *key)
 {
-    Py_ssize_t node = find_node(self, key, NULL);
-    if (node == -2) {
+    Py_ssize_t node = recency_find(&self->r, key, NULL);
+    if (node == LOOKUP_FAILED) {
         return NULL;
     }
     return PyBool_FromLong(node != NONE && (self->flags[node] & DEAD));
@@ -571,14 +411,14 @@ tier_unreachable(LRUTier *self, PyObject *key)
 static Py_ssize_t
 tier_len(LRUTier *self)
 {
-    return self->size;
+    return self->r.size;
 }
 
 static int
 tier_contains(LRUTier *self, PyObject *key)
 {
-    Py_ssize_t node = find_node(self, key, NULL);
-    return node == -2 ? -1 : node != NONE;
+    Py_ssize_t node = recency_find(&self->r, key, NULL);
+    return node == LOOKUP_FAILED ? -1 : node != NONE;
 }
 
 static PyObject *
@@ -591,16 +431,7 @@ tier_held(LRUTier *self, void *Py_UNUSED(closure))
 static void
 tier_free_buffers(LRUTier *self)
 {
-    if (self->node_key != NULL) {
-        for (Py_ssize_t node = self->oldest; node != NONE; node = self->next[node]) {
-            Py_CLEAR(self->node_key[node]);
-        }
-    }
-    PyMem_Free(self->table);
-    PyMem_Free(self->node_key);
-    PyMem_Free(self->node_hash);
-    PyMem_Free(self->prev);
-    PyMem_Free(self->next);
+    recency_free(&self->r);
     PyMem_Free(self->flags);
     PyMem_Free(self->new_key);
     PyMem_Free(self->new_hash);
@@ -624,46 +455,22 @@ tier_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n:LRUTier", names, &capacity)) {
         return NULL;
     }
-    if (capacity < 1) {
-        PyObject *errors = PyImport_ImportModule("kvoffload.core.errors");
-        PyObject *invalid = errors ? PyObject_GetAttrString(errors, "InvalidArgumentError") : NULL;
-        Py_XDECREF(errors);
-        if (invalid != NULL) {
-            PyErr_Format(invalid, "mini-tier capacity must be >= 1, got %zd", capacity);
-            Py_DECREF(invalid);
-        }
-        return NULL;
-    }
-    if (capacity > PY_SSIZE_T_MAX / 8) {
-        PyErr_SetString(PyExc_OverflowError, "mini-tier capacity too large");
+    if (capacity < 1 || capacity > PY_SSIZE_T_MAX / 16) {
+        char message[96];
+        snprintf(message, sizeof(message), "mini-tier capacity must be >= 1, got %zd", capacity);
+        recency_invalid(message);
         return NULL;
     }
     LRUTier *self = (LRUTier *)type->tp_alloc(type, 0);
     if (self == NULL) {
         return NULL;
     }
-    size_t slots = 8;
-    while (slots < (size_t)capacity * 2) {
-        slots <<= 1;
-    }
     self->capacity = capacity;
-    self->mask = slots - 1;
-    self->oldest = self->newest = NONE;
-    self->table = PyMem_Malloc(slots * sizeof(Py_ssize_t));
-    self->node_key = PyMem_Calloc((size_t)capacity, sizeof(PyObject *));
-    self->node_hash = PyMem_Malloc((size_t)capacity * sizeof(Py_hash_t));
-    self->prev = PyMem_Malloc((size_t)capacity * sizeof(Py_ssize_t));
-    self->next = PyMem_Malloc((size_t)capacity * sizeof(Py_ssize_t));
     self->flags = PyMem_Calloc((size_t)capacity, 1);
-    if (!self->table || !self->node_key || !self->node_hash || !self->prev || !self->next || !self->flags) {
+    if (recency_init(&self->r, capacity) < 0 || self->flags == NULL) {
         Py_DECREF(self);
         return PyErr_NoMemory();
     }
-    memset(self->table, 0xff, slots * sizeof(Py_ssize_t));
-    for (Py_ssize_t node = 0; node < capacity; node++) {
-        self->next[node] = node + 1 < capacity ? node + 1 : NONE;
-    }
-    self->free_list = 0;
     return (PyObject *)self;
 }
 

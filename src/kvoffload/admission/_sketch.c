@@ -172,7 +172,20 @@ increment(PyObject *Py_UNUSED(module), PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* Per hash: the doorkeeper bit plus the smallest counter, as bytes. */
+/* The doorkeeper bit plus the smallest counter of one hash. */
+static unsigned char
+sightings(const Batch *batch, uint64_t hash)
+{
+    const unsigned char *table = batch->table.buf;
+    unsigned char least = table[cell(batch, hash, 2)];
+    for (int lane = 3; lane < LANES; lane++) {
+        unsigned char count = table[cell(batch, hash, lane)];
+        least = count < least ? count : least;
+    }
+    return (unsigned char)(least + (table[cell(batch, hash, 0)] & table[cell(batch, hash, 1)]));
+}
+
+/* Per hash: its estimated sightings, as bytes. */
 static PyObject *
 estimate(PyObject *Py_UNUSED(module), PyObject *args)
 {
@@ -183,18 +196,83 @@ estimate(PyObject *Py_UNUSED(module), PyObject *args)
     PyObject *result = PyBytes_FromStringAndSize(NULL, batch.n);
     if (result != NULL) {
         unsigned char *out = (unsigned char *)PyBytes_AS_STRING(result);
-        const unsigned char *table = batch.table.buf;
         const uint64_t *hashes = batch.hashes.buf;
         for (Py_ssize_t i = 0; i < batch.n; i++) {
-            unsigned char least = table[cell(&batch, hashes[i], 2)];
-            for (int lane = 3; lane < LANES; lane++) {
-                unsigned char count = table[cell(&batch, hashes[i], lane)];
-                least = count < least ? count : least;
-            }
-            out[i] = (unsigned char)(least + (table[cell(&batch, hashes[i], 0)] & table[cell(&batch, hashes[i], 1)]));
+            out[i] = sightings(&batch, hashes[i]);
         }
     }
     batch_close(&batch);
+    return result;
+}
+
+/* Per hash: whether its estimated sightings reach ``threshold``, as a list of bools. */
+static PyObject *
+seen_at_least(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *table, *hashes;
+    int bits, threshold;
+    if (!PyArg_ParseTuple(args, "OOii:seen_at_least", &table, &hashes, &bits, &threshold)) {
+        return NULL;
+    }
+    PyObject *pass = Py_BuildValue("(OOi)", table, hashes, bits);
+    if (pass == NULL) {
+        return NULL;
+    }
+    Batch batch;
+    int failed = batch_open(&batch, pass, "seen_at_least", 0);
+    Py_DECREF(pass);
+    if (failed) {
+        return NULL;
+    }
+    PyObject *result = PyList_New(batch.n);
+    if (result != NULL) {
+        const uint64_t *values = batch.hashes.buf;
+        for (Py_ssize_t i = 0; i < batch.n; i++) {
+            PyObject *flag = sightings(&batch, values[i]) >= threshold ? Py_True : Py_False;
+            Py_INCREF(flag);
+            PyList_SET_ITEM(result, i, flag);
+        }
+    }
+    batch_close(&batch);
+    return result;
+}
+
+/* Per mask (each a superset of the bits of the one before), the positions of the hashes
+ * whose masked bits are all zero: the mini-simulations' sampled keys at each rate. */
+static PyObject *
+sampled_positions(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *hashes_arg, *masks;
+    if (!PyArg_ParseTuple(args, "OO!:sampled_positions", &hashes_arg, &PyTuple_Type, &masks)) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(hashes_arg, &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    Py_ssize_t n = view.len / (Py_ssize_t)sizeof(uint64_t), levels = PyTuple_GET_SIZE(masks);
+    const uint64_t *hashes = view.buf;
+    PyObject *result = PyList_New(levels);
+    for (Py_ssize_t level = 0; result != NULL && level < levels; level++) {
+        uint64_t mask = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(masks, level));
+        PyObject *picked = PyErr_Occurred() ? NULL : PyList_New(0);
+        for (Py_ssize_t i = 0; picked != NULL && i < n; i++) {
+            if (hashes[i] & mask) {
+                continue;
+            }
+            PyObject *index = PyLong_FromSsize_t(i);
+            if (index == NULL || PyList_Append(picked, index) < 0) {
+                Py_CLEAR(picked);
+            }
+            Py_XDECREF(index);
+        }
+        if (picked == NULL) {
+            Py_CLEAR(result);
+        } else {
+            PyList_SET_ITEM(result, level, picked);
+        }
+    }
+    PyBuffer_Release(&view);
     return result;
 }
 
@@ -202,6 +280,10 @@ static PyMethodDef sketch_methods[] = {
     {"hash_keys", hash_keys, METH_O, "hash_keys(keys) -> bytes: each key's 64-bit hash, native order."},
     {"increment", increment, METH_VARARGS, "increment(table, hashes, bits): one sighting of each hash."},
     {"estimate", estimate, METH_VARARGS, "estimate(table, hashes, bits) -> bytes: sightings per hash."},
+    {"seen_at_least", seen_at_least, METH_VARARGS,
+     "seen_at_least(table, hashes, bits, threshold) -> list[bool]: estimate >= threshold, per hash."},
+    {"sampled_positions", sampled_positions, METH_VARARGS,
+     "sampled_positions(hashes, masks) -> list[list[int]]: per mask, positions of hashes & mask == 0."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -113,7 +113,7 @@ class FeedbackAdmission(AdmissionLayer):
 
     def _admit(self, offered: Sequence[OffloadKey], prefix: int) -> list[OffloadKey]:
         hashes, cells = self._hashes.offer(offered, self.sketch)
-        seen = (self.sketch.estimate(hashes, cells) >= 2).tolist()
+        seen = self.sketch.seen_at_least(hashes, 2, cells)
         ghost, controller, clock = self.ghost, self.controller, self.written
         controller.record_all(ghost.expire(clock - self.capacity), False)
         first, tier_served = self._requests.origin(offered)

@@ -34,8 +34,10 @@ from kvoffload.policies.s3fifo import S3FIFOCachePolicy
 
 try:
     from kvoffload.admission._lru_tier import LRUTier
+    from kvoffload.admission._sketch import sampled_positions
 except ImportError:  # installed without a C compiler: the pure-Python tiers alone
     LRUTier = None  # type: ignore[assignment,misc]
+    sampled_positions = None  # type: ignore[assignment]
 
 MIN_MINI_KEYS = 1024
 """The sampling rate is the highest power-of-two fraction that leaves a 1x mini-tier at
@@ -589,6 +591,7 @@ class MiniSimulation:
         self._levels = [_Level(b) for b in level_bits]
         self._exact = _Level(0)
         self._masks = [(1 << b) - 1 for b in level_bits]
+        self._mask_tuple = tuple(self._masks)
         self._low = np.uint64(self._masks[-1])
         self.tiers: dict[tuple[str, float], tuple[MiniTier, int]] = {}
         """``(candidate, factor) -> (mini-tier, level index)``."""
@@ -665,6 +668,8 @@ class MiniSimulation:
         """Positions of the sampled keys, per level: each level's are a subset of the one
         before (its mask has more bits), so each is filtered from the one before."""
         masks = self._masks
+        if sampled_positions is not None:
+            return sampled_positions(hashes, self._mask_tuple)
         if masks[-1]:
             low = (hashes & self._low).tolist()
             mask = masks[0]

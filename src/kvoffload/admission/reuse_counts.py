@@ -7,6 +7,10 @@ last count: a plain dict while it fills (moving a key to the end of a dict
 is cheaper than of an ``OrderedDict``, but a dict cannot drop its oldest key
 cheaply), an ``OrderedDict`` from the first count that could overflow it, in
 the same order; the counts are the same either way.
+
+Where the package was built with a C compiler, :func:`reuse_counts` gives the same
+table in C (``_reuse_counts.c``): the same counts and order, in a compact table that a
+lookup of tens of keys crosses without a cache miss per key.
 """
 
 from __future__ import annotations
@@ -17,6 +21,11 @@ from collections.abc import Sequence
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 
+try:
+    from kvoffload.admission._reuse_counts import ReuseCounter
+except ImportError:  # installed without a C compiler: the Python table alone
+    ReuseCounter = None  # type: ignore[assignment,misc]
+
 
 class ReuseCounts:
     """Counts of at most ``max_keys`` keys; the least recently counted key leaves first."""
@@ -25,23 +34,28 @@ class ReuseCounts:
         if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1:
             raise InvalidArgumentError(f"max tracked keys must be an int >= 1, got {max_keys!r}")
         self.max_keys = max_keys
-        self.counts: dict[OffloadKey, int] = {}
+        self._counts: dict[OffloadKey, int] = {}
+
+    @property
+    def counts(self) -> dict[OffloadKey, int]:
+        """The table, least recently counted key first."""
+        return self._counts
 
     def __len__(self) -> int:
-        return len(self.counts)
+        return len(self._counts)
 
     def get(self, key: OffloadKey) -> int:
-        return self.counts.get(key, 0)
+        return self._counts.get(key, 0)
 
     def at_least(self, keys: Sequence[OffloadKey], threshold: int) -> list[OffloadKey]:
         """The ``keys`` counted at least ``threshold`` times, in order."""
-        get = self.counts.get
+        get = self._counts.get
         return [key for key in keys if get(key, 0) >= threshold]
 
     def count(self, keys: Sequence[OffloadKey]) -> None:
         """Count each of ``keys`` once more, in order (a repeated key twice); a new key
         pushes out the least recently counted one when the table is full."""
-        counts = self.counts
+        counts = self._counts
         if not isinstance(counts, OrderedDict):
             if len(keys) <= self.max_keys - len(counts):
                 # Filling: no key can leave. Popped and reinserted at the end, each key
@@ -92,7 +106,31 @@ class ReuseCounts:
 
     def _ordered(self) -> OrderedDict[OffloadKey, int]:
         """The table as an ``OrderedDict`` (converted once, same order)."""
-        counts = self.counts
+        counts = self._counts
         if not isinstance(counts, OrderedDict):
-            counts = self.counts = OrderedDict(counts)
+            counts = self._counts = OrderedDict(counts)
         return counts
+
+
+CompiledReuseCounts: type[ReuseCounts] | None = None
+"""The table in C, where the package was built with a compiler; ``None`` where not."""
+if ReuseCounter is not None:
+
+    class _CompiledReuseCounts(ReuseCounter, ReuseCounts):
+        """:class:`ReuseCounts` with every operation in C; :attr:`counts` is a copy."""
+
+        def __init__(self, max_keys: int) -> None:
+            """The C type's constructor made (and checked) the table."""
+            self.max_keys = max_keys
+
+        @property
+        def counts(self) -> dict[OffloadKey, int]:
+            """A copy of the table, least recently counted key first."""
+            return OrderedDict(self.items())
+
+    CompiledReuseCounts = _CompiledReuseCounts
+
+
+def reuse_counts(max_keys: int) -> ReuseCounts:
+    """A table of at most ``max_keys`` counts: in C where it was built, else in Python."""
+    return (CompiledReuseCounts or ReuseCounts)(max_keys)

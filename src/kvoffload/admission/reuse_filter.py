@@ -16,7 +16,7 @@ from typing import Any
 
 from kvoffload.admission.params import check_params, param
 from kvoffload.admission.registry import register_admission
-from kvoffload.admission.reuse_counts import ReuseCounts
+from kvoffload.admission.reuse_counts import reuse_counts
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import SINGLE_KEY_TYPES, OffloadKey, refuse_single_key
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
@@ -72,7 +72,7 @@ class FilterReusedOffloadingManager(OffloadingManager):
         self._backing = backing
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
-        self.reuse = ReuseCounts(max_tracker_size)
+        self.reuse = reuse_counts(max_tracker_size)
         self.stores_skipped = 0
 
     @classmethod

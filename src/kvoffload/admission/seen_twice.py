@@ -54,7 +54,7 @@ class SketchAdmission(AdmissionLayer):
             self.ghost_hits += len(self.ghost.take_all(keys))
 
     def _admit(self, offered: Sequence[OffloadKey], prefix: int) -> list[OffloadKey]:
-        eligible = self.sketch.estimate(self._hashes.of_offer(offered)) >= self.threshold
+        eligible = self.sketch.seen_at_least(self._hashes.of_offer(offered), self.threshold)
         admitted = [key for key, ok in zip(offered, eligible, strict=True) if ok]
         self.ghost.add_all([key for key, ok in zip(offered, eligible, strict=True) if not ok], 0)
         return admitted

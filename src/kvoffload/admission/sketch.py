@@ -250,6 +250,16 @@ class FrequencySketch:
         result += values[0] & values[1]
         return result
 
+    def seen_at_least(
+        self, hashes: np.ndarray, threshold: int, cells: np.ndarray | None = None
+    ) -> list[bool]:
+        """Per hash, whether its :meth:`estimate` reaches ``threshold`` (one C call where
+        compiled: no array made)."""
+        if self.compiled and len(hashes):
+            return compiled.seen_at_least(self._table, hashes, self._bits, threshold)
+        result: list[bool] = (self.estimate(hashes, cells) >= threshold).tolist()
+        return result
+
     def _age(self) -> None:
         """Halve every counter and clear the doorkeeper: old popularity fades."""
         self._counts >>= 1

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from kvoffload.admission import AdmissionLayer, WriteBudget, resolve_admission
-from kvoffload.admission.reuse_counts import ReuseCounts
+from kvoffload.admission.reuse_counts import reuse_counts
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
@@ -143,7 +143,7 @@ class TieredOffloadingManager(OffloadingManager):
         self._wait = wait_for_tiers
         self._max_tracker = max_tracker_size
         self._counting = any(s.store_threshold >= 2 for s in self._settings)
-        self._seen = ReuseCounts(max_tracker_size)
+        self._seen = reuse_counts(max_tracker_size)
         self._slots: dict[OffloadKey, int] = {}
         self._promotions: list[_Promotion] = []
         self._promoting: set[OffloadKey] = set()
@@ -388,8 +388,8 @@ class TieredOffloadingManager(OffloadingManager):
         if settings.store_threshold < 2:
             chosen = list(range(len(keys)))
         else:
-            seen, threshold = self._seen.counts, settings.store_threshold
-            chosen = [i for i, key in enumerate(keys) if seen.get(key, 0) >= threshold]
+            seen, threshold = self._seen.get, settings.store_threshold
+            chosen = [i for i, key in enumerate(keys) if seen(key) >= threshold]
         layer = self.admissions[index]
         if layer is not None and chosen:
             output = layer.prepare_store([keys[i] for i in chosen])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvoffload.admission.reuse_counts import ReuseCounts
+from kvoffload.admission.reuse_counts import reuse_counts
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 
@@ -32,7 +32,7 @@ class OfferCountFilter:
             raise InvalidArgumentError(f"max_tracker_size must be >= 1, got {max_tracker_size}")
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
-        self.reuse = ReuseCounts(max_tracker_size)
+        self.reuse = reuse_counts(max_tracker_size)
 
     @property
     def counts(self) -> dict[OffloadKey, int]:

@@ -1,0 +1,265 @@
+/* A bounded recency table of Python keys, shared by the compiled admission modules.
+ *
+ * A fixed pool of ``capacity`` nodes on a doubly linked list (oldest first) and an
+ * open-addressing table of node indices (linear probing, backward-shift deletion, so no
+ * tombstones build up; at most half full). Keys are held by reference and compared as
+ * Python objects (bytes in practice, compared directly). Every function is static: each
+ * module that includes this header gets its own copy.
+ */
+#ifndef KVOFFLOAD_RECENCY_H
+#define KVOFFLOAD_RECENCY_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define NONE (-1)
+#define LOOKUP_FAILED (-2)
+
+typedef struct {
+    Py_ssize_t capacity;
+    Py_ssize_t size;
+    size_t mask;             /* table slots - 1 */
+    Py_ssize_t *table;       /* node index per slot, or NONE */
+    PyObject **key;
+    Py_hash_t *hash;
+    Py_ssize_t *prev, *next; /* the recency list; ``next`` also chains free nodes */
+    Py_ssize_t oldest, newest, free_list;
+} Recency;
+
+static inline int
+recency_keys_equal(PyObject *a, PyObject *b)
+{
+    if (a == b) {
+        return 1;
+    }
+    if (PyBytes_CheckExact(a) && PyBytes_CheckExact(b)) {
+        Py_ssize_t n = PyBytes_GET_SIZE(a);
+        return n == PyBytes_GET_SIZE(b) && memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b), (size_t)n) == 0;
+    }
+    return PyObject_RichCompareBool(a, b, Py_EQ);
+}
+
+static inline size_t
+recency_spread(Py_hash_t hash)
+{
+    uint64_t h = (uint64_t)hash;
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdULL;
+    h ^= h >> 33;
+    return (size_t)h;
+}
+
+/* 0, or -1 with MemoryError set (the caller then frees with recency_free). */
+static inline int
+recency_init(Recency *r, Py_ssize_t capacity)
+{
+    size_t slots = 8;
+    while (slots < (size_t)capacity * 2) {
+        slots <<= 1;
+    }
+    r->capacity = capacity;
+    r->size = 0;
+    r->mask = slots - 1;
+    r->oldest = r->newest = NONE;
+    r->table = PyMem_Malloc(slots * sizeof(Py_ssize_t));
+    r->key = PyMem_Calloc((size_t)capacity, sizeof(PyObject *));
+    r->hash = PyMem_Malloc((size_t)capacity * sizeof(Py_hash_t));
+    r->prev = PyMem_Malloc((size_t)capacity * sizeof(Py_ssize_t));
+    r->next = PyMem_Malloc((size_t)capacity * sizeof(Py_ssize_t));
+    if (!r->table || !r->key || !r->hash || !r->prev || !r->next) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memset(r->table, 0xff, slots * sizeof(Py_ssize_t));
+    for (Py_ssize_t node = 0; node < capacity; node++) {
+        r->next[node] = node + 1 < capacity ? node + 1 : NONE;
+    }
+    r->free_list = 0;
+    return 0;
+}
+
+static inline void
+recency_free(Recency *r)
+{
+    if (r->key != NULL && r->next != NULL) {
+        for (Py_ssize_t node = r->oldest; node != NONE; node = r->next[node]) {
+            Py_CLEAR(r->key[node]);
+        }
+    }
+    PyMem_Free(r->table);
+    PyMem_Free(r->key);
+    PyMem_Free(r->hash);
+    PyMem_Free(r->prev);
+    PyMem_Free(r->next);
+    memset(r, 0, sizeof(*r));
+}
+
+/* The slot holding ``key``'s node, or the empty slot where it would go (*found 0);
+ * -1 with an exception set if a comparison failed. */
+static inline Py_ssize_t
+recency_slot(Recency *r, PyObject *key, Py_hash_t hash, int *found)
+{
+    size_t slot = recency_spread(hash) & r->mask;
+    for (;;) {
+        Py_ssize_t node = r->table[slot];
+        if (node == NONE) {
+            *found = 0;
+            return (Py_ssize_t)slot;
+        }
+        if (r->hash[node] == hash) {
+            int eq = recency_keys_equal(r->key[node], key);
+            if (eq < 0) {
+                return -1;
+            }
+            if (eq) {
+                *found = 1;
+                return (Py_ssize_t)slot;
+            }
+        }
+        slot = (slot + 1) & r->mask;
+    }
+}
+
+/* ``key``'s node, NONE if not held, or LOOKUP_FAILED with an exception set; its hash
+ * goes to ``*hash_out`` where given. */
+static inline Py_ssize_t
+recency_find(Recency *r, PyObject *key, Py_hash_t *hash_out)
+{
+    Py_hash_t hash = PyObject_Hash(key);
+    if (hash == -1) {
+        return LOOKUP_FAILED;
+    }
+    if (hash_out != NULL) {
+        *hash_out = hash;
+    }
+    int found;
+    Py_ssize_t slot = recency_slot(r, key, hash, &found);
+    if (slot < 0) {
+        return LOOKUP_FAILED;
+    }
+    return found ? r->table[slot] : NONE;
+}
+
+static inline void
+recency_unlink(Recency *r, Py_ssize_t node)
+{
+    Py_ssize_t before = r->prev[node], after = r->next[node];
+    if (before == NONE) {
+        r->oldest = after;
+    } else {
+        r->next[before] = after;
+    }
+    if (after == NONE) {
+        r->newest = before;
+    } else {
+        r->prev[after] = before;
+    }
+}
+
+static inline void
+recency_append(Recency *r, Py_ssize_t node)
+{
+    r->prev[node] = r->newest;
+    r->next[node] = NONE;
+    if (r->newest == NONE) {
+        r->oldest = node;
+    } else {
+        r->next[r->newest] = node;
+    }
+    r->newest = node;
+}
+
+static inline void
+recency_make_newest(Recency *r, Py_ssize_t node)
+{
+    if (node != r->newest) {
+        recency_unlink(r, node);
+        recency_append(r, node);
+    }
+}
+
+/* Drop ``node`` from the table (backward-shift deletion), the list and the pool. */
+static inline int
+recency_remove(Recency *r, Py_ssize_t node)
+{
+    int found;
+    Py_ssize_t at = recency_slot(r, r->key[node], r->hash[node], &found);
+    if (at < 0) {
+        return -1;
+    }
+    size_t hole = (size_t)at, probe = hole;
+    for (;;) {
+        probe = (probe + 1) & r->mask;
+        Py_ssize_t moved = r->table[probe];
+        if (moved == NONE) {
+            break;
+        }
+        size_t home = recency_spread(r->hash[moved]) & r->mask;
+        /* ``moved`` may fill the hole unless its home lies cyclically in (hole, probe]. */
+        int stays = hole <= probe ? (hole < home && home <= probe) : (hole < home || home <= probe);
+        if (!stays) {
+            r->table[hole] = moved;
+            hole = probe;
+        }
+    }
+    r->table[hole] = NONE;
+    recency_unlink(r, node);
+    Py_CLEAR(r->key[node]);
+    r->next[node] = r->free_list;
+    r->free_list = node;
+    r->size--;
+    return 0;
+}
+
+/* Add ``key`` (not held; a free node exists) as the newest; its node, or -1. */
+static inline Py_ssize_t
+recency_add(Recency *r, PyObject *key, Py_hash_t hash)
+{
+    int found;
+    Py_ssize_t slot = recency_slot(r, key, hash, &found);
+    if (slot < 0) {
+        return -1;
+    }
+    Py_ssize_t node = r->free_list;
+    r->free_list = r->next[node];
+    Py_INCREF(key);
+    r->key[node] = key;
+    r->hash[node] = hash;
+    r->table[slot] = node;
+    recency_append(r, node);
+    r->size++;
+    return node;
+}
+
+/* The held keys, oldest first, as a new list. */
+static inline PyObject *
+recency_keys(Recency *r)
+{
+    PyObject *result = PyList_New(r->size);
+    if (result == NULL) {
+        return NULL;
+    }
+    Py_ssize_t i = 0;
+    for (Py_ssize_t node = r->oldest; node != NONE; node = r->next[node]) {
+        Py_INCREF(r->key[node]);
+        PyList_SET_ITEM(result, i++, r->key[node]);
+    }
+    return result;
+}
+
+/* Raise kvoffload's InvalidArgumentError (a ValueError) with ``message``. */
+static inline void
+recency_invalid(const char *message)
+{
+    PyObject *errors = PyImport_ImportModule("kvoffload.core.errors");
+    PyObject *invalid = errors ? PyObject_GetAttrString(errors, "InvalidArgumentError") : NULL;
+    Py_XDECREF(errors);
+    if (invalid != NULL) {
+        PyErr_SetString(invalid, message);
+        Py_DECREF(invalid);
+    }
+}
+
+#endif

@@ -1,0 +1,321 @@
+/* The bounded reuse counter in C: the same counts and order as ``reuse_counts.ReuseCounts``.
+ *
+ * The seed filter counts every key it is shown, and the optimiser runs one in its
+ * filter world beside the real tier; a table of tens of thousands of keys is visited
+ * at random, so a dict's scattered entries cost cache misses a compact table avoids.
+ * The table is a bounded recency table (``_recency.h``) with a count per node, ordered
+ * by last count; ``tests/admission/test_reuse_counts.py`` holds it equal to the Python
+ * class.
+ */
+#include "_recency.h"
+
+#define SHIELDED 1u
+
+typedef struct {
+    PyObject_HEAD
+    Recency r;
+    long long *count;        /* per node */
+    unsigned char *flags;    /* per node: shielded by the batch in progress */
+    Py_ssize_t *shielded;
+    Py_ssize_t shielded_len, shielded_cap;
+} ReuseCounter;
+
+/* Count ``key`` once more: a held key becomes the newest, a new one pushes out the
+ * oldest when the table is full. */
+static int
+count_one(ReuseCounter *self, PyObject *key)
+{
+    Py_hash_t hash;
+    Py_ssize_t node = recency_find(&self->r, key, &hash);
+    if (node == LOOKUP_FAILED) {
+        return -1;
+    }
+    if (node != NONE) {
+        self->count[node]++;
+        recency_make_newest(&self->r, node);
+        return 0;
+    }
+    if (self->r.size == self->r.capacity) {
+        Py_ssize_t oldest = self->r.oldest;
+        self->flags[oldest] = 0;
+        if (recency_remove(&self->r, oldest) < 0) {
+            return -1;
+        }
+    }
+    node = recency_add(&self->r, key, hash);
+    if (node < 0) {
+        return -1;
+    }
+    self->count[node] = 1;
+    return 0;
+}
+
+static PyObject *
+counter_count(ReuseCounter *self, PyObject *keys)
+{
+    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
+    if (fast == NULL) {
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (count_one(self, items[i]) < 0) {
+            Py_DECREF(fast);
+            return NULL;
+        }
+    }
+    Py_DECREF(fast);
+    Py_RETURN_NONE;
+}
+
+static int
+shield(ReuseCounter *self, Py_ssize_t node)
+{
+    if (self->shielded_len == self->shielded_cap) {
+        Py_ssize_t cap = self->shielded_cap ? 2 * self->shielded_cap : 64;
+        Py_ssize_t *bigger = PyMem_Realloc(self->shielded, (size_t)cap * sizeof(Py_ssize_t));
+        if (bigger == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->shielded = bigger;
+        self->shielded_cap = cap;
+    }
+    self->shielded[self->shielded_len++] = node;
+    self->flags[node] |= SHIELDED;
+    return 0;
+}
+
+/* See ReuseCounts.count_shielded: held keys counted (and shielded) first, then the new
+ * ones, each pushing out an unshielded key while one is left. */
+static PyObject *
+counter_count_shielded(ReuseCounter *self, PyObject *keys)
+{
+    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
+    if (fast == NULL) {
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject *result = NULL;
+    self->shielded_len = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t node = recency_find(&self->r, items[i], NULL);
+        if (node == LOOKUP_FAILED) {
+            goto done;
+        }
+        if (node != NONE) {
+            self->count[node]++;
+            recency_make_newest(&self->r, node);
+            if (!(self->flags[node] & SHIELDED) && shield(self, node) < 0) {
+                goto done;
+            }
+        }
+    }
+    Py_ssize_t unshielded = self->r.size - self->shielded_len;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_hash_t hash;
+        Py_ssize_t node = recency_find(&self->r, items[i], &hash);
+        if (node == LOOKUP_FAILED) {
+            goto done;
+        }
+        if (node != NONE) {
+            continue;
+        }
+        if (self->r.size >= self->r.capacity) {
+            if (unshielded == 0) {
+                continue;
+            }
+            Py_ssize_t oldest = self->r.oldest;
+            self->flags[oldest] = 0;
+            if (recency_remove(&self->r, oldest) < 0) {
+                goto done;
+            }
+            unshielded--;
+        }
+        node = recency_add(&self->r, items[i], hash);
+        if (node < 0) {
+            goto done;
+        }
+        self->count[node] = 1;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (Py_ssize_t i = 0; i < self->shielded_len; i++) {
+        self->flags[self->shielded[i]] &= (unsigned char)~SHIELDED;
+    }
+    self->shielded_len = 0;
+    Py_DECREF(fast);
+    return result;
+}
+
+static long long
+count_of(ReuseCounter *self, Py_ssize_t node)
+{
+    return node == NONE ? 0 : self->count[node];
+}
+
+static PyObject *
+counter_at_least(ReuseCounter *self, PyObject *args)
+{
+    PyObject *keys;
+    long long threshold;
+    if (!PyArg_ParseTuple(args, "OL:at_least", &keys, &threshold)) {
+        return NULL;
+    }
+    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
+    if (fast == NULL) {
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject *result = PyList_New(0);
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
+        Py_ssize_t node = recency_find(&self->r, items[i], NULL);
+        if (node == LOOKUP_FAILED || (count_of(self, node) >= threshold && PyList_Append(result, items[i]) < 0)) {
+            Py_CLEAR(result);
+        }
+    }
+    Py_DECREF(fast);
+    return result;
+}
+
+static PyObject *
+counter_get(ReuseCounter *self, PyObject *key)
+{
+    Py_ssize_t node = recency_find(&self->r, key, NULL);
+    return node == LOOKUP_FAILED ? NULL : PyLong_FromLongLong(count_of(self, node));
+}
+
+static PyObject *
+counter_items(ReuseCounter *self, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *result = PyList_New(self->r.size);
+    if (result == NULL) {
+        return NULL;
+    }
+    Py_ssize_t i = 0;
+    for (Py_ssize_t node = self->r.oldest; node != NONE; node = self->r.next[node]) {
+        PyObject *pair = Py_BuildValue("(OL)", self->r.key[node], self->count[node]);
+        if (pair == NULL) {
+            Py_DECREF(result);
+            return NULL;
+        }
+        PyList_SET_ITEM(result, i++, pair);
+    }
+    return result;
+}
+
+static Py_ssize_t
+counter_len(ReuseCounter *self)
+{
+    return self->r.size;
+}
+
+static int
+counter_contains(ReuseCounter *self, PyObject *key)
+{
+    Py_ssize_t node = recency_find(&self->r, key, NULL);
+    return node == LOOKUP_FAILED ? -1 : node != NONE;
+}
+
+static void
+counter_dealloc(ReuseCounter *self)
+{
+    recency_free(&self->r);
+    PyMem_Free(self->count);
+    PyMem_Free(self->flags);
+    PyMem_Free(self->shielded);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+counter_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"max_keys", NULL};
+    PyObject *max_keys;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O:ReuseCounter", names, &max_keys)) {
+        return NULL;
+    }
+    Py_ssize_t capacity = PyLong_Check(max_keys) && !PyBool_Check(max_keys) ? PyLong_AsSsize_t(max_keys) : -1;
+    if (capacity == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+    }
+    if (capacity < 1 || capacity > PY_SSIZE_T_MAX / 16) {
+        PyObject *shown = PyObject_Repr(max_keys);
+        const char *text = shown ? PyUnicode_AsUTF8(shown) : NULL;
+        char message[160];
+        snprintf(message, sizeof(message), "max tracked keys must be an int >= 1, got %.100s",
+                 text ? text : "?");
+        Py_XDECREF(shown);
+        PyErr_Clear();
+        recency_invalid(message);
+        return NULL;
+    }
+    ReuseCounter *self = (ReuseCounter *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->count = PyMem_Malloc((size_t)capacity * sizeof(long long));
+    self->flags = PyMem_Calloc((size_t)capacity, 1);
+    if (recency_init(&self->r, capacity) < 0 || self->count == NULL || self->flags == NULL) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)self;
+}
+
+static PyMethodDef counter_methods[] = {
+    {"count", (PyCFunction)counter_count, METH_O, "Count each key once more, in order."},
+    {"count_shielded", (PyCFunction)counter_count_shielded, METH_O,
+     "Count keys once each, tracked keys first (see ReuseCounts.count_shielded)."},
+    {"at_least", (PyCFunction)counter_at_least, METH_VARARGS, "The keys counted at least threshold times."},
+    {"get", (PyCFunction)counter_get, METH_O, "A key's count (0 if not tracked)."},
+    {"items", (PyCFunction)counter_items, METH_NOARGS, "(key, count) pairs, least recently counted first."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods counter_as_sequence = {
+    .sq_length = (lenfunc)counter_len,
+    .sq_contains = (objobjproc)counter_contains,
+};
+
+static PyTypeObject ReuseCounterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvoffload.admission._reuse_counts.ReuseCounter",
+    .tp_basicsize = sizeof(ReuseCounter),
+    .tp_dealloc = (destructor)counter_dealloc,
+    .tp_as_sequence = &counter_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "Counts of at most max_keys keys, least recently counted leaving first, in C.",
+    .tp_methods = counter_methods,
+    .tp_new = counter_new,
+};
+
+static struct PyModuleDef reuse_counts_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvoffload.admission._reuse_counts",
+    .m_doc = "The bounded reuse counter in C (reuse_counts.ReuseCounts is the reference).",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC
+PyInit__reuse_counts(void)
+{
+    if (PyType_Ready(&ReuseCounterType) < 0) {
+        return NULL;
+    }
+    PyObject *module = PyModule_Create(&reuse_counts_module);
+    if (module == NULL) {
+        return NULL;
+    }
+    Py_INCREF(&ReuseCounterType);
+    if (PyModule_AddObject(module, "ReuseCounter", (PyObject *)&ReuseCounterType) < 0) {
+        Py_DECREF(&ReuseCounterType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}
