@@ -1,4 +1,5 @@
-"""The compiled modules: built where a C compiler is found, skipped (pure Python) if not."""
+"""The compiled admission modules: built where a C compiler is found, skipped (the same code
+in pure Python runs instead) where not."""
 
 from setuptools import Extension, setup
 
@@ -13,6 +14,12 @@ setup(
         Extension(
             "kvoffload.admission._reuse_counts",
             ["src/kvoffload/admission/_reuse_counts.c"],
+            depends=["src/kvoffload/admission/_recency.h"],
+            optional=True,
+        ),
+        Extension(
+            "kvoffload.admission._ghost",
+            ["src/kvoffload/admission/_ghost.c"],
             depends=["src/kvoffload/admission/_recency.h"],
             optional=True,
         ),

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload import block_id_key
+from kvoffload import InvalidArgumentError, block_id_key
 from kvoffload.admission import GhostRecords
+from kvoffload.admission.ghost import CompiledGhostRecords, ghost_records
+
+RECORDS = [
+    GhostRecords,
+    pytest.param(
+        CompiledGhostRecords,
+        marks=pytest.mark.skipif(
+            CompiledGhostRecords is None, reason="kvoffload was installed without a C compiler"
+        ),
+    ),
+]
 
 Op = tuple[str, list[int], int]
 OPS = st.tuples(
@@ -16,10 +28,14 @@ OPS = st.tuples(
 )
 
 
+@pytest.mark.parametrize("records", RECORDS)
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 6), st.lists(OPS, max_size=40))
-def test_ghost_matches_an_ordered_list_of_records(capacity: int, ops: list[Op]) -> None:
-    ghost = GhostRecords(capacity)
+@given(capacity=st.integers(1, 6), ops=st.lists(OPS, max_size=40))
+def test_ghost_matches_an_ordered_list_of_records(
+    records: type[GhostRecords], capacity: int, ops: list[Op]
+) -> None:
+    """The Python records and the compiled ones (where built) against the same model."""
+    ghost = records(capacity)
     model: list[tuple[int, int, int]] = []  # (key id, tag, clock), oldest first
     for clock, (name, ids, tag) in enumerate(ops, start=1):
         if name in ("add", "add_all"):
@@ -51,3 +67,17 @@ def test_ghost_matches_an_ordered_list_of_records(capacity: int, ops: list[Op]) 
             assert ghost.expire(before) == expected
         assert len(ghost) == len(model)
         assert all(block_id_key(i) in ghost for i, _, _ in model)
+        assert sum(block_id_key(i) in ghost for i in range(13)) == len(model)
+
+
+@pytest.mark.parametrize("records", RECORDS)
+def test_records_refuse_a_capacity_below_one(records: type[GhostRecords]) -> None:
+    with pytest.raises(InvalidArgumentError, match="ghost capacity must be >= 1"):
+        records(0)
+
+
+def test_the_factory_gives_the_compiled_records_where_they_were_built() -> None:
+    ghost = ghost_records(2)
+    assert type(ghost) is (CompiledGhostRecords or GhostRecords)
+    assert ghost.add_all([block_id_key(i) for i in range(3)], 5, 1) == [5]
+    assert ghost.capacity == 2 and 0 < ghost.memory_bytes <= 2 * 160

@@ -495,8 +495,15 @@ static PyMemberDef tier_members[] = {
     {NULL, 0, 0, 0, NULL},
 };
 
+static PyObject *
+tier_memory_bytes(LRUTier *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSsize_t(recency_bytes(&self->r) + self->r.capacity);
+}
+
 static PyGetSetDef tier_getset[] = {
     {"held", (getter)tier_held, NULL, "The tier itself: membership of held keys.", NULL},
+    {"memory_bytes", (getter)tier_memory_bytes, NULL, "Bytes of the tier's arrays.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -233,6 +233,14 @@ recency_add(Recency *r, PyObject *key, Py_hash_t hash)
     return node;
 }
 
+/* Bytes of the table's own arrays (the keys are the caller's objects, held by reference). */
+static inline Py_ssize_t
+recency_bytes(const Recency *r)
+{
+    size_t per_node = sizeof(PyObject *) + sizeof(Py_hash_t) + 2 * sizeof(Py_ssize_t);
+    return (Py_ssize_t)((r->mask + 1) * sizeof(Py_ssize_t) + (size_t)r->capacity * per_node);
+}
+
 /* The held keys, oldest first, as a new list. */
 static inline PyObject *
 recency_keys(Recency *r)

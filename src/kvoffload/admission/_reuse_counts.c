@@ -277,6 +277,17 @@ static PyMethodDef counter_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *
+counter_memory_bytes(ReuseCounter *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSsize_t(recency_bytes(&self->r) + self->r.capacity * (Py_ssize_t)(sizeof(long long) + 1));
+}
+
+static PyGetSetDef counter_getset[] = {
+    {"memory_bytes", (getter)counter_memory_bytes, NULL, "Bytes of the table's arrays.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PySequenceMethods counter_as_sequence = {
     .sq_length = (lenfunc)counter_len,
     .sq_contains = (objobjproc)counter_contains,
@@ -291,6 +302,7 @@ static PyTypeObject ReuseCounterType = {
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
     .tp_doc = "Counts of at most max_keys keys, least recently counted leaving first, in C.",
     .tp_methods = counter_methods,
+    .tp_getset = counter_getset,
     .tp_new = counter_new,
 };
 

@@ -30,7 +30,7 @@ from kvoffload.admission.controller import (
     PRIOR_RETURNS,
     ReuseController,
 )
-from kvoffload.admission.ghost import GhostRecords
+from kvoffload.admission.ghost import ghost_records
 from kvoffload.admission.params import check_params, param
 from kvoffload.admission.registry import register_admission
 from kvoffload.admission.sketch import FrequencySketch, RequestHashes
@@ -89,7 +89,7 @@ class FeedbackAdmission(AdmissionLayer):
         super().__init__(backing, capacity)
         self.params = p = params or FeedbackParams()
         self.sketch = FrequencySketch(max(p.min_sample, p.sample_factor * capacity))
-        self.ghost = GhostRecords(capacity)
+        self.ghost = ghost_records(capacity)
         self._hashes = RequestHashes()
         self.controller = ReuseController(
             NUM_CLASSES,

@@ -5,6 +5,9 @@ the owner counts (here: blocks written to the tier), so a record can expire
 once the tier has turned over since it was made: a key that comes back
 before that is a *return*, one whose record expires or is pushed out is an
 *expiry*. At most ``capacity`` records are kept.
+
+Where the package was built with a C compiler, :func:`ghost_records` gives the same
+records in C (``_ghost.c``): the same answers and order, without a Python loop per key.
 """
 
 from __future__ import annotations
@@ -15,8 +18,14 @@ from collections.abc import Iterable, Sequence
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 
+try:
+    from kvoffload.admission._ghost import GhostTable
+except ImportError:  # installed without a C compiler: the Python records alone
+    GhostTable = None  # type: ignore[assignment,misc]
+
 BYTES_PER_RECORD = 160
-"""Approximate CPython cost of one ordered-dict entry holding a bytes key and a small tuple."""
+"""Approximate CPython cost of one ordered-dict entry holding a bytes key and a small tuple
+(the compiled records count their own arrays, about 60 bytes a record)."""
 
 
 class GhostRecords:
@@ -90,3 +99,21 @@ class GhostRecords:
             del records[key]
             expired.append(tag)
         return expired
+
+
+CompiledGhostRecords: type[GhostRecords] | None = None
+"""The records in C, where the package was built with a compiler; ``None`` where not."""
+if GhostTable is not None:
+
+    class _CompiledGhostRecords(GhostTable, GhostRecords):
+        """:class:`GhostRecords` with every operation in C; its records live in C."""
+
+        def __init__(self, capacity: int) -> None:
+            """The C type's constructor made (and checked) the records."""
+
+    CompiledGhostRecords = _CompiledGhostRecords
+
+
+def ghost_records(capacity: int) -> GhostRecords:
+    """At most ``capacity`` records: in C where it was built, else in Python."""
+    return (CompiledGhostRecords or GhostRecords)(capacity)

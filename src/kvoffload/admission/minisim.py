@@ -48,8 +48,9 @@ MIN_WHATIF_KEYS = 256
 """Mini-tiers kept only for the what-if figures (other capacities) hold at least this many
 keys: a quarter of the decision tiers' minimum, so that they cost less than those."""
 BYTES_PER_MINI_KEY = 400
-"""Approximate CPython cost of one mini-tier key: the held dict's entry, the policy's
-ordered-dict entry and the status object."""
+"""Approximate CPython cost of one key of a pure-Python mini-tier: the held dict's entry,
+the policy's ordered-dict entry and the status object (the compiled tier counts its own
+arrays, about 65 bytes a key)."""
 WINDOW_TIERS = 32
 """Counters are halved every this many 1x mini-tier-fulls of sampled references."""
 OPEN_REQUESTS = 256
@@ -108,6 +109,11 @@ class MiniTier:
 
     def __contains__(self, key: object) -> bool:
         return key in self._keys
+
+    @property
+    def memory_bytes(self) -> int:
+        """Approximate bytes of the tier's structures (:data:`BYTES_PER_MINI_KEY` a key)."""
+        return BYTES_PER_MINI_KEY * self.capacity
 
     @property
     def held(self) -> Container[OffloadKey]:
@@ -658,7 +664,7 @@ class MiniSimulation:
 
     @property
     def memory_bytes(self) -> int:
-        return BYTES_PER_MINI_KEY * sum(tier.capacity for tier, _ in self.tiers.values())
+        return sum(tier.memory_bytes for tier, _ in self.tiers.values())
 
     @property
     def tracked_keys(self) -> int:

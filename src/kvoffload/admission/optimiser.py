@@ -131,8 +131,6 @@ WRITE_MARGIN = 0.1
 WHATIF_FACTORS = (0.5, 1.0, 2.0, 4.0)
 FILTER_THRESHOLD, FILTER_TRACKER = 2, 64_000
 """The seed filter as vLLM configures it by default."""
-BYTES_PER_FILTER_KEY = 120
-"""Approximate CPython cost of one tracked key in the filter's table."""
 
 
 @dataclass(frozen=True)
@@ -264,17 +262,13 @@ class OptimisingAdmission(AdmissionLayer):
         self._exact_worlds = exact_worlds(policy)
         filter_probe, feedback_probe = Probe(), Probe()
         self._world_feedback = FeedbackAdmission(feedback_probe, capacity)
+        self._world_filter = FilterReusedOffloadingManager(
+            filter_probe, p.filter_threshold, p.filter_tracker
+        )
         self.worlds = Worlds(
             {
                 STORE_ALL: World(capacity, policy),
-                FILTER: World(
-                    capacity,
-                    policy,
-                    FilterReusedOffloadingManager(
-                        filter_probe, p.filter_threshold, p.filter_tracker
-                    ),
-                    filter_probe,
-                ),
+                FILTER: World(capacity, policy, self._world_filter, filter_probe),
                 FEEDBACK: World(capacity, policy, self._world_feedback, feedback_probe),
             },
             window_tiers * capacity,
@@ -635,17 +629,18 @@ class OptimisingAdmission(AdmissionLayer):
 
     def stats(self) -> AdmissionStats:
         rules = [self._world_feedback.stats()]
+        tables = [self._world_filter.reuse]
         if not self._mirrors:
             rules.insert(0, self.feedback.stats())
-        filters = len(rules) * self.params.filter_tracker
+            tables.insert(0, self.filter.reuse)
         counted = self._stats(
             rules[0].control,
             sum(rule.memory_bytes for rule in rules)
-            + BYTES_PER_FILTER_KEY * filters
+            + sum(table.memory_bytes for table in tables)
             + self.minisim.memory_bytes
             + self.worlds.memory_bytes,
             sum(rule.tracked_keys for rule in rules)
-            + filters
+            + sum(table.max_keys for table in tables)
             + self.minisim.tracked_keys
             + self.worlds.tracked_keys,
             rules[0].ghost_hits,

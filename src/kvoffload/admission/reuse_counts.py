@@ -26,6 +26,10 @@ try:
 except ImportError:  # installed without a C compiler: the Python table alone
     ReuseCounter = None  # type: ignore[assignment,misc]
 
+BYTES_PER_COUNTED_KEY = 120
+"""Approximate CPython cost of one tracked key in the Python table (the compiled table
+counts its own arrays, about 60 bytes a key)."""
+
 
 class ReuseCounts:
     """Counts of at most ``max_keys`` keys; the least recently counted key leaves first."""
@@ -40,6 +44,11 @@ class ReuseCounts:
     def counts(self) -> dict[OffloadKey, int]:
         """The table, least recently counted key first."""
         return self._counts
+
+    @property
+    def memory_bytes(self) -> int:
+        """Approximate bytes of the full table (:data:`BYTES_PER_COUNTED_KEY` a key)."""
+        return BYTES_PER_COUNTED_KEY * self.max_keys
 
     def __len__(self) -> int:
         return len(self._counts)

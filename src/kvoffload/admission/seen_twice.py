@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from kvoffload.admission.base import AdmissionLayer, AdmissionStats
 from kvoffload.admission.feedback import MIN_SAMPLE, SAMPLE_FACTOR
-from kvoffload.admission.ghost import GhostRecords
+from kvoffload.admission.ghost import ghost_records
 from kvoffload.admission.params import check_params, param
 from kvoffload.admission.registry import register_admission
 from kvoffload.admission.sketch import FrequencySketch, RequestHashes
@@ -45,7 +45,7 @@ class SketchAdmission(AdmissionLayer):
         self.params = p = params or SketchParams()
         self.threshold = p.threshold
         self.sketch = FrequencySketch(max(p.min_sample, p.sample_factor * capacity))
-        self.ghost = GhostRecords(capacity)
+        self.ghost = ghost_records(capacity)
         self._hashes = RequestHashes()
 
     def _sighting(self, keys: Sequence[OffloadKey]) -> None:

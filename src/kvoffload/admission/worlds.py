@@ -22,7 +22,6 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from kvoffload.admission.base import AdmissionLayer
 from kvoffload.admission.minisim import (
-    BYTES_PER_MINI_KEY,
     LRUMiniTier,
     MiniTier,
     WhatIf,
@@ -242,7 +241,7 @@ class Worlds:
 
     @property
     def memory_bytes(self) -> int:
-        return BYTES_PER_MINI_KEY * self.tracked_keys
+        return sum(w.tier.memory_bytes for w in self.worlds.values())
 
     @property
     def tracked_keys(self) -> int:

@@ -1,0 +1,262 @@
+/* Ghost records in C: the same records, order and answers as ``ghost.GhostRecords``.
+ *
+ * The feedback rule records every first-seen block it offers and looks every
+ * request's blocks up, tens of keys a request, in the optimiser's feedback world.
+ * The records are a bounded recency table (``_recency.h``) with a tag and a clock per
+ * node; ``tests/admission/test_ghost.py`` holds it equal to the Python class.
+ */
+#include "_recency.h"
+#include <structmember.h>
+
+typedef struct {
+    PyObject_HEAD
+    Recency r;
+    long *tag;            /* per node */
+    long long *clock;     /* per node */
+    Py_ssize_t capacity;  /* r.capacity, as an attribute */
+} GhostTable;
+
+/* Append ``tag`` to ``tags`` (a list), or -1. */
+static int
+append_tag(PyObject *tags, long tag)
+{
+    PyObject *value = PyLong_FromLong(tag);
+    if (value == NULL) {
+        return -1;
+    }
+    int failed = PyList_Append(tags, value);
+    Py_DECREF(value);
+    return failed;
+}
+
+/* Record each key in turn (a recorded one becomes the newest with the new tag and
+ * clock); the tags of the records pushed out. */
+static PyObject *
+ghost_add_all(GhostTable *self, PyObject *args)
+{
+    PyObject *keys;
+    long tag;
+    long long clock = 0;
+    if (!PyArg_ParseTuple(args, "Ol|L:add_all", &keys, &tag, &clock)) {
+        return NULL;
+    }
+    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
+    if (fast == NULL) {
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject *pushed = PyList_New(0);
+    for (Py_ssize_t i = 0; pushed != NULL && i < n; i++) {
+        Py_hash_t hash;
+        Py_ssize_t node = recency_find(&self->r, items[i], &hash);
+        if (node == LOOKUP_FAILED) {
+            Py_CLEAR(pushed);
+            break;
+        }
+        if (node == NONE) {
+            if (self->r.size == self->r.capacity) {
+                Py_ssize_t oldest = self->r.oldest;
+                if (append_tag(pushed, self->tag[oldest]) < 0 || recency_remove(&self->r, oldest) < 0) {
+                    Py_CLEAR(pushed);
+                    break;
+                }
+            }
+            node = recency_add(&self->r, items[i], hash);
+            if (node < 0) {
+                Py_CLEAR(pushed);
+                break;
+            }
+        } else {
+            recency_make_newest(&self->r, node);
+        }
+        self->tag[node] = tag;
+        self->clock[node] = clock;
+    }
+    Py_DECREF(fast);
+    return pushed;
+}
+
+/* Forget the recorded keys among ``keys``; their tags, in ``keys`` order. */
+static PyObject *
+ghost_take_all(GhostTable *self, PyObject *keys)
+{
+    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
+    if (fast == NULL) {
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject *taken = PyList_New(0);
+    for (Py_ssize_t i = 0; taken != NULL && self->r.size && i < n; i++) {
+        Py_ssize_t node = recency_find(&self->r, items[i], NULL);
+        if (node == LOOKUP_FAILED) {
+            Py_CLEAR(taken);
+        } else if (node != NONE) {
+            long tag = self->tag[node];
+            if (recency_remove(&self->r, node) < 0 || append_tag(taken, tag) < 0) {
+                Py_CLEAR(taken);
+            }
+        }
+    }
+    Py_DECREF(fast);
+    return taken;
+}
+
+/* Drop the oldest records made at a clock below ``before``; their tags. */
+static PyObject *
+ghost_expire(GhostTable *self, PyObject *arg)
+{
+    long long before = PyLong_AsLongLong(arg);
+    if (before == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *expired = PyList_New(0);
+    while (expired != NULL && self->r.oldest != NONE && self->clock[self->r.oldest] < before) {
+        Py_ssize_t oldest = self->r.oldest;
+        if (append_tag(expired, self->tag[oldest]) < 0 || recency_remove(&self->r, oldest) < 0) {
+            Py_CLEAR(expired);
+        }
+    }
+    return expired;
+}
+
+static PyObject *
+ghost_records(GhostTable *self, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *result = PyList_New(self->r.size);
+    if (result == NULL) {
+        return NULL;
+    }
+    Py_ssize_t i = 0;
+    for (Py_ssize_t node = self->r.oldest; node != NONE; node = self->r.next[node]) {
+        PyObject *record = Py_BuildValue("(OlL)", self->r.key[node], self->tag[node], self->clock[node]);
+        if (record == NULL) {
+            Py_DECREF(result);
+            return NULL;
+        }
+        PyList_SET_ITEM(result, i++, record);
+    }
+    return result;
+}
+
+static Py_ssize_t
+ghost_len(GhostTable *self)
+{
+    return self->r.size;
+}
+
+static int
+ghost_contains(GhostTable *self, PyObject *key)
+{
+    Py_ssize_t node = recency_find(&self->r, key, NULL);
+    return node == LOOKUP_FAILED ? -1 : node != NONE;
+}
+
+static PyObject *
+ghost_memory_bytes(GhostTable *self, void *Py_UNUSED(closure))
+{
+    Py_ssize_t per_node = (Py_ssize_t)(sizeof(long) + sizeof(long long));
+    return PyLong_FromSsize_t(recency_bytes(&self->r) + self->r.capacity * per_node);
+}
+
+static void
+ghost_dealloc(GhostTable *self)
+{
+    recency_free(&self->r);
+    PyMem_Free(self->tag);
+    PyMem_Free(self->clock);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+ghost_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"capacity", NULL};
+    Py_ssize_t capacity;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n:GhostTable", names, &capacity)) {
+        return NULL;
+    }
+    if (capacity < 1 || capacity > PY_SSIZE_T_MAX / 16) {
+        char message[96];
+        snprintf(message, sizeof(message), "ghost capacity must be >= 1, got %zd", capacity);
+        recency_invalid(message);
+        return NULL;
+    }
+    GhostTable *self = (GhostTable *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->capacity = capacity;
+    self->tag = PyMem_Malloc((size_t)capacity * sizeof(long));
+    self->clock = PyMem_Malloc((size_t)capacity * sizeof(long long));
+    if (recency_init(&self->r, capacity) < 0 || self->tag == NULL || self->clock == NULL) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)self;
+}
+
+static PyMethodDef ghost_methods[] = {
+    {"add_all", (PyCFunction)ghost_add_all, METH_VARARGS,
+     "add_all(keys, tag, clock=0) -> pushed-out tags (see GhostRecords.add_all)."},
+    {"take_all", (PyCFunction)ghost_take_all, METH_O, "Forget the recorded keys; their tags."},
+    {"expire", (PyCFunction)ghost_expire, METH_O, "Drop records made before a clock; their tags."},
+    {"records", (PyCFunction)ghost_records, METH_NOARGS, "(key, tag, clock) records, oldest first."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef ghost_members[] = {
+    {"capacity", T_PYSSIZET, offsetof(GhostTable, capacity), READONLY, "Records kept at most."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef ghost_getset[] = {
+    {"memory_bytes", (getter)ghost_memory_bytes, NULL, "Bytes of the records' arrays.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PySequenceMethods ghost_as_sequence = {
+    .sq_length = (lenfunc)ghost_len,
+    .sq_contains = (objobjproc)ghost_contains,
+};
+
+static PyTypeObject GhostTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvoffload.admission._ghost.GhostTable",
+    .tp_basicsize = sizeof(GhostTable),
+    .tp_dealloc = (destructor)ghost_dealloc,
+    .tp_as_sequence = &ghost_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "At most capacity ghost records (key -> tag, clock), oldest first, in C.",
+    .tp_methods = ghost_methods,
+    .tp_members = ghost_members,
+    .tp_getset = ghost_getset,
+    .tp_new = ghost_new,
+};
+
+static struct PyModuleDef ghost_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvoffload.admission._ghost",
+    .m_doc = "Ghost records in C (ghost.GhostRecords is the reference).",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC
+PyInit__ghost(void)
+{
+    if (PyType_Ready(&GhostTableType) < 0) {
+        return NULL;
+    }
+    PyObject *module = PyModule_Create(&ghost_module);
+    if (module == NULL) {
+        return NULL;
+    }
+    Py_INCREF(&GhostTableType);
+    if (PyModule_AddObject(module, "GhostTable", (PyObject *)&GhostTableType) < 0) {
+        Py_DECREF(&GhostTableType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}
