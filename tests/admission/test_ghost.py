@@ -6,19 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from compiled import python_and_compiled
 from kvoffload import InvalidArgumentError, block_id_key
 from kvoffload.admission import GhostRecords
 from kvoffload.admission.ghost import CompiledGhostRecords, ghost_records
 
-RECORDS = [
-    GhostRecords,
-    pytest.param(
-        CompiledGhostRecords,
-        marks=pytest.mark.skipif(
-            CompiledGhostRecords is None, reason="kvoffload was installed without a C compiler"
-        ),
-    ),
-]
+RECORDS = python_and_compiled(GhostRecords, CompiledGhostRecords)
 
 Op = tuple[str, list[int], int]
 OPS = st.tuples(

@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 
+from compiled import needs, python_and_compiled
 from kvoffload import OffloadKey, block_id_key, build_manager
 from kvoffload.admission import MiniSimulation, MiniTier, key_hashes, minisim
 from kvoffload.admission.minisim import (
@@ -28,18 +29,8 @@ SPECIALISED = [
     (LRUCachePolicy, CompiledLRUMiniTier or LRUMiniTier),
     (S3FIFOCachePolicy, S3FIFOMiniTier),
 ]
-LRU_TIERS = [
-    LRUMiniTier,
-    pytest.param(
-        CompiledLRUMiniTier,
-        marks=pytest.mark.skipif(
-            CompiledLRUMiniTier is None, reason="kvoffload was installed without a C compiler"
-        ),
-    ),
-]
-needs_compiled = pytest.mark.skipif(
-    CompiledLRUMiniTier is None, reason="kvoffload was installed without a C compiler"
-)
+LRU_TIERS = python_and_compiled(LRUMiniTier, CompiledLRUMiniTier)
+needs_compiled = needs(CompiledLRUMiniTier)
 
 
 @pytest.mark.parametrize("pending", [True, False])

@@ -8,19 +8,12 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
+from compiled import python_and_compiled
 from kvoffload import InvalidArgumentError, block_id_key
 from kvoffload.admission.reuse_counts import CompiledReuseCounts, ReuseCounts, reuse_counts
 from kvoffload.core.keys import OffloadKey
 
-TABLES = [
-    ReuseCounts,
-    pytest.param(
-        CompiledReuseCounts,
-        marks=pytest.mark.skipif(
-            CompiledReuseCounts is None, reason="kvoffload was installed without a C compiler"
-        ),
-    ),
-]
+TABLES = python_and_compiled(ReuseCounts, CompiledReuseCounts)
 
 KEYS = [block_id_key(i) for i in range(8)]
 BATCHES = st.lists(

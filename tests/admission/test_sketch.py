@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from compiled import needs
 from kvoffload import InvalidArgumentError, OffloadKey, block_id_key
 from kvoffload.admission import FrequencySketch, key_hashes
 from kvoffload.admission import sketch as sketch_module
@@ -216,9 +217,7 @@ def test_request_hashes_give_an_offer_the_cells_of_its_hashes() -> None:
         assert cache.offer(request[2:], FrequencySketch(1024))[1] is None
 
 
-needs_compiled = pytest.mark.skipif(
-    sketch_module.compiled is None, reason="kvoffload was installed without a C compiler"
-)
+needs_compiled = needs(sketch_module.compiled)
 
 
 @needs_compiled

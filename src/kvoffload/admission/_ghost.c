@@ -245,18 +245,5 @@ static struct PyModuleDef ghost_module = {
 PyMODINIT_FUNC
 PyInit__ghost(void)
 {
-    if (PyType_Ready(&GhostTableType) < 0) {
-        return NULL;
-    }
-    PyObject *module = PyModule_Create(&ghost_module);
-    if (module == NULL) {
-        return NULL;
-    }
-    Py_INCREF(&GhostTableType);
-    if (PyModule_AddObject(module, "GhostTable", (PyObject *)&GhostTableType) < 0) {
-        Py_DECREF(&GhostTableType);
-        Py_DECREF(module);
-        return NULL;
-    }
-    return module;
+    return recency_module(&ghost_module, &GhostTableType, "GhostTable");
 }

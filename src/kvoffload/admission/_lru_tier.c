@@ -536,18 +536,5 @@ static struct PyModuleDef lru_tier_module = {
 PyMODINIT_FUNC
 PyInit__lru_tier(void)
 {
-    if (PyType_Ready(&LRUTierType) < 0) {
-        return NULL;
-    }
-    PyObject *module = PyModule_Create(&lru_tier_module);
-    if (module == NULL) {
-        return NULL;
-    }
-    Py_INCREF(&LRUTierType);
-    if (PyModule_AddObject(module, "LRUTier", (PyObject *)&LRUTierType) < 0) {
-        Py_DECREF(&LRUTierType);
-        Py_DECREF(module);
-        return NULL;
-    }
-    return module;
+    return recency_module(&lru_tier_module, &LRUTierType, "LRUTier");
 }

@@ -270,4 +270,24 @@ recency_invalid(const char *message)
     }
 }
 
+/* The module of ``definition`` with ``type`` readied and added under ``name``, or NULL. */
+static inline PyObject *
+recency_module(PyModuleDef *definition, PyTypeObject *type, const char *name)
+{
+    if (PyType_Ready(type) < 0) {
+        return NULL;
+    }
+    PyObject *module = PyModule_Create(definition);
+    if (module == NULL) {
+        return NULL;
+    }
+    Py_INCREF(type);
+    if (PyModule_AddObject(module, name, (PyObject *)type) < 0) {
+        Py_DECREF(type);
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}
+
 #endif

@@ -316,18 +316,5 @@ static struct PyModuleDef reuse_counts_module = {
 PyMODINIT_FUNC
 PyInit__reuse_counts(void)
 {
-    if (PyType_Ready(&ReuseCounterType) < 0) {
-        return NULL;
-    }
-    PyObject *module = PyModule_Create(&reuse_counts_module);
-    if (module == NULL) {
-        return NULL;
-    }
-    Py_INCREF(&ReuseCounterType);
-    if (PyModule_AddObject(module, "ReuseCounter", (PyObject *)&ReuseCounterType) < 0) {
-        Py_DECREF(&ReuseCounterType);
-        Py_DECREF(module);
-        return NULL;
-    }
-    return module;
+    return recency_module(&reuse_counts_module, &ReuseCounterType, "ReuseCounter");
 }
