@@ -40,3 +40,30 @@ def test_an_unsupported_vllm_is_flagged(
     assert main(["--version"]) == 0
     out = capsys.readouterr().out
     assert "vLLM 0.35.1 (vllm; not supported: kvoffload supports vLLM 0.32 and 0.33)" in out
+
+
+def test_version_says_whether_the_compiled_admission_paths_run(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvoffload.admission.compiled as compiled
+
+    assert main(["--version"]) == 0
+    assert compiled.compiled_summary() in capsys.readouterr().out.splitlines()
+
+    def only(names: tuple[str, ...]) -> object:
+        def fake(name: str) -> object:
+            if name.rsplit(".", 1)[1] not in names:
+                raise ImportError(name)
+            return object()
+
+        return fake
+
+    monkeypatch.setattr(compiled, "import_module", only(()))
+    assert main(["--version"]) == 0
+    assert "admission hot paths: pure Python (built without a C compiler" in (
+        capsys.readouterr().out
+    )
+    monkeypatch.setattr(compiled, "import_module", only(("_lru_tier", "_sketch")))
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert "partly compiled (2 of 4; in Python: _ghost, _reuse_counts)" in out

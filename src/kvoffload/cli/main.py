@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from importlib import metadata
 from typing import NoReturn
 
+from kvoffload.admission.compiled import compiled_summary
 from kvoffload.cli import bench, simulate, sweep, trace_stats
 from kvoffload.core.errors import KVOffloadError
 from kvoffload.integrations.vllm.versions import (
@@ -41,7 +42,8 @@ class _VersionAction(argparse.Action):
 
 
 def version_text() -> str:
-    """Our version and the serving engines installed beside us, for bug reports.
+    """Our version, the serving engines installed beside us and whether the admission
+    layer's compiled modules run, for bug reports.
 
     Read from the installed packages' metadata, so nothing heavy is imported.
     """
@@ -59,6 +61,7 @@ def version_text() -> str:
         lines.append(f"vLLM {version} ({name}; {note})")
     sglang = _version("sglang")
     lines.append(f"SGLang {sglang}" if sglang else "SGLang: not installed")
+    lines.append(compiled_summary())
     return "\n".join(lines)
 
 
