@@ -96,10 +96,23 @@ def some_keys(rng: random.Random) -> list[OffloadKey]:
     return [block_id_key(rng.randrange(20)) for _ in range(rng.randint(0, 8))]
 
 
+def pick_admitted(rng: random.Random, offered: list[OffloadKey]) -> list[OffloadKey] | None:
+    """What a candidate admits of ``offered``: all (``None``), an in-order part, or (no
+    rule does it, but the gap's rule covers it) a part out of order, all of it counting
+    as all."""
+    choice = rng.random()
+    if choice < 0.2:
+        return None
+    if choice < 0.4:
+        return rng.sample(offered, rng.randint(0, len(offered)))
+    return [key for key in offered if rng.random() < 0.6]
+
+
 @needs_compiled
 def test_the_compiled_lru_tier_decides_as_the_pure_python_one() -> None:
-    """Seeded streams of every operation the worlds and mini-simulations use (stores with
-    gaps, admitted subsets, a request to protect or to touch first, revivals), over few
+    """Seeded streams of every operation the worlds, mini-simulations and the optimiser use
+    (stores with gaps, admitted subsets and offers, a request to protect or to touch
+    first, revivals, the held keys among a request and its held prefix), over few
     keys and small capacities so that evictions, protections and refusals are frequent:
     the same answers, order, unreachable marks and counts after every step."""
     assert CompiledLRUMiniTier is not None
@@ -116,6 +129,14 @@ def test_the_compiled_lru_tier_decides_as_the_pure_python_one() -> None:
                 compiled.touch(offered)
             elif action < 0.4:
                 assert python.hit_run(offered) == compiled.hit_run(offered)
+            elif action < 0.5:
+                assert python.held_among(request) == compiled.held_among(request)
+                assert python.leading_held(request) == compiled.leading_held(request)
+                distinct = list(dict.fromkeys(offered))
+                admitted = pick_admitted(rng, distinct)
+                assert python.store_offer(distinct, admitted, request) == compiled.store_offer(
+                    distinct, admitted, request
+                )
             elif action < 0.7:
                 gaps = [rng.random() < 0.3 for _ in offered] if rng.random() < 0.5 else []
                 assert python.store(offered, gaps, request) == compiled.store(

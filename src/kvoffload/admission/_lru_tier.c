@@ -20,14 +20,12 @@ typedef struct {
     PyObject_HEAD
     Recency r;
     unsigned char *flags;       /* per node */
-    /* Scratch for one store: the distinct new keys, their gap flags, a set over them,
-     * and the nodes a store protected. */
-    PyObject **new_key;
-    Py_hash_t *new_hash;
-    unsigned char *new_dead;
-    Py_ssize_t new_len, new_cap;
-    Py_ssize_t *new_set;
-    size_t new_set_mask;
+    /* Scratch for one call: the distinct new keys of a store and their gap flags, the
+     * keys a candidate admitted, and the nodes a store protected. */
+    KeySet fresh;
+    unsigned char *fresh_dead;
+    Py_ssize_t fresh_dead_cap;
+    KeySet admitted;
     Py_ssize_t *guarded;
     Py_ssize_t guarded_len, guarded_cap;
     Py_ssize_t capacity;        /* r.capacity, as an attribute */
@@ -35,41 +33,19 @@ typedef struct {
     long long total_hits, total_writes;
 } LRUTier;
 
-static int
-grow(void **buffer, Py_ssize_t count, size_t item)
-{
-    void *bigger = PyMem_Realloc(*buffer, (size_t)count * item);
-    if (bigger == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    *buffer = bigger;
-    return 0;
-}
-
 /* Make room for ``n`` new keys in the scratch and empty it. */
 static int
 scratch_reset(LRUTier *self, Py_ssize_t n)
 {
-    if (n > self->new_cap || self->new_set == NULL) {
-        Py_ssize_t cap = n < 64 ? 64 : n;
-        if (grow((void **)&self->new_key, cap, sizeof(PyObject *)) < 0 ||
-            grow((void **)&self->new_hash, cap, sizeof(Py_hash_t)) < 0 ||
-            grow((void **)&self->new_dead, cap, 1) < 0) {
-            return -1;
-        }
-        size_t slots = 1;
-        while (slots < (size_t)cap * 2) {
-            slots <<= 1;
-        }
-        if (grow((void **)&self->new_set, (Py_ssize_t)slots, sizeof(Py_ssize_t)) < 0) {
-            return -1;
-        }
-        self->new_cap = cap;
-        self->new_set_mask = slots - 1;
+    if (keyset_reset(&self->fresh, n) < 0) {
+        return -1;
     }
-    memset(self->new_set, 0xff, (self->new_set_mask + 1) * sizeof(Py_ssize_t));
-    self->new_len = 0;
+    if (self->fresh_dead_cap < self->fresh.cap) {
+        if (recency_grow((void **)&self->fresh_dead, self->fresh.cap, 1) < 0) {
+            return -1;
+        }
+        self->fresh_dead_cap = self->fresh.cap;
+    }
     return 0;
 }
 
@@ -77,29 +53,11 @@ scratch_reset(LRUTier *self, Py_ssize_t n)
 static int
 scratch_add(LRUTier *self, PyObject *key, Py_hash_t hash, int dead)
 {
-    size_t slot = recency_spread(hash) & self->new_set_mask;
-    for (;;) {
-        Py_ssize_t index = self->new_set[slot];
-        if (index == NONE) {
-            break;
-        }
-        if (self->new_hash[index] == hash) {
-            int eq = recency_keys_equal(self->new_key[index], key);
-            if (eq < 0) {
-                return -1;
-            }
-            if (eq) {
-                return 0;
-            }
-        }
-        slot = (slot + 1) & self->new_set_mask;
+    int added = keyset_add(&self->fresh, key, hash);
+    if (added > 0) {
+        self->fresh_dead[self->fresh.len - 1] = (unsigned char)(dead ? DEAD : 0);
     }
-    Py_ssize_t index = self->new_len++;
-    self->new_set[slot] = index;
-    self->new_key[index] = key;
-    self->new_hash[index] = hash;
-    self->new_dead[index] = (unsigned char)(dead ? DEAD : 0);
-    return 0;
+    return added < 0 ? -1 : 0;
 }
 
 static int
@@ -130,7 +88,7 @@ protect(LRUTier *self, PyObject **keys, Py_ssize_t n)
         if (node != NONE && !(self->flags[node] & PROTECTED)) {
             if (self->guarded_len == self->guarded_cap) {
                 Py_ssize_t cap = self->guarded_cap ? 2 * self->guarded_cap : 64;
-                if (grow((void **)&self->guarded, cap, sizeof(Py_ssize_t)) < 0) {
+                if (recency_grow((void **)&self->guarded, cap, sizeof(Py_ssize_t)) < 0) {
                     return -1;
                 }
                 self->guarded_cap = cap;
@@ -157,7 +115,7 @@ unprotect(LRUTier *self)
 static Py_ssize_t
 insert_new(LRUTier *self, PyObject **keys, Py_ssize_t n, PyObject **request, Py_ssize_t n_request)
 {
-    Py_ssize_t need = self->new_len - (self->r.capacity - self->r.size);
+    Py_ssize_t need = self->fresh.len - (self->r.capacity - self->r.size);
     if (need > 0) {
         if (n_request && self->r.size - n_request >= need) {
             if (protect(self, request, n_request) < 0) {
@@ -189,15 +147,15 @@ insert_new(LRUTier *self, PyObject **keys, Py_ssize_t n, PyObject **request, Py_
         }
         unprotect(self);
     }
-    for (Py_ssize_t i = 0; i < self->new_len; i++) {
-        Py_ssize_t node = recency_add(&self->r, self->new_key[i], self->new_hash[i]);
+    for (Py_ssize_t i = 0; i < self->fresh.len; i++) {
+        Py_ssize_t node = recency_add(&self->r, self->fresh.key[i], self->fresh.hash[i]);
         if (node < 0) {
             return -1;
         }
-        self->flags[node] = self->new_dead[i];
+        self->flags[node] = self->fresh_dead[i];
     }
-    Py_ssize_t written = self->new_len;
-    self->new_len = 0;
+    Py_ssize_t written = self->fresh.len;
+    self->fresh.len = 0;
     self->writes += (double)written;
     self->total_writes += written;
     return written;
@@ -260,9 +218,9 @@ tier_store_impl(LRUTier *self, PyObject *keys, PyObject *behind_gap, PyObject *r
             self->flags[node] &= (unsigned char)~DEAD;
         }
     }
-    written = self->new_len ? insert_new(self, key_items, n, request_items, n_request) : 0;
+    written = self->fresh.len ? insert_new(self, key_items, n, request_items, n_request) : 0;
 done:
-    self->new_len = 0;
+    self->fresh.len = 0;
     Py_XDECREF(keys_fast);
     Py_XDECREF(gap_fast);
     Py_XDECREF(request_fast);
@@ -342,14 +300,147 @@ tier_store_admitted(LRUTier *self, PyObject *args, PyObject *kwargs)
             self->flags[node] &= (unsigned char)~DEAD;
         }
     }
-    written = self->new_len ? insert_new(self, stored, n_stored, request_items, n_request) : 0;
+    written = self->fresh.len ? insert_new(self, stored, n_stored, request_items, n_request) : 0;
 done:
-    self->new_len = 0;
+    self->fresh.len = 0;
     PyMem_Free(stored);
     Py_XDECREF(keys_fast);
     Py_XDECREF(at_fast);
     Py_XDECREF(request_fast);
     return written < 0 ? NULL : PyLong_FromSsize_t(written);
+}
+
+/* store_admitted(offered, range(len(offered)), *admitted_set(offered, admitted), request)
+ * in one call: a candidate's admitted part of an offer, each key behind the gap past
+ * the first offered key left out (see minisim.admitted_set for the gap's rule). */
+static PyObject *
+tier_store_offer(LRUTier *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"offered", "admitted", "request", NULL};
+    PyObject *offered, *admitted, *request = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|O:store_offer", names, &offered, &admitted,
+                                     &request)) {
+        return NULL;
+    }
+    if (admitted == Py_None) {
+        return tier_store_impl(self, offered, NULL, request);
+    }
+    PyObject *offered_fast = NULL, *admitted_fast = NULL, *request_fast = NULL;
+    PyObject **offered_items, **admitted_items, **request_items, **stored = NULL;
+    Py_ssize_t n, m, n_request, n_stored = 0;
+    Py_ssize_t written = -1;
+    if (as_items(offered, "offered must be a sequence", &offered_fast, &offered_items, &n) < 0 ||
+        as_items(admitted, "admitted must be a sequence", &admitted_fast, &admitted_items, &m) < 0 ||
+        as_items(request, "request must be a sequence", &request_fast, &request_items, &n_request) < 0) {
+        goto done;
+    }
+    if (m == n) {
+        Py_DECREF(offered_fast);
+        Py_DECREF(admitted_fast);
+        Py_XDECREF(request_fast);
+        return tier_store_impl(self, offered, NULL, request);
+    }
+    Py_ssize_t gap = m;
+    for (Py_ssize_t i = 0; i < n && i < m; i++) {
+        int eq = recency_keys_equal(offered_items[i], admitted_items[i]);
+        if (eq < 0) {
+            goto done;
+        }
+        if (!eq) {
+            gap = i;
+            break;
+        }
+    }
+    if (keyset_reset(&self->admitted, m) < 0 || scratch_reset(self, n) < 0) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        Py_hash_t hash = PyObject_Hash(admitted_items[i]);
+        if (hash == -1 || keyset_add(&self->admitted, admitted_items[i], hash) < 0) {
+            goto done;
+        }
+    }
+    stored = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(PyObject *));
+    if (stored == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_hash_t hash;
+        Py_ssize_t node = recency_find(&self->r, offered_items[i], &hash);
+        if (node == LOOKUP_FAILED) {
+            goto done;
+        }
+        int kept = keyset_has(&self->admitted, offered_items[i], hash);
+        if (kept < 0) {
+            goto done;
+        }
+        if (!kept) {
+            continue;
+        }
+        stored[n_stored++] = offered_items[i];
+        if (node == NONE) {
+            if (scratch_add(self, offered_items[i], hash, i > gap) < 0) {
+                goto done;
+            }
+        } else if ((self->flags[node] & DEAD) && i <= gap) {
+            self->flags[node] &= (unsigned char)~DEAD;
+        }
+    }
+    written = self->fresh.len ? insert_new(self, stored, n_stored, request_items, n_request) : 0;
+done:
+    self->fresh.len = 0;
+    self->admitted.len = 0;
+    PyMem_Free(stored);
+    Py_XDECREF(offered_fast);
+    Py_XDECREF(admitted_fast);
+    Py_XDECREF(request_fast);
+    return written < 0 ? NULL : PyLong_FromSsize_t(written);
+}
+
+/* The held keys (reachable or not) among ``keys``, in order. */
+static PyObject *
+tier_held_among(LRUTier *self, PyObject *keys)
+{
+    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
+    if (fast == NULL) {
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject *result = PyList_New(0);
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
+        Py_ssize_t node = recency_find(&self->r, items[i], NULL);
+        if (node == LOOKUP_FAILED || (node != NONE && PyList_Append(result, items[i]) < 0)) {
+            Py_CLEAR(result);
+        }
+    }
+    Py_DECREF(fast);
+    return result;
+}
+
+/* How many leading ``keys`` are held (reachable or not). */
+static PyObject *
+tier_leading_held(LRUTier *self, PyObject *keys)
+{
+    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
+    if (fast == NULL) {
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), run = 0;
+    for (; run < n; run++) {
+        Py_ssize_t node = recency_find(&self->r, items[run], NULL);
+        if (node == LOOKUP_FAILED) {
+            Py_DECREF(fast);
+            return NULL;
+        }
+        if (node == NONE) {
+            break;
+        }
+    }
+    Py_DECREF(fast);
+    return PyLong_FromSsize_t(run);
 }
 
 static PyObject *
@@ -433,10 +524,9 @@ tier_free_buffers(LRUTier *self)
 {
     recency_free(&self->r);
     PyMem_Free(self->flags);
-    PyMem_Free(self->new_key);
-    PyMem_Free(self->new_hash);
-    PyMem_Free(self->new_dead);
-    PyMem_Free(self->new_set);
+    keyset_free(&self->fresh);
+    keyset_free(&self->admitted);
+    PyMem_Free(self->fresh_dead);
     PyMem_Free(self->guarded);
 }
 
@@ -481,6 +571,10 @@ static PyMethodDef tier_methods[] = {
      "store(keys, behind_gap=(), request=()): see LRUMiniTier.store."},
     {"store_admitted", (PyCFunction)(void (*)(void))tier_store_admitted, METH_VARARGS | METH_KEYWORDS,
      "store_admitted(keys, at, keep, gap, request=()): see LRUMiniTier.store_admitted."},
+    {"store_offer", (PyCFunction)(void (*)(void))tier_store_offer, METH_VARARGS | METH_KEYWORDS,
+     "store_offer(offered, admitted, request=()): see LRUMiniTier.store_offer."},
+    {"held_among", (PyCFunction)tier_held_among, METH_O, "The held keys among keys, in order."},
+    {"leading_held", (PyCFunction)tier_leading_held, METH_O, "How many leading keys are held."},
     {"in_order", (PyCFunction)tier_in_order, METH_NOARGS, "The held keys, least recent first."},
     {"unreachable", (PyCFunction)tier_unreachable, METH_O, "Whether a held key is behind a gap."},
     {NULL, NULL, 0, NULL},

@@ -270,6 +270,114 @@ recency_invalid(const char *message)
     }
 }
 
+/* Grow ``*buffer`` to ``count`` items of ``item`` bytes; 0, or -1 with MemoryError. */
+static inline int
+recency_grow(void **buffer, Py_ssize_t count, size_t item)
+{
+    void *bigger = PyMem_Realloc(*buffer, (size_t)count * item);
+    if (bigger == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *buffer = bigger;
+    return 0;
+}
+
+/* A scratch set of borrowed keys for one call (new keys of a store, an admitted list):
+ * insertion order kept in ``key``/``hash``, an open-addressing index over them. */
+typedef struct {
+    PyObject **key;
+    Py_hash_t *hash;
+    Py_ssize_t len, cap;
+    Py_ssize_t *slots;
+    size_t mask;
+} KeySet;
+
+/* Empty ``s``, with room for ``n`` keys; 0 or -1. */
+static inline int
+keyset_reset(KeySet *s, Py_ssize_t n)
+{
+    if (n > s->cap || s->slots == NULL) {
+        Py_ssize_t cap = n < 64 ? 64 : n;
+        size_t slots = 1;
+        while (slots < (size_t)cap * 2) {
+            slots <<= 1;
+        }
+        if (recency_grow((void **)&s->key, cap, sizeof(PyObject *)) < 0 ||
+            recency_grow((void **)&s->hash, cap, sizeof(Py_hash_t)) < 0 ||
+            recency_grow((void **)&s->slots, (Py_ssize_t)slots, sizeof(Py_ssize_t)) < 0) {
+            return -1;
+        }
+        s->cap = cap;
+        s->mask = slots - 1;
+    }
+    memset(s->slots, 0xff, (s->mask + 1) * sizeof(Py_ssize_t));
+    s->len = 0;
+    return 0;
+}
+
+/* The slot of ``key`` in ``s`` (*found 1) or where it would go (*found 0); -1 on error. */
+static inline Py_ssize_t
+keyset_slot(const KeySet *s, PyObject *key, Py_hash_t hash, int *found)
+{
+    size_t slot = recency_spread(hash) & s->mask;
+    for (;;) {
+        Py_ssize_t index = s->slots[slot];
+        if (index == NONE) {
+            *found = 0;
+            return (Py_ssize_t)slot;
+        }
+        if (s->hash[index] == hash) {
+            int eq = recency_keys_equal(s->key[index], key);
+            if (eq < 0) {
+                return -1;
+            }
+            if (eq) {
+                *found = 1;
+                return (Py_ssize_t)slot;
+            }
+        }
+        slot = (slot + 1) & s->mask;
+    }
+}
+
+/* Add ``key`` (room was made by keyset_reset): 1 if added (at index len - 1), 0 if it
+ * was there, -1 on error. */
+static inline int
+keyset_add(KeySet *s, PyObject *key, Py_hash_t hash)
+{
+    int found;
+    Py_ssize_t slot = keyset_slot(s, key, hash, &found);
+    if (slot < 0) {
+        return -1;
+    }
+    if (found) {
+        return 0;
+    }
+    s->slots[slot] = s->len;
+    s->key[s->len] = key;
+    s->hash[s->len] = hash;
+    s->len++;
+    return 1;
+}
+
+/* 1 if ``key`` is in ``s``, 0 if not, -1 on error. */
+static inline int
+keyset_has(const KeySet *s, PyObject *key, Py_hash_t hash)
+{
+    int found;
+    return keyset_slot(s, key, hash, &found) < 0 ? -1 : found;
+}
+
+static inline void
+keyset_free(KeySet *s)
+{
+    PyMem_Free(s->key);
+    PyMem_Free(s->hash);
+    PyMem_Free(s->slots);
+    memset(s, 0, sizeof(*s));
+}
+
 /* The module of ``definition`` with ``type`` readied and added under ``name``, or NULL. */
 static inline PyObject *
 recency_module(PyModuleDef *definition, PyTypeObject *type, const char *name)

@@ -120,6 +120,21 @@ class MiniTier:
         """The held keys (reachable or not), for membership tests without a call per key."""
         return self._keys
 
+    def held_among(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        """The held keys (reachable or not) among ``keys``, in order."""
+        held = self._keys
+        return [key for key in keys if key in held]
+
+    def leading_held(self, keys: Sequence[OffloadKey]) -> int:
+        """How many leading ``keys`` are held (reachable or not)."""
+        held = self._keys
+        run = 0
+        for key in keys:
+            if key not in held:
+                break
+            run += 1
+        return run
+
     def hit_run(self, keys: Sequence[OffloadKey]) -> int:
         """How many leading ``keys`` are held and reachable."""
         held, dead = self._keys, self._dead
@@ -304,6 +319,18 @@ class LRUMiniTier(MiniTier):
         if not new:
             return 0
         return self._insert(new, stored, request)
+
+    def store_offer(
+        self,
+        offered: Sequence[OffloadKey],
+        admitted: Sequence[OffloadKey] | None,
+        request: Sequence[OffloadKey] = (),
+    ) -> int:
+        """:meth:`store_admitted` of a candidate's ``admitted`` part of ``offered`` (a
+        world's offer: every key looked up, ``None`` admitting all), each key behind the
+        gap :func:`admitted_set` finds; ``request``: see :meth:`_insert`."""
+        keep, gap = admitted_set(offered, admitted)
+        return self.store_admitted(offered, range(len(offered)), keep, gap, request)
 
     def _insert(
         self,
@@ -762,20 +789,19 @@ class MiniSimulation:
                 entry, offered, {name: admitted_set(offered, a) for name, a in admitted.items()}
             )
 
-    def on_offer_held(
-        self, offered: Sequence[OffloadKey], held: Mapping[str, Container[OffloadKey]]
-    ) -> None:
+    def on_offer_held(self, offered: Sequence[OffloadKey], worlds: Mapping[str, MiniTier]) -> None:
         """:meth:`on_offer` with each candidate's admitted part given as what its exact
-        world holds after the request (:mod:`~kvoffload.admission.worlds`): what a tier
-        mirroring that world stores, at every capacity."""
+        world's tier (``worlds``) holds after the request
+        (:mod:`~kvoffload.admission.worlds`): what a tier mirroring that world stores, at
+        every capacity."""
         entry = self._take(offered)
         if entry is None:
             return
         chosen: dict[str, tuple[Container[OffloadKey] | None, int]] = {}
         n = len(offered)
-        for name, keys in held.items():
-            gap = next((i for i, key in enumerate(offered) if key not in keys), n)
-            chosen[name] = (None, gap) if gap == n else (keys, gap)
+        for name, tier in worlds.items():
+            gap = tier.leading_held(offered)
+            chosen[name] = (None, gap) if gap == n else (tier.held, gap)
         self._store(entry, offered, chosen)
 
     def on_full_hit(self, last: OffloadKey) -> None:

@@ -273,7 +273,7 @@ class OptimisingAdmission(AdmissionLayer):
             },
             window_tiers * capacity,
         )
-        self._held = {name: world.held for name, world in self.worlds.worlds.items()}
+        self._tiers = {name: world.tier for name, world in self.worlds.worlds.items()}
         self.chosen = DEFAULT
         self.switches = 0
         self._seen = 0
@@ -335,8 +335,7 @@ class OptimisingAdmission(AdmissionLayer):
         if keys and not self._announced and self._requests.on_touch(keys):
             self._sighting(keys)
         if self._mirrors:
-            held = self.worlds[self.chosen].held
-            keys = [key for key in keys if key in held]
+            keys = self.worlds[self.chosen].tier.held_among(keys)
         self.backing.touch(keys)
 
     @property
@@ -439,7 +438,7 @@ class OptimisingAdmission(AdmissionLayer):
         if self._pending is not None:  # an offer with no lookup before it
             self._run_worlds(0)
         if self._mirrors:
-            self.minisim.on_offer_held(offered, self._held)
+            self.minisim.on_offer_held(offered, self._tiers)
         else:
             admitted: dict[str, list[OffloadKey] | None] = {
                 STORE_ALL: None,
@@ -450,10 +449,10 @@ class OptimisingAdmission(AdmissionLayer):
         if self._seen >= self._next_choice:
             self._choose()
         if self._mirrors:
-            held = self.worlds[self.chosen].held
-            keys = [key for key in offered if key in held]
+            tier = self.worlds[self.chosen].tier
+            keys = tier.held_among(offered)
             if self.chosen != STORE_ALL and self._cold_order is not None:
-                keys = self._steer(offered, keys, held, self._cold_order)
+                keys = self._steer(offered, keys, tier.held, self._cold_order)
         else:
             chosen = admitted[self.chosen if self.switches or self._settled_at else FEEDBACK]
             keys = list(offered) if chosen is None else chosen

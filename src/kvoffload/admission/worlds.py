@@ -82,8 +82,6 @@ class World:
             raise ValueError("a world's rule and its probe go together")
         self.tier: MiniTier = mini_tier(capacity, policy, pending=False)
         self._lru = self.tier if isinstance(self.tier, LRUMiniTier) else None
-        self.held = self.tier.held
-        """The tier's held keys: what a tier mirroring this world may keep."""
         self.rule = rule
         self.probe = probe
         self.hits = 0.0
@@ -143,12 +141,8 @@ class World:
         rule = self.rule
         offered = self._lookup(keys, gpu_held, unique)
         if offered:
-            if rule is None:
-                written = tier.store(offered, request=keys)
-            else:
-                keep, gap = admitted_set(offered, rule.admit(offered))
-                written = tier.store_admitted(offered, range(len(offered)), keep, gap, keys)
-            self.writes += written
+            admitted = None if rule is None else rule.admit(offered)
+            self.writes += tier.store_offer(offered, admitted, keys)
         tier.touch(keys)
 
 
