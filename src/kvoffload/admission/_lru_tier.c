@@ -181,6 +181,21 @@ as_items(PyObject *arg, const char *what, PyObject **holder, PyObject ***items, 
     return 0;
 }
 
+/* One key a store writes (its hash and node known): a new key joins the scratch, behind
+ * the gap or not; a held one behind a gap is revived unless this store puts it behind
+ * one too. 0, or -1 on error. */
+static int
+take_key(LRUTier *self, PyObject *key, Py_hash_t hash, Py_ssize_t node, int behind)
+{
+    if (node == NONE) {
+        return scratch_add(self, key, hash, behind);
+    }
+    if ((self->flags[node] & DEAD) && !behind) {
+        self->flags[node] &= (unsigned char)~DEAD;
+    }
+    return 0;
+}
+
 static PyObject *
 tier_store_impl(LRUTier *self, PyObject *keys, PyObject *behind_gap, PyObject *request)
 {
@@ -207,15 +222,8 @@ tier_store_impl(LRUTier *self, PyObject *keys, PyObject *behind_gap, PyObject *r
         }
         Py_hash_t hash;
         Py_ssize_t node = recency_find(&self->r, key_items[i], &hash);
-        if (node == LOOKUP_FAILED) {
+        if (node == LOOKUP_FAILED || take_key(self, key_items[i], hash, node, gap) < 0) {
             goto done;
-        }
-        if (node == NONE) {
-            if (scratch_add(self, key_items[i], hash, gap) < 0) {
-                goto done;
-            }
-        } else if ((self->flags[node] & DEAD) && !gap) {
-            self->flags[node] &= (unsigned char)~DEAD;
         }
     }
     written = self->fresh.len ? insert_new(self, key_items, n, request_items, n_request) : 0;
@@ -289,15 +297,8 @@ tier_store_admitted(LRUTier *self, PyObject *args, PyObject *kwargs)
         stored[n_stored++] = key_items[i];
         Py_hash_t hash;
         Py_ssize_t node = recency_find(&self->r, key_items[i], &hash);
-        if (node == LOOKUP_FAILED) {
+        if (node == LOOKUP_FAILED || take_key(self, key_items[i], hash, node, j > gap) < 0) {
             goto done;
-        }
-        if (node == NONE) {
-            if (scratch_add(self, key_items[i], hash, j > gap) < 0) {
-                goto done;
-            }
-        } else if ((self->flags[node] & DEAD) && j <= gap) {
-            self->flags[node] &= (unsigned char)~DEAD;
         }
     }
     written = self->fresh.len ? insert_new(self, stored, n_stored, request_items, n_request) : 0;
@@ -379,12 +380,8 @@ tier_store_offer(LRUTier *self, PyObject *args, PyObject *kwargs)
             continue;
         }
         stored[n_stored++] = offered_items[i];
-        if (node == NONE) {
-            if (scratch_add(self, offered_items[i], hash, i > gap) < 0) {
-                goto done;
-            }
-        } else if ((self->flags[node] & DEAD) && i <= gap) {
-            self->flags[node] &= (unsigned char)~DEAD;
+        if (take_key(self, offered_items[i], hash, node, i > gap) < 0) {
+            goto done;
         }
     }
     written = self->fresh.len ? insert_new(self, stored, n_stored, request_items, n_request) : 0;
