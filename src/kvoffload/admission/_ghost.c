@@ -6,14 +6,12 @@
  * node; ``tests/admission/test_ghost.py`` holds it equal to the Python class.
  */
 #include "_recency.h"
-#include <structmember.h>
 
 typedef struct {
     PyObject_HEAD
     Recency r;
     long *tag;            /* per node */
     long long *clock;     /* per node */
-    Py_ssize_t capacity;  /* r.capacity, as an attribute */
 } GhostTable;
 
 /* Append ``tag`` to ``tags`` (a list), or -1. */
@@ -140,19 +138,6 @@ ghost_records(GhostTable *self, PyObject *Py_UNUSED(ignored))
     return result;
 }
 
-static Py_ssize_t
-ghost_len(GhostTable *self)
-{
-    return self->r.size;
-}
-
-static int
-ghost_contains(GhostTable *self, PyObject *key)
-{
-    Py_ssize_t node = recency_find(&self->r, key, NULL);
-    return node == LOOKUP_FAILED ? -1 : node != NONE;
-}
-
 static PyObject *
 ghost_memory_bytes(GhostTable *self, void *Py_UNUSED(closure))
 {
@@ -177,17 +162,13 @@ ghost_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n:GhostTable", names, &capacity)) {
         return NULL;
     }
-    if (capacity < 1 || capacity > PY_SSIZE_T_MAX / 16) {
-        char message[96];
-        snprintf(message, sizeof(message), "ghost capacity must be >= 1, got %zd", capacity);
-        recency_invalid(message);
+    if (!recency_capacity_ok(capacity, "ghost")) {
         return NULL;
     }
     GhostTable *self = (GhostTable *)type->tp_alloc(type, 0);
     if (self == NULL) {
         return NULL;
     }
-    self->capacity = capacity;
     self->tag = PyMem_Malloc((size_t)capacity * sizeof(long));
     self->clock = PyMem_Malloc((size_t)capacity * sizeof(long long));
     if (recency_init(&self->r, capacity) < 0 || self->tag == NULL || self->clock == NULL) {
@@ -206,19 +187,10 @@ static PyMethodDef ghost_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static PyMemberDef ghost_members[] = {
-    {"capacity", T_PYSSIZET, offsetof(GhostTable, capacity), READONLY, "Records kept at most."},
-    {NULL, 0, 0, 0, NULL},
-};
-
 static PyGetSetDef ghost_getset[] = {
     {"memory_bytes", (getter)ghost_memory_bytes, NULL, "Bytes of the records' arrays.", NULL},
+    {"capacity", recency_object_capacity, NULL, "Records kept at most.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
-};
-
-static PySequenceMethods ghost_as_sequence = {
-    .sq_length = (lenfunc)ghost_len,
-    .sq_contains = (objobjproc)ghost_contains,
 };
 
 static PyTypeObject GhostTableType = {
@@ -226,11 +198,10 @@ static PyTypeObject GhostTableType = {
     .tp_name = "kvoffload.admission._ghost.GhostTable",
     .tp_basicsize = sizeof(GhostTable),
     .tp_dealloc = (destructor)ghost_dealloc,
-    .tp_as_sequence = &ghost_as_sequence,
+    .tp_as_sequence = &recency_as_sequence,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
     .tp_doc = "At most capacity ghost records (key -> tag, clock), oldest first, in C.",
     .tp_methods = ghost_methods,
-    .tp_members = ghost_members,
     .tp_getset = ghost_getset,
     .tp_new = ghost_new,
 };

@@ -21,30 +21,32 @@ typedef struct {
     Recency r;
     unsigned char *flags;       /* per node */
     /* Scratch for one call: the distinct new keys of a store and their gap flags, the
-     * keys a candidate admitted, and the nodes a store protected. */
+     * offered keys it stores, the keys a candidate admitted, and the nodes a store
+     * protected. */
     KeySet fresh;
     unsigned char *fresh_dead;
-    Py_ssize_t fresh_dead_cap;
+    PyObject **stored;
+    Py_ssize_t fresh_extra_cap;  /* items in fresh_dead and stored */
     KeySet admitted;
-    Py_ssize_t *guarded;
-    Py_ssize_t guarded_len, guarded_cap;
-    Py_ssize_t capacity;        /* r.capacity, as an attribute */
+    MarkedNodes guarded;
     double hits, writes;
     long long total_hits, total_writes;
 } LRUTier;
 
-/* Make room for ``n`` new keys in the scratch and empty it. */
+/* Make room for a store of ``n`` keys in the scratch and empty it. */
 static int
 scratch_reset(LRUTier *self, Py_ssize_t n)
 {
     if (keyset_reset(&self->fresh, n) < 0) {
         return -1;
     }
-    if (self->fresh_dead_cap < self->fresh.cap) {
-        if (recency_grow((void **)&self->fresh_dead, self->fresh.cap, 1) < 0) {
+    Py_ssize_t cap = self->fresh.cap;
+    if (self->fresh_extra_cap < cap) {
+        if (recency_grow((void **)&self->fresh_dead, cap, 1) < 0 ||
+            recency_grow((void **)&self->stored, cap, sizeof(PyObject *)) < 0) {
             return -1;
         }
-        self->fresh_dead_cap = self->fresh.cap;
+        self->fresh_extra_cap = cap;
     }
     return 0;
 }
@@ -85,17 +87,12 @@ protect(LRUTier *self, PyObject **keys, Py_ssize_t n)
         if (node == LOOKUP_FAILED) {
             return -1;
         }
-        if (node != NONE && !(self->flags[node] & PROTECTED)) {
-            if (self->guarded_len == self->guarded_cap) {
-                Py_ssize_t cap = self->guarded_cap ? 2 * self->guarded_cap : 64;
-                if (recency_grow((void **)&self->guarded, cap, sizeof(Py_ssize_t)) < 0) {
-                    return -1;
-                }
-                self->guarded_cap = cap;
+        if (node != NONE) {
+            int added = marked_add(&self->guarded, self->flags, node, PROTECTED);
+            if (added < 0) {
+                return -1;
             }
-            self->guarded[self->guarded_len++] = node;
-            self->flags[node] |= PROTECTED;
-            marked++;
+            marked += added;
         }
     }
     return marked;
@@ -104,10 +101,7 @@ protect(LRUTier *self, PyObject **keys, Py_ssize_t n)
 static void
 unprotect(LRUTier *self)
 {
-    for (Py_ssize_t i = 0; i < self->guarded_len; i++) {
-        self->flags[self->guarded[i]] &= (unsigned char)~PROTECTED;
-    }
-    self->guarded_len = 0;
+    marked_clear(&self->guarded, self->flags, PROTECTED);
 }
 
 /* Write the scratch's new keys, evicting the oldest keys outside ``keys`` (or outside
@@ -260,7 +254,7 @@ tier_store_admitted(LRUTier *self, PyObject *args, PyObject *kwargs)
         return tier_store_impl(self, keys, NULL, request);
     }
     PyObject *keys_fast = NULL, *at_fast = NULL, *request_fast = NULL;
-    PyObject **key_items, **at_items, **request_items, **stored = NULL;
+    PyObject **key_items, **at_items, **request_items;
     Py_ssize_t n, n_at, n_request, n_stored = 0;
     Py_ssize_t written = -1;
     if (as_items(keys, "keys must be a sequence", &keys_fast, &key_items, &n) < 0 ||
@@ -273,11 +267,6 @@ tier_store_admitted(LRUTier *self, PyObject *args, PyObject *kwargs)
         goto done;
     }
     if (scratch_reset(self, n) < 0) {
-        goto done;
-    }
-    stored = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(PyObject *));
-    if (stored == NULL) {
-        PyErr_NoMemory();
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -294,17 +283,16 @@ tier_store_admitted(LRUTier *self, PyObject *args, PyObject *kwargs)
                 continue;
             }
         }
-        stored[n_stored++] = key_items[i];
+        self->stored[n_stored++] = key_items[i];
         Py_hash_t hash;
         Py_ssize_t node = recency_find(&self->r, key_items[i], &hash);
         if (node == LOOKUP_FAILED || take_key(self, key_items[i], hash, node, j > gap) < 0) {
             goto done;
         }
     }
-    written = self->fresh.len ? insert_new(self, stored, n_stored, request_items, n_request) : 0;
+    written = self->fresh.len ? insert_new(self, self->stored, n_stored, request_items, n_request) : 0;
 done:
     self->fresh.len = 0;
-    PyMem_Free(stored);
     Py_XDECREF(keys_fast);
     Py_XDECREF(at_fast);
     Py_XDECREF(request_fast);
@@ -327,7 +315,7 @@ tier_store_offer(LRUTier *self, PyObject *args, PyObject *kwargs)
         return tier_store_impl(self, offered, NULL, request);
     }
     PyObject *offered_fast = NULL, *admitted_fast = NULL, *request_fast = NULL;
-    PyObject **offered_items, **admitted_items, **request_items, **stored = NULL;
+    PyObject **offered_items, **admitted_items, **request_items;
     Py_ssize_t n, m, n_request, n_stored = 0;
     Py_ssize_t written = -1;
     if (as_items(offered, "offered must be a sequence", &offered_fast, &offered_items, &n) < 0 ||
@@ -361,11 +349,6 @@ tier_store_offer(LRUTier *self, PyObject *args, PyObject *kwargs)
             goto done;
         }
     }
-    stored = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(PyObject *));
-    if (stored == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_hash_t hash;
         Py_ssize_t node = recency_find(&self->r, offered_items[i], &hash);
@@ -379,16 +362,15 @@ tier_store_offer(LRUTier *self, PyObject *args, PyObject *kwargs)
         if (!kept) {
             continue;
         }
-        stored[n_stored++] = offered_items[i];
+        self->stored[n_stored++] = offered_items[i];
         if (take_key(self, offered_items[i], hash, node, i > gap) < 0) {
             goto done;
         }
     }
-    written = self->fresh.len ? insert_new(self, stored, n_stored, request_items, n_request) : 0;
+    written = self->fresh.len ? insert_new(self, self->stored, n_stored, request_items, n_request) : 0;
 done:
     self->fresh.len = 0;
     self->admitted.len = 0;
-    PyMem_Free(stored);
     Py_XDECREF(offered_fast);
     Py_XDECREF(admitted_fast);
     Py_XDECREF(request_fast);
@@ -416,50 +398,45 @@ tier_held_among(LRUTier *self, PyObject *keys)
     return result;
 }
 
-/* How many leading ``keys`` are held (reachable or not). */
-static PyObject *
-tier_leading_held(LRUTier *self, PyObject *keys)
+/* How many leading ``keys`` are held and have none of ``stop`` (DEAD: reachable by a
+ * prefix lookup; 0: held at all), or -1 with an exception set. */
+static Py_ssize_t
+leading_run(LRUTier *self, PyObject *keys, unsigned char stop)
 {
     PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
     if (fast == NULL) {
-        return NULL;
+        return -1;
     }
     PyObject **items = PySequence_Fast_ITEMS(fast);
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), run = 0;
     for (; run < n; run++) {
         Py_ssize_t node = recency_find(&self->r, items[run], NULL);
         if (node == LOOKUP_FAILED) {
-            Py_DECREF(fast);
-            return NULL;
+            run = -1;
+            break;
         }
-        if (node == NONE) {
+        if (node == NONE || (self->flags[node] & stop)) {
             break;
         }
     }
     Py_DECREF(fast);
-    return PyLong_FromSsize_t(run);
+    return run;
+}
+
+static PyObject *
+tier_leading_held(LRUTier *self, PyObject *keys)
+{
+    Py_ssize_t run = leading_run(self, keys, 0);
+    return run < 0 ? NULL : PyLong_FromSsize_t(run);
 }
 
 static PyObject *
 tier_hit_run(LRUTier *self, PyObject *keys)
 {
-    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
-    if (fast == NULL) {
+    Py_ssize_t run = leading_run(self, keys, DEAD);
+    if (run < 0) {
         return NULL;
     }
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), run = 0;
-    for (; run < n; run++) {
-        Py_ssize_t node = recency_find(&self->r, items[run], NULL);
-        if (node == LOOKUP_FAILED) {
-            Py_DECREF(fast);
-            return NULL;
-        }
-        if (node == NONE || (self->flags[node] & DEAD)) {
-            break;
-        }
-    }
-    Py_DECREF(fast);
     self->hits += (double)run;
     self->total_hits += run;
     return PyLong_FromSsize_t(run);
@@ -496,19 +473,6 @@ tier_unreachable(LRUTier *self, PyObject *key)
     return PyBool_FromLong(node != NONE && (self->flags[node] & DEAD));
 }
 
-static Py_ssize_t
-tier_len(LRUTier *self)
-{
-    return self->r.size;
-}
-
-static int
-tier_contains(LRUTier *self, PyObject *key)
-{
-    Py_ssize_t node = recency_find(&self->r, key, NULL);
-    return node == LOOKUP_FAILED ? -1 : node != NONE;
-}
-
 static PyObject *
 tier_held(LRUTier *self, void *Py_UNUSED(closure))
 {
@@ -524,7 +488,8 @@ tier_free_buffers(LRUTier *self)
     keyset_free(&self->fresh);
     keyset_free(&self->admitted);
     PyMem_Free(self->fresh_dead);
-    PyMem_Free(self->guarded);
+    PyMem_Free(self->stored);
+    PyMem_Free(self->guarded.node);
 }
 
 static void
@@ -542,17 +507,13 @@ tier_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n:LRUTier", names, &capacity)) {
         return NULL;
     }
-    if (capacity < 1 || capacity > PY_SSIZE_T_MAX / 16) {
-        char message[96];
-        snprintf(message, sizeof(message), "mini-tier capacity must be >= 1, got %zd", capacity);
-        recency_invalid(message);
+    if (!recency_capacity_ok(capacity, "mini-tier")) {
         return NULL;
     }
     LRUTier *self = (LRUTier *)type->tp_alloc(type, 0);
     if (self == NULL) {
         return NULL;
     }
-    self->capacity = capacity;
     self->flags = PyMem_Calloc((size_t)capacity, 1);
     if (recency_init(&self->r, capacity) < 0 || self->flags == NULL) {
         Py_DECREF(self);
@@ -578,7 +539,6 @@ static PyMethodDef tier_methods[] = {
 };
 
 static PyMemberDef tier_members[] = {
-    {"capacity", T_PYSSIZET, offsetof(LRUTier, capacity), READONLY, "Keys the tier holds at most."},
     {"hits", T_DOUBLE, offsetof(LRUTier, hits), 0, "Hits, halved with the caller's window."},
     {"writes", T_DOUBLE, offsetof(LRUTier, writes), 0, "Writes, halved with the caller's window."},
     {"total_hits", T_LONGLONG, offsetof(LRUTier, total_hits), 0, "Hits since the start."},
@@ -594,13 +554,9 @@ tier_memory_bytes(LRUTier *self, void *Py_UNUSED(closure))
 
 static PyGetSetDef tier_getset[] = {
     {"held", (getter)tier_held, NULL, "The tier itself: membership of held keys.", NULL},
+    {"capacity", recency_object_capacity, NULL, "Keys the tier holds at most.", NULL},
     {"memory_bytes", (getter)tier_memory_bytes, NULL, "Bytes of the tier's arrays.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
-};
-
-static PySequenceMethods tier_as_sequence = {
-    .sq_length = (lenfunc)tier_len,
-    .sq_contains = (objobjproc)tier_contains,
 };
 
 static PyTypeObject LRUTierType = {
@@ -608,7 +564,7 @@ static PyTypeObject LRUTierType = {
     .tp_name = "kvoffload.admission._lru_tier.LRUTier",
     .tp_basicsize = sizeof(LRUTier),
     .tp_dealloc = (destructor)tier_dealloc,
-    .tp_as_sequence = &tier_as_sequence,
+    .tp_as_sequence = &recency_as_sequence,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
     .tp_doc = "An LRU mini-tier of capacity keys (no data): LRUMiniTier's decisions in C.",
     .tp_methods = tier_methods,

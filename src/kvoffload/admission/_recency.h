@@ -3,7 +3,7 @@
  * A fixed pool of ``capacity`` nodes on a doubly linked list (oldest first) and an
  * open-addressing table of node indices (linear probing, backward-shift deletion, so no
  * tombstones build up; at most half full). Keys are held by reference and compared as
- * Python objects (bytes in practice, compared directly). Every function is static: each
+ * Python objects (bytes in practice, compared directly). Everything is static: each
  * module that includes this header gets its own copy.
  */
 #ifndef KVOFFLOAD_RECENCY_H
@@ -96,20 +96,23 @@ recency_free(Recency *r)
     memset(r, 0, sizeof(*r));
 }
 
-/* The slot holding ``key``'s node, or the empty slot where it would go (*found 0);
- * -1 with an exception set if a comparison failed. */
+/* Linear probing over ``slots`` (``mask + 1`` of them, each an index into ``keys`` and
+ * ``hashes``, or NONE): the slot holding ``key`` (*found 1), or the empty slot where it
+ * would go (*found 0); -1 with an exception set if a comparison failed. Both the
+ * recency table and the scratch key set probe this way. */
 static inline Py_ssize_t
-recency_slot(Recency *r, PyObject *key, Py_hash_t hash, int *found)
+probe_slot(const Py_ssize_t *slots, size_t mask, PyObject *const *keys, const Py_hash_t *hashes,
+           PyObject *key, Py_hash_t hash, int *found)
 {
-    size_t slot = recency_spread(hash) & r->mask;
+    size_t slot = recency_spread(hash) & mask;
     for (;;) {
-        Py_ssize_t node = r->table[slot];
-        if (node == NONE) {
+        Py_ssize_t index = slots[slot];
+        if (index == NONE) {
             *found = 0;
             return (Py_ssize_t)slot;
         }
-        if (r->hash[node] == hash) {
-            int eq = recency_keys_equal(r->key[node], key);
+        if (hashes[index] == hash) {
+            int eq = recency_keys_equal(keys[index], key);
             if (eq < 0) {
                 return -1;
             }
@@ -118,8 +121,15 @@ recency_slot(Recency *r, PyObject *key, Py_hash_t hash, int *found)
                 return (Py_ssize_t)slot;
             }
         }
-        slot = (slot + 1) & r->mask;
+        slot = (slot + 1) & mask;
     }
+}
+
+/* The slot holding ``key``'s node, or the empty slot where it would go (*found 0). */
+static inline Py_ssize_t
+recency_slot(Recency *r, PyObject *key, Py_hash_t hash, int *found)
+{
+    return probe_slot(r->table, r->mask, r->key, r->hash, key, hash, found);
 }
 
 /* ``key``'s node, NONE if not held, or LOOKUP_FAILED with an exception set; its hash
@@ -320,25 +330,7 @@ keyset_reset(KeySet *s, Py_ssize_t n)
 static inline Py_ssize_t
 keyset_slot(const KeySet *s, PyObject *key, Py_hash_t hash, int *found)
 {
-    size_t slot = recency_spread(hash) & s->mask;
-    for (;;) {
-        Py_ssize_t index = s->slots[slot];
-        if (index == NONE) {
-            *found = 0;
-            return (Py_ssize_t)slot;
-        }
-        if (s->hash[index] == hash) {
-            int eq = recency_keys_equal(s->key[index], key);
-            if (eq < 0) {
-                return -1;
-            }
-            if (eq) {
-                *found = 1;
-                return (Py_ssize_t)slot;
-            }
-        }
-        slot = (slot + 1) & s->mask;
-    }
+    return probe_slot(s->slots, s->mask, s->key, s->hash, key, hash, found);
 }
 
 /* Add ``key`` (room was made by keyset_reset): 1 if added (at index len - 1), 0 if it
@@ -377,6 +369,87 @@ keyset_free(KeySet *s)
     PyMem_Free(s->slots);
     memset(s, 0, sizeof(*s));
 }
+
+/* Nodes given a flag for the call in progress (a store's protected keys, a batch's
+ * shielded ones), remembered so that the flag is cleared on every node at its end. */
+typedef struct {
+    Py_ssize_t *node;
+    Py_ssize_t len, cap;
+} MarkedNodes;
+
+/* Give ``node`` ``flag`` in ``flags`` unless it has it; 1 if it was marked now, 0 if it
+ * had it, -1 with MemoryError. */
+static inline int
+marked_add(MarkedNodes *marked, unsigned char *flags, Py_ssize_t node, unsigned char flag)
+{
+    if (flags[node] & flag) {
+        return 0;
+    }
+    if (marked->len == marked->cap) {
+        Py_ssize_t cap = marked->cap ? 2 * marked->cap : 64;
+        if (recency_grow((void **)&marked->node, cap, sizeof(Py_ssize_t)) < 0) {
+            return -1;
+        }
+        marked->cap = cap;
+    }
+    marked->node[marked->len++] = node;
+    flags[node] |= flag;
+    return 1;
+}
+
+/* Take ``flag`` off every node marked since the last clear. */
+static inline void
+marked_clear(MarkedNodes *marked, unsigned char *flags, unsigned char flag)
+{
+    for (Py_ssize_t i = 0; i < marked->len; i++) {
+        flags[marked->node[i]] &= (unsigned char)~flag;
+    }
+    marked->len = 0;
+}
+
+/* Whether ``capacity`` (of a table of ``what``) is usable; if not, InvalidArgumentError. */
+static inline int
+recency_capacity_ok(Py_ssize_t capacity, const char *what)
+{
+    if (capacity >= 1 && capacity <= PY_SSIZE_T_MAX / 16) {
+        return 1;
+    }
+    char message[96];
+    snprintf(message, sizeof(message), "%s capacity must be >= 1, got %zd", what, capacity);
+    recency_invalid(message);
+    return 0;
+}
+
+/* What every table type starts with, so that its length, membership and capacity are
+ * served by one set of slots. */
+typedef struct {
+    PyObject_HEAD
+    Recency r;
+} RecencyObject;
+
+static inline Py_ssize_t
+recency_object_len(PyObject *self)
+{
+    return ((RecencyObject *)self)->r.size;
+}
+
+static inline int
+recency_object_contains(PyObject *self, PyObject *key)
+{
+    Py_ssize_t node = recency_find(&((RecencyObject *)self)->r, key, NULL);
+    return node == LOOKUP_FAILED ? -1 : node != NONE;
+}
+
+static inline PyObject *
+recency_object_capacity(PyObject *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSsize_t(((RecencyObject *)self)->r.capacity);
+}
+
+static PySequenceMethods recency_as_sequence = {
+    .sq_length = recency_object_len,
+    .sq_contains = recency_object_contains,
+};
 
 /* The module of ``definition`` with ``type`` readied and added under ``name``, or NULL. */
 static inline PyObject *

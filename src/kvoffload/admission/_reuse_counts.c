@@ -16,8 +16,7 @@ typedef struct {
     Recency r;
     long long *count;        /* per node */
     unsigned char *flags;    /* per node: shielded by the batch in progress */
-    Py_ssize_t *shielded;
-    Py_ssize_t shielded_len, shielded_cap;
+    MarkedNodes shielded;
 } ReuseCounter;
 
 /* Count ``key`` once more: a held key becomes the newest, a new one pushes out the
@@ -69,24 +68,6 @@ counter_count(ReuseCounter *self, PyObject *keys)
     Py_RETURN_NONE;
 }
 
-static int
-shield(ReuseCounter *self, Py_ssize_t node)
-{
-    if (self->shielded_len == self->shielded_cap) {
-        Py_ssize_t cap = self->shielded_cap ? 2 * self->shielded_cap : 64;
-        Py_ssize_t *bigger = PyMem_Realloc(self->shielded, (size_t)cap * sizeof(Py_ssize_t));
-        if (bigger == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        self->shielded = bigger;
-        self->shielded_cap = cap;
-    }
-    self->shielded[self->shielded_len++] = node;
-    self->flags[node] |= SHIELDED;
-    return 0;
-}
-
 /* See ReuseCounts.count_shielded: held keys counted (and shielded) first, then the new
  * ones, each pushing out an unshielded key while one is left. */
 static PyObject *
@@ -99,7 +80,6 @@ counter_count_shielded(ReuseCounter *self, PyObject *keys)
     PyObject **items = PySequence_Fast_ITEMS(fast);
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject *result = NULL;
-    self->shielded_len = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t node = recency_find(&self->r, items[i], NULL);
         if (node == LOOKUP_FAILED) {
@@ -108,12 +88,12 @@ counter_count_shielded(ReuseCounter *self, PyObject *keys)
         if (node != NONE) {
             self->count[node]++;
             recency_make_newest(&self->r, node);
-            if (!(self->flags[node] & SHIELDED) && shield(self, node) < 0) {
+            if (marked_add(&self->shielded, self->flags, node, SHIELDED) < 0) {
                 goto done;
             }
         }
     }
-    Py_ssize_t unshielded = self->r.size - self->shielded_len;
+    Py_ssize_t unshielded = self->r.size - self->shielded.len;
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_hash_t hash;
         Py_ssize_t node = recency_find(&self->r, items[i], &hash);
@@ -143,10 +123,7 @@ counter_count_shielded(ReuseCounter *self, PyObject *keys)
     result = Py_None;
     Py_INCREF(result);
 done:
-    for (Py_ssize_t i = 0; i < self->shielded_len; i++) {
-        self->flags[self->shielded[i]] &= (unsigned char)~SHIELDED;
-    }
-    self->shielded_len = 0;
+    marked_clear(&self->shielded, self->flags, SHIELDED);
     Py_DECREF(fast);
     return result;
 }
@@ -208,26 +185,13 @@ counter_items(ReuseCounter *self, PyObject *Py_UNUSED(ignored))
     return result;
 }
 
-static Py_ssize_t
-counter_len(ReuseCounter *self)
-{
-    return self->r.size;
-}
-
-static int
-counter_contains(ReuseCounter *self, PyObject *key)
-{
-    Py_ssize_t node = recency_find(&self->r, key, NULL);
-    return node == LOOKUP_FAILED ? -1 : node != NONE;
-}
-
 static void
 counter_dealloc(ReuseCounter *self)
 {
     recency_free(&self->r);
     PyMem_Free(self->count);
     PyMem_Free(self->flags);
-    PyMem_Free(self->shielded);
+    PyMem_Free(self->shielded.node);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -288,17 +252,12 @@ static PyGetSetDef counter_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PySequenceMethods counter_as_sequence = {
-    .sq_length = (lenfunc)counter_len,
-    .sq_contains = (objobjproc)counter_contains,
-};
-
 static PyTypeObject ReuseCounterType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvoffload.admission._reuse_counts.ReuseCounter",
     .tp_basicsize = sizeof(ReuseCounter),
     .tp_dealloc = (destructor)counter_dealloc,
-    .tp_as_sequence = &counter_as_sequence,
+    .tp_as_sequence = &recency_as_sequence,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
     .tp_doc = "Counts of at most max_keys keys, least recently counted leaving first, in C.",
     .tp_methods = counter_methods,

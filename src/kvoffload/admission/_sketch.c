@@ -78,13 +78,8 @@ typedef struct {
 } Batch;
 
 static int
-batch_open(Batch *batch, PyObject *args, const char *name, int writable)
+batch_open(Batch *batch, PyObject *table, PyObject *hashes, int bits, const char *name, int writable)
 {
-    PyObject *table, *hashes;
-    int bits;
-    if (!PyArg_ParseTuple(args, "OOi", &table, &hashes, &bits)) {
-        return -1;
-    }
     if (bits < 1 || bits > 40) {
         PyErr_Format(PyExc_ValueError, "%s: width bits must be in 1..40, got %d", name, bits);
         return -1;
@@ -134,8 +129,11 @@ cell(const Batch *batch, uint64_t hash, int lane)
 static PyObject *
 increment(PyObject *Py_UNUSED(module), PyObject *args)
 {
+    PyObject *table_arg, *hashes_arg;
+    int bits;
     Batch batch;
-    if (batch_open(&batch, args, "increment", 1) < 0) {
+    if (!PyArg_ParseTuple(args, "OOi:increment", &table_arg, &hashes_arg, &bits) ||
+        batch_open(&batch, table_arg, hashes_arg, bits, "increment", 1) < 0) {
         return NULL;
     }
     Py_ssize_t n = batch.n;
@@ -189,8 +187,11 @@ sightings(const Batch *batch, uint64_t hash)
 static PyObject *
 estimate(PyObject *Py_UNUSED(module), PyObject *args)
 {
+    PyObject *table_arg, *hashes_arg;
+    int bits;
     Batch batch;
-    if (batch_open(&batch, args, "estimate", 0) < 0) {
+    if (!PyArg_ParseTuple(args, "OOi:estimate", &table_arg, &hashes_arg, &bits) ||
+        batch_open(&batch, table_arg, hashes_arg, bits, "estimate", 0) < 0) {
         return NULL;
     }
     PyObject *result = PyBytes_FromStringAndSize(NULL, batch.n);
@@ -211,17 +212,9 @@ seen_at_least(PyObject *Py_UNUSED(module), PyObject *args)
 {
     PyObject *table, *hashes;
     int bits, threshold;
-    if (!PyArg_ParseTuple(args, "OOii:seen_at_least", &table, &hashes, &bits, &threshold)) {
-        return NULL;
-    }
-    PyObject *pass = Py_BuildValue("(OOi)", table, hashes, bits);
-    if (pass == NULL) {
-        return NULL;
-    }
     Batch batch;
-    int failed = batch_open(&batch, pass, "seen_at_least", 0);
-    Py_DECREF(pass);
-    if (failed) {
+    if (!PyArg_ParseTuple(args, "OOii:seen_at_least", &table, &hashes, &bits, &threshold) ||
+        batch_open(&batch, table, hashes, bits, "seen_at_least", 0) < 0) {
         return NULL;
     }
     PyObject *result = PyList_New(batch.n);

@@ -700,9 +700,9 @@ class MiniSimulation:
     def _sample(self, hashes: np.ndarray) -> list[list[int]]:
         """Positions of the sampled keys, per level: each level's are a subset of the one
         before (its mask has more bits), so each is filtered from the one before."""
-        masks = self._masks
         if sampled_positions is not None:
             return sampled_positions(hashes, self._mask_tuple)
+        masks = self._masks
         if masks[-1]:
             low = (hashes & self._low).tolist()
             mask = masks[0]

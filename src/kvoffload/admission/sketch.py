@@ -55,8 +55,7 @@ def key_hashes(keys: Sequence[OffloadKey]) -> np.ndarray:
     if type(keys) is list and keys == last_keys:
         return last
     hashes = _hashes(keys)
-    if hashes.flags.writeable:
-        hashes.flags.writeable = False
+    hashes.flags.writeable = False
     if type(keys) is list:
         _LAST[0] = (keys.copy(), hashes)
     return hashes
