@@ -3,12 +3,23 @@ in pure Python runs instead) where not."""
 
 from setuptools import Extension, setup
 
+MINI_TIER_HEADERS = [
+    "src/kvoffload/admission/_recency.h",
+    "src/kvoffload/admission/_mini_tier.h",
+]
+
 setup(
     ext_modules=[
         Extension(
             "kvoffload.admission._lru_tier",
             ["src/kvoffload/admission/_lru_tier.c"],
-            depends=["src/kvoffload/admission/_recency.h"],
+            depends=MINI_TIER_HEADERS,
+            optional=True,
+        ),
+        Extension(
+            "kvoffload.admission._s3fifo_tier",
+            ["src/kvoffload/admission/_s3fifo_tier.c"],
+            depends=MINI_TIER_HEADERS,
             optional=True,
         ),
         Extension(

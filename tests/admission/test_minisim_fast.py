@@ -14,6 +14,7 @@ from kvoffload import OffloadKey, block_id_key, build_manager
 from kvoffload.admission import MiniSimulation, MiniTier, key_hashes, minisim
 from kvoffload.admission.minisim import (
     CompiledLRUMiniTier,
+    CompiledS3FIFOMiniTier,
     LRUMiniTier,
     S3FIFOMiniTier,
     mini_tier,
@@ -27,10 +28,11 @@ from kvoffload.policies.s3fifo import S3FIFOCachePolicy
 
 SPECIALISED = [
     (LRUCachePolicy, CompiledLRUMiniTier or LRUMiniTier),
-    (S3FIFOCachePolicy, S3FIFOMiniTier),
+    (S3FIFOCachePolicy, CompiledS3FIFOMiniTier or S3FIFOMiniTier),
 ]
 LRU_TIERS = python_and_compiled(LRUMiniTier, CompiledLRUMiniTier)
 needs_compiled = needs(CompiledLRUMiniTier)
+needs_compiled_s3fifo = needs(CompiledS3FIFOMiniTier)
 
 
 @pytest.mark.parametrize("pending", [True, False])
@@ -162,6 +164,86 @@ def test_the_compiled_lru_tier_decides_as_the_pure_python_one() -> None:
         assert python.total_writes > capacity  # evictions happened
 
 
+@needs_compiled_s3fifo
+@pytest.mark.parametrize("pending", [True, False])
+def test_the_compiled_s3fifo_tier_decides_as_the_pure_python_one(pending: bool) -> None:
+    """Seeded streams of every operation the worlds and mini-simulations use on an S3-FIFO
+    tier (touches that count or skip the last store's pending keys, stores with gaps and
+    revivals, admitted subsets, refused stores, the held keys among a request and its held
+    prefix), over few keys and small capacities so that both queues, the ghost and the
+    main queue's reinsertion are exercised: the same answers, held keys and counts after
+    every step."""
+    assert CompiledS3FIFOMiniTier is not None
+    universe = [block_id_key(i) for i in range(20)]
+    for seed in range(400):
+        rng = random.Random(seed)
+        capacity = rng.randint(1, 12)
+        python = S3FIFOMiniTier(capacity, pending)
+        compiled = CompiledS3FIFOMiniTier(capacity, pending)
+        assert (compiled.small_target, compiled.pending) == (python.small_target, pending)
+        for _ in range(200):
+            offered, action = some_keys(rng), rng.random()
+            if action < 0.3:
+                python.touch(offered)
+                compiled.touch(offered)
+            elif action < 0.45:
+                assert python.hit_run(offered) == compiled.hit_run(offered)
+            elif action < 0.5:
+                request = some_keys(rng) + offered
+                assert python.held_among(request) == compiled.held_among(request)
+                assert python.leading_held(request) == compiled.leading_held(request)
+            elif action < 0.75:
+                gaps = [rng.random() < 0.3 for _ in offered] if rng.random() < 0.5 else []
+                assert python.store(offered, gaps) == compiled.store(offered, gaps)
+            else:
+                at = [rng.choice([-1, rng.randrange(10)]) for _ in offered]
+                keep = None if rng.random() < 0.2 else {k for k in offered if rng.random() < 0.6}
+                gap = rng.randrange(10)
+                assert python.store_admitted(offered, at, keep, gap) == compiled.store_admitted(
+                    offered, at, keep, gap
+                )
+            assert len(python) == len(compiled)
+            assert [key in python for key in universe] == [key in compiled for key in universe]
+        assert (python.hits, python.writes, python.total_hits, python.total_writes) == (
+            compiled.hits,
+            compiled.writes,
+            compiled.total_hits,
+            compiled.total_writes,
+        )
+        assert python.total_writes > capacity  # evictions happened
+
+
+@needs_compiled_s3fifo
+def test_the_compiled_s3fifo_tier_refuses_bad_input_clearly() -> None:
+    assert CompiledS3FIFOMiniTier is not None
+    with pytest.raises(InvalidArgumentError, match="capacity must be >= 1"):
+        CompiledS3FIFOMiniTier(0)
+    tier = CompiledS3FIFOMiniTier(4)
+    with pytest.raises(ValueError, match="differ in length"):
+        tier.store([block_id_key(1), block_id_key(2)], [True])
+    with pytest.raises(ValueError, match="differ in length"):
+        tier.store_admitted([block_id_key(1)], [], set(), 0)
+    with pytest.raises(TypeError, match="keys must be a sequence"):
+        tier.touch(5)  # type: ignore[arg-type]
+    assert len(tier) == 0 and tier.total_writes == 0
+
+
+@needs_compiled_s3fifo
+def test_the_compiled_s3fifo_tier_reports_its_own_bounded_arrays() -> None:
+    """Its two tables (held keys and ghost) are fixed at the start: the figure is its
+    arrays, under the Python tier's estimate, and does not grow with use."""
+    assert CompiledS3FIFOMiniTier is not None
+    tier = CompiledS3FIFOMiniTier(1000)
+    before = tier.memory_bytes
+    for start in range(0, 5000, 10):
+        keys = [block_id_key(i) for i in range(start, start + 10)]
+        tier.store(keys)
+        tier.touch(keys[:3])
+    assert len(tier) == 1000
+    assert tier.memory_bytes == before
+    assert 0 < before < S3FIFOMiniTier(1000).memory_bytes / 2
+
+
 @needs_compiled
 def test_the_compiled_lru_tier_refuses_bad_input_clearly() -> None:
     assert CompiledLRUMiniTier is not None
@@ -175,16 +257,19 @@ def test_the_compiled_lru_tier_refuses_bad_input_clearly() -> None:
     assert len(tier) == 0 and tier.total_writes == 0
 
 
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
 def test_the_optimiser_decides_the_same_over_compiled_and_pure_python_tiers(
-    monkeypatch: pytest.MonkeyPatch,
+    policy: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The whole recommended stack, replayed twice: its choices, what-if figures and the
-    real tier's hits do not depend on which LRU tier the worlds and mini-tiers run on."""
+    real tier's hits do not depend on which tiers (compiled or Python) the worlds and
+    mini-tiers run on."""
     results = []
     for compiled in (True, False):
         if not compiled:
             monkeypatch.setattr(minisim, "CompiledLRUMiniTier", None)
-        manager = build_manager(300, "lru", admission="recommended")
+            monkeypatch.setattr(minisim, "CompiledS3FIFOMiniTier", None)
+        manager = build_manager(300, policy, admission="recommended")
         rng = random.Random(7)
         roots = [[block_id_key(10**6 + 10 * r + i) for i in range(4)] for r in range(5)]
         hits = stored = 0

@@ -10,57 +10,21 @@
  * Every operation mirrors the pure-Python tier step by step (``minisim.py`` says why
  * each step is there); ``tests/admission/test_minisim_fast.py`` holds the two equal.
  */
-#include "_recency.h"
+#include "_mini_tier.h"
 #include <structmember.h>
-
-#define DEAD 1u       /* written behind a gap: unreachable by a prefix lookup */
-#define PROTECTED 2u  /* may not be evicted by the store in progress */
 
 typedef struct {
     PyObject_HEAD
     Recency r;
     unsigned char *flags;       /* per node */
-    /* Scratch for one call: the distinct new keys of a store and their gap flags, the
-     * offered keys it stores, the keys a candidate admitted, and the nodes a store
-     * protected. */
-    KeySet fresh;
-    unsigned char *fresh_dead;
-    PyObject **stored;
-    Py_ssize_t fresh_extra_cap;  /* items in fresh_dead and stored */
+    /* Scratch for one call: a store's new keys (and the offered keys it stores), the keys
+     * a candidate admitted, and the nodes a store protected. */
+    NewKeys fresh;
     KeySet admitted;
     MarkedNodes guarded;
     double hits, writes;
     long long total_hits, total_writes;
 } LRUTier;
-
-/* Make room for a store of ``n`` keys in the scratch and empty it. */
-static int
-scratch_reset(LRUTier *self, Py_ssize_t n)
-{
-    if (keyset_reset(&self->fresh, n) < 0) {
-        return -1;
-    }
-    Py_ssize_t cap = self->fresh.cap;
-    if (self->fresh_extra_cap < cap) {
-        if (recency_grow((void **)&self->fresh_dead, cap, 1) < 0 ||
-            recency_grow((void **)&self->stored, cap, sizeof(PyObject *)) < 0) {
-            return -1;
-        }
-        self->fresh_extra_cap = cap;
-    }
-    return 0;
-}
-
-/* Add ``key`` (not held) to the new keys unless already there: the dict's first-wins. */
-static int
-scratch_add(LRUTier *self, PyObject *key, Py_hash_t hash, int dead)
-{
-    int added = keyset_add(&self->fresh, key, hash);
-    if (added > 0) {
-        self->fresh_dead[self->fresh.len - 1] = (unsigned char)(dead ? DEAD : 0);
-    }
-    return added < 0 ? -1 : 0;
-}
 
 static int
 touch_all(LRUTier *self, PyObject **keys, Py_ssize_t n)
@@ -77,31 +41,16 @@ touch_all(LRUTier *self, PyObject **keys, Py_ssize_t n)
     return 0;
 }
 
-/* Mark the held keys among ``keys`` protected; how many distinct ones, or -1. */
-static Py_ssize_t
-protect(LRUTier *self, PyObject **keys, Py_ssize_t n)
-{
-    Py_ssize_t marked = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t node = recency_find(&self->r, keys[i], NULL);
-        if (node == LOOKUP_FAILED) {
-            return -1;
-        }
-        if (node != NONE) {
-            int added = marked_add(&self->guarded, self->flags, node, PROTECTED);
-            if (added < 0) {
-                return -1;
-            }
-            marked += added;
-        }
-    }
-    return marked;
-}
-
 static void
 unprotect(LRUTier *self)
 {
     marked_clear(&self->guarded, self->flags, PROTECTED);
+}
+
+static Py_ssize_t
+protect(LRUTier *self, PyObject **keys, Py_ssize_t n)
+{
+    return protect_held(&self->r, self->flags, &self->guarded, keys, n);
 }
 
 /* Write the scratch's new keys, evicting the oldest keys outside ``keys`` (or outside
@@ -109,7 +58,7 @@ unprotect(LRUTier *self)
 static Py_ssize_t
 insert_new(LRUTier *self, PyObject **keys, Py_ssize_t n, PyObject **request, Py_ssize_t n_request)
 {
-    Py_ssize_t need = self->fresh.len - (self->r.capacity - self->r.size);
+    Py_ssize_t need = self->fresh.keys.len - (self->r.capacity - self->r.size);
     if (need > 0) {
         if (n_request && self->r.size - n_request >= need) {
             if (protect(self, request, n_request) < 0) {
@@ -141,53 +90,18 @@ insert_new(LRUTier *self, PyObject **keys, Py_ssize_t n, PyObject **request, Py_
         }
         unprotect(self);
     }
-    for (Py_ssize_t i = 0; i < self->fresh.len; i++) {
-        Py_ssize_t node = recency_add(&self->r, self->fresh.key[i], self->fresh.hash[i]);
+    for (Py_ssize_t i = 0; i < self->fresh.keys.len; i++) {
+        Py_ssize_t node = recency_add(&self->r, self->fresh.keys.key[i], self->fresh.keys.hash[i]);
         if (node < 0) {
             return -1;
         }
-        self->flags[node] = self->fresh_dead[i];
+        self->flags[node] = self->fresh.dead[i];
     }
-    Py_ssize_t written = self->fresh.len;
-    self->fresh.len = 0;
+    Py_ssize_t written = self->fresh.keys.len;
+    self->fresh.keys.len = 0;
     self->writes += (double)written;
     self->total_writes += written;
     return written;
-}
-
-/* A sequence argument as a borrowed item array (``*holder`` owns it; NULL for absent). */
-static int
-as_items(PyObject *arg, const char *what, PyObject **holder, PyObject ***items, Py_ssize_t *n)
-{
-    *holder = NULL;
-    *items = NULL;
-    *n = 0;
-    if (arg == NULL) {
-        return 0;
-    }
-    PyObject *fast = PySequence_Fast(arg, what);
-    if (fast == NULL) {
-        return -1;
-    }
-    *holder = fast;
-    *items = PySequence_Fast_ITEMS(fast);
-    *n = PySequence_Fast_GET_SIZE(fast);
-    return 0;
-}
-
-/* One key a store writes (its hash and node known): a new key joins the scratch, behind
- * the gap or not; a held one behind a gap is revived unless this store puts it behind
- * one too. 0, or -1 on error. */
-static int
-take_key(LRUTier *self, PyObject *key, Py_hash_t hash, Py_ssize_t node, int behind)
-{
-    if (node == NONE) {
-        return scratch_add(self, key, hash, behind);
-    }
-    if ((self->flags[node] & DEAD) && !behind) {
-        self->flags[node] &= (unsigned char)~DEAD;
-    }
-    return 0;
 }
 
 static PyObject *
@@ -206,7 +120,7 @@ tier_store_impl(LRUTier *self, PyObject *keys, PyObject *behind_gap, PyObject *r
         PyErr_SetString(PyExc_ValueError, "keys and behind_gap differ in length");
         goto done;
     }
-    if (scratch_reset(self, n) < 0) {
+    if (new_keys_reset(&self->fresh, n) < 0) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -216,13 +130,13 @@ tier_store_impl(LRUTier *self, PyObject *keys, PyObject *behind_gap, PyObject *r
         }
         Py_hash_t hash;
         Py_ssize_t node = recency_find(&self->r, key_items[i], &hash);
-        if (node == LOOKUP_FAILED || take_key(self, key_items[i], hash, node, gap) < 0) {
+        if (node == LOOKUP_FAILED || take_key(&self->fresh, self->flags, key_items[i], hash, node, gap) < 0) {
             goto done;
         }
     }
-    written = self->fresh.len ? insert_new(self, key_items, n, request_items, n_request) : 0;
+    written = self->fresh.keys.len ? insert_new(self, key_items, n, request_items, n_request) : 0;
 done:
-    self->fresh.len = 0;
+    self->fresh.keys.len = 0;
     Py_XDECREF(keys_fast);
     Py_XDECREF(gap_fast);
     Py_XDECREF(request_fast);
@@ -266,7 +180,7 @@ tier_store_admitted(LRUTier *self, PyObject *args, PyObject *kwargs)
         PyErr_SetString(PyExc_ValueError, "keys and at differ in length");
         goto done;
     }
-    if (scratch_reset(self, n) < 0) {
+    if (new_keys_reset(&self->fresh, n) < 0) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -283,16 +197,16 @@ tier_store_admitted(LRUTier *self, PyObject *args, PyObject *kwargs)
                 continue;
             }
         }
-        self->stored[n_stored++] = key_items[i];
+        self->fresh.stored[n_stored++] = key_items[i];
         Py_hash_t hash;
         Py_ssize_t node = recency_find(&self->r, key_items[i], &hash);
-        if (node == LOOKUP_FAILED || take_key(self, key_items[i], hash, node, j > gap) < 0) {
+        if (node == LOOKUP_FAILED || take_key(&self->fresh, self->flags, key_items[i], hash, node, j > gap) < 0) {
             goto done;
         }
     }
-    written = self->fresh.len ? insert_new(self, self->stored, n_stored, request_items, n_request) : 0;
+    written = self->fresh.keys.len ? insert_new(self, self->fresh.stored, n_stored, request_items, n_request) : 0;
 done:
-    self->fresh.len = 0;
+    self->fresh.keys.len = 0;
     Py_XDECREF(keys_fast);
     Py_XDECREF(at_fast);
     Py_XDECREF(request_fast);
@@ -340,7 +254,7 @@ tier_store_offer(LRUTier *self, PyObject *args, PyObject *kwargs)
             break;
         }
     }
-    if (keyset_reset(&self->admitted, m) < 0 || scratch_reset(self, n) < 0) {
+    if (keyset_reset(&self->admitted, m) < 0 || new_keys_reset(&self->fresh, n) < 0) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < m; i++) {
@@ -362,14 +276,14 @@ tier_store_offer(LRUTier *self, PyObject *args, PyObject *kwargs)
         if (!kept) {
             continue;
         }
-        self->stored[n_stored++] = offered_items[i];
-        if (take_key(self, offered_items[i], hash, node, i > gap) < 0) {
+        self->fresh.stored[n_stored++] = offered_items[i];
+        if (take_key(&self->fresh, self->flags, offered_items[i], hash, node, i > gap) < 0) {
             goto done;
         }
     }
-    written = self->fresh.len ? insert_new(self, self->stored, n_stored, request_items, n_request) : 0;
+    written = self->fresh.keys.len ? insert_new(self, self->fresh.stored, n_stored, request_items, n_request) : 0;
 done:
-    self->fresh.len = 0;
+    self->fresh.keys.len = 0;
     self->admitted.len = 0;
     Py_XDECREF(offered_fast);
     Py_XDECREF(admitted_fast);
@@ -377,63 +291,23 @@ done:
     return written < 0 ? NULL : PyLong_FromSsize_t(written);
 }
 
-/* The held keys (reachable or not) among ``keys``, in order. */
 static PyObject *
 tier_held_among(LRUTier *self, PyObject *keys)
 {
-    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
-    if (fast == NULL) {
-        return NULL;
-    }
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    PyObject *result = PyList_New(0);
-    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
-        Py_ssize_t node = recency_find(&self->r, items[i], NULL);
-        if (node == LOOKUP_FAILED || (node != NONE && PyList_Append(result, items[i]) < 0)) {
-            Py_CLEAR(result);
-        }
-    }
-    Py_DECREF(fast);
-    return result;
-}
-
-/* How many leading ``keys`` are held and have none of ``stop`` (DEAD: reachable by a
- * prefix lookup; 0: held at all), or -1 with an exception set. */
-static Py_ssize_t
-leading_run(LRUTier *self, PyObject *keys, unsigned char stop)
-{
-    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
-    if (fast == NULL) {
-        return -1;
-    }
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), run = 0;
-    for (; run < n; run++) {
-        Py_ssize_t node = recency_find(&self->r, items[run], NULL);
-        if (node == LOOKUP_FAILED) {
-            run = -1;
-            break;
-        }
-        if (node == NONE || (self->flags[node] & stop)) {
-            break;
-        }
-    }
-    Py_DECREF(fast);
-    return run;
+    return held_among(&self->r, keys);
 }
 
 static PyObject *
 tier_leading_held(LRUTier *self, PyObject *keys)
 {
-    Py_ssize_t run = leading_run(self, keys, 0);
+    Py_ssize_t run = leading_run(&self->r, self->flags, keys, 0);
     return run < 0 ? NULL : PyLong_FromSsize_t(run);
 }
 
 static PyObject *
 tier_hit_run(LRUTier *self, PyObject *keys)
 {
-    Py_ssize_t run = leading_run(self, keys, DEAD);
+    Py_ssize_t run = leading_run(&self->r, self->flags, keys, DEAD);
     if (run < 0) {
         return NULL;
     }
@@ -485,10 +359,8 @@ tier_free_buffers(LRUTier *self)
 {
     recency_free(&self->r);
     PyMem_Free(self->flags);
-    keyset_free(&self->fresh);
+    new_keys_free(&self->fresh);
     keyset_free(&self->admitted);
-    PyMem_Free(self->fresh_dead);
-    PyMem_Free(self->stored);
     PyMem_Free(self->guarded.node);
 }
 

@@ -83,8 +83,10 @@ recency_init(Recency *r, Py_ssize_t capacity)
 static inline void
 recency_free(Recency *r)
 {
-    if (r->key != NULL && r->next != NULL) {
-        for (Py_ssize_t node = r->oldest; node != NONE; node = r->next[node]) {
+    if (r->key != NULL) {
+        /* Every node, not only the list's: a caller may keep held nodes on lists of its
+         * own (``list_append``); a free node's key is NULL. */
+        for (Py_ssize_t node = 0; node < r->capacity; node++) {
             Py_CLEAR(r->key[node]);
         }
     }
@@ -152,33 +154,47 @@ recency_find(Recency *r, PyObject *key, Py_hash_t *hash_out)
     return found ? r->table[slot] : NONE;
 }
 
+/* A list of nodes over the table's ``prev``/``next`` links: the table's own recency list,
+ * or another one a caller keeps (S3-FIFO's main queue), each node on one list at a time. */
 static inline void
-recency_unlink(Recency *r, Py_ssize_t node)
+list_unlink(Recency *r, Py_ssize_t *oldest, Py_ssize_t *newest, Py_ssize_t node)
 {
     Py_ssize_t before = r->prev[node], after = r->next[node];
     if (before == NONE) {
-        r->oldest = after;
+        *oldest = after;
     } else {
         r->next[before] = after;
     }
     if (after == NONE) {
-        r->newest = before;
+        *newest = before;
     } else {
         r->prev[after] = before;
     }
 }
 
 static inline void
+list_append(Recency *r, Py_ssize_t *oldest, Py_ssize_t *newest, Py_ssize_t node)
+{
+    r->prev[node] = *newest;
+    r->next[node] = NONE;
+    if (*newest == NONE) {
+        *oldest = node;
+    } else {
+        r->next[*newest] = node;
+    }
+    *newest = node;
+}
+
+static inline void
+recency_unlink(Recency *r, Py_ssize_t node)
+{
+    list_unlink(r, &r->oldest, &r->newest, node);
+}
+
+static inline void
 recency_append(Recency *r, Py_ssize_t node)
 {
-    r->prev[node] = r->newest;
-    r->next[node] = NONE;
-    if (r->newest == NONE) {
-        r->oldest = node;
-    } else {
-        r->next[r->newest] = node;
-    }
-    r->newest = node;
+    list_append(r, &r->oldest, &r->newest, node);
 }
 
 static inline void
@@ -190,9 +206,10 @@ recency_make_newest(Recency *r, Py_ssize_t node)
     }
 }
 
-/* Drop ``node`` from the table (backward-shift deletion), the list and the pool. */
+/* Drop ``node``, already off its list, from the table (backward-shift deletion) and
+ * return it to the pool. */
 static inline int
-recency_remove(Recency *r, Py_ssize_t node)
+recency_forget(Recency *r, Py_ssize_t node)
 {
     int found;
     Py_ssize_t at = recency_slot(r, r->key[node], r->hash[node], &found);
@@ -215,12 +232,19 @@ recency_remove(Recency *r, Py_ssize_t node)
         }
     }
     r->table[hole] = NONE;
-    recency_unlink(r, node);
     Py_CLEAR(r->key[node]);
     r->next[node] = r->free_list;
     r->free_list = node;
     r->size--;
     return 0;
+}
+
+/* Drop ``node`` from the table, the recency list and the pool. */
+static inline int
+recency_remove(Recency *r, Py_ssize_t node)
+{
+    recency_unlink(r, node);
+    return recency_forget(r, node);
 }
 
 /* Add ``key`` (not held; a free node exists) as the newest; its node, or -1. */

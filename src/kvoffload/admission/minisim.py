@@ -32,11 +32,18 @@ from kvoffload.policies.s3fifo import MAX_FREQ as S3FIFO_MAX_FREQ
 from kvoffload.policies.s3fifo import SMALL_SHARE as S3FIFO_SMALL_SHARE
 from kvoffload.policies.s3fifo import S3FIFOCachePolicy
 
+# Each compiled module is optional (installed without a C compiler: the Python twin runs).
 try:
     from kvoffload.admission._lru_tier import LRUTier
-    from kvoffload.admission._sketch import sampled_positions
-except ImportError:  # installed without a C compiler: the pure-Python tiers alone
+except ImportError:
     LRUTier = None  # type: ignore[assignment,misc]
+try:
+    from kvoffload.admission._s3fifo_tier import S3FIFOTier
+except ImportError:
+    S3FIFOTier = None  # type: ignore[assignment,misc]
+try:
+    from kvoffload.admission._sketch import sampled_positions
+except ImportError:
     sampled_positions = None  # type: ignore[assignment]
 
 MIN_MINI_KEYS = 1024
@@ -533,17 +540,35 @@ class S3FIFOMiniTier(MiniTier):
         self._fresh = ()
 
 
+CompiledS3FIFOMiniTier: type[S3FIFOMiniTier] | None = None
+"""The S3-FIFO mini-tier in C (``_s3fifo_tier.c``), where the package was built with a
+compiler; ``None`` where only the pure-Python tier exists."""
+if S3FIFOTier is not None:
+
+    class _CompiledS3FIFOMiniTier(S3FIFOTier, S3FIFOMiniTier):
+        """:class:`S3FIFOMiniTier` with every operation in C; its state lives in the C object."""
+
+        def __new__(cls, capacity: int, pending: bool = True) -> _CompiledS3FIFOMiniTier:
+            small_target = max(1, int(capacity * S3FIFO_SMALL_SHARE))
+            return super().__new__(cls, capacity, pending, small_target, S3FIFO_MAX_FREQ)
+
+        def __init__(self, capacity: int, pending: bool = True) -> None:
+            """Nothing to do: the C type's constructor made the tier."""
+
+    CompiledS3FIFOMiniTier = _CompiledS3FIFOMiniTier
+
+
 def mini_tier(
     capacity: int, policy: type[CachePolicy], generic: bool = False, pending: bool = True
 ) -> MiniTier:
-    """A mini-tier under ``policy``: a specialised one where there is one (LRU, S3-FIFO),
-    unless ``generic``; ``pending``: see :class:`MiniTier`."""
+    """A mini-tier under ``policy``: a specialised one where there is one (LRU, S3-FIFO;
+    compiled where built), unless ``generic``; ``pending``: see :class:`MiniTier`."""
     if generic:
         return MiniTier(capacity, policy, pending)
     if policy is LRUCachePolicy:
         return (CompiledLRUMiniTier or LRUMiniTier)(capacity)
     if policy is S3FIFOCachePolicy:
-        return S3FIFOMiniTier(capacity, pending)
+        return (CompiledS3FIFOMiniTier or S3FIFOMiniTier)(capacity, pending)
     return MiniTier(capacity, policy, pending)
 
 
