@@ -14,10 +14,10 @@ from itertools import pairwise
 import pytest
 
 from kvoffload import CPUOffloadingManager, InvalidArgumentError, OffloadKey, block_id_key
-from kvoffload.admission import MiniSimulation, MiniTier, Objective, OptimisingAdmission
+from kvoffload.admission import MiniSimulation, MiniTier, Objective, OptimisingAdmission, worlds
 from kvoffload.admission.budget import BURST_REFS as BUDGET_BURST_REFS
 from kvoffload.admission.budget import check_write_budget
-from kvoffload.admission.minisim import sampling_bits
+from kvoffload.admission.minisim import LRUMiniTier, sampling_bits
 from kvoffload.admission.optimiser import (
     FEEDBACK,
     FILTER,
@@ -704,3 +704,31 @@ def test_what_if_figures_are_full_runs_under_every_policy(policy: str) -> None:
             assert figure.writes_per_ref == pytest.approx(
                 stats.stored_blocks / stats.refs, abs=1e-12
             ), (name, factor)
+
+
+@pytest.mark.parametrize("policy", ["arc", "slru"])
+def test_worlds_under_arc_and_slru_run_on_the_lru_tier_with_the_same_decisions(
+    policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A world writes only blocks its request touches right after, so under ARC and SLRU its
+    tier evicts in LRU's order: the run with worlds on the LRU tier (the default) and the
+    run with worlds on the policy's own generic tier give the same hits, writes, choices
+    and what-if figures, and each world holds the same keys."""
+    workload = generate(
+        {"chat": 0.4, "rag": 0.3, "oneshot": 0.3}, num_requests=400, seed=3, block_tokens=32
+    )
+    gpu = max(len(r.keys) for r in workload.requests)
+    runs = []
+    for as_lru in (worlds.LRU_IN_A_WORLD, ()):
+        monkeypatch.setattr(worlds, "LRU_IN_A_WORLD", as_lru)
+        layer = build_manager(500, policy, admission="recommended")
+        assert isinstance(layer, OptimisingAdmission)
+        stats = ServingEngine(EngineConfig(gpu, 1, 32), layer).run(workload.requests)
+        tiers = {name: world.tier for name, world in layer.worlds.worlds.items()}
+        assert all(isinstance(t, LRUMiniTier) for t in tiers.values()) == bool(as_lru)
+        keys = {key for request in workload.requests for key in request.keys}
+        held = {name: {key for key in keys if key in tier} for name, tier in tiers.items()}
+        stats = replace(stats, manager_seconds=0.0)  # wall time, the one figure that differs
+        runs.append((stats, layer.chosen, layer.switches, layer.whatif(cumulative=True), held))
+    assert runs[0] == runs[1]
+    assert runs[0][0].offload_hit_blocks > 0 and all(runs[0][4].values())

@@ -11,9 +11,9 @@ Under the policies that count touches (ARC, S3-FIFO, SIEVE, SLRU) a world's tier
 counts the touch after a store for the blocks it just wrote, which the real
 tier, where they are still pending, does not (:class:`MiniTier`'s ``pending``);
 so there a world approximates its rule's tier (ARC's and SLRU's come out as
-LRU's). Made exact, the real tier mirroring them did worse (docs/admission.md,
-"Under policies other than LRU"), so they stay so; :func:`exact_worlds` says
-where they are exact.
+LRU's, so they run on the LRU tier: :data:`LRU_IN_A_WORLD`). Made exact, the
+real tier mirroring them did worse (docs/admission.md, "Under policies other
+than LRU"), so they stay so; :func:`exact_worlds` says where they are exact.
 """
 
 from __future__ import annotations
@@ -32,8 +32,16 @@ from kvoffload.admission.reuse_filter import FilterReusedOffloadingManager
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import CPULoadStoreSpec, LoadStoreSpec
+from kvoffload.policies.arc import ARCCachePolicy
 from kvoffload.policies.base import CachePolicy
 from kvoffload.policies.lru import LRUCachePolicy
+from kvoffload.policies.slru import SLRUCachePolicy
+
+LRU_IN_A_WORLD = (ARCCachePolicy, SLRUCachePolicy)
+"""Policies whose world is LRU's, key for key: a world touches every block it writes
+right after the store, so ARC's recency list and SLRU's probation segment are empty
+whenever it evicts, and both evict in LRU's order (a test holds them equal). Their
+worlds run on the LRU mini-tier, which is compiled where the package was built."""
 
 
 class Probe(OffloadingManager):
@@ -80,7 +88,8 @@ class World:
     ) -> None:
         if (rule is None) != (probe is None):
             raise ValueError("a world's rule and its probe go together")
-        self.tier: MiniTier = mini_tier(capacity, policy, pending=False)
+        tier_policy = LRUCachePolicy if policy in LRU_IN_A_WORLD else policy
+        self.tier: MiniTier = mini_tier(capacity, tier_policy, pending=False)
         self._lru = self.tier if isinstance(self.tier, LRUMiniTier) else None
         self.rule = rule
         self.probe = probe
