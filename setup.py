@@ -7,6 +7,7 @@ MINI_TIER_HEADERS = [
     "src/kvoffload/admission/_recency.h",
     "src/kvoffload/admission/_mini_tier.h",
 ]
+PENDING_TIER_HEADERS = [*MINI_TIER_HEADERS, "src/kvoffload/admission/_pending_tier.h"]
 
 setup(
     ext_modules=[
@@ -19,7 +20,13 @@ setup(
         Extension(
             "kvoffload.admission._s3fifo_tier",
             ["src/kvoffload/admission/_s3fifo_tier.c"],
-            depends=MINI_TIER_HEADERS,
+            depends=PENDING_TIER_HEADERS,
+            optional=True,
+        ),
+        Extension(
+            "kvoffload.admission._sieve_tier",
+            ["src/kvoffload/admission/_sieve_tier.c"],
+            depends=PENDING_TIER_HEADERS,
             optional=True,
         ),
         Extension(

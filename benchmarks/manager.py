@@ -18,7 +18,7 @@ where vLLM has it and LRU otherwise; ``vs vLLM`` is our time over vLLM's
 (below 1: faster), both measured in the same repeats of the same
 configuration, interleaved, so that a burst of load on a shared machine hits
 both sides of the ratio. Every registered policy runs with and without the seed
-filter, and LRU also behind the admission layers.
+filter and behind the recommended admission, and LRU also behind the sketch.
 
 With ``--max-tracker-size N`` every side's store-threshold filter tracks at
 most ``N`` keys (default 64,000, which this trace never fills): a smaller
@@ -55,7 +55,7 @@ GPU_BLOCKS = 878
 CPU_BLOCKS = 4392
 POLICIES = ["lru", "arc", "s3fifo", "sieve", "slru"]
 CONFIGS = [(p, t, "none") for p in POLICIES for t in (1, 2)]
-CONFIGS += [("lru", 1, "sketch"), ("lru", 1, "recommended"), ("s3fifo", 1, "recommended")]
+CONFIGS += [("lru", 1, "sketch"), *((p, 1, "recommended") for p in POLICIES)]
 SEED_POLICIES = {"lru", "arc"}
 VLLM_POLICIES = {"lru", "arc"}
 TRACKER_SIZE = 64_000

@@ -5,6 +5,7 @@ its mask rule, and the remembered key hashes against fresh ones."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,8 +14,10 @@ from compiled import needs, python_and_compiled
 from kvoffload import OffloadKey, block_id_key, build_manager
 from kvoffload.admission import MiniSimulation, MiniTier, key_hashes, minisim
 from kvoffload.admission.minisim import (
+    BYTES_PER_MINI_KEY,
     CompiledLRUMiniTier,
     CompiledS3FIFOMiniTier,
+    CompiledSIEVEMiniTier,
     LRUMiniTier,
     S3FIFOMiniTier,
     mini_tier,
@@ -25,14 +28,20 @@ from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.policies.base import CachePolicy
 from kvoffload.policies.lru import LRUCachePolicy
 from kvoffload.policies.s3fifo import S3FIFOCachePolicy
+from kvoffload.policies.sieve import SIEVECachePolicy
 
 SPECIALISED = [
     (LRUCachePolicy, CompiledLRUMiniTier or LRUMiniTier),
     (S3FIFOCachePolicy, CompiledS3FIFOMiniTier or S3FIFOMiniTier),
+    pytest.param(SIEVECachePolicy, CompiledSIEVEMiniTier, marks=needs(CompiledSIEVEMiniTier)),
 ]
 LRU_TIERS = python_and_compiled(LRUMiniTier, CompiledLRUMiniTier)
 needs_compiled = needs(CompiledLRUMiniTier)
 needs_compiled_s3fifo = needs(CompiledS3FIFOMiniTier)
+COMPILED_TOUCH_COUNTING = [
+    pytest.param(CompiledS3FIFOMiniTier, marks=needs_compiled_s3fifo, id="s3fifo"),
+    pytest.param(CompiledSIEVEMiniTier, marks=needs(CompiledSIEVEMiniTier), id="sieve"),
+]
 
 
 @pytest.mark.parametrize("pending", [True, False])
@@ -40,12 +49,14 @@ needs_compiled_s3fifo = needs(CompiledS3FIFOMiniTier)
 def test_a_specialised_mini_tier_decides_as_the_generic_one(
     policy: type[CachePolicy], fast_class: type[MiniTier], pending: bool
 ) -> None:
-    """Seeded streams of touches, hit runs and stores (with and without gaps) over a few
-    keys, so that evictions choose among touched, revived and unreachable keys; with and
-    without a store's blocks pending until the next touch."""
-    for seed in range(30):
+    """Seeded streams of touches, hit runs, stores (with and without gaps, of admitted
+    parts) and the prefix reads over a few keys, so that evictions choose among touched,
+    revived and unreachable keys; with and without a store's blocks pending until the next
+    touch. SIEVE's specialised tier is the compiled one alone (its Python reference is the
+    generic tier)."""
+    for seed in range(200):
         rng = random.Random(seed)
-        capacity = rng.randint(1, 8)
+        capacity = rng.randint(1, 10)
         fast = mini_tier(capacity, policy, pending=pending)
         generic = MiniTier(capacity, policy, pending)
         assert type(fast) is fast_class
@@ -55,11 +66,22 @@ def test_a_specialised_mini_tier_decides_as_the_generic_one(
             if action < 0.35:
                 fast.touch(keys)
                 generic.touch(keys)
-            elif action < 0.55:
+            elif action < 0.5:
                 assert fast.hit_run(keys) == generic.hit_run(keys)
-            else:
-                behind = [rng.random() < 0.3 for _ in keys] if action < 0.8 else []
+            elif action < 0.55:
+                request = some_keys(rng) + keys
+                assert fast.held_among(request) == generic.held_among(request)
+                assert fast.leading_held(request) == generic.leading_held(request)
+            elif action < 0.85:
+                behind = [rng.random() < 0.3 for _ in keys] if action < 0.75 else []
                 assert fast.store(keys, behind) == generic.store(keys, behind)
+            else:
+                at = [rng.choice([-1, rng.randrange(8)]) for _ in keys]
+                keep = None if rng.random() < 0.2 else {k for k in keys if rng.random() < 0.6}
+                gap = rng.randrange(8)
+                assert fast.store_admitted(keys, at, keep, gap) == generic.store_admitted(
+                    keys, at, keep, gap
+                )
             assert [block_id_key(i) in fast for i in range(16)] == [
                 block_id_key(i) in generic for i in range(16)
             ]
@@ -213,12 +235,11 @@ def test_the_compiled_s3fifo_tier_decides_as_the_pure_python_one(pending: bool) 
         assert python.total_writes > capacity  # evictions happened
 
 
-@needs_compiled_s3fifo
-def test_the_compiled_s3fifo_tier_refuses_bad_input_clearly() -> None:
-    assert CompiledS3FIFOMiniTier is not None
+@pytest.mark.parametrize("compiled", COMPILED_TOUCH_COUNTING)
+def test_the_compiled_touch_counting_tiers_refuse_bad_input_clearly(compiled: Any) -> None:
     with pytest.raises(InvalidArgumentError, match="capacity must be >= 1"):
-        CompiledS3FIFOMiniTier(0)
-    tier = CompiledS3FIFOMiniTier(4)
+        compiled(0)
+    tier = compiled(4)
     with pytest.raises(ValueError, match="differ in length"):
         tier.store([block_id_key(1), block_id_key(2)], [True])
     with pytest.raises(ValueError, match="differ in length"):
@@ -228,12 +249,13 @@ def test_the_compiled_s3fifo_tier_refuses_bad_input_clearly() -> None:
     assert len(tier) == 0 and tier.total_writes == 0
 
 
-@needs_compiled_s3fifo
-def test_the_compiled_s3fifo_tier_reports_its_own_bounded_arrays() -> None:
-    """Its two tables (held keys and ghost) are fixed at the start: the figure is its
-    arrays, under the Python tier's estimate, and does not grow with use."""
-    assert CompiledS3FIFOMiniTier is not None
-    tier = CompiledS3FIFOMiniTier(1000)
+@pytest.mark.parametrize("compiled", COMPILED_TOUCH_COUNTING)
+def test_the_compiled_touch_counting_tiers_report_their_own_bounded_arrays(
+    compiled: Any,
+) -> None:
+    """Their tables (held keys, and S3-FIFO's ghost) are fixed at the start: the figure is
+    their arrays, under the Python tiers' estimate, and does not grow with use."""
+    tier = compiled(1000)
     before = tier.memory_bytes
     for start in range(0, 5000, 10):
         keys = [block_id_key(i) for i in range(start, start + 10)]
@@ -241,7 +263,7 @@ def test_the_compiled_s3fifo_tier_reports_its_own_bounded_arrays() -> None:
         tier.touch(keys[:3])
     assert len(tier) == 1000
     assert tier.memory_bytes == before
-    assert 0 < before < S3FIFOMiniTier(1000).memory_bytes / 2
+    assert 0 < before < BYTES_PER_MINI_KEY * 1000 / 2
 
 
 @needs_compiled
@@ -257,7 +279,7 @@ def test_the_compiled_lru_tier_refuses_bad_input_clearly() -> None:
     assert len(tier) == 0 and tier.total_writes == 0
 
 
-@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "sieve"])
 def test_the_optimiser_decides_the_same_over_compiled_and_pure_python_tiers(
     policy: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -269,6 +291,7 @@ def test_the_optimiser_decides_the_same_over_compiled_and_pure_python_tiers(
         if not compiled:
             monkeypatch.setattr(minisim, "CompiledLRUMiniTier", None)
             monkeypatch.setattr(minisim, "CompiledS3FIFOMiniTier", None)
+            monkeypatch.setattr(minisim, "CompiledSIEVEMiniTier", None)
         manager = build_manager(300, policy, admission="recommended")
         rng = random.Random(7)
         roots = [[block_id_key(10**6 + 10 * r + i) for i in range(4)] for r in range(5)]

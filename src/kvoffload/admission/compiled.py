@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from importlib import import_module
 
-COMPILED_MODULES = ("_lru_tier", "_s3fifo_tier", "_reuse_counts", "_ghost", "_sketch")
+COMPILED_MODULES = (
+    "_lru_tier",
+    "_s3fifo_tier",
+    "_sieve_tier",
+    "_reuse_counts",
+    "_ghost",
+    "_sketch",
+)
 
 
 def compiled_modules() -> list[str]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Collection, Container, Mapping, Sequence
+from collections.abc import Callable, Collection, Container, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +31,7 @@ from kvoffload.policies.lru import LRUCachePolicy
 from kvoffload.policies.s3fifo import MAX_FREQ as S3FIFO_MAX_FREQ
 from kvoffload.policies.s3fifo import SMALL_SHARE as S3FIFO_SMALL_SHARE
 from kvoffload.policies.s3fifo import S3FIFOCachePolicy
+from kvoffload.policies.sieve import SIEVECachePolicy
 
 # Each compiled module is optional (installed without a C compiler: the Python twin runs).
 try:
@@ -41,6 +42,10 @@ try:
     from kvoffload.admission._s3fifo_tier import S3FIFOTier
 except ImportError:
     S3FIFOTier = None  # type: ignore[assignment,misc]
+try:
+    from kvoffload.admission._sieve_tier import SIEVETier
+except ImportError:
+    SIEVETier = None  # type: ignore[assignment,misc]
 try:
     from kvoffload.admission._sketch import sampled_positions
 except ImportError:
@@ -558,17 +563,35 @@ if S3FIFOTier is not None:
     CompiledS3FIFOMiniTier = _CompiledS3FIFOMiniTier
 
 
+CompiledSIEVEMiniTier: Callable[[int, bool], MiniTier] | None = None
+"""The generic tier over :class:`~kvoffload.policies.sieve.SIEVECachePolicy` in C
+(``_sieve_tier.c``), where the package was built with a compiler; ``None`` where not."""
+if SIEVETier is not None:
+
+    class _CompiledSIEVEMiniTier(SIEVETier, MiniTier):
+        """:class:`MiniTier` under SIEVE with every operation in C; its state lives in the C
+        object (no policy object, no status objects)."""
+
+        def __init__(self, capacity: int, pending: bool = True) -> None:
+            """Nothing to do: the C type's constructor made the tier."""
+
+    CompiledSIEVEMiniTier = _CompiledSIEVEMiniTier
+
+
 def mini_tier(
     capacity: int, policy: type[CachePolicy], generic: bool = False, pending: bool = True
 ) -> MiniTier:
-    """A mini-tier under ``policy``: a specialised one where there is one (LRU, S3-FIFO;
-    compiled where built), unless ``generic``; ``pending``: see :class:`MiniTier`."""
+    """A mini-tier under ``policy``: a specialised one where there is one (LRU, S3-FIFO, and
+    SIEVE where compiled; compiled where built), unless ``generic``; ``pending``: see
+    :class:`MiniTier`."""
     if generic:
         return MiniTier(capacity, policy, pending)
     if policy is LRUCachePolicy:
         return (CompiledLRUMiniTier or LRUMiniTier)(capacity)
     if policy is S3FIFOCachePolicy:
         return (CompiledS3FIFOMiniTier or S3FIFOMiniTier)(capacity, pending)
+    if policy is SIEVECachePolicy and CompiledSIEVEMiniTier is not None:
+        return CompiledSIEVEMiniTier(capacity, pending)
     return MiniTier(capacity, policy, pending)
 
 

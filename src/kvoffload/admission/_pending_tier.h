@@ -1,0 +1,329 @@
+/* The compiled mini-tiers of the policies that count touches (S3-FIFO, SIEVE): what they
+ * share, after the generic ``MiniTier`` over the policy object (``minisim.py``).
+ *
+ * A store's blocks stay pending (FRESH) until the next touch or store when ``pending``,
+ * a touch counts only for settled blocks, and a store evicts by the policy what its own
+ * keys leave room for. The policy comes in through three hooks; everything else is here,
+ * once.
+ */
+#ifndef KVOFFLOAD_PENDING_TIER_H
+#define KVOFFLOAD_PENDING_TIER_H
+
+#include "_mini_tier.h"
+#include <structmember.h>
+
+#define FRESH 4u       /* written by the last store, pending until the touch after it */
+#define POLICY_FLAG 8u /* the policy's own mark (S3-FIFO: on the main queue; SIEVE: visited) */
+
+typedef struct PendingTier PendingTier;
+
+typedef struct {
+    /* Evict ``n`` unprotected keys (at least ``n`` are held); 0 or -1. */
+    int (*evict)(PendingTier *self, Py_ssize_t n);
+    /* A new key's node, just added as the newest on the table's own list; 0 or -1 (NULL:
+     * nothing to do). */
+    int (*place)(PendingTier *self, Py_ssize_t node);
+    /* A touch of a held, settled key. */
+    void (*touched)(PendingTier *self, Py_ssize_t node);
+} PendingTierPolicy;
+
+struct PendingTier {
+    PyObject_HEAD
+    Recency r;                       /* the held keys (first, as RecencyObject's) */
+    unsigned char *flags;            /* per node: DEAD, PROTECTED, FRESH, POLICY_FLAG */
+    const PendingTierPolicy *policy;
+    int pending;
+    NewKeys fresh;                   /* scratch: a store's new keys */
+    MarkedNodes guarded;             /* the nodes a store protected */
+    MarkedNodes unsettled;           /* the last store's nodes, while FRESH */
+    double hits, writes;
+    long long total_hits, total_writes;
+};
+
+/* 0, or -1 with MemoryError set (the caller then frees with pending_tier_free). */
+static inline int
+pending_tier_init(PendingTier *self, Py_ssize_t capacity, int pending, const PendingTierPolicy *policy)
+{
+    self->policy = policy;
+    self->pending = pending;
+    self->flags = PyMem_Calloc((size_t)capacity, 1);
+    if (recency_init(&self->r, capacity) < 0 || self->flags == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static inline void
+pending_tier_free(PendingTier *self)
+{
+    recency_free(&self->r);
+    PyMem_Free(self->flags);
+    new_keys_free(&self->fresh);
+    PyMem_Free(self->guarded.node);
+    PyMem_Free(self->unsettled.node);
+}
+
+/* The last store's blocks are written (the generic tier's ``_settle``). */
+static inline void
+pending_tier_settle(PendingTier *self)
+{
+    marked_clear(&self->unsettled, self->flags, FRESH);
+}
+
+/* Write the new keys gathered in ``fresh`` (``keys``: the whole store, protected); how
+ * many were written (none where ``keys`` leave too little room), or -1. */
+static inline Py_ssize_t
+pending_tier_insert(PendingTier *self, PyObject **keys, Py_ssize_t n)
+{
+    Recency *r = &self->r;
+    NewKeys *fresh = &self->fresh;
+    Py_ssize_t need = fresh->keys.len - (r->capacity - r->size);
+    if (need > 0) {
+        /* The distinct held keys of ``keys`` cannot leave: too few others, no write. */
+        Py_ssize_t held = protect_held(r, self->flags, &self->guarded, keys, n);
+        int outcome = held < 0 ? -1 : r->size - held < need ? 0 : self->policy->evict(self, need) < 0 ? -1 : 1;
+        marked_clear(&self->guarded, self->flags, PROTECTED);
+        if (outcome <= 0) {
+            return outcome;
+        }
+    }
+    for (Py_ssize_t i = 0; i < fresh->keys.len; i++) {
+        Py_ssize_t node = recency_add(r, fresh->keys.key[i], fresh->keys.hash[i]);
+        if (node < 0) {
+            return -1;
+        }
+        self->flags[node] = fresh->dead[i];
+        if ((self->policy->place != NULL && self->policy->place(self, node) < 0) ||
+            (self->pending && marked_add(&self->unsettled, self->flags, node, FRESH) < 0)) {
+            return -1;
+        }
+    }
+    Py_ssize_t written = fresh->keys.len;
+    self->writes += (double)written;
+    self->total_writes += written;
+    return written;
+}
+
+/* ``store`` over ``n`` keys, each behind the gap where ``behind`` (NULL: none) says. */
+static inline Py_ssize_t
+pending_tier_store_items(PendingTier *self, PyObject **keys, const unsigned char *behind, Py_ssize_t n)
+{
+    pending_tier_settle(self);
+    if (new_keys_reset(&self->fresh, n) < 0) {
+        return -1;
+    }
+    Py_ssize_t written = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_hash_t hash;
+        Py_ssize_t node = recency_find(&self->r, keys[i], &hash);
+        if (node == LOOKUP_FAILED ||
+            take_key(&self->fresh, self->flags, keys[i], hash, node, behind != NULL && behind[i]) < 0) {
+            goto done;
+        }
+    }
+    written = self->fresh.keys.len ? pending_tier_insert(self, keys, n) : 0;
+done:
+    self->fresh.keys.len = 0;
+    return written;
+}
+
+/* Room for ``n`` gap flags in the scratch's ``dead`` array, which a store's own new keys
+ * reuse only after reading them (``pending_tier_store_items`` reads ``behind[i]`` before
+ * adding key ``i``, and new keys are never more than the keys read so far). */
+static inline unsigned char *
+pending_tier_gap_flags(PendingTier *self, Py_ssize_t n)
+{
+    return new_keys_reset(&self->fresh, n) < 0 ? NULL : self->fresh.dead;
+}
+
+static PyObject *
+pending_tier_store(PendingTier *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"keys", "behind_gap", NULL};
+    PyObject *keys, *behind_gap = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|O:store", names, &keys, &behind_gap)) {
+        return NULL;
+    }
+    PyObject *keys_fast = NULL, *gap_fast = NULL;
+    PyObject **key_items, **gap_items;
+    Py_ssize_t n, n_gap, written = -1;
+    unsigned char *behind = NULL;
+    if (as_items(keys, "keys must be a sequence", &keys_fast, &key_items, &n) < 0 ||
+        as_items(behind_gap, "behind_gap must be a sequence", &gap_fast, &gap_items, &n_gap) < 0) {
+        goto done;
+    }
+    if (n_gap && n_gap != n) {
+        PyErr_SetString(PyExc_ValueError, "keys and behind_gap differ in length");
+        goto done;
+    }
+    if (n_gap) {
+        if ((behind = pending_tier_gap_flags(self, n)) == NULL) {
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int gap = PyObject_IsTrue(gap_items[i]);
+            if (gap < 0) {
+                goto done;
+            }
+            behind[i] = (unsigned char)gap;
+        }
+    }
+    written = pending_tier_store_items(self, key_items, behind, n);
+done:
+    Py_XDECREF(keys_fast);
+    Py_XDECREF(gap_fast);
+    return written < 0 ? NULL : PyLong_FromSsize_t(written);
+}
+
+/* ``MiniTier.store_admitted``: the keys the real tier served (``at`` -1) and those in
+ * ``keep``, each behind the gap past offer index ``gap``; no store at all (so the last
+ * store's blocks stay pending) when none is left. */
+static PyObject *
+pending_tier_store_admitted(PendingTier *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"keys", "at", "keep", "gap", NULL};
+    PyObject *keys, *at, *keep;
+    Py_ssize_t gap;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOn:store_admitted", names, &keys, &at, &keep, &gap)) {
+        return NULL;
+    }
+    PyObject *keys_fast = NULL, *at_fast = NULL;
+    PyObject **key_items, **at_items;
+    Py_ssize_t n, n_at, n_stored = 0, written = -1;
+    if (as_items(keys, "keys must be a sequence", &keys_fast, &key_items, &n) < 0 ||
+        as_items(at, "at must be a sequence", &at_fast, &at_items, &n_at) < 0) {
+        goto done;
+    }
+    if (keep == Py_None) {
+        written = pending_tier_store_items(self, key_items, NULL, n);
+        goto done;
+    }
+    if (n_at != n) {
+        PyErr_SetString(PyExc_ValueError, "keys and at differ in length");
+        goto done;
+    }
+    unsigned char *behind = pending_tier_gap_flags(self, n);
+    if (behind == NULL) {
+        goto done;
+    }
+    PyObject **stored = self->fresh.stored;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t j = PyLong_AsSsize_t(at_items[i]);
+        if (j == -1 && PyErr_Occurred()) {
+            goto done;
+        }
+        if (j >= 0) {
+            int kept = PySequence_Contains(keep, key_items[i]);
+            if (kept < 0) {
+                goto done;
+            }
+            if (!kept) {
+                continue;
+            }
+        }
+        behind[n_stored] = (unsigned char)(j > gap);
+        stored[n_stored++] = key_items[i];
+    }
+    written = n_stored ? pending_tier_store_items(self, stored, behind, n_stored) : 0;
+done:
+    Py_XDECREF(keys_fast);
+    Py_XDECREF(at_fast);
+    return written < 0 ? NULL : PyLong_FromSsize_t(written);
+}
+
+static PyObject *
+pending_tier_hit_run(PendingTier *self, PyObject *keys)
+{
+    Py_ssize_t run = leading_run(&self->r, self->flags, keys, DEAD);
+    if (run < 0) {
+        return NULL;
+    }
+    self->hits += (double)run;
+    self->total_hits += run;
+    return PyLong_FromSsize_t(run);
+}
+
+static PyObject *
+pending_tier_leading_held(PendingTier *self, PyObject *keys)
+{
+    Py_ssize_t run = leading_run(&self->r, self->flags, keys, 0);
+    return run < 0 ? NULL : PyLong_FromSsize_t(run);
+}
+
+static PyObject *
+pending_tier_held_among(PendingTier *self, PyObject *keys)
+{
+    return held_among(&self->r, keys);
+}
+
+/* Count a touch of every held key that is not pending; then the last store's blocks are
+ * settled. */
+static PyObject *
+pending_tier_touch(PendingTier *self, PyObject *keys)
+{
+    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
+    if (fast == NULL) {
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    int failed = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t node = recency_find(&self->r, items[i], NULL);
+        if (node == LOOKUP_FAILED) {
+            failed = 1;
+            break;
+        }
+        if (node != NONE && !(self->flags[node] & FRESH)) {
+            self->policy->touched(self, node);
+        }
+    }
+    Py_DECREF(fast);
+    if (failed) {
+        return NULL;
+    }
+    pending_tier_settle(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+pending_tier_held(PendingTier *self, void *Py_UNUSED(closure))
+{
+    Py_INCREF(self);
+    return (PyObject *)self;
+}
+
+static PyObject *
+pending_tier_pending(PendingTier *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(self->pending);
+}
+
+static PyMethodDef pending_tier_methods[] = {
+    {"hit_run", (PyCFunction)pending_tier_hit_run, METH_O, "How many leading keys are held and reachable."},
+    {"touch", (PyCFunction)pending_tier_touch, METH_O, "Count a touch of each held key that is not pending."},
+    {"store", (PyCFunction)(void (*)(void))pending_tier_store, METH_VARARGS | METH_KEYWORDS,
+     "store(keys, behind_gap=()): see MiniTier.store."},
+    {"store_admitted", (PyCFunction)(void (*)(void))pending_tier_store_admitted, METH_VARARGS | METH_KEYWORDS,
+     "store_admitted(keys, at, keep, gap): see MiniTier.store_admitted."},
+    {"held_among", (PyCFunction)pending_tier_held_among, METH_O, "The held keys among keys, in order."},
+    {"leading_held", (PyCFunction)pending_tier_leading_held, METH_O, "How many leading keys are held."},
+    {NULL, NULL, 0, NULL},
+};
+
+/* The counters every mini-tier type exposes, at the same offsets in each. */
+#define PENDING_TIER_COUNTERS                                                                          \
+    {"hits", T_DOUBLE, offsetof(PendingTier, hits), 0, "Hits, halved with the caller's window."},        \
+    {"writes", T_DOUBLE, offsetof(PendingTier, writes), 0, "Writes, halved with the caller's window."},  \
+    {"total_hits", T_LONGLONG, offsetof(PendingTier, total_hits), 0, "Hits since the start."},           \
+    {"total_writes", T_LONGLONG, offsetof(PendingTier, total_writes), 0, "Writes since the start."}
+
+/* The getters every such type shares, before its own ``memory_bytes``. */
+#define PENDING_TIER_GETTERS                                                                              \
+    {"held", (getter)pending_tier_held, NULL, "The tier itself: membership of held keys.", NULL},          \
+    {"capacity", recency_object_capacity, NULL, "Keys the tier holds at most.", NULL},                     \
+    {"pending", (getter)pending_tier_pending, NULL, "Whether a store's blocks stay pending until the next " \
+     "touch.", NULL}
+
+#endif
