@@ -24,8 +24,20 @@ setup(
             optional=True,
         ),
         Extension(
+            "kvoffload.admission._arc_tier",
+            ["src/kvoffload/admission/_arc_tier.c"],
+            depends=PENDING_TIER_HEADERS,
+            optional=True,
+        ),
+        Extension(
             "kvoffload.admission._sieve_tier",
             ["src/kvoffload/admission/_sieve_tier.c"],
+            depends=PENDING_TIER_HEADERS,
+            optional=True,
+        ),
+        Extension(
+            "kvoffload.admission._slru_tier",
+            ["src/kvoffload/admission/_slru_tier.c"],
             depends=PENDING_TIER_HEADERS,
             optional=True,
         ),

@@ -15,9 +15,11 @@ from kvoffload import OffloadKey, block_id_key, build_manager
 from kvoffload.admission import MiniSimulation, MiniTier, key_hashes, minisim
 from kvoffload.admission.minisim import (
     BYTES_PER_MINI_KEY,
+    CompiledARCMiniTier,
     CompiledLRUMiniTier,
     CompiledS3FIFOMiniTier,
     CompiledSIEVEMiniTier,
+    CompiledSLRUMiniTier,
     LRUMiniTier,
     S3FIFOMiniTier,
     mini_tier,
@@ -25,15 +27,19 @@ from kvoffload.admission.minisim import (
 from kvoffload.admission.optimiser import CANDIDATES, WHATIF_FACTORS
 from kvoffload.admission.sketch import _hashes
 from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.policies.arc import ARCCachePolicy
 from kvoffload.policies.base import CachePolicy
 from kvoffload.policies.lru import LRUCachePolicy
 from kvoffload.policies.s3fifo import S3FIFOCachePolicy
 from kvoffload.policies.sieve import SIEVECachePolicy
+from kvoffload.policies.slru import SLRUCachePolicy
 
 SPECIALISED = [
     (LRUCachePolicy, CompiledLRUMiniTier or LRUMiniTier),
     (S3FIFOCachePolicy, CompiledS3FIFOMiniTier or S3FIFOMiniTier),
+    pytest.param(ARCCachePolicy, CompiledARCMiniTier, marks=needs(CompiledARCMiniTier)),
     pytest.param(SIEVECachePolicy, CompiledSIEVEMiniTier, marks=needs(CompiledSIEVEMiniTier)),
+    pytest.param(SLRUCachePolicy, CompiledSLRUMiniTier, marks=needs(CompiledSLRUMiniTier)),
 ]
 LRU_TIERS = python_and_compiled(LRUMiniTier, CompiledLRUMiniTier)
 needs_compiled = needs(CompiledLRUMiniTier)
@@ -41,6 +47,8 @@ needs_compiled_s3fifo = needs(CompiledS3FIFOMiniTier)
 COMPILED_TOUCH_COUNTING = [
     pytest.param(CompiledS3FIFOMiniTier, marks=needs_compiled_s3fifo, id="s3fifo"),
     pytest.param(CompiledSIEVEMiniTier, marks=needs(CompiledSIEVEMiniTier), id="sieve"),
+    pytest.param(CompiledARCMiniTier, marks=needs(CompiledARCMiniTier), id="arc"),
+    pytest.param(CompiledSLRUMiniTier, marks=needs(CompiledSLRUMiniTier), id="slru"),
 ]
 
 
@@ -52,8 +60,9 @@ def test_a_specialised_mini_tier_decides_as_the_generic_one(
     """Seeded streams of touches, hit runs, stores (with and without gaps, of admitted
     parts) and the prefix reads over a few keys, so that evictions choose among touched,
     revived and unreachable keys; with and without a store's blocks pending until the next
-    touch. SIEVE's specialised tier is the compiled one alone (its Python reference is the
-    generic tier)."""
+    touch. ARC's, SIEVE's and SLRU's specialised tiers are the compiled ones alone (their
+    Python reference is the generic tier); ARC's adaptive target is compared after every
+    step."""
     for seed in range(200):
         rng = random.Random(seed)
         capacity = rng.randint(1, 10)
@@ -85,6 +94,8 @@ def test_a_specialised_mini_tier_decides_as_the_generic_one(
             assert [block_id_key(i) in fast for i in range(16)] == [
                 block_id_key(i) in generic for i in range(16)
             ]
+            if isinstance(generic.policy, ARCCachePolicy):
+                assert fast.target_t1_size == generic.policy.target_t1_size
         assert (fast.hits, fast.writes) == (generic.hits, generic.writes)
         assert fast.writes > capacity  # evictions happened
 
@@ -279,7 +290,7 @@ def test_the_compiled_lru_tier_refuses_bad_input_clearly() -> None:
     assert len(tier) == 0 and tier.total_writes == 0
 
 
-@pytest.mark.parametrize("policy", ["lru", "s3fifo", "sieve"])
+@pytest.mark.parametrize("policy", ["lru", "arc", "s3fifo", "sieve", "slru"])
 def test_the_optimiser_decides_the_same_over_compiled_and_pure_python_tiers(
     policy: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -292,6 +303,8 @@ def test_the_optimiser_decides_the_same_over_compiled_and_pure_python_tiers(
             monkeypatch.setattr(minisim, "CompiledLRUMiniTier", None)
             monkeypatch.setattr(minisim, "CompiledS3FIFOMiniTier", None)
             monkeypatch.setattr(minisim, "CompiledSIEVEMiniTier", None)
+            monkeypatch.setattr(minisim, "CompiledARCMiniTier", None)
+            monkeypatch.setattr(minisim, "CompiledSLRUMiniTier", None)
         manager = build_manager(300, policy, admission="recommended")
         rng = random.Random(7)
         roots = [[block_id_key(10**6 + 10 * r + i) for i in range(4)] for r in range(5)]

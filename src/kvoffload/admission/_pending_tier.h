@@ -1,10 +1,9 @@
-/* The compiled mini-tiers of the policies that count touches (S3-FIFO, SIEVE): what they
- * share, after the generic ``MiniTier`` over the policy object (``minisim.py``).
+/* The compiled mini-tiers of the policies that count touches (ARC, S3-FIFO, SIEVE, SLRU):
+ * what they share, after the generic ``MiniTier`` over the policy object (``minisim.py``).
  *
  * A store's blocks stay pending (FRESH) until the next touch or store when ``pending``,
  * a touch counts only for settled blocks, and a store evicts by the policy what its own
- * keys leave room for. The policy comes in through three hooks; everything else is here,
- * once.
+ * keys leave room for. The policy comes in through hooks; everything else is here, once.
  */
 #ifndef KVOFFLOAD_PENDING_TIER_H
 #define KVOFFLOAD_PENDING_TIER_H
@@ -13,7 +12,8 @@
 #include <structmember.h>
 
 #define FRESH 4u       /* written by the last store, pending until the touch after it */
-#define POLICY_FLAG 8u /* the policy's own mark (S3-FIFO: on the main queue; SIEVE: visited) */
+#define POLICY_FLAG 8u /* the policy's own mark (ARC: in T2; S3-FIFO: on the main queue;
+                          SIEVE: visited; SLRU: in the protected segment) */
 
 typedef struct PendingTier PendingTier;
 
@@ -23,8 +23,12 @@ typedef struct {
     /* A new key's node, just added as the newest on the table's own list; 0 or -1 (NULL:
      * nothing to do). */
     int (*place)(PendingTier *self, Py_ssize_t node);
-    /* A touch of a held, settled key. */
+    /* A touch of a held, settled key (NULL where ``touch`` is given). */
     void (*touched)(PendingTier *self, Py_ssize_t node);
+    /* A whole touch of ``n`` keys, before the last store's blocks settle, for a policy
+     * that also reads keys it does not hold or pending ones (ARC, SLRU); 0 or -1 (NULL:
+     * each held, settled key goes to ``touched``). */
+    int (*touch)(PendingTier *self, PyObject **keys, Py_ssize_t n);
 } PendingTierPolicy;
 
 struct PendingTier {
@@ -269,7 +273,10 @@ pending_tier_touch(PendingTier *self, PyObject *keys)
     PyObject **items = PySequence_Fast_ITEMS(fast);
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     int failed = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    if (self->policy->touch != NULL) {
+        failed = self->policy->touch(self, items, n) < 0;
+    }
+    for (Py_ssize_t i = 0; self->policy->touch == NULL && i < n; i++) {
         Py_ssize_t node = recency_find(&self->r, items[i], NULL);
         if (node == LOOKUP_FAILED) {
             failed = 1;

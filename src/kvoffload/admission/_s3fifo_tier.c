@@ -147,7 +147,7 @@ touched(PendingTier *tier, Py_ssize_t node)
     }
 }
 
-static const PendingTierPolicy s3fifo_policy = {evict, place, touched};
+static const PendingTierPolicy s3fifo_policy = {evict, place, touched, NULL};
 
 static PyObject *
 tier_memory_bytes(S3FIFOTier *self, void *Py_UNUSED(closure))

@@ -58,7 +58,7 @@ touched(PendingTier *tier, Py_ssize_t node)
     tier->flags[node] |= VISITED;
 }
 
-static const PendingTierPolicy sieve_policy = {evict, NULL, touched};
+static const PendingTierPolicy sieve_policy = {evict, NULL, touched, NULL};
 
 static PyObject *
 tier_memory_bytes(SIEVETier *self, void *Py_UNUSED(closure))

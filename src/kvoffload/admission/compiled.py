@@ -11,8 +11,10 @@ from importlib import import_module
 
 COMPILED_MODULES = (
     "_lru_tier",
+    "_arc_tier",
     "_s3fifo_tier",
     "_sieve_tier",
+    "_slru_tier",
     "_reuse_counts",
     "_ghost",
     "_sketch",

@@ -26,12 +26,15 @@ import numpy as np
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
+from kvoffload.policies.arc import ARCCachePolicy
 from kvoffload.policies.base import PENDING_STORE, BlockStatus, CachePolicy
 from kvoffload.policies.lru import LRUCachePolicy
 from kvoffload.policies.s3fifo import MAX_FREQ as S3FIFO_MAX_FREQ
 from kvoffload.policies.s3fifo import SMALL_SHARE as S3FIFO_SMALL_SHARE
 from kvoffload.policies.s3fifo import S3FIFOCachePolicy
 from kvoffload.policies.sieve import SIEVECachePolicy
+from kvoffload.policies.slru import PROTECTED_SHARE as SLRU_PROTECTED_SHARE
+from kvoffload.policies.slru import SLRUCachePolicy
 
 # Each compiled module is optional (installed without a C compiler: the Python twin runs).
 try:
@@ -43,9 +46,17 @@ try:
 except ImportError:
     S3FIFOTier = None  # type: ignore[assignment,misc]
 try:
+    from kvoffload.admission._arc_tier import ARCTier
+except ImportError:
+    ARCTier = None  # type: ignore[assignment,misc]
+try:
     from kvoffload.admission._sieve_tier import SIEVETier
 except ImportError:
     SIEVETier = None  # type: ignore[assignment,misc]
+try:
+    from kvoffload.admission._slru_tier import SLRUTier
+except ImportError:
+    SLRUTier = None  # type: ignore[assignment,misc]
 try:
     from kvoffload.admission._sketch import sampled_positions
 except ImportError:
@@ -563,6 +574,20 @@ if S3FIFOTier is not None:
     CompiledS3FIFOMiniTier = _CompiledS3FIFOMiniTier
 
 
+CompiledARCMiniTier: Callable[[int, bool], MiniTier] | None = None
+"""The generic tier over :class:`~kvoffload.policies.arc.ARCCachePolicy` in C
+(``_arc_tier.c``), where the package was built with a compiler; ``None`` where not."""
+if ARCTier is not None:
+
+    class _CompiledARCMiniTier(ARCTier, MiniTier):
+        """:class:`MiniTier` under ARC with every operation in C; its state lives in the C
+        object (no policy object, no status objects)."""
+
+        def __init__(self, capacity: int, pending: bool = True) -> None:
+            """Nothing to do: the C type's constructor made the tier."""
+
+    CompiledARCMiniTier = _CompiledARCMiniTier
+
 CompiledSIEVEMiniTier: Callable[[int, bool], MiniTier] | None = None
 """The generic tier over :class:`~kvoffload.policies.sieve.SIEVECachePolicy` in C
 (``_sieve_tier.c``), where the package was built with a compiler; ``None`` where not."""
@@ -577,21 +602,43 @@ if SIEVETier is not None:
 
     CompiledSIEVEMiniTier = _CompiledSIEVEMiniTier
 
+CompiledSLRUMiniTier: Callable[[int, bool], MiniTier] | None = None
+"""The generic tier over :class:`~kvoffload.policies.slru.SLRUCachePolicy` in C
+(``_slru_tier.c``), where the package was built with a compiler; ``None`` where not."""
+if SLRUTier is not None:
+
+    class _CompiledSLRUMiniTier(SLRUTier, MiniTier):
+        """:class:`MiniTier` under SLRU with every operation in C; its state lives in the C
+        object (no policy object, no status objects)."""
+
+        def __new__(cls, capacity: int, pending: bool = True) -> _CompiledSLRUMiniTier:
+            limit = max(1, int(capacity * SLRU_PROTECTED_SHARE))
+            return super().__new__(cls, capacity, pending, limit)
+
+        def __init__(self, capacity: int, pending: bool = True) -> None:
+            """Nothing to do: the C type's constructor made the tier."""
+
+    CompiledSLRUMiniTier = _CompiledSLRUMiniTier
+
 
 def mini_tier(
     capacity: int, policy: type[CachePolicy], generic: bool = False, pending: bool = True
 ) -> MiniTier:
-    """A mini-tier under ``policy``: a specialised one where there is one (LRU, S3-FIFO, and
-    SIEVE where compiled; compiled where built), unless ``generic``; ``pending``: see
-    :class:`MiniTier`."""
+    """A mini-tier under ``policy``: a specialised one (LRU, S3-FIFO; compiled where the
+    package was built, and then also ARC, SIEVE and SLRU), unless ``generic``; ``pending``:
+    see :class:`MiniTier`."""
     if generic:
         return MiniTier(capacity, policy, pending)
     if policy is LRUCachePolicy:
         return (CompiledLRUMiniTier or LRUMiniTier)(capacity)
     if policy is S3FIFOCachePolicy:
         return (CompiledS3FIFOMiniTier or S3FIFOMiniTier)(capacity, pending)
+    if policy is ARCCachePolicy and CompiledARCMiniTier is not None:
+        return CompiledARCMiniTier(capacity, pending)
     if policy is SIEVECachePolicy and CompiledSIEVEMiniTier is not None:
         return CompiledSIEVEMiniTier(capacity, pending)
+    if policy is SLRUCachePolicy and CompiledSLRUMiniTier is not None:
+        return CompiledSLRUMiniTier(capacity, pending)
     return MiniTier(capacity, policy, pending)
 
 
