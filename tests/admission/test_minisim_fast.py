@@ -69,34 +69,8 @@ def test_a_specialised_mini_tier_decides_as_the_generic_one(
         fast = mini_tier(capacity, policy, pending=pending)
         generic = MiniTier(capacity, policy, pending)
         assert type(fast) is fast_class
-        for _ in range(300):
-            keys = [block_id_key(rng.randrange(16)) for _ in range(rng.randint(0, 6))]
-            action = rng.random()
-            if action < 0.35:
-                fast.touch(keys)
-                generic.touch(keys)
-            elif action < 0.5:
-                assert fast.hit_run(keys) == generic.hit_run(keys)
-            elif action < 0.55:
-                request = some_keys(rng) + keys
-                assert fast.held_among(request) == generic.held_among(request)
-                assert fast.leading_held(request) == generic.leading_held(request)
-            elif action < 0.85:
-                behind = [rng.random() < 0.3 for _ in keys] if action < 0.75 else []
-                assert fast.store(keys, behind) == generic.store(keys, behind)
-            else:
-                at = [rng.choice([-1, rng.randrange(8)]) for _ in keys]
-                keep = None if rng.random() < 0.2 else {k for k in keys if rng.random() < 0.6}
-                gap = rng.randrange(8)
-                assert fast.store_admitted(keys, at, keep, gap) == generic.store_admitted(
-                    keys, at, keep, gap
-                )
-            assert [block_id_key(i) in fast for i in range(16)] == [
-                block_id_key(i) in generic for i in range(16)
-            ]
-            if isinstance(generic.policy, ARCCachePolicy):
-                assert fast.target_t1_size == generic.policy.target_t1_size
-        assert (fast.hits, fast.writes) == (generic.hits, generic.writes)
+        arc = isinstance(generic.policy, ARCCachePolicy)
+        same_decisions(generic, fast, rng, 300, 16, arc)
         assert fast.writes > capacity  # evictions happened
 
 
@@ -141,6 +115,55 @@ def pick_admitted(rng: random.Random, offered: list[OffloadKey]) -> list[Offload
     if choice < 0.4:
         return rng.sample(offered, rng.randint(0, len(offered)))
     return [key for key in offered if rng.random() < 0.6]
+
+
+def same_decisions(
+    reference: MiniTier,
+    tier: MiniTier,
+    rng: random.Random,
+    steps: int,
+    universe: int,
+    arc_target: bool = False,
+) -> None:
+    """Drive both tiers with one seeded stream of what the worlds and mini-simulations do to
+    a tier without a request to protect (touches, hit runs, stores with and without gaps,
+    admitted parts with ``at`` and ``keep``, the held keys among a request and its held
+    prefix) over ``universe`` keys: the same answers and held keys after every step (and
+    ARC's adaptive target, with ``arc_target``), the same counts at the end."""
+    keys_seen = [block_id_key(i) for i in range(universe)]
+    for _ in range(steps):
+        keys = [block_id_key(rng.randrange(universe)) for _ in range(rng.randint(0, 7))]
+        action = rng.random()
+        if action < 0.3:
+            reference.touch(keys)
+            tier.touch(keys)
+        elif action < 0.45:
+            assert reference.hit_run(keys) == tier.hit_run(keys)
+        elif action < 0.5:
+            request = some_keys(rng) + keys
+            assert reference.held_among(request) == tier.held_among(request)
+            assert reference.leading_held(request) == tier.leading_held(request)
+        elif action < 0.8:
+            behind = [rng.random() < 0.3 for _ in keys] if action < 0.7 else []
+            assert reference.store(keys, behind) == tier.store(keys, behind)
+        else:
+            at = [rng.choice([-1, rng.randrange(10)]) for _ in keys]
+            keep = None if rng.random() < 0.2 else {k for k in keys if rng.random() < 0.6}
+            gap = rng.randrange(10)
+            assert reference.store_admitted(keys, at, keep, gap) == tier.store_admitted(
+                keys, at, keep, gap
+            )
+        assert len(reference) == len(tier)
+        assert [key in reference for key in keys_seen] == [key in tier for key in keys_seen]
+        if arc_target:
+            policy = reference.policy
+            assert tier.target_t1_size == policy.target_t1_size
+    assert (reference.hits, reference.writes, reference.total_hits, reference.total_writes) == (
+        tier.hits,
+        tier.writes,
+        tier.total_hits,
+        tier.total_writes,
+    )
 
 
 @needs_compiled
@@ -207,42 +230,13 @@ def test_the_compiled_s3fifo_tier_decides_as_the_pure_python_one(pending: bool) 
     main queue's reinsertion are exercised: the same answers, held keys and counts after
     every step."""
     assert CompiledS3FIFOMiniTier is not None
-    universe = [block_id_key(i) for i in range(20)]
     for seed in range(400):
         rng = random.Random(seed)
         capacity = rng.randint(1, 12)
         python = S3FIFOMiniTier(capacity, pending)
         compiled = CompiledS3FIFOMiniTier(capacity, pending)
         assert (compiled.small_target, compiled.pending) == (python.small_target, pending)
-        for _ in range(200):
-            offered, action = some_keys(rng), rng.random()
-            if action < 0.3:
-                python.touch(offered)
-                compiled.touch(offered)
-            elif action < 0.45:
-                assert python.hit_run(offered) == compiled.hit_run(offered)
-            elif action < 0.5:
-                request = some_keys(rng) + offered
-                assert python.held_among(request) == compiled.held_among(request)
-                assert python.leading_held(request) == compiled.leading_held(request)
-            elif action < 0.75:
-                gaps = [rng.random() < 0.3 for _ in offered] if rng.random() < 0.5 else []
-                assert python.store(offered, gaps) == compiled.store(offered, gaps)
-            else:
-                at = [rng.choice([-1, rng.randrange(10)]) for _ in offered]
-                keep = None if rng.random() < 0.2 else {k for k in offered if rng.random() < 0.6}
-                gap = rng.randrange(10)
-                assert python.store_admitted(offered, at, keep, gap) == compiled.store_admitted(
-                    offered, at, keep, gap
-                )
-            assert len(python) == len(compiled)
-            assert [key in python for key in universe] == [key in compiled for key in universe]
-        assert (python.hits, python.writes, python.total_hits, python.total_writes) == (
-            compiled.hits,
-            compiled.writes,
-            compiled.total_hits,
-            compiled.total_writes,
-        )
+        same_decisions(python, compiled, rng, 200, 20)
         assert python.total_writes > capacity  # evictions happened
 
 

@@ -211,7 +211,7 @@ tier_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 }
 
 static PyMemberDef tier_members[] = {
-    PENDING_TIER_COUNTERS,
+    MINI_TIER_COUNTERS,
     {NULL, 0, 0, 0, NULL},
 };
 

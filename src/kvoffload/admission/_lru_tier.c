@@ -11,19 +11,14 @@
  * each step is there); ``tests/admission/test_minisim_fast.py`` holds the two equal.
  */
 #include "_mini_tier.h"
-#include <structmember.h>
 
 typedef struct {
-    PyObject_HEAD
-    Recency r;
-    unsigned char *flags;       /* per node */
+    MINI_TIER_FIELDS            /* flags per node: DEAD, PROTECTED */
     /* Scratch for one call: a store's new keys (and the offered keys it stores), the keys
      * a candidate admitted, and the nodes a store protected. */
     NewKeys fresh;
     KeySet admitted;
     MarkedNodes guarded;
-    double hits, writes;
-    long long total_hits, total_writes;
 } LRUTier;
 
 static int
@@ -292,31 +287,6 @@ done:
 }
 
 static PyObject *
-tier_held_among(LRUTier *self, PyObject *keys)
-{
-    return held_among(&self->r, keys);
-}
-
-static PyObject *
-tier_leading_held(LRUTier *self, PyObject *keys)
-{
-    Py_ssize_t run = leading_run(&self->r, self->flags, keys, 0);
-    return run < 0 ? NULL : PyLong_FromSsize_t(run);
-}
-
-static PyObject *
-tier_hit_run(LRUTier *self, PyObject *keys)
-{
-    Py_ssize_t run = leading_run(&self->r, self->flags, keys, DEAD);
-    if (run < 0) {
-        return NULL;
-    }
-    self->hits += (double)run;
-    self->total_hits += run;
-    return PyLong_FromSsize_t(run);
-}
-
-static PyObject *
 tier_touch(LRUTier *self, PyObject *keys)
 {
     PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
@@ -345,13 +315,6 @@ tier_unreachable(LRUTier *self, PyObject *key)
         return NULL;
     }
     return PyBool_FromLong(node != NONE && (self->flags[node] & DEAD));
-}
-
-static PyObject *
-tier_held(LRUTier *self, void *Py_UNUSED(closure))
-{
-    Py_INCREF(self);
-    return (PyObject *)self;
 }
 
 static void
@@ -395,7 +358,7 @@ tier_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 }
 
 static PyMethodDef tier_methods[] = {
-    {"hit_run", (PyCFunction)tier_hit_run, METH_O, "How many leading keys are held and reachable."},
+    MINI_TIER_METHODS,
     {"touch", (PyCFunction)tier_touch, METH_O, "Make the held keys recent, the first most recent."},
     {"store", (PyCFunction)(void (*)(void))tier_store, METH_VARARGS | METH_KEYWORDS,
      "store(keys, behind_gap=(), request=()): see LRUMiniTier.store."},
@@ -403,18 +366,13 @@ static PyMethodDef tier_methods[] = {
      "store_admitted(keys, at, keep, gap, request=()): see LRUMiniTier.store_admitted."},
     {"store_offer", (PyCFunction)(void (*)(void))tier_store_offer, METH_VARARGS | METH_KEYWORDS,
      "store_offer(offered, admitted, request=()): see LRUMiniTier.store_offer."},
-    {"held_among", (PyCFunction)tier_held_among, METH_O, "The held keys among keys, in order."},
-    {"leading_held", (PyCFunction)tier_leading_held, METH_O, "How many leading keys are held."},
     {"in_order", (PyCFunction)tier_in_order, METH_NOARGS, "The held keys, least recent first."},
     {"unreachable", (PyCFunction)tier_unreachable, METH_O, "Whether a held key is behind a gap."},
     {NULL, NULL, 0, NULL},
 };
 
 static PyMemberDef tier_members[] = {
-    {"hits", T_DOUBLE, offsetof(LRUTier, hits), 0, "Hits, halved with the caller's window."},
-    {"writes", T_DOUBLE, offsetof(LRUTier, writes), 0, "Writes, halved with the caller's window."},
-    {"total_hits", T_LONGLONG, offsetof(LRUTier, total_hits), 0, "Hits since the start."},
-    {"total_writes", T_LONGLONG, offsetof(LRUTier, total_writes), 0, "Writes since the start."},
+    MINI_TIER_COUNTERS,
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -425,8 +383,7 @@ tier_memory_bytes(LRUTier *self, void *Py_UNUSED(closure))
 }
 
 static PyGetSetDef tier_getset[] = {
-    {"held", (getter)tier_held, NULL, "The tier itself: membership of held keys.", NULL},
-    {"capacity", recency_object_capacity, NULL, "Keys the tier holds at most.", NULL},
+    MINI_TIER_GETTERS,
     {"memory_bytes", (getter)tier_memory_bytes, NULL, "Bytes of the tier's arrays.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

@@ -9,9 +9,24 @@
 #define KVOFFLOAD_MINI_TIER_H
 
 #include "_recency.h"
+#include <structmember.h>
 
 #define DEAD 1u       /* written behind a gap: unreachable by a prefix lookup */
 #define PROTECTED 2u  /* may not be evicted by the store in progress */
+
+/* The fields every compiled mini-tier starts with, in this order, so that a pointer to any
+ * of them is a pointer to a MiniTierObject (the initial-sequence idiom of PyObject_HEAD
+ * itself): the held keys (first, as RecencyObject's), a flag per node, and the counters. */
+#define MINI_TIER_FIELDS          \
+    PyObject_HEAD                 \
+    Recency r;                    \
+    unsigned char *flags;         \
+    double hits, writes;          \
+    long long total_hits, total_writes;
+
+typedef struct {
+    MINI_TIER_FIELDS
+} MiniTierObject;
 
 /* A store's distinct new keys in order (borrowed), each with its unreachable mark, and
  * room for the keys it stores (``stored``), all grown once and reused. */
@@ -155,5 +170,53 @@ held_among(Recency *r, PyObject *keys)
     Py_DECREF(fast);
     return result;
 }
+
+static PyObject *
+mini_tier_hit_run(MiniTierObject *self, PyObject *keys)
+{
+    Py_ssize_t run = leading_run(&self->r, self->flags, keys, DEAD);
+    if (run < 0) {
+        return NULL;
+    }
+    self->hits += (double)run;
+    self->total_hits += run;
+    return PyLong_FromSsize_t(run);
+}
+
+static PyObject *
+mini_tier_leading_held(MiniTierObject *self, PyObject *keys)
+{
+    Py_ssize_t run = leading_run(&self->r, self->flags, keys, 0);
+    return run < 0 ? NULL : PyLong_FromSsize_t(run);
+}
+
+static PyObject *
+mini_tier_held_among(MiniTierObject *self, PyObject *keys)
+{
+    return held_among(&self->r, keys);
+}
+
+static PyObject *
+mini_tier_held(MiniTierObject *self, void *Py_UNUSED(closure))
+{
+    Py_INCREF(self);
+    return (PyObject *)self;
+}
+
+/* The method-table entries, members and getters every mini-tier type shares. */
+#define MINI_TIER_METHODS                                                                          \
+    {"hit_run", (PyCFunction)mini_tier_hit_run, METH_O, "How many leading keys are held and reachable."}, \
+    {"held_among", (PyCFunction)mini_tier_held_among, METH_O, "The held keys among keys, in order."},    \
+    {"leading_held", (PyCFunction)mini_tier_leading_held, METH_O, "How many leading keys are held."}
+
+#define MINI_TIER_COUNTERS                                                                           \
+    {"hits", T_DOUBLE, offsetof(MiniTierObject, hits), 0, "Hits, halved with the caller's window."},       \
+    {"writes", T_DOUBLE, offsetof(MiniTierObject, writes), 0, "Writes, halved with the caller's window."}, \
+    {"total_hits", T_LONGLONG, offsetof(MiniTierObject, total_hits), 0, "Hits since the start."},          \
+    {"total_writes", T_LONGLONG, offsetof(MiniTierObject, total_writes), 0, "Writes since the start."}
+
+#define MINI_TIER_GETTERS                                                                     \
+    {"held", (getter)mini_tier_held, NULL, "The tier itself: membership of held keys.", NULL}, \
+    {"capacity", recency_object_capacity, NULL, "Keys the tier holds at most.", NULL}
 
 #endif

@@ -9,7 +9,6 @@
 #define KVOFFLOAD_PENDING_TIER_H
 
 #include "_mini_tier.h"
-#include <structmember.h>
 
 #define FRESH 4u       /* written by the last store, pending until the touch after it */
 #define POLICY_FLAG 8u /* the policy's own mark (ARC: in T2; S3-FIFO: on the main queue;
@@ -32,16 +31,12 @@ typedef struct {
 } PendingTierPolicy;
 
 struct PendingTier {
-    PyObject_HEAD
-    Recency r;                       /* the held keys (first, as RecencyObject's) */
-    unsigned char *flags;            /* per node: DEAD, PROTECTED, FRESH, POLICY_FLAG */
+    MINI_TIER_FIELDS                 /* flags per node: DEAD, PROTECTED, FRESH, POLICY_FLAG */
     const PendingTierPolicy *policy;
     int pending;
     NewKeys fresh;                   /* scratch: a store's new keys */
     MarkedNodes guarded;             /* the nodes a store protected */
     MarkedNodes unsettled;           /* the last store's nodes, while FRESH */
-    double hits, writes;
-    long long total_hits, total_writes;
 };
 
 /* 0, or -1 with MemoryError set (the caller then frees with pending_tier_free). */
@@ -236,31 +231,6 @@ done:
     return written < 0 ? NULL : PyLong_FromSsize_t(written);
 }
 
-static PyObject *
-pending_tier_hit_run(PendingTier *self, PyObject *keys)
-{
-    Py_ssize_t run = leading_run(&self->r, self->flags, keys, DEAD);
-    if (run < 0) {
-        return NULL;
-    }
-    self->hits += (double)run;
-    self->total_hits += run;
-    return PyLong_FromSsize_t(run);
-}
-
-static PyObject *
-pending_tier_leading_held(PendingTier *self, PyObject *keys)
-{
-    Py_ssize_t run = leading_run(&self->r, self->flags, keys, 0);
-    return run < 0 ? NULL : PyLong_FromSsize_t(run);
-}
-
-static PyObject *
-pending_tier_held_among(PendingTier *self, PyObject *keys)
-{
-    return held_among(&self->r, keys);
-}
-
 /* Count a touch of every held key that is not pending; then the last store's blocks are
  * settled. */
 static PyObject *
@@ -295,42 +265,24 @@ pending_tier_touch(PendingTier *self, PyObject *keys)
 }
 
 static PyObject *
-pending_tier_held(PendingTier *self, void *Py_UNUSED(closure))
-{
-    Py_INCREF(self);
-    return (PyObject *)self;
-}
-
-static PyObject *
 pending_tier_pending(PendingTier *self, void *Py_UNUSED(closure))
 {
     return PyBool_FromLong(self->pending);
 }
 
 static PyMethodDef pending_tier_methods[] = {
-    {"hit_run", (PyCFunction)pending_tier_hit_run, METH_O, "How many leading keys are held and reachable."},
+    MINI_TIER_METHODS,
     {"touch", (PyCFunction)pending_tier_touch, METH_O, "Count a touch of each held key that is not pending."},
     {"store", (PyCFunction)(void (*)(void))pending_tier_store, METH_VARARGS | METH_KEYWORDS,
      "store(keys, behind_gap=()): see MiniTier.store."},
     {"store_admitted", (PyCFunction)(void (*)(void))pending_tier_store_admitted, METH_VARARGS | METH_KEYWORDS,
      "store_admitted(keys, at, keep, gap): see MiniTier.store_admitted."},
-    {"held_among", (PyCFunction)pending_tier_held_among, METH_O, "The held keys among keys, in order."},
-    {"leading_held", (PyCFunction)pending_tier_leading_held, METH_O, "How many leading keys are held."},
     {NULL, NULL, 0, NULL},
 };
 
-/* The counters every mini-tier type exposes, at the same offsets in each. */
-#define PENDING_TIER_COUNTERS                                                                          \
-    {"hits", T_DOUBLE, offsetof(PendingTier, hits), 0, "Hits, halved with the caller's window."},        \
-    {"writes", T_DOUBLE, offsetof(PendingTier, writes), 0, "Writes, halved with the caller's window."},  \
-    {"total_hits", T_LONGLONG, offsetof(PendingTier, total_hits), 0, "Hits since the start."},           \
-    {"total_writes", T_LONGLONG, offsetof(PendingTier, total_writes), 0, "Writes since the start."}
-
 /* The getters every such type shares, before its own ``memory_bytes``. */
-#define PENDING_TIER_GETTERS                                                                              \
-    {"held", (getter)pending_tier_held, NULL, "The tier itself: membership of held keys.", NULL},          \
-    {"capacity", recency_object_capacity, NULL, "Keys the tier holds at most.", NULL},                     \
-    {"pending", (getter)pending_tier_pending, NULL, "Whether a store's blocks stay pending until the next " \
-     "touch.", NULL}
+#define PENDING_TIER_GETTERS \
+    MINI_TIER_GETTERS,       \
+    {"pending", (getter)pending_tier_pending, NULL, "Whether a store's blocks stay pending until the next touch.", NULL}
 
 #endif

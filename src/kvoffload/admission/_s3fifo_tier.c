@@ -199,7 +199,7 @@ tier_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 }
 
 static PyMemberDef tier_members[] = {
-    PENDING_TIER_COUNTERS,
+    MINI_TIER_COUNTERS,
     {"small_target", T_PYSSIZET, offsetof(S3FIFOTier, small_target), READONLY,
      "Keys the small queue holds before it evicts first."},
     {NULL, 0, 0, 0, NULL},

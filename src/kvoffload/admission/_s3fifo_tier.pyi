@@ -1,35 +1,13 @@
-from collections.abc import Container, Sequence
-
 from typing_extensions import Self
 
-from kvoffload.core.keys import OffloadKey
-
 class S3FIFOTier:
-    """An S3-FIFO mini-tier of ``capacity`` keys in C (see ``minisim.S3FIFOMiniTier``)."""
+    """An S3-FIFO mini-tier of ``capacity`` keys in C.
 
-    capacity: int
-    hits: float
-    writes: float
-    total_hits: int
-    total_writes: int
+    Its operations (the store, touch, hit run and prefix reads, the counters, ``held``,
+    ``capacity``, ``memory_bytes``) are those of
+    ``minisim.S3FIFOMiniTier``, the Python class the compiled subclass mixes it into, and
+    are declared there once.
+    """
+
     small_target: int
-    pending: bool
     def __new__(cls, capacity: int, pending: bool, small_target: int, max_freq: int) -> Self: ...
-    def __len__(self) -> int: ...
-    @property
-    def memory_bytes(self) -> int: ...
-    def __contains__(self, key: object) -> bool: ...
-    @property
-    def held(self) -> Container[OffloadKey]: ...
-    def hit_run(self, keys: Sequence[OffloadKey]) -> int: ...
-    def touch(self, keys: Sequence[OffloadKey]) -> None: ...
-    def store(self, keys: Sequence[OffloadKey], behind_gap: Sequence[bool] = ()) -> int: ...
-    def store_admitted(
-        self,
-        keys: Sequence[OffloadKey],
-        at: Sequence[int],
-        keep: Container[OffloadKey] | None,
-        gap: int,
-    ) -> int: ...
-    def held_among(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]: ...
-    def leading_held(self, keys: Sequence[OffloadKey]) -> int: ...

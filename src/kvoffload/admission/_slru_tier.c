@@ -140,7 +140,7 @@ tier_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 }
 
 static PyMemberDef tier_members[] = {
-    PENDING_TIER_COUNTERS,
+    MINI_TIER_COUNTERS,
     {"protected_limit", T_PYSSIZET, offsetof(SLRUTier, protected_limit), READONLY,
      "Keys the protected segment holds at most."},
     {NULL, 0, 0, 0, NULL},
