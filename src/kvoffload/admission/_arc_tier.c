@@ -22,18 +22,6 @@ typedef struct {
     double target_t1_size;
 } ARCTier;
 
-/* Remember ``node``'s key in ``ghost``, its oldest leaving where it is full (the policy
- * trims each ghost to capacity after the eviction: the same keys stay, as nothing reads
- * the ghosts in between). */
-static int
-to_ghost(ARCTier *self, Recency *ghost, Py_ssize_t node)
-{
-    if (ghost->size == ghost->capacity && recency_remove(ghost, ghost->oldest) < 0) {
-        return -1;
-    }
-    return recency_add(ghost, self->tier.r.key[node], self->tier.r.hash[node]) < 0 ? -1 : 0;
-}
-
 /* Evict up to ``quota`` unprotected keys of T1 from ``*cursor`` on (the oldest first),
  * leaving ``*cursor`` after the last one taken (``take_evictable`` consumes no further);
  * how many, or -1. */
@@ -46,7 +34,7 @@ take_from_t1(ARCTier *self, Py_ssize_t *cursor, Py_ssize_t quota)
         Py_ssize_t node = *cursor;
         *cursor = r->next[node];
         if (!(self->tier.flags[node] & PROTECTED)) {
-            if (to_ghost(self, &self->b1, node) < 0 || recency_remove(r, node) < 0) {
+            if (ghost_remember(&self->tier, &self->b1, node) < 0 || recency_remove(r, node) < 0) {
                 return -1;
             }
             taken++;
@@ -75,7 +63,7 @@ evict(PendingTier *tier, Py_ssize_t n)
         if (!(tier->flags[node] & PROTECTED)) {
             list_unlink(r, &self->t2_oldest, &self->t2_newest, node);
             self->t2_len--;
-            if (to_ghost(self, &self->b2, node) < 0 || recency_forget(r, node) < 0) {
+            if (ghost_remember(&self->tier, &self->b2, node) < 0 || recency_forget(r, node) < 0) {
                 return -1;
             }
             n--;
@@ -90,20 +78,11 @@ static int
 place(PendingTier *tier, Py_ssize_t node)
 {
     ARCTier *self = (ARCTier *)tier;
-    Recency *ghosts[2] = {&self->b1, &self->b2};
-    for (int i = 0; i < 2; i++) {
-        if (ghosts[i]->size == 0) {
-            continue;
-        }
-        Py_ssize_t ghost = recency_find(ghosts[i], tier->r.key[node], NULL);
-        if (ghost == LOOKUP_FAILED) {
-            return -1;
-        }
-        if (ghost != NONE) {
-            return recency_remove(ghosts[i], ghost);
-        }
+    int found = ghost_forget(tier, &self->b1, node);
+    if (found == 0) {
+        found = ghost_forget(tier, &self->b2, node);
     }
-    return 0;
+    return found < 0 ? -1 : 0;
 }
 
 /* ``ARCCachePolicy.touch``, the last key first: a settled T1 key moves to T2, a pending

@@ -179,18 +179,13 @@ tier_store_admitted(LRUTier *self, PyObject *args, PyObject *kwargs)
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t j = PyLong_AsSsize_t(at_items[i]);
-        if (j == -1 && PyErr_Occurred()) {
+        Py_ssize_t j;
+        int stored_here = admitted_stored(at_items[i], keep, key_items[i], &j);
+        if (stored_here < 0) {
             goto done;
         }
-        if (j >= 0) {
-            int kept = PySequence_Contains(keep, key_items[i]);
-            if (kept < 0) {
-                goto done;
-            }
-            if (!kept) {
-                continue;
-            }
+        if (!stored_here) {
+            continue;
         }
         self->fresh.stored[n_stored++] = key_items[i];
         Py_hash_t hash;

@@ -105,6 +105,19 @@ protect_held(Recency *r, unsigned char *flags, MarkedNodes *guarded, PyObject **
     return marked;
 }
 
+/* Whether ``store_admitted`` stores ``key``: the real tier served it (``at_item`` -1) or
+ * ``keep`` holds it; its offer index goes to ``*at``. 1, 0, or -1 with an exception set. */
+static inline int
+admitted_stored(PyObject *at_item, PyObject *keep, PyObject *key, Py_ssize_t *at)
+{
+    Py_ssize_t j = PyLong_AsSsize_t(at_item);
+    if (j == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    *at = j;
+    return j < 0 ? 1 : PySequence_Contains(keep, key);
+}
+
 /* A sequence argument as a borrowed item array (``*holder`` owns it; NULL for absent). */
 static inline int
 as_items(PyObject *arg, const char *what, PyObject **holder, PyObject ***items, Py_ssize_t *n)

@@ -104,6 +104,33 @@ pending_tier_insert(PendingTier *self, PyObject **keys, Py_ssize_t n)
     return written;
 }
 
+/* Remember held ``node``'s key in ``ghost`` (a table of evicted keys, oldest first), its
+ * oldest key leaving where it is full. The policies trim a ghost to its capacity after the
+ * whole eviction loop; the same keys stay, as nothing reads a ghost in between. */
+static inline int
+ghost_remember(PendingTier *self, Recency *ghost, Py_ssize_t node)
+{
+    if (ghost->size == ghost->capacity && recency_remove(ghost, ghost->oldest) < 0) {
+        return -1;
+    }
+    return recency_add(ghost, self->r.key[node], self->r.hash[node]) < 0 ? -1 : 0;
+}
+
+/* Forget held ``node``'s key in ``ghost``: 1 if it was there, 0 if not, -1 on error. */
+static inline int
+ghost_forget(PendingTier *self, Recency *ghost, Py_ssize_t node)
+{
+    if (ghost->size == 0) {
+        return 0;
+    }
+    int found;
+    Py_ssize_t slot = recency_slot(ghost, self->r.key[node], self->r.hash[node], &found);
+    if (slot < 0 || (found && recency_remove(ghost, ghost->table[slot]) < 0)) {
+        return -1;
+    }
+    return found;
+}
+
 /* ``store`` over ``n`` keys, each behind the gap where ``behind`` (NULL: none) says. */
 static inline Py_ssize_t
 pending_tier_store_items(PendingTier *self, PyObject **keys, const unsigned char *behind, Py_ssize_t n)
@@ -208,18 +235,13 @@ pending_tier_store_admitted(PendingTier *self, PyObject *args, PyObject *kwargs)
     }
     PyObject **stored = self->fresh.stored;
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t j = PyLong_AsSsize_t(at_items[i]);
-        if (j == -1 && PyErr_Occurred()) {
+        Py_ssize_t j;
+        int stored_here = admitted_stored(at_items[i], keep, key_items[i], &j);
+        if (stored_here < 0) {
             goto done;
         }
-        if (j >= 0) {
-            int kept = PySequence_Contains(keep, key_items[i]);
-            if (kept < 0) {
-                goto done;
-            }
-            if (!kept) {
-                continue;
-            }
+        if (!stored_here) {
+            continue;
         }
         behind[n_stored] = (unsigned char)(j > gap);
         stored[n_stored++] = key_items[i];

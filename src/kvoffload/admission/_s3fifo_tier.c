@@ -25,19 +25,6 @@ typedef struct {
     int max_freq;
 } S3FIFOTier;
 
-/* Remember ``node``'s key among the small queue's victims, the oldest one leaving where
- * the ghost is full (the Python tier trims it to capacity after the eviction loop: the
- * same keys stay, as nothing reads the ghost in between). */
-static int
-to_ghost(S3FIFOTier *self, Py_ssize_t node)
-{
-    Recency *ghost = &self->ghost;
-    if (ghost->size == ghost->capacity && recency_remove(ghost, ghost->oldest) < 0) {
-        return -1;
-    }
-    return recency_add(ghost, self->tier.r.key[node], self->tier.r.hash[node]) < 0 ? -1 : 0;
-}
-
 /* One pass over the small queue (``_from_small``): a protected key goes back, a touched
  * one moves to main with its count reset, the first untouched one leaves for the ghost.
  * 1 if a key left, 0 if none did, -1 on error. */
@@ -58,7 +45,7 @@ from_small(S3FIFOTier *self)
             list_append(r, &self->main_oldest, &self->main_newest, node);
             self->main_len++;
         } else {
-            return to_ghost(self, node) < 0 || recency_forget(r, node) < 0 ? -1 : 1;
+            return ghost_remember(&self->tier, &self->ghost, node) < 0 || recency_forget(r, node) < 0 ? -1 : 1;
         }
     }
     return 0;
@@ -124,9 +111,8 @@ place(PendingTier *tier, Py_ssize_t node)
     S3FIFOTier *self = (S3FIFOTier *)tier;
     Recency *r = &tier->r;
     self->freq[node] = 0;
-    int found;
-    Py_ssize_t slot = recency_slot(&self->ghost, r->key[node], r->hash[node], &found);
-    if (slot < 0 || (found && recency_remove(&self->ghost, self->ghost.table[slot]) < 0)) {
+    int found = ghost_forget(tier, &self->ghost, node);
+    if (found < 0) {
         return -1;
     }
     if (found) {
