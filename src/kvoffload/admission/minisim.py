@@ -30,11 +30,11 @@ from kvoffload.policies.arc import ARCCachePolicy
 from kvoffload.policies.base import PENDING_STORE, BlockStatus, CachePolicy
 from kvoffload.policies.lru import LRUCachePolicy
 from kvoffload.policies.s3fifo import MAX_FREQ as S3FIFO_MAX_FREQ
-from kvoffload.policies.s3fifo import SMALL_SHARE as S3FIFO_SMALL_SHARE
 from kvoffload.policies.s3fifo import S3FIFOCachePolicy
+from kvoffload.policies.s3fifo import small_target as s3fifo_small_target
 from kvoffload.policies.sieve import SIEVECachePolicy
-from kvoffload.policies.slru import PROTECTED_SHARE as SLRU_PROTECTED_SHARE
 from kvoffload.policies.slru import SLRUCachePolicy
+from kvoffload.policies.slru import protected_limit as slru_protected_limit
 
 # Each compiled module is optional (installed without a C compiler: the Python twin runs).
 try:
@@ -443,7 +443,7 @@ class S3FIFOMiniTier(MiniTier):
 
     def __init__(self, capacity: int, pending: bool = True) -> None:
         self._start(capacity, pending)
-        self.small_target = max(1, int(capacity * S3FIFO_SMALL_SHARE))
+        self.small_target = s3fifo_small_target(capacity)
         self._small: OrderedDict[OffloadKey, None] = OrderedDict()
         self._main: OrderedDict[OffloadKey, None] = OrderedDict()
         self._ghost: OrderedDict[OffloadKey, None] = OrderedDict()
@@ -565,7 +565,7 @@ if S3FIFOTier is not None:
         """:class:`S3FIFOMiniTier` with every operation in C; its state lives in the C object."""
 
         def __new__(cls, capacity: int, pending: bool = True) -> _CompiledS3FIFOMiniTier:
-            small_target = max(1, int(capacity * S3FIFO_SMALL_SHARE))
+            small_target = s3fifo_small_target(capacity)
             return super().__new__(cls, capacity, pending, small_target, S3FIFO_MAX_FREQ)
 
         def __init__(self, capacity: int, pending: bool = True) -> None:
@@ -612,8 +612,7 @@ if SLRUTier is not None:
         object (no policy object, no status objects)."""
 
         def __new__(cls, capacity: int, pending: bool = True) -> _CompiledSLRUMiniTier:
-            limit = max(1, int(capacity * SLRU_PROTECTED_SHARE))
-            return super().__new__(cls, capacity, pending, limit)
+            return super().__new__(cls, capacity, pending, slru_protected_limit(capacity))
 
         def __init__(self, capacity: int, pending: bool = True) -> None:
             """Nothing to do: the C type's constructor made the tier."""

@@ -22,13 +22,19 @@ MAX_FREQ = 3
 SMALL_SHARE = 0.1
 
 
+def small_target(capacity: int) -> int:
+    """Blocks the small queue of a ``capacity``-block tier holds before it evicts first
+    (the mini-tiers that mirror the policy size theirs the same way)."""
+    return max(1, int(capacity * SMALL_SHARE))
+
+
 @register_cache_policy("s3fifo")
 class S3FIFOCachePolicy(CachePolicy):
     """Small FIFO for newcomers, main FIFO with reinsertion, ghost of small's victims."""
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self.small_target = max(1, int(capacity * SMALL_SHARE))
+        self.small_target = small_target(capacity)
         self.small: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
         self.main: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
         self.freq: dict[OffloadKey, int] = {}

@@ -21,13 +21,19 @@ from kvoffload.policies.registry import register_cache_policy
 PROTECTED_SHARE = 0.8
 
 
+def protected_limit(capacity: int) -> int:
+    """Blocks the protected segment of a ``capacity``-block tier holds at most (the
+    mini-tiers that mirror the policy size theirs the same way)."""
+    return max(1, int(capacity * PROTECTED_SHARE))
+
+
 @register_cache_policy("slru")
 class SLRUCachePolicy(CachePolicy):
     """Probation and protected LRU segments; eviction drains probation first."""
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self.protected_limit = max(1, int(capacity * PROTECTED_SHARE))
+        self.protected_limit = protected_limit(capacity)
         self.probation: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
         self.protected: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
 
