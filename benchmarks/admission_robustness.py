@@ -19,7 +19,15 @@ A shape varies what the table holds fixed:
   (x0.25-x4, i.e. compressed or stretched), a random subsample of its
   requests, or its first or second half (skipped, with a note, when the
   trace is absent);
-* for both: the offload tier at 3%-40% of the workload's unique blocks and
+* with ``--family chat``, traffic of the kind of the held-out real chat trace
+  instead (``longchat``: one system prompt, long pastes, most blocks used
+  once, reuse minutes apart), with every knob of its shape drawn
+  (:class:`ChatShape`: the one-turn share 0.3-0.8, the medians of a paste,
+  a first and a later message, of the turns past the second and of the gap
+  between turns), 1-8 requests/s, 2,000-12,000 requests, blocks of 256 or
+  512 tokens, and in two shapes of five a second kind at 10-40% of the
+  requests;
+* for all: the offload tier at 3%-40% of the workload's unique blocks and
   the GPU prefix cache at 1%-5% (at least the largest request), both
   log-uniform.
 
@@ -31,7 +39,8 @@ margin is also given in tier-fulls of hits (margin x references / tier blocks):
 the unit of ``admission_lower_bound.py``, where any online rule can be made to
 miss half a tier-full, whatever the run's length.
 
-    python benchmarks/admission_robustness.py [--shapes N] [--seed S] [--jobs J] [--json PATH]
+    python benchmarks/admission_robustness.py [--shapes N] [--seed S] [--family mixed|chat]
+                                              [--jobs J] [--json PATH]
                                               [--baselines DIR] [--write-budget W]
 
 ``--baselines DIR`` keeps each shape's baseline figures and Belady bound in
@@ -59,6 +68,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from admission_table import TRACE, compare, positive_int
+from kvoffload.sim.generators import ChatShape
 from kvoffload.sim.sources import WorkloadSource
 from kvoffload.sim.traces import read_trace
 from kvoffload.sim.workload import Workload
@@ -76,6 +86,21 @@ CPU_SHARE = (0.03, 0.40)
 GPU_SHARE = (0.01, 0.05)
 TIME_SCALE = (0.25, 4.0)
 SUBSAMPLE = (0.3, 0.8)
+CHAT_ONE_TURN = (0.3, 0.8)
+CHAT_LOG_UNIFORM = {
+    "paste_tokens": (3_000.0, 30_000.0),
+    "first_tokens": (1_000.0, 8_000.0),
+    "follow_up_tokens": (200.0, 2_000.0),
+    "extra_turns": (0.5, 4.0),
+    "turn_gap_s": (20.0, 900.0),
+}
+"""The :class:`ChatShape` knobs a chat-family shape draws, each log-uniform."""
+CHAT_RATE = (1.0, 8.0)
+CHAT_REQUESTS = (2000, 12000)
+CHAT_BLOCK_TOKENS = (256, 512)
+CHAT_SECOND_KIND = 0.4
+"""The share of chat-family shapes that mix in a second kind, at 10-40% of requests."""
+FAMILIES = ("mixed", "chat")
 LOSS = 0.005
 """A hit margin below minus this is a loss worth naming."""
 WORST = 8
@@ -103,11 +128,19 @@ class Shape:
     block_tokens: int = 0
     cut: str = ""
     factor: float = 1.0
+    chat_shape: ChatShape | None = None
 
     def describe(self) -> str:
         """The traffic part of the shape, in one short phrase."""
         if not self.cut:
             kinds = " / ".join(f"{kind} {weight:.2f}" for kind, weight in self.mix)
+            if self.chat_shape is not None:
+                c = self.chat_shape
+                kinds += (
+                    f" (1-turn {c.one_turn:.2f}, paste {c.paste_tokens:,.0f}, first "
+                    f"{c.first_tokens:,.0f}, later {c.follow_up_tokens:,.0f}, "
+                    f"+{c.extra_turns:.1f} turns, gap {c.turn_gap_s:.0f} s)"
+                )
             return (
                 f"{kinds}, {self.rate:.1f}/s, {self.requests:,} req, "
                 f"{self.block_tokens} tok, seed {self.seed}"
@@ -127,6 +160,7 @@ class Shape:
                 seed=self.seed,
                 rate=self.rate,
                 block_tokens=self.block_tokens,
+                chat_shape=self.chat_shape,
             )
             return source.load()
         workload = read_trace(trace)
@@ -181,10 +215,35 @@ def draw_shape(rng: random.Random, index: int) -> Shape:
     )
 
 
-def draw_shapes(count: int, seed: int) -> list[Shape]:
-    """``count`` shapes, the same ones for the same seed."""
+def draw_chat_shape(rng: random.Random, index: int) -> Shape:
+    """One shape of the chat family from ``rng``."""
+    cpu_share = round(_log_uniform(rng, CPU_SHARE), 3)
+    gpu_share = round(_log_uniform(rng, GPU_SHARE), 4)
+    seed = rng.randrange(100, 1_000_000)
+    knobs = {name: float(f"{_log_uniform(rng, b):.2g}") for name, b in CHAT_LOG_UNIFORM.items()}
+    chat_shape = ChatShape(one_turn=round(rng.uniform(*CHAT_ONE_TURN), 2), **knobs)
+    mix: tuple[tuple[str, float], ...] = (("longchat", 1.0),)
+    if rng.random() < CHAT_SECOND_KIND:
+        share = round(rng.uniform(0.1, 0.4), 2)
+        mix = (("longchat", round(1 - share, 2)), (rng.choice(KINDS), share))
+    return Shape(
+        index,
+        cpu_share,
+        gpu_share,
+        seed,
+        mix=mix,
+        rate=round(_log_uniform(rng, CHAT_RATE), 1),
+        requests=int(round(_log_uniform(rng, CHAT_REQUESTS), -2)),
+        block_tokens=rng.choice(CHAT_BLOCK_TOKENS),
+        chat_shape=chat_shape,
+    )
+
+
+def draw_shapes(count: int, seed: int, family: str = "mixed") -> list[Shape]:
+    """``count`` shapes of ``family``, the same ones for the same seed."""
     rng = random.Random(seed)
-    return [draw_shape(rng, index) for index in range(count)]
+    draw = draw_chat_shape if family == "chat" else draw_shape
+    return [draw(rng, index) for index in range(count)]
 
 
 def run_shape(
@@ -331,6 +390,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", type=positive_int, default=250, help="how many shapes to draw")
     parser.add_argument("--seed", type=int, default=0, help="seed of the shape drawing")
+    parser.add_argument(
+        "--family",
+        choices=FAMILIES,
+        default="mixed",
+        help="mixed: synthetic kinds and Mooncake cuts; chat: chat-trace-like traffic",
+    )
     parser.add_argument("--jobs", type=positive_int, default=2)
     parser.add_argument("--json", type=Path, help="also write the rows and the summary here")
     parser.add_argument(
@@ -344,7 +409,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.baselines:
         args.baselines.mkdir(parents=True, exist_ok=True)
-    shapes = draw_shapes(args.shapes, args.seed)
+    shapes = draw_shapes(args.shapes, args.seed, args.family)
     if not TRACE.is_file():
         skipped = [s for s in shapes if s.cut]
         shapes = [s for s in shapes if not s.cut]

@@ -50,6 +50,41 @@ def test_every_shape_stays_inside_its_ranges() -> None:
     assert {s.block_tokens for s in synthetic} == set(robust.BLOCK_TOKENS)
 
 
+def test_chat_family_shapes_stay_inside_their_ranges_and_load_as_chat_traffic() -> None:
+    """``--family chat`` draws ``longchat`` traffic of every knob's range, some with a
+    second kind, and leaves the default family's draws as they were."""
+    shapes = robust.draw_shapes(200, 3, "chat")
+    assert shapes == robust.draw_shapes(200, 3, "chat") != robust.draw_shapes(200, 3)
+    for s in shapes:
+        assert s.chat_shape is not None and not s.cut
+        assert _inside(s.cpu_share, robust.CPU_SHARE)
+        assert _inside(s.chat_shape.one_turn, robust.CHAT_ONE_TURN)
+        for name, bounds in robust.CHAT_LOG_UNIFORM.items():
+            assert _inside(getattr(s.chat_shape, name), (0.9 * bounds[0], 1.1 * bounds[1]))
+        assert s.mix[0][0] == "longchat"
+        assert sum(weight for _, weight in s.mix) == pytest.approx(1.0, abs=0.02)
+        assert _inside(s.rate, robust.CHAT_RATE)
+        assert _inside(s.requests, robust.CHAT_REQUESTS)
+        assert s.block_tokens in robust.CHAT_BLOCK_TOKENS
+    assert {len(s.mix) for s in shapes} == {1, 2}
+    assert {kind for s in shapes for kind, _ in s.mix[1:]} == set(robust.KINDS)
+    small = robust.Shape(
+        0,
+        0.1,
+        0.02,
+        5,
+        mix=(("longchat", 1.0),),
+        rate=2.0,
+        requests=150,
+        block_tokens=512,
+        chat_shape=shapes[0].chat_shape,
+    )
+    workload = small.load()
+    assert len(workload.requests) == 150 and workload.block_tokens == 512
+    assert len({r.keys[0] for r in workload.requests}) == 1
+    assert "1-turn" in small.describe()
+
+
 def test_a_synthetic_shape_loads_with_its_size_and_block_tokens() -> None:
     shape = robust.Shape(
         0,

@@ -106,3 +106,44 @@ def test_longchat_has_one_root_long_requests_and_mostly_single_use_blocks() -> N
             last[key] = r.arrival_s
     gaps.sort()
     assert 60 <= gaps[len(gaps) // 2] <= 200
+
+
+def test_a_chat_shape_changes_what_it_names_and_the_default_is_longchat() -> None:
+    """``ChatShape()`` is plain ``longchat``; more one-turn sessions give fewer requests per
+    conversation, a longer gap between turns spreads reuse further apart in time."""
+    from kvoffload.sim.generators import ChatShape
+
+    def mix(shape: ChatShape | None) -> Workload:
+        return generate({"longchat": 1}, 2000, seed=4, block_tokens=512, rate=3.4, chat_shape=shape)
+
+    assert fingerprint(mix(ChatShape())) == fingerprint(mix(None))
+    assert ChatShape().mean_session_requests() == 1.82
+
+    def median_reuse_gap(workload: Workload) -> float:
+        last: dict[object, float] = {}
+        gaps = []
+        for r in workload.requests:
+            for key in r.keys[1:]:
+                if key in last:
+                    gaps.append(r.arrival_s - last[key])
+                last[key] = r.arrival_s
+        return sorted(gaps)[len(gaps) // 2]
+
+    assert median_reuse_gap(mix(ChatShape(turn_gap_s=600))) > 2 * median_reuse_gap(mix(None))
+
+    def reused_share(workload: Workload) -> float:
+        keys = [key for r in workload.requests for key in set(r.keys[1:])]
+        return 1 - len(set(keys)) / len(keys)
+
+    assert reused_share(mix(ChatShape(one_turn=0.9))) < reused_share(mix(ChatShape(one_turn=0.2)))
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("one_turn", 1.5), ("one_turn", -0.1), ("paste_tokens", 0), ("turn_gap_s", float("nan"))],
+)
+def test_a_bad_chat_shape_is_refused(field: str, value: float) -> None:
+    from kvoffload.sim.generators import ChatShape
+
+    with pytest.raises(InvalidArgumentError, match=field):
+        ChatShape(**{field: value})

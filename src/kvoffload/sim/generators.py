@@ -141,32 +141,72 @@ def _oneshot(rng: random.Random, keys: _Keys, session_rate: float) -> Sessions:
 
 LONGCHAT_MAX_TOKENS = 126_000
 """The longest ``longchat`` prompt: 246 blocks of 512 tokens."""
-LONGCHAT_ONE_TURN = 0.6
 
 
-def _longchat(rng: random.Random, keys: _Keys, session_rate: float) -> Sessions:
-    system = keys.extend(_EMPTY, 700)
-    start = 0.0
-    while True:
-        start += rng.expovariate(session_rate)
-        # Most sessions paste something long and never come back; the rest converse.
-        if rng.random() < LONGCHAT_ONE_TURN:
-            turns, message = 1, rng.lognormvariate(math.log(11_000), 0.9)
-        else:
-            turns = 2 + int(rng.expovariate(1 / 1.5))
-            message = rng.lognormvariate(math.log(3000), 1.2)
-        context, now, session = system, start, []
-        for _ in range(min(turns, 40)):
-            tokens = min(int(message), LONGCHAT_MAX_TOKENS - context.tokens)
-            if tokens < 1:
-                break
-            context = keys.extend(context, tokens)
-            output = rng.randint(200, 1200)
-            session.append(keys.request(now, context, output))
-            context = keys.extend(context, output)
-            now += rng.lognormvariate(math.log(150), 1.2)
-            message = rng.lognormvariate(math.log(700), 1.2)
-        yield session
+@dataclass(frozen=True)
+class ChatShape:
+    """The knobs of ``longchat`` traffic (token counts and gaps are medians of lognormals).
+
+    The defaults are the figures of a real assistant's trace that we keep out of the
+    repository (most blocks used once, reuse minutes apart); other values draw traffic
+    of the same kind, so that a rule is judged on the kind and not on one shape of it.
+    """
+
+    one_turn: float = 0.6
+    """Share of sessions that paste something long and never come back."""
+    paste_tokens: float = 11_000
+    first_tokens: float = 3_000
+    """A conversation's first message."""
+    follow_up_tokens: float = 700
+    extra_turns: float = 1.5
+    """Mean turns of a conversation past its second."""
+    turn_gap_s: float = 150
+    system_tokens: int = 700
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.one_turn <= 1.0:
+            raise InvalidArgumentError(f"one_turn must be a share in [0, 1], got {self.one_turn}")
+        sizes = ("paste_tokens", "first_tokens", "follow_up_tokens", "extra_turns", "turn_gap_s")
+        for name in sizes:
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise InvalidArgumentError(f"{name} must be a finite number > 0, got {value}")
+        if self.system_tokens < 1:
+            raise InvalidArgumentError(f"system_tokens must be >= 1, got {self.system_tokens}")
+
+    def mean_session_requests(self) -> float:
+        """Requests per session, to two places (the arrival rate it sets is nominal)."""
+        conversation = 2 + 1 / math.expm1(1 / self.extra_turns)
+        return round(self.one_turn + (1 - self.one_turn) * conversation, 2)
+
+
+def longchat_sessions(shape: ChatShape) -> Callable[[random.Random, _Keys, float], Sessions]:
+    """A ``longchat`` session generator of ``shape``."""
+
+    def sessions(rng: random.Random, keys: _Keys, session_rate: float) -> Sessions:
+        system = keys.extend(_EMPTY, shape.system_tokens)
+        start = 0.0
+        while True:
+            start += rng.expovariate(session_rate)
+            if rng.random() < shape.one_turn:
+                turns, message = 1, rng.lognormvariate(math.log(shape.paste_tokens), 0.9)
+            else:
+                turns = 2 + int(rng.expovariate(1 / shape.extra_turns))
+                message = rng.lognormvariate(math.log(shape.first_tokens), 1.2)
+            context, now, session = system, start, []
+            for _ in range(min(turns, 40)):
+                tokens = min(int(message), LONGCHAT_MAX_TOKENS - context.tokens)
+                if tokens < 1:
+                    break
+                context = keys.extend(context, tokens)
+                output = rng.randint(200, 1200)
+                session.append(keys.request(now, context, output))
+                context = keys.extend(context, output)
+                now += rng.lognormvariate(math.log(shape.turn_gap_s), 1.2)
+                message = rng.lognormvariate(math.log(shape.follow_up_tokens), 1.2)
+            yield session
+
+    return sessions
 
 
 GENERATORS: dict[str, Callable[[random.Random, _Keys, float], Sessions]] = {
@@ -174,9 +214,9 @@ GENERATORS: dict[str, Callable[[random.Random, _Keys, float], Sessions]] = {
     "rag": _rag,
     "agent": _agent,
     "oneshot": _oneshot,
-    "longchat": _longchat,
+    "longchat": longchat_sessions(ChatShape()),
 }
-_MEAN_SESSION_REQUESTS = {"chat": 3.5, "rag": 1.0, "agent": 7.5, "oneshot": 1.0, "longchat": 1.82}
+_MEAN_SESSION_REQUESTS = {"chat": 3.5, "rag": 1.0, "agent": 7.5, "oneshot": 1.0}
 
 
 def parse_mix(text: str) -> dict[str, float]:
@@ -200,11 +240,13 @@ def generate(
     seed: int = 0,
     block_tokens: int = 16,
     rate: float = DEFAULT_RATE,
+    chat_shape: ChatShape | None = None,
 ) -> Workload:
     """A workload of ``num_requests`` requests drawn from ``mix`` (kind → weight).
 
     Each kind gets its weight's share of the requests and of the arrival
-    ``rate`` (requests per second), drawn from its own seeded random stream.
+    ``rate`` (requests per second), drawn from its own seeded random stream;
+    ``longchat`` traffic has ``chat_shape`` (default: :class:`ChatShape`'s).
     """
     mix = DEFAULT_MIX if mix is None else mix
     unknown = sorted(set(mix) - set(GENERATORS))
@@ -225,13 +267,16 @@ def generate(
     check_fits(num_requests * BYTES_PER_REQUEST, f"{num_requests:,} synthetic requests")
     keys = _Keys(block_tokens)
     counts = _apportion(num_requests, {k: w / total for k, w in mix.items()})
+    chat_shape = ChatShape() if chat_shape is None else chat_shape
+    generators = {**GENERATORS, "longchat": longchat_sessions(chat_shape)}
+    per_session = {**_MEAN_SESSION_REQUESTS, "longchat": chat_shape.mean_session_requests()}
     requests: list[Request] = []
     for index, (kind, share) in enumerate(sorted(mix.items())):
         if counts[kind] == 0:
             continue
         rng = random.Random(seed * 1000 + index)
-        session_rate = rate * share / total / _MEAN_SESSION_REQUESTS[kind]
-        requests += _take(GENERATORS[kind](rng, keys, session_rate), counts[kind])
+        session_rate = rate * share / total / per_session[kind]
+        requests += _take(generators[kind](rng, keys, session_rate), counts[kind])
     requests.sort(key=lambda r: r.arrival_s)
     name = "+".join(f"{k}={w / total:g}" for k, w in sorted(mix.items()) if counts[k])
     return Workload(

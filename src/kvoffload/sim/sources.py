@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvoffload.sim.generators import DEFAULT_MIX, DEFAULT_RATE, DEFAULT_REQUESTS, generate
+from kvoffload.sim.generators import (
+    DEFAULT_MIX,
+    DEFAULT_RATE,
+    DEFAULT_REQUESTS,
+    ChatShape,
+    generate,
+)
 from kvoffload.sim.traces import read_trace
 from kvoffload.sim.workload import Workload
 
@@ -25,6 +31,8 @@ class WorkloadSource:
     requests: int = DEFAULT_REQUESTS
     seed: int = 0
     rate: float = DEFAULT_RATE
+    chat_shape: ChatShape | None = None
+    """The shape of ``longchat`` traffic in the mix (default: :class:`ChatShape`'s)."""
 
     def load(self) -> Workload:
         if self.trace is not None:
@@ -35,4 +43,5 @@ class WorkloadSource:
             seed=self.seed,
             block_tokens=16 if self.block_tokens is None else self.block_tokens,
             rate=self.rate,
+            chat_shape=self.chat_shape,
         )
