@@ -186,11 +186,41 @@ def _log_uniform(rng: random.Random, bounds: tuple[float, float]) -> float:
     return math.exp(rng.uniform(math.log(low), math.log(high)))
 
 
-def draw_shape(rng: random.Random, index: int) -> Shape:
-    """One shape from ``rng``; every parameter inside its range above."""
+def _draw_sizes(rng: random.Random) -> tuple[float, float, int]:
+    """A shape's tier and GPU cache shares and its workload seed, drawn in that order."""
     cpu_share = round(_log_uniform(rng, CPU_SHARE), 3)
     gpu_share = round(_log_uniform(rng, GPU_SHARE), 4)
-    seed = rng.randrange(100, 1_000_000)
+    return cpu_share, gpu_share, rng.randrange(100, 1_000_000)
+
+
+SyntheticRanges = tuple[tuple[float, float], tuple[int, int], tuple[int, ...]]
+"""Arrival rate, request count and block sizes a synthetic shape draws from."""
+
+
+def _synthetic(
+    rng: random.Random,
+    index: int,
+    sizes: tuple[float, float, int],
+    mix: tuple[tuple[str, float], ...],
+    ranges: SyntheticRanges,
+    chat_shape: ChatShape | None = None,
+) -> Shape:
+    """A synthetic shape of ``mix``: rate, request count and block size drawn in that order."""
+    rate, requests, block_tokens = ranges
+    return Shape(
+        index,
+        *sizes,
+        mix=mix,
+        rate=round(_log_uniform(rng, rate), 1),
+        requests=int(round(_log_uniform(rng, requests), -2)),
+        block_tokens=rng.choice(block_tokens),
+        chat_shape=chat_shape,
+    )
+
+
+def draw_shape(rng: random.Random, index: int) -> Shape:
+    """One shape from ``rng``; every parameter inside its range above."""
+    cpu_share, gpu_share, seed = sizes = _draw_sizes(rng)
     if rng.random() < TRACE_SHARE:
         cut = rng.choice(TRACE_CUTS)
         factor = 1.0
@@ -203,40 +233,20 @@ def draw_shape(rng: random.Random, index: int) -> Shape:
     kinds = sorted(rng.sample(KINDS, count))
     weights = [rng.uniform(0.1, 1.0) for _ in kinds]
     mix = tuple((kind, round(w / sum(weights), 2)) for kind, w in zip(kinds, weights, strict=True))
-    return Shape(
-        index,
-        cpu_share,
-        gpu_share,
-        seed,
-        mix=mix,
-        rate=round(_log_uniform(rng, RATE), 1),
-        requests=int(round(_log_uniform(rng, REQUESTS), -2)),
-        block_tokens=rng.choice(BLOCK_TOKENS),
-    )
+    return _synthetic(rng, index, sizes, mix, (RATE, REQUESTS, BLOCK_TOKENS))
 
 
 def draw_chat_shape(rng: random.Random, index: int) -> Shape:
     """One shape of the chat family from ``rng``."""
-    cpu_share = round(_log_uniform(rng, CPU_SHARE), 3)
-    gpu_share = round(_log_uniform(rng, GPU_SHARE), 4)
-    seed = rng.randrange(100, 1_000_000)
+    sizes = _draw_sizes(rng)
     knobs = {name: float(f"{_log_uniform(rng, b):.2g}") for name, b in CHAT_LOG_UNIFORM.items()}
     chat_shape = ChatShape(one_turn=round(rng.uniform(*CHAT_ONE_TURN), 2), **knobs)
     mix: tuple[tuple[str, float], ...] = (("longchat", 1.0),)
     if rng.random() < CHAT_SECOND_KIND:
         share = round(rng.uniform(0.1, 0.4), 2)
         mix = (("longchat", round(1 - share, 2)), (rng.choice(KINDS), share))
-    return Shape(
-        index,
-        cpu_share,
-        gpu_share,
-        seed,
-        mix=mix,
-        rate=round(_log_uniform(rng, CHAT_RATE), 1),
-        requests=int(round(_log_uniform(rng, CHAT_REQUESTS), -2)),
-        block_tokens=rng.choice(CHAT_BLOCK_TOKENS),
-        chat_shape=chat_shape,
-    )
+    ranges = (CHAT_RATE, CHAT_REQUESTS, CHAT_BLOCK_TOKENS)
+    return _synthetic(rng, index, sizes, mix, ranges, chat_shape)
 
 
 def draw_shapes(count: int, seed: int, family: str = "mixed") -> list[Shape]:
