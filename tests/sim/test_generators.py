@@ -117,6 +117,8 @@ def test_a_chat_shape_changes_what_it_names_and_the_default_is_longchat() -> Non
         return generate({"longchat": 1}, 2000, seed=4, block_tokens=512, rate=3.4, chat_shape=shape)
 
     assert fingerprint(mix(ChatShape())) == fingerprint(mix(None))
+    assert mix(None).name == "synthetic(longchat=1, seed=4)"
+    assert "turn_gap_s=600" in mix(ChatShape(turn_gap_s=600)).name
     assert ChatShape().mean_session_requests() == 1.82
 
     def median_reuse_gap(workload: Workload) -> float:

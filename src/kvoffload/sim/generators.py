@@ -13,7 +13,8 @@ Four kinds of traffic, each with the reuse shape that matters for offloading:
   block, sized for 512-token blocks (tens of blocks per request), with
   minutes between turns and most sessions short, so most blocks are used
   once and the reused ones come back from far: the shape of a real
-  assistant's traffic rather than of a benchmark.
+  assistant's traffic rather than of a benchmark. :class:`ChatShape` sets its
+  knobs, so that other traffic of the kind can be drawn.
 
 Blocks are keyed like an engine would: a full block's key names its whole
 prefix, so shared prefixes share keys and a trailing partial block has none.
@@ -279,6 +280,8 @@ def generate(
         requests += _take(generators[kind](rng, keys, session_rate), counts[kind])
     requests.sort(key=lambda r: r.arrival_s)
     name = "+".join(f"{k}={w / total:g}" for k, w in sorted(mix.items()) if counts[k])
+    if counts.get("longchat") and chat_shape != ChatShape():
+        name += f", {chat_shape}"
     return Workload(
         name=f"synthetic({name}, seed={seed})", block_tokens=block_tokens, requests=requests
     )
