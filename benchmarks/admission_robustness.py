@@ -100,7 +100,6 @@ CHAT_REQUESTS = (2000, 12000)
 CHAT_BLOCK_TOKENS = (256, 512)
 CHAT_SECOND_KIND = 0.4
 """The share of chat-family shapes that mix in a second kind, at 10-40% of requests."""
-FAMILIES = ("mixed", "chat")
 LOSS = 0.005
 """A hit margin below minus this is a loss worth naming."""
 WORST = 8
@@ -249,10 +248,16 @@ def draw_chat_shape(rng: random.Random, index: int) -> Shape:
     return _synthetic(rng, index, sizes, mix, ranges, chat_shape)
 
 
+FAMILIES = {"mixed": draw_shape, "chat": draw_chat_shape}
+"""How each ``--family`` draws a shape."""
+
+
 def draw_shapes(count: int, seed: int, family: str = "mixed") -> list[Shape]:
     """``count`` shapes of ``family``, the same ones for the same seed."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
     rng = random.Random(seed)
-    draw = draw_chat_shape if family == "chat" else draw_shape
+    draw = FAMILIES[family]
     return [draw(rng, index) for index in range(count)]
 
 

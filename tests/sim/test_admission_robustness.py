@@ -83,6 +83,8 @@ def test_chat_family_shapes_stay_inside_their_ranges_and_load_as_chat_traffic() 
     assert len(workload.requests) == 150 and workload.block_tokens == 512
     assert len({r.keys[0] for r in workload.requests}) == 1
     assert "1-turn" in small.describe()
+    with pytest.raises(ValueError, match="unknown family 'chats'"):
+        robust.draw_shapes(3, 0, "chats")
 
 
 def test_a_synthetic_shape_loads_with_its_size_and_block_tokens() -> None:

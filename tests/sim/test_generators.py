@@ -139,6 +139,24 @@ def test_a_chat_shape_changes_what_it_names_and_the_default_is_longchat() -> Non
 
     assert reused_share(mix(ChatShape(one_turn=0.9))) < reused_share(mix(ChatShape(one_turn=0.2)))
 
+    def follow_up_share(workload: Workload) -> float:
+        """Requests that extend an earlier one past the system prompt: later turns."""
+        seen: set[object] = set()
+        later = 0
+        for r in workload.requests:
+            later += len(r.keys) > 2 and r.keys[2] in seen
+            seen.update(r.keys)
+        return later / len(workload.requests)
+
+    assert follow_up_share(mix(ChatShape(extra_turns=4))) > follow_up_share(mix(None)) + 0.1
+
+    def mean_blocks(workload: Workload) -> float:
+        return sum(len(r.keys) for r in workload.requests) / len(workload.requests)
+
+    for knob in ("paste_tokens", "first_tokens", "follow_up_tokens"):
+        longer = ChatShape(**{knob: 4 * getattr(ChatShape(), knob)})
+        assert mean_blocks(mix(longer)) > 1.1 * mean_blocks(mix(None)), knob
+
 
 @pytest.mark.parametrize(
     "field, value",
