@@ -452,6 +452,64 @@ def test_only_blocks_the_followed_world_holds_become_recent() -> None:
     assert touched[-1] == keys
 
 
+class _HitEvictions(CPUOffloadingManager):
+    """A CPU tier that counts the blocks a store evicts which the same request had just hit
+    and which the layer's followed world holds."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.layer: OptimisingAdmission | None = None
+        self.hit: set[OffloadKey] = set()
+        self.evicted_hits = 0
+
+    def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
+        keys = list(keys)
+        found = super().lookup(keys)
+        self.hit = set(keys[: found or 0])
+        return found
+
+    def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
+        output = super().prepare_store(keys)
+        layer = self.layer
+        if output is not None and layer is not None:
+            followed = layer.worlds[layer.chosen]
+            self.evicted_hits += sum(
+                1 for key in output.evicted_keys if key in self.hit and key in followed
+            )
+        return output
+
+
+class _TouchOnlyBeforeTheWorlds(OptimisingAdmission):
+    """The layer without its touch of the hits after the worlds have run."""
+
+    def _keep_hits(self, hits: list[OffloadKey]) -> None:
+        pass
+
+
+@pytest.mark.parametrize("layer_class", [OptimisingAdmission, _TouchOnlyBeforeTheWorlds])
+def test_a_request_never_evicts_its_own_hits_that_the_followed_world_stored(
+    layer_class: type[OptimisingAdmission],
+) -> None:
+    """A hit on a block written under an earlier rule, which the followed world lacked and
+    stores with this request, is made recent before the request's store: that store never
+    evicts it (without the touch after the worlds, it does: the block was the coldest, and
+    the next request to reuse it would miss its whole run)."""
+    workload = generate(
+        {"longchat": 0.6, "oneshot": 0.4}, num_requests=800, seed=0, block_tokens=256, rate=2.0
+    )
+    capacity = 400
+    cpu = _HitEvictions(capacity)
+    layer = layer_class(cpu, capacity)
+    cpu.layer = layer
+    gpu = 2 * max(len(r.keys) for r in workload.requests)
+    ServingEngine(EngineConfig(gpu, 1, 256), layer).run(workload.requests)
+    assert layer.switches > 0
+    if layer_class is OptimisingAdmission:
+        assert cpu.evicted_hits == 0
+    else:
+        assert cpu.evicted_hits > 0
+
+
 @pytest.mark.parametrize("dwell", [0.25, 2.0])
 def test_a_choice_dwells_after_each_switch(dwell: float) -> None:
     """After a switch the next comes no sooner than ``dwell_tiers`` tier-fulls of references

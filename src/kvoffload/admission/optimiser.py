@@ -349,6 +349,8 @@ class OptimisingAdmission(AdmissionLayer):
         pending = self._pending
         if pending is not None and keys and pending[-1] == keys[-1] and len(keys) <= len(pending):
             self._run_worlds(len(pending) - len(keys))
+            if found and self._mirrors:
+                self._keep_hits(keys[:found])
         if not self._mirrors:
             self._probe.found = found
             self.feedback.lookup(keys)
@@ -356,6 +358,14 @@ class OptimisingAdmission(AdmissionLayer):
         if found is not None and keys:
             self.minisim.on_lookup(keys)
         return found
+
+    def _keep_hits(self, hits: list[OffloadKey]) -> None:
+        """Make recent the tier's ``hits`` that the followed world holds now that it has run
+        the request. The engine's touch came first and reached only the blocks the world
+        held then: a hit on a block written under an earlier rule, which the world has just
+        stored, stayed the coldest and, once loaded, unpinned, so the request's own store
+        evicted it and the next request to reuse it missed its whole run."""
+        self.backing.touch(self.worlds[self.chosen].tier.held_among(hits))
 
     def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
         keys = keys if isinstance(keys, list) else list(keys)
