@@ -9,10 +9,11 @@ world is exactly what the tier would have done under that rule from the start
 follows the best world and *mirrors* it: it stores an offered block only if the
 followed world holds it, and only blocks that world holds are made recent, so
 blocks written under an earlier rule age out first. Whatever the real tier did
-before, after a switch it lacks only blocks the new world holds, each costing at
-most one miss before it is stored again: the real tier's hits track the followed
-world's, and the followed world is, up to the objective's tolerances, the best
-one, the baselines included.
+before, after a switch it lacks only blocks the new world holds; each is stored again
+at its next miss, though that miss also ends the hit run of the request that asks
+for it (the refill a switch costs). Once refilled, the real tier's hits are the
+followed world's, and the followed world is, up to the objective's tolerances, the
+best one, the baselines included.
 
 Three opt-in mechanisms (``guard=1``, ``steer=1``) aim to keep that true when recent
 figures mislead; they are off by default, as each lost on some traffic it was not
@@ -100,9 +101,10 @@ SAMPLED_OBJECTIVE = (0.0015, 0.003)
 SWITCH_TIERS = 0.05
 """A switch away from a rule that writes less than store-everything waits until the new
 world has hit this many tier-fulls of blocks more than the followed one since the last
-switch: each such switch costs up to a miss per block the new world holds and the tier
-lacks, so two rules that trade a small lead must not flap. Leaving store-everything costs
-no refill (its tier holds the offered blocks of every rule's recent past) and is free."""
+switch: each such switch costs a refill (every block the new world holds and the tier
+lacks misses once, and ends its request's hit run), so two rules that trade a small lead
+must not flap. Leaving store-everything usually costs little refill (its tier holds the
+offered blocks of every rule's recent past) and is not asked to pay for one."""
 EVIDENCE_TIERS = 0.1
 """The write tie-break waits until the best world has hit this many tier-fulls of blocks
 in the window: tiers that have shown no reuse yet tie every rule at zero hits, and the
