@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -205,6 +206,25 @@ def test_every_rules_parameters_accept_their_defaults_as_text() -> None:
         cls = params_class(name)
         defaults = dataclasses.asdict(cls())
         assert admission_params(name, {k: str(v) for k, v in defaults.items()}) == cls()
+
+
+def test_a_float_parameter_takes_a_fraction_whatever_its_default() -> None:
+    """The annotation, not the default, types a field: ``window_tiers`` defaults to a whole
+    32 and once refused 0.5 as "not an integer"."""
+    floats = 0
+    for name in available_admissions():
+        for field in dataclasses.fields(params_class(name)):
+            assert field.type in ("int", "float"), f"{name}.{field.name}: {field.type}"
+            if field.type != "float":
+                continue
+            low, high = field.metadata["low"], field.metadata["high"]
+            value = (low + high) / 2 if high != math.inf else low + 0.5
+            for raw in (str(value), value):
+                parsed = admission_params(name, {field.name: raw})
+                assert getattr(parsed, field.name) == value
+            floats += 1
+    assert floats >= 10
+    assert admission_params("optimiser", {"window_tiers": "0.5"}).window_tiers == 0.5
 
 
 def test_key_value_pairs_and_extra_config_values() -> None:

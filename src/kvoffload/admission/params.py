@@ -24,8 +24,10 @@ P = TypeVar("P")
 
 
 def param(default: float, low: float, high: float = math.inf, help: str = "") -> Any:
-    """A parameter field: ``default`` (its type, int or float, is the field's), inclusive
-    bounds ``low``..``high``, and the one line shown by ``--help`` and the docs."""
+    """A parameter field: ``default``, inclusive bounds ``low``..``high``, and the one line
+    shown by ``--help`` and the docs. The field's annotation, ``int`` or ``float``, is the
+    type its values must have (not the default's: a float field may default to a whole
+    number)."""
     return dataclasses.field(default=default, metadata={"low": low, "high": high, "help": help})
 
 
@@ -40,7 +42,7 @@ def check_params(params: object, rule: str) -> None:
     for field in dataclasses.fields(params):  # type: ignore[arg-type]
         value = getattr(params, field.name)
         low, high = field.metadata["low"], field.metadata["high"]
-        wants_int = isinstance(field.default, int)
+        wants_int = _wants_int(field)
         kind = "an integer" if wants_int else "a number"
         if (
             isinstance(value, bool)
@@ -68,7 +70,7 @@ def parse_params(cls: type[P], raw: Mapping[str, ParamValue], rule: str) -> P:
             raise InvalidArgumentError(
                 f"unknown admission parameter {key!r} for {rule!r}; valid: {valid}"
             )
-        values[key] = _convert(value, isinstance(field.default, int), key, rule)
+        values[key] = _convert(value, _wants_int(field), key, rule)
     return cls(**values)
 
 
@@ -89,6 +91,12 @@ def parse_pairs(pairs: list[str] | tuple[str, ...], what: str) -> dict[str, str]
             raise InvalidArgumentError(f"{what} takes key=value, got {pair!r}")
         parsed[key.strip()] = value.strip()
     return parsed
+
+
+def _wants_int(field: dataclasses.Field[Any]) -> bool:
+    """Whether ``field`` is declared ``int`` (the annotation is text under postponed
+    evaluation, the class where it is not)."""
+    return field.type in ("int", int)
 
 
 def _convert(value: object, wants_int: bool, key: str, rule: str) -> int | float:
