@@ -10,7 +10,12 @@ from hypothesis import given, settings
 
 from compiled import python_and_compiled
 from kvoffload import InvalidArgumentError, block_id_key
-from kvoffload.admission.reuse_counts import CompiledReuseCounts, ReuseCounts, reuse_counts
+from kvoffload.admission.reuse_counts import (
+    MAX_TRACKED_KEYS,
+    CompiledReuseCounts,
+    ReuseCounts,
+    reuse_counts,
+)
 from kvoffload.core.keys import OffloadKey
 
 TABLES = python_and_compiled(ReuseCounts, CompiledReuseCounts)
@@ -90,11 +95,12 @@ def test_the_table_turns_ordered_only_when_it_could_overflow() -> None:
 
 
 @pytest.mark.parametrize("table", TABLES)
-@pytest.mark.parametrize("bad", [0, -3, True, 2.5, "8"])
+@pytest.mark.parametrize("bad", [0, -3, True, 2.5, "8", MAX_TRACKED_KEYS + 1, 10**30])
 def test_a_table_refuses_a_size_that_is_not_a_positive_int(
     table: type[ReuseCounts], bad: object
 ) -> None:
-    with pytest.raises(InvalidArgumentError, match="max tracked keys must be an int >= 1"):
+    message = f"max tracked keys must be an int from 1 to {MAX_TRACKED_KEYS}, got"
+    with pytest.raises(InvalidArgumentError, match=message):
         table(bad)  # type: ignore[arg-type]
 
 

@@ -14,6 +14,7 @@ from kvoffload import InvalidArgumentError, OffloadKey, block_id_key
 from kvoffload.admission import FrequencySketch, key_hashes
 from kvoffload.admission import sketch as sketch_module
 from kvoffload.admission.sketch import MAX_COUNT
+from kvoffload.core.errors import InsufficientMemoryError
 
 
 def hashes(*ids: int) -> np.ndarray:
@@ -37,6 +38,12 @@ def test_first_sighting_counts_one_and_repeats_add_up() -> None:
     sketch.increment(h)
     assert sketch.estimate(h).tolist() == [3]
     assert sketch.estimate(hashes(8)).tolist() == [0]
+
+
+def test_a_sketch_beyond_the_machine_is_refused_before_any_allocation() -> None:
+    # 10**17 sightings: 2**57 cells a row, far beyond any machine's memory and numpy's limit.
+    with pytest.raises(InsufficientMemoryError, match="admission frequency sketch of 100,000"):
+        FrequencySketch(10**17)
 
 
 def test_counters_saturate_and_memory_is_fixed() -> None:

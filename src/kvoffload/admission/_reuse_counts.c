@@ -210,9 +210,9 @@ counter_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (capacity < 1 || capacity > PY_SSIZE_T_MAX / 16) {
         PyObject *shown = PyObject_Repr(max_keys);
         const char *text = shown ? PyUnicode_AsUTF8(shown) : NULL;
-        char message[160];
-        snprintf(message, sizeof(message), "max tracked keys must be an int >= 1, got %.100s",
-                 text ? text : "?");
+        char message[200];
+        snprintf(message, sizeof(message), "max tracked keys must be an int from 1 to %zd, got %.100s",
+                 PY_SSIZE_T_MAX / 16, text ? text : "?");
         Py_XDECREF(shown);
         PyErr_Clear();
         recency_invalid(message);

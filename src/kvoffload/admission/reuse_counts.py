@@ -15,6 +15,7 @@ lookup of tens of keys crosses without a cache miss per key.
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -26,6 +27,8 @@ try:
 except ImportError:  # installed without a C compiler: the Python table alone
     ReuseCounter = None  # type: ignore[assignment,misc]
 
+MAX_TRACKED_KEYS = sys.maxsize // 16
+"""The largest table either version takes (the compiled one sizes its arrays up front)."""
 BYTES_PER_COUNTED_KEY = 120
 """Approximate CPython cost of one tracked key in the Python table (the compiled table
 counts its own arrays, about 60 bytes a key)."""
@@ -35,8 +38,14 @@ class ReuseCounts:
     """Counts of at most ``max_keys`` keys; the least recently counted key leaves first."""
 
     def __init__(self, max_keys: int) -> None:
-        if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1:
-            raise InvalidArgumentError(f"max tracked keys must be an int >= 1, got {max_keys!r}")
+        if (
+            isinstance(max_keys, bool)
+            or not isinstance(max_keys, int)
+            or not 1 <= max_keys <= MAX_TRACKED_KEYS
+        ):
+            raise InvalidArgumentError(
+                f"max tracked keys must be an int from 1 to {MAX_TRACKED_KEYS}, got {max_keys!r}"
+            )
         self.max_keys = max_keys
         self._counts: dict[OffloadKey, int] = {}
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
+from kvoffload.core.memory import check_fits
 
 try:
     from kvoffload.admission import _sketch as compiled
@@ -185,7 +186,11 @@ class FrequencySketch:
         self._bits = bits
         self.width = 1 << bits
         counters = ROWS * self.width
-        self._table = np.zeros(counters + (self.width << DOOR_BITS), dtype=np.uint8)
+        table_bytes = counters + (self.width << DOOR_BITS)
+        # Asked first: numpy would refuse a huge table with a bare ValueError, or hand out
+        # pages that the increments then touch until the machine swaps.
+        check_fits(table_bytes, f"an admission frequency sketch of {sample_size:,} sightings")
+        self._table = np.zeros(table_bytes, dtype=np.uint8)
         self._counts = self._table[:counters]
         self._door = self._table[counters:]
         door_shift, shift = 64 - bits - DOOR_BITS, 64 - bits
