@@ -104,6 +104,12 @@ def test_a_table_refuses_a_size_that_is_not_a_positive_int(
         table(bad)  # type: ignore[arg-type]
 
 
+def test_the_python_table_takes_the_largest_size_both_tables_allow() -> None:
+    # The compiled table sizes its arrays up front, so only the Python one can show that
+    # the bound itself is allowed.
+    assert ReuseCounts(MAX_TRACKED_KEYS).max_keys == MAX_TRACKED_KEYS
+
+
 def test_the_factory_gives_the_compiled_table_where_it_was_built() -> None:
     counter = reuse_counts(4)
     assert type(counter) is (CompiledReuseCounts or ReuseCounts)

@@ -207,6 +207,7 @@ counter_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (capacity == -1 && PyErr_Occurred()) {
         PyErr_Clear();
     }
+    /* The bound is reuse_counts.MAX_TRACKED_KEYS; a test holds both tables to it. */
     if (capacity < 1 || capacity > PY_SSIZE_T_MAX / 16) {
         PyObject *shown = PyObject_Repr(max_keys);
         const char *text = shown ? PyUnicode_AsUTF8(shown) : NULL;
