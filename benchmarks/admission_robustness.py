@@ -27,6 +27,11 @@ A shape varies what the table holds fixed:
   between turns), 1-8 requests/s, 2,000-12,000 requests, blocks of 256 or
   512 tokens, and in two shapes of five a second kind at 10-40% of the
   requests;
+* with ``--family phased``, traffic that changes: two or three synthetic
+  mixes of the default family's kinds, one after the other (the next phase's
+  blocks all new: another application, as when daytime chat gives way to
+  batch jobs), each a share of the requests, so that the optimiser must
+  notice the change and move;
 * for all: the offload tier at 3%-40% of the workload's unique blocks and
   the GPU prefix cache at 1%-5% (at least the largest request), both
   log-uniform.
@@ -39,7 +44,7 @@ margin is also given in tier-fulls of hits (margin x references / tier blocks):
 the unit of ``admission_lower_bound.py``, where any online rule can be made to
 miss half a tier-full, whatever the run's length.
 
-    python benchmarks/admission_robustness.py [--shapes N] [--seed S] [--family mixed|chat]
+    python benchmarks/admission_robustness.py [--shapes N] [--seed S] [--family mixed|chat|phased]
                                               [--jobs J] [--json PATH]
                                               [--baselines DIR] [--write-budget W]
 
@@ -61,17 +66,18 @@ import math
 import random
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from admission_table import TRACE, compare, positive_int
+from kvoffload.core.keys import OffloadKey, block_id_key
 from kvoffload.sim.generators import ChatShape
 from kvoffload.sim.sources import WorkloadSource
 from kvoffload.sim.traces import read_trace
-from kvoffload.sim.workload import Workload
+from kvoffload.sim.workload import Request, Workload
 
 KINDS = ("chat", "rag", "agent", "oneshot")
 KIND_COUNTS = {1: 3, 2: 3, 3: 2, 4: 1}
@@ -100,6 +106,10 @@ CHAT_REQUESTS = (2000, 12000)
 CHAT_BLOCK_TOKENS = (256, 512)
 CHAT_SECOND_KIND = 0.4
 """The share of chat-family shapes that mix in a second kind, at 10-40% of requests."""
+PHASES = (2, 3)
+"""How many phases a shape of the phased family runs, one after the other."""
+PHASE_SHARE = (0.2, 0.8)
+"""The bounds of each phase's weight, before the weights are scaled to one."""
 LOSS = 0.005
 """A hit margin below minus this is a loss worth naming."""
 WORST = 8
@@ -128,11 +138,24 @@ class Shape:
     cut: str = ""
     factor: float = 1.0
     chat_shape: ChatShape | None = None
+    phases: tuple[tuple[tuple[str, float], ...], ...] = ()
+    """The mixes of a phased shape, in order (``mix`` is the first)."""
+    phase_shares: tuple[float, ...] = ()
+    """Each phase's share of ``requests``."""
 
     def describe(self) -> str:
         """The traffic part of the shape, in one short phrase."""
+        if self.phases:
+            kinds = " -> ".join(
+                f"[{_describe_mix(mix)}] {share:.0%}"
+                for mix, share in zip(self.phases, self.phase_shares, strict=True)
+            )
+            return (
+                f"{kinds}, {self.rate:.1f}/s, {self.requests:,} req, "
+                f"{self.block_tokens} tok, seed {self.seed}"
+            )
         if not self.cut:
-            kinds = " / ".join(f"{kind} {weight:.2f}" for kind, weight in self.mix)
+            kinds = _describe_mix(self.mix)
             if self.chat_shape is not None:
                 c = self.chat_shape
                 kinds += (
@@ -152,6 +175,8 @@ class Shape:
 
     def load(self, trace: Path = TRACE) -> Workload:
         """The shape's workload, built in memory (``trace``: the Mooncake trace's path)."""
+        if self.phases:
+            return self._phased()
         if not self.cut:
             source = WorkloadSource(
                 mix=self.mix,
@@ -178,6 +203,46 @@ class Shape:
             requests = requests[len(requests) // 2 :]
         workload.requests = requests
         return workload
+
+    def _phased(self) -> Workload:
+        """The phases' workloads one after the other, each with blocks of its own: the
+        generator names blocks from 0 in every workload, so each phase's keys are renamed
+        past the last phase's, and its arrivals start one mean gap after the last one."""
+        requests: list[Request] = []
+        start_s, next_id = 0.0, 0
+        ends = [
+            round(sum(self.phase_shares[: n + 1]) * self.requests) for n in range(len(self.phases))
+        ]
+        ends[-1] = self.requests
+        counts = [max(1, end - start) for start, end in zip([0, *ends], ends, strict=False)]
+        for number, (mix, count) in enumerate(zip(self.phases, counts, strict=True)):
+            source = WorkloadSource(
+                mix=mix,
+                requests=count,
+                seed=self.seed + number,
+                rate=self.rate,
+                block_tokens=self.block_tokens,
+            )
+            renamed: dict[OffloadKey, OffloadKey] = {}
+            part = source.load().requests
+            for request in part:
+                request.arrival_s += start_s
+                keys = []
+                for key in request.keys:
+                    new = renamed.get(key)
+                    if new is None:
+                        new = renamed[key] = block_id_key(next_id + len(renamed))
+                    keys.append(new)
+                request.keys = keys
+            requests += part
+            next_id += len(renamed)
+            start_s = part[-1].arrival_s + 1.0 / self.rate
+        name = " -> ".join(_describe_mix(mix) for mix in self.phases)
+        return Workload(f"phased({name}, seed={self.seed})", self.block_tokens, requests)
+
+
+def _describe_mix(mix: tuple[tuple[str, float], ...]) -> str:
+    return " / ".join(f"{kind} {weight:.2f}" for kind, weight in mix)
 
 
 def _log_uniform(rng: random.Random, bounds: tuple[float, float]) -> float:
@@ -228,11 +293,15 @@ def draw_shape(rng: random.Random, index: int) -> Shape:
         elif cut == "subsample":
             factor = round(rng.uniform(*SUBSAMPLE), 2)
         return Shape(index, cpu_share, gpu_share, seed, cut=cut, factor=factor)
+    return _synthetic(rng, index, sizes, _draw_mix(rng), (RATE, REQUESTS, BLOCK_TOKENS))
+
+
+def _draw_mix(rng: random.Random) -> tuple[tuple[str, float], ...]:
+    """One to four of :data:`KINDS` with random weights (scaled to one)."""
     count = rng.choices(list(KIND_COUNTS), weights=list(KIND_COUNTS.values()))[0]
     kinds = sorted(rng.sample(KINDS, count))
     weights = [rng.uniform(0.1, 1.0) for _ in kinds]
-    mix = tuple((kind, round(w / sum(weights), 2)) for kind, w in zip(kinds, weights, strict=True))
-    return _synthetic(rng, index, sizes, mix, (RATE, REQUESTS, BLOCK_TOKENS))
+    return tuple((kind, round(w / sum(weights), 2)) for kind, w in zip(kinds, weights, strict=True))
 
 
 def draw_chat_shape(rng: random.Random, index: int) -> Shape:
@@ -248,7 +317,22 @@ def draw_chat_shape(rng: random.Random, index: int) -> Shape:
     return _synthetic(rng, index, sizes, mix, ranges, chat_shape)
 
 
-FAMILIES = {"mixed": draw_shape, "chat": draw_chat_shape}
+def draw_phased_shape(rng: random.Random, index: int) -> Shape:
+    """One shape of the phased family from ``rng``: each phase's mix differs from the last."""
+    sizes = _draw_sizes(rng)
+    phases = [_draw_mix(rng)]
+    for _ in range(rng.choice(PHASES) - 1):
+        mix = _draw_mix(rng)
+        while {kind for kind, _ in mix} == {kind for kind, _ in phases[-1]}:
+            mix = _draw_mix(rng)
+        phases.append(mix)
+    weights = [rng.uniform(*PHASE_SHARE) for _ in phases]
+    shares = tuple(round(w / sum(weights), 2) for w in weights)
+    shape = _synthetic(rng, index, sizes, phases[0], (RATE, REQUESTS, BLOCK_TOKENS))
+    return replace(shape, phases=tuple(phases), phase_shares=shares)
+
+
+FAMILIES = {"mixed": draw_shape, "chat": draw_chat_shape, "phased": draw_phased_shape}
 """How each ``--family`` draws a shape."""
 
 
@@ -409,7 +493,8 @@ def main() -> int:
         "--family",
         choices=FAMILIES,
         default="mixed",
-        help="mixed: synthetic kinds and Mooncake cuts; chat: chat-trace-like traffic",
+        help="mixed: synthetic kinds and Mooncake cuts; chat: chat-trace-like traffic; "
+        "phased: synthetic mixes that change during the run",
     )
     parser.add_argument("--jobs", type=positive_int, default=2)
     parser.add_argument("--json", type=Path, help="also write the rows and the summary here")

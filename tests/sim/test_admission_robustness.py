@@ -87,6 +87,48 @@ def test_chat_family_shapes_stay_inside_their_ranges_and_load_as_chat_traffic() 
         robust.draw_shapes(3, 0, "chats")
 
 
+def test_phased_shapes_change_their_mix_and_load_as_phases_with_blocks_of_their_own() -> None:
+    """``--family phased`` runs two or three different mixes one after the other; a phase's
+    blocks are its own (the generator names blocks from 0 in every workload, so unrenamed
+    phases would share keys that stand for different prefixes)."""
+    shapes = robust.draw_shapes(200, 4, "phased")
+    assert shapes == robust.draw_shapes(200, 4, "phased") != robust.draw_shapes(200, 4)
+    for s in shapes:
+        assert len(s.phases) in robust.PHASES and s.mix == s.phases[0]
+        assert len(s.phase_shares) == len(s.phases)
+        assert sum(s.phase_shares) == pytest.approx(1.0, abs=0.02)
+        for earlier, later in zip(s.phases, s.phases[1:], strict=False):
+            assert {kind for kind, _ in earlier} != {kind for kind, _ in later}
+            assert {kind for kind, _ in later} <= set(robust.KINDS)
+        assert _inside(s.rate, robust.RATE) and s.block_tokens in robust.BLOCK_TOKENS
+    assert {len(s.phases) for s in shapes} == set(robust.PHASES)
+    small = robust.Shape(
+        0,
+        0.1,
+        0.02,
+        11,
+        mix=(("chat", 1.0),),
+        rate=4.0,
+        requests=300,
+        block_tokens=16,
+        phases=((("chat", 1.0),), (("rag", 1.0),), (("chat", 1.0),)),
+        phase_shares=(0.5, 0.25, 0.25),
+    )
+    workload = small.load()
+    requests = workload.requests
+    assert len(requests) == 300 and workload.block_tokens == 16
+    arrivals = [r.arrival_s for r in requests]
+    assert arrivals == sorted(arrivals)
+    parts = [requests[:150], requests[150:225], requests[225:]]
+    blocks = [{key for r in part for key in r.keys} for part in parts]
+    assert not blocks[0] & blocks[1] and not blocks[1] & blocks[2] and not blocks[0] & blocks[2]
+    alone = robust.Shape(
+        0, 0.1, 0.02, 11, mix=(("chat", 1.0),), rate=4.0, requests=150, block_tokens=16
+    ).load()
+    assert [len(r.keys) for r in alone.requests] == [len(r.keys) for r in parts[0]]
+    assert "[chat 1.00] 50% -> [rag 1.00] 25% -> [chat 1.00] 25%" in small.describe()
+
+
 def test_a_synthetic_shape_loads_with_its_size_and_block_tokens() -> None:
     shape = robust.Shape(
         0,
