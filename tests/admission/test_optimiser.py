@@ -692,6 +692,7 @@ def test_stats_numbers_are_the_numeric_counters_only() -> None:
     assert numbers["offers"] == stats.offers and numbers["admitted"] == stats.admitted
     assert numbers["rejected"] == stats.rejected and numbers["control"] == stats.control
     assert numbers["memory_bytes"] == stats.memory_bytes > 0
+    assert numbers["switches"] == stats.switches == layer.switches
 
 
 def test_a_last_request_the_gpu_held_whole_counts_in_the_worlds() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -24,6 +25,7 @@ def test_recommended_resolves_and_the_json_carries_admission_and_policy(
     assert 0.0 <= report["admission_control"] <= 1.0
     assert report["admission_bytes_per_key"] > 0
     assert report["admission_candidate"] in ("store-all", "filter", "feedback")
+    assert isinstance(report["admission_switches"], int) and report["admission_switches"] >= 0
     whatif = report["whatif"]
     assert sorted(whatif) == ["feedback", "filter", "store-all"]
     for by_factor in whatif.values():
@@ -35,7 +37,10 @@ def test_recommended_resolves_and_the_json_carries_admission_and_policy(
 def test_the_table_shows_the_what_if_figures(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*SMALL, *TIER, "--admission", "recommended"]) == 0
     table = capsys.readouterr().out
-    assert "what-if (hit / writes)" in table and "4x" in table and "following" in table
+    assert "what-if (hit / writes)" in table and "4x" in table
+    assert re.search(
+        r"following +(store-all|filter|feedback) \((never switched|1 switch|\d+ switches)\)", table
+    )
     for candidate in ("store-all", "filter", "feedback"):
         assert f"    {candidate}" in table
 

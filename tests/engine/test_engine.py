@@ -239,6 +239,7 @@ def test_the_optimisers_whatif_reaches_vllms_metrics(runs: dict[str, Any]) -> No
     followed = _labelled(last, "vllm:kvoffload_admission_candidate")
     assert set(followed) == {"candidate=feedback", "candidate=filter", "candidate=store-all"}
     assert sorted(followed.values()) == [0.0, 0.0, 1.0]
+    assert _counter(last, "vllm:kvoffload_admission_switches") >= 0
     for gauge in ("vllm:kvoffload_whatif_hit_ratio", "vllm:kvoffload_whatif_writes_per_ref"):
         values = _labelled(last, gauge)
         assert set(values) == {

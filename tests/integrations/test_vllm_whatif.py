@@ -21,6 +21,7 @@ HIT, WRITES, CANDIDATE = (
     "vllm:kvoffload_whatif_writes_per_ref",
     "vllm:kvoffload_admission_candidate",
 )
+SWITCHES = "vllm:kvoffload_admission_switches"
 
 
 def _workload() -> Workload:
@@ -68,10 +69,36 @@ def test_whatif_figures_reach_vllms_stats_and_metrics_as_our_exporter_shows_them
             labels = {**sample.labels, "engine": "0"}
             assert registry.get_sample_value(f"vllm:{sample.name}", labels) == (sample.value)
             compared += 1
-    assert compared == 12 + 12 + 3
+    assert compared == 12 + 12 + 3 + 1  # what-if gauges, candidate gauges, switches
+    assert registry.get_sample_value(f"{SWITCHES}_total", {"engine": "0"}) == layer.switches >= 1
     text = prometheus_client.generate_latest(registry).decode()
     assert f"# TYPE {HIT} gauge" in text and f"# TYPE {CANDIDATE} gauge" in text
     assert f'{CANDIDATE}{{candidate="{layer.chosen}",engine="0"}} 1.0' in text
+
+
+def test_switches_reach_metrics_as_increments_across_reports_and_resets(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    """A reset builds a new optimiser, whose count starts again; ``/metrics`` keeps the
+    total, and a report with no new switch adds nothing."""
+    from kvoffload.integrations.vllm.replay import replay
+
+    extra = {**SPEC_CONFIG, "cpu_bytes_to_use": 300 * 1024, "kvoffload.admission": "recommended"}
+    frontend, registry = metrics_frontend(extra)
+    manager = create_spec(extra).get_manager()
+    workload = _workload()
+    total = 0
+    for round_ in range(2):
+        replay(manager, workload.requests, workload.block_tokens)
+        switches = _optimiser(manager).switches
+        assert switches >= 1
+        total += switches
+        for _ in range(2):
+            frontend.observe(manager.get_stats().data, 0)
+            assert registry.get_sample_value(f"{SWITCHES}_total", {"engine": "0"}) == total
+        if round_ == 0:
+            manager.reset_cache()
+            assert _optimiser(manager).switches == 0
 
 
 def test_whatif_gauges_are_declared_only_for_the_optimiser(
@@ -83,8 +110,10 @@ def test_whatif_gauges_are_declared_only_for_the_optimiser(
         definitions = KVOffloadSpec.build_metric_definitions({"kvoffload.admission": name})
         assert definitions[HIT].labelnames == ("candidate", "capacity_factor")
         assert definitions[CANDIDATE].labelnames == ("candidate",)
+        assert SWITCHES in definitions
     for extra in ({"kvoffload.admission": "feedback"}, {}, {"kvoffload.admission": "bogus"}):
         assert HIT not in KVOffloadSpec.build_metric_definitions(extra)
+        assert SWITCHES not in KVOffloadSpec.build_metric_definitions(extra)
     extra = {**SPEC_CONFIG, "cpu_bytes_to_use": 8 * 1024, "kvoffload.admission": "feedback"}
     assert HIT not in create_spec(extra).get_manager().get_stats().data["data"]
 

@@ -172,3 +172,4 @@ def test_the_optimiser_exports_its_what_if_figures_and_chosen_rule() -> None:
         for name in ("store-all", "filter", "feedback")
     }
     assert len(stats.whatif) == 12
+    assert metrics["kvoffload_admission_switches_total"] == stats.switches >= 1

@@ -43,6 +43,9 @@ class AdmissionStats:
     """How many keys the fixed-size structures are sized for."""
     candidate: str = ""
     """The rule the layer follows now, for layers that choose among candidates."""
+    switches: int = 0
+    """How many times the layer changed the rule it follows (each switch costs a refill:
+    a tier that flaps between rules shows here)."""
     whatif: tuple[WhatIf, ...] = ()
     """What-if figures (candidate x capacity factor) over recent traffic, for layers that
     simulate them."""
@@ -64,6 +67,7 @@ class AdmissionStats:
             "control": self.control,
             "memory_bytes": float(self.memory_bytes),
             "tracked_keys": float(self.tracked_keys),
+            "switches": float(self.switches),
         }
 
 
@@ -81,6 +85,9 @@ class AdmissionLayer(OffloadingManager):
         self.offers = 0
         self.admitted = 0
         self.ghost_hits = 0
+        self.switches = 0
+        """Times the rule this layer follows changed (only a layer that chooses among
+        candidate rules changes it)."""
 
     @property
     def backing(self) -> OffloadingManager:
@@ -116,6 +123,7 @@ class AdmissionLayer(OffloadingManager):
             control=control,
             memory_bytes=memory_bytes,
             tracked_keys=tracked_keys,
+            switches=self.switches,
         )
 
     @classmethod

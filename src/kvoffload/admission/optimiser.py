@@ -277,7 +277,6 @@ class OptimisingAdmission(AdmissionLayer):
         )
         self._tiers = {name: world.tier for name, world in self.worlds.worlds.items()}
         self.chosen = DEFAULT
-        self.switches = 0
         self._seen = 0
         """References since the start (never halved)."""
         self._next_choice = 0.0

@@ -260,6 +260,10 @@ def _admission_rows(r: RunReport) -> list[tuple[str, str]]:
     ]
 
 
+def _switches(count: int) -> str:
+    return "never switched" if not count else f"{count:,} switch{'es' if count > 1 else ''}"
+
+
 def _whatif_rows(r: RunReport) -> list[tuple[str, str]]:
     """The optimiser's choice and its what-if table: hit ratio / writes per block reference
     of each candidate at each capacity factor, over the whole run."""
@@ -267,7 +271,7 @@ def _whatif_rows(r: RunReport) -> list[tuple[str, str]]:
         return []
     factors = list(next(iter(r.whatif.values())))
     rows = [
-        ("  following", r.admission_candidate),
+        ("  following", f"{r.admission_candidate} ({_switches(r.admission_switches)})"),
         ("  what-if (hit / writes)", "   ".join(f"{f + 'x':>13}" for f in factors)),
     ]
     for candidate, by_factor in r.whatif.items():

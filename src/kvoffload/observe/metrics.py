@@ -57,6 +57,11 @@ WHATIF_DOCS = {
     CANDIDATE: "1 for the admission rule the tier follows, 0 for the other candidates.",
 }
 """The what-if gauges, by name without prefix: here and on vLLM's ``/metrics``."""
+SWITCHES = "admission_switches"
+SWITCHES_DOC = (
+    "Times the admission optimiser changed the rule the tier follows (each costs a refill)."
+)
+"""The optimiser's switch counter, by name without prefix: here and on vLLM's ``/metrics``."""
 
 
 def whatif_gauges(stats: AdmissionStats) -> dict[str, dict[tuple[str, ...], float]]:
@@ -129,21 +134,24 @@ class AdmissionCollector(Collector):
     """Exports an admission layer's what-if figures and chosen rule, read from its stats.
 
     ``kvoffload_whatif_hit_ratio`` and ``kvoffload_whatif_writes_per_ref`` (labels
-    ``candidate``, ``capacity_factor``) over recent traffic, and
-    ``kvoffload_admission_candidate`` (1 for the rule followed, 0 for the others).
-    A layer without what-if figures exports nothing.
+    ``candidate``, ``capacity_factor``) over recent traffic,
+    ``kvoffload_admission_candidate`` (1 for the rule followed, 0 for the others) and
+    ``kvoffload_admission_switches_total``. A layer without what-if figures exports nothing.
     """
 
     def __init__(self, stats: Callable[[], AdmissionStats]) -> None:
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        for name, series in whatif_gauges(self._stats()).items():
+        stats = self._stats()
+        for name, series in whatif_gauges(stats).items():
             labels = list(WHATIF_LABELS) if name != CANDIDATE else ["candidate"]
             family = GaugeMetricFamily(f"{PREFIX}{name}", WHATIF_DOCS[name], labels=labels)
             for values, value in series.items():
                 family.add_metric(list(values), value)
             yield family
+        if stats.whatif:
+            yield CounterMetricFamily(f"{PREFIX}{SWITCHES}", SWITCHES_DOC, value=stats.switches)
 
 
 class TransferCollector(Collector):

@@ -330,6 +330,8 @@ class RunReport:
     admission_bytes_per_key: float | None = None
     admission_candidate: str = ""
     """The rule an optimising layer followed at the end of the run."""
+    admission_switches: int = 0
+    """How many times an optimising layer changed the rule it follows."""
     whatif: dict[str, dict[str, dict[str, float]]] = dataclasses.field(default_factory=dict)
     """``candidate -> capacity factor -> {hit_ratio, writes_per_ref}`` over the whole run, from
     an optimising layer's miniature simulations; empty for other layers."""
@@ -482,6 +484,7 @@ def _with_admission(
         admission_control=stats.control,
         admission_bytes_per_key=stats.bytes_per_tracked_key,
         admission_candidate=stats.candidate,
+        admission_switches=stats.switches,
         whatif=whatif_table(stats.whatif_total),
     )
 

@@ -51,7 +51,7 @@ from kvoffload.integrations.vllm.offer_filter import OfferCountFilter
 from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.stack import Stack
 from kvoffload.observe.counters import ManagerCounters
-from kvoffload.observe.metrics import recovery_samples, whatif_gauges
+from kvoffload.observe.metrics import SWITCHES, recovery_samples, whatif_gauges
 from kvoffload.policies import BlockStatus
 from kvoffload.sim.tier_model import recovery_counts
 
@@ -62,6 +62,8 @@ HELD_BLOCKS_METRIC = f"{METRIC_PREFIX}held_blocks"
 GHOST_HITS_METRIC = f"{METRIC_PREFIX}admission_ghost_hits"
 CONTROL_METRIC = f"{METRIC_PREFIX}admission_control"
 """Reported only when an admission layer is configured."""
+SWITCHES_METRIC = f"{METRIC_PREFIX}{SWITCHES}"
+"""Reported only for the optimiser (a layer with what-if figures)."""
 
 Probe = Callable[[OffloadKey], BlockStatus | None]
 """Where a key stands in the tier: ``None`` if absent, else its status (pending or ready)."""
@@ -127,6 +129,8 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._reported = ManagerCounters()
         self._ghost_hits_before_reset = 0
         self._ghost_hits_reported = 0
+        self._switches_before_reset = 0
+        self._switches_reported = 0
 
     def _install(self) -> None:
         """Build the backing stack; lookups and touches bypass its admission layer."""
@@ -285,6 +289,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         of the lower tiers); promotions wait for :meth:`on_reset_flushed`."""
         if self._layer is not None:
             self._ghost_hits_before_reset += self._layer.ghost_hits
+            self._switches_before_reset += self._layer.switches
         self._install()
         self._promotions_held = self._has_lower_tiers and REPORTS_FLUSH
 
@@ -322,6 +327,10 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             for name, series in whatif_gauges(layer_stats).items():
                 for labels, level in series.items():
                     stats.set_gauge(f"{METRIC_PREFIX}{name}", level, labels)
+            if layer_stats.whatif:
+                switches = self._switches_before_reset + layer_stats.switches
+                stats.increase_counter(SWITCHES_METRIC, switches - self._switches_reported)
+                self._switches_reported = switches
         if self._tiered is not None:
             counts = {tier.medium.lower(): recovery_counts(tier) for tier in self._tiered.tiers}
             found = {name: tier_counts for name, tier_counts in counts.items() if tier_counts}

@@ -27,6 +27,7 @@ from kvoffload.integrations.vllm.adapter import (
     GHOST_HITS_METRIC,
     HELD_BLOCKS_METRIC,
     METRIC_PREFIX,
+    SWITCHES_METRIC,
     VLLMManagerAdapter,
 )
 from kvoffload.integrations.vllm.offer_filter import OfferCountFilter
@@ -47,6 +48,7 @@ from kvoffload.observe.metrics import (
     CANDIDATE,
     RECOVERY_DOCS,
     RECOVERY_LABELS,
+    SWITCHES_DOC,
     WHATIF_DOCS,
     WHATIF_LABELS,
 )
@@ -331,16 +333,19 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
 
 def _whatif_definitions(extra_config: dict[str, Any]) -> dict[str, Any]:
     """The optimiser's what-if and candidate gauges, labelled as kvoffload's own exporter
-    labels them; none for another admission layer (or a name start-up will refuse)."""
+    labels them, and its switch counter; none for another admission layer (or a name
+    start-up will refuse)."""
     admission = extra_config.get(ADMISSION_KEY)
     if admission not in available_admissions() or resolve_admission(admission) != "optimiser":
         return {}
-    return {
+    definitions: dict[str, Any] = {
         f"{METRIC_PREFIX}{name}": OffloadingGaugeMetadata(
             documentation=doc, labelnames=("candidate",) if name == CANDIDATE else WHATIF_LABELS
         )
         for name, doc in WHATIF_DOCS.items()
     }
+    definitions[SWITCHES_METRIC] = OffloadingCounterMetadata(documentation=SWITCHES_DOC)
+    return definitions
 
 
 def _fingerprint(config: OffloadingConfig, rank_slot_bytes: int, world_size: int) -> bytes:
