@@ -481,7 +481,8 @@ def _print_summary(summary: Row, rows: list[Row]) -> None:
             f"GPU {r['gpu_blocks'] / r['unique_blocks']:.1%}: "
             f"{r['hit margin']:+.4f} ({r['margin tier-fulls']:+.3f} tier-fulls) "
             f"vs {r['better baseline']}, "
-            f"{r['writes ratio']:.2f}x writes"
+            f"{r['writes ratio']:.2f}x writes, {r['recommended switches']} "
+            f"switch{'' if r['recommended switches'] == 1 else 'es'}"
         )
 
 

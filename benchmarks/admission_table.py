@@ -102,6 +102,7 @@ def compare(
     gpu = max(int(gpu_share * unique), max(len(r.keys) for r in workload.requests))
     cpu = int(cpu_share * unique)
     figures: dict[str, tuple[float, float]] = {}
+    switches = 0
     known = json.loads(cached.read_text()) if cached is not None and cached.is_file() else None
     for label, changes in CONFIGS.items():
         if known is not None and label != "recommended":
@@ -113,6 +114,8 @@ def compare(
             changes = {**changes, "write_budget": write_budget}
         report: RunReport = simulate(workload, SimConfig(**{**config.__dict__, **changes}))
         figures[label] = (report.total_hit_ratio, report.writes_per_ref)
+        if label == "recommended":
+            switches = report.admission_switches
         if bound:
             belady = report.belady_total_hit_ratio or 0.0
     if known is not None:
@@ -139,6 +142,7 @@ def compare(
         "writes ratio": writes / better_writes if better_writes else float("inf"),
         "gap closed": dhit / room if room > 0 else 0.0,
         "goal met": dhit >= HIT_GOAL - 1e-9 and writes <= WRITES_GOAL * better_writes + 1e-12,
+        "recommended switches": switches,
     }
 
 

@@ -224,6 +224,7 @@ def test_kept_baselines_give_the_same_row_and_skip_the_baseline_runs(tmp_path: P
     assert fresh["margin tier-fulls"] == pytest.approx(
         fresh["hit margin"] * refs / fresh["cpu_blocks"]
     )
+    assert isinstance(fresh["recommended switches"], int) and fresh["recommended switches"] >= 0
     first = robust.run_shape(shape, tmp_path)
     (kept,) = tmp_path.iterdir()
     assert robust.run_shape(shape, tmp_path) == first == fresh
