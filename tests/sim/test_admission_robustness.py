@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from benchmark_scripts import load_benchmark
 
 robust = load_benchmark("admission_robustness")
+
+
+def _shape(seed: int, mix: tuple[tuple[str, float], ...], requests: int, **knobs: Any) -> Any:
+    """A synthetic shape at the tests' tier (10% of unique blocks) and GPU cache (2%)."""
+    return robust.Shape(0, 0.1, 0.02, seed, mix=mix, requests=requests, **knobs)
 
 
 def test_the_same_seed_draws_the_same_shapes() -> None:
@@ -68,17 +74,8 @@ def test_chat_family_shapes_stay_inside_their_ranges_and_load_as_chat_traffic() 
         assert s.block_tokens in robust.CHAT_BLOCK_TOKENS
     assert {len(s.mix) for s in shapes} == {1, 2}
     assert {kind for s in shapes for kind, _ in s.mix[1:]} == set(robust.KINDS)
-    small = robust.Shape(
-        0,
-        0.1,
-        0.02,
-        5,
-        mix=(("longchat", 1.0),),
-        rate=2.0,
-        requests=150,
-        block_tokens=512,
-        chat_shape=shapes[0].chat_shape,
-    )
+    chat = (("longchat", 1.0),)
+    small = _shape(5, chat, 150, rate=2.0, block_tokens=512, chat_shape=shapes[0].chat_shape)
     workload = small.load()
     assert len(workload.requests) == 150 and workload.block_tokens == 512
     assert len({r.keys[0] for r in workload.requests}) == 1
@@ -102,16 +99,14 @@ def test_phased_shapes_change_their_mix_and_load_as_phases_with_blocks_of_their_
             assert {kind for kind, _ in later} <= set(robust.KINDS)
         assert _inside(s.rate, robust.RATE) and s.block_tokens in robust.BLOCK_TOKENS
     assert {len(s.phases) for s in shapes} == set(robust.PHASES)
-    small = robust.Shape(
-        0,
-        0.1,
-        0.02,
+    chat, rag = (("chat", 1.0),), (("rag", 1.0),)
+    small = _shape(
         11,
-        mix=(("chat", 1.0),),
+        chat,
+        300,
         rate=4.0,
-        requests=300,
         block_tokens=16,
-        phases=((("chat", 1.0),), (("rag", 1.0),), (("chat", 1.0),)),
+        phases=(chat, rag, chat),
         phase_shares=(0.5, 0.25, 0.25),
     )
     workload = small.load()
@@ -122,9 +117,7 @@ def test_phased_shapes_change_their_mix_and_load_as_phases_with_blocks_of_their_
     parts = [requests[:150], requests[150:225], requests[225:]]
     blocks = [{key for r in part for key in r.keys} for part in parts]
     assert not blocks[0] & blocks[1] and not blocks[1] & blocks[2] and not blocks[0] & blocks[2]
-    alone = robust.Shape(
-        0, 0.1, 0.02, 11, mix=(("chat", 1.0),), rate=4.0, requests=150, block_tokens=16
-    ).load()
+    alone = _shape(11, chat, 150, rate=4.0, block_tokens=16).load()
     assert [len(r.keys) for r in alone.requests] == [len(r.keys) for r in parts[0]]
     assert "[chat 1.00] 50% -> [rag 1.00] 25% -> [chat 1.00] 25%" in small.describe()
 
