@@ -86,6 +86,25 @@ STORAGE with its locality and our medium name as the event's ownership (the tier
 published it). The disk tier announces its evictions; the shared tier never removes."""
 
 
+class _LayerCount:
+    """One of the admission layer's running counts, reported to vLLM as increments. A reset
+    builds a new layer whose count starts at 0, so the old layer's count is carried."""
+
+    def __init__(self) -> None:
+        self._carried = 0
+        self._reported = 0
+
+    def carry(self, count: int) -> None:
+        """The count of a layer a reset is about to replace."""
+        self._carried += count
+
+    def increment(self, count: int) -> int:
+        """What the total grew by since the last report, ``count`` being the layer's now."""
+        total = self._carried + count
+        grown, self._reported = total - self._reported, total
+        return grown
+
+
 @dataclass
 class _RequestKeys:
     """The keys one request has read or stored, first-seen order (per-request scratch)."""
@@ -127,10 +146,8 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._bytes_per_block = bytes_per_block
         self.counters = ManagerCounters()
         self._reported = ManagerCounters()
-        self._ghost_hits_before_reset = 0
-        self._ghost_hits_reported = 0
-        self._switches_before_reset = 0
-        self._switches_reported = 0
+        self._ghost_hits = _LayerCount()
+        self._switches = _LayerCount()
 
     def _install(self) -> None:
         """Build the backing stack; lookups and touches bypass its admission layer."""
@@ -288,8 +305,8 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         """Drop every block of the CPU tier (and, through ``build``, what the spec says
         of the lower tiers); promotions wait for :meth:`on_reset_flushed`."""
         if self._layer is not None:
-            self._ghost_hits_before_reset += self._layer.ghost_hits
-            self._switches_before_reset += self._layer.switches
+            self._ghost_hits.carry(self._layer.ghost_hits)
+            self._switches.carry(self._layer.switches)
         self._install()
         self._promotions_held = self._has_lower_tiers and REPORTS_FLUSH
 
@@ -319,18 +336,16 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             else:
                 stats.increase_counter(f"{METRIC_PREFIX}{name}", value)
         if self._layer is not None:
-            ghost_hits = self._ghost_hits_before_reset + self._layer.ghost_hits
-            stats.increase_counter(GHOST_HITS_METRIC, ghost_hits - self._ghost_hits_reported)
-            self._ghost_hits_reported = ghost_hits
+            ghost_hits = self._ghost_hits.increment(self._layer.ghost_hits)
+            stats.increase_counter(GHOST_HITS_METRIC, ghost_hits)
             layer_stats = self._layer.stats()
             stats.set_gauge(CONTROL_METRIC, layer_stats.control)
             for name, series in whatif_gauges(layer_stats).items():
                 for labels, level in series.items():
                     stats.set_gauge(f"{METRIC_PREFIX}{name}", level, labels)
             if layer_stats.whatif:
-                switches = self._switches_before_reset + layer_stats.switches
-                stats.increase_counter(SWITCHES_METRIC, switches - self._switches_reported)
-                self._switches_reported = switches
+                switches = self._switches.increment(layer_stats.switches)
+                stats.increase_counter(SWITCHES_METRIC, switches)
         if self._tiered is not None:
             counts = {tier.medium.lower(): recovery_counts(tier) for tier in self._tiered.tiers}
             found = {name: tier_counts for name, tier_counts in counts.items() if tier_counts}
