@@ -135,3 +135,14 @@ def test_sweep_over_admissions(capsys: pytest.CaptureFixture[str]) -> None:
     assert reports[1]["admission_offers"] > 0
     assert main([*args[:-2], "--admissions", "nope"]) != 0
     assert "unknown admission 'nope'" in capsys.readouterr().err
+
+
+def test_the_switch_count_reads_as_words() -> None:
+    from kvoffload.cli.simulate import _switches
+
+    assert [_switches(n) for n in (0, 1, 2, 1234)] == [
+        "never switched",
+        "1 switch",
+        "2 switches",
+        "1,234 switches",
+    ]
