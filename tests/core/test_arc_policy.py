@@ -154,3 +154,31 @@ def test_t1_gives_victims_while_at_or_above_target() -> None:
     out = m.prepare_store(keys(4, 5, 6))
     assert out is not None and ids(out.evicted_keys) == [1, 2, 3]
     assert ids(arc.b1) == [1, 2] and ids(arc.b2) == [3]
+
+
+def test_finish_request_promotes_only_what_the_request_read() -> None:
+    """vLLM's request-scoped access: a read counts, a store does not, anything else is left."""
+    m, arc = arc_manager(8, (1, 2, 3, 4))
+    arc.finish_request(keys(1, 2, 3, 9), reused=set(keys(2)), stored_only=set(keys(1, 3)))
+    assert ids(arc.t1) == [4, 3, 1] and ids(arc.t2) == [2]
+    arc.finish_request(keys(4, 2), reused=set(keys(2)), stored_only=set())
+    assert ids(arc.t1) == [4, 3, 1] and ids(arc.t2) == [2]
+
+
+def test_store_missed_adapts_to_a_ghost_the_store_then_forgets() -> None:
+    m, arc = arc_manager(2, (1, 2))
+    m.prepare_store(keys(3))
+    m.complete_store(keys(3))
+    assert ids(arc.b1) == [1] and arc.target_t1_size == 0.0
+    arc.store_missed(keys(1))
+    m.prepare_store(keys(1))
+    assert arc.target_t1_size == 1.0 and 1 not in ids(arc.b1)
+
+
+def test_other_policies_touch_on_finish_and_ignore_store_misses() -> None:
+    m = CPUOffloadingManager(num_blocks=4, cache_policy="lru")
+    m.prepare_store(keys(1, 2, 3))
+    m.complete_store(keys(1, 2, 3))
+    m.policy.store_missed(keys(7))
+    m.policy.finish_request(keys(1, 3), reused=set(), stored_only=set(keys(1, 3)))
+    assert list(m.policy.coldest() or ()) == keys(2, 3, 1)

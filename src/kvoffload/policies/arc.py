@@ -26,6 +26,8 @@ from kvoffload.policies.registry import register_cache_policy
 class ARCCachePolicy(CachePolicy):
     """T1 holds blocks seen once, T2 blocks touched again; B1/B2 remember evictions."""
 
+    recent_at_access = False
+
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self.target_t1_size = 0.0
@@ -74,6 +76,30 @@ class ARCCachePolicy(CachePolicy):
                 target = self.target_t1_size - (delta if delta > 1.0 else 1.0)
                 self.target_t1_size = target if target >= 0.0 else 0.0
                 b2.move_to_end(key)
+
+    def store_missed(self, keys: Sequence[OffloadKey]) -> None:
+        """Adapt to the ghosts among keys about to be stored (``touch`` of an absent key only
+        adapts)."""
+        if self.b1 or self.b2:
+            self.touch(keys)
+
+    def finish_request(
+        self,
+        keys: Sequence[OffloadKey],
+        reused: Container[OffloadKey],
+        stored_only: Container[OffloadKey],
+    ) -> None:
+        """As vLLM 0.32/0.33: a read moves a block from T1 to T2 (or up T2); a store only makes
+        it recent in its own list; any other key (a store that got no slot) is left alone."""
+        t1, t2 = self.t1, self.t2
+        for key in reversed(keys):
+            if key in t1:
+                if key in reused:
+                    t2[key] = t1.pop(key)
+                elif key in stored_only:
+                    t1.move_to_end(key)
+            elif key in t2 and (key in reused or key in stored_only):
+                t2.move_to_end(key)
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> Victims | None:
         if n <= 0:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Container, Iterable, Iterator, Sequence
+from typing import ClassVar
 
 from kvoffload.core.keys import OffloadKey
 
@@ -50,6 +51,11 @@ class CachePolicy(ABC):
     them) or returns ``None`` and changes nothing.
     """
 
+    recent_at_access: ClassVar[bool] = True
+    """Whether a request's first read or store of a block makes it recent at once (vLLM
+    0.33's LRU does); a policy that counts accesses per request (ARC) waits for
+    :meth:`finish_request`. Only request-scoped drivers (the vLLM adapter) ask."""
+
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
 
@@ -64,6 +70,24 @@ class CachePolicy(ABC):
     @abstractmethod
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         """Record an access; keys may be absent. The first key ends up most recent."""
+
+    def store_missed(self, keys: Sequence[OffloadKey]) -> None:
+        """A request is about to store ``keys``, which the tier does not hold, before
+        :meth:`insert`: ARC learns from the ghosts among them here, as ``insert`` forgets
+        them. Called once per key and request, by request-scoped drivers. Default: nothing."""
+        return
+
+    def finish_request(
+        self,
+        keys: Sequence[OffloadKey],
+        reused: Container[OffloadKey],
+        stored_only: Container[OffloadKey],
+    ) -> None:
+        """A finished request's keys, head of the prefix first: ``reused`` it read (loaded,
+        or found ready when it offered them), ``stored_only`` it only wrote. vLLM calls
+        this once per request; the default touches every key, as vLLM does for a policy
+        without a rule of its own, and ARC counts only a read as a second access."""
+        self.touch(keys)
 
     @abstractmethod
     def evict(self, n: int, protected: Container[OffloadKey]) -> Victims | None:

@@ -116,6 +116,12 @@ class _RequestKeys:
     sighted: set[OffloadKey] = field(default_factory=set)
     tier_hit: bool = False
     """A lookup of this request hit the tier (vLLM looks up only past the GPU cache's hit)."""
+    reused: set[OffloadKey] = field(default_factory=set)
+    """Keys it read: loaded, or found ready when it offered them (not those it stored)."""
+    stored: set[OffloadKey] = field(default_factory=set)
+    """Keys it got a slot for."""
+    store_missed: set[OffloadKey] = field(default_factory=set)
+    """Keys it offered that the tier lacked, told to the policy once (ARC's ghosts)."""
 
 
 class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
@@ -199,6 +205,8 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         spec = self._manager.prepare_load(keys)
         self.counters.loads += len(keys)
         self.counters.bytes_loaded += len(keys) * self._bytes_per_block
+        state = self._request_keys(req_context)
+        state.reused.update(key for key in keys if key not in state.stored)
         self._seen(keys, req_context)
         return _vllm_spec(spec)
 
@@ -232,8 +240,27 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             for key, st in zip(original, status, strict=True)
             if (st.is_ready if st is not None else admitted is None or key in admitted)
         ]
+        state = self._request_keys(req_context)
+        state.reused.update(
+            key
+            for key, st in zip(original, status, strict=True)
+            if st is not None and st.is_ready and key not in state.stored
+        )
+        missed = [
+            key
+            for key, st in zip(original, status, strict=True)
+            if st is None
+            and (admitted is None or key in admitted)
+            and key not in state.store_missed
+        ]
+        if missed:
+            # Before the store: ARC's ghosts are gone once the blocks are inserted.
+            state.store_missed.update(missed)
+            self._cpu.policy.store_missed(missed)
         began = None if self._layer is None else self._sight(self._layer, original, req_context)
         output = self._manager.prepare_store(offered)
+        if output is not None:
+            state.stored.update(output.keys_to_store)
         if began and self._layer is not None:
             self._layer.end_request(began)
         if self._layer is not None and output is not None:
@@ -285,9 +312,9 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         positions = [req_context.get_offload_key_position(key) for key in keys]
         if None not in positions:
             keys = [key for _, key in sorted(zip(positions, keys, strict=True))]
-        state.seen.clear()
-        state.sighted.clear()
-        self._direct.touch(keys)
+        self._cpu.policy.finish_request(keys, state.reused, state.stored - state.reused)
+        for done in (state.seen, state.sighted, state.reused, state.stored, state.store_missed):
+            done.clear()
 
     def take_events(self) -> Iterable[Any]:
         for event in self._manager.take_events():
@@ -406,7 +433,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         new = [key for key in keys if key not in seen]
         if new:
             seen.update(dict.fromkeys(new))
-            if self._recency_at_access:
+            if self._recency_at_access and self._cpu.policy.recent_at_access:
                 self._direct.touch(new)
 
 

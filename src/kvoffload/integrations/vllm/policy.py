@@ -9,7 +9,7 @@ reference counts, request-scoped access); only the victim choice is ours.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy as VLLMCachePolicy
@@ -49,6 +49,23 @@ class PolicyShim(VLLMCachePolicy):  # type: ignore[misc]
 
     def touch(self, keys: Iterable[OffloadKey], req_context: Any) -> None:
         self._policy.touch(list(keys))
+
+    def on_request_access(self, keys: Iterable[OffloadKey], req_context: Any) -> None:
+        """vLLM 0.33: a request's first read or store of blocks; recent now where our policy
+        says so (LRU), as vLLM's own LRU makes them."""
+        if self._policy.recent_at_access:
+            self._policy.touch(list(keys))
+
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        insertion_only_keys: set[OffloadKey],
+        reused_keys: set[OffloadKey],
+        req_context: Any,
+    ) -> None:
+        """One call per group, as vLLM's default; our policy tells reads from stores (ARC)."""
+        for keys in key_groups:
+            self._policy.finish_request(list(keys), reused_keys, insertion_only_keys)
 
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, Any]] | None:
         victims = self._policy.evict(n, protected)
