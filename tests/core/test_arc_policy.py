@@ -158,7 +158,7 @@ def test_t1_gives_victims_while_at_or_above_target() -> None:
 
 def test_finish_request_promotes_only_what_the_request_read() -> None:
     """vLLM's request-scoped access: a read counts, a store does not, anything else is left."""
-    m, arc = arc_manager(8, (1, 2, 3, 4))
+    _, arc = arc_manager(8, (1, 2, 3, 4))
     arc.finish_request(keys(1, 2, 3, 9), reused=set(keys(2)), stored_only=set(keys(1, 3)))
     assert ids(arc.t1) == [4, 3, 1] and ids(arc.t2) == [2]
     arc.finish_request(keys(4, 2), reused=set(keys(2)), stored_only=set())

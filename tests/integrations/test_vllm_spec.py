@@ -200,3 +200,31 @@ def test_vllms_own_metrics_frontend_shows_our_counters(
     assert 'vllm:kvoffload_stores_completed_total{engine="0"} 1.0' in text
     assert 'vllm:kvoffload_bytes_stored_total{engine="0"} 1024.0' in text
     assert 'vllm:kvoffload_held_blocks{engine="0"} 2.0' in text
+
+
+def test_a_failed_store_releases_its_slot_without_an_eviction(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    """vLLM 0.33's event tracker forgets what ``prepare_store`` recorded for a key only on
+    a metadata-only removal; a key stored again before the events are taken is held."""
+    from vllm.v1.kv_offload.base import Medium
+
+    from kvoffload.integrations.vllm.adapter import RELEASES_METADATA
+
+    manager = create_spec({"cpu_bytes_to_use": 4 * 1024}, events=True).get_manager()
+    a, b = block_id_key(1), block_id_key(2)
+    context = _context("r", [a, b])
+    manager.prepare_store([a, b], context)
+    manager.complete_store([a, b], context, success=False)
+    manager.prepare_store([b], context)
+    events = [
+        (e.keys, e.medium, e.removed, getattr(e, "metadata_only", None))
+        for e in manager.take_events()
+    ]
+    if RELEASES_METADATA:
+        assert events == [([a], Medium.CPU, True, True)]
+    else:
+        assert events == []
+    manager.complete_store([b], context, success=False)
+    released = [e.keys for e in manager.take_events() if getattr(e, "metadata_only", False)]
+    assert released == ([[b]] if RELEASES_METADATA else [])

@@ -67,6 +67,11 @@ class CPUOffloadingManager(OffloadingManager):
         return self._policy
 
     @property
+    def events_enabled(self) -> bool:
+        """Whether this manager keeps events for ``take_events``."""
+        return self._events.enabled
+
+    @property
     def num_free_blocks(self) -> int:
         return len(self._free) + self.num_blocks - self._num_allocated
 

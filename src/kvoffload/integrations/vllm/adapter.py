@@ -24,7 +24,7 @@ they count no sightings.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +71,11 @@ Probe = Callable[[OffloadKey], BlockStatus | None]
 REPORTS_FLUSH = hasattr(OffloadingManager, "on_reset_flushed")
 """Whether this vLLM tells the manager when the jobs in flight at a reset are done (0.33;
 0.32 never does, so holding promotions until then would hold them for good)."""
+
+RELEASES_METADATA = "metadata_only" in getattr(OffloadingEvent, "__dataclass_fields__", {})
+"""Whether this vLLM's events can release a failed store's slot without announcing an
+eviction (0.33: its event tracker drops what it recorded at ``prepare_store``; 0.32 has no
+such event, and nothing to drop)."""
 
 InfoSeries = Mapping[str, str | int | float | bool]
 """One series of ``vllm:kv_offload_config_info``: label name to value."""
@@ -165,6 +170,8 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._cpu: CPUOffloadingManager = stack.cpu
         self._tiered = stack.tiered
         self._has_lower_tiers = stack.tiered is not None and bool(stack.tiered.tiers)
+        self._released: list[OffloadKey] = []
+        """Keys whose store failed since the last ``take_events``: vLLM's metadata-only removal."""
 
     @property
     def lock(self) -> threading.Lock:
@@ -295,6 +302,8 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             c.bytes_stored += len(pending) * self._bytes_per_block
         else:
             c.stores_failed += len(pending)
+            if RELEASES_METADATA and self._cpu.events_enabled:
+                self._released.extend(key for key in pending if self._probe(key) is None)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         state = req_context.get_state(_RequestKeys)
@@ -316,17 +325,28 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         for done in (state.seen, state.sighted, state.reused, state.stored, state.store_missed):
             done.clear()
 
-    def take_events(self) -> Iterable[Any]:
+    def take_events(self) -> list[Any]:
+        released, self._released = self._released, []
+        events = []
         for event in self._manager.take_events():
             medium, locality, ownership, announces_removal = _EVENT_MEDIA[event.medium]
-            yield OffloadingEvent(
-                keys=list(event.keys),
-                medium=medium,
-                removed=event.removed,
-                locality=locality,
-                ownership=ownership,
-                removal_expected=announces_removal and not event.removed,
+            events.append(
+                OffloadingEvent(
+                    keys=list(event.keys),
+                    medium=medium,
+                    removed=event.removed,
+                    locality=locality,
+                    ownership=ownership,
+                    removal_expected=announces_removal and not event.removed,
+                )
             )
+        # As vLLM: a key stored again since its store failed is held, not released.
+        keys = [key for key in released if self._probe(key) is None]
+        if keys:
+            events.append(
+                OffloadingEvent(keys=keys, medium=Medium.CPU, removed=True, metadata_only=True)
+            )
+        return events
 
     def reset_cache(self) -> None:
         """Drop every block of the CPU tier (and, through ``build``, what the spec says
