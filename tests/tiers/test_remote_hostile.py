@@ -9,6 +9,8 @@ stopped, or resumed, before the tier is closed, so a failing test ends too.
 from __future__ import annotations
 
 import json
+import os
+import resource
 import signal
 import subprocess
 import sys
@@ -29,6 +31,8 @@ BLOCK = 32
 KEYS = [block_id_key(i, 5) for i in range(12)]
 STALL_S = 20.0
 """Longer than any deadline here by far: reaching it means the call stalled."""
+HELD_DESCRIPTORS = 1100
+"""Open descriptors that push every socket opened next past ``select``'s 1024."""
 
 
 CLI = [sys.executable, "-m", "kvoffload", "simulate", "--requests", "5", "--no-bound"]
@@ -347,4 +351,41 @@ def test_connections_the_server_closed_while_idle_are_replaced_not_failed(
         assert read(tier, KEYS[:4]) == [True] * 4
         assert tier.stats.failed == 0 and tier.unavailable == 0
     finally:
+        tier.close()
+
+
+@pytest.fixture
+def over_1024_descriptors() -> Iterator[None]:
+    """An engine's process: over 1024 open descriptors, so every socket opened now gets
+    a number ``select`` refuses (the lowest free ones are taken first, holes included)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = HELD_DESCRIPTORS + 512
+    if hard != resource.RLIM_INFINITY and hard < need:
+        pytest.skip(f"the hard limit of open files is {hard}, under {need}")
+    if soft != resource.RLIM_INFINITY and soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(HELD_DESCRIPTORS)]
+    try:
+        yield
+    finally:
+        for descriptor in held:
+            os.close(descriptor)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_pooled_connections_are_reused_in_a_process_with_over_1024_descriptors(
+    valkey_server: ValkeyProcess, over_1024_descriptors: None
+) -> None:
+    tier = RemoteTier(valkey_server.url, fingerprint("many-descriptors"))
+    try:
+        with tier.open_socket(tier.name(KEYS[0])) as sock:
+            assert sock.fileno() >= 1024
+        for _ in range(3):  # every call after the first takes a pooled connection
+            store(tier, KEYS[:4])
+            assert tier.present(KEYS[:4]) == 4
+            assert read(tier, KEYS[:4]) == [True] * 4
+        assert tier.stats.stored_blocks == 12 and tier.stats.hit_blocks == 12
+        assert tier.stats.failed == 0 and tier.unavailable == 0
+    finally:
+        tier.delete_all()
         tier.close()

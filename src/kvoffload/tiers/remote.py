@@ -106,7 +106,12 @@ class _Node:
                 if not self._idle:
                     return None
                 connection = self._idle.pop()
-            if not connection.readable_now():
+            try:
+                closed = connection.readable_now()
+            except BaseException:  # not handed back: nobody else would ever close it
+                connection.close()
+                raise
+            if not closed:
                 return connection
             connection.close()
 

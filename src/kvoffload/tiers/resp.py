@@ -351,11 +351,15 @@ class Connection:
 
     def readable_now(self) -> bool:
         """Whether bytes, or end-of-file, wait unasked: on an idle connection, a sign the
-        server closed it."""
-        if self._start != self._end:
+        server closed it. ``poll``, not ``select``: a process with over 1024 descriptors
+        (an engine's) gets sockets ``select`` refuses; TLS may hold decrypted bytes the
+        socket no longer shows."""
+        sock = self.sock
+        if self._start != self._end or (isinstance(sock, ssl.SSLSocket) and sock.pending()):
             return True
-        readable, _, _ = select.select([self.sock], [], [], 0)
-        return bool(readable)
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
 
     def send(self, pieces: Iterable[Piece], deadline: Deadline) -> None:
         """Send every piece in order, all before ``deadline`` (making a piece, when
