@@ -16,6 +16,7 @@ from kvoffload.cli.main import main
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import layout_preset
 from kvoffload.tiers import RemoteTier, RemoteTierError, layout_fingerprint, parse_remote_url
+from kvoffload.tiers.url import redact_url
 from tier_servers import ValkeyProcess
 
 SECRET = "hunt3r-Two"
@@ -60,6 +61,9 @@ def one_line(capsys: pytest.CaptureFixture[str]) -> str:
         (f"redis://:{SECRET}@h:1?timeout_ms=", "timeout_ms must be a number"),
         (f"redis://:{SECRET}@h:1/0#frag", "has a '#': write it as %23"),
         (f"redis://:{SECRET}@h:1?colour=red", "unknown option"),
+        (f"redis://h:1/0?password={SECRET}", r"unknown option\(s\) password in"),
+        (f"redis://alice@h:1/0?timeout_ms=9&password={SECRET}", "unknown option"),
+        (f"redis://h:1/0?timeout_ms=9&password={SECRET}#x", "has a '#'"),
         (f"redis://{SECRET}@:1", "names no host"),
     ],
 )
@@ -83,6 +87,27 @@ def test_every_character_works_in_a_password_when_percent_encoded() -> None:
     assert password not in repr(address)  # a logged address shows no password either
     hosts = parse_remote_url("redis://[::1]:7000,h.example.:7001,h-1_b").hosts
     assert hosts == (("::1", 7000), ("h.example.", 7001), ("h-1_b", 6379))
+
+
+def test_option_values_are_hidden_wherever_a_url_is_shown() -> None:
+    """Other clients take ``?password=``: a URL written for them must not show it."""
+    shown = redact_url(f"redis://alice:{SECRET}@h:1/0?password={SECRET}&timeout_ms=5#{SECRET}")
+    assert shown == "redis://alice:***@h:1/0?password=***&timeout_ms=***#***"
+    shown = redact_url(f"redis://:{SECRET[:6]}?x@h:1/0?password={SECRET[6:]}")
+    assert shown == "redis://***@h:1/0?password=***"
+    shown = redact_url(f"redis://h:1?password={SECRET}&cluster")
+    assert shown == "redis://h:1?password=***&cluster"
+
+
+def test_a_password_option_is_refused_by_name_from_the_command_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    url = f"redis://alice@127.0.0.1:1/0?password={SECRET}"
+    argv = ["simulate", "--requests", "5", "--no-bound", "--no-progress", "--remote", url]
+    assert main(argv) == 1
+    line = one_line(capsys)
+    assert line.startswith("kvoffload: error: --remote: unknown option(s) password in ")
+    assert shows_no_secret(line), line
 
 
 def test_a_percent_encoded_password_authenticates_against_a_real_server(tmp_path: Path) -> None:

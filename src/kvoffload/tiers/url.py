@@ -10,7 +10,8 @@ User name and password are percent-encoded (RFC 3986), as ``redis-cli -u``
 and the client libraries read them: any character works, and ``/ ? # @ %``
 must be written ``%2F %3F %23 %40 %25``. An ``@`` past the host part (an
 unencoded ``/``, ``?`` or ``#`` in a password) is an error whose message
-hides everything before it; no message ever shows the password.
+hides everything before it; no message ever shows the password, nor any
+option's value (a ``?password=`` meant for another client is refused by name).
 
 Options: ``timeout_ms=N`` (default 250, at most 600000): the deadline of each
 whole operation (connect, send, the full reply), plus the time its bytes take
@@ -110,8 +111,8 @@ class RemoteAddress:
 def parse_remote_url(url: str) -> RemoteAddress:
     """Parse ``url``; :class:`InvalidArgumentError` names what is wrong with it.
 
-    Messages quote the URL with its user part hidden (:func:`redact_url`):
-    they end up in logs.
+    Messages quote the URL with its user part and option values hidden
+    (:func:`redact_url`): they end up in logs.
     """
     shown = redact_url(url)
     scheme, sep, rest = url.partition("://")
@@ -164,21 +165,39 @@ def parse_remote_url(url: str) -> RemoteAddress:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with its user part hidden: ``user:***@`` for a well-formed one; when an
-    ``@`` stands past the host part (an unencoded ``/``, ``?`` or ``#`` in a password),
-    everything up to the last ``@`` is hidden, as it may all be secret."""
+    """``url`` with its user part and option values hidden: ``user:***@`` for a
+    well-formed one; when an ``@`` stands past the host part (an unencoded ``/``, ``?``
+    or ``#`` in a password), everything up to the last ``@`` is hidden, as it may all be
+    secret. Options show as ``name=***``: other clients take ``?password=``, so a URL
+    written for them holds its password there (the message that refuses it names it)."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url
     end = _authority_end(rest)
     if "@" in rest[end:]:
-        return f"{scheme}{sep}***@{rest[rest.rindex('@') + 1 :]}"
+        rest = rest[rest.rindex("@") + 1 :]
+        end = _authority_end(rest)
+        return f"{scheme}{sep}***@{rest[:end]}{_hide_options(rest[end:])}"
     userinfo, at, hosts = rest[:end].rpartition("@")
     if not at:
-        return url
+        return f"{scheme}{sep}{hosts}{_hide_options(rest[end:])}"
     user, colon, _ = userinfo.partition(":")
     hidden = f"{user}:***" if colon else "***"
-    return f"{scheme}{sep}{hidden}@{hosts}{rest[end:]}"
+    return f"{scheme}{sep}{hidden}@{hosts}{_hide_options(rest[end:])}"
+
+
+def _hide_options(tail: str) -> str:
+    """``tail`` (path, query, fragment) with every option's value and the fragment
+    shown as ``***``."""
+    path, question, query = tail.partition("?")
+    query, hash_sign, fragment = query.partition("#")
+    if not question:
+        path, hash_sign, fragment = path.partition("#")
+    shown = "&".join(
+        f"{name}=***" if equals else name
+        for name, equals, _ in (option.partition("=") for option in query.split("&"))
+    )
+    return f"{path}{question}{shown}{hash_sign}{'***' if fragment else ''}"
 
 
 def _authority_end(rest: str) -> int:
