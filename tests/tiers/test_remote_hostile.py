@@ -12,9 +12,11 @@ import json
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from tier_helpers import content
 
 from kvoffload import OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
-from kvoffload.tiers import CircuitBreaker, RemoteTier, layout_fingerprint
+from kvoffload.tiers import CircuitBreaker, RemoteTier, RemoteTierError, layout_fingerprint
 from kvoffload.tiers.format import encode_trailed_block, payload_digest, payload_hasher
 from tier_servers import FakeValkey, ValkeyClusterProcesses, ValkeyProcess
 
@@ -89,6 +91,22 @@ def test_a_reply_that_trickles_at_start_up_ends_in_one_line(tmp_path: Path) -> N
     assert done.returncode == 1
     [line] = done.stderr.strip().splitlines()
     assert "not reachable: no full answer before the deadline" in line
+
+
+def test_start_up_against_seeds_that_never_answer_ends_within_one_deadline() -> None:
+    """Three seed nodes that accept (the kernel does) and never answer: one deadline for
+    the whole start-up, not one per seed."""
+    seeds = [socket.create_server(("127.0.0.1", 0)) for _ in range(3)]
+    hosts = ",".join(f"127.0.0.1:{seed.getsockname()[1]}" for seed in seeds)
+    timeout_s = 1.0
+    started = time.monotonic()
+    try:
+        with pytest.raises(RemoteTierError, match="no full answer before the deadline"):
+            RemoteTier(f"redis://{hosts}?timeout_ms={timeout_s * 1000:.0f}", fingerprint("seeds"))
+    finally:
+        for seed in seeds:
+            seed.close()
+    assert time.monotonic() - started < 2 * timeout_s  # a deadline per seed took 3
 
 
 def test_a_value_that_drips_mid_run_is_a_counted_failure_and_opens_the_breaker(

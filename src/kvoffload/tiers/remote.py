@@ -337,11 +337,12 @@ class RemoteTier:
     # Start-up: one deadline, clear errors.
 
     def _start(self) -> bool:
-        """Connect to the first seed that answers; whether it is a Cluster."""
+        """Connect to the first seed that answers, all seeds under one deadline (hung
+        ones would otherwise cost ``timeout_ms`` each); whether it is a Cluster."""
         where = self.address.redacted()
         last: ConnectError | None = None
+        deadline = Deadline(self.address.timeout_s)
         for host, port in self.address.hosts:
-            deadline = Deadline(self.address.timeout_s)
             try:
                 connection = self._open(host, port, deadline)
             except ConnectError as exc:
