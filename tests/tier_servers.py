@@ -158,11 +158,13 @@ class FakeValkey:
     ``mode`` (switchable at any time): ``normal``; ``trickle``: every reply is a
     simple string that never ends, one byte per ``interval_s``; ``drip``: GET
     announces the right length, then sends the value one byte per
-    ``interval_s``; ``huge``: GET announces a 512 MB value and drips it.
+    ``interval_s``; ``huge``: GET announces a 512 MB value and drips it;
+    ``hang``: commands are read, never answered (a paused or partitioned node).
     ``drip_after``: commands answered normally before ``mode`` becomes
     ``drip``; ``die_after``: commands answered before the server closes every
     connection and stops listening, as a killed one does. ``deleted`` lists the
-    names DEL was asked for.
+    names DEL was asked for. ``cluster_slots``: the raw reply to CLUSTER SLOTS,
+    sent as it is (a hostile one too); with it INFO says Cluster mode.
     """
 
     HUGE = 512 * 10**6
@@ -174,8 +176,10 @@ class FakeValkey:
         interval_s: float = 0.05,
         drip_after: int | None = None,
         die_after: int | None = None,
+        cluster_slots: bytes | None = None,
     ) -> None:
         self.mode = mode
+        self.cluster_slots = cluster_slots
         self.interval_s = interval_s
         self.drip_after = drip_after
         self.die_after = die_after
@@ -254,6 +258,8 @@ class FakeValkey:
 
     def _answer(self, connection: socket.socket, args: list[bytes]) -> None:
         name, rest = args[0], args[1:]
+        if self.mode == "hang":
+            return
         if self.mode == "trickle":
             connection.sendall(b"+")
             self._drip(connection, b"P" * 10**9)
@@ -288,8 +294,10 @@ class FakeValkey:
             self.deleted += rest
             return b":%d\r\n" % sum(self.values.pop(arg, None) is not None for arg in rest)
         if name == b"INFO":
-            info = b"# Cluster\r\ncluster_enabled:0\r\n"
+            info = b"# Cluster\r\ncluster_enabled:%d\r\n" % (self.cluster_slots is not None)
             return b"$%d\r\n%b\r\n" % (len(info), info)
+        if name == b"CLUSTER" and self.cluster_slots is not None:
+            return self.cluster_slots
         if name == b"SCAN":
             names = b"".join(b"$%d\r\n%b\r\n" % (len(n), n) for n in self.values)
             return b"*2\r\n$1\r\n0\r\n*%d\r\n%b" % (len(self.values), names)
@@ -304,3 +312,38 @@ class FakeValkey:
             if self._stopping.wait(self.interval_s):
                 return
             connection.sendall(data[i : i + 1])
+
+
+class FakeValkeyCluster:
+    """``count`` :class:`FakeValkey` nodes that announce the 16384 slots in even ranges,
+    as a Cluster's CLUSTER SLOTS does; :attr:`mode` switches every node at once."""
+
+    def __init__(self, count: int = 3, timeout_ms: int = 300) -> None:
+        self.nodes = [FakeValkey() for _ in range(count)]
+        self.timeout_ms = timeout_ms
+        step = 16384 // count
+        entries = [
+            b"*3\r\n:%d\r\n:%d\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n"
+            % (i * step, 16383 if i == count - 1 else (i + 1) * step - 1, node.port)
+            for i, node in enumerate(self.nodes)
+        ]
+        for node in self.nodes:
+            node.cluster_slots = b"*%d\r\n" % count + b"".join(entries)
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{node.port}" for node in self.nodes)
+        return f"redis://{hosts}?timeout_ms={self.timeout_ms}"
+
+    @property
+    def mode(self) -> str:
+        return self.nodes[0].mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        for node in self.nodes:
+            node.mode = mode
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()

@@ -27,7 +27,7 @@ from kvoffload import OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
 from kvoffload.tiers import CircuitBreaker, RemoteTier, RemoteTierError, layout_fingerprint
 from kvoffload.tiers.format import encode_trailed_block, payload_digest, payload_hasher
-from tier_servers import FakeValkey, ValkeyClusterProcesses, ValkeyProcess
+from tier_servers import FakeValkey, FakeValkeyCluster, ValkeyClusterProcesses, ValkeyProcess
 
 BLOCK = 32
 KEYS = [block_id_key(i, 5) for i in range(12)]
@@ -219,6 +219,70 @@ def test_one_dead_cluster_node_fails_only_its_slots(tmp_path: Path) -> None:
     finally:
         tier.close()
         cluster.stop()
+
+
+@pytest.fixture
+def fake_cluster() -> Iterator[FakeValkeyCluster]:
+    cluster = FakeValkeyCluster(3, timeout_ms=1000)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def keys_by_node(tier: RemoteTier, each: int) -> list[list[OffloadKey]]:
+    """``each`` keys on every node of ``tier``'s Cluster, node by node."""
+    nodes: dict[tuple[str, int], list[OffloadKey]] = {}
+    for i in range(10_000):
+        key = block_id_key(i, 11)
+        nodes.setdefault(tier.node_address(tier.name(key)), []).append(key)
+    assert len(nodes) == len(tier.breakers)
+    return [keys[:each] for keys in nodes.values()]
+
+
+def test_one_cluster_operation_with_every_node_hung_ends_within_one_deadline(
+    fake_cluster: FakeValkeyCluster,
+) -> None:
+    """Lookups, loads and stores each ask every node in turn: under one deadline for the
+    whole operation, not one per node (a partition held the scheduler nodes x longer)."""
+    tier = RemoteTier(fake_cluster.url, fingerprint("hung-cluster"), breaker=CircuitBreaker(100))
+    timeout_s = fake_cluster.timeout_ms / 1000
+    try:
+        a, b, c = keys_by_node(tier, 2)
+        keys = [key for trio in zip(a, b, c, strict=True) for key in trio]
+        store(tier, keys)
+        assert tier.present(keys) == len(keys)
+        fake_cluster.mode = "hang"
+        calls: list[Callable[[], object]] = [
+            lambda: tier.present(keys),
+            lambda: read(tier, keys),
+            lambda: store(tier, keys),
+        ]
+        for call in calls:
+            started = time.monotonic()
+            finishes(call)
+            assert time.monotonic() - started < 2 * timeout_s  # 3 nodes took 3
+        assert tier.stats.failed == 2 * len(keys) and tier.stats.hit_blocks == 0
+    finally:
+        fake_cluster.stop()
+        tier.close()
+
+
+def test_a_lookup_asks_no_node_once_its_leading_run_is_decided(
+    fake_cluster: FakeValkeyCluster,
+) -> None:
+    tier = RemoteTier(fake_cluster.url, fingerprint("decided-run"))
+    try:
+        a, b, c = keys_by_node(tier, 2)
+        store(tier, [*b, *c])  # b's and c's nodes now have a pooled connection each
+        node = {n.port: n for n in fake_cluster.nodes}
+        node_b, node_c = (node[tier.node_address(tier.name(keys[0]))[1]] for keys in (b, c))
+        before = node_b.commands, node_c.commands
+        assert tier.present([*a, *b, *c]) == 0
+        assert tier.present([b[0], a[0], c[0]]) == 1
+        assert (node_b.commands, node_c.commands) == (before[0] + 1, before[1])  # one EXISTS
+    finally:
+        tier.close()
 
 
 @pytest.fixture

@@ -8,10 +8,11 @@ each reply received straight into its destination slot and checksummed as it lan
 digest sent apart (:mod:`.block_sets`), never joined, each piece of the payload hashed
 just before it goes out.
 
-Every operation (name lookup, connect, send, full reply) has one deadline:
-``timeout_ms`` plus the time its bytes take at :data:`SLOWEST_LINK`. Every operation goes
-through one call wrapper and the breaker of its node (one per Cluster node,
-so a dead node fails its slots only): when a server is slow, paused or down,
+Every operation (a lookup, a read batch, a write pipeline) has one deadline on the whole
+of it, name lookup, connect, send and full reply, on every node it asks, retries and
+redirections included: ``timeout_ms`` plus the time its bytes take at :data:`SLOWEST_LINK`.
+Each node's part goes through one call wrapper and the breaker of that node (one per Cluster
+node, so a dead node fails its slots only): when a server is slow, paused or down,
 lookups miss and stores are dropped, counted, and the tier reconnects by
 itself once a trial call succeeds. A block the server evicted (maxmemory) is
 a plain miss. A value that fails its header check, or whose announced length
@@ -219,19 +220,30 @@ class RemoteTier:
         return self._prefix + key.hex().encode()
 
     def present(self, keys: Sequence[OffloadKey]) -> int:
-        """Leading run of ``keys`` on the server: one pipelined round trip of EXISTS per node."""
+        """Leading run of ``keys`` on the server: one pipelined round trip of EXISTS per
+        node, all under one deadline, each node asked only while the run could still reach
+        its keys (a lookup runs on the scheduler's thread)."""
         if not keys:
             return 0
         names = [self.name(key) for key in keys]
-        found = [False] * len(names)
+        deadline = self._deadline(0)
+        run = len(names)  # the first index found absent, or whose node failed
+        # Nodes come in the order of their first key, every key before it already answered:
+        # one whose first key lies past the run cannot change it.
         for node, indices in self._by_node(names, range(len(names))).items():
-            replies = self._call(node, partial(self._exists, names, indices))
-            for index, reply in zip(indices, replies or (), strict=False):
-                found[index] = reply == 1
+            if run < indices[0]:
+                break
+            replies = self._call(node, partial(self._exists, names, indices), deadline)
+            if replies is None:
+                run = min(run, indices[0])
+                continue
+            for index, reply in zip(indices, replies, strict=True):
+                if reply != 1:
+                    run = min(run, index)
                 redirect = _redirect(reply) if isinstance(reply, ErrorReply) else None
                 if redirect is not None:  # absent this once; the map learns the new owner
                     self._follow(redirect, node)
-        return found.index(False) if False in found else len(found)
+        return run
 
     def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
         keys = list(keys)
@@ -281,7 +293,7 @@ class RemoteTier:
         for node in self._primaries():
             cursor = b"0"
             while True:  # a deadline per page: a large keyspace takes many
-                page = self._call(node, partial(self._scan_page, cursor))
+                page = self._call(node, partial(self._scan_page, cursor), self._deadline(0))
                 if page is None:
                     break
                 cursor, count = page
@@ -299,21 +311,26 @@ class RemoteTier:
         """A socket to the node holding ``name``, past TLS, AUTH and SELECT; the caller
         owns it. For the benchmark's raw-socket baseline."""
         node = self._node_of(name)
-        connection = self._open(node.host, node.port, Deadline(self.address.timeout_s))
+        connection = self._open(node.host, node.port, self._deadline(0))
         return connection.sock
 
     # The one funnel of every runtime operation.
 
+    def _deadline(self, size: int) -> Deadline:
+        """One operation's deadline: ``timeout_ms`` plus its ``size`` bytes at
+        :data:`SLOWEST_LINK`."""
+        return Deadline(self.address.timeout_s + size / SLOWEST_LINK)
+
     def _call(
-        self, node: _Node, op: Callable[[Connection, Deadline], T], size: int = 0
+        self, node: _Node, op: Callable[[Connection, Deadline], T], deadline: Deadline
     ) -> T | None:
-        """``op`` on a connection to ``node`` through its breaker, all of it before one
-        deadline; ``None`` if refused or failed (counted). ``size``: bytes it moves."""
-        if not node.breaker.allow():
+        """``op`` on a connection to ``node`` through its breaker, before the operation's
+        ``deadline``; ``None`` if refused or failed (counted). One that finds the deadline
+        passed (spent on other nodes) is not tried: no failure of this node's."""
+        if deadline.passed() or not node.breaker.allow():
             with self._lock:
                 self.unavailable += 1
             return None
-        deadline = Deadline(self.address.timeout_s + size / SLOWEST_LINK)
         connection = None
         try:
             connection = node.take() or self._open(node.host, node.port, deadline)
@@ -432,7 +449,7 @@ class RemoteTier:
             self._slots[redirect.slot] = target
         return target
 
-    # Operations, each on one connection under one deadline.
+    # One node's part of an operation, each on one connection under its deadline.
 
     def _exists(
         self, names: list[bytes], indices: list[int], connection: Connection, deadline: Deadline
@@ -452,14 +469,14 @@ class RemoteTier:
         failed = sum(view is None for view in views)
         sizes = [0 if view is None else sum(part.nbytes for part in view) for view in views]
         readable = [i for i, view in enumerate(views) if view is not None]
+        deadline = self._deadline(sum(len(names[i]) + sizes[i] for i in readable))
         groups = self._by_node(names, readable)
         jobs: list[_Job] = [(node, got, False) for node, got in groups.items()]
         hops = 0
         while jobs:
             node, indices, asking = jobs.pop()
-            size = sum(len(names[i]) + sizes[i] for i in indices)
             get = partial(self._get_into, keys, names, views, sizes, indices, asking)
-            statuses = self._call(node, get, size)
+            statuses = self._call(node, get, deadline)
             if statuses is None:
                 failed += len(indices)
                 continue
@@ -483,7 +500,7 @@ class RemoteTier:
                 jobs += [(where, indices, ask) for (where, ask), indices in moved.items()]
         if corrupt:
             for node, indices in self._by_node(names, corrupt).items():
-                self._call(node, partial(self._delete, [names[i] for i in indices]))
+                self._call(node, partial(self._delete, [names[i] for i in indices]), deadline)
         self.stats.add(hit_blocks=sum(outcome), corrupt=len(corrupt), failed=failed)
         return outcome
 
@@ -592,6 +609,7 @@ class RemoteTier:
             for key, payload in zip(keys, payloads, strict=True)
         ]
         names = [write.name for write in writes]
+        deadline = self._deadline(sum(payload_size(write.payload) for write in writes))
         stored = [False] * len(writes)
         jobs: list[_Job] = [
             (node, got, False) for node, got in self._by_node(names, range(len(writes))).items()
@@ -600,8 +618,7 @@ class RemoteTier:
         while jobs:
             node, indices, asking = jobs.pop()
             batch = [writes[i] for i in indices]
-            size = sum(payload_size(write.payload) for write in batch)
-            statuses = self._call(node, partial(self._set_all, batch, asking), size)
+            statuses = self._call(node, partial(self._set_all, batch, asking), deadline)
             if statuses is None:
                 continue
             moved: dict[tuple[_Node, bool], list[int]] = {}

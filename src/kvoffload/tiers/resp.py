@@ -120,6 +120,10 @@ class Deadline:
             raise DeadlineExceeded("no full answer before the deadline")
         return left
 
+    def passed(self) -> bool:
+        """Whether no time is left, without raising: for a caller that skips a step."""
+        return time.monotonic() >= self.at
+
 
 def command(*args: bytes | str | int) -> bytes:
     """The RESP of one command."""
