@@ -159,7 +159,8 @@ class FakeValkey:
     simple string that never ends, one byte per ``interval_s``; ``drip``: GET
     announces the right length, then sends the value one byte per
     ``interval_s``; ``huge``: GET announces a 512 MB value and drips it;
-    ``hang``: commands are read, never answered (a paused or partitioned node).
+    ``hang``: commands are read, never answered (a paused or partitioned node);
+    ``nested``: every reply is a one-element array nested :attr:`NESTED` deep.
     ``drip_after``: commands answered normally before ``mode`` becomes
     ``drip``; ``die_after``: commands answered before the server closes every
     connection and stops listening, as a killed one does. ``deleted`` lists the
@@ -168,6 +169,7 @@ class FakeValkey:
     """
 
     HUGE = 512 * 10**6
+    NESTED = 5000
 
     def __init__(
         self,
@@ -259,6 +261,9 @@ class FakeValkey:
     def _answer(self, connection: socket.socket, args: list[bytes]) -> None:
         name, rest = args[0], args[1:]
         if self.mode == "hang":
+            return
+        if self.mode == "nested":
+            connection.sendall(b"*1\r\n" * self.NESTED + b"+PONG\r\n")
             return
         if self.mode == "trickle":
             connection.sendall(b"+")

@@ -24,6 +24,7 @@ import pytest
 from tier_helpers import content
 
 from kvoffload import OffloadKey, block_id_key
+from kvoffload.cli.main import main
 from kvoffload.core.layout import layout_preset
 from kvoffload.tiers import CircuitBreaker, RemoteTier, RemoteTierError, layout_fingerprint
 from kvoffload.tiers.format import encode_trailed_block, payload_digest, payload_hasher
@@ -107,6 +108,53 @@ def test_start_up_against_seeds_that_never_answer_ends_within_one_deadline() -> 
         for seed in seeds:
             seed.close()
     assert time.monotonic() - started < 2 * timeout_s  # a deadline per seed took 3
+
+
+def simulate_error(url: str, capsys: pytest.CaptureFixture[str]) -> str:
+    """The one line ``simulate --remote url`` fails with (no traceback)."""
+    argv = ["simulate", "--requests", "5", "--no-bound", "--no-progress", "--remote", url]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_a_reply_nested_thousands_deep_at_start_up_ends_in_one_line(
+    fake: FakeValkey, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Parsing recurses once per array: a hostile server must not choose how deep."""
+    fake.mode = "nested"
+    line = simulate_error(fake.url, capsys)
+    assert "not reachable: arrays nested more than 8 deep" in line
+
+
+def one_range(node: bytes, low: int = 0, high: int = 16383) -> bytes:
+    """A CLUSTER SLOTS reply: slots ``low`` to ``high`` on ``node`` (its RESP)."""
+    return b"*1\r\n*3\r\n:%d\r\n:%d\r\n%b" % (low, high, node)
+
+
+@pytest.mark.parametrize(
+    ("slots", "message"),
+    [
+        (one_range(b"*2\r\n$4\r\n\xff\xfe\xfd\xfc\r\n:7000\r\n"), "not ASCII"),
+        (one_range(b"*0\r\n"), "unknown shape"),
+        (one_range(b"*2\r\n$9\r\n127.0.0.1\r\n$4\r\n7000\r\n"), "unknown shape"),
+        (one_range(b"*2\r\n:1\r\n:7000\r\n"), "unknown shape"),
+        (one_range(b"*2\r\n$9\r\n127.0.0.1\r\n:0\r\n"), "at port 0"),
+        (one_range(b"*2\r\n$0\r\n\r\n:7000\r\n", 20000, 30000), "no slot from 0 to 16383"),
+        (b"*1\r\n" * 5000 + b":1\r\n", "arrays nested more than 8 deep"),
+    ],
+)
+def test_a_malformed_cluster_slots_reply_ends_start_up_in_one_line(
+    slots: bytes, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server = FakeValkey(cluster_slots=slots)
+    try:
+        line = simulate_error(server.url, capsys)
+    finally:
+        server.stop()
+    assert f"remote tier redis://127.0.0.1:{server.port}/0: " in line and message in line
 
 
 def test_a_value_that_drips_mid_run_is_a_counted_failure_and_opens_the_breaker(

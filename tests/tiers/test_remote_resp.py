@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from kvoffload.tiers.resp import (
     CHUNK,
     DIRECT_BELOW,
+    MAX_DEPTH,
     PEEK,
     WAIT_SLICE,
     Connection,
@@ -210,6 +211,8 @@ def test_a_receive_from_a_trickling_peer_meets_the_deadline(
         (b":12x\r\n", "bad number"),
         (b"$3\r\nabcXY", "not followed by CRLF"),
         (b"+" + b"P" * 70_000, "longer than 65536 bytes"),
+        (b"*1\r\n" * 5000 + b"+PONG\r\n", "nested more than 8 deep"),
+        (b"*1\r\n" * (MAX_DEPTH + 1) + b":1\r\n", "nested more than 8 deep"),
     ],
 )
 def test_replies_we_do_not_accept_are_protocol_errors(
@@ -219,6 +222,18 @@ def test_replies_we_do_not_accept_are_protocol_errors(
     threading.Thread(target=left.sendall, args=(data,), daemon=True).start()
     with pytest.raises(ProtocolError, match=message):
         connection.read_reply(Deadline(5))
+
+
+def test_arrays_nested_as_deep_as_allowed_are_read(
+    pair: tuple[socket.socket, Connection],
+) -> None:
+    left, connection = pair
+    left.sendall(b"*1\r\n" * MAX_DEPTH + b":1\r\n")
+    reply: Reply = connection.read_reply(Deadline(5))
+    for _ in range(MAX_DEPTH):
+        assert isinstance(reply, list)
+        [reply] = reply
+    assert reply == 1
 
 
 def test_a_closed_server_is_a_connection_error(pair: tuple[socket.socket, Connection]) -> None:

@@ -57,12 +57,13 @@ from kvoffload.tiers.resp import (
     Credentials,
     Deadline,
     ErrorReply,
+    ProtocolError,
     Reply,
     Resolver,
     command,
 )
 from kvoffload.tiers.targets import destination_parts
-from kvoffload.tiers.url import RemoteAddress, parse_remote_url
+from kvoffload.tiers.url import MAX_PORT, RemoteAddress, parse_remote_url
 
 MEDIUM = "REMOTE"
 SLOTS = 16384
@@ -371,7 +372,10 @@ class RemoteTier:
                 cluster = self._discover(host, port, connection, deadline)
             except (OSError, ServerReplyError) as exc:
                 connection.close()
-                last = ConnectError("network", str(exc) or type(exc).__name__)
+                # A reply we refuse is the server's doing, not the network's.
+                refused = isinstance(exc, (ServerReplyError, ProtocolError))
+                kind = "server" if refused else "network"
+                last = ConnectError(kind, str(exc) or type(exc).__name__)
                 continue
             node = self._node(host, port, None if cluster else self.breaker)
             node.give(connection)
@@ -395,21 +399,19 @@ class RemoteTier:
         return cluster
 
     def _slot_map(self, reply: Reply, seed_host: str) -> list[_Node]:
-        """Owner of each slot from CLUSTER SLOTS; a slot nobody owns goes to the first node."""
+        """Owner of each slot from CLUSTER SLOTS; a slot nobody owns goes to the first node.
+        A reply of another shape is :class:`ServerReplyError`, start-up's one-line error."""
         if not isinstance(reply, list) or not reply:
             raise ServerReplyError("CLUSTER SLOTS named no slots")
         owners: list[_Node | None] = [None] * SLOTS
         for entry in reply:
-            if not isinstance(entry, list) or len(entry) < 3 or not isinstance(entry[2], list):
-                raise ServerReplyError("CLUSTER SLOTS gave an entry of an unknown shape")
-            low, high, (host, port, *_) = entry[0], entry[1], entry[2]
-            if not (isinstance(low, int) and isinstance(high, int) and isinstance(port, int)):
-                raise ServerReplyError("CLUSTER SLOTS gave an entry of an unknown shape")
-            name = host.decode() if isinstance(host, bytes) and host not in (b"", b"?") else ""
-            node = self._node(name or seed_host, port)
+            low, high, host, port = _slot_range(entry)
+            node = self._node(host or seed_host, port)
             for slot in range(max(0, low), min(SLOTS - 1, high) + 1):
                 owners[slot] = node
-        first = next(node for node in owners if node is not None)
+        first = next((node for node in owners if node is not None), None)
+        if first is None:
+            raise ServerReplyError(f"CLUSTER SLOTS named no slot from 0 to {SLOTS - 1}")
         return [node or first for node in owners]
 
     # Nodes and slots.
@@ -678,6 +680,32 @@ def _redirect(reply: ErrorReply) -> _Redirect | None:
         return _Redirect(int(parts[1]) % SLOTS, (host.strip("[]"), int(port)), parts[0] == "ASK")
     except ValueError:
         return None
+
+
+def _slot_range(entry: Reply) -> tuple[int, int, str, int]:
+    """``low, high, host, port`` of one CLUSTER SLOTS entry (host ``""``: the seed's, as a
+    node that does not know its own address announces it)."""
+    if not isinstance(entry, list) or len(entry) < 3:
+        raise ServerReplyError("CLUSTER SLOTS gave an entry of an unknown shape")
+    low, high, node = entry[:3]
+    if not (isinstance(node, list) and len(node) >= 2):
+        raise ServerReplyError("CLUSTER SLOTS gave an entry of an unknown shape")
+    host, port = node[:2]
+    if not (
+        isinstance(low, int)
+        and isinstance(high, int)
+        and isinstance(port, int)
+        and (host is None or isinstance(host, bytes))
+    ):
+        raise ServerReplyError("CLUSTER SLOTS gave an entry of an unknown shape")
+    if not 0 < port <= MAX_PORT:
+        raise ServerReplyError(f"CLUSTER SLOTS named a node at port {port}")
+    if host is None or host in (b"", b"?"):
+        return low, high, "", port
+    try:
+        return low, high, host.decode("ascii"), port
+    except UnicodeDecodeError:
+        raise ServerReplyError("CLUSTER SLOTS named a host that is not ASCII") from None
 
 
 def _read_error(reply: ErrorReply) -> _Status:

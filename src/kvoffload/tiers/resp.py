@@ -45,6 +45,9 @@ CHUNK = 256 * 1024
 MAX_LINE = 64 * 1024
 MAX_REPLY = 16 * 2**20
 """Largest reply (other than a block read into its slot) accepted: INFO, CLUSTER SLOTS, SCAN."""
+MAX_DEPTH = 8
+"""Arrays nested in one reply at most: CLUSTER SLOTS, the deepest the tier reads, nests 4
+(a node's metadata); parsing recurses once per level, so a hostile reply must not choose."""
 PEEK = 512
 """Bytes received for a length line, or a block's header, when a large value follows."""
 DIRECT_BELOW = 64 * 1024
@@ -569,9 +572,10 @@ class Connection:
     def read_reply(self, deadline: Deadline, limit: int = MAX_REPLY) -> Reply:
         """The next whole reply, refused past ``limit`` bytes."""
         budget = [limit]
-        return self._reply(deadline, budget)
+        return self._reply(deadline, budget, 0)
 
-    def _reply(self, deadline: Deadline, budget: list[int]) -> Reply:
+    def _reply(self, deadline: Deadline, budget: list[int], depth: int) -> Reply:
+        """One reply (``depth``: arrays it sits in), its bytes counted against ``budget``."""
         line = self._line(deadline)
         kind, rest = line[:1], line[1:]
         budget[0] -= len(line) + 2
@@ -598,7 +602,9 @@ class Connection:
                 return None
             if count > budget[0]:
                 raise ProtocolError(f"an array of {count} replies, more than this call accepts")
-            return [self._reply(deadline, budget) for _ in range(count)]
+            if depth == MAX_DEPTH:
+                raise ProtocolError(f"arrays nested more than {MAX_DEPTH} deep in a reply")
+            return [self._reply(deadline, budget, depth + 1) for _ in range(count)]
         raise ProtocolError(f"unknown reply type {kind!r}")
 
 
