@@ -74,3 +74,8 @@ def test_bad_configuration(kwargs: dict[str, object], message: str) -> None:
 def test_request_larger_than_the_gpu(small: Workload) -> None:
     with pytest.raises(InvalidArgumentError, match="cannot fit in a GPU cache of 10 blocks"):
         simulate(small, SimConfig(gpu_blocks=10, cpu_blocks=0))
+
+
+def test_the_config_s_repr_never_shows_the_remote_url_s_password() -> None:
+    config = SimConfig(gpu_blocks=100, cpu_blocks=10, remote_url="redis://alice:Hunter2@h:6379/0")
+    assert "Hunter2" not in repr(config) and "Hunter2" not in str(config)

@@ -79,7 +79,7 @@ class SimConfig:
     # Tiers below the CPU tier (issue 9): a disk directory and a shared server.
     disk_dir: str | None = None
     disk_blocks: int = 0
-    remote_url: str | None = None
+    remote_url: str | None = dataclasses.field(default=None, repr=False)  # may hold a password
     tier_store_threshold: int = 0
     """Admission to the lower tiers: lookups seen before a block is written there."""
     disk_admission: str = "none"
