@@ -52,7 +52,7 @@ from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.stack import Stack
 from kvoffload.observe.counters import ManagerCounters
 from kvoffload.observe.metrics import SWITCHES, recovery_samples, whatif_gauges
-from kvoffload.policies import BlockStatus
+from kvoffload.policies import BlockStatus, CachePolicy
 from kvoffload.sim.tier_model import recovery_counts
 
 METRIC_PREFIX = "vllm:kvoffload_"
@@ -170,6 +170,10 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._cpu: CPUOffloadingManager = stack.cpu
         self._tiered = stack.tiered
         self._has_lower_tiers = stack.tiered is not None and bool(stack.tiered.tiers)
+        policy = type(self._cpu.policy)
+        # Only a policy with request-scoped rules of its own (ARC) pays for their bookkeeping.
+        self._tells_reads = policy.finish_request is not CachePolicy.finish_request
+        self._learns_from_misses = policy.store_missed is not CachePolicy.store_missed
         self._released: list[OffloadKey] = []
         """Keys whose store failed since the last ``take_events``: vLLM's metadata-only removal."""
 
@@ -212,8 +216,9 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         spec = self._manager.prepare_load(keys)
         self.counters.loads += len(keys)
         self.counters.bytes_loaded += len(keys) * self._bytes_per_block
-        state = self._request_keys(req_context)
-        state.reused.update(key for key in keys if key not in state.stored)
+        if self._tells_reads:
+            state = self._request_keys(req_context)
+            state.reused.update(key for key in keys if key not in state.stored)
         self._seen(keys, req_context)
         return _vllm_spec(spec)
 
@@ -248,25 +253,27 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             if (st.is_ready if st is not None else admitted is None or key in admitted)
         ]
         state = self._request_keys(req_context)
-        state.reused.update(
-            key
-            for key, st in zip(original, status, strict=True)
-            if st is not None and st.is_ready and key not in state.stored
-        )
-        missed = [
-            key
-            for key, st in zip(original, status, strict=True)
-            if st is None
-            and (admitted is None or key in admitted)
-            and key not in state.store_missed
-        ]
-        if missed:
-            # Before the store: ARC's ghosts are gone once the blocks are inserted.
-            state.store_missed.update(missed)
-            self._cpu.policy.store_missed(missed)
+        if self._tells_reads:
+            state.reused.update(
+                key
+                for key, st in zip(original, status, strict=True)
+                if st is not None and st.is_ready and key not in state.stored
+            )
+        if self._learns_from_misses:
+            missed = [
+                key
+                for key, st in zip(original, status, strict=True)
+                if st is None
+                and (admitted is None or key in admitted)
+                and key not in state.store_missed
+            ]
+            if missed:
+                # Before the store: ARC's ghosts are gone once the blocks are inserted.
+                state.store_missed.update(missed)
+                self._cpu.policy.store_missed(missed)
         began = None if self._layer is None else self._sight(self._layer, original, req_context)
         output = self._manager.prepare_store(offered)
-        if output is not None:
+        if output is not None and self._tells_reads:
             state.stored.update(output.keys_to_store)
         if began and self._layer is not None:
             self._layer.end_request(began)
