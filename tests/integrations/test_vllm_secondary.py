@@ -216,18 +216,21 @@ def test_admission_decides_what_the_cascade_writes(
     assert counts("skipped_blocks") == [0, 4, 4]
     for engine in trio:
         assert engine.replay.request(KEYS[:4]) == 4  # the CPU tier serves the repeat
-    # offer_hits: the repeat is offered whole, a sighting for the layer, never a write.
+    # offer_hits: the repeat is offered whole. No lookup of it reached our tier (the CPU
+    # tier served them all), so which of its blocks were served is unknown: all are judged,
+    # and ours, seeing the prompt come back, writes it now.
     assert counts("offered_blocks") == [4, 8, 4]
-    assert counts("served_blocks") == [0, 4, 0]
-    assert counts("written_blocks") == [4, 0, 0]
+    assert counts("served_blocks") == [0, 0, 0]
+    assert counts("written_blocks") == [4, 4, 0]
     for engine in trio:
         engine.replay.request(KEYS[4:8])  # the 4-block CPU tier evicts KEYS[:4]
-    # Ours saw the first prompt come back (the repeat, offered whole), so first-seen blocks
-    # of its class are now worth writing; without offer_hits the tier never saw it return.
-    assert counts("written_blocks") == [8, 4, 0]
-    # Back after the CPU tier let it go: the disk serves vLLM's copy; ours and the blind
-    # tier recompute it, and, seen before, write it now.
-    assert [engine.replay.request(KEYS[:4]) for engine in trio] == [4, 0, 0]
+    # First-seen blocks of its class are now worth writing; without offer_hits the tier
+    # never saw the prompt return.
+    assert counts("written_blocks") == [8, 8, 0]
+    # Back after the CPU tier let it go: the disk serves vLLM's copy and ours; the blind
+    # tier recomputes it, and, seen before, writes it now.
+    assert [engine.replay.request(KEYS[:4]) for engine in trio] == [4, 4, 0]
+    assert counts("served_blocks") == [0, 4, 0]
     assert counts("written_blocks") == [8, 8, 4]
     stats = ours.tiers[0].admission_stats()
     assert stats is not None and stats["admitted"] == 8 and stats["rejected"] == 4
@@ -476,3 +479,70 @@ def test_the_cascade_begins_and_ends_every_request_at_the_admission_layer(
     engine.close()  # the tier's thread has run every job
     assert [(name, keys) for name, keys, _ in calls] == [("begin", KEYS[:4]), ("end", KEYS[:4])]
     assert engine.tiers[0].counters.written_blocks == 4  # threshold 1: written on first sight
+
+
+def test_lookups_out_of_prefix_order_find_every_block_the_tier_holds(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    """vLLM asks a sliding-window layer's keys from the newest back: each key is answered
+    on its own (a leading-run answer made every key after the newest, absent one a miss)."""
+    import time
+
+    from vllm.v1.kv_offload.base import LookupResult, ScheduleEndContext
+    from vllm_helpers import request_context
+
+    first = engines([_disk(tmp_path, admission="none")], cpu_blocks=8)
+    first.replay.request(KEYS[:5])
+    first.close()
+    second = engines([_disk(tmp_path, admission="none")], cpu_blocks=8)
+    manager = second.manager
+    context = request_context("sliding", KEYS[:6])
+    manager.on_new_request(context)
+    for _ in range(200):
+        answers = [manager.lookup(key, context) for key in reversed(KEYS[:6])]
+        if LookupResult.RETRY not in answers:
+            break
+        manager.on_schedule_end(ScheduleEndContext((), ()))
+        time.sleep(0.01)
+    assert answers[0] is LookupResult.MISS
+    assert LookupResult.MISS not in answers[1:]
+    manager.on_request_finished(context)
+    second.replay.settle()
+    counters = second.tiers[0].counters
+    assert (counters.lookups, counters.lookup_hits) == (6, 5)
+
+
+def test_blocks_computed_past_every_lookup_are_judged_and_written(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    """A turn whose prompt the CPU tier serves whole asks our tier nothing; its decode blocks
+    (and a request never looked up) are still judged, and a layer that admits them writes
+    them, while the served prompt, held already, is not written again."""
+    from vllm_helpers import request_context
+
+    admits_all = {"admission": "sketch", "admission_params": {"threshold": 1}}
+    engine = engines([_disk(tmp_path, **admits_all)], cpu_blocks=16)
+    manager, disk = engine.manager, engine.tiers[0]
+    engine.replay.request(KEYS[:4])
+    assert disk.counters.written_blocks == 4
+
+    def store(context: Any, offer: list[OffloadKey]) -> None:
+        output = manager.prepare_store(offer, context)
+        chunks = output.store_spec.block_ids.tolist()
+        for key, chunk in zip(output.keys_to_store, chunks, strict=True):
+            engine._fill(key, engine.replay.row(chunk))
+        manager.complete_store(output.keys_to_store, context)
+        manager.on_request_finished(context)
+        engine.replay.settle()
+
+    turn = request_context("turn-2", KEYS[:7])
+    manager.on_new_request(turn)
+    assert engine.replay.lookup(KEYS[:4], turn) == 4  # all from the CPU tier
+    manager.prepare_load(KEYS[:4], turn)
+    manager.complete_load(KEYS[:4], turn)
+    store(turn, KEYS[:7])  # offered whole: the served prompt, then three decode blocks
+    unasked = request_context("short", KEYS[7:8])
+    manager.on_new_request(unasked)
+    store(unasked, KEYS[7:8])
+    assert disk.tier.held(KEYS[:8]) == [True] * 8
+    assert disk.counters.written_blocks == 8

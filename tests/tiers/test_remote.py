@@ -74,6 +74,11 @@ def test_cluster_round_trip_spreads_blocks_over_the_nodes(
         ok, got = read_all(tier, KEYS)
         assert all(ok) and got == {i: payload(k) for i, k in enumerate(KEYS)}
         assert all(node.client().dbsize() > 0 for node in valkey_cluster.nodes)
+        # Per key, every node asked, in any order: a block past a missing one is found.
+        absent = [block_id_key(i) for i in range(100, 140)]
+        mixed = [key for pair in zip(absent, reversed(KEYS), strict=True) for key in pair]
+        assert tier.held(mixed) == [False, True] * len(KEYS)
+        assert tier.present(mixed) == 0
     finally:
         tier.close()
 

@@ -68,6 +68,11 @@ class LowerTier(Protocol):
         """Length of the leading run of ``keys`` this tier holds."""
         ...
 
+    def held(self, keys: Sequence[OffloadKey]) -> list[bool]:
+        """Per key, whether this tier holds it ready to read, keys in any order (vLLM asks
+        a sliding-window layer's keys from the newest back)."""
+        ...
+
     def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
         """Read ``keys`` in the background into ``target``; per key, whether it arrived intact."""
         ...

@@ -174,6 +174,10 @@ class DiskTier:
     def present(self, keys: Sequence[OffloadKey]) -> int:
         return self._index.lookup(keys)
 
+    def held(self, keys: Sequence[OffloadKey]) -> list[bool]:
+        status = self._index.block_status
+        return [(block := status(key)) is not None and block.is_ready for key in keys]
+
     def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
         """Read ``keys``; a missing, broken, failed or late block reads as ``False``."""
         keys = list(keys)

@@ -224,27 +224,38 @@ class RemoteTier:
         """Leading run of ``keys`` on the server: one pipelined round trip of EXISTS per
         node, all under one deadline, each node asked only while the run could still reach
         its keys (a lookup runs on the scheduler's thread)."""
-        if not keys:
-            return 0
+        found = self._exists_all(keys, whole=False)
+        return found.index(False) if False in found else len(found)
+
+    def held(self, keys: Sequence[OffloadKey]) -> list[bool]:
+        """Per key, whether the server holds it: every node asked, under one deadline."""
+        return self._exists_all(keys, whole=True)
+
+    def _exists_all(self, keys: Sequence[OffloadKey], whole: bool) -> list[bool]:
+        """Per key, whether the server answered that it holds it (a failed node's keys:
+        no). Without ``whole`` a node is skipped once a key before its first is known
+        absent: a leading run cannot reach it."""
         names = [self.name(key) for key in keys]
+        found = [False] * len(names)
         deadline = self._deadline(0)
         run = len(names)  # the first index found absent, or whose node failed
-        # Nodes come in the order of their first key, every key before it already answered:
-        # one whose first key lies past the run cannot change it.
+        # Nodes come in the order of their first key, every key before it already answered.
         for node, indices in self._by_node(names, range(len(names))).items():
-            if run < indices[0]:
+            if not whole and run < indices[0]:
                 break
             replies = self._call(node, partial(self._exists, names, indices), deadline)
             if replies is None:
                 run = min(run, indices[0])
                 continue
             for index, reply in zip(indices, replies, strict=True):
-                if reply != 1:
+                if reply == 1:
+                    found[index] = True
+                else:
                     run = min(run, index)
                 redirect = _redirect(reply) if isinstance(reply, ErrorReply) else None
                 if redirect is not None:  # absent this once; the map learns the new owner
                     self._follow(redirect, node)
-        return run
+        return found
 
     def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
         keys = list(keys)

@@ -166,13 +166,12 @@ class _Owner:
         self.events: queue.SimpleQueue[TierEvent] = queue.SimpleQueue()
         self._thread = ThreadPoolExecutor(1, f"kvoffload-{name}")
 
-    def present(self, keys: list[OffloadKey]) -> list[bool]:
-        """Per key, whether it belongs to the leading run the tier holds (blocks the caller)."""
+    def held(self, keys: list[OffloadKey]) -> list[bool]:
+        """Per key, whether the tier holds it (blocks the caller)."""
         try:
-            held = self._thread.submit(self.tier.present, keys).result()
+            return self._thread.submit(self.tier.held, keys).result()
         except Exception:  # a failed lookup is a miss
-            held = 0
-        return [i < held for i in range(len(keys))]
+            return [False] * len(keys)
 
     def sight(self, sighting: _Sighting) -> None:
         """Show the admission layer a request (in the background, in call order)."""
@@ -217,11 +216,12 @@ class _Owner:
         if sighting is not None:
             self._sight(sighting)
         try:
-            # vLLM offers in prefix order, so what the tier holds is the leading run.
-            held = tier.present(keys)
+            # Per key: several KV groups, or a sliding window, offer out of prefix order.
+            holds = tier.held(keys)
         except Exception:  # unknown: judge and write them all
-            held = 0
-        fresh = keys[held:]
+            holds = [False] * len(keys)
+        fresh = [key for key, there in zip(keys, holds, strict=True) if not there]
+        held = len(keys) - len(fresh)
         admitted = fresh
         if layer is not None and fresh:
             output = layer.prepare_store(fresh)
@@ -278,8 +278,8 @@ class _Lookups(AsyncLookupManager):  # type: ignore[misc]
         self._owner = owner
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        # vLLM looks a request's keys up in prefix order, so the leading run is the answer.
-        return self._owner.present(keys)
+        # Per key: vLLM asks a sliding-window layer's keys from the newest back.
+        return self._owner.held(keys)
 
 
 @dataclass
@@ -303,23 +303,30 @@ class _RequestViews:
     by_tier: dict[int, _RequestView] = field(default_factory=dict)
 
     def computed(self, context: ReqContext) -> Callable[[OffloadKey], bool]:
-        """Whether the request computed a key rather than being served it: from the first
-        key that our tiers missed and none of them served (vLLM asks the next tier only
-        after a miss, and stops looking at the first key no tier has)."""
+        """Whether the request computed a key rather than being served it: not one our tiers
+        served, and from the first key they missed (vLLM asks the next tier only after a
+        miss, and stops looking at the first key no tier has); with no miss, past the last
+        key they were asked about (its decode blocks, never looked up). With no lookup at all
+        (the CPU tier served every key vLLM looked up, or it looked up none) which keys were
+        served is unknown: all are judged, and keys a tier holds are never written again."""
         hits: set[OffloadKey] = set()
         misses: set[OffloadKey] = set()
         for view in self.by_tier.values():
             hits |= view.hits
             misses |= view.misses
-        positions = [context.get_offload_key_position(key) for key in misses - hits]
-        known = [position for position in positions if position is not None]
-        if not known:
-            return lambda key: False
-        start = min(known)
+        position = context.get_offload_key_position
+        missed = [at for key in misses - hits if (at := position(key)) is not None]
+        asked = [at for key in hits | misses if (at := position(key)) is not None]
+        if missed:
+            start = min(missed)
+        elif asked:
+            start = max(asked) + 1
+        else:
+            return lambda key: key not in hits
 
         def computed(key: OffloadKey) -> bool:
-            position = context.get_offload_key_position(key)
-            return key not in hits and (position is None or position >= start)
+            at = position(key)
+            return key not in hits and (at is None or at >= start)
 
         return computed
 
