@@ -182,7 +182,7 @@ def test_parameters_reach_the_layer() -> None:
         ("feedback", {"root_groups": True}, "'root_groups' of 'feedback' must be an integer"),
         ("feedback", {"prior_returns": "nan"}, "'prior_returns' of 'feedback' must be a number"),
         ("sketch", {"threshold": "x"}, "'threshold' of 'sketch' must be an integer"),
-        ("filter", {"store_threshold": 1}, "'store_threshold' of 'filter' must be >= 2"),
+        ("filter", {"store_threshold": 1}, r"'store_threshold' of 'filter' must be in \[2, "),
         ("optimiser", {"switch_margin": -1}, "'switch_margin' of 'optimiser' must be in"),
         ("none", {"threshold": "2"}, "'none' takes no parameters"),
     ],

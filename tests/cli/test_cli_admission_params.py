@@ -54,3 +54,33 @@ def test_the_seed_filter_by_name_is_the_store_threshold(capsys: pytest.CaptureFi
         for line in capsys.readouterr().out.splitlines()
         if line.startswith("skipped by admission")
     ]
+
+
+@pytest.mark.parametrize(
+    ("admission", "param"),
+    [
+        ("filter", "store_threshold=99999999999999999999"),
+        ("recommended", "filter_threshold=9223372036854775808"),
+        ("filter", "max_tracker_size=99999999999999999999"),
+        ("recommended", "filter_tracker=99999999999999999999"),
+    ],
+)
+def test_a_threshold_beyond_the_compiled_counter_is_refused(
+    capsys: pytest.CaptureFixture[str], admission: str, param: str
+) -> None:
+    """Past a C ``long long``, the compiled counter once raised OverflowError mid-run."""
+    key = param.partition("=")[0]
+    argv = [*SMALL, "--cpu-blocks", "3000", "--admission", admission, "--admission-param", param]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert f"--admission-param: admission parameter {key!r}" in captured.err
+    assert "must be in [" in captured.err and "Traceback" not in captured.err
+    assert captured.out == ""
+
+
+def test_the_largest_threshold_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The bound itself is a threshold no block reaches: nothing stored, no overflow."""
+    param = f"store_threshold={2**62}"
+    argv = [*SMALL, *TIER[:4], "--admission", "filter", "--admission-param", param, "--json", "-"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["offload_blocks_written"] == 0

@@ -56,6 +56,7 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
         (["--block-size", "-16"], "--block-size: must be >= 1"),
         (["--seed", "-1"], "--seed: must be >= 0"),
         (["--store-threshold", "2.5"], "--store-threshold: expected an integer"),
+        (["--store-threshold", str(2**63)], f"--store-threshold: must be <= {2**62}"),
         (["--concurrency", "0"], "--concurrency: must be >= 1"),
         (["--max-tracker-size", "-3"], "--max-tracker-size: must be >= 1"),
         (["--prefill-tokens-per-s", "inf"], "must be a finite number"),
@@ -97,6 +98,7 @@ def test_bad_values_found_before_work(
         (["--cpu-gb", "inf"], "--cpu-gb values must be finite numbers >= 0, got inf"),
         (["--cpu-blocks", "8,-1"], "--cpu-blocks values must be >= 0, got -1"),
         (["--thresholds", "0,-2"], "--thresholds values must be >= 0, got -2"),
+        (["--thresholds", f"0,{10**20}"], f"--thresholds values must be <= {2**62}, got {10**20}"),
         (["--policies", "lru,nope"], "unknown cache policy 'nope'"),
     ],
 )
@@ -391,6 +393,7 @@ def test_ctrl_c_stops_a_sweep_and_keeps_finished_runs(tmp_path: Path) -> None:
         (["--remote-latency-ms", "-1"], "--remote-latency-ms: must be >= 0"),
         (["--tier-store-threshold", "1.5"], "--tier-store-threshold: expected an integer"),
         (["--tier-store-threshold", "-1"], "--tier-store-threshold: must be >= 0"),
+        (["--tier-store-threshold", str(2**62 + 1)], f"--tier-store-threshold: must be <= {2**62}"),
     ],
 )
 @pytest.mark.parametrize("command", ["simulate", "sweep"])

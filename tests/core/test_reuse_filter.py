@@ -66,7 +66,8 @@ def test_every_key_is_counted_per_occurrence_even_after_a_miss() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"store_threshold": 1}, "store_threshold must be >= 2, got 1"),
+        ({"store_threshold": 1}, r"store_threshold must be in \[2, 4611686018427387904\], got 1"),
+        ({"store_threshold": 2**63}, f"store_threshold must be in .*, got {2**63}"),
         ({"max_tracker_size": 0}, "max_tracker_size must be >= 1, got 0"),
     ],
 )
@@ -162,3 +163,11 @@ def test_tracker_is_the_literal_lru_table(tracker: int, calls: list[list[int]]) 
                 literal[key] = 1
         f.lookup(keys(*ids))
         assert list(f.counts.items()) == list(literal.items())
+
+
+def test_the_vllm_offer_filter_refuses_a_threshold_past_the_counter() -> None:
+    """vLLM's offer filter shares the compiled counter, which compares in C ``long long``."""
+    from kvoffload.integrations.vllm.offer_filter import OfferCountFilter
+
+    with pytest.raises(InvalidArgumentError, match=f"got {2**63}"):
+        OfferCountFilter(2**63)

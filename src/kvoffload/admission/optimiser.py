@@ -70,6 +70,7 @@ from kvoffload.admission.feedback import FeedbackAdmission
 from kvoffload.admission.minisim import WINDOW_TIERS, MiniSimulation, WhatIf
 from kvoffload.admission.params import check_params, param
 from kvoffload.admission.registry import register_admission
+from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD, MAX_TRACKED_KEYS
 from kvoffload.admission.reuse_filter import FilterReusedOffloadingManager
 from kvoffload.admission.sketch import key_hashes
 from kvoffload.admission.worlds import Probe, World, Worlds, exact_worlds
@@ -213,9 +214,11 @@ class OptimiserParams:
         HEDGE_ROOM, 0.0, 1.0, "empty share of the followed world's tier above which all is stored"
     )
     filter_threshold: int = param(
-        FILTER_THRESHOLD, 2, help="the filter candidate's store threshold"
+        FILTER_THRESHOLD, 2, MAX_STORE_THRESHOLD, "the filter candidate's store threshold"
     )
-    filter_tracker: int = param(FILTER_TRACKER, 1, help="the filter candidate's tracker size")
+    filter_tracker: int = param(
+        FILTER_TRACKER, 1, MAX_TRACKED_KEYS, "the filter candidate's tracker size"
+    )
 
     def __post_init__(self) -> None:
         check_params(self, "optimiser")

@@ -29,6 +29,9 @@ except ImportError:  # installed without a C compiler: the Python table alone
 
 MAX_TRACKED_KEYS = sys.maxsize // 16
 """The largest table either version takes (the compiled one sizes its arrays up front)."""
+MAX_STORE_THRESHOLD = 2**62
+"""The largest "seen N times" threshold a rule takes: the compiled table compares counts as
+C ``long long``, and no key is counted anywhere near this often."""
 BYTES_PER_COUNTED_KEY = 120
 """Approximate CPython cost of one tracked key in the Python table (the compiled table
 counts its own arrays, about 60 bytes a key)."""

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvoffload.admission.params import check_params, param
 from kvoffload.admission.registry import register_admission
-from kvoffload.admission.reuse_counts import reuse_counts
+from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD, MAX_TRACKED_KEYS, reuse_counts
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import SINGLE_KEY_TYPES, OffloadKey, refuse_single_key
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
@@ -27,8 +27,10 @@ from kvoffload.core.specs import LoadStoreSpec
 class FilterParams:
     """What a user may set of the seed filter (``--admission-param key=value``)."""
 
-    store_threshold: int = param(2, 2, help="lookups a block must be counted in to be stored")
-    max_tracker_size: int = param(64_000, 1, help="keys the LRU count table holds")
+    store_threshold: int = param(
+        2, 2, MAX_STORE_THRESHOLD, "lookups a block must be counted in to be stored"
+    )
+    max_tracker_size: int = param(64_000, 1, MAX_TRACKED_KEYS, "keys the LRU count table holds")
 
     def __post_init__(self) -> None:
         check_params(self, "filter")
@@ -60,9 +62,10 @@ class FilterReusedOffloadingManager(OffloadingManager):
                 raise InvalidArgumentError(
                     f"FilterReusedOffloadingManager {name} must be an integer, got {value!r}"
                 )
-        if store_threshold < 2:
+        if not 2 <= store_threshold <= MAX_STORE_THRESHOLD:
             raise InvalidArgumentError(
-                f"FilterReusedOffloadingManager store_threshold must be >= 2, got {store_threshold}"
+                "FilterReusedOffloadingManager store_threshold must be in "
+                f"[2, {MAX_STORE_THRESHOLD}], got {store_threshold}"
             )
         if max_tracker_size < 1:
             raise InvalidArgumentError(

@@ -12,6 +12,7 @@ from typing import TypeVar
 from kvoffload.admission import admission_params, parse_pairs
 from kvoffload.admission.budget import WriteBudget, parse_bytes
 from kvoffload.admission.registry import ParamPairs
+from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD
 from kvoffload.cli import output
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.memory import check_fits
@@ -25,8 +26,9 @@ from kvoffload.sim.traces import TRACE_FORMATS
 _T = TypeVar("_T")
 
 
-def integer(minimum: int) -> Callable[[str], int]:
-    """An argparse ``type``: an integer >= ``minimum``, or one clear usage error."""
+def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``minimum`` (and <= ``maximum``), or one clear
+    usage error."""
 
     def parse(text: str) -> int:
         try:
@@ -35,6 +37,8 @@ def integer(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {value}")
         return value
 
     return parse
@@ -60,6 +64,7 @@ def number(minimum: float, allow_minimum: bool = True) -> Callable[[str], float]
 
 POSITIVE_INT = integer(1)
 COUNT = integer(0)
+STORE_THRESHOLD = integer(0, MAX_STORE_THRESHOLD)
 POSITIVE = number(0.0, allow_minimum=False)
 SIZE_GIB = number(0.0)
 
@@ -256,8 +261,8 @@ def with_offload(config: SimConfig, cpu: int, policy: str, threshold: int) -> Si
     return dataclasses.replace(config, cpu_blocks=cpu, policy=policy, store_threshold=threshold)
 
 
-def parse_ints(text: str, what: str, minimum: int = 0) -> list[int]:
-    """A comma-separated list of integers >= ``minimum``, e.g. ``"0,2"``."""
+def parse_ints(text: str, what: str, minimum: int = 0, maximum: int | None = None) -> list[int]:
+    """A comma-separated list of integers >= ``minimum`` (and <= ``maximum``), e.g. ``"0,2"``."""
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
@@ -267,6 +272,9 @@ def parse_ints(text: str, what: str, minimum: int = 0) -> list[int]:
     bad = next((value for value in values if value < minimum), None)
     if bad is not None:
         raise InvalidArgumentError(f"{what} values must be >= {minimum}, got {bad}")
+    big = next((value for value in values if maximum is not None and value > maximum), None)
+    if big is not None:
+        raise InvalidArgumentError(f"{what} values must be <= {maximum}, got {big}")
     return _not_empty(values, text, what)
 
 

@@ -62,7 +62,7 @@ def register(commands: Any) -> None:
     options.add_write_budget_arguments(tier)
     tier.add_argument(
         "--store-threshold",
-        type=options.COUNT,
+        type=options.STORE_THRESHOLD,
         default=0,
         help="store a block only after this many lookups; below 2: no filter (default: 0)",
     )

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.admission import available_admissions, resolve_admission
+from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD
 from kvoffload.cli import options, output, tier_options
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.policies import resolve_policy
@@ -71,7 +72,7 @@ def _capacities(args: argparse.Namespace, gpu_blocks: int, layout: str, bt: int)
 def run(args: argparse.Namespace) -> int:
     options.check_before_work(args)
     tier_options.check_before_work(args)
-    thresholds = options.parse_ints(args.thresholds, "--thresholds")
+    thresholds = options.parse_ints(args.thresholds, "--thresholds", maximum=MAX_STORE_THRESHOLD)
     policies = options.parse_names(args.policies, "--policies", resolve_policy)
     admissions = options.parse_names(args.admissions, "--admissions", resolve_admission)
     # Parsed once now only to refuse a bad list before the workload is built.

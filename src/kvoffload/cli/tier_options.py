@@ -45,7 +45,7 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--tier-store-threshold",
-        type=options.COUNT,
+        type=options.STORE_THRESHOLD,
         default=0,
         help="write a block to disk/remote only after this many lookups; below 2: all (default: 0)",
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvoffload.admission.reuse_counts import reuse_counts
+from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD, reuse_counts
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 
@@ -26,8 +26,10 @@ class OfferCountFilter:
     """
 
     def __init__(self, store_threshold: int, max_tracker_size: int = 64_000) -> None:
-        if store_threshold < 2:
-            raise InvalidArgumentError(f"store_threshold must be >= 2, got {store_threshold}")
+        if not 2 <= store_threshold <= MAX_STORE_THRESHOLD:
+            raise InvalidArgumentError(
+                f"store_threshold must be in [2, {MAX_STORE_THRESHOLD}], got {store_threshold}"
+            )
         if max_tracker_size < 1:
             raise InvalidArgumentError(f"max_tracker_size must be >= 1, got {max_tracker_size}")
         self.store_threshold = store_threshold
