@@ -187,6 +187,21 @@ def test_nan_rate_does_not_loop() -> None:
     _assert_one_line(result, 2, "--rate: must be a finite number")
 
 
+def test_mix_weights_near_the_float_maximum_do_not_loop() -> None:
+    """Their sum once overflowed to inf, the arrival rates to nan, and drawing never ended."""
+    mix = "chat=1e308,rag=1e308"
+    result = run_cli("simulate", "--requests", "10", "--no-bound", "--mix", mix, "--json", "-")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["workload"] == "synthetic(chat=0.5+rag=0.5, seed=0)"
+
+
+@pytest.mark.parametrize(("rate", "requests"), [("5e-324", "10"), ("1e-306", "2000")])
+def test_a_rate_whose_arrivals_overflow_is_refused_not_looped(rate: str, requests: str) -> None:
+    """An underflowed session rate divided by zero; infinite arrivals were drawn forever."""
+    result = run_cli("simulate", "--requests", requests, "--no-bound", "--rate", rate)
+    _assert_one_line(result, 1, f"rate {rate} is too low: arrival times overflow a float")
+
+
 def test_library_rejects_a_single_key_where_keys_are_expected() -> None:
     tier = CPUOffloadingManager(8)
     key = block_id_key(1)

@@ -260,6 +260,10 @@ def generate(
             f"mix weights must be finite, >= 0 and not all zero, got {dict(mix)}"
         )
     total = sum(mix.values())
+    if math.isinf(total):  # weights near the float maximum: scaled, or every share is nan
+        biggest = max(mix.values())
+        mix = {kind: weight / biggest for kind, weight in mix.items()}
+        total = sum(mix.values())
     for name, value in (("requests", num_requests), ("block size", block_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
@@ -277,7 +281,9 @@ def generate(
             continue
         rng = random.Random(seed * 1000 + index)
         session_rate = rate * share / total / per_session[kind]
-        requests += _take(generators[kind](rng, keys, session_rate), counts[kind])
+        if not session_rate > 0:  # underflowed: expovariate would divide by zero
+            raise InvalidArgumentError(_TOO_SLOW.format(rate=rate))
+        requests += _take(generators[kind](rng, keys, session_rate), counts[kind], rate)
     requests.sort(key=lambda r: r.arrival_s)
     name = "+".join(f"{k}={w / total:g}" for k, w in sorted(mix.items()) if counts[k])
     if counts.get("longchat") and chat_shape != ChatShape():
@@ -297,14 +303,20 @@ def _apportion(n: int, shares: Mapping[str, float]) -> dict[str, int]:
     return counts
 
 
-def _take(sessions: Sessions, n: int) -> list[Request]:
+_TOO_SLOW = "rate {rate!r} is too low: arrival times overflow a float"
+
+
+def _take(sessions: Sessions, n: int, rate: float) -> list[Request]:
     """The ``n`` earliest requests of sessions that start in order.
 
     Sessions are drawn until the next one starts after the ``n``-th earliest
     request seen so far, so no later session could contribute an earlier one.
+    An infinite start (a ``rate`` near zero) would never be after it: refused.
     """
     taken: list[Request] = []
     for session in sessions:
+        if math.isinf(session[0].arrival_s):
+            raise InvalidArgumentError(_TOO_SLOW.format(rate=rate))
         if len(taken) >= n:
             taken.sort(key=lambda r: r.arrival_s)
             if session[0].arrival_s > taken[n - 1].arrival_s:
