@@ -49,6 +49,8 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
         (["--cpu-gb", "-1"], "--cpu-gb: must be >= 0"),
         (["--gpu-gb", "inf"], "--gpu-gb: must be a finite number"),
         (["--gpu-gb", "0"], "--gpu-gb: must be > 0"),
+        (["--gpu-gb", "1e300"], "--gpu-gb: must be <= 1,125,899,906,842,624, got 1e300"),
+        (["--cpu-gb", "1e300"], "--cpu-gb: must be <= 1,125,899,906,842,624, got 1e300"),
         (["--gpu-blocks", "0"], "--gpu-blocks: must be >= 1"),
         (["--gpu-blocks", "1e3"], "--gpu-blocks: expected an integer"),
         (["--cpu-blocks", "-4"], "--cpu-blocks: must be >= 0"),
@@ -96,6 +98,7 @@ def test_bad_values_found_before_work(
     [
         (["--cpu-gb", "1,nan"], "--cpu-gb values must be finite numbers >= 0, got nan"),
         (["--cpu-gb", "inf"], "--cpu-gb values must be finite numbers >= 0, got inf"),
+        (["--cpu-gb", "1,1e300"], "--cpu-gb values must be <= 1,125,899,906,842,624, got 1e+300"),
         (["--cpu-blocks", "8,-1"], "--cpu-blocks values must be >= 0, got -1"),
         (["--thresholds", "0,-2"], "--thresholds values must be >= 0, got -2"),
         (["--thresholds", f"0,{10**20}"], f"--thresholds values must be <= {2**62}, got {10**20}"),
@@ -400,6 +403,7 @@ def test_ctrl_c_stops_a_sweep_and_keeps_finished_runs(tmp_path: Path) -> None:
         (["--disk-dir", "d", "--disk-gb", "nan"], "--disk-gb: must be a finite number"),
         (["--disk-dir", "d", "--disk-gb", "inf"], "--disk-gb: must be a finite number"),
         (["--disk-dir", "d", "--disk-gb", "-1"], "--disk-gb: must be > 0"),
+        (["--disk-dir", "d", "--disk-gb", "1e300"], "--disk-gb: must be <= 1,125,899,906,842,624"),
         (["--disk-dir", "d", "--disk-blocks", "-1"], "--disk-blocks: must be >= 1"),
         (["--disk-dir", "d", "--disk-blocks", "1e12"], "--disk-blocks: expected an integer"),
         (["--disk-gb-per-s", "nan"], "--disk-gb-per-s: must be a finite number"),
@@ -426,6 +430,7 @@ def test_bad_tier_numbers_are_usage_errors(
         (["--disk-dir", "{tmp}/a-file/d", "--disk-gb", "1"], "is not an existing directory"),
         (["--disk-dir", "{tmp}/no/d", "--disk-blocks", "8"], "no is not an existing directory"),
         (["--disk-dir", "{tmp}/d"], "--disk-dir needs a size: --disk-gb or --disk-blocks"),
+        (["--disk-dir", "{tmp}/d", "--disk-blocks", str(10**20)], "--disk-blocks: a disk tier of"),
         (["--disk-gb", "1"], "--disk-gb needs --disk-dir"),
         (["--disk-policy", "lru"], "--disk-policy needs --disk-dir"),
         (
@@ -462,6 +467,23 @@ def test_an_unwritable_disk_dir_is_refused(
     locked.mkdir(mode=0o555)
     assert main([*SMALL, "--disk-dir", str(locked / "d"), "--disk-blocks", "8"]) == 1
     assert "is not writable" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize(
+    ("size", "blocks"),
+    [(["--disk-blocks", str(10**20)], "100,000,000,000,000,000,000"), (["--disk-gb", "1e15"], "")],
+)
+@pytest.mark.parametrize("command", ["simulate", "sweep"])
+def test_a_disk_tier_past_the_largest_file_is_refused_not_listed(
+    tmp_path: Path, command: str, size: list[str], blocks: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its free slots were once listed up front: all memory, then SIGKILL."""
+    extra = ["--jobs", "1"] if command == "sweep" else []
+    argv = [command, "--requests", "10", "--no-progress", "--cpu-blocks", "200", *extra]
+    assert main([*argv, "--disk-dir", str(tmp_path / "d"), *size]) == 1
+    err = one_line_error(capsys)
+    assert f"{size[0]}: a disk tier of {blocks}" in err and "past the largest file size" in err
+    assert not (tmp_path / "d").exists()
 
 
 def test_a_disk_tier_beyond_the_file_system_is_refused_with_real_bytes(

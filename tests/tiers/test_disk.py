@@ -12,15 +12,18 @@ import sys
 import tempfile
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tier_helpers import flip_byte
 
 from kvoffload import OffloadKey, block_id_key
+from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import layout_preset
 from kvoffload.tiers import DiskTier, layout_fingerprint
 from kvoffload.tiers.format import HEADER_BYTES
@@ -154,6 +157,63 @@ def test_a_restart_drops_torn_and_broken_slots(tmp_path: Path) -> None:
         assert once.recovery == Recovery(recovered=len(expect))
     finally:
         once.close()
+
+
+def test_after_a_restart_new_blocks_fill_the_lowest_free_slots(tmp_path: Path) -> None:
+    """Found blocks keep their slots; new ones take the gaps first, lowest first."""
+    first = stored(DiskTier(tmp_path, 20, FP), KEYS[:6])
+    where = dict(zip(KEYS[:6], offsets(first, KEYS[:6]), strict=True))
+    first.close()
+    slot_of = {
+        key: ((offset or 0) - SUPER_BYTES) // slot_stride(64) for key, offset in where.items()
+    }
+    assert sorted(slot_of.values()) == list(range(6))
+    dropped = [key for key in KEYS[:6] if slot_of[key] in (1, 2, 4)]
+    with open(first.path, "r+b") as file:
+        for key in dropped:
+            file.seek(where[key] or 0)
+            file.write(b"XXXX")
+    again = stored(DiskTier(tmp_path, 20, FP), KEYS[6:10])
+    try:
+        kept = [key for key in KEYS[:6] if key not in dropped]
+        assert offsets(again, kept) == [where[key] for key in kept]
+        new = sorted(
+            ((offset or 0) - SUPER_BYTES) // slot_stride(64)
+            for offset in offsets(again, KEYS[6:10])
+        )
+        assert new == [1, 2, 4, 6]
+        ok, got = read_all(again, [*kept, *KEYS[6:10]])
+        assert all(ok) and set(got.values()) == {payload(k) for k in [*kept, *KEYS[6:10]]}
+    finally:
+        again.close()
+
+
+def test_a_huge_capacity_takes_no_memory_per_slot(tmp_path: Path) -> None:
+    """The free slots were once listed up front: ``--disk-blocks 10**20`` ran out of memory.
+    The file grows only with the slots written."""
+    tracemalloc.start()
+    try:
+        tier = stored(DiskTier(tmp_path, 10**6, FP), KEYS[:3])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    try:
+        assert peak < 2**20, peak
+        assert sorted(offsets(tier, KEYS[:3])) == [SUPER_BYTES + i * 4096 for i in range(3)]
+    finally:
+        tier.close()
+    huge = stored(DiskTier(tmp_path, 2**50, FP), KEYS[:3])
+    try:
+        ok, _ = read_all(huge, KEYS[:3])
+        assert all(ok) and huge.path.stat().st_size <= SUPER_BYTES + 3 * 4096
+    finally:
+        huge.close()
+
+
+def test_a_capacity_past_the_largest_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="past the largest file size"):
+        DiskTier(tmp_path / "d", 10**20, FP)
+    assert not (tmp_path / "d").exists()
 
 
 def test_a_foreign_superblock_starts_the_tier_over(tmp_path: Path) -> None:

@@ -44,8 +44,11 @@ def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def number(minimum: float, allow_minimum: bool = True) -> Callable[[str], float]:
-    """An argparse ``type``: a finite number >= (or >) ``minimum``; nan and inf are refused."""
+def number(
+    minimum: float, allow_minimum: bool = True, maximum: float = math.inf
+) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number >= (or >) ``minimum`` and <= ``maximum``; nan
+    and inf are refused."""
     relation = ">=" if allow_minimum else ">"
 
     def parse(text: str) -> float:
@@ -57,6 +60,8 @@ def number(minimum: float, allow_minimum: bool = True) -> Callable[[str], float]
             raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
         if value < minimum or (value == minimum and not allow_minimum):
             raise argparse.ArgumentTypeError(f"must be {relation} {minimum:g}, got {text}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum:,.0f}, got {text}")
         return value
 
     return parse
@@ -65,8 +70,11 @@ def number(minimum: float, allow_minimum: bool = True) -> Callable[[str], float]
 POSITIVE_INT = integer(1)
 COUNT = integer(0)
 STORE_THRESHOLD = integer(0, MAX_STORE_THRESHOLD)
+MAX_GIB = float(2**50)
+"""The largest capacity in GiB (a yobibyte): far beyond any machine, and its bytes are finite."""
 POSITIVE = number(0.0, allow_minimum=False)
-SIZE_GIB = number(0.0)
+SIZE_GIB = number(0.0, maximum=MAX_GIB)
+POSITIVE_GIB = number(0.0, allow_minimum=False, maximum=MAX_GIB)
 
 
 def _usage(parse: Callable[[str], _T], prefix: str) -> Callable[[str], _T]:
@@ -167,7 +175,7 @@ def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
     )
     gpu.add_argument(
         "--gpu-gb",
-        type=POSITIVE,
+        type=POSITIVE_GIB,
         metavar="X",
         help=f"GPU prefix cache size in GiB of KV (default: {DEFAULT_GPU_GIB:g})",
     )
@@ -278,8 +286,8 @@ def parse_ints(text: str, what: str, minimum: int = 0, maximum: int | None = Non
     return _not_empty(values, text, what)
 
 
-def parse_floats(text: str, what: str) -> list[float]:
-    """A comma-separated list of finite numbers >= 0, e.g. ``"0,16,32.5"``."""
+def parse_floats(text: str, what: str, maximum: float = math.inf) -> list[float]:
+    """A comma-separated list of finite numbers >= 0 (and <= ``maximum``), e.g. ``"0,16,32.5"``."""
     try:
         values = [float(part) for part in text.split(",") if part.strip()]
     except ValueError:
@@ -289,6 +297,9 @@ def parse_floats(text: str, what: str) -> list[float]:
     bad = next((v for v in values if not math.isfinite(v) or v < 0), None)
     if bad is not None:
         raise InvalidArgumentError(f"{what} values must be finite numbers >= 0, got {bad}")
+    big = next((v for v in values if v > maximum), None)
+    if big is not None:
+        raise InvalidArgumentError(f"{what} values must be <= {maximum:,.0f}, got {big:g}")
     return _not_empty(values, text, what)
 
 

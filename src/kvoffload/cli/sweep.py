@@ -64,7 +64,8 @@ def _capacities(args: argparse.Namespace, gpu_blocks: int, layout: str, bt: int)
         return options.parse_ints(args.cpu_blocks, "--cpu-blocks")
     if args.cpu_gb is not None:
         return [
-            blocks_for_gib(gib, layout, bt) for gib in options.parse_floats(args.cpu_gb, "--cpu-gb")
+            blocks_for_gib(gib, layout, bt)
+            for gib in options.parse_floats(args.cpu_gb, "--cpu-gb", options.MAX_GIB)
         ]
     return [gpu_blocks * factor for factor in (1, 2, 4, 8)]
 
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if args.cpu_blocks is not None:
         options.parse_ints(args.cpu_blocks, "--cpu-blocks")
     if args.cpu_gb is not None:
-        options.parse_floats(args.cpu_gb, "--cpu-gb")
+        options.parse_floats(args.cpu_gb, "--cpu-gb", options.MAX_GIB)
     source = options.workload_source(args)
     workload = source.load()
     bt = workload.block_tokens

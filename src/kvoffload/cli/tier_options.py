@@ -16,7 +16,12 @@ from kvoffload.core.layout import KVLayout
 from kvoffload.policies import resolve_policy
 from kvoffload.sim import tier_model
 from kvoffload.sim.run import RunReport, SimConfig, blocks_for_gib
-from kvoffload.tiers.disk import DEFAULT_TIMEOUT_MS, MAX_TIMEOUT_MS, check_timeout_ms
+from kvoffload.tiers.disk import (
+    DEFAULT_TIMEOUT_MS,
+    MAX_TIMEOUT_MS,
+    check_capacity,
+    check_timeout_ms,
+)
 from kvoffload.tiers.format import FINGERPRINT_BYTES, layout_fingerprint
 from kvoffload.tiers.slot_file import SLOT_FILE, footprint, slot_stride
 
@@ -29,7 +34,9 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
         "--disk-dir", metavar="PATH", help="local-disk tier in this directory (kept across runs)"
     )
     size = group.add_mutually_exclusive_group()
-    size.add_argument("--disk-gb", type=options.POSITIVE, metavar="X", help="disk tier size in GiB")
+    size.add_argument(
+        "--disk-gb", type=options.POSITIVE_GIB, metavar="X", help="disk tier size in GiB"
+    )
     size.add_argument(
         "--disk-blocks", type=options.POSITIVE_INT, metavar="N", help="disk tier size in blocks"
     )
@@ -127,6 +134,8 @@ def check_before_work(args: argparse.Namespace) -> None:
         if args.disk_gb is None and args.disk_blocks is None:
             raise InvalidArgumentError("--disk-dir needs a size: --disk-gb or --disk-blocks")
         _check_disk_dir(args.disk_dir)
+        if args.disk_blocks is not None:  # --disk-gb needs the block size: checked later
+            _check_capacity(args.disk_blocks, "--disk-blocks")
         if args.disk_policy is not None:
             options.check_name(args.disk_policy, "--disk-policy", resolve_policy)
     for tier, present in (("disk", args.disk_dir is not None), ("remote", args.remote is not None)):
@@ -151,6 +160,13 @@ def check_before_work(args: argparse.Namespace) -> None:
         )
     if args.remote is not None:
         _check_remote(args.remote)
+
+
+def _check_capacity(disk_blocks: int, option: str) -> None:
+    try:
+        check_capacity(disk_blocks)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"{option}: {exc}") from None
 
 
 def _check_disk_dir(path: str) -> None:
@@ -215,6 +231,7 @@ def with_tiers(config: SimConfig, args: argparse.Namespace, block_tokens: int) -
         disk_blocks = args.disk_blocks or 0
         if args.disk_gb is not None:
             disk_blocks = blocks_for_gib(args.disk_gb, config.layout, block_tokens)
+        _check_capacity(disk_blocks, "--disk-gb" if args.disk_gb is not None else "--disk-blocks")
         _check_disk_space(args, disk_blocks, config.layout, config.kv_layout(block_tokens))
     return dataclasses.replace(
         config,

@@ -13,6 +13,7 @@ threads only report back.
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import queue
@@ -35,6 +36,7 @@ from kvoffload.tiers.slot_file import (
     Outcome,
     Recovery,
     SlotFile,
+    footprint,
     slot_start,
 )
 
@@ -42,6 +44,8 @@ MEDIUM = "DISK"
 MAX_TIMEOUT_MS = 600_000.0
 """The longest deadline a disk operation may be given (10 minutes), as for the shared tier."""
 DEFAULT_TIMEOUT_MS = DEFAULT_DEADLINE_S * 1000
+MAX_FILE_BYTES = 2**63 - 1
+"""The largest file offset (``off_t``): the full slot file of a tier must stay within it."""
 
 
 def check_timeout_ms(value: object, what: str) -> float:
@@ -62,6 +66,40 @@ def check_timeout_ms(value: object, what: str) -> float:
             f"(10 minutes), got {value!r}"
         )
     return number
+
+
+def check_capacity(capacity_blocks: int) -> None:
+    """:class:`InvalidArgumentError` unless a full tier's slot file, at the smallest slot
+    stride, stays within the largest file offset (the file grows as slots are written; it
+    is never allocated up front)."""
+    smallest = footprint(capacity_blocks, 0)
+    if smallest > MAX_FILE_BYTES:
+        raise InvalidArgumentError(
+            f"a disk tier of {capacity_blocks:,} blocks needs a slot file of at least "
+            f"{smallest:,} bytes when full, past the largest file size (2^63 - 1 bytes)"
+        )
+
+
+class _SlotMap:
+    """Index id -> slot: the blocks found on start keep their slots (ids ``0..F-1``), then
+    the free slots in order, lowest first, so the file stays compact.
+
+    Computed per id, not listed: a list of every slot takes memory in proportion to the
+    capacity, which need not fit (the file is only as long as the slots written).
+    """
+
+    def __init__(self, found_slots: list[int]) -> None:
+        self._found = found_slots
+        used = sorted(found_slots)
+        # The k-th free slot is k + j, j the used slots below it: those whose free slots
+        # before them (slot - position) are at most k.
+        self._free_before = [slot - position for position, slot in enumerate(used)]
+
+    def __getitem__(self, block_id: int) -> int:
+        if block_id < len(self._found):
+            return self._found[block_id]
+        free = block_id - len(self._found)
+        return free + bisect.bisect_right(self._free_before, free)
 
 
 class DiskTier:
@@ -105,6 +143,7 @@ class DiskTier:
             )
         if not (math.isfinite(deadline_s) and deadline_s > 0):
             raise InvalidArgumentError(f"the disk deadline must be > 0 s, got {deadline_s}")
+        check_capacity(capacity_blocks)
         self._index = CPUOffloadingManager(capacity_blocks, cache_policy)
         self.capacity_blocks = capacity_blocks
         self.fingerprint = fingerprint
@@ -126,11 +165,7 @@ class DiskTier:
         self._writes: list[tuple[list[OffloadKey], Future[list[bool]]]] = []
         self._broken: queue.SimpleQueue[tuple[OffloadKey, int]] = queue.SimpleQueue()
         found = self._file.found
-        used = {slot for _, slot in found}
-        # Index id i is slot _slot_of[i]: the found blocks first, then the free slots, lowest
-        # first, so the file stays compact.
-        self._slot_of = [slot for _, slot in found]
-        self._slot_of += [slot for slot in range(capacity_blocks) if slot not in used]
+        self._slot_of = _SlotMap([slot for _, slot in found])
         keys = [key for key, _ in found]
         if keys:
             self._index.prepare_store(keys)
