@@ -142,7 +142,42 @@ def test_csv_flattens_the_tiers_and_sweep_gives_each_run_its_own_disk(tmp_path: 
     assert main([*sweep, "--no-progress"]) == 0
     rows = json.loads(path.read_text())
     assert [r["tiers"]["disk"]["stored_blocks"] > 0 for r in rows] == [True, True]
-    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["cpu100-lru-t0", "cpu50-lru-t0"]
+    names = sorted(p.name for p in (tmp_path / "s").iterdir())
+    assert names == ["cpu100-lru-t0-none", "cpu50-lru-t0-none"]
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_sweep_runs_differing_only_in_admission_never_share_a_disk(
+    tmp_path: Path, jobs: str
+) -> None:
+    """They once shared one subdirectory: the second run read the first's blocks, and in
+    parallel the second failed "in use by process". A repeated run gets a number."""
+    path = tmp_path / "sweep.json"
+    sweep = ["sweep", "--requests", "40", "--gpu-blocks", "1500", "--cpu-blocks", "300"]
+    sweep += ["--policies", "lru", "--thresholds", "0", "--layout", "tiny", "--jobs", jobs]
+    sweep += ["--admissions", "none,feedback,recommended,optimiser", "--no-progress"]
+    sweep += ["--disk-dir", str(tmp_path / "s"), "--disk-blocks", "300", "--json", str(path)]
+    assert main(sweep) == 0
+    rows = json.loads(path.read_text())
+    assert [r["tiers"]["disk"]["recovered"] for r in rows] == [0, 0, 0, 0]
+    assert rows[2]["total_hit_ratio"] == rows[3]["total_hit_ratio"]  # the same rule twice
+    names = sorted(p.name for p in (tmp_path / "s").iterdir())
+    assert names == [f"cpu300-lru-t0-{a}" for a in ("feedback", "none", "optimiser", "optimiser-2")]
+
+
+def test_a_sweep_of_several_runs_against_one_server_is_refused(
+    tmp_path: Path, own_server: ValkeyProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every run would hit what the others stored on the shared server; one run is fine."""
+    own_server.start()
+    sweep = ["sweep", "--requests", "20", "--gpu-blocks", "1500", "--policies", "lru"]
+    sweep += ["--thresholds", "0", "--layout", "tiny", "--jobs", "1", "--no-progress"]
+    sweep += ["--remote", own_server.url]
+    assert main([*sweep, "--cpu-blocks", "100,200"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvoffload: error: --remote: the 2 runs of this sweep would share")
+    assert err.count("\n") == 1
+    assert main([*sweep, "--cpu-blocks", "100"]) == 0
 
 
 def test_tier_options_fail_with_one_clear_line(

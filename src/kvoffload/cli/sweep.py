@@ -16,6 +16,9 @@ from kvoffload.policies import resolve_policy
 from kvoffload.sim.run import RunReport, blocks_for_gib
 from kvoffload.sim.sweep import SweepInterrupted, run_sweep, sweep_configs
 
+DEFAULT_FACTORS = (1, 2, 4, 8)
+"""Offload capacities swept by default, in GPU caches."""
+
 
 def register(commands: Any) -> None:
     parser = commands.add_parser(
@@ -67,7 +70,7 @@ def _capacities(args: argparse.Namespace, gpu_blocks: int, layout: str, bt: int)
             blocks_for_gib(gib, layout, bt)
             for gib in options.parse_floats(args.cpu_gb, "--cpu-gb", options.MAX_GIB)
         ]
-    return [gpu_blocks * factor for factor in (1, 2, 4, 8)]
+    return [gpu_blocks * factor for factor in DEFAULT_FACTORS]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,10 +80,13 @@ def run(args: argparse.Namespace) -> int:
     policies = options.parse_names(args.policies, "--policies", resolve_policy)
     admissions = options.parse_names(args.admissions, "--admissions", resolve_admission)
     # Parsed once now only to refuse a bad list before the workload is built.
+    capacities = len(DEFAULT_FACTORS)
     if args.cpu_blocks is not None:
-        options.parse_ints(args.cpu_blocks, "--cpu-blocks")
+        capacities = len(options.parse_ints(args.cpu_blocks, "--cpu-blocks"))
     if args.cpu_gb is not None:
-        options.parse_floats(args.cpu_gb, "--cpu-gb", options.MAX_GIB)
+        capacities = len(options.parse_floats(args.cpu_gb, "--cpu-gb", options.MAX_GIB))
+    runs = capacities * len(policies) * len(thresholds) * len(admissions)
+    tier_options.check_one_run_with_remote(args, runs)
     source = options.workload_source(args)
     workload = source.load()
     bt = workload.block_tokens

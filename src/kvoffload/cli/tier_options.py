@@ -254,19 +254,35 @@ def with_tiers(config: SimConfig, args: argparse.Namespace, block_tokens: int) -
 
 
 def separate_disk_dirs(configs: list[SimConfig]) -> list[SimConfig]:
-    """One disk subdirectory per configuration, so parallel runs never share files."""
-    return [
-        dataclasses.replace(
-            config,
-            disk_dir=str(
-                Path(config.disk_dir)
-                / f"cpu{config.cpu_blocks}-{config.policy}-t{config.store_threshold}"
-            ),
+    """One disk subdirectory per configuration, so no run reads another's blocks and
+    parallel runs never share files: named by every setting a sweep varies (the admission
+    by its canonical name), and numbered from the second on when two runs share those."""
+    separate = []
+    seen: dict[str, int] = {}
+    for config in configs:
+        if config.disk_dir is None:
+            separate.append(config)
+            continue
+        name = (
+            f"cpu{config.cpu_blocks}-{config.policy}-t{config.store_threshold}"
+            f"-{resolve_admission(config.admission)}"
         )
-        if config.disk_dir is not None
-        else config
-        for config in configs
-    ]
+        seen[name] = seen.get(name, 0) + 1
+        if seen[name] > 1:
+            name += f"-{seen[name]}"
+        separate.append(dataclasses.replace(config, disk_dir=str(Path(config.disk_dir) / name)))
+    return separate
+
+
+def check_one_run_with_remote(args: argparse.Namespace, runs: int) -> None:
+    """A shared tier is shared by the runs of a sweep too: each would hit the blocks the
+    others stored, and its row would be wrong. Refused unless the sweep is one run."""
+    if args.remote is not None and runs > 1:
+        raise InvalidArgumentError(
+            f"--remote: the {runs} runs of this sweep would share the server's blocks and "
+            "read each other's; sweep one configuration with --remote, or run simulate "
+            "once per configuration against an emptied server"
+        )
 
 
 def tier_rows(report: RunReport) -> list[tuple[str, str]]:
