@@ -34,6 +34,22 @@ def test_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert pngs == ["hit_ratio_vs_capacity.png", "hit_ratio_vs_writes.png"]
 
 
+def test_sweep_csv_has_every_runs_columns(tmp_path: Path) -> None:
+    """The optimiser's row has columns the first row lacks; the header once came from the
+    first row alone and the write failed with a traceback."""
+    args = ["sweep", "--requests", "50", "--gpu-blocks", "1500", "--cpu-blocks", "300"]
+    args += ["--policies", "lru", "--thresholds", "0", "--jobs", "1", "--no-progress"]
+    args += ["--admissions", "none,recommended", "--csv", str(tmp_path / "s.csv")]
+    args += ["--json", str(tmp_path / "s.json")]
+    assert main(args) == 0
+    reports = json.loads((tmp_path / "s.json").read_text())
+    plain, optimiser = csv.DictReader((tmp_path / "s.csv").read_text().splitlines())
+    column = "whatif.store-all.1.hit_ratio"  # the optimiser's what-if table, flattened
+    assert not reports[0]["whatif"] and plain[column] == ""
+    assert float(optimiser[column]) == reports[1]["whatif"]["store-all"]["1"]["hit_ratio"]
+    assert next(iter(plain)) == "workload"  # the first row's columns first
+
+
 def test_trace_stats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "t.csv"
     trace.write_text(

@@ -148,10 +148,13 @@ def flatten(row: NestedRow, prefix: str = "") -> dict[str, Value]:
 
 
 def write_csv(path: str, rows: Sequence[NestedRow]) -> None:
-    """One header line from the first row's keys, then one line per row (nested: flattened)."""
+    """One header line, then one line per row (nested: flattened). The header is every
+    row's keys in first-seen order, since rows differ (an admission rule adds its own
+    counters); a row without a column leaves it empty."""
     flat = [flatten(row) for row in rows]
+    fields = list(dict.fromkeys(key for row in flat for key in row))
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(flat[0]), lineterminator="\n")
+    writer = csv.DictWriter(buffer, fieldnames=fields, restval="", lineterminator="\n")
     writer.writeheader()
     writer.writerows(flat)
     _write_text(path, buffer.getvalue())
