@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import resource
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,3 +50,47 @@ def test_usage_errors_are_argparse_status_2(capsys: pytest.CaptureFixture[str]) 
     assert "unrecognized arguments: --no-such-flag" in one_line_error(capsys)
     assert main([]) == 2
     assert "required: COMMAND" in one_line_error(capsys)
+
+
+def _limited_file_size() -> None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (512, 512))
+
+
+@pytest.mark.parametrize("option", ["--json", "--csv"])
+def test_a_failed_write_keeps_the_earlier_file_and_names_the_path(
+    tmp_path: Path, option: str
+) -> None:
+    """The file was once truncated first, so a full disk (here: a file size limit) left
+    it destroyed, and the error named no path."""
+    old = tmp_path / "old.out"
+    old.write_text("the earlier run\n")
+    argv = [*SMALL, "--no-bound", option, str(old)]
+    cli = [
+        sys.executable,
+        "-c",
+        "import sys; from kvoffload.cli.main import main; sys.exit(main())",
+    ]
+    result = subprocess.run(
+        [*cli, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        preexec_fn=_limited_file_size,
+    )
+    assert result.returncode == 1
+    assert result.stderr == f"kvoffload: error: {option} {old}: cannot write: File too large\n"
+    assert old.read_text() == "the earlier run\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["old.out"]  # no temporary file left
+
+
+def test_a_result_file_is_replaced_keeping_its_mode_and_links(tmp_path: Path) -> None:
+    real = tmp_path / "real.json"
+    real.write_text("{}")
+    real.chmod(0o640)
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    assert main([*SMALL, "--no-bound", "--json", str(link)]) == 0
+    assert link.is_symlink() and json.loads(real.read_text())["requests"] == 50
+    assert stat.S_IMODE(real.stat().st_mode) == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "real.json"]

@@ -6,17 +6,20 @@ Scripts should read ``--json`` or ``--csv``; the table layout may change.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import os
+import secrets
 import shutil
+import stat
 import sys
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 
 Value = str | int | float | None
 Row = Mapping[str, Value]
@@ -124,15 +127,47 @@ def check_writable_dir(path: str, option: str) -> None:
         raise InvalidArgumentError(f"{option} {path}: {existing} is not writable")
 
 
-def _write_text(path: str, text: str) -> None:
+class OutputError(KVOffloadError):
+    """A result file could not be written (disk full, file size limit, I/O error)."""
+
+
+def _write_text(path: str, text: str, option: str) -> None:
+    """Write ``text`` whole or not at all: into a new file beside ``path``, synced, then
+    renamed over it, so a failed write leaves an earlier file as it was. A device or a
+    pipe (``/dev/stdout``) is written in place: it cannot be renamed over."""
     if path == "-":
         sys.stdout.write(text)
-    else:
-        Path(path).write_text(text, encoding="utf-8")
+        return
+    try:
+        if os.path.exists(path) and not os.path.isfile(path):
+            Path(path).write_text(text, encoding="utf-8")
+            return
+        # Through a symbolic link, the file it names is replaced (the link stays).
+        _replace(os.path.realpath(path), text.encode("utf-8"))
+    except OSError as exc:
+        raise OutputError(f"{option} {path}: cannot write: {exc.strerror or exc}") from None
 
 
-def write_json(path: str, data: object) -> None:
-    _write_text(path, json.dumps(data, indent=2) + "\n")
+def _replace(target: str, data: bytes) -> None:
+    directory, name = os.path.split(target)
+    temporary = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies
+    try:
+        with os.fdopen(fd, "wb") as file:
+            with contextlib.suppress(FileNotFoundError):  # an existing file keeps its mode
+                os.chmod(temporary, stat.S_IMODE(os.stat(target).st_mode))
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def write_json(path: str, data: object, option: str = "--json") -> None:
+    _write_text(path, json.dumps(data, indent=2) + "\n", option)
 
 
 def flatten(row: NestedRow, prefix: str = "") -> dict[str, Value]:
@@ -147,7 +182,7 @@ def flatten(row: NestedRow, prefix: str = "") -> dict[str, Value]:
     return flat
 
 
-def write_csv(path: str, rows: Sequence[NestedRow]) -> None:
+def write_csv(path: str, rows: Sequence[NestedRow], option: str = "--csv") -> None:
     """One header line, then one line per row (nested: flattened). The header is every
     row's keys in first-seen order, since rows differ (an admission rule adds its own
     counters); a row without a column leaves it empty."""
@@ -157,4 +192,4 @@ def write_csv(path: str, rows: Sequence[NestedRow]) -> None:
     writer = csv.DictWriter(buffer, fieldnames=fields, restval="", lineterminator="\n")
     writer.writeheader()
     writer.writerows(flat)
-    _write_text(path, buffer.getvalue())
+    _write_text(path, buffer.getvalue(), option)
