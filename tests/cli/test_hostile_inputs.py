@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -177,6 +179,39 @@ def _assert_one_line(result: subprocess.CompletedProcess[str], status: int, mess
     assert result.returncode == status, result.stderr
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
     assert message in result.stderr
+
+
+def _many_records(path: Path, count: int = 400) -> Path:
+    """More records than the first read of a file takes (8 KiB), so a reread shows."""
+    path.write_text(
+        "".join(RECORD.replace('"timestamp": 0', f'"timestamp": {i}') + "\n" for i in range(count))
+    )
+    return path
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_a_trace_from_a_pipe_loses_no_records(tmp_path: Path) -> None:
+    """Detecting the format once read the first chunk of the pipe and threw it away."""
+    trace = _many_records(tmp_path / "t.jsonl")
+    command = " ".join(shlex.quote(arg) for arg in [*CLI, "trace-stats", "--json", "-"])
+    result = subprocess.run(
+        ["bash", "-c", f"{command} <(cat {shlex.quote(str(trace))})"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["requests"] == 400
+
+
+def test_sweep_refuses_a_trace_it_could_read_only_once(tmp_path: Path) -> None:
+    """Every run reads the trace again: from a pipe, all but the first would get nothing
+    (here, with nobody writing the pipe, the first read would wait forever)."""
+    fifo = tmp_path / "trace.fifo"
+    os.mkfifo(fifo)
+    result = run_cli("sweep", "--trace", str(fifo), "--jobs", "1", "--no-progress")
+    _assert_one_line(result, 1, f"--trace {fifo}: sweep reads the trace once per run")
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")

@@ -84,6 +84,19 @@ def test_qwen_jsonl_and_csv_read_the_same(tmp_path: Path) -> None:
     assert from_csv.requests[1].keys[:2] == from_csv.requests[0].keys
 
 
+def test_a_byte_order_mark_is_not_part_of_the_first_record(tmp_path: Path) -> None:
+    """Windows editors start UTF-8 files with one; it made line 1 invalid JSON or renamed
+    the first CSV column."""
+    records = [dict(zip(QWEN_FIELDS, row, strict=True)) for row in QWEN]
+    for path in (write_jsonl(tmp_path / "q.jsonl", records), write_qwen_csv(tmp_path / "q.csv")):
+        plain = read_trace(path)
+        path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+        assert read_trace(path).requests == plain.requests, path
+    mooncake = write_jsonl(tmp_path / "m.jsonl", MOONCAKE)
+    mooncake.write_bytes(b"\xef\xbb\xbf" + mooncake.read_bytes())
+    assert detect_format(mooncake) == "mooncake" and len(read_trace(mooncake).requests) == 2
+
+
 LMBENCH = [  # newest first, nanosecond strings (LMCache's LMBench traces)
     {"timestamp": "1718000002500000001", "input_length": 1100, "output_length": 5,
      "hash_ids": [0, 1, 3]},

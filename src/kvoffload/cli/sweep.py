@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from kvoffload.admission import available_admissions, resolve_admission
 from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD
 from kvoffload.cli import options, output, tier_options
 from kvoffload.cli.progress import ProgressBar
+from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.policies import resolve_policy
 from kvoffload.sim.run import RunReport, blocks_for_gib
 from kvoffload.sim.sweep import SweepInterrupted, run_sweep, sweep_configs
@@ -73,9 +75,26 @@ def _capacities(args: argparse.Namespace, gpu_blocks: int, layout: str, bt: int)
     return [gpu_blocks * factor for factor in DEFAULT_FACTORS]
 
 
+def _check_trace_rereadable(trace: str | None) -> None:
+    """Each run reads the trace anew (in its own process, or from the path again with
+    ``--jobs 1``): a pipe would give the first its records and the rest none."""
+    if trace is None:
+        return
+    try:
+        mode = os.stat(trace).st_mode
+    except OSError:
+        return  # reading it reports what is wrong
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise InvalidArgumentError(
+            f"--trace {trace}: sweep reads the trace once per run, and a pipe or device can "
+            "be read only once; save it to a file first"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     options.check_before_work(args)
     tier_options.check_before_work(args)
+    _check_trace_rereadable(args.trace)
     thresholds = options.parse_ints(args.thresholds, "--thresholds", maximum=MAX_STORE_THRESHOLD)
     policies = options.parse_names(args.policies, "--policies", resolve_policy)
     admissions = options.parse_names(args.admissions, "--admissions", resolve_admission)

@@ -17,6 +17,7 @@ one the caller names; the last block may be partial and keyed or not).
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 from collections.abc import Iterator, Mapping
@@ -46,11 +47,17 @@ def detect_format(path: Path) -> str:
     its timestamp is a string, else ``"mooncake"``."""
     if path.suffix.lower() == ".csv":
         return "qwen"
-    for _, record in _json_records(path):
-        if "chat_id" in record:
-            return "qwen"
-        return "lmbench" if isinstance(record.get("timestamp"), str) else "mooncake"
-    raise TraceFormatError(f"{path}: the trace has no records")
+    return _format_of(path, next(_json_records(path), None))
+
+
+def _format_of(path: Path, first: tuple[int, Mapping[str, Any]] | None) -> str:
+    """The JSON-lines format ``first`` (a trace's first record) has."""
+    if first is None:
+        raise TraceFormatError(f"{path}: the trace has no records")
+    record = first[1]
+    if "chat_id" in record:
+        return "qwen"
+    return "lmbench" if isinstance(record.get("timestamp"), str) else "mooncake"
 
 
 _TELLS = {"qwen": "has 'chat_id'", "lmbench": "string timestamps", "mooncake": "numbers"}
@@ -67,7 +74,16 @@ def read_trace(path: str | Path, fmt: str = "auto", block_tokens: int | None = N
         raise InvalidArgumentError(
             f"unknown trace format {fmt!r}; known: auto, {', '.join(TRACE_FORMATS)}"
         )
-    detected = detect_format(path)
+    # One pass: the first record, detected, goes back in front of the rest, so a pipe
+    # (read once) loses nothing.
+    csv_file = path.suffix.lower() == ".csv"
+    records = _csv_records(path) if csv_file else _json_records(path)
+    if csv_file:
+        detected = "qwen"
+    else:
+        first = next(records, None)
+        detected = _format_of(path, first)
+        records = itertools.chain([first] if first is not None else [], records)
     if fmt == "auto":
         fmt = detected
     elif fmt != detected:
@@ -79,7 +95,6 @@ def read_trace(path: str | Path, fmt: str = "auto", block_tokens: int | None = N
     block_tokens = DEFAULT_BLOCK_TOKENS[fmt] if block_tokens is None else block_tokens
     if block_tokens < 1:
         raise InvalidArgumentError(f"block size must be >= 1 token, got {block_tokens}")
-    records = _csv_records(path) if path.suffix.lower() == ".csv" else _json_records(path)
     keys_by_id: dict[int, OffloadKey] = {}
     exact = fmt == "lmbench"
     stamped = [
@@ -100,7 +115,8 @@ def read_trace(path: str | Path, fmt: str = "auto", block_tokens: int | None = N
 
 def _open_lines(path: Path) -> Iterator[tuple[int, str]]:
     try:
-        with path.open(encoding="utf-8", newline="") as lines:
+        # utf-8-sig: a byte order mark (Windows editors write one) is not part of line 1.
+        with path.open(encoding="utf-8-sig", newline="") as lines:
             line_no = 0
             while line := lines.readline(MAX_LINE_CHARS + 1):
                 line_no += 1
