@@ -94,3 +94,44 @@ def test_a_result_file_is_replaced_keeping_its_mode_and_links(tmp_path: Path) ->
     assert link.is_symlink() and json.loads(real.read_text())["requests"] == 50
     assert stat.S_IMODE(real.stat().st_mode) == 0o640
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "real.json"]
+
+
+@pytest.mark.parametrize(
+    ("outputs", "message"),
+    [
+        (["--json", "{tmp}/x.out", "--csv", "{tmp}/x.out"], "--json {tmp}/x.out and --csv"),
+        (["--json", "{tmp}/x.out", "--csv", "{tmp}/./x.out"], "are one file; give each its own"),
+        (["--json", "{tmp}/t.jsonl"], "--json {tmp}/t.jsonl is the --trace file being read"),
+        (["--csv", "{tmp}/link.jsonl"], "--csv {tmp}/link.jsonl is the --trace file being read"),
+        (["--json", "-", "--csv", "-"], "--json - and --csv - would both write to standard output"),
+    ],
+)
+@pytest.mark.parametrize("command", ["simulate", "sweep"])
+def test_outputs_that_would_clobber_each_other_or_the_trace_are_refused(
+    tmp_path: Path,
+    command: str,
+    outputs: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """They once wrote one over the other, over the trace, or both to stdout, mixed."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 16, "output_length": 1, "hash_ids": [1]}\n')
+    (tmp_path / "link.jsonl").symlink_to(trace)
+    before = trace.read_text()
+    argv = [command, "--trace", str(trace), "--block-size", "16", "--no-progress"]
+    argv += ["--jobs", "1"] if command == "sweep" else ["--no-bound"]
+    assert main([*argv, *(arg.format(tmp=tmp_path) for arg in outputs)]) == 1
+    assert message.format(tmp=tmp_path) in one_line_error(capsys)
+    assert trace.read_text() == before and not (tmp_path / "x.out").exists()
+
+
+def test_trace_stats_checks_its_output_before_reading(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("{\n")  # malformed: an error about it would mean it was read first
+    assert main(["trace-stats", str(trace), "--json", str(trace)]) == 1
+    assert f"--json {trace} is the trace file being read" in one_line_error(capsys)
+    assert main(["trace-stats", str(trace), "--json", "/nonexistent/x.json"]) == 1
+    assert "--json /nonexistent/x.json: no such directory" in one_line_error(capsys)

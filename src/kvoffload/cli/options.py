@@ -348,14 +348,20 @@ def _not_empty(values: list[_T], text: str, what: str) -> list[_T]:
 
 
 def check_before_work(args: argparse.Namespace) -> None:
-    """Refuse what would fail only after the run: unwritable outputs, a GPU beyond memory.
+    """Refuse what would fail only after the run: unwritable outputs, two outputs to one
+    file (or an output over the trace), a GPU beyond memory.
 
     Called first by ``simulate`` and ``sweep``, so a typo costs no run.
     """
-    for option in ("json", "csv"):
-        path = getattr(args, option, None)
-        if path:
-            output.check_writable_file(path, f"--{option}")
+    outputs = [
+        (f"--{option}", getattr(args, option))
+        for option in ("json", "csv")
+        if getattr(args, option, None)
+    ]
+    for option, path in outputs:
+        output.check_writable_file(path, option)
+    trace = getattr(args, "trace", None)
+    output.check_distinct_outputs(outputs, [("--trace", trace)] if trace else [])
     plot_dir = getattr(args, "plot_dir", None)
     if plot_dir:
         output.check_writable_dir(plot_dir, "--plot-dir")

@@ -113,6 +113,37 @@ def check_writable_file(path: str, option: str) -> None:
         raise InvalidArgumentError(f"{option} {path}: not writable")
 
 
+def same_file(first: str, second: str) -> bool:
+    """Whether two paths name one file (through links too; a file not there yet by name)."""
+    try:
+        return os.path.samefile(first, second)
+    except OSError:
+        return os.path.realpath(first) == os.path.realpath(second)
+
+
+def check_distinct_outputs(
+    outputs: Sequence[tuple[str, str]], inputs: Sequence[tuple[str, str]]
+) -> None:
+    """:class:`InvalidArgumentError` if two ``(option, path)`` outputs would write one file
+    (or both standard output), or an output is an input file, which it would overwrite."""
+    for index, (option, path) in enumerate(outputs):
+        for other, other_path in outputs[index + 1 :]:
+            if path == other_path == "-":
+                raise InvalidArgumentError(
+                    f"{option} - and {other} - would both write to standard output; "
+                    "send one to a file"
+                )
+            if "-" not in (path, other_path) and same_file(path, other_path):
+                raise InvalidArgumentError(
+                    f"{option} {path} and {other} {other_path} are one file; give each its own"
+                )
+        for source, source_path in inputs:
+            if path != "-" and same_file(path, source_path):
+                raise InvalidArgumentError(
+                    f"{option} {path} is the {source} file being read; write elsewhere"
+                )
+
+
 def check_writable_dir(path: str, option: str) -> None:
     """:class:`InvalidArgumentError` unless ``path`` is, or can be made, a writable directory."""
     target = Path(path)

@@ -28,6 +28,9 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.json:  # checked first, so a typo costs no pass over the trace
+        output.check_writable_file(args.json, "--json")
+        output.check_distinct_outputs([("--json", args.json)], [("trace", args.path)])
     workload = WorkloadSource(trace=args.path, fmt=args.format, block_tokens=args.block_size).load()
     stats = trace_stats(workload)
     if args.json:
