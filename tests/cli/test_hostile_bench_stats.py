@@ -29,6 +29,23 @@ def test_bench_tiers_bad_numbers_are_usage_errors(
     assert message in one_line_error(capsys)
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--seed", "-1"], "--seed: must be >= 0, got -1"),
+        (["--blocks-per-job", "0"], "--blocks-per-job: must be >= 1"),
+        (["--gpu-blocks", "x"], "--gpu-blocks: expected an integer"),
+    ],
+)
+def test_bench_transfer_bad_numbers_are_usage_errors(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--seed -1`` once reached numpy and ended in its traceback."""
+    pytest.importorskip("torch")
+    assert main(["bench", "transfer", *args]) == 2
+    assert message in one_line_error(capsys)
+
+
 def test_bench_tiers_larger_than_memory_is_refused_before_allocating(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

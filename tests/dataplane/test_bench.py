@@ -47,3 +47,48 @@ def test_a_tier_larger_than_the_gpu_cache_is_refused() -> None:
 def test_bad_thread_count_is_an_input_error() -> None:
     with pytest.raises(InvalidArgumentError, match="threads must be >= 1"):
         bench.measure_transfer(layout="tiny", threads=0)
+
+
+def test_rates_count_the_bytes_moved_when_the_last_job_is_partial(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """17 blocks in jobs of 16 move 17 blocks, not two full jobs' 32."""
+    copied: list[list[int]] = []
+    monkeypatch.setattr(bench, "_timed_jobs", lambda worker, specs: 1.0)
+
+    def copies(dst: object, src: object, sizes: list[int]) -> float:
+        copied.append(sizes)
+        return 1.0
+
+    monkeypatch.setattr(bench, "_timed_copies", copies)
+    results = bench.measure_transfer(
+        layout="tiny", gpu_blocks=64, cpu_blocks=17, blocks_per_job=16, rounds=1
+    )
+    moved = 17 * results["block_bytes"] / 1e9
+    assert results["jobs_per_round"] == 2
+    for name in ("store_gbps", "load_gbps", "copy_gbps"):
+        assert results[name] == round(moved, 3), name
+    assert copied[-1] == [16 * results["block_bytes"], results["block_bytes"]]
+
+
+def test_a_job_larger_than_the_tier_is_the_whole_tier() -> None:
+    """--blocks-per-job 10000000000 once allocated its plain copy's buffer at that size."""
+    results = bench.measure_transfer(
+        layout="tiny", gpu_blocks=64, cpu_blocks=16, blocks_per_job=10**10, rounds=1
+    )
+    assert results["jobs_per_round"] == 1
+    assert results["bytes_per_job"] == 16 * results["block_bytes"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [("--seed", "-1"), ("--blocks-per-job", "0"), ("--cpu-blocks", "0"), ("--threads", "0")],
+)
+def test_bad_numbers_are_usage_errors(argv: tuple[str, str]) -> None:
+    with pytest.raises(SystemExit):
+        parse(*argv)
+
+
+def test_a_negative_seed_is_an_input_error() -> None:
+    with pytest.raises(InvalidArgumentError, match="seed must be an integer >= 0, got -1"):
+        bench.measure_transfer(layout="tiny", seed=-1)

@@ -13,15 +13,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError
 from kvoffload.core.keys import OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
 from kvoffload.core.specs import GPULoadStoreSpec, TransferSpec
+from kvoffload.dataplane.allocation import allocate
 from kvoffload.dataplane.cpu_store import CPUBlockStore
 from kvoffload.dataplane.handlers import cpu_gpu_handlers
 from kvoffload.dataplane.kv_cache import PagedKVCache
@@ -56,12 +58,16 @@ def measure_transfer(
     """GB/s of stores, loads and a plain copy; see the module docstring for the method.
 
     ``blocks_per_job`` counts offloaded blocks (of ``block_size_factor`` GPU
-    blocks each); the tier holds ``cpu_blocks`` of them and must fit in the
+    blocks each), at most the tier's ``cpu_blocks``, which must fit in the
     ``gpu_blocks`` GPU blocks. On CUDA the plain copy is device-to-pinned-host.
+    Rates count the bytes each phase moved: a round's last job may be partial.
     """
     kv_layout = layout_preset(layout)
     if rounds < 1 or blocks_per_job < 1:
         raise InvalidArgumentError("rounds and blocks_per_job must be >= 1")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise InvalidArgumentError(f"seed must be an integer >= 0, got {seed!r}")
+    blocks_per_job = min(blocks_per_job, cpu_blocks)  # a job is a slice of the tier's blocks
     if threads is not None and threads < 1:
         raise InvalidArgumentError(f"threads must be >= 1, got {threads}")
     if cpu_blocks * block_size_factor > gpu_blocks:
@@ -77,9 +83,10 @@ def measure_transfer(
     store.data.fill_(0)  # fault the pages in now, not during the first store
     worker = OffloadingWorker(cpu_gpu_handlers(kv.layers, store))
     manager = CPUOffloadingManager(cpu_blocks)
-    job_bytes = blocks_per_job * block_size_factor * kv_layout.bytes_per_block
-    copy_src = torch.ones(job_bytes, dtype=torch.uint8, device=kv.device)
-    copy_dst = torch.zeros(job_bytes, dtype=torch.uint8, pin_memory=kv.device.type == "cuda")
+    block_bytes = block_size_factor * kv_layout.bytes_per_block
+    job_bytes = blocks_per_job * block_bytes
+    copy_src = allocate((job_bytes,), torch.uint8, kv.device, "the plain copy's source").fill_(1)
+    copy_dst = _copy_target(job_bytes, pinned=kv.device.type == "cuda")
     samples: dict[str, list[float]] = {"store": [], "load": [], "copy": []}
     next_key = 0
     try:
@@ -98,8 +105,10 @@ def measure_transfer(
             )
             for job in jobs:
                 manager.complete_load(job)
-            copy_seconds = _timed_copies(copy_dst, copy_src, len(jobs))
-            moved = len(jobs) * job_bytes / 1e9
+            copy_seconds = _timed_copies(
+                copy_dst, copy_src, [len(job) * block_bytes for job in jobs]
+            )
+            moved = cpu_blocks * block_bytes / 1e9
             for name, seconds in (
                 ("store", store_seconds),
                 ("load", load_seconds),
@@ -129,18 +138,35 @@ def measure_transfer(
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvoffload bench transfer`` (the CLI adds ``--json``)."""
     parser.add_argument("--layout", default=DEFAULTS["layout"], help="KV layout preset")
-    for name, help_text in (
-        ("gpu-blocks", "GPU KV cache size in GPU blocks"),
-        ("cpu-blocks", "CPU tier size in offloaded blocks"),
-        ("blocks-per-job", "offloaded blocks per transfer job"),
-        ("block-size-factor", "GPU blocks per offloaded block"),
-        ("rounds", "measured rounds (after one warm-up round)"),
-        ("seed", "seed of the GPU block shuffle"),
+    for name, minimum, help_text in (
+        ("gpu-blocks", 1, "GPU KV cache size in GPU blocks"),
+        ("cpu-blocks", 1, "CPU tier size in offloaded blocks"),
+        ("blocks-per-job", 1, "offloaded blocks per transfer job, at most --cpu-blocks"),
+        ("block-size-factor", 1, "GPU blocks per offloaded block"),
+        ("rounds", 1, "measured rounds (after one warm-up round)"),
+        ("seed", 0, "seed of the GPU block shuffle"),
     ):
         default = DEFAULTS[name.replace("-", "_")]
-        parser.add_argument(f"--{name}", type=int, default=default, help=f"{help_text} ({default})")
+        parser.add_argument(
+            f"--{name}", type=_integer(minimum), default=default, help=f"{help_text} ({default})"
+        )
     parser.add_argument("--device", default=DEFAULTS["device"], help="device of the KV cache")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--threads", type=_integer(1), default=None, help="torch CPU threads")
+
+
+def _integer(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``minimum``, else a usage error naming the option."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -190,10 +216,24 @@ def _timed_jobs(worker: OffloadingWorker, specs: list[TransferSpec]) -> float:
     return seconds
 
 
-def _timed_copies(dst: torch.Tensor, src: torch.Tensor, count: int) -> float:
+def _copy_target(num_bytes: int, pinned: bool) -> torch.Tensor:
+    """The plain copy's host buffer (pinned beside a GPU); one error if it does not fit."""
+    if not pinned:
+        return allocate((num_bytes,), torch.uint8, torch.device("cpu"), "the plain copy", zero=True)
+    try:
+        return torch.zeros(num_bytes, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError:
+        raise InsufficientMemoryError(
+            f"cannot allocate {num_bytes / 2**30:.1f} GiB of pinned memory for the plain copy; "
+            "use fewer --blocks-per-job"
+        ) from None
+
+
+def _timed_copies(dst: torch.Tensor, src: torch.Tensor, sizes: list[int]) -> float:
+    """Seconds to copy ``sizes`` bytes, one contiguous copy each (the jobs' sizes)."""
     start = time.perf_counter()
-    for _ in range(count):
-        dst.copy_(src, non_blocking=True)
+    for size in sizes:
+        dst[:size].copy_(src[:size], non_blocking=True)
     if src.device.type == "cuda":
         torch.cuda.synchronize(src.device)
     return time.perf_counter() - start
