@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cli_helpers import one_line_error
@@ -135,3 +137,40 @@ def test_trace_stats_checks_its_output_before_reading(
     assert f"--json {trace} is the trace file being read" in one_line_error(capsys)
     assert main(["trace-stats", str(trace), "--json", "/nonexistent/x.json"]) == 1
     assert "--json /nonexistent/x.json: no such directory" in one_line_error(capsys)
+
+
+def _close_stdout() -> None:
+    os.close(1)
+
+
+def _cli(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    code = "import sys; from kvoffload.cli.main import main; sys.exit(main())"
+    return subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+        check=False,
+        **kwargs,
+    )
+
+
+def test_a_closed_stdout_is_no_traceback() -> None:
+    """Started with stdout closed (``>&-``), the table once died in an AttributeError."""
+    result = _cli([*SMALL, "--no-bound"], preexec_fn=_close_stdout)
+    assert (result.returncode, result.stderr) == (0, "")
+    result = _cli([*SMALL, "--no-bound", "--json", "-"], preexec_fn=_close_stdout)
+    assert result.returncode == 1
+    assert result.stderr == "kvoffload: error: --json -: standard output is closed\n"
+
+
+def test_a_reader_that_has_gone_ends_the_output_quietly() -> None:
+    """``kvoffload ... | head``: status 1, no "Broken pipe" error and no traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        for extra in ([], ["--json", "-"]):
+            result = _cli([*SMALL, "--no-bound", *extra], stdout=write_end)
+            assert (result.returncode, result.stderr) == (1, "")
+    finally:
+        os.close(write_end)

@@ -2,12 +2,15 @@
 
 Library errors (:class:`~kvoffload.core.errors.KVOffloadError`) and file
 errors become one line on stderr and exit status 1, usage errors one line and
-status 2, Ctrl-C one line and status 130; never a traceback.
+status 2, Ctrl-C one line and status 130; never a traceback. A reader of stdout that
+has gone (``| head``) ends the command quietly, status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import select
 import sys
 from collections.abc import Sequence
 from importlib import metadata
@@ -93,6 +96,24 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     return parser, transfer
 
 
+def _reader_gone() -> bool:
+    """Whether stdout's reader has gone (``kvoffload ... | head``): the output was cut short
+    on purpose, so the exit is quiet, as other command-line tools'. Stdout is pointed at
+    ``/dev/null`` so that the interpreter's last flush does not fail once more."""
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, 0)
+        if not any(events & select.POLLERR for _, events in poller.poll(0)):
+            return False
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):  # no stdout, or not a file
+        return False
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
     args_list = list(sys.argv[1:] if argv is None else argv)
@@ -108,6 +129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return status
     except KVOffloadError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError as exc:
+        if not _reader_gone():
+            print(f"{PROG}: error: {exc.strerror or exc}", file=sys.stderr)
         return 1
     except OSError as exc:
         where = f": {exc.filename}" if exc.filename else ""

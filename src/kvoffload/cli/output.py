@@ -53,7 +53,7 @@ NARROW = 50
 
 def terminal_width() -> int | None:
     """Columns of the terminal stdout writes to; ``None`` for a file or a pipe (no wrapping)."""
-    if not sys.stdout.isatty():
+    if sys.stdout is None or not sys.stdout.isatty():  # None: started with stdout closed
         return None
     return shutil.get_terminal_size((80, 24)).columns
 
@@ -102,6 +102,8 @@ def column_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def check_writable_file(path: str, option: str) -> None:
     """:class:`InvalidArgumentError` unless ``path`` (``-``: stdout) can be written."""
     if path == "-":
+        if sys.stdout is None:
+            raise InvalidArgumentError(f"{option} -: standard output is closed")
         return
     target = Path(path)
     if target.is_dir():
