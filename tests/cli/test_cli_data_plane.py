@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+from cli_helpers import one_line_error
 
 from kvoffload.cli.main import main
 from kvoffload.core.layout import KVLayout, layout_preset
@@ -97,3 +98,14 @@ def test_data_plane_mismatch_fails_the_run(
     captured = capsys.readouterr()
     assert "3 mismatched" in captured.out
     assert captured.err.startswith("kvoffload: error: data plane: 3 loaded blocks")
+
+
+@pytest.mark.parametrize("size", [["--cpu-blocks", "0"], ["--cpu-gb", "0"]])
+def test_data_plane_without_an_offload_tier_names_the_option(
+    size: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The error once came from deep in the data plane: "num_blocks must be >= 1, got 0"."""
+    args = ["simulate", "--data-plane", "--requests", "10", "--no-bound", "--no-progress"]
+    assert main([*args, *size]) == 1
+    message = f"--data-plane moves bytes to an offload tier, and {' '.join(size)} leaves none"
+    assert message in one_line_error(capsys)

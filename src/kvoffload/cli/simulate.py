@@ -118,8 +118,19 @@ def _default_capacities_in_blocks(args: argparse.Namespace, block_tokens: int) -
         args.cpu_blocks = blocks_for_gib(options.DEFAULT_CPU_GIB, default, block_tokens)
 
 
+_NO_TIER = "--data-plane moves bytes to an offload tier, and {option} leaves none"
+
+
+def _cpu_option(args: argparse.Namespace) -> str:
+    if args.cpu_blocks is not None:
+        return f"--cpu-blocks {args.cpu_blocks}"
+    return f"--cpu-gb {args.cpu_gb:g}"
+
+
 def run(args: argparse.Namespace) -> int:
     options.check_before_work(args)
+    if args.data_plane and args.cpu_blocks == 0:  # before the workload; --cpu-gb needs it
+        raise KVOffloadError(_NO_TIER.format(option=_cpu_option(args)))
     tier_options.check_before_work(args)
     options.check_name(args.policy, "--policy", resolve_policy)
     options.check_name(args.admission, "--admission", resolve_admission)
@@ -133,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
         args, bt, DATA_PLANE_LAYOUT if args.data_plane else options.DEFAULT_LAYOUT
     )
     cpu = options.cpu_blocks(args.cpu_blocks, args.cpu_gb, config, bt)
+    if args.data_plane and cpu == 0:
+        raise KVOffloadError(_NO_TIER.format(option=_cpu_option(args)))
     config = options.with_offload(config, cpu, args.policy, args.store_threshold)
     config = dataclasses.replace(
         config,
