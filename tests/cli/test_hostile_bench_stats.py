@@ -63,3 +63,22 @@ def test_trace_stats_bad_block_size_is_a_usage_error(
     trace.write_text(MOONCAKE_LIKE + "\n")
     assert main(["trace-stats", str(trace), "--block-size", value]) == 2
     assert f"--block-size: {message}" in one_line_error(capsys)
+
+
+def _never(*args: object, **kwargs: object) -> None:
+    raise AssertionError("the benchmark ran before its --json was checked")
+
+
+def test_bench_json_is_checked_before_the_benchmark(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An unwritable --json once failed only after the whole benchmark had run."""
+    import kvoffload.tiers.bench
+
+    monkeypatch.setattr(kvoffload.tiers.bench, "measure_tiers", _never)
+    assert main(["bench", "tiers", "--json", "/nonexistent/x.json"]) == 1
+    assert "--json /nonexistent/x.json: no such directory" in one_line_error(capsys)
+    transfer = pytest.importorskip("kvoffload.dataplane.bench")
+    monkeypatch.setattr(transfer, "run_from_args", _never)
+    assert main(["bench", "transfer", "--json", "/nonexistent/x.json"]) == 1
+    assert "--json /nonexistent/x.json: no such directory" in one_line_error(capsys)

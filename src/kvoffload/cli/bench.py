@@ -95,7 +95,15 @@ def add_transfer_options(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--json", metavar="PATH", help="write the results as JSON (- stdout)")
 
 
+def _check_json(args: argparse.Namespace) -> None:
+    """A benchmark takes minutes: an unwritable ``--json`` is refused before it starts."""
+    path = getattr(args, "json", None)
+    if path:
+        output.check_writable_file(path, "--json")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_json(args)
     results: dict[str, Any] = _bench_module().run_from_args(args)
     _report(args, results)
     return 0
@@ -118,6 +126,7 @@ def run_tiers(args: argparse.Namespace) -> int:
     from kvoffload.tiers.bench import measure_tiers
     from kvoffload.tiers.disk import DEFAULT_TIMEOUT_MS
 
+    _check_json(args)
     if args.sglang is not None:
         return _run_sglang(args)
     with _sigterm_as_interrupt():
