@@ -210,3 +210,23 @@ def test_every_accepted_disk_admission_is_the_disk_tiers_layer_and_judges_its_wr
     assert layer.offers == tiered.offered_blocks[0] > 0
     assert 0 < layer.admitted == tiered.admitted_blocks[0] < layer.offers
     assert layer.stats().offers == layer.offers
+
+
+def test_a_parked_request_is_one_request_to_the_cpu_tiers_optimiser(tmp_path: Path) -> None:
+    """A lookup parked while the disk tier promotes is retried with the same keys: the
+    CPU tier's optimiser runs its worlds and earns its write budget on it once, so the
+    budget holds on the references the run had (it earned on every retry before)."""
+    workload = WorkloadSource(mix=(("chat", 1.0),), requests=300, seed=1).load()
+    budget = 0.03
+    config = SimConfig(
+        gpu_blocks=600,
+        cpu_blocks=400,
+        bound=False,
+        admission="recommended",
+        write_budget=budget,
+        disk_dir=str(tmp_path),
+        disk_blocks=20_000,
+    )
+    report = simulate(workload, config)
+    assert report.lookups_deferred > 0
+    assert report.offload_blocks_written <= budget * (report.refs + BUDGET_BURST_REFS)

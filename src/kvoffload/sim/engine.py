@@ -296,7 +296,9 @@ class ServingEngine:
             return 0
         started = time.perf_counter()
         if self._layer is not None:
-            self._layer.begin_request(keys, lookup_follows=True)
+            # A retry after a parked lookup is the same request: shown once, not again.
+            retried = id(req) in self._retries
+            self._layer.begin_request(keys, lookup_follows=True, counted=len(keys) * retried)
         manager.touch(keys)
         found: int | None = 0
         if len(keys) > gpu_hits:
