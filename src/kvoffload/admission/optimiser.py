@@ -287,6 +287,8 @@ class OptimisingAdmission(AdmissionLayer):
         """References before which only the guard changes the choice (a switch dwells)."""
         self._loaded = 0
         """The real tier's hits since the start: the blocks loaded from it."""
+        self._written = 0
+        """The real tier's writes since the start: never more than store-everything's world."""
         self._excused = 0.0
         """Gap the guard let go of on evidence (see :meth:`_guard`)."""
         self.guarded: str | None = None
@@ -467,6 +469,11 @@ class OptimisingAdmission(AdmissionLayer):
             keys = tier.held_among(offered)
             if self.chosen != STORE_ALL and self._cold_order is not None:
                 keys = self._steer(offered, keys, tier.held, self._cold_order)
+            # Never more writes than store-everything: a refill after a switch (blocks that
+            # world hit, the tier lacks) waits for writes the thriftier rule left unspent.
+            room = self.worlds[STORE_ALL].tier.total_writes - self._written
+            if len(keys) > room:
+                keys = keys[: max(0, room)]
         else:
             chosen = admitted[self.chosen if self.switches or self._settled_at else FEEDBACK]
             keys = list(offered) if chosen is None else chosen
@@ -507,8 +514,10 @@ class OptimisingAdmission(AdmissionLayer):
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
         output = super().prepare_store(keys)
-        if output is not None and self.write_credit is not None:
-            self.write_credit.spend(len(output.keys_to_store))
+        if output is not None:
+            self._written += len(output.keys_to_store)
+            if self.write_credit is not None:
+                self.write_credit.spend(len(output.keys_to_store))
         return output
 
     def _run_worlds(self, gpu_held: int) -> None:
