@@ -883,20 +883,21 @@ class MiniSimulation:
                 entry, offered, {name: admitted_set(offered, a) for name, a in admitted.items()}
             )
 
-    def on_offer_held(self, offered: Sequence[OffloadKey], worlds: Mapping[str, MiniTier]) -> None:
-        """:meth:`on_offer` with each candidate's admitted part given as what its exact
-        world's tier (``worlds``) holds after the request
-        (:mod:`~kvoffload.admission.worlds`): what a tier mirroring that world stores, at
-        every capacity."""
+    def on_offer_ruled(
+        self,
+        offered: Sequence[OffloadKey],
+        admitted_by: Callable[[str, Sequence[OffloadKey]], Sequence[OffloadKey] | None],
+    ) -> None:
+        """:meth:`on_offer` with each candidate's admitted part asked of ``admitted_by``
+        (its exact world's rule, which has run the request:
+        :mod:`~kvoffload.admission.worlds`), only for a request with a sampled key: each
+        mini-tier runs the candidate's own decisions at its capacity."""
         entry = self._take(offered)
-        if entry is None:
-            return
-        chosen: dict[str, tuple[Container[OffloadKey] | None, int]] = {}
-        n = len(offered)
-        for name, tier in worlds.items():
-            gap = tier.leading_held(offered)
-            chosen[name] = (None, gap) if gap == n else (tier.held, gap)
-        self._store(entry, offered, chosen)
+        if entry is not None:
+            chosen = {
+                name: admitted_set(offered, admitted_by(name, offered)) for name in self.candidates
+            }
+            self._store(entry, offered, chosen)
 
     def on_full_hit(self, last: OffloadKey) -> None:
         """The tier served every key the request looked up, so no offer follows: each

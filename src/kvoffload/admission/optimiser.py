@@ -278,7 +278,6 @@ class OptimisingAdmission(AdmissionLayer):
             },
             window_tiers * capacity,
         )
-        self._tiers = {name: world.tier for name, world in self.worlds.worlds.items()}
         self.chosen = DEFAULT
         self._seen = 0
         """References since the start (never halved)."""
@@ -454,7 +453,7 @@ class OptimisingAdmission(AdmissionLayer):
         if self._pending is not None:  # an offer with no lookup before it
             self._run_worlds(0)
         if self._mirrors:
-            self.minisim.on_offer_held(offered, self._tiers)
+            self.minisim.on_offer_ruled(offered, self._admitted_in_world)
         else:
             admitted: dict[str, list[OffloadKey] | None] = {
                 STORE_ALL: None,
@@ -481,6 +480,11 @@ class OptimisingAdmission(AdmissionLayer):
             self.write_credit.earn(0)
             keys = keys[: self.write_credit.allowance()]
         return keys
+
+    def _admitted_in_world(
+        self, name: str, offered: Sequence[OffloadKey]
+    ) -> Sequence[OffloadKey] | None:
+        return self.worlds[name].admitted_of(offered)
 
     def _steer(
         self,

@@ -98,6 +98,8 @@ class World:
         """Hits and writes, halved with the worlds' window."""
         self.hits_at_mark = 0.0
         """:attr:`hits` when :meth:`Worlds.mark` was last called, halved with them."""
+        self._offer: tuple[Sequence[OffloadKey], Sequence[OffloadKey] | None] = ((), None)
+        """The last request's offer (past this world's own hit) and what its rule admitted."""
 
     def __contains__(self, key: object) -> bool:
         return key in self.tier
@@ -128,16 +130,29 @@ class World:
             return []
         return offered if unique and type(offered) is list else list(dict.fromkeys(offered))
 
+    def admitted_of(self, offered: Sequence[OffloadKey]) -> Sequence[OffloadKey] | None:
+        """What this world's rule admitted of ``offered`` (an offer of the last request,
+        past another tier's hit) when it ran that request (``None``: everything); a key
+        the world did not offer, held already, counts as admitted."""
+        own, admitted = self._offer
+        if self.rule is None or admitted is None:
+            return None
+        kept, own_keys = set(admitted), set(own)
+        return [key for key in offered if key in kept or key not in own_keys]
+
     def _request(self, keys: Sequence[OffloadKey], gpu_held: int, unique: bool) -> None:
         tier, rule = self.tier, self.rule
         tier.touch(keys)
         offered = self._lookup(keys, gpu_held, unique)
+        self._offer = (offered, None)
         if not offered:
             return
         if rule is None:
             written = tier.store(offered)
         else:
-            keep, gap = admitted_set(offered, rule.admit(offered))
+            admitted = rule.admit(offered)
+            self._offer = (offered, admitted)
+            keep, gap = admitted_set(offered, admitted)
             written = tier.store_admitted(offered, range(len(offered)), keep, gap)
         if written:
             self.writes += written
@@ -149,9 +164,11 @@ class World:
         """:meth:`_request` with one touch, after the store (the same order)."""
         rule = self.rule
         offered = self._lookup(keys, gpu_held, unique)
+        admitted = None
         if offered:
             admitted = None if rule is None else rule.admit(offered)
             self.writes += tier.store_offer(offered, admitted, keys)
+        self._offer = (offered, admitted)
         tier.touch(keys)
 
 
