@@ -127,3 +127,17 @@ def test_overlapping_requests_and_the_seed_filter_stacked_keep_the_counts_consis
             assert report.admission_offers == report.stores_offered
         else:  # the filter in front only passes on what it lets through
             assert report.admission_offers <= report.stores_offered
+
+
+def test_the_seed_filter_alone_reports_its_offers_and_refusals() -> None:
+    """``--admission filter`` (or a store threshold alone) is no admission layer, yet its
+    report says what it was offered, let through and held back (it said 0, 0, 0)."""
+    workload = generate(None, num_requests=300, seed=4)
+    for extra in ({"admission": "filter"}, {"store_threshold": 2}):
+        config = SimConfig(gpu_blocks=2000, cpu_blocks=2000, bound=False, **extra)  # type: ignore[arg-type]
+        report = simulate(workload, config)
+        assert report.admission_offers == report.stores_offered > 0
+        assert report.admission_rejected == report.stores_skipped_by_admission > 0
+        assert report.admission_admitted == report.admission_offers - report.admission_rejected
+    unfiltered = simulate(workload, SimConfig(gpu_blocks=2000, cpu_blocks=2000, bound=False))
+    assert unfiltered.admission_offers == 0

@@ -454,6 +454,16 @@ def simulate(
             config.tier_costs(),
         ),
     )
+    if stack is not None and stack.admission is None and stack.manager is not stack.direct:
+        # The seed filter (admission 'filter', or a store threshold) is no admission
+        # layer: its offers are the tier's, its refusals what admission skipped.
+        skipped = report.stores_skipped_by_admission
+        report = dataclasses.replace(
+            report,
+            admission_offers=report.stores_offered,
+            admission_admitted=report.stores_offered - skipped,
+            admission_rejected=skipped,
+        )
     return _with_admission(report, config, None if stack is None else stack.admission)
 
 
