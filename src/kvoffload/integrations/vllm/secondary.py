@@ -366,13 +366,15 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             # SGLang's tiers: every setting means and is checked the same.
             self.tier_config = settings.sized(self.payload_bytes)
             self.capacity_blocks = self.tier_config.blocks or 0
+            # The book before the tier: nothing after the opening can fail and leave the
+            # tier (its directory lock, its connections) open.
+            layer = tier_book(self.tier_config, _SPEC)
             tier = tier_opener(self.tier_config, self.fingerprint, enable_events=events)()
         except BaseException:
             self._flat.release()  # vLLM unmaps the CPU tier's region on a failed start
             raise
         self.counters = SecondaryCounters()
         self._reported = SecondaryCounters()
-        layer = tier_book(self.tier_config, _SPEC)
         self._owner = _Owner(tier, layer, self._KIND)
         self._lookups = _Lookups(self._owner, tier_type)
         self._jobs: dict[int, _Job] = {}
