@@ -546,3 +546,32 @@ def test_blocks_computed_past_every_lookup_are_judged_and_written(
     store(unasked, KEYS[7:8])
     assert disk.tier.held(KEYS[:8]) == [True] * 8
     assert disk.counters.written_blocks == 8
+
+
+def test_a_sighting_that_writes_nothing_reports_no_bytes_to_back_pressure(
+    vllm_modules: dict[str, ModuleType],
+    tmp_path: Path,
+    engines: Callable[..., Engine],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request our tier served whole is offered back only as a sighting: its job moved no
+    bytes, and says so (vLLM's back-pressure counts a job without a byte count as every
+    block written, in no time)."""
+    first = engines([_disk(tmp_path, admission="none")])
+    first.replay.request(KEYS[:4])
+    first.close()
+    second = engines([_disk(tmp_path, admission="feedback")])
+    tier = second.tiers[0]
+    results: list[Any] = []
+    finished = tier.get_finished_jobs
+
+    def recorded() -> list[Any]:
+        done = list(finished())
+        results.extend(done)
+        return done
+
+    monkeypatch.setattr(tier, "get_finished_jobs", recorded)
+    assert second.replay.request(KEYS[:4]) == 4
+    assert tier.counters.served_blocks == 4 and tier.counters.written_blocks == 0
+    # The promotion's job read four blocks; the sighting's wrote none.
+    assert [result.transfer_bytes for result in results] == [4 * BLOCK_BYTES, 0]

@@ -457,7 +457,10 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         if not computed:
             if sighting is not None:
                 self._owner.sight(sighting)
-            self._done.append(JobResult(job_metadata.job_id, True, transfer_time=0.0))
+            # No bytes moved: vLLM's back-pressure skips it (None would count every block).
+            self._done.append(
+                JobResult(job_metadata.job_id, True, transfer_time=0.0, transfer_bytes=0)
+            )
             return
         judged = [keys[i] for i in computed]
         payloads = [self._row(chunks[i]) for i in computed]
