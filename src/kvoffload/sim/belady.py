@@ -1,12 +1,25 @@
 """The offline limit of an offload tier: Belady's furthest-next-use eviction.
 
-The bound replays the workload sequentially through the same GPU prefix
-cache, and gives the offload tier perfect knowledge of the future: every
-newly computed block is admitted, and whenever the tier is over capacity
-the block whose next use lies furthest ahead leaves (possibly the one just
-admitted, which amounts to not storing it). No online policy with the same
-capacity and the same GPU cache should do better; comparing a policy with
-this number shows how much any smarter policy could still gain.
+The bound replays the workload through the same GPU prefix cache, and gives
+the offload tier perfect knowledge of the future: every newly computed block
+is admitted, and whenever the tier is over capacity the block whose next use
+lies furthest ahead leaves (possibly the one just admitted, which amounts to
+not storing it). Comparing a policy with this number shows how much any
+smarter policy could still gain.
+
+Two details make it an upper bound under KV-prefix semantics, where a tier
+hit counts only in the leading run of blocks past the GPU hit:
+
+- a *use* is a request that needs the block from the tier: one where it lies
+  at or past that request's GPU prefix hit. A reference the GPU cache serves
+  needs no tier copy, so it must not make the tier keep one. The GPU hits are
+  computed first (the tier does not change the GPU cache's course).
+- of blocks with the same next use, the one furthest into that request goes
+  first: a request can use a block only with all the blocks before it, so
+  keeping a child without its parent is worthless.
+
+Furthest-next-use is provably optimal only for independent blocks; under
+prefix semantics it is a heuristic that no tested policy has beaten.
 
 Next uses are precomputed in one backward pass and eviction uses a heap with
 lazy deletion, so the whole bound costs O(n log n) in the block references.
@@ -24,6 +37,9 @@ from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.sim.gpu_cache import GPUPrefixCache
 from kvoffload.sim.workload import Request, cacheable_keys
+
+NextUse = tuple[int, int]
+"""(index of the next request that needs a block from the tier, its position there)."""
 
 
 @dataclass(frozen=True)
@@ -43,19 +59,37 @@ class BeladyResult:
         return self.offload_hit_blocks / self.refs if self.refs else 0.0
 
 
-def next_uses(requests: Sequence[Sequence[OffloadKey]]) -> list[list[int]]:
-    """For each request and block, the index of the next request using that key.
+def gpu_prefix_hits(
+    requests: Sequence[Request], cacheable: Sequence[Sequence[OffloadKey]], gpu_blocks: int
+) -> list[int]:
+    """Each request's GPU prefix hit, replaying ``requests`` one after another."""
+    gpu = GPUPrefixCache(gpu_blocks)
+    hits = []
+    for req, keys in zip(requests, cacheable, strict=True):
+        hit = gpu.match(keys)
+        slots = gpu.acquire(keys[:hit], len(req.keys) - hit)
+        gpu.register(keys[hit:], slots[hit : len(keys)])
+        gpu.release(slots)
+        hits.append(hit)
+    return hits
 
-    Keys never used again get ``len(requests)``, later than any real use.
+
+def next_uses(
+    requests: Sequence[Sequence[OffloadKey]], gpu_hits: Sequence[int]
+) -> list[list[NextUse]]:
+    """For each request and block, where the key is next needed from the tier.
+
+    A request needs a key from the tier only at or past its GPU hit; keys
+    never needed again get ``(len(requests), 0)``, later than any real use.
     """
-    never = len(requests)
-    last_use: dict[OffloadKey, int] = {}
-    result: list[list[int]] = [[] for _ in requests]
+    never = (len(requests), 0)
+    next_use: dict[OffloadKey, NextUse] = {}
+    result: list[list[NextUse]] = [[] for _ in requests]
     for index in range(len(requests) - 1, -1, -1):
         keys = requests[index]
-        result[index] = [last_use.get(key, never) for key in keys]
-        for key in keys:
-            last_use[key] = index
+        result[index] = [next_use.get(key, never) for key in keys]
+        for position in range(len(keys) - 1, gpu_hits[index] - 1, -1):
+            next_use[keys[position]] = (index, position)
     return result
 
 
@@ -70,77 +104,69 @@ def belady_bound(
 
     ``drop_partial_of``: the block size in tokens, to leave partial last blocks
     uncached as the engine's ``partial_block="drop"`` does; ``None`` caches them.
-    ``gpu_hits``: each request's GPU prefix hit, when a sequential replay
-    through the same GPU cache has computed them already (the tier does not
-    change the GPU cache's course); the GPU cache is then not replayed again.
+    ``gpu_hits``: each request's GPU prefix hit as a run saw it, ``requests``
+    in the order that run started them; ``None`` replays ``requests`` one after
+    another through a GPU cache of ``gpu_blocks``.
     """
     if gpu_hits is not None and len(gpu_hits) != len(requests):
         raise InvalidArgumentError(f"{len(gpu_hits)} GPU hit counts for {len(requests)} requests")
-    gpu = GPUPrefixCache(gpu_blocks) if gpu_hits is None else None
-    known_hits: Sequence[int] = () if gpu_hits is None else gpu_hits
     drop = drop_partial_of is not None
     cacheable = [cacheable_keys(req, drop_partial_of or 1, drop) for req in requests]
-    uses = next_uses(cacheable) if offload_blocks > 0 else []
+    if gpu_hits is None:
+        gpu_hits = gpu_prefix_hits(requests, cacheable, gpu_blocks)
+    refs = sum(len(req.keys) for req in requests)
+    if offload_blocks == 0:
+        return BeladyResult(refs, sum(gpu_hits), 0)
+    uses = next_uses(cacheable, gpu_hits)
     tier: dict[OffloadKey, int] = {}
-    by_use = _ByNextUse()
+    by_use = _ByNextUse(cacheable)
     added = by_use.added
-    refs = total_gpu_hits = offload_hits = 0
+    offload_hits = 0
     never = len(requests)
-    slots: list[int] = []
-    for index, req in enumerate(requests):
-        keys = cacheable[index]
-        num_blocks = len(req.keys)
-        if gpu is None:
-            hit = known_hits[index]
-        else:
-            hit = gpu.match(keys)
-            slots = gpu.acquire(keys[:hit], num_blocks - hit)
-        refs += num_blocks
-        total_gpu_hits += hit
-        if offload_blocks > 0:
-            by_use.forget(index)
-            found = hit
-            while found < len(keys) and keys[found] in tier:
-                found += 1
-            offload_hits += found - hit
-            # A block never used again is the first to leave: keep it out, or drop it, at once.
-            for position, (key, use) in enumerate(zip(keys, uses[index], strict=True)):
-                if use == never:
-                    tier.pop(key, None)
-                elif position >= found or key in tier:
-                    tier[key] = use
-                    bucket = added.get(use)
-                    if bucket is None:
-                        by_use.start(use, key)
-                    else:
-                        bucket.append(key)
-            if len(tier) > offload_blocks:
-                by_use.evict(tier, offload_blocks)
-        if gpu is not None:
-            gpu.register(keys[hit:], slots[hit : len(keys)])
-            gpu.release(slots)
-    return BeladyResult(refs, total_gpu_hits, offload_hits)
+    for index, keys in enumerate(cacheable):
+        by_use.forget(index)
+        found = gpu_hits[index]
+        while found < len(keys) and keys[found] in tier:
+            found += 1
+        offload_hits += found - gpu_hits[index]
+        # A block never used again is the first to leave: keep it out, or drop it, at once.
+        for position, (key, (use, there)) in enumerate(zip(keys, uses[index], strict=True)):
+            if use == never:
+                tier.pop(key, None)
+            elif position >= found or key in tier:
+                tier[key] = use
+                bucket = added.get(use)
+                if bucket is None:
+                    by_use.start(use, there)
+                else:
+                    bucket.append(there)
+        if len(tier) > offload_blocks:
+            by_use.evict(tier, offload_blocks)
+    return BeladyResult(refs, sum(gpu_hits), offload_hits)
 
 
 class _ByNextUse:
-    """The tier's keys grouped by next use: evicts the furthest first, smallest key first.
+    """The tier's keys grouped by next use: evicts the furthest first, deepest there first.
 
-    The order is that of a heap of ``(-next_use, key)`` with lazy deletion,
-    but most keys cost one list append instead of a heap push: a request's
-    blocks mostly share their next use. A key whose next use changed stays
-    in its old group and is skipped when met there.
+    The order is that of a heap of ``(-next_use, -position there)`` with lazy
+    deletion, but most keys cost one list append instead of a heap push: a
+    request's blocks mostly share their next use. A group holds positions in
+    its request, which name the keys; a key whose next use changed stays in
+    its old group and is skipped when met there.
     """
 
-    def __init__(self) -> None:
-        self.added: dict[int, list[OffloadKey]] = {}
-        """Keys given each next use since it was last sorted."""
-        self._sorted: dict[int, list[OffloadKey]] = {}
-        """Keys of each next use, largest first, so the smallest pops off the end."""
+    def __init__(self, keys: Sequence[Sequence[OffloadKey]]) -> None:
+        self._keys = keys
+        """Each request's cacheable keys, by which a group's positions name its keys."""
+        self.added: dict[int, list[int]] = {}
+        """Positions given each next use since it was last sorted."""
+        self._sorted: dict[int, list[int]] = {}
+        """Positions of each next use, shallowest first, so the deepest pops off the end."""
         self._uses: list[int] = []
         """A heap of the negated next uses that have (or had) a group."""
 
-    def start(self, use: int, key: OffloadKey) -> None:
-        self.added[use] = [key]
+    def start(self, use: int, position: int) -> None:
+        self.added[use] = [position]
         heapq.heappush(self._uses, -use)
 
     def forget(self, use: int) -> None:
@@ -156,9 +182,10 @@ class _ByNextUse:
             fresh = added.pop(use, None)
             queue = ready.get(use)
             if fresh is not None:
-                queue = ready[use] = sorted({*fresh, *(queue or ())}, reverse=True)
+                queue = ready[use] = sorted({*fresh, *(queue or ())})
+            keys = self._keys[use]
             while queue and len(tier) > capacity:
-                key = queue.pop()
+                key = keys[queue.pop()]
                 if tier.get(key) == use:
                     del tier[key]
             if not queue:
