@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from kvoffload.sim.run import SimConfig
+from kvoffload.sim.run import SimConfig, simulate
 from kvoffload.sim.sources import WorkloadSource
 from kvoffload.sim.sweep import SweepInterrupted, run_sweep, sweep_configs
 
@@ -75,3 +76,19 @@ def test_interrupted_sweep_keeps_the_finished_runs() -> None:
         | {"belady_offload_hit_ratio": c.belady_offload_hit_ratio}
         for r, c in zip(finished, complete, strict=True)
     ]
+
+
+def test_overlapping_runs_each_get_their_own_bound() -> None:
+    # With requests in flight together a run's GPU hits depend on its timing, so no
+    # capacity-wide bound task serves it: each run computes the bound of its own hits.
+    source = WorkloadSource(mix=(("chat", 1.0),), requests=120, seed=1, rate=20.0)
+    base = SimConfig(gpu_blocks=322, cpu_blocks=0, concurrency=8)
+    grid = sweep_configs(base, [2000], ["lru", "arc"], [0])
+    steps: list[tuple[int, int]] = []
+    reports = run_sweep(source, grid, jobs=1, progress=lambda d, t: steps.append((d, t)))
+    assert steps[-1] == (2, 2)  # the runs alone
+    for report, config in zip(reports, grid, strict=True):
+        alone = simulate(source.load(), dataclasses.replace(config, bound=True))
+        assert report.belady_offload_hit_ratio == alone.belady_offload_hit_ratio
+        assert report.belady_offload_hit_ratio is not None
+        assert report.offload_hit_ratio <= report.belady_offload_hit_ratio

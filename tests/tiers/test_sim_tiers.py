@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from pathlib import Path
 
@@ -193,3 +194,13 @@ def test_tier_options_fail_with_one_clear_line(
     assert main([*base, "--remote", f"redis://127.0.0.1:{own_server.port}/0?timeout_ms=50"]) != 0
     err = capsys.readouterr().err
     assert "not reachable" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_lower_tiers_have_no_belady_bound(tmp_path: Path) -> None:
+    # Their hits can come from blocks stored before the run (a reused disk directory, a
+    # shared server), which no bound over this run's requests knows of.
+    bounded = dataclasses.replace(config(disk_dir=str(tmp_path), disk_blocks=100), bound=True)
+    report = simulate(promoted_workload(), bounded)
+    assert report.belady_total_hit_ratio is None and report.belady_offload_hit_ratio is None
+    cpu_only = dataclasses.replace(config(), bound=True)
+    assert simulate(promoted_workload(), cpu_only).belady_total_hit_ratio is not None

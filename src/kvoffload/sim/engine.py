@@ -199,6 +199,8 @@ class ServingEngine:
         self._pending_store_blocks = 0
         self._pinned_blocks = 0
         self._drop_partial = config.partial_block == "drop"
+        self.requests_by_start: list[Request] = []
+        """The requests in the order they started (parked ones and overlap reorder them)."""
         self.gpu_hits_by_start: list[int] = []
         """Each request's GPU prefix hit, in the order the requests started."""
         self._retries: dict[int, int] = {}
@@ -332,6 +334,7 @@ class ServingEngine:
             self._retries.pop(id(req), None)
         slots = gpu.acquire_slots(shared, num_blocks - gpu_hits)
         running = _Running(req, keys, slots, gpu_hits, load_hits)
+        self.requests_by_start.append(req)
         self.gpu_hits_by_start.append(gpu_hits)
         stats.requests += 1
         stats.refs += num_blocks

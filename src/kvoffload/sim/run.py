@@ -64,7 +64,7 @@ class SimConfig:
     decode_tokens_per_s: float = 50.0
     transfer_gb_per_s: float = 25.0
     bound: bool = True
-    """Whether to compute the Belady bound beside the result."""
+    """Whether to compute the Belady bound beside the result (never with lower tiers)."""
     partial_block: str = "cache"
     """``"cache"`` or ``"drop"`` a prompt's keyed partial last block (vLLM drops it)."""
     admission: str = "none"
@@ -163,6 +163,12 @@ class SimConfig:
     def has_lower_tiers(self) -> bool:
         """Whether disk or remote tiers are used: only behind a CPU tier, which promotes hits."""
         return self.cpu_blocks > 0 and (self.disk_dir is not None or self.remote_url is not None)
+
+    @property
+    def bounded(self) -> bool:
+        """Whether the run gets a Belady bound: asked for, and no lower tier, whose hits can
+        come from blocks stored before the run (a reused disk directory, a shared server)."""
+        return self.bound and not self.has_lower_tiers
 
     def stack_config(
         self,
@@ -382,10 +388,16 @@ def simulate(
             stack.close()
     tiered = None if stack is None else stack.tiered
     bound = None
-    if config.bound:
-        # A sequential replay that parked no request ran the bound's own GPU cache already.
-        in_order = config.concurrency == 1 and not stats.lookups_deferred
-        bound = bound_of(workload, config, engine.gpu_hits_by_start if in_order else None)
+    if config.bounded:
+        # The run's own order and GPU hits: overlapping or parked requests change both, and
+        # a sequential replay's bound is then no bound on this run.
+        bound = belady_bound(
+            engine.requests_by_start,
+            config.gpu_blocks,
+            config.cpu_blocks,
+            _drop_partial_of(workload, config),
+            engine.gpu_hits_by_start,
+        )
     wall = time.perf_counter() - started
 
     refs = stats.refs
@@ -467,14 +479,17 @@ def simulate(
     return _with_admission(report, config, None if stack is None else stack.admission)
 
 
-def bound_of(
-    workload: Workload, config: SimConfig, gpu_hits: Sequence[int] | None = None
-) -> BeladyResult:
-    """The Belady bound of ``config``'s capacities over ``workload`` (see :func:`belady_bound`)."""
-    drop_partial_of = workload.block_tokens if config.partial_block == "drop" else None
+def bound_of(workload: Workload, config: SimConfig) -> BeladyResult:
+    """The Belady bound of ``config``'s capacities over ``workload`` replayed one request after
+    another (see :func:`belady_bound`): a run's own bound when it starts them in arrival order,
+    which only a sequential run without lower tiers (whose lookups can park) is sure to do."""
     return belady_bound(
-        workload.requests, config.gpu_blocks, config.cpu_blocks, drop_partial_of, gpu_hits
+        workload.requests, config.gpu_blocks, config.cpu_blocks, _drop_partial_of(workload, config)
     )
+
+
+def _drop_partial_of(workload: Workload, config: SimConfig) -> int | None:
+    return workload.block_tokens if config.partial_block == "drop" else None
 
 
 def _with_admission(

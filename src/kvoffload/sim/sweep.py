@@ -1,9 +1,11 @@
 """Many independent runs over capacities x policies x thresholds, in parallel processes.
 
 Each configuration is a separate process-pool task that builds its own copy
-of the workload from a :class:`WorkloadSource`; the Belady bound depends only
-on the capacities, so it is computed once per offload capacity and attached
-to every run with that capacity.
+of the workload from a :class:`WorkloadSource`; the Belady bound of sequential
+runs depends only on the capacities, so it is computed once per offload
+capacity and attached to every run with that capacity. Overlapping requests
+(``concurrency > 1``) give each run its own GPU hits, so each run computes
+its own bound.
 """
 
 from __future__ import annotations
@@ -82,16 +84,21 @@ def run_sweep(
 ) -> list[RunReport]:
     """Run ``configs`` on ``jobs`` processes (1: in this process); reports keep ``configs`` order.
 
-    Every report gains the Belady bound of its offload capacity. On Ctrl-C,
+    Every report gains the Belady bound of its offload capacity (none with lower tiers,
+    see :attr:`SimConfig.bounded`). On Ctrl-C,
     pending runs are cancelled, workers stopped at once, and
     :class:`SweepInterrupted` carries the finished runs (without a bound
     where their capacity's bound had not finished).
     """
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise InvalidArgumentError(f"jobs must be an integer >= 1, got {jobs!r}")
-    capacities = sorted({c.cpu_blocks for c in configs})
-    tasks: list[Task] = [(source, c, False) for c in configs]
-    tasks += [(source, dataclasses.replace(configs[0], cpu_blocks=c), True) for c in capacities]
+    if all(c.concurrency == 1 and not c.has_lower_tiers for c in configs):
+        capacities = sorted({c.cpu_blocks for c in configs})
+        tasks: list[Task] = [(source, c, False) for c in configs]
+        tasks += [(source, dataclasses.replace(configs[0], cpu_blocks=c), True) for c in capacities]
+    else:  # each run its own bound, or none
+        capacities = []
+        tasks = [(source, dataclasses.replace(c, bound=True), False) for c in configs]
     results: list[RunReport | BeladyResult | None] = [None] * len(tasks)
     try:
         if jobs == 1:
@@ -116,7 +123,8 @@ def run_sweep(
 def _with_bounds(
     results: Sequence[RunReport | BeladyResult | None], num_runs: int, capacities: list[int]
 ) -> list[RunReport]:
-    """The finished runs, each given its capacity's bound if that finished too."""
+    """The finished runs, each given its capacity's bound if that finished too (a run
+    whose capacity has no bound task keeps its own)."""
     bounds = dict(zip(capacities, results[num_runs:], strict=True))
     reports = []
     for report in results[:num_runs]:
@@ -124,6 +132,9 @@ def _with_bounds(
             continue
         if not isinstance(report, RunReport):
             raise TypeError(f"a sweep run returned {report!r}")
+        if report.cpu_blocks not in bounds:
+            reports.append(report)
+            continue
         bound = bounds[report.cpu_blocks]
         if bound is not None and not isinstance(bound, BeladyResult):
             raise TypeError(f"a bound task returned {bound!r}")
