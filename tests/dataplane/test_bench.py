@@ -8,13 +8,14 @@ import pytest
 
 pytest.importorskip("torch")
 
+from kvoffload.cli import options
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.dataplane import bench
 
 
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    bench.add_cli_arguments(parser)
+    bench.add_cli_arguments(parser, options.integer)
     return parser.parse_args(list(argv))
 
 

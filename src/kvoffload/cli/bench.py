@@ -90,7 +90,7 @@ def _bench_module() -> ModuleType:
 
 def add_transfer_options(parser: argparse.ArgumentParser) -> None:
     """Import the benchmark and let it register its options, then add ``--json``."""
-    _bench_module().add_cli_arguments(parser)
+    _bench_module().add_cli_arguments(parser, options.integer)
     with contextlib.suppress(argparse.ArgumentError):  # unless the benchmark has its own
         parser.add_argument("--json", metavar="PATH", help="write the results as JSON (- stdout)")
 

@@ -135,8 +135,11 @@ def measure_transfer(
     }
 
 
-def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``kvoffload bench transfer`` (the CLI adds ``--json``)."""
+def add_cli_arguments(
+    parser: argparse.ArgumentParser, integer: Callable[[int], Callable[[str], int]]
+) -> None:
+    """Options of ``kvoffload bench transfer`` (the CLI adds ``--json``); ``integer(minimum)``
+    is the CLI's argparse type of an integer at least ``minimum``."""
     parser.add_argument("--layout", default=DEFAULTS["layout"], help="KV layout preset")
     for name, minimum, help_text in (
         ("gpu-blocks", 1, "GPU KV cache size in GPU blocks"),
@@ -148,25 +151,10 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     ):
         default = DEFAULTS[name.replace("-", "_")]
         parser.add_argument(
-            f"--{name}", type=_integer(minimum), default=default, help=f"{help_text} ({default})"
+            f"--{name}", type=integer(minimum), default=default, help=f"{help_text} ({default})"
         )
     parser.add_argument("--device", default=DEFAULTS["device"], help="device of the KV cache")
-    parser.add_argument("--threads", type=_integer(1), default=None, help="torch CPU threads")
-
-
-def _integer(minimum: int) -> Callable[[str], int]:
-    """An argparse ``type``: an integer >= ``minimum``, else a usage error naming the option."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    return parse
+    parser.add_argument("--threads", type=integer(1), default=None, help="torch CPU threads")
 
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
