@@ -21,6 +21,7 @@ from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Container, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -883,21 +884,14 @@ class MiniSimulation:
                 entry, offered, {name: admitted_set(offered, a) for name, a in admitted.items()}
             )
 
-    def on_offer_ruled(
-        self,
-        offered: Sequence[OffloadKey],
-        admitted_by: Callable[[str, Sequence[OffloadKey]], Sequence[OffloadKey] | None],
-    ) -> None:
-        """:meth:`on_offer` with each candidate's admitted part asked of ``admitted_by``
-        (its exact world's rule, which has run the request:
-        :mod:`~kvoffload.admission.worlds`), only for a request with a sampled key: each
+    def on_offer_ruled(self, offered: Sequence[OffloadKey], worlds: Mapping[str, Kept]) -> None:
+        """:meth:`on_offer` with each candidate's kept part (and first key left out) asked
+        of its exact world (``worlds``), which has run the request
+        (:mod:`~kvoffload.admission.worlds`), only for a request with a sampled key: each
         mini-tier runs the candidate's own decisions at its capacity."""
         entry = self._take(offered)
         if entry is not None:
-            chosen = {
-                name: admitted_set(offered, admitted_by(name, offered)) for name in self.candidates
-            }
-            self._store(entry, offered, chosen)
+            self._store(entry, offered, {name: worlds[name].kept_of(offered) for name in worlds})
 
     def on_full_hit(self, last: OffloadKey) -> None:
         """The tier served every key the request looked up, so no offer follows: each
@@ -997,6 +991,15 @@ class MiniSimulation:
         """Forget the windowed counters (the mini-tiers keep their contents): the end of a
         cold start, whose empty tiers say little about the rules."""
         self._halve(0.0)
+
+
+class Kept(Protocol):
+    """What a candidate's tier keeps of an offer: an exact world
+    (:class:`~kvoffload.admission.worlds.World`, which imports this module)."""
+
+    def kept_of(
+        self, offered: Sequence[OffloadKey]
+    ) -> tuple[Container[OffloadKey] | None, int]: ...
 
 
 def admitted_set(

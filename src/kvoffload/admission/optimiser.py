@@ -453,7 +453,7 @@ class OptimisingAdmission(AdmissionLayer):
         if self._pending is not None:  # an offer with no lookup before it
             self._run_worlds(0)
         if self._mirrors:
-            self.minisim.on_offer_ruled(offered, self._admitted_in_world)
+            self.minisim.on_offer_ruled(offered, self.worlds.worlds)
         else:
             admitted: dict[str, list[OffloadKey] | None] = {
                 STORE_ALL: None,
@@ -480,11 +480,6 @@ class OptimisingAdmission(AdmissionLayer):
             self.write_credit.earn(0)
             keys = keys[: self.write_credit.allowance()]
         return keys
-
-    def _admitted_in_world(
-        self, name: str, offered: Sequence[OffloadKey]
-    ) -> Sequence[OffloadKey] | None:
-        return self.worlds[name].admitted_of(offered)
 
     def _steer(
         self,

@@ -18,7 +18,7 @@ than LRU"), so they stay so; :func:`exact_worlds` says where they are exact.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 
 from kvoffload.admission.base import AdmissionLayer
 from kvoffload.admission.minisim import (
@@ -98,8 +98,8 @@ class World:
         """Hits and writes, halved with the worlds' window."""
         self.hits_at_mark = 0.0
         """:attr:`hits` when :meth:`Worlds.mark` was last called, halved with them."""
-        self._offer: tuple[Sequence[OffloadKey], Sequence[OffloadKey] | None] = ((), None)
-        """The last request's offer (past this world's own hit) and what its rule admitted."""
+        self._admitted: Sequence[OffloadKey] | None = None
+        """What the rule admitted of the last request's offer (``None``: all, or no offer)."""
 
     def __contains__(self, key: object) -> bool:
         return key in self.tier
@@ -130,28 +130,38 @@ class World:
             return []
         return offered if unique and type(offered) is list else list(dict.fromkeys(offered))
 
-    def admitted_of(self, offered: Sequence[OffloadKey]) -> Sequence[OffloadKey] | None:
-        """What this world's rule admitted of ``offered`` (an offer of the last request,
-        past another tier's hit) when it ran that request (``None``: everything); a key
-        the world did not offer, held already, counts as admitted."""
-        own, admitted = self._offer
-        if self.rule is None or admitted is None:
-            return None
-        kept, own_keys = set(admitted), set(own)
-        return [key for key in offered if key in kept or key not in own_keys]
+    def kept_of(self, offered: Sequence[OffloadKey]) -> tuple[Container[OffloadKey] | None, int]:
+        """What a tier running this world's rule keeps of ``offered`` (an offer of the last
+        request, past another tier's hit), and the offer index of the first key it leaves
+        out: the keys this world holds after the request, and those its rule admitted then
+        and the request's own store evicted (an offer larger than the tier); ``None``:
+        everything."""
+        n = len(offered)
+        if self.rule is None:
+            return None, n
+        tier = self.tier
+        gap = tier.leading_held(offered)
+        admitted = self._admitted
+        if gap == n:
+            return None, n
+        if not admitted:
+            return tier.held, gap
+        keep = _HeldOrAdmitted(tier.held, admitted)
+        while gap < n and offered[gap] in keep:
+            gap += 1
+        return keep, gap
 
     def _request(self, keys: Sequence[OffloadKey], gpu_held: int, unique: bool) -> None:
         tier, rule = self.tier, self.rule
         tier.touch(keys)
         offered = self._lookup(keys, gpu_held, unique)
-        self._offer = (offered, None)
+        self._admitted = None
         if not offered:
             return
         if rule is None:
             written = tier.store(offered)
         else:
-            admitted = rule.admit(offered)
-            self._offer = (offered, admitted)
+            admitted = self._admitted = rule.admit(offered)
             keep, gap = admitted_set(offered, admitted)
             written = tier.store_admitted(offered, range(len(offered)), keep, gap)
         if written:
@@ -168,8 +178,22 @@ class World:
         if offered:
             admitted = None if rule is None else rule.admit(offered)
             self.writes += tier.store_offer(offered, admitted, keys)
-        self._offer = (offered, admitted)
+        self._admitted = admitted
         tier.touch(keys)
+
+
+class _HeldOrAdmitted:
+    """A world's held keys, and those its rule admitted in the last request (a list: asked
+    only of the few sampled keys the world does not hold)."""
+
+    __slots__ = ("_admitted", "_held")
+
+    def __init__(self, held: Container[OffloadKey], admitted: Sequence[OffloadKey]) -> None:
+        self._held = held
+        self._admitted = admitted
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._held or key in self._admitted
 
 
 def exact_worlds(policy: type[CachePolicy]) -> bool:
