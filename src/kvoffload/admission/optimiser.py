@@ -288,6 +288,10 @@ class OptimisingAdmission(AdmissionLayer):
         """The real tier's hits since the start: the blocks loaded from it."""
         self._written = 0
         """The real tier's writes since the start: never more than store-everything's world."""
+        self._whole_requests = False
+        """Whether a driver shows each request whole, lookup included (the engine model):
+        only then are the worlds' writes the real tier's to compare with. Per-key drivers
+        (vLLM, SGLang) show a request in parts, the GPU's share found by position."""
         self._excused = 0.0
         """Gap the guard let go of on evidence (see :meth:`_guard`)."""
         self.guarded: str | None = None
@@ -402,6 +406,8 @@ class OptimisingAdmission(AdmissionLayer):
         """
         if keys and (lookup_follows or will_offer):
             self._offers_follow = True
+        if keys and lookup_follows:
+            self._whole_requests = True
         super().begin_request(
             keys,
             lookup_follows=lookup_follows,
@@ -470,9 +476,10 @@ class OptimisingAdmission(AdmissionLayer):
                 keys = self._steer(offered, keys, tier.held, self._cold_order)
             # Never more writes than store-everything: a refill after a switch (blocks that
             # world hit, the tier lacks) waits for writes the thriftier rule left unspent.
-            room = self.worlds[STORE_ALL].tier.total_writes - self._written
-            if len(keys) > room:
-                keys = keys[: max(0, room)]
+            if self._whole_requests:
+                room = self.worlds[STORE_ALL].tier.total_writes - self._written
+                if len(keys) > room:
+                    keys = keys[: max(0, room)]
         else:
             chosen = admitted[self.chosen if self.switches or self._settled_at else FEEDBACK]
             keys = list(offered) if chosen is None else chosen
