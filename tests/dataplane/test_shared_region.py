@@ -149,3 +149,46 @@ def test_slot_bytes_map_lazily_and_count_what_they_could_not_move(tmp_path: Path
         first.close()
         if second is not None:
             second.close()
+
+
+def test_a_look_at_the_new_file_before_its_lock_does_not_fail_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler's check for a live owner (a shared lock for an instant) can fall between
+    the worker creating its file and locking it: the worker waits it out; and a lock that
+    never comes leaves no file behind."""
+    import fcntl
+
+    from kvoffload.dataplane import shared_region
+
+    path = region_path(tmp_path, "launch", 0)
+    real_flock = fcntl.flock
+    looked = []
+
+    def flock_with_a_look(fd: int, operation: int) -> None:
+        if operation == fcntl.LOCK_EX | fcntl.LOCK_NB and not looked:
+            looked.append(fd)
+            other = os.open(path, os.O_RDONLY)
+            real_flock(other, fcntl.LOCK_SH)
+            try:
+                real_flock(fd, operation)  # refused: the look holds its shared lock
+            finally:
+                real_flock(other, fcntl.LOCK_UN)
+                os.close(other)
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(shared_region.fcntl, "flock", flock_with_a_look)
+    region = SharedRegion(path, 4096, pin=False)
+    assert looked and path.exists()
+    region.close()
+
+    def never(fd: int, operation: int) -> None:
+        if operation == fcntl.LOCK_EX | fcntl.LOCK_NB:
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(shared_region.fcntl, "flock", never)
+    monkeypatch.setattr(shared_region, "LOCK_WAIT_S", 0.01)
+    with pytest.raises(InvalidArgumentError, match="cannot lock"):
+        SharedRegion(path, 4096, pin=False)
+    assert not path.exists()

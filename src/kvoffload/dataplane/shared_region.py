@@ -71,6 +71,26 @@ def _locked_elsewhere(fd: int) -> bool:
     return False
 
 
+LOCK_WAIT_S = 0.5
+"""How long a new file's exclusive lock waits out another process's look at it."""
+
+
+def _lock_fresh(fd: int) -> None:
+    """Lock a file just created here, exclusively. Between its creation and this lock a
+    scheduler asking whether a live launch owns it (:func:`_locked_elsewhere`) may hold a
+    shared lock for an instant: wait that out, briefly, rather than fail the start."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as exc:
+            busy = exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+            if not busy or time.monotonic() >= deadline:
+                raise
+        time.sleep(0.001)
+
+
 def _same_file(fd: int, path: Path) -> bool:
     try:
         st = os.stat(path)
@@ -172,14 +192,23 @@ class SharedRegion:
                 self._replace_stale(path)
                 continue
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _lock_fresh(fd)
             except OSError as exc:  # only a sweeper that misjudged the file's age
-                os.close(fd)
+                self._unlink_created(path, fd)
                 raise InvalidArgumentError(
                     f"cannot lock the shared KV buffer {path}: {exc}"
                 ) from None
             return fd
         raise InvalidArgumentError(f"cannot create the shared KV buffer {path}: it keeps existing")
+
+    @staticmethod
+    def _unlink_created(path: Path, fd: int) -> None:
+        """Remove the file this launch just created (not one that replaced it), and close it."""
+        try:
+            if _same_file(fd, path):
+                path.unlink()
+        finally:
+            os.close(fd)
 
     @staticmethod
     def _replace_stale(path: Path) -> None:
