@@ -1,6 +1,6 @@
 """Our spec's manager against vLLM's own CPUOffloadingManager, call by call: a hypothesis
 state machine makes the same per-key calls on both (lookups, loads, stores that land or
-fail, requests that finish) and compares every answer, slot and event.
+fail, requests that finish, cache resets) and compares every answer, slot and event.
 
 LRU runs requests one after another: with requests interleaved, vLLM 0.33's LRU ranks a
 request's blocks by when the request began, ours by when they were used (docs/vllm.md).
@@ -13,7 +13,7 @@ from typing import Any
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 from vllm_helpers import create_spec, request_context
 
 from kvoffload import block_id_key
@@ -138,10 +138,26 @@ class SameAsVLLM(RuleBasedStateMachine):
     def finish(self, data: st.DataObject) -> None:
         self._finish(data.draw(st.sampled_from(self.live)))
 
-    @invariant()
+    @precondition(lambda self: hasattr(self, "ours"))
+    @rule()
+    def reset(self) -> None:
+        """Both drop every block; vLLM never completes a job from before a reset, and the
+        events queued before it still go out."""
+        self.ours.reset_cache()
+        self.theirs.reset_cache()
+        for request in self.live:
+            request.loads.clear()
+            request.stores.clear()
+
+    @precondition(lambda self: hasattr(self, "ours"))
+    @rule()
     def same_events(self) -> None:
+        """Taken now and then, so that events queue up across other calls (a reset too)."""
+        assert _events(self.ours) == _events(self.theirs)
+
+    def teardown(self) -> None:
         if hasattr(self, "ours"):
-            assert _events(self.ours) == _events(self.theirs)
+            self.same_events()
 
 
 SameAsVLLM.TestCase.settings = settings(max_examples=600, stateful_step_count=50, deadline=None)

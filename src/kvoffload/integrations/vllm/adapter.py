@@ -159,6 +159,9 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._reported = ManagerCounters()
         self._ghost_hits = _LayerCount()
         self._switches = _LayerCount()
+        self._queued: list[Any] = []
+        """Events in call order, not taken yet: vLLM's (converted from the backing manager's,
+        which a reset replaces) and failed stores' released keys (a list each)."""
 
     def _install(self) -> None:
         """Build the backing stack; lookups and touches bypass its admission layer."""
@@ -174,8 +177,6 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         # Only a policy with request-scoped rules of its own (ARC) pays for their bookkeeping.
         self._tells_reads = policy.finish_request is not CachePolicy.finish_request
         self._learns_from_misses = policy.store_missed is not CachePolicy.store_missed
-        self._released: list[OffloadKey] = []
-        """Keys whose store failed since the last ``take_events``: vLLM's metadata-only removal."""
 
     @property
     def lock(self) -> threading.Lock:
@@ -309,8 +310,10 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             c.bytes_stored += len(pending) * self._bytes_per_block
         else:
             c.stores_failed += len(pending)
-            if RELEASES_METADATA and self._cpu.events_enabled:
-                self._released.extend(key for key in pending if self._probe(key) is None)
+            released = [key for key in pending if self._probe(key) is None]
+            if released and RELEASES_METADATA and self._cpu.events_enabled:
+                self._queue_events()
+                self._queued.append(released)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         state = req_context.get_state(_RequestKeys)
@@ -333,11 +336,28 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             done.clear()
 
     def take_events(self) -> list[Any]:
-        released, self._released = self._released, []
+        self._queue_events()
+        queued, self._queued = self._queued, []
         events = []
+        for item in queued:
+            if isinstance(item, list):
+                # As vLLM: a key stored again since its store failed is held, not released.
+                keys = [key for key in item if self._probe(key) is None]
+                if keys:
+                    events.append(
+                        OffloadingEvent(
+                            keys=keys, medium=Medium.CPU, removed=True, metadata_only=True
+                        )
+                    )
+            else:
+                events.append(item)
+        return events
+
+    def _queue_events(self) -> None:
+        """The backing manager's events, as vLLM's, onto the queue in call order."""
         for event in self._manager.take_events():
             medium, locality, ownership, announces_removal = _EVENT_MEDIA[event.medium]
-            events.append(
+            self._queued.append(
                 OffloadingEvent(
                     keys=list(event.keys),
                     medium=medium,
@@ -347,13 +367,6 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
                     removal_expected=announces_removal and not event.removed,
                 )
             )
-        # As vLLM: a key stored again since its store failed is held, not released.
-        keys = [key for key in released if self._probe(key) is None]
-        if keys:
-            events.append(
-                OffloadingEvent(keys=keys, medium=Medium.CPU, removed=True, metadata_only=True)
-            )
-        return events
 
     def reset_cache(self) -> None:
         """Drop every block of the CPU tier (and, through ``build``, what the spec says
@@ -361,6 +374,8 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         if self._layer is not None:
             self._ghost_hits.carry(self._layer.ghost_hits)
             self._switches.carry(self._layer.switches)
+        # As vLLM's manager, whose reset keeps its queue: events from before it still go out.
+        self._queue_events()
         self._install()
         self._promotions_held = self._has_lower_tiers and REPORTS_FLUSH
 
