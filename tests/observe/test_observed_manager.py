@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvoffload import OffloadingEvent, block_id_key, build_manager
-from kvoffload.observe import ObservedManager
+from kvoffload.observe import ObservedManager, Observers
+from kvoffload.sim.run import SimConfig, simulate
+from kvoffload.sim.traces import read_trace
 
 keys = st.lists(st.integers(0, 15), min_size=1, max_size=6, unique=True).map(
     lambda ids: [block_id_key(i) for i in ids]
@@ -25,7 +30,14 @@ class ObservedBesideBare(RuleBasedStateMachine):
             build_manager(6, "lru", 2, 32, enable_events=True), 100, [self.events.extend]
         )
         self.pending: list[list[bytes]] = []
-        self.model = {"offered": 0, "admitted": 0, "evicted": 0, "completed": 0, "failed": 0}
+        self.model = {
+            "offered": 0,
+            "admitted": 0,
+            "skipped": 0,
+            "evicted": 0,
+            "completed": 0,
+            "failed": 0,
+        }
 
     @rule(ks=keys)
     def lookup(self, ks: list[bytes]) -> None:
@@ -41,6 +53,10 @@ class ObservedBesideBare(RuleBasedStateMachine):
             assert ours.evicted_keys == theirs.evicted_keys
             self.model["admitted"] += len(ours.keys_to_store)
             self.model["evicted"] += len(ours.evicted_keys)
+            cpu = self.bare.backing  # type: ignore[attr-defined]
+            self.model["skipped"] += sum(
+                1 for k in ks if k not in ours.keys_to_store and not cpu.holds(k)
+            )
             if ours.keys_to_store:
                 self.pending.append(list(ours.keys_to_store))
 
@@ -67,7 +83,7 @@ class ObservedBesideBare(RuleBasedStateMachine):
     @invariant()
     def counters_and_events_agree(self) -> None:
         c, m = self.observed.counters, self.model
-        assert c.stores_skipped == self.bare.stores_skipped  # type: ignore[attr-defined]
+        assert c.stores_skipped == m["skipped"]
         assert (c.stores_offered, c.stores_admitted, c.evictions) == (
             m["offered"],
             m["admitted"],
@@ -84,3 +100,27 @@ class ObservedBesideBare(RuleBasedStateMachine):
 
 ObservedBesideBare.TestCase.settings = settings(max_examples=40, stateful_step_count=30)
 TestObservedBesideBare = ObservedBesideBare.TestCase
+
+
+@pytest.mark.parametrize(
+    ("admission", "threshold"),
+    [("none", 0), ("none", 2), ("feedback", 0), ("sketch", 0), ("recommended", 0)],
+)
+def test_skipped_blocks_are_the_reports_for_every_admission(
+    mooncake_trace: Path, admission: str, threshold: int
+) -> None:
+    """Every admission layer's refusals reach ``stores_skipped``, not just the reuse filter's."""
+    workload = read_trace(mooncake_trace)
+    workload.requests = workload.requests[:1500]
+    config = SimConfig(
+        gpu_blocks=878,
+        cpu_blocks=2196,
+        bound=False,
+        admission=admission,
+        store_threshold=threshold,
+    )
+    observed: list[ObservedManager] = []
+    report = simulate(workload, config, observers=Observers(on_manager=[observed.append]))
+    skipped = observed[0].counters.stores_skipped
+    assert skipped == report.stores_skipped_by_admission
+    assert (skipped > 0) == (admission != "none" or threshold > 0)

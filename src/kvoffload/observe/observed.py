@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import LoadStoreSpec
+from kvoffload.managers.cpu import CPUOffloadingManager
+from kvoffload.managers.tiered import TieredOffloadingManager
 from kvoffload.observe.counters import ManagerCounters
 from kvoffload.observe.transfers import ObservedWorker
 
@@ -26,8 +28,14 @@ class ObservedManager(OffloadingManager):
     every call that can produce them (``prepare_store``, ``complete_store``)
     and handed to each sink, so they reach the outside world in the step that
     made them; :meth:`take_events` then returns nothing. Without sinks it
-    passes ``take_events`` through. ``held_blocks`` counts admitted blocks
-    less evicted and failed ones, which holds for any manager.
+    passes ``take_events`` through.
+
+    ``stores_skipped`` counts, as the simulator's ``stores_skipped_by_admission``
+    does, the offered blocks a store gave no slot that the CPU tier does not
+    hold (whichever layer held them back); the CPU tier is found by following
+    ``backing``, and for a manager whose CPU tier is out of reach every offered
+    block not given a slot counts as skipped. ``held_blocks`` counts admitted
+    blocks less evicted and failed ones, which holds for any manager.
     """
 
     def __init__(
@@ -40,6 +48,14 @@ class ObservedManager(OffloadingManager):
         self._bytes_per_block = bytes_per_block
         self._sinks = tuple(sinks)
         self.counters = ManagerCounters()
+        self._cpu: CPUOffloadingManager | None = None
+        found: object = backing
+        while found is not None and self._cpu is None:
+            if isinstance(found, TieredOffloadingManager):
+                self._cpu = found.cpu
+            elif isinstance(found, CPUOffloadingManager):
+                self._cpu = found
+            found = getattr(found, "backing", None)
 
     @property
     def backing(self) -> OffloadingManager:
@@ -78,10 +94,8 @@ class ObservedManager(OffloadingManager):
             c.stores_admitted += admitted
             c.evictions += evicted
             c.held_blocks += admitted - evicted
-        # Admission layers count what they hold back, even when the tier then refuses the rest.
-        skipped = getattr(self._backing, "stores_skipped", None)
-        if isinstance(skipped, int):
-            c.stores_skipped = skipped
+            if admitted != len(offered):
+                c.stores_skipped += self._skipped(offered, output.keys_to_store)
         self._drain()
         return output
 
@@ -101,6 +115,14 @@ class ObservedManager(OffloadingManager):
         if self._sinks:
             return ()
         return self._backing.take_events()
+
+    def _skipped(self, offered: list[OffloadKey], stored: list[OffloadKey]) -> int:
+        """Offered blocks given no slot and not held: admission held them back (a held one
+        may also be a block a lookup promoted, not stored by the engine)."""
+        cpu, chosen = self._cpu, set(stored)
+        if cpu is None:
+            return sum(1 for key in offered if key not in chosen)
+        return sum(1 for key in offered if key not in chosen and not cpu.holds(key))
 
     def _drain(self) -> None:
         if not self._sinks:
