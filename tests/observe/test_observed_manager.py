@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -10,9 +11,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvoffload import OffloadingEvent, block_id_key, build_manager
+from kvoffload.managers.tiered import TieredOffloadingManager
 from kvoffload.observe import ObservedManager, Observers
 from kvoffload.sim.run import SimConfig, simulate
 from kvoffload.sim.traces import read_trace
+from kvoffload.sim.workload import Request, Workload
 
 keys = st.lists(st.integers(0, 15), min_size=1, max_size=6, unique=True).map(
     lambda ids: [block_id_key(i) for i in ids]
@@ -124,3 +127,55 @@ def test_skipped_blocks_are_the_reports_for_every_admission(
     skipped = observed[0].counters.stores_skipped
     assert skipped == report.stores_skipped_by_admission
     assert (skipped > 0) == (admission != "none" or threshold > 0)
+
+
+def test_a_subscriber_ends_with_what_each_tier_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Events a tiered manager makes in ``lookup`` (promotions, landed tier writes) reach the
+    sinks in that step, and those of closing it at the end: the third request is served by
+    promotion alone, the last one leaves demotions in flight when the run ends."""
+
+    def request(at: float, ids: range) -> Request:
+        return Request(at, len(ids) * 16, 1, [block_id_key(i) for i in ids])
+
+    requests = [request(0, range(1, 21)), request(100, range(100, 140))]
+    requests += [request(200, range(1, 21)), request(300, range(200, 240))]
+    config = SimConfig(
+        gpu_blocks=41, cpu_blocks=40, bound=False, disk_dir=str(tmp_path), disk_blocks=200
+    )
+    published: dict[str, Counter[bytes]] = {}
+
+    def sink(events: list[OffloadingEvent]) -> None:
+        for event in events:
+            held = published.setdefault(event.medium, Counter())
+            held.update({key: -1 if event.removed else 1 for key in event.keys})
+
+    observed: list[ObservedManager] = []
+    left_by_lookups: list[OffloadingEvent] = []
+
+    def watch(manager: ObservedManager) -> None:
+        observed.append(manager)
+        lookup = manager.lookup
+
+        def lookup_then_look(keys: list[bytes]) -> int | None:
+            hits = lookup(keys)
+            left_by_lookups.extend(manager.backing.take_events())
+            return hits
+
+        monkeypatch.setattr(manager, "lookup", lookup_then_look)
+
+    report = simulate(
+        Workload("w", 16, requests), config, observers=Observers(sinks=[sink], on_manager=[watch])
+    )
+    assert left_by_lookups == []
+    assert report.tiers["disk"]["hit_blocks"] > 0
+    tiered = observed[0].backing
+    assert isinstance(tiered, TieredOffloadingManager)
+    [disk] = tiered.tiers
+    every_key = [key for r in requests for key in r.keys]
+    on_disk = {key for key, held in zip(every_key, disk.held(every_key), strict=True) if held}
+    cpu_ready = {key for key in every_key if tiered.cpu.lookup([key])}
+    assert {key for key, n in published["CPU"].items() if n > 0} == cpu_ready
+    assert {key for key, n in published[disk.medium].items() if n > 0} == on_disk
+    assert list(tiered.take_events()) == []

@@ -25,9 +25,10 @@ class ObservedManager(OffloadingManager):
     """Wraps ``backing`` without changing any answer; counts into :attr:`counters`.
 
     When ``sinks`` are given, the backing manager's events are drained after
-    every call that can produce them (``prepare_store``, ``complete_store``)
-    and handed to each sink, so they reach the outside world in the step that
-    made them; :meth:`take_events` then returns nothing. Without sinks it
+    every call (a tiered manager's ``lookup`` starts and lands promotions and
+    finishes tier writes, not only its stores) and handed to each sink, so they
+    reach the outside world in the step that made them; :meth:`flush` hands
+    over the last ones, and :meth:`take_events` then returns nothing. Without sinks it
     passes ``take_events`` through.
 
     ``stores_skipped`` counts, as the simulator's ``stores_skipped_by_admission``
@@ -49,12 +50,15 @@ class ObservedManager(OffloadingManager):
         self._sinks = tuple(sinks)
         self.counters = ManagerCounters()
         self._cpu: CPUOffloadingManager | None = None
+        self._take: Callable[[], list[OffloadingEvent]] = lambda: list(backing.take_events())
+        """Where events come from: straight from the tiers when reached (the layers above
+        pass ``take_events`` through), a drain with nothing to hand costing next to nothing."""
         found: object = backing
         while found is not None and self._cpu is None:
             if isinstance(found, TieredOffloadingManager):
-                self._cpu = found.cpu
+                self._cpu, self._take = found.cpu, found.take_events
             elif isinstance(found, CPUOffloadingManager):
-                self._cpu = found
+                self._cpu, self._take = found, found.take_events
             found = getattr(found, "backing", None)
 
     @property
@@ -66,6 +70,7 @@ class ObservedManager(OffloadingManager):
         self.counters.lookups += 1
         if hits:
             self.counters.lookup_hit_blocks += hits
+        self._drain()
         return hits
 
     def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
@@ -73,13 +78,16 @@ class ObservedManager(OffloadingManager):
         spec = self._backing.prepare_load(keys)
         self.counters.loads += len(keys)
         self.counters.bytes_loaded += len(keys) * self._bytes_per_block
+        self._drain()
         return spec
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         self._backing.touch(keys)
+        self._drain()
 
     def complete_load(self, keys: Iterable[OffloadKey]) -> None:
         self._backing.complete_load(keys)
+        self._drain()
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
         offered = list(keys)
@@ -116,6 +124,11 @@ class ObservedManager(OffloadingManager):
             return ()
         return self._backing.take_events()
 
+    def flush(self) -> None:
+        """Hand the sinks what the manager produced since the last call: closing a tiered
+        manager lands the promotions and tier writes still in flight."""
+        self._drain()
+
     def _skipped(self, offered: list[OffloadKey], stored: list[OffloadKey]) -> int:
         """Offered blocks given no slot and not held: admission held them back (a held one
         may also be a block a lookup promoted, not stored by the engine)."""
@@ -127,7 +140,7 @@ class ObservedManager(OffloadingManager):
     def _drain(self) -> None:
         if not self._sinks:
             return
-        events = list(self._backing.take_events())
+        events = self._take()
         if events:
             for sink in self._sinks:
                 sink(events)

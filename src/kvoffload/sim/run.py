@@ -367,8 +367,9 @@ def simulate(
     enable_events = observers is not None and bool(observers.sinks)
     stack = _stack(config, workload.block_tokens, bytes_per_block, backend, enable_events)
     manager = None if stack is None else stack.manager
+    observed = None
     if manager is not None and observers is not None:
-        manager = observers.wrap(manager, bytes_per_block)
+        manager = observed = observers.wrap(manager, bytes_per_block)
         observers.watch_transfers(backend)
     engine = ServingEngine(
         engine_config,
@@ -386,6 +387,8 @@ def simulate(
     finally:
         if stack is not None:
             stack.close()
+        if observed is not None:  # closing lands promotions and writes: their events
+            observed.flush()
     tiered = None if stack is None else stack.tiered
     bound = None
     if config.bounded:
