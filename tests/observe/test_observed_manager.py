@@ -179,3 +179,31 @@ def test_a_subscriber_ends_with_what_each_tier_holds(
     assert {key for key, n in published["CPU"].items() if n > 0} == cpu_ready
     assert {key for key, n in published[disk.medium].items() if n > 0} == on_disk
     assert list(tiered.take_events()) == []
+
+
+def test_blocks_promoted_by_lookups_are_held_and_their_evictions_counted(tmp_path: Path) -> None:
+    """A tiered manager places and evicts CPU blocks in ``lookup`` (promotions from disk),
+    outside any ``prepare_store``: the gauge and the eviction count see them too."""
+
+    def request(at: float, ids: range) -> Request:
+        return Request(at, len(ids) * 16, 1, [block_id_key(i) for i in ids])
+
+    config = SimConfig(
+        gpu_blocks=41, cpu_blocks=50, bound=False, disk_dir=str(tmp_path), disk_blocks=200
+    )
+    # The first run leaves blocks 1..20 on disk (evicted from the CPU tier, written back).
+    first = [request(0, range(1, 21))]
+    first += [request(100 + j, range(100 + 40 * j, 140 + 40 * j)) for j in range(3)]
+    simulate(Workload("w", 16, first), config)
+    # The second fills the CPU tier, then finds them on disk: promoted, evicting for room.
+    second = [request(0, range(300, 340)), request(100, range(1, 21))]
+    observed: list[ObservedManager] = []
+    report = simulate(
+        Workload("w", 16, second), config, observers=Observers(on_manager=[observed.append])
+    )
+    assert report.tiers["disk"]["hit_blocks"] > 0
+    tiered = observed[0].backing
+    assert isinstance(tiered, TieredOffloadingManager)
+    counters = observed[0].counters
+    assert counters.held_blocks == tiered.cpu.num_blocks - tiered.cpu.num_free_blocks
+    assert counters.evictions == report.tiers["cpu"]["evicted"] > report.offload_evictions

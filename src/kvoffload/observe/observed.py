@@ -33,10 +33,13 @@ class ObservedManager(OffloadingManager):
 
     ``stores_skipped`` counts, as the simulator's ``stores_skipped_by_admission``
     does, the offered blocks a store gave no slot that the CPU tier does not
-    hold (whichever layer held them back); the CPU tier is found by following
-    ``backing``, and for a manager whose CPU tier is out of reach every offered
-    block not given a slot counts as skipped. ``held_blocks`` counts admitted
-    blocks less evicted and failed ones, which holds for any manager.
+    hold (whichever layer held them back). The CPU tier is found by following
+    ``backing``; ``held_blocks`` is then read from it, and under a tiered
+    manager ``evictions`` is its CPU tier's count (the run's
+    ``tiers.cpu.evicted``), promotions' evictions included. For a manager
+    whose CPU tier is out of reach, ``held_blocks`` counts admitted blocks less
+    evicted and failed ones, and every offered block not given a slot counts
+    as skipped.
     """
 
     def __init__(
@@ -48,7 +51,8 @@ class ObservedManager(OffloadingManager):
         self._backing = backing
         self._bytes_per_block = bytes_per_block
         self._sinks = tuple(sinks)
-        self.counters = ManagerCounters()
+        self._counters = ManagerCounters()
+        self._tiered: TieredOffloadingManager | None = None
         self._cpu: CPUOffloadingManager | None = None
         self._take: Callable[[], list[OffloadingEvent]] = lambda: list(backing.take_events())
         """Where events come from: straight from the tiers when reached (the layers above
@@ -56,7 +60,7 @@ class ObservedManager(OffloadingManager):
         found: object = backing
         while found is not None and self._cpu is None:
             if isinstance(found, TieredOffloadingManager):
-                self._cpu, self._take = found.cpu, found.take_events
+                self._tiered, self._cpu, self._take = found, found.cpu, found.take_events
             elif isinstance(found, CPUOffloadingManager):
                 self._cpu, self._take = found, found.take_events
             found = getattr(found, "backing", None)
@@ -65,19 +69,30 @@ class ObservedManager(OffloadingManager):
     def backing(self) -> OffloadingManager:
         return self._backing
 
+    @property
+    def counters(self) -> ManagerCounters:
+        """The totals so far, with the CPU tier's own figures read now where it is reached:
+        a tiered manager also fills and evicts CPU slots in ``lookup`` (promotions)."""
+        c, cpu = self._counters, self._cpu
+        if cpu is not None:
+            c.held_blocks = cpu.num_blocks - cpu.num_free_blocks
+        if self._tiered is not None:
+            c.evictions = self._tiered.cpu_stats.evicted
+        return c
+
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
         hits = self._backing.lookup(keys)
-        self.counters.lookups += 1
+        self._counters.lookups += 1
         if hits:
-            self.counters.lookup_hit_blocks += hits
+            self._counters.lookup_hit_blocks += hits
         self._drain()
         return hits
 
     def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
         keys = list(keys)
         spec = self._backing.prepare_load(keys)
-        self.counters.loads += len(keys)
-        self.counters.bytes_loaded += len(keys) * self._bytes_per_block
+        self._counters.loads += len(keys)
+        self._counters.bytes_loaded += len(keys) * self._bytes_per_block
         self._drain()
         return spec
 
@@ -92,7 +107,7 @@ class ObservedManager(OffloadingManager):
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
         offered = list(keys)
         output = self._backing.prepare_store(offered)
-        c = self.counters
+        c = self._counters
         c.stores_offered += len(offered)
         if output is None:
             c.stores_rejected += len(offered)
@@ -110,7 +125,7 @@ class ObservedManager(OffloadingManager):
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
         keys = list(keys)
         self._backing.complete_store(keys, success)
-        c = self.counters
+        c = self._counters
         if success:
             c.stores_completed += len(keys)
             c.bytes_stored += len(keys) * self._bytes_per_block
