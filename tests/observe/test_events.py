@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -230,3 +231,31 @@ def test_vllm_decodes_ours_and_we_decode_vllms(tmp_path: Path) -> None:
     assert all(isinstance(e, BlockStored) for e in events)
     assert [e.block_hashes for e in events] == [[i] for i in range(6)]
     assert decode_batch(payload_file.read_bytes()).events[0].medium == "CPU"
+
+
+def test_ports_picked_when_binding_are_told(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--metrics-port 0`` and ``:*`` / ``:0`` endpoints name the ports they got, on stderr."""
+    pytest.importorskip("prometheus_client")
+    from kvoffload.cli.main import main
+
+    args = ["simulate", "--requests", "5", "--no-bound", "--metrics-port", "0"]
+    args += ["--kv-events-endpoint", "tcp://127.0.0.1:*"]
+    args += ["--kv-events-replay-endpoint", "tcp://127.0.0.1:0"]
+    assert main(args) == 0
+    told = capsys.readouterr().err.splitlines()
+    patterns = [
+        r"kvoffload: KV events on tcp://127\.0\.0\.1:([1-9]\d*)",
+        r"kvoffload: KV event replay on tcp://127\.0\.0\.1:([1-9]\d*)",
+        r"kvoffload: metrics on http://127\.0\.0\.1:([1-9]\d*)/metrics",
+    ]
+    assert len(told) == 3
+    assert all(re.fullmatch(p, line) for p, line in zip(patterns, told, strict=True))
+
+
+def test_ports_given_are_not_told(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("prometheus_client")
+    from kvoffload.cli.main import main
+
+    args = ["simulate", "--requests", "5", "--no-bound", "--metrics-port", str(free_port())]
+    assert main([*args, "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}"]) == 0
+    assert capsys.readouterr().err == ""

@@ -11,6 +11,7 @@ import errno
 import importlib
 import ipaddress
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -33,6 +34,9 @@ MAX_SERVE_AFTER = 7 * 24 * 3600.0
 
 ENDPOINT_SCHEMES = ("tcp://", "ipc://")
 """ZMQ transports a subscriber in another process can reach."""
+
+CHOSEN_AT_RUN_TIME = (":0", ":*")
+"""How an endpoint asks for any free port: the one bound is then told on stderr."""
 
 
 def add_observe_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,7 +99,7 @@ def check_before_work(args: argparse.Namespace) -> None:
         if not 0 <= port <= 65535:
             raise InvalidArgumentError(f"metrics port must be in 0..65535, got {port}")
         _check_free("127.0.0.1", port, f"--metrics-port {port}")
-    if events and events == replay and not events.endswith((":0", ":*")):
+    if events and events == replay and not events.endswith(CHOSEN_AT_RUN_TIME):
         raise InvalidArgumentError(
             f"--kv-events-endpoint and --kv-events-replay-endpoint are both {events!r}"
         )
@@ -188,6 +192,12 @@ class Observing:
             flush()
 
 
+def _tell(what: str, requested: str, bound: str) -> None:
+    """Name an endpoint whose port was picked when binding: nobody could connect otherwise."""
+    if requested.endswith(CHOSEN_AT_RUN_TIME):
+        print(f"kvoffload: {what} {bound}", file=sys.stderr)
+
+
 @contextmanager
 def observing(args: argparse.Namespace, block_tokens: int) -> Iterator[Observing]:
     """The run's observers; endpoints close on exit.
@@ -214,9 +224,18 @@ def observing(args: argparse.Namespace, block_tokens: int) -> Iterator[Observing
             )
             sinks.append(publisher.publish)
             flushes.append(publisher.flush)
+            _tell("KV events on", args.kv_events_endpoint, publisher.endpoint)
+            if args.kv_events_replay_endpoint:
+                _tell(
+                    "KV event replay on", args.kv_events_replay_endpoint, publisher.replay_endpoint
+                )
         if args.metrics_port is not None:
             metrics = _require("kvoffload.observe.metrics", "metrics")
             server = stack.enter_context(metrics.MetricsServer(args.metrics_port))
+            if args.metrics_port == 0:
+                print(
+                    f"kvoffload: metrics on http://127.0.0.1:{server.port}/metrics", file=sys.stderr
+                )
 
             def register(observed: ObservedManager) -> None:
                 server.add(metrics.ManagerCollector(lambda: observed.counters, {"tier": "cpu"}))
