@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
-from kvoffload import OffloadingEvent, block_id_key
+from kvoffload import InvalidArgumentError, OffloadingEvent, block_id_key
 from kvoffload.observe.events import BlockRemoved, BlockStored, decode_batch
 from kvoffload.observe.indexer import PrefixIndex
 from kvoffload.observe.publisher import KVEventPublisher
@@ -259,3 +259,45 @@ def test_ports_given_are_not_told(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["simulate", "--requests", "5", "--no-bound", "--metrics-port", str(free_port())]
     assert main([*args, "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def _bound_again(endpoint: str, replay: str) -> KVEventPublisher:
+    """A publisher on endpoints another has just closed (ZeroMQ lets go of them shortly)."""
+    for _ in range(100):
+        try:
+            return KVEventPublisher(endpoint, replay)
+        except InvalidArgumentError:
+            time.sleep(0.05)
+    raise AssertionError(f"{endpoint} stayed taken")
+
+
+def test_a_restarted_publisher_is_followed_and_its_predecessors_blocks_cleared() -> None:
+    """A new publisher on the same endpoints numbers from 0 again: its batches are not
+    dropped as duplicates, and the old instance's blocks leave the index."""
+    endpoint, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    index = PrefixIndex()
+    with KVEventSubscriber(endpoint, replay) as sub:
+        with KVEventPublisher(endpoint, replay) as first:
+            _connect(first, sub)
+            for i in range(20):
+                first.publish(_stored(i))
+            first.flush()
+            for _, batch in _receive_until(sub, 20):
+                index.apply("engine", batch)
+        assert index.holds("engine", block_id_key(3)[:8])
+        with _bound_again(endpoint, replay) as second:
+            got: Delivered = []
+            for _ in range(100):
+                second.publish(_stored(50))
+                second.flush()
+                got += sub.receive(0.1)
+                if got:
+                    break
+            got += sub.catch_up()
+    assert sub.restarts == 1
+    seqs = [seq for seq, _ in got]
+    assert seqs[0] == -1 and seqs[1:] == list(range(len(seqs) - 1))
+    for _, batch in got:
+        index.apply("engine", batch)
+    assert not index.holds("engine", block_id_key(3)[:8])
+    assert index.holds("engine", block_id_key(50)[:8])

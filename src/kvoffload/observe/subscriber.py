@@ -8,12 +8,17 @@ reach the caller exactly once and in order.
 
 from __future__ import annotations
 
+import time
+
 import zmq
 
-from kvoffload.observe.events import KVEventBatch, decode_batch
+from kvoffload.observe.events import AllBlocksCleared, KVEventBatch, decode_batch
 from kvoffload.observe.publisher import END_SEQ
 
 Delivered = list[tuple[int, KVEventBatch]]
+
+RESTART_SEQ = -1
+"""The number of the ``AllBlocksCleared`` batch a subscriber delivers for a restart."""
 
 
 class KVEventSubscriber:
@@ -24,6 +29,13 @@ class KVEventSubscriber:
 
     ``gaps`` counts the gaps seen; ``repaired`` the batches recovered by
     replay. Without a replay endpoint a gap is skipped over (and counted).
+
+    A publisher numbers its batches up from 0, and one socket delivers them in
+    order: a live batch numbered at or below the last one seen there comes from
+    a new publisher on the same endpoints (a restarted engine). That is counted
+    in ``restarts`` and delivered first as a batch of one ``AllBlocksCleared``,
+    numbered -1 (the old instance's blocks are gone), and the new numbering is
+    followed from 0, repaired by replay like any gap.
     """
 
     def __init__(
@@ -47,6 +59,9 @@ class KVEventSubscriber:
         self.next_seq = 0
         self.gaps = 0
         self.repaired = 0
+        self.restarts = 0
+        self._last_live: int | None = None
+        """The last batch number the live socket delivered (replay numbers are not live)."""
 
     def receive(self, timeout_s: float = 1.0) -> Delivered:
         """Batches that arrived within ``timeout_s`` (waiting only for the first), in order."""
@@ -59,8 +74,15 @@ class KVEventSubscriber:
         return delivered
 
     def accept(self, seq: int, payload: bytes, delivered: Delivered) -> None:
-        """Take one published batch: drop a duplicate, repair a gap before it, then add it."""
-        if seq < self.next_seq:
+        """Take one published batch: note a restart, drop a duplicate (a batch replay has
+        delivered already), repair a gap before it, then add it."""
+        restarted = self._last_live is not None and seq <= self._last_live
+        self._last_live = seq
+        if restarted:
+            self.restarts += 1
+            self.next_seq = 0
+            delivered.append((RESTART_SEQ, KVEventBatch(time.time(), [AllBlocksCleared()])))
+        elif seq < self.next_seq:
             return
         if seq > self.next_seq:
             self.gaps += 1
