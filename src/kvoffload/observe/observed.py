@@ -8,17 +8,43 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import LoadStoreSpec
-from kvoffload.managers.cpu import CPUOffloadingManager
-from kvoffload.managers.tiered import TieredOffloadingManager
+from kvoffload.core.tier_protocol import TierStats
 from kvoffload.observe.counters import ManagerCounters
 from kvoffload.observe.transfers import ObservedWorker
 
 EventSink = Callable[[list[OffloadingEvent]], None]
 """Receives each batch of events drained from the manager, in order."""
+
+
+@runtime_checkable
+class _CPUTier(Protocol):
+    """What is read of a CPU tier's manager (``managers.cpu``, a layer above this one)."""
+
+    num_blocks: int
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    def holds(self, key: OffloadKey) -> bool: ...
+
+    def take_events(self) -> Iterable[OffloadingEvent]: ...
+
+
+@runtime_checkable
+class _Tiered(Protocol):
+    """What is read of a tiered manager (``managers.tiered``): its CPU tier and counts."""
+
+    cpu_stats: TierStats
+
+    @property
+    def cpu(self) -> _CPUTier: ...
+
+    def take_events(self) -> Iterable[OffloadingEvent]: ...
 
 
 class ObservedManager(OffloadingManager):
@@ -52,16 +78,16 @@ class ObservedManager(OffloadingManager):
         self._bytes_per_block = bytes_per_block
         self._sinks = tuple(sinks)
         self._counters = ManagerCounters()
-        self._tiered: TieredOffloadingManager | None = None
-        self._cpu: CPUOffloadingManager | None = None
-        self._take: Callable[[], list[OffloadingEvent]] = lambda: list(backing.take_events())
+        self._tiered: _Tiered | None = None
+        self._cpu: _CPUTier | None = None
+        self._take: Callable[[], Iterable[OffloadingEvent]] = backing.take_events
         """Where events come from: straight from the tiers when reached (the layers above
         pass ``take_events`` through), a drain with nothing to hand costing next to nothing."""
         found: object = backing
         while found is not None and self._cpu is None:
-            if isinstance(found, TieredOffloadingManager):
+            if isinstance(found, _Tiered):
                 self._tiered, self._cpu, self._take = found, found.cpu, found.take_events
-            elif isinstance(found, CPUOffloadingManager):
+            elif isinstance(found, _CPUTier):
                 self._cpu, self._take = found, found.take_events
             found = getattr(found, "backing", None)
 
@@ -155,7 +181,7 @@ class ObservedManager(OffloadingManager):
     def _drain(self) -> None:
         if not self._sinks:
             return
-        events = self._take()
+        events = list(self._take())
         if events:
             for sink in self._sinks:
                 sink(events)
