@@ -200,7 +200,7 @@ class TierPath:
                 stored = self.tier.stats.stored_blocks - stored_before
                 sent = batch.sent
                 if isinstance(self.tier, DiskTier):
-                    outcome = [self.tier.present([keys[i]]) == 1 for i in sent]
+                    outcome = self.tier.held([keys[i] for i in sent])
                 else:
                     outcome = [stored == len(sent)] * len(sent)
                 self._drain_events()
