@@ -891,7 +891,9 @@ class MiniSimulation:
         mini-tier runs the candidate's own decisions at its capacity."""
         entry = self._take(offered)
         if entry is not None:
-            self._store(entry, offered, {name: worlds[name].kept_of(offered) for name in worlds})
+            self._store(
+                entry, offered, {name: world.kept_of(offered) for name, world in worlds.items()}
+            )
 
     def on_full_hit(self, last: OffloadKey) -> None:
         """The tier served every key the request looked up, so no offer follows: each

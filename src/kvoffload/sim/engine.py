@@ -300,7 +300,8 @@ class ServingEngine:
         if self._layer is not None:
             # A retry after a parked lookup is the same request: shown once, not again.
             retried = id(req) in self._retries
-            self._layer.begin_request(keys, lookup_follows=True, counted=len(keys) * retried)
+            counted = len(keys) if retried else 0
+            self._layer.begin_request(keys, lookup_follows=True, counted=counted)
         manager.touch(keys)
         found: int | None = 0
         if len(keys) > gpu_hits:

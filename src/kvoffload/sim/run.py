@@ -15,7 +15,6 @@ from itertools import chain
 from typing import Any
 
 from kvoffload.admission import (
-    AdmissionLayer,
     WhatIf,
     WriteBudget,
     admission_params,
@@ -469,17 +468,7 @@ def simulate(
             config.tier_costs(),
         ),
     )
-    if stack is not None and stack.admission is None and stack.manager is not stack.direct:
-        # The seed filter (admission 'filter', or a store threshold) is no admission
-        # layer: its offers are the tier's, its refusals what admission skipped.
-        skipped = report.stores_skipped_by_admission
-        report = dataclasses.replace(
-            report,
-            admission_offers=report.stores_offered,
-            admission_admitted=report.stores_offered - skipped,
-            admission_rejected=skipped,
-        )
-    return _with_admission(report, config, None if stack is None else stack.admission)
+    return _with_admission(report, config, stack)
 
 
 def bound_of(workload: Workload, config: SimConfig) -> BeladyResult:
@@ -495,13 +484,24 @@ def _drop_partial_of(workload: Workload, config: SimConfig) -> int | None:
     return workload.block_tokens if config.partial_block == "drop" else None
 
 
-def _with_admission(
-    report: RunReport, config: SimConfig, layer: AdmissionLayer | None
-) -> RunReport:
-    """``report`` with the admission layer's name and counters filled in."""
+def _with_admission(report: RunReport, config: SimConfig, stack: Stack | None) -> RunReport:
+    """``report`` with the admission's name and counters filled in: the layer's, or the seed
+    filter's (admission 'filter', or a store threshold), which is no layer: its offers are
+    the tier's, its refusals what admission skipped."""
     report = dataclasses.replace(report, admission=resolve_admission(config.admission))
-    if layer is None:
+    if stack is None:
         return report
+    layer = stack.admission
+    if layer is None:
+        if stack.manager is stack.direct:
+            return report
+        skipped = report.stores_skipped_by_admission
+        return dataclasses.replace(
+            report,
+            admission_offers=report.stores_offered,
+            admission_admitted=report.stores_offered - skipped,
+            admission_rejected=skipped,
+        )
     stats = layer.stats()
     return dataclasses.replace(
         report,

@@ -310,10 +310,11 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             c.bytes_stored += len(pending) * self._bytes_per_block
         else:
             c.stores_failed += len(pending)
-            released = [key for key in pending if self._probe(key) is None]
-            if released and RELEASES_METADATA and self._cpu.events_enabled:
-                self._queue_events()
-                self._queued.append(released)
+            if RELEASES_METADATA and self._cpu.events_enabled:
+                released = [key for key in pending if self._probe(key) is None]
+                if released:
+                    self._queue_events()
+                    self._queued.append(released)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         state = req_context.get_state(_RequestKeys)
