@@ -575,3 +575,34 @@ def test_a_sighting_that_writes_nothing_reports_no_bytes_to_back_pressure(
     assert tier.counters.served_blocks == 4 and tier.counters.written_blocks == 0
     # The promotion's job read four blocks; the sighting's wrote none.
     assert [result.transfer_bytes for result in results] == [4 * BLOCK_BYTES, 0]
+
+
+def test_blocks_past_a_run_our_tier_served_whole_are_judged(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    """Every key vLLM asked our tier about was there, so no miss marks where the request's own
+    blocks begin: those past the last key asked (its decode blocks) are judged and written,
+    the served ones are not written again."""
+    from vllm_helpers import request_context
+
+    first = engines([_disk(tmp_path, admission="none")])
+    first.replay.request(KEYS[:4])
+    first.close()
+    admits_all = {"admission": "sketch", "admission_params": {"threshold": 1}}
+    engine = engines([_disk(tmp_path, **admits_all)], cpu_blocks=16)
+    manager, disk = engine.manager, engine.tiers[0]
+    turn = request_context("served", KEYS[:6])
+    manager.on_new_request(turn)
+    assert engine.replay.lookup(KEYS[:4], turn) == 4  # promoted from our disk tier
+    manager.prepare_load(KEYS[:4], turn)
+    manager.complete_load(KEYS[:4], turn)
+    output = manager.prepare_store(KEYS[:6], turn)
+    chunks = output.store_spec.block_ids.tolist()
+    for key, chunk in zip(output.keys_to_store, chunks, strict=True):
+        engine._fill(key, engine.replay.row(chunk))
+    manager.complete_store(output.keys_to_store, turn)
+    manager.on_request_finished(turn)
+    engine.replay.settle()
+    counters = disk.counters
+    assert (counters.served_blocks, counters.written_blocks) == (4, 2)
+    assert disk.tier.held(KEYS[:6]) == [True] * 6

@@ -17,7 +17,13 @@ pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
 from kvoffload import InvalidArgumentError, OffloadingEvent, block_id_key
-from kvoffload.observe.events import BlockRemoved, BlockStored, decode_batch
+from kvoffload.observe.events import (
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+)
 from kvoffload.observe.indexer import PrefixIndex
 from kvoffload.observe.publisher import KVEventPublisher
 from kvoffload.observe.subscriber import Delivered, KVEventSubscriber
@@ -301,3 +307,14 @@ def test_a_restarted_publisher_is_followed_and_its_predecessors_blocks_cleared()
         index.apply("engine", batch)
     assert not index.holds("engine", block_id_key(3)[:8])
     assert index.holds("engine", block_id_key(50)[:8])
+
+
+def test_a_live_batch_numbered_as_the_last_one_is_a_restart() -> None:
+    """Numbers on one socket only go up: the same number again is a new publisher's."""
+    payload = encode_batch(KVEventBatch(0.0, []))
+    with KVEventSubscriber(LOCAL, bind=True) as sub:
+        delivered: Delivered = []
+        for seq in (0, 1, 2, 2):
+            sub.accept(seq, payload, delivered)
+    assert (sub.restarts, sub.gaps) == (1, 1)  # no replay here: the new 0 and 1 are a gap
+    assert [seq for seq, _ in delivered] == [0, 1, 2, -1, 2]
