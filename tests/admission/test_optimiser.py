@@ -27,7 +27,8 @@ from kvoffload.admission.optimiser import (
     STORE_ALL,
     OptimiserParams,
 )
-from kvoffload.admission.worlds import World, Worlds
+from kvoffload.admission.reuse_filter import FilterReusedOffloadingManager
+from kvoffload.admission.worlds import Probe, World, Worlds
 from kvoffload.core.manager import PrepareStoreOutput
 from kvoffload.managers import build_manager
 from kvoffload.policies.lru import LRUCachePolicy
@@ -153,6 +154,25 @@ def test_hits_since_a_mark_halve_with_the_window() -> None:
     assert worlds.hits_since_mark(STORE_ALL) == 0
     worlds.request([block_id_key(50), block_id_key(99)], 0)  # one hit since the mark
     assert worlds.hits_since_mark(STORE_ALL) == 1
+
+
+@pytest.mark.parametrize("offer", [6, 300])
+def test_a_world_keeps_what_its_rule_admitted_of_an_offer_larger_than_its_tier(
+    offer: int,
+) -> None:
+    """Past a tier-full the request's own store evicts what it admitted: the world still
+    keeps all of it for the real tier, up to the first key the rule left out (a short
+    admitted list is scanned, a long one hashed: the same answer)."""
+    probe = Probe()
+    world = World(4, LRUCachePolicy, FilterReusedOffloadingManager(probe, 2), probe)
+    keys = [block_id_key(i) for i in range(offer)]
+    world.request(keys[:-1], 0)
+    world.request(keys, 0)  # all but the last key seen twice: the filter admits them
+    keep, gap = world.kept_of(keys)
+    assert gap == offer - 1
+    assert keep is not None
+    assert all(key in keep for key in keys[:-1])
+    assert keys[-1] not in keep
 
 
 def _reuse_after_a_quiet_phase(capacity: int) -> list[Request]:

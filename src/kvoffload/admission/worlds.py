@@ -146,7 +146,9 @@ class World:
             return None, n
         if not admitted:
             return tier.held, gap
-        keep = _HeldOrAdmitted(tier.held, admitted)
+        keep = _HeldOrAdmitted(
+            tier.held, set(admitted) if len(admitted) > _SCANNED_ADMITTED else admitted
+        )
         while gap < n and offered[gap] in keep:
             gap += 1
         return keep, gap
@@ -182,13 +184,18 @@ class World:
         tier.touch(keys)
 
 
+_SCANNED_ADMITTED = 8
+"""Up to this many admitted keys are scanned as a list; more are hashed first: an offer
+larger than the tier leaves most admitted keys unheld, and the leading run walks them all."""
+
+
 class _HeldOrAdmitted:
-    """A world's held keys, and those its rule admitted in the last request (a list: asked
-    only of the few sampled keys the world does not hold)."""
+    """A world's held keys, and those its rule admitted in the last request (a short list,
+    or a set: asked only of the sampled keys and the leading run the world does not hold)."""
 
     __slots__ = ("_admitted", "_held")
 
-    def __init__(self, held: Container[OffloadKey], admitted: Sequence[OffloadKey]) -> None:
+    def __init__(self, held: Container[OffloadKey], admitted: Container[OffloadKey]) -> None:
         self._held = held
         self._admitted = admitted
 
