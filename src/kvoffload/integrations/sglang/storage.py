@@ -479,8 +479,9 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             return [False] * len(keys)
         beside = self._beside
         first, *others = self.paths
-        if beside is None:  # one tier
-            return first.write(keys, payloads)
+        if beside is None:  # one tier (or closing: one after the other)
+            results = [path.write(keys, payloads) for path in self.paths]
+            return [any(result[i] for result in results) for i in range(len(keys))]
         jobs = [beside.submit(path.write, keys, payloads) for path in others]
         try:
             results = [first.write(keys, payloads)]
