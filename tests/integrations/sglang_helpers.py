@@ -10,8 +10,11 @@ methods as SGLang's MHA and MLA host pools in the ``layer_first`` and
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
+import socket
+import threading
 from types import ModuleType
 from typing import Any
 
@@ -135,3 +138,72 @@ def create_backend(
     if pool is not None:
         backend.register_mem_pool_host(pool)
     return backend
+
+
+class HeldLink:
+    """A TCP relay on 127.0.0.1 to a real server on ``port`` whose client-to-server
+    direction can be held: after :meth:`hold`, the next bytes a client sends wait in the
+    relay (:attr:`holding` is then set) until :meth:`release`, as on a link that stopped
+    moving. The server's replies always pass."""
+
+    def __init__(self, port: int) -> None:
+        self._server = ("127.0.0.1", port)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self.holding = threading.Event()
+        self._moving = threading.Event()
+        self._moving.set()
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def hold(self) -> None:
+        self._moving.clear()
+
+    def release(self) -> None:
+        self._moving.set()
+
+    def stop(self) -> None:
+        """Release what is held and close every connection."""
+        self._stopping.set()
+        self.release()
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for one in sockets:
+            with contextlib.suppress(OSError):
+                one.shutdown(socket.SHUT_RDWR)
+            one.close()
+        for thread in list(self._threads):
+            thread.join(5)
+
+    def _accept(self) -> None:
+        self._listener.settimeout(0.05)  # a closed listener does not wake accept()
+        while not self._stopping.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            client.settimeout(None)
+            server = socket.create_connection(self._server)
+            with self._lock:
+                self._sockets += [client, server]
+            for source, sink, holdable in ((client, server, True), (server, client, False)):
+                thread = threading.Thread(
+                    target=self._pump, args=(source, sink, holdable), daemon=True
+                )
+                self._threads.append(thread)
+                thread.start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, holdable: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(1 << 16):
+                if holdable and not self._moving.is_set():
+                    self.holding.set()
+                    self._moving.wait()
+                sink.sendall(data)

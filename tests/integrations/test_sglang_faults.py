@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("sglang", reason="SGLang is not installed (CI installs it --no-deps)")
 
-from sglang_helpers import BAD_CONFIGS, HostPool, create_backend, page_hash
+from sglang_helpers import BAD_CONFIGS, HeldLink, HostPool, create_backend, page_hash
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.integrations.sglang.storage import page_key
@@ -29,6 +29,8 @@ from kvoffload.tiers.format import HEADER_BYTES
 from tier_servers import ValkeyProcess
 
 KEYS = [page_hash(i) for i in range(64)]
+STALL_S = 20.0
+"""Far longer than a disk read here takes: reaching it means the read waited on the write."""
 
 
 def test_server_killed_mid_batch_is_counted_never_raised(
@@ -91,6 +93,58 @@ def test_a_stalled_server_is_a_counted_miss_and_recovers(
     assert backend.batch_get_v1(KEYS[:3], pool.indices([3, 4, 5])) == [True] * 3
     remote = backend.get_stats().kvoffload["remote"]
     assert remote["unavailable"] >= 2 and remote["loads_failed"] == 3 and remote["loads"] == 3
+
+
+def test_a_write_stuck_on_the_shared_tier_never_holds_up_a_disk_read(
+    backends: Any, valkey_server: ValkeyProcess, tmp_path: Path
+) -> None:
+    """SGLang's prefetch thread reads the disk while its backup thread writes: a page the
+    shared tier is still taking (up to its deadline) must not keep the disk from the read."""
+    pool = HostPool()
+    link = HeldLink(valkey_server.port)
+    url = f"redis://127.0.0.1:{link.port}/0?timeout_ms=60000"
+    extra = {
+        "interface_v1": 1,
+        "kvoffload.disk_dir": str(tmp_path),
+        "kvoffload.disk_bytes": 8 * len(pool.page_bytes(0)),
+        "kvoffload.remote_url": url,
+    }
+    try:
+        backend = backends(extra, pool, model="stuck-write")
+        pool.fill([0, 1], seed=5)
+        assert backend.batch_set_v1(KEYS[:1], pool.indices([0])) == [True]
+        order: list[str] = []
+        written: list[list[bool]] = []
+        read: list[tuple[int, list[bool]]] = []
+        read_done = threading.Event()
+
+        def write() -> None:
+            written.append(backend.batch_set_v1(KEYS[1:2], pool.indices([1])))
+            order.append("write")
+
+        def prefetch() -> None:
+            found = backend.batch_exists(KEYS[:1])
+            read.append((found, backend.batch_get_v1(KEYS[:1], pool.indices([2]))))
+            order.append("read")
+            read_done.set()
+
+        link.hold()
+        writer = threading.Thread(target=write)
+        writer.start()
+        assert link.holding.wait(STALL_S)  # the shared tier's SET is on a stopped link
+        reader = threading.Thread(target=prefetch)
+        reader.start()
+        read_done.wait(STALL_S)  # only so that a failing run ends: the order decides
+        link.release()
+        writer.join(STALL_S)
+        reader.join(STALL_S)
+    finally:
+        link.stop()
+    assert order == ["read", "write"]
+    assert read == [(1, [True])] and written == [[True]]
+    assert pool.page_bytes(2) == pool.page_bytes(0)
+    counters = backend.get_stats().kvoffload
+    assert counters["disk"]["stores_completed"] == counters["remote"]["stores_completed"] == 2
 
 
 def test_a_corrupt_value_on_the_server_is_never_loaded(

@@ -188,7 +188,8 @@ class TierPath:
     @contextlib.contextmanager
     def writing(self, keys: Sequence[OffloadKey]) -> Iterator[WriteBatch]:
         """Offer ``keys`` to admission, then take their bytes (:meth:`WriteBatch.send`, sent
-        at once) and wait for all at the end."""
+        at once) and wait for all at the end. This tier's lock is held until then: another
+        tier's write inside it would keep this tier's readers waiting on that one."""
         batch = WriteBatch(keys, self._admit(keys) if keys else set())
         with self._lock:
             stored_before = self.tier.stats.stored_blocks

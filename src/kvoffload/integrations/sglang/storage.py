@@ -13,13 +13,13 @@ or failed write, never an exception into SGLang.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import sys
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,6 +134,8 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         self.fingerprint = b""
         self._publisher: Any = None
         self._metrics: Any = None
+        self._beside: ThreadPoolExecutor | None = None
+        """Writes every tier but the first, while the caller's thread writes that one."""
         self._recent = L3Metrics()
         self._recent_lock = threading.Lock()
 
@@ -396,6 +398,8 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         for name, parts in (("disk", tiers.disk), ("remote", tiers.remote)):
             if parts is not None:
                 self.paths.append(TierPath(name, parts.open, parts.book, pages.page_bytes, sink))
+        if len(self.paths) > 1:
+            self._beside = ThreadPoolExecutor(len(self.paths) - 1, "kvoffload-l3-write")
         if s.metrics_port is not None:
             from kvoffload.integrations.sglang.metrics import TierCollector
             from kvoffload.observe.metrics import MetricsServer
@@ -417,6 +421,9 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             self._metrics.add(TierCollector(self.paths, labels))
 
     def _close_parts(self) -> None:
+        if self._beside is not None:
+            beside, self._beside = self._beside, None
+            beside.shutdown(wait=True)
         paths, self.paths = self.paths, []
         for path in paths:
             path.close()
@@ -463,14 +470,25 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         return intact
 
     def _write(self, keys: list[OffloadKey], payloads: Sequence[Payload]) -> list[bool]:
-        """Per page, whether some tier stored it or every tier's admission held it back."""
+        """Per page, whether some tier stored it or every tier's admission held it back.
+
+        The tiers write at the same time, each on its own thread and under its own lock
+        only: a tier still taking its pages (a slow server, up to its deadline) never keeps
+        SGLang's reads and look-ups from another tier."""
         if not self.paths:
             return [False] * len(keys)
-        with contextlib.ExitStack() as stack:
-            batches = [stack.enter_context(path.writing(keys)) for path in self.paths]
-            for batch in batches:
-                batch.send(payloads)
-        return [any(batch.result[i] for batch in batches) for i in range(len(keys))]
+        beside = self._beside
+        first, *others = self.paths
+        if beside is None:  # one tier (or closing: one after the other)
+            results = [path.write(keys, payloads) for path in self.paths]
+            return [any(result[i] for result in results) for i in range(len(keys))]
+        jobs = [beside.submit(path.write, keys, payloads) for path in others]
+        try:
+            results = [first.write(keys, payloads)]
+        finally:
+            wait(jobs)  # the pages' bytes are the tiers' until every write is done
+        results += [job.result() for job in jobs]
+        return [any(result[i] for result in results) for i in range(len(keys))]
 
     def _note(self, kind: str, outcome: list[bool], started: float) -> None:
         """One call's pages and GB/s, for SGLang's storage metrics histograms."""
