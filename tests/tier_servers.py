@@ -166,6 +166,8 @@ class FakeValkey:
     connection and stops listening, as a killed one does. ``deleted`` lists the
     names DEL was asked for. ``cluster_slots``: the raw reply to CLUSTER SLOTS,
     sent as it is (a hostile one too); with it INFO says Cluster mode.
+    ``delay_s``: every answer waits this long first (a distant or busy node that
+    still answers in time).
     """
 
     HUGE = 512 * 10**6
@@ -185,6 +187,7 @@ class FakeValkey:
         self.interval_s = interval_s
         self.drip_after = drip_after
         self.die_after = die_after
+        self.delay_s = 0.0
         self.values: dict[bytes, bytes] = {}
         self.deleted: list[bytes] = []
         self.commands = 0
@@ -254,6 +257,8 @@ class FakeValkey:
                     return
                 if self.drip_after is not None and count > self.drip_after:
                     self.mode = "drip"
+                if self.delay_s and self._stopping.wait(self.delay_s):
+                    return
                 self._answer(
                     connection, [arg.upper() if i == 0 else arg for i, arg in enumerate(args)]
                 )

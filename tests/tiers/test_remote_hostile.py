@@ -333,6 +333,90 @@ def test_a_lookup_asks_no_node_once_its_leading_run_is_decided(
         tier.close()
 
 
+def server_of(tier: RemoteTier, cluster: FakeValkeyCluster, key: OffloadKey) -> FakeValkey:
+    port = tier.node_address(tier.name(key))[1]
+    return next(node for node in cluster.nodes if node.port == port)
+
+
+def breaker_of(tier: RemoteTier, key: OffloadKey) -> CircuitBreaker:
+    host, port = tier.node_address(tier.name(key))
+    return tier.breakers[f"{host}:{port}"]
+
+
+def test_a_healthy_node_left_a_sliver_of_the_deadline_keeps_its_breaker_closed(
+    fake_cluster: FakeValkeyCluster,
+) -> None:
+    """Node a answers in time but late, leaving b less time than a took: b's timeouts
+    are the operation's, not b's, and open no breaker of b's (before, 3 of them did and
+    b's keys were refused until a trial)."""
+    tier = RemoteTier(fake_cluster.url, fingerprint("starved-node"))
+    timeout_s = fake_cluster.timeout_ms / 1000
+    try:
+        (a,), (b,), _ = keys_by_node(tier, 1)
+        store(tier, [a, b])
+        server_of(tier, fake_cluster, a).delay_s = 0.7 * timeout_s
+        server_of(tier, fake_cluster, b).delay_s = 0.5 * timeout_s
+        for _ in range(tier.breaker.threshold):
+            assert finishes(lambda: tier.held([a, b])) == [True, False]
+        assert tier.unavailable == tier.breaker.threshold
+        assert not breaker_of(tier, a).is_open and not breaker_of(tier, b).is_open
+        assert finishes(lambda: tier.held([b])) == [True]  # given its time, b answers
+    finally:
+        fake_cluster.stop()
+        tier.close()
+
+
+def test_a_node_that_fails_with_its_fair_time_still_opens_its_breaker(
+    fake_cluster: FakeValkeyCluster,
+) -> None:
+    """A node that trickles past the deadline while first, or hangs after a quick one, is
+    charged: only a node left less time than the earlier ones took is excused."""
+    tier = RemoteTier(fake_cluster.url, fingerprint("fair-time"), breaker=CircuitBreaker(2, 60))
+    timeout_s = fake_cluster.timeout_ms / 1000
+    try:
+        (a,), (b,), (c,) = keys_by_node(tier, 1)
+        store(tier, [a, b, c])
+        server_of(tier, fake_cluster, a).delay_s = 2 * timeout_s
+        for _ in range(2):  # b never asked: the deadline had passed
+            assert finishes(lambda: tier.held([a, b])) == [False, False]
+        assert breaker_of(tier, a).is_open and not breaker_of(tier, b).is_open
+        assert finishes(lambda: tier.held([a, b])) == [False, True]  # a refused at once
+        server_of(tier, fake_cluster, b).mode = "hang"
+        for _ in range(2):
+            assert finishes(lambda: tier.held([c, b])) == [True, False]
+        assert breaker_of(tier, b).is_open and not breaker_of(tier, c).is_open
+        assert tier.unavailable == 7
+    finally:
+        fake_cluster.stop()
+        tier.close()
+
+
+def test_a_trial_left_a_sliver_of_the_deadline_is_tried_again(
+    fake_cluster: FakeValkeyCluster,
+) -> None:
+    """An open breaker's trial call that starts too late to show anything neither keeps
+    the breaker open for good (no other trial would ever be let through) nor closes it."""
+    tier = RemoteTier(fake_cluster.url, fingerprint("starved-trial"), breaker=CircuitBreaker(1, 0))
+    timeout_s = fake_cluster.timeout_ms / 1000
+    try:
+        (a,), (b,), _ = keys_by_node(tier, 1)
+        store(tier, [a, b])
+        slow, healthy = server_of(tier, fake_cluster, a), server_of(tier, fake_cluster, b)
+        healthy.mode = "hang"
+        assert finishes(lambda: tier.held([a, b])) == [True, False]
+        assert breaker_of(tier, b).is_open
+        healthy.mode = "normal"
+        slow.delay_s, healthy.delay_s = 0.7 * timeout_s, 0.5 * timeout_s
+        assert finishes(lambda: tier.held([a, b])) == [True, False]  # b's trial starved
+        assert breaker_of(tier, b).is_open
+        slow.delay_s = healthy.delay_s = 0.0
+        assert finishes(lambda: tier.held([a, b])) == [True, True]
+        assert not breaker_of(tier, b).is_open
+    finally:
+        fake_cluster.stop()
+        tier.close()
+
+
 @pytest.fixture
 def planted(valkey_server: ValkeyProcess) -> Iterator[RemoteTier]:
     tier = RemoteTier(valkey_server.url, fingerprint("planted-length"))

@@ -69,6 +69,12 @@ class CircuitBreaker:
                 self._opened_at = self._clock()
             self._trial_running = False
 
+    def excuse(self) -> None:
+        """A call that failed for want of time it was never given: no failure counted; if
+        it was the trial, the next call is let through as the trial."""
+        with self._lock:
+            self._trial_running = False
+
     def fresh(self) -> CircuitBreaker:
         """A closed breaker with these settings (one per Cluster node)."""
         return CircuitBreaker(self.threshold, self.cooldown_s, self._clock)

@@ -14,10 +14,11 @@ redirections included: ``timeout_ms`` plus the time its bytes take at :data:`SLO
 Each node's part goes through one call wrapper and the breaker of that node (one per Cluster
 node, so a dead node fails its slots only): when a server is slow, paused or down,
 lookups miss and stores are dropped, counted, and the tier reconnects by
-itself once a trial call succeeds. A block the server evicted (maxmemory) is
-a plain miss. A value that fails its header check, or whose announced length
-is not the layout's (refused before its bytes are read), is never loaded: it
-is counted corrupt and deleted.
+itself once a trial call succeeds. A part left less time than the parts before it took
+is not charged to its node when it runs out of it (:meth:`RemoteTier._call`). A block
+the server evicted (maxmemory) is a plain miss. A value that fails its header check, or
+whose announced length is not the layout's (refused before its bytes are read), is never
+loaded: it is counted corrupt and deleted.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import binascii
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -191,7 +193,8 @@ class RemoteTier:
         self.breaker = breaker or CircuitBreaker()
         self.stats = TierStats()
         self.unavailable = 0
-        """Calls refused by an open breaker or failed by the server (timeouts included)."""
+        """Calls refused by an open breaker or failed by the server (timeouts included, those
+        of a node left too little time too)."""
         self._lock = threading.Lock()
         self._credentials = Credentials(
             self.address.username,
@@ -338,11 +341,16 @@ class RemoteTier:
     ) -> T | None:
         """``op`` on a connection to ``node`` through its breaker, before the operation's
         ``deadline``; ``None`` if refused or failed (counted). One that finds the deadline
-        passed (spent on other nodes) is not tried: no failure of this node's."""
+        passed (spent on other nodes) is not tried: no failure of this node's. Nor is one
+        that runs out of time having begun with less left than the operation had spent: had
+        the node been first, it would have had longer than the earlier nodes took, so they
+        are the slow ones, and a healthy node left a sliver by a slow one would otherwise
+        have its breaker opened by it."""
         if deadline.passed() or not node.breaker.allow():
             with self._lock:
                 self.unavailable += 1
             return None
+        begun = time.monotonic()
         connection = None
         try:
             connection = node.take() or self._open(node.host, node.port, deadline)
@@ -350,7 +358,11 @@ class RemoteTier:
         except Exception:  # any socket, TLS or protocol failure is the server's, never ours
             if connection is not None:
                 connection.close()
-            node.breaker.failure()
+            starved = deadline.at - begun < begun - deadline.since
+            if starved and deadline.passed():
+                node.breaker.excuse()
+            else:
+                node.breaker.failure()
             with self._lock:
                 self.unavailable += 1
             return None

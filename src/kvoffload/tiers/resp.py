@@ -109,12 +109,13 @@ Reply = bytes | int | None | list["Reply"] | ErrorReply
 
 
 class Deadline:
-    """A point in time (``time.monotonic``) an operation must end by."""
+    """A point in time (``time.monotonic``) an operation must end by, and when it began."""
 
-    __slots__ = ("at",)
+    __slots__ = ("at", "since")
 
     def __init__(self, seconds: float) -> None:
-        self.at = time.monotonic() + seconds
+        self.since = time.monotonic()
+        self.at = self.since + seconds
 
     def left(self) -> float:
         """Seconds left; :class:`DeadlineExceeded` once there are none."""
