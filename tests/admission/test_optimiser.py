@@ -845,22 +845,28 @@ def test_the_optimiser_never_writes_more_than_store_everything(
 @pytest.mark.parametrize(
     ("mix", "requests", "seed"), [({"chat": 1.0}, 120, 3), ({"rag": 1.0}, 100, 9), (None, 100, 2)]
 )
-def test_what_if_figures_at_twice_and_four_times_the_tier_are_full_runs(
+def test_what_if_figures_at_other_sizes_are_full_runs(
     mix: dict[str, float] | None, requests: int, seed: int
 ) -> None:
-    """With every key sampled, store-everything at 2x and 4x is a full run of that size: each
-    mini-tier stores what the rule admits, not what the 1x world kept (an offer larger than
-    the 1x tier never reached the larger ones: up to 0.06 hit and 0.86 writes per
-    reference off)."""
+    """With every key sampled, store-everything and the filter at 0.5x, 2x and 4x are full
+    runs of that size: each mini-tier stores what the rule admits, not what the 1x world
+    kept (an offer larger than the 1x tier never reached the larger ones: up to 0.06 hit
+    and 0.86 writes per reference off), and past its own hit run (the blocks it served
+    shielded from eviction refused stores the full run made: 0.0016 writes per reference
+    off at 0.5x)."""
     from kvoffload.sim.run import SimConfig, simulate
 
     workload = generate(mix, num_requests=requests, seed=seed)
     gpu = max(len(request.keys) for request in workload.requests) + 50
     config = SimConfig(gpu_blocks=gpu, cpu_blocks=100, partial_block="drop", bound=False)
     report = simulate(workload, replace(config, admission="recommended"))
-    for factor in (2, 4):
-        figure = report.whatif["store-all"][str(factor)]
-        full = simulate(workload, replace(config, cpu_blocks=100 * factor))
-        assert figure["sampling_rate"] == 1.0
-        assert figure["hit_ratio"] == pytest.approx(full.total_hit_ratio, abs=1e-12)
-        assert figure["writes_per_ref"] == pytest.approx(full.writes_per_ref, abs=1e-12)
+    for candidate, threshold in ((STORE_ALL, 0), (FILTER, 2)):
+        for factor in (0.5, 2, 4):
+            figure = report.whatif[candidate][f"{factor:g}"]
+            full = simulate(
+                workload,
+                replace(config, cpu_blocks=int(100 * factor), store_threshold=threshold),
+            )
+            assert figure["sampling_rate"] == 1.0
+            assert figure["hit_ratio"] == pytest.approx(full.total_hit_ratio, abs=1e-12)
+            assert figure["writes_per_ref"] == pytest.approx(full.writes_per_ref, abs=1e-12)

@@ -671,7 +671,7 @@ class _Level:
 class _Open:
     """A request between its lookup and its store: its sampled keys per level."""
 
-    __slots__ = ("length", "positions", "requested", "suffix", "suffix_start")
+    __slots__ = ("length", "positions", "requested", "runs", "suffix", "suffix_start")
 
     def __init__(
         self, requested: list[list[OffloadKey]], positions: list[list[int]], length: int
@@ -683,6 +683,8 @@ class _Open:
         self.suffix: list[list[OffloadKey]] = []
         self.suffix_start: list[list[int]] = []
         """Per level, each sampled suffix key's position from the end of the request."""
+        self.runs: list[list[int]] = []
+        """Per level, each mini-tier's hit run in the sampled suffix: its store starts past it."""
 
 
 class MiniSimulation:
@@ -853,12 +855,13 @@ class MiniSimulation:
             return
         self._exact.lookups += len(keys)
         self._exact.total_lookups += len(keys)
-        suffix, suffix_start = entry.suffix, entry.suffix_start
+        suffix, suffix_start, runs = entry.suffix, entry.suffix_start, entry.runs
         for picked, level, tiers in zip(entry.positions, self._levels, self._tiers_of, strict=True):
             cut = bisect_left(picked, start) if start else 0
             if cut == len(picked):
                 suffix.append([])
                 suffix_start.append([])
+                runs.append([])
                 continue
             inside = picked[cut:] if cut else picked
             sampled = [keys[i - start] for i in inside]
@@ -866,8 +869,7 @@ class MiniSimulation:
             suffix_start.append([length - i for i in inside])
             level.lookups += len(sampled)
             level.total_lookups += len(sampled)
-            for tier in tiers:
-                tier.hit_run(sampled)
+            runs.append([tier.hit_run(sampled) for tier in tiers])
 
     def on_offer(
         self, offered: Sequence[OffloadKey], admitted: Mapping[str, Sequence[OffloadKey] | None]
@@ -916,32 +918,42 @@ class MiniSimulation:
     ) -> None:
         """Store ``entry``'s sampled lookup keys per candidate: ``chosen`` gives each its
         admitted keys (``None``: every offered key) and the offer index of its first key
-        left out (at least one sampled key at the densest rate, hence at every level)."""
+        left out (at least one sampled key at the densest rate, hence at every level).
+
+        Each mini-tier stores past its own hit run, as a tier's offer starts past its hit:
+        the blocks it just served are loaded and may leave to make room, where shielding
+        them would refuse a store the full-size tier makes."""
         n = len(offered)
         everything = all(keep is None for keep, _ in chosen.values())
-        for sampled, from_end, requested, tiers in zip(
-            entry.suffix, entry.suffix_start, entry.requested, self._by_level, strict=True
+        for sampled, from_end, requested, runs, tiers in zip(
+            entry.suffix,
+            entry.suffix_start,
+            entry.requested,
+            entry.runs,
+            self._by_level,
+            strict=True,
         ):
             if not sampled:
                 break
             if everything:
-                for _, tier in tiers:
-                    if tier.store(sampled):
+                for run, (_, tier) in zip(runs, tiers, strict=True):
+                    if tier.store(sampled[run:] if run else sampled):
                         tier.touch(requested)
                 continue
             at = [
                 n - end if end <= n and offered[n - end] == key else -1
                 for key, end in zip(sampled, from_end, strict=True)
             ]
-            for name, tier in tiers:
+            for run, (name, tier) in zip(runs, tiers, strict=True):
                 keep, gap = chosen[name]
+                tail, tail_at = (sampled[run:], at[run:]) if run else (sampled, at)
                 if keep is not None and not keep:
                     # Nothing admitted: only the keys the tier served are stored, none behind
                     # a gap (a store without gaps).
-                    to_store = [key for key, j in zip(sampled, at, strict=True) if j < 0]
+                    to_store = [key for key, j in zip(tail, tail_at, strict=True) if j < 0]
                     written = tier.store(to_store) if to_store else 0
                 else:
-                    written = tier.store_admitted(sampled, at, keep, gap)
+                    written = tier.store_admitted(tail, tail_at, keep, gap)
                 if written:
                     tier.touch(requested)
 
