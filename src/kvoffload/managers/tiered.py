@@ -302,8 +302,12 @@ class TieredOffloadingManager(OffloadingManager):
         return output
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
-        keys = list(keys)
-        landing = [key for key in keys if self._is_pending(key) and key not in self._promoting]
+        # Each key once: a key listed twice lands once, and is counted and written once.
+        landing = [
+            key
+            for key in dict.fromkeys(keys)
+            if self._is_pending(key) and key not in self._promoting
+        ]
         self.cpu.complete_store(landing, success)
         if not success:
             for key in landing:
