@@ -3,6 +3,12 @@ tests in test_manager_model.py check the shared contract for every policy)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given, settings
+
 from kvoffload import CPUOffloadingManager, OffloadKey, block_id_key
 from kvoffload.policies.s3fifo import S3FIFOCachePolicy
 from kvoffload.policies.sieve import SIEVECachePolicy
@@ -102,3 +108,76 @@ def test_slru_demotes_beyond_its_protected_share() -> None:
     assert isinstance(policy, SLRUCachePolicy)
     assert ids(policy.protected) == [4, 3, 2, 1] and ids(policy.probation) == [5]
     assert evicted(m, 6) == [5]
+
+
+def request(m: CPUOffloadingManager, new: Sequence[int] = (), read: Sequence[int] = ()) -> None:
+    """One request as a request-scoped driver (the vLLM adapter) reports it: reads ``read``,
+    stores ``new``, and finishes with the reads as reuse and the stores as stores only."""
+    policy = m.policy
+    loaded, offered = keys(*read), keys(*new)
+    if loaded:
+        m.prepare_load(loaded)
+        if policy.recent_at_access:
+            m.touch(loaded)
+        m.complete_load(loaded)
+    out = m.prepare_store(offered)
+    assert out is not None
+    if policy.recent_at_access:
+        m.touch(offered)  # still pending: no access yet
+    m.complete_store(out.keys_to_store)
+    policy.finish_request(loaded + offered, set(loaded), set(out.keys_to_store))
+
+
+@pytest.mark.parametrize("policy", ["s3fifo", "sieve", "slru"])
+def test_a_request_that_only_stored_a_block_did_not_reuse_it(policy: str) -> None:
+    m = CPUOffloadingManager(10, policy)
+    request(m, new=[0])
+    request(m, read=[0])  # the one block used again
+    for block in range(1, 10):
+        request(m, new=[block])
+    assert evicted(m, 10) == [1]  # the oldest block stored and never read, not block 0
+
+
+REQUESTS = st.lists(
+    st.tuples(st.lists(st.integers(0, 7), max_size=4, unique=True), st.booleans()), max_size=40
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    policy=st.sampled_from(["s3fifo", "sieve", "slru"]), capacity=st.integers(1, 6), run=REQUESTS
+)
+def test_only_a_read_promotes_under_request_scoped_driving(
+    policy: str, capacity: int, run: list[tuple[list[int], bool]]
+) -> None:
+    """Whatever the requests, a block that no request read since it was stored is not in
+    main with a count (S3-FIFO), visited (SIEVE) or protected (SLRU). As for the adapter, a
+    request reads what it loads and the ready blocks it offers again."""
+    m = CPUOffloadingManager(capacity, policy)
+    read_since_stored: set[OffloadKey] = set()
+    for blocks, success in run:
+        wanted = keys(*blocks)
+        hits = m.lookup(wanted)
+        loaded, offered = wanted[:hits], wanted[hits:]
+        m.prepare_load(loaded)
+        if m.policy.recent_at_access:
+            m.touch(loaded)
+        m.complete_load(loaded)
+        reused = set(loaded) | {k for k in offered if (b := m.block_status(k)) and b.is_ready}
+        read_since_stored.update(reused)
+        out = m.prepare_store(offered)
+        stored = [] if out is None else out.keys_to_store
+        read_since_stored.difference_update(stored)
+        if m.policy.recent_at_access:
+            m.touch(offered)
+        m.complete_store(stored, success)
+        m.policy.finish_request(wanted, reused, set(stored) if success else set())
+        p = m.policy
+        if isinstance(p, S3FIFOCachePolicy):
+            promoted = {key for key, count in p.freq.items() if count}
+        elif isinstance(p, SIEVECachePolicy):
+            promoted = set(p.visited)
+        else:
+            assert isinstance(p, SLRUCachePolicy)
+            promoted = set(p.protected)
+        assert promoted <= read_since_stored

@@ -60,3 +60,10 @@ def test_a_registered_policy_is_usable_by_name() -> None:
             register_cache_policy("lru")(FIFOPolicy)
     finally:
         _POLICIES.pop("test-fifo", None)
+
+
+@pytest.mark.parametrize("name", ["bogus", ["lru"], {"lru": 1}, None])
+def test_an_unknown_policy_name_of_any_type_is_refused_with_the_names(name: object) -> None:
+    with pytest.raises(InvalidArgumentError, match="unknown cache policy") as error:
+        CPUOffloadingManager(2, cache_policy=name)  # type: ignore[arg-type]
+    assert all(known in str(error.value) for known in available_policies())

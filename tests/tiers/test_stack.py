@@ -105,6 +105,8 @@ def test_a_remote_stack_names_its_tier(valkey_server: ValkeyProcess) -> None:
         ({"store_threshold": 1.5}, "store_threshold"),
         ({"tier_store_threshold": -1}, "tier_store_threshold"),
         ({"max_tracker_size": 0}, "max_tracker_size"),
+        ({"enable_events": "no"}, "enable_events"),
+        ({"wait_for_tiers": 1}, "wait_for_tiers"),
         ({"admission": "bogus"}, "admission"),
         ({"write_budget": 0.5}, "write_budget"),
         ({"disk_dir": "d", "disk_blocks": 0}, "disk_blocks"),
@@ -136,6 +138,18 @@ def test_a_bad_setting_is_refused_naming_its_field(fields: dict[str, Any], named
     values: dict[str, Any] = {"cpu_blocks": 8, **fields}
     with pytest.raises(InvalidArgumentError, match=named):
         StackConfig(**values)
+
+
+@pytest.mark.parametrize("policy", ["bogus", ["lru"], None])
+@pytest.mark.parametrize("tiers", [{}, {"disk_dir": "d", "disk_blocks": 4}])
+def test_a_bad_policy_is_refused_on_construction_naming_policy(
+    policy: Any, tiers: dict[str, Any]
+) -> None:
+    """Not later, at the build, nor as the disk tier's ``disk_policy`` (which it only
+    defaults), nor as a ``TypeError`` for a value that cannot be a dict key."""
+    with pytest.raises(InvalidArgumentError) as error:
+        StackConfig(8, policy=policy, **tiers)
+    assert str(error.value).startswith(f"policy {policy!r} is not one of arc, lru")
 
 
 def test_the_cpu_only_builder_refuses_lower_tiers(tmp_path: Path) -> None:

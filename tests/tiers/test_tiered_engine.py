@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload import CPUOffloadingManager, block_id_key
+from kvoffload import CPUOffloadingManager, InvalidArgumentError, block_id_key
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.layout import layout_preset
 from kvoffload.core.manager import OffloadingManager
@@ -170,3 +170,20 @@ def test_reserve_lookups_must_be_a_positive_int(disk: DiskTier) -> None:
     for bad in (0, True, 1.5):
         with pytest.raises(ValueError, match="reserve_lookups"):
             TieredOffloadingManager(cpu, [(disk, TierSettings())], reserve_lookups=bad)  # type: ignore[arg-type]
+
+
+def test_bad_tier_settings_and_tracker_sizes_are_refused_naming_them(disk: DiskTier) -> None:
+    for fields, named in [
+        ({"capacity": "4"}, "capacity"),
+        ({"capacity": -1}, "capacity"),
+        ({"write_through": "yes"}, "write_through"),
+    ]:
+        with pytest.raises(InvalidArgumentError, match=named):
+            TierSettings(**fields)  # type: ignore[arg-type]
+    for bad in ("8", 2.5, True, 0):
+        with pytest.raises(InvalidArgumentError, match="max_tracker_size"):
+            TieredOffloadingManager(
+                CPUOffloadingManager(2),
+                [(disk, TierSettings())],
+                max_tracker_size=bad,  # type: ignore[arg-type]
+            )

@@ -305,3 +305,20 @@ def test_completing_a_store_of_a_block_being_promoted_leaves_it_pending(tmp_path
     finally:
         slots.release.set()
         m.close()
+
+
+def test_a_key_listed_twice_in_complete_store_is_counted_and_written_once(tmp_path: Path) -> None:
+    cpu = CPUOffloadingManager(4, enable_events=True)
+    disk = DiskTier(tmp_path / "disk", 8, FP, enable_events=True)
+    m = TieredOffloadingManager(
+        cpu, [(disk, TierSettings(write_through=True))], wait_for_tiers=True
+    )
+    try:
+        assert m.prepare_store(K[:2]) is not None
+        m.complete_store([K[0], K[0], K[1]])
+        m.poll()
+        assert m.cpu_stats.stored_blocks == 2
+        assert m.offered_blocks == [2] and m.admitted_blocks == [2]
+        assert disk.stats.stored_blocks == 2
+    finally:
+        m.close()

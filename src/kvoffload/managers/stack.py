@@ -110,11 +110,8 @@ class LowerTierConfig:
                 f"{self.key('deadline_s')} must be > 0 s and at most {MAX_DEADLINE_S:.0f} s, "
                 f"got {self.deadline_s!r}"
             )
-        if self.kind == DISK and self.policy not in available_policies():
-            raise InvalidArgumentError(
-                f"{self.key('policy')} {self.policy!r} is not one of "
-                f"{', '.join(available_policies())}"
-            )
+        if self.kind == DISK:
+            _policy(self.key("policy"), self.policy)
         admission, budget = self.key("admission"), self.key("write_budget")
         _admission(admission, self.admission, budget, self.write_budget)
         try:
@@ -185,6 +182,12 @@ class StackConfig:
         _integer("cpu_blocks", self.cpu_blocks, 1)
         _integer("max_tracker_size", self.max_tracker_size, 1)
         _integer("tier_store_threshold", self.tier_store_threshold, 0)
+        _policy("policy", self.policy)
+        for name in ("enable_events", "wait_for_tiers"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgumentError(
+                    f"{name} must be true or false, got {getattr(self, name)!r}"
+                )
         _admission("admission", self.admission, "write_budget", self.write_budget)
         try:
             admission_params(self.admission, self.admission_params)
@@ -242,6 +245,15 @@ def _integer(name: str, value: object, minimum: int) -> None:
         raise InvalidArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}")
     if value < minimum:
         raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _policy(name: str, value: str) -> None:
+    """A registered policy's name (a list lookup: any value, hashable or not, is refused
+    with the names)."""
+    if value not in available_policies():
+        raise InvalidArgumentError(
+            f"{name} {value!r} is not one of {', '.join(available_policies())}"
+        )
 
 
 def _admission(name: str, value: str, budget_name: str, budget: float | WriteBudget | None) -> None:

@@ -79,11 +79,16 @@ class TierSettings:
     admission_params: object | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        threshold = self.store_threshold
-        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+        if not isinstance(self.write_through, bool):
             raise InvalidArgumentError(
-                f"a tier's store_threshold must be an integer >= 0, got {threshold!r}"
+                f"a tier's write_through must be true or false, got {self.write_through!r}"
             )
+        for name in ("store_threshold", "capacity"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgumentError(
+                    f"a tier's {name} must be an integer >= 0, got {value!r}"
+                )
         if resolve_admission(self.admission) != "none" and self.capacity < 1:
             raise InvalidArgumentError(
                 f"a tier's admission {self.admission!r} needs its capacity (>= 1 block), "
@@ -130,12 +135,14 @@ class TieredOffloadingManager(OffloadingManager):
         max_tracker_size: int = 64_000,
         reserve_lookups: int = 1024,
     ) -> None:
-        if max_tracker_size < 1:
-            raise InvalidArgumentError(f"max_tracker_size must be >= 1, got {max_tracker_size}")
-        if isinstance(reserve_lookups, bool) or not isinstance(reserve_lookups, int):
-            raise InvalidArgumentError(f"reserve_lookups must be an int, got {reserve_lookups!r}")
-        if reserve_lookups < 1:
-            raise InvalidArgumentError(f"reserve_lookups must be >= 1, got {reserve_lookups}")
+        for name, value in (
+            ("max_tracker_size", max_tracker_size),
+            ("reserve_lookups", reserve_lookups),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidArgumentError(f"{name} must be an int, got {value!r}")
+            if value < 1:
+                raise InvalidArgumentError(f"{name} must be >= 1, got {value}")
         self.cpu = cpu
         self.tiers = [tier for tier, _ in tiers]
         self._settings = [settings for _, settings in tiers]
@@ -295,8 +302,12 @@ class TieredOffloadingManager(OffloadingManager):
         return output
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
-        keys = list(keys)
-        landing = [key for key in keys if self._is_pending(key) and key not in self._promoting]
+        # Each key once: a key listed twice lands once, and is counted and written once.
+        landing = [
+            key
+            for key in dict.fromkeys(keys)
+            if self._is_pending(key) and key not in self._promoting
+        ]
         self.cpu.complete_store(landing, success)
         if not success:
             for key in landing:

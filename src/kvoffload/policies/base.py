@@ -53,8 +53,8 @@ class CachePolicy(ABC):
 
     recent_at_access: ClassVar[bool] = True
     """Whether a request's first read or store of a block makes it recent at once (vLLM
-    0.33's LRU does); a policy that counts accesses per request (ARC) waits for
-    :meth:`finish_request`. Only request-scoped drivers (the vLLM adapter) ask."""
+    0.33's LRU does); a policy that counts accesses per request (ARC, S3-FIFO, SIEVE)
+    waits for :meth:`finish_request`. Only request-scoped drivers (the vLLM adapter) ask."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -86,7 +86,8 @@ class CachePolicy(ABC):
         """A finished request's keys, head of the prefix first: ``reused`` it read (loaded,
         or found ready when it offered them), ``stored_only`` it only wrote. vLLM calls
         this once per request; the default touches every key, as vLLM does for a policy
-        without a rule of its own, and ARC counts only a read as a second access."""
+        without a rule of its own. ARC, S3-FIFO, SIEVE and SLRU count only a read as a
+        second access: the request that stored a block inserted it, it did not reuse it."""
         self.touch(keys)
 
     @abstractmethod

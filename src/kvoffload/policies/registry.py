@@ -31,12 +31,12 @@ def available_policies() -> list[str]:
 
 def resolve_policy(name: str) -> str:
     """The registered name behind ``name``; the error for an unknown one lists the known ones."""
-    name = ALIASES.get(name, name)
-    if name not in _POLICIES:
+    resolved = ALIASES.get(name, name) if isinstance(name, str) else None
+    if resolved is None or resolved not in _POLICIES:
         raise InvalidArgumentError(
             f"unknown cache policy {name!r}; known: {', '.join(available_policies())}"
         )
-    return name
+    return resolved
 
 
 def create_cache_policy(name: str, capacity: int) -> CachePolicy:

@@ -5,7 +5,8 @@ when it reaches small's head leaves at once, so one-hit blocks never push out
 blocks that proved themselves. A block touched while ready moves to main,
 which is a FIFO with reinsertion (up to 3 touches buy 3 more rounds). Keys
 that small evicted are remembered in a ghost; storing one of them again puts
-it straight into main. Touches of pending blocks do not count.
+it straight into main. Touches of pending blocks do not count, nor, for a
+request-scoped driver, a request's own store of a block (its insertion).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def small_target(capacity: int) -> int:
 @register_cache_policy("s3fifo")
 class S3FIFOCachePolicy(CachePolicy):
     """Small FIFO for newcomers, main FIFO with reinsertion, ghost of small's victims."""
+
+    recent_at_access = False
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
@@ -68,6 +71,16 @@ class S3FIFOCachePolicy(CachePolicy):
                 block = small[key] if key in small else main[key]
                 if block.ref_cnt >= 0:
                     freq[key] = count + 1
+
+    def finish_request(
+        self,
+        keys: Sequence[OffloadKey],
+        reused: Container[OffloadKey],
+        stored_only: Container[OffloadKey],
+    ) -> None:
+        """Only a read counts: a block the request only stored was inserted, not hit, and
+        counting that would send every stored block to main, one-hit ones included."""
+        self.touch([key for key in keys if key in reused])
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> Victims | None:
         if n <= 0:

@@ -4,7 +4,8 @@ The hand sweeps from the oldest block towards the newest; a visited block it
 passes loses its bit and stays where it is, the first unvisited one leaves.
 The queue is kept as two ordered dicts split at the hand (``swept`` behind
 it, ``unswept`` from the hand on), so every step is O(1) and survivors keep
-their place. Touches of pending blocks do not set the bit.
+their place. Touches of pending blocks do not set the bit, nor, for a
+request-scoped driver, a request's own store of a block (its insertion).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from kvoffload.policies.s3fifo import _has_evictable
 @register_cache_policy("sieve")
 class SIEVECachePolicy(CachePolicy):
     """FIFO order with lazy promotion: visited blocks survive the hand once."""
+
+    recent_at_access = False
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
@@ -44,6 +47,16 @@ class SIEVECachePolicy(CachePolicy):
             block = unswept[key] if key in unswept else swept.get(key)
             if block is not None and block.ref_cnt >= 0:
                 visited.add(key)
+
+    def finish_request(
+        self,
+        keys: Sequence[OffloadKey],
+        reused: Container[OffloadKey],
+        stored_only: Container[OffloadKey],
+    ) -> None:
+        """Only a read visits: a block enters unvisited, so the request that stored it does
+        not mark it (that would let every stored block survive the hand once)."""
+        self.touch([key for key in keys if key in reused])
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> Victims | None:
         if n <= 0:

@@ -6,6 +6,8 @@ the protected segment, which keeps at most ``PROTECTED_SHARE`` of the tier
 Victims come from probation's least recent end first, so a block admitted on
 first sight and never used leaves before any block that proved itself. Both
 segments keep LRU's backwards touch, so a request's tail leaves before its head.
+For a request-scoped driver a request's own store of a block is its first
+sight: it makes the block recent in its segment, and only a read promotes it.
 """
 
 from __future__ import annotations
@@ -58,6 +60,31 @@ class SLRUCachePolicy(CachePolicy):
                     protected[key] = block
                 else:
                     probation.move_to_end(key)
+        self._demote()
+
+    def finish_request(
+        self,
+        keys: Sequence[OffloadKey],
+        reused: Container[OffloadKey],
+        stored_only: Container[OffloadKey],
+    ) -> None:
+        """A read promotes, as a touch does; a store only makes its block recent in its own
+        segment (promoting it would let every stored block into protected)."""
+        probation, protected = self.probation, self.protected
+        for key in reversed(keys):
+            if key in protected:
+                if key in reused or key in stored_only:
+                    protected.move_to_end(key)
+            elif key in probation:
+                if key in reused and probation[key].ref_cnt >= 0:
+                    protected[key] = probation.pop(key)
+                elif key in reused or key in stored_only:
+                    probation.move_to_end(key)
+        self._demote()
+
+    def _demote(self) -> None:
+        """Move protected's least recent blocks beyond its share to probation's recent end."""
+        probation, protected = self.probation, self.protected
         while len(protected) > self.protected_limit:
             key, block = protected.popitem(False)
             probation[key] = block
