@@ -174,7 +174,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._tiered = stack.tiered
         self._has_lower_tiers = stack.tiered is not None and bool(stack.tiered.tiers)
         policy = type(self._cpu.policy)
-        # Only a policy with request-scoped rules of its own (ARC) pays for their bookkeeping.
+        # Only a policy with request-scoped rules of its own (not LRU) pays for their bookkeeping.
         self._tells_reads = policy.finish_request is not CachePolicy.finish_request
         self._learns_from_misses = policy.store_missed is not CachePolicy.store_missed
 
