@@ -13,6 +13,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
+from concurrent.futures import Future
 from pathlib import Path
 from types import FrameType
 
@@ -116,6 +117,42 @@ def test_a_hung_file_system_fails_calls_by_their_deadline_and_opens_the_breaker(
         assert ok == [True, True] and not breaker.is_open
         assert [bytes(b) for b in again] == [content(key, SIZE) for key in KEYS[1:3]]
         assert bytes(buffers[0]) == bytes(SIZE)  # the late read never landed in its buffer
+    finally:
+        layer.answering.set()
+        tier.close()
+
+
+def test_a_caller_told_of_an_outcome_finds_the_breaker_and_counts_updated(
+    tmp_path: Path, layer: StalledLayer
+) -> None:
+    """When a read's future tells of a deadline miss, the miss is counted and the breaker
+    has heard of it; when it tells of the trial that got through, the breaker is closed.
+    A caller that acts at once (here a done callback, run as the future is resolved) is
+    neither let through to a hung disk nor refused a working one."""
+    clock = Clock()
+    breaker = CircuitBreaker(threshold=1, cooldown_s=60, clock=clock)
+    tier = DiskTier(
+        tmp_path, 8, FP, io_threads=1, deadline_s=0.2, breaker=breaker, file_layer=layer
+    )
+    told: list[tuple[list[bool], int, bool]] = []
+
+    def on_told(outcome: Future[list[bool]]) -> None:
+        told.append((outcome.result(), tier.deadline_misses, breaker.is_open))
+
+    buffers = [bytearray(SIZE) for _ in range(2)]
+    try:
+        tier.write(KEYS[:1], [content(KEYS[0], SIZE)])
+        tier.poll(wait=True)
+        layer.answering.clear()
+        missed = tier.read(KEYS[:1], lambda i: memoryview(buffers[0]))
+        missed.add_done_callback(on_told)
+        missed.result(timeout=30)
+        clock.now = 61
+        trial = tier.read(KEYS[:1], lambda i: memoryview(buffers[1]))  # queued, still hung
+        trial.add_done_callback(on_told)
+        layer.answering.set()
+        trial.result(timeout=30)
+        assert told == [([False], 1, True), ([True], 1, False)]
     finally:
         layer.answering.set()
         tier.close()

@@ -67,8 +67,8 @@ class Job(Generic[T]):
     def finish(self, result: T) -> None:
         if not self.claim():
             return
+        self._breaker.success()  # before the caller hears: it finds the breaker closed
         self.future.set_result(result)  # outside the lock: callbacks run here
-        self._breaker.success()
 
     def claim(self) -> bool:
         """Settle the job unless its deadline gave it up first: whether its result will
@@ -86,9 +86,9 @@ class Job(Generic[T]):
             if self._settled or self.abandoned:
                 return
             self.abandoned = True
-        self.future.set_result(self.failed)
-        self._breaker.failure()
+        self._breaker.failure()  # counted before the caller hears of it
         self.on_expire()
+        self.future.set_result(self.failed)
 
 
 class _Watchdog:
