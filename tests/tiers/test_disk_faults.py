@@ -11,8 +11,11 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from concurrent.futures import Future
 from pathlib import Path
+from types import FrameType
 
 import pytest
 from tier_helpers import ByteSlots, content, flip_byte
@@ -22,11 +25,12 @@ from kvoffload.core.layout import layout_preset
 from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
 from kvoffload.tiers import CircuitBreaker, DiskTier, layout_fingerprint
 from kvoffload.tiers.format import HEADER_BYTES, encode_header
-from kvoffload.tiers.slot_file import FileLayer, Recovery
+from kvoffload.tiers.slot_file import DiskTierError, FileLayer, Recovery, SlotFile
 
 SIZE = 64
 FP = layout_fingerprint("disk-faults", layout_preset("tiny"), SIZE)
 KEYS = [block_id_key(i) for i in range(8)]
+TraceFunction = Callable[[FrameType, str, object], object]
 
 
 class StalledLayer(FileLayer):
@@ -118,6 +122,42 @@ def test_a_hung_file_system_fails_calls_by_their_deadline_and_opens_the_breaker(
         tier.close()
 
 
+def test_a_caller_told_of_an_outcome_finds_the_breaker_and_counts_updated(
+    tmp_path: Path, layer: StalledLayer
+) -> None:
+    """When a read's future tells of a deadline miss, the miss is counted and the breaker
+    has heard of it; when it tells of the trial that got through, the breaker is closed.
+    A caller that acts at once (here a done callback, run as the future is resolved) is
+    neither let through to a hung disk nor refused a working one."""
+    clock = Clock()
+    breaker = CircuitBreaker(threshold=1, cooldown_s=60, clock=clock)
+    tier = DiskTier(
+        tmp_path, 8, FP, io_threads=1, deadline_s=0.2, breaker=breaker, file_layer=layer
+    )
+    told: list[tuple[list[bool], int, bool]] = []
+
+    def on_told(outcome: Future[list[bool]]) -> None:
+        told.append((outcome.result(), tier.deadline_misses, breaker.is_open))
+
+    buffers = [bytearray(SIZE) for _ in range(2)]
+    try:
+        tier.write(KEYS[:1], [content(KEYS[0], SIZE)])
+        tier.poll(wait=True)
+        layer.answering.clear()
+        missed = tier.read(KEYS[:1], lambda i: memoryview(buffers[0]))
+        missed.add_done_callback(on_told)
+        missed.result(timeout=30)
+        clock.now = 61
+        trial = tier.read(KEYS[:1], lambda i: memoryview(buffers[1]))  # queued, still hung
+        trial.add_done_callback(on_told)
+        layer.answering.set()
+        trial.result(timeout=30)
+        assert told == [([False], 1, True), ([True], 1, False)]
+    finally:
+        layer.answering.set()
+        tier.close()
+
+
 def test_closing_over_a_hung_file_system_returns(tmp_path: Path, layer: StalledLayer) -> None:
     tier = DiskTier(tmp_path, 8, FP, io_threads=2, deadline_s=0.2, file_layer=layer)
     tier.write(KEYS[:4], [content(key, SIZE) for key in KEYS[:4]])
@@ -168,6 +208,41 @@ def test_start_up_on_a_hung_file_system_is_one_clear_error(
     layer.answering.clear()
     with pytest.raises(Exception, match=r"did not answer within 0\.2 s"):
         DiskTier(tmp_path, 8, FP, deadline_s=0.2, file_layer=layer)
+
+
+def test_a_start_up_whose_deadline_passes_as_it_returns_leaves_nothing_locked(
+    tmp_path: Path,
+) -> None:
+    """The file opened, locked and scanned, the deadline passes just before the start-up
+    hands it over: the start-up succeeds or fails, and if it fails it keeps nothing open,
+    so the directory is free again (a result dropped unclaimed would hold its lock for
+    the life of the process).
+
+    The stripe thread is held where its open job returns, as by a debugger's breakpoint,
+    until the deadline has failed the job (or, if it can no longer fail it, for a while).
+    """
+    open_job = SlotFile._open.__code__
+    resumed = threading.Event()
+
+    def hold_on_return(frame: FrameType, event: str, _: object) -> TraceFunction:
+        if event == "return":
+            futures.wait([frame.f_locals["job"].future], timeout=1.0)
+            resumed.set()
+        return hold_on_return
+
+    def trace(frame: FrameType, event: str, _: object) -> TraceFunction | None:
+        return hold_on_return if event == "call" and frame.f_code is open_job else None
+
+    before = threading.gettrace()
+    threading.settrace(trace)
+    try:
+        DiskTier(tmp_path, 8, FP, io_threads=1, deadline_s=0.2).close()
+    except DiskTierError as exc:
+        assert "did not answer within 0.2 s" in str(exc)
+    finally:
+        threading.settrace(before)
+    assert resumed.wait(timeout=30)
+    DiskTier(tmp_path, 8, FP).close()
 
 
 CRASHER = """

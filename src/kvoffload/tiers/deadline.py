@@ -9,8 +9,10 @@ refuses new jobs at once until a trial job gets through), and whatever the
 stuck thread does later is ignored. Jobs check :attr:`Job.abandoned` before
 each step that has an effect outside the file (delivering bytes into a
 caller's buffer), under :attr:`Job.lock`, so nothing lands after the caller
-was told it failed. Stripe threads are daemons: a stuck one never holds up
-the process's exit.
+was told it failed. A job whose result holds something open (the start-up's
+files) settles itself with :meth:`Job.claim` before handing it over, and
+releases it if the deadline came first. Stripe threads are daemons: a stuck
+one never holds up the process's exit.
 
 Errors that come back (``EIO``, ``ENOSPC``) are the job's own result, not a
 breaker failure: they cost no time, and a full disk still serves reads.
@@ -63,12 +65,20 @@ class Job(Generic[T]):
         self._breaker = breaker
 
     def finish(self, result: T) -> None:
+        if not self.claim():
+            return
+        self._breaker.success()  # before the caller hears: it finds the breaker closed
+        self.future.set_result(result)  # outside the lock: callbacks run here
+
+    def claim(self) -> bool:
+        """Settle the job unless its deadline gave it up first: whether its result will
+        reach the caller. Past this, the deadline no longer fails it, so a job whose
+        result holds something open keeps it only when this says the caller gets it."""
         with self.lock:
             if self.abandoned:
-                return
+                return False
             self._settled = True
-        self.future.set_result(result)  # outside the lock: callbacks run here
-        self._breaker.success()
+            return True
 
     def expire(self) -> None:
         """The deadline passed: fail the job now, whatever its thread is doing."""
@@ -76,9 +86,9 @@ class Job(Generic[T]):
             if self._settled or self.abandoned:
                 return
             self.abandoned = True
-        self.future.set_result(self.failed)
-        self._breaker.failure()
+        self._breaker.failure()  # counted before the caller hears of it
         self.on_expire()
+        self.future.set_result(self.failed)
 
 
 class _Watchdog:

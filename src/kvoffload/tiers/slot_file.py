@@ -523,7 +523,7 @@ class SlotFile:
             _close_all(fds)
             return f"cannot use disk tier directory {self.directory}: {exc.strerror or exc}"
         _close_all(fds[:2])
-        if job.abandoned:  # too late: the caller has given up; keep nothing open
+        if not job.claim():  # too late: the caller has given up; keep nothing open
             _close_all(fds[2:])
         return _Opened(fd, lock_fd, found, recovery, superblock)
 
