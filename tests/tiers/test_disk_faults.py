@@ -168,6 +168,24 @@ def test_closing_over_a_hung_file_system_returns(tmp_path: Path, layer: StalledL
     assert tier.stats.failed == 2 and tier.stats.stored_blocks == 4
 
 
+def test_calls_on_a_closed_tier_fail_at_once_and_a_second_close_returns(tmp_path: Path) -> None:
+    """No thread runs a job queued after close and no watchdog expires it: such a job
+    fails at once, where its future (and a later close waiting on it) would never end."""
+    tier = DiskTier(tmp_path, 8, FP, io_threads=2, deadline_s=5.0)
+    tier.write(KEYS[:2], [content(key, SIZE) for key in KEYS[:2]])
+    tier.close()
+    assert tier.read(KEYS[:2], lambda i: memoryview(bytearray(SIZE))).result(timeout=10) == [
+        False,
+        False,
+    ]
+    tier.write(KEYS[2:4], [content(key, SIZE) for key in KEYS[2:4]])
+    closing = threading.Thread(target=tier.close, daemon=True)
+    closing.start()
+    closing.join(timeout=10)
+    assert not closing.is_alive()
+    assert tier.stats.stored_blocks == 2 and tier.stats.failed == 4  # two reads, two writes
+
+
 def test_the_engine_goes_on_when_the_disk_hangs(tmp_path: Path, layer: StalledLayer) -> None:
     """A promotion from a hung disk is a miss by its deadline; demotions fail and are counted."""
     slots = ByteSlots(2, SIZE)

@@ -63,6 +63,23 @@ def test_standalone_round_trip_under_the_fingerprint(valkey_server: ValkeyProces
         tier.close()
 
 
+def test_calls_on_a_closed_tier_fail_counted_and_raise_nothing(
+    valkey_server: ValkeyProcess,
+) -> None:
+    """A read or write after close (its I/O threads gone) is a counted failure, as every
+    other failure of the tier is: nothing raises into the engine."""
+    tier = RemoteTier(valkey_server.url, fingerprint("closed"))
+    tier.delete_all()
+    store(tier, KEYS[:2])
+    tier.close()
+    ok, _ = read_all(tier, KEYS[:2])
+    assert ok == [False, False]
+    tier.write(KEYS[2:5], [payload(key) for key in KEYS[2:5]])
+    tier.poll(wait=True)
+    tier.close()
+    assert tier.stats.stored_blocks == 2 and tier.stats.failed == 3
+
+
 def test_cluster_round_trip_spreads_blocks_over_the_nodes(
     valkey_cluster: ValkeyClusterProcesses,
 ) -> None:

@@ -185,6 +185,9 @@ class DeadlineStripes:
         self._bytes_per_s = bytes_per_s
         self._count_lock = threading.Lock()
         self._open: set[Future[object]] = set()
+        self._stopping = False
+        """Set by :meth:`close`: later jobs fail at once, where no thread would ever run
+        them and no watchdog expire them."""
         self._stripes = [_Stripe(f"{name}-{i}") for i in range(count)]
         self._watchdog = _Watchdog(f"{name}-deadline")
 
@@ -192,14 +195,15 @@ class DeadlineStripes:
         return len(self._stripes)
 
     def submit(self, stripe: int, work: Callable[[Job[T]], T], failed: T, nbytes: int) -> Future[T]:
-        """Run ``work`` on ``stripe``; its future holds ``failed`` if refused, raising or late."""
+        """Run ``work`` on ``stripe``; its future holds ``failed`` if refused, raising, late
+        or submitted after :meth:`close` began."""
         if not self.breaker.allow():
-            done: Future[T] = Future()
-            done.set_result(failed)
-            return done
+            return _done(failed)
         deadline = time.monotonic() + self.deadline_s + nbytes / self._bytes_per_s
         job = Job(deadline, failed, self.breaker, self._count_expired)
         with self._count_lock:
+            if self._stopping:
+                return _done(failed)
             self._open.add(job.future)  # type: ignore[arg-type]
         job.future.add_done_callback(self._closed)  # type: ignore[arg-type]
         self._watchdog.watch(job)
@@ -219,6 +223,7 @@ class DeadlineStripes:
         let the stuck call land in whatever file reuses the descriptor).
         """
         with self._count_lock:
+            self._stopping = True
             waiting = list(self._open)
         for future in waiting:
             future.result()
@@ -235,3 +240,10 @@ class DeadlineStripes:
     def _count_expired(self) -> None:
         with self._count_lock:
             self.expired += 1
+
+
+def _done(result: T) -> Future[T]:
+    """A future that already holds ``result``."""
+    future: Future[T] = Future()
+    future.set_result(result)
+    return future

@@ -213,6 +213,8 @@ class RemoteTier:
         """Hashes a batch's single-buffer payloads while they go out (one per I/O thread)."""
         self._writes: list[tuple[list[OffloadKey], Future[list[bool]]]] = []
         self._events = EventLog(enable_events)
+        self._closed = False
+        """Set by :meth:`close`: later reads and writes fail (counted), never raise."""
 
     @property
     def breakers(self) -> dict[str, CircuitBreaker]:
@@ -262,6 +264,10 @@ class RemoteTier:
 
     def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
         keys = list(keys)
+        if self._closed:
+            missed: Future[list[bool]] = Future()
+            missed.set_result([False] * len(keys))
+            return missed
         return self._pool.submit(self._read, keys, target)
 
     def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> None:
@@ -272,6 +278,9 @@ class RemoteTier:
         of plain SET, one per 256 MiB batch at 0.87 (medians of 8 rounds, dev VM).
         """
         keys, payloads = list(keys), list(payloads)
+        if self._closed:
+            self.stats.add(failed=len(keys))
+            return
         step = max(1, self._chunk_bytes // max(1, payload_size(payloads[0]) if payloads else 1))
         for start in range(0, len(keys), step):
             chunk = keys[start : start + step]
@@ -294,6 +303,7 @@ class RemoteTier:
         return self._events.take()
 
     def close(self) -> None:
+        self._closed = True
         self.poll(wait=True)
         self._pool.shutdown(wait=True)
         self._ahead.shutdown(wait=True)
