@@ -36,6 +36,9 @@ def test_script_prints_its_usage(script: Path) -> None:
         pytest.skip(f"{script.name} needs {missing.group(1)}")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"usage: {script.name}"), done.stdout
+    for choices in re.findall(r"\{([^}]*)\}", done.stdout):
+        listed = choices.split(",")
+        assert len(set(listed)) == len(listed), f"a usage that reads {{{choices}}} is ambiguous"
 
 
 def test_the_scripts_are_found() -> None:
