@@ -58,6 +58,19 @@ BAD_CONFIGS = [
     ({"kvoffload.remote_url": "redis://h:1", "kvoffload.metrics_port": 70000}, "metrics_port"),
     ({"kvoffload.remote_url": "redis://h:1", "interface_v1": "yes"}, "interface_v1"),
     ({}, "kvoffload.disk_dir"),
+    (
+        {"kvoffload.disk_dir": "/tmp/x", "kvoffload.disk_bytes": 9, "kvoffload.disk_timeout_ms": 0},
+        "kvoffload.disk_timeout_ms",
+    ),
+    (
+        {
+            "kvoffload.disk_dir": "/tmp/x",
+            "kvoffload.disk_bytes": 9,
+            "kvoffload.disk_timeout_ms": "x",
+        },
+        "kvoffload.disk_timeout_ms",
+    ),
+    ({"kvoffload.remote_url": "redis://h:1", "kvoffload.disk_timeout_ms": 50}, "disk_timeout_ms"),
 ]
 """Extra configs that must stop start-up, and the key each error must name."""
 

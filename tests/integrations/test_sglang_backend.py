@@ -21,6 +21,7 @@ from sglang_helpers import HostPool, page_hash
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.integrations.sglang.storage import page_key
+from kvoffload.tiers.disk import DEFAULT_DEADLINE_S
 from tier_servers import ValkeyProcess
 
 torch = pytest.importorskip("torch")
@@ -278,3 +279,12 @@ def test_a_hybrid_models_extra_host_pool_stops_the_attach_naming_it(
     with pytest.raises(InvalidArgumentError, match="host pool 'mamba', which needs SGLang's batch"):
         backend.register_mem_host_pool_v2(HostPool(mla=True), names.MAMBA)
     round_trip_v1(backend, pool, KEYS[:2], seed=4)  # the KV pages still work
+
+
+def test_the_disk_deadline_key_reaches_the_opened_disk_tier(backends: Any, tmp_path: Path) -> None:
+    """``kvoffload.disk_timeout_ms`` is each disk job's deadline, as under vLLM; without it
+    the disk tier's default (10 s)."""
+    timed = backends({**disk(tmp_path / "timed"), "kvoffload.disk_timeout_ms": 250}, HostPool())
+    default = backends(disk(tmp_path / "default"), HostPool())
+    assert timed.paths[0].tier.deadline_s == 0.25
+    assert default.paths[0].tier.deadline_s == DEFAULT_DEADLINE_S

@@ -16,6 +16,7 @@ from kvoffload.admission import WriteBudget, config_params
 from kvoffload.admission.registry import ParamPairs
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.managers.stack import DISK, REMOTE, LowerTierConfig
+from kvoffload.tiers.disk import check_timeout_ms
 from kvoffload.tiers.url import parse_remote_url
 
 PREFIX = "kvoffload."
@@ -43,6 +44,9 @@ DISK_BYTES = f"{PREFIX}disk_bytes"
 DISK_POLICY = f"{PREFIX}disk_policy"
 DISK_ADMISSION = f"{PREFIX}disk_admission"
 DISK_ADMISSION_PARAMS = f"{PREFIX}disk_admission_params"
+DISK_TIMEOUT_MS = f"{PREFIX}disk_timeout_ms"
+"""Each disk I/O job's deadline in milliseconds (plus its bytes at 50 MB/s), as vLLM's
+``kvoffload.disk_timeout_ms``; absent: the disk tier's default."""
 REMOTE_URL = f"{PREFIX}remote_url"
 REMOTE_ADMISSION = f"{PREFIX}remote_admission"
 REMOTE_ADMISSION_PARAMS = f"{PREFIX}remote_admission_params"
@@ -65,6 +69,7 @@ OWN_KEYS = frozenset(
         DISK_POLICY,
         DISK_ADMISSION,
         DISK_ADMISSION_PARAMS,
+        DISK_TIMEOUT_MS,
         REMOTE_URL,
         REMOTE_ADMISSION,
         REMOTE_ADMISSION_PARAMS,
@@ -88,6 +93,7 @@ class BackendSettings:
     disk_policy: str = "lru"
     disk_admission: str = "none"
     disk_admission_params: ParamPairs = ()
+    disk_deadline_s: float | None = None
     remote_url: str | None = field(default=None, repr=False)  # may hold a password
     remote_admission: str = "none"
     remote_admission_params: ParamPairs = ()
@@ -108,6 +114,7 @@ class BackendSettings:
             self.disk_dir,
             None,
             self.disk_policy,
+            self.disk_deadline_s,
             admission=self.disk_admission,
             admission_params=self.disk_admission_params,
             write_budget=self.disk_write_budget,
@@ -164,6 +171,10 @@ def parse_settings(extra_config: Mapping[str, Any] | None) -> BackendSettings:
             f"hicache-storage-backend-extra-config {DISK_DIR!r} and {DISK_BYTES!r} go together; "
             f"{missing!r} is missing"
         )
+    if disk_dir is None and DISK_TIMEOUT_MS in config:
+        raise InvalidArgumentError(
+            f"hicache-storage-backend-extra-config {DISK_TIMEOUT_MS!r} needs {DISK_DIR!r}"
+        )
     if remote_url is not None:
         try:
             parse_remote_url(remote_url)
@@ -186,6 +197,7 @@ def parse_settings(extra_config: Mapping[str, Any] | None) -> BackendSettings:
         disk_policy=_str(config, DISK_POLICY) or "lru",
         disk_admission=disk_admission,
         disk_admission_params=_params(config, DISK_ADMISSION_PARAMS, disk_admission),
+        disk_deadline_s=_deadline_s(config),
         remote_url=remote_url,
         remote_admission=remote_admission,
         remote_admission_params=_params(config, REMOTE_ADMISSION_PARAMS, remote_admission),
@@ -198,6 +210,14 @@ def parse_settings(extra_config: Mapping[str, Any] | None) -> BackendSettings:
     )
     _ = settings.disk_tier, settings.remote_tier  # their checks stop a budget without its rule
     return settings
+
+
+def _deadline_s(config: Mapping[str, Any]) -> float | None:
+    """The disk tier's job deadline in seconds, if set."""
+    value = config.get(DISK_TIMEOUT_MS)
+    if value is None:
+        return None
+    return check_timeout_ms(value, f"{WHERE}{DISK_TIMEOUT_MS!r}") / 1000
 
 
 def _budget(config: Mapping[str, Any], key: str) -> WriteBudget | None:
