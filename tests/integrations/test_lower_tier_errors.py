@@ -186,3 +186,16 @@ def test_a_secondary_write_budget_reaches_the_builders_optimiser() -> None:
     layer = tier_book(settings.sized(4096), CPULoadStoreSpec([]))
     assert isinstance(layer, OptimisingAdmission)
     assert layer.capacity == 256 and layer.objective.write_budget == 0.2
+
+
+@pytest.mark.parametrize(
+    ("parse", "entry"), [(parse_disk_settings, DISK_ENTRY), (parse_shared_settings, SHARED_ENTRY)]
+)
+def test_an_unknown_secondary_tier_key_lists_every_key_the_entry_takes(
+    parse: Callable[[str, Mapping[str, Any]], object], entry: Mapping[str, Any]
+) -> None:
+    """The known keys include those vLLM's own tiering reads, which the entry accepts."""
+    with pytest.raises(InvalidArgumentError, match="'disk_dri': unknown key") as error:
+        parse("T", {**entry, "disk_dri": "/x"})
+    assert all(key in str(error.value) for key in ("type", "module_path", "backpressure"))
+    parse("T", {**entry, "type": "T", "module_path": "m", "backpressure": True})

@@ -190,7 +190,12 @@ def _error(tier_type: str, key: str, what: str) -> InvalidArgumentError:
 def _check_keys(tier_type: str, entry: Mapping[str, Any], known: frozenset[str]) -> None:
     unknown = sorted(set(entry) - known - VLLM_KEYS)
     if unknown:
-        raise _error(tier_type, unknown[0], f"unknown key; known: {', '.join(sorted(known))}")
+        raise _error(
+            tier_type,
+            unknown[0],
+            f"unknown key; known: {', '.join(sorted(known))} and vLLM's "
+            f"{', '.join(sorted(VLLM_KEYS))}",
+        )
 
 
 def _admission_params(tier_type: str, entry: Mapping[str, Any]) -> object:
