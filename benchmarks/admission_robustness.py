@@ -487,7 +487,7 @@ def _print_summary(summary: Row, rows: list[Row]) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", type=positive_int, default=250, help="how many shapes to draw")
     parser.add_argument("--seed", type=int, default=0, help="seed of the shape drawing")
     parser.add_argument(

@@ -158,7 +158,7 @@ def positive_int(text: str) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=positive_int, default=2)
     parser.add_argument(
         "--shares", default="0.05,0.1,0.25", help="capacity shares of unique blocks"

@@ -210,7 +210,7 @@ def fastest(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--repeat", type=int, default=3, help="runs per config; the fastest counts")
     parser.add_argument("--json", type=Path, help="also write the results here")

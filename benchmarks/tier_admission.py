@@ -68,7 +68,7 @@ def rows(name: str, cpu_share: float, disk_share: float, budget: float) -> list[
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default="mooncake,rag,oneshot")
     parser.add_argument("--cpu-share", type=float, default=0.05)
     parser.add_argument("--disk-share", type=float, default=0.25)
