@@ -233,3 +233,67 @@ def test_no_policy_beats_the_bound(
     assert report.offload_hit_blocks <= round(report.belady_offload_hit_ratio * report.refs)
     hits = report.gpu_hit_blocks + report.offload_hit_blocks
     assert hits <= round(report.belady_total_hit_ratio * report.refs)
+
+
+def _timed(at: float, ids: list[int], tokens: int | None = None) -> Request:
+    keys = [block_id_key(i) for i in ids]
+    return Request(at, 16 * len(ids) if tokens is None else tokens, 1, keys)
+
+
+# Two overlapping runs (GPU 2 blocks, tier 1, 10 ms of prefill per 16 tokens, 4 ms per
+# block on the link) that beat a bound placing each request's stores at one moment.
+# "late store": A (160 tokens) stores 1 only at 100 ms; B stores 2 at 11 ms; X, Y1 and Y2
+# (8-token blocks, dropped) push 2 and then 1 out of the GPU; C hits 2 in the tier before
+# A's store evicts it, D hits 1 after. A bound storing A's block when A starts had to
+# choose between 1 and 2 there, and got 1 hit.
+# "early store": the last two requests start together and both hit 2 in the tier; a bound
+# storing blocks only when the run stored them kept 0 (used sooner) over 2, as 2's next
+# store comes after both lookups, and got 1 hit.
+OVERLAP_REPROS = {
+    "late store": (
+        [
+            _timed(0.0, [1], tokens=160),
+            _timed(0.001, [2]),
+            _timed(0.015, [90], tokens=8),
+            _timed(0.025, [2]),
+            _timed(0.15, [91], tokens=8),
+            _timed(0.15, [92], tokens=8),
+            _timed(0.2, [1]),
+        ],
+        "drop",
+    ),
+    "early store": (
+        [_timed(0.0, ids) for ids in [[0, 1]] + [[2]] * 8 + [[0, 1], [2], [2]]],
+        "cache",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OVERLAP_REPROS))
+def test_overlapping_runs_stay_within_their_bound(name: str) -> None:
+    requests, partial_block = OVERLAP_REPROS[name]
+    config = SimConfig(
+        2,
+        1,
+        concurrency=2,
+        partial_block=partial_block,
+        layout="tiny",
+        prefill_tokens_per_s=1600.0,
+        decode_tokens_per_s=1e9,
+        transfer_gb_per_s=1e-3,
+    )
+    report = simulate(Workload(name, 16, requests), config)
+    assert report.belady_offload_hit_ratio is not None
+    assert report.offload_hit_blocks == 2
+    assert report.offload_hit_blocks <= round(report.belady_offload_hit_ratio * report.refs)
+
+
+def test_store_points_are_checked() -> None:
+    requests = [_timed(0.0, [1]), _timed(0.0, [2])]
+    with pytest.raises(InvalidArgumentError, match="1 store points for 2 requests"):
+        belady_bound(requests, 2, 1, gpu_hits=[0, 0], store_points=[1])
+    with pytest.raises(InvalidArgumentError, match="request 1 stored when 1 requests"):
+        belady_bound(requests, 2, 1, gpu_hits=[0, 0], store_points=[2, 1])
+    # Stores in start order, each before the next start: the sequential bound.
+    sequential = belady_bound(requests, 2, 1)
+    assert belady_bound(requests, 2, 1, gpu_hits=[0, 0], store_points=[1, 2]) == sequential

@@ -18,6 +18,11 @@ hit counts only in the leading run of blocks past the GPU hit:
   first: a request can use a block only with all the blocks before it, so
   keeping a child without its parent is worthless.
 
+Overlapping requests (a run's ``store_points``) store late: a long prefill
+can store after later requests have looked up. The bound then offers such a
+request's blocks twice, when it starts (as if stored at once) and again where
+the run stored them, so every choice the run made is one the bound could make.
+
 Furthest-next-use is provably optimal only for independent blocks; under
 prefix semantics it is a heuristic that no tested policy has beaten.
 
@@ -99,6 +104,7 @@ def belady_bound(
     offload_blocks: int,
     drop_partial_of: int | None = None,
     gpu_hits: Sequence[int] | None = None,
+    store_points: Sequence[int] | None = None,
 ) -> BeladyResult:
     """Hits of a GPU LRU prefix cache in front of a Belady offload tier of ``offload_blocks``.
 
@@ -107,9 +113,14 @@ def belady_bound(
     ``gpu_hits``: each request's GPU prefix hit as a run saw it, ``requests``
     in the order that run started them; ``None`` replays ``requests`` one after
     another through a GPU cache of ``gpu_blocks``.
+    ``store_points``: for each request, how many requests had started when it
+    offered its blocks to the tier (overlapping requests store after later ones
+    looked up); ``None``: each stores before the next one starts.
     """
     if gpu_hits is not None and len(gpu_hits) != len(requests):
         raise InvalidArgumentError(f"{len(gpu_hits)} GPU hit counts for {len(requests)} requests")
+    if store_points is not None and len(store_points) != len(requests):
+        raise InvalidArgumentError(f"{len(store_points)} store points for {len(requests)} requests")
     drop = drop_partial_of is not None
     cacheable = [cacheable_keys(req, drop_partial_of or 1, drop) for req in requests]
     if gpu_hits is None:
@@ -118,31 +129,65 @@ def belady_bound(
     if offload_blocks == 0:
         return BeladyResult(refs, sum(gpu_hits), 0)
     uses = next_uses(cacheable, gpu_hits)
+    late_stores = _late_stores(len(requests), store_points)
+    tracking = any(late_stores)
+    next_use: dict[OffloadKey, NextUse] = {}
+    """Each key's next use after the lookups replayed so far (for late stores)."""
+    if tracking:
+        for index, keys in enumerate(cacheable):
+            for position in range(gpu_hits[index], len(keys)):
+                next_use.setdefault(keys[position], (index, position))
     tier: dict[OffloadKey, int] = {}
     by_use = _ByNextUse(cacheable)
-    added = by_use.added
     offload_hits = 0
-    never = len(requests)
+    never = (len(requests), 0)
     for index, keys in enumerate(cacheable):
+        # A request that stored after later ones started offers its blocks again.
+        for stored in late_stores[index]:
+            offered = cacheable[stored]
+            for position in range(gpu_hits[stored], len(offered)):
+                key = offered[position]
+                use = next_use.get(key, never)
+                if key not in tier and use != never:
+                    tier[key] = use[0]
+                    by_use.place(use)
+        if len(tier) > offload_blocks:
+            by_use.evict(tier, offload_blocks)
         by_use.forget(index)
-        found = gpu_hits[index]
+        hit = gpu_hits[index]
+        found = hit
         while found < len(keys) and keys[found] in tier:
             found += 1
-        offload_hits += found - gpu_hits[index]
-        # A block never used again is the first to leave: keep it out, or drop it, at once.
-        for position, (key, (use, there)) in enumerate(zip(keys, uses[index], strict=True)):
+        offload_hits += found - hit
+        # Every block past the GPU hit enters (or stays) with its next use, as if stored
+        # at once; a block never used again would be the first to leave: it leaves now.
+        for position in range(hit, len(keys)):
+            key, use = keys[position], uses[index][position]
+            if tracking:
+                next_use[key] = use
             if use == never:
                 tier.pop(key, None)
-            elif position >= found or key in tier:
-                tier[key] = use
-                bucket = added.get(use)
-                if bucket is None:
-                    by_use.start(use, there)
-                else:
-                    bucket.append(there)
+            else:
+                tier[key] = use[0]
+                by_use.place(use)
         if len(tier) > offload_blocks:
             by_use.evict(tier, offload_blocks)
     return BeladyResult(refs, sum(gpu_hits), offload_hits)
+
+
+def _late_stores(num_requests: int, store_points: Sequence[int] | None) -> list[list[int]]:
+    """For each request, the requests that stored just before it started, after another
+    request had started since their own start (a sequential run has none)."""
+    late: list[list[int]] = [[] for _ in range(num_requests + 1)]
+    for index, point in enumerate(store_points or ()):
+        if not index < point <= num_requests:
+            raise InvalidArgumentError(
+                f"request {index} stored when {point} requests had started, not "
+                f"{index + 1} to {num_requests}"
+            )
+        if point > index + 1:
+            late[point].append(index)
+    return late
 
 
 class _ByNextUse:
@@ -165,9 +210,15 @@ class _ByNextUse:
         self._uses: list[int] = []
         """A heap of the negated next uses that have (or had) a group."""
 
-    def start(self, use: int, position: int) -> None:
-        self.added[use] = [position]
-        heapq.heappush(self._uses, -use)
+    def place(self, use: NextUse) -> None:
+        """Group a key (named by its position in request ``use[0]``) under its next use."""
+        request, position = use
+        bucket = self.added.get(request)
+        if bucket is None:
+            self.added[request] = [position]
+            heapq.heappush(self._uses, -request)
+        else:
+            bucket.append(position)
 
     def forget(self, use: int) -> None:
         """Drop the group of a request now running: its keys all get a new next use."""

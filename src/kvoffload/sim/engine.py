@@ -138,6 +138,7 @@ class _Running:
         "computed_from",
         "decoded",
         "gpu_hits",
+        "index",
         "keys",
         "load_hits",
         "load_job",
@@ -153,6 +154,7 @@ class _Running:
         slots: list[int],
         gpu_hits: int,
         load_hits: int,
+        index: int,
     ) -> None:
         self.req = req
         self.keys = keys
@@ -160,6 +162,8 @@ class _Running:
         self.slots = slots
         self.gpu_hits = gpu_hits
         self.load_hits = load_hits
+        self.index = index
+        """Where the request is in the order the requests started."""
         self.computed_from = gpu_hits + load_hits
         self.load_job = -1
         self.pending_stores = 0
@@ -203,6 +207,9 @@ class ServingEngine:
         """The requests in the order they started (parked ones and overlap reorder them)."""
         self.gpu_hits_by_start: list[int] = []
         """Each request's GPU prefix hit, in the order the requests started."""
+        self.store_points_by_start: list[int] = []
+        """For each request, in the order they started: how many requests had started when
+        it offered its blocks to the tier (at the end of its prefill)."""
         self._retries: dict[int, int] = {}
         """Times each parked request (by ``id``) has been parked so far."""
         self._holds = holds if holds is not None else getattr(manager, "holds", None)
@@ -334,9 +341,10 @@ class ServingEngine:
         if self._retries:
             self._retries.pop(id(req), None)
         slots = gpu.acquire_slots(shared, num_blocks - gpu_hits)
-        running = _Running(req, keys, slots, gpu_hits, load_hits)
+        running = _Running(req, keys, slots, gpu_hits, load_hits, len(self.requests_by_start))
         self.requests_by_start.append(req)
         self.gpu_hits_by_start.append(gpu_hits)
+        self.store_points_by_start.append(0)  # set when its prefill ends
         stats.requests += 1
         stats.refs += num_blocks
         stats.prompt_tokens += req.input_tokens
@@ -411,6 +419,7 @@ class ServingEngine:
             if cacheable > first:
                 self.gpu.register(running.keys[first:], slots[first:cacheable])
             self.stats.computed_blocks += len(computed)
+        self.store_points_by_start[running.index] = len(self.requests_by_start)
         self._store(running)
         if self._layer is not None:
             started = time.perf_counter()

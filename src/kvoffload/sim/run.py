@@ -391,14 +391,15 @@ def simulate(
     tiered = None if stack is None else stack.tiered
     bound = None
     if config.bounded:
-        # The run's own order and GPU hits: overlapping or parked requests change both, and
-        # a sequential replay's bound is then no bound on this run.
+        # The run's own order, GPU hits and store times: overlapping or parked requests
+        # change them, and a sequential replay's bound is then no bound on this run.
         bound = belady_bound(
             engine.requests_by_start,
             config.gpu_blocks,
             config.cpu_blocks,
             _drop_partial_of(workload, config),
             engine.gpu_hits_by_start,
+            engine.store_points_by_start,
         )
     wall = time.perf_counter() - started
 

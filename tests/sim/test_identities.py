@@ -1,0 +1,160 @@
+"""Identities every run must keep, over random small workloads and configurations (the
+Belady bound has its own property test in ``test_belady.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvoffload import block_id_key
+from kvoffload.core.keys import OffloadKey
+from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
+from kvoffload.core.specs import LoadStoreSpec
+from kvoffload.managers.cpu import CPUOffloadingManager
+from kvoffload.managers.stack import build_cpu_stack
+from kvoffload.sim.engine import EngineStats, ServingEngine
+from kvoffload.sim.run import SimConfig, simulate
+from kvoffload.sim.workload import Request, Workload
+
+
+class EventCount(OffloadingManager):
+    """Forwards to ``inner`` and counts the CPU tier's events, pins and pending stores."""
+
+    def __init__(self, inner: OffloadingManager, cpu: CPUOffloadingManager) -> None:
+        self.inner, self.cpu = inner, cpu
+        self.stored = self.removed = self.pinned = 0
+        self.pending: set[OffloadKey] = set()
+
+    def _take_events(self) -> None:
+        for event in self.cpu.take_events():
+            if event.removed:
+                self.removed += len(event.keys)
+            else:
+                self.stored += len(event.keys)
+
+    def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
+        return self.inner.lookup(keys)
+
+    def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
+        keys = list(keys)
+        self.pinned += len(keys)
+        return self.inner.prepare_load(keys)
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        self.inner.touch(keys)
+
+    def complete_load(self, keys: Iterable[OffloadKey]) -> None:
+        keys = list(keys)
+        self.pinned -= len(keys)
+        self.inner.complete_load(keys)
+
+    def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
+        output = self.inner.prepare_store(keys)
+        if output is not None:
+            self.pending.update(output.keys_to_store)
+        self._take_events()
+        return output
+
+    def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
+        keys = list(keys)
+        self.pending.difference_update(keys)
+        self.inner.complete_store(keys, success)
+        self._take_events()
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> Workload:
+    """Requests walking a small prefix tree, some empty, some with a partial last block or
+    an unkeyed tail (a long prefill), arriving together or apart."""
+    ids: dict[tuple[int, ...], int] = {}
+    requests = []
+    at = 0.0
+    for _ in range(draw(st.integers(1, 20))):
+        at += draw(st.sampled_from([0.0, 0.001, 0.01, 0.5]))
+        path = tuple(draw(st.lists(st.integers(0, 2), max_size=5)))
+        keys = [block_id_key(ids.setdefault(path[:depth], len(ids))) for depth in range(1, 6)]
+        keys = keys[: len(path)]
+        tokens = max(0, 16 * len(keys) - draw(st.integers(0, 15)))
+        tokens += draw(st.sampled_from([0, 0, 0, 150]))
+        requests.append(Request(at, tokens, draw(st.integers(0, 8)), keys))
+    return Workload("tree", 16, requests)
+
+
+def counts(stats: EngineStats) -> dict[str, int]:
+    return {name: value for name, value in vars(stats).items() if isinstance(value, int)}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    workload=workloads(),
+    concurrency=st.integers(1, 4),
+    spare_gpu=st.integers(0, 5),
+    cpu_blocks=st.integers(0, 6),
+    policy=st.sampled_from(["lru", "arc", "s3fifo"]),
+    admission=st.sampled_from(["none", "recommended"]),
+    partial_block=st.sampled_from(["cache", "drop"]),
+    link_gb_per_s=st.sampled_from([1e-3, 25.0]),
+)
+def test_every_run_keeps_the_identities(
+    workload: Workload,
+    concurrency: int,
+    spare_gpu: int,
+    cpu_blocks: int,
+    policy: str,
+    admission: str,
+    partial_block: str,
+    link_gb_per_s: float,
+) -> None:
+    longest = max(len(r.keys) for r in workload.requests)
+    config = SimConfig(
+        max(1, longest + spare_gpu),
+        cpu_blocks,
+        policy=policy,
+        admission=admission,
+        concurrency=concurrency,
+        partial_block=partial_block,
+        layout="tiny",
+        prefill_tokens_per_s=1600.0,
+        transfer_gb_per_s=link_gb_per_s,
+    )
+    report = simulate(workload, config)
+    refs = sum(len(r.keys) for r in workload.requests)
+    assert report.refs == refs and report.requests == len(workload.requests)
+    assert report.gpu_hit_blocks + report.offload_hit_blocks + report.computed_blocks == refs
+    assert report.offload_blocks_read == report.offload_hit_blocks  # no load fails here
+    assert report.stores_offered >= (
+        report.offload_blocks_written + report.stores_skipped_by_admission + report.stores_rejected
+    )
+    for ratio in (report.gpu_hit_ratio, report.offload_hit_ratio, report.total_hit_ratio):
+        assert 0 <= ratio <= 1
+    assert 0 <= report.writes_per_ref <= 1
+    # Loads slower than recomputing make the tier's net saving negative; the GPU's never is.
+    saved_by_gpu = report.prefill_seconds_saved - report.prefill_seconds_saved_by_offload
+    assert saved_by_gpu >= -1e-12
+    assert report.prefill_seconds_saved <= report.prefill_seconds_baseline + 1e-12
+    if cpu_blocks == 0:
+        assert report.offload_hit_blocks == report.offload_blocks_written == 0
+        return
+    # The same run again, its tier's events counted: the same figures, writes = stored events.
+    stack = build_cpu_stack(
+        config.stack_config(enable_events=True, bytes_per_block=report.bytes_per_block)
+    )
+    probe = EventCount(stack.manager, stack.cpu)
+    engine = ServingEngine(
+        config.engine_config(16), probe, holds=stack.holds, admission=stack.admission
+    )
+    stats = engine.run(workload.requests)
+    assert (stats.gpu_hit_blocks, stats.offload_hit_blocks) == (
+        report.gpu_hit_blocks,
+        report.offload_hit_blocks,
+    )
+    assert stats.stored_blocks == report.offload_blocks_written == probe.stored
+    assert stats.offload_evictions == report.offload_evictions == probe.removed
+    assert probe.pinned == 0 and not probe.pending
+    fresh = build_cpu_stack(config.stack_config())
+    again = ServingEngine(
+        config.engine_config(16), fresh.manager, holds=fresh.holds, admission=fresh.admission
+    )
+    assert counts(again.run(workload.requests)) == counts(stats)
