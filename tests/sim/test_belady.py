@@ -66,7 +66,8 @@ def test_bound_never_below_the_policy(mixed: Workload, policy: str, cpu_blocks: 
 
 
 def reference_bound(workload: Workload, gpu_blocks: int, offload_blocks: int) -> tuple[int, int]:
-    """The bound the plain way: next uses from each key's list of tier uses, a heap of
+    """The bound the plain way: next uses from each key's list of tier uses (a request uses
+    a key from the tier at or past its GPU hit, less than a tier-full past it), a heap of
     (-use, -position there)."""
     requests = workload.requests
     gpu = GPUPrefixCache(gpu_blocks)
@@ -80,7 +81,8 @@ def reference_bound(workload: Workload, gpu_blocks: int, offload_blocks: int) ->
 
     tier_uses: dict[OffloadKey, list[tuple[int, int]]] = {}
     for index, req in enumerate(requests):
-        for position in range(len(req.keys) - 1, hits[index] - 1, -1):
+        reach = min(len(req.keys), hits[index] + offload_blocks)
+        for position in range(reach - 1, hits[index] - 1, -1):
             tier_uses.setdefault(req.keys[position], []).append((index, position))
 
     def next_use(key: OffloadKey, after: int) -> tuple[int, int]:
@@ -144,19 +146,36 @@ def test_bound_from_known_gpu_hits_is_the_same(mixed: Workload) -> None:
 # next uses counted that reference kept 0 in its one tier block instead of 1, and reached
 # 1 hit of 11 where LRU reaches 2. In the second, 2 and 3 share their next use; a bound
 # evicting the smaller key first kept the child 3 without its parent 2, which no request
-# can use.
+# can use. In the third, the request after [0, 1, 2] reaches 2 only past 0 and 1, which a
+# one-block tier can never hold with it; a bound keeping 2 for that use dropped 5, which
+# LRU kept and hit (LRU 2, bound 1).
 REPRO_TRACES = {
-    "gpu-served next use": ([[1], [12, 23], [0, 2, 3, 11], [0, 4, 8], [1]], 8),
-    "parent before child": ([[2], [2, 3, 4], [0, 1], [6, 7, 17, 18], [2, 3]], 6),
+    "gpu-served next use": ([[1], [12, 23], [0, 2, 3, 11], [0, 4, 8], [1]], 8, (1, 1)),
+    "parent before child": ([[2], [2, 3, 4], [0, 1], [6, 7, 17, 18], [2, 3]], 6, (1, 1)),
+    "use past a tier-full": (
+        [
+            [0, 1],
+            [0, 1, 2],
+            [3, 4, 5, 6, 7],
+            [0, 1, 2, 8, 9],
+            [3, 4, 5],
+            [3, 10, 11],
+            [3, 4, 5, 6, 7],
+            [0, 1, 2, 8, 9],
+            [3, 4, 5, 6, 7, 12],
+        ],
+        7,
+        (12, 2),
+    ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(REPRO_TRACES))
 def test_bound_holds_for_every_policy_and_admission(make_workload: MakeWorkload, name: str) -> None:
-    blocks, gpu_blocks = REPRO_TRACES[name]
+    blocks, gpu_blocks, expected = REPRO_TRACES[name]
     workload = make_workload(*blocks)
     bound = belady_bound(workload.requests, gpu_blocks, offload_blocks=1)
-    assert (bound.gpu_hit_blocks, bound.offload_hit_blocks) == (1, 1)
+    assert (bound.gpu_hit_blocks, bound.offload_hit_blocks) == expected
     best = 0
     for policy in available_policies():
         for admission in available_admissions():

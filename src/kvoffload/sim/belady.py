@@ -17,6 +17,10 @@ hit counts only in the leading run of blocks past the GPU hit:
 - of blocks with the same next use, the one furthest into that request goes
   first: a request can use a block only with all the blocks before it, so
   keeping a child without its parent is worthless.
+- for the same reason a block a tier-full or more past the request's GPU hit is
+  no use there: keeping it for that request would only take a useful block's
+  room (a tier of one block kept a third block for a request whose first two it
+  could never hold with it, and lost a hit LRU made).
 
 Overlapping requests (a run's ``store_points``) store late: a long prefill
 can store after later requests have looked up. The bound then offers such a
@@ -80,12 +84,14 @@ def gpu_prefix_hits(
 
 
 def next_uses(
-    requests: Sequence[Sequence[OffloadKey]], gpu_hits: Sequence[int]
+    requests: Sequence[Sequence[OffloadKey]], gpu_hits: Sequence[int], reach: int | None = None
 ) -> list[list[NextUse]]:
     """For each request and block, where the key is next needed from the tier.
 
-    A request needs a key from the tier only at or past its GPU hit; keys
-    never needed again get ``(len(requests), 0)``, later than any real use.
+    A request needs a key from the tier only at or past its GPU hit, and (``reach``: the
+    tier's capacity) fewer than ``reach`` blocks past it: a hit there needs every block
+    from the GPU hit on in the tier at once. Keys never needed again get
+    ``(len(requests), 0)``, later than any real use.
     """
     never = (len(requests), 0)
     next_use: dict[OffloadKey, NextUse] = {}
@@ -93,7 +99,8 @@ def next_uses(
     for index in range(len(requests) - 1, -1, -1):
         keys = requests[index]
         result[index] = [next_use.get(key, never) for key in keys]
-        for position in range(len(keys) - 1, gpu_hits[index] - 1, -1):
+        end = len(keys) if reach is None else min(len(keys), gpu_hits[index] + reach)
+        for position in range(end - 1, gpu_hits[index] - 1, -1):
             next_use[keys[position]] = (index, position)
     return result
 
@@ -128,14 +135,15 @@ def belady_bound(
     refs = sum(len(req.keys) for req in requests)
     if offload_blocks == 0:
         return BeladyResult(refs, sum(gpu_hits), 0)
-    uses = next_uses(cacheable, gpu_hits)
+    uses = next_uses(cacheable, gpu_hits, offload_blocks)
     late_stores = _late_stores(len(requests), store_points)
     tracking = any(late_stores)
     next_use: dict[OffloadKey, NextUse] = {}
     """Each key's next use after the lookups replayed so far (for late stores)."""
     if tracking:
         for index, keys in enumerate(cacheable):
-            for position in range(gpu_hits[index], len(keys)):
+            hit = gpu_hits[index]
+            for position in range(hit, min(len(keys), hit + offload_blocks)):
                 next_use.setdefault(keys[position], (index, position))
     tier: dict[OffloadKey, int] = {}
     by_use = _ByNextUse(cacheable)
