@@ -99,6 +99,16 @@ def test_a_second_class_under_a_taken_name_is_refused(scratch_registry: None) ->
     assert register_admission("feedback")(FeedbackAdmission) is FeedbackAdmission  # re-import
 
 
+@pytest.mark.parametrize("name", [None, b"every-nth", 3, ""])
+def test_a_rule_name_that_is_no_string_is_refused_before_it_breaks_the_list(
+    scratch_registry: None, name: object
+) -> None:
+    """Registered, ``None`` made every later ``available_admissions()`` a ``TypeError``."""
+    with pytest.raises(InvalidArgumentError, match="non-empty string"):
+        register_admission(name)(EveryNth)  # type: ignore[arg-type]
+    assert "sketch" in available_admissions()
+
+
 def test_a_new_rule_is_one_decorator_and_takes_its_parameters(scratch_registry: None) -> None:
     register_admission("every-nth", params=EveryNthParams)(EveryNth)
     assert "every-nth" in available_admissions()

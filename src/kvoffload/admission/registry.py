@@ -60,6 +60,8 @@ def register_admission(name: str, params: type[Any] = NoParams) -> Callable[[R],
     The class builds itself with ``from_params(backing, capacity, params)``
     (:class:`AdmissionLayer` has one that calls ``cls(backing, capacity, params=params)``).
     """
+    if not isinstance(name, str) or not name:  # another type would break every sorted list
+        raise InvalidArgumentError(f"an admission rule's name is a non-empty string, got {name!r}")
 
     def register(cls: R) -> R:
         known = _RULES.get(name)
