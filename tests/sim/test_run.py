@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import pytest
 
 from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.keys import block_id_key
 from kvoffload.core.layout import layout_preset
 from kvoffload.sim.generators import generate
 from kvoffload.sim.run import GIB, SimConfig, blocks_for_gib, simulate
-from kvoffload.sim.workload import Workload
+from kvoffload.sim.workload import Request, Workload
 
 REQUIRED = [
     "total_hit_ratio",
@@ -74,6 +78,35 @@ def test_bad_configuration(kwargs: dict[str, object], message: str) -> None:
 def test_request_larger_than_the_gpu(small: Workload) -> None:
     with pytest.raises(InvalidArgumentError, match="cannot fit in a GPU cache of 10 blocks"):
         simulate(small, SimConfig(gpu_blocks=10, cpu_blocks=0))
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"arrival_s": math.inf}, "arrival_s"),  # the event loop waited for it for ever
+        ({"arrival_s": math.nan}, "arrival_s"),
+        ({"arrival_s": None}, "arrival_s"),
+        ({"input_tokens": math.nan}, "input_tokens"),  # so did a nan prefill time
+        ({"input_tokens": 64.0}, "input_tokens"),
+        ({"output_tokens": math.inf}, "output_tokens"),
+        ({"output_tokens": -5}, "output_tokens"),  # decoding finished before it began
+        ({"keys": None}, "keys"),
+    ],
+)
+def test_a_request_the_replay_cannot_time_is_refused_naming_its_field(
+    fields: dict[str, Any], named: str
+) -> None:
+    values: dict[str, Any] = {
+        "arrival_s": 0.0,
+        "input_tokens": 64,
+        "output_tokens": 4,
+        "keys": [block_id_key(i) for i in range(4)],
+        **fields,
+    }
+    good = Request(0.0, 64, 4, [block_id_key(i) for i in range(4, 8)])
+    workload = Workload("hostile", 16, [good, Request(**values)])
+    with pytest.raises(InvalidArgumentError, match=rf"^request 1: {named}"):
+        simulate(workload, SimConfig(gpu_blocks=16, cpu_blocks=16, layout="tiny"))
 
 
 def test_the_config_s_repr_never_shows_the_remote_url_s_password() -> None:
