@@ -60,6 +60,13 @@ def test_gib_to_blocks() -> None:
     assert blocks_for_gib(10.01, "llama-3.1-8b", 512) == int(10.01 * GIB // bytes_per_block)
 
 
+@pytest.mark.parametrize(("gib", "message"), [(True, "finite number"), (1e308, "past any machine")])
+def test_a_capacity_in_gb_that_gives_no_block_count_is_refused(gib: float, message: str) -> None:
+    """1e308 GB was a bare ValueError ("cannot convert float NaN"), True 1 GB."""
+    with pytest.raises(InvalidArgumentError, match=message):
+        blocks_for_gib(gib, "llama-3.1-8b", 16)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -288,9 +288,12 @@ def _check_numbers(config: SimConfig) -> None:
 
 def blocks_for_gib(gib: float, layout: str, block_tokens: int) -> int:
     """How many whole blocks of ``block_tokens`` tokens fit in ``gib`` GiB under ``layout``."""
-    if not (isinstance(gib, int | float) and math.isfinite(gib)) or gib < 0:
-        raise InvalidArgumentError(f"a capacity in GB must be a finite number >= 0, got {gib}")
-    return int(gib * GIB // layout_preset(layout).with_block_size(block_tokens).bytes_per_block)
+    if not (_is_number(gib) and math.isfinite(gib)) or gib < 0:
+        raise InvalidArgumentError(f"a capacity in GB must be a finite number >= 0, got {gib!r}")
+    blocks = gib * GIB // layout_preset(layout).with_block_size(block_tokens).bytes_per_block
+    if not math.isfinite(blocks):  # past the float range in bytes
+        raise InvalidArgumentError(f"a capacity of {gib:g} GB is past any machine's memory")
+    return int(blocks)
 
 
 @dataclass(frozen=True)
