@@ -112,6 +112,8 @@ def test_a_remote_stack_names_its_tier(valkey_server: ValkeyProcess) -> None:
         ({"write_budget": 0.5}, "write_budget"),
         ({"disk_dir": "d", "disk_blocks": 0}, "disk_blocks"),
         ({"disk_admission": "recommended"}, "disk_admission"),
+        ({"disk_dir": "d", "disk_blocks": 4, "disk_policy": ""}, "disk_policy"),  # was "lru"
+        ({"disk_dir": "d", "disk_blocks": 4, "disk_policy": 0}, "disk_policy"),
         ({"disk_dir": "d", "disk_blocks": 4, "disk_admission": "nope"}, "disk_admission"),
         (
             {

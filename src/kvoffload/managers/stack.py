@@ -208,7 +208,7 @@ class StackConfig:
                 DISK,
                 self.disk_dir,
                 self.disk_blocks,
-                self.disk_policy or self.policy,
+                self.policy if self.disk_policy is None else self.disk_policy,
                 self.disk_deadline_s,
                 self.disk_admission,
                 None,
