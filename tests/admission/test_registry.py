@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
@@ -77,6 +77,24 @@ def test_names_and_aliases_resolve_and_an_unknown_name_lists_the_known_ones() ->
     assert all(name in str(error.value) for name in available_admissions())
 
 
+@pytest.mark.parametrize("name", [["sketch"], {"sketch": 1}, None, b"sketch"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        resolve_admission,
+        params_class,
+        admission_params,
+        lambda name: wrap_with_admission(name, CPUOffloadingManager(8), 8),
+    ],
+)
+def test_a_name_of_another_type_is_refused_listing_the_known_ones(
+    call: Callable[[object], object], name: object
+) -> None:
+    """Not a ``TypeError`` from the alias table for a list or a dict."""
+    with pytest.raises(InvalidArgumentError, match=r"unknown admission .*; known: feedback"):
+        call(name)
+
+
 def test_every_name_builds_its_class() -> None:
     built = {
         name: type(wrap_with_admission(name, CPUOffloadingManager(8), 8))
@@ -97,6 +115,16 @@ def test_a_second_class_under_a_taken_name_is_refused(scratch_registry: None) ->
         with pytest.raises(InvalidArgumentError, match="already registered"):
             register_admission(taken)(EveryNth)
     assert register_admission("feedback")(FeedbackAdmission) is FeedbackAdmission  # re-import
+
+
+@pytest.mark.parametrize("name", [None, b"every-nth", 3, ""])
+def test_a_rule_name_that_is_no_string_is_refused_before_it_breaks_the_list(
+    scratch_registry: None, name: object
+) -> None:
+    """Registered, ``None`` made every later ``available_admissions()`` a ``TypeError``."""
+    with pytest.raises(InvalidArgumentError, match="non-empty string"):
+        register_admission(name)(EveryNth)  # type: ignore[arg-type]
+    assert "sketch" in available_admissions()
 
 
 def test_a_new_rule_is_one_decorator_and_takes_its_parameters(scratch_registry: None) -> None:
@@ -225,6 +253,12 @@ def test_a_float_parameter_takes_a_fraction_whatever_its_default() -> None:
             floats += 1
     assert floats >= 10
     assert admission_params("optimiser", {"window_tiers": "0.5"}).window_tiers == 0.5
+
+
+@pytest.mark.parametrize("pairs", [[None], ["a=1", 3], [b"a=1"]])
+def test_a_pair_that_is_no_string_is_refused_naming_the_option(pairs: list[object]) -> None:
+    with pytest.raises(InvalidArgumentError, match="--admission-param takes key=value"):
+        parse_pairs(pairs, "--admission-param")  # type: ignore[arg-type]
 
 
 def test_key_value_pairs_and_extra_config_values() -> None:

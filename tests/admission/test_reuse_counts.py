@@ -8,14 +8,15 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from compiled import python_and_compiled
-from kvoffload import InvalidArgumentError, block_id_key
+from compiled import needs, python_and_compiled
+from kvoffload import InvalidArgumentError, block_id_key, build_manager
 from kvoffload.admission.reuse_counts import (
     MAX_TRACKED_KEYS,
     CompiledReuseCounts,
     ReuseCounts,
     reuse_counts,
 )
+from kvoffload.core.errors import InsufficientMemoryError
 from kvoffload.core.keys import OffloadKey
 
 TABLES = python_and_compiled(ReuseCounts, CompiledReuseCounts)
@@ -108,6 +109,16 @@ def test_the_python_table_takes_the_largest_size_both_tables_allow() -> None:
     # The compiled table sizes its arrays up front, so only the Python one can show that
     # the bound itself is allowed.
     assert ReuseCounts(MAX_TRACKED_KEYS).max_keys == MAX_TRACKED_KEYS
+
+
+@needs(CompiledReuseCounts)
+def test_a_compiled_table_beyond_the_machine_is_refused_before_any_allocation() -> None:
+    """Not a bare ``MemoryError``, nor arrays filled until the process is killed; the
+    filter, the tiered manager and vLLM's offer filter build their tables this way."""
+    with pytest.raises(InsufficientMemoryError, match="reuse count table of 576,460"):
+        reuse_counts(MAX_TRACKED_KEYS)
+    with pytest.raises(InsufficientMemoryError, match="reuse count table"):
+        build_manager(8, store_threshold=2, max_tracker_size=MAX_TRACKED_KEYS)
 
 
 def test_the_factory_gives_the_compiled_table_where_it_was_built() -> None:

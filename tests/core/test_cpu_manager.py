@@ -156,6 +156,13 @@ def test_bad_num_blocks(bad: object) -> None:
         CPUOffloadingManager(num_blocks=bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("bad", ["no", None, 0, 1])
+def test_events_are_switched_by_a_bool_only(bad: object) -> None:
+    """``"no"`` would switch them on, and ``None`` off, both silently."""
+    with pytest.raises(InvalidArgumentError, match="enable_events"):
+        CPUOffloadingManager(num_blocks=4, enable_events=bad)  # type: ignore[arg-type]
+
+
 def test_unknown_policy_lists_known_ones() -> None:
     with pytest.raises(InvalidArgumentError, match=r"'fifo'.*arc, lru"):
         CPUOffloadingManager(num_blocks=4, cache_policy="fifo")

@@ -2,11 +2,13 @@ import hashlib
 import struct
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 
 from kvoffload import (
     InvalidArgumentError,
+    block_id_key,
     get_offload_block_hash,
     get_offload_group_idx,
     hash_token_blocks,
@@ -47,10 +49,33 @@ def test_hashes_are_identical_in_another_process() -> None:
     assert other == keys_for_tokens(range(64), 16)[-1].hex()
 
 
-@pytest.mark.parametrize("block_size", [0, -3])
-def test_bad_block_size_is_a_clear_error(block_size: int) -> None:
+@pytest.mark.parametrize("block_size", [0, -3, 1.5, 2.0, "2", None, True])
+def test_bad_block_size_is_a_clear_error(block_size: object) -> None:
+    """Not ``struct.error`` (a float or a huge size in the struct's format), nor a
+    ``TypeError`` from the comparison, nor ``True`` taken as 1."""
     with pytest.raises(InvalidArgumentError, match="block_size"):
-        hash_token_blocks([1, 2, 3], block_size)
+        hash_token_blocks([1, 2, 3], block_size)  # type: ignore[arg-type]
+
+
+def test_a_block_larger_than_the_tokens_hashes_nothing_however_large() -> None:
+    assert hash_token_blocks([1, 2, 3], 2**63) == []  # no struct of 2**63 fields is built
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"token_ids": None}, "token_ids"),
+        ({"token_ids": 7}, "token_ids"),
+        ({"parent_hash": None}, "parent_hash"),
+        ({"parent_hash": "00"}, "parent_hash"),
+    ],
+)
+def test_bad_tokens_or_parent_are_refused_naming_them(
+    fields: dict[str, object], named: str
+) -> None:
+    arguments: dict[str, object] = {"token_ids": [1, 2, 3, 4], "block_size": 2, **fields}
+    with pytest.raises(InvalidArgumentError, match=named):
+        hash_token_blocks(**arguments)  # type: ignore[arg-type]
 
 
 def test_non_integer_tokens_are_a_clear_error() -> None:
@@ -59,9 +84,29 @@ def test_non_integer_tokens_are_a_clear_error() -> None:
 
 
 def test_block_id_key_is_eight_big_endian_bytes_and_group() -> None:
-    from kvoffload import block_id_key
-
     key = block_id_key(258, group_idx=3)
     assert get_offload_block_hash(key) == (258).to_bytes(8, "big")
     assert get_offload_group_idx(key) == 3
     assert block_id_key(1) != block_id_key(256)
+
+
+@pytest.mark.parametrize(
+    ("call", "named"),
+    [
+        (lambda: make_offload_key(b"ab", -1), "group_idx"),
+        (lambda: make_offload_key(b"ab", 2**32), "group_idx"),
+        (lambda: make_offload_key(b"ab", 1.0), "group_idx"),
+        (lambda: make_offload_key(b"ab", None), "group_idx"),
+        (lambda: make_offload_key("ab", 0), "block_hash"),
+        (lambda: make_offload_key(None, 0), "block_hash"),
+        (lambda: block_id_key(-1), "block_id"),
+        (lambda: block_id_key(2**64), "block_id"),
+        (lambda: block_id_key("7"), "block_id"),
+        (lambda: block_id_key(7, group_idx=-1), "group_idx"),
+        (lambda: keys_for_tokens(range(4), 2, group_idx=2**40), "group_idx"),
+    ],
+)
+def test_a_bad_key_part_is_refused_naming_it(call: Callable[[], object], named: str) -> None:
+    """Not an ``OverflowError`` or ``AttributeError`` from ``int.to_bytes``."""
+    with pytest.raises(InvalidArgumentError, match=named):
+        call()

@@ -67,3 +67,16 @@ def test_an_unknown_policy_name_of_any_type_is_refused_with_the_names(name: obje
     with pytest.raises(InvalidArgumentError, match="unknown cache policy") as error:
         CPUOffloadingManager(2, cache_policy=name)  # type: ignore[arg-type]
     assert all(known in str(error.value) for known in available_policies())
+
+
+@pytest.mark.parametrize("name", [None, b"fifo", 3, ""])
+def test_a_policy_name_that_is_no_string_is_refused_before_it_breaks_the_list(
+    name: object,
+) -> None:
+    """Registered, ``None`` made every later ``available_policies()`` a ``TypeError``."""
+    try:
+        with pytest.raises(InvalidArgumentError, match="non-empty string"):
+            register_cache_policy(name)(FIFOPolicy)  # type: ignore[arg-type]
+        assert "lru" in available_policies()
+    finally:
+        _POLICIES.pop(name, None)  # type: ignore[call-overload]

@@ -84,6 +84,32 @@ def test_mix_weights_and_errors() -> None:
         generate({"chat": 0})
 
 
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"mix": "chat"}, "mix"),  # the text parse_mix reads, not its mapping
+        ({"mix": [("chat", 1.0)]}, "mix"),
+        ({"mix": {"chat": "1"}}, "mix weights"),
+        ({"mix": {"chat": None}}, "mix weights"),
+        ({"mix": {"chat": True}}, "mix weights"),
+        ({"chat_shape": {"one_turn": 0.5}}, "chat_shape"),
+        ({"seed": 0.5}, "seed"),
+        ({"seed": None}, "seed"),
+    ],
+)
+def test_a_bad_argument_is_refused_naming_it(fields: dict[str, object], named: str) -> None:
+    """Not an ``AttributeError`` from a mix or shape of another type, nor a seed of 0.5
+    taken as one of its own."""
+    with pytest.raises(InvalidArgumentError, match=named):
+        generate(num_requests=4, **fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("text", [None, b"chat=1", 3])
+def test_a_mix_that_is_no_text_is_refused(text: object) -> None:
+    with pytest.raises(InvalidArgumentError, match="a mix is text"):
+        parse_mix(text)  # type: ignore[arg-type]
+
+
 def test_longchat_has_one_root_long_requests_and_mostly_single_use_blocks() -> None:
     """The held-out chat trace's shape: one shared root block, tens of 512-token blocks per
     request, about three quarters of unique blocks used once, reuse minutes apart."""
@@ -160,9 +186,19 @@ def test_a_chat_shape_changes_what_it_names_and_the_default_is_longchat() -> Non
 
 @pytest.mark.parametrize(
     "field, value",
-    [("one_turn", 1.5), ("one_turn", -0.1), ("paste_tokens", 0), ("turn_gap_s", float("nan"))],
+    [
+        ("one_turn", 1.5),
+        ("one_turn", -0.1),
+        ("one_turn", None),
+        ("paste_tokens", 0),
+        ("paste_tokens", True),
+        ("turn_gap_s", float("nan")),
+        ("extra_turns", "2"),
+        ("system_tokens", 700.5),
+        ("system_tokens", None),
+    ],
 )
-def test_a_bad_chat_shape_is_refused(field: str, value: float) -> None:
+def test_a_bad_chat_shape_is_refused(field: str, value: object) -> None:
     from kvoffload.sim.generators import ChatShape
 
     with pytest.raises(InvalidArgumentError, match=field):

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import pytest
 
 from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.keys import block_id_key
 from kvoffload.core.layout import layout_preset
 from kvoffload.sim.generators import generate
 from kvoffload.sim.run import GIB, SimConfig, blocks_for_gib, simulate
-from kvoffload.sim.workload import Workload
+from kvoffload.sim.workload import Request, Workload
 
 REQUIRED = [
     "total_hit_ratio",
@@ -56,6 +60,13 @@ def test_gib_to_blocks() -> None:
     assert blocks_for_gib(10.01, "llama-3.1-8b", 512) == int(10.01 * GIB // bytes_per_block)
 
 
+@pytest.mark.parametrize(("gib", "message"), [(True, "finite number"), (1e308, "past any machine")])
+def test_a_capacity_in_gb_that_gives_no_block_count_is_refused(gib: float, message: str) -> None:
+    """1e308 GB was a bare ValueError ("cannot convert float NaN"), True 1 GB."""
+    with pytest.raises(InvalidArgumentError, match=message):
+        blocks_for_gib(gib, "llama-3.1-8b", 16)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -63,6 +74,21 @@ def test_gib_to_blocks() -> None:
         ({"cpu_blocks": -1}, "cpu_blocks"),
         ({"layout": "gpt-5"}, "unknown KV layout"),
         ({"store_threshold": -2}, "threshold"),
+        ({"bound": "no"}, "bound"),
+        ({"bound": None}, "bound"),
+        ({"decode_tokens_per_s": True}, "decode_tokens_per_s"),
+        ({"disk_latency_ms": math.nan}, "disk_latency_ms"),
+        ({"remote_latency_ms": math.inf}, "remote_latency_ms"),
+        ({"disk_gb_per_s": math.inf}, "disk_gb_per_s"),
+        ({"remote_gb_per_s": None}, "remote_gb_per_s"),
+        ({"disk_timeout_ms": None}, "disk_timeout_ms"),
+        ({"disk_timeout_ms": "2"}, "disk_timeout_ms"),
+        ({"disk_blocks": None}, "disk_blocks"),
+        ({"remote_blocks": 1.5}, "remote_blocks"),
+        ({"cpu_blocks": 0, "tier_store_threshold": None}, "tier_store_threshold"),
+        ({"cpu_blocks": 0, "disk_blocks": 2.5}, "disk_blocks"),
+        ({"drive_bytes": b"1TB"}, "drive_bytes"),
+        ({"drive_bytes": 0}, "drive_bytes"),
     ],
 )
 def test_bad_configuration(kwargs: dict[str, object], message: str) -> None:
@@ -74,6 +100,35 @@ def test_bad_configuration(kwargs: dict[str, object], message: str) -> None:
 def test_request_larger_than_the_gpu(small: Workload) -> None:
     with pytest.raises(InvalidArgumentError, match="cannot fit in a GPU cache of 10 blocks"):
         simulate(small, SimConfig(gpu_blocks=10, cpu_blocks=0))
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"arrival_s": math.inf}, "arrival_s"),  # the event loop waited for it for ever
+        ({"arrival_s": math.nan}, "arrival_s"),
+        ({"arrival_s": None}, "arrival_s"),
+        ({"input_tokens": math.nan}, "input_tokens"),  # so did a nan prefill time
+        ({"input_tokens": 64.0}, "input_tokens"),
+        ({"output_tokens": math.inf}, "output_tokens"),
+        ({"output_tokens": -5}, "output_tokens"),  # decoding finished before it began
+        ({"keys": None}, "keys"),
+    ],
+)
+def test_a_request_the_replay_cannot_time_is_refused_naming_its_field(
+    fields: dict[str, Any], named: str
+) -> None:
+    values: dict[str, Any] = {
+        "arrival_s": 0.0,
+        "input_tokens": 64,
+        "output_tokens": 4,
+        "keys": [block_id_key(i) for i in range(4)],
+        **fields,
+    }
+    good = Request(0.0, 64, 4, [block_id_key(i) for i in range(4, 8)])
+    workload = Workload("hostile", 16, [good, Request(**values)])
+    with pytest.raises(InvalidArgumentError, match=rf"^request 1: {named}"):
+        simulate(workload, SimConfig(gpu_blocks=16, cpu_blocks=16, layout="tiny"))
 
 
 def test_the_config_s_repr_never_shows_the_remote_url_s_password() -> None:

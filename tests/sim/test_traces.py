@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvoffload import block_id_key
-from kvoffload.core.errors import KVOffloadError
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.sim.traces import TraceFormatError, detect_format, read_trace
 
 MOONCAKE = [
@@ -66,6 +66,21 @@ def test_block_size_reaches_the_consistency_check(tmp_path: Path, block_tokens: 
     assert [len(r.keys) for r in workload.requests] == [5, 4]
     with pytest.raises(TraceFormatError, match=rf"512-token blocks.*--block-size {block_tokens}"):
         read_trace(path)  # the format's 512 tokens: refused, naming the size that fits
+
+
+@pytest.mark.parametrize("block_tokens", [16.0, True, "16", [16]])
+def test_a_block_size_that_is_no_integer_is_refused(tmp_path: Path, block_tokens: object) -> None:
+    """16.0 made a workload of 16.0-token blocks; a string or list was a bare TypeError."""
+    path = write_jsonl(tmp_path / "t.jsonl", small_block_mooncake(16))
+    with pytest.raises(InvalidArgumentError, match="block size must be an integer"):
+        read_trace(path, "mooncake", block_tokens=block_tokens)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("path", ["trace\0.jsonl", None, 3, ["t.jsonl"]])
+def test_a_path_that_cannot_name_a_file_is_refused(path: object) -> None:
+    """Not open()'s bare ValueError ("embedded null byte") nor Path()'s TypeError."""
+    with pytest.raises(KVOffloadError, match="trace"):
+        read_trace(path)  # type: ignore[arg-type]
 
 
 def test_a_block_size_the_hash_ids_do_not_cover_is_refused(tmp_path: Path) -> None:

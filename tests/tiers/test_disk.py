@@ -25,6 +25,7 @@ from tier_helpers import flip_byte
 from kvoffload import OffloadKey, block_id_key
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import layout_preset
+from kvoffload.core.tier_protocol import MAX_IO_THREADS
 from kvoffload.tiers import DiskTier, layout_fingerprint
 from kvoffload.tiers.format import HEADER_BYTES
 from kvoffload.tiers.slot_file import (
@@ -214,6 +215,31 @@ def test_a_capacity_past_the_largest_file_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="past the largest file size"):
         DiskTier(tmp_path / "d", 10**20, FP)
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"capacity_blocks": 4.0}, "capacity"),
+        ({"capacity_blocks": "4"}, "capacity"),
+        ({"io_threads": True}, "io_threads"),
+        ({"io_threads": 0}, "io_threads"),
+        ({"io_threads": MAX_IO_THREADS + 1}, "io_threads"),  # each of them was started
+        ({"fingerprint": None}, "fingerprint"),
+        ({"fingerprint": b"short"}, "fingerprint"),
+        ({"deadline_s": None}, "deadline"),
+        ({"deadline_s": "1"}, "deadline"),
+    ],
+)
+def test_a_bad_argument_is_refused_naming_it_before_any_file_or_thread(
+    tmp_path: Path, fields: dict[str, object], named: str
+) -> None:
+    """Not a bare ``TypeError`` from a comparison or ``len``, nor an argument taken."""
+    arguments: dict[str, object] = {"capacity_blocks": 4, "fingerprint": FP, **fields}
+    threads = threading.active_count()
+    with pytest.raises(InvalidArgumentError, match=named):
+        DiskTier(tmp_path / "d", **arguments)  # type: ignore[arg-type]
+    assert not (tmp_path / "d").exists() and threading.active_count() == threads
 
 
 def test_a_foreign_superblock_starts_the_tier_over(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from kvoffload import block_id_key
 from kvoffload.cli.main import main
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import layout_preset
+from kvoffload.core.tier_protocol import MAX_IO_THREADS
 from kvoffload.tiers import RemoteTier, RemoteTierError, layout_fingerprint, parse_remote_url
 from kvoffload.tiers.url import redact_url
 from tier_servers import ValkeyProcess
@@ -71,6 +72,39 @@ def test_bad_urls_say_what_is_wrong_and_never_show_the_user_part(url: str, messa
     with pytest.raises(InvalidArgumentError, match=message) as error:
         parse_remote_url(url)
     assert shows_no_secret(str(error.value)), str(error.value)
+
+
+@pytest.mark.parametrize("url", [None, b"redis://h:1", 6379])
+def test_a_url_that_is_no_string_is_refused(url: object) -> None:
+    """Not an ``AttributeError`` from ``partition``."""
+    with pytest.raises(InvalidArgumentError, match="URL is a string"):
+        parse_remote_url(url)  # type: ignore[arg-type]
+
+
+UNREACHABLE = "redis://127.0.0.1:1/0?timeout_ms=100"
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"fingerprint": b""}, "fingerprint"),  # every write then failed as corrupt
+        ({"fingerprint": 1.5}, "fingerprint"),  # float.hex() made a key prefix of it
+        ({"fingerprint": None}, "fingerprint"),
+        ({"io_threads": 0.5}, "io_threads"),
+        ({"io_threads": None}, "io_threads"),  # the pool's own default
+        ({"io_threads": MAX_IO_THREADS + 1}, "io_threads"),
+        ({"chunk_bytes": 0}, "chunk_bytes"),
+        ({"chunk_bytes": None}, "chunk_bytes"),
+    ],
+)
+def test_a_bad_argument_is_refused_before_start_up_connects(
+    fields: dict[str, object], named: str
+) -> None:
+    """Not taken, nor found only after connecting (the pool's ValueError left the
+    connection open): no server is there, and the error is still the argument's."""
+    arguments: dict[str, object] = {"fingerprint": bytes(16), **fields}
+    with pytest.raises(InvalidArgumentError, match=named):
+        RemoteTier(UNREACHABLE, **arguments)  # type: ignore[arg-type]
 
 
 def test_every_character_works_in_a_password_when_percent_encoded() -> None:

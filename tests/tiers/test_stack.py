@@ -11,8 +11,9 @@ import pytest
 
 from kvoffload.admission import FeedbackAdmission, OptimisingAdmission
 from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.tier_protocol import MAX_IO_THREADS
 from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager, build_manager
-from kvoffload.managers.stack import StackConfig, build_cpu_stack
+from kvoffload.managers.stack import LowerTierConfig, StackConfig, build_cpu_stack
 from kvoffload.managers.tiered import TieredOffloadingManager
 from kvoffload.tiers import DiskTier, RemoteTier, RemoteTierError, build_stack
 from kvoffload.tiers.slot_file import DiskTierError
@@ -111,6 +112,8 @@ def test_a_remote_stack_names_its_tier(valkey_server: ValkeyProcess) -> None:
         ({"write_budget": 0.5}, "write_budget"),
         ({"disk_dir": "d", "disk_blocks": 0}, "disk_blocks"),
         ({"disk_admission": "recommended"}, "disk_admission"),
+        ({"disk_dir": "d", "disk_blocks": 4, "disk_policy": ""}, "disk_policy"),  # was "lru"
+        ({"disk_dir": "d", "disk_blocks": 4, "disk_policy": 0}, "disk_policy"),
         ({"disk_dir": "d", "disk_blocks": 4, "disk_admission": "nope"}, "disk_admission"),
         (
             {
@@ -138,6 +141,16 @@ def test_a_bad_setting_is_refused_naming_its_field(fields: dict[str, Any], named
     values: dict[str, Any] = {"cpu_blocks": 8, **fields}
     with pytest.raises(InvalidArgumentError, match=named):
         StackConfig(**values)
+
+
+@pytest.mark.parametrize("io_threads", [0, True, 2.0, MAX_IO_THREADS + 1])
+def test_a_tier_s_io_threads_are_refused_past_the_bound_naming_the_key(io_threads: Any) -> None:
+    """Each thread is started when the tier opens: 10**6 started threads until the system
+    refused one, and left those running."""
+    with pytest.raises(InvalidArgumentError, match=r"^disk\.io_threads must be an integer"):
+        LowerTierConfig(
+            "disk", "d", 4, io_threads=io_threads, names={"io_threads": "disk.io_threads"}
+        )
 
 
 @pytest.mark.parametrize("policy", ["bogus", ["lru"], None])

@@ -86,6 +86,8 @@ def parse_pairs(pairs: list[str] | tuple[str, ...], what: str) -> dict[str, str]
     """``["key=value", ...]`` as a mapping (a later key wins); ``what`` names the option."""
     parsed: dict[str, str] = {}
     for pair in pairs:
+        if not isinstance(pair, str):
+            raise InvalidArgumentError(f"{what} takes key=value, got {pair!r}")
         key, sep, value = pair.partition("=")
         if not sep or not key.strip() or not value.strip():
             raise InvalidArgumentError(f"{what} takes key=value, got {pair!r}")

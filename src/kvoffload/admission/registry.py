@@ -60,6 +60,8 @@ def register_admission(name: str, params: type[Any] = NoParams) -> Callable[[R],
     The class builds itself with ``from_params(backing, capacity, params)``
     (:class:`AdmissionLayer` has one that calls ``cls(backing, capacity, params=params)``).
     """
+    if not isinstance(name, str) or not name:  # another type would break every sorted list
+        raise InvalidArgumentError(f"an admission rule's name is a non-empty string, got {name!r}")
 
     def register(cls: R) -> R:
         known = _RULES.get(name)
@@ -89,12 +91,12 @@ def available_admissions() -> list[str]:
 
 def resolve_admission(name: str) -> str:
     """The canonical name of ``name``; the error for an unknown one lists the valid names."""
-    name = ALIASES.get(name, name)
-    if name != NO_ADMISSION and name not in _rules():
+    canonical = ALIASES.get(name, name) if isinstance(name, str) else None  # a list: no key
+    if canonical is None or (canonical != NO_ADMISSION and canonical not in _rules()):
         raise InvalidArgumentError(
             f"unknown admission {name!r}; known: {', '.join(available_admissions())}"
         )
-    return name
+    return canonical
 
 
 def params_class(name: str) -> type[Any]:

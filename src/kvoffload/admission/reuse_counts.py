@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
+from kvoffload.core.memory import check_fits
 
 try:
     from kvoffload.admission._reuse_counts import ReuseCounter
@@ -35,6 +36,9 @@ C ``long long``, and no key is counted anywhere near this often."""
 BYTES_PER_COUNTED_KEY = 120
 """Approximate CPython cost of one tracked key in the Python table (the compiled table
 counts its own arrays, about 60 bytes a key)."""
+COMPILED_BYTES_PER_KEY = 73
+"""The most the compiled table takes a key, all of it up front: 2 to 4 hash slots and four
+other arrays of 8 bytes, a count and a flag."""
 
 
 class ReuseCounts:
@@ -154,4 +158,10 @@ if ReuseCounter is not None:
 
 def reuse_counts(max_keys: int) -> ReuseCounts:
     """A table of at most ``max_keys`` counts: in C where it was built, else in Python."""
-    return (CompiledReuseCounts or ReuseCounts)(max_keys)
+    if CompiledReuseCounts is None:
+        return ReuseCounts(max_keys)
+    # Asked first: the C type fills its arrays as it makes them, so a size beyond the
+    # machine was a bare MemoryError, or pages touched until the process was killed.
+    if isinstance(max_keys, int) and max_keys <= MAX_TRACKED_KEYS:
+        check_fits(max_keys * COMPILED_BYTES_PER_KEY, f"a reuse count table of {max_keys:,} keys")
+    return CompiledReuseCounts(max_keys)

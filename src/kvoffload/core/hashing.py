@@ -27,12 +27,22 @@ def hash_token_blocks(
     A trailing partial block is not hashed: it cannot be shared or offloaded.
     ``parent_hash`` continues a chain (e.g. a cached prefix's last hash).
     """
-    if block_size < 1:
-        raise InvalidArgumentError(f"block_size must be >= 1, got {block_size}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
+    if not isinstance(parent_hash, bytes):
+        raise InvalidArgumentError(f"parent_hash must be bytes, got {type(parent_hash).__name__}")
+    try:
+        full_blocks = len(token_ids) // block_size
+    except TypeError:
+        raise InvalidArgumentError(
+            f"token_ids must be a sequence of ints, got {type(token_ids).__name__}"
+        ) from None
+    if full_blocks == 0:  # and no struct of a huge block_size to build
+        return []
     block_format = struct.Struct(f"<{block_size}q")
     hashes: list[bytes] = []
     parent = parent_hash
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+    for start in range(0, full_blocks * block_size, block_size):
         try:
             payload = block_format.pack(*token_ids[start : start + block_size])
         except struct.error as exc:

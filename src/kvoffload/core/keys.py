@@ -9,16 +9,24 @@ from __future__ import annotations
 
 from typing import NewType, NoReturn
 
-from kvoffload.core.errors import KVOffloadError
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 
 OffloadKey = NewType("OffloadKey", bytes)
 
 GROUP_IDX_BYTES = 4
+MAX_GROUP_IDX = 2 ** (8 * GROUP_IDX_BYTES) - 1
 
 
 def make_offload_key(block_hash: bytes, group_idx: int) -> OffloadKey:
     """Append ``group_idx`` as 4 big-endian bytes to ``block_hash``."""
-    return OffloadKey(block_hash + group_idx.to_bytes(GROUP_IDX_BYTES, "big", signed=False))
+    # Keys are made per block: the arguments are looked at only once the join has failed.
+    try:
+        return OffloadKey(block_hash + group_idx.to_bytes(GROUP_IDX_BYTES, "big", signed=False))
+    except (AttributeError, OverflowError, TypeError):
+        _check_part("group_idx", group_idx, MAX_GROUP_IDX)
+        raise InvalidArgumentError(
+            f"block_hash must be bytes, got {type(block_hash).__name__}"
+        ) from None
 
 
 def get_offload_block_hash(key: OffloadKey) -> bytes:
@@ -32,6 +40,7 @@ def get_offload_group_idx(key: OffloadKey) -> int:
 
 
 BLOCK_ID_BYTES = 8
+MAX_BLOCK_ID = 2 ** (8 * BLOCK_ID_BYTES) - 1
 
 
 def block_id_key(block_id: int, group_idx: int = 0) -> OffloadKey:
@@ -40,7 +49,21 @@ def block_id_key(block_id: int, group_idx: int = 0) -> OffloadKey:
     Traces name blocks by integer ids that already encode the whole prefix, so
     the id itself can stand in for the engine's chained hash.
     """
-    return make_offload_key(block_id.to_bytes(BLOCK_ID_BYTES, "big"), group_idx)
+    try:
+        block_hash = block_id.to_bytes(BLOCK_ID_BYTES, "big")
+    except (AttributeError, OverflowError):
+        _check_part("block_id", block_id, MAX_BLOCK_ID)
+        raise
+    return make_offload_key(block_hash, group_idx)
+
+
+def _check_part(name: str, value: object, maximum: int) -> None:
+    """:class:`InvalidArgumentError` naming ``name`` unless ``value`` is an int from 0 to
+    ``maximum``."""
+    if not isinstance(value, int) or not 0 <= value <= maximum:
+        raise InvalidArgumentError(
+            f"{name} must be an int from 0 to {maximum}, got {value!r}"
+        ) from None
 
 
 class NotAKeyIterableError(KVOffloadError, TypeError):

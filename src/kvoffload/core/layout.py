@@ -26,9 +26,9 @@ class KVLayout:
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim", "tokens_per_block"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"KVLayout.{name} must be a positive int, got {value!r}")
-        if self.dtype not in DTYPE_BYTES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_BYTES:
             raise InvalidArgumentError(
                 f"unknown KV dtype {self.dtype!r}; known: {', '.join(sorted(DTYPE_BYTES))}"
             )
@@ -69,7 +69,7 @@ def layout_preset(name: str) -> KVLayout:
     """The preset called ``name``; the error lists the known ones."""
     try:
         return LAYOUT_PRESETS[name]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: a name that cannot be a key (a list)
         raise InvalidArgumentError(
             f"unknown KV layout {name!r}; known: {', '.join(sorted(LAYOUT_PRESETS))}"
         ) from None

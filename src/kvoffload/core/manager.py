@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.specs import LoadStoreSpec
 
@@ -47,6 +48,8 @@ class EventLog:
     __slots__ = ("_events", "enabled")
 
     def __init__(self, enabled: bool) -> None:
+        if not isinstance(enabled, bool):  # "no" or None is not "off" by accident
+            raise InvalidArgumentError(f"enable_events must be true or false, got {enabled!r}")
         self.enabled = enabled
         self._events: list[OffloadingEvent] = []
 

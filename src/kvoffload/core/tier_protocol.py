@@ -14,9 +14,24 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvoffload.core.errors import KVOffloadError
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent
+
+MAX_IO_THREADS = 256
+"""The most I/O threads (the shared tier's connections) a lower tier takes: the tiers start
+them all at once, so a byte count typed for a thread count started threads until the
+system refused one, and those already started were never stopped."""
+
+
+def check_io_threads(value: object, name: str = "io_threads") -> None:
+    """:class:`InvalidArgumentError` naming ``name`` unless ``value`` is an int from 1 to
+    :data:`MAX_IO_THREADS`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_IO_THREADS:
+        raise InvalidArgumentError(
+            f"{name} must be an integer from 1 to {MAX_IO_THREADS}, got {value!r}"
+        )
+
 
 Target = Callable[[int], memoryview]
 """Where block ``index`` of a read goes: a writable buffer of exactly its payload's size.

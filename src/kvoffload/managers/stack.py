@@ -26,7 +26,7 @@ from kvoffload.admission.registry import admission_params
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager
-from kvoffload.core.tier_protocol import LowerTier, SlotBytes
+from kvoffload.core.tier_protocol import LowerTier, SlotBytes, check_io_threads
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.managers.reuse_filter import FilterReusedOffloadingManager
 from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
@@ -96,7 +96,7 @@ class LowerTierConfig:
             raise InvalidArgumentError(
                 f"{self.key('location')} must be a non-empty string, got {self.location!r}"
             )
-        _integer(self.key("io_threads"), self.io_threads, 1)
+        check_io_threads(self.io_threads, self.key("io_threads"))
         if not isinstance(self.fsync, bool):
             raise InvalidArgumentError(
                 f"{self.key('fsync')} must be true or false, got {self.fsync!r}"
@@ -208,7 +208,7 @@ class StackConfig:
                 DISK,
                 self.disk_dir,
                 self.disk_blocks,
-                self.disk_policy or self.policy,
+                self.policy if self.disk_policy is None else self.disk_policy,
                 self.disk_deadline_s,
                 self.disk_admission,
                 None,

@@ -14,6 +14,8 @@ ALIASES = {"recommended": "lru"}
 
 def register_cache_policy(name: str) -> Callable[[type[CachePolicy]], type[CachePolicy]]:
     """Class decorator registering a :class:`CachePolicy` under ``name``."""
+    if not isinstance(name, str) or not name:  # another type would break every sorted list
+        raise InvalidArgumentError(f"a cache policy's name is a non-empty string, got {name!r}")
 
     def register(cls: type[CachePolicy]) -> type[CachePolicy]:
         if name in _POLICIES and _POLICIES[name] is not cls:

@@ -223,6 +223,34 @@ class ServingEngine:
         """The outermost admission layer, told where each request begins and ends (found
         in ``manager`` for a caller that does not name it)."""
 
+    def _check(self, index: int, request: Request) -> None:
+        """Refuse, before the replay, a request it cannot time or place: an infinite or nan
+        time or token count would stall its event loop, a fractional or negative count run
+        in nonsense, and more blocks than the GPU holds never start."""
+        arrival = request.arrival_s
+        if isinstance(arrival, bool) or not isinstance(arrival, int | float):
+            arrival = math.nan
+        if not math.isfinite(arrival):
+            raise InvalidArgumentError(
+                f"request {index}: arrival_s must be a finite number of seconds, "
+                f"got {request.arrival_s!r}"
+            )
+        for name in ("input_tokens", "output_tokens"):
+            value = getattr(request, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgumentError(
+                    f"request {index}: {name} must be an int >= 0, got {value!r}"
+                )
+        if not isinstance(request.keys, list | tuple):
+            raise InvalidArgumentError(
+                f"request {index}: keys must be a list of keys, got {type(request.keys).__name__}"
+            )
+        if len(request.keys) > self.config.gpu_blocks:
+            raise InvalidArgumentError(
+                f"a request of {len(request.keys)} blocks cannot fit in a GPU cache of "
+                f"{self.config.gpu_blocks} blocks; give the GPU more blocks"
+            )
+
     def now(self) -> float:
         """The trace time the replay has reached, in seconds: the clock of a write budget
         in bytes per second or drive writes per day."""
@@ -230,12 +258,8 @@ class ServingEngine:
 
     def run(self, requests: Sequence[Request], progress: Progress | None = None) -> EngineStats:
         """Replay ``requests`` (sorted by arrival) to completion and return the counters."""
-        too_big = next((r for r in requests if len(r.keys) > self.config.gpu_blocks), None)
-        if too_big is not None:
-            raise InvalidArgumentError(
-                f"a request of {len(too_big.keys)} blocks cannot fit in a GPU cache of "
-                f"{self.config.gpu_blocks} blocks; give the GPU more blocks"
-            )
+        for index, request in enumerate(requests):
+            self._check(index, request)
         waiting: deque[Request] = deque()
         next_arrival, active, finished, total = 0, 0, 0, len(requests)
         events = self._events

@@ -165,20 +165,25 @@ class ChatShape:
     system_tokens: int = 700
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.one_turn <= 1.0:
-            raise InvalidArgumentError(f"one_turn must be a share in [0, 1], got {self.one_turn}")
+        if not (_is_number(self.one_turn) and 0.0 <= self.one_turn <= 1.0):
+            raise InvalidArgumentError(f"one_turn must be a share in [0, 1], got {self.one_turn!r}")
         sizes = ("paste_tokens", "first_tokens", "follow_up_tokens", "extra_turns", "turn_gap_s")
         for name in sizes:
             value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise InvalidArgumentError(f"{name} must be a finite number > 0, got {value}")
-        if self.system_tokens < 1:
-            raise InvalidArgumentError(f"system_tokens must be >= 1, got {self.system_tokens}")
+            if not (_is_number(value) and math.isfinite(value) and value > 0):
+                raise InvalidArgumentError(f"{name} must be a finite number > 0, got {value!r}")
+        tokens = self.system_tokens
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise InvalidArgumentError(f"system_tokens must be an integer >= 1, got {tokens!r}")
 
     def mean_session_requests(self) -> float:
         """Requests per session, to two places (the arrival rate it sets is nominal)."""
         conversation = 2 + 1 / math.expm1(1 / self.extra_turns)
         return round(self.one_turn + (1 - self.one_turn) * conversation, 2)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def longchat_sessions(shape: ChatShape) -> Callable[[random.Random, _Keys, float], Sessions]:
@@ -222,6 +227,8 @@ _MEAN_SESSION_REQUESTS = {"chat": 3.5, "rag": 1.0, "agent": 7.5, "oneshot": 1.0}
 
 def parse_mix(text: str) -> dict[str, float]:
     """Parse ``"chat=0.5,rag=0.5"`` (or a single kind name, ``"rag"``) into weights."""
+    if not isinstance(text, str):
+        raise InvalidArgumentError(f"a mix is text such as 'chat=0.5,rag=0.5', got {text!r}")
     weights: dict[str, float] = {}
     for part in text.split(","):
         name, _, weight = part.partition("=")
@@ -250,12 +257,19 @@ def generate(
     ``longchat`` traffic has ``chat_shape`` (default: :class:`ChatShape`'s).
     """
     mix = DEFAULT_MIX if mix is None else mix
+    if not isinstance(mix, Mapping):
+        raise InvalidArgumentError(f"mix must be a mapping of workload kind to weight, got {mix!r}")
+    if chat_shape is not None and not isinstance(chat_shape, ChatShape):
+        raise InvalidArgumentError(f"chat_shape must be a ChatShape, got {chat_shape!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise InvalidArgumentError(f"seed must be an integer, got {seed!r}")
     unknown = sorted(set(mix) - set(GENERATORS))
     if unknown:
         raise InvalidArgumentError(
             f"unknown workload kind {unknown[0]!r}; known: {', '.join(GENERATORS)}"
         )
-    if not all(math.isfinite(w) and w >= 0 for w in mix.values()) or sum(mix.values()) <= 0:
+    weights = mix.values()
+    if not all(_is_number(w) and math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
         raise InvalidArgumentError(
             f"mix weights must be finite, >= 0 and not all zero, got {dict(mix)}"
         )

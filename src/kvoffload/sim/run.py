@@ -105,14 +105,10 @@ class SimConfig:
                 f"partial block mode must be one of {', '.join(PARTIAL_BLOCK_MODES)}, "
                 f"got {self.partial_block!r}"
             )
-        if self.cpu_blocks < 0:
-            raise InvalidArgumentError(f"cpu_blocks must be >= 0, got {self.cpu_blocks}")
         if self.policy not in available_policies():
             raise InvalidArgumentError(
                 f"unknown cache policy {self.policy!r}; known: {', '.join(available_policies())}"
             )
-        if self.store_threshold < 0:
-            raise InvalidArgumentError(f"store threshold must be >= 0, got {self.store_threshold}")
         if self.max_tracker_size < 1:
             raise InvalidArgumentError(
                 f"max tracker size must be >= 1, got {self.max_tracker_size}"
@@ -133,8 +129,6 @@ class SimConfig:
         self.sized_write_budget(1)
 
     def _check_tiers(self) -> None:
-        if self.disk_blocks < 0:
-            raise InvalidArgumentError(f"disk blocks must be >= 0, got {self.disk_blocks}")
         if self.disk_policy is not None and self.disk_policy not in available_policies():
             known = ", ".join(available_policies())
             raise InvalidArgumentError(f"unknown disk policy {self.disk_policy!r}; known: {known}")
@@ -235,16 +229,39 @@ class SimConfig:
         )
 
 
-_INTEGER_FIELDS = ("gpu_blocks", "cpu_blocks", "store_threshold", "max_tracker_size", "concurrency")
-_RATE_FIELDS = ("prefill_tokens_per_s", "decode_tokens_per_s", "transfer_gb_per_s")
+_INTEGER_FIELDS = (
+    "gpu_blocks",
+    "cpu_blocks",
+    "store_threshold",
+    "max_tracker_size",
+    "concurrency",
+    "disk_blocks",
+    "remote_blocks",
+    "tier_store_threshold",
+)
+_RATE_FIELDS = (
+    "prefill_tokens_per_s",
+    "decode_tokens_per_s",
+    "transfer_gb_per_s",
+    "disk_gb_per_s",
+    "remote_gb_per_s",
+)
+_LATENCY_FIELDS = ("disk_latency_ms", "remote_latency_ms")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _check_numbers(config: SimConfig) -> None:
-    """Integers must be integers and rates finite and positive, whatever the caller passed."""
+    """Integers must be integers, rates finite and positive and latencies finite and not
+    negative, whatever the caller passed (a tier's, even when the run has no such tier)."""
     for name in _INTEGER_FIELDS:
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int):
             raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
+        if value < 0:
+            raise InvalidArgumentError(f"{name} must be >= 0, got {value}")
     if config.gpu_blocks < 1 or config.concurrency < 1:
         raise InvalidArgumentError(
             f"gpu_blocks and concurrency must be >= 1, got {config.gpu_blocks} "
@@ -252,15 +269,31 @@ def _check_numbers(config: SimConfig) -> None:
         )
     for name in _RATE_FIELDS:
         value = getattr(config, name)
-        if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+        if not (_is_number(value) and math.isfinite(value) and value > 0):
             raise InvalidArgumentError(f"{name} must be a finite number > 0, got {value!r}")
+    for name in _LATENCY_FIELDS:
+        value = getattr(config, name)
+        if not (_is_number(value) and math.isfinite(value) and value >= 0):
+            raise InvalidArgumentError(f"{name} must be a finite number >= 0, got {value!r}")
+    if not _is_number(config.disk_timeout_ms):  # its range is checked with a disk tier
+        raise InvalidArgumentError(
+            f"disk_timeout_ms must be a number of milliseconds, got {config.disk_timeout_ms!r}"
+        )
+    drive = config.drive_bytes
+    if drive is not None and (isinstance(drive, bool) or not isinstance(drive, int) or drive < 1):
+        raise InvalidArgumentError(f"drive_bytes must be an integer >= 1, got {drive!r}")
+    if not isinstance(config.bound, bool):
+        raise InvalidArgumentError(f"bound must be true or false, got {config.bound!r}")
 
 
 def blocks_for_gib(gib: float, layout: str, block_tokens: int) -> int:
     """How many whole blocks of ``block_tokens`` tokens fit in ``gib`` GiB under ``layout``."""
-    if not (isinstance(gib, int | float) and math.isfinite(gib)) or gib < 0:
-        raise InvalidArgumentError(f"a capacity in GB must be a finite number >= 0, got {gib}")
-    return int(gib * GIB // layout_preset(layout).with_block_size(block_tokens).bytes_per_block)
+    if not (_is_number(gib) and math.isfinite(gib)) or gib < 0:
+        raise InvalidArgumentError(f"a capacity in GB must be a finite number >= 0, got {gib!r}")
+    blocks = gib * GIB // layout_preset(layout).with_block_size(block_tokens).bytes_per_block
+    if not math.isfinite(blocks):  # past the float range in bytes
+        raise InvalidArgumentError(f"a capacity of {gib:g} GB is past any machine's memory")
+    return int(blocks)
 
 
 @dataclass(frozen=True)

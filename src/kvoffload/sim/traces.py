@@ -21,7 +21,7 @@ import itertools
 import json
 import math
 from collections.abc import Iterator, Mapping
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
@@ -69,7 +69,15 @@ def read_trace(path: str | Path, fmt: str = "auto", block_tokens: int | None = N
     ``fmt`` is ``"mooncake"``, ``"qwen"`` or ``"auto"``; ``block_tokens``
     defaults to the format's native block size.
     """
+    if not isinstance(path, str | PurePath):
+        raise InvalidArgumentError(f"a trace path is a str or a Path, got {path!r}")
+    if "\0" in str(path):  # open() would raise a bare ValueError
+        raise TraceFormatError(f"{str(path)!r}: cannot read trace: a path holds no NUL character")
     path = Path(path)
+    if block_tokens is not None and (
+        isinstance(block_tokens, bool) or not isinstance(block_tokens, int)
+    ):
+        raise InvalidArgumentError(f"block size must be an integer, got {block_tokens!r}")
     if fmt != "auto" and fmt not in TRACE_FORMATS:
         raise InvalidArgumentError(
             f"unknown trace format {fmt!r}; known: auto, {', '.join(TRACE_FORMATS)}"

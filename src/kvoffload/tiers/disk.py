@@ -25,11 +25,11 @@ from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import EventLog, OffloadingEvent
 from kvoffload.core.specs import CPULoadStoreSpec
-from kvoffload.core.tier_protocol import Target, TierStats
+from kvoffload.core.tier_protocol import Target, TierStats, check_io_threads
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.policies import CachePolicy
 from kvoffload.tiers.breaker import CircuitBreaker
-from kvoffload.tiers.format import FINGERPRINT_BYTES, payload_size
+from kvoffload.tiers.format import check_fingerprint, payload_size
 from kvoffload.tiers.slot_file import (
     DEFAULT_DEADLINE_S,
     FileLayer,
@@ -133,16 +133,23 @@ class DiskTier:
         breaker: CircuitBreaker | None = None,
         file_layer: FileLayer | None = None,
     ) -> None:
-        if capacity_blocks < 1:
-            raise InvalidArgumentError(f"disk capacity must be >= 1 block, got {capacity_blocks}")
-        if io_threads < 1:
-            raise InvalidArgumentError(f"io_threads must be >= 1, got {io_threads}")
-        if len(fingerprint) != FINGERPRINT_BYTES:
+        if (
+            isinstance(capacity_blocks, bool)
+            or not isinstance(capacity_blocks, int)
+            or capacity_blocks < 1
+        ):
             raise InvalidArgumentError(
-                f"a fingerprint has {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}"
+                f"disk capacity must be an integer >= 1 block, got {capacity_blocks!r}"
             )
-        if not (math.isfinite(deadline_s) and deadline_s > 0):
-            raise InvalidArgumentError(f"the disk deadline must be > 0 s, got {deadline_s}")
+        check_io_threads(io_threads)
+        check_fingerprint(fingerprint)
+        if not (
+            isinstance(deadline_s, int | float)
+            and not isinstance(deadline_s, bool)
+            and math.isfinite(deadline_s)
+            and deadline_s > 0
+        ):
+            raise InvalidArgumentError(f"the disk deadline must be > 0 s, got {deadline_s!r}")
         check_capacity(capacity_blocks)
         self._index = CPUOffloadingManager(capacity_blocks, cache_policy)
         self.capacity_blocks = capacity_blocks

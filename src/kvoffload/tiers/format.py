@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from kvoffload.core.errors import KVOffloadError
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.layout import KVLayout
 from kvoffload.tiers import checksum
 
@@ -42,6 +42,17 @@ FORMAT_VERSION = 2
 TRAILED_VERSION = 3
 """The digest after the payload (the shared tier)."""
 FINGERPRINT_BYTES = 16
+
+
+def check_fingerprint(fingerprint: object) -> None:
+    """:class:`InvalidArgumentError` unless ``fingerprint`` is :data:`FINGERPRINT_BYTES`
+    bytes: what a tier's blocks mean, in every block's header and every key's name."""
+    if not isinstance(fingerprint, bytes) or len(fingerprint) != FINGERPRINT_BYTES:
+        shown = f"{len(fingerprint)} bytes" if isinstance(fingerprint, bytes) else repr(fingerprint)
+        raise InvalidArgumentError(
+            f"a tier's fingerprint is {FINGERPRINT_BYTES} bytes, got {shown}"
+        )
+
 
 Buffer = bytes | bytearray | memoryview
 Parts = Sequence[Buffer]

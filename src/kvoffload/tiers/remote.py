@@ -33,10 +33,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import TypeVar
 
-from kvoffload.core.errors import KVOffloadError
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import EventLog, OffloadingEvent
-from kvoffload.core.tier_protocol import Target, TierStats
+from kvoffload.core.tier_protocol import Target, TierStats, check_io_threads
 from kvoffload.tiers.block_sets import BlockWrite, DigestsAhead, pack_sets
 from kvoffload.tiers.breaker import CircuitBreaker
 from kvoffload.tiers.format import (
@@ -44,6 +44,7 @@ from kvoffload.tiers.format import (
     TRAILED_VERSION,
     TRAILER_BYTES,
     CorruptBlockError,
+    check_fingerprint,
     parse_header,
     parse_trailer,
     payload_hasher,
@@ -183,6 +184,11 @@ class RemoteTier:
         enable_events: bool = False,
         resolver: Resolver | None = None,
     ) -> None:
+        # Checked before start-up connects: a pool that cannot be made leaked its connection.
+        check_fingerprint(fingerprint)
+        check_io_threads(io_threads)
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+            raise InvalidArgumentError(f"chunk_bytes must be an integer >= 1, got {chunk_bytes!r}")
         self.address = parse_remote_url(url)
         self._resolver = resolver or Resolver()
         self._chunk_bytes = chunk_bytes

@@ -114,6 +114,8 @@ def parse_remote_url(url: str) -> RemoteAddress:
     Messages quote the URL with its user part and option values hidden
     (:func:`redact_url`): they end up in logs.
     """
+    if not isinstance(url, str):
+        raise InvalidArgumentError(f"a shared tier's URL is a string, got {type(url).__name__}")
     shown = redact_url(url)
     scheme, sep, rest = url.partition("://")
     if not sep or scheme.lower() not in SCHEMES:
