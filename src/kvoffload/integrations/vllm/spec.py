@@ -244,7 +244,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
         vLLM-style ``store_threshold`` filtering stays in the adapter, because vLLM counts
         store offers where the seed counts lookups.
         """
-        events = self.kv_events_config.enable_kv_cache_events
+        events = bool(self.kv_events_config.enable_kv_cache_events)
         settings = self.settings
         if not settings.has_lower_tiers:
             return build_stack(self.stack_config(events))
