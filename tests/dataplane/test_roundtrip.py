@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch")
 
 from dataplane_helpers import LAYOUTS, block_bytes, random_layers  # noqa: E402
 
+from kvoffload.core.errors import InvalidArgumentError  # noqa: E402
 from kvoffload.core.specs import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec  # noqa: E402
 from kvoffload.dataplane import CPUBlockStore, CPUGPUHandler, OffloadingWorker  # noqa: E402
 from kvoffload.dataplane.kv_cache import page_groups  # noqa: E402
@@ -90,3 +91,13 @@ def test_result_reports_bytes_time_and_type() -> None:
     assert result.transfer_type == ("GPU", "CPU")
     assert worker.get_finished() == []
     worker.close()
+
+
+def test_a_permuted_layer_is_refused_not_copied_into_a_copy() -> None:
+    # Heads before tokens in memory, viewed as [2, blocks, tokens, heads, dim]: flattening a
+    # block needs a copy, and loads into that copy used to report success, changing nothing.
+    layout = LAYOUTS["tiny-f16"]
+    shape = (2, 6, layout.kv_heads, layout.tokens_per_block, layout.head_dim)
+    layers = [torch.zeros(shape, dtype=torch.float16).transpose(2, 3) for _ in range(2)]
+    with pytest.raises(InvalidArgumentError, match="contiguous in memory"):
+        CPUGPUHandler(layers, CPUBlockStore(layout, 4), to_cpu=False)

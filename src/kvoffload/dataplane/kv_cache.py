@@ -82,9 +82,12 @@ def page_groups(layers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
                 f"KV layer tensors must be [2, num_blocks, ...], got {tuple(layer.shape)}"
             )
         for half in layer.unbind(0):
-            page = half.flatten(1)
-            if page.stride(-1) != 1:
-                raise InvalidArgumentError("each KV block must be contiguous in memory")
+            page = _page_rows(half)
+            if page is None:
+                raise InvalidArgumentError(
+                    "each KV block must be contiguous in memory in its logical order, got "
+                    f"strides {half.stride()} for shape {tuple(half.shape)}"
+                )
             halves.append(page.view(torch.uint8))
     if len({h.shape for h in halves}) != 1:
         raise InvalidArgumentError("all KV layer tensors must have the same block count and shape")
@@ -94,6 +97,20 @@ def page_groups(layers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             torch.as_strided(halves[0], (len(halves) * num_blocks, page_bytes), (page_bytes, 1))
         ]
     return halves
+
+
+def _page_rows(half: torch.Tensor) -> torch.Tensor | None:
+    """``half`` as ``[num_blocks, page elements]`` rows, or ``None`` unless each block
+    is contiguous in its logical order.
+
+    Always a view: ``flatten`` would silently copy a permuted layout (such as
+    heads before tokens), and loads into that copy would never reach the cache.
+    """
+    try:
+        page = half.view(half.shape[0], -1)
+    except RuntimeError:
+        return None
+    return page if page.stride(-1) == 1 else None
 
 
 def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
