@@ -14,6 +14,7 @@ from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.specs import CPULoadStoreSpec, GPULoadStoreSpec, TransferSpec
 from kvoffload.dataplane import (
     CPUBlockStore,
+    CPUGPUHandler,
     OffloadingHandler,
     OffloadingWorker,
     TransferResult,
@@ -88,3 +89,16 @@ def test_handler_rejects_a_store_of_another_shape() -> None:
     layers = random_layers(LAYOUTS["tiny-f16"], 8, 0, separate=False)
     with pytest.raises(InvalidArgumentError, match="pages of"):
         cpu_gpu_handlers(layers, CPUBlockStore(LAYOUTS["bf16"], 4))
+
+
+def test_a_submission_the_runner_refuses_leaves_no_job_in_flight() -> None:
+    layout = LAYOUTS["tiny-f16"]
+    handler = CPUGPUHandler(
+        random_layers(layout, 8, 0, separate=False), CPUBlockStore(layout, 4), to_cpu=True
+    )
+    handler.close()
+    spec = (GPULoadStoreSpec([1], [1]), CPULoadStoreSpec([0]))
+    for _ in range(2):  # the second time too: the id was never taken, so not "in flight"
+        with pytest.raises(RuntimeError, match="shutdown"):
+            handler.transfer_async(3, spec)
+    assert handler.get_finished() == []

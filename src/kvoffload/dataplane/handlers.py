@@ -123,9 +123,11 @@ class CPUGPUHandler(OffloadingHandler):
         mapping = self._map(*spec)
         if job_id in self._sizes:
             raise InvalidArgumentError(f"job {job_id} is already in flight")
-        self._sizes[job_id] = len(mapping) * self._block_bytes
         job = functools.partial(self._copy, job_id, mapping)
         self._runner.submit(job_id, job, after_compute=self._to_cpu)
+        # Recorded once the runner took the job (only get_finished, on this thread, reads
+        # it): a refused submission must not leave its id looking in flight forever.
+        self._sizes[job_id] = len(mapping) * self._block_bytes
         return True
 
     def get_finished(self) -> list[TransferResult]:
