@@ -57,6 +57,23 @@ def test_store_then_load_round_trips_bytes(
     worker.shutdown()
 
 
+def test_kv_blocks_not_contiguous_are_refused_not_copied(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    """A cache whose blocks are not each contiguous (halves interleaved byte by byte) cannot
+    be viewed as rows of bytes: a copy would take the stores and loads, never vLLM's cache."""
+    from vllm.v1.kv_offload.base import CanonicalKVCacheTensor
+
+    from kvoffload.core.errors import InvalidArgumentError
+
+    caches = _canonical_caches(1)
+    interleaved = torch.zeros(NUM_GPU_BLOCKS, PAGE_BYTES // 2, 2, dtype=torch.int8)
+    caches.tensors[0] = CanonicalKVCacheTensor(interleaved.transpose(1, 2), PAGE_BYTES)
+    spec = create_spec({"cpu_bytes_to_use": 8 * PAGE_BYTES}, bytes_per_block=PAGE_BYTES)
+    with pytest.raises(InvalidArgumentError, match="each KV block contiguous"):
+        spec.get_worker(caches)
+
+
 def test_a_bad_job_is_refused_not_raised(vllm_modules: dict[str, ModuleType]) -> None:
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec

@@ -111,8 +111,17 @@ class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
 
 
 def _byte_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as one row of bytes per block: always a view, as ``reshape`` would copy a
+    tensor whose blocks are not each contiguous, and loads into that copy would never
+    reach vLLM's cache."""
     rows = tensor.view(torch.uint8) if tensor.dtype == torch.int8 else tensor
-    return rows.reshape(rows.shape[0], -1).view(torch.uint8)
+    try:
+        return rows.view(rows.shape[0], -1).view(torch.uint8)
+    except RuntimeError:
+        raise InvalidArgumentError(
+            "kvoffload's worker needs each KV block contiguous in memory, got strides "
+            f"{tuple(tensor.stride())} for shape {tuple(tensor.shape)}"
+        ) from None
 
 
 def _gpu(spec: Any) -> GPULoadStoreSpec:
