@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import pytest
+from pin_probe import PinProbe
 
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
@@ -81,44 +82,21 @@ class CheckingBackend:
         self.closed += 1
 
 
-class OverlapProbe(OffloadingManager):
-    """Wraps a manager and counts calls made while other stores are pending or loads pinned."""
+class OverlapProbe(PinProbe):
+    """Counts calls made while other stores are pending or loads pinned."""
 
     def __init__(self, inner: OffloadingManager) -> None:
-        self.inner = inner
-        self.pinned = 0
-        self.pending: set[OffloadKey] = set()
+        super().__init__(inner)
         self.stores_while_pinned = 0
         self.lookups_while_pending = 0
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
         self.lookups_while_pending += bool(self.pending)
-        return self.inner.lookup(keys)
-
-    def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
-        keys = list(keys)
-        self.pinned += len(keys)
-        return self.inner.prepare_load(keys)
-
-    def touch(self, keys: Iterable[OffloadKey]) -> None:
-        self.inner.touch(keys)
-
-    def complete_load(self, keys: Iterable[OffloadKey]) -> None:
-        keys = list(keys)
-        self.pinned -= len(keys)
-        self.inner.complete_load(keys)
+        return super().lookup(keys)
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
         self.stores_while_pinned += self.pinned > 0
-        output = self.inner.prepare_store(keys)
-        if output is not None:
-            self.pending.update(output.keys_to_store)
-        return output
-
-    def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
-        keys = list(keys)
-        self.pending.difference_update(keys)
-        self.inner.complete_store(keys, success)
+        return super().prepare_store(keys)
 
 
 def run(

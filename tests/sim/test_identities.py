@@ -7,11 +7,11 @@ from collections.abc import Iterable
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pin_probe import PinProbe
 
 from kvoffload import block_id_key
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
-from kvoffload.core.specs import LoadStoreSpec
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.managers.stack import build_cpu_stack
 from kvoffload.sim.engine import EngineStats, ServingEngine
@@ -19,13 +19,13 @@ from kvoffload.sim.run import SimConfig, simulate
 from kvoffload.sim.workload import Request, Workload
 
 
-class EventCount(OffloadingManager):
-    """Forwards to ``inner`` and counts the CPU tier's events, pins and pending stores."""
+class EventCount(PinProbe):
+    """:class:`PinProbe` that also counts the CPU tier's store and removal events."""
 
     def __init__(self, inner: OffloadingManager, cpu: CPUOffloadingManager) -> None:
-        self.inner, self.cpu = inner, cpu
-        self.stored = self.removed = self.pinned = 0
-        self.pending: set[OffloadKey] = set()
+        super().__init__(inner)
+        self.cpu = cpu
+        self.stored = self.removed = 0
 
     def _take_events(self) -> None:
         for event in self.cpu.take_events():
@@ -34,33 +34,13 @@ class EventCount(OffloadingManager):
             else:
                 self.stored += len(event.keys)
 
-    def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
-        return self.inner.lookup(keys)
-
-    def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
-        keys = list(keys)
-        self.pinned += len(keys)
-        return self.inner.prepare_load(keys)
-
-    def touch(self, keys: Iterable[OffloadKey]) -> None:
-        self.inner.touch(keys)
-
-    def complete_load(self, keys: Iterable[OffloadKey]) -> None:
-        keys = list(keys)
-        self.pinned -= len(keys)
-        self.inner.complete_load(keys)
-
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
-        output = self.inner.prepare_store(keys)
-        if output is not None:
-            self.pending.update(output.keys_to_store)
+        output = super().prepare_store(keys)
         self._take_events()
         return output
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
-        keys = list(keys)
-        self.pending.difference_update(keys)
-        self.inner.complete_store(keys, success)
+        super().complete_store(keys, success)
         self._take_events()
 
 
