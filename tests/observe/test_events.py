@@ -318,3 +318,52 @@ def test_a_live_batch_numbered_as_the_last_one_is_a_restart() -> None:
             sub.accept(seq, payload, delivered)
     assert (sub.restarts, sub.gaps) == (1, 1)  # no replay here: the new 0 and 1 are a gap
     assert [seq for seq, _ in delivered] == [0, 1, 2, -1, 2]
+
+
+def test_a_publisher_restarted_after_a_catch_up_is_followed() -> None:
+    """A subscriber that joined after a run and has seen only replayed batches (as with
+    ``simulate --serve-after``) still tells the next run's batches from duplicates: they
+    were dropped and the first run's blocks stayed in the index."""
+    endpoint, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    index = PrefixIndex()
+    with KVEventPublisher(endpoint, replay) as first:
+        for i in range(10):
+            first.publish(_stored(i))
+        first.flush()
+        sub = KVEventSubscriber(endpoint, replay)
+        for _, batch in sub.catch_up():
+            index.apply("engine", batch)
+    with sub:
+        assert index.holds("engine", block_id_key(3)[:8])
+        with _bound_again(endpoint, replay) as second:
+            got: Delivered = []
+            for i in range(100):
+                second.publish(_stored(50 + i))
+                second.flush()
+                got += sub.receive(0.1)
+                if got:
+                    break
+    assert sub.restarts == 1
+    seqs = [seq for seq, _ in got]
+    assert seqs[0] == -1 and seqs[1:] == list(range(len(seqs) - 1))
+    for _, batch in got:
+        index.apply("engine", batch)
+    assert not index.holds("engine", block_id_key(3)[:8])
+    assert index.holds("engine", block_id_key(50)[:8])
+
+
+def test_live_batches_a_catch_up_replayed_already_are_dropped_as_duplicates() -> None:
+    """The same bytes numbered as a replayed batch are that batch again, not a restart."""
+    with (
+        KVEventPublisher(LOCAL, LOCAL) as pub,
+        KVEventSubscriber(pub.endpoint, pub.replay_endpoint) as sub,
+    ):
+        for i in range(3):
+            pub.publish(_stored(i))
+        pub.flush()
+        replayed = sub.catch_up()
+        assert [seq for seq, _ in replayed] == [0, 1, 2]
+        delivered: Delivered = []
+        for seq, batch in replayed:
+            sub.accept(seq, encode_batch(batch), delivered)
+    assert (delivered, sub.restarts, sub.next_seq) == ([], 0, 3)

@@ -9,6 +9,7 @@ reach the caller exactly once and in order.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
 import zmq
 
@@ -35,7 +36,9 @@ class KVEventSubscriber:
     a new publisher on the same endpoints (a restarted engine). That is counted
     in ``restarts`` and delivered first as a batch of one ``AllBlocksCleared``,
     numbered -1 (the old instance's blocks are gone), and the new numbering is
-    followed from 0, repaired by replay like any gap.
+    followed from 0, repaired by replay like any gap. A live batch numbered as one
+    replay delivered but not yet seen live is that batch again unless its payload
+    differs: then it too is a new publisher's (one that restarted after a catch-up).
     """
 
     def __init__(
@@ -62,6 +65,9 @@ class KVEventSubscriber:
         self.restarts = 0
         self._last_live: int | None = None
         """The last batch number the live socket delivered (replay numbers are not live)."""
+        self._replayed: OrderedDict[int, int] = OrderedDict()
+        """Hashes of the payloads a catch-up delivered past ``_last_live``, by number,
+        ascending: what a live batch below ``next_seq`` must match to be a duplicate."""
 
     def receive(self, timeout_s: float = 1.0) -> Delivered:
         """Batches that arrived within ``timeout_s`` (waiting only for the first), in order."""
@@ -76,11 +82,13 @@ class KVEventSubscriber:
     def accept(self, seq: int, payload: bytes, delivered: Delivered) -> None:
         """Take one published batch: note a restart, drop a duplicate (a batch replay has
         delivered already), repair a gap before it, then add it."""
-        restarted = self._last_live is not None and seq <= self._last_live
+        restarted = self._is_restart(seq, payload)
         self._last_live = seq
+        self._forget_replayed(up_to=seq)
         if restarted:
             self.restarts += 1
             self.next_seq = 0
+            self._replayed.clear()
             delivered.append((RESTART_SEQ, KVEventBatch(time.time(), [AllBlocksCleared()])))
         elif seq < self.next_seq:
             return
@@ -105,6 +113,20 @@ class KVEventSubscriber:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _is_restart(self, seq: int, payload: bytes) -> bool:
+        """Numbered at or below the last live batch, or as a batch a catch-up replayed but
+        with another payload: a new publisher's (the old one's would be the same bytes)."""
+        if self._last_live is not None and seq <= self._last_live:
+            return True
+        replayed = self._replayed.get(seq)
+        return replayed is not None and replayed != hash(payload)
+
+    def _forget_replayed(self, up_to: int) -> None:
+        """Live numbers only go up: no later live batch can repeat one up to ``up_to``."""
+        replayed = self._replayed
+        while replayed and next(iter(replayed)) <= up_to:
+            replayed.popitem(last=False)
+
     def _repair(self, before: int | None, delivered: Delivered) -> None:
         if self._replay_endpoint is None:
             if before is not None:
@@ -122,6 +144,8 @@ class KVEventSubscriber:
                 if seq < self.next_seq or (before is not None and seq >= before):
                     continue
                 delivered.append((seq, decode_batch(payload)))
+                if before is None:  # a catch-up: the live socket may bring these again
+                    self._replayed[seq] = hash(payload)
                 self.next_seq = seq + 1
                 self.repaired += 1
         finally:
