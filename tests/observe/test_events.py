@@ -83,11 +83,11 @@ class _Lossy(KVEventSubscriber):
     """Loses batch ``drop`` the first time it arrives, as a congested PUB socket does."""
 
     drop = -1
-    lost = False
+    dropped = False
 
     def accept(self, seq: int, payload: bytes, delivered: Delivered) -> None:
-        if seq == self.drop and not self.lost:
-            self.lost = True
+        if seq == self.drop and not self.dropped:
+            self.dropped = True
             return
         super().accept(seq, payload, delivered)
 
@@ -101,7 +101,7 @@ def test_a_dropped_batch_is_detected_by_its_gap_and_repaired() -> None:
             pub.publish(_stored(i))
         pub.flush()
         got = _receive_until(sub, 6)
-    assert sub.lost
+    assert sub.dropped
     assert [seq for seq, _ in got] == list(range(first, first + 6))
     assert (sub.gaps - gaps, sub.repaired - repaired) == (1, 1)
 
@@ -109,14 +109,14 @@ def test_a_dropped_batch_is_detected_by_its_gap_and_repaired() -> None:
 def test_a_gap_without_replay_is_counted_and_skipped() -> None:
     with KVEventPublisher(LOCAL) as pub, _Lossy(pub.endpoint) as sub:
         _connect(pub, sub)
-        first, gaps = sub.next_seq, sub.gaps
+        first, gaps, lost = sub.next_seq, sub.gaps, sub.lost
         sub.drop = first + 2
         for i in range(4):
             pub.publish(_stored(i))
         pub.flush()
         got = _receive_until(sub, 3)
     assert [seq - first for seq, _ in got] == [0, 1, 3]
-    assert sub.gaps - gaps == 1
+    assert (sub.gaps - gaps, sub.lost - lost) == (1, 1)
 
 
 def test_publishing_on_a_taken_port_names_the_endpoint() -> None:
@@ -367,3 +367,30 @@ def test_live_batches_a_catch_up_replayed_already_are_dropped_as_duplicates() ->
         for seq, batch in replayed:
             sub.accept(seq, encode_batch(batch), delivered)
     assert (delivered, sub.restarts, sub.next_seq) == ([], 0, 3)
+
+
+def test_batches_the_replay_buffer_no_longer_holds_are_counted_as_lost() -> None:
+    """A catch-up or a gap repair that replay can only partly fill passes over the rest:
+    the caller learns its index may be wrong instead of taking the batches as complete."""
+    with KVEventPublisher(LOCAL, LOCAL, buffer_batches=5) as pub:
+        for i in range(10):
+            pub.publish(_stored(i))
+        pub.flush()
+        with KVEventSubscriber(pub.endpoint, pub.replay_endpoint) as late:
+            caught_up = late.catch_up()
+    assert [seq for seq, _ in caught_up] == [5, 6, 7, 8, 9]
+    assert (late.lost, late.repaired) == (5, 5)
+
+    with (
+        KVEventPublisher(LOCAL, LOCAL, buffer_batches=2) as pub,
+        _Lossy(pub.endpoint, pub.replay_endpoint) as sub,
+    ):
+        _connect(pub, sub)
+        first, gaps, lost = sub.next_seq, sub.gaps, sub.lost
+        sub.drop = first + 2
+        for i in range(6):  # all sent before any is received: batch 2 has left the buffer
+            pub.publish(_stored(i))
+        pub.flush()
+        got = _receive_until(sub, 5)
+    assert [seq - first for seq, _ in got] == [0, 1, 3, 4, 5]
+    assert (sub.gaps - gaps, sub.lost - lost) == (1, 1)

@@ -30,6 +30,9 @@ class KVEventSubscriber:
 
     ``gaps`` counts the gaps seen; ``repaired`` the batches recovered by
     replay. Without a replay endpoint a gap is skipped over (and counted).
+    ``lost`` counts the batches skipped over, neither received nor replayed (the
+    replay buffer no longer held them): an index built from the batches may then
+    hold blocks that are gone and lack some that are there.
 
     A publisher numbers its batches up from 0, and one socket delivers them in
     order: a live batch numbered at or below the last one seen there comes from
@@ -63,6 +66,7 @@ class KVEventSubscriber:
         self.gaps = 0
         self.repaired = 0
         self.restarts = 0
+        self.lost = 0
         self._last_live: int | None = None
         """The last batch number the live socket delivered (replay numbers are not live)."""
         self._replayed: OrderedDict[int, int] = OrderedDict()
@@ -130,7 +134,7 @@ class KVEventSubscriber:
     def _repair(self, before: int | None, delivered: Delivered) -> None:
         if self._replay_endpoint is None:
             if before is not None:
-                self.next_seq = before
+                self._skip_to(before)
             return
         dealer = self._context.socket(zmq.DEALER)
         try:
@@ -143,6 +147,7 @@ class KVEventSubscriber:
                 seq = int.from_bytes(seq_bytes, "big")
                 if seq < self.next_seq or (before is not None and seq >= before):
                     continue
+                self._skip_to(seq)  # older batches have left the replay buffer
                 delivered.append((seq, decode_batch(payload)))
                 if before is None:  # a catch-up: the live socket may bring these again
                     self._replayed[seq] = hash(payload)
@@ -151,4 +156,10 @@ class KVEventSubscriber:
         finally:
             dealer.close(linger=0)
         if before is not None:
-            self.next_seq = max(self.next_seq, before)
+            self._skip_to(before)
+
+    def _skip_to(self, seq: int) -> None:
+        """Move ``next_seq`` up to ``seq``, counting the batches passed over as lost."""
+        if seq > self.next_seq:
+            self.lost += seq - self.next_seq
+            self.next_seq = seq
