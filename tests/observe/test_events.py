@@ -394,3 +394,32 @@ def test_batches_the_replay_buffer_no_longer_holds_are_counted_as_lost() -> None
         got = _receive_until(sub, 5)
     assert [seq - first for seq, _ in got] == [0, 1, 3, 4, 5]
     assert (sub.gaps - gaps, sub.lost - lost) == (1, 1)
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback here")
+def test_ipv6_endpoints_publish_and_replay() -> None:
+    """ZMQ sockets take IPv6 addresses only when told: binding ``tcp://[::1]:PORT`` failed
+    with "No such device" though the machine has the address."""
+    with (
+        KVEventPublisher("tcp://[::1]:0", "tcp://[::1]:0") as pub,
+        _Lossy(pub.endpoint, pub.replay_endpoint) as sub,
+    ):
+        assert pub.endpoint.startswith("tcp://[::1]:")
+        _connect(pub, sub)
+        first, repaired = sub.next_seq, sub.repaired
+        sub.drop = first + 1
+        for i in range(3):
+            pub.publish(_stored(i))
+        pub.flush()
+        got = _receive_until(sub, 3)
+    assert [seq - first for seq, _ in got] == [0, 1, 2]
+    assert sub.repaired - repaired == 1

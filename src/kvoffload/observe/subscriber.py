@@ -14,7 +14,7 @@ from collections import OrderedDict
 import zmq
 
 from kvoffload.observe.events import AllBlocksCleared, KVEventBatch, decode_batch
-from kvoffload.observe.publisher import END_SEQ
+from kvoffload.observe.publisher import END_SEQ, is_ipv6
 
 Delivered = list[tuple[int, KVEventBatch]]
 
@@ -55,6 +55,8 @@ class KVEventSubscriber:
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sub = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        if is_ipv6(endpoint):
+            self._sub.setsockopt(zmq.IPV6, 1)
         if bind:
             self._sub.bind(endpoint)
         else:
@@ -137,6 +139,8 @@ class KVEventSubscriber:
                 self._skip_to(before)
             return
         dealer = self._context.socket(zmq.DEALER)
+        if is_ipv6(self._replay_endpoint):
+            dealer.setsockopt(zmq.IPV6, 1)
         try:
             dealer.connect(self._replay_endpoint)
             dealer.send_multipart((b"", self.next_seq.to_bytes(8, "big")))
