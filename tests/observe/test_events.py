@@ -423,3 +423,18 @@ def test_ipv6_endpoints_publish_and_replay() -> None:
         got = _receive_until(sub, 3)
     assert [seq - first for seq, _ in got] == [0, 1, 2]
     assert sub.repaired - repaired == 1
+
+
+def test_a_batch_that_does_not_decode_is_counted_as_lost_not_raised() -> None:
+    """An event type we do not know (a newer vLLM's) raised out of ``receive`` and took the
+    batches accepted before it in the same call, ``next_seq`` already past them."""
+    import msgspec
+
+    good = encode_batch(KVEventBatch(0.0, [BlockRemoved([b"a"], "CPU")]))
+    unknown = msgspec.msgpack.encode([0.0, [{"type": "BlockUpdated", "block_hashes": []}], 0])
+    with KVEventSubscriber(LOCAL, bind=True) as sub:
+        delivered: Delivered = []
+        for seq, payload in ((0, good), (1, unknown), (2, good)):
+            sub.accept(seq, payload, delivered)
+    assert [seq for seq, _ in delivered] == [0, 2]
+    assert (sub.lost, sub.gaps, sub.next_seq) == (1, 0, 3)

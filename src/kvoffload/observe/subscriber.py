@@ -8,13 +8,16 @@ reach the caller exactly once and in order.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 
 import zmq
 
-from kvoffload.observe.events import AllBlocksCleared, KVEventBatch, decode_batch
+from kvoffload.observe.events import AllBlocksCleared, DecodeError, KVEventBatch, decode_batch
 from kvoffload.observe.publisher import END_SEQ, is_ipv6
+
+logger = logging.getLogger(__name__)
 
 Delivered = list[tuple[int, KVEventBatch]]
 
@@ -31,8 +34,9 @@ class KVEventSubscriber:
     ``gaps`` counts the gaps seen; ``repaired`` the batches recovered by
     replay. Without a replay endpoint a gap is skipped over (and counted).
     ``lost`` counts the batches skipped over, neither received nor replayed (the
-    replay buffer no longer held them): an index built from the batches may then
-    hold blocks that are gone and lack some that are there.
+    replay buffer no longer held them), or received but not decodable (an event
+    type we do not know; logged): an index built from the batches may then hold
+    blocks that are gone and lack some that are there.
 
     A publisher numbers its batches up from 0, and one socket delivers them in
     order: a live batch numbered at or below the last one seen there comes from
@@ -101,7 +105,7 @@ class KVEventSubscriber:
         if seq > self.next_seq:
             self.gaps += 1
             self._repair(seq, delivered)
-        delivered.append((seq, decode_batch(payload)))
+        self._deliver(seq, payload, delivered)
         self.next_seq = seq + 1
 
     def catch_up(self) -> Delivered:
@@ -152,15 +156,27 @@ class KVEventSubscriber:
                 if seq < self.next_seq or (before is not None and seq >= before):
                     continue
                 self._skip_to(seq)  # older batches have left the replay buffer
-                delivered.append((seq, decode_batch(payload)))
+                if self._deliver(seq, payload, delivered):
+                    self.repaired += 1
                 if before is None:  # a catch-up: the live socket may bring these again
                     self._replayed[seq] = hash(payload)
                 self.next_seq = seq + 1
-                self.repaired += 1
         finally:
             dealer.close(linger=0)
         if before is not None:
             self._skip_to(before)
+
+    def _deliver(self, seq: int, payload: bytes, delivered: Delivered) -> bool:
+        """Add the batch; one that does not decode (an event type we do not know) is logged
+        and counted as lost, not raised past the batches already taken in this call."""
+        try:
+            batch = decode_batch(payload)
+        except DecodeError as exc:
+            logger.warning("KV event batch %d does not decode, counted as lost: %s", seq, exc)
+            self.lost += 1
+            return False
+        delivered.append((seq, batch))
+        return True
 
     def _skip_to(self, seq: int) -> None:
         """Move ``next_seq`` up to ``seq``, counting the batches passed over as lost."""
