@@ -83,11 +83,11 @@ class _Lossy(KVEventSubscriber):
     """Loses batch ``drop`` the first time it arrives, as a congested PUB socket does."""
 
     drop = -1
-    lost = False
+    dropped = False
 
     def accept(self, seq: int, payload: bytes, delivered: Delivered) -> None:
-        if seq == self.drop and not self.lost:
-            self.lost = True
+        if seq == self.drop and not self.dropped:
+            self.dropped = True
             return
         super().accept(seq, payload, delivered)
 
@@ -101,7 +101,7 @@ def test_a_dropped_batch_is_detected_by_its_gap_and_repaired() -> None:
             pub.publish(_stored(i))
         pub.flush()
         got = _receive_until(sub, 6)
-    assert sub.lost
+    assert sub.dropped
     assert [seq for seq, _ in got] == list(range(first, first + 6))
     assert (sub.gaps - gaps, sub.repaired - repaired) == (1, 1)
 
@@ -109,14 +109,14 @@ def test_a_dropped_batch_is_detected_by_its_gap_and_repaired() -> None:
 def test_a_gap_without_replay_is_counted_and_skipped() -> None:
     with KVEventPublisher(LOCAL) as pub, _Lossy(pub.endpoint) as sub:
         _connect(pub, sub)
-        first, gaps = sub.next_seq, sub.gaps
+        first, gaps, lost = sub.next_seq, sub.gaps, sub.lost
         sub.drop = first + 2
         for i in range(4):
             pub.publish(_stored(i))
         pub.flush()
         got = _receive_until(sub, 3)
     assert [seq - first for seq, _ in got] == [0, 1, 3]
-    assert sub.gaps - gaps == 1
+    assert (sub.gaps - gaps, sub.lost - lost) == (1, 1)
 
 
 def test_publishing_on_a_taken_port_names_the_endpoint() -> None:
@@ -318,3 +318,123 @@ def test_a_live_batch_numbered_as_the_last_one_is_a_restart() -> None:
             sub.accept(seq, payload, delivered)
     assert (sub.restarts, sub.gaps) == (1, 1)  # no replay here: the new 0 and 1 are a gap
     assert [seq for seq, _ in delivered] == [0, 1, 2, -1, 2]
+
+
+def test_a_publisher_restarted_after_a_catch_up_is_followed() -> None:
+    """A subscriber that joined after a run and has seen only replayed batches (as with
+    ``simulate --serve-after``) still tells the next run's batches from duplicates: they
+    were dropped and the first run's blocks stayed in the index."""
+    endpoint, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    index = PrefixIndex()
+    with KVEventPublisher(endpoint, replay) as first:
+        for i in range(10):
+            first.publish(_stored(i))
+        first.flush()
+        sub = KVEventSubscriber(endpoint, replay)
+        for _, batch in sub.catch_up():
+            index.apply("engine", batch)
+    with sub:
+        assert index.holds("engine", block_id_key(3)[:8])
+        with _bound_again(endpoint, replay) as second:
+            got: Delivered = []
+            for i in range(100):
+                second.publish(_stored(50 + i))
+                second.flush()
+                got += sub.receive(0.1)
+                if got:
+                    break
+    assert sub.restarts == 1
+    seqs = [seq for seq, _ in got]
+    assert seqs[0] == -1 and seqs[1:] == list(range(len(seqs) - 1))
+    for _, batch in got:
+        index.apply("engine", batch)
+    assert not index.holds("engine", block_id_key(3)[:8])
+    assert index.holds("engine", block_id_key(50)[:8])
+
+
+def test_live_batches_a_catch_up_replayed_already_are_dropped_as_duplicates() -> None:
+    """The same bytes numbered as a replayed batch are that batch again, not a restart."""
+    with (
+        KVEventPublisher(LOCAL, LOCAL) as pub,
+        KVEventSubscriber(pub.endpoint, pub.replay_endpoint) as sub,
+    ):
+        for i in range(3):
+            pub.publish(_stored(i))
+        pub.flush()
+        replayed = sub.catch_up()
+        assert [seq for seq, _ in replayed] == [0, 1, 2]
+        delivered: Delivered = []
+        for seq, batch in replayed:
+            sub.accept(seq, encode_batch(batch), delivered)
+    assert (delivered, sub.restarts, sub.next_seq) == ([], 0, 3)
+
+
+def test_batches_the_replay_buffer_no_longer_holds_are_counted_as_lost() -> None:
+    """A catch-up or a gap repair that replay can only partly fill passes over the rest:
+    the caller learns its index may be wrong instead of taking the batches as complete."""
+    with KVEventPublisher(LOCAL, LOCAL, buffer_batches=5) as pub:
+        for i in range(10):
+            pub.publish(_stored(i))
+        pub.flush()
+        with KVEventSubscriber(pub.endpoint, pub.replay_endpoint) as late:
+            caught_up = late.catch_up()
+    assert [seq for seq, _ in caught_up] == [5, 6, 7, 8, 9]
+    assert (late.lost, late.repaired) == (5, 5)
+
+    with (
+        KVEventPublisher(LOCAL, LOCAL, buffer_batches=2) as pub,
+        _Lossy(pub.endpoint, pub.replay_endpoint) as sub,
+    ):
+        _connect(pub, sub)
+        first, gaps, lost = sub.next_seq, sub.gaps, sub.lost
+        sub.drop = first + 2
+        for i in range(6):  # all sent before any is received: batch 2 has left the buffer
+            pub.publish(_stored(i))
+        pub.flush()
+        got = _receive_until(sub, 5)
+    assert [seq - first for seq, _ in got] == [0, 1, 3, 4, 5]
+    assert (sub.gaps - gaps, sub.lost - lost) == (1, 1)
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback here")
+def test_ipv6_endpoints_publish_and_replay() -> None:
+    """ZMQ sockets take IPv6 addresses only when told: binding ``tcp://[::1]:PORT`` failed
+    with "No such device" though the machine has the address."""
+    with (
+        KVEventPublisher("tcp://[::1]:0", "tcp://[::1]:0") as pub,
+        _Lossy(pub.endpoint, pub.replay_endpoint) as sub,
+    ):
+        assert pub.endpoint.startswith("tcp://[::1]:")
+        _connect(pub, sub)
+        first, repaired = sub.next_seq, sub.repaired
+        sub.drop = first + 1
+        for i in range(3):
+            pub.publish(_stored(i))
+        pub.flush()
+        got = _receive_until(sub, 3)
+    assert [seq - first for seq, _ in got] == [0, 1, 2]
+    assert sub.repaired - repaired == 1
+
+
+def test_a_batch_that_does_not_decode_is_counted_as_lost_not_raised() -> None:
+    """An event type we do not know (a newer vLLM's) raised out of ``receive`` and took the
+    batches accepted before it in the same call, ``next_seq`` already past them."""
+    import msgspec
+
+    good = encode_batch(KVEventBatch(0.0, [BlockRemoved([b"a"], "CPU")]))
+    unknown = msgspec.msgpack.encode([0.0, [{"type": "BlockUpdated", "block_hashes": []}], 0])
+    with KVEventSubscriber(LOCAL, bind=True) as sub:
+        delivered: Delivered = []
+        for seq, payload in ((0, good), (1, unknown), (2, good)):
+            sub.accept(seq, payload, delivered)
+    assert [seq for seq, _ in delivered] == [0, 2]
+    assert (sub.lost, sub.gaps, sub.next_seq) == (1, 0, 3)

@@ -66,6 +66,9 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
+DecodeError = msgspec.DecodeError
+"""What :func:`decode_batch` raises, for callers that import no msgspec."""
+
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 

@@ -29,6 +29,11 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The ``seq`` frame that ends a replay."""
 
 
+def is_ipv6(endpoint: str) -> bool:
+    """A ``tcp://[ADDRESS]:PORT`` endpoint: ZMQ sockets refuse IPv6 unless told (``zmq.IPV6``)."""
+    return endpoint.startswith("tcp://[")
+
+
 class KVEventPublisher:
     """Binds ``endpoint`` (PUB) and, if given, ``replay_endpoint`` (ROUTER) at once.
 
@@ -99,6 +104,8 @@ class KVEventPublisher:
         sock: zmq.Socket[bytes] = self._context.socket(kind)
         if kind == zmq.ROUTER:
             sock.setsockopt(zmq.SNDHWM, 0)
+        if is_ipv6(endpoint):
+            sock.setsockopt(zmq.IPV6, 1)
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as exc:

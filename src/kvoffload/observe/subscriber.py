@@ -8,12 +8,16 @@ reach the caller exactly once and in order.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import OrderedDict
 
 import zmq
 
-from kvoffload.observe.events import AllBlocksCleared, KVEventBatch, decode_batch
-from kvoffload.observe.publisher import END_SEQ
+from kvoffload.observe.events import AllBlocksCleared, DecodeError, KVEventBatch, decode_batch
+from kvoffload.observe.publisher import END_SEQ, is_ipv6
+
+logger = logging.getLogger(__name__)
 
 Delivered = list[tuple[int, KVEventBatch]]
 
@@ -29,13 +33,19 @@ class KVEventSubscriber:
 
     ``gaps`` counts the gaps seen; ``repaired`` the batches recovered by
     replay. Without a replay endpoint a gap is skipped over (and counted).
+    ``lost`` counts the batches skipped over, neither received nor replayed (the
+    replay buffer no longer held them), or received but not decodable (an event
+    type we do not know; logged): an index built from the batches may then hold
+    blocks that are gone and lack some that are there.
 
     A publisher numbers its batches up from 0, and one socket delivers them in
     order: a live batch numbered at or below the last one seen there comes from
     a new publisher on the same endpoints (a restarted engine). That is counted
     in ``restarts`` and delivered first as a batch of one ``AllBlocksCleared``,
     numbered -1 (the old instance's blocks are gone), and the new numbering is
-    followed from 0, repaired by replay like any gap.
+    followed from 0, repaired by replay like any gap. A live batch numbered as one
+    replay delivered but not yet seen live is that batch again unless its payload
+    differs: then it too is a new publisher's (one that restarted after a catch-up).
     """
 
     def __init__(
@@ -49,6 +59,8 @@ class KVEventSubscriber:
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sub = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        if is_ipv6(endpoint):
+            self._sub.setsockopt(zmq.IPV6, 1)
         if bind:
             self._sub.bind(endpoint)
         else:
@@ -60,8 +72,12 @@ class KVEventSubscriber:
         self.gaps = 0
         self.repaired = 0
         self.restarts = 0
+        self.lost = 0
         self._last_live: int | None = None
         """The last batch number the live socket delivered (replay numbers are not live)."""
+        self._replayed: OrderedDict[int, int] = OrderedDict()
+        """Hashes of the payloads a catch-up delivered past ``_last_live``, by number,
+        ascending: what a live batch below ``next_seq`` must match to be a duplicate."""
 
     def receive(self, timeout_s: float = 1.0) -> Delivered:
         """Batches that arrived within ``timeout_s`` (waiting only for the first), in order."""
@@ -76,18 +92,20 @@ class KVEventSubscriber:
     def accept(self, seq: int, payload: bytes, delivered: Delivered) -> None:
         """Take one published batch: note a restart, drop a duplicate (a batch replay has
         delivered already), repair a gap before it, then add it."""
-        restarted = self._last_live is not None and seq <= self._last_live
+        restarted = self._is_restart(seq, payload)
         self._last_live = seq
+        self._forget_replayed(up_to=seq)
         if restarted:
             self.restarts += 1
             self.next_seq = 0
+            self._replayed.clear()
             delivered.append((RESTART_SEQ, KVEventBatch(time.time(), [AllBlocksCleared()])))
         elif seq < self.next_seq:
             return
         if seq > self.next_seq:
             self.gaps += 1
             self._repair(seq, delivered)
-        delivered.append((seq, decode_batch(payload)))
+        self._deliver(seq, payload, delivered)
         self.next_seq = seq + 1
 
     def catch_up(self) -> Delivered:
@@ -105,12 +123,28 @@ class KVEventSubscriber:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _is_restart(self, seq: int, payload: bytes) -> bool:
+        """Numbered at or below the last live batch, or as a batch a catch-up replayed but
+        with another payload: a new publisher's (the old one's would be the same bytes)."""
+        if self._last_live is not None and seq <= self._last_live:
+            return True
+        replayed = self._replayed.get(seq)
+        return replayed is not None and replayed != hash(payload)
+
+    def _forget_replayed(self, up_to: int) -> None:
+        """Live numbers only go up: no later live batch can repeat one up to ``up_to``."""
+        replayed = self._replayed
+        while replayed and next(iter(replayed)) <= up_to:
+            replayed.popitem(last=False)
+
     def _repair(self, before: int | None, delivered: Delivered) -> None:
         if self._replay_endpoint is None:
             if before is not None:
-                self.next_seq = before
+                self._skip_to(before)
             return
         dealer = self._context.socket(zmq.DEALER)
+        if is_ipv6(self._replay_endpoint):
+            dealer.setsockopt(zmq.IPV6, 1)
         try:
             dealer.connect(self._replay_endpoint)
             dealer.send_multipart((b"", self.next_seq.to_bytes(8, "big")))
@@ -121,10 +155,31 @@ class KVEventSubscriber:
                 seq = int.from_bytes(seq_bytes, "big")
                 if seq < self.next_seq or (before is not None and seq >= before):
                     continue
-                delivered.append((seq, decode_batch(payload)))
+                self._skip_to(seq)  # older batches have left the replay buffer
+                if self._deliver(seq, payload, delivered):
+                    self.repaired += 1
+                if before is None:  # a catch-up: the live socket may bring these again
+                    self._replayed[seq] = hash(payload)
                 self.next_seq = seq + 1
-                self.repaired += 1
         finally:
             dealer.close(linger=0)
         if before is not None:
-            self.next_seq = max(self.next_seq, before)
+            self._skip_to(before)
+
+    def _deliver(self, seq: int, payload: bytes, delivered: Delivered) -> bool:
+        """Add the batch; one that does not decode (an event type we do not know) is logged
+        and counted as lost, not raised past the batches already taken in this call."""
+        try:
+            batch = decode_batch(payload)
+        except DecodeError as exc:
+            logger.warning("KV event batch %d does not decode, counted as lost: %s", seq, exc)
+            self.lost += 1
+            return False
+        delivered.append((seq, batch))
+        return True
+
+    def _skip_to(self, seq: int) -> None:
+        """Move ``next_seq`` up to ``seq``, counting the batches passed over as lost."""
+        if seq > self.next_seq:
+            self.lost += seq - self.next_seq
+            self.next_seq = seq
