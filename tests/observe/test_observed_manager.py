@@ -106,13 +106,22 @@ TestObservedBesideBare = ObservedBesideBare.TestCase
 
 
 @pytest.mark.parametrize(
-    ("admission", "threshold"),
-    [("none", 0), ("none", 2), ("feedback", 0), ("sketch", 0), ("recommended", 0)],
+    ("admission", "threshold", "disk"),
+    [
+        ("none", 0, False),
+        ("none", 2, False),
+        ("feedback", 0, False),
+        ("sketch", 0, False),
+        ("recommended", 0, False),
+        ("recommended", 0, True),
+    ],
 )
 def test_skipped_blocks_are_the_reports_for_every_admission(
-    mooncake_trace: Path, admission: str, threshold: int
+    mooncake_trace: Path, tmp_path: Path, admission: str, threshold: int, disk: bool
 ) -> None:
-    """Every admission layer's refusals reach ``stores_skipped``, not just the reuse filter's."""
+    """Every admission layer's refusals reach ``stores_skipped``, not just the reuse filter's;
+    with a disk tier too, whose promotions evict CPU blocks the engine stored (the report
+    took them as still held, and undercounted)."""
     workload = read_trace(mooncake_trace)
     workload.requests = workload.requests[:1500]
     config = SimConfig(
@@ -121,6 +130,8 @@ def test_skipped_blocks_are_the_reports_for_every_admission(
         bound=False,
         admission=admission,
         store_threshold=threshold,
+        disk_dir=str(tmp_path / "disk") if disk else None,
+        disk_blocks=4392 if disk else 0,
     )
     observed: list[ObservedManager] = []
     report = simulate(workload, config, observers=Observers(on_manager=[observed.append]))

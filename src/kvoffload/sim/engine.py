@@ -474,10 +474,11 @@ class ServingEngine:
             slots = running.slots[first : first + len(offered)]
         else:
             chosen = set(to_store)
-            refused = [key for key in offered if key not in chosen and key not in held]
             holds = self._holds
-            if refused and holds is not None:  # e.g. blocks promoted from a lower tier
-                refused = [key for key in refused if not holds(key)]
+            if holds is None:
+                refused = [key for key in offered if key not in chosen and key not in held]
+            else:  # the tier's own word: a lookup's promotions place and evict blocks too
+                refused = [key for key in offered if key not in chosen and not holds(key)]
             stats.stores_skipped_by_admission += len(refused)
             if not to_store:
                 return
