@@ -119,6 +119,37 @@ def test_a_per_reference_credit_is_the_bucket_it_always_was() -> None:
         expected -= written
 
 
+def test_a_budget_below_one_block_per_burst_still_writes_at_its_rate() -> None:
+    """A bank holds at least one block: else a per-reference budget under one block per
+    ``BURST_REFS`` references could never bank a whole block and wrote nothing at all."""
+    budget = 0.5 / BURST_REFS
+    credit, written = BudgetCredit(budget), 0
+    for _ in range(8 * BURST_REFS):
+        credit.earn(1)
+        if credit.allowance():
+            credit.spend(1)
+            written += 1
+    assert written == int(budget * 8 * BURST_REFS)
+
+
+@pytest.mark.parametrize(
+    "budget",
+    [
+        1e307,
+        WriteBudget(1e308, BYTES_PER_S, block_bytes=1),
+        WriteBudget(1e306, DWPD, block_bytes=1, drive_bytes=10**12),  # inf blocks/s
+    ],
+)
+def test_a_huge_budget_is_an_allowance_not_an_overflow(budget: float | WriteBudget) -> None:
+    """A budget whose bank would overflow to infinity allows a huge number of blocks (a
+    bank of infinity once made ``allowance`` raise ``OverflowError``)."""
+    clock = iter([0.0, 10.0])
+    credit = BudgetCredit(budget, clock=lambda: next(clock))
+    credit.earn(10)
+    credit.earn(10)
+    assert credit.allowance() >= 2**50
+
+
 def chat(requests: int) -> Workload:
     return generate({"chat": 1.0}, num_requests=requests, seed=0, block_tokens=256, rate=1.0)
 

@@ -29,6 +29,9 @@ one block): a cap on the write rate, as a link's or a drive's bandwidth is."""
 DWPD_BURST_SECONDS = 3600.0
 """A budget in drive writes per day may be spent ahead by at most an hour's worth: wear
 counts the day's total, so bursts may use what quiet minutes left."""
+MAX_BANK_BLOCKS = float(2**53)
+"""No bank holds more blocks than this (exact in a float): a huge budget's bank would
+overflow to infinity, which no count of blocks to write is."""
 RATE_WINDOW_REFS = 1 << 16
 """The reference rate that converts a per-time budget into writes per reference is
 measured over about this many recent references (counts halve past it)."""
@@ -208,8 +211,9 @@ class BudgetCredit:
     Per-reference budgets earn ``amount`` per block reference, at most
     :data:`BURST_REFS` references' worth banked; per-time budgets earn their
     blocks per second of :attr:`clock`, at most :data:`BURST_SECONDS`' worth
-    (:data:`DWPD_BURST_SECONDS`' for drive writes per day; at least one block)
-    banked. The bucket starts empty, so from the first call
+    (:data:`DWPD_BURST_SECONDS`' for drive writes per day) banked. Every bank holds
+    at least one block, so that a budget below one block per burst still writes at
+    its rate, and at most :data:`MAX_BANK_BLOCKS`. The bucket starts empty, so from the first call
     writes never exceed what was earned; over any span they exceed the span's
     earnings by at most the bank.
     """
@@ -224,11 +228,11 @@ class BudgetCredit:
         """Seconds, for per-time budgets; the simulator sets its trace clock here."""
         if self.budget.per_ref:
             self._rate = self.budget.amount
-            self._cap = self._rate * BURST_REFS
+            burst = float(BURST_REFS)
         else:
             self._rate = self.budget.blocks_per_second()
             burst = DWPD_BURST_SECONDS if self.budget.unit == DWPD else BURST_SECONDS
-            self._cap = max(self._rate * burst, 1.0)
+        self._cap = min(max(self._rate * burst, 1.0), MAX_BANK_BLOCKS)
         self._credit = 0.0
         self._last: float | None = None
         self._refs = 0.0
