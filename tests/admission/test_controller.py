@@ -66,6 +66,18 @@ def test_a_group_follows_its_own_traffic_and_an_unseen_one_its_class() -> None:
     assert controller.memory_bytes == 8 * 2 * (1 + 4)
 
 
+def test_with_no_group_strength_a_group_follows_only_its_own_outcomes() -> None:
+    """``group_strength`` 0 (a value the feedback rule takes) gives a group its own rate
+    alone; a group with no outcome yet has its class's rate (it divided by zero)."""
+    controller = ReuseController(1, threshold=0.5, window=10_000, groups=3, group_strength=0.0)
+    returning, unseen = controller.tag(0, 1), controller.tag(0, 2)
+    controller.record_all([returning] * 3, True)
+    controller.record(returning, False)
+    assert controller.rate(returning) == pytest.approx(0.75)
+    assert controller.rate(unseen) == pytest.approx(controller.class_rate(0))
+    assert controller.admits(returning) and controller.admitting_share == pytest.approx(3 / 3)
+
+
 def test_bad_arguments_are_rejected() -> None:
     with pytest.raises(InvalidArgumentError, match="threshold"):
         ReuseController(2, threshold=1.5, window=10)

@@ -128,5 +128,7 @@ class ReuseController:
 
 
 def _shrunk(returns: float, outcomes: float, pooled: float, strength: float) -> float:
-    """A group's return rate with ``strength`` outcomes' weight of its class's rate."""
-    return (returns + strength * pooled) / (outcomes + strength)
+    """A group's return rate with ``strength`` outcomes' weight of its class's rate; a
+    group with no weight at all (no outcomes yet, ``strength`` 0) has its class's rate."""
+    weight = outcomes + strength
+    return (returns + strength * pooled) / weight if weight else pooled
