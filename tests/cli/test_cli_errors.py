@@ -35,6 +35,8 @@ def test_malformed_trace_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         (["--gpu-blocks", "3"], "cannot fit in a GPU cache of 3 blocks"),
         (["--trace", "/nonexistent/trace.jsonl", "--format", "mooncake"], "cannot read trace"),
         (["--json", "/nonexistent/dir/out.json"], "/nonexistent/dir/out.json"),
+        # The option, not the run's field name (it said "gpu_blocks ... must be >= 1").
+        (["--gpu-gb", "0.001"], "--gpu-gb 0.001 holds no block of 2 MiB"),
     ],
 )
 def test_bad_arguments(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -45,6 +47,11 @@ def test_bad_arguments(args: list[str], message: str, capsys: pytest.CaptureFixt
 def test_sweep_bad_list(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sweep", "--requests", "20", "--cpu-blocks", "10,lots", "--jobs", "1"]) == 1
     assert "comma-separated integers" in one_line_error(capsys)
+
+
+def test_sweep_names_a_gpu_size_too_small_for_one_block(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sweep", "--requests", "20", "--gpu-gb", "0.001", "--jobs", "1"]) == 1
+    assert "--gpu-gb 0.001 holds no block" in one_line_error(capsys)
 
 
 def test_usage_errors_are_argparse_status_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvoffload.cli import output
 from kvoffload.cli.main import main
 
 SMALL = ["simulate", "--requests", "120", "--seed", "3", "--no-progress"]
@@ -55,6 +56,17 @@ def test_capacities_in_gib_follow_the_layout(capsys: pytest.CaptureFixture[str])
     report = json.loads(capsys.readouterr().out)
     assert report["bytes_per_block"] == 512 * 2**10  # 16 layers x 8 heads x 64 x 2 x 2 x 16
     assert (report["gpu_blocks"], report["cpu_blocks"]) == (8192, 20480)
+
+
+def test_sizes_just_under_the_next_unit_are_not_in_exponent_notation(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """From 999.5 to 1023.9 of a unit, three significant digits printed as "1e+03 GiB"."""
+    assert main([*SMALL, "--cpu-gb", "1000", "--no-bound"]) == 0
+    assert "1,000 GiB (512,000 blocks)" in capsys.readouterr().out
+    assert output.size(999.5 * 2**30) == "1,000 GiB"
+    assert output.size(1023.9 * 2**10) == "1,024 KiB"
+    assert output.size(999.4 * 2**20) == "999 MiB"
 
 
 def test_trace_with_policy_threshold_and_concurrency(

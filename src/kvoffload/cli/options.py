@@ -15,6 +15,7 @@ from kvoffload.admission.registry import ParamPairs
 from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD
 from kvoffload.cli import output
 from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.layout import layout_preset
 from kvoffload.core.memory import check_fits
 from kvoffload.sim.engine import PARTIAL_BLOCK_MODES
 from kvoffload.sim.generators import DEFAULT_MIX, DEFAULT_RATE, DEFAULT_REQUESTS, parse_mix
@@ -247,6 +248,12 @@ def base_config(args: argparse.Namespace, block_tokens: int, default_layout: str
     """The run configuration from the engine and GPU options; offload tier still empty."""
     layout = args.layout or default_layout
     gpu_blocks = _blocks(args.gpu_blocks, args.gpu_gb, DEFAULT_GPU_GIB, layout, block_tokens)
+    if gpu_blocks == 0:  # only a size in GiB gives none (--gpu-blocks is at least 1)
+        block = layout_preset(layout).with_block_size(block_tokens).bytes_per_block
+        raise InvalidArgumentError(
+            f"--gpu-gb {args.gpu_gb:g} holds no block of {output.size(block)} "
+            f"({layout}, {block_tokens} tokens); give the GPU at least one"
+        )
     return SimConfig(
         gpu_blocks=gpu_blocks,
         cpu_blocks=0,

@@ -42,7 +42,10 @@ def size(num_bytes: Value) -> str:
     value = float(num_bytes)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(value) < 1024:
-            return f"{value:.3g} {unit}" if unit != "B" else f"{int(value)} B"
+            if unit == "B":
+                return f"{int(value)} B"
+            # Three significant digits, except from 999.5 on, where ".3g" gives "1e+03".
+            return f"{value:.3g} {unit}" if abs(value) < 999.5 else f"{value:,.0f} {unit}"
         value /= 1024
     return f"{value:,.1f} TiB"
 
