@@ -119,6 +119,9 @@ def _default_capacities_in_blocks(args: argparse.Namespace, block_tokens: int) -
 
 
 _NO_TIER = "--data-plane moves bytes to an offload tier, and {option} leaves none"
+_NO_CPU_TIER = (
+    "a disk or shared tier (--disk-dir, --remote) sits below the CPU tier, and {option} leaves none"
+)
 
 
 def _cpu_option(args: argparse.Namespace) -> str:
@@ -131,6 +134,9 @@ def run(args: argparse.Namespace) -> int:
     options.check_before_work(args)
     if args.data_plane and args.cpu_blocks == 0:  # before the workload; --cpu-gb needs it
         raise KVOffloadError(_NO_TIER.format(option=_cpu_option(args)))
+    lower_tier = args.disk_dir is not None or args.remote is not None
+    if lower_tier and args.cpu_blocks == 0:
+        raise KVOffloadError(_NO_CPU_TIER.format(option=_cpu_option(args)))
     tier_options.check_before_work(args)
     options.check_name(args.policy, "--policy", resolve_policy)
     options.check_name(args.admission, "--admission", resolve_admission)
@@ -146,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
     cpu = options.cpu_blocks(args.cpu_blocks, args.cpu_gb, config, bt)
     if args.data_plane and cpu == 0:
         raise KVOffloadError(_NO_TIER.format(option=_cpu_option(args)))
+    if lower_tier and cpu == 0:
+        raise KVOffloadError(_NO_CPU_TIER.format(option=_cpu_option(args)))
     config = options.with_offload(config, cpu, args.policy, args.store_threshold)
     config = dataclasses.replace(
         config,
