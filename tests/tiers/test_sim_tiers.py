@@ -60,6 +60,15 @@ def test_a_disk_run_reports_every_tier_and_its_model(tmp_path: Path) -> None:
     assert json.loads(json.dumps(report.as_dict()))["tiers"]["disk"]["hit_blocks"] == 4
 
 
+def test_offload_evictions_are_the_cpu_tiers_promotions_included(tmp_path: Path) -> None:
+    """A promotion from the disk evicts a CPU block that no store of the engine reported:
+    the report's evictions are the CPU tier's own count."""
+    report = simulate(promoted_workload(), config(disk_dir=str(tmp_path), disk_blocks=100))
+    evicted = report.tiers["cpu"]["evicted"]
+    assert report.offload_evictions == evicted
+    assert isinstance(evicted, int) and evicted > 0
+
+
 def test_the_disk_tier_has_its_own_policy(tmp_path: Path) -> None:
     from kvoffload.tiers import DiskTier, build_stack
 

@@ -479,7 +479,9 @@ def simulate(
         stores_rejected=stats.stores_rejected,
         stores_failed=stats.stores_failed,
         loads_failed=stats.loads_failed,
-        offload_evictions=stats.offload_evictions,
+        # The CPU tier's own count where it has lower tiers: a lookup's promotions from
+        # them evict CPU blocks too, which no store of the engine's reports.
+        offload_evictions=stats.offload_evictions if tiered is None else tiered.cpu_stats.evicted,
         gpu_evictions=stats.gpu_evictions,
         prefill_seconds_baseline=stats.prompt_tokens / prefill_rate,
         prefill_seconds_saved=stats.gpu_hit_tokens / prefill_rate + saved_by_offload,
