@@ -53,6 +53,16 @@ def test_plots_are_png(tmp_path: Path) -> None:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize(("gib", "shown"), [(24.0, "24"), (999.4, "999"), (1000.0, "1,000")])
+def test_the_plot_title_never_shows_an_exponent(gib: float, shown: str) -> None:
+    pytest.importorskip("matplotlib")
+    from kvoffload.sim.plots import sweep_title
+
+    [report] = run_sweep(SOURCE, configs()[:1], jobs=1)
+    report = dataclasses.replace(report, gpu_gib=gib)
+    assert sweep_title(report) == f"{report.workload}, GPU {shown} GiB"
+
+
 def test_interrupted_sweep_keeps_the_finished_runs() -> None:
     def stop_after_three(done: int, total: int) -> None:
         if done == 3:

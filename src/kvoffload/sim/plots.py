@@ -47,12 +47,20 @@ def _floats(line: Sequence[RunReport], name: str) -> list[float]:
     return [float("nan") if v is None else float(v) for v in values]
 
 
+def sweep_title(report: RunReport) -> str:
+    """The plots' title: the workload and its GPU cache, in three significant digits
+    (whole GiB from 999.5 on, where ``.3g`` turns to ``1e+03``)."""
+    gib = report.gpu_gib
+    size = f"{gib:.3g}" if gib < 999.5 else f"{gib:,.0f}"
+    return f"{report.workload}, GPU {size} GiB"
+
+
 def plot_sweep(reports: Sequence[RunReport], out_dir: str | Path) -> list[Path]:
     """Write ``hit_ratio_vs_capacity.png`` and ``hit_ratio_vs_writes.png``; return their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lines = _lines(reports)
-    title = f"{reports[0].workload}, GPU {reports[0].gpu_gib:.3g} GiB"
+    title = sweep_title(reports[0])
 
     capacity = _figure()
     axes = capacity.add_subplot()
