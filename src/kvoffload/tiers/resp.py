@@ -580,6 +580,8 @@ class Connection:
         line = self._line(deadline)
         kind, rest = line[:1], line[1:]
         budget[0] -= len(line) + 2
+        if budget[0] < 0:  # lines count too: an array of long ones was otherwise unbounded
+            raise ProtocolError("a reply longer than this call accepts")
         if kind == b"+":
             return rest
         if kind == b"-":
