@@ -165,8 +165,14 @@ class Credentials:
         else:
             context.load_default_certs()
         if options.certfile:
-            context.load_cert_chain(options.certfile, options.keyfile)
+            context.load_cert_chain(options.certfile, options.keyfile, _no_pass_phrase)
         return context
+
+
+def _no_pass_phrase() -> bytes:
+    """Refuse an encrypted client key: without a callback OpenSSL asks for its pass phrase
+    on the terminal, and start-up waited there for ever."""
+    raise OSError("the client key is encrypted; the tier takes only an unencrypted one")
 
 
 Address = tuple[int, int, int, tuple[Any, ...]]
