@@ -279,7 +279,11 @@ def _connect(addresses: list[Address], deadline: Deadline) -> socket.socket:
     """A TCP connection to the first of ``addresses`` that takes one before ``deadline``."""
     last: BaseException | None = None
     for family, kind, proto, sockaddr in addresses:
-        sock = socket.socket(family, kind, proto)
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError as exc:  # a family this kernel lacks (IPv6 turned off): the next one
+            last = exc
+            continue
         try:
             sock.settimeout(deadline.left())
             sock.connect(sockaddr)
