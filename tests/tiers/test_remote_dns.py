@@ -169,6 +169,30 @@ def test_ip_addresses_are_never_looked_up(host: str, lookup: ControlledLookup) -
     assert address[3][:2] == (host, 6379) and lookup.calls == 0
 
 
+UNSUPPORTED_FAMILY = 12345
+"""An address family no kernel has, as AF_INET6 is on one booted with IPv6 turned off."""
+
+
+def test_an_address_of_a_family_the_kernel_lacks_is_skipped_for_the_next(
+    valkey_server: ValkeyProcess,
+) -> None:
+    """A name with an IPv6 and an IPv4 address, on a host without IPv6: the socket of the
+    first cannot be made, and start-up raised that OSError instead of trying the second."""
+
+    def lookup(host: str, port: int) -> list[Address]:
+        return [
+            (UNSUPPORTED_FAMILY, socket.SOCK_STREAM, 0, ("::1", port, 0, 0)),
+            (socket.AF_INET, socket.SOCK_STREAM, 0, ("127.0.0.1", port)),
+        ]
+
+    tier = RemoteTier(url(valkey_server), fingerprint("dns-family"), resolver=Resolver(lookup))
+    try:
+        store(tier, KEYS[:2])
+        assert tier.held(KEYS[:2]) == [True, True]
+    finally:
+        tier.close()
+
+
 def test_a_failed_lookup_is_not_kept(lookup: ControlledLookup) -> None:
     resolver = Resolver(lookup)
     lookup.mode = "fail"

@@ -3,6 +3,7 @@ read back whole, values land in their destinations, and the deadline holds."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -17,6 +18,7 @@ from kvoffload.tiers.resp import (
     CHUNK,
     DIRECT_BELOW,
     MAX_DEPTH,
+    MAX_LINE,
     PEEK,
     WAIT_SLICE,
     Connection,
@@ -222,6 +224,101 @@ def test_replies_we_do_not_accept_are_protocol_errors(
     threading.Thread(target=left.sendall, args=(data,), daemon=True).start()
     with pytest.raises(ProtocolError, match=message):
         connection.read_reply(Deadline(5))
+
+
+def test_an_array_of_long_lines_is_refused_past_the_call_s_limit(
+    pair: tuple[socket.socket, Connection],
+) -> None:
+    """Simple strings count against the limit as bulk strings do: 64 KiB-long lines in an
+    array of 64 Ki of them held 4 GiB for a reply limited to 64 KiB."""
+    left, connection = pair
+    line = b"+" + b"x" * 60_000 + b"\r\n"
+    data = b"*100\r\n" + line * 100
+
+    def send() -> None:
+        with contextlib.suppress(OSError):  # the reader stops early and the test closes
+            left.sendall(data)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    with pytest.raises(ProtocolError, match="longer than this call accepts"):
+        connection.read_reply(Deadline(5), MAX_LINE)
+    left.shutdown(socket.SHUT_RDWR)
+    sender.join(5)
+
+
+def _size(reply: Reply) -> int:
+    """Bytes ``reply`` holds, counting one for each item that is not a string."""
+    if isinstance(reply, list):
+        return 1 + sum(_size(item) for item in reply)
+    if isinstance(reply, bytes):
+        return len(reply)
+    if isinstance(reply, ErrorReply):
+        return len(reply.message)
+    return 1
+
+
+_LENGTHS = [b"-1", b"-2", b"-99999999999", b"0", b"1", b"3", b"99999999999", b"9" * 5000, b"x", b""]
+_ENDINGS = [b"\r\n", b"\r", b"\n", b"", b"\r\r\n"]
+hostile_tokens = st.one_of(
+    st.builds(
+        lambda kind, length, ending: kind + length + ending,
+        st.sampled_from([bytes([c]) for c in b"+-:$*%~>|(,=_#!"]),
+        st.sampled_from(_LENGTHS),
+        st.sampled_from(_ENDINGS),
+    ),
+    st.builds(lambda size: b"+" + b"y" * size + b"\r\n", st.sampled_from([10, 100, 1000])),
+    st.binary(max_size=20),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(hostile_tokens, max_size=30),
+    st.lists(st.integers(0, 3000), max_size=8),
+    st.booleans(),
+    st.sampled_from([64, MAX_LINE]),
+)
+def test_hostile_replies_end_in_a_reply_or_a_connection_error_by_the_deadline(
+    tokens: list[bytes], cuts: list[int], closes: bool, limit: int
+) -> None:
+    """A server on 127.0.0.1 sends any bytes (RESP3 types, wrong lengths, lines without
+    CRLF), cut and trickled, then closes or falls silent: the read ends by its deadline,
+    within its limit, with a reply or an error the tier counts (all ``OSError``)."""
+    data = b"".join(tokens)
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server, _ = listener.accept()
+    listener.close()
+    connection = Connection(client)
+
+    def serve() -> None:
+        start = 0
+        for cut in [*sorted(set(cuts)), len(data)]:
+            if start < cut <= len(data):
+                with contextlib.suppress(OSError):
+                    server.sendall(data[start:cut])
+                time.sleep(0.002)
+                start = cut
+        if closes:
+            with contextlib.suppress(OSError):
+                server.shutdown(socket.SHUT_WR)
+
+    sender = threading.Thread(target=serve, daemon=True)
+    sender.start()
+    started = time.monotonic()
+    try:
+        try:
+            reply = connection.read_reply(Deadline(0.3), limit)
+        except OSError:  # ProtocolError, ConnectionError, DeadlineExceeded
+            pass
+        else:
+            assert _size(reply) <= limit
+        assert time.monotonic() - started < 0.3 + WAIT_SLICE + 0.5
+    finally:
+        sender.join(5)
+        server.close()
+        connection.close()
 
 
 def test_arrays_nested_as_deep_as_allowed_are_read(

@@ -11,11 +11,16 @@ Certificates come from the ``openssl`` binary; without it these tests skip.
 from __future__ import annotations
 
 import contextlib
+import os
+import pty
+import select
 import selectors
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -351,6 +356,51 @@ def test_tls_options_are_parsed_and_passed_to_the_client(certs: Certs) -> None:
     assert parse_remote_url("redis://h:1").tls_options is None
     off = parse_remote_url("rediss://h:1?ssl_cert_reqs=none").tls_options
     assert off is not None and off.client_kwargs()["ssl_check_hostname"] is False
+
+
+def test_an_encrypted_client_key_fails_start_up_instead_of_asking_for_its_pass_phrase(
+    certs: Certs, tmp_path: Path
+) -> None:
+    """OpenSSL asks for an encrypted key's pass phrase on the controlling terminal: an
+    engine started from a shell waited there for ever. Start-up runs here in a child with
+    a terminal of its own; the key is refused before any connection."""
+    assert OPENSSL is not None
+    key = tmp_path / "encrypted.key"
+    args = [OPENSSL, "pkey", "-in", str(certs.client_key), "-out", str(key), "-aes256"]
+    subprocess.run([*args, "-passout", "pass:secret"], check=True, timeout=30)
+    url = f"rediss://127.0.0.1:1?ssl_certfile={certs.client}&ssl_keyfile={key}"
+    code = (
+        "from kvoffload.core.layout import layout_preset\n"
+        "from kvoffload.tiers import RemoteTier, RemoteTierError, layout_fingerprint\n"
+        "try:\n"
+        f"    RemoteTier({url!r}, layout_fingerprint('tls', layout_preset('tiny'), 32))\n"
+        "except RemoteTierError as exc:\n"
+        "    print(exc)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    pid, terminal = pty.fork()
+    if pid == 0:
+        os.execve(sys.executable, [sys.executable, "-c", code], env)
+    output = b""
+    ends = time.monotonic() + 30
+    try:
+        while time.monotonic() < ends:
+            if not select.select([terminal], [], [], 0.1)[0]:
+                continue
+            try:
+                got = os.read(terminal, 4096)
+            except OSError:  # the child closed its terminal: it has ended
+                break
+            if not got:
+                break
+            output += got
+    finally:
+        if os.waitpid(pid, os.WNOHANG) == (0, 0):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(terminal)
+    assert b"pass phrase" not in output.lower(), output
+    assert b"cannot load the TLS files (the client key is encrypted" in output, output
 
 
 @pytest.mark.parametrize(

@@ -165,8 +165,14 @@ class Credentials:
         else:
             context.load_default_certs()
         if options.certfile:
-            context.load_cert_chain(options.certfile, options.keyfile)
+            context.load_cert_chain(options.certfile, options.keyfile, _no_pass_phrase)
         return context
+
+
+def _no_pass_phrase() -> bytes:
+    """Refuse an encrypted client key: without a callback OpenSSL asks for its pass phrase
+    on the terminal, and start-up waited there for ever."""
+    raise OSError("the client key is encrypted; the tier takes only an unencrypted one")
 
 
 Address = tuple[int, int, int, tuple[Any, ...]]
@@ -273,7 +279,11 @@ def _connect(addresses: list[Address], deadline: Deadline) -> socket.socket:
     """A TCP connection to the first of ``addresses`` that takes one before ``deadline``."""
     last: BaseException | None = None
     for family, kind, proto, sockaddr in addresses:
-        sock = socket.socket(family, kind, proto)
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError as exc:  # a family this kernel lacks (IPv6 turned off): the next one
+            last = exc
+            continue
         try:
             sock.settimeout(deadline.left())
             sock.connect(sockaddr)
@@ -580,6 +590,8 @@ class Connection:
         line = self._line(deadline)
         kind, rest = line[:1], line[1:]
         budget[0] -= len(line) + 2
+        if budget[0] < 0:  # lines count too: an array of long ones was otherwise unbounded
+            raise ProtocolError("a reply longer than this call accepts")
         if kind == b"+":
             return rest
         if kind == b"-":

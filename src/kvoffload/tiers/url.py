@@ -21,7 +21,8 @@ at 100 MB/s; ``cluster=yes|no``; and on a TLS URL (``rediss://``,
 - ``ssl_ca_certs=PATH``: the CA bundle (PEM) that signed the server's
   certificate; without it the system's trusted CAs are used;
 - ``ssl_certfile=PATH`` and ``ssl_keyfile=PATH``: the client's certificate and
-  key for mutual TLS (the key may also sit in the certificate file);
+  key for mutual TLS (the key may also sit in the certificate file; an
+  encrypted key is a start-up error: no pass phrase is asked for);
 - ``ssl_cert_reqs=required|optional|none``: the server's certificate is
   verified, host name included, unless ``none`` (or ``optional``) is given
   explicitly; ``ssl_check_hostname=no`` keeps the chain check but skips the
