@@ -24,10 +24,11 @@ at 100 MB/s; ``cluster=yes|no``; and on a TLS URL (``rediss://``,
   key for mutual TLS (the key may also sit in the certificate file; an
   encrypted key is a start-up error: no pass phrase is asked for);
 - ``ssl_cert_reqs=required|optional|none``: the server's certificate is
-  verified, host name included, unless ``none`` (or ``optional``) is given
-  explicitly; ``ssl_check_hostname=no`` keeps the chain check but skips the
-  host name (Cluster nodes that announce addresses their certificates do not
-  name). Every node of a Cluster is checked alike.
+  verified, host name included, unless ``none`` is given explicitly;
+  ``optional`` checks the chain but not the host name (a client always gets the
+  server's certificate, so OpenSSL checks the chain as for ``required``), as
+  ``ssl_check_hostname=no`` does (Cluster nodes that announce addresses their
+  certificates do not name). Every node of a Cluster is checked alike.
 
 Paths (percent-encoded where they hold ``&``, ``+``, ``%`` or ``@``) must name
 existing files. An unknown option, or an ``ssl_*`` option on a plain URL, is
