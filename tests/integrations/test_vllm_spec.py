@@ -57,6 +57,24 @@ def test_settings_accept_vllm_connector_keys_and_numeric_strings() -> None:
     assert (settings.cpu_bytes_to_use, settings.store_threshold) == (4096, 2)
 
 
+def test_settings_accept_whole_json_floats_as_vllm_does() -> None:
+    # JSON's 64e9 is a float; vLLM's CPU spec takes int() of it, so a config it runs with
+    # must not stop ours. A fraction of a byte or a block is still refused, naming the key.
+    settings = parse_settings(
+        {
+            "cpu_bytes_to_use": 64e9,
+            "store_threshold": 2.0,
+            "kvoffload.disk_dir": "/nvme/kv",
+            "kvoffload.disk_bytes": 5e11,
+        }
+    )
+    assert (settings.cpu_bytes_to_use, settings.store_threshold) == (64_000_000_000, 2)
+    assert settings.disk_bytes == 500_000_000_000
+    assert all(type(n) is int for n in (settings.cpu_bytes_to_use, settings.disk_bytes))
+    with pytest.raises(InvalidArgumentError, match="'store_threshold' must be an integer"):
+        parse_settings({"cpu_bytes_to_use": 4096, "store_threshold": 2.5})
+
+
 def test_a_tier_too_small_for_one_block_is_refused(vllm_modules: dict[str, ModuleType]) -> None:
     with pytest.raises(InvalidArgumentError, match="holds no offloaded block"):
         create_spec({"cpu_bytes_to_use": 1000}, bytes_per_block=1024)

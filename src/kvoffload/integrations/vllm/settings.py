@@ -256,8 +256,11 @@ def _write_budget(
 
 def _int(config: Mapping[str, Any], key: str, minimum: int, default: int | None = None) -> int:
     value = config.get(key, default)
-    # vLLM's own spec accepts numeric strings (JSON from the command line), so do the same.
+    # vLLM's own spec takes int() of these, so accept what that keeps whole: numeric strings
+    # (JSON from the command line) and whole floats (a JSON number written 64e9).
     if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidArgumentError(
