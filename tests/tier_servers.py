@@ -167,7 +167,8 @@ class FakeValkey:
     names DEL was asked for. ``cluster_slots``: the raw reply to CLUSTER SLOTS,
     sent as it is (a hostile one too); with it INFO says Cluster mode.
     ``delay_s``: every answer waits this long first (a distant or busy node that
-    still answers in time).
+    still answers in time). ``redirect``: ``host:port`` every GET, SET and EXISTS is
+    sent to with ``-MOVED`` (a hostile or confused Cluster node).
     """
 
     HUGE = 512 * 10**6
@@ -188,6 +189,7 @@ class FakeValkey:
         self.drip_after = drip_after
         self.die_after = die_after
         self.delay_s = 0.0
+        self.redirect: bytes | None = None
         self.values: dict[bytes, bytes] = {}
         self.deleted: list[bytes] = []
         self.commands = 0
@@ -273,6 +275,9 @@ class FakeValkey:
         if self.mode == "trickle":
             connection.sendall(b"+")
             self._drip(connection, b"P" * 10**9)
+            return
+        if self.redirect is not None and name in (b"GET", b"SET", b"EXISTS"):
+            connection.sendall(b"-MOVED 0 %b\r\n" % self.redirect)
             return
         if name == b"MGET":  # the client library's multi-get, as GET each
             connection.sendall(b"*%d\r\n" % len(rest))

@@ -28,7 +28,13 @@ from kvoffload.cli.main import main
 from kvoffload.core.layout import layout_preset
 from kvoffload.tiers import CircuitBreaker, RemoteTier, RemoteTierError, layout_fingerprint
 from kvoffload.tiers.format import encode_trailed_block, payload_digest, payload_hasher
-from tier_servers import FakeValkey, FakeValkeyCluster, ValkeyClusterProcesses, ValkeyProcess
+from tier_servers import (
+    FakeValkey,
+    FakeValkeyCluster,
+    ValkeyClusterProcesses,
+    ValkeyProcess,
+    free_port,
+)
 
 BLOCK = 32
 KEYS = [block_id_key(i, 5) for i in range(12)]
@@ -173,6 +179,41 @@ def test_a_value_that_drips_mid_run_is_a_counted_failure_and_opens_the_breaker(
         assert read(tier, KEYS[:4]) == [True] * 4 and not breaker.is_open
     finally:
         fake.stop()
+        tier.close()
+
+
+@pytest.mark.parametrize("address", [b"127.0.0.1:0", b"127.0.0.1:70000", b"127.0.0.1:-1"])
+def test_a_redirection_to_no_tcp_port_is_an_error_not_a_node(
+    fake: FakeValkey, address: bytes
+) -> None:
+    tier = RemoteTier(fake.url, fingerprint("no-port"))
+    try:
+        store(tier, KEYS[:2])
+        fake.redirect = address
+        assert read(tier, KEYS[:2]) == [False, False]
+        assert tier.stats.failed == 2
+        assert list(tier.breakers) == [f"127.0.0.1:{fake.port}"]  # no node of port 0 or 70000
+    finally:
+        tier.close()
+
+
+def test_redirections_never_grow_the_known_nodes_past_the_cap(
+    fake: FakeValkey, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each read is sent to a new made-up node; past MAX_NODES none is made (each would keep
+    a breaker and, for a host name, a lookup thread) and the read fails after its hops."""
+    from kvoffload.tiers import remote
+
+    monkeypatch.setattr(remote, "MAX_NODES", 3)
+    tier = RemoteTier(fake.url, fingerprint("cap"))
+    try:
+        store(tier, KEYS[:1])
+        for _ in range(6):
+            fake.redirect = b"127.0.0.1:%d" % free_port()  # nothing listens there
+            assert read(tier, KEYS[:1]) == [False]
+        assert len(tier.breakers) == 3
+        assert tier.stats.failed == 6
+    finally:
         tier.close()
 
 

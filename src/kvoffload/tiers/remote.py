@@ -77,6 +77,10 @@ SKIP_BELOW = 1 << 20
 never read: its connection is closed instead."""
 MAX_HOPS = 4
 """MOVED/ASK redirections followed per batch before its blocks count as failed."""
+MAX_NODES = 1024
+"""Nodes the tier will know, past Valkey's largest Cluster (1,000 nodes): a redirection to
+a node beyond them is not followed, so a hostile server's made-up addresses cannot grow
+the tier's nodes, breakers and lookup threads without end."""
 
 T = TypeVar("T")
 
@@ -483,9 +487,14 @@ class RemoteTier:
         return groups
 
     def _follow(self, redirect: _Redirect, node: _Node) -> _Node:
-        """The node a redirection names; a MOVED one also updates the slot map."""
+        """The node a redirection names; a MOVED one also updates the slot map. Past
+        :data:`MAX_NODES` known nodes a new one is not made: ``node`` is asked again."""
         host, port = redirect.address
-        target = self._node(host or node.host, port)
+        address = (host or node.host, port)
+        with self._lock:
+            if address not in self._nodes and len(self._nodes) >= MAX_NODES:
+                return node  # asked again, it redirects again: failed past MAX_HOPS
+        target = self._node(*address)
         if not redirect.ask and self._slots is not None:
             self._slots[redirect.slot] = target
         return target
@@ -710,15 +719,18 @@ def _ok(reply: Reply) -> Reply:
 
 
 def _redirect(reply: ErrorReply) -> _Redirect | None:
-    """The redirection in ``-MOVED 3999 host:port`` or ``-ASK 3999 host:port``."""
+    """The redirection in ``-MOVED 3999 host:port`` or ``-ASK 3999 host:port`` (``None``:
+    not one, or to no TCP port)."""
     parts = reply.message.split()
     if len(parts) != 3 or parts[0] not in ("MOVED", "ASK"):
         return None
     host, _, port = parts[2].rpartition(":")
     try:
-        return _Redirect(int(parts[1]) % SLOTS, (host.strip("[]"), int(port)), parts[0] == "ASK")
+        number = int(port)
+        redirect = _Redirect(int(parts[1]) % SLOTS, (host.strip("[]"), number), parts[0] == "ASK")
     except ValueError:
         return None
+    return redirect if 0 < number < 65536 else None  # no TCP port: an error, not a node
 
 
 def _slot_range(entry: Reply) -> tuple[int, int, str, int]:
