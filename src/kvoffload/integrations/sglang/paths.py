@@ -202,7 +202,9 @@ class TierPath:
                 self.tier.poll(wait=True)
                 stored = self.tier.stats.stored_blocks - stored_before
                 sent = batch.sent
-                if isinstance(self.tier, DiskTier):
+                if isinstance(self.tier, DiskTier) or 0 < stored < len(sent):
+                    # The shared tier asked only when some pages failed beside others
+                    # (a Cluster node down): which ones, for the result and the counters.
                     outcome = self.tier.held([keys[i] for i in sent])
                 else:
                     outcome = [stored == len(sent)] * len(sent)
