@@ -26,7 +26,7 @@ from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.integrations.sglang.storage import page_key
 from kvoffload.tiers import RemoteTierError
 from kvoffload.tiers.format import HEADER_BYTES
-from tier_servers import ValkeyProcess
+from tier_servers import TEST_TIMEOUT_MS, ValkeyClusterProcesses, ValkeyProcess
 
 KEYS = [page_hash(i) for i in range(64)]
 STALL_S = 20.0
@@ -236,3 +236,26 @@ def test_a_disk_tier_is_one_processs(backends: Any, tmp_path: Path) -> None:
     backends(extra, HostPool(), model="locked", tp_rank=1, tp_size=2)  # another shard: its own
     first.close()
     backends(extra, HostPool(), model="locked")  # free again once closed
+
+
+def test_a_cluster_node_down_fails_only_its_own_pages(backends: Any, tmp_path: Path) -> None:
+    """With one node of three down, the pages the live nodes took are stored: each page's
+    result and the counters say which, never the whole batch failed beside pages stored."""
+    cluster = ValkeyClusterProcesses(tmp_path / "cluster").start()
+    try:
+        pool = HostPool(pages=32)
+        url = cluster.url.replace(f"timeout_ms={TEST_TIMEOUT_MS}", "timeout_ms=300")
+        backend = backends({"interface_v1": 1, "kvoffload.remote_url": url}, pool, model="node")
+        cluster.nodes[2].stop()
+        pool.fill(list(range(16)), seed=6)
+        done = backend.batch_set_v1(KEYS[:16], pool.indices(list(range(16))))
+        tier = backend.paths[0].tier
+        down = cluster.nodes[2].port
+        on_live = [tier.node_address(tier.name(page_key(k)))[1] != down for k in KEYS[:16]]
+        assert 0 < sum(on_live) < 16
+        assert done == on_live
+        remote = backend.get_stats().kvoffload["remote"]
+        assert remote["stores_completed"] == sum(on_live)
+        assert remote["stores_failed"] == 16 - sum(on_live)
+    finally:
+        cluster.stop()

@@ -165,3 +165,25 @@ def test_each_rank_serves_its_metrics_on_its_own_port_and_rank_0_publishes(
     assert ranks[0].publishes_events and not ranks[1].publishes_events
     assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
     assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv-1"
+
+
+def test_backup_bandwidth_counts_only_the_bytes_the_tiers_wrote(
+    backend_of: Any, tmp_path: Path
+) -> None:
+    """SGLang's backup bandwidth leaves out pages the backend already held: a batch the
+    disk holds already moves no byte, so its rate is 0, not the batch's size over no I/O."""
+    pool = HostPool()
+    page_bytes = len(pool.page_bytes(0))
+    extra = {
+        "interface_v1": 1,
+        "kvoffload.disk_dir": str(tmp_path / "l3"),
+        "kvoffload.disk_bytes": 8 * page_bytes,
+    }
+    backend = backend_of(extra, pool, model="bandwidth", metrics=True)
+    pool.fill([0, 1, 2], seed=4)
+    assert all(backend.batch_set_v1(KEYS[:3], pool.indices([0, 1, 2])))
+    assert all(backend.batch_set_v1(KEYS[:3], pool.indices([0, 1, 2])))
+    stats = backend.get_stats()
+    assert stats.backup_pgs == [3, 3]
+    assert stats.backup_bandwidth[0] > 0 and stats.backup_bandwidth[1] == 0.0
+    assert stats.kvoffload["disk"]["bytes_stored"] == 3 * page_bytes

@@ -88,6 +88,8 @@ class WriteBatch:
         self.admitted = admitted
         self.result = [True] * len(keys)
         """Per key once the batch is done: ``False`` only for a write that failed."""
+        self.stored = 0
+        """Pages the tier wrote once the batch is done (not those it held already)."""
         self.sent: list[int] = []
         self.tier: LowerTier | None = None
 
@@ -200,11 +202,14 @@ class TierPath:
                 self.tier.poll(wait=True)
                 stored = self.tier.stats.stored_blocks - stored_before
                 sent = batch.sent
-                if isinstance(self.tier, DiskTier):
+                if isinstance(self.tier, DiskTier) or 0 < stored < len(sent):
+                    # The shared tier asked only when some pages failed beside others
+                    # (a Cluster node down): which ones, for the result and the counters.
                     outcome = self.tier.held([keys[i] for i in sent])
                 else:
                     outcome = [stored == len(sent)] * len(sent)
                 self._drain_events()
+                batch.stored = stored
                 with self._count_lock:
                     c = self._counters
                     c.stores_completed += stored
@@ -213,12 +218,13 @@ class TierPath:
                 for i, ok in zip(sent, outcome, strict=True):
                     batch.result[i] = ok
 
-    def write(self, keys: Sequence[OffloadKey], payloads: Sequence[Payload]) -> list[bool]:
-        """Offer ``keys`` to admission and write the admitted ones; per key, ``False`` only
-        for a write that failed (a page held back by admission reads ``True``)."""
+    def write(self, keys: Sequence[OffloadKey], payloads: Sequence[Payload]) -> WriteBatch:
+        """Offer ``keys`` to admission and write the admitted ones; the done batch says per
+        key ``False`` only for a write that failed (a page held back by admission reads
+        ``True``), and how many pages the tier wrote."""
         with self.writing(keys) as batch:
             batch.send(payloads)
-        return batch.result
+        return batch
 
     def clear(self) -> None:
         """Drop every page of this tier (the shared tier: every page under our fingerprint)."""

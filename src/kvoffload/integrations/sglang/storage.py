@@ -193,7 +193,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         started = time.perf_counter()
         segments = pages.segments(host_indices)
         intact = self._read([page_key(key) for key in keys], segments.__getitem__)
-        self._note(PREFETCH, intact, started)
+        self._note(PREFETCH, len(intact), sum(intact) * pages.page_bytes, started)
         return intact
 
     def batch_set_v1(
@@ -208,8 +208,8 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             return [True] * len(keys)
         pages = self._pages()
         started = time.perf_counter()
-        done = self._write([page_key(key) for key in keys], pages.segments(host_indices))
-        self._note(BACKUP, done, started)
+        done, moved = self._write([page_key(key) for key in keys], pages.segments(host_indices))
+        self._note(BACKUP, len(done), moved, started)
         return done
 
     # The copy interface: flat page tensors.
@@ -232,7 +232,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         targets = [flat_tensor(t) for t in target_locations or [pages.dummy_page() for _ in keys]]
         views = [tensor_bytes(target) for target in targets]
         intact = self._read([page_key(key) for key in keys], views.__getitem__)
-        self._note(PREFETCH, intact, started)
+        self._note(PREFETCH, len(intact), sum(intact) * pages.page_bytes, started)
         return [target if ok else None for target, ok in zip(targets, intact, strict=True)]
 
     def set(
@@ -261,8 +261,8 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         payloads = [tensor_parts(value) for value in values]
         if any(payload_size(payload) != page_bytes for payload in payloads):
             return False
-        done = self._write([page_key(key) for key in keys], payloads)
-        self._note(BACKUP, done, started)
+        done, moved = self._write([page_key(key) for key in keys], payloads)
+        self._note(BACKUP, len(done), moved, started)
         return all(done)
 
     def exists(self, key: str) -> bool:
@@ -469,40 +469,43 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             wanted = [i for i in asked if not intact[i]]
         return intact
 
-    def _write(self, keys: list[OffloadKey], payloads: Sequence[Payload]) -> list[bool]:
-        """Per page, whether some tier stored it or every tier's admission held it back.
+    def _write(self, keys: list[OffloadKey], payloads: Sequence[Payload]) -> tuple[list[bool], int]:
+        """Per page, whether some tier stored it or every tier's admission held it back;
+        and the bytes the tiers wrote (pages held back, or held already, move none).
 
         The tiers write at the same time, each on its own thread and under its own lock
         only: a tier still taking its pages (a slow server, up to its deadline) never keeps
         SGLang's reads and look-ups from another tier."""
         if not self.paths:
-            return [False] * len(keys)
+            return [False] * len(keys), 0
         beside = self._beside
         first, *others = self.paths
         if beside is None:  # one tier (or closing: one after the other)
-            results = [path.write(keys, payloads) for path in self.paths]
-            return [any(result[i] for result in results) for i in range(len(keys))]
-        jobs = [beside.submit(path.write, keys, payloads) for path in others]
-        try:
-            results = [first.write(keys, payloads)]
-        finally:
-            wait(jobs)  # the pages' bytes are the tiers' until every write is done
-        results += [job.result() for job in jobs]
-        return [any(result[i] for result in results) for i in range(len(keys))]
+            batches = [path.write(keys, payloads) for path in self.paths]
+        else:
+            jobs = [beside.submit(path.write, keys, payloads) for path in others]
+            try:
+                batches = [first.write(keys, payloads)]
+            finally:
+                wait(jobs)  # the pages' bytes are the tiers' until every write is done
+            batches += [job.result() for job in jobs]
+        done = [any(batch.result[i] for batch in batches) for i in range(len(keys))]
+        return done, sum(batch.stored for batch in batches) * first.page_bytes
 
-    def _note(self, kind: str, outcome: list[bool], started: float) -> None:
-        """One call's pages and GB/s, for SGLang's storage metrics histograms."""
-        if not self.storage_config.enable_storage_metrics or not outcome:
+    def _note(self, kind: str, pages: int, moved_bytes: int, started: float) -> None:
+        """One call's pages and GB/s (of the bytes it moved), for SGLang's storage metrics
+        histograms."""
+        if not self.storage_config.enable_storage_metrics or not pages:
             return
         seconds = time.perf_counter() - started
-        rate = sum(outcome) * self._pages().page_bytes / seconds / GB if seconds > 0 else 0.0
+        rate = moved_bytes / seconds / GB if seconds > 0 else 0.0
         with self._recent_lock:
             recent = self._recent
             if kind == PREFETCH:
-                recent.prefetch_pgs.append(len(outcome))
+                recent.prefetch_pgs.append(pages)
                 recent.prefetch_bandwidth.append(rate)
             else:
-                recent.backup_pgs.append(len(outcome))
+                recent.backup_pgs.append(pages)
                 recent.backup_bandwidth.append(rate)
 
 
