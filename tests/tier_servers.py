@@ -57,8 +57,12 @@ class ValkeyProcess:
     @property
     def url(self) -> str:
         """The tier's URL, with a timeout generous enough for a loaded CI machine."""
+        return self.url_with(TEST_TIMEOUT_MS)
+
+    def url_with(self, timeout_ms: int) -> str:
+        """The tier's URL with its own ``timeout_ms`` (a URL takes each option once)."""
         auth = f":{quote(self.password, safe='')}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0?timeout_ms={TEST_TIMEOUT_MS}"
+        return f"redis://{auth}127.0.0.1:{self.port}/0?timeout_ms={timeout_ms}"
 
     def start(self) -> ValkeyProcess:
         args = [str(get_binary_path()), "--port", str(self.port), "--bind", "127.0.0.1"]

@@ -162,7 +162,7 @@ def test_a_killed_server_degrades_to_counted_misses_and_recovers_by_itself(
 ) -> None:
     own_server.start()
     breaker = CircuitBreaker(threshold=1, cooldown_s=0.05)
-    tier = RemoteTier(own_server.url + "&timeout_ms=1000", fingerprint("kill"), breaker=breaker)
+    tier = RemoteTier(own_server.url_with(1000), fingerprint("kill"), breaker=breaker)
     try:
         store(tier, KEYS[:5])
         own_server.stop()
@@ -266,9 +266,7 @@ def test_a_manager_keeps_serving_its_cpu_tier_while_the_server_is_down(
     fp = layout_fingerprint("down", layout_preset("tiny"), 48)
 
     def manager() -> tuple[TieredOffloadingManager, ByteSlots]:
-        remote = RemoteTier(
-            own_server.url + "&timeout_ms=1000", fp, breaker=CircuitBreaker(1, 0.05)
-        )
+        remote = RemoteTier(own_server.url_with(1000), fp, breaker=CircuitBreaker(1, 0.05))
         slots = ByteSlots(8, 48)
         tiers = [(remote, TierSettings(write_through=True))]
         return TieredOffloadingManager(CPUOffloadingManager(8), tiers, slots), slots

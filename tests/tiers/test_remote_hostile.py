@@ -261,7 +261,7 @@ def test_a_real_server_paused_with_sigstop_never_stalls_the_tier(
     comes. Only a deadline on the whole call, not the connect timeout, ends it."""
     own_server.start()
     breaker = CircuitBreaker(threshold=2, cooldown_s=0.2)
-    tier = RemoteTier(own_server.url + "&timeout_ms=300", fingerprint("sigstop"), breaker=breaker)
+    tier = RemoteTier(own_server.url_with(300), fingerprint("sigstop"), breaker=breaker)
     process = own_server.process
     assert process is not None
     try:

@@ -66,12 +66,22 @@ def one_line(capsys: pytest.CaptureFixture[str]) -> str:
         (f"redis://alice@h:1/0?timeout_ms=9&password={SECRET}", "unknown option"),
         (f"redis://h:1/0?timeout_ms=9&password={SECRET}#x", "has a '#'"),
         (f"redis://{SECRET}@:1", "names no host"),
+        # The last one won: timeout_ms=1&timeout_ms=250 ran with 1 ms.
+        (f"redis://:{SECRET}@h:1?timeout_ms=1&timeout_ms=250", "timeout_ms given more than"),
     ],
 )
 def test_bad_urls_say_what_is_wrong_and_never_show_the_user_part(url: str, message: str) -> None:
     with pytest.raises(InvalidArgumentError, match=message) as error:
         parse_remote_url(url)
     assert shows_no_secret(str(error.value)), str(error.value)
+
+
+def test_ipv6_hosts_take_a_zone_and_show_in_brackets() -> None:
+    """A zone is written %25 in a URL (RFC 6874): it was kept as '25eth0', which no
+    interface is; messages showed IPv6 hosts unbracketed (::1:6379)."""
+    address = parse_remote_url(f"redis://:{SECRET}@[fe80::1%25eth0]:7000,[::1]")
+    assert address.hosts == (("fe80::1%eth0", 7000), ("::1", 6379))
+    assert address.redacted() == "redis://:***@[fe80::1%eth0]:7000,[::1]:6379/0"
 
 
 @pytest.mark.parametrize("url", [None, b"redis://h:1", 6379])

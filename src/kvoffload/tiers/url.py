@@ -101,7 +101,9 @@ class RemoteAddress:
 
     def redacted(self) -> str:
         """The address without its password, for messages."""
-        hosts = ",".join(f"{host}:{port}" for host, port in self.hosts)
+        hosts = ",".join(
+            f"[{host}]:{port}" if ":" in host else f"{host}:{port}" for host, port in self.hosts
+        )
         user = (
             f"{self.username or ''}{':***' if self.password else ''}@"
             if (self.username or self.password)
@@ -146,7 +148,13 @@ def parse_remote_url(url: str) -> RemoteAddress:
             username, password = None, username
     hosts = tuple(_host(part, shown) for part in hostlist.split(","))
     db = _int(path.strip("/") or "0", "database number", shown)
-    params = {name: values[-1] for name, values in parse_qs(query, keep_blank_values=True).items()}
+    options = parse_qs(query, keep_blank_values=True)
+    twice = sorted(name for name, values in options.items() if len(values) > 1)
+    if twice:
+        raise InvalidArgumentError(
+            f"option(s) {', '.join(twice)} given more than once in {shown!r}"
+        )
+    params = {name: values[0] for name, values in options.items()}
     cluster = _flag(params.pop("cluster"), "cluster", shown) if "cluster" in params else None
     if len(hosts) > 1:
         cluster = True
@@ -278,6 +286,7 @@ def _host(part: str, url: str) -> tuple[str, int]:
         host, bracket, after = part[1:].partition("]")
         if not bracket or (after and not after.startswith(":")):
             raise InvalidArgumentError(f"bad IPv6 host {part!r} in {url!r}")
+        host = host.replace("%25", "%", 1)  # a zone, fe80::1%25eth0 in a URL (RFC 6874)
         try:
             ipaddress.IPv6Address(host)
         except ValueError:
