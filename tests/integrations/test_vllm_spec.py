@@ -41,6 +41,9 @@ def test_factory_builds_our_spec_and_sizes_the_tier(vllm_modules: dict[str, Modu
         ({"cpu_bytes_to_use": 4096, "kvoffload.remote_url": ""}, "kvoffload.remote_url"),
         ({"cpu_bytes_to_use": 4096, "kvoffload.admission": "bogus"}, "kvoffload.admission"),
         ({"cpu_bytes_to_use": 4096, "kvoffload.admission": 3}, "kvoffload.admission"),
+        # Keys that mean nothing alone, taken and ignored before.
+        ({"cpu_bytes_to_use": 4096, "kvoffload.remote_bytes": 1 << 30}, "needs the remote"),
+        ({"cpu_bytes_to_use": 4096, "kvoffload.drive_bytes": "1TB"}, "it needs 'kvoffload"),
     ],
 )
 def test_bad_settings_fail_at_start_up_naming_the_key(

@@ -222,6 +222,11 @@ def _tier_admission(
             )
         settings[f"{kind}_admission"] = admission
         settings[f"{kind}_write_budget"] = None if budget is None else float(budget)
+    if remote_url is None and REMOTE_BYTES_KEY in config:
+        raise InvalidArgumentError(
+            f"kv_connector_extra_config {REMOTE_BYTES_KEY!r} needs the remote tier "
+            f"({REMOTE_URL_KEY!r})"
+        )
     if settings["remote_admission"] != "none" and REMOTE_BYTES_KEY not in config:
         raise InvalidArgumentError(
             f"kv_connector_extra_config {REMOTE_ADMISSION_KEY!r} needs {REMOTE_BYTES_KEY!r} "
@@ -246,6 +251,11 @@ def _write_budget(
     except InvalidArgumentError as exc:
         key = DRIVE_BYTES_KEY if "drive size" in str(exc) else WRITE_BUDGET_KEY
         raise InvalidArgumentError(f"kv_connector_extra_config {key!r}: {exc}") from None
+    if drive_bytes is not None and budget is None:
+        raise InvalidArgumentError(
+            f"kv_connector_extra_config {DRIVE_BYTES_KEY!r} is the drive a write budget in "
+            f"drive writes per day counts against: it needs {WRITE_BUDGET_KEY!r}"
+        )
     if budget is not None and resolve_admission(admission) != "optimiser":
         raise InvalidArgumentError(
             f"kv_connector_extra_config {WRITE_BUDGET_KEY!r} needs {ADMISSION_KEY!r} "
