@@ -379,3 +379,11 @@ def check_before_work(args: argparse.Namespace) -> None:
     gpu_blocks = getattr(args, "gpu_blocks", None)
     if gpu_blocks is not None:
         check_fits(gpu_blocks * BYTES_PER_SLOT, f"a GPU prefix cache of {gpu_blocks:,} blocks")
+    budgets = ("write_budget", "disk_write_budget", "remote_write_budget")
+    if getattr(args, "drive_bytes", None) is not None and not any(
+        getattr(args, budget, None) is not None for budget in budgets
+    ):
+        raise InvalidArgumentError(
+            "--drive-bytes is the drive a budget in drive writes per day counts against: "
+            "it needs --write-budget, --disk-write-budget or --remote-write-budget"
+        )
