@@ -37,6 +37,9 @@ def test_malformed_trace_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         (["--json", "/nonexistent/dir/out.json"], "/nonexistent/dir/out.json"),
         # The option, not the run's field name (it said "gpu_blocks ... must be >= 1").
         (["--gpu-gb", "0.001"], "--gpu-gb 0.001 holds no block of 2 MiB"),
+        # A trace schema without a trace, and a kind named twice in a mix, went unsaid.
+        (["--format", "qwen"], "--format qwen names a trace's schema: give --trace"),
+        (["--mix", "chat=1,chat=2"], "names 'chat' twice"),
         # A drive size alone was taken and ignored.
         (["--drive-bytes", "1TB"], "--drive-bytes is the drive a budget in drive writes"),
         # Lower tiers sit below the CPU tier: without one, the disk tier was dropped unsaid.

@@ -80,6 +80,8 @@ def test_mix_weights_and_errors() -> None:
         generate({"video": 1})
     with pytest.raises(InvalidArgumentError, match="not a number"):
         parse_mix("chat=lots")
+    with pytest.raises(InvalidArgumentError, match="names 'chat' twice"):  # the last one won
+        parse_mix("chat=1,rag=1,chat=2")
     with pytest.raises(InvalidArgumentError):
         generate({"chat": 0})
 

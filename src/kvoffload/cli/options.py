@@ -158,6 +158,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def workload_source(args: argparse.Namespace) -> WorkloadSource:
+    if args.trace is None and args.format != "auto":
+        raise InvalidArgumentError(f"--format {args.format} names a trace's schema: give --trace")
     return WorkloadSource(
         trace=args.trace,
         fmt=args.format,

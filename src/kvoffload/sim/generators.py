@@ -233,6 +233,8 @@ def parse_mix(text: str) -> dict[str, float]:
     for part in text.split(","):
         name, _, weight = part.partition("=")
         name = name.strip()
+        if name in weights:  # the last one won, silently
+            raise InvalidArgumentError(f"mix {text!r} names {name!r} twice")
         try:
             weights[name] = float(weight) if weight else 1.0
         except ValueError:
