@@ -212,3 +212,42 @@ def test_public_mooncake_trace_figures(mooncake_trace: Path) -> None:
     workload = read_trace(mooncake_trace)
     keys = [key for req in workload.requests for key in req.keys]
     assert (len(workload.requests), len(keys), len(set(keys))) == (3993, 121_877, 43_924)
+
+
+PUBLISHED = {  # records in the shapes the formats' own READMEs publish (ids shortened or ours)
+    "mooncake": [  # kvcache-ai/Mooncake FAST25-release/README.md: ms, 512-token prefix blocks
+        {"timestamp": 27482, "input_length": 6955, "output_length": 52,
+         "hash_ids": [*range(46, 58), 2353, 2354]},
+        {"timestamp": 30535, "input_length": 6472, "output_length": 26,
+         "hash_ids": [*range(46, 58), 2366]},
+    ],
+    "qwen": [  # alibaba-edu/qwen-bailian-usagetraces-anon README.md: seconds, 16-token blocks
+        {"chat_id": 0, "parent_chat_id": -1, "timestamp": 0.0, "input_length": 502,
+         "output_length": 1494, "type": "thinking", "turn": 1, "hash_ids": list(range(32))},
+        {"chat_id": 159, "parent_chat_id": 55, "timestamp": 61.114, "input_length": 521,
+         "output_length": 132, "type": "text", "turn": 2,
+         "hash_ids": [0, 1, 2, *range(6326, 6355), 13148]},
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("fmt", "block_tokens", "arrivals", "shared"),
+    [("mooncake", 512, (27.482, 30.535), 12), ("qwen", 16, (0.0, 61.114), 3)],
+)
+def test_published_records_read_as_their_format_defines(
+    tmp_path: Path, fmt: str, block_tokens: int, arrivals: tuple[float, float], shared: int
+) -> None:
+    """Each format's own example: its time unit, block size, one key per id, a shared prefix."""
+    records = PUBLISHED[fmt]
+    workload = read_trace(write_jsonl(tmp_path / "t.jsonl", records))
+    assert (detect_format(tmp_path / "t.jsonl"), workload.block_tokens) == (fmt, block_tokens)
+    assert tuple(r.arrival_s for r in workload.requests) == pytest.approx(arrivals)
+    for record, request in zip(records, workload.requests, strict=True):
+        assert (request.input_tokens, request.output_tokens) == (
+            record["input_length"],
+            record["output_length"],
+        )
+        assert request.keys == [block_id_key(i) for i in record["hash_ids"]]
+    first, second = (r.keys for r in workload.requests)
+    assert first[:shared] == second[:shared] and first[shared] != second[shared]
