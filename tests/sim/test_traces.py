@@ -251,3 +251,50 @@ def test_published_records_read_as_their_format_defines(
         assert request.keys == [block_id_key(i) for i in record["hash_ids"]]
     first, second = (r.keys for r in workload.requests)
     assert first[:shared] == second[:shared] and first[shared] != second[shared]
+
+
+def test_ids_that_are_not_prefix_chained_are_chained_on_reading(tmp_path: Path) -> None:
+    """Ids of single blocks' contents (block 7 after 1 in one request, first in another)
+    would let a block hit after another prefix; keyed by their whole prefix, only the
+    shared prefix matches, as in a KV cache."""
+    records = [
+        {
+            "chat_id": 1,
+            "timestamp": 0,
+            "input_length": 48,
+            "output_length": 1,
+            "hash_ids": [1, 7, 9],
+        },
+        {
+            "chat_id": 2,
+            "timestamp": 1,
+            "input_length": 48,
+            "output_length": 1,
+            "hash_ids": [1, 7, 8],
+        },
+        {"chat_id": 3, "timestamp": 2, "input_length": 32, "output_length": 1, "hash_ids": [7, 9]},
+    ]
+    workload = read_trace(write_jsonl(tmp_path / "t.jsonl", records), "qwen", block_tokens=16)
+    first, second, third = (r.keys for r in workload.requests)
+    assert first[:2] == second[:2] and first[2] != second[2]
+    assert not set(third) & set(first)  # 7 and 9 came after another prefix
+    assert len({*first, *second, *third}) == 6
+
+
+def test_prefix_chained_ids_are_keys_as_they_are(tmp_path: Path) -> None:
+    records = [
+        {
+            "chat_id": 1,
+            "timestamp": 0,
+            "input_length": 48,
+            "output_length": 1,
+            "hash_ids": [1, 7, 9],
+        },
+        {"chat_id": 2, "timestamp": 1, "input_length": 32, "output_length": 1, "hash_ids": [1, 7]},
+        {"chat_id": 3, "timestamp": 2, "input_length": 32, "output_length": 1, "hash_ids": [2, 3]},
+    ]
+    workload = read_trace(write_jsonl(tmp_path / "t.jsonl", records), "qwen", block_tokens=16)
+    assert [r.keys for r in workload.requests] == [
+        [block_id_key(i) for i in record["hash_ids"]]  # type: ignore[attr-defined]
+        for record in records
+    ]

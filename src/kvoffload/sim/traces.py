@@ -12,11 +12,19 @@ reported with the file and line it was found on. One line may cost at most
 ``/dev/zero``, is an error, not a hang), and a record's ``hash_ids`` must
 cover its ``input_length`` in the trace's block size (the format's, or the
 one the caller names; the last block may be partial and keyed or not).
+
+A KV cache keys a block by its whole prefix. Mooncake's ids are prefix-chained
+(an id names its prefix, so it always follows the same id), and each becomes a
+key as it is. Ids that are not (one follows two different ids, or starts one
+request and follows another in the next: content hashes of single blocks, as
+Bailian's description can be read) are chained on reading, block ``i`` keyed by
+ids ``0..i``, so that a block hits only after the same prefix.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import itertools
 import json
 import math
@@ -110,6 +118,8 @@ def read_trace(path: str | Path, fmt: str = "auto", block_tokens: int | None = N
     ]
     if not stamped:
         raise TraceFormatError(f"{path}: the trace has no records")
+    if not _prefix_chained(req.keys for _, req in stamped):
+        stamped = [(stamp, _chained(req)) for stamp, req in stamped]
     # Nanoseconds since the epoch lose precision as floats: times start at the first request.
     start = min(stamp for stamp, _ in stamped) if exact else 0
     unit = _SECONDS_PER_UNIT[fmt]
@@ -206,6 +216,30 @@ def _to_request(
             key = keys_by_id[block_id] = block_id_key(block_id)
         keys.append(key)
     return timestamp, Request(0.0, input_tokens, output_tokens, keys)
+
+
+def _prefix_chained(requests: Iterator[list[OffloadKey]]) -> bool:
+    """Whether every key always follows the same key (or always starts a request)."""
+    after: dict[OffloadKey, OffloadKey | None] = {}
+    for keys in requests:
+        previous: OffloadKey | None = None
+        for key in keys:
+            if after.setdefault(key, previous) != previous:
+                return False
+            previous = key
+    return True
+
+
+def _chained(request: Request) -> Request:
+    """``request`` with block ``i`` keyed by its ids ``0..i`` (an 8-byte digest of the
+    previous block's key and its own id)."""
+    keys = []
+    previous = b""
+    for key in request.keys:
+        digest = hashlib.blake2b(previous + key, digest_size=8).digest()
+        previous = block_id_key(int.from_bytes(digest, "big"))
+        keys.append(previous)
+    return Request(request.arrival_s, request.input_tokens, request.output_tokens, keys)
 
 
 def _covers(num_ids: int, input_tokens: int, block_tokens: int) -> bool:
