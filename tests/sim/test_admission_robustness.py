@@ -198,6 +198,59 @@ def test_summary_counts_losses_and_the_worst_shapes() -> None:
     assert summary["writes more than store-all"] == 0
 
 
+def test_a_margin_of_exactly_the_allowance_is_not_a_loss_past_it() -> None:
+    """Hit ratios are hits x (1 / refs): 990 against 1,000 hits of 2,000 references is a
+    margin of exactly -0.005, whose float is -0.0050000000000000044. It loses 0.005, not
+    more; 994 loses exactly 0.003; 989 loses more than 0.005."""
+    per_ref = 1.0 / 2000
+    better = 1000 * per_ref
+    rows = [
+        {
+            "index": i,
+            "hit margin": hits * per_ref - better,
+            "writes ratio": 1.0,
+            "writes vs store-all": 1.0,
+            "goal met": False,
+            "margin tier-fulls": 0.0,
+        }
+        for i, hits in enumerate([990, 994, 989, 1000])
+    ]
+    assert rows[0]["hit margin"] < -robust.LOSS  # the float the count must see through
+    summary = robust.summarise(rows)
+    assert summary["losses"] == 1
+    assert summary["losses past never-lose"] == 2
+
+
+def test_no_room_to_the_bound_closes_no_share_of_it(tmp_path: Path) -> None:
+    """Where the better baseline hits as often as the Belady bound, the bound's ratio
+    (hits / refs) can still sit an ulp above the run's (hits x (1 / refs)): the share of
+    the gap closed is then 0, not a loss divided by an ulp."""
+    shape = robust.Shape(
+        0, 0.1, 0.02, 7, mix=(("chat", 0.6), ("rag", 0.4)), rate=4.0, requests=150, block_tokens=32
+    )
+    workload = shape.load()
+    refs = sum(len(r.keys) for r in workload.requests)
+    fresh = robust.compare(workload, shape.gpu_share, shape.cpu_share)
+    ours = round(float(fresh["recommended hit"]) * refs)
+    # A better baseline a few hits above ours that reaches the bound, whose float is
+    # an ulp above the baseline's: the figures a kept-baselines file holds for such a row.
+    hits = next(h for h in range(ours + 1, refs) if h / refs > h * (1.0 / refs))
+    kept = tmp_path / "kept.json"
+    writes = float(fresh["store-all writes"])
+    kept.write_text(
+        json.dumps(
+            {
+                "store-all": [hits * (1.0 / refs), writes],
+                "seed filter": [0.0, 0.0],
+                "belady": hits / refs,
+            }
+        )
+    )
+    row = robust.compare(workload, shape.gpu_share, shape.cpu_share, kept)
+    assert row["hit margin"] < 0
+    assert row["gap closed"] == 0.0
+
+
 def test_kept_baselines_give_the_same_row_and_skip_the_baseline_runs(tmp_path: Path) -> None:
     """A shape's row with its baselines read back equals the row computed afresh, and a
     kept file is what the second run reads (a changed figure in it shows in the row)."""
