@@ -176,6 +176,7 @@ def test_summary_counts_losses_and_the_worst_shapes() -> None:
             "writes vs store-all": a,
             "goal met": g,
             "margin tier-fulls": t,
+            "room to bound": 0.05 if g else 0.01,
         }
         for i, (m, w, a, g, t) in enumerate(
             [
@@ -189,6 +190,7 @@ def test_summary_counts_losses_and_the_worst_shapes() -> None:
     assert summary["min margin tier-fulls"] == -0.4  # a long run's small margin
     assert summary["worst shapes in tier-fulls"] == [2, 1, 0]
     assert summary["goal met"] == 1
+    assert summary["shapes with room"] == 1
     assert summary["losses"] == 1
     assert summary["min hit margin"] == -0.01
     assert summary["worst shapes"] == [1, 2, 0]
@@ -196,6 +198,90 @@ def test_summary_counts_losses_and_the_worst_shapes() -> None:
     assert summary["worst writes ratio"] == 1.5
     assert summary["writes more than better"] == pytest.approx(2 / 3)
     assert summary["writes more than store-all"] == 0
+
+
+def test_a_margin_of_exactly_the_allowance_is_not_a_loss_past_it() -> None:
+    """Hit ratios are hits x (1 / refs): 990 against 1,000 hits of 2,000 references is a
+    margin of exactly -0.005, whose float is -0.0050000000000000044. It loses 0.005, not
+    more; 994 loses exactly 0.003; 989 loses more than 0.005."""
+    per_ref = 1.0 / 2000
+    better = 1000 * per_ref
+    rows = [
+        {
+            "index": i,
+            "hit margin": hits * per_ref - better,
+            "writes ratio": 1.0,
+            "writes vs store-all": 1.0,
+            "goal met": False,
+            "margin tier-fulls": 0.0,
+            "room to bound": 0.0,
+        }
+        for i, hits in enumerate([990, 994, 989, 1000])
+    ]
+    assert rows[0]["hit margin"] < -robust.LOSS  # the float the count must see through
+    summary = robust.summarise(rows)
+    assert summary["losses"] == 1
+    assert summary["losses past never-lose"] == 2
+
+
+def test_no_room_to_the_bound_closes_no_share_of_it(tmp_path: Path) -> None:
+    """Where the better baseline hits as often as the Belady bound, the bound's ratio
+    (hits / refs) can still sit an ulp above the run's (hits x (1 / refs)): the share of
+    the gap closed is then 0, not a loss divided by an ulp."""
+    shape = robust.Shape(
+        0, 0.1, 0.02, 7, mix=(("chat", 0.6), ("rag", 0.4)), rate=4.0, requests=150, block_tokens=32
+    )
+    workload = shape.load()
+    refs = sum(len(r.keys) for r in workload.requests)
+    fresh = robust.compare(workload, shape.gpu_share, shape.cpu_share)
+    ours = round(float(fresh["recommended hit"]) * refs)
+    # A better baseline a few hits above ours that reaches the bound, whose float is
+    # an ulp above the baseline's: the figures a kept-baselines file holds for such a row.
+    hits = next(h for h in range(ours + 1, refs) if h / refs > h * (1.0 / refs))
+    kept = tmp_path / "kept.json"
+    writes = float(fresh["store-all writes"])
+    kept.write_text(
+        json.dumps(
+            {
+                "store-all": [hits * (1.0 / refs), writes],
+                "seed filter": [0.0, 0.0],
+                "belady": hits / refs,
+            }
+        )
+    )
+    row = robust.compare(workload, shape.gpu_share, shape.cpu_share, kept)
+    assert row["hit margin"] < 0
+    assert row["gap closed"] == 0.0
+
+
+@pytest.mark.parametrize(("room", "goal"), [(0.02, False), (0.03, True), (0.04, True)])
+def test_the_goal_is_set_only_where_the_bound_leaves_room(
+    tmp_path: Path, room: float, goal: bool
+) -> None:
+    """+0.008 hit at 0.8x the better baseline's writes meets the goal where the Belady bound
+    is 0.03 or more above that baseline, and is no goal row where it is closer."""
+    shape = robust.Shape(
+        0, 0.1, 0.02, 7, mix=(("chat", 0.6), ("rag", 0.4)), rate=4.0, requests=150, block_tokens=32
+    )
+    workload = shape.load()
+    fresh = robust.compare(workload, shape.gpu_share, shape.cpu_share)
+    ours, writes = float(fresh["recommended hit"]), float(fresh["recommended writes"])
+    better = ours - 0.01
+    kept = tmp_path / "kept.json"
+    kept.write_text(
+        json.dumps(
+            {
+                "store-all": [better, writes / 0.8],
+                "seed filter": [better - 0.1, writes],
+                "belady": better + room,
+            }
+        )
+    )
+    row = robust.compare(workload, shape.gpu_share, shape.cpu_share, kept)
+    assert row["hit margin"] == pytest.approx(0.01)
+    assert row["writes ratio"] == pytest.approx(0.8)
+    assert row["goal met"] is goal
+    assert row["room to bound"] == pytest.approx(room)
 
 
 def test_kept_baselines_give_the_same_row_and_skip_the_baseline_runs(tmp_path: Path) -> None:
