@@ -217,4 +217,5 @@ def test_blocks_promoted_by_lookups_are_held_and_their_evictions_counted(tmp_pat
     assert isinstance(tiered, TieredOffloadingManager)
     counters = observed[0].counters
     assert counters.held_blocks == tiered.cpu.num_blocks - tiered.cpu.num_free_blocks
-    assert counters.evictions == report.tiers["cpu"]["evicted"] > report.offload_evictions
+    # The report's evictions are the CPU tier's own count too, promotions' included.
+    assert counters.evictions == report.tiers["cpu"]["evicted"] == report.offload_evictions > 0
