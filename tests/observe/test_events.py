@@ -300,13 +300,7 @@ def test_a_restarted_publisher_is_followed_and_its_predecessors_blocks_cleared()
                 if got:
                     break
             got += sub.catch_up()
-    assert sub.restarts == 1
-    seqs = [seq for seq, _ in got]
-    assert seqs[0] == -1 and seqs[1:] == list(range(len(seqs) - 1))
-    for _, batch in got:
-        index.apply("engine", batch)
-    assert not index.holds("engine", block_id_key(3)[:8])
-    assert index.holds("engine", block_id_key(50)[:8])
+    _assert_followed_restart(sub, got, index)
 
 
 def test_a_live_batch_numbered_as_the_last_one_is_a_restart() -> None:
@@ -343,13 +337,7 @@ def test_a_publisher_restarted_after_a_catch_up_is_followed() -> None:
                 got += sub.receive(0.1)
                 if got:
                     break
-    assert sub.restarts == 1
-    seqs = [seq for seq, _ in got]
-    assert seqs[0] == -1 and seqs[1:] == list(range(len(seqs) - 1))
-    for _, batch in got:
-        index.apply("engine", batch)
-    assert not index.holds("engine", block_id_key(3)[:8])
-    assert index.holds("engine", block_id_key(50)[:8])
+    _assert_followed_restart(sub, got, index)
 
 
 def test_live_batches_a_catch_up_replayed_already_are_dropped_as_duplicates() -> None:
@@ -438,3 +426,15 @@ def test_a_batch_that_does_not_decode_is_counted_as_lost_not_raised() -> None:
             sub.accept(seq, payload, delivered)
     assert [seq for seq, _ in delivered] == [0, 2]
     assert (sub.lost, sub.gaps, sub.next_seq) == (1, 0, 3)
+
+
+def _assert_followed_restart(sub: KVEventSubscriber, got: Delivered, index: PrefixIndex) -> None:
+    """One restart seen, delivered as -1 then the new run from 0: the old run's block 3 is
+    gone from ``index`` and the new run's block 50 is in."""
+    assert sub.restarts == 1
+    seqs = [seq for seq, _ in got]
+    assert seqs[0] == -1 and seqs[1:] == list(range(len(seqs) - 1))
+    for _, batch in got:
+        index.apply("engine", batch)
+    assert not index.holds("engine", block_id_key(3)[:8])
+    assert index.holds("engine", block_id_key(50)[:8])

@@ -10,6 +10,7 @@ import pytest
 from kvoffload import block_id_key
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.sim.traces import TraceFormatError, detect_format, read_trace
+from kvoffload.sim.workload import Workload
 
 MOONCAKE = [
     {"timestamp": 2000, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 3]},
@@ -253,28 +254,26 @@ def test_published_records_read_as_their_format_defines(
     assert first[:shared] == second[:shared] and first[shared] != second[shared]
 
 
+def _bailian(tmp_path: Path, *requests: list[int]) -> Workload:
+    """Bailian-shaped records of 16-token blocks, one a second, read as ``qwen``."""
+    records: list[dict[str, object]] = [
+        {
+            "chat_id": i,
+            "timestamp": i,
+            "input_length": 16 * len(ids),
+            "output_length": 1,
+            "hash_ids": ids,
+        }
+        for i, ids in enumerate(requests)
+    ]
+    return read_trace(write_jsonl(tmp_path / "t.jsonl", records), "qwen", block_tokens=16)
+
+
 def test_ids_that_are_not_prefix_chained_are_chained_on_reading(tmp_path: Path) -> None:
     """Ids of single blocks' contents (block 7 after 1 in one request, first in another)
     would let a block hit after another prefix; keyed by their whole prefix, only the
     shared prefix matches, as in a KV cache."""
-    records = [
-        {
-            "chat_id": 1,
-            "timestamp": 0,
-            "input_length": 48,
-            "output_length": 1,
-            "hash_ids": [1, 7, 9],
-        },
-        {
-            "chat_id": 2,
-            "timestamp": 1,
-            "input_length": 48,
-            "output_length": 1,
-            "hash_ids": [1, 7, 8],
-        },
-        {"chat_id": 3, "timestamp": 2, "input_length": 32, "output_length": 1, "hash_ids": [7, 9]},
-    ]
-    workload = read_trace(write_jsonl(tmp_path / "t.jsonl", records), "qwen", block_tokens=16)
+    workload = _bailian(tmp_path, [1, 7, 9], [1, 7, 8], [7, 9])
     first, second, third = (r.keys for r in workload.requests)
     assert first[:2] == second[:2] and first[2] != second[2]
     assert not set(third) & set(first)  # 7 and 9 came after another prefix
@@ -282,19 +281,8 @@ def test_ids_that_are_not_prefix_chained_are_chained_on_reading(tmp_path: Path) 
 
 
 def test_prefix_chained_ids_are_keys_as_they_are(tmp_path: Path) -> None:
-    records = [
-        {
-            "chat_id": 1,
-            "timestamp": 0,
-            "input_length": 48,
-            "output_length": 1,
-            "hash_ids": [1, 7, 9],
-        },
-        {"chat_id": 2, "timestamp": 1, "input_length": 32, "output_length": 1, "hash_ids": [1, 7]},
-        {"chat_id": 3, "timestamp": 2, "input_length": 32, "output_length": 1, "hash_ids": [2, 3]},
-    ]
-    workload = read_trace(write_jsonl(tmp_path / "t.jsonl", records), "qwen", block_tokens=16)
+    requests = [[1, 7, 9], [1, 7], [2, 3]]
+    workload = _bailian(tmp_path, *requests)
     assert [r.keys for r in workload.requests] == [
-        [block_id_key(i) for i in record["hash_ids"]]  # type: ignore[attr-defined]
-        for record in records
+        [block_id_key(i) for i in ids] for ids in requests
     ]
