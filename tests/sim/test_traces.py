@@ -135,6 +135,19 @@ def test_lmbench_traces_read_newest_first_in_nanoseconds(tmp_path: Path) -> None
         read_trace(path, "mooncake")
 
 
+def test_lmbench_traces_with_numeric_nanoseconds_are_not_read_as_milliseconds(
+    tmp_path: Path,
+) -> None:
+    """LMBench's docs allow a number; detected as Mooncake's milliseconds, the arrivals came
+    out at 1.7e15 s and the gaps a million times too long (and --format lmbench was refused)."""
+    numeric = [{**record, "timestamp": int(record["timestamp"])} for record in LMBENCH]
+    path = write_jsonl(tmp_path / "lmbench.jsonl", numeric)
+    assert detect_format(path) == "lmbench"
+    arrivals = [r.arrival_s for r in read_trace(path).requests]
+    assert arrivals == [0.0, 2.5]
+    assert [r.arrival_s for r in read_trace(path, "lmbench").requests] == arrivals
+
+
 @pytest.mark.parametrize(
     ("timestamp", "message"),
     [("17e17", "whole number of nanoseconds"), ("-5", "non-negative"), (1.5, "whole number")],

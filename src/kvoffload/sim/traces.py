@@ -3,8 +3,8 @@
 Three schemas are understood: Mooncake's (``timestamp`` in milliseconds,
 ``input_length``, ``output_length``, ``hash_ids``; 512-token blocks, which
 Dynamo's data generator and aiperf also write with 16- to 64-token blocks),
-LMCache's LMBench traces (Mooncake's keys, ``timestamp`` a string of
-nanoseconds, newest first) and Alibaba's Qwen/Bailian traces (the same fields
+LMCache's LMBench traces (Mooncake's keys, ``timestamp`` nanoseconds since an
+epoch, as a string or a number, newest first) and Alibaba's Qwen/Bailian traces (the same fields
 plus ``chat_id``, ``parent_chat_id``, ``type`` and ``turn``; ``timestamp`` in
 seconds; 16-token blocks), the latter as JSON lines or CSV. Every problem is
 reported with the file and line it was found on. One line may cost at most
@@ -50,9 +50,16 @@ class TraceFormatError(KVOffloadError, ValueError):
     """A trace file is missing, unreadable or has a malformed record."""
 
 
+NANOSECOND_EPOCH_FLOOR = 10**16
+"""A numeric timestamp from here on is nanoseconds since an epoch (LMBench's, written as a
+number; 10^16 ns is 1970-04-26), never Mooncake's milliseconds (10^16 ms is 317,000
+years)."""
+
+
 def detect_format(path: Path) -> str:
     """``"qwen"`` if the file is CSV or its first record has a ``chat_id``, ``"lmbench"`` if
-    its timestamp is a string, else ``"mooncake"``."""
+    its timestamp is a string or a whole number of nanoseconds since an epoch, else
+    ``"mooncake"``."""
     if path.suffix.lower() == ".csv":
         return "qwen"
     return _format_of(path, next(_json_records(path), None))
@@ -65,10 +72,19 @@ def _format_of(path: Path, first: tuple[int, Mapping[str, Any]] | None) -> str:
     record = first[1]
     if "chat_id" in record:
         return "qwen"
-    return "lmbench" if isinstance(record.get("timestamp"), str) else "mooncake"
+    stamp = record.get("timestamp")
+    if isinstance(stamp, str):
+        return "lmbench"
+    if isinstance(stamp, int) and not isinstance(stamp, bool) and stamp >= NANOSECOND_EPOCH_FLOOR:
+        return "lmbench"  # read as milliseconds, its gaps would stretch a million times
+    return "mooncake"
 
 
-_TELLS = {"qwen": "has 'chat_id'", "lmbench": "string timestamps", "mooncake": "numbers"}
+_TELLS = {
+    "qwen": "has 'chat_id'",
+    "lmbench": "string timestamps, or nanoseconds since an epoch",
+    "mooncake": "numbers",
+}
 
 
 def read_trace(path: str | Path, fmt: str = "auto", block_tokens: int | None = None) -> Workload:
