@@ -47,3 +47,10 @@ class BlockNotPinnedError(BlockStateError):
 
 class InsufficientMemoryError(KVOffloadError, MemoryError):
     """A buffer asked for does not fit in its device's memory; nothing was allocated."""
+
+
+def check_integer(name: str, value: object, minimum: int) -> None:
+    """:class:`InvalidArgumentError` naming ``name`` unless ``value`` is an int (not a bool,
+    which Python counts as one) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}")

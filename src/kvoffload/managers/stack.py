@@ -23,7 +23,7 @@ from kvoffload.admission import (
     wrap_with_admission,
 )
 from kvoffload.admission.registry import admission_params
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InvalidArgumentError, check_integer
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager
 from kvoffload.core.tier_protocol import LowerTier, SlotBytes, check_io_threads
@@ -120,7 +120,7 @@ class LowerTierConfig:
             raise InvalidArgumentError(f"{self.key('admission_params')}: {exc}") from None
         if self.blocks is None:
             return
-        _integer(self.key("blocks"), self.blocks, 0)
+        check_integer(self.key("blocks"), self.blocks, 0)
         if self.kind == DISK and self.blocks < 1:
             raise InvalidArgumentError(
                 f"{self.key('blocks')}: a disk tier needs >= 1 block, got {self.blocks}"
@@ -178,10 +178,10 @@ class StackConfig:
 
     def __post_init__(self) -> None:
         for name in ("cpu_blocks", "store_threshold", "disk_blocks", "remote_blocks"):
-            _integer(name, getattr(self, name), 0)
-        _integer("cpu_blocks", self.cpu_blocks, 1)
-        _integer("max_tracker_size", self.max_tracker_size, 1)
-        _integer("tier_store_threshold", self.tier_store_threshold, 0)
+            check_integer(name, getattr(self, name), 0)
+        check_integer("cpu_blocks", self.cpu_blocks, 1)
+        check_integer("max_tracker_size", self.max_tracker_size, 1)
+        check_integer("tier_store_threshold", self.tier_store_threshold, 0)
         _policy("policy", self.policy)
         for name in ("enable_events", "wait_for_tiers"):
             if not isinstance(getattr(self, name), bool):
@@ -238,13 +238,6 @@ def _field_names(kind: str, location: str) -> dict[str, str]:
     names.update(admission=f"{kind}_admission", write_budget=f"{kind}_write_budget")
     names.update(admission_params=f"{kind}_admission_params", location=location)
     return names
-
-
-def _integer(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
 
 
 def _policy(name: str, value: str) -> None:

@@ -40,7 +40,7 @@ from typing import cast
 
 from kvoffload.admission import AdmissionLayer, WriteBudget, resolve_admission
 from kvoffload.admission.reuse_counts import reuse_counts
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InvalidArgumentError, check_integer
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import CPULoadStoreSpec, LoadStoreSpec
@@ -84,11 +84,7 @@ class TierSettings:
                 f"a tier's write_through must be true or false, got {self.write_through!r}"
             )
         for name in ("store_threshold", "capacity"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidArgumentError(
-                    f"a tier's {name} must be an integer >= 0, got {value!r}"
-                )
+            check_integer(f"a tier's {name}", getattr(self, name), 0)
         if resolve_admission(self.admission) != "none" and self.capacity < 1:
             raise InvalidArgumentError(
                 f"a tier's admission {self.admission!r} needs its capacity (>= 1 block), "
@@ -135,14 +131,8 @@ class TieredOffloadingManager(OffloadingManager):
         max_tracker_size: int = 64_000,
         reserve_lookups: int = 1024,
     ) -> None:
-        for name, value in (
-            ("max_tracker_size", max_tracker_size),
-            ("reserve_lookups", reserve_lookups),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise InvalidArgumentError(f"{name} must be an int, got {value!r}")
-            if value < 1:
-                raise InvalidArgumentError(f"{name} must be >= 1, got {value}")
+        check_integer("max_tracker_size", max_tracker_size, 1)
+        check_integer("reserve_lookups", reserve_lookups, 1)
         self.cpu = cpu
         self.tiers = [tier for tier, _ in tiers]
         self._settings = [settings for _, settings in tiers]

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload.admission import AdmissionLayer, find_admission
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InvalidArgumentError, check_integer
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager
 from kvoffload.sim.gpu_cache import GPUPrefixCache
@@ -79,9 +79,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("gpu_blocks", "bytes_per_block", "block_tokens", "concurrency"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
+            check_integer(name, getattr(self, name), 1)
         for name in ("prefill_tokens_per_s", "decode_tokens_per_s", "transfer_bytes_per_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
@@ -89,11 +87,7 @@ class EngineConfig:
         retry = self.lookup_retry_s
         if not (isinstance(retry, int | float) and math.isfinite(retry) and retry > 0):
             raise InvalidArgumentError(f"lookup_retry_s must be finite and > 0, got {retry!r}")
-        retries = self.max_lookup_retries
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise InvalidArgumentError(
-                f"max_lookup_retries must be an integer >= 0, got {retries!r}"
-            )
+        check_integer("max_lookup_retries", self.max_lookup_retries, 0)
         if self.partial_block not in PARTIAL_BLOCK_MODES:
             raise InvalidArgumentError(
                 f"partial_block must be one of {', '.join(PARTIAL_BLOCK_MODES)}, "
@@ -236,11 +230,7 @@ class ServingEngine:
                 f"got {request.arrival_s!r}"
             )
         for name in ("input_tokens", "output_tokens"):
-            value = getattr(request, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidArgumentError(
-                    f"request {index}: {name} must be an int >= 0, got {value!r}"
-                )
+            check_integer(f"request {index}: {name}", getattr(request, name), 0)
         if not isinstance(request.keys, list | tuple):
             raise InvalidArgumentError(
                 f"request {index}: keys must be a list of keys, got {type(request.keys).__name__}"

@@ -24,7 +24,7 @@ from kvoffload.admission import (
     resolve_admission,
 )
 from kvoffload.admission.registry import ParamPairs
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InvalidArgumentError, check_integer
 from kvoffload.core.layout import KVLayout, layout_preset
 from kvoffload.core.tier_protocol import SlotBytes, TierStats
 from kvoffload.managers.stack import Stack, StackConfig, build_cpu_stack
@@ -257,11 +257,7 @@ def _check_numbers(config: SimConfig) -> None:
     """Integers must be integers, rates finite and positive and latencies finite and not
     negative, whatever the caller passed (a tier's, even when the run has no such tier)."""
     for name in _INTEGER_FIELDS:
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
-        if value < 0:
-            raise InvalidArgumentError(f"{name} must be >= 0, got {value}")
+        check_integer(name, getattr(config, name), 0)
     if config.gpu_blocks < 1 or config.concurrency < 1:
         raise InvalidArgumentError(
             f"gpu_blocks and concurrency must be >= 1, got {config.gpu_blocks} "
@@ -279,9 +275,8 @@ def _check_numbers(config: SimConfig) -> None:
         raise InvalidArgumentError(
             f"disk_timeout_ms must be a number of milliseconds, got {config.disk_timeout_ms!r}"
         )
-    drive = config.drive_bytes
-    if drive is not None and (isinstance(drive, bool) or not isinstance(drive, int) or drive < 1):
-        raise InvalidArgumentError(f"drive_bytes must be an integer >= 1, got {drive!r}")
+    if config.drive_bytes is not None:
+        check_integer("drive_bytes", config.drive_bytes, 1)
     if not isinstance(config.bound, bool):
         raise InvalidArgumentError(f"bound must be true or false, got {config.bound!r}")
 

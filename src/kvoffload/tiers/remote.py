@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import TypeVar
 
-from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
+from kvoffload.core.errors import KVOffloadError, check_integer
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import EventLog, OffloadingEvent
 from kvoffload.core.tier_protocol import Target, TierStats, check_io_threads
@@ -191,8 +191,7 @@ class RemoteTier:
         # Checked before start-up connects: a pool that cannot be made leaked its connection.
         check_fingerprint(fingerprint)
         check_io_threads(io_threads)
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise InvalidArgumentError(f"chunk_bytes must be an integer >= 1, got {chunk_bytes!r}")
+        check_integer("chunk_bytes", chunk_bytes, 1)
         self.address = parse_remote_url(url)
         self._resolver = resolver or Resolver()
         self._chunk_bytes = chunk_bytes
