@@ -198,12 +198,12 @@ class DeadlineStripes:
         """Run ``work`` on ``stripe``; its future holds ``failed`` if refused, raising, late
         or submitted after :meth:`close` began."""
         if not self.breaker.allow():
-            return _done(failed)
+            return done_future(failed)
         deadline = time.monotonic() + self.deadline_s + nbytes / self._bytes_per_s
         job = Job(deadline, failed, self.breaker, self._count_expired)
         with self._count_lock:
             if self._stopping:
-                return _done(failed)
+                return done_future(failed)
             self._open.add(job.future)  # type: ignore[arg-type]
         job.future.add_done_callback(self._closed)  # type: ignore[arg-type]
         self._watchdog.watch(job)
@@ -242,7 +242,7 @@ class DeadlineStripes:
             self.expired += 1
 
 
-def _done(result: T) -> Future[T]:
+def done_future(result: T) -> Future[T]:
     """A future that already holds ``result``."""
     future: Future[T] = Future()
     future.set_result(result)

@@ -39,6 +39,7 @@ from kvoffload.core.manager import EventLog, OffloadingEvent
 from kvoffload.core.tier_protocol import Target, TierStats, check_io_threads
 from kvoffload.tiers.block_sets import BlockWrite, DigestsAhead, pack_sets
 from kvoffload.tiers.breaker import CircuitBreaker
+from kvoffload.tiers.deadline import done_future
 from kvoffload.tiers.format import (
     HEADER_BYTES,
     TRAILED_VERSION,
@@ -274,9 +275,7 @@ class RemoteTier:
     def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
         keys = list(keys)
         if self._closed:
-            missed: Future[list[bool]] = Future()
-            missed.set_result([False] * len(keys))
-            return missed
+            return done_future([False] * len(keys))
         return self._pool.submit(self._read, keys, target)
 
     def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> None:
@@ -729,7 +728,7 @@ def _redirect(reply: ErrorReply) -> _Redirect | None:
         redirect = _Redirect(int(parts[1]) % SLOTS, (host.strip("[]"), number), parts[0] == "ASK")
     except ValueError:
         return None
-    return redirect if 0 < number < 65536 else None  # no TCP port: an error, not a node
+    return redirect if 0 < number <= MAX_PORT else None  # no TCP port: an error, not a node
 
 
 def _slot_range(entry: Reply) -> tuple[int, int, str, int]:

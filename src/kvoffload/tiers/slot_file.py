@@ -57,7 +57,7 @@ from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.tier_protocol import Target
 from kvoffload.tiers.breaker import CircuitBreaker
-from kvoffload.tiers.deadline import DeadlineStripes, Job
+from kvoffload.tiers.deadline import DeadlineStripes, Job, done_future
 from kvoffload.tiers.format import (
     HEADER_BYTES,
     CorruptBlockError,
@@ -256,8 +256,7 @@ class SlotFile:
         if opened.superblock is not None:
             self.stride = opened.superblock.stride
             self.payload_bytes = opened.superblock.payload_bytes
-            self._superblock = Future()
-            self._superblock.set_result(True)
+            self._superblock = done_future(True)
 
     def fix_layout(self, payload_bytes: int) -> None:
         """The first write fixes the layout (a file found on start has fixed it already)."""
