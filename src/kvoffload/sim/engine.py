@@ -206,11 +206,14 @@ class ServingEngine:
         it offered its blocks to the tier (at the end of its prefill)."""
         self._retries: dict[int, int] = {}
         """Times each parked request (by ``id``) has been parked so far."""
-        self._holds = holds if holds is not None else getattr(manager, "holds", None)
-        """The tier's own ``holds(key)`` (the stack's, :attr:`Stack.holds`): the engine's held
-        set knows only what the engine stored; a tier can also place blocks itself (a tiered
-        stack promotes lower-tier hits into its CPU tier), and an offered block it already
-        holds was not refused by admission."""
+        self._holds: Callable[[OffloadKey], bool] = (
+            holds or getattr(manager, "holds", None) or self._held.__contains__
+        )
+        """Whether the tier holds a key, for an offered block it did not store: held, it was
+        not refused by admission. The tier's own ``holds`` (the stack's, :attr:`Stack.holds`)
+        where it has one: a tier places and evicts blocks itself too (a tiered stack
+        promotes lower-tier hits into its CPU tier); else the engine's held set, which knows
+        what the engine stored."""
         self._layer = admission
         if admission is None and manager is not None:
             self._layer = find_admission(manager)
@@ -465,10 +468,7 @@ class ServingEngine:
         else:
             chosen = set(to_store)
             holds = self._holds
-            if holds is None:
-                refused = [key for key in offered if key not in chosen and key not in held]
-            else:  # the tier's own word: a lookup's promotions place and evict blocks too
-                refused = [key for key in offered if key not in chosen and not holds(key)]
+            refused = [key for key in offered if key not in chosen and not holds(key)]
             stats.stores_skipped_by_admission += len(refused)
             if not to_store:
                 return
