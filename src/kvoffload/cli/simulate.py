@@ -130,13 +130,21 @@ def _cpu_option(args: argparse.Namespace) -> str:
     return f"--cpu-gb {args.cpu_gb:g}"
 
 
+def _check_cpu_tier(args: argparse.Namespace, cpu_blocks: int | None) -> None:
+    """Refuse a run that needs a CPU tier (the data plane's bytes, or lower tiers beneath
+    it) and has none: called with ``--cpu-blocks`` before the workload loads, and with the
+    blocks ``--cpu-gb`` makes once its block size is known."""
+    if cpu_blocks != 0:
+        return
+    if args.data_plane:
+        raise KVOffloadError(_NO_TIER.format(option=_cpu_option(args)))
+    if args.disk_dir is not None or args.remote is not None:
+        raise KVOffloadError(_NO_CPU_TIER.format(option=_cpu_option(args)))
+
+
 def run(args: argparse.Namespace) -> int:
     options.check_before_work(args)
-    if args.data_plane and args.cpu_blocks == 0:  # before the workload; --cpu-gb needs it
-        raise KVOffloadError(_NO_TIER.format(option=_cpu_option(args)))
-    lower_tier = args.disk_dir is not None or args.remote is not None
-    if lower_tier and args.cpu_blocks == 0:
-        raise KVOffloadError(_NO_CPU_TIER.format(option=_cpu_option(args)))
+    _check_cpu_tier(args, args.cpu_blocks)
     tier_options.check_before_work(args)
     options.check_name(args.policy, "--policy", resolve_policy)
     options.check_name(args.admission, "--admission", resolve_admission)
@@ -150,10 +158,7 @@ def run(args: argparse.Namespace) -> int:
         args, bt, DATA_PLANE_LAYOUT if args.data_plane else options.DEFAULT_LAYOUT
     )
     cpu = options.cpu_blocks(args.cpu_blocks, args.cpu_gb, config, bt)
-    if args.data_plane and cpu == 0:
-        raise KVOffloadError(_NO_TIER.format(option=_cpu_option(args)))
-    if lower_tier and cpu == 0:
-        raise KVOffloadError(_NO_CPU_TIER.format(option=_cpu_option(args)))
+    _check_cpu_tier(args, cpu)
     config = options.with_offload(config, cpu, args.policy, args.store_threshold)
     config = dataclasses.replace(
         config,
