@@ -163,8 +163,7 @@ def test_a_world_keeps_what_its_rule_admitted_of_an_offer_larger_than_its_tier(
     """Past a tier-full the request's own store evicts what it admitted: the world still
     keeps all of it for the real tier, up to the first key the rule left out (a short
     admitted list is scanned, a long one hashed: the same answer)."""
-    probe = Probe()
-    world = World(4, LRUCachePolicy, FilterReusedOffloadingManager(probe, 2), probe)
+    world = World(4, LRUCachePolicy, FilterReusedOffloadingManager(Probe(), 2))
     keys = [block_id_key(i) for i in range(offer)]
     world.request(keys[:-1], 0)
     world.request(keys, 0)  # all but the last key seen twice: the filter admits them

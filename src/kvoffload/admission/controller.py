@@ -79,11 +79,13 @@ class ReuseController:
         return (self.returns[cls] + self.prior_returns) / (self.outcomes[cls] + self.prior_outcomes)
 
     def rate(self, tag: int) -> float:
-        """The group's own return rate, shrunk towards its class's pooled rate."""
+        """The group's own return rate, shrunk towards its class's pooled rate by
+        ``group_strength`` outcomes' weight; a group with no weight at all (no outcomes
+        yet, strength 0) has its class's rate."""
         pooled = self.class_rate(tag // self.groups)
-        return _shrunk(
-            self.group_returns[tag], self.group_outcomes[tag], pooled, self.group_strength
-        )
+        strength = self.group_strength
+        weight = self.group_outcomes[tag] + strength
+        return (self.group_returns[tag] + strength * pooled) / weight if weight else pooled
 
     def admits(self, tag: int) -> bool:
         return self.rate(tag) >= self.threshold
@@ -91,14 +93,8 @@ class ReuseController:
     @property
     def admitting_share(self) -> float:
         """The control value: the share of class groups whose first-seen blocks are admitted."""
-        pooled = [self.class_rate(cls) for cls in range(len(self.outcomes))]
-        groups, threshold, strength = self.groups, self.threshold, self.group_strength
-        counts = zip(self.group_returns, self.group_outcomes, strict=True)
-        admitting = sum(
-            _shrunk(returns, outcomes, pooled[tag // groups], strength) >= threshold
-            for tag, (returns, outcomes) in enumerate(counts)
-        )
-        return admitting / len(self.group_outcomes)
+        tags = range(len(self.group_outcomes))
+        return sum(self.rate(tag) >= self.threshold for tag in tags) / len(tags)
 
     def record(self, tag: int, returned: bool) -> None:
         """One outcome under ``tag``: its block came back (``True``) or expired."""
@@ -125,10 +121,3 @@ class ReuseController:
         self.group_returns = [r / 2 for r in self.group_returns]
         self.group_outcomes = [o / 2 for o in self.group_outcomes]
         self._since_halving = 0
-
-
-def _shrunk(returns: float, outcomes: float, pooled: float, strength: float) -> float:
-    """A group's return rate with ``strength`` outcomes' weight of its class's rate; a
-    group with no weight at all (no outcomes yet, ``strength`` 0) has its class's rate."""
-    weight = outcomes + strength
-    return (returns + strength * pooled) / weight if weight else pooled

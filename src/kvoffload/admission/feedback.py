@@ -108,14 +108,17 @@ class FeedbackAdmission(AdmissionLayer):
         self.sketch.increment(hashes, self._hashes.cells(self.sketch))
         if len(self.ghost):
             returned = self.ghost.take_all(keys)
-            self.controller.record_all(returned, True)
-            self.ghost_hits += len(returned)
+            if returned:
+                self.controller.record_all(returned, True)
+                self.ghost_hits += len(returned)
 
     def _admit(self, offered: Sequence[OffloadKey], prefix: int) -> list[OffloadKey]:
         hashes, cells = self._hashes.offer(offered, self.sketch)
         seen = self.sketch.seen_at_least(hashes, 2, cells)
         ghost, controller, clock = self.ghost, self.controller, self.written
-        controller.record_all(ghost.expire(clock - self.capacity), False)
+        expired = ghost.expire(clock - self.capacity)
+        if expired:
+            controller.record_all(expired, False)
         first, tier_served = self._requests.origin(offered)
         # A request with no known prefix starts a new root, which says nothing: pooled.
         group = root_group(first, self.params.root_groups) if prefix > 0 else 0
@@ -128,7 +131,8 @@ class FeedbackAdmission(AdmissionLayer):
         pushed = ghost.add_all(list(compress(body_keys, map(not_, seen))), body, clock)
         if not seen[-1]:
             pushed += ghost.add_all(offered[-1:], tail, clock)
-        controller.record_all(pushed, False)
+        if pushed:
+            controller.record_all(pushed, False)
         admitted = list(body_keys) if admits_body else list(compress(body_keys, seen))
         if seen[-1] or admits_tail:
             admitted.append(offered[-1])

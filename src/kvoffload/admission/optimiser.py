@@ -263,18 +263,16 @@ class OptimisingAdmission(AdmissionLayer):
         mirror (see ``_offers_follow``) feeds them and chooses on their sampled figures."""
         policy = policy or tier_policy(backing)
         self._minisim_args = (capacity, policy, CANDIDATES, window_tiers, bits)
-        self._minisim: MiniSimulation | None = None
         self._exact_worlds = exact_worlds(policy)
-        filter_probe, feedback_probe = Probe(), Probe()
-        self._world_feedback = FeedbackAdmission(feedback_probe, capacity)
+        self._world_feedback = FeedbackAdmission(Probe(), capacity)
         self._world_filter = FilterReusedOffloadingManager(
-            filter_probe, p.filter_threshold, p.filter_tracker
+            Probe(), p.filter_threshold, p.filter_tracker
         )
         self.worlds = Worlds(
             {
                 STORE_ALL: World(capacity, policy),
-                FILTER: World(capacity, policy, self._world_filter, filter_probe),
-                FEEDBACK: World(capacity, policy, self._world_feedback, feedback_probe),
+                FILTER: World(capacity, policy, self._world_filter),
+                FEEDBACK: World(capacity, policy, self._world_feedback),
             },
             window_tiers * capacity,
         )
@@ -309,22 +307,26 @@ class OptimisingAdmission(AdmissionLayer):
         the worlds' model of the tier. A lower tier of the tiered manager is only told of
         lookups, and offered the blocks the tier above evicts; it stores what the chosen
         rule admits of them instead of mirroring."""
+        self._mirrors = True
+        """Whether the real tier mirrors the followed world: while no driver announces
+        requests, or once one announced a request whose offer follows (``_offers_follow``)."""
         self._hashed: tuple[Sequence[OffloadKey], np.ndarray] = ((), np.zeros(0, np.uint64))
+        self._minisim = self._new_minisim()
 
     @property
     def minisim(self) -> MiniSimulation:
-        """The what-if mini-tiers, made at the first request, when it is known whether the
-        tier mirrors: a mirroring tier's exact worlds are its 1x figures, so only a tier
-        that does not mirror, which chooses on them, or whose worlds are approximations
-        runs the sampled 1x tiers (made anew if a tier that mirrored stops)."""
-        sim = self._minisim
+        """The what-if mini-tiers. A mirroring tier's exact worlds are its 1x figures, so
+        only a tier that does not mirror, which chooses on them, or whose worlds are
+        approximations runs the sampled 1x tiers (made anew when a tier that mirrored
+        stops, at the request that says so)."""
+        return self._minisim
+
+    def _new_minisim(self) -> MiniSimulation:
+        """Mini-tiers for the tier as it now runs (see :attr:`minisim`)."""
+        capacity, policy, candidates, window_tiers, bits = self._minisim_args
         worlds_at_1x = self._mirrors and self._exact_worlds
-        if sim is None or not (sim.decides or worlds_at_1x):
-            capacity, policy, candidates, window_tiers, bits = self._minisim_args
-            factors = [f for f in WHATIF_FACTORS if f != 1.0 or not worlds_at_1x]
-            sim = MiniSimulation(capacity, policy, candidates, factors, window_tiers, bits)
-            self._minisim = sim
-        return sim
+        factors = [f for f in WHATIF_FACTORS if f != 1.0 or not worlds_at_1x]
+        return MiniSimulation(capacity, policy, candidates, factors, window_tiers, bits)
 
     def _hashes(self, keys: Sequence[OffloadKey]) -> np.ndarray:
         """Hashes of ``keys``: a slice of the last request's when they end that request."""
@@ -344,13 +346,8 @@ class OptimisingAdmission(AdmissionLayer):
         if keys and not self._announced and self._requests.on_touch(keys):
             self._sighting(keys)
         if self._mirrors:
-            keys = self.worlds[self.chosen].tier.held_among(keys)
-        self.backing.touch(keys)
-
-    @property
-    def _mirrors(self) -> bool:
-        """Whether the real tier mirrors the followed world (see ``_offers_follow``)."""
-        return self._offers_follow or not self._announced
+            keys = self.worlds.worlds[self.chosen].tier.held_among(keys)
+        self._backing.touch(keys)
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
         keys = keys if isinstance(keys, list) else list(keys)
@@ -365,7 +362,7 @@ class OptimisingAdmission(AdmissionLayer):
             self.feedback.lookup(keys)
             self.filter.lookup(keys)
         if found is not None and keys:
-            self.minisim.on_lookup(keys)
+            self._minisim.on_lookup(keys)
         return found
 
     def _keep_hits(self, hits: list[OffloadKey]) -> None:
@@ -374,13 +371,13 @@ class OptimisingAdmission(AdmissionLayer):
         held then: a hit on a block written under an earlier rule, which the world has just
         stored, stayed the coldest and, once loaded, unpinned, so the request's own store
         evicted it and the next request to reuse it missed its whole run."""
-        self.backing.touch(self.worlds[self.chosen].tier.held_among(hits))
+        self._backing.touch(self.worlds.worlds[self.chosen].tier.held_among(hits))
 
     def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
         keys = keys if isinstance(keys, list) else list(keys)
         if keys:
             self._loaded += len(keys)
-            self.minisim.on_full_hit(keys[-1])
+            self._minisim.on_full_hit(keys[-1])
         return super().prepare_load(keys)
 
     def begin_request(
@@ -408,6 +405,9 @@ class OptimisingAdmission(AdmissionLayer):
             self._offers_follow = True
         if keys and lookup_follows:
             self._whole_requests = True
+        self._mirrors = self._offers_follow  # announced from here on
+        if not (self._minisim.decides or (self._mirrors and self._exact_worlds)):
+            self._minisim = self._new_minisim()
         super().begin_request(
             keys,
             lookup_follows=lookup_follows,
@@ -431,9 +431,9 @@ class OptimisingAdmission(AdmissionLayer):
             if looked_up < len(keys):
                 self.filter.lookup(list(keys[looked_up:]))
         if counted == 0 and gpu_held < len(keys):
-            self.minisim.on_lookup(keys[gpu_held:] if gpu_held else keys)
+            self._minisim.on_lookup(keys[gpu_held:] if gpu_held else keys)
             if not will_offer:  # announced at its end, after its loads: no offer follows
-                self.minisim.on_full_hit(keys[-1])
+                self._minisim.on_full_hit(keys[-1])
 
     def end_request(self, keys: Sequence[OffloadKey]) -> None:
         """See :meth:`AdmissionLayer.end_request`; a request never looked up (the GPU held
@@ -449,7 +449,7 @@ class OptimisingAdmission(AdmissionLayer):
         if self._pending is not None:  # never looked up: the GPU held all of it
             self._run_worlds(len(self._pending))
         self._pending = keys
-        self.minisim.on_request(keys, self._hashes(keys))
+        self._minisim.on_request(keys, self._hashes(keys))
         self.ghost_hits = (self._world_feedback if self._mirrors else self.feedback).ghost_hits
         if self.write_credit is not None:
             self.write_credit.earn(len(keys))
@@ -459,25 +459,25 @@ class OptimisingAdmission(AdmissionLayer):
         if self._pending is not None:  # an offer with no lookup before it
             self._run_worlds(0)
         if self._mirrors:
-            self.minisim.on_offer_ruled(offered, self.worlds.worlds)
+            self._minisim.on_offer_ruled(offered, self.worlds.worlds)
         else:
             admitted: dict[str, list[OffloadKey] | None] = {
                 STORE_ALL: None,
                 FILTER: self.filter.admit(offered),
                 FEEDBACK: self.feedback.admit(offered),
             }
-            self.minisim.on_offer(offered, admitted)
+            self._minisim.on_offer(offered, admitted)
         if self._seen >= self._next_choice:
             self._choose()
         if self._mirrors:
-            tier = self.worlds[self.chosen].tier
+            tier = self.worlds.worlds[self.chosen].tier
             keys = tier.held_among(offered)
             if self.chosen != STORE_ALL and self._cold_order is not None:
                 keys = self._steer(offered, keys, tier.held, self._cold_order)
             # Never more writes than store-everything: a refill after a switch (blocks that
             # world hit, the tier lacks) waits for writes the thriftier rule left unspent.
             if self._whole_requests:
-                room = self.worlds[STORE_ALL].tier.total_writes - self._written
+                room = self.worlds.worlds[STORE_ALL].tier.total_writes - self._written
                 if len(keys) > room:
                     keys = keys[: max(0, room)]
         else:
@@ -546,17 +546,17 @@ class OptimisingAdmission(AdmissionLayer):
         else:
             if self._seen < self._dwell_until:
                 return
-            seen, tier = self.minisim.seen, self.minisim.tiers[STORE_ALL, 1.0][0]
+            seen, tier = self._minisim.seen, self._minisim.tiers[STORE_ALL, 1.0][0]
             if self._settled_at is None:
                 if seen < SAMPLED_WARMUP_TIERS * tier.capacity:
                     return
                 self._settled_at = seen
-                self.minisim.restart_window()
+                self._minisim.restart_window()
             if seen < self._settled_at + 0.5 * tier.capacity:
                 return
             if not self.switches:
                 self.chosen = FEEDBACK
-            scores = self.minisim.scores()
+            scores = self._minisim.scores()
             informed = True
         if self.write_credit is not None and not self.write_credit.budget.per_ref:
             per_ref = self.write_credit.writes_per_ref()
@@ -647,7 +647,7 @@ class OptimisingAdmission(AdmissionLayer):
         """Every candidate at every capacity factor over recent traffic (``cumulative``:
         since the start): the mini-tiers' figures, and at 1x the exact worlds' where the
         mini-tiers run none (a mirroring tier under LRU)."""
-        sim = self.minisim
+        sim = self._minisim
         figures = sim.figures(cumulative)
         if not sim.decides:
             figures += self.worlds.figures(cumulative)
@@ -665,11 +665,11 @@ class OptimisingAdmission(AdmissionLayer):
             rules[0].control,
             sum(rule.memory_bytes for rule in rules)
             + sum(table.memory_bytes for table in tables)
-            + self.minisim.memory_bytes
+            + self._minisim.memory_bytes
             + self.worlds.memory_bytes,
             sum(rule.tracked_keys for rule in rules)
             + sum(table.max_keys for table in tables)
-            + self.minisim.tracked_keys
+            + self._minisim.tracked_keys
             + self.worlds.tracked_keys,
             rules[0].ghost_hits,
         )

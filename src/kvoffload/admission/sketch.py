@@ -33,6 +33,7 @@ _MIX1 = np.array(0xBF58476D1CE4E5B9, dtype=np.uint64)
 _MIX2 = np.array(0x94D049BB133111EB, dtype=np.uint64)
 _SHIFTS = [np.array(bits, dtype=np.uint64) for bits in (30, 27, 31)]
 """Mixing constants as 0-d arrays: numpy converts those faster than scalars, per call."""
+_UINT64 = np.dtype(np.uint64)
 _DOOR_SEED = 0x2545F4914F6CDD1D
 _ROW_SEEDS = [0x9E3779B97F4A7C15, 0xD6E8FEB86659FD93, 0xC2B2AE3D27D4EB4F, 0xFF51AFD7ED558CCD]
 _SATURATED_INCREMENT = np.minimum(np.arange(1, MAX_COUNT + 2), MAX_COUNT).astype(np.uint8)
@@ -56,18 +57,20 @@ def key_hashes(keys: Sequence[OffloadKey]) -> np.ndarray:
     if type(keys) is list and keys == last_keys:
         return last
     hashes = _hashes(keys)
-    hashes.flags.writeable = False
     if type(keys) is list:
         _LAST[0] = (keys.copy(), hashes)
     return hashes
 
 
 def _hashes(keys: Sequence[OffloadKey]) -> np.ndarray:
-    """64-bit hashes of ``keys`` (see :func:`numpy_hashes`): in one C call where the
-    package was compiled, else by numpy."""
+    """64-bit hashes of ``keys`` (see :func:`numpy_hashes`), read-only: in one C call
+    where the package was compiled (an array over the bytes it returns, read-only as
+    they are), else by numpy."""
     if compiled is None:
-        return numpy_hashes(keys)
-    return np.frombuffer(compiled.hash_keys(keys), dtype=np.uint64)
+        hashes = numpy_hashes(keys)
+        hashes.flags.writeable = False
+        return hashes
+    return np.frombuffer(compiled.hash_keys(keys), _UINT64)
 
 
 def numpy_hashes(keys: Sequence[OffloadKey]) -> np.ndarray:

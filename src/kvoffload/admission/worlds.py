@@ -46,8 +46,9 @@ worlds run on the LRU mini-tier, which is compiled where the package was built."
 
 class Probe(OffloadingManager):
     """The bottom of a candidate rule's stack: answers lookups with the hit run set in
-    :attr:`found` (a world's own, or what the real tier answered) and stores nothing (the
-    caller asks the rule's ``admit`` for its decision)."""
+    :attr:`found` (what the real tier answered; a world tells its rule its own hit run
+    without a lookup) and stores nothing (the caller asks the rule's ``admit`` for its
+    decision)."""
 
     def __init__(self) -> None:
         self.found: int | None = 0
@@ -84,15 +85,15 @@ class World:
         capacity: int,
         policy: type[CachePolicy],
         rule: AdmissionLayer | FilterReusedOffloadingManager | None = None,
-        probe: Probe | None = None,
     ) -> None:
-        if (rule is None) != (probe is None):
-            raise ValueError("a world's rule and its probe go together")
         tier_policy = LRUCachePolicy if policy in LRU_IN_A_WORLD else policy
         self.tier: MiniTier = mini_tier(capacity, tier_policy, pending=False)
         self._lru = self.tier if isinstance(self.tier, LRUMiniTier) else None
         self.rule = rule
-        self.probe = probe
+        self._layer = rule if isinstance(rule, AdmissionLayer) else None
+        """The rule as a layer, told of each request (its lookup's hit included) up front."""
+        self._counts = rule.reuse if isinstance(rule, FilterReusedOffloadingManager) else None
+        """The seed filter's lookup counts, which its ``lookup`` would count the keys in."""
         self.hits = 0.0
         self.writes = 0.0
         """Hits and writes, halved with the worlds' window."""
@@ -105,26 +106,37 @@ class World:
         return key in self.tier
 
     def request(self, keys: Sequence[OffloadKey], gpu_held: int, unique: bool = False) -> None:
-        """Run a request; ``unique``: its keys are known to be distinct (no deduplication)."""
-        lru = self._lru
-        if lru is None:
+        """Run a request; ``unique``: its keys are known to be distinct (no deduplication).
+
+        An LRU tier makes the keys recent once, after the store: the same order as
+        :meth:`_request`'s touch before the lookup and again after a write."""
+        tier = self._lru
+        if tier is None:
             self._request(keys, gpu_held, unique)
-        else:
-            self._request_lru(lru, keys, gpu_held, unique)
+            return
+        offered = self._lookup(keys, gpu_held, unique)
+        admitted = None
+        if offered:
+            rule = self.rule
+            admitted = None if rule is None else rule.admit(offered)
+            self.writes += tier.store_offer(offered, admitted, keys)
+        self._admitted = admitted
+        tier.touch(keys)
 
     def _lookup(self, keys: Sequence[OffloadKey], gpu_held: int, unique: bool) -> list[OffloadKey]:
-        """The request's lookup, counted and shown to the rule; the keys it offers."""
-        rule = self.rule
-        if isinstance(rule, AdmissionLayer):
-            rule.begin_request(keys, lookup_follows=True)
+        """The request's lookup, counted and shown to the rule; the keys it offers.
+
+        The rule's own ``lookup`` is not called, as its backing would only echo the hit
+        run: a layer learns the request and whether the tier served part of it in one
+        ``begin_request``, the seed filter's counts are counted directly."""
         looked = keys[gpu_held:] if gpu_held else keys
-        if not looked:
-            return []
-        found = self.tier.hit_run(looked)
+        found = self.tier.hit_run(looked) if looked else 0
         self.hits += found
-        if rule is not None and self.probe is not None:
-            self.probe.found = found
-            rule.lookup(looked if isinstance(looked, list) else list(looked))
+        layer = self._layer
+        if layer is not None:
+            layer.begin_request(keys, lookup_follows=True, tier_hit=found > 0)
+        elif looked and self._counts is not None:
+            self._counts.count(looked)
         offered = looked[found:]
         if not offered:
             return []
@@ -169,19 +181,6 @@ class World:
         if written:
             self.writes += written
             tier.touch(keys)
-
-    def _request_lru(
-        self, tier: LRUMiniTier, keys: Sequence[OffloadKey], gpu_held: int, unique: bool
-    ) -> None:
-        """:meth:`_request` with one touch, after the store (the same order)."""
-        rule = self.rule
-        offered = self._lookup(keys, gpu_held, unique)
-        admitted = None
-        if offered:
-            admitted = None if rule is None else rule.admit(offered)
-            self.writes += tier.store_offer(offered, admitted, keys)
-        self._admitted = admitted
-        tier.touch(keys)
 
 
 _SCANNED_ADMITTED = 8
