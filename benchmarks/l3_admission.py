@@ -66,6 +66,9 @@ class KeyTier:
             run += 1
         return run
 
+    def held(self, keys: Sequence[OffloadKey]) -> list[bool]:
+        return [key in self.pages for key in keys]
+
     def read(self, keys: Sequence[OffloadKey], target: Any) -> Future[list[bool]]:
         for key in keys:
             self.pages.move_to_end(key)

@@ -1,5 +1,6 @@
 """What the disk tier's own admission saves: blocks written to disk and the hit ratio kept,
-``--disk-admission none`` against ``recommended`` (and with a disk write budget), per workload.
+``--disk-admission none`` and ``filter`` (the seed filter, store threshold 2) against
+``recommended`` (and with a disk write budget), per workload.
 
 Capacities are shares of each workload's unique blocks, as in ``admission_table.py``: the
 GPU cache 2% (at least the largest request), the CPU tier ``--cpu-share`` (5%), the disk
@@ -31,6 +32,7 @@ def rows(name: str, cpu_share: float, disk_share: float, budget: float) -> list[
     gpu = max(int(GPU_SHARE * unique), max(len(r.keys) for r in workload.requests))
     configs = {
         "none": {},
+        "filter": {"disk_admission": "filter"},
         "recommended": {"disk_admission": "recommended"},
         f"recommended, budget {budget:g}": {
             "disk_admission": "recommended",

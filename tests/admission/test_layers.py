@@ -208,3 +208,24 @@ def test_admit_passes_on_what_prepare_store_would_with_the_same_counts() -> None
         runs.append((passed, layer.offers, layer.admitted))
     assert runs[0] == runs[1]
     assert any(runs[0][0]) and runs[0][2] < runs[0][1]
+
+
+@pytest.mark.parametrize("layer", [SketchAdmission, FeedbackAdmission, OptimisingAdmission])
+@pytest.mark.parametrize(
+    ("counted", "gpu_held", "named"),
+    [(-1, 0, "counted"), (0, -2, "gpu_held"), (1.0, 0, "counted"), (0, True, "gpu_held")],
+)
+def test_begin_request_refuses_a_negative_or_non_integer_count(
+    layer: type[SketchAdmission | FeedbackAdmission | OptimisingAdmission],
+    counted: object,
+    gpu_held: object,
+    named: str,
+) -> None:
+    """A driver's bad count is named, and the layer sees no request: the next one counts as
+    if the bad call had not been made."""
+    manager = layer(CPUOffloadingManager(8), 8)
+    request = keys(1, 2, 3)
+    with pytest.raises(InvalidArgumentError, match=named):
+        manager.begin_request(request, counted=counted, gpu_held=gpu_held)  # type: ignore[arg-type]
+    assert not manager.announced
+    assert manager.stats() == layer(CPUOffloadingManager(8), 8).stats()

@@ -22,6 +22,7 @@ from kvoffload.admission.minisim import (
     CompiledSLRUMiniTier,
     LRUMiniTier,
     S3FIFOMiniTier,
+    admitted_set,
     mini_tier,
 )
 from kvoffload.admission.optimiser import CANDIDATES, WHATIF_FACTORS
@@ -322,9 +323,21 @@ def test_the_optimiser_decides_the_same_over_compiled_and_pure_python_tiers(
     assert results[0][0] > 0 and results[0][3]
 
 
+class Admitted:
+    """A candidate that kept what it admitted of the last offer (a stand-in for a world)."""
+
+    def __init__(self, admitted: list[OffloadKey] | None) -> None:
+        self.admitted = admitted
+
+    def kept_of(self, offered: list[OffloadKey]) -> tuple[set[OffloadKey] | None, int]:
+        return admitted_set(offered, self.admitted)
+
+
 def drive(simulation: MiniSimulation, seed: int) -> None:
     """A seeded stream of requests sharing prefixes, looked up past a GPU hit and offered
-    with each candidate admitting its own part (some all, some a prefix, some scattered)."""
+    with each candidate admitting its own part (some all, some a prefix, some scattered);
+    now and then, as a lower tier sees them, a lookup with no offer of its own and blocks
+    offered later on their own."""
     rng = random.Random(seed)
     roots = [[block_id_key(rng.randrange(10**9)) for _ in range(rng.randint(1, 6))] for _ in "abc"]
     for _ in range(400):
@@ -337,10 +350,17 @@ def drive(simulation: MiniSimulation, seed: int) -> None:
             simulation.on_full_hit(keys[-1])
             continue
         offered = rest[rng.randint(0, len(rest) - 1) :]
+        written_back = rng.random() < 0.2
+        if written_back:
+            simulation.forget(keys[-1])
+            offered = [block_id_key(rng.randrange(400)) for _ in range(rng.randint(1, 9))]
         admitted: dict[str, list[OffloadKey] | None] = {CANDIDATES[0]: None}
         for name in CANDIDATES[1:]:
             admitted[name] = [key for key in offered if rng.random() < 0.7]
-        simulation.on_offer(offered, admitted)
+        if written_back:
+            simulation.on_written_back(offered, key_hashes(offered), admitted)
+        else:
+            simulation.on_offer_ruled(offered, {n: Admitted(a) for n, a in admitted.items()})
 
 
 @pytest.mark.parametrize("policy", [LRUCachePolicy, S3FIFOCachePolicy])

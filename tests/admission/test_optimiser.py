@@ -24,6 +24,7 @@ from kvoffload.admission.optimiser import (
     HEDGE_ROOM,
     LOSS_SHARE,
     LOSS_TIERS,
+    SAMPLED_WARMUP_TIERS,
     STORE_ALL,
     OptimiserParams,
 )
@@ -869,3 +870,45 @@ def test_what_if_figures_at_other_sizes_are_full_runs(
             assert figure["sampling_rate"] == 1.0
             assert figure["hit_ratio"] == pytest.approx(full.total_hit_ratio, abs=1e-12)
             assert figure["writes_per_ref"] == pytest.approx(full.writes_per_ref, abs=1e-12)
+
+
+def test_a_lower_tier_follows_the_feedback_rule_until_its_first_choice() -> None:
+    """A tier that does not mirror (told of lookups only, offered what the tier above
+    lets go) follows the feedback rule through its warm-up and up to its first choice half
+    a mini-tier-full later: on traffic that never comes back it writes almost nothing.
+    Between the warm-up and that choice it used to follow the default, store-everything,
+    and wrote every block offered in that half tier-full."""
+    capacity = 1024  # every key sampled
+    layer = OptimisingAdmission(CPUOffloadingManager(capacity), capacity)
+    offered = admitted = 0
+    for request in range(600):  # about six tier-fulls of blocks never seen again
+        keys = [block_id_key(10 * request + b) for b in range(10)]
+        layer.begin_request(keys, will_offer=False)
+        output = layer.prepare_store(keys)
+        assert output is not None
+        offered += len(keys)
+        admitted += len(output.keys_to_store)
+    assert layer.minisim.seen > (SAMPLED_WARMUP_TIERS + 0.5) * capacity  # past the choice
+    assert layer.chosen != STORE_ALL
+    assert admitted <= 0.01 * offered
+
+
+def test_a_lower_tiers_mini_tiers_tell_the_candidates_apart() -> None:
+    """A lower tier's mini-tiers store, per candidate, what that candidate admits of each
+    offer, whenever it comes: after one-shot traffic store-everything's have written every
+    sampled block and the filter's none, and only store-everything's hit the blocks that
+    come back. They used to store every looked-up key for every candidate, so all three
+    scored alike and the choice never left the feedback rule."""
+    capacity = 1024  # every key sampled
+    layer = OptimisingAdmission(CPUOffloadingManager(capacity), capacity)
+    first = [[block_id_key(10 * r + b) for b in range(10)] for r in range(300)]
+    for keys in first:  # looked up, then offered later on their own, as the tier above evicts
+        layer.begin_request(keys, will_offer=False)
+    for keys in first:
+        layer.prepare_store(keys)
+    for keys in first[-50:]:  # the last 500 blocks come back
+        layer.begin_request(keys, will_offer=False)
+    figures = {(f.candidate, f.capacity_factor): f for f in layer.whatif(cumulative=True)}
+    store_all, seed_filter = figures[STORE_ALL, 1.0], figures[FILTER, 1.0]
+    assert store_all.writes_per_ref > 0.8 and seed_filter.writes_per_ref == 0.0
+    assert store_all.hit_ratio > 0.1 and seed_filter.hit_ratio == 0.0

@@ -23,7 +23,7 @@ from typing import Any
 
 from kvoffload.admission.minisim import WhatIf
 from kvoffload.admission.requests import RequestTracker
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InvalidArgumentError, check_integer
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import LoadStoreSpec
@@ -153,6 +153,7 @@ class AdmissionLayer(OffloadingManager):
         ``counted``: leading keys an earlier call already showed for the same request (a
         request offered in parts), not counted again.
         """
+        check_request_counts(counted, gpu_held)
         self._announced = True
         if not keys:
             return
@@ -221,3 +222,11 @@ class AdmissionLayer(OffloadingManager):
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         return self._backing.take_events()
+
+
+def check_request_counts(counted: object, gpu_held: object) -> None:
+    """:class:`InvalidArgumentError` unless ``begin_request``'s ``counted`` and ``gpu_held``
+    are integers >= 0 (one type test each on the per-request path)."""
+    if type(counted) is not int or type(gpu_held) is not int or counted < 0 or gpu_held < 0:
+        check_integer("counted", counted, 0)
+        check_integer("gpu_held", gpu_held, 0)

@@ -871,23 +871,34 @@ class MiniSimulation:
             level.total_lookups += len(sampled)
             runs.append([tier.hit_run(sampled) for tier in tiers])
 
-    def on_offer(
-        self, offered: Sequence[OffloadKey], admitted: Mapping[str, Sequence[OffloadKey] | None]
+    def on_written_back(
+        self,
+        offered: Sequence[OffloadKey],
+        hashes: np.ndarray,
+        admitted: Mapping[str, Sequence[OffloadKey] | None],
     ) -> None:
-        """Each candidate's admitted part of ``offered`` (``None``: everything) into its tiers.
+        """An offer that is not a looked-up request's missed blocks (a lower tier's: what
+        the tier above lets go, whenever it does): each candidate's mini-tiers write the
+        sampled keys of it that the candidate admitted (``None``: all), as separate blocks.
+        ``hashes``: the offered keys'. Its lookups were scored when they came
+        (:meth:`on_lookup`, then :meth:`forget`)."""
+        positions = self._sample(hashes)
+        kept = {name: None if a is None else set(a) for name, a in admitted.items()}
+        for picked, tiers in zip(positions, self._by_level, strict=True):
+            if not picked:
+                break  # the levels nest: none deeper either
+            sampled = [offered[i] for i in picked]
+            for name, tier in tiers:
+                keep = kept[name]
+                tier.store(sampled if keep is None else [k for k in sampled if k in keep])
 
-        A sampled lookup key that was not offered (the real tier served it) is
-        written wherever the mini-tier lacks it: every candidate admits a key
-        that was stored before.
-        """
-        entry = self._take(offered)
-        if entry is not None:
-            self._store(
-                entry, offered, {name: admitted_set(offered, a) for name, a in admitted.items()}
-            )
+    def forget(self, last: OffloadKey) -> None:
+        """Drop the open request ending at ``last`` unstored: its lookup is scored, and what
+        its tier stores comes later, as offers of their own (:meth:`on_written_back`)."""
+        self._open.pop(last, None)
 
     def on_offer_ruled(self, offered: Sequence[OffloadKey], worlds: Mapping[str, Kept]) -> None:
-        """:meth:`on_offer` with each candidate's kept part (and first key left out) asked
+        """Each candidate's kept part of ``offered`` (and the first key it leaves out), asked
         of its exact world (``worlds``), which has run the request
         (:mod:`~kvoffload.admission.worlds`), only for a request with a sampled key: each
         mini-tier runs the candidate's own decisions at its capacity."""

@@ -64,7 +64,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kvoffload.admission.base import AdmissionLayer, AdmissionStats
+from kvoffload.admission.base import AdmissionLayer, AdmissionStats, check_request_counts
 from kvoffload.admission.budget import BudgetCredit, WriteBudget, check_write_budget
 from kvoffload.admission.feedback import FeedbackAdmission
 from kvoffload.admission.minisim import WINDOW_TIERS, MiniSimulation, WhatIf
@@ -401,6 +401,7 @@ class OptimisingAdmission(AdmissionLayer):
         A later part of a request offered in parts (``counted`` > 0) counts only its new
         keys in the filter; the mini-tiers scored the request's lookup with its first part.
         """
+        check_request_counts(counted, gpu_held)  # before anything here changes
         if keys and (lookup_follows or will_offer):
             self._offers_follow = True
         if keys and lookup_follows:
@@ -432,8 +433,10 @@ class OptimisingAdmission(AdmissionLayer):
                 self.filter.lookup(list(keys[looked_up:]))
         if counted == 0 and gpu_held < len(keys):
             self._minisim.on_lookup(keys[gpu_held:] if gpu_held else keys)
-            if not will_offer:  # announced at its end, after its loads: no offer follows
+            if not will_offer and self._mirrors:  # announced after its loads: no offer follows
                 self._minisim.on_full_hit(keys[-1])
+            elif not will_offer:  # a lower tier's lookup: its stores come as offers of their own
+                self._minisim.forget(keys[-1])
 
     def end_request(self, keys: Sequence[OffloadKey]) -> None:
         """See :meth:`AdmissionLayer.end_request`; a request never looked up (the GPU held
@@ -466,7 +469,7 @@ class OptimisingAdmission(AdmissionLayer):
                 FILTER: self.filter.admit(offered),
                 FEEDBACK: self.feedback.admit(offered),
             }
-            self._minisim.on_offer(offered, admitted)
+            self._minisim.on_written_back(offered, self._hashes(offered), admitted)
         if self._seen >= self._next_choice:
             self._choose()
         if self._mirrors:
@@ -552,10 +555,10 @@ class OptimisingAdmission(AdmissionLayer):
                     return
                 self._settled_at = seen
                 self._minisim.restart_window()
+                if not self.switches:  # still followed until the first choice
+                    self.chosen = FEEDBACK
             if seen < self._settled_at + 0.5 * tier.capacity:
                 return
-            if not self.switches:
-                self.chosen = FEEDBACK
             scores = self._minisim.scores()
             informed = True
         if self.write_credit is not None and not self.write_credit.budget.per_ref:
