@@ -452,7 +452,7 @@ def _print_rows(rows: list[Row]) -> None:
             f"({r['gpu_blocks']:,}) "
             f"| {r['better baseline']} {r[r['better baseline'] + ' hit']:.3f} "
             f"| {r['belady hit']:.3f} | {r['hit margin']:+.4f} "
-            f"| {r['writes ratio']:.2f}x | {r['writes vs store-all']:.2f}x "
+            f"| {_times(r['writes ratio'])} | {_times(r['writes vs store-all'])} "
             f"| {'yes' if r['goal met'] else 'no'} |"
         )
 
@@ -500,9 +500,14 @@ def _print_summary(summary: Row, rows: list[Row]) -> None:
             f"GPU {r['gpu_blocks'] / r['unique_blocks']:.1%}: "
             f"{r['hit margin']:+.4f} ({r['margin tier-fulls']:+.3f} tier-fulls) "
             f"vs {r['better baseline']}, "
-            f"{r['writes ratio']:.2f}x writes, {r['recommended switches']} "
+            f"writes {_times(r['writes ratio'])}, {r['recommended switches']} "
             f"switch{'' if r['recommended switches'] == 1 else 'es'}"
         )
+
+
+def _times(ratio: float) -> str:
+    """A writes ratio as printed; a baseline that wrote nothing gives no ratio."""
+    return f"{ratio:.2f}x" if math.isfinite(ratio) else "n/a (the baseline wrote none)"
 
 
 def main() -> int:
