@@ -912,3 +912,16 @@ def test_a_lower_tiers_mini_tiers_tell_the_candidates_apart() -> None:
     store_all, seed_filter = figures[STORE_ALL, 1.0], figures[FILTER, 1.0]
     assert store_all.writes_per_ref > 0.8 and seed_filter.writes_per_ref == 0.0
     assert store_all.hit_ratio > 0.1 and seed_filter.hit_ratio == 0.0
+
+
+def test_a_tier_first_told_of_a_request_with_no_offer_still_starts_on_store_everything() -> None:
+    """A per-key driver may announce a request the tier fully served (no offer follows)
+    before any it will offer: the tier then mirrors from its next request on, following
+    store-everything until a switch, as any mirroring tier does."""
+    layer = OptimisingAdmission(CPUOffloadingManager(64), 64)
+    first = [block_id_key(i) for i in range(4)]
+    layer.begin_request(first, will_offer=False)
+    assert layer.chosen == FEEDBACK  # not mirroring (yet): a lower tier's start
+    second = [block_id_key(10 + i) for i in range(4)]
+    layer.begin_request(second, will_offer=True)
+    assert layer.chosen == STORE_ALL

@@ -409,6 +409,10 @@ class OptimisingAdmission(AdmissionLayer):
         self._mirrors = self._offers_follow  # announced from here on
         if not (self._minisim.decides or (self._mirrors and self._exact_worlds)):
             self._minisim = self._new_minisim()
+        if not self.switches:
+            # Before any switch a mirroring tier follows store-everything, one that does not
+            # the feedback rule (up to its first choice, see SAMPLED_WARMUP_TIERS).
+            self.chosen = DEFAULT if self._mirrors else FEEDBACK
         super().begin_request(
             keys,
             lookup_follows=lookup_follows,
@@ -484,7 +488,7 @@ class OptimisingAdmission(AdmissionLayer):
                 if len(keys) > room:
                     keys = keys[: max(0, room)]
         else:
-            chosen = admitted[self.chosen if self.switches or self._settled_at else FEEDBACK]
+            chosen = admitted[self.chosen]
             keys = list(offered) if chosen is None else chosen
         if self.write_credit is not None:
             self.write_credit.earn(0)
@@ -555,8 +559,6 @@ class OptimisingAdmission(AdmissionLayer):
                     return
                 self._settled_at = seen
                 self._minisim.restart_window()
-                if not self.switches:  # still followed until the first choice
-                    self.chosen = FEEDBACK
             if seen < self._settled_at + 0.5 * tier.capacity:
                 return
             scores = self._minisim.scores()
