@@ -872,25 +872,32 @@ def test_what_if_figures_at_other_sizes_are_full_runs(
             assert figure["writes_per_ref"] == pytest.approx(full.writes_per_ref, abs=1e-12)
 
 
-def test_a_lower_tier_follows_the_feedback_rule_until_its_first_choice() -> None:
+def test_a_lower_tier_follows_store_everything_until_its_first_choice() -> None:
     """A tier that does not mirror (told of lookups only, offered what the tier above
-    lets go) follows the feedback rule through its warm-up and up to its first choice half
-    a mini-tier-full later: on traffic that never comes back it writes almost nothing.
-    Between the warm-up and that choice it used to follow the default, store-everything,
-    and wrote every block offered in that half tier-full."""
+    lets go) writes everything through its warm-up, as a mirroring tier does until a world
+    fills: before hits, no rule that writes less has shown what its refusals cost. Its
+    first choice comes half a mini-tier-full after the warm-up; on traffic that never
+    comes back every candidate ties at no hit, and it then stops writing."""
     capacity = 1024  # every key sampled
     layer = OptimisingAdmission(CPUOffloadingManager(capacity), capacity)
-    offered = admitted = 0
+    choice_at = (SAMPLED_WARMUP_TIERS + 0.5) * capacity
+    written_before = written_after = offered_after = 0
     for request in range(600):  # about six tier-fulls of blocks never seen again
         keys = [block_id_key(10 * request + b) for b in range(10)]
         layer.begin_request(keys, will_offer=False)
+        before_choice = layer.minisim.seen < choice_at
         output = layer.prepare_store(keys)
         assert output is not None
-        offered += len(keys)
-        admitted += len(output.keys_to_store)
-    assert layer.minisim.seen > (SAMPLED_WARMUP_TIERS + 0.5) * capacity  # past the choice
+        layer.complete_store(output.keys_to_store)
+        if before_choice:
+            assert layer.chosen == STORE_ALL
+            written_before += len(output.keys_to_store)
+        elif layer.minisim.seen > choice_at + 100:  # past the choice's own request
+            offered_after += len(keys)
+            written_after += len(output.keys_to_store)
+    assert written_before >= choice_at - 10
+    assert offered_after > 2000 and written_after <= 0.01 * offered_after
     assert layer.chosen != STORE_ALL
-    assert admitted <= 0.01 * offered
 
 
 def test_a_lower_tiers_mini_tiers_tell_the_candidates_apart() -> None:
@@ -914,14 +921,14 @@ def test_a_lower_tiers_mini_tiers_tell_the_candidates_apart() -> None:
     assert store_all.hit_ratio > 0.1 and seed_filter.hit_ratio == 0.0
 
 
-def test_a_tier_first_told_of_a_request_with_no_offer_still_starts_on_store_everything() -> None:
+def test_every_tier_starts_on_store_everything_whatever_its_first_request_says() -> None:
     """A per-key driver may announce a request the tier fully served (no offer follows)
-    before any it will offer: the tier then mirrors from its next request on, following
-    store-everything until a switch, as any mirroring tier does."""
+    before any it will offer: the tier does not mirror then, and mirrors from the next
+    request on; either way store-everything is followed until a switch."""
     layer = OptimisingAdmission(CPUOffloadingManager(64), 64)
-    first = [block_id_key(i) for i in range(4)]
-    layer.begin_request(first, will_offer=False)
-    assert layer.chosen == FEEDBACK  # not mirroring (yet): a lower tier's start
-    second = [block_id_key(10 + i) for i in range(4)]
-    layer.begin_request(second, will_offer=True)
+    layer.begin_request([block_id_key(i) for i in range(4)], will_offer=False)
+    assert layer.chosen == STORE_ALL
+    output = layer.prepare_store([block_id_key(i) for i in range(4)])
+    assert output is not None and len(output.keys_to_store) == 4
+    layer.begin_request([block_id_key(10 + i) for i in range(4)], will_offer=True)
     assert layer.chosen == STORE_ALL

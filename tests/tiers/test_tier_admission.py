@@ -42,27 +42,31 @@ def _disk_run(
     return simulate(source.load(), config).as_dict()
 
 
-def test_the_optimiser_writes_fewer_disk_blocks_than_writing_everything(tmp_path: Path) -> None:
-    """Hits first: on a one-shot-heavy mix it writes less than writing everything and hits
-    more than the seed filter, the thriftier baseline."""
+def test_the_optimiser_keeps_the_disk_tiers_hits_at_no_more_writes(tmp_path: Path) -> None:
+    """Hits first: on a one-shot-heavy mix it hits as the better of writing everything and
+    the seed filter does, and never writes more than writing everything."""
     every, judged = _disk_run(tmp_path, "none"), _disk_run(tmp_path, "recommended")
     filtered = _disk_run(tmp_path, "filter")
     disk_all, disk_judged = every["tiers"]["disk"], judged["tiers"]["disk"]  # type: ignore[index]
     assert disk_all["admission"] == "none" and disk_judged["admission"] == "optimiser"
     assert disk_all["admitted_blocks"] == disk_all["offered_blocks"] > 0
-    assert disk_judged["admitted_blocks"] < disk_judged["offered_blocks"]
-    assert disk_judged["stored_blocks"] < 0.75 * disk_all["stored_blocks"]
-    assert judged["total_hit_ratio"] > filtered["total_hit_ratio"]  # type: ignore[operator]
+    better = max(every["total_hit_ratio"], filtered["total_hit_ratio"])  # type: ignore[type-var]
+    assert judged["total_hit_ratio"] >= better - 0.003  # type: ignore[operator]
+    assert disk_judged["stored_blocks"] <= disk_all["stored_blocks"]
     # Above the disk tier nothing changed: the CPU tier admitted the same way in both runs.
     assert judged["admission"] == every["admission"] == "none"
 
 
-def test_on_one_shot_traffic_the_disk_tier_writes_almost_nothing(tmp_path: Path) -> None:
+def test_on_one_shot_traffic_the_disk_tier_stops_writing_once_it_has_chosen(
+    tmp_path: Path,
+) -> None:
+    """Store-everything through the warm-up (no hit says what a refusal costs), then,
+    every candidate tied at no hit, the rule that writes least."""
     source = WorkloadSource(mix=(("oneshot", 1.0),), requests=300)
     every = _disk_run(tmp_path, "none", source)["tiers"]["disk"]  # type: ignore[index]
     judged = _disk_run(tmp_path, "recommended", source)["tiers"]["disk"]  # type: ignore[index]
     assert every["stored_blocks"] > 5000  # more than the disk tier holds
-    assert judged["stored_blocks"] <= 0.01 * every["stored_blocks"]
+    assert judged["stored_blocks"] < 0.5 * every["stored_blocks"]
 
 
 @pytest.mark.parametrize("budget", [0.02, 0.1])

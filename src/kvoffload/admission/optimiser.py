@@ -95,8 +95,10 @@ hits while the tier turns over, so flapping costs more than either rule."""
 SAMPLED_WARMUP_TIERS = 2.0
 """A lower tier (no mirroring) chooses on its sampled 1x mini-tiers, fed what that tier
 is offered: the counts of this many mini-tier-fulls of sampled references are dropped,
-the first choice comes half a mini-tier-full later, and until then the feedback rule is
-followed, with the wider tolerances the sampling noise needs."""
+the first choice comes half a mini-tier-full later, and until then store-everything is
+followed (as a mirroring tier follows it until a world fills: before hits no rule that
+writes less has shown what its refusals cost), with the wider tolerances the sampling
+noise needs."""
 SAMPLED_OBJECTIVE = (0.0015, 0.003)
 """``(hit tolerance, switch margin)`` of a lower tier's sampled choice."""
 SWITCH_TIERS = 0.05
@@ -409,10 +411,6 @@ class OptimisingAdmission(AdmissionLayer):
         self._mirrors = self._offers_follow  # announced from here on
         if not (self._minisim.decides or (self._mirrors and self._exact_worlds)):
             self._minisim = self._new_minisim()
-        if not self.switches:
-            # Before any switch a mirroring tier follows store-everything, one that does not
-            # the feedback rule (up to its first choice, see SAMPLED_WARMUP_TIERS).
-            self.chosen = DEFAULT if self._mirrors else FEEDBACK
         super().begin_request(
             keys,
             lookup_follows=lookup_follows,
