@@ -222,10 +222,14 @@ def test_begin_request_refuses_a_negative_or_non_integer_count(
     named: str,
 ) -> None:
     """A driver's bad count is named, and the layer sees no request: the next one counts as
-    if the bad call had not been made."""
-    manager = layer(CPUOffloadingManager(8), 8)
+    if the bad call had not been made (a request with no offer after it: the optimiser
+    does not take the bad call's offer to follow, and stays a tier that does not mirror)."""
+    manager, untouched = layer(CPUOffloadingManager(8), 8), layer(CPUOffloadingManager(8), 8)
     request = keys(1, 2, 3)
     with pytest.raises(InvalidArgumentError, match=named):
         manager.begin_request(request, counted=counted, gpu_held=gpu_held)  # type: ignore[arg-type]
     assert not manager.announced
-    assert manager.stats() == layer(CPUOffloadingManager(8), 8).stats()
+    assert manager.stats() == untouched.stats()
+    for each in (manager, untouched):
+        each.begin_request(keys(4, 5), will_offer=False)
+    assert manager.stats() == untouched.stats()
