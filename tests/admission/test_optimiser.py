@@ -29,6 +29,7 @@ from kvoffload.admission.optimiser import (
     OptimiserParams,
 )
 from kvoffload.admission.reuse_filter import FilterReusedOffloadingManager
+from kvoffload.admission.sketch import key_hashes
 from kvoffload.admission.worlds import Probe, World, Worlds
 from kvoffload.core.manager import PrepareStoreOutput
 from kvoffload.managers import build_manager
@@ -919,6 +920,41 @@ def test_a_lower_tiers_mini_tiers_tell_the_candidates_apart() -> None:
     store_all, seed_filter = figures[STORE_ALL, 1.0], figures[FILTER, 1.0]
     assert store_all.writes_per_ref > 0.8 and seed_filter.writes_per_ref == 0.0
     assert store_all.hit_ratio > 0.1 and seed_filter.hit_ratio == 0.0
+
+
+def test_a_lower_tiers_mini_tiers_sample_what_is_let_go_by_its_own_keys() -> None:
+    """What the tier above lets go comes in its eviction order, not as a request: blocks
+    that start and end like the last lookup, with another block between, are sampled by
+    their own hashes. They were taken for a slice of that lookup's hashes, so an unsampled
+    block was written into the mini-tiers; and a lookup that starts and ends like such
+    blocks was sampled by theirs, so a sampled key of it went unscored."""
+
+    def sampled(key: OffloadKey) -> bool:  # at one bit, the 1x mini-tiers' rate
+        return not int(key_hashes([key])[0]) & 1
+
+    pool = [block_id_key(i) for i in range(64)]
+    first, last = next(k for k in pool if sampled(k)), next(k for k in pool if not sampled(k))
+    inner = [k for k in pool if k not in (first, last)]
+    between = next(k for k in inner if sampled(k))
+    unsampled, lone = [k for k in inner if not sampled(k)][:2]
+    let_go = [first, unsampled, last]
+
+    layer = OptimisingAdmission(CPUOffloadingManager(1024), 1024, bits=1)
+    layer.begin_request([first, between, last], will_offer=False)  # a lookup reaching it
+    layer.prepare_store(let_go)
+    store_all = layer.minisim.tiers[STORE_ALL, 1.0][0]
+    assert first in store_all and unsampled not in store_all and len(store_all) == 1
+
+    layer = OptimisingAdmission(CPUOffloadingManager(1024), 1024, bits=1)
+    layer.begin_request([lone], will_offer=False)  # unsampled: nothing to score
+    layer.prepare_store(let_go)
+    layer.begin_request([first, between, last], will_offer=False)  # first and between
+    figure = next(
+        f
+        for f in layer.minisim.figures(cumulative=True)
+        if (f.candidate, f.capacity_factor) == (STORE_ALL, 1.0)
+    )
+    assert figure.hit_ratio == pytest.approx(1 / 2)  # first hits, between misses
 
 
 def test_every_tier_starts_on_store_everything_whatever_its_first_request_says() -> None:

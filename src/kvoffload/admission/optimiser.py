@@ -331,7 +331,9 @@ class OptimisingAdmission(AdmissionLayer):
         return MiniSimulation(capacity, policy, candidates, factors, window_tiers, bits)
 
     def _hashes(self, keys: Sequence[OffloadKey]) -> np.ndarray:
-        """Hashes of ``keys``: a slice of the last request's when they end that request."""
+        """Hashes of a request's ``keys``: a slice of the last request's when they end that
+        request. Only the ends are compared, which is enough for requests alone: a key is
+        chained from the one before it, so a request's last key fixes all its keys."""
         last, hashes = self._hashed
         start = len(last) - len(keys)
         if start >= 0 and keys and last[-1] == keys[-1] and last[start] == keys[0]:
@@ -471,7 +473,9 @@ class OptimisingAdmission(AdmissionLayer):
                 FILTER: self.filter.admit(offered),
                 FEEDBACK: self.feedback.admit(offered),
             }
-            self._minisim.on_written_back(offered, self._hashes(offered), admitted)
+            # Hashed on their own: blocks let go in the tier above's eviction order are no
+            # request, and may start and end like the last one with other keys between.
+            self._minisim.on_written_back(offered, key_hashes(offered), admitted)
         if self._seen >= self._next_choice:
             self._choose()
         if self._mirrors:
