@@ -968,3 +968,19 @@ def test_every_tier_starts_on_store_everything_whatever_its_first_request_says()
     assert output is not None and len(output.keys_to_store) == 4
     layer.begin_request([block_id_key(10 + i) for i in range(4)], will_offer=True)
     assert layer.chosen == STORE_ALL
+
+
+def test_a_tier_that_mirrors_from_its_second_request_runs_no_sampled_1x_tiers() -> None:
+    """A per-key driver's first request may offer nothing (the tier does not mirror then,
+    and needs sampled 1x tiers to choose on); once requests with offers follow, the exact
+    worlds are the 1x figures again and the sampled 1x tiers, extra work and memory, go."""
+    late, early = (OptimisingAdmission(CPUOffloadingManager(4096), 4096) for _ in range(2))
+    late.begin_request([block_id_key(i) for i in range(4)], will_offer=False)
+    assert late.minisim.decides
+    for layer in (late, early):
+        layer.begin_request([block_id_key(10 + i) for i in range(4)], will_offer=True)
+    assert not late.minisim.decides
+    assert late.stats().memory_bytes == early.stats().memory_bytes
+    assert {(f.candidate, f.capacity_factor, f.sampling_rate) for f in late.whatif()} == {
+        (f.candidate, f.capacity_factor, f.sampling_rate) for f in early.whatif()
+    }

@@ -319,8 +319,9 @@ class OptimisingAdmission(AdmissionLayer):
     def minisim(self) -> MiniSimulation:
         """The what-if mini-tiers. A mirroring tier's exact worlds are its 1x figures, so
         only a tier that does not mirror, which chooses on them, or whose worlds are
-        approximations runs the sampled 1x tiers (made anew when a tier that mirrored
-        stops, at the request that says so)."""
+        approximations runs the sampled 1x tiers (made anew, at the request that says so,
+        when a tier starts or stops mirroring: a per-key driver's first request may offer
+        nothing, and a tier that mirrors from its second on needs no sampled 1x tiers)."""
         return self._minisim
 
     def _new_minisim(self) -> MiniSimulation:
@@ -411,8 +412,8 @@ class OptimisingAdmission(AdmissionLayer):
         if keys and lookup_follows:
             self._whole_requests = True
         self._mirrors = self._offers_follow  # announced from here on
-        if not (self._minisim.decides or (self._mirrors and self._exact_worlds)):
-            self._minisim = self._new_minisim()
+        if self._minisim.decides == (self._mirrors and self._exact_worlds):
+            self._minisim = self._new_minisim()  # the 1x tiers are needed now, or no longer
         super().begin_request(
             keys,
             lookup_follows=lookup_follows,
