@@ -883,6 +883,8 @@ class MiniSimulation:
         ``hashes``: the offered keys'. Its lookups were scored when they came
         (:meth:`on_lookup`, then :meth:`forget`)."""
         positions = self._sample(hashes)
+        if not positions[0]:
+            return  # no key sampled at the densest rate, hence at none
         kept = {name: None if a is None else set(a) for name, a in admitted.items()}
         for picked, tiers in zip(positions, self._by_level, strict=True):
             if not picked:

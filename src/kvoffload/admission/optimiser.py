@@ -438,10 +438,11 @@ class OptimisingAdmission(AdmissionLayer):
                 self.filter.lookup(list(keys[looked_up:]))
         if counted == 0 and gpu_held < len(keys):
             self._minisim.on_lookup(keys[gpu_held:] if gpu_held else keys)
-            if not will_offer and self._mirrors:  # announced after its loads: no offer follows
-                self._minisim.on_full_hit(keys[-1])
-            elif not will_offer:  # a lower tier's lookup: its stores come as offers of their own
-                self._minisim.forget(keys[-1])
+            if not will_offer:
+                if self._mirrors:  # announced after its loads: no offer follows
+                    self._minisim.on_full_hit(keys[-1])
+                else:  # a lower tier's lookup: its stores come as offers of their own
+                    self._minisim.forget(keys[-1])
 
     def end_request(self, keys: Sequence[OffloadKey]) -> None:
         """See :meth:`AdmissionLayer.end_request`; a request never looked up (the GPU held
