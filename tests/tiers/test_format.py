@@ -95,8 +95,9 @@ def test_urls_of_every_scheme() -> None:
         ("redis://h:1?colour=red", "unknown option"),
         ("redis://:1", "names no host"),
         ("redis://h:1?timeout_ms=abc", "timeout_ms must be a number"),
-        ("redis://h:1?timeout_ms=nan", "timeout_ms must be > 0 and finite"),
-        ("redis://h:1?timeout_ms=0", "timeout_ms must be > 0 and finite"),
+        ("redis://h:1?timeout_ms=nan", "timeout_ms must be from 1 to 600000"),
+        ("redis://h:1?timeout_ms=0", "timeout_ms must be from 1 to 600000"),
+        ("redis://h:1?timeout_ms=0.5", "timeout_ms must be from 1 to 600000"),
     ],
 )
 def test_bad_urls_say_what_is_wrong(url: str, message: str) -> None:

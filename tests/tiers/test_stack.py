@@ -153,6 +153,14 @@ def test_a_tier_s_io_threads_are_refused_past_the_bound_naming_the_key(io_thread
         )
 
 
+@pytest.mark.parametrize("deadline_s", [0, 0.0005, 1e-300, 600.5, float("nan"), True])
+def test_a_deadline_outside_1_ms_to_10_minutes_is_refused(deadline_s: Any) -> None:
+    """Below a millisecond every I/O job would miss its deadline and count as failed."""
+    with pytest.raises(InvalidArgumentError, match=r"^deadline_s must be from 0\.001 s to 600 s"):
+        LowerTierConfig("disk", "d", 4, deadline_s=deadline_s)
+    assert LowerTierConfig("disk", "d", 4, deadline_s=0.001).deadline_s == 0.001
+
+
 @pytest.mark.parametrize("policy", ["bogus", ["lru"], None])
 @pytest.mark.parametrize("tiers", [{}, {"disk_dir": "d", "disk_blocks": 4}])
 def test_a_bad_policy_is_refused_on_construction_naming_policy(

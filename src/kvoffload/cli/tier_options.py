@@ -19,6 +19,7 @@ from kvoffload.sim.run import RunReport, SimConfig, blocks_for_gib
 from kvoffload.tiers.disk import (
     DEFAULT_TIMEOUT_MS,
     MAX_TIMEOUT_MS,
+    MIN_TIMEOUT_MS,
     check_capacity,
     check_timeout_ms,
 )
@@ -102,7 +103,7 @@ def add_disk_timeout_argument(group: argparse._ActionsContainer) -> None:
         metavar="MS",
         help="deadline of each disk tier operation, plus its bytes at 50 MB/s; past it the "
         f"operation fails, counted, and the engine goes on (default: {DEFAULT_TIMEOUT_MS:g}, "
-        f"at most {MAX_TIMEOUT_MS:.0f})",
+        f"from {MIN_TIMEOUT_MS:.0f} to {MAX_TIMEOUT_MS:.0f})",
     )
 
 

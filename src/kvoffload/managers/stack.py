@@ -35,8 +35,8 @@ from kvoffload.policies import available_policies
 OPTIMISER = "optimiser"
 DISK, REMOTE = "disk", "remote"
 """The kinds of lower tier: a disk directory (write-back), a shared server (write-through)."""
-MAX_DEADLINE_S = 600.0
-"""The longest deadline of a disk I/O job (10 minutes, the disk tier's own bound)."""
+MIN_DEADLINE_S, MAX_DEADLINE_S = 0.001, 600.0
+"""The bounds of a lower tier's I/O deadline (1 ms to 10 minutes, the tiers' own)."""
 
 
 @dataclass(frozen=True)
@@ -104,11 +104,11 @@ class LowerTierConfig:
         if self.deadline_s is not None and not (
             isinstance(self.deadline_s, int | float)
             and not isinstance(self.deadline_s, bool)
-            and 0 < self.deadline_s <= MAX_DEADLINE_S
+            and MIN_DEADLINE_S <= self.deadline_s <= MAX_DEADLINE_S
         ):
             raise InvalidArgumentError(
-                f"{self.key('deadline_s')} must be > 0 s and at most {MAX_DEADLINE_S:.0f} s, "
-                f"got {self.deadline_s!r}"
+                f"{self.key('deadline_s')} must be from {MIN_DEADLINE_S:g} s to "
+                f"{MAX_DEADLINE_S:.0f} s, got {self.deadline_s!r}"
             )
         if self.kind == DISK:
             _policy(self.key("policy"), self.policy)

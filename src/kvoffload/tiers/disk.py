@@ -43,6 +43,8 @@ from kvoffload.tiers.slot_file import (
 MEDIUM = "DISK"
 MAX_TIMEOUT_MS = 600_000.0
 """The longest deadline a disk operation may be given (10 minutes), as for the shared tier."""
+MIN_TIMEOUT_MS = 1.0
+"""The shortest: below a millisecond every job would miss its deadline and count as failed."""
 DEFAULT_TIMEOUT_MS = DEFAULT_DEADLINE_S * 1000
 MAX_FILE_BYTES = 2**63 - 1
 """The largest file offset (``off_t``): the full slot file of a tier must stay within it."""
@@ -50,7 +52,7 @@ MAX_FILE_BYTES = 2**63 - 1
 
 def check_timeout_ms(value: object, what: str) -> float:
     """``value`` (a number, or a numeric string as JSON from a command line holds) as a
-    disk deadline in milliseconds: > 0, finite, at most :data:`MAX_TIMEOUT_MS`;
+    disk deadline in milliseconds, from :data:`MIN_TIMEOUT_MS` to :data:`MAX_TIMEOUT_MS`;
     :class:`InvalidArgumentError` naming ``what`` otherwise."""
     number: float | None = None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -60,10 +62,10 @@ def check_timeout_ms(value: object, what: str) -> float:
             number = float(value)
         except ValueError:
             number = None
-    if number is None or not 0 < number <= MAX_TIMEOUT_MS:  # nan fails both comparisons
+    if number is None or not MIN_TIMEOUT_MS <= number <= MAX_TIMEOUT_MS:  # nan fails both
         raise InvalidArgumentError(
-            f"{what} must be a number of milliseconds > 0 and at most {MAX_TIMEOUT_MS:.0f} "
-            f"(10 minutes), got {value!r}"
+            f"{what} must be a number of milliseconds from {MIN_TIMEOUT_MS:.0f} to "
+            f"{MAX_TIMEOUT_MS:.0f} (10 minutes), got {value!r}"
         )
     return number
 

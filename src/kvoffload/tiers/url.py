@@ -13,7 +13,7 @@ unencoded ``/``, ``?`` or ``#`` in a password) is an error whose message
 hides everything before it; no message ever shows the password, nor any
 option's value (a ``?password=`` meant for another client is refused by name).
 
-Options: ``timeout_ms=N`` (default 250, at most 600000): the deadline of each
+Options: ``timeout_ms=N`` (default 250, from 1 to 600000): the deadline of each
 whole operation (connect, send, the full reply), plus the time its bytes take
 at 100 MB/s; ``cluster=yes|no``; and on a TLS URL (``rediss://``,
 ``valkeys://``) only:
@@ -52,6 +52,7 @@ DEFAULT_TIMEOUT_MS = 250.0
 CERT_REQS = ("required", "optional", "none")
 TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 TLS_OPTIONS = (*TLS_FILES, "ssl_cert_reqs", "ssl_check_hostname")
+MIN_TIMEOUT_MS = 1.0
 MAX_TIMEOUT_MS = 600_000.0
 MAX_PORT = 65_535
 MAX_HOST_NAME = 253
@@ -242,9 +243,9 @@ def _timeout_ms(text: str | None, shown: str) -> float:
         raise InvalidArgumentError(
             f"timeout_ms must be a number, got {text!r} in {shown!r}"
         ) from None
-    if not 0 < value <= MAX_TIMEOUT_MS:
+    if not MIN_TIMEOUT_MS <= value <= MAX_TIMEOUT_MS:
         raise InvalidArgumentError(
-            f"timeout_ms must be > 0 and finite, at most {MAX_TIMEOUT_MS:.0f} (10 minutes), "
+            f"timeout_ms must be from {MIN_TIMEOUT_MS:.0f} to {MAX_TIMEOUT_MS:.0f} (10 minutes), "
             f"got {text!r} in {shown!r}"
         )
     return value
