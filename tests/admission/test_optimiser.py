@@ -984,3 +984,19 @@ def test_a_tier_that_mirrors_from_its_second_request_runs_no_sampled_1x_tiers() 
     assert {(f.candidate, f.capacity_factor, f.sampling_rate) for f in late.whatif()} == {
         (f.candidate, f.capacity_factor, f.sampling_rate) for f in early.whatif()
     }
+
+
+def test_an_empty_request_leaves_the_tier_s_mode_as_it_was() -> None:
+    """A request of no keys announces nothing: a tier that mirrors goes on mirroring (it
+    ran no sampled 1x tiers before and runs none after), and one that does not goes on
+    choosing on its sampled figures."""
+    mirroring = OptimisingAdmission(CPUOffloadingManager(4096), 4096)
+    assert not mirroring.minisim.decides
+    mirroring.begin_request([])
+    mirroring.end_request([])
+    assert not mirroring.minisim.decides
+    lower = OptimisingAdmission(CPUOffloadingManager(4096), 4096)
+    lower.begin_request([block_id_key(i) for i in range(4)], will_offer=False)
+    tiers = lower.minisim
+    lower.begin_request([], will_offer=True)
+    assert lower.minisim is tiers and tiers.decides

@@ -407,13 +407,14 @@ class OptimisingAdmission(AdmissionLayer):
         keys in the filter; the mini-tiers scored the request's lookup with its first part.
         """
         check_request_counts(counted, gpu_held)  # before anything here changes
-        if keys and (lookup_follows or will_offer):
-            self._offers_follow = True
-        if keys and lookup_follows:
-            self._whole_requests = True
-        self._mirrors = self._offers_follow  # announced from here on
-        if self._minisim.decides == (self._mirrors and self._exact_worlds):
-            self._minisim = self._new_minisim()  # the 1x tiers are needed now, or no longer
+        if keys:  # a request of no keys announces nothing
+            if lookup_follows or will_offer:
+                self._offers_follow = True
+            if lookup_follows:
+                self._whole_requests = True
+            self._mirrors = self._offers_follow  # announced from here on
+            if self._minisim.decides == (self._mirrors and self._exact_worlds):
+                self._minisim = self._new_minisim()  # 1x tiers are needed now, or no longer
         super().begin_request(
             keys,
             lookup_follows=lookup_follows,
