@@ -71,6 +71,21 @@ def test_usage_errors_are_argparse_status_2(capsys: pytest.CaptureFixture[str]) 
     assert "required: COMMAND" in one_line_error(capsys)
 
 
+@pytest.mark.parametrize(
+    "command", [["simulate"], ["sweep"], ["trace-stats", "t.csv"], ["bench", "tiers"]]
+)
+def test_an_unknown_option_points_at_its_command_s_help(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not at ``kvoffload --help``, which does not list the command's options."""
+    assert main([*command, "--no-such-flag"]) == 2
+    line = one_line_error(capsys)
+    wanted = " ".join(word for word in command if word != "t.csv")
+    assert line.endswith(
+        f"unrecognized arguments: --no-such-flag (see kvoffload {wanted} --help)\n"
+    )
+
+
 def _limited_file_size() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (512, 512))
 

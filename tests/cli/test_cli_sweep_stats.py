@@ -50,6 +50,17 @@ def test_sweep_csv_has_every_runs_columns(tmp_path: Path) -> None:
     assert next(iter(plain)) == "workload"  # the first row's columns first
 
 
+def test_sweep_runs_each_distinct_setting_once(tmp_path: Path) -> None:
+    """Thresholds 0 and 1 both mean no filter, and a name given twice is the same run:
+    the table once had two identical rows for each."""
+    args = ["sweep", "--requests", "30", "--gpu-blocks", "1500", "--cpu-blocks", "300"]
+    args += ["--policies", "lru,lru", "--thresholds", "1,0,2,2", "--jobs", "1", "--no-progress"]
+    args += ["--admissions", "none,none", "--json", str(tmp_path / "s.json")]
+    assert main(args) == 0
+    reports = json.loads((tmp_path / "s.json").read_text())
+    assert [(r["policy"], r["store_threshold"]) for r in reports] == [("lru", 0), ("lru", 2)]
+
+
 def test_trace_stats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "t.csv"
     trace.write_text(

@@ -96,6 +96,20 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     return parser, transfer
 
 
+def _command_parser(
+    parser: argparse.ArgumentParser, args_list: Sequence[str]
+) -> argparse.ArgumentParser:
+    """The parser of the (sub)command ``args_list`` names, e.g. ``bench tiers``'s."""
+    for word in args_list:
+        commands = next(
+            (a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None
+        )
+        if commands is None:
+            break
+        parser = commands.choices.get(word, parser)
+    return parser
+
+
 def _reader_gone() -> bool:
     """Whether stdout's reader has gone (``kvoffload ... | head``): the output was cut short
     on purpose, so the exit is quiet, as other command-line tools'. Stdout is pointed at
@@ -122,7 +136,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args_list[:2] == ["bench", "transfer"]:
             bench.add_transfer_options(transfer)
         try:
-            args = parser.parse_args(args_list)
+            args, unknown = parser.parse_known_args(args_list)
+            if unknown:  # named by the command's own parser, so the hint is its --help
+                _command_parser(parser, args_list).error(
+                    f"unrecognized arguments: {' '.join(unknown)}"
+                )
         except SystemExit as exc:  # --help, or a usage error already reported by argparse
             return exc.code if isinstance(exc.code, int) else 2
         status: int = args.run(args)

@@ -96,8 +96,11 @@ def run(args: argparse.Namespace) -> int:
     tier_options.check_before_work(args)
     _check_trace_rereadable(args.trace)
     thresholds = options.parse_ints(args.thresholds, "--thresholds", maximum=MAX_STORE_THRESHOLD)
-    policies = options.parse_names(args.policies, "--policies", resolve_policy)
+    # 0 and 1 both mean no filter, and a value given twice is the same run: each runs once.
+    thresholds = list(dict.fromkeys(0 if value < 2 else value for value in thresholds))
+    policies = list(dict.fromkeys(options.parse_names(args.policies, "--policies", resolve_policy)))
     admissions = options.parse_names(args.admissions, "--admissions", resolve_admission)
+    admissions = list(dict.fromkeys(admissions))
     # Parsed once now only to refuse a bad list before the workload is built.
     capacities = len(DEFAULT_FACTORS)
     if args.cpu_blocks is not None:
