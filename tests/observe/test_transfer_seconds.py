@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -10,6 +13,7 @@ torch = pytest.importorskip("torch")
 from kvoffload.core.layout import KVLayout  # noqa: E402
 from kvoffload.core.specs import CPULoadStoreSpec, GPULoadStoreSpec  # noqa: E402
 from kvoffload.dataplane import CPUBlockStore, PagedKVCache, cpu_gpu_handlers  # noqa: E402
+from kvoffload.observe.counters import LATENCY_BUCKETS, LatencyHistogram  # noqa: E402
 from kvoffload.observe.metrics import TransferCollector  # noqa: E402
 from kvoffload.observe.transfers import ObservedWorker  # noqa: E402
 
@@ -36,3 +40,35 @@ def test_the_sum_is_the_seconds_of_the_jobs_results() -> None:
     assert total == pytest.approx(seconds) and seconds > 0
     assert total != count  # the copies of five small blocks take far less than 5 s
     observed.close()
+
+
+class _Watched(list[int]):
+    """Bucket counts that check, at every single increment, what a scrape from another
+    thread could read at that moment."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__([0] * size)
+        self.histogram: LatencyHistogram | None = None
+        self.steps = 0
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        super().__setitem__(index, value)
+        self.steps += 1
+        assert self.histogram is not None
+        assert all(a <= b for a, b in itertools.pairwise(self)), list(self)
+        assert self[-1] <= self.histogram.count
+
+
+@pytest.mark.parametrize("value", [0.0, 5e-5, 3e-3, 0.07, 5.0, 9.0])
+def test_a_scrape_between_any_two_steps_of_observe_reads_cumulative_buckets(
+    value: float,
+) -> None:
+    watched = _Watched(len(LATENCY_BUCKETS))
+    histogram = LatencyHistogram(counts=watched)
+    watched.histogram = histogram
+    for _ in range(3):
+        histogram.observe(value)
+    within = sum(1 for bound in LATENCY_BUCKETS if value <= bound)
+    assert watched.steps == 3 * within
+    assert list(watched) == [3 if value <= bound else 0 for bound in LATENCY_BUCKETS]
+    assert (histogram.count, histogram.total) == (3, pytest.approx(3 * value))

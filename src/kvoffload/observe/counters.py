@@ -87,8 +87,13 @@ class LatencyHistogram:
             self.counts = [0] * len(self.bounds)
 
     def observe(self, value: float) -> None:
+        """Count ``value``: the total count first, then the buckets from the widest down,
+        so that a scrape from another thread, at any moment, reads cumulative counts that
+        never decrease with the bound (Prometheus's rule for a histogram's buckets)."""
         self.count += 1
+        counts, bounds = self.counts, self.bounds
+        for i in range(len(bounds) - 1, -1, -1):
+            if value > bounds[i]:
+                break
+            counts[i] += 1
         self.total += value
-        for i, bound in enumerate(self.bounds):
-            if value <= bound:
-                self.counts[i] += 1
