@@ -77,6 +77,25 @@ def test_zero_copy_round_trip(
     assert stats[name]["bytes_loaded"] == 6 * len(pool.page_bytes(0))
 
 
+def test_the_copy_interface_answers_false_to_anything_but_a_page(
+    backends: Any, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    pool = HostPool("layer_first")
+    backend = backends(tier_config("disk", tmp_path, request), pool, model="copy-bad")
+    keys = [page_hash(200 + i) for i in range(2)]
+    pool.fill([0], seed=3)
+    page = pool.get_data_page(0)
+    assert backend.set(keys[0]) is False  # SGLang's signature: a value may be left out
+    assert backend.set(keys[0], None, target_location=page) is False
+    assert backend.set(keys[0], bytes(8)) is False
+    assert backend.set(keys[0], page[:-1]) is False
+    assert backend.batch_set(keys, [page]) is False
+    assert not backend.exists(keys[0]) and not backend.exists(keys[1])
+    assert backend.set(keys[0], page) is True
+    got = backend.get(keys[0])
+    assert got is not None and torch.equal(got, page)
+
+
 @pytest.mark.parametrize("kind", ["disk", "valkey", "cluster"])
 def test_copy_interface_round_trip(
     backends: Any, tmp_path: Path, request: pytest.FixtureRequest, kind: str

@@ -251,10 +251,14 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         target_locations: Any | None = None,
         target_sizes: Any | None = None,
     ) -> bool:
-        """Write flat page tensors; whether every page is stored (or held back by admission)."""
+        """Write flat page tensors; whether every page is stored (or held back by admission).
+        Anything but a page tensor for each key (``set(key)`` with no value, a page of
+        another size) stores nothing and answers ``False``, as for a write that failed."""
         if not self.is_writer:
             return True
         if values is None or len(values) != len(keys):
+            return False
+        if not all(isinstance(value, torch.Tensor) for value in values):
             return False
         page_bytes = self._pages().page_bytes
         started = time.perf_counter()
