@@ -229,6 +229,10 @@ def test_a_capacity_past_the_largest_file_is_refused(tmp_path: Path) -> None:
         ({"fingerprint": b"short"}, "fingerprint"),
         ({"deadline_s": None}, "deadline"),
         ({"deadline_s": "1"}, "deadline"),
+        ({"deadline_s": 1e-300}, "deadline must be from 0.001 s to 600 s"),
+        ({"deadline_s": 0.0005}, "deadline must be from 0.001 s to 600 s"),
+        ({"deadline_s": 600.5}, "deadline must be from 0.001 s to 600 s"),
+        ({"deadline_s": float("nan")}, "deadline must be from 0.001 s to 600 s"),
     ],
 )
 def test_a_bad_argument_is_refused_naming_it_before_any_file_or_thread(

@@ -14,7 +14,6 @@ threads only report back.
 from __future__ import annotations
 
 import bisect
-import math
 import os
 import queue
 from collections.abc import Sequence
@@ -148,10 +147,12 @@ class DiskTier:
         if not (
             isinstance(deadline_s, int | float)
             and not isinstance(deadline_s, bool)
-            and math.isfinite(deadline_s)
-            and deadline_s > 0
+            and MIN_TIMEOUT_MS / 1000 <= deadline_s <= MAX_TIMEOUT_MS / 1000  # nan fails
         ):
-            raise InvalidArgumentError(f"the disk deadline must be > 0 s, got {deadline_s!r}")
+            raise InvalidArgumentError(
+                f"the disk deadline must be from {MIN_TIMEOUT_MS / 1000:g} s to "
+                f"{MAX_TIMEOUT_MS / 1000:.0f} s, got {deadline_s!r}"
+            )
         check_capacity(capacity_blocks)
         self._index = CPUOffloadingManager(capacity_blocks, cache_policy)
         self.capacity_blocks = capacity_blocks
