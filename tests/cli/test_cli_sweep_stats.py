@@ -61,6 +61,19 @@ def test_sweep_runs_each_distinct_setting_once(tmp_path: Path) -> None:
     assert [(r["policy"], r["store_threshold"]) for r in reports] == [("lru", 0), ("lru", 2)]
 
 
+def test_sweep_runs_an_alias_and_its_rule_once(tmp_path: Path) -> None:
+    """``recommended`` is the LRU policy, ``reuse`` the filter rule, and a capacity given
+    twice is one capacity: the table once had eight identical rows here."""
+    args = ["sweep", "--requests", "30", "--gpu-blocks", "1500", "--cpu-blocks", "300,300"]
+    args += ["--policies", "lru,recommended", "--thresholds", "0", "--jobs", "1"]
+    args += ["--admissions", "reuse,filter", "--no-progress", "--json", str(tmp_path / "s.json")]
+    assert main(args) == 0
+    reports = json.loads((tmp_path / "s.json").read_text())
+    assert [(r["admission"], r["policy"], r["cpu_blocks"]) for r in reports] == [
+        ("filter", "lru", 300)
+    ]
+
+
 def test_trace_stats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "t.csv"
     trace.write_text(

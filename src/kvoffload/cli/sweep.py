@@ -6,6 +6,7 @@ import argparse
 import os
 import stat
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,13 @@ def _capacities(args: argparse.Namespace, gpu_blocks: int, layout: str, bt: int)
     return [gpu_blocks * factor for factor in DEFAULT_FACTORS]
 
 
+def _distinct(names: list[str], resolve: Callable[[str], str]) -> list[str]:
+    """The rules ``names`` stand for, each once, in the order first named: an alias
+    (``recommended``, ``reuse``) runs its rule, which a run with the rule's name already
+    covers."""
+    return list(dict.fromkeys(resolve(name) for name in names))
+
+
 def _check_trace_rereadable(trace: str | None) -> None:
     """Each run reads the trace anew (in its own process, or from the path again with
     ``--jobs 1``): a pipe would give the first its records and the rest none."""
@@ -96,17 +104,19 @@ def run(args: argparse.Namespace) -> int:
     tier_options.check_before_work(args)
     _check_trace_rereadable(args.trace)
     thresholds = options.parse_ints(args.thresholds, "--thresholds", maximum=MAX_STORE_THRESHOLD)
-    # 0 and 1 both mean no filter, and a value given twice is the same run: each runs once.
+    # 0 and 1 both mean no filter, an alias is its rule (the report names the rule), and a
+    # value given twice is the same run: each distinct setting runs once.
     thresholds = list(dict.fromkeys(0 if value < 2 else value for value in thresholds))
-    policies = list(dict.fromkeys(options.parse_names(args.policies, "--policies", resolve_policy)))
+    policies = options.parse_names(args.policies, "--policies", resolve_policy)
+    policies = _distinct(policies, resolve_policy)
     admissions = options.parse_names(args.admissions, "--admissions", resolve_admission)
-    admissions = list(dict.fromkeys(admissions))
+    admissions = _distinct(admissions, resolve_admission)
     # Parsed once now only to refuse a bad list before the workload is built.
     capacities = len(DEFAULT_FACTORS)
     if args.cpu_blocks is not None:
-        capacities = len(options.parse_ints(args.cpu_blocks, "--cpu-blocks"))
+        capacities = len(set(options.parse_ints(args.cpu_blocks, "--cpu-blocks")))
     if args.cpu_gb is not None:
-        capacities = len(options.parse_floats(args.cpu_gb, "--cpu-gb", options.MAX_GIB))
+        capacities = len(set(options.parse_floats(args.cpu_gb, "--cpu-gb", options.MAX_GIB)))
     runs = capacities * len(policies) * len(thresholds) * len(admissions)
     tier_options.check_one_run_with_remote(args, runs)
     source = options.workload_source(args)
@@ -116,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     base = tier_options.with_tiers(base, args, bt)
     configs = sweep_configs(
         base,
-        _capacities(args, base.gpu_blocks, base.layout, bt),
+        list(dict.fromkeys(_capacities(args, base.gpu_blocks, base.layout, bt))),
         policies,
         thresholds,
         admissions,
