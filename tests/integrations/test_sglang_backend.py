@@ -96,6 +96,40 @@ def test_the_copy_interface_answers_false_to_anything_but_a_page(
     assert got is not None and torch.equal(got, page)
 
 
+BAD_INDICES = {
+    "one page short": lambda pool: pool.indices([2]),
+    "one page long": lambda pool: pool.indices([2, 3, 4]),
+    "part of a page": lambda pool: pool.indices([2, 3])[:-1],
+    "floats": lambda pool: pool.indices([2, 3]).float(),
+    "a list": lambda pool: pool.indices([2, 3]).tolist(),
+    "two rows": lambda pool: pool.indices([2, 3]).reshape(2, -1),
+    "past the pool": lambda pool: pool.indices([2, 16]),
+    "a page crossing its end": lambda pool: pool.indices([2, 15]) + 2,
+    "negative": lambda pool: pool.indices([2, 3]) - 3 * pool.page_size,
+}
+
+
+@pytest.mark.parametrize("what", list(BAD_INDICES))
+def test_zero_copy_calls_with_indices_that_name_no_pages_of_theirs_move_nothing(
+    backends: Any, tmp_path: Path, what: str
+) -> None:
+    """SGLang's pools turn a page's first index into a pointer unchecked: indices that are not
+    ``page_size`` per key inside the pool answer False and touch no byte (before, a read past
+    the pool wrote there and a short list reported unwritten pages stored)."""
+    pool = HostPool("page_first")
+    backend = backends({"interface_v1": 1, **disk(tmp_path)}, pool, model=f"bad-{what}")
+    keys = KEYS[:2]
+    pool.fill([0, 1, 2, 3], seed=4)
+    assert backend.batch_set_v1(keys, pool.indices([0, 1])) == [True, True]
+    before = pool.kv_buffer.clone()
+    indices = BAD_INDICES[what](pool)
+    assert backend.batch_set_v1([KEYS[2], KEYS[3]], indices) == [False, False]
+    assert backend.batch_exists([KEYS[2]]) == 0 and backend.batch_exists([KEYS[3]]) == 0
+    assert backend.batch_get_v1(keys, indices) == [False, False]
+    assert torch.equal(pool.kv_buffer, before)
+    assert backend.batch_get_v1([], indices[:0]) == [] == backend.batch_set_v1([], indices[:0])
+
+
 @pytest.mark.parametrize("kind", ["disk", "valkey", "cluster"])
 def test_copy_interface_round_trip(
     backends: Any, tmp_path: Path, request: pytest.FixtureRequest, kind: str

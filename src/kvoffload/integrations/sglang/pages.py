@@ -80,6 +80,9 @@ class HostPages:
                 f"this host pool uses {self.layout!r} (set --hicache-mem-layout)"
             )
         self.page_size = int(pool.page_size)
+        size = getattr(pool, "size", None)
+        self.tokens = None if size is None else int(size)
+        """The pool's token slots (SGLang's ``HostKVCache.size``), which bound host indices."""
         page = pool.get_dummy_flat_data_page()
         self.dtype = str(page.dtype)
         self.page_bytes = int(page.numel()) * int(page.element_size())
@@ -96,6 +99,25 @@ class HostPages:
         """A fresh flat page tensor (the copy interface's destination when none is given)."""
         page: torch.Tensor = self.pool.get_dummy_flat_data_page()
         return page
+
+    def fits(self, host_indices: Any, pages: int) -> bool:
+        """Whether ``host_indices`` names ``pages`` whole pages inside the pool: a 1-D integer
+        tensor of ``page_size`` indices a page, each page starting at or past 0 and ending
+        inside it. SGLang's pools turn a page's first index into a pointer unchecked, so a
+        read into any other would write outside the pool."""
+        if not isinstance(host_indices, torch.Tensor) or host_indices.dim() != 1:
+            return False
+        dtype = host_indices.dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            return False
+        if host_indices.numel() != pages * self.page_size:
+            return False
+        if pages == 0:
+            return True
+        starts = host_indices[:: self.page_size]
+        if int(starts.min()) < 0:
+            return False
+        return self.tokens is None or int(starts.max()) + self.page_size <= self.tokens
 
     def segments(self, host_indices: torch.Tensor) -> list[AddressedParts]:
         """Per page of ``host_indices`` (``page_size`` indices each), its segments in order,

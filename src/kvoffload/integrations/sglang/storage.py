@@ -188,8 +188,11 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        """Read pages straight into the host pool at ``host_indices`` (each into its segments)."""
+        """Read pages straight into the host pool at ``host_indices`` (each into its segments);
+        indices that are not ``page_size`` a key inside the pool read nothing (all ``False``)."""
         pages = self._pages()
+        if not keys or not pages.fits(host_indices, len(keys)):
+            return [False] * len(keys)
         started = time.perf_counter()
         segments = pages.segments(host_indices)
         intact = self._read([page_key(key) for key in keys], segments.__getitem__)
@@ -203,10 +206,12 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Write the host pool's pages at ``host_indices``, each from its segments as they are
-        (MLA: the writer rank only)."""
+        (MLA: the writer rank only); indices as :meth:`batch_get_v1` refuses store nothing."""
         if not self.is_writer:
             return [True] * len(keys)
         pages = self._pages()
+        if not keys or not pages.fits(host_indices, len(keys)):
+            return [False] * len(keys)
         started = time.perf_counter()
         done, moved = self._write([page_key(key) for key in keys], pages.segments(host_indices))
         self._note(BACKUP, len(done), moved, started)
