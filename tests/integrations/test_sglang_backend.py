@@ -130,6 +130,40 @@ def test_zero_copy_calls_with_indices_that_name_no_pages_of_theirs_move_nothing(
     assert backend.batch_get_v1([], indices[:0]) == [] == backend.batch_set_v1([], indices[:0])
 
 
+def test_the_copy_interface_reads_nothing_without_one_cpu_tensor_per_key(
+    backends: Any, tmp_path: Path
+) -> None:
+    """Targets of another count (a ValueError from a zip before) or not tensors (an
+    AttributeError) answer None for every key, as a read that found nothing."""
+    pool = HostPool("layer_first")
+    backend = backends(disk(tmp_path), pool, model="copy-targets")
+    keys = [page_hash(300 + i) for i in range(2)]
+    pool.fill([0, 1], seed=5)
+    assert backend.batch_set(keys, [pool.get_data_page(p * pool.page_size) for p in (0, 1)])
+    page = pool.get_dummy_flat_data_page
+    assert backend.batch_get(keys, [page()]) == [None, None]
+    assert backend.batch_get(keys[:1], [page(), page()]) == [None]
+    assert backend.batch_get(keys[:1], page()) == [None]
+    assert backend.get(keys[0], bytearray(len(pool.page_bytes(0)))) is None
+    got = backend.batch_get(keys, (page(), page()))
+    assert all(isinstance(one, torch.Tensor) for one in got)
+
+
+def test_keys_that_are_not_strings_are_pages_by_their_text(backends: Any, tmp_path: Path) -> None:
+    """SGLang's own backends format a key into their names; ours takes its ``str()`` too
+    (a TypeError from deep inside before), and a lone surrogate its UTF-8 bytes as Python
+    keeps them (a UnicodeEncodeError)."""
+    pool = HostPool("layer_first")
+    backend = backends(disk(tmp_path), pool, model="copy-keys")
+    pool.fill([0], seed=6)
+    page = pool.get_data_page(0)
+    assert not backend.exists(7) and backend.batch_exists([None, 7]) == 0
+    assert backend.set(7, page) is True and backend.set("\ud800", page) is True
+    assert backend.exists("7") and backend.exists("\ud800")
+    got = backend.get(7)
+    assert got is not None and torch.equal(got, page)
+
+
 @pytest.mark.parametrize("kind", ["disk", "valkey", "cluster"])
 def test_copy_interface_round_trip(
     backends: Any, tmp_path: Path, request: pytest.FixtureRequest, kind: str

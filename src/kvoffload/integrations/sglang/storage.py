@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
@@ -77,12 +77,23 @@ def _metrics_class() -> type[Any]:
 
 
 def page_key(key: str) -> OffloadKey:
-    """SGLang's page hash (hex) as our key; any other string by its UTF-8 bytes."""
+    """SGLang's page hash (hex) as our key; any other string by its UTF-8 bytes (a lone
+    surrogate kept), any other key by its ``str()``, as SGLang's own backends format keys."""
+    text = key if isinstance(key, str) else str(key)
     try:
-        raw = bytes.fromhex(key)
+        raw = bytes.fromhex(text)
     except ValueError:
-        raw = key.encode()
+        raw = text.encode("utf-8", "surrogatepass")
     return make_offload_key(raw, 0)
+
+
+def _cpu_tensors(values: Any, count: int) -> TypeGuard[Sequence[torch.Tensor]]:
+    """Whether ``values`` is a list (or tuple) of ``count`` CPU tensors."""
+    return (
+        isinstance(values, (list, tuple))
+        and len(values) == count
+        and all(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in values)
+    )
 
 
 def _at(target: Any, positions: list[int], index: int) -> Any:
@@ -230,11 +241,18 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         target_locations: Any | None = None,
         target_sizes: Any | None = None,
     ) -> list[torch.Tensor | None]:
-        """Each page into its ``target_locations`` tensor (a new page tensor if none given)."""
+        """Each page into its ``target_locations`` tensor (a new page tensor if none given);
+        anything but one CPU tensor per key reads nothing (all ``None``)."""
         pages = self._pages()
+        if target_locations is None:
+            given = [pages.dummy_page() for _ in keys]
+        elif not _cpu_tensors(target_locations, len(keys)):
+            return [None] * len(keys)
+        else:
+            given = list(target_locations)
         started = time.perf_counter()
         # A destination that is not one run of memory is filled as a copy, returned instead.
-        targets = [flat_tensor(t) for t in target_locations or [pages.dummy_page() for _ in keys]]
+        targets = [flat_tensor(t) for t in given]
         views = [tensor_bytes(target) for target in targets]
         intact = self._read([page_key(key) for key in keys], views.__getitem__)
         self._note(PREFETCH, len(intact), sum(intact) * pages.page_bytes, started)
@@ -257,13 +275,11 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         target_sizes: Any | None = None,
     ) -> bool:
         """Write flat page tensors; whether every page is stored (or held back by admission).
-        Anything but a page tensor for each key (``set(key)`` with no value, a page of
+        Anything but a CPU page tensor for each key (``set(key)`` with no value, a page of
         another size) stores nothing and answers ``False``, as for a write that failed."""
         if not self.is_writer:
             return True
-        if values is None or len(values) != len(keys):
-            return False
-        if not all(isinstance(value, torch.Tensor) for value in values):
+        if not _cpu_tensors(values, len(keys)):
             return False
         page_bytes = self._pages().page_bytes
         started = time.perf_counter()
