@@ -36,6 +36,9 @@ def test_factory_builds_our_spec_and_sizes_the_tier(vllm_modules: dict[str, Modu
         ({"cpu_bytes_to_use": 4096, "store_threshold": -1}, "store_threshold"),
         ({"cpu_bytes_to_use": 4096, "max_tracker_size": "many"}, "max_tracker_size"),
         ({"cpu_bytes_to_use": 0}, "cpu_bytes_to_use"),
+        # Past what one buffer holds: a TypeError from torch in every worker before.
+        ({"cpu_bytes_to_use": 2**63}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": 1e300}, "cpu_bytes_to_use"),
         ({}, "cpu_bytes_to_use"),
         ({"cpu_bytes_to_use": 4096, "kvoffload.admision": "tinylfu"}, "kvoffload.admision"),
         ({"cpu_bytes_to_use": 4096, "kvoffload.remote_url": ""}, "kvoffload.remote_url"),

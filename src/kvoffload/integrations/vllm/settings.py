@@ -47,6 +47,10 @@ CONNECTOR_KEYS = frozenset(
 )
 """Keys that vLLM's offloading connector itself reads; accepted and left to it."""
 
+MAX_CPU_BYTES = 2**63 - 1
+"""The most bytes one CPU buffer (a torch tensor, a shared-memory file) can hold: each
+worker's CPU tier is one."""
+
 ADMISSION_KEY = f"{PREFIX}admission"
 """An admission layer by name (``kvoffload.admission`` registry); ``none`` stores everything."""
 
@@ -176,7 +180,7 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
         )
     write_budget, drive_bytes = _write_budget(extra_config, admission)
     return SpecSettings(
-        cpu_bytes_to_use=_int(extra_config, "cpu_bytes_to_use", 1),
+        cpu_bytes_to_use=_int(extra_config, "cpu_bytes_to_use", 1, maximum=MAX_CPU_BYTES),
         eviction_policy=str(policy),
         store_threshold=_int(extra_config, "store_threshold", 0, 0),
         max_tracker_size=_int(extra_config, "max_tracker_size", 1, 64_000),
@@ -264,7 +268,13 @@ def _write_budget(
     return budget, drive_bytes
 
 
-def _int(config: Mapping[str, Any], key: str, minimum: int, default: int | None = None) -> int:
+def _int(
+    config: Mapping[str, Any],
+    key: str,
+    minimum: int,
+    default: int | None = None,
+    maximum: int | None = None,
+) -> int:
     value = config.get(key, default)
     # vLLM's own spec takes int() of these, so accept what that keeps whole: numeric strings
     # (JSON from the command line) and whole floats (a JSON number written 64e9).
@@ -272,11 +282,13 @@ def _int(config: Mapping[str, Any], key: str, minimum: int, default: int | None 
         value = int(value)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    bad = isinstance(value, bool) or not isinstance(value, int) or value < minimum
+    if bad or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum:,}"
         raise InvalidArgumentError(
-            f"kv_connector_extra_config {key!r} must be an integer >= {minimum}, got {value!r}"
+            f"kv_connector_extra_config {key!r} must be an integer {bound}, got {value!r}"
         )
-    return value
+    return int(value)
 
 
 def _str(config: Mapping[str, Any], key: str) -> str | None:
