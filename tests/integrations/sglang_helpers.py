@@ -71,6 +71,30 @@ BAD_CONFIGS = [
         "kvoffload.disk_timeout_ms",
     ),
     ({"kvoffload.remote_url": "redis://h:1", "kvoffload.disk_timeout_ms": 50}, "disk_timeout_ms"),
+    # Keys that mean nothing without their tier or endpoint, taken and ignored before.
+    ({"kvoffload.remote_url": "redis://h:1", "kvoffload.disk_policy": "zzz"}, "disk_policy"),
+    ({"kvoffload.remote_url": "redis://h:1", "kvoffload.disk_admission": "sketch"}, "disk_adm"),
+    (
+        {"kvoffload.remote_url": "redis://h:1", "kvoffload.disk_write_budget": "0.2"},
+        "kvoffload.disk_write_budget' needs 'kvoffload.disk_dir'",
+    ),
+    (
+        {"kvoffload.disk_dir": "/tmp/x", "kvoffload.disk_bytes": 9, "kvoffload.remote_bytes": 9},
+        "kvoffload.remote_bytes' needs 'kvoffload.remote_url'",
+    ),
+    (
+        {
+            "kvoffload.disk_dir": "/tmp/x",
+            "kvoffload.disk_bytes": 9,
+            "kvoffload.remote_admission": "sketch",
+            "kvoffload.remote_bytes": 9,
+        },
+        "kvoffload.remote_admission' needs",
+    ),
+    (
+        {"kvoffload.remote_url": "redis://h:1", "kvoffload.kv_events_replay_endpoint": "tcp://*:1"},
+        "needs 'kvoffload.kv_events_endpoint'",
+    ),
 ]
 """Extra configs that must stop start-up, and the key each error must name."""
 

@@ -82,6 +82,21 @@ OWN_KEYS = frozenset(
     }
 )
 
+NEEDS = {
+    DISK_DIR: (
+        DISK_POLICY,
+        DISK_ADMISSION,
+        DISK_ADMISSION_PARAMS,
+        DISK_TIMEOUT_MS,
+        DISK_WRITE_BUDGET,
+    ),
+    REMOTE_URL: (REMOTE_ADMISSION, REMOTE_ADMISSION_PARAMS, REMOTE_BYTES, REMOTE_WRITE_BUDGET),
+    EVENTS_ENDPOINT: (EVENTS_REPLAY_ENDPOINT,),
+}
+"""Keys that mean something only beside another: given alone they would be taken and
+ignored (a disk admission rule on a backend with the shared tier only), so they stop
+start-up instead."""
+
 
 @dataclass(frozen=True)
 class BackendSettings:
@@ -171,10 +186,12 @@ def parse_settings(extra_config: Mapping[str, Any] | None) -> BackendSettings:
             f"hicache-storage-backend-extra-config {DISK_DIR!r} and {DISK_BYTES!r} go together; "
             f"{missing!r} is missing"
         )
-    if disk_dir is None and DISK_TIMEOUT_MS in config:
-        raise InvalidArgumentError(
-            f"hicache-storage-backend-extra-config {DISK_TIMEOUT_MS!r} needs {DISK_DIR!r}"
-        )
+    for needed, keys in NEEDS.items():
+        given = [key for key in keys if config.get(key) is not None]
+        if config.get(needed) is None and given:
+            raise InvalidArgumentError(
+                f"hicache-storage-backend-extra-config {given[0]!r} needs {needed!r}"
+            )
     if remote_url is not None:
         try:
             parse_remote_url(remote_url)
