@@ -20,6 +20,7 @@ from kvoffload.managers.stack import LowerTierConfig, StackConfig
 
 DISK_ENTRY = {"disk_dir": "/nvme/kv", "disk_bytes": 1 << 20}
 SHARED_ENTRY = {"url": "redis://127.0.0.1:6379/0", "remote_bytes": 1 << 20}
+SHARED_SGLANG = {"kvoffload.remote_url": "redis://127.0.0.1:6379/0"}
 
 Caller = tuple[Callable[[], object], str, Mapping[str, str]]
 """What raises, the prefix its errors start with, and its keys by the builder's field names."""
@@ -199,3 +200,19 @@ def test_an_unknown_secondary_tier_key_lists_every_key_the_entry_takes(
         parse("T", {**entry, "disk_dri": "/x"})
     assert all(key in str(error.value) for key in ("type", "module_path", "backpressure"))
     parse("T", {**entry, "type": "T", "module_path": "m", "backpressure": True})
+
+
+@pytest.mark.parametrize(
+    ("parse", "named"),
+    [
+        (lambda: parse_sglang({**SHARED_SGLANG, None: 1, "kvoffload.typo": 2}), "'kvoffload.typo'"),
+        (lambda: parse_spec({"cpu_bytes_to_use": 1 << 20, None: 1, "typo": 2}), "'typo'"),
+        (lambda: parse_disk_settings("disk", {**DISK_ENTRY, 3: 1, "typo": 2}), "'typo'"),
+        (lambda: parse_shared_settings("t", {**SHARED_ENTRY, None: 1, "typo": 2}), "'typo'"),
+    ],
+)
+def test_unknown_keys_of_mixed_types_are_named(parse: Callable[[], object], named: str) -> None:
+    """A mapping built in Python may hold a key that is not a string beside string keys:
+    still the one error naming a key (a TypeError from sorting them before)."""
+    with pytest.raises(InvalidArgumentError, match=f"key {named}"):
+        parse()

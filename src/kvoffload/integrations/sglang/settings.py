@@ -168,7 +168,7 @@ def _tier_keys(kind: str, location: str, size: str) -> dict[str, str]:
 def parse_settings(extra_config: Mapping[str, Any] | None) -> BackendSettings:
     """Check every key and value; an :class:`InvalidArgumentError` names the bad one."""
     config = dict(extra_config or {})
-    unknown = sorted(set(config) - SGLANG_KEYS - OWN_KEYS)
+    unknown = sorted(set(config) - SGLANG_KEYS - OWN_KEYS, key=repr)
     if unknown:
         raise InvalidArgumentError(
             f"unknown hicache-storage-backend-extra-config key {unknown[0]!r} for kvoffload; "

@@ -188,7 +188,7 @@ def _error(tier_type: str, key: str, what: str) -> InvalidArgumentError:
 
 
 def _check_keys(tier_type: str, entry: Mapping[str, Any], known: frozenset[str]) -> None:
-    unknown = sorted(set(entry) - known - VLLM_KEYS)
+    unknown = sorted(set(entry) - known - VLLM_KEYS, key=repr)
     if unknown:
         raise _error(
             tier_type,

@@ -134,7 +134,7 @@ class SpecSettings:
 
 def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
     """Check every key and value; an :class:`InvalidArgumentError` names the bad one."""
-    unknown = sorted(set(extra_config) - SPEC_KEYS - CONNECTOR_KEYS - OWN_KEYS)
+    unknown = sorted(set(extra_config) - SPEC_KEYS - CONNECTOR_KEYS - OWN_KEYS, key=repr)
     if unknown:
         raise InvalidArgumentError(
             f"unknown kv_connector_extra_config key {unknown[0]!r} for kvoffload's spec; "
