@@ -4,12 +4,15 @@ extra-config and a vLLM secondary-tier entry, each naming its own key."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
 
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError
+from kvoffload.integrations.sglang.paths import L3_SPEC
 from kvoffload.integrations.sglang.settings import parse_settings as parse_sglang
 from kvoffload.integrations.vllm.secondary_settings import (
     parse_disk_settings,
@@ -17,6 +20,7 @@ from kvoffload.integrations.vllm.secondary_settings import (
 )
 from kvoffload.integrations.vllm.settings import parse_settings as parse_spec
 from kvoffload.managers.stack import LowerTierConfig, StackConfig
+from kvoffload.tiers.stack import tier_book
 
 DISK_ENTRY = {"disk_dir": "/nvme/kv", "disk_bytes": 1 << 20}
 SHARED_ENTRY = {"url": "redis://127.0.0.1:6379/0", "remote_bytes": 1 << 20}
@@ -216,3 +220,35 @@ def test_unknown_keys_of_mixed_types_are_named(parse: Callable[[], object], name
     still the one error naming a key (a TypeError from sorting them before)."""
     with pytest.raises(InvalidArgumentError, match=f"key {named}"):
         parse()
+
+
+@pytest.mark.parametrize(
+    ("tier", "named"),
+    [
+        (
+            lambda: (
+                parse_sglang(
+                    {
+                        **SHARED_SGLANG,
+                        "kvoffload.remote_admission": "sketch",
+                        "kvoffload.remote_bytes": 1,
+                    }
+                ).remote_tier
+            ),
+            "hicache-storage-backend-extra-config 'kvoffload.remote_bytes': ",
+        ),
+        (
+            lambda: parse_disk_settings("disk", DISK_ENTRY).tier,
+            "secondary tier 'disk' key 'disk_bytes': ",
+        ),
+    ],
+)
+def test_a_size_whose_admission_memory_the_machine_lacks_names_its_key(
+    tier: Callable[[], LowerTierConfig | None], named: str
+) -> None:
+    """A tier size the admission layer cannot keep a sketch of stops start-up naming the
+    size's key (before: only 'an admission frequency sketch of ... sightings')."""
+    config = tier()
+    assert config is not None
+    with pytest.raises(InsufficientMemoryError, match=re.escape(named)):
+        tier_book(dataclasses.replace(config, blocks=10**30), L3_SPEC)
