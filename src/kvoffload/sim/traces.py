@@ -23,11 +23,13 @@ ids ``0..i``, so that a block hits only after the same prefix.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import itertools
 import json
 import math
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePath
 from typing import Any
@@ -42,6 +44,8 @@ _SECONDS_PER_UNIT = {"mooncake": 1e-3, "lmbench": 1e-9, "qwen": 1.0}
 _COMMON_BLOCK_TOKENS = (16, 32, 64, 128, 256, 512, 1024)
 """Block sizes suggested when a record's ``hash_ids`` do not fit the one in use."""
 _MAX_BLOCK_ID = 2**64 - 1
+_MAX_NANOSECONDS = 2**64 - 1
+"""An LMBench timestamp's bound: the year 2554, and a float holds any distance below it."""
 MAX_LINE_CHARS = 16 * 2**20
 """16 Mi characters: a million-token prompt in 16-token blocks takes well under 1 Mi."""
 
@@ -176,6 +180,11 @@ def _json_records(path: Path) -> Iterator[tuple[int, Mapping[str, Any]]]:
             raise TraceFormatError(f"{path}:{line_no}: invalid JSON: {exc.msg}") from None
         except RecursionError:
             raise TraceFormatError(f"{path}:{line_no}: JSON nested too deeply") from None
+        except ValueError:  # not a JSONDecodeError: an integer longer than Python converts
+            raise TraceFormatError(
+                f"{path}:{line_no}: invalid JSON: an integer of more than "
+                f"{sys.get_int_max_str_digits():,} digits"
+            ) from None
         if not isinstance(record, dict):
             raise TraceFormatError(f"{path}:{line_no}: expected a JSON object per line")
         yield line_no, record
@@ -270,14 +279,20 @@ def _whole(record: Mapping[str, Any], where: str) -> int:
         raise TraceFormatError(f"{where}: missing field 'timestamp'")
     raw = record["timestamp"]
     value = raw.strip() if isinstance(raw, str) else raw
-    if isinstance(value, str) and value.lstrip("-").isdigit():
-        value = int(value)
+    if isinstance(value, str):
+        # int() refuses some digits isdigit() accepts ('²'), and more than 4300 of them.
+        with contextlib.suppress(ValueError):
+            value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise TraceFormatError(
             f"{where}: field 'timestamp' must be a whole number of nanoseconds, got {raw!r}"
         )
     if value < 0:
         raise TraceFormatError(f"{where}: field 'timestamp' must be non-negative, got {raw!r}")
+    if value > _MAX_NANOSECONDS:  # its distance from the first would overflow a float
+        raise TraceFormatError(
+            f"{where}: field 'timestamp' must be at most 2**64-1 nanoseconds, got {raw!r}"
+        )
     return value
 
 
@@ -285,16 +300,25 @@ def _number(record: Mapping[str, Any], name: str, where: str, integer: bool = Fa
     if name not in record:
         raise TraceFormatError(f"{where}: missing field {name!r}")
     raw = record[name]
-    try:
-        value = float(raw) if isinstance(raw, str) else raw
-    except ValueError:
-        raise TraceFormatError(f"{where}: field {name!r} is not a number: {raw!r}") from None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    value = _finite(raw)
+    if value is None:
         raise TraceFormatError(f"{where}: field {name!r} is not a number: {raw!r}")
     if value < 0 or (integer and value != int(value)):
         kind = "a non-negative integer" if integer else "non-negative"
         raise TraceFormatError(f"{where}: field {name!r} must be {kind}, got {raw!r}")
     return value
+
+
+def _finite(raw: object) -> float | None:
+    """``raw`` (a number, or its text) if it is a finite number: ``None`` for other text, a
+    bool, nan, an infinity, or an integer beyond any float."""
+    try:
+        value = float(raw) if isinstance(raw, str) else raw
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return None
+        return value if math.isfinite(value) else None
+    except (ValueError, OverflowError):
+        return None
 
 
 def _block_ids(record: Mapping[str, Any], where: str) -> list[int]:
