@@ -6,6 +6,8 @@ In a subprocess with a timeout where the old behaviour was to loop forever.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from cli_helpers import one_line_error
 
 from kvoffload.cli.main import main
 
+CLI = [sys.executable, "-c", "import sys; from kvoffload.cli.main import main; sys.exit(main())"]
 SMALL = ["simulate", "--requests", "5", "--no-progress", "--no-bound"]
 REST = '"input_length": 1024, "output_length": 1, "hash_ids": [1, 2]'
 """A record's fields after its timestamp."""
@@ -60,3 +63,33 @@ def test_numbers_python_cannot_convert_are_trace_errors(
     trace.write_text("".join(record + "\n" for record in records))
     assert main(["simulate", "--trace", str(trace), "--no-progress"]) == 1
     assert message in one_line_error(capsys)
+
+
+def _assert_one_line(result: subprocess.CompletedProcess[str], status: int, message: str) -> None:
+    assert result.returncode == status, result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    assert message in result.stderr
+
+
+@pytest.mark.parametrize(
+    "throughput",
+    [
+        ["--decode-tokens-per-s", "1e-306"],
+        ["--decode-tokens-per-s", "1e-306", "--concurrency", "3"],
+        ["--prefill-tokens-per-s", "1e-306"],
+    ],
+)
+def test_a_throughput_whose_times_overflow_is_refused_not_looped(throughput: list[str]) -> None:
+    """An event at infinite time was never due, and the engine's loop spun forever."""
+    argv = [*SMALL, "--gpu-blocks", "1000", *throughput]
+    result = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=60, check=False)
+    _assert_one_line(result, 1, "simulated time overflows a float")
+
+
+def test_a_trace_whose_decode_time_overflows_is_refused_not_looped(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    record = '{{"timestamp": {}, "input_length": 512, "output_length": 1.7e308, "hash_ids": [1]}}'
+    trace.write_text(record.format(0) + "\n" + record.format(1) + "\n")
+    argv = ["simulate", "--trace", str(trace), "--no-progress", "--decode-tokens-per-s", "0.5"]
+    result = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=60, check=False)
+    _assert_one_line(result, 1, "simulated time overflows a float")

@@ -298,8 +298,14 @@ class ServingEngine:
         job: int = -1,
         keys: list[OffloadKey] = _NO_KEYS,
     ) -> None:
+        when = self._now + delay
+        if not math.isfinite(when):  # an event at infinity never comes: the loop would spin
+            raise InvalidArgumentError(
+                f"simulated time overflows a float after {self._now:.3g} s: a prefill, decode "
+                "or transfer throughput is too low for the workload's tokens"
+            )
         self._seq += 1
-        heapq.heappush(self._events, (self._now + delay, self._seq, kind, payload, job, keys))
+        heapq.heappush(self._events, (when, self._seq, kind, payload, job, keys))
 
     def _transfer(self, direction: str, num_blocks: int) -> float:
         """Queue a transfer on its direction's link; return the delay until it ends."""
