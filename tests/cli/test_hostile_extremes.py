@@ -93,3 +93,22 @@ def test_a_trace_whose_decode_time_overflows_is_refused_not_looped(tmp_path: Pat
     argv = ["simulate", "--trace", str(trace), "--no-progress", "--decode-tokens-per-s", "0.5"]
     result = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=60, check=False)
     _assert_one_line(result, 1, "simulated time overflows a float")
+
+
+@pytest.mark.parametrize("command", ["simulate", "sweep"])
+def test_a_block_the_default_gpu_cannot_hold_is_named(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The message formatted --gpu-gb, which was not given: a TypeError."""
+    argv = [command, "--requests", "5", "--no-progress", "--block-size", "200000"]
+    assert main([*argv, *(["--jobs", "1"] if command == "sweep" else [])]) == 1
+    assert "the default GPU size, 24 GiB, holds no block of 24.4 GiB" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("command", [SMALL, ["trace-stats", "t.jsonl"]])
+def test_a_block_size_past_a_million_tokens_is_a_usage_error(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A block of 10^310 tokens had more bytes than a float holds: a traceback."""
+    assert main([*command, "--block-size", str(10**310)]) == 2
+    assert "--block-size: must be <= 1048576" in one_line_error(capsys)

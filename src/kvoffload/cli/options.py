@@ -73,6 +73,10 @@ COUNT = integer(0)
 STORE_THRESHOLD = integer(0, MAX_STORE_THRESHOLD)
 MAX_GIB = float(2**50)
 """The largest capacity in GiB (a yobibyte): far beyond any machine, and its bytes are finite."""
+MAX_BLOCK_TOKENS = 2**20
+"""The most tokens per block: a million-token context in one block. Beyond it a block's
+bytes soon pass what a float holds, and the sizes in the report with them."""
+BLOCK_TOKENS = integer(1, MAX_BLOCK_TOKENS)
 POSITIVE = number(0.0, allow_minimum=False)
 SIZE_GIB = number(0.0, maximum=MAX_GIB)
 POSITIVE_GIB = number(0.0, allow_minimum=False, maximum=MAX_GIB)
@@ -130,7 +134,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--block-size",
-        type=POSITIVE_INT,
+        type=BLOCK_TOKENS,
         metavar="TOKENS",
         help="tokens per block, for a trace the size its hash_ids were keyed with "
         "(default: the trace format's; 16 for synthetic workloads)",
@@ -252,8 +256,13 @@ def base_config(args: argparse.Namespace, block_tokens: int, default_layout: str
     gpu_blocks = _blocks(args.gpu_blocks, args.gpu_gb, DEFAULT_GPU_GIB, layout, block_tokens)
     if gpu_blocks == 0:  # only a size in GiB gives none (--gpu-blocks is at least 1)
         block = layout_preset(layout).with_block_size(block_tokens).bytes_per_block
+        size = (
+            f"--gpu-gb {args.gpu_gb:g}"
+            if args.gpu_gb is not None
+            else f"the default GPU size, {DEFAULT_GPU_GIB:g} GiB,"
+        )
         raise InvalidArgumentError(
-            f"--gpu-gb {args.gpu_gb:g} holds no block of {output.size(block)} "
+            f"{size} holds no block of {output.size(block)} "
             f"({layout}, {block_tokens} tokens); give the GPU at least one"
         )
     return SimConfig(

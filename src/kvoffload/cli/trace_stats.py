@@ -21,7 +21,7 @@ def register(commands: Any) -> None:
     parser.add_argument("path", help="trace file")
     parser.add_argument("--format", default="auto", choices=("auto", *TRACE_FORMATS))
     parser.add_argument(
-        "--block-size", type=options.POSITIVE_INT, metavar="TOKENS", help="tokens per block"
+        "--block-size", type=options.BLOCK_TOKENS, metavar="TOKENS", help="tokens per block"
     )
     parser.add_argument("--json", metavar="PATH", help="write the statistics as JSON (- stdout)")
     parser.set_defaults(run=run)
