@@ -74,7 +74,7 @@ def test_sizes_parse_in_decimal_and_binary_units() -> None:
     assert parse_bytes("1.92TB") == 1_920_000_000_000
     assert parse_bytes("2TiB") == 2 * 2**40
     assert parse_bytes(4096) == parse_bytes("4096") == parse_bytes("4kib") == 4096
-    for bad in ("0", "1.5 parsecs", "-3GB", "0.1B"):
+    for bad in ("0", "1.5 parsecs", "-3GB", "0.1B", "1e300TB"):
         with pytest.raises(InvalidArgumentError, match="drive"):
             parse_bytes(bad, "drive")
 

@@ -112,3 +112,11 @@ def test_a_block_size_past_a_million_tokens_is_a_usage_error(
     """A block of 10^310 tokens had more bytes than a float holds: a traceback."""
     assert main([*command, "--block-size", str(10**310)]) == 2
     assert "--block-size: must be <= 1048576" in one_line_error(capsys)
+
+
+def test_a_drive_size_past_a_float_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--admission", "recommended", "--write-budget", "1dwpd", "--drive-bytes", "1e300TB"]
+    assert main([*SMALL, *argv]) == 2
+    assert "--drive-bytes: must be a finite number of bytes, got '1e300TB'" in one_line_error(
+        capsys
+    )

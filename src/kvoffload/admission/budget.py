@@ -86,6 +86,8 @@ def parse_bytes(text: str | int, what: str = "a size") -> int:
     value = _amount(match[1], what) * _BYTE_UNITS[(match[2] or "").lower()]
     if value < 1:
         raise InvalidArgumentError(f"{what}: must be >= 1 byte, got {text!r}")
+    if math.isinf(value):  # a finite number times its unit can overflow: 1e300TB
+        raise InvalidArgumentError(f"{what}: must be a finite number of bytes, got {text!r}")
     return int(value)
 
 
