@@ -120,3 +120,18 @@ def test_a_drive_size_past_a_float_is_a_usage_error(capsys: pytest.CaptureFixtur
     assert "--drive-bytes: must be a finite number of bytes, got '1e300TB'" in one_line_error(
         capsys
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "status", "message"),
+    [
+        (["--trace", "{tmp}/no\nsuch", "--format", "mooncake"], 1, "no\\nsuch: cannot read trace"),
+        (["--json", "{tmp}/no\nsuch/x.json"], 1, "no such directory: {tmp}/no\\nsuch"),
+        (["x\ny"], 2, "unrecognized arguments: x\\ny"),
+    ],
+)
+def test_a_line_break_in_an_argument_keeps_the_error_on_one_line(
+    tmp_path: Path, args: list[str], status: int, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*SMALL, *(arg.format(tmp=tmp_path) for arg in args)]) == status
+    assert message.format(tmp=tmp_path) in one_line_error(capsys)

@@ -17,7 +17,7 @@ from importlib import metadata
 from typing import NoReturn
 
 from kvoffload.admission.compiled import compiled_summary
-from kvoffload.cli import bench, simulate, sweep, trace_stats
+from kvoffload.cli import bench, output, simulate, sweep, trace_stats
 from kvoffload.core.errors import KVOffloadError
 from kvoffload.integrations.vllm.versions import (
     SUPPORTED,
@@ -33,7 +33,7 @@ class _Parser(argparse.ArgumentParser):
     """Usage errors in one line (and status 2), like every other error of the CLI."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{PROG}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, output.one_line(f"{PROG}: error: {message} (see {self.prog} --help)") + "\n")
 
 
 class _VersionAction(argparse.Action):
@@ -128,6 +128,10 @@ def _reader_gone() -> bool:
     return True
 
 
+def _error(message: str) -> None:
+    print(output.one_line(f"{PROG}: error: {message}"), file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
     args_list = list(sys.argv[1:] if argv is None else argv)
@@ -146,18 +150,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         status: int = args.run(args)
         return status
     except KVOffloadError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        _error(str(exc))
         return 1
     except BrokenPipeError as exc:
         if not _reader_gone():
-            print(f"{PROG}: error: {exc.strerror or exc}", file=sys.stderr)
+            _error(exc.strerror or str(exc))
         return 1
     except OSError as exc:
         where = f": {exc.filename}" if exc.filename else ""
-        print(f"{PROG}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        _error(f"{exc.strerror or exc}{where}")
         return 1
     except MemoryError:
-        print(f"{PROG}: error: out of memory; use a smaller workload or cache", file=sys.stderr)
+        _error("out of memory; use a smaller workload or cache")
         return 1
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)

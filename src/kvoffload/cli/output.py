@@ -102,6 +102,12 @@ def column_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line(headers), rule, *(line(r) for r in rows)])
 
 
+def one_line(text: str) -> str:
+    """``text`` with line breaks and other unprintable characters escaped as Python writes
+    them (``\\n``): an error stays one line when a path or an argument holds a newline."""
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
+
+
 def check_writable_file(path: str, option: str) -> None:
     """:class:`InvalidArgumentError` unless ``path`` (``-``: stdout) can be written."""
     if path == "-":
