@@ -135,3 +135,23 @@ def test_a_line_break_in_an_argument_keeps_the_error_on_one_line(
 ) -> None:
     assert main([*SMALL, *(arg.format(tmp=tmp_path) for arg in args)]) == status
     assert message.format(tmp=tmp_path) in one_line_error(capsys)
+
+
+@pytest.mark.parametrize(
+    ("outputs", "message"),
+    [
+        (["--json", "{tmp}/out", "--plot-dir", "{tmp}/out"], "--json {tmp}/out is the --plot-dir"),
+        (
+            ["--csv", "{tmp}/hit_ratio_vs_writes.png", "--plot-dir", "{tmp}/"],
+            "is the plot hit_ratio_vs_writes.png that --plot-dir writes",
+        ),
+    ],
+)
+def test_a_result_file_where_the_plots_go_is_refused_before_the_sweep(
+    tmp_path: Path, outputs: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The plot directory's creation failed after the sweep, or a plot overwrote the CSV."""
+    argv = ["sweep", "--requests", "20", "--cpu-blocks", "10", "--jobs", "1", "--no-progress"]
+    assert main([*argv, *(arg.format(tmp=tmp_path) for arg in outputs)]) == 1
+    assert message.format(tmp=tmp_path) in one_line_error(capsys)
+    assert list(tmp_path.iterdir()) == []

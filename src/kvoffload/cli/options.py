@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import importlib.util
 import math
+import os
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -20,6 +21,7 @@ from kvoffload.core.memory import check_fits
 from kvoffload.sim.engine import PARTIAL_BLOCK_MODES
 from kvoffload.sim.generators import DEFAULT_MIX, DEFAULT_RATE, DEFAULT_REQUESTS, parse_mix
 from kvoffload.sim.gpu_cache import BYTES_PER_SLOT
+from kvoffload.sim.plots import PLOT_FILES
 from kvoffload.sim.run import SimConfig, blocks_for_gib
 from kvoffload.sim.sources import WorkloadSource
 from kvoffload.sim.traces import TRACE_FORMATS
@@ -365,9 +367,24 @@ def _not_empty(values: list[_T], text: str, what: str) -> list[_T]:
     return values
 
 
+def _check_apart_from_plots(outputs: list[tuple[str, str]], plot_dir: str) -> None:
+    """Refuse a result file at the plot directory (its creation would fail after the
+    sweep) or at one of its plots (which would overwrite the results)."""
+    for option, path in outputs:
+        if path == "-":
+            continue
+        if output.same_file(path, plot_dir):
+            raise InvalidArgumentError(f"{option} {path} is the --plot-dir; write elsewhere")
+        for name in PLOT_FILES:
+            if output.same_file(path, os.path.join(plot_dir, name)):
+                raise InvalidArgumentError(
+                    f"{option} {path} is the plot {name} that --plot-dir writes; write elsewhere"
+                )
+
+
 def check_before_work(args: argparse.Namespace) -> None:
     """Refuse what would fail only after the run: unwritable outputs, two outputs to one
-    file (or an output over the trace), a GPU beyond memory.
+    file (or an output over the trace or where the plots go), a GPU beyond memory.
 
     Called first by ``simulate`` and ``sweep``, so a typo costs no run.
     """
@@ -383,6 +400,7 @@ def check_before_work(args: argparse.Namespace) -> None:
     plot_dir = getattr(args, "plot_dir", None)
     if plot_dir:
         output.check_writable_dir(plot_dir, "--plot-dir")
+        _check_apart_from_plots(outputs, plot_dir)
         if importlib.util.find_spec("matplotlib") is None:
             raise InvalidArgumentError(
                 "--plot-dir needs matplotlib; install it with: pip install 'kvoffload[plot]'"

@@ -9,6 +9,11 @@ from typing import Any
 from kvoffload.core.errors import KVOffloadError
 from kvoffload.sim.run import RunReport
 
+CAPACITY_PLOT = "hit_ratio_vs_capacity.png"
+WRITES_PLOT = "hit_ratio_vs_writes.png"
+PLOT_FILES = (CAPACITY_PLOT, WRITES_PLOT)
+"""The files :func:`plot_sweep` writes into its directory."""
+
 
 class PlotUnavailableError(KVOffloadError, ImportError):
     """matplotlib is not installed."""
@@ -56,7 +61,7 @@ def sweep_title(report: RunReport) -> str:
 
 
 def plot_sweep(reports: Sequence[RunReport], out_dir: str | Path) -> list[Path]:
-    """Write ``hit_ratio_vs_capacity.png`` and ``hit_ratio_vs_writes.png``; return their paths."""
+    """Write :data:`PLOT_FILES` into ``out_dir``; return their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lines = _lines(reports)
@@ -81,7 +86,7 @@ def plot_sweep(reports: Sequence[RunReport], out_dir: str | Path) -> list[Path]:
     )
     axes.grid(alpha=0.3)
     axes.legend()
-    capacity_path = out / "hit_ratio_vs_capacity.png"
+    capacity_path = out / CAPACITY_PLOT
     capacity.savefig(capacity_path, dpi=120)
 
     tradeoff = _figure()
@@ -100,6 +105,6 @@ def plot_sweep(reports: Sequence[RunReport], out_dir: str | Path) -> list[Path]:
     )
     axes.grid(alpha=0.3)
     axes.legend()
-    tradeoff_path = out / "hit_ratio_vs_writes.png"
+    tradeoff_path = out / WRITES_PLOT
     tradeoff.savefig(tradeoff_path, dpi=120)
     return [capacity_path, tradeoff_path]
