@@ -211,6 +211,15 @@ def test_csv_row_with_wrong_field_count(tmp_path: Path) -> None:
         read_trace(path)
 
 
+def test_a_csv_header_naming_a_column_twice_is_refused(tmp_path: Path) -> None:
+    """The row's last column of the name was read, the first ignored."""
+    path = write_qwen_csv(tmp_path / "q.csv")
+    header, *rows = path.read_text().splitlines()
+    path.write_text("\n".join([header.replace("turn", "timestamp"), *rows]) + "\n")
+    with pytest.raises(TraceFormatError, match=r"q\.csv:1: CSV header names 'timestamp' twice"):
+        read_trace(path)
+
+
 def test_missing_empty_and_binary_files(tmp_path: Path) -> None:
     with pytest.raises(TraceFormatError, match="cannot read"):
         read_trace(tmp_path / "absent.jsonl", "mooncake")

@@ -203,6 +203,9 @@ def _csv_records(path: Path) -> Iterator[tuple[int, Mapping[str, Any]]]:
             raise TraceFormatError(f"{path}:{line_no}: invalid CSV: {exc}") from None
         if header is None:
             header = [name.strip() for name in row]
+            twice = next((name for name in header if header.count(name) > 1), None)
+            if twice is not None:  # the last column of the name would win, silently
+                raise TraceFormatError(f"{path}:{line_no}: CSV header names {twice!r} twice")
             continue
         if len(row) != len(header):
             raise TraceFormatError(
