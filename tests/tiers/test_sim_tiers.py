@@ -11,6 +11,7 @@ import pytest
 
 from kvoffload import block_id_key
 from kvoffload.cli.main import main
+from kvoffload.cli.tier_options import separate_disk_dirs
 from kvoffload.sim.run import SimConfig, simulate
 from kvoffload.sim.workload import Request, Workload
 from tier_servers import ValkeyProcess
@@ -161,7 +162,7 @@ def test_sweep_runs_differing_only_in_admission_never_share_a_disk(
     tmp_path: Path, jobs: str
 ) -> None:
     """They once shared one subdirectory: the second run read the first's blocks, and in
-    parallel the second failed "in use by process". A repeated run gets a number."""
+    parallel the second failed "in use by process". An alias and its rule run once."""
     path = tmp_path / "sweep.json"
     sweep = ["sweep", "--requests", "40", "--gpu-blocks", "1500", "--cpu-blocks", "300"]
     sweep += ["--policies", "lru", "--thresholds", "0", "--layout", "tiny", "--jobs", jobs]
@@ -169,10 +170,19 @@ def test_sweep_runs_differing_only_in_admission_never_share_a_disk(
     sweep += ["--disk-dir", str(tmp_path / "s"), "--disk-blocks", "300", "--json", str(path)]
     assert main(sweep) == 0
     rows = json.loads(path.read_text())
-    assert [r["tiers"]["disk"]["recovered"] for r in rows] == [0, 0, 0, 0]
-    assert rows[2]["total_hit_ratio"] == rows[3]["total_hit_ratio"]  # the same rule twice
+    assert [r["tiers"]["disk"]["recovered"] for r in rows] == [0, 0, 0]
     names = sorted(p.name for p in (tmp_path / "s").iterdir())
-    assert names == [f"cpu300-lru-t0-{a}" for a in ("feedback", "none", "optimiser", "optimiser-2")]
+    assert names == [f"cpu300-lru-t0-{a}" for a in ("feedback", "none", "optimiser")]
+
+
+def test_two_runs_of_the_same_settings_get_disks_of_their_own(tmp_path: Path) -> None:
+    """A sweep runs each setting once, but should two configurations ever agree, the
+    second's disk is numbered rather than shared."""
+    config = SimConfig(gpu_blocks=1500, cpu_blocks=300, disk_dir=str(tmp_path), disk_blocks=300)
+    again = dataclasses.replace(config, admission="recommended")
+    dirs = [c.disk_dir for c in separate_disk_dirs([config, again, config])]
+    names = [Path(d).name for d in dirs if d is not None]
+    assert names == ["cpu300-lru-t0-none", "cpu300-lru-t0-optimiser", "cpu300-lru-t0-none-2"]
 
 
 def test_a_sweep_of_several_runs_against_one_server_is_refused(
