@@ -23,6 +23,7 @@ from cli_helpers import one_line_error
 
 from kvoffload import CPUOffloadingManager, FilterReusedOffloadingManager, block_id_key
 from kvoffload.cli.main import main
+from kvoffload.cli.output import one_line
 from kvoffload.managers import build_manager
 
 CLI = [sys.executable, "-c", "import sys; from kvoffload.cli.main import main; sys.exit(main())"]
@@ -387,7 +388,9 @@ def test_an_endless_serve_after_is_refused_not_slept() -> None:
 
 
 def test_ctrl_c_stops_a_sweep_and_keeps_finished_runs(tmp_path: Path) -> None:
-    out_json, out_csv = tmp_path / "runs.json", tmp_path / "runs.csv"
+    folder = tmp_path / "new\nline"  # the one line that names the files stays one line
+    folder.mkdir()
+    out_json, out_csv = folder / "runs.json", folder / "runs.csv"
     capacities = ",".join(str(1000 * (i + 1)) for i in range(12))
     # A shell's background job (`nohup ... &`, some CI runners) starts with Ctrl-C ignored, and
     # a child inherits that: this one takes Ctrl-C as an interactive terminal's child does.
@@ -425,7 +428,7 @@ def test_ctrl_c_stops_a_sweep_and_keeps_finished_runs(tmp_path: Path) -> None:
     assert status == 130
     assert "Traceback" not in seen.decode(errors="replace")
     assert err.startswith("kvoffload: interrupted: sweep interrupted after "), err
-    assert f"written to {out_json} and {out_csv}" in err
+    assert one_line(f"written to {out_json} and {out_csv}") in err
     runs = json.loads(out_json.read_text())
     assert 1 <= len(runs) < 48
     assert len(out_csv.read_text().splitlines()) == len(runs) + 1

@@ -174,7 +174,7 @@ def _interrupted(args: argparse.Namespace, stop: SweepInterrupted) -> int:
         kept = f"the finished runs were written to {' and '.join(written)}"
     else:
         kept = "the finished runs are shown above"
-    print(f"kvoffload: interrupted: {stop}; {kept}", file=sys.stderr)
+    print(output.one_line(f"kvoffload: interrupted: {stop}; {kept}"), file=sys.stderr)
     return 130
 
 
