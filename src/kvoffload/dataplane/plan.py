@@ -49,6 +49,12 @@ def map_store(
     """Pages of a GPU->CPU store; stores always cover whole offloaded blocks."""
     gpu_ids = _single_group(src)
     slots = dst.block_ids
+    if src.block_indices is not None and src.block_indices[0] % factor:
+        # Copying from sub-block 0 would put every page ``skip`` sub-blocks off.
+        raise InvalidArgumentError(
+            f"a store must start on an offloaded-block boundary, but GPU block "
+            f"{src.block_indices[0]} is sub-block {src.block_indices[0] % factor} of {factor}"
+        )
     if len(gpu_ids) != len(slots) * factor:
         raise InvalidArgumentError(
             f"a store of {len(slots)} CPU blocks needs {len(slots) * factor} GPU blocks "
