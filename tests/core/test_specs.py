@@ -17,3 +17,18 @@ def test_group_sizes_must_cover_the_ids() -> None:
         GPULoadStoreSpec([1, 2, 3], group_sizes=[2])
     with pytest.raises(InvalidArgumentError, match="block_indices"):
         GPULoadStoreSpec([1, 2], group_sizes=[2], block_indices=[0, 1])
+
+
+@pytest.mark.parametrize("ids", [[1.7], [True], [[1]]], ids=["float", "bool", "nested"])
+def test_block_ids_that_are_not_flat_integers_are_refused(ids: list[object]) -> None:
+    # A cast would truncate 1.7 (or True) to block 1, and a worker would move bytes into it.
+    with pytest.raises(InvalidArgumentError, match="flat sequence of integers"):
+        _ = CPULoadStoreSpec(ids).block_ids
+    assert CPULoadStoreSpec(np.array([2], dtype=np.uint32)).block_ids.tolist() == [2]
+    assert CPULoadStoreSpec([]).block_ids.dtype == np.int64
+
+
+def test_a_negative_block_index_is_refused() -> None:
+    # -1 % factor would read as a valid skip of factor - 1 sub-blocks.
+    with pytest.raises(InvalidArgumentError, match="positions within a request"):
+        GPULoadStoreSpec([30], group_sizes=[1], block_indices=[-1])

@@ -38,7 +38,7 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
     @property
     def block_ids(self) -> npt.NDArray[np.int64]:
         if self._array is None:
-            self._array = np.asarray(self._ids, dtype=np.int64)
+            self._array = _int_ids(self._ids)
         return self._array
 
     def __repr__(self) -> str:
@@ -81,6 +81,11 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
                 f"block_indices has {len(self.block_indices)} entries for "
                 f"{len(self.group_sizes)} groups"
             )
+        if self.block_indices is not None and any(i < 0 for i in self.block_indices):
+            # Python's modulo would turn -1 into a valid-looking skip of factor - 1 pages.
+            raise InvalidArgumentError(
+                f"block_indices are positions within a request, got {self.block_indices}"
+            )
 
     @staticmethod
     def medium() -> str:
@@ -91,6 +96,17 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
             f"GPULoadStoreSpec({self.block_ids.tolist()}, group_sizes={self.group_sizes}, "
             f"block_indices={self.block_indices})"
         )
+
+
+def _int_ids(ids: Sequence[int] | npt.ArrayLike) -> npt.NDArray[np.int64]:
+    """``ids`` as a flat int64 array, refusing anything but integers: a cast alone
+    would truncate ``1.7`` (or ``True``) to block 1 and move bytes into it."""
+    raw = np.asarray(ids)
+    if raw.ndim != 1 or (raw.size and raw.dtype.kind not in "iu"):
+        raise InvalidArgumentError(
+            f"block ids must be a flat sequence of integers, got {raw.dtype} of shape {raw.shape}"
+        )
+    return raw.astype(np.int64, copy=False)
 
 
 TransferSpec = tuple[LoadStoreSpec, LoadStoreSpec]
