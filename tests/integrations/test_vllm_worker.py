@@ -83,3 +83,23 @@ def test_a_bad_job_is_refused_not_raised(vllm_modules: dict[str, ModuleType]) ->
     out_of_range = CPULoadStoreSpec([99])
     assert not worker.submit_store(1, GPULoadStoreSpec([0], [1], [0]), out_of_range)
     worker.shutdown()
+
+
+def test_a_spec_our_conversion_refuses_is_false_not_raised(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    """vLLM's spec does not check the sign of block_indices; ours does, while converting,
+    and that refusal must reach vLLM's loop as False with no byte moved."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    spec = create_spec({"cpu_bytes_to_use": 4 * 2 * PAGE_BYTES}, bytes_per_block=2 * PAGE_BYTES)
+    caches = _canonical_caches(2)
+    worker = spec.get_worker(caches)
+    before = [t.tensor.clone() for t in caches.tensors]
+    negative = GPULoadStoreSpec([1], [1], [-1])
+    assert not worker.submit_load(1, CPULoadStoreSpec([0]), negative)
+    assert not worker.submit_store(2, negative, CPULoadStoreSpec([0]))
+    assert worker.get_finished() == []
+    assert all(torch.equal(t.tensor, b) for t, b in zip(caches.tensors, before, strict=True))
+    worker.shutdown()

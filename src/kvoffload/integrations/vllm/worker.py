@@ -14,7 +14,7 @@ stack can write them down and promote blocks back into them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import KVLayout
-from kvoffload.core.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from kvoffload.core.specs import CPULoadStoreSpec, GPULoadStoreSpec, TransferSpec
 from kvoffload.dataplane import CPUBlockStore, CPUGPUHandler, OffloadingHandler, cpu_gpu_handlers
 from kvoffload.dataplane.shared_region import SharedRegion
 
@@ -81,13 +81,17 @@ class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
             raise
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        return _submit(self._store, job_id, _gpu(src_spec), CPULoadStoreSpec(dst_spec.block_ids))
+        return _submit(
+            self._store, job_id, lambda: (_gpu(src_spec), CPULoadStoreSpec(dst_spec.block_ids))
+        )
 
     def submit_load(
         self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
     ) -> bool:
         handler = self._expedited if expedited else self._load
-        return _submit(handler, job_id, CPULoadStoreSpec(src_spec.block_ids), _gpu(dst_spec))
+        return _submit(
+            handler, job_id, lambda: (CPULoadStoreSpec(src_spec.block_ids), _gpu(dst_spec))
+        )
 
     def get_finished(self) -> list[Any]:
         return [
@@ -128,10 +132,14 @@ def _gpu(spec: Any) -> GPULoadStoreSpec:
     return GPULoadStoreSpec(spec.block_ids, spec.group_sizes, spec.block_indices)
 
 
-def _submit(handler: OffloadingHandler, job_id: int, src: Any, dst: Any) -> bool:
-    """Submit, turning a refused job into ``False`` as vLLM's worker loop expects."""
+def _submit(handler: OffloadingHandler, job_id: int, spec: Callable[[], TransferSpec]) -> bool:
+    """Submit, turning a refused job into ``False`` as vLLM's worker loop expects.
+
+    ``spec`` converts vLLM's specs into ours inside the ``try``: the conversion
+    validates them too, and a bad one must be refused, not raised into vLLM's loop.
+    """
     try:
-        return handler.transfer_async(job_id, (src, dst))
+        return handler.transfer_async(job_id, spec())
     except Exception:
         logger.warning("kvoffload: job %d refused", job_id, exc_info=True)
         return False
