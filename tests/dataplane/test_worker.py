@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from dataplane_helpers import LAYOUTS, random_layers
+from dataplane_helpers import LAYOUTS, block_bytes, random_layers
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.specs import CPULoadStoreSpec, GPULoadStoreSpec, TransferSpec
@@ -102,3 +102,23 @@ def test_a_submission_the_runner_refuses_leaves_no_job_in_flight() -> None:
         with pytest.raises(RuntimeError, match="shutdown"):
             handler.transfer_async(3, spec)
     assert handler.get_finished() == []
+
+
+def test_a_job_id_in_flight_is_refused_in_the_other_direction_too() -> None:
+    """Each handler only knows its own ids: a load reusing a stored job's id would
+    report that id finished twice, once while the other job may still run."""
+    import torch
+
+    layout = LAYOUTS["tiny-f16"]
+    layers = random_layers(layout, 8, 0, separate=False)
+    worker = OffloadingWorker(cpu_gpu_handlers(layers, CPUBlockStore(layout, 4)))
+    assert worker.transfer_async(1, (GPULoadStoreSpec([1], [1]), CPULoadStoreSpec([0])))
+    assert not worker.transfer_async(1, (CPULoadStoreSpec([2]), GPULoadStoreSpec([5], [1])))
+    worker.wait({1})
+    assert [r.job_id for r in worker.get_finished()] == [1]
+    # Collected, the id is free again.
+    assert worker.transfer_async(1, (CPULoadStoreSpec([0]), GPULoadStoreSpec([5], [1])))
+    worker.wait({1})
+    assert [r.job_id for r in worker.get_finished()] == [1]
+    assert torch.equal(block_bytes(layers, 5), block_bytes(layers, 1))
+    worker.close()

@@ -103,3 +103,25 @@ def test_a_spec_our_conversion_refuses_is_false_not_raised(
     assert worker.get_finished() == []
     assert all(torch.equal(t.tensor, b) for t, b in zip(caches.tensors, before, strict=True))
     worker.shutdown()
+
+
+def test_a_job_id_in_flight_is_refused_on_every_queue(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    """Stores, loads and expedited loads run on three handlers that each know only their
+    own ids; a reused id would be reported finished twice."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    spec = create_spec({"cpu_bytes_to_use": 4 * 2 * PAGE_BYTES}, bytes_per_block=2 * PAGE_BYTES)
+    worker = spec.get_worker(_canonical_caches(2))
+    assert worker.submit_load(1, CPULoadStoreSpec([0]), GPULoadStoreSpec([3], [1], [0]))
+    assert not worker.submit_load(
+        1, CPULoadStoreSpec([1]), GPULoadStoreSpec([4], [1], [0]), expedited=True
+    )
+    assert not worker.submit_store(1, GPULoadStoreSpec([5], [1], [0]), CPULoadStoreSpec([2]))
+    worker.wait({1})
+    assert [r.job_id for r in worker.get_finished()] == [1]
+    assert worker.submit_store(1, GPULoadStoreSpec([5], [1], [0]), CPULoadStoreSpec([2]))
+    assert finish(worker, {1})[1].success
+    worker.shutdown()

@@ -19,11 +19,14 @@ class OffloadingWorker:
 
     ``transfer_async`` never raises: a refused or failing submission is
     logged and reported as ``False``, so the engine's loop only has to
-    handle a result.
+    handle a result. A job id stays taken, across all handlers, until its
+    result is collected: two jobs of one id would report that id finished
+    while one of them still runs.
     """
 
     def __init__(self, handlers: Iterable[HandlerEntry] = ()) -> None:
         self._handlers: dict[TransferType, OffloadingHandler] = {}
+        self._in_flight: set[int] = set()
         for src_cls, dst_cls, handler in handlers:
             self.register_handler(src_cls, dst_cls, handler)
 
@@ -45,6 +48,9 @@ class OffloadingWorker:
         if handler is None:
             logger.warning("job %d: no handler for %s->%s", job_id, *pair)
             return False
+        if job_id in self._in_flight:
+            logger.warning("job %d: refused, a job of this id is still in flight", job_id)
+            return False
         try:
             submitted = handler.transfer_async(job_id, spec)
         except Exception:
@@ -52,10 +58,14 @@ class OffloadingWorker:
             return False
         if not submitted:
             logger.warning("job %d: %s->%s handler declined the transfer", job_id, *pair)
-        return submitted
+            return False
+        self._in_flight.add(job_id)
+        return True
 
     def get_finished(self) -> list[TransferResult]:
-        return [result for h in self._handlers.values() for result in h.get_finished()]
+        results = [result for h in self._handlers.values() for result in h.get_finished()]
+        self._in_flight.difference_update(result.job_id for result in results)
+        return results
 
     def wait(self, job_ids: Collection[int]) -> None:
         for handler in self._handlers.values():

@@ -35,6 +35,7 @@ class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
 
     ``region``: keep the slots in a shared region created at this path, whose
     slots must be ``slot_bytes`` each (what the scheduler side expects).
+    A job id is refused while a job of that id, in any direction, is in flight.
     """
 
     def __init__(
@@ -60,6 +61,7 @@ class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
         halves = [p.view(num_gpu_blocks, 2, page_bytes // 2).transpose(0, 1) for p in pages]
         layout = KVLayout(len(pages), 1, page_bytes // 2, "float8", tokens_per_block=1)
         self.region: SharedRegion | None = None
+        self._in_flight: set[int] = set()
         if region is not None:
             own = blocks_per_chunk * layout.bytes_per_block
             if slot_bytes is not None and own != slot_bytes:
@@ -81,7 +83,7 @@ class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
             raise
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        return _submit(
+        return self._submit(
             self._store, job_id, lambda: (_gpu(src_spec), CPULoadStoreSpec(dst_spec.block_ids))
         )
 
@@ -89,16 +91,18 @@ class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
         self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
     ) -> bool:
         handler = self._expedited if expedited else self._load
-        return _submit(
+        return self._submit(
             handler, job_id, lambda: (CPULoadStoreSpec(src_spec.block_ids), _gpu(dst_spec))
         )
 
     def get_finished(self) -> list[Any]:
-        return [
+        results = [
             TransferResult(r.job_id, r.success, r.transfer_size, r.transfer_time)
             for handler in self._handlers()
             for r in handler.get_finished()
         ]
+        self._in_flight.difference_update(r.job_id for r in results)
+        return results
 
     def wait(self, job_ids: Collection[int]) -> None:
         for handler in self._handlers():
@@ -112,6 +116,28 @@ class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
 
     def _handlers(self) -> tuple[OffloadingHandler, ...]:
         return (self._store, self._load, self._expedited)
+
+    def _submit(
+        self, handler: OffloadingHandler, job_id: int, spec: Callable[[], TransferSpec]
+    ) -> bool:
+        """Submit, turning a refused job into ``False`` as vLLM's worker loop expects.
+
+        ``spec`` converts vLLM's specs into ours inside the ``try``: the conversion
+        validates them too, and a bad one must be refused, not raised into vLLM's loop.
+        Each direction's handler only knows its own ids, so a reused one is caught here:
+        two jobs of one id would report it finished while one of them still runs.
+        """
+        if job_id in self._in_flight:
+            logger.warning("kvoffload: job %d refused, a job of this id is in flight", job_id)
+            return False
+        try:
+            submitted = handler.transfer_async(job_id, spec())
+        except Exception:
+            logger.warning("kvoffload: job %d refused", job_id, exc_info=True)
+            return False
+        if submitted:
+            self._in_flight.add(job_id)
+        return submitted
 
 
 def _byte_rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -130,16 +156,3 @@ def _byte_rows(tensor: torch.Tensor) -> torch.Tensor:
 
 def _gpu(spec: Any) -> GPULoadStoreSpec:
     return GPULoadStoreSpec(spec.block_ids, spec.group_sizes, spec.block_indices)
-
-
-def _submit(handler: OffloadingHandler, job_id: int, spec: Callable[[], TransferSpec]) -> bool:
-    """Submit, turning a refused job into ``False`` as vLLM's worker loop expects.
-
-    ``spec`` converts vLLM's specs into ours inside the ``try``: the conversion
-    validates them too, and a bad one must be refused, not raised into vLLM's loop.
-    """
-    try:
-        return handler.transfer_async(job_id, spec())
-    except Exception:
-        logger.warning("kvoffload: job %d refused", job_id, exc_info=True)
-        return False
