@@ -10,7 +10,7 @@ from dataplane_helpers import LAYOUTS, block_bytes, random_layers  # noqa: E402
 
 from kvoffload.core.errors import BlockNotFoundError  # noqa: E402
 from kvoffload.core.keys import OffloadKey, make_offload_key  # noqa: E402
-from kvoffload.core.specs import GPULoadStoreSpec  # noqa: E402
+from kvoffload.core.specs import CPULoadStoreSpec, GPULoadStoreSpec  # noqa: E402
 from kvoffload.dataplane import CPUBlockStore, OffloadingWorker, cpu_gpu_handlers  # noqa: E402
 from kvoffload.managers import CPUOffloadingManager  # noqa: E402
 
@@ -84,4 +84,25 @@ def test_a_failing_job_does_not_stop_the_jobs_queued_behind_it() -> None:
     worker.wait(set(range(1, 6)))
     results = {r.job_id: r.success for r in worker.get_finished()}
     assert results == {1: True, 2: False, 3: True, 4: False, 5: True}
+    worker.close()
+
+
+class Abort(BaseException):
+    """Not an ``Exception``: what a hook calling ``sys.exit`` would raise."""
+
+
+def test_a_job_aborted_by_a_base_exception_is_still_reported_failed() -> None:
+    def abort_job_1(job_id: int, step: int) -> None:
+        if job_id == 1:
+            raise Abort
+
+    layout = LAYOUTS["tiny-f16"]
+    layers = random_layers(layout, 8, 0, separate=False)
+    worker = OffloadingWorker(
+        cpu_gpu_handlers(layers, CPUBlockStore(layout, 4), fault_hook=abort_job_1)
+    )
+    for job in (1, 2):
+        assert worker.transfer_async(job, (GPULoadStoreSpec([job], [1]), CPULoadStoreSpec([job])))
+    worker.wait({1, 2})
+    assert {r.job_id: r.success for r in worker.get_finished()} == {1: False, 2: True}
     worker.close()

@@ -70,7 +70,13 @@ class ThreadRunner:
     @staticmethod
     def _timed(job_id: int, job: Job) -> JobOutcome:
         start = time.perf_counter()
-        success = _run(job_id, job)
+        try:
+            success = _run(job_id, job)
+        except BaseException:
+            # Left in the future, it would re-raise in poll and wait, and the job, popped
+            # by poll, would never be reported. On this thread nothing else can act on it.
+            logger.warning("transfer job %d aborted", job_id, exc_info=True)
+            success = False
         return JobOutcome(job_id, success, time.perf_counter() - start)
 
     def poll(self) -> list[JobOutcome]:
