@@ -150,6 +150,32 @@ def test_a_store_waits_for_the_work_queued_before_it() -> None:
     worker.close()
 
 
+def test_a_load_lands_after_the_work_queued_before_it() -> None:
+    """vLLM zeroes a reallocated block on the compute stream; a load into it, submitted
+    while that zeroing waits behind a long kernel, must land after it, not be wiped."""
+    layout = LAYOUTS["bf16"]
+    layers = cuda_layers("bf16", seed=1, separate=False)
+    store = CPUBlockStore(layout, 4)
+    worker = make_worker(layers, store, 1 << 20)
+    for layer in layers:  # every kernel below runs once first (CUDA loads them lazily)
+        layer[:, 5].view(torch.uint8).fill_(0x3C)
+        layer[:, 8].zero_()
+    torch.cuda._sleep(1)
+    assert worker.transfer_async(0, (GPULoadStoreSpec([5], [1]), CPULoadStoreSpec([1])))
+    finish(worker, {0})
+    assert worker.transfer_async(1, (CPULoadStoreSpec([1]), GPULoadStoreSpec([8], [1])))
+    finish(worker, {1})
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of one SM's cycles
+    for layer in layers:
+        layer[:, 7].zero_()
+    assert worker.transfer_async(2, (CPULoadStoreSpec([1]), GPULoadStoreSpec([7], [1])))
+    finish(worker, {2})
+    torch.cuda.synchronize()
+    assert torch.equal(block_bytes(layers, 7).cpu(), store.block(1))
+    worker.close()
+
+
 def test_a_pinned_shared_region_carries_a_round_trip() -> None:
     """In the directory workers use (``/dev/shm``): CUDA pins memory-backed files."""
     layout = LAYOUTS["tiny-f16"]

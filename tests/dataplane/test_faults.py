@@ -11,7 +11,13 @@ from dataplane_helpers import LAYOUTS, block_bytes, random_layers  # noqa: E402
 from kvoffload.core.errors import BlockNotFoundError  # noqa: E402
 from kvoffload.core.keys import OffloadKey, make_offload_key  # noqa: E402
 from kvoffload.core.specs import CPULoadStoreSpec, GPULoadStoreSpec  # noqa: E402
-from kvoffload.dataplane import CPUBlockStore, OffloadingWorker, cpu_gpu_handlers  # noqa: E402
+from kvoffload.dataplane import (  # noqa: E402
+    CPUBlockStore,
+    CPUGPUHandler,
+    OffloadingWorker,
+    cpu_gpu_handlers,
+)
+from kvoffload.dataplane.runners import Job, ThreadRunner  # noqa: E402
 from kvoffload.managers import CPUOffloadingManager  # noqa: E402
 
 
@@ -106,3 +112,39 @@ def test_a_job_aborted_by_a_base_exception_is_still_reported_failed() -> None:
     worker.wait({1, 2})
     assert {r.job_id: r.success for r in worker.get_finished()} == {1: False, 2: True}
     worker.close()
+
+
+class _Recording(ThreadRunner):
+    """A thread runner that notes what each submission asks of the compute stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.after_compute: list[bool] = []
+
+    def submit(self, job_id: int, job: Job, after_compute: bool) -> None:
+        self.after_compute.append(after_compute)
+        super().submit(job_id, job, after_compute)
+
+
+def test_loads_and_stores_both_wait_for_the_compute_stream() -> None:
+    """A store reads blocks the model may still be writing; a load writes blocks that
+    vLLM may still be zeroing (a reallocated block). On a GPU both copy streams wait for
+    the compute stream, as vLLM 0.33's own worker does (tests/dataplane/test_cuda.py
+    checks the bytes there)."""
+    layout = LAYOUTS["bf16"]
+    layers = random_layers(layout, 8, seed=5, separate=False)
+    store = CPUBlockStore(layout, 4)
+    runners = {to_cpu: _Recording() for to_cpu in (True, False)}
+    handlers = {
+        to_cpu: CPUGPUHandler(layers, store, to_cpu, runner=runner)
+        for to_cpu, runner in runners.items()
+    }
+    assert handlers[True].transfer_async(1, (GPULoadStoreSpec([2], [1]), CPULoadStoreSpec([0])))
+    handlers[True].wait({1})
+    assert handlers[False].transfer_async(2, (CPULoadStoreSpec([0]), GPULoadStoreSpec([3], [1])))
+    handlers[False].wait({2})
+    assert [r.after_compute for r in runners.values()] == [[True], [True]]
+    assert torch.equal(block_bytes(layers, 3), block_bytes(layers, 2))
+    for handler in handlers.values():
+        assert [result.success for result in handler.get_finished()] == [True]
+        handler.close()

@@ -124,7 +124,10 @@ class CPUGPUHandler(OffloadingHandler):
         if job_id in self._sizes:
             raise InvalidArgumentError(f"job {job_id} is already in flight")
         job = functools.partial(self._copy, job_id, mapping)
-        self._runner.submit(job_id, job, after_compute=self._to_cpu)
+        # Both directions wait for the work queued on the compute stream: a store reads
+        # blocks the model may still be writing, and a load writes blocks whose earlier
+        # writes (vLLM zeroes a reallocated block there) must not land after it.
+        self._runner.submit(job_id, job, after_compute=True)
         # Recorded once the runner took the job (only get_finished, on this thread, reads
         # it): a refused submission must not leave its id looking in flight forever.
         self._sizes[job_id] = len(mapping) * self._block_bytes

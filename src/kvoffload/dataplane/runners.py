@@ -100,7 +100,8 @@ class CudaStreamRunner:
     One stream per direction keeps its jobs in order without cross-stream
     waits. ``after_compute`` makes the stream wait for the work already
     queued on the caller's current stream, so a store never reads a block
-    before the model has finished writing it.
+    before the model has finished writing it, and a load never writes one
+    before an earlier write to it (vLLM's zeroing of a reallocated block).
     """
 
     def __init__(self, device: torch.device) -> None:
