@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ import pytest
 
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
+
+import zmq
 
 from kvoffload import InvalidArgumentError, OffloadingEvent, block_id_key
 from kvoffload.observe.events import (
@@ -438,3 +441,66 @@ def _assert_followed_restart(sub: KVEventSubscriber, got: Delivered, index: Pref
         index.apply("engine", batch)
     assert not index.holds("engine", block_id_key(3)[:8])
     assert index.holds("engine", block_id_key(50)[:8])
+
+
+def _raw_pub() -> tuple[zmq.Socket[bytes], str]:
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
+    sock.bind(LOCAL)
+    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def _seq(n: int) -> bytes:
+    return n.to_bytes(8, "big", signed=True)
+
+
+def test_messages_that_are_no_batch_are_ignored_not_raised() -> None:
+    """A peer's message of another number of frames raised ``ValueError`` out of ``receive``
+    with the batches taken before it; a number of -1 (the end-of-replay mark) was read as
+    2**64 - 1: ~2**64 batches counted lost, and the next restart cleared the index."""
+    good = encode_batch(KVEventBatch(0.0, []))
+    raw, endpoint = _raw_pub()
+    with raw, KVEventSubscriber(endpoint) as sub:
+        for _ in range(100):
+            raw.send_multipart((b"t", _seq(0), good))
+            if sub.receive(0.1):
+                break
+        assert sub.next_seq == 1
+        for frames in (
+            (b"t", _seq(1)),
+            (b"t", _seq(1), good, b""),
+            (b"t", b"\x01", good),
+            (b"t", _seq(-1), good),
+            (b"t", _seq(1), good),
+        ):
+            raw.send_multipart(frames)
+        got = _receive_until(sub, 1)
+    assert [seq for seq, _ in got] == [1]
+    assert (sub.next_seq, sub.lost, sub.gaps, sub.restarts) == (2, 0, 0, 0)
+
+
+def test_a_replay_answering_messages_that_are_no_batch_is_read_past() -> None:
+    """A replay socket's malformed answers raised ``ValueError`` out of ``catch_up``; they
+    are skipped, and the batches and end mark after them still taken."""
+    good = encode_batch(KVEventBatch(0.0, []))
+    router: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+    router.bind(LOCAL)
+    replay = router.getsockopt_string(zmq.LAST_ENDPOINT)
+    with router, KVEventSubscriber(LOCAL, replay, replay_timeout_s=10.0, bind=True) as sub:
+        answered: list[Delivered] = []
+        asking = threading.Thread(target=lambda: answered.append(sub.catch_up()))
+        asking.start()
+        assert router.poll(10_000)
+        client, _, _ = router.recv_multipart()
+        for frames in (
+            (b"",),
+            (b"", b"t", _seq(0)),
+            (b"", b"t", b"\x00", good),
+            (b"", b"t", _seq(-2), good),
+            (b"", b"t", _seq(0), good),
+            (b"", b"t", _seq(1), good),
+            (b"", b"", _seq(-1), b""),
+        ):
+            router.send_multipart((client, *frames))
+        asking.join(30)
+    assert [[seq for seq, _ in got] for got in answered] == [[0, 1]]
+    assert (sub.next_seq, sub.lost, sub.repaired) == (2, 0, 2)

@@ -46,6 +46,10 @@ class KVEventSubscriber:
     followed from 0, repaired by replay like any gap. A live batch numbered as one
     replay delivered but not yet seen live is that batch again unless its payload
     differs: then it too is a new publisher's (one that restarted after a catch-up).
+
+    A message that is no batch (another number of frames, a number that is not 8
+    bytes from 0 up), live or from replay, is logged and ignored: a batch it stood
+    for shows as a gap.
     """
 
     def __init__(
@@ -85,8 +89,12 @@ class KVEventSubscriber:
         timeout_ms = int(timeout_s * 1000)
         while self._sub.poll(timeout_ms):
             timeout_ms = 0
-            _, seq_bytes, payload = self._sub.recv_multipart()
-            self.accept(int.from_bytes(seq_bytes, "big"), payload, delivered)
+            frames = self._sub.recv_multipart()
+            seq = _seq_of(frames, 3)
+            if seq is None:
+                logger.warning("ignoring a malformed KV event message of %d frames", len(frames))
+                continue
+            self.accept(seq, frames[2], delivered)
         return delivered
 
     def accept(self, seq: int, payload: bytes, delivered: Delivered) -> None:
@@ -149,12 +157,16 @@ class KVEventSubscriber:
             dealer.connect(self._replay_endpoint)
             dealer.send_multipart((b"", self.next_seq.to_bytes(8, "big")))
             while dealer.poll(self._replay_timeout_ms):
-                _, _, seq_bytes, payload = dealer.recv_multipart()
-                if seq_bytes == END_SEQ:
+                frames = dealer.recv_multipart()
+                if len(frames) == 4 and frames[2] == END_SEQ:
                     break
-                seq = int.from_bytes(seq_bytes, "big")
+                seq = _seq_of(frames, 4)
+                if seq is None:
+                    logger.warning("ignoring a malformed replay message of %d frames", len(frames))
+                    continue
                 if seq < self.next_seq or (before is not None and seq >= before):
                     continue
+                payload = frames[3]
                 self._skip_to(seq)  # older batches have left the replay buffer
                 if self._deliver(seq, payload, delivered):
                     self.repaired += 1
@@ -183,3 +195,14 @@ class KVEventSubscriber:
         if seq > self.next_seq:
             self.lost += seq - self.next_seq
             self.next_seq = seq
+
+
+def _seq_of(frames: list[bytes], count: int) -> int | None:
+    """The batch number of a ``[..., seq, payload]`` message of ``count`` frames, or ``None``
+    for one that is not: a publisher numbers up from 0 in 8 bytes, so a number with the
+    sign bit set (a stray end-of-replay ``-1``) or of another width is no batch's, and taken
+    as one it would count ~2**64 batches lost and overflow the next replay request."""
+    if len(frames) != count or len(frames[-2]) != 8:
+        return None
+    seq = int.from_bytes(frames[-2], "big", signed=True)
+    return seq if seq >= 0 else None
