@@ -504,3 +504,19 @@ def test_a_replay_answering_messages_that_are_no_batch_is_read_past() -> None:
         asking.join(30)
     assert [[seq for seq, _ in got] for got in answered] == [[0, 1]]
     assert (sub.next_seq, sub.lost, sub.repaired) == (2, 0, 2)
+
+
+def test_a_batch_that_does_not_encode_is_dropped_and_the_publisher_goes_on() -> None:
+    """An event msgpack cannot hold killed the publisher's thread: nothing was sent after it,
+    ``flush`` waited out its timeout and ``close`` left both ports bound."""
+    unencodable: Any = [object()]
+    with KVEventPublisher(LOCAL) as pub, KVEventSubscriber(pub.endpoint) as sub:
+        _connect(pub, sub)
+        first, gaps = sub.next_seq, sub.gaps
+        pub.publish_batch(KVEventBatch(0.0, unencodable))
+        pub.publish_batch(KVEventBatch(0.0, [BlockRemoved([2**70], "CPU")]))
+        pub.publish(_stored(1))
+        pub.flush()
+        got = _receive_until(sub, 1)
+    assert [seq for seq, _ in got] == [first]  # numbered next: nothing seems lost
+    assert sub.gaps == gaps

@@ -76,6 +76,7 @@ class KVEventPublisher:
             self._queue.put(make_batch(kv_events, self.data_parallel_rank))
 
     def publish_batch(self, batch: KVEventBatch) -> None:
+        """Queue ``batch``; one that does not encode is logged and dropped, unnumbered."""
         self._queue.put(batch)
 
     def flush(self, timeout_s: float = 10.0) -> None:
@@ -129,8 +130,12 @@ class KVEventPublisher:
             if isinstance(batch, threading.Event):
                 batch.set()
                 continue
+            try:
+                payload = encode_batch(batch)
+            except (TypeError, OverflowError) as exc:  # a value msgpack cannot hold
+                logger.warning("dropping a KV event batch that does not encode: %s", exc)
+                continue
             seq = self.published
-            payload = encode_batch(batch)
             self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
             self._buffer.append((seq, payload))
             self.published += 1
