@@ -219,3 +219,17 @@ def test_blocks_promoted_by_lookups_are_held_and_their_evictions_counted(tmp_pat
     assert counters.held_blocks == tiered.cpu.num_blocks - tiered.cpu.num_free_blocks
     # The report's evictions are the CPU tier's own count too, promotions' included.
     assert counters.evictions == report.tiers["cpu"]["evicted"] == report.offload_evictions > 0
+
+
+def test_the_counters_read_are_a_snapshot_later_calls_leave_alone() -> None:
+    """A metrics scrape reads ``counters`` on its own thread: it got the live totals, which
+    the engine's calls kept adding to while it read them, and it wrote the CPU tier's figures
+    into them, racing the calls' own additions (an evictions total read between a store's
+    eviction and its count was counted twice, then went down at the next scrape)."""
+    observed = ObservedManager(build_manager(6, "lru", 2, 32), 100)
+    before = observed.counters
+    observed.lookup([block_id_key(1)])
+    observed.prepare_store([block_id_key(i) for i in range(3)])
+    assert (before.lookups, before.stores_offered) == (0, 0)
+    after = observed.counters
+    assert (after.lookups, after.stores_offered) == (1, 3)

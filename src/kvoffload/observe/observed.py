@@ -97,9 +97,11 @@ class ObservedManager(OffloadingManager):
 
     @property
     def counters(self) -> ManagerCounters:
-        """The totals so far, with the CPU tier's own figures read now where it is reached:
-        a tiered manager also fills and evicts CPU slots in ``lookup`` (promotions)."""
-        c, cpu = self._counters, self._cpu
+        """A snapshot of the totals so far, with the CPU tier's own figures read now where it
+        is reached: a tiered manager also fills and evicts CPU slots in ``lookup``
+        (promotions). A copy, as a scrape reads it on another thread: the calls do not
+        change it while it is read, and it writes nothing into the totals they add to."""
+        c, cpu = self._counters.copy(), self._cpu
         if cpu is not None:
             c.held_blocks = cpu.num_blocks - cpu.num_free_blocks
         if self._tiered is not None:
