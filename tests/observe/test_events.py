@@ -520,3 +520,37 @@ def test_a_batch_that_does_not_encode_is_dropped_and_the_publisher_goes_on() -> 
         got = _receive_until(sub, 1)
     assert [seq for seq, _ in got] == [first]  # numbered next: nothing seems lost
     assert sub.gaps == gaps
+
+
+def test_a_peer_asking_for_replay_without_pause_does_not_hold_up_publishing() -> None:
+    """The publisher served every pending replay request before its next batch: a peer
+    that kept asking held up publishing for as long as it asked."""
+    with (
+        KVEventPublisher(LOCAL, LOCAL, buffer_batches=1) as pub,
+        KVEventSubscriber(pub.endpoint) as sub,
+    ):
+        _connect(pub, sub)
+        first = sub.next_seq
+        stop = threading.Event()
+
+        def ask_without_pause() -> None:
+            with zmq.Context.instance().socket(zmq.DEALER) as asker:
+                asker.setsockopt(zmq.LINGER, 0)
+                asker.connect(str(pub.replay_endpoint))
+                deadline = time.monotonic() + 30
+                while not stop.is_set() and time.monotonic() < deadline:
+                    for _ in range(4):
+                        asker.send_multipart((b"", _seq(0)))
+                    while asker.poll(0):
+                        asker.recv_multipart()
+
+        asking = threading.Thread(target=ask_without_pause)
+        asking.start()
+        try:
+            time.sleep(0.2)  # the requests queue up
+            pub.publish(_stored(1))
+            got = _receive_until(sub, 1)
+        finally:
+            stop.set()
+            asking.join()
+    assert [seq for seq, _ in got] == [first]

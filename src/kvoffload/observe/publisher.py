@@ -118,11 +118,13 @@ class KVEventPublisher:
 
     def _run(self) -> None:
         while True:
-            if self._replay is not None:
-                while self._replay.poll(0):
-                    self._serve_replay()
+            # One replay request a turn, as vLLM's publisher: a peer asking without pause
+            # held up every batch after it for as long as it kept asking.
+            served = self._replay is not None and self._replay.poll(0) != 0
+            if served:
+                self._serve_replay()
             try:
-                batch = self._queue.get(timeout=0.02)
+                batch = self._queue.get(block=not served, timeout=0.02)
             except queue.Empty:
                 continue
             if batch is None:
