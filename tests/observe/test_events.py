@@ -554,3 +554,16 @@ def test_a_peer_asking_for_replay_without_pause_does_not_hold_up_publishing() ->
             stop.set()
             asking.join()
     assert [seq for seq, _ in got] == [first]
+
+
+def test_negative_timeouts_wait_for_nothing_or_are_refused() -> None:
+    """ZMQ waits without end for a negative time: ``receive(-1)`` never returned, and a
+    negative ``replay_timeout_s`` hung every repair on a replay socket that does not answer."""
+    with pytest.raises(InvalidArgumentError, match="replay_timeout_s"):
+        KVEventSubscriber(LOCAL, LOCAL, replay_timeout_s=-1.0, bind=True)
+    with KVEventSubscriber(LOCAL, bind=True) as sub:
+        returned: list[Delivered] = []
+        receiving = threading.Thread(target=lambda: returned.append(sub.receive(-1.0)), daemon=True)
+        receiving.start()
+        receiving.join(30)
+        assert returned == [[]]

@@ -14,6 +14,7 @@ from collections import OrderedDict
 
 import zmq
 
+from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.observe.events import AllBlocksCleared, DecodeError, KVEventBatch, decode_batch
 from kvoffload.observe.publisher import END_SEQ, is_ipv6
 
@@ -60,6 +61,8 @@ class KVEventSubscriber:
         replay_timeout_s: float = 5.0,
         bind: bool = False,
     ) -> None:
+        if not replay_timeout_s >= 0:  # ZMQ waits without end for a negative time
+            raise InvalidArgumentError(f"replay_timeout_s must be >= 0, got {replay_timeout_s!r}")
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sub = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
@@ -84,9 +87,10 @@ class KVEventSubscriber:
         ascending: what a live batch below ``next_seq`` must match to be a duplicate."""
 
     def receive(self, timeout_s: float = 1.0) -> Delivered:
-        """Batches that arrived within ``timeout_s`` (waiting only for the first), in order."""
+        """Batches that arrived within ``timeout_s`` (waiting only for the first), in order;
+        a negative ``timeout_s`` waits for none (ZMQ would wait without end)."""
         delivered: Delivered = []
-        timeout_ms = int(timeout_s * 1000)
+        timeout_ms = max(0, int(timeout_s * 1000))
         while self._sub.poll(timeout_ms):
             timeout_ms = 0
             frames = self._sub.recv_multipart()
