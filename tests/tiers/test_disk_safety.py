@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import socket
 import stat
 import subprocess
 import sys
@@ -94,11 +97,24 @@ def test_a_hard_link_to_another_file_is_refused(
     assert victim.read_bytes() == PRECIOUS
 
 
-def test_a_fifo_is_not_a_slot_file(tmp_path: Path) -> None:
-    (tmp_path / FP.hex()).mkdir()
-    os.mkfifo(tmp_path / FP.hex() / "blocks.kvs")
-    with pytest.raises(DiskTierError, match="not a regular file"):
-        DiskTier(tmp_path, 4, FP)
+@pytest.mark.parametrize("name", ["blocks.kvs", "lock"])
+@pytest.mark.parametrize("kind", ["fifo", "directory", "socket"])
+def test_what_is_not_a_regular_file_is_refused_naming_it(
+    tmp_path: Path, name: str, kind: str
+) -> None:
+    """A directory or socket fails ``open`` itself (EISDIR, ENXIO): still the file's name."""
+    path = tmp_path / FP.hex() / name
+    path.parent.mkdir()
+    with contextlib.ExitStack() as cleanup:
+        if kind == "fifo":
+            os.mkfifo(path)
+        elif kind == "directory":
+            path.mkdir()
+        else:
+            listener = cleanup.enter_context(socket.socket(socket.AF_UNIX))
+            listener.bind(str(path))
+        with pytest.raises(DiskTierError, match=f"{re.escape(str(path))} is not a regular file"):
+            DiskTier(tmp_path, 4, FP)
 
 
 @needs_root

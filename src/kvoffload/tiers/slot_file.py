@@ -621,6 +621,8 @@ def _open_file(path: Path, parent: int) -> int:
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             _refuse(path, "is a symbolic link, which is never followed")
+        if exc.errno in (errno.EISDIR, errno.ENXIO, errno.ENODEV):  # a directory, socket, device
+            _refuse(path, "is not a regular file")
         raise
     try:
         info = os.fstat(fd)
