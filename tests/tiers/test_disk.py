@@ -160,6 +160,37 @@ def test_a_restart_drops_torn_and_broken_slots(tmp_path: Path) -> None:
         once.close()
 
 
+@pytest.mark.parametrize("cut", [1, HEADER_BYTES - 1, HEAD - 1], ids=["magic", "header", "key"])
+def test_a_header_cut_by_the_end_of_the_file_is_torn(tmp_path: Path, cut: int) -> None:
+    """The file ending inside the last slot's header or key is a write cut short, as it is
+    inside its payload: torn, not corrupt."""
+    first = stored(DiskTier(tmp_path, 20, FP), KEYS[:3])
+    last = max(offsets(first, KEYS[:3]), key=lambda offset: offset or 0) or 0
+    first.close()
+    with open(first.path, "r+b") as file:
+        file.truncate(last + cut)
+    again = DiskTier(tmp_path, 20, FP)
+    try:
+        assert again.recovery == Recovery(recovered=2, torn=1)
+    finally:
+        again.close()
+
+
+def test_a_key_length_past_the_slots_room_is_corrupt_not_torn(tmp_path: Path) -> None:
+    """Inside the file, a header announcing a key longer than a slot has room for is bad."""
+    first = stored(DiskTier(tmp_path, 20, FP), KEYS[:3])
+    start = min(offsets(first, KEYS[:3]), key=lambda offset: offset or 0) or 0
+    first.close()
+    with open(first.path, "r+b") as file:
+        file.seek(start + 7)  # the key length's high byte: 256 more
+        file.write(b"\x01")
+    again = DiskTier(tmp_path, 20, FP)
+    try:
+        assert again.recovery == Recovery(recovered=2, corrupt=1)
+    finally:
+        again.close()
+
+
 def test_after_a_restart_new_blocks_fill_the_lowest_free_slots(tmp_path: Path) -> None:
     """Found blocks keep their slots; new ones take the gaps first, lowest first."""
     first = stored(DiskTier(tmp_path, 20, FP), KEYS[:6])

@@ -72,6 +72,10 @@ class CorruptBlockError(KVOffloadError, ValueError):
     """A stored value is not a valid block for the key and fingerprint asked for."""
 
 
+class CutShortError(CorruptBlockError):
+    """The data ends inside the header or its key: a write cut short, not a bad header."""
+
+
 def layout_fingerprint(model: str, layout: KVLayout, payload_bytes: int) -> bytes:
     """16 bytes naming what a block's bytes mean: model, KV layout, block size, payload size.
 
@@ -226,14 +230,14 @@ def parse_header(data: bytes | bytearray | memoryview, version: int = FORMAT_VER
     """The header at the start of ``data`` (which holds at least header and key), of
     format ``version`` (:data:`TRAILED_VERSION` for the shared tier's values)."""
     if len(data) < HEADER_BYTES:
-        raise CorruptBlockError(f"a block header needs {HEADER_BYTES} bytes, got {len(data)}")
+        raise CutShortError(f"a block header needs {HEADER_BYTES} bytes, got {len(data)}")
     magic, found, key_len, fingerprint, size, digest = _FIELDS.unpack_from(data)
     if magic != MAGIC:
         raise CorruptBlockError(f"bad magic {bytes(magic)!r}")
     if found != version:
         raise CorruptBlockError(f"block format version {found}, expected {version}")
     if len(data) < HEADER_BYTES + key_len:
-        raise CorruptBlockError("block header cut short inside the key")
+        raise CutShortError("block header cut short inside the key")
     key = bytes(data[HEADER_BYTES : HEADER_BYTES + key_len])
     (crc,) = _CRC.unpack_from(data, _FIELDS.size)
     if zlib.crc32(key, zlib.crc32(bytes(data[: _FIELDS.size]))) != crc:

@@ -61,6 +61,7 @@ from kvoffload.tiers.deadline import DeadlineStripes, Job, done_future
 from kvoffload.tiers.format import (
     HEADER_BYTES,
     CorruptBlockError,
+    CutShortError,
     Payload,
     encode_header,
     parse_header,
@@ -570,6 +571,8 @@ class SlotFile:
             return "torn" if any(head) else None
         try:
             header = parse_header(head)
+        except CutShortError:  # torn if the file ends inside the header or key (read short)
+            return "torn" if len(head) < HEADER_BYTES + MAX_KEY_BYTES else "corrupt"
         except CorruptBlockError:
             return "corrupt"
         if header.fingerprint != self.fingerprint:
