@@ -169,11 +169,7 @@ def test_a_header_cut_by_the_end_of_the_file_is_torn(tmp_path: Path, cut: int) -
     first.close()
     with open(first.path, "r+b") as file:
         file.truncate(last + cut)
-    again = DiskTier(tmp_path, 20, FP)
-    try:
-        assert again.recovery == Recovery(recovered=2, torn=1)
-    finally:
-        again.close()
+    assert recovery_on_restart(tmp_path) == Recovery(recovered=2, torn=1)
 
 
 def test_a_key_length_past_the_slots_room_is_corrupt_not_torn(tmp_path: Path) -> None:
@@ -184,9 +180,14 @@ def test_a_key_length_past_the_slots_room_is_corrupt_not_torn(tmp_path: Path) ->
     with open(first.path, "r+b") as file:
         file.seek(start + 7)  # the key length's high byte: 256 more
         file.write(b"\x01")
-    again = DiskTier(tmp_path, 20, FP)
+    assert recovery_on_restart(tmp_path) == Recovery(recovered=2, corrupt=1)
+
+
+def recovery_on_restart(directory: Path) -> Recovery:
+    """What a tier of 20 blocks finds in ``directory`` when it starts."""
+    again = DiskTier(directory, 20, FP)
     try:
-        assert again.recovery == Recovery(recovered=2, corrupt=1)
+        return again.recovery
     finally:
         again.close()
 
