@@ -33,6 +33,24 @@ def check_io_threads(value: object, name: str = "io_threads") -> None:
         )
 
 
+MIN_DEADLINE_S, MAX_DEADLINE_S = 0.001, 600.0
+"""The bounds of a lower tier's I/O deadline: under a millisecond every job would miss it
+and count as failed; past 10 minutes a hung call would hold the engine that long."""
+
+
+def check_deadline_s(value: object, name: str) -> None:
+    """:class:`InvalidArgumentError` naming ``name`` unless ``value`` is a number of seconds
+    from :data:`MIN_DEADLINE_S` to :data:`MAX_DEADLINE_S` (nan fails both comparisons)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not MIN_DEADLINE_S <= value <= MAX_DEADLINE_S
+    ):
+        raise InvalidArgumentError(
+            f"{name} must be from {MIN_DEADLINE_S:g} s to {MAX_DEADLINE_S:.0f} s, got {value!r}"
+        )
+
+
 Target = Callable[[int], memoryview]
 """Where block ``index`` of a read goes: a writable buffer of exactly its payload's size.
 

@@ -26,7 +26,7 @@ from kvoffload.admission.registry import admission_params
 from kvoffload.core.errors import InvalidArgumentError, check_integer
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager
-from kvoffload.core.tier_protocol import LowerTier, SlotBytes, check_io_threads
+from kvoffload.core.tier_protocol import LowerTier, SlotBytes, check_deadline_s, check_io_threads
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.managers.reuse_filter import FilterReusedOffloadingManager
 from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
@@ -35,8 +35,6 @@ from kvoffload.policies import available_policies
 OPTIMISER = "optimiser"
 DISK, REMOTE = "disk", "remote"
 """The kinds of lower tier: a disk directory (write-back), a shared server (write-through)."""
-MIN_DEADLINE_S, MAX_DEADLINE_S = 0.001, 600.0
-"""The bounds of a lower tier's I/O deadline (1 ms to 10 minutes, the tiers' own)."""
 
 
 @dataclass(frozen=True)
@@ -101,15 +99,8 @@ class LowerTierConfig:
             raise InvalidArgumentError(
                 f"{self.key('fsync')} must be true or false, got {self.fsync!r}"
             )
-        if self.deadline_s is not None and not (
-            isinstance(self.deadline_s, int | float)
-            and not isinstance(self.deadline_s, bool)
-            and MIN_DEADLINE_S <= self.deadline_s <= MAX_DEADLINE_S
-        ):
-            raise InvalidArgumentError(
-                f"{self.key('deadline_s')} must be from {MIN_DEADLINE_S:g} s to "
-                f"{MAX_DEADLINE_S:.0f} s, got {self.deadline_s!r}"
-            )
+        if self.deadline_s is not None:
+            check_deadline_s(self.deadline_s, self.key("deadline_s"))
         if self.kind == DISK:
             _policy(self.key("policy"), self.policy)
         admission, budget = self.key("admission"), self.key("write_budget")

@@ -24,7 +24,14 @@ from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import EventLog, OffloadingEvent
 from kvoffload.core.specs import CPULoadStoreSpec
-from kvoffload.core.tier_protocol import Target, TierStats, check_io_threads
+from kvoffload.core.tier_protocol import (
+    MAX_DEADLINE_S,
+    MIN_DEADLINE_S,
+    Target,
+    TierStats,
+    check_deadline_s,
+    check_io_threads,
+)
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.policies import CachePolicy
 from kvoffload.tiers.breaker import CircuitBreaker
@@ -40,10 +47,8 @@ from kvoffload.tiers.slot_file import (
 )
 
 MEDIUM = "DISK"
-MAX_TIMEOUT_MS = 600_000.0
-"""The longest deadline a disk operation may be given (10 minutes), as for the shared tier."""
-MIN_TIMEOUT_MS = 1.0
-"""The shortest: below a millisecond every job would miss its deadline and count as failed."""
+MIN_TIMEOUT_MS, MAX_TIMEOUT_MS = MIN_DEADLINE_S * 1000, MAX_DEADLINE_S * 1000
+"""A disk operation's deadline bounds in milliseconds, as for the shared tier."""
 DEFAULT_TIMEOUT_MS = DEFAULT_DEADLINE_S * 1000
 MAX_FILE_BYTES = 2**63 - 1
 """The largest file offset (``off_t``): the full slot file of a tier must stay within it."""
@@ -144,15 +149,7 @@ class DiskTier:
             )
         check_io_threads(io_threads)
         check_fingerprint(fingerprint)
-        if not (
-            isinstance(deadline_s, int | float)
-            and not isinstance(deadline_s, bool)
-            and MIN_TIMEOUT_MS / 1000 <= deadline_s <= MAX_TIMEOUT_MS / 1000  # nan fails
-        ):
-            raise InvalidArgumentError(
-                f"the disk deadline must be from {MIN_TIMEOUT_MS / 1000:g} s to "
-                f"{MAX_TIMEOUT_MS / 1000:.0f} s, got {deadline_s!r}"
-            )
+        check_deadline_s(deadline_s, "the disk deadline")
         check_capacity(capacity_blocks)
         self._index = CPUOffloadingManager(capacity_blocks, cache_policy)
         self.capacity_blocks = capacity_blocks

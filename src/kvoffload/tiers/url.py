@@ -44,6 +44,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, unquote
 
 from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.tier_protocol import MAX_DEADLINE_S, MIN_DEADLINE_S
 
 SCHEMES = {"redis": False, "valkey": False, "rediss": True, "valkeys": True}
 """Scheme to whether it means TLS."""
@@ -52,8 +53,7 @@ DEFAULT_TIMEOUT_MS = 250.0
 CERT_REQS = ("required", "optional", "none")
 TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 TLS_OPTIONS = (*TLS_FILES, "ssl_cert_reqs", "ssl_check_hostname")
-MIN_TIMEOUT_MS = 1.0
-MAX_TIMEOUT_MS = 600_000.0
+MIN_TIMEOUT_MS, MAX_TIMEOUT_MS = MIN_DEADLINE_S * 1000, MAX_DEADLINE_S * 1000
 MAX_PORT = 65_535
 MAX_HOST_NAME = 253
 MAX_LABEL = 63
