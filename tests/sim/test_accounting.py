@@ -19,6 +19,7 @@ from kvoffload.managers import build_manager
 from kvoffload.policies import create_cache_policy
 from kvoffload.policies.arc import ARCCachePolicy
 from kvoffload.policies.base import BlockStatus
+from kvoffload.sim.belady import belady_bound
 from kvoffload.sim.engine import EngineConfig, EngineStats, ServingEngine
 from kvoffload.sim.run import SimConfig, simulate
 from kvoffload.sim.transfers import NullTransferBackend
@@ -340,3 +341,21 @@ def test_arc_touch_promotes_tail_first_into_t2() -> None:
     victims = policy.evict(6, ())
     assert victims is not None
     assert [key for key, _ in victims] == [K(5), K(6), K(2), K(1), K(3), K(4)]
+
+
+def test_drop_recomputes_the_last_token_of_a_block_aligned_prompt() -> None:
+    # vLLM's GPU hit covers at most input_tokens - 1 tokens: the second 32-token prompt
+    # hits block 1 on the GPU and looks block 2 up in the tier, which loads it.
+    reqs = [request(0, [1, 2], tokens=32), request(1, [1, 2], tokens=32)]
+    manager = DictManager()
+    stats = engine(manager, gpu_blocks=4, partial_block="drop").run(reqs)
+    assert (stats.gpu_hit_blocks, stats.offload_hit_blocks, stats.lookups) == (1, 1, 2)
+    assert (stats.gpu_hit_tokens, stats.offload_hit_tokens) == (16, 16)
+    cached = engine(DictManager(), gpu_blocks=4).run(reqs)
+    assert (cached.gpu_hit_blocks, cached.offload_hit_blocks) == (2, 0)
+    report = simulate(
+        Workload("hand", 16, reqs), SimConfig(4, 0, layout="tiny", partial_block="drop")
+    )
+    assert report.gpu_hit_blocks == 1
+    assert belady_bound(reqs, 4, 0, drop_partial_of=16).gpu_hit_blocks == 1
+    assert belady_bound(reqs, 4, 2, drop_partial_of=16).offload_hit_blocks == 1

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.sim.gpu_cache import GPUPrefixCache
-from kvoffload.sim.workload import Request, cacheable_keys
+from kvoffload.sim.workload import Request, cacheable_keys, max_gpu_hit
 
 NextUse = tuple[int, int]
 """(index of the next request that needs a block from the tier, its position there)."""
@@ -69,13 +69,17 @@ class BeladyResult:
 
 
 def gpu_prefix_hits(
-    requests: Sequence[Request], cacheable: Sequence[Sequence[OffloadKey]], gpu_blocks: int
+    requests: Sequence[Request],
+    cacheable: Sequence[Sequence[OffloadKey]],
+    gpu_blocks: int,
+    max_hits: Sequence[int],
 ) -> list[int]:
-    """Each request's GPU prefix hit, replaying ``requests`` one after another."""
+    """Each request's GPU prefix hit (at most its ``max_hits``), replaying ``requests``
+    one after another."""
     gpu = GPUPrefixCache(gpu_blocks)
     hits = []
-    for req, keys in zip(requests, cacheable, strict=True):
-        hit = gpu.match(keys)
+    for req, keys, most in zip(requests, cacheable, max_hits, strict=True):
+        hit = min(gpu.match(keys), most)
         slots = gpu.acquire(keys[:hit], len(req.keys) - hit)
         gpu.register(keys[hit:], slots[hit : len(keys)])
         gpu.release(slots)
@@ -128,10 +132,11 @@ def belady_bound(
         raise InvalidArgumentError(f"{len(gpu_hits)} GPU hit counts for {len(requests)} requests")
     if store_points is not None and len(store_points) != len(requests):
         raise InvalidArgumentError(f"{len(store_points)} store points for {len(requests)} requests")
-    drop = drop_partial_of is not None
-    cacheable = [cacheable_keys(req, drop_partial_of or 1, drop) for req in requests]
+    drop, block_tokens = drop_partial_of is not None, drop_partial_of or 1
+    cacheable = [cacheable_keys(req, block_tokens, drop) for req in requests]
     if gpu_hits is None:
-        gpu_hits = gpu_prefix_hits(requests, cacheable, gpu_blocks)
+        most = [max_gpu_hit(req, block_tokens, drop) for req in requests]
+        gpu_hits = gpu_prefix_hits(requests, cacheable, gpu_blocks, most)
     refs = sum(len(req.keys) for req in requests)
     if offload_blocks == 0:
         return BeladyResult(refs, sum(gpu_hits), 0)

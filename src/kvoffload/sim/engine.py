@@ -23,6 +23,9 @@ With ``partial_block="drop"`` a prompt's partial last block (its length is
 not a multiple of the block size, yet the request has a key for it) is
 computed and takes a GPU slot, but is never matched, registered, looked up
 or offered, as in vLLM; it still counts as a block reference (always a miss).
+And as in vLLM, the GPU hit then never covers a prompt's last token (it is
+computed for its logits): a prompt that ends on a block boundary looks its
+last block up in the offload tier even when the GPU holds it.
 
 The engine knows request boundaries: when the tier has an admission layer it
 announces each request to it (``begin_request`` before the touch and lookup,
@@ -52,7 +55,7 @@ from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager
 from kvoffload.sim.gpu_cache import GPUPrefixCache
 from kvoffload.sim.transfers import NullTransferBackend, TransferBackend
-from kvoffload.sim.workload import Request, cacheable_keys
+from kvoffload.sim.workload import Request, cacheable_keys, max_gpu_hit
 
 Progress = Callable[[int, int], None]
 """Called with (requests finished, requests in total)."""
@@ -352,9 +355,10 @@ class ServingEngine:
     def _start(self, req: Request) -> int:
         """Admit ``req`` if its blocks fit on the GPU now; return what became of it."""
         gpu, stats = self.gpu, self.stats
-        keys = cacheable_keys(req, self.config.block_tokens, self._drop_partial)
+        block_tokens, drop = self.config.block_tokens, self._drop_partial
+        keys = cacheable_keys(req, block_tokens, drop)
         num_blocks = len(req.keys)
-        gpu_hits = gpu.match(keys)
+        gpu_hits = min(gpu.match(keys), max_gpu_hit(req, block_tokens, drop))
         shared = gpu.slots_of(keys[:gpu_hits])
         if not gpu.fits_slots(shared, num_blocks - gpu_hits):
             return _NO_ROOM

@@ -35,6 +35,20 @@ def cacheable_keys(request: Request, block_tokens: int, drop_partial: bool) -> l
     return keys
 
 
+def max_gpu_hit(request: Request, block_tokens: int, drop_partial: bool) -> int:
+    """The most blocks of ``request`` its GPU prefix cache may serve.
+
+    vLLM matches at most ``input_tokens - 1`` tokens in whole blocks: the last
+    token is always computed for its logits, so a prompt that ends on a block
+    boundary never hits its last block in GPU memory (the offload tier may
+    still load it). Modelled with ``drop_partial`` (vLLM's blocks); the
+    ``cache`` mode keys blocks as its source does and caps nothing.
+    """
+    if not drop_partial:
+        return len(request.keys)
+    return max(0, (request.input_tokens - 1) // block_tokens)
+
+
 @dataclass
 class Workload:
     """Requests sorted by arrival time, all keyed with blocks of ``block_tokens`` tokens."""
