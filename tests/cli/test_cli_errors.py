@@ -37,6 +37,8 @@ def test_malformed_trace_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         (["--json", "/nonexistent/dir/out.json"], "/nonexistent/dir/out.json"),
         # The option, not the run's field name (it said "gpu_blocks ... must be >= 1").
         (["--gpu-gb", "0.001"], "--gpu-gb 0.001 holds no block of 2 MiB"),
+        # A CPU size too small for one block ran silently with no offload tier.
+        (["--cpu-gb", "0.001"], "--cpu-gb 0.001 holds no block of 2 MiB"),
         # A trace schema without a trace, and a kind named twice in a mix, went unsaid.
         (["--format", "qwen"], "--format qwen names a trace's schema: give --trace"),
         (["--mix", "chat=1,chat=2"], "names 'chat' twice"),
@@ -62,6 +64,11 @@ def test_sweep_bad_list(capsys: pytest.CaptureFixture[str]) -> None:
 def test_sweep_names_a_gpu_size_too_small_for_one_block(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sweep", "--requests", "20", "--gpu-gb", "0.001", "--jobs", "1"]) == 1
     assert "--gpu-gb 0.001 holds no block" in one_line_error(capsys)
+
+
+def test_sweep_names_a_cpu_size_too_small_for_one_block(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sweep", "--requests", "20", "--cpu-gb", "0,0.001", "--jobs", "1"]) == 1
+    assert "--cpu-gb 0.001 holds no block" in one_line_error(capsys)
 
 
 def test_usage_errors_are_argparse_status_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -282,7 +282,22 @@ def base_config(args: argparse.Namespace, block_tokens: int, default_layout: str
 
 def cpu_blocks(blocks: int | None, gib: float | None, config: SimConfig, block_tokens: int) -> int:
     """Offload capacity in blocks, from ``--cpu-blocks`` or ``--cpu-gb`` (or the default)."""
+    if blocks is None and gib is not None:
+        return cpu_blocks_for_gib(gib, config.layout, block_tokens)
     return _blocks(blocks, gib, DEFAULT_CPU_GIB, config.layout, block_tokens)
+
+
+def cpu_blocks_for_gib(gib: float, layout: str, block_tokens: int) -> int:
+    """The blocks ``--cpu-gb`` gives; a size above 0 that holds none is refused, so a
+    typo in the unit does not silently run with no offload tier (0 asks for none)."""
+    blocks = blocks_for_gib(gib, layout, block_tokens)
+    if blocks == 0 and gib > 0:
+        block = layout_preset(layout).with_block_size(block_tokens).bytes_per_block
+        raise InvalidArgumentError(
+            f"--cpu-gb {gib:g} holds no block of {output.size(block)} "
+            f"({layout}, {block_tokens} tokens); give 0 for no offload tier, or more"
+        )
+    return blocks
 
 
 def with_offload(config: SimConfig, cpu: int, policy: str, threshold: int) -> SimConfig:

@@ -16,7 +16,7 @@ from kvoffload.cli import options, output, tier_options
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.policies import resolve_policy
-from kvoffload.sim.run import RunReport, blocks_for_gib
+from kvoffload.sim.run import RunReport
 from kvoffload.sim.sweep import SweepInterrupted, run_sweep, sweep_configs
 
 DEFAULT_FACTORS = (1, 2, 4, 8)
@@ -70,7 +70,7 @@ def _capacities(args: argparse.Namespace, gpu_blocks: int, layout: str, bt: int)
         return options.parse_ints(args.cpu_blocks, "--cpu-blocks")
     if args.cpu_gb is not None:
         return [
-            blocks_for_gib(gib, layout, bt)
+            options.cpu_blocks_for_gib(gib, layout, bt)
             for gib in options.parse_floats(args.cpu_gb, "--cpu-gb", options.MAX_GIB)
         ]
     return [gpu_blocks * factor for factor in DEFAULT_FACTORS]

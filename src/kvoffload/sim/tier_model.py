@@ -10,6 +10,7 @@ does not delay the replay: the engine's lookup retry does that.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvoffload.admission import resolve_admission
@@ -35,10 +36,14 @@ class TierCost:
     latency_ms: float
 
     def __post_init__(self) -> None:
-        if not self.gb_per_s > 0:
-            raise InvalidArgumentError(f"a tier bandwidth must be > 0 GB/s, got {self.gb_per_s}")
-        if self.latency_ms < 0:
-            raise InvalidArgumentError(f"a tier latency must be >= 0 ms, got {self.latency_ms}")
+        if not 0 < self.gb_per_s < math.inf:
+            raise InvalidArgumentError(
+                f"a tier bandwidth must be a finite number > 0 GB/s, got {self.gb_per_s}"
+            )
+        if not 0 <= self.latency_ms < math.inf:
+            raise InvalidArgumentError(
+                f"a tier latency must be a finite number >= 0 ms, got {self.latency_ms}"
+            )
 
     def seconds(self, batches: int, blocks: int, bytes_per_block: int) -> float:
         return batches * self.latency_ms / 1000 + blocks * bytes_per_block / (self.gb_per_s * 1e9)
