@@ -522,6 +522,19 @@ def test_a_batch_that_does_not_encode_is_dropped_and_the_publisher_goes_on() -> 
     assert sub.gaps == gaps
 
 
+def test_a_batch_whose_text_is_no_utf8_is_dropped_and_the_publisher_goes_on() -> None:
+    """A lone surrogate in a string (msgpack holds UTF-8 only) raised UnicodeEncodeError, a
+    ValueError, which the dropping of unencodable batches did not catch: the thread died."""
+    with KVEventPublisher(LOCAL) as pub, KVEventSubscriber(pub.endpoint) as sub:
+        _connect(pub, sub)
+        first = sub.next_seq
+        pub.publish_batch(KVEventBatch(0.0, [BlockRemoved([b"\x01"], "CPU\ud800")]))
+        pub.publish(_stored(1))
+        pub.flush()
+        got = _receive_until(sub, 1)
+    assert [seq for seq, _ in got] == [first]
+
+
 def test_a_peer_asking_for_replay_without_pause_does_not_hold_up_publishing() -> None:
     """The publisher served every pending replay request before its next batch: a peer
     that kept asking held up publishing for as long as it asked."""
