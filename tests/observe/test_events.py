@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import socket
 import subprocess
@@ -580,3 +581,25 @@ def test_negative_timeouts_wait_for_nothing_or_are_refused() -> None:
         receiving.start()
         receiving.join(30)
         assert returned == [[]]
+
+
+def test_timeouts_without_end_wait_for_the_first_batch_or_are_refused() -> None:
+    """``int()`` of an infinite or NaN timeout raised OverflowError or ValueError: a replay
+    that may never answer is refused as a negative one is, and ``receive(math.inf)``
+    waits for the first batch as long as it takes."""
+    for endless in (math.inf, math.nan):
+        with pytest.raises(InvalidArgumentError, match="replay_timeout_s"):
+            KVEventSubscriber(LOCAL, LOCAL, replay_timeout_s=endless, bind=True)
+    with KVEventPublisher(LOCAL) as pub, KVEventSubscriber(pub.endpoint) as sub:
+        _connect(pub, sub)
+        with pytest.raises(InvalidArgumentError, match="got nan"):
+            sub.receive(math.nan)
+        pub.publish(_stored(1))
+        pub.flush()
+        returned: list[Delivered] = []
+        receiving = threading.Thread(
+            target=lambda: returned.append(sub.receive(math.inf)), daemon=True
+        )
+        receiving.start()
+        receiving.join(30)
+        assert [[seq for seq, _ in got] for got in returned] == [[pub.published - 1]]
