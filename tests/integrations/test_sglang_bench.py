@@ -42,7 +42,7 @@ def test_sglang_rows_for_every_tier_shape_and_interface(
     path = tmp_path / "bench.json"
     before = valkey_server.client().dbsize()  # the server is shared with other tests
     argv = [*TINY, "--sglang", "--dir", str(tmp_path), "--remote", valkey_server.url]
-    assert main([*argv, "--json", str(path)]) == 0
+    assert main([*argv, "--json", str(path), "--progress"]) == 0
     rows = json.loads(path.read_text())["sglang"]
     combos = {(r["tier"], r["shape"], r["interface"]) for r in rows}
     assert len(rows) == len(combos) == 12
@@ -53,7 +53,11 @@ def test_sglang_rows_for_every_tier_shape_and_interface(
         assert row["load_ratio_median"] == pytest.approx(row["load_ratio"])  # one round
     mha = next(r for r in rows if r["shape"] == "MHA layer_first")
     assert mha["page_bytes"] == 2 * (2 * 32 * 8 * 128 * 2)  # 0.2 MiB: 2 layers of 128 KiB
-    lines = capsys.readouterr().out.splitlines()
+    captured = capsys.readouterr()
+    # Each row as it starts, then the end; a log file gets a line every tenth of the way.
+    done = [int(line.split()[4].removesuffix("/12")) for line in captured.err.splitlines()]
+    assert done[0] == 0 and done[-1] == 12 and done == sorted(set(done)) and len(done) == 11
+    lines = captured.out.splitlines()
     assert lines[0].split()[:3] == ["tier", "shape", "interface"] and len(lines) == 2 + 12 + 1
     assert lines[-1].startswith("3 pages per batch; plain: disk, the same tier")
     assert "remote, pipelined SET / GET of the same bytes on a plain socket" in lines[-1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import socket
 import subprocess
@@ -522,6 +523,19 @@ def test_a_batch_that_does_not_encode_is_dropped_and_the_publisher_goes_on() -> 
     assert sub.gaps == gaps
 
 
+def test_a_batch_whose_text_is_no_utf8_is_dropped_and_the_publisher_goes_on() -> None:
+    """A lone surrogate in a string (msgpack holds UTF-8 only) raised UnicodeEncodeError, a
+    ValueError, which the dropping of unencodable batches did not catch: the thread died."""
+    with KVEventPublisher(LOCAL) as pub, KVEventSubscriber(pub.endpoint) as sub:
+        _connect(pub, sub)
+        first = sub.next_seq
+        pub.publish_batch(KVEventBatch(0.0, [BlockRemoved([b"\x01"], "CPU\ud800")]))
+        pub.publish(_stored(1))
+        pub.flush()
+        got = _receive_until(sub, 1)
+    assert [seq for seq, _ in got] == [first]
+
+
 def test_a_peer_asking_for_replay_without_pause_does_not_hold_up_publishing() -> None:
     """The publisher served every pending replay request before its next batch: a peer
     that kept asking held up publishing for as long as it asked."""
@@ -567,3 +581,25 @@ def test_negative_timeouts_wait_for_nothing_or_are_refused() -> None:
         receiving.start()
         receiving.join(30)
         assert returned == [[]]
+
+
+def test_timeouts_without_end_wait_for_the_first_batch_or_are_refused() -> None:
+    """``int()`` of an infinite or NaN timeout raised OverflowError or ValueError: a replay
+    that may never answer is refused as a negative one is, and ``receive(math.inf)``
+    waits for the first batch as long as it takes."""
+    for endless in (math.inf, math.nan):
+        with pytest.raises(InvalidArgumentError, match="replay_timeout_s"):
+            KVEventSubscriber(LOCAL, LOCAL, replay_timeout_s=endless, bind=True)
+    with KVEventPublisher(LOCAL) as pub, KVEventSubscriber(pub.endpoint) as sub:
+        _connect(pub, sub)
+        with pytest.raises(InvalidArgumentError, match="got nan"):
+            sub.receive(math.nan)
+        pub.publish(_stored(1))
+        pub.flush()
+        returned: list[Delivered] = []
+        receiving = threading.Thread(
+            target=lambda: returned.append(sub.receive(math.inf)), daemon=True
+        )
+        receiving.start()
+        receiving.join(30)
+        assert [[seq for seq, _ in got] for got in returned] == [[pub.published - 1]]

@@ -173,3 +173,30 @@ def test_the_optimiser_exports_its_what_if_figures_and_chosen_rule() -> None:
     }
     assert len(stats.whatif) == 12
     assert metrics["kvoffload_admission_switches_total"] == stats.switches >= 1
+
+
+def test_a_scrape_for_some_names_gets_their_samples_from_every_collector() -> None:
+    from kvoffload.observe.counters import LatencyHistogram, ManagerCounters
+    from kvoffload.observe.metrics import TransferCollector
+
+    latency = {"store": LatencyHistogram()}
+    latency["store"].observe(0.003)
+    with MetricsServer(0) as server:
+        for tier, lookups in (("cpu", 3), ("disk", 5)):
+            counters = ManagerCounters(lookups=lookups, held_blocks=lookups + 1)
+            server.add(ManagerCollector(lambda c=counters: c, {"tier": tier}))
+        server.add(TransferCollector(latency))
+        query = "name[]=kvoffload_lookups_total&name[]=kvoffload_transfer_seconds_count"
+        url = f"http://127.0.0.1:{server.port}/metrics?{query}"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+    samples = {
+        (sample.name, tuple(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    assert samples == {
+        ("kvoffload_lookups_total", (("tier", "cpu"),)): 3,
+        ("kvoffload_lookups_total", (("tier", "disk"),)): 5,
+        ("kvoffload_transfer_seconds_count", (("direction", "store"),)): 1,
+    }

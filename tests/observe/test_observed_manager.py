@@ -233,3 +233,27 @@ def test_the_counters_read_are_a_snapshot_later_calls_leave_alone() -> None:
     assert (before.lookups, before.stores_offered) == (0, 0)
     after = observed.counters
     assert (after.lookups, after.stores_offered) == (1, 3)
+
+
+def test_a_sink_that_raises_fails_no_call_and_the_others_get_every_batch(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def broken(events: list[OffloadingEvent]) -> None:
+        raise RuntimeError("the consumer is down")
+
+    batches: list[list[OffloadingEvent]] = []
+    observed = ObservedManager(
+        build_manager(2, "lru", enable_events=True), 100, [broken, batches.append]
+    )
+    for first in (0, 2):  # the second store evicts the first: a stored and a removed batch
+        keys = [block_id_key(first), block_id_key(first + 1)]
+        output = observed.prepare_store(keys)
+        assert output is not None and output.keys_to_store == keys
+        observed.complete_store(keys)
+    events = [event for batch in batches for event in batch]
+    assert [(len(e.keys), e.removed) for e in events] == [(2, False), (2, True), (2, False)]
+    assert observed.lookup([block_id_key(2), block_id_key(3)]) == 2
+    assert observed.sink_failures == len(batches) == 3
+    failures = [r for r in caplog.records if "KV event sink" in r.getMessage()]
+    assert len(failures) == 1
+    assert failures[0].exc_info is not None and "consumer is down" in str(failures[0].exc_info[1])

@@ -67,6 +67,23 @@ def test_bench_tiers_with_fsync_syncs_and_says_so(
     assert list(tmp_path.iterdir()) == [path]
 
 
+def test_bench_tiers_shows_progress_on_stderr_when_asked(
+    tmp_path: Path, valkey_server: ValkeyProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "tiers", "--blocks", "4", "--block-mib", "0.25", "--rounds", "2"]
+    argv += ["--dir", str(tmp_path), "--remote", valkey_server.url, "--json", "-"]
+    assert main(argv) == 0
+    assert capsys.readouterr().err == ""  # stderr is no terminal: no bar unless asked
+    assert main([*argv, "--progress"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["remote_store_gbps"] > 0  # stdout holds the JSON alone
+    lines = captured.err.splitlines()
+    # A plain and a tier half of each round, on each tier, from the start.
+    counts = [line.split()[3] for line in lines]
+    assert counts == [f"{done}/8" for done in range(9)]
+    assert all(line.startswith("bench tiers [") for line in lines)
+
+
 def one_line(capsys: pytest.CaptureFixture[str]) -> str:
     err = capsys.readouterr().err
     lines = err.strip().splitlines()

@@ -18,6 +18,7 @@ from types import FrameType, ModuleType
 from typing import Any
 
 from kvoffload.cli import options, output, tier_options
+from kvoffload.cli.progress import ProgressBar
 from kvoffload.core.errors import KVOffloadError
 
 BENCH_MODULE = "kvoffload.dataplane.bench"
@@ -71,6 +72,7 @@ def register(commands: Any) -> argparse.ArgumentParser:
         "page_first/layer_first and MLA; --blocks pages of about --block-mib each",
     )
     tiers.add_argument("--json", metavar="PATH", help="write the results as JSON (- stdout)")
+    options.add_progress_argument(tiers)
     tiers.set_defaults(run=run_tiers)
     return transfer
 
@@ -130,16 +132,21 @@ def run_tiers(args: argparse.Namespace) -> int:
     _check_json(args)
     if args.sglang is not None:
         return _run_sglang(args)
+    bar = ProgressBar("bench tiers", ProgressBar.wanted(args.progress))
     with _sigterm_as_interrupt():
-        results = measure_tiers(
-            args.blocks,
-            args.block_mib,
-            args.rounds,
-            args.dir,
-            args.remote,
-            fsync=args.fsync,
-            disk_timeout_ms=args.disk_timeout_ms or DEFAULT_TIMEOUT_MS,
-        )
+        try:
+            results = measure_tiers(
+                args.blocks,
+                args.block_mib,
+                args.rounds,
+                args.dir,
+                args.remote,
+                fsync=args.fsync,
+                disk_timeout_ms=args.disk_timeout_ms or DEFAULT_TIMEOUT_MS,
+                progress=bar,
+            )
+        finally:
+            bar.close()
     if args.json:
         output.write_json(args.json, results)
     if args.json != "-":
@@ -155,14 +162,38 @@ def _run_sglang(args: argparse.Namespace) -> int:
             "backend's disk tier as SGLang runs it (no --fsync)"
         )
     try:
-        from kvoffload.integrations.sglang.bench import measure_sglang, parse_interfaces, table_rows
+        from kvoffload.integrations.sglang.bench import (
+            SHAPES,
+            measure_sglang,
+            parse_interfaces,
+            table_rows,
+        )
     except ImportError as exc:
         raise KVOffloadError(f"bench tiers --sglang needs {exc.name}; see docs/sglang.md") from None
     interfaces = parse_interfaces(args.sglang)
+    bar = ProgressBar("bench tiers --sglang", ProgressBar.wanted(args.progress))
+    total = len(SHAPES) * len(interfaces) * (1 if args.remote is None else 2)
+    started = 0
+
+    def row_starts(row: str) -> None:
+        nonlocal started
+        bar(started, total)
+        started += 1
+
     with _sigterm_as_interrupt():
-        results = measure_sglang(
-            args.blocks, args.block_mib, args.rounds, args.dir, args.remote, interfaces
-        )
+        try:
+            results = measure_sglang(
+                args.blocks,
+                args.block_mib,
+                args.rounds,
+                args.dir,
+                args.remote,
+                interfaces,
+                row_starts,
+            )
+            bar(total, total)
+        finally:
+            bar.close()
     if args.json:
         output.write_json(args.json, results)
     if args.json != "-":

@@ -7,7 +7,8 @@ prometheus_client is imported here only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+import copy
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import (
@@ -16,7 +17,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, RestrictedRegistry
 
 from kvoffload.admission.base import AdmissionStats
 from kvoffload.core.errors import InvalidArgumentError
@@ -173,13 +174,48 @@ class TransferCollector(Collector):
         yield family
 
 
+class _NamedSamples(RestrictedRegistry):
+    """The samples of the names a scrape asks for (``?name[]=...``), looked for in every
+    collector's output."""
+
+    def __init__(self, names: Iterable[str], registry: CollectorRegistry) -> None:
+        names = frozenset(names)
+        super().__init__(names, registry)
+        self._names = names
+        self._everything = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._everything.collect():
+            samples = [sample for sample in metric.samples if sample.name in self._names]
+            if samples:
+                kept = copy.copy(metric)
+                kept.samples = samples
+                yield kept
+
+
+class _Registry(CollectorRegistry):
+    """A registry whose ``?name[]=`` filter finds our collectors' samples.
+
+    prometheus_client's own filter collects only the collectors that ``describe()`` the
+    names asked for; ours describe nothing, so that several of one kind (told apart by
+    labels) share a registry without clashing, and the filter used to answer nothing.
+    """
+
+    def restricted_registry(self, names: Iterable[str]) -> RestrictedRegistry:
+        return _NamedSamples(names, self)
+
+
 class MetricsServer:
-    """An HTTP ``/metrics`` endpoint on 127.0.0.1 for one registry; ``port=0`` picks a free port."""
+    """An HTTP ``/metrics`` endpoint on 127.0.0.1 for one registry; ``port=0`` picks a free port.
+
+    ``/metrics?name[]=NAME`` (repeatable) serves only the samples so named, e.g.
+    ``kvoffload_lookups_total`` or ``kvoffload_transfer_seconds_count``.
+    """
 
     def __init__(self, port: int, host: str = "127.0.0.1") -> None:
         if not 0 <= port <= 65535:
             raise InvalidArgumentError(f"metrics port must be in 0..65535, got {port}")
-        self.registry = CollectorRegistry()
+        self.registry: CollectorRegistry = _Registry()
         try:
             self._server, self._thread = start_http_server(port, host, self.registry)
         except OSError as exc:

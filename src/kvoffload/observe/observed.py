@@ -6,6 +6,7 @@ and KV events need no hooks inside the engine or the managers.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -16,6 +17,8 @@ from kvoffload.core.specs import LoadStoreSpec
 from kvoffload.core.tier_protocol import TierStats
 from kvoffload.observe.counters import ManagerCounters
 from kvoffload.observe.transfers import ObservedWorker
+
+logger = logging.getLogger(__name__)
 
 EventSink = Callable[[list[OffloadingEvent]], None]
 """Receives each batch of events drained from the manager, in order."""
@@ -55,7 +58,9 @@ class ObservedManager(OffloadingManager):
     finishes tier writes, not only its stores) and handed to each sink, so they
     reach the outside world in the step that made them; :meth:`flush` hands
     over the last ones, and :meth:`take_events` then returns nothing. Without sinks it
-    passes ``take_events`` through.
+    passes ``take_events`` through. A sink that raises loses that batch, not the call:
+    the others still get it, :attr:`sink_failures` counts it, and each sink's first
+    failure is logged with its traceback.
 
     ``stores_skipped`` counts, as the simulator's ``stores_skipped_by_admission``
     does, the offered blocks a store gave no slot that the CPU tier does not
@@ -77,6 +82,9 @@ class ObservedManager(OffloadingManager):
         self._backing = backing
         self._bytes_per_block = bytes_per_block
         self._sinks = tuple(sinks)
+        self._failed_sinks: set[int] = set()
+        self.sink_failures = 0
+        """Batches a sink raised on, one per sink and batch (the call went on)."""
         self._counters = ManagerCounters()
         self._tiered: _Tiered | None = None
         self._cpu: _CPUTier | None = None
@@ -185,8 +193,18 @@ class ObservedManager(OffloadingManager):
             return
         events = list(self._take())
         if events:
-            for sink in self._sinks:
-                sink(events)
+            for index, sink in enumerate(self._sinks):
+                try:
+                    sink(events)
+                except Exception:  # a broken consumer must not fail the engine's call
+                    self.sink_failures += 1
+                    if index not in self._failed_sinks:
+                        self._failed_sinks.add(index)
+                        logger.exception(
+                            "KV event sink %r failed; the batches it fails on are dropped "
+                            "for it alone and counted in sink_failures",
+                            sink,
+                        )
 
 
 @dataclass(frozen=True)

@@ -132,9 +132,11 @@ class KVEventPublisher:
             if isinstance(batch, threading.Event):
                 batch.set()
                 continue
+            # A value msgpack cannot hold: another type, too wide an int, or a str that is
+            # no UTF-8 (UnicodeEncodeError, a ValueError).
             try:
                 payload = encode_batch(batch)
-            except (TypeError, OverflowError) as exc:  # a value msgpack cannot hold
+            except (TypeError, OverflowError, ValueError) as exc:
                 logger.warning("dropping a KV event batch that does not encode: %s", exc)
                 continue
             seq = self.published

@@ -9,6 +9,7 @@ reach the caller exactly once and in order.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 
@@ -61,8 +62,10 @@ class KVEventSubscriber:
         replay_timeout_s: float = 5.0,
         bind: bool = False,
     ) -> None:
-        if not replay_timeout_s >= 0:  # ZMQ waits without end for a negative time
-            raise InvalidArgumentError(f"replay_timeout_s must be >= 0, got {replay_timeout_s!r}")
+        if not 0 <= replay_timeout_s < math.inf:  # ZMQ waits without end for a negative time
+            raise InvalidArgumentError(
+                f"replay_timeout_s must be finite and >= 0, got {replay_timeout_s!r}"
+            )
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sub = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
@@ -88,9 +91,12 @@ class KVEventSubscriber:
 
     def receive(self, timeout_s: float = 1.0) -> Delivered:
         """Batches that arrived within ``timeout_s`` (waiting only for the first), in order;
-        a negative ``timeout_s`` waits for none (ZMQ would wait without end)."""
+        a negative ``timeout_s`` waits for none (ZMQ would wait without end), ``math.inf``
+        for the first without end."""
+        if math.isnan(timeout_s):
+            raise InvalidArgumentError("receive's timeout_s must be a number of seconds, got nan")
         delivered: Delivered = []
-        timeout_ms = max(0, int(timeout_s * 1000))
+        timeout_ms = -1 if timeout_s == math.inf else max(0, int(timeout_s * 1000))
         while self._sub.poll(timeout_ms):
             timeout_ms = 0
             frames = self._sub.recv_multipart()

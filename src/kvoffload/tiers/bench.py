@@ -38,6 +38,13 @@ from kvoffload.tiers.slot_file import DEFAULT_DEADLINE_S
 MIB = 2**20
 MIN_BLOCK_BYTES = 1024
 
+Step = Callable[[], None]
+"""Told after each plain or tier half of a round: what a progress bar counts."""
+
+
+def _no_step() -> None:
+    pass
+
 
 def _gbps(num_bytes: int, seconds: float) -> float:
     return num_bytes / seconds / 1e9 if seconds > 0 else 0.0
@@ -87,6 +94,7 @@ def measure_disk(
     rounds: int,
     fsync: bool = False,
     deadline_s: float = DEFAULT_DEADLINE_S,
+    step: Step = _no_step,
 ) -> dict[str, float]:
     """Rounds alternate plain and tier; each round stores, loads, then deletes its bytes.
 
@@ -134,11 +142,13 @@ def measure_disk(
             raise KVOffloadError("bench tiers: the disk tier lost blocks during the benchmark")
         return stored - started, loaded - stored
 
-    plain_times, tier_times = _alternate(rounds, plain, tier, blocks)
+    plain_times, tier_times = _alternate(rounds, plain, tier, blocks, step)
     return _figures("disk", blocks.total, tier_times, plain_times)
 
 
-def measure_remote(blocks: BenchBlocks, url: str, rounds: int) -> dict[str, float]:
+def measure_remote(
+    blocks: BenchBlocks, url: str, rounds: int, step: Step = _no_step
+) -> dict[str, float]:
     """As :func:`measure_disk`, against a raw socket per node: pipelined SETs, then pipelined
     GETs each read with ``recv_into`` straight into its destination (no client library)."""
     fingerprint = layout_fingerprint("bench", layout_preset("tiny"), blocks.size)
@@ -167,7 +177,7 @@ def measure_remote(blocks: BenchBlocks, url: str, rounds: int) -> dict[str, floa
                 )
             return stored - started, loaded - stored
 
-        plain_times, tier_times = _alternate(rounds, plain, tier, blocks)
+        plain_times, tier_times = _alternate(rounds, plain, tier, blocks, step)
     except OSError as exc:
         raise KVOffloadError(
             f"bench tiers: the server at {remote.address.redacted()} failed mid-run ({exc})"
@@ -263,15 +273,19 @@ Times = list[tuple[float, float]]
 """(store, load) seconds of each round."""
 
 
-def _alternate(rounds: int, plain: Round, tier: Round, blocks: BenchBlocks) -> tuple[Times, Times]:
+def _alternate(
+    rounds: int, plain: Round, tier: Round, blocks: BenchBlocks, step: Step
+) -> tuple[Times, Times]:
     """(store, load) seconds of every round of each, interleaved; the tier's loads verified."""
     plain_times: Times = []
     tier_times: Times = []
     for i in range(rounds):
         plain_times.append(plain(i))
+        step()
         blocks.clear()
         tier_times.append(tier(i))
         blocks.verify()
+        step()
     return plain_times, tier_times
 
 
@@ -305,8 +319,12 @@ def measure_tiers(
     remote: str | None = None,
     fsync: bool = False,
     disk_timeout_ms: float = DEFAULT_DEADLINE_S * 1000,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Disk figures (in ``directory``, default a temporary one), and remote ones if ``remote``."""
+    """Disk figures (in ``directory``, default a temporary one), and remote ones if ``remote``.
+
+    ``progress(done, total)`` is told at the start and after each half round (plain or tier).
+    """
     if blocks < 1 or rounds < 1 or not 0 < block_mib < math.inf:
         raise InvalidArgumentError(
             f"blocks and rounds must be >= 1 and block MiB > 0, got {blocks}, {rounds}, {block_mib}"
@@ -323,12 +341,23 @@ def measure_tiers(
     results: dict[str, Any] = {"blocks": blocks, "block_bytes": data.size, "rounds": rounds}
     if fsync:
         results["fsync"] = True
+    total = 2 * rounds * (1 if remote is None else 2)
+    done = 0
+
+    def step() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
+    if progress is not None:
+        progress(0, total)
     scratch = scratch_path(directory)
     try:
         scratch.mkdir(mode=0o700)
-        results.update(measure_disk(data, scratch, rounds, fsync, disk_timeout_ms / 1000))
+        results.update(measure_disk(data, scratch, rounds, fsync, disk_timeout_ms / 1000, step))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if remote is not None:
-        results.update(measure_remote(data, remote, rounds))
+        results.update(measure_remote(data, remote, rounds, step))
     return results
