@@ -23,6 +23,7 @@ from kvoffload.admission import (
     wrap_with_admission,
 )
 from kvoffload.admission.registry import admission_params
+from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD
 from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError, check_integer
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager
@@ -174,6 +175,11 @@ class StackConfig:
         for name in ("cpu_blocks", "store_threshold", "disk_blocks", "remote_blocks"):
             check_integer(name, getattr(self, name), 0)
         check_integer("cpu_blocks", self.cpu_blocks, 1)
+        if self.store_threshold > MAX_STORE_THRESHOLD:
+            raise InvalidArgumentError(
+                f"store_threshold must be from 0 to {MAX_STORE_THRESHOLD} (0 or 1: no filter), "
+                f"got {self.store_threshold}"
+            )
         check_integer("max_tracker_size", self.max_tracker_size, 1)
         check_integer("tier_store_threshold", self.tier_store_threshold, 0)
         _policy("policy", self.policy)
