@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvoffload import (
@@ -213,7 +214,15 @@ def test_admit_passes_on_what_prepare_store_would_with_the_same_counts() -> None
 @pytest.mark.parametrize("layer", [SketchAdmission, FeedbackAdmission, OptimisingAdmission])
 @pytest.mark.parametrize(
     ("counted", "gpu_held", "named"),
-    [(-1, 0, "counted"), (0, -2, "gpu_held"), (1.0, 0, "counted"), (0, True, "gpu_held")],
+    [
+        (-1, 0, "counted"),
+        (0, -2, "gpu_held"),
+        (1.0, 0, "counted"),
+        (0, True, "gpu_held"),
+        (np.True_, 0, "counted"),
+        (0, np.int64(-1), "gpu_held"),
+        (0, np.float64(1), "gpu_held"),
+    ],
 )
 def test_begin_request_refuses_a_negative_or_non_integer_count(
     layer: type[SketchAdmission | FeedbackAdmission | OptimisingAdmission],
@@ -233,3 +242,25 @@ def test_begin_request_refuses_a_negative_or_non_integer_count(
     for each in (manager, untouched):
         each.begin_request(keys(4, 5), will_offer=False)
     assert manager.stats() == untouched.stats()
+
+
+@pytest.mark.parametrize("layer", [SketchAdmission, FeedbackAdmission, OptimisingAdmission])
+def test_begin_request_takes_a_drivers_numpy_counts_as_the_ints_they_are(
+    layer: type[SketchAdmission | FeedbackAdmission | OptimisingAdmission],
+) -> None:
+    """A count a driver computed with NumPy is an integer: the layer does as with plain ints,
+    and keeps plain ints (its stats stay plain numbers)."""
+    plain, numpy = layer(CPUOffloadingManager(8), 8), layer(CPUOffloadingManager(8), 8)
+    passed: list[list[list[OffloadKey]]] = [[], []]
+    for round_ in range(3):
+        request = keys(1, 2, 3, 4 + round_)
+        for manager, count, out in ((plain, int, passed[0]), (numpy, np.int64, passed[1])):
+            manager.begin_request(request, gpu_held=count(1))
+            manager.begin_request(request, counted=count(2), gpu_held=count(1))
+            output = manager.prepare_store(request[1:])
+            assert output is not None
+            out.append(list(output.keys_to_store))
+            manager.end_request(request)
+    assert passed[0] == passed[1]
+    assert plain.stats() == numpy.stats()
+    assert all(type(value) in (int, float) for value in numpy.stats().numbers().values())

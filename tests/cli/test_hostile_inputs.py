@@ -468,6 +468,7 @@ def test_bad_tier_numbers_are_usage_errors(
         (["--disk-dir", "{tmp}/a-file/d", "--disk-gb", "1"], "is not an existing directory"),
         (["--disk-dir", "{tmp}/no/d", "--disk-blocks", "8"], "no is not an existing directory"),
         (["--disk-dir", "{tmp}/d"], "--disk-dir needs a size: --disk-gb or --disk-blocks"),
+        (["--disk-dir", "", "--disk-blocks", "8"], "--disk-dir must be a non-empty path"),
         (["--disk-dir", "{tmp}/d", "--disk-blocks", str(10**20)], "--disk-blocks: a disk tier of"),
         (["--disk-gb", "1"], "--disk-gb needs --disk-dir"),
         (["--disk-policy", "lru"], "--disk-policy needs --disk-dir"),

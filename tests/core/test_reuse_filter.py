@@ -66,8 +66,9 @@ def test_every_key_is_counted_per_occurrence_even_after_a_miss() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"store_threshold": 1}, r"store_threshold must be in \[2, 4611686018427387904\], got 1"),
-        ({"store_threshold": 2**63}, f"store_threshold must be in .*, got {2**63}"),
+        ({"store_threshold": 1}, "store_threshold must be from 2 to 4611686018427387904, got 1"),
+        ({"store_threshold": 0}, "got 0; a threshold of 0 or 1 means no filter"),
+        ({"store_threshold": 2**63}, f"store_threshold must be from 2 to .*, got {2**63}"),
         ({"max_tracker_size": 0}, "max_tracker_size must be >= 1, got 0"),
     ],
 )
@@ -171,3 +172,21 @@ def test_the_vllm_offer_filter_refuses_a_threshold_past_the_counter() -> None:
 
     with pytest.raises(InvalidArgumentError, match=f"got {2**63}"):
         OfferCountFilter(2**63)
+
+
+@pytest.mark.parametrize("threshold", [0, 1, 2**63])
+def test_a_filters_threshold_error_says_what_each_layer_accepts(threshold: int) -> None:
+    """The filters take 2 and up (the seed's class refuses 1, "no filtering"); a stack takes
+    0 and 1 too, meaning no filter: neither message says ``[2, ...]`` alone any more."""
+    from kvoffload.integrations.vllm.offer_filter import OfferCountFilter
+
+    no_filter = "a threshold of 0 or 1 means no filter"
+    with pytest.raises(InvalidArgumentError, match=f"from 2 to .*, got {threshold}; {no_filter}"):
+        OfferCountFilter(threshold)
+    with pytest.raises(InvalidArgumentError, match=f"from 2 to .*, got {threshold}; {no_filter}"):
+        FilterReusedOffloadingManager(CPUOffloadingManager(4), threshold)
+    if threshold < 2:
+        build_manager(8, store_threshold=threshold)  # no filter, as in vLLM's configuration
+    else:
+        with pytest.raises(InvalidArgumentError, match=r"from 0 to .* \(0 or 1: no filter\)"):
+            build_manager(8, store_threshold=threshold)

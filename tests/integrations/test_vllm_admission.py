@@ -219,3 +219,18 @@ def test_vllms_metrics_frontend_shows_the_admission_counters(
     assert 'vllm:kvoffload_stores_skipped_total{engine="0"} 2.0' in text
     assert 'vllm:kvoffload_admission_ghost_hits_total{engine="0"} 0.0' in text
     assert 'vllm:kvoffload_admission_control{engine="0"} 2.0' in text
+
+
+@pytest.mark.parametrize("disk", [False, True])
+def test_a_cpu_size_whose_admission_memory_the_machine_lacks_names_cpu_bytes_to_use(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, disk: bool
+) -> None:
+    """The CPU tier's layer is built by the stack builder, not a tier's book: it names the
+    size's key as the books do (before: only 'an admission frequency sketch of ...')."""
+    from kvoffload.core.errors import InsufficientMemoryError
+
+    tiers = {"kvoffload.disk_dir": str(tmp_path), "kvoffload.disk_bytes": 1 << 20} if disk else {}
+    spec = create_spec({"cpu_bytes_to_use": 1 << 62, "kvoffload.admission": "sketch", **tiers})
+    named = "kv_connector_extra_config 'cpu_bytes_to_use': an admission frequency sketch"
+    with pytest.raises(InsufficientMemoryError, match=named):
+        spec.get_manager()

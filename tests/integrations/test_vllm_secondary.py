@@ -606,3 +606,38 @@ def test_blocks_past_a_run_our_tier_served_whole_are_judged(
     counters = disk.counters
     assert (counters.served_blocks, counters.written_blocks) == (4, 2)
     assert disk.tier.held(KEYS[:6]) == [True] * 6
+
+
+@pytest.mark.parametrize("chunk", [-1, -2, 4, 2**40])
+def test_a_chunk_past_the_cpu_tiers_region_fails_its_job_moving_no_byte(
+    vllm_modules: dict[str, ModuleType],
+    tmp_path: Path,
+    engines: Callable[..., Engine],
+    chunk: int,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A memoryview slice clips a row past the region to a short or empty one, and a negative
+    start counts from the end (another chunk's bytes): a chunk id the CPU tier does not have
+    fails its job, the tier untouched, never a wrong row written or read."""
+    import numpy as np
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+    from vllm_helpers import request_context
+
+    engine = engines([_disk(tmp_path, admission="none")], cpu_blocks=4)
+    engine.replay.request(KEYS[:4])
+    disk = engine.tiers[0]
+    before = [bytes(engine.replay.row(i)) for i in range(4)]
+    context = request_context("bad-chunk", KEYS[4:6])
+    disk.on_new_request(context)
+    chunks = np.array([0, chunk], dtype=np.int64)
+    disk.submit_store(TransferJob(901, KEYS[4:6], chunks, False, context))
+    disk.submit_load(TransferJob(902, KEYS[:2], chunks, True, context))
+    disk.drain_jobs()
+    results = {result.job_id: result for result in disk.get_finished_jobs()}
+    assert not results[901].success and not results[902].success
+    assert not results[901].transfer_bytes and not results[902].transfer_bytes
+    assert disk.tier.held(KEYS[4:6]) == [False, False]
+    assert [bytes(engine.replay.row(i)) for i in range(4)] == before
+    assert (disk.counters.written_blocks, disk.counters.loaded_blocks) == (4, 0)
+    assert (disk.counters.write_failures, disk.counters.load_failures) == (2, 2)
+    assert f"chunk {chunk} is outside the CPU tier's 4 chunks" in caplog.text

@@ -34,6 +34,11 @@ def test_factory_builds_our_spec_and_sizes_the_tier(vllm_modules: dict[str, Modu
         ({"cpu_bytes_to_use": 4096, "evicton_policy": "lru"}, "evicton_policy"),
         ({"cpu_bytes_to_use": 4096, "eviction_policy": "mru"}, "mru"),
         ({"cpu_bytes_to_use": 4096, "store_threshold": -1}, "store_threshold"),
+        # Past the counter's bound: refused at start-up, saying 0 is accepted too.
+        (
+            {"cpu_bytes_to_use": 4096, "store_threshold": 2**63},
+            "'store_threshold' must be an integer from 0 to 4,611,686,018,427,387,904",
+        ),
         ({"cpu_bytes_to_use": 4096, "max_tracker_size": "many"}, "max_tracker_size"),
         ({"cpu_bytes_to_use": 0}, "cpu_bytes_to_use"),
         # Past what one buffer holds: a TypeError from torch in every worker before.

@@ -278,6 +278,16 @@ def test_a_bad_argument_is_refused_naming_it_before_any_file_or_thread(
     assert not (tmp_path / "d").exists() and threading.active_count() == threads
 
 
+def test_an_empty_directory_is_refused_not_taken_as_the_working_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``""`` as a path is the working directory: a setting left blank, never meant."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidArgumentError, match="disk tier directory must be a non-empty"):
+        DiskTier("", 4, FP)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_foreign_superblock_starts_the_tier_over(tmp_path: Path) -> None:
     first = stored(DiskTier(tmp_path, 20, FP), KEYS[:3])
     first.close()

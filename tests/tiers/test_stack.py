@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvoffload.admission import FeedbackAdmission, OptimisingAdmission
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError
 from kvoffload.core.tier_protocol import MAX_IO_THREADS
 from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager, build_manager
 from kvoffload.managers.stack import LowerTierConfig, StackConfig, build_cpu_stack
@@ -199,3 +199,18 @@ def test_a_tier_that_fails_to_open_closes_the_ones_opened_before(tmp_path: Path)
             DiskTier(tmp_path, 4, FINGERPRINT)  # and an open tier does hold it
     finally:
         held.close()
+
+
+@pytest.mark.parametrize("disk", [False, True])
+def test_a_cpu_size_whose_admission_memory_the_machine_lacks_names_its_key(
+    tmp_path: Path, disk: bool
+) -> None:
+    """As a lower tier's book names its size's key; with a disk tier, the tier opened before
+    the CPU tier's layer is closed again (its directory free)."""
+    tiers: dict[str, Any] = {"disk_dir": str(tmp_path), "disk_blocks": 4} if disk else {}
+    config = StackConfig(
+        10**30, admission="sketch", fingerprint=FINGERPRINT, cpu_size_key="cpu_gib", **tiers
+    )
+    with pytest.raises(InsufficientMemoryError, match=r"^cpu_gib: an admission frequency sketch"):
+        build_stack(config)
+    DiskTier(tmp_path, 4, FINGERPRINT).close()

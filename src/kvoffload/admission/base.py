@@ -16,6 +16,7 @@ fallback: boundaries guessed from the call order
 
 from __future__ import annotations
 
+import operator
 from abc import abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from typing import Any
 
 from kvoffload.admission.minisim import WhatIf
 from kvoffload.admission.requests import RequestTracker
-from kvoffload.core.errors import InvalidArgumentError, check_integer
+from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import LoadStoreSpec
@@ -153,7 +154,7 @@ class AdmissionLayer(OffloadingManager):
         ``counted``: leading keys an earlier call already showed for the same request (a
         request offered in parts), not counted again.
         """
-        check_request_counts(counted, gpu_held)
+        counted, gpu_held = check_request_counts(counted, gpu_held)
         self._announced = True
         if not keys:
             return
@@ -224,9 +225,21 @@ class AdmissionLayer(OffloadingManager):
         return self._backing.take_events()
 
 
-def check_request_counts(counted: object, gpu_held: object) -> None:
-    """:class:`InvalidArgumentError` unless ``begin_request``'s ``counted`` and ``gpu_held``
-    are integers >= 0 (one type test each on the per-request path)."""
-    if type(counted) is not int or type(gpu_held) is not int or counted < 0 or gpu_held < 0:
-        check_integer("counted", counted, 0)
-        check_integer("gpu_held", gpu_held, 0)
+def check_request_counts(counted: object, gpu_held: object) -> tuple[int, int]:
+    """``begin_request``'s ``counted`` and ``gpu_held`` as ints; :class:`InvalidArgumentError`
+    unless each is an integer >= 0. Any integer type counts (``operator.index``: a driver's
+    NumPy or 0-d tensor count), not a bool; plain ints cost one type test each."""
+    if type(counted) is int and type(gpu_held) is int and counted >= 0 and gpu_held >= 0:
+        return counted, gpu_held
+    return _count("counted", counted), _count("gpu_held", gpu_held)
+
+
+def _count(name: str, value: object) -> int:
+    """``value`` as an int >= 0, or :class:`InvalidArgumentError` naming ``name``."""
+    try:
+        number = -1 if isinstance(value, bool) else operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        number = -1
+    if number < 0:
+        raise InvalidArgumentError(f"{name} must be an integer >= 0, got {value!r}")
+    return number

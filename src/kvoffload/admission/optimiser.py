@@ -406,7 +406,7 @@ class OptimisingAdmission(AdmissionLayer):
         A later part of a request offered in parts (``counted`` > 0) counts only its new
         keys in the filter; the mini-tiers scored the request's lookup with its first part.
         """
-        check_request_counts(counted, gpu_held)  # before anything here changes
+        counted, gpu_held = check_request_counts(counted, gpu_held)  # before any change here
         if keys:  # a request of no keys announces nothing
             if lookup_follows or will_offer:
                 self._offers_follow = True

@@ -64,8 +64,9 @@ class FilterReusedOffloadingManager(OffloadingManager):
                 )
         if not 2 <= store_threshold <= MAX_STORE_THRESHOLD:
             raise InvalidArgumentError(
-                "FilterReusedOffloadingManager store_threshold must be in "
-                f"[2, {MAX_STORE_THRESHOLD}], got {store_threshold}"
+                "FilterReusedOffloadingManager store_threshold must be from 2 to "
+                f"{MAX_STORE_THRESHOLD}, got {store_threshold}; a threshold of 0 or 1 means "
+                "no filter: the backing manager unwrapped"
             )
         if max_tracker_size < 1:
             raise InvalidArgumentError(

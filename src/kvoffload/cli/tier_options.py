@@ -172,7 +172,10 @@ def _check_capacity(disk_blocks: int, option: str) -> None:
 
 
 def _check_disk_dir(path: str) -> None:
-    """An existing writable directory, or one that can be made in an existing one."""
+    """An existing writable directory, or one that can be made in an existing one (not
+    ``""``, which as a path is the working directory)."""
+    if not path:
+        raise InvalidArgumentError("--disk-dir must be a non-empty path, got ''")
     target = Path(path)
     if target.exists():
         if not target.is_dir():

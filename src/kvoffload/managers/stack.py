@@ -23,7 +23,8 @@ from kvoffload.admission import (
     wrap_with_admission,
 )
 from kvoffload.admission.registry import admission_params
-from kvoffload.core.errors import InvalidArgumentError, check_integer
+from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD
+from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError, check_integer
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager
 from kvoffload.core.tier_protocol import LowerTier, SlotBytes, check_deadline_s, check_io_threads
@@ -162,6 +163,9 @@ class StackConfig:
     """The CPU slots' bytes; ``None``: the lower tiers keep books only (empty payloads)."""
     fingerprint: bytes = b""
     """What the lower tiers' blocks mean (:func:`~kvoffload.tiers.layout_fingerprint`)."""
+    cpu_size_key: str = field(default="cpu_blocks", compare=False, repr=False)
+    """The caller's key of the CPU tier's size (vLLM's ``cpu_bytes_to_use``), which memory its
+    admission layer needs and the machine lacks names, as a lower tier's book does."""
     disk_tier: LowerTierConfig | None = field(init=False, compare=False, repr=False)
     remote_tier: LowerTierConfig | None = field(init=False, compare=False, repr=False)
     """The lower tiers' settings as :func:`kvoffload.tiers.stack.build_stack` opens them
@@ -171,6 +175,11 @@ class StackConfig:
         for name in ("cpu_blocks", "store_threshold", "disk_blocks", "remote_blocks"):
             check_integer(name, getattr(self, name), 0)
         check_integer("cpu_blocks", self.cpu_blocks, 1)
+        if self.store_threshold > MAX_STORE_THRESHOLD:
+            raise InvalidArgumentError(
+                f"store_threshold must be from 0 to {MAX_STORE_THRESHOLD} (0 or 1: no filter), "
+                f"got {self.store_threshold}"
+            )
         check_integer("max_tracker_size", self.max_tracker_size, 1)
         check_integer("tier_store_threshold", self.tier_store_threshold, 0)
         _policy("policy", self.policy)
@@ -301,9 +310,16 @@ def assemble(config: StackConfig, stack: Stack) -> Stack:
     """``stack`` (its CPU tier, and its tiered manager if any) under ``config``'s admission
     layer and then its reuse filter; ``stack.manager`` becomes the outermost."""
     bottom: OffloadingManager = stack.tiered if stack.tiered is not None else stack.cpu
-    manager = wrap_with_admission(
-        config.admission, bottom, config.cpu_blocks, config.write_budget, config.admission_params
-    )
+    try:
+        manager = wrap_with_admission(
+            config.admission,
+            bottom,
+            config.cpu_blocks,
+            config.write_budget,
+            config.admission_params,
+        )
+    except InsufficientMemoryError as exc:  # the layer's memory grows with the tier's size
+        raise InsufficientMemoryError(f"{config.cpu_size_key}: {exc}") from None
     if isinstance(manager, AdmissionLayer):
         stack.admission = manager
     if config.store_threshold >= 2:

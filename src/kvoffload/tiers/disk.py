@@ -119,8 +119,9 @@ class DiskTier:
     and reads, never an exception or a wait for the caller; deadline misses
     open ``breaker``, which then refuses disk I/O at once until a trial gets
     through. :attr:`recovery` says what the start-up scan found.
-    Start-up raises :class:`~kvoffload.tiers.slot_file.DiskTierError` for an
-    unsafe or busy directory.
+    An empty ``directory`` is refused: as a path it is the working directory, which a
+    setting left blank never meant. Start-up raises
+    :class:`~kvoffload.tiers.slot_file.DiskTierError` for an unsafe or busy directory.
     """
 
     medium = MEDIUM
@@ -146,6 +147,10 @@ class DiskTier:
         ):
             raise InvalidArgumentError(
                 f"disk capacity must be an integer >= 1 block, got {capacity_blocks!r}"
+            )
+        if not os.fspath(directory):
+            raise InvalidArgumentError(
+                f"the disk tier directory must be a non-empty path, got {directory!r}"
             )
         check_io_threads(io_threads)
         check_fingerprint(fingerprint)

@@ -158,7 +158,11 @@ def build_stack(config: StackConfig) -> Stack:
     cpu = CPUOffloadingManager(config.cpu_blocks, config.policy, config.enable_events)
     stack = Stack(cpu, cpu)
     stack.tiered = _tiered(config, cpu, stack)
-    return assemble(config, stack)
+    try:
+        return assemble(config, stack)
+    except BaseException:  # the CPU tier's admission layer, built last
+        stack.close()
+        raise
 
 
 def _tiered(

@@ -28,7 +28,8 @@ class OfferCountFilter:
     def __init__(self, store_threshold: int, max_tracker_size: int = 64_000) -> None:
         if not 2 <= store_threshold <= MAX_STORE_THRESHOLD:
             raise InvalidArgumentError(
-                f"store_threshold must be in [2, {MAX_STORE_THRESHOLD}], got {store_threshold}"
+                f"the offer filter's store_threshold must be from 2 to {MAX_STORE_THRESHOLD}, "
+                f"got {store_threshold}; a threshold of 0 or 1 means no filter: build none"
             )
         if max_tracker_size < 1:
             raise InvalidArgumentError(f"max_tracker_size must be >= 1, got {max_tracker_size}")

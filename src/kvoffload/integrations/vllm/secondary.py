@@ -20,12 +20,14 @@ expect a single caller); lookups go through vLLM's ``AsyncLookupManager``
 (``RETRY`` until the answer is in, as vLLM's ``fs`` tier does). A cascade
 job keeps its CPU chunks pinned until its admitted blocks are written, and
 they are written straight from the CPU tier's shared memory, never copied
-on the scheduler thread. A slow or dead server, a full disk, a broken block:
-counted misses and failed jobs, never an exception into the engine.
+on the scheduler thread. A slow or dead server, a full disk, a broken block,
+a chunk outside the CPU tier: counted misses and failed jobs, never an
+exception into the engine.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
 from abc import abstractmethod
@@ -68,6 +70,8 @@ from kvoffload.integrations.vllm.secondary_settings import (
 )
 from kvoffload.integrations.vllm.spec import config_fingerprint
 from kvoffload.tiers.stack import tier_book, tier_opener
+
+logger = logging.getLogger(__name__)
 
 MODULE_PATH = __name__
 """What ``module_path`` of a tier entry names."""
@@ -463,22 +467,30 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             )
             return
         judged = [keys[i] for i in computed]
-        payloads = [self._row(chunks[i]) for i in computed]
-        self._jobs[job_metadata.job_id] = _Job(
-            self._owner.store(sighting, judged, payloads), judged, False, time.monotonic()
-        )
+        try:
+            payloads = self._rows(job_metadata.job_id, [chunks[i] for i in computed])
+        except IndexError as exc:
+            if sighting is not None:
+                self._owner.sight(sighting)
+            store = _failed(exc)
+        else:
+            store = self._owner.store(sighting, judged, payloads)
+        self._jobs[job_metadata.job_id] = _Job(store, judged, False, time.monotonic())
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
-        rows = [self._row(chunk) for chunk in job_metadata.chunk_ids.tolist()]
+        try:
+            rows = self._rows(job_metadata.job_id, job_metadata.chunk_ids.tolist())
+        except IndexError as exc:
+            load = _failed(exc)
+        else:
 
-        def target(index: int) -> memoryview:
-            return rows[index]
+            def target(index: int) -> memoryview:
+                return rows[index]
 
-        self._jobs[job_metadata.job_id] = _Job(
-            self._owner.load(keys, target), keys, True, time.monotonic()
-        )
+            load = self._owner.load(keys, target)
+        self._jobs[job_metadata.job_id] = _Job(load, keys, True, time.monotonic())
 
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
@@ -550,9 +562,26 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         """The admission layer's counters (``None`` without one), in call order."""
         return self._owner.admission_stats()
 
-    def _row(self, chunk: int) -> memoryview:
-        start = chunk * self.block_size_bytes
-        return self._flat[start : start + self.payload_bytes]
+    def _rows(self, job_id: int, chunks: list[int]) -> list[memoryview]:
+        """The CPU tier's rows of ``chunks``; :class:`IndexError` (logged, naming the chunk)
+        for one outside its region, which fails the whole job with no byte moved, as vLLM's
+        own file tier does: a slice would clip a row past the end to a short or empty one,
+        and a negative start would count from the end, another chunk's bytes."""
+        rows, size, flat = [], self.block_size_bytes, self._flat
+        count = len(flat) // size
+        for chunk in chunks:
+            if not 0 <= chunk < count:
+                logger.warning(
+                    "kvoffload: secondary tier %s job %d failed: chunk %d is outside the CPU "
+                    "tier's %d chunks",
+                    self.tier_type,
+                    job_id,
+                    chunk,
+                    count,
+                )
+                raise IndexError(f"chunk {chunk} is outside the CPU tier's {count} chunks")
+            rows.append(flat[chunk * size : chunk * size + self.payload_bytes])
+        return rows
 
     def _sighting(
         self,
@@ -671,6 +700,13 @@ def _fingerprint(spec: OffloadingSpec, payload_bytes: int) -> bytes:
     return config_fingerprint(
         "vllm-tiering", config, config.parallel.world_size, replicated, payload_bytes
     )
+
+
+def _failed(error: Exception) -> Future[Any]:
+    """A job that failed before it started: reported as failed when vLLM polls for it."""
+    job: Future[Any] = Future()
+    job.set_exception(error)
+    return job
 
 
 def _result(job: Future[Any], failed: Any) -> Any:

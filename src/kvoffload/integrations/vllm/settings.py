@@ -20,6 +20,7 @@ from kvoffload.admission import (
     resolve_admission,
 )
 from kvoffload.admission.registry import ParamPairs
+from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.managers.stack import DISK, REMOTE, LowerTierConfig
 from kvoffload.policies import available_policies
@@ -182,7 +183,7 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
     return SpecSettings(
         cpu_bytes_to_use=_int(extra_config, "cpu_bytes_to_use", 1, maximum=MAX_CPU_BYTES),
         eviction_policy=str(policy),
-        store_threshold=_int(extra_config, "store_threshold", 0, 0),
+        store_threshold=_int(extra_config, "store_threshold", 0, 0, MAX_STORE_THRESHOLD),
         max_tracker_size=_int(extra_config, "max_tracker_size", 1, 64_000),
         admission=admission,
         admission_params=params,

@@ -284,6 +284,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             enable_events=events,
             slot_bytes=slot_bytes,
             fingerprint=self.fingerprint,
+            cpu_size_key="kv_connector_extra_config 'cpu_bytes_to_use'",
         )
 
     def _close_tiers(self, wipe_disk: bool = False) -> None:
