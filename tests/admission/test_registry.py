@@ -238,6 +238,14 @@ def test_a_number_past_the_float_range_is_one_error_naming_the_key() -> None:
             build()
 
 
+@pytest.mark.parametrize("raw", [("threshold", 3), (("threshold",),), (3,)])
+def test_pairs_that_are_no_pairs_are_one_error_naming_the_parameters(raw: object) -> None:
+    """One pair unwrapped once escaped as dict()'s "update sequence element #0"."""
+    assert admission_params("sketch", (("threshold", 3),)).threshold == 3
+    with pytest.raises(InvalidArgumentError, match="must be a mapping of name to value"):
+        admission_params("sketch", raw)
+
+
 def test_an_unknown_key_lists_every_valid_one() -> None:
     with pytest.raises(InvalidArgumentError) as error:
         admission_params("optimiser", {"tolerance": 0.1})
