@@ -59,6 +59,10 @@ def test_a_registered_policy_is_usable_by_name() -> None:
         assert out is not None and out.evicted_keys == [k[0]]
         with pytest.raises(InvalidArgumentError, match="already registered"):
             register_cache_policy("lru")(FIFOPolicy)
+        # Registered, an alias's name was listed twice and still made the alias's policy.
+        with pytest.raises(InvalidArgumentError, match="already registered"):
+            register_cache_policy("recommended")(FIFOPolicy)
+        assert "recommended" not in _POLICIES
     finally:
         _POLICIES.pop("test-fifo", None)
 
