@@ -11,6 +11,7 @@ import pytest
 from tier_helpers import ByteSlots, content, flip_byte
 
 from kvoffload import BlockNotPinnedError, CPUOffloadingManager, OffloadKey, block_id_key
+from kvoffload.core.keys import NotAKeyIterableError
 from kvoffload.core.layout import layout_preset
 from kvoffload.core.tier_protocol import SlotBytesUnavailableError
 from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
@@ -343,5 +344,21 @@ def test_a_load_nobody_started_cannot_release_a_reservation(tmp_path: Path) -> N
         m.complete_load([K[0], K[0]])
         assert m.lookup(K[:2]) == 2  # claimed: both unpinned
         assert [m.cpu.block_status(key).ref_cnt for key in K[:2]] == [0, 0]  # type: ignore[union-attr]
+    finally:
+        m.close()
+
+
+def test_a_single_key_where_keys_are_expected_is_refused_by_every_call(tmp_path: Path) -> None:
+    """The CPU tier refused one; the stack's ``lookup`` answered 0 for its bytes as keys,
+    and ``complete_store`` completed nothing, leaving the block pending for good."""
+    m = stack(tmp_path)
+    try:
+        assert m.prepare_store(K[:1]) is not None
+        calls = (m.lookup, m.touch, m.prepare_load, m.complete_load, m.prepare_store)
+        for call in (*calls, m.complete_store):
+            with pytest.raises(NotAKeyIterableError, match="got a single bytes"):
+                call(K[0])
+        m.complete_store(K[:1])
+        assert m.lookup(K[:1]) == 1
     finally:
         m.close()

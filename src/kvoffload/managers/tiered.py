@@ -41,7 +41,7 @@ from typing import cast
 from kvoffload.admission import AdmissionLayer, WriteBudget, resolve_admission
 from kvoffload.admission.reuse_counts import reuse_counts
 from kvoffload.core.errors import BlockNotPinnedError, InvalidArgumentError, check_integer
-from kvoffload.core.keys import SINGLE_KEY_TYPES, OffloadKey
+from kvoffload.core.keys import SINGLE_KEY_TYPES, OffloadKey, refuse_single_key
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import CPULoadStoreSpec, LoadStoreSpec
 from kvoffload.core.tier_protocol import (
@@ -193,6 +193,8 @@ class TieredOffloadingManager(OffloadingManager):
         return self.cpu.holds(key)
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
+        if isinstance(keys, SINGLE_KEY_TYPES):
+            refuse_single_key(keys, "lookup")
         keys = list(keys)
         self._drain()
         self._lookups += 1
@@ -313,6 +315,8 @@ class TieredOffloadingManager(OffloadingManager):
         return output
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
+        if isinstance(keys, SINGLE_KEY_TYPES):  # its bytes, as keys, would complete nothing
+            refuse_single_key(keys, "complete_store")
         # Each key once: a key listed twice lands once, and is counted and written once.
         landing = [
             key
