@@ -212,9 +212,14 @@ class ManagerMachine(RuleBasedStateMachine):
         assert len(set(slots)) == len(slots)
         assert all(0 <= s < self.capacity for s in slots)
         for event in self.manager.take_events():
+            # Each event names the CPU tier and only keys whose state it changes.
+            assert event.medium == "CPU" and event.keys
+            assert len(set(event.keys)) == len(event.keys)
             if event.removed:
+                assert set(event.keys) <= self.replayed
                 self.replayed.difference_update(event.keys)
             else:
+                assert self.replayed.isdisjoint(event.keys)
                 self.replayed.update(event.keys)
         assert self.replayed == {k for k, r in self.ref.items() if r >= 0}
 
