@@ -222,6 +222,30 @@ def test_a_bad_parameter_is_one_error_naming_the_key(
         admission_params(name, raw)  # type: ignore[arg-type]
 
 
+def test_a_number_past_the_float_range_is_one_error_naming_the_key() -> None:
+    """A long integer (JSON in extra-config, digits on the command line) once escaped as
+    ``OverflowError: int too large to convert to float``, a traceback, not the key's error."""
+    huge = "1" + "0" * 400
+    cases = [
+        (lambda: admission_params("sketch", {"threshold": int(huge)}), "in \\[1, 15\\]"),
+        (lambda: admission_params("sketch", {"threshold": huge}), "in \\[1, 15\\]"),
+        (lambda: admission_params("feedback", {"prior_returns": int(huge)}), "a number"),
+        (lambda: config_params("feedback", f'{{"prior_returns": {huge}}}', "where"), "a number"),
+        (lambda: params_class("feedback")(prior_returns=int(huge)), "a number"),
+    ]
+    for build, message in cases:
+        with pytest.raises(InvalidArgumentError, match=f"parameter '[a-z_]+' .* must be {message}"):
+            build()
+
+
+@pytest.mark.parametrize("raw", [("threshold", 3), (("threshold",),), (3,)])
+def test_pairs_that_are_no_pairs_are_one_error_naming_the_parameters(raw: object) -> None:
+    """One pair unwrapped once escaped as dict()'s "update sequence element #0"."""
+    assert admission_params("sketch", (("threshold", 3),)).threshold == 3
+    with pytest.raises(InvalidArgumentError, match="must be a mapping of name to value"):
+        admission_params("sketch", raw)
+
+
 def test_an_unknown_key_lists_every_valid_one() -> None:
     with pytest.raises(InvalidArgumentError) as error:
         admission_params("optimiser", {"tolerance": 0.1})

@@ -99,6 +99,7 @@ def test_block_id_key_is_eight_big_endian_bytes_and_group() -> None:
         (lambda: make_offload_key(b"ab", None), "group_idx"),
         (lambda: make_offload_key("ab", 0), "block_hash"),
         (lambda: make_offload_key(None, 0), "block_hash"),
+        (lambda: make_offload_key(bytearray(b"ab"), 0), "block_hash"),  # a key no dict takes
         (lambda: block_id_key(-1), "block_id"),
         (lambda: block_id_key(2**64), "block_id"),
         (lambda: block_id_key("7"), "block_id"),

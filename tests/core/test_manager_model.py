@@ -157,7 +157,18 @@ class ManagerMachine(RuleBasedStateMachine):
         pinned = sorted(k for k, r in self.ref.items() if r > 0)
         if not pinned:
             return
-        keys = data.draw(st.lists(st.sampled_from(pinned), min_size=1, max_size=3, unique=True))
+        keys = data.draw(st.lists(st.sampled_from(pinned), min_size=1, max_size=4))
+        over = next((k for i, k in enumerate(keys) if keys[: i + 1].count(k) > self.ref[k]), None)
+        if over is not None:  # more releases than pins: refused whole, the earlier ones too
+            before = snapshot(self.cpu)
+            try:
+                self.manager.complete_load(iter(keys))
+            except BlockStateError as exc:
+                assert exc.key == over
+            else:
+                raise AssertionError("complete_load released more pins than were taken")
+            assert snapshot(self.cpu) == before
+            return
         self.manager.complete_load(iter(keys))
         for key in keys:
             self.ref[key] -= 1
@@ -201,9 +212,14 @@ class ManagerMachine(RuleBasedStateMachine):
         assert len(set(slots)) == len(slots)
         assert all(0 <= s < self.capacity for s in slots)
         for event in self.manager.take_events():
+            # Each event names the CPU tier and only keys whose state it changes.
+            assert event.medium == "CPU" and event.keys
+            assert len(set(event.keys)) == len(event.keys)
             if event.removed:
+                assert set(event.keys) <= self.replayed
                 self.replayed.difference_update(event.keys)
             else:
+                assert self.replayed.isdisjoint(event.keys)
                 self.replayed.update(event.keys)
         assert self.replayed == {k for k, r in self.ref.items() if r >= 0}
 

@@ -15,6 +15,7 @@ from kvoffload import (
     make_offload_key,
     register_cache_policy,
 )
+from kvoffload.policies import create_cache_policy
 from kvoffload.policies.base import Victims
 from kvoffload.policies.registry import _POLICIES
 
@@ -58,6 +59,10 @@ def test_a_registered_policy_is_usable_by_name() -> None:
         assert out is not None and out.evicted_keys == [k[0]]
         with pytest.raises(InvalidArgumentError, match="already registered"):
             register_cache_policy("lru")(FIFOPolicy)
+        # Registered, an alias's name was listed twice and still made the alias's policy.
+        with pytest.raises(InvalidArgumentError, match="already registered"):
+            register_cache_policy("recommended")(FIFOPolicy)
+        assert "recommended" not in _POLICIES
     finally:
         _POLICIES.pop("test-fifo", None)
 
@@ -80,3 +85,15 @@ def test_a_policy_name_that_is_no_string_is_refused_before_it_breaks_the_list(
         assert "lru" in available_policies()
     finally:
         _POLICIES.pop(name, None)  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize("name", ["lru", "arc", "s3fifo", "sieve", "slru"])
+@pytest.mark.parametrize("capacity", [-1, "2", 2.0, True, None])
+def test_a_capacity_that_is_no_count_is_refused_when_the_policy_is_made(
+    name: str, capacity: object
+) -> None:
+    """A negative capacity once failed only at the first eviction, with "dictionary is
+    empty" (ARC and S3-FIFO trim their ghost lists to it); text failed in some policies."""
+    with pytest.raises(InvalidArgumentError, match="capacity must be an integer >= 0"):
+        create_cache_policy(name, capacity)  # type: ignore[arg-type]
+    assert create_cache_policy(name, 0).capacity == 0

@@ -7,9 +7,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
 from tier_helpers import ByteSlots, content, flip_byte
 
-from kvoffload import CPUOffloadingManager, OffloadKey, block_id_key
+from kvoffload import BlockNotPinnedError, CPUOffloadingManager, OffloadKey, block_id_key
+from kvoffload.core.keys import NotAKeyIterableError
 from kvoffload.core.layout import layout_preset
 from kvoffload.core.tier_protocol import SlotBytesUnavailableError
 from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
@@ -320,5 +322,43 @@ def test_a_key_listed_twice_in_complete_store_is_counted_and_written_once(tmp_pa
         assert m.cpu_stats.stored_blocks == 2
         assert m.offered_blocks == [2] and m.admitted_blocks == [2]
         assert disk.stats.stored_blocks == 2
+    finally:
+        m.close()
+
+
+def test_a_load_nobody_started_cannot_release_a_reservation(tmp_path: Path) -> None:
+    """Taken by a stray ``complete_load``, a reservation's pin made its own release fail in
+    the next lookup, which left the other reserved block pinned for good."""
+    m = stack(tmp_path, cpu_blocks=4)
+    try:
+        store(m, K[:4])
+        store(m, K[4:6])  # K0 and K1 fall to disk
+        assert m.lookup(K[:2]) is None
+        m.poll()
+        assert m.is_reserved(K[0]) and m.is_reserved(K[1])
+        for stray in ([K[0]], [K[0], K[0]], [K[4], K[0]]):
+            with pytest.raises(BlockNotPinnedError) as error:
+                m.complete_load(stray)
+            assert error.value.key == K[0]
+        m.prepare_load([K[0], K[0]])  # the engine's own pins beside the reservation
+        m.complete_load([K[0], K[0]])
+        assert m.lookup(K[:2]) == 2  # claimed: both unpinned
+        assert [m.cpu.block_status(key).ref_cnt for key in K[:2]] == [0, 0]  # type: ignore[union-attr]
+    finally:
+        m.close()
+
+
+def test_a_single_key_where_keys_are_expected_is_refused_by_every_call(tmp_path: Path) -> None:
+    """The CPU tier refused one; the stack's ``lookup`` answered 0 for its bytes as keys,
+    and ``complete_store`` completed nothing, leaving the block pending for good."""
+    m = stack(tmp_path)
+    try:
+        assert m.prepare_store(K[:1]) is not None
+        calls = (m.lookup, m.touch, m.prepare_load, m.complete_load, m.prepare_store)
+        for call in (*calls, m.complete_store):
+            with pytest.raises(NotAKeyIterableError, match="got a single bytes"):
+                call(K[0])
+        m.complete_store(K[:1])
+        assert m.lookup(K[:1]) == 1
     finally:
         m.close()

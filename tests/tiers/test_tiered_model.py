@@ -21,7 +21,7 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvoffload import CPUOffloadingManager, OffloadKey, block_id_key
+from kvoffload import BlockStateError, CPUOffloadingManager, OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
 from kvoffload.core.tier_protocol import LowerTier
 from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
@@ -129,6 +129,17 @@ class StackMachine(RuleBasedStateMachine):
         if success:
             self.stored.update(keys)
         self.settle()
+
+    @rule(key=st.sampled_from(UNIVERSE))
+    def a_load_nobody_started_changes_nothing(self, key: OffloadKey) -> None:
+        """Not even the pin a reservation holds for a caller that has yet to ask again."""
+        if any(key in keys for keys in self.loads):
+            return
+        self.m.poll()  # a promotion that has finished lands, reserved for its caller
+        before = self.snapshot(), self.m.is_reserved(key)
+        with pytest.raises(BlockStateError):
+            self.m.complete_load([key])
+        assert (self.snapshot(), self.m.is_reserved(key)) == before
 
     def settle(self) -> None:
         """Let the I/O in flight finish without applying it: the next call applies it.

@@ -47,7 +47,7 @@ def check_params(params: object, rule: str) -> None:
         if (
             isinstance(value, bool)
             or not isinstance(value, int if wants_int else int | float)
-            or not math.isfinite(value)
+            or not (wants_int or _is_finite(value))
         ):
             raise InvalidArgumentError(
                 f"admission parameter {field.name!r} of {rule!r} must be {kind}, got {value!r}"
@@ -101,6 +101,15 @@ def _wants_int(field: dataclasses.Field[Any]) -> bool:
     return field.type in ("int", int)
 
 
+def _is_finite(value: int | float) -> bool:
+    """Whether ``value`` is a finite float or an int a float can hold: ``math.isfinite``
+    raises ``OverflowError`` for an int past 1.8e308 (a long number in extra-config JSON)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _convert(value: object, wants_int: bool, key: str, rule: str) -> int | float:
     kind = "an integer" if wants_int else "a number"
     if isinstance(value, str):
@@ -109,9 +118,9 @@ def _convert(value: object, wants_int: bool, key: str, rule: str) -> int | float
         except ValueError:
             pass
     elif not isinstance(value, bool) and isinstance(value, int | float):
-        if not wants_int:
+        if not wants_int and _is_finite(value):
             return float(value)
-        if isinstance(value, int):
+        if wants_int and isinstance(value, int):
             return value
     raise InvalidArgumentError(
         f"admission parameter {key!r} of {rule!r} must be {kind}, got {value!r}"

@@ -9,6 +9,7 @@ offered block; aliases (``recommended``, ``reuse``) name a registered rule.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import pkgutil
@@ -116,7 +117,10 @@ def admission_params(name: str, raw: RawParams | object | None = None) -> Any:
         check_params(raw, resolve_admission(name))
         return raw
     if isinstance(raw, tuple):
-        raw = dict(raw)
+        # Pairs, as config_params gives them; ``("threshold", 3)``, one pair unwrapped,
+        # once escaped as dict()'s "update sequence element #0 has length 9".
+        with contextlib.suppress(TypeError, ValueError):
+            raw = dict(raw)
     if not isinstance(raw, Mapping):
         raise InvalidArgumentError(
             f"admission parameters must be a mapping of name to value, got {raw!r}"

@@ -19,14 +19,15 @@ MAX_GROUP_IDX = 2 ** (8 * GROUP_IDX_BYTES) - 1
 
 def make_offload_key(block_hash: bytes, group_idx: int) -> OffloadKey:
     """Append ``group_idx`` as 4 big-endian bytes to ``block_hash``."""
-    # Keys are made per block: the arguments are looked at only once the join has failed.
+    # Keys are made per block: the arguments are looked at only once the join has failed,
+    # or has made no bytes (a bytearray hash joins into a bytearray, which no dict takes).
     try:
-        return OffloadKey(block_hash + group_idx.to_bytes(GROUP_IDX_BYTES, "big", signed=False))
+        key = block_hash + group_idx.to_bytes(GROUP_IDX_BYTES, "big", signed=False)
+        if type(key) is bytes:
+            return OffloadKey(key)
     except (AttributeError, OverflowError, TypeError):
         _check_part("group_idx", group_idx, MAX_GROUP_IDX)
-        raise InvalidArgumentError(
-            f"block_hash must be bytes, got {type(block_hash).__name__}"
-        ) from None
+    raise InvalidArgumentError(f"block_hash must be bytes, got {type(block_hash).__name__}")
 
 
 def get_offload_block_hash(key: OffloadKey) -> bytes:

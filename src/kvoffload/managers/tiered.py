@@ -40,8 +40,8 @@ from typing import cast
 
 from kvoffload.admission import AdmissionLayer, WriteBudget, resolve_admission
 from kvoffload.admission.reuse_counts import reuse_counts
-from kvoffload.core.errors import InvalidArgumentError, check_integer
-from kvoffload.core.keys import OffloadKey
+from kvoffload.core.errors import BlockNotPinnedError, InvalidArgumentError, check_integer
+from kvoffload.core.keys import SINGLE_KEY_TYPES, OffloadKey, refuse_single_key
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import CPULoadStoreSpec, LoadStoreSpec
 from kvoffload.core.tier_protocol import (
@@ -193,6 +193,8 @@ class TieredOffloadingManager(OffloadingManager):
         return self.cpu.holds(key)
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
+        if isinstance(keys, SINGLE_KEY_TYPES):
+            refuse_single_key(keys, "lookup")
         keys = list(keys)
         self._drain()
         self._lookups += 1
@@ -282,7 +284,28 @@ class TieredOffloadingManager(OffloadingManager):
         self.cpu.touch(keys)
 
     def complete_load(self, keys: Iterable[OffloadKey]) -> None:
+        """Unpin ``keys``. The pin a reservation holds is not the caller's: releasing it
+        is :class:`BlockNotPinnedError`, as for any key no load holds, and changes nothing
+        (taken, it made the reservation's own release fail in a later lookup and leave the
+        other blocks it held pinned for good)."""
+        if self._reserved and not isinstance(keys, SINGLE_KEY_TYPES):
+            keys = list(keys)
+            self._refuse_reserved_pins(keys)
         self.cpu.complete_load(keys)
+
+    def _refuse_reserved_pins(self, keys: list[OffloadKey]) -> None:
+        """Raise for the first of ``keys`` listed more often than loads pin it beside its
+        reservation."""
+        reserved, status = self._reserved, self.cpu.block_status
+        released: dict[OffloadKey, int] = {}
+        for key in keys:
+            if key in reserved:
+                released[key] = count = released.get(key, 0) + 1
+                block = status(key)
+                if block is None or block.ref_cnt - 1 < count:
+                    raise BlockNotPinnedError(
+                        f"cannot complete a load of {key!r}: no load holds it", key
+                    )
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
         self._drain()
@@ -292,6 +315,8 @@ class TieredOffloadingManager(OffloadingManager):
         return output
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
+        if isinstance(keys, SINGLE_KEY_TYPES):  # its bytes, as keys, would complete nothing
+            refuse_single_key(keys, "complete_store")
         # Each key once: a key listed twice lands once, and is counted and written once.
         landing = [
             key

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Container, Iterable, Iterator, Sequence
 from typing import ClassVar
 
+from kvoffload.core.errors import check_integer
 from kvoffload.core.keys import OffloadKey
 
 PENDING_STORE = -1
@@ -57,6 +58,10 @@ class CachePolicy(ABC):
     waits for :meth:`finish_request`. Only request-scoped drivers (the vLLM adapter) ask."""
 
     def __init__(self, capacity: int) -> None:
+        # Checked here, not where it is used: a negative capacity once failed the first
+        # eviction with "dictionary is empty" (ARC, S3-FIFO trim their ghosts to it), and
+        # text failed in some policies only. 0 is allowed: vLLM may size a manager with it.
+        check_integer("a cache policy's capacity", capacity, 0)
         self.capacity = capacity
 
     @abstractmethod

@@ -18,7 +18,8 @@ def register_cache_policy(name: str) -> Callable[[type[CachePolicy]], type[Cache
         raise InvalidArgumentError(f"a cache policy's name is a non-empty string, got {name!r}")
 
     def register(cls: type[CachePolicy]) -> type[CachePolicy]:
-        if name in _POLICIES and _POLICIES[name] is not cls:
+        # An alias's name too: it would be listed twice and always resolve to the alias.
+        if name in ALIASES or (name in _POLICIES and _POLICIES[name] is not cls):
             raise InvalidArgumentError(f"cache policy {name!r} is already registered")
         _POLICIES[name] = cls
         return cls
