@@ -23,6 +23,7 @@ from kvoffload.admission import (
     wrap_with_admission,
 )
 from kvoffload.admission.feedback import first_seen_class, root_group
+from kvoffload.core.keys import NotAKeyIterableError
 from kvoffload.managers import build_manager
 
 
@@ -264,3 +265,23 @@ def test_begin_request_takes_a_drivers_numpy_counts_as_the_ints_they_are(
     assert passed[0] == passed[1]
     assert plain.stats() == numpy.stats()
     assert all(type(value) in (int, float) for value in numpy.stats().numbers().values())
+
+
+@pytest.mark.parametrize("layer", [SketchAdmission, FeedbackAdmission, OptimisingAdmission])
+@pytest.mark.parametrize(
+    "call", ["begin_request", "touch", "lookup", "prepare_store", "prepare_load", "complete_load"]
+)
+def test_a_single_key_where_keys_are_expected_is_refused_changing_nothing(
+    layer: type[SketchAdmission | FeedbackAdmission | OptimisingAdmission], call: str
+) -> None:
+    """One key's bytes iterate as integer "keys": the layer used to count them (or fail deep
+    in its hashing with a TypeError about ints) instead of naming the mistake."""
+    manager, untouched = layer(CPUOffloadingManager(8), 8), layer(CPUOffloadingManager(8), 8)
+    for key in (block_id_key(7), "k7"):
+        with pytest.raises(NotAKeyIterableError, match=f"{call} expects an iterable of keys"):
+            getattr(manager, call)(key)
+    assert not manager.announced
+    assert manager.stats() == untouched.stats()
+    for each in (manager, untouched):
+        serve(each, keys(1, 2, 3))  # type: ignore[arg-type]
+    assert manager.stats() == untouched.stats()

@@ -25,7 +25,7 @@ from typing import Any
 from kvoffload.admission.minisim import WhatIf
 from kvoffload.admission.requests import RequestTracker
 from kvoffload.core.errors import InvalidArgumentError
-from kvoffload.core.keys import OffloadKey
+from kvoffload.core.keys import SINGLE_KEY_TYPES, OffloadKey, refuse_single_key
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import LoadStoreSpec
 
@@ -154,6 +154,8 @@ class AdmissionLayer(OffloadingManager):
         ``counted``: leading keys an earlier call already showed for the same request (a
         request offered in parts), not counted again.
         """
+        if isinstance(keys, SINGLE_KEY_TYPES):
+            refuse_single_key(keys, "begin_request")
         counted, gpu_held = check_request_counts(counted, gpu_held)
         self._announced = True
         if not keys:
@@ -177,12 +179,16 @@ class AdmissionLayer(OffloadingManager):
             self._requests.close(keys)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
+        if isinstance(keys, SINGLE_KEY_TYPES):
+            refuse_single_key(keys, "touch")
         keys = keys if isinstance(keys, list) else list(keys)
         if keys and not self._announced and self._requests.on_touch(keys):
             self._sighting(keys)
         self._backing.touch(keys)
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
+        if isinstance(keys, SINGLE_KEY_TYPES):
+            refuse_single_key(keys, "lookup")
         keys = keys if isinstance(keys, list) else list(keys)
         if keys and not self._announced and self._requests.on_lookup(keys):
             self._sighting(keys)
@@ -192,6 +198,8 @@ class AdmissionLayer(OffloadingManager):
         return found
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
+        if isinstance(keys, SINGLE_KEY_TYPES):
+            refuse_single_key(keys, "prepare_store")
         offered = list(dict.fromkeys(keys))
         if not offered:
             return self._backing.prepare_store(offered)

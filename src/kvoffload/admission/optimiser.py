@@ -75,7 +75,7 @@ from kvoffload.admission.reuse_filter import FilterReusedOffloadingManager
 from kvoffload.admission.sketch import key_hashes
 from kvoffload.admission.worlds import Probe, World, Worlds, exact_worlds
 from kvoffload.core.errors import InvalidArgumentError
-from kvoffload.core.keys import OffloadKey
+from kvoffload.core.keys import SINGLE_KEY_TYPES, OffloadKey, refuse_single_key
 from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import LoadStoreSpec
 from kvoffload.policies.base import CachePolicy
@@ -347,6 +347,8 @@ class OptimisingAdmission(AdmissionLayer):
         """Only blocks the followed world holds are made recent in the real tier (the
         others, written under an earlier rule, age out first). No candidate rule sees a
         touch: each world shows its rule the request where it starts."""
+        if isinstance(keys, SINGLE_KEY_TYPES):
+            refuse_single_key(keys, "touch")
         keys = keys if isinstance(keys, list) else list(keys)
         if keys and not self._announced and self._requests.on_touch(keys):
             self._sighting(keys)
@@ -355,6 +357,8 @@ class OptimisingAdmission(AdmissionLayer):
         self._backing.touch(keys)
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
+        if isinstance(keys, SINGLE_KEY_TYPES):
+            refuse_single_key(keys, "lookup")
         keys = keys if isinstance(keys, list) else list(keys)
         found = super().lookup(keys)
         pending = self._pending
@@ -379,6 +383,8 @@ class OptimisingAdmission(AdmissionLayer):
         self._backing.touch(self.worlds.worlds[self.chosen].tier.held_among(hits))
 
     def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
+        if isinstance(keys, SINGLE_KEY_TYPES):
+            refuse_single_key(keys, "prepare_load")
         keys = keys if isinstance(keys, list) else list(keys)
         if keys:
             self._loaded += len(keys)
@@ -406,7 +412,9 @@ class OptimisingAdmission(AdmissionLayer):
         A later part of a request offered in parts (``counted`` > 0) counts only its new
         keys in the filter; the mini-tiers scored the request's lookup with its first part.
         """
-        counted, gpu_held = check_request_counts(counted, gpu_held)  # before any change here
+        if isinstance(keys, SINGLE_KEY_TYPES):  # before any change here
+            refuse_single_key(keys, "begin_request")
+        counted, gpu_held = check_request_counts(counted, gpu_held)
         if keys:  # a request of no keys announces nothing
             if lookup_follows or will_offer:
                 self._offers_follow = True
