@@ -234,3 +234,25 @@ def test_a_cpu_size_whose_admission_memory_the_machine_lacks_names_cpu_bytes_to_
     named = "kv_connector_extra_config 'cpu_bytes_to_use': an admission frequency sketch"
     with pytest.raises(InsufficientMemoryError, match=named):
         spec.get_manager()
+
+
+def test_a_disk_size_whose_admission_memory_the_machine_lacks_names_disk_bytes(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    """A lower tier's layer is built inside the tiered manager: it names the size's key as
+    the CPU tier's does (before: only 'an admission frequency sketch of ...')."""
+    from kvoffload.core.errors import InsufficientMemoryError
+
+    spec = create_spec(
+        {
+            "cpu_bytes_to_use": 1 << 30,
+            "kvoffload.disk_dir": str(tmp_path),
+            "kvoffload.disk_bytes": 1 << 60,
+            "kvoffload.disk_admission": "sketch",
+        }
+    )
+    with pytest.raises(
+        InsufficientMemoryError,
+        match=r"kv_connector_extra_config 'kvoffload\.disk_bytes': an admission frequency",
+    ):
+        spec.get_manager()

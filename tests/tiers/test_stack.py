@@ -209,8 +209,29 @@ def test_a_cpu_size_whose_admission_memory_the_machine_lacks_names_its_key(
     the CPU tier's layer is closed again (its directory free)."""
     tiers: dict[str, Any] = {"disk_dir": str(tmp_path), "disk_blocks": 4} if disk else {}
     config = StackConfig(
-        10**30, admission="sketch", fingerprint=FINGERPRINT, cpu_size_key="cpu_gib", **tiers
+        10**30,
+        admission="sketch",
+        fingerprint=FINGERPRINT,
+        size_keys={"cpu_blocks": "cpu_gib"},
+        **tiers,
     )
     with pytest.raises(InsufficientMemoryError, match=r"^cpu_gib: an admission frequency sketch"):
+        build_stack(config)
+    DiskTier(tmp_path, 4, FINGERPRINT).close()
+
+
+def test_a_disk_size_whose_admission_memory_the_machine_lacks_names_its_key(
+    tmp_path: Path,
+) -> None:
+    """The tiered manager builds a lower tier's book from its settings (not ``tier_book``): it
+    named no key, and the tier opened before it stays usable once closed."""
+    config = StackConfig(
+        8,
+        fingerprint=FINGERPRINT,
+        disk_dir=str(tmp_path),
+        disk_blocks=10**14,
+        disk_admission="sketch",
+    )
+    with pytest.raises(InsufficientMemoryError, match=r"^disk_blocks: an admission frequency"):
         build_stack(config)
     DiskTier(tmp_path, 4, FINGERPRINT).close()

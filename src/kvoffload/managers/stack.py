@@ -47,6 +47,8 @@ class LowerTierConfig:
     (0: unknown); ``None`` until known (SGLang counts pages once its host pool registers).
     Checked on construction (again on :func:`dataclasses.replace`); an error names the field
     as the caller spells it: ``names`` maps a field to the caller's key, ``where`` prefixes.
+    ``size_key``: the caller's key of the size when it is not ``blocks`` (vLLM's is in
+    bytes), which memory the tier's admission layer needs and the machine lacks names.
     """
 
     kind: str
@@ -65,6 +67,7 @@ class LowerTierConfig:
     """Whether the disk tier syncs each write to the device before reporting it."""
     where: str = field(default="", compare=False, repr=False)
     names: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    size_key: str = field(default="", compare=False, repr=False)
 
     def __post_init__(self) -> None:
         try:
@@ -76,6 +79,11 @@ class LowerTierConfig:
         """The caller's name of field ``name``."""
         return self.names.get(name, name)
 
+    @property
+    def size_name(self) -> str:
+        """The caller's name of the tier's size, as its admission layer's memory error says."""
+        return self.size_key or f"{self.where}{self.key('blocks')}"
+
     def tier_settings(self, store_threshold: int = 0) -> TierSettings:
         """How the tiered manager writes to this tier: write-back to disk, write-through to
         the shared tier (others see a block as soon as it is stored)."""
@@ -86,6 +94,7 @@ class LowerTierConfig:
             self.write_budget,
             self.blocks or 0,
             self.admission_params,
+            self.size_name,
         )
 
     def _check(self) -> None:
@@ -163,9 +172,10 @@ class StackConfig:
     """The CPU slots' bytes; ``None``: the lower tiers keep books only (empty payloads)."""
     fingerprint: bytes = b""
     """What the lower tiers' blocks mean (:func:`~kvoffload.tiers.layout_fingerprint`)."""
-    cpu_size_key: str = field(default="cpu_blocks", compare=False, repr=False)
-    """The caller's key of the CPU tier's size (vLLM's ``cpu_bytes_to_use``), which memory its
-    admission layer needs and the machine lacks names, as a lower tier's book does."""
+    size_keys: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    """The caller's keys of ``cpu_blocks``, ``disk_blocks`` and ``remote_blocks`` where they
+    differ (vLLM's are sizes in bytes), which memory a tier's admission layer needs and the
+    machine lacks names."""
     disk_tier: LowerTierConfig | None = field(init=False, compare=False, repr=False)
     remote_tier: LowerTierConfig | None = field(init=False, compare=False, repr=False)
     """The lower tiers' settings as :func:`kvoffload.tiers.stack.build_stack` opens them
@@ -214,6 +224,7 @@ class StackConfig:
                 None,
                 self.disk_write_budget,
                 names=_field_names(DISK, "disk_dir"),
+                size_key=self.size_keys.get("disk_blocks", ""),
             )
         if self.remote_url is not None:
             remote = LowerTierConfig(
@@ -223,6 +234,7 @@ class StackConfig:
                 admission=self.remote_admission,
                 write_budget=self.remote_write_budget,
                 names=_field_names(REMOTE, "remote_url"),
+                size_key=self.size_keys.get("remote_blocks", ""),
             )
         object.__setattr__(self, "disk_tier", disk)
         object.__setattr__(self, "remote_tier", remote)
@@ -319,7 +331,8 @@ def assemble(config: StackConfig, stack: Stack) -> Stack:
             config.admission_params,
         )
     except InsufficientMemoryError as exc:  # the layer's memory grows with the tier's size
-        raise InsufficientMemoryError(f"{config.cpu_size_key}: {exc}") from None
+        size = config.size_keys.get("cpu_blocks", "cpu_blocks")
+        raise InsufficientMemoryError(f"{size}: {exc}") from None
     if isinstance(manager, AdmissionLayer):
         stack.admission = manager
     if config.store_threshold >= 2:

@@ -40,7 +40,12 @@ from typing import cast
 
 from kvoffload.admission import AdmissionLayer, WriteBudget, resolve_admission
 from kvoffload.admission.reuse_counts import reuse_counts
-from kvoffload.core.errors import BlockNotPinnedError, InvalidArgumentError, check_integer
+from kvoffload.core.errors import (
+    BlockNotPinnedError,
+    InsufficientMemoryError,
+    InvalidArgumentError,
+    check_integer,
+)
 from kvoffload.core.keys import SINGLE_KEY_TYPES, OffloadKey, refuse_single_key
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import CPULoadStoreSpec, LoadStoreSpec
@@ -68,7 +73,8 @@ class TierSettings:
     (``none``: all pass), modelling a tier of ``capacity`` blocks and keeping,
     with the optimiser, to ``write_budget`` (writes per block reference that
     reaches this tier, or a sized :class:`~kvoffload.admission.WriteBudget`);
-    ``admission_params``: the rule's parameters.
+    ``admission_params``: the rule's parameters. ``size_key``: the caller's key of
+    ``capacity``, which memory the admission layer needs and the machine lacks names.
     """
 
     write_through: bool = False
@@ -77,6 +83,7 @@ class TierSettings:
     write_budget: float | WriteBudget | None = None
     capacity: int = 0
     admission_params: object | None = field(default=None, compare=False)
+    size_key: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.write_through, bool):
@@ -154,15 +161,7 @@ class TieredOffloadingManager(OffloadingManager):
         self.promotion_batches = [0] * len(self.tiers)
         """Reads started per lower tier (each one batch of blocks)."""
         self.admissions: list[AdmissionLayer | None] = [
-            admission_book(
-                s.admission,
-                _BookSpec(),
-                s.capacity,
-                s.write_budget,
-                _policy_of(tier),
-                s.admission_params,
-            )
-            for tier, s in zip(self.tiers, self._settings, strict=True)
+            _book(tier, s) for tier, s in zip(self.tiers, self._settings, strict=True)
         ]
         """Per lower tier, its admission layer (``None``: its threshold alone decides)."""
         self._judging = any(layer is not None for layer in self.admissions)
@@ -513,6 +512,24 @@ class TieredOffloadingManager(OffloadingManager):
                 failed[key] = None
             while len(failed) > self._max_tracker:
                 failed.popitem(last=False)
+
+
+def _book(tier: LowerTier, settings: TierSettings) -> AdmissionLayer | None:
+    """The admission layer of ``tier`` under ``settings`` (``None``: its threshold alone
+    decides); memory its size asks of the layer and the machine lacks names the size's key."""
+    try:
+        return admission_book(
+            settings.admission,
+            _BookSpec(),
+            settings.capacity,
+            settings.write_budget,
+            _policy_of(tier),
+            settings.admission_params,
+        )
+    except InsufficientMemoryError as exc:
+        if not settings.size_key:
+            raise
+        raise InsufficientMemoryError(f"{settings.size_key}: {exc}") from None
 
 
 def _policy_of(tier: LowerTier) -> CachePolicy | None:

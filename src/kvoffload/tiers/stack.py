@@ -109,7 +109,7 @@ def tier_book(
     except InsufficientMemoryError as exc:
         if not config.where:
             raise
-        raise InsufficientMemoryError(f"{config.where}{config.key('blocks')}: {exc}") from None
+        raise InsufficientMemoryError(f"{config.size_name}: {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -284,7 +284,11 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             enable_events=events,
             slot_bytes=slot_bytes,
             fingerprint=self.fingerprint,
-            cpu_size_key="kv_connector_extra_config 'cpu_bytes_to_use'",
+            size_keys={
+                "cpu_blocks": "kv_connector_extra_config 'cpu_bytes_to_use'",
+                "disk_blocks": f"kv_connector_extra_config {DISK_BYTES_KEY!r}",
+                "remote_blocks": f"kv_connector_extra_config {REMOTE_BYTES_KEY!r}",
+            },
         )
 
     def _close_tiers(self, wipe_disk: bool = False) -> None:
