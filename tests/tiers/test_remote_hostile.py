@@ -217,6 +217,32 @@ def test_redirections_never_grow_the_known_nodes_past_the_cap(
         tier.close()
 
 
+def test_slot_map_refreshes_never_grow_the_known_nodes_past_the_cap(
+    fake: FakeValkey, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Cluster node that fails has the slot map asked again; a hostile node that names a
+    new (dead) owner of every slot each time is believed only up to MAX_NODES nodes."""
+    from kvoffload.tiers import remote
+
+    def every_slot_at(port: int) -> bytes:
+        return b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n" % port
+
+    monkeypatch.setattr(remote, "MAX_NODES", 3)
+    monkeypatch.setattr(remote, "MAP_REFRESH_S", 0.0)
+    fake.cluster_slots = every_slot_at(fake.port)
+    tier = RemoteTier(fake.url, fingerprint("map-cap"))
+    try:
+        for round in range(6):
+            port = free_port()  # nothing listens there
+            fake.cluster_slots = every_slot_at(port)
+            fake.redirect = b"127.0.0.1:%d" % port if round == 0 else None
+            assert read(tier, KEYS[:1]) == [False]
+            time.sleep(0.2)  # the refresh runs on an I/O thread
+        assert len(tier.breakers) == 3
+    finally:
+        tier.close()
+
+
 def test_a_value_announced_at_512_mb_is_refused_unread_counted_and_deleted(
     fake: FakeValkey,
 ) -> None:
@@ -536,6 +562,60 @@ def test_the_tier_follows_ask_during_a_slot_migration(tmp_path: Path) -> None:
         assert tier.node_address(name)[1] == source_port  # ASK never changes the map
     finally:
         tier.close()
+        cluster.stop()
+
+
+def replica_of(primary: ValkeyProcess, directory: Path) -> ValkeyProcess:
+    """A cluster-mode server joined to ``primary``'s Cluster as its replica, in sync."""
+    replica = ValkeyProcess(
+        directory, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"
+    ).start()
+    client = replica.client()
+    primary.client().config_set("repl-diskless-sync-delay", 0)  # the 5 s default, waited out
+    client.execute_command("CLUSTER", "MEET", "127.0.0.1", primary.port)
+    primary_id = primary.client().execute_command("CLUSTER", "MYID")
+    until = time.monotonic() + STALL_S
+    while True:  # refused until the MEET has told the replica of the primary
+        try:
+            client.execute_command("CLUSTER", "REPLICATE", primary_id)
+            break
+        except Exception:
+            assert time.monotonic() < until, "the replica never learnt of its primary"
+            time.sleep(0.05)
+    while client.dbsize() < primary.client().dbsize():
+        assert time.monotonic() < until, "the replica never caught up"
+        time.sleep(0.05)
+    return replica
+
+
+def test_after_a_failover_the_tier_finds_the_promoted_replica(tmp_path: Path) -> None:
+    """A primary dies and its replica takes its slots over: the dead node never answers
+    MOVED, so the tier must ask a live node for the slot map (it served the other nodes'
+    slots only, for good, until restarted)."""
+    cluster = ValkeyClusterProcesses(tmp_path / "failover").start()
+    replica = None
+    tier = RemoteTier(cluster.url, fingerprint("failover"), breaker=CircuitBreaker(1, 0.2))
+    try:
+        keys = [block_id_key(i, 12) for i in range(30)]
+        store(tier, keys)
+        primary = cluster.nodes[2]
+        on_primary = [k for k in keys if tier.node_address(tier.name(k))[1] == primary.port]
+        assert 0 < len(on_primary) < len(keys)
+        replica = replica_of(primary, tmp_path / "replica")
+        primary.stop()
+        replica.client().execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
+        until = time.monotonic() + STALL_S
+        while not all(read(tier, keys)):
+            assert time.monotonic() < until, "the promoted replica's slots stayed unreachable"
+            time.sleep(0.1)
+        assert {tier.node_address(tier.name(k))[1] for k in on_primary} == {replica.port}
+        more = [block_id_key(i, 13) for i in range(30)]
+        store(tier, more)
+        assert tier.present(more) == len(more)
+    finally:
+        tier.close()
+        if replica is not None:
+            replica.stop()
         cluster.stop()
 
 

@@ -13,12 +13,13 @@ of it, name lookup, connect, send and full reply, on every node it asks, retries
 redirections included: ``timeout_ms`` plus the time its bytes take at :data:`SLOWEST_LINK`.
 Each node's part goes through one call wrapper and the breaker of that node (one per Cluster
 node, so a dead node fails its slots only): when a server is slow, paused or down,
-lookups miss and stores are dropped, counted, and the tier reconnects by
-itself once a trial call succeeds. A part left less time than the parts before it took
-is not charged to its node when it runs out of it (:meth:`RemoteTier._call`). A block
-the server evicted (maxmemory) is a plain miss. A value that fails its header check, or
-whose announced length is not the layout's (refused before its bytes are read), is never
-loaded: it is counted corrupt and deleted.
+lookups miss and stores are dropped, counted, and the tier reconnects by itself once a
+trial call succeeds; a Cluster's slot map is asked again of a live node then (a failover
+moves a dead node's slots, and the dead node cannot say where). A part left less time
+than the parts before it took is not charged to its node when it runs out of it
+(:meth:`RemoteTier._call`). A block the server evicted (maxmemory) is a plain miss. A
+value that fails its header check, or whose announced length is not the layout's
+(refused before its bytes are read), is never loaded: it is counted corrupt and deleted.
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ MAX_NODES = 1024
 """Nodes the tier will know, past Valkey's largest Cluster (1,000 nodes): a redirection to
 a node beyond them is not followed, so a hostile server's made-up addresses cannot grow
 the tier's nodes, breakers and lookup threads without end."""
+MAP_REFRESH_S = 1.0
+"""Seconds between two refreshes of a Cluster's slot map at least. A node that fails or is
+refused has its map asked again of a live node: after a failover or a node's removal its
+slots belong to another node, and a dead one never answers ``MOVED`` to say which."""
 
 T = TypeVar("T")
 
@@ -217,14 +222,17 @@ class RemoteTier:
         self._slots: list[_Node] | None = None
         """A Cluster's owner of each hash slot; ``None`` for a standalone server."""
         self._server: _Node | None = None
+        self._refreshing = False
+        self._refreshed_at = -MAP_REFRESH_S
+        """When the last slot map refresh began (``time.monotonic``)."""
+        self._closed = False
+        """Set by :meth:`close`: later reads and writes fail (counted), never raise."""
         self.is_cluster = self._start()
         self._pool = ThreadPoolExecutor(io_threads, "kvoffload-remote")
         self._ahead = ThreadPoolExecutor(io_threads, "kvoffload-remote-ahead")
         """Hashes a batch's single-buffer payloads while they go out (one per I/O thread)."""
         self._writes: list[tuple[list[OffloadKey], Future[list[bool]]]] = []
         self._events = EventLog(enable_events)
-        self._closed = False
-        """Set by :meth:`close`: later reads and writes fail (counted), never raise."""
 
     @property
     def breakers(self) -> dict[str, CircuitBreaker]:
@@ -364,28 +372,43 @@ class RemoteTier:
         the node been first, it would have had longer than the earlier nodes took, so they
         are the slow ones, and a healthy node left a sliver by a slow one would otherwise
         have its breaker opened by it."""
-        if deadline.passed() or not node.breaker.allow():
+        if deadline.passed():
             with self._lock:
                 self.unavailable += 1
             return None
+        if not node.breaker.allow():
+            with self._lock:
+                self.unavailable += 1
+            self._refresh_map_soon(node)
+            return None
         begun = time.monotonic()
-        connection = None
         try:
-            connection = node.take() or self._open(node.host, node.port, deadline)
-            result = op(connection, deadline)
+            result = self._on_connection(node, op, deadline)
         except Exception:  # any socket, TLS or protocol failure is the server's, never ours
-            if connection is not None:
-                connection.close()
             starved = deadline.at - begun < begun - deadline.since
             if starved and deadline.passed():
                 node.breaker.excuse()
             else:
                 node.breaker.failure()
+                self._refresh_map_soon(node)
             with self._lock:
                 self.unavailable += 1
             return None
-        node.give(connection)
         node.breaker.success()
+        return result
+
+    def _on_connection(
+        self, node: _Node, op: Callable[[Connection, Deadline], T], deadline: Deadline
+    ) -> T:
+        """``op`` on an idle connection to ``node`` or a new one, handed back after it (closed
+        if ``op`` raised: replies may be left unread)."""
+        connection = node.take() or self._open(node.host, node.port, deadline)
+        try:
+            result = op(connection, deadline)
+        except BaseException:
+            connection.close()
+            raise
+        node.give(connection)
         return result
 
     def _open(self, host: str, port: int, deadline: Deadline) -> Connection:
@@ -435,18 +458,27 @@ class RemoteTier:
             info = _ok(connection.read_reply(deadline))
             cluster = isinstance(info, bytes) and b"cluster_enabled:1" in info
         if cluster:
-            connection.send([command("CLUSTER", "SLOTS")], deadline)
-            self._slots = self._slot_map(_ok(connection.read_reply(deadline)), host)
+            self._learn_slots(host, connection, deadline)
         return cluster
+
+    def _learn_slots(self, seed_host: str, connection: Connection, deadline: Deadline) -> None:
+        """The slot map from the CLUSTER SLOTS of the node ``connection`` reaches, put in use."""
+        connection.send([command("CLUSTER", "SLOTS")], deadline)
+        self._slots = self._slot_map(_ok(connection.read_reply(deadline)), seed_host)
 
     def _slot_map(self, reply: Reply, seed_host: str) -> list[_Node]:
         """Owner of each slot from CLUSTER SLOTS; a slot nobody owns goes to the first node.
-        A reply of another shape is :class:`ServerReplyError`, start-up's one-line error."""
+        A reply of another shape, or one that would make the tier know more than
+        :data:`MAX_NODES` nodes, is :class:`ServerReplyError`, start-up's one-line error."""
         if not isinstance(reply, list) or not reply:
             raise ServerReplyError("CLUSTER SLOTS named no slots")
+        ranges = [_slot_range(entry) for entry in reply]
+        with self._lock:
+            known = self._nodes.keys() | {(host or seed_host, port) for *_, host, port in ranges}
+        if len(known) > MAX_NODES:
+            raise ServerReplyError(f"CLUSTER SLOTS named more than {MAX_NODES} nodes")
         owners: list[_Node | None] = [None] * SLOTS
-        for entry in reply:
-            low, high, host, port = _slot_range(entry)
+        for low, high, host, port in ranges:
             node = self._node(host or seed_host, port)
             for slot in range(max(0, low), min(SLOTS - 1, high) + 1):
                 owners[slot] = node
@@ -454,6 +486,47 @@ class RemoteTier:
         if first is None:
             raise ServerReplyError(f"CLUSTER SLOTS named no slot from 0 to {SLOTS - 1}")
         return [node or first for node in owners]
+
+    def _refresh_map_soon(self, failed: _Node) -> None:
+        """After Cluster node ``failed`` failed or was refused: ask for the slot map again on
+        an I/O thread (the caller may be the scheduler's), one refresh at a time and at most
+        one per :data:`MAP_REFRESH_S`."""
+        if self._slots is None:
+            return
+        with self._lock:
+            now = time.monotonic()
+            if self._closed or self._refreshing or now - self._refreshed_at < MAP_REFRESH_S:
+                return
+            self._refreshing = True
+            self._refreshed_at = now
+        try:
+            self._pool.submit(self._refresh_map, failed)
+        except RuntimeError:  # close() shut the pool down meanwhile
+            with self._lock:
+                self._refreshing = False
+
+    def _refresh_map(self, failed: _Node) -> None:
+        """Ask the other known nodes whose breakers are closed for CLUSTER SLOTS, in turn
+        under one deadline, until one answers; its map replaces the one in use. Upkeep, not
+        an operation: no node's breaker nor :attr:`unavailable` counts its failures."""
+        try:
+            with self._lock:
+                nodes = [node for node in self._nodes.values() if node is not failed]
+            deadline = self._deadline(0)
+            for node in nodes:
+                if deadline.passed():
+                    break
+                if node.breaker.is_open:
+                    continue
+                learn = partial(self._learn_slots, node.host)
+                try:
+                    self._on_connection(node, learn, deadline)
+                except Exception:  # this node cannot tell: the next one is asked
+                    continue
+                return
+        finally:
+            with self._lock:
+                self._refreshing = False
 
     # Nodes and slots.
 
