@@ -259,6 +259,40 @@ def test_blocks_the_server_evicted_are_plain_misses(tmp_path: Path) -> None:
         server.stop()
 
 
+def test_a_full_server_refusing_stores_still_serves_loads(tmp_path: Path) -> None:
+    """With maxmemory and Valkey's default policy, noeviction, a full server answers SET
+    with OOM: the stores fail, but the server is up, so its breaker stays closed and the
+    blocks it holds are still loaded (the first OOM opened it, and every load was refused)."""
+    server = ValkeyProcess(
+        tmp_path / "full", "--maxmemory", "2mb", "--maxmemory-policy", "noeviction"
+    )
+    server.start()
+    try:
+        size = 32_000
+        tier = RemoteTier(
+            server.url,
+            layout_fingerprint("full", layout_preset("tiny"), size),
+            breaker=CircuitBreaker(threshold=1, cooldown_s=60),
+        )
+        keys = [block_id_key(i) for i in range(200)]
+        try:
+            stored = 0
+            while tier.stats.failed == 0 and stored < len(keys):
+                tier.write([keys[stored]], [content(keys[stored], size)])
+                tier.poll(wait=True)
+                stored = tier.stats.stored_blocks
+            assert tier.stats.failed == 1 and 0 < stored < len(keys)  # OOM came
+            buffers = [bytearray(size) for _ in range(stored)]
+            ok = tier.read(keys[:stored], lambda i: memoryview(buffers[i])).result(timeout=10)
+            assert ok == [True] * stored
+            assert all(bytes(buffers[i]) == content(k, size) for i, k in enumerate(keys[:stored]))
+            assert not tier.breaker.is_open and tier.unavailable == 1
+        finally:
+            tier.close()
+    finally:
+        server.stop()
+
+
 def test_a_manager_keeps_serving_its_cpu_tier_while_the_server_is_down(
     own_server: ValkeyProcess,
 ) -> None:

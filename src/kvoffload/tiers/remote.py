@@ -371,7 +371,9 @@ class RemoteTier:
         that runs out of time having begun with less left than the operation had spent: had
         the node been first, it would have had longer than the earlier nodes took, so they
         are the slow ones, and a healthy node left a sliver by a slow one would otherwise
-        have its breaker opened by it."""
+        have its breaker opened by it. An error reply fails the call but is no failure of
+        the node's: a full server (``OOM``, maxmemory with ``noeviction``) refusing stores
+        opened its breaker, and its loads were refused with them."""
         if deadline.passed():
             with self._lock:
                 self.unavailable += 1
@@ -384,6 +386,11 @@ class RemoteTier:
         begun = time.monotonic()
         try:
             result = self._on_connection(node, op, deadline)
+        except ServerReplyError:  # an answer, quick: the node is up (full, loading, ...)
+            node.breaker.success()
+            with self._lock:
+                self.unavailable += 1
+            return None
         except Exception:  # any socket, TLS or protocol failure is the server's, never ours
             starved = deadline.at - begun < begun - deadline.since
             if starved and deadline.passed():
