@@ -484,6 +484,52 @@ def test_a_trial_left_a_sliver_of_the_deadline_is_tried_again(
         tier.close()
 
 
+def slots_of(*owners: tuple[int, int, FakeValkey]) -> bytes:
+    """A CLUSTER SLOTS reply giving each ``(low, high, node)`` range to its node."""
+    entries = [
+        b"*3\r\n:%d\r\n:%d\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n" % (low, high, node.port)
+        for low, high, node in owners
+    ]
+    return b"*%d\r\n" % len(entries) + b"".join(entries)
+
+
+def test_a_slot_map_refresh_asks_the_map_s_nodes_before_one_it_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The seed, taken out of the Cluster, now hangs (its host gone): a refresh that asked
+    it first spent its whole deadline there, every time, and never learnt the map."""
+    from kvoffload.tiers import remote
+
+    monkeypatch.setattr(remote, "MAP_REFRESH_S", 0.0)
+    cluster = FakeValkeyCluster(4, timeout_ms=1000)
+    seed, b, c, d = cluster.nodes
+    tier = RemoteTier(cluster.url, fingerprint("refresh-order"))
+    try:
+        keys = [block_id_key(i, 14) for i in range(1000)]
+        on_c = next(key for key in keys if server_of(tier, cluster, key) is c)
+        on_d = next(key for key in keys if server_of(tier, cluster, key) is d)
+        store(tier, [on_c])
+        for node in cluster.nodes:  # the seed and d leave; d dies
+            node.cluster_slots = slots_of((0, 8191, b), (8192, 16383, c))
+        d.stop()
+        until = time.monotonic() + STALL_S
+        while server_of(tier, cluster, on_d) is d:
+            assert time.monotonic() < until, "the first map was never learnt"
+            read(tier, [on_d])  # fails: the map is asked again
+            time.sleep(0.05)
+        seed.mode = "hang"
+        for node in (b, c):  # c fails over to b, then dies
+            node.cluster_slots = slots_of((0, 16383, b))
+        b.values.update(c.values)
+        c.stop()
+        while read(tier, [on_c]) != [True]:
+            assert time.monotonic() < until, "c's slots were never found on b"
+            time.sleep(0.05)
+    finally:
+        cluster.stop()
+        tier.close()
+
+
 @pytest.fixture
 def planted(valkey_server: ValkeyProcess) -> Iterator[RemoteTier]:
     tier = RemoteTier(valkey_server.url, fingerprint("planted-length"))

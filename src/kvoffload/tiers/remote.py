@@ -514,11 +514,14 @@ class RemoteTier:
 
     def _refresh_map(self, failed: _Node) -> None:
         """Ask the other known nodes whose breakers are closed for CLUSTER SLOTS, in turn
-        under one deadline, until one answers; its map replaces the one in use. Upkeep, not
-        an operation: no node's breaker nor :attr:`unavailable` counts its failures."""
+        under one deadline (the map's own nodes first: a node the map left may be gone for
+        good), until one answers; its map replaces the one in use. Upkeep, not an
+        operation: no node's breaker nor :attr:`unavailable` counts its failures."""
         try:
             with self._lock:
-                nodes = [node for node in self._nodes.values() if node is not failed]
+                known = list(self._nodes.values())
+            in_order = dict.fromkeys([*self._primaries(), *known])
+            nodes = [node for node in in_order if node is not failed]
             deadline = self._deadline(0)
             for node in nodes:
                 if deadline.passed():
