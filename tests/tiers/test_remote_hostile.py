@@ -611,6 +611,50 @@ def test_the_tier_follows_ask_during_a_slot_migration(tmp_path: Path) -> None:
         cluster.stop()
 
 
+def move_slot(
+    cluster: ValkeyClusterProcesses, slot: int, source: ValkeyProcess, target: ValkeyProcess
+) -> None:
+    """``slot`` and its keys from ``source`` to ``target``, every node told (a resharding)."""
+    source_id = source.client().execute_command("CLUSTER", "MYID")
+    target_id = target.client().execute_command("CLUSTER", "MYID")
+    target.client().execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+    source.client().execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+    for name in source.client().execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000):
+        source.client().execute_command("MIGRATE", "127.0.0.1", target.port, name, 0, 5000)
+    for node in cluster.nodes:
+        node.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+
+
+def test_after_a_resharding_one_moved_reply_teaches_the_whole_slot_map(tmp_path: Path) -> None:
+    """Slots move from one node to another: the first MOVED has the map asked again, so a
+    lookup of another moved slot finds its block at once (each missed once, slot by slot,
+    as only the slot of a MOVED was learnt)."""
+    cluster = ValkeyClusterProcesses(tmp_path / "reshard").start()
+    tier = RemoteTier(cluster.url, fingerprint("reshard"))
+    try:
+        source, target = cluster.nodes[2], cluster.nodes[0]
+        keys = [block_id_key(i, 15) for i in range(200)]
+        on_source = [k for k in keys if tier.node_address(tier.name(k))[1] == source.port]
+        first, second = on_source[:2]
+        slots = [
+            source.client().execute_command("CLUSTER", "KEYSLOT", tier.name(key))
+            for key in (first, second)
+        ]
+        assert slots[0] != slots[1]
+        store(tier, [first, second])
+        for slot in slots:
+            move_slot(cluster, slot, source, target)
+        assert tier.held([first]) == [False]  # MOVED: absent this once
+        until = time.monotonic() + STALL_S
+        while tier.node_address(tier.name(second))[1] != target.port:
+            assert time.monotonic() < until, "the second moved slot was never learnt"
+            time.sleep(0.05)
+        assert tier.held([second]) == [True]
+    finally:
+        tier.close()
+        cluster.stop()
+
+
 def replica_of(primary: ValkeyProcess, directory: Path) -> ValkeyProcess:
     """A cluster-mode server joined to ``primary``'s Cluster as its replica, in sync."""
     replica = ValkeyProcess(

@@ -494,10 +494,10 @@ class RemoteTier:
             raise ServerReplyError(f"CLUSTER SLOTS named no slot from 0 to {SLOTS - 1}")
         return [node or first for node in owners]
 
-    def _refresh_map_soon(self, failed: _Node) -> None:
-        """After Cluster node ``failed`` failed or was refused: ask for the slot map again on
-        an I/O thread (the caller may be the scheduler's), one refresh at a time and at most
-        one per :data:`MAP_REFRESH_S`."""
+    def _refresh_map_soon(self, failed: _Node | None) -> None:
+        """After Cluster node ``failed`` failed or was refused, or a ``MOVED`` (``None``):
+        ask for the slot map again on an I/O thread (the caller may be the scheduler's), one
+        refresh at a time and at most one per :data:`MAP_REFRESH_S`."""
         if self._slots is None:
             return
         with self._lock:
@@ -512,7 +512,7 @@ class RemoteTier:
             with self._lock:
                 self._refreshing = False
 
-    def _refresh_map(self, failed: _Node) -> None:
+    def _refresh_map(self, failed: _Node | None) -> None:
         """Ask the other known nodes whose breakers are closed for CLUSTER SLOTS, in turn
         under one deadline (the map's own nodes first: a node the map left may be gone for
         good), until one answers; its map replaces the one in use. Upkeep, not an
@@ -568,7 +568,8 @@ class RemoteTier:
         return groups
 
     def _follow(self, redirect: _Redirect, node: _Node) -> _Node:
-        """The node a redirection names; a MOVED one also updates the slot map. Past
+        """The node a redirection names; a MOVED one also updates the slot map (and has the
+        whole map asked again: a lookup of a moved slot not yet learnt misses once). Past
         :data:`MAX_NODES` known nodes a new one is not made: ``node`` is asked again."""
         host, port = redirect.address
         address = (host or node.host, port)
@@ -578,6 +579,7 @@ class RemoteTier:
         target = self._node(*address)
         if not redirect.ask and self._slots is not None:
             self._slots[redirect.slot] = target
+            self._refresh_map_soon(None)  # a resharding moves many slots, not this one alone
         return target
 
     # One node's part of an operation, each on one connection under its deadline.
