@@ -80,6 +80,22 @@ def test_calls_on_a_closed_tier_fail_counted_and_raise_nothing(
     assert tier.stats.stored_blocks == 2 and tier.stats.failed == 3
 
 
+def test_lookups_and_delete_all_on_a_closed_tier_touch_no_server(
+    valkey_server: ValkeyProcess,
+) -> None:
+    """After close a lookup says nothing is held and delete_all deletes nothing: both
+    opened a connection that nothing closed, and delete_all emptied the server."""
+    tier = RemoteTier(valkey_server.url, fingerprint("closed-lookups"))
+    tier.delete_all()
+    store(tier, KEYS[:2])
+    tier.close()
+    connected = valkey_server.client().info("stats")["total_connections_received"]
+    assert tier.present(KEYS[:2]) == 0 and tier.held(KEYS[:2]) == [False, False]
+    assert tier.delete_all() == 0
+    assert valkey_server.client().info("stats")["total_connections_received"] == connected
+    assert valkey_server.client().exists(*(tier.name(key) for key in KEYS[:2])) == 2
+
+
 def test_cluster_round_trip_spreads_blocks_over_the_nodes(
     valkey_cluster: ValkeyClusterProcesses,
 ) -> None:

@@ -8,6 +8,7 @@ stopped, or resumed, before the tier is closed, so a failing test ends too.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -241,6 +243,25 @@ def test_slot_map_refreshes_never_grow_the_known_nodes_past_the_cap(
         assert len(tier.breakers) == 3
     finally:
         tier.close()
+
+
+def test_a_lookup_that_outlasts_close_leaves_no_connection_open(fake: FakeValkey) -> None:
+    """A lookup runs on the scheduler's thread and may still wait on the server when the
+    tier closes: its connection, handed back after, is closed, not kept by a closed node."""
+    tier = RemoteTier(fake.url, fingerprint("close-race"))
+    store(tier, KEYS[:1])
+    fake.delay_s = 0.2
+    lookup = threading.Thread(target=tier.present, args=(KEYS[:1],))
+    lookup.start()
+    time.sleep(0.05)  # the lookup waits for its answer
+    tier.close()
+    lookup.join(STALL_S)
+    assert not lookup.is_alive()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del tier
+        gc.collect()
+    assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
 
 
 def test_a_value_announced_at_512_mb_is_refused_unread_counted_and_deleted(

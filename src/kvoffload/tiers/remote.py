@@ -108,6 +108,7 @@ class _Node:
         self.breaker = breaker
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
+        self._closed = False
 
     @property
     def name(self) -> str:
@@ -131,14 +132,17 @@ class _Node:
             connection.close()
 
     def give(self, connection: Connection) -> None:
-        if connection.broken:
-            connection.close()
-            return
+        """Keep ``connection`` for the next call; close it if replies were left unread or the
+        node was closed meanwhile (a lookup on the scheduler's thread may outlast close)."""
         with self._lock:
-            self._idle.append(connection)
+            if not (connection.broken or self._closed):
+                self._idle.append(connection)
+                return
+        connection.close()
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             idle, self._idle = self._idle, []
         for connection in idle:
             connection.close()
@@ -226,7 +230,8 @@ class RemoteTier:
         self._refreshed_at = -MAP_REFRESH_S
         """When the last slot map refresh began (``time.monotonic``)."""
         self._closed = False
-        """Set by :meth:`close`: later reads and writes fail (counted), never raise."""
+        """Set by :meth:`close`: later reads and writes fail (counted), lookups answer that
+        nothing is held; none raises, none opens a connection."""
         self.is_cluster = self._start()
         self._pool = ThreadPoolExecutor(io_threads, "kvoffload-remote")
         self._ahead = ThreadPoolExecutor(io_threads, "kvoffload-remote-ahead")
@@ -260,6 +265,8 @@ class RemoteTier:
         absent: a leading run cannot reach it."""
         names = [self.name(key) for key in keys]
         found = [False] * len(names)
+        if self._closed:
+            return found
         deadline = self._deadline(0)
         run = len(names)  # the first index found absent, or whose node failed
         # Nodes come in the order of their first key, every key before it already answered.
@@ -329,8 +336,11 @@ class RemoteTier:
             node.close()
 
     def delete_all(self) -> int:
-        """Delete every block under this tier's fingerprint (for tests and resets)."""
+        """Delete every block under this tier's fingerprint (for tests and resets); none
+        once closed."""
         deleted = 0
+        if self._closed:
+            return deleted
         for node in self._primaries():
             cursor = b"0"
             while True:  # a deadline per page: a large keyspace takes many
