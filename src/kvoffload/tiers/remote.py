@@ -262,7 +262,8 @@ class RemoteTier:
     def _exists_all(self, keys: Sequence[OffloadKey], whole: bool) -> list[bool]:
         """Per key, whether the server answered that it holds it (a failed node's keys:
         no). Without ``whole`` a node is skipped once a key before its first is known
-        absent: a leading run cannot reach it."""
+        absent: a leading run cannot reach it. A redirected key is asked where it points
+        (after ASKING for an ``ASK``) before the next node, at most :data:`MAX_HOPS` times."""
         names = [self.name(key) for key in keys]
         found = [False] * len(names)
         if self._closed:
@@ -273,18 +274,31 @@ class RemoteTier:
         for node, indices in self._by_node(names, range(len(names))).items():
             if not whole and run < indices[0]:
                 break
-            replies = self._call(node, partial(self._exists, names, indices), deadline)
-            if replies is None:
-                run = min(run, indices[0])
-                continue
-            for index, reply in zip(indices, replies, strict=True):
-                if reply == 1:
-                    found[index] = True
-                else:
-                    run = min(run, index)
-                redirect = _redirect(reply) if isinstance(reply, ErrorReply) else None
-                if redirect is not None:  # absent this once; the map learns the new owner
-                    self._follow(redirect, node)
+            jobs: list[_Job] = [(node, indices, False)]
+            hops = 0
+            while jobs:
+                where, asked, asking = jobs.pop()
+                exists = partial(self._exists, names, asked, asking)
+                replies = self._call(where, exists, deadline)
+                if replies is None:
+                    run = min(run, asked[0])
+                    continue
+                moved: dict[tuple[_Node, bool], list[int]] = {}
+                for index, reply in zip(asked, replies, strict=True):
+                    redirect = _redirect(reply) if isinstance(reply, ErrorReply) else None
+                    if redirect is not None:
+                        key = (self._follow(redirect, where), redirect.ask)
+                        moved.setdefault(key, []).append(index)
+                    elif reply == 1:
+                        found[index] = True
+                    else:
+                        run = min(run, index)
+                if moved:
+                    hops += 1
+                    if hops > MAX_HOPS:
+                        run = min(run, *(min(again) for again in moved.values()))
+                        continue
+                    jobs += [(to, again, ask) for (to, ask), again in moved.items()]
         return found
 
     def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
@@ -595,14 +609,27 @@ class RemoteTier:
     # One node's part of an operation, each on one connection under its deadline.
 
     def _exists(
-        self, names: list[bytes], indices: list[int], connection: Connection, deadline: Deadline
+        self,
+        names: list[bytes],
+        indices: list[int],
+        asking: bool,
+        connection: Connection,
+        deadline: Deadline,
     ) -> list[Reply]:
-        connection.send([b"".join(command(b"EXISTS", names[i]) for i in indices)], deadline)
-        replies = [connection.read_reply(deadline, MAX_LINE) for _ in indices]
+        """EXISTS each name (after ASKING, with ``asking``): its reply, or its redirection."""
+        prefix = ASKING if asking else b""
+        connection.send(
+            [b"".join(prefix + command(b"EXISTS", names[i]) for i in indices)], deadline
+        )
+        replies = []
+        for _ in indices:
+            if asking:
+                _ok(connection.read_reply(deadline, MAX_LINE))
+            replies.append(connection.read_reply(deadline, MAX_LINE))
         for reply in replies:
             if isinstance(reply, ErrorReply) and _redirect(reply) is None:
                 raise ServerReplyError(reply.message)
-        return replies  # a redirected key counts as absent this once
+        return replies
 
     def _read(self, keys: list[OffloadKey], target: Target) -> list[bool]:
         names = [self.name(key) for key in keys]
