@@ -650,8 +650,8 @@ def move_slot(
 
 def test_after_a_resharding_one_moved_reply_teaches_the_whole_slot_map(tmp_path: Path) -> None:
     """Slots move from one node to another: the first MOVED has the map asked again, so a
-    lookup of another moved slot finds its block at once (each missed once, slot by slot,
-    as only the slot of a MOVED was learnt)."""
+    lookup of another moved slot is sent to its new owner at once (each slot cost a
+    redirection of its own, as only the slot of a MOVED was learnt)."""
     cluster = ValkeyClusterProcesses(tmp_path / "reshard").start()
     tier = RemoteTier(cluster.url, fingerprint("reshard"))
     try:

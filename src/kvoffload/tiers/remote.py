@@ -592,8 +592,9 @@ class RemoteTier:
         return groups
 
     def _follow(self, redirect: _Redirect, node: _Node) -> _Node:
-        """The node a redirection names; a MOVED one also updates the slot map (and has the
-        whole map asked again: a lookup of a moved slot not yet learnt misses once). Past
+        """The node a redirection names; a MOVED one also updates the slot map and has the
+        whole map asked again (a resharding moves many slots: each would cost a redirection
+        of its own). Past
         :data:`MAX_NODES` known nodes a new one is not made: ``node`` is asked again."""
         host, port = redirect.address
         address = (host or node.host, port)
@@ -603,7 +604,7 @@ class RemoteTier:
         target = self._node(*address)
         if not redirect.ask and self._slots is not None:
             self._slots[redirect.slot] = target
-            self._refresh_map_soon(None)  # a resharding moves many slots, not this one alone
+            self._refresh_map_soon(None)
         return target
 
     # One node's part of an operation, each on one connection under its deadline.
