@@ -408,16 +408,17 @@ class RemoteTier:
             self._refresh_map_soon(node)
             return None
         begun = time.monotonic()
+        connection = None
         try:
-            result = self._on_connection(node, op, deadline)
-        except ServerReplyError:  # an answer, quick: the node is up (full, loading, ...)
-            node.breaker.success()
-            with self._lock:
-                self.unavailable += 1
-            return None
-        except Exception:  # any socket, TLS or protocol failure is the server's, never ours
+            connection = node.take() or self._open(node.host, node.port, deadline)
+            result = op(connection, deadline)
+        except Exception as exc:  # any socket, TLS or protocol failure is the server's
+            if connection is not None:
+                connection.close()
             starved = deadline.at - begun < begun - deadline.since
-            if starved and deadline.passed():
+            if isinstance(exc, ServerReplyError):  # an answer: the node is up (full, loading)
+                node.breaker.success()
+            elif starved and deadline.passed():
                 node.breaker.excuse()
             else:
                 node.breaker.failure()
@@ -425,21 +426,8 @@ class RemoteTier:
             with self._lock:
                 self.unavailable += 1
             return None
-        node.breaker.success()
-        return result
-
-    def _on_connection(
-        self, node: _Node, op: Callable[[Connection, Deadline], T], deadline: Deadline
-    ) -> T:
-        """``op`` on an idle connection to ``node`` or a new one, handed back after it (closed
-        if ``op`` raised: replies may be left unread)."""
-        connection = node.take() or self._open(node.host, node.port, deadline)
-        try:
-            result = op(connection, deadline)
-        except BaseException:
-            connection.close()
-            raise
         node.give(connection)
+        node.breaker.success()
         return result
 
     def _open(self, host: str, port: int, deadline: Deadline) -> Connection:
@@ -540,7 +528,8 @@ class RemoteTier:
         """Ask the other known nodes whose breakers are closed for CLUSTER SLOTS, in turn
         under one deadline (the map's own nodes first: a node the map left may be gone for
         good), until one answers; its map replaces the one in use. Upkeep, not an
-        operation: no node's breaker nor :attr:`unavailable` counts its failures."""
+        operation: no node's breaker nor :attr:`unavailable` counts its failures, and it
+        asks on a connection of its own, so it never holds one an operation would take."""
         try:
             with self._lock:
                 known = list(self._nodes.values())
@@ -552,9 +541,12 @@ class RemoteTier:
                     break
                 if node.breaker.is_open:
                     continue
-                learn = partial(self._learn_slots, node.host)
                 try:
-                    self._on_connection(node, learn, deadline)
+                    connection = self._open(node.host, node.port, deadline)
+                    try:
+                        self._learn_slots(node.host, connection, deadline)
+                    finally:
+                        connection.close()
                 except Exception:  # this node cannot tell: the next one is asked
                     continue
                 return
