@@ -239,7 +239,7 @@ def test_slot_map_refreshes_never_grow_the_known_nodes_past_the_cap(
             fake.cluster_slots = every_slot_at(port)
             fake.redirect = b"127.0.0.1:%d" % port if round == 0 else None
             assert read(tier, KEYS[:1]) == [False]
-            time.sleep(0.2)  # the refresh runs on an I/O thread
+            time.sleep(0.2)  # the refresh runs on a thread of its own
         assert len(tier.breakers) == 3
     finally:
         tier.close()

@@ -226,7 +226,8 @@ class RemoteTier:
         self._slots: list[_Node] | None = None
         """A Cluster's owner of each hash slot; ``None`` for a standalone server."""
         self._server: _Node | None = None
-        self._refreshing = False
+        self._refresher: threading.Thread | None = None
+        """The thread asking for a Cluster's slot map, while one does."""
         self._refreshed_at = -MAP_REFRESH_S
         """When the last slot map refresh began (``time.monotonic``)."""
         self._closed = False
@@ -344,6 +345,10 @@ class RemoteTier:
         self.poll(wait=True)
         self._pool.shutdown(wait=True)
         self._ahead.shutdown(wait=True)
+        with self._lock:
+            refresher = self._refresher
+        if refresher is not None:
+            refresher.join()  # within its deadline; no new one starts once closed
         with self._lock:
             nodes = list(self._nodes.values())
         for node in nodes:
@@ -508,21 +513,21 @@ class RemoteTier:
 
     def _refresh_map_soon(self, failed: _Node | None) -> None:
         """After Cluster node ``failed`` failed or was refused, or a ``MOVED`` (``None``):
-        ask for the slot map again on an I/O thread (the caller may be the scheduler's), one
+        ask for the slot map again on a thread of its own (the caller may be the scheduler's;
+        an I/O thread would be taken from loads and stores for up to a deadline), one
         refresh at a time and at most one per :data:`MAP_REFRESH_S`."""
         if self._slots is None:
             return
         with self._lock:
             now = time.monotonic()
-            if self._closed or self._refreshing or now - self._refreshed_at < MAP_REFRESH_S:
+            running = self._refresher is not None and self._refresher.is_alive()
+            if self._closed or running or now - self._refreshed_at < MAP_REFRESH_S:
                 return
-            self._refreshing = True
             self._refreshed_at = now
-        try:
-            self._pool.submit(self._refresh_map, failed)
-        except RuntimeError:  # close() shut the pool down meanwhile
-            with self._lock:
-                self._refreshing = False
+            self._refresher = threading.Thread(
+                target=self._refresh_map, args=(failed,), name="kvoffload-remote-map", daemon=True
+            )
+            self._refresher.start()
 
     def _refresh_map(self, failed: _Node | None) -> None:
         """Ask the other known nodes whose breakers are closed for CLUSTER SLOTS, in turn
@@ -530,29 +535,24 @@ class RemoteTier:
         good), until one answers; its map replaces the one in use. Upkeep, not an
         operation: no node's breaker nor :attr:`unavailable` counts its failures, and it
         asks on a connection of its own, so it never holds one an operation would take."""
-        try:
-            with self._lock:
-                known = list(self._nodes.values())
-            in_order = dict.fromkeys([*self._primaries(), *known])
-            nodes = [node for node in in_order if node is not failed]
-            deadline = self._deadline(0)
-            for node in nodes:
-                if deadline.passed():
-                    break
-                if node.breaker.is_open:
-                    continue
-                try:
-                    connection = self._open(node.host, node.port, deadline)
-                    try:
-                        self._learn_slots(node.host, connection, deadline)
-                    finally:
-                        connection.close()
-                except Exception:  # this node cannot tell: the next one is asked
-                    continue
+        with self._lock:
+            known = list(self._nodes.values())
+        in_order = dict.fromkeys([*self._primaries(), *known])
+        deadline = self._deadline(0)
+        for node in in_order:
+            if deadline.passed():
                 return
-        finally:
-            with self._lock:
-                self._refreshing = False
+            if node is failed or node.breaker.is_open:
+                continue
+            try:
+                connection = self._open(node.host, node.port, deadline)
+                try:
+                    self._learn_slots(node.host, connection, deadline)
+                finally:
+                    connection.close()
+            except Exception:  # this node cannot tell: the next one is asked
+                continue
+            return
 
     # Nodes and slots.
 
