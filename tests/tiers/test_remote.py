@@ -243,6 +243,43 @@ def test_auth_wrong_or_missing_password_fails_clearly_at_start_up(tmp_path: Path
         server.stop()
 
 
+@pytest.mark.parametrize(
+    ("rules", "refused"),
+    [
+        (["~*", "+ping", "+info", "+get", "+set", "+del"], "run the 'exists' command"),
+        (["~other:*", "+@all"], "access a key"),
+    ],
+)
+def test_a_user_the_acl_refuses_the_tier_s_commands_fails_clearly_at_start_up(
+    own_server: ValkeyProcess, rules: list[str], refused: str
+) -> None:
+    """An ACL without EXISTS, or without the tier's keys: start-up said nothing, then every
+    lookup (or every store and load) failed, counted, and the tier held nothing usable."""
+    own_server.start().client().execute_command("ACL", "SETUSER", "kv", "on", ">pw", *rules)
+    url = f"redis://kv:pw@127.0.0.1:{own_server.port}/0"
+    with pytest.raises(RemoteTierError, match="may not run the tier's commands") as refusal:
+        RemoteTier(url, fingerprint("acl"))
+    assert refused in str(refusal.value) and "EXISTS, GET, SET and DEL on keys kvo3:*" in str(
+        refusal.value
+    )
+    assert own_server.client().keys("*") == []  # the probe wrote nothing
+
+
+def test_a_read_only_replica_fails_clearly_at_start_up(tmp_path: Path) -> None:
+    """Every store to a replica fails with READONLY: start-up says so instead."""
+    primary = ValkeyProcess(tmp_path / "primary").start()
+    replica = ValkeyProcess(tmp_path / "replica").start()
+    try:
+        replica.client().execute_command("REPLICAOF", "127.0.0.1", primary.port)
+        with pytest.raises(RemoteTierError, match="read-only replica"):
+            RemoteTier(replica.url, fingerprint("replica"))
+        tier = RemoteTier(primary.url, fingerprint("replica"))
+        tier.close()
+    finally:
+        replica.stop()
+        primary.stop()
+
+
 def test_an_unreachable_server_fails_clearly_at_start_up(own_server: ValkeyProcess) -> None:
     with pytest.raises(RemoteTierError, match="not reachable"):
         RemoteTier(f"redis://127.0.0.1:{own_server.port}/0?timeout_ms=100", fingerprint("x"))

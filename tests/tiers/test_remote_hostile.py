@@ -273,7 +273,8 @@ def test_a_value_announced_at_512_mb_is_refused_unread_counted_and_deleted(
         fake.mode = "huge"
         assert read(tier, KEYS[:3]) == [False] * 3
         assert tier.stats.corrupt == 3 and tier.stats.failed == 0
-        assert sorted(fake.deleted) == sorted(tier.name(key) for key in KEYS[:3])
+        deleted = [name for name in fake.deleted if not name.endswith(b":probe")]  # start-up
+        assert sorted(deleted) == sorted(tier.name(key) for key in KEYS[:3])
     finally:
         fake.stop()
         tier.close()

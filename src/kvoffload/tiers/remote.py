@@ -458,6 +458,7 @@ class RemoteTier:
                 continue
             try:
                 cluster = self._discover(host, port, connection, deadline)
+                self._check_commands(connection, deadline)
             except (OSError, ServerReplyError) as exc:
                 connection.close()
                 # A reply we refuse is the server's doing, not the network's.
@@ -484,6 +485,34 @@ class RemoteTier:
         if cluster:
             self._learn_slots(host, connection, deadline)
         return cluster
+
+    def _check_commands(self, connection: Connection, deadline: Deadline) -> None:
+        """:class:`ServerReplyError` if the server refuses the commands the tier runs on its
+        names: an ACL that denies one (``NOPERM``), or a read-only replica. Such a tier
+        started, then failed every lookup or store, counted, with no word of why. The probe
+        name is never a block's (those end in hex); ``SET ... XX`` of an absent name writes
+        nothing, and a redirection means the command was allowed."""
+        probe = self._prefix + b"probe"
+        probes = [
+            command(b"EXISTS", probe),
+            command(b"GET", probe),
+            command(b"SET", probe, b"", b"XX"),
+            command(b"DEL", probe),
+        ]
+        connection.send([b"".join(probes)], deadline)
+        replies = [connection.read_reply(deadline, MAX_LINE) for _ in probes]
+        for reply in replies:
+            if not isinstance(reply, ErrorReply):
+                continue
+            if reply.code == "NOPERM":
+                raise ServerReplyError(
+                    f"the user may not run the tier's commands ({reply.message}): it needs "
+                    f"EXISTS, GET, SET and DEL on keys kvo{TRAILED_VERSION}:*"
+                )
+            if reply.code == "READONLY":
+                raise ServerReplyError(
+                    f"the server is a read-only replica ({reply.message}): give its primary"
+                )
 
     def _learn_slots(self, seed_host: str, connection: Connection, deadline: Deadline) -> None:
         """The slot map from the CLUSTER SLOTS of the node ``connection`` reaches, put in use."""
