@@ -104,7 +104,7 @@ def test_a_block_too_small_to_hold_a_block_is_one_line(
     ("die_after", "message"),
     [
         (12, "failed mid-run"),  # during the raw-socket baseline's loads
-        (30, "the shared tier lost 8 of 8 blocks"),  # during the tier's stores
+        (34, "the shared tier lost 8 of 8 blocks"),  # during the tier's stores
     ],
 )
 def test_a_server_dying_mid_bench_is_one_line_and_no_scratch_is_left(

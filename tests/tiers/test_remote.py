@@ -80,6 +80,22 @@ def test_calls_on_a_closed_tier_fail_counted_and_raise_nothing(
     assert tier.stats.stored_blocks == 2 and tier.stats.failed == 3
 
 
+def test_lookups_and_delete_all_on_a_closed_tier_touch_no_server(
+    valkey_server: ValkeyProcess,
+) -> None:
+    """After close a lookup says nothing is held and delete_all deletes nothing: both
+    opened a connection that nothing closed, and delete_all emptied the server."""
+    tier = RemoteTier(valkey_server.url, fingerprint("closed-lookups"))
+    tier.delete_all()
+    store(tier, KEYS[:2])
+    tier.close()
+    connected = valkey_server.client().info("stats")["total_connections_received"]
+    assert tier.present(KEYS[:2]) == 0 and tier.held(KEYS[:2]) == [False, False]
+    assert tier.delete_all() == 0
+    assert valkey_server.client().info("stats")["total_connections_received"] == connected
+    assert valkey_server.client().exists(*(tier.name(key) for key in KEYS[:2])) == 2
+
+
 def test_cluster_round_trip_spreads_blocks_over_the_nodes(
     valkey_cluster: ValkeyClusterProcesses,
 ) -> None:
@@ -227,6 +243,43 @@ def test_auth_wrong_or_missing_password_fails_clearly_at_start_up(tmp_path: Path
         server.stop()
 
 
+@pytest.mark.parametrize(
+    ("rules", "refused"),
+    [
+        (["~*", "+ping", "+info", "+get", "+set", "+del"], "run the 'exists' command"),
+        (["~other:*", "+@all"], "access a key"),
+    ],
+)
+def test_a_user_the_acl_refuses_the_tier_s_commands_fails_clearly_at_start_up(
+    own_server: ValkeyProcess, rules: list[str], refused: str
+) -> None:
+    """An ACL without EXISTS, or without the tier's keys: start-up said nothing, then every
+    lookup (or every store and load) failed, counted, and the tier held nothing usable."""
+    own_server.start().client().execute_command("ACL", "SETUSER", "kv", "on", ">pw", *rules)
+    url = f"redis://kv:pw@127.0.0.1:{own_server.port}/0"
+    with pytest.raises(RemoteTierError, match="may not run the tier's commands") as refusal:
+        RemoteTier(url, fingerprint("acl"))
+    assert refused in str(refusal.value) and "EXISTS, GET, SET and DEL on keys kvo3:*" in str(
+        refusal.value
+    )
+    assert own_server.client().keys("*") == []  # the probe wrote nothing
+
+
+def test_a_read_only_replica_fails_clearly_at_start_up(tmp_path: Path) -> None:
+    """Every store to a replica fails with READONLY: start-up says so instead."""
+    primary = ValkeyProcess(tmp_path / "primary").start()
+    replica = ValkeyProcess(tmp_path / "replica").start()
+    try:
+        replica.client().execute_command("REPLICAOF", "127.0.0.1", primary.port)
+        with pytest.raises(RemoteTierError, match="read-only replica"):
+            RemoteTier(replica.url, fingerprint("replica"))
+        tier = RemoteTier(primary.url, fingerprint("replica"))
+        tier.close()
+    finally:
+        replica.stop()
+        primary.stop()
+
+
 def test_an_unreachable_server_fails_clearly_at_start_up(own_server: ValkeyProcess) -> None:
     with pytest.raises(RemoteTierError, match="not reachable"):
         RemoteTier(f"redis://127.0.0.1:{own_server.port}/0?timeout_ms=100", fingerprint("x"))
@@ -253,6 +306,40 @@ def test_blocks_the_server_evicted_are_plain_misses(tmp_path: Path) -> None:
             assert sum(ok) > 0 and all(held[i] for i, good in enumerate(ok) if good)
             assert all(bytes(buffers[i]) == payload(k) * 1000 for i, k in enumerate(big) if ok[i])
             assert tier.stats.corrupt == 0 and tier.unavailable == 0
+        finally:
+            tier.close()
+    finally:
+        server.stop()
+
+
+def test_a_full_server_refusing_stores_still_serves_loads(tmp_path: Path) -> None:
+    """With maxmemory and Valkey's default policy, noeviction, a full server answers SET
+    with OOM: the stores fail, but the server is up, so its breaker stays closed and the
+    blocks it holds are still loaded (the first OOM opened it, and every load was refused)."""
+    server = ValkeyProcess(
+        tmp_path / "full", "--maxmemory", "2mb", "--maxmemory-policy", "noeviction"
+    )
+    server.start()
+    try:
+        size = 32_000
+        tier = RemoteTier(
+            server.url,
+            layout_fingerprint("full", layout_preset("tiny"), size),
+            breaker=CircuitBreaker(threshold=1, cooldown_s=60),
+        )
+        keys = [block_id_key(i) for i in range(200)]
+        try:
+            stored = 0
+            while tier.stats.failed == 0 and stored < len(keys):
+                tier.write([keys[stored]], [content(keys[stored], size)])
+                tier.poll(wait=True)
+                stored = tier.stats.stored_blocks
+            assert tier.stats.failed == 1 and 0 < stored < len(keys)  # OOM came
+            buffers = [bytearray(size) for _ in range(stored)]
+            ok = tier.read(keys[:stored], lambda i: memoryview(buffers[i])).result(timeout=10)
+            assert ok == [True] * stored
+            assert all(bytes(buffers[i]) == content(k, size) for i, k in enumerate(keys[:stored]))
+            assert not tier.breaker.is_open and tier.unavailable == 1
         finally:
             tier.close()
     finally:

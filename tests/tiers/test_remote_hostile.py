@@ -8,6 +8,7 @@ stopped, or resumed, before the tier is closed, so a failing test ends too.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -217,6 +219,51 @@ def test_redirections_never_grow_the_known_nodes_past_the_cap(
         tier.close()
 
 
+def test_slot_map_refreshes_never_grow_the_known_nodes_past_the_cap(
+    fake: FakeValkey, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Cluster node that fails has the slot map asked again; a hostile node that names a
+    new (dead) owner of every slot each time is believed only up to MAX_NODES nodes."""
+    from kvoffload.tiers import remote
+
+    def every_slot_at(port: int) -> bytes:
+        return b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n" % port
+
+    monkeypatch.setattr(remote, "MAX_NODES", 3)
+    monkeypatch.setattr(remote, "MAP_REFRESH_S", 0.0)
+    fake.cluster_slots = every_slot_at(fake.port)
+    tier = RemoteTier(fake.url, fingerprint("map-cap"))
+    try:
+        for round in range(6):
+            port = free_port()  # nothing listens there
+            fake.cluster_slots = every_slot_at(port)
+            fake.redirect = b"127.0.0.1:%d" % port if round == 0 else None
+            assert read(tier, KEYS[:1]) == [False]
+            time.sleep(0.2)  # the refresh runs on a thread of its own
+        assert len(tier.breakers) == 3
+    finally:
+        tier.close()
+
+
+def test_a_lookup_that_outlasts_close_leaves_no_connection_open(fake: FakeValkey) -> None:
+    """A lookup runs on the scheduler's thread and may still wait on the server when the
+    tier closes: its connection, handed back after, is closed, not kept by a closed node."""
+    tier = RemoteTier(fake.url, fingerprint("close-race"))
+    store(tier, KEYS[:1])
+    fake.delay_s = 0.2
+    lookup = threading.Thread(target=tier.present, args=(KEYS[:1],))
+    lookup.start()
+    time.sleep(0.05)  # the lookup waits for its answer
+    tier.close()
+    lookup.join(STALL_S)
+    assert not lookup.is_alive()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del tier
+        gc.collect()
+    assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
+
+
 def test_a_value_announced_at_512_mb_is_refused_unread_counted_and_deleted(
     fake: FakeValkey,
 ) -> None:
@@ -226,7 +273,8 @@ def test_a_value_announced_at_512_mb_is_refused_unread_counted_and_deleted(
         fake.mode = "huge"
         assert read(tier, KEYS[:3]) == [False] * 3
         assert tier.stats.corrupt == 3 and tier.stats.failed == 0
-        assert sorted(fake.deleted) == sorted(tier.name(key) for key in KEYS[:3])
+        deleted = [name for name in fake.deleted if not name.endswith(b":probe")]  # start-up
+        assert sorted(deleted) == sorted(tier.name(key) for key in KEYS[:3])
     finally:
         fake.stop()
         tier.close()
@@ -458,6 +506,52 @@ def test_a_trial_left_a_sliver_of_the_deadline_is_tried_again(
         tier.close()
 
 
+def slots_of(*owners: tuple[int, int, FakeValkey]) -> bytes:
+    """A CLUSTER SLOTS reply giving each ``(low, high, node)`` range to its node."""
+    entries = [
+        b"*3\r\n:%d\r\n:%d\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n" % (low, high, node.port)
+        for low, high, node in owners
+    ]
+    return b"*%d\r\n" % len(entries) + b"".join(entries)
+
+
+def test_a_slot_map_refresh_asks_the_map_s_nodes_before_one_it_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The seed, taken out of the Cluster, now hangs (its host gone): a refresh that asked
+    it first spent its whole deadline there, every time, and never learnt the map."""
+    from kvoffload.tiers import remote
+
+    monkeypatch.setattr(remote, "MAP_REFRESH_S", 0.0)
+    cluster = FakeValkeyCluster(4, timeout_ms=1000)
+    seed, b, c, d = cluster.nodes
+    tier = RemoteTier(cluster.url, fingerprint("refresh-order"))
+    try:
+        keys = [block_id_key(i, 14) for i in range(1000)]
+        on_c = next(key for key in keys if server_of(tier, cluster, key) is c)
+        on_d = next(key for key in keys if server_of(tier, cluster, key) is d)
+        store(tier, [on_c])
+        for node in cluster.nodes:  # the seed and d leave; d dies
+            node.cluster_slots = slots_of((0, 8191, b), (8192, 16383, c))
+        d.stop()
+        until = time.monotonic() + STALL_S
+        while server_of(tier, cluster, on_d) is d:
+            assert time.monotonic() < until, "the first map was never learnt"
+            read(tier, [on_d])  # fails: the map is asked again
+            time.sleep(0.05)
+        seed.mode = "hang"
+        for node in (b, c):  # c fails over to b, then dies
+            node.cluster_slots = slots_of((0, 16383, b))
+        b.values.update(c.values)
+        c.stop()
+        while read(tier, [on_c]) != [True]:
+            assert time.monotonic() < until, "c's slots were never found on b"
+            time.sleep(0.05)
+    finally:
+        cluster.stop()
+        tier.close()
+
+
 @pytest.fixture
 def planted(valkey_server: ValkeyProcess) -> Iterator[RemoteTier]:
     tier = RemoteTier(valkey_server.url, fingerprint("planted-length"))
@@ -514,7 +608,8 @@ def test_values_of_another_type_or_empty_are_corrupt_and_deleted(
 
 def test_the_tier_follows_ask_during_a_slot_migration(tmp_path: Path) -> None:
     """A slot half-way between two nodes: a key the old owner lacks is asked of the new
-    one, with ASKING, for stores and for loads, as the client library does."""
+    one, with ASKING, for stores, loads and lookups (a lookup called it absent), as the
+    client library does."""
     cluster = ValkeyClusterProcesses(tmp_path / "ask").start()
     tier = RemoteTier(cluster.url, fingerprint("ask"))
     try:
@@ -533,9 +628,108 @@ def test_the_tier_follows_ask_during_a_slot_migration(tmp_path: Path) -> None:
         assert source.client().execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
         assert target.client().execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 1
         assert read(tier, [key]) == [True]
+        assert tier.present([key]) == 1 and tier.held([key, KEYS[1]]) == [True, False]
         assert tier.node_address(name)[1] == source_port  # ASK never changes the map
     finally:
         tier.close()
+        cluster.stop()
+
+
+def move_slot(
+    cluster: ValkeyClusterProcesses, slot: int, source: ValkeyProcess, target: ValkeyProcess
+) -> None:
+    """``slot`` and its keys from ``source`` to ``target``, every node told (a resharding)."""
+    source_id = source.client().execute_command("CLUSTER", "MYID")
+    target_id = target.client().execute_command("CLUSTER", "MYID")
+    target.client().execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+    source.client().execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+    for name in source.client().execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000):
+        source.client().execute_command("MIGRATE", "127.0.0.1", target.port, name, 0, 5000)
+    for node in cluster.nodes:
+        node.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+
+
+def test_after_a_resharding_one_moved_reply_teaches_the_whole_slot_map(tmp_path: Path) -> None:
+    """Slots move from one node to another: the first MOVED has the map asked again, so a
+    lookup of another moved slot is sent to its new owner at once (each slot cost a
+    redirection of its own, as only the slot of a MOVED was learnt)."""
+    cluster = ValkeyClusterProcesses(tmp_path / "reshard").start()
+    tier = RemoteTier(cluster.url, fingerprint("reshard"))
+    try:
+        source, target = cluster.nodes[2], cluster.nodes[0]
+        keys = [block_id_key(i, 15) for i in range(200)]
+        on_source = [k for k in keys if tier.node_address(tier.name(k))[1] == source.port]
+        first, second = on_source[:2]
+        slots = [
+            source.client().execute_command("CLUSTER", "KEYSLOT", tier.name(key))
+            for key in (first, second)
+        ]
+        assert slots[0] != slots[1]
+        store(tier, [first, second])
+        for slot in slots:
+            move_slot(cluster, slot, source, target)
+        assert tier.held([first]) == [True]  # MOVED, followed
+        until = time.monotonic() + STALL_S
+        while tier.node_address(tier.name(second))[1] != target.port:
+            assert time.monotonic() < until, "the second moved slot was never learnt"
+            time.sleep(0.05)
+        assert tier.held([second]) == [True]
+    finally:
+        tier.close()
+        cluster.stop()
+
+
+def replica_of(primary: ValkeyProcess, directory: Path) -> ValkeyProcess:
+    """A cluster-mode server joined to ``primary``'s Cluster as its replica, in sync."""
+    replica = ValkeyProcess(
+        directory, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"
+    ).start()
+    client = replica.client()
+    primary.client().config_set("repl-diskless-sync-delay", 0)  # the 5 s default, waited out
+    client.execute_command("CLUSTER", "MEET", "127.0.0.1", primary.port)
+    primary_id = primary.client().execute_command("CLUSTER", "MYID")
+    until = time.monotonic() + STALL_S
+    while True:  # refused until the MEET has told the replica of the primary
+        try:
+            client.execute_command("CLUSTER", "REPLICATE", primary_id)
+            break
+        except Exception:
+            assert time.monotonic() < until, "the replica never learnt of its primary"
+            time.sleep(0.05)
+    while client.dbsize() < primary.client().dbsize():
+        assert time.monotonic() < until, "the replica never caught up"
+        time.sleep(0.05)
+    return replica
+
+
+def test_after_a_failover_the_tier_finds_the_promoted_replica(tmp_path: Path) -> None:
+    """A primary dies and its replica takes its slots over: the dead node never answers
+    MOVED, so the tier must ask a live node for the slot map (it served the other nodes'
+    slots only, for good, until restarted)."""
+    cluster = ValkeyClusterProcesses(tmp_path / "failover").start()
+    replica = None
+    tier = RemoteTier(cluster.url, fingerprint("failover"), breaker=CircuitBreaker(1, 0.2))
+    try:
+        keys = [block_id_key(i, 12) for i in range(30)]
+        store(tier, keys)
+        primary = cluster.nodes[2]
+        on_primary = [k for k in keys if tier.node_address(tier.name(k))[1] == primary.port]
+        assert 0 < len(on_primary) < len(keys)
+        replica = replica_of(primary, tmp_path / "replica")
+        primary.stop()
+        replica.client().execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
+        until = time.monotonic() + STALL_S
+        while not all(read(tier, keys)):
+            assert time.monotonic() < until, "the promoted replica's slots stayed unreachable"
+            time.sleep(0.1)
+        assert {tier.node_address(tier.name(k))[1] for k in on_primary} == {replica.port}
+        more = [block_id_key(i, 13) for i in range(30)]
+        store(tier, more)
+        assert tier.present(more) == len(more)
+    finally:
+        tier.close()
+        if replica is not None:
+            replica.stop()
         cluster.stop()
 
 

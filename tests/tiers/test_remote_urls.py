@@ -66,6 +66,8 @@ def one_line(capsys: pytest.CaptureFixture[str]) -> str:
         (f"redis://alice@h:1/0?timeout_ms=9&password={SECRET}", "unknown option"),
         (f"redis://h:1/0?timeout_ms=9&password={SECRET}#x", "has a '#'"),
         (f"redis://{SECRET}@:1", "names no host"),
+        # cluster=no was ignored: the servers were asked for CLUSTER SLOTS.
+        (f"redis://:{SECRET}@a:1,b:2?cluster=no", "several hosts are the seed nodes"),
         # The last one won: timeout_ms=1&timeout_ms=250 ran with 1 ms.
         (f"redis://:{SECRET}@h:1?timeout_ms=1&timeout_ms=250", "timeout_ms given more than"),
     ],

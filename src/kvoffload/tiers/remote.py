@@ -13,12 +13,13 @@ of it, name lookup, connect, send and full reply, on every node it asks, retries
 redirections included: ``timeout_ms`` plus the time its bytes take at :data:`SLOWEST_LINK`.
 Each node's part goes through one call wrapper and the breaker of that node (one per Cluster
 node, so a dead node fails its slots only): when a server is slow, paused or down,
-lookups miss and stores are dropped, counted, and the tier reconnects by
-itself once a trial call succeeds. A part left less time than the parts before it took
-is not charged to its node when it runs out of it (:meth:`RemoteTier._call`). A block
-the server evicted (maxmemory) is a plain miss. A value that fails its header check, or
-whose announced length is not the layout's (refused before its bytes are read), is never
-loaded: it is counted corrupt and deleted.
+lookups miss and stores are dropped, counted, and the tier reconnects by itself once a
+trial call succeeds; a Cluster's slot map is asked again of a live node then (a failover
+moves a dead node's slots, and the dead node cannot say where). A part left less time
+than the parts before it took is not charged to its node when it runs out of it
+(:meth:`RemoteTier._call`). A block the server evicted (maxmemory) is a plain miss. A
+value that fails its header check, or whose announced length is not the layout's
+(refused before its bytes are read), is never loaded: it is counted corrupt and deleted.
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ MAX_NODES = 1024
 """Nodes the tier will know, past Valkey's largest Cluster (1,000 nodes): a redirection to
 a node beyond them is not followed, so a hostile server's made-up addresses cannot grow
 the tier's nodes, breakers and lookup threads without end."""
+MAP_REFRESH_S = 1.0
+"""Seconds between two refreshes of a Cluster's slot map at least. A node that fails or is
+refused has its map asked again of a live node: after a failover or a node's removal its
+slots belong to another node, and a dead one never answers ``MOVED`` to say which."""
 
 T = TypeVar("T")
 
@@ -103,6 +108,7 @@ class _Node:
         self.breaker = breaker
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
+        self._closed = False
 
     @property
     def name(self) -> str:
@@ -126,14 +132,17 @@ class _Node:
             connection.close()
 
     def give(self, connection: Connection) -> None:
-        if connection.broken:
-            connection.close()
-            return
+        """Keep ``connection`` for the next call; close it if replies were left unread or the
+        node was closed meanwhile (a lookup on the scheduler's thread may outlast close)."""
         with self._lock:
-            self._idle.append(connection)
+            if not (connection.broken or self._closed):
+                self._idle.append(connection)
+                return
+        connection.close()
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             idle, self._idle = self._idle, []
         for connection in idle:
             connection.close()
@@ -217,14 +226,19 @@ class RemoteTier:
         self._slots: list[_Node] | None = None
         """A Cluster's owner of each hash slot; ``None`` for a standalone server."""
         self._server: _Node | None = None
+        self._refresher: threading.Thread | None = None
+        """The thread asking for a Cluster's slot map, while one does."""
+        self._refreshed_at = -MAP_REFRESH_S
+        """When the last slot map refresh began (``time.monotonic``)."""
+        self._closed = False
+        """Set by :meth:`close`: later reads and writes fail (counted), lookups answer that
+        nothing is held; none raises, none opens a connection."""
         self.is_cluster = self._start()
         self._pool = ThreadPoolExecutor(io_threads, "kvoffload-remote")
         self._ahead = ThreadPoolExecutor(io_threads, "kvoffload-remote-ahead")
         """Hashes a batch's single-buffer payloads while they go out (one per I/O thread)."""
         self._writes: list[tuple[list[OffloadKey], Future[list[bool]]]] = []
         self._events = EventLog(enable_events)
-        self._closed = False
-        """Set by :meth:`close`: later reads and writes fail (counted), never raise."""
 
     @property
     def breakers(self) -> dict[str, CircuitBreaker]:
@@ -249,27 +263,43 @@ class RemoteTier:
     def _exists_all(self, keys: Sequence[OffloadKey], whole: bool) -> list[bool]:
         """Per key, whether the server answered that it holds it (a failed node's keys:
         no). Without ``whole`` a node is skipped once a key before its first is known
-        absent: a leading run cannot reach it."""
+        absent: a leading run cannot reach it. A redirected key is asked where it points
+        (after ASKING for an ``ASK``) before the next node, at most :data:`MAX_HOPS` times."""
         names = [self.name(key) for key in keys]
         found = [False] * len(names)
+        if self._closed:
+            return found
         deadline = self._deadline(0)
         run = len(names)  # the first index found absent, or whose node failed
         # Nodes come in the order of their first key, every key before it already answered.
         for node, indices in self._by_node(names, range(len(names))).items():
             if not whole and run < indices[0]:
                 break
-            replies = self._call(node, partial(self._exists, names, indices), deadline)
-            if replies is None:
-                run = min(run, indices[0])
-                continue
-            for index, reply in zip(indices, replies, strict=True):
-                if reply == 1:
-                    found[index] = True
-                else:
-                    run = min(run, index)
-                redirect = _redirect(reply) if isinstance(reply, ErrorReply) else None
-                if redirect is not None:  # absent this once; the map learns the new owner
-                    self._follow(redirect, node)
+            jobs: list[_Job] = [(node, indices, False)]
+            hops = 0
+            while jobs:
+                where, asked, asking = jobs.pop()
+                exists = partial(self._exists, names, asked, asking)
+                replies = self._call(where, exists, deadline)
+                if replies is None:
+                    run = min(run, asked[0])
+                    continue
+                moved: dict[tuple[_Node, bool], list[int]] = {}
+                for index, reply in zip(asked, replies, strict=True):
+                    redirect = _redirect(reply) if isinstance(reply, ErrorReply) else None
+                    if redirect is not None:
+                        key = (self._follow(redirect, where), redirect.ask)
+                        moved.setdefault(key, []).append(index)
+                    elif reply == 1:
+                        found[index] = True
+                    else:
+                        run = min(run, index)
+                if moved:
+                    hops += 1
+                    if hops > MAX_HOPS:
+                        run = min(run, *(min(again) for again in moved.values()))
+                        continue
+                    jobs += [(to, again, ask) for (to, ask), again in moved.items()]
         return found
 
     def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
@@ -316,13 +346,20 @@ class RemoteTier:
         self._pool.shutdown(wait=True)
         self._ahead.shutdown(wait=True)
         with self._lock:
+            refresher = self._refresher
+        if refresher is not None:
+            refresher.join()  # within its deadline; no new one starts once closed
+        with self._lock:
             nodes = list(self._nodes.values())
         for node in nodes:
             node.close()
 
     def delete_all(self) -> int:
-        """Delete every block under this tier's fingerprint (for tests and resets)."""
+        """Delete every block under this tier's fingerprint (for tests and resets); none
+        once closed."""
         deleted = 0
+        if self._closed:
+            return deleted
         for node in self._primaries():
             cursor = b"0"
             while True:  # a deadline per page: a large keyspace takes many
@@ -363,24 +400,34 @@ class RemoteTier:
         that runs out of time having begun with less left than the operation had spent: had
         the node been first, it would have had longer than the earlier nodes took, so they
         are the slow ones, and a healthy node left a sliver by a slow one would otherwise
-        have its breaker opened by it."""
-        if deadline.passed() or not node.breaker.allow():
+        have its breaker opened by it. An error reply fails the call but is no failure of
+        the node's: a full server (``OOM``, maxmemory with ``noeviction``) refusing stores
+        opened its breaker, and its loads were refused with them."""
+        if deadline.passed():
             with self._lock:
                 self.unavailable += 1
+            return None
+        if not node.breaker.allow():
+            with self._lock:
+                self.unavailable += 1
+            self._refresh_map_soon(node)
             return None
         begun = time.monotonic()
         connection = None
         try:
             connection = node.take() or self._open(node.host, node.port, deadline)
             result = op(connection, deadline)
-        except Exception:  # any socket, TLS or protocol failure is the server's, never ours
+        except Exception as exc:  # any socket, TLS or protocol failure is the server's
             if connection is not None:
                 connection.close()
             starved = deadline.at - begun < begun - deadline.since
-            if starved and deadline.passed():
+            if isinstance(exc, ServerReplyError):  # an answer: the node is up (full, loading)
+                node.breaker.success()
+            elif starved and deadline.passed():
                 node.breaker.excuse()
             else:
                 node.breaker.failure()
+                self._refresh_map_soon(node)
             with self._lock:
                 self.unavailable += 1
             return None
@@ -411,6 +458,7 @@ class RemoteTier:
                 continue
             try:
                 cluster = self._discover(host, port, connection, deadline)
+                self._check_commands(connection, deadline)
             except (OSError, ServerReplyError) as exc:
                 connection.close()
                 # A reply we refuse is the server's doing, not the network's.
@@ -435,18 +483,55 @@ class RemoteTier:
             info = _ok(connection.read_reply(deadline))
             cluster = isinstance(info, bytes) and b"cluster_enabled:1" in info
         if cluster:
-            connection.send([command("CLUSTER", "SLOTS")], deadline)
-            self._slots = self._slot_map(_ok(connection.read_reply(deadline)), host)
+            self._learn_slots(host, connection, deadline)
         return cluster
+
+    def _check_commands(self, connection: Connection, deadline: Deadline) -> None:
+        """:class:`ServerReplyError` if the server refuses the commands the tier runs on its
+        names: an ACL that denies one (``NOPERM``), or a read-only replica. Such a tier
+        started, then failed every lookup or store, counted, with no word of why. The probe
+        name is never a block's (those end in hex); ``SET ... XX`` of an absent name writes
+        nothing, and a redirection means the command was allowed."""
+        probe = self._prefix + b"probe"
+        probes = [
+            command(b"EXISTS", probe),
+            command(b"GET", probe),
+            command(b"SET", probe, b"", b"XX"),
+            command(b"DEL", probe),
+        ]
+        connection.send([b"".join(probes)], deadline)
+        replies = [connection.read_reply(deadline, MAX_LINE) for _ in probes]
+        for reply in replies:
+            if not isinstance(reply, ErrorReply):
+                continue
+            if reply.code == "NOPERM":
+                raise ServerReplyError(
+                    f"the user may not run the tier's commands ({reply.message}): it needs "
+                    f"EXISTS, GET, SET and DEL on keys kvo{TRAILED_VERSION}:*"
+                )
+            if reply.code == "READONLY":
+                raise ServerReplyError(
+                    f"the server is a read-only replica ({reply.message}): give its primary"
+                )
+
+    def _learn_slots(self, seed_host: str, connection: Connection, deadline: Deadline) -> None:
+        """The slot map from the CLUSTER SLOTS of the node ``connection`` reaches, put in use."""
+        connection.send([command("CLUSTER", "SLOTS")], deadline)
+        self._slots = self._slot_map(_ok(connection.read_reply(deadline)), seed_host)
 
     def _slot_map(self, reply: Reply, seed_host: str) -> list[_Node]:
         """Owner of each slot from CLUSTER SLOTS; a slot nobody owns goes to the first node.
-        A reply of another shape is :class:`ServerReplyError`, start-up's one-line error."""
+        A reply of another shape, or one that would make the tier know more than
+        :data:`MAX_NODES` nodes, is :class:`ServerReplyError`, start-up's one-line error."""
         if not isinstance(reply, list) or not reply:
             raise ServerReplyError("CLUSTER SLOTS named no slots")
+        ranges = [_slot_range(entry) for entry in reply]
+        with self._lock:
+            known = self._nodes.keys() | {(host or seed_host, port) for *_, host, port in ranges}
+        if len(known) > MAX_NODES:
+            raise ServerReplyError(f"CLUSTER SLOTS named more than {MAX_NODES} nodes")
         owners: list[_Node | None] = [None] * SLOTS
-        for entry in reply:
-            low, high, host, port = _slot_range(entry)
+        for low, high, host, port in ranges:
             node = self._node(host or seed_host, port)
             for slot in range(max(0, low), min(SLOTS - 1, high) + 1):
                 owners[slot] = node
@@ -454,6 +539,49 @@ class RemoteTier:
         if first is None:
             raise ServerReplyError(f"CLUSTER SLOTS named no slot from 0 to {SLOTS - 1}")
         return [node or first for node in owners]
+
+    def _refresh_map_soon(self, failed: _Node | None) -> None:
+        """After Cluster node ``failed`` failed or was refused, or a ``MOVED`` (``None``):
+        ask for the slot map again on a thread of its own (the caller may be the scheduler's;
+        an I/O thread would be taken from loads and stores for up to a deadline), one
+        refresh at a time and at most one per :data:`MAP_REFRESH_S`."""
+        if self._slots is None:
+            return
+        with self._lock:
+            now = time.monotonic()
+            running = self._refresher is not None and self._refresher.is_alive()
+            if self._closed or running or now - self._refreshed_at < MAP_REFRESH_S:
+                return
+            self._refreshed_at = now
+            self._refresher = threading.Thread(
+                target=self._refresh_map, args=(failed,), name="kvoffload-remote-map", daemon=True
+            )
+            self._refresher.start()
+
+    def _refresh_map(self, failed: _Node | None) -> None:
+        """Ask the other known nodes whose breakers are closed for CLUSTER SLOTS, in turn
+        under one deadline (the map's own nodes first: a node the map left may be gone for
+        good), until one answers; its map replaces the one in use. Upkeep, not an
+        operation: no node's breaker nor :attr:`unavailable` counts its failures, and it
+        asks on a connection of its own, so it never holds one an operation would take."""
+        with self._lock:
+            known = list(self._nodes.values())
+        in_order = dict.fromkeys([*self._primaries(), *known])
+        deadline = self._deadline(0)
+        for node in in_order:
+            if deadline.passed():
+                return
+            if node is failed or node.breaker.is_open:
+                continue
+            try:
+                connection = self._open(node.host, node.port, deadline)
+                try:
+                    self._learn_slots(node.host, connection, deadline)
+                finally:
+                    connection.close()
+            except Exception:  # this node cannot tell: the next one is asked
+                continue
+            return
 
     # Nodes and slots.
 
@@ -485,7 +613,9 @@ class RemoteTier:
         return groups
 
     def _follow(self, redirect: _Redirect, node: _Node) -> _Node:
-        """The node a redirection names; a MOVED one also updates the slot map. Past
+        """The node a redirection names; a MOVED one also updates the slot map and has the
+        whole map asked again (a resharding moves many slots: each would cost a redirection
+        of its own). Past
         :data:`MAX_NODES` known nodes a new one is not made: ``node`` is asked again."""
         host, port = redirect.address
         address = (host or node.host, port)
@@ -495,19 +625,33 @@ class RemoteTier:
         target = self._node(*address)
         if not redirect.ask and self._slots is not None:
             self._slots[redirect.slot] = target
+            self._refresh_map_soon(None)
         return target
 
     # One node's part of an operation, each on one connection under its deadline.
 
     def _exists(
-        self, names: list[bytes], indices: list[int], connection: Connection, deadline: Deadline
+        self,
+        names: list[bytes],
+        indices: list[int],
+        asking: bool,
+        connection: Connection,
+        deadline: Deadline,
     ) -> list[Reply]:
-        connection.send([b"".join(command(b"EXISTS", names[i]) for i in indices)], deadline)
-        replies = [connection.read_reply(deadline, MAX_LINE) for _ in indices]
+        """EXISTS each name (after ASKING, with ``asking``): its reply, or its redirection."""
+        prefix = ASKING if asking else b""
+        connection.send(
+            [b"".join(prefix + command(b"EXISTS", names[i]) for i in indices)], deadline
+        )
+        replies = []
+        for _ in indices:
+            if asking:
+                _ok(connection.read_reply(deadline, MAX_LINE))
+            replies.append(connection.read_reply(deadline, MAX_LINE))
         for reply in replies:
             if isinstance(reply, ErrorReply) and _redirect(reply) is None:
                 raise ServerReplyError(reply.message)
-        return replies  # a redirected key counts as absent this once
+        return replies
 
     def _read(self, keys: list[OffloadKey], target: Target) -> list[bool]:
         names = [self.name(key) for key in keys]

@@ -1,8 +1,9 @@
 """Connection URLs of the shared tier: ``redis://``, ``rediss://``, ``valkey://``, ``valkeys://``.
 
 ``scheme://[user[:password]@]host[:port][,host[:port]...][/db][?option=value&...]``.
-Several hosts are the seed nodes of a Cluster; one host is asked at start-up
-whether it runs in Cluster mode unless ``cluster=`` says so. Hosts are DNS
+Several hosts are the seed nodes of a Cluster (``cluster=no`` with them is
+refused); one host is asked at start-up whether it runs in Cluster mode
+unless ``cluster=`` says so. Hosts are DNS
 names (labels of 1 to 63 characters, 253 in all), IPv4 addresses or IPv6
 ones in brackets; ports run from 1 to 65535.
 
@@ -158,6 +159,11 @@ def parse_remote_url(url: str) -> RemoteAddress:
     params = {name: values[0] for name, values in options.items()}
     cluster = _flag(params.pop("cluster"), "cluster", shown) if "cluster" in params else None
     if len(hosts) > 1:
+        if cluster is False:  # it was ignored: CLUSTER SLOTS, then "cluster support disabled"
+            raise InvalidArgumentError(
+                f"cluster=no with {len(hosts)} hosts in {shown!r}: several hosts are the seed "
+                "nodes of a Cluster (a standalone server takes one host)"
+            )
         cluster = True
     timeout_ms = _timeout_ms(params.pop("timeout_ms", None), shown)
     tls = SCHEMES[scheme.lower()]
