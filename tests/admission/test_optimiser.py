@@ -13,7 +13,13 @@ from itertools import pairwise
 
 import pytest
 
-from kvoffload import CPUOffloadingManager, InvalidArgumentError, OffloadKey, block_id_key
+from kvoffload import (
+    BlockNotFoundError,
+    CPUOffloadingManager,
+    InvalidArgumentError,
+    OffloadKey,
+    block_id_key,
+)
 from kvoffload.admission import MiniSimulation, MiniTier, Objective, OptimisingAdmission, worlds
 from kvoffload.admission.budget import BURST_REFS as BUDGET_BURST_REFS
 from kvoffload.admission.budget import check_write_budget
@@ -729,6 +735,38 @@ def test_a_last_request_the_gpu_held_whole_counts_in_the_worlds() -> None:
     assert manager.worlds.total_gpu_hits == 4
     figures = {(f.candidate, f.capacity_factor): f for f in manager.whatif(cumulative=True)}
     assert figures[STORE_ALL, 1.0].hit_ratio == pytest.approx(4 / 8)  # the GPU's, no tier hit
+
+
+def test_a_load_the_tier_refuses_counts_no_hit_and_leaves_the_request_open() -> None:
+    """A ``prepare_load`` the tier refuses (a block it never stored) changes nothing: it
+    once counted as loaded blocks (the guard's yardstick) and closed the request in the
+    mini-tiers as a full hit, which wrote its keys into every candidate's what-if tiers
+    and dropped the offer that followed."""
+
+    def request(layer: OptimisingAdmission, keys: list[OffloadKey], bad_load: bool) -> None:
+        layer.begin_request(keys, lookup_follows=True)
+        layer.touch(keys)
+        found = layer.lookup(keys) or 0
+        if bad_load:
+            with pytest.raises(BlockNotFoundError):
+                layer.prepare_load([block_id_key(10**6), keys[-1]])
+        if found:
+            layer.prepare_load(keys[:found])
+            layer.complete_load(keys[:found])
+        output = layer.prepare_store(keys[found:])
+        if output is not None:
+            layer.complete_store(output.keys_to_store)
+        layer.touch(keys)
+        layer.end_request(keys)
+
+    requests = [[block_id_key(100 * (i % 3) + j) for j in range(6 + i % 4)] for i in range(12)]
+    clean, failed = (OptimisingAdmission(CPUOffloadingManager(16), 16) for _ in range(2))
+    for index, keys in enumerate(requests):
+        request(clean, keys, bad_load=False)
+        request(failed, keys, bad_load=index in (0, 5))
+    assert failed._loaded == clean._loaded > 0
+    assert failed.whatif(cumulative=True) == clean.whatif(cumulative=True)
+    assert failed.stats() == clean.stats()
 
 
 def test_worlds_stay_the_baselines_when_a_request_repeats_its_keys() -> None:

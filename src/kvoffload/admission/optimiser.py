@@ -386,10 +386,13 @@ class OptimisingAdmission(AdmissionLayer):
         if isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "prepare_load")
         keys = keys if isinstance(keys, list) else list(keys)
+        # Counted once the tier has taken the load: a load it refuses (a block not stored,
+        # or not yet written) is no hit, and leaves the request open for its offer.
+        spec = super().prepare_load(keys)
         if keys:
             self._loaded += len(keys)
             self._minisim.on_full_hit(keys[-1])
-        return super().prepare_load(keys)
+        return spec
 
     def begin_request(
         self,
