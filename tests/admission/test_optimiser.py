@@ -7,6 +7,7 @@ except where sampling itself is under test.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import replace
 from itertools import pairwise
@@ -640,6 +641,29 @@ def test_objective_hits_first_then_fewer_writes_and_never_above_store_everything
     assert budgeted.choose(silent, STORE_ALL, informed=False) == FILTER
     assert budgeted.choose({**scores, FEEDBACK: (0.25, 0.30)}, STORE_ALL) == FILTER
     assert budgeted.choose({STORE_ALL: (0.3, 0.6), FILTER: (0.2, 0.25)}, STORE_ALL) == FILTER
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("hit_tolerance", float("nan")),
+        ("hit_tolerance", -0.001),
+        ("switch_margin", float("nan")),
+        ("switch_margin", 2.0),
+        ("write_margin", float("inf")),
+        ("write_margin", -1.0),
+        ("write_budget", float("nan")),
+        ("write_budget", -0.1),
+    ],
+)
+def test_an_objective_refuses_what_no_hit_ratio_can_meet(field: str, value: float) -> None:
+    """One clear error naming the field, when the objective is made: a NaN or negative hit
+    tolerance once left no candidate tied with the best, and the optimiser's first choice
+    raised ``ValueError: min() arg is an empty sequence`` from inside a store."""
+    with pytest.raises(InvalidArgumentError, match=f"objective {field} must be"):
+        Objective(**{field: value})  # type: ignore[arg-type]
+    # A per-time budget is infinite until a reference has taken time: allowed.
+    assert Objective(write_budget=math.inf).write_budget == math.inf
 
 
 def test_mini_tier_counts_a_hit_only_in_the_leading_run_and_not_behind_a_gap() -> None:
