@@ -686,6 +686,13 @@ def test_mini_simulation_checks_its_arguments() -> None:
         MiniSimulation(100, LRUCachePolicy, [STORE_ALL], (0.5, 2.0)).scores()
     with pytest.raises(InvalidArgumentError, match="window_tiers"):
         MiniSimulation(100, LRUCachePolicy, [STORE_ALL], window_tiers=0.0)
+    # Once a bare ValueError, OverflowError or TypeError from deep in the constructor.
+    for factors in ((float("nan"),), (1.0, float("inf"))):
+        with pytest.raises(InvalidArgumentError, match="capacity factors must be finite"):
+            MiniSimulation(100, LRUCachePolicy, [STORE_ALL], factors)
+    for bits in (-1, 65, 2.5):
+        with pytest.raises(InvalidArgumentError, match="sampling bits"):
+            MiniSimulation(100, LRUCachePolicy, [STORE_ALL], bits=bits)  # type: ignore[arg-type]
     assert sampling_bits(100_000) == 6 and sampling_bits(1000) == 0
     assert sampling_bits(10**9) == 8
 
