@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from kvoffload.admission.params import is_finite
+from kvoffload.admission.params import is_finite, shown
 from kvoffload.core.errors import InvalidArgumentError
 
 PER_REF, BYTES_PER_S, DWPD = "writes/ref", "bytes/s", "dwpd"
@@ -61,14 +61,6 @@ FORMS = (
 )
 
 
-def _shown(value: object) -> str:
-    """``value`` for an error message: its repr, but not the hundreds of digits of an int
-    past a float's range (nor the ``ValueError`` repr raises past 4,300 of them)."""
-    if isinstance(value, int) and not isinstance(value, bool) and not is_finite(value):
-        return "an integer past 1.8e308"
-    return repr(value)
-
-
 def _amount(text: str, what: str) -> float:
     value = float(text)
     if not math.isfinite(value):
@@ -88,7 +80,7 @@ def parse_bytes(text: str | int, what: str = "a size") -> int:
             raise InvalidArgumentError(f"{what}: must be >= 1 byte, got {text}")
         if not is_finite(text):  # no rate is computed with it: a JSON integer of 400 digits
             raise InvalidArgumentError(
-                f"{what}: must be a finite number of bytes, got {_shown(text)}"
+                f"{what}: must be a finite number of bytes, got {shown(text)}"
             )
         return text
     match = _BYTES.fullmatch(str(text).strip())
@@ -128,7 +120,7 @@ class WriteBudget:
             raise InvalidArgumentError(f"write budget must be a number, got {amount!r}")
         if not is_finite(amount) or amount < 0:
             raise InvalidArgumentError(
-                f"write budget must be a finite number of {self.unit} >= 0, got {_shown(amount)}"
+                f"write budget must be a finite number of {self.unit} >= 0, got {shown(amount)}"
             )
         for name in ("block_bytes", "drive_bytes"):
             size = getattr(self, name)
@@ -202,7 +194,7 @@ class WriteBudget:
         if not is_finite(size):
             raise InvalidArgumentError(
                 f"a write budget of {self.describe()}: {name} must be a finite number of "
-                f"bytes, got {_shown(size)}"
+                f"bytes, got {shown(size)}"
             )
         return size
 
@@ -230,7 +222,7 @@ def check_write_budget(budget: float | WriteBudget | None) -> None:
     if not is_finite(budget) or budget < 0:
         raise InvalidArgumentError(
             f"write budget must be a finite number of writes per block reference >= 0, "
-            f"got {_shown(budget)}"
+            f"got {shown(budget)}"
         )
 
 

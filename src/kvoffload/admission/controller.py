@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvoffload.admission.params import is_finite
+from kvoffload.admission.params import is_finite, shown
 from kvoffload.core.errors import InvalidArgumentError
 
 PRIOR_RETURNS = 0.9
@@ -65,7 +65,9 @@ class ReuseController:
         ):
             if not (is_finite(value) and (value > 0 if positive else value >= 0)):
                 bound = "> 0" if positive else ">= 0"
-                raise InvalidArgumentError(f"{name} must be a finite number {bound}, got {value}")
+                raise InvalidArgumentError(
+                    f"{name} must be a finite number {bound}, got {shown(value)}"
+                )
         self.threshold = threshold
         self.window = window
         self.prior_returns = prior_returns

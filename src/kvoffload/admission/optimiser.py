@@ -68,7 +68,7 @@ from kvoffload.admission.base import AdmissionLayer, AdmissionStats, check_reque
 from kvoffload.admission.budget import BudgetCredit, WriteBudget, check_write_budget
 from kvoffload.admission.feedback import FeedbackAdmission
 from kvoffload.admission.minisim import WINDOW_TIERS, MiniSimulation, WhatIf
-from kvoffload.admission.params import check_params, is_finite, param
+from kvoffload.admission.params import check_params, is_finite, param, shown
 from kvoffload.admission.registry import register_admission
 from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD, MAX_TRACKED_KEYS
 from kvoffload.admission.reuse_filter import FilterReusedOffloadingManager
@@ -161,14 +161,14 @@ class Objective:
             if not number or not is_finite(value) or not 0 <= value <= high:
                 allowed = ">= 0" if high == math.inf else f"in [0, {high:g}]"
                 raise InvalidArgumentError(
-                    f"objective {name} must be a finite number {allowed}, got {value!r}"
+                    f"objective {name} must be a finite number {allowed}, got {shown(value)}"
                 )
         budget = self.write_budget
         number = not isinstance(budget, bool) and isinstance(budget, int | float)
         if budget is not None and not (number and budget >= 0):
             raise InvalidArgumentError(
                 f"objective write_budget must be None or a number of writes per block "
-                f"reference >= 0, got {budget!r}"
+                f"reference >= 0, got {shown(budget)}"
             )
 
     def choose(

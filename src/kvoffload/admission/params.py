@@ -50,12 +50,13 @@ def check_params(params: object, rule: str) -> None:
             or not (wants_int or is_finite(value))
         ):
             raise InvalidArgumentError(
-                f"admission parameter {field.name!r} of {rule!r} must be {kind}, got {value!r}"
+                f"admission parameter {field.name!r} of {rule!r} must be {kind}, got {shown(value)}"
             )
         if not low <= value <= high:
             bounds = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
             raise InvalidArgumentError(
-                f"admission parameter {field.name!r} of {rule!r} must be {bounds}, got {value!r}"
+                f"admission parameter {field.name!r} of {rule!r} must be {bounds}, "
+                f"got {shown(value)}"
             )
 
 
@@ -111,6 +112,14 @@ def is_finite(value: int | float) -> bool:
         return False
 
 
+def shown(value: object) -> str:
+    """``value`` for an error message: its repr, but not the hundreds of digits of an int
+    past a float's range (nor the ``ValueError`` repr raises past 4,300 of them)."""
+    if isinstance(value, int) and not isinstance(value, bool) and not is_finite(value):
+        return "an integer past 1.8e308"
+    return repr(value)
+
+
 def _convert(value: object, wants_int: bool, key: str, rule: str) -> int | float:
     kind = "an integer" if wants_int else "a number"
     if isinstance(value, str):
@@ -124,5 +133,5 @@ def _convert(value: object, wants_int: bool, key: str, rule: str) -> int | float
         if wants_int and isinstance(value, int):
             return value
     raise InvalidArgumentError(
-        f"admission parameter {key!r} of {rule!r} must be {kind}, got {value!r}"
+        f"admission parameter {key!r} of {rule!r} must be {kind}, got {shown(value)}"
     )
