@@ -109,6 +109,18 @@ def test_a_number_past_a_float_s_range_is_one_clear_error(make: object) -> None:
     assert "got inf" not in message
 
 
+def test_a_negative_integer_too_long_to_print_is_one_clear_error() -> None:
+    """Past 4,300 digits an int cannot be printed: the error that showed it raised
+    ``ValueError: Exceeds the limit ... for integer string conversion`` instead."""
+    for make in (
+        lambda: parse_bytes(-(10**5000), "drive"),
+        lambda: WriteBudget(1.0, block_bytes=-(10**5000)),
+        lambda: WriteBudget(-(10**5000)),
+    ):
+        with pytest.raises(InvalidArgumentError, match="got an integer outside a float's range"):
+            make()
+
+
 def test_sizes_parse_in_decimal_and_binary_units() -> None:
     assert parse_bytes("1.92TB") == 1_920_000_000_000
     assert parse_bytes("2TiB") == 2 * 2**40

@@ -243,10 +243,11 @@ def test_an_integer_too_long_to_print_is_still_the_key_s_error() -> None:
     of hundreds of characters, and past 4,300 digits ``repr`` itself raised ``ValueError:
     Exceeds the limit ... for integer string conversion`` instead of the key's error."""
     for key in ("threshold", "sample_factor"):
-        with pytest.raises(InvalidArgumentError, match=f"'{key}' .* got an integer past") as error:
+        message = f"'{key}' .* got an integer outside"
+        with pytest.raises(InvalidArgumentError, match=message) as error:
             admission_params("sketch", {key: 10**5000})
         assert len(str(error.value)) < 200
-    with pytest.raises(InvalidArgumentError, match=r"'prior_returns' .* got an integer past"):
+    with pytest.raises(InvalidArgumentError, match=r"'prior_returns' .* got an integer outside"):
         admission_params("feedback", {"prior_returns": 10**5000})
 
 

@@ -77,7 +77,7 @@ def parse_bytes(text: str | int, what: str = "a size") -> int:
         raise InvalidArgumentError(f"{what}: must be a number of bytes, got {text!r}")
     if isinstance(text, int):
         if text < 1:
-            raise InvalidArgumentError(f"{what}: must be >= 1 byte, got {text}")
+            raise InvalidArgumentError(f"{what}: must be >= 1 byte, got {shown(text)}")
         if not is_finite(text):  # no rate is computed with it: a JSON integer of 400 digits
             raise InvalidArgumentError(
                 f"{what}: must be a finite number of bytes, got {shown(text)}"
@@ -127,7 +127,7 @@ class WriteBudget:
             bad = isinstance(size, bool) or not isinstance(size, int) or size < 1
             if size is not None and bad:
                 raise InvalidArgumentError(
-                    f"write budget {name} must be an integer >= 1, got {size!r}"
+                    f"write budget {name} must be an integer >= 1, got {shown(size)}"
                 )
 
     @classmethod

@@ -116,7 +116,7 @@ def shown(value: object) -> str:
     """``value`` for an error message: its repr, but not the hundreds of digits of an int
     past a float's range (nor the ``ValueError`` repr raises past 4,300 of them)."""
     if isinstance(value, int) and not isinstance(value, bool) and not is_finite(value):
-        return "an integer past 1.8e308"
+        return "an integer outside a float's range"
     return repr(value)
 
 
