@@ -70,6 +70,57 @@ def test_bad_budgets_are_one_clear_error(text: str, message: str) -> None:
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+BEYOND_A_FLOAT = 10**400
+"""An integer no float holds: ``json.loads`` of a long number in an engine's extra-config."""
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: WriteBudget.parse(BEYOND_A_FLOAT),
+        lambda: WriteBudget(BEYOND_A_FLOAT),
+        lambda: BudgetCredit(BEYOND_A_FLOAT),
+        lambda: OptimisingAdmission(CPUOffloadingManager(8), 8, write_budget=BEYOND_A_FLOAT),
+        lambda: SimConfig(8, 64, admission="recommended", write_budget=BEYOND_A_FLOAT),
+        lambda: parse_bytes(BEYOND_A_FLOAT, "drive"),
+        lambda: WriteBudget(1.0, DWPD, block_bytes=MB, drive_bytes=BEYOND_A_FLOAT).check(),
+        lambda: WriteBudget(1e9, BYTES_PER_S, block_bytes=BEYOND_A_FLOAT).check(),
+        lambda: WriteBudget.parse("1e300TB/s"),
+    ],
+    ids=[
+        "parse",
+        "budget",
+        "credit",
+        "optimiser",
+        "sim-config",
+        "drive-size",
+        "dwpd-drive",
+        "block-size",
+        "rate-overflow",
+    ],
+)
+def test_a_number_past_a_float_s_range_is_one_clear_error(make: object) -> None:
+    """A budget or size no float holds was an ``OverflowError`` traceback (``float()`` and
+    ``math.isfinite`` of the int), or, for ``1e300TB/s``, an error that showed ``inf``."""
+    with pytest.raises(InvalidArgumentError) as error:
+        make()  # type: ignore[operator]
+    message = str(error.value)
+    assert "finite" in message and "\n" not in message and "0000000000" not in message
+    assert "got inf" not in message
+
+
+def test_a_negative_integer_too_long_to_print_is_one_clear_error() -> None:
+    """Past 4,300 digits an int cannot be printed: the error that showed it raised
+    ``ValueError: Exceeds the limit ... for integer string conversion`` instead."""
+    for make in (
+        lambda: parse_bytes(-(10**5000), "drive"),
+        lambda: WriteBudget(1.0, block_bytes=-(10**5000)),
+        lambda: WriteBudget(-(10**5000)),
+    ):
+        with pytest.raises(InvalidArgumentError, match="got an integer outside a float's range"):
+            make()
+
+
 def test_sizes_parse_in_decimal_and_binary_units() -> None:
     assert parse_bytes("1.92TB") == 1_920_000_000_000
     assert parse_bytes("2TiB") == 2 * 2**40

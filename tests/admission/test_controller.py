@@ -89,6 +89,24 @@ def test_bad_arguments_are_rejected() -> None:
         GhostRecords(0)
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("prior_outcomes", 0.0),
+        ("prior_outcomes", float("nan")),
+        ("prior_returns", -1.0),
+        ("prior_returns", float("inf")),
+        ("group_strength", -2.0),
+        ("group_strength", float("nan")),
+    ],
+)
+def test_priors_a_rate_cannot_be_made_of_are_rejected(name: str, value: float) -> None:
+    """A rate is ``(returns + prior) / (outcomes + prior)``: no prior outcomes once divided
+    by zero at the first decision, and a NaN prior never admitted a block."""
+    with pytest.raises(InvalidArgumentError, match=f"{name} must be a finite number"):
+        ReuseController(2, threshold=0.5, window=10, **{name: value})  # type: ignore[arg-type]
+
+
 def test_ghost_is_bounded_and_reports_returns_and_expiries() -> None:
     ghost = GhostRecords(3)
     k = [block_id_key(i) for i in range(5)]

@@ -7,13 +7,20 @@ except where sampling itself is under test.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import replace
 from itertools import pairwise
 
 import pytest
 
-from kvoffload import CPUOffloadingManager, InvalidArgumentError, OffloadKey, block_id_key
+from kvoffload import (
+    BlockNotFoundError,
+    CPUOffloadingManager,
+    InvalidArgumentError,
+    OffloadKey,
+    block_id_key,
+)
 from kvoffload.admission import MiniSimulation, MiniTier, Objective, OptimisingAdmission, worlds
 from kvoffload.admission.budget import BURST_REFS as BUDGET_BURST_REFS
 from kvoffload.admission.budget import check_write_budget
@@ -636,6 +643,29 @@ def test_objective_hits_first_then_fewer_writes_and_never_above_store_everything
     assert budgeted.choose({STORE_ALL: (0.3, 0.6), FILTER: (0.2, 0.25)}, STORE_ALL) == FILTER
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("hit_tolerance", float("nan")),
+        ("hit_tolerance", -0.001),
+        ("switch_margin", float("nan")),
+        ("switch_margin", 2.0),
+        ("write_margin", float("inf")),
+        ("write_margin", -1.0),
+        ("write_budget", float("nan")),
+        ("write_budget", -0.1),
+    ],
+)
+def test_an_objective_refuses_what_no_hit_ratio_can_meet(field: str, value: float) -> None:
+    """One clear error naming the field, when the objective is made: a NaN or negative hit
+    tolerance once left no candidate tied with the best, and the optimiser's first choice
+    raised ``ValueError: min() arg is an empty sequence`` from inside a store."""
+    with pytest.raises(InvalidArgumentError, match=f"objective {field} must be"):
+        Objective(**{field: value})  # type: ignore[arg-type]
+    # A per-time budget is infinite until a reference has taken time: allowed.
+    assert Objective(write_budget=math.inf).write_budget == math.inf
+
+
 def test_mini_tier_counts_a_hit_only_in_the_leading_run_and_not_behind_a_gap() -> None:
     tier = MiniTier(4, LRUCachePolicy)
     a, b, c, d = (block_id_key(i) for i in range(4))
@@ -656,6 +686,13 @@ def test_mini_simulation_checks_its_arguments() -> None:
         MiniSimulation(100, LRUCachePolicy, [STORE_ALL], (0.5, 2.0)).scores()
     with pytest.raises(InvalidArgumentError, match="window_tiers"):
         MiniSimulation(100, LRUCachePolicy, [STORE_ALL], window_tiers=0.0)
+    # Once a bare ValueError, OverflowError or TypeError from deep in the constructor.
+    for factors in ((float("nan"),), (1.0, float("inf"))):
+        with pytest.raises(InvalidArgumentError, match="capacity factors must be finite"):
+            MiniSimulation(100, LRUCachePolicy, [STORE_ALL], factors)
+    for bits in (-1, 65, 2.5):
+        with pytest.raises(InvalidArgumentError, match="sampling bits"):
+            MiniSimulation(100, LRUCachePolicy, [STORE_ALL], bits=bits)  # type: ignore[arg-type]
     assert sampling_bits(100_000) == 6 and sampling_bits(1000) == 0
     assert sampling_bits(10**9) == 8
 
@@ -729,6 +766,38 @@ def test_a_last_request_the_gpu_held_whole_counts_in_the_worlds() -> None:
     assert manager.worlds.total_gpu_hits == 4
     figures = {(f.candidate, f.capacity_factor): f for f in manager.whatif(cumulative=True)}
     assert figures[STORE_ALL, 1.0].hit_ratio == pytest.approx(4 / 8)  # the GPU's, no tier hit
+
+
+def test_a_load_the_tier_refuses_counts_no_hit_and_leaves_the_request_open() -> None:
+    """A ``prepare_load`` the tier refuses (a block it never stored) changes nothing: it
+    once counted as loaded blocks (the guard's yardstick) and closed the request in the
+    mini-tiers as a full hit, which wrote its keys into every candidate's what-if tiers
+    and dropped the offer that followed."""
+
+    def request(layer: OptimisingAdmission, keys: list[OffloadKey], bad_load: bool) -> None:
+        layer.begin_request(keys, lookup_follows=True)
+        layer.touch(keys)
+        found = layer.lookup(keys) or 0
+        if bad_load:
+            with pytest.raises(BlockNotFoundError):
+                layer.prepare_load([block_id_key(10**6), keys[-1]])
+        if found:
+            layer.prepare_load(keys[:found])
+            layer.complete_load(keys[:found])
+        output = layer.prepare_store(keys[found:])
+        if output is not None:
+            layer.complete_store(output.keys_to_store)
+        layer.touch(keys)
+        layer.end_request(keys)
+
+    requests = [[block_id_key(100 * (i % 3) + j) for j in range(6 + i % 4)] for i in range(12)]
+    clean, failed = (OptimisingAdmission(CPUOffloadingManager(16), 16) for _ in range(2))
+    for index, keys in enumerate(requests):
+        request(clean, keys, bad_load=False)
+        request(failed, keys, bad_load=index in (0, 5))
+    assert failed._loaded == clean._loaded > 0
+    assert failed.whatif(cumulative=True) == clean.whatif(cumulative=True)
+    assert failed.stats() == clean.stats()
 
 
 def test_worlds_stay_the_baselines_when_a_request_repeats_its_keys() -> None:

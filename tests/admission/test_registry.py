@@ -238,6 +238,19 @@ def test_a_number_past_the_float_range_is_one_error_naming_the_key() -> None:
             build()
 
 
+def test_an_integer_too_long_to_print_is_still_the_key_s_error() -> None:
+    """The error shows no integer past a float's range: its hundreds of digits made a line
+    of hundreds of characters, and past 4,300 digits ``repr`` itself raised ``ValueError:
+    Exceeds the limit ... for integer string conversion`` instead of the key's error."""
+    for key in ("threshold", "sample_factor"):
+        message = f"'{key}' .* got an integer outside"
+        with pytest.raises(InvalidArgumentError, match=message) as error:
+            admission_params("sketch", {key: 10**5000})
+        assert len(str(error.value)) < 200
+    with pytest.raises(InvalidArgumentError, match=r"'prior_returns' .* got an integer outside"):
+        admission_params("feedback", {"prior_returns": 10**5000})
+
+
 @pytest.mark.parametrize("raw", [("threshold", 3), (("threshold",),), (3,)])
 def test_pairs_that_are_no_pairs_are_one_error_naming_the_parameters(raw: object) -> None:
     """One pair unwrapped once escaped as dict()'s "update sequence element #0"."""

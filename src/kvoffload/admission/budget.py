@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from kvoffload.admission.params import is_finite, shown
 from kvoffload.core.errors import InvalidArgumentError
 
 PER_REF, BYTES_PER_S, DWPD = "writes/ref", "bytes/s", "dwpd"
@@ -76,7 +77,11 @@ def parse_bytes(text: str | int, what: str = "a size") -> int:
         raise InvalidArgumentError(f"{what}: must be a number of bytes, got {text!r}")
     if isinstance(text, int):
         if text < 1:
-            raise InvalidArgumentError(f"{what}: must be >= 1 byte, got {text}")
+            raise InvalidArgumentError(f"{what}: must be >= 1 byte, got {shown(text)}")
+        if not is_finite(text):  # no rate is computed with it: a JSON integer of 400 digits
+            raise InvalidArgumentError(
+                f"{what}: must be a finite number of bytes, got {shown(text)}"
+            )
         return text
     match = _BYTES.fullmatch(str(text).strip())
     if match is None:
@@ -113,16 +118,16 @@ class WriteBudget:
         amount = self.amount
         if isinstance(amount, bool) or not isinstance(amount, int | float):
             raise InvalidArgumentError(f"write budget must be a number, got {amount!r}")
-        if not math.isfinite(amount) or amount < 0:
+        if not is_finite(amount) or amount < 0:
             raise InvalidArgumentError(
-                f"write budget must be a finite number of {self.unit} >= 0, got {amount!r}"
+                f"write budget must be a finite number of {self.unit} >= 0, got {shown(amount)}"
             )
         for name in ("block_bytes", "drive_bytes"):
             size = getattr(self, name)
             bad = isinstance(size, bool) or not isinstance(size, int) or size < 1
             if size is not None and bad:
                 raise InvalidArgumentError(
-                    f"write budget {name} must be an integer >= 1, got {size!r}"
+                    f"write budget {name} must be an integer >= 1, got {shown(size)}"
                 )
 
     @classmethod
@@ -131,6 +136,7 @@ class WriteBudget:
         if isinstance(text, WriteBudget):
             return text
         if isinstance(text, int | float) and not isinstance(text, bool):
+            check_write_budget(text)  # before float(), which overflows for a huge int
             return cls(float(text))
         if not isinstance(text, str):
             raise InvalidArgumentError(f"write budget must be a number or a string, got {text!r}")
@@ -139,6 +145,8 @@ class WriteBudget:
             return cls(_amount(match[1], "write budget"))
         if match := _PER_SECOND.fullmatch(stripped):
             per_s = _amount(match[1], "write budget") * _BYTE_UNITS[match[2].lower()]
+            if math.isinf(per_s):  # a finite number times its unit can overflow: 1e300TB/s
+                raise InvalidArgumentError(f"write budget: must be a finite rate, got {text!r}")
             return cls(per_s, BYTES_PER_S)
         if match := _DWPD.fullmatch(stripped):
             return cls(_amount(match[1], "write budget"), DWPD)
@@ -167,7 +175,7 @@ class WriteBudget:
                     f"a write budget of {self.describe()} needs the drive's size "
                     "(--drive-bytes or kvoffload.drive_bytes, or a disk tier, whose size is taken)"
                 )
-            return self.amount * self.drive_bytes / SECONDS_PER_DAY
+            return self.amount * self._size("drive_bytes", self.drive_bytes) / SECONDS_PER_DAY
         raise InvalidArgumentError(f"a write budget of {self.describe()} is not per second")
 
     def blocks_per_second(self) -> float:
@@ -177,7 +185,18 @@ class WriteBudget:
             raise InvalidArgumentError(
                 f"a write budget of {self.describe()} needs the tier's block size in bytes"
             )
-        return per_s / self.block_bytes
+        return per_s / self._size("block_bytes", self.block_bytes)
+
+    def _size(self, name: str, size: int) -> int:
+        """``size`` (bytes), refused where a float cannot hold it: the conversion would raise
+        ``OverflowError``. Checked here, not on construction, so that a caller's ``check``
+        names the key the size came from."""
+        if not is_finite(size):
+            raise InvalidArgumentError(
+                f"a write budget of {self.describe()}: {name} must be a finite number of "
+                f"bytes, got {shown(size)}"
+            )
+        return size
 
     def check(self) -> None:
         """Refuse a per-time budget that lacks the sizes its conversion needs."""
@@ -200,10 +219,10 @@ def check_write_budget(budget: float | WriteBudget | None) -> None:
         return
     if isinstance(budget, bool) or not isinstance(budget, int | float):
         raise InvalidArgumentError(f"write budget must be a number, got {budget!r}")
-    if not math.isfinite(budget) or budget < 0:
+    if not is_finite(budget) or budget < 0:
         raise InvalidArgumentError(
             f"write budget must be a finite number of writes per block reference >= 0, "
-            f"got {budget!r}"
+            f"got {shown(budget)}"
         )
 
 

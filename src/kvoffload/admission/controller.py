@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from kvoffload.admission.params import is_finite, shown
 from kvoffload.core.errors import InvalidArgumentError
 
 PRIOR_RETURNS = 0.9
@@ -55,6 +56,18 @@ class ReuseController:
             raise InvalidArgumentError(f"window must be >= 1, got {window}")
         if groups < 1:
             raise InvalidArgumentError(f"groups must be >= 1, got {groups}")
+        # A rate is (returns + prior) / (outcomes + prior): no prior outcomes divided by
+        # zero at the first decision, and a NaN prior never admitted anything.
+        for name, value, positive in (
+            ("prior_returns", prior_returns, False),
+            ("prior_outcomes", prior_outcomes, True),
+            ("group_strength", group_strength, False),
+        ):
+            if not (is_finite(value) and (value > 0 if positive else value >= 0)):
+                bound = "> 0" if positive else ">= 0"
+                raise InvalidArgumentError(
+                    f"{name} must be a finite number {bound}, got {shown(value)}"
+                )
         self.threshold = threshold
         self.window = window
         self.prior_returns = prior_returns

@@ -25,6 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
+from kvoffload.admission.params import is_finite
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.policies.arc import ARCCachePolicy
@@ -709,8 +710,12 @@ class MiniSimulation:
     ) -> None:
         if capacity < 1:
             raise InvalidArgumentError(f"mini-simulation capacity must be >= 1, got {capacity}")
-        if not factors or any(f <= 0 for f in factors):
-            raise InvalidArgumentError(f"capacity factors must be > 0, got {factors}")
+        if not factors or not all(is_finite(f) and f > 0 for f in factors):
+            raise InvalidArgumentError(
+                f"capacity factors must be finite numbers > 0, got {factors}"
+            )
+        if bits is not None and (type(bits) is not int or not 0 <= bits <= 64):
+            raise InvalidArgumentError(f"sampling bits must be an int from 0 to 64, got {bits!r}")
         self.bits = sampling_bits(capacity) if bits is None else bits
         self.candidates = list(candidates)
         self.factors = sorted(factors)

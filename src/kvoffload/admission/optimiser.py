@@ -68,7 +68,7 @@ from kvoffload.admission.base import AdmissionLayer, AdmissionStats, check_reque
 from kvoffload.admission.budget import BudgetCredit, WriteBudget, check_write_budget
 from kvoffload.admission.feedback import FeedbackAdmission
 from kvoffload.admission.minisim import WINDOW_TIERS, MiniSimulation, WhatIf
-from kvoffload.admission.params import check_params, param
+from kvoffload.admission.params import check_params, is_finite, param, shown
 from kvoffload.admission.registry import register_admission
 from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD, MAX_TRACKED_KEYS
 from kvoffload.admission.reuse_filter import FilterReusedOffloadingManager
@@ -148,6 +148,28 @@ class Objective:
     write_budget: float | None = None
     """Writes per block reference; ``None`` for no budget (a per-time budget is converted
     at the observed reference rate before each choice)."""
+
+    def __post_init__(self) -> None:
+        """Refuse a tolerance or margin that no hit ratio can meet: a NaN or negative hit
+        tolerance left no candidate tied with the best, and the first choice raised a bare
+        ``ValueError`` from inside a store. The budget may be infinite: a per-time budget
+        before any reference took time."""
+        bounds = (("hit_tolerance", 1.0), ("switch_margin", 1.0), ("write_margin", math.inf))
+        for name, high in bounds:
+            value = getattr(self, name)
+            number = not isinstance(value, bool) and isinstance(value, int | float)
+            if not number or not is_finite(value) or not 0 <= value <= high:
+                allowed = ">= 0" if high == math.inf else f"in [0, {high:g}]"
+                raise InvalidArgumentError(
+                    f"objective {name} must be a finite number {allowed}, got {shown(value)}"
+                )
+        budget = self.write_budget
+        number = not isinstance(budget, bool) and isinstance(budget, int | float)
+        if budget is not None and not (number and budget >= 0):
+            raise InvalidArgumentError(
+                f"objective write_budget must be None or a number of writes per block "
+                f"reference >= 0, got {shown(budget)}"
+            )
 
     def choose(
         self, scores: Mapping[str, tuple[float, float]], current: str, informed: bool = True
@@ -386,10 +408,13 @@ class OptimisingAdmission(AdmissionLayer):
         if isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "prepare_load")
         keys = keys if isinstance(keys, list) else list(keys)
+        # Counted once the tier has taken the load: a load it refuses (a block not stored,
+        # or not yet written) is no hit, and leaves the request open for its offer.
+        spec = super().prepare_load(keys)
         if keys:
             self._loaded += len(keys)
             self._minisim.on_full_hit(keys[-1])
-        return super().prepare_load(keys)
+        return spec
 
     def begin_request(
         self,

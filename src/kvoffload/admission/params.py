@@ -47,15 +47,16 @@ def check_params(params: object, rule: str) -> None:
         if (
             isinstance(value, bool)
             or not isinstance(value, int if wants_int else int | float)
-            or not (wants_int or _is_finite(value))
+            or not (wants_int or is_finite(value))
         ):
             raise InvalidArgumentError(
-                f"admission parameter {field.name!r} of {rule!r} must be {kind}, got {value!r}"
+                f"admission parameter {field.name!r} of {rule!r} must be {kind}, got {shown(value)}"
             )
         if not low <= value <= high:
             bounds = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
             raise InvalidArgumentError(
-                f"admission parameter {field.name!r} of {rule!r} must be {bounds}, got {value!r}"
+                f"admission parameter {field.name!r} of {rule!r} must be {bounds}, "
+                f"got {shown(value)}"
             )
 
 
@@ -101,13 +102,22 @@ def _wants_int(field: dataclasses.Field[Any]) -> bool:
     return field.type in ("int", int)
 
 
-def _is_finite(value: int | float) -> bool:
+def is_finite(value: int | float) -> bool:
     """Whether ``value`` is a finite float or an int a float can hold: ``math.isfinite``
-    raises ``OverflowError`` for an int past 1.8e308 (a long number in extra-config JSON)."""
+    raises ``OverflowError`` for an int past 1.8e308 (a long number in extra-config JSON).
+    Write budgets and their sizes are checked with it too."""
     try:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+def shown(value: object) -> str:
+    """``value`` for an error message: its repr, but not the hundreds of digits of an int
+    past a float's range (nor the ``ValueError`` repr raises past 4,300 of them)."""
+    if isinstance(value, int) and not isinstance(value, bool) and not is_finite(value):
+        return "an integer outside a float's range"
+    return repr(value)
 
 
 def _convert(value: object, wants_int: bool, key: str, rule: str) -> int | float:
@@ -118,10 +128,10 @@ def _convert(value: object, wants_int: bool, key: str, rule: str) -> int | float
         except ValueError:
             pass
     elif not isinstance(value, bool) and isinstance(value, int | float):
-        if not wants_int and _is_finite(value):
+        if not wants_int and is_finite(value):
             return float(value)
         if wants_int and isinstance(value, int):
             return value
     raise InvalidArgumentError(
-        f"admission parameter {key!r} of {rule!r} must be {kind}, got {value!r}"
+        f"admission parameter {key!r} of {rule!r} must be {kind}, got {shown(value)}"
     )
