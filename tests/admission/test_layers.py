@@ -269,7 +269,16 @@ def test_begin_request_takes_a_drivers_numpy_counts_as_the_ints_they_are(
 
 @pytest.mark.parametrize("layer", [SketchAdmission, FeedbackAdmission, OptimisingAdmission])
 @pytest.mark.parametrize(
-    "call", ["begin_request", "touch", "lookup", "prepare_store", "prepare_load", "complete_load"]
+    "call",
+    [
+        "begin_request",
+        "end_request",
+        "touch",
+        "lookup",
+        "prepare_store",
+        "prepare_load",
+        "complete_load",
+    ],
 )
 def test_a_single_key_where_keys_are_expected_is_refused_changing_nothing(
     layer: type[SketchAdmission | FeedbackAdmission | OptimisingAdmission], call: str

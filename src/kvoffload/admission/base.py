@@ -175,6 +175,8 @@ class AdmissionLayer(OffloadingManager):
 
         A request never ended stays open until the bounded tracker drops it (or, for
         drivers without ``lookup_follows``, until its offer)."""
+        if isinstance(keys, SINGLE_KEY_TYPES):
+            refuse_single_key(keys, "end_request")
         if keys:
             self._requests.close(keys)
 

@@ -481,6 +481,8 @@ class OptimisingAdmission(AdmissionLayer):
     def end_request(self, keys: Sequence[OffloadKey]) -> None:
         """See :meth:`AdmissionLayer.end_request`; a request never looked up (the GPU held
         all of it) runs through the worlds here, so that the last one counts too."""
+        if isinstance(keys, SINGLE_KEY_TYPES):
+            refuse_single_key(keys, "end_request")
         pending = self._pending
         if pending is not None and keys and pending[-1] == keys[-1]:
             self._run_worlds(len(pending))
