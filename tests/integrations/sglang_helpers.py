@@ -41,6 +41,15 @@ BAD_CONFIGS = [
     ({"kvoffload.disk_dir": "/tmp/x"}, "kvoffload.disk_bytes"),
     ({"kvoffload.disk_dir": "/tmp/x", "kvoffload.disk_bytes": -1}, "kvoffload.disk_bytes"),
     ({"kvoffload.disk_dir": "/tmp/x", "kvoffload.disk_bytes": "lots"}, "kvoffload.disk_bytes"),
+    # Past any 64-bit size: refused later, under another key's name, before.
+    (
+        {"kvoffload.disk_dir": "/tmp/x", "kvoffload.disk_bytes": 10**400},
+        "'kvoffload.disk_bytes' must be an integer in 1..9223372036854775807",
+    ),
+    (
+        {"kvoffload.remote_url": "redis://127.0.0.1:1", "kvoffload.remote_bytes": 2**63},
+        "'kvoffload.remote_bytes' must be an integer in 1..9223372036854775807",
+    ),
     ({"kvoffload.disk_dir": "", "kvoffload.disk_bytes": 1}, "kvoffload.disk_dir"),
     (
         {"kvoffload.disk_dir": "/tmp/x", "kvoffload.disk_bytes": 9, "kvoffload.disk_policy": "x"},

@@ -44,6 +44,19 @@ def test_factory_builds_our_spec_and_sizes_the_tier(vllm_modules: dict[str, Modu
         # Past what one buffer holds: a TypeError from torch in every worker before.
         ({"cpu_bytes_to_use": 2**63}, "cpu_bytes_to_use"),
         ({"cpu_bytes_to_use": 1e300}, "cpu_bytes_to_use"),
+        # Past any 64-bit size: refused later, under kvoffload.disk_dir's name, before.
+        (
+            {"cpu_bytes_to_use": 4096, "kvoffload.disk_dir": "/x", "kvoffload.disk_bytes": 2**63},
+            "'kvoffload.disk_bytes' must be an integer from 1 to 9,223,372,036,854,775,807",
+        ),
+        (
+            {
+                "cpu_bytes_to_use": 4096,
+                "kvoffload.remote_url": "redis://127.0.0.1:1",
+                "kvoffload.remote_bytes": 10**400,
+            },
+            "'kvoffload.remote_bytes' must be an integer from 1 to 9,223,372,036,854,775,807",
+        ),
         ({}, "cpu_bytes_to_use"),
         ({"cpu_bytes_to_use": 4096, "kvoffload.admision": "tinylfu"}, "kvoffload.admision"),
         ({"cpu_bytes_to_use": 4096, "kvoffload.remote_url": ""}, "kvoffload.remote_url"),

@@ -16,7 +16,7 @@ from kvoffload.admission import WriteBudget, config_params
 from kvoffload.admission.registry import ParamPairs
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.managers.stack import DISK, REMOTE, LowerTierConfig
-from kvoffload.tiers.disk import check_timeout_ms
+from kvoffload.tiers.disk import MAX_FILE_BYTES, check_timeout_ms
 from kvoffload.tiers.url import parse_remote_url
 
 PREFIX = "kvoffload."
@@ -38,6 +38,10 @@ SGLANG_KEYS = frozenset(
 """Keys SGLang reads itself (the ``dynamic`` loader's three, the zero-copy switch, its
 prefetch settings, which it mostly removes before the backend sees the mapping) or adds
 (``file_storage_path``, from ``--file-storage-path``): accepted and left to it."""
+
+MAX_BYTES = MAX_FILE_BYTES
+"""A tier's size past the largest file (any 64-bit size) is a typo: refused by its key, not
+later under another's."""
 
 DISK_DIR = f"{PREFIX}disk_dir"
 DISK_BYTES = f"{PREFIX}disk_bytes"
@@ -210,7 +214,7 @@ def parse_settings(extra_config: Mapping[str, Any] | None) -> BackendSettings:
     settings = BackendSettings(
         interface_v1=_flag(config, "interface_v1"),
         disk_dir=disk_dir,
-        disk_bytes=_int(config, DISK_BYTES, 1, 0) if disk_dir is not None else 0,
+        disk_bytes=_int(config, DISK_BYTES, 1, 0, MAX_BYTES) if disk_dir is not None else 0,
         disk_policy=_str(config, DISK_POLICY) or "lru",
         disk_admission=disk_admission,
         disk_admission_params=_params(config, DISK_ADMISSION_PARAMS, disk_admission),
@@ -218,7 +222,7 @@ def parse_settings(extra_config: Mapping[str, Any] | None) -> BackendSettings:
         remote_url=remote_url,
         remote_admission=remote_admission,
         remote_admission_params=_params(config, REMOTE_ADMISSION_PARAMS, remote_admission),
-        remote_bytes=_int(config, REMOTE_BYTES, 1, 0) if REMOTE_BYTES in config else 0,
+        remote_bytes=_int(config, REMOTE_BYTES, 1, 0, MAX_BYTES) if REMOTE_BYTES in config else 0,
         kv_events_endpoint=_str(config, EVENTS_ENDPOINT),
         kv_events_replay_endpoint=_str(config, EVENTS_REPLAY_ENDPOINT),
         metrics_port=None if port is None else _int(config, METRICS_PORT, 0, 0, 65535),

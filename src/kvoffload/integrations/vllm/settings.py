@@ -48,9 +48,10 @@ CONNECTOR_KEYS = frozenset(
 )
 """Keys that vLLM's offloading connector itself reads; accepted and left to it."""
 
-MAX_CPU_BYTES = 2**63 - 1
-"""The most bytes one CPU buffer (a torch tensor, a shared-memory file) can hold: each
-worker's CPU tier is one."""
+MAX_BYTES = 2**63 - 1
+"""The most bytes one CPU buffer (a torch tensor, a shared-memory file) or one file can
+hold: each worker's CPU tier is one buffer, the disk tier one file; a shared tier's size
+past it is a typo too."""
 
 ADMISSION_KEY = f"{PREFIX}admission"
 """An admission layer by name (``kvoffload.admission`` registry); ``none`` stores everything."""
@@ -181,7 +182,7 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
         )
     write_budget, drive_bytes = _write_budget(extra_config, admission)
     return SpecSettings(
-        cpu_bytes_to_use=_int(extra_config, "cpu_bytes_to_use", 1, maximum=MAX_CPU_BYTES),
+        cpu_bytes_to_use=_int(extra_config, "cpu_bytes_to_use", 1, maximum=MAX_BYTES),
         eviction_policy=str(policy),
         store_threshold=_int(extra_config, "store_threshold", 0, 0, MAX_STORE_THRESHOLD),
         max_tracker_size=_int(extra_config, "max_tracker_size", 1, 64_000),
@@ -189,7 +190,9 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
         admission_params=params,
         remote_url=remote_url,
         disk_dir=disk_dir,
-        disk_bytes=_int(extra_config, DISK_BYTES_KEY, 1, 0) if disk_dir is not None else 0,
+        disk_bytes=(
+            _int(extra_config, DISK_BYTES_KEY, 1, 0, MAX_BYTES) if disk_dir is not None else 0
+        ),
         **tier_admission,
         disk_timeout_ms=disk_timeout_ms,
         write_budget=write_budget,
@@ -238,7 +241,7 @@ def _tier_admission(
             "(what the server may hold of ours: it sizes the admission layer)"
         )
     settings["remote_bytes"] = (
-        _int(config, REMOTE_BYTES_KEY, 1, 0) if REMOTE_BYTES_KEY in config else 0
+        _int(config, REMOTE_BYTES_KEY, 1, 0, MAX_BYTES) if REMOTE_BYTES_KEY in config else 0
     )
     return settings
 
