@@ -55,10 +55,11 @@ ghost_add_all(GhostTable *self, PyObject *args)
         if (node == NONE) {
             if (self->r.size == self->r.capacity) {
                 Py_ssize_t oldest = self->r.oldest;
-                if (append_tag(pushed, self->tag[oldest]) < 0 || recency_remove(&self->r, oldest) < 0) {
+                if (append_tag(pushed, self->tag[oldest]) < 0) {
                     Py_CLEAR(pushed);
                     break;
                 }
+                recency_remove(&self->r, oldest);
             }
             node = recency_add(&self->r, items[i], hash);
             if (node < 0) {
@@ -92,7 +93,8 @@ ghost_take_all(GhostTable *self, PyObject *keys)
             Py_CLEAR(taken);
         } else if (node != NONE) {
             long tag = self->tag[node];
-            if (recency_remove(&self->r, node) < 0 || append_tag(taken, tag) < 0) {
+            recency_remove(&self->r, node);
+            if (append_tag(taken, tag) < 0) {
                 Py_CLEAR(taken);
             }
         }
@@ -112,8 +114,10 @@ ghost_expire(GhostTable *self, PyObject *arg)
     PyObject *expired = PyList_New(0);
     while (expired != NULL && self->r.oldest != NONE && self->clock[self->r.oldest] < before) {
         Py_ssize_t oldest = self->r.oldest;
-        if (append_tag(expired, self->tag[oldest]) < 0 || recency_remove(&self->r, oldest) < 0) {
+        if (append_tag(expired, self->tag[oldest]) < 0) {
             Py_CLEAR(expired);
+        } else {
+            recency_remove(&self->r, oldest);
         }
     }
     return expired;

@@ -75,10 +75,7 @@ insert_new(LRUTier *self, PyObject **keys, Py_ssize_t n, PyObject **request, Py_
             Py_ssize_t after = self->r.next[node];
             if (!(self->flags[node] & PROTECTED)) {
                 self->flags[node] = 0;
-                if (recency_remove(&self->r, node) < 0) {
-                    unprotect(self);
-                    return -1;
-                }
+                recency_remove(&self->r, node);
                 need--;
             }
             node = after;

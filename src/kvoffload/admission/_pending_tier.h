@@ -110,8 +110,8 @@ pending_tier_insert(PendingTier *self, PyObject **keys, Py_ssize_t n)
 static inline int
 ghost_remember(PendingTier *self, Recency *ghost, Py_ssize_t node)
 {
-    if (ghost->size == ghost->capacity && recency_remove(ghost, ghost->oldest) < 0) {
-        return -1;
+    if (ghost->size == ghost->capacity) {
+        recency_remove(ghost, ghost->oldest);
     }
     return recency_add(ghost, self->r.key[node], self->r.hash[node]) < 0 ? -1 : 0;
 }
@@ -125,8 +125,11 @@ ghost_forget(PendingTier *self, Recency *ghost, Py_ssize_t node)
     }
     int found;
     Py_ssize_t slot = recency_slot(ghost, self->r.key[node], self->r.hash[node], &found);
-    if (slot < 0 || (found && recency_remove(ghost, ghost->table[slot]) < 0)) {
+    if (slot < 0) {
         return -1;
+    }
+    if (found) {
+        recency_remove(ghost, ghost->table[slot]);
     }
     return found;
 }

@@ -207,16 +207,17 @@ recency_make_newest(Recency *r, Py_ssize_t node)
 }
 
 /* Drop ``node``, already off its list, from the table (backward-shift deletion) and
- * return it to the pool. */
-static inline int
+ * return it to the pool. Its slot is found by the node's index, not by comparing keys: no
+ * Python code runs and nothing fails, so an eviction never stops half done (a key's
+ * ``__eq__`` raising there left a node in the table but on no list). */
+static inline void
 recency_forget(Recency *r, Py_ssize_t node)
 {
-    int found;
-    Py_ssize_t at = recency_slot(r, r->key[node], r->hash[node], &found);
-    if (at < 0) {
-        return -1;
+    size_t hole = recency_spread(r->hash[node]) & r->mask;
+    while (r->table[hole] != node) {
+        hole = (hole + 1) & r->mask;
     }
-    size_t hole = (size_t)at, probe = hole;
+    size_t probe = hole;
     for (;;) {
         probe = (probe + 1) & r->mask;
         Py_ssize_t moved = r->table[probe];
@@ -232,19 +233,21 @@ recency_forget(Recency *r, Py_ssize_t node)
         }
     }
     r->table[hole] = NONE;
-    Py_CLEAR(r->key[node]);
+    /* The key is released last: its ``__del__`` may run, and finds the table whole. */
+    PyObject *key = r->key[node];
+    r->key[node] = NULL;
     r->next[node] = r->free_list;
     r->free_list = node;
     r->size--;
-    return 0;
+    Py_DECREF(key);
 }
 
 /* Drop ``node`` from the table, the recency list and the pool. */
-static inline int
+static inline void
 recency_remove(Recency *r, Py_ssize_t node)
 {
     recency_unlink(r, node);
-    return recency_forget(r, node);
+    recency_forget(r, node);
 }
 
 /* Add ``key`` (not held; a free node exists) as the newest; its node, or -1. */

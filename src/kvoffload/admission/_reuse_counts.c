@@ -37,9 +37,7 @@ count_one(ReuseCounter *self, PyObject *key)
     if (self->r.size == self->r.capacity) {
         Py_ssize_t oldest = self->r.oldest;
         self->flags[oldest] = 0;
-        if (recency_remove(&self->r, oldest) < 0) {
-            return -1;
-        }
+        recency_remove(&self->r, oldest);
     }
     node = recency_add(&self->r, key, hash);
     if (node < 0) {
@@ -109,9 +107,7 @@ counter_count_shielded(ReuseCounter *self, PyObject *keys)
             }
             Py_ssize_t oldest = self->r.oldest;
             self->flags[oldest] = 0;
-            if (recency_remove(&self->r, oldest) < 0) {
-                goto done;
-            }
+            recency_remove(&self->r, oldest);
             unshielded--;
         }
         node = recency_add(&self->r, items[i], hash);
