@@ -8,8 +8,7 @@
 #include "_recency.h"
 
 typedef struct {
-    PyObject_HEAD
-    Recency r;
+    RECENCY_OBJECT_FIELDS
     long *tag;            /* per node */
     long long *clock;     /* per node */
 } GhostTable;
@@ -182,12 +181,17 @@ ghost_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     return (PyObject *)self;
 }
 
+RECENCY_GUARDED(ghost_add_all)
+RECENCY_GUARDED(ghost_take_all)
+RECENCY_GUARDED(ghost_expire)
+RECENCY_GUARDED(ghost_records)
+
 static PyMethodDef ghost_methods[] = {
-    {"add_all", (PyCFunction)ghost_add_all, METH_VARARGS,
+    {"add_all", (PyCFunction)ghost_add_all_guarded, METH_VARARGS,
      "add_all(keys, tag, clock=0) -> pushed-out tags (see GhostRecords.add_all)."},
-    {"take_all", (PyCFunction)ghost_take_all, METH_O, "Forget the recorded keys; their tags."},
-    {"expire", (PyCFunction)ghost_expire, METH_O, "Drop records made before a clock; their tags."},
-    {"records", (PyCFunction)ghost_records, METH_NOARGS, "(key, tag, clock) records, oldest first."},
+    {"take_all", (PyCFunction)ghost_take_all_guarded, METH_O, "Forget the recorded keys; their tags."},
+    {"expire", (PyCFunction)ghost_expire_guarded, METH_O, "Drop records made before a clock; their tags."},
+    {"records", (PyCFunction)ghost_records_guarded, METH_NOARGS, "(key, tag, clock) records, oldest first."},
     {NULL, NULL, 0, NULL},
 };
 

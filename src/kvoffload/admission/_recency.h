@@ -448,11 +448,63 @@ recency_capacity_ok(Py_ssize_t capacity, const char *what)
 }
 
 /* What every table type starts with, so that its length, membership and capacity are
- * served by one set of slots. */
+ * served by one set of slots, and its calls are guarded by one flag. */
+#define RECENCY_OBJECT_FIELDS \
+    PyObject_HEAD             \
+    Recency r;                \
+    int in_call;              /* a call on the table is running */
+
 typedef struct {
-    PyObject_HEAD
-    Recency r;
+    RECENCY_OBJECT_FIELDS
 } RecencyObject;
+
+/* Start a call on table ``self``: 1, or 0 with RuntimeError where one is running. Keys'
+ * ``__hash__`` and ``__eq__``, a store's gap flags and ``keep``'s ``__contains__`` are
+ * Python code run mid-call; a second call from there changed the table under the first
+ * one (a node added with none free, scratch arrays reallocated under their readers). */
+static inline int
+recency_enter(PyObject *self)
+{
+    RecencyObject *table = (RecencyObject *)self;
+    if (table->in_call) {
+        PyErr_Format(PyExc_RuntimeError, "%.100s was called again from inside one of its calls",
+                     Py_TYPE(self)->tp_name);
+        return 0;
+    }
+    table->in_call = 1;
+    return 1;
+}
+
+static inline void
+recency_leave(PyObject *self)
+{
+    ((RecencyObject *)self)->in_call = 0;
+}
+
+/* ``method``_guarded: ``method`` (METH_O, METH_NOARGS or METH_VARARGS) as the table's only
+ * call in progress. */
+#define RECENCY_GUARDED(method)                                      \
+    static PyObject *method##_guarded(PyObject *self, PyObject *arg) \
+    {                                                                \
+        if (!recency_enter(self)) {                                  \
+            return NULL;                                             \
+        }                                                            \
+        PyObject *result = method((void *)self, arg);                \
+        recency_leave(self);                                         \
+        return result;                                               \
+    }
+
+/* The same for a METH_VARARGS | METH_KEYWORDS ``method``. */
+#define RECENCY_GUARDED_KW(method)                                                    \
+    static PyObject *method##_guarded(PyObject *self, PyObject *args, PyObject *kwargs) \
+    {                                                                                 \
+        if (!recency_enter(self)) {                                                   \
+            return NULL;                                                              \
+        }                                                                             \
+        PyObject *result = method((void *)self, args, kwargs);                        \
+        recency_leave(self);                                                          \
+        return result;                                                                \
+    }
 
 static inline Py_ssize_t
 recency_object_len(PyObject *self)
@@ -463,7 +515,11 @@ recency_object_len(PyObject *self)
 static inline int
 recency_object_contains(PyObject *self, PyObject *key)
 {
+    if (!recency_enter(self)) {
+        return -1;
+    }
     Py_ssize_t node = recency_find(&((RecencyObject *)self)->r, key, NULL);
+    recency_leave(self);
     return node == LOOKUP_FAILED ? -1 : node != NONE;
 }
 
