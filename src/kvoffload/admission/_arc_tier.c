@@ -34,9 +34,10 @@ take_from_t1(ARCTier *self, Py_ssize_t *cursor, Py_ssize_t quota)
         Py_ssize_t node = *cursor;
         *cursor = r->next[node];
         if (!(self->tier.flags[node] & PROTECTED)) {
-            if (ghost_remember(&self->tier, &self->b1, node) < 0 || recency_remove(r, node) < 0) {
+            if (ghost_remember(&self->tier, &self->b1, node) < 0) {
                 return -1;
             }
+            recency_remove(r, node);
             taken++;
         }
     }
@@ -61,11 +62,13 @@ evict(PendingTier *tier, Py_ssize_t n)
     while (n && node != NONE) {
         Py_ssize_t after = r->next[node];
         if (!(tier->flags[node] & PROTECTED)) {
-            list_unlink(r, &self->t2_oldest, &self->t2_newest, node);
-            self->t2_len--;
-            if (ghost_remember(&self->tier, &self->b2, node) < 0 || recency_forget(r, node) < 0) {
+            /* Remembered before it leaves T2: where the ghost's comparison fails, it stays. */
+            if (ghost_remember(&self->tier, &self->b2, node) < 0) {
                 return -1;
             }
+            list_unlink(r, &self->t2_oldest, &self->t2_newest, node);
+            self->t2_len--;
+            recency_forget(r, node);
             n--;
         }
         node = after;

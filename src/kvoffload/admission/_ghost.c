@@ -8,8 +8,7 @@
 #include "_recency.h"
 
 typedef struct {
-    PyObject_HEAD
-    Recency r;
+    RECENCY_OBJECT_FIELDS
     long *tag;            /* per node */
     long long *clock;     /* per node */
 } GhostTable;
@@ -55,10 +54,11 @@ ghost_add_all(GhostTable *self, PyObject *args)
         if (node == NONE) {
             if (self->r.size == self->r.capacity) {
                 Py_ssize_t oldest = self->r.oldest;
-                if (append_tag(pushed, self->tag[oldest]) < 0 || recency_remove(&self->r, oldest) < 0) {
+                if (append_tag(pushed, self->tag[oldest]) < 0) {
                     Py_CLEAR(pushed);
                     break;
                 }
+                recency_remove(&self->r, oldest);
             }
             node = recency_add(&self->r, items[i], hash);
             if (node < 0) {
@@ -92,7 +92,8 @@ ghost_take_all(GhostTable *self, PyObject *keys)
             Py_CLEAR(taken);
         } else if (node != NONE) {
             long tag = self->tag[node];
-            if (recency_remove(&self->r, node) < 0 || append_tag(taken, tag) < 0) {
+            recency_remove(&self->r, node);
+            if (append_tag(taken, tag) < 0) {
                 Py_CLEAR(taken);
             }
         }
@@ -112,8 +113,10 @@ ghost_expire(GhostTable *self, PyObject *arg)
     PyObject *expired = PyList_New(0);
     while (expired != NULL && self->r.oldest != NONE && self->clock[self->r.oldest] < before) {
         Py_ssize_t oldest = self->r.oldest;
-        if (append_tag(expired, self->tag[oldest]) < 0 || recency_remove(&self->r, oldest) < 0) {
+        if (append_tag(expired, self->tag[oldest]) < 0) {
             Py_CLEAR(expired);
+        } else {
+            recency_remove(&self->r, oldest);
         }
     }
     return expired;
@@ -178,12 +181,17 @@ ghost_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     return (PyObject *)self;
 }
 
+RECENCY_GUARDED(ghost_add_all)
+RECENCY_GUARDED(ghost_take_all)
+RECENCY_GUARDED(ghost_expire)
+RECENCY_GUARDED(ghost_records)
+
 static PyMethodDef ghost_methods[] = {
-    {"add_all", (PyCFunction)ghost_add_all, METH_VARARGS,
+    {"add_all", (PyCFunction)ghost_add_all_guarded, METH_VARARGS,
      "add_all(keys, tag, clock=0) -> pushed-out tags (see GhostRecords.add_all)."},
-    {"take_all", (PyCFunction)ghost_take_all, METH_O, "Forget the recorded keys; their tags."},
-    {"expire", (PyCFunction)ghost_expire, METH_O, "Drop records made before a clock; their tags."},
-    {"records", (PyCFunction)ghost_records, METH_NOARGS, "(key, tag, clock) records, oldest first."},
+    {"take_all", (PyCFunction)ghost_take_all_guarded, METH_O, "Forget the recorded keys; their tags."},
+    {"expire", (PyCFunction)ghost_expire_guarded, METH_O, "Drop records made before a clock; their tags."},
+    {"records", (PyCFunction)ghost_records_guarded, METH_NOARGS, "(key, tag, clock) records, oldest first."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -75,10 +75,7 @@ insert_new(LRUTier *self, PyObject **keys, Py_ssize_t n, PyObject **request, Py_
             Py_ssize_t after = self->r.next[node];
             if (!(self->flags[node] & PROTECTED)) {
                 self->flags[node] = 0;
-                if (recency_remove(&self->r, node) < 0) {
-                    unprotect(self);
-                    return -1;
-                }
+                recency_remove(&self->r, node);
                 need--;
             }
             node = after;
@@ -352,17 +349,24 @@ tier_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     return (PyObject *)self;
 }
 
+RECENCY_GUARDED(tier_touch)
+RECENCY_GUARDED_KW(tier_store)
+RECENCY_GUARDED_KW(tier_store_admitted)
+RECENCY_GUARDED_KW(tier_store_offer)
+RECENCY_GUARDED(tier_in_order)
+RECENCY_GUARDED(tier_unreachable)
+
 static PyMethodDef tier_methods[] = {
     MINI_TIER_METHODS,
-    {"touch", (PyCFunction)tier_touch, METH_O, "Make the held keys recent, the first most recent."},
-    {"store", (PyCFunction)(void (*)(void))tier_store, METH_VARARGS | METH_KEYWORDS,
+    {"touch", (PyCFunction)tier_touch_guarded, METH_O, "Make the held keys recent, the first most recent."},
+    {"store", (PyCFunction)(void (*)(void))tier_store_guarded, METH_VARARGS | METH_KEYWORDS,
      "store(keys, behind_gap=(), request=()): see LRUMiniTier.store."},
-    {"store_admitted", (PyCFunction)(void (*)(void))tier_store_admitted, METH_VARARGS | METH_KEYWORDS,
+    {"store_admitted", (PyCFunction)(void (*)(void))tier_store_admitted_guarded, METH_VARARGS | METH_KEYWORDS,
      "store_admitted(keys, at, keep, gap, request=()): see LRUMiniTier.store_admitted."},
-    {"store_offer", (PyCFunction)(void (*)(void))tier_store_offer, METH_VARARGS | METH_KEYWORDS,
+    {"store_offer", (PyCFunction)(void (*)(void))tier_store_offer_guarded, METH_VARARGS | METH_KEYWORDS,
      "store_offer(offered, admitted, request=()): see LRUMiniTier.store_offer."},
-    {"in_order", (PyCFunction)tier_in_order, METH_NOARGS, "The held keys, least recent first."},
-    {"unreachable", (PyCFunction)tier_unreachable, METH_O, "Whether a held key is behind a gap."},
+    {"in_order", (PyCFunction)tier_in_order_guarded, METH_NOARGS, "The held keys, least recent first."},
+    {"unreachable", (PyCFunction)tier_unreachable_guarded, METH_O, "Whether a held key is behind a gap."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -18,8 +18,7 @@
  * of them is a pointer to a MiniTierObject (the initial-sequence idiom of PyObject_HEAD
  * itself): the held keys (first, as RecencyObject's), a flag per node, and the counters. */
 #define MINI_TIER_FIELDS          \
-    PyObject_HEAD                 \
-    Recency r;                    \
+    RECENCY_OBJECT_FIELDS         \
     unsigned char *flags;         \
     double hits, writes;          \
     long long total_hits, total_writes;
@@ -209,6 +208,10 @@ mini_tier_held_among(MiniTierObject *self, PyObject *keys)
     return held_among(&self->r, keys);
 }
 
+RECENCY_GUARDED(mini_tier_hit_run)
+RECENCY_GUARDED(mini_tier_leading_held)
+RECENCY_GUARDED(mini_tier_held_among)
+
 static PyObject *
 mini_tier_held(MiniTierObject *self, void *Py_UNUSED(closure))
 {
@@ -218,9 +221,9 @@ mini_tier_held(MiniTierObject *self, void *Py_UNUSED(closure))
 
 /* The method-table entries, members and getters every mini-tier type shares. */
 #define MINI_TIER_METHODS                                                                          \
-    {"hit_run", (PyCFunction)mini_tier_hit_run, METH_O, "How many leading keys are held and reachable."}, \
-    {"held_among", (PyCFunction)mini_tier_held_among, METH_O, "The held keys among keys, in order."},    \
-    {"leading_held", (PyCFunction)mini_tier_leading_held, METH_O, "How many leading keys are held."}
+    {"hit_run", (PyCFunction)mini_tier_hit_run_guarded, METH_O, "How many leading keys are held and reachable."}, \
+    {"held_among", (PyCFunction)mini_tier_held_among_guarded, METH_O, "The held keys among keys, in order."},    \
+    {"leading_held", (PyCFunction)mini_tier_leading_held_guarded, METH_O, "How many leading keys are held."}
 
 #define MINI_TIER_COUNTERS                                                                           \
     {"hits", T_DOUBLE, offsetof(MiniTierObject, hits), 0, "Hits, halved with the caller's window."},       \

@@ -110,8 +110,8 @@ pending_tier_insert(PendingTier *self, PyObject **keys, Py_ssize_t n)
 static inline int
 ghost_remember(PendingTier *self, Recency *ghost, Py_ssize_t node)
 {
-    if (ghost->size == ghost->capacity && recency_remove(ghost, ghost->oldest) < 0) {
-        return -1;
+    if (ghost->size == ghost->capacity) {
+        recency_remove(ghost, ghost->oldest);
     }
     return recency_add(ghost, self->r.key[node], self->r.hash[node]) < 0 ? -1 : 0;
 }
@@ -125,8 +125,11 @@ ghost_forget(PendingTier *self, Recency *ghost, Py_ssize_t node)
     }
     int found;
     Py_ssize_t slot = recency_slot(ghost, self->r.key[node], self->r.hash[node], &found);
-    if (slot < 0 || (found && recency_remove(ghost, ghost->table[slot]) < 0)) {
+    if (slot < 0) {
         return -1;
+    }
+    if (found) {
+        recency_remove(ghost, ghost->table[slot]);
     }
     return found;
 }
@@ -292,12 +295,16 @@ pending_tier_pending(PendingTier *self, void *Py_UNUSED(closure))
     return PyBool_FromLong(self->pending);
 }
 
+RECENCY_GUARDED(pending_tier_touch)
+RECENCY_GUARDED_KW(pending_tier_store)
+RECENCY_GUARDED_KW(pending_tier_store_admitted)
+
 static PyMethodDef pending_tier_methods[] = {
     MINI_TIER_METHODS,
-    {"touch", (PyCFunction)pending_tier_touch, METH_O, "Count a touch of each held key that is not pending."},
-    {"store", (PyCFunction)(void (*)(void))pending_tier_store, METH_VARARGS | METH_KEYWORDS,
+    {"touch", (PyCFunction)pending_tier_touch_guarded, METH_O, "Count a touch of each held key that is not pending."},
+    {"store", (PyCFunction)(void (*)(void))pending_tier_store_guarded, METH_VARARGS | METH_KEYWORDS,
      "store(keys, behind_gap=()): see MiniTier.store."},
-    {"store_admitted", (PyCFunction)(void (*)(void))pending_tier_store_admitted, METH_VARARGS | METH_KEYWORDS,
+    {"store_admitted", (PyCFunction)(void (*)(void))pending_tier_store_admitted_guarded, METH_VARARGS | METH_KEYWORDS,
      "store_admitted(keys, at, keep, gap): see MiniTier.store_admitted."},
     {NULL, NULL, 0, NULL},
 };

@@ -207,16 +207,17 @@ recency_make_newest(Recency *r, Py_ssize_t node)
 }
 
 /* Drop ``node``, already off its list, from the table (backward-shift deletion) and
- * return it to the pool. */
-static inline int
+ * return it to the pool. Its slot is found by the node's index, not by comparing keys: no
+ * Python code runs and nothing fails, so an eviction never stops half done (a key's
+ * ``__eq__`` raising there left a node in the table but on no list). */
+static inline void
 recency_forget(Recency *r, Py_ssize_t node)
 {
-    int found;
-    Py_ssize_t at = recency_slot(r, r->key[node], r->hash[node], &found);
-    if (at < 0) {
-        return -1;
+    size_t hole = recency_spread(r->hash[node]) & r->mask;
+    while (r->table[hole] != node) {
+        hole = (hole + 1) & r->mask;
     }
-    size_t hole = (size_t)at, probe = hole;
+    size_t probe = hole;
     for (;;) {
         probe = (probe + 1) & r->mask;
         Py_ssize_t moved = r->table[probe];
@@ -232,19 +233,21 @@ recency_forget(Recency *r, Py_ssize_t node)
         }
     }
     r->table[hole] = NONE;
-    Py_CLEAR(r->key[node]);
+    /* The key is released last: its ``__del__`` may run, and finds the table whole. */
+    PyObject *key = r->key[node];
+    r->key[node] = NULL;
     r->next[node] = r->free_list;
     r->free_list = node;
     r->size--;
-    return 0;
+    Py_DECREF(key);
 }
 
 /* Drop ``node`` from the table, the recency list and the pool. */
-static inline int
+static inline void
 recency_remove(Recency *r, Py_ssize_t node)
 {
     recency_unlink(r, node);
-    return recency_forget(r, node);
+    recency_forget(r, node);
 }
 
 /* Add ``key`` (not held; a free node exists) as the newest; its node, or -1. */
@@ -445,11 +448,63 @@ recency_capacity_ok(Py_ssize_t capacity, const char *what)
 }
 
 /* What every table type starts with, so that its length, membership and capacity are
- * served by one set of slots. */
+ * served by one set of slots, and its calls are guarded by one flag. */
+#define RECENCY_OBJECT_FIELDS \
+    PyObject_HEAD             \
+    Recency r;                \
+    int in_call;              /* a call on the table is running */
+
 typedef struct {
-    PyObject_HEAD
-    Recency r;
+    RECENCY_OBJECT_FIELDS
 } RecencyObject;
+
+/* Start a call on table ``self``: 1, or 0 with RuntimeError where one is running. Keys'
+ * ``__hash__`` and ``__eq__``, a store's gap flags and ``keep``'s ``__contains__`` are
+ * Python code run mid-call; a second call from there changed the table under the first
+ * one (a node added with none free, scratch arrays reallocated under their readers). */
+static inline int
+recency_enter(PyObject *self)
+{
+    RecencyObject *table = (RecencyObject *)self;
+    if (table->in_call) {
+        PyErr_Format(PyExc_RuntimeError, "%.100s was called again from inside one of its calls",
+                     Py_TYPE(self)->tp_name);
+        return 0;
+    }
+    table->in_call = 1;
+    return 1;
+}
+
+static inline void
+recency_leave(PyObject *self)
+{
+    ((RecencyObject *)self)->in_call = 0;
+}
+
+/* ``method``_guarded: ``method`` (METH_O, METH_NOARGS or METH_VARARGS) as the table's only
+ * call in progress. */
+#define RECENCY_GUARDED(method)                                      \
+    static PyObject *method##_guarded(PyObject *self, PyObject *arg) \
+    {                                                                \
+        if (!recency_enter(self)) {                                  \
+            return NULL;                                             \
+        }                                                            \
+        PyObject *result = method((void *)self, arg);                \
+        recency_leave(self);                                         \
+        return result;                                               \
+    }
+
+/* The same for a METH_VARARGS | METH_KEYWORDS ``method``. */
+#define RECENCY_GUARDED_KW(method)                                                    \
+    static PyObject *method##_guarded(PyObject *self, PyObject *args, PyObject *kwargs) \
+    {                                                                                 \
+        if (!recency_enter(self)) {                                                   \
+            return NULL;                                                              \
+        }                                                                             \
+        PyObject *result = method((void *)self, args, kwargs);                        \
+        recency_leave(self);                                                          \
+        return result;                                                                \
+    }
 
 static inline Py_ssize_t
 recency_object_len(PyObject *self)
@@ -460,7 +515,11 @@ recency_object_len(PyObject *self)
 static inline int
 recency_object_contains(PyObject *self, PyObject *key)
 {
+    if (!recency_enter(self)) {
+        return -1;
+    }
     Py_ssize_t node = recency_find(&((RecencyObject *)self)->r, key, NULL);
+    recency_leave(self);
     return node == LOOKUP_FAILED ? -1 : node != NONE;
 }
 

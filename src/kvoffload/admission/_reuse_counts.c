@@ -12,8 +12,7 @@
 #define SHIELDED 1u
 
 typedef struct {
-    PyObject_HEAD
-    Recency r;
+    RECENCY_OBJECT_FIELDS
     long long *count;        /* per node */
     unsigned char *flags;    /* per node: shielded by the batch in progress */
     MarkedNodes shielded;
@@ -37,9 +36,7 @@ count_one(ReuseCounter *self, PyObject *key)
     if (self->r.size == self->r.capacity) {
         Py_ssize_t oldest = self->r.oldest;
         self->flags[oldest] = 0;
-        if (recency_remove(&self->r, oldest) < 0) {
-            return -1;
-        }
+        recency_remove(&self->r, oldest);
     }
     node = recency_add(&self->r, key, hash);
     if (node < 0) {
@@ -109,9 +106,7 @@ counter_count_shielded(ReuseCounter *self, PyObject *keys)
             }
             Py_ssize_t oldest = self->r.oldest;
             self->flags[oldest] = 0;
-            if (recency_remove(&self->r, oldest) < 0) {
-                goto done;
-            }
+            recency_remove(&self->r, oldest);
             unshielded--;
         }
         node = recency_add(&self->r, items[i], hash);
@@ -232,13 +227,19 @@ counter_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     return (PyObject *)self;
 }
 
+RECENCY_GUARDED(counter_count)
+RECENCY_GUARDED(counter_count_shielded)
+RECENCY_GUARDED(counter_at_least)
+RECENCY_GUARDED(counter_get)
+RECENCY_GUARDED(counter_items)
+
 static PyMethodDef counter_methods[] = {
-    {"count", (PyCFunction)counter_count, METH_O, "Count each key once more, in order."},
-    {"count_shielded", (PyCFunction)counter_count_shielded, METH_O,
+    {"count", (PyCFunction)counter_count_guarded, METH_O, "Count each key once more, in order."},
+    {"count_shielded", (PyCFunction)counter_count_shielded_guarded, METH_O,
      "Count keys once each, tracked keys first (see ReuseCounts.count_shielded)."},
-    {"at_least", (PyCFunction)counter_at_least, METH_VARARGS, "The keys counted at least threshold times."},
-    {"get", (PyCFunction)counter_get, METH_O, "A key's count (0 if not tracked)."},
-    {"items", (PyCFunction)counter_items, METH_NOARGS, "(key, count) pairs, least recently counted first."},
+    {"at_least", (PyCFunction)counter_at_least_guarded, METH_VARARGS, "The keys counted at least threshold times."},
+    {"get", (PyCFunction)counter_get_guarded, METH_O, "A key's count (0 if not tracked)."},
+    {"items", (PyCFunction)counter_items_guarded, METH_NOARGS, "(key, count) pairs, least recently counted first."},
     {NULL, NULL, 0, NULL},
 };
 

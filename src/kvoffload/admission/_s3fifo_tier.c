@@ -36,16 +36,22 @@ from_small(S3FIFOTier *self)
     Py_ssize_t rounds = r->size - self->main_len;
     for (Py_ssize_t i = 0; i < rounds; i++) {
         Py_ssize_t node = r->oldest;
+        if (!(flags[node] & PROTECTED) && self->freq[node] == 0) {
+            /* Remembered before it leaves: where the ghost's comparison fails, it stays. */
+            if (ghost_remember(&self->tier, &self->ghost, node) < 0) {
+                return -1;
+            }
+            recency_remove(r, node);
+            return 1;
+        }
         recency_unlink(r, node);
         if (flags[node] & PROTECTED) {
             recency_append(r, node);
-        } else if (self->freq[node] > 0) {
+        } else {
             self->freq[node] = 0;
             flags[node] |= IN_MAIN;
             list_append(r, &self->main_oldest, &self->main_newest, node);
             self->main_len++;
-        } else {
-            return ghost_remember(&self->tier, &self->ghost, node) < 0 || recency_forget(r, node) < 0 ? -1 : 1;
         }
     }
     return 0;
@@ -68,7 +74,8 @@ from_main(S3FIFOTier *self)
             list_append(r, &self->main_oldest, &self->main_newest, node);
         } else {
             self->main_len--;
-            return recency_forget(r, node) < 0 ? -1 : 1;
+            recency_forget(r, node);
+            return 1;
         }
     }
     return 0;

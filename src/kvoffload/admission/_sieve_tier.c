@@ -43,9 +43,7 @@ evict(PendingTier *tier, Py_ssize_t n)
             flags[node] &= (unsigned char)~VISITED;
             list_append(r, &self->swept_oldest, &self->swept_newest, node);
         } else {
-            if (recency_forget(r, node) < 0) {
-                return -1;
-            }
+            recency_forget(r, node);
             n--;
         }
     }

@@ -32,9 +32,7 @@ evict(PendingTier *tier, Py_ssize_t n)
     while (n && node != NONE) {
         Py_ssize_t after = r->next[node];
         if (!(tier->flags[node] & PROTECTED)) {
-            if (recency_remove(r, node) < 0) {
-                return -1;
-            }
+            recency_remove(r, node);
             n--;
         }
         node = after;
@@ -45,9 +43,7 @@ evict(PendingTier *tier, Py_ssize_t n)
         if (!(tier->flags[node] & PROTECTED)) {
             list_unlink(r, &self->segment_oldest, &self->segment_newest, node);
             self->segment_len--;
-            if (recency_forget(r, node) < 0) {
-                return -1;
-            }
+            recency_forget(r, node);
             n--;
         }
         node = after;

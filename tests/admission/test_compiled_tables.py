@@ -1,0 +1,268 @@
+"""The compiled tables under keys whose hashing and comparisons run Python code.
+
+Offload keys are bytes, hashed and compared in C; any other hashable key runs its
+``__hash__`` and ``__eq__`` mid-call, as do a store's gap flags. A table must stay whole
+whatever that code does: raise (a node left in the table but on no list was later
+unlinked at index -1, out of bounds), or call the table again (a node added with none
+free, scratch arrays reallocated under the call that was reading them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from compiled import needs
+from kvoffload.admission.ghost import CompiledGhostRecords
+from kvoffload.admission.minisim import (
+    CompiledARCMiniTier,
+    CompiledLRUMiniTier,
+    CompiledS3FIFOMiniTier,
+    CompiledSIEVEMiniTier,
+    CompiledSLRUMiniTier,
+)
+from kvoffload.admission.reuse_counts import CompiledReuseCounts
+
+
+class ComparisonError(Exception):
+    """What an armed :class:`Touchy` key raises."""
+
+
+class Touchy:
+    """A key with the same hash as every other ``Touchy``, so that a table compares them;
+    while ``armed``, comparing it with another key raises."""
+
+    armed = False
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __hash__(self) -> int:
+        return 7
+
+    def __eq__(self, other: object) -> bool:
+        if Touchy.armed and other is not self:
+            raise ComparisonError(f"{self.name} compared with {other!r}")
+        return other is self
+
+    def __repr__(self) -> str:
+        return f"Touchy({self.name!r})"
+
+
+@pytest.fixture(autouse=True)
+def disarmed() -> Iterator[None]:
+    """Every test starts and ends with comparisons that succeed."""
+    Touchy.armed = False
+    yield
+    Touchy.armed = False
+
+
+MINI_TIERS = [
+    pytest.param(factory, marks=needs(factory), id=name)
+    for name, factory in [
+        ("lru", CompiledLRUMiniTier),
+        ("s3fifo", CompiledS3FIFOMiniTier),
+        ("arc", CompiledARCMiniTier),
+        ("sieve", CompiledSIEVEMiniTier),
+        ("slru", CompiledSLRUMiniTier),
+    ]
+]
+
+
+@pytest.mark.parametrize("factory", MINI_TIERS)
+def test_a_mini_tier_evicts_without_comparing_the_victim(factory: Callable[[int], Any]) -> None:
+    """``b`` sits behind ``a`` in the table's probe sequence and is the victim (``a``
+    was touched): finding ``b``'s slot to drop it compared it with ``a``, and a raise
+    there left ``b`` in the table on no list. The slot is found by index now."""
+    tier = factory(2)
+    a, b = Touchy("a"), Touchy("b")
+    tier.store([a])
+    tier.store([b])
+    tier.touch([a])
+    Touchy.armed = True
+    assert tier.store([b"n"]) == 1
+    Touchy.armed = False
+    assert tier.held_among([a, b, b"n"]) == [a, b"n"]
+    assert len(tier) == 2
+
+
+@needs(CompiledReuseCounts)
+def test_the_reuse_counter_evicts_without_comparing_the_victim() -> None:
+    """As for the mini-tiers: ``b``, counted after ``a`` but least recently, leaves."""
+    assert CompiledReuseCounts is not None
+    counts = CompiledReuseCounts(2)
+    a, b = Touchy("a"), Touchy("b")
+    counts.count([a, b, a])
+    Touchy.armed = True
+    counts.count([b"n"])
+    Touchy.armed = False
+    assert counts.counts == {a: 2, b"n": 1}
+
+
+@needs(CompiledGhostRecords)
+def test_ghost_records_push_out_without_comparing_the_victim() -> None:
+    """As for the mini-tiers: ``b``, recorded after ``a`` but least recently, leaves."""
+    assert CompiledGhostRecords is not None
+    ghost = CompiledGhostRecords(2)
+    a, b = Touchy("a"), Touchy("b")
+    ghost.add_all([a, b, a], 1)
+    Touchy.armed = True
+    assert ghost.add_all([b"n"], 2) == [1]
+    Touchy.armed = False
+    assert ghost.take_all([a, b, b"n"]) == [1, 2]
+
+
+@needs(CompiledS3FIFOMiniTier)
+def test_an_s3fifo_victim_whose_ghost_comparison_fails_stays_held() -> None:
+    """The small queue's victim ``b`` is compared with ``a`` in the ghost: where that
+    raises, ``b`` stays on the small queue (it was taken off first and left in the table),
+    and the next evictions find every held key on a queue."""
+    assert CompiledS3FIFOMiniTier is not None
+    tier = CompiledS3FIFOMiniTier(2)
+    a, b = Touchy("a"), Touchy("b")
+    tier.store([a])
+    tier.store([b])
+    tier.store([b"c"])  # a leaves for the ghost
+    Touchy.armed = True
+    with pytest.raises(ComparisonError):
+        tier.store([b"d"])
+    Touchy.armed = False
+    assert tier.held_among([b, b"c"]) == [b, b"c"]
+    assert tier.store([b"e", b"f"]) == 2
+    assert tier.held_among([a, b, b"c", b"d", b"e", b"f"]) == [b"e", b"f"]
+    assert len(tier) == 2
+
+
+@needs(CompiledARCMiniTier)
+def test_an_arc_t2_victim_whose_ghost_comparison_fails_stays_held() -> None:
+    """T2's victim ``b`` is compared with ``a`` in B2: where that raises, ``b`` stays on
+    T2 (it was taken off first and left in the table), and later evictions find it."""
+    assert CompiledARCMiniTier is not None
+    tier = CompiledARCMiniTier(2, False)
+    a, b = Touchy("a"), Touchy("b")
+    for key in (a, b):
+        tier.store([key])
+        tier.touch([key])  # on to T2
+    tier.store([b"c"])  # a leaves T2 for B2
+    Touchy.armed = True
+    with pytest.raises(ComparisonError):
+        tier.store([b"d", b"e"])  # c leaves T1, then b is compared in B2
+    Touchy.armed = False
+    assert tier.held_among([a, b, b"c"]) == [b]
+    assert tier.store([b"f", b"g"]) == 2
+    assert tier.held_among([a, b, b"c", b"d", b"e", b"f", b"g"]) == [b"f", b"g"]
+    assert len(tier) == 2
+
+
+class CallsBack:
+    """A key whose ``__hash__`` first runs ``action`` (once): Python code inside a call."""
+
+    def __init__(self, action: Callable[[], object]) -> None:
+        self.action: Callable[[], object] | None = action
+
+    def __hash__(self) -> int:
+        action, self.action = self.action, None
+        if action is not None:
+            action()
+        return 11
+
+
+def some_keys(count: int) -> list[bytes]:
+    """``count`` distinct bytes keys."""
+    return [i.to_bytes(2, "big") for i in range(count)]
+
+
+AGAIN = "called again from inside one of its calls"
+
+
+@pytest.mark.parametrize("factory", MINI_TIERS)
+def test_a_mini_tier_refuses_a_call_from_inside_its_store(factory: Callable[[int], Any]) -> None:
+    """A key of a store stores other keys into the same tier while the store runs: refused,
+    and the tier takes the next store whole."""
+    tier = factory(4)
+    tier.store([b"a", b"b"])
+    key = CallsBack(lambda: tier.store(some_keys(8)))
+    with pytest.raises(RuntimeError, match=AGAIN):
+        tier.store([b"c", key])
+    assert tier.store([b"d"]) == 1
+    assert len(tier) == len(tier.held_among([b"a", b"b", b"c", b"d", *some_keys(8)]))
+
+
+@pytest.mark.parametrize("factory", MINI_TIERS)
+def test_a_mini_tier_refuses_a_call_from_a_gap_flag(factory: Callable[[int], Any]) -> None:
+    """A store's gap flag stores thousands of keys into the same tier while it is read (it
+    grew the scratch array the flags were being written to, freeing it): refused."""
+    tier = factory(4)
+
+    class Flag:
+        def __bool__(self) -> bool:
+            tier.store(some_keys(5000))
+            return True
+
+    with pytest.raises(RuntimeError, match=AGAIN):
+        tier.store([b"a", b"b"], [False, Flag()])
+    assert tier.store([b"c"]) == 1
+    assert tier.held_among([b"a", b"b", b"c"]) == [b"c"]
+
+
+@needs(CompiledReuseCounts)
+def test_the_reuse_counter_refuses_a_call_from_inside_its_count() -> None:
+    """As for the mini-tiers: a key counts other keys while the count runs."""
+    assert CompiledReuseCounts is not None
+    counts = CompiledReuseCounts(4)
+    counts.count([b"a", b"b"])
+    key = CallsBack(lambda: counts.count(some_keys(8)))
+    with pytest.raises(RuntimeError, match=AGAIN):
+        counts.count([b"c", key])
+    counts.count([b"d"])
+    assert len(counts) == len(counts.counts) <= 4
+
+
+@needs(CompiledGhostRecords)
+def test_ghost_records_refuse_a_call_from_inside_their_add() -> None:
+    """As for the mini-tiers: a key records other keys while the records are added."""
+    assert CompiledGhostRecords is not None
+    ghost = CompiledGhostRecords(4)
+    ghost.add_all([b"a", b"b"], 1)
+    key = CallsBack(lambda: ghost.add_all(some_keys(8), 2))
+    with pytest.raises(RuntimeError, match=AGAIN):
+        ghost.add_all([b"c", key], 3)
+    ghost.add_all([b"d"], 4)
+    assert len(ghost) == len(ghost.records()) <= 4
+
+
+class ComparesBack:
+    """A key with the same hash as every other, whose ``__eq__`` first runs ``action``
+    (once, where given): Python code inside a comparison the table makes."""
+
+    def __init__(self) -> None:
+        self.action: Callable[[], object] | None = None
+
+    def __hash__(self) -> int:
+        return 7
+
+    def __eq__(self, other: object) -> bool:
+        action, self.action = self.action, None
+        if action is not None:
+            action()
+        return other is self
+
+
+@needs(CompiledS3FIFOMiniTier)
+def test_an_s3fifo_tier_refuses_a_call_from_a_ghost_comparison() -> None:
+    """The small queue's victim ``b`` is compared with ``a`` in the ghost, and from there
+    two stores refill the ghost that the eviction had made room in (it then added a record
+    with no free node, out of bounds): refused, and the tier takes the next store whole."""
+    assert CompiledS3FIFOMiniTier is not None
+    tier = CompiledS3FIFOMiniTier(2)
+    a, b = ComparesBack(), ComparesBack()
+    tier.store([a])
+    tier.store([b])
+    tier.store([b"c"])  # a leaves for the ghost
+    a.action = lambda: (tier.store([b"x", b"y"]), tier.store([b"z", b"w"]))
+    with pytest.raises(RuntimeError, match=AGAIN):
+        tier.store([b"d"])
+    assert tier.store([b"e", b"f"]) == 2
+    assert tier.held_among([a, b, b"c", b"d", b"e", b"f"]) == [b"e", b"f"]
