@@ -10,7 +10,7 @@ import pytest
 from vllm_helpers import create_spec
 
 from kvoffload import InvalidArgumentError, block_id_key
-from kvoffload.admission import available_admissions
+from kvoffload.admission import OptimisingAdmission, available_admissions, find_admission
 from kvoffload.policies import available_policies, create_cache_policy
 from kvoffload.sim.traces import read_trace
 
@@ -149,6 +149,37 @@ def test_a_request_that_offers_nothing_is_still_a_sighting(
     storing = _context("b", [key])
     manager.on_new_request(storing)
     assert manager.prepare_store([key], storing).keys_to_store == [key]
+
+
+def test_vllms_scheduler_shows_the_layer_its_gpu_hit_though_it_offers_it_again(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    """vLLM looks up past the GPU's prefix hit, but a request that loads nothing offers
+    every block from the first, GPU-held ones too (and looks none up when less than one
+    block lies past the hit): the layer's what-if worlds count those blocks as GPU hits,
+    not as tier lookups, as the simulator does."""
+    from vllm_scheduler import allocate, connector_scheduler, schedule_prefill, vllm_request
+
+    spec = create_spec({"cpu_bytes_to_use": 64 * 1024, "kvoffload.admission": "recommended"})
+    scheduler = connector_scheduler(spec)
+    layer = find_admission(spec.get_manager().backing)
+    assert isinstance(layer, OptimisingAdmission)
+    prompt = list(range(49))  # three whole blocks and one token
+    gpu_held: list[int] = []
+    for name, tokens, gpu_hit in [
+        ("cold", prompt, 0),
+        ("gpu hit, offload miss", prompt[:32] + [900 + t for t in range(17)], 32),
+        ("all on the GPU", prompt, 48),
+    ]:
+        request = vllm_request(name, tokens)
+        scheduler.on_new_request(request)
+        request.num_computed_tokens = gpu_hit
+        assert scheduler.get_num_new_matched_tokens(request, gpu_hit) == (0, False)
+        allocate(scheduler, request, 4, 0)
+        before = layer.worlds.total_gpu_hits
+        schedule_prefill(scheduler, request, 4)
+        gpu_held.append(layer.worlds.total_gpu_hits - before)
+    assert gpu_held == [0, 2, 3]
 
 
 def test_admission_metrics_are_declared_only_with_a_layer(

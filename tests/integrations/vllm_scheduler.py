@@ -77,6 +77,20 @@ def allocate(scheduler: Any, request: Any, num_blocks: int, num_external_tokens:
     scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
 
+def schedule_prefill(scheduler: Any, request: Any, num_blocks: int) -> Any:
+    """A step that prefills ``request`` whole on GPU blocks 1..``num_blocks`` (after
+    :func:`allocate`): the connector's metadata for it, its store offer made."""
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+
+    output = SchedulerOutput.make_empty()
+    block_ids = list(range(1, num_blocks + 1))
+    output.scheduled_new_reqs = [NewRequestData.from_request(request, (block_ids,))]
+    num_tokens = request.num_tokens - request.num_computed_tokens
+    output.num_scheduled_tokens = {request.request_id: num_tokens}
+    output.total_num_scheduled_tokens = num_tokens
+    return scheduler.build_connector_meta(output)
+
+
 def end_step(scheduler: Any) -> Any:
     """The end of a step that scheduled no tokens: the connector's metadata for it."""
     from vllm.v1.core.sched.output import SchedulerOutput

@@ -16,9 +16,10 @@ An admission layer in the backing stack (``kvoffload.admission``) is told of
 each request explicitly (``begin_request`` at its first store offer, or when
 it finishes if it offered nothing, ``end_request`` after the offer), as its
 keys in prefix order: the GPU's prefix hit first (the keys vLLM recorded for
-the request before the first one it looked up or offered), then those it
-looked up and offered; per-key lookups and touches go past it to the tier, so
-they count no sightings.
+the request before the first one it looked up, all of them if it looked up
+none; not the first one offered, as vLLM offers a request that loaded nothing
+from its first block), then those it looked up and offered; per-key lookups
+and touches go past it to the tier, so they count no sightings.
 """
 
 from __future__ import annotations
@@ -440,17 +441,22 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         """Begin the request at the layer with its keys it has not seen yet, in prefix order;
         those keys (none: nothing to show).
 
-        The first time, the request's leading keys that were neither looked up nor offered
-        come first: the GPU's prefix hit, which vLLM's scheduler never looks up, found
-        in the key positions it records for the whole request. The layer then sees each
-        request as the simulator shows it (GPU-held blocks counted, only the rest looked up).
+        The first time, the GPU's prefix hit comes first, as the request's keys before the
+        first one vLLM's scheduler looked up (it looks up past the GPU hit only), found in
+        the key positions it records for the whole request. A request it never looked up
+        had less than one block past the GPU hit: all of it is GPU-held (a request that
+        skips reading caches is counted so too). vLLM offers a request that loaded nothing
+        from its first block, GPU-held ones included, so the offer cannot tell the hit. The
+        layer then sees each request as the simulator shows it (GPU-held blocks counted,
+        only the rest looked up).
         """
         state = self._request_keys(req_context)
         unsighted, sighted = state.unsighted, state.sighted
+        first = not sighted
+        looked_up = list(unsighted) if first else []
         unsighted.update(dict.fromkeys(offered))
         keys = [key for key in unsighted if key not in sighted]
         unsighted.clear()
-        first = not sighted
         if not keys and not first:
             return keys
         positions = [req_context.get_offload_key_position(key) for key in keys]
@@ -458,8 +464,9 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         if None not in positions:
             keys = [key for _, key in sorted(zip(positions, keys, strict=True))]
             if first:
-                gpu_held = _leading_keys(req_context, min(positions, default=None))
-                keys = gpu_held + keys
+                gpu_held = _leading_keys(req_context, _first_position(req_context, looked_up))
+                held = set(gpu_held)
+                keys = gpu_held + [key for key in keys if key not in held]
         if not keys:
             return keys
         sighted.update(keys)
@@ -478,6 +485,12 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             seen.update(dict.fromkeys(new))
             if self._recency_at_access and self._cpu.policy.recent_at_access:
                 self._direct.touch(new)
+
+
+def _first_position(req_context: ReqContext, keys: Sequence[OffloadKey]) -> int | None:
+    """Where the first of ``keys`` ends (``None``: no keys, or one without a position)."""
+    positions = [req_context.get_offload_key_position(key) for key in keys]
+    return None if not positions or None in positions else min(positions)
 
 
 def _leading_keys(req_context: ReqContext, before: int | None) -> list[OffloadKey]:
