@@ -116,6 +116,9 @@ class _RequestKeys:
     """The keys one request has read or stored, first-seen order (per-request scratch)."""
 
     owner: object
+    generation: int
+    """The owner's cache generation: a reset drops every block, and what the request read
+    or stored before it (vLLM's manager forgets it too; the request offers again)."""
     seen: dict[OffloadKey, None] = field(default_factory=dict)
     unsighted: dict[OffloadKey, None] = field(default_factory=dict)
     """Looked-up keys not yet shown to the admission layer."""
@@ -153,6 +156,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._info = [dict(series) for series in info]
         self._lock = threading.Lock()
         self._promotions_held = False
+        self._generation = 0
         self._install()
         self._filter = offer_filter
         self._bytes_per_block = bytes_per_block
@@ -319,7 +323,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         state = req_context.get_state(_RequestKeys)
-        if state is None or state.owner is not self:
+        if not self._owns(state):
             return
         if self._layer is not None and (state.unsighted or not state.sighted):
             # A request that only hit (or stored nothing, or the GPU held all of it) is still
@@ -379,6 +383,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         # As vLLM's manager, whose reset keeps its queue: events from before it still go out.
         self._queue_events()
         self._install()
+        self._generation += 1
         self._promotions_held = self._has_lower_tiers and REPORTS_FLUSH
 
     def on_reset_flushed(self) -> None:
@@ -426,10 +431,14 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
 
     def _request_keys(self, req_context: ReqContext) -> _RequestKeys:
         state = req_context.get_state(_RequestKeys)
-        if state is None or state.owner is not self:
-            state = _RequestKeys(self)
+        if not self._owns(state):
+            state = _RequestKeys(self, self._generation)
             req_context.set_state(state)
         return state  # type: ignore[no-any-return]
+
+    def _owns(self, state: _RequestKeys | None) -> bool:
+        """Whether ``state`` is this adapter's, since its last reset."""
+        return state is not None and state.owner is self and state.generation == self._generation
 
     def _sight(
         self,
