@@ -182,6 +182,42 @@ def test_vllms_scheduler_shows_the_layer_its_gpu_hit_though_it_offers_it_again(
     assert gpu_held == [0, 2, 3]
 
 
+def test_a_request_vllm_offers_in_parts_is_one_request_to_the_layer(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    """vLLM offers the blocks a step completed: a prompt prefilled in chunks, and each block
+    decoding fills, is offered in parts. The layer sees one request growing (what it was
+    shown before, then the new keys, counted once), so it knows the prefix before each part
+    and the request's first key, not a new request per part."""
+    from vllm_scheduler import (
+        allocate,
+        connector_scheduler,
+        offload_keys,
+        schedule_step,
+        vllm_request,
+    )
+
+    spec = create_spec({"cpu_bytes_to_use": 64 * 1024, "kvoffload.admission": "feedback"})
+    scheduler = connector_scheduler(spec)
+    layer = spec.get_manager()._layer
+    announced: list[tuple[list[bytes], int]] = []
+    begin = layer.begin_request
+
+    def begin_request(keys: list[bytes], **kwargs: Any) -> None:
+        announced.append((list(keys), kwargs.get("counted", 0)))
+        begin(keys, **kwargs)
+
+    layer.begin_request = begin_request
+    request = vllm_request("chunked", list(range(49)))
+    keys = offload_keys(request)
+    scheduler.on_new_request(request)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    allocate(scheduler, request, 4, 0)
+    schedule_step(scheduler, request, 32, 4)  # the first prefill chunk: blocks 0 and 1
+    schedule_step(scheduler, request, 17)  # the rest: block 2
+    assert announced == [(keys[:2], 0), (keys[:3], 2)]
+
+
 def test_admission_metrics_are_declared_only_with_a_layer(
     vllm_modules: dict[str, ModuleType],
 ) -> None:

@@ -18,8 +18,9 @@ it finishes if it offered nothing, ``end_request`` after the offer), as its
 keys in prefix order: the GPU's prefix hit first (the keys vLLM recorded for
 the request before the first one it looked up, all of them if it looked up
 none; not the first one offered, as vLLM offers a request that loaded nothing
-from its first block), then those it looked up and offered; per-key lookups
-and touches go past it to the tier, so they count no sightings.
+from its first block), then those it looked up and offered; a later offer
+shows the request again, grown, with ``counted`` set to the keys shown before;
+per-key lookups and touches go past it to the tier, so they count no sightings.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ class _RequestKeys:
     seen: dict[OffloadKey, None] = field(default_factory=dict)
     unsighted: dict[OffloadKey, None] = field(default_factory=dict)
     """Looked-up keys not yet shown to the admission layer."""
-    sighted: set[OffloadKey] = field(default_factory=set)
+    sighted: dict[OffloadKey, None] = field(default_factory=dict)
+    """Keys shown to the admission layer, in the order shown."""
     tier_hit: bool = False
     """A lookup of this request hit the tier (vLLM looks up only past the GPU cache's hit)."""
     reused: set[OffloadKey] = field(default_factory=set)
@@ -447,8 +449,10 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         req_context: ReqContext,
         will_offer: bool = True,
     ) -> list[OffloadKey]:
-        """Begin the request at the layer with its keys it has not seen yet, in prefix order;
-        those keys (none: nothing to show).
+        """Show the request's keys it has not seen yet to the layer, in prefix order, after
+        those shown before (counted already: an offer in parts is one request, as vLLM
+        offers a prompt prefilled in chunks and each block decoding fills); the keys shown
+        (none: nothing new to show).
 
         The first time, the GPU's prefix hit comes first, as the request's keys before the
         first one vLLM's scheduler looked up (it looks up past the GPU hit only), found in
@@ -478,11 +482,17 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
                 keys = gpu_held + [key for key in keys if key not in held]
         if not keys:
             return keys
-        sighted.update(keys)
+        counted = len(sighted)
+        sighted.update(dict.fromkeys(keys))
+        shown = list(sighted)
         layer.begin_request(
-            keys, will_offer=will_offer, tier_hit=state.tier_hit, gpu_held=len(gpu_held)
+            shown,
+            will_offer=will_offer,
+            counted=counted,
+            tier_hit=state.tier_hit,
+            gpu_held=len(gpu_held),
         )
-        return keys
+        return shown
 
     def _seen(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
         """Record keys first seen by this request; with ``recency_at_access`` (vLLM 0.33)
