@@ -10,7 +10,7 @@ import pytest
 from vllm_helpers import create_spec
 
 from kvoffload import InvalidArgumentError, block_id_key
-from kvoffload.admission import available_admissions
+from kvoffload.admission import OptimisingAdmission, available_admissions, find_admission
 from kvoffload.policies import available_policies, create_cache_policy
 from kvoffload.sim.traces import read_trace
 
@@ -149,6 +149,73 @@ def test_a_request_that_offers_nothing_is_still_a_sighting(
     storing = _context("b", [key])
     manager.on_new_request(storing)
     assert manager.prepare_store([key], storing).keys_to_store == [key]
+
+
+def test_vllms_scheduler_shows_the_layer_its_gpu_hit_though_it_offers_it_again(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    """vLLM looks up past the GPU's prefix hit, but a request that loads nothing offers
+    every block from the first, GPU-held ones too (and looks none up when less than one
+    block lies past the hit): the layer's what-if worlds count those blocks as GPU hits,
+    not as tier lookups, as the simulator does."""
+    from vllm_scheduler import allocate, connector_scheduler, schedule_prefill, vllm_request
+
+    spec = create_spec({"cpu_bytes_to_use": 64 * 1024, "kvoffload.admission": "recommended"})
+    scheduler = connector_scheduler(spec)
+    layer = find_admission(spec.get_manager().backing)
+    assert isinstance(layer, OptimisingAdmission)
+    prompt = list(range(49))  # three whole blocks and one token
+    gpu_held: list[int] = []
+    for name, tokens, gpu_hit in [
+        ("cold", prompt, 0),
+        ("gpu hit, offload miss", prompt[:32] + [900 + t for t in range(17)], 32),
+        ("all on the GPU", prompt, 48),
+    ]:
+        request = vllm_request(name, tokens)
+        scheduler.on_new_request(request)
+        request.num_computed_tokens = gpu_hit
+        assert scheduler.get_num_new_matched_tokens(request, gpu_hit) == (0, False)
+        allocate(scheduler, request, 4, 0)
+        before = layer.worlds.total_gpu_hits
+        schedule_prefill(scheduler, request, 4)
+        gpu_held.append(layer.worlds.total_gpu_hits - before)
+    assert gpu_held == [0, 2, 3]
+
+
+def test_a_request_vllm_offers_in_parts_is_one_request_to_the_layer(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    """vLLM offers the blocks a step completed: a prompt prefilled in chunks, and each block
+    decoding fills, is offered in parts. The layer sees one request growing (what it was
+    shown before, then the new keys, counted once), so it knows the prefix before each part
+    and the request's first key, not a new request per part."""
+    from vllm_scheduler import (
+        allocate,
+        connector_scheduler,
+        offload_keys,
+        schedule_step,
+        vllm_request,
+    )
+
+    spec = create_spec({"cpu_bytes_to_use": 64 * 1024, "kvoffload.admission": "feedback"})
+    scheduler = connector_scheduler(spec)
+    layer = spec.get_manager()._layer
+    announced: list[tuple[list[bytes], int]] = []
+    begin = layer.begin_request
+
+    def begin_request(keys: list[bytes], **kwargs: Any) -> None:
+        announced.append((list(keys), kwargs.get("counted", 0)))
+        begin(keys, **kwargs)
+
+    layer.begin_request = begin_request
+    request = vllm_request("chunked", list(range(49)))
+    keys = offload_keys(request)
+    scheduler.on_new_request(request)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    allocate(scheduler, request, 4, 0)
+    schedule_step(scheduler, request, 32, 4)  # the first prefill chunk: blocks 0 and 1
+    schedule_step(scheduler, request, 17)  # the rest: block 2
+    assert announced == [(keys[:2], 0), (keys[:3], 2)]
 
 
 def test_admission_metrics_are_declared_only_with_a_layer(

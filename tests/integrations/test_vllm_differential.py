@@ -165,3 +165,35 @@ SameAsVLLM.TestCase.settings = settings(max_examples=600, stateful_step_count=50
 
 def test_every_call_matches_vllms_manager(vllm_modules: Any) -> None:
     SameAsVLLM.TestCase().runTest()
+
+
+def test_a_request_running_across_a_reset_starts_afresh_as_in_vllm(vllm_modules: Any) -> None:
+    """vLLM's manager forgets what a request read before a reset (its blocks are gone, the
+    request offers them again from the first): the block it stores again is an insertion,
+    not a reuse, so ARC keeps it in T1 and evicts it first, as vLLM does."""
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    def victims(manager: Any) -> list[bytes]:
+        def store(name: str, key: bytes) -> Any:
+            context = request_context(name, [key])
+            manager.on_new_request(context)
+            output = manager.prepare_store([key], context)
+            manager.complete_store(output.keys_to_store, context)
+            return context
+
+        manager.on_request_finished(store("writer", KEYS[0]))
+        reader = request_context("reader", [KEYS[0]])
+        manager.on_new_request(reader)
+        manager.prepare_load([KEYS[0]], reader)
+        manager.reset_cache()  # the reader runs on; its load is a pre-reset job
+        manager.complete_store(manager.prepare_store([KEYS[0]], reader).keys_to_store, reader)
+        manager.on_request_finished(reader)
+        manager.on_request_finished(store("other", KEYS[1]))
+        context = request_context("evicting", [KEYS[2]])
+        manager.on_new_request(context)
+        return list(manager.prepare_store([KEYS[2]], context).evicted_keys)
+
+    extra = {"cpu_bytes_to_use": 2 * 1024, "eviction_policy": "arc"}
+    theirs = victims(CPUOffloadingManager(2, "arc"))
+    assert theirs == [KEYS[0]]
+    assert victims(create_spec(extra).get_manager()) == theirs

@@ -7,7 +7,10 @@ start past the GPU hit, and the adapter announces the GPU-held prefix from the
 key positions vLLM records). Two shapes: a filler request of GPU-cache size
 after each request turns the GPU cache over, so every reference reaches the
 tier; and a GPU cache that serves part of the requests, which the adapter only
-sees through those positions.
+sees through those positions. There vLLM offers a request that loaded nothing
+from its first block, GPU-held ones included, where the simulator's engine
+offers only past the GPU hit: the layer counts those offers too, and its
+feedback candidate, which learns from offers, scores otherwise.
 """
 
 from __future__ import annotations
@@ -84,5 +87,16 @@ def test_the_optimiser_decides_and_reports_the_same_under_vllms_adapter(
     assert result.hit_blocks == stats.offload_hit_blocks > 0
     assert result.written_blocks == stats.stored_blocks > 0
     ours = _figures(find_admission(simulated))
-    assert _figures(find_admission(adapter.backing)) == ours
+    theirs = _figures(find_admission(adapter.backing))
+    assert (result.reoffered_blocks > 0) is gpu_in_front
+    if gpu_in_front:
+        offers, admitted = (count + result.reoffered_blocks for count in ours[2:4])
+        assert theirs[:4] == (*ours[:2], offers, admitted)
+        assert _not_learning_from_offers(theirs[4]) == _not_learning_from_offers(ours[4])
+    else:
+        assert theirs == ours
     assert len(ours[-1]) == 12  # every candidate's what-if at every capacity factor
+
+
+def _not_learning_from_offers(whatif: tuple[Any, ...]) -> list[Any]:
+    return [figure for figure in whatif if figure.candidate != "feedback"]

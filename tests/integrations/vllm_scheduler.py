@@ -77,6 +77,43 @@ def allocate(scheduler: Any, request: Any, num_blocks: int, num_external_tokens:
     scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
 
+def schedule_prefill(scheduler: Any, request: Any, num_blocks: int) -> Any:
+    """A step that prefills the rest of ``request`` on GPU blocks 1..``num_blocks`` (after
+    :func:`allocate`): the connector's metadata for it, its store offer made."""
+    return schedule_step(
+        scheduler, request, request.num_tokens - request.num_computed_tokens, num_blocks
+    )
+
+
+def schedule_step(
+    scheduler: Any, request: Any, num_tokens: int, num_blocks: int | None = None
+) -> Any:
+    """A step that computes ``num_tokens`` more of ``request``: a new request on GPU blocks
+    1..``num_blocks``, else a running one that got no new block. The connector's metadata
+    for it; the request's computed tokens move on, as vLLM's scheduler moves them after."""
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    output = SchedulerOutput.make_empty()
+    if num_blocks is not None:
+        block_ids = list(range(1, num_blocks + 1))
+        output.scheduled_new_reqs = [NewRequestData.from_request(request, (block_ids,))]
+    else:
+        output.scheduled_cached_reqs = CachedRequestData(
+            req_ids=[request.request_id],
+            resumed_req_ids=set(),
+            new_token_ids=[[]],
+            all_token_ids={},
+            new_block_ids=[None],
+            num_computed_tokens=[request.num_computed_tokens],
+            num_output_tokens=[0],
+        )
+    output.num_scheduled_tokens = {request.request_id: num_tokens}
+    output.total_num_scheduled_tokens = num_tokens
+    meta = scheduler.build_connector_meta(output)
+    request.num_computed_tokens += num_tokens
+    return meta
+
+
 def end_step(scheduler: Any) -> Any:
     """The end of a step that scheduled no tokens: the connector's metadata for it."""
     from vllm.v1.core.sched.output import SchedulerOutput

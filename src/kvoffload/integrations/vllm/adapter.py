@@ -16,9 +16,11 @@ An admission layer in the backing stack (``kvoffload.admission``) is told of
 each request explicitly (``begin_request`` at its first store offer, or when
 it finishes if it offered nothing, ``end_request`` after the offer), as its
 keys in prefix order: the GPU's prefix hit first (the keys vLLM recorded for
-the request before the first one it looked up or offered), then those it
-looked up and offered; per-key lookups and touches go past it to the tier, so
-they count no sightings.
+the request before the first one it looked up, all of them if it looked up
+none; not the first one offered, as vLLM offers a request that loaded nothing
+from its first block), then those it looked up and offered; a later offer
+shows the request again, grown, with ``counted`` set to the keys shown before;
+per-key lookups and touches go past it to the tier, so they count no sightings.
 """
 
 from __future__ import annotations
@@ -115,10 +117,14 @@ class _RequestKeys:
     """The keys one request has read or stored, first-seen order (per-request scratch)."""
 
     owner: object
+    generation: int
+    """The owner's cache generation: a reset drops every block, and what the request read
+    or stored before it (vLLM's manager forgets it too; the request offers again)."""
     seen: dict[OffloadKey, None] = field(default_factory=dict)
     unsighted: dict[OffloadKey, None] = field(default_factory=dict)
     """Looked-up keys not yet shown to the admission layer."""
-    sighted: set[OffloadKey] = field(default_factory=set)
+    sighted: dict[OffloadKey, None] = field(default_factory=dict)
+    """Keys shown to the admission layer, in the order shown."""
     tier_hit: bool = False
     """A lookup of this request hit the tier (vLLM looks up only past the GPU cache's hit)."""
     reused: set[OffloadKey] = field(default_factory=set)
@@ -152,6 +158,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._info = [dict(series) for series in info]
         self._lock = threading.Lock()
         self._promotions_held = False
+        self._generation = 0
         self._install()
         self._filter = offer_filter
         self._bytes_per_block = bytes_per_block
@@ -318,7 +325,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         state = req_context.get_state(_RequestKeys)
-        if state is None or state.owner is not self:
+        if not self._owns(state):
             return
         if self._layer is not None and (state.unsighted or not state.sighted):
             # A request that only hit (or stored nothing, or the GPU held all of it) is still
@@ -378,6 +385,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         # As vLLM's manager, whose reset keeps its queue: events from before it still go out.
         self._queue_events()
         self._install()
+        self._generation += 1
         self._promotions_held = self._has_lower_tiers and REPORTS_FLUSH
 
     def on_reset_flushed(self) -> None:
@@ -425,10 +433,14 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
 
     def _request_keys(self, req_context: ReqContext) -> _RequestKeys:
         state = req_context.get_state(_RequestKeys)
-        if state is None or state.owner is not self:
-            state = _RequestKeys(self)
+        if not self._owns(state):
+            state = _RequestKeys(self, self._generation)
             req_context.set_state(state)
         return state  # type: ignore[no-any-return]
+
+    def _owns(self, state: _RequestKeys | None) -> bool:
+        """Whether ``state`` is this adapter's, since its last reset."""
+        return state is not None and state.owner is self and state.generation == self._generation
 
     def _sight(
         self,
@@ -437,20 +449,27 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         req_context: ReqContext,
         will_offer: bool = True,
     ) -> list[OffloadKey]:
-        """Begin the request at the layer with its keys it has not seen yet, in prefix order;
-        those keys (none: nothing to show).
+        """Show the request's keys it has not seen yet to the layer, in prefix order, after
+        those shown before (counted already: an offer in parts is one request, as vLLM
+        offers a prompt prefilled in chunks and each block decoding fills); the keys shown
+        (none: nothing new to show).
 
-        The first time, the request's leading keys that were neither looked up nor offered
-        come first: the GPU's prefix hit, which vLLM's scheduler never looks up, found
-        in the key positions it records for the whole request. The layer then sees each
-        request as the simulator shows it (GPU-held blocks counted, only the rest looked up).
+        The first time, the GPU's prefix hit comes first, as the request's keys before the
+        first one vLLM's scheduler looked up (it looks up past the GPU hit only), found in
+        the key positions it records for the whole request. A request it never looked up
+        had less than one block past the GPU hit: all of it is GPU-held (a request that
+        skips reading caches is counted so too). vLLM offers a request that loaded nothing
+        from its first block, GPU-held ones included, so the offer cannot tell the hit. The
+        layer then sees each request as the simulator shows it (GPU-held blocks counted,
+        only the rest looked up).
         """
         state = self._request_keys(req_context)
         unsighted, sighted = state.unsighted, state.sighted
+        first = not sighted
+        looked_up = list(unsighted) if first else []
         unsighted.update(dict.fromkeys(offered))
         keys = [key for key in unsighted if key not in sighted]
         unsighted.clear()
-        first = not sighted
         if not keys and not first:
             return keys
         positions = [req_context.get_offload_key_position(key) for key in keys]
@@ -458,15 +477,22 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         if None not in positions:
             keys = [key for _, key in sorted(zip(positions, keys, strict=True))]
             if first:
-                gpu_held = _leading_keys(req_context, min(positions, default=None))
-                keys = gpu_held + keys
+                gpu_held = _leading_keys(req_context, _first_position(req_context, looked_up))
+                held = set(gpu_held)
+                keys = gpu_held + [key for key in keys if key not in held]
         if not keys:
             return keys
-        sighted.update(keys)
+        counted = len(sighted)
+        sighted.update(dict.fromkeys(keys))
+        shown = list(sighted)
         layer.begin_request(
-            keys, will_offer=will_offer, tier_hit=state.tier_hit, gpu_held=len(gpu_held)
+            shown,
+            will_offer=will_offer,
+            counted=counted,
+            tier_hit=state.tier_hit,
+            gpu_held=len(gpu_held),
         )
-        return keys
+        return shown
 
     def _seen(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
         """Record keys first seen by this request; with ``recency_at_access`` (vLLM 0.33)
@@ -478,6 +504,12 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             seen.update(dict.fromkeys(new))
             if self._recency_at_access and self._cpu.policy.recent_at_access:
                 self._direct.touch(new)
+
+
+def _first_position(req_context: ReqContext, keys: Sequence[OffloadKey]) -> int | None:
+    """Where the first of ``keys`` ends (``None``: no keys, or one without a position)."""
+    positions = [req_context.get_offload_key_position(key) for key in keys]
+    return None if not positions or None in positions else min(positions)
 
 
 def _leading_keys(req_context: ReqContext, before: int | None) -> list[OffloadKey]:

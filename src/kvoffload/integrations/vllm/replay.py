@@ -7,7 +7,9 @@ at the first miss, ``prepare_load``/``complete_load`` of the hit prefix,
 ``prepare_store``/``complete_store`` of the rest, ``on_request_finished``.
 With ``gpu_blocks`` a GPU prefix cache (the simulator's) sits in front, and
 lookups start past its hit, as vLLM's scheduler starts them past
-``num_computed_tokens``.
+``num_computed_tokens``; as vLLM's connector, a request that loaded nothing
+offers every block from the first, GPU-held ones included (the simulator's
+engine offers only past the GPU hit).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class ReplayResult:
     written_blocks: int
     rejected_blocks: int
     gpu_hit_blocks: int = 0
+    reoffered_blocks: int = 0
+    """GPU-held blocks offered again, by requests that loaded nothing."""
 
     @property
     def hit_ratio(self) -> float:
@@ -55,7 +59,7 @@ def replay(
     ``gpu_blocks`` > 0: a GPU prefix cache of that many blocks in front of the manager.
     """
     gpu = GPUPrefixCache(gpu_blocks) if gpu_blocks else None
-    refs = hits_total = written = rejected = gpu_hits_total = 0
+    refs = hits_total = written = rejected = gpu_hits_total = reoffered = 0
     for index, request in enumerate(requests):
         keys = request.keys
         context = ReqContext(req_id=str(index))
@@ -77,10 +81,13 @@ def replay(
             manager.complete_load(keys[gpu_hits:first], context)
         if gpu is not None:
             gpu.register(keys[gpu_hits:], slots[gpu_hits:])
-        if first < len(keys):
-            output = manager.prepare_store(keys[first:], context)
+        # As vLLM's connector: past the offload hit, or from the first block if it loaded none.
+        offered = keys[first:] if hits else keys
+        reoffered += 0 if hits else gpu_hits
+        if offered:
+            output = manager.prepare_store(offered, context)
             if output is None:
-                rejected += len(keys) - first
+                rejected += len(offered)
             elif output.keys_to_store:
                 manager.complete_store(output.keys_to_store, context)
                 written += len(output.keys_to_store)
@@ -90,4 +97,4 @@ def replay(
         refs += len(keys)
         hits_total += hits
         gpu_hits_total += gpu_hits
-    return ReplayResult(refs, hits_total, written, rejected, gpu_hits_total)
+    return ReplayResult(refs, hits_total, written, rejected, gpu_hits_total, reoffered)
