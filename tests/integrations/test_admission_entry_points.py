@@ -113,7 +113,7 @@ def test_the_vllm_adapter_begins_and_ends_every_request(vllm_modules: Any) -> No
     manager.prepare_store(keys, stores)
     manager.on_request_finished(stores)
     assert [(name, got) for name, got, _ in calls] == [("begin", keys), ("end", keys)]
-    assert calls[0][2] == {"will_offer": True, "tier_hit": False, "gpu_held": 0}
+    assert calls[0][2] == {"will_offer": True, "tier_hit": False, "gpu_held": 0, "counted": 0}
     calls.clear()
     looks = _context("looks", keys[:2])
     manager.on_new_request(looks)
@@ -130,14 +130,14 @@ def test_the_vllm_adapter_begins_and_ends_every_request(vllm_modules: Any) -> No
     manager.prepare_store(keys[2:], behind_gpu)
     manager.on_request_finished(behind_gpu)
     assert [(name, got) for name, got, _ in calls] == [("begin", keys), ("end", keys)]
-    assert calls[0][2] == {"will_offer": True, "tier_hit": False, "gpu_held": 2}
+    assert calls[0][2] == {"will_offer": True, "tier_hit": False, "gpu_held": 2, "counted": 0}
     calls.clear()
     # The GPU holds all of it: no lookup, no offer, still one sighting of every block.
     all_on_gpu = _context("all on the GPU", keys)
     manager.on_new_request(all_on_gpu)
     manager.on_request_finished(all_on_gpu)
     assert [(name, got) for name, got, _ in calls] == [("begin", keys), ("end", keys)]
-    assert calls[0][2] == {"will_offer": False, "tier_hit": False, "gpu_held": 4}
+    assert calls[0][2] == {"will_offer": False, "tier_hit": False, "gpu_held": 4, "counted": 0}
 
 
 def test_the_sglang_backend_begins_at_the_lookup_and_ends_at_the_offer(
