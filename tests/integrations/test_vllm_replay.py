@@ -138,3 +138,10 @@ def test_our_policies_run_inside_vllms_manager(
 def test_an_unknown_shim_name_lists_ours(vllm_modules: dict[str, ModuleType]) -> None:
     with pytest.raises(AttributeError, match="kvoffload_lru"):
         _vllm_manager(4, 0, "kvoffload_mru", "kvoffload.integrations.vllm")
+
+
+def test_a_policy_named_without_our_prefix_lists_ours(vllm_modules: dict[str, ModuleType]) -> None:
+    # A name vLLM has not registered is looked up bare in our module: it said only
+    # "has no attribute 's3fifo'".
+    with pytest.raises(AttributeError, match="eviction policies for vLLM are kvoffload_"):
+        _vllm_manager(4, 0, "s3fifo", "kvoffload.integrations.vllm")

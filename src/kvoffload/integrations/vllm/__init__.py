@@ -22,4 +22,10 @@ def __getattr__(name: str) -> Any:
         from kvoffload.integrations.vllm.policy import policy_shim
 
         return policy_shim(name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    message = f"module {__name__!r} has no attribute {name!r}"
+    if name.startswith("_"):
+        raise AttributeError(message)
+    from kvoffload.policies import available_policies  # a policy named without its prefix
+
+    known = ", ".join(f"kvoffload_{policy}" for policy in available_policies())
+    raise AttributeError(f"{message}; its eviction policies for vLLM are {known}")
