@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
@@ -220,6 +221,20 @@ def positive_int(text: str) -> int:
     return value
 
 
+def capacity_shares(text: str) -> list[float]:
+    """An argparse type: comma-separated capacity shares of unique blocks, each a number > 0."""
+    shares = []
+    for part in text.split(","):
+        try:
+            share = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {part!r}") from None
+        if not (math.isfinite(share) and share > 0):
+            raise argparse.ArgumentTypeError(f"each share must be a number > 0, got {part}")
+        shares.append(share)
+    return shares
+
+
 def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse a ``--json`` file or ``--baselines`` folder that cannot be written, in one line
     before the run, not in a traceback after it; make the folder."""
@@ -247,7 +262,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=positive_int, default=2)
     parser.add_argument(
-        "--shares", default="0.05,0.1,0.25", help="capacity shares of unique blocks"
+        "--shares",
+        type=capacity_shares,
+        default="0.05,0.1,0.25",
+        help="capacity shares of unique blocks",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic workloads")
     parser.add_argument(
@@ -264,9 +282,7 @@ def main() -> int:
         names = list(HELD_OUT)
     elif "mooncake" not in names and not args.seed:
         print(f"note: {TRACE} not found, Mooncake rows skipped", file=sys.stderr)
-    tasks = [
-        (n, float(s), args.seed, args.baselines) for n in names for s in args.shares.split(",")
-    ]
+    tasks = [(n, share, args.seed, args.baselines) for n in names for share in args.shares]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         rows = list(pool.map(run_row, *zip(*tasks, strict=True)))
     print(

@@ -404,6 +404,25 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_run(
     assert "shape 1/1" not in done.stderr  # refused before the run
 
 
+@pytest.mark.parametrize("shares", ["0.05,lots", "0.1,0", "-0.1", "nan", "0.1,,0.2"])
+def test_a_bad_capacity_share_is_one_line_error(tmp_path: Path, shares: str) -> None:
+    """The admission table's ``--shares``: a share that is no number > 0 is refused by its
+    option's name, not in a traceback from the middle of the script."""
+    env = {**os.environ, "PYTHONPATH": str(Path(kvoffload.__file__).resolve().parents[1])}
+    script = Path(robust.__file__).resolve().with_name("admission_table.py")
+    done = subprocess.run(
+        [sys.executable, str(script), "--held-out", f"--shares={shares}"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "argument --shares" in done.stderr and "Traceback" not in done.stderr
+
+
 @pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "lots"])
 def test_a_bad_write_budget_is_refused(text: str) -> None:
     import argparse
