@@ -241,9 +241,10 @@ def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     try:
         if args.json is not None:
             check_writable_file(str(args.json), "--json")
-        if args.baselines is not None:
-            check_writable_dir(str(args.baselines), "--baselines")
-            args.baselines.mkdir(parents=True, exist_ok=True)
+        baselines = getattr(args, "baselines", None)  # the scripts that keep none
+        if baselines is not None:
+            check_writable_dir(str(baselines), "--baselines")
+            baselines.mkdir(parents=True, exist_ok=True)
     except (InvalidArgumentError, OSError) as exc:
         parser.error(str(exc))
 
