@@ -14,13 +14,13 @@ only in what reaches the disk. Disk tiers live in a temporary directory, removed
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from admission_robustness import budget_per_ref
 from admission_table import (
     GPU_SHARE,
     WORKLOADS,
@@ -95,13 +95,24 @@ def share(text: str) -> float:
     return shares[0]
 
 
+def disk_budget(text: str) -> float:
+    """An argparse type: disk writes per block reference, a number >= 0 (as the library takes)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", type=workload_names, default="mooncake,rag,oneshot")
     parser.add_argument("--cpu-share", type=share, default=0.05)
     parser.add_argument("--disk-share", type=share, default=0.25)
     parser.add_argument(
-        "--budget", type=budget_per_ref, default=0.05, help="disk writes per reference"
+        "--budget", type=disk_budget, default=0.05, help="disk writes per reference"
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
