@@ -45,8 +45,8 @@ worst shapes, how often the
 recommended configuration writes more than the better baseline, and its
 worst writes ratios (against the better baseline and store-everything). The
 margin is also given in tier-fulls of hits (margin x references / tier blocks):
-the unit of ``admission_lower_bound.py``, where any online rule can be made to
-miss half a tier-full, whatever the run's length.
+the unit of ``admission_lower_bound.py``, where a rule that follows one baseline's
+world can be made to miss half a tier-full, whatever the run's length.
 
     python benchmarks/admission_robustness.py [--shapes N] [--seed S] [--family mixed|chat|phased]
                                               [--jobs J] [--json PATH]
