@@ -45,8 +45,8 @@ worst shapes, how often the
 recommended configuration writes more than the better baseline, and its
 worst writes ratios (against the better baseline and store-everything). The
 margin is also given in tier-fulls of hits (margin x references / tier blocks):
-the unit of ``admission_lower_bound.py``, where any online rule can be made to
-miss half a tier-full, whatever the run's length.
+the unit of ``admission_lower_bound.py``, where a rule that follows one baseline's
+world can be made to miss half a tier-full, whatever the run's length.
 
     python benchmarks/admission_robustness.py [--shapes N] [--seed S] [--family mixed|chat|phased]
                                               [--jobs J] [--json PATH]
@@ -65,7 +65,6 @@ against the budget.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import sys
@@ -76,7 +75,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from admission_table import RATIO_NOISE, ROOM_GOAL, TRACE, compare, positive_int
+from admission_table import (
+    RATIO_NOISE,
+    ROOM_GOAL,
+    TRACE,
+    check_outputs,
+    compare,
+    positive_int,
+    write_rows,
+)
 from kvoffload.core.keys import OffloadKey, block_id_key
 from kvoffload.sim.generators import ChatShape
 from kvoffload.sim.sources import WorkloadSource
@@ -532,8 +539,7 @@ def main() -> int:
         help="the recommended run's write budget, in writes per block reference",
     )
     args = parser.parse_args()
-    if args.baselines:
-        args.baselines.mkdir(parents=True, exist_ok=True)
+    check_outputs(parser, args)
     shapes = draw_shapes(args.shapes, args.seed, args.family)
     if not TRACE.is_file():
         skipped = [s for s in shapes if s.cut]
@@ -556,9 +562,7 @@ def main() -> int:
     summary = summarise(rows, args.write_budget)
     _print_rows(rows)
     _print_summary(summary, rows)
-    if args.json:
-        args.json.write_text(json.dumps({"shapes": rows, "summary": summary}, indent=2) + "\n")
-    return 0
+    return write_rows(args.json, {"shapes": rows, "summary": summary}) if args.json else 0
 
 
 if __name__ == "__main__":

@@ -19,18 +19,26 @@ are then skipped): a check on traffic the algorithm was not developed on.
 ``--held-out`` runs docs/admission.md's two held-out mixes instead (their own seeds
 and rates). ``--baselines DIR`` keeps the two baselines' figures and the Belady
 bound of each row in ``DIR`` and reuses them on a later run: they do not depend
-on the recommended configuration, so a change to it re-runs only its own row.
+on the recommended configuration, so a change to it re-runs only its own row. A
+kept file names the workload and the baselines' configurations it was computed for,
+and is computed again where they differ (or where it cannot be read); a change to the
+simulator itself is not seen: clear ``DIR`` after one.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import math
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+from kvoffload.cli.output import OutputError, check_writable_dir, check_writable_file, write_json
+from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.sim.run import RunReport, SimConfig, simulate
 from kvoffload.sim.sources import WorkloadSource
 from kvoffload.sim.workload import Workload
@@ -72,6 +80,8 @@ run's ratio is hits x (1 / refs) and the bound's hits / refs, so equal counts ca
 an ulp, and a margin of exactly -0.005 computes as -0.0050000000000000044."""
 GPU_SHARE = 0.02
 """The GPU prefix cache as a share of unique blocks, as in the Mooncake set-up."""
+COMPUTED_FOR = "computed for"
+"""The entry of a kept baselines file that says what its figures were computed for."""
 
 
 def run_row(
@@ -91,6 +101,38 @@ def unique_blocks(workload: Workload) -> int:
     return len({key for request in workload.requests for key in request.keys})
 
 
+def computed_for(workload: Workload, configs: list[SimConfig]) -> str:
+    """A digest of what kept baselines depend on: ``workload`` request for request and the
+    baselines' configurations (sizes, policy, partial-block mode and every default). A file
+    named only by workload and share would otherwise hand a changed generator, source or
+    sizing the figures of the run before it."""
+    digest = hashlib.sha256(f"{workload.block_tokens}".encode())
+    for request in workload.requests:
+        keys = b"".join(request.keys)
+        digest.update(
+            f"|{request.arrival_s!r} {request.input_tokens} {request.output_tokens} "
+            f"{len(request.keys)} {len(keys)}|".encode()
+        )
+        digest.update(keys)
+    for config in configs:
+        digest.update(repr(config).encode())
+    return digest.hexdigest()
+
+
+def _read_kept(cached: Path | None, fingerprint: str) -> dict[str, Any] | None:
+    """The figures kept in ``cached`` for ``fingerprint``; ``None`` where there are none, or
+    they were kept for another workload or configuration, or the file cannot be read."""
+    if cached is None or not cached.is_file():
+        return None
+    try:
+        known = json.loads(cached.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(known, dict) or known.get(COMPUTED_FOR) != fingerprint:
+        return None
+    return known
+
+
 def compare(
     workload: Workload,
     gpu_share: float,
@@ -102,8 +144,10 @@ def compare(
 
     Cache sizes are shares of the workload's unique blocks; the GPU cache
     holds at least the largest request. ``cached``: a file holding the
-    baselines' hit ratios and writes and the bound, read if it exists,
-    written otherwise (admission does not change them). ``write_budget``: the
+    baselines' hit ratios and writes and the bound, read if it was kept for
+    this workload and these sizes, written otherwise (admission does not change
+    them; written whole or not at all, so an interrupted run leaves no half
+    file). ``write_budget``: the
     recommended run's budget in writes per block reference (the baselines have none).
     """
     unique = unique_blocks(workload)
@@ -111,16 +155,22 @@ def compare(
     cpu = int(cpu_share * unique)
     figures: dict[str, tuple[float, float]] = {}
     switches = 0
-    known = json.loads(cached.read_text()) if cached is not None and cached.is_file() else None
-    for label, changes in CONFIGS.items():
+    configs = {
+        label: SimConfig(**{**SimConfig(gpu_blocks=gpu, cpu_blocks=cpu).__dict__, **changes})
+        for label, changes in CONFIGS.items()
+    }
+    baseline_configs = [config for label, config in configs.items() if label != "recommended"]
+    fingerprint = computed_for(workload, baseline_configs) if cached is not None else ""
+    known = _read_kept(cached, fingerprint)
+    for label, config in configs.items():
         if known is not None and label != "recommended":
             figures[label] = (known[label][0], known[label][1])
             continue
         bound = label == "recommended" and known is None
-        config = SimConfig(gpu_blocks=gpu, cpu_blocks=cpu, bound=bound)
+        config = replace(config, bound=bound)
         if label == "recommended" and write_budget is not None:
-            changes = {**changes, "write_budget": write_budget}
-        report: RunReport = simulate(workload, SimConfig(**{**config.__dict__, **changes}))
+            config = replace(config, write_budget=write_budget)
+        report: RunReport = simulate(workload, config)
         figures[label] = (report.total_hit_ratio, report.writes_per_ref)
         if label == "recommended":
             switches = report.admission_switches
@@ -130,7 +180,8 @@ def compare(
         belady = known["belady"]
     elif cached is not None:
         baselines = {label: figures[label] for label in CONFIGS if label != "recommended"}
-        cached.write_text(json.dumps({**baselines, "belady": belady}) + "\n")
+        kept = {**baselines, "belady": belady, COMPUTED_FOR: fingerprint}
+        write_json(str(cached), kept, "--baselines")
     (all_hit, all_writes), (seed_hit, seed_writes), (hit, writes) = figures.values()
     # The better baseline has the higher hit ratio; on a tie, the fewer writes.
     everything = (-round(all_hit, 6), all_writes) <= (-round(seed_hit, 6), seed_writes)
@@ -170,11 +221,52 @@ def positive_int(text: str) -> int:
     return value
 
 
+def capacity_shares(text: str) -> list[float]:
+    """An argparse type: comma-separated capacity shares of unique blocks, each a number > 0."""
+    shares = []
+    for part in text.split(","):
+        try:
+            share = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {part!r}") from None
+        if not (math.isfinite(share) and share > 0):
+            raise argparse.ArgumentTypeError(f"each share must be a number > 0, got {part}")
+        shares.append(share)
+    return shares
+
+
+def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a ``--json`` file or ``--baselines`` folder that cannot be written, in one line
+    before the run, not in a traceback after it; make the folder."""
+    try:
+        if args.json is not None:
+            check_writable_file(str(args.json), "--json")
+        baselines = getattr(args, "baselines", None)  # the scripts that keep none
+        if baselines is not None:
+            check_writable_dir(str(baselines), "--baselines")
+            baselines.mkdir(parents=True, exist_ok=True)
+    except (InvalidArgumentError, OSError) as exc:
+        parser.error(str(exc))
+
+
+def write_rows(path: Path, data: object) -> int:
+    """Write ``--json`` whole or not at all; 1, with a one-line error, where it cannot be."""
+    try:
+        write_json(str(path), data)
+    except OutputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=positive_int, default=2)
     parser.add_argument(
-        "--shares", default="0.05,0.1,0.25", help="capacity shares of unique blocks"
+        "--shares",
+        type=capacity_shares,
+        default="0.05,0.1,0.25",
+        help="capacity shares of unique blocks",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic workloads")
     parser.add_argument(
@@ -185,16 +277,13 @@ def main() -> int:
         "--baselines", type=Path, help="keep and reuse the baselines' figures in this folder"
     )
     args = parser.parse_args()
-    if args.baselines:
-        args.baselines.mkdir(parents=True, exist_ok=True)
+    check_outputs(parser, args)
     names = [n for n in WORKLOADS if n != "mooncake" or (TRACE.is_file() and not args.seed)]
     if args.held_out:
         names = list(HELD_OUT)
     elif "mooncake" not in names and not args.seed:
         print(f"note: {TRACE} not found, Mooncake rows skipped", file=sys.stderr)
-    tasks = [
-        (n, float(s), args.seed, args.baselines) for n in names for s in args.shares.split(",")
-    ]
+    tasks = [(n, share, args.seed, args.baselines) for n in names for share in args.shares]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         rows = list(pool.map(run_row, *zip(*tasks, strict=True)))
     print(
@@ -211,9 +300,7 @@ def main() -> int:
             f"| {r['belady hit']:.3f} | {r['hit margin']:+.3f}, {r['writes ratio']:.2f}x writes "
             f"| {float(r['gap closed']):.0%} | {'yes' if r['goal met'] else 'no'} |"
         )
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
-    return 0
+    return write_rows(args.json, rows) if args.json else 0
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from admission_table import check_outputs, positive_int, write_rows
 from kvoffload import OffloadingManager, OffloadKey, block_id_key, build_manager
 from seed_literal import build_seed_manager
 
@@ -209,10 +210,24 @@ def fastest(runs: list[dict[str, float]]) -> dict[str, float]:
     return min(runs, key=lambda r: r["us_per_ref"])
 
 
+def policy_names(text: str) -> set[str]:
+    """An argparse type: comma-separated names of :data:`POLICIES` (a typo would otherwise
+    leave its policy out of the table without a word)."""
+    names = set(text.split(","))
+    unknown = sorted(names - set(POLICIES))
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown policy {unknown[0]!r}; known: {', '.join(POLICIES)}"
+        )
+    return names
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    parser.add_argument("--repeat", type=int, default=3, help="runs per config; the fastest counts")
+    parser.add_argument(
+        "--repeat", type=positive_int, default=3, help="runs per config; the fastest counts"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's own manager")
     parser.add_argument(
@@ -222,9 +237,13 @@ def main() -> int:
         help="keys each store-threshold filter tracks (smaller: the filter runs full)",
     )
     parser.add_argument(
-        "--policies", help="comma-separated policies to run (default: all, with the admission rows)"
+        "--policies",
+        type=policy_names,
+        default=set(POLICIES),
+        help="comma-separated policies to run (default: all, with the admission rows)",
     )
     args = parser.parse_args()
+    check_outputs(parser, args)
     if not args.trace.exists():
         print(f"trace not found: {args.trace} (pass --trace)", file=sys.stderr)
         return 1
@@ -240,9 +259,8 @@ def main() -> int:
         f"{'policy':<6} {'thr':>3} {'admission':<11} {'total hit':>9} {'writes/ref':>10} "
         f"{'us/ref':>7} {'seed us/ref':>11} {'vLLM us/ref':>11} {'vs vLLM':>7}"
     )
-    wanted = set(args.policies.split(",")) if args.policies else set(POLICIES)
     for policy, threshold, admission in CONFIGS:
-        if policy not in wanted:
+        if policy not in args.policies:
             continue
         ours, seed = [], []
         vllm_policy = policy if policy in VLLM_POLICIES else "lru"
@@ -291,9 +309,7 @@ def main() -> int:
             f"vLLM 0.33 {policy} thr {threshold}: total hit {run['total_hit_ratio']:.3f}, "
             f"writes/ref {run['writes_per_ref']:.3f}"
         )
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-    return 0
+    return write_rows(args.json, results) if args.json else 0
 
 
 if __name__ == "__main__":

@@ -14,14 +14,21 @@ only in what reaches the disk. Disk tiers live in a temporary directory, removed
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from admission_table import GPU_SHARE, WORKLOADS, unique_blocks
+from admission_table import (
+    GPU_SHARE,
+    WORKLOADS,
+    capacity_shares,
+    check_outputs,
+    unique_blocks,
+    write_rows,
+)
 from kvoffload.sim.run import SimConfig, simulate
 
 
@@ -69,16 +76,49 @@ def rows(name: str, cpu_share: float, disk_share: float, budget: float) -> list[
     return found
 
 
+def workload_names(text: str) -> list[str]:
+    """An argparse type: comma-separated names of ``admission_table.WORKLOADS``."""
+    names = text.split(",")
+    unknown = [name for name in names if name not in WORKLOADS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown workload {unknown[0]!r}; known: {', '.join(WORKLOADS)}"
+        )
+    return names
+
+
+def share(text: str) -> float:
+    """An argparse type: a capacity share of unique blocks, one of ``--shares`` there."""
+    shares = capacity_shares(text)
+    if len(shares) != 1:
+        raise argparse.ArgumentTypeError(f"one share, got {text}")
+    return shares[0]
+
+
+def disk_budget(text: str) -> float:
+    """An argparse type: disk writes per block reference, a number >= 0 (as the library takes)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default="mooncake,rag,oneshot")
-    parser.add_argument("--cpu-share", type=float, default=0.05)
-    parser.add_argument("--disk-share", type=float, default=0.25)
-    parser.add_argument("--budget", type=float, default=0.05, help="disk writes per reference")
+    parser.add_argument("--workloads", type=workload_names, default="mooncake,rag,oneshot")
+    parser.add_argument("--cpu-share", type=share, default=0.05)
+    parser.add_argument("--disk-share", type=share, default=0.25)
+    parser.add_argument(
+        "--budget", type=disk_budget, default=0.05, help="disk writes per reference"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    check_outputs(parser, args)
     table = []
-    for name in args.workloads.split(","):
+    for name in args.workloads:
         for row in rows(name, args.cpu_share, args.disk_share, args.budget):
             table.append(row)
             print(
@@ -90,9 +130,7 @@ def main() -> int:
                 f"admitted {row['disk admitted']:,} of {row['disk offered']:,}",
                 flush=True,
             )
-    if args.json is not None:
-        args.json.write_text(json.dumps(table, indent=1))
-    return 0
+    return write_rows(args.json, table) if args.json else 0
 
 
 if __name__ == "__main__":

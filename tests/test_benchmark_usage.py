@@ -43,3 +43,38 @@ def test_script_prints_its_usage(script: Path) -> None:
 
 def test_the_scripts_are_found() -> None:
     assert any(path.stem == "transfer_cuda" for path in SCRIPTS)
+
+
+@pytest.mark.parametrize(
+    ("script", "arguments", "error"),
+    [
+        ("manager", ["--policies", "lru,lur"], "argument --policies: unknown policy 'lur'"),
+        ("manager", ["--repeat", "0"], "argument --repeat: must be >= 1"),
+        ("manager", ["--json", "missing/out.json"], "--json missing/out.json: no such directory"),
+        ("tier_admission", ["--workloads", "rag,nope"], "unknown workload 'nope'"),
+        ("tier_admission", ["--cpu-share", "0"], "argument --cpu-share"),
+        ("tier_admission", ["--disk-share", "-0.25"], "argument --disk-share"),
+        ("tier_admission", ["--budget", "-1"], "argument --budget"),
+        ("tier_admission", ["--json", "."], "--json .: is a directory"),
+    ],
+)
+def test_a_bad_argument_is_one_line_before_the_run(
+    tmp_path: Path, script: str, arguments: list[str], error: str
+) -> None:
+    """A misspelt policy left its rows out of the table without a word, a repeat of 0 or an
+    unknown workload stopped the run in a traceback, and ``--json`` was checked only by
+    writing it after the whole run."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(Path(kvoffload.__file__).resolve().parents[1])
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / f"{script}.py"), *arguments],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert error in done.stderr and "Traceback" not in done.stderr
+    assert done.stdout == ""  # refused before the table's first line

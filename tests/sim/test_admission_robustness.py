@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from benchmark_scripts import load_benchmark
+
+import kvoffload
 
 robust = load_benchmark("admission_robustness")
 
@@ -224,6 +229,12 @@ def test_a_margin_of_exactly_the_allowance_is_not_a_loss_past_it() -> None:
     assert summary["losses past never-lose"] == 2
 
 
+def _keep(kept: Path, baselines: dict[str, list[float]], belady: float) -> None:
+    """Put figures in the kept-baselines file a run wrote, keeping what it says they are for."""
+    figures = json.loads(kept.read_text())
+    kept.write_text(json.dumps({**figures, **baselines, "belady": belady}))
+
+
 def test_no_room_to_the_bound_closes_no_share_of_it(tmp_path: Path) -> None:
     """Where the better baseline hits as often as the Belady bound, the bound's ratio
     (hits / refs) can still sit an ulp above the run's (hits x (1 / refs)): the share of
@@ -233,21 +244,17 @@ def test_no_room_to_the_bound_closes_no_share_of_it(tmp_path: Path) -> None:
     )
     workload = shape.load()
     refs = sum(len(r.keys) for r in workload.requests)
-    fresh = robust.compare(workload, shape.gpu_share, shape.cpu_share)
+    kept = tmp_path / "kept.json"
+    fresh = robust.compare(workload, shape.gpu_share, shape.cpu_share, kept)
     ours = round(float(fresh["recommended hit"]) * refs)
     # A better baseline a few hits above ours that reaches the bound, whose float is
     # an ulp above the baseline's: the figures a kept-baselines file holds for such a row.
     hits = next(h for h in range(ours + 1, refs) if h / refs > h * (1.0 / refs))
-    kept = tmp_path / "kept.json"
     writes = float(fresh["store-all writes"])
-    kept.write_text(
-        json.dumps(
-            {
-                "store-all": [hits * (1.0 / refs), writes],
-                "seed filter": [0.0, 0.0],
-                "belady": hits / refs,
-            }
-        )
+    _keep(
+        kept,
+        {"store-all": [hits * (1.0 / refs), writes], "seed filter": [0.0, 0.0]},
+        hits / refs,
     )
     row = robust.compare(workload, shape.gpu_share, shape.cpu_share, kept)
     assert row["hit margin"] < 0
@@ -264,18 +271,14 @@ def test_the_goal_is_set_only_where_the_bound_leaves_room(
         0, 0.1, 0.02, 7, mix=(("chat", 0.6), ("rag", 0.4)), rate=4.0, requests=150, block_tokens=32
     )
     workload = shape.load()
-    fresh = robust.compare(workload, shape.gpu_share, shape.cpu_share)
+    kept = tmp_path / "kept.json"
+    fresh = robust.compare(workload, shape.gpu_share, shape.cpu_share, kept)
     ours, writes = float(fresh["recommended hit"]), float(fresh["recommended writes"])
     better = ours - 0.01
-    kept = tmp_path / "kept.json"
-    kept.write_text(
-        json.dumps(
-            {
-                "store-all": [better, writes / 0.8],
-                "seed filter": [better - 0.1, writes],
-                "belady": better + room,
-            }
-        )
+    _keep(
+        kept,
+        {"store-all": [better, writes / 0.8], "seed filter": [better - 0.1, writes]},
+        better + room,
     )
     row = robust.compare(workload, shape.gpu_share, shape.cpu_share, kept)
     assert row["hit margin"] == pytest.approx(0.01)
@@ -330,6 +333,94 @@ def test_a_write_budget_reaches_the_recommended_run_and_the_summary() -> None:
     assert summary["within budget"] == 1
     assert summary["highest writes per ref"] == free["recommended writes"]
     assert "write budget" not in robust.summarise([free])
+
+
+def _small_shape(requests: int) -> Any:
+    return robust.Shape(
+        0,
+        0.1,
+        0.02,
+        7,
+        mix=(("chat", 0.6), ("rag", 0.4)),
+        rate=4.0,
+        requests=requests,
+        block_tokens=32,
+    )
+
+
+def test_kept_baselines_of_another_workload_are_not_reused(tmp_path: Path) -> None:
+    """A kept file is named by a workload's description and share, which stay the same when
+    a generator, a source's settings or the sizing change: its figures are then another
+    workload's, and the row is computed afresh (and the file rewritten) instead."""
+    kept = tmp_path / "kept.json"
+    before, after = _small_shape(150).load(), _small_shape(200).load()
+    robust.compare(before, 0.02, 0.1, kept)
+    fresh = robust.compare(after, 0.02, 0.1)
+    assert fresh["store-all hit"] != robust.compare(before, 0.02, 0.1)["store-all hit"]
+    assert robust.compare(after, 0.02, 0.1, kept) == fresh
+    assert robust.compare(after, 0.02, 0.1, kept) == fresh  # the file now holds its own
+    assert robust.compare(after, 0.02, 0.2, kept) == robust.compare(after, 0.02, 0.2)
+
+
+@pytest.mark.parametrize("text", ["", '{"store-all": [0.5, 0.', "[]", '{"belady": 1.0}'])
+def test_a_kept_file_that_cannot_be_read_is_computed_again(tmp_path: Path, text: str) -> None:
+    """A file an interrupted run left half-written, or of another format, is no figures:
+    the row is computed as without it, and the file then holds figures that read back."""
+    kept = tmp_path / "kept.json"
+    kept.write_text(text)
+    workload = _small_shape(150).load()
+    fresh = robust.compare(workload, 0.02, 0.1)
+    assert robust.compare(workload, 0.02, 0.1, kept) == fresh
+    assert json.loads(kept.read_text())["belady"] == fresh["belady hit"]
+
+
+@pytest.mark.parametrize(
+    ("option", "path", "error"),
+    [
+        ("--json", "missing/rows.json", "no such directory"),
+        ("--json", ".", "is a directory"),
+        ("--baselines", "file.txt", "is not a directory"),
+    ],
+)
+def test_an_output_that_cannot_be_written_is_refused_before_the_run(
+    tmp_path: Path, option: str, path: str, error: str
+) -> None:
+    """``--json`` was written only after every shape had run (a quarter of an hour at the
+    default size), and a path it could not write then lost the run in a traceback."""
+    (tmp_path / "file.txt").write_text("")
+    env = {**os.environ, "PYTHONPATH": str(Path(kvoffload.__file__).resolve().parents[1])}
+    script = Path(robust.__file__).resolve()
+    done = subprocess.run(
+        [sys.executable, str(script), "--shapes", "1", "--seed", "3", "--jobs", "1", option, path],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert error in done.stderr and "Traceback" not in done.stderr
+    assert "shape 1/1" not in done.stderr  # refused before the run
+
+
+@pytest.mark.parametrize("shares", ["0.05,lots", "0.1,0", "-0.1", "nan", "0.1,,0.2"])
+def test_a_bad_capacity_share_is_one_line_error(tmp_path: Path, shares: str) -> None:
+    """The admission table's ``--shares``: a share that is no number > 0 is refused by its
+    option's name, not in a traceback from the middle of the script."""
+    env = {**os.environ, "PYTHONPATH": str(Path(kvoffload.__file__).resolve().parents[1])}
+    script = Path(robust.__file__).resolve().with_name("admission_table.py")
+    done = subprocess.run(
+        [sys.executable, str(script), "--held-out", f"--shares={shares}"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "argument --shares" in done.stderr and "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "lots"])
