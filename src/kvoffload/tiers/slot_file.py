@@ -243,7 +243,7 @@ class SlotFile:
         )
         opened = self.stripes.submit(0, self._open, None, 0).result()
         if not isinstance(opened, _Opened):
-            self.stripes.close()
+            self.stripes.close(_nothing)  # a start-up given up on closes its own files
             if opened is None:
                 opened = (
                     f"disk tier directory {self.directory} did not answer within {deadline_s:g} s"
@@ -293,12 +293,11 @@ class SlotFile:
         return self._gather(len(keys), groups, job_for, False, lambda n: n * (size + ALIGN))
 
     def close(self) -> None:
-        """Finish or expire every job; close the file unless a thread is stuck in it."""
+        """Finish or expire every job, then close the file and its lock (after the last
+        call stuck in the file returns, if one is)."""
         if self._fd < 0:
             return
-        if self.stripes.close():
-            os.close(self._fd)
-            os.close(self._lock_fd)
+        self.stripes.close(functools.partial(_close_all, [self._fd, self._lock_fd]))
         self._fd = -1
 
     # The calling thread's side: jobs out, futures back.
@@ -664,6 +663,10 @@ def _refuse(path: Path, why: str) -> None:
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
+
+
+def _nothing() -> None:
+    """Nothing to release."""
 
 
 def _spread(parts: list[memoryview], cursor: tuple[int, int], piece: memoryview) -> tuple[int, int]:
