@@ -214,11 +214,10 @@ import sys
 import time
 from kvoffload.tiers import DiskTier
 tier = DiskTier(sys.argv[1], 4, bytes.fromhex(sys.argv[2]))
-child = os.fork()
-if child == 0:  # a forked helper that outlives its parent, as a worker pool's may
+if os.fork() == 0:  # a forked helper that outlives its parent, as a worker pool's may
+    print(os.getpid(), flush=True)  # from the child: past its fork handlers
     time.sleep(60)
     os._exit(0)
-print(child, flush=True)
 time.sleep(60)
 """
 
