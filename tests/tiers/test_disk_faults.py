@@ -168,6 +168,37 @@ def test_closing_over_a_hung_file_system_returns(tmp_path: Path, layer: StalledL
     assert tier.stats.failed == 2 and tier.stats.stored_blocks == 4
 
 
+def test_a_tier_closed_over_a_stuck_call_frees_its_directory_once_the_call_returns(
+    tmp_path: Path, layer: StalledLayer
+) -> None:
+    """The file stays open while a call is stuck in it, then closes: its lock held for the
+    life of the process would refuse every later tier on the directory (a reset, a restart
+    of the tier), even long after the file system answers again."""
+    tier = DiskTier(tmp_path, 8, FP, io_threads=1, deadline_s=0.2, file_layer=layer)
+    tier.write(KEYS[:2], [content(key, SIZE) for key in KEYS[:2]])
+    tier.poll(wait=True)
+    layer.answering.clear()
+    tier.write(KEYS[2:3], [content(KEYS[2], SIZE)])
+    tier.close()  # the write expires; its thread is stuck inside the file
+    with pytest.raises(DiskTierError, match="is in use by process"):
+        DiskTier(tmp_path, 8, FP)
+    layer.answering.set()
+    again = None
+    for _ in range(300):  # the stuck thread leaves, then the file closes: within 30 s
+        try:
+            again = DiskTier(tmp_path, 8, FP)
+            break
+        except DiskTierError:
+            threading.Event().wait(0.1)
+    assert again is not None, "the directory stays locked after the stuck call returned"
+    try:  # the late write, given up on before its payload, left nothing behind
+        assert again.recovery == Recovery(recovered=2) and again.present(KEYS[2:3]) == 0
+        ok, buffers = read(again, KEYS[:2])
+        assert all(ok) and [bytes(b) for b in buffers] == [content(k, SIZE) for k in KEYS[:2]]
+    finally:
+        again.close()
+
+
 def test_calls_on_a_closed_tier_fail_at_once_and_a_second_close_returns(tmp_path: Path) -> None:
     """No thread runs a job queued after close and no watchdog expires it: such a job
     fails at once, where its future (and a later close waiting on it) would never end."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import socket
 import stat
 import subprocess
@@ -205,3 +206,42 @@ def test_two_tiers_of_one_process_on_one_directory_are_refused_too(tmp_path: Pat
         other.close()  # another layout has its own directory and lock
     finally:
         first.close()
+
+
+FORKER = """
+import os
+import sys
+import time
+from kvoffload.tiers import DiskTier
+tier = DiskTier(sys.argv[1], 4, bytes.fromhex(sys.argv[2]))
+if os.fork() == 0:  # a forked helper that outlives its parent, as a worker pool's may
+    print(os.getpid(), flush=True)  # from the child: past its fork handlers
+    time.sleep(60)
+    os._exit(0)
+time.sleep(60)
+"""
+
+
+def test_a_crashed_holder_s_forked_child_does_not_keep_the_directory_locked(
+    tmp_path: Path,
+) -> None:
+    """The lock belongs to the process that opened the tier: a child it forked inherits
+    the lock's file but drops it, so a SIGKILL of the holder frees the directory even
+    while the child lives on (the kernel releases a flock only with its last holder)."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", FORKER, str(tmp_path), FP.hex()], stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdout is not None
+    forked = int(holder.stdout.readline())
+    try:
+        with pytest.raises(DiskTierError, match=f"in use by process {holder.pid}"):
+            DiskTier(tmp_path, 4, FP)  # the holder keeps its lock after the fork
+        holder.kill()
+        holder.wait(timeout=30)
+        DiskTier(tmp_path, 4, FP).close()
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+        holder.stdout.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(forked, signal.SIGKILL)

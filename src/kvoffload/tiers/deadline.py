@@ -146,7 +146,11 @@ class _Stripe:
     def stop(self, wait: bool) -> None:
         self._jobs.put(None)
         if wait:
-            self._thread.join()
+            self.join()
+
+    def join(self) -> None:
+        """Wait for the thread to end (after :meth:`stop`)."""
+        self._thread.join()
 
     def _run(self) -> None:
         while (item := self._jobs.get()) is not None:
@@ -215,12 +219,14 @@ class DeadlineStripes:
         """Whether a stripe thread is still inside a job (after a deadline: a hung file)."""
         return any(stripe.busy for stripe in self._stripes)
 
-    def close(self) -> bool:
-        """Wait for every job to finish or expire, then stop the threads.
+    def close(self, release: Callable[[], None]) -> None:
+        """Wait for every job to finish or expire, stop the threads, then ``release`` what
+        the jobs use: at once, or, when a thread is stuck past its deadline, on a daemon
+        thread once every stripe thread has ended.
 
-        Whether they all stopped: ``False`` when a thread is stuck past its
-        deadline, and then the file it uses must stay open (closing it would
-        let the stuck call land in whatever file reuses the descriptor).
+        Closing a file under a stuck call would let the call land in whatever file
+        reuses the descriptor; keeping it open for good would keep its lock for the
+        life of the process, long after the file system answers again.
         """
         with self._count_lock:
             self._stopping = True
@@ -231,7 +237,17 @@ class DeadlineStripes:
         for stripe in self._stripes:
             stripe.stop(wait=stopped)
         self._watchdog.close()
-        return stopped
+        if stopped:
+            release()
+            return
+        stripes = self._stripes
+
+        def release_when_stopped() -> None:
+            for stripe in stripes:
+                stripe.join()
+            release()
+
+        threading.Thread(target=release_when_stopped, name="kvoffload-release", daemon=True).start()
 
     def _closed(self, future: Future[object]) -> None:
         with self._count_lock:

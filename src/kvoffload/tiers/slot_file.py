@@ -25,7 +25,7 @@ files in it must each be what they claim (a directory, a regular file with a
 single link), not a symbolic link, and owned by the running user. What this
 class creates is private (directories 0700, files 0600). An exclusive
 ``flock`` on ``lock`` (which names the holder's pid) keeps a second process
-from wiping the first one's slots.
+from wiping the first one's slots; a child the holder forks lets go of it.
 
 File I/O runs on single-threaded stripes keyed by slot (slot % stripes), so
 a read of a slot and a later write into that slot, reused by another key,
@@ -91,6 +91,8 @@ _SUPER = struct.Struct("<4sHH16sQQ")
 """magic, version, reserved, fingerprint, stride, payload length; a CRC32 of these follows."""
 _CRC = struct.Struct("<I")
 _ZERO_HEADER = bytes(HEADER_BYTES + MAX_KEY_BYTES)
+_HELD_LOCKS: set[int] = set()
+"""This process's locked ``lock`` descriptors, which a forked child must not keep."""
 
 T = TypeVar("T")
 
@@ -243,7 +245,7 @@ class SlotFile:
         )
         opened = self.stripes.submit(0, self._open, None, 0).result()
         if not isinstance(opened, _Opened):
-            self.stripes.close()
+            self.stripes.close(_nothing)  # a start-up given up on closes its own files
             if opened is None:
                 opened = (
                     f"disk tier directory {self.directory} did not answer within {deadline_s:g} s"
@@ -293,12 +295,11 @@ class SlotFile:
         return self._gather(len(keys), groups, job_for, False, lambda n: n * (size + ALIGN))
 
     def close(self) -> None:
-        """Finish or expire every job; close the file unless a thread is stuck in it."""
+        """Finish or expire every job, then close the file and its lock (after the last
+        call stuck in the file returns, if one is)."""
         if self._fd < 0:
             return
-        if self.stripes.close():
-            os.close(self._fd)
-            os.close(self._lock_fd)
+        self.stripes.close(functools.partial(_close_all, [self._fd, self._lock_fd]))
         self._fd = -1
 
     # The calling thread's side: jobs out, futures back.
@@ -653,8 +654,30 @@ def _lock(fd: int, directory: Path) -> None:
             f"disk tier directory {directory} is in use by process {holder}; "
             "give each process its own disk directory"
         ) from None
+    _HELD_LOCKS.add(fd)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child: let go of the parent's locks, whose file the child shares.
+
+    A ``flock`` lasts while any process holds its file open, so a child that outlives
+    a crashed parent (a worker pool's) would otherwise keep the directory locked,
+    naming a dead pid. Each descriptor is pointed at ``/dev/null`` rather than closed,
+    so its number stays taken and a copy of the tier closing it later closes nothing
+    of the child's own.
+    """
+    if not _HELD_LOCKS:
+        return
+    null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    for fd in _HELD_LOCKS:
+        os.dup2(null, fd, inheritable=False)
+    os.close(null)
+    _HELD_LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 def _refuse(path: Path, why: str) -> None:
@@ -663,7 +686,12 @@ def _refuse(path: Path, why: str) -> None:
 
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
+        _HELD_LOCKS.discard(fd)
         os.close(fd)
+
+
+def _nothing() -> None:
+    """Nothing to release."""
 
 
 def _spread(parts: list[memoryview], cursor: tuple[int, int], piece: memoryview) -> tuple[int, int]:
