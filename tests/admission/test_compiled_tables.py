@@ -266,3 +266,58 @@ def test_an_s3fifo_tier_refuses_a_call_from_a_ghost_comparison() -> None:
         tier.store([b"d"])
     assert tier.store([b"e", b"f"]) == 2
     assert tier.held_among([a, b, b"c", b"d", b"e", b"f"]) == [b"e", b"f"]
+
+
+@pytest.mark.parametrize("factory", MINI_TIERS)
+def test_a_mini_tier_whose_call_fails_takes_the_next_one(factory: Callable[[int], Any]) -> None:
+    """A call that raises (an unhashable key, a gap flag or ``keep`` that raises, a bad
+    argument) ends its call: the next one is not refused as called from inside it."""
+    tier = factory(4)
+
+    class Raises:
+        def __bool__(self) -> bool:
+            raise ComparisonError("a gap flag")
+
+        def __contains__(self, key: object) -> bool:
+            raise ComparisonError("keep")
+
+    failing: list[Callable[[], object]] = [
+        lambda: tier.store([b"a", []]),
+        lambda: tier.store([b"a"], [Raises()]),
+        lambda: tier.store([b"a"], [True, True]),
+        lambda: tier.store_admitted([b"a", b"b"], [0, 0], Raises(), 0),
+        lambda: tier.touch([{}]),
+        lambda: tier.hit_run(5),
+        lambda: tier.held_among([[]]),
+        lambda: tier.leading_held([[]]),
+        lambda: [] in tier,
+    ]
+    for call in failing:
+        with pytest.raises((TypeError, ValueError, ComparisonError)):
+            call()
+        assert tier.store([b"c"]) in (0, 1)
+        assert tier.hit_run([b"c"]) == 1 and b"c" in tier
+
+
+@needs(CompiledReuseCounts)
+@needs(CompiledGhostRecords)
+def test_a_ghost_or_counter_whose_call_fails_takes_the_next_one() -> None:
+    """As for the mini-tiers: a failed call is over once it raised."""
+    assert CompiledReuseCounts is not None and CompiledGhostRecords is not None
+    ghost, counts = CompiledGhostRecords(4), CompiledReuseCounts(4)
+    failing: list[Callable[[], object]] = [
+        lambda: ghost.add_all([[]], 1),
+        lambda: ghost.take_all([[]]),
+        lambda: ghost.expire("later"),  # type: ignore[arg-type]
+        lambda: [] in ghost,
+        lambda: counts.count([[]]),
+        lambda: counts.count_shielded([[]]),
+        lambda: counts.at_least([b"a"], "twice"),  # type: ignore[arg-type]
+        lambda: [] in counts,
+    ]
+    for call in failing:
+        with pytest.raises(TypeError):
+            call()
+        ghost.add_all([b"a"], 1)
+        counts.count([b"a"])
+        assert b"a" in ghost and counts.counts[b"a"] >= 1
