@@ -13,17 +13,25 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from compiled import needs
-from kvoffload.admission.ghost import CompiledGhostRecords
+from kvoffload.admission.ghost import CompiledGhostRecords, GhostRecords
 from kvoffload.admission.minisim import (
     CompiledARCMiniTier,
     CompiledLRUMiniTier,
     CompiledS3FIFOMiniTier,
     CompiledSIEVEMiniTier,
     CompiledSLRUMiniTier,
+    LRUMiniTier,
+    MiniTier,
+    S3FIFOMiniTier,
 )
-from kvoffload.admission.reuse_counts import CompiledReuseCounts
+from kvoffload.admission.reuse_counts import CompiledReuseCounts, ReuseCounts
+from kvoffload.policies.arc import ARCCachePolicy
+from kvoffload.policies.sieve import SIEVECachePolicy
+from kvoffload.policies.slru import SLRUCachePolicy
 
 
 class ComparisonError(Exception):
@@ -266,3 +274,178 @@ def test_an_s3fifo_tier_refuses_a_call_from_a_ghost_comparison() -> None:
         tier.store([b"d"])
     assert tier.store([b"e", b"f"]) == 2
     assert tier.held_among([a, b, b"c", b"d", b"e", b"f"]) == [b"e", b"f"]
+
+
+@pytest.mark.parametrize("factory", MINI_TIERS)
+def test_a_mini_tier_whose_call_fails_takes_the_next_one(factory: Callable[[int], Any]) -> None:
+    """A call that raises (an unhashable key, a gap flag or ``keep`` that raises, a bad
+    argument) ends its call: the next one is not refused as called from inside it."""
+    tier = factory(4)
+
+    class Raises:
+        def __bool__(self) -> bool:
+            raise ComparisonError("a gap flag")
+
+        def __contains__(self, key: object) -> bool:
+            raise ComparisonError("keep")
+
+    failing: list[Callable[[], object]] = [
+        lambda: tier.store([b"a", []]),
+        lambda: tier.store([b"a"], [Raises()]),
+        lambda: tier.store([b"a"], [True, True]),
+        lambda: tier.store_admitted([b"a", b"b"], [0, 0], Raises(), 0),
+        lambda: tier.touch([{}]),
+        lambda: tier.hit_run(5),
+        lambda: tier.held_among([[]]),
+        lambda: tier.leading_held([[]]),
+        lambda: [] in tier,
+    ]
+    for call in failing:
+        with pytest.raises((TypeError, ValueError, ComparisonError)):
+            call()
+        assert tier.store([b"c"]) in (0, 1)
+        assert tier.hit_run([b"c"]) == 1 and b"c" in tier
+
+
+@needs(CompiledReuseCounts)
+@needs(CompiledGhostRecords)
+def test_a_ghost_or_counter_whose_call_fails_takes_the_next_one() -> None:
+    """As for the mini-tiers: a failed call is over once it raised."""
+    assert CompiledReuseCounts is not None and CompiledGhostRecords is not None
+    ghost, counts = CompiledGhostRecords(4), CompiledReuseCounts(4)
+    failing: list[Callable[[], object]] = [
+        lambda: ghost.add_all([[]], 1),
+        lambda: ghost.take_all([[]]),
+        lambda: ghost.expire("later"),  # type: ignore[arg-type]
+        lambda: [] in ghost,
+        lambda: counts.count([[]]),
+        lambda: counts.count_shielded([[]]),
+        lambda: counts.at_least([b"a"], "twice"),  # type: ignore[arg-type]
+        lambda: [] in counts,
+    ]
+    for call in failing:
+        with pytest.raises(TypeError):
+            call()
+        ghost.add_all([b"a"], 1)
+        counts.count([b"a"])
+        assert b"a" in ghost and counts.counts[b"a"] >= 1
+
+
+class Colliding:
+    """A key whose hash it shares with a third of the others: long probe runs, wrapped past
+    the table's end, that the removal of a node by its index must keep whole."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __hash__(self) -> int:
+        return self.value % 3
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Colliding) and other.value == self.value
+
+    def __repr__(self) -> str:
+        return f"Colliding({self.value})"
+
+
+UNIVERSE = [Colliding(value) for value in range(24)]
+SOME_KEYS = st.lists(st.sampled_from(UNIVERSE), max_size=8)
+FLAGS = st.lists(st.booleans(), min_size=1, max_size=8)
+STEPS = st.lists(
+    st.tuples(
+        st.sampled_from(["touch", "hit_run", "held", "store", "store_admitted"]),
+        SOME_KEYS,
+        FLAGS,
+        st.integers(0, 9),
+    ),
+    max_size=120,
+)
+
+
+def generic_tier(policy: type[Any]) -> Callable[[int], MiniTier]:
+    """The generic tier over ``policy``: ARC's, SIEVE's and SLRU's reference."""
+    return lambda capacity: MiniTier(capacity, policy)
+
+
+TWINS = [
+    pytest.param(reference, compiled, marks=needs(compiled), id=name)
+    for name, reference, compiled in [
+        ("lru", LRUMiniTier, CompiledLRUMiniTier),
+        ("s3fifo", S3FIFOMiniTier, CompiledS3FIFOMiniTier),
+        ("arc", generic_tier(ARCCachePolicy), CompiledARCMiniTier),
+        ("sieve", generic_tier(SIEVECachePolicy), CompiledSIEVEMiniTier),
+        ("slru", generic_tier(SLRUCachePolicy), CompiledSLRUMiniTier),
+    ]
+]
+
+
+@pytest.mark.parametrize(("reference", "compiled"), TWINS)
+@settings(max_examples=150, deadline=None)
+@given(capacity=st.integers(1, 20), steps=STEPS)
+def test_a_mini_tier_over_colliding_keys_decides_as_its_python_twin(
+    reference: Callable[[int], Any],
+    compiled: Callable[[int], Any],
+    capacity: int,
+    steps: list[tuple[str, list[Colliding], list[bool], int]],
+) -> None:
+    """Keys that share their hashes, stored, touched and evicted in long runs: the same
+    answers and held keys as the Python tier after every step."""
+    python, table = reference(capacity), compiled(capacity)
+    for action, keys, flags, number in steps:
+        marks = [flags[i % len(flags)] for i in range(len(keys))]
+        if action == "touch":
+            python.touch(keys)
+            table.touch(keys)
+        elif action == "hit_run":
+            assert python.hit_run(keys) == table.hit_run(keys)
+        elif action == "held":
+            assert python.held_among(UNIVERSE) == table.held_among(UNIVERSE)
+            assert python.leading_held(keys) == table.leading_held(keys)
+        elif action == "store":
+            assert python.store(keys, marks) == table.store(keys, marks)
+        else:
+            at = [number if mark else -1 for mark in marks]
+            keep = {key for key, mark in zip(keys, marks, strict=True) if not mark}
+            assert python.store_admitted(keys, at, keep, number) == table.store_admitted(
+                keys, at, keep, number
+            )
+        assert len(python) == len(table)
+        assert [key in python for key in UNIVERSE] == [key in table for key in UNIVERSE]
+    assert (python.total_hits, python.total_writes) == (table.total_hits, table.total_writes)
+
+
+@needs(CompiledReuseCounts)
+@needs(CompiledGhostRecords)
+@settings(max_examples=150, deadline=None)
+@given(
+    capacity=st.integers(1, 20),
+    steps=st.lists(st.tuples(st.integers(0, 5), SOME_KEYS, st.integers(0, 9)), max_size=120),
+)
+def test_ghost_records_and_counts_over_colliding_keys_decide_as_their_python_twins(
+    capacity: int, steps: list[tuple[int, list[Colliding], int]]
+) -> None:
+    """As for the mini-tiers: records pushed out, taken and expired, keys counted and
+    evicted, all over keys that share their hashes."""
+    assert CompiledReuseCounts is not None and CompiledGhostRecords is not None
+    ghost, ghost_table = GhostRecords(capacity), CompiledGhostRecords(capacity)
+    counts, counts_table = ReuseCounts(capacity), CompiledReuseCounts(capacity)
+    for clock, (action, keys, number) in enumerate(steps):
+        if action == 0:
+            assert ghost.add_all(keys, number, clock) == ghost_table.add_all(keys, number, clock)
+        elif action == 1:
+            assert ghost.take_all(keys) == ghost_table.take_all(keys)
+        elif action == 2:
+            assert ghost.expire(clock - number) == ghost_table.expire(clock - number)
+        elif action == 3:
+            counts.count(keys)
+            counts_table.count(keys)
+        elif action == 4:
+            counts.count_shielded(keys)
+            counts_table.count_shielded(keys)
+        else:
+            assert counts.at_least(keys, number % 4) == counts_table.at_least(keys, number % 4)
+        assert len(ghost) == len(ghost_table)
+        assert [key in ghost for key in UNIVERSE] == [key in ghost_table for key in UNIVERSE]
+        assert list(counts.counts.items()) == list(counts_table.counts.items())

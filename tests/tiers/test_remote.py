@@ -280,6 +280,21 @@ def test_a_read_only_replica_fails_clearly_at_start_up(tmp_path: Path) -> None:
         primary.stop()
 
 
+@pytest.mark.parametrize("renamed", ["EXISTS", "GET", "SET", "DEL"])
+def test_a_server_that_renamed_a_tier_command_fails_clearly_at_start_up(
+    tmp_path: Path, renamed: str
+) -> None:
+    """``rename-command SET ""`` (or GET, EXISTS, DEL) answers the probe with an unknown
+    command, not NOPERM: the tier started, then failed every store (or load, or lookup),
+    counted, with no word of why."""
+    server = ValkeyProcess(tmp_path / "renamed", "--rename-command", renamed, "").start()
+    try:
+        with pytest.raises(RemoteTierError, match=f"does not know {renamed}, renamed or disabled"):
+            RemoteTier(server.url, fingerprint("renamed"))
+    finally:
+        server.stop()
+
+
 def test_an_unreachable_server_fails_clearly_at_start_up(own_server: ValkeyProcess) -> None:
     with pytest.raises(RemoteTierError, match="not reachable"):
         RemoteTier(f"redis://127.0.0.1:{own_server.port}/0?timeout_ms=100", fingerprint("x"))

@@ -488,22 +488,28 @@ class RemoteTier:
 
     def _check_commands(self, connection: Connection, deadline: Deadline) -> None:
         """:class:`ServerReplyError` if the server refuses the commands the tier runs on its
-        names: an ACL that denies one (``NOPERM``), or a read-only replica. Such a tier
-        started, then failed every lookup or store, counted, with no word of why. The probe
-        name is never a block's (those end in hex); ``SET ... XX`` of an absent name writes
-        nothing, and a redirection means the command was allowed."""
+        names: an ACL that denies one (``NOPERM``), a read-only replica, or a command
+        renamed or disabled by ``rename-command`` (unknown). Such a tier started, then
+        failed every lookup or store, counted, with no word of why. The probe name is never
+        a block's (those end in hex); ``SET ... XX`` of an absent name writes nothing, and a
+        redirection means the command was allowed."""
         probe = self._prefix + b"probe"
-        probes = [
-            command(b"EXISTS", probe),
-            command(b"GET", probe),
-            command(b"SET", probe, b"", b"XX"),
-            command(b"DEL", probe),
-        ]
-        connection.send([b"".join(probes)], deadline)
+        probes = {
+            "EXISTS": command(b"EXISTS", probe),
+            "GET": command(b"GET", probe),
+            "SET": command(b"SET", probe, b"", b"XX"),
+            "DEL": command(b"DEL", probe),
+        }
+        connection.send([b"".join(probes.values())], deadline)
         replies = [connection.read_reply(deadline, MAX_LINE) for _ in probes]
-        for reply in replies:
+        for name, reply in zip(probes, replies, strict=True):
             if not isinstance(reply, ErrorReply):
                 continue
+            if reply.code == "ERR" and "unknown command" in reply.message:
+                raise ServerReplyError(
+                    f"the server does not know {name}, renamed or disabled (rename-command):"
+                    f" the tier needs EXISTS, GET, SET and DEL under their own names"
+                )
             if reply.code == "NOPERM":
                 raise ServerReplyError(
                     f"the user may not run the tier's commands ({reply.message}): it needs "
