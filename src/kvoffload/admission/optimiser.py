@@ -701,11 +701,12 @@ class OptimisingAdmission(AdmissionLayer):
         return figures
 
     def stats(self) -> AdmissionStats:
-        rules = [self._world_feedback.stats()]
-        tables = [self._world_filter.reuse]
-        if not self._mirrors:
-            rules.insert(0, self.feedback.stats())
-            tables.insert(0, self.filter.reuse)
+        """The real-fed candidates count in memory whether fed or not: they are made with
+        the layer (a tier may stop mirroring at any request), and their tables take their
+        size then. Control and ghost hits are the rule the real tier's choice is made on."""
+        world_rule, real_rule = self._world_feedback.stats(), self.feedback.stats()
+        rules = [world_rule, real_rule] if self._mirrors else [real_rule, world_rule]
+        tables = [self._world_filter.reuse, self.filter.reuse]
         counted = self._stats(
             rules[0].control,
             sum(rule.memory_bytes for rule in rules)
