@@ -149,6 +149,30 @@ def test_the_copy_interface_reads_nothing_without_one_cpu_tensor_per_key(
     assert all(isinstance(one, torch.Tensor) for one in got)
 
 
+def test_a_copy_read_into_a_target_of_another_size_leaves_the_shared_page_alone(
+    backends: Any, valkey_server: ValkeyProcess
+) -> None:
+    """A target that is not a page's bytes answers None without asking the tiers: before,
+    the shared tier took the value's length against the target's as a corrupt value and
+    deleted the page from the server, for every deployment that shares it."""
+    pool = HostPool("layer_first")
+    backend = backends({"kvoffload.remote_url": valkey_server.url}, pool, model="copy-size")
+    key = page_hash(400)
+    pool.fill([0], seed=7)
+    page = pool.get_data_page(0)
+    assert backend.set(key, page) is True
+    for wrong in (page[: page.numel() // 2].clone(), torch.zeros(2 * page.numel())):
+        assert backend.get(key, wrong) is None
+        assert backend.batch_get([key, key], [pool.get_dummy_flat_data_page(), wrong]) == [
+            None,
+            None,
+        ]
+    assert backend.exists(key)
+    assert backend.get_stats().kvoffload["remote"]["corrupt"] == 0
+    got = backend.get(key, pool.get_dummy_flat_data_page())
+    assert got is not None and torch.equal(got, page)
+
+
 def test_keys_that_are_not_strings_are_pages_by_their_text(backends: Any, tmp_path: Path) -> None:
     """SGLang's own backends format a key into their names; ours takes its ``str()`` too
     (a TypeError from deep inside before), and a lone surrogate its UTF-8 bytes as Python
