@@ -15,6 +15,7 @@ import hashlib
 import importlib
 import socket
 import threading
+from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
 
@@ -140,13 +141,56 @@ class HostPool(BenchPool):
     def fill(self, pages: list[int], seed: int) -> None:
         generator = torch.Generator().manual_seed(seed)
         for p in pages:
-            page = self.get_data_page(p * self.page_size)
+            start = int(self.indices([p])[0])
+            page = self.get_data_page(start)
             self.set_from_flat_data_page(
-                p * self.page_size, torch.randn(page.shape, generator=generator).to(self.dtype)
+                start, torch.randn(page.shape, generator=generator).to(self.dtype)
             )
 
     def zero(self) -> None:
         self.kv_buffer.zero_()
+
+
+class DcpHostPool(HostPool):
+    """An MLA pool under decode context parallelism, as SGLang's ``MLATokenToKVPoolHost``
+    with ``dcp_size`` > 1: each rank keeps ``1 / dcp_size`` of every page, so its rows and
+    ``page_size`` are physical while host indices (what the backend is handed) are logical,
+    ``logical_page_size`` a page, bounded by ``logical_size``."""
+
+    def __init__(self, dcp_size: int, pages: int = 16, logical_page_size: int = 4) -> None:
+        super().__init__("page_first", pages, logical_page_size // dcp_size, mla=True)
+        self.dcp_size = dcp_size
+        self.logical_page_size = logical_page_size
+        self.logical_size = self.size * dcp_size
+
+    def _row(self, index: int) -> int:
+        """SGLang's ``_storage_page_index``: a logical page start to its physical row."""
+        index = int(index)
+        if index < 0 or index % self.logical_page_size:
+            raise ValueError("DCP L3 page start must be a nonnegative logical page boundary.")
+        if index + self.logical_page_size > self.logical_size:
+            raise IndexError("DCP L3 page is outside the host pool.")
+        return index // self.dcp_size
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        return super().get_data_page(self._row(index), flat)
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        super().set_from_flat_data_page(self._row(index), data_page)
+
+    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        assert len(indices) % self.logical_page_size == 0
+        rows = [self._row(i) for i in indices.tolist()[:: self.logical_page_size]]
+        return super().get_page_buffer_meta(
+            torch.tensor([r + t for r in rows for t in range(self.page_size)])
+        )
+
+    def indices(self, pages: Iterable[int]) -> torch.Tensor:
+        size = self.logical_page_size
+        return torch.cat([torch.arange(p * size, (p + 1) * size) for p in pages])
+
+    def page_bytes(self, page: int) -> bytes:
+        return super().page_bytes(page * self.dcp_size)
 
 
 def storage_config(
@@ -158,8 +202,18 @@ def storage_config(
     mla: bool = False,
     metrics: bool = False,
     model: str = "test/tiny-model",
+    dcp_pool: DcpHostPool | None = None,
 ) -> Any:
+    """SGLang's storage config for one rank; ``dcp_pool``: that rank's DCP shard of an MLA
+    model (``tp_rank`` modulo its ``dcp_size``), as SGLang's controller describes it."""
     config_class = modules["sglang.srt.mem_cache.hicache_storage"].HiCacheStorageConfig
+    dcp: dict[str, Any] = {}
+    if dcp_pool is not None:
+        dcp = {
+            "dcp_size": dcp_pool.dcp_size,
+            "dcp_rank": tp_rank % dcp_pool.dcp_size,
+            "logical_page_size": dcp_pool.logical_page_size,
+        }
     return config_class(
         tp_rank=tp_rank,
         tp_size=tp_size,
@@ -172,6 +226,7 @@ def storage_config(
         is_page_first_layout=True,
         model_name=model,
         extra_config={**BACKEND, **extra},
+        **dcp,
     )
 
 

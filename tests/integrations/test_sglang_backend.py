@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("sglang", reason="SGLang is not installed (CI installs it --no-deps)")
 
-from sglang_helpers import HostPool, page_hash
+from sglang_helpers import DcpHostPool, HostPool, page_hash
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.integrations.sglang.storage import page_key
@@ -149,6 +149,30 @@ def test_the_copy_interface_reads_nothing_without_one_cpu_tensor_per_key(
     assert all(isinstance(one, torch.Tensor) for one in got)
 
 
+def test_a_copy_read_into_a_target_of_another_size_leaves_the_shared_page_alone(
+    backends: Any, valkey_server: ValkeyProcess
+) -> None:
+    """A target that is not a page's bytes answers None without asking the tiers: before,
+    the shared tier took the value's length against the target's as a corrupt value and
+    deleted the page from the server, for every deployment that shares it."""
+    pool = HostPool("layer_first")
+    backend = backends({"kvoffload.remote_url": valkey_server.url}, pool, model="copy-size")
+    key = page_hash(400)
+    pool.fill([0], seed=7)
+    page = pool.get_data_page(0)
+    assert backend.set(key, page) is True
+    for wrong in (page[: page.numel() // 2].clone(), torch.zeros(2 * page.numel())):
+        assert backend.get(key, wrong) is None
+        assert backend.batch_get([key, key], [pool.get_dummy_flat_data_page(), wrong]) == [
+            None,
+            None,
+        ]
+    assert backend.exists(key)
+    assert backend.get_stats().kvoffload["remote"]["corrupt"] == 0
+    got = backend.get(key, pool.get_dummy_flat_data_page())
+    assert got is not None and torch.equal(got, page)
+
+
 def test_keys_that_are_not_strings_are_pages_by_their_text(backends: Any, tmp_path: Path) -> None:
     """SGLang's own backends format a key into their names; ours takes its ``str()`` too
     (a TypeError from deep inside before), and a lone surrogate its UTF-8 bytes as Python
@@ -244,6 +268,47 @@ def test_mla_has_one_writer_rank_and_every_rank_reads(
     assert pools[1].page_bytes(2) == pools[0].page_bytes(0)
     with pytest.raises(InvalidArgumentError, match=re.escape("kvoffload.disk_dir")):
         backends(disk(tmp_path), HostPool(mla=True), mla=True, tp_rank=0, tp_size=2)
+
+
+@pytest.mark.parametrize("interface_v1", [1, 0])
+def test_mla_under_decode_context_parallelism_keeps_each_shard_apart(
+    backends: Any, valkey_server: ValkeyProcess, interface_v1: int
+) -> None:
+    """With DCP, an MLA pool's host indices are logical (``logical_page_size`` a page, each
+    rank's rows its share): the backend attaches (an AssertionError from the pool before),
+    the first rank of each shard writes, and every rank reads its own shard's pages."""
+    extra = {"interface_v1": interface_v1, "kvoffload.remote_url": valkey_server.url}
+    pools = [DcpHostPool(dcp_size=2) for _ in range(4)]
+    ranks = [
+        backends(extra, pool, model="dcp", mla=True, tp_rank=r, tp_size=4, dcp_pool=pool)
+        for r, pool in enumerate(pools)
+    ]
+    assert [rank.is_writer for rank in ranks] == [True, True, False, False]
+    for r in (0, 1):
+        pools[r].fill([0, 1, 2], seed=20 + r)
+    for r in (0, 1):
+        if interface_v1:
+            assert ranks[r].batch_set_v1(KEYS[:3], pools[r].indices([0, 1, 2])) == [True] * 3
+        else:
+            pages = [pools[r].get_data_page(int(pools[r].indices([p])[0])) for p in (0, 1, 2)]
+            assert ranks[r].batch_set(KEYS[:3], pages) is True
+    assert [rank.batch_exists(KEYS[:3]) for rank in ranks] == [3] * 4
+    for r in (2, 3):
+        if interface_v1:
+            assert ranks[r].batch_get_v1(KEYS[:3], pools[r].indices([5, 4, 3])) == [True] * 3
+        else:
+            targets = [pools[r].get_dummy_flat_data_page() for _ in range(3)]
+            got = ranks[r].batch_get(KEYS[:3], targets)
+            for p, page in zip((5, 4, 3), got, strict=True):
+                assert page is not None
+                pools[r].set_from_flat_data_page(int(pools[r].indices([p])[0]), page)
+        writer = pools[r % 2]
+        assert [pools[r].page_bytes(p) for p in (5, 4, 3)] == [
+            writer.page_bytes(p) for p in range(3)
+        ]
+    assert pools[0].page_bytes(0) != pools[1].page_bytes(0)
+    past_the_pool = pools[2].indices([16])  # logical pages 0..15
+    assert ranks[2].batch_get_v1(KEYS[:1], past_the_pool) == [False]
 
 
 def test_disk_evicts_by_its_policy_and_admission_holds_back_first_sightings(

@@ -79,10 +79,15 @@ class HostPages:
                 f"kvoffload's HiCache backend supports the host layouts {', '.join(LAYOUTS)}; "
                 f"this host pool uses {self.layout!r} (set --hicache-mem-layout)"
             )
-        self.page_size = int(pool.page_size)
-        size = getattr(pool, "size", None)
+        # Host indices are logical: under decode context parallelism (an MLA pool with
+        # ``dcp_size`` > 1) a page is ``logical_page_size`` of them and each rank's rows
+        # hold its share, ``page_size`` (physical) tokens a page; else the two agree.
+        self.page_size = int(getattr(pool, "logical_page_size", pool.page_size))
+        """Host indices a page (a key): the page size SGLang's controller hands pages in."""
+        size = getattr(pool, "logical_size", getattr(pool, "size", None))
         self.tokens = None if size is None else int(size)
-        """The pool's token slots (SGLang's ``HostKVCache.size``), which bound host indices."""
+        """The pool's logical token slots (SGLang's ``HostKVCache.logical_size``, its
+        ``size`` without DCP), which bound host indices."""
         page = pool.get_dummy_flat_data_page()
         self.dtype = str(page.dtype)
         self.page_bytes = int(page.numel()) * int(page.element_size())

@@ -242,11 +242,15 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         target_sizes: Any | None = None,
     ) -> list[torch.Tensor | None]:
         """Each page into its ``target_locations`` tensor (a new page tensor if none given);
-        anything but one CPU tensor per key reads nothing (all ``None``)."""
+        anything but one CPU tensor of a page's bytes per key reads nothing (all ``None``):
+        the shared tier would take a value longer or shorter than its target for a corrupt
+        one and delete it from the server."""
         pages = self._pages()
         if target_locations is None:
             given = [pages.dummy_page() for _ in keys]
-        elif not _cpu_tensors(target_locations, len(keys)):
+        elif not _cpu_tensors(target_locations, len(keys)) or any(
+            t.numel() * t.element_size() != pages.page_bytes for t in target_locations
+        ):
             return [None] * len(keys)
         else:
             given = list(target_locations)
