@@ -2,8 +2,8 @@
 
 Library errors (:class:`~kvoffload.core.errors.KVOffloadError`) and file
 errors become one line on stderr and exit status 1, usage errors one line and
-status 2, Ctrl-C one line and status 130; never a traceback. A reader of stdout that
-has gone (``| head``) ends the command quietly, status 1.
+status 2, Ctrl-C or SIGTERM one line and status 130; never a traceback. A
+reader of stdout that has gone (``| head``) ends the command quietly, status 1.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import NoReturn
 
 from kvoffload.admission.compiled import compiled_summary
 from kvoffload.cli import bench, output, simulate, sweep, trace_stats
+from kvoffload.cli.interrupts import sigterm_as_interrupt
 from kvoffload.core.errors import KVOffloadError
 from kvoffload.integrations.vllm.versions import (
     SUPPORTED,
@@ -147,7 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
         except SystemExit as exc:  # --help, or a usage error already reported by argparse
             return exc.code if isinstance(exc.code, int) else 2
-        status: int = args.run(args)
+        with sigterm_as_interrupt():
+            status: int = args.run(args)
         return status
     except KVOffloadError as exc:
         _error(str(exc))

@@ -162,18 +162,22 @@ def _write(args: argparse.Namespace, reports: list[RunReport]) -> None:
 
 
 def _interrupted(args: argparse.Namespace, stop: SweepInterrupted) -> int:
-    """Keep what finished: write and show it, then say so on one line; status 130."""
+    """Keep what finished: write and show it, then say so on one line; status 130. With
+    nothing finished nothing is written, so the files of an earlier sweep stay as they were."""
     reports = stop.reports
-    _write(args, reports)
-    if reports and "-" not in (args.json, args.csv):
-        print(format_sweep(reports))
     written = [path for path in (args.json, args.csv) if path and path != "-"]
     if not reports:
         kept = "no run had finished"
-    elif written:
-        kept = f"the finished runs were written to {' and '.join(written)}"
+        if written:
+            kept += f"; {' and '.join(written)} not written"
     else:
-        kept = "the finished runs are shown above"
+        _write(args, reports)
+        if "-" not in (args.json, args.csv):
+            print(format_sweep(reports))
+        if written:
+            kept = f"the finished runs were written to {' and '.join(written)}"
+        else:
+            kept = "the finished runs are shown above"
     print(output.one_line(f"kvoffload: interrupted: {stop}; {kept}"), file=sys.stderr)
     return 130
 
