@@ -436,6 +436,23 @@ def test_ctrl_c_stops_a_sweep_and_keeps_finished_runs(tmp_path: Path) -> None:
     assert stopped_after < 30  # generous: it would otherwise run the remaining configurations
 
 
+@pytest.mark.parametrize("command", [SMALL, ["trace-stats", "TRACE"]])
+def test_json_to_dev_stdout_is_the_json_alone(tmp_path: Path, command: list[str]) -> None:
+    """``--json /dev/stdout`` is ``--json -`` by another name: the table used to follow the
+    JSON on stdout, and a script reading it got invalid JSON."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(RECORD + "\n")
+    argv = [str(trace) if word == "TRACE" else word for word in command]
+    result = run_cli(*argv, "--json", "/dev/stdout")
+    assert result.returncode == 0, result.stderr
+    assert isinstance(json.loads(result.stdout), dict)
+
+
+def test_dev_stdout_and_dash_are_one_output() -> None:
+    result = run_cli(*SMALL, "--json", "/dev/stdout", "--csv", "-")
+    _assert_one_line(result, 1, "would both write to standard output")
+
+
 def _workers(pid: int) -> set[int]:
     """The worker processes ``pid`` spawned (not its resource tracker, which ends on its own
     once the parent has gone)."""

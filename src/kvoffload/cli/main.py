@@ -148,6 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
         except SystemExit as exc:  # --help, or a usage error already reported by argparse
             return exc.code if isinstance(exc.code, int) else 2
+        for option in ("json", "csv"):
+            if output.names_standard_output(getattr(args, option, None)):
+                setattr(args, option, "-")
         with sigterm_as_interrupt():
             status: int = args.run(args)
         return status
