@@ -137,6 +137,22 @@ def test_a_result_file_is_replaced_keeping_its_mode_and_links(tmp_path: Path) ->
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "real.json"]
 
 
+@pytest.mark.parametrize("command", ["simulate", "sweep", "trace-stats"])
+def test_a_link_into_a_missing_directory_is_refused_before_the_run(
+    tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The file is written where the link leads: its directory was checked only after the
+    run, which then ended in "cannot write", the run lost."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 16, "output_length": 1, "hash_ids": [1]}\n')
+    link = tmp_path / "out.json"
+    link.symlink_to(tmp_path / "gone" / "out.json")
+    args = [trace.as_posix()] if command == "trace-stats" else ["--trace", trace.as_posix()]
+    assert main([command, *args, "--json", str(link)]) == 1
+    err = one_line_error(capsys)
+    assert f"--json {link}: no such directory: {tmp_path / 'gone'}" in err
+
+
 @pytest.mark.parametrize(
     ("outputs", "message"),
     [

@@ -129,6 +129,8 @@ def check_writable_file(path: str, option: str) -> None:
     target = Path(path)
     if target.is_dir():
         raise InvalidArgumentError(f"{option} {path}: is a directory")
+    if not target.exists():  # a new file, made where a (dangling) symbolic link leads
+        target = Path(os.path.realpath(path))
     parent = target.parent
     if not parent.is_dir():
         raise InvalidArgumentError(f"{option} {path}: no such directory: {parent}")
