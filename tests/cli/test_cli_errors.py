@@ -137,6 +137,28 @@ def test_a_result_file_is_replaced_keeping_its_mode_and_links(tmp_path: Path) ->
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "real.json"]
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [*SMALL, "--json", ""],
+        [*SMALL, "--csv", ""],
+        [*SMALL, "--layout", ""],
+        ["sweep", "--requests", "50", "--plot-dir", ""],
+        ["trace-stats", "t.jsonl", "--json", ""],
+    ],
+)
+def test_an_empty_output_or_layout_is_refused(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--json "$OUT"`` with ``OUT`` unset used to run and write no file (status 0), and
+    ``--layout ""`` to take the default model's layout, both unsaid."""
+    option = argv[-2]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvoffload: error: argument {option}: must not be empty"), err
+    assert err.count("\n") == 1
+
+
 @pytest.mark.parametrize("command", ["simulate", "sweep", "trace-stats"])
 def test_a_link_into_a_missing_directory_is_refused_before_the_run(
     tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]

@@ -28,6 +28,9 @@ from kvoffload.integrations.vllm.versions import (
 )
 
 PROG = "kvoffload"
+NAMED_BY_TEXT = ("json", "csv", "plot_dir", "layout")
+"""Options an empty string would silently turn off (no file, no plots, the default layout),
+as ``--json "$OUT"`` does with ``OUT`` unset: refused instead."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -145,6 +148,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if unknown:  # named by the command's own parser, so the hint is its --help
                 _command_parser(parser, args_list).error(
                     f"unrecognized arguments: {' '.join(unknown)}"
+                )
+            empty = next((dest for dest in NAMED_BY_TEXT if getattr(args, dest, None) == ""), None)
+            if empty is not None:
+                _command_parser(parser, args_list).error(
+                    f"argument --{empty.replace('_', '-')}: must not be empty"
                 )
         except SystemExit as exc:  # --help, or a usage error already reported by argparse
             return exc.code if isinstance(exc.code, int) else 2
