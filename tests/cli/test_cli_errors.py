@@ -241,6 +241,28 @@ def test_a_closed_stdout_is_no_traceback() -> None:
     assert result.stderr == "kvoffload: error: --json -: standard output is closed\n"
 
 
+def _close_stderr() -> None:
+    os.close(2)
+
+
+@pytest.mark.parametrize("progress", ["--progress", "--no-progress", None])
+def test_a_closed_stderr_leaves_the_run_and_its_table(progress: str | None) -> None:
+    """Started with stderr closed (``2>&-``, as some cron lines are), deciding whether to show
+    progress died in an AttributeError, whose traceback went nowhere: status 1, no table."""
+    argv = ["simulate", "--requests", "50", "--no-bound", *([progress] if progress else [])]
+    code = "import sys; from kvoffload.cli.main import main; sys.exit(main())"
+    result = subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=120,
+        check=False,
+        preexec_fn=_close_stderr,
+    )
+    assert result.returncode == 0
+    assert "total hit ratio" in result.stdout
+
+
 def test_a_reader_that_has_gone_ends_the_output_quietly() -> None:
     """``kvoffload ... | head``: status 1, no "Broken pipe" error and no traceback."""
     read_end, write_end = os.pipe()
