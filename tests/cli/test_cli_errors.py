@@ -138,6 +138,44 @@ def test_a_result_file_is_replaced_keeping_its_mode_and_links(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize(
+    "argv",
+    [
+        [*SMALL, "--json", ""],
+        [*SMALL, "--csv", ""],
+        [*SMALL, "--layout", ""],
+        ["sweep", "--requests", "50", "--plot-dir", ""],
+        ["trace-stats", "t.jsonl", "--json", ""],
+    ],
+)
+def test_an_empty_output_or_layout_is_refused(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--json "$OUT"`` with ``OUT`` unset used to run and write no file (status 0), and
+    ``--layout ""`` to take the default model's layout, both unsaid."""
+    option = argv[-2]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvoffload: error: argument {option}: must not be empty"), err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("command", ["simulate", "sweep", "trace-stats"])
+def test_a_link_into_a_missing_directory_is_refused_before_the_run(
+    tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The file is written where the link leads: its directory was checked only after the
+    run, which then ended in "cannot write", the run lost."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 16, "output_length": 1, "hash_ids": [1]}\n')
+    link = tmp_path / "out.json"
+    link.symlink_to(tmp_path / "gone" / "out.json")
+    args = [trace.as_posix()] if command == "trace-stats" else ["--trace", trace.as_posix()]
+    assert main([command, *args, "--json", str(link)]) == 1
+    err = one_line_error(capsys)
+    assert f"--json {link}: no such directory: {tmp_path / 'gone'}" in err
+
+
+@pytest.mark.parametrize(
     ("outputs", "message"),
     [
         (["--json", "{tmp}/x.out", "--csv", "{tmp}/x.out"], "--json {tmp}/x.out and --csv"),
@@ -201,6 +239,28 @@ def test_a_closed_stdout_is_no_traceback() -> None:
     result = _cli([*SMALL, "--no-bound", "--json", "-"], preexec_fn=_close_stdout)
     assert result.returncode == 1
     assert result.stderr == "kvoffload: error: --json -: standard output is closed\n"
+
+
+def _close_stderr() -> None:
+    os.close(2)
+
+
+@pytest.mark.parametrize("progress", ["--progress", "--no-progress", None])
+def test_a_closed_stderr_leaves_the_run_and_its_table(progress: str | None) -> None:
+    """Started with stderr closed (``2>&-``, as some cron lines are), deciding whether to show
+    progress died in an AttributeError, whose traceback went nowhere: status 1, no table."""
+    argv = ["simulate", "--requests", "50", "--no-bound", *([progress] if progress else [])]
+    code = "import sys; from kvoffload.cli.main import main; sys.exit(main())"
+    result = subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=120,
+        check=False,
+        preexec_fn=_close_stderr,
+    )
+    assert result.returncode == 0
+    assert "total hit ratio" in result.stdout
 
 
 def test_a_reader_that_has_gone_ends_the_output_quietly() -> None:

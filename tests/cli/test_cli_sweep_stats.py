@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-from kvoffload.cli.main import main
+from kvoffload.cli.main import build_parser, main
 
 
 def test_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -87,3 +88,17 @@ def test_trace_stats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     stats = json.loads(capsys.readouterr().out)
     assert (stats["requests"], stats["refs"], stats["unique_blocks"]) == (2, 5, 3)
     assert stats["block_tokens"] == 16
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_jobs_default_to_the_cpus_this_process_may_run_on() -> None:
+    """Under ``taskset`` or a container's cpuset, the machine's CPU count would start more
+    workers than there are CPUs to run them, each holding the workload."""
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        parser, _ = build_parser()
+        args = parser.parse_args(["sweep"])
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert args.jobs == 1

@@ -6,6 +6,7 @@ timeout where the old behaviour was to loop or read forever.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -433,6 +434,121 @@ def test_ctrl_c_stops_a_sweep_and_keeps_finished_runs(tmp_path: Path) -> None:
     assert 1 <= len(runs) < 48
     assert len(out_csv.read_text().splitlines()) == len(runs) + 1
     assert stopped_after < 30  # generous: it would otherwise run the remaining configurations
+
+
+@pytest.mark.parametrize("command", [SMALL, ["trace-stats", "TRACE"]])
+def test_json_to_dev_stdout_is_the_json_alone(tmp_path: Path, command: list[str]) -> None:
+    """``--json /dev/stdout`` is ``--json -`` by another name: the table used to follow the
+    JSON on stdout, and a script reading it got invalid JSON."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(RECORD + "\n")
+    argv = [str(trace) if word == "TRACE" else word for word in command]
+    result = run_cli(*argv, "--json", "/dev/stdout")
+    assert result.returncode == 0, result.stderr
+    assert isinstance(json.loads(result.stdout), dict)
+
+
+def test_dev_stdout_and_dash_are_one_output() -> None:
+    result = run_cli(*SMALL, "--json", "/dev/stdout", "--csv", "-")
+    _assert_one_line(result, 1, "would both write to standard output")
+
+
+def _workers(pid: int) -> set[int]:
+    """The worker processes ``pid`` spawned (not its resource tracker, which ends on its own
+    once the parent has gone)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue  # not a process, or gone
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in command:
+            found.add(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_sigterm_stops_a_sweep_and_its_workers(tmp_path: Path) -> None:
+    """SIGTERM (``kill``, ``timeout``, a service manager) used to end the parent on the spot,
+    leaving each worker to finish its run (minutes, on a large workload) unwatched."""
+    out_json = tmp_path / "runs.json"
+    capacities = ",".join(str(1000 * (i + 1)) for i in range(12))
+    argv = [*CLI, "sweep", "--requests", "8000", "--seed", "3", "--gpu-blocks", "3000"]
+    argv += ["--cpu-blocks", capacities, "--jobs", "2", "--progress", "--json", str(out_json)]
+    seen = bytearray()
+    first_done = threading.Event()
+    with subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL) as process:
+
+        def watch() -> None:
+            assert process.stderr is not None
+            while chunk := process.stderr.read1(4096):
+                seen.extend(chunk)
+                if b" 1/60 " in seen:
+                    first_done.set()
+            first_done.set()
+
+        reader = threading.Thread(target=watch, daemon=True)
+        reader.start()
+        workers: set[int] = set()
+        try:
+            first_done.wait(120)
+            assert process.poll() is None, f"ended early: {seen.decode(errors='replace')}"
+            workers = _workers(process.pid)
+            assert len(workers) >= 2, workers
+            process.send_signal(signal.SIGTERM)
+            status = process.wait(timeout=60)
+            # Stopped and reaped before the sweep exits; not, each would still be mid-run.
+            left = {pid for pid in workers if _alive(pid)}
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            for pid in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        reader.join(timeout=10)
+    text = seen.decode(errors="replace")
+    assert left == set(), f"workers left running: {left}"
+    assert status == 130 and "Traceback" not in text, text
+    err = text.split("\n")[-2]
+    assert err.startswith("kvoffload: interrupted: sweep interrupted after "), err
+    assert 1 <= len(json.loads(out_json.read_text())) < 48
+
+
+def test_an_interrupted_sweep_with_no_finished_run_keeps_an_earlier_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C before any run finished used to overwrite an earlier sweep's --json with ``[]``
+    (the --csv file, with no row to write, was already left alone)."""
+    from kvoffload.sim import sweep as sim_sweep
+
+    def interrupted(task: object) -> None:
+        raise KeyboardInterrupt  # Ctrl-C during the first run
+
+    earlier = '[{"policy": "lru"}]\n'
+    out_json, out_csv = tmp_path / "runs.json", tmp_path / "runs.csv"
+    out_json.write_text(earlier)
+    out_csv.write_text("policy\nlru\n")
+    monkeypatch.setattr(sim_sweep, "_run_task", interrupted)
+    args = ["sweep", "--requests", "30", "--jobs", "1", "--no-progress"]
+    status = main([*args, "--json", str(out_json), "--csv", str(out_csv)])
+    err = capsys.readouterr().err
+    assert status == 130
+    expected = (
+        "kvoffload: interrupted: sweep interrupted after 0 of 16 runs; no run had finished; "
+        f"{out_json} and {out_csv} not written\n"
+    )
+    assert err == expected
+    assert out_json.read_text() == earlier
+    assert out_csv.read_text() == "policy\nlru\n"
 
 
 @pytest.mark.parametrize(

@@ -11,10 +11,7 @@ import argparse
 import contextlib
 import importlib
 import json
-import signal
-import threading
-from collections.abc import Iterator
-from types import FrameType, ModuleType
+from types import ModuleType
 from typing import Any
 
 from kvoffload.cli import options, output, tier_options
@@ -133,20 +130,19 @@ def run_tiers(args: argparse.Namespace) -> int:
     if args.sglang is not None:
         return _run_sglang(args)
     bar = ProgressBar("bench tiers", ProgressBar.wanted(args.progress))
-    with _sigterm_as_interrupt():
-        try:
-            results = measure_tiers(
-                args.blocks,
-                args.block_mib,
-                args.rounds,
-                args.dir,
-                args.remote,
-                fsync=args.fsync,
-                disk_timeout_ms=args.disk_timeout_ms or DEFAULT_TIMEOUT_MS,
-                progress=bar,
-            )
-        finally:
-            bar.close()
+    try:
+        results = measure_tiers(
+            args.blocks,
+            args.block_mib,
+            args.rounds,
+            args.dir,
+            args.remote,
+            fsync=args.fsync,
+            disk_timeout_ms=args.disk_timeout_ms or DEFAULT_TIMEOUT_MS,
+            progress=bar,
+        )
+    finally:
+        bar.close()
     if args.json:
         output.write_json(args.json, results)
     if args.json != "-":
@@ -180,44 +176,25 @@ def _run_sglang(args: argparse.Namespace) -> int:
         bar(started, total)
         started += 1
 
-    with _sigterm_as_interrupt():
-        try:
-            results = measure_sglang(
-                args.blocks,
-                args.block_mib,
-                args.rounds,
-                args.dir,
-                args.remote,
-                interfaces,
-                row_starts,
-            )
-            bar(total, total)
-        finally:
-            bar.close()
+    try:
+        results = measure_sglang(
+            args.blocks,
+            args.block_mib,
+            args.rounds,
+            args.dir,
+            args.remote,
+            interfaces,
+            row_starts,
+        )
+        bar(total, total)
+    finally:
+        bar.close()
     if args.json:
         output.write_json(args.json, results)
     if args.json != "-":
         headers, rows, note = table_rows(results)
         print(output.column_table(headers, rows) + "\n" + note)
     return 0
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM unwinds as Ctrl-C does, so the benchmark removes its scratch directories
-    and ends with one line (signal handlers belong to the main thread alone)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def tier_table(results: dict[str, Any]) -> str:

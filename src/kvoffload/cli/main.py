@@ -2,8 +2,8 @@
 
 Library errors (:class:`~kvoffload.core.errors.KVOffloadError`) and file
 errors become one line on stderr and exit status 1, usage errors one line and
-status 2, Ctrl-C one line and status 130; never a traceback. A reader of stdout that
-has gone (``| head``) ends the command quietly, status 1.
+status 2, Ctrl-C or SIGTERM one line and status 130; never a traceback. A
+reader of stdout that has gone (``| head``) ends the command quietly, status 1.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import NoReturn
 
 from kvoffload.admission.compiled import compiled_summary
 from kvoffload.cli import bench, output, simulate, sweep, trace_stats
+from kvoffload.cli.interrupts import sigterm_as_interrupt
 from kvoffload.core.errors import KVOffloadError
 from kvoffload.integrations.vllm.versions import (
     SUPPORTED,
@@ -27,6 +28,9 @@ from kvoffload.integrations.vllm.versions import (
 )
 
 PROG = "kvoffload"
+NAMED_BY_TEXT = ("json", "csv", "plot_dir", "layout")
+"""Options an empty string would silently turn off (no file, no plots, the default layout),
+as ``--json "$OUT"`` does with ``OUT`` unset: refused instead."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -145,9 +149,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _command_parser(parser, args_list).error(
                     f"unrecognized arguments: {' '.join(unknown)}"
                 )
+            empty = next((dest for dest in NAMED_BY_TEXT if getattr(args, dest, None) == ""), None)
+            if empty is not None:
+                _command_parser(parser, args_list).error(
+                    f"argument --{empty.replace('_', '-')}: must not be empty"
+                )
         except SystemExit as exc:  # --help, or a usage error already reported by argparse
             return exc.code if isinstance(exc.code, int) else 2
-        status: int = args.run(args)
+        for option in ("json", "csv"):
+            if output.names_standard_output(getattr(args, option, None)):
+                setattr(args, option, "-")
+        with sigterm_as_interrupt():
+            status: int = args.run(args)
         return status
     except KVOffloadError as exc:
         _error(str(exc))

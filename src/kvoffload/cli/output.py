@@ -108,6 +108,18 @@ def one_line(text: str) -> str:
     return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
 
 
+def names_standard_output(path: str | None) -> bool:
+    """Whether ``path`` is standard output under another name (``/dev/stdout``,
+    ``/proc/self/fd/1``): written there as ``-`` is, the table is left out, so that what
+    a script reads from stdout is the JSON or CSV alone."""
+    if path is None or path == "-" or sys.stdout is None:
+        return path == "-"
+    try:
+        return os.path.samestat(os.fstat(sys.stdout.fileno()), os.stat(path))
+    except (OSError, ValueError):  # not there, or stdout is no file (captured)
+        return False
+
+
 def check_writable_file(path: str, option: str) -> None:
     """:class:`InvalidArgumentError` unless ``path`` (``-``: stdout) can be written."""
     if path == "-":
@@ -117,6 +129,8 @@ def check_writable_file(path: str, option: str) -> None:
     target = Path(path)
     if target.is_dir():
         raise InvalidArgumentError(f"{option} {path}: is a directory")
+    if not target.exists():  # a new file, made where a (dangling) symbolic link leads
+        target = Path(os.path.realpath(path))
     parent = target.parent
     if not parent.is_dir():
         raise InvalidArgumentError(f"{option} {path}: no such directory: {parent}")

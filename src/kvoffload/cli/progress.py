@@ -8,6 +8,7 @@ a carriage return. It never writes to stdout, so JSON sent there stays clean.
 
 from __future__ import annotations
 
+import io
 import shutil
 import sys
 import time
@@ -55,8 +56,10 @@ class ProgressBar:
 
     def __init__(self, label: str, enabled: bool, stream: TextIO | None = None) -> None:
         self.label = label
-        self.enabled = enabled
-        self.stream = sys.stderr if stream is None else stream
+        chosen: TextIO | None = sys.stderr if stream is None else stream
+        # Started with stderr closed (``2>&-``) there is nowhere to draw: no bar, no failure.
+        self.enabled = enabled and chosen is not None
+        self.stream: TextIO = io.StringIO() if chosen is None else chosen
         self._started = time.monotonic()
         self._last_draw = 0.0
         self._drawn = False
@@ -67,7 +70,9 @@ class ProgressBar:
     @staticmethod
     def wanted(requested: bool | None) -> bool:
         """Shown when asked for, or by default when stderr is a terminal."""
-        return sys.stderr.isatty() if requested is None else requested
+        if requested is None:
+            return sys.stderr is not None and sys.stderr.isatty()
+        return requested
 
     def __call__(self, done: int, total: int) -> None:
         if not self.enabled:

@@ -23,6 +23,16 @@ DEFAULT_FACTORS = (1, 2, 4, 8)
 """Offload capacities swept by default, in GPU caches."""
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (``taskset``, a container's cpuset), not the
+    machine's: more workers than that only share them, each with its own copy of the
+    workload in memory."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no affinity on this platform
+        return os.cpu_count() or 1
+
+
 def register(commands: Any) -> None:
     parser = commands.add_parser(
         "sweep",
@@ -55,8 +65,8 @@ def register(commands: Any) -> None:
     parser.add_argument(
         "--jobs",
         type=options.POSITIVE_INT,
-        default=os.cpu_count() or 1,
-        help="parallel processes (default: CPU count)",
+        default=usable_cpus(),
+        help="parallel processes (default: the CPUs this process may run on)",
     )
     parser.add_argument("--plot-dir", metavar="DIR", help="write PNG plots into DIR")
     parser.add_argument("--json", metavar="PATH", help="write every run as a JSON list (- stdout)")
@@ -162,18 +172,22 @@ def _write(args: argparse.Namespace, reports: list[RunReport]) -> None:
 
 
 def _interrupted(args: argparse.Namespace, stop: SweepInterrupted) -> int:
-    """Keep what finished: write and show it, then say so on one line; status 130."""
+    """Keep what finished: write and show it, then say so on one line; status 130. With
+    nothing finished nothing is written, so the files of an earlier sweep stay as they were."""
     reports = stop.reports
-    _write(args, reports)
-    if reports and "-" not in (args.json, args.csv):
-        print(format_sweep(reports))
     written = [path for path in (args.json, args.csv) if path and path != "-"]
     if not reports:
         kept = "no run had finished"
-    elif written:
-        kept = f"the finished runs were written to {' and '.join(written)}"
+        if written:
+            kept += f"; {' and '.join(written)} not written"
     else:
-        kept = "the finished runs are shown above"
+        _write(args, reports)
+        if "-" not in (args.json, args.csv):
+            print(format_sweep(reports))
+        if written:
+            kept = f"the finished runs were written to {' and '.join(written)}"
+        else:
+            kept = "the finished runs are shown above"
     print(output.one_line(f"kvoffload: interrupted: {stop}; {kept}"), file=sys.stderr)
     return 130
 
