@@ -7,6 +7,7 @@ always kills it, and the fixtures call ``stop`` also when a test fails.
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import subprocess
 import threading
@@ -23,13 +24,39 @@ TEST_TIMEOUT_MS = 2000
 MAX_PORT = 65_535 - BUS_OFFSET
 
 
+LOWEST_PORT = 11_000
+_handed_out: set[int] = set()
+"""Ports (and bus ports) this process gave a server, which may not have bound them yet."""
+
+
+def _ephemeral_low() -> int:
+    """The first port the kernel hands to a socket bound to port 0 or connecting out."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as ports:
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
 def free_port() -> int:
-    """A free port whose cluster bus port (+10000) is free too, as Cluster mode needs."""
+    """A free port whose cluster bus port (+10000) is free too, as Cluster mode needs.
+
+    Both lie below the kernel's ephemeral range where it leaves room: a port taken from
+    that range, free when checked, could go to any outgoing connection or port-0 socket
+    (a TLS terminator's) before its server binds it, and the server then failed to start.
+    None is handed out twice in one process (servers are made before they start)."""
+    highest = min(_ephemeral_low(), 65_536) - BUS_OFFSET - 1
+    randomly = random.Random()
     while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port: int = sock.getsockname()[1]
-        if port <= MAX_PORT and _free(port) and _free(port + BUS_OFFSET):
+        if highest - LOWEST_PORT >= 1_000:
+            port = randomly.randint(LOWEST_PORT, highest)
+        else:  # no room below the ephemeral range: ask the kernel, as before
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+        bus = port + BUS_OFFSET
+        if port <= MAX_PORT and not {port, bus} & _handed_out and _free(port) and _free(bus):
+            _handed_out.update((port, bus))
             return port
 
 
