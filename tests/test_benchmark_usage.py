@@ -2,17 +2,13 @@
 ``--help``: a script whose option set-up no longer matches the library fails here, not on
 the (often GPU) machine it was carried to."""
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-import kvoffload
+from sim.benchmark_scripts import BENCHMARKS, run_script
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(path for path in BENCHMARKS.glob("*.py") if "__main__" in path.read_text())
 OPTIONAL = re.compile(r"ModuleNotFoundError: No module named '(torch|vllm|sglang)[.']")
 """Engines and torch are optional: a script that needs one is skipped where it is absent."""
@@ -20,17 +16,7 @@ OPTIONAL = re.compile(r"ModuleNotFoundError: No module named '(torch|vllm|sglang
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: path.stem)
 def test_script_prints_its_usage(script: Path) -> None:
-    env = dict(os.environ)
-    src = str(Path(kvoffload.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [src, env.get("PYTHONPATH", "")] if p)
-    done = subprocess.run(
-        [sys.executable, str(script), "--help"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
+    done = run_script(script, ["--help"], timeout=120)
     missing = OPTIONAL.search(done.stderr)
     if missing:
         pytest.skip(f"{script.name} needs {missing.group(1)}")
@@ -64,17 +50,7 @@ def test_a_bad_argument_is_one_line_before_the_run(
     """A misspelt policy left its rows out of the table without a word, a repeat of 0 or an
     unknown workload stopped the run in a traceback, and ``--json`` was checked only by
     writing it after the whole run."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(Path(kvoffload.__file__).resolve().parents[1])
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / f"{script}.py"), *arguments],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=300,
-        check=False,
-    )
+    done = run_script(BENCHMARKS / f"{script}.py", arguments, cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert error in done.stderr and "Traceback" not in done.stderr
     assert done.stdout == ""  # refused before the table's first line

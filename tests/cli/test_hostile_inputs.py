@@ -388,6 +388,27 @@ def test_an_endless_serve_after_is_refused_not_slept() -> None:
     _assert_one_line(result, 2, "--serve-after: must be a finite number")
 
 
+def _watch_first_run(
+    process: subprocess.Popen[bytes],
+) -> tuple[bytearray, threading.Event, threading.Thread]:
+    """A thread copying a sweep's stderr into the returned bytes, and an event set once its
+    first of 60 runs is done or it ended (the caller's assertions then say which)."""
+    seen = bytearray()
+    first_done = threading.Event()
+
+    def watch() -> None:
+        assert process.stderr is not None
+        while chunk := process.stderr.read1(4096):
+            seen.extend(chunk)
+            if b" 1/60 " in seen:
+                first_done.set()
+        first_done.set()
+
+    reader = threading.Thread(target=watch, daemon=True)
+    reader.start()
+    return seen, first_done, reader
+
+
 def test_ctrl_c_stops_a_sweep_and_keeps_finished_runs(tmp_path: Path) -> None:
     folder = tmp_path / "new\nline"  # the one line that names the files stays one line
     folder.mkdir()
@@ -399,20 +420,8 @@ def test_ctrl_c_stops_a_sweep_and_keeps_finished_runs(tmp_path: Path) -> None:
     argv = [*CLI[:2], interactive + CLI[2], "sweep", "--requests", "8000", "--seed", "3"]
     argv += ["--gpu-blocks", "3000", "--cpu-blocks", capacities, "--jobs", "2", "--progress"]
     argv += ["--json", str(out_json), "--csv", str(out_csv)]
-    seen = bytearray()
-    first_done = threading.Event()
     with subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL) as process:
-
-        def watch() -> None:
-            assert process.stderr is not None
-            while chunk := process.stderr.read1(4096):
-                seen.extend(chunk)
-                if b" 1/60 " in seen:
-                    first_done.set()
-            first_done.set()  # ended: the assertions below say how
-
-        reader = threading.Thread(target=watch, daemon=True)
-        reader.start()
+        seen, first_done, reader = _watch_first_run(process)
         try:
             first_done.wait(120)
             assert process.poll() is None, f"ended early: {seen.decode(errors='replace')}"
@@ -483,20 +492,8 @@ def test_sigterm_stops_a_sweep_and_its_workers(tmp_path: Path) -> None:
     capacities = ",".join(str(1000 * (i + 1)) for i in range(12))
     argv = [*CLI, "sweep", "--requests", "8000", "--seed", "3", "--gpu-blocks", "3000"]
     argv += ["--cpu-blocks", capacities, "--jobs", "2", "--progress", "--json", str(out_json)]
-    seen = bytearray()
-    first_done = threading.Event()
     with subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL) as process:
-
-        def watch() -> None:
-            assert process.stderr is not None
-            while chunk := process.stderr.read1(4096):
-                seen.extend(chunk)
-                if b" 1/60 " in seen:
-                    first_done.set()
-            first_done.set()
-
-        reader = threading.Thread(target=watch, daemon=True)
-        reader.start()
+        seen, first_done, reader = _watch_first_run(process)
         workers: set[int] = set()
         try:
             first_done.wait(120)

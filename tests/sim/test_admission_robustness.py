@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from benchmark_scripts import load_benchmark
-
-import kvoffload
+from benchmark_scripts import load_benchmark, run_script
 
 robust = load_benchmark("admission_robustness")
 
@@ -388,17 +383,9 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_run(
     """``--json`` was written only after every shape had run (a quarter of an hour at the
     default size), and a path it could not write then lost the run in a traceback."""
     (tmp_path / "file.txt").write_text("")
-    env = {**os.environ, "PYTHONPATH": str(Path(kvoffload.__file__).resolve().parents[1])}
     script = Path(robust.__file__).resolve()
-    done = subprocess.run(
-        [sys.executable, str(script), "--shapes", "1", "--seed", "3", "--jobs", "1", option, path],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=300,
-        check=False,
-    )
+    arguments = ["--shapes", "1", "--seed", "3", "--jobs", "1", option, path]
+    done = run_script(script, arguments, cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert error in done.stderr and "Traceback" not in done.stderr
     assert "shape 1/1" not in done.stderr  # refused before the run
@@ -408,17 +395,8 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_run(
 def test_a_bad_capacity_share_is_one_line_error(tmp_path: Path, shares: str) -> None:
     """The admission table's ``--shares``: a share that is no number > 0 is refused by its
     option's name, not in a traceback from the middle of the script."""
-    env = {**os.environ, "PYTHONPATH": str(Path(kvoffload.__file__).resolve().parents[1])}
     script = Path(robust.__file__).resolve().with_name("admission_table.py")
-    done = subprocess.run(
-        [sys.executable, str(script), "--held-out", f"--shares={shares}"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=300,
-        check=False,
-    )
+    done = run_script(script, ["--held-out", f"--shares={shares}"], cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert "argument --shares" in done.stderr and "Traceback" not in done.stderr
 
