@@ -67,8 +67,8 @@ def test_bound_never_below_the_policy(mixed: Workload, policy: str, cpu_blocks: 
 
 def reference_bound(workload: Workload, gpu_blocks: int, offload_blocks: int) -> tuple[int, int]:
     """The bound the plain way: next uses from each key's list of tier uses (a request uses
-    a key from the tier at or past its GPU hit, less than a tier-full past it), a heap of
-    (-use, -position there)."""
+    a key from the tier at or past its GPU hit, within a tier-full of distinct keys past it),
+    a heap of (-use, -position there)."""
     requests = workload.requests
     gpu = GPUPrefixCache(gpu_blocks)
     hits = []
@@ -81,7 +81,14 @@ def reference_bound(workload: Workload, gpu_blocks: int, offload_blocks: int) ->
 
     tier_uses: dict[OffloadKey, list[tuple[int, int]]] = {}
     for index, req in enumerate(requests):
-        reach = min(len(req.keys), hits[index] + offload_blocks)
+        distinct: list[OffloadKey] = []
+        reach = hits[index]
+        while reach < len(req.keys):
+            if req.keys[reach] not in distinct:
+                if len(distinct) == offload_blocks:
+                    break
+                distinct.append(req.keys[reach])
+            reach += 1
         for position in range(reach - 1, hits[index] - 1, -1):
             tier_uses.setdefault(req.keys[position], []).append((index, position))
 
@@ -128,6 +135,22 @@ def test_bound_matches_the_plain_heap_rendering(
     assert (bound.gpu_hit_blocks, bound.offload_hit_blocks) == expected
     known = ServingEngine(EngineConfig(gpu_blocks, 1, 16), None).run(workload.requests)
     assert known.gpu_hit_blocks == expected[0]
+
+
+def test_a_key_repeated_in_a_request_takes_one_slot_of_the_reach() -> None:
+    """A hit needs the request's distinct keys from the GPU hit on in the tier at once: the
+    bound counted positions, so key 4 at the fourth position of [1, 0, 0, 4] (three distinct
+    keys) was out of a 3-block tier's reach and the bound fell below the plain rendering
+    (a hypothesis draw found it in CI)."""
+    ids = [[0, 2, 4, 1], [3, 0, 0], [1, 0, 0, 4]]
+    workload = Workload(
+        "repeats",
+        16,
+        [Request(i, 16 * len(b), 1, [block_id_key(x) for x in b]) for i, b in enumerate(ids)],
+    )
+    bound = belady_bound(workload.requests, 6, 3)
+    assert (bound.gpu_hit_blocks, bound.offload_hit_blocks) == reference_bound(workload, 6, 3)
+    assert bound.offload_hit_blocks == 4
 
 
 def test_bound_from_known_gpu_hits_is_the_same(mixed: Workload) -> None:

@@ -87,6 +87,25 @@ def gpu_prefix_hits(
     return hits
 
 
+def reach_end(keys: Sequence[OffloadKey], start: int, reach: int) -> int:
+    """One past the last position of ``keys`` a tier of ``reach`` blocks can serve from
+    ``start`` on: it must hold every distinct key from ``start`` to there at once. A key
+    repeated within a request takes no second slot (keys chained by prefix never repeat;
+    a trace's may), so the end is counted in distinct keys."""
+    end = min(len(keys), start + reach)
+    if end == len(keys):
+        return end
+    held = set(keys[start:end])
+    while end < len(keys):
+        key = keys[end]
+        if key not in held:
+            if len(held) >= reach:
+                break
+            held.add(key)
+        end += 1
+    return end
+
+
 def next_uses(
     requests: Sequence[Sequence[OffloadKey]], gpu_hits: Sequence[int], reach: int | None = None
 ) -> list[list[NextUse]]:
@@ -103,7 +122,7 @@ def next_uses(
     for index in range(len(requests) - 1, -1, -1):
         keys = requests[index]
         result[index] = [next_use.get(key, never) for key in keys]
-        end = len(keys) if reach is None else min(len(keys), gpu_hits[index] + reach)
+        end = len(keys) if reach is None else reach_end(keys, gpu_hits[index], reach)
         for position in range(end - 1, gpu_hits[index] - 1, -1):
             next_use[keys[position]] = (index, position)
     return result
@@ -148,7 +167,7 @@ def belady_bound(
     if tracking:
         for index, keys in enumerate(cacheable):
             hit = gpu_hits[index]
-            for position in range(hit, min(len(keys), hit + offload_blocks)):
+            for position in range(hit, reach_end(keys, hit, offload_blocks)):
                 next_use.setdefault(keys[position], (index, position))
     tier: dict[OffloadKey, int] = {}
     by_use = _ByNextUse(cacheable)
