@@ -20,7 +20,7 @@ from typing import Any, Protocol, TypeVar
 from kvoffload.admission.base import AdmissionLayer
 from kvoffload.admission.budget import WriteBudget, check_write_budget
 from kvoffload.admission.params import NoParams, ParamValue, check_params, parse_params
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError
 from kvoffload.core.manager import OffloadingManager
 
 NO_ADMISSION = "none"
@@ -161,13 +161,30 @@ def wrap_with_admission(
     capacity: int,
     write_budget: float | WriteBudget | None = None,
     params: RawParams | object | None = None,
+    size_key: str = "",
 ) -> OffloadingManager:
     """``backing`` behind the admission rule ``name`` (unchanged for ``none``).
 
     A ``write_budget`` (writes per block reference, or a :class:`WriteBudget`) needs
     the optimiser, the only layer that can keep to one. ``params``: see
-    :func:`admission_params`.
+    :func:`admission_params`. ``size_key``: the caller's key of ``capacity``, which
+    memory the layer's size asks and the machine lacks then names (the layer grows with it).
     """
+    try:
+        return _wrap(name, backing, capacity, write_budget, params)
+    except InsufficientMemoryError as exc:
+        if not size_key:
+            raise
+        raise InsufficientMemoryError(f"{size_key}: {exc}") from None
+
+
+def _wrap(
+    name: str,
+    backing: OffloadingManager,
+    capacity: int,
+    write_budget: float | WriteBudget | None,
+    params: RawParams | object | None,
+) -> OffloadingManager:
     from kvoffload.admission.optimiser import OptimisingAdmission
 
     canonical = resolve_admission(name)

@@ -52,16 +52,18 @@ def admission_book(
     write_budget: float | WriteBudget | None = None,
     policy: CachePolicy | None = None,
     params: object | None = None,
+    size_key: str = "",
 ) -> AdmissionLayer | None:
     """The admission layer ``admission`` over an :class:`AdmitAllManager`, sized for a tier
     of ``capacity`` blocks (``None`` for ``none``: every offer is written); ``params``: the
-    rule's parameters (see :func:`~kvoffload.admission.registry.admission_params`).
+    rule's parameters (see :func:`~kvoffload.admission.registry.admission_params`);
+    ``size_key``: the caller's key of ``capacity``, named by a memory error.
 
     The one assembly of a tier's own decision book: the tiered stack's lower tiers,
     SGLang's L3 tiers and vLLM's secondary tiers all use it.
     """
     book = AdmitAllManager(spec, policy)
-    layer = wrap_with_admission(admission, book, max(1, capacity), write_budget, params)
+    layer = wrap_with_admission(admission, book, max(1, capacity), write_budget, params, size_key)
     if isinstance(layer, FilterReusedOffloadingManager):
         return ReuseBook(book, max(1, capacity), layer)
     return layer if isinstance(layer, AdmissionLayer) else None

@@ -24,7 +24,7 @@ from kvoffload.admission import (
 )
 from kvoffload.admission.registry import admission_params
 from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD
-from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError, check_integer
+from kvoffload.core.errors import InvalidArgumentError, check_integer
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager
 from kvoffload.core.tier_protocol import LowerTier, SlotBytes, check_deadline_s, check_io_threads
@@ -322,17 +322,14 @@ def assemble(config: StackConfig, stack: Stack) -> Stack:
     """``stack`` (its CPU tier, and its tiered manager if any) under ``config``'s admission
     layer and then its reuse filter; ``stack.manager`` becomes the outermost."""
     bottom: OffloadingManager = stack.tiered if stack.tiered is not None else stack.cpu
-    try:
-        manager = wrap_with_admission(
-            config.admission,
-            bottom,
-            config.cpu_blocks,
-            config.write_budget,
-            config.admission_params,
-        )
-    except InsufficientMemoryError as exc:  # the layer's memory grows with the tier's size
-        size = config.size_keys.get("cpu_blocks", "cpu_blocks")
-        raise InsufficientMemoryError(f"{size}: {exc}") from None
+    manager = wrap_with_admission(
+        config.admission,
+        bottom,
+        config.cpu_blocks,
+        config.write_budget,
+        config.admission_params,
+        config.size_keys.get("cpu_blocks", "cpu_blocks"),
+    )
     if isinstance(manager, AdmissionLayer):
         stack.admission = manager
     if config.store_threshold >= 2:

@@ -40,12 +40,7 @@ from typing import cast
 
 from kvoffload.admission import AdmissionLayer, WriteBudget, resolve_admission
 from kvoffload.admission.reuse_counts import reuse_counts
-from kvoffload.core.errors import (
-    BlockNotPinnedError,
-    InsufficientMemoryError,
-    InvalidArgumentError,
-    check_integer,
-)
+from kvoffload.core.errors import BlockNotPinnedError, InvalidArgumentError, check_integer
 from kvoffload.core.keys import SINGLE_KEY_TYPES, OffloadKey, refuse_single_key
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import CPULoadStoreSpec, LoadStoreSpec
@@ -161,7 +156,16 @@ class TieredOffloadingManager(OffloadingManager):
         self.promotion_batches = [0] * len(self.tiers)
         """Reads started per lower tier (each one batch of blocks)."""
         self.admissions: list[AdmissionLayer | None] = [
-            _book(tier, s) for tier, s in zip(self.tiers, self._settings, strict=True)
+            admission_book(
+                s.admission,
+                _BookSpec(),
+                s.capacity,
+                s.write_budget,
+                _policy_of(tier),
+                s.admission_params,
+                s.size_key,
+            )
+            for tier, s in zip(self.tiers, self._settings, strict=True)
         ]
         """Per lower tier, its admission layer (``None``: its threshold alone decides)."""
         self._judging = any(layer is not None for layer in self.admissions)
@@ -512,24 +516,6 @@ class TieredOffloadingManager(OffloadingManager):
                 failed[key] = None
             while len(failed) > self._max_tracker:
                 failed.popitem(last=False)
-
-
-def _book(tier: LowerTier, settings: TierSettings) -> AdmissionLayer | None:
-    """The admission layer of ``tier`` under ``settings`` (``None``: its threshold alone
-    decides); memory its size asks of the layer and the machine lacks names the size's key."""
-    try:
-        return admission_book(
-            settings.admission,
-            _BookSpec(),
-            settings.capacity,
-            settings.write_budget,
-            _policy_of(tier),
-            settings.admission_params,
-        )
-    except InsufficientMemoryError as exc:
-        if not settings.size_key:
-            raise
-        raise InsufficientMemoryError(f"{settings.size_key}: {exc}") from None
 
 
 def _policy_of(tier: LowerTier) -> CachePolicy | None:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvoffload.admission import AdmissionLayer
-from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError
+from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.specs import LoadStoreSpec
 from kvoffload.core.tier_protocol import LowerTier
 from kvoffload.managers.admit_all import admission_book
@@ -97,19 +97,15 @@ def tier_book(
     The tiered manager builds the same from :meth:`LowerTierConfig.tier_settings`. With
     ``config.where`` set, memory the tier's size asks of its layer and the machine lacks
     names the size's key."""
-    try:
-        return admission_book(
-            config.admission,
-            spec,
-            config.blocks or 0,
-            config.write_budget,
-            policy,
-            config.admission_params,
-        )
-    except InsufficientMemoryError as exc:
-        if not config.where:
-            raise
-        raise InsufficientMemoryError(f"{config.size_name}: {exc}") from None
+    return admission_book(
+        config.admission,
+        spec,
+        config.blocks or 0,
+        config.write_budget,
+        policy,
+        config.admission_params,
+        config.size_name if config.where else "",
+    )
 
 
 @dataclass(frozen=True)
