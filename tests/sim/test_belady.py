@@ -14,7 +14,7 @@ from kvoffload.admission import available_admissions
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.policies import available_policies
-from kvoffload.sim.belady import BeladyResult, belady_bound, next_uses
+from kvoffload.sim.belady import BeladyResult, belady_bound, next_uses, reach_end
 from kvoffload.sim.engine import EngineConfig, ServingEngine
 from kvoffload.sim.generators import generate
 from kvoffload.sim.gpu_cache import GPUPrefixCache
@@ -151,6 +151,20 @@ def test_a_key_repeated_in_a_request_takes_one_slot_of_the_reach() -> None:
     bound = belady_bound(workload.requests, 6, 3)
     assert (bound.gpu_hit_blocks, bound.offload_hit_blocks) == reference_bound(workload, 6, 3)
     assert bound.offload_hit_blocks == 4
+
+
+@pytest.mark.parametrize(
+    ("ids", "start", "reach", "end"),
+    [
+        ([1, 2, 3, 4], 0, 3, 3),  # distinct keys: a tier-full of positions
+        ([1, 2, 3, 4], 1, 3, 4),  # the request's end comes first
+        ([1, 1, 2, 3], 0, 2, 3),  # the repeat takes no slot; the third key does not fit
+        ([1, 2, 1, 2, 3], 0, 2, 4),  # repeats past the first tier-full still fit
+        ([1, 2, 3], 0, 0, 0),
+    ],
+)
+def test_reach_counts_distinct_keys(ids: list[int], start: int, reach: int, end: int) -> None:
+    assert reach_end([block_id_key(i) for i in ids], start, reach) == end
 
 
 def test_bound_from_known_gpu_hits_is_the_same(mixed: Workload) -> None:
