@@ -3,7 +3,8 @@
 Library errors (:class:`~kvoffload.core.errors.KVOffloadError`) and file
 errors become one line on stderr and exit status 1, usage errors one line and
 status 2, Ctrl-C or SIGTERM one line and status 130; never a traceback. A
-reader of stdout that has gone (``| head``) ends the command quietly, status 1.
+reader of stdout that has gone before the output is written (``| true``) ends the
+command quietly, status 1.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def _command_parser(
 
 
 def _reader_gone() -> bool:
-    """Whether stdout's reader has gone (``kvoffload ... | head``): the output was cut short
+    """Whether stdout's reader has gone (``kvoffload ... | true``): the output was cut short
     on purpose, so the exit is quiet, as other command-line tools'. Stdout is pointed at
     ``/dev/null`` so that the interpreter's last flush does not fail once more."""
     try:
