@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import socket
@@ -603,3 +604,16 @@ def test_timeouts_without_end_wait_for_the_first_batch_or_are_refused() -> None:
         receiving.start()
         receiving.join(30)
         assert [[seq for seq, _ in got] for got in returned] == [[pub.published - 1]]
+
+
+def test_flush_says_whether_the_batches_were_sent(caplog: pytest.LogCaptureFixture) -> None:
+    """``flush`` returned nothing either way: a batch queued after ``close`` (no thread sends
+    it) waited out the timeout and returned as a sent one did, with nothing logged."""
+    with KVEventPublisher(LOCAL) as pub:
+        pub.publish(_stored(1))
+        assert pub.flush() is True
+    assert pub.flush() is True  # close sent everything queued before it
+    pub.publish(_stored(2))
+    with caplog.at_level(logging.WARNING, logger="kvoffload.observe.publisher"):
+        assert pub.flush(timeout_s=1.0) is False
+    assert "were not sent (the publisher is closed)" in caplog.text

@@ -79,11 +79,18 @@ class KVEventPublisher:
         """Queue ``batch``; one that does not encode is logged and dropped, unnumbered."""
         self._queue.put(batch)
 
-    def flush(self, timeout_s: float = 10.0) -> None:
-        """Wait until every queued batch has been sent."""
-        done = threading.Event()
-        self._queue.put(done)
-        done.wait(timeout_s)
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every queued batch has been sent; ``False``, and a warning, when they
+        were not within ``timeout_s`` or never will be (queued after :meth:`close`)."""
+        if self._thread.is_alive():
+            done = threading.Event()
+            self._queue.put(done)
+            sent, why = done.wait(timeout_s), f"within {timeout_s:g} s"
+        else:
+            sent, why = self._queue.empty(), "(the publisher is closed)"
+        if not sent:
+            logger.warning("KV event batches queued for %s were not sent %s", self.endpoint, why)
+        return sent
 
     def close(self) -> None:
         """Send what is queued, then stop the thread and close both sockets."""
