@@ -200,3 +200,35 @@ def test_a_scrape_for_some_names_gets_their_samples_from_every_collector() -> No
         ("kvoffload_lookups_total", (("tier", "disk"),)): 5,
         ("kvoffload_transfer_seconds_count", (("direction", "store"),)): 1,
     }
+
+
+def test_collectors_of_one_kind_show_each_family_once() -> None:
+    """Each of two collectors of one kind (told apart by labels) printed a family's HELP and
+    TYPE: an OpenMetrics parser refuses a family named twice ("Clashing name")."""
+    from prometheus_client.openmetrics.parser import (
+        text_string_to_metric_families as parse_openmetrics,
+    )
+
+    from kvoffload.observe.counters import ManagerCounters
+
+    with MetricsServer(0) as server:
+        for tier, lookups in (("cpu", 3), ("disk", 5)):
+            counters = ManagerCounters(lookups=lookups)
+            server.add(ManagerCollector(lambda c=counters: c, {"tier": tier}))
+        url = f"http://127.0.0.1:{server.port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+        openmetrics = urllib.request.Request(
+            url, headers={"Accept": "application/openmetrics-text; version=1.0.0"}
+        )
+        with urllib.request.urlopen(openmetrics, timeout=5) as response:
+            families = {
+                family.name: family for family in parse_openmetrics(response.read().decode())
+            }
+    comments = [line for line in text.splitlines() if line.startswith("#")]
+    assert len(comments) == len(set(comments))
+    lookups = families["kvoffload_lookups"].samples
+    assert {(sample.labels["tier"], sample.value) for sample in lookups} == {
+        ("cpu", 3),
+        ("disk", 5),
+    }

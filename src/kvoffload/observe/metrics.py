@@ -194,7 +194,8 @@ class _NamedSamples(RestrictedRegistry):
 
 
 class _Registry(CollectorRegistry):
-    """A registry whose ``?name[]=`` filter finds our collectors' samples.
+    """A registry whose ``?name[]=`` filter finds our collectors' samples, and that shows
+    each family once however many collectors yield it.
 
     prometheus_client's own filter collects only the collectors that ``describe()`` the
     names asked for; ours describe nothing, so that several of one kind (told apart by
@@ -203,6 +204,19 @@ class _Registry(CollectorRegistry):
 
     def restricted_registry(self, names: Iterable[str]) -> RestrictedRegistry:
         return _NamedSamples(names, self)
+
+    def collect(self) -> Iterator[Metric]:
+        """Each family once, with the samples of every collector that yields it: each of
+        several collectors of one kind printed its own ``# HELP`` and ``# TYPE``, a family
+        named twice, which strict parsers (OpenMetrics) refuse."""
+        families: dict[str, Metric] = {}
+        for metric in super().collect():
+            found = families.get(metric.name)
+            if found is None:
+                families[metric.name] = copy.copy(metric)
+            else:
+                found.samples = found.samples + metric.samples
+        yield from families.values()
 
 
 class MetricsServer:
