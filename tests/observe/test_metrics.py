@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +17,7 @@ pytest.importorskip("prometheus_client")
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvoffload import InvalidArgumentError
 from kvoffload.observe import ObservedManager, Observers
 from kvoffload.observe.metrics import ManagerCollector, MetricsServer
 from kvoffload.sim.run import SimConfig, simulate
@@ -232,3 +235,27 @@ def test_collectors_of_one_kind_show_each_family_once() -> None:
         ("cpu", 3),
         ("disk", 5),
     }
+
+
+def test_a_client_that_sends_nothing_is_dropped_and_scrapes_go_on() -> None:
+    """A connection that never sent a request was waited on without end: each held a
+    thread and a socket as long as its client kept it open, after ``close`` too."""
+    from kvoffload.observe.counters import ManagerCounters
+
+    with MetricsServer(0, client_timeout_s=0.2) as server:
+        server.add(ManagerCollector(lambda: ManagerCounters(lookups=7), {"tier": "cpu"}))
+        with (
+            socket.create_connection(("127.0.0.1", server.port)) as silent,
+            socket.create_connection(("127.0.0.1", server.port)) as trickling,
+        ):
+            trickling.sendall(b"GET /met")
+            assert scrape(server.port)["kvoffload_lookups_total"] == 7
+            for client in (silent, trickling):
+                client.settimeout(30)
+                assert client.recv(1) == b""  # closed by the server
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, -1.0, math.inf, math.nan])
+def test_a_client_timeout_that_is_no_positive_time_is_refused(timeout_s: float) -> None:
+    with pytest.raises(InvalidArgumentError, match="client_timeout_s"):
+        MetricsServer(0, client_timeout_s=timeout_s)
