@@ -617,3 +617,29 @@ def test_flush_says_whether_the_batches_were_sent(caplog: pytest.LogCaptureFixtu
     with caplog.at_level(logging.WARNING, logger="kvoffload.observe.publisher"):
         assert pub.flush(timeout_s=1.0) is False
     assert "were not sent (the publisher is closed)" in caplog.text
+
+
+def test_a_terminated_zmq_context_neither_stops_the_publisher_nor_is_held_up(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Other code in the process terminating the shared ZMQ context made the publisher's
+    next socket call raise, which ended its thread: nothing was sent or flushed after it,
+    and ``close`` (finding no thread) left the sockets open, so the termination never
+    finished. Failed sends are now counted and the thread goes on."""
+    with caplog.at_level(logging.WARNING, logger="kvoffload.observe.publisher"):
+        with KVEventPublisher(LOCAL, LOCAL) as pub:
+            terminating = threading.Thread(target=zmq.Context.instance().term, daemon=True)
+            terminating.start()
+            deadline = time.monotonic() + 30
+            while "not sent on" not in caplog.text and time.monotonic() < deadline:
+                pub.publish(_stored(1))
+                assert pub.flush() is True
+            failed = pub.send_failures
+            assert failed == 1
+            pub.publish(_stored(2))
+            assert pub.flush() is True
+            assert pub.send_failures == failed + 1
+        terminating.join(30)
+    assert not terminating.is_alive()  # close closed both sockets
+    assert "replay on" in caplog.text and "no longer answered" in caplog.text
+    assert caplog.text.count("not sent on") == 1  # the first failure only
