@@ -643,3 +643,19 @@ def test_a_terminated_zmq_context_neither_stops_the_publisher_nor_is_held_up(
     assert not terminating.is_alive()  # close closed both sockets
     assert "replay on" in caplog.text and "no longer answered" in caplog.text
     assert caplog.text.count("not sent on") == 1  # the first failure only
+
+
+def test_timeouts_longer_than_zmq_waits_in_one_call_are_waited_out() -> None:
+    """ZMQ's poll takes at most 2**31 - 1 ms (~24.8 days): a longer ``receive`` timeout or
+    ``replay_timeout_s`` raised OverflowError, though a finite one is accepted."""
+    month = 31 * 24 * 3600.0
+    with (
+        KVEventPublisher(LOCAL, LOCAL) as pub,
+        KVEventSubscriber(pub.endpoint, pub.replay_endpoint, replay_timeout_s=month) as sub,
+    ):
+        _connect(pub, sub)
+        pub.publish(_stored(1))
+        pub.flush()
+        got = sub.receive(month)
+        assert [seq for seq, _ in got] == [pub.published - 1]
+        assert sub.catch_up() == []
