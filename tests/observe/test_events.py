@@ -659,3 +659,16 @@ def test_timeouts_longer_than_zmq_waits_in_one_call_are_waited_out() -> None:
         got = sub.receive(month)
         assert [seq for seq, _ in got] == [pub.published - 1]
         assert sub.catch_up() == []
+
+
+def test_an_ipv6_endpoint_without_brackets_is_refused_before_the_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """ZMQ binds an IPv6 address only in brackets: ``tcp://::1:PORT`` passed the options'
+    check and failed once the workload was built, as 'No such device'."""
+    from kvoffload.cli.main import main
+
+    endpoint = f"tcp://::1:{free_port()}"
+    assert main(["simulate", "--requests", "5", "--kv-events-endpoint", endpoint]) == 1
+    err = capsys.readouterr().err
+    assert f"{endpoint!r}: an IPv6 address goes in brackets, tcp://[ADDRESS]:PORT" in err
