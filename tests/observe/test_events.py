@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import socket
@@ -603,3 +604,71 @@ def test_timeouts_without_end_wait_for_the_first_batch_or_are_refused() -> None:
         receiving.start()
         receiving.join(30)
         assert [[seq for seq, _ in got] for got in returned] == [[pub.published - 1]]
+
+
+def test_flush_says_whether_the_batches_were_sent(caplog: pytest.LogCaptureFixture) -> None:
+    """``flush`` returned nothing either way: a batch queued after ``close`` (no thread sends
+    it) waited out the timeout and returned as a sent one did, with nothing logged."""
+    with KVEventPublisher(LOCAL) as pub:
+        pub.publish(_stored(1))
+        assert pub.flush() is True
+    assert pub.flush() is True  # close sent everything queued before it
+    pub.publish(_stored(2))
+    with caplog.at_level(logging.WARNING, logger="kvoffload.observe.publisher"):
+        assert pub.flush(timeout_s=1.0) is False
+    assert "were not sent (the publisher is closed)" in caplog.text
+
+
+def test_a_terminated_zmq_context_neither_stops_the_publisher_nor_is_held_up(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Other code in the process terminating the shared ZMQ context made the publisher's
+    next socket call raise, which ended its thread: nothing was sent or flushed after it,
+    and ``close`` (finding no thread) left the sockets open, so the termination never
+    finished. Failed sends are now counted and the thread goes on."""
+    with caplog.at_level(logging.WARNING, logger="kvoffload.observe.publisher"):
+        with KVEventPublisher(LOCAL, LOCAL) as pub:
+            terminating = threading.Thread(target=zmq.Context.instance().term, daemon=True)
+            terminating.start()
+            deadline = time.monotonic() + 30
+            while "not sent on" not in caplog.text and time.monotonic() < deadline:
+                pub.publish(_stored(1))
+                assert pub.flush() is True
+            failed = pub.send_failures
+            assert failed == 1
+            pub.publish(_stored(2))
+            assert pub.flush() is True
+            assert pub.send_failures == failed + 1
+        terminating.join(30)
+    assert not terminating.is_alive()  # close closed both sockets
+    assert "replay on" in caplog.text and "no longer answered" in caplog.text
+    assert caplog.text.count("not sent on") == 1  # the first failure only
+
+
+def test_timeouts_longer_than_zmq_waits_in_one_call_are_waited_out() -> None:
+    """ZMQ's poll takes at most 2**31 - 1 ms (~24.8 days): a longer ``receive`` timeout or
+    ``replay_timeout_s`` raised OverflowError, though a finite one is accepted."""
+    month = 31 * 24 * 3600.0
+    with (
+        KVEventPublisher(LOCAL, LOCAL) as pub,
+        KVEventSubscriber(pub.endpoint, pub.replay_endpoint, replay_timeout_s=month) as sub,
+    ):
+        _connect(pub, sub)
+        pub.publish(_stored(1))
+        pub.flush()
+        got = sub.receive(month)
+        assert [seq for seq, _ in got] == [pub.published - 1]
+        assert sub.catch_up() == []
+
+
+def test_an_ipv6_endpoint_without_brackets_is_refused_before_the_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """ZMQ binds an IPv6 address only in brackets: ``tcp://::1:PORT`` passed the options'
+    check and failed once the workload was built, as 'No such device'."""
+    from kvoffload.cli.main import main
+
+    endpoint = f"tcp://::1:{free_port()}"
+    assert main(["simulate", "--requests", "5", "--kv-events-endpoint", endpoint]) == 1
+    err = capsys.readouterr().err
+    assert f"{endpoint!r}: an IPv6 address goes in brackets, tcp://[ADDRESS]:PORT" in err

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +17,7 @@ pytest.importorskip("prometheus_client")
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvoffload import InvalidArgumentError
 from kvoffload.observe import ObservedManager, Observers
 from kvoffload.observe.metrics import ManagerCollector, MetricsServer
 from kvoffload.sim.run import SimConfig, simulate
@@ -200,3 +203,59 @@ def test_a_scrape_for_some_names_gets_their_samples_from_every_collector() -> No
         ("kvoffload_lookups_total", (("tier", "disk"),)): 5,
         ("kvoffload_transfer_seconds_count", (("direction", "store"),)): 1,
     }
+
+
+def test_collectors_of_one_kind_show_each_family_once() -> None:
+    """Each of two collectors of one kind (told apart by labels) printed a family's HELP and
+    TYPE: an OpenMetrics parser refuses a family named twice ("Clashing name")."""
+    from prometheus_client.openmetrics.parser import (
+        text_string_to_metric_families as parse_openmetrics,
+    )
+
+    from kvoffload.observe.counters import ManagerCounters
+
+    with MetricsServer(0) as server:
+        for tier, lookups in (("cpu", 3), ("disk", 5)):
+            counters = ManagerCounters(lookups=lookups)
+            server.add(ManagerCollector(lambda c=counters: c, {"tier": tier}))
+        url = f"http://127.0.0.1:{server.port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+        openmetrics = urllib.request.Request(
+            url, headers={"Accept": "application/openmetrics-text; version=1.0.0"}
+        )
+        with urllib.request.urlopen(openmetrics, timeout=5) as response:
+            families = {
+                family.name: family for family in parse_openmetrics(response.read().decode())
+            }
+    comments = [line for line in text.splitlines() if line.startswith("#")]
+    assert len(comments) == len(set(comments))
+    lookups = families["kvoffload_lookups"].samples
+    assert {(sample.labels["tier"], sample.value) for sample in lookups} == {
+        ("cpu", 3),
+        ("disk", 5),
+    }
+
+
+def test_a_client_that_sends_nothing_is_dropped_and_scrapes_go_on() -> None:
+    """A connection that never sent a request was waited on without end: each held a
+    thread and a socket as long as its client kept it open, after ``close`` too."""
+    from kvoffload.observe.counters import ManagerCounters
+
+    with MetricsServer(0, client_timeout_s=0.2) as server:
+        server.add(ManagerCollector(lambda: ManagerCounters(lookups=7), {"tier": "cpu"}))
+        with (
+            socket.create_connection(("127.0.0.1", server.port)) as silent,
+            socket.create_connection(("127.0.0.1", server.port)) as trickling,
+        ):
+            trickling.sendall(b"GET /met")
+            assert scrape(server.port)["kvoffload_lookups_total"] == 7
+            for client in (silent, trickling):
+                client.settimeout(30)
+                assert client.recv(1) == b""  # closed by the server
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, -1.0, math.inf, math.nan])
+def test_a_client_timeout_that_is_no_positive_time_is_refused(timeout_s: float) -> None:
+    with pytest.raises(InvalidArgumentError, match="client_timeout_s"):
+        MetricsServer(0, client_timeout_s=timeout_s)

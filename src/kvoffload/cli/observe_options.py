@@ -118,7 +118,8 @@ def check_before_work(args: argparse.Namespace) -> None:
 
 
 def _check_endpoint(endpoint: str, option: str) -> None:
-    """``tcp://HOST:PORT`` (PORT 0..65535 or ``*``) or ``ipc://PATH``; a TCP port must be free."""
+    """``tcp://HOST:PORT`` (PORT 0..65535 or ``*``, an IPv6 HOST in brackets, as ZMQ binds it)
+    or ``ipc://PATH``; a TCP port must be free."""
     if not endpoint.startswith(ENDPOINT_SCHEMES):
         raise InvalidArgumentError(f"{option} {endpoint!r}: expected tcp://HOST:PORT or ipc://PATH")
     address = endpoint.split("://", 1)[1]
@@ -129,6 +130,10 @@ def _check_endpoint(endpoint: str, option: str) -> None:
     host, _, port_text = address.rpartition(":")
     if not host or not port_text:
         raise InvalidArgumentError(f"{option} {endpoint!r}: expected tcp://HOST:PORT")
+    if ":" in host and not host.startswith("["):
+        raise InvalidArgumentError(
+            f"{option} {endpoint!r}: an IPv6 address goes in brackets, tcp://[ADDRESS]:PORT"
+        )
     if port_text == "*":
         return
     if not port_text.isdigit() or int(port_text) > 65535:

@@ -8,9 +8,15 @@ prometheus_client is imported here only.
 from __future__ import annotations
 
 import copy
+import math
+import socket
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -194,7 +200,8 @@ class _NamedSamples(RestrictedRegistry):
 
 
 class _Registry(CollectorRegistry):
-    """A registry whose ``?name[]=`` filter finds our collectors' samples.
+    """A registry whose ``?name[]=`` filter finds our collectors' samples, and that shows
+    each family once however many collectors yield it.
 
     prometheus_client's own filter collects only the collectors that ``describe()`` the
     names asked for; ours describe nothing, so that several of one kind (told apart by
@@ -204,22 +211,77 @@ class _Registry(CollectorRegistry):
     def restricted_registry(self, names: Iterable[str]) -> RestrictedRegistry:
         return _NamedSamples(names, self)
 
+    def collect(self) -> Iterator[Metric]:
+        """Each family once, with the samples of every collector that yields it: each of
+        several collectors of one kind printed its own ``# HELP`` and ``# TYPE``, a family
+        named twice, which strict parsers (OpenMetrics) refuse."""
+        families: dict[str, Metric] = {}
+        for metric in super().collect():
+            found = families.get(metric.name)
+            if found is None:
+                families[metric.name] = copy.copy(metric)
+            else:
+                found.samples = found.samples + metric.samples
+        yield from families.values()
+
+
+class _ScrapeHandler(WSGIRequestHandler):
+    """Answers one scrape, logging nothing; a client silent for the server's
+    ``client_timeout_s`` is dropped, not waited for without end."""
+
+    server: _ScrapeServer
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.client_timeout_s)
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except TimeoutError:
+            return  # the client sent no request in time: closing its connection is the answer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Nothing: one line per scrape would flood the log."""
+
+
+class _ScrapeServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, not joined on close: one that hangs holds up nothing."""
+
+    daemon_threads = True
+
+    def __init__(self, host: str, port: int, client_timeout_s: float) -> None:
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.client_timeout_s = client_timeout_s
+        super().__init__((host, port), _ScrapeHandler)
+
 
 class MetricsServer:
     """An HTTP ``/metrics`` endpoint on 127.0.0.1 for one registry; ``port=0`` picks a free port.
 
     ``/metrics?name[]=NAME`` (repeatable) serves only the samples so named, e.g.
-    ``kvoffload_lookups_total`` or ``kvoffload_transfer_seconds_count``.
+    ``kvoffload_lookups_total`` or ``kvoffload_transfer_seconds_count``. A connection that
+    sends no request within ``client_timeout_s`` is closed: each held a thread and a socket
+    for as long as its client kept it open, after :meth:`close` too.
     """
 
-    def __init__(self, port: int, host: str = "127.0.0.1") -> None:
+    def __init__(self, port: int, host: str = "127.0.0.1", client_timeout_s: float = 10.0) -> None:
         if not 0 <= port <= 65535:
             raise InvalidArgumentError(f"metrics port must be in 0..65535, got {port}")
+        if not 0 < client_timeout_s < math.inf:
+            raise InvalidArgumentError(
+                f"client_timeout_s must be a positive number of seconds, got {client_timeout_s!r}"
+            )
         self.registry: CollectorRegistry = _Registry()
         try:
-            self._server, self._thread = start_http_server(port, host, self.registry)
+            self._server = _ScrapeServer(host, port, client_timeout_s)
         except OSError as exc:
             raise InvalidArgumentError(f"cannot serve metrics on port {port}: {exc}") from None
+        self._server.set_app(make_wsgi_app(self.registry))
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="kvoffload-metrics", daemon=True
+        )
+        self._thread.start()
         self.port: int = self._server.server_port
 
     def add(self, collector: Collector) -> None:

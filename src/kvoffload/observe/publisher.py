@@ -41,6 +41,12 @@ class KVEventPublisher:
     the endpoint. The last ``buffer_batches`` batches stay available for
     replay until :meth:`close`. Usable as an event sink of
     :class:`~kvoffload.observe.ObservedManager` (``publisher.publish``).
+
+    A ZMQ error (the process's shared context terminated by other code) does not stop
+    the thread: a batch the PUB socket fails to send is counted in :attr:`send_failures`
+    and kept for replay under its number, so a subscriber repairs the gap; a replay
+    socket that fails is closed and its requests go unanswered. The first failure of
+    each socket is logged with its traceback.
     """
 
     def __init__(
@@ -56,6 +62,8 @@ class KVEventPublisher:
         self.block_size = block_size
         self.data_parallel_rank = data_parallel_rank
         self.published = 0
+        self.send_failures = 0
+        """Batches numbered and kept for replay that the PUB socket failed to send."""
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = self._bind(zmq.PUB, endpoint)
         self._replay = None if replay_endpoint is None else self._bind(zmq.ROUTER, replay_endpoint)
@@ -79,11 +87,18 @@ class KVEventPublisher:
         """Queue ``batch``; one that does not encode is logged and dropped, unnumbered."""
         self._queue.put(batch)
 
-    def flush(self, timeout_s: float = 10.0) -> None:
-        """Wait until every queued batch has been sent."""
-        done = threading.Event()
-        self._queue.put(done)
-        done.wait(timeout_s)
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every queued batch has been sent; ``False``, and a warning, when they
+        were not within ``timeout_s`` or never will be (queued after :meth:`close`)."""
+        if self._thread.is_alive():
+            done = threading.Event()
+            self._queue.put(done)
+            sent, why = done.wait(timeout_s), f"within {timeout_s:g} s"
+        else:
+            sent, why = self._queue.empty(), "(the publisher is closed)"
+        if not sent:
+            logger.warning("KV event batches queued for %s were not sent %s", self.endpoint, why)
+        return sent
 
     def close(self) -> None:
         """Send what is queued, then stop the thread and close both sockets."""
@@ -120,9 +135,7 @@ class KVEventPublisher:
         while True:
             # One replay request a turn, as vLLM's publisher: a peer asking without pause
             # held up every batch after it for as long as it kept asking.
-            served = self._replay is not None and self._replay.poll(0) != 0
-            if served:
-                self._serve_replay()
+            served = self._replay is not None and self._answer_replay()
             try:
                 batch = self._queue.get(block=not served, timeout=0.02)
             except queue.Empty:
@@ -140,9 +153,36 @@ class KVEventPublisher:
                 logger.warning("dropping a KV event batch that does not encode: %s", exc)
                 continue
             seq = self.published
-            self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+            try:
+                self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+            except zmq.ZMQError:
+                self.send_failures += 1
+                if self.send_failures == 1:
+                    logger.exception(
+                        "KV event batch %d not sent on %s; batches that fail are counted in "
+                        "send_failures and kept for replay",
+                        seq,
+                        self.endpoint,
+                    )
             self._buffer.append((seq, payload))
             self.published += 1
+
+    def _answer_replay(self) -> bool:
+        """Serve one waiting replay request, if any; whether one was waiting."""
+        assert self._replay is not None
+        try:
+            if not self._replay.poll(0):
+                return False
+            self._serve_replay()
+        except zmq.ZMQError:
+            logger.exception(
+                "KV event replay on %s failed; its requests are no longer answered",
+                self.replay_endpoint,
+            )
+            self._replay.close(linger=0)
+            self._replay = None
+            return False
+        return True
 
     def _serve_replay(self) -> None:
         assert self._replay is not None

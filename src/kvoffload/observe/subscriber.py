@@ -26,6 +26,9 @@ Delivered = list[tuple[int, KVEventBatch]]
 RESTART_SEQ = -1
 """The number of the ``AllBlocksCleared`` batch a subscriber delivers for a restart."""
 
+MAX_POLL_MS = 2**31 - 1
+"""The longest wait ZMQ's poll takes in one call (a C int of milliseconds, ~24.8 days)."""
+
 
 class KVEventSubscriber:
     """Connects to ``endpoint`` (PUB) and, for repairs, ``replay_endpoint`` (ROUTER).
@@ -97,7 +100,7 @@ class KVEventSubscriber:
             raise InvalidArgumentError("receive's timeout_s must be a number of seconds, got nan")
         delivered: Delivered = []
         timeout_ms = -1 if timeout_s == math.inf else max(0, int(timeout_s * 1000))
-        while self._sub.poll(timeout_ms):
+        while _ready(self._sub, timeout_ms):
             timeout_ms = 0
             frames = self._sub.recv_multipart()
             seq = _seq_of(frames, 3)
@@ -166,7 +169,7 @@ class KVEventSubscriber:
         try:
             dealer.connect(self._replay_endpoint)
             dealer.send_multipart((b"", self.next_seq.to_bytes(8, "big")))
-            while dealer.poll(self._replay_timeout_ms):
+            while _ready(dealer, self._replay_timeout_ms):
                 frames = dealer.recv_multipart()
                 if len(frames) == 4 and frames[2] == END_SEQ:
                     break
@@ -205,6 +208,16 @@ class KVEventSubscriber:
         if seq > self.next_seq:
             self.lost += seq - self.next_seq
             self.next_seq = seq
+
+
+def _ready(sock: zmq.Socket[bytes], timeout_ms: int) -> bool:
+    """Whether a message arrived on ``sock`` within ``timeout_ms`` (-1: without end), waited
+    for in calls ZMQ takes: a longer wait raised OverflowError."""
+    while timeout_ms > MAX_POLL_MS:
+        if sock.poll(MAX_POLL_MS):
+            return True
+        timeout_ms -= MAX_POLL_MS
+    return sock.poll(timeout_ms) != 0
 
 
 def _seq_of(frames: list[bytes], count: int) -> int | None:
