@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import resource
 import shutil
@@ -31,6 +32,7 @@ from kvoffload.tiers.format import HEADER_BYTES
 from kvoffload.tiers.slot_file import (
     MAX_KEY_BYTES,
     SUPER_BYTES,
+    FileLayer,
     Recovery,
     encode_superblock,
     slot_stride,
@@ -457,6 +459,42 @@ def test_fsync_keeps_the_same_blocks(tmp_path: Path) -> None:
     try:
         ok, got = read_all(again, KEYS[:4])
         assert all(ok) and got[3] == payload(KEYS[3])
+    finally:
+        again.close()
+
+
+class SyncRecorder(FileLayer):
+    """Records what each ``fsync`` synced, as ``(device, inode)``."""
+
+    def __init__(self) -> None:
+        self.synced: list[tuple[int, int]] = []
+
+    def fsync(self, fd: int) -> None:
+        info = os.fstat(fd)
+        self.synced.append((info.st_dev, info.st_ino))
+        super().fsync(fd)
+
+
+def identity(path: Path) -> tuple[int, int]:
+    info = path.stat()
+    return info.st_dev, info.st_ino
+
+
+@pytest.mark.parametrize("fsync", [True, False])
+def test_fsync_makes_the_names_the_tier_created_durable(tmp_path: Path, fsync: bool) -> None:
+    root = tmp_path / "made" / "kv"
+    layer = SyncRecorder()
+    tier = DiskTier(root, 8, FP, fsync=fsync, file_layer=layer)
+    try:  # each name lives in the directory above it, up to the first the tier did not make
+        names = [tier.directory, root, root.parent, tmp_path]
+        assert set(layer.synced) == ({identity(path) for path in names} if fsync else set())
+    finally:
+        tier.close()
+    layer.synced.clear()
+    again = DiskTier(root, 8, FP, fsync=fsync, file_layer=layer)
+    try:  # nothing made this time: the directories of the slot file and of its directory
+        names = [tier.directory, root]
+        assert set(layer.synced) == ({identity(path) for path in names} if fsync else set())
     finally:
         again.close()
 

@@ -13,7 +13,9 @@ its old header zeroed in the same call, and its new header last, in a second
 call. A process killed between the two leaves a slot without a valid header,
 which a restart does not index; never an old header over new bytes. With
 ``fsync=True`` a batch's payloads are synced before its headers are written,
-and the headers after (power-loss safety). A file per block with temp file +
+and the headers after (power-loss safety); on start, so are the directories
+holding the names of the file, its directory, and ``DIR`` or its parents when
+start-up made them. A file per block with temp file +
 rename gives the same guarantee at the cost of an inode and a rename per
 block (30-50% of the store time in the kernel on the dev VM); an append-only
 segment needs compaction.
@@ -192,6 +194,9 @@ class FileLayer:
 
     def fdatasync(self, fd: int) -> None:
         os.fdatasync(fd)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
 
     def ftruncate(self, fd: int, size: int) -> None:
         os.ftruncate(fd, size)
@@ -506,6 +511,7 @@ class SlotFile:
     def _open(self, job: Job[_Opened | str | None]) -> _Opened | str:
         """The opened, locked and scanned file, or the one-line reason it cannot be used."""
         fds: list[int] = []
+        made = _missing(self.root) if self._fsync else []
         try:
             root = _open_dir(self.root, None, self.root.name or str(self.root))
             fds.append(root)
@@ -517,6 +523,8 @@ class SlotFile:
             fd = _open_file(self.path, directory)
             fds.append(fd)
             found, recovery, superblock = self._scan(fd)
+            if self._fsync:
+                self._sync_entries(root, directory, made)
         except DiskTierError as exc:
             _close_all(fds)
             return str(exc)
@@ -527,6 +535,30 @@ class SlotFile:
         if not job.claim():  # too late: the caller has given up; keep nothing open
             _close_all(fds[2:])
         return _Opened(fd, lock_fd, found, recovery, superblock)
+
+    def _sync_entries(self, root: int, directory: int, made: list[Path]) -> None:
+        """Make the names the tier may just have made durable: the slot file's in its
+        directory, the directory's in ``DIR``, and those of ``DIR`` and its parents if
+        start-up ``made`` them. Synced data under a name a power loss takes back is lost
+        all the same; the file is never renamed, so once is enough."""
+        for fd in (directory, root):
+            self._sync_directory(fd)
+        for path in made:
+            try:
+                above = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            except PermissionError:  # may be written in but not read: nothing to sync with
+                continue
+            try:
+                self._sync_directory(above)
+            finally:
+                os.close(above)
+
+    def _sync_directory(self, fd: int) -> None:
+        try:
+            self.layer.fsync(fd)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: the file system syncs no directory
+                raise
 
     def _scan(self, fd: int) -> tuple[list[tuple[OffloadKey, int]], Recovery, Superblock | None]:
         """The intact blocks in slot order; a foreign or broken file starts over empty."""
@@ -581,6 +613,11 @@ class SlotFile:
         if header.payload_bytes != payload or len(header.key) > MAX_KEY_BYTES:
             return "corrupt"
         return header.key
+
+
+def _missing(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist (yet: start-up makes them)."""
+    return [p for p in (path, *path.parents) if not os.path.lexists(p)]
 
 
 def _open_dir(path: Path, parent: int | None, name: str) -> int:
