@@ -131,6 +131,29 @@ def test_a_restart_rebuilds_the_index_from_the_slots(tmp_path: Path) -> None:
         other.close()
 
 
+def test_blocks_past_a_smaller_capacity_are_counted_as_they_are_cut_off(tmp_path: Path) -> None:
+    first = stored(DiskTier(tmp_path, 8, FP), KEYS[:6])
+    where = dict(zip(KEYS[:6], offsets(first, KEYS[:6]), strict=True))
+    first.close()
+    past = SUPER_BYTES + 3 * slot_stride(64)
+    with open(first.path, "r+b") as file:  # one of the slots past the cut broken
+        file.seek(max(where.values()) + 10)
+        file.write(b"\xff")
+    smaller = DiskTier(tmp_path, 3, FP)
+    try:
+        assert smaller.recovery == Recovery(recovered=3, corrupt=1, beyond_capacity=2)
+        assert smaller.recovery.as_dict()["dropped_beyond_capacity"] == 2
+        assert smaller.present([k for k, at in where.items() if at is not None and at < past]) == 3
+    finally:
+        smaller.close()
+    assert first.path.stat().st_size <= past
+    again = DiskTier(tmp_path, 8, FP)
+    try:  # cut off: counted once
+        assert again.recovery == Recovery(recovered=3)
+    finally:
+        again.close()
+
+
 def test_a_restart_drops_torn_and_broken_slots(tmp_path: Path) -> None:
     first = stored(DiskTier(tmp_path, 20, FP), KEYS[:6])
     where = dict(zip(KEYS[:6], offsets(first, KEYS[:6]), strict=True))

@@ -188,7 +188,8 @@ class DiskTier:
 
     @property
     def recovery(self) -> Recovery:
-        """Blocks recovered and slots dropped (torn, foreign, corrupt) when the tier started."""
+        """Blocks recovered and slots dropped (torn, foreign, corrupt, duplicate, beyond the
+        capacity) when the tier started."""
         return self._file.recovery
 
     @property

@@ -44,6 +44,7 @@ import enum
 import errno
 import fcntl
 import functools
+import itertools
 import os
 import stat
 import struct
@@ -124,6 +125,12 @@ class Recovery:
     """Blocks of another layout fingerprint (a whole file of another layout: all its slots)."""
     corrupt: int = 0
     """Headers that fail their checks, or announce another payload length than the layout's."""
+    duplicate: int = 0
+    """Intact blocks of a key found in more than one slot, all of which are dropped: which
+    store is the newer cannot be told (a slot whose block was evicted keeps it until its
+    next write lands, and the key may since have been stored again elsewhere)."""
+    beyond_capacity: int = 0
+    """Intact blocks in slots past a capacity smaller than the file's, cut off with them."""
 
     def as_dict(self) -> dict[str, int]:
         return {
@@ -131,6 +138,8 @@ class Recovery:
             "dropped_torn": self.torn,
             "dropped_foreign": self.foreign,
             "dropped_corrupt": self.corrupt,
+            "dropped_duplicate": self.duplicate,
+            "dropped_beyond_capacity": self.beyond_capacity,
         }
 
 
@@ -561,7 +570,8 @@ class SlotFile:
                 raise
 
     def _scan(self, fd: int) -> tuple[list[tuple[OffloadKey, int]], Recovery, Superblock | None]:
-        """The intact blocks in slot order; a foreign or broken file starts over empty."""
+        """The intact blocks in slot order, within the capacity and each key in one slot;
+        a foreign or broken file starts over empty."""
         recovery = Recovery()
         layer = self.layer
         size = layer.fstat(fd).st_size
@@ -576,27 +586,39 @@ class SlotFile:
                 layer.ftruncate(fd, 0)
             return [], recovery, None
         stride, payload = found_super.stride, found_super.payload_bytes
-        limit = slot_start(self.capacity, stride)
-        if size > limit:
-            layer.ftruncate(fd, limit)
-            size = limit
-        found: dict[OffloadKey, int] = {}
+        first_slot: dict[OffloadKey, int] = {}  # in slot order
+        again: list[tuple[OffloadKey, int]] = []  # the other slots of a key found twice
         for slot in range(-(-max(size - SUPER_BYTES, 0) // stride)):
             start = slot_start(slot, stride)
             kind = self._classify(layer.pread(fd, HEADER_BYTES + MAX_KEY_BYTES, start), payload)
             if isinstance(kind, bytes):
                 if start + HEADER_BYTES + len(kind) + payload > size:
-                    recovery.torn += 1
+                    kind = "torn"
                 else:
-                    found.setdefault(OffloadKey(kind), slot)
+                    key = OffloadKey(kind)
+                    if first_slot.setdefault(key, slot) != slot:
+                        again.append((key, slot))
                     continue
             elif kind is None:
                 continue
+            setattr(recovery, kind, getattr(recovery, kind) + 1)
+            if slot < self.capacity:  # past it, the file is cut off below
+                layer.pwrite(fd, _ZERO_HEADER, start)  # counted once: blank from now on
+        repeated = {key for key, _ in again}
+        found = []
+        for key, slot in itertools.chain(first_slot.items(), again):
+            if slot >= self.capacity:
+                recovery.beyond_capacity += 1
+            elif key in repeated:
+                recovery.duplicate += 1
+                layer.pwrite(fd, _ZERO_HEADER, slot_start(slot, stride))
             else:
-                setattr(recovery, kind, getattr(recovery, kind) + 1)
-            layer.pwrite(fd, _ZERO_HEADER, start)  # counted once: blank from now on
+                found.append((key, slot))
+        limit = slot_start(self.capacity, stride)
+        if size > limit:
+            layer.ftruncate(fd, limit)
         recovery.recovered = len(found)
-        return sorted(found.items(), key=lambda item: item[1]), recovery, found_super
+        return found, recovery, found_super
 
     def _classify(self, head: bytes, payload: int) -> bytes | str | None:
         """A slot's key if its header is intact, ``None`` if blank, else why it is dropped."""
