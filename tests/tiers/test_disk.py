@@ -131,6 +131,22 @@ def test_a_restart_rebuilds_the_index_from_the_slots(tmp_path: Path) -> None:
         other.close()
 
 
+def test_a_restart_announces_the_blocks_it_recovered_as_stored(tmp_path: Path) -> None:
+    stored(DiskTier(tmp_path, 8, FP), KEYS[:4]).close()
+    again = DiskTier(tmp_path, 8, FP, enable_events=True)
+    try:  # a router that indexes blocks by medium learns what the restarted tier serves
+        [event] = again.take_events()
+        assert (event.medium, event.removed) == ("DISK", False)
+        assert sorted(event.keys) == sorted(KEYS[:4]) and again.take_events() == []
+    finally:
+        again.close()
+    quiet = DiskTier(tmp_path, 8, FP)
+    try:
+        assert quiet.recovery.recovered == 4 and quiet.take_events() == []
+    finally:
+        quiet.close()
+
+
 def test_blocks_past_a_smaller_capacity_are_counted_as_they_are_cut_off(tmp_path: Path) -> None:
     first = stored(DiskTier(tmp_path, 8, FP), KEYS[:6])
     where = dict(zip(KEYS[:6], offsets(first, KEYS[:6]), strict=True))

@@ -118,7 +118,8 @@ class DiskTier:
     does not answer within ``deadline_s`` turns into counted failed stores
     and reads, never an exception or a wait for the caller; deadline misses
     open ``breaker``, which then refuses disk I/O at once until a trial gets
-    through. :attr:`recovery` says what the start-up scan found.
+    through. :attr:`recovery` says what the start-up scan found; with ``enable_events``
+    the blocks it recovered are the first event, a store on the tier's medium.
     An empty ``directory`` is refused: as a path it is the working directory, which a
     setting left blank never meant. Start-up raises
     :class:`~kvoffload.tiers.slot_file.DiskTierError` for an unsafe or busy directory.
@@ -182,6 +183,9 @@ class DiskTier:
         if keys:
             self._index.prepare_store(keys)
             self._index.complete_store(keys)
+            # Announced as stores: a router learns what a restarted tier serves from its
+            # first events on, as it learns of blocks written since.
+            self._events.record(keys, MEDIUM, removed=False)
 
     def __len__(self) -> int:
         return self.capacity_blocks - self._index.num_free_blocks
