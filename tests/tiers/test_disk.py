@@ -551,6 +551,26 @@ def test_a_vanished_directory_turns_writes_into_counted_failures(tmp_path: Path)
         tier.close()
 
 
+def test_blocks_stored_after_the_file_was_emptied_under_the_tier_survive_a_restart(
+    tmp_path: Path,
+) -> None:
+    tier = stored(DiskTier(tmp_path, 8, FP), KEYS[:4])
+    try:
+        os.truncate(tier.path, 0)  # another process empties the file, superblock and all
+        stored(tier, KEYS[4:8])
+        ok, _ = read_all(tier, KEYS[:8])
+        assert ok == [False] * 4 + [True] * 4 and tier.stats.corrupt == 4
+    finally:
+        tier.close()
+    again = DiskTier(tmp_path, 8, FP)
+    try:
+        assert again.recovery == Recovery(recovered=4) and again.present(KEYS[4:8]) == 4
+        ok, got = read_all(again, KEYS[4:8])
+        assert all(ok) and got == {i: payload(k) for i, k in enumerate(KEYS[4:8])}
+    finally:
+        again.close()
+
+
 @contextlib.contextmanager
 def small_filesystem(path: Path, size_kib: int) -> Iterator[str]:
     """A real ENOSPC from a tiny tmpfs where mounting works (root), else a file size cap.

@@ -467,7 +467,9 @@ class SlotFile:
     ) -> list[bool]:
         """Payloads first (over zeroed old headers), then the headers: see the module docstring."""
         failed = [False] * len(positions)
-        if not superblock.result() or self._guard(self._linked) is not Outcome.OK:
+        if not superblock.result() or any(
+            self._guard(check) is not Outcome.OK for check in (self._linked, self._kept)
+        ):
             return failed
         headers: list[bytes | None] = []
         for i in positions:
@@ -514,6 +516,16 @@ class SlotFile:
     def _linked(self) -> Outcome:
         """Whether the slot file still has a name: a removed one is a failing disk."""
         return Outcome.OK if self.layer.fstat(self._fd).st_nlink > 0 else Outcome.FAILED
+
+    def _kept(self) -> Outcome:
+        """The superblock, put back if the file was emptied under the tier (``truncate``
+        by another process): a start drops a file without one, and with it every slot
+        written since."""
+        assert self.stride is not None and self.payload_bytes is not None
+        data = encode_superblock(self.fingerprint, self.stride, self.payload_bytes)
+        if self.layer.pread(self._fd, len(data), 0) == data:
+            return Outcome.OK
+        return Outcome.OK if self.layer.pwrite(self._fd, data, 0) == len(data) else Outcome.FAILED
 
     # Start-up, on stripe 0 under the deadline: open, lock, scan.
 
