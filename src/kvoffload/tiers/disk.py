@@ -158,6 +158,7 @@ class DiskTier:
         check_deadline_s(deadline_s, "the disk deadline")
         check_capacity(capacity_blocks)
         self._index = CPUOffloadingManager(capacity_blocks, cache_policy)
+        self._events = EventLog(enable_events)  # checked before any file, lock or thread
         self.capacity_blocks = capacity_blocks
         self.fingerprint = fingerprint
         self.breaker = breaker or CircuitBreaker()
@@ -174,7 +175,6 @@ class DiskTier:
         self.directory = self._file.directory
         self.path = self._file.path
         self.stats = TierStats()
-        self._events = EventLog(enable_events)
         self._writes: list[tuple[list[OffloadKey], Future[list[bool]]]] = []
         self._broken: queue.SimpleQueue[tuple[OffloadKey, int]] = queue.SimpleQueue()
         found = self._file.found
