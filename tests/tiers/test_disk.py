@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import resource
 import shutil
@@ -31,6 +32,7 @@ from kvoffload.tiers.format import HEADER_BYTES
 from kvoffload.tiers.slot_file import (
     MAX_KEY_BYTES,
     SUPER_BYTES,
+    FileLayer,
     Recovery,
     encode_superblock,
     slot_stride,
@@ -127,6 +129,45 @@ def test_a_restart_rebuilds_the_index_from_the_slots(tmp_path: Path) -> None:
         assert len(other) == 0 and other.present(KEYS) == 0
     finally:
         other.close()
+
+
+def test_a_restart_announces_the_blocks_it_recovered_as_stored(tmp_path: Path) -> None:
+    stored(DiskTier(tmp_path, 8, FP), KEYS[:4]).close()
+    again = DiskTier(tmp_path, 8, FP, enable_events=True)
+    try:  # a router that indexes blocks by medium learns what the restarted tier serves
+        [event] = again.take_events()
+        assert (event.medium, event.removed) == ("DISK", False)
+        assert sorted(event.keys) == sorted(KEYS[:4]) and again.take_events() == []
+    finally:
+        again.close()
+    quiet = DiskTier(tmp_path, 8, FP)
+    try:
+        assert quiet.recovery.recovered == 4 and quiet.take_events() == []
+    finally:
+        quiet.close()
+
+
+def test_blocks_past_a_smaller_capacity_are_counted_as_they_are_cut_off(tmp_path: Path) -> None:
+    first = stored(DiskTier(tmp_path, 8, FP), KEYS[:6])
+    where = dict(zip(KEYS[:6], offsets(first, KEYS[:6]), strict=True))
+    first.close()
+    past = SUPER_BYTES + 3 * slot_stride(64)
+    with open(first.path, "r+b") as file:  # one of the slots past the cut broken
+        file.seek(max(where.values()) + 10)
+        file.write(b"\xff")
+    smaller = DiskTier(tmp_path, 3, FP)
+    try:
+        assert smaller.recovery == Recovery(recovered=3, corrupt=1, beyond_capacity=2)
+        assert smaller.recovery.as_dict()["dropped_beyond_capacity"] == 2
+        assert smaller.present([k for k, at in where.items() if at is not None and at < past]) == 3
+    finally:
+        smaller.close()
+    assert first.path.stat().st_size <= past
+    again = DiskTier(tmp_path, 8, FP)
+    try:  # cut off: counted once
+        assert again.recovery == Recovery(recovered=3)
+    finally:
+        again.close()
 
 
 def test_a_restart_drops_torn_and_broken_slots(tmp_path: Path) -> None:
@@ -265,6 +306,7 @@ def test_a_capacity_past_the_largest_file_is_refused(tmp_path: Path) -> None:
         ({"deadline_s": 0.0005}, "deadline must be from 0.001 s to 600 s"),
         ({"deadline_s": 600.5}, "deadline must be from 0.001 s to 600 s"),
         ({"deadline_s": float("nan")}, "deadline must be from 0.001 s to 600 s"),
+        ({"enable_events": "yes"}, "enable_events"),  # its lock was kept for good
     ],
 )
 def test_a_bad_argument_is_refused_naming_it_before_any_file_or_thread(
@@ -461,6 +503,42 @@ def test_fsync_keeps_the_same_blocks(tmp_path: Path) -> None:
         again.close()
 
 
+class SyncRecorder(FileLayer):
+    """Records what each ``fsync`` synced, as ``(device, inode)``."""
+
+    def __init__(self) -> None:
+        self.synced: list[tuple[int, int]] = []
+
+    def fsync(self, fd: int) -> None:
+        info = os.fstat(fd)
+        self.synced.append((info.st_dev, info.st_ino))
+        super().fsync(fd)
+
+
+def identity(path: Path) -> tuple[int, int]:
+    info = path.stat()
+    return info.st_dev, info.st_ino
+
+
+@pytest.mark.parametrize("fsync", [True, False])
+def test_fsync_makes_the_names_the_tier_created_durable(tmp_path: Path, fsync: bool) -> None:
+    root = tmp_path / "made" / "kv"
+    layer = SyncRecorder()
+    tier = DiskTier(root, 8, FP, fsync=fsync, file_layer=layer)
+    try:  # each name lives in the directory above it, up to the first the tier did not make
+        names = [tier.directory, root, root.parent, tmp_path]
+        assert set(layer.synced) == ({identity(path) for path in names} if fsync else set())
+    finally:
+        tier.close()
+    layer.synced.clear()
+    again = DiskTier(root, 8, FP, fsync=fsync, file_layer=layer)
+    try:  # nothing made this time: the directories of the slot file and of its directory
+        names = [tier.directory, root]
+        assert set(layer.synced) == ({identity(path) for path in names} if fsync else set())
+    finally:
+        again.close()
+
+
 def test_a_vanished_directory_turns_writes_into_counted_failures(tmp_path: Path) -> None:
     tier = DiskTier(tmp_path, 20, FP)
     try:
@@ -472,6 +550,26 @@ def test_a_vanished_directory_turns_writes_into_counted_failures(tmp_path: Path)
         assert ok == [False, False]
     finally:
         tier.close()
+
+
+def test_blocks_stored_after_the_file_was_emptied_under_the_tier_survive_a_restart(
+    tmp_path: Path,
+) -> None:
+    tier = stored(DiskTier(tmp_path, 8, FP), KEYS[:4])
+    try:
+        os.truncate(tier.path, 0)  # another process empties the file, superblock and all
+        stored(tier, KEYS[4:8])
+        ok, _ = read_all(tier, KEYS[:8])
+        assert ok == [False] * 4 + [True] * 4 and tier.stats.corrupt == 4
+    finally:
+        tier.close()
+    again = DiskTier(tmp_path, 8, FP)
+    try:
+        assert again.recovery == Recovery(recovered=4) and again.present(KEYS[4:8]) == 4
+        ok, got = read_all(again, KEYS[4:8])
+        assert all(ok) and got == {i: payload(k) for i, k in enumerate(KEYS[4:8])}
+    finally:
+        again.close()
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ answering do; the slot file under it is real.
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -295,6 +296,7 @@ def test_a_start_up_whose_deadline_passes_as_it_returns_leaves_nothing_locked(
 
 
 CRASHER = """
+import errno
 import os
 import sys
 from kvoffload import block_id_key
@@ -440,3 +442,48 @@ def test_a_flipped_byte_in_the_headers_own_checksum_is_caught(
         assert again.recovery == Recovery(corrupt=1) and len(again) == 0
     finally:
         again.close()
+
+
+class FullFor(FileLayer):
+    """Payload writes of :attr:`refused` fail with ENOSPC before writing a byte, as a
+    full disk refuses a sparse slot."""
+
+    def __init__(self, refused: bytes) -> None:
+        self.refused = refused
+
+    def pwritev(self, fd: int, buffers: Sequence[bytes | memoryview], offset: int) -> int:
+        if bytes(buffers[-1]) == self.refused:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return super().pwritev(fd, buffers, offset)
+
+
+def test_a_key_intact_in_two_slots_is_not_served_from_either_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    old, new, refused = b"o" * SIZE, b"n" * SIZE, b"x" * SIZE
+    a, b, c, d, x = KEYS[:5]
+    tier = DiskTier(tmp_path, 3, FP, file_layer=FullFor(refused))
+    try:
+        for key, data in ((a, old), (b, content(b, SIZE)), (c, content(c, SIZE))):
+            tier.write([key], [data])
+            tier.poll(wait=True)
+        old_slot = tier.slot_offset(a)
+        tier.write([d], [refused])  # evicts a; d's write into a's slot fails, a stays there
+        tier.poll(wait=True)
+        tier.write([a, x], [new, refused])  # a again, into b's slot; x into a's old one fails
+        tier.poll(wait=True)
+        assert tier.stats.failed == 2 and tier.slot_offset(a) not in (None, old_slot)
+        assert read(tier, [a])[1][0] == new
+    finally:
+        tier.close()
+    again = DiskTier(tmp_path, 3, FP)
+    try:  # which of the two is the newer store cannot be told: neither is served
+        assert again.present([a]) == 0 and again.present([c]) == 1
+        assert again.recovery == Recovery(recovered=1, duplicate=2)
+    finally:
+        again.close()
+    third = DiskTier(tmp_path, 3, FP)
+    try:  # both were blanked: counted once
+        assert third.recovery == Recovery(recovered=1) and third.present([a]) == 0
+    finally:
+        third.close()

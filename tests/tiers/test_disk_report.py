@@ -61,9 +61,10 @@ def test_a_restart_reports_what_it_recovered_and_dropped(
     assert row["tiers.disk.dropped_corrupt"] == "1"
     recovered = int(row["tiers.disk.recovered"])
     assert recovered == second["recovered"] + second["stored_blocks"] - 1
-    assert f"on start: {recovered:,} blocks recovered, dropped 0 torn, 0 foreign, 1 corrupt" in (
-        table
-    )
+    assert (
+        f"on start: {recovered:,} blocks recovered, dropped 0 torn, 0 foreign, 1 corrupt, "
+        "0 duplicate, 0 beyond capacity"
+    ) in table
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -113,6 +114,8 @@ def test_the_recovery_counts_are_metrics(tmp_path: Path, port: int) -> None:
     assert metrics["kvoffload_tier_dropped_blocks{reason=corrupt,tier=disk}"] == 1
     assert metrics["kvoffload_tier_dropped_blocks{reason=torn,tier=disk}"] == 0
     assert metrics["kvoffload_tier_dropped_blocks{reason=foreign,tier=disk}"] == 0
+    assert metrics["kvoffload_tier_dropped_blocks{reason=duplicate,tier=disk}"] == 0
+    assert metrics["kvoffload_tier_dropped_blocks{reason=beyond_capacity,tier=disk}"] == 0
 
 
 @pytest.fixture

@@ -322,7 +322,9 @@ def tier_rows(report: RunReport) -> list[tuple[str, str]]:
                     f"on start: {output.count(entry['recovered'])} blocks recovered, dropped "
                     f"{output.count(entry['dropped_torn'])} torn, "
                     f"{output.count(entry['dropped_foreign'])} foreign, "
-                    f"{output.count(entry['dropped_corrupt'])} corrupt",
+                    f"{output.count(entry['dropped_corrupt'])} corrupt, "
+                    f"{output.count(entry['dropped_duplicate'])} duplicate, "
+                    f"{output.count(entry['dropped_beyond_capacity'])} beyond capacity",
                 )
             )
     return rows

@@ -34,7 +34,8 @@ RECOVERED_BLOCKS = "tier_recovered_blocks"
 DROPPED_BLOCKS = "tier_dropped_blocks"
 RECOVERY_DOCS = {
     RECOVERED_BLOCKS: "Blocks a lower tier found intact on start and serves again.",
-    DROPPED_BLOCKS: "Slots a lower tier dropped on start, by reason (torn, foreign, corrupt).",
+    DROPPED_BLOCKS: "Slots a lower tier dropped on start, by reason "
+    "(torn, foreign, corrupt, duplicate, beyond_capacity).",
 }
 RECOVERY_LABELS = {RECOVERED_BLOCKS: ("tier",), DROPPED_BLOCKS: ("tier", "reason")}
 """The two recovery gauges, here and on vLLM's ``/metrics`` (``vllm:kvoffload_...``)."""
@@ -119,7 +120,8 @@ class ManagerCollector(Collector):
 
 class RecoveryCollector(Collector):
     """Exports what lower tiers found on start: ``kvoffload_tier_recovered_blocks`` and
-    ``kvoffload_tier_dropped_blocks`` by ``reason`` (torn, foreign, corrupt).
+    ``kvoffload_tier_dropped_blocks`` by ``reason`` (torn, foreign, corrupt, duplicate,
+    beyond_capacity).
 
     ``counts()`` maps a tier name to its ``recovered`` and ``dropped_<reason>`` counts.
     """

@@ -118,7 +118,8 @@ class DiskTier:
     does not answer within ``deadline_s`` turns into counted failed stores
     and reads, never an exception or a wait for the caller; deadline misses
     open ``breaker``, which then refuses disk I/O at once until a trial gets
-    through. :attr:`recovery` says what the start-up scan found.
+    through. :attr:`recovery` says what the start-up scan found; with ``enable_events``
+    the blocks it recovered are the first event, a store on the tier's medium.
     An empty ``directory`` is refused: as a path it is the working directory, which a
     setting left blank never meant. Start-up raises
     :class:`~kvoffload.tiers.slot_file.DiskTierError` for an unsafe or busy directory.
@@ -157,6 +158,7 @@ class DiskTier:
         check_deadline_s(deadline_s, "the disk deadline")
         check_capacity(capacity_blocks)
         self._index = CPUOffloadingManager(capacity_blocks, cache_policy)
+        self._events = EventLog(enable_events)  # checked before any file, lock or thread
         self.capacity_blocks = capacity_blocks
         self.fingerprint = fingerprint
         self.breaker = breaker or CircuitBreaker()
@@ -173,7 +175,6 @@ class DiskTier:
         self.directory = self._file.directory
         self.path = self._file.path
         self.stats = TierStats()
-        self._events = EventLog(enable_events)
         self._writes: list[tuple[list[OffloadKey], Future[list[bool]]]] = []
         self._broken: queue.SimpleQueue[tuple[OffloadKey, int]] = queue.SimpleQueue()
         found = self._file.found
@@ -182,13 +183,17 @@ class DiskTier:
         if keys:
             self._index.prepare_store(keys)
             self._index.complete_store(keys)
+            # Announced as stores: a router learns what a restarted tier serves from its
+            # first events on, as it learns of blocks written since.
+            self._events.record(keys, MEDIUM, removed=False)
 
     def __len__(self) -> int:
         return self.capacity_blocks - self._index.num_free_blocks
 
     @property
     def recovery(self) -> Recovery:
-        """Blocks recovered and slots dropped (torn, foreign, corrupt) when the tier started."""
+        """Blocks recovered and slots dropped (torn, foreign, corrupt, duplicate, beyond the
+        capacity) when the tier started."""
         return self._file.recovery
 
     @property

@@ -13,7 +13,9 @@ its old header zeroed in the same call, and its new header last, in a second
 call. A process killed between the two leaves a slot without a valid header,
 which a restart does not index; never an old header over new bytes. With
 ``fsync=True`` a batch's payloads are synced before its headers are written,
-and the headers after (power-loss safety). A file per block with temp file +
+and the headers after (power-loss safety); on start, so are the directories
+holding the names of the file, its directory, and ``DIR`` or its parents when
+start-up made them. A file per block with temp file +
 rename gives the same guarantee at the cost of an inode and a rename per
 block (30-50% of the store time in the kernel on the dev VM); an append-only
 segment needs compaction.
@@ -42,6 +44,7 @@ import enum
 import errno
 import fcntl
 import functools
+import itertools
 import os
 import stat
 import struct
@@ -122,6 +125,12 @@ class Recovery:
     """Blocks of another layout fingerprint (a whole file of another layout: all its slots)."""
     corrupt: int = 0
     """Headers that fail their checks, or announce another payload length than the layout's."""
+    duplicate: int = 0
+    """Intact blocks of a key found in more than one slot, all of which are dropped: which
+    store is the newer cannot be told (a slot whose block was evicted keeps it until its
+    next write lands, and the key may since have been stored again elsewhere)."""
+    beyond_capacity: int = 0
+    """Intact blocks in slots past a capacity smaller than the file's, cut off with them."""
 
     def as_dict(self) -> dict[str, int]:
         return {
@@ -129,6 +138,8 @@ class Recovery:
             "dropped_torn": self.torn,
             "dropped_foreign": self.foreign,
             "dropped_corrupt": self.corrupt,
+            "dropped_duplicate": self.duplicate,
+            "dropped_beyond_capacity": self.beyond_capacity,
         }
 
 
@@ -192,6 +203,9 @@ class FileLayer:
 
     def fdatasync(self, fd: int) -> None:
         os.fdatasync(fd)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
 
     def ftruncate(self, fd: int, size: int) -> None:
         os.ftruncate(fd, size)
@@ -453,7 +467,9 @@ class SlotFile:
     ) -> list[bool]:
         """Payloads first (over zeroed old headers), then the headers: see the module docstring."""
         failed = [False] * len(positions)
-        if not superblock.result() or self._guard(self._linked) is not Outcome.OK:
+        if not superblock.result() or any(
+            self._guard(check) is not Outcome.OK for check in (self._linked, self._kept)
+        ):
             return failed
         headers: list[bytes | None] = []
         for i in positions:
@@ -501,11 +517,22 @@ class SlotFile:
         """Whether the slot file still has a name: a removed one is a failing disk."""
         return Outcome.OK if self.layer.fstat(self._fd).st_nlink > 0 else Outcome.FAILED
 
+    def _kept(self) -> Outcome:
+        """The superblock, put back if the file was emptied under the tier (``truncate``
+        by another process): a start drops a file without one, and with it every slot
+        written since."""
+        assert self.stride is not None and self.payload_bytes is not None
+        data = encode_superblock(self.fingerprint, self.stride, self.payload_bytes)
+        if self.layer.pread(self._fd, len(data), 0) == data:
+            return Outcome.OK
+        return Outcome.OK if self.layer.pwrite(self._fd, data, 0) == len(data) else Outcome.FAILED
+
     # Start-up, on stripe 0 under the deadline: open, lock, scan.
 
     def _open(self, job: Job[_Opened | str | None]) -> _Opened | str:
         """The opened, locked and scanned file, or the one-line reason it cannot be used."""
         fds: list[int] = []
+        made = _missing(self.root) if self._fsync else []
         try:
             root = _open_dir(self.root, None, self.root.name or str(self.root))
             fds.append(root)
@@ -517,6 +544,8 @@ class SlotFile:
             fd = _open_file(self.path, directory)
             fds.append(fd)
             found, recovery, superblock = self._scan(fd)
+            if self._fsync:
+                self._sync_entries(root, directory, made)
         except DiskTierError as exc:
             _close_all(fds)
             return str(exc)
@@ -528,8 +557,33 @@ class SlotFile:
             _close_all(fds[2:])
         return _Opened(fd, lock_fd, found, recovery, superblock)
 
+    def _sync_entries(self, root: int, directory: int, made: list[Path]) -> None:
+        """Make the names the tier may just have made durable: the slot file's in its
+        directory, the directory's in ``DIR``, and those of ``DIR`` and its parents if
+        start-up ``made`` them. Synced data under a name a power loss takes back is lost
+        all the same; the file is never renamed, so once is enough."""
+        for fd in (directory, root):
+            self._sync_directory(fd)
+        for path in made:
+            try:
+                above = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            except PermissionError:  # may be written in but not read: nothing to sync with
+                continue
+            try:
+                self._sync_directory(above)
+            finally:
+                os.close(above)
+
+    def _sync_directory(self, fd: int) -> None:
+        try:
+            self.layer.fsync(fd)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: the file system syncs no directory
+                raise
+
     def _scan(self, fd: int) -> tuple[list[tuple[OffloadKey, int]], Recovery, Superblock | None]:
-        """The intact blocks in slot order; a foreign or broken file starts over empty."""
+        """The intact blocks in slot order, within the capacity and each key in one slot;
+        a foreign or broken file starts over empty."""
         recovery = Recovery()
         layer = self.layer
         size = layer.fstat(fd).st_size
@@ -544,27 +598,39 @@ class SlotFile:
                 layer.ftruncate(fd, 0)
             return [], recovery, None
         stride, payload = found_super.stride, found_super.payload_bytes
-        limit = slot_start(self.capacity, stride)
-        if size > limit:
-            layer.ftruncate(fd, limit)
-            size = limit
-        found: dict[OffloadKey, int] = {}
+        first_slot: dict[OffloadKey, int] = {}  # in slot order
+        again: list[tuple[OffloadKey, int]] = []  # the other slots of a key found twice
         for slot in range(-(-max(size - SUPER_BYTES, 0) // stride)):
             start = slot_start(slot, stride)
             kind = self._classify(layer.pread(fd, HEADER_BYTES + MAX_KEY_BYTES, start), payload)
             if isinstance(kind, bytes):
                 if start + HEADER_BYTES + len(kind) + payload > size:
-                    recovery.torn += 1
+                    kind = "torn"
                 else:
-                    found.setdefault(OffloadKey(kind), slot)
+                    key = OffloadKey(kind)
+                    if first_slot.setdefault(key, slot) != slot:
+                        again.append((key, slot))
                     continue
             elif kind is None:
                 continue
+            setattr(recovery, kind, getattr(recovery, kind) + 1)
+            if slot < self.capacity:  # past it, the file is cut off below
+                layer.pwrite(fd, _ZERO_HEADER, start)  # counted once: blank from now on
+        repeated = {key for key, _ in again}
+        found = []
+        for key, slot in itertools.chain(first_slot.items(), again):
+            if slot >= self.capacity:
+                recovery.beyond_capacity += 1
+            elif key in repeated:
+                recovery.duplicate += 1
+                layer.pwrite(fd, _ZERO_HEADER, slot_start(slot, stride))
             else:
-                setattr(recovery, kind, getattr(recovery, kind) + 1)
-            layer.pwrite(fd, _ZERO_HEADER, start)  # counted once: blank from now on
+                found.append((key, slot))
+        limit = slot_start(self.capacity, stride)
+        if size > limit:
+            layer.ftruncate(fd, limit)
         recovery.recovered = len(found)
-        return sorted(found.items(), key=lambda item: item[1]), recovery, found_super
+        return found, recovery, found_super
 
     def _classify(self, head: bytes, payload: int) -> bytes | str | None:
         """A slot's key if its header is intact, ``None`` if blank, else why it is dropped."""
@@ -581,6 +647,11 @@ class SlotFile:
         if header.payload_bytes != payload or len(header.key) > MAX_KEY_BYTES:
             return "corrupt"
         return header.key
+
+
+def _missing(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist (yet: start-up makes them)."""
+    return [p for p in (path, *path.parents) if not os.path.lexists(p)]
 
 
 def _open_dir(path: Path, parent: int | None, name: str) -> int:
