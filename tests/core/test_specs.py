@@ -32,3 +32,22 @@ def test_a_negative_block_index_is_refused() -> None:
     # -1 % factor would read as a valid skip of factor - 1 sub-blocks.
     with pytest.raises(InvalidArgumentError, match="positions within a request"):
         GPULoadStoreSpec([30], group_sizes=[1], block_indices=[-1])
+
+
+@pytest.mark.parametrize(
+    ("ids", "beyond"),
+    [
+        (np.array([3, 2**63 + 5], dtype=np.uint64), 2**63 + 5),
+        ([3, 2**63 + 5], 2**63 + 5),  # NumPy: uint64
+        ([-1, 2**63 + 5], 2**63 + 5),  # float64
+        ([2**64 + 5], 2**64 + 5),  # object
+        ([-(2**63) - 5], -(2**63) - 5),  # object
+    ],
+    ids=["uint64 array", "list past int64", "mixed signs", "past uint64", "below int64"],
+)
+def test_block_ids_past_int64_are_refused_showing_their_value(ids: object, beyond: int) -> None:
+    """Not cast to int64: ``2**63 + 5`` wrapped to a negative id, which the data plane
+    refused as out of range showing the wrapped value, not the one the caller gave."""
+    with pytest.raises(InvalidArgumentError, match=rf"must fit in int64, got \[{beyond}\]"):
+        _ = CPULoadStoreSpec(ids).block_ids  # type: ignore[arg-type]
+    assert CPULoadStoreSpec(np.array([2**63 - 1], np.uint64)).block_ids.tolist() == [2**63 - 1]

@@ -98,15 +98,35 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
         )
 
 
+_INT64 = np.iinfo(np.int64)
+"""The range of a spec's block ids: int64, the index type of the copies."""
+
+
 def _int_ids(ids: Sequence[int] | npt.ArrayLike) -> npt.NDArray[np.int64]:
     """``ids`` as a flat int64 array, refusing anything but integers: a cast alone
-    would truncate ``1.7`` (or ``True``) to block 1 and move bytes into it."""
+    would truncate ``1.7`` (or ``True``) to block 1 and move bytes into it. Unsigned ids
+    past int64 are refused here, by their value: the cast would wrap them negative, and
+    the data plane's range error would show the wrapped ids."""
     raw = np.asarray(ids)
     if raw.ndim != 1 or (raw.size and raw.dtype.kind not in "iu"):
+        _refuse_out_of_range(ids)
         raise InvalidArgumentError(
             f"block ids must be a flat sequence of integers, got {raw.dtype} of shape {raw.shape}"
         )
+    if raw.dtype.kind == "u" and raw.size and raw.max() > _INT64.max:
+        _refuse_out_of_range(raw.tolist())
     return raw.astype(np.int64, copy=False)
+
+
+def _refuse_out_of_range(ids: object) -> None:
+    """:class:`InvalidArgumentError` showing the ids past int64, if ``ids`` is a list or
+    tuple of ints with some (NumPy makes such a list uint64, float64 or object)."""
+    if not isinstance(ids, list | tuple):
+        return
+    if all(type(i) is int for i in ids):
+        beyond = [i for i in ids if not _INT64.min <= i <= _INT64.max]
+        if beyond:
+            raise InvalidArgumentError(f"block ids must fit in int64, got {beyond}")
 
 
 TransferSpec = tuple[LoadStoreSpec, LoadStoreSpec]
