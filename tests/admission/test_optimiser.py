@@ -697,6 +697,53 @@ def test_mini_simulation_checks_its_arguments() -> None:
     assert sampling_bits(10**9) == 8
 
 
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"window_tiers": 0}, "'window_tiers' of 'optimiser' must be >= 0.01, got 0"),
+        ({"window_tiers": -1.0}, "'window_tiers' of 'optimiser' must be >= 0.01"),
+        ({"window_tiers": float("nan")}, "'window_tiers' of 'optimiser' must be a number"),
+        ({"window_tiers": "4"}, "'window_tiers' of 'optimiser' must be a number"),
+        ({"params": {"guard": 1}}, "params must be OptimiserParams"),
+        ({"objective": {"hit_tolerance": 0.1}}, "objective must be an Objective"),
+        ({"policy": "lru"}, "policy must be a CachePolicy class"),
+        ({"policy": LRUCachePolicy(8)}, "policy must be a CachePolicy class"),
+    ],
+)
+def test_the_optimiser_checks_its_arguments(arguments: dict[str, object], message: str) -> None:
+    """The project's one-line argument error, as for ``params`` set from the CLI: a window
+    of 0 was a bare ``ValueError`` from the worlds, a mapping for ``params`` an
+    ``AttributeError``, a policy name a ``TypeError`` (``'str' object is not callable``)."""
+    with pytest.raises(InvalidArgumentError, match=message):
+        OptimisingAdmission(CPUOffloadingManager(8), 8, **arguments)  # type: ignore[arg-type]
+
+
+def test_a_setting_given_both_in_params_and_beside_them_is_refused_unless_they_agree() -> None:
+    """The objective's tolerances (and a ``window_tiers`` argument) once silently replaced
+    the ones ``params`` set; each is used now, and refused where ``params`` sets another."""
+    cpu = CPUOffloadingManager(8)
+    with pytest.raises(InvalidArgumentError, match=r"hit_tolerance is given twice, 0\.2 in params"):
+        OptimisingAdmission(
+            cpu,
+            8,
+            objective=Objective(hit_tolerance=0.1),
+            params=OptimiserParams(hit_tolerance=0.2),
+        )
+    with pytest.raises(InvalidArgumentError, match=r"window_tiers is given twice, 8\.0 in params"):
+        OptimisingAdmission(cpu, 8, window_tiers=4.0, params=OptimiserParams(window_tiers=8.0))
+    objective = Objective(hit_tolerance=0.1, write_margin=0.3)
+    layer = OptimisingAdmission(
+        cpu,
+        8,
+        objective=objective,
+        window_tiers=4.0,
+        params=OptimiserParams(guard=1, write_margin=0.3),
+    )
+    assert layer.objective == objective and layer.params.guard == 1
+    assert (layer.params.hit_tolerance, layer.params.window_tiers) == (0.1, 4.0)
+    assert layer.worlds.window == 4.0 * 8
+
+
 @pytest.mark.parametrize("budget", [float("nan"), -0.1, float("inf"), "0.5", True])
 def test_write_budget_errors(budget: object) -> None:
     with pytest.raises(InvalidArgumentError, match="write budget"):
