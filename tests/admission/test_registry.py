@@ -209,6 +209,11 @@ def test_parameters_reach_the_layer() -> None:
         ("feedback", {"root_groups": "2.5"}, "'root_groups' of 'feedback' must be an integer"),
         ("feedback", {"root_groups": True}, "'root_groups' of 'feedback' must be an integer"),
         ("feedback", {"prior_returns": "nan"}, "'prior_returns' of 'feedback' must be a number"),
+        (
+            "feedback",
+            {"prior_returns": "3", "prior_outcomes": "2"},
+            r"'feedback': prior_returns \(3\) must not exceed prior_outcomes \(2\)",
+        ),
         ("sketch", {"threshold": "x"}, "'threshold' of 'sketch' must be an integer"),
         ("filter", {"store_threshold": 1}, r"'store_threshold' of 'filter' must be in \[2, "),
         ("optimiser", {"switch_margin": -1}, "'switch_margin' of 'optimiser' must be in"),
@@ -284,8 +289,10 @@ def test_a_float_parameter_takes_a_fraction_whatever_its_default() -> None:
                 continue
             low, high = field.metadata["low"], field.metadata["high"]
             value = (low + high) / 2 if high != math.inf else low + 0.5
+            # No more prior returns than prior outcomes (the default returns, 0.9, are).
+            others = {"prior_returns": "0"} if field.name == "prior_outcomes" else {}
             for raw in (str(value), value):
-                parsed = admission_params(name, {field.name: raw})
+                parsed = admission_params(name, {field.name: raw, **others})
                 assert getattr(parsed, field.name) == value
             floats += 1
     assert floats >= 10
