@@ -6,8 +6,9 @@ the pair of ``medium()`` names.
 
 from __future__ import annotations
 
+import operator
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -69,22 +70,22 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
         block_indices: Sequence[int] | None = None,
     ) -> None:
         super().__init__(block_ids)
-        self.group_sizes = tuple(group_sizes)
+        self.group_sizes = _whole_numbers("group_sizes", group_sizes, "block counts")
         if sum(self.group_sizes) != len(self.block_ids):
             raise InvalidArgumentError(
                 f"group_sizes {self.group_sizes} add up to {sum(self.group_sizes)}, "
                 f"but {len(self.block_ids)} block ids were given"
             )
-        self.block_indices = None if block_indices is None else tuple(block_indices)
+        # Python's modulo would turn -1 into a valid-looking skip of factor - 1 pages.
+        self.block_indices = (
+            None
+            if block_indices is None
+            else _whole_numbers("block_indices", block_indices, "positions within a request")
+        )
         if self.block_indices is not None and len(self.block_indices) != len(self.group_sizes):
             raise InvalidArgumentError(
                 f"block_indices has {len(self.block_indices)} entries for "
                 f"{len(self.group_sizes)} groups"
-            )
-        if self.block_indices is not None and any(i < 0 for i in self.block_indices):
-            # Python's modulo would turn -1 into a valid-looking skip of factor - 1 pages.
-            raise InvalidArgumentError(
-                f"block_indices are positions within a request, got {self.block_indices}"
             )
 
     @staticmethod
@@ -96,6 +97,20 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
             f"GPULoadStoreSpec({self.block_ids.tolist()}, group_sizes={self.group_sizes}, "
             f"block_indices={self.block_indices})"
         )
+
+
+def _whole_numbers(name: str, values: Iterable[int], meaning: str) -> tuple[int, ...]:
+    """``values`` as a tuple of ints >= 0 (any integer type: vLLM's may be NumPy's), or
+    :class:`InvalidArgumentError` naming ``name``: a negative group size that the sum still
+    matched, a float or ``True`` taken as a position, or no sequence at all were accepted,
+    or a ``TypeError`` from deep inside."""
+    try:
+        numbers = tuple(-1 if isinstance(v, bool) else operator.index(v) for v in values)
+    except TypeError:
+        numbers = (-1,)
+    if any(n < 0 for n in numbers):
+        raise InvalidArgumentError(f"{name} are {meaning}, integers >= 0, got {values!r}")
+    return numbers
 
 
 _INT64 = np.iinfo(np.int64)
