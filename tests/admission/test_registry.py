@@ -127,6 +127,20 @@ def test_a_rule_name_that_is_no_string_is_refused_before_it_breaks_the_list(
     assert "sketch" in available_admissions()
 
 
+def test_a_rule_without_a_parameters_dataclass_or_a_builder_is_refused_when_registered(
+    scratch_registry: None,
+) -> None:
+    """Registered, either was a ``TypeError`` (``dataclasses.fields``) or an
+    ``AttributeError`` (``from_params``) at the rule's first use, far from the mistake."""
+    with pytest.raises(InvalidArgumentError, match="params must be a dataclass"):
+        register_admission("every-nth", params=dict)
+    with pytest.raises(InvalidArgumentError, match="params must be a dataclass"):
+        register_admission("every-nth", params=EveryNthParams())  # an instance
+    with pytest.raises(InvalidArgumentError, match="has no from_params"):
+        register_admission("every-nth", params=EveryNthParams)(EveryNthParams)
+    assert "every-nth" not in available_admissions()
+
+
 def test_a_new_rule_is_one_decorator_and_takes_its_parameters(scratch_registry: None) -> None:
     register_admission("every-nth", params=EveryNthParams)(EveryNth)
     assert "every-nth" in available_admissions()
@@ -302,6 +316,14 @@ def test_a_float_parameter_takes_a_fraction_whatever_its_default() -> None:
 @pytest.mark.parametrize("pairs", [[None], ["a=1", 3], [b"a=1"]])
 def test_a_pair_that_is_no_string_is_refused_naming_the_option(pairs: list[object]) -> None:
     with pytest.raises(InvalidArgumentError, match="--admission-param takes key=value"):
+        parse_pairs(pairs, "--admission-param")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("pairs", ["threshold=3", None, {"threshold": "3"}])
+def test_pairs_that_are_no_list_are_refused(pairs: object) -> None:
+    """One ``"threshold=3"`` was read letter by letter ("takes key=value, got 't'"), ``None``
+    a ``TypeError``, a mapping its keys alone."""
+    with pytest.raises(InvalidArgumentError, match="--admission-param takes a list of key=value"):
         parse_pairs(pairs, "--admission-param")  # type: ignore[arg-type]
 
 
