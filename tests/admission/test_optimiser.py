@@ -710,6 +710,7 @@ def test_mini_simulation_checks_its_arguments() -> None:
         ({"objective": {"hit_tolerance": 0.1}}, "objective must be an Objective"),
         ({"policy": "lru"}, "policy must be a CachePolicy class"),
         ({"policy": LRUCachePolicy(8)}, "policy must be a CachePolicy class"),
+        ({"clock": None}, "clock must be a callable"),
     ],
 )
 def test_the_optimiser_checks_its_arguments(arguments: dict[str, object], message: str) -> None:

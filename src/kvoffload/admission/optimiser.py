@@ -278,6 +278,8 @@ class OptimisingAdmission(AdmissionLayer):
             isinstance(policy, type) and issubclass(policy, CachePolicy)
         ):
             raise InvalidArgumentError(f"policy must be a CachePolicy class, got {policy!r}")
+        if not callable(clock):  # else a TypeError at the first request a time budget counts
+            raise InvalidArgumentError(f"clock must be a callable giving seconds, got {clock!r}")
         budget = objective.write_budget if write_budget is None and objective else write_budget
         self.write_credit = None if budget is None else BudgetCredit(budget, clock)
         """The budget's token bucket; ``clock`` (seconds) drives a per-time budget."""
