@@ -107,6 +107,14 @@ def test_priors_a_rate_cannot_be_made_of_are_rejected(name: str, value: float) -
         ReuseController(2, threshold=0.5, window=10, **{name: value})  # type: ignore[arg-type]
 
 
+def test_more_prior_returns_than_outcomes_is_refused() -> None:
+    """A return rate above 1 (5 returns in 1 outcome) once admitted every first-seen block
+    until the counts outweighed it; the rate of equal priors, 1, is a rate."""
+    with pytest.raises(InvalidArgumentError, match=r"prior_returns \(5\) must not exceed"):
+        ReuseController(2, threshold=0.5, window=10, prior_returns=5.0, prior_outcomes=1.0)
+    assert ReuseController(2, 0.5, 10, prior_returns=1.0, prior_outcomes=1.0).class_rate(0) == 1.0
+
+
 def test_ghost_is_bounded_and_reports_returns_and_expiries() -> None:
     ghost = GhostRecords(3)
     k = [block_id_key(i) for i in range(5)]

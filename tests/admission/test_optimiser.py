@@ -7,6 +7,7 @@ except where sampling itself is under test.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable
 from dataclasses import replace
@@ -43,6 +44,7 @@ from kvoffload.managers import build_manager
 from kvoffload.policies.lru import LRUCachePolicy
 from kvoffload.sim.engine import EngineConfig, ServingEngine
 from kvoffload.sim.generators import generate
+from kvoffload.sim.run import whatif_table
 from kvoffload.sim.workload import Request, Workload
 
 LONGCHAT = {"longchat": 1.0}
@@ -695,6 +697,80 @@ def test_mini_simulation_checks_its_arguments() -> None:
             MiniSimulation(100, LRUCachePolicy, [STORE_ALL], bits=bits)  # type: ignore[arg-type]
     assert sampling_bits(100_000) == 6 and sampling_bits(1000) == 0
     assert sampling_bits(10**9) == 8
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"window_tiers": 0}, "'window_tiers' of 'optimiser' must be >= 0.01, got 0"),
+        ({"window_tiers": -1.0}, "'window_tiers' of 'optimiser' must be >= 0.01"),
+        ({"window_tiers": float("nan")}, "'window_tiers' of 'optimiser' must be a number"),
+        ({"window_tiers": "4"}, "'window_tiers' of 'optimiser' must be a number"),
+        ({"params": {"guard": 1}}, "params must be OptimiserParams"),
+        ({"objective": {"hit_tolerance": 0.1}}, "objective must be an Objective"),
+        ({"policy": "lru"}, "policy must be a CachePolicy class"),
+        ({"policy": LRUCachePolicy(8)}, "policy must be a CachePolicy class"),
+        ({"clock": None}, "clock must be a callable"),
+    ],
+)
+def test_the_optimiser_checks_its_arguments(arguments: dict[str, object], message: str) -> None:
+    """The project's one-line argument error, as for ``params`` set from the CLI: a window
+    of 0 was a bare ``ValueError`` from the worlds, a mapping for ``params`` an
+    ``AttributeError``, a policy name a ``TypeError`` (``'str' object is not callable``)."""
+    with pytest.raises(InvalidArgumentError, match=message):
+        OptimisingAdmission(CPUOffloadingManager(8), 8, **arguments)  # type: ignore[arg-type]
+
+
+def test_a_setting_given_both_in_params_and_beside_them_is_refused_unless_they_agree() -> None:
+    """The objective's tolerances (and a ``window_tiers`` argument) once silently replaced
+    the ones ``params`` set; each is used now, and refused where ``params`` sets another."""
+    cpu = CPUOffloadingManager(8)
+    with pytest.raises(InvalidArgumentError, match=r"hit_tolerance is given twice, 0\.2 in params"):
+        OptimisingAdmission(
+            cpu,
+            8,
+            objective=Objective(hit_tolerance=0.1),
+            params=OptimiserParams(hit_tolerance=0.2),
+        )
+    with pytest.raises(InvalidArgumentError, match=r"window_tiers is given twice, 8\.0 in params"):
+        OptimisingAdmission(cpu, 8, window_tiers=4.0, params=OptimiserParams(window_tiers=8.0))
+    objective = Objective(hit_tolerance=0.1, write_margin=0.3)
+    layer = OptimisingAdmission(
+        cpu,
+        8,
+        objective=objective,
+        window_tiers=4.0,
+        params=OptimiserParams(guard=1, write_margin=0.3),
+    )
+    assert layer.objective == objective and layer.params.guard == 1
+    assert (layer.params.hit_tolerance, layer.params.window_tiers) == (0.1, 4.0)
+    assert layer.worlds.window == 4.0 * 8
+
+
+def test_what_if_figures_are_unknown_until_a_sampled_key_reaches_the_tier() -> None:
+    """Not 0.0: before a sampled key had reached the tier a mini-tier's writes read 0.0 (a
+    rule that writes nothing) and its hit ratio the GPU's share alone. ``None`` now, and
+    ``null`` in simulate's JSON; the exact worlds (every key) know theirs after a request."""
+    layer = OptimisingAdmission(CPUOffloadingManager(4096), 4096, bits=8)
+    assert all(f.hit_ratio is None and f.writes_per_ref is None for f in layer.whatif())
+    request = [block_id_key(i) for i in (1, 2, 3)]  # none of them among the 1 in 256 sampled
+    ServingEngine(EngineConfig(64, 1, 16), layer).run([Request(0.0, 48, 1, request)])
+    figures = layer.stats().whatif
+    sampled = [f for f in figures if f.sampling_rate < 1.0]
+    assert sampled and all(f.hit_ratio is f.writes_per_ref is None for f in sampled)
+    worlds = [f for f in figures if f.sampling_rate == 1.0]
+    assert {(f.candidate, f.writes_per_ref) for f in worlds} == {
+        (STORE_ALL, 1.0),
+        (FILTER, 0.0),
+        (FEEDBACK, 0.0),
+    }
+    table = json.loads(json.dumps(whatif_table(figures)))
+    assert table[STORE_ALL]["2"] == {
+        "hit_ratio": None,
+        "writes_per_ref": None,
+        "sampling_rate": 1 / 256,
+    }
+    assert table[STORE_ALL]["1"]["writes_per_ref"] == 1.0
 
 
 @pytest.mark.parametrize("budget", [float("nan"), -0.1, float("inf"), "0.5", True])

@@ -127,6 +127,20 @@ def test_a_rule_name_that_is_no_string_is_refused_before_it_breaks_the_list(
     assert "sketch" in available_admissions()
 
 
+def test_a_rule_without_a_parameters_dataclass_or_a_builder_is_refused_when_registered(
+    scratch_registry: None,
+) -> None:
+    """Registered, either was a ``TypeError`` (``dataclasses.fields``) or an
+    ``AttributeError`` (``from_params``) at the rule's first use, far from the mistake."""
+    with pytest.raises(InvalidArgumentError, match="params must be a dataclass"):
+        register_admission("every-nth", params=dict)
+    with pytest.raises(InvalidArgumentError, match="params must be a dataclass"):
+        register_admission("every-nth", params=EveryNthParams())  # an instance
+    with pytest.raises(InvalidArgumentError, match="has no from_params"):
+        register_admission("every-nth", params=EveryNthParams)(EveryNthParams)
+    assert "every-nth" not in available_admissions()
+
+
 def test_a_new_rule_is_one_decorator_and_takes_its_parameters(scratch_registry: None) -> None:
     register_admission("every-nth", params=EveryNthParams)(EveryNth)
     assert "every-nth" in available_admissions()
@@ -209,6 +223,11 @@ def test_parameters_reach_the_layer() -> None:
         ("feedback", {"root_groups": "2.5"}, "'root_groups' of 'feedback' must be an integer"),
         ("feedback", {"root_groups": True}, "'root_groups' of 'feedback' must be an integer"),
         ("feedback", {"prior_returns": "nan"}, "'prior_returns' of 'feedback' must be a number"),
+        (
+            "feedback",
+            {"prior_returns": "3", "prior_outcomes": "2"},
+            r"'feedback': prior_returns \(3\) must not exceed prior_outcomes \(2\)",
+        ),
         ("sketch", {"threshold": "x"}, "'threshold' of 'sketch' must be an integer"),
         ("filter", {"store_threshold": 1}, r"'store_threshold' of 'filter' must be in \[2, "),
         ("optimiser", {"switch_margin": -1}, "'switch_margin' of 'optimiser' must be in"),
@@ -284,8 +303,10 @@ def test_a_float_parameter_takes_a_fraction_whatever_its_default() -> None:
                 continue
             low, high = field.metadata["low"], field.metadata["high"]
             value = (low + high) / 2 if high != math.inf else low + 0.5
+            # No more prior returns than prior outcomes (the default returns, 0.9, are).
+            others = {"prior_returns": "0"} if field.name == "prior_outcomes" else {}
             for raw in (str(value), value):
-                parsed = admission_params(name, {field.name: raw})
+                parsed = admission_params(name, {field.name: raw, **others})
                 assert getattr(parsed, field.name) == value
             floats += 1
     assert floats >= 10
@@ -295,6 +316,14 @@ def test_a_float_parameter_takes_a_fraction_whatever_its_default() -> None:
 @pytest.mark.parametrize("pairs", [[None], ["a=1", 3], [b"a=1"]])
 def test_a_pair_that_is_no_string_is_refused_naming_the_option(pairs: list[object]) -> None:
     with pytest.raises(InvalidArgumentError, match="--admission-param takes key=value"):
+        parse_pairs(pairs, "--admission-param")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("pairs", ["threshold=3", None, {"threshold": "3"}])
+def test_pairs_that_are_no_list_are_refused(pairs: object) -> None:
+    """One ``"threshold=3"`` was read letter by letter ("takes key=value, got 't'"), ``None``
+    a ``TypeError``, a mapping its keys alone."""
+    with pytest.raises(InvalidArgumentError, match="--admission-param takes a list of key=value"):
         parse_pairs(pairs, "--admission-param")  # type: ignore[arg-type]
 
 

@@ -146,3 +146,24 @@ def test_the_switch_count_reads_as_words() -> None:
         "2 switches",
         "1,234 switches",
     ]
+
+
+def test_what_if_figures_not_known_yet_are_null_and_dashes_not_zeros(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A run no key of which reached the tier (one request shorter than a block) once
+    showed every what-if figure as 0.000, a rule that writes nothing."""
+    empty = ["simulate", "--requests", "1", "--block-size", "4096", "--no-progress", "--no-bound"]
+    args = [*empty, *TIER, "--admission", "recommended"]
+    assert main([*args, "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["whatif"]["store-all"]["1"]["writes_per_ref"] is None
+    assert {
+        figure
+        for by_factor in report["whatif"].values()
+        for figures in by_factor.values()
+        for figure in (figures["hit_ratio"], figures["writes_per_ref"])
+    } == {None}
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert re.search(r"store-all +- / - +- / - +- / - +- / -\n", table)

@@ -105,6 +105,12 @@ def test_block_id_key_is_eight_big_endian_bytes_and_group() -> None:
         (lambda: block_id_key("7"), "block_id"),
         (lambda: block_id_key(7, group_idx=-1), "group_idx"),
         (lambda: keys_for_tokens(range(4), 2, group_idx=2**40), "group_idx"),
+        # bool is an int subclass: True was group (or block) 1, False 0
+        (lambda: make_offload_key(b"ab", True), "group_idx"),
+        (lambda: make_offload_key(b"ab", False), "group_idx"),
+        (lambda: keys_for_tokens(range(4), 2, group_idx=True), "group_idx"),
+        (lambda: block_id_key(True), "block_id"),
+        (lambda: block_id_key(7, group_idx=True), "group_idx"),
     ],
 )
 def test_a_bad_key_part_is_refused_naming_it(call: Callable[[], object], named: str) -> None:

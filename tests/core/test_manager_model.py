@@ -230,8 +230,11 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         assert layer.chosen in CANDIDATES
         for figure in layer.whatif():
+            if figure.hit_ratio is None:  # nothing sampled yet: unknown, both
+                assert figure.writes_per_ref is None
+                continue
             assert 0.0 <= figure.hit_ratio <= 1.0 + 1e-9
-            assert figure.writes_per_ref >= 0.0
+            assert figure.writes_per_ref is not None and figure.writes_per_ref >= 0.0
 
 
 SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None)

@@ -178,6 +178,30 @@ def test_the_optimiser_exports_its_what_if_figures_and_chosen_rule() -> None:
     assert metrics["kvoffload_admission_switches_total"] == stats.switches >= 1
 
 
+def test_a_what_if_figure_not_sampled_yet_has_no_series() -> None:
+    """A mini-tier no sampled key has reached once exported writes 0 (a rule that writes
+    nothing) and the GPU's share as its hit ratio; its series is absent now."""
+    from kvoffload import CPUOffloadingManager, block_id_key
+    from kvoffload.admission import OptimisingAdmission
+    from kvoffload.observe.metrics import AdmissionCollector
+    from kvoffload.sim.engine import EngineConfig, ServingEngine
+    from kvoffload.sim.workload import Request
+
+    layer = OptimisingAdmission(CPUOffloadingManager(4096), 4096, bits=8)
+    request = [block_id_key(i) for i in (1, 2, 3)]  # none of them among the 1 in 256 sampled
+    ServingEngine(EngineConfig(64, 1, 16), layer).run([Request(0.0, 48, 1, request)])
+    with MetricsServer(0) as server:
+        server.add(AdmissionCollector(layer.stats))
+        metrics = scrape(server.port)
+    exported = {name for name in metrics if name.startswith("kvoffload_whatif_")}
+    known = {f for f in layer.stats().whatif if f.sampling_rate == 1.0}  # the exact worlds
+    assert known and exported == {
+        f'kvoffload_whatif_{figure}{{candidate="{f.candidate}",capacity_factor="1"}}'
+        for f in known
+        for figure in ("hit_ratio", "writes_per_ref")
+    }
+
+
 def test_a_scrape_for_some_names_gets_their_samples_from_every_collector() -> None:
     from kvoffload.observe.counters import LatencyHistogram, ManagerCounters
     from kvoffload.observe.metrics import TransferCollector

@@ -31,6 +31,15 @@ GROUP_STRENGTH = 4.0
 BYTES_PER_COUNT = 8
 
 
+def refused_priors(prior_returns: float, prior_outcomes: float) -> str:
+    """The error for more prior returns than prior outcomes: a return rate above 1, which
+    admits every first-seen block however few come back until the counts outweigh it."""
+    return (
+        f"prior_returns ({prior_returns:g}) must not exceed prior_outcomes "
+        f"({prior_outcomes:g}): a return rate above 1"
+    )
+
+
 class ReuseController:
     """Return rates of ``num_classes`` classes, each split into ``groups`` groups.
 
@@ -68,6 +77,8 @@ class ReuseController:
                 raise InvalidArgumentError(
                     f"{name} must be a finite number {bound}, got {shown(value)}"
                 )
+        if prior_returns > prior_outcomes:
+            raise InvalidArgumentError(refused_priors(prior_returns, prior_outcomes))
         self.threshold = threshold
         self.window = window
         self.prior_returns = prior_returns

@@ -29,11 +29,13 @@ from kvoffload.admission.controller import (
     PRIOR_OUTCOMES,
     PRIOR_RETURNS,
     ReuseController,
+    refused_priors,
 )
 from kvoffload.admission.ghost import ghost_records
 from kvoffload.admission.params import check_params, param
 from kvoffload.admission.registry import register_admission
 from kvoffload.admission.sketch import FrequencySketch, RequestHashes
+from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager
 
@@ -77,6 +79,9 @@ class FeedbackParams:
 
     def __post_init__(self) -> None:
         check_params(self, "feedback")
+        if self.prior_returns > self.prior_outcomes:  # refused as the parameters are read
+            refused = refused_priors(self.prior_returns, self.prior_outcomes)
+            raise InvalidArgumentError(f"admission parameters of 'feedback': {refused}")
 
 
 @register_admission("feedback", params=FeedbackParams)

@@ -649,9 +649,11 @@ class WhatIf:
 
     candidate: str
     capacity_factor: float
-    hit_ratio: float
-    """Total (GPU and tier) hits per block reference."""
-    writes_per_ref: float
+    hit_ratio: float | None
+    """Total (GPU and tier) hits per block reference; ``None`` while unknown: until a key
+    that reached the tier was sampled."""
+    writes_per_ref: float | None
+    """Writes per block reference; ``None`` while unknown, as :attr:`hit_ratio`."""
     capacity: int
     """The mini-tier's keys."""
     sampling_rate: float
@@ -977,7 +979,8 @@ class MiniSimulation:
 
     def figures(self, cumulative: bool = False) -> list[WhatIf]:
         """Every mini-tier's hit ratio and writes per reference over the recent window
-        (``cumulative``: since the start)."""
+        (``cumulative``: since the start); ``None`` where no sampled key has reached the
+        tier yet (a 0.0 read as "this rule writes nothing")."""
         result = []
         for (name, factor), (tier, index) in self.tiers.items():
             level = self._levels[index]
@@ -988,8 +991,8 @@ class MiniSimulation:
                 WhatIf(
                     candidate=name,
                     capacity_factor=factor,
-                    hit_ratio=gpu + reach * hits / sampled if sampled else gpu,
-                    writes_per_ref=reach * writes / sampled if sampled else 0.0,
+                    hit_ratio=gpu + reach * hits / sampled if sampled else None,
+                    writes_per_ref=reach * writes / sampled if sampled else None,
                     capacity=tier.capacity,
                     sampling_rate=1.0 / (1 << level.bits),
                 )

@@ -250,7 +250,13 @@ class OptimiserParams:
 
 @register_admission("optimiser", params=OptimiserParams)
 class OptimisingAdmission(AdmissionLayer):
-    """Follows whichever candidate rule its miniature simulations rank best right now."""
+    """Follows whichever candidate rule its miniature simulations rank best right now.
+
+    ``objective`` and ``window_tiers``, where given, are used instead of the same settings
+    in ``params`` (its ``hit_tolerance``, ``switch_margin``, ``write_margin`` and
+    ``window_tiers``); a setting given both ways, with ``params`` away from its default and
+    the two different, is refused rather than one silently dropped. ``policy`` is the
+    tier's eviction policy class (found under ``backing`` when not given)."""
 
     def __init__(
         self,
@@ -266,9 +272,14 @@ class OptimisingAdmission(AdmissionLayer):
     ) -> None:
         super().__init__(backing, capacity)
         check_write_budget(write_budget)
-        self.params = p = params or OptimiserParams()
-        if window_tiers is None:
-            window_tiers = p.window_tiers
+        self.params = p = _merged_params(params, objective, window_tiers)
+        window_tiers = p.window_tiers
+        if policy is not None and not (
+            isinstance(policy, type) and issubclass(policy, CachePolicy)
+        ):
+            raise InvalidArgumentError(f"policy must be a CachePolicy class, got {policy!r}")
+        if not callable(clock):  # else a TypeError at the first request a time budget counts
+            raise InvalidArgumentError(f"clock must be a callable giving seconds, got {clock!r}")
         budget = objective.write_budget if write_budget is None and objective else write_budget
         self.write_credit = None if budget is None else BudgetCredit(budget, clock)
         """The budget's token bucket; ``clock`` (seconds) drives a per-time budget."""
@@ -725,6 +736,37 @@ class OptimisingAdmission(AdmissionLayer):
             whatif=tuple(self.whatif()),
             whatif_total=tuple(self.whatif(cumulative=True)),
         )
+
+
+OBJECTIVE_PARAMS = ("hit_tolerance", "switch_margin", "write_margin")
+"""The :class:`OptimiserParams` fields an :class:`Objective` gives too."""
+
+
+def _merged_params(
+    params: OptimiserParams | None, objective: Objective | None, window_tiers: float | None
+) -> OptimiserParams:
+    """``params`` (the defaults if ``None``) with the settings ``objective`` and
+    ``window_tiers`` give in it, checked as the parameters: an out-of-range window was a
+    bare ``ValueError`` from deep in the constructor. :class:`InvalidArgumentError` too for
+    an argument of the wrong type, or a setting that ``params`` moves from its default
+    while ``objective`` or ``window_tiers`` gives another value for it."""
+    if params is not None and not isinstance(params, OptimiserParams):
+        raise InvalidArgumentError(f"params must be OptimiserParams, got {params!r}")
+    if objective is not None and not isinstance(objective, Objective):
+        raise InvalidArgumentError(f"objective must be an Objective, got {objective!r}")
+    given = params or OptimiserParams()
+    explicit = {name: getattr(objective, name) for name in OBJECTIVE_PARAMS if objective}
+    if window_tiers is not None:
+        explicit["window_tiers"] = window_tiers
+    defaults = OptimiserParams()
+    for name, value in explicit.items():
+        mine = getattr(given, name)
+        if mine != getattr(defaults, name) and mine != value:
+            where = "the objective" if name in OBJECTIVE_PARAMS else "the window_tiers argument"
+            raise InvalidArgumentError(
+                f"{name} is given twice, {mine!r} in params and {value!r} in {where}: give it once"
+            )
+    return replace(given, **explicit) if explicit else given
 
 
 def _policy_of(manager: OffloadingManager) -> CachePolicy | None:

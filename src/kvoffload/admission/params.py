@@ -85,6 +85,8 @@ def param_help(cls: type[Any]) -> dict[str, str]:
 
 def parse_pairs(pairs: list[str] | tuple[str, ...], what: str) -> dict[str, str]:
     """``["key=value", ...]`` as a mapping (a later key wins); ``what`` names the option."""
+    if not isinstance(pairs, list | tuple):  # a lone "key=value" would iterate by letter
+        raise InvalidArgumentError(f"{what} takes a list of key=value, got {pairs!r}")
     parsed: dict[str, str] = {}
     for pair in pairs:
         if not isinstance(pair, str):

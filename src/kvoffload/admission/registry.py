@@ -10,6 +10,7 @@ offered block; aliases (``recommended``, ``reuse``) name a registered rule.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import pkgutil
@@ -63,8 +64,18 @@ def register_admission(name: str, params: type[Any] = NoParams) -> Callable[[R],
     """
     if not isinstance(name, str) or not name:  # another type would break every sorted list
         raise InvalidArgumentError(f"an admission rule's name is a non-empty string, got {name!r}")
+    # Checked here, not at the rule's first use, where either was a TypeError or an
+    # AttributeError from deep inside the registry.
+    if not (isinstance(params, type) and dataclasses.is_dataclass(params)):
+        raise InvalidArgumentError(
+            f"admission {name!r}: params must be a dataclass of its parameters, got {params!r}"
+        )
 
     def register(cls: R) -> R:
+        if not callable(getattr(cls, "from_params", None)):
+            raise InvalidArgumentError(
+                f"admission {name!r}: {cls!r} has no from_params (an AdmissionLayer has one)"
+            )
         known = _RULES.get(name)
         if name == NO_ADMISSION or name in ALIASES or (known is not None and known.cls is not cls):
             raise InvalidArgumentError(f"admission {name!r} is already registered")

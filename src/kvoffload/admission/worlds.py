@@ -269,7 +269,8 @@ class Worlds:
 
     def figures(self, cumulative: bool = False) -> list[WhatIf]:
         """Each world as a what-if figure at 1x: total hits (GPU and tier) and writes per
-        reference over the window (``cumulative``: since the start)."""
+        reference over the window (``cumulative``: since the start); ``None`` before any
+        reference."""
         refs = float(self.total_refs if cumulative else self.refs)
         gpu = float(self.total_gpu_hits if cumulative else self.gpu_hits)
         result = []
@@ -281,8 +282,8 @@ class Worlds:
                 WhatIf(
                     candidate=name,
                     capacity_factor=1.0,
-                    hit_ratio=(gpu + hits) / refs if refs else 0.0,
-                    writes_per_ref=writes / refs if refs else 0.0,
+                    hit_ratio=(gpu + hits) / refs if refs else None,
+                    writes_per_ref=writes / refs if refs else None,
                     capacity=tier.capacity,
                     sampling_rate=1.0,
                 )

@@ -290,6 +290,11 @@ def _switches(count: int) -> str:
     return "never switched" if not count else f"{count:,} switch{'es' if count > 1 else ''}"
 
 
+def _figure(value: float | None) -> str:
+    """A what-if figure, ``-`` while unknown (nothing sampled), as the control's row shows."""
+    return "-" if value is None else f"{value:.3f}"
+
+
 def _whatif_rows(r: RunReport) -> list[tuple[str, str]]:
     """The optimiser's choice and its what-if table: hit ratio / writes per block reference
     of each candidate at each capacity factor, over the whole run."""
@@ -302,7 +307,7 @@ def _whatif_rows(r: RunReport) -> list[tuple[str, str]]:
     ]
     for candidate, by_factor in r.whatif.items():
         cells = (
-            f"{by_factor[f]['hit_ratio']:.3f} / {by_factor[f]['writes_per_ref']:.3f}"
+            f"{_figure(by_factor[f]['hit_ratio'])} / {_figure(by_factor[f]['writes_per_ref'])}"
             for f in factors
         )
         rows.append((f"    {candidate}", "   ".join(f"{c:>13}" for c in cells)))

@@ -20,13 +20,15 @@ MAX_GROUP_IDX = 2 ** (8 * GROUP_IDX_BYTES) - 1
 def make_offload_key(block_hash: bytes, group_idx: int) -> OffloadKey:
     """Append ``group_idx`` as 4 big-endian bytes to ``block_hash``."""
     # Keys are made per block: the arguments are looked at only once the join has failed,
-    # or has made no bytes (a bytearray hash joins into a bytearray, which no dict takes).
+    # or has made no bytes (a bytearray hash joins into a bytearray, which no dict takes),
+    # or ``group_idx`` is a bool (an int to ``to_bytes``: ``True`` would name group 1).
     try:
         key = block_hash + group_idx.to_bytes(GROUP_IDX_BYTES, "big", signed=False)
-        if type(key) is bytes:
+        if type(key) is bytes and type(group_idx) is not bool:
             return OffloadKey(key)
     except (AttributeError, OverflowError, TypeError):
-        _check_part("group_idx", group_idx, MAX_GROUP_IDX)
+        pass
+    _check_part("group_idx", group_idx, MAX_GROUP_IDX)
     raise InvalidArgumentError(f"block_hash must be bytes, got {type(block_hash).__name__}")
 
 
@@ -55,13 +57,15 @@ def block_id_key(block_id: int, group_idx: int = 0) -> OffloadKey:
     except (AttributeError, OverflowError):
         _check_part("block_id", block_id, MAX_BLOCK_ID)
         raise
+    if type(block_id) is bool:
+        _check_part("block_id", block_id, MAX_BLOCK_ID)
     return make_offload_key(block_hash, group_idx)
 
 
 def _check_part(name: str, value: object, maximum: int) -> None:
     """:class:`InvalidArgumentError` naming ``name`` unless ``value`` is an int from 0 to
-    ``maximum``."""
-    if not isinstance(value, int) or not 0 <= value <= maximum:
+    ``maximum`` (not a bool, which Python counts as one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= maximum:
         raise InvalidArgumentError(
             f"{name} must be an int from 0 to {maximum}, got {value!r}"
         ) from None

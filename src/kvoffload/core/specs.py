@@ -6,8 +6,9 @@ the pair of ``medium()`` names.
 
 from __future__ import annotations
 
+import operator
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -69,22 +70,22 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
         block_indices: Sequence[int] | None = None,
     ) -> None:
         super().__init__(block_ids)
-        self.group_sizes = tuple(group_sizes)
+        self.group_sizes = _whole_numbers("group_sizes", group_sizes, "block counts")
         if sum(self.group_sizes) != len(self.block_ids):
             raise InvalidArgumentError(
                 f"group_sizes {self.group_sizes} add up to {sum(self.group_sizes)}, "
                 f"but {len(self.block_ids)} block ids were given"
             )
-        self.block_indices = None if block_indices is None else tuple(block_indices)
+        # Python's modulo would turn -1 into a valid-looking skip of factor - 1 pages.
+        self.block_indices = (
+            None
+            if block_indices is None
+            else _whole_numbers("block_indices", block_indices, "positions within a request")
+        )
         if self.block_indices is not None and len(self.block_indices) != len(self.group_sizes):
             raise InvalidArgumentError(
                 f"block_indices has {len(self.block_indices)} entries for "
                 f"{len(self.group_sizes)} groups"
-            )
-        if self.block_indices is not None and any(i < 0 for i in self.block_indices):
-            # Python's modulo would turn -1 into a valid-looking skip of factor - 1 pages.
-            raise InvalidArgumentError(
-                f"block_indices are positions within a request, got {self.block_indices}"
             )
 
     @staticmethod
@@ -98,15 +99,49 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
         )
 
 
+def _whole_numbers(name: str, values: Iterable[int], meaning: str) -> tuple[int, ...]:
+    """``values`` as a tuple of ints >= 0 (any integer type: vLLM's may be NumPy's), or
+    :class:`InvalidArgumentError` naming ``name``: a negative group size that the sum still
+    matched, a float or ``True`` taken as a position, or no sequence at all were accepted,
+    or a ``TypeError`` from deep inside."""
+    try:
+        numbers = tuple(-1 if isinstance(v, bool) else operator.index(v) for v in values)
+    except TypeError:
+        numbers = (-1,)
+    if any(n < 0 for n in numbers):
+        raise InvalidArgumentError(f"{name} are {meaning}, integers >= 0, got {values!r}")
+    return numbers
+
+
+_INT64 = np.iinfo(np.int64)
+"""The range of a spec's block ids: int64, the index type of the copies."""
+
+
 def _int_ids(ids: Sequence[int] | npt.ArrayLike) -> npt.NDArray[np.int64]:
     """``ids`` as a flat int64 array, refusing anything but integers: a cast alone
-    would truncate ``1.7`` (or ``True``) to block 1 and move bytes into it."""
+    would truncate ``1.7`` (or ``True``) to block 1 and move bytes into it. Unsigned ids
+    past int64 are refused here, by their value: the cast would wrap them negative, and
+    the data plane's range error would show the wrapped ids."""
     raw = np.asarray(ids)
     if raw.ndim != 1 or (raw.size and raw.dtype.kind not in "iu"):
+        _refuse_out_of_range(ids)
         raise InvalidArgumentError(
             f"block ids must be a flat sequence of integers, got {raw.dtype} of shape {raw.shape}"
         )
+    if raw.dtype.kind == "u" and raw.size and raw.max() > _INT64.max:
+        _refuse_out_of_range(raw.tolist())
     return raw.astype(np.int64, copy=False)
+
+
+def _refuse_out_of_range(ids: object) -> None:
+    """:class:`InvalidArgumentError` showing the ids past int64, if ``ids`` is a list or
+    tuple of ints with some (NumPy makes such a list uint64, float64 or object)."""
+    if not isinstance(ids, list | tuple):
+        return
+    if all(type(i) is int for i in ids):
+        beyond = [i for i in ids if not _INT64.min <= i <= _INT64.max]
+        if beyond:
+            raise InvalidArgumentError(f"block ids must fit in int64, got {beyond}")
 
 
 TransferSpec = tuple[LoadStoreSpec, LoadStoreSpec]

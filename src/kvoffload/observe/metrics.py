@@ -75,7 +75,9 @@ SWITCHES_DOC = (
 def whatif_gauges(stats: AdmissionStats) -> dict[str, dict[tuple[str, ...], float]]:
     """The what-if gauges' values by label values, as both exporters show them: the hit
     ratio and writes per ``(candidate, capacity_factor)``, and 1 for the candidate followed
-    (0 for the others, labelled ``(candidate,)``); empty for a layer without what-if figures."""
+    (0 for the others, labelled ``(candidate,)``); empty for a layer without what-if figures.
+    A figure not known yet (``None``: nothing sampled) has no series: absent is how
+    Prometheus says "no data", where a 0 would read as a rule that never hits or writes."""
     if not stats.whatif:
         return {}
     gauges: dict[str, dict[tuple[str, ...], float]] = {
@@ -85,8 +87,10 @@ def whatif_gauges(stats: AdmissionStats) -> dict[str, dict[tuple[str, ...], floa
     }
     for figure in stats.whatif:
         labels = (figure.candidate, f"{figure.capacity_factor:g}")
-        gauges[WHATIF_HIT_RATIO][labels] = figure.hit_ratio
-        gauges[WHATIF_WRITES][labels] = figure.writes_per_ref
+        if figure.hit_ratio is not None:
+            gauges[WHATIF_HIT_RATIO][labels] = figure.hit_ratio
+        if figure.writes_per_ref is not None:
+            gauges[WHATIF_WRITES][labels] = figure.writes_per_ref
         gauges[CANDIDATE][(figure.candidate,)] = 1.0 if figure.candidate == stats.candidate else 0.0
     return gauges
 

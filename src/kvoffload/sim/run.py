@@ -365,9 +365,10 @@ class RunReport:
     """The rule an optimising layer followed at the end of the run."""
     admission_switches: int = 0
     """How many times an optimising layer changed the rule it follows."""
-    whatif: dict[str, dict[str, dict[str, float]]] = dataclasses.field(default_factory=dict)
+    whatif: dict[str, dict[str, dict[str, float | None]]] = dataclasses.field(default_factory=dict)
     """``candidate -> capacity factor -> {hit_ratio, writes_per_ref}`` over the whole run, from
-    an optimising layer's miniature simulations; empty for other layers."""
+    an optimising layer's miniature simulations (``None``: nothing sampled); empty for other
+    layers."""
     tiers: dict[str, dict[str, Scalar]] = dataclasses.field(default_factory=dict)
     """Per tier (``cpu``, ``disk``, ``remote``): hits, stores, bytes, failures, modelled seconds."""
 
@@ -548,9 +549,10 @@ def _with_admission(report: RunReport, config: SimConfig, stack: Stack | None) -
     )
 
 
-def whatif_table(figures: Sequence[WhatIf]) -> dict[str, dict[str, dict[str, float]]]:
-    """What-if figures as ``candidate -> capacity factor (as text) -> figures``."""
-    table: dict[str, dict[str, dict[str, float]]] = {}
+def whatif_table(figures: Sequence[WhatIf]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """What-if figures as ``candidate -> capacity factor (as text) -> figures`` (a figure
+    not known yet is ``None``, ``null`` in the JSON)."""
+    table: dict[str, dict[str, dict[str, float | None]]] = {}
     for f in figures:
         table.setdefault(f.candidate, {})[f"{f.capacity_factor:g}"] = {
             "hit_ratio": f.hit_ratio,
