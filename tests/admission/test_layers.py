@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -23,8 +25,10 @@ from kvoffload.admission import (
     wrap_with_admission,
 )
 from kvoffload.admission.feedback import first_seen_class, root_group
+from kvoffload.admission.worlds import Probe, World
 from kvoffload.core.keys import NotAKeyIterableError
 from kvoffload.managers import build_manager
+from kvoffload.policies.lru import LRUCachePolicy
 
 
 def keys(*ids: int) -> list[OffloadKey]:
@@ -136,6 +140,21 @@ def test_feedback_stats_report_a_bounded_footprint() -> None:
     assert small.tracked_keys < large.tracked_keys
     assert 0 < large.bytes_per_tracked_key < 100
     assert large.memory_bytes < 100 * large.tracked_keys
+
+
+def test_reported_memory_covers_the_open_requests_an_optimiser_world_keeps() -> None:
+    """A world's feedback rule is told each request up front and never of the touch or the
+    end that closes it: its table of open requests fills (4,096 entries, about 0.7 MB) and
+    stays full. The rule's memory once left the table out."""
+    rule = FeedbackAdmission(Probe(), 32)
+    world = World(32, LRUCachePolicy, rule)
+    for i in range(5000):
+        world.request(keys(*range(i * 6, i * 6 + 6)), gpu_held=6)  # the GPU held them all
+    table = rule._requests._open
+    assert len(table) == rule._requests.capacity  # requests long done
+    held = sys.getsizeof(table) + sum(sys.getsizeof(entry) for entry in table.values())
+    tables = rule.sketch.memory_bytes + rule.ghost.memory_bytes + rule.controller.memory_bytes
+    assert rule.stats().memory_bytes - tables >= held
 
 
 def test_registry_names_aliases_and_errors() -> None:

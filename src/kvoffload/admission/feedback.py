@@ -47,6 +47,10 @@ DEFAULT_THRESHOLD = 0.5
 SAMPLE_FACTOR = 10
 """The sketch remembers about ten tier-fulls of sightings, as W-TinyLFU does."""
 MIN_SAMPLE = 1024
+BYTES_PER_OPEN_REQUEST = 192
+"""Approximate CPython cost of one entry of the layer's open requests (an ordered-dict entry
+and a 5-tuple; the key is the engine's), 150 to 190 bytes measured. An optimiser's world
+rule never sees the touch or end that closes a request, so its table stays full."""
 
 
 def first_seen_class(prefix: int, is_last: bool, tier_served: bool = False) -> int:
@@ -147,6 +151,9 @@ class FeedbackAdmission(AdmissionLayer):
     def stats(self) -> AdmissionStats:
         return self._stats(
             self.controller.admitting_share,
-            self.sketch.memory_bytes + self.ghost.memory_bytes + self.controller.memory_bytes,
+            self.sketch.memory_bytes
+            + self.ghost.memory_bytes
+            + self.controller.memory_bytes
+            + self._requests.capacity * BYTES_PER_OPEN_REQUEST,
             self.sketch.sample_size + self.ghost.capacity,
         )
