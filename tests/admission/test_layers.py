@@ -313,3 +313,14 @@ def test_a_single_key_where_keys_are_expected_is_refused_changing_nothing(
     for each in (manager, untouched):
         serve(each, keys(1, 2, 3))  # type: ignore[arg-type]
     assert manager.stats() == untouched.stats()
+
+
+@pytest.mark.parametrize("layer_class", [FeedbackAdmission, SketchAdmission])
+@pytest.mark.parametrize("params", [{"threshold": 3}, object()])
+def test_parameters_of_another_type_are_refused_by_name(
+    layer_class: type[FeedbackAdmission] | type[SketchAdmission], params: object
+) -> None:
+    """A dict (or anything but the rule's own dataclass) once ended in an ``AttributeError``
+    at the first field read."""
+    with pytest.raises(InvalidArgumentError, match=r"params of '[a-z]+' must be [A-Za-z]+Params"):
+        layer_class(CPUOffloadingManager(16), 16, params)  # type: ignore[arg-type]

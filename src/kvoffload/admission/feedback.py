@@ -32,7 +32,7 @@ from kvoffload.admission.controller import (
     refused_priors,
 )
 from kvoffload.admission.ghost import ghost_records
-from kvoffload.admission.params import check_params, param
+from kvoffload.admission.params import check_params, given_or_default, param
 from kvoffload.admission.registry import register_admission
 from kvoffload.admission.sketch import FrequencySketch, RequestHashes
 from kvoffload.core.errors import InvalidArgumentError
@@ -96,7 +96,7 @@ class FeedbackAdmission(AdmissionLayer):
         self, backing: OffloadingManager, capacity: int, params: FeedbackParams | None = None
     ) -> None:
         super().__init__(backing, capacity)
-        self.params = p = params or FeedbackParams()
+        self.params = p = given_or_default(params, FeedbackParams, "feedback")
         self.sketch = FrequencySketch(max(p.min_sample, p.sample_factor * capacity))
         self.ghost = ghost_records(capacity)
         self._hashes = RequestHashes()

@@ -60,6 +60,18 @@ def check_params(params: object, rule: str) -> None:
             )
 
 
+def given_or_default(params: P | None, cls: type[P], rule: str) -> P:
+    """``params``, or ``cls``'s defaults where ``None``: a dict or another rule's parameters
+    once failed as an ``AttributeError`` at the first field read, far from the call."""
+    if params is None:
+        return cls()
+    if not isinstance(params, cls):
+        raise InvalidArgumentError(
+            f"params of {rule!r} must be {cls.__name__}, got {type(params).__name__}"
+        )
+    return params
+
+
 def parse_params(cls: type[P], raw: Mapping[str, ParamValue], rule: str) -> P:
     """``cls`` from ``raw``; absent keys keep their defaults."""
     fields = {field.name: field for field in dataclasses.fields(cls)}  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from kvoffload.admission.base import AdmissionLayer, AdmissionStats
 from kvoffload.admission.feedback import MIN_SAMPLE, SAMPLE_FACTOR
 from kvoffload.admission.ghost import ghost_records
-from kvoffload.admission.params import check_params, param
+from kvoffload.admission.params import check_params, given_or_default, param
 from kvoffload.admission.registry import register_admission
 from kvoffload.admission.sketch import FrequencySketch, RequestHashes
 from kvoffload.core.keys import OffloadKey
@@ -42,7 +42,7 @@ class SketchAdmission(AdmissionLayer):
         self, backing: OffloadingManager, capacity: int, params: SketchParams | None = None
     ) -> None:
         super().__init__(backing, capacity)
-        self.params = p = params or SketchParams()
+        self.params = p = given_or_default(params, SketchParams, "sketch")
         self.threshold = p.threshold
         self.sketch = FrequencySketch(max(p.min_sample, p.sample_factor * capacity))
         self.ghost = ghost_records(capacity)
