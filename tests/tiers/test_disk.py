@@ -307,6 +307,9 @@ def test_a_capacity_past_the_largest_file_is_refused(tmp_path: Path) -> None:
         ({"deadline_s": 600.5}, "deadline must be from 0.001 s to 600 s"),
         ({"deadline_s": float("nan")}, "deadline must be from 0.001 s to 600 s"),
         ({"enable_events": "yes"}, "enable_events"),  # its lock was kept for good
+        ({"fsync": "yes"}, "fsync"),
+        ({"breaker": object()}, "breaker"),  # an AttributeError with three threads left running
+        ({"file_layer": object()}, "file_layer"),
     ],
 )
 def test_a_bad_argument_is_refused_naming_it_before_any_file_or_thread(

@@ -154,6 +154,16 @@ class DiskTier:
                 f"the disk tier directory must be a non-empty path, got {directory!r}"
             )
         check_io_threads(io_threads)
+        if not isinstance(fsync, bool):
+            raise InvalidArgumentError(f"fsync must be True or False, got {fsync!r}")
+        if breaker is not None and not isinstance(breaker, CircuitBreaker):
+            raise InvalidArgumentError(
+                f"breaker must be a CircuitBreaker, got {type(breaker).__name__}"
+            )
+        if file_layer is not None and not isinstance(file_layer, FileLayer):
+            raise InvalidArgumentError(
+                f"file_layer must be a FileLayer, got {type(file_layer).__name__}"
+            )
         check_fingerprint(fingerprint)
         check_deadline_s(deadline_s, "the disk deadline")
         check_capacity(capacity_blocks)
