@@ -198,6 +198,69 @@ def test_a_request_vllm_delays_for_anothers_load_and_the_gpu_serves_is_no_tier_h
     assert announced[1:] == [(3, 0, True)]  # the request that loaded: the tier served it
 
 
+@pytest.mark.parametrize(("stored_chunks", "loads"), [(2, False), (3, True)])
+def test_a_chunk_the_gpu_holds_part_of_is_looked_up_and_served_only_if_vllm_loads(
+    vllm_modules: dict[str, ModuleType], stored_chunks: int, loads: bool
+) -> None:
+    """Two GPU blocks a chunk: vLLM looks up from the chunk the GPU's hit ends in (1.5
+    chunks held: from chunk 1) and loads the rest of it only with at least a chunk to
+    load. The layer is told the whole chunks the GPU held, and of a tier hit only when
+    vLLM loaded: a hit on chunk 1 alone (16 tokens past the GPU's) is not loaded."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm_scheduler import (
+        allocate,
+        connector_scheduler,
+        end_step,
+        report_finished,
+        schedule_prefill,
+        vllm_request,
+    )
+
+    spec = create_spec(
+        {"cpu_bytes_to_use": 64 * 2048, "kvoffload.admission": "sketch"}, blocks_per_chunk=2
+    )
+    scheduler = connector_scheduler(spec)
+    layer = spec.get_manager()._layer
+    announced: list[tuple[int, int, bool]] = []
+    begin = layer.begin_request
+
+    def begin_request(keys: list[bytes], **kwargs: Any) -> None:
+        announced.append((len(keys), kwargs["gpu_held"], kwargs["tier_hit"]))
+        begin(keys, **kwargs)
+
+    layer.begin_request = begin_request
+    prompt = list(range(97))  # three chunks of 32 tokens and one token
+    jobs: list[int] = []
+    for name in ("cold", "stored"):  # the sketch stores on the second sighting
+        request = vllm_request(name, prompt[: 32 * stored_chunks + 1])
+        scheduler.on_new_request(request)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+        allocate(scheduler, request, 2 * stored_chunks + 1, 0)
+        jobs += schedule_prefill(scheduler, request, 2 * stored_chunks + 1).store_jobs
+    report_finished(scheduler, jobs)
+    announced.clear()
+    request = vllm_request("gpu hit 1.5 chunks", prompt)
+    scheduler.on_new_request(request)
+    request.num_computed_tokens = 48
+    hit = 48 if loads else 0
+    assert scheduler.get_num_new_matched_tokens(request, 48) == (hit, loads)
+    allocate(scheduler, request, 7, hit)
+    if not loads:
+        schedule_prefill(scheduler, request, 7)
+    else:
+        load_jobs = list(end_step(scheduler).load_jobs)
+        report_finished(scheduler, load_jobs)
+        request.num_computed_tokens = 96
+        schedule_prefill(scheduler, request, 7)
+        request.num_computed_tokens = 97
+        scheduler.request_finished(request)
+        finished = SchedulerOutput.make_empty()
+        finished.finished_req_ids = {request.request_id}
+        finished.num_scheduled_tokens = {request.request_id: 0}
+        scheduler.build_connector_meta(finished)
+    assert announced == [(3, 1, loads)]
+
+
 def test_a_request_that_offers_nothing_is_still_a_sighting(
     vllm_modules: dict[str, ModuleType],
 ) -> None:
