@@ -198,6 +198,23 @@ def test_a_request_vllm_delays_for_anothers_load_and_the_gpu_serves_is_no_tier_h
     assert announced[1:] == [(3, 0, True)]  # the request that loaded: the tier served it
 
 
+def test_a_finished_request_leaves_nothing_for_the_step_end(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    """The requests that looked up keys in a step are kept until its end, to forget the
+    lookups of those vLLM did not schedule; a request finished meanwhile is dropped then,
+    so that a driver that never ends a step (a replay) does not keep every request."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    manager = _manager("sketch", num_blocks=8)
+    for name in ("a", "b"):
+        context = _context(name, [block_id_key(1)])
+        manager.on_new_request(context)
+        assert manager.lookup(block_id_key(1), context) is LookupResult.MISS
+        manager.on_request_finished(context)
+    assert manager._looked_up_in_step == {}
+
+
 @pytest.mark.parametrize(("stored_chunks", "loads"), [(2, False), (3, True)])
 def test_a_chunk_the_gpu_holds_part_of_is_looked_up_and_served_only_if_vllm_loads(
     vllm_modules: dict[str, ModuleType], stored_chunks: int, loads: bool

@@ -340,6 +340,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
                     self._queued.append(released)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        self._looked_up_in_step.pop(req_context.req_id, None)
         state = req_context.get_state(_RequestKeys)
         if not self._owns(state):
             return
