@@ -192,3 +192,21 @@ def test_a_look_at_the_new_file_before_its_lock_does_not_fail_the_start(
     with pytest.raises(InvalidArgumentError, match="cannot lock"):
         SharedRegion(path, 4096, pin=False)
     assert not path.exists()
+
+
+@pytest.mark.parametrize("slot", [-1, 4])
+def test_a_snapshot_of_a_slot_the_regions_lack_is_refused_naming_it(
+    tmp_path: Path, slot: int
+) -> None:
+    """One rank's slots are read straight from its region's rows: numpy would read slot -1
+    as the last slot (another block's bytes) and fail past the end with an IndexError."""
+    path = region_path(tmp_path, "bounds", 0)
+    region = SharedRegion(path, 4 * SLOT, pin=False)
+    slots = SharedSlotBytes([path], 4, SLOT)
+    try:
+        assert slots.snapshot([3]) == [bytes(SLOT)]
+        with pytest.raises(InvalidArgumentError, match=f"no CPU slot {slot}; the regions have 4"):
+            slots.snapshot([0, slot])
+    finally:
+        slots.close()
+        region.close()

@@ -124,6 +124,8 @@ def test_a_request_the_tier_served_is_announced_as_such(
     assert [manager.lookup(key, served) for key in keys[:4]] == [LookupResult.HIT] * 3 + [
         LookupResult.MISS
     ]
+    manager.prepare_load(keys[:3], served)
+    manager.complete_load(keys[:3], served)
     manager.prepare_store(keys[3:], served)
     manager.on_request_finished(served)
     assert announced == [keys]
@@ -133,6 +135,147 @@ def test_a_request_the_tier_served_is_announced_as_such(
     manager.prepare_store([block_id_key(10)], missed)
     manager.on_request_finished(missed)
     assert announced == [keys]
+
+
+def test_a_request_vllm_delays_for_anothers_load_and_the_gpu_serves_is_no_tier_hit(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    """vLLM delays a request whose hit blocks another request is loading, and asks again
+    in a later step, when the GPU holds them: the layer is told of the GPU hit it then had
+    and that the tier served nothing, not of its first attempt's lookups."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm_scheduler import (
+        allocate,
+        connector_scheduler,
+        end_step,
+        report_finished,
+        schedule_prefill,
+        schedule_step,
+        vllm_request,
+    )
+
+    spec = create_spec({"cpu_bytes_to_use": 64 * 1024, "kvoffload.admission": "sketch"})
+    scheduler = connector_scheduler(spec)
+    layer = spec.get_manager()._layer
+    announced: list[tuple[int, int, bool]] = []
+    begin = layer.begin_request
+
+    def begin_request(keys: list[bytes], **kwargs: Any) -> None:
+        announced.append((len(keys), kwargs["gpu_held"], kwargs["tier_hit"]))
+        begin(keys, **kwargs)
+
+    layer.begin_request = begin_request
+    prompt = list(range(49))  # three whole blocks and one token
+    for name in ("cold", "stored"):  # the sketch stores the prompt on its second sighting
+        request = vllm_request(name, prompt)
+        scheduler.on_new_request(request)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+        allocate(scheduler, request, 4, 0)
+        meta = schedule_prefill(scheduler, request, 4)
+    report_finished(scheduler, list(meta.store_jobs))
+    loading, delayed = vllm_request("loading", prompt), vllm_request("delayed", prompt)
+    scheduler.on_new_request(loading)
+    assert scheduler.get_num_new_matched_tokens(loading, 0) == (48, True)
+    allocate(scheduler, loading, 4, 48)
+    load_jobs = list(end_step(scheduler).load_jobs)
+    scheduler.on_new_request(delayed)
+    assert scheduler.get_num_new_matched_tokens(delayed, 0) == (None, False)
+    end_step(scheduler)
+    report_finished(scheduler, load_jobs)
+    announced.clear()
+    delayed.num_computed_tokens = 48  # the loaded blocks are in the GPU's prefix cache now
+    assert scheduler.get_num_new_matched_tokens(delayed, 48) == (0, False)
+    allocate(scheduler, delayed, 4, 0)
+    schedule_prefill(scheduler, delayed, 4)
+    assert announced == [(3, 3, False)]
+    loading.num_computed_tokens = 48
+    schedule_step(scheduler, loading, 1, 4)
+    scheduler.request_finished(loading)
+    finished = SchedulerOutput.make_empty()
+    finished.finished_req_ids = {"loading"}
+    finished.num_scheduled_tokens = {"loading": 0}
+    scheduler.build_connector_meta(finished)
+    assert announced[1:] == [(3, 0, True)]  # the request that loaded: the tier served it
+
+
+def test_a_finished_request_leaves_nothing_for_the_step_end(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    """The requests that looked up keys in a step are kept until its end, to forget the
+    lookups of those vLLM did not schedule; a request finished meanwhile is dropped then,
+    so that a driver that never ends a step (a replay) does not keep every request."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    manager = _manager("sketch", num_blocks=8)
+    for name in ("a", "b"):
+        context = _context(name, [block_id_key(1)])
+        manager.on_new_request(context)
+        assert manager.lookup(block_id_key(1), context) is LookupResult.MISS
+        manager.on_request_finished(context)
+    assert manager._looked_up_in_step == {}
+
+
+@pytest.mark.parametrize(("stored_chunks", "loads"), [(2, False), (3, True)])
+def test_a_chunk_the_gpu_holds_part_of_is_looked_up_and_served_only_if_vllm_loads(
+    vllm_modules: dict[str, ModuleType], stored_chunks: int, loads: bool
+) -> None:
+    """Two GPU blocks a chunk: vLLM looks up from the chunk the GPU's hit ends in (1.5
+    chunks held: from chunk 1) and loads the rest of it only with at least a chunk to
+    load. The layer is told the whole chunks the GPU held, and of a tier hit only when
+    vLLM loaded: a hit on chunk 1 alone (16 tokens past the GPU's) is not loaded."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm_scheduler import (
+        allocate,
+        connector_scheduler,
+        end_step,
+        report_finished,
+        schedule_prefill,
+        vllm_request,
+    )
+
+    spec = create_spec(
+        {"cpu_bytes_to_use": 64 * 2048, "kvoffload.admission": "sketch"}, blocks_per_chunk=2
+    )
+    scheduler = connector_scheduler(spec)
+    layer = spec.get_manager()._layer
+    announced: list[tuple[int, int, bool]] = []
+    begin = layer.begin_request
+
+    def begin_request(keys: list[bytes], **kwargs: Any) -> None:
+        announced.append((len(keys), kwargs["gpu_held"], kwargs["tier_hit"]))
+        begin(keys, **kwargs)
+
+    layer.begin_request = begin_request
+    prompt = list(range(97))  # three chunks of 32 tokens and one token
+    jobs: list[int] = []
+    for name in ("cold", "stored"):  # the sketch stores on the second sighting
+        request = vllm_request(name, prompt[: 32 * stored_chunks + 1])
+        scheduler.on_new_request(request)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+        allocate(scheduler, request, 2 * stored_chunks + 1, 0)
+        jobs += schedule_prefill(scheduler, request, 2 * stored_chunks + 1).store_jobs
+    report_finished(scheduler, jobs)
+    announced.clear()
+    request = vllm_request("gpu hit 1.5 chunks", prompt)
+    scheduler.on_new_request(request)
+    request.num_computed_tokens = 48
+    hit = 48 if loads else 0
+    assert scheduler.get_num_new_matched_tokens(request, 48) == (hit, loads)
+    allocate(scheduler, request, 7, hit)
+    if not loads:
+        schedule_prefill(scheduler, request, 7)
+    else:
+        load_jobs = list(end_step(scheduler).load_jobs)
+        report_finished(scheduler, load_jobs)
+        request.num_computed_tokens = 96
+        schedule_prefill(scheduler, request, 7)
+        request.num_computed_tokens = 97
+        scheduler.request_finished(request)
+        finished = SchedulerOutput.make_empty()
+        finished.finished_req_ids = {request.request_id}
+        finished.num_scheduled_tokens = {request.request_id: 0}
+        scheduler.build_connector_meta(finished)
+    assert announced == [(3, 1, loads)]
 
 
 def test_a_request_that_offers_nothing_is_still_a_sighting(

@@ -277,6 +277,9 @@ def test_a_dead_server_is_counted_failures_and_misses_never_an_exception(
         ({"disk_byte": 1}, "disk_byte"),
         ({"disk_bytes": None}, "disk_bytes"),
         ({"disk_bytes": 100}, "disk_bytes"),
+        # A slot file past the largest file size: named after disk_dir, which is fine, before.
+        ({"disk_bytes": 2**63, "admission": "none"}, "disk_bytes"),
+        ({"disk_timeout_ms": 10**400}, "disk_timeout_ms"),  # an OverflowError before
         ({"admission": "bogus"}, "admission"),
         ({"eviction_policy": "fifo-ish"}, "eviction_policy"),
         ({"offer_hits": "yes"}, "offer_hits"),

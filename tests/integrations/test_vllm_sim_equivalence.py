@@ -7,7 +7,10 @@ start past the GPU hit, and the adapter announces the GPU-held prefix from the
 key positions vLLM records). Two shapes: a filler request of GPU-cache size
 after each request turns the GPU cache over, so every reference reaches the
 tier; and a GPU cache that serves part of the requests, which the adapter only
-sees through those positions. There vLLM offers a request that loaded nothing
+sees through those positions. Each at one and at two GPU blocks per offloaded
+block (the simulator's block is vLLM's chunk, whole on the GPU or not at all:
+vLLM looks a chunk the GPU holds part of up again, and the adapter counts it
+looked up, not GPU-held). There vLLM offers a request that loaded nothing
 from its first block, GPU-held ones included, where the simulator's engine
 offers only past the GPU hit: the layer counts those offers too, and its
 feedback candidate, which learns from offers, scores otherwise.
@@ -51,10 +54,11 @@ def _figures(layer: Any) -> tuple[Any, ...]:
     return (layer.chosen, layer.switches, stats.offers, stats.admitted, stats.whatif_total)
 
 
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
 @pytest.mark.parametrize("gpu_in_front", [False, True], ids=["fillers", "gpu-hits"])
 @pytest.mark.parametrize("name", list(WORKLOADS))
 def test_the_optimiser_decides_and_reports_the_same_under_vllms_adapter(
-    vllm_modules: dict[str, ModuleType], name: str, gpu_in_front: bool
+    vllm_modules: dict[str, ModuleType], name: str, gpu_in_front: bool, blocks_per_chunk: int
 ) -> None:
     from kvoffload.integrations.vllm.replay import replay
     from kvoffload.integrations.vllm.versions import running_release
@@ -79,7 +83,11 @@ def test_the_optimiser_decides_and_reports_the_same_under_vllms_adapter(
     engine = ServingEngine(EngineConfig(gpu, 1, block_tokens), simulated)
     stats = engine.run(trace)
     adapter = create_spec(
-        {"cpu_bytes_to_use": capacity * 1024, "kvoffload.admission": "recommended"}
+        {
+            "cpu_bytes_to_use": capacity * 1024 * blocks_per_chunk,
+            "kvoffload.admission": "recommended",
+        },
+        blocks_per_chunk=blocks_per_chunk,
     ).get_manager()
     result = replay(adapter, trace, block_tokens, gpu_blocks=gpu)
     assert (result.refs, result.gpu_hit_blocks) == (stats.refs, stats.gpu_hit_blocks)

@@ -57,6 +57,16 @@ def test_factory_builds_our_spec_and_sizes_the_tier(vllm_modules: dict[str, Modu
             },
             "'kvoffload.remote_bytes' must be an integer from 1 to 9,223,372,036,854,775,807",
         ),
+        # An int past any float: an OverflowError from float() before.
+        (
+            {
+                "cpu_bytes_to_use": 4096,
+                "kvoffload.disk_dir": "/x",
+                "kvoffload.disk_bytes": 1 << 30,
+                "kvoffload.disk_timeout_ms": 10**400,
+            },
+            "'kvoffload.disk_timeout_ms' must be a number of milliseconds",
+        ),
         ({}, "cpu_bytes_to_use"),
         ({"cpu_bytes_to_use": 4096, "kvoffload.admision": "tinylfu"}, "kvoffload.admision"),
         ({"cpu_bytes_to_use": 4096, "kvoffload.remote_url": ""}, "kvoffload.remote_url"),

@@ -57,6 +57,24 @@ def test_store_then_load_round_trips_bytes(
     worker.shutdown()
 
 
+def test_a_slot_larger_than_vllms_block_figure_is_refused_naming_both_sizes(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    """vLLM's bytes per block sized the slots within cpu_bytes_to_use: caches whose blocks
+    take more (here three 256-byte pages, vLLM said 256) would allocate three times the
+    budget. A smaller slot of ours is vLLM's padding and is taken."""
+    from kvoffload.core.errors import InvalidArgumentError
+
+    budget = 8 * PAGE_BYTES
+    spec = create_spec({"cpu_bytes_to_use": budget}, bytes_per_block=PAGE_BYTES)
+    with pytest.raises(InvalidArgumentError, match=r"stores 768 bytes .* vLLM reported 256: its 8"):
+        spec.get_worker(_canonical_caches(3))
+    padded = create_spec({"cpu_bytes_to_use": budget}, bytes_per_block=PAGE_BYTES + 64)
+    worker = padded.get_worker(_canonical_caches(1))
+    assert worker.store.data.numel() * worker.store.data.element_size() <= budget
+    worker.shutdown()
+
+
 def test_kv_blocks_not_contiguous_are_refused_not_copied(
     vllm_modules: dict[str, ModuleType],
 ) -> None:

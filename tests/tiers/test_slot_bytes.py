@@ -26,3 +26,12 @@ def test_a_view_fills_one_slot_and_a_snapshot_outlives_it() -> None:
     assert before[0][:3] == b"\x00\x01\x02"  # the snapshot was a copy
     with pytest.raises(InvalidArgumentError, match="no CPU slot 3"):
         slots.view(3)
+
+
+@pytest.mark.parametrize("slot", [-1, 3])
+def test_a_snapshot_of_a_slot_the_store_lacks_is_refused_naming_it(slot: int) -> None:
+    """numpy would read slot -1 as the last slot (another block's bytes) and fail past the
+    end with an IndexError of its own."""
+    store = CPUBlockStore(layout_preset("tiny").with_block_size(4), 3, pin_memory=False)
+    with pytest.raises(InvalidArgumentError, match=f"no CPU slot {slot}; the store has 3"):
+        StoreSlotBytes(store).snapshot([0, slot])

@@ -73,6 +73,12 @@ class SharedSlotBytes:
         return bool(self._ranks)
 
     def snapshot(self, slots: Sequence[int]) -> list[bytes]:
+        for slot in slots:
+            # numpy would read slot -1 as the last one, another block's bytes.
+            if not 0 <= slot < self.num_blocks:
+                raise InvalidArgumentError(
+                    f"no CPU slot {slot}; the regions have {self.num_blocks}"
+                )
         ranks = self._regions(len(slots))
         if len(ranks) == 1:
             rows = ranks[0]

@@ -23,6 +23,11 @@ class StoreSlotBytes:
         return int(self._slots.shape[1])
 
     def snapshot(self, slots: Sequence[int]) -> list[bytes]:
+        count = len(self._slots)
+        for slot in slots:
+            # numpy would read slot -1 as the last one, another block's bytes.
+            if not 0 <= slot < count:
+                raise InvalidArgumentError(f"no CPU slot {slot}; the store has {count}")
         return [self._slots[slot].tobytes() for slot in slots]
 
     def view(self, slot: int) -> memoryview:

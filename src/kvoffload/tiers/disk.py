@@ -59,12 +59,10 @@ def check_timeout_ms(value: object, what: str) -> float:
     disk deadline in milliseconds, from :data:`MIN_TIMEOUT_MS` to :data:`MAX_TIMEOUT_MS`;
     :class:`InvalidArgumentError` naming ``what`` otherwise."""
     number: float | None = None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        number = float(value)
-    elif isinstance(value, str):
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
         try:
             number = float(value)
-        except ValueError:
+        except (ValueError, OverflowError):  # an int past any float: no deadline either
             number = None
     if number is None or not MIN_TIMEOUT_MS <= number <= MAX_TIMEOUT_MS:  # nan fails both
         raise InvalidArgumentError(

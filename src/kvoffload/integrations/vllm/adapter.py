@@ -16,11 +16,13 @@ An admission layer in the backing stack (``kvoffload.admission``) is told of
 each request explicitly (``begin_request`` at its first store offer, or when
 it finishes if it offered nothing, ``end_request`` after the offer), as its
 keys in prefix order: the GPU's prefix hit first (the keys vLLM recorded for
-the request before the first one it looked up, all of them if it looked up
-none; not the first one offered, as vLLM offers a request that loaded nothing
-from its first block), then those it looked up and offered; a later offer
-shows the request again, grown, with ``counted`` set to the keys shown before;
-per-key lookups and touches go past it to the tier, so they count no sightings.
+the request before the first one it looked up in the step that ran or loaded
+it, all of them if it looked up none then; not the first one offered, as vLLM
+offers a request that loaded nothing from its first block), then those it
+looked up and offered, ``tier_hit`` set if vLLM loaded part of it from the
+tier; a later offer shows the request again, grown, with ``counted`` set to
+the keys shown before; per-key lookups and touches go past it to the tier, so
+they count no sightings.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
@@ -56,6 +58,9 @@ from kvoffload.observe.counters import ManagerCounters
 from kvoffload.observe.metrics import SWITCHES, recovery_samples, whatif_gauges
 from kvoffload.policies import BlockStatus, CachePolicy
 from kvoffload.sim.tier_model import recovery_counts
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import ScheduleEndContext
 
 METRIC_PREFIX = "vllm:kvoffload_"
 """Our counters appear on vLLM's ``/metrics`` under this prefix."""
@@ -126,7 +131,11 @@ class _RequestKeys:
     sighted: dict[OffloadKey, None] = field(default_factory=dict)
     """Keys shown to the admission layer, in the order shown."""
     tier_hit: bool = False
-    """A lookup of this request hit the tier (vLLM looks up only past the GPU cache's hit)."""
+    """The tier served part of this request: vLLM loaded from it (a lookup hit alone is no
+    service: vLLM may delay the request and then find the blocks on the GPU)."""
+    scheduled: bool = False
+    """vLLM's scheduler has run this request: lookups it repeats (after a preemption) are
+    kept, those of a request it never ran are an attempt it will make again."""
     reused: set[OffloadKey] = field(default_factory=set)
     """Keys it read: loaded, or found ready when it offered them (not those it stored)."""
     stored: set[OffloadKey] = field(default_factory=set)
@@ -169,6 +178,8 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._queued: list[Any] = []
         """Events in call order, not taken yet: vLLM's (converted from the backing manager's,
         which a reset replaces) and failed stores' released keys (a list each)."""
+        self._looked_up_in_step: dict[str, _RequestKeys] = {}
+        """The requests that looked up keys in this scheduler step, by request id."""
 
     def _install(self) -> None:
         """Build the backing stack; lookups and touches bypass its admission layer."""
@@ -204,7 +215,9 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> Any:
         self.counters.lookups += 1
         if self._layer is not None:
-            self._request_keys(req_context).unsighted[key] = None
+            state = self._request_keys(req_context)
+            state.unsighted[key] = None
+            self._looked_up_in_step[req_context.req_id] = state
         if self._promotions_held and self._probe(key) is None:
             # Until on_reset_flushed, a worker may still write a slot the reset freed: no
             # promotion may fill one, so a block only in a lower tier is recomputed.
@@ -214,8 +227,6 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             return LookupResult.RETRY
         if hits:
             self.counters.lookup_hit_blocks += 1
-            if self._layer is not None:
-                self._request_keys(req_context).tier_hit = True
             return LookupResult.HIT
         return LookupResult.MISS if self._probe(key) is None else LookupResult.HIT_PENDING
 
@@ -224,6 +235,11 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         spec = self._manager.prepare_load(keys)
         self.counters.loads += len(keys)
         self.counters.bytes_loaded += len(keys) * self._bytes_per_block
+        if self._layer is not None and keys:
+            # vLLM loads only for the attempt it runs (an async load runs before the request
+            # is scheduled): its lookups are the request's own.
+            state = self._request_keys(req_context)
+            state.tier_hit = state.scheduled = True
         if self._tells_reads:
             state = self._request_keys(req_context)
             state.reused.update(key for key in keys if key not in state.stored)
@@ -324,6 +340,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
                     self._queued.append(released)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        self._looked_up_in_step.pop(req_context.req_id, None)
         state = req_context.get_state(_RequestKeys)
         if not self._owns(state):
             return
@@ -342,6 +359,19 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._cpu.policy.finish_request(keys, state.reused, state.stored - state.reused)
         for done in (state.seen, state.sighted, state.reused, state.stored, state.store_missed):
             done.clear()
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """A request that looked up keys in this step but was not scheduled in it (vLLM
+        delayed it, for a tier still answering or blocks another request is loading, or
+        it did not fit) is asked again in a later step, from the GPU hit it has then: the
+        keys it looked up now say nothing of that hit, and are forgotten."""
+        scheduled = set(context.new_req_ids)
+        for req_id, state in self._looked_up_in_step.items():
+            if req_id in scheduled:
+                state.scheduled = True
+            elif not state.scheduled:
+                state.unsighted.clear()
+        self._looked_up_in_step.clear()
 
     def take_events(self) -> list[Any]:
         self._queue_events()

@@ -56,7 +56,10 @@ def replay(
 ) -> ReplayResult:
     """Drive ``manager`` (a vLLM ``OffloadingManager``) over ``requests``; stores finish at once.
 
-    ``gpu_blocks`` > 0: a GPU prefix cache of that many blocks in front of the manager.
+    ``block_tokens``: tokens per offloaded block (vLLM's chunk, of ``blocks_per_chunk`` GPU
+    blocks; key positions are in these). ``gpu_blocks`` > 0: a GPU prefix cache of that many
+    offloaded blocks in front of the manager, each held whole or not at all (vLLM's GPU
+    cache can hold part of a chunk; it then looks the chunk up, as here one not held).
     """
     gpu = GPUPrefixCache(gpu_blocks) if gpu_blocks else None
     refs = hits_total = written = rejected = gpu_hits_total = reoffered = 0

@@ -19,7 +19,7 @@ from kvoffload.admission import WriteBudget
 from kvoffload.admission.registry import ParamPairs
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.managers.stack import DISK, REMOTE, LowerTierConfig
-from kvoffload.tiers.disk import check_timeout_ms
+from kvoffload.tiers.disk import check_capacity, check_timeout_ms
 from kvoffload.tiers.url import parse_remote_url
 
 VLLM_KEYS = frozenset({"type", "module_path", "backpressure"})
@@ -92,6 +92,13 @@ class SecondarySettings:
                 f"{self.tier.where}{self.tier.key('blocks')}: {self.capacity_bytes} holds no "
                 f"block of {block_bytes} bytes"
             )
+        if self.tier.kind == DISK:
+            try:  # here, not when the tier opens, where the error names its directory
+                check_capacity(blocks)
+            except InvalidArgumentError as exc:
+                raise InvalidArgumentError(
+                    f"{self.tier.where}{self.tier.key('blocks')}: {exc}"
+                ) from None
         budget = self.write_budget
         if budget is not None:
             budget = budget.sized(block_bytes, self.capacity_bytes or None)

@@ -33,9 +33,13 @@ logger = logging.getLogger(__name__)
 class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
     """Stores and loads for one KV-cache group, into a CPU store of ``num_blocks`` slots.
 
-    ``region``: keep the slots in a shared region created at this path, whose
-    slots must be ``slot_bytes`` each (what the scheduler side expects).
-    A job id is refused while a job of that id, in any direction, is in flight.
+    ``slot_bytes``: vLLM's bytes per offloaded block on this rank, which sized the
+    slots within ``cpu_bytes_to_use``; a slot of ours larger than that is refused (it
+    would take more memory than the budget). ``region``: keep the slots in a shared
+    region created at this path, whose slots must be exactly ``slot_bytes`` (what the
+    scheduler side reads); without one, a smaller slot of ours is fine (vLLM's figure
+    may include padding). A job id is refused while a job of that id, in any
+    direction, is in flight.
     """
 
     def __init__(
@@ -62,8 +66,15 @@ class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
         layout = KVLayout(len(pages), 1, page_bytes // 2, "float8", tokens_per_block=1)
         self.region: SharedRegion | None = None
         self._in_flight: set[int] = set()
+        own = blocks_per_chunk * layout.bytes_per_block
+        if slot_bytes is not None and own > slot_bytes:
+            raise InvalidArgumentError(
+                f"kvoffload's worker stores {own} bytes per offloaded block but vLLM "
+                f"reported {slot_bytes}: its {num_blocks} CPU slots would take "
+                f"{num_blocks * own} bytes, not the {num_blocks * slot_bytes} of "
+                f"cpu_bytes_to_use they were sized for"
+            )
         if region is not None:
-            own = blocks_per_chunk * layout.bytes_per_block
             if slot_bytes is not None and own != slot_bytes:
                 raise InvalidArgumentError(
                     f"kvoffload's worker stores {own} bytes per offloaded block but vLLM "
