@@ -41,6 +41,7 @@ from typing import Any
 
 from admission_table import GPU_SHARE, TRACE, WORKLOADS, unique_blocks
 from kvoffload.sim.workload import Workload
+from kvoffload.tiers.slot_file import footprint
 
 BLOCK_BYTES = 4096
 SERVER_BYTES_PER_BLOCK = BLOCK_BYTES + 400
@@ -90,7 +91,7 @@ def tier_entries(
             "type": "KVOffloadDiskTier",
             "module_path": MODULE_PATH,
             "disk_dir": disk_dir,
-            "disk_bytes": disk_blocks * BLOCK_BYTES,
+            "disk_bytes": footprint(disk_blocks, BLOCK_BYTES),  # the whole slot file
             "admission": admission,
         },
         {

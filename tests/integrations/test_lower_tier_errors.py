@@ -20,6 +20,7 @@ from kvoffload.integrations.vllm.secondary_settings import (
 )
 from kvoffload.integrations.vllm.settings import parse_settings as parse_spec
 from kvoffload.managers.stack import LowerTierConfig, StackConfig
+from kvoffload.tiers.slot_file import footprint
 from kvoffload.tiers.stack import tier_book
 
 DISK_ENTRY = {"disk_dir": "/nvme/kv", "disk_bytes": 1 << 20}
@@ -163,10 +164,13 @@ def test_the_secondary_entry_holds_the_builders_config_sized_when_the_chunk_is_k
     settings = parse_disk_settings("KVOffloadDiskTier", entry)
     assert settings.tier.blocks is None  # the chunk size is vLLM's, known when the tier opens
     sized = settings.sized(4096)
+    # The full slot file, not the payloads, fits in disk_bytes: a 4 KiB block's slot takes
+    # 8 KiB (header, key, alignment), so 1 MiB holds 127 after the superblock, not 256.
+    assert footprint(127, 4096) <= 1 << 20 < footprint(128, 4096)
     assert sized == LowerTierConfig(
         "disk",
         "/nvme/kv",
-        256,
+        127,
         "arc",
         2.5,
         "recommended",
@@ -190,7 +194,7 @@ def test_a_secondary_write_budget_reaches_the_builders_optimiser() -> None:
     settings = parse_disk_settings("KVOffloadDiskTier", {**DISK_ENTRY, "write_budget": "0.2"})
     layer = tier_book(settings.sized(4096), CPULoadStoreSpec([]))
     assert isinstance(layer, OptimisingAdmission)
-    assert layer.capacity == 256 and layer.objective.write_budget == 0.2
+    assert layer.capacity == 127 and layer.objective.write_budget == 0.2  # 8 KiB slots
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from sglang_helpers import DcpHostPool, HostPool, page_hash
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.integrations.sglang.storage import page_key
 from kvoffload.tiers.disk import DEFAULT_DEADLINE_S
+from kvoffload.tiers.slot_file import footprint
 from tier_servers import ValkeyProcess
 
 torch = pytest.importorskip("torch")
@@ -31,7 +32,10 @@ KEYS = [page_hash(i) for i in range(12)]
 
 def disk(tmp_path: Path, pages: int = 64, pool: HostPool | None = None) -> dict[str, Any]:
     page_bytes = (pool or HostPool()).page_bytes(0).__len__()
-    return {"kvoffload.disk_dir": str(tmp_path / "l3"), "kvoffload.disk_bytes": pages * page_bytes}
+    return {
+        "kvoffload.disk_dir": str(tmp_path / "l3"),
+        "kvoffload.disk_bytes": footprint(pages, page_bytes),
+    }
 
 
 def tier_config(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.integrations.sglang.storage import page_key
 from kvoffload.tiers import RemoteTierError
 from kvoffload.tiers.format import HEADER_BYTES
+from kvoffload.tiers.slot_file import footprint
 from tier_servers import TEST_TIMEOUT_MS, ValkeyClusterProcesses, ValkeyProcess
 
 KEYS = [page_hash(i) for i in range(64)]
@@ -106,7 +107,7 @@ def test_a_write_stuck_on_the_shared_tier_never_holds_up_a_disk_read(
     extra = {
         "interface_v1": 1,
         "kvoffload.disk_dir": str(tmp_path),
-        "kvoffload.disk_bytes": 8 * len(pool.page_bytes(0)),
+        "kvoffload.disk_bytes": footprint(8, len(pool.page_bytes(0))),
         "kvoffload.remote_url": url,
     }
     try:
@@ -174,7 +175,7 @@ def test_a_corrupt_value_on_the_server_is_never_loaded(
 def test_a_corrupt_page_on_disk_is_never_loaded(backends: Any, tmp_path: Path) -> None:
     pool = HostPool()
     page_bytes = len(pool.page_bytes(0))
-    extra = {"kvoffload.disk_dir": str(tmp_path), "kvoffload.disk_bytes": 8 * page_bytes}
+    extra = {"kvoffload.disk_dir": str(tmp_path), "kvoffload.disk_bytes": footprint(8, page_bytes)}
     backend = backends(extra, pool, model="corrupt-disk")
     pool.fill([0, 1], seed=3)
     pages = [pool.get_data_page(p * pool.page_size) for p in (0, 1)]

@@ -24,6 +24,7 @@ from sglang_helpers import HostPool, create_backend, page_hash
 from kvoffload.integrations.sglang.storage import offset_endpoint
 from kvoffload.observe.events import BlockRemoved, BlockStored
 from kvoffload.observe.subscriber import KVEventSubscriber
+from kvoffload.tiers.slot_file import footprint
 from tier_servers import ValkeyProcess, free_port
 
 KEYS = [page_hash(i) for i in range(8)]
@@ -47,7 +48,7 @@ def tiers(tmp_path: Path, server: ValkeyProcess, disk_pages: int = 4) -> dict[st
     page_bytes = len(HostPool().page_bytes(0))
     return {
         "kvoffload.disk_dir": str(tmp_path / "l3"),
-        "kvoffload.disk_bytes": disk_pages * page_bytes,
+        "kvoffload.disk_bytes": footprint(disk_pages, page_bytes),
         "kvoffload.remote_url": server.url,
     }
 
@@ -144,7 +145,7 @@ def test_each_rank_serves_its_metrics_on_its_own_port_and_rank_0_publishes(
     page_bytes = len(HostPool().page_bytes(0))
     extra = {
         "kvoffload.disk_dir": str(tmp_path),
-        "kvoffload.disk_bytes": 8 * page_bytes,
+        "kvoffload.disk_bytes": footprint(8, page_bytes),
         "kvoffload.metrics_port": port,
         "kvoffload.kv_events_endpoint": f"tcp://127.0.0.1:{free_port()}",
     }
@@ -177,7 +178,7 @@ def test_backup_bandwidth_counts_only_the_bytes_the_tiers_wrote(
     extra = {
         "interface_v1": 1,
         "kvoffload.disk_dir": str(tmp_path / "l3"),
-        "kvoffload.disk_bytes": 8 * page_bytes,
+        "kvoffload.disk_bytes": footprint(8, page_bytes),
     }
     backend = backend_of(extra, pool, model="bandwidth", metrics=True)
     pool.fill([0, 1, 2], seed=4)

@@ -15,7 +15,7 @@ from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.integrations.sglang.settings import parse_settings
 from kvoffload.managers.stack import LowerTierConfig, StackConfig
 from kvoffload.policies.arc import ARCCachePolicy
-from kvoffload.tiers.slot_file import DiskTierError
+from kvoffload.tiers.slot_file import DiskTierError, footprint
 from kvoffload.tiers.stack import LowerTiers, tier_opener
 from tier_servers import ValkeyProcess
 
@@ -123,7 +123,7 @@ def test_the_backend_keeps_the_builders_openers_and_books(
     page_bytes = len(pool.page_bytes(0))
     extra = {
         "kvoffload.disk_dir": str(tmp_path / "l3"),
-        "kvoffload.disk_bytes": 32 * page_bytes + 1,
+        "kvoffload.disk_bytes": footprint(32, page_bytes) + 1,
         "kvoffload.disk_policy": "arc",
         "kvoffload.disk_admission": "sketch",
         "kvoffload.remote_url": valkey_server.url,

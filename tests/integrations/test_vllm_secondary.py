@@ -20,6 +20,7 @@ import pytest
 from kvoffload import block_id_key
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
+from kvoffload.tiers.slot_file import footprint
 from tier_servers import ValkeyClusterProcesses, ValkeyProcess
 
 torch = pytest.importorskip("torch")
@@ -35,7 +36,7 @@ def _disk(tmp_path: Path, **extra: Any) -> dict[str, Any]:
         "type": "KVOffloadDiskTier",
         "module_path": MODULE_PATH,
         "disk_dir": str(tmp_path / "disk"),
-        "disk_bytes": 64 * BLOCK_BYTES,
+        "disk_bytes": footprint(64, BLOCK_BYTES),
         **extra,
     }
 
@@ -242,7 +243,9 @@ def test_the_disk_tier_publishes_its_stores_and_evictions_as_vllm_kv_events(
     from vllm.v1.kv_offload.base import Locality, Medium
 
     entry = _disk(tmp_path, admission="none", enable_kv_events=True, locality="LOCAL")
-    engine = engines([{**entry, "disk_bytes": 4 * BLOCK_BYTES}], cpu_blocks=4, events=True)
+    engine = engines(
+        [{**entry, "disk_bytes": footprint(4, BLOCK_BYTES)}], cpu_blocks=4, events=True
+    )
     engine.replay.request(KEYS[:4])
     engine.replay.request(KEYS[4:6])  # the disk tier holds four: two are evicted
     events = [e for e in engine.manager.take_events() if e.medium is Medium.STORAGE]
@@ -341,7 +344,11 @@ def _replay_mooncake(
     client.config_set("maxmemory", used + remote * (BLOCK_BYTES + 400))
     client.config_set("maxmemory-policy", "allkeys-lru")
     tiers = [
-        {**_disk(tmp_path / admission), "disk_bytes": disk * BLOCK_BYTES, "admission": admission},
+        {
+            **_disk(tmp_path / admission),
+            "disk_bytes": footprint(disk, BLOCK_BYTES),
+            "admission": admission,
+        },
         {**_shared(server.url), "remote_bytes": remote * BLOCK_BYTES, "admission": admission},
     ]
     spec = tiering_spec(

@@ -158,6 +158,13 @@ def footprint(num_slots: int, payload_bytes: int) -> int:
     return SUPER_BYTES + num_slots * slot_stride(payload_bytes)
 
 
+def slots_within(total_bytes: int, payload_bytes: int) -> int:
+    """How many slots of ``payload_bytes`` a slot file may have to take at most
+    ``total_bytes`` when full: an engine's byte size is the file's, headers and alignment
+    included, not the payloads' (their sum grew the file to twice it at 4 KiB payloads)."""
+    return max(0, total_bytes - SUPER_BYTES) // slot_stride(payload_bytes)
+
+
 def encode_superblock(fingerprint: bytes, stride: int, payload_bytes: int) -> bytes:
     fields = _SUPER.pack(SUPER_MAGIC, SUPER_VERSION, 0, fingerprint, stride, payload_bytes)
     return fields + _CRC.pack(zlib.crc32(fields))

@@ -34,6 +34,7 @@ from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.memory import check_fits
 from kvoffload.tiers.bench import BenchBlocks, RawSockets, scratch_path
 from kvoffload.tiers.remote import RemoteTier
+from kvoffload.tiers.slot_file import footprint
 
 INTERFACES = ("v1", "copy")
 SHAPES = {
@@ -189,7 +190,7 @@ def measure_row(
     size = len(expected[0])
     extra = {"interface_v1": int(interface == "v1"), **tier_extra}
     if "kvoffload.disk_dir" in extra:
-        extra["kvoffload.disk_bytes"] = 2 * pages * size + size
+        extra["kvoffload.disk_bytes"] = footprint(2 * pages, size)  # the whole slot file
     backend = KVOffloadStorage(_config(extra, mla, f"bench-{shape}-{interface}"), {})
     backend.register_mem_pool_host(pool)
     landing = memoryview(bytearray(pages * size))

@@ -49,6 +49,7 @@ from kvoffload.integrations.sglang.settings import (
 )
 from kvoffload.tiers import fingerprint_of, lower_tiers
 from kvoffload.tiers.format import Payload, payload_size
+from kvoffload.tiers.slot_file import SUPER_BYTES, slot_stride, slots_within
 
 GB = 1e9
 PREFETCH, BACKUP = "prefetch", "backup"
@@ -392,11 +393,14 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         events = sink is not None
         disk = remote = None
         if s.disk_tier is not None:
-            blocks = s.disk_bytes // pages.page_bytes
+            # The whole slot file (superblock, headers, alignment) fits in disk_bytes.
+            blocks = slots_within(s.disk_bytes, pages.page_bytes)
             if blocks < 1:
                 raise InvalidArgumentError(
                     f"hicache-storage-backend-extra-config {DISK_BYTES!r} {s.disk_bytes} holds "
-                    f"no page of {pages.page_bytes} bytes"
+                    f"no page of {pages.page_bytes} bytes (a disk slot takes "
+                    f"{slot_stride(pages.page_bytes)} bytes, after a {SUPER_BYTES}-byte "
+                    "superblock)"
                 )
             # Data-parallel replicas have the same shard (fingerprint), not the same disk;
             # the tier itself locks its directory against a second process.

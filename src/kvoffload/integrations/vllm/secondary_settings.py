@@ -18,8 +18,10 @@ from typing import Any, cast
 from kvoffload.admission import WriteBudget
 from kvoffload.admission.registry import ParamPairs
 from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.integrations.vllm.settings import MAX_BYTES
 from kvoffload.managers.stack import DISK, REMOTE, LowerTierConfig
 from kvoffload.tiers.disk import check_capacity, check_timeout_ms
+from kvoffload.tiers.slot_file import SUPER_BYTES, slot_stride, slots_within
 from kvoffload.tiers.url import parse_remote_url
 
 VLLM_KEYS = frozenset({"type", "module_path", "backpressure"})
@@ -86,11 +88,18 @@ class SecondarySettings:
     def sized(self, block_bytes: int) -> LowerTierConfig:
         """The tier in blocks of ``block_bytes`` (the chunk's KV bytes); a size that holds no
         block (and is needed) names its key."""
-        blocks = self.capacity_bytes // block_bytes
+        if self.tier.kind == DISK:  # the whole slot file (superblock, headers) fits
+            blocks = slots_within(self.capacity_bytes, block_bytes)
+            slot = (
+                f" (a disk slot takes {slot_stride(block_bytes)} bytes, after a "
+                f"{SUPER_BYTES}-byte superblock)"
+            )
+        else:
+            blocks, slot = self.capacity_bytes // block_bytes, ""
         if blocks < 1 and (self.tier.kind == DISK or self.tier.admission != "none"):
             raise InvalidArgumentError(
                 f"{self.tier.where}{self.tier.key('blocks')}: {self.capacity_bytes} holds no "
-                f"block of {block_bytes} bytes"
+                f"block of {block_bytes} bytes{slot}"
             )
         if self.tier.kind == DISK:
             try:  # here, not when the tier opens, where the error names its directory
@@ -259,8 +268,8 @@ def _int(
     value = _integral(entry.get(key, default))
     if value is None:
         raise _error(tier_type, key, "required")
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise _error(tier_type, key, f"must be an integer >= {minimum}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_BYTES:
+        raise _error(tier_type, key, f"must be an integer in {minimum}..{MAX_BYTES}, got {value!r}")
     return value
 
 

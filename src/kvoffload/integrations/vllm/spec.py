@@ -54,7 +54,7 @@ from kvoffload.observe.metrics import (
 )
 from kvoffload.tiers import RemoteTierError, build_stack, fingerprint_of, parse_remote_url
 from kvoffload.tiers.disk import DiskTier
-from kvoffload.tiers.slot_file import SUPER_BYTES, slot_start, slot_stride
+from kvoffload.tiers.slot_file import SUPER_BYTES, slot_start, slot_stride, slots_within
 
 CONFIG_INFO_KEYS = (
     "tier",
@@ -187,7 +187,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
         # The whole slot file (superblock, and per block every rank's bytes with their
         # header, page-aligned) fits in disk_bytes, however many ranks there are.
         self.disk_slot_bytes = slot_stride(self.bytes_per_block)
-        self.disk_blocks = max(0, self.settings.disk_bytes - SUPER_BYTES) // self.disk_slot_bytes
+        self.disk_blocks = slots_within(self.settings.disk_bytes, self.bytes_per_block)
         if self.settings.disk_dir is not None and self.disk_blocks < 1:
             raise InvalidArgumentError(
                 f"kv_connector_extra_config {DISK_BYTES_KEY!r} {self.settings.disk_bytes} holds "
