@@ -361,6 +361,54 @@ def test_a_full_server_refusing_stores_still_serves_loads(tmp_path: Path) -> Non
         server.stop()
 
 
+def test_a_full_server_is_sent_no_store_for_its_breaker_s_cool_down(tmp_path: Path) -> None:
+    """After an OOM reply the node rests from stores for its breaker's cool-down: each
+    store to a full server was sent whole (its bytes and a round trip) to be refused;
+    now it is dropped unsent, counted, loads go on, and after the cool-down one is sent."""
+    server = ValkeyProcess(
+        tmp_path / "full", "--maxmemory", "2mb", "--maxmemory-policy", "noeviction"
+    ).start()
+    admin = server.client()
+
+    def sets_received() -> int:
+        stats = admin.info("commandstats").get("cmdstat_set", {})
+        return int(stats.get("calls", 0)) + int(stats.get("rejected_calls", 0))
+
+    try:
+        size = 32_000
+        tier = RemoteTier(
+            server.url,
+            layout_fingerprint("resting", layout_preset("tiny"), size),
+            breaker=CircuitBreaker(threshold=1, cooldown_s=60),
+        )
+        keys = [block_id_key(i) for i in range(200)]
+        try:
+            sent = 0
+            while tier.stats.failed == 0 and sent < len(keys) - 20:
+                tier.write([keys[sent]], [content(keys[sent], size)])
+                tier.poll(wait=True)
+                sent += 1
+            stored = tier.stats.stored_blocks
+            assert tier.stats.failed == 1 and stored > 0  # OOM came
+            seen = sets_received()
+            for key in keys[sent : sent + 10]:
+                tier.write([key], [content(key, size)])
+                tier.poll(wait=True)
+            assert sets_received() == seen
+            assert tier.skipped_full == 10 and tier.stats.failed == 11
+            buffers = [bytearray(size) for _ in range(stored)]
+            ok = tier.read(keys[:stored], lambda i: memoryview(buffers[i])).result(timeout=10)
+            assert ok == [True] * stored and tier.unavailable == 1
+            tier.breaker.cooldown_s = 0.0  # the rest is over: the next store goes out
+            tier.write([keys[sent + 10]], [content(keys[sent + 10], size)])
+            tier.poll(wait=True)
+            assert sets_received() == seen + 1 and tier.skipped_full == 10
+        finally:
+            tier.close()
+    finally:
+        server.stop()
+
+
 def test_a_manager_keeps_serving_its_cpu_tier_while_the_server_is_down(
     own_server: ValkeyProcess,
 ) -> None:

@@ -25,6 +25,7 @@ value that fails its header check, or whose announced length is not the layout's
 from __future__ import annotations
 
 import binascii
+import math
 import socket
 import ssl
 import threading
@@ -98,6 +99,10 @@ class RemoteTierError(KVOffloadError):
 class ServerReplyError(Exception):
     """The server answered a command with an error (OOM, NOAUTH, LOADING, ...)."""
 
+    @property
+    def code(self) -> str:
+        return str(self).split(" ", 1)[0]
+
 
 class _Node:
     """One server: its idle connections and its breaker."""
@@ -109,6 +114,14 @@ class _Node:
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self._closed = False
+        self.full_at = -math.inf
+        """When the node last refused a store for want of memory (``OOM``; monotonic)."""
+
+    def is_resting(self) -> bool:
+        """Whether the node refused a store as full less than its breaker's cool-down ago:
+        a full server (maxmemory with ``noeviction``) refuses every store until memory is
+        freed, so sending each one cost a round trip and its bytes for nothing."""
+        return time.monotonic() - self.full_at < self.breaker.cooldown_s
 
     @property
     def name(self) -> str:
@@ -214,6 +227,9 @@ class RemoteTier:
         self.unavailable = 0
         """Calls refused by an open breaker or failed by the server (timeouts included, those
         of a node left too little time too)."""
+        self.skipped_full = 0
+        """Blocks whose store was not sent, its node resting after an ``OOM`` reply
+        (:meth:`_Node.is_resting`); they count in ``failed`` too."""
         self._lock = threading.Lock()
         self._credentials = Credentials(
             self.address.username,
@@ -402,7 +418,8 @@ class RemoteTier:
         are the slow ones, and a healthy node left a sliver by a slow one would otherwise
         have its breaker opened by it. An error reply fails the call but is no failure of
         the node's: a full server (``OOM``, maxmemory with ``noeviction``) refusing stores
-        opened its breaker, and its loads were refused with them."""
+        opened its breaker, and its loads were refused with them. An ``OOM`` rests the node
+        from stores instead (:meth:`_Node.is_resting`)."""
         if deadline.passed():
             with self._lock:
                 self.unavailable += 1
@@ -423,6 +440,8 @@ class RemoteTier:
             starved = deadline.at - begun < begun - deadline.since
             if isinstance(exc, ServerReplyError):  # an answer: the node is up (full, loading)
                 node.breaker.success()
+                if exc.code == "OOM":
+                    node.full_at = time.monotonic()
             elif starved and deadline.passed():
                 node.breaker.excuse()
             else:
@@ -815,6 +834,10 @@ class RemoteTier:
         hops = 0
         while jobs:
             node, indices, asking = jobs.pop()
+            if node.is_resting():
+                with self._lock:
+                    self.skipped_full += len(indices)
+                continue
             batch = [writes[i] for i in indices]
             statuses = self._call(node, partial(self._set_all, batch, asking), deadline)
             if statuses is None:
