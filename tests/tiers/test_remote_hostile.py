@@ -679,6 +679,40 @@ def test_after_a_resharding_one_moved_reply_teaches_the_whole_slot_map(tmp_path:
         cluster.stop()
 
 
+def test_each_key_of_a_batch_has_its_own_redirections(tmp_path: Path) -> None:
+    """Three slots, one per node, each moved to the next node and then migrating on to the
+    third: each key takes a MOVED and an ASK, two redirections, six in the batch. With one
+    budget of MAX_HOPS per batch, the batch's last key failed, loads and stores alike."""
+    cluster = ValkeyClusterProcesses(tmp_path / "hops").start()
+    loader, storer = (RemoteTier(cluster.url, fingerprint("hops")) for _ in range(2))
+    try:
+        nodes = cluster.nodes
+        keys = [block_id_key(i, 16) for i in range(300)]
+        batch = [
+            next(k for k in keys if loader.node_address(loader.name(k))[1] == node.port)
+            for node in nodes
+        ]
+        store(loader, batch)
+        for i, key in enumerate(batch):
+            owner, after, last = nodes[i], nodes[(i + 1) % 3], nodes[(i + 2) % 3]
+            slot = owner.client().execute_command("CLUSTER", "KEYSLOT", loader.name(key))
+            move_slot(cluster, slot, owner, after)
+            after_id = after.client().execute_command("CLUSTER", "MYID")
+            last_id = last.client().execute_command("CLUSTER", "MYID")
+            last.client().execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", after_id)
+            after.client().execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", last_id)
+            after.client().execute_command(
+                "MIGRATE", "127.0.0.1", last.port, loader.name(key), 0, 5000
+            )
+        assert read(loader, batch) == [True] * 3 and loader.stats.failed == 0
+        store(storer, batch)
+        assert storer.stats.stored_blocks == 3 and storer.stats.failed == 0
+    finally:
+        loader.close()
+        storer.close()
+        cluster.stop()
+
+
 def replica_of(primary: ValkeyProcess, directory: Path) -> ValkeyProcess:
     """A cluster-mode server joined to ``primary``'s Cluster as its replica, in sync."""
     replica = ValkeyProcess(

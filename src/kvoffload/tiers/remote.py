@@ -79,7 +79,8 @@ SKIP_BELOW = 1 << 20
 """A value of the wrong length up to this size is read and dropped; a longer one is
 never read: its connection is closed instead."""
 MAX_HOPS = 4
-"""MOVED/ASK redirections followed per batch before its blocks count as failed."""
+"""MOVED/ASK redirections followed per key before its block counts as failed: each key has
+its own, so a batch over many moved slots is served as each key alone would be."""
 MAX_NODES = 1024
 """Nodes the tier will know, past Valkey's largest Cluster (1,000 nodes): a redirection to
 a node beyond them is not followed, so a hostile server's made-up addresses cannot grow
@@ -177,8 +178,9 @@ class _Redirect:
 
 
 _Status = str | _Redirect
-_Job = tuple[_Node, list[int], bool]
-"""A node, the indices of a batch to send it, and whether each command needs ASKING."""
+_Job = tuple[_Node, list[int], bool, int]
+"""A node, the indices of a batch to send it, whether each command needs ASKING, and the
+redirections those indices have followed so far (each key has :data:`MAX_HOPS`)."""
 ASKING = command("ASKING")
 
 
@@ -291,10 +293,9 @@ class RemoteTier:
         for node, indices in self._by_node(names, range(len(names))).items():
             if not whole and run < indices[0]:
                 break
-            jobs: list[_Job] = [(node, indices, False)]
-            hops = 0
+            jobs: list[_Job] = [(node, indices, False, 0)]
             while jobs:
-                where, asked, asking = jobs.pop()
+                where, asked, asking, hops = jobs.pop()
                 exists = partial(self._exists, names, asked, asking)
                 replies = self._call(where, exists, deadline)
                 if replies is None:
@@ -310,12 +311,10 @@ class RemoteTier:
                         found[index] = True
                     else:
                         run = min(run, index)
-                if moved:
-                    hops += 1
-                    if hops > MAX_HOPS:
-                        run = min(run, *(min(again) for again in moved.values()))
-                        continue
-                    jobs += [(to, again, ask) for (to, ask), again in moved.items()]
+                if moved and hops == MAX_HOPS:
+                    run = min(run, *(min(again) for again in moved.values()))
+                elif moved:
+                    jobs += [(to, again, ask, hops + 1) for (to, ask), again in moved.items()]
         return found
 
     def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
@@ -688,10 +687,9 @@ class RemoteTier:
         readable = [i for i, view in enumerate(views) if view is not None]
         deadline = self._deadline(sum(len(names[i]) + sizes[i] for i in readable))
         groups = self._by_node(names, readable)
-        jobs: list[_Job] = [(node, got, False) for node, got in groups.items()]
-        hops = 0
+        jobs: list[_Job] = [(node, got, False, 0) for node, got in groups.items()]
         while jobs:
-            node, indices, asking = jobs.pop()
+            node, indices, asking, hops = jobs.pop()
             get = partial(self._get_into, keys, names, views, sizes, indices, asking)
             statuses = self._call(node, get, deadline)
             if statuses is None:
@@ -699,7 +697,7 @@ class RemoteTier:
                 continue
             again = [i for i, status in zip(indices, statuses, strict=True) if status == _AGAIN]
             if again:
-                jobs.append((node, again, asking))
+                jobs.append((node, again, asking, hops))
             moved: dict[tuple[_Node, bool], list[int]] = {}
             for index, status in zip(indices, statuses, strict=True):
                 if status == _HIT:
@@ -709,12 +707,10 @@ class RemoteTier:
                 elif isinstance(status, _Redirect):
                     key = (self._follow(status, node), status.ask)
                     moved.setdefault(key, []).append(index)
-            if moved:
-                hops += 1
-                if hops > MAX_HOPS:
-                    failed += sum(len(indices) for indices in moved.values())
-                    continue
-                jobs += [(where, indices, ask) for (where, ask), indices in moved.items()]
+            if moved and hops == MAX_HOPS:
+                failed += sum(len(indices) for indices in moved.values())
+            elif moved:
+                jobs += [(where, got, ask, hops + 1) for (where, ask), got in moved.items()]
         if corrupt:
             for node, indices in self._by_node(names, corrupt).items():
                 self._call(node, partial(self._delete, [names[i] for i in indices]), deadline)
@@ -829,11 +825,10 @@ class RemoteTier:
         deadline = self._deadline(sum(payload_size(write.payload) for write in writes))
         stored = [False] * len(writes)
         jobs: list[_Job] = [
-            (node, got, False) for node, got in self._by_node(names, range(len(writes))).items()
+            (node, got, False, 0) for node, got in self._by_node(names, range(len(writes))).items()
         ]
-        hops = 0
         while jobs:
-            node, indices, asking = jobs.pop()
+            node, indices, asking, hops = jobs.pop()
             if node.is_resting():
                 with self._lock:
                     self.skipped_full += len(indices)
@@ -848,9 +843,8 @@ class RemoteTier:
                     moved.setdefault((self._follow(status, node), status.ask), []).append(index)
                 else:
                     stored[index] = True
-            if moved and hops < MAX_HOPS:
-                hops += 1
-                jobs += [(where, indices, ask) for (where, ask), indices in moved.items()]
+            if hops < MAX_HOPS:
+                jobs += [(where, got, ask, hops + 1) for (where, ask), got in moved.items()]
         return stored
 
     def _set_all(
