@@ -84,7 +84,8 @@ its own, so a batch over many moved slots is served as each key alone would be."
 MAX_NODES = 1024
 """Nodes the tier will know, past Valkey's largest Cluster (1,000 nodes): a redirection to
 a node beyond them is not followed, so a hostile server's made-up addresses cannot grow
-the tier's nodes, breakers and lookup threads without end."""
+the tier's nodes, breakers and lookup threads without end. A node a new slot map leaves
+out is forgotten once no call uses it, so the cap bounds live nodes, not a long run's."""
 MAP_REFRESH_S = 1.0
 """Seconds between two refreshes of a Cluster's slot map at least. A node that fails or is
 refused has its map asked again of a live node: after a failover or a node's removal its
@@ -117,6 +118,9 @@ class _Node:
         self._closed = False
         self.full_at = -math.inf
         """When the node last refused a store for want of memory (``OOM``; monotonic)."""
+        self.calls = 0
+        """Calls under way on the node (under the tier's lock): a node a new slot map
+        leaves out is forgotten only when there are none."""
 
     def is_resting(self) -> bool:
         """Whether the node refused a store as full less than its breaker's cool-down ago:
@@ -428,6 +432,18 @@ class RemoteTier:
                 self.unavailable += 1
             self._refresh_map_soon(node)
             return None
+        with self._lock:
+            node.calls += 1
+        try:
+            return self._call_on(node, op, deadline)
+        finally:
+            with self._lock:
+                node.calls -= 1
+
+    def _call_on(
+        self, node: _Node, op: Callable[[Connection, Deadline], T], deadline: Deadline
+    ) -> T | None:
+        """:meth:`_call`'s part once the breaker let it through."""
         begun = time.monotonic()
         connection = None
         try:
@@ -539,20 +555,33 @@ class RemoteTier:
                 )
 
     def _learn_slots(self, seed_host: str, connection: Connection, deadline: Deadline) -> None:
-        """The slot map from the CLUSTER SLOTS of the node ``connection`` reaches, put in use."""
+        """The slot map from the CLUSTER SLOTS of the node ``connection`` reaches, put in
+        use; the known nodes it leaves out, and no call uses, are forgotten (pods given new
+        addresses over a long run filled :data:`MAX_NODES` with addresses long gone, and
+        every map and redirection to a new node was refused from then on)."""
         connection.send([command("CLUSTER", "SLOTS")], deadline)
-        self._slots = self._slot_map(_ok(connection.read_reply(deadline)), seed_host)
+        owners = self._slot_map(_ok(connection.read_reply(deadline)), seed_host)
+        in_map = set(owners)
+        with self._lock:
+            self._slots = owners
+            gone = [n for n in self._nodes.values() if n not in in_map and not n.calls]
+            for node in gone:
+                del self._nodes[(node.host, node.port)]
+        for node in gone:
+            node.close()
 
     def _slot_map(self, reply: Reply, seed_host: str) -> list[_Node]:
         """Owner of each slot from CLUSTER SLOTS; a slot nobody owns goes to the first node.
         A reply of another shape, or one that would make the tier know more than
-        :data:`MAX_NODES` nodes, is :class:`ServerReplyError`, start-up's one-line error."""
+        :data:`MAX_NODES` nodes (those it names, and known ones a call still uses), is
+        :class:`ServerReplyError`, start-up's one-line error."""
         if not isinstance(reply, list) or not reply:
             raise ServerReplyError("CLUSTER SLOTS named no slots")
         ranges = [_slot_range(entry) for entry in reply]
+        named = {(host or seed_host, port) for *_, host, port in ranges}
         with self._lock:
-            known = self._nodes.keys() | {(host or seed_host, port) for *_, host, port in ranges}
-        if len(known) > MAX_NODES:
+            busy = {address for address, node in self._nodes.items() if node.calls}
+        if len(named | busy) > MAX_NODES:
             raise ServerReplyError(f"CLUSTER SLOTS named more than {MAX_NODES} nodes")
         owners: list[_Node | None] = [None] * SLOTS
         for low, high, host, port in ranges:
@@ -585,22 +614,30 @@ class RemoteTier:
     def _refresh_map(self, failed: _Node | None) -> None:
         """Ask the other known nodes whose breakers are closed for CLUSTER SLOTS, in turn
         under one deadline (the map's own nodes first: a node the map left may be gone for
-        good), until one answers; its map replaces the one in use. Upkeep, not an
-        operation: no node's breaker nor :attr:`unavailable` counts its failures, and it
-        asks on a connection of its own, so it never holds one an operation would take."""
+        good), then the URL's seeds the tier does not know (a map forgets the seed it was
+        learnt from when it names the node otherwise, and a name, unlike a pod's address,
+        outlives every node's restart), until one answers; its map replaces the one in use.
+        Upkeep, not an operation: no node's breaker nor :attr:`unavailable` counts its
+        failures, and it asks on a connection of its own, so it never holds one an
+        operation would take."""
         with self._lock:
             known = list(self._nodes.values())
         in_order = dict.fromkeys([*self._primaries(), *known])
+        addresses = [
+            (node.host, node.port)
+            for node in in_order
+            if node is not failed and not node.breaker.is_open
+        ]
+        seen = {(node.host, node.port) for node in in_order}
+        addresses += [seed for seed in self.address.hosts if seed not in seen]
         deadline = self._deadline(0)
-        for node in in_order:
+        for host, port in addresses:
             if deadline.passed():
                 return
-            if node is failed or node.breaker.is_open:
-                continue
             try:
-                connection = self._open(node.host, node.port, deadline)
+                connection = self._open(host, port, deadline)
                 try:
-                    self._learn_slots(node.host, connection, deadline)
+                    self._learn_slots(host, connection, deadline)
                 finally:
                     connection.close()
             except Exception:  # this node cannot tell: the next one is asked
@@ -639,16 +676,20 @@ class RemoteTier:
     def _follow(self, redirect: _Redirect, node: _Node) -> _Node:
         """The node a redirection names; a MOVED one also updates the slot map and has the
         whole map asked again (a resharding moves many slots: each would cost a redirection
-        of its own). Past
-        :data:`MAX_NODES` known nodes a new one is not made: ``node`` is asked again."""
+        of its own). Past :data:`MAX_NODES` known nodes a new one is not made: ``node`` is
+        asked again, and the map too (it forgets the nodes that left, if any)."""
         host, port = redirect.address
         address = (host or node.host, port)
         with self._lock:
-            if address not in self._nodes and len(self._nodes) >= MAX_NODES:
-                return node  # asked again, it redirects again: failed past MAX_HOPS
+            full = address not in self._nodes and len(self._nodes) >= MAX_NODES
+        if full:
+            self._refresh_map_soon(None)
+            return node  # asked again, it redirects again: failed past MAX_HOPS
         target = self._node(*address)
         if not redirect.ask and self._slots is not None:
-            self._slots[redirect.slot] = target
+            with self._lock:  # not if a new map forgot it meanwhile: that map is newer
+                if self._nodes.get(address) is target:
+                    self._slots[redirect.slot] = target
             self._refresh_map_soon(None)
         return target
 
