@@ -31,6 +31,7 @@ from kvoffload.cli.main import main
 from kvoffload.core.layout import layout_preset
 from kvoffload.tiers import CircuitBreaker, RemoteTier, RemoteTierError, layout_fingerprint
 from kvoffload.tiers.format import encode_trailed_block, payload_digest, payload_hasher
+from kvoffload.tiers.resp import Address, Resolver
 from tier_servers import (
     FakeValkey,
     FakeValkeyCluster,
@@ -250,6 +251,42 @@ def test_slot_map_refreshes_never_grow_the_known_nodes_past_the_cap(
             time.sleep(0.2)  # the refresh runs on a thread of its own
         assert len(tier.breakers) <= 3
         assert not {f"127.0.0.1:{port}" for port in ports} & set(tier.breakers)
+    finally:
+        tier.close()
+
+
+def test_the_names_of_nodes_a_map_left_are_not_kept(
+    fake: FakeValkey, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each slot map names its one node by a new host name (a hostile Cluster's made up, or
+    a long run's): the nodes the maps left are forgotten, and their names' answers with
+    them, so the resolver keeps no more names than the tier knows nodes."""
+    from kvoffload.tiers import remote
+
+    def every_slot_at(host: bytes) -> bytes:
+        return b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$%d\r\n%b\r\n:6379\r\n" % (len(host), host)
+
+    dead = free_port()  # every name points there, where nothing listens
+    looked_up: set[str] = set()
+
+    def lookup(host: str, port: int) -> list[Address]:
+        looked_up.add(host)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 0, ("127.0.0.1", dead))]
+
+    monkeypatch.setattr(remote, "MAP_REFRESH_S", 0.0)
+    resolver = Resolver(lookup)
+    fake.cluster_slots = every_slot_at(b"node-0.test")
+    tier = RemoteTier(fake.url, fingerprint("names"), resolver=resolver)
+    try:
+        until = time.monotonic() + STALL_S
+        for round in range(1, 9):
+            fake.cluster_slots = every_slot_at(b"node-%d.test" % round)
+            while tier.node_address(tier.name(KEYS[0]))[0] != f"node-{round}.test":
+                assert time.monotonic() < until, f"map {round} was never learnt"
+                assert read(tier, KEYS[:1]) == [False]
+                time.sleep(0.05)
+        assert len(looked_up) == 8
+        assert len(resolver._answers) <= 2
     finally:
         tier.close()
 

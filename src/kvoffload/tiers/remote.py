@@ -569,6 +569,8 @@ class RemoteTier:
                 del self._nodes[(node.host, node.port)]
         for node in gone:
             node.close()
+            if (node.host, node.port) not in self.address.hosts:  # a seed's is kept for refreshes
+                self._resolver.forget(node.host, node.port)
 
     def _slot_map(self, reply: Reply, seed_host: str) -> list[_Node]:
         """Owner of each slot from CLUSTER SLOTS; a slot nobody owns goes to the first node.

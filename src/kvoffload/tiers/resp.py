@@ -254,6 +254,14 @@ class Resolver:
                 aged = min(answer[0], time.monotonic() - self._ttl_s)
                 self._answers[name] = (aged, answer[1])
 
+    def forget(self, host: str, port: int) -> None:
+        """Keep nothing of ``host``, nor the answer of a lookup under way when it lands: a
+        tier that forgot a node forgets its name, so the names a Cluster gave over a long
+        run (or a hostile one made up) do not pile up."""
+        with self._lock:
+            self._answers.pop((host, port), None)
+            self._running.pop((host, port), None)
+
     def _start(self, name: tuple[str, int]) -> Future[list[Address]]:
         """A lookup of ``name`` on its own daemon thread (a hung one never blocks exit)."""
         future: Future[list[Address]] = Future()
@@ -265,12 +273,14 @@ class Resolver:
                     raise OSError("no addresses")
             except BaseException as exc:  # handed to every waiter
                 with self._lock:
-                    self._running.pop(name, None)
+                    if self._running.get(name) is future:
+                        del self._running[name]
                 future.set_exception(exc)
                 return
             with self._lock:
-                self._running.pop(name, None)
-                self._answers[name] = (time.monotonic(), addresses)
+                if self._running.get(name) is future:  # else forgotten meanwhile: not kept
+                    del self._running[name]
+                    self._answers[name] = (time.monotonic(), addresses)
             future.set_result(addresses)
 
         threading.Thread(target=run, name=f"kvoffload-resolve-{name[0]}", daemon=True).start()
