@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from tier_helpers import ByteSlots, content
@@ -19,6 +23,7 @@ from kvoffload.tiers.format import encode_trailed_block
 from tier_servers import ValkeyClusterProcesses, ValkeyProcess
 
 KEYS = [block_id_key(i) for i in range(40)]
+T = TypeVar("T")
 
 
 def fingerprint(name: str) -> bytes:
@@ -78,6 +83,52 @@ def test_calls_on_a_closed_tier_fail_counted_and_raise_nothing(
     tier.poll(wait=True)
     tier.close()
     assert tier.stats.stored_blocks == 2 and tier.stats.failed == 3
+
+
+class LateSubmit:
+    """The tier's I/O pool, whose ``submit`` says it was entered, then waits (a bounded
+    while) for the pool's ``shutdown``: a read on another thread paused between its
+    closed check and its submit while close runs."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self.pool = pool
+        self.entered = threading.Event()
+        self.shut = threading.Event()
+
+    def submit(self, call: Callable[..., T], /, *args: object) -> Future[T]:
+        self.entered.set()
+        self.shut.wait(1.0)
+        return self.pool.submit(call, *args)
+
+    def shutdown(self, wait: bool) -> None:
+        self.pool.shutdown(wait)
+        self.shut.set()
+
+
+def test_a_read_racing_close_on_another_thread_raises_nothing(
+    valkey_server: ValkeyProcess,
+) -> None:
+    """SGLang's prefetch reads the shared tier without a lock while another thread closes
+    it: a read that had found the tier open when close shut its pool raised RuntimeError
+    (cannot schedule new futures after shutdown) into that thread."""
+    tier = RemoteTier(valkey_server.url, fingerprint("close-race"))
+    store(tier, KEYS[:2])
+    late = LateSubmit(tier._pool)
+    tier._pool = late  # type: ignore[assignment]
+    outcome: list[object] = []
+
+    def reading() -> None:
+        try:
+            outcome.append(read_all(tier, KEYS[:2])[0])
+        except Exception as exc:  # the failure this test is about
+            outcome.append(exc)
+
+    reader = threading.Thread(target=reading)
+    reader.start()
+    assert late.entered.wait(10)
+    tier.close()
+    reader.join(10)
+    assert outcome == [[True, True]]  # it was asked before close: close finished it
 
 
 def test_lookups_and_delete_all_on_a_closed_tier_touch_no_server(

@@ -323,9 +323,10 @@ class RemoteTier:
 
     def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
         keys = list(keys)
-        if self._closed:
-            return done_future([False] * len(keys))
-        return self._pool.submit(self._read, keys, target)
+        with self._lock:  # close sets _closed under it: no call submits to a pool shut down
+            if not self._closed:
+                return self._pool.submit(self._read, keys, target)
+        return done_future([False] * len(keys))
 
     def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> None:
         """Encode and send on the I/O threads: one pipeline per ``chunk_bytes`` of the batch.
@@ -335,14 +336,15 @@ class RemoteTier:
         of plain SET, one per 256 MiB batch at 0.87 (medians of 8 rounds, dev VM).
         """
         keys, payloads = list(keys), list(payloads)
-        if self._closed:
-            self.stats.add(failed=len(keys))
-            return
         step = max(1, self._chunk_bytes // max(1, payload_size(payloads[0]) if payloads else 1))
-        for start in range(0, len(keys), step):
-            chunk = keys[start : start + step]
-            job = self._pool.submit(self._write, chunk, payloads[start : start + step])
-            self._writes.append((chunk, job))
+        with self._lock:
+            if not self._closed:
+                for start in range(0, len(keys), step):
+                    chunk = keys[start : start + step]
+                    job = self._pool.submit(self._write, chunk, payloads[start : start + step])
+                    self._writes.append((chunk, job))
+                return
+        self.stats.add(failed=len(keys))
 
     def poll(self, wait: bool) -> None:
         running = []
@@ -360,7 +362,12 @@ class RemoteTier:
         return self._events.take()
 
     def close(self) -> None:
-        self._closed = True
+        """Finish the writes under way, then close every connection. A read or write on
+        another thread (SGLang's prefetch reads without a lock) either submits before
+        ``_closed`` is set, and is finished here, or fails counted: one that had checked
+        it just before raised ``RuntimeError`` from the pool shut down meanwhile."""
+        with self._lock:
+            self._closed = True
         self.poll(wait=True)
         self._pool.shutdown(wait=True)
         self._ahead.shutdown(wait=True)
