@@ -310,6 +310,32 @@ def test_a_lookup_that_outlasts_close_leaves_no_connection_open(fake: FakeValkey
     assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
 
 
+def test_a_lookup_redirected_to_a_new_node_after_close_leaves_no_connection_open(
+    fake: FakeValkey,
+) -> None:
+    """The lookup's answer, after close, is a MOVED to a node the tier did not know: the
+    node made then is closed as the others were, so its connection is not kept."""
+    other = FakeValkey()
+    try:
+        tier = RemoteTier(fake.url, fingerprint("close-moved"))
+        fake.delay_s = 0.2
+        fake.redirect = b"127.0.0.1:%d" % other.port
+        lookup = threading.Thread(target=tier.present, args=(KEYS[:1],))
+        lookup.start()
+        time.sleep(0.05)  # the lookup waits for its answer
+        tier.close()
+        lookup.join(STALL_S)
+        assert not lookup.is_alive()
+        assert other.commands > 0  # the redirection was followed
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            del tier
+            gc.collect()
+        assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
+    finally:
+        other.stop()
+
+
 def test_a_value_announced_at_512_mb_is_refused_unread_counted_and_deleted(
     fake: FakeValkey,
 ) -> None:

@@ -656,11 +656,15 @@ class RemoteTier:
     # Nodes and slots.
 
     def _node(self, host: str, port: int, breaker: CircuitBreaker | None = None) -> _Node:
-        """The node at ``host:port``, made on first use with ``breaker`` (default: a fresh one)."""
+        """The node at ``host:port``, made on first use with ``breaker`` (default: a fresh one);
+        one made after :meth:`close` (a lookup that outlasts it following a redirection) is
+        closed from the start, so the connection it lends is closed after use, not kept."""
         with self._lock:
             node = self._nodes.get((host, port))
             if node is None:
                 node = _Node(host, port, breaker or self.breaker.fresh())
+                if self._closed:
+                    node.close()
                 self._nodes[(host, port)] = node
             return node
 
