@@ -363,9 +363,9 @@ class RemoteTier:
 
     def close(self) -> None:
         """Finish the writes under way, then close every connection. A read or write on
-        another thread (SGLang's prefetch reads without a lock) either submits before
-        ``_closed`` is set, and is finished here, or fails counted: one that had checked
-        it just before raised ``RuntimeError`` from the pool shut down meanwhile."""
+        another thread (SGLang's prefetch reads without a lock) is either submitted before
+        ``_closed`` is set, and finished here, or fails counted: none reaches the I/O pool
+        once it is shut down (that raised ``RuntimeError`` into the caller)."""
         with self._lock:
             self._closed = True
         self.poll(wait=True)
