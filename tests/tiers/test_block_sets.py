@@ -14,7 +14,7 @@ import pytest
 
 from kvoffload import block_id_key
 from kvoffload.core.layout import layout_preset
-from kvoffload.tiers import RemoteTier, layout_fingerprint
+from kvoffload.tiers import CircuitBreaker, RemoteTier, layout_fingerprint
 from kvoffload.tiers.block_sets import JOIN_BELOW, BlockWrite, DigestsAhead, pack_sets
 from kvoffload.tiers.format import (
     TRAILER_BYTES,
@@ -198,7 +198,8 @@ def test_an_error_reply_fails_the_pipeline_and_leaves_no_stale_reply(tmp_path: P
         tmp_path / "oom", "--maxmemory", "3mb", "--maxmemory-policy", "noeviction"
     ).start()
     fp = layout_fingerprint("oom", layout_preset("tiny"), 2**20)
-    tier = RemoteTier(server.url, fp)
+    # No cool-down: the store after memory is freed goes out at once, not rested (OOM).
+    tier = RemoteTier(server.url, fp, breaker=CircuitBreaker(cooldown_s=0))
     try:
         keys = [block_id_key(i) for i in range(8)]
         tier.write(keys, [bytes([i]) * 2**20 for i in range(8)])  # 8 MiB into 3

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from tier_helpers import ByteSlots, content
@@ -19,6 +23,7 @@ from kvoffload.tiers.format import encode_trailed_block
 from tier_servers import ValkeyClusterProcesses, ValkeyProcess
 
 KEYS = [block_id_key(i) for i in range(40)]
+T = TypeVar("T")
 
 
 def fingerprint(name: str) -> bytes:
@@ -78,6 +83,52 @@ def test_calls_on_a_closed_tier_fail_counted_and_raise_nothing(
     tier.poll(wait=True)
     tier.close()
     assert tier.stats.stored_blocks == 2 and tier.stats.failed == 3
+
+
+class LateSubmit:
+    """The tier's I/O pool, whose ``submit`` says it was entered, then waits (a bounded
+    while) for the pool's ``shutdown``: a read on another thread paused between its
+    closed check and its submit while close runs."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self.pool = pool
+        self.entered = threading.Event()
+        self.shut = threading.Event()
+
+    def submit(self, call: Callable[..., T], /, *args: object) -> Future[T]:
+        self.entered.set()
+        self.shut.wait(1.0)
+        return self.pool.submit(call, *args)
+
+    def shutdown(self, wait: bool) -> None:
+        self.pool.shutdown(wait)
+        self.shut.set()
+
+
+def test_a_read_racing_close_on_another_thread_raises_nothing(
+    valkey_server: ValkeyProcess,
+) -> None:
+    """SGLang's prefetch reads the shared tier without a lock while another thread closes
+    it: a read that had found the tier open when close shut its pool raised RuntimeError
+    (cannot schedule new futures after shutdown) into that thread."""
+    tier = RemoteTier(valkey_server.url, fingerprint("close-race"))
+    store(tier, KEYS[:2])
+    late = LateSubmit(tier._pool)
+    tier._pool = late  # type: ignore[assignment]
+    outcome: list[object] = []
+
+    def reading() -> None:
+        try:
+            outcome.append(read_all(tier, KEYS[:2])[0])
+        except Exception as exc:  # the failure this test is about
+            outcome.append(exc)
+
+    reader = threading.Thread(target=reading)
+    reader.start()
+    assert late.entered.wait(10)
+    tier.close()
+    reader.join(10)
+    assert outcome == [[True, True]]  # it was asked before close: close finished it
 
 
 def test_lookups_and_delete_all_on_a_closed_tier_touch_no_server(
@@ -355,6 +406,54 @@ def test_a_full_server_refusing_stores_still_serves_loads(tmp_path: Path) -> Non
             assert ok == [True] * stored
             assert all(bytes(buffers[i]) == content(k, size) for i, k in enumerate(keys[:stored]))
             assert not tier.breaker.is_open and tier.unavailable == 1
+        finally:
+            tier.close()
+    finally:
+        server.stop()
+
+
+def test_a_full_server_is_sent_no_store_for_its_breaker_s_cool_down(tmp_path: Path) -> None:
+    """After an OOM reply the node rests from stores for its breaker's cool-down: each
+    store to a full server was sent whole (its bytes and a round trip) to be refused;
+    now it is dropped unsent, counted, loads go on, and after the cool-down one is sent."""
+    server = ValkeyProcess(
+        tmp_path / "full", "--maxmemory", "2mb", "--maxmemory-policy", "noeviction"
+    ).start()
+    admin = server.client()
+
+    def sets_received() -> int:
+        stats = admin.info("commandstats").get("cmdstat_set", {})
+        return int(stats.get("calls", 0)) + int(stats.get("rejected_calls", 0))
+
+    try:
+        size = 32_000
+        tier = RemoteTier(
+            server.url,
+            layout_fingerprint("resting", layout_preset("tiny"), size),
+            breaker=CircuitBreaker(threshold=1, cooldown_s=60),
+        )
+        keys = [block_id_key(i) for i in range(200)]
+        try:
+            sent = 0
+            while tier.stats.failed == 0 and sent < len(keys) - 20:
+                tier.write([keys[sent]], [content(keys[sent], size)])
+                tier.poll(wait=True)
+                sent += 1
+            stored = tier.stats.stored_blocks
+            assert tier.stats.failed == 1 and stored > 0  # OOM came
+            seen = sets_received()
+            for key in keys[sent : sent + 10]:
+                tier.write([key], [content(key, size)])
+                tier.poll(wait=True)
+            assert sets_received() == seen
+            assert tier.skipped_full == 10 and tier.stats.failed == 11
+            buffers = [bytearray(size) for _ in range(stored)]
+            ok = tier.read(keys[:stored], lambda i: memoryview(buffers[i])).result(timeout=10)
+            assert ok == [True] * stored and tier.unavailable == 1
+            tier.breaker.cooldown_s = 0.0  # the rest is over: the next store goes out
+            tier.write([keys[sent + 10]], [content(keys[sent + 10], size)])
+            tier.poll(wait=True)
+            assert sets_received() == seen + 1 and tier.skipped_full == 10
         finally:
             tier.close()
     finally:

@@ -13,8 +13,10 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from functools import partial
+from pathlib import Path
 
 import pytest
 from tier_helpers import content
@@ -160,6 +162,39 @@ def test_a_known_answer_serves_while_the_resolver_hangs(
     finally:
         lookup.release.set()
         tier.close()
+
+
+def test_a_name_that_moved_is_looked_up_again_once_its_address_refuses(
+    tmp_path: Path,
+) -> None:
+    """The server restarts at another address (a pod) and the name follows: the tier kept
+    connecting to the old one, refused, until the answer was a minute old."""
+    first = ValkeyProcess(tmp_path / "first").start()
+    moved = ValkeyProcess(tmp_path / "moved").start()
+    where = {"port": first.port}
+
+    def lookup(host: str, port: int) -> list[Address]:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 0, ("127.0.0.1", where["port"]))]
+
+    tier = RemoteTier(
+        f"redis://{NAME}:6379/0?timeout_ms=300",
+        fingerprint("moved"),
+        resolver=Resolver(lookup),
+        breaker=CircuitBreaker(1, 0.05),
+    )
+    try:
+        store(tier, KEYS[:2])
+        first.stop()
+        where["port"] = moved.port
+        until = time.monotonic() + STALL_S
+        while tier.present(KEYS[:2]) < 2:
+            assert time.monotonic() < until, "the name's new address was never used"
+            store(tier, KEYS[:2])
+            time.sleep(0.05)
+    finally:
+        tier.close()
+        first.stop()
+        moved.stop()
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])

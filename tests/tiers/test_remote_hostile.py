@@ -20,6 +20,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ from kvoffload.cli.main import main
 from kvoffload.core.layout import layout_preset
 from kvoffload.tiers import CircuitBreaker, RemoteTier, RemoteTierError, layout_fingerprint
 from kvoffload.tiers.format import encode_trailed_block, payload_digest, payload_hasher
+from kvoffload.tiers.resp import Address, Resolver
 from tier_servers import (
     FakeValkey,
     FakeValkeyCluster,
@@ -222,25 +224,69 @@ def test_redirections_never_grow_the_known_nodes_past_the_cap(
 def test_slot_map_refreshes_never_grow_the_known_nodes_past_the_cap(
     fake: FakeValkey, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A Cluster node that fails has the slot map asked again; a hostile node that names a
-    new (dead) owner of every slot each time is believed only up to MAX_NODES nodes."""
+    """A Cluster node that fails has the slot map asked again; a hostile node that names
+    new (dead) owners each time: each map's nodes take the last's place (forgotten), and a
+    map naming more than MAX_NODES nodes is not taken."""
     from kvoffload.tiers import remote
 
-    def every_slot_at(port: int) -> bytes:
-        return b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n" % port
+    def slots_at(*ports: int) -> bytes:
+        step = 16384 // len(ports)
+        entries = [
+            b"*3\r\n:%d\r\n:%d\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n"
+            % (i * step, 16383 if i == len(ports) - 1 else (i + 1) * step - 1, port)
+            for i, port in enumerate(ports)
+        ]
+        return b"*%d\r\n" % len(ports) + b"".join(entries)
 
     monkeypatch.setattr(remote, "MAX_NODES", 3)
     monkeypatch.setattr(remote, "MAP_REFRESH_S", 0.0)
-    fake.cluster_slots = every_slot_at(fake.port)
+    fake.cluster_slots = slots_at(fake.port)
     tier = RemoteTier(fake.url, fingerprint("map-cap"))
     try:
-        for round in range(6):
-            port = free_port()  # nothing listens there
-            fake.cluster_slots = every_slot_at(port)
-            fake.redirect = b"127.0.0.1:%d" % port if round == 0 else None
+        for round in range(7):
+            ports = [free_port() for _ in range(1 if round < 6 else 4)]  # nothing listens
+            fake.cluster_slots = slots_at(*ports)
+            fake.redirect = b"127.0.0.1:%d" % ports[0] if round == 0 else None
             assert read(tier, KEYS[:1]) == [False]
             time.sleep(0.2)  # the refresh runs on a thread of its own
-        assert len(tier.breakers) == 3
+        assert len(tier.breakers) <= 3
+        assert not {f"127.0.0.1:{port}" for port in ports} & set(tier.breakers)
+    finally:
+        tier.close()
+
+
+def test_the_names_of_nodes_a_map_left_are_not_kept(
+    fake: FakeValkey, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each slot map names its one node by a new host name (a hostile Cluster's made up, or
+    a long run's): the nodes the maps left are forgotten, and their names' answers with
+    them, so the resolver keeps no more names than the tier knows nodes."""
+    from kvoffload.tiers import remote
+
+    def every_slot_at(host: bytes) -> bytes:
+        return b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$%d\r\n%b\r\n:6379\r\n" % (len(host), host)
+
+    dead = free_port()  # every name points there, where nothing listens
+    looked_up: set[str] = set()
+
+    def lookup(host: str, port: int) -> list[Address]:
+        looked_up.add(host)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 0, ("127.0.0.1", dead))]
+
+    monkeypatch.setattr(remote, "MAP_REFRESH_S", 0.0)
+    resolver = Resolver(lookup)
+    fake.cluster_slots = every_slot_at(b"node-0.test")
+    tier = RemoteTier(fake.url, fingerprint("names"), resolver=resolver)
+    try:
+        until = time.monotonic() + STALL_S
+        for round in range(1, 9):
+            fake.cluster_slots = every_slot_at(b"node-%d.test" % round)
+            while tier.node_address(tier.name(KEYS[0]))[0] != f"node-{round}.test":
+                assert time.monotonic() < until, f"map {round} was never learnt"
+                assert read(tier, KEYS[:1]) == [False]
+                time.sleep(0.05)
+        assert len(looked_up) == 8
+        assert len(resolver._answers) <= 2
     finally:
         tier.close()
 
@@ -262,6 +308,32 @@ def test_a_lookup_that_outlasts_close_leaves_no_connection_open(fake: FakeValkey
         del tier
         gc.collect()
     assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
+
+
+def test_a_lookup_redirected_to_a_new_node_after_close_leaves_no_connection_open(
+    fake: FakeValkey,
+) -> None:
+    """The lookup's answer, after close, is a MOVED to a node the tier did not know: the
+    node made then is closed as the others were, so its connection is not kept."""
+    other = FakeValkey()
+    try:
+        tier = RemoteTier(fake.url, fingerprint("close-moved"))
+        fake.delay_s = 0.2
+        fake.redirect = b"127.0.0.1:%d" % other.port
+        lookup = threading.Thread(target=tier.present, args=(KEYS[:1],))
+        lookup.start()
+        time.sleep(0.05)  # the lookup waits for its answer
+        tier.close()
+        lookup.join(STALL_S)
+        assert not lookup.is_alive()
+        assert other.commands > 0  # the redirection was followed
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            del tier
+            gc.collect()
+        assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
+    finally:
+        other.stop()
 
 
 def test_a_value_announced_at_512_mb_is_refused_unread_counted_and_deleted(
@@ -552,6 +624,72 @@ def test_a_slot_map_refresh_asks_the_map_s_nodes_before_one_it_left(
         tier.close()
 
 
+def test_the_url_s_seed_finds_the_cluster_again_once_every_node_known_is_gone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The URL names a seed the map does not (a Service's name, not a pod's address): the
+    map's nodes are replaced twice, each time by one the tier never knew. A refresh asks
+    the URL's seed once no known node answers: the seed, out of the map, is forgotten."""
+    from kvoffload.tiers import remote
+
+    monkeypatch.setattr(remote, "MAP_REFRESH_S", 0.0)
+    seed, *owners = nodes = [FakeValkey() for _ in range(4)]
+    tier = None
+    try:
+        for node in nodes:
+            node.cluster_slots = slots_of((0, 16383, owners[0]))
+        tier = RemoteTier(seed.url, fingerprint("seed-again"))
+        store(tier, KEYS[:1])
+        until = time.monotonic() + STALL_S
+        for old, new in pairwise(owners):
+            new.values.update(old.values)
+            for node in nodes:
+                node.cluster_slots = slots_of((0, 16383, new))
+            old.stop()
+            while read(tier, KEYS[:1]) != [True]:
+                assert time.monotonic() < until, f"node {new.port} was never found"
+                time.sleep(0.05)
+        assert not {f"127.0.0.1:{node.port}" for node in (seed, owners[0])} & set(tier.breakers)
+    finally:
+        if tier is not None:
+            tier.close()
+        for node in nodes:
+            node.stop()
+
+
+def test_a_moved_past_the_cap_has_the_map_asked_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tier knows as many nodes as it may (the seed, out of the map, and the slots'
+    owner) when the owner answers MOVED to a node it never knew: the map is asked again,
+    which forgets the seed and names the new owner. Not asked, every load of the slot
+    failed for good (nothing else fails, so nothing else asked)."""
+    from kvoffload.tiers import remote
+
+    monkeypatch.setattr(remote, "MAX_NODES", 2)
+    monkeypatch.setattr(remote, "MAP_REFRESH_S", 0.0)
+    nodes = seed, owner, new = [FakeValkey() for _ in range(3)]
+    tier = None
+    try:
+        for node in nodes:
+            node.cluster_slots = slots_of((0, 16383, owner))
+        tier = RemoteTier(seed.url, fingerprint("moved-at-cap"))
+        store(tier, KEYS[:1])
+        assert len(tier.breakers) == 2
+        new.values.update(owner.values)
+        for node in nodes:
+            node.cluster_slots = slots_of((0, 16383, new))
+        owner.redirect = b"127.0.0.1:%d" % new.port
+        until = time.monotonic() + STALL_S
+        while read(tier, KEYS[:1]) != [True]:
+            assert time.monotonic() < until, "the slot's new owner was never found"
+            time.sleep(0.05)
+        assert f"127.0.0.1:{seed.port}" not in tier.breakers
+    finally:
+        if tier is not None:
+            tier.close()
+        for node in nodes:
+            node.stop()
+
+
 @pytest.fixture
 def planted(valkey_server: ValkeyProcess) -> Iterator[RemoteTier]:
     tier = RemoteTier(valkey_server.url, fingerprint("planted-length"))
@@ -676,6 +814,127 @@ def test_after_a_resharding_one_moved_reply_teaches_the_whole_slot_map(tmp_path:
         assert tier.held([second]) == [True]
     finally:
         tier.close()
+        cluster.stop()
+
+
+def test_each_key_of_a_batch_has_its_own_redirections(tmp_path: Path) -> None:
+    """Three slots, one per node, each moved to the next node and then migrating on to the
+    third: each key takes a MOVED and an ASK, two redirections, six in the batch. With one
+    budget of MAX_HOPS per batch, the batch's last key failed, loads and stores alike."""
+    cluster = ValkeyClusterProcesses(tmp_path / "hops").start()
+    loader, storer = (RemoteTier(cluster.url, fingerprint("hops")) for _ in range(2))
+    try:
+        nodes = cluster.nodes
+        keys = [block_id_key(i, 16) for i in range(300)]
+        batch = [
+            next(k for k in keys if loader.node_address(loader.name(k))[1] == node.port)
+            for node in nodes
+        ]
+        store(loader, batch)
+        for i, key in enumerate(batch):
+            owner, after, last = nodes[i], nodes[(i + 1) % 3], nodes[(i + 2) % 3]
+            slot = owner.client().execute_command("CLUSTER", "KEYSLOT", loader.name(key))
+            move_slot(cluster, slot, owner, after)
+            after_id = after.client().execute_command("CLUSTER", "MYID")
+            last_id = last.client().execute_command("CLUSTER", "MYID")
+            last.client().execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", after_id)
+            after.client().execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", last_id)
+            after.client().execute_command(
+                "MIGRATE", "127.0.0.1", last.port, loader.name(key), 0, 5000
+            )
+        assert read(loader, batch) == [True] * 3 and loader.stats.failed == 0
+        store(storer, batch)
+        assert storer.stats.stored_blocks == 3 and storer.stats.failed == 0
+    finally:
+        loader.close()
+        storer.close()
+        cluster.stop()
+
+
+def joined(nodes: list[ValkeyProcess], directory: Path) -> ValkeyProcess:
+    """A new cluster-mode server met by ``nodes``' Cluster, once every node knows it; a
+    primary still once it hands its last slot back (no replica migration)."""
+    node = ValkeyProcess(
+        directory,
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+        "--cluster-allow-replica-migration",
+        "no",
+    ).start()
+    node.client().execute_command("CLUSTER", "MEET", "127.0.0.1", nodes[0].port)
+
+    def knows(one: ValkeyProcess, other: ValkeyProcess) -> bool:
+        other_id = other.client().execute_command("CLUSTER", "MYID").decode()
+        return other_id in str(one.client().execute_command("CLUSTER", "NODES"))
+
+    until = time.monotonic() + STALL_S
+    while not (
+        all(knows(node, other) and knows(other, node) for other in nodes)
+        and "cluster_state:ok" in str(node.client().execute_command("CLUSTER", "INFO"))
+    ):
+        assert time.monotonic() < until, "the new node never joined"
+        time.sleep(0.05)
+    return node
+
+
+def handed_over(
+    nodes: list[ValkeyProcess], slot: int, source: ValkeyProcess, target: ValkeyProcess
+) -> None:
+    """``slot`` and its keys from ``source`` to ``target``, each of ``nodes`` told."""
+    source_id = source.client().execute_command("CLUSTER", "MYID")
+    target_id = target.client().execute_command("CLUSTER", "MYID")
+    target.client().execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+    source.client().execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+    for name in source.client().execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000):
+        source.client().execute_command("MIGRATE", "127.0.0.1", target.port, name, 0, 5000)
+    for node in nodes:
+        node.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+
+
+def test_nodes_that_left_the_cluster_are_forgotten_and_leave_room_under_the_cap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node joins, serves a slot, hands it back and goes (a pod restarted elsewhere), and
+    another joins and takes the slot: a tier that never forgot a node knew all five, past a
+    cap of four, and refused the map and the redirection, so the slot's block stayed
+    unreachable. Under the real cap of 1,024 it takes a long run of restarts."""
+    from kvoffload.tiers import remote
+
+    monkeypatch.setattr(remote, "MAX_NODES", 4)
+    monkeypatch.setattr(remote, "MAP_REFRESH_S", 0.0)
+    cluster = ValkeyClusterProcesses(tmp_path / "churn").start()
+    nodes = list(cluster.nodes)
+    tier = RemoteTier(cluster.url, fingerprint("churn"), breaker=CircuitBreaker(1, 0.05))
+    extra: list[ValkeyProcess] = []
+    try:
+        key = KEYS[0]
+        owner = next(node for node in nodes if node.port == tier.node_address(tier.name(key))[1])
+        slot = owner.client().execute_command("CLUSTER", "KEYSLOT", tier.name(key))
+        store(tier, [key])
+
+        def served_by(node: ValkeyProcess) -> None:
+            until = time.monotonic() + STALL_S
+            while tier.held([key]) != [True] or tier.node_address(tier.name(key))[1] != node.port:
+                assert time.monotonic() < until, f"the slot was never found on {node.port}"
+                time.sleep(0.05)
+
+        extra.append(joined(nodes, tmp_path / "first"))
+        handed_over([*nodes, extra[0]], slot, owner, extra[0])
+        served_by(extra[0])
+        handed_over([*nodes, extra[0]], slot, extra[0], owner)
+        extra[0].stop()
+        served_by(owner)
+        extra.append(joined(nodes, tmp_path / "second"))
+        handed_over([*nodes, extra[1]], slot, owner, extra[1])
+        served_by(extra[1])
+        assert f"127.0.0.1:{extra[0].port}" not in tier.breakers
+        assert len(tier.breakers) == 4
+    finally:
+        tier.close()
+        for node in extra:
+            node.stop()
         cluster.stop()
 
 

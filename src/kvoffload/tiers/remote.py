@@ -25,6 +25,7 @@ value that fails its header check, or whose announced length is not the layout's
 from __future__ import annotations
 
 import binascii
+import math
 import socket
 import ssl
 import threading
@@ -78,11 +79,13 @@ SKIP_BELOW = 1 << 20
 """A value of the wrong length up to this size is read and dropped; a longer one is
 never read: its connection is closed instead."""
 MAX_HOPS = 4
-"""MOVED/ASK redirections followed per batch before its blocks count as failed."""
+"""MOVED/ASK redirections followed per key before its block counts as failed: each key has
+its own, so a batch over many moved slots is served as each key alone would be."""
 MAX_NODES = 1024
 """Nodes the tier will know, past Valkey's largest Cluster (1,000 nodes): a redirection to
 a node beyond them is not followed, so a hostile server's made-up addresses cannot grow
-the tier's nodes, breakers and lookup threads without end."""
+the tier's nodes, breakers and lookup threads without end. A node a new slot map leaves
+out is forgotten once no call uses it, so the cap bounds live nodes, not a long run's."""
 MAP_REFRESH_S = 1.0
 """Seconds between two refreshes of a Cluster's slot map at least. A node that fails or is
 refused has its map asked again of a live node: after a failover or a node's removal its
@@ -98,6 +101,10 @@ class RemoteTierError(KVOffloadError):
 class ServerReplyError(Exception):
     """The server answered a command with an error (OOM, NOAUTH, LOADING, ...)."""
 
+    @property
+    def code(self) -> str:
+        return str(self).split(" ", 1)[0]
+
 
 class _Node:
     """One server: its idle connections and its breaker."""
@@ -109,6 +116,17 @@ class _Node:
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self._closed = False
+        self.full_at = -math.inf
+        """When the node last refused a store for want of memory (``OOM``; monotonic)."""
+        self.calls = 0
+        """Calls under way on the node (under the tier's lock): a node a new slot map
+        leaves out is forgotten only when there are none."""
+
+    def is_resting(self) -> bool:
+        """Whether the node refused a store as full less than its breaker's cool-down ago:
+        a full server (maxmemory with ``noeviction``) refuses every store until memory is
+        freed, so sending each one cost a round trip and its bytes for nothing."""
+        return time.monotonic() - self.full_at < self.breaker.cooldown_s
 
     @property
     def name(self) -> str:
@@ -164,8 +182,9 @@ class _Redirect:
 
 
 _Status = str | _Redirect
-_Job = tuple[_Node, list[int], bool]
-"""A node, the indices of a batch to send it, and whether each command needs ASKING."""
+_Job = tuple[_Node, list[int], bool, int]
+"""A node, the indices of a batch to send it, whether each command needs ASKING, and the
+redirections those indices have followed so far (each key has :data:`MAX_HOPS`)."""
 ASKING = command("ASKING")
 
 
@@ -214,6 +233,9 @@ class RemoteTier:
         self.unavailable = 0
         """Calls refused by an open breaker or failed by the server (timeouts included, those
         of a node left too little time too)."""
+        self.skipped_full = 0
+        """Blocks whose store was not sent, its node resting after an ``OOM`` reply
+        (:meth:`_Node.is_resting`); they count in ``failed`` too."""
         self._lock = threading.Lock()
         self._credentials = Credentials(
             self.address.username,
@@ -275,10 +297,9 @@ class RemoteTier:
         for node, indices in self._by_node(names, range(len(names))).items():
             if not whole and run < indices[0]:
                 break
-            jobs: list[_Job] = [(node, indices, False)]
-            hops = 0
+            jobs: list[_Job] = [(node, indices, False, 0)]
             while jobs:
-                where, asked, asking = jobs.pop()
+                where, asked, asking, hops = jobs.pop()
                 exists = partial(self._exists, names, asked, asking)
                 replies = self._call(where, exists, deadline)
                 if replies is None:
@@ -294,19 +315,18 @@ class RemoteTier:
                         found[index] = True
                     else:
                         run = min(run, index)
-                if moved:
-                    hops += 1
-                    if hops > MAX_HOPS:
-                        run = min(run, *(min(again) for again in moved.values()))
-                        continue
-                    jobs += [(to, again, ask) for (to, ask), again in moved.items()]
+                if moved and hops == MAX_HOPS:
+                    run = min(run, *(min(again) for again in moved.values()))
+                elif moved:
+                    jobs += [(to, again, ask, hops + 1) for (to, ask), again in moved.items()]
         return found
 
     def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
         keys = list(keys)
-        if self._closed:
-            return done_future([False] * len(keys))
-        return self._pool.submit(self._read, keys, target)
+        with self._lock:  # close sets _closed under it: no call submits to a pool shut down
+            if not self._closed:
+                return self._pool.submit(self._read, keys, target)
+        return done_future([False] * len(keys))
 
     def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> None:
         """Encode and send on the I/O threads: one pipeline per ``chunk_bytes`` of the batch.
@@ -316,14 +336,15 @@ class RemoteTier:
         of plain SET, one per 256 MiB batch at 0.87 (medians of 8 rounds, dev VM).
         """
         keys, payloads = list(keys), list(payloads)
-        if self._closed:
-            self.stats.add(failed=len(keys))
-            return
         step = max(1, self._chunk_bytes // max(1, payload_size(payloads[0]) if payloads else 1))
-        for start in range(0, len(keys), step):
-            chunk = keys[start : start + step]
-            job = self._pool.submit(self._write, chunk, payloads[start : start + step])
-            self._writes.append((chunk, job))
+        with self._lock:
+            if not self._closed:
+                for start in range(0, len(keys), step):
+                    chunk = keys[start : start + step]
+                    job = self._pool.submit(self._write, chunk, payloads[start : start + step])
+                    self._writes.append((chunk, job))
+                return
+        self.stats.add(failed=len(keys))
 
     def poll(self, wait: bool) -> None:
         running = []
@@ -341,7 +362,12 @@ class RemoteTier:
         return self._events.take()
 
     def close(self) -> None:
-        self._closed = True
+        """Finish the writes under way, then close every connection. A read or write on
+        another thread (SGLang's prefetch reads without a lock) is either submitted before
+        ``_closed`` is set, and finished here, or fails counted: none reaches the I/O pool
+        once it is shut down (that raised ``RuntimeError`` into the caller)."""
+        with self._lock:
+            self._closed = True
         self.poll(wait=True)
         self._pool.shutdown(wait=True)
         self._ahead.shutdown(wait=True)
@@ -402,7 +428,8 @@ class RemoteTier:
         are the slow ones, and a healthy node left a sliver by a slow one would otherwise
         have its breaker opened by it. An error reply fails the call but is no failure of
         the node's: a full server (``OOM``, maxmemory with ``noeviction``) refusing stores
-        opened its breaker, and its loads were refused with them."""
+        opened its breaker, and its loads were refused with them. An ``OOM`` rests the node
+        from stores instead (:meth:`_Node.is_resting`)."""
         if deadline.passed():
             with self._lock:
                 self.unavailable += 1
@@ -412,6 +439,18 @@ class RemoteTier:
                 self.unavailable += 1
             self._refresh_map_soon(node)
             return None
+        with self._lock:
+            node.calls += 1
+        try:
+            return self._call_on(node, op, deadline)
+        finally:
+            with self._lock:
+                node.calls -= 1
+
+    def _call_on(
+        self, node: _Node, op: Callable[[Connection, Deadline], T], deadline: Deadline
+    ) -> T | None:
+        """:meth:`_call`'s part once the breaker let it through."""
         begun = time.monotonic()
         connection = None
         try:
@@ -423,6 +462,8 @@ class RemoteTier:
             starved = deadline.at - begun < begun - deadline.since
             if isinstance(exc, ServerReplyError):  # an answer: the node is up (full, loading)
                 node.breaker.success()
+                if exc.code == "OOM":
+                    node.full_at = time.monotonic()
             elif starved and deadline.passed():
                 node.breaker.excuse()
             else:
@@ -521,20 +562,35 @@ class RemoteTier:
                 )
 
     def _learn_slots(self, seed_host: str, connection: Connection, deadline: Deadline) -> None:
-        """The slot map from the CLUSTER SLOTS of the node ``connection`` reaches, put in use."""
+        """The slot map from the CLUSTER SLOTS of the node ``connection`` reaches, put in
+        use; the known nodes it leaves out, and no call uses, are forgotten (pods given new
+        addresses over a long run filled :data:`MAX_NODES` with addresses long gone, and
+        every map and redirection to a new node was refused from then on)."""
         connection.send([command("CLUSTER", "SLOTS")], deadline)
-        self._slots = self._slot_map(_ok(connection.read_reply(deadline)), seed_host)
+        owners = self._slot_map(_ok(connection.read_reply(deadline)), seed_host)
+        in_map = set(owners)
+        with self._lock:
+            self._slots = owners
+            gone = [n for n in self._nodes.values() if n not in in_map and not n.calls]
+            for node in gone:
+                del self._nodes[(node.host, node.port)]
+        for node in gone:
+            node.close()
+            if (node.host, node.port) not in self.address.hosts:  # a seed's is kept for refreshes
+                self._resolver.forget(node.host, node.port)
 
     def _slot_map(self, reply: Reply, seed_host: str) -> list[_Node]:
         """Owner of each slot from CLUSTER SLOTS; a slot nobody owns goes to the first node.
         A reply of another shape, or one that would make the tier know more than
-        :data:`MAX_NODES` nodes, is :class:`ServerReplyError`, start-up's one-line error."""
+        :data:`MAX_NODES` nodes (those it names, and known ones a call still uses), is
+        :class:`ServerReplyError`, start-up's one-line error."""
         if not isinstance(reply, list) or not reply:
             raise ServerReplyError("CLUSTER SLOTS named no slots")
         ranges = [_slot_range(entry) for entry in reply]
+        named = {(host or seed_host, port) for *_, host, port in ranges}
         with self._lock:
-            known = self._nodes.keys() | {(host or seed_host, port) for *_, host, port in ranges}
-        if len(known) > MAX_NODES:
+            busy = {address for address, node in self._nodes.items() if node.calls}
+        if len(named | busy) > MAX_NODES:
             raise ServerReplyError(f"CLUSTER SLOTS named more than {MAX_NODES} nodes")
         owners: list[_Node | None] = [None] * SLOTS
         for low, high, host, port in ranges:
@@ -567,22 +623,30 @@ class RemoteTier:
     def _refresh_map(self, failed: _Node | None) -> None:
         """Ask the other known nodes whose breakers are closed for CLUSTER SLOTS, in turn
         under one deadline (the map's own nodes first: a node the map left may be gone for
-        good), until one answers; its map replaces the one in use. Upkeep, not an
-        operation: no node's breaker nor :attr:`unavailable` counts its failures, and it
-        asks on a connection of its own, so it never holds one an operation would take."""
+        good), then the URL's seeds the tier does not know (a map forgets the seed it was
+        learnt from when it names the node otherwise, and a name, unlike a pod's address,
+        outlives every node's restart), until one answers; its map replaces the one in use.
+        Upkeep, not an operation: no node's breaker nor :attr:`unavailable` counts its
+        failures, and it asks on a connection of its own, so it never holds one an
+        operation would take."""
         with self._lock:
             known = list(self._nodes.values())
         in_order = dict.fromkeys([*self._primaries(), *known])
+        addresses = [
+            (node.host, node.port)
+            for node in in_order
+            if node is not failed and not node.breaker.is_open
+        ]
+        seen = {(node.host, node.port) for node in in_order}
+        addresses += [seed for seed in self.address.hosts if seed not in seen]
         deadline = self._deadline(0)
-        for node in in_order:
+        for host, port in addresses:
             if deadline.passed():
                 return
-            if node is failed or node.breaker.is_open:
-                continue
             try:
-                connection = self._open(node.host, node.port, deadline)
+                connection = self._open(host, port, deadline)
                 try:
-                    self._learn_slots(node.host, connection, deadline)
+                    self._learn_slots(host, connection, deadline)
                 finally:
                     connection.close()
             except Exception:  # this node cannot tell: the next one is asked
@@ -592,11 +656,15 @@ class RemoteTier:
     # Nodes and slots.
 
     def _node(self, host: str, port: int, breaker: CircuitBreaker | None = None) -> _Node:
-        """The node at ``host:port``, made on first use with ``breaker`` (default: a fresh one)."""
+        """The node at ``host:port``, made on first use with ``breaker`` (default: a fresh one);
+        one made after :meth:`close` (a lookup that outlasts it following a redirection) is
+        closed from the start, so the connection it lends is closed after use, not kept."""
         with self._lock:
             node = self._nodes.get((host, port))
             if node is None:
                 node = _Node(host, port, breaker or self.breaker.fresh())
+                if self._closed:
+                    node.close()
                 self._nodes[(host, port)] = node
             return node
 
@@ -621,16 +689,20 @@ class RemoteTier:
     def _follow(self, redirect: _Redirect, node: _Node) -> _Node:
         """The node a redirection names; a MOVED one also updates the slot map and has the
         whole map asked again (a resharding moves many slots: each would cost a redirection
-        of its own). Past
-        :data:`MAX_NODES` known nodes a new one is not made: ``node`` is asked again."""
+        of its own). Past :data:`MAX_NODES` known nodes a new one is not made: ``node`` is
+        asked again, and the map too (it forgets the nodes that left, if any)."""
         host, port = redirect.address
         address = (host or node.host, port)
         with self._lock:
-            if address not in self._nodes and len(self._nodes) >= MAX_NODES:
-                return node  # asked again, it redirects again: failed past MAX_HOPS
+            full = address not in self._nodes and len(self._nodes) >= MAX_NODES
+        if full:
+            self._refresh_map_soon(None)
+            return node  # asked again, it redirects again: failed past MAX_HOPS
         target = self._node(*address)
         if not redirect.ask and self._slots is not None:
-            self._slots[redirect.slot] = target
+            with self._lock:  # not if a new map forgot it meanwhile: that map is newer
+                if self._nodes.get(address) is target:
+                    self._slots[redirect.slot] = target
             self._refresh_map_soon(None)
         return target
 
@@ -669,10 +741,9 @@ class RemoteTier:
         readable = [i for i, view in enumerate(views) if view is not None]
         deadline = self._deadline(sum(len(names[i]) + sizes[i] for i in readable))
         groups = self._by_node(names, readable)
-        jobs: list[_Job] = [(node, got, False) for node, got in groups.items()]
-        hops = 0
+        jobs: list[_Job] = [(node, got, False, 0) for node, got in groups.items()]
         while jobs:
-            node, indices, asking = jobs.pop()
+            node, indices, asking, hops = jobs.pop()
             get = partial(self._get_into, keys, names, views, sizes, indices, asking)
             statuses = self._call(node, get, deadline)
             if statuses is None:
@@ -680,7 +751,7 @@ class RemoteTier:
                 continue
             again = [i for i, status in zip(indices, statuses, strict=True) if status == _AGAIN]
             if again:
-                jobs.append((node, again, asking))
+                jobs.append((node, again, asking, hops))
             moved: dict[tuple[_Node, bool], list[int]] = {}
             for index, status in zip(indices, statuses, strict=True):
                 if status == _HIT:
@@ -690,12 +761,10 @@ class RemoteTier:
                 elif isinstance(status, _Redirect):
                     key = (self._follow(status, node), status.ask)
                     moved.setdefault(key, []).append(index)
-            if moved:
-                hops += 1
-                if hops > MAX_HOPS:
-                    failed += sum(len(indices) for indices in moved.values())
-                    continue
-                jobs += [(where, indices, ask) for (where, ask), indices in moved.items()]
+            if moved and hops == MAX_HOPS:
+                failed += sum(len(indices) for indices in moved.values())
+            elif moved:
+                jobs += [(where, got, ask, hops + 1) for (where, ask), got in moved.items()]
         if corrupt:
             for node, indices in self._by_node(names, corrupt).items():
                 self._call(node, partial(self._delete, [names[i] for i in indices]), deadline)
@@ -810,11 +879,14 @@ class RemoteTier:
         deadline = self._deadline(sum(payload_size(write.payload) for write in writes))
         stored = [False] * len(writes)
         jobs: list[_Job] = [
-            (node, got, False) for node, got in self._by_node(names, range(len(writes))).items()
+            (node, got, False, 0) for node, got in self._by_node(names, range(len(writes))).items()
         ]
-        hops = 0
         while jobs:
-            node, indices, asking = jobs.pop()
+            node, indices, asking, hops = jobs.pop()
+            if node.is_resting():
+                with self._lock:
+                    self.skipped_full += len(indices)
+                continue
             batch = [writes[i] for i in indices]
             statuses = self._call(node, partial(self._set_all, batch, asking), deadline)
             if statuses is None:
@@ -825,9 +897,8 @@ class RemoteTier:
                     moved.setdefault((self._follow(status, node), status.ask), []).append(index)
                 else:
                     stored[index] = True
-            if moved and hops < MAX_HOPS:
-                hops += 1
-                jobs += [(where, indices, ask) for (where, ask), indices in moved.items()]
+            if hops < MAX_HOPS:
+                jobs += [(where, got, ask, hops + 1) for (where, ask), got in moved.items()]
         return stored
 
     def _set_all(

@@ -201,8 +201,9 @@ class Resolver:
     callers wait for it, so a hung resolver holds one thread per name.
     Answers are kept ``ttl_s`` seconds; past that the last answer is still
     used for up to ``stale_s`` more while a new lookup runs in the background,
-    so a resolver outage neither stalls nor takes down a running tier. IP
-    addresses are never looked up.
+    so a resolver outage neither stalls nor takes down a running tier. A name
+    whose kept address refuses a connection is looked up again at once, the same
+    way (:meth:`expire`). IP addresses are never looked up.
     """
 
     def __init__(self, lookup: Lookup = getaddrinfo, ttl_s: float = 60.0, stale_s: float = 3600.0):
@@ -241,6 +242,26 @@ class Resolver:
                 why = _describe(exc)
             raise ConnectError("resolve", f"cannot resolve host {host!r} ({why})") from None
 
+    def expire(self, host: str, port: int) -> None:
+        """Have the next :meth:`resolve` of ``host`` start a new lookup, the kept answer
+        used until it lands: a server unreachable at its kept address may have moved (a
+        pod restarted), and ``getaddrinfo`` tells no TTL, so the name pointed at the old
+        address for up to ``ttl_s``."""
+        name = (host, port)
+        with self._lock:
+            answer = self._answers.get(name)
+            if answer is not None:
+                aged = min(answer[0], time.monotonic() - self._ttl_s)
+                self._answers[name] = (aged, answer[1])
+
+    def forget(self, host: str, port: int) -> None:
+        """Keep nothing of ``host``, nor the answer of a lookup under way when it lands: a
+        tier that forgot a node forgets its name, so the names a Cluster gave over a long
+        run (or a hostile one made up) do not pile up."""
+        with self._lock:
+            self._answers.pop((host, port), None)
+            self._running.pop((host, port), None)
+
     def _start(self, name: tuple[str, int]) -> Future[list[Address]]:
         """A lookup of ``name`` on its own daemon thread (a hung one never blocks exit)."""
         future: Future[list[Address]] = Future()
@@ -252,12 +273,14 @@ class Resolver:
                     raise OSError("no addresses")
             except BaseException as exc:  # handed to every waiter
                 with self._lock:
-                    self._running.pop(name, None)
+                    if self._running.get(name) is future:
+                        del self._running[name]
                 future.set_exception(exc)
                 return
             with self._lock:
-                self._running.pop(name, None)
-                self._answers[name] = (time.monotonic(), addresses)
+                if self._running.get(name) is future:  # else forgotten meanwhile: not kept
+                    del self._running[name]
+                    self._answers[name] = (time.monotonic(), addresses)
             future.set_result(addresses)
 
         threading.Thread(target=run, name=f"kvoffload-resolve-{name[0]}", daemon=True).start()
@@ -327,7 +350,11 @@ class Connection:
         """Resolve (under the deadline too), connect, then TLS, AUTH and SELECT as
         ``credentials`` ask; :class:`ConnectError`."""
         addresses = resolver.resolve(host, port, deadline)
-        sock = _connect(addresses, deadline)
+        try:
+            sock = _connect(addresses, deadline)
+        except ConnectError:
+            resolver.expire(host, port)
+            raise
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if context is not None:
