@@ -145,17 +145,31 @@ def test_a_result_file_is_replaced_keeping_its_mode_and_links(tmp_path: Path) ->
         [*SMALL, "--layout", ""],
         ["sweep", "--requests", "50", "--plot-dir", ""],
         ["trace-stats", "t.jsonl", "--json", ""],
+        [*SMALL, "--trace", ""],
+        ["sweep", "--trace", ""],
+        ["bench", "tiers", "--dir", ""],
     ],
 )
 def test_an_empty_output_or_layout_is_refused(
     argv: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``--json "$OUT"`` with ``OUT`` unset used to run and write no file (status 0), and
-    ``--layout ""`` to take the default model's layout, both unsaid."""
+    ``--layout ""`` to take the default model's layout, both unsaid; ``--trace ""`` said
+    ". cannot read trace: Is a directory", and ``bench tiers --dir ""`` measured the
+    current directory's disk."""
     option = argv[-2]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"kvoffload: error: argument {option}: must not be empty"), err
+    assert err.count("\n") == 1
+
+
+def test_an_empty_trace_path_is_refused_naming_the_argument(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["trace-stats", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvoffload: error: argument path: must not be empty"), err
     assert err.count("\n") == 1
 
 

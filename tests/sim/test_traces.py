@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import json
+import lzma
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -82,6 +87,12 @@ def test_a_path_that_cannot_name_a_file_is_refused(path: object) -> None:
     """Not open()'s bare ValueError ("embedded null byte") nor Path()'s TypeError."""
     with pytest.raises(KVOffloadError, match="trace"):
         read_trace(path)  # type: ignore[arg-type]
+
+
+def test_an_empty_path_is_refused_as_empty_not_as_the_current_directory() -> None:
+    """``Path("")`` is ``.``: the error read ". cannot read trace: Is a directory"."""
+    with pytest.raises(TraceFormatError, match=r"^cannot read trace: its path is empty$"):
+        read_trace("")
 
 
 def test_a_block_size_the_hash_ids_do_not_cover_is_refused(tmp_path: Path) -> None:
@@ -229,6 +240,33 @@ def test_missing_empty_and_binary_files(tmp_path: Path) -> None:
     (tmp_path / "bin.jsonl").write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(TraceFormatError, match="UTF-8"):
         read_trace(tmp_path / "bin.jsonl", "mooncake")
+
+
+@pytest.mark.parametrize(
+    ("compress", "reader"),
+    [(gzip.compress, "zcat"), (bz2.compress, "bzcat"), (lzma.compress, "xzcat")],
+    ids=["gzip", "bzip2", "xz"],
+)
+def test_a_compressed_trace_is_named_so_with_a_way_to_read_it(
+    tmp_path: Path, compress: Callable[[bytes], bytes], reader: str
+) -> None:
+    """It read "not a UTF-8 text file (invalid start byte)"; docs/simulate.md reads a
+    compressed trace through a pipe, and the error now says how."""
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(compress(json.dumps(MOONCAKE[0]).encode() + b"\n"))
+    pipe = re.escape(f"<({reader} {path})")
+    with pytest.raises(TraceFormatError, match=rf"compressed\); .*{pipe}$"):
+        read_trace(path)
+
+
+def test_a_byte_that_is_not_utf8_is_named_by_its_line(tmp_path: Path) -> None:
+    """The text reader decodes thousands of lines ahead: the error named no line at all."""
+    good = json.dumps(MOONCAKE[0]) + "\n"
+    path = tmp_path / "t.jsonl"
+    path.write_bytes((good * 3000 + "\r\n" + good * 20).encode() + b"\xe9" + good.encode())
+    where = re.escape(f"{path}:3022")
+    with pytest.raises(TraceFormatError, match=rf"^{where}: not a UTF-8 text file"):
+        read_trace(path)
 
 
 def test_public_mooncake_trace_figures(mooncake_trace: Path) -> None:

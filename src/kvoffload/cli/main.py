@@ -28,9 +28,10 @@ from kvoffload.integrations.vllm.versions import (
 )
 
 PROG = "kvoffload"
-NAMED_BY_TEXT = ("json", "csv", "plot_dir", "layout")
-"""Options an empty string would silently turn off (no file, no plots, the default layout),
-as ``--json "$OUT"`` does with ``OUT`` unset: refused instead."""
+NAMED_BY_TEXT = ("json", "csv", "plot_dir", "layout", "trace", "path", "dir")
+"""Arguments an empty string would silently turn off (no file, no plots, the default layout)
+or point at the current directory (a trace, ``bench tiers --dir``), as ``--json "$OUT"``
+does with ``OUT`` unset: refused instead."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -114,6 +115,14 @@ def _command_parser(
     return parser
 
 
+def _argument_name(parser: argparse.ArgumentParser, dest: str) -> str:
+    """How ``parser``'s usage errors name the argument stored in ``dest``: ``--plot-dir``,
+    or a positional argument's name."""
+    action = next(a for a in parser._actions if a.dest == dest)
+    metavar = action.metavar if isinstance(action.metavar, str) else None
+    return "/".join(action.option_strings) or metavar or dest
+
+
 def _reader_gone() -> bool:
     """Whether stdout's reader has gone (``kvoffload ... | head``): the output was cut short
     on purpose, so the exit is quiet, as other command-line tools'. Stdout is pointed at
@@ -151,9 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             empty = next((dest for dest in NAMED_BY_TEXT if getattr(args, dest, None) == ""), None)
             if empty is not None:
-                _command_parser(parser, args_list).error(
-                    f"argument --{empty.replace('_', '-')}: must not be empty"
-                )
+                command = _command_parser(parser, args_list)
+                command.error(f"argument {_argument_name(command, empty)}: must not be empty")
         except SystemExit as exc:  # --help, or a usage error already reported by argparse
             return exc.code if isinstance(exc.code, int) else 2
         for option in ("json", "csv"):

@@ -23,12 +23,15 @@ ids ``0..i``, so that a block hits only after the same prefix.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import csv
 import hashlib
 import itertools
 import json
 import math
+import shlex
+import stat
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePath
@@ -101,6 +104,8 @@ def read_trace(path: str | Path, fmt: str = "auto", block_tokens: int | None = N
         raise InvalidArgumentError(f"a trace path is a str or a Path, got {path!r}")
     if "\0" in str(path):  # open() would raise a bare ValueError
         raise TraceFormatError(f"{str(path)!r}: cannot read trace: a path holds no NUL character")
+    if not str(path):  # Path("") is the current directory: "Is a directory" would puzzle
+        raise TraceFormatError("cannot read trace: its path is empty")
     path = Path(path)
     if block_tokens is not None and (
         isinstance(block_tokens, bool) or not isinstance(block_tokens, int)
@@ -154,8 +159,8 @@ def read_trace(path: str | Path, fmt: str = "auto", block_tokens: int | None = N
 def _open_lines(path: Path) -> Iterator[tuple[int, str]]:
     try:
         # utf-8-sig: a byte order mark (Windows editors write one) is not part of line 1.
+        line_no = 0
         with path.open(encoding="utf-8-sig", newline="") as lines:
-            line_no = 0
             while line := lines.readline(MAX_LINE_CHARS + 1):
                 line_no += 1
                 if len(line) > MAX_LINE_CHARS:
@@ -167,7 +172,56 @@ def _open_lines(path: Path) -> Iterator[tuple[int, str]]:
     except OSError as exc:
         raise TraceFormatError(f"{path}: cannot read trace: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
-        raise TraceFormatError(f"{path}: not a UTF-8 text file ({exc.reason})") from None
+        raise TraceFormatError(_not_utf8(path, exc, line_no)) from None
+
+
+_NOT_TEXT = (
+    (b"\x1f\x8b", "gzip-compressed", "zcat"),
+    (b"\xfd7zXZ\x00", "xz-compressed", "xzcat"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed", "zstdcat"),
+    (b"BZh", "bzip2-compressed", "bzcat"),
+    (b"PK\x03\x04", "a zip archive", "unzip -p"),
+)
+"""What a trace that does not decode may be, told by its first bytes, and the command that
+reads it out through a pipe."""
+
+
+def _not_utf8(path: Path, exc: UnicodeDecodeError, lines_read: int) -> str:
+    """Why ``path`` does not decode, with the line of the first bad byte where the file can
+    be read again: the text reader decodes ahead of the line it returns, so ``exc`` does
+    not say which line that is."""
+    if lines_read == 0 and exc.object[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        return f"{path}: not a UTF-8 text file (a UTF-16 byte order mark; save it as UTF-8)"
+    for magic, kind, reader in _NOT_TEXT:
+        if lines_read == 0 and exc.object.startswith(magic):
+            return (
+                f"{path}: not a UTF-8 text file ({kind}); decompress it first, "
+                f"or read it through a pipe: <({reader} {shlex.quote(str(path))})"
+            )
+    line_no = _undecodable_line(path)
+    where = f"{path}:{line_no}" if line_no is not None else str(path)
+    return f"{where}: not a UTF-8 text file ({exc.reason})"
+
+
+def _undecodable_line(path: Path) -> int | None:
+    """The line of ``path``'s first byte that is not UTF-8, or ``None`` for a pipe or a
+    device (not to be read twice) or a file that has changed since."""
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            return None
+        with path.open("rb") as raw:
+            decoder = codecs.getincrementaldecoder("utf-8")()
+            line_no = 1
+            while chunk := raw.read(2**20):
+                held = len(decoder.getstate()[0])  # a character split across chunks
+                try:
+                    decoder.decode(chunk)
+                except UnicodeDecodeError as exc:
+                    return line_no + chunk.count(b"\n", 0, max(0, exc.start - held))
+                line_no += chunk.count(b"\n")
+    except OSError:
+        return None
+    return None
 
 
 def _json_records(path: Path) -> Iterator[tuple[int, Mapping[str, Any]]]:
