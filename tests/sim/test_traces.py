@@ -222,6 +222,25 @@ def test_csv_row_with_wrong_field_count(tmp_path: Path) -> None:
         read_trace(path)
 
 
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ('8,7,1.25,70,3,text,2,"[10, 11,\n12, 13]"', "a quoted field not closed on its line"),
+        ('8,7,1.25,70,3,text,2,"[10, 11, 12, 13]"5', "',' expected after '\"'"),
+    ],
+    ids=["quote-left-open", "text-after-quote"],
+)
+def test_a_malformed_quoted_csv_field_is_refused_on_its_line(
+    tmp_path: Path, row: str, message: str
+) -> None:
+    """A quoted field over two lines was cut at the first (its line's error then counted
+    two hash_ids for 70 tokens), and text after a closing quote was joined to the field."""
+    path = write_qwen_csv(tmp_path / "q.csv")
+    path.write_text(path.read_text() + row + "\n")
+    with pytest.raises(TraceFormatError, match=re.escape(f"q.csv:4: invalid CSV: {message}")):
+        read_trace(path)
+
+
 def test_a_csv_header_naming_a_column_twice_is_refused(tmp_path: Path) -> None:
     """The row's last column of the name was read, the first ignored."""
     path = write_qwen_csv(tmp_path / "q.csv")

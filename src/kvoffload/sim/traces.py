@@ -252,9 +252,14 @@ def _csv_records(path: Path) -> Iterator[tuple[int, Mapping[str, Any]]]:
         if not line.strip():
             continue
         try:
-            row = next(csv.reader([line]))
+            # strict: a quote left open or text after a closing quote is an error, not a
+            # field cut short (a quoted field over two lines lost the second) or run on.
+            row = next(csv.reader([line], strict=True))
         except csv.Error as exc:
-            raise TraceFormatError(f"{path}:{line_no}: invalid CSV: {exc}") from None
+            reason = str(exc)
+            if reason == "unexpected end of data":  # csv's words for a quote left open
+                reason = "a quoted field not closed on its line"
+            raise TraceFormatError(f"{path}:{line_no}: invalid CSV: {reason}") from None
         if header is None:
             header = [name.strip() for name in row]
             twice = next((name for name in header if header.count(name) > 1), None)
