@@ -40,6 +40,15 @@ def test_same_seed_same_workload_other_seed_differs() -> None:
     )
 
 
+def test_progress_counts_the_requests_drawn_and_changes_nothing() -> None:
+    calls: list[tuple[int, int]] = []
+    workload = generate(num_requests=5000, seed=4, progress=lambda *call: calls.append(call))
+    assert fingerprint(workload) == fingerprint(generate(num_requests=5000, seed=4))
+    done = [d for d, _ in calls]
+    assert len(calls) > 3 and done == sorted(done) and calls[-1] == (5000, 5000)
+    assert {total for _, total in calls} == {5000}
+
+
 def test_exact_count_sorted_arrivals_and_block_size() -> None:
     workload = generate({"chat": 1, "rag": 1}, num_requests=301, block_tokens=32)
     assert len(workload.requests) == 301

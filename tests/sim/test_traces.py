@@ -6,7 +6,9 @@ import bz2
 import gzip
 import json
 import lzma
+import os
 import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import pytest
 
 from kvoffload import block_id_key
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
-from kvoffload.sim.traces import TraceFormatError, detect_format, read_trace
+from kvoffload.sim.traces import PROGRESS_LINES, TraceFormatError, detect_format, read_trace
 from kvoffload.sim.workload import Workload
 
 MOONCAKE = [
@@ -286,6 +288,35 @@ def test_a_byte_that_is_not_utf8_is_named_by_its_line(tmp_path: Path) -> None:
     where = re.escape(f"{path}:3022")
     with pytest.raises(TraceFormatError, match=rf"^{where}: not a UTF-8 text file"):
         read_trace(path)
+
+
+def test_reading_reports_its_bytes_from_the_start_to_the_file_size(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    line = json.dumps(MOONCAKE[0]) + "\n"
+    path.write_text(line * (3 * PROGRESS_LINES))
+    calls: list[tuple[int, int]] = []
+    assert len(read_trace(path, progress=lambda *call: calls.append(call)).requests) == len(
+        read_trace(path).requests
+    )
+    size = path.stat().st_size
+    assert len(calls) == 4 and calls[-1] == (size, size)  # every 4096 lines, and at the end
+    assert all(total == size for _, total in calls)
+    done = [d for d, _ in calls]
+    assert done == sorted(done) and 0 < done[0] < done[1] < size
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs a named pipe")
+def test_reading_a_pipe_of_unknown_size_reports_nothing(tmp_path: Path) -> None:
+    fifo = tmp_path / "t.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: write_jsonl(fifo, MOONCAKE))
+    writer.start()
+    calls: list[tuple[int, int]] = []
+    try:
+        assert len(read_trace(fifo, progress=lambda *call: calls.append(call)).requests) == 2
+    finally:
+        writer.join()
+    assert calls == []
 
 
 def test_public_mooncake_trace_figures(mooncake_trace: Path) -> None:

@@ -89,10 +89,13 @@ def _bench_module() -> ModuleType:
 
 
 def add_transfer_options(parser: argparse.ArgumentParser) -> None:
-    """Import the benchmark and let it register its options, then add ``--json``."""
+    """Import the benchmark and let it register its options, then add ``--json`` and
+    ``--progress``."""
     _bench_module().add_cli_arguments(parser, options.integer)
     with contextlib.suppress(argparse.ArgumentError):  # unless the benchmark has its own
         parser.add_argument("--json", metavar="PATH", help="write the results as JSON (- stdout)")
+    with contextlib.suppress(argparse.ArgumentError):
+        options.add_progress_argument(parser)
 
 
 def _check_json(args: argparse.Namespace) -> None:
@@ -104,7 +107,11 @@ def _check_json(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_json(args)
-    results: dict[str, Any] = _bench_module().run_from_args(args)
+    bar = ProgressBar("bench transfer", ProgressBar.wanted(args.progress))
+    try:
+        results: dict[str, Any] = _bench_module().run_from_args(args, bar)
+    finally:
+        bar.close()
     _report(args, results)
     return 0
 

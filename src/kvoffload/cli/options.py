@@ -15,6 +15,7 @@ from kvoffload.admission.budget import WriteBudget, parse_bytes
 from kvoffload.admission.registry import ParamPairs
 from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD
 from kvoffload.cli import output
+from kvoffload.cli.progress import ProgressBar
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import layout_preset
 from kvoffload.core.memory import check_fits
@@ -25,6 +26,7 @@ from kvoffload.sim.plots import PLOT_FILES
 from kvoffload.sim.run import SimConfig, blocks_for_gib
 from kvoffload.sim.sources import WorkloadSource
 from kvoffload.sim.traces import TRACE_FORMATS
+from kvoffload.sim.workload import Workload
 
 _T = TypeVar("_T")
 
@@ -175,6 +177,18 @@ def workload_source(args: argparse.Namespace) -> WorkloadSource:
         seed=args.seed,
         rate=args.rate,
     )
+
+
+def load_workload(source: WorkloadSource, progress: bool | None) -> Workload:
+    """``source``'s workload, with a bar while a trace is read or a mix drawn (``--progress``
+    as asked, or by default on a terminal): a large one takes minutes before the run's own
+    bar starts."""
+    label = "reading trace" if source.trace is not None else "generating workload"
+    bar = ProgressBar(label, ProgressBar.wanted(progress))
+    try:
+        return source.load(bar)
+    finally:
+        bar.close()
 
 
 def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:

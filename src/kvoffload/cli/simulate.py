@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     options.check_name(args.admission, "--admission", resolve_admission)
     params = options.admission_param_pairs(args)
     observe_options.check_before_work(args)
-    workload = options.workload_source(args).load()
+    workload = options.load_workload(options.workload_source(args), args.progress)
     bt = workload.block_tokens
     if args.data_plane:
         _default_capacities_in_blocks(args, bt)

@@ -27,9 +27,11 @@ import codecs
 import contextlib
 import csv
 import hashlib
+import io
 import itertools
 import json
 import math
+import os
 import shlex
 import stat
 import sys
@@ -39,7 +41,7 @@ from typing import Any
 
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.keys import OffloadKey, block_id_key
-from kvoffload.sim.workload import Request, Workload
+from kvoffload.sim.workload import Progress, Request, Workload
 
 TRACE_FORMATS = ("mooncake", "lmbench", "qwen")
 DEFAULT_BLOCK_TOKENS = {"mooncake": 512, "lmbench": 512, "qwen": 16}
@@ -49,6 +51,8 @@ _COMMON_BLOCK_TOKENS = (16, 32, 64, 128, 256, 512, 1024)
 _MAX_BLOCK_ID = 2**64 - 1
 _MAX_NANOSECONDS = 2**64 - 1
 """An LMBench timestamp's bound: the year 2554, and a float holds any distance below it."""
+PROGRESS_LINES = 4096
+"""Lines read between two reports to a progress callback."""
 MAX_LINE_CHARS = 16 * 2**20
 """16 Mi characters: a million-token prompt in 16-token blocks takes well under 1 Mi."""
 
@@ -94,11 +98,18 @@ _TELLS = {
 }
 
 
-def read_trace(path: str | Path, fmt: str = "auto", block_tokens: int | None = None) -> Workload:
+def read_trace(
+    path: str | Path,
+    fmt: str = "auto",
+    block_tokens: int | None = None,
+    progress: Progress | None = None,
+) -> Workload:
     """Read a trace file into a :class:`Workload` sorted by arrival time.
 
     ``fmt`` is ``"mooncake"``, ``"qwen"`` or ``"auto"``; ``block_tokens``
-    defaults to the format's native block size.
+    defaults to the format's native block size. ``progress(done, total)`` is told the
+    bytes read of a regular file's size now and then, and its size at the end (a pipe,
+    of unknown size, tells it nothing).
     """
     if not isinstance(path, str | PurePath):
         raise InvalidArgumentError(f"a trace path is a str or a Path, got {path!r}")
@@ -118,7 +129,7 @@ def read_trace(path: str | Path, fmt: str = "auto", block_tokens: int | None = N
     # One pass: the first record, detected, goes back in front of the rest, so a pipe
     # (read once) loses nothing.
     csv_file = path.suffix.lower() == ".csv"
-    records = _csv_records(path) if csv_file else _json_records(path)
+    records = _csv_records(path, progress) if csv_file else _json_records(path, progress)
     if csv_file:
         detected = "qwen"
     else:
@@ -156,12 +167,22 @@ def read_trace(path: str | Path, fmt: str = "auto", block_tokens: int | None = N
     return Workload(name=path.name, block_tokens=block_tokens, requests=requests)
 
 
-def _open_lines(path: Path) -> Iterator[tuple[int, str]]:
+def _open_lines(path: Path, progress: Progress | None = None) -> Iterator[tuple[int, str]]:
     try:
         # utf-8-sig: a byte order mark (Windows editors write one) is not part of line 1.
         line_no = 0
-        with path.open(encoding="utf-8-sig", newline="") as lines:
+        with (
+            path.open("rb") as raw,
+            io.TextIOWrapper(raw, encoding="utf-8-sig", newline="") as lines,
+        ):
+            status = os.fstat(raw.fileno())
+            size = status.st_size if stat.S_ISREG(status.st_mode) else 0
+            if not size:
+                progress = None
             while line := lines.readline(MAX_LINE_CHARS + 1):
+                if progress is not None and not line_no % PROGRESS_LINES:
+                    # The bytes under the text reader: at most one chunk ahead of the line.
+                    progress(min(raw.tell(), size), size)
                 line_no += 1
                 if len(line) > MAX_LINE_CHARS:
                     raise TraceFormatError(
@@ -169,6 +190,8 @@ def _open_lines(path: Path) -> Iterator[tuple[int, str]]:
                         "not a trace of one request per line"
                     )
                 yield line_no, line
+            if progress is not None:
+                progress(size, size)
     except OSError as exc:
         raise TraceFormatError(f"{path}: cannot read trace: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
@@ -224,8 +247,10 @@ def _undecodable_line(path: Path) -> int | None:
     return None
 
 
-def _json_records(path: Path) -> Iterator[tuple[int, Mapping[str, Any]]]:
-    for line_no, line in _open_lines(path):
+def _json_records(
+    path: Path, progress: Progress | None = None
+) -> Iterator[tuple[int, Mapping[str, Any]]]:
+    for line_no, line in _open_lines(path, progress):
         if not line.strip():
             continue
         try:
@@ -244,11 +269,13 @@ def _json_records(path: Path) -> Iterator[tuple[int, Mapping[str, Any]]]:
         yield line_no, record
 
 
-def _csv_records(path: Path) -> Iterator[tuple[int, Mapping[str, Any]]]:
+def _csv_records(
+    path: Path, progress: Progress | None = None
+) -> Iterator[tuple[int, Mapping[str, Any]]]:
     # Long prompts make long hash_ids fields; the line bound is the real limit.
     csv.field_size_limit(max(csv.field_size_limit(), MAX_LINE_CHARS))
     header: list[str] | None = None
-    for line_no, line in _open_lines(path):
+    for line_no, line in _open_lines(path, progress):
         if not line.strip():
             continue
         try:
