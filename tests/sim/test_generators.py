@@ -95,6 +95,15 @@ def test_mix_weights_and_errors() -> None:
         generate({"chat": 0})
 
 
+@pytest.mark.parametrize("weight", ["1e309", "-inf", "nan", "-0.5"])
+def test_a_mix_weight_out_of_range_is_refused_as_typed(weight: str) -> None:
+    """``chat=1e309`` was refused later, by generate, as "got {'chat': inf}"."""
+    with pytest.raises(
+        InvalidArgumentError, match=f"'chat' must be a finite number >= 0, got '{weight}'"
+    ):
+        parse_mix(f"rag=1,chat={weight}")
+
+
 @pytest.mark.parametrize(
     ("fields", "named"),
     [

@@ -168,11 +168,15 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 def workload_source(args: argparse.Namespace) -> WorkloadSource:
     if args.trace is None and args.format != "auto":
         raise InvalidArgumentError(f"--format {args.format} names a trace's schema: give --trace")
+    try:
+        mix = parse_mix(args.mix)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"--mix {args.mix}: {exc}") from None
     return WorkloadSource(
         trace=args.trace,
         fmt=args.format,
         block_tokens=args.block_size,
-        mix=tuple(parse_mix(args.mix).items()),
+        mix=tuple(mix.items()),
         requests=args.requests,
         seed=args.seed,
         rate=args.rate,
@@ -318,38 +322,44 @@ def with_offload(config: SimConfig, cpu: int, policy: str, threshold: int) -> Si
     return dataclasses.replace(config, cpu_blocks=cpu, policy=policy, store_threshold=threshold)
 
 
+def _parts(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def parse_ints(text: str, what: str, minimum: int = 0, maximum: int | None = None) -> list[int]:
-    """A comma-separated list of integers >= ``minimum`` (and <= ``maximum``), e.g. ``"0,2"``."""
+    """A comma-separated list of integers >= ``minimum`` (and <= ``maximum``), e.g. ``"0,2"``;
+    a value out of range is named as typed."""
     try:
-        values = [int(part) for part in text.split(",") if part.strip()]
+        values = [(part, int(part)) for part in _parts(text)]
     except ValueError:
         raise InvalidArgumentError(
             f"{what} must be comma-separated integers, got {text!r}"
         ) from None
-    bad = next((value for value in values if value < minimum), None)
+    bad = next((part for part, value in values if value < minimum), None)
     if bad is not None:
         raise InvalidArgumentError(f"{what} values must be >= {minimum}, got {bad}")
-    big = next((value for value in values if maximum is not None and value > maximum), None)
+    big = next((part for part, value in values if maximum is not None and value > maximum), None)
     if big is not None:
         raise InvalidArgumentError(f"{what} values must be <= {maximum}, got {big}")
-    return _not_empty(values, text, what)
+    return _not_empty([value for _, value in values], text, what)
 
 
 def parse_floats(text: str, what: str, maximum: float = math.inf) -> list[float]:
-    """A comma-separated list of finite numbers >= 0 (and <= ``maximum``), e.g. ``"0,16,32.5"``."""
+    """A comma-separated list of finite numbers >= 0 (and <= ``maximum``), e.g. ``"0,16,32.5"``;
+    a value out of range is named as typed (``1e309``, not the ``inf`` it reads as)."""
     try:
-        values = [float(part) for part in text.split(",") if part.strip()]
+        values = [(part, float(part)) for part in _parts(text)]
     except ValueError:
         raise InvalidArgumentError(
             f"{what} must be comma-separated numbers, got {text!r}"
         ) from None
-    bad = next((v for v in values if not math.isfinite(v) or v < 0), None)
+    bad = next((part for part, v in values if not math.isfinite(v) or v < 0), None)
     if bad is not None:
         raise InvalidArgumentError(f"{what} values must be finite numbers >= 0, got {bad}")
-    big = next((v for v in values if v > maximum), None)
+    big = next((part for part, v in values if v > maximum), None)
     if big is not None:
-        raise InvalidArgumentError(f"{what} values must be <= {maximum:,.0f}, got {big:g}")
-    return _not_empty(values, text, what)
+        raise InvalidArgumentError(f"{what} values must be <= {maximum:,.0f}, got {big}")
+    return _not_empty([value for _, value in values], text, what)
 
 
 def add_admission_param_argument(group: argparse._ArgumentGroup) -> None:

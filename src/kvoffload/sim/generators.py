@@ -227,7 +227,8 @@ _MEAN_SESSION_REQUESTS = {"chat": 3.5, "rag": 1.0, "agent": 7.5, "oneshot": 1.0}
 
 
 def parse_mix(text: str) -> dict[str, float]:
-    """Parse ``"chat=0.5,rag=0.5"`` (or a single kind name, ``"rag"``) into weights."""
+    """Parse ``"chat=0.5,rag=0.5"`` (or a single kind name, ``"rag"``) into weights; a
+    weight that is not a finite number >= 0 is refused as typed (``1e309``, not ``inf``)."""
     if not isinstance(text, str):
         raise InvalidArgumentError(f"a mix is text such as 'chat=0.5,rag=0.5', got {text!r}")
     weights: dict[str, float] = {}
@@ -242,6 +243,10 @@ def parse_mix(text: str) -> dict[str, float]:
             raise InvalidArgumentError(
                 f"mix weight for {name!r} is not a number: {weight!r}"
             ) from None
+        if not (math.isfinite(weights[name]) and weights[name] >= 0):
+            raise InvalidArgumentError(
+                f"mix weight for {name!r} must be a finite number >= 0, got {weight.strip()!r}"
+            )
     return weights
 
 
