@@ -93,6 +93,24 @@ def test_an_unknown_option_points_at_its_command_s_help(
     )
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["simulate", "--remote-gb", "50"],  # was --remote-gb-per-s 50, a bandwidth
+        ["sweep", "--thresh", "2"],
+        ["trace-stats", "t.jsonl", "--block", "16"],
+        ["bench", "tiers", "--round", "1"],
+    ],
+)
+def test_an_option_is_taken_only_by_its_full_name(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse took a prefix of an option for it, silently: ``--remote-gb 50``, meant as a
+    size beside ``--disk-gb``, set the shared tier's bandwidth to 50 GB/s."""
+    assert main(argv) == 2
+    assert f"unrecognized arguments: {' '.join(argv[-2:])}" in one_line_error(capsys)
+
+
 def _limited_file_size() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (512, 512))
 

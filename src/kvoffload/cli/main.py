@@ -14,7 +14,7 @@ import select
 import sys
 from collections.abc import Sequence
 from importlib import metadata
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from kvoffload.admission.compiled import compiled_summary
 from kvoffload.cli import bench, output, simulate, sweep, trace_stats
@@ -35,7 +35,13 @@ does with ``OUT`` unset: refused instead."""
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage errors in one line (and status 2), like every other error of the CLI."""
+    """Usage errors in one line (and status 2), like every other error of the CLI; an
+    option is named in full (argparse's default takes a prefix of one for it, so that
+    ``--remote-gb 50``, a size by analogy with ``--disk-gb``, set ``--remote-gb-per-s``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, output.one_line(f"{PROG}: error: {message} (see {self.prog} --help)") + "\n")
