@@ -592,6 +592,8 @@ def test_bad_tier_numbers_are_usage_errors(
         (["--disk-dir", "{tmp}/d", "--disk-blocks", str(10**20)], "--disk-blocks: a disk tier of"),
         (["--disk-gb", "1"], "--disk-gb needs --disk-dir"),
         (["--disk-policy", "lru"], "--disk-policy needs --disk-dir"),
+        (["--remote-blocks", "100"], "--remote-blocks is the shared tier's size as"),
+        (["--tier-store-threshold", "3"], "--tier-store-threshold filters writes to the tiers"),
         (
             ["--disk-dir", "{tmp}/d", "--disk-blocks", "8", "--disk-policy", "bogus"],
             "--disk-policy: unknown cache policy 'bogus'",
