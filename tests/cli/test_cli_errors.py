@@ -33,7 +33,6 @@ def test_malformed_trace_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         (["--layout", "gpt-9"], "unknown KV layout"),
         (["--mix", "video=1"], "unknown workload kind"),
         (["--gpu-blocks", "3"], "cannot fit in a GPU cache of 3 blocks"),
-        (["--trace", "/nonexistent/trace.jsonl", "--format", "mooncake"], "cannot read trace"),
         (["--json", "/nonexistent/dir/out.json"], "/nonexistent/dir/out.json"),
         # The option, not the run's field name (it said "gpu_blocks ... must be >= 1").
         (["--gpu-gb", "0.001"], "--gpu-gb 0.001 holds no block of 2 MiB"),
@@ -54,6 +53,34 @@ def test_malformed_trace_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 def test_bad_arguments(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*SMALL, *args]) == 1
     assert message in one_line_error(capsys)
+
+
+def test_a_missing_trace_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--trace", "/nonexistent/trace.jsonl", "--format", "mooncake"]
+    assert main(argv) == 1
+    assert "cannot read trace" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("--requests", "100"), ("--seed", "3"), ("--mix", "chat"), ("--rate", "2")],
+)
+@pytest.mark.parametrize("command", [["simulate"], ["sweep", "--jobs", "1"]])
+def test_a_synthetic_option_with_a_trace_is_refused(
+    tmp_path: Path,
+    command: list[str],
+    option: str,
+    value: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--trace t.jsonl --requests 100`` replayed the whole trace, the option ignored unsaid
+    (as ``--format`` without a trace is refused)."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 16, "output_length": 1, "hash_ids": [1]}\n')
+    argv = [*command, "--trace", str(trace), "--block-size", "16", option, value]
+    assert main([*argv, "--no-progress"]) == 1
+    err = one_line_error(capsys)
+    assert f"{option} shapes a synthetic workload, and --trace replays the trace's own" in err
 
 
 def test_sweep_bad_list(capsys: pytest.CaptureFixture[str]) -> None:

@@ -125,8 +125,10 @@ def test_simulate_and_sweep_show_the_workload_loading(
         record = '{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}'
         trace.write_text(record + "\n")
         source = [*source, str(trace)]
+    else:
+        source = ["--requests", "50"]
     for command in (["simulate", "--no-bound"], ["sweep", "--cpu-blocks", "0", "--jobs", "1"]):
-        argv = [*command, *source, "--requests", "50", "--json", "-", "--progress"]
+        argv = [*command, *source, "--json", "-", "--progress"]
         assert main(argv) == 0
         lines = capsys.readouterr().err.splitlines()
         assert lines[0].startswith(f"{label} ["), lines

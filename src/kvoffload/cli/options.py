@@ -143,44 +143,49 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens per block, for a trace the size its hash_ids were keyed with "
         "(default: the trace format's; 16 for synthetic workloads)",
     )
+    # Unset by default (None), so that one given with --trace, which it cannot shape, is
+    # refused rather than ignored; the defaults are WorkloadSource's.
     mix = ",".join(f"{kind}={weight:g}" for kind, weight in DEFAULT_MIX.items())
     group.add_argument(
         "--mix",
-        default=mix,
         help="synthetic kinds and weights, from chat, rag, agent, oneshot, longchat "
         f"(default: {mix})",
     )
     group.add_argument(
         "--requests",
         type=POSITIVE_INT,
-        default=DEFAULT_REQUESTS,
         help=f"synthetic requests (default: {DEFAULT_REQUESTS})",
     )
-    group.add_argument("--seed", type=COUNT, default=0, help="synthetic workload seed (default: 0)")
+    group.add_argument("--seed", type=COUNT, help="synthetic workload seed (default: 0)")
     group.add_argument(
         "--rate",
         type=POSITIVE,
-        default=DEFAULT_RATE,
         help=f"synthetic arrivals per second (default: {DEFAULT_RATE:g})",
     )
 
 
+SYNTHETIC_OPTIONS = ("mix", "requests", "seed", "rate")
+"""What shapes a synthetic workload, and nothing of a trace's."""
+
+
 def workload_source(args: argparse.Namespace) -> WorkloadSource:
-    if args.trace is None and args.format != "auto":
+    given = {name: getattr(args, name) for name in SYNTHETIC_OPTIONS}
+    given = {name: value for name, value in given.items() if value is not None}
+    if args.trace is not None:
+        if given:
+            raise InvalidArgumentError(
+                f"--{next(iter(given))} shapes a synthetic workload, and --trace replays the "
+                "trace's own requests: give one or the other"
+            )
+        return WorkloadSource(trace=args.trace, fmt=args.format, block_tokens=args.block_size)
+    if args.format != "auto":
         raise InvalidArgumentError(f"--format {args.format} names a trace's schema: give --trace")
-    try:
-        mix = parse_mix(args.mix)
-    except InvalidArgumentError as exc:
-        raise InvalidArgumentError(f"--mix {args.mix}: {exc}") from None
-    return WorkloadSource(
-        trace=args.trace,
-        fmt=args.format,
-        block_tokens=args.block_size,
-        mix=tuple(mix.items()),
-        requests=args.requests,
-        seed=args.seed,
-        rate=args.rate,
-    )
+    if "mix" in given:
+        try:
+            given["mix"] = tuple(parse_mix(args.mix).items())
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"--mix {args.mix}: {exc}") from None
+    return WorkloadSource(block_tokens=args.block_size, **given)
 
 
 def load_workload(source: WorkloadSource, progress: bool | None) -> Workload:
