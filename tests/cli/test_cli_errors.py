@@ -41,6 +41,8 @@ def test_malformed_trace_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         # A trace schema without a trace, and a kind named twice in a mix, went unsaid.
         (["--format", "qwen"], "--format qwen names a trace's schema: give --trace"),
         (["--mix", "chat=1,chat=2"], "names 'chat' twice"),
+        # A device without the data plane, which alone places blocks, was ignored.
+        (["--device", "cuda"], "--device cuda places the data plane's GPU blocks: it needs"),
         # A drive size alone was taken and ignored.
         (["--drive-bytes", "1TB"], "--drive-bytes is the drive a budget in drive writes"),
         # Lower tiers sit below the CPU tier: without one, the disk tier was dropped unsaid.
@@ -193,6 +195,7 @@ def test_a_result_file_is_replaced_keeping_its_mode_and_links(tmp_path: Path) ->
         [*SMALL, "--trace", ""],
         ["sweep", "--trace", ""],
         ["bench", "tiers", "--dir", ""],
+        [*SMALL, "--data-plane", "--device", ""],
     ],
 )
 def test_an_empty_output_or_layout_is_refused(

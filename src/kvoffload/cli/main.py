@@ -28,9 +28,9 @@ from kvoffload.integrations.vllm.versions import (
 )
 
 PROG = "kvoffload"
-NAMED_BY_TEXT = ("json", "csv", "plot_dir", "layout", "trace", "path", "dir")
-"""Arguments an empty string would silently turn off (no file, no plots, the default layout)
-or point at the current directory (a trace, ``bench tiers --dir``), as ``--json "$OUT"``
+NAMED_BY_TEXT = ("json", "csv", "plot_dir", "layout", "device", "trace", "path", "dir")
+"""Arguments an empty string would silently turn off (no file, no plots, the default layout
+or device) or point at the current directory (a trace, ``bench tiers --dir``), as ``--json "$OUT"``
 does with ``OUT`` unset: refused instead."""
 
 
