@@ -11,12 +11,13 @@ import argparse
 import contextlib
 import importlib
 import json
+import os
 from types import ModuleType
 from typing import Any
 
 from kvoffload.cli import options, output, tier_options
 from kvoffload.cli.progress import ProgressBar
-from kvoffload.core.errors import KVOffloadError
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 
 BENCH_MODULE = "kvoffload.dataplane.bench"
 
@@ -98,6 +99,17 @@ def add_transfer_options(parser: argparse.ArgumentParser) -> None:
         options.add_progress_argument(parser)
 
 
+def _check_dir(path: str | None) -> None:
+    """``bench tiers --dir``: an existing writable directory, where its scratch directory
+    is made (named by the error otherwise, as "Not a directory: DIR/kvoffload-bench-...")."""
+    if path is None:
+        return
+    if not os.path.isdir(path):
+        raise InvalidArgumentError(f"--dir {path}: not an existing directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise InvalidArgumentError(f"--dir {path}: not writable")
+
+
 def _check_json(args: argparse.Namespace) -> None:
     """A benchmark takes minutes: an unwritable ``--json`` is refused before it starts."""
     path = getattr(args, "json", None)
@@ -134,6 +146,7 @@ def run_tiers(args: argparse.Namespace) -> int:
     from kvoffload.tiers.disk import DEFAULT_TIMEOUT_MS
 
     _check_json(args)
+    _check_dir(args.dir)
     if args.sglang is not None:
         return _run_sglang(args)
     bar = ProgressBar("bench tiers", ProgressBar.wanted(args.progress))
