@@ -217,6 +217,17 @@ def test_malformed_line_names_file_and_line(tmp_path: Path, bad_line: str, messa
     assert isinstance(info.value, KVOffloadError)
 
 
+def test_a_csv_trace_not_named_csv_is_told_how_it_is_read(tmp_path: Path) -> None:
+    """It read only "invalid JSON: Expecting value": the format is known by the name."""
+    path = tmp_path / "q.txt"
+    path.write_text(write_qwen_csv(tmp_path / "q.csv").read_text())
+    with pytest.raises(TraceFormatError, match=r"q\.txt:1: invalid JSON: .*named \*\.csv$"):
+        read_trace(path)
+    path.write_text(json.dumps(MOONCAKE[0]) + "\nchat_id,hash_ids\n")  # a header past line 1
+    with pytest.raises(TraceFormatError, match=r"q\.txt:2: invalid JSON: [^;]*$"):
+        read_trace(path)
+
+
 def test_csv_row_with_wrong_field_count(tmp_path: Path) -> None:
     path = write_qwen_csv(tmp_path / "q.csv")
     path.write_text(path.read_text() + "1,2,3\n")

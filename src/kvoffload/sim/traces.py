@@ -250,13 +250,19 @@ def _undecodable_line(path: Path) -> int | None:
 def _json_records(
     path: Path, progress: Progress | None = None
 ) -> Iterator[tuple[int, Mapping[str, Any]]]:
+    first = True
     for line_no, line in _open_lines(path, progress):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise TraceFormatError(f"{path}:{line_no}: invalid JSON: {exc.msg}") from None
+            hint = (
+                "; a CSV trace is read as CSV when named *.csv"
+                if first and _csv_header(line)
+                else ""
+            )
+            raise TraceFormatError(f"{path}:{line_no}: invalid JSON: {exc.msg}{hint}") from None
         except RecursionError:
             raise TraceFormatError(f"{path}:{line_no}: JSON nested too deeply") from None
         except ValueError:  # not a JSONDecodeError: an integer longer than Python converts
@@ -266,7 +272,13 @@ def _json_records(
             ) from None
         if not isinstance(record, dict):
             raise TraceFormatError(f"{path}:{line_no}: expected a JSON object per line")
+        first = False
         yield line_no, record
+
+
+def _csv_header(line: str) -> bool:
+    """Whether ``line`` reads as a CSV trace's header (its columns include ``hash_ids``)."""
+    return "hash_ids" in (name.strip() for name in line.split(","))
 
 
 def _csv_records(
