@@ -18,6 +18,7 @@ from kvoffload.sim.run import RunReport, SimConfig, blocks_for_gib, simulate
 DATA_PLANE_LAYOUT = "tiny"
 """Default layout with ``--data-plane``: real bytes are moved, so keep blocks small."""
 DATA_PLANE_DEVICE = "cpu"
+"""Default ``--device`` of the data plane's GPU blocks: runs on any machine."""
 
 
 class DataPlaneMismatchError(KVOffloadError):

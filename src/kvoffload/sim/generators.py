@@ -340,6 +340,8 @@ PROGRESS_REQUESTS = 1024
 
 
 def _drawn(progress: Progress, before: int, total: int, taken: int) -> None:
+    """Tell ``progress`` a kind's ``taken`` requests after the ``before`` of the kinds drawn
+    earlier, out of the mix's ``total``."""
     progress(before + taken, total)
 
 
