@@ -37,6 +37,23 @@ def test_bench_transfer_registers_its_options(capsys: pytest.CaptureFixture[str]
     assert "--json" in capsys.readouterr().out
 
 
+def test_bench_transfer_shows_progress_on_stderr_when_asked(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Seconds at its defaults, minutes with bigger options, and nothing was shown."""
+    pytest.importorskip("kvoffload.dataplane.bench")
+    argv = ["bench", "transfer", "--layout", "tiny", "--gpu-blocks", "8", "--cpu-blocks", "8"]
+    argv += ["--rounds", "2", "--json", "-"]
+    assert main(argv) == 0
+    assert capsys.readouterr().err == ""  # stderr is no terminal: no bar unless asked
+    assert main([*argv, "--progress"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["rounds"] == 2  # stdout holds the JSON alone
+    lines = captured.err.splitlines()
+    assert all(line.startswith("bench transfer [") for line in lines)
+    assert [line.split()[3] for line in lines] == ["0/3", "1/3", "2/3", "3/3"]  # warm-up too
+
+
 def test_missing_data_plane_is_a_one_line_error(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -33,7 +33,6 @@ def test_malformed_trace_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         (["--layout", "gpt-9"], "unknown KV layout"),
         (["--mix", "video=1"], "unknown workload kind"),
         (["--gpu-blocks", "3"], "cannot fit in a GPU cache of 3 blocks"),
-        (["--trace", "/nonexistent/trace.jsonl", "--format", "mooncake"], "cannot read trace"),
         (["--json", "/nonexistent/dir/out.json"], "/nonexistent/dir/out.json"),
         # The option, not the run's field name (it said "gpu_blocks ... must be >= 1").
         (["--gpu-gb", "0.001"], "--gpu-gb 0.001 holds no block of 2 MiB"),
@@ -42,6 +41,8 @@ def test_malformed_trace_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         # A trace schema without a trace, and a kind named twice in a mix, went unsaid.
         (["--format", "qwen"], "--format qwen names a trace's schema: give --trace"),
         (["--mix", "chat=1,chat=2"], "names 'chat' twice"),
+        # A device without the data plane, which alone places blocks, was ignored.
+        (["--device", "cuda"], "--device cuda places the data plane's GPU blocks: it needs"),
         # A drive size alone was taken and ignored.
         (["--drive-bytes", "1TB"], "--drive-bytes is the drive a budget in drive writes"),
         # Lower tiers sit below the CPU tier: without one, the disk tier was dropped unsaid.
@@ -54,6 +55,34 @@ def test_malformed_trace_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 def test_bad_arguments(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*SMALL, *args]) == 1
     assert message in one_line_error(capsys)
+
+
+def test_a_missing_trace_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--trace", "/nonexistent/trace.jsonl", "--format", "mooncake"]
+    assert main(argv) == 1
+    assert "cannot read trace" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("--requests", "100"), ("--seed", "3"), ("--mix", "chat"), ("--rate", "2")],
+)
+@pytest.mark.parametrize("command", [["simulate"], ["sweep", "--jobs", "1"]])
+def test_a_synthetic_option_with_a_trace_is_refused(
+    tmp_path: Path,
+    command: list[str],
+    option: str,
+    value: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--trace t.jsonl --requests 100`` replayed the whole trace, the option ignored unsaid
+    (as ``--format`` without a trace is refused)."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 16, "output_length": 1, "hash_ids": [1]}\n')
+    argv = [*command, "--trace", str(trace), "--block-size", "16", option, value]
+    assert main([*argv, "--no-progress"]) == 1
+    err = one_line_error(capsys)
+    assert f"{option} shapes a synthetic workload, and --trace replays the trace's own" in err
 
 
 def test_sweep_bad_list(capsys: pytest.CaptureFixture[str]) -> None:
@@ -91,6 +120,24 @@ def test_an_unknown_option_points_at_its_command_s_help(
     assert line.endswith(
         f"unrecognized arguments: --no-such-flag (see kvoffload {wanted} --help)\n"
     )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["simulate", "--remote-gb", "50"],  # was --remote-gb-per-s 50, a bandwidth
+        ["sweep", "--thresh", "2"],
+        ["trace-stats", "t.jsonl", "--block", "16"],
+        ["bench", "tiers", "--round", "1"],
+    ],
+)
+def test_an_option_is_taken_only_by_its_full_name(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse took a prefix of an option for it, silently: ``--remote-gb 50``, meant as a
+    size beside ``--disk-gb``, set the shared tier's bandwidth to 50 GB/s."""
+    assert main(argv) == 2
+    assert f"unrecognized arguments: {' '.join(argv[-2:])}" in one_line_error(capsys)
 
 
 def _limited_file_size() -> None:
@@ -145,17 +192,32 @@ def test_a_result_file_is_replaced_keeping_its_mode_and_links(tmp_path: Path) ->
         [*SMALL, "--layout", ""],
         ["sweep", "--requests", "50", "--plot-dir", ""],
         ["trace-stats", "t.jsonl", "--json", ""],
+        [*SMALL, "--trace", ""],
+        ["sweep", "--trace", ""],
+        ["bench", "tiers", "--dir", ""],
+        [*SMALL, "--data-plane", "--device", ""],
     ],
 )
 def test_an_empty_output_or_layout_is_refused(
     argv: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``--json "$OUT"`` with ``OUT`` unset used to run and write no file (status 0), and
-    ``--layout ""`` to take the default model's layout, both unsaid."""
+    ``--layout ""`` to take the default model's layout, both unsaid; ``--trace ""`` said
+    ". cannot read trace: Is a directory", and ``bench tiers --dir ""`` measured the
+    current directory's disk."""
     option = argv[-2]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"kvoffload: error: argument {option}: must not be empty"), err
+    assert err.count("\n") == 1
+
+
+def test_an_empty_trace_path_is_refused_naming_the_argument(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["trace-stats", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvoffload: error: argument path: must not be empty"), err
     assert err.count("\n") == 1
 
 

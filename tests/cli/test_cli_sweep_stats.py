@@ -90,6 +90,51 @@ def test_trace_stats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert stats["block_tokens"] == 16
 
 
+def test_trace_stats_shows_progress_on_stderr_when_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A trace of millions of lines took minutes to read and measure with nothing shown."""
+    trace = tmp_path / "t.jsonl"
+    record = '{"timestamp": 0, "input_length": 32, "output_length": 1, "hash_ids": [1, 2]}\n'
+    trace.write_text(record * 10)
+    argv = ["trace-stats", str(trace), "--block-size", "16", "--json", "-"]
+    assert main(argv) == 0
+    assert capsys.readouterr().err == ""  # stderr is no terminal: no bar unless asked
+    assert main([*argv, "--progress"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["refs"] == 20  # stdout holds the JSON alone
+    reading, measuring = (
+        [line for line in captured.err.splitlines() if line.startswith(f"{label} [")]
+        for label in ("reading trace", "reuse distances")
+    )
+    size = trace.stat().st_size  # the bytes read
+    assert reading[-1].startswith(f"reading trace [##############################] {size}/{size}")
+    assert measuring[-1].startswith("reuse distances [##############################] 20/20")
+    assert captured.err.startswith("reading trace [")
+
+
+@pytest.mark.parametrize(
+    ("source", "label"), [([], "generating workload"), (["--trace"], "reading trace")]
+)
+def test_simulate_and_sweep_show_the_workload_loading(
+    tmp_path: Path, source: list[str], label: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The workload is built before the run's bar starts: a large one took minutes unseen."""
+    if source:
+        trace = tmp_path / "t.jsonl"
+        record = '{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}'
+        trace.write_text(record + "\n")
+        source = [*source, str(trace)]
+    else:
+        source = ["--requests", "50"]
+    for command in (["simulate", "--no-bound"], ["sweep", "--cpu-blocks", "0", "--jobs", "1"]):
+        argv = [*command, *source, "--json", "-", "--progress"]
+        assert main(argv) == 0
+        lines = capsys.readouterr().err.splitlines()
+        assert lines[0].startswith(f"{label} ["), lines
+        assert any(line.startswith(f"{command[0]} [") for line in lines), lines
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
 def test_jobs_default_to_the_cpus_this_process_may_run_on() -> None:
     """Under ``taskset`` or a container's cpuset, the machine's CPU count would start more

@@ -46,6 +46,21 @@ def test_bench_transfer_bad_numbers_are_usage_errors(
     assert message in one_line_error(capsys)
 
 
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [("a-file", "not an existing directory"), ("no/such", "not an existing directory")],
+)
+def test_bench_tiers_dir_must_be_an_existing_directory(
+    where: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The error named neither --dir nor the directory given, but the scratch directory
+    made in it: "Not a directory: .../a-file/kvoffload-bench-8f96c8a9c3f1f116"."""
+    (tmp_path / "a-file").write_text("")
+    path = tmp_path / where
+    assert main(["bench", "tiers", "--blocks", "2", "--rounds", "1", "--dir", str(path)]) == 1
+    assert one_line_error(capsys) == f"kvoffload: error: --dir {path}: {message}\n"
+
+
 def test_bench_tiers_larger_than_memory_is_refused_before_allocating(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -81,9 +81,13 @@ def test_bad_numbers_are_usage_errors(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--mix", "chat=nan"], "mix weights must be finite"),
-        (["--mix", "chat=inf,rag=1"], "mix weights must be finite"),
-        (["--mix", "chat=-1,rag=1"], "mix weights must be finite"),
+        (["--mix", "chat=nan"], "--mix chat=nan: mix weight for 'chat' must be a finite"),
+        (["--mix", "chat=inf,rag=1"], "must be a finite number >= 0, got 'inf'"),
+        (["--mix", "chat=-1,rag=1"], "must be a finite number >= 0, got '-1'"),
+        (
+            ["--mix", "rag=1, chat=1e309"],
+            "mix weight for 'chat' must be a finite number >= 0, got '1e309'",
+        ),
         (["--gpu-blocks", "1000000000000"], "GPU prefix cache of 1,000,000,000,000 blocks"),
         (["--requests", "1000000000000000"], "1,000,000,000,000,000 synthetic requests"),
         (["--json", "/nonexistent/dir/out.json"], "no such directory"),
@@ -102,7 +106,10 @@ def test_bad_values_found_before_work(
     [
         (["--cpu-gb", "1,nan"], "--cpu-gb values must be finite numbers >= 0, got nan"),
         (["--cpu-gb", "inf"], "--cpu-gb values must be finite numbers >= 0, got inf"),
-        (["--cpu-gb", "1,1e300"], "--cpu-gb values must be <= 1,125,899,906,842,624, got 1e+300"),
+        (["--cpu-gb", "1,1e300"], "--cpu-gb values must be <= 1,125,899,906,842,624, got 1e300"),
+        (["--cpu-gb", "1, 1e309"], "--cpu-gb values must be finite numbers >= 0, got 1e309"),
+        (["--cpu-gb", "-0.50"], "--cpu-gb values must be finite numbers >= 0, got -0.50"),
+        (["--cpu-blocks", "8,-01"], "--cpu-blocks values must be >= 0, got -01"),
         (["--cpu-blocks", "8,-1"], "--cpu-blocks values must be >= 0, got -1"),
         (["--thresholds", "0,-2"], "--thresholds values must be >= 0, got -2"),
         (["--thresholds", f"0,{10**20}"], f"--thresholds values must be <= {2**62}, got {10**20}"),
@@ -585,6 +592,8 @@ def test_bad_tier_numbers_are_usage_errors(
         (["--disk-dir", "{tmp}/d", "--disk-blocks", str(10**20)], "--disk-blocks: a disk tier of"),
         (["--disk-gb", "1"], "--disk-gb needs --disk-dir"),
         (["--disk-policy", "lru"], "--disk-policy needs --disk-dir"),
+        (["--remote-blocks", "100"], "--remote-blocks is the shared tier's size as"),
+        (["--tier-store-threshold", "3"], "--tier-store-threshold filters writes to the tiers"),
         (
             ["--disk-dir", "{tmp}/d", "--disk-blocks", "8", "--disk-policy", "bogus"],
             "--disk-policy: unknown cache policy 'bogus'",

@@ -65,6 +65,16 @@ def test_terminal_draws_with_rich_when_installed() -> None:
     assert "1000/1000" in term.getvalue()
 
 
+def test_terminal_bar_never_told_anything_draws_nothing() -> None:
+    """A trace read from a pipe (of unknown size) reports no progress: rich's display,
+    started with the bar, left an empty "0/?" bar behind."""
+    pytest.importorskip("rich")
+    term = _Terminal()
+    bar = ProgressBar("reading trace", True, term)
+    bar.close()
+    assert term.getvalue() == ""
+
+
 def test_terminal_without_rich_redraws_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(__import__("sys").modules, "rich.progress", None)
     monkeypatch.setenv("COLUMNS", "50")

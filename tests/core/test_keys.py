@@ -78,6 +78,24 @@ def test_bad_tokens_or_parent_are_refused_naming_them(
         hash_token_blocks(**arguments)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("parent", "hint"),
+    [(b"", ""), (b"\x01" * 31, ""), (b"\x01" * 64, ""), (b"\x01" * 36, "get_offload_block_hash")],
+    ids=["empty", "short", "long", "offload-key"],
+)
+def test_a_parent_hash_of_another_length_is_refused(parent: bytes, hint: str) -> None:
+    """Every hash of a chain is 32 bytes: ``b""`` or an offload key (4 bytes longer) as the
+    parent used to start a chain no other caller's prefix ever matched, silently."""
+    with pytest.raises(InvalidArgumentError, match=f"parent_hash must be a 32-byte.*{hint}"):
+        hash_token_blocks([1, 2, 3, 4], 2, parent_hash=parent)
+
+
+def test_a_chain_continued_from_its_last_hash_is_the_whole_chain() -> None:
+    whole = hash_token_blocks(list(range(12)), 4)
+    head = hash_token_blocks(list(range(8)), 4)
+    assert hash_token_blocks(list(range(8, 12)), 4, parent_hash=head[-1]) == whole[2:]
+
+
 def test_non_integer_tokens_are_a_clear_error() -> None:
     with pytest.raises(InvalidArgumentError, match="64 bits"):
         hash_token_blocks([1, 2**70], 2)

@@ -40,6 +40,15 @@ def test_same_seed_same_workload_other_seed_differs() -> None:
     )
 
 
+def test_progress_counts_the_requests_drawn_and_changes_nothing() -> None:
+    calls: list[tuple[int, int]] = []
+    workload = generate(num_requests=5000, seed=4, progress=lambda *call: calls.append(call))
+    assert fingerprint(workload) == fingerprint(generate(num_requests=5000, seed=4))
+    done = [d for d, _ in calls]
+    assert len(calls) > 3 and done == sorted(done) and calls[-1] == (5000, 5000)
+    assert {total for _, total in calls} == {5000}
+
+
 def test_exact_count_sorted_arrivals_and_block_size() -> None:
     workload = generate({"chat": 1, "rag": 1}, num_requests=301, block_tokens=32)
     assert len(workload.requests) == 301
@@ -84,6 +93,15 @@ def test_mix_weights_and_errors() -> None:
         parse_mix("chat=1,rag=1,chat=2")
     with pytest.raises(InvalidArgumentError):
         generate({"chat": 0})
+
+
+@pytest.mark.parametrize("weight", ["1e309", "-inf", "nan", "-0.5"])
+def test_a_mix_weight_out_of_range_is_refused_as_typed(weight: str) -> None:
+    """``chat=1e309`` was refused later, by generate, as "got {'chat': inf}"."""
+    with pytest.raises(
+        InvalidArgumentError, match=f"'chat' must be a finite number >= 0, got '{weight}'"
+    ):
+        parse_mix(f"rag=1,chat={weight}")
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.sim.trace_stats import reuse_distances, trace_stats
+from kvoffload.sim.trace_stats import PROGRESS_REFS, reuse_distances, trace_stats
 from kvoffload.sim.traces import read_trace
 from kvoffload.sim.workload import Workload
 
@@ -18,6 +18,18 @@ def test_reuse_distance_counts_distinct_blocks_in_between(make_workload: MakeWor
     # Reference stream a b a c b b: a after {b}; b after {a, c}; b right after b.
     workload = make_workload([1, 2], [1, 3], [2], [2])
     assert reuse_distances(workload) == [1, 2, 0]
+
+
+def test_reuse_distances_report_their_progress_in_references(
+    make_workload: MakeWorkload,
+) -> None:
+    requests = [list(range(start, start + 100)) for start in range(0, 75_000, 50)]  # 150,000 refs
+    workload = make_workload(*requests)
+    calls: list[tuple[int, int]] = []
+    with_progress = trace_stats(workload, lambda *call: calls.append(call))
+    assert with_progress == trace_stats(workload)
+    refs = with_progress.refs
+    assert calls == [(0, refs), (PROGRESS_REFS, refs), (2 * PROGRESS_REFS, refs), (refs, refs)]
 
 
 def test_summary(make_workload: MakeWorkload) -> None:

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import json
+import lzma
+import os
+import re
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from kvoffload import block_id_key
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
-from kvoffload.sim.traces import TraceFormatError, detect_format, read_trace
+from kvoffload.sim.traces import PROGRESS_LINES, TraceFormatError, detect_format, read_trace
 from kvoffload.sim.workload import Workload
 
 MOONCAKE = [
@@ -82,6 +89,12 @@ def test_a_path_that_cannot_name_a_file_is_refused(path: object) -> None:
     """Not open()'s bare ValueError ("embedded null byte") nor Path()'s TypeError."""
     with pytest.raises(KVOffloadError, match="trace"):
         read_trace(path)  # type: ignore[arg-type]
+
+
+def test_an_empty_path_is_refused_as_empty_not_as_the_current_directory() -> None:
+    """``Path("")`` is ``.``: the error read ". cannot read trace: Is a directory"."""
+    with pytest.raises(TraceFormatError, match=r"^cannot read trace: its path is empty$"):
+        read_trace("")
 
 
 def test_a_block_size_the_hash_ids_do_not_cover_is_refused(tmp_path: Path) -> None:
@@ -204,10 +217,40 @@ def test_malformed_line_names_file_and_line(tmp_path: Path, bad_line: str, messa
     assert isinstance(info.value, KVOffloadError)
 
 
+def test_a_csv_trace_not_named_csv_is_told_how_it_is_read(tmp_path: Path) -> None:
+    """It read only "invalid JSON: Expecting value": the format is known by the name."""
+    path = tmp_path / "q.txt"
+    path.write_text(write_qwen_csv(tmp_path / "q.csv").read_text())
+    with pytest.raises(TraceFormatError, match=r"q\.txt:1: invalid JSON: .*named \*\.csv$"):
+        read_trace(path)
+    path.write_text(json.dumps(MOONCAKE[0]) + "\nchat_id,hash_ids\n")  # a header past line 1
+    with pytest.raises(TraceFormatError, match=r"q\.txt:2: invalid JSON: [^;]*$"):
+        read_trace(path)
+
+
 def test_csv_row_with_wrong_field_count(tmp_path: Path) -> None:
     path = write_qwen_csv(tmp_path / "q.csv")
     path.write_text(path.read_text() + "1,2,3\n")
     with pytest.raises(TraceFormatError, match=r"q\.csv:4: expected 8 CSV fields, found 3"):
+        read_trace(path)
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ('8,7,1.25,70,3,text,2,"[10, 11,\n12, 13]"', "a quoted field not closed on its line"),
+        ('8,7,1.25,70,3,text,2,"[10, 11, 12, 13]"5', "',' expected after '\"'"),
+    ],
+    ids=["quote-left-open", "text-after-quote"],
+)
+def test_a_malformed_quoted_csv_field_is_refused_on_its_line(
+    tmp_path: Path, row: str, message: str
+) -> None:
+    """A quoted field over two lines was cut at the first (its line's error then counted
+    two hash_ids for 70 tokens), and text after a closing quote was joined to the field."""
+    path = write_qwen_csv(tmp_path / "q.csv")
+    path.write_text(path.read_text() + row + "\n")
+    with pytest.raises(TraceFormatError, match=re.escape(f"q.csv:4: invalid CSV: {message}")):
         read_trace(path)
 
 
@@ -229,6 +272,62 @@ def test_missing_empty_and_binary_files(tmp_path: Path) -> None:
     (tmp_path / "bin.jsonl").write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(TraceFormatError, match="UTF-8"):
         read_trace(tmp_path / "bin.jsonl", "mooncake")
+
+
+@pytest.mark.parametrize(
+    ("compress", "reader"),
+    [(gzip.compress, "zcat"), (bz2.compress, "bzcat"), (lzma.compress, "xzcat")],
+    ids=["gzip", "bzip2", "xz"],
+)
+def test_a_compressed_trace_is_named_so_with_a_way_to_read_it(
+    tmp_path: Path, compress: Callable[[bytes], bytes], reader: str
+) -> None:
+    """It read "not a UTF-8 text file (invalid start byte)"; docs/simulate.md reads a
+    compressed trace through a pipe, and the error now says how."""
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(compress(json.dumps(MOONCAKE[0]).encode() + b"\n"))
+    pipe = re.escape(f"<({reader} {path})")
+    with pytest.raises(TraceFormatError, match=rf"compressed\); .*{pipe}$"):
+        read_trace(path)
+
+
+def test_a_byte_that_is_not_utf8_is_named_by_its_line(tmp_path: Path) -> None:
+    """The text reader decodes thousands of lines ahead: the error named no line at all."""
+    good = json.dumps(MOONCAKE[0]) + "\n"
+    path = tmp_path / "t.jsonl"
+    path.write_bytes((good * 3000 + "\r\n" + good * 20).encode() + b"\xe9" + good.encode())
+    where = re.escape(f"{path}:3022")
+    with pytest.raises(TraceFormatError, match=rf"^{where}: not a UTF-8 text file"):
+        read_trace(path)
+
+
+def test_reading_reports_its_bytes_from_the_start_to_the_file_size(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    line = json.dumps(MOONCAKE[0]) + "\n"
+    path.write_text(line * (3 * PROGRESS_LINES))
+    calls: list[tuple[int, int]] = []
+    assert len(read_trace(path, progress=lambda *call: calls.append(call)).requests) == len(
+        read_trace(path).requests
+    )
+    size = path.stat().st_size
+    assert len(calls) == 4 and calls[-1] == (size, size)  # every 4096 lines, and at the end
+    assert all(total == size for _, total in calls)
+    done = [d for d, _ in calls]
+    assert done == sorted(done) and 0 < done[0] < done[1] < size
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs a named pipe")
+def test_reading_a_pipe_of_unknown_size_reports_nothing(tmp_path: Path) -> None:
+    fifo = tmp_path / "t.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: write_jsonl(fifo, MOONCAKE))
+    writer.start()
+    calls: list[tuple[int, int]] = []
+    try:
+        assert len(read_trace(fifo, progress=lambda *call: calls.append(call)).requests) == 2
+    finally:
+        writer.join()
+    assert calls == []
 
 
 def test_public_mooncake_trace_figures(mooncake_trace: Path) -> None:

@@ -11,12 +11,13 @@ import argparse
 import contextlib
 import importlib
 import json
+import os
 from types import ModuleType
 from typing import Any
 
 from kvoffload.cli import options, output, tier_options
 from kvoffload.cli.progress import ProgressBar
-from kvoffload.core.errors import KVOffloadError
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 
 BENCH_MODULE = "kvoffload.dataplane.bench"
 
@@ -89,10 +90,24 @@ def _bench_module() -> ModuleType:
 
 
 def add_transfer_options(parser: argparse.ArgumentParser) -> None:
-    """Import the benchmark and let it register its options, then add ``--json``."""
+    """Import the benchmark and let it register its options, then add ``--json`` and
+    ``--progress``."""
     _bench_module().add_cli_arguments(parser, options.integer)
     with contextlib.suppress(argparse.ArgumentError):  # unless the benchmark has its own
         parser.add_argument("--json", metavar="PATH", help="write the results as JSON (- stdout)")
+    with contextlib.suppress(argparse.ArgumentError):
+        options.add_progress_argument(parser)
+
+
+def _check_dir(path: str | None) -> None:
+    """``bench tiers --dir``: an existing writable directory, where its scratch directory
+    is made (named by the error otherwise, as "Not a directory: DIR/kvoffload-bench-...")."""
+    if path is None:
+        return
+    if not os.path.isdir(path):
+        raise InvalidArgumentError(f"--dir {path}: not an existing directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise InvalidArgumentError(f"--dir {path}: not writable")
 
 
 def _check_json(args: argparse.Namespace) -> None:
@@ -104,7 +119,11 @@ def _check_json(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_json(args)
-    results: dict[str, Any] = _bench_module().run_from_args(args)
+    bar = ProgressBar("bench transfer", ProgressBar.wanted(args.progress))
+    try:
+        results: dict[str, Any] = _bench_module().run_from_args(args, bar)
+    finally:
+        bar.close()
     _report(args, results)
     return 0
 
@@ -127,6 +146,7 @@ def run_tiers(args: argparse.Namespace) -> int:
     from kvoffload.tiers.disk import DEFAULT_TIMEOUT_MS
 
     _check_json(args)
+    _check_dir(args.dir)
     if args.sglang is not None:
         return _run_sglang(args)
     bar = ProgressBar("bench tiers", ProgressBar.wanted(args.progress))

@@ -15,7 +15,7 @@ import select
 import sys
 from collections.abc import Sequence
 from importlib import metadata
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from kvoffload.admission.compiled import compiled_summary
 from kvoffload.cli import bench, output, simulate, sweep, trace_stats
@@ -29,13 +29,20 @@ from kvoffload.integrations.vllm.versions import (
 )
 
 PROG = "kvoffload"
-NAMED_BY_TEXT = ("json", "csv", "plot_dir", "layout")
-"""Options an empty string would silently turn off (no file, no plots, the default layout),
-as ``--json "$OUT"`` does with ``OUT`` unset: refused instead."""
+NAMED_BY_TEXT = ("json", "csv", "plot_dir", "layout", "device", "trace", "path", "dir")
+"""Arguments an empty string would silently turn off (no file, no plots, the default layout
+or device) or point at the current directory (a trace, ``bench tiers --dir``), as ``--json "$OUT"``
+does with ``OUT`` unset: refused instead."""
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage errors in one line (and status 2), like every other error of the CLI."""
+    """Usage errors in one line (and status 2), like every other error of the CLI; an
+    option is named in full (argparse's default takes a prefix of one for it, so that
+    ``--remote-gb 50``, a size by analogy with ``--disk-gb``, set ``--remote-gb-per-s``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, output.one_line(f"{PROG}: error: {message} (see {self.prog} --help)") + "\n")
@@ -115,6 +122,14 @@ def _command_parser(
     return parser
 
 
+def _argument_name(parser: argparse.ArgumentParser, dest: str) -> str:
+    """How ``parser``'s usage errors name the argument stored in ``dest``: ``--plot-dir``,
+    or a positional argument's name."""
+    action = next(a for a in parser._actions if a.dest == dest)
+    metavar = action.metavar if isinstance(action.metavar, str) else None
+    return "/".join(action.option_strings) or metavar or dest
+
+
 def _reader_gone() -> bool:
     """Whether stdout's reader has gone (``kvoffload ... | true``): the output was cut short
     on purpose, so the exit is quiet, as other command-line tools'. Stdout is pointed at
@@ -152,9 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             empty = next((dest for dest in NAMED_BY_TEXT if getattr(args, dest, None) == ""), None)
             if empty is not None:
-                _command_parser(parser, args_list).error(
-                    f"argument --{empty.replace('_', '-')}: must not be empty"
-                )
+                command = _command_parser(parser, args_list)
+                command.error(f"argument {_argument_name(command, empty)}: must not be empty")
         except SystemExit as exc:  # --help, or a usage error already reported by argparse
             return exc.code if isinstance(exc.code, int) else 2
         for option in ("json", "csv"):

@@ -15,6 +15,7 @@ from kvoffload.admission.budget import WriteBudget, parse_bytes
 from kvoffload.admission.registry import ParamPairs
 from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD
 from kvoffload.cli import output
+from kvoffload.cli.progress import ProgressBar
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import layout_preset
 from kvoffload.core.memory import check_fits
@@ -25,6 +26,7 @@ from kvoffload.sim.plots import PLOT_FILES
 from kvoffload.sim.run import SimConfig, blocks_for_gib
 from kvoffload.sim.sources import WorkloadSource
 from kvoffload.sim.traces import TRACE_FORMATS
+from kvoffload.sim.workload import Workload
 
 _T = TypeVar("_T")
 
@@ -141,40 +143,61 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens per block, for a trace the size its hash_ids were keyed with "
         "(default: the trace format's; 16 for synthetic workloads)",
     )
+    # Unset by default (None), so that one given with --trace, which it cannot shape, is
+    # refused rather than ignored; the defaults are WorkloadSource's.
     mix = ",".join(f"{kind}={weight:g}" for kind, weight in DEFAULT_MIX.items())
     group.add_argument(
         "--mix",
-        default=mix,
         help="synthetic kinds and weights, from chat, rag, agent, oneshot, longchat "
         f"(default: {mix})",
     )
     group.add_argument(
         "--requests",
         type=POSITIVE_INT,
-        default=DEFAULT_REQUESTS,
         help=f"synthetic requests (default: {DEFAULT_REQUESTS})",
     )
-    group.add_argument("--seed", type=COUNT, default=0, help="synthetic workload seed (default: 0)")
+    group.add_argument("--seed", type=COUNT, help="synthetic workload seed (default: 0)")
     group.add_argument(
         "--rate",
         type=POSITIVE,
-        default=DEFAULT_RATE,
         help=f"synthetic arrivals per second (default: {DEFAULT_RATE:g})",
     )
 
 
+SYNTHETIC_OPTIONS = ("mix", "requests", "seed", "rate")
+"""What shapes a synthetic workload, and nothing of a trace's."""
+
+
 def workload_source(args: argparse.Namespace) -> WorkloadSource:
-    if args.trace is None and args.format != "auto":
+    given = {name: getattr(args, name) for name in SYNTHETIC_OPTIONS}
+    given = {name: value for name, value in given.items() if value is not None}
+    if args.trace is not None:
+        if given:
+            raise InvalidArgumentError(
+                f"--{next(iter(given))} shapes a synthetic workload, and --trace replays the "
+                "trace's own requests: give one or the other"
+            )
+        return WorkloadSource(trace=args.trace, fmt=args.format, block_tokens=args.block_size)
+    if args.format != "auto":
         raise InvalidArgumentError(f"--format {args.format} names a trace's schema: give --trace")
-    return WorkloadSource(
-        trace=args.trace,
-        fmt=args.format,
-        block_tokens=args.block_size,
-        mix=tuple(parse_mix(args.mix).items()),
-        requests=args.requests,
-        seed=args.seed,
-        rate=args.rate,
-    )
+    if "mix" in given:
+        try:
+            given["mix"] = tuple(parse_mix(args.mix).items())
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"--mix {args.mix}: {exc}") from None
+    return WorkloadSource(block_tokens=args.block_size, **given)
+
+
+def load_workload(source: WorkloadSource, progress: bool | None) -> Workload:
+    """``source``'s workload, with a bar while a trace is read or a mix drawn (``--progress``
+    as asked, or by default on a terminal): a large one takes minutes before the run's own
+    bar starts."""
+    label = "reading trace" if source.trace is not None else "generating workload"
+    bar = ProgressBar(label, ProgressBar.wanted(progress))
+    try:
+        return source.load(bar)
+    finally:
+        bar.close()
 
 
 def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
@@ -304,38 +327,44 @@ def with_offload(config: SimConfig, cpu: int, policy: str, threshold: int) -> Si
     return dataclasses.replace(config, cpu_blocks=cpu, policy=policy, store_threshold=threshold)
 
 
+def _parts(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def parse_ints(text: str, what: str, minimum: int = 0, maximum: int | None = None) -> list[int]:
-    """A comma-separated list of integers >= ``minimum`` (and <= ``maximum``), e.g. ``"0,2"``."""
+    """A comma-separated list of integers >= ``minimum`` (and <= ``maximum``), e.g. ``"0,2"``;
+    a value out of range is named as typed."""
     try:
-        values = [int(part) for part in text.split(",") if part.strip()]
+        values = [(part, int(part)) for part in _parts(text)]
     except ValueError:
         raise InvalidArgumentError(
             f"{what} must be comma-separated integers, got {text!r}"
         ) from None
-    bad = next((value for value in values if value < minimum), None)
+    bad = next((part for part, value in values if value < minimum), None)
     if bad is not None:
         raise InvalidArgumentError(f"{what} values must be >= {minimum}, got {bad}")
-    big = next((value for value in values if maximum is not None and value > maximum), None)
+    big = next((part for part, value in values if maximum is not None and value > maximum), None)
     if big is not None:
         raise InvalidArgumentError(f"{what} values must be <= {maximum}, got {big}")
-    return _not_empty(values, text, what)
+    return _not_empty([value for _, value in values], text, what)
 
 
 def parse_floats(text: str, what: str, maximum: float = math.inf) -> list[float]:
-    """A comma-separated list of finite numbers >= 0 (and <= ``maximum``), e.g. ``"0,16,32.5"``."""
+    """A comma-separated list of finite numbers >= 0 (and <= ``maximum``), e.g. ``"0,16,32.5"``;
+    a value out of range is named as typed (``1e309``, not the ``inf`` it reads as)."""
     try:
-        values = [float(part) for part in text.split(",") if part.strip()]
+        values = [(part, float(part)) for part in _parts(text)]
     except ValueError:
         raise InvalidArgumentError(
             f"{what} must be comma-separated numbers, got {text!r}"
         ) from None
-    bad = next((v for v in values if not math.isfinite(v) or v < 0), None)
+    bad = next((part for part, v in values if not math.isfinite(v) or v < 0), None)
     if bad is not None:
         raise InvalidArgumentError(f"{what} values must be finite numbers >= 0, got {bad}")
-    big = next((v for v in values if v > maximum), None)
+    big = next((part for part, v in values if v > maximum), None)
     if big is not None:
-        raise InvalidArgumentError(f"{what} values must be <= {maximum:,.0f}, got {big:g}")
-    return _not_empty(values, text, what)
+        raise InvalidArgumentError(f"{what} values must be <= {maximum:,.0f}, got {big}")
+    return _not_empty([value for _, value in values], text, what)
 
 
 def add_admission_param_argument(group: argparse._ArgumentGroup) -> None:

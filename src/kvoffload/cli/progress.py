@@ -118,10 +118,13 @@ def _isatty(stream: TextIO) -> bool:
 
 
 class _RichBar:
-    """rich's bar with rate and time left, when the ``cli`` extra is installed."""
+    """rich's bar with rate and time left, when the ``cli`` extra is installed; drawn from
+    its first update, so a bar never told anything (a trace read from a pipe, of unknown
+    size) leaves no empty bar behind."""
 
     def __init__(self, label: str, stream: TextIO) -> None:
         self.active = False
+        self._drawing = False
         try:
             from rich.console import Console
             from rich.progress import (
@@ -146,15 +149,18 @@ class _RichBar:
         )
         self._task = self._progress.add_task(label, total=None, rate="")
         self._started = time.monotonic()
-        self._progress.start()
         self.active = True
 
     def update(self, done: int, total: int) -> None:
+        if not self._drawing:
+            self._progress.start()
+            self._drawing = True
         elapsed = time.monotonic() - self._started
         rate = f"{done / elapsed:,.0f}/s" if elapsed > 0 else ""
         self._progress.update(self._task, completed=done, total=total, rate=rate)
 
     def close(self) -> None:
-        if self.active:
+        if self._drawing:
             self._progress.stop()
-            self.active = False
+            self._drawing = False
+        self.active = False

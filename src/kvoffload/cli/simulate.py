@@ -17,6 +17,8 @@ from kvoffload.sim.run import RunReport, SimConfig, blocks_for_gib, simulate
 
 DATA_PLANE_LAYOUT = "tiny"
 """Default layout with ``--data-plane``: real bytes are moved, so keep blocks small."""
+DATA_PLANE_DEVICE = "cpu"
+"""Default ``--device`` of the data plane's GPU blocks: runs on any machine."""
 
 
 class DataPlaneMismatchError(KVOffloadError):
@@ -78,7 +80,9 @@ def register(commands: Any) -> None:
         help=f"move and verify real KV bytes (default layout then: {DATA_PLANE_LAYOUT}, "
         "default capacities the same block counts as without it)",
     )
-    plane.add_argument("--device", default="cpu", help="device for GPU blocks (default: cpu)")
+    plane.add_argument(
+        "--device", help=f"device for GPU blocks, with --data-plane (default: {DATA_PLANE_DEVICE})"
+    )
     parser.add_argument(
         "--json", metavar="PATH", help="write the run as one JSON object (- stdout)"
     )
@@ -144,13 +148,17 @@ def _check_cpu_tier(args: argparse.Namespace, cpu_blocks: int | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     options.check_before_work(args)
+    if args.device is not None and not args.data_plane:  # it would be ignored, unsaid
+        raise KVOffloadError(
+            f"--device {args.device} places the data plane's GPU blocks: it needs --data-plane"
+        )
     _check_cpu_tier(args, args.cpu_blocks)
     tier_options.check_before_work(args)
     options.check_name(args.policy, "--policy", resolve_policy)
     options.check_name(args.admission, "--admission", resolve_admission)
     params = options.admission_param_pairs(args)
     observe_options.check_before_work(args)
-    workload = options.workload_source(args).load()
+    workload = options.load_workload(options.workload_source(args), args.progress)
     bt = workload.block_tokens
     if args.data_plane:
         _default_capacities_in_blocks(args, bt)
@@ -171,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
     if args.no_bound:
         config = dataclasses.replace(config, bound=False)
     # The data plane's backend is duck-typed: a TransferBackend plus its check counters.
-    backend: Any = _data_plane(config, bt, args.device) if args.data_plane else None
+    device = args.device or DATA_PLANE_DEVICE
+    backend: Any = _data_plane(config, bt, device) if args.data_plane else None
     bar = ProgressBar("simulate", ProgressBar.wanted(args.progress))
     with observe_options.observing(args, bt) as observing:
         try:

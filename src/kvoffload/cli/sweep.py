@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     runs = capacities * len(policies) * len(thresholds) * len(admissions)
     tier_options.check_one_run_with_remote(args, runs)
     source = options.workload_source(args)
-    workload = source.load()
+    workload = options.load_workload(source, args.progress)
     bt = workload.block_tokens
     base = options.base_config(args, bt, options.DEFAULT_LAYOUT)
     base = tier_options.with_tiers(base, args, bt)

@@ -160,6 +160,17 @@ def check_before_work(args: argparse.Namespace) -> None:
         raise InvalidArgumentError(
             "--remote-admission needs --remote-blocks (the shared tier's size it models)"
         )
+    # Each read by a lower tier only: without one it would be ignored, unsaid.
+    if args.remote_blocks is not None and args.remote_admission == "none":
+        raise InvalidArgumentError(
+            "--remote-blocks is the shared tier's size as --remote-admission models it "
+            "(the server's own size is unknown): it needs --remote and --remote-admission"
+        )
+    if args.tier_store_threshold >= 2 and args.disk_dir is None and args.remote is None:
+        raise InvalidArgumentError(
+            "--tier-store-threshold filters writes to the tiers below the CPU tier: "
+            "it needs --disk-dir or --remote"
+        )
     if args.remote is not None:
         _check_remote(args.remote)
 

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from kvoffload.cli import options, output
+from kvoffload.cli.progress import ProgressBar
 from kvoffload.sim.sources import WorkloadSource
 from kvoffload.sim.trace_stats import TraceStats, trace_stats
 from kvoffload.sim.traces import TRACE_FORMATS
@@ -24,6 +25,7 @@ def register(commands: Any) -> None:
         "--block-size", type=options.BLOCK_TOKENS, metavar="TOKENS", help="tokens per block"
     )
     parser.add_argument("--json", metavar="PATH", help="write the statistics as JSON (- stdout)")
+    options.add_progress_argument(parser)
     parser.set_defaults(run=run)
 
 
@@ -31,8 +33,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:  # checked first, so a typo costs no pass over the trace
         output.check_writable_file(args.json, "--json")
         output.check_distinct_outputs([("--json", args.json)], [("trace", args.path)])
-    workload = WorkloadSource(trace=args.path, fmt=args.format, block_tokens=args.block_size).load()
-    stats = trace_stats(workload)
+    source = WorkloadSource(trace=args.path, fmt=args.format, block_tokens=args.block_size)
+    workload = options.load_workload(source, args.progress)
+    bar = ProgressBar("reuse distances", ProgressBar.wanted(args.progress))
+    try:
+        stats = trace_stats(workload, bar)
+    finally:
+        bar.close()
     if args.json:
         output.write_json(args.json, stats.as_dict())
     if args.json != "-":

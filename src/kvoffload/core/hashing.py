@@ -13,9 +13,11 @@ import struct
 from collections.abc import Sequence
 
 from kvoffload.core.errors import InvalidArgumentError
-from kvoffload.core.keys import OffloadKey, make_offload_key
+from kvoffload.core.keys import GROUP_IDX_BYTES, OffloadKey, make_offload_key
 
-ROOT_HASH = b"\x00" * 32
+HASH_BYTES = 32
+"""A SHA-256 digest: every hash of a chain, its root included."""
+ROOT_HASH = b"\x00" * HASH_BYTES
 """Parent hash of a sequence's first block."""
 
 
@@ -25,12 +27,25 @@ def hash_token_blocks(
     """Chained 32-byte hashes of the full ``block_size``-token blocks of ``token_ids``.
 
     A trailing partial block is not hashed: it cannot be shared or offloaded.
-    ``parent_hash`` continues a chain (e.g. a cached prefix's last hash).
+    ``parent_hash`` continues a chain (e.g. a cached prefix's last hash): it is
+    one of this function's 32-byte hashes, or :data:`ROOT_HASH`. Any other length
+    (``b""``, or an offload key, which carries 4 more bytes of group index) would
+    start a chain that matches no other, so it is refused.
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
     if not isinstance(parent_hash, bytes):
         raise InvalidArgumentError(f"parent_hash must be bytes, got {type(parent_hash).__name__}")
+    if len(parent_hash) != HASH_BYTES:
+        hint = (
+            "; an offload key? pass get_offload_block_hash(key)"
+            if len(parent_hash) == HASH_BYTES + GROUP_IDX_BYTES
+            else ""
+        )
+        raise InvalidArgumentError(
+            f"parent_hash must be a {HASH_BYTES}-byte hash from hash_token_blocks "
+            f"(or ROOT_HASH), got {len(parent_hash)} bytes{hint}"
+        )
     try:
         full_blocks = len(token_ids) // block_size
     except TypeError:

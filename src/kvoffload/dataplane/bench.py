@@ -54,6 +54,7 @@ def measure_transfer(
     device: str = DEFAULTS["device"],
     threads: int | None = DEFAULTS["threads"],
     seed: int = DEFAULTS["seed"],
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """GB/s of stores, loads and a plain copy; see the module docstring for the method.
 
@@ -61,6 +62,8 @@ def measure_transfer(
     blocks each), at most the tier's ``cpu_blocks``, which must fit in the
     ``gpu_blocks`` GPU blocks. On CUDA the plain copy is device-to-pinned-host.
     Rates count the bytes each phase moved: a round's last job may be partial.
+    ``progress(done, total)`` is told the rounds done (the warm-up's included) at the
+    start and after each round.
     """
     kv_layout = layout_preset(layout)
     if rounds < 1 or blocks_per_job < 1:
@@ -89,8 +92,10 @@ def measure_transfer(
     copy_dst = _copy_target(job_bytes, pinned=kv.device.type == "cuda")
     samples: dict[str, list[float]] = {"store": [], "load": [], "copy": []}
     next_key = 0
+    if progress is not None:
+        progress(0, rounds + 1)
     try:
-        for _ in range(rounds + 1):  # the first round warms up
+        for done in range(1, rounds + 2):  # the first round warms up
             keys = [block_id_key(next_key + i) for i in range(cpu_blocks)]
             next_key += cpu_blocks
             jobs = [keys[i : i + blocks_per_job] for i in range(0, cpu_blocks, blocks_per_job)]
@@ -115,6 +120,8 @@ def measure_transfer(
                 ("copy", copy_seconds),
             ):
                 samples[name].append(moved / seconds)
+            if progress is not None:
+                progress(done, rounds + 1)
     finally:
         worker.close()
     gbps = {name: statistics.median(values[1:]) for name, values in samples.items()}
@@ -157,7 +164,9 @@ def add_cli_arguments(
     parser.add_argument("--threads", type=integer(1), default=None, help="torch CPU threads")
 
 
-def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
+def run_from_args(
+    args: argparse.Namespace, progress: Callable[[int, int], None] | None = None
+) -> dict[str, Any]:
     return measure_transfer(
         layout=args.layout,
         gpu_blocks=args.gpu_blocks,
@@ -168,6 +177,7 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
         device=args.device,
         threads=args.threads,
         seed=args.seed,
+        progress=progress,
     )
 
 

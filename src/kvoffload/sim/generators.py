@@ -24,6 +24,7 @@ The same seed always gives the same workload.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 import random
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey, block_id_key
 from kvoffload.core.memory import check_fits
-from kvoffload.sim.workload import Request, Workload
+from kvoffload.sim.workload import Progress, Request, Workload
 
 DEFAULT_MIX: dict[str, float] = {"chat": 0.4, "rag": 0.25, "agent": 0.2, "oneshot": 0.15}
 DEFAULT_REQUESTS = 2000
@@ -226,7 +227,8 @@ _MEAN_SESSION_REQUESTS = {"chat": 3.5, "rag": 1.0, "agent": 7.5, "oneshot": 1.0}
 
 
 def parse_mix(text: str) -> dict[str, float]:
-    """Parse ``"chat=0.5,rag=0.5"`` (or a single kind name, ``"rag"``) into weights."""
+    """Parse ``"chat=0.5,rag=0.5"`` (or a single kind name, ``"rag"``) into weights; a
+    weight that is not a finite number >= 0 is refused as typed (``1e309``, not ``inf``)."""
     if not isinstance(text, str):
         raise InvalidArgumentError(f"a mix is text such as 'chat=0.5,rag=0.5', got {text!r}")
     weights: dict[str, float] = {}
@@ -241,6 +243,10 @@ def parse_mix(text: str) -> dict[str, float]:
             raise InvalidArgumentError(
                 f"mix weight for {name!r} is not a number: {weight!r}"
             ) from None
+        if not (math.isfinite(weights[name]) and weights[name] >= 0):
+            raise InvalidArgumentError(
+                f"mix weight for {name!r} must be a finite number >= 0, got {weight.strip()!r}"
+            )
     return weights
 
 
@@ -251,12 +257,14 @@ def generate(
     block_tokens: int = 16,
     rate: float = DEFAULT_RATE,
     chat_shape: ChatShape | None = None,
+    progress: Progress | None = None,
 ) -> Workload:
     """A workload of ``num_requests`` requests drawn from ``mix`` (kind → weight).
 
     Each kind gets its weight's share of the requests and of the arrival
     ``rate`` (requests per second), drawn from its own seeded random stream;
     ``longchat`` traffic has ``chat_shape`` (default: :class:`ChatShape`'s).
+    ``progress(done, num_requests)`` is told the requests drawn now and then.
     """
     mix = DEFAULT_MIX if mix is None else mix
     if not isinstance(mix, Mapping):
@@ -292,6 +300,7 @@ def generate(
     generators = {**GENERATORS, "longchat": longchat_sessions(chat_shape)}
     per_session = {**_MEAN_SESSION_REQUESTS, "longchat": chat_shape.mean_session_requests()}
     requests: list[Request] = []
+    report = None
     for index, (kind, share) in enumerate(sorted(mix.items())):
         if counts[kind] == 0:
             continue
@@ -299,7 +308,11 @@ def generate(
         session_rate = rate * share / total / per_session[kind]
         if not session_rate > 0:  # underflowed: expovariate would divide by zero
             raise InvalidArgumentError(_TOO_SLOW.format(rate=rate))
-        requests += _take(generators[kind](rng, keys, session_rate), counts[kind], rate)
+        if progress is not None:
+            report = functools.partial(_drawn, progress, len(requests), num_requests)
+        requests += _take(generators[kind](rng, keys, session_rate), counts[kind], rate, report)
+    if progress is not None:
+        progress(num_requests, num_requests)
     requests.sort(key=lambda r: r.arrival_s)
     name = "+".join(f"{k}={w / total:g}" for k, w in sorted(mix.items()) if counts[k])
     if counts.get("longchat") and chat_shape != ChatShape():
@@ -322,15 +335,32 @@ def _apportion(n: int, shares: Mapping[str, float]) -> dict[str, int]:
 _TOO_SLOW = "rate {rate!r} is too low: arrival times overflow a float"
 
 
-def _take(sessions: Sessions, n: int, rate: float) -> list[Request]:
-    """The ``n`` earliest requests of sessions that start in order.
+PROGRESS_REQUESTS = 1024
+"""Requests drawn between two reports to a progress callback."""
+
+
+def _drawn(progress: Progress, before: int, total: int, taken: int) -> None:
+    """Tell ``progress`` a kind's ``taken`` requests after the ``before`` of the kinds drawn
+    earlier, out of the mix's ``total``."""
+    progress(before + taken, total)
+
+
+def _take(
+    sessions: Sessions, n: int, rate: float, report: Callable[[int], None] | None = None
+) -> list[Request]:
+    """The ``n`` earliest requests of sessions that start in order; ``report`` is told
+    how many of them have been drawn, now and then.
 
     Sessions are drawn until the next one starts after the ``n``-th earliest
     request seen so far, so no later session could contribute an earlier one.
     An infinite start (a ``rate`` near zero) would never be after it: refused.
     """
     taken: list[Request] = []
+    reported = 0
     for session in sessions:
+        if report is not None and len(taken) - reported >= PROGRESS_REQUESTS:
+            reported = len(taken)
+            report(min(reported, n))
         if math.isinf(session[0].arrival_s):
             raise InvalidArgumentError(_TOO_SLOW.format(rate=rate))
         if len(taken) >= n:

@@ -16,7 +16,7 @@ from kvoffload.sim.generators import (
     generate,
 )
 from kvoffload.sim.traces import read_trace
-from kvoffload.sim.workload import Workload
+from kvoffload.sim.workload import Progress, Workload
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,11 @@ class WorkloadSource:
     chat_shape: ChatShape | None = None
     """The shape of ``longchat`` traffic in the mix (default: :class:`ChatShape`'s)."""
 
-    def load(self) -> Workload:
+    def load(self, progress: Progress | None = None) -> Workload:
+        """The workload; ``progress(done, total)`` follows a long read or generation (in
+        bytes of a trace file, in requests of a synthetic mix)."""
         if self.trace is not None:
-            return read_trace(self.trace, self.fmt, self.block_tokens)
+            return read_trace(self.trace, self.fmt, self.block_tokens, progress)
         return generate(
             dict(self.mix),
             num_requests=self.requests,
@@ -44,4 +46,5 @@ class WorkloadSource:
             block_tokens=16 if self.block_tokens is None else self.block_tokens,
             rate=self.rate,
             chat_shape=self.chat_shape,
+            progress=progress,
         )

@@ -12,13 +12,16 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvoffload.core.keys import OffloadKey
-from kvoffload.sim.workload import Workload
+from kvoffload.sim.workload import Progress, Workload
 
 PERCENTILES = (50, 90, 99)
+PROGRESS_REFS = 2**16
+"""References measured between two reports to a progress callback."""
 
 
-def reuse_distances(workload: Workload) -> list[int]:
-    """Reuse distance of every reference that repeats an earlier block, in trace order."""
+def reuse_distances(workload: Workload, progress: Progress | None = None) -> list[int]:
+    """Reuse distance of every reference that repeats an earlier block, in trace order;
+    ``progress(done, total)`` is told the references measured now and then."""
     keys = [key for req in workload.requests for key in req.keys]
     size = len(keys)
     tree = [0] * (size + 1)
@@ -40,12 +43,16 @@ def reuse_distances(workload: Workload) -> list[int]:
     last_seen: dict[OffloadKey, int] = {}
     distances: list[int] = []
     for position, key in enumerate(keys):
+        if progress is not None and not position % PROGRESS_REFS:
+            progress(position, size)
         previous = last_seen.get(key)
         if previous is not None:
             distances.append(prefix_sum(position) - prefix_sum(previous + 1))
             add(previous, -1)
         add(position, 1)
         last_seen[key] = position
+    if progress is not None:
+        progress(size, size)
     return distances
 
 
@@ -79,8 +86,9 @@ class TraceStats:
         return dataclasses.asdict(self)
 
 
-def trace_stats(workload: Workload) -> TraceStats:
-    """Requests, references, unique blocks, repeat and one-hit fractions, reuse distances."""
+def trace_stats(workload: Workload, progress: Progress | None = None) -> TraceStats:
+    """Requests, references, unique blocks, repeat and one-hit fractions, reuse distances;
+    ``progress`` follows the reuse distances, the long part (see :func:`reuse_distances`)."""
     counts: dict[OffloadKey, int] = {}
     for req in workload.requests:
         for key in req.keys:
@@ -88,7 +96,7 @@ def trace_stats(workload: Workload) -> TraceStats:
     refs = sum(counts.values())
     unique = len(counts)
     requests = workload.requests
-    distances = sorted(reuse_distances(workload))
+    distances = sorted(reuse_distances(workload, progress))
     p50, p90, p99 = (_percentile(distances, p) if distances else 0 for p in PERCENTILES)
     return TraceStats(
         workload=workload.name,

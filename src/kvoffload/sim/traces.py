@@ -23,12 +23,17 @@ ids ``0..i``, so that a block hits only after the same prefix.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import csv
 import hashlib
+import io
 import itertools
 import json
 import math
+import os
+import shlex
+import stat
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePath
@@ -36,7 +41,7 @@ from typing import Any
 
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.keys import OffloadKey, block_id_key
-from kvoffload.sim.workload import Request, Workload
+from kvoffload.sim.workload import Progress, Request, Workload
 
 TRACE_FORMATS = ("mooncake", "lmbench", "qwen")
 DEFAULT_BLOCK_TOKENS = {"mooncake": 512, "lmbench": 512, "qwen": 16}
@@ -46,6 +51,8 @@ _COMMON_BLOCK_TOKENS = (16, 32, 64, 128, 256, 512, 1024)
 _MAX_BLOCK_ID = 2**64 - 1
 _MAX_NANOSECONDS = 2**64 - 1
 """An LMBench timestamp's bound: the year 2554, and a float holds any distance below it."""
+PROGRESS_LINES = 4096
+"""Lines read between two reports to a progress callback."""
 MAX_LINE_CHARS = 16 * 2**20
 """16 Mi characters: a million-token prompt in 16-token blocks takes well under 1 Mi."""
 
@@ -91,16 +98,25 @@ _TELLS = {
 }
 
 
-def read_trace(path: str | Path, fmt: str = "auto", block_tokens: int | None = None) -> Workload:
+def read_trace(
+    path: str | Path,
+    fmt: str = "auto",
+    block_tokens: int | None = None,
+    progress: Progress | None = None,
+) -> Workload:
     """Read a trace file into a :class:`Workload` sorted by arrival time.
 
     ``fmt`` is ``"mooncake"``, ``"qwen"`` or ``"auto"``; ``block_tokens``
-    defaults to the format's native block size.
+    defaults to the format's native block size. ``progress(done, total)`` is told the
+    bytes read of a regular file's size now and then, and its size at the end (a pipe,
+    of unknown size, tells it nothing).
     """
     if not isinstance(path, str | PurePath):
         raise InvalidArgumentError(f"a trace path is a str or a Path, got {path!r}")
     if "\0" in str(path):  # open() would raise a bare ValueError
         raise TraceFormatError(f"{str(path)!r}: cannot read trace: a path holds no NUL character")
+    if not str(path):  # Path("") is the current directory: "Is a directory" would puzzle
+        raise TraceFormatError("cannot read trace: its path is empty")
     path = Path(path)
     if block_tokens is not None and (
         isinstance(block_tokens, bool) or not isinstance(block_tokens, int)
@@ -113,7 +129,7 @@ def read_trace(path: str | Path, fmt: str = "auto", block_tokens: int | None = N
     # One pass: the first record, detected, goes back in front of the rest, so a pipe
     # (read once) loses nothing.
     csv_file = path.suffix.lower() == ".csv"
-    records = _csv_records(path) if csv_file else _json_records(path)
+    records = _csv_records(path, progress) if csv_file else _json_records(path, progress)
     if csv_file:
         detected = "qwen"
     else:
@@ -151,12 +167,22 @@ def read_trace(path: str | Path, fmt: str = "auto", block_tokens: int | None = N
     return Workload(name=path.name, block_tokens=block_tokens, requests=requests)
 
 
-def _open_lines(path: Path) -> Iterator[tuple[int, str]]:
+def _open_lines(path: Path, progress: Progress | None = None) -> Iterator[tuple[int, str]]:
     try:
         # utf-8-sig: a byte order mark (Windows editors write one) is not part of line 1.
-        with path.open(encoding="utf-8-sig", newline="") as lines:
-            line_no = 0
+        line_no = 0
+        with (
+            path.open("rb") as raw,
+            io.TextIOWrapper(raw, encoding="utf-8-sig", newline="") as lines,
+        ):
+            status = os.fstat(raw.fileno())
+            size = status.st_size if stat.S_ISREG(status.st_mode) else 0
+            if not size:
+                progress = None
             while line := lines.readline(MAX_LINE_CHARS + 1):
+                if progress is not None and not line_no % PROGRESS_LINES:
+                    # The bytes under the text reader: at most one chunk ahead of the line.
+                    progress(min(raw.tell(), size), size)
                 line_no += 1
                 if len(line) > MAX_LINE_CHARS:
                     raise TraceFormatError(
@@ -164,20 +190,79 @@ def _open_lines(path: Path) -> Iterator[tuple[int, str]]:
                         "not a trace of one request per line"
                     )
                 yield line_no, line
+            if progress is not None:
+                progress(size, size)
     except OSError as exc:
         raise TraceFormatError(f"{path}: cannot read trace: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
-        raise TraceFormatError(f"{path}: not a UTF-8 text file ({exc.reason})") from None
+        raise TraceFormatError(_not_utf8(path, exc, line_no)) from None
 
 
-def _json_records(path: Path) -> Iterator[tuple[int, Mapping[str, Any]]]:
-    for line_no, line in _open_lines(path):
+_NOT_TEXT = (
+    (b"\x1f\x8b", "gzip-compressed", "zcat"),
+    (b"\xfd7zXZ\x00", "xz-compressed", "xzcat"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed", "zstdcat"),
+    (b"BZh", "bzip2-compressed", "bzcat"),
+    (b"PK\x03\x04", "a zip archive", "unzip -p"),
+)
+"""What a trace that does not decode may be, told by its first bytes, and the command that
+reads it out through a pipe."""
+
+
+def _not_utf8(path: Path, exc: UnicodeDecodeError, lines_read: int) -> str:
+    """Why ``path`` does not decode, with the line of the first bad byte where the file can
+    be read again: the text reader decodes ahead of the line it returns, so ``exc`` does
+    not say which line that is."""
+    if lines_read == 0 and exc.object[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        return f"{path}: not a UTF-8 text file (a UTF-16 byte order mark; save it as UTF-8)"
+    for magic, kind, reader in _NOT_TEXT:
+        if lines_read == 0 and exc.object.startswith(magic):
+            return (
+                f"{path}: not a UTF-8 text file ({kind}); decompress it first, "
+                f"or read it through a pipe: <({reader} {shlex.quote(str(path))})"
+            )
+    line_no = _undecodable_line(path)
+    where = f"{path}:{line_no}" if line_no is not None else str(path)
+    return f"{where}: not a UTF-8 text file ({exc.reason})"
+
+
+def _undecodable_line(path: Path) -> int | None:
+    """The line of ``path``'s first byte that is not UTF-8, or ``None`` for a pipe or a
+    device (not to be read twice) or a file that has changed since."""
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            return None
+        with path.open("rb") as raw:
+            decoder = codecs.getincrementaldecoder("utf-8")()
+            line_no = 1
+            while chunk := raw.read(2**20):
+                held = len(decoder.getstate()[0])  # a character split across chunks
+                try:
+                    decoder.decode(chunk)
+                except UnicodeDecodeError as exc:
+                    return line_no + chunk.count(b"\n", 0, max(0, exc.start - held))
+                line_no += chunk.count(b"\n")
+    except OSError:
+        return None
+    return None
+
+
+def _json_records(
+    path: Path, progress: Progress | None = None
+) -> Iterator[tuple[int, Mapping[str, Any]]]:
+    first = True
+    for line_no, line in _open_lines(path, progress):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise TraceFormatError(f"{path}:{line_no}: invalid JSON: {exc.msg}") from None
+            hint = (
+                "; a CSV trace is read as CSV when named *.csv"
+                if first and _csv_header(line)
+                else ""
+            )
+            raise TraceFormatError(f"{path}:{line_no}: invalid JSON: {exc.msg}{hint}") from None
         except RecursionError:
             raise TraceFormatError(f"{path}:{line_no}: JSON nested too deeply") from None
         except ValueError:  # not a JSONDecodeError: an integer longer than Python converts
@@ -187,20 +272,33 @@ def _json_records(path: Path) -> Iterator[tuple[int, Mapping[str, Any]]]:
             ) from None
         if not isinstance(record, dict):
             raise TraceFormatError(f"{path}:{line_no}: expected a JSON object per line")
+        first = False
         yield line_no, record
 
 
-def _csv_records(path: Path) -> Iterator[tuple[int, Mapping[str, Any]]]:
+def _csv_header(line: str) -> bool:
+    """Whether ``line`` reads as a CSV trace's header (its columns include ``hash_ids``)."""
+    return "hash_ids" in (name.strip() for name in line.split(","))
+
+
+def _csv_records(
+    path: Path, progress: Progress | None = None
+) -> Iterator[tuple[int, Mapping[str, Any]]]:
     # Long prompts make long hash_ids fields; the line bound is the real limit.
     csv.field_size_limit(max(csv.field_size_limit(), MAX_LINE_CHARS))
     header: list[str] | None = None
-    for line_no, line in _open_lines(path):
+    for line_no, line in _open_lines(path, progress):
         if not line.strip():
             continue
         try:
-            row = next(csv.reader([line]))
+            # strict: a quote left open or text after a closing quote is an error, not a
+            # field cut short (a quoted field over two lines lost the second) or run on.
+            row = next(csv.reader([line], strict=True))
         except csv.Error as exc:
-            raise TraceFormatError(f"{path}:{line_no}: invalid CSV: {exc}") from None
+            reason = str(exc)
+            if reason == "unexpected end of data":  # csv's words for a quote left open
+                reason = "a quoted field not closed on its line"
+            raise TraceFormatError(f"{path}:{line_no}: invalid CSV: {reason}") from None
         if header is None:
             header = [name.strip() for name in row]
             twice = next((name for name in header if header.count(name) > 1), None)

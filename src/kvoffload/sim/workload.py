@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvoffload.core.keys import OffloadKey
+
+Progress = Callable[[int, int], None]
+"""``progress(done, total)``: told now and then how far a long step has come (a trace
+read, a mix drawn, a replay), e.g. to draw a progress bar."""
 
 
 @dataclass(slots=True)
