@@ -45,9 +45,29 @@ def test_a_tier_larger_than_the_gpu_cache_is_refused() -> None:
         bench.measure_transfer(layout="tiny", gpu_blocks=8, cpu_blocks=8, block_size_factor=2)
 
 
-def test_bad_thread_count_is_an_input_error() -> None:
-    with pytest.raises(InvalidArgumentError, match="threads must be >= 1"):
-        bench.measure_transfer(layout="tiny", threads=0)
+@pytest.mark.parametrize("threads", [0, bench.usable_cpus() + 1, 100_000])
+def test_a_thread_count_outside_the_usable_cpus_is_an_input_error(threads: int) -> None:
+    """100000 threads once ended in "benchmark job 0 was refused" (or a crash), as torch's
+    threads left none for the copy thread."""
+    limit = bench.usable_cpus()
+    message = rf"threads must be between 1 and {limit} \(the CPUs this process may use\)"
+    with pytest.raises(InvalidArgumentError, match=message):
+        bench.measure_transfer(layout="tiny", gpu_blocks=8, cpu_blocks=8, threads=threads)
+
+
+def test_threads_above_the_usable_cpus_are_a_usage_error_naming_the_limit(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        parse("--threads", "100000")
+    assert f"--threads: must be <= {bench.usable_cpus()}, got 100000" in capsys.readouterr().err
+
+
+def test_the_usable_cpus_are_a_thread_count_the_benchmark_runs_with() -> None:
+    args = parse("--layout", "tiny", "--gpu-blocks", "8", "--cpu-blocks", "8")
+    args.threads = bench.usable_cpus()
+    args.rounds = 1
+    assert bench.run_from_args(args)["threads"] == bench.usable_cpus()
 
 
 def test_rates_count_the_bytes_moved_when_the_last_job_is_partial(

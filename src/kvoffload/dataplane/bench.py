@@ -11,6 +11,7 @@ rounds.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -44,6 +45,16 @@ DEFAULTS: dict[str, Any] = {
 """8B-class layout with 16-token blocks: 2 MiB per GPU block, 1 GiB per phase."""
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (``taskset``, a container's cpuset): the most
+    torch threads worth asking for. More only share them, and a count in the thousands
+    exhausts the process's threads (torch crashes, or the copy thread cannot start)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no affinity on this platform
+        return os.cpu_count() or 1
+
+
 def measure_transfer(
     layout: str = DEFAULTS["layout"],
     gpu_blocks: int = DEFAULTS["gpu_blocks"],
@@ -71,8 +82,11 @@ def measure_transfer(
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise InvalidArgumentError(f"seed must be an integer >= 0, got {seed!r}")
     blocks_per_job = min(blocks_per_job, cpu_blocks)  # a job is a slice of the tier's blocks
-    if threads is not None and threads < 1:
-        raise InvalidArgumentError(f"threads must be >= 1, got {threads}")
+    if threads is not None and not 1 <= threads <= usable_cpus():
+        raise InvalidArgumentError(
+            f"threads must be between 1 and {usable_cpus()} (the CPUs this process may use), "
+            f"got {threads}"
+        )
     if cpu_blocks * block_size_factor > gpu_blocks:
         raise InvalidArgumentError(
             f"{cpu_blocks} CPU blocks of {block_size_factor} GPU blocks do not fit "
@@ -143,10 +157,11 @@ def measure_transfer(
 
 
 def add_cli_arguments(
-    parser: argparse.ArgumentParser, integer: Callable[[int], Callable[[str], int]]
+    parser: argparse.ArgumentParser, integer: Callable[[int, int | None], Callable[[str], int]]
 ) -> None:
-    """Options of ``kvoffload bench transfer`` (the CLI adds ``--json``); ``integer(minimum)``
-    is the CLI's argparse type of an integer at least ``minimum``."""
+    """Options of ``kvoffload bench transfer`` (the CLI adds ``--json``);
+    ``integer(minimum, maximum)`` is the CLI's argparse type of an integer in that range
+    (``None``: unbounded)."""
     parser.add_argument("--layout", default=DEFAULTS["layout"], help="KV layout preset")
     for name, minimum, help_text in (
         ("gpu-blocks", 1, "GPU KV cache size in GPU blocks"),
@@ -158,10 +173,18 @@ def add_cli_arguments(
     ):
         default = DEFAULTS[name.replace("-", "_")]
         parser.add_argument(
-            f"--{name}", type=integer(minimum), default=default, help=f"{help_text} ({default})"
+            f"--{name}",
+            type=integer(minimum, None),
+            default=default,
+            help=f"{help_text} ({default})",
         )
     parser.add_argument("--device", default=DEFAULTS["device"], help="device of the KV cache")
-    parser.add_argument("--threads", type=integer(1), default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--threads",
+        type=integer(1, usable_cpus()),
+        default=None,
+        help=f"torch CPU threads, at most the CPUs this process may use ({usable_cpus()})",
+    )
 
 
 def run_from_args(
