@@ -6,11 +6,11 @@ import argparse
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
-from kvoffload.cli import options
-from kvoffload.core.errors import InvalidArgumentError
-from kvoffload.dataplane import bench
+from kvoffload.cli import options  # noqa: E402
+from kvoffload.core.errors import InvalidArgumentError  # noqa: E402
+from kvoffload.dataplane import bench  # noqa: E402
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -113,3 +113,24 @@ def test_bad_numbers_are_usage_errors(argv: tuple[str, str]) -> None:
 def test_a_negative_seed_is_an_input_error() -> None:
     with pytest.raises(InvalidArgumentError, match="seed must be an integer >= 0, got -1"):
         bench.measure_transfer(layout="tiny", seed=-1)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_torch_runs_on_the_callers_threads_again_after_the_benchmark(fails: bool) -> None:
+    """measure_transfer(threads=1) once left the whole process on one torch thread."""
+    callers = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        if fails:  # refused after the threads were set: its GPU cache does not exist
+            with pytest.raises(InvalidArgumentError):
+                bench.measure_transfer(
+                    layout="tiny", gpu_blocks=8, cpu_blocks=8, threads=1, device="cuda:99"
+                )
+        else:
+            results = bench.measure_transfer(
+                layout="tiny", gpu_blocks=8, cpu_blocks=8, rounds=1, threads=1
+            )
+            assert results["threads"] == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(callers)

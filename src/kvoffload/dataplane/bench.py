@@ -11,10 +11,11 @@ rounds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -92,68 +93,68 @@ def measure_transfer(
             f"{cpu_blocks} CPU blocks of {block_size_factor} GPU blocks do not fit "
             f"in {gpu_blocks} GPU blocks"
         )
-    if threads is not None:
-        torch.set_num_threads(threads)
-    rng = np.random.default_rng(seed)
-    kv = PagedKVCache(kv_layout, gpu_blocks, device)
-    store = CPUBlockStore(kv_layout, cpu_blocks, block_size_factor)
-    store.data.fill_(0)  # fault the pages in now, not during the first store
-    worker = OffloadingWorker(cpu_gpu_handlers(kv.layers, store))
-    manager = CPUOffloadingManager(cpu_blocks)
-    block_bytes = block_size_factor * kv_layout.bytes_per_block
-    job_bytes = blocks_per_job * block_bytes
-    copy_src = allocate((job_bytes,), torch.uint8, kv.device, "the plain copy's source").fill_(1)
-    copy_dst = _copy_target(job_bytes, pinned=kv.device.type == "cuda")
-    samples: dict[str, list[float]] = {"store": [], "load": [], "copy": []}
-    next_key = 0
-    if progress is not None:
-        progress(0, rounds + 1)
-    try:
-        for done in range(1, rounds + 2):  # the first round warms up
-            keys = [block_id_key(next_key + i) for i in range(cpu_blocks)]
-            next_key += cpu_blocks
-            jobs = [keys[i : i + blocks_per_job] for i in range(0, cpu_blocks, blocks_per_job)]
-            gpu_ids = [_gpu_ids(rng, gpu_blocks, len(job) * block_size_factor) for job in jobs]
-            store_seconds = _timed_jobs(
-                worker, [_store(manager, *j) for j in zip(jobs, gpu_ids, strict=True)]
-            )
-            for job in jobs:
-                manager.complete_store(job)
-            load_seconds = _timed_jobs(
-                worker, [_load(manager, *j) for j in zip(jobs, gpu_ids, strict=True)]
-            )
-            for job in jobs:
-                manager.complete_load(job)
-            copy_seconds = _timed_copies(
-                copy_dst, copy_src, [len(job) * block_bytes for job in jobs]
-            )
-            moved = cpu_blocks * block_bytes / 1e9
-            for name, seconds in (
-                ("store", store_seconds),
-                ("load", load_seconds),
-                ("copy", copy_seconds),
-            ):
-                samples[name].append(moved / seconds)
-            if progress is not None:
-                progress(done, rounds + 1)
-    finally:
-        worker.close()
-    gbps = {name: statistics.median(values[1:]) for name, values in samples.items()}
-    return {
-        "layout": layout,
-        "device": device,
-        "threads": torch.get_num_threads(),
-        "block_bytes": kv_layout.bytes_per_block,
-        "block_size_factor": block_size_factor,
-        "bytes_per_job": job_bytes,
-        "jobs_per_round": -(-cpu_blocks // blocks_per_job),
-        "rounds": rounds,
-        "store_gbps": round(gbps["store"], 3),
-        "load_gbps": round(gbps["load"], 3),
-        "copy_gbps": round(gbps["copy"], 3),
-        "store_vs_copy": round(gbps["store"] / gbps["copy"], 3),
-        "load_vs_copy": round(gbps["load"] / gbps["copy"], 3),
-    }
+    with _torch_threads(threads):
+        rng = np.random.default_rng(seed)
+        kv = PagedKVCache(kv_layout, gpu_blocks, device)
+        store = CPUBlockStore(kv_layout, cpu_blocks, block_size_factor)
+        store.data.fill_(0)  # fault the pages in now, not during the first store
+        worker = OffloadingWorker(cpu_gpu_handlers(kv.layers, store))
+        manager = CPUOffloadingManager(cpu_blocks)
+        block_bytes = block_size_factor * kv_layout.bytes_per_block
+        job_bytes = blocks_per_job * block_bytes
+        copy_src = allocate((job_bytes,), torch.uint8, kv.device, "the plain copy's source")
+        copy_src.fill_(1)
+        copy_dst = _copy_target(job_bytes, pinned=kv.device.type == "cuda")
+        samples: dict[str, list[float]] = {"store": [], "load": [], "copy": []}
+        next_key = 0
+        if progress is not None:
+            progress(0, rounds + 1)
+        try:
+            for done in range(1, rounds + 2):  # the first round warms up
+                keys = [block_id_key(next_key + i) for i in range(cpu_blocks)]
+                next_key += cpu_blocks
+                jobs = [keys[i : i + blocks_per_job] for i in range(0, cpu_blocks, blocks_per_job)]
+                gpu_ids = [_gpu_ids(rng, gpu_blocks, len(job) * block_size_factor) for job in jobs]
+                store_seconds = _timed_jobs(
+                    worker, [_store(manager, *j) for j in zip(jobs, gpu_ids, strict=True)]
+                )
+                for job in jobs:
+                    manager.complete_store(job)
+                load_seconds = _timed_jobs(
+                    worker, [_load(manager, *j) for j in zip(jobs, gpu_ids, strict=True)]
+                )
+                for job in jobs:
+                    manager.complete_load(job)
+                copy_seconds = _timed_copies(
+                    copy_dst, copy_src, [len(job) * block_bytes for job in jobs]
+                )
+                moved = cpu_blocks * block_bytes / 1e9
+                for name, seconds in (
+                    ("store", store_seconds),
+                    ("load", load_seconds),
+                    ("copy", copy_seconds),
+                ):
+                    samples[name].append(moved / seconds)
+                if progress is not None:
+                    progress(done, rounds + 1)
+        finally:
+            worker.close()
+        gbps = {name: statistics.median(values[1:]) for name, values in samples.items()}
+        return {
+            "layout": layout,
+            "device": device,
+            "threads": torch.get_num_threads(),
+            "block_bytes": kv_layout.bytes_per_block,
+            "block_size_factor": block_size_factor,
+            "bytes_per_job": job_bytes,
+            "jobs_per_round": -(-cpu_blocks // blocks_per_job),
+            "rounds": rounds,
+            "store_gbps": round(gbps["store"], 3),
+            "load_gbps": round(gbps["load"], 3),
+            "copy_gbps": round(gbps["copy"], 3),
+            "store_vs_copy": round(gbps["store"] / gbps["copy"], 3),
+            "load_vs_copy": round(gbps["load"] / gbps["copy"], 3),
+        }
 
 
 def add_cli_arguments(
@@ -202,6 +203,20 @@ def run_from_args(
         seed=args.seed,
         progress=progress,
     )
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int | None) -> Iterator[None]:
+    """torch runs on ``threads`` threads (``None``: as it was) until the block ends, then
+    on the caller's again: the setting is process-wide, and the caller's own work must
+    not inherit ours."""
+    callers = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(callers)
 
 
 def _gpu_ids(rng: np.random.Generator, gpu_blocks: int, n: int) -> list[int]:
