@@ -34,3 +34,39 @@ def test_poll_returns_at_once_while_a_job_runs() -> None:
         release.set()
         timer.cancel()
         runner.close()
+
+
+def refuse_start(self: threading.Thread) -> None:
+    """``Thread.start`` of a process that has no thread left to start."""
+    raise RuntimeError("can't start new thread")
+
+
+def test_a_runner_whose_thread_cannot_start_fails_when_it_is_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(threading.Thread, "start", refuse_start)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        ThreadRunner()
+
+
+def test_a_job_is_either_refused_and_never_run_or_run_and_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pool once started its thread at the first submission, after queueing the job:
+    when the thread could not start the job was refused, then ran behind the next one."""
+    ran: list[int] = []
+    runner = ThreadRunner()
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(threading.Thread, "start", refuse_start)
+            try:
+                runner.submit(1, lambda: ran.append(1), after_compute=False)
+                accepted = True
+            except RuntimeError:
+                accepted = False
+        runner.submit(2, lambda: ran.append(2), after_compute=False)
+        runner.wait([1, 2])
+        reported = [outcome.job_id for outcome in runner.poll()]
+        assert ran == reported == ([1, 2] if accepted else [2])
+    finally:
+        runner.close()

@@ -62,6 +62,11 @@ class ThreadRunner:
 
     def __init__(self, name: str = "kvoffload-transfer") -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        # The pool starts its thread on its first submission, after queueing the job: a
+        # thread that could not start there would refuse the job yet leave it queued, to
+        # run behind the next one into blocks the engine has since given to another
+        # request. Started here, a failure is the constructor's, and submit never starts one.
+        self._pool.submit(lambda: None).result()
         self._pending: deque[tuple[int, Future[JobOutcome]]] = deque()
 
     def submit(self, job_id: int, job: Job, after_compute: bool) -> None:
