@@ -44,6 +44,25 @@ def test_a_buffer_too_big_for_memory_names_its_size() -> None:
         CPUBlockStore(layout_preset("llama-3.1-8b"), 2**30)
 
 
+@pytest.mark.parametrize("num_blocks", [2**63, 10**19, 10**30])
+def test_a_block_count_past_torchs_sizes_is_a_buffer_too_big(num_blocks: int) -> None:
+    """bench transfer --gpu-blocks 10000000000000000000 once ended in torch's TypeError
+    (a size past int64) and a traceback."""
+    layout = layout_preset("tiny")
+    for build in (CPUBlockStore, PagedKVCache):
+        with pytest.raises(InsufficientMemoryError, match=r"cannot allocate .* GiB"):
+            build(layout, num_blocks)
+
+
+def test_the_cli_reports_a_gpu_cache_past_torchs_sizes_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["bench", "transfer", "--layout", "tiny", "--gpu-blocks", str(10**19)]
+    assert main([*args, "--cpu-blocks", "8", "--no-progress"]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("kvoffload: error: cannot allocate ") and "paged KV cache" in line
+
+
 @NO_CUDA
 def test_cli_reports_a_missing_device_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["simulate", "--data-plane", "--device", "cuda", "--requests", "5", "--no-progress"]

@@ -38,12 +38,22 @@ def allocate(
     zero: bool = False,
 ) -> torch.Tensor:
     """A new tensor for ``what``; :class:`InsufficientMemoryError` if it does not fit."""
+    num_bytes = math.prod(shape) * dtype.itemsize
+    if num_bytes > _MAX_BYTES:  # torch would refuse the sizes with a TypeError
+        raise _does_not_fit(num_bytes, what, device)
     make = torch.zeros if zero else torch.empty
     try:
         return make(shape, dtype=dtype, device=device)
     except RuntimeError:  # torch.OutOfMemoryError is a RuntimeError too
-        gib = math.prod(shape) * dtype.itemsize / 2**30
-        raise InsufficientMemoryError(
-            f"cannot allocate {gib:.1f} GiB for {what} on {device}: not enough memory; "
-            "use a smaller KV layout or fewer blocks"
-        ) from None
+        raise _does_not_fit(num_bytes, what, device) from None
+
+
+_MAX_BYTES = 2**63 - 1
+"""torch's sizes are int64: no tensor has more bytes (and no machine that much memory)."""
+
+
+def _does_not_fit(num_bytes: int, what: str, device: torch.device) -> InsufficientMemoryError:
+    return InsufficientMemoryError(
+        f"cannot allocate {num_bytes / 2**30:.1f} GiB for {what} on {device}: not enough "
+        "memory; use a smaller KV layout or fewer blocks"
+    )
