@@ -101,3 +101,12 @@ def test_a_permuted_layer_is_refused_not_copied_into_a_copy() -> None:
     layers = [torch.zeros(shape, dtype=torch.float16).transpose(2, 3) for _ in range(2)]
     with pytest.raises(InvalidArgumentError, match="contiguous in memory"):
         CPUGPUHandler(layers, CPUBlockStore(layout, 4), to_cpu=False)
+
+
+def test_a_layer_without_blocks_is_refused_as_such() -> None:
+    """It was refused as "not contiguous in memory", which named the wrong cause."""
+    layout = LAYOUTS["tiny-f16"]
+    shape = (2, 0, layout.tokens_per_block, layout.kv_heads, layout.head_dim)
+    layers = [torch.zeros(shape, dtype=torch.float16) for _ in range(2)]
+    with pytest.raises(InvalidArgumentError, match="at least one block, got \\(2, 0, 4, 2, 16\\)"):
+        CPUGPUHandler(layers, CPUBlockStore(layout, 4), to_cpu=True)

@@ -81,6 +81,10 @@ def page_groups(layers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             raise InvalidArgumentError(
                 f"KV layer tensors must be [2, num_blocks, ...], got {tuple(layer.shape)}"
             )
+        if layer.shape[1] == 0:  # else refused below as "not contiguous", for want of rows
+            raise InvalidArgumentError(
+                f"KV layer tensors need at least one block, got {tuple(layer.shape)}"
+            )
         for half in layer.unbind(0):
             page = _page_rows(half)
             if page is None:
