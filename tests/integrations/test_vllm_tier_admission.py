@@ -160,3 +160,21 @@ def test_a_bad_tier_write_budget_is_refused_naming_its_key(
     }
     with pytest.raises(InvalidArgumentError, match=f"'{re.escape(key)}': .*{message}"):
         create_spec(extra)
+
+
+def test_the_drive_key_sizes_the_disk_tier_s_drive_writes_per_day(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    """``kvoffload.drive_bytes`` is the drive of the disk tier's budget too, as the
+    simulator's ``--drive-bytes`` (it was refused without ``kvoffload.write_budget``)."""
+    extra = {
+        "cpu_bytes_to_use": 16 * 1024,
+        "kvoffload.disk_dir": str(tmp_path),
+        "kvoffload.disk_bytes": 1 << 20,
+        "kvoffload.disk_admission": "recommended",
+        "kvoffload.disk_write_budget": "2dwpd",
+        "kvoffload.drive_bytes": "1.92TB",
+    }
+    sized = create_spec(extra).stack_config(events=False).disk_write_budget
+    assert isinstance(sized, WriteBudget)
+    assert sized.bytes_per_second() == pytest.approx(2 * 1.92e12 / 86_400)

@@ -270,10 +270,11 @@ def _write_budget(
         raise InvalidArgumentError(
             f"kv_connector_extra_config {DRIVE_BYTES_KEY!r}: {exc}"
         ) from None
-    if drive_bytes is not None and budget is None:
+    if drive_bytes is not None and budget is None and config.get(DISK_WRITE_BUDGET_KEY) is None:
         raise InvalidArgumentError(
             f"kv_connector_extra_config {DRIVE_BYTES_KEY!r} is the drive a write budget in "
-            f"drive writes per day counts against: it needs {WRITE_BUDGET_KEY!r}"
+            f"drive writes per day counts against: it needs {WRITE_BUDGET_KEY!r} or "
+            f"{DISK_WRITE_BUDGET_KEY!r}"
         )
     if budget is not None and resolve_admission(admission) != "optimiser":
         raise InvalidArgumentError(
