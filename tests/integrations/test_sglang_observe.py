@@ -110,6 +110,37 @@ def test_prometheus_serves_each_tiers_counters(
     assert samples[("kvoffload_l3_loads_total", "disk")] == 2
 
 
+def test_pages_a_full_server_was_not_sent_are_counted_in_stats_and_prometheus(
+    backend_of: Any, own_server: ValkeyProcess
+) -> None:
+    """After the server refuses a store as full (OOM), the shared tier rests from stores and
+    drops them unsent, counted in its ``skipped_full``: SGLang's operators see it too."""
+    own_server.start()
+    port = free_port()
+    pool = HostPool()
+    extra = {"kvoffload.remote_url": own_server.url, "kvoffload.metrics_port": port}
+    backend = backend_of(extra, pool, model="full", tp_rank=0)
+    backend.paths[0].tier.breaker.cooldown_s = 600.0  # the rest outlasts the test
+    pool.fill(list(range(6)), seed=5)
+    assert all(backend.batch_set_v1(KEYS[:2], pool.indices([0, 1])))
+    own_server.client().config_set("maxmemory", 1)  # full, under the default noeviction
+    assert backend.batch_set_v1(KEYS[2:3], pool.indices([2])) == [False]  # refused: OOM
+    assert backend.batch_set_v1(KEYS[3:6], pool.indices([3, 4, 5])) == [False] * 3
+    assert backend.batch_get_v1(KEYS[:2], pool.indices([6, 7])) == [True, True]
+    remote = backend.get_stats().kvoffload["remote"]
+    assert (remote["skipped_full"], remote["stores_failed"], remote["unavailable"]) == (3, 4, 1)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    samples = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.labels.get("tier") == "remote"
+    }
+    assert samples["kvoffload_l3_skipped_full_total"] == 3
+    assert samples["kvoffload_l3_stores_failed_total"] == 4
+
+
 def test_get_stats_gives_sglang_its_metrics_and_ours(
     backend_of: Any, tmp_path: Path, valkey_server: ValkeyProcess
 ) -> None:

@@ -51,3 +51,20 @@ def test_a_full_configuration_is_read_as_given() -> None:
 def test_every_bad_key_or_value_is_named(extra: dict[str, Any], named: str) -> None:
     with pytest.raises(InvalidArgumentError, match=re.escape(named)):
         parse_settings(extra)
+
+
+def test_a_size_json_spells_as_a_whole_float_is_taken_as_vllm_takes_it() -> None:
+    """``--hicache-storage-backend-extra-config '{"kvoffload.disk_bytes": 500e9}'`` gives
+    JSON's float 500000000000.0: taken as vLLM's keys take it, a fraction still refused."""
+    settings = parse_settings(
+        {
+            "kvoffload.disk_dir": "/nvme/l3",
+            "kvoffload.disk_bytes": 500e9,
+            "kvoffload.remote_url": "redis://a:1",
+            "kvoffload.remote_bytes": 2e12,
+        }
+    )
+    assert (settings.disk_bytes, settings.remote_bytes) == (500 * 10**9, 2 * 10**12)
+    assert isinstance(settings.disk_bytes, int)
+    with pytest.raises(InvalidArgumentError, match=re.escape("'kvoffload.disk_bytes'")):
+        parse_settings({"kvoffload.disk_dir": "/nvme/l3", "kvoffload.disk_bytes": 4096.5})

@@ -274,6 +274,30 @@ def test_a_dead_server_is_counted_failures_and_misses_never_an_exception(
     assert stats is not None
 
 
+def test_writes_a_full_server_was_not_sent_reach_vllm_s_metrics(
+    vllm_modules: dict[str, ModuleType], own_server: ValkeyProcess, engines: Callable[..., Engine]
+) -> None:
+    """After the server refuses a store as full (OOM), the shared tier drops stores unsent
+    for its breaker's cool-down: counted apart, they reach vLLM's stats beside the failures."""
+    from kvoffload.integrations.vllm.secondary import METRIC_PREFIX
+
+    own_server.start()
+    engine = engines([_shared(own_server.url, admission="none")], cpu_blocks=2)
+    shared = engine.tiers[0]
+    shared.tier.breaker.cooldown_s = 600.0  # the rest outlasts the test
+    engine.replay.request(KEYS[:2])
+    own_server.client().config_set("maxmemory", 1)  # full, under the default noeviction
+    engine.replay.request(KEYS[2:4])  # refused: OOM
+    engine.replay.request(KEYS[4:6])  # not sent
+    c = shared.counters
+    assert (c.written_blocks, c.write_failures, c.writes_skipped_full) == (2, 4, 2)
+    stats = engine.manager.get_stats()
+    assert stats is not None
+    values = stats.data["data"]
+    assert sum(values[f"{METRIC_PREFIX}writes_skipped_full"].values()) == 2
+    assert sum(values[f"{METRIC_PREFIX}write_failures"].values()) == 4
+
+
 @pytest.mark.parametrize(
     ("entry", "key"),
     [

@@ -3,6 +3,7 @@ package's one builder; a bad key or value stops start-up naming it."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -11,7 +12,8 @@ import pytest
 import vllm_helpers
 
 from kvoffload import InvalidArgumentError
-from kvoffload.admission import OptimisingAdmission
+from kvoffload.admission import OptimisingAdmission, WriteBudget
+from kvoffload.admission.budget import BYTES_PER_S, DWPD, PER_REF
 
 create_spec = vllm_helpers.create_spec
 
@@ -78,3 +80,101 @@ def test_a_bad_tier_admission_key_is_refused_by_name(
 ) -> None:
     with pytest.raises(InvalidArgumentError, match=named.replace(".", r"\.")):
         create_spec({"cpu_bytes_to_use": 4096, **extra})
+
+
+@pytest.mark.parametrize(
+    ("budget", "unit"),
+    [(0.25, PER_REF), ("0.25", PER_REF), ("20kB/s", BYTES_PER_S), ("2dwpd", DWPD)],
+)
+def test_a_tier_s_write_budget_takes_what_the_cpu_tier_s_takes(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, budget: str | float, unit: str
+) -> None:
+    """``kvoffload.disk_write_budget`` / ``kvoffload.remote_write_budget`` take the numbers
+    and strings ``kvoffload.write_budget`` takes, in the spec's block size; drive writes per
+    day count against the tier's size (they took a number only)."""
+    extra = {
+        "cpu_bytes_to_use": 16 * 1024,
+        "kvoffload.disk_dir": str(tmp_path),
+        "kvoffload.disk_bytes": 1 << 20,
+        "kvoffload.disk_admission": "recommended",
+        "kvoffload.disk_write_budget": budget,
+        "kvoffload.remote_url": "redis://127.0.0.1:1/0",  # never asked: no stack is built
+        "kvoffload.remote_admission": "recommended",
+        "kvoffload.remote_bytes": 1 << 30,
+        "kvoffload.remote_write_budget": budget,
+    }
+    spec = create_spec(extra, model="tier-budgets")
+    config = spec.stack_config(events=False)
+    for sized, size in ((config.disk_write_budget, 1 << 20), (config.remote_write_budget, 1 << 30)):
+        assert isinstance(sized, WriteBudget) and sized.unit == unit
+        assert sized.block_bytes == spec.bytes_per_block
+        if unit == DWPD:
+            assert sized.bytes_per_second() == pytest.approx(2 * size / 86_400)
+        elif unit == PER_REF:
+            assert sized.amount == 0.25
+
+
+def test_a_string_write_budget_reaches_the_disk_tier_s_optimiser(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    extra = {
+        "cpu_bytes_to_use": 16 * 1024,
+        "kvoffload.disk_dir": str(tmp_path),
+        "kvoffload.disk_bytes": 1 << 20,
+        "kvoffload.disk_admission": "recommended",
+        "kvoffload.disk_write_budget": "20kB/s",
+    }
+    spec = create_spec(extra, model="tier-budget-rate")
+    try:
+        spec.get_manager()
+        layer = spec._stack.disk_admission
+        assert isinstance(layer, OptimisingAdmission) and layer.write_credit is not None
+        assert layer.write_credit.budget.blocks_per_second() == pytest.approx(
+            20_000 / spec.bytes_per_block
+        )
+    finally:
+        spec.close()
+
+
+@pytest.mark.parametrize(
+    ("key", "budget", "message"),
+    [
+        ("kvoffload.disk_write_budget", "lots", "write budget: expected"),
+        ("kvoffload.disk_write_budget", True, "must be a number or a string"),
+        ("kvoffload.remote_write_budget", "-1MB/s", "write budget: must"),
+        ("kvoffload.remote_write_budget", "1e300TB/s", "finite rate"),
+    ],
+)
+def test_a_bad_tier_write_budget_is_refused_naming_its_key(
+    vllm_modules: dict[str, ModuleType], key: str, budget: object, message: str
+) -> None:
+    extra = {
+        "cpu_bytes_to_use": 4096,
+        "kvoffload.disk_dir": "/tmp/x",
+        "kvoffload.disk_bytes": 1 << 20,
+        "kvoffload.disk_admission": "recommended",
+        "kvoffload.remote_url": "redis://127.0.0.1:1/0",
+        "kvoffload.remote_admission": "recommended",
+        "kvoffload.remote_bytes": 1 << 30,
+        key: budget,
+    }
+    with pytest.raises(InvalidArgumentError, match=f"'{re.escape(key)}': .*{message}"):
+        create_spec(extra)
+
+
+def test_the_drive_key_sizes_the_disk_tier_s_drive_writes_per_day(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    """``kvoffload.drive_bytes`` is the drive of the disk tier's budget too, as the
+    simulator's ``--drive-bytes`` (it was refused without ``kvoffload.write_budget``)."""
+    extra = {
+        "cpu_bytes_to_use": 16 * 1024,
+        "kvoffload.disk_dir": str(tmp_path),
+        "kvoffload.disk_bytes": 1 << 20,
+        "kvoffload.disk_admission": "recommended",
+        "kvoffload.disk_write_budget": "2dwpd",
+        "kvoffload.drive_bytes": "1.92TB",
+    }
+    sized = create_spec(extra).stack_config(events=False).disk_write_budget
+    assert isinstance(sized, WriteBudget)
+    assert sized.bytes_per_second() == pytest.approx(2 * 1.92e12 / 86_400)

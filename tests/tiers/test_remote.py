@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import threading
@@ -454,6 +455,63 @@ def test_a_full_server_is_sent_no_store_for_its_breaker_s_cool_down(tmp_path: Pa
             tier.write([keys[sent + 10]], [content(keys[sent + 10], size)])
             tier.poll(wait=True)
             assert sets_received() == seen + 1 and tier.skipped_full == 10
+        finally:
+            tier.close()
+    finally:
+        server.stop()
+
+
+def test_a_server_that_cannot_persist_is_sent_no_store_for_its_breaker_s_cool_down(
+    tmp_path: Path,
+) -> None:
+    """A server whose snapshot failed (stop-writes-on-bgsave-error, Valkey's default, with
+    save points) answers every SET with MISCONF until an operator acts, as a full one does
+    with OOM: the node rests from stores for its breaker's cool-down, loads go on, and a
+    tier starts against it (its PING is refused with MISCONF too)."""
+    server = ValkeyProcess(tmp_path / "misconf").start()
+    admin = server.client()
+
+    def sets_received() -> int:
+        stats = admin.info("commandstats").get("cmdstat_set", {})
+        return int(stats.get("calls", 0)) + int(stats.get("rejected_calls", 0))
+
+    try:
+        size = 32_000
+        tier = RemoteTier(
+            server.url,
+            layout_fingerprint("misconf", layout_preset("tiny"), size),
+            breaker=CircuitBreaker(threshold=1, cooldown_s=60),
+        )
+        keys = [block_id_key(i) for i in range(20)]
+        try:
+            tier.write(keys[:4], [content(key, size) for key in keys[:4]])
+            tier.poll(wait=True)
+            assert tier.stats.stored_blocks == 4
+            admin.config_set("save", "3600 1")
+            shutil.rmtree(server.directory)  # the snapshot has nowhere to go, even as root
+            admin.bgsave()
+            deadline = time.monotonic() + 30
+            while admin.info("persistence")["rdb_last_bgsave_status"] != "err":
+                assert time.monotonic() < deadline, "the snapshot did not fail"
+                time.sleep(0.05)
+            tier.write([keys[4]], [content(keys[4], size)])
+            tier.poll(wait=True)
+            assert tier.stats.failed == 1 and tier.unavailable == 1  # MISCONF came
+            seen = sets_received()
+            for key in keys[5:15]:
+                tier.write([key], [content(key, size)])
+                tier.poll(wait=True)
+            assert sets_received() == seen
+            assert tier.skipped_full == 10 and tier.stats.failed == 11
+            buffers = [bytearray(size) for _ in range(4)]
+            ok = tier.read(keys[:4], lambda i: memoryview(buffers[i])).result(timeout=10)
+            assert ok == [True] * 4
+            assert not tier.breaker.is_open and tier.unavailable == 1
+            late = RemoteTier(server.url, tier.fingerprint)  # starts: the server answers
+            try:
+                assert late.held(keys[:5]) == [True] * 4 + [False]
+            finally:
+                late.close()
         finally:
             tier.close()
     finally:

@@ -86,6 +86,10 @@ MAX_NODES = 1024
 a node beyond them is not followed, so a hostile server's made-up addresses cannot grow
 the tier's nodes, breakers and lookup threads without end. A node a new slot map leaves
 out is forgotten once no call uses it, so the cap bounds live nodes, not a long run's."""
+REFUSES_STORES = frozenset({"OOM", "MISCONF"})
+"""Error codes of a server that will refuse every store until an operator acts: ``OOM``
+(full, maxmemory with ``noeviction``) and ``MISCONF`` (a snapshot failed to save, with
+``stop-writes-on-bgsave-error``). Either rests the node from stores; loads go on."""
 MAP_REFRESH_S = 1.0
 """Seconds between two refreshes of a Cluster's slot map at least. A node that fails or is
 refused has its map asked again of a live node: after a failover or a node's removal its
@@ -117,15 +121,18 @@ class _Node:
         self._lock = threading.Lock()
         self._closed = False
         self.full_at = -math.inf
-        """When the node last refused a store for want of memory (``OOM``; monotonic)."""
+        """When the node last refused a store as full or unable to persist (an error code of
+        :data:`REFUSES_STORES`; monotonic)."""
         self.calls = 0
         """Calls under way on the node (under the tier's lock): a node a new slot map
         leaves out is forgotten only when there are none."""
 
     def is_resting(self) -> bool:
-        """Whether the node refused a store as full less than its breaker's cool-down ago:
-        a full server (maxmemory with ``noeviction``) refuses every store until memory is
-        freed, so sending each one cost a round trip and its bytes for nothing."""
+        """Whether the node refused a store as full or unable to persist less than its
+        breaker's cool-down ago: such a server (maxmemory with ``noeviction``, a failed
+        snapshot with ``stop-writes-on-bgsave-error``) refuses every store until memory is
+        freed or the snapshot saves, so sending each one cost a round trip and its bytes for
+        nothing."""
         return time.monotonic() - self.full_at < self.breaker.cooldown_s
 
     @property
@@ -234,8 +241,8 @@ class RemoteTier:
         """Calls refused by an open breaker or failed by the server (timeouts included, those
         of a node left too little time too)."""
         self.skipped_full = 0
-        """Blocks whose store was not sent, its node resting after an ``OOM`` reply
-        (:meth:`_Node.is_resting`); they count in ``failed`` too."""
+        """Blocks whose store was not sent, its node resting after an ``OOM`` or ``MISCONF``
+        reply (:meth:`_Node.is_resting`); they count in ``failed`` too."""
         self._lock = threading.Lock()
         self._credentials = Credentials(
             self.address.username,
@@ -428,8 +435,8 @@ class RemoteTier:
         are the slow ones, and a healthy node left a sliver by a slow one would otherwise
         have its breaker opened by it. An error reply fails the call but is no failure of
         the node's: a full server (``OOM``, maxmemory with ``noeviction``) refusing stores
-        opened its breaker, and its loads were refused with them. An ``OOM`` rests the node
-        from stores instead (:meth:`_Node.is_resting`)."""
+        opened its breaker, and its loads were refused with them. An ``OOM`` or ``MISCONF``
+        rests the node from stores instead (:meth:`_Node.is_resting`)."""
         if deadline.passed():
             with self._lock:
                 self.unavailable += 1
@@ -462,7 +469,7 @@ class RemoteTier:
             starved = deadline.at - begun < begun - deadline.since
             if isinstance(exc, ServerReplyError):  # an answer: the node is up (full, loading)
                 node.breaker.success()
-                if exc.code == "OOM":
+                if exc.code in REFUSES_STORES:
                     node.full_at = time.monotonic()
             elif starved and deadline.passed():
                 node.breaker.excuse()

@@ -108,6 +108,12 @@ class ErrorReply:
 Reply = bytes | int | None | list["Reply"] | ErrorReply
 
 
+def _refused(reply: ErrorReply) -> ConnectError:
+    """The error of a connection whose set-up the server answered with ``reply``."""
+    auth = reply.code in ("WRONGPASS", "NOAUTH") or "AUTH" in reply.message
+    return ConnectError("auth" if auth else "server", reply.message)
+
+
 class Deadline:
     """A point in time (``time.monotonic``) an operation must end by, and when it began."""
 
@@ -386,10 +392,15 @@ class Connection:
             raise ConnectError("network", "no full answer before the deadline") from None
         except OSError as exc:
             raise ConnectError("network", _describe(exc)) from None
-        for reply in replies:
+        *setup, ping = replies
+        for reply in setup:
             if isinstance(reply, ErrorReply):
-                auth = reply.code in ("WRONGPASS", "NOAUTH") or "AUTH" in reply.message
-                raise ConnectError("auth" if auth else "server", reply.message)
+                raise _refused(reply)
+        # A server that cannot persist refuses PING with MISCONF as it refuses writes, yet
+        # serves reads: it answered in RESP, so the connection is good (its stores then rest
+        # the node, see the shared tier's ``REFUSES_STORES``), not a failure of every call.
+        if isinstance(ping, ErrorReply) and ping.code != "MISCONF":
+            raise _refused(ping)
 
     def close(self) -> None:
         self.sock.close()

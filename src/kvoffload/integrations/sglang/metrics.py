@@ -32,6 +32,8 @@ COUNTER_DOCS = {
     "evictions": "Pages the tier evicted (disk) to make room.",
     "corrupt": "Stored values that failed their checks and were never loaded.",
     "unavailable": "Shared-tier calls refused by the open breaker or failed by the server.",
+    "skipped_full": "Shared-tier pages not sent: the server refused a store as full (OOM) or "
+    "unable to persist (MISCONF) less than a breaker cool-down ago.",
     "rejected": "Admitted pages that did not fit.",
 }
 

@@ -54,6 +54,9 @@ class TierCounters:
     corrupt: int = 0
     unavailable: int = 0
     """Calls refused by the open breaker or failed by the server (the shared tier only)."""
+    skipped_full: int = 0
+    """Pages not sent, the server resting after refusing a store as full (``OOM``) or unable
+    to persist (``MISCONF``); counted in ``stores_failed`` too (the shared tier only)."""
     rejected: int = 0
     held_pages: int = 0
     """Disk: pages in the slot file; shared tier: pages written (the server may evict some)."""
@@ -139,8 +142,9 @@ class TierPath:
         self._lookup_lock: contextlib.AbstractContextManager[Any] = (
             contextlib.nullcontext() if isinstance(self.tier, RemoteTier) else self._lock
         )
-        self._seen = (0, 0, 0, 0)
-        """The tier's (evicted, corrupt, rejected, unavailable) already in the counters."""
+        self._seen = (0, 0, 0, 0, 0)
+        """The tier's (evicted, corrupt, rejected, unavailable, skipped_full) already in the
+        counters."""
         self._held_base = 0
         """The shared tier's stored pages when it was last cleared."""
 
@@ -238,7 +242,7 @@ class TierPath:
                 tier.close()
                 tier.path.unlink(missing_ok=True)
                 self.tier = self._open()
-                self._seen = (0, 0, 0, 0)
+                self._seen = (0, 0, 0, 0, 0)
             self._derive()
 
     def close(self) -> None:
@@ -272,13 +276,16 @@ class TierPath:
     def _derive(self) -> None:
         """Add the tier's new counts of its own (under the count lock; they are plain ints)."""
         tier, c = self.tier, self._counters
-        unavailable = tier.unavailable if isinstance(tier, RemoteTier) else 0
-        now = (tier.stats.evicted, tier.stats.corrupt, tier.stats.rejected, unavailable)
+        unavailable, skipped = (
+            (tier.unavailable, tier.skipped_full) if isinstance(tier, RemoteTier) else (0, 0)
+        )
+        now = (tier.stats.evicted, tier.stats.corrupt, tier.stats.rejected, unavailable, skipped)
         before, self._seen = self._seen, now
         c.evictions += now[0] - before[0]
         c.corrupt += now[1] - before[1]
         c.rejected += now[2] - before[2]
         c.unavailable += now[3] - before[3]
+        c.skipped_full += now[4] - before[4]
         if isinstance(tier, DiskTier):
             c.held_pages = len(tier)
         else:

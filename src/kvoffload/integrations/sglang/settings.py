@@ -256,7 +256,10 @@ def _int(
     config: Mapping[str, Any], key: str, minimum: int, default: int, maximum: int | None = None
 ) -> int:
     value = config.get(key, default)
+    # As vLLM's keys: numeric strings and whole floats, as JSON may spell a size (500e9).
     if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, float) and value.is_integer():
         value = int(value)
     bad = isinstance(value, bool) or not isinstance(value, int) or value < minimum
     if bad or (maximum is not None and value > maximum):

@@ -69,6 +69,7 @@ from kvoffload.integrations.vllm.secondary_settings import (
     parse_shared_settings,
 )
 from kvoffload.integrations.vllm.spec import config_fingerprint
+from kvoffload.tiers.remote import RemoteTier
 from kvoffload.tiers.stack import tier_book, tier_opener
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,9 @@ class SecondaryCounters:
     written_blocks: int = 0
     bytes_written: int = 0
     write_failures: int = 0
+    writes_skipped_full: int = 0
+    """Blocks of ``write_failures`` the shared tier did not send: its server refused a store
+    as full (``OOM``) or unable to persist (``MISCONF``) less than a breaker cool-down ago."""
     loaded_blocks: int = 0
     bytes_read: int = 0
     load_failures: int = 0
@@ -122,6 +126,8 @@ COUNTER_DOCS = {
     "written_blocks": "Blocks written to this secondary tier.",
     "bytes_written": "Bytes written to this secondary tier.",
     "write_failures": "Blocks whose write failed (server down or slow, disk full, ...).",
+    "writes_skipped_full": "Failed writes the shared tier did not send: its server refused a "
+    "store as full (OOM) or unable to persist (MISCONF) less than a breaker cool-down ago.",
     "loaded_blocks": "Blocks promoted from this secondary tier into the CPU tier, intact.",
     "bytes_read": "Bytes promoted from this secondary tier into the CPU tier.",
     "load_failures": "Blocks whose promotion failed (absent, unreachable or corrupt).",
@@ -155,6 +161,8 @@ class _Stored:
     admitted: int
     written: int
     failed: int
+    skipped_full: int = 0
+    """Of ``failed``, those the shared tier did not send (:attr:`RemoteTier.skipped_full`)."""
 
 
 class _Owner:
@@ -238,6 +246,7 @@ class _Owner:
         chosen_payloads = dict(zip(keys, payloads, strict=True))
         stats = tier.stats
         stored, failed = stats.stored_blocks, stats.failed + stats.rejected
+        skipped = _skipped_full(tier)
         try:
             # Straight from the CPU tier's rows: our tiers send any buffer as it is.
             tier.write(admitted, [chosen_payloads[key] for key in admitted])
@@ -247,7 +256,8 @@ class _Owner:
             return _Stored(held, len(admitted), 0, len(admitted))
         self._take_events()
         written = stats.stored_blocks - stored
-        return _Stored(held, len(admitted), written, stats.failed + stats.rejected - failed)
+        failed = stats.failed + stats.rejected - failed
+        return _Stored(held, len(admitted), written, failed, _skipped_full(tier) - skipped)
 
     def _load(self, keys: list[OffloadKey], target: Target) -> list[bool]:
         try:
@@ -636,6 +646,7 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         c.written_blocks += stored.written
         c.bytes_written += stored.written * self.payload_bytes
         c.write_failures += stored.failed
+        c.writes_skipped_full += stored.skipped_full
         return JobResult(
             job_id,
             stored.failed == 0,
@@ -679,6 +690,11 @@ class KVOffloadSharedTier(_KVOffloadSecondaryTier):
     @override
     def parse(cls, tier_type: str, entry: dict[str, Any]) -> SecondarySettings:
         return parse_shared_settings(tier_type, entry)
+
+
+def _skipped_full(tier: LowerTier) -> int:
+    """The stores ``tier`` dropped unsent so far, its server resting (the shared tier only)."""
+    return tier.skipped_full if isinstance(tier, RemoteTier) else 0
 
 
 def _payload_bytes(spec: OffloadingSpec, row_bytes: int) -> int:

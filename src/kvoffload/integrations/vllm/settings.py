@@ -121,9 +121,9 @@ class SpecSettings:
     disk_dir: str | None = None
     disk_bytes: int = 0
     disk_admission: str = "none"
-    disk_write_budget: float | None = None
+    disk_write_budget: WriteBudget | None = None
     remote_admission: str = "none"
-    remote_write_budget: float | None = None
+    remote_write_budget: WriteBudget | None = None
     remote_bytes: int = 0
     disk_timeout_ms: float = DEFAULT_TIMEOUT_MS
     write_budget: WriteBudget | None = None
@@ -204,14 +204,15 @@ def _tier_admission(
     config: Mapping[str, Any], *, disk_dir: str | None, remote_url: str | None
 ) -> dict[str, Any]:
     """The lower tiers' own admission settings, checked by the stack builder's
-    :class:`LowerTierConfig` (its size still unknown), each error naming this spec's key."""
+    :class:`LowerTierConfig` (its size still unknown), each error naming this spec's key.
+    A budget takes what ``kvoffload.write_budget`` takes; it is sized by the spec."""
     settings: dict[str, Any] = {}
     for kind, location, location_key, key, budget_key in (
         (DISK, disk_dir, DISK_DIR_KEY, DISK_ADMISSION_KEY, DISK_WRITE_BUDGET_KEY),
         (REMOTE, remote_url, REMOTE_URL_KEY, REMOTE_ADMISSION_KEY, REMOTE_WRITE_BUDGET_KEY),
     ):
         admission = _str(config, key) or "none"
-        budget = config.get(budget_key)
+        budget = _parsed_budget(config, budget_key)
         if location is None:
             if admission != "none" or budget is not None:
                 raise InvalidArgumentError(
@@ -229,7 +230,7 @@ def _tier_admission(
                 names={"admission": repr(key), "write_budget": repr(budget_key)},
             )
         settings[f"{kind}_admission"] = admission
-        settings[f"{kind}_write_budget"] = None if budget is None else float(budget)
+        settings[f"{kind}_write_budget"] = budget
     if remote_url is None and REMOTE_BYTES_KEY in config:
         raise InvalidArgumentError(
             f"kv_connector_extra_config {REMOTE_BYTES_KEY!r} needs the remote tier "
@@ -246,23 +247,34 @@ def _tier_admission(
     return settings
 
 
+def _parsed_budget(config: Mapping[str, Any], key: str) -> WriteBudget | None:
+    """The write budget under ``key`` as written: a number or a string of
+    :meth:`WriteBudget.parse` (``0.2``, ``200MB/s``, ``1dwpd``); an error names ``key``."""
+    if config.get(key) is None:
+        return None
+    try:
+        return WriteBudget.parse(config[key])
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"kv_connector_extra_config {key!r}: {exc}") from None
+
+
 def _write_budget(
     config: Mapping[str, Any], admission: str
 ) -> tuple[WriteBudget | None, int | None]:
     """The write budget and drive size keys, checked (the budget needs the optimiser)."""
+    budget = _parsed_budget(config, WRITE_BUDGET_KEY)
+    drive = config.get(DRIVE_BYTES_KEY)
     try:
-        budget = None
-        if config.get(WRITE_BUDGET_KEY) is not None:
-            budget = WriteBudget.parse(config[WRITE_BUDGET_KEY])
-        drive = config.get(DRIVE_BYTES_KEY)
         drive_bytes = None if drive is None else parse_bytes(drive, "drive size")
     except InvalidArgumentError as exc:
-        key = DRIVE_BYTES_KEY if "drive size" in str(exc) else WRITE_BUDGET_KEY
-        raise InvalidArgumentError(f"kv_connector_extra_config {key!r}: {exc}") from None
-    if drive_bytes is not None and budget is None:
+        raise InvalidArgumentError(
+            f"kv_connector_extra_config {DRIVE_BYTES_KEY!r}: {exc}"
+        ) from None
+    if drive_bytes is not None and budget is None and config.get(DISK_WRITE_BUDGET_KEY) is None:
         raise InvalidArgumentError(
             f"kv_connector_extra_config {DRIVE_BYTES_KEY!r} is the drive a write budget in "
-            f"drive writes per day counts against: it needs {WRITE_BUDGET_KEY!r}"
+            f"drive writes per day counts against: it needs {WRITE_BUDGET_KEY!r} or "
+            f"{DISK_WRITE_BUDGET_KEY!r}"
         )
     if budget is not None and resolve_admission(admission) != "optimiser":
         raise InvalidArgumentError(

@@ -35,8 +35,10 @@ from kvoffload.integrations.vllm.settings import (
     ADMISSION_KEY,
     DISK_BYTES_KEY,
     DISK_DIR_KEY,
+    DISK_WRITE_BUDGET_KEY,
     REMOTE_BYTES_KEY,
     REMOTE_URL_KEY,
+    REMOTE_WRITE_BUDGET_KEY,
     WRITE_BUDGET_KEY,
     SpecSettings,
     parse_settings,
@@ -200,7 +202,20 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 f"kv_connector_extra_config {REMOTE_BYTES_KEY!r} {self.settings.remote_bytes} "
                 f"holds no offloaded block of {self.bytes_per_block} bytes"
             )
-        self.write_budget = self._sized_write_budget()
+        # The CPU tier's budget and the disk tier's count drive writes per day against
+        # kvoffload.drive_bytes, or else the disk tier's size; the shared tier's against its
+        # share of the server (kvoffload.remote_bytes).
+        self.write_budget = self._sized(
+            self.settings.write_budget, self._disk_drive_bytes(), WRITE_BUDGET_KEY
+        )
+        self.disk_write_budget = self._sized(
+            self.settings.disk_write_budget, self._disk_drive_bytes(), DISK_WRITE_BUDGET_KEY
+        )
+        self.remote_write_budget = self._sized(
+            self.settings.remote_write_budget,
+            self.settings.remote_bytes or None,
+            REMOTE_WRITE_BUDGET_KEY,
+        )
         self.fingerprint = _fingerprint(config, self.rank_slot_bytes, self.world_size)
         self._manager: VLLMManagerAdapter | None = None
         self._stack: Stack | None = None
@@ -208,22 +223,22 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
         self._worker: Any = None
         self._slot_bytes: SharedSlotBytes | None = None
 
-    def _sized_write_budget(self) -> WriteBudget | None:
-        """The CPU tier's write budget in its blocks; drive writes per day count against
-        ``kvoffload.drive_bytes``, or else the disk tier's size."""
-        budget = self.settings.write_budget
+    def _disk_drive_bytes(self) -> int | None:
+        """The drive that drive writes per day count against: ``kvoffload.drive_bytes``, or
+        else the disk tier's size, as in the simulator."""
+        if self.settings.drive_bytes is None and self.settings.disk_dir is not None:
+            return self.settings.disk_bytes
+        return self.settings.drive_bytes
+
+    def _sized(self, budget: WriteBudget | None, drive: int | None, key: str) -> WriteBudget | None:
+        """``budget`` in this spec's blocks, ``drive`` its drive's size; an error names ``key``."""
         if budget is None:
             return None
-        drive = self.settings.drive_bytes
-        if drive is None and self.settings.disk_dir is not None:
-            drive = self.settings.disk_bytes
         budget = budget.sized(self.bytes_per_block, drive)
         try:
             budget.check()
         except InvalidArgumentError as exc:
-            raise InvalidArgumentError(
-                f"kv_connector_extra_config {WRITE_BUDGET_KEY!r}: {exc}"
-            ) from None
+            raise InvalidArgumentError(f"kv_connector_extra_config {key!r}: {exc}") from None
         return budget
 
     def region_path(self, rank: int) -> Path:
@@ -278,9 +293,9 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             remote_url=settings.remote_url,
             remote_blocks=self.remote_blocks,
             disk_admission=settings.disk_admission,
-            disk_write_budget=settings.disk_write_budget,
+            disk_write_budget=self.disk_write_budget,
             remote_admission=settings.remote_admission,
-            remote_write_budget=settings.remote_write_budget,
+            remote_write_budget=self.remote_write_budget,
             enable_events=events,
             slot_bytes=slot_bytes,
             fingerprint=self.fingerprint,
