@@ -165,6 +165,15 @@ def slots_within(total_bytes: int, payload_bytes: int) -> int:
     return max(0, total_bytes - SUPER_BYTES) // slot_stride(payload_bytes)
 
 
+def slot_note(payload_bytes: int) -> str:
+    """Why a size an engine gives holds fewer payloads of ``payload_bytes`` than its
+    quotient says: each slot takes its stride, after the superblock."""
+    return (
+        f"a disk slot takes {slot_stride(payload_bytes)} bytes, after a "
+        f"{SUPER_BYTES}-byte superblock"
+    )
+
+
 def encode_superblock(fingerprint: bytes, stride: int, payload_bytes: int) -> bytes:
     fields = _SUPER.pack(SUPER_MAGIC, SUPER_VERSION, 0, fingerprint, stride, payload_bytes)
     return fields + _CRC.pack(zlib.crc32(fields))
