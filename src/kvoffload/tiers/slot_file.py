@@ -484,7 +484,7 @@ class SlotFile:
         """Payloads first (over zeroed old headers), then the headers: see the module docstring."""
         failed = [False] * len(positions)
         if not superblock.result() or any(
-            self._guard(check) is not Outcome.OK for check in (self._linked, self._kept)
+            self._guard(check) is not Outcome.OK for check in (self._linked, self._superblock_kept)
         ):
             return failed
         headers: list[bytes | None] = []
@@ -533,7 +533,7 @@ class SlotFile:
         """Whether the slot file still has a name: a removed one is a failing disk."""
         return Outcome.OK if self.layer.fstat(self._fd).st_nlink > 0 else Outcome.FAILED
 
-    def _kept(self) -> Outcome:
+    def _superblock_kept(self) -> Outcome:
         """The superblock, put back if the file was emptied under the tier (``truncate``
         by another process): a start drops a file without one, and with it every slot
         written since."""
