@@ -88,8 +88,10 @@ class KVEventPublisher:
         self._queue.put(batch)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
-        """Wait until every queued batch has been sent; ``False``, and a warning, when they
-        were not within ``timeout_s`` or never will be (queued after :meth:`close`)."""
+        """Wait until the thread has handled every queued batch; ``False``, and a warning,
+        when it had not within ``timeout_s`` or never will (queued after :meth:`close`).
+        A batch the PUB socket failed to send counts as handled: it is in
+        :attr:`send_failures` and kept for replay, so compare that count to tell."""
         if self._thread.is_alive():
             done = threading.Event()
             self._queue.put(done)

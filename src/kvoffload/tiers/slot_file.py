@@ -165,6 +165,15 @@ def slots_within(total_bytes: int, payload_bytes: int) -> int:
     return max(0, total_bytes - SUPER_BYTES) // slot_stride(payload_bytes)
 
 
+def slot_note(payload_bytes: int) -> str:
+    """Why a size an engine gives holds fewer payloads of ``payload_bytes`` than its
+    quotient says: each slot takes its stride, after the superblock."""
+    return (
+        f"a disk slot takes {slot_stride(payload_bytes)} bytes, after a "
+        f"{SUPER_BYTES}-byte superblock"
+    )
+
+
 def encode_superblock(fingerprint: bytes, stride: int, payload_bytes: int) -> bytes:
     fields = _SUPER.pack(SUPER_MAGIC, SUPER_VERSION, 0, fingerprint, stride, payload_bytes)
     return fields + _CRC.pack(zlib.crc32(fields))
@@ -475,7 +484,7 @@ class SlotFile:
         """Payloads first (over zeroed old headers), then the headers: see the module docstring."""
         failed = [False] * len(positions)
         if not superblock.result() or any(
-            self._guard(check) is not Outcome.OK for check in (self._linked, self._kept)
+            self._guard(check) is not Outcome.OK for check in (self._linked, self._superblock_kept)
         ):
             return failed
         headers: list[bytes | None] = []
@@ -524,7 +533,7 @@ class SlotFile:
         """Whether the slot file still has a name: a removed one is a failing disk."""
         return Outcome.OK if self.layer.fstat(self._fd).st_nlink > 0 else Outcome.FAILED
 
-    def _kept(self) -> Outcome:
+    def _superblock_kept(self) -> Outcome:
         """The superblock, put back if the file was emptied under the tier (``truncate``
         by another process): a start drops a file without one, and with it every slot
         written since."""

@@ -49,7 +49,7 @@ from kvoffload.integrations.sglang.settings import (
 )
 from kvoffload.tiers import fingerprint_of, lower_tiers
 from kvoffload.tiers.format import Payload, payload_size
-from kvoffload.tiers.slot_file import SUPER_BYTES, slot_stride, slots_within
+from kvoffload.tiers.slot_file import slot_note, slots_within
 
 GB = 1e9
 PREFETCH, BACKUP = "prefetch", "backup"
@@ -398,9 +398,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             if blocks < 1:
                 raise InvalidArgumentError(
                     f"hicache-storage-backend-extra-config {DISK_BYTES!r} {s.disk_bytes} holds "
-                    f"no page of {pages.page_bytes} bytes (a disk slot takes "
-                    f"{slot_stride(pages.page_bytes)} bytes, after a {SUPER_BYTES}-byte "
-                    "superblock)"
+                    f"no page of {pages.page_bytes} bytes ({slot_note(pages.page_bytes)})"
                 )
             # Data-parallel replicas have the same shard (fingerprint), not the same disk;
             # the tier itself locks its directory against a second process.

@@ -20,8 +20,8 @@ from kvoffload.admission.registry import ParamPairs
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.integrations.vllm.settings import MAX_BYTES
 from kvoffload.managers.stack import DISK, REMOTE, LowerTierConfig
-from kvoffload.tiers.disk import check_capacity, check_timeout_ms
-from kvoffload.tiers.slot_file import SUPER_BYTES, slot_stride, slots_within
+from kvoffload.tiers.disk import check_timeout_ms
+from kvoffload.tiers.slot_file import slot_note, slots_within
 from kvoffload.tiers.url import parse_remote_url
 
 VLLM_KEYS = frozenset({"type", "module_path", "backpressure"})
@@ -90,10 +90,7 @@ class SecondarySettings:
         block (and is needed) names its key."""
         if self.tier.kind == DISK:  # the whole slot file (superblock, headers) fits
             blocks = slots_within(self.capacity_bytes, block_bytes)
-            slot = (
-                f" (a disk slot takes {slot_stride(block_bytes)} bytes, after a "
-                f"{SUPER_BYTES}-byte superblock)"
-            )
+            slot = f" ({slot_note(block_bytes)})"
         else:
             blocks, slot = self.capacity_bytes // block_bytes, ""
         if blocks < 1 and (self.tier.kind == DISK or self.tier.admission != "none"):
@@ -101,13 +98,6 @@ class SecondarySettings:
                 f"{self.tier.where}{self.tier.key('blocks')}: {self.capacity_bytes} holds no "
                 f"block of {block_bytes} bytes{slot}"
             )
-        if self.tier.kind == DISK:
-            try:  # here, not when the tier opens, where the error names its directory
-                check_capacity(blocks)
-            except InvalidArgumentError as exc:
-                raise InvalidArgumentError(
-                    f"{self.tier.where}{self.tier.key('blocks')}: {exc}"
-                ) from None
         budget = self.write_budget
         if budget is not None:
             budget = budget.sized(block_bytes, self.capacity_bytes or None)

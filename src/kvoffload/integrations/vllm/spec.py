@@ -56,7 +56,7 @@ from kvoffload.observe.metrics import (
 )
 from kvoffload.tiers import RemoteTierError, build_stack, fingerprint_of, parse_remote_url
 from kvoffload.tiers.disk import DiskTier
-from kvoffload.tiers.slot_file import SUPER_BYTES, slot_start, slot_stride, slots_within
+from kvoffload.tiers.slot_file import slot_note, slot_start, slot_stride, slots_within
 
 CONFIG_INFO_KEYS = (
     "tier",
@@ -193,8 +193,8 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
         if self.settings.disk_dir is not None and self.disk_blocks < 1:
             raise InvalidArgumentError(
                 f"kv_connector_extra_config {DISK_BYTES_KEY!r} {self.settings.disk_bytes} holds "
-                f"no offloaded block of {self.bytes_per_block} bytes (a disk slot takes "
-                f"{self.disk_slot_bytes} bytes, after a {SUPER_BYTES}-byte superblock)"
+                f"no offloaded block of {self.bytes_per_block} bytes "
+                f"({slot_note(self.bytes_per_block)})"
             )
         self.remote_blocks = self.settings.remote_bytes // self.bytes_per_block
         if self.settings.remote_admission != "none" and self.remote_blocks < 1:
