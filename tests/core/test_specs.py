@@ -77,3 +77,26 @@ def test_any_integer_type_counts_as_a_group_size_or_position() -> None:
     spec = GPULoadStoreSpec([4, 5], np.array([1, 1]), (np.int64(0), 3))
     assert spec.group_sizes == (1, 1) and spec.block_indices == (0, 3)
     assert all(type(n) is int for n in (*spec.group_sizes, *spec.block_indices))
+
+
+@pytest.mark.parametrize("ids", [[1.5], [[1]], {3}], ids=["float", "nested", "set"])
+def test_a_spec_with_invalid_ids_still_has_a_repr(ids: object) -> None:
+    # The repr raised the ids' error, so a log line or an error message showing it failed.
+    spec = CPULoadStoreSpec(ids)  # type: ignore[arg-type]
+    assert repr(spec) == f"CPULoadStoreSpec({ids!r})"
+    assert repr(CPULoadStoreSpec(np.array([4, 2]))) == "CPULoadStoreSpec([4, 2])"
+
+
+def test_block_ids_may_come_from_a_generator() -> None:
+    # NumPy took the generator for one object: refused as "object of shape ()".
+    assert CPULoadStoreSpec(i for i in (3, 1)).block_ids.tolist() == [3, 1]
+    gpu = GPULoadStoreSpec((i for i in (5, 6)), group_sizes=[2])
+    assert gpu.block_ids.tolist() == [5, 6] and repr(gpu).startswith("GPULoadStoreSpec([5, 6]")
+
+
+@pytest.mark.parametrize("ids", [{3, 4}, 7], ids=["set", "number"])
+def test_block_ids_that_are_no_sequence_are_refused_by_type(ids: object) -> None:
+    # The message said "object of shape ()" (or "int64 of shape ()"), naming nothing given.
+    name = type(ids).__name__
+    with pytest.raises(InvalidArgumentError, match=f"flat sequence of integers, got {name} "):
+        _ = CPULoadStoreSpec(ids).block_ids  # type: ignore[arg-type]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import operator
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -29,11 +29,13 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
     """A spec that names blocks by integer slot ids within one medium.
 
     The int64 array is built on first use of ``block_ids``: the scheduler makes
-    a spec per call, and only a worker that moves bytes needs the array.
+    a spec per call, and only a worker that moves bytes needs the array. An
+    iterator (a generator) is read into a list at once, as it can be read once
+    only and NumPy takes it for a single object.
     """
 
-    def __init__(self, block_ids: Sequence[int] | npt.ArrayLike) -> None:
-        self._ids = block_ids
+    def __init__(self, block_ids: Sequence[int] | npt.ArrayLike | Iterator[int]) -> None:
+        self._ids = list(block_ids) if isinstance(block_ids, Iterator) else block_ids
         self._array: npt.NDArray[np.int64] | None = None
 
     @property
@@ -43,7 +45,13 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
         return self._array
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.block_ids.tolist()})"
+        # Invalid ids are shown as given: a repr that raised failed the log line or the
+        # error message showing the spec.
+        try:
+            ids: object = self.block_ids.tolist()
+        except InvalidArgumentError:
+            ids = self._ids
+        return f"{type(self).__name__}({ids!r})"
 
 
 class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
@@ -65,7 +73,7 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
 
     def __init__(
         self,
-        block_ids: Sequence[int] | npt.ArrayLike,
+        block_ids: Sequence[int] | npt.ArrayLike | Iterator[int],
         group_sizes: Sequence[int],
         block_indices: Sequence[int] | None = None,
     ) -> None:
@@ -123,6 +131,10 @@ def _int_ids(ids: Sequence[int] | npt.ArrayLike) -> npt.NDArray[np.int64]:
     past int64 are refused here, by their value: the cast would wrap them negative, and
     the data plane's range error would show the wrapped ids."""
     raw = np.asarray(ids)
+    if raw.ndim == 0:  # a set, a dict or a number: NumPy's "object of shape ()" named nothing
+        raise InvalidArgumentError(
+            f"block ids must be a flat sequence of integers, got {type(ids).__name__} {ids!r}"
+        )
     if raw.ndim != 1 or (raw.size and raw.dtype.kind not in "iu"):
         _refuse_out_of_range(ids)
         raise InvalidArgumentError(
