@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -95,6 +96,31 @@ def test_interrupted_sweep_keeps_the_finished_runs() -> None:
         | {"belady_offload_hit_ratio": c.belady_offload_hit_ratio}
         for r, c in zip(finished, complete, strict=True)
     ]
+
+
+def test_each_run_gets_the_bound_of_its_gpu_and_partial_block_mode(tmp_path: Path) -> None:
+    # A sequential run's bound depends on its GPU cache and partial block mode too: runs
+    # differing there all got the first run's bound, which the larger GPU's hits beat.
+    trace = tmp_path / "families.jsonl"  # five prefix families; half the prompts end partway
+    records = []
+    for i in range(60):
+        length = 1 + (i * 7) % 4
+        ids = [i % 5 * 10 + j for j in range(length)]
+        tokens = 512 * length - i % 2 * 100
+        record = {"timestamp": i * 1000, "input_length": tokens, "output_length": 1}
+        records.append(record | {"hash_ids": ids})
+    trace.write_text("".join(json.dumps(record) + "\n" for record in records))
+    source = WorkloadSource(trace=str(trace))
+    small = SimConfig(gpu_blocks=4, cpu_blocks=3, layout="tiny", bound=False)
+    large = dataclasses.replace(small, gpu_blocks=12)
+    grid = [small, large, dataclasses.replace(large, partial_block="drop")]
+    reports = run_sweep(source, grid, jobs=1)
+    for report, config in zip(reports, grid, strict=True):
+        alone = simulate(source.load(), dataclasses.replace(config, bound=True))
+        assert report.belady_total_hit_ratio == alone.belady_total_hit_ratio
+        assert report.belady_offload_hit_ratio == alone.belady_offload_hit_ratio
+        assert report.total_hit_ratio <= report.belady_total_hit_ratio
+    assert len({report.belady_total_hit_ratio for report in reports}) == 3
 
 
 def test_overlapping_runs_each_get_their_own_bound() -> None:
