@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload import block_id_key
-from kvoffload.admission import available_admissions
+from kvoffload.admission import available_admissions, resolve_admission
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
-from kvoffload.policies import available_policies
+from kvoffload.policies import available_policies, resolve_policy
 from kvoffload.sim.belady import BeladyResult, belady_bound, next_uses, reach_end
 from kvoffload.sim.engine import EngineConfig, ServingEngine
 from kvoffload.sim.generators import generate
@@ -256,8 +256,9 @@ def prefix_tree_workloads(draw: st.DrawFn) -> tuple[Workload, int]:
 @settings(max_examples=150, deadline=None)
 @given(
     tree=prefix_tree_workloads(),
-    policy=st.sampled_from(["lru", "arc", "s3fifo", "slru"]),
-    admission=st.sampled_from(["none", "filter", "feedback", "recommended"]),
+    # Every registered rule, each once (an alias runs the rule it names).
+    policy=st.sampled_from(sorted({resolve_policy(name) for name in available_policies()})),
+    admission=st.sampled_from(sorted({resolve_admission(name) for name in available_admissions()})),
     concurrency=st.sampled_from([1, 1, 3]),
     spare_gpu=st.integers(0, 3),
     offload_blocks=st.integers(1, 6),

@@ -80,6 +80,8 @@ def test_a_capacity_in_gb_that_gives_no_block_count_is_refused(gib: float, messa
         ({"disk_latency_ms": math.nan}, "disk_latency_ms"),
         ({"remote_latency_ms": math.inf}, "remote_latency_ms"),
         ({"disk_gb_per_s": math.inf}, "disk_gb_per_s"),
+        # Finite in GB/s, but not in the engine's bytes per second: refused naming it.
+        ({"transfer_gb_per_s": 1e300}, "transfer_gb_per_s must be below 1.8e"),
         ({"remote_gb_per_s": None}, "remote_gb_per_s"),
         ({"disk_timeout_ms": None}, "disk_timeout_ms"),
         ({"disk_timeout_ms": "2"}, "disk_timeout_ms"),

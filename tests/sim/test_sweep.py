@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from kvoffload.sim.run import SimConfig, simulate
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.sim.run import RunReport, SimConfig, simulate
 from kvoffload.sim.sources import WorkloadSource
 from kvoffload.sim.sweep import SweepInterrupted, run_sweep, sweep_configs
+from kvoffload.sim.workload import Workload
+
+if TYPE_CHECKING:
+    from matplotlib.lines import Line2D
+
+MakeWorkload = Callable[..., Workload]
 
 SOURCE = WorkloadSource(requests=150, seed=4)
 TIMING = {"wall_seconds", "refs_per_second", "manager_us_per_block"}
@@ -88,6 +98,31 @@ def test_interrupted_sweep_keeps_the_finished_runs() -> None:
     ]
 
 
+def test_each_run_gets_the_bound_of_its_gpu_and_partial_block_mode(tmp_path: Path) -> None:
+    # A sequential run's bound depends on its GPU cache and partial block mode too: runs
+    # differing there all got the first run's bound, which the larger GPU's hits beat.
+    trace = tmp_path / "families.jsonl"  # five prefix families; half the prompts end partway
+    records = []
+    for i in range(60):
+        length = 1 + (i * 7) % 4
+        ids = [i % 5 * 10 + j for j in range(length)]
+        tokens = 512 * length - i % 2 * 100
+        record = {"timestamp": i * 1000, "input_length": tokens, "output_length": 1}
+        records.append(record | {"hash_ids": ids})
+    trace.write_text("".join(json.dumps(record) + "\n" for record in records))
+    source = WorkloadSource(trace=str(trace))
+    small = SimConfig(gpu_blocks=4, cpu_blocks=3, layout="tiny", bound=False)
+    large = dataclasses.replace(small, gpu_blocks=12)
+    grid = [small, large, dataclasses.replace(large, partial_block="drop")]
+    reports = run_sweep(source, grid, jobs=1)
+    for report, config in zip(reports, grid, strict=True):
+        alone = simulate(source.load(), dataclasses.replace(config, bound=True))
+        assert report.belady_total_hit_ratio == alone.belady_total_hit_ratio
+        assert report.belady_offload_hit_ratio == alone.belady_offload_hit_ratio
+        assert report.total_hit_ratio <= report.belady_total_hit_ratio
+    assert len({report.belady_total_hit_ratio for report in reports}) == 3
+
+
 def test_overlapping_runs_each_get_their_own_bound() -> None:
     # With requests in flight together a run's GPU hits depend on its timing, so no
     # capacity-wide bound task serves it: each run computes the bound of its own hits.
@@ -102,3 +137,77 @@ def test_overlapping_runs_each_get_their_own_bound() -> None:
         assert report.belady_offload_hit_ratio == alone.belady_offload_hit_ratio
         assert report.belady_offload_hit_ratio is not None
         assert report.offload_hit_ratio <= report.belady_offload_hit_ratio
+
+
+def _small_report(make_workload: MakeWorkload) -> RunReport:
+    """A run whose Belady bound (0.5) is far above its hit ratio (0)."""
+    workload = make_workload(*[[i % 3, 10 + i % 3] for i in range(12)])
+    report = simulate(workload, SimConfig(2, 4, layout="tiny"))
+    assert (report.total_hit_ratio, report.belady_total_hit_ratio) == (0.0, 0.5)
+    return report
+
+
+def _bound_lines(
+    reports: list[RunReport], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> list[Line2D]:
+    """The lines labelled as the bound in the capacity plot :func:`plot_sweep` writes."""
+    from matplotlib.figure import Figure
+
+    from kvoffload.sim.plots import plot_sweep
+
+    saved: list[Figure] = []
+    savefig = Figure.savefig
+
+    def keep(figure: Figure, *args: Any, **kwargs: Any) -> None:
+        saved.append(figure)
+        savefig(figure, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    plot_sweep(reports, tmp_path)
+    [axes] = saved[0].axes
+    assert [t.get_text() for t in axes.get_legend().get_texts()] == [
+        line.get_label() for line in axes.get_lines()
+    ]
+    return [line for line in axes.get_lines() if line.get_label() == "Belady bound"]
+
+
+def test_a_single_capacity_marks_its_bound(
+    make_workload: MakeWorkload, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A line through one point draws nothing: the bound was in the legend, not the plot.
+    pytest.importorskip("matplotlib")
+    [bound] = _bound_lines([_small_report(make_workload)], tmp_path, monkeypatch)
+    assert list(bound.get_ydata()) == [0.5]
+    assert bound.get_marker() not in ("", "None", None)
+
+
+def test_runs_without_a_bound_draw_no_bound(
+    make_workload: MakeWorkload, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Lower tiers give no bound: no "Belady bound" in the legend with no line behind it.
+    pytest.importorskip("matplotlib")
+    report = dataclasses.replace(_small_report(make_workload), belady_total_hit_ratio=None)
+    wider = dataclasses.replace(report, cpu_blocks=8, cpu_gib=2 * report.cpu_gib)
+    assert _bound_lines([report, wider], tmp_path, monkeypatch) == []
+
+
+def test_the_bound_drawn_covers_every_run_of_its_capacity(
+    make_workload: MakeWorkload, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Overlapping runs each get the bound of their own GPU hits: the first line's bound
+    # need not cover the next line's points.
+    pytest.importorskip("matplotlib")
+    lru = _small_report(make_workload)
+    arc = dataclasses.replace(lru, policy="arc", total_hit_ratio=0.6, belady_total_hit_ratio=0.7)
+    wider = dataclasses.replace(lru, cpu_blocks=8, cpu_gib=2 * lru.cpu_gib)
+    [bound] = _bound_lines([lru, wider, arc], tmp_path, monkeypatch)
+    assert list(bound.get_xdata()) == [lru.cpu_gib, wider.cpu_gib]
+    assert list(bound.get_ydata()) == [0.7, 0.5]
+
+
+def test_plotting_no_run_is_refused(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from kvoffload.sim.plots import plot_sweep
+
+    with pytest.raises(InvalidArgumentError, match="at least one run"):
+        plot_sweep([], tmp_path)

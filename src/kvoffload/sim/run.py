@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -267,6 +268,11 @@ def _check_numbers(config: SimConfig) -> None:
         value = getattr(config, name)
         if not (_is_number(value) and math.isfinite(value) and value > 0):
             raise InvalidArgumentError(f"{name} must be a finite number > 0, got {value!r}")
+    if not math.isfinite(config.transfer_gb_per_s * 1e9):  # the engine runs on bytes per second
+        raise InvalidArgumentError(
+            f"transfer_gb_per_s must be below {sys.float_info.max / 1e9:.3g} GB/s, "
+            f"got {config.transfer_gb_per_s!r}"
+        )
     for name in _LATENCY_FIELDS:
         value = getattr(config, name)
         if not (_is_number(value) and math.isfinite(value) and value >= 0):

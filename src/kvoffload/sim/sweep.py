@@ -2,8 +2,9 @@
 
 Each configuration is a separate process-pool task that builds its own copy
 of the workload from a :class:`WorkloadSource`; the Belady bound of sequential
-runs depends only on the capacities, so it is computed once per offload
-capacity and attached to every run with that capacity. Overlapping requests
+runs depends only on the GPU and offload capacities and the partial block mode,
+so it is computed once per such combination and attached to every run with it
+(a sweep of :func:`sweep_configs` has one per offload capacity). Overlapping requests
 (``concurrency > 1``) give each run its own GPU hits, so each run computes
 its own bound.
 """
@@ -24,6 +25,10 @@ from kvoffload.sim.workload import Workload
 
 Task = tuple[WorkloadSource, SimConfig, bool]
 """(workload, configuration, whether this task computes the bound instead of a run)."""
+
+BoundKey = tuple[int, int, str]
+"""What a sequential run's bound depends on besides the workload: (GPU blocks, offload
+blocks, partial block mode)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -84,20 +89,23 @@ def run_sweep(
 ) -> list[RunReport]:
     """Run ``configs`` on ``jobs`` processes (1: in this process); reports keep ``configs`` order.
 
-    Every report gains the Belady bound of its offload capacity (none with lower tiers,
-    see :attr:`SimConfig.bounded`). On Ctrl-C,
+    Every report gains the Belady bound of its capacities and partial block mode (none
+    with lower tiers, see :attr:`SimConfig.bounded`). On Ctrl-C,
     pending runs are cancelled, workers stopped at once, and
     :class:`SweepInterrupted` carries the finished runs (without a bound
-    where their capacity's bound had not finished).
+    where their bound had not finished).
     """
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise InvalidArgumentError(f"jobs must be an integer >= 1, got {jobs!r}")
     if all(c.concurrency == 1 and not c.has_lower_tiers for c in configs):
-        capacities = sorted({c.cpu_blocks for c in configs})
+        bound_configs: dict[BoundKey, SimConfig] = {}
+        for config in configs:
+            bound_configs.setdefault(_bound_key(config), config)
+        bound_keys = sorted(bound_configs)
         tasks: list[Task] = [(source, c, False) for c in configs]
-        tasks += [(source, dataclasses.replace(configs[0], cpu_blocks=c), True) for c in capacities]
+        tasks += [(source, bound_configs[key], True) for key in bound_keys]
     else:  # each run its own bound, or none
-        capacities = []
+        bound_keys = []
         tasks = [(source, dataclasses.replace(c, bound=True), False) for c in configs]
     results: list[RunReport | BeladyResult | None] = [None] * len(tasks)
     try:
@@ -112,30 +120,35 @@ def run_sweep(
         else:
             _run_parallel(tasks, results, jobs, progress)
     except KeyboardInterrupt:
-        finished = _with_bounds(results, len(configs), capacities)
+        finished = _with_bounds(results, len(configs), bound_keys)
         raise SweepInterrupted(finished, len(configs)) from None
-    reports = _with_bounds(results, len(configs), capacities)
+    reports = _with_bounds(results, len(configs), bound_keys)
     if len(reports) != len(configs):
         raise RuntimeError("a sweep run returned no report")
     return reports
 
 
+def _bound_key(run: SimConfig | RunReport) -> BoundKey:
+    return run.gpu_blocks, run.cpu_blocks, run.partial_block
+
+
 def _with_bounds(
-    results: Sequence[RunReport | BeladyResult | None], num_runs: int, capacities: list[int]
+    results: Sequence[RunReport | BeladyResult | None], num_runs: int, bound_keys: list[BoundKey]
 ) -> list[RunReport]:
-    """The finished runs, each given its capacity's bound if that finished too (a run
-    whose capacity has no bound task keeps its own)."""
-    bounds = dict(zip(capacities, results[num_runs:], strict=True))
+    """The finished runs, each given its bound if that finished too (a run with no bound
+    task keeps its own)."""
+    bounds = dict(zip(bound_keys, results[num_runs:], strict=True))
     reports = []
     for report in results[:num_runs]:
         if report is None:
             continue
         if not isinstance(report, RunReport):
             raise TypeError(f"a sweep run returned {report!r}")
-        if report.cpu_blocks not in bounds:
+        key = _bound_key(report)
+        if key not in bounds:
             reports.append(report)
             continue
-        bound = bounds[report.cpu_blocks]
+        bound = bounds[key]
         if bound is not None and not isinstance(bound, BeladyResult):
             raise TypeError(f"a bound task returned {bound!r}")
         reports.append(
