@@ -619,6 +619,37 @@ def test_flush_says_whether_the_batches_were_sent(caplog: pytest.LogCaptureFixtu
     assert "were not sent (the publisher is closed)" in caplog.text
 
 
+def test_a_batch_given_after_close_is_dropped_counted_and_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``publish`` after ``close`` queued each batch for a thread that had stopped: kept in
+    memory, never sent, and nothing said so until a ``flush``."""
+    with KVEventPublisher(LOCAL) as pub:
+        pub.publish(_stored(1))
+    with caplog.at_level(logging.WARNING, logger="kvoffload.observe.publisher"):
+        pub.publish(_stored(2))
+        pub.publish_batch(KVEventBatch(0.0, [BlockRemoved([b"\x02"], "CPU")]))
+        pub.publish([])  # no events: no batch, nothing dropped
+    assert (pub.published, pub.dropped_after_close) == (1, 2)
+    assert caplog.text.count("given after the publisher") == 1
+    assert pub.flush(timeout_s=1.0) is False  # they never will be sent
+    pub.close()  # a second close changes nothing
+    assert pub.dropped_after_close == 2
+
+
+@pytest.mark.parametrize("buffer_batches", [-1, 1.5])
+def test_a_bad_buffer_size_is_refused_by_name_before_any_port_is_bound(
+    buffer_batches: Any,
+) -> None:
+    """A negative ``buffer_batches`` raised deque's raw ``ValueError`` ("maxlen must be
+    non-negative"), and a fractional one a ``TypeError``, once both sockets were bound."""
+    endpoint, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    with pytest.raises(InvalidArgumentError, match="buffer_batches must be an integer >= 0"):
+        KVEventPublisher(endpoint, replay, buffer_batches=buffer_batches)
+    with KVEventPublisher(endpoint, replay, buffer_batches=0) as pub:  # both ports still free
+        assert (pub.endpoint, pub.replay_endpoint) == (endpoint, replay)
+
+
 def test_a_terminated_zmq_context_neither_stops_the_publisher_nor_is_held_up(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
