@@ -104,6 +104,79 @@ def test_simulate_serves_metrics_on_the_port(mooncake_trace: Path, tmp_path: Pat
     _agrees_with(final, json.loads(result.read_text()))
 
 
+def scrape_labelled(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every ``kvoffload_`` sample by name and its whole label set (``tier`` kept)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("kvoffload_")
+    }
+
+
+def _optimiser_series(
+    metrics: dict[tuple[str, frozenset[tuple[str, str]]], float], tier: str | None
+) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """The optimiser's series of one tier: ``tier=None`` those without a ``tier`` label."""
+    names = ("kvoffload_whatif_", "kvoffload_admission_candidate", "kvoffload_admission_switch")
+    return {
+        (name, labels): value
+        for (name, labels), value in metrics.items()
+        if name.startswith(names) and dict(labels).get("tier") == tier
+    }
+
+
+def test_simulate_exports_the_disk_tiers_optimiser_labelled_by_tier(tmp_path: Path) -> None:
+    """``--disk-admission recommended`` exported none of the disk tier's optimiser: its
+    what-if gauges, chosen rule and switches now carry ``tier="disk"``, and the CPU tier's
+    optimiser keeps its series as they were (no ``tier`` label)."""
+    from test_events import free_port
+
+    port = free_port()
+    result = tmp_path / "run.json"
+    command = [
+        sys.executable, "-m", "kvoffload", "simulate", "--requests", "300", "--seed", "1",
+        "--gpu-blocks", "2000", "--cpu-blocks", "600", "--admission", "recommended",
+        "--disk-dir", str(tmp_path / "disk"), "--disk-blocks", "4000",
+        "--disk-admission", "recommended", "--no-bound", "--no-progress",
+        "--json", str(result), "--metrics-port", str(port), "--serve-after", "5",
+    ]  # fmt: skip
+    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
+        try:
+            deadline = time.monotonic() + 120
+            while not result.exists() and time.monotonic() < deadline:
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                time.sleep(0.1)
+            time.sleep(0.2)  # the file is complete once written
+            metrics = scrape_labelled(port)
+        finally:
+            proc.wait(timeout=60)
+    assert proc.returncode == 0
+    report = json.loads(result.read_text())
+    candidates = ("store-all", "filter", "feedback")
+    # The CPU tier's figures at the top of the JSON, the disk tier's in its entry.
+    for tier, run in ((None, report), ("disk", report["tiers"]["disk"])):
+        series = _optimiser_series(metrics, tier)
+        extra = () if tier is None else (("tier", tier),)
+        for figure in ("hit_ratio", "writes_per_ref"):
+            exported = {labels for name, labels in series if name == f"kvoffload_whatif_{figure}"}
+            assert exported == {
+                frozenset({("candidate", c), ("capacity_factor", f), *extra})
+                for c in candidates
+                for f in ("0.5", "1", "2", "4")
+            }
+        for candidate in candidates:
+            labels = frozenset({("candidate", candidate), *extra})
+            chosen = float(candidate == run["admission_candidate"])
+            assert series["kvoffload_admission_candidate", labels] == chosen
+        switches = series["kvoffload_admission_switches_total", frozenset(extra)]
+        assert switches == run["admission_switches"]
+        assert len(series) == 2 * 12 + 3 + 1
+    assert not _optimiser_series(metrics, "remote")
+
+
 def test_a_bad_port_is_one_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     from kvoffload.cli.main import main
 

@@ -150,21 +150,31 @@ class AdmissionCollector(Collector):
     ``candidate``, ``capacity_factor``) over recent traffic,
     ``kvoffload_admission_candidate`` (1 for the rule followed, 0 for the others) and
     ``kvoffload_admission_switches_total``. A layer without what-if figures exports nothing.
+
+    ``tier`` names a lower tier's own layer (``disk``, ``remote``): its series carry it as
+    a ``tier`` label, as the other per-tier metrics do. The CPU tier's layer has no such
+    label (``tier=None``), so the series it always exported stay as they were.
     """
 
-    def __init__(self, stats: Callable[[], AdmissionStats]) -> None:
+    def __init__(self, stats: Callable[[], AdmissionStats], tier: str | None = None) -> None:
         self._stats = stats
+        self._tier = () if tier is None else (tier,)
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
+        tier_label = ["tier"] if self._tier else []
         for name, series in whatif_gauges(stats).items():
             labels = list(WHATIF_LABELS) if name != CANDIDATE else ["candidate"]
-            family = GaugeMetricFamily(f"{PREFIX}{name}", WHATIF_DOCS[name], labels=labels)
+            family = GaugeMetricFamily(
+                f"{PREFIX}{name}", WHATIF_DOCS[name], labels=labels + tier_label
+            )
             for values, value in series.items():
-                family.add_metric(list(values), value)
+                family.add_metric([*values, *self._tier], value)
             yield family
         if stats.whatif:
-            yield CounterMetricFamily(f"{PREFIX}{SWITCHES}", SWITCHES_DOC, value=stats.switches)
+            switches = CounterMetricFamily(f"{PREFIX}{SWITCHES}", SWITCHES_DOC, labels=tier_label)
+            switches.add_metric(list(self._tier), stats.switches)
+            yield switches
 
 
 class TransferCollector(Collector):
