@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import math
 import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -350,6 +352,34 @@ def test_a_client_that_sends_nothing_is_dropped_and_scrapes_go_on() -> None:
             for client in (silent, trickling):
                 client.settimeout(30)
                 assert client.recv(1) == b""  # closed by the server
+
+
+def _wait_for_scrape_threads(timeout_s: float = 30.0) -> None:
+    """Until the server's per-connection threads (not joined on close) have ended."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(
+        thread.name.endswith("(process_request_thread)") for thread in threading.enumerate()
+    ):
+        time.sleep(0.01)
+
+
+def test_a_client_that_resets_its_connection_prints_nothing(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """A client that reset its connection before its request was read (a TCP health check,
+    a port scan) made socketserver print a ``ConnectionResetError`` traceback to stderr,
+    one per connection, amid ``kvoffload simulate``'s output."""
+    from kvoffload.observe.counters import ManagerCounters
+
+    with MetricsServer(0) as server:
+        server.add(ManagerCollector(lambda: ManagerCounters(lookups=7), {"tier": "cpu"}))
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", server.port)) as client:
+                # No lingering: closing sends a reset, not an orderly end.
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        assert scrape(server.port)["kvoffload_lookups_total"] == 7
+        _wait_for_scrape_threads()
+    assert capfd.readouterr().err == ""
 
 
 @pytest.mark.parametrize("timeout_s", [0.0, -1.0, math.inf, math.nan])

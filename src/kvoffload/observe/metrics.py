@@ -243,7 +243,8 @@ class _Registry(CollectorRegistry):
 
 class _ScrapeHandler(WSGIRequestHandler):
     """Answers one scrape, logging nothing; a client silent for the server's
-    ``client_timeout_s`` is dropped, not waited for without end."""
+    ``client_timeout_s`` is dropped, not waited for without end, and one that resets its
+    connection (a TCP health check) is let go, not reported."""
 
     server: _ScrapeServer
 
@@ -256,6 +257,10 @@ class _ScrapeHandler(WSGIRequestHandler):
             super().handle()
         except TimeoutError:
             return  # the client sent no request in time: closing its connection is the answer
+        except ConnectionError:
+            # Gone before its request was read; raised on, socketserver printed a traceback
+            # to stderr, amid the command's own output.
+            return
 
     def log_message(self, format: str, *args: Any) -> None:
         """Nothing: one line per scrape would flood the log."""
