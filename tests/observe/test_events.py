@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import re
@@ -11,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -648,6 +650,20 @@ def test_a_bad_buffer_size_is_refused_by_name_before_any_port_is_bound(
         KVEventPublisher(endpoint, replay, buffer_batches=buffer_batches)
     with KVEventPublisher(endpoint, replay, buffer_batches=0) as pub:  # both ports still free
         assert (pub.endpoint, pub.replay_endpoint) == (endpoint, replay)
+
+
+@pytest.mark.parametrize("bind", [True, False])
+def test_an_endpoint_the_subscriber_cannot_use_is_refused_naming_it(bind: bool) -> None:
+    """A port in use (``bind=True``) or an endpoint ZMQ cannot parse raised ZMQ's own
+    ``ZMQError``, not the error the publisher gives, and left the SUB socket open."""
+    with KVEventPublisher(LOCAL) as pub:
+        endpoint = pub.endpoint if bind else "tcp://no-port"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(InvalidArgumentError, match=re.escape(repr(endpoint))):
+                KVEventSubscriber(endpoint, bind=bind)
+            gc.collect()  # an unclosed socket warns when collected
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
 
 
 def test_a_terminated_zmq_context_neither_stops_the_publisher_nor_is_held_up(

@@ -34,7 +34,8 @@ class KVEventSubscriber:
     """Connects to ``endpoint`` (PUB) and, for repairs, ``replay_endpoint`` (ROUTER).
 
     ``bind=True`` binds ``endpoint`` instead, for publishers that connect
-    (vLLM's publisher connects to any endpoint without a ``*``).
+    (vLLM's publisher connects to any endpoint without a ``*``). An endpoint that
+    cannot be bound or connected to is an :class:`InvalidArgumentError` naming it.
 
     ``gaps`` counts the gaps seen; ``repaired`` the batches recovered by
     replay. Without a replay endpoint a gap is skipped over (and counted).
@@ -74,10 +75,17 @@ class KVEventSubscriber:
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         if is_ipv6(endpoint):
             self._sub.setsockopt(zmq.IPV6, 1)
-        if bind:
-            self._sub.bind(endpoint)
-        else:
-            self._sub.connect(endpoint)
+        try:
+            if bind:
+                self._sub.bind(endpoint)
+            else:
+                self._sub.connect(endpoint)
+        except zmq.ZMQError as exc:  # a port in use, an endpoint ZMQ cannot parse
+            self._sub.close(linger=0)
+            verb = "bind" if bind else "connect"
+            raise InvalidArgumentError(
+                f"cannot {verb} the KV event subscriber to {endpoint!r}: {exc}"
+            ) from None
         self.endpoint = self._sub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._replay_endpoint = replay_endpoint
         self._replay_timeout_ms = int(replay_timeout_s * 1000)
