@@ -621,6 +621,19 @@ def test_flush_says_whether_the_batches_were_sent(caplog: pytest.LogCaptureFixtu
     assert "were not sent (the publisher is closed)" in caplog.text
 
 
+def test_flush_waits_without_end_for_an_endless_timeout_and_refuses_nan() -> None:
+    """``flush(math.inf)`` (or any timeout past ``threading.TIMEOUT_MAX``) raised
+    OverflowError from threading; ``flush(math.nan)`` waited for nothing and said the
+    batches were not sent "within nan s"."""
+    with KVEventPublisher(LOCAL) as pub:
+        for endless in (math.inf, 1e300):
+            pub.publish(_stored(1))
+            assert pub.flush(endless) is True
+        with pytest.raises(InvalidArgumentError, match="timeout_s must be a number of seconds"):
+            pub.flush(math.nan)
+        assert pub.published == 2
+
+
 def test_a_batch_given_after_close_is_dropped_counted_and_logged_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

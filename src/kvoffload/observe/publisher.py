@@ -12,6 +12,7 @@ thread-safe), so ``publish`` never blocks the manager's caller.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 from collections import deque
@@ -114,14 +115,19 @@ class KVEventPublisher:
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued batch has been sent; ``False``, and a warning, when they
-        were not within ``timeout_s`` or never will be (given after :meth:`close`)."""
+        were not within ``timeout_s`` or never will be (given after :meth:`close`).
+        ``math.inf`` waits as long as it takes."""
+        if math.isnan(timeout_s):
+            raise InvalidArgumentError("flush's timeout_s must be a number of seconds, got nan")
         done = threading.Event()
         with self._closing:  # after close's stop, no thread would ever set it
             queued = not self._closed and self._thread.is_alive()
             if queued:
                 self._queue.put(done)
         if queued:
-            sent, why = done.wait(timeout_s), f"within {timeout_s:g} s"
+            # Past TIMEOUT_MAX (math.inf too) threading raised OverflowError: wait without end.
+            wait_s = None if timeout_s > threading.TIMEOUT_MAX else timeout_s
+            sent, why = done.wait(wait_s), f"within {timeout_s:g} s"
         else:
             sent = self._queue.empty() and not self.dropped_after_close
             why = "(the publisher is closed)"
