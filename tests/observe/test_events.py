@@ -679,6 +679,14 @@ def test_an_endpoint_the_subscriber_cannot_use_is_refused_naming_it(bind: bool) 
     assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
 
 
+def test_a_replay_endpoint_the_subscriber_cannot_use_is_refused_when_made() -> None:
+    """A replay endpoint ZMQ cannot parse was taken, then raised ``ZMQError`` out of the
+    first ``receive`` that saw a gap, and the live batch that showed it was lost."""
+    refused = pytest.raises(InvalidArgumentError, match=re.escape("replay to 'tcp://no-port'"))
+    with KVEventPublisher(LOCAL) as pub, refused:
+        KVEventSubscriber(pub.endpoint, "tcp://no-port")
+
+
 def test_a_terminated_zmq_context_neither_stops_the_publisher_nor_is_held_up(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
