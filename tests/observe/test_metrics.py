@@ -24,6 +24,7 @@ from kvoffload.observe import ObservedManager, Observers
 from kvoffload.observe.metrics import ManagerCollector, MetricsServer
 from kvoffload.sim.run import SimConfig, simulate
 from kvoffload.sim.traces import read_trace
+from tier_servers import ValkeyProcess
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -177,6 +178,43 @@ def test_simulate_exports_the_disk_tiers_optimiser_labelled_by_tier(tmp_path: Pa
         assert switches == run["admission_switches"]
         assert len(series) == 2 * 12 + 3 + 1
     assert not _optimiser_series(metrics, "remote")
+
+
+def test_the_shared_tiers_optimiser_is_exported_as_tier_remote(
+    valkey_server: ValkeyProcess,
+) -> None:
+    """``--remote-admission recommended``: the shared tier's optimiser as simulate's
+    metrics endpoint registers it, labelled ``tier="remote"``, its choice the report's."""
+    from kvoffload.cli.observe_options import lower_tier_admissions
+    from kvoffload.observe.metrics import AdmissionCollector
+    from kvoffload.sim.generators import generate
+
+    workload = generate(num_requests=200, seed=1)
+    config = SimConfig(
+        gpu_blocks=2000,
+        cpu_blocks=600,
+        bound=False,
+        remote_url=valkey_server.url,
+        remote_admission="recommended",
+        remote_blocks=4000,
+    )
+    with MetricsServer(0) as server:
+
+        def register(observed: ObservedManager) -> None:
+            for tier, layer in lower_tier_admissions(observed):
+                server.add(AdmissionCollector(layer.stats, tier))
+
+        report = simulate(workload, config, observers=Observers(on_manager=[register]))
+        metrics = scrape_labelled(server.port)
+    entry = report.tiers["remote"]
+    series = _optimiser_series(metrics, "remote")
+    assert len(series) == 2 * 12 + 3 + 1 == len(metrics)  # the remote tier's alone
+    for candidate in ("store-all", "filter", "feedback"):
+        labels = frozenset({("candidate", candidate), ("tier", "remote")})
+        chosen = float(candidate == entry["admission_candidate"])
+        assert series["kvoffload_admission_candidate", labels] == chosen
+    switches = frozenset({("tier", "remote")})
+    assert series["kvoffload_admission_switches_total", switches] == entry["admission_switches"]
 
 
 def test_a_bad_port_is_one_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
