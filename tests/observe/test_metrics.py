@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import socket
 import struct
 import subprocess
@@ -420,7 +421,17 @@ def test_a_client_that_resets_its_connection_prints_nothing(
     assert capfd.readouterr().err == ""
 
 
-@pytest.mark.parametrize("timeout_s", [0.0, -1.0, math.inf, math.nan])
+@pytest.mark.parametrize("port", [True, 8000.5, "9090", None])
+def test_a_port_that_is_no_integer_is_refused_naming_it(port: object) -> None:
+    """``True`` (an int to Python) served on port 1; a float, a str or ``None`` raised a
+    bare ``TypeError`` from the comparison or the socket."""
+    with pytest.raises(
+        InvalidArgumentError, match=re.escape(f"metrics port must be in 0..65535, got {port!r}")
+    ):
+        MetricsServer(port)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, -1.0, math.inf, math.nan, "10", None])
 def test_a_client_timeout_that_is_no_positive_time_is_refused(timeout_s: float) -> None:
     with pytest.raises(InvalidArgumentError, match="client_timeout_s"):
         MetricsServer(0, client_timeout_s=timeout_s)

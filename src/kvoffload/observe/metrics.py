@@ -287,9 +287,10 @@ class MetricsServer:
     """
 
     def __init__(self, port: int, host: str = "127.0.0.1", client_timeout_s: float = 10.0) -> None:
-        if not 0 <= port <= 65535:
-            raise InvalidArgumentError(f"metrics port must be in 0..65535, got {port}")
-        if not 0 < client_timeout_s < math.inf:
+        # A bool is an int to Python: True served on port 1; a float or a str raised TypeError.
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise InvalidArgumentError(f"metrics port must be in 0..65535, got {port!r}")
+        if not (isinstance(client_timeout_s, int | float) and 0 < client_timeout_s < math.inf):
             raise InvalidArgumentError(
                 f"client_timeout_s must be a positive number of seconds, got {client_timeout_s!r}"
             )
