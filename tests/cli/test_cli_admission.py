@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +44,44 @@ def test_the_table_shows_the_what_if_figures(capsys: pytest.CaptureFixture[str])
     )
     for candidate in ("store-all", "filter", "feedback"):
         assert f"    {candidate}" in table
+
+
+def test_the_disk_tiers_own_optimiser_reports_its_choice_and_what_if_figures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--disk-admission recommended`` reported only its name and offered / admitted
+    counts: the disk tier's entry now has its rule, switches and what-if figures, named as
+    the CPU tier's are at the top, and the table prints them under the disk tier."""
+    args = [*SMALL, *TIER, "--disk-blocks", "4000", "--disk-admission", "recommended"]
+    assert main([*args, "--disk-dir", str(tmp_path / "json"), "--json", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["whatif"], report["admission_candidate"]) == ({}, "")  # the CPU tier's: none
+    entry = report["tiers"]["disk"]
+    assert entry["admission"] == "optimiser"
+    assert entry["admission_candidate"] in ("store-all", "filter", "feedback")
+    assert isinstance(entry["admission_switches"], int) and entry["admission_switches"] >= 0
+    assert sorted(entry["whatif"]) == ["feedback", "filter", "store-all"]
+    for by_factor in entry["whatif"].values():
+        assert sorted(by_factor, key=float) == ["0.5", "1", "2", "4"]
+        for figures in by_factor.values():
+            assert 0.0 <= figures["hit_ratio"] <= 1.0 and figures["writes_per_ref"] >= 0.0
+    assert main([*args, "--disk-dir", str(tmp_path / "table")]) == 0  # the same run
+    table = capsys.readouterr().out
+    below_disk = table[table.index("disk tier") :]
+    assert re.search(rf"\n  following +{entry['admission_candidate']} \(", below_disk)
+    assert "what-if (hit / writes)" in below_disk
+    for candidate in ("store-all", "filter", "feedback"):
+        assert f"    {candidate}" in below_disk
+
+
+def test_a_disk_tier_without_an_optimiser_reports_no_what_if_figures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    disk = ["--disk-dir", str(tmp_path), "--disk-blocks", "4000", "--disk-admission", "filter"]
+    assert main([*SMALL, *TIER, *disk, "--json", "-"]) == 0
+    entry = json.loads(capsys.readouterr().out)["tiers"]["disk"]
+    assert entry["admission"] == "filter"
+    assert not {"admission_candidate", "admission_switches", "whatif"} & set(entry)
 
 
 @pytest.mark.parametrize(
@@ -138,9 +177,9 @@ def test_sweep_over_admissions(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_the_switch_count_reads_as_words() -> None:
-    from kvoffload.cli.simulate import _switches
+    from kvoffload.cli.output import switches
 
-    assert [_switches(n) for n in (0, 1, 2, 1234)] == [
+    assert [switches(n) for n in (0, 1, 2, 1234)] == [
         "never switched",
         "1 switch",
         "2 switches",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import re
@@ -11,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -617,6 +619,72 @@ def test_flush_says_whether_the_batches_were_sent(caplog: pytest.LogCaptureFixtu
     with caplog.at_level(logging.WARNING, logger="kvoffload.observe.publisher"):
         assert pub.flush(timeout_s=1.0) is False
     assert "were not sent (the publisher is closed)" in caplog.text
+
+
+def test_flush_waits_without_end_for_an_endless_timeout_and_refuses_nan() -> None:
+    """``flush(math.inf)`` (or any timeout past ``threading.TIMEOUT_MAX``) raised
+    OverflowError from threading; ``flush(math.nan)`` waited for nothing and said the
+    batches were not sent "within nan s"."""
+    with KVEventPublisher(LOCAL) as pub:
+        for endless in (math.inf, 1e300):
+            pub.publish(_stored(1))
+            assert pub.flush(endless) is True
+        with pytest.raises(InvalidArgumentError, match="timeout_s must be a number of seconds"):
+            pub.flush(math.nan)
+        assert pub.published == 2
+
+
+def test_a_batch_given_after_close_is_dropped_counted_and_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``publish`` after ``close`` queued each batch for a thread that had stopped: kept in
+    memory, never sent, and nothing said so until a ``flush``."""
+    with KVEventPublisher(LOCAL) as pub:
+        pub.publish(_stored(1))
+    with caplog.at_level(logging.WARNING, logger="kvoffload.observe.publisher"):
+        pub.publish(_stored(2))
+        pub.publish_batch(KVEventBatch(0.0, [BlockRemoved([b"\x02"], "CPU")]))
+        pub.publish([])  # no events: no batch, nothing dropped
+    assert (pub.published, pub.dropped_after_close) == (1, 2)
+    assert caplog.text.count("given after the publisher") == 1
+    assert pub.flush(timeout_s=1.0) is False  # they never will be sent
+    pub.close()  # a second close changes nothing
+    assert pub.dropped_after_close == 2
+
+
+@pytest.mark.parametrize("buffer_batches", [-1, 1.5])
+def test_a_bad_buffer_size_is_refused_by_name_before_any_port_is_bound(
+    buffer_batches: Any,
+) -> None:
+    """A negative ``buffer_batches`` raised deque's raw ``ValueError`` ("maxlen must be
+    non-negative"), and a fractional one a ``TypeError``, once both sockets were bound."""
+    endpoint, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    with pytest.raises(InvalidArgumentError, match="buffer_batches must be an integer >= 0"):
+        KVEventPublisher(endpoint, replay, buffer_batches=buffer_batches)
+    with KVEventPublisher(endpoint, replay, buffer_batches=0) as pub:  # both ports still free
+        assert (pub.endpoint, pub.replay_endpoint) == (endpoint, replay)
+
+
+@pytest.mark.parametrize("bind", [True, False])
+def test_an_endpoint_the_subscriber_cannot_use_is_refused_naming_it(bind: bool) -> None:
+    """A port in use (``bind=True``) or an endpoint ZMQ cannot parse raised ZMQ's own
+    ``ZMQError``, not the error the publisher gives, and left the SUB socket open."""
+    with KVEventPublisher(LOCAL) as pub:
+        endpoint = pub.endpoint if bind else "tcp://no-port"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(InvalidArgumentError, match=re.escape(repr(endpoint))):
+                KVEventSubscriber(endpoint, bind=bind)
+            gc.collect()  # an unclosed socket warns when collected
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+
+
+def test_a_replay_endpoint_the_subscriber_cannot_use_is_refused_when_made() -> None:
+    """A replay endpoint ZMQ cannot parse was taken, then raised ``ZMQError`` out of the
+    first ``receive`` that saw a gap, and the live batch that showed it was lost."""
+    refused = pytest.raises(InvalidArgumentError, match=re.escape("replay to 'tcp://no-port'"))
+    with KVEventPublisher(LOCAL) as pub, refused:
+        KVEventSubscriber(pub.endpoint, "tcp://no-port")
 
 
 def test_a_terminated_zmq_context_neither_stops_the_publisher_nor_is_held_up(

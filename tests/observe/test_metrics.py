@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -22,6 +25,7 @@ from kvoffload.observe import ObservedManager, Observers
 from kvoffload.observe.metrics import ManagerCollector, MetricsServer
 from kvoffload.sim.run import SimConfig, simulate
 from kvoffload.sim.traces import read_trace
+from tier_servers import ValkeyProcess
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -102,6 +106,116 @@ def test_simulate_serves_metrics_on_the_port(mooncake_trace: Path, tmp_path: Pat
             proc.wait(timeout=60)
     assert proc.returncode == 0
     _agrees_with(final, json.loads(result.read_text()))
+
+
+def scrape_labelled(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every ``kvoffload_`` sample by name and its whole label set (``tier`` kept)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("kvoffload_")
+    }
+
+
+def _optimiser_series(
+    metrics: dict[tuple[str, frozenset[tuple[str, str]]], float], tier: str | None
+) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """The optimiser's series of one tier: ``tier=None`` those without a ``tier`` label."""
+    names = ("kvoffload_whatif_", "kvoffload_admission_candidate", "kvoffload_admission_switch")
+    return {
+        (name, labels): value
+        for (name, labels), value in metrics.items()
+        if name.startswith(names) and dict(labels).get("tier") == tier
+    }
+
+
+def test_simulate_exports_the_disk_tiers_optimiser_labelled_by_tier(tmp_path: Path) -> None:
+    """``--disk-admission recommended`` exported none of the disk tier's optimiser: its
+    what-if gauges, chosen rule and switches now carry ``tier="disk"``, and the CPU tier's
+    optimiser keeps its series as they were (no ``tier`` label)."""
+    from test_events import free_port
+
+    port = free_port()
+    result = tmp_path / "run.json"
+    command = [
+        sys.executable, "-m", "kvoffload", "simulate", "--requests", "300", "--seed", "1",
+        "--gpu-blocks", "2000", "--cpu-blocks", "600", "--admission", "recommended",
+        "--disk-dir", str(tmp_path / "disk"), "--disk-blocks", "4000",
+        "--disk-admission", "recommended", "--no-bound", "--no-progress",
+        "--json", str(result), "--metrics-port", str(port), "--serve-after", "5",
+    ]  # fmt: skip
+    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
+        try:
+            deadline = time.monotonic() + 120
+            while not result.exists() and time.monotonic() < deadline:
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                time.sleep(0.1)
+            time.sleep(0.2)  # the file is complete once written
+            metrics = scrape_labelled(port)
+        finally:
+            proc.wait(timeout=60)
+    assert proc.returncode == 0
+    report = json.loads(result.read_text())
+    candidates = ("store-all", "filter", "feedback")
+    # The CPU tier's figures at the top of the JSON, the disk tier's in its entry.
+    for tier, run in ((None, report), ("disk", report["tiers"]["disk"])):
+        series = _optimiser_series(metrics, tier)
+        extra = () if tier is None else (("tier", tier),)
+        for figure in ("hit_ratio", "writes_per_ref"):
+            exported = {labels for name, labels in series if name == f"kvoffload_whatif_{figure}"}
+            assert exported == {
+                frozenset({("candidate", c), ("capacity_factor", f), *extra})
+                for c in candidates
+                for f in ("0.5", "1", "2", "4")
+            }
+        for candidate in candidates:
+            labels = frozenset({("candidate", candidate), *extra})
+            chosen = float(candidate == run["admission_candidate"])
+            assert series["kvoffload_admission_candidate", labels] == chosen
+        switches = series["kvoffload_admission_switches_total", frozenset(extra)]
+        assert switches == run["admission_switches"]
+        assert len(series) == 2 * 12 + 3 + 1
+    assert not _optimiser_series(metrics, "remote")
+
+
+def test_the_shared_tiers_optimiser_is_exported_as_tier_remote(
+    valkey_server: ValkeyProcess,
+) -> None:
+    """``--remote-admission recommended``: the shared tier's optimiser as simulate's
+    metrics endpoint registers it, labelled ``tier="remote"``, its choice the report's."""
+    from kvoffload.cli.observe_options import lower_tier_admissions
+    from kvoffload.observe.metrics import AdmissionCollector
+    from kvoffload.sim.generators import generate
+
+    workload = generate(num_requests=200, seed=1)
+    config = SimConfig(
+        gpu_blocks=2000,
+        cpu_blocks=600,
+        bound=False,
+        remote_url=valkey_server.url,
+        remote_admission="recommended",
+        remote_blocks=4000,
+    )
+    with MetricsServer(0) as server:
+
+        def register(observed: ObservedManager) -> None:
+            for tier, layer in lower_tier_admissions(observed):
+                server.add(AdmissionCollector(layer.stats, tier))
+
+        report = simulate(workload, config, observers=Observers(on_manager=[register]))
+        metrics = scrape_labelled(server.port)
+    entry = report.tiers["remote"]
+    series = _optimiser_series(metrics, "remote")
+    assert len(series) == 2 * 12 + 3 + 1 == len(metrics)  # the remote tier's alone
+    for candidate in ("store-all", "filter", "feedback"):
+        labels = frozenset({("candidate", candidate), ("tier", "remote")})
+        chosen = float(candidate == entry["admission_candidate"])
+        assert series["kvoffload_admission_candidate", labels] == chosen
+    switches = frozenset({("tier", "remote")})
+    assert series["kvoffload_admission_switches_total", switches] == entry["admission_switches"]
 
 
 def test_a_bad_port_is_one_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -279,7 +393,45 @@ def test_a_client_that_sends_nothing_is_dropped_and_scrapes_go_on() -> None:
                 assert client.recv(1) == b""  # closed by the server
 
 
-@pytest.mark.parametrize("timeout_s", [0.0, -1.0, math.inf, math.nan])
+def _wait_for_scrape_threads(timeout_s: float = 30.0) -> None:
+    """Until the server's per-connection threads (not joined on close) have ended."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(
+        thread.name.endswith("(process_request_thread)") for thread in threading.enumerate()
+    ):
+        time.sleep(0.01)
+
+
+def test_a_client_that_resets_its_connection_prints_nothing(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """A client that reset its connection before its request was read (a TCP health check,
+    a port scan) made socketserver print a ``ConnectionResetError`` traceback to stderr,
+    one per connection, amid ``kvoffload simulate``'s output."""
+    from kvoffload.observe.counters import ManagerCounters
+
+    with MetricsServer(0) as server:
+        server.add(ManagerCollector(lambda: ManagerCounters(lookups=7), {"tier": "cpu"}))
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", server.port)) as client:
+                # No lingering: closing sends a reset, not an orderly end.
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        assert scrape(server.port)["kvoffload_lookups_total"] == 7
+        _wait_for_scrape_threads()
+    assert capfd.readouterr().err == ""
+
+
+@pytest.mark.parametrize("port", [True, 8000.5, "9090", None])
+def test_a_port_that_is_no_integer_is_refused_naming_it(port: object) -> None:
+    """``True`` (an int to Python) served on port 1; a float, a str or ``None`` raised a
+    bare ``TypeError`` from the comparison or the socket."""
+    with pytest.raises(
+        InvalidArgumentError, match=re.escape(f"metrics port must be in 0..65535, got {port!r}")
+    ):
+        MetricsServer(port)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, -1.0, math.inf, math.nan, "10", None])
 def test_a_client_timeout_that_is_no_positive_time_is_refused(timeout_s: float) -> None:
     with pytest.raises(InvalidArgumentError, match="client_timeout_s"):
         MetricsServer(0, client_timeout_s=timeout_s)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from kvoffload.admission import find_admission
+from kvoffload.admission import AdmissionLayer, find_admission
 from kvoffload.cli.options import number
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.manager import OffloadingManager
@@ -164,14 +164,32 @@ def _check_free(host: str, port: int, what: str) -> None:
             raise InvalidArgumentError(f"{what}: cannot bind: {reason}") from None
 
 
-def lower_tiers(manager: OffloadingManager) -> list[LowerTier]:
-    """The tiers below the CPU tier of the stack under ``manager``'s wrappers (none if flat)."""
+def _tiered(manager: OffloadingManager) -> TieredOffloadingManager | None:
+    """The tiered manager under ``manager``'s wrappers (``None`` if the stack is flat)."""
     found: object = manager
     while not isinstance(found, TieredOffloadingManager):
         found = getattr(found, "backing", None)
         if found is None:
-            return []
-    return found.tiers
+            return None
+    return found
+
+
+def lower_tiers(manager: OffloadingManager) -> list[LowerTier]:
+    """The tiers below the CPU tier of the stack under ``manager``'s wrappers (none if flat)."""
+    tiered = _tiered(manager)
+    return [] if tiered is None else tiered.tiers
+
+
+def lower_tier_admissions(manager: OffloadingManager) -> list[tuple[str, AdmissionLayer]]:
+    """``(tier name, its own admission layer)`` for each lower tier that has one."""
+    tiered = _tiered(manager)
+    if tiered is None:
+        return []
+    return [
+        (tier.medium.lower(), layer)
+        for tier, layer in zip(tiered.tiers, tiered.admissions, strict=True)
+        if layer is not None
+    ]
 
 
 def recovery_by_tier(tiers: list[LowerTier]) -> dict[str, dict[str, int]]:
@@ -250,6 +268,8 @@ def observing(args: argparse.Namespace, block_tokens: int) -> Iterator[Observing
                 layer = find_admission(observed)
                 if layer is not None:
                     server.add(metrics.AdmissionCollector(layer.stats))
+                for tier, tier_layer in lower_tier_admissions(observed):
+                    server.add(metrics.AdmissionCollector(tier_layer.stats, tier))
 
             def register_transfers(observed: ObservedWorker) -> None:
                 server.add(metrics.TransferCollector(observed.latency))

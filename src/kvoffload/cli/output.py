@@ -89,6 +89,43 @@ def key_value_table(rows: Sequence[tuple[str, str]], width: int | None = None) -
     return "\n".join(lines)
 
 
+WhatIfTable = Mapping[str, Mapping[str, Mapping[str, float | None]]]
+"""An optimiser's what-if figures as a run reports them: candidate -> capacity factor
+(as text) -> ``hit_ratio``, ``writes_per_ref``, ...; ``None`` for a figure not known yet."""
+
+
+def switches(count: int) -> str:
+    """How often an optimiser changed the rule it follows, in words."""
+    return "never switched" if not count else f"{count:,} switch{'es' if count > 1 else ''}"
+
+
+def whatif_figure(value: float | None) -> str:
+    """A what-if figure, ``-`` while unknown (nothing sampled), as the control's row shows."""
+    return "-" if value is None else f"{value:.3f}"
+
+
+def whatif_rows(candidate: str, switch_count: int, whatif: WhatIfTable) -> list[tuple[str, str]]:
+    """An optimiser's choice and its what-if table, as :func:`key_value_table` rows: hit
+    ratio / writes per block reference of each candidate at each capacity factor, over
+    the whole run (none for a layer without what-if figures). Shared by the CPU tier's
+    optimiser and each lower tier's own."""
+    if not whatif:
+        return []
+    factors = list(next(iter(whatif.values())))
+    rows = [
+        ("  following", f"{candidate} ({switches(switch_count)})"),
+        ("  what-if (hit / writes)", "   ".join(f"{f + 'x':>13}" for f in factors)),
+    ]
+    for name, by_factor in whatif.items():
+        cells = (
+            f"{whatif_figure(by_factor[f]['hit_ratio'])} / "
+            f"{whatif_figure(by_factor[f]['writes_per_ref'])}"
+            for f in factors
+        )
+        rows.append((f"    {name}", "   ".join(f"{c:>13}" for c in cells)))
+    return rows
+
+
 def column_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """Columns right-aligned except the first, with a rule under the header."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]

@@ -291,33 +291,5 @@ def _admission_rows(r: RunReport) -> list[tuple[str, str]]:
             f"{r.admission_ghost_hits:,} ghost hits",
         ),
         ("  control, memory", f"{control}, {memory} bytes per tracked key"),
-        *_whatif_rows(r),
+        *output.whatif_rows(r.admission_candidate, r.admission_switches, r.whatif),
     ]
-
-
-def _switches(count: int) -> str:
-    return "never switched" if not count else f"{count:,} switch{'es' if count > 1 else ''}"
-
-
-def _figure(value: float | None) -> str:
-    """A what-if figure, ``-`` while unknown (nothing sampled), as the control's row shows."""
-    return "-" if value is None else f"{value:.3f}"
-
-
-def _whatif_rows(r: RunReport) -> list[tuple[str, str]]:
-    """The optimiser's choice and its what-if table: hit ratio / writes per block reference
-    of each candidate at each capacity factor, over the whole run."""
-    if not r.whatif:
-        return []
-    factors = list(next(iter(r.whatif.values())))
-    rows = [
-        ("  following", f"{r.admission_candidate} ({_switches(r.admission_switches)})"),
-        ("  what-if (hit / writes)", "   ".join(f"{f + 'x':>13}" for f in factors)),
-    ]
-    for candidate, by_factor in r.whatif.items():
-        cells = (
-            f"{_figure(by_factor[f]['hit_ratio'])} / {_figure(by_factor[f]['writes_per_ref'])}"
-            for f in factors
-        )
-        rows.append((f"    {candidate}", "   ".join(f"{c:>13}" for c in cells)))
-    return rows

@@ -338,4 +338,8 @@ def tier_rows(report: RunReport) -> list[tuple[str, str]]:
                     f"{output.count(entry['dropped_beyond_capacity'])} beyond capacity",
                 )
             )
+        if "whatif" in entry:  # the tier's own optimiser
+            rows += output.whatif_rows(
+                entry["admission_candidate"], entry["admission_switches"], entry["whatif"]
+            )
     return rows

@@ -150,21 +150,31 @@ class AdmissionCollector(Collector):
     ``candidate``, ``capacity_factor``) over recent traffic,
     ``kvoffload_admission_candidate`` (1 for the rule followed, 0 for the others) and
     ``kvoffload_admission_switches_total``. A layer without what-if figures exports nothing.
+
+    ``tier`` names a lower tier's own layer (``disk``, ``remote``): its series carry it as
+    a ``tier`` label, as the other per-tier metrics do. The CPU tier's layer has no such
+    label (``tier=None``), so the series it always exported stay as they were.
     """
 
-    def __init__(self, stats: Callable[[], AdmissionStats]) -> None:
+    def __init__(self, stats: Callable[[], AdmissionStats], tier: str | None = None) -> None:
         self._stats = stats
+        self._tier = () if tier is None else (tier,)
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
+        tier_label = ["tier"] if self._tier else []
         for name, series in whatif_gauges(stats).items():
             labels = list(WHATIF_LABELS) if name != CANDIDATE else ["candidate"]
-            family = GaugeMetricFamily(f"{PREFIX}{name}", WHATIF_DOCS[name], labels=labels)
+            family = GaugeMetricFamily(
+                f"{PREFIX}{name}", WHATIF_DOCS[name], labels=labels + tier_label
+            )
             for values, value in series.items():
-                family.add_metric(list(values), value)
+                family.add_metric([*values, *self._tier], value)
             yield family
         if stats.whatif:
-            yield CounterMetricFamily(f"{PREFIX}{SWITCHES}", SWITCHES_DOC, value=stats.switches)
+            switches = CounterMetricFamily(f"{PREFIX}{SWITCHES}", SWITCHES_DOC, labels=tier_label)
+            switches.add_metric(list(self._tier), stats.switches)
+            yield switches
 
 
 class TransferCollector(Collector):
@@ -233,7 +243,8 @@ class _Registry(CollectorRegistry):
 
 class _ScrapeHandler(WSGIRequestHandler):
     """Answers one scrape, logging nothing; a client silent for the server's
-    ``client_timeout_s`` is dropped, not waited for without end."""
+    ``client_timeout_s`` is dropped, not waited for without end, and one that resets its
+    connection (a TCP health check) is let go, not reported."""
 
     server: _ScrapeServer
 
@@ -246,6 +257,10 @@ class _ScrapeHandler(WSGIRequestHandler):
             super().handle()
         except TimeoutError:
             return  # the client sent no request in time: closing its connection is the answer
+        except ConnectionError:
+            # Gone before its request was read; raised on, socketserver printed a traceback
+            # to stderr, amid the command's own output.
+            return
 
     def log_message(self, format: str, *args: Any) -> None:
         """Nothing: one line per scrape would flood the log."""
@@ -272,9 +287,10 @@ class MetricsServer:
     """
 
     def __init__(self, port: int, host: str = "127.0.0.1", client_timeout_s: float = 10.0) -> None:
-        if not 0 <= port <= 65535:
-            raise InvalidArgumentError(f"metrics port must be in 0..65535, got {port}")
-        if not 0 < client_timeout_s < math.inf:
+        # A bool is an int to Python: True served on port 1; a float or a str raised TypeError.
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise InvalidArgumentError(f"metrics port must be in 0..65535, got {port!r}")
+        if not (isinstance(client_timeout_s, int | float) and 0 < client_timeout_s < math.inf):
             raise InvalidArgumentError(
                 f"client_timeout_s must be a positive number of seconds, got {client_timeout_s!r}"
             )

@@ -12,6 +12,7 @@ thread-safe), so ``publish`` never blocks the manager's caller.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 from collections import deque
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 
 import zmq
 
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InvalidArgumentError, check_integer
 from kvoffload.core.manager import OffloadingEvent
 from kvoffload.observe.events import KVEventBatch, encode_batch, make_batch, to_kv_events
 
@@ -41,6 +42,8 @@ class KVEventPublisher:
     the endpoint. The last ``buffer_batches`` batches stay available for
     replay until :meth:`close`. Usable as an event sink of
     :class:`~kvoffload.observe.ObservedManager` (``publisher.publish``).
+    A batch given after :meth:`close` is dropped, never queued (no thread is left to
+    send it), and counted in :attr:`dropped_after_close`; the first is logged.
 
     A ZMQ error (the process's shared context terminated by other code) does not stop
     the thread: a batch the PUB socket fails to send is counted in :attr:`send_failures`
@@ -58,12 +61,19 @@ class KVEventPublisher:
         buffer_batches: int = 10_000,
         data_parallel_rank: int = 0,
     ) -> None:
+        # Checked before binding: refused, the publisher binds no port.
+        check_integer("buffer_batches", buffer_batches, 0)
         self.topic = topic.encode()
         self.block_size = block_size
         self.data_parallel_rank = data_parallel_rank
         self.published = 0
         self.send_failures = 0
         """Batches numbered and kept for replay that the PUB socket failed to send."""
+        self.dropped_after_close = 0
+        """Batches given to :meth:`publish` or :meth:`publish_batch` after :meth:`close`."""
+        self._closed = False
+        self._closing = threading.Lock()
+        """Orders each queued batch before :meth:`close`'s stop, or drops it after."""
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = self._bind(zmq.PUB, endpoint)
         self._replay = None if replay_endpoint is None else self._bind(zmq.ROUTER, replay_endpoint)
@@ -81,32 +91,59 @@ class KVEventPublisher:
         """Queue the manager's events as one batch (nothing is sent for no events)."""
         kv_events = to_kv_events(events, self.block_size)
         if kv_events:
-            self._queue.put(make_batch(kv_events, self.data_parallel_rank))
+            self._put(make_batch(kv_events, self.data_parallel_rank))
 
     def publish_batch(self, batch: KVEventBatch) -> None:
         """Queue ``batch``; one that does not encode is logged and dropped, unnumbered."""
-        self._queue.put(batch)
+        self._put(batch)
+
+    def _put(self, batch: KVEventBatch) -> None:
+        """Queue ``batch`` unless closed: then drop it, counted (queued, it stayed in memory
+        with no thread left to send it)."""
+        with self._closing:
+            if not self._closed:
+                self._queue.put(batch)
+                return
+            self.dropped_after_close += 1
+            first = self.dropped_after_close == 1
+        if first:
+            logger.warning(
+                "KV event batch given after the publisher on %s closed: dropped; such "
+                "batches are counted in dropped_after_close",
+                self.endpoint,
+            )
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until the thread has handled every queued batch; ``False``, and a warning,
-        when it had not within ``timeout_s`` or never will (queued after :meth:`close`).
+        when it had not within ``timeout_s`` or never will (given after :meth:`close`).
         A batch the PUB socket failed to send counts as handled: it is in
-        :attr:`send_failures` and kept for replay, so compare that count to tell."""
-        if self._thread.is_alive():
-            done = threading.Event()
-            self._queue.put(done)
-            sent, why = done.wait(timeout_s), f"within {timeout_s:g} s"
+        :attr:`send_failures` and kept for replay, so compare that count to tell.
+        ``math.inf`` waits as long as it takes."""
+        if math.isnan(timeout_s):
+            raise InvalidArgumentError("flush's timeout_s must be a number of seconds, got nan")
+        done = threading.Event()
+        with self._closing:  # after close's stop, no thread would ever set it
+            queued = not self._closed and self._thread.is_alive()
+            if queued:
+                self._queue.put(done)
+        if queued:
+            # Past TIMEOUT_MAX (math.inf too) threading raised OverflowError: wait without end.
+            wait_s = None if timeout_s > threading.TIMEOUT_MAX else timeout_s
+            sent, why = done.wait(wait_s), f"within {timeout_s:g} s"
         else:
-            sent, why = self._queue.empty(), "(the publisher is closed)"
+            sent = self._queue.empty() and not self.dropped_after_close
+            why = "(the publisher is closed)"
         if not sent:
             logger.warning("KV event batches queued for %s were not sent %s", self.endpoint, why)
         return sent
 
     def close(self) -> None:
         """Send what is queued, then stop the thread and close both sockets."""
-        if not self._thread.is_alive():
-            return
-        self._queue.put(None)
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)
         self._thread.join()
         self._pub.close(linger=1000)
         if self._replay is not None:

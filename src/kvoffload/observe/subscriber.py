@@ -34,7 +34,9 @@ class KVEventSubscriber:
     """Connects to ``endpoint`` (PUB) and, for repairs, ``replay_endpoint`` (ROUTER).
 
     ``bind=True`` binds ``endpoint`` instead, for publishers that connect
-    (vLLM's publisher connects to any endpoint without a ``*``).
+    (vLLM's publisher connects to any endpoint without a ``*``). An endpoint (or
+    ``replay_endpoint``) that cannot be bound or connected to is an
+    :class:`InvalidArgumentError` naming it.
 
     ``gaps`` counts the gaps seen; ``repaired`` the batches recovered by
     replay. Without a replay endpoint a gap is skipped over (and counted).
@@ -70,14 +72,23 @@ class KVEventSubscriber:
                 f"replay_timeout_s must be finite and >= 0, got {replay_timeout_s!r}"
             )
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        if replay_endpoint is not None:
+            self._check_replay_endpoint(replay_endpoint)
         self._sub = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         if is_ipv6(endpoint):
             self._sub.setsockopt(zmq.IPV6, 1)
-        if bind:
-            self._sub.bind(endpoint)
-        else:
-            self._sub.connect(endpoint)
+        try:
+            if bind:
+                self._sub.bind(endpoint)
+            else:
+                self._sub.connect(endpoint)
+        except zmq.ZMQError as exc:  # a port in use, an endpoint ZMQ cannot parse
+            self._sub.close(linger=0)
+            verb = "bind" if bind else "connect"
+            raise InvalidArgumentError(
+                f"cannot {verb} the KV event subscriber to {endpoint!r}: {exc}"
+            ) from None
         self.endpoint = self._sub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._replay_endpoint = replay_endpoint
         self._replay_timeout_ms = int(replay_timeout_s * 1000)
@@ -143,6 +154,21 @@ class KVEventSubscriber:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _check_replay_endpoint(self, endpoint: str) -> None:
+        """A trial connect, closed at once: an endpoint ZMQ cannot parse raised out of the
+        first repair, in :meth:`receive`, and the batch that showed the gap was lost."""
+        trial = self._context.socket(zmq.DEALER)
+        try:
+            if is_ipv6(endpoint):
+                trial.setsockopt(zmq.IPV6, 1)
+            trial.connect(endpoint)
+        except zmq.ZMQError as exc:
+            raise InvalidArgumentError(
+                f"cannot connect the KV event subscriber's replay to {endpoint!r}: {exc}"
+            ) from None
+        finally:
+            trial.close(linger=0)
 
     def _is_restart(self, seq: int, payload: bytes) -> bool:
         """Numbered at or below the last live batch, or as a batch a catch-up replayed but

@@ -46,8 +46,6 @@ from kvoffload.sim.workload import Workload
 GIB = 2**30
 """Capacities in "GB" are GiB, as vLLM's ``--kv-offloading-size`` is."""
 
-Scalar = str | int | float | None
-
 
 @dataclass(frozen=True)
 class SimConfig:
@@ -375,8 +373,10 @@ class RunReport:
     """``candidate -> capacity factor -> {hit_ratio, writes_per_ref}`` over the whole run, from
     an optimising layer's miniature simulations (``None``: nothing sampled); empty for other
     layers."""
-    tiers: dict[str, dict[str, Scalar]] = dataclasses.field(default_factory=dict)
-    """Per tier (``cpu``, ``disk``, ``remote``): hits, stores, bytes, failures, modelled seconds."""
+    tiers: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """Per tier (``cpu``, ``disk``, ``remote``): hits, stores, bytes, failures, modelled seconds;
+    a lower tier with its own optimiser also has ``admission_candidate``,
+    ``admission_switches`` and a ``whatif`` object, as the CPU tier's are above."""
 
     def as_dict(self) -> dict[str, Any]:
         """The report; every value is a scalar except ``tiers`` and ``whatif``, nested objects."""
@@ -506,7 +506,7 @@ def simulate(
             config.tier_costs(),
         ),
     )
-    return _with_admission(report, config, stack)
+    return _with_tier_optimisers(_with_admission(report, config, stack), stack)
 
 
 def bound_of(workload: Workload, config: SimConfig) -> BeladyResult:
@@ -553,6 +553,28 @@ def _with_admission(report: RunReport, config: SimConfig, stack: Stack | None) -
         admission_switches=stats.switches,
         whatif=whatif_table(stats.whatif_total),
     )
+
+
+def _with_tier_optimisers(report: RunReport, stack: Stack | None) -> RunReport:
+    """``report`` with each lower tier's optimiser (its own ``--disk-admission`` /
+    ``--remote-admission recommended``) in that tier's entry, named as the CPU tier's are
+    at the top: ``admission_candidate``, ``admission_switches`` and ``whatif``."""
+    tiered = None if stack is None else stack.tiered
+    if tiered is None:
+        return report
+    tiers = dict(report.tiers)
+    for tier, layer in zip(tiered.tiers, tiered.admissions, strict=True):
+        stats = None if layer is None else layer.stats()
+        if stats is None or not stats.whatif_total:
+            continue
+        name = tier.medium.lower()
+        tiers[name] = {
+            **tiers[name],
+            "admission_candidate": stats.candidate,
+            "admission_switches": stats.switches,
+            "whatif": whatif_table(stats.whatif_total),
+        }
+    return dataclasses.replace(report, tiers=tiers)
 
 
 def whatif_table(figures: Sequence[WhatIf]) -> dict[str, dict[str, dict[str, float | None]]]:
