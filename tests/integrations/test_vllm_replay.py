@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -145,3 +146,46 @@ def test_a_policy_named_without_our_prefix_lists_ours(vllm_modules: dict[str, Mo
     # "has no attribute 's3fifo'".
     with pytest.raises(AttributeError, match="eviction policies for vLLM are kvoffload_"):
         _vllm_manager(4, 0, "s3fifo", "kvoffload.integrations.vllm")
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@given(
+    blocks=st.integers(1, 4),
+    reused=st.lists(st.booleans(), min_size=8, max_size=8),
+    capacity=st.integers(4, 10),
+)
+@settings(max_examples=60, deadline=None)
+def test_a_request_of_two_kv_groups_is_ordered_across_them_as_vllms_policies_do(
+    vllm_modules: dict[str, ModuleType], policy: str, blocks: int, reused: list[bool], capacity: int
+) -> None:
+    """A hybrid model's request has one group of keys per KV-cache group; vLLM's LRU and ARC
+    take them in one head-to-tail order by position. The shim took them group by group, so
+    for two groups of two blocks vLLM's ARC kept ``[a1, b1, a0, b0]`` and ours
+    ``[a0, b0, a1, b1]``, and the victims then differed."""
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
+    from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
+    from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
+
+    from kvoffload import make_offload_key
+    from kvoffload.integrations.vllm.policy import policy_shim
+
+    groups = [[make_offload_key(bytes([g, i]) * 4, g) for i in range(blocks)] for g in range(2)]
+    keys = [key for group in groups for key in group]
+    context = ReqContext(req_id="hybrid")
+    for group in groups:
+        for position, key in enumerate(group):
+            context.set_offload_key_position(key, position)
+    native_class = LRUCachePolicy if policy == "lru" else ARCCachePolicy
+    takes_context = "req_context" in inspect.signature(native_class.insert).parameters  # 0.33
+    victims = []
+    for cache in (native_class(capacity), policy_shim(f"kvoffload_{policy}")(capacity)):
+        for slot, key in enumerate(keys):
+            chunk = ChunkStatus(slot)
+            chunk.ref_cnt = 0
+            cache.insert(key, chunk, *([context] if takes_context else []))
+        cache.on_request_finished(groups, set(), set(keys), context)  # a second request reads
+        read = {key for key, again in zip(keys, reused, strict=False) if again}
+        cache.on_request_finished(groups, set(keys) - read, read, context)
+        victims.append([key for key, _ in cache.evict(len(keys), set()) or []])
+    assert victims[0] == victims[1]

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy as VLLMCachePolicy
+from vllm.v1.kv_offload.cpu.policies.base import order_request_keys
 
 from kvoffload.core.keys import OffloadKey
 from kvoffload.integrations.vllm.versions import running_release
@@ -63,9 +64,12 @@ class PolicyShim(VLLMCachePolicy):  # type: ignore[misc]
         reused_keys: set[OffloadKey],
         req_context: Any,
     ) -> None:
-        """One call per group, as vLLM's default; our policy tells reads from stores (ARC)."""
-        for keys in key_groups:
-            self._policy.finish_request(list(keys), reused_keys, insertion_only_keys)
+        """The request's keys in one head-to-tail order across its KV-cache groups (by
+        position, where the request knows each key's), as vLLM's LRU and ARC take them;
+        our policy tells reads from stores (ARC). Group by group, a hybrid model's first
+        group's blocks all ended less recent than the second's, not block by block."""
+        keys = order_request_keys(key_groups, req_context)
+        self._policy.finish_request(keys, reused_keys, insertion_only_keys)
 
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, Any]] | None:
         victims = self._policy.evict(n, protected)
