@@ -87,6 +87,23 @@ def test_blocks_round_trip_through_the_slot_file(tmp_path: Path) -> None:
         tier.close()
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc", "slru"])
+def test_a_read_keeps_a_requests_head_longest_as_the_cpu_tier_does(
+    tmp_path: Path, policy: str
+) -> None:
+    """A read makes a request's first block the most recent, as vLLM's touch (and our CPU
+    tier) does: a tail without its head is never hit. The tier reversed the keys before the
+    policy's touch, which reverses them itself, so its tail was kept and its head evicted
+    first, breaking the prefix that makes the rest worth reading."""
+    tier = stored(DiskTier(tmp_path, 3, FP, policy), KEYS[:3])
+    try:
+        read_all(tier, KEYS[:3])
+        stored(tier, KEYS[3:4])
+        assert [tier.present([k]) for k in KEYS[:4]] == [1, 1, 0, 1]
+    finally:
+        tier.close()
+
+
 def test_the_capacity_holds_and_an_evicted_slot_takes_the_new_block(tmp_path: Path) -> None:
     tier = stored(DiskTier(tmp_path, 4, FP, "lru", enable_events=True), KEYS[:4])
     try:

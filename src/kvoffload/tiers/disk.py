@@ -241,7 +241,7 @@ class DiskTier:
     def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
         """Read ``keys``; a missing, broken, failed or late block reads as ``False``."""
         keys = list(keys)
-        self._index.touch(reversed(keys))
+        self._index.touch(keys)
         slots = [self._slot(key) for key in keys]
         result: Future[list[bool]] = Future()
 

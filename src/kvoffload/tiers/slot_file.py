@@ -44,7 +44,6 @@ import enum
 import errno
 import fcntl
 import functools
-import itertools
 import os
 import stat
 import struct
@@ -126,9 +125,11 @@ class Recovery:
     corrupt: int = 0
     """Headers that fail their checks, or announce another payload length than the layout's."""
     duplicate: int = 0
-    """Intact blocks of a key found in more than one slot, all of which are dropped: which
-    store is the newer cannot be told (a slot whose block was evicted keeps it until its
-    next write lands, and the key may since have been stored again elsewhere)."""
+    """Further intact copies of a key found in more than one slot (a slot whose block was
+    evicted keeps it until its next write lands, and the key may since have been stored
+    again elsewhere): the lowest slot within the capacity is kept, the others dropped. A
+    key names its content (a hash of the tokens under the layout's fingerprint), so any
+    intact copy is a right one."""
     beyond_capacity: int = 0
     """Intact blocks in slots past a capacity smaller than the file's, cut off with them."""
 
@@ -614,8 +615,7 @@ class SlotFile:
                 layer.ftruncate(fd, 0)
             return [], recovery, None
         stride, payload = found_super.stride, found_super.payload_bytes
-        first_slot: dict[OffloadKey, int] = {}  # in slot order
-        again: list[tuple[OffloadKey, int]] = []  # the other slots of a key found twice
+        intact: list[tuple[OffloadKey, int]] = []  # in slot order
         for slot in range(-(-max(size - SUPER_BYTES, 0) // stride)):
             start = slot_start(slot, stride)
             kind = self._classify(layer.pread(fd, HEADER_BYTES + MAX_KEY_BYTES, start), payload)
@@ -623,24 +623,23 @@ class SlotFile:
                 if start + HEADER_BYTES + len(kind) + payload > size:
                     kind = "torn"
                 else:
-                    key = OffloadKey(kind)
-                    if first_slot.setdefault(key, slot) != slot:
-                        again.append((key, slot))
+                    intact.append((OffloadKey(kind), slot))
                     continue
             elif kind is None:
                 continue
             setattr(recovery, kind, getattr(recovery, kind) + 1)
             if slot < self.capacity:  # past it, the file is cut off below
                 layer.pwrite(fd, _ZERO_HEADER, start)  # counted once: blank from now on
-        repeated = {key for key, _ in again}
+        held: set[OffloadKey] = set()
         found = []
-        for key, slot in itertools.chain(first_slot.items(), again):
+        for key, slot in intact:
             if slot >= self.capacity:
                 recovery.beyond_capacity += 1
-            elif key in repeated:
+            elif key in held:
                 recovery.duplicate += 1
                 layer.pwrite(fd, _ZERO_HEADER, slot_start(slot, stride))
             else:
+                held.add(key)
                 found.append((key, slot))
         limit = slot_start(self.capacity, stride)
         if size > limit:
