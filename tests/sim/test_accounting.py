@@ -7,6 +7,7 @@ blocks over a 1 MB/s link (1 ms a block), decode 10 tokens/s unless fast.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import pytest
 
@@ -359,3 +360,30 @@ def test_drop_recomputes_the_last_token_of_a_block_aligned_prompt() -> None:
     assert report.gpu_hit_blocks == 1
     assert belady_bound(reqs, 4, 0, drop_partial_of=16).gpu_hit_blocks == 1
     assert belady_bound(reqs, 4, 2, drop_partial_of=16).offload_hit_blocks == 1
+
+
+def test_prefill_saved_by_offload_is_net_of_the_lower_tiers_reads(tmp_path: Path) -> None:
+    # A 2-block GPU and CPU tier: r2 and r3 push 1,2 out of both (to the disk), and r4's
+    # lookup promotes them in one disk read (5 ms + 2 blocks at 1 MB/s), then loads them.
+    bytes_per_block = layout_preset("tiny").with_block_size(16).bytes_per_block
+    reqs = [request(0, [1, 2]), request(1, [3, 4]), request(2, [5, 6]), request(3, [1, 2])]
+    config = SimConfig(
+        2,
+        2,
+        layout="tiny",
+        bound=False,
+        prefill_tokens_per_s=1600.0,
+        transfer_gb_per_s=1e-3,
+        disk_dir=str(tmp_path),
+        disk_blocks=100,
+        disk_gb_per_s=1e-3,
+        disk_latency_ms=5.0,
+    )
+    report = simulate(Workload("hand", 16, reqs), config)
+    assert report.tiers["disk"]["hit_blocks"] == report.offload_hit_blocks == 2
+    block_s = bytes_per_block / 1e6
+    disk_read_s = 0.005 + 2 * block_s
+    assert report.tiers["disk"]["read_seconds"] == pytest.approx(disk_read_s)
+    expected = 32 / 1600 - 2 * block_s - disk_read_s
+    assert report.prefill_seconds_saved_by_offload == pytest.approx(expected)
+    assert report.prefill_seconds_saved == pytest.approx(expected)

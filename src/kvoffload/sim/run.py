@@ -345,7 +345,8 @@ class RunReport:
     """Prefill time of every prompt token at the modelled throughput, with no cache at all."""
     prefill_seconds_saved: float
     prefill_seconds_saved_by_offload: float
-    """Prefill time the tier's hits saved, less the time spent loading them."""
+    """Prefill time the tier's hits saved, less the time spent loading them and the lower
+    tiers' modelled time reading the blocks they promoted."""
     load_seconds: float
     store_seconds: float
     lookups: int
@@ -443,7 +444,18 @@ def simulate(
     written = stats.stored_blocks + stats.stores_failed
     read = stats.offload_hit_blocks + stats.loads_failed
     prefill_rate = config.prefill_tokens_per_s
-    saved_by_offload = stats.offload_hit_tokens / prefill_rate - stats.load_seconds
+    tiers = tier_model.tiers_report(
+        tiered,
+        tiered.cpu_stats if tiered is not None else _cpu_stats(stats),
+        bytes_per_block,
+        config.tier_costs(),
+    )
+    # A hit promoted from a lower tier was read from it before the CPU tier loaded it.
+    saved_by_offload = (
+        stats.offload_hit_tokens / prefill_rate
+        - stats.load_seconds
+        - tier_model.read_seconds(tiers)
+    )
     report = RunReport(
         workload=workload.name,
         requests=stats.requests,
@@ -499,12 +511,7 @@ def simulate(
         wall_seconds=wall,
         refs_per_second=refs / wall if wall > 0 else 0.0,
         partial_block=config.partial_block,
-        tiers=tier_model.tiers_report(
-            tiered,
-            tiered.cpu_stats if tiered is not None else _cpu_stats(stats),
-            bytes_per_block,
-            config.tier_costs(),
-        ),
+        tiers=tiers,
     )
     return _with_tier_optimisers(_with_admission(report, config, stack), stack)
 

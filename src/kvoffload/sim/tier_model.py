@@ -2,10 +2,12 @@
 
 Lower tiers are real (files in a directory, blocks on a Valkey/Redis
 server), so two runs against the same server share blocks. Their cost is
-modelled, not timed: a tier read or write of ``n`` blocks takes
+modelled, not timed: a tier read of ``n`` blocks takes
 ``latency + n * bytes_per_block / bandwidth`` (defaults below, overridable
-in :class:`~kvoffload.sim.run.SimConfig`). The model adds to the report; it
-does not delay the replay: the engine's lookup retry does that.
+in :class:`~kvoffload.sim.run.SimConfig`); writes count the bandwidth term
+alone, since the run keeps no count of their batches. The model adds to the
+report (the prefill time saved is net of the reads); it does not delay the
+replay: the engine's lookup retry does that.
 """
 
 from __future__ import annotations
@@ -86,6 +88,11 @@ def tiers_report(
             report[name].update(recovery_counts(tier))
             report[name].update(admission_counts(tiered, index))
     return report
+
+
+def read_seconds(tiers: dict[str, dict[str, Scalar]]) -> float:
+    """The lower tiers' modelled read time in a ``tiers`` report (the CPU tier has none)."""
+    return sum(float(entry.get("read_seconds") or 0.0) for entry in tiers.values())
 
 
 def admission_counts(tiered: TieredOffloadingManager, index: int) -> dict[str, Scalar]:
