@@ -239,6 +239,28 @@ def test_a_disk_tier_is_one_processs(backends: Any, tmp_path: Path) -> None:
     backends(extra, HostPool(), model="locked")  # free again once closed
 
 
+def test_a_disk_tier_that_cannot_reopen_after_clear_goes_off_never_raising(
+    backends: Any, tmp_path: Path
+) -> None:
+    """``clear()`` reopens the disk tier; a directory that became unsafe meanwhile (here a
+    symbolic link) leaves the tier off: no exception into SGLang, and no page claimed that
+    the closed tier can no longer read."""
+    extra = {"kvoffload.disk_dir": str(tmp_path), "kvoffload.disk_bytes": 10**7}
+    pool = HostPool()
+    backend = backends(extra, pool, model="relinked")
+    pool.fill([0, 1, 2, 3], seed=4)
+    assert all(backend.batch_set_v1(KEYS[:4], pool.indices([0, 1, 2, 3])))
+    directory = backend.paths[0].tier.path.parent
+    directory.rename(tmp_path / "moved")
+    directory.symlink_to(tmp_path / "moved")
+    assert backend.clear()
+    assert backend.batch_exists(KEYS[:4]) == 0
+    assert backend.batch_get_v1(KEYS[:4], pool.indices([4, 5, 6, 7])) == [False] * 4
+    assert backend.batch_set_v1(KEYS[4:6], pool.indices([0, 1])) == [False, False]
+    disk = backend.get_stats().kvoffload["disk"]
+    assert (disk["held_pages"], disk["stores_failed"], disk["loads_failed"]) == (0, 2, 4)
+
+
 def test_a_cluster_node_down_fails_only_its_own_pages(backends: Any, tmp_path: Path) -> None:
     """With one node of three down, the pages the live nodes took are stored: each page's
     result and the counters say which, never the whole batch failed beside pages stored."""

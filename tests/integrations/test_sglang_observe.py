@@ -23,6 +23,7 @@ from sglang_helpers import HostPool, create_backend, page_hash
 
 from kvoffload.integrations.sglang.storage import offset_endpoint
 from kvoffload.observe.events import BlockRemoved, BlockStored
+from kvoffload.observe.indexer import PrefixIndex
 from kvoffload.observe.subscriber import KVEventSubscriber
 from kvoffload.tiers.slot_file import footprint
 from tier_servers import ValkeyProcess, free_port
@@ -77,6 +78,31 @@ def test_kv_events_name_the_medium_of_each_store_and_eviction(
         ("BlockStored", "REMOTE"): set(KEYS[:6]),
         ("BlockRemoved", "DISK"): set(KEYS[:2]),
     }
+
+
+def test_clear_tells_subscribers_this_instance_holds_no_page(
+    backend_of: Any, tmp_path: Path, valkey_server: ValkeyProcess
+) -> None:
+    """After ``clear()`` a router's index holds nothing of this instance: it would otherwise
+    send requests here for pages both tiers just dropped."""
+    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    events = {"kvoffload.kv_events_endpoint": pub, "kvoffload.kv_events_replay_endpoint": replay}
+    pool = HostPool()
+    backend = backend_of({**tiers(tmp_path, valkey_server), **events}, pool, model="cleared")
+    pool.fill(list(range(4)), seed=3)
+    assert all(backend.batch_set_v1(KEYS[:4], pool.indices([0, 1, 2, 3])))
+    index = PrefixIndex()
+    with KVEventSubscriber(pub, replay) as subscriber:
+        backend.flush_events()
+        for _, batch in subscriber.catch_up():
+            index.apply("sglang", batch)
+        assert index.num_blocks("sglang") == 4
+        assert backend.clear()
+        backend.flush_events()
+        for _, batch in subscriber.catch_up():
+            index.apply("sglang", batch)
+    assert backend.batch_exists(KEYS[:4]) == 0
+    assert index.num_blocks("sglang") == 0
 
 
 def test_prometheus_serves_each_tiers_counters(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -24,12 +25,14 @@ from kvoffload.admission import AdmissionLayer
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent
 from kvoffload.core.specs import LoadStoreSpec
-from kvoffload.core.tier_protocol import LowerTier, Target
+from kvoffload.core.tier_protocol import LowerTier, Target, TierStats
 from kvoffload.tiers.block_sets import Payload
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.remote import RemoteTier
 
 EventSink = Callable[[list[OffloadingEvent]], None]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -106,6 +109,39 @@ class WriteBatch:
         data = cast(Sequence[bytes], [payloads[i] for i in chosen])
         self.tier.write([self.keys[i] for i in chosen], data)
         self.sent += chosen
+
+
+class OffTier:
+    """A tier that holds nothing: what a disk tier becomes when it cannot reopen after a
+    :meth:`TierPath.clear`, so that its reads and look-ups miss and its writes fail, counted,
+    rather than raise into SGLang."""
+
+    def __init__(self, medium: str) -> None:
+        self.medium = medium
+        self.stats = TierStats()
+
+    def present(self, keys: Sequence[OffloadKey]) -> int:
+        return 0
+
+    def held(self, keys: Sequence[OffloadKey]) -> list[bool]:
+        return [False] * len(keys)
+
+    def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
+        done: Future[list[bool]] = Future()
+        done.set_result([False] * len(keys))
+        return done
+
+    def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> None:
+        return None
+
+    def poll(self, wait: bool) -> None:
+        return None
+
+    def take_events(self) -> list[OffloadingEvent]:
+        return []
+
+    def close(self) -> None:
+        return None
 
 
 Opener = Callable[[], LowerTier]
@@ -240,10 +276,24 @@ class TierPath:
                 self._held_base = tier.stats.stored_blocks
             elif isinstance(tier, DiskTier):
                 tier.close()
-                tier.path.unlink(missing_ok=True)
-                self.tier = self._open()
+                self.tier = self._reopened(tier)
                 self._seen = (0, 0, 0, 0, 0)
             self._derive()
+
+    def _reopened(self, closed: DiskTier) -> LowerTier:
+        """A new, empty disk tier in place of ``closed``; the tier off (logged) when its file
+        or directory cannot be used any more (taken by another process, replaced by a link):
+        the closed tier's index would go on claiming pages it can no longer read."""
+        try:
+            closed.path.unlink(missing_ok=True)
+            return self._open()
+        except Exception as exc:  # once the tier is up, nothing raises into SGLang
+            logger.warning(
+                "kvoffload %s tier could not reopen after a clear, so it is off until restart: %s",
+                self.name,
+                exc,
+            )
+            return OffTier(closed.medium)
 
     def close(self) -> None:
         with self._lock:

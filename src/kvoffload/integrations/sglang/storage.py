@@ -299,9 +299,15 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         return self._present([page_key(key)])[0] == 1
 
     def clear(self) -> bool:
-        """Empty the disk tier and delete our pages from the shared tier."""
+        """Empty the disk tier and delete our pages from the shared tier; KV event subscribers
+        hear ``AllBlocksCleared``, or they would go on routing to pages this instance lost."""
         for path in self.paths:
             path.clear()
+        publisher = self._publisher
+        if publisher is not None:
+            from kvoffload.observe.events import AllBlocksCleared, make_batch
+
+            publisher.publish_batch(make_batch([AllBlocksCleared()], publisher.data_parallel_rank))
         return True
 
     def get_stats(self) -> Any:
