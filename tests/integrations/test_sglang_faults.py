@@ -261,6 +261,30 @@ def test_a_disk_tier_that_cannot_reopen_after_clear_goes_off_never_raising(
     assert (disk["held_pages"], disk["stores_failed"], disk["loads_failed"]) == (0, 2, 4)
 
 
+def test_clear_empties_the_tiers_own_file_never_one_a_planted_link_leads_to(
+    backends: Any, tmp_path: Path
+) -> None:
+    """``clear()`` removed the slot file by its path after closing the tier, so a directory
+    replaced by a link since sent the removal into the link's target: another directory's
+    ``blocks.kvs`` was deleted. The tier now empties its own file through the descriptor it
+    opened, before closing it."""
+    extra = {"kvoffload.disk_dir": str(tmp_path / "l3"), "kvoffload.disk_bytes": 10**7}
+    pool = HostPool()
+    backend = backends(extra, pool, model="planted")
+    pool.fill([0, 1, 2, 3], seed=4)
+    assert all(backend.batch_set_v1(KEYS[:4], pool.indices([0, 1, 2, 3])))
+    own = backend.paths[0].tier.path
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / own.name).write_bytes(b"another process's file")
+    own.parent.rename(tmp_path / "moved")
+    own.parent.symlink_to(foreign)
+    assert backend.clear()
+    assert (foreign / own.name).read_bytes() == b"another process's file"
+    assert (tmp_path / "moved" / own.name).stat().st_size == 0
+    assert backend.batch_exists(KEYS[:4]) == 0
+
+
 def test_a_cluster_node_down_fails_only_its_own_pages(backends: Any, tmp_path: Path) -> None:
     """With one node of three down, the pages the live nodes took are stored: each page's
     result and the counters say which, never the whole batch failed beside pages stored."""

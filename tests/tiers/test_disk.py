@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import random
 import resource
@@ -656,3 +657,26 @@ def test_a_target_of_the_wrong_size_fails_that_block_only(tmp_path: Path) -> Non
         assert tier.present(KEYS[:3]) == 3  # the blocks themselves are fine
     finally:
         tier.close()
+
+
+def test_a_tier_emptied_on_close_restarts_empty_and_a_failed_truncate_only_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reset empties the tier's file through its own descriptor as it closes."""
+    tier = stored(DiskTier(tmp_path, 8, FP), KEYS[:3])
+    tier.empty_on_close = True
+    tier.close()
+    again = DiskTier(tmp_path, 8, FP)
+    try:
+        assert again.present(KEYS[:3]) == 0 and again.recovery.recovered == 0
+    finally:
+        again.close()
+
+    class NoTruncate(FileLayer):
+        def ftruncate(self, fd: int, size: int) -> None:
+            raise OSError(errno.EIO, "injected")
+
+    failing = stored(DiskTier(tmp_path, 8, FP, file_layer=NoTruncate()), KEYS[:2])
+    failing.empty_on_close = True
+    failing.close()  # no raise: the blocks stay, each intact under its own key
+    assert "could not be emptied" in caplog.text

@@ -183,6 +183,9 @@ class DiskTier:
         self.directory = self._file.directory
         self.path = self._file.path
         self.stats = TierStats()
+        self.empty_on_close = False
+        """Set before a closing that resets the tier (an engine's cache reset): set here, not
+        passed to :meth:`close`, as whatever owns the tier (the tiered manager) closes it."""
         self._writes: list[tuple[list[OffloadKey], Future[list[bool]]]] = []
         self._broken: queue.SimpleQueue[tuple[OffloadKey, int]] = queue.SimpleQueue()
         found = self._file.found
@@ -331,6 +334,8 @@ class DiskTier:
         return self._events.take()
 
     def close(self) -> None:
-        """Finish the writes in flight and close the file; closing twice is harmless."""
+        """Finish the writes in flight and close the file; closing twice is harmless. With
+        :attr:`empty_on_close` set, the file is emptied first (through its open descriptor,
+        never by path), so that a tier opened on the directory next starts empty."""
         self.poll(wait=True)
-        self._file.close()
+        self._file.close(empty=self.empty_on_close)

@@ -44,6 +44,7 @@ import enum
 import errno
 import fcntl
 import functools
+import logging
 import os
 import stat
 import struct
@@ -72,6 +73,8 @@ from kvoffload.tiers.format import (
     payload_size,
 )
 from kvoffload.tiers.targets import destination_parts
+
+logger = logging.getLogger(__name__)
 
 SLOT_FILE = "blocks.kvs"
 LOCK_FILE = "lock"
@@ -325,12 +328,16 @@ class SlotFile:
 
         return self._gather(len(keys), groups, job_for, False, lambda n: n * (size + ALIGN))
 
-    def close(self) -> None:
+    def close(self, empty: bool = False) -> None:
         """Finish or expire every job, then close the file and its lock (after the last
-        call stuck in the file returns, if one is)."""
+        call stuck in the file returns, if one is). ``empty``: truncate the file first,
+        through the descriptor opened here, so that the next tier on the directory starts
+        with nothing (a reset); by its path, a link planted since could send it elsewhere."""
         if self._fd < 0:
             return
-        self.stripes.close(functools.partial(_close_all, [self._fd, self._lock_fd]))
+        fds = [self._fd, self._lock_fd]
+        release = functools.partial(_close_all, fds, self._fd if empty else None, self.layer)
+        self.stripes.close(release)
         self._fd = -1
 
     # The calling thread's side: jobs out, futures back.
@@ -770,7 +777,12 @@ def _refuse(path: Path, why: str) -> None:
     raise DiskTierError(f"disk tier path {path} {why}; refusing to use it")
 
 
-def _close_all(fds: list[int]) -> None:
+def _close_all(fds: list[int], emptied: int | None = None, layer: FileLayer | None = None) -> None:
+    if emptied is not None and layer is not None:
+        try:
+            layer.ftruncate(emptied, 0)
+        except OSError as exc:  # its blocks stay, each still intact under its own key
+            logger.warning("disk tier file could not be emptied on close: %s", exc)
     for fd in fds:
         _HELD_LOCKS.discard(fd)
         os.close(fd)

@@ -275,6 +275,7 @@ class TierPath:
                 tier.delete_all()
                 self._held_base = tier.stats.stored_blocks
             elif isinstance(tier, DiskTier):
+                tier.empty_on_close = True  # by its open file: a path may be a link now
                 tier.close()
                 self.tier = self._reopened(tier)
                 self._seen = (0, 0, 0, 0, 0)
@@ -285,7 +286,6 @@ class TierPath:
         or directory cannot be used any more (taken by another process, replaced by a link):
         the closed tier's index would go on claiming pages it can no longer read."""
         try:
-            closed.path.unlink(missing_ok=True)
             return self._open()
         except Exception as exc:  # once the tier is up, nothing raises into SGLang
             logger.warning(

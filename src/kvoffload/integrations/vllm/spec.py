@@ -309,9 +309,9 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
     def _close_tiers(self, wipe_disk: bool = False) -> None:
         if self._stack is not None:
             stack, self._stack = self._stack, None
-            stack.close()
             if wipe_disk and isinstance(stack.disk, DiskTier):
-                stack.disk.path.unlink(missing_ok=True)
+                stack.disk.empty_on_close = True  # by its open file: a path may be a link now
+            stack.close()
 
     def close(self) -> None:
         """Wait for the lower tiers' writes in flight, close them and unmap the workers'
