@@ -534,14 +534,14 @@ def test_an_interrupted_sweep_with_no_finished_run_keeps_an_earlier_file(
     (the --csv file, with no row to write, was already left alone)."""
     from kvoffload.sim import sweep as sim_sweep
 
-    def interrupted(task: object) -> None:
+    def interrupted(*run: object) -> None:
         raise KeyboardInterrupt  # Ctrl-C during the first run
 
     earlier = '[{"policy": "lru"}]\n'
     out_json, out_csv = tmp_path / "runs.json", tmp_path / "runs.csv"
     out_json.write_text(earlier)
     out_csv.write_text("policy\nlru\n")
-    monkeypatch.setattr(sim_sweep, "_run_task", interrupted)
+    monkeypatch.setattr(sim_sweep, "_run_on", interrupted)
     args = ["sweep", "--requests", "30", "--jobs", "1", "--no-progress"]
     status = main([*args, "--json", str(out_json), "--csv", str(out_csv)])
     err = capsys.readouterr().err

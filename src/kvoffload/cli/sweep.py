@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     configs = tier_options.separate_disk_dirs(configs)
     bar = ProgressBar("sweep", ProgressBar.wanted(args.progress))
     try:
-        reports = run_sweep(source, configs, jobs=args.jobs, progress=bar)
+        reports = run_sweep(source, configs, jobs=args.jobs, progress=bar, loaded=workload)
     except SweepInterrupted as stop:
         bar.close()
         return _interrupted(args, stop)
