@@ -84,6 +84,9 @@ def test_bad_numbers_are_usage_errors(
         (["--mix", "chat=nan"], "--mix chat=nan: mix weight for 'chat' must be a finite"),
         (["--mix", "chat=inf,rag=1"], "must be a finite number >= 0, got 'inf'"),
         (["--mix", "chat=-1,rag=1"], "must be a finite number >= 0, got '-1'"),
+        # Refused by the generator without naming the option.
+        (["--mix", "chat=0"], "--mix chat=0: mix 'chat=0' gives every kind weight 0"),
+        (["--mix", "video=1"], "--mix video=1: unknown workload kind 'video'"),
         (
             ["--mix", "rag=1, chat=1e309"],
             "mix weight for 'chat' must be a finite number >= 0, got '1e309'",
