@@ -69,6 +69,11 @@ def test_sizes_just_under_the_next_unit_are_not_in_exponent_notation(
     assert output.size(999.4 * 2**20) == "999 MiB"
 
 
+def test_a_table_of_no_rows_is_its_header() -> None:
+    """A column's width was the max of its header and its cells: with no cells, a TypeError."""
+    assert output.column_table(["policy", "hit"], []) == "policy  hit\n------  ---"
+
+
 def test_trace_with_policy_threshold_and_concurrency(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
