@@ -12,6 +12,7 @@ import pytest
 
 from kvoffload.cli import output
 from kvoffload.cli.main import main
+from kvoffload.sim import tier_model
 
 SMALL = ["simulate", "--requests", "120", "--seed", "3", "--no-progress"]
 REQUIRED = [
@@ -106,3 +107,24 @@ def test_python_dash_m() -> None:
     )
     assert result.returncode == 0
     assert "--cpu-gb" in result.stdout
+
+
+def test_the_disk_model_options_default_and_apply_with_a_disk_tier(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Given without a disk tier they are refused, so their defaults are resolved only here."""
+
+    def disk_seconds(run: str, *model: str) -> tuple[float, float]:
+        args = ["simulate", "--requests", "200", "--no-progress", "--no-bound"]
+        args += ["--gpu-blocks", "1500", "--cpu-blocks", "300", "--disk-blocks", "3000"]
+        args += ["--disk-dir", str(tmp_path / run)]
+        assert main([*args, *model, "--json", "-"]) == 0
+        disk = json.loads(capsys.readouterr().out)["tiers"]["disk"]
+        return disk["read_seconds"], disk["write_seconds"]
+
+    defaults = ["--disk-gb-per-s", str(tier_model.DISK_GB_PER_S)]
+    defaults += ["--disk-latency-ms", str(tier_model.DISK_LATENCY_MS)]
+    assert disk_seconds("a") == disk_seconds("b", *defaults)
+    slow = disk_seconds("c", "--disk-gb-per-s", "0.001", "--disk-latency-ms", "50")
+    modelled = disk_seconds("d")
+    assert all(given > 100 * default > 0 for given, default in zip(slow, modelled, strict=True))

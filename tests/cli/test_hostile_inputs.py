@@ -595,6 +595,11 @@ def test_bad_tier_numbers_are_usage_errors(
         (["--disk-dir", "{tmp}/d", "--disk-blocks", str(10**20)], "--disk-blocks: a disk tier of"),
         (["--disk-gb", "1"], "--disk-gb needs --disk-dir"),
         (["--disk-policy", "lru"], "--disk-policy needs --disk-dir"),
+        # Read by a lower tier's model only: without the tier they were ignored, unsaid.
+        (["--disk-gb-per-s", "2"], "--disk-gb-per-s needs --disk-dir"),
+        (["--disk-latency-ms", "0"], "--disk-latency-ms needs --disk-dir"),
+        (["--remote-gb-per-s", "2"], "--remote-gb-per-s models the remote tier: it needs"),
+        (["--remote-latency-ms", "1"], "--remote-latency-ms models the remote tier: it needs"),
         (["--remote-blocks", "100"], "--remote-blocks is the shared tier's size as"),
         (["--tier-store-threshold", "3"], "--tier-store-threshold filters writes to the tiers"),
         (
