@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_helpers import one_line_error
 
 from kvoffload.cli.main import main
 
@@ -59,6 +60,37 @@ def test_tiny_tracker_starves_the_reuse_filter(capsys: pytest.CaptureFixture[str
     starved = run(capsys, "--no-bound", "--store-threshold", "2", "--max-tracker-size", "1")
     assert starved["offload_blocks_written"] < roomy["offload_blocks_written"]
     assert starved["stores_skipped_by_admission"] > roomy["stores_skipped_by_admission"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["simulate"], "it needs --store-threshold 2 or more"),
+        (["simulate", "--store-threshold", "1"], "it needs --store-threshold 2 or more"),
+        (["sweep", "--thresholds", "0,1"], "it needs a threshold of 2 or more in --thresholds"),
+    ],
+)
+def test_a_tracker_size_without_a_store_filter_is_refused(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It sizes the store filter's table alone: with no filter it was ignored, unsaid."""
+    assert main([*args, "--requests", "20", "--no-progress", "--max-tracker-size", "9"]) == 1
+    err = one_line_error(capsys)
+    assert "--max-tracker-size sizes the store filter's reuse table: " + message in err
+
+
+def test_a_sweep_with_one_filtered_threshold_takes_a_tracker_size(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Its runs with a store filter get the size; those without have no table to size."""
+    args = ["sweep", "--requests", "80", "--seed", "5", "--no-progress", "--json", "-"]
+    args += [*SMALL_TIERS, "--thresholds", "0,2", "--policies", "lru", "--jobs", "1"]
+    assert main(args) == 0
+    roomy = json.loads(capsys.readouterr().out)
+    assert main([*args, "--max-tracker-size", "1"]) == 0
+    starved = json.loads(capsys.readouterr().out)
+    assert starved[0]["offload_blocks_written"] == roomy[0]["offload_blocks_written"]
+    assert starved[1]["stores_skipped_by_admission"] > roomy[1]["stores_skipped_by_admission"]
 
 
 @pytest.mark.parametrize(

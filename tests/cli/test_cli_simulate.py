@@ -12,6 +12,7 @@ import pytest
 
 from kvoffload.cli import output
 from kvoffload.cli.main import main
+from kvoffload.sim import tier_model
 
 SMALL = ["simulate", "--requests", "120", "--seed", "3", "--no-progress"]
 REQUIRED = [
@@ -69,6 +70,11 @@ def test_sizes_just_under_the_next_unit_are_not_in_exponent_notation(
     assert output.size(999.4 * 2**20) == "999 MiB"
 
 
+def test_a_table_of_no_rows_is_its_header() -> None:
+    """A column's width was the max of its header and its cells: with no cells, a TypeError."""
+    assert output.column_table(["policy", "hit"], []) == "policy  hit\n------  ---"
+
+
 def test_trace_with_policy_threshold_and_concurrency(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -101,3 +107,24 @@ def test_python_dash_m() -> None:
     )
     assert result.returncode == 0
     assert "--cpu-gb" in result.stdout
+
+
+def test_the_disk_model_options_default_and_apply_with_a_disk_tier(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Given without a disk tier they are refused, so their defaults are resolved only here."""
+
+    def disk_seconds(run: str, *model: str) -> tuple[float, float]:
+        args = ["simulate", "--requests", "200", "--no-progress", "--no-bound"]
+        args += ["--gpu-blocks", "1500", "--cpu-blocks", "300", "--disk-blocks", "3000"]
+        args += ["--disk-dir", str(tmp_path / run)]
+        assert main([*args, *model, "--json", "-"]) == 0
+        disk = json.loads(capsys.readouterr().out)["tiers"]["disk"]
+        return disk["read_seconds"], disk["write_seconds"]
+
+    defaults = ["--disk-gb-per-s", str(tier_model.DISK_GB_PER_S)]
+    defaults += ["--disk-latency-ms", str(tier_model.DISK_LATENCY_MS)]
+    assert disk_seconds("a") == disk_seconds("b", *defaults)
+    slow = disk_seconds("c", "--disk-gb-per-s", "0.001", "--disk-latency-ms", "50")
+    modelled = disk_seconds("d")
+    assert all(given > 100 * default > 0 for given, default in zip(slow, modelled, strict=True))

@@ -6,10 +6,12 @@ import csv
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvoffload.cli.main import build_parser, main
+from kvoffload.sim import Workload, read_trace, sources
 
 
 def test_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -147,3 +149,20 @@ def test_jobs_default_to_the_cpus_this_process_may_run_on() -> None:
     finally:
         os.sched_setaffinity(0, allowed)
     assert args.jobs == 1
+
+
+def test_sweep_reads_the_trace_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep read the trace for its bar, then again for its runs: twice the load time."""
+    trace = tmp_path / "t.jsonl"
+    record = '{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}'
+    trace.write_text(record + "\n")
+    reads: list[str] = []
+
+    def counted_read(path: str, *args: Any) -> Workload:
+        reads.append(path)
+        return read_trace(path, *args)
+
+    monkeypatch.setattr(sources, "read_trace", counted_read)
+    argv = ["sweep", "--trace", str(trace), "--cpu-blocks", "0,4", "--jobs", "1", "--json", "-"]
+    assert main([*argv, "--no-progress"]) == 0
+    assert reads == [str(trace)]

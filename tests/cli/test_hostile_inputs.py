@@ -84,6 +84,9 @@ def test_bad_numbers_are_usage_errors(
         (["--mix", "chat=nan"], "--mix chat=nan: mix weight for 'chat' must be a finite"),
         (["--mix", "chat=inf,rag=1"], "must be a finite number >= 0, got 'inf'"),
         (["--mix", "chat=-1,rag=1"], "must be a finite number >= 0, got '-1'"),
+        # Refused by the generator without naming the option.
+        (["--mix", "chat=0"], "--mix chat=0: mix 'chat=0' gives every kind weight 0"),
+        (["--mix", "video=1"], "--mix video=1: unknown workload kind 'video'"),
         (
             ["--mix", "rag=1, chat=1e309"],
             "mix weight for 'chat' must be a finite number >= 0, got '1e309'",
@@ -534,14 +537,14 @@ def test_an_interrupted_sweep_with_no_finished_run_keeps_an_earlier_file(
     (the --csv file, with no row to write, was already left alone)."""
     from kvoffload.sim import sweep as sim_sweep
 
-    def interrupted(task: object) -> None:
+    def interrupted(*run: object) -> None:
         raise KeyboardInterrupt  # Ctrl-C during the first run
 
     earlier = '[{"policy": "lru"}]\n'
     out_json, out_csv = tmp_path / "runs.json", tmp_path / "runs.csv"
     out_json.write_text(earlier)
     out_csv.write_text("policy\nlru\n")
-    monkeypatch.setattr(sim_sweep, "_run_task", interrupted)
+    monkeypatch.setattr(sim_sweep, "_run_on", interrupted)
     args = ["sweep", "--requests", "30", "--jobs", "1", "--no-progress"]
     status = main([*args, "--json", str(out_json), "--csv", str(out_csv)])
     err = capsys.readouterr().err
@@ -592,6 +595,11 @@ def test_bad_tier_numbers_are_usage_errors(
         (["--disk-dir", "{tmp}/d", "--disk-blocks", str(10**20)], "--disk-blocks: a disk tier of"),
         (["--disk-gb", "1"], "--disk-gb needs --disk-dir"),
         (["--disk-policy", "lru"], "--disk-policy needs --disk-dir"),
+        # Read by a lower tier's model only: without the tier they were ignored, unsaid.
+        (["--disk-gb-per-s", "2"], "--disk-gb-per-s needs --disk-dir"),
+        (["--disk-latency-ms", "0"], "--disk-latency-ms needs --disk-dir"),
+        (["--remote-gb-per-s", "2"], "--remote-gb-per-s models the remote tier: it needs"),
+        (["--remote-latency-ms", "1"], "--remote-latency-ms models the remote tier: it needs"),
         (["--remote-blocks", "100"], "--remote-blocks is the shared tier's size as"),
         (["--tier-store-threshold", "3"], "--tier-store-threshold filters writes to the tiers"),
         (

@@ -7,7 +7,7 @@ import dataclasses
 import importlib.util
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from kvoffload.admission import admission_params, parse_pairs
@@ -104,6 +104,7 @@ DRIVE_BYTES = _usage(lambda text: parse_bytes(text, "drive size"), "drive size: 
 DEFAULT_GPU_GIB = 24.0
 DEFAULT_CPU_GIB = 96.0
 DEFAULT_LAYOUT = "llama-3.1-8b"
+DEFAULT_MAX_TRACKER_SIZE = SimConfig.max_tracker_size
 
 
 def add_write_budget_arguments(group: argparse._ArgumentGroup) -> None:
@@ -213,17 +214,25 @@ def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def check_tracker_size_used(args: argparse.Namespace, thresholds: Sequence[int], need: str) -> None:
+    """Refuse ``--max-tracker-size`` when no run has a store filter (a threshold of 2 or
+    more), whose table it sizes: it would be ignored, unsaid. ``need`` says what to give."""
+    if args.max_tracker_size is not None and all(threshold < 2 for threshold in thresholds):
+        raise InvalidArgumentError(
+            f"--max-tracker-size sizes the store filter's reuse table: it needs {need}"
+        )
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine model")
     group.add_argument(
         "--layout",
         help=f"KV layout preset that turns blocks into bytes (default: {DEFAULT_LAYOUT})",
     )
-    group.add_argument(
+    group.add_argument(  # no default here: given with no store filter, it is refused
         "--max-tracker-size",
         type=POSITIVE_INT,
-        default=64_000,
-        help="reuse filter's tracked keys (default: 64000)",
+        help=f"reuse filter's tracked keys (default: {DEFAULT_MAX_TRACKER_SIZE})",
     )
     group.add_argument(
         "--concurrency",
@@ -293,7 +302,9 @@ def base_config(args: argparse.Namespace, block_tokens: int, default_layout: str
     return SimConfig(
         gpu_blocks=gpu_blocks,
         cpu_blocks=0,
-        max_tracker_size=args.max_tracker_size,
+        max_tracker_size=(
+            DEFAULT_MAX_TRACKER_SIZE if args.max_tracker_size is None else args.max_tracker_size
+        ),
         layout=layout,
         concurrency=args.concurrency,
         prefill_tokens_per_s=args.prefill_tokens_per_s,

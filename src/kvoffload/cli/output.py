@@ -127,8 +127,9 @@ def whatif_rows(candidate: str, switch_count: int, whatif: WhatIfTable) -> list[
 
 
 def column_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Columns right-aligned except the first, with a rule under the header."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    """Columns right-aligned except the first, with a rule under the header (and no more
+    with no rows)."""
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
 
     def line(cells: Sequence[str]) -> str:
         first = f"{cells[0]:<{widths[0]}}"

@@ -154,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
         )
     _check_cpu_tier(args, args.cpu_blocks)
     tier_options.check_before_work(args)
+    options.check_tracker_size_used(args, [args.store_threshold], "--store-threshold 2 or more")
     options.check_name(args.policy, "--policy", resolve_policy)
     options.check_name(args.admission, "--admission", resolve_admission)
     params = options.admission_param_pairs(args)

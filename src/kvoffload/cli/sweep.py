@@ -117,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     # 0 and 1 both mean no filter, an alias is its rule (the report names the rule), and a
     # value given twice is the same run: each distinct setting runs once.
     thresholds = list(dict.fromkeys(0 if value < 2 else value for value in thresholds))
+    options.check_tracker_size_used(args, thresholds, "a threshold of 2 or more in --thresholds")
     policies = options.parse_names(args.policies, "--policies", resolve_policy)
     policies = _distinct(policies, resolve_policy)
     admissions = options.parse_names(args.admissions, "--admissions", resolve_admission)
@@ -144,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     configs = tier_options.separate_disk_dirs(configs)
     bar = ProgressBar("sweep", ProgressBar.wanted(args.progress))
     try:
-        reports = run_sweep(source, configs, jobs=args.jobs, progress=bar)
+        reports = run_sweep(source, configs, jobs=args.jobs, progress=bar, loaded=workload)
     except SweepInterrupted as stop:
         bar.close()
         return _interrupted(args, stop)

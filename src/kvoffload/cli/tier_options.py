@@ -87,10 +87,9 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
         ("remote-gb-per-s", "modelled remote bandwidth, GB/s", tier_model.REMOTE_GB_PER_S, None),
         ("remote-latency-ms", "modelled remote latency per batch", tier_model.REMOTE_LATENCY_MS, 0),
     ):
-        group.add_argument(
+        group.add_argument(  # no default here: given without its tier, it is refused
             f"--{name}",
             type=options.POSITIVE if kind is None else latency,
-            default=default,
             help=f"{what} (default: {default:g})",
         )
 
@@ -126,6 +125,8 @@ def check_before_work(args: argparse.Namespace) -> None:
             ("--disk-blocks", args.disk_blocks),
             ("--disk-policy", args.disk_policy),
             ("--disk-timeout-ms", args.disk_timeout_ms),
+            ("--disk-gb-per-s", args.disk_gb_per_s),
+            ("--disk-latency-ms", args.disk_latency_ms),
         )
         if value is not None
     ]
@@ -171,6 +172,16 @@ def check_before_work(args: argparse.Namespace) -> None:
             "--tier-store-threshold filters writes to the tiers below the CPU tier: "
             "it needs --disk-dir or --remote"
         )
+    remote_model = [
+        option
+        for option, value in (
+            ("--remote-gb-per-s", args.remote_gb_per_s),
+            ("--remote-latency-ms", args.remote_latency_ms),
+        )
+        if value is not None
+    ]
+    if remote_model and args.remote is None:
+        raise InvalidArgumentError(f"{remote_model[0]} models the remote tier: it needs --remote")
     if args.remote is not None:
         _check_remote(args.remote)
 
@@ -262,11 +273,15 @@ def with_tiers(config: SimConfig, args: argparse.Namespace, block_tokens: int) -
         remote_blocks=args.remote_blocks or 0,
         disk_policy=args.disk_policy,
         disk_timeout_ms=args.disk_timeout_ms or DEFAULT_TIMEOUT_MS,
-        disk_gb_per_s=args.disk_gb_per_s,
-        disk_latency_ms=args.disk_latency_ms,
-        remote_gb_per_s=args.remote_gb_per_s,
-        remote_latency_ms=args.remote_latency_ms,
+        disk_gb_per_s=_given_or(args.disk_gb_per_s, tier_model.DISK_GB_PER_S),
+        disk_latency_ms=_given_or(args.disk_latency_ms, tier_model.DISK_LATENCY_MS),
+        remote_gb_per_s=_given_or(args.remote_gb_per_s, tier_model.REMOTE_GB_PER_S),
+        remote_latency_ms=_given_or(args.remote_latency_ms, tier_model.REMOTE_LATENCY_MS),
     )
+
+
+def _given_or(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 def separate_disk_dirs(configs: list[SimConfig]) -> list[SimConfig]:

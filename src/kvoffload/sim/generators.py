@@ -228,7 +228,8 @@ _MEAN_SESSION_REQUESTS = {"chat": 3.5, "rag": 1.0, "agent": 7.5, "oneshot": 1.0}
 
 def parse_mix(text: str) -> dict[str, float]:
     """Parse ``"chat=0.5,rag=0.5"`` (or a single kind name, ``"rag"``) into weights; a
-    weight that is not a finite number >= 0 is refused as typed (``1e309``, not ``inf``)."""
+    weight that is not a finite number >= 0 is refused as typed (``1e309``, not ``inf``),
+    and so are an unknown kind and weights that are all zero."""
     if not isinstance(text, str):
         raise InvalidArgumentError(f"a mix is text such as 'chat=0.5,rag=0.5', got {text!r}")
     weights: dict[str, float] = {}
@@ -247,6 +248,14 @@ def parse_mix(text: str) -> dict[str, float]:
             raise InvalidArgumentError(
                 f"mix weight for {name!r} must be a finite number >= 0, got {weight.strip()!r}"
             )
+    # Refused here as well as by generate, so that the CLI's message names --mix.
+    unknown = sorted(set(weights) - set(GENERATORS))
+    if unknown:
+        raise InvalidArgumentError(
+            f"unknown workload kind {unknown[0]!r}; known: {', '.join(GENERATORS)}"
+        )
+    if not any(weights.values()):
+        raise InvalidArgumentError(f"mix {text!r} gives every kind weight 0: no request to draw")
     return weights
 
 

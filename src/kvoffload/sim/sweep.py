@@ -38,7 +38,10 @@ def _workload(source: WorkloadSource) -> Workload:
 
 def _run_task(task: Task) -> RunReport | BeladyResult:
     source, config, is_bound = task
-    workload = _workload(source)
+    return _run_on(_workload(source), config, is_bound)
+
+
+def _run_on(workload: Workload, config: SimConfig, is_bound: bool) -> RunReport | BeladyResult:
     if is_bound:
         return bound_of(workload, config)
     return simulate(workload, config)
@@ -86,8 +89,13 @@ def run_sweep(
     configs: Sequence[SimConfig],
     jobs: int = 1,
     progress: Callable[[int, int], None] | None = None,
+    loaded: Workload | None = None,
 ) -> list[RunReport]:
     """Run ``configs`` on ``jobs`` processes (1: in this process); reports keep ``configs`` order.
+
+    ``loaded``, the workload ``source`` gives if the caller has already built it, serves
+    the runs in this process: reading a large trace again would double its load time.
+    Worker processes (``jobs`` > 1) each build their own from ``source``.
 
     Every report gains the Belady bound of its capacities and partial block mode (none
     with lower tiers, see :attr:`SimConfig.bounded`). On Ctrl-C,
@@ -110,13 +118,11 @@ def run_sweep(
     results: list[RunReport | BeladyResult | None] = [None] * len(tasks)
     try:
         if jobs == 1:
-            try:
-                for index, task in enumerate(tasks):
-                    results[index] = _run_task(task)
-                    if progress is not None:
-                        progress(index + 1, len(tasks))
-            finally:
-                _workload.cache_clear()
+            workload = source.load() if loaded is None else loaded
+            for index, (_, config, is_bound) in enumerate(tasks):
+                results[index] = _run_on(workload, config, is_bound)
+                if progress is not None:
+                    progress(index + 1, len(tasks))
         else:
             _run_parallel(tasks, results, jobs, progress)
     except KeyboardInterrupt:
