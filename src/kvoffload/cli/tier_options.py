@@ -83,9 +83,14 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     latency = options.number(0.0)
     for name, what, default, kind in (
         ("disk-gb-per-s", "modelled disk bandwidth, GB/s", tier_model.DISK_GB_PER_S, None),
-        ("disk-latency-ms", "modelled disk latency per batch", tier_model.DISK_LATENCY_MS, 0),
+        ("disk-latency-ms", "modelled disk latency per read batch", tier_model.DISK_LATENCY_MS, 0),
         ("remote-gb-per-s", "modelled remote bandwidth, GB/s", tier_model.REMOTE_GB_PER_S, None),
-        ("remote-latency-ms", "modelled remote latency per batch", tier_model.REMOTE_LATENCY_MS, 0),
+        (
+            "remote-latency-ms",
+            "modelled remote latency per read batch",
+            tier_model.REMOTE_LATENCY_MS,
+            0,
+        ),
     ):
         group.add_argument(  # no default here: given without its tier, it is refused
             f"--{name}",
