@@ -9,7 +9,6 @@ flight at the reset) no promotion may fill a slot the reset freed.
 
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
 from collections.abc import Callable
@@ -132,12 +131,37 @@ def test_reset_empties_the_tiers_own_file_never_one_a_planted_link_leads_to(
     (foreign / own.name).write_bytes(b"another process's file")
     own.parent.rename(tmp_path / "moved")
     own.parent.symlink_to(foreign)
-    # The tier cannot reopen on a link, and the reset says so (left as it is: noted); what
-    # this test holds is that nothing outside the tier's own file was touched.
-    with contextlib.suppress(InvalidArgumentError):
-        connector_scheduler(instance.scheduler).reset_cache()
+    connector_scheduler(instance.scheduler).reset_cache()
     assert (foreign / own.name).read_bytes() == b"another process's file"
     assert (tmp_path / "moved" / own.name).stat().st_size == 0
+
+
+def test_a_reset_whose_lower_tiers_cannot_open_again_leaves_the_cpu_tier_running(
+    vllm_modules: dict[str, ModuleType],
+    tmp_path: Path,
+    instances: Callable[..., Instance],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A reset reopens the lower tiers; one that cannot (here the disk directory replaced
+    by a link; a shared server down is the same) raised into vLLM's reset. The engine now
+    goes on with its CPU tier alone, logged, until it restarts."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    extra = _disk(tmp_path, 1, slot_start(16, slot_stride(BLOCK_BYTES)))
+    instance = instances(extra)
+    _store_in_pairs(instance, KEYS[:4])
+    directory = instance.manager.backing.tiers[0].path.parent
+    directory.rename(tmp_path / "moved")
+    directory.symlink_to(tmp_path / "moved")
+    connector_scheduler(instance.scheduler).reset_cache()
+    assert "runs on its CPU tier alone" in caplog.text
+    context = request_context("after", KEYS[:4])
+    for key in KEYS[:4]:
+        assert lookup_until_settled(instance.manager, key, context) == [LookupResult.MISS]
+    _store_in_pairs(instance, KEYS[4:8])
+    assert lookup_until_settled(instance.manager, KEYS[6], request_context("again", KEYS[4:8])) == [
+        LookupResult.HIT
+    ]
 
 
 def _reports_flush() -> bool:

@@ -8,6 +8,8 @@ vLLM loads it out of tree from ``kv_connector_extra_config``::
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvoffload.admission import WriteBudget, available_admissions, resolve_admission
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.dataplane.shared_region import default_directory, region_path
 from kvoffload.dataplane.shared_slot_bytes import SharedSlotBytes
 from kvoffload.integrations.vllm.adapter import (
@@ -57,6 +59,8 @@ from kvoffload.observe.metrics import (
 from kvoffload.tiers import RemoteTierError, build_stack, fingerprint_of, parse_remote_url
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.slot_file import slot_note, slot_start, slot_stride, slots_within
+
+logger = logging.getLogger(__name__)
 
 CONFIG_INFO_KEYS = (
     "tier",
@@ -266,17 +270,44 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
         # A second build is vLLM's reset_cache: the local disk tier is this engine's and is
         # emptied with the CPU tier; the shared tier belongs to every engine on it and
         # keeps its blocks.
-        self._close_tiers(wipe_disk=self._stack is not None)
+        resetting = self._stack is not None
+        self._close_tiers(wipe_disk=resetting)
         config = self.stack_config(events, self.shared_slot_bytes())
         try:
             self._stack = build_stack(config)
-        except RemoteTierError as exc:
-            raise RemoteTierError(f"kv_connector_extra_config {REMOTE_URL_KEY!r}: {exc}") from None
-        except InvalidArgumentError as exc:
-            raise InvalidArgumentError(
-                f"kv_connector_extra_config {DISK_DIR_KEY!r}: {exc}"
-            ) from None
+        except KVOffloadError as exc:
+            if resetting:  # once the engine runs, nothing raises into it
+                return self._cpu_tier_alone(config, exc)
+            if isinstance(exc, RemoteTierError):
+                raise RemoteTierError(
+                    f"kv_connector_extra_config {REMOTE_URL_KEY!r}: {exc}"
+                ) from None
+            if isinstance(exc, InvalidArgumentError):
+                raise InvalidArgumentError(
+                    f"kv_connector_extra_config {DISK_DIR_KEY!r}: {exc}"
+                ) from None
+            raise
         return self._stack
+
+    def _cpu_tier_alone(self, config: StackConfig, why: KVOffloadError) -> Stack:
+        """The stack without its lower tiers, when they cannot open again at a reset (the
+        server down, the directory taken or replaced by a link): vLLM's reset must not
+        fail for them; the engine runs on the CPU tier until it restarts."""
+        logger.warning(
+            "kvoffload: the lower tiers could not open again after vLLM's cache reset, so "
+            "this engine runs on its CPU tier alone until it restarts: %s",
+            why,
+        )
+        alone = dataclasses.replace(
+            config,
+            disk_dir=None,
+            remote_url=None,
+            disk_admission="none",
+            disk_write_budget=None,
+            remote_admission="none",
+            remote_write_budget=None,
+        )
+        return build_stack(alone)
 
     def stack_config(self, events: bool, slot_bytes: SharedSlotBytes | None = None) -> StackConfig:
         """The stack these settings describe; lower tiers share the CPU tier's policy."""
