@@ -10,7 +10,12 @@ import pytest
 from vllm_helpers import create_spec
 
 from kvoffload import InvalidArgumentError, block_id_key
-from kvoffload.admission import OptimisingAdmission, available_admissions, find_admission
+from kvoffload.admission import (
+    AdmissionLayer,
+    OptimisingAdmission,
+    available_admissions,
+    find_admission,
+)
 from kvoffload.policies import available_policies, create_cache_policy
 from kvoffload.sim.traces import read_trace
 
@@ -38,6 +43,20 @@ def _context(req_id: str, keys: list[bytes]) -> Any:
 @pytest.fixture(scope="module")
 def mooncake(mooncake_trace: Path) -> Any:
     return read_trace(mooncake_trace)
+
+
+def _announcements(layer: AdmissionLayer) -> list[tuple[int, int, bool]]:
+    """Each request ``layer`` is told of, as (keys, GPU-held, tier-served), recorded as the
+    adapter announces it."""
+    announced: list[tuple[int, int, bool]] = []
+    begin = layer.begin_request
+
+    def begin_request(keys: list[bytes], **kwargs: Any) -> None:
+        announced.append((len(keys), kwargs["gpu_held"], kwargs["tier_hit"]))
+        begin(keys, **kwargs)
+
+    layer.begin_request = begin_request
+    return announced
 
 
 def test_recommended_admission_cuts_writes_on_mooncake(
@@ -157,14 +176,7 @@ def test_a_request_vllm_delays_for_anothers_load_and_the_gpu_serves_is_no_tier_h
     spec = create_spec({"cpu_bytes_to_use": 64 * 1024, "kvoffload.admission": "sketch"})
     scheduler = connector_scheduler(spec)
     layer = spec.get_manager()._layer
-    announced: list[tuple[int, int, bool]] = []
-    begin = layer.begin_request
-
-    def begin_request(keys: list[bytes], **kwargs: Any) -> None:
-        announced.append((len(keys), kwargs["gpu_held"], kwargs["tier_hit"]))
-        begin(keys, **kwargs)
-
-    layer.begin_request = begin_request
+    announced = _announcements(layer)
     prompt = list(range(49))  # three whole blocks and one token
     for name in ("cold", "stored"):  # the sketch stores the prompt on its second sighting
         request = vllm_request(name, prompt)
@@ -238,14 +250,7 @@ def test_a_chunk_the_gpu_holds_part_of_is_looked_up_and_served_only_if_vllm_load
     )
     scheduler = connector_scheduler(spec)
     layer = spec.get_manager()._layer
-    announced: list[tuple[int, int, bool]] = []
-    begin = layer.begin_request
-
-    def begin_request(keys: list[bytes], **kwargs: Any) -> None:
-        announced.append((len(keys), kwargs["gpu_held"], kwargs["tier_hit"]))
-        begin(keys, **kwargs)
-
-    layer.begin_request = begin_request
+    announced = _announcements(layer)
     prompt = list(range(97))  # three chunks of 32 tokens and one token
     jobs: list[int] = []
     for name in ("cold", "stored"):  # the sketch stores on the second sighting

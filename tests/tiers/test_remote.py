@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+import valkey
 from tier_helpers import ByteSlots, content
 
 from kvoffload import CPUOffloadingManager, OffloadKey, block_id_key
@@ -413,6 +414,12 @@ def test_a_full_server_refusing_stores_still_serves_loads(tmp_path: Path) -> Non
         server.stop()
 
 
+def _sets_received(admin: valkey.Valkey) -> int:
+    """SET commands the server has taken, those it refused included."""
+    stats = admin.info("commandstats").get("cmdstat_set", {})
+    return int(stats.get("calls", 0)) + int(stats.get("rejected_calls", 0))
+
+
 def test_a_full_server_is_sent_no_store_for_its_breaker_s_cool_down(tmp_path: Path) -> None:
     """After an OOM reply the node rests from stores for its breaker's cool-down: each
     store to a full server was sent whole (its bytes and a round trip) to be refused;
@@ -421,10 +428,6 @@ def test_a_full_server_is_sent_no_store_for_its_breaker_s_cool_down(tmp_path: Pa
         tmp_path / "full", "--maxmemory", "2mb", "--maxmemory-policy", "noeviction"
     ).start()
     admin = server.client()
-
-    def sets_received() -> int:
-        stats = admin.info("commandstats").get("cmdstat_set", {})
-        return int(stats.get("calls", 0)) + int(stats.get("rejected_calls", 0))
 
     try:
         size = 32_000
@@ -442,11 +445,11 @@ def test_a_full_server_is_sent_no_store_for_its_breaker_s_cool_down(tmp_path: Pa
                 sent += 1
             stored = tier.stats.stored_blocks
             assert tier.stats.failed == 1 and stored > 0  # OOM came
-            seen = sets_received()
+            seen = _sets_received(admin)
             for key in keys[sent : sent + 10]:
                 tier.write([key], [content(key, size)])
                 tier.poll(wait=True)
-            assert sets_received() == seen
+            assert _sets_received(admin) == seen
             assert tier.skipped_full == 10 and tier.stats.failed == 11
             buffers = [bytearray(size) for _ in range(stored)]
             ok = tier.read(keys[:stored], lambda i: memoryview(buffers[i])).result(timeout=10)
@@ -454,7 +457,7 @@ def test_a_full_server_is_sent_no_store_for_its_breaker_s_cool_down(tmp_path: Pa
             tier.breaker.cooldown_s = 0.0  # the rest is over: the next store goes out
             tier.write([keys[sent + 10]], [content(keys[sent + 10], size)])
             tier.poll(wait=True)
-            assert sets_received() == seen + 1 and tier.skipped_full == 10
+            assert _sets_received(admin) == seen + 1 and tier.skipped_full == 10
         finally:
             tier.close()
     finally:
@@ -470,10 +473,6 @@ def test_a_server_that_cannot_persist_is_sent_no_store_for_its_breaker_s_cool_do
     tier starts against it (its PING is refused with MISCONF too)."""
     server = ValkeyProcess(tmp_path / "misconf").start()
     admin = server.client()
-
-    def sets_received() -> int:
-        stats = admin.info("commandstats").get("cmdstat_set", {})
-        return int(stats.get("calls", 0)) + int(stats.get("rejected_calls", 0))
 
     try:
         size = 32_000
@@ -497,11 +496,11 @@ def test_a_server_that_cannot_persist_is_sent_no_store_for_its_breaker_s_cool_do
             tier.write([keys[4]], [content(keys[4], size)])
             tier.poll(wait=True)
             assert tier.stats.failed == 1 and tier.unavailable == 1  # MISCONF came
-            seen = sets_received()
+            seen = _sets_received(admin)
             for key in keys[5:15]:
                 tier.write([key], [content(key, size)])
                 tier.poll(wait=True)
-            assert sets_received() == seen
+            assert _sets_received(admin) == seen
             assert tier.skipped_full == 10 and tier.stats.failed == 11
             buffers = [bytearray(size) for _ in range(4)]
             ok = tier.read(keys[:4], lambda i: memoryview(buffers[i])).result(timeout=10)
