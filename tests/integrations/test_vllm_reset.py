@@ -155,6 +155,9 @@ def test_a_reset_whose_lower_tiers_cannot_open_again_leaves_the_cpu_tier_running
     directory.symlink_to(tmp_path / "moved")
     connector_scheduler(instance.scheduler).reset_cache()
     assert "runs on its CPU tier alone" in caplog.text
+    caplog.clear()
+    connector_scheduler(instance.scheduler).reset_cache()  # tries the tiers again: still off
+    assert "runs on its CPU tier alone" in caplog.text
     context = request_context("after", KEYS[:4])
     for key in KEYS[:4]:
         assert lookup_until_settled(instance.manager, key, context) == [LookupResult.MISS]

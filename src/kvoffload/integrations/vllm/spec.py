@@ -307,7 +307,8 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             remote_admission="none",
             remote_write_budget=None,
         )
-        return build_stack(alone)
+        self._stack = build_stack(alone)  # a reset after this one tries the tiers again
+        return self._stack
 
     def stack_config(self, events: bool, slot_bytes: SharedSlotBytes | None = None) -> StackConfig:
         """The stack these settings describe; lower tiers share the CPU tier's policy."""
