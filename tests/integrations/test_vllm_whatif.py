@@ -3,6 +3,7 @@ connector stats to its ``/metrics``, and ``kvoffload.write_budget`` keeps its bu
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -178,3 +179,72 @@ def test_a_bad_write_budget_key_stops_vllm_at_start_up(
     config = {"cpu_bytes_to_use": 8 * 1024, "kvoffload.admission": "recommended", **extra}
     with pytest.raises(InvalidArgumentError, match=message):
         create_spec(config)
+
+
+@pytest.mark.parametrize("cpu_admission", ["recommended", "none"])
+def test_the_disk_tiers_optimiser_reaches_metrics_labelled_by_tier(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, cpu_admission: str
+) -> None:
+    """A lower tier's own optimiser (``kvoffload.disk_admission: recommended``) exported
+    nothing inside vLLM (and with no CPU optimiser nothing was declared). Its series now
+    carry ``tier="disk"``, as ``kvoffload simulate`` labels them; vLLM declares a metric's
+    labels once, so the CPU tier's carry ``tier=""`` beside them (Prometheus stores an
+    empty label as none)."""
+    import prometheus_client
+
+    from kvoffload.integrations.vllm.replay import replay
+    from kvoffload.observe.metrics import AdmissionCollector
+
+    extra = {
+        **SPEC_CONFIG,
+        "cpu_bytes_to_use": 64 * 1024,
+        "kvoffload.admission": cpu_admission,
+        "kvoffload.disk_dir": str(tmp_path),
+        "kvoffload.disk_bytes": 1 << 22,
+        "kvoffload.disk_admission": "recommended",
+    }
+    frontend, registry = metrics_frontend(extra)
+    spec = create_spec(extra)
+    manager = spec.get_manager()
+    workload = _workload()
+    replay(manager, workload.requests, workload.block_tokens)
+    frontend.observe(manager.get_stats().data, 0)
+    tiers = {"disk": spec._stack.disk_admission}
+    if cpu_admission != "none":
+        tiers[""] = _optimiser(manager)
+    for tier, layer in tiers.items():
+        assert isinstance(layer, OptimisingAdmission)
+        ours = prometheus_client.CollectorRegistry()
+        ours.register(AdmissionCollector(layer.stats))
+        compared = 0
+        for family in ours.collect():
+            for sample in family.samples:
+                labels = {**sample.labels, "engine": "0", "tier": tier}
+                assert registry.get_sample_value(f"vllm:{sample.name}", labels) == sample.value
+                compared += 1
+        assert compared == 12 + 12 + 3 + 1  # what-if gauges, candidate gauges, switches
+    cpu_series = registry.get_sample_value(
+        HIT, {"candidate": "filter", "capacity_factor": "1", "engine": "0", "tier": ""}
+    )
+    assert (cpu_series is None) == (cpu_admission == "none")
+
+
+def test_without_a_lower_tiers_optimiser_the_whatif_series_have_no_tier_label(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    from kvoffload.integrations.vllm import KVOffloadSpec
+
+    disk = {"kvoffload.disk_dir": str(tmp_path), "kvoffload.disk_bytes": 1 << 22}
+    for extra in (
+        {"kvoffload.admission": "recommended"},
+        {"kvoffload.admission": "recommended", **disk, "kvoffload.disk_admission": "feedback"},
+        {"kvoffload.admission": "recommended", "kvoffload.disk_admission": "recommended"},
+    ):  # the last: no disk tier, so no disk optimiser (start-up refuses it)
+        definitions = KVOffloadSpec.build_metric_definitions(extra)
+        assert definitions[HIT].labelnames == ("candidate", "capacity_factor")
+        assert definitions[SWITCHES].labelnames == ()
+    with_disk = {"kvoffload.admission": "none", **disk, "kvoffload.disk_admission": "optimiser"}
+    definitions = KVOffloadSpec.build_metric_definitions(with_disk)
+    assert definitions[HIT].labelnames == ("candidate", "capacity_factor", "tier")
+    assert definitions[CANDIDATE].labelnames == ("candidate", "tier")
+    assert definitions[SWITCHES].labelnames == ("tier",)

@@ -47,7 +47,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from kvoffload.admission import AdmissionLayer
+from kvoffload.admission import AdmissionLayer, AdmissionStats
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager as SeedManager
 from kvoffload.core.specs import BlockIDsLoadStoreSpec
@@ -160,8 +160,13 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         on_shutdown: Callable[[], None] | None = None,
         info: Sequence[InfoSeries] = ({},),
         recency_at_access: bool = True,
+        whatif_tier_label: bool = False,
     ) -> None:
         self._build = build
+        self._tier_label: tuple[str, ...] = ("",) if whatif_tier_label else ()
+        """The CPU tier's ``tier`` label value, where the spec declared the label (a lower
+        tier's optimiser exports beside it)."""
+        self._lower_switches = {"disk": _LayerCount(), "remote": _LayerCount()}
         self._recency_at_access = recency_at_access
         self._on_shutdown = on_shutdown
         self._info = [dict(series) for series in info]
@@ -191,6 +196,11 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._cpu: CPUOffloadingManager = stack.cpu
         self._tiered = stack.tiered
         self._has_lower_tiers = stack.tiered is not None and bool(stack.tiered.tiers)
+        self._lower_layers = [
+            (tier, layer)
+            for tier, layer in (("disk", stack.disk_admission), ("remote", stack.remote_admission))
+            if layer is not None
+        ]
         policy = type(self._cpu.policy)
         # Only a policy with request-scoped rules of its own (not LRU) pays for their bookkeeping.
         self._tells_reads = policy.finish_request is not CachePolicy.finish_request
@@ -412,6 +422,8 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         if self._layer is not None:
             self._ghost_hits.carry(self._layer.ghost_hits)
             self._switches.carry(self._layer.switches)
+        for tier, layer in self._lower_layers:
+            self._lower_switches[tier].carry(layer.switches)
         # As vLLM's manager, whose reset keeps its queue: events from before it still go out.
         self._queue_events()
         self._install()
@@ -448,18 +460,28 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             stats.increase_counter(GHOST_HITS_METRIC, ghost_hits)
             layer_stats = self._layer.stats()
             stats.set_gauge(CONTROL_METRIC, layer_stats.control)
-            for name, series in whatif_gauges(layer_stats).items():
-                for labels, level in series.items():
-                    stats.set_gauge(f"{METRIC_PREFIX}{name}", level, labels)
-            if layer_stats.whatif:
-                switches = self._switches.increment(layer_stats.switches)
-                stats.increase_counter(SWITCHES_METRIC, switches)
+            self._whatif(stats, layer_stats, self._switches, self._tier_label)
+        if self._tier_label:  # declared: the lower tiers' optimisers export too
+            for tier, layer in self._lower_layers:
+                self._whatif(stats, layer.stats(), self._lower_switches[tier], (tier,))
         if self._tiered is not None:
             counts = {tier.medium.lower(): recovery_counts(tier) for tier in self._tiered.tiers}
             found = {name: tier_counts for name, tier_counts in counts.items() if tier_counts}
             for name, labels, value in recovery_samples(found):
                 stats.set_gauge(f"{METRIC_PREFIX}{name}", value, labels)
         return stats
+
+    @staticmethod
+    def _whatif(
+        stats: Any, layer_stats: AdmissionStats, switches: _LayerCount, tier: tuple[str, ...]
+    ) -> None:
+        """An optimiser's what-if and candidate gauges and its switches, ``tier`` after the
+        labels where the spec declared a ``tier`` label (nothing for another layer)."""
+        for name, series in whatif_gauges(layer_stats).items():
+            for labels, level in series.items():
+                stats.set_gauge(f"{METRIC_PREFIX}{name}", level, labels + tier)
+        if layer_stats.whatif:
+            stats.increase_counter(SWITCHES_METRIC, switches.increment(layer_stats.switches), tier)
 
     def _request_keys(self, req_context: ReqContext) -> _RequestKeys:
         state = req_context.get_state(_RequestKeys)

@@ -35,9 +35,11 @@ from kvoffload.integrations.vllm.adapter import (
 from kvoffload.integrations.vllm.offer_filter import OfferCountFilter
 from kvoffload.integrations.vllm.settings import (
     ADMISSION_KEY,
+    DISK_ADMISSION_KEY,
     DISK_BYTES_KEY,
     DISK_DIR_KEY,
     DISK_WRITE_BUDGET_KEY,
+    REMOTE_ADMISSION_KEY,
     REMOTE_BYTES_KEY,
     REMOTE_URL_KEY,
     REMOTE_WRITE_BUDGET_KEY,
@@ -111,7 +113,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 documentation="The admission layer's control value (feedback: share of block "
                 "classes written on first sight; sketch: its sightings threshold)."
             )
-            definitions.update(_whatif_definitions(extra_config))
+        definitions.update(_whatif_definitions(extra_config))
         if extra_config.get(DISK_DIR_KEY) is not None:  # what the disk tier found on start
             for name, doc in RECOVERY_DOCS.items():
                 definitions[f"{METRIC_PREFIX}{name}"] = OffloadingGaugeMetadata(
@@ -367,6 +369,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 on_shutdown=self.close,
                 info=self.config_info(),
                 recency_at_access=self.release.recency_at_access,
+                whatif_tier_label=whatif_tiers(self.extra_config) not in ((), ("",)),
             )
         return self._manager
 
@@ -383,20 +386,45 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
         return self._worker
 
 
+def whatif_tiers(extra_config: dict[str, Any]) -> tuple[str, ...]:
+    """The tiers whose admission layer is the optimiser, by the ``tier`` label of their
+    what-if series: ``""`` for the CPU tier, ``"disk"``, ``"remote"`` (a name start-up
+    will refuse counts as none)."""
+
+    def optimiser(key: str) -> bool:
+        name = extra_config.get(key)
+        return name in available_admissions() and resolve_admission(name) == "optimiser"
+
+    tiers = [""] if optimiser(ADMISSION_KEY) else []
+    for tier, location, admission in (
+        ("disk", DISK_DIR_KEY, DISK_ADMISSION_KEY),
+        ("remote", REMOTE_URL_KEY, REMOTE_ADMISSION_KEY),
+    ):
+        if extra_config.get(location) is not None and optimiser(admission):
+            tiers.append(tier)
+    return tuple(tiers)
+
+
 def _whatif_definitions(extra_config: dict[str, Any]) -> dict[str, Any]:
-    """The optimiser's what-if and candidate gauges, labelled as kvoffload's own exporter
-    labels them, and its switch counter; none for another admission layer (or a name
-    start-up will refuse)."""
-    admission = extra_config.get(ADMISSION_KEY)
-    if admission not in available_admissions() or resolve_admission(admission) != "optimiser":
+    """The optimisers' what-if and candidate gauges, labelled as kvoffload's own exporter
+    labels them, and their switch counter; none without an optimiser. vLLM declares a
+    metric's labels once, so a lower tier's optimiser adds ``tier`` to every series (the
+    CPU tier's ``tier=""``, which Prometheus stores as no label): without one the series
+    are as they always were."""
+    tiers = whatif_tiers(extra_config)
+    if not tiers:
         return {}
+    tier_label = ("tier",) if tiers != ("",) else ()
     definitions: dict[str, Any] = {
         f"{METRIC_PREFIX}{name}": OffloadingGaugeMetadata(
-            documentation=doc, labelnames=("candidate",) if name == CANDIDATE else WHATIF_LABELS
+            documentation=doc,
+            labelnames=(("candidate",) if name == CANDIDATE else WHATIF_LABELS) + tier_label,
         )
         for name, doc in WHATIF_DOCS.items()
     }
-    definitions[SWITCHES_METRIC] = OffloadingCounterMetadata(documentation=SWITCHES_DOC)
+    definitions[SWITCHES_METRIC] = OffloadingCounterMetadata(
+        documentation=SWITCHES_DOC, labelnames=tier_label
+    )
     return definitions
 
 
