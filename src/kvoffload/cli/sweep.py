@@ -14,6 +14,7 @@ from kvoffload.admission import available_admissions, resolve_admission
 from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD
 from kvoffload.cli import options, output, tier_options
 from kvoffload.cli.progress import ProgressBar
+from kvoffload.core.cpus import usable_cpus
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.policies import resolve_policy
 from kvoffload.sim.run import RunReport
@@ -21,16 +22,6 @@ from kvoffload.sim.sweep import SweepInterrupted, run_sweep, sweep_configs
 
 DEFAULT_FACTORS = (1, 2, 4, 8)
 """Offload capacities swept by default, in GPU caches."""
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (``taskset``, a container's cpuset), not the
-    machine's: more workers than that only share them, each with its own copy of the
-    workload in memory."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):  # no affinity on this platform
-        return os.cpu_count() or 1
 
 
 def register(commands: Any) -> None:

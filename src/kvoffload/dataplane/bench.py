@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvoffload.core.cpus import usable_cpus
 from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError
 from kvoffload.core.keys import OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
@@ -44,16 +44,6 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
 }
 """8B-class layout with 16-token blocks: 2 MiB per GPU block, 1 GiB per phase."""
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (``taskset``, a container's cpuset): the most
-    torch threads worth asking for. More only share them, and a count in the thousands
-    exhausts the process's threads (torch crashes, or the copy thread cannot start)."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):  # no affinity on this platform
-        return os.cpu_count() or 1
 
 
 def measure_transfer(
