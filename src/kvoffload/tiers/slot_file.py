@@ -335,9 +335,8 @@ class SlotFile:
         with nothing (a reset); by its path, a link planted since could send it elsewhere."""
         if self._fd < 0:
             return
-        fds = [self._fd, self._lock_fd]
-        release = functools.partial(_close_all, fds, self._fd if empty else None, self.layer)
-        self.stripes.close(release)
+        emptying = self.layer if empty else None
+        self.stripes.close(functools.partial(_close_all, [self._fd, self._lock_fd], emptying))
         self._fd = -1
 
     # The calling thread's side: jobs out, futures back.
@@ -777,10 +776,11 @@ def _refuse(path: Path, why: str) -> None:
     raise DiskTierError(f"disk tier path {path} {why}; refusing to use it")
 
 
-def _close_all(fds: list[int], emptied: int | None = None, layer: FileLayer | None = None) -> None:
-    if emptied is not None and layer is not None:
+def _close_all(fds: list[int], emptying: FileLayer | None = None) -> None:
+    """Close ``fds``, the slot file's first; ``emptying``: truncate that file first, by it."""
+    if emptying is not None:
         try:
-            layer.ftruncate(emptied, 0)
+            emptying.ftruncate(fds[0], 0)
         except OSError as exc:  # its blocks stay, each still intact under its own key
             logger.warning("disk tier file could not be emptied on close: %s", exc)
     for fd in fds:
