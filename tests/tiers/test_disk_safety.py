@@ -197,6 +197,35 @@ def test_a_second_process_on_the_same_directory_is_refused_naming_the_holder(
     DiskTier(root, 8, bytes.fromhex(fingerprint_dir)).close()  # free again once it is gone
 
 
+def test_a_holder_whose_lock_file_was_deleted_still_keeps_the_directory(tmp_path: Path) -> None:
+    """With ``lock`` deleted under a running tier, a second process would lock a new file
+    of that name: the slot file's own lock still refuses it, before it scans (and cuts)
+    the first one's slots. Processes, not threads: a flock is per open file."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path), FP.hex()],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        assert holder.stdout.readline() == "holding\n"
+        (tmp_path / FP.hex() / "lock").unlink()
+        with pytest.raises(DiskTierError, match="is in use by another process, whose lock file"):
+            DiskTier(tmp_path, 4, FP)  # a smaller capacity would cut the holder's slots
+        holder.stdin.write("go on\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline() == "kept 5 5\n"
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+        holder.stdout.close()
+    assert holder.returncode == 0
+    again = DiskTier(tmp_path, 8, FP)  # free again once it is gone, its blocks all there
+    assert again.recovery.recovered == 5
+    again.close()
+
+
 def test_two_tiers_of_one_process_on_one_directory_are_refused_too(tmp_path: Path) -> None:
     first = DiskTier(tmp_path, 4, FP)
     try:

@@ -26,8 +26,9 @@ created or written outside ``DIR``: ``DIR``, the fingerprint directory and the
 files in it must each be what they claim (a directory, a regular file with a
 single link), not a symbolic link, and owned by the running user. What this
 class creates is private (directories 0700, files 0600). An exclusive
-``flock`` on ``lock`` (which names the holder's pid) keeps a second process
-from wiping the first one's slots; a child the holder forks lets go of it.
+``flock`` on ``lock`` (which names the holder's pid) and one on the slot file
+itself (``lock`` may be deleted under its holder) keep a second process from
+wiping the first one's slots; a child the holder forks lets go of both.
 
 File I/O runs on single-threaded stripes keyed by slot (slot % stripes), so
 a read of a slot and a later write into that slot, reused by another key,
@@ -97,7 +98,7 @@ _SUPER = struct.Struct("<4sHH16sQQ")
 _CRC = struct.Struct("<I")
 _ZERO_HEADER = bytes(HEADER_BYTES + MAX_KEY_BYTES)
 _HELD_LOCKS: set[int] = set()
-"""This process's locked ``lock`` descriptors, which a forked child must not keep."""
+"""This process's locked descriptors (``lock``, slot files), which a forked child must not keep."""
 
 T = TypeVar("T")
 
@@ -566,6 +567,8 @@ class SlotFile:
             _lock(lock_fd, self.directory)
             fd = _open_file(self.path, directory)
             fds.append(fd)
+            _lock_slot_file(fd, self.directory)
+            _name_holder(lock_fd)
             found, recovery, superblock = self._scan(fd)
             if self._fsync:
                 self._sync_entries(root, directory, made)
@@ -737,22 +740,48 @@ def _open_file(path: Path, parent: int) -> int:
 
 
 def _lock(fd: int, directory: Path) -> None:
-    """Hold ``fd``'s exclusive lock for the tier's life; name the holder when it is taken."""
+    """Hold ``lock``'s exclusive lock (``fd``) for the tier's life, or name its holder."""
+    if not _locked(fd):
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        raise _in_use(directory, f"process {holder}")
+
+
+def _lock_slot_file(fd: int, directory: Path) -> None:
+    """Hold the slot file's own exclusive lock (``fd``) for the tier's life.
+
+    ``lock`` may be deleted under its holder, and the next process then locks a new
+    file of that name: the slot file's lock is what keeps it from writing the same
+    slots. Its holder is not named (the ``lock`` that named it is gone).
+    """
+    if not _locked(fd):
+        raise _in_use(directory, "another process, whose lock file was removed")
+
+
+def _locked(fd: int) -> bool:
+    """Whether ``fd``'s exclusive lock is now ours (``False``: another holds it)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
-        raise DiskTierError(
-            f"disk tier directory {directory} is in use by process {holder}; "
-            "give each process its own disk directory"
-        ) from None
+        return False
     _HELD_LOCKS.add(fd)
+    return True
+
+
+def _in_use(directory: Path, holder: str) -> DiskTierError:
+    return DiskTierError(
+        f"disk tier directory {directory} is in use by {holder}; "
+        "give each process its own disk directory"
+    )
+
+
+def _name_holder(fd: int) -> None:
+    """Write this process's pid in ``lock`` (``fd``), once the tier holds the directory."""
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
 
 
 def _drop_inherited_locks() -> None:
-    """In a forked child: let go of the parent's locks, whose file the child shares.
+    """In a forked child: let go of the parent's locks, whose files the child shares.
 
     A ``flock`` lasts while any process holds its file open, so a child that outlives
     a crashed parent (a worker pool's) would otherwise keep the directory locked,
