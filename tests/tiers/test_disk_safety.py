@@ -151,6 +151,25 @@ def test_what_the_tier_creates_is_private(tmp_path: Path) -> None:
     assert stat.S_IMODE(tier.path.stat().st_mode) == 0o600
 
 
+@pytest.mark.parametrize("used", [False, True])
+def test_a_fingerprint_directory_its_owner_may_not_write_in_is_refused_as_it_is(
+    tmp_path: Path, used: bool
+) -> None:
+    """Made read-only by hand (0555), empty or with the tier's files: never made writable
+    again behind its owner's back (it was made 0700), refused with the reason instead."""
+    directory = tmp_path / FP.hex()
+    if used:
+        DiskTier(tmp_path, 4, FP).close()
+    else:
+        directory.mkdir()
+    directory.chmod(0o555)
+    before = sorted(path.name for path in directory.iterdir())
+    with pytest.raises(DiskTierError, match=r"not writable by its owner \(mode 0555\)"):
+        DiskTier(tmp_path, 4, FP)
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o555
+    assert sorted(path.name for path in directory.iterdir()) == before
+
+
 HOLDER = """
 import sys
 from kvoffload import block_id_key

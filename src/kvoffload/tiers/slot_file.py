@@ -97,6 +97,8 @@ _SUPER = struct.Struct("<4sHH16sQQ")
 """magic, version, reserved, fingerprint, stride, payload length; a CRC32 of these follows."""
 _CRC = struct.Struct("<I")
 _ZERO_HEADER = bytes(HEADER_BYTES + MAX_KEY_BYTES)
+_OWNER_WRITES = stat.S_IWUSR | stat.S_IXUSR
+"""What creating a file in a directory takes of its owner's permissions."""
 _HELD_LOCKS: set[int] = set()
 """This process's locked descriptors (``lock``, slot files), which a forked child must not keep."""
 
@@ -683,13 +685,17 @@ def _open_dir(path: Path, parent: int | None, name: str) -> int:
 
     ``DIR`` itself (no ``parent``) may also be root's, as a mount point an
     administrator made: everything below it is opened through descriptors
-    and must be ours, so its owner cannot swap what we use.
+    and must be ours, so its owner cannot swap what we use. One found below it
+    loses its group and other permissions but never gains one: a directory its
+    owner may not write in was made so on purpose, and is refused, as it is.
     """
     where = name if parent is not None else str(path)
+    made = False
     try:
         if parent is None:
             path.parent.mkdir(parents=True, exist_ok=True)
         os.mkdir(where, 0o700, dir_fd=parent)
+        made = True
     except FileExistsError:
         pass
     except FileNotFoundError:
@@ -704,8 +710,11 @@ def _open_dir(path: Path, parent: int | None, name: str) -> int:
         info = os.fstat(fd)
         if info.st_uid != os.geteuid() and (parent is not None or info.st_uid != 0):
             _refuse(path, f"is owned by uid {info.st_uid}, not by the running user")
-        if info.st_mode & 0o077 and parent is not None:
-            os.fchmod(fd, 0o700)  # ours: private, as if just made
+        mode = stat.S_IMODE(info.st_mode)
+        if parent is not None and not made and mode & _OWNER_WRITES != _OWNER_WRITES:
+            _refuse(path, f"is not writable by its owner (mode {mode:04o})")
+        if mode & 0o077 and parent is not None:
+            os.fchmod(fd, mode & 0o700)  # ours: private, as if just made
     except BaseException:
         os.close(fd)
         raise
