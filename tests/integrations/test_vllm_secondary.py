@@ -675,3 +675,101 @@ def test_a_chunk_past_the_cpu_tiers_region_fails_its_job_moving_no_byte(
     assert (disk.counters.written_blocks, disk.counters.loaded_blocks) == (4, 0)
     assert (disk.counters.write_failures, disk.counters.load_failures) == (2, 2)
     assert f"chunk {chunk} is outside the CPU tier's 4 chunks" in caplog.text
+
+
+WHATIF_METRICS = (
+    "vllm:kvoffload_whatif_hit_ratio",
+    "vllm:kvoffload_whatif_writes_per_ref",
+    "vllm:kvoffload_admission_candidate",
+    "vllm:kvoffload_admission_switches",
+)
+
+
+def _reports_after_replay(engine: Engine) -> list[dict[str, Any]]:
+    """vLLM's two stats reports after a chat workload: a tier's optimiser figures reach the
+    report after the one that asked its thread for them (waited for here by a call that
+    queues behind that read)."""
+    from kvoffload.sim.generators import generate
+
+    workload = generate({"chat": 1.0}, num_requests=300, seed=0, block_tokens=16, rate=2.0)
+    engine.replay.run(workload.requests)
+    first = engine.manager.get_stats()
+    for tier in engine.tiers:
+        tier.admission_stats()
+    return [first.data, engine.manager.get_stats().data]
+
+
+@pytest.mark.parametrize("shared_admission", ["recommended", "feedback"])
+def test_each_tiers_optimiser_reaches_vllms_metrics_labelled_by_tier(
+    vllm_modules: dict[str, ModuleType],
+    tmp_path: Path,
+    valkey_server: ValkeyProcess,
+    engines: Callable[..., Engine],
+    shared_admission: str,
+) -> None:
+    """A secondary tier's optimiser (``admission: recommended``, the default) exported
+    nothing: its what-if figures, chosen rule and switches now reach vLLM's ``/metrics`` as
+    the spec's lower tiers' do, ``tier="disk"`` / ``tier="remote"``, with the numbers our
+    own exporter shows; a tier with another layer exports no what-if series."""
+    import prometheus_client
+    from vllm_helpers import metrics_frontend
+
+    from kvoffload.admission import OptimisingAdmission
+    from kvoffload.integrations.vllm.secondary_replay import tiering_config
+    from kvoffload.observe.metrics import AdmissionCollector
+
+    tiers = [
+        _disk(tmp_path, admission="recommended", disk_bytes=footprint(256, BLOCK_BYTES)),
+        _shared(valkey_server.url, admission=shared_admission, remote_bytes=256 * BLOCK_BYTES),
+    ]
+    frontend, registry = metrics_frontend(tiering_config(tiers, 64 * BLOCK_BYTES).extra_config)
+    engine = engines(tiers, cpu_blocks=64, model=f"whatif-{uuid.uuid4().hex[:8]}")
+    for report in _reports_after_replay(engine):
+        frontend.observe(report, 0)
+    disk, shared = engine.tiers
+    optimisers = {"disk": disk.layer}
+    if shared_admission == "recommended":
+        optimisers["remote"] = shared.layer
+    for tier, layer in optimisers.items():
+        assert isinstance(layer, OptimisingAdmission) and len(layer.stats().whatif) == 12
+        ours = prometheus_client.CollectorRegistry()
+        ours.register(AdmissionCollector(layer.stats, tier))
+        compared = 0
+        for family in ours.collect():
+            for sample in family.samples:
+                labels = {**sample.labels, "engine": "0"}
+                assert registry.get_sample_value(f"vllm:{sample.name}", labels) == sample.value
+                compared += 1
+        assert compared == 12 + 12 + 3 + 1  # what-if gauges, candidate gauges, switches
+        chosen = {"candidate": layer.chosen, "engine": "0", "tier": tier}
+        assert registry.get_sample_value(WHATIF_METRICS[2], chosen) == 1.0
+    exported = {
+        sample.labels["tier"]
+        for family in registry.collect()
+        if family.name in WHATIF_METRICS
+        for sample in family.samples
+    }
+    assert exported == set(optimisers)
+    engine.close()
+    for tier in engine.tiers:  # vLLM may ask once more: never an exception into the engine
+        assert tier.get_stats() is not None
+
+
+def test_tiers_without_the_optimiser_declare_and_export_no_whatif_series(
+    vllm_modules: dict[str, ModuleType],
+    tmp_path: Path,
+    valkey_server: ValkeyProcess,
+    engines: Callable[..., Engine],
+) -> None:
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    tiers = [
+        _disk(tmp_path, admission="feedback", disk_bytes=footprint(256, BLOCK_BYTES)),
+        _shared(valkey_server.url, admission="none"),
+    ]
+    definitions = TieringOffloadingSpec.build_metric_definitions({"secondary_tiers": tiers})
+    assert not set(WHATIF_METRICS) & set(definitions)
+    engine = engines(tiers, cpu_blocks=64, model=f"no-whatif-{uuid.uuid4().hex[:8]}")
+    reported = {name for report in _reports_after_replay(engine) for name in report["data"]}
+    assert "vllm:kvoffload_secondary_written_blocks" in reported  # the tiers did report
+    assert not set(WHATIF_METRICS) & reported

@@ -98,7 +98,7 @@ STORAGE with its locality and our medium name as the event's ownership (the tier
 published it). The disk tier announces its evictions; the shared tier never removes."""
 
 
-class _LayerCount:
+class LayerCount:
     """One of the admission layer's running counts, reported to vLLM as increments. A reset
     builds a new layer whose count starts at 0, so the old layer's count is carried."""
 
@@ -115,6 +115,19 @@ class _LayerCount:
         total = self._carried + count
         grown, self._reported = total - self._reported, total
         return grown
+
+
+def report_whatif(
+    stats: Any, layer_stats: AdmissionStats, switches: LayerCount, tier: tuple[str, ...]
+) -> None:
+    """An optimiser's what-if and candidate gauges and its switches into vLLM's ``stats``,
+    ``tier`` after the labels where the spec declared a ``tier`` label (nothing for another
+    layer): the CPU tier's, a lower tier's and a vLLM secondary tier's optimiser alike."""
+    for name, series in whatif_gauges(layer_stats).items():
+        for labels, level in series.items():
+            stats.set_gauge(f"{METRIC_PREFIX}{name}", level, labels + tier)
+    if layer_stats.whatif:
+        stats.increase_counter(SWITCHES_METRIC, switches.increment(layer_stats.switches), tier)
 
 
 @dataclass
@@ -166,7 +179,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._tier_label: tuple[str, ...] = ("",) if whatif_tier_label else ()
         """The CPU tier's ``tier`` label value, where the spec declared the label (a lower
         tier's optimiser exports beside it)."""
-        self._lower_switches = {"disk": _LayerCount(), "remote": _LayerCount()}
+        self._lower_switches = {"disk": LayerCount(), "remote": LayerCount()}
         self._recency_at_access = recency_at_access
         self._on_shutdown = on_shutdown
         self._info = [dict(series) for series in info]
@@ -178,8 +191,8 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._bytes_per_block = bytes_per_block
         self.counters = ManagerCounters()
         self._reported = ManagerCounters()
-        self._ghost_hits = _LayerCount()
-        self._switches = _LayerCount()
+        self._ghost_hits = LayerCount()
+        self._switches = LayerCount()
         self._queued: list[Any] = []
         """Events in call order, not taken yet: vLLM's (converted from the backing manager's,
         which a reset replaces) and failed stores' released keys (a list each)."""
@@ -460,28 +473,16 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             stats.increase_counter(GHOST_HITS_METRIC, ghost_hits)
             layer_stats = self._layer.stats()
             stats.set_gauge(CONTROL_METRIC, layer_stats.control)
-            self._whatif(stats, layer_stats, self._switches, self._tier_label)
+            report_whatif(stats, layer_stats, self._switches, self._tier_label)
         if self._tier_label:  # declared: the lower tiers' optimisers export too
             for tier, layer in self._lower_layers:
-                self._whatif(stats, layer.stats(), self._lower_switches[tier], (tier,))
+                report_whatif(stats, layer.stats(), self._lower_switches[tier], (tier,))
         if self._tiered is not None:
             counts = {tier.medium.lower(): recovery_counts(tier) for tier in self._tiered.tiers}
             found = {name: tier_counts for name, tier_counts in counts.items() if tier_counts}
             for name, labels, value in recovery_samples(found):
                 stats.set_gauge(f"{METRIC_PREFIX}{name}", value, labels)
         return stats
-
-    @staticmethod
-    def _whatif(
-        stats: Any, layer_stats: AdmissionStats, switches: _LayerCount, tier: tuple[str, ...]
-    ) -> None:
-        """An optimiser's what-if and candidate gauges and its switches, ``tier`` after the
-        labels where the spec declared a ``tier`` label (nothing for another layer)."""
-        for name, series in whatif_gauges(layer_stats).items():
-            for labels, level in series.items():
-                stats.set_gauge(f"{METRIC_PREFIX}{name}", level, labels + tier)
-        if layer_stats.whatif:
-            stats.increase_counter(SWITCHES_METRIC, switches.increment(layer_stats.switches), tier)
 
     def _request_keys(self, req_context: ReqContext) -> _RequestKeys:
         state = req_context.get_state(_RequestKeys)

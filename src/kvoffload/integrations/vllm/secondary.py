@@ -59,16 +59,18 @@ from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvoffload.admission import AdmissionLayer
+from kvoffload.admission import AdmissionLayer, AdmissionStats
+from kvoffload.admission.registry import OPTIMISER, resolve_admission
 from kvoffload.core.manager import OffloadingEvent as TierEvent
 from kvoffload.core.specs import LoadStoreSpec
 from kvoffload.core.tier_protocol import LowerTier, Target
+from kvoffload.integrations.vllm.adapter import LayerCount, report_whatif
 from kvoffload.integrations.vllm.secondary_settings import (
     SecondarySettings,
     parse_disk_settings,
     parse_shared_settings,
 )
-from kvoffload.integrations.vllm.spec import config_fingerprint
+from kvoffload.integrations.vllm.spec import config_fingerprint, whatif_definitions
 from kvoffload.tiers.remote import RemoteTier
 from kvoffload.tiers.stack import tier_book, tier_opener
 
@@ -177,6 +179,9 @@ class _Owner:
         self.layer = layer
         self.events: queue.SimpleQueue[TierEvent] = queue.SimpleQueue()
         self._thread = ThreadPoolExecutor(1, f"kvoffload-{name}")
+        self._closed = False
+        self._taken: AdmissionStats | None = None
+        self._taking: Future[AdmissionStats] | None = None
 
     def held(self, keys: list[OffloadKey]) -> list[bool]:
         """Per key, whether the tier holds it (blocks the caller)."""
@@ -205,7 +210,21 @@ class _Owner:
     def admission_stats(self) -> dict[str, float] | None:
         return self._thread.submit(self._admission_stats).result()
 
+    def latest_stats(self) -> AdmissionStats | None:
+        """The admission layer's stats as this thread last took them, and the next taken
+        behind the work queued now: vLLM asks at every scheduler step, which must never
+        wait behind a slow write (``None`` until the first is taken, or without a layer)."""
+        layer = self.layer
+        if layer is None or self._closed:
+            return self._taken
+        if self._taking is None or self._taking.done():
+            if self._taking is not None:
+                self._taken = _result(self._taking, self._taken)
+            self._taking = self._thread.submit(layer.stats)
+        return self._taken
+
     def close(self) -> None:
+        self._closed = True
         self._thread.submit(self._close).result()
         self._thread.shutdown(wait=True)
 
@@ -389,6 +408,10 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             raise
         self.counters = SecondaryCounters()
         self._reported = SecondaryCounters()
+        self._whatif_tier = (self.tier_config.kind,) if _has_optimiser(settings) else None
+        """The ``tier`` label of this tier's what-if series (``disk``, ``remote``, as the
+        spec's lower tiers and ``kvoffload simulate``); ``None``: not the optimiser."""
+        self._switches = LayerCount()
         self._owner = _Owner(tier, layer, self._KIND)
         self._lookups = _Lookups(self._owner, tier_type)
         self._jobs: dict[int, _Job] = {}
@@ -409,14 +432,19 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
     def build_metric_definitions(
         cls, extra_config: dict[str, Any]
     ) -> dict[str, OffloadingMetricMetadata]:
-        """Our counters; the entry is checked here too, so vLLM stops before any tier opens."""
-        cls.parse(str(extra_config.get("type", cls.__name__)), extra_config)
-        return {
+        """Our counters, and with the optimiser its what-if gauges and switch counter (the
+        spec's, labelled by ``tier``); the entry is checked here too, so vLLM stops before
+        any tier opens."""
+        settings = cls.parse(str(extra_config.get("type", cls.__name__)), extra_config)
+        definitions: dict[str, OffloadingMetricMetadata] = {
             f"{METRIC_PREFIX}{name}": OffloadingCounterMetadata(
                 documentation=doc, labelnames=(TIER_TYPE_LABEL,)
             )
             for name, doc in COUNTER_DOCS.items()
         }
+        if _has_optimiser(settings):
+            definitions.update(whatif_definitions(tier_label=True))
+        return definitions
 
     @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -554,13 +582,19 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
 
     @override
     def get_stats(self) -> OffloadingConnectorStats | None:
-        """Our counters since the last call, labelled with this tier's type."""
+        """Our counters since the last call, labelled with this tier's type; with the
+        optimiser its what-if figures, chosen rule and switches as the owner thread last
+        read them (a report behind: reading waits for no write)."""
         delta = self.counters.minus(self._reported)
         self._reported = SecondaryCounters(**self.counters.as_dict())
         stats = OffloadingConnectorStats()
         for name, value in delta.as_dict().items():
             if value:
                 stats.increase_counter(f"{METRIC_PREFIX}{name}", value, (self.tier_type,))
+        if self._whatif_tier is not None:
+            layer_stats = self._owner.latest_stats()
+            if layer_stats is not None:
+                report_whatif(stats, layer_stats, self._switches, self._whatif_tier)
         return stats
 
     @property
@@ -690,6 +724,11 @@ class KVOffloadSharedTier(_KVOffloadSecondaryTier):
     @override
     def parse(cls, tier_type: str, entry: dict[str, Any]) -> SecondarySettings:
         return parse_shared_settings(tier_type, entry)
+
+
+def _has_optimiser(settings: SecondarySettings) -> bool:
+    """Whether the tier's admission layer is the optimiser, which has what-if figures."""
+    return resolve_admission(settings.admission) == OPTIMISER
 
 
 def _skipped_full(tier: LowerTier) -> int:

@@ -412,18 +412,23 @@ def _whatif_definitions(extra_config: dict[str, Any]) -> dict[str, Any]:
     CPU tier's ``tier=""``, which Prometheus stores as no label): without one the series
     are as they always were."""
     tiers = whatif_tiers(extra_config)
-    if not tiers:
-        return {}
-    tier_label = ("tier",) if tiers != ("",) else ()
+    return whatif_definitions(tiers != ("",)) if tiers else {}
+
+
+def whatif_definitions(tier_label: bool) -> dict[str, Any]:
+    """The what-if and candidate gauges and the switch counter as vLLM declares them, with
+    ``tier`` after our exporter's labels where ``tier_label`` (the spec's and a vLLM
+    secondary tier's optimisers alike)."""
+    tier = ("tier",) if tier_label else ()
     definitions: dict[str, Any] = {
         f"{METRIC_PREFIX}{name}": OffloadingGaugeMetadata(
             documentation=doc,
-            labelnames=(("candidate",) if name == CANDIDATE else WHATIF_LABELS) + tier_label,
+            labelnames=(("candidate",) if name == CANDIDATE else WHATIF_LABELS) + tier,
         )
         for name, doc in WHATIF_DOCS.items()
     }
     definitions[SWITCHES_METRIC] = OffloadingCounterMetadata(
-        documentation=SWITCHES_DOC, labelnames=tier_label
+        documentation=SWITCHES_DOC, labelnames=tier
     )
     return definitions
 
