@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from functools import partial
 from typing import TypeVar
 
@@ -192,6 +193,8 @@ _Status = str | _Redirect
 _Job = tuple[_Node, list[int], bool, int]
 """A node, the indices of a batch to send it, whether each command needs ASKING, and the
 redirections those indices have followed so far (each key has :data:`MAX_HOPS`)."""
+_WriteJob = tuple[list[OffloadKey], Future[list[bool]]]
+"""A write pipeline's keys and its job on the I/O pool, until a poll counts it."""
 ASKING = command("ASKING")
 
 
@@ -209,6 +212,13 @@ class RemoteTier:
     or an unreachable server; after that no call raises for the server's sake.
     ``resolver`` looks host names up under each operation's deadline (default:
     the system's, answers kept a minute, see :class:`~.resp.Resolver`).
+
+    Every public method may be called from several threads at once (vLLM's
+    worker threads, SGLang's prefetch beside its backup): each call takes its
+    own connections, and what calls share (the write jobs :meth:`poll` counts,
+    the events, the nodes and slot map, the counts) changes only under a lock
+    that is never held across a network wait. ``poll(wait=True)`` returns once
+    every write submitted before it is counted, whichever thread's poll took it.
     """
 
     medium = MEDIUM
@@ -266,7 +276,7 @@ class RemoteTier:
         self._pool = ThreadPoolExecutor(io_threads, "kvoffload-remote")
         self._ahead = ThreadPoolExecutor(io_threads, "kvoffload-remote-ahead")
         """Hashes a batch's single-buffer payloads while they go out (one per I/O thread)."""
-        self._writes: list[tuple[list[OffloadKey], Future[list[bool]]]] = []
+        self._writes: list[_WriteJob] = []
         self._events = EventLog(enable_events)
 
     @property
@@ -354,19 +364,33 @@ class RemoteTier:
         self.stats.add(failed=len(keys))
 
     def poll(self, wait: bool) -> None:
-        running = []
-        for keys, job in self._writes:
-            if not (wait or job.done()):
-                running.append((keys, job))
-                continue
-            stored = [key for key, ok in zip(keys, job.result(), strict=True) if ok]
-            self.stats.add(stored_blocks=len(stored), failed=len(keys) - len(stored))
-            if stored:
-                self._events.record(stored, MEDIUM, removed=False)
-        self._writes = running
+        """Count (and tell, as events) the writes that finished; with ``wait``, first wait
+        for every write submitted before the call.
+
+        The wait is outside the tier's lock, so a poll waiting on the network holds up no
+        write, read or poll of another thread; the job table is then split into finished
+        and running, and the finished ones counted, under it, so no job is counted twice
+        or dropped, and a waiting poll returns only once its jobs are counted, whichever
+        thread's poll took them."""
+        if wait:
+            with self._lock:
+                submitted = [job for _, job in self._writes]
+            futures_wait(submitted)
+        with self._lock:
+            finished: list[_WriteJob] = []
+            running: list[_WriteJob] = []
+            for entry in self._writes:
+                (finished if entry[1].done() else running).append(entry)
+            self._writes = running
+            for keys, job in finished:
+                stored = [key for key, ok in zip(keys, job.result(), strict=True) if ok]
+                self.stats.add(stored_blocks=len(stored), failed=len(keys) - len(stored))
+                if stored:
+                    self._events.record(stored, MEDIUM, removed=False)
 
     def take_events(self) -> list[OffloadingEvent]:
-        return self._events.take()
+        with self._lock:  # a poll's event recorded meanwhile lands in the next list
+            return self._events.take()
 
     def close(self) -> None:
         """Finish the writes under way, then close every connection. A read or write on
