@@ -95,6 +95,13 @@ MAP_REFRESH_S = 1.0
 """Seconds between two refreshes of a Cluster's slot map at least. A node that fails or is
 refused has its map asked again of a live node: after a failover or a node's removal its
 slots belong to another node, and a dead one never answers ``MOVED`` to say which."""
+MAP_ASK_SHARES = 8
+"""The most addresses a slot map refresh shares the time it has left among: each address
+gets its share to connect in, so addresses that hang (a moved pod's, whose packets are
+dropped) cannot spend the whole refresh before the live ones after them, the URL's seeds
+last, are asked; a live node connects in a few round trips. Past this many addresses to
+ask, each still gets an eighth of what is left, so a large Cluster's first live node is
+not cut to a sliver."""
 
 T = TypeVar("T")
 
@@ -657,9 +664,10 @@ class RemoteTier:
         good), then the URL's seeds the tier does not know (a map forgets the seed it was
         learnt from when it names the node otherwise, and a name, unlike a pod's address,
         outlives every node's restart), until one answers; its map replaces the one in use.
-        Upkeep, not an operation: no node's breaker nor :attr:`unavailable` counts its
-        failures, and it asks on a connection of its own, so it never holds one an
-        operation would take."""
+        Each address connects within its share of the time left (:data:`MAP_ASK_SHARES`),
+        then has the rest of it for the map. Upkeep, not an operation: no node's breaker
+        nor :attr:`unavailable` counts its failures, and it asks on a connection of its
+        own, so it never holds one an operation would take."""
         with self._lock:
             known = list(self._nodes.values())
         in_order = dict.fromkeys([*self._primaries(), *known])
@@ -671,11 +679,12 @@ class RemoteTier:
         seen = {(node.host, node.port) for node in in_order}
         addresses += [seed for seed in self.address.hosts if seed not in seen]
         deadline = self._deadline(0)
-        for host, port in addresses:
+        for asked, (host, port) in enumerate(addresses):
             if deadline.passed():
                 return
+            connect_by = deadline.share(min(len(addresses) - asked, MAP_ASK_SHARES))
             try:
-                connection = self._open(host, port, deadline)
+                connection = self._open(host, port, connect_by)
                 try:
                     self._learn_slots(host, connection, deadline)
                 finally:
