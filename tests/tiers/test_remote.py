@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -165,6 +166,49 @@ def test_cluster_round_trip_spreads_blocks_over_the_nodes(
         mixed = [key for pair in zip(absent, reversed(KEYS), strict=True) for key in pair]
         assert tier.held(mixed) == [False, True] * len(KEYS)
         assert tier.present(mixed) == 0
+    finally:
+        tier.close()
+
+
+ROUNDS = 150
+"""Write-then-poll rounds per thread in the two-thread test: enough that unlocked polls
+lost or twice-counted writes in every run tried."""
+
+
+def test_writes_and_polls_from_two_threads_count_every_block_once(
+    valkey_server: ValkeyProcess,
+) -> None:
+    """vLLM's worker threads, or SGLang's backup thread beside its prefetch, may write and
+    poll the shared tier at once. Unguarded, a poll that waited on its jobs put back a job
+    table that another thread's write or poll had changed meanwhile: writes were counted
+    twice, or dropped from the table and never counted, their events never told."""
+    tier = RemoteTier(valkey_server.url, fingerprint("two-threads"), enable_events=True)
+    tier.delete_all()
+    batches = [[block_id_key(i, 16 + t) for i in range(ROUNDS)] for t in range(2)]
+    start = threading.Barrier(2)
+
+    def writing(keys: list[OffloadKey], wait: bool) -> None:
+        start.wait()
+        for key in keys:
+            tier.write([key], [payload(key)])
+            tier.poll(wait=wait)
+
+    try:
+        threads = [
+            threading.Thread(target=writing, args=(keys, wait))
+            for keys, wait in zip(batches, (True, False), strict=True)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not any(thread.is_alive() for thread in threads), "a writer stalled"
+        tier.poll(wait=True)
+        every = [key for keys in batches for key in keys]
+        told = Counter(key for event in tier.take_events() for key in event.keys)
+        assert (tier.stats.stored_blocks, tier.stats.failed) == (len(every), 0)
+        assert told == Counter(every)
+        assert tier.present(every) == len(every)
     finally:
         tier.close()
 

@@ -657,6 +657,91 @@ def test_the_url_s_seed_finds_the_cluster_again_once_every_node_known_is_gone(
             node.stop()
 
 
+class Blackhole:
+    """A 127.0.0.1 port where a connect hangs, as at a moved pod's old address, whose
+    packets are dropped: a listener that never accepts, its queue filled, so the kernel
+    drops every later handshake."""
+
+    def __init__(self) -> None:
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(0)
+        self.port: int = self._listener.getsockname()[1]
+        self._queued: list[socket.socket] = []
+        for _ in range(2):  # a backlog of 0 queues one connection; the second is dropped
+            sock = socket.socket()
+            sock.setblocking(False)
+            sock.connect_ex(("127.0.0.1", self.port))
+            self._queued.append(sock)
+
+    def close(self) -> None:
+        for sock in [*self._queued, self._listener]:
+            sock.close()
+
+
+def cluster_ports(node: ValkeyProcess) -> set[int]:
+    """The ports ``node``'s CLUSTER SLOTS names."""
+    return {entry[2][1] for entry in node.client().execute_command("CLUSTER", "SLOTS")}
+
+
+def announced(nodes: list[ValkeyProcess], ports: list[int], seen_by: ValkeyProcess) -> None:
+    """Have each node announce its port in ``ports`` (0: its own), and wait until
+    ``seen_by`` names them all (the Cluster's gossip spreads them)."""
+    for node, port in zip(nodes, ports, strict=True):
+        node.client().config_set("cluster-announce-port", port)
+    wanted = {port or node.port for node, port in zip(nodes, ports, strict=True)}
+    until = time.monotonic() + STALL_S
+    while cluster_ports(seen_by) != wanted:
+        assert time.monotonic() < until, "the Cluster never told the announced ports"
+        time.sleep(0.05)
+
+
+def test_a_map_refresh_reaches_the_url_s_seed_past_known_addresses_that_hang(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every node of a real Cluster moved (pods restarted elsewhere): the addresses the
+    tier learnt now drop packets, so connecting to them hangs, and only the URL's seed, a
+    name, reaches the Cluster. A refresh gave its first address its whole deadline, so
+    with one node ahead of the seed hanging it never asked the seed, at every refresh.
+    The breakers never open here (they would take the hung nodes out of the refresh after
+    a few failures): only the refresh can find the Cluster again."""
+    from kvoffload.tiers import remote
+
+    monkeypatch.setattr(remote, "MAP_REFRESH_S", 0.0)
+    cluster = ValkeyClusterProcesses(tmp_path / "moved").start()
+    seed = cluster.nodes[-1]
+    resolver = Resolver(
+        lambda host, port: [(socket.AF_INET, socket.SOCK_STREAM, 0, ("127.0.0.1", port))]
+    )
+    holes: list[Blackhole] = []
+    tier = None
+    try:
+        holes += [Blackhole() for _ in cluster.nodes]
+        announced(cluster.nodes, [hole.port for hole in holes], seed)
+        tier = RemoteTier(
+            f"redis://seed.test:{seed.port}?timeout_ms=2000",
+            fingerprint("moved"),
+            breaker=CircuitBreaker(threshold=10**6),
+            resolver=resolver,
+        )
+        keys = [block_id_key(i, 15) for i in range(30)]
+        assert {tier.node_address(tier.name(key))[1] for key in keys} == {h.port for h in holes}
+        announced(cluster.nodes, [0] * len(holes), seed)
+        real = {node.port for node in cluster.nodes}
+        until = time.monotonic() + STALL_S
+        while {tier.node_address(tier.name(key))[1] for key in keys} != real:
+            assert time.monotonic() < until, "the seed was never asked for the new map"
+            tier.held(keys)  # fails on a hung node: the map is asked again
+        store(tier, keys)
+        assert read(tier, keys) == [True] * len(keys)
+    finally:
+        if tier is not None:
+            tier.close()
+        for hole in holes:
+            hole.close()
+        cluster.stop()
+
+
 def test_a_moved_past_the_cap_has_the_map_asked_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tier knows as many nodes as it may (the seed, out of the map, and the slots'
     owner) when the owner answers MOVED to a node it never knew: the map is asked again,

@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from functools import partial
 from typing import TypeVar
 
@@ -94,6 +95,13 @@ MAP_REFRESH_S = 1.0
 """Seconds between two refreshes of a Cluster's slot map at least. A node that fails or is
 refused has its map asked again of a live node: after a failover or a node's removal its
 slots belong to another node, and a dead one never answers ``MOVED`` to say which."""
+MAP_ASK_SHARES = 8
+"""The most addresses a slot map refresh shares the time it has left among: each address
+gets its share to connect in, so addresses that hang (a moved pod's, whose packets are
+dropped) cannot spend the whole refresh before the live ones after them, the URL's seeds
+last, are asked; a live node connects in a few round trips. Past this many addresses to
+ask, each still gets an eighth of what is left, so a large Cluster's first live node is
+not cut to a sliver."""
 
 T = TypeVar("T")
 
@@ -192,6 +200,8 @@ _Status = str | _Redirect
 _Job = tuple[_Node, list[int], bool, int]
 """A node, the indices of a batch to send it, whether each command needs ASKING, and the
 redirections those indices have followed so far (each key has :data:`MAX_HOPS`)."""
+_WriteJob = tuple[list[OffloadKey], Future[list[bool]]]
+"""A write pipeline's keys and its job on the I/O pool, until a poll counts it."""
 ASKING = command("ASKING")
 
 
@@ -209,6 +219,13 @@ class RemoteTier:
     or an unreachable server; after that no call raises for the server's sake.
     ``resolver`` looks host names up under each operation's deadline (default:
     the system's, answers kept a minute, see :class:`~.resp.Resolver`).
+
+    Every public method may be called from several threads at once (vLLM's
+    worker threads, SGLang's prefetch beside its backup): each call takes its
+    own connections, and what calls share (the write jobs :meth:`poll` counts,
+    the events, the nodes and slot map, the counts) changes only under a lock
+    that is never held across a network wait. ``poll(wait=True)`` returns once
+    every write submitted before it is counted, whichever thread's poll took it.
     """
 
     medium = MEDIUM
@@ -266,7 +283,7 @@ class RemoteTier:
         self._pool = ThreadPoolExecutor(io_threads, "kvoffload-remote")
         self._ahead = ThreadPoolExecutor(io_threads, "kvoffload-remote-ahead")
         """Hashes a batch's single-buffer payloads while they go out (one per I/O thread)."""
-        self._writes: list[tuple[list[OffloadKey], Future[list[bool]]]] = []
+        self._writes: list[_WriteJob] = []
         self._events = EventLog(enable_events)
 
     @property
@@ -354,19 +371,33 @@ class RemoteTier:
         self.stats.add(failed=len(keys))
 
     def poll(self, wait: bool) -> None:
-        running = []
-        for keys, job in self._writes:
-            if not (wait or job.done()):
-                running.append((keys, job))
-                continue
-            stored = [key for key, ok in zip(keys, job.result(), strict=True) if ok]
-            self.stats.add(stored_blocks=len(stored), failed=len(keys) - len(stored))
-            if stored:
-                self._events.record(stored, MEDIUM, removed=False)
-        self._writes = running
+        """Count (and tell, as events) the writes that finished; with ``wait``, first wait
+        for every write submitted before the call.
+
+        The wait is outside the tier's lock, so a poll waiting on the network holds up no
+        write, read or poll of another thread; the job table is then split into finished
+        and running, and the finished ones counted, under it, so no job is counted twice
+        or dropped, and a waiting poll returns only once its jobs are counted, whichever
+        thread's poll took them."""
+        if wait:
+            with self._lock:
+                submitted = [job for _, job in self._writes]
+            futures_wait(submitted)
+        with self._lock:
+            finished: list[_WriteJob] = []
+            running: list[_WriteJob] = []
+            for entry in self._writes:
+                (finished if entry[1].done() else running).append(entry)
+            self._writes = running
+            for keys, job in finished:
+                stored = [key for key, ok in zip(keys, job.result(), strict=True) if ok]
+                self.stats.add(stored_blocks=len(stored), failed=len(keys) - len(stored))
+                if stored:
+                    self._events.record(stored, MEDIUM, removed=False)
 
     def take_events(self) -> list[OffloadingEvent]:
-        return self._events.take()
+        with self._lock:  # a poll's event recorded meanwhile lands in the next list
+            return self._events.take()
 
     def close(self) -> None:
         """Finish the writes under way, then close every connection. A read or write on
@@ -633,9 +664,10 @@ class RemoteTier:
         good), then the URL's seeds the tier does not know (a map forgets the seed it was
         learnt from when it names the node otherwise, and a name, unlike a pod's address,
         outlives every node's restart), until one answers; its map replaces the one in use.
-        Upkeep, not an operation: no node's breaker nor :attr:`unavailable` counts its
-        failures, and it asks on a connection of its own, so it never holds one an
-        operation would take."""
+        Each address connects within its share of the time left (:data:`MAP_ASK_SHARES`),
+        then has the rest of it for the map. Upkeep, not an operation: no node's breaker
+        nor :attr:`unavailable` counts its failures, and it asks on a connection of its
+        own, so it never holds one an operation would take."""
         with self._lock:
             known = list(self._nodes.values())
         in_order = dict.fromkeys([*self._primaries(), *known])
@@ -647,11 +679,12 @@ class RemoteTier:
         seen = {(node.host, node.port) for node in in_order}
         addresses += [seed for seed in self.address.hosts if seed not in seen]
         deadline = self._deadline(0)
-        for host, port in addresses:
+        for asked, (host, port) in enumerate(addresses):
             if deadline.passed():
                 return
+            connect_by = deadline.share(min(len(addresses) - asked, MAP_ASK_SHARES))
             try:
-                connection = self._open(host, port, deadline)
+                connection = self._open(host, port, connect_by)
                 try:
                     self._learn_slots(host, connection, deadline)
                 finally:

@@ -134,6 +134,11 @@ class Deadline:
         """Whether no time is left, without raising: for a caller that skips a step."""
         return time.monotonic() >= self.at
 
+    def share(self, parts: int) -> Deadline:
+        """A deadline of ``1/parts`` of the time left, from now: one step's, of ``parts``
+        steps to come that must all get their turn (it has passed if this one has)."""
+        return Deadline(max(0.0, self.at - time.monotonic()) / parts)
+
 
 def command(*args: bytes | str | int) -> bytes:
     """The RESP of one command."""
