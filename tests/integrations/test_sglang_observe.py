@@ -54,6 +54,28 @@ def tiers(tmp_path: Path, server: ValkeyProcess, disk_pages: int = 4) -> dict[st
     }
 
 
+def _events_of() -> dict[str, str]:
+    """A publisher and replay endpoint on free ports."""
+    return {
+        "kvoffload.kv_events_endpoint": f"tcp://127.0.0.1:{free_port()}",
+        "kvoffload.kv_events_replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
+    }
+
+
+def _index_of(backend: Any, events: dict[str, str], name: str) -> PrefixIndex:
+    """The index a router builds from every batch ``backend`` has published so far."""
+    backend.flush_events()
+    index = PrefixIndex()
+    endpoints = (
+        events["kvoffload.kv_events_endpoint"],
+        events["kvoffload.kv_events_replay_endpoint"],
+    )
+    with KVEventSubscriber(*endpoints) as subscriber:
+        for _, batch in subscriber.catch_up():
+            index.apply(name, batch)
+    return index
+
+
 def test_kv_events_name_the_medium_of_each_store_and_eviction(
     backend_of: Any, tmp_path: Path, valkey_server: ValkeyProcess
 ) -> None:
@@ -84,25 +106,47 @@ def test_clear_tells_subscribers_this_instance_holds_no_page(
     backend_of: Any, tmp_path: Path, valkey_server: ValkeyProcess
 ) -> None:
     """After ``clear()`` a router's index holds nothing of this instance: it would otherwise
-    send requests here for pages both tiers just dropped."""
-    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    events = {"kvoffload.kv_events_endpoint": pub, "kvoffload.kv_events_replay_endpoint": replay}
+    send requests here for pages the disk tier just dropped. The shared tier's pages stay
+    (other instances use them): this instance still reads them, its router under-told."""
+    events = _events_of()
     pool = HostPool()
     backend = backend_of({**tiers(tmp_path, valkey_server), **events}, pool, model="cleared")
     pool.fill(list(range(4)), seed=3)
     assert all(backend.batch_set_v1(KEYS[:4], pool.indices([0, 1, 2, 3])))
-    index = PrefixIndex()
-    with KVEventSubscriber(pub, replay) as subscriber:
-        backend.flush_events()
-        for _, batch in subscriber.catch_up():
-            index.apply("sglang", batch)
-        assert index.num_blocks("sglang") == 4
-        assert backend.clear()
-        backend.flush_events()
-        for _, batch in subscriber.catch_up():
-            index.apply("sglang", batch)
-    assert backend.batch_exists(KEYS[:4]) == 0
-    assert index.num_blocks("sglang") == 0
+    assert _index_of(backend, events, "sglang").num_blocks("sglang") == 4
+    assert backend.clear()
+    assert _index_of(backend, events, "sglang").num_blocks("sglang") == 0
+    counters = backend.counters()
+    assert counters["disk"]["held_pages"] == 0 and counters["remote"]["held_pages"] == 4
+    assert backend.batch_get_v1(KEYS[:4], pool.indices([4, 5, 6, 7])) == [True] * 4
+    assert backend.counters()["remote"]["loads"] == 4
+
+
+def test_one_instances_clear_leaves_the_pages_other_instances_announced_on_the_shared_tier(
+    backend_of: Any, tmp_path: Path, valkey_server: ValkeyProcess
+) -> None:
+    """Two SGLang servers of one model share the server; one clears (an operator's
+    ``/hicache/storage-backend/clear``, a PD role switch). The other one's pages stay: it
+    announced them, and nothing would ever tell its router they were gone."""
+    events = _events_of()
+    pool, other_pool = HostPool(), HostPool()
+    clearing = backend_of(tiers(tmp_path, valkey_server), pool, model="shared-clear")
+    other = backend_of(
+        {"kvoffload.remote_url": valkey_server.url, **events}, other_pool, model="shared-clear"
+    )
+    other_pool.fill(list(range(4)), seed=4)
+    assert all(other.batch_set_v1(KEYS[:4], other_pool.indices([0, 1, 2, 3])))
+    pool.fill([4, 5], seed=5)
+    assert all(clearing.batch_set_v1(KEYS[4:6], pool.indices([4, 5])))
+    assert clearing.clear()
+    assert _index_of(other, events, "other").num_blocks("other") == 4
+    assert other.batch_exists(KEYS[:4]) == 4  # what its router was told is still true
+    assert clearing.counters()["disk"]["held_pages"] == 0  # its own disk tier is emptied
+    # Content-addressed and still valid: the clearing server reads them back as well.
+    assert clearing.batch_get_v1(KEYS[:6], pool.indices(list(range(6, 12)))) == [True] * 6
+    assert [pool.page_bytes(p) for p in range(6, 10)] == [
+        other_pool.page_bytes(p) for p in range(4)
+    ]
 
 
 def test_prometheus_serves_each_tiers_counters(

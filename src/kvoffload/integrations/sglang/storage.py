@@ -299,8 +299,10 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         return self._present([page_key(key)])[0] == 1
 
     def clear(self) -> bool:
-        """Empty the disk tier and delete our pages from the shared tier; KV event subscribers
-        hear ``AllBlocksCleared``, or they would go on routing to pages this instance lost."""
+        """Empty the disk tier, this instance's own; the shared tier keeps its pages, which
+        other instances on the server read and announced. KV event subscribers hear
+        ``AllBlocksCleared``, or they would go on routing to pages the disk tier lost; they
+        forget this instance's shared-tier pages with them, an index holding too little."""
         for path in self.paths:
             path.clear()
         publisher = self._publisher
