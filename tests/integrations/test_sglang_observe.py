@@ -7,7 +7,10 @@ events (vLLM's wire format) and serves our per-tier counters.
 from __future__ import annotations
 
 import socket
+import threading
+import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -19,16 +22,18 @@ pytest.importorskip("zmq")
 pytest.importorskip("prometheus_client")
 
 from prometheus_client.parser import text_string_to_metric_families
-from sglang_helpers import HostPool, create_backend, page_hash
+from sglang_helpers import HeldLink, HostPool, create_backend, page_hash
 
 from kvoffload.integrations.sglang.storage import offset_endpoint
-from kvoffload.observe.events import BlockRemoved, BlockStored
+from kvoffload.observe.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvoffload.observe.indexer import PrefixIndex
 from kvoffload.observe.subscriber import KVEventSubscriber
 from kvoffload.tiers.slot_file import footprint
 from tier_servers import ValkeyProcess, free_port
 
 KEYS = [page_hash(i) for i in range(8)]
+STALL_S = 20.0
+"""Far longer than any step here takes: reaching it means a thread never got there."""
 
 
 @pytest.fixture
@@ -147,6 +152,78 @@ def test_one_instances_clear_leaves_the_pages_other_instances_announced_on_the_s
     assert [pool.page_bytes(p) for p in range(6, 10)] == [
         other_pool.page_bytes(p) for p in range(4)
     ]
+
+
+def _announced(backend: Any, events: dict[str, str]) -> dict[str | None, set[str]]:
+    """Per medium, the pages a router applying every batch published so far, in order,
+    takes this instance to hold."""
+    backend.flush_events()
+    held: dict[str | None, set[str]] = {}
+    endpoints = (
+        events["kvoffload.kv_events_endpoint"],
+        events["kvoffload.kv_events_replay_endpoint"],
+    )
+    with KVEventSubscriber(*endpoints) as subscriber:
+        for _, batch in subscriber.catch_up():
+            for event in batch.events:
+                if isinstance(event, AllBlocksCleared):
+                    held.clear()
+                    continue
+                hashes = {bytes(h).hex() for h in event.block_hashes}
+                if isinstance(event, BlockStored):
+                    held.setdefault(event.medium, set()).update(hashes)
+                else:
+                    held.get(event.medium, set()).difference_update(hashes)
+    return held
+
+
+def _until(condition: Callable[[], bool]) -> None:
+    """Wait until another thread's step makes ``condition`` true (at most ``STALL_S``)."""
+    deadline = time.monotonic() + STALL_S
+    while not condition():
+        assert time.monotonic() < deadline, "the other thread never got there"
+        time.sleep(0.005)
+
+
+def test_a_page_landing_on_disk_during_clear_is_announced_after_all_blocks_cleared(
+    backend_of: Any, tmp_path: Path, valkey_server: ValkeyProcess
+) -> None:
+    """``clear()`` runs while a write is still on its way to a slow server, and another
+    write lands a page on the emptied disk tier: that page must be announced after
+    ``AllBlocksCleared``, or a router applying the events in order drops a page the disk
+    tier holds."""
+    events = _events_of()
+    pool = HostPool()
+    link = HeldLink(valkey_server.port)
+    slow_url = valkey_server.url_with(60_000).replace(f":{valkey_server.port}/", f":{link.port}/")
+    extra = {**tiers(tmp_path, valkey_server), **events, "kvoffload.remote_url": slow_url}
+    written: list[list[bool]] = []
+    try:
+        backend = backend_of(extra, pool, model="clear-race")
+        disk = backend.paths[0]
+        pool.fill([0, 1], seed=6)
+        link.hold()
+        slow = threading.Thread(target=backend.batch_set_v1, args=(KEYS[:1], pool.indices([0])))
+        slow.start()
+        assert link.holding.wait(STALL_S)  # its shared-tier SET is on a stopped link
+        _until(lambda: disk.counters().stores_completed == 1)  # its disk page has landed
+        before = disk.tier
+        clearing = threading.Thread(target=backend.clear)
+        clearing.start()
+        _until(lambda: disk.tier is not before)  # the disk tier is emptied
+        writer = threading.Thread(
+            target=lambda: written.append(backend.batch_set_v1(KEYS[1:2], pool.indices([1])))
+        )
+        writer.start()
+        _until(lambda: disk.counters().stores_completed == 2)  # a page lands on it again
+        link.release()
+        for thread in (slow, clearing, writer):
+            thread.join(STALL_S)
+    finally:
+        link.stop()
+    assert written == [[True]]
+    assert backend.counters()["disk"]["held_pages"] == 1
+    assert _announced(backend, events).get("DISK") == {KEYS[1]}
 
 
 def test_prometheus_serves_each_tiers_counters(

@@ -264,19 +264,24 @@ class TierPath:
             batch.send(payloads)
         return batch
 
-    def clear(self) -> None:
-        """Drop every page of a disk tier (this process's own). A shared tier keeps its
-        pages: other instances on the server use them and announced them to their routers,
-        and being content-addressed under the fingerprint they stay valid."""
-        with self._lock, self._count_lock:
+    def clear(self, announce: Callable[[], None]) -> None:
+        """Drop every page of a disk tier (this process's own), then ``announce`` it before
+        the tier's lock goes: a page written meanwhile lands, and is announced, after the
+        announcement, never before it (a router applying events in order would drop a page
+        the tier holds). A shared tier keeps its pages: other instances on the server use
+        them and announced them to their routers, and being content-addressed under the
+        fingerprint they stay valid."""
+        with self._lock:
             tier = self.tier
             if isinstance(tier, DiskTier):
-                self._derive()
-                tier.empty_on_close = True  # by its open file: a path may be a link now
-                tier.close()
-                self.tier = self._reopened(tier)
-                self._seen = (0, 0, 0, 0, 0)
-                self._derive()
+                with self._count_lock:
+                    self._derive()
+                    tier.empty_on_close = True  # by its open file: a path may be a link now
+                    tier.close()
+                    self.tier = self._reopened(tier)
+                    self._seen = (0, 0, 0, 0, 0)
+                    self._derive()
+            announce()
 
     def _reopened(self, closed: DiskTier) -> LowerTier:
         """A new, empty disk tier in place of ``closed``; the tier off (logged) when its file
