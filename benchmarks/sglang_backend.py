@@ -143,7 +143,7 @@ def measure(url: str, layout: str, mla: bool, args: argparse.Namespace) -> dict[
             blank = pool.get_dummy_flat_data_page()
             for p in range(n, 2 * n):
                 pool.set_from_flat_data_page(p * pool.page_size, blank)
-            backend.clear()
+            tier.delete_all()  # freed as the tier's round's are (clear() keeps them)
     finally:
         backend.close()
         client.close()

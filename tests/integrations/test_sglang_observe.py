@@ -7,7 +7,10 @@ events (vLLM's wire format) and serves our per-tier counters.
 from __future__ import annotations
 
 import socket
+import threading
+import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -19,16 +22,18 @@ pytest.importorskip("zmq")
 pytest.importorskip("prometheus_client")
 
 from prometheus_client.parser import text_string_to_metric_families
-from sglang_helpers import HostPool, create_backend, page_hash
+from sglang_helpers import HeldLink, HostPool, create_backend, page_hash
 
 from kvoffload.integrations.sglang.storage import offset_endpoint
-from kvoffload.observe.events import BlockRemoved, BlockStored
+from kvoffload.observe.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvoffload.observe.indexer import PrefixIndex
 from kvoffload.observe.subscriber import KVEventSubscriber
 from kvoffload.tiers.slot_file import footprint
 from tier_servers import ValkeyProcess, free_port
 
 KEYS = [page_hash(i) for i in range(8)]
+STALL_S = 20.0
+"""Far longer than any step here takes: reaching it means a thread never got there."""
 
 
 @pytest.fixture
@@ -52,6 +57,28 @@ def tiers(tmp_path: Path, server: ValkeyProcess, disk_pages: int = 4) -> dict[st
         "kvoffload.disk_bytes": footprint(disk_pages, page_bytes),
         "kvoffload.remote_url": server.url,
     }
+
+
+def _events_of() -> dict[str, str]:
+    """A publisher and replay endpoint on free ports."""
+    return {
+        "kvoffload.kv_events_endpoint": f"tcp://127.0.0.1:{free_port()}",
+        "kvoffload.kv_events_replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
+    }
+
+
+def _index_of(backend: Any, events: dict[str, str], name: str) -> PrefixIndex:
+    """The index a router builds from every batch ``backend`` has published so far."""
+    backend.flush_events()
+    index = PrefixIndex()
+    endpoints = (
+        events["kvoffload.kv_events_endpoint"],
+        events["kvoffload.kv_events_replay_endpoint"],
+    )
+    with KVEventSubscriber(*endpoints) as subscriber:
+        for _, batch in subscriber.catch_up():
+            index.apply(name, batch)
+    return index
 
 
 def test_kv_events_name_the_medium_of_each_store_and_eviction(
@@ -84,25 +111,119 @@ def test_clear_tells_subscribers_this_instance_holds_no_page(
     backend_of: Any, tmp_path: Path, valkey_server: ValkeyProcess
 ) -> None:
     """After ``clear()`` a router's index holds nothing of this instance: it would otherwise
-    send requests here for pages both tiers just dropped."""
-    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    events = {"kvoffload.kv_events_endpoint": pub, "kvoffload.kv_events_replay_endpoint": replay}
+    send requests here for pages the disk tier just dropped. The shared tier's pages stay
+    (other instances use them): this instance still reads them, its router under-told."""
+    events = _events_of()
     pool = HostPool()
     backend = backend_of({**tiers(tmp_path, valkey_server), **events}, pool, model="cleared")
     pool.fill(list(range(4)), seed=3)
     assert all(backend.batch_set_v1(KEYS[:4], pool.indices([0, 1, 2, 3])))
-    index = PrefixIndex()
-    with KVEventSubscriber(pub, replay) as subscriber:
-        backend.flush_events()
+    assert _index_of(backend, events, "sglang").num_blocks("sglang") == 4
+    assert backend.clear()
+    assert _index_of(backend, events, "sglang").num_blocks("sglang") == 0
+    counters = backend.counters()
+    assert counters["disk"]["held_pages"] == 0 and counters["remote"]["held_pages"] == 4
+    assert backend.batch_get_v1(KEYS[:4], pool.indices([4, 5, 6, 7])) == [True] * 4
+    assert backend.counters()["remote"]["loads"] == 4
+
+
+def test_one_instances_clear_leaves_the_pages_other_instances_announced_on_the_shared_tier(
+    backend_of: Any, tmp_path: Path, valkey_server: ValkeyProcess
+) -> None:
+    """Two SGLang servers of one model share the server; one clears (an operator's
+    ``/hicache/storage-backend/clear``, a PD role switch). The other one's pages stay: it
+    announced them, and nothing would ever tell its router they were gone."""
+    events = _events_of()
+    pool, other_pool = HostPool(), HostPool()
+    clearing = backend_of(tiers(tmp_path, valkey_server), pool, model="shared-clear")
+    other = backend_of(
+        {"kvoffload.remote_url": valkey_server.url, **events}, other_pool, model="shared-clear"
+    )
+    other_pool.fill(list(range(4)), seed=4)
+    assert all(other.batch_set_v1(KEYS[:4], other_pool.indices([0, 1, 2, 3])))
+    pool.fill([4, 5], seed=5)
+    assert all(clearing.batch_set_v1(KEYS[4:6], pool.indices([4, 5])))
+    assert clearing.clear()
+    assert _index_of(other, events, "other").num_blocks("other") == 4
+    assert other.batch_exists(KEYS[:4]) == 4  # what its router was told is still true
+    assert clearing.counters()["disk"]["held_pages"] == 0  # its own disk tier is emptied
+    # Content-addressed and still valid: the clearing server reads them back as well.
+    assert clearing.batch_get_v1(KEYS[:6], pool.indices(list(range(6, 12)))) == [True] * 6
+    assert [pool.page_bytes(p) for p in range(6, 10)] == [
+        other_pool.page_bytes(p) for p in range(4)
+    ]
+
+
+def _announced(backend: Any, events: dict[str, str]) -> dict[str | None, set[str]]:
+    """Per medium, the pages a router applying every batch published so far, in order,
+    takes this instance to hold."""
+    backend.flush_events()
+    held: dict[str | None, set[str]] = {}
+    endpoints = (
+        events["kvoffload.kv_events_endpoint"],
+        events["kvoffload.kv_events_replay_endpoint"],
+    )
+    with KVEventSubscriber(*endpoints) as subscriber:
         for _, batch in subscriber.catch_up():
-            index.apply("sglang", batch)
-        assert index.num_blocks("sglang") == 4
-        assert backend.clear()
-        backend.flush_events()
-        for _, batch in subscriber.catch_up():
-            index.apply("sglang", batch)
-    assert backend.batch_exists(KEYS[:4]) == 0
-    assert index.num_blocks("sglang") == 0
+            for event in batch.events:
+                if isinstance(event, AllBlocksCleared):
+                    held.clear()
+                    continue
+                hashes = {bytes(h).hex() for h in event.block_hashes}
+                if isinstance(event, BlockStored):
+                    held.setdefault(event.medium, set()).update(hashes)
+                else:
+                    held.get(event.medium, set()).difference_update(hashes)
+    return held
+
+
+def _until(condition: Callable[[], bool]) -> None:
+    """Wait until another thread's step makes ``condition`` true (at most ``STALL_S``)."""
+    deadline = time.monotonic() + STALL_S
+    while not condition():
+        assert time.monotonic() < deadline, "the other thread never got there"
+        time.sleep(0.005)
+
+
+def test_a_page_landing_on_disk_during_clear_is_announced_after_all_blocks_cleared(
+    backend_of: Any, tmp_path: Path, valkey_server: ValkeyProcess
+) -> None:
+    """``clear()`` runs while a write is still on its way to a slow server, and another
+    write lands a page on the emptied disk tier: that page must be announced after
+    ``AllBlocksCleared``, or a router applying the events in order drops a page the disk
+    tier holds."""
+    events = _events_of()
+    pool = HostPool()
+    link = HeldLink(valkey_server.port)
+    slow_url = valkey_server.url_with(60_000).replace(f":{valkey_server.port}/", f":{link.port}/")
+    extra = {**tiers(tmp_path, valkey_server), **events, "kvoffload.remote_url": slow_url}
+    written: list[list[bool]] = []
+    try:
+        backend = backend_of(extra, pool, model="clear-race")
+        disk = backend.paths[0]
+        pool.fill([0, 1], seed=6)
+        link.hold()
+        slow = threading.Thread(target=backend.batch_set_v1, args=(KEYS[:1], pool.indices([0])))
+        slow.start()
+        assert link.holding.wait(STALL_S)  # its shared-tier SET is on a stopped link
+        _until(lambda: disk.counters().stores_completed == 1)  # its disk page has landed
+        before = disk.tier
+        clearing = threading.Thread(target=backend.clear)
+        clearing.start()
+        _until(lambda: disk.tier is not before)  # the disk tier is emptied
+        writer = threading.Thread(
+            target=lambda: written.append(backend.batch_set_v1(KEYS[1:2], pool.indices([1])))
+        )
+        writer.start()
+        _until(lambda: disk.counters().stores_completed == 2)  # a page lands on it again
+        link.release()
+        for thread in (slow, clearing, writer):
+            thread.join(STALL_S)
+    finally:
+        link.stop()
+    assert written == [[True]]
+    assert backend.counters()["disk"]["held_pages"] == 1
+    assert _announced(backend, events).get("DISK") == {KEYS[1]}
 
 
 def test_prometheus_serves_each_tiers_counters(

@@ -198,10 +198,12 @@ def measure_row(
     ours_times: Times = []
 
     raw: RawSockets | None = None
+    shared: RemoteTier | None = None
     if "kvoffload.remote_url" in extra:  # the plainest pipelined SET / GET of the same bytes
         remote = backend.paths[0].tier
         if not isinstance(remote, RemoteTier):
             raise KVOffloadError("bench tiers --sglang: the shared tier did not open")
+        shared = remote
         raw, blocks = RawSockets(remote), BenchBlocks(pages, size, expected)
 
     def plain(r: int) -> tuple[float, float]:
@@ -253,6 +255,8 @@ def measure_row(
             for p in into:
                 pool.set_from_flat_data_page(p * PAGE_TOKENS, pool.get_dummy_flat_data_page())
             backend.clear()
+            if shared is not None:  # clear() keeps the shared tier's pages; ours leave none
+                shared.delete_all()
     finally:
         if raw is not None:
             raw.close()

@@ -181,8 +181,6 @@ class TierPath:
         self._seen = (0, 0, 0, 0, 0)
         """The tier's (evicted, corrupt, rejected, unavailable, skipped_full) already in the
         counters."""
-        self._held_base = 0
-        """The shared tier's stored pages when it was last cleared."""
 
     def counters(self) -> TierCounters:
         """A snapshot of the counters, the tier's own counts brought up to date."""
@@ -266,20 +264,24 @@ class TierPath:
             batch.send(payloads)
         return batch
 
-    def clear(self) -> None:
-        """Drop every page of this tier (the shared tier: every page under our fingerprint)."""
-        with self._lock, self._count_lock:
+    def clear(self, announce: Callable[[], None]) -> None:
+        """Drop every page of a disk tier (this process's own), then ``announce`` it before
+        the tier's lock goes: a page written meanwhile lands, and is announced, after the
+        announcement, never before it (a router applying events in order would drop a page
+        the tier holds). A shared tier keeps its pages: other instances on the server use
+        them and announced them to their routers, and being content-addressed under the
+        fingerprint they stay valid."""
+        with self._lock:
             tier = self.tier
-            self._derive()
-            if isinstance(tier, RemoteTier):
-                tier.delete_all()
-                self._held_base = tier.stats.stored_blocks
-            elif isinstance(tier, DiskTier):
-                tier.empty_on_close = True  # by its open file: a path may be a link now
-                tier.close()
-                self.tier = self._reopened(tier)
-                self._seen = (0, 0, 0, 0, 0)
-            self._derive()
+            if isinstance(tier, DiskTier):
+                with self._count_lock:
+                    self._derive()
+                    tier.empty_on_close = True  # by its open file: a path may be a link now
+                    tier.close()
+                    self.tier = self._reopened(tier)
+                    self._seen = (0, 0, 0, 0, 0)
+                    self._derive()
+            announce()
 
     def _reopened(self, closed: DiskTier) -> LowerTier:
         """A new, empty disk tier in place of ``closed``; the tier off (logged) when its file
@@ -339,7 +341,7 @@ class TierPath:
         if isinstance(tier, DiskTier):
             c.held_pages = len(tier)
         else:
-            c.held_pages = tier.stats.stored_blocks - self._held_base
+            c.held_pages = tier.stats.stored_blocks
 
     def _drain_events(self) -> None:
         """Hand the tier's events on (under the lock)."""

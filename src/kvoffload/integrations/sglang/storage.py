@@ -299,15 +299,18 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         return self._present([page_key(key)])[0] == 1
 
     def clear(self) -> bool:
-        """Empty the disk tier and delete our pages from the shared tier; KV event subscribers
-        hear ``AllBlocksCleared``, or they would go on routing to pages this instance lost."""
-        for path in self.paths:
-            path.clear()
-        publisher = self._publisher
-        if publisher is not None:
-            from kvoffload.observe.events import AllBlocksCleared, make_batch
-
-            publisher.publish_batch(make_batch([AllBlocksCleared()], publisher.data_parallel_rank))
+        """Empty the disk tier, this instance's own; the shared tier keeps its pages, which
+        other instances on the server read and announced. KV event subscribers hear
+        ``AllBlocksCleared``, or they would go on routing to pages the disk tier lost; they
+        forget this instance's shared-tier pages with them, an index holding too little.
+        The announcement is made under the disk tier's lock (:meth:`TierPath.clear`), never
+        after waiting for the shared tier: a write landing in between would otherwise be
+        announced before it, and dropped by the router."""
+        disk = next((path for path in self.paths if path.name == "disk"), None)
+        if disk is None:
+            self._announce_cleared()
+        else:
+            disk.clear(self._announce_cleared)
         return True
 
     def get_stats(self) -> Any:
@@ -470,6 +473,13 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         if self._metrics is not None:
             metrics, self._metrics = self._metrics, None
             metrics.close()
+
+    def _announce_cleared(self) -> None:
+        publisher = self._publisher
+        if publisher is not None:
+            from kvoffload.observe.events import AllBlocksCleared, make_batch
+
+            publisher.publish_batch(make_batch([AllBlocksCleared()], publisher.data_parallel_rank))
 
     def _publish(self, events: list[OffloadingEvent]) -> None:
         publisher = self._publisher
