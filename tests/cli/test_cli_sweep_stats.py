@@ -77,6 +77,39 @@ def test_sweep_runs_an_alias_and_its_rule_once(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_a_failed_run_keeps_the_finished_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], jobs: str
+) -> None:
+    """One configuration that raised (its disk tier cannot open) used to end the sweep with
+    only its error: the runs already finished, maybe an hour of them, were lost. They are
+    written and shown as on Ctrl-C, the error names the configuration, and the status is 1."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    (disk / "cpu3000-arc-t0-none").write_text("")  # the last run's directory is a file
+    out_json, out_csv = tmp_path / "runs.json", tmp_path / "runs.csv"
+    args = ["sweep", "--requests", "30", "--cpu-blocks", "1000,3000", "--policies", "lru,arc"]
+    args += ["--thresholds", "0", "--disk-dir", str(disk), "--disk-blocks", "100"]
+    args += ["--jobs", jobs, "--no-progress", "--json", str(out_json), "--csv", str(out_csv)]
+    assert main(args) == 1
+    captured = capsys.readouterr()
+    reports = json.loads(out_json.read_text())
+    finished = [(r["policy"], r["cpu_blocks"]) for r in reports]
+    # In order; run 4 starts only once two runs have finished, and fails opening its tier.
+    first_three = [("lru", 1000), ("lru", 3000), ("arc", 1000)]
+    assert finished == [run for run in first_three if run in finished]
+    assert len(finished) == 3 if jobs == "1" else len(finished) >= 2
+    assert len(out_csv.read_text().splitlines()) == len(reports) + 1
+    assert captured.out.count(" lru ") + captured.out.count(" arc ") == len(reports)
+    assert captured.err == (
+        f"kvoffload: error: sweep stopped after {len(reports)} of 4 runs: run 4 of 4 "
+        "(admission none, policy arc, threshold 0, 3,000 offload blocks) failed: disk tier "
+        f"path {disk}/cpu3000-arc-t0-none is not a directory (or is a symbolic link, which "
+        "is never followed); refusing to use it; the finished runs were written to "
+        f"{out_json} and {out_csv}\n"
+    )
+
+
 def test_trace_stats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "t.csv"
     trace.write_text(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shlex
 import shutil
@@ -23,6 +24,8 @@ import pytest
 from cli_helpers import one_line_error
 
 from kvoffload import CPUOffloadingManager, FilterReusedOffloadingManager, block_id_key
+from kvoffload.admission.budget import WriteBudget
+from kvoffload.cli import options
 from kvoffload.cli.main import main
 from kvoffload.cli.output import one_line
 from kvoffload.managers import build_manager
@@ -76,6 +79,49 @@ def test_bad_numbers_are_usage_errors(
 ) -> None:
     assert main([*SMALL, *args]) == 2
     assert message in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("attached", [False, True])
+@pytest.mark.parametrize(
+    ("command", "option", "value", "status", "message"),
+    [
+        ("simulate", "--cpu-gb", "-1e-400", 2, "argument --cpu-gb: must be >= 0, got -1e-400"),
+        ("simulate", "--cpu-gb", "1e-400", 2, "--cpu-gb: 1e-400 is too small to tell from 0"),
+        ("simulate", "--gpu-gb", "-inf", 2, "--gpu-gb: must be a finite number, got '-inf'"),
+        ("simulate", "--disk-gb", "-1e-400", 2, "argument --disk-gb: must be > 0, got -1e-400"),
+        ("simulate", "--disk-latency-ms", "-1e-400", 2, "--disk-latency-ms: must be >= 0"),
+        ("simulate", "--write-budget", "-1e-400", 2, "--write-budget: must be >= 0, got -1e-400"),
+        ("simulate", "--write-budget", "1e-400", 2, "1e-400 is too small to tell from 0"),
+        ("simulate", "--drive-bytes", "-1e-400", 2, "--drive-bytes: must be >= 0, got -1e-400"),
+        ("sweep", "--disk-write-budget", "-1e-400", 2, "--disk-write-budget: must be >= 0"),
+        ("sweep", "--cpu-gb", "-1e-400", 1, "--cpu-gb values must be finite numbers >= 0"),
+        ("sweep", "--cpu-gb", "1e-400,2", 1, "--cpu-gb value 1e-400 is too small to tell from 0"),
+        ("sweep", "--cpu-blocks", "-1,2", 1, "--cpu-blocks values must be >= 0, got -1"),
+    ],
+)
+def test_a_negative_or_vanishing_number_is_refused_in_either_spelling(
+    command: str,
+    option: str,
+    value: str,
+    status: int,
+    message: str,
+    attached: bool,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``-1e-400`` reads as -0.0, which passed ``>= 0``: ``--cpu-gb=-1e-400`` ran with no
+    offload tier. ``1e-400`` reads as 0, and ran with none too. And after its option
+    (``--cpu-gb -1e-400``) argparse took it for an option: "expected one argument"."""
+    given = [f"{option}={value}"] if attached else [option, value]
+    jobs = ["--jobs", "1"] if command == "sweep" else []
+    assert main([command, "--requests", "20", "--no-progress", *jobs, *given]) == status
+    assert message in one_line_error(capsys)
+
+
+def test_minus_zero_is_zero() -> None:
+    """No -0.0 reaches a configuration, where ``0 < x`` and ``copysign`` would disagree."""
+    assert math.copysign(1.0, options.SIZE_GIB("-0")) == 1.0
+    assert math.copysign(1.0, options.parse_floats("-0.0", "--cpu-gb")[0]) == 1.0
+    assert math.copysign(1.0, WriteBudget.parse("-0").amount) == 1.0
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
+import os
+import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,7 +17,7 @@ import pytest
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.sim.run import RunReport, SimConfig, simulate
 from kvoffload.sim.sources import WorkloadSource
-from kvoffload.sim.sweep import SweepInterrupted, run_sweep, sweep_configs
+from kvoffload.sim.sweep import SweepFailed, SweepInterrupted, run_sweep, sweep_configs
 from kvoffload.sim.workload import Workload
 
 if TYPE_CHECKING:
@@ -96,6 +100,64 @@ def test_interrupted_sweep_keeps_the_finished_runs() -> None:
         | {"belady_offload_hit_ratio": c.belady_offload_hit_ratio}
         for r, c in zip(finished, complete, strict=True)
     ]
+
+
+@dataclasses.dataclass(frozen=True)
+class KilledInWorkers(WorkloadSource):
+    """A workload whose loading kills the worker process that loads it, as the kernel's
+    out-of-memory killer would."""
+
+    def load(self, progress: object = None) -> Workload:
+        if multiprocessing.parent_process() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().load()
+
+
+def test_a_killed_worker_fails_its_run_instead_of_hanging() -> None:
+    """A process pool replaced a killed worker and waited forever for the task it had: the
+    sweep hung until Ctrl-C. The death now fails the sweep, naming the run."""
+    stopped: list[BaseException] = []
+
+    def sweep() -> None:
+        try:
+            run_sweep(KilledInWorkers(requests=20), configs()[:2], jobs=2)
+        except BaseException as exc:
+            stopped.append(exc)
+
+    thread = threading.Thread(target=sweep, daemon=True)
+    thread.start()
+    thread.join(timeout=120)  # generous: the sweep ends in about a second
+    assert stopped, "the sweep still waits for its killed workers"
+    [failed] = stopped
+    assert isinstance(failed, SweepFailed) and failed.reports == [] and failed.total == 2
+    assert failed.reason == (
+        "its worker process was killed by SIGKILL (as the kernel's out-of-memory killer does)"
+    )
+    assert failed.failed in (
+        "run 1 of 2 (admission none, policy lru, threshold 0, 0 offload blocks)",
+        "run 2 of 2 (admission none, policy lru, threshold 0, 3,000 offload blocks)",
+    )
+
+
+def test_a_run_that_raises_stops_the_sweep_with_the_finished_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvoffload.sim import sweep as sim_sweep
+
+    def third_fails(workload: Workload, config: SimConfig, is_bound: bool) -> RunReport:
+        if config.store_threshold == 2 and config.cpu_blocks == 0:
+            raise ZeroDivisionError("division by zero")
+        return simulate(workload, config)
+
+    monkeypatch.setattr(sim_sweep, "_run_on", third_fails)
+    with pytest.raises(SweepFailed) as stopped:
+        run_sweep(SOURCE, configs(), jobs=1)
+    assert [(r.store_threshold, r.cpu_blocks) for r in stopped.value.reports] == [(0, 0), (0, 3000)]
+    assert str(stopped.value) == (
+        "sweep stopped after 2 of 8 runs: run 3 of 8 (admission none, policy lru, threshold 2, "
+        "0 offload blocks) failed: ZeroDivisionError: division by zero"
+    )
+    assert isinstance(stopped.value.__cause__, ZeroDivisionError)
 
 
 def test_each_run_gets_the_bound_of_its_gpu_and_partial_block_mode(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from decimal import Decimal
 
 from kvoffload.admission.params import is_finite, shown
 from kvoffload.core.errors import InvalidArgumentError
@@ -65,9 +66,12 @@ def _amount(text: str, what: str) -> float:
     value = float(text)
     if not math.isfinite(value):
         raise InvalidArgumentError(f"{what}: must be a finite number, got {text!r}")
-    if value < 0:
+    typed = Decimal(text)  # as written: -1e-400 is below 0, though its float (-0.0) is not
+    if typed < 0:
         raise InvalidArgumentError(f"{what}: must be >= 0, got {text}")
-    return value
+    if value == 0 and typed != 0:
+        raise InvalidArgumentError(f"{what}: {text} is too small to tell from 0")
+    return 0.0 if value == 0 else value  # -0 is 0
 
 
 def parse_bytes(text: str | int, what: str = "a size") -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import select
 import sys
 from collections.abc import Sequence
@@ -148,13 +149,37 @@ def _reader_gone() -> bool:
     return True
 
 
+def _attach_negative_values(args_list: list[str]) -> list[str]:
+    """``--cpu-gb -1e-400`` as ``--cpu-gb=-1e-400``: argparse takes a word that starts with
+    ``-`` for an option unless it looks like a plain negative number (``-1``, ``-1.5``), so
+    ``-1e-400``, ``-inf`` or a list ``-1,2`` after an option left it without a value
+    ("expected one argument") instead of saying what is wrong with the value. Attached, it
+    is the option's value whatever its spelling, as ``--opt=value`` always was."""
+    attached: list[str] = []
+    for index, word in enumerate(args_list):
+        if word == "--":  # the rest are positional arguments
+            return attached + args_list[index:]
+        previous = attached[-1] if attached else ""
+        if previous.startswith("--") and "=" not in previous and _is_negative_value(word):
+            attached[-1] = f"{previous}={word}"
+        else:
+            attached.append(word)
+    return attached
+
+
+def _is_negative_value(word: str) -> bool:
+    """Whether ``word`` is a negative number, or a list that starts with one: never one of
+    our options, whose names are words."""
+    return bool(re.match(r"-\.?\d", word)) or word.lower() in ("-inf", "-infinity", "-nan")
+
+
 def _error(message: str) -> None:
     print(output.one_line(f"{PROG}: error: {message}"), file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
-    args_list = list(sys.argv[1:] if argv is None else argv)
+    args_list = _attach_negative_values(list(sys.argv[1:] if argv is None else argv))
     try:
         parser, transfer = build_parser()
         if args_list[:2] == ["bench", "transfer"]:

@@ -8,6 +8,7 @@ import importlib.util
 import math
 import os
 from collections.abc import Callable, Sequence
+from decimal import Decimal, InvalidOperation
 from typing import TypeVar
 
 from kvoffload.admission import admission_params, parse_pairs
@@ -63,13 +64,26 @@ def number(
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-        if value < minimum or (value == minimum and not allow_minimum):
+        typed = as_written(text, value)
+        if typed < minimum or (typed == minimum and not allow_minimum):
             raise argparse.ArgumentTypeError(f"must be {relation} {minimum:g}, got {text}")
         if value > maximum:
             raise argparse.ArgumentTypeError(f"must be <= {maximum:,.0f}, got {text}")
-        return value
+        if value == 0 and typed != 0:
+            raise argparse.ArgumentTypeError(f"{text} is too small to tell from 0")
+        return 0.0 if value == 0 else value  # -0 is 0
 
     return parse
+
+
+def as_written(text: str, value: float) -> Decimal:
+    """The number ``text`` holds as written (``value`` is its float), for the checks a float
+    would pass wrongly: ``-1e-400`` is below 0, but its float, -0.0, is not; ``1e-400`` is
+    not 0, but its float is."""
+    try:
+        return Decimal(text)
+    except InvalidOperation:  # a spelling float() reads and Decimal() does not
+        return Decimal(value)
 
 
 POSITIVE_INT = integer(1)
@@ -369,13 +383,18 @@ def parse_floats(text: str, what: str, maximum: float = math.inf) -> list[float]
         raise InvalidArgumentError(
             f"{what} must be comma-separated numbers, got {text!r}"
         ) from None
-    bad = next((part for part, v in values if not math.isfinite(v) or v < 0), None)
+    bad = next(
+        (part for part, v in values if not math.isfinite(v) or as_written(part, v) < 0), None
+    )
     if bad is not None:
         raise InvalidArgumentError(f"{what} values must be finite numbers >= 0, got {bad}")
     big = next((part for part, v in values if v > maximum), None)
     if big is not None:
         raise InvalidArgumentError(f"{what} values must be <= {maximum:,.0f}, got {big}")
-    return _not_empty([value for _, value in values], text, what)
+    tiny = next((part for part, v in values if v == 0 and as_written(part, v) != 0), None)
+    if tiny is not None:
+        raise InvalidArgumentError(f"{what} value {tiny} is too small to tell from 0")
+    return _not_empty([0.0 if v == 0 else v for _, v in values], text, what)  # -0 is 0
 
 
 def add_admission_param_argument(group: argparse._ArgumentGroup) -> None:

@@ -18,7 +18,13 @@ from kvoffload.core.cpus import usable_cpus
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.policies import resolve_policy
 from kvoffload.sim.run import RunReport
-from kvoffload.sim.sweep import SweepInterrupted, run_sweep, sweep_configs
+from kvoffload.sim.sweep import (
+    SweepFailed,
+    SweepInterrupted,
+    SweepStopped,
+    run_sweep,
+    sweep_configs,
+)
 
 DEFAULT_FACTORS = (1, 2, 4, 8)
 """Offload capacities swept by default, in GPU caches."""
@@ -139,7 +145,10 @@ def run(args: argparse.Namespace) -> int:
         reports = run_sweep(source, configs, jobs=args.jobs, progress=bar, loaded=workload)
     except SweepInterrupted as stop:
         bar.close()
-        return _interrupted(args, stop)
+        return _keep_finished(args, stop, "interrupted", 130)
+    except SweepFailed as stop:
+        bar.close()
+        return _keep_finished(args, stop, "error", 1)
     finally:
         bar.close()
     _write(args, reports)
@@ -163,9 +172,11 @@ def _write(args: argparse.Namespace, reports: list[RunReport]) -> None:
         output.write_csv(args.csv, rows)
 
 
-def _interrupted(args: argparse.Namespace, stop: SweepInterrupted) -> int:
-    """Keep what finished: write and show it, then say so on one line; status 130. With
-    nothing finished nothing is written, so the files of an earlier sweep stay as they were."""
+def _keep_finished(args: argparse.Namespace, stop: SweepStopped, label: str, status: int) -> int:
+    """Keep what finished: write and show it, then say on one line why the sweep stopped
+    (``kvoffload: {label}: ...``) and return ``status``: an hour of finished runs is not lost
+    to Ctrl-C nor to one run that fails. With nothing finished nothing is written, so the
+    files of an earlier sweep stay as they were."""
     reports = stop.reports
     written = [path for path in (args.json, args.csv) if path and path != "-"]
     if not reports:
@@ -180,8 +191,8 @@ def _interrupted(args: argparse.Namespace, stop: SweepInterrupted) -> int:
             kept = f"the finished runs were written to {' and '.join(written)}"
         else:
             kept = "the finished runs are shown above"
-    print(output.one_line(f"kvoffload: interrupted: {stop}; {kept}"), file=sys.stderr)
-    return 130
+    print(output.one_line(f"kvoffload: {label}: {stop}; {kept}"), file=sys.stderr)
+    return status
 
 
 def format_sweep(reports: list[RunReport]) -> str:

@@ -1,12 +1,12 @@
 """Many independent runs over capacities x policies x thresholds, in parallel processes.
 
-Each configuration is a separate process-pool task that builds its own copy
-of the workload from a :class:`WorkloadSource`; the Belady bound of sequential
-runs depends only on the GPU and offload capacities and the partial block mode,
-so it is computed once per such combination and attached to every run with it
-(a sweep of :func:`sweep_configs` has one per offload capacity). Overlapping requests
-(``concurrency > 1``) give each run its own GPU hits, so each run computes
-its own bound.
+Each configuration is a separate task, run by one of a few worker processes that
+each build their own copy of the workload from a :class:`WorkloadSource`; the
+Belady bound of sequential runs depends only on the GPU and offload capacities
+and the partial block mode, so it is computed once per such combination and
+attached to every run with it (a sweep of :func:`sweep_configs` has one per
+offload capacity). Overlapping requests (``concurrency > 1``) give each run its
+own GPU hits, so each run computes its own bound.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import dataclasses
 import functools
 import multiprocessing
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.sim.belady import BeladyResult
@@ -25,6 +27,9 @@ from kvoffload.sim.workload import Workload
 
 Task = tuple[WorkloadSource, SimConfig, bool]
 """(workload, configuration, whether this task computes the bound instead of a run)."""
+
+Answer = tuple[int, RunReport | BeladyResult | None, str | None]
+"""A worker's answer: (task index, its result, or None and why it failed)."""
 
 BoundKey = tuple[int, int, str]
 """What a sequential run's bound depends on besides the workload: (GPU blocks, offload
@@ -75,13 +80,44 @@ def sweep_configs(
     ]
 
 
-class SweepInterrupted(KVOffloadError):
-    """Ctrl-C stopped a sweep; ``reports`` holds the runs that had finished, in order."""
+class SweepStopped(KVOffloadError):
+    """A sweep stopped before its end; ``reports`` holds the runs that had finished, in
+    order (without a bound where their bound had not finished)."""
 
-    def __init__(self, reports: list[RunReport], total: int) -> None:
-        super().__init__(f"sweep interrupted after {len(reports)} of {total} runs")
+    def __init__(self, message: str, reports: list[RunReport], total: int) -> None:
+        super().__init__(message)
         self.reports = reports
         self.total = total
+
+
+class SweepInterrupted(SweepStopped):
+    """Ctrl-C stopped a sweep."""
+
+    def __init__(self, reports: list[RunReport], total: int) -> None:
+        super().__init__(f"sweep interrupted after {len(reports)} of {total} runs", reports, total)
+
+
+class SweepFailed(SweepStopped):
+    """A run of a sweep raised, or its worker process died: the sweep stops there, as on
+    Ctrl-C, and ``failed`` names the configuration (``reason`` says what went wrong)."""
+
+    def __init__(self, reports: list[RunReport], total: int, failed: str, reason: str) -> None:
+        super().__init__(
+            f"sweep stopped after {len(reports)} of {total} runs: {failed} failed: {reason}",
+            reports,
+            total,
+        )
+        self.failed = failed
+        self.reason = reason
+
+
+class _TaskFailed(Exception):
+    """Task ``index`` raised, or the process running it died, for ``reason``."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(index, reason)
+        self.index = index
+        self.reason = reason
 
 
 def run_sweep(
@@ -98,10 +134,11 @@ def run_sweep(
     Worker processes (``jobs`` > 1) each build their own from ``source``.
 
     Every report gains the Belady bound of its capacities and partial block mode (none
-    with lower tiers, see :attr:`SimConfig.bounded`). On Ctrl-C,
-    pending runs are cancelled, workers stopped at once, and
-    :class:`SweepInterrupted` carries the finished runs (without a bound
-    where their bound had not finished).
+    with lower tiers, see :attr:`SimConfig.bounded`). On Ctrl-C, pending runs are
+    cancelled, workers stopped at once, and :class:`SweepInterrupted` carries the finished
+    runs (without a bound where their bound had not finished); when a run raises or its
+    worker process dies (the kernel's out-of-memory killer), the same happens with
+    :class:`SweepFailed`, which names the run and why.
     """
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise InvalidArgumentError(f"jobs must be an integer >= 1, got {jobs!r}")
@@ -120,7 +157,10 @@ def run_sweep(
         if jobs == 1:
             workload = source.load() if loaded is None else loaded
             for index, (_, config, is_bound) in enumerate(tasks):
-                results[index] = _run_on(workload, config, is_bound)
+                try:
+                    results[index] = _run_on(workload, config, is_bound)
+                except Exception as exc:
+                    raise _TaskFailed(index, _reason(exc)) from exc
                 if progress is not None:
                     progress(index + 1, len(tasks))
         else:
@@ -128,10 +168,39 @@ def run_sweep(
     except KeyboardInterrupt:
         finished = _with_bounds(results, len(configs), bound_keys)
         raise SweepInterrupted(finished, len(configs)) from None
+    except _TaskFailed as failure:
+        finished = _with_bounds(results, len(configs), bound_keys)
+        what = _describe(tasks[failure.index], failure.index, len(configs))
+        raise SweepFailed(finished, len(configs), what, failure.reason) from failure.__cause__
     reports = _with_bounds(results, len(configs), bound_keys)
     if len(reports) != len(configs):
         raise RuntimeError("a sweep run returned no report")
     return reports
+
+
+def _reason(exc: Exception) -> str:
+    """What went wrong, in the words the command line uses for the same error alone."""
+    if isinstance(exc, KVOffloadError):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror + (f": {exc.filename}" if exc.filename else "")
+    if isinstance(exc, MemoryError):
+        return "out of memory"
+    return f"{type(exc).__name__}: {exc}"  # a bug: its kind helps a report of it
+
+
+def _describe(task: Task, index: int, num_runs: int) -> str:
+    """The run (or bound) of ``task`` as its row of the sweep's table shows it."""
+    _, config, is_bound = task
+    if is_bound:
+        return (
+            f"the Belady bound of {config.cpu_blocks:,} offload blocks "
+            f"(GPU {config.gpu_blocks:,} blocks)"
+        )
+    return (
+        f"run {index + 1} of {num_runs} (admission {config.admission}, policy {config.policy}, "
+        f"threshold {config.store_threshold}, {config.cpu_blocks:,} offload blocks)"
+    )
 
 
 def _bound_key(run: SimConfig | RunReport) -> BoundKey:
@@ -167,14 +236,33 @@ def _with_bounds(
     return reports
 
 
-def _ignore_sigint() -> None:
-    """Workers leave Ctrl-C to the parent, which stops them: no traceback from each."""
+def _serve(connection: Connection) -> None:
+    """A worker: run each task index and task the parent sends, answer with the index and
+    its result or what went wrong, until the parent sends ``None`` or goes. Ctrl-C is left
+    to the parent, which stops the workers: no traceback from each."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        try:
+            item = connection.recv()
+        except EOFError:
+            return
+        if item is None:
+            return
+        index, task = item
+        answer: Answer
+        try:
+            answer = (index, _run_task(task), None)
+        except Exception as exc:
+            answer = (index, None, _reason(exc))
+        connection.send(answer)
 
 
-def _indexed_task(item: tuple[int, Task]) -> tuple[int, RunReport | BeladyResult]:
-    index, task = item
-    return index, _run_task(task)
+@dataclasses.dataclass
+class _Worker:
+    process: BaseProcess
+    connection: Connection
+    task: int | None = None
+    """The index of the task it runs, if any."""
 
 
 def _run_parallel(
@@ -183,15 +271,81 @@ def _run_parallel(
     jobs: int,
     progress: Callable[[int, int], None] | None,
 ) -> None:
+    """Run ``tasks`` on ``jobs`` worker processes, one task each at a time.
+
+    Not a ``multiprocessing.Pool``: a pool replaces a worker that died (killed for memory)
+    and waits forever for the task it had; here the death is seen (the process's sentinel)
+    and named as the failure of that task (:class:`_TaskFailed`).
+    """
     context = multiprocessing.get_context("spawn")
-    pool = context.Pool(min(jobs, len(tasks)), initializer=_ignore_sigint)
+    pending = iter(enumerate(tasks))
+    workers: list[_Worker] = []
+    done = 0
     try:
-        finished = pool.imap_unordered(_indexed_task, enumerate(tasks))
-        for done, (index, result) in enumerate(finished, start=1):
-            results[index] = result
-            if progress is not None:
-                progress(done, len(tasks))
-        pool.close()
+        for _ in range(min(jobs, len(tasks))):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=_serve, args=(theirs,), daemon=True)
+            process.start()
+            theirs.close()
+            worker = _Worker(process, ours)
+            workers.append(worker)
+            _give_next(worker, pending)
+        while busy := [w for w in workers if w.task is not None]:
+            wait([w.connection for w in busy] + [w.process.sentinel for w in busy])
+            for worker in busy:
+                if not worker.connection.poll() and worker.process.is_alive():
+                    continue
+                index, result = _answer(worker)
+                results[index] = result
+                done += 1
+                if progress is not None:
+                    progress(done, len(tasks))
+                _give_next(worker, pending)
     finally:
-        pool.terminate()
-        pool.join()
+        for worker in workers:
+            worker.process.terminate()
+        for worker in workers:
+            worker.process.join()
+            worker.connection.close()
+
+
+def _give_next(worker: _Worker, pending: Iterator[tuple[int, Task]]) -> None:
+    """Send ``worker`` the next task, or ``None`` (stop) when there is none left."""
+    item = next(pending, None)
+    worker.task = None if item is None else item[0]
+    try:
+        worker.connection.send(item)
+    except OSError:  # it died since its last answer
+        if item is not None:
+            raise _TaskFailed(item[0], _death(worker.process)) from None
+
+
+def _answer(worker: _Worker) -> tuple[int, RunReport | BeladyResult]:
+    """The task ``worker`` has finished and its result; :class:`_TaskFailed` if the task
+    raised, or the worker died before it answered."""
+    index = worker.task
+    if index is None:
+        raise RuntimeError("an idle sweep worker was asked for an answer")
+    try:
+        answer: Answer = worker.connection.recv()
+    except (EOFError, OSError):
+        raise _TaskFailed(index, _death(worker.process)) from None
+    worker.task = None
+    answered, result, reason = answer
+    if result is None:
+        raise _TaskFailed(answered, reason or "no result")
+    return answered, result
+
+
+def _death(process: BaseProcess) -> str:
+    """How a worker process ended, for the failure of the task it ran."""
+    process.join()
+    code = process.exitcode
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        oom = " (as the kernel's out-of-memory killer does)" if -code == signal.SIGKILL else ""
+        return f"its worker process was killed by {name}{oom}"
+    return f"its worker process exited with status {code}"
