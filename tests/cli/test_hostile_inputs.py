@@ -117,6 +117,20 @@ def test_a_negative_or_vanishing_number_is_refused_in_either_spelling(
     assert message in one_line_error(capsys)
 
 
+@pytest.mark.parametrize("flag", ["--no-progress", "--progress"])
+def test_a_negative_looking_trace_after_a_flag_stays_the_trace(
+    flag: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A negative number after an option is attached to it as its value, but a flag takes
+    none: ``--no-progress -1`` read a trace named ``-1``, as argparse always did, and was
+    made ``--no-progress=-1`` ("ignored explicit argument '-1'")."""
+    monkeypatch.chdir(tmp_path)
+    record = '{"timestamp": 0, "input_length": 32, "output_length": 1, "hash_ids": [1, 2]}\n'
+    (tmp_path / "-1").write_text(record)
+    assert main(["trace-stats", "--block-size", "16", flag, "-1", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["refs"] == 2
+
+
 def test_minus_zero_is_zero() -> None:
     """No -0.0 reaches a configuration, where ``0 < x`` and ``copysign`` would disagree."""
     assert math.copysign(1.0, options.SIZE_GIB("-0")) == 1.0

@@ -149,18 +149,21 @@ def _reader_gone() -> bool:
     return True
 
 
-def _attach_negative_values(args_list: list[str]) -> list[str]:
+def _attach_negative_values(args_list: list[str], flags: set[str]) -> list[str]:
     """``--cpu-gb -1e-400`` as ``--cpu-gb=-1e-400``: argparse takes a word that starts with
     ``-`` for an option unless it looks like a plain negative number (``-1``, ``-1.5``), so
     ``-1e-400``, ``-inf`` or a list ``-1,2`` after an option left it without a value
     ("expected one argument") instead of saying what is wrong with the value. Attached, it
-    is the option's value whatever its spelling, as ``--opt=value`` always was."""
+    is the option's value whatever its spelling, as ``--opt=value`` always was. Not after
+    one of ``flags``, which take no value: the word is then a positional argument (a
+    trace named ``-1`` after ``--no-progress``), which ``--flag=-1`` would refuse."""
     attached: list[str] = []
     for index, word in enumerate(args_list):
         if word == "--":  # the rest are positional arguments
             return attached + args_list[index:]
         previous = attached[-1] if attached else ""
-        if previous.startswith("--") and "=" not in previous and _is_negative_value(word):
+        takes_value = previous.startswith("--") and "=" not in previous and previous not in flags
+        if takes_value and _is_negative_value(word):
             attached[-1] = f"{previous}={word}"
         else:
             attached.append(word)
@@ -173,17 +176,26 @@ def _is_negative_value(word: str) -> bool:
     return bool(re.match(r"-\.?\d", word)) or word.lower() in ("-inf", "-infinity", "-nan")
 
 
+def _flags(parser: argparse.ArgumentParser) -> set[str]:
+    """The option strings of ``parser``'s options that take no value (``--no-progress``)."""
+    return {
+        name for action in parser._actions if action.nargs == 0 for name in action.option_strings
+    }
+
+
 def _error(message: str) -> None:
     print(output.one_line(f"{PROG}: error: {message}"), file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
-    args_list = _attach_negative_values(list(sys.argv[1:] if argv is None else argv))
+    args_list = list(sys.argv[1:] if argv is None else argv)
     try:
         parser, transfer = build_parser()
         if args_list[:2] == ["bench", "transfer"]:
             bench.add_transfer_options(transfer)
+        flags = _flags(parser) | _flags(_command_parser(parser, args_list))
+        args_list = _attach_negative_values(args_list, flags)
         try:
             args, unknown = parser.parse_known_args(args_list)
             if unknown:  # named by the command's own parser, so the hint is its --help
