@@ -245,6 +245,46 @@ def test_a_holder_whose_lock_file_was_deleted_still_keeps_the_directory(tmp_path
     again.close()
 
 
+FORK_CLOSER = """
+import os
+import sys
+from kvoffload import block_id_key
+from kvoffload.tiers import DiskTier
+tier = DiskTier(sys.argv[1], 8, bytes.fromhex(sys.argv[2]))
+keys = [block_id_key(i) for i in range(5)]
+tier.write(keys, [bytes(0)] * 5)
+tier.poll(wait=True)
+child = os.fork()
+if child == 0:  # the tier's copy here: its descriptors now point at /dev/null
+    tier.empty_on_close = True
+    tier.close()
+    os._exit(0)
+os.waitpid(child, 0)
+buffers = [bytearray(0) for _ in keys]
+print("kept", sum(tier.read(keys, lambda i: memoryview(buffers[i])).result(timeout=10)))
+tier.close()
+"""
+
+
+def test_a_forked_child_s_copy_of_the_tier_never_empties_the_parent_s_slots(
+    tmp_path: Path,
+) -> None:
+    """A forked child lets go of the slot file with its lock: its copy of the tier, closed
+    with ``empty_on_close`` (as a reset does), truncated the parent's live file before,
+    and every block the parent held was lost (the restart found none)."""
+    parent = subprocess.run(
+        [sys.executable, "-c", FORK_CLOSER, str(tmp_path), FP.hex()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert parent.returncode == 0, parent.stderr
+    assert parent.stdout == "kept 5\n"
+    again = DiskTier(tmp_path, 8, FP)
+    assert again.recovery.recovered == 5
+    again.close()
+
+
 def test_two_tiers_of_one_process_on_one_directory_are_refused_too(tmp_path: Path) -> None:
     first = DiskTier(tmp_path, 4, FP)
     try:
