@@ -259,6 +259,8 @@ def _serve(connection: Connection) -> None:
 
 @dataclasses.dataclass
 class _Worker:
+    """A worker process, the parent's end of its pipe, and the task it runs."""
+
     process: BaseProcess
     connection: Connection
     task: int | None = None
@@ -285,8 +287,13 @@ def _run_parallel(
         for _ in range(min(jobs, len(tasks))):
             ours, theirs = context.Pipe()
             process = context.Process(target=_serve, args=(theirs,), daemon=True)
-            process.start()
-            theirs.close()
+            try:
+                process.start()
+            except BaseException:
+                ours.close()
+                raise
+            finally:
+                theirs.close()
             worker = _Worker(process, ours)
             workers.append(worker)
             _give_next(worker, pending)

@@ -777,6 +777,7 @@ def _locked(fd: int) -> bool:
 
 
 def _in_use(directory: Path, holder: str) -> DiskTierError:
+    """The one error of a directory another process holds, whichever lock says so."""
     return DiskTierError(
         f"disk tier directory {directory} is in use by {holder}; "
         "give each process its own disk directory"

@@ -475,6 +475,8 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             metrics.close()
 
     def _announce_cleared(self) -> None:
+        """Tell routers this server holds no page now (with a disk tier, under its path's
+        lock, so no store landing during the clear is announced before it)."""
         publisher = self._publisher
         if publisher is not None:
             from kvoffload.observe.events import AllBlocksCleared, make_batch
