@@ -128,6 +128,9 @@ def test_sizes_parse_in_decimal_and_binary_units() -> None:
     for bad in ("0", "1.5 parsecs", "-3GB", "0.1B", "1e300TB"):
         with pytest.raises(InvalidArgumentError, match="drive"):
             parse_bytes(bad, "drive")
+    for below_a_byte in ("0", "-0", "-1", "-3GB", "-1e-400", "0.1B"):
+        with pytest.raises(InvalidArgumentError, match="drive: must be >= 1 byte"):
+            parse_bytes(below_a_byte, "drive")
 
 
 def test_drive_writes_per_day_convert_through_the_drive_and_block_sizes() -> None:

@@ -92,6 +92,8 @@ def parse_bytes(text: str | int, what: str = "a size") -> int:
         raise InvalidArgumentError(
             f"{what}: must be a number of bytes, e.g. 1.92TB or 2TiB, got {text!r}"
         )
+    if match[1].lstrip().startswith("-"):  # one message for every size below a byte
+        raise InvalidArgumentError(f"{what}: must be >= 1 byte, got {text!r}")
     value = _amount(match[1], what) * _BYTE_UNITS[(match[2] or "").lower()]
     if value < 1:
         raise InvalidArgumentError(f"{what}: must be >= 1 byte, got {text!r}")
