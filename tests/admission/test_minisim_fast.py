@@ -221,6 +221,31 @@ def test_the_compiled_lru_tier_decides_as_the_pure_python_one() -> None:
         assert python.total_writes > capacity  # evictions happened
 
 
+@needs_compiled
+def test_the_compiled_lru_tier_decides_as_the_pure_python_one_between_long_offers() -> None:
+    """Offers longer than the scratch space a compiled tier starts with (64 keys) among
+    short ones: its scratch keeps the size of the longest call, each call indexes only its
+    own keys, with the same answers and order as the pure-Python tier."""
+    assert CompiledLRUMiniTier is not None
+    for seed in range(20):
+        rng = random.Random(seed)
+        capacity = rng.randint(50, 400)
+        python, compiled = LRUMiniTier(capacity), CompiledLRUMiniTier(capacity)
+        for _ in range(60):
+            length = rng.choice([rng.randint(65, 500), rng.randint(0, 8)])
+            offered = list(dict.fromkeys(block_id_key(rng.randrange(800)) for _ in range(length)))
+            admitted = pick_admitted(rng, offered)
+            request = offered + some_keys(rng)
+            assert python.store_offer(offered, admitted, request) == compiled.store_offer(
+                offered, admitted, request
+            )
+            gaps = [rng.random() < 0.3 for _ in request]
+            assert python.store(request, gaps) == compiled.store(request, gaps)
+            assert python.hit_run(request) == compiled.hit_run(request)
+            assert python.in_order() == compiled.in_order()
+        assert python.total_writes > capacity  # evictions happened
+
+
 @needs_compiled_s3fifo
 @pytest.mark.parametrize("pending", [True, False])
 def test_the_compiled_s3fifo_tier_decides_as_the_pure_python_one(pending: bool) -> None:

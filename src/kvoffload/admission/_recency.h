@@ -330,25 +330,35 @@ typedef struct {
     size_t mask;
 } KeySet;
 
-/* Empty ``s``, with room for ``n`` keys; 0 or -1. */
+/* The index slots for ``n`` keys: at most half full, 16 at least. */
+static inline size_t
+keyset_slots(Py_ssize_t n)
+{
+    size_t slots = 16;
+    while (slots < (size_t)n * 2) {
+        slots <<= 1;
+    }
+    return slots;
+}
+
+/* Empty ``s``, with room for ``n`` keys; 0 or -1. The arrays keep the size of the largest
+ * call, but the index in use (``mask``) is sized for this one: clearing the index grown
+ * for the longest request at every call cost more than most calls' own work. */
 static inline int
 keyset_reset(KeySet *s, Py_ssize_t n)
 {
     if (n > s->cap || s->slots == NULL) {
         Py_ssize_t cap = n < 64 ? 64 : n;
-        size_t slots = 1;
-        while (slots < (size_t)cap * 2) {
-            slots <<= 1;
-        }
         if (recency_grow((void **)&s->key, cap, sizeof(PyObject *)) < 0 ||
             recency_grow((void **)&s->hash, cap, sizeof(Py_hash_t)) < 0 ||
-            recency_grow((void **)&s->slots, (Py_ssize_t)slots, sizeof(Py_ssize_t)) < 0) {
+            recency_grow((void **)&s->slots, (Py_ssize_t)keyset_slots(cap), sizeof(Py_ssize_t)) < 0) {
             return -1;
         }
         s->cap = cap;
-        s->mask = slots - 1;
     }
-    memset(s->slots, 0xff, (s->mask + 1) * sizeof(Py_ssize_t));
+    size_t slots = keyset_slots(n);
+    s->mask = slots - 1;
+    memset(s->slots, 0xff, slots * sizeof(Py_ssize_t));
     s->len = 0;
     return 0;
 }

@@ -674,7 +674,7 @@ class _Level:
 class _Open:
     """A request between its lookup and its store: its sampled keys per level."""
 
-    __slots__ = ("length", "positions", "requested", "runs", "suffix", "suffix_start")
+    __slots__ = ("length", "positions", "requested", "runs", "suffix", "suffix_at")
 
     def __init__(
         self, requested: list[list[OffloadKey]], positions: list[list[int]], length: int
@@ -684,8 +684,9 @@ class _Open:
         """Per level, the sampled keys' positions in the request."""
         self.length = length
         self.suffix: list[list[OffloadKey]] = []
-        self.suffix_start: list[list[int]] = []
-        """Per level, each sampled suffix key's position from the end of the request."""
+        self.suffix_at: list[list[int]] = []
+        """Per level, each sampled suffix key's position in the request (the tail of
+        :attr:`positions` past the GPU hit)."""
         self.runs: list[list[int]] = []
         """Per level, each mini-tier's hit run in the sampled suffix: its store starts past it."""
 
@@ -826,15 +827,17 @@ class MiniSimulation:
         exact.refs += n
         exact.total_refs += n
         positions = self._sample(hashes)
-        requested = []
+        requested: list[list[OffloadKey]] = []
         for level, picked, tiers in zip(self._levels, positions, self._tiers_of, strict=True):
+            if not picked:  # many requests have no key at the sparser rates
+                requested.append([])
+                continue
             sampled = [keys[i] for i in picked]
             requested.append(sampled)
-            if sampled:
-                level.refs += len(sampled)
-                level.total_refs += len(sampled)
-                for tier in tiers:
-                    tier.touch(sampled)
+            level.refs += len(sampled)
+            level.total_refs += len(sampled)
+            for tier in tiers:
+                tier.touch(sampled)
         opened = self._open
         last = keys[-1]
         opened[last] = _Open(requested, positions, n)
@@ -862,18 +865,18 @@ class MiniSimulation:
             return
         self._exact.lookups += len(keys)
         self._exact.total_lookups += len(keys)
-        suffix, suffix_start, runs = entry.suffix, entry.suffix_start, entry.runs
+        suffix, suffix_at, runs = entry.suffix, entry.suffix_at, entry.runs
         for picked, level, tiers in zip(entry.positions, self._levels, self._tiers_of, strict=True):
             cut = bisect_left(picked, start) if start else 0
             if cut == len(picked):
                 suffix.append([])
-                suffix_start.append([])
+                suffix_at.append([])
                 runs.append([])
                 continue
             inside = picked[cut:] if cut else picked
             sampled = [keys[i - start] for i in inside]
             suffix.append(sampled)
-            suffix_start.append([length - i for i in inside])
+            suffix_at.append(inside)
             level.lookups += len(sampled)
             level.total_lookups += len(sampled)
             runs.append([tier.hit_run(sampled) for tier in tiers])
@@ -943,11 +946,16 @@ class MiniSimulation:
         Each mini-tier stores past its own hit run, as a tier's offer starts past its hit:
         the blocks it just served are loaded and may leave to make room, where shielding
         them would refuse a store the full-size tier makes."""
-        n = len(offered)
-        everything = all(keep is None for keep, _ in chosen.values())
-        for sampled, from_end, requested, runs, tiers in zip(
+        # A sampled key at request position i is offer index i - shift, if it is offered.
+        shift = entry.length - len(offered)
+        everything = True
+        for keep, _ in chosen.values():
+            if keep is not None:
+                everything = False
+                break
+        for sampled, positions, requested, runs, tiers in zip(
             entry.suffix,
-            entry.suffix_start,
+            entry.suffix_at,
             entry.requested,
             entry.runs,
             self._by_level,
@@ -961,8 +969,8 @@ class MiniSimulation:
                         tier.touch(requested)
                 continue
             at = [
-                n - end if end <= n and offered[n - end] == key else -1
-                for key, end in zip(sampled, from_end, strict=True)
+                i - shift if i >= shift and offered[i - shift] == key else -1
+                for key, i in zip(sampled, positions, strict=True)
             ]
             for run, (name, tier) in zip(runs, tiers, strict=True):
                 keep, gap = chosen[name]
