@@ -198,6 +198,76 @@ def test_a_planted_corrupt_block_is_never_loaded_and_not_asked_for_again(
     assert valkey_server.client().get(name) == value
 
 
+def test_a_broken_disk_block_fails_its_promotion_and_is_recomputed(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    """vLLM's tiering manager takes a failed promotion job (its chunk's primary slot freed)
+    where its connector worker would stop the engine for any failed job: the broken block
+    is a miss, recomputed, never loaded, and our lookup does not promise it again."""
+    from kvoffload.tiers.format import HEADER_BYTES
+
+    engine = engines([_disk(tmp_path, admission="none")], cpu_blocks=2)
+    engine.replay.request(KEYS[:2])
+    engine.replay.request(KEYS[2:4])  # the 2-chunk CPU tier drops KEYS[:2]; the disk keeps them
+    disk = engine.tiers[0]
+    start = disk.tier.slot_offset(KEYS[0])
+    assert start is not None
+    with open(disk.tier.path, "r+b") as file:
+        file.seek(start + HEADER_BYTES + len(KEYS[0]) + 7)
+        byte = file.read(1)[0]
+        file.seek(-1, 1)
+        file.write(bytes([byte ^ 0xFF]))
+    assert engine.replay.request(KEYS[:2]) == 0
+    assert (disk.counters.load_failures, disk.tier.stats.corrupt) == (1, 1)
+    # The recomputed block went to the CPU tier and down to the disk again.
+    assert engine.replay.request(KEYS[:2]) == 2
+    assert disk.tier.held(KEYS[:1]) == [True]
+
+
+@pytest.mark.parametrize("fault", ["deleted", "server stopped"])
+def test_a_shared_block_gone_between_the_hit_and_its_promotion_is_a_miss(
+    vllm_modules: dict[str, ModuleType],
+    own_server: ValkeyProcess,
+    engines: Callable[..., Engine],
+    fault: str,
+) -> None:
+    """Our lookup answered HIT (vLLM then reserved a CPU chunk and queued the promotion);
+    the server evicts the block or goes away before the read: a failed promotion job,
+    which vLLM's tiering manager turns into a miss."""
+    import time
+
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+
+    own_server.start()
+    model = f"gone-{uuid.uuid4().hex[:8]}"
+    engines([_shared(own_server.url, admission="none")], model=model).replay.request(KEYS[:1])
+    engine = engines([_shared(own_server.url, admission="none")], model=model)
+    manager, shared = engine.manager, engine.tiers[0]
+    context = ReqContext(req_id="reader")
+    context.set_offload_key_position(KEYS[0], 16)
+    manager.on_new_request(context)
+    deadline = time.monotonic() + 30
+
+    def step() -> None:
+        assert time.monotonic() < deadline, "the tier never answered"
+        manager.on_schedule_end(ScheduleEndContext((), ()))
+        time.sleep(0.005)
+
+    while (answer := manager.lookup(KEYS[0], context)) is LookupResult.RETRY:
+        step()
+    assert answer is LookupResult.HIT_PENDING  # our HIT: the promotion is queued, not read
+    if fault == "deleted":
+        own_server.client().delete(shared.tier.name(KEYS[0]))
+    else:
+        own_server.stop()
+    step()  # the step's end submits the promotion
+    while manager.has_pending_work():
+        step()
+    assert manager.lookup(KEYS[0], context) is LookupResult.MISS
+    assert shared.counters.load_failures == 1
+    manager.on_request_finished(context)
+
+
 def test_admission_decides_what_the_cascade_writes(
     vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
 ) -> None:
