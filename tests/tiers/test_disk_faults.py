@@ -490,3 +490,55 @@ def test_a_key_intact_in_two_slots_is_served_from_one_after_a_restart(
         assert third.recovery == Recovery(recovered=2) and third.present([a]) == 1
     finally:
         third.close()
+
+
+class BuggyLayer(FileLayer):
+    """Reads that raise what no I/O error is, once :attr:`broken`: a bug under the file."""
+
+    def __init__(self) -> None:
+        self.broken = False
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview | bytearray], offset: int) -> int:
+        if self.broken:
+            raise ValueError("a bug below the slot file")
+        return super().preadv(fd, buffers, offset)
+
+    def pread(self, fd: int, size: int, offset: int) -> bytes:
+        if self.broken:
+            raise ValueError("a bug below the slot file")
+        return super().pread(fd, size, offset)
+
+
+def test_a_job_that_raises_a_bug_fails_its_blocks_instead_of_leaving_callers_waiting(
+    tmp_path: Path,
+) -> None:
+    """The stripes' funnel: a job that raises reads as failed blocks, so a promotion is a
+    miss rather than "ask again" for good, and the tier still closes."""
+    layer = BuggyLayer()
+    slots = ByteSlots(2, SIZE)
+    disk = DiskTier(tmp_path, 8, FP, file_layer=layer)
+    m = TieredOffloadingManager(
+        CPUOffloadingManager(2), [(disk, TierSettings())], slots, wait_for_tiers=True
+    )
+
+    def store(key: OffloadKey) -> None:
+        output = m.prepare_store([key])
+        assert output is not None
+        slot = int(output.store_spec.block_ids[0])  # type: ignore[attr-defined]
+        slots.view(slot)[:] = content(key, SIZE)
+        m.complete_store([key])
+
+    try:
+        for key in KEYS[:3]:
+            store(key)  # KEYS[0] falls to the disk
+        m.poll()
+        assert disk.present(KEYS[:1]) == 1
+        layer.broken = True
+        direct = disk.read(KEYS[:1], lambda i: memoryview(bytearray(SIZE)))
+        assert direct.result(timeout=30) == [False]
+        assert m.lookup(KEYS[:1]) is None  # the promotion starts
+        assert m.lookup(KEYS[:1]) == 0  # and is a miss, not a question asked for ever
+        store(KEYS[3])
+        assert m.lookup(KEYS[3:4]) == 1  # the CPU tier serves on
+    finally:
+        m.close()  # returns: no job is left unsettled

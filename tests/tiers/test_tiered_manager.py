@@ -269,6 +269,52 @@ def test_unreachable_slot_bytes_are_counted_failures_and_a_failed_promotion_a_mi
         m.close()
 
 
+class BuggySlots(ByteSlots):
+    """Slot bytes whose views raise what no tier expects, once :attr:`broken`: a bug."""
+
+    def __init__(self, num_slots: int, slot_bytes: int) -> None:
+        super().__init__(num_slots, slot_bytes)
+        self.broken = False
+
+    def view(self, slot: int) -> memoryview:
+        if self.broken:
+            raise RuntimeError("a bug in the slot bytes")
+        return super().view(slot)
+
+    def snapshot(self, slots: Sequence[int]) -> list[bytes]:
+        """Copies out as ever: only a read into a slot meets the bug."""
+        size = self.slot_bytes
+        return [bytes(self.data[slot * size : (slot + 1) * size]) for slot in slots]
+
+
+def test_a_promotion_whose_read_raises_is_a_miss_never_an_exception_in_the_lookup(
+    valkey_server: ValkeyProcess,
+) -> None:
+    """The shared tier's read runs its target on an I/O thread: whatever the target raises
+    is that block's failed read, never an exception the next lookup raises into the
+    engine's scheduler."""
+    fp = layout_fingerprint("buggy-slots", layout_preset("tiny"), 40)
+    remote = RemoteTier(valkey_server.url, fp)
+    slots = BuggySlots(2, 40)
+    m = TieredOffloadingManager(
+        CPUOffloadingManager(2), [(remote, TierSettings())], slots, wait_for_tiers=True
+    )
+    try:
+        for key in K[:3]:
+            store_with_bytes(m, slots, key)  # K0 falls to the shared tier
+        m.poll()
+        assert remote.present([K[0]]) == 1
+        slots.broken = True
+        assert m.lookup([K[0]]) is None  # promoting: the read raises on its thread
+        assert m.lookup([K[0]]) == 0  # a miss
+        assert m.promotions_in_flight == 0 and not m.cpu.holds(K[0])
+        slots.broken = False
+        assert m.lookup([K[0]]) is None  # tried again, and lands
+        assert m.lookup([K[0]]) == 1
+    finally:
+        m.close()
+
+
 class HeldSlots(ByteSlots):
     """Slot bytes whose views wait for :attr:`release`: a promotion that stays in flight."""
 
