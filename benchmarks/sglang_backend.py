@@ -37,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrat
 
 from sglang_helpers import HostPool, import_sglang, page_hash, storage_config
 
+from kvoffload.integrations.sglang.bench import rate_figures
+
 LAYOUTS = {
     "MHA page_first": ("page_first", False),
     "MHA layer_first": ("layer_first", False),
@@ -147,10 +149,10 @@ def measure(url: str, layout: str, mla: bool, args: argparse.Namespace) -> dict[
     finally:
         backend.close()
         client.close()
-    out = figures(n, page_bytes, plain_times, ours_times)
-    tier_only = figures(n, page_bytes, plain_times, tier_times)
+    out = rate_figures(n, page_bytes, plain_times, ours_times)
+    tier_only = rate_figures(n, page_bytes, plain_times, tier_times)
     out.update({f"tier_{name}": value for name, value in tier_only.items()})
-    against_tier = figures(n, page_bytes, tier_times, ours_times)
+    against_tier = rate_figures(n, page_bytes, tier_times, ours_times)
     out.update({f"vs_tier_{name}": value for name, value in against_tier.items()})
     for name, times in (("plain", plain_times), ("tier", tier_times), ("ours", ours_times)):
         for k, what in ((2, "store"), (3, "load")):
@@ -175,21 +177,6 @@ def _spans(
         stored[1] - started[1],
         loaded[1] - stored[1],
     )
-
-
-def figures(n: int, page_bytes: int, plain: list[Times], ours: list[Times]) -> dict[str, float]:
-    """Rates of the best rounds, their ratio, and the median of the rounds' own ratios."""
-    out: dict[str, float] = {"page_bytes": page_bytes}
-    for k, what in enumerate(("store", "load")):
-        best_ours, best_plain = min(t[k] for t in ours), min(t[k] for t in plain)
-        out[f"{what}_pages_per_s"] = n / best_ours
-        out[f"{what}_gbps"] = n * page_bytes / best_ours / 1e9
-        out[f"plain_{what}_gbps"] = n * page_bytes / best_plain / 1e9
-        out[f"{what}_ratio"] = best_plain / best_ours
-        out[f"{what}_ratio_median"] = statistics.median(
-            p[k] / o[k] for p, o in zip(plain, ours, strict=True)
-        )
-    return out
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import shutil
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -261,16 +261,26 @@ def measure_row(
         if raw is not None:
             raw.close()
         backend.close()
-    return _figures(pages, size, plain_times, ours_times)
+    return rate_figures(pages, size, plain_times, ours_times)
 
 
-def _figures(pages: int, size: int, plain: Times, ours: Times) -> dict[str, Any]:
-    out: dict[str, Any] = {"page_bytes": size}
+def rate_figures(
+    pages: int,
+    page_bytes: int,
+    plain: Sequence[tuple[float, ...]],
+    ours: Sequence[tuple[float, ...]],
+) -> dict[str, float]:
+    """Rates of the best rounds, their ratio, and the median of the rounds' own ratios.
+
+    A round's times start with its store and load seconds; any after them (a caller's CPU
+    times) are not read. One rule for ``bench tiers --sglang`` and the SGLang benchmark.
+    """
+    out: dict[str, float] = {"page_bytes": page_bytes}
     for k, what in enumerate(("store", "load")):
         best, best_plain = min(t[k] for t in ours), min(t[k] for t in plain)
         out[f"{what}_pages_per_s"] = pages / best
-        out[f"{what}_gbps"] = pages * size / best / 1e9
-        out[f"plain_{what}_gbps"] = pages * size / best_plain / 1e9
+        out[f"{what}_gbps"] = pages * page_bytes / best / 1e9
+        out[f"plain_{what}_gbps"] = pages * page_bytes / best_plain / 1e9
         out[f"{what}_ratio"] = best_plain / best
         out[f"{what}_ratio_median"] = statistics.median(
             p[k] / o[k] for p, o in zip(plain, ours, strict=True)
