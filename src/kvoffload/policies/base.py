@@ -123,3 +123,15 @@ def take_evictable(
                 if len(taken) == k:
                     break
     return taken
+
+
+def remove_from_either(
+    keys: Iterable[OffloadKey],
+    first: dict[OffloadKey, BlockStatus],
+    second: dict[OffloadKey, BlockStatus],
+) -> None:
+    """Forget ``keys`` from whichever of two segments holds each (an absent key is skipped):
+    ``remove`` of a policy that keeps every block in exactly one of two ordered dicts."""
+    for key in keys:
+        if first.pop(key, None) is None:
+            second.pop(key, None)

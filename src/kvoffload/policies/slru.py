@@ -17,7 +17,13 @@ from collections.abc import Container, Iterable, Sequence
 from itertools import chain
 
 from kvoffload.core.keys import OffloadKey
-from kvoffload.policies.base import BlockStatus, CachePolicy, Victims, take_evictable
+from kvoffload.policies.base import (
+    BlockStatus,
+    CachePolicy,
+    Victims,
+    remove_from_either,
+    take_evictable,
+)
 from kvoffload.policies.registry import register_cache_policy
 
 PROTECTED_SHARE = 0.8
@@ -43,10 +49,7 @@ class SLRUCachePolicy(CachePolicy):
         self.probation.update(zip(keys, blocks, strict=True))
 
     def remove(self, keys: Iterable[OffloadKey]) -> None:
-        probation, protected = self.probation, self.protected
-        for key in keys:
-            if probation.pop(key, None) is None:
-                protected.pop(key, None)
+        remove_from_either(keys, self.probation, self.protected)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         probation, protected = self.probation, self.protected
