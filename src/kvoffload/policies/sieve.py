@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Container, Iterable, Sequence
 
 from kvoffload.core.keys import OffloadKey
-from kvoffload.policies.base import BlockStatus, CachePolicy, Victims
+from kvoffload.policies.base import BlockStatus, CachePolicy, Victims, remove_from_either
 from kvoffload.policies.registry import register_cache_policy
 from kvoffload.policies.s3fifo import _has_evictable
 
@@ -35,11 +35,9 @@ class SIEVECachePolicy(CachePolicy):
         self.unswept.update(zip(keys, blocks, strict=True))
 
     def remove(self, keys: Iterable[OffloadKey]) -> None:
-        swept, unswept, visited = self.swept, self.unswept, self.visited
-        for key in keys:
-            if unswept.pop(key, None) is None:
-                swept.pop(key, None)
-            visited.discard(key)
+        keys = list(keys)
+        remove_from_either(keys, self.unswept, self.swept)
+        self.visited.difference_update(keys)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         swept, unswept, visited = self.swept, self.unswept, self.visited
