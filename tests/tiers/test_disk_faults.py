@@ -8,6 +8,7 @@ answering do; the slot file under it is real.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import subprocess
 import sys
@@ -218,21 +219,29 @@ def test_calls_on_a_closed_tier_fail_at_once_and_a_second_close_returns(tmp_path
     assert tier.stats.stored_blocks == 2 and tier.stats.failed == 4  # two reads, two writes
 
 
-def test_the_engine_goes_on_when_the_disk_hangs(tmp_path: Path, layer: StalledLayer) -> None:
-    """A promotion from a hung disk is a miss by its deadline; demotions fail and are counted."""
+def two_slot_stack(disk: DiskTier) -> tuple[TieredOffloadingManager, ByteSlots]:
+    """A CPU tier of two slots with real bytes over ``disk``: a third block falls to it."""
     slots = ByteSlots(2, SIZE)
-    disk = DiskTier(tmp_path, 8, FP, deadline_s=0.2, file_layer=layer)
-    m = TieredOffloadingManager(
+    manager = TieredOffloadingManager(
         CPUOffloadingManager(2), [(disk, TierSettings())], slots, wait_for_tiers=True
     )
+    return manager, slots
 
-    def store(key: OffloadKey) -> None:
-        output = m.prepare_store([key])
-        assert output is not None
-        slot = int(output.store_spec.block_ids[0])  # type: ignore[attr-defined]
-        slots.view(slot)[:] = content(key, SIZE)
-        m.complete_store([key])
 
+def store_block(m: TieredOffloadingManager, slots: ByteSlots, key: OffloadKey) -> None:
+    """Store ``key`` with its content in its slot, as a worker would."""
+    output = m.prepare_store([key])
+    assert output is not None
+    slot = int(output.store_spec.block_ids[0])  # type: ignore[attr-defined]
+    slots.view(slot)[:] = content(key, SIZE)
+    m.complete_store([key])
+
+
+def test_the_engine_goes_on_when_the_disk_hangs(tmp_path: Path, layer: StalledLayer) -> None:
+    """A promotion from a hung disk is a miss by its deadline; demotions fail and are counted."""
+    disk = DiskTier(tmp_path, 8, FP, deadline_s=0.2, file_layer=layer)
+    m, slots = two_slot_stack(disk)
+    store = functools.partial(store_block, m, slots)
     try:
         for key in KEYS[:3]:
             store(key)  # KEYS[0] falls to the disk
@@ -515,19 +524,9 @@ def test_a_job_that_raises_a_bug_fails_its_blocks_instead_of_leaving_callers_wai
     """The stripes' funnel: a job that raises reads as failed blocks, so a promotion is a
     miss rather than "ask again" for good, and the tier still closes."""
     layer = BuggyLayer()
-    slots = ByteSlots(2, SIZE)
     disk = DiskTier(tmp_path, 8, FP, file_layer=layer)
-    m = TieredOffloadingManager(
-        CPUOffloadingManager(2), [(disk, TierSettings())], slots, wait_for_tiers=True
-    )
-
-    def store(key: OffloadKey) -> None:
-        output = m.prepare_store([key])
-        assert output is not None
-        slot = int(output.store_spec.block_ids[0])  # type: ignore[attr-defined]
-        slots.view(slot)[:] = content(key, SIZE)
-        m.complete_store([key])
-
+    m, slots = two_slot_stack(disk)
+    store = functools.partial(store_block, m, slots)
     try:
         for key in KEYS[:3]:
             store(key)  # KEYS[0] falls to the disk
