@@ -15,7 +15,7 @@ import tempfile
 import threading
 import time
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -641,6 +641,51 @@ def test_a_full_disk_degrades_to_failed_stores(tmp_path: Path) -> None:
             assert len(again) == good and again.stats.corrupt == 0  # no half-written slot
         finally:
             tier.close()
+
+
+class PartlyCached(FileLayer):
+    """A page cache holding pieces of the file: every other cached read finds nothing,
+    the others at most :attr:`limit` bytes, so a payload arrives partly straight from the
+    cache and partly through the stripe's buffer, cut where neither cuts it."""
+
+    limit = 100_003
+
+    def __init__(self) -> None:
+        self.asked = 0
+        self.served = 0
+
+    def preadv_cached(self, fd: int, buffers: Sequence[memoryview | bytearray], offset: int) -> int:
+        self.asked += 1
+        if self.asked % 2:
+            return 0
+        room, trimmed = self.limit, []
+        for buffer in buffers:
+            trimmed.append(memoryview(buffer)[:room])
+            room -= trimmed[-1].nbytes
+        got = super().preadv_cached(fd, trimmed, offset)
+        self.served += got
+        return got
+
+
+def test_a_payload_read_partly_from_the_cache_and_partly_through_the_buffer_is_whole(
+    tmp_path: Path,
+) -> None:
+    size = 700_001
+    fp = layout_fingerprint("disk-test", layout_preset("tiny"), size)
+    layer = PartlyCached()
+    tier = DiskTier(tmp_path, 4, fp, file_layer=layer)
+    try:
+        tier.write(KEYS[:2], [payload(key, size) for key in KEYS[:2]])
+        tier.poll(wait=True)
+        parts = [[bytearray(n) for n in (99_999, 300_001, size - 400_000)] for _ in range(2)]
+        ok = tier.read(KEYS[:2], lambda i: [memoryview(p) for p in parts[i]]).result(timeout=10)
+        assert ok == [True, True] and 0 < layer.served < 2 * size
+        assert [b"".join(p) for p in parts] == [payload(key, size) for key in KEYS[:2]]
+        flip_byte(tier, KEYS[1], HEAD + size - 1)  # in the last piece: the sum spans both ways
+        assert read_all(tier, KEYS[:2], size)[0] == [True, False]
+        assert tier.stats.corrupt == 1
+    finally:
+        tier.close()
 
 
 def test_a_target_of_the_wrong_size_fails_that_block_only(tmp_path: Path) -> None:

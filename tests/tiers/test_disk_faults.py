@@ -102,7 +102,8 @@ def test_a_hung_file_system_fails_calls_by_their_deadline_and_opens_the_breaker(
         tier.write(KEYS[:3], [content(key, SIZE) for key in KEYS[:3]])
         tier.poll(wait=True)
         layer.answering.clear()
-        ok, buffers = read(tier, KEYS[:1])  # waits for its deadline, not for the mount
+        # KEYS[0]'s bytes are all zero, like a fresh buffer: a late landing would not show
+        ok, buffers = read(tier, KEYS[2:3])  # waits for its deadline, not for the mount
         assert ok == [False] and tier.deadline_misses == 1 and not breaker.is_open
         tier.write(KEYS[3:4], [content(KEYS[3], SIZE)])
         tier.poll(wait=True)
@@ -377,7 +378,7 @@ def test_a_crash_between_any_two_writes_leaves_only_intact_blocks(
 
 
 class CountingLayer(FileLayer):
-    """Records the sizes of the payload reads (``preadv``) made."""
+    """Records the sizes of the payload reads (``preadv``, ``preadv_cached``) made."""
 
     def __init__(self) -> None:
         self.payload_reads: list[int] = []
@@ -385,6 +386,10 @@ class CountingLayer(FileLayer):
     def preadv(self, fd: int, buffers: Sequence[memoryview | bytearray], offset: int) -> int:
         self.payload_reads.append(sum(len(b) for b in buffers))
         return super().preadv(fd, buffers, offset)
+
+    def preadv_cached(self, fd: int, buffers: Sequence[memoryview | bytearray], offset: int) -> int:
+        self.payload_reads.append(sum(len(b) for b in buffers))
+        return super().preadv_cached(fd, buffers, offset)
 
 
 def plant_short_block(tier: DiskTier, key: OffloadKey, size: int) -> None:

@@ -92,6 +92,10 @@ class FlakyDisk(FileLayer):
         self._check()
         return super().preadv(fd, buffers, offset)
 
+    def preadv_cached(self, fd: int, buffers: Sequence[memoryview | bytearray], offset: int) -> int:
+        self._check()
+        return super().preadv_cached(fd, buffers, offset)
+
     def pwrite(self, fd: int, data: bytes | memoryview, offset: int) -> int:
         self._check()
         return super().pwrite(fd, data, offset)
