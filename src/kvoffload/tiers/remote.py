@@ -68,6 +68,7 @@ from kvoffload.tiers.resp import (
     Reply,
     Resolver,
     command,
+    error_code,
 )
 from kvoffload.tiers.targets import destination_parts
 from kvoffload.tiers.url import MAX_PORT, RemoteAddress, parse_remote_url
@@ -115,7 +116,7 @@ class ServerReplyError(Exception):
 
     @property
     def code(self) -> str:
-        return str(self).split(" ", 1)[0]
+        return error_code(str(self))
 
 
 class _Node:

@@ -102,7 +102,12 @@ class ErrorReply:
 
     @property
     def code(self) -> str:
-        return self.message.split(" ", 1)[0]
+        return error_code(self.message)
+
+
+def error_code(message: str) -> str:
+    """An error reply's code: its first word (``OOM``, ``MOVED``, ``WRONGPASS``)."""
+    return message.split(" ", 1)[0]
 
 
 Reply = bytes | int | None | list["Reply"] | ErrorReply
