@@ -483,15 +483,15 @@ class SlotFile:
             with job.lock:  # the deadline takes this lock too
                 if job.abandoned:
                     return Outcome.FAILED
-                ahead = _views_from(parts, cursor, min(CACHED_READ_BYTES, size - done))
+                ahead, _ = _views_from(parts, cursor, min(CACHED_READ_BYTES, size - done))
                 got = self.layer.preadv_cached(self._fd, ahead, at)
-            if got == size:  # the usual case: hashed as a store hashes it (many small parts
-                whole = payload_digest(parts)  # with the GIL released)
-            elif got:
-                for view in _views_from(parts, cursor, got):
-                    digest.update(view)
             if got:
-                cursor = _advance(parts, cursor, got)
+                landed, cursor = _views_from(parts, cursor, got)
+                if got == size:  # the usual case: hashed as a store hashes it (many small
+                    whole = payload_digest(parts)  # parts with the GIL released)
+                else:
+                    for view in landed:
+                        digest.update(view)
                 done += got
                 continue
             piece = chunk[: min(len(chunk), size - done)]
@@ -881,38 +881,26 @@ def _nothing() -> None:
 
 def _spread(parts: list[memoryview], cursor: tuple[int, int], piece: memoryview) -> tuple[int, int]:
     """Copy ``piece`` into ``parts`` from ``cursor`` (part, offset in it) on; the cursor after."""
-    part, at = cursor
+    views, after = _views_from(parts, cursor, len(piece))
     taken = 0
-    while taken < len(piece) and part < len(parts):
-        into = parts[part]
-        n = min(into.nbytes - at, len(piece) - taken)
-        into[at : at + n] = piece[taken : taken + n]
-        taken += n
-        at += n
-        if at == into.nbytes:
-            part, at = part + 1, 0
-    return part, at
+    for view in views:
+        view[:] = piece[taken : taken + view.nbytes]
+        taken += view.nbytes
+    return after
 
 
-def _views_from(parts: list[memoryview], cursor: tuple[int, int], size: int) -> list[memoryview]:
-    """The next ``size`` bytes of ``parts`` from ``cursor`` on, as views in order."""
+def _views_from(
+    parts: list[memoryview], cursor: tuple[int, int], size: int
+) -> tuple[list[memoryview], tuple[int, int]]:
+    """The next ``size`` bytes of ``parts`` from ``cursor`` (part, offset in it) on, as
+    views in order, and the cursor after them."""
     part, at = cursor
     views = []
     while size > 0 and part < len(parts):
         view = parts[part][at : at + size]
         views.append(view)
         size -= view.nbytes
-        part, at = part + 1, 0
-    return views
-
-
-def _advance(parts: list[memoryview], cursor: tuple[int, int], size: int) -> tuple[int, int]:
-    """``cursor`` moved ``size`` bytes on through ``parts``."""
-    part, at = cursor
-    while size > 0 and part < len(parts):
-        step = min(parts[part].nbytes - at, size)
-        size -= step
-        at += step
+        at += view.nbytes
         if at == parts[part].nbytes:
             part, at = part + 1, 0
-    return part, at
+    return views, (part, at)
