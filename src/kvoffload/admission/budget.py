@@ -15,9 +15,8 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from decimal import Decimal
 
-from kvoffload.admission.params import is_finite, shown
+from kvoffload.admission.params import as_written, is_finite, shown
 from kvoffload.core.errors import InvalidArgumentError
 
 PER_REF, BYTES_PER_S, DWPD = "writes/ref", "bytes/s", "dwpd"
@@ -66,7 +65,7 @@ def _amount(text: str, what: str) -> float:
     value = float(text)
     if not math.isfinite(value):
         raise InvalidArgumentError(f"{what}: must be a finite number, got {text!r}")
-    typed = Decimal(text)  # as written: -1e-400 is below 0, though its float (-0.0) is not
+    typed = as_written(text, value)
     if typed < 0:
         raise InvalidArgumentError(f"{what}: must be >= 0, got {text}")
     if value == 0 and typed != 0:

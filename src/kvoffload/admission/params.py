@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from decimal import Decimal, InvalidOperation
 from typing import Any, TypeVar
 
 from kvoffload.core.errors import InvalidArgumentError
@@ -124,6 +125,16 @@ def is_finite(value: int | float) -> bool:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+def as_written(text: str, value: float) -> Decimal:
+    """The number ``text`` holds as written (``value`` is its float), for the checks a float
+    would pass wrongly: ``-1e-400`` is below 0, but its float, -0.0, is not; ``1e-400`` is
+    not 0, but its float is. The command line's numbers and write budgets are read with it."""
+    try:
+        return Decimal(text)
+    except InvalidOperation:  # a spelling float() reads and Decimal() does not
+        return Decimal(value)
 
 
 def shown(value: object) -> str:

@@ -8,11 +8,11 @@ import importlib.util
 import math
 import os
 from collections.abc import Callable, Sequence
-from decimal import Decimal, InvalidOperation
 from typing import TypeVar
 
 from kvoffload.admission import admission_params, parse_pairs
 from kvoffload.admission.budget import WriteBudget, parse_bytes
+from kvoffload.admission.params import as_written
 from kvoffload.admission.registry import ParamPairs
 from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD
 from kvoffload.cli import output
@@ -74,16 +74,6 @@ def number(
         return 0.0 if value == 0 else value  # -0 is 0
 
     return parse
-
-
-def as_written(text: str, value: float) -> Decimal:
-    """The number ``text`` holds as written (``value`` is its float), for the checks a float
-    would pass wrongly: ``-1e-400`` is below 0, but its float, -0.0, is not; ``1e-400`` is
-    not 0, but its float is."""
-    try:
-        return Decimal(text)
-    except InvalidOperation:  # a spelling float() reads and Decimal() does not
-        return Decimal(value)
 
 
 POSITIVE_INT = integer(1)
