@@ -27,6 +27,7 @@ from kvoffload.core.manager import OffloadingEvent
 from kvoffload.core.specs import LoadStoreSpec
 from kvoffload.core.tier_protocol import LowerTier, Target, TierStats
 from kvoffload.tiers.block_sets import Payload
+from kvoffload.tiers.deadline import done_future
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.remote import RemoteTier
 
@@ -127,9 +128,7 @@ class OffTier:
         return [False] * len(keys)
 
     def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
-        done: Future[list[bool]] = Future()
-        done.set_result([False] * len(keys))
-        return done
+        return done_future([False] * len(keys))
 
     def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> None:
         return None
