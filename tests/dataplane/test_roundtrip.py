@@ -110,3 +110,14 @@ def test_a_layer_without_blocks_is_refused_as_such() -> None:
     layers = [torch.zeros(shape, dtype=torch.float16) for _ in range(2)]
     with pytest.raises(InvalidArgumentError, match="at least one block, got \\(2, 0, 4, 2, 16\\)"):
         CPUGPUHandler(layers, CPUBlockStore(layout, 4), to_cpu=True)
+
+
+@pytest.mark.parametrize("block_stride", [0, 64], ids=["expanded", "half-overlapping"])
+def test_layers_whose_blocks_overlap_are_refused(block_stride: int) -> None:
+    """A load into block 5 rewrote half of blocks 4 and 6 and reported success."""
+    layout = LAYOUTS["tiny-f16"]  # 128 elements per page
+    shape = (2, 8, layout.tokens_per_block, layout.kv_heads, layout.head_dim)
+    strides = (8 * 128, block_stride, 32, 16, 1)
+    layers = [torch.as_strided(torch.zeros(3000, dtype=torch.float16), shape, strides)] * 2
+    with pytest.raises(InvalidArgumentError, match=r"must not overlap.* 128 elements and the next"):
+        CPUGPUHandler(layers, CPUBlockStore(layout, 4), to_cpu=False)

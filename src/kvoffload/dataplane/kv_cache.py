@@ -92,6 +92,14 @@ def page_groups(layers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
                     "each KV block must be contiguous in memory in its logical order, got "
                     f"strides {half.stride()} for shape {tuple(half.shape)}"
                 )
+            if page.stride(0) < page.shape[1] and page.shape[0] > 1:
+                # A load into one block would rewrite part of its neighbours (an expanded
+                # tensor: all of them) and still report success.
+                raise InvalidArgumentError(
+                    f"KV blocks must not overlap in memory, but a block has {page.shape[1]} "
+                    f"elements and the next starts {page.stride(0)} elements later "
+                    f"(strides {half.stride()} for shape {tuple(half.shape)})"
+                )
             halves.append(page.view(torch.uint8))
     if len({h.shape for h in halves}) != 1:
         raise InvalidArgumentError("all KV layer tensors must have the same block count and shape")
