@@ -121,3 +121,29 @@ def test_layers_whose_blocks_overlap_are_refused(block_stride: int) -> None:
     layers = [torch.as_strided(torch.zeros(3000, dtype=torch.float16), shape, strides)] * 2
     with pytest.raises(InvalidArgumentError, match=r"must not overlap.* 128 elements and the next"):
         CPUGPUHandler(layers, CPUBlockStore(layout, 4), to_cpu=False)
+
+
+@pytest.mark.parametrize(
+    ("devices", "error"),
+    [(["cpu", "meta"], "got cpu, meta"), (["meta", "meta"], "got meta")],
+    ids=["mixed", "meta"],
+)
+def test_layers_off_one_cpu_or_cuda_device_are_refused(devices: list[str], error: str) -> None:
+    """Mixed devices failed every job; on the meta device loads reported success."""
+    layout = LAYOUTS["tiny-f16"]
+    shape = (2, 8, layout.tokens_per_block, layout.kv_heads, layout.head_dim)
+    layers = [torch.zeros(shape, dtype=torch.float16, device=device) for device in devices]
+    with pytest.raises(InvalidArgumentError, match=f"one CPU or CUDA device, {error}$"):
+        CPUGPUHandler(layers, CPUBlockStore(layout, 4), to_cpu=False)
+
+
+def test_layers_that_are_not_dense_tensors_are_refused_as_such() -> None:
+    """A sparse layer was refused as "not contiguous", which named the wrong cause."""
+    layout = LAYOUTS["tiny-f16"]
+    shape = (2, 8, layout.tokens_per_block, layout.kv_heads, layout.head_dim)
+    sparse = [torch.zeros(shape, dtype=torch.float16).to_sparse()] * 2
+    with pytest.raises(InvalidArgumentError, match=r"dense torch tensors, got torch\.sparse_coo"):
+        CPUGPUHandler(sparse, CPUBlockStore(layout, 4), to_cpu=True)
+    arrays = [np.zeros(shape, dtype=np.float16)] * 2
+    with pytest.raises(InvalidArgumentError, match="dense torch tensors, got ndarray"):
+        CPUGPUHandler(arrays, CPUBlockStore(layout, 4), to_cpu=True)  # type: ignore[arg-type]

@@ -75,6 +75,16 @@ def page_groups(layers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """
     if not layers:
         raise InvalidArgumentError("at least one KV layer tensor is needed")
+    for layer in layers:
+        if not isinstance(layer, torch.Tensor) or layer.layout != torch.strided:
+            kind = layer.layout if isinstance(layer, torch.Tensor) else type(layer).__name__
+            raise InvalidArgumentError(f"KV layer tensors must be dense torch tensors, got {kind}")
+    devices = sorted({str(layer.device) for layer in layers})
+    if len(devices) > 1 or layers[0].device.type not in ("cpu", "cuda"):
+        # Else every copy fails, or on the meta device every load "succeeds" moving nothing.
+        raise InvalidArgumentError(
+            f"KV layer tensors must all be on one CPU or CUDA device, got {', '.join(devices)}"
+        )
     halves: list[torch.Tensor] = []
     for layer in layers:
         if layer.dim() < 3 or layer.shape[0] != 2:
