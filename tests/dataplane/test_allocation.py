@@ -71,3 +71,12 @@ def test_cli_reports_a_missing_device_in_one_line(capsys: pytest.CaptureFixture[
     assert err == [
         "kvoffload: error: device 'cuda' asked for, but this torch build sees no CUDA device"
     ]
+
+
+def test_a_strided_buffer_for_the_cpu_store_is_an_input_error() -> None:
+    """It was taken, and building a handler on the store then failed deep in torch
+    ("stride(-1) must be 1 to view Byte as ComplexDouble")."""
+    layout = layout_preset("tiny")
+    every_other_byte = torch.zeros(2 * 4 * layout.bytes_per_block, dtype=torch.uint8)[::2]
+    with pytest.raises(InvalidArgumentError, match=r"must be contiguous, got strides \(2,\)"):
+        CPUBlockStore(layout, 4, buffer=every_other_byte)

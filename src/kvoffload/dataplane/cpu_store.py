@@ -25,8 +25,8 @@ class CPUBlockStore:
     the store's bytes, so that copies to and from the GPU run asynchronously. It
     is not cleared: the manager never lets a slot be loaded before a store to it
     has completed.
-    ``buffer``: memory the caller owns (a shared region's tensor), ``uint8`` of
-    exactly the store's size, used as it is instead of allocating.
+    ``buffer``: memory the caller owns (a shared region's tensor), contiguous
+    ``uint8`` of exactly the store's size, used as it is instead of allocating.
     """
 
     def __init__(
@@ -50,6 +50,11 @@ class CPUBlockStore:
                 raise InvalidArgumentError(
                     f"the CPU store's buffer must be {size} uint8 bytes on the CPU, got "
                     f"{buffer.numel()} {buffer.dtype} on {buffer.device}"
+                )
+            if not buffer.is_contiguous():
+                # Slots are single byte ranges: every handler built on it would fail in torch.
+                raise InvalidArgumentError(
+                    f"the CPU store's buffer must be contiguous, got strides {buffer.stride()}"
                 )
             self.data = buffer.view(shape)
             return
