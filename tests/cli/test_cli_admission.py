@@ -131,6 +131,22 @@ def test_budgets_in_bytes_per_second_and_drive_writes_keep_to_trace_time(
     assert "argument --drive-bytes: must be >= 1 byte" in err and len(err.strip().splitlines()) == 1
 
 
+def test_drive_writes_per_day_count_against_the_disk_tier_without_drive_bytes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    disk = ["--disk-dir", str(tmp_path), "--disk-blocks", "100"]
+    args = [*SMALL, *TIER, *disk, "--admission", "recommended", "--json", "-"]
+    assert main(args) == 0
+    free = json.loads(capsys.readouterr().out)
+    assert main([*args, "--write-budget", "1dwpd"]) == 0
+    budgeted = json.loads(capsys.readouterr().out)
+    drive = 100 * free["bytes_per_block"]
+    assert main([*args, "--write-budget", "1dwpd", "--drive-bytes", str(drive)]) == 0
+    explicit = json.loads(capsys.readouterr().out)
+    assert budgeted["offload_bytes_written"] == explicit["offload_bytes_written"]
+    assert budgeted["offload_bytes_written"] < free["offload_bytes_written"]
+
+
 def test_the_table_shows_the_admission_layer(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*SMALL, *TIER, "--admission", "sketch", "--policy", "s3fifo"]) == 0
     table = capsys.readouterr().out

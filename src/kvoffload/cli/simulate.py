@@ -169,6 +169,9 @@ def run(args: argparse.Namespace) -> int:
     cpu = options.cpu_blocks(args.cpu_blocks, args.cpu_gb, config, bt)
     _check_cpu_tier(args, cpu)
     config = options.with_offload(config, cpu, args.policy, args.store_threshold)
+    # The tiers first: a budget in drive writes per day is checked at once, and without
+    # --drive-bytes it counts against the disk tier's size.
+    config = tier_options.with_tiers(config, args, bt)
     config = dataclasses.replace(
         config,
         admission=args.admission,
@@ -176,7 +179,6 @@ def run(args: argparse.Namespace) -> int:
         drive_bytes=args.drive_bytes,
         admission_params=params,
     )
-    config = tier_options.with_tiers(config, args, bt)
     if args.no_bound:
         config = dataclasses.replace(config, bound=False)
     # The data plane's backend is duck-typed: a TransferBackend plus its check counters.
