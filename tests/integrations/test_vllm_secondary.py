@@ -326,6 +326,20 @@ def test_the_disk_tier_publishes_its_stores_and_evictions_as_vllm_kv_events(
     assert len(removed) == 2 and set(removed) <= set(KEYS[:4])
 
 
+def test_a_second_shutdown_does_nothing(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    """A retried shutdown, which vLLM's own tiers and CPU tier take, raised from our tier
+    (its thread gone): vLLM's manager then raises too, before shutting its CPU tier down
+    (it keeps the shared memory of a tier that failed to shut down)."""
+    engine = engines([_disk(tmp_path)], cpu_blocks=2)
+    engine.replay.request(KEYS[:2])
+    engine.replay.close()
+    engine.manager.shutdown()
+    engine.manager.shutdown()
+    engine.closed = True
+
+
 def test_a_dead_server_is_counted_failures_and_misses_never_an_exception(
     vllm_modules: dict[str, ModuleType], own_server: ValkeyProcess, engines: Callable[..., Engine]
 ) -> None:

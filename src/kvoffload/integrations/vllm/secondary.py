@@ -232,6 +232,9 @@ class _Owner:
         return self._taken
 
     def close(self) -> None:
+        """Close the tier after the work queued before; once (a shutdown may be retried)."""
+        if self._closed:
+            return
         self._closed = True
         self._thread.submit(self._close).result()
         self._thread.shutdown(wait=True)
