@@ -758,6 +758,8 @@ def test_a_chunk_past_the_cpu_tiers_region_fails_its_job_moving_no_byte(
     assert [bytes(engine.replay.row(i)) for i in range(4)] == before
     assert (disk.counters.written_blocks, disk.counters.loaded_blocks) == (4, 0)
     assert (disk.counters.write_failures, disk.counters.load_failures) == (2, 2)
+    # Failed before any judgement, and `none` holds nothing back: not counted as skipped.
+    assert disk.counters.skipped_blocks == 0
     assert f"chunk {chunk} is outside the CPU tier's 4 chunks" in caplog.text
 
 

@@ -169,6 +169,8 @@ class _Stored:
 
     held: int
     admitted: int
+    held_back: int
+    """Judged and not admitted; a job that failed before its judgement held none back."""
     written: int
     failed: int
     skipped_full: int = 0
@@ -271,8 +273,9 @@ class _Owner:
             admitted = [key for key in fresh if key in chosen]
         if layer is not None and sighting is not None and sighting.keys:
             layer.end_request(sighting.keys)
+        held_back = len(fresh) - len(admitted)
         if not admitted:
-            return _Stored(held, 0, 0, 0)
+            return _Stored(held, 0, held_back, 0, 0)
         chosen_payloads = dict(zip(keys, payloads, strict=True))
         stats = tier.stats
         stored, failed = stats.stored_blocks, stats.failed + stats.rejected
@@ -283,11 +286,12 @@ class _Owner:
             tier.poll(wait=True)
         except Exception:  # a surprise from the tier is a failed write of the whole batch
             self._take_events()
-            return _Stored(held, len(admitted), 0, len(admitted))
+            return _Stored(held, len(admitted), held_back, 0, len(admitted))
         self._take_events()
         written = stats.stored_blocks - stored
         failed = stats.failed + stats.rejected - failed
-        return _Stored(held, len(admitted), written, failed, _skipped_full(tier) - skipped)
+        skipped_full = _skipped_full(tier) - skipped
+        return _Stored(held, len(admitted), held_back, written, failed, skipped_full)
 
     def _load(self, keys: list[OffloadKey], target: Target) -> list[bool]:
         try:
@@ -687,10 +691,10 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             return JobResult(
                 job_id, True, transfer_time=elapsed, transfer_bytes=len(good) * self.payload_bytes
             )
-        stored = _result(job.result, _Stored(0, 0, 0, len(job.keys)))
+        stored = _result(job.result, _Stored(0, 0, 0, 0, len(job.keys)))
         c.held_blocks += stored.held
         c.admitted_blocks += stored.admitted
-        c.skipped_blocks += len(job.keys) - stored.held - stored.admitted
+        c.skipped_blocks += stored.held_back
         c.written_blocks += stored.written
         c.bytes_written += stored.written * self.payload_bytes
         c.write_failures += stored.failed
