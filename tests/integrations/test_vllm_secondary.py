@@ -326,6 +326,20 @@ def test_the_disk_tier_publishes_its_stores_and_evictions_as_vllm_kv_events(
     assert len(removed) == 2 and set(removed) <= set(KEYS[:4])
 
 
+def test_a_second_shutdown_does_nothing(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    """A retried shutdown, which vLLM's own tiers and CPU tier take, raised from our tier
+    (its thread gone): vLLM's manager then raises too, before shutting its CPU tier down
+    (it keeps the shared memory of a tier that failed to shut down)."""
+    engine = engines([_disk(tmp_path)], cpu_blocks=2)
+    engine.replay.request(KEYS[:2])
+    engine.replay.close()
+    engine.manager.shutdown()
+    engine.manager.shutdown()
+    engine.closed = True
+
+
 def test_a_dead_server_is_counted_failures_and_misses_never_an_exception(
     vllm_modules: dict[str, ModuleType], own_server: ValkeyProcess, engines: Callable[..., Engine]
 ) -> None:
@@ -744,7 +758,21 @@ def test_a_chunk_past_the_cpu_tiers_region_fails_its_job_moving_no_byte(
     assert [bytes(engine.replay.row(i)) for i in range(4)] == before
     assert (disk.counters.written_blocks, disk.counters.loaded_blocks) == (4, 0)
     assert (disk.counters.write_failures, disk.counters.load_failures) == (2, 2)
+    # Failed before any judgement, and `none` holds nothing back: not counted as skipped.
+    assert disk.counters.skipped_blocks == 0
     assert f"chunk {chunk} is outside the CPU tier's 4 chunks" in caplog.text
+
+
+def test_two_entries_naming_one_tier_stop_start_up(
+    vllm_modules: dict[str, ModuleType], valkey_server: ValkeyProcess
+) -> None:
+    """Two identical entries are one tier written twice, and their metrics cannot be told
+    apart (vLLM tells a tier no place of its own): refused, before either opens."""
+    from kvoffload.integrations.vllm.secondary_replay import tiering_spec
+
+    tiers = [_shared(valkey_server.url), _shared(valkey_server.url)]
+    with pytest.raises(InvalidArgumentError, match="entries 1 and 2 of secondary_tiers"):
+        tiering_spec(tiers, 4 * BLOCK_BYTES, engine_id=f"twice-{uuid.uuid4().hex}").get_manager()
 
 
 WHATIF_METRICS = (
@@ -779,8 +807,9 @@ def test_each_tiers_optimiser_reaches_vllms_metrics_labelled_by_tier(
 ) -> None:
     """A secondary tier's optimiser (``admission: recommended``, the default) exported
     nothing: its what-if figures, chosen rule and switches now reach vLLM's ``/metrics`` as
-    the spec's lower tiers' do, ``tier="disk"`` / ``tier="remote"``, with the numbers our
-    own exporter shows; a tier with another layer exports no what-if series."""
+    the spec's lower tiers' do, labelled with vLLM's ``tier`` of each (``1:KVOffloadDiskTier``,
+    ``2:KVOffloadSharedTier``), with the numbers our own exporter shows; a tier with another
+    layer exports no what-if series."""
     import prometheus_client
     from vllm_helpers import metrics_frontend
 
@@ -797,9 +826,9 @@ def test_each_tiers_optimiser_reaches_vllms_metrics_labelled_by_tier(
     for report in _reports_after_replay(engine):
         frontend.observe(report, 0)
     disk, shared = engine.tiers
-    optimisers = {"disk": disk.layer}
+    optimisers = {"1:KVOffloadDiskTier": disk.layer}
     if shared_admission == "recommended":
-        optimisers["remote"] = shared.layer
+        optimisers["2:KVOffloadSharedTier"] = shared.layer
     for tier, layer in optimisers.items():
         assert isinstance(layer, OptimisingAdmission) and len(layer.stats().whatif) == 12
         ours = prometheus_client.CollectorRegistry()
@@ -843,3 +872,56 @@ def test_tiers_without_the_optimiser_declare_and_export_no_whatif_series(
     reported = {name for report in _reports_after_replay(engine) for name in report["data"]}
     assert "vllm:kvoffload_secondary_written_blocks" in reported  # the tiers did report
     assert not set(WHATIF_METRICS) & reported
+
+
+def test_two_tiers_of_one_type_export_series_apart_labelled_as_vllm_labels_them(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    """Two disk tiers both exported ``tier="disk"`` (what-if series) and
+    ``tier_type="KVOffloadDiskTier"`` (counters): one series summed or overwritten by the
+    other, and never the ``tier`` vLLM gives the same tier (``2:KVOffloadDiskTier``, its
+    place in the list and its type), so a join with vLLM's own series matched nothing. Each
+    tier's series now carry vLLM's ``tier`` label."""
+    import prometheus_client
+    from vllm_helpers import metrics_frontend
+
+    from kvoffload.integrations.vllm.secondary import METRIC_PREFIX
+    from kvoffload.integrations.vllm.secondary_replay import tiering_config
+    from kvoffload.observe.metrics import AdmissionCollector
+
+    tiers = [
+        _disk(tmp_path / "a", disk_bytes=footprint(256, BLOCK_BYTES)),
+        _disk(tmp_path / "b", disk_bytes=footprint(128, BLOCK_BYTES)),
+    ]
+    frontend, registry = metrics_frontend(tiering_config(tiers, 64 * BLOCK_BYTES).extra_config)
+    engine = engines(tiers, cpu_blocks=64, model=f"twins-{uuid.uuid4().hex[:8]}")
+    for report in _reports_after_replay(engine):
+        frontend.observe(report, 0)
+    vllm_tiers = {
+        sample.labels["tier"]
+        for family in registry.collect()
+        if family.name == "vllm:kv_offload_tiering_write_bytes"
+        for sample in family.samples
+    }
+    tier_labels = ["1:KVOffloadDiskTier", "2:KVOffloadDiskTier"]
+    assert set(tier_labels) <= vllm_tiers
+    for tier, label in zip(engine.tiers, tier_labels, strict=True):
+        written = {"engine": "0", "tier_type": "KVOffloadDiskTier", "tier": label}
+        value = registry.get_sample_value(f"{METRIC_PREFIX}written_blocks_total", written)
+        assert value == tier.counters.written_blocks > 0
+        ours = prometheus_client.CollectorRegistry()
+        ours.register(AdmissionCollector(tier.layer.stats, label))
+        compared = 0
+        for family in ours.collect():
+            for sample in family.samples:
+                labels = {**sample.labels, "engine": "0"}
+                assert registry.get_sample_value(f"vllm:{sample.name}", labels) == sample.value
+                compared += 1
+        assert compared == 12 + 12 + 3 + 1
+    exported = {
+        sample.labels["tier"]
+        for family in registry.collect()
+        if family.name in WHATIF_METRICS
+        for sample in family.samples
+    }
+    assert exported == set(tier_labels)

@@ -31,7 +31,7 @@ import logging
 import queue
 import time
 from abc import abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
@@ -56,16 +56,24 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
-from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.kv_offload.tiering.base import (
+    TIER_LABEL,
+    JobResult,
+    SecondaryTierManager,
+    TransferJob,
+)
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoffload.admission import AdmissionLayer, AdmissionStats
 from kvoffload.admission.registry import OPTIMISER, resolve_admission
+from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.manager import OffloadingEvent as TierEvent
 from kvoffload.core.specs import LoadStoreSpec
 from kvoffload.core.tier_protocol import LowerTier, Target
 from kvoffload.integrations.vllm.adapter import LayerCount, report_whatif
 from kvoffload.integrations.vllm.secondary_settings import (
+    VLLM_KEYS,
     SecondarySettings,
     parse_disk_settings,
     parse_shared_settings,
@@ -161,6 +169,8 @@ class _Stored:
 
     held: int
     admitted: int
+    held_back: int
+    """Judged and not admitted; a job that failed before its judgement held none back."""
     written: int
     failed: int
     skipped_full: int = 0
@@ -224,6 +234,9 @@ class _Owner:
         return self._taken
 
     def close(self) -> None:
+        """Close the tier after the work queued before; once (a shutdown may be retried)."""
+        if self._closed:
+            return
         self._closed = True
         self._thread.submit(self._close).result()
         self._thread.shutdown(wait=True)
@@ -260,8 +273,9 @@ class _Owner:
             admitted = [key for key in fresh if key in chosen]
         if layer is not None and sighting is not None and sighting.keys:
             layer.end_request(sighting.keys)
+        held_back = len(fresh) - len(admitted)
         if not admitted:
-            return _Stored(held, 0, 0, 0)
+            return _Stored(held, 0, held_back, 0, 0)
         chosen_payloads = dict(zip(keys, payloads, strict=True))
         stats = tier.stats
         stored, failed = stats.stored_blocks, stats.failed + stats.rejected
@@ -272,11 +286,12 @@ class _Owner:
             tier.poll(wait=True)
         except Exception:  # a surprise from the tier is a failed write of the whole batch
             self._take_events()
-            return _Stored(held, len(admitted), 0, len(admitted))
+            return _Stored(held, len(admitted), held_back, 0, len(admitted))
         self._take_events()
         written = stats.stored_blocks - stored
         failed = stats.failed + stats.rejected - failed
-        return _Stored(held, len(admitted), written, failed, _skipped_full(tier) - skipped)
+        skipped_full = _skipped_full(tier) - skipped
+        return _Stored(held, len(admitted), held_back, written, failed, skipped_full)
 
     def _load(self, keys: list[OffloadKey], target: Target) -> list[bool]:
         try:
@@ -389,6 +404,8 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         settings = self.parse(tier_type, options)
         self.settings = settings
+        self.tier_label = _vllm_tier_label(offloading_spec, tier_type, options)
+        """The ``tier`` label of this tier's series, vLLM's own for it (``2:KVOffloadDiskTier``)."""
         self.locality = Locality(settings.locality) if settings.locality else None
         self.payload_bytes = _payload_bytes(offloading_spec, self.block_size_bytes)
         self._flat = primary_kv_view.cast("B")
@@ -408,9 +425,8 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             raise
         self.counters = SecondaryCounters()
         self._reported = SecondaryCounters()
-        self._whatif_tier = (self.tier_config.kind,) if _has_optimiser(settings) else None
-        """The ``tier`` label of this tier's what-if series (``disk``, ``remote``, as the
-        spec's lower tiers and ``kvoffload simulate``); ``None``: not the optimiser."""
+        self._whatif_tier = (self.tier_label,) if _has_optimiser(settings) else None
+        """The ``tier`` label of this tier's what-if series; ``None``: not the optimiser."""
         self._switches = LayerCount()
         self._owner = _Owner(tier, layer, self._KIND)
         self._lookups = _Lookups(self._owner, tier_type)
@@ -438,7 +454,7 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         settings = cls.parse(str(extra_config.get("type", cls.__name__)), extra_config)
         definitions: dict[str, OffloadingMetricMetadata] = {
             f"{METRIC_PREFIX}{name}": OffloadingCounterMetadata(
-                documentation=doc, labelnames=(TIER_TYPE_LABEL,)
+                documentation=doc, labelnames=(TIER_TYPE_LABEL, TIER_LABEL)
             )
             for name, doc in COUNTER_DOCS.items()
         }
@@ -582,15 +598,17 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
 
     @override
     def get_stats(self) -> OffloadingConnectorStats | None:
-        """Our counters since the last call, labelled with this tier's type; with the
-        optimiser its what-if figures, chosen rule and switches as the owner thread last
-        read them (a report behind: reading waits for no write)."""
+        """Our counters since the last call, labelled with this tier's type and vLLM's label
+        of it; with the optimiser its what-if figures, chosen rule and switches as the owner
+        thread last read them (a report behind: reading waits for no write)."""
         delta = self.counters.minus(self._reported)
         self._reported = SecondaryCounters(**self.counters.as_dict())
         stats = OffloadingConnectorStats()
         for name, value in delta.as_dict().items():
             if value:
-                stats.increase_counter(f"{METRIC_PREFIX}{name}", value, (self.tier_type,))
+                stats.increase_counter(
+                    f"{METRIC_PREFIX}{name}", value, (self.tier_type, self.tier_label)
+                )
         if self._whatif_tier is not None:
             layer_stats = self._owner.latest_stats()
             if layer_stats is not None:
@@ -618,7 +636,7 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
                 logger.warning(
                     "kvoffload: secondary tier %s job %d failed: chunk %d is outside the CPU "
                     "tier's %d chunks",
-                    self.tier_type,
+                    self.tier_label,
                     job_id,
                     chunk,
                     count,
@@ -673,10 +691,10 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             return JobResult(
                 job_id, True, transfer_time=elapsed, transfer_bytes=len(good) * self.payload_bytes
             )
-        stored = _result(job.result, _Stored(0, 0, 0, len(job.keys)))
+        stored = _result(job.result, _Stored(0, 0, 0, 0, len(job.keys)))
         c.held_blocks += stored.held
         c.admitted_blocks += stored.admitted
-        c.skipped_blocks += len(job.keys) - stored.held - stored.admitted
+        c.skipped_blocks += stored.held_back
         c.written_blocks += stored.written
         c.bytes_written += stored.written * self.payload_bytes
         c.write_failures += stored.failed
@@ -729,6 +747,30 @@ class KVOffloadSharedTier(_KVOffloadSecondaryTier):
 def _has_optimiser(settings: SecondarySettings) -> bool:
     """Whether the tier's admission layer is the optimiser, which has what-if figures."""
     return resolve_admission(settings.admission) == OPTIMISER
+
+
+def _vllm_tier_label(spec: OffloadingSpec, tier_type: str, options: Mapping[str, Any]) -> str:
+    """vLLM's ``tier`` label of the tier built from ``options``: its place in
+    ``secondary_tiers``, from 1, and its type, as vLLM's tiering metrics label their series
+    of it (``2:KVOffloadDiskTier``), so two tiers of one type stay apart and a join on
+    ``tier`` with vLLM's series matches. vLLM tells a tier neither its place nor its label:
+    the place is that of the entry of ``tier_type`` whose keys, less those vLLM's factory
+    takes, are ``options``; two such entries cannot be told apart and name one tier (the
+    same server, the same settings), so they are refused. Outside vLLM's tiering spec, the
+    type alone."""
+    entries = spec.secondary_tier_configs if isinstance(spec, TieringOffloadingSpec) else []
+    places = [
+        place
+        for place, entry in enumerate(entries, start=1)
+        if entry.get("type") == tier_type
+        and {key: value for key, value in entry.items() if key not in VLLM_KEYS} == options
+    ]
+    if len(places) > 1:
+        raise InvalidArgumentError(
+            f"secondary tier {tier_type!r}: entries {places[0]} and {places[1]} of "
+            "secondary_tiers are the same tier; list it once"
+        )
+    return f"{places[0]}:{tier_type}" if places else tier_type
 
 
 def _skipped_full(tier: LowerTier) -> int:
