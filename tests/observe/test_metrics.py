@@ -467,3 +467,39 @@ def test_a_second_collector_of_the_same_series_is_refused_naming_it() -> None:
         ((("instance", "b"), ("tier", "cpu")), 5),
         ((("tier", "cpu"),), 3),
     }
+
+
+def test_every_exported_metric_is_in_the_table_with_its_type() -> None:
+    """docs/metrics.md's table lists the simulator's metrics by name and type: one added,
+    renamed or retyped in the code without the table (or the reverse) fails here."""
+    from kvoffload.admission.base import AdmissionStats
+    from kvoffload.admission.minisim import WhatIf
+    from kvoffload.observe.counters import LatencyHistogram, ManagerCounters
+    from kvoffload.observe.metrics import (
+        AdmissionCollector,
+        RecoveryCollector,
+        TransferCollector,
+    )
+    from kvoffload.tiers.slot_file import Recovery
+
+    stats = AdmissionStats(
+        offers=1, admitted=1, rejected=0, ghost_hits=0, control=0.0, memory_bytes=0,
+        tracked_keys=0, candidate="filter", switches=1,
+        whatif=(WhatIf("filter", 1.0, 0.5, 0.25, 64, 1.0),),
+    )  # fmt: skip
+    collectors = [
+        ManagerCollector(ManagerCounters, {"tier": "cpu"}),
+        RecoveryCollector(lambda: {"disk": Recovery().as_dict()}),
+        AdmissionCollector(lambda: stats),
+        TransferCollector({"store": LatencyHistogram()}),
+    ]
+    exported = {
+        (family.name + ("_total" if family.type == "counter" else ""), family.type)
+        for collector in collectors
+        for family in collector.collect()
+    }
+    table = (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
+    documented = set(
+        re.findall(r"^\| `(kvoffload_\w+)` \| (counter|gauge|histogram) \|", table, re.MULTILINE)
+    )
+    assert exported == documented
