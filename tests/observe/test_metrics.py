@@ -435,3 +435,71 @@ def test_a_port_that_is_no_integer_is_refused_naming_it(port: object) -> None:
 def test_a_client_timeout_that_is_no_positive_time_is_refused(timeout_s: float) -> None:
     with pytest.raises(InvalidArgumentError, match="client_timeout_s"):
         MetricsServer(0, client_timeout_s=timeout_s)
+
+
+def test_a_second_collector_of_the_same_series_is_refused_naming_it() -> None:
+    """Two managers registered with the same labels (or one collector added twice) showed
+    each series twice with different values, and Prometheus kept whichever it read first."""
+    from prometheus_client.openmetrics.parser import (
+        text_string_to_metric_families as parse_openmetrics,
+    )
+
+    from kvoffload.observe.counters import ManagerCounters
+
+    first, second = ManagerCounters(lookups=3), ManagerCounters(lookups=5)
+    with MetricsServer(0) as server:
+        collector = ManagerCollector(lambda: first, {"tier": "cpu"})
+        server.add(collector)
+        refused = 'metric kvoffload_lookups_total{tier="cpu"} is exported already'
+        with pytest.raises(InvalidArgumentError, match=re.escape(refused)):
+            server.add(ManagerCollector(lambda: second, {"tier": "cpu"}))
+        with pytest.raises(InvalidArgumentError, match=re.escape(refused)):
+            server.add(collector)
+        server.add(ManagerCollector(lambda: second, {"tier": "cpu", "instance": "b"}))
+        openmetrics = urllib.request.Request(
+            f"http://127.0.0.1:{server.port}/metrics",
+            headers={"Accept": "application/openmetrics-text; version=1.0.0"},
+        )
+        with urllib.request.urlopen(openmetrics, timeout=5) as response:
+            families = {f.name: f for f in parse_openmetrics(response.read().decode())}
+    lookups = families["kvoffload_lookups"].samples
+    assert {(tuple(sorted(sample.labels.items())), sample.value) for sample in lookups} == {
+        ((("instance", "b"), ("tier", "cpu")), 5),
+        ((("tier", "cpu"),), 3),
+    }
+
+
+def test_every_exported_metric_is_in_the_table_with_its_type() -> None:
+    """docs/metrics.md's table lists the simulator's metrics by name and type: one added,
+    renamed or retyped in the code without the table (or the reverse) fails here."""
+    from kvoffload.admission.base import AdmissionStats
+    from kvoffload.admission.minisim import WhatIf
+    from kvoffload.observe.counters import LatencyHistogram, ManagerCounters
+    from kvoffload.observe.metrics import (
+        AdmissionCollector,
+        RecoveryCollector,
+        TransferCollector,
+    )
+    from kvoffload.tiers.slot_file import Recovery
+
+    stats = AdmissionStats(
+        offers=1, admitted=1, rejected=0, ghost_hits=0, control=0.0, memory_bytes=0,
+        tracked_keys=0, candidate="filter", switches=1,
+        whatif=(WhatIf("filter", 1.0, 0.5, 0.25, 64, 1.0),),
+    )  # fmt: skip
+    collectors = [
+        ManagerCollector(ManagerCounters, {"tier": "cpu"}),
+        RecoveryCollector(lambda: {"disk": Recovery().as_dict()}),
+        AdmissionCollector(lambda: stats),
+        TransferCollector({"store": LatencyHistogram()}),
+    ]
+    exported = {
+        (family.name + ("_total" if family.type == "counter" else ""), family.type)
+        for collector in collectors
+        for family in collector.collect()
+    }
+    table = (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
+    documented = set(
+        re.findall(r"^\| `(kvoffload_\w+)` \| (counter|gauge|histogram) \|", table, re.MULTILINE)
+    )
+    assert exported == documented

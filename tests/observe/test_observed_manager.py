@@ -257,3 +257,37 @@ def test_a_sink_that_raises_fails_no_call_and_the_others_get_every_batch(
     failures = [r for r in caplog.records if "KV event sink" in r.getMessage()]
     assert len(failures) == 1
     assert failures[0].exc_info is not None and "consumer is down" in str(failures[0].exc_info[1])
+
+
+@pytest.mark.parametrize("tiered", [False, True])
+def test_a_store_completed_twice_or_never_offered_is_counted_as_the_tier_settled_it(
+    tmp_path: Path, tiered: bool
+) -> None:
+    """``complete_store`` counted every key it was given: a key completed again, listed
+    twice, or never offered added completed (and stored bytes) or failed stores, though
+    the tier settled no store for it and announced nothing."""
+    from kvoffload import CPUOffloadingManager, OffloadingManager
+    from kvoffload.managers.tiered import TierSettings
+    from kvoffload.tiers.disk import DiskTier
+
+    cpu = CPUOffloadingManager(4, enable_events=True)
+    manager: OffloadingManager = cpu
+    if tiered:
+        disk = DiskTier(tmp_path, 8, b"f" * 16)
+        manager = TieredOffloadingManager(cpu, [(disk, TierSettings())], wait_for_tiers=True)
+    events: list[OffloadingEvent] = []
+    observed = ObservedManager(manager, 100, [events.extend])
+    a, b, c = (block_id_key(i) for i in (1, 2, 3))
+    observed.prepare_store([a, b])
+    observed.complete_store([a, a])
+    observed.complete_store([a])
+    observed.complete_store([b, c], success=False)
+    observed.complete_store([c], success=False)
+    observed.flush()
+    counters = observed.counters
+    stored = [key for event in events if not event.removed for key in event.keys]
+    assert stored == [a]
+    assert (counters.stores_completed, counters.bytes_stored) == (1, 100)
+    assert (counters.stores_failed, counters.held_blocks) == (1, 1)
+    if isinstance(manager, TieredOffloadingManager):
+        manager.close()

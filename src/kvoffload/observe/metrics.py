@@ -224,6 +224,22 @@ class _Registry(CollectorRegistry):
     labels) share a registry without clashing, and the filter used to answer nothing.
     """
 
+    def register(self, collector: Collector) -> None:
+        """Refuse a collector that exports a series already exported (same name, same
+        labels: two managers given the same labels, or one collector added twice). Such a
+        scrape showed the series twice, each with its own value, and Prometheus kept only
+        one of them, whichever it read first."""
+        taken = set(_series(super().collect()))
+        clash = [series for series in _series(collector.collect()) if series in taken]
+        if clash:
+            name, labels = clash[0]
+            shown = ",".join(f'{key}="{value}"' for key, value in labels)
+            raise InvalidArgumentError(
+                f"metric {name}{{{shown}}} is exported already: give each manager's "
+                f"collector labels of its own (e.g. a tier or instance name)"
+            )
+        super().register(collector)
+
     def restricted_registry(self, names: Iterable[str]) -> RestrictedRegistry:
         return _NamedSamples(names, self)
 
@@ -239,6 +255,15 @@ class _Registry(CollectorRegistry):
             else:
                 found.samples = found.samples + metric.samples
         yield from families.values()
+
+
+def _series(metrics: Iterable[Metric]) -> list[tuple[str, tuple[tuple[str, str], ...]]]:
+    """Each sample's name and sorted labels, in order: what a scrape may show once only."""
+    return [
+        (sample.name, tuple(sorted(sample.labels.items())))
+        for metric in metrics
+        for sample in metric.samples
+    ]
 
 
 class _ScrapeHandler(WSGIRequestHandler):
@@ -307,6 +332,9 @@ class MetricsServer:
         self.port: int = self._server.server_port
 
     def add(self, collector: Collector) -> None:
+        """Serve ``collector``'s metrics too; :class:`InvalidArgumentError` if one of its
+        series (name and labels) is served already, e.g. a second manager's with the same
+        labels."""
         self.registry.register(collector)
 
     def close(self) -> None:

@@ -24,6 +24,11 @@ EventSink = Callable[[list[OffloadingEvent]], None]
 """Receives each batch of events drained from the manager, in order."""
 
 
+class _BlockStatus(Protocol):
+    @property
+    def is_ready(self) -> bool: ...
+
+
 @runtime_checkable
 class _CPUTier(Protocol):
     """What is read of a CPU tier's manager (``managers.cpu``, a layer above this one)."""
@@ -34,6 +39,8 @@ class _CPUTier(Protocol):
     def num_free_blocks(self) -> int: ...
 
     def holds(self, key: OffloadKey) -> bool: ...
+
+    def block_status(self, key: OffloadKey) -> _BlockStatus | None: ...
 
     def take_events(self) -> Iterable[OffloadingEvent]: ...
 
@@ -67,10 +74,12 @@ class ObservedManager(OffloadingManager):
     hold (whichever layer held them back). The CPU tier is found by following
     ``backing``; ``held_blocks`` is then read from it, and under a tiered
     manager ``evictions`` is its CPU tier's count (the run's
-    ``tiers.cpu.evicted``), promotions' evictions included. For a manager
-    whose CPU tier is out of reach, ``held_blocks`` counts admitted blocks less
-    evicted and failed ones, and every offered block not given a slot counts
-    as skipped.
+    ``tiers.cpu.evicted``), promotions' evictions included, and a
+    ``complete_store`` counts the blocks whose store it settled (a key
+    completed twice, or never offered, is none). For a manager whose CPU tier
+    is out of reach, ``held_blocks`` counts admitted blocks less evicted and
+    failed ones, every offered block not given a slot counts as skipped, and
+    every key given to ``complete_store`` as completed or failed.
     """
 
     def __init__(
@@ -160,14 +169,17 @@ class ObservedManager(OffloadingManager):
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
         keys = list(keys)
+        pending = self._pending(keys)
         self._backing.complete_store(keys, success)
+        still = self._pending(pending or [])
+        settled = len(keys) if pending is None else len(pending) - len(still or ())
         c = self._counters
         if success:
-            c.stores_completed += len(keys)
-            c.bytes_stored += len(keys) * self._bytes_per_block
+            c.stores_completed += settled
+            c.bytes_stored += settled * self._bytes_per_block
         else:
-            c.stores_failed += len(keys)
-            c.held_blocks -= len(keys)
+            c.stores_failed += settled
+            c.held_blocks -= settled
         self._drain()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -187,6 +199,21 @@ class ObservedManager(OffloadingManager):
         if cpu is None:
             return sum(1 for key in offered if key not in chosen)
         return sum(1 for key in offered if key not in chosen and not cpu.holds(key))
+
+    def _pending(self, keys: list[OffloadKey]) -> list[OffloadKey] | None:
+        """The distinct ``keys`` whose store the CPU tier holds in flight (``None`` when the
+        tier is out of reach): a store completes, or fails, those only. A key completed
+        twice, or never offered, counted as a completed (or failed) store, though the tier
+        changed nothing and announced nothing."""
+        cpu = self._cpu
+        if cpu is None:
+            return None
+        status = cpu.block_status
+        return [
+            key
+            for key in dict.fromkeys(keys)
+            if (block := status(key)) is not None and not block.is_ready
+        ]
 
     def _drain(self) -> None:
         if not self._sinks:
