@@ -584,6 +584,29 @@ def test_remote_bytes_is_required_only_with_admission() -> None:
         parse_shared_settings("KVOffloadSharedTier", {**entry, "remote_bytes": 0})
 
 
+def test_a_key_set_to_null_takes_its_default(tmp_path: Path) -> None:
+    from kvoffload.integrations.vllm.secondary_settings import (
+        parse_disk_settings,
+        parse_shared_settings,
+    )
+
+    unset = {"locality": None, "offer_hits": None, "write_budget": None, "admission": None}
+    url = "redis://127.0.0.1:6379/0"
+    shared = parse_shared_settings("KVOffloadSharedTier", {"url": url, "remote_bytes": 1 << 20})
+    nulls = {"url": url, "remote_bytes": 1 << 20, **unset}
+    assert parse_shared_settings("KVOffloadSharedTier", nulls) == shared
+    assert shared.locality == "REMOTE"
+    none = {"url": url, "admission": "none"}
+    unbounded = parse_shared_settings("KVOffloadSharedTier", {**none, "remote_bytes": None})
+    assert unbounded.capacity_bytes == 0
+    disk = {"disk_dir": str(tmp_path), "disk_bytes": 1 << 20}
+    given = parse_disk_settings("KVOffloadDiskTier", disk)
+    nulls = {**disk, **unset, "eviction_policy": None, "disk_timeout_ms": None}
+    assert parse_disk_settings("KVOffloadDiskTier", nulls) == given
+    with pytest.raises(InvalidArgumentError, match="key 'disk_dir': required"):
+        parse_disk_settings("KVOffloadDiskTier", {**disk, "disk_dir": None})
+
+
 def test_the_cascade_begins_and_ends_every_request_at_the_admission_layer(
     vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
 ) -> None:

@@ -111,6 +111,7 @@ class SecondarySettings:
 def parse_disk_settings(tier_type: str, entry: Mapping[str, Any]) -> SecondarySettings:
     """The disk tier's entry: ``disk_dir`` and ``disk_bytes`` are required."""
     _check_keys(tier_type, entry, DISK_KEYS)
+    entry = _given(entry)
     timeout = entry.get("disk_timeout_ms")
     if timeout is not None:
         where = f"secondary tier {tier_type!r} key 'disk_timeout_ms'"
@@ -141,6 +142,7 @@ def parse_shared_settings(tier_type: str, entry: Mapping[str, Any]) -> Secondary
     """The shared tier's entry: ``url`` is required, and ``remote_bytes`` (this instance's
     share of the server, which sizes the admission layer) unless admission is ``none``."""
     _check_keys(tier_type, entry, SHARED_KEYS)
+    entry = _given(entry)
     url = _required_str(tier_type, entry, "url")
     try:
         parse_remote_url(url)  # its syntax now; the server answers when the tier opens
@@ -202,6 +204,13 @@ def _check_keys(tier_type: str, entry: Mapping[str, Any], known: frozenset[str])
             f"unknown key; known: {', '.join(sorted(known))} and vLLM's "
             f"{', '.join(sorted(VLLM_KEYS))}",
         )
+
+
+def _given(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """The entry's keys with a value: a key set to ``null`` is left unset, its default
+    taken, as a YAML or JSON config writes a setting it leaves alone (a ``null`` locality
+    gave no locality, a ``null`` ``remote_bytes`` beside ``admission: none`` was "required")."""
+    return {key: value for key, value in entry.items() if value is not None}
 
 
 def _admission_params(tier_type: str, entry: Mapping[str, Any]) -> object:
