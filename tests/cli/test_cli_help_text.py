@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from kvoffload.admission import available_admissions
 from kvoffload.cli.main import build_parser
+from kvoffload.core.layout import LAYOUT_PRESETS
+from kvoffload.policies import available_policies
 
 
 def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
@@ -33,3 +36,42 @@ def test_bench_tiers_sglang_names_the_shared_tiers_baseline() -> None:
     tiers = _subcommand(_subcommand(parser, "bench"), "tiers")
     text = _help(tiers, "--sglang")
     assert "SET/GET on a raw socket" in text and "same tier's plain path" not in text, text
+
+
+def test_name_options_list_their_names_and_what_an_alias_stands_for() -> None:
+    """The report shows the name an alias resolves to (``recommended`` runs as
+    ``optimiser``): the help names every valid one and says which an alias is."""
+    parser, _ = build_parser()
+    simulate, sweep = _subcommand(parser, "simulate"), _subcommand(parser, "sweep")
+    for text in (_help(simulate, "--policy"), _help(sweep, "--policies")):
+        assert all(name in text for name in available_policies()), text
+        assert "recommended (= lru)" in text, text
+    for command, option in (
+        (simulate, "--admission"),
+        (sweep, "--admissions"),
+        (simulate, "--disk-admission"),
+        (sweep, "--remote-admission"),
+    ):
+        text = _help(command, option)
+        assert all(name in text for name in available_admissions()), (option, text)
+        assert "recommended (= optimiser)" in text and "reuse (= filter)" in text, text
+    assert all(name in _help(simulate, "--layout") for name in LAYOUT_PRESETS)
+
+
+def test_sweep_says_it_compares_admission_layers_too() -> None:
+    parser, _ = build_parser()
+    [listed] = [
+        choice.help or ""
+        for action in parser._actions
+        if isinstance(action, argparse._SubParsersAction)
+        for choice in action._choices_actions
+        if choice.dest == "sweep"
+    ]
+    assert "admission" in listed, listed
+    assert "admission" in (_subcommand(parser, "sweep").description or "")
+
+
+def test_no_bound_promises_no_speed_up() -> None:
+    """The bound is one more pass, about a sixth of a default run, not half of it."""
+    parser, _ = build_parser()
+    assert "halves" not in _help(_subcommand(parser, "simulate"), "--no-bound")

@@ -18,7 +18,7 @@ from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD
 from kvoffload.cli import output
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.core.errors import InvalidArgumentError
-from kvoffload.core.layout import layout_preset
+from kvoffload.core.layout import LAYOUT_PRESETS, layout_preset
 from kvoffload.core.memory import check_fits
 from kvoffload.sim.engine import PARTIAL_BLOCK_MODES
 from kvoffload.sim.generators import DEFAULT_MIX, DEFAULT_RATE, DEFAULT_REQUESTS, parse_mix
@@ -231,7 +231,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine model")
     group.add_argument(
         "--layout",
-        help=f"KV layout preset that turns blocks into bytes (default: {DEFAULT_LAYOUT})",
+        help="KV layout preset that turns blocks into bytes, one of "
+        f"{', '.join(sorted(LAYOUT_PRESETS))} (default: {DEFAULT_LAYOUT})",
     )
     group.add_argument(  # no default here: given with no store filter, it is refused
         "--max-tracker-size",
@@ -248,13 +249,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill-tokens-per-s",
         type=POSITIVE,
         default=10_000.0,
-        help="prefill throughput (default: 10000)",
+        help="prefill throughput in tokens per second, from which the report's prefill "
+        "times are reckoned (default: 10000)",
     )
     group.add_argument(
         "--decode-tokens-per-s",
         type=POSITIVE,
         default=50.0,
-        help="decode speed of one request (default: 50)",
+        help="decode speed of one request in tokens per second (default: 50)",
     )
     group.add_argument(
         "--transfer-gb-per-s",

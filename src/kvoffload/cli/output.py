@@ -16,7 +16,7 @@ import shutil
 import stat
 import sys
 import textwrap
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
@@ -25,6 +25,14 @@ Value = str | int | float | None
 Row = Mapping[str, Value]
 NestedRow = Mapping[str, "Value | NestedRow"]
 """A row whose values may be objects themselves (a run's ``tiers``)."""
+
+
+def choices(names: Sequence[str], resolve: Callable[[str], str]) -> str:
+    """Registry names for an option's help, an alias beside what it stands for
+    (``recommended (= lru)``): the report shows the name it resolves to."""
+    return ", ".join(
+        name if resolve(name) == name else f"{name} (= {resolve(name)})" for name in names
+    )
 
 
 def count(value: Value) -> str:

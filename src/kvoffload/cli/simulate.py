@@ -12,7 +12,7 @@ from kvoffload.admission import available_admissions, resolve_admission
 from kvoffload.cli import observe_options, options, output, tier_options
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.core.errors import KVOffloadError
-from kvoffload.policies import resolve_policy
+from kvoffload.policies import available_policies, resolve_policy
 from kvoffload.sim.run import RunReport, SimConfig, blocks_for_gib, simulate
 
 DATA_PLANE_LAYOUT = "tiny"
@@ -46,19 +46,28 @@ def register(commands: Any) -> None:
     options.add_gpu_arguments(parser)
     cpu = tier.add_mutually_exclusive_group()
     cpu.add_argument(
-        "--cpu-blocks", type=options.COUNT, metavar="N", help="offload tier size; 0: no tier"
+        "--cpu-blocks",
+        type=options.COUNT,
+        metavar="N",
+        help="offload (CPU RAM) tier size in blocks; 0: no tier",
     )
     cpu.add_argument(
         "--cpu-gb",
         type=options.SIZE_GIB,
         metavar="X",
-        help=f"offload tier size in GiB (default: {options.DEFAULT_CPU_GIB:g})",
+        help=f"offload (CPU RAM) tier size in GiB of KV (default: {options.DEFAULT_CPU_GIB:g})",
     )
-    tier.add_argument("--policy", default="lru", help="eviction policy (default: lru)")
+    tier.add_argument(
+        "--policy",
+        default="lru",
+        help="eviction policy, one of "
+        f"{output.choices(available_policies(), resolve_policy)} (default: lru)",
+    )
     tier.add_argument(
         "--admission",
         default="none",
-        help=f"admission layer, one of {', '.join(available_admissions())} (default: none)",
+        help="admission layer, one of "
+        f"{output.choices(available_admissions(), resolve_admission)} (default: none)",
     )
     options.add_admission_param_argument(tier)
     options.add_write_budget_arguments(tier)
@@ -71,7 +80,9 @@ def register(commands: Any) -> None:
     options.add_engine_arguments(parser)
     tier_options.add_tier_arguments(parser)
     parser.add_argument(
-        "--no-bound", action="store_true", help="skip the Belady bound (halves the run time)"
+        "--no-bound",
+        action="store_true",
+        help="skip the Belady bound and the extra pass over the workload it takes",
     )
     plane = parser.add_argument_group("data plane")
     plane.add_argument(

@@ -16,7 +16,7 @@ from kvoffload.cli import options, output, tier_options
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.core.cpus import usable_cpus
 from kvoffload.core.errors import InvalidArgumentError
-from kvoffload.policies import resolve_policy
+from kvoffload.policies import available_policies, resolve_policy
 from kvoffload.sim.run import RunReport
 from kvoffload.sim.sweep import (
     SweepFailed,
@@ -33,29 +33,39 @@ DEFAULT_FACTORS = (1, 2, 4, 8)
 def register(commands: Any) -> None:
     parser = commands.add_parser(
         "sweep",
-        help="compare offload capacities, policies and store thresholds",
-        description="Run every combination of offload capacity, policy and store threshold on "
-        "one workload, in parallel processes, each beside its Belady bound.",
+        help="compare offload capacities, policies, store thresholds and admission layers",
+        description="Run every combination of offload capacity, policy, store threshold and "
+        "admission layer on one workload, in parallel processes, each beside its Belady bound "
+        "(none with a disk or shared tier).",
     )
     options.add_workload_arguments(parser)
     options.add_gpu_arguments(parser)
     cpu = parser.add_mutually_exclusive_group()
     cpu.add_argument(
-        "--cpu-blocks", metavar="N,N,...", help="offload capacities in blocks (0: no tier)"
+        "--cpu-blocks",
+        metavar="N,N,...",
+        help="offload (CPU RAM) tier capacities in blocks (0: no tier)",
     )
     cpu.add_argument(
         "--cpu-gb",
         metavar="X,X,...",
-        help="offload capacities in GiB (default: 1, 2, 4 and 8 times the GPU cache)",
+        help="offload (CPU RAM) tier capacities in GiB of KV (default: 1, 2, 4 and 8 times the "
+        "GPU cache)",
     )
-    parser.add_argument("--policies", default="lru,arc", help="policies (default: lru,arc)")
+    parser.add_argument(
+        "--policies",
+        default="lru,arc",
+        help="eviction policies, from "
+        f"{output.choices(available_policies(), resolve_policy)} (default: lru,arc)",
+    )
     parser.add_argument(
         "--thresholds", default="0,2", help="store thresholds; below 2: no filter (default: 0,2)"
     )
     parser.add_argument(
         "--admissions",
         default="none",
-        help="admission layers, from " + ", ".join(available_admissions()) + " (default: none)",
+        help="admission layers, from "
+        f"{output.choices(available_admissions(), resolve_admission)} (default: none)",
     )
     options.add_engine_arguments(parser)
     tier_options.add_tier_arguments(parser)

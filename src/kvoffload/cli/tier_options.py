@@ -63,7 +63,7 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
             default="none",
             metavar="NAME",
             help=f"the {tier} tier's own admission layer after --tier-store-threshold, one of "
-            f"{', '.join(available_admissions())} (default: none)",
+            f"{output.choices(available_admissions(), resolve_admission)} (default: none)",
         )
         group.add_argument(
             f"--{tier}-write-budget",
