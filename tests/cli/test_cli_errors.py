@@ -57,6 +57,16 @@ def test_bad_arguments(args: list[str], message: str, capsys: pytest.CaptureFixt
     assert message in one_line_error(capsys)
 
 
+@pytest.mark.parametrize("command", ["simulate", "sweep"])
+def test_an_unknown_layout_is_refused_before_the_trace_is_read(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was found only once the whole trace had been read, and named no option."""
+    missing = tmp_path / "not-there.jsonl"
+    assert main([command, "--trace", str(missing), "--layout", "gpt-9", "--no-progress"]) == 1
+    assert one_line_error(capsys).startswith("kvoffload: error: --layout: unknown KV layout")
+
+
 def test_a_missing_trace_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["simulate", "--trace", "/nonexistent/trace.jsonl", "--format", "mooncake"]
     assert main(argv) == 1

@@ -419,7 +419,7 @@ def parse_names(text: str, what: str, resolve: Callable[[str], str]) -> list[str
     return _not_empty(names, text, what)
 
 
-def check_name(name: str, what: str, resolve: Callable[[str], str]) -> None:
+def check_name(name: str, what: str, resolve: Callable[[str], object]) -> None:
     """Refuse a name ``resolve`` does not know, naming the option ``what``."""
     try:
         resolve(name)

@@ -12,6 +12,7 @@ from kvoffload.admission import available_admissions, resolve_admission
 from kvoffload.cli import observe_options, options, output, tier_options
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.core.errors import KVOffloadError
+from kvoffload.core.layout import layout_preset
 from kvoffload.policies import available_policies, resolve_policy
 from kvoffload.sim.run import RunReport, SimConfig, blocks_for_gib, simulate
 
@@ -168,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
     options.check_tracker_size_used(args, [args.store_threshold], "--store-threshold 2 or more")
     options.check_name(args.policy, "--policy", resolve_policy)
     options.check_name(args.admission, "--admission", resolve_admission)
+    if args.layout is not None:  # else the data plane's or the default model's
+        options.check_name(args.layout, "--layout", layout_preset)
     params = options.admission_param_pairs(args)
     observe_options.check_before_work(args)
     workload = options.load_workload(options.workload_source(args), args.progress)

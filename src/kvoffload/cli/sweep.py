@@ -16,6 +16,7 @@ from kvoffload.cli import options, output, tier_options
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.core.cpus import usable_cpus
 from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.layout import layout_preset
 from kvoffload.policies import available_policies, resolve_policy
 from kvoffload.sim.run import RunReport
 from kvoffload.sim.sweep import (
@@ -129,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
     policies = _distinct(policies, resolve_policy)
     admissions = options.parse_names(args.admissions, "--admissions", resolve_admission)
     admissions = _distinct(admissions, resolve_admission)
+    if args.layout is not None:
+        options.check_name(args.layout, "--layout", layout_preset)
     # Parsed once now only to refuse a bad list before the workload is built.
     capacities = len(DEFAULT_FACTORS)
     if args.cpu_blocks is not None:
