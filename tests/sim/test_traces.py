@@ -184,7 +184,10 @@ def test_format_detection(tmp_path: Path) -> None:
 
 def test_a_forced_format_that_does_not_match_is_refused(tmp_path: Path) -> None:
     mooncake = write_jsonl(tmp_path / "m.jsonl", MOONCAKE)
-    with pytest.raises(TraceFormatError, match="looks like a mooncake trace, not qwen"):
+    # It said why in one word, "(numbers)".
+    with pytest.raises(
+        TraceFormatError, match=r"looks like a mooncake trace, not qwen \(no 'chat_id', numeric"
+    ):
         read_trace(mooncake, "qwen")
     with pytest.raises(TraceFormatError, match="looks like a qwen trace, not mooncake"):
         read_trace(write_qwen_csv(tmp_path / "q.csv"), "mooncake")

@@ -94,7 +94,7 @@ def _format_of(path: Path, first: tuple[int, Mapping[str, Any]] | None) -> str:
 _TELLS = {
     "qwen": "has 'chat_id'",
     "lmbench": "string timestamps, or nanoseconds since an epoch",
-    "mooncake": "numbers",
+    "mooncake": "no 'chat_id', numeric timestamps below 10^16: Mooncake's milliseconds",
 }
 
 
