@@ -21,6 +21,7 @@ from kvoffload.sim.sweep import SweepFailed, SweepInterrupted, run_sweep, sweep_
 from kvoffload.sim.workload import Workload
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
 MakeWorkload = Callable[..., Workload]
@@ -209,10 +210,10 @@ def _small_report(make_workload: MakeWorkload) -> RunReport:
     return report
 
 
-def _bound_lines(
+def _figures(
     reports: list[RunReport], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> list[Line2D]:
-    """The lines labelled as the bound in the capacity plot :func:`plot_sweep` writes."""
+) -> list[Figure]:
+    """The figures :func:`plot_sweep` writes, capacity plot first, as saved."""
     from matplotlib.figure import Figure
 
     from kvoffload.sim.plots import plot_sweep
@@ -226,7 +227,14 @@ def _bound_lines(
 
     monkeypatch.setattr(Figure, "savefig", keep)
     plot_sweep(reports, tmp_path)
-    [axes] = saved[0].axes
+    return saved
+
+
+def _bound_lines(
+    reports: list[RunReport], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> list[Line2D]:
+    """The lines labelled as the bound in the capacity plot :func:`plot_sweep` writes."""
+    [axes] = _figures(reports, tmp_path, monkeypatch)[0].axes
     assert [t.get_text() for t in axes.get_legend().get_texts()] == [
         line.get_label() for line in axes.get_lines()
     ]
@@ -265,6 +273,44 @@ def test_the_bound_drawn_covers_every_run_of_its_capacity(
     [bound] = _bound_lines([lru, wider, arc], tmp_path, monkeypatch)
     assert list(bound.get_xdata()) == [lru.cpu_gib, wider.cpu_gib]
     assert list(bound.get_ydata()) == [0.7, 0.5]
+
+
+def test_a_long_workload_name_stays_inside_the_plot(
+    make_workload: MakeWorkload, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The default mix's name ran off both edges of the title, cut in the PNG.
+    pytest.importorskip("matplotlib")
+    name = "synthetic(agent=0.2+chat=0.4+oneshot=0.15+rag=0.25, seed=0)"
+    report = dataclasses.replace(_small_report(make_workload), workload=name)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    for figure in _figures([report], tmp_path, monkeypatch):
+        [axes] = figure.axes
+        extent = axes.title.get_window_extent(FigureCanvasAgg(figure).get_renderer())
+        assert extent.x0 >= 0 and extent.x1 <= figure.bbox.width, axes.get_title()
+        assert axes.get_title().replace("\n", " ").startswith(name)
+
+
+def test_a_legend_says_no_filter_only_where_nothing_judges_the_writes(
+    make_workload: MakeWorkload, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # "lru, no filter, filter admission" read as the filter being off.
+    pytest.importorskip("matplotlib")
+    plain = _small_report(make_workload)
+    runs = [
+        plain,
+        dataclasses.replace(plain, admission="filter"),
+        dataclasses.replace(plain, store_threshold=2),
+        dataclasses.replace(plain, store_threshold=2, admission="feedback"),
+    ]
+    for figure in _figures(runs, tmp_path, monkeypatch):
+        legend = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
+        assert legend[:4] == [
+            "lru, no filter",
+            "lru, filter admission",
+            "lru, store threshold 2",
+            "lru, store threshold 2, feedback admission",
+        ]
 
 
 def test_plotting_no_run_is_refused(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,11 +31,17 @@ def _figure() -> Any:
 
 
 def _label(report: RunReport) -> str:
-    threshold = report.store_threshold
-    admission = f"store threshold {threshold}" if threshold >= 2 else "no filter"
+    """``lru, no filter``, ``lru, store threshold 2``, ``lru, feedback admission``: "no
+    filter" only where nothing judges the writes (beside an admission layer it read as
+    that layer being off)."""
+    parts = [report.policy]
+    if report.store_threshold >= 2:
+        parts.append(f"store threshold {report.store_threshold}")
     if report.admission != "none":
-        admission += f", {report.admission} admission"
-    return f"{report.policy}, {admission}"
+        parts.append(f"{report.admission} admission")
+    if len(parts) == 1:
+        parts.append("no filter")
+    return ", ".join(parts)
 
 
 def _lines(reports: Sequence[RunReport]) -> dict[str, list[RunReport]]:
@@ -50,6 +57,15 @@ def _lines(reports: Sequence[RunReport]) -> dict[str, list[RunReport]]:
 def _floats(line: Sequence[RunReport], name: str) -> list[float]:
     values = (getattr(r, name) for r in line)
     return [float("nan") if v is None else float(v) for v in values]
+
+
+TITLE_CHARS = 64
+"""Characters of a title line that fit above the plot: a longer title (the synthetic mix's
+name, a long trace path) is wrapped, not cut off at both edges."""
+
+
+def _title(text: str) -> str:
+    return "\n".join(textwrap.wrap(text, TITLE_CHARS))
 
 
 def sweep_title(report: RunReport) -> str:
@@ -102,7 +118,7 @@ def _capacity_figure(reports: Sequence[RunReport]) -> Any:
     axes.set(
         xlabel="offload tier capacity (GiB)",
         ylabel="total hit ratio (GPU + offload)",
-        title=sweep_title(reports[0]),
+        title=_title(sweep_title(reports[0])),
     )
     axes.grid(alpha=0.3)
     axes.legend()
@@ -123,7 +139,7 @@ def _writes_figure(reports: Sequence[RunReport]) -> Any:
     axes.set(
         xlabel="offload writes per block reference",
         ylabel="total hit ratio (GPU + offload)",
-        title=f"{sweep_title(reports[0])}: each point one capacity",
+        title=_title(f"{sweep_title(reports[0])}: each point one capacity"),
     )
     axes.grid(alpha=0.3)
     axes.legend()
