@@ -46,3 +46,14 @@ def test_endpoints_on_free_ports_leave_the_result_unchanged(
     assert {k: v for k, v in a.items() if k not in drop} == {
         k: v for k, v in b.items() if k not in drop
     }
+
+
+def test_serve_after_says_why_the_command_has_not_returned(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The table was printed and the command then sat silent for --serve-after."""
+    pytest.importorskip("prometheus_client")
+    argv = [*SMALL, "--no-bound", "--metrics-port", "0", "--serve-after", "0.01"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "the endpoints stay up 0.01 s more (--serve-after; Ctrl-C ends it)" in err, err

@@ -280,4 +280,10 @@ def observing(args: argparse.Namespace, block_tokens: int) -> Iterator[Observing
             Observers(tuple(sinks), tuple(hooks), tuple(transfer_hooks)), tuple(flushes)
         )
         if args.serve_after > 0:
+            # The results are out and the command seems done: say why it has not returned.
+            print(
+                f"kvoffload: results written; the endpoints stay up {args.serve_after:g} s "
+                "more (--serve-after; Ctrl-C ends it)",
+                file=sys.stderr,
+            )
             time.sleep(args.serve_after)
