@@ -75,3 +75,11 @@ def test_no_bound_promises_no_speed_up() -> None:
     """The bound is one more pass, about a sixth of a default run, not half of it."""
     parser, _ = build_parser()
     assert "halves" not in _help(_subcommand(parser, "simulate"), "--no-bound")
+
+
+def test_trace_stats_reads_a_trace_as_simulate_does() -> None:
+    """Its --format and --block-size said nothing of the detection or the defaults."""
+    parser, _ = build_parser()
+    stats, simulate = _subcommand(parser, "trace-stats"), _subcommand(parser, "simulate")
+    assert _help(stats, "--format") == _help(simulate, "--format")
+    assert "default: the trace format's" in _help(stats, "--block-size")

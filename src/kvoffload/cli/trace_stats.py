@@ -19,10 +19,20 @@ def register(commands: Any) -> None:
         description="Summarise a trace's block references: how many repeat, how many blocks "
         "are used only once, and how far apart reuses are (in distinct blocks).",
     )
-    parser.add_argument("path", help="trace file")
-    parser.add_argument("--format", default="auto", choices=("auto", *TRACE_FORMATS))
+    parser.add_argument("path", help="trace file (JSON lines, or Qwen CSV)")
     parser.add_argument(
-        "--block-size", type=options.BLOCK_TOKENS, metavar="TOKENS", help="tokens per block"
+        "--format",
+        default="auto",
+        choices=("auto", *TRACE_FORMATS),
+        help="trace schema (default: detect; mooncake and lmbench have 512-token blocks, "
+        "qwen 16; --block-size names another)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=options.BLOCK_TOKENS,
+        metavar="TOKENS",
+        help="tokens per block: the size the trace's hash_ids were keyed with "
+        "(default: the trace format's)",
     )
     parser.add_argument("--json", metavar="PATH", help="write the statistics as JSON (- stdout)")
     options.add_progress_argument(parser)
