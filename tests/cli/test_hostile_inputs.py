@@ -25,6 +25,7 @@ from cli_helpers import one_line_error
 
 from kvoffload import CPUOffloadingManager, FilterReusedOffloadingManager, block_id_key
 from kvoffload.admission.budget import WriteBudget
+from kvoffload.admission.reuse_counts import MAX_TRACKED_KEYS
 from kvoffload.cli import options
 from kvoffload.cli.main import main
 from kvoffload.cli.output import one_line
@@ -68,6 +69,8 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
         (["--store-threshold", str(2**63)], f"--store-threshold: must be <= {2**62}"),
         (["--concurrency", "0"], "--concurrency: must be >= 1"),
         (["--max-tracker-size", "-3"], "--max-tracker-size: must be >= 1"),
+        # Refused only by the reuse filter as the run started, not naming the option.
+        (["--max-tracker-size", str(10**20)], f"--max-tracker-size: must be <= {MAX_TRACKED_KEYS}"),
         (["--prefill-tokens-per-s", "inf"], "must be a finite number"),
         (["--decode-tokens-per-s", "nan"], "must be a finite number"),
         (["--transfer-gb-per-s", "-0.5"], "must be > 0"),
@@ -190,6 +193,12 @@ def test_bad_values_found_before_work(
 def test_bad_sweep_lists(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sweep", "--requests", "20", "--jobs", "1", "--no-progress", *args]) == 1
     assert message in one_line_error(capsys)
+
+
+def test_sweep_bad_tracker_size_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """It failed the sweep's first run, after the workload was drawn."""
+    assert main(["sweep", "--thresholds", "2", "--max-tracker-size", str(10**20)]) == 2
+    assert f"--max-tracker-size: must be <= {MAX_TRACKED_KEYS}" in one_line_error(capsys)
 
 
 def test_sweep_bad_jobs_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,7 +14,7 @@ from kvoffload.admission import admission_params, parse_pairs
 from kvoffload.admission.budget import WriteBudget, parse_bytes
 from kvoffload.admission.params import read_number
 from kvoffload.admission.registry import ParamPairs
-from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD
+from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD, MAX_TRACKED_KEYS
 from kvoffload.cli import output
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.core.errors import InvalidArgumentError
@@ -68,6 +68,7 @@ def number(
 POSITIVE_INT = integer(1)
 COUNT = integer(0)
 STORE_THRESHOLD = integer(0, MAX_STORE_THRESHOLD)
+TRACKER_SIZE = integer(1, MAX_TRACKED_KEYS)
 MAX_GIB = float(2**50)
 """The largest capacity in GiB (a yobibyte): far beyond any machine, and its bytes are finite."""
 MAX_BLOCK_TOKENS = 2**20
@@ -224,7 +225,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(  # no default here: given with no store filter, it is refused
         "--max-tracker-size",
-        type=POSITIVE_INT,
+        type=TRACKER_SIZE,
         help=f"reuse filter's tracked keys (default: {DEFAULT_MAX_TRACKER_SIZE})",
     )
     group.add_argument(
