@@ -158,6 +158,9 @@ def test_minus_zero_is_zero() -> None:
         # Refused by the generator without naming the option.
         (["--mix", "chat=0"], "--mix chat=0: mix 'chat=0' gives every kind weight 0"),
         (["--mix", "video=1"], "--mix video=1: unknown workload kind 'video'"),
+        (["--mix", ","], "--mix ,: mix ',' has an entry without a kind; known: chat, rag, "),
+        (["--mix", "chat=1,"], "mix 'chat=1,' has an entry without a kind"),
+        (["--mix", "=1"], "mix '=1' has an entry without a kind"),
         (
             ["--mix", "rag=1, chat=1e309"],
             "mix weight for 'chat': must be a finite number, got '1e309'",

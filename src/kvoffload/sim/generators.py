@@ -238,6 +238,10 @@ def parse_mix(text: str) -> dict[str, float]:
     for part in text.split(","):
         name, _, weight = part.partition("=")
         name = name.strip()
+        if not name:  # "chat,": "," alone said that it named '' twice
+            raise InvalidArgumentError(
+                f"mix {text!r} has an entry without a kind; known: {', '.join(GENERATORS)}"
+            )
         if name in weights:  # the last one won, silently
             raise InvalidArgumentError(f"mix {text!r} names {name!r} twice")
         try:
