@@ -219,10 +219,10 @@ def test_parameters_reach_the_layer() -> None:
     ("name", "raw", "message"),
     [
         ("feedback", {"thresold": "0.3"}, "unknown admission parameter 'thresold'.*valid: "),
-        ("feedback", {"threshold": "1.5"}, r"'threshold' of 'feedback' must be in \[0.0, 1.0\]"),
+        ("feedback", {"threshold": "1.5"}, "'threshold' of 'feedback': must be <= 1, got 1.5"),
         ("feedback", {"root_groups": "2.5"}, "'root_groups' of 'feedback' must be an integer"),
         ("feedback", {"root_groups": True}, "'root_groups' of 'feedback' must be an integer"),
-        ("feedback", {"prior_returns": "nan"}, "'prior_returns' of 'feedback' must be a number"),
+        ("feedback", {"prior_returns": "nan"}, "'prior_returns' of 'feedback': must be a finite"),
         (
             "feedback",
             {"prior_returns": "3", "prior_outcomes": "2"},
@@ -239,6 +239,16 @@ def test_a_bad_parameter_is_one_error_naming_the_key(
 ) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
         admission_params(name, raw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("key", "text", "value"),
+    [("window_tiers", "0.01", 0.01), ("window_tiers", "1e-2", 0.01), ("hit_tolerance", "1", 1.0)],
+)
+def test_a_bound_written_out_is_in_range(key: str, text: str, value: float) -> None:
+    """Text is judged as written, against the bound as written too: the float 0.01 is
+    0.01000000000000000020..., above a written 0.01."""
+    assert getattr(admission_params("optimiser", {key: text}), key) == value
 
 
 def test_a_number_past_the_float_range_is_one_error_naming_the_key() -> None:

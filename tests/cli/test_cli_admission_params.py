@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from cli_helpers import one_line_error
 
 from kvoffload.cli.main import main
 
@@ -40,6 +41,25 @@ def test_a_bad_parameter_stops_before_the_run(
     captured = capsys.readouterr()
     assert message in captured.err and "Traceback" not in captured.err
     assert captured.out == ""
+
+
+@pytest.mark.parametrize(
+    ("param", "reason"),
+    [
+        ("threshold=-1e-400", "must be >= 0, got -1e-400"),  # its float, -0.0, passed >= 0
+        ("threshold=1e-400", "1e-400 is too small to tell from 0"),  # it ran as 0
+        ("threshold=1.00000000000000000001", "must be <= 1, got 1.00000000000000000001"),
+    ],
+)
+def test_a_number_parameter_is_judged_as_written(
+    capsys: pytest.CaptureFixture[str], param: str, reason: str
+) -> None:
+    """As every other number of the command line: its float passed the bounds."""
+    tier = ["--gpu-blocks", "1500", "--cpu-blocks", "3000", "--admission", "feedback"]
+    argv = [*SMALL, *tier, "--admission-param", param]
+    assert main(argv) == 1
+    error = one_line_error(capsys)
+    assert f"--admission-param: admission parameter 'threshold' of 'feedback': {reason}" in error
 
 
 def test_the_seed_filter_by_name_is_the_store_threshold(capsys: pytest.CaptureFixture[str]) -> None:

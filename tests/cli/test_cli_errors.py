@@ -15,6 +15,7 @@ import pytest
 from cli_helpers import one_line_error
 
 from kvoffload.cli.main import main
+from kvoffload.sim.plots import PLOT_FILES
 
 SMALL = ["simulate", "--requests", "50", "--no-progress"]
 
@@ -180,6 +181,32 @@ def test_a_failed_write_keeps_the_earlier_file_and_names_the_path(
     assert result.stderr == f"kvoffload: error: {option} {old}: cannot write: File too large\n"
     assert old.read_text() == "the earlier run\n"
     assert [p.name for p in tmp_path.iterdir()] == ["old.out"]  # no temporary file left
+
+
+def test_a_failed_plot_keeps_the_earlier_one_and_names_the_path(tmp_path: Path) -> None:
+    """A plot was saved straight to its path: a full disk (here: a file size limit) left it
+    truncated over the earlier sweep's, and the error named no path."""
+    pytest.importorskip("matplotlib")
+    plots = tmp_path / "plots"
+    plots.mkdir()
+    for name in PLOT_FILES:
+        (plots / name).write_bytes(b"the earlier plot")
+    argv = ["sweep", "--requests", "30", "--jobs", "1", "--no-progress", "--cpu-blocks", "0,50"]
+    cli = "import sys; from kvoffload.cli.main import main; sys.exit(main())"
+    result = subprocess.run(
+        [sys.executable, "-c", cli, *argv, "--plot-dir", str(plots)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        preexec_fn=_limited_file_size,
+    )
+    assert result.returncode == 1
+    first = plots / PLOT_FILES[0]
+    assert result.stderr == f"kvoffload: error: --plot-dir {first}: cannot write: File too large\n"
+    assert {p.name: p.read_bytes() for p in plots.iterdir()} == dict.fromkeys(
+        PLOT_FILES, b"the earlier plot"
+    )  # and no temporary file left
 
 
 def test_a_result_file_is_replaced_keeping_its_mode_and_links(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from cli_helpers import one_line_error
 
 from kvoffload import CPUOffloadingManager, FilterReusedOffloadingManager, block_id_key
 from kvoffload.admission.budget import WriteBudget
+from kvoffload.admission.reuse_counts import MAX_TRACKED_KEYS
 from kvoffload.cli import options
 from kvoffload.cli.main import main
 from kvoffload.cli.output import one_line
@@ -68,6 +69,8 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
         (["--store-threshold", str(2**63)], f"--store-threshold: must be <= {2**62}"),
         (["--concurrency", "0"], "--concurrency: must be >= 1"),
         (["--max-tracker-size", "-3"], "--max-tracker-size: must be >= 1"),
+        # Refused only by the reuse filter as the run started, not naming the option.
+        (["--max-tracker-size", str(10**20)], f"--max-tracker-size: must be <= {MAX_TRACKED_KEYS}"),
         (["--prefill-tokens-per-s", "inf"], "must be a finite number"),
         (["--decode-tokens-per-s", "nan"], "must be a finite number"),
         (["--transfer-gb-per-s", "-0.5"], "must be > 0"),
@@ -100,8 +103,10 @@ def test_bad_numbers_are_usage_errors(
             "--drive-bytes: must be >= 1 byte, got '-1e-400'",
         ),
         ("sweep", "--disk-write-budget", "-1e-400", 2, "--disk-write-budget: must be >= 0"),
-        ("sweep", "--cpu-gb", "-1e-400", 1, "--cpu-gb values must be finite numbers >= 0"),
-        ("sweep", "--cpu-gb", "1e-400,2", 1, "--cpu-gb value 1e-400 is too small to tell from 0"),
+        ("sweep", "--cpu-gb", "-1e-400", 1, "--cpu-gb: must be >= 0, got -1e-400"),
+        ("sweep", "--cpu-gb", "1e-400,2", 1, "--cpu-gb: 1e-400 is too small to tell from 0"),
+        ("simulate", "--mix", "rag=-1e-400", 1, "mix weight for 'rag': must be >= 0, got -1e-400"),
+        ("sweep", "--mix", "chat=1,rag=1e-400", 1, "'rag': 1e-400 is too small to tell from 0"),
         ("sweep", "--cpu-blocks", "-1,2", 1, "--cpu-blocks values must be >= 0, got -1"),
     ],
 )
@@ -147,15 +152,18 @@ def test_minus_zero_is_zero() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--mix", "chat=nan"], "--mix chat=nan: mix weight for 'chat' must be a finite"),
-        (["--mix", "chat=inf,rag=1"], "must be a finite number >= 0, got 'inf'"),
-        (["--mix", "chat=-1,rag=1"], "must be a finite number >= 0, got '-1'"),
+        (["--mix", "chat=nan"], "--mix chat=nan: mix weight for 'chat': must be a finite"),
+        (["--mix", "chat=inf,rag=1"], "must be a finite number, got 'inf'"),
+        (["--mix", "chat=-1,rag=1"], "must be >= 0, got -1"),
         # Refused by the generator without naming the option.
         (["--mix", "chat=0"], "--mix chat=0: mix 'chat=0' gives every kind weight 0"),
         (["--mix", "video=1"], "--mix video=1: unknown workload kind 'video'"),
+        (["--mix", ","], "--mix ,: mix ',' has an entry without a kind; known: chat, rag, "),
+        (["--mix", "chat=1,"], "mix 'chat=1,' has an entry without a kind"),
+        (["--mix", "=1"], "mix '=1' has an entry without a kind"),
         (
             ["--mix", "rag=1, chat=1e309"],
-            "mix weight for 'chat' must be a finite number >= 0, got '1e309'",
+            "mix weight for 'chat': must be a finite number, got '1e309'",
         ),
         (["--gpu-blocks", "1000000000000"], "GPU prefix cache of 1,000,000,000,000 blocks"),
         (["--requests", "1000000000000000"], "1,000,000,000,000,000 synthetic requests"),
@@ -173,11 +181,11 @@ def test_bad_values_found_before_work(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--cpu-gb", "1,nan"], "--cpu-gb values must be finite numbers >= 0, got nan"),
-        (["--cpu-gb", "inf"], "--cpu-gb values must be finite numbers >= 0, got inf"),
-        (["--cpu-gb", "1,1e300"], "--cpu-gb values must be <= 1,125,899,906,842,624, got 1e300"),
-        (["--cpu-gb", "1, 1e309"], "--cpu-gb values must be finite numbers >= 0, got 1e309"),
-        (["--cpu-gb", "-0.50"], "--cpu-gb values must be finite numbers >= 0, got -0.50"),
+        (["--cpu-gb", "1,nan"], "--cpu-gb: must be a finite number, got 'nan'"),
+        (["--cpu-gb", "inf"], "--cpu-gb: must be a finite number, got 'inf'"),
+        (["--cpu-gb", "1,1e300"], "--cpu-gb: must be <= 1,125,899,906,842,624, got 1e300"),
+        (["--cpu-gb", "1, 1e309"], "--cpu-gb: must be a finite number, got '1e309'"),
+        (["--cpu-gb", "-0.50"], "--cpu-gb: must be >= 0, got -0.50"),
         (["--cpu-blocks", "8,-01"], "--cpu-blocks values must be >= 0, got -01"),
         (["--cpu-blocks", "8,-1"], "--cpu-blocks values must be >= 0, got -1"),
         (["--thresholds", "0,-2"], "--thresholds values must be >= 0, got -2"),
@@ -188,6 +196,12 @@ def test_bad_values_found_before_work(
 def test_bad_sweep_lists(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sweep", "--requests", "20", "--jobs", "1", "--no-progress", *args]) == 1
     assert message in one_line_error(capsys)
+
+
+def test_sweep_bad_tracker_size_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """It failed the sweep's first run, after the workload was drawn."""
+    assert main(["sweep", "--thresholds", "2", "--max-tracker-size", str(10**20)]) == 2
+    assert f"--max-tracker-size: must be <= {MAX_TRACKED_KEYS}" in one_line_error(capsys)
 
 
 def test_sweep_bad_jobs_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -375,10 +389,7 @@ def test_library_lists_the_admission_names() -> None:
             ["--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-topic", "\udcff"],
             "--kv-events-topic must be UTF-8 text",
         ),
-        (["--metrics-port", "-1"], "metrics port must be in 0..65535, got -1"),
-        (["--metrics-port", "70000"], "metrics port must be in 0..65535, got 70000"),
         (["--serve-after", "5"], "--serve-after needs --kv-events-endpoint or --metrics-port"),
-        (["--metrics-port", "0", "--serve-after", "1e9"], "--serve-after must be at most"),
     ],
 )
 def test_bad_names_and_endpoints_are_refused_before_the_workload(
@@ -415,7 +426,12 @@ def test_bad_sweep_names_are_refused_before_the_workload(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--metrics-port", "nan"], "--metrics-port: invalid int value: 'nan'"),
+        (["--metrics-port", "nan"], "--metrics-port: expected an integer, got 'nan'"),
+        # Out of range, the port and the wait were refused after parsing, status 1, and the
+        # wait shown as its float ("got 1e+300").
+        (["--metrics-port", "-1"], "--metrics-port: must be >= 0, got -1"),
+        (["--metrics-port", "70000"], "--metrics-port: must be <= 65535, got 70000"),
+        (["--metrics-port", "0", "--serve-after", "1e300"], "must be <= 604,800, got 1e300"),
         (["--metrics-port", "0", "--serve-after", "nan"], "--serve-after: must be a finite"),
         (["--metrics-port", "0", "--serve-after", "inf"], "--serve-after: must be a finite"),
         (["--metrics-port", "0", "--serve-after", "-1"], "--serve-after: must be >= 0"),

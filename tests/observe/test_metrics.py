@@ -221,9 +221,9 @@ def test_the_shared_tiers_optimiser_is_exported_as_tier_remote(
 def test_a_bad_port_is_one_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     from kvoffload.cli.main import main
 
-    assert main(["simulate", "--requests", "5", "--metrics-port", "70000"]) != 0
+    assert main(["simulate", "--requests", "5", "--metrics-port", "70000"]) == 2
     err = capsys.readouterr().err
-    assert "metrics port" in err
+    assert "--metrics-port: must be <= 65535, got 70000" in err
     assert "Traceback" not in err
 
 

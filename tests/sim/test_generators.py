@@ -87,7 +87,7 @@ def test_mix_weights_and_errors() -> None:
     assert parse_mix("agent") == {"agent": 1.0}
     with pytest.raises(InvalidArgumentError, match="unknown workload kind 'video'"):
         generate({"video": 1})
-    with pytest.raises(InvalidArgumentError, match="not a number"):
+    with pytest.raises(InvalidArgumentError, match="'chat': expected a number, got 'lots'"):
         parse_mix("chat=lots")
     with pytest.raises(InvalidArgumentError, match="names 'chat' twice"):  # the last one won
         parse_mix("chat=1,rag=1,chat=2")
@@ -95,12 +95,21 @@ def test_mix_weights_and_errors() -> None:
         generate({"chat": 0})
 
 
-@pytest.mark.parametrize("weight", ["1e309", "-inf", "nan", "-0.5"])
-def test_a_mix_weight_out_of_range_is_refused_as_typed(weight: str) -> None:
-    """``chat=1e309`` was refused later, by generate, as "got {'chat': inf}"."""
-    with pytest.raises(
-        InvalidArgumentError, match=f"'chat' must be a finite number >= 0, got '{weight}'"
-    ):
+@pytest.mark.parametrize(
+    ("weight", "reason"),
+    [
+        ("1e309", "must be a finite number, got '1e309'"),
+        ("-inf", "must be a finite number, got '-inf'"),
+        ("nan", "must be a finite number, got 'nan'"),
+        ("-0.5", "must be >= 0, got -0.5"),
+        ("-1e-400", "must be >= 0, got -1e-400"),  # its float, -0.0, is not below 0
+        ("1e-400", "1e-400 is too small to tell from 0"),  # its float is 0
+    ],
+)
+def test_a_mix_weight_out_of_range_is_refused_as_typed(weight: str, reason: str) -> None:
+    """``chat=1e309`` was refused later, by generate, as "got {'chat': inf}"; ``-1e-400``
+    and ``1e-400`` were read as weight 0."""
+    with pytest.raises(InvalidArgumentError, match=f"mix weight for 'chat': {reason}"):
         parse_mix(f"rag=1,chat={weight}")
 
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from kvoffload.admission.params import as_written, is_finite, shown
+from kvoffload.admission.params import is_finite, read_number, shown
 from kvoffload.core.errors import InvalidArgumentError
 
 PER_REF, BYTES_PER_S, DWPD = "writes/ref", "bytes/s", "dwpd"
@@ -62,15 +62,10 @@ FORMS = (
 
 
 def _amount(text: str, what: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise InvalidArgumentError(f"{what}: must be a finite number, got {text!r}")
-    typed = as_written(text, value)
-    if typed < 0:
-        raise InvalidArgumentError(f"{what}: must be >= 0, got {text}")
-    if value == 0 and typed != 0:
-        raise InvalidArgumentError(f"{what}: {text} is too small to tell from 0")
-    return 0.0 if value == 0 else value  # -0 is 0
+    try:
+        return read_number(text, 0.0)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"{what}: {exc}") from None
 
 
 def parse_bytes(text: str | int, what: str = "a size") -> int:

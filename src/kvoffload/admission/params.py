@@ -84,7 +84,7 @@ def parse_params(cls: type[P], raw: Mapping[str, ParamValue], rule: str) -> P:
             raise InvalidArgumentError(
                 f"unknown admission parameter {key!r} for {rule!r}; valid: {valid}"
             )
-        values[key] = _convert(value, _wants_int(field), key, rule)
+        values[key] = _convert(value, field, rule)
     return cls(**values)
 
 
@@ -127,14 +127,35 @@ def is_finite(value: int | float) -> bool:
         return False
 
 
-def as_written(text: str, value: float) -> Decimal:
-    """The number ``text`` holds as written (``value`` is its float), for the checks a float
-    would pass wrongly: ``-1e-400`` is below 0, but its float, -0.0, is not; ``1e-400`` is
-    not 0, but its float is. The command line's numbers and write budgets are read with it."""
+def read_number(
+    text: str, low: float = -math.inf, high: float = math.inf, above_low: bool = False
+) -> float:
+    """The finite number ``text`` writes, in ``low``..``high`` (above ``low`` where
+    ``above_low``) as written rather than as its float: ``-1e-400`` is below 0 (its float,
+    -0.0, is not), ``1e-400`` is too small to tell from 0 (not 0), ``-0`` is 0. The one reader
+    of the command line's non-integer numbers, mix weights, admission parameters given as
+    text and write budgets; its error gives the reason, and the caller names the option."""
     try:
-        return Decimal(text)
+        value = float(text)
+    except ValueError:
+        raise InvalidArgumentError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise InvalidArgumentError(f"must be a finite number, got {text!r}")
+    try:
+        written = Decimal(text)
     except InvalidOperation:  # a spelling float() reads and Decimal() does not
-        return Decimal(value)
+        written = Decimal(value)
+    # A bound as its shortest spelling, as a user writes it: a written "0.01" would fall
+    # below the float 0.01, which is 0.01000000000000000020...
+    lowest = Decimal(repr(low))
+    if written < lowest or (above_low and written == lowest):
+        raise InvalidArgumentError(f"must be {'>' if above_low else '>='} {low:g}, got {text}")
+    if written > Decimal(repr(high)):
+        bound = f"{high:,.0f}" if float(high).is_integer() else f"{high:g}"
+        raise InvalidArgumentError(f"must be <= {bound}, got {text}")
+    if value == 0 and written != 0:
+        raise InvalidArgumentError(f"{text} is too small to tell from 0")
+    return 0.0 if value == 0 else value  # -0 is 0
 
 
 def shown(value: object) -> str:
@@ -145,11 +166,17 @@ def shown(value: object) -> str:
     return repr(value)
 
 
-def _convert(value: object, wants_int: bool, key: str, rule: str) -> int | float:
+def _convert(value: object, field: dataclasses.Field[Any], rule: str) -> int | float:
+    key, wants_int = field.name, _wants_int(field)
     kind = "an integer" if wants_int else "a number"
+    if isinstance(value, str) and not wants_int:  # as written: "-1e-400" is below 0
+        try:
+            return read_number(value, field.metadata["low"], field.metadata["high"])
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"admission parameter {key!r} of {rule!r}: {exc}") from None
     if isinstance(value, str):
         try:
-            return int(value) if wants_int else float(value)
+            return int(value)
         except ValueError:
             pass
     elif not isinstance(value, bool) and isinstance(value, int | float):

@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 
 from kvoffload.admission.compiled import compiled_summary
 from kvoffload.cli import bench, output, simulate, sweep, trace_stats
-from kvoffload.cli.interrupts import sigterm_as_interrupt
+from kvoffload.cli.interrupts import one_interrupt
 from kvoffload.core.errors import KVOffloadError
 from kvoffload.integrations.vllm.versions import (
     SUPPORTED,
@@ -189,7 +189,12 @@ def _error(message: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
-    args_list = list(sys.argv[1:] if argv is None else argv)
+    with one_interrupt():
+        return _run(list(sys.argv[1:] if argv is None else argv))
+
+
+def _run(args_list: list[str]) -> int:
+    """The command line's exit status, every error reported on one line of stderr."""
     try:
         parser, transfer = build_parser()
         if args_list[:2] == ["bench", "transfer"]:
@@ -211,8 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for option in ("json", "csv"):
             if output.names_standard_output(getattr(args, option, None)):
                 setattr(args, option, "-")
-        with sigterm_as_interrupt():
-            status: int = args.run(args)
+        status: int = args.run(args)
         return status
     except KVOffloadError as exc:
         _error(str(exc))

@@ -20,7 +20,7 @@ from types import ModuleType
 from typing import Any
 
 from kvoffload.admission import AdmissionLayer, find_admission
-from kvoffload.cli.options import number
+from kvoffload.cli.options import integer, number
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.manager import OffloadingManager
 from kvoffload.core.tier_protocol import LowerTier
@@ -31,6 +31,8 @@ from kvoffload.sim.tier_model import recovery_counts
 
 MAX_SERVE_AFTER = 7 * 24 * 3600.0
 """A week: longer is surely a typo (and beyond what ``time.sleep`` takes on some systems)."""
+MAX_PORT = 65535
+"""The largest TCP port: a --metrics-port or an endpoint's."""
 
 ENDPOINT_SCHEMES = ("tcp://", "ipc://")
 """ZMQ transports a subscriber in another process can reach."""
@@ -57,16 +59,17 @@ def add_observe_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--metrics-port",
-        type=int,
+        type=integer(0, MAX_PORT),
         metavar="PORT",
-        help="serve Prometheus metrics on 127.0.0.1:PORT during the replay",
+        help="serve Prometheus metrics on 127.0.0.1:PORT during the replay (0: any free port)",
     )
     group.add_argument(
         "--serve-after",
-        type=number(0.0),
+        type=number(0.0, maximum=MAX_SERVE_AFTER),
         default=0.0,
         metavar="SECONDS",
-        help="keep the events and metrics endpoints up this long after the replay (default: 0)",
+        help="keep the events and metrics endpoints up this long after the replay, at most a "
+        f"week ({MAX_SERVE_AFTER:.0f}) (default: 0)",
     )
 
 
@@ -87,17 +90,10 @@ def check_before_work(args: argparse.Namespace) -> None:
     events, replay = args.kv_events_endpoint, args.kv_events_replay_endpoint
     if replay and not events:
         raise InvalidArgumentError("--kv-events-replay-endpoint needs --kv-events-endpoint")
-    if args.serve_after > MAX_SERVE_AFTER:
-        raise InvalidArgumentError(
-            f"--serve-after must be at most {MAX_SERVE_AFTER:g} seconds (a week), "
-            f"got {args.serve_after:g}"
-        )
     if args.serve_after > 0 and not events and args.metrics_port is None:
         raise InvalidArgumentError("--serve-after needs --kv-events-endpoint or --metrics-port")
     port = args.metrics_port
     if port is not None:
-        if not 0 <= port <= 65535:
-            raise InvalidArgumentError(f"metrics port must be in 0..65535, got {port}")
         _check_free("127.0.0.1", port, f"--metrics-port {port}")
     if events and events == replay and not events.endswith(CHOSEN_AT_RUN_TIME):
         raise InvalidArgumentError(
@@ -136,7 +132,7 @@ def _check_endpoint(endpoint: str, option: str) -> None:
         )
     if port_text == "*":
         return
-    if not port_text.isdigit() or int(port_text) > 65535:
+    if not port_text.isdigit() or int(port_text) > MAX_PORT:
         raise InvalidArgumentError(
             f"{option} {endpoint!r}: the port must be 0..65535 or *, got {port_text!r}"
         )

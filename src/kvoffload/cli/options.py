@@ -12,9 +12,9 @@ from typing import TypeVar
 
 from kvoffload.admission import admission_params, parse_pairs
 from kvoffload.admission.budget import WriteBudget, parse_bytes
-from kvoffload.admission.params import as_written
+from kvoffload.admission.params import read_number
 from kvoffload.admission.registry import ParamPairs
-from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD
+from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD, MAX_TRACKED_KEYS
 from kvoffload.cli import output
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.core.errors import InvalidArgumentError
@@ -53,25 +53,14 @@ def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
 def number(
     minimum: float, allow_minimum: bool = True, maximum: float = math.inf
 ) -> Callable[[str], float]:
-    """An argparse ``type``: a finite number >= (or >) ``minimum`` and <= ``maximum``; nan
-    and inf are refused."""
-    relation = ">=" if allow_minimum else ">"
+    """An argparse ``type``: a finite number >= (or >) ``minimum`` and <= ``maximum``, as
+    written (:func:`~kvoffload.admission.params.read_number`)."""
 
     def parse(text: str) -> float:
         try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-        typed = as_written(text, value)
-        if typed < minimum or (typed == minimum and not allow_minimum):
-            raise argparse.ArgumentTypeError(f"must be {relation} {minimum:g}, got {text}")
-        if value > maximum:
-            raise argparse.ArgumentTypeError(f"must be <= {maximum:,.0f}, got {text}")
-        if value == 0 and typed != 0:
-            raise argparse.ArgumentTypeError(f"{text} is too small to tell from 0")
-        return 0.0 if value == 0 else value  # -0 is 0
+            return read_number(text, minimum, maximum, above_low=not allow_minimum)
+        except InvalidArgumentError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
     return parse
 
@@ -79,6 +68,7 @@ def number(
 POSITIVE_INT = integer(1)
 COUNT = integer(0)
 STORE_THRESHOLD = integer(0, MAX_STORE_THRESHOLD)
+TRACKER_SIZE = integer(1, MAX_TRACKED_KEYS)
 MAX_GIB = float(2**50)
 """The largest capacity in GiB (a yobibyte): far beyond any machine, and its bytes are finite."""
 MAX_BLOCK_TOKENS = 2**20
@@ -236,7 +226,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(  # no default here: given with no store filter, it is refused
         "--max-tracker-size",
-        type=POSITIVE_INT,
+        type=TRACKER_SIZE,
         help=f"reuse filter's tracked keys (default: {DEFAULT_MAX_TRACKER_SIZE})",
     )
     group.add_argument(
@@ -367,26 +357,15 @@ def parse_ints(text: str, what: str, minimum: int = 0, maximum: int | None = Non
 
 
 def parse_floats(text: str, what: str, maximum: float = math.inf) -> list[float]:
-    """A comma-separated list of finite numbers >= 0 (and <= ``maximum``), e.g. ``"0,16,32.5"``;
-    a value out of range is named as typed (``1e309``, not the ``inf`` it reads as)."""
-    try:
-        values = [(part, float(part)) for part in _parts(text)]
-    except ValueError:
-        raise InvalidArgumentError(
-            f"{what} must be comma-separated numbers, got {text!r}"
-        ) from None
-    bad = next(
-        (part for part, v in values if not math.isfinite(v) or as_written(part, v) < 0), None
-    )
-    if bad is not None:
-        raise InvalidArgumentError(f"{what} values must be finite numbers >= 0, got {bad}")
-    big = next((part for part, v in values if v > maximum), None)
-    if big is not None:
-        raise InvalidArgumentError(f"{what} values must be <= {maximum:,.0f}, got {big}")
-    tiny = next((part for part, v in values if v == 0 and as_written(part, v) != 0), None)
-    if tiny is not None:
-        raise InvalidArgumentError(f"{what} value {tiny} is too small to tell from 0")
-    return _not_empty([0.0 if v == 0 else v for _, v in values], text, what)  # -0 is 0
+    """A comma-separated list of finite numbers >= 0 (and <= ``maximum``), e.g. ``"0,16,32.5"``,
+    each read as written (``1e309``, not the ``inf`` it reads as)."""
+    values = []
+    for part in _parts(text):
+        try:
+            values.append(read_number(part, 0.0, maximum))
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"{what}: {exc}") from None
+    return _not_empty(values, text, what)
 
 
 def add_admission_param_argument(group: argparse._ArgumentGroup) -> None:

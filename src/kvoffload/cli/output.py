@@ -234,18 +234,24 @@ class OutputError(KVOffloadError):
 
 
 def _write_text(path: str, text: str, option: str) -> None:
-    """Write ``text`` whole or not at all: into a new file beside ``path``, synced, then
-    renamed over it, so a failed write leaves an earlier file as it was. A device or a
-    pipe (``/dev/stdout``) is written in place: it cannot be renamed over."""
+    """Write ``text`` to ``path`` as :func:`write_file` does; ``-`` is standard output."""
     if path == "-":
         sys.stdout.write(text)
         return
+    write_file(path, text.encode("utf-8"), option)
+
+
+def write_file(path: str, data: bytes, option: str) -> None:
+    """Write ``data`` whole or not at all: into a new file beside ``path``, synced, then
+    renamed over it, so a failed write leaves an earlier file as it was. A device or a
+    pipe (``/dev/stdout``) is written in place: it cannot be renamed over. Every result
+    file of the command line is written here; an error names ``option`` and ``path``."""
     try:
         if os.path.exists(path) and not os.path.isfile(path):
-            Path(path).write_text(text, encoding="utf-8")
+            Path(path).write_bytes(data)
             return
         # Through a symbolic link, the file it names is replaced (the link stays).
-        _replace(os.path.realpath(path), text.encode("utf-8"))
+        _replace(os.path.realpath(path), data)
     except OSError as exc:
         raise OutputError(f"{option} {path}: cannot write: {exc.strerror or exc}") from None
 

@@ -169,12 +169,16 @@ def run(args: argparse.Namespace) -> int:
     if args.plot_dir:
         from kvoffload.sim.plots import plot_sweep
 
-        plots = plot_sweep(reports, args.plot_dir)
+        plots = plot_sweep(reports, args.plot_dir, _write_plot)
     if "-" not in (args.json, args.csv):
         print(format_sweep(reports))
         for path in plots:
             print(f"plot: {path}")
     return 0
+
+
+def _write_plot(path: Path, png: bytes) -> None:
+    output.write_file(str(path), png, "--plot-dir")
 
 
 def _write(args: argparse.Namespace, reports: list[RunReport]) -> None:

@@ -31,6 +31,7 @@ import random
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
+from kvoffload.admission.params import read_number
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey, block_id_key
 from kvoffload.core.memory import check_fits
@@ -228,26 +229,25 @@ _MEAN_SESSION_REQUESTS = {"chat": 3.5, "rag": 1.0, "agent": 7.5, "oneshot": 1.0}
 
 def parse_mix(text: str) -> dict[str, float]:
     """Parse ``"chat=0.5,rag=0.5"`` (or a single kind name, ``"rag"``) into weights; a
-    weight that is not a finite number >= 0 is refused as typed (``1e309``, not ``inf``),
-    and so are an unknown kind and weights that are all zero."""
+    weight that is not a finite number >= 0 as written is refused as typed (``1e309``, not
+    ``inf``; ``-1e-400``, not the -0.0 it reads as), and so are an unknown kind and weights
+    that are all zero."""
     if not isinstance(text, str):
         raise InvalidArgumentError(f"a mix is text such as 'chat=0.5,rag=0.5', got {text!r}")
     weights: dict[str, float] = {}
     for part in text.split(","):
         name, _, weight = part.partition("=")
         name = name.strip()
+        if not name:  # "chat,": "," alone said that it named '' twice
+            raise InvalidArgumentError(
+                f"mix {text!r} has an entry without a kind; known: {', '.join(GENERATORS)}"
+            )
         if name in weights:  # the last one won, silently
             raise InvalidArgumentError(f"mix {text!r} names {name!r} twice")
         try:
-            weights[name] = float(weight) if weight else 1.0
-        except ValueError:
-            raise InvalidArgumentError(
-                f"mix weight for {name!r} is not a number: {weight!r}"
-            ) from None
-        if not (math.isfinite(weights[name]) and weights[name] >= 0):
-            raise InvalidArgumentError(
-                f"mix weight for {name!r} must be a finite number >= 0, got {weight.strip()!r}"
-            )
+            weights[name] = read_number(weight.strip(), 0.0) if weight else 1.0
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"mix weight for {name!r}: {exc}") from None
     # Refused here as well as by generate, so that the CLI's message names --mix.
     unknown = sorted(set(weights) - set(GENERATORS))
     if unknown:

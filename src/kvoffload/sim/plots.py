@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -146,8 +147,15 @@ def _writes_figure(reports: Sequence[RunReport]) -> Any:
     return figure
 
 
-def plot_sweep(reports: Sequence[RunReport], out_dir: str | Path) -> list[Path]:
-    """Write :data:`PLOT_FILES` into ``out_dir``; return their paths."""
+def plot_sweep(
+    reports: Sequence[RunReport],
+    out_dir: str | Path,
+    write: Callable[[Path, bytes], object] = Path.write_bytes,
+) -> list[Path]:
+    """Write :data:`PLOT_FILES` into ``out_dir`` with ``write(path, png)``; return their
+    paths. The command line passes a ``write`` that replaces a file whole or not at all:
+    saved straight to its path, a plot cut short (a full disk, Ctrl-C) stayed truncated,
+    over the earlier sweep's."""
     if not reports:
         raise InvalidArgumentError("a plot needs at least one run")
     out = Path(out_dir)
@@ -155,5 +163,7 @@ def plot_sweep(reports: Sequence[RunReport], out_dir: str | Path) -> list[Path]:
     paths = [out / CAPACITY_PLOT, out / WRITES_PLOT]
     figures = [_capacity_figure(reports), _writes_figure(reports)]
     for figure, path in zip(figures, paths, strict=True):
-        figure.savefig(path, dpi=120)
+        png = io.BytesIO()
+        figure.savefig(png, format="png", dpi=120)
+        write(path, png.getvalue())
     return paths

@@ -1,0 +1,78 @@
+"""Ctrl-C pressed twice: the first stops the command, the second does not cut its cleanup
+short. Each case runs the command in its own process, whose signals it sends to itself at
+a chosen point, so where each lands does not depend on timing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# ``bench tiers`` interrupts itself once its scratch directory holds a file (Ctrl-C during
+# the benchmark), and again where ``second`` says: as the scratch is being removed, or as
+# the command writes that it was interrupted.
+SCRIPT = """
+import os, shutil, signal, sys
+from kvoffload.cli.main import main
+from kvoffload.tiers import bench
+
+signal.signal(signal.SIGINT, {sigint})
+
+def interrupt():
+    os.kill(os.getpid(), signal.SIGINT)
+
+def interrupted_measure(data, scratch, *rest):
+    (scratch / "payload").write_bytes(b"x")
+    interrupt()
+    return bench.measure_disk_unpatched(data, scratch, *rest)
+
+def rmtree_interrupted(path, *args, **kwargs):
+    if {second!r} == "cleanup":
+        interrupt()
+    shutil.rmtree(path, *args, **kwargs)
+
+class InterruptedStderr:
+    def write(self, text):
+        if {second!r} == "message":
+            interrupt()
+        return sys.__stderr__.write(text)
+
+    def __getattr__(self, name):
+        return getattr(sys.__stderr__, name)
+
+bench.measure_disk_unpatched = bench.measure_disk
+bench.measure_disk = interrupted_measure
+bench.shutil = type("Shutil", (), {{"rmtree": staticmethod(rmtree_interrupted)}})
+sys.stderr = InterruptedStderr()
+sys.exit(main(["bench", "tiers", "--blocks", "2", "--block-mib", "0.01", "--rounds", "1",
+               "--dir", sys.argv[1], "--json", sys.argv[2]]))
+"""
+
+
+def _bench(tmp_path: Path, sigint: str, second: str = "") -> subprocess.CompletedProcess[str]:
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    script = SCRIPT.format(sigint=sigint, second=second)
+    argv = [sys.executable, "-c", script, str(scratch), str(tmp_path / "bench.json")]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.mark.parametrize("second", ["cleanup", "message"])
+def test_a_second_ctrl_c_is_ignored(tmp_path: Path, second: str) -> None:
+    """The second Ctrl-C landed in the first one's unwinding: it cut short the removal of
+    the benchmark's scratch directory, which stayed in ``--dir``, or, after the one line,
+    escaped as a traceback."""
+    result = _bench(tmp_path, "signal.default_int_handler", second)  # a terminal's child
+    assert (result.returncode, result.stderr) == (130, "kvoffload: interrupted\n")
+    assert list((tmp_path / "scratch").iterdir()) == []
+    assert not (tmp_path / "bench.json").exists()
+
+
+def test_ctrl_c_ignored_by_the_shell_stays_ignored(tmp_path: Path) -> None:
+    """A background job (``nohup ... &``) starts with Ctrl-C ignored: the command keeps it so."""
+    result = _bench(tmp_path, "signal.SIG_IGN")
+    assert (result.returncode, result.stderr) == (0, "")
+    assert list((tmp_path / "scratch").iterdir()) == []
+    assert (tmp_path / "bench.json").exists()
