@@ -1,6 +1,7 @@
 """Ctrl-C pressed twice: the first stops the command, the second does not cut its cleanup
-short. Each case runs the command in its own process, whose signals it sends to itself at
-a chosen point, so where each lands does not depend on timing."""
+short; a third quits at once. Each case runs the command in its own process, whose
+signals it sends to itself at a chosen point, so where each lands does not depend on
+timing."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from kvoffload.cli.interrupts import STOPPING as STOPPING_BYTES
+
+STOPPING = STOPPING_BYTES.decode()
 
 # ``bench tiers`` interrupts itself once its scratch directory holds a file (Ctrl-C during
 # the benchmark), and again where ``second`` says: as the scratch is being removed, or as
@@ -29,13 +34,18 @@ def interrupted_measure(data, scratch, *rest):
     return bench.measure_disk_unpatched(data, scratch, *rest)
 
 def rmtree_interrupted(path, *args, **kwargs):
-    if {second!r} == "cleanup":
+    if {second!r} in ("cleanup", "cleanup twice"):
+        interrupt()
+    if {second!r} == "cleanup twice":
         interrupt()
     shutil.rmtree(path, *args, **kwargs)
 
 class InterruptedStderr:
+    pending = {second!r} == "message"
+
     def write(self, text):
-        if {second!r} == "message":
+        if self.pending:
+            InterruptedStderr.pending = False
             interrupt()
         return sys.__stderr__.write(text)
 
@@ -60,14 +70,23 @@ def _bench(tmp_path: Path, sigint: str, second: str = "") -> subprocess.Complete
 
 
 @pytest.mark.parametrize("second", ["cleanup", "message"])
-def test_a_second_ctrl_c_is_ignored(tmp_path: Path, second: str) -> None:
+def test_a_second_ctrl_c_does_not_cut_the_cleanup_short(tmp_path: Path, second: str) -> None:
     """The second Ctrl-C landed in the first one's unwinding: it cut short the removal of
     the benchmark's scratch directory, which stayed in ``--dir``, or, after the one line,
     escaped as a traceback."""
     result = _bench(tmp_path, "signal.default_int_handler", second)  # a terminal's child
-    assert (result.returncode, result.stderr) == (130, "kvoffload: interrupted\n")
+    assert result.returncode == 130
+    assert result.stderr == STOPPING + "kvoffload: interrupted\n"
     assert list((tmp_path / "scratch").iterdir()) == []
     assert not (tmp_path / "bench.json").exists()
+
+
+def test_a_third_ctrl_c_quits_at_once(tmp_path: Path) -> None:
+    """The way out of a cleanup that hangs: the scratch is left as it was."""
+    result = _bench(tmp_path, "signal.default_int_handler", "cleanup twice")
+    assert (result.returncode, result.stderr) == (130, STOPPING)
+    (left,) = (tmp_path / "scratch").iterdir()
+    assert [path.name for path in left.iterdir()] == ["payload"]
 
 
 def test_ctrl_c_ignored_by_the_shell_stays_ignored(tmp_path: Path) -> None:

@@ -8,35 +8,47 @@ unwinds as Ctrl-C does: workers stopped, finished runs kept, one line, status 13
 
 A second Ctrl-C (an impatient user presses it twice) used to land in that
 unwinding: it cut the cleanup short (a scratch directory stayed) or escaped as a
-traceback after the ``interrupted`` line. After the first, later ones are ignored.
+traceback after the ``interrupted`` line. The second now only says that the command is
+cleaning up; a third quits at once (status 130), the way out of a cleanup that hangs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Iterator
 from types import FrameType
 
+STOPPING = b"kvoffload: stopping, cleaning up; interrupt once more to quit at once\n"
+"""Written on the second interrupt, straight to the descriptor: a handler may run while
+the main thread is inside a write to ``sys.stderr``, which must not be re-entered."""
+
+INTERRUPTS_TO_QUIT = 3
+"""The interrupt that ends the process at once, cleanup or not."""
+
 
 @contextlib.contextmanager
 def one_interrupt() -> Iterator[None]:
     """Within the block, the first SIGTERM or Ctrl-C raises :class:`KeyboardInterrupt` in
-    the main thread and later ones are ignored, up to the process's exit once one came.
-    Ctrl-C is left alone where it is not Python's own (ignored in a background job, or
-    handled by a program that embeds the command); off the main thread, signal handlers
-    are not ours to set."""
+    the main thread, the second only says so on stderr and the third quits at once,
+    up to the process's exit once one came. Ctrl-C is left alone where it is not
+    Python's own (ignored in a background job, or handled by a program that embeds the
+    command); off the main thread, signal handlers are not ours to set."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    received = False
+    received = 0
 
     def interrupt(signum: int, frame: FrameType | None) -> None:
         nonlocal received
-        if not received:
-            received = True
+        received += 1
+        if received == 1:
             raise KeyboardInterrupt
+        if received >= INTERRUPTS_TO_QUIT:
+            os._exit(130)
+        os.write(2, STOPPING)
 
     signals = [signal.SIGTERM]
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
@@ -45,6 +57,7 @@ def one_interrupt() -> Iterator[None]:
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            # After an interrupt the process is ending: its exit is not cut short either.
-            signal.signal(signum, signal.SIG_IGN if received else handler)
+        if not received:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        # Else the process is ending: its exit is not cut short by the next one either.
