@@ -9,6 +9,8 @@ free, scratch arrays reallocated under the call that was reading them).
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compiled import needs
+from compiled import NOT_BUILT, needs
 from kvoffload.admission.ghost import CompiledGhostRecords, GhostRecords
 from kvoffload.admission.minisim import (
     CompiledARCMiniTier,
@@ -449,3 +451,112 @@ def test_ghost_records_and_counts_over_colliding_keys_decide_as_their_python_twi
         assert len(ghost) == len(ghost_table)
         assert [key in ghost for key in UNIVERSE] == [key in ghost_table for key in UNIVERSE]
         assert list(counts.counts.items()) == list(counts_table.counts.items())
+
+
+CHANGES_ITS_LIST = """
+import sys
+from kvoffload.admission.ghost import CompiledGhostRecords
+from kvoffload.admission.minisim import (
+    CompiledARCMiniTier, CompiledLRUMiniTier, CompiledS3FIFOMiniTier,
+    CompiledSIEVEMiniTier, CompiledSLRUMiniTier,
+)
+from kvoffload.admission.reuse_counts import CompiledReuseCounts
+
+
+class Empties:
+    # Empties the list it is in (once) from its __hash__, __bool__ or __contains__.
+    def __init__(self, position):
+        self.position, self.items = position, None
+
+    def within(self, items):
+        items.insert(self.position if self.position >= 0 else len(items), self)
+        self.items = items
+        return items
+
+    def empty(self):
+        items, self.items = self.items, None
+        if items is not None:
+            items[:] = [None] * 3
+
+    def __hash__(self):
+        self.empty()
+        return 5
+
+    def __bool__(self):
+        self.empty()
+        return True
+
+    def __contains__(self, key):
+        self.empty()
+        return True
+
+
+def keys(position):
+    # 200 keys that only the list holds, and the key that empties it.
+    return Empties(position).within([i.to_bytes(2, "big") * 20 for i in range(200)])
+
+
+def flags(position):
+    return Empties(position).within([False] * 200)
+
+
+factories = {
+    "lru": CompiledLRUMiniTier, "s3fifo": CompiledS3FIFOMiniTier, "arc": CompiledARCMiniTier,
+    "sieve": CompiledSIEVEMiniTier, "slru": CompiledSLRUMiniTier,
+}
+name = sys.argv[1]
+for position in (0, -1):
+    if name == "ghost":
+        ghost = CompiledGhostRecords(300)
+        assert ghost.add_all(keys(position), 1) == []
+        assert ghost.take_all(keys(position)) == [1] * 200
+    elif name == "counts":
+        counts = CompiledReuseCounts(300)
+        counts.count(keys(position))
+        counts.count_shielded(keys(position))
+        assert len(counts.at_least(keys(position), 2)) == 200
+    else:
+        tier = factories[name](300)
+        assert tier.store(keys(position)) == 201
+        tier.touch(keys(position))
+        assert len(tier.held_among(keys(position))) == 200
+        assert tier.leading_held(keys(position)) == (0 if position == 0 else 200)
+        tier = factories[name](300)
+        assert tier.store(keys(-1)[:201], flags(position)) == 201
+        at = Empties(position).within([0] * 200)
+        assert tier.store_admitted(keys(-1)[:200], at, at.pop(position), 0) == 0
+        if name == "lru":
+            full = factories[name](200)
+            assert full.store(keys(-1)[:200]) == 200
+            assert full.store([b"new"], (), keys(position)) == 1
+            admitted = Empties(position).within(keys(-1)[:150])
+            assert 0 <= full.store_offer(keys(position), admitted, keys(position)) <= 151
+print("whole")
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "compiled"),
+    [
+        ("lru", CompiledLRUMiniTier),
+        ("s3fifo", CompiledS3FIFOMiniTier),
+        ("arc", CompiledARCMiniTier),
+        ("sieve", CompiledSIEVEMiniTier),
+        ("slru", CompiledSLRUMiniTier),
+        ("ghost", CompiledGhostRecords),
+        ("counts", CompiledReuseCounts),
+    ],
+)
+def test_a_table_reads_the_list_it_was_given_though_a_key_empties_it(
+    name: str, compiled: object
+) -> None:
+    """A key's ``__hash__`` (a gap flag's ``__bool__``, ``keep``'s ``__contains__``) empties
+    the list the call is reading: the call read the list's own item array, freed by then,
+    and kept its keys borrowed (a crash). It reads what it was given; in a child process,
+    which that crash killed."""
+    if compiled is None:
+        pytest.skip(NOT_BUILT)
+    child = subprocess.run(
+        [sys.executable, "-c", CHANGES_ITS_LIST, name], capture_output=True, text=True, timeout=120
+    )
+    assert (child.returncode, child.stdout.strip()) == (0, "whole"), child.stderr[-2000:]

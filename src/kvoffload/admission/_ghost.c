@@ -37,7 +37,7 @@ ghost_add_all(GhostTable *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "Ol|L:add_all", &keys, &tag, &clock)) {
         return NULL;
     }
-    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
+    PyObject *fast = recency_sequence(keys, "keys must be a sequence");
     if (fast == NULL) {
         return NULL;
     }
@@ -79,7 +79,7 @@ ghost_add_all(GhostTable *self, PyObject *args)
 static PyObject *
 ghost_take_all(GhostTable *self, PyObject *keys)
 {
-    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
+    PyObject *fast = recency_sequence(keys, "keys must be a sequence");
     if (fast == NULL) {
         return NULL;
     }

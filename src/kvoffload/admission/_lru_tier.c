@@ -281,7 +281,7 @@ done:
 static PyObject *
 tier_touch(LRUTier *self, PyObject *keys)
 {
-    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
+    PyObject *fast = recency_sequence(keys, "keys must be a sequence");
     if (fast == NULL) {
         return NULL;
     }

@@ -127,7 +127,7 @@ as_items(PyObject *arg, const char *what, PyObject **holder, PyObject ***items, 
     if (arg == NULL) {
         return 0;
     }
-    PyObject *fast = PySequence_Fast(arg, what);
+    PyObject *fast = recency_sequence(arg, what);
     if (fast == NULL) {
         return -1;
     }
@@ -142,7 +142,7 @@ as_items(PyObject *arg, const char *what, PyObject **holder, PyObject ***items, 
 static inline Py_ssize_t
 leading_run(Recency *r, const unsigned char *flags, PyObject *keys, unsigned char stop)
 {
-    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
+    PyObject *fast = recency_sequence(keys, "keys must be a sequence");
     if (fast == NULL) {
         return -1;
     }
@@ -166,7 +166,7 @@ leading_run(Recency *r, const unsigned char *flags, PyObject *keys, unsigned cha
 static inline PyObject *
 held_among(Recency *r, PyObject *keys)
 {
-    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
+    PyObject *fast = recency_sequence(keys, "keys must be a sequence");
     if (fast == NULL) {
         return NULL;
     }

@@ -261,7 +261,7 @@ done:
 static PyObject *
 pending_tier_touch(PendingTier *self, PyObject *keys)
 {
-    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
+    PyObject *fast = recency_sequence(keys, "keys must be a sequence");
     if (fast == NULL) {
         return NULL;
     }

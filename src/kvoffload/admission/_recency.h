@@ -294,6 +294,25 @@ recency_keys(Recency *r)
     return result;
 }
 
+/* ``arg``'s items as PySequence_Fast gives them, in a list or tuple that only this call
+ * holds, or NULL with TypeError (``message``). PySequence_Fast hands back a list argument
+ * itself, and Python code run mid-call (a key's ``__hash__``, ``__eq__`` or ``__del__``, a
+ * gap flag's ``__bool__``, ``keep``'s ``__contains__``) may change that list: its item
+ * array was freed under the loop reading it, and keys kept borrowed were freed before the
+ * table took them. A caller's list is read from a tuple copy; any other argument is a
+ * tuple already or copied by PySequence_Fast. */
+static inline PyObject *
+recency_sequence(PyObject *arg, const char *message)
+{
+    PyObject *fast = PySequence_Fast(arg, message);
+    if (fast != arg || !PyList_CheckExact(fast)) {
+        return fast;
+    }
+    PyObject *copy = PyList_AsTuple(fast);
+    Py_DECREF(fast);
+    return copy;
+}
+
 /* Raise kvoffload's InvalidArgumentError (a ValueError) with ``message``. */
 static inline void
 recency_invalid(const char *message)

@@ -49,7 +49,7 @@ count_one(ReuseCounter *self, PyObject *key)
 static PyObject *
 counter_count(ReuseCounter *self, PyObject *keys)
 {
-    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
+    PyObject *fast = recency_sequence(keys, "keys must be a sequence");
     if (fast == NULL) {
         return NULL;
     }
@@ -70,7 +70,7 @@ counter_count(ReuseCounter *self, PyObject *keys)
 static PyObject *
 counter_count_shielded(ReuseCounter *self, PyObject *keys)
 {
-    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
+    PyObject *fast = recency_sequence(keys, "keys must be a sequence");
     if (fast == NULL) {
         return NULL;
     }
@@ -137,7 +137,7 @@ counter_at_least(ReuseCounter *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "OL:at_least", &keys, &threshold)) {
         return NULL;
     }
-    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
+    PyObject *fast = recency_sequence(keys, "keys must be a sequence");
     if (fast == NULL) {
         return NULL;
     }
