@@ -9,8 +9,10 @@ free, scratch arrays reallocated under the call that was reading them).
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -560,3 +562,52 @@ def test_a_table_reads_the_list_it_was_given_though_a_key_empties_it(
         [sys.executable, "-c", CHANGES_ITS_LIST, name], capture_output=True, text=True, timeout=120
     )
     assert (child.returncode, child.stdout.strip()) == (0, "whole"), child.stderr[-2000:]
+
+
+def holding_itself(factory: Any, push_out: bool = False) -> Callable[[], Any]:
+    """A table of ``factory`` that holds a key ``(table,)``, which refers back to it; with
+    ``push_out``, pushed from the held keys into the tier's ghost table (S3-FIFO's, ARC's
+    B1) by later stores."""
+
+    def make() -> Any:
+        table = factory(2)
+        key = (table,)
+        if isinstance(table, GhostRecords):
+            table.add_all([key], 1)
+        elif isinstance(table, ReuseCounts):
+            table.count([key])
+        else:
+            table.store([key])
+        if push_out:
+            table.store([b"a"])
+            table.store([b"b", b"c"])
+            assert key not in table
+        return table
+
+    return make
+
+
+CYCLES = [
+    pytest.param(holding_itself(factory, push_out), marks=needs(factory), id=name)
+    for name, factory, push_out in [
+        ("lru", CompiledLRUMiniTier, False),
+        ("s3fifo", CompiledS3FIFOMiniTier, False),
+        ("s3fifo-ghost", CompiledS3FIFOMiniTier, True),
+        ("arc", CompiledARCMiniTier, False),
+        ("arc-b1", CompiledARCMiniTier, True),
+        ("sieve", CompiledSIEVEMiniTier, False),
+        ("slru", CompiledSLRUMiniTier, False),
+        ("ghost", CompiledGhostRecords, False),
+        ("counts", CompiledReuseCounts, False),
+    ]
+]
+
+
+@pytest.mark.parametrize("make", CYCLES)
+def test_a_table_whose_key_refers_back_to_it_is_collected(make: Callable[[], Any]) -> None:
+    """A table and its key ``(table,)`` refer to each other. A tuple has no clear of its
+    own, so only the table's breaks the cycle: tables the collector did not know of were
+    never freed, with every key they held."""
+    gone = weakref.ref(make())
+    gc.collect()
+    assert gone() is None

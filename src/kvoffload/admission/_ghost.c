@@ -148,9 +148,28 @@ ghost_memory_bytes(GhostTable *self, void *Py_UNUSED(closure))
     return PyLong_FromSsize_t(recency_bytes(&self->r) + self->r.capacity * per_node);
 }
 
+static int
+ghost_traverse(GhostTable *self, visitproc visit, void *arg)
+{
+    return recency_traverse(&self->r, visit, arg);
+}
+
+static void
+ghost_empty(PyObject *op)
+{
+    recency_clear(&((GhostTable *)op)->r);
+}
+
+static int
+ghost_clear(GhostTable *self)
+{
+    return recency_object_clear((PyObject *)self, ghost_empty);
+}
+
 static void
 ghost_dealloc(GhostTable *self)
 {
+    PyObject_GC_UnTrack(self);
     recency_free(&self->r);
     PyMem_Free(self->tag);
     PyMem_Free(self->clock);
@@ -207,8 +226,10 @@ static PyTypeObject GhostTableType = {
     .tp_basicsize = sizeof(GhostTable),
     .tp_dealloc = (destructor)ghost_dealloc,
     .tp_as_sequence = &recency_as_sequence,
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "At most capacity ghost records (key -> tag, clock), oldest first, in C.",
+    .tp_traverse = (traverseproc)ghost_traverse,
+    .tp_clear = (inquiry)ghost_clear,
     .tp_methods = ghost_methods,
     .tp_getset = ghost_getset,
     .tp_new = ghost_new,

@@ -319,9 +319,33 @@ tier_free_buffers(LRUTier *self)
     PyMem_Free(self->guarded.node);
 }
 
+static int
+tier_traverse(LRUTier *self, visitproc visit, void *arg)
+{
+    return recency_traverse(&self->r, visit, arg);
+}
+
+static void
+tier_empty(PyObject *op)
+{
+    LRUTier *self = (LRUTier *)op;
+    if (self->flags != NULL) {
+        memset(self->flags, 0, (size_t)self->r.capacity);
+    }
+    self->guarded.len = 0;
+    recency_clear(&self->r);
+}
+
+static int
+tier_clear(LRUTier *self)
+{
+    return recency_object_clear((PyObject *)self, tier_empty);
+}
+
 static void
 tier_dealloc(LRUTier *self)
 {
+    PyObject_GC_UnTrack(self);
     tier_free_buffers(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -393,8 +417,10 @@ static PyTypeObject LRUTierType = {
     .tp_basicsize = sizeof(LRUTier),
     .tp_dealloc = (destructor)tier_dealloc,
     .tp_as_sequence = &recency_as_sequence,
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "An LRU mini-tier of capacity keys (no data): LRUMiniTier's decisions in C.",
+    .tp_traverse = (traverseproc)tier_traverse,
+    .tp_clear = (inquiry)tier_clear,
     .tp_methods = tier_methods,
     .tp_members = tier_members,
     .tp_getset = tier_getset,

@@ -63,6 +63,25 @@ pending_tier_free(PendingTier *self)
     PyMem_Free(self->unsettled.node);
 }
 
+/* Visit the held keys (a type with ghost tables visits those too). */
+static inline int
+pending_tier_traverse(PendingTier *self, visitproc visit, void *arg)
+{
+    return recency_traverse(&self->r, visit, arg);
+}
+
+/* Hold no key (the collector's clear; a type with ghost tables or lists of its own resets
+ * those too). */
+static inline void
+pending_tier_empty(PendingTier *self)
+{
+    if (self->flags != NULL) {
+        memset(self->flags, 0, (size_t)self->r.capacity);
+    }
+    self->guarded.len = self->unsettled.len = 0;
+    recency_clear(&self->r);
+}
+
 /* The last store's blocks are written (the generic tier's ``_settle``). */
 static inline void
 pending_tier_settle(PendingTier *self)

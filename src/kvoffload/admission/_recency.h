@@ -51,6 +51,19 @@ recency_spread(Py_hash_t hash)
     return (size_t)h;
 }
 
+/* No key held: every slot empty, every node free (the keys' references are the caller's). */
+static inline void
+recency_reset(Recency *r)
+{
+    r->size = 0;
+    r->oldest = r->newest = NONE;
+    memset(r->table, 0xff, (r->mask + 1) * sizeof(Py_ssize_t));
+    for (Py_ssize_t node = 0; node < r->capacity; node++) {
+        r->next[node] = node + 1 < r->capacity ? node + 1 : NONE;
+    }
+    r->free_list = 0;
+}
+
 /* 0, or -1 with MemoryError set (the caller then frees with recency_free). */
 static inline int
 recency_init(Recency *r, Py_ssize_t capacity)
@@ -60,9 +73,7 @@ recency_init(Recency *r, Py_ssize_t capacity)
         slots <<= 1;
     }
     r->capacity = capacity;
-    r->size = 0;
     r->mask = slots - 1;
-    r->oldest = r->newest = NONE;
     r->table = PyMem_Malloc(slots * sizeof(Py_ssize_t));
     r->key = PyMem_Calloc((size_t)capacity, sizeof(PyObject *));
     r->hash = PyMem_Malloc((size_t)capacity * sizeof(Py_hash_t));
@@ -72,11 +83,7 @@ recency_init(Recency *r, Py_ssize_t capacity)
         PyErr_NoMemory();
         return -1;
     }
-    memset(r->table, 0xff, slots * sizeof(Py_ssize_t));
-    for (Py_ssize_t node = 0; node < capacity; node++) {
-        r->next[node] = node + 1 < capacity ? node + 1 : NONE;
-    }
-    r->free_list = 0;
+    recency_reset(r);
     return 0;
 }
 
@@ -96,6 +103,31 @@ recency_free(Recency *r)
     PyMem_Free(r->prev);
     PyMem_Free(r->next);
     memset(r, 0, sizeof(*r));
+}
+
+/* Visit every key ``r`` holds, for the cyclic garbage collector: a key may be any hashable
+ * object, one that refers back to its table too, a cycle that reference counts never free. */
+static inline int
+recency_traverse(const Recency *r, visitproc visit, void *arg)
+{
+    for (Py_ssize_t node = 0; r->key != NULL && node < r->capacity; node++) {
+        Py_VISIT(r->key[node]);
+    }
+    return 0;
+}
+
+/* Empty ``r`` (the collector's clear): the table is reset first, then the keys released,
+ * whose release may run their ``__del__`` (see recency_object_clear). */
+static inline void
+recency_clear(Recency *r)
+{
+    if (!r->table || !r->key || !r->hash || !r->prev || !r->next) {
+        return; /* never made whole: no key was held */
+    }
+    recency_reset(r);
+    for (Py_ssize_t node = 0; node < r->capacity; node++) {
+        Py_CLEAR(r->key[node]);
+    }
 }
 
 /* Linear probing over ``slots`` (``mask + 1`` of them, each an index into ``keys`` and
@@ -534,6 +566,20 @@ recency_leave(PyObject *self)
         recency_leave(self);                                                          \
         return result;                                                                \
     }
+
+/* The collector's tp_clear of a table type: ``empty`` resets what the type keeps about its
+ * nodes and empties its tables, as the only call in progress, so that a released key's
+ * ``__del__`` finds the table refusing calls rather than half emptied. */
+static inline int
+recency_object_clear(PyObject *self, void (*empty)(PyObject *))
+{
+    RecencyObject *table = (RecencyObject *)self;
+    int in_call = table->in_call;
+    table->in_call = 1;
+    empty(self);
+    table->in_call = in_call;
+    return 0;
+}
 
 static inline Py_ssize_t
 recency_object_len(PyObject *self)

@@ -180,9 +180,33 @@ counter_items(ReuseCounter *self, PyObject *Py_UNUSED(ignored))
     return result;
 }
 
+static int
+counter_traverse(ReuseCounter *self, visitproc visit, void *arg)
+{
+    return recency_traverse(&self->r, visit, arg);
+}
+
+static void
+counter_empty(PyObject *op)
+{
+    ReuseCounter *self = (ReuseCounter *)op;
+    if (self->flags != NULL) {
+        memset(self->flags, 0, (size_t)self->r.capacity);
+    }
+    self->shielded.len = 0;
+    recency_clear(&self->r);
+}
+
+static int
+counter_clear(ReuseCounter *self)
+{
+    return recency_object_clear((PyObject *)self, counter_empty);
+}
+
 static void
 counter_dealloc(ReuseCounter *self)
 {
+    PyObject_GC_UnTrack(self);
     recency_free(&self->r);
     PyMem_Free(self->count);
     PyMem_Free(self->flags);
@@ -260,8 +284,10 @@ static PyTypeObject ReuseCounterType = {
     .tp_basicsize = sizeof(ReuseCounter),
     .tp_dealloc = (destructor)counter_dealloc,
     .tp_as_sequence = &recency_as_sequence,
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "Counts of at most max_keys keys, least recently counted leaving first, in C.",
+    .tp_traverse = (traverseproc)counter_traverse,
+    .tp_clear = (inquiry)counter_clear,
     .tp_methods = counter_methods,
     .tp_getset = counter_getset,
     .tp_new = counter_new,
