@@ -4,7 +4,9 @@ Offload keys are bytes, hashed and compared in C; any other hashable key runs it
 ``__hash__`` and ``__eq__`` mid-call, as do a store's gap flags. A table must stay whole
 whatever that code does: raise (a node left in the table but on no list was later
 unlinked at index -1, out of bounds), or call the table again (a node added with none
-free, scratch arrays reallocated under the call that was reading them).
+free, scratch arrays reallocated under the call that was reading them), change the list
+the call reads, or refer back to the table (a cycle the collector must see). The sampling
+helper beside them refuses arguments it could only wrap.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,6 +34,7 @@ from kvoffload.admission.minisim import (
     LRUMiniTier,
     MiniTier,
     S3FIFOMiniTier,
+    sampled_positions,
 )
 from kvoffload.admission.reuse_counts import CompiledReuseCounts, ReuseCounts
 from kvoffload.policies.arc import ARCCachePolicy
@@ -611,3 +615,23 @@ def test_a_table_whose_key_refers_back_to_it_is_collected(make: Callable[[], Any
     gone = weakref.ref(make())
     gc.collect()
     assert gone() is None
+
+
+@needs(sampled_positions)
+@pytest.mark.parametrize("mask", [-1, 2**64, 2**64 + 1])
+def test_sampling_refuses_a_mask_beyond_64_bits(mask: int) -> None:
+    """A mask of no 64-bit value was wrapped into one (-1 into every bit, 2**64 + 1 into
+    1), and other keys sampled than the numpy path, which refuses it, would take."""
+    assert sampled_positions is not None
+    hashes = np.array([0, 1, 2, 2**63], dtype=np.uint64)
+    assert sampled_positions(hashes, (0, 1, 2**64 - 1)) == [[0, 1, 2, 3], [0, 2, 3], [0]]
+    with pytest.raises(OverflowError):
+        sampled_positions(hashes, (0, mask))
+
+
+@needs(sampled_positions)
+def test_sampling_refuses_hashes_that_are_not_64_bits_each() -> None:
+    """A buffer of 12 bytes was read as one hash, its last 4 bytes dropped unseen."""
+    assert sampled_positions is not None
+    with pytest.raises(ValueError, match="not 64-bit hashes"):
+        sampled_positions(np.zeros(3, dtype=np.uint32), (0,))

@@ -230,6 +230,25 @@ seen_at_least(PyObject *Py_UNUSED(module), PyObject *args)
     return result;
 }
 
+/* ``value`` as a 64-bit mask, or -1 with OverflowError where it is negative or wider: such
+ * a mask was wrapped into another one (-1 into every bit), which sampled other keys; the
+ * numpy path refuses it too. */
+static int
+as_mask(PyObject *value, uint64_t *mask)
+{
+    PyObject *index = PyNumber_Index(value);
+    if (index == NULL) {
+        return -1;
+    }
+    unsigned long long bits = PyLong_AsUnsignedLongLong(index);
+    Py_DECREF(index);
+    if (bits == (unsigned long long)-1 && PyErr_Occurred()) {
+        return -1;
+    }
+    *mask = bits;
+    return 0;
+}
+
 /* Per mask (each a superset of the bits of the one before), the positions of the hashes
  * whose masked bits are all zero: the mini-simulations' sampled keys at each rate. */
 static PyObject *
@@ -243,12 +262,17 @@ sampled_positions(PyObject *Py_UNUSED(module), PyObject *args)
     if (PyObject_GetBuffer(hashes_arg, &view, PyBUF_SIMPLE) < 0) {
         return NULL;
     }
+    if (view.len % (Py_ssize_t)sizeof(uint64_t)) {
+        PyErr_SetString(PyExc_ValueError, "sampled_positions: hashes are not 64-bit hashes");
+        PyBuffer_Release(&view);
+        return NULL;
+    }
     Py_ssize_t n = view.len / (Py_ssize_t)sizeof(uint64_t), levels = PyTuple_GET_SIZE(masks);
     const uint64_t *hashes = view.buf;
     PyObject *result = PyList_New(levels);
     for (Py_ssize_t level = 0; result != NULL && level < levels; level++) {
-        uint64_t mask = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(masks, level));
-        PyObject *picked = PyErr_Occurred() ? NULL : PyList_New(0);
+        uint64_t mask;
+        PyObject *picked = as_mask(PyTuple_GET_ITEM(masks, level), &mask) < 0 ? NULL : PyList_New(0);
         for (Py_ssize_t i = 0; picked != NULL && i < n; i++) {
             if (hashes[i] & mask) {
                 continue;
