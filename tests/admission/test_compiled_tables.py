@@ -16,6 +16,7 @@ import subprocess
 import sys
 import weakref
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compiled import NOT_BUILT, needs
+from kvoffload.admission.compiled import compiled_modules
 from kvoffload.admission.ghost import CompiledGhostRecords, GhostRecords
 from kvoffload.admission.minisim import (
     CompiledARCMiniTier,
@@ -635,3 +637,26 @@ def test_sampling_refuses_hashes_that_are_not_64_bits_each() -> None:
     assert sampled_positions is not None
     with pytest.raises(ValueError, match="not 64-bit hashes"):
         sampled_positions(np.zeros(3, dtype=np.uint32), (0,))
+
+
+def test_the_stubs_declare_each_compiled_signature() -> None:
+    """mypy reads the ``.pyi`` stubs, not the C: stubs that named positional-only
+    parameters let ``ghost.expire(before=3)`` pass the type check and raise TypeError in C.
+    stubtest holds each stub to the signature its C docstring declares; the mini-tiers'
+    operations are declared once, in the Python classes the compiled ones mix in."""
+    stubtest = pytest.importorskip("mypy.stubtest")
+    modules = [f"kvoffload.admission.{name}" for name in compiled_modules()]
+    if not modules:
+        pytest.skip(NOT_BUILT)
+    options = ["--concise", "--ignore-missing-stub"]
+    if hasattr(stubtest.parse_options([]), "ignore_disjoint_bases"):
+        # PEP 800's mark, which newer mypy asks of a C type's stub, is no signature.
+        options.append("--ignore-disjoint-bases")
+    checked = subprocess.run(
+        [sys.executable, "-m", "mypy.stubtest", *modules, *options],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -238,7 +238,7 @@ static PyTypeObject ARCTierType = {
     .tp_dealloc = (destructor)tier_dealloc,
     .tp_as_sequence = &recency_as_sequence,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "An ARC mini-tier of capacity keys (no data): the generic tier's decisions in C.",
+    .tp_doc = "ARCTier(capacity, pending=True)\n--\n\nAn ARC mini-tier of capacity keys (no data): the generic tier's decisions in C.",
     .tp_traverse = (traverseproc)tier_traverse,
     .tp_clear = (inquiry)tier_clear,
     .tp_methods = pending_tier_methods,

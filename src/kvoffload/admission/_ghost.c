@@ -207,10 +207,10 @@ RECENCY_GUARDED(ghost_records)
 
 static PyMethodDef ghost_methods[] = {
     {"add_all", (PyCFunction)ghost_add_all_guarded, METH_VARARGS,
-     "add_all(keys, tag, clock=0) -> pushed-out tags (see GhostRecords.add_all)."},
-    {"take_all", (PyCFunction)ghost_take_all_guarded, METH_O, "Forget the recorded keys; their tags."},
-    {"expire", (PyCFunction)ghost_expire_guarded, METH_O, "Drop records made before a clock; their tags."},
-    {"records", (PyCFunction)ghost_records_guarded, METH_NOARGS, "(key, tag, clock) records, oldest first."},
+     "add_all($self, keys, tag, clock=0, /)\n--\n\nThe pushed-out tags (see GhostRecords.add_all)."},
+    {"take_all", (PyCFunction)ghost_take_all_guarded, METH_O, "take_all($self, keys, /)\n--\n\nForget the recorded keys; their tags."},
+    {"expire", (PyCFunction)ghost_expire_guarded, METH_O, "expire($self, before, /)\n--\n\nDrop records made before a clock; their tags."},
+    {"records", (PyCFunction)ghost_records_guarded, METH_NOARGS, "records($self, /)\n--\n\n(key, tag, clock) records, oldest first."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -227,7 +227,7 @@ static PyTypeObject GhostTableType = {
     .tp_dealloc = (destructor)ghost_dealloc,
     .tp_as_sequence = &recency_as_sequence,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "At most capacity ghost records (key -> tag, clock), oldest first, in C.",
+    .tp_doc = "GhostTable(capacity)\n--\n\nAt most capacity ghost records (key -> tag, clock), oldest first, in C.",
     .tp_traverse = (traverseproc)ghost_traverse,
     .tp_clear = (inquiry)ghost_clear,
     .tp_methods = ghost_methods,

@@ -258,12 +258,12 @@ RECENCY_GUARDED(counter_get)
 RECENCY_GUARDED(counter_items)
 
 static PyMethodDef counter_methods[] = {
-    {"count", (PyCFunction)counter_count_guarded, METH_O, "Count each key once more, in order."},
+    {"count", (PyCFunction)counter_count_guarded, METH_O, "count($self, keys, /)\n--\n\nCount each key once more, in order."},
     {"count_shielded", (PyCFunction)counter_count_shielded_guarded, METH_O,
-     "Count keys once each, tracked keys first (see ReuseCounts.count_shielded)."},
-    {"at_least", (PyCFunction)counter_at_least_guarded, METH_VARARGS, "The keys counted at least threshold times."},
-    {"get", (PyCFunction)counter_get_guarded, METH_O, "A key's count (0 if not tracked)."},
-    {"items", (PyCFunction)counter_items_guarded, METH_NOARGS, "(key, count) pairs, least recently counted first."},
+     "count_shielded($self, keys, /)\n--\n\nCount keys once each, tracked keys first (see ReuseCounts.count_shielded)."},
+    {"at_least", (PyCFunction)counter_at_least_guarded, METH_VARARGS, "at_least($self, keys, threshold, /)\n--\n\nThe keys counted at least threshold times."},
+    {"get", (PyCFunction)counter_get_guarded, METH_O, "get($self, key, /)\n--\n\nA key's count (0 if not tracked)."},
+    {"items", (PyCFunction)counter_items_guarded, METH_NOARGS, "items($self, /)\n--\n\n(key, count) pairs, least recently counted first."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -285,7 +285,7 @@ static PyTypeObject ReuseCounterType = {
     .tp_dealloc = (destructor)counter_dealloc,
     .tp_as_sequence = &recency_as_sequence,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "Counts of at most max_keys keys, least recently counted leaving first, in C.",
+    .tp_doc = "ReuseCounter(max_keys)\n--\n\nCounts of at most max_keys keys, least recently counted leaving first, in C.",
     .tp_traverse = (traverseproc)counter_traverse,
     .tp_clear = (inquiry)counter_clear,
     .tp_methods = counter_methods,

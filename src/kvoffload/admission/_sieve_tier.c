@@ -134,7 +134,7 @@ static PyTypeObject SIEVETierType = {
     .tp_dealloc = (destructor)tier_dealloc,
     .tp_as_sequence = &recency_as_sequence,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "A SIEVE mini-tier of capacity keys (no data): the generic tier's decisions in C.",
+    .tp_doc = "SIEVETier(capacity, pending=True)\n--\n\nA SIEVE mini-tier of capacity keys (no data): the generic tier's decisions in C.",
     .tp_traverse = (traverseproc)tier_traverse,
     .tp_clear = (inquiry)tier_clear,
     .tp_methods = pending_tier_methods,

@@ -294,13 +294,13 @@ sampled_positions(PyObject *Py_UNUSED(module), PyObject *args)
 }
 
 static PyMethodDef sketch_methods[] = {
-    {"hash_keys", hash_keys, METH_O, "hash_keys(keys) -> bytes: each key's 64-bit hash, native order."},
-    {"increment", increment, METH_VARARGS, "increment(table, hashes, bits): one sighting of each hash."},
-    {"estimate", estimate, METH_VARARGS, "estimate(table, hashes, bits) -> bytes: sightings per hash."},
+    {"hash_keys", hash_keys, METH_O, "hash_keys($module, keys, /)\n--\n\nEach key's 64-bit hash, native order, as bytes."},
+    {"increment", increment, METH_VARARGS, "increment($module, table, hashes, bits, /)\n--\n\nOne sighting of each hash."},
+    {"estimate", estimate, METH_VARARGS, "estimate($module, table, hashes, bits, /)\n--\n\nSightings per hash, as bytes."},
     {"seen_at_least", seen_at_least, METH_VARARGS,
-     "seen_at_least(table, hashes, bits, threshold) -> list[bool]: estimate >= threshold, per hash."},
+     "seen_at_least($module, table, hashes, bits, threshold, /)\n--\n\nPer hash, whether its estimate reaches threshold."},
     {"sampled_positions", sampled_positions, METH_VARARGS,
-     "sampled_positions(hashes, masks) -> list[list[int]]: per mask, positions of hashes & mask == 0."},
+     "sampled_positions($module, hashes, masks, /)\n--\n\nPer mask, the positions of the hashes with hash & mask == 0."},
     {NULL, NULL, 0, NULL},
 };
 
