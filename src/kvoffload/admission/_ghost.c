@@ -37,12 +37,12 @@ ghost_add_all(GhostTable *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "Ol|L:add_all", &keys, &tag, &clock)) {
         return NULL;
     }
-    PyObject *fast = recency_sequence(keys, "keys must be a sequence");
-    if (fast == NULL) {
+    HeldItems held;
+    if (held_take(&held, keys, "keys must be a sequence") < 0) {
         return NULL;
     }
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = held.item;
+    Py_ssize_t n = held.len;
     PyObject *pushed = PyList_New(0);
     for (Py_ssize_t i = 0; pushed != NULL && i < n; i++) {
         Py_hash_t hash;
@@ -71,7 +71,7 @@ ghost_add_all(GhostTable *self, PyObject *args)
         self->tag[node] = tag;
         self->clock[node] = clock;
     }
-    Py_DECREF(fast);
+    held_release(&held);
     return pushed;
 }
 
@@ -79,12 +79,12 @@ ghost_add_all(GhostTable *self, PyObject *args)
 static PyObject *
 ghost_take_all(GhostTable *self, PyObject *keys)
 {
-    PyObject *fast = recency_sequence(keys, "keys must be a sequence");
-    if (fast == NULL) {
+    HeldItems held;
+    if (held_take(&held, keys, "keys must be a sequence") < 0) {
         return NULL;
     }
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = held.item;
+    Py_ssize_t n = held.len;
     PyObject *taken = PyList_New(0);
     for (Py_ssize_t i = 0; taken != NULL && self->r.size && i < n; i++) {
         Py_ssize_t node = recency_find(&self->r, items[i], NULL);
@@ -98,7 +98,7 @@ ghost_take_all(GhostTable *self, PyObject *keys)
             }
         }
     }
-    Py_DECREF(fast);
+    held_release(&held);
     return taken;
 }
 

@@ -326,23 +326,72 @@ recency_keys(Recency *r)
     return result;
 }
 
-/* ``arg``'s items as PySequence_Fast gives them, in a list or tuple that only this call
- * holds, or NULL with TypeError (``message``). PySequence_Fast hands back a list argument
- * itself, and Python code run mid-call (a key's ``__hash__``, ``__eq__`` or ``__del__``, a
- * gap flag's ``__bool__``, ``keep``'s ``__contains__``) may change that list: its item
- * array was freed under the loop reading it, and keys kept borrowed were freed before the
- * table took them. A caller's list is read from a tuple copy; any other argument is a
- * tuple already or copied by PySequence_Fast. */
-static inline PyObject *
-recency_sequence(PyObject *arg, const char *message)
+/* A sequence argument's items, held by the call. Python code the call runs (a key's
+ * ``__hash__``, ``__eq__`` or ``__del__``, a gap flag's ``__bool__``, ``keep``'s
+ * ``__contains__``) may change a list argument: the list's own item array, which
+ * PySequence_Fast hands out, was freed under the loop reading it, and keys kept borrowed
+ * were freed before the table took them. The call holds a reference to each item, in place
+ * (most calls have no more than HELD_IN_PLACE) or in an array of its own: no object is
+ * made per call (a tuple copy would be one, and count towards the next collection). */
+#define HELD_IN_PLACE 64
+
+typedef struct {
+    PyObject **item;
+    Py_ssize_t len;
+    PyObject *in_place[HELD_IN_PLACE];
+} HeldItems;
+
+/* Nothing held yet (``held_release`` does nothing). */
+static inline void
+held_none(HeldItems *held)
 {
-    PyObject *fast = PySequence_Fast(arg, message);
-    if (fast != arg || !PyList_CheckExact(fast)) {
-        return fast;
+    held->item = held->in_place;
+    held->len = 0;
+}
+
+/* Hold ``arg``'s items (none where ``arg`` is NULL, an argument not given); 0, or -1 with
+ * TypeError (``message``) or MemoryError; ``held_release`` is safe either way. */
+static inline int
+held_take(HeldItems *held, PyObject *arg, const char *message)
+{
+    held_none(held);
+    if (arg == NULL) {
+        return 0;
     }
-    PyObject *copy = PyList_AsTuple(fast);
+    PyObject *fast = PySequence_Fast(arg, message);
+    if (fast == NULL) {
+        return -1;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if (n > HELD_IN_PLACE && (held->item = PyMem_New(PyObject *, (size_t)n)) == NULL) {
+        held->item = held->in_place;
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_INCREF(items[i]);
+        held->item[i] = items[i];
+    }
+    held->len = n;
     Py_DECREF(fast);
-    return copy;
+    return 0;
+}
+
+/* Drop the call's references (the last one to an item may run its ``__del__``). */
+static inline void
+held_release(HeldItems *held)
+{
+    PyObject **item = held->item;
+    Py_ssize_t n = held->len;
+    held_none(held);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_DECREF(item[i]);
+    }
+    if (item != held->in_place) {
+        PyMem_Free(item);
+    }
 }
 
 /* Raise kvoffload's InvalidArgumentError (a ValueError) with ``message``. */

@@ -49,19 +49,19 @@ count_one(ReuseCounter *self, PyObject *key)
 static PyObject *
 counter_count(ReuseCounter *self, PyObject *keys)
 {
-    PyObject *fast = recency_sequence(keys, "keys must be a sequence");
-    if (fast == NULL) {
+    HeldItems held;
+    if (held_take(&held, keys, "keys must be a sequence") < 0) {
         return NULL;
     }
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = held.item;
+    Py_ssize_t n = held.len;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (count_one(self, items[i]) < 0) {
-            Py_DECREF(fast);
+            held_release(&held);
             return NULL;
         }
     }
-    Py_DECREF(fast);
+    held_release(&held);
     Py_RETURN_NONE;
 }
 
@@ -70,12 +70,12 @@ counter_count(ReuseCounter *self, PyObject *keys)
 static PyObject *
 counter_count_shielded(ReuseCounter *self, PyObject *keys)
 {
-    PyObject *fast = recency_sequence(keys, "keys must be a sequence");
-    if (fast == NULL) {
+    HeldItems held;
+    if (held_take(&held, keys, "keys must be a sequence") < 0) {
         return NULL;
     }
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = held.item;
+    Py_ssize_t n = held.len;
     PyObject *result = NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t node = recency_find(&self->r, items[i], NULL);
@@ -119,7 +119,7 @@ counter_count_shielded(ReuseCounter *self, PyObject *keys)
     Py_INCREF(result);
 done:
     marked_clear(&self->shielded, self->flags, SHIELDED);
-    Py_DECREF(fast);
+    held_release(&held);
     return result;
 }
 
@@ -137,12 +137,12 @@ counter_at_least(ReuseCounter *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "OL:at_least", &keys, &threshold)) {
         return NULL;
     }
-    PyObject *fast = recency_sequence(keys, "keys must be a sequence");
-    if (fast == NULL) {
+    HeldItems held;
+    if (held_take(&held, keys, "keys must be a sequence") < 0) {
         return NULL;
     }
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = held.item;
+    Py_ssize_t n = held.len;
     PyObject *result = PyList_New(0);
     for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
         Py_ssize_t node = recency_find(&self->r, items[i], NULL);
@@ -150,7 +150,7 @@ counter_at_least(ReuseCounter *self, PyObject *args)
             Py_CLEAR(result);
         }
     }
-    Py_DECREF(fast);
+    held_release(&held);
     return result;
 }
 
