@@ -4,19 +4,28 @@ Offload keys are bytes, hashed and compared in C; any other hashable key runs it
 ``__hash__`` and ``__eq__`` mid-call, as do a store's gap flags. A table must stay whole
 whatever that code does: raise (a node left in the table but on no list was later
 unlinked at index -1, out of bounds), or call the table again (a node added with none
-free, scratch arrays reallocated under the call that was reading them).
+free, scratch arrays reallocated under the call that was reading them), change the list
+the call reads, or refer back to the table (a cycle the collector must see). The sampling
+helper beside them refuses arguments it could only wrap.
 """
 
 from __future__ import annotations
 
+import gc
+import subprocess
+import sys
+import weakref
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compiled import needs
+from compiled import NOT_BUILT, needs
+from kvoffload.admission.compiled import compiled_modules
 from kvoffload.admission.ghost import CompiledGhostRecords, GhostRecords
 from kvoffload.admission.minisim import (
     CompiledARCMiniTier,
@@ -27,6 +36,7 @@ from kvoffload.admission.minisim import (
     LRUMiniTier,
     MiniTier,
     S3FIFOMiniTier,
+    sampled_positions,
 )
 from kvoffload.admission.reuse_counts import CompiledReuseCounts, ReuseCounts
 from kvoffload.policies.arc import ARCCachePolicy
@@ -449,3 +459,204 @@ def test_ghost_records_and_counts_over_colliding_keys_decide_as_their_python_twi
         assert len(ghost) == len(ghost_table)
         assert [key in ghost for key in UNIVERSE] == [key in ghost_table for key in UNIVERSE]
         assert list(counts.counts.items()) == list(counts_table.counts.items())
+
+
+CHANGES_ITS_LIST = """
+import sys
+from kvoffload.admission.ghost import CompiledGhostRecords
+from kvoffload.admission.minisim import (
+    CompiledARCMiniTier, CompiledLRUMiniTier, CompiledS3FIFOMiniTier,
+    CompiledSIEVEMiniTier, CompiledSLRUMiniTier,
+)
+from kvoffload.admission.reuse_counts import CompiledReuseCounts
+
+
+class Empties:
+    # Empties the list it is in (once) from its __hash__, __bool__ or __contains__.
+    def __init__(self, position):
+        self.position, self.items = position, None
+
+    def within(self, items):
+        items.insert(self.position if self.position >= 0 else len(items), self)
+        self.items = items
+        return items
+
+    def empty(self):
+        items, self.items = self.items, None
+        if items is not None:
+            items[:] = [None] * 3
+
+    def __hash__(self):
+        self.empty()
+        return 5
+
+    def __bool__(self):
+        self.empty()
+        return True
+
+    def __contains__(self, key):
+        self.empty()
+        return True
+
+
+def keys(position):
+    # 200 keys that only the list holds, and the key that empties it.
+    return Empties(position).within([i.to_bytes(2, "big") * 20 for i in range(200)])
+
+
+def flags(position):
+    return Empties(position).within([False] * 200)
+
+
+factories = {
+    "lru": CompiledLRUMiniTier, "s3fifo": CompiledS3FIFOMiniTier, "arc": CompiledARCMiniTier,
+    "sieve": CompiledSIEVEMiniTier, "slru": CompiledSLRUMiniTier,
+}
+name = sys.argv[1]
+for position in (0, -1):
+    if name == "ghost":
+        ghost = CompiledGhostRecords(300)
+        assert ghost.add_all(keys(position), 1) == []
+        assert ghost.take_all(keys(position)) == [1] * 200
+    elif name == "counts":
+        counts = CompiledReuseCounts(300)
+        counts.count(keys(position))
+        counts.count_shielded(keys(position))
+        assert len(counts.at_least(keys(position), 2)) == 200
+    else:
+        tier = factories[name](300)
+        assert tier.store(keys(position)) == 201
+        tier.touch(keys(position))
+        assert len(tier.held_among(keys(position))) == 200
+        assert tier.leading_held(keys(position)) == (0 if position == 0 else 200)
+        tier = factories[name](300)
+        assert tier.store(keys(-1)[:201], flags(position)) == 201
+        at = Empties(position).within([0] * 200)
+        assert tier.store_admitted(keys(-1)[:200], at, at.pop(position), 0) == 0
+        if name == "lru":
+            full = factories[name](200)
+            assert full.store(keys(-1)[:200]) == 200
+            assert full.store([b"new"], (), keys(position)) == 1
+            admitted = Empties(position).within(keys(-1)[:150])
+            assert 0 <= full.store_offer(keys(position), admitted, keys(position)) <= 151
+print("whole")
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "compiled"),
+    [
+        ("lru", CompiledLRUMiniTier),
+        ("s3fifo", CompiledS3FIFOMiniTier),
+        ("arc", CompiledARCMiniTier),
+        ("sieve", CompiledSIEVEMiniTier),
+        ("slru", CompiledSLRUMiniTier),
+        ("ghost", CompiledGhostRecords),
+        ("counts", CompiledReuseCounts),
+    ],
+)
+def test_a_table_reads_the_list_it_was_given_though_a_key_empties_it(
+    name: str, compiled: object
+) -> None:
+    """A key's ``__hash__`` (a gap flag's ``__bool__``, ``keep``'s ``__contains__``) empties
+    the list the call is reading: the call read the list's own item array, freed by then,
+    and kept its keys borrowed (a crash). It reads what it was given; in a child process,
+    which that crash killed."""
+    if compiled is None:
+        pytest.skip(NOT_BUILT)
+    child = subprocess.run(
+        [sys.executable, "-c", CHANGES_ITS_LIST, name], capture_output=True, text=True, timeout=120
+    )
+    assert (child.returncode, child.stdout.strip()) == (0, "whole"), child.stderr[-2000:]
+
+
+def holding_itself(factory: Any, push_out: bool = False) -> Callable[[], Any]:
+    """A table of ``factory`` that holds a key ``(table,)``, which refers back to it; with
+    ``push_out``, pushed from the held keys into the tier's ghost table (S3-FIFO's, ARC's
+    B1) by later stores."""
+
+    def make() -> Any:
+        table = factory(2)
+        key = (table,)
+        if isinstance(table, GhostRecords):
+            table.add_all([key], 1)
+        elif isinstance(table, ReuseCounts):
+            table.count([key])
+        else:
+            table.store([key])
+        if push_out:
+            table.store([b"a"])
+            table.store([b"b", b"c"])
+            assert key not in table
+        return table
+
+    return make
+
+
+CYCLES = [
+    pytest.param(holding_itself(factory, push_out), marks=needs(factory), id=name)
+    for name, factory, push_out in [
+        ("lru", CompiledLRUMiniTier, False),
+        ("s3fifo", CompiledS3FIFOMiniTier, False),
+        ("s3fifo-ghost", CompiledS3FIFOMiniTier, True),
+        ("arc", CompiledARCMiniTier, False),
+        ("arc-b1", CompiledARCMiniTier, True),
+        ("sieve", CompiledSIEVEMiniTier, False),
+        ("slru", CompiledSLRUMiniTier, False),
+        ("ghost", CompiledGhostRecords, False),
+        ("counts", CompiledReuseCounts, False),
+    ]
+]
+
+
+@pytest.mark.parametrize("make", CYCLES)
+def test_a_table_whose_key_refers_back_to_it_is_collected(make: Callable[[], Any]) -> None:
+    """A table and its key ``(table,)`` refer to each other. A tuple has no clear of its
+    own, so only the table's breaks the cycle: tables the collector did not know of were
+    never freed, with every key they held."""
+    gone = weakref.ref(make())
+    gc.collect()
+    assert gone() is None
+
+
+@needs(sampled_positions)
+@pytest.mark.parametrize("mask", [-1, 2**64, 2**64 + 1])
+def test_sampling_refuses_a_mask_beyond_64_bits(mask: int) -> None:
+    """A mask of no 64-bit value was wrapped into one (-1 into every bit, 2**64 + 1 into
+    1), and other keys sampled than the numpy path, which refuses it, would take."""
+    assert sampled_positions is not None
+    hashes = np.array([0, 1, 2, 2**63], dtype=np.uint64)
+    assert sampled_positions(hashes, (0, 1, 2**64 - 1)) == [[0, 1, 2, 3], [0, 2, 3], [0]]
+    with pytest.raises(OverflowError):
+        sampled_positions(hashes, (0, mask))
+
+
+@needs(sampled_positions)
+def test_sampling_refuses_hashes_that_are_not_64_bits_each() -> None:
+    """A buffer of 12 bytes was read as one hash, its last 4 bytes dropped unseen."""
+    assert sampled_positions is not None
+    with pytest.raises(ValueError, match="not 64-bit hashes"):
+        sampled_positions(np.zeros(3, dtype=np.uint32), (0,))
+
+
+def test_the_stubs_declare_each_compiled_signature() -> None:
+    """mypy reads the ``.pyi`` stubs, not the C: stubs that named positional-only
+    parameters let ``ghost.expire(before=3)`` pass the type check and raise TypeError in C.
+    stubtest holds each stub to the signature its C docstring declares; the mini-tiers'
+    operations are declared once, in the Python classes the compiled ones mix in."""
+    stubtest = pytest.importorskip("mypy.stubtest")
+    modules = [f"kvoffload.admission.{name}" for name in compiled_modules()]
+    if not modules:
+        pytest.skip(NOT_BUILT)
+    options = ["--concise", "--ignore-missing-stub"]
+    if hasattr(stubtest.parse_options([]), "ignore_disjoint_bases"):
+        # PEP 800's mark, which newer mypy asks of a C type's stub, is no signature.
+        options.append("--ignore-disjoint-bases")
+    checked = subprocess.run(
+        [sys.executable, "-m", "mypy.stubtest", *modules, *options],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr

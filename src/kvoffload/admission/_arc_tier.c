@@ -158,9 +158,36 @@ tier_target(ARCTier *self, void *Py_UNUSED(closure))
     return PyFloat_FromDouble(self->target_t1_size);
 }
 
+static int
+tier_traverse(ARCTier *self, visitproc visit, void *arg)
+{
+    int failed = pending_tier_traverse(&self->tier, visit, arg);
+    failed = failed ? failed : recency_traverse(&self->b1, visit, arg);
+    return failed ? failed : recency_traverse(&self->b2, visit, arg);
+}
+
+static void
+tier_empty(PyObject *op)
+{
+    ARCTier *self = (ARCTier *)op;
+    self->t2_oldest = self->t2_newest = NONE;
+    self->t2_len = 0;
+    self->target_t1_size = 0.0;
+    pending_tier_empty(&self->tier);
+    recency_clear(&self->b1);
+    recency_clear(&self->b2);
+}
+
+static int
+tier_clear(ARCTier *self)
+{
+    return recency_object_clear((PyObject *)self, tier_empty);
+}
+
 static void
 tier_dealloc(ARCTier *self)
 {
+    PyObject_GC_UnTrack(self);
     pending_tier_free(&self->tier);
     recency_free(&self->b1);
     recency_free(&self->b2);
@@ -210,8 +237,10 @@ static PyTypeObject ARCTierType = {
     .tp_basicsize = sizeof(ARCTier),
     .tp_dealloc = (destructor)tier_dealloc,
     .tp_as_sequence = &recency_as_sequence,
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .tp_doc = "An ARC mini-tier of capacity keys (no data): the generic tier's decisions in C.",
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "ARCTier(capacity, pending=True)\n--\n\nAn ARC mini-tier of capacity keys (no data): the generic tier's decisions in C.",
+    .tp_traverse = (traverseproc)tier_traverse,
+    .tp_clear = (inquiry)tier_clear,
     .tp_methods = pending_tier_methods,
     .tp_members = tier_members,
     .tp_getset = tier_getset,

@@ -37,12 +37,12 @@ ghost_add_all(GhostTable *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "Ol|L:add_all", &keys, &tag, &clock)) {
         return NULL;
     }
-    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
-    if (fast == NULL) {
+    HeldItems held;
+    if (held_take(&held, keys, "keys must be a sequence") < 0) {
         return NULL;
     }
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = held.item;
+    Py_ssize_t n = held.len;
     PyObject *pushed = PyList_New(0);
     for (Py_ssize_t i = 0; pushed != NULL && i < n; i++) {
         Py_hash_t hash;
@@ -71,7 +71,7 @@ ghost_add_all(GhostTable *self, PyObject *args)
         self->tag[node] = tag;
         self->clock[node] = clock;
     }
-    Py_DECREF(fast);
+    held_release(&held);
     return pushed;
 }
 
@@ -79,12 +79,12 @@ ghost_add_all(GhostTable *self, PyObject *args)
 static PyObject *
 ghost_take_all(GhostTable *self, PyObject *keys)
 {
-    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
-    if (fast == NULL) {
+    HeldItems held;
+    if (held_take(&held, keys, "keys must be a sequence") < 0) {
         return NULL;
     }
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = held.item;
+    Py_ssize_t n = held.len;
     PyObject *taken = PyList_New(0);
     for (Py_ssize_t i = 0; taken != NULL && self->r.size && i < n; i++) {
         Py_ssize_t node = recency_find(&self->r, items[i], NULL);
@@ -98,7 +98,7 @@ ghost_take_all(GhostTable *self, PyObject *keys)
             }
         }
     }
-    Py_DECREF(fast);
+    held_release(&held);
     return taken;
 }
 
@@ -148,9 +148,28 @@ ghost_memory_bytes(GhostTable *self, void *Py_UNUSED(closure))
     return PyLong_FromSsize_t(recency_bytes(&self->r) + self->r.capacity * per_node);
 }
 
+static int
+ghost_traverse(GhostTable *self, visitproc visit, void *arg)
+{
+    return recency_traverse(&self->r, visit, arg);
+}
+
+static void
+ghost_empty(PyObject *op)
+{
+    recency_clear(&((GhostTable *)op)->r);
+}
+
+static int
+ghost_clear(GhostTable *self)
+{
+    return recency_object_clear((PyObject *)self, ghost_empty);
+}
+
 static void
 ghost_dealloc(GhostTable *self)
 {
+    PyObject_GC_UnTrack(self);
     recency_free(&self->r);
     PyMem_Free(self->tag);
     PyMem_Free(self->clock);
@@ -188,10 +207,10 @@ RECENCY_GUARDED(ghost_records)
 
 static PyMethodDef ghost_methods[] = {
     {"add_all", (PyCFunction)ghost_add_all_guarded, METH_VARARGS,
-     "add_all(keys, tag, clock=0) -> pushed-out tags (see GhostRecords.add_all)."},
-    {"take_all", (PyCFunction)ghost_take_all_guarded, METH_O, "Forget the recorded keys; their tags."},
-    {"expire", (PyCFunction)ghost_expire_guarded, METH_O, "Drop records made before a clock; their tags."},
-    {"records", (PyCFunction)ghost_records_guarded, METH_NOARGS, "(key, tag, clock) records, oldest first."},
+     "add_all($self, keys, tag, clock=0, /)\n--\n\nThe pushed-out tags (see GhostRecords.add_all)."},
+    {"take_all", (PyCFunction)ghost_take_all_guarded, METH_O, "take_all($self, keys, /)\n--\n\nForget the recorded keys; their tags."},
+    {"expire", (PyCFunction)ghost_expire_guarded, METH_O, "expire($self, before, /)\n--\n\nDrop records made before a clock; their tags."},
+    {"records", (PyCFunction)ghost_records_guarded, METH_NOARGS, "records($self, /)\n--\n\n(key, tag, clock) records, oldest first."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -207,8 +226,10 @@ static PyTypeObject GhostTableType = {
     .tp_basicsize = sizeof(GhostTable),
     .tp_dealloc = (destructor)ghost_dealloc,
     .tp_as_sequence = &recency_as_sequence,
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .tp_doc = "At most capacity ghost records (key -> tag, clock), oldest first, in C.",
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "GhostTable(capacity)\n--\n\nAt most capacity ghost records (key -> tag, clock), oldest first, in C.",
+    .tp_traverse = (traverseproc)ghost_traverse,
+    .tp_clear = (inquiry)ghost_clear,
     .tp_methods = ghost_methods,
     .tp_getset = ghost_getset,
     .tp_new = ghost_new,

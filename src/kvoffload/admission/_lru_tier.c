@@ -99,13 +99,16 @@ insert_new(LRUTier *self, PyObject **keys, Py_ssize_t n, PyObject **request, Py_
 static PyObject *
 tier_store_impl(LRUTier *self, PyObject *keys, PyObject *behind_gap, PyObject *request)
 {
-    PyObject *keys_fast = NULL, *gap_fast = NULL, *request_fast = NULL;
+    HeldItems keys_held, gap_held, request_held;
+    held_none(&keys_held);
+    held_none(&gap_held);
+    held_none(&request_held);
     PyObject **key_items, **gap_items, **request_items;
     Py_ssize_t n, n_gap, n_request;
     Py_ssize_t written = -1;
-    if (as_items(keys, "keys must be a sequence", &keys_fast, &key_items, &n) < 0 ||
-        as_items(behind_gap, "behind_gap must be a sequence", &gap_fast, &gap_items, &n_gap) < 0 ||
-        as_items(request, "request must be a sequence", &request_fast, &request_items, &n_request) < 0) {
+    if (as_items(&keys_held, keys, "keys must be a sequence", &key_items, &n) < 0 ||
+        as_items(&gap_held, behind_gap, "behind_gap must be a sequence", &gap_items, &n_gap) < 0 ||
+        as_items(&request_held, request, "request must be a sequence", &request_items, &n_request) < 0) {
         goto done;
     }
     if (n_gap && n_gap != n) {
@@ -129,9 +132,9 @@ tier_store_impl(LRUTier *self, PyObject *keys, PyObject *behind_gap, PyObject *r
     written = self->fresh.keys.len ? insert_new(self, key_items, n, request_items, n_request) : 0;
 done:
     self->fresh.keys.len = 0;
-    Py_XDECREF(keys_fast);
-    Py_XDECREF(gap_fast);
-    Py_XDECREF(request_fast);
+    held_release(&keys_held);
+    held_release(&gap_held);
+    held_release(&request_held);
     return written < 0 ? NULL : PyLong_FromSsize_t(written);
 }
 
@@ -159,13 +162,16 @@ tier_store_admitted(LRUTier *self, PyObject *args, PyObject *kwargs)
     if (keep == Py_None) {
         return tier_store_impl(self, keys, NULL, request);
     }
-    PyObject *keys_fast = NULL, *at_fast = NULL, *request_fast = NULL;
+    HeldItems keys_held, at_held, request_held;
+    held_none(&keys_held);
+    held_none(&at_held);
+    held_none(&request_held);
     PyObject **key_items, **at_items, **request_items;
     Py_ssize_t n, n_at, n_request, n_stored = 0;
     Py_ssize_t written = -1;
-    if (as_items(keys, "keys must be a sequence", &keys_fast, &key_items, &n) < 0 ||
-        as_items(at, "at must be a sequence", &at_fast, &at_items, &n_at) < 0 ||
-        as_items(request, "request must be a sequence", &request_fast, &request_items, &n_request) < 0) {
+    if (as_items(&keys_held, keys, "keys must be a sequence", &key_items, &n) < 0 ||
+        as_items(&at_held, at, "at must be a sequence", &at_items, &n_at) < 0 ||
+        as_items(&request_held, request, "request must be a sequence", &request_items, &n_request) < 0) {
         goto done;
     }
     if (n_at != n) {
@@ -194,9 +200,9 @@ tier_store_admitted(LRUTier *self, PyObject *args, PyObject *kwargs)
     written = self->fresh.keys.len ? insert_new(self, self->fresh.stored, n_stored, request_items, n_request) : 0;
 done:
     self->fresh.keys.len = 0;
-    Py_XDECREF(keys_fast);
-    Py_XDECREF(at_fast);
-    Py_XDECREF(request_fast);
+    held_release(&keys_held);
+    held_release(&at_held);
+    held_release(&request_held);
     return written < 0 ? NULL : PyLong_FromSsize_t(written);
 }
 
@@ -215,19 +221,22 @@ tier_store_offer(LRUTier *self, PyObject *args, PyObject *kwargs)
     if (admitted == Py_None) {
         return tier_store_impl(self, offered, NULL, request);
     }
-    PyObject *offered_fast = NULL, *admitted_fast = NULL, *request_fast = NULL;
+    HeldItems offered_held, admitted_held, request_held;
+    held_none(&offered_held);
+    held_none(&admitted_held);
+    held_none(&request_held);
     PyObject **offered_items, **admitted_items, **request_items;
     Py_ssize_t n, m, n_request, n_stored = 0;
     Py_ssize_t written = -1;
-    if (as_items(offered, "offered must be a sequence", &offered_fast, &offered_items, &n) < 0 ||
-        as_items(admitted, "admitted must be a sequence", &admitted_fast, &admitted_items, &m) < 0 ||
-        as_items(request, "request must be a sequence", &request_fast, &request_items, &n_request) < 0) {
+    if (as_items(&offered_held, offered, "offered must be a sequence", &offered_items, &n) < 0 ||
+        as_items(&admitted_held, admitted, "admitted must be a sequence", &admitted_items, &m) < 0 ||
+        as_items(&request_held, request, "request must be a sequence", &request_items, &n_request) < 0) {
         goto done;
     }
     if (m == n) {
-        Py_DECREF(offered_fast);
-        Py_DECREF(admitted_fast);
-        Py_XDECREF(request_fast);
+        held_release(&offered_held);
+        held_release(&admitted_held);
+        held_release(&request_held);
         return tier_store_impl(self, offered, NULL, request);
     }
     Py_ssize_t gap = m;
@@ -272,21 +281,21 @@ tier_store_offer(LRUTier *self, PyObject *args, PyObject *kwargs)
 done:
     self->fresh.keys.len = 0;
     self->admitted.len = 0;
-    Py_XDECREF(offered_fast);
-    Py_XDECREF(admitted_fast);
-    Py_XDECREF(request_fast);
+    held_release(&offered_held);
+    held_release(&admitted_held);
+    held_release(&request_held);
     return written < 0 ? NULL : PyLong_FromSsize_t(written);
 }
 
 static PyObject *
 tier_touch(LRUTier *self, PyObject *keys)
 {
-    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
-    if (fast == NULL) {
+    HeldItems held;
+    if (held_take(&held, keys, "keys must be a sequence") < 0) {
         return NULL;
     }
-    int failed = touch_all(self, PySequence_Fast_ITEMS(fast), PySequence_Fast_GET_SIZE(fast));
-    Py_DECREF(fast);
+    int failed = touch_all(self, held.item, held.len);
+    held_release(&held);
     if (failed) {
         return NULL;
     }
@@ -319,9 +328,33 @@ tier_free_buffers(LRUTier *self)
     PyMem_Free(self->guarded.node);
 }
 
+static int
+tier_traverse(LRUTier *self, visitproc visit, void *arg)
+{
+    return recency_traverse(&self->r, visit, arg);
+}
+
+static void
+tier_empty(PyObject *op)
+{
+    LRUTier *self = (LRUTier *)op;
+    if (self->flags != NULL) {
+        memset(self->flags, 0, (size_t)self->r.capacity);
+    }
+    self->guarded.len = 0;
+    recency_clear(&self->r);
+}
+
+static int
+tier_clear(LRUTier *self)
+{
+    return recency_object_clear((PyObject *)self, tier_empty);
+}
+
 static void
 tier_dealloc(LRUTier *self)
 {
+    PyObject_GC_UnTrack(self);
     tier_free_buffers(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -393,8 +426,10 @@ static PyTypeObject LRUTierType = {
     .tp_basicsize = sizeof(LRUTier),
     .tp_dealloc = (destructor)tier_dealloc,
     .tp_as_sequence = &recency_as_sequence,
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .tp_doc = "An LRU mini-tier of capacity keys (no data): LRUMiniTier's decisions in C.",
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "LRUTier(capacity)\n--\n\nAn LRU mini-tier of capacity keys (no data): LRUMiniTier's decisions in C.",
+    .tp_traverse = (traverseproc)tier_traverse,
+    .tp_clear = (inquiry)tier_clear,
     .tp_methods = tier_methods,
     .tp_members = tier_members,
     .tp_getset = tier_getset,

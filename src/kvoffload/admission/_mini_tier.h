@@ -117,24 +117,14 @@ admitted_stored(PyObject *at_item, PyObject *keep, PyObject *key, Py_ssize_t *at
     return j < 0 ? 1 : PySequence_Contains(keep, key);
 }
 
-/* A sequence argument as a borrowed item array (``*holder`` owns it; NULL for absent). */
+/* ``held_take`` of an argument (NULL: not given), its items as an array and a length. */
 static inline int
-as_items(PyObject *arg, const char *what, PyObject **holder, PyObject ***items, Py_ssize_t *n)
+as_items(HeldItems *held, PyObject *arg, const char *what, PyObject ***items, Py_ssize_t *n)
 {
-    *holder = NULL;
-    *items = NULL;
-    *n = 0;
-    if (arg == NULL) {
-        return 0;
-    }
-    PyObject *fast = PySequence_Fast(arg, what);
-    if (fast == NULL) {
-        return -1;
-    }
-    *holder = fast;
-    *items = PySequence_Fast_ITEMS(fast);
-    *n = PySequence_Fast_GET_SIZE(fast);
-    return 0;
+    int failed = held_take(held, arg, what);
+    *items = held->item;
+    *n = held->len;
+    return failed;
 }
 
 /* How many leading ``keys`` are held and have none of ``stop`` (DEAD: reachable by a
@@ -142,12 +132,12 @@ as_items(PyObject *arg, const char *what, PyObject **holder, PyObject ***items, 
 static inline Py_ssize_t
 leading_run(Recency *r, const unsigned char *flags, PyObject *keys, unsigned char stop)
 {
-    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
-    if (fast == NULL) {
+    HeldItems held;
+    if (held_take(&held, keys, "keys must be a sequence") < 0) {
         return -1;
     }
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), run = 0;
+    PyObject **items = held.item;
+    Py_ssize_t n = held.len, run = 0;
     for (; run < n; run++) {
         Py_ssize_t node = recency_find(r, items[run], NULL);
         if (node == LOOKUP_FAILED) {
@@ -158,7 +148,7 @@ leading_run(Recency *r, const unsigned char *flags, PyObject *keys, unsigned cha
             break;
         }
     }
-    Py_DECREF(fast);
+    held_release(&held);
     return run;
 }
 
@@ -166,12 +156,12 @@ leading_run(Recency *r, const unsigned char *flags, PyObject *keys, unsigned cha
 static inline PyObject *
 held_among(Recency *r, PyObject *keys)
 {
-    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
-    if (fast == NULL) {
+    HeldItems held;
+    if (held_take(&held, keys, "keys must be a sequence") < 0) {
         return NULL;
     }
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = held.item;
+    Py_ssize_t n = held.len;
     PyObject *result = PyList_New(0);
     for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
         Py_ssize_t node = recency_find(r, items[i], NULL);
@@ -179,7 +169,7 @@ held_among(Recency *r, PyObject *keys)
             Py_CLEAR(result);
         }
     }
-    Py_DECREF(fast);
+    held_release(&held);
     return result;
 }
 

@@ -63,6 +63,25 @@ pending_tier_free(PendingTier *self)
     PyMem_Free(self->unsettled.node);
 }
 
+/* Visit the held keys (a type with ghost tables visits those too). */
+static inline int
+pending_tier_traverse(PendingTier *self, visitproc visit, void *arg)
+{
+    return recency_traverse(&self->r, visit, arg);
+}
+
+/* Hold no key (the collector's clear; a type with ghost tables or lists of its own resets
+ * those too). */
+static inline void
+pending_tier_empty(PendingTier *self)
+{
+    if (self->flags != NULL) {
+        memset(self->flags, 0, (size_t)self->r.capacity);
+    }
+    self->guarded.len = self->unsettled.len = 0;
+    recency_clear(&self->r);
+}
+
 /* The last store's blocks are written (the generic tier's ``_settle``). */
 static inline void
 pending_tier_settle(PendingTier *self)
@@ -174,12 +193,14 @@ pending_tier_store(PendingTier *self, PyObject *args, PyObject *kwargs)
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|O:store", names, &keys, &behind_gap)) {
         return NULL;
     }
-    PyObject *keys_fast = NULL, *gap_fast = NULL;
+    HeldItems keys_held, gap_held;
+    held_none(&keys_held);
+    held_none(&gap_held);
     PyObject **key_items, **gap_items;
     Py_ssize_t n, n_gap, written = -1;
     unsigned char *behind = NULL;
-    if (as_items(keys, "keys must be a sequence", &keys_fast, &key_items, &n) < 0 ||
-        as_items(behind_gap, "behind_gap must be a sequence", &gap_fast, &gap_items, &n_gap) < 0) {
+    if (as_items(&keys_held, keys, "keys must be a sequence", &key_items, &n) < 0 ||
+        as_items(&gap_held, behind_gap, "behind_gap must be a sequence", &gap_items, &n_gap) < 0) {
         goto done;
     }
     if (n_gap && n_gap != n) {
@@ -200,8 +221,8 @@ pending_tier_store(PendingTier *self, PyObject *args, PyObject *kwargs)
     }
     written = pending_tier_store_items(self, key_items, behind, n);
 done:
-    Py_XDECREF(keys_fast);
-    Py_XDECREF(gap_fast);
+    held_release(&keys_held);
+    held_release(&gap_held);
     return written < 0 ? NULL : PyLong_FromSsize_t(written);
 }
 
@@ -217,11 +238,13 @@ pending_tier_store_admitted(PendingTier *self, PyObject *args, PyObject *kwargs)
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOn:store_admitted", names, &keys, &at, &keep, &gap)) {
         return NULL;
     }
-    PyObject *keys_fast = NULL, *at_fast = NULL;
+    HeldItems keys_held, at_held;
+    held_none(&keys_held);
+    held_none(&at_held);
     PyObject **key_items, **at_items;
     Py_ssize_t n, n_at, n_stored = 0, written = -1;
-    if (as_items(keys, "keys must be a sequence", &keys_fast, &key_items, &n) < 0 ||
-        as_items(at, "at must be a sequence", &at_fast, &at_items, &n_at) < 0) {
+    if (as_items(&keys_held, keys, "keys must be a sequence", &key_items, &n) < 0 ||
+        as_items(&at_held, at, "at must be a sequence", &at_items, &n_at) < 0) {
         goto done;
     }
     if (keep == Py_None) {
@@ -251,8 +274,8 @@ pending_tier_store_admitted(PendingTier *self, PyObject *args, PyObject *kwargs)
     }
     written = n_stored ? pending_tier_store_items(self, stored, behind, n_stored) : 0;
 done:
-    Py_XDECREF(keys_fast);
-    Py_XDECREF(at_fast);
+    held_release(&keys_held);
+    held_release(&at_held);
     return written < 0 ? NULL : PyLong_FromSsize_t(written);
 }
 
@@ -261,12 +284,12 @@ done:
 static PyObject *
 pending_tier_touch(PendingTier *self, PyObject *keys)
 {
-    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
-    if (fast == NULL) {
+    HeldItems held;
+    if (held_take(&held, keys, "keys must be a sequence") < 0) {
         return NULL;
     }
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = held.item;
+    Py_ssize_t n = held.len;
     int failed = 0;
     if (self->policy->touch != NULL) {
         failed = self->policy->touch(self, items, n) < 0;
@@ -281,7 +304,7 @@ pending_tier_touch(PendingTier *self, PyObject *keys)
             self->policy->touched(self, node);
         }
     }
-    Py_DECREF(fast);
+    held_release(&held);
     if (failed) {
         return NULL;
     }

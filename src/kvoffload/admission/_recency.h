@@ -51,6 +51,19 @@ recency_spread(Py_hash_t hash)
     return (size_t)h;
 }
 
+/* No key held: every slot empty, every node free (the keys' references are the caller's). */
+static inline void
+recency_reset(Recency *r)
+{
+    r->size = 0;
+    r->oldest = r->newest = NONE;
+    memset(r->table, 0xff, (r->mask + 1) * sizeof(Py_ssize_t));
+    for (Py_ssize_t node = 0; node < r->capacity; node++) {
+        r->next[node] = node + 1 < r->capacity ? node + 1 : NONE;
+    }
+    r->free_list = 0;
+}
+
 /* 0, or -1 with MemoryError set (the caller then frees with recency_free). */
 static inline int
 recency_init(Recency *r, Py_ssize_t capacity)
@@ -60,9 +73,7 @@ recency_init(Recency *r, Py_ssize_t capacity)
         slots <<= 1;
     }
     r->capacity = capacity;
-    r->size = 0;
     r->mask = slots - 1;
-    r->oldest = r->newest = NONE;
     r->table = PyMem_Malloc(slots * sizeof(Py_ssize_t));
     r->key = PyMem_Calloc((size_t)capacity, sizeof(PyObject *));
     r->hash = PyMem_Malloc((size_t)capacity * sizeof(Py_hash_t));
@@ -72,11 +83,7 @@ recency_init(Recency *r, Py_ssize_t capacity)
         PyErr_NoMemory();
         return -1;
     }
-    memset(r->table, 0xff, slots * sizeof(Py_ssize_t));
-    for (Py_ssize_t node = 0; node < capacity; node++) {
-        r->next[node] = node + 1 < capacity ? node + 1 : NONE;
-    }
-    r->free_list = 0;
+    recency_reset(r);
     return 0;
 }
 
@@ -96,6 +103,31 @@ recency_free(Recency *r)
     PyMem_Free(r->prev);
     PyMem_Free(r->next);
     memset(r, 0, sizeof(*r));
+}
+
+/* Visit every key ``r`` holds, for the cyclic garbage collector: a key may be any hashable
+ * object, one that refers back to its table too, a cycle that reference counts never free. */
+static inline int
+recency_traverse(const Recency *r, visitproc visit, void *arg)
+{
+    for (Py_ssize_t node = 0; r->key != NULL && node < r->capacity; node++) {
+        Py_VISIT(r->key[node]);
+    }
+    return 0;
+}
+
+/* Empty ``r`` (the collector's clear): the table is reset first, then the keys released,
+ * whose release may run their ``__del__`` (see recency_object_clear). */
+static inline void
+recency_clear(Recency *r)
+{
+    if (!r->table || !r->key || !r->hash || !r->prev || !r->next) {
+        return; /* never made whole: no key was held */
+    }
+    recency_reset(r);
+    for (Py_ssize_t node = 0; node < r->capacity; node++) {
+        Py_CLEAR(r->key[node]);
+    }
 }
 
 /* Linear probing over ``slots`` (``mask + 1`` of them, each an index into ``keys`` and
@@ -292,6 +324,74 @@ recency_keys(Recency *r)
         PyList_SET_ITEM(result, i++, r->key[node]);
     }
     return result;
+}
+
+/* A sequence argument's items, held by the call. Python code the call runs (a key's
+ * ``__hash__``, ``__eq__`` or ``__del__``, a gap flag's ``__bool__``, ``keep``'s
+ * ``__contains__``) may change a list argument: the list's own item array, which
+ * PySequence_Fast hands out, was freed under the loop reading it, and keys kept borrowed
+ * were freed before the table took them. The call holds a reference to each item, in place
+ * (most calls have no more than HELD_IN_PLACE) or in an array of its own: no object is
+ * made per call (a tuple copy would be one, and count towards the next collection). */
+#define HELD_IN_PLACE 64
+
+typedef struct {
+    PyObject **item;
+    Py_ssize_t len;
+    PyObject *in_place[HELD_IN_PLACE];
+} HeldItems;
+
+/* Nothing held yet (``held_release`` does nothing). */
+static inline void
+held_none(HeldItems *held)
+{
+    held->item = held->in_place;
+    held->len = 0;
+}
+
+/* Hold ``arg``'s items (none where ``arg`` is NULL, an argument not given); 0, or -1 with
+ * TypeError (``message``) or MemoryError; ``held_release`` is safe either way. */
+static inline int
+held_take(HeldItems *held, PyObject *arg, const char *message)
+{
+    held_none(held);
+    if (arg == NULL) {
+        return 0;
+    }
+    PyObject *fast = PySequence_Fast(arg, message);
+    if (fast == NULL) {
+        return -1;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if (n > HELD_IN_PLACE && (held->item = PyMem_New(PyObject *, (size_t)n)) == NULL) {
+        held->item = held->in_place;
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_INCREF(items[i]);
+        held->item[i] = items[i];
+    }
+    held->len = n;
+    Py_DECREF(fast);
+    return 0;
+}
+
+/* Drop the call's references (the last one to an item may run its ``__del__``). */
+static inline void
+held_release(HeldItems *held)
+{
+    PyObject **item = held->item;
+    Py_ssize_t n = held->len;
+    held_none(held);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_DECREF(item[i]);
+    }
+    if (item != held->in_place) {
+        PyMem_Free(item);
+    }
 }
 
 /* Raise kvoffload's InvalidArgumentError (a ValueError) with ``message``. */
@@ -515,6 +615,20 @@ recency_leave(PyObject *self)
         recency_leave(self);                                                          \
         return result;                                                                \
     }
+
+/* The collector's tp_clear of a table type: ``empty`` resets what the type keeps about its
+ * nodes and empties its tables, as the only call in progress, so that a released key's
+ * ``__del__`` finds the table refusing calls rather than half emptied. */
+static inline int
+recency_object_clear(PyObject *self, void (*empty)(PyObject *))
+{
+    RecencyObject *table = (RecencyObject *)self;
+    int in_call = table->in_call;
+    table->in_call = 1;
+    empty(self);
+    table->in_call = in_call;
+    return 0;
+}
 
 static inline Py_ssize_t
 recency_object_len(PyObject *self)

@@ -49,19 +49,19 @@ count_one(ReuseCounter *self, PyObject *key)
 static PyObject *
 counter_count(ReuseCounter *self, PyObject *keys)
 {
-    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
-    if (fast == NULL) {
+    HeldItems held;
+    if (held_take(&held, keys, "keys must be a sequence") < 0) {
         return NULL;
     }
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = held.item;
+    Py_ssize_t n = held.len;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (count_one(self, items[i]) < 0) {
-            Py_DECREF(fast);
+            held_release(&held);
             return NULL;
         }
     }
-    Py_DECREF(fast);
+    held_release(&held);
     Py_RETURN_NONE;
 }
 
@@ -70,12 +70,12 @@ counter_count(ReuseCounter *self, PyObject *keys)
 static PyObject *
 counter_count_shielded(ReuseCounter *self, PyObject *keys)
 {
-    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
-    if (fast == NULL) {
+    HeldItems held;
+    if (held_take(&held, keys, "keys must be a sequence") < 0) {
         return NULL;
     }
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = held.item;
+    Py_ssize_t n = held.len;
     PyObject *result = NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t node = recency_find(&self->r, items[i], NULL);
@@ -119,7 +119,7 @@ counter_count_shielded(ReuseCounter *self, PyObject *keys)
     Py_INCREF(result);
 done:
     marked_clear(&self->shielded, self->flags, SHIELDED);
-    Py_DECREF(fast);
+    held_release(&held);
     return result;
 }
 
@@ -137,12 +137,12 @@ counter_at_least(ReuseCounter *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "OL:at_least", &keys, &threshold)) {
         return NULL;
     }
-    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
-    if (fast == NULL) {
+    HeldItems held;
+    if (held_take(&held, keys, "keys must be a sequence") < 0) {
         return NULL;
     }
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = held.item;
+    Py_ssize_t n = held.len;
     PyObject *result = PyList_New(0);
     for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
         Py_ssize_t node = recency_find(&self->r, items[i], NULL);
@@ -150,7 +150,7 @@ counter_at_least(ReuseCounter *self, PyObject *args)
             Py_CLEAR(result);
         }
     }
-    Py_DECREF(fast);
+    held_release(&held);
     return result;
 }
 
@@ -180,9 +180,33 @@ counter_items(ReuseCounter *self, PyObject *Py_UNUSED(ignored))
     return result;
 }
 
+static int
+counter_traverse(ReuseCounter *self, visitproc visit, void *arg)
+{
+    return recency_traverse(&self->r, visit, arg);
+}
+
+static void
+counter_empty(PyObject *op)
+{
+    ReuseCounter *self = (ReuseCounter *)op;
+    if (self->flags != NULL) {
+        memset(self->flags, 0, (size_t)self->r.capacity);
+    }
+    self->shielded.len = 0;
+    recency_clear(&self->r);
+}
+
+static int
+counter_clear(ReuseCounter *self)
+{
+    return recency_object_clear((PyObject *)self, counter_empty);
+}
+
 static void
 counter_dealloc(ReuseCounter *self)
 {
+    PyObject_GC_UnTrack(self);
     recency_free(&self->r);
     PyMem_Free(self->count);
     PyMem_Free(self->flags);
@@ -234,12 +258,12 @@ RECENCY_GUARDED(counter_get)
 RECENCY_GUARDED(counter_items)
 
 static PyMethodDef counter_methods[] = {
-    {"count", (PyCFunction)counter_count_guarded, METH_O, "Count each key once more, in order."},
+    {"count", (PyCFunction)counter_count_guarded, METH_O, "count($self, keys, /)\n--\n\nCount each key once more, in order."},
     {"count_shielded", (PyCFunction)counter_count_shielded_guarded, METH_O,
-     "Count keys once each, tracked keys first (see ReuseCounts.count_shielded)."},
-    {"at_least", (PyCFunction)counter_at_least_guarded, METH_VARARGS, "The keys counted at least threshold times."},
-    {"get", (PyCFunction)counter_get_guarded, METH_O, "A key's count (0 if not tracked)."},
-    {"items", (PyCFunction)counter_items_guarded, METH_NOARGS, "(key, count) pairs, least recently counted first."},
+     "count_shielded($self, keys, /)\n--\n\nCount keys once each, tracked keys first (see ReuseCounts.count_shielded)."},
+    {"at_least", (PyCFunction)counter_at_least_guarded, METH_VARARGS, "at_least($self, keys, threshold, /)\n--\n\nThe keys counted at least threshold times."},
+    {"get", (PyCFunction)counter_get_guarded, METH_O, "get($self, key, /)\n--\n\nA key's count (0 if not tracked)."},
+    {"items", (PyCFunction)counter_items_guarded, METH_NOARGS, "items($self, /)\n--\n\n(key, count) pairs, least recently counted first."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -260,8 +284,10 @@ static PyTypeObject ReuseCounterType = {
     .tp_basicsize = sizeof(ReuseCounter),
     .tp_dealloc = (destructor)counter_dealloc,
     .tp_as_sequence = &recency_as_sequence,
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .tp_doc = "Counts of at most max_keys keys, least recently counted leaving first, in C.",
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "ReuseCounter(max_keys)\n--\n\nCounts of at most max_keys keys, least recently counted leaving first, in C.",
+    .tp_traverse = (traverseproc)counter_traverse,
+    .tp_clear = (inquiry)counter_clear,
     .tp_methods = counter_methods,
     .tp_getset = counter_getset,
     .tp_new = counter_new,

@@ -149,9 +149,33 @@ tier_memory_bytes(S3FIFOTier *self, void *Py_UNUSED(closure))
     return PyLong_FromSsize_t(recency_bytes(&self->tier.r) + recency_bytes(&self->ghost) + 2 * capacity);
 }
 
+static int
+tier_traverse(S3FIFOTier *self, visitproc visit, void *arg)
+{
+    int failed = pending_tier_traverse(&self->tier, visit, arg);
+    return failed ? failed : recency_traverse(&self->ghost, visit, arg);
+}
+
+static void
+tier_empty(PyObject *op)
+{
+    S3FIFOTier *self = (S3FIFOTier *)op;
+    self->main_oldest = self->main_newest = NONE;
+    self->main_len = 0;
+    pending_tier_empty(&self->tier);
+    recency_clear(&self->ghost);
+}
+
+static int
+tier_clear(S3FIFOTier *self)
+{
+    return recency_object_clear((PyObject *)self, tier_empty);
+}
+
 static void
 tier_dealloc(S3FIFOTier *self)
 {
+    PyObject_GC_UnTrack(self);
     pending_tier_free(&self->tier);
     recency_free(&self->ghost);
     PyMem_Free(self->freq);
@@ -210,8 +234,10 @@ static PyTypeObject S3FIFOTierType = {
     .tp_basicsize = sizeof(S3FIFOTier),
     .tp_dealloc = (destructor)tier_dealloc,
     .tp_as_sequence = &recency_as_sequence,
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .tp_doc = "An S3-FIFO mini-tier of capacity keys (no data): S3FIFOMiniTier's decisions in C.",
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "S3FIFOTier(capacity, pending, small_target, max_freq)\n--\n\nAn S3-FIFO mini-tier of capacity keys (no data): S3FIFOMiniTier's decisions in C.",
+    .tp_traverse = (traverseproc)tier_traverse,
+    .tp_clear = (inquiry)tier_clear,
     .tp_methods = pending_tier_methods,
     .tp_members = tier_members,
     .tp_getset = tier_getset,

@@ -64,9 +64,30 @@ tier_memory_bytes(SIEVETier *self, void *Py_UNUSED(closure))
     return PyLong_FromSsize_t(recency_bytes(&self->tier.r) + self->tier.r.capacity);
 }
 
+static int
+tier_traverse(SIEVETier *self, visitproc visit, void *arg)
+{
+    return pending_tier_traverse(&self->tier, visit, arg);
+}
+
+static void
+tier_empty(PyObject *op)
+{
+    SIEVETier *self = (SIEVETier *)op;
+    self->swept_oldest = self->swept_newest = NONE;
+    pending_tier_empty(&self->tier);
+}
+
+static int
+tier_clear(SIEVETier *self)
+{
+    return recency_object_clear((PyObject *)self, tier_empty);
+}
+
 static void
 tier_dealloc(SIEVETier *self)
 {
+    PyObject_GC_UnTrack(self);
     pending_tier_free(&self->tier);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -112,8 +133,10 @@ static PyTypeObject SIEVETierType = {
     .tp_basicsize = sizeof(SIEVETier),
     .tp_dealloc = (destructor)tier_dealloc,
     .tp_as_sequence = &recency_as_sequence,
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .tp_doc = "A SIEVE mini-tier of capacity keys (no data): the generic tier's decisions in C.",
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "SIEVETier(capacity, pending=True)\n--\n\nA SIEVE mini-tier of capacity keys (no data): the generic tier's decisions in C.",
+    .tp_traverse = (traverseproc)tier_traverse,
+    .tp_clear = (inquiry)tier_clear,
     .tp_methods = pending_tier_methods,
     .tp_members = tier_members,
     .tp_getset = tier_getset,

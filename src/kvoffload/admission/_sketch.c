@@ -230,6 +230,25 @@ seen_at_least(PyObject *Py_UNUSED(module), PyObject *args)
     return result;
 }
 
+/* ``value`` as a 64-bit mask, or -1 with OverflowError where it is negative or wider: such
+ * a mask was wrapped into another one (-1 into every bit), which sampled other keys; the
+ * numpy path refuses it too. */
+static int
+as_mask(PyObject *value, uint64_t *mask)
+{
+    PyObject *index = PyNumber_Index(value);
+    if (index == NULL) {
+        return -1;
+    }
+    unsigned long long bits = PyLong_AsUnsignedLongLong(index);
+    Py_DECREF(index);
+    if (bits == (unsigned long long)-1 && PyErr_Occurred()) {
+        return -1;
+    }
+    *mask = bits;
+    return 0;
+}
+
 /* Per mask (each a superset of the bits of the one before), the positions of the hashes
  * whose masked bits are all zero: the mini-simulations' sampled keys at each rate. */
 static PyObject *
@@ -243,12 +262,17 @@ sampled_positions(PyObject *Py_UNUSED(module), PyObject *args)
     if (PyObject_GetBuffer(hashes_arg, &view, PyBUF_SIMPLE) < 0) {
         return NULL;
     }
+    if (view.len % (Py_ssize_t)sizeof(uint64_t)) {
+        PyErr_SetString(PyExc_ValueError, "sampled_positions: hashes are not 64-bit hashes");
+        PyBuffer_Release(&view);
+        return NULL;
+    }
     Py_ssize_t n = view.len / (Py_ssize_t)sizeof(uint64_t), levels = PyTuple_GET_SIZE(masks);
     const uint64_t *hashes = view.buf;
     PyObject *result = PyList_New(levels);
     for (Py_ssize_t level = 0; result != NULL && level < levels; level++) {
-        uint64_t mask = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(masks, level));
-        PyObject *picked = PyErr_Occurred() ? NULL : PyList_New(0);
+        uint64_t mask;
+        PyObject *picked = as_mask(PyTuple_GET_ITEM(masks, level), &mask) < 0 ? NULL : PyList_New(0);
         for (Py_ssize_t i = 0; picked != NULL && i < n; i++) {
             if (hashes[i] & mask) {
                 continue;
@@ -270,13 +294,13 @@ sampled_positions(PyObject *Py_UNUSED(module), PyObject *args)
 }
 
 static PyMethodDef sketch_methods[] = {
-    {"hash_keys", hash_keys, METH_O, "hash_keys(keys) -> bytes: each key's 64-bit hash, native order."},
-    {"increment", increment, METH_VARARGS, "increment(table, hashes, bits): one sighting of each hash."},
-    {"estimate", estimate, METH_VARARGS, "estimate(table, hashes, bits) -> bytes: sightings per hash."},
+    {"hash_keys", hash_keys, METH_O, "hash_keys($module, keys, /)\n--\n\nEach key's 64-bit hash, native order, as bytes."},
+    {"increment", increment, METH_VARARGS, "increment($module, table, hashes, bits, /)\n--\n\nOne sighting of each hash."},
+    {"estimate", estimate, METH_VARARGS, "estimate($module, table, hashes, bits, /)\n--\n\nSightings per hash, as bytes."},
     {"seen_at_least", seen_at_least, METH_VARARGS,
-     "seen_at_least(table, hashes, bits, threshold) -> list[bool]: estimate >= threshold, per hash."},
+     "seen_at_least($module, table, hashes, bits, threshold, /)\n--\n\nPer hash, whether its estimate reaches threshold."},
     {"sampled_positions", sampled_positions, METH_VARARGS,
-     "sampled_positions(hashes, masks) -> list[list[int]]: per mask, positions of hashes & mask == 0."},
+     "sampled_positions($module, hashes, masks, /)\n--\n\nPer mask, the positions of the hashes with hash & mask == 0."},
     {NULL, NULL, 0, NULL},
 };
 

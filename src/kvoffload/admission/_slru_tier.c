@@ -98,9 +98,31 @@ tier_memory_bytes(SLRUTier *self, void *Py_UNUSED(closure))
     return PyLong_FromSsize_t(recency_bytes(&self->tier.r) + self->tier.r.capacity);
 }
 
+static int
+tier_traverse(SLRUTier *self, visitproc visit, void *arg)
+{
+    return pending_tier_traverse(&self->tier, visit, arg);
+}
+
+static void
+tier_empty(PyObject *op)
+{
+    SLRUTier *self = (SLRUTier *)op;
+    self->segment_oldest = self->segment_newest = NONE;
+    self->segment_len = 0;
+    pending_tier_empty(&self->tier);
+}
+
+static int
+tier_clear(SLRUTier *self)
+{
+    return recency_object_clear((PyObject *)self, tier_empty);
+}
+
 static void
 tier_dealloc(SLRUTier *self)
 {
+    PyObject_GC_UnTrack(self);
     pending_tier_free(&self->tier);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -154,8 +176,10 @@ static PyTypeObject SLRUTierType = {
     .tp_basicsize = sizeof(SLRUTier),
     .tp_dealloc = (destructor)tier_dealloc,
     .tp_as_sequence = &recency_as_sequence,
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .tp_doc = "An SLRU mini-tier of capacity keys (no data): the generic tier's decisions in C.",
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "SLRUTier(capacity, pending, protected_limit)\n--\n\nAn SLRU mini-tier of capacity keys (no data): the generic tier's decisions in C.",
+    .tp_traverse = (traverseproc)tier_traverse,
+    .tp_clear = (inquiry)tier_clear,
     .tp_methods = pending_tier_methods,
     .tp_members = tier_members,
     .tp_getset = tier_getset,
