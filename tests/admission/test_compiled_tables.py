@@ -500,12 +500,12 @@ class Empties:
 
 
 def keys(position):
-    # 200 keys that only the list holds, and the key that empties it.
-    return Empties(position).within([i.to_bytes(2, "big") * 20 for i in range(200)])
+    # N keys that only the list holds, and the key that empties it.
+    return Empties(position).within([i.to_bytes(2, "big") * 20 for i in range(N)])
 
 
 def flags(position):
-    return Empties(position).within([False] * 200)
+    return Empties(position).within([False] * N)
 
 
 factories = {
@@ -513,32 +513,33 @@ factories = {
     "sieve": CompiledSIEVEMiniTier, "slru": CompiledSLRUMiniTier,
 }
 name = sys.argv[1]
-for position in (0, -1):
+# Held in place on the stack (200) and in an array of the call's own (700).
+for N, position in ((200, 0), (200, -1), (700, 0), (700, -1)):
     if name == "ghost":
-        ghost = CompiledGhostRecords(300)
+        ghost = CompiledGhostRecords(N + 100)
         assert ghost.add_all(keys(position), 1) == []
-        assert ghost.take_all(keys(position)) == [1] * 200
+        assert ghost.take_all(keys(position)) == [1] * N
     elif name == "counts":
-        counts = CompiledReuseCounts(300)
+        counts = CompiledReuseCounts(N + 100)
         counts.count(keys(position))
         counts.count_shielded(keys(position))
-        assert len(counts.at_least(keys(position), 2)) == 200
+        assert len(counts.at_least(keys(position), 2)) == N
     else:
-        tier = factories[name](300)
-        assert tier.store(keys(position)) == 201
+        tier = factories[name](N + 100)
+        assert tier.store(keys(position)) == N + 1
         tier.touch(keys(position))
-        assert len(tier.held_among(keys(position))) == 200
-        assert tier.leading_held(keys(position)) == (0 if position == 0 else 200)
-        tier = factories[name](300)
-        assert tier.store(keys(-1)[:201], flags(position)) == 201
-        at = Empties(position).within([0] * 200)
-        assert tier.store_admitted(keys(-1)[:200], at, at.pop(position), 0) == 0
+        assert len(tier.held_among(keys(position))) == N
+        assert tier.leading_held(keys(position)) == (0 if position == 0 else N)
+        tier = factories[name](N + 100)
+        assert tier.store(keys(-1)[:N + 1], flags(position)) == N + 1
+        at = Empties(position).within([0] * N)
+        assert tier.store_admitted(keys(-1)[:N], at, at.pop(position), 0) == 0
         if name == "lru":
-            full = factories[name](200)
-            assert full.store(keys(-1)[:200]) == 200
+            full = factories[name](N)
+            assert full.store(keys(-1)[:N]) == N
             assert full.store([b"new"], (), keys(position)) == 1
-            admitted = Empties(position).within(keys(-1)[:150])
-            assert 0 <= full.store_offer(keys(position), admitted, keys(position)) <= 151
+            admitted = Empties(position).within(keys(-1)[:N * 3 // 4])
+            assert 0 <= full.store_offer(keys(position), admitted, keys(position)) <= N * 3 // 4 + 1
 print("whole")
 """
 
