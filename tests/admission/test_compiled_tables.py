@@ -12,6 +12,7 @@ helper beside them refuses arguments it could only wrap.
 from __future__ import annotations
 
 import gc
+import inspect
 import subprocess
 import sys
 import weakref
@@ -661,3 +662,39 @@ def test_the_stubs_declare_each_compiled_signature() -> None:
         cwd=Path(__file__).resolve().parents[2],
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+ARGUMENT_REFUSALS = ("takes no keyword arguments", "invalid keyword argument", "missing required")
+"""CPython's words where a C method's argument parsing refuses a keyword."""
+
+
+@pytest.mark.parametrize("factory", MINI_TIERS)
+def test_a_mini_tier_declares_each_method_as_its_c_takes_it(factory: type) -> None:
+    """A compiled mini-tier's methods are declared in the Python classes it mixes in, and
+    mypy reads those declarations: ``tier.touch(keys=...)`` passed the type check and the
+    C then raised TypeError (``touch`` takes no keyword arguments). Each C method is called
+    here as every Python declaration of it allows, each parameter it lets a caller name
+    named, and its argument parsing must take that call (its work may refuse the dummy
+    arguments)."""
+    compiled_type, *twins = [cls for cls in factory.__mro__[1:] if cls is not object]
+    methods = {
+        name: method
+        for name, method in vars(compiled_type).items()
+        if callable(method) and name != "__new__"  # the stubs declare __new__ (stubtest)
+    }
+    assert {"touch", "hit_run", "held_among", "leading_held", "store"} <= methods.keys()
+    refusals = []
+    for name in methods:
+        declarations = [vars(twin)[name] for twin in twins if name in vars(twin)]
+        assert declarations, f"{compiled_type.__name__}.{name} has no Python declaration"
+        for declared in declarations:
+            signature = inspect.signature(declared)
+            parameters = list(signature.parameters.values())[1:]
+            positional = [0 for p in parameters if p.kind is p.POSITIONAL_ONLY]
+            named = {p.name: 0 for p in parameters if p.kind is not p.POSITIONAL_ONLY}
+            try:
+                getattr(factory(2), name)(*positional, **named)
+            except TypeError as error:
+                if any(words in str(error) for words in ARGUMENT_REFUSALS):
+                    refusals.append(f"{declared.__qualname__}{signature}: {error}")
+    assert not refusals, "\n".join(refusals)

@@ -100,6 +100,9 @@ class MiniTier:
     pending, so the mini-tier is the real tier scaled down. Without it that touch promotes
     every block just written, which the worlds keep on purpose
     (:mod:`~kvoffload.admission.worlds`). Under LRU a touch only reorders: no difference.
+
+    These methods also declare the compiled tiers' (which mix in this class or a subclass),
+    so a parameter their C takes only by position is positional-only (``/``) here too.
     """
 
     _keys: Mapping[OffloadKey, object]
@@ -132,7 +135,7 @@ class MiniTier:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def __contains__(self, key: object) -> bool:
+    def __contains__(self, key: object, /) -> bool:
         return key in self._keys
 
     @property
@@ -145,12 +148,12 @@ class MiniTier:
         """The held keys (reachable or not), for membership tests without a call per key."""
         return self._keys
 
-    def held_among(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+    def held_among(self, keys: Sequence[OffloadKey], /) -> list[OffloadKey]:
         """The held keys (reachable or not) among ``keys``, in order."""
         held = self._keys
         return [key for key in keys if key in held]
 
-    def leading_held(self, keys: Sequence[OffloadKey]) -> int:
+    def leading_held(self, keys: Sequence[OffloadKey], /) -> int:
         """How many leading ``keys`` are held (reachable or not)."""
         held = self._keys
         run = 0
@@ -160,7 +163,7 @@ class MiniTier:
             run += 1
         return run
 
-    def hit_run(self, keys: Sequence[OffloadKey]) -> int:
+    def hit_run(self, keys: Sequence[OffloadKey], /) -> int:
         """How many leading ``keys`` are held and reachable."""
         held, dead = self._keys, self._dead
         run = 0
@@ -226,7 +229,7 @@ class MiniTier:
         self.total_writes += len(new)
         return len(new)
 
-    def touch(self, keys: Sequence[OffloadKey]) -> None:
+    def touch(self, keys: Sequence[OffloadKey], /) -> None:
         self.policy.touch(keys)
         self._settle()
 
@@ -275,7 +278,7 @@ class LRUMiniTier(MiniTier):
         """Least recent first; the value is ``True`` while the key is unreachable."""
         self._keys = self._order
 
-    def hit_run(self, keys: Sequence[OffloadKey]) -> int:
+    def hit_run(self, keys: Sequence[OffloadKey], /) -> int:
         get = self._order.get
         run = 0
         for key in keys:
@@ -402,7 +405,7 @@ class LRUMiniTier(MiniTier):
         self.total_writes += written
         return written
 
-    def touch(self, keys: Sequence[OffloadKey]) -> None:
+    def touch(self, keys: Sequence[OffloadKey], /) -> None:
         order = self._order
         move_to_end = order.move_to_end
         for key in reversed(keys):
@@ -413,7 +416,7 @@ class LRUMiniTier(MiniTier):
         """The held keys, least recent first."""
         return list(self._order)
 
-    def unreachable(self, key: OffloadKey) -> bool:
+    def unreachable(self, key: OffloadKey, /) -> bool:
         """Whether held ``key`` was written behind a gap (a prefix lookup stops at it)."""
         return bool(self._order.get(key, False))
 
@@ -548,7 +551,7 @@ class S3FIFOMiniTier(MiniTier):
                 return key
         return None
 
-    def touch(self, keys: Sequence[OffloadKey]) -> None:
+    def touch(self, keys: Sequence[OffloadKey], /) -> None:
         freq, fresh = self._freq, self._fresh
         get = freq.get
         for key in keys:
