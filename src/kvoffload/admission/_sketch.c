@@ -70,6 +70,17 @@ hash_keys(PyObject *Py_UNUSED(module), PyObject *keys)
     return result;
 }
 
+/* The ``i``-th hash of a buffer of hashes. A buffer need not be 8-byte aligned (a slice of
+ * bytes, a memoryview at an odd offset), and reading it as ``uint64_t`` there is undefined
+ * behaviour; memcpy is not, and compilers make it the same single load. */
+static inline uint64_t
+hash_at(const unsigned char *hashes, Py_ssize_t i)
+{
+    uint64_t hash;
+    memcpy(&hash, hashes + i * (Py_ssize_t)sizeof(hash), sizeof(hash));
+    return hash;
+}
+
 /* The table and the hashes as buffers, checked against the sketch's width. */
 typedef struct {
     Py_buffer table, hashes;
@@ -138,7 +149,7 @@ increment(PyObject *Py_UNUSED(module), PyObject *args)
     }
     Py_ssize_t n = batch.n;
     unsigned char *table = batch.table.buf;
-    const uint64_t *hashes = batch.hashes.buf;
+    const unsigned char *hashes = batch.hashes.buf;
     Py_ssize_t *cells = PyMem_Malloc((size_t)(n ? n : 1) * LANES * sizeof(Py_ssize_t));
     unsigned char *values = PyMem_Malloc((size_t)(n ? n : 1) * LANES);
     if (cells == NULL || values == NULL) {
@@ -149,7 +160,7 @@ increment(PyObject *Py_UNUSED(module), PyObject *args)
     }
     for (int lane = 0; lane < LANES; lane++) {
         for (Py_ssize_t i = 0; i < n; i++) {
-            Py_ssize_t at = cell(&batch, hashes[i], lane);
+            Py_ssize_t at = cell(&batch, hash_at(hashes, i), lane);
             cells[lane * n + i] = at;
             values[lane * n + i] = table[at];
         }
@@ -197,9 +208,9 @@ estimate(PyObject *Py_UNUSED(module), PyObject *args)
     PyObject *result = PyBytes_FromStringAndSize(NULL, batch.n);
     if (result != NULL) {
         unsigned char *out = (unsigned char *)PyBytes_AS_STRING(result);
-        const uint64_t *hashes = batch.hashes.buf;
+        const unsigned char *hashes = batch.hashes.buf;
         for (Py_ssize_t i = 0; i < batch.n; i++) {
-            out[i] = sightings(&batch, hashes[i]);
+            out[i] = sightings(&batch, hash_at(hashes, i));
         }
     }
     batch_close(&batch);
@@ -219,9 +230,9 @@ seen_at_least(PyObject *Py_UNUSED(module), PyObject *args)
     }
     PyObject *result = PyList_New(batch.n);
     if (result != NULL) {
-        const uint64_t *values = batch.hashes.buf;
+        const unsigned char *hashes = batch.hashes.buf;
         for (Py_ssize_t i = 0; i < batch.n; i++) {
-            PyObject *flag = sightings(&batch, values[i]) >= threshold ? Py_True : Py_False;
+            PyObject *flag = sightings(&batch, hash_at(hashes, i)) >= threshold ? Py_True : Py_False;
             Py_INCREF(flag);
             PyList_SET_ITEM(result, i, flag);
         }
@@ -268,13 +279,13 @@ sampled_positions(PyObject *Py_UNUSED(module), PyObject *args)
         return NULL;
     }
     Py_ssize_t n = view.len / (Py_ssize_t)sizeof(uint64_t), levels = PyTuple_GET_SIZE(masks);
-    const uint64_t *hashes = view.buf;
+    const unsigned char *hashes = view.buf;
     PyObject *result = PyList_New(levels);
     for (Py_ssize_t level = 0; result != NULL && level < levels; level++) {
         uint64_t mask;
         PyObject *picked = as_mask(PyTuple_GET_ITEM(masks, level), &mask) < 0 ? NULL : PyList_New(0);
         for (Py_ssize_t i = 0; picked != NULL && i < n; i++) {
-            if (hashes[i] & mask) {
+            if (hash_at(hashes, i) & mask) {
                 continue;
             }
             PyObject *index = PyLong_FromSsize_t(i);
