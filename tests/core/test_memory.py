@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,20 @@ def test_no_cgroup_file_leaves_the_hosts_figure(
     _cgroups(tmp_path, monkeypatch, "")
     monkeypatch.setattr(memory, "PROC_SELF_CGROUP", tmp_path / "missing")
     assert memory.available_bytes() == HOST
+
+
+@pytest.mark.parametrize(
+    ("num_bytes", "figure"),
+    [
+        (1.5 * GIB, "about 1.5 GiB of memory"),
+        (2.0**100, "about 1.18e+21 GiB of memory"),
+        (float("inf"), "more memory than a float can count"),
+    ],
+)
+def test_a_size_past_memory_is_a_figure_a_reader_takes_in(
+    monkeypatch: pytest.MonkeyPatch, num_bytes: float, figure: str
+) -> None:
+    """A huge size was a row of 22 digits, and one past the float range "about inf GiB"."""
+    monkeypatch.setattr(memory, "available_bytes", lambda: GIB)
+    with pytest.raises(InsufficientMemoryError, match=f"would need {re.escape(figure)}, more"):
+        memory.check_fits(num_bytes, "a cache")

@@ -51,7 +51,12 @@ _BYTE_UNITS = {
     "tib": 2**40,
     "pib": 2**50,
 }
-_NUMBER = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?|nan|[-+]?inf(?:inity)?)"
+_DIGITS = r"\d(?:_?\d)*"
+"""Digits as Python's float() reads them, one underscore allowed between two (``1_000``),
+as every other number on the command line takes them."""
+_NUMBER = (
+    rf"([-+]?(?:{_DIGITS}\.?(?:{_DIGITS})?|\.{_DIGITS})(?:e[-+]?{_DIGITS})?|nan|[-+]?inf(?:inity)?)"
+)
 _PER_REF = re.compile(rf"{_NUMBER}\s*(?:/\s*ref)?", re.IGNORECASE)
 _PER_SECOND = re.compile(rf"{_NUMBER}\s*([kmgtp]i?b|b)\s*/\s*s(?:ec)?", re.IGNORECASE)
 _DWPD = re.compile(rf"{_NUMBER}\s*dwpd", re.IGNORECASE)
@@ -86,7 +91,8 @@ def parse_bytes(text: str | int, what: str = "a size") -> int:
         raise InvalidArgumentError(
             f"{what}: must be a number of bytes, e.g. 1.92TB or 2TiB, got {text!r}"
         )
-    if match[1].lstrip().startswith("-"):  # one message for every size below a byte
+    # One message for every size below a byte: -1e-400 and 1e-400 (which reads as 0) too.
+    if match[1].lstrip().startswith("-") or float(match[1]) == 0:
         raise InvalidArgumentError(f"{what}: must be >= 1 byte, got {text!r}")
     value = _amount(match[1], what) * _BYTE_UNITS[(match[2] or "").lower()]
     if value < 1:

@@ -40,11 +40,11 @@ def register(commands: Any) -> argparse.ArgumentParser:
         "per node, each GET reply read with recv_into straight into its buffer.",
     )
     tiers.add_argument(
-        "--blocks", type=options.POSITIVE_INT, default=128, help="blocks per round (default: 128)"
+        "--blocks", type=options.BLOCKS, default=128, help="blocks per round (default: 128)"
     )
     tiers.add_argument(
         "--block-mib",
-        type=options.POSITIVE,
+        type=options.number(0.0, allow_minimum=False, maximum=options.MAX_BLOCK_MIB),
         default=2.0,
         help="MiB per block (default: 2, an 8B model's)",
     )

@@ -75,6 +75,13 @@ MAX_BLOCK_TOKENS = 2**20
 """The most tokens per block: a million-token context in one block. Beyond it a block's
 bytes soon pass what a float holds, and the sizes in the report with them."""
 BLOCK_TOKENS = integer(1, MAX_BLOCK_TOKENS)
+MAX_BLOCKS = max(blocks_for_gib(MAX_GIB, layout, 1) for layout in LAYOUT_PRESETS)
+"""The most blocks a capacity in blocks may have: what :data:`MAX_GIB` holds in the
+smallest block of any layout (one token), the most a capacity in GiB can reach."""
+BLOCKS = integer(1, MAX_BLOCKS)
+BLOCKS_OR_NONE = integer(0, MAX_BLOCKS)
+MAX_BLOCK_MIB = MAX_GIB * 1024
+"""The largest block in MiB ``bench tiers`` takes: the largest capacity, in one block."""
 POSITIVE = number(0.0, allow_minimum=False)
 SIZE_GIB = number(0.0, maximum=MAX_GIB)
 POSITIVE_GIB = number(0.0, allow_minimum=False, maximum=MAX_GIB)
@@ -198,7 +205,7 @@ def load_workload(source: WorkloadSource, progress: bool | None) -> Workload:
 def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
     gpu = parser.add_mutually_exclusive_group()
     gpu.add_argument(
-        "--gpu-blocks", type=POSITIVE_INT, metavar="N", help="GPU prefix cache size in blocks"
+        "--gpu-blocks", type=BLOCKS, metavar="N", help="GPU prefix cache size in blocks"
     )
     gpu.add_argument(
         "--gpu-gb",
@@ -427,6 +434,16 @@ def _check_apart_from_plots(outputs: list[tuple[str, str]], plot_dir: str) -> No
                 )
 
 
+def check_trace_file(path: str, what: str) -> None:
+    """Refuse ``-``: a trace is read from a file (``sweep`` reads it once per run), never
+    from standard input, while an output's ``-`` is standard output."""
+    if path == "-":
+        raise InvalidArgumentError(
+            f"{what} -: a trace must be a file, not standard input; save it to a file first "
+            "(./- names a file called -)"
+        )
+
+
 def check_before_work(args: argparse.Namespace) -> None:
     """Refuse what would fail only after the run: unwritable outputs, two outputs to one
     file (or an output over the trace or where the plots go), a GPU beyond memory.
@@ -441,6 +458,8 @@ def check_before_work(args: argparse.Namespace) -> None:
     for option, path in outputs:
         output.check_writable_file(path, option)
     trace = getattr(args, "trace", None)
+    if trace is not None:
+        check_trace_file(trace, "--trace")
     output.check_distinct_outputs(outputs, [("--trace", trace)] if trace else [])
     plot_dir = getattr(args, "plot_dir", None)
     if plot_dir:

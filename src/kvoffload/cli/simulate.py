@@ -48,7 +48,7 @@ def register(commands: Any) -> None:
     cpu = tier.add_mutually_exclusive_group()
     cpu.add_argument(
         "--cpu-blocks",
-        type=options.COUNT,
+        type=options.BLOCKS_OR_NONE,
         metavar="N",
         help="offload (CPU RAM) tier size in blocks; 0: no tier",
     )

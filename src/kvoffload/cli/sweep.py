@@ -85,7 +85,7 @@ def register(commands: Any) -> None:
 
 def _capacities(args: argparse.Namespace, gpu_blocks: int, layout: str, bt: int) -> list[int]:
     if args.cpu_blocks is not None:
-        return options.parse_ints(args.cpu_blocks, "--cpu-blocks")
+        return options.parse_ints(args.cpu_blocks, "--cpu-blocks", maximum=options.MAX_BLOCKS)
     if args.cpu_gb is not None:
         return [
             options.cpu_blocks_for_gib(gib, layout, bt)
@@ -135,7 +135,9 @@ def run(args: argparse.Namespace) -> int:
     # Parsed once now only to refuse a bad list before the workload is built.
     capacities = len(DEFAULT_FACTORS)
     if args.cpu_blocks is not None:
-        capacities = len(set(options.parse_ints(args.cpu_blocks, "--cpu-blocks")))
+        capacities = len(
+            set(options.parse_ints(args.cpu_blocks, "--cpu-blocks", maximum=options.MAX_BLOCKS))
+        )
     if args.cpu_gb is not None:
         capacities = len(set(options.parse_floats(args.cpu_gb, "--cpu-gb", options.MAX_GIB)))
     runs = capacities * len(policies) * len(thresholds) * len(admissions)

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 from kvoffload.admission import available_admissions, resolve_admission
+from kvoffload.admission.params import read_number
 from kvoffload.cli import options, output
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.layout import KVLayout
@@ -39,7 +40,7 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
         "--disk-gb", type=options.POSITIVE_GIB, metavar="X", help="disk tier size in GiB"
     )
     size.add_argument(
-        "--disk-blocks", type=options.POSITIVE_INT, metavar="N", help="disk tier size in blocks"
+        "--disk-blocks", type=options.BLOCKS, metavar="N", help="disk tier size in blocks"
     )
     group.add_argument(
         "--disk-policy", help="disk tier eviction policy (default: the CPU tier's --policy)"
@@ -76,7 +77,7 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
         )
     group.add_argument(
         "--remote-blocks",
-        type=options.POSITIVE_INT,
+        type=options.BLOCKS,
         metavar="N",
         help="the shared tier's size in blocks as --remote-admission models it (required with it)",
     )
@@ -112,9 +113,11 @@ def add_disk_timeout_argument(group: argparse._ActionsContainer) -> None:
 
 
 def disk_timeout_ms(text: str) -> float:
-    """An argparse ``type`` for ``--disk-timeout-ms``."""
+    """An argparse ``type`` for ``--disk-timeout-ms``: the tier's range, judged as written
+    (``0.99999999999999999999`` is below 1 ms, though its float is 1.0)."""
     try:
-        return check_timeout_ms(text, "it")
+        check_timeout_ms(text, "it")
+        return read_number(text, MIN_TIMEOUT_MS, MAX_TIMEOUT_MS)
     except InvalidArgumentError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("it ")) from None
 

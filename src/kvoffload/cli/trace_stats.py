@@ -40,6 +40,7 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    options.check_trace_file(args.path, "trace")
     if args.json:  # checked first, so a typo costs no pass over the trace
         output.check_writable_file(args.json, "--json")
         output.check_distinct_outputs([("--json", args.json)], [("trace", args.path)])

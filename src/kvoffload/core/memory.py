@@ -11,6 +11,7 @@ the kernel's out-of-memory kill, with no message. So the least of the two counts
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -118,6 +119,17 @@ def check_fits(num_bytes: float, what: str) -> None:
     available = available_bytes()
     if available is not None and num_bytes > available:
         raise InsufficientMemoryError(
-            f"{what} would need about {num_bytes / 2**30:,.1f} GiB of memory, "
+            f"{what} would need {_memory(num_bytes)}, "
             f"more than the {available / 2**30:,.1f} GiB available"
         )
+
+
+def _memory(num_bytes: float) -> str:
+    """``num_bytes`` as a figure a reader takes in: past a million GiB, a row of digits
+    only says "huge", and ``inf`` (a size past the float range) says nothing."""
+    gib = num_bytes / 2**30
+    if gib < 1e6:
+        return f"about {gib:,.1f} GiB of memory"
+    if math.isfinite(gib):
+        return f"about {gib:.3g} GiB of memory"
+    return "more memory than a float can count"

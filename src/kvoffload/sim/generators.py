@@ -228,24 +228,29 @@ _MEAN_SESSION_REQUESTS = {"chat": 3.5, "rag": 1.0, "agent": 7.5, "oneshot": 1.0}
 
 
 def parse_mix(text: str) -> dict[str, float]:
-    """Parse ``"chat=0.5,rag=0.5"`` (or a single kind name, ``"rag"``) into weights; a
-    weight that is not a finite number >= 0 as written is refused as typed (``1e309``, not
-    ``inf``; ``-1e-400``, not the -0.0 it reads as), and so are an unknown kind and weights
-    that are all zero."""
+    """Parse ``"chat=0.5,rag=0.5"`` into weights, a kind alone (``"rag"``) weighing 1; an
+    empty weight (``"rag="``) is refused, and so is one that is not a finite number >= 0
+    as written, as typed (``1e309``, not ``inf``; ``-1e-400``, not the -0.0 it reads as),
+    an unknown kind and weights that are all zero."""
     if not isinstance(text, str):
         raise InvalidArgumentError(f"a mix is text such as 'chat=0.5,rag=0.5', got {text!r}")
     weights: dict[str, float] = {}
     for part in text.split(","):
-        name, _, weight = part.partition("=")
-        name = name.strip()
+        name, equals, weight = part.partition("=")
+        name, weight = name.strip(), weight.strip()
         if not name:  # "chat,": "," alone said that it named '' twice
             raise InvalidArgumentError(
                 f"mix {text!r} has an entry without a kind; known: {', '.join(GENERATORS)}"
             )
+        if equals and not weight:  # "chat=" was taken as "chat", weight 1
+            raise InvalidArgumentError(
+                f"mix {text!r} gives {name!r} no weight after '=': give {name}=W, or "
+                f"{name} alone for weight 1"
+            )
         if name in weights:  # the last one won, silently
             raise InvalidArgumentError(f"mix {text!r} names {name!r} twice")
         try:
-            weights[name] = read_number(weight.strip(), 0.0) if weight else 1.0
+            weights[name] = read_number(weight, 0.0) if weight else 1.0
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"mix weight for {name!r}: {exc}") from None
     # Refused here as well as by generate, so that the CLI's message names --mix.
