@@ -83,3 +83,15 @@ def test_trace_stats_reads_a_trace_as_simulate_does() -> None:
     stats, simulate = _subcommand(parser, "trace-stats"), _subcommand(parser, "simulate")
     assert _help(stats, "--format") == _help(simulate, "--format")
     assert "default: the trace format's" in _help(stats, "--block-size")
+
+
+def test_simulate_lists_the_gpu_cache_with_its_tiers() -> None:
+    """The GPU cache's size sat under the generic "options:" heading, away from the
+    section named after it."""
+    parser, _ = build_parser()
+    simulate = _subcommand(parser, "simulate")
+    (section,) = [
+        group for group in simulate._action_groups if group.title == "GPU cache and offload tier"
+    ]
+    options = {option for action in section._group_actions for option in action.option_strings}
+    assert {"--gpu-blocks", "--gpu-gb", "--cpu-blocks", "--cpu-gb"} <= options

@@ -202,8 +202,10 @@ def load_workload(source: WorkloadSource, progress: bool | None) -> Workload:
         bar.close()
 
 
-def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
-    gpu = parser.add_mutually_exclusive_group()
+def add_gpu_arguments(group: argparse._ActionsContainer) -> None:
+    """``--gpu-blocks`` / ``--gpu-gb`` in ``group`` (a parser, or the help's section of
+    the GPU cache and its tiers)."""
+    gpu = group.add_mutually_exclusive_group()
     gpu.add_argument(
         "--gpu-blocks", type=BLOCKS, metavar="N", help="GPU prefix cache size in blocks"
     )

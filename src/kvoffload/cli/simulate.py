@@ -44,7 +44,7 @@ def register(commands: Any) -> None:
     )
     options.add_workload_arguments(parser)
     tier = parser.add_argument_group("GPU cache and offload tier")
-    options.add_gpu_arguments(parser)
+    options.add_gpu_arguments(tier)
     cpu = tier.add_mutually_exclusive_group()
     cpu.add_argument(
         "--cpu-blocks",
