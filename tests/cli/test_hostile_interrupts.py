@@ -5,13 +5,18 @@ timing."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvoffload.cli.interrupts import STOPPING as STOPPING_BYTES
+from kvoffload.cli.main import main
+from kvoffload.tiers import bench
 
 STOPPING = STOPPING_BYTES.decode()
 
@@ -95,3 +100,27 @@ def test_ctrl_c_ignored_by_the_shell_stays_ignored(tmp_path: Path) -> None:
     assert (result.returncode, result.stderr) == (0, "")
     assert list((tmp_path / "scratch").iterdir()) == []
     assert (tmp_path / "bench.json").exists()
+
+
+def test_an_interrupted_command_gives_the_caller_its_handlers_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``main`` called in-process (as here, in pytest's own process): an interrupted
+    command kept its handlers installed, so the caller's next Ctrl-C only printed that the
+    command was cleaning up, and its third ended the caller with status 130."""
+    measure = bench.measure_disk
+
+    def interrupted_measure(*args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGINT)
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "measure_disk", interrupted_measure)
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        argv = ["bench", "tiers", "--blocks", "2", "--block-mib", "0.01", "--rounds", "1"]
+        assert main([*argv, "--dir", str(tmp_path)]) == 130
+        after = {signum: signal.getsignal(signum) for signum in before}
+    finally:  # pytest's own Ctrl-C, whatever the command left
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+    assert after == before

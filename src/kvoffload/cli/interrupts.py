@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM, for every command: the first stops the command, a later one is ignored.
+"""Ctrl-C and SIGTERM, for every command: the first stops it, a third quits at once.
 
 A service manager, ``timeout`` or ``kill`` stops a command with SIGTERM, whose
 default action ends the process on the spot: no ``finally`` runs, so a sweep's
@@ -32,9 +32,11 @@ INTERRUPTS_TO_QUIT = 3
 @contextlib.contextmanager
 def one_interrupt() -> Iterator[None]:
     """Within the block, the first SIGTERM or Ctrl-C raises :class:`KeyboardInterrupt` in
-    the main thread, the second only says so on stderr and the third quits at once,
-    up to the process's exit once one came. Ctrl-C is left alone where it is not
-    Python's own (ignored in a background job, or handled by a program that embeds the
+    the main thread, the second only says so on stderr and the third quits at once. The
+    caller's handlers come back as the block ends, interrupted or not: ``main`` is also
+    called in-process (tests, a program that embeds it), whose next Ctrl-C must raise
+    again, not say that a finished command is cleaning up. Ctrl-C is left alone where it
+    is not Python's own (ignored in a background job, or handled by a program that embeds the
     command); off the main thread, signal handlers are not ours to set."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -57,7 +59,5 @@ def one_interrupt() -> Iterator[None]:
     try:
         yield
     finally:
-        if not received:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-        # Else the process is ending: its exit is not cut short by the next one either.
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
