@@ -128,9 +128,9 @@ def add_write_budget_arguments(group: argparse._ArgumentGroup) -> None:
     )
 
 
-def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("workload (a trace, or a synthetic mix by default)")
-    group.add_argument("--trace", metavar="PATH", help="replay this trace file")
+def add_trace_format_arguments(group: argparse._ActionsContainer, default_note: str = "") -> None:
+    """``--format`` and ``--block-size``, as every command that reads a trace takes them;
+    ``default_note`` adds to the block size's default (a synthetic workload's)."""
     group.add_argument(
         "--format",
         default="auto",
@@ -143,8 +143,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         type=BLOCK_TOKENS,
         metavar="TOKENS",
         help="tokens per block, for a trace the size its hash_ids were keyed with "
-        "(default: the trace format's; 16 for synthetic workloads)",
+        f"(default: the trace format's{default_note})",
     )
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workload (a trace, or a synthetic mix by default)")
+    group.add_argument("--trace", metavar="PATH", help="replay this trace file")
+    add_trace_format_arguments(group, "; 16 for synthetic workloads")
     # Unset by default (None), so that one given with --trace, which it cannot shape, is
     # refused rather than ignored; the defaults are WorkloadSource's.
     mix = ",".join(f"{kind}={weight:g}" for kind, weight in DEFAULT_MIX.items())

@@ -9,7 +9,6 @@ from kvoffload.cli import options, output
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.sim.sources import WorkloadSource
 from kvoffload.sim.trace_stats import TraceStats, trace_stats
-from kvoffload.sim.traces import TRACE_FORMATS
 
 
 def register(commands: Any) -> None:
@@ -20,20 +19,7 @@ def register(commands: Any) -> None:
         "are used only once, and how far apart reuses are (in distinct blocks).",
     )
     parser.add_argument("path", help="trace file (JSON lines, or Qwen CSV)")
-    parser.add_argument(
-        "--format",
-        default="auto",
-        choices=("auto", *TRACE_FORMATS),
-        help="trace schema (default: detect; mooncake and lmbench have 512-token blocks, "
-        "qwen 16; --block-size names another)",
-    )
-    parser.add_argument(
-        "--block-size",
-        type=options.BLOCK_TOKENS,
-        metavar="TOKENS",
-        help="tokens per block: the size the trace's hash_ids were keyed with "
-        "(default: the trace format's)",
-    )
+    options.add_trace_format_arguments(parser)
     parser.add_argument("--json", metavar="PATH", help="write the statistics as JSON (- stdout)")
     options.add_progress_argument(parser)
     parser.set_defaults(run=run)
