@@ -820,6 +820,34 @@ def _reports_after_replay(engine: Engine) -> list[dict[str, Any]]:
     return [first.data, engine.manager.get_stats().data]
 
 
+def _assert_vllm_shows_our_series(registry: Any, stats: Callable[[], Any], tier: str) -> None:
+    """vLLM's ``/metrics`` shows every what-if, candidate and switch sample our own exporter
+    shows for the tier labelled ``tier``, with the same value."""
+    import prometheus_client
+
+    from kvoffload.observe.metrics import AdmissionCollector
+
+    ours = prometheus_client.CollectorRegistry()
+    ours.register(AdmissionCollector(stats, tier))
+    compared = 0
+    for family in ours.collect():
+        for sample in family.samples:
+            labels = {**sample.labels, "engine": "0"}
+            assert registry.get_sample_value(f"vllm:{sample.name}", labels) == sample.value
+            compared += 1
+    assert compared == 12 + 12 + 3 + 1  # what-if gauges, candidate gauges, switches
+
+
+def _whatif_tiers(registry: Any) -> set[str]:
+    """The ``tier`` labels of the what-if series vLLM's ``/metrics`` shows."""
+    return {
+        sample.labels["tier"]
+        for family in registry.collect()
+        if family.name in WHATIF_METRICS
+        for sample in family.samples
+    }
+
+
 @pytest.mark.parametrize("shared_admission", ["recommended", "feedback"])
 def test_each_tiers_optimiser_reaches_vllms_metrics_labelled_by_tier(
     vllm_modules: dict[str, ModuleType],
@@ -833,12 +861,10 @@ def test_each_tiers_optimiser_reaches_vllms_metrics_labelled_by_tier(
     the spec's lower tiers' do, labelled with vLLM's ``tier`` of each (``1:KVOffloadDiskTier``,
     ``2:KVOffloadSharedTier``), with the numbers our own exporter shows; a tier with another
     layer exports no what-if series."""
-    import prometheus_client
     from vllm_helpers import metrics_frontend
 
     from kvoffload.admission import OptimisingAdmission
     from kvoffload.integrations.vllm.secondary_replay import tiering_config
-    from kvoffload.observe.metrics import AdmissionCollector
 
     tiers = [
         _disk(tmp_path, admission="recommended", disk_bytes=footprint(256, BLOCK_BYTES)),
@@ -854,24 +880,10 @@ def test_each_tiers_optimiser_reaches_vllms_metrics_labelled_by_tier(
         optimisers["2:KVOffloadSharedTier"] = shared.layer
     for tier, layer in optimisers.items():
         assert isinstance(layer, OptimisingAdmission) and len(layer.stats().whatif) == 12
-        ours = prometheus_client.CollectorRegistry()
-        ours.register(AdmissionCollector(layer.stats, tier))
-        compared = 0
-        for family in ours.collect():
-            for sample in family.samples:
-                labels = {**sample.labels, "engine": "0"}
-                assert registry.get_sample_value(f"vllm:{sample.name}", labels) == sample.value
-                compared += 1
-        assert compared == 12 + 12 + 3 + 1  # what-if gauges, candidate gauges, switches
+        _assert_vllm_shows_our_series(registry, layer.stats, tier)
         chosen = {"candidate": layer.chosen, "engine": "0", "tier": tier}
         assert registry.get_sample_value(WHATIF_METRICS[2], chosen) == 1.0
-    exported = {
-        sample.labels["tier"]
-        for family in registry.collect()
-        if family.name in WHATIF_METRICS
-        for sample in family.samples
-    }
-    assert exported == set(optimisers)
+    assert _whatif_tiers(registry) == set(optimisers)
     engine.close()
     for tier in engine.tiers:  # vLLM may ask once more: never an exception into the engine
         assert tier.get_stats() is not None
@@ -905,12 +917,10 @@ def test_two_tiers_of_one_type_export_series_apart_labelled_as_vllm_labels_them(
     other, and never the ``tier`` vLLM gives the same tier (``2:KVOffloadDiskTier``, its
     place in the list and its type), so a join with vLLM's own series matched nothing. Each
     tier's series now carry vLLM's ``tier`` label."""
-    import prometheus_client
     from vllm_helpers import metrics_frontend
 
     from kvoffload.integrations.vllm.secondary import METRIC_PREFIX
     from kvoffload.integrations.vllm.secondary_replay import tiering_config
-    from kvoffload.observe.metrics import AdmissionCollector
 
     tiers = [
         _disk(tmp_path / "a", disk_bytes=footprint(256, BLOCK_BYTES)),
@@ -932,19 +942,5 @@ def test_two_tiers_of_one_type_export_series_apart_labelled_as_vllm_labels_them(
         written = {"engine": "0", "tier_type": "KVOffloadDiskTier", "tier": label}
         value = registry.get_sample_value(f"{METRIC_PREFIX}written_blocks_total", written)
         assert value == tier.counters.written_blocks > 0
-        ours = prometheus_client.CollectorRegistry()
-        ours.register(AdmissionCollector(tier.layer.stats, label))
-        compared = 0
-        for family in ours.collect():
-            for sample in family.samples:
-                labels = {**sample.labels, "engine": "0"}
-                assert registry.get_sample_value(f"vllm:{sample.name}", labels) == sample.value
-                compared += 1
-        assert compared == 12 + 12 + 3 + 1
-    exported = {
-        sample.labels["tier"]
-        for family in registry.collect()
-        if family.name in WHATIF_METRICS
-        for sample in family.samples
-    }
-    assert exported == set(tier_labels)
+        _assert_vllm_shows_our_series(registry, tier.layer.stats, label)
+    assert _whatif_tiers(registry) == set(tier_labels)
