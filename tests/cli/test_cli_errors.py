@@ -155,6 +155,19 @@ def _limited_file_size() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (512, 512))
 
 
+def _run_with_little_room(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """The command in a process whose files may not pass 512 bytes: a full disk's writes."""
+    cli = "import sys; from kvoffload.cli.main import main; sys.exit(main())"
+    return subprocess.run(
+        [sys.executable, "-c", cli, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        preexec_fn=_limited_file_size,
+    )
+
+
 @pytest.mark.parametrize("option", ["--json", "--csv"])
 def test_a_failed_write_keeps_the_earlier_file_and_names_the_path(
     tmp_path: Path, option: str
@@ -163,20 +176,7 @@ def test_a_failed_write_keeps_the_earlier_file_and_names_the_path(
     it destroyed, and the error named no path."""
     old = tmp_path / "old.out"
     old.write_text("the earlier run\n")
-    argv = [*SMALL, "--no-bound", option, str(old)]
-    cli = [
-        sys.executable,
-        "-c",
-        "import sys; from kvoffload.cli.main import main; sys.exit(main())",
-    ]
-    result = subprocess.run(
-        [*cli, *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        preexec_fn=_limited_file_size,
-    )
+    result = _run_with_little_room([*SMALL, "--no-bound", option, str(old)])
     assert result.returncode == 1
     assert result.stderr == f"kvoffload: error: {option} {old}: cannot write: File too large\n"
     assert old.read_text() == "the earlier run\n"
@@ -192,15 +192,7 @@ def test_a_failed_plot_keeps_the_earlier_one_and_names_the_path(tmp_path: Path) 
     for name in PLOT_FILES:
         (plots / name).write_bytes(b"the earlier plot")
     argv = ["sweep", "--requests", "30", "--jobs", "1", "--no-progress", "--cpu-blocks", "0,50"]
-    cli = "import sys; from kvoffload.cli.main import main; sys.exit(main())"
-    result = subprocess.run(
-        [sys.executable, "-c", cli, *argv, "--plot-dir", str(plots)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        preexec_fn=_limited_file_size,
-    )
+    result = _run_with_little_room([*argv, "--plot-dir", str(plots)])
     assert result.returncode == 1
     first = plots / PLOT_FILES[0]
     assert result.stderr == f"kvoffload: error: --plot-dir {first}: cannot write: File too large\n"
