@@ -793,9 +793,11 @@ def test_two_entries_naming_one_tier_stop_start_up(
     apart (vLLM tells a tier no place of its own): refused, before either opens."""
     from kvoffload.integrations.vllm.secondary_replay import tiering_spec
 
-    tiers = [_shared(valkey_server.url), _shared(valkey_server.url)]
-    with pytest.raises(InvalidArgumentError, match="entries 1 and 2 of secondary_tiers"):
-        tiering_spec(tiers, 4 * BLOCK_BYTES, engine_id=f"twice-{uuid.uuid4().hex}").get_manager()
+    for second in ({}, {"locality": None, "write_budget": None}):  # a null is an unset key
+        tiers = [_shared(valkey_server.url), _shared(valkey_server.url, **second)]
+        spec = tiering_spec(tiers, 4 * BLOCK_BYTES, engine_id=f"twice-{uuid.uuid4().hex}")
+        with pytest.raises(InvalidArgumentError, match="entries 1 and 2 of secondary_tiers"):
+            spec.get_manager()
 
 
 WHATIF_METRICS = (

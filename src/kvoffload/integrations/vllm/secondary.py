@@ -77,6 +77,7 @@ from kvoffload.integrations.vllm.secondary_settings import (
     SecondarySettings,
     parse_disk_settings,
     parse_shared_settings,
+    set_keys,
 )
 from kvoffload.integrations.vllm.spec import config_fingerprint, whatif_definitions
 from kvoffload.tiers.remote import RemoteTier
@@ -759,11 +760,12 @@ def _vllm_tier_label(spec: OffloadingSpec, tier_type: str, options: Mapping[str,
     same server, the same settings), so they are refused. Outside vLLM's tiering spec, the
     type alone."""
     entries = spec.secondary_tier_configs if isinstance(spec, TieringOffloadingSpec) else []
+    ours = set_keys(options)  # a key set to null is unset: such entries are one tier too
     places = [
         place
         for place, entry in enumerate(entries, start=1)
         if entry.get("type") == tier_type
-        and {key: value for key, value in entry.items() if key not in VLLM_KEYS} == options
+        and set_keys({key: value for key, value in entry.items() if key not in VLLM_KEYS}) == ours
     ]
     if len(places) > 1:
         raise InvalidArgumentError(

@@ -111,7 +111,7 @@ class SecondarySettings:
 def parse_disk_settings(tier_type: str, entry: Mapping[str, Any]) -> SecondarySettings:
     """The disk tier's entry: ``disk_dir`` and ``disk_bytes`` are required."""
     _check_keys(tier_type, entry, DISK_KEYS)
-    entry = _given(entry)
+    entry = set_keys(entry)
     timeout = entry.get("disk_timeout_ms")
     if timeout is not None:
         where = f"secondary tier {tier_type!r} key 'disk_timeout_ms'"
@@ -142,7 +142,7 @@ def parse_shared_settings(tier_type: str, entry: Mapping[str, Any]) -> Secondary
     """The shared tier's entry: ``url`` is required, and ``remote_bytes`` (this instance's
     share of the server, which sizes the admission layer) unless admission is ``none``."""
     _check_keys(tier_type, entry, SHARED_KEYS)
-    entry = _given(entry)
+    entry = set_keys(entry)
     url = _required_str(tier_type, entry, "url")
     try:
         parse_remote_url(url)  # its syntax now; the server answers when the tier opens
@@ -206,7 +206,7 @@ def _check_keys(tier_type: str, entry: Mapping[str, Any], known: frozenset[str])
         )
 
 
-def _given(entry: Mapping[str, Any]) -> dict[str, Any]:
+def set_keys(entry: Mapping[str, Any]) -> dict[str, Any]:
     """The entry's keys with a value: a key set to ``null`` is left unset, its default
     taken, as a YAML or JSON config writes a setting it leaves alone (a ``null`` locality
     gave no locality, a ``null`` ``remote_bytes`` beside ``admission: none`` was "required")."""
