@@ -123,6 +123,25 @@ def test_layers_whose_blocks_overlap_are_refused(block_stride: int) -> None:
         CPUGPUHandler(layers, CPUBlockStore(layout, 4), to_cpu=False)
 
 
+@pytest.mark.parametrize("value_offset", [0, 64], ids=["expanded", "half-overlapping"])
+def test_a_layer_whose_k_and_v_share_memory_is_refused(value_offset: int) -> None:
+    """An expanded layer (K and V one and the same memory) was accepted: a load of V
+    rewrote K, reporting success. Pages of K and V interleaved block by block (FlashInfer's
+    [num_blocks, 2, ...] seen as [2, num_blocks, ...]) share none and stay accepted."""
+    layout = LAYOUTS["tiny-f16"]  # 128 elements per page
+    shape = (2, 8, layout.tokens_per_block, layout.kv_heads, layout.head_dim)
+    memory = torch.zeros(3000, dtype=torch.float16)
+    interleaved = torch.as_strided(memory, shape, (128, 256, 32, 16, 1))
+    plain = torch.zeros(shape, dtype=torch.float16)
+    CPUGPUHandler([interleaved, plain], CPUBlockStore(layout, 4), to_cpu=False)
+    aliased = torch.as_strided(memory, shape, (value_offset, 128, 32, 16, 1))
+    with pytest.raises(
+        InvalidArgumentError,
+        match=f"K and V must not share memory, but V starts {value_offset} elements after K",
+    ):
+        CPUGPUHandler([aliased, plain], CPUBlockStore(layout, 4), to_cpu=False)
+
+
 @pytest.mark.parametrize(
     ("devices", "error"),
     [(["cpu", "meta"], "got cpu, meta"), (["meta", "meta"], "got meta")],

@@ -95,6 +95,7 @@ def page_groups(layers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             raise InvalidArgumentError(
                 f"KV layer tensors need at least one block, got {tuple(layer.shape)}"
             )
+        pages_before = len(halves)
         for half in layer.unbind(0):
             page = _page_rows(half)
             if page is None:
@@ -111,6 +112,14 @@ def page_groups(layers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
                     f"(strides {half.stride()} for shape {tuple(half.shape)})"
                 )
             halves.append(page.view(torch.uint8))
+        key, value = halves[pages_before:]
+        if _rows_meet(key, value):
+            # A load of V would rewrite K (an expanded tensor: the same bytes), and report success.
+            raise InvalidArgumentError(
+                "a KV layer's K and V must not share memory, but V starts "
+                f"{layer.stride(0)} elements after K (strides {layer.stride()} for shape "
+                f"{tuple(layer.shape)})"
+            )
     if len({h.shape for h in halves}) != 1:
         raise InvalidArgumentError("all KV layer tensors must have the same block count and shape")
     if all(_follows(a, b) for a, b in itertools.pairwise(halves)):
@@ -119,6 +128,16 @@ def page_groups(layers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             torch.as_strided(halves[0], (len(halves) * num_blocks, page_bytes), (page_bytes, 1))
         ]
     return halves
+
+
+def _rows_meet(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Whether two byte-row tensors of one shape and row stride (a layer's K and V pages)
+    share a byte: a row of one starts within a row's length of a row of the other."""
+    rows, length = first.shape
+    stride = first.stride(0) if rows > 1 else length
+    apart = second.data_ptr() - first.data_ptr()
+    nearest = {-(apart // stride), -(-apart // stride)} if stride else {0}
+    return any(abs(apart + k * stride) < length for k in nearest if -(rows - 1) <= k <= rows - 1)
 
 
 def _page_rows(half: torch.Tensor) -> torch.Tensor | None:
