@@ -56,12 +56,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
-from vllm.v1.kv_offload.tiering.base import (
-    TIER_LABEL,
-    JobResult,
-    SecondaryTierManager,
-    TransferJob,
-)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -90,6 +85,9 @@ MODULE_PATH = __name__
 
 METRIC_PREFIX = "vllm:kvoffload_secondary_"
 TIER_TYPE_LABEL = "tier_type"
+TIER_LABEL = "tier"
+"""The label vLLM's tiering series give a tier (``1:KVOffloadDiskTier``): named so in 0.32
+and 0.33, though only 0.33 exports the name as a constant."""
 
 
 @dataclass
