@@ -48,6 +48,23 @@ protect(LRUTier *self, PyObject **keys, Py_ssize_t n)
     return protect_held(&self->r, self->flags, &self->guarded, keys, n);
 }
 
+/* Whether ``args`` are a call's ``min`` to ``max`` positional arguments and no keywords;
+ * then ``given`` holds them (borrowed, as "O" gives them; the rest left as they are). The
+ * store methods run several times per request, and PyArg_ParseTupleAndKeywords costs about
+ * a thousand instructions a call: it parses only the calls with keywords or odd counts. */
+static inline int
+positional_args(PyObject *args, PyObject *kwargs, Py_ssize_t min, Py_ssize_t max, PyObject **given)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    if (kwargs != NULL || n < min || n > max) {
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        given[i] = PyTuple_GET_ITEM(args, i);
+    }
+    return 1;
+}
+
 /* Write the scratch's new keys, evicting the oldest keys outside ``keys`` (or outside
  * ``request`` where enough others are held); see ``LRUMiniTier._insert``. */
 static Py_ssize_t
@@ -142,23 +159,31 @@ static PyObject *
 tier_store(LRUTier *self, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"keys", "behind_gap", "request", NULL};
-    PyObject *keys, *behind_gap = NULL, *request = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO:store", names, &keys, &behind_gap, &request)) {
+    PyObject *given[3] = {NULL, NULL, NULL};
+    if (!positional_args(args, kwargs, 1, 3, given) &&
+        !PyArg_ParseTupleAndKeywords(args, kwargs, "O|OO:store", names, &given[0], &given[1], &given[2])) {
         return NULL;
     }
-    return tier_store_impl(self, keys, behind_gap, request);
+    return tier_store_impl(self, given[0], given[1], given[2]);
 }
 
 static PyObject *
 tier_store_admitted(LRUTier *self, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"keys", "at", "keep", "gap", "request", NULL};
-    PyObject *keys, *at, *keep, *request = NULL;
+    PyObject *given[5] = {NULL, NULL, NULL, NULL, NULL};
     Py_ssize_t gap;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOn|O:store_admitted", names, &keys, &at, &keep, &gap,
-                                     &request)) {
+    if (positional_args(args, kwargs, 4, 5, given) && PyLong_CheckExact(given[3])) {
+        gap = PyLong_AsSsize_t(given[3]);  /* "n"'s conversion of an int, the same error */
+        if (gap == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+    }
+    else if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOn|O:store_admitted", names, &given[0], &given[1],
+                                          &given[2], &gap, &given[4])) {
         return NULL;
     }
+    PyObject *keys = given[0], *at = given[1], *keep = given[2], *request = given[4];
     if (keep == Py_None) {
         return tier_store_impl(self, keys, NULL, request);
     }
@@ -213,11 +238,12 @@ static PyObject *
 tier_store_offer(LRUTier *self, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"offered", "admitted", "request", NULL};
-    PyObject *offered, *admitted, *request = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|O:store_offer", names, &offered, &admitted,
-                                     &request)) {
+    PyObject *given[3] = {NULL, NULL, NULL};
+    if (!positional_args(args, kwargs, 2, 3, given) &&
+        !PyArg_ParseTupleAndKeywords(args, kwargs, "OO|O:store_offer", names, &given[0], &given[1], &given[2])) {
         return NULL;
     }
+    PyObject *offered = given[0], *admitted = given[1], *request = given[2];
     if (admitted == Py_None) {
         return tier_store_impl(self, offered, NULL, request);
     }

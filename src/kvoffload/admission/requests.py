@@ -91,7 +91,8 @@ class RequestTracker:
         entry = self._open.get(offered[-1])
         if entry is None:
             return 0
-        return max(0, entry[1] - len(offered))
+        before = entry[1] - len(offered)
+        return before if before > 0 else 0  # not max(): a builtin call costs more, every offer
 
     def on_store(self, offered: Sequence[OffloadKey], stored_any: bool) -> None:
         """A store was prepared: await the post-store touch, or close the request."""
