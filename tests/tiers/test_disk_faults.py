@@ -238,16 +238,25 @@ def store_block(m: TieredOffloadingManager, slots: ByteSlots, key: OffloadKey) -
     m.complete_store([key])
 
 
+def first_key_on_disk(
+    m: TieredOffloadingManager, slots: ByteSlots, disk: DiskTier
+) -> Callable[[OffloadKey], None]:
+    """Store ``KEYS[:3]`` in the two-slot stack, so that ``KEYS[0]`` falls to the disk;
+    the stack's store of one more key back."""
+    store = functools.partial(store_block, m, slots)
+    for key in KEYS[:3]:
+        store(key)
+    m.poll()
+    assert disk.present(KEYS[:1]) == 1
+    return store
+
+
 def test_the_engine_goes_on_when_the_disk_hangs(tmp_path: Path, layer: StalledLayer) -> None:
     """A promotion from a hung disk is a miss by its deadline; demotions fail and are counted."""
     disk = DiskTier(tmp_path, 8, FP, deadline_s=0.2, file_layer=layer)
     m, slots = two_slot_stack(disk)
-    store = functools.partial(store_block, m, slots)
     try:
-        for key in KEYS[:3]:
-            store(key)  # KEYS[0] falls to the disk
-        m.poll()
-        assert disk.present(KEYS[:1]) == 1
+        store = first_key_on_disk(m, slots, disk)
         layer.answering.clear()
         assert m.lookup(KEYS[:1]) is None  # the promotion starts
         assert m.lookup(KEYS[:1]) == 0  # and fails by its deadline: a miss
@@ -531,12 +540,8 @@ def test_a_job_that_raises_a_bug_fails_its_blocks_instead_of_leaving_callers_wai
     layer = BuggyLayer()
     disk = DiskTier(tmp_path, 8, FP, file_layer=layer)
     m, slots = two_slot_stack(disk)
-    store = functools.partial(store_block, m, slots)
     try:
-        for key in KEYS[:3]:
-            store(key)  # KEYS[0] falls to the disk
-        m.poll()
-        assert disk.present(KEYS[:1]) == 1
+        store = first_key_on_disk(m, slots, disk)
         layer.broken = True
         direct = disk.read(KEYS[:1], lambda i: memoryview(bytearray(SIZE)))
         assert direct.result(timeout=30) == [False]
