@@ -9,6 +9,7 @@ the CPU tier (cascades, lookups, promotions) is vLLM's code and ours.
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -946,3 +947,5 @@ def test_two_tiers_of_one_type_export_series_apart_labelled_as_vllm_labels_them(
         assert value == tier.counters.written_blocks > 0
         _assert_vllm_shows_our_series(registry, tier.layer.stats, label)
     assert _whatif_tiers(registry) == set(tier_labels)
+    threads = {thread.name.rpartition("_")[0] for thread in threading.enumerate()}
+    assert {f"kvoffload-{label}" for label in tier_labels} <= threads  # told apart in a dump

@@ -183,11 +183,11 @@ class _Owner:
     tier (a bug) is a failed operation here, never an exception in the engine.
     """
 
-    def __init__(self, tier: LowerTier, layer: AdmissionLayer | None, name: str) -> None:
+    def __init__(self, tier: LowerTier, layer: AdmissionLayer | None, tier_label: str) -> None:
         self.tier = tier
         self.layer = layer
         self.events: queue.SimpleQueue[TierEvent] = queue.SimpleQueue()
-        self._thread = ThreadPoolExecutor(1, f"kvoffload-{name}")
+        self._thread = ThreadPoolExecutor(1, f"kvoffload-{tier_label}")
         self._closed = False
         self._taken: AdmissionStats | None = None
         self._taking: Future[AdmissionStats] | None = None
@@ -390,7 +390,6 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
     """One of our tiers behind its own admission layer, in vLLM's secondary-tier contract."""
 
     tolerates_off_thread_polling: ClassVar[bool] = False
-    _KIND: ClassVar[str] = ""
 
     def __init__(
         self,
@@ -427,7 +426,7 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         self._whatif_tier = (self.tier_label,) if _has_optimiser(settings) else None
         """The ``tier`` label of this tier's what-if series; ``None``: not the optimiser."""
         self._switches = LayerCount()
-        self._owner = _Owner(tier, layer, self._KIND)
+        self._owner = _Owner(tier, layer, self.tier_label)
         self._lookups = _Lookups(self._owner, tier_type)
         self._jobs: dict[int, _Job] = {}
         self._done: list[JobResult] = []
@@ -715,7 +714,6 @@ class KVOffloadDiskTier(_KVOffloadSecondaryTier):
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
-    _KIND = "disk"
 
     @classmethod
     @override
@@ -735,7 +733,6 @@ class KVOffloadSharedTier(_KVOffloadSecondaryTier):
 
     medium: ClassVar[Medium] = Medium.STORAGE
     cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
-    _KIND = "shared"
 
     @classmethod
     @override
