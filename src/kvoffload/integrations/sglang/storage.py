@@ -155,6 +155,12 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         super().register_mem_pool_host(mem_pool_host)
         self._close_parts()
         pages = HostPages(mem_pool_host)
+        if not pages.flat and not self.settings.interface_v1:
+            raise InvalidArgumentError(
+                "this host pool has no flat pages (K and V of different head dims), which "
+                "SGLang's copy interface moves: set 'interface_v1': 1 in "
+                "hicache-storage-backend-extra-config (its zero-copy interface)"
+            )
         self.pages = pages
         self.fingerprint = self._fingerprint(pages)
         try:
