@@ -193,6 +193,69 @@ class DcpHostPool(HostPool):
         return super().page_bytes(page * self.dcp_size)
 
 
+class AsymmetricHostPool:
+    """An MHA pool whose K and V differ in head dim, as SGLang's
+    ``AsymmetricMHATokenToKVPoolHost`` (MiMo-V2) in ``page_first``: K and V in two buffers
+    of their own (``kv_buffer`` is the pair), a page's segments its K rows then its V rows,
+    of different sizes; it has no flat pages (``get_data_page``, ``get_dummy_flat_data_page``
+    and ``set_from_flat_data_page`` raise ``NotImplementedError``)."""
+
+    layout = "page_first"
+    layer_num = 3
+    head_num = 2
+
+    def __init__(self, pages: int = 16, page_size: int = 4) -> None:
+        self.page_size = page_size
+        self.size = pages * page_size
+        self.dtype = torch.bfloat16
+        self.head_dim, self.v_head_dim = 12, 8
+        shape = (self.size, self.layer_num, self.head_num)
+        self.kv_buffer = (
+            torch.zeros((*shape, self.head_dim), dtype=self.dtype),
+            torch.zeros((*shape, self.v_head_dim), dtype=self.dtype),
+        )
+
+    def _flat_page_unsupported(self) -> NotImplementedError:
+        return NotImplementedError("Models with head_dim != v_head_dim: no flat pages")
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        raise self._flat_page_unsupported()
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        raise self._flat_page_unsupported()
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        raise self._flat_page_unsupported()
+
+    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        pointers: list[int] = []
+        sizes: list[int] = []
+        for start in indices.tolist()[:: self.page_size]:
+            for buffer in self.kv_buffer:
+                pointers.append(buffer[start].data_ptr())
+                sizes.append(buffer[0 : self.page_size].numel() * buffer.element_size())
+        return pointers, sizes
+
+    def indices(self, pages: Iterable[int]) -> torch.Tensor:
+        size = self.page_size
+        return torch.cat([torch.arange(p * size, (p + 1) * size) for p in pages])
+
+    def fill(self, pages: list[int], seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        for p in pages:
+            for buffer in self.kv_buffer:
+                rows = buffer[p * self.page_size : (p + 1) * self.page_size]
+                rows.copy_(torch.randn(rows.shape, generator=generator).to(self.dtype))
+
+    def zero(self) -> None:
+        for buffer in self.kv_buffer:
+            buffer.zero_()
+
+    def page_bytes(self, page: int) -> bytes:
+        rows = slice(page * self.page_size, (page + 1) * self.page_size)
+        return b"".join(bytes(b[rows].view(torch.uint8).numpy()) for b in self.kv_buffer)
+
+
 def storage_config(
     modules: dict[str, ModuleType],
     extra: dict[str, Any],

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("sglang", reason="SGLang is not installed (CI installs it --no-deps)")
 
-from sglang_helpers import DcpHostPool, HostPool, page_hash
+from sglang_helpers import AsymmetricHostPool, DcpHostPool, HostPool, page_hash
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.integrations.sglang.storage import page_key
@@ -444,3 +444,27 @@ def test_the_disk_deadline_key_reaches_the_opened_disk_tier(backends: Any, tmp_p
     default = backends(disk(tmp_path / "default"), HostPool())
     assert timed.paths[0].tier.deadline_s == 0.25
     assert default.paths[0].tier.deadline_s == DEFAULT_DEADLINE_S
+
+
+@pytest.mark.parametrize("kind", ["disk", "valkey"])
+def test_k_and_v_of_different_head_dims_round_trip_through_the_zero_copy_interface(
+    backends: Any, tmp_path: Path, request: pytest.FixtureRequest, kind: str
+) -> None:
+    """SGLang's host pool for K and V of different head dims (MiMo-V2) has no flat pages,
+    only segments (K, then V, of different sizes): the zero-copy interface stores and loads
+    them; the attach raised SGLang's NotImplementedError before, asking for the dummy page."""
+    pool = AsymmetricHostPool()
+    backend = backends(
+        {"interface_v1": 1, **tier_config(kind, tmp_path, request)}, pool, model=f"asym-{kind}"
+    )
+    assert backend.pages.page_bytes == len(pool.page_bytes(0))
+    round_trip_v1(backend, pool, KEYS[:5], seed=8)
+
+
+def test_a_pool_without_flat_pages_stops_the_copy_interface_naming_interface_v1(
+    backends: Any, tmp_path: Path
+) -> None:
+    """SGLang's copy interface reads and writes flat pages, which this pool cannot give:
+    start-up stops, saying to set ``interface_v1``."""
+    with pytest.raises(InvalidArgumentError, match=r"no flat pages.*'interface_v1': 1"):
+        backends(disk(tmp_path), AsymmetricHostPool(), model="asym-copy")

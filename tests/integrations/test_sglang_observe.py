@@ -346,6 +346,50 @@ def test_each_rank_serves_its_metrics_on_its_own_port_and_rank_0_publishes(
     assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv-1"
 
 
+def test_plain_data_parallel_replicas_keep_their_disk_metrics_and_events_apart(
+    backend_of: Any, tmp_path: Path
+) -> None:
+    """``--dp-size`` without DP attention runs a process per replica with the same TP ranks,
+    and SGLang's storage config says ``dp_rank`` 0 in each; the replica number its launcher
+    recorded gives each its own slot file, metrics port, event endpoint and data-parallel
+    rank, as DP attention's groups have. The second replica stopped at start-up before,
+    its disk tier's directory in use by the first."""
+    from sglang.srt.runtime_context import get_parallel
+
+    metrics, pub, replay = _two_free_ports(), _two_free_ports(), _two_free_ports()
+    extra = {
+        "kvoffload.disk_dir": str(tmp_path),
+        "kvoffload.disk_bytes": footprint(8, len(HostPool().page_bytes(0))),
+        "kvoffload.metrics_port": metrics,
+        "kvoffload.kv_events_endpoint": f"tcp://127.0.0.1:{pub}",
+        "kvoffload.kv_events_replay_endpoint": f"tcp://127.0.0.1:{replay}",
+    }
+    pools = [HostPool(), HostPool()]
+    replicas = []
+    for replica in (0, 1):
+        with get_parallel().override(dp_rank=replica):
+            replicas.append(backend_of(extra, pools[replica], model="replicas"))
+    pools[1].fill([0, 1], seed=5)
+    assert replicas[1].batch_set_v1(KEYS[:2], pools[1].indices([0, 1])) == [True, True]
+    assert replicas[0].batch_exists(KEYS[:2]) == 0  # each replica's disk tier is its own
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["dp0", "dp1"]
+    for replica in (0, 1):
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics + replica}/metrics") as r:
+            text = r.read().decode()
+        [stored] = [
+            sample
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "kvoffload_l3_stores_completed_total"
+        ]
+        assert stored.labels["dp_rank"] == str(replica) and stored.value == 2 * replica
+    replicas[1].flush_events()
+    endpoints = (f"tcp://127.0.0.1:{pub + 1}", f"tcp://127.0.0.1:{replay + 1}")
+    with KVEventSubscriber(*endpoints) as subscriber:
+        batches = [batch for _, batch in subscriber.catch_up()]
+    assert batches and {batch.data_parallel_rank for batch in batches} == {1}
+
+
 def test_backup_bandwidth_counts_only_the_bytes_the_tiers_wrote(
     backend_of: Any, tmp_path: Path
 ) -> None:

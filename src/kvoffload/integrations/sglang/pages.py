@@ -88,10 +88,19 @@ class HostPages:
         self.tokens = None if size is None else int(size)
         """The pool's logical token slots (SGLang's ``HostKVCache.logical_size``, its
         ``size`` without DCP), which bound host indices."""
-        page = pool.get_dummy_flat_data_page()
-        self.dtype = str(page.dtype)
-        self.page_bytes = int(page.numel()) * int(page.element_size())
+        try:
+            page = pool.get_dummy_flat_data_page()
+        except NotImplementedError:  # K and V of different head dims: segments only
+            page = None
+        self.flat = page is not None
+        """Whether the pool has flat pages, which SGLang's copy interface moves."""
         pointers, sizes = pool.get_page_buffer_meta(torch.arange(self.page_size))
+        if page is None:
+            self.dtype = str(pool.dtype)
+            self.page_bytes = sum(sizes)
+        else:
+            self.dtype = str(page.dtype)
+            self.page_bytes = int(page.numel()) * int(page.element_size())
         self._region = _region(pool)
         self.segments_per_page = len(pointers)
         if self.segments_per_page < 1 or sum(sizes) != self.page_bytes:

@@ -114,6 +114,21 @@ def offset_endpoint(endpoint: str, offset: int) -> str:
     return f"{endpoint}-{offset}"
 
 
+def data_parallel_rank(storage_config: HiCacheStorageConfig) -> int:
+    """This process's data-parallel rank: the storage config's under DP attention, else the
+    replica SGLang's launcher recorded (plain ``--dp-size`` replicas are processes of the
+    same TP ranks, and their storage configs all say 0); 0 without either."""
+    if storage_config.dp_rank:
+        return int(storage_config.dp_rank)
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        replica = get_parallel().dp_rank
+    except (ImportError, AttributeError, RuntimeError, ValueError):  # nothing recorded
+        return 0
+    return replica if isinstance(replica, int) and replica > 0 else 0
+
+
 class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
     """A HiCache L3 backend over kvoffload's disk tier and shared tier.
 
@@ -131,6 +146,8 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         self.storage_config = storage_config
         self.settings: BackendSettings = parse_settings(storage_config.extra_config)
         self.is_writer = bool(storage_config.is_storage_writer)
+        self.dp_rank = data_parallel_rank(storage_config)
+        """What keeps data-parallel replicas' slot files, ports and events apart."""
         if (
             self.settings.disk_dir is not None
             and storage_config.is_mla_model
@@ -155,6 +172,12 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         super().register_mem_pool_host(mem_pool_host)
         self._close_parts()
         pages = HostPages(mem_pool_host)
+        if not pages.flat and not self.settings.interface_v1:
+            raise InvalidArgumentError(
+                "this host pool has no flat pages (K and V of different head dims), which "
+                "SGLang's copy interface moves: set 'interface_v1': 1 in "
+                "hicache-storage-backend-extra-config (its zero-copy interface)"
+            )
         self.pages = pages
         self.fingerprint = self._fingerprint(pages)
         try:
@@ -385,14 +408,14 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         if s.kv_events_endpoint is not None and c.tp_rank == 0 and c.attn_cp_rank == 0:
             from kvoffload.observe.publisher import KVEventPublisher
 
-            stage = c.dp_rank * c.pp_size + c.pp_rank
+            stage = self.dp_rank * c.pp_size + c.pp_rank
             replay = s.kv_events_replay_endpoint
             try:
                 self._publisher = KVEventPublisher(
                     offset_endpoint(s.kv_events_endpoint, stage),
                     None if replay is None else offset_endpoint(replay, stage),
                     block_size=pages.page_size,
-                    data_parallel_rank=c.dp_rank,
+                    data_parallel_rank=self.dp_rank,
                 )
             except InvalidArgumentError as exc:
                 raise InvalidArgumentError(
@@ -413,7 +436,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             # the tier itself locks its directory against a second process.
             disk = dataclasses.replace(
                 s.disk_tier,
-                location=str(Path(s.disk_tier.location) / f"dp{c.dp_rank}"),
+                location=str(Path(s.disk_tier.location) / f"dp{self.dp_rank}"),
                 blocks=blocks,
                 write_budget=_sized_budget(
                     s.disk_write_budget, pages.page_bytes, s.disk_bytes, "disk"
@@ -444,7 +467,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             from kvoffload.integrations.sglang.metrics import TierCollector
             from kvoffload.observe.metrics import MetricsServer
 
-            rank = ((c.dp_rank * c.pp_size + c.pp_rank) * c.attn_cp_size + c.attn_cp_rank) * (
+            rank = ((self.dp_rank * c.pp_size + c.pp_rank) * c.attn_cp_size + c.attn_cp_rank) * (
                 c.tp_size
             ) + c.tp_rank
             try:  # every rank has its own tiers, so its own port: the given one plus its rank
@@ -456,7 +479,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             labels = {
                 "tp_rank": str(c.tp_rank),
                 "pp_rank": str(c.pp_rank),
-                "dp_rank": str(c.dp_rank),
+                "dp_rank": str(self.dp_rank),
             }
             self._metrics.add(TierCollector(self.paths, labels))
 
