@@ -134,3 +134,30 @@ def test_a_server_paused_in_the_middle_of_a_batch_keeps_only_whole_values(
     finally:
         process.send_signal(signal.SIGCONT)
         tier.close()
+
+
+def test_a_read_is_not_held_behind_writes_to_a_paused_server(own_server: ValkeyProcess) -> None:
+    """A read asked while write pipelines to a hung server are under way ends by its own
+    deadline, not by theirs: pipelines of 256 MiB get 0.3 s + 2.7 s each, a 32-byte
+    read 0.3 s, so it ends while they are all still under way. (Reads and writes shared
+    the I/O threads: the read waited behind the pipelines queued before it, two write
+    deadlines here, and the breaker they opened then refused it unasked.)"""
+    own_server.start()
+    process = own_server.process
+    assert process is not None
+    tier = RemoteTier(own_server.url_with(300), fingerprint("behind"))
+    written = [block_id_key(i, 12) for i in range(64)]
+    huge = bytes(16 * 2**20)
+    try:
+        store(tier, KEYS[:1])
+        process.send_signal(signal.SIGSTOP)
+        for batch in range(4):  # four pipelines of 16 blocks of 16 MiB, on two I/O threads
+            tier.write(written[16 * batch : 16 * batch + 16], [huge] * 16)
+        assert finishes(lambda: read(tier, KEYS[:1])) == [False]
+        tier.poll(wait=False)
+        assert tier.stats.failed == 1  # the read's block alone: no write has ended yet
+        finishes(lambda: tier.poll(wait=True))
+        assert tier.stats.failed == 1 + len(written)
+    finally:
+        process.send_signal(signal.SIGCONT)
+        tier.close()
