@@ -140,12 +140,13 @@ def test_a_read_is_not_held_behind_writes_to_a_paused_server(own_server: ValkeyP
     """A read asked while write pipelines to a hung server are under way ends by its own
     deadline, not by theirs: pipelines of 256 MiB get 0.3 s + 2.7 s each, a 32-byte
     read 0.3 s, so it ends while they are all still under way. (Reads and writes shared
-    the I/O threads: the read waited behind the pipelines queued before it, two write
-    deadlines here, and the breaker they opened then refused it unasked.)"""
+    the I/O threads: the read waited behind the pipelines queued before it until two had
+    failed, 3 s here, and the breaker they opened then refused it unasked.)"""
     own_server.start()
     process = own_server.process
     assert process is not None
-    tier = RemoteTier(own_server.url_with(300), fingerprint("behind"))
+    breaker = CircuitBreaker(threshold=1)  # the read's failure refuses the pipelines not begun
+    tier = RemoteTier(own_server.url_with(300), fingerprint("behind"), breaker=breaker)
     written = [block_id_key(i, 12) for i in range(64)]
     huge = bytes(16 * 2**20)
     try:
