@@ -162,3 +162,25 @@ def test_a_read_is_not_held_behind_writes_to_a_paused_server(own_server: ValkeyP
     finally:
         process.send_signal(signal.SIGCONT)
         tier.close()
+
+
+def test_reads_are_served_while_the_server_holds_the_writes(own_server: ValkeyProcess) -> None:
+    """``CLIENT PAUSE ... WRITE`` (what Valkey does during a failover) holds the stores
+    and serves reads: a read asked behind four write pipelines lands at once. (It waited
+    behind them until the pause ended.)"""
+    own_server.start()
+    tier = RemoteTier(own_server.url_with(5000), fingerprint("write-pause"))
+    written = [block_id_key(i, 14) for i in range(64)]
+    try:
+        store(tier, KEYS[:1])
+        own_server.client().execute_command("CLIENT", "PAUSE", "1000", "WRITE")
+        for batch in range(4):
+            store_keys = written[16 * batch : 16 * batch + 16]
+            tier.write(store_keys, [content(key, BLOCK) for key in store_keys])
+        assert finishes(lambda: read(tier, KEYS[:1])) == [True]
+        tier.poll(wait=False)
+        assert tier.stats.stored_blocks == 1  # the writes are still held
+        finishes(lambda: tier.poll(wait=True))
+        assert tier.stats.stored_blocks == 1 + len(written) and tier.stats.failed == 0
+    finally:
+        tier.close()
