@@ -89,7 +89,7 @@ def test_calls_on_a_closed_tier_fail_counted_and_raise_nothing(
 
 
 class LateSubmit:
-    """The tier's I/O pool, whose ``submit`` says it was entered, then waits (a bounded
+    """The tier's read pool, whose ``submit`` says it was entered, then waits (a bounded
     while) for the pool's ``shutdown``: a read on another thread paused between its
     closed check and its submit while close runs."""
 
@@ -116,8 +116,8 @@ def test_a_read_racing_close_on_another_thread_raises_nothing(
     (cannot schedule new futures after shutdown) into that thread."""
     tier = RemoteTier(valkey_server.url, fingerprint("close-race"))
     store(tier, KEYS[:2])
-    late = LateSubmit(tier._pool)
-    tier._pool = late  # type: ignore[assignment]
+    late = LateSubmit(tier._reads)
+    tier._reads = late  # type: ignore[assignment]
     outcome: list[object] = []
 
     def reading() -> None:

@@ -210,7 +210,8 @@ class RemoteTier:
     """Blocks on a Valkey/Redis server or Cluster named by ``url`` (see :mod:`.url`).
 
     Writes go out in pipelines of about ``chunk_bytes`` on ``io_threads``
-    connections, encoded there, never on the caller's thread. ``breaker`` is
+    connections, encoded there, never on the caller's thread; reads run on
+    ``io_threads`` threads of their own, so none waits behind a write. ``breaker`` is
     the standalone server's; in Cluster mode every node gets a fresh one with
     its settings (:attr:`breakers`).
 
@@ -282,6 +283,10 @@ class RemoteTier:
         nothing is held; none raises, none opens a connection."""
         self.is_cluster = self._start()
         self._pool = ThreadPoolExecutor(io_threads, "kvoffload-remote")
+        self._reads = ThreadPoolExecutor(io_threads, "kvoffload-remote-read")
+        """Reads apart from the writes: a read's deadline starts when it is asked, not once
+        the write pipelines queued before it (each with a deadline of its own bytes, up to
+        seconds) have gone out or failed, as on a hung server."""
         self._ahead = ThreadPoolExecutor(io_threads, "kvoffload-remote-ahead")
         """Hashes a batch's single-buffer payloads while they go out (one per I/O thread)."""
         self._writes: list[_WriteJob] = []
@@ -350,7 +355,7 @@ class RemoteTier:
         keys = list(keys)
         with self._lock:  # close sets _closed under it: no call submits to a pool shut down
             if not self._closed:
-                return self._pool.submit(self._read, keys, target)
+                return self._reads.submit(self._read, keys, target)
         return done_future([False] * len(keys))
 
     def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> None:
@@ -409,6 +414,7 @@ class RemoteTier:
             self._closed = True
         self.poll(wait=True)
         self._pool.shutdown(wait=True)
+        self._reads.shutdown(wait=True)
         self._ahead.shutdown(wait=True)
         with self._lock:
             refresher = self._refresher
