@@ -61,7 +61,13 @@ ENTRY_POINTS = {
 
 
 @pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
-@pytest.mark.parametrize("slow_module", ["kvoffload.sim.traces"])
+@pytest.mark.parametrize(
+    "slow_module",
+    [
+        "numpy",  # the package's own first heavy import
+        "kvoffload.sim.traces",  # deep in the command's
+    ],
+)
 def test_ctrl_c_while_the_command_loads_is_one_line(
     tmp_path: Path, entry: str, slow_module: str
 ) -> None:
