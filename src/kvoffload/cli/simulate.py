@@ -172,6 +172,11 @@ def run(args: argparse.Namespace) -> int:
     if args.layout is not None:  # else the data plane's or the default model's
         options.check_name(args.layout, "--layout", layout_preset)
     params = options.admission_param_pairs(args)
+    typed_blocks = args.cpu_blocks is not None  # else the tier's blocks need the block size
+    if typed_blocks:
+        options.check_admission_fits(
+            args.admission, params, args.cpu_blocks, _cpu_option(args), "--admission"
+        )
     observe_options.check_before_work(args)
     workload = options.load_workload(options.workload_source(args), args.progress)
     bt = workload.block_tokens
@@ -182,6 +187,11 @@ def run(args: argparse.Namespace) -> int:
     )
     cpu = options.cpu_blocks(args.cpu_blocks, args.cpu_gb, config, bt)
     _check_cpu_tier(args, cpu)
+    if not typed_blocks:
+        size = _cpu_option(args) if args.cpu_gb is not None else "the default offload tier"
+        options.check_admission_fits(
+            args.admission, params, cpu, f"{size} ({cpu:,} blocks)", "--admission"
+        )
     config = options.with_offload(config, cpu, args.policy, args.store_threshold)
     # The tiers first: a budget in drive writes per day is checked at once, and without
     # --drive-bytes it counts against the disk tier's size.
