@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -499,6 +500,13 @@ def check_before_work(args: argparse.Namespace) -> None:
     gpu_blocks = getattr(args, "gpu_blocks", None)
     if gpu_blocks is not None:
         check_fits(gpu_blocks * BYTES_PER_SLOT, f"a GPU prefix cache of {gpu_blocks:,} blocks")
+    transfer = getattr(args, "transfer_gb_per_s", None)
+    if transfer is not None and not math.isfinite(transfer * 1e9):
+        # Else refused by the run's settings, naming their field (transfer_gb_per_s).
+        raise InvalidArgumentError(
+            f"--transfer-gb-per-s {transfer:g}: past what a float holds in bytes per second "
+            f"(about {sys.float_info.max / 1e9:.2g} GB/s)"
+        )
     budgets = ("write_budget", "disk_write_budget", "remote_write_budget")
     if getattr(args, "drive_bytes", None) is not None and not any(
         getattr(args, budget, None) is not None for budget in budgets
