@@ -120,3 +120,15 @@ def test_partial_block_drop_on_a_trace(tmp_path: Path, capsys: pytest.CaptureFix
     assert reports["drop"]["offload_blocks_written"] == 2
     assert reports["drop"]["refs"] == reports["cache"]["refs"] == 6
     assert reports["drop"]["partial_block"] == "drop"
+
+
+@pytest.mark.parametrize("command", ["simulate", "sweep"])
+def test_a_bandwidth_past_a_float_in_bytes_names_the_option(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run's settings refused it as ``transfer_gb_per_s``, a name the operator never
+    typed (and sweep only once the workload was built)."""
+    argv = [command, "--requests", "5", "--no-progress", "--transfer-gb-per-s", "1e308"]
+    assert main(argv) == 1
+    err = one_line_error(capsys)
+    assert err.startswith("kvoffload: error: --transfer-gb-per-s 1e+308: past what a float"), err

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvoffload.admission import available_admissions
-from kvoffload.cli.main import build_parser
+from kvoffload.cli.app import build_parser
 from kvoffload.core.layout import LAYOUT_PRESETS
 from kvoffload.policies import available_policies
 

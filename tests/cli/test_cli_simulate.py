@@ -128,3 +128,37 @@ def test_the_disk_model_options_default_and_apply_with_a_disk_tier(
     slow = disk_seconds("c", "--disk-gb-per-s", "0.001", "--disk-latency-ms", "50")
     modelled = disk_seconds("d")
     assert all(given > 100 * default > 0 for given, default in zip(slow, modelled, strict=True))
+
+
+TRACE_RECORDS = {
+    "mooncake": '{"timestamp": 0, "input_length": 1024, "output_length": 9, "hash_ids": [0, 1]}',
+    "lmbench": '{"timestamp": "1718000000000000001", "input_length": 1024, "output_length": 9, '
+    '"hash_ids": [0, 1]}',
+    "qwen": '{"chat_id": 7, "parent_chat_id": -1, "timestamp": 0.5, "input_length": 40, '
+    '"output_length": 12, "type": "text", "turn": 1, "hash_ids": [10, 11]}',
+}
+
+
+@pytest.mark.parametrize("trace_format", sorted(TRACE_RECORDS))
+def test_the_report_names_the_trace_format_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], trace_format: str
+) -> None:
+    """Read as the format detected (no --format given): the table's workload line and a
+    JSON key of its own say which, and ``workload`` stays the file's name."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(TRACE_RECORDS[trace_format] + "\n")
+    json_path = tmp_path / "run.json"
+    assert main(["simulate", "--trace", str(trace), "--no-progress", "--json", str(json_path)]) == 0
+    table = capsys.readouterr().out
+    assert f"workload               trace.jsonl ({trace_format} trace)\n" in table
+    report = json.loads(json_path.read_text())
+    assert (report["workload"], report["trace_format"]) == ("trace.jsonl", trace_format)
+
+
+def test_a_synthetic_workload_has_no_trace_format(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    json_path = tmp_path / "run.json"
+    assert main([*SMALL, "--no-bound", "--json", str(json_path)]) == 0
+    assert "trace)" not in capsys.readouterr().out
+    assert json.loads(json_path.read_text())["trace_format"] is None

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from kvoffload.cli.main import build_parser, main
+from kvoffload.cli.app import build_parser
+from kvoffload.cli.main import main
 from kvoffload.sim import Workload, read_trace, sources
 
 

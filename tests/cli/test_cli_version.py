@@ -34,7 +34,7 @@ def test_version_names_ours_and_the_engines_found(capsys: pytest.CaptureFixture[
 def test_an_unsupported_vllm_is_flagged(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvoffload.cli.main as cli
+    import kvoffload.cli.app as cli
 
     monkeypatch.setattr(cli, "installed_version", lambda: ("vllm", "0.35.1"))
     assert main(["--version"]) == 0

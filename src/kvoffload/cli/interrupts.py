@@ -27,6 +27,10 @@ the main thread is inside a write to ``sys.stderr``, which must not be re-entere
 
 INTERRUPTS_TO_QUIT = 3
 """The interrupt that ends the process at once, cleanup or not."""
+INTERRUPTED = "kvoffload: interrupted"
+"""The one line an interrupted command ends with, on stderr."""
+INTERRUPTED_STATUS = 130
+"""Its exit status, as a shell gives a command that Ctrl-C ended."""
 
 
 @contextlib.contextmanager
@@ -49,7 +53,7 @@ def one_interrupt() -> Iterator[None]:
         if received == 1:
             raise KeyboardInterrupt
         if received >= INTERRUPTS_TO_QUIT:
-            os._exit(130)
+            os._exit(INTERRUPTED_STATUS)
         os.write(2, STOPPING)
 
     signals = [signal.SIGTERM]

@@ -7,19 +7,22 @@ import dataclasses
 import importlib.util
 import math
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from kvoffload.admission import admission_params, parse_pairs
 from kvoffload.admission.budget import WriteBudget, parse_bytes
 from kvoffload.admission.params import read_number
-from kvoffload.admission.registry import ParamPairs
+from kvoffload.admission.registry import NO_ADMISSION, ParamPairs, resolve_admission
 from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD, MAX_TRACKED_KEYS
 from kvoffload.cli import output
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import LAYOUT_PRESETS, layout_preset
 from kvoffload.core.memory import check_fits
+from kvoffload.core.specs import CPULoadStoreSpec
+from kvoffload.managers.admit_all import admission_book
 from kvoffload.sim.engine import PARTIAL_BLOCK_MODES
 from kvoffload.sim.generators import DEFAULT_MIX, DEFAULT_RATE, DEFAULT_REQUESTS, parse_mix
 from kvoffload.sim.gpu_cache import BYTES_PER_SLOT
@@ -405,6 +408,23 @@ def admission_param_pairs(args: argparse.Namespace) -> ParamPairs:
     return tuple(sorted(pairs.items()))
 
 
+def check_admission_fits(
+    admission: str, params: ParamPairs, blocks: int, size: str, option: str
+) -> None:
+    """Refuse a tier of ``blocks`` whose ``admission`` layer the machine cannot hold, naming
+    the tier's ``size`` as typed (``--cpu-blocks N``) and the ``option`` that chose the rule.
+
+    The layer's tables grow with the tier and are built as its run starts: the error came
+    after the workload was read (in a sweep, after the runs before it had taken their
+    time) and named the simulator's field (``cpu_blocks:``). Built here and dropped, it is
+    the check each rule makes, with no rule's sizes repeated.
+    """
+    if blocks == 0 or resolve_admission(admission) == NO_ADMISSION:
+        return
+    what = f"{size} with {option} {admission}"
+    admission_book(admission, CPULoadStoreSpec([]), blocks, params=params, size_key=what)
+
+
 def parse_names(text: str, what: str, resolve: Callable[[str], str]) -> list[str]:
     """A comma-separated list of registry names, each checked by ``resolve`` (which lists them)."""
     names = [part.strip() for part in text.split(",") if part.strip()]
@@ -480,6 +500,13 @@ def check_before_work(args: argparse.Namespace) -> None:
     gpu_blocks = getattr(args, "gpu_blocks", None)
     if gpu_blocks is not None:
         check_fits(gpu_blocks * BYTES_PER_SLOT, f"a GPU prefix cache of {gpu_blocks:,} blocks")
+    transfer = getattr(args, "transfer_gb_per_s", None)
+    if transfer is not None and not math.isfinite(transfer * 1e9):
+        # Else refused by the run's settings, naming their field (transfer_gb_per_s).
+        raise InvalidArgumentError(
+            f"--transfer-gb-per-s {transfer:g}: past what a float holds in bytes per second "
+            f"(about {sys.float_info.max / 1e9:.2g} GB/s)"
+        )
     budgets = ("write_budget", "disk_write_budget", "remote_write_budget")
     if getattr(args, "drive_bytes", None) is not None and not any(
         getattr(args, budget, None) is not None for budget in budgets

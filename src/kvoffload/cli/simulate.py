@@ -172,6 +172,11 @@ def run(args: argparse.Namespace) -> int:
     if args.layout is not None:  # else the data plane's or the default model's
         options.check_name(args.layout, "--layout", layout_preset)
     params = options.admission_param_pairs(args)
+    typed_blocks = args.cpu_blocks is not None  # else the tier's blocks need the block size
+    if typed_blocks:
+        options.check_admission_fits(
+            args.admission, params, args.cpu_blocks, _cpu_option(args), "--admission"
+        )
     observe_options.check_before_work(args)
     workload = options.load_workload(options.workload_source(args), args.progress)
     bt = workload.block_tokens
@@ -182,6 +187,11 @@ def run(args: argparse.Namespace) -> int:
     )
     cpu = options.cpu_blocks(args.cpu_blocks, args.cpu_gb, config, bt)
     _check_cpu_tier(args, cpu)
+    if not typed_blocks:
+        size = _cpu_option(args) if args.cpu_gb is not None else "the default offload tier"
+        options.check_admission_fits(
+            args.admission, params, cpu, f"{size} ({cpu:,} blocks)", "--admission"
+        )
     config = options.with_offload(config, cpu, args.policy, args.store_threshold)
     # The tiers first: a budget in drive writes per day is checked at once, and without
     # --drive-bytes it counts against the disk tier's size.
@@ -206,11 +216,13 @@ def run(args: argparse.Namespace) -> int:
             bar.close()
         observing.settle()
         # Inside: results are written while the events and metrics endpoints are still up.
-        _write_results(args, report, backend)
+        _write_results(args, report, backend, workload.trace_format)
     return 0
 
 
-def _write_results(args: argparse.Namespace, report: RunReport, backend: Any) -> None:
+def _write_results(
+    args: argparse.Namespace, report: RunReport, backend: Any, trace_format: str | None
+) -> None:
     data = report.as_dict()
     plane = None
     if backend is not None:
@@ -218,12 +230,15 @@ def _write_results(args: argparse.Namespace, report: RunReport, backend: Any) ->
             int(backend.verified_blocks), int(backend.mismatched_blocks), int(backend.failed_jobs)
         )
         data.update(dataclasses.asdict(plane))
+    # A key of its own, last: tools read ``workload`` as the trace's file name, and a CSV's
+    # columns by their place.
+    data["trace_format"] = trace_format
     if args.json:
         output.write_json(args.json, data)
     if args.csv:
         output.write_csv(args.csv, [data])
     if "-" not in (args.json, args.csv):
-        print(format_report(report, plane))
+        print(format_report(report, plane, trace_format))
     if plane is not None and plane.mismatched_blocks:
         raise DataPlaneMismatchError(
             f"data plane: {plane.mismatched_blocks} loaded blocks did not hold what was stored"
@@ -238,9 +253,13 @@ def _blocks_and_bytes(blocks: int, num_bytes: int) -> str:
     return f"{blocks:,} blocks ({output.size(num_bytes)})"
 
 
-def format_report(report: RunReport, plane: DataPlaneCounts | None = None) -> str:
-    """The run as a table for people."""
+def format_report(
+    report: RunReport, plane: DataPlaneCounts | None = None, trace_format: str | None = None
+) -> str:
+    """The run as a table for people; ``trace_format``: the format the trace was read in
+    (``None``: a synthetic workload)."""
     r = report
+    workload = r.workload if trace_format is None else f"{r.workload} ({trace_format} trace)"
     admission = (
         f"store threshold {r.store_threshold}" if r.store_threshold >= 2 else "no store filter"
     )
@@ -252,7 +271,7 @@ def format_report(report: RunReport, plane: DataPlaneCounts | None = None) -> st
             f"{output.size(r.cpu_gib * 2**30)} ({r.cpu_blocks:,} blocks), {r.policy}, {admission}"
         )
     rows = [
-        ("workload", r.workload),
+        ("workload", workload),
         (
             "",
             f"{r.requests:,} requests, {r.refs:,} block refs, {r.unique_blocks:,} unique blocks "

@@ -83,15 +83,35 @@ def register(commands: Any) -> None:
     parser.set_defaults(run=run)
 
 
-def _capacities(args: argparse.Namespace, gpu_blocks: int, layout: str, bt: int) -> list[int]:
+def _capacities(
+    args: argparse.Namespace, gpu_blocks: int, layout: str, bt: int
+) -> list[tuple[int, str]]:
+    """Each offload capacity in blocks, and how the command line gave it."""
     if args.cpu_blocks is not None:
-        return options.parse_ints(args.cpu_blocks, "--cpu-blocks", maximum=options.MAX_BLOCKS)
+        blocks = options.parse_ints(args.cpu_blocks, "--cpu-blocks", maximum=options.MAX_BLOCKS)
+        return [(n, f"--cpu-blocks {n}") for n in blocks]
     if args.cpu_gb is not None:
-        return [
-            options.cpu_blocks_for_gib(gib, layout, bt)
-            for gib in options.parse_floats(args.cpu_gb, "--cpu-gb", options.MAX_GIB)
-        ]
-    return [gpu_blocks * factor for factor in DEFAULT_FACTORS]
+        capacities = []
+        for gib in options.parse_floats(args.cpu_gb, "--cpu-gb", options.MAX_GIB):
+            n = options.cpu_blocks_for_gib(gib, layout, bt)
+            capacities.append((n, f"--cpu-gb {gib:g} ({n:,} blocks)"))
+        return capacities
+    return [
+        (gpu_blocks * f, f"the default offload tier of {f} GPU caches ({gpu_blocks * f:,} blocks)")
+        for f in DEFAULT_FACTORS
+    ]
+
+
+def _check_admissions_fit(typed: list[str], capacities: list[tuple[int, str]]) -> None:
+    """Refuse, before the first run, a run whose admission layer the machine cannot hold:
+    it failed only as it started, after the runs before it. Each rule is named as
+    ``typed`` first names it (``recommended``, not ``optimiser``)."""
+    first_names: dict[str, str] = {}
+    for name in typed:
+        first_names.setdefault(resolve_admission(name), name)
+    for blocks, size in dict.fromkeys(capacities):
+        for admission in first_names.values():
+            options.check_admission_fits(admission, (), blocks, size, "--admissions")
 
 
 def _distinct(names: list[str], resolve: Callable[[str], str]) -> list[str]:
@@ -128,16 +148,16 @@ def run(args: argparse.Namespace) -> int:
     options.check_tracker_size_used(args, thresholds, "a threshold of 2 or more in --thresholds")
     policies = options.parse_names(args.policies, "--policies", resolve_policy)
     policies = _distinct(policies, resolve_policy)
-    admissions = options.parse_names(args.admissions, "--admissions", resolve_admission)
-    admissions = _distinct(admissions, resolve_admission)
+    typed_admissions = options.parse_names(args.admissions, "--admissions", resolve_admission)
+    admissions = _distinct(typed_admissions, resolve_admission)
     if args.layout is not None:
         options.check_name(args.layout, "--layout", layout_preset)
     # Parsed once now only to refuse a bad list before the workload is built.
     capacities = len(DEFAULT_FACTORS)
-    if args.cpu_blocks is not None:
-        capacities = len(
-            set(options.parse_ints(args.cpu_blocks, "--cpu-blocks", maximum=options.MAX_BLOCKS))
-        )
+    if args.cpu_blocks is not None:  # checked now: no block size needed
+        typed = _capacities(args, 0, options.DEFAULT_LAYOUT, 1)
+        capacities = len(set(typed))
+        _check_admissions_fit(typed_admissions, typed)
     if args.cpu_gb is not None:
         capacities = len(set(options.parse_floats(args.cpu_gb, "--cpu-gb", options.MAX_GIB)))
     runs = capacities * len(policies) * len(thresholds) * len(admissions)
@@ -147,9 +167,12 @@ def run(args: argparse.Namespace) -> int:
     bt = workload.block_tokens
     base = options.base_config(args, bt, options.DEFAULT_LAYOUT)
     base = tier_options.with_tiers(base, args, bt)
+    sized = _capacities(args, base.gpu_blocks, base.layout, bt)
+    if args.cpu_blocks is None:
+        _check_admissions_fit(typed_admissions, sized)
     configs = sweep_configs(
         base,
-        list(dict.fromkeys(_capacities(args, base.gpu_blocks, base.layout, bt))),
+        list(dict.fromkeys(blocks for blocks, _ in sized)),
         policies,
         thresholds,
         admissions,

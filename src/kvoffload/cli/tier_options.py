@@ -190,6 +190,15 @@ def check_before_work(args: argparse.Namespace) -> None:
     ]
     if remote_model and args.remote is None:
         raise InvalidArgumentError(f"{remote_model[0]} models the remote tier: it needs --remote")
+    for tier, blocks in (("disk", args.disk_blocks), ("remote", args.remote_blocks)):
+        if blocks is not None:  # --disk-gb needs the block size: checked in with_tiers
+            options.check_admission_fits(
+                getattr(args, f"{tier}_admission"),
+                (),
+                blocks,
+                f"--{tier}-blocks {blocks}",
+                f"--{tier}-admission",
+            )
     if args.remote is not None:
         _check_remote(args.remote)
 
@@ -266,6 +275,13 @@ def with_tiers(config: SimConfig, args: argparse.Namespace, block_tokens: int) -
         disk_blocks = args.disk_blocks or 0
         if args.disk_gb is not None:
             disk_blocks = blocks_for_gib(args.disk_gb, config.layout, block_tokens)
+            options.check_admission_fits(
+                args.disk_admission,
+                (),
+                disk_blocks,
+                f"--disk-gb {args.disk_gb:g} ({disk_blocks:,} blocks)",
+                "--disk-admission",
+            )
         _check_capacity(disk_blocks, "--disk-gb" if args.disk_gb is not None else "--disk-blocks")
         _check_disk_space(args, disk_blocks, config.layout, config.kv_layout(block_tokens))
     return dataclasses.replace(

@@ -164,7 +164,7 @@ def read_trace(
         for stamp, req in stamped
     ]
     requests.sort(key=lambda r: r.arrival_s)
-    return Workload(name=path.name, block_tokens=block_tokens, requests=requests)
+    return Workload(path.name, block_tokens, requests, trace_format=fmt)
 
 
 def _open_lines(path: Path, progress: Progress | None = None) -> Iterator[tuple[int, str]]:

@@ -61,6 +61,8 @@ class Workload:
     name: str
     block_tokens: int
     requests: list[Request] = field(default_factory=list)
+    trace_format: str | None = None
+    """The format a trace was read in (``None``: not a trace), for reports to name."""
 
     @property
     def num_refs(self) -> int:
