@@ -3,11 +3,13 @@ error naming the key before any work."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 from cli_helpers import one_line_error
 
+from kvoffload.admission.registry import available_admissions, params_class
 from kvoffload.cli.main import main
 
 SMALL = ["simulate", "--requests", "120", "--seed", "3", "--no-progress", "--no-bound"]
@@ -104,3 +106,31 @@ def test_the_largest_threshold_runs(capsys: pytest.CaptureFixture[str]) -> None:
     argv = [*SMALL, *TIER[:4], "--admission", "filter", "--admission-param", param, "--json", "-"]
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["offload_blocks_written"] == 0
+
+
+@pytest.mark.parametrize("rule", available_admissions())
+def test_help_lists_every_parameter_of_the_rule_instead_of_a_run(
+    capsys: pytest.CaptureFixture[str], rule: str
+) -> None:
+    """Each parameter carries a line of help that nothing showed: an operator had to find
+    docs/admission.md to learn what ``root_groups`` sets or what ``guard`` defaults to."""
+    assert main([*SMALL, "--admission", rule, "--admission-param", "help"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    defaults = params_class(rule)()
+    fields = dataclasses.fields(defaults)
+    if not fields:
+        assert listed == [f"--admission {rule} takes no parameters"]
+        return
+    assert len(listed) == 1 + len(fields)  # a heading, then one line each and no report
+    for line, field in zip(listed[1:], fields, strict=True):
+        name, default, *_ = line.split()
+        assert name == field.name and field.metadata["help"] in line
+        assert float(default.replace(",", "")) == getattr(defaults, field.name)
+
+
+def test_help_of_an_unknown_rule_is_the_unknown_rule_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main([*SMALL, "--admission", "bogus", "--admission-param", "help"]) == 1
+    captured = capsys.readouterr()
+    assert "--admission: unknown admission 'bogus'" in captured.err and captured.out == ""

@@ -1,11 +1,12 @@
 """Admission parameters: one frozen dataclass per rule, checked and parsed here only.
 
 Each field is declared with :func:`param` (default, bounds, one line of
-help); :func:`check_params` validates an instance (called from each
-dataclass's ``__post_init__``), and :func:`parse_params` builds one from a
-flat ``name -> value`` mapping whose values are strings (the CLI's
-``key=value``) or JSON numbers (vLLM's and SGLang's extra-config). Every
-error names the key, and an unknown key lists the valid ones.
+help, listed by ``--admission-param help``); :func:`check_params` validates
+an instance (called from each dataclass's ``__post_init__``), and
+:func:`parse_params` builds one from a flat ``name -> value`` mapping whose
+values are strings (the CLI's ``key=value``) or JSON numbers (vLLM's and
+SGLang's extra-config). Every error names the key, and an unknown key lists
+the valid ones.
 """
 
 from __future__ import annotations
@@ -88,12 +89,27 @@ def parse_params(cls: type[P], raw: Mapping[str, ParamValue], rule: str) -> P:
     return cls(**values)
 
 
-def param_help(cls: type[Any]) -> dict[str, str]:
-    """``name -> "help (default D)"`` of each parameter of ``cls``."""
-    return {
-        field.name: f"{field.metadata['help']} (default {field.default})"
-        for field in dataclasses.fields(cls)
-    }
+def describe_params(cls: type[Any]) -> list[tuple[str, str, str, str]]:
+    """Each parameter of ``cls`` as its name, default, range and line of help: what
+    ``--admission-param help`` lists, so that an operator need not open the docs."""
+    rows = []
+    defaults = cls()
+    for field in dataclasses.fields(cls):
+        low, high = _plain(field.metadata["low"]), field.metadata["high"]
+        bounds = f">= {low}" if high == math.inf else f"{low} to {_plain(high)}"
+        default = _plain(getattr(defaults, field.name))
+        rows.append((field.name, default, bounds, field.metadata["help"]))
+    return rows
+
+
+def _plain(value: int | float) -> str:
+    """``value`` as the docs write it: ``2^62`` and ``2^59 - 1`` for the largest bounds."""
+    if isinstance(value, int) and value >= 2**20:
+        if value & (value - 1) == 0:
+            return f"2^{value.bit_length() - 1}"
+        if value & (value + 1) == 0:
+            return f"2^{value.bit_length()} - 1"
+    return f"{value:,}" if isinstance(value, int) else f"{value:g}"
 
 
 def parse_pairs(pairs: list[str] | tuple[str, ...], what: str) -> dict[str, str]:

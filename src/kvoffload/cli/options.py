@@ -13,8 +13,13 @@ from typing import TypeVar
 
 from kvoffload.admission import admission_params, parse_pairs
 from kvoffload.admission.budget import WriteBudget, parse_bytes
-from kvoffload.admission.params import read_number
-from kvoffload.admission.registry import NO_ADMISSION, ParamPairs, resolve_admission
+from kvoffload.admission.params import describe_params, read_number
+from kvoffload.admission.registry import (
+    NO_ADMISSION,
+    ParamPairs,
+    params_class,
+    resolve_admission,
+)
 from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD, MAX_TRACKED_KEYS
 from kvoffload.cli import output
 from kvoffload.cli.progress import ProgressBar
@@ -386,6 +391,10 @@ def parse_floats(text: str, what: str, maximum: float = math.inf) -> list[float]
     return _not_empty(values, text, what)
 
 
+PARAM_LIST = "help"
+"""The ``--admission-param`` value that lists the rule's parameters."""
+
+
 def add_admission_param_argument(group: argparse._ArgumentGroup) -> None:
     """``--admission-param key=value``, repeatable: the admission rule's parameters."""
     group.add_argument(
@@ -393,9 +402,29 @@ def add_admission_param_argument(group: argparse._ArgumentGroup) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a parameter of the --admission rule, repeatable (see docs/admission.md, "
-        "Parameters; an unknown key lists the valid ones)",
+        help="a parameter of the --admission rule, repeatable; 'help' lists the rule's "
+        "parameters with their defaults and ranges (docs/admission.md, Parameters)",
     )
+
+
+def wants_param_list(args: argparse.Namespace) -> bool:
+    """Whether ``--admission-param help`` asked for the rule's parameters instead of a run."""
+    return PARAM_LIST in args.admission_param
+
+
+def param_list(rule: str) -> str:
+    """The parameters of admission ``rule`` (as typed) as a table: name, default, range and
+    what each sets; the one line of help each parameter carries is shown nowhere else."""
+    check_name(rule, "--admission", resolve_admission)
+    rows = describe_params(params_class(rule))
+    if not rows:
+        return f"--admission {rule} takes no parameters"
+    widths = [max(len(row[column]) for row in rows) for column in range(3)]
+    lines = [f"--admission {rule}: --admission-param KEY=VALUE, one per key"]
+    for *cells, meaning in rows:
+        padded = (cell.ljust(width) for cell, width in zip(cells, widths, strict=True))
+        lines.append("  " + "  ".join(padded) + "  " + meaning)
+    return "\n".join(lines)
 
 
 def admission_param_pairs(args: argparse.Namespace) -> ParamPairs:

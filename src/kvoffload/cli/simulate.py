@@ -159,6 +159,9 @@ def _check_cpu_tier(args: argparse.Namespace, cpu_blocks: int | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if options.wants_param_list(args):
+        print(options.param_list(args.admission))
+        return 0
     options.check_before_work(args)
     if args.device is not None and not args.data_plane:  # it would be ignored, unsaid
         raise KVOffloadError(
