@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import pytest
 
@@ -350,3 +351,24 @@ def test_key_value_pairs_and_extra_config_values() -> None:
         config_params("sketch", [1], "where")
     with pytest.raises(InvalidArgumentError, match=r"^where: unknown admission parameter 'x'"):
         config_params("sketch", {"x": 1}, "where")
+
+
+def test_the_docs_parameter_table_lists_every_parameter_with_its_default() -> None:
+    """docs/admission.md's table is what operators set parameters by: a key added,
+    renamed or given a new default in a dataclass must show there too."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "admission.md").read_text()
+    table = text[text.index("## Parameters") :].split("\n## ")[0]
+    documented: dict[str, dict[str, str]] = {}
+    for line in table.splitlines():
+        if line.startswith("| `"):
+            rule, key, default = (cell.strip() for cell in line.strip("|").split("|")[:3])
+            canonical = resolve_admission(rule.split("`")[1])
+            documented.setdefault(canonical, {})[key.strip("`")] = default.replace(",", "")
+    for rule in {resolve_admission(name) for name in available_admissions()} - {"none"}:
+        defaults = params_class(rule)()
+        fields = {
+            field.name: getattr(defaults, field.name) for field in dataclasses.fields(defaults)
+        }
+        assert set(documented[rule]) == set(fields), rule
+        for key, value in fields.items():
+            assert float(documented[rule][key]) == value, (rule, key)
