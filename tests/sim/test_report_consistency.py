@@ -6,6 +6,7 @@ again; this checks the report alone, lower tiers included."""
 from __future__ import annotations
 
 import contextlib
+import csv
 import dataclasses
 import io
 import json
@@ -22,11 +23,13 @@ from hypothesis import strategies as st
 from kvoffload import block_id_key
 from kvoffload.admission import WriteBudget
 from kvoffload.cli.main import main
+from kvoffload.cli.output import flatten
 from kvoffload.sim.generators import GENERATORS, generate
 from kvoffload.sim.run import RunReport, SimConfig, simulate
 from kvoffload.sim.sources import WorkloadSource
 from kvoffload.sim.sweep import run_sweep, sweep_configs
 from kvoffload.sim.workload import Request, Workload
+from tier_servers import ValkeyProcess
 
 POLICIES = ["lru", "arc", "s3fifo", "sieve", "slru"]
 ADMISSIONS = ["none", "filter", "recommended"]
@@ -128,7 +131,7 @@ def check_report(report: RunReport, config: SimConfig) -> None:
 
 def check_tiers(r: RunReport, config: SimConfig) -> None:
     """The ``tiers`` object against the top-level figures, and each lower tier's flow:
-    offered (the CPU tier's evictions, written back) >= admitted >= stored >= evicted."""
+    offered >= admitted (by its threshold and layer) >= stored."""
     size = r.bytes_per_block
     for entry in r.tiers.values():
         assert entry["read_bytes"] == entry["hit_blocks"] * size
@@ -144,17 +147,19 @@ def check_tiers(r: RunReport, config: SimConfig) -> None:
     # then does not ask for the promoted blocks (vLLM's scheduler matches it again too).
     promoted = sum(entry["hit_blocks"] for entry in lower.values())
     assert cpu["stored_blocks"] == r.offload_blocks_written + promoted
+    for name, entry in lower.items():
+        assert entry["failed"] == entry["corrupt"] == 0
+        assert entry["admitted_blocks"] <= entry["offered_blocks"]
+        if config.tier_store_threshold < 2 and getattr(config, f"{name}_admission") == "none":
+            assert entry["admitted_blocks"] == entry["offered_blocks"]
+        assert entry["stored_blocks"] <= entry["admitted_blocks"]  # minus those it held
+    if "remote" in lower:  # written through: offered each block the CPU tier stored
+        assert lower["remote"]["offered_blocks"] == r.offload_blocks_written
     disk = lower.get("disk")
-    if disk is None:
-        return
-    assert disk["failed"] == disk["corrupt"] == 0
-    assert disk["offered_blocks"] == r.offload_evictions
-    assert disk["admitted_blocks"] <= disk["offered_blocks"]
-    if config.tier_store_threshold < 2 and config.disk_admission == "none":
-        assert disk["admitted_blocks"] == disk["offered_blocks"]
-    assert disk["stored_blocks"] <= disk["admitted_blocks"]
-    assert disk["evicted"] <= disk["stored_blocks"] <= config.disk_blocks + disk["evicted"]
-    assert disk["recovered"] == 0  # a fresh directory
+    if disk is not None:  # written back: offered each block the CPU tier evicted
+        assert disk["offered_blocks"] == r.offload_evictions
+        assert disk["evicted"] <= disk["stored_blocks"] <= config.disk_blocks + disk["evicted"]
+        assert disk["recovered"] == 0  # a fresh directory
 
 
 def check_admission(r: RunReport) -> None:
@@ -220,6 +225,7 @@ SHARES = [0.0, 0.02, 0.1, 0.3, 1.0]
     disk_admission=st.sampled_from(ADMISSIONS),
     tier_store_threshold=st.sampled_from([0, 2]),
     budget=st.sampled_from([None, None, 0.05, 0.3, RATE_BUDGET]),
+    partial_block=st.sampled_from(["cache", "drop"]),
 )
 def test_every_report_agrees_with_itself(
     workload: Workload,
@@ -232,6 +238,7 @@ def test_every_report_agrees_with_itself(
     disk_admission: str,
     tier_store_threshold: int,
     budget: float | WriteBudget | None,
+    partial_block: str,
 ) -> None:
     unique = len({key for request in workload.requests for key in request.keys})
     cpu_blocks = math.ceil(cpu_share * unique)
@@ -252,6 +259,7 @@ def test_every_report_agrees_with_itself(
             disk_admission=disk_admission if with_disk else "none",
             tier_store_threshold=tier_store_threshold if with_disk else 0,
             write_budget=budget if admission == "recommended" else None,
+            partial_block=partial_block,
             disk_write_budget=(
                 RATE_BUDGET if with_disk and disk_admission == "recommended" else None
             ),
@@ -367,9 +375,9 @@ def check_table(table: str, data: dict[str, Any]) -> None:
     requests=st.integers(5, 40),
     seed=st.integers(0, 9),
     kind=st.sampled_from(sorted(GENERATORS)),
-    gpu_blocks=st.sampled_from([300, 1000]),
-    cpu_blocks=st.sampled_from([0, 20, 150, 1000]),
-    disk_blocks=st.sampled_from([0, 60, 1500]),
+    gpu_blocks=st.sampled_from([600, 1500]),
+    cpu_blocks=st.sampled_from([0, 10, 60, 400]),
+    disk_blocks=st.sampled_from([0, 30, 600]),
     concurrency=st.sampled_from([1, 4]),
     policy=st.sampled_from(POLICIES),
     admission=st.sampled_from(ADMISSIONS),
@@ -385,23 +393,26 @@ def test_the_table_prints_the_figures_of_the_json(
     policy: str,
     admission: str,
 ) -> None:
-    """``kvoffload simulate``'s table and its ``--json`` of the same run say the same."""
+    """``kvoffload simulate``'s table, ``--json`` and ``--csv`` of one run say the same."""
     with tempfile.TemporaryDirectory(prefix="kvoffload-report-") as scratch:
-        json_path = Path(scratch) / "run.json"
+        json_path, csv_path = Path(scratch) / "run.json", Path(scratch) / "run.csv"
         args = [
             "simulate",
             *("--mix", f"{kind}=1", "--requests", str(requests), "--seed", str(seed)),
-            *("--block-size", "64"),
+            *("--block-size", "256"),
             *("--gpu-blocks", str(gpu_blocks), "--cpu-blocks", str(cpu_blocks)),
             *("--concurrency", str(concurrency), "--policy", policy, "--admission", admission),
             *("--layout", "tiny", "--no-progress", "--json", str(json_path)),
+            *("--csv", str(csv_path)),
         ]
         if disk_blocks and cpu_blocks:
             args += ["--disk-dir", str(Path(scratch) / "disk"), "--disk-blocks", str(disk_blocks)]
         with contextlib.redirect_stdout(io.StringIO()) as table:
             assert main(args) == 0
         data = json.loads(json_path.read_text())
+        (row,) = csv.DictReader(csv_path.read_text().splitlines())
     check_table(table.getvalue(), data)
+    assert row == {name: "" if v is None else str(v) for name, v in flatten(data).items()}
 
 
 TIMING = {"wall_seconds", "refs_per_second", "manager_us_per_block"}
@@ -443,3 +454,32 @@ def test_a_sweep_over_a_trace_reports_what_simulate_reports(
         if config.disk_dir is not None:
             config = dataclasses.replace(config, disk_dir=str(tmp_path / f"alone-{index}"))
         assert figures(report) == figures(simulate(workload, config))
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_runs_on_a_shared_tier_agree_with_themselves(
+    own_server: ValkeyProcess, tmp_path: Path, concurrency: int
+) -> None:
+    """The same run twice against one server, with a disk tier between: the first fills
+    the server, the second hits what the first stored."""
+    url = own_server.start().url
+    workload = generate(num_requests=60, seed=5, block_tokens=64)
+    longest = max(len(request.keys) for request in workload.requests)
+    reports = []
+    for run in ("first", "second"):
+        config = SimConfig(
+            longest + 50,
+            longest,
+            layout="tiny",
+            concurrency=concurrency,
+            disk_dir=str(tmp_path / run),
+            disk_blocks=2 * longest,
+            remote_url=url,
+            remote_admission="recommended",
+            remote_blocks=10 * longest,
+        )
+        report = simulate(workload, config)
+        check_report(report, config)
+        reports.append(report)
+    first, second = (report.tiers["remote"] for report in reports)
+    assert first["stored_blocks"] > 0 and second["hit_blocks"] > first["hit_blocks"]
