@@ -483,3 +483,33 @@ def test_runs_on_a_shared_tier_agree_with_themselves(
         reports.append(report)
     first, second = (report.tiers["remote"] for report in reports)
     assert first["stored_blocks"] > 0 and second["hit_blocks"] > first["hit_blocks"]
+
+
+@pytest.mark.parametrize("concurrency", ["1", "4"])
+def test_the_sweep_table_prints_the_figures_of_its_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], concurrency: str
+) -> None:
+    """``kvoffload sweep`` prints one row per run, in the order of its ``--json``, with
+    that run's figures: its own bound (overlapping runs) or its capacity's."""
+    json_path = tmp_path / "sweep.json"
+    args = ["sweep", "--mix", "chat=1,rag=1", "--requests", "60", "--seed", "2"]
+    args += ["--gpu-blocks", "900", "--cpu-blocks", "0,100,2000", "--policies", "lru,s3fifo"]
+    args += ["--admissions", "none,recommended", "--concurrency", concurrency]
+    args += ["--layout", "tiny", "--no-progress", "--json", str(json_path)]
+    assert main(args) == 0
+    runs = json.loads(json_path.read_text())
+    lines = capsys.readouterr().out.splitlines()
+    title, rows = lines[0], lines[4:]
+    assert title.startswith(f"{runs[0]['workload']}: {runs[0]['refs']:,} block refs; GPU ")
+    assert len(rows) == len(runs) == 2 * 2 * 2 * 3  # admissions, policies, thresholds, sizes
+    for line, run in zip(rows, runs, strict=True):
+        bound = run["belady_total_hit_ratio"]
+        assert line.split()[:3] == [run["admission"], run["policy"], str(run["store_threshold"])]
+        assert line.split()[5:11] == [
+            f"{run['cpu_blocks']:,}",
+            f"{run['total_hit_ratio']:.3f}",
+            "-" if bound is None else f"{bound:.3f}",
+            f"{run['offload_hit_ratio']:.3f}",
+            f"{run['writes_per_ref']:.3f}",
+            f"{run['stores_skipped_by_admission']:,}",
+        ]
