@@ -13,6 +13,7 @@ import json
 import math
 import re
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +25,13 @@ from kvoffload import block_id_key
 from kvoffload.admission import WriteBudget
 from kvoffload.cli.main import main
 from kvoffload.cli.output import flatten
+from kvoffload.core.keys import OffloadKey
+from kvoffload.core.specs import LoadStoreSpec
 from kvoffload.sim.generators import GENERATORS, generate
 from kvoffload.sim.run import RunReport, SimConfig, simulate
 from kvoffload.sim.sources import WorkloadSource
 from kvoffload.sim.sweep import run_sweep, sweep_configs
+from kvoffload.sim.transfers import NullTransferBackend
 from kvoffload.sim.workload import Request, Workload
 from tier_servers import ValkeyProcess
 
@@ -137,7 +141,8 @@ def check_tiers(r: RunReport, config: SimConfig) -> None:
         assert entry["read_bytes"] == entry["hit_blocks"] * size
         assert entry["written_bytes"] == entry["stored_blocks"] * size
     cpu = r.tiers["cpu"]
-    assert cpu["hit_blocks"] == r.offload_hit_blocks  # no load fails without a data plane
+    assert cpu["hit_blocks"] == r.offload_hit_blocks
+    assert cpu["failed"] == r.stores_failed + r.loads_failed
     assert cpu["evicted"] == r.offload_evictions
     lower = {name: entry for name, entry in r.tiers.items() if name != "cpu"}
     assert bool(lower) == config.has_lower_tiers
@@ -513,3 +518,34 @@ def test_the_sweep_table_prints_the_figures_of_its_json(
             f"{run['writes_per_ref']:.3f}",
             f"{run['stores_skipped_by_admission']:,}",
         ]
+
+
+class FailingLoads(NullTransferBackend):
+    """Every load's copy fails, as a data plane's failed or mismatched job does."""
+
+    def __init__(self) -> None:
+        self.loads: set[int] = set()
+
+    def submit_load(
+        self, job_id: int, keys: Sequence[OffloadKey], src: LoadStoreSpec, gpu_block_ids: Any
+    ) -> None:
+        self.loads.add(job_id)
+
+    def finish(self, job_id: int) -> bool:
+        return job_id not in self.loads
+
+
+def test_the_cpu_tiers_entry_counts_failed_loads_alike_with_a_disk_tier(
+    make_workload: Callable[..., Workload], tmp_path: Path
+) -> None:
+    """Its failed loads were counted as CPU hits, and none as failed, once a disk tier
+    sat below: that entry came from the manager, which never learns a copy failed."""
+    workload = make_workload([1, 2], [3, 4], [5, 6], [1, 2], [3, 4])
+    entries = []
+    for disk_dir in (None, str(tmp_path / "disk")):
+        config = SimConfig(2, 6, layout="tiny", disk_dir=disk_dir, disk_blocks=10)
+        report = simulate(workload, config, FailingLoads())
+        assert (report.offload_hit_blocks, report.loads_failed) == (0, 4)
+        check_report(report, config)
+        entries.append({name: report.tiers["cpu"][name] for name in ("hit_blocks", "failed")})
+    assert entries == [{"hit_blocks": 0, "failed": 4}] * 2
