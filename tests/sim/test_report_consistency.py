@@ -158,6 +158,7 @@ def check_tiers(r: RunReport, config: SimConfig) -> None:
         if config.tier_store_threshold < 2 and getattr(config, f"{name}_admission") == "none":
             assert entry["admitted_blocks"] == entry["offered_blocks"]
         assert entry["stored_blocks"] <= entry["admitted_blocks"]  # minus those it held
+        check_whatif(entry.get("whatif", {}))
     if "remote" in lower:  # written through: offered each block the CPU tier stored
         assert lower["remote"]["offered_blocks"] == r.offload_blocks_written
     disk = lower.get("disk")
@@ -168,18 +169,25 @@ def check_tiers(r: RunReport, config: SimConfig) -> None:
 
 
 def check_admission(r: RunReport) -> None:
-    """The admission counters: every offer admitted or rejected; the what-if figures are
-    ratios of block references."""
+    """The admission counters: every offer admitted or rejected; the what-if figures."""
     if r.admission == "none" or not r.cpu_blocks:
         assert r.stores_skipped_by_admission == 0
         return
     assert r.admission_offers == r.admission_admitted + r.admission_rejected
     assert r.admission_offers == r.stores_offered
-    for by_factor in r.whatif.values():
+    check_whatif(r.whatif)
+
+
+def check_whatif(whatif: dict[str, dict[str, dict[str, float | None]]]) -> None:
+    """What-if figures are ratios of block references, each one hit or, missed, perhaps
+    written (``None``: nothing sampled yet)."""
+    for by_factor in whatif.values():
         for figures in by_factor.values():
             hit, writes = figures["hit_ratio"], figures["writes_per_ref"]
             assert hit is None or 0.0 <= hit <= 1.0
             assert writes is None or 0.0 <= writes <= 1.0
+            if hit is not None and writes is not None:  # only a missed block is written
+                assert hit + writes <= 1.0 + 1e-9
 
 
 def check_budgets(r: RunReport, config: SimConfig) -> None:
