@@ -29,6 +29,7 @@ from kvoffload.core.errors import InvalidArgumentError, check_integer
 from kvoffload.core.layout import KVLayout, layout_preset
 from kvoffload.core.tier_protocol import SlotBytes, TierStats
 from kvoffload.managers.stack import Stack, StackConfig, build_cpu_stack
+from kvoffload.managers.tiered import TieredOffloadingManager
 from kvoffload.observe import Observers
 from kvoffload.policies import available_policies, resolve_policy
 from kvoffload.sim import tier_model
@@ -445,10 +446,7 @@ def simulate(
     read = stats.offload_hit_blocks + stats.loads_failed
     prefill_rate = config.prefill_tokens_per_s
     tiers = tier_model.tiers_report(
-        tiered,
-        tiered.cpu_stats if tiered is not None else _cpu_stats(stats),
-        bytes_per_block,
-        config.tier_costs(),
+        tiered, _cpu_stats(stats, tiered), bytes_per_block, config.tier_costs()
     )
     # A hit promoted from a lower tier was read from it before the CPU tier loaded it.
     saved_by_offload = (
@@ -633,10 +631,15 @@ def _stack(
     return build_stack(config.stack_config(fingerprint, slot_bytes, enable_events, bytes_per_block))
 
 
-def _cpu_stats(stats: EngineStats) -> TierStats:
+def _cpu_stats(stats: EngineStats, tiered: TieredOffloadingManager | None) -> TierStats:
+    """The CPU tier's entry: its hits are the blocks loaded intact and its failures the
+    copies to or from the GPU that failed, as the engine counts them (the manager knows
+    the loads it started, not which copies failed); with lower tiers, its stores and
+    evictions are the manager's, which include the promotions no engine call makes."""
+    cpu = tiered.cpu_stats if tiered is not None else None
     return TierStats(
         hit_blocks=stats.offload_hit_blocks,
-        stored_blocks=stats.stored_blocks,
+        stored_blocks=stats.stored_blocks if cpu is None else cpu.stored_blocks,
         failed=stats.stores_failed + stats.loads_failed,
-        evicted=stats.offload_evictions,
+        evicted=stats.offload_evictions if cpu is None else cpu.evicted,
     )
