@@ -186,6 +186,63 @@ def test_a_value_that_drips_mid_run_is_a_counted_failure_and_opens_the_breaker(
         tier.close()
 
 
+def test_reads_that_keep_dripping_are_rested_while_lookups_and_stores_go_on(
+    fake: FakeValkey,
+) -> None:
+    """The server drips every value but answers lookups and stores in time (its path to
+    the client congested for large replies): each read fails at its deadline, and the
+    successes between them kept the node's breaker closed, so every read waited out its
+    deadline, for ever. The reads' own breaker opens after ``threshold`` failed reads and
+    refuses the next unsent; lookups and stores go on; a trial read lets reads back in."""
+    tier = RemoteTier(fake.url, fingerprint("drip-reads"), breaker=CircuitBreaker(2, 60))
+    try:
+        store(tier, KEYS[:4])
+        fake.mode = "drip"
+        for _ in range(2):
+            assert finishes(lambda: tier.present(KEYS[:4])) == 4
+            assert read(tier, KEYS[:4]) == [False] * 4
+            store(tier, KEYS[4:6])
+        sent = fake.commands
+        assert read(tier, KEYS[:4]) == [False] * 4
+        assert fake.commands == sent  # refused at once: no GET went out
+        assert tier.stats.failed == 12 and tier.unavailable == 3
+        reads = tier.read_breakers[f"127.0.0.1:{fake.port}"]
+        assert reads.is_open and not tier.breaker.is_open
+        assert finishes(lambda: tier.present(KEYS[:6])) == 6
+        store(tier, KEYS[6:8])
+        assert tier.stats.stored_blocks == 4 + 2 * 2 + 2 and not tier.breaker.is_open
+        fake.mode = "normal"
+        reads.cooldown_s = 0.0  # the cool-down is over: the next read is the trial
+        assert read(tier, KEYS[:8]) == [True] * 8 and not reads.is_open
+    finally:
+        fake.stop()
+        tier.close()
+
+
+def test_a_read_refused_by_the_node_s_breaker_hands_back_its_read_trial(
+    fake: FakeValkey,
+) -> None:
+    """Reads pass both breakers: a read whose read breaker let it through as the trial,
+    and whose node's breaker then refused it, leaves the trial to the next read (else no
+    read would ever be let through again)."""
+    tier = RemoteTier(fake.url, fingerprint("two-breakers"), breaker=CircuitBreaker(1, 60))
+    try:
+        reads = tier.read_breakers[f"127.0.0.1:{fake.port}"]
+        store(tier, KEYS[:4])
+        fake.mode = "drip"
+        assert read(tier, KEYS[:4]) == [False] * 4
+        assert reads.is_open and tier.breaker.is_open
+        fake.mode = "normal"
+        reads.cooldown_s = 0.0
+        assert read(tier, KEYS[:4]) == [False] * 4  # the node's breaker still cools down
+        tier.breaker.cooldown_s = 0.0
+        assert read(tier, KEYS[:4]) == [True] * 4
+        assert not reads.is_open and not tier.breaker.is_open
+    finally:
+        fake.stop()
+        tier.close()
+
+
 @pytest.mark.parametrize("address", [b"127.0.0.1:0", b"127.0.0.1:70000", b"127.0.0.1:-1"])
 def test_a_redirection_to_no_tcp_port_is_an_error_not_a_node(
     fake: FakeValkey, address: bytes
@@ -547,6 +604,35 @@ def test_a_node_that_fails_with_its_fair_time_still_opens_its_breaker(
             assert finishes(lambda: tier.held([c, b])) == [True, False]
         assert breaker_of(tier, b).is_open and not breaker_of(tier, c).is_open
         assert tier.unavailable == 7
+    finally:
+        fake_cluster.stop()
+        tier.close()
+
+
+def test_a_cluster_node_that_drips_its_values_has_only_its_reads_rested(
+    fake_cluster: FakeValkeyCluster,
+) -> None:
+    """Every node has a read breaker of its own: one node that drips its values has its
+    reads refused once they have failed ``threshold`` times, while it keeps answering
+    lookups and stores, and the other nodes keep serving reads."""
+    tier = RemoteTier(fake_cluster.url, fingerprint("drip-node"), breaker=CircuitBreaker(2, 60))
+    try:
+        (a,), (b,), (c,) = keys_by_node(tier, 1)
+        store(tier, [a, b, c])
+        dripping = server_of(tier, fake_cluster, a)
+        dripping.mode = "drip"
+        for _ in range(2):
+            assert finishes(lambda: tier.held([a, b, c])) == [True, True, True]
+            assert read(tier, [a, b, c]) == [False, True, True]
+        sent = dripping.commands
+        assert read(tier, [a, b, c]) == [False, True, True]
+        assert dripping.commands == sent  # a's read refused at once
+        host, port = tier.node_address(tier.name(a))
+        resting = [name for name, breaker in tier.read_breakers.items() if breaker.is_open]
+        assert resting == [f"{host}:{port}"]
+        assert not any(breaker.is_open for breaker in tier.breakers.values())
+        store(tier, [a])  # the dripping node still takes stores
+        assert tier.stats.stored_blocks == 4 and tier.stats.failed == 3
     finally:
         fake_cluster.stop()
         tier.close()

@@ -12,9 +12,11 @@ Every operation (a lookup, a read batch, a write pipeline) has one deadline on t
 of it, name lookup, connect, send and full reply, on every node it asks, retries and
 redirections included: ``timeout_ms`` plus the time its bytes take at :data:`SLOWEST_LINK`.
 Each node's part goes through one call wrapper and the breaker of that node (one per Cluster
-node, so a dead node fails its slots only): when a server is slow, paused or down,
-lookups miss and stores are dropped, counted, and the tier reconnects by itself once a
-trial call succeeds; a Cluster's slot map is asked again of a live node then (a failover
+node, so a dead node fails its slots only), a read's through the node's read breaker too:
+when a server is slow, paused or down, lookups miss and stores are dropped, counted, and
+the tier reconnects by itself once a trial call succeeds; reads that keep failing while
+the node's other calls succeed (a server that drips its values) are rested on their own.
+A Cluster's slot map is asked again of a live node when a node fails or is refused (a failover
 moves a dead node's slots, and the dead node cannot say where). A part left less time
 than the parts before it took is not charged to its node when it runs out of it
 (:meth:`RemoteTier._call`). A block the server evicted (maxmemory) is a plain miss. A
@@ -120,12 +122,16 @@ class ServerReplyError(Exception):
 
 
 class _Node:
-    """One server: its idle connections and its breaker."""
+    """One server: its idle connections, its breaker and its read breaker."""
 
     def __init__(self, host: str, port: int, breaker: CircuitBreaker) -> None:
         self.host = host
         self.port = port
         self.breaker = breaker
+        self.reads = breaker.fresh()
+        """Reads pass it as well as :attr:`breaker`, and only reads count in it: a server
+        that drips its values but answers lookups and stores in time fails every read at
+        its deadline, and those successes closed :attr:`breaker` between the failures."""
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -213,7 +219,8 @@ class RemoteTier:
     connections, encoded there, never on the caller's thread; reads run on
     ``io_threads`` threads of their own, so none waits behind a write. ``breaker`` is
     the standalone server's; in Cluster mode every node gets a fresh one with
-    its settings (:attr:`breakers`).
+    its settings (:attr:`breakers`), and every node a read breaker with them
+    (:attr:`read_breakers`).
 
     Start-up connects once, under one deadline of ``timeout_ms``, and raises
     :class:`RemoteTierError` with a clear message (never the password) for a
@@ -297,6 +304,12 @@ class RemoteTier:
         """Each known node's breaker, by ``host:port``."""
         with self._lock:
             return {node.name: node.breaker for node in self._nodes.values()}
+
+    @property
+    def read_breakers(self) -> dict[str, CircuitBreaker]:
+        """Each known node's read breaker, by ``host:port``."""
+        with self._lock:
+            return {node.name: node.reads for node in self._nodes.values()}
 
     def name(self, key: OffloadKey) -> bytes:
         return self._prefix + key.hex().encode()
@@ -463,23 +476,29 @@ class RemoteTier:
         return Deadline(self.address.timeout_s + size / SLOWEST_LINK)
 
     def _call(
-        self, node: _Node, op: Callable[[Connection, Deadline], T], deadline: Deadline
+        self,
+        node: _Node,
+        op: Callable[[Connection, Deadline], T],
+        deadline: Deadline,
+        reads: bool = False,
     ) -> T | None:
-        """``op`` on a connection to ``node`` through its breaker, before the operation's
-        ``deadline``; ``None`` if refused or failed (counted). One that finds the deadline
-        passed (spent on other nodes) is not tried: no failure of this node's. Nor is one
-        that runs out of time having begun with less left than the operation had spent: had
-        the node been first, it would have had longer than the earlier nodes took, so they
-        are the slow ones, and a healthy node left a sliver by a slow one would otherwise
-        have its breaker opened by it. An error reply fails the call but is no failure of
-        the node's: a full server (``OOM``, maxmemory with ``noeviction``) refusing stores
-        opened its breaker, and its loads were refused with them. An ``OOM`` or ``MISCONF``
-        rests the node from stores instead (:meth:`_Node.is_resting`)."""
+        """``op`` on a connection to ``node`` through its breaker (and, for ``reads``, its
+        read breaker: both must let it through, and both count its outcome), before the
+        operation's ``deadline``; ``None`` if refused or failed (counted). One that finds the
+        deadline passed (spent on other nodes) is not tried: no failure of this node's. Nor
+        is one that runs out of time having begun with less left than the operation had
+        spent: had the node been first, it would have had longer than the earlier nodes
+        took, so they are the slow ones, and a healthy node left a sliver by a slow one
+        would otherwise have its breaker opened by it. An error reply fails the call but is
+        no failure of the node's: a full server (``OOM``, maxmemory with ``noeviction``)
+        refusing stores opened its breaker, and its loads were refused with them. An ``OOM``
+        or ``MISCONF`` rests the node from stores instead (:meth:`_Node.is_resting`)."""
         if deadline.passed():
             with self._lock:
                 self.unavailable += 1
             return None
-        if not node.breaker.allow():
+        breakers = (node.reads, node.breaker) if reads else (node.breaker,)
+        if not _allow(breakers):
             with self._lock:
                 self.unavailable += 1
             self._refresh_map_soon(node)
@@ -487,15 +506,19 @@ class RemoteTier:
         with self._lock:
             node.calls += 1
         try:
-            return self._call_on(node, op, deadline)
+            return self._call_on(node, op, deadline, breakers)
         finally:
             with self._lock:
                 node.calls -= 1
 
     def _call_on(
-        self, node: _Node, op: Callable[[Connection, Deadline], T], deadline: Deadline
+        self,
+        node: _Node,
+        op: Callable[[Connection, Deadline], T],
+        deadline: Deadline,
+        breakers: tuple[CircuitBreaker, ...],
     ) -> T | None:
-        """:meth:`_call`'s part once the breaker let it through."""
+        """:meth:`_call`'s part once ``breakers`` let it through."""
         begun = time.monotonic()
         connection = None
         try:
@@ -506,19 +529,23 @@ class RemoteTier:
                 connection.close()
             starved = deadline.at - begun < begun - deadline.since
             if isinstance(exc, ServerReplyError):  # an answer: the node is up (full, loading)
-                node.breaker.success()
+                for breaker in breakers:
+                    breaker.success()
                 if exc.code in REFUSES_STORES:
                     node.full_at = time.monotonic()
             elif starved and deadline.passed():
-                node.breaker.excuse()
+                for breaker in breakers:
+                    breaker.excuse()
             else:
-                node.breaker.failure()
+                for breaker in breakers:
+                    breaker.failure()
                 self._refresh_map_soon(node)
             with self._lock:
                 self.unavailable += 1
             return None
         node.give(connection)
-        node.breaker.success()
+        for breaker in breakers:
+            breaker.success()
         return result
 
     def _open(self, host: str, port: int, deadline: Deadline) -> Connection:
@@ -792,7 +819,7 @@ class RemoteTier:
         while jobs:
             node, indices, asking, hops = jobs.pop()
             get = partial(self._get_into, keys, names, views, sizes, indices, asking)
-            statuses = self._call(node, get, deadline)
+            statuses = self._call(node, get, deadline, reads=True)
             if statuses is None:
                 failed += len(indices)
                 continue
@@ -975,6 +1002,17 @@ class RemoteTier:
         if error is not None:
             raise ServerReplyError(error.message)
         return statuses
+
+
+def _allow(breakers: tuple[CircuitBreaker, ...]) -> bool:
+    """Whether every one of ``breakers`` lets a call through; when one refuses, the trial
+    an earlier one let through is handed back (:meth:`CircuitBreaker.excuse`)."""
+    for position, breaker in enumerate(breakers):
+        if not breaker.allow():
+            for granted in breakers[:position]:
+                granted.excuse()
+            return False
+    return True
 
 
 def _ok(reply: Reply) -> Reply:
