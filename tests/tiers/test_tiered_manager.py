@@ -209,6 +209,35 @@ def test_only_the_intact_prefix_of_a_promotion_is_reserved(tmp_path: Path) -> No
         m.close()
 
 
+@pytest.mark.parametrize(
+    ("retry", "hits"),
+    [
+        (K[2:4], 2),  # the GPU cached K0 and K1 meanwhile: the retry starts past them
+        ([K[9], *K[:4]], 0),  # the GPU evicted a head block no tier holds: it starts before
+    ],
+)
+def test_a_retry_that_starts_elsewhere_still_ends_the_reservation(
+    tmp_path: Path, retry: list[OffloadKey], hits: int
+) -> None:
+    """vLLM's scheduler re-matches a parked request's GPU prefix on each try, so the retry
+    may not claim the promoted blocks as hits. They stayed pinned for ``reserve_lookups``
+    more lookups: on a 200-block CPU tier the whole tier was reserved after 80 lookups and
+    the replay rejected 35,668 stores where, without a disk tier, it rejected 20,009."""
+    m = stack(tmp_path, cpu_blocks=4)
+    try:
+        store(m, K[:4])
+        store(m, K[4:8])  # K0..K3 fall to disk
+        assert m.lookup(K[:4]) is None
+        m.poll()
+        assert all(m.is_reserved(key) for key in K[:4])
+        assert m.lookup(retry) == hits
+        assert not any(m.is_reserved(key) for key in K[:4])
+        assert [m.cpu.block_status(key).ref_cnt for key in K[:4]] == [0] * 4  # type: ignore[union-attr]
+        store(m, K[4:8])  # and the CPU tier has room again
+    finally:
+        m.close()
+
+
 class GatedSlots(ByteSlots):
     """Slot bytes that can be made unreachable, as a worker's buffer not mapped yet."""
 

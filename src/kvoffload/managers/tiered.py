@@ -11,10 +11,10 @@ CPU tier's invariants hold across the stack.
 A promotion is started once per block run and only for the longest prefix
 the CPU tier can take without evicting pinned, pending or reserved blocks.
 Once landed, the promoted prefix is *reserved* (pinned on behalf of the
-caller that asked) until a lookup reports it as a hit, so the promotions of
-other waiting requests cannot evict it before its requester asks again: a
+caller that asked) until a lookup reaches any block of it, so the promotions
+of other waiting requests cannot evict it before its requester asks again: a
 caller that retries always finds what was promoted for it, and every
-promoted block is read from its tier once. A reservation nobody claims ends
+promoted block is read from its tier once. A reservation nobody reaches ends
 after ``reserve_lookups`` further lookups. A block whose promotion failed
 answers a miss to the next lookup that reaches it rather than being promoted
 again at once, so a caller that retries on ``None`` never waits forever for
@@ -146,8 +146,9 @@ class TieredOffloadingManager(OffloadingManager):
         self._slots: dict[OffloadKey, int] = {}
         self._promotions: list[_Promotion] = []
         self._promoting: set[OffloadKey] = set()
-        self._reserved: dict[OffloadKey, int] = {}
-        """Landed promotions pinned for their requester, with the lookup count at landing."""
+        self._reserved: dict[OffloadKey, tuple[int, list[OffloadKey]]] = {}
+        """Landed promotions pinned for their requester: per key, the lookup count at landing
+        and the keys that landed with it (released together)."""
         self._reserve_lookups = reserve_lookups
         self._lookups = 0
         self._failed: OrderedDict[OffloadKey, None] = OrderedDict()
@@ -203,11 +204,12 @@ class TieredOffloadingManager(OffloadingManager):
         self._lookups += 1
         if self._reserved:
             self._expire()
+            self._release_reached(keys)
         if self._counting:
             self._count(keys)
         hits = self.cpu.lookup(keys)
         if hits == len(keys) or not self.tiers:
-            return self._claim(keys, hits)
+            return hits
         if keys[hits] in self._promoting:
             return None
         if self._judging:
@@ -220,7 +222,7 @@ class TieredOffloadingManager(OffloadingManager):
         if self._failed and keys[hits] in self._failed:
             for key in rest:
                 self._failed.pop(key, None)
-            return self._claim(keys, hits)
+            return hits
         sources: list[tuple[int, list[OffloadKey]]] = []
         found = 0
         while found < len(rest):
@@ -233,14 +235,14 @@ class TieredOffloadingManager(OffloadingManager):
             else:
                 break
         if not found:
-            return self._claim(keys, hits)
+            return hits
         # Offering the CPU hits too shields them from the eviction that makes room.
         output = self.cpu.prepare_store(keys[: hits + found])
         if output is None:
             fit = self._fitting(keys[: hits + found], rest[:found])
             output = self.cpu.prepare_store(keys[: hits + fit]) if fit else None
             if output is None:
-                return self._claim(keys, hits)
+                return hits
         # Evicted bytes are copied out before the promotions may overwrite their slots,
         # and written down after the reads are queued, which then precede any delete.
         demoted = self._placed(output)
@@ -253,7 +255,7 @@ class TieredOffloadingManager(OffloadingManager):
                 self._promote(index, wanted)
                 started = True
         self._demote(demoted)
-        return None if started else self._claim(keys, self.cpu.lookup(keys))
+        return None if started else self.cpu.lookup(keys)
 
     def _judged(self, keys: list[OffloadKey], hits: int) -> int | None:
         """:meth:`_reach`, first showing the lower tiers' books the keys this lookup takes
@@ -440,18 +442,23 @@ class TieredOffloadingManager(OffloadingManager):
             fit += 1
         return fit
 
-    def _claim(self, keys: list[OffloadKey], hits: int) -> int:
-        """Answer ``hits``; the reserved blocks among them pass to the caller, unpinned."""
-        if self._reserved and hits:
-            reserved = self._reserved
-            self._release([key for key in dict.fromkeys(keys[:hits]) if key in reserved])
-        return hits
+    def _release_reached(self, keys: list[OffloadKey]) -> None:
+        """End every reservation ``keys`` reach a block of, all of its blocks: the lookup
+        is its requester's retry (whose hits then pass to it, unpinned) or another request
+        that now shares them. Released only when claimed as hits, a reservation outlived
+        its use whenever the retry started elsewhere, as vLLM's scheduler re-matches the
+        GPU prefix on each try: past blocks the GPU had meanwhile cached, or before a
+        block it had evicted and no tier held. Those stayed pinned for ``reserve_lookups``
+        more lookups, and filled a small CPU tier for good."""
+        reserved = self._reserved
+        for batch in [reserved[key][1] for key in keys if key in reserved]:
+            self._release([key for key in batch if key in reserved])  # once per batch
 
     def _expire(self) -> None:
         """Unpin the reservations no lookup claimed within ``reserve_lookups`` lookups."""
         oldest = self._lookups - self._reserve_lookups
         expired = []
-        for key, stamp in self._reserved.items():
+        for key, (stamp, _) in self._reserved.items():
             if stamp > oldest:
                 break
             expired.append(key)
@@ -506,8 +513,8 @@ class TieredOffloadingManager(OffloadingManager):
             usable = intact.index(False) if bad else len(keys)
             if usable:
                 self.cpu.prepare_load(keys[:usable])
-                stamp = self._lookups
-                self._reserved.update((key, stamp) for key in keys[:usable])
+                landed = (self._lookups, keys[:usable])
+                self._reserved.update(dict.fromkeys(landed[1], landed))
         if bad:
             self.cpu.complete_store(bad, False)
             failed = self._failed
