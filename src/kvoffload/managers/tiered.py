@@ -204,7 +204,13 @@ class TieredOffloadingManager(OffloadingManager):
         self._lookups += 1
         if self._reserved:
             self._expire()
+        hits = self._lookup(keys)
+        if hits is not None and self._reserved:
             self._release_reached(keys)
+        return hits
+
+    def _lookup(self, keys: list[OffloadKey]) -> int | None:
+        """:meth:`lookup`'s answer, once the finished promotions have landed."""
         if self._counting:
             self._count(keys)
         hits = self.cpu.lookup(keys)
@@ -443,13 +449,16 @@ class TieredOffloadingManager(OffloadingManager):
         return fit
 
     def _release_reached(self, keys: list[OffloadKey]) -> None:
-        """End every reservation ``keys`` reach a block of, all of its blocks: the lookup
-        is its requester's retry (whose hits then pass to it, unpinned) or another request
-        that now shares them. Released only when claimed as hits, a reservation outlived
-        its use whenever the retry started elsewhere, as vLLM's scheduler re-matches the
-        GPU prefix on each try: past blocks the GPU had meanwhile cached, or before a
-        block it had evicted and no tier held. Those stayed pinned for ``reserve_lookups``
-        more lookups, and filled a small CPU tier for good."""
+        """End every reservation that ``keys``, answered, reach a block of, all of its
+        blocks: the lookup is its requester's retry (whose hits then pass to it, unpinned)
+        or another request of the same prefix, for which its blocks are as good or as
+        useless. Released only when claimed as hits, a reservation outlived its use
+        whenever the retry started elsewhere, as vLLM's scheduler re-matches the GPU prefix
+        on each try: past blocks the GPU had cached meanwhile, or before a block the GPU
+        had evicted and no tier held. Those stayed pinned for ``reserve_lookups`` more
+        lookups, and filled a small CPU tier for good. A lookup answered ``None`` releases
+        nothing: it waits for a promotion in front of them, and its request will ask again.
+        """
         reserved = self._reserved
         for batch in [reserved[key][1] for key in keys if key in reserved]:
             self._release([key for key in batch if key in reserved])  # once per batch
