@@ -87,6 +87,27 @@ def fake() -> Iterator[FakeValkey]:
         server.stop()
 
 
+class SippingValkey(FakeValkey):
+    """A :class:`FakeValkey` with one more ``mode``, ``sip``: a SET is answered only once its
+    value has come in at a byte per ``interval_s`` (the path from the client congested for
+    large requests), while lookups and reads, small on the way in, are answered at once."""
+
+    def _answer(self, connection: socket.socket, args: list[bytes]) -> None:
+        sipped = self.mode == "sip" and args[0] == b"SET"
+        if sipped and self._stopping.wait(self.interval_s * len(args[2])):
+            return
+        super()._answer(connection, args)
+
+
+@pytest.fixture
+def sipping() -> Iterator[SippingValkey]:
+    server = SippingValkey(interval_s=1.0)  # a SET value takes minutes to come in
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 def test_a_reply_that_trickles_at_start_up_ends_in_one_line(tmp_path: Path) -> None:
     server = FakeValkey("trickle")
     try:
@@ -240,6 +261,67 @@ def test_a_read_refused_by_the_node_s_breaker_hands_back_its_read_trial(
         assert not reads.is_open and not tier.breaker.is_open
     finally:
         fake.stop()
+        tier.close()
+
+
+def test_writes_that_keep_failing_are_rested_while_lookups_and_reads_go_on(
+    sipping: SippingValkey,
+) -> None:
+    """The server takes in SET values slowly but answers lookups and reads in time (its
+    path from the client congested for large requests): each write pipeline fails at its
+    deadline, and the successes between them kept the node's breaker closed, so every
+    write was sent and waited out its deadline on an I/O thread, for ever. The writes' own
+    breaker opens after ``threshold`` failed writes and refuses the next unsent; lookups
+    and reads go on; a trial write lets writes back in."""
+    tier = RemoteTier(sipping.url, fingerprint("sip-writes"), breaker=CircuitBreaker(2, 60))
+    try:
+        store(tier, KEYS[:4])
+        sipping.mode = "sip"
+        for _ in range(2):
+            assert finishes(lambda: tier.present(KEYS[:4])) == 4
+            store(tier, KEYS[4:6])
+            assert read(tier, KEYS[:4]) == [True] * 4
+        sent = sipping.commands
+        store(tier, KEYS[4:6])
+        assert sipping.commands == sent  # refused at once: no SET went out
+        assert tier.stats.stored_blocks == 4 and tier.stats.failed == 6
+        assert tier.unavailable == 3 and tier.skipped_full == 0
+        writes = tier.write_breakers[f"127.0.0.1:{sipping.port}"]
+        assert writes.is_open and not tier.breaker.is_open
+        assert finishes(lambda: tier.present(KEYS[:4])) == 4
+        assert read(tier, KEYS[:4]) == [True] * 4 and not tier.breaker.is_open
+        sipping.mode = "normal"
+        writes.cooldown_s = 0.0  # the cool-down is over: the next write is the trial
+        store(tier, KEYS[4:8])
+        assert tier.stats.stored_blocks == 8 and not writes.is_open
+        assert read(tier, KEYS[:8]) == [True] * 8
+    finally:
+        sipping.stop()
+        tier.close()
+
+
+def test_a_write_refused_by_the_node_s_breaker_hands_back_its_write_trial(
+    sipping: SippingValkey,
+) -> None:
+    """Writes pass both breakers: a write whose write breaker let it through as the trial,
+    and whose node's breaker then refused it, leaves the trial to the next write (else no
+    write would ever be let through again)."""
+    tier = RemoteTier(sipping.url, fingerprint("two-write-breakers"), breaker=CircuitBreaker(1, 60))
+    try:
+        writes = tier.write_breakers[f"127.0.0.1:{sipping.port}"]
+        sipping.mode = "sip"
+        store(tier, KEYS[:4])
+        assert writes.is_open and tier.breaker.is_open
+        sipping.mode = "normal"
+        writes.cooldown_s = 0.0
+        store(tier, KEYS[:4])  # the node's breaker still cools down
+        assert tier.stats.stored_blocks == 0 and tier.stats.failed == 8
+        tier.breaker.cooldown_s = 0.0
+        store(tier, KEYS[:4])
+        assert tier.stats.stored_blocks == 4 and read(tier, KEYS[:4]) == [True] * 4
+        assert not writes.is_open and not tier.breaker.is_open
+    finally:
+        sipping.stop()
         tier.close()
 
 

@@ -12,10 +12,11 @@ Every operation (a lookup, a read batch, a write pipeline) has one deadline on t
 of it, name lookup, connect, send and full reply, on every node it asks, retries and
 redirections included: ``timeout_ms`` plus the time its bytes take at :data:`SLOWEST_LINK`.
 Each node's part goes through one call wrapper and the breaker of that node (one per Cluster
-node, so a dead node fails its slots only), a read's through the node's read breaker too:
-when a server is slow, paused or down, lookups miss and stores are dropped, counted, and
-the tier reconnects by itself once a trial call succeeds; reads that keep failing while
-the node's other calls succeed (a server that drips its values) are rested on their own.
+node, so a dead node fails its slots only), a read's through the node's read breaker too,
+a write's through its write breaker: when a server is slow, paused or down, lookups miss
+and stores are dropped, counted, and the tier reconnects by itself once a trial call
+succeeds; reads, or writes, that keep failing while the node's other calls succeed (a
+server that drips its values, or takes in large requests slowly) are rested on their own.
 A Cluster's slot map is asked again of a live node when a node fails or is refused (a failover
 moves a dead node's slots, and the dead node cannot say where). A part left less time
 than the parts before it took is not charged to its node when it runs out of it
@@ -122,7 +123,7 @@ class ServerReplyError(Exception):
 
 
 class _Node:
-    """One server: its idle connections, its breaker and its read breaker."""
+    """One server: its idle connections, its breaker, its read and its write breaker."""
 
     def __init__(self, host: str, port: int, breaker: CircuitBreaker) -> None:
         self.host = host
@@ -132,6 +133,11 @@ class _Node:
         """Reads pass it as well as :attr:`breaker`, and only reads count in it: a server
         that drips its values but answers lookups and stores in time fails every read at
         its deadline, and those successes closed :attr:`breaker` between the failures."""
+        self.writes = breaker.fresh()
+        """Writes pass it as well as :attr:`breaker`, and only writes count in it: a server
+        that takes in large requests slowly but answers lookups and reads in time fails every
+        write pipeline at its deadline, and those successes closed :attr:`breaker` between
+        the failures."""
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -219,8 +225,8 @@ class RemoteTier:
     connections, encoded there, never on the caller's thread; reads run on
     ``io_threads`` threads of their own, so none waits behind a write. ``breaker`` is
     the standalone server's; in Cluster mode every node gets a fresh one with
-    its settings (:attr:`breakers`), and every node a read breaker with them
-    (:attr:`read_breakers`).
+    its settings (:attr:`breakers`), and every node a read breaker and a write breaker
+    with them (:attr:`read_breakers`, :attr:`write_breakers`).
 
     Start-up connects once, under one deadline of ``timeout_ms``, and raises
     :class:`RemoteTierError` with a clear message (never the password) for a
@@ -310,6 +316,12 @@ class RemoteTier:
         """Each known node's read breaker, by ``host:port``."""
         with self._lock:
             return {node.name: node.reads for node in self._nodes.values()}
+
+    @property
+    def write_breakers(self) -> dict[str, CircuitBreaker]:
+        """Each known node's write breaker, by ``host:port``."""
+        with self._lock:
+            return {node.name: node.writes for node in self._nodes.values()}
 
     def name(self, key: OffloadKey) -> bytes:
         return self._prefix + key.hex().encode()
@@ -480,24 +492,25 @@ class RemoteTier:
         node: _Node,
         op: Callable[[Connection, Deadline], T],
         deadline: Deadline,
-        reads: bool = False,
+        lane: CircuitBreaker | None = None,
     ) -> T | None:
-        """``op`` on a connection to ``node`` through its breaker (and, for ``reads``, its
-        read breaker: both must let it through, and both count its outcome), before the
-        operation's ``deadline``; ``None`` if refused or failed (counted). One that finds the
-        deadline passed (spent on other nodes) is not tried: no failure of this node's. Nor
-        is one that runs out of time having begun with less left than the operation had
-        spent: had the node been first, it would have had longer than the earlier nodes
-        took, so they are the slow ones, and a healthy node left a sliver by a slow one
-        would otherwise have its breaker opened by it. An error reply fails the call but is
-        no failure of the node's: a full server (``OOM``, maxmemory with ``noeviction``)
-        refusing stores opened its breaker, and its loads were refused with them. An ``OOM``
-        or ``MISCONF`` rests the node from stores instead (:meth:`_Node.is_resting`)."""
+        """``op`` on a connection to ``node`` through its breaker (and ``lane``, the node's
+        read or write breaker, for a read or a write: both must let it through, and both
+        count its outcome), before the operation's ``deadline``; ``None`` if refused or
+        failed (counted). One that finds the deadline passed (spent on other nodes) is not
+        tried: no failure of this node's. Nor is one that runs out of time having begun with
+        less left than the operation had spent: had the node been first, it would have had
+        longer than the earlier nodes took, so they are the slow ones, and a healthy node
+        left a sliver by a slow one would otherwise have its breaker opened by it. An error
+        reply fails the call but is no failure of the node's: a full server (``OOM``,
+        maxmemory with ``noeviction``) refusing stores opened its breaker, and its loads
+        were refused with them. An ``OOM`` or ``MISCONF`` rests the node from stores instead
+        (:meth:`_Node.is_resting`)."""
         if deadline.passed():
             with self._lock:
                 self.unavailable += 1
             return None
-        breakers = (node.reads, node.breaker) if reads else (node.breaker,)
+        breakers = (node.breaker,) if lane is None else (lane, node.breaker)
         if not _allow(breakers):
             with self._lock:
                 self.unavailable += 1
@@ -819,7 +832,7 @@ class RemoteTier:
         while jobs:
             node, indices, asking, hops = jobs.pop()
             get = partial(self._get_into, keys, names, views, sizes, indices, asking)
-            statuses = self._call(node, get, deadline, reads=True)
+            statuses = self._call(node, get, deadline, node.reads)
             if statuses is None:
                 failed += len(indices)
                 continue
@@ -962,7 +975,8 @@ class RemoteTier:
                     self.skipped_full += len(indices)
                 continue
             batch = [writes[i] for i in indices]
-            statuses = self._call(node, partial(self._set_all, batch, asking), deadline)
+            set_all = partial(self._set_all, batch, asking)
+            statuses = self._call(node, set_all, deadline, node.writes)
             if statuses is None:
                 continue
             moved: dict[tuple[_Node, bool], list[int]] = {}
