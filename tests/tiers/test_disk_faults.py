@@ -23,6 +23,7 @@ import pytest
 from tier_helpers import ByteSlots, content, flip_byte
 
 from kvoffload import CPUOffloadingManager, OffloadKey, block_id_key
+from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import layout_preset
 from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
 from kvoffload.tiers import CircuitBreaker, DiskTier, layout_fingerprint
@@ -122,6 +123,64 @@ def test_a_hung_file_system_fails_calls_by_their_deadline_and_opens_the_breaker(
         assert bytes(buffers[0]) == bytes(SIZE)  # the late read never landed in its buffer
     finally:
         layer.answering.set()
+        tier.close()
+
+
+def test_writes_offered_while_the_backlog_is_full_are_dropped_and_counted(
+    tmp_path: Path, layer: StalledLayer
+) -> None:
+    """A file system slower than the write-back (here it holds every write until let go,
+    well within the deadline) had every write queued with its payload until the deadline
+    failed it: ``deadline_s`` of the write-back's bytes. A write offered while
+    ``max_pending_write_bytes`` are queued or under way is dropped at once, before any
+    eviction for it, counted, and its blocks are not in the tier; once the writes under way
+    land, writes are taken again."""
+    bound = 2 * SIZE
+    tier = DiskTier(
+        tmp_path,
+        4,
+        FP,
+        io_threads=1,
+        deadline_s=60,
+        file_layer=layer,
+        max_pending_write_bytes=bound,
+    )
+    try:
+        tier.write(KEYS[4:8], [content(key, SIZE) for key in KEYS[4:8]])
+        tier.poll(wait=True)
+        layer.answering.clear()
+        for key in KEYS[:4]:
+            tier.write([key], [content(key, SIZE)])
+            tier.poll(wait=False)
+        assert tier.pending_write_bytes == bound
+        assert tier.skipped_backlog == 2 and tier.stats.failed == 2
+        assert tier.stats.evicted == 2 and tier.held(KEYS[6:8]) == [True] * 2
+        layer.answering.set()
+        tier.poll(wait=True)
+        assert tier.pending_write_bytes == 0 and tier.stats.stored_blocks == 6
+        assert tier.held(KEYS[:4]) == [True] * 2 + [False] * 2
+        assert read(tier, KEYS[2:4])[0] == [False] * 2
+        tier.write(KEYS[:4], [content(key, SIZE) for key in KEYS[:4]])  # past the bound,
+        tier.poll(wait=True)  # into an empty backlog: taken
+        assert tier.stats.stored_blocks == 8 and tier.skipped_backlog == 2
+        ok, buffers = read(tier, KEYS[:4])
+        assert ok == [True] * 4
+        assert [bytes(b) for b in buffers] == [content(key, SIZE) for key in KEYS[:4]]
+        assert tier.deadline_misses == 0 and tier.stats.failed == 2
+    finally:
+        layer.answering.set()
+        tier.close()
+
+
+def test_the_disk_write_backlog_bound_is_two_chunks_per_thread_and_checked(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(InvalidArgumentError, match="max_pending_write_bytes"):
+        DiskTier(tmp_path, 8, FP, max_pending_write_bytes=0)
+    tier = DiskTier(tmp_path, 8, FP, io_threads=3)
+    try:
+        assert tier.max_pending_write_bytes == 2 * 3 * 256 * 2**20
+    finally:
         tier.close()
 
 

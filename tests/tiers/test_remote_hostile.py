@@ -28,6 +28,7 @@ from tier_helpers import content
 
 from kvoffload import OffloadKey, block_id_key
 from kvoffload.cli.main import main
+from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import layout_preset
 from kvoffload.tiers import CircuitBreaker, RemoteTier, RemoteTierError, layout_fingerprint
 from kvoffload.tiers.format import encode_trailed_block, payload_digest, payload_hasher
@@ -322,6 +323,64 @@ def test_a_write_refused_by_the_node_s_breaker_hands_back_its_write_trial(
         assert not writes.is_open and not tier.breaker.is_open
     finally:
         sipping.stop()
+        tier.close()
+
+
+class HoldingValkey(FakeValkey):
+    """A :class:`FakeValkey` with one more ``mode``, ``hold``: a SET is answered only once
+    :attr:`released` is set (a healthy server slower than the write-back, its answers
+    still within the tier's deadline), while lookups and reads are answered at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released = threading.Event()
+
+    def _answer(self, connection: socket.socket, args: list[bytes]) -> None:
+        if self.mode == "hold" and args[0] == b"SET":
+            self.released.wait(STALL_S)
+        super()._answer(connection, args)
+
+
+def test_writes_offered_while_the_backlog_is_full_are_dropped_unsent_and_counted() -> None:
+    """A server that stores, but slower than the write-back offers, had every write
+    pipeline queued with its payload, without end (the manager never waits on them). A
+    write offered while ``max_pending_write_bytes`` are queued or under way is dropped at
+    once, counted, and its blocks are not on the server; once the writes under way are
+    done, writes are taken again."""
+    server = HoldingValkey()
+    url = f"redis://127.0.0.1:{server.port}/0?timeout_ms=20000"  # held SETs stay in time
+    tier = RemoteTier(url, fingerprint("backlog"), max_pending_write_bytes=2 * BLOCK)
+    try:
+        server.mode = "hold"
+        for key in KEYS[:6]:
+            tier.write([key], [content(key, BLOCK)])
+            tier.poll(wait=False)
+        assert tier.pending_write_bytes == 2 * BLOCK
+        assert tier.skipped_backlog == 4 and tier.stats.failed == 4
+        assert tier.unavailable == 0 and tier.skipped_full == 0
+        server.released.set()
+        tier.poll(wait=True)
+        assert tier.pending_write_bytes == 0 and tier.stats.stored_blocks == 2
+        assert read(tier, KEYS[:6]) == [True] * 2 + [False] * 4
+        assert tier.held(KEYS[2:6]) == [False] * 4
+        store(tier, KEYS[2:6])  # one batch past the bound, into an empty backlog: taken
+        assert tier.stats.stored_blocks == 6 and tier.skipped_backlog == 4
+        assert read(tier, KEYS[:6]) == [True] * 6
+    finally:
+        server.released.set()
+        server.stop()
+        tier.close()
+
+
+def test_the_write_backlog_bound_is_two_pipelines_per_thread_and_checked() -> None:
+    with pytest.raises(InvalidArgumentError, match="max_pending_write_bytes"):
+        RemoteTier("redis://127.0.0.1:1", fingerprint("bound"), max_pending_write_bytes=0)
+    server = FakeValkey()
+    tier = RemoteTier(server.url, fingerprint("bound"), io_threads=3, chunk_bytes=1000)
+    try:
+        assert tier.max_pending_write_bytes == 2 * 3 * 1000
+    finally:
+        server.stop()
         tier.close()
 
 

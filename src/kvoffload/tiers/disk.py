@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import os
 import queue
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import cast
 
@@ -34,6 +34,7 @@ from kvoffload.core.tier_protocol import (
 )
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.policies import CachePolicy
+from kvoffload.tiers.backlog import WriteBacklog, default_pending_bytes
 from kvoffload.tiers.breaker import CircuitBreaker
 from kvoffload.tiers.format import check_fingerprint, payload_size
 from kvoffload.tiers.slot_file import (
@@ -116,8 +117,13 @@ class DiskTier:
     does not answer within ``deadline_s`` turns into counted failed stores
     and reads, never an exception or a wait for the caller; deadline misses
     open ``breaker``, which then refuses disk I/O at once until a trial gets
-    through. :attr:`recovery` says what the start-up scan found; with ``enable_events``
-    the blocks it recovered are the first event, a store on the tier's medium.
+    through. A write offered while ``max_pending_write_bytes`` of them are queued or under
+    way (default: two of 256 MiB per I/O thread) is dropped at once, before any eviction
+    for it, counted in ``failed`` and :attr:`skipped_backlog`: a file system slower than
+    the write-back never grows the queue without end (the deadline alone let it grow for
+    ``deadline_s``). :attr:`recovery` says what the start-up scan found; with
+    ``enable_events`` the blocks it recovered are the first event, a store on the tier's
+    medium.
     An empty ``directory`` is refused: as a path it is the working directory, which a
     setting left blank never meant. Start-up raises
     :class:`~kvoffload.tiers.slot_file.DiskTierError` for an unsafe or busy directory.
@@ -138,6 +144,7 @@ class DiskTier:
         deadline_s: float = DEFAULT_DEADLINE_S,
         breaker: CircuitBreaker | None = None,
         file_layer: FileLayer | None = None,
+        max_pending_write_bytes: int | None = None,
     ) -> None:
         if (
             isinstance(capacity_blocks, bool)
@@ -165,6 +172,11 @@ class DiskTier:
         check_fingerprint(fingerprint)
         check_deadline_s(deadline_s, "the disk deadline")
         check_capacity(capacity_blocks)
+        self._backlog = WriteBacklog(
+            default_pending_bytes(io_threads)
+            if max_pending_write_bytes is None
+            else max_pending_write_bytes
+        )
         self._index = CPUOffloadingManager(capacity_blocks, cache_policy)
         self._events = EventLog(enable_events)  # checked before any file, lock or thread
         self.capacity_blocks = capacity_blocks
@@ -183,10 +195,16 @@ class DiskTier:
         self.directory = self._file.directory
         self.path = self._file.path
         self.stats = TierStats()
+        self.skipped_backlog = 0
+        """Blocks dropped unwritten as they were offered, the writes queued or under way being
+        at ``max_pending_write_bytes`` (:attr:`pending_write_bytes`); they count in ``failed``
+        too."""
         self.empty_on_close = False
         """Set before a closing that resets the tier (an engine's cache reset): set here, not
         passed to :meth:`close`, as whatever owns the tier (the tiered manager) closes it."""
         self._writes: list[tuple[list[OffloadKey], Future[list[bool]]]] = []
+        self._held: dict[Future[list[bool]], Callable[[], None]] = {}
+        """What takes each write job's bytes out of the backlog, until a poll counts it."""
         self._broken: queue.SimpleQueue[tuple[OffloadKey, int]] = queue.SimpleQueue()
         found = self._file.found
         self._slot_of = _SlotMap([slot for _, slot in found])
@@ -211,6 +229,15 @@ class DiskTier:
     def policy(self) -> CachePolicy:
         """The eviction policy instance (for inspection and tests)."""
         return self._index.policy
+
+    @property
+    def pending_write_bytes(self) -> int:
+        """Payload bytes of the writes queued or under way."""
+        return self._backlog.pending_bytes
+
+    @property
+    def max_pending_write_bytes(self) -> int:
+        return self._backlog.max_bytes
 
     @property
     def deadline_s(self) -> float:
@@ -275,13 +302,19 @@ class DiskTier:
         return self._slot_of[block.block_id]
 
     def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> None:
-        """Queue writes of the keys not held yet, evicting to make room where possible."""
+        """Queue writes of the keys not held yet, evicting to make room where possible;
+        none while the writes not done yet are at ``max_pending_write_bytes``."""
         index = self._index
         offered = {key: payload for key, payload in zip(keys, payloads, strict=True)}
         new = [key for key in offered if not index.holds(key)]
         if not new:
             return
-        self._file.fix_layout(payload_size(offered[new[0]]))
+        if self._backlog.is_full:
+            self.skipped_backlog += len(new)
+            self.stats.add(failed=len(new))
+            return
+        size = payload_size(offered[new[0]])
+        self._file.fix_layout(size)
         output = index.prepare_store(offered)
         if output is None:
             fit = index.num_free_blocks + index.num_evictable_blocks(offered)
@@ -298,7 +331,11 @@ class DiskTier:
             return
         ids = cast(CPULoadStoreSpec, output.store_spec).block_ids.tolist()
         slots = [self._slot_of[i] for i in ids]
-        self._writes.append((batch, self._file.write(batch, slots, [offered[k] for k in batch])))
+        job = self._file.write(batch, slots, [offered[k] for k in batch])
+        release = self._backlog.hold(size * len(batch))
+        job.add_done_callback(lambda _: release())
+        self._held[job] = release
+        self._writes.append((batch, job))
 
     def poll(self, wait: bool) -> None:
         """Forget blocks found broken, make finished writes readable, free failed ones."""
@@ -318,6 +355,7 @@ class DiskTier:
                 running.append((batch, job))
                 continue
             written = job.result()
+            self._held.pop(job)()  # a waiting poll may return before the job's callback ran
             stored = [key for key, ok in zip(batch, written, strict=True) if ok]
             failed = [key for key, ok in zip(batch, written, strict=True) if not ok]
             self._index.complete_store(stored, True)

@@ -43,6 +43,7 @@ from kvoffload.core.errors import KVOffloadError, check_integer
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import EventLog, OffloadingEvent
 from kvoffload.core.tier_protocol import Target, TierStats, check_io_threads
+from kvoffload.tiers.backlog import WriteBacklog, default_pending_bytes
 from kvoffload.tiers.block_sets import BlockWrite, DigestsAhead, pack_sets
 from kvoffload.tiers.breaker import CircuitBreaker
 from kvoffload.tiers.deadline import done_future
@@ -222,7 +223,10 @@ class RemoteTier:
     """Blocks on a Valkey/Redis server or Cluster named by ``url`` (see :mod:`.url`).
 
     Writes go out in pipelines of about ``chunk_bytes`` on ``io_threads``
-    connections, encoded there, never on the caller's thread; reads run on
+    connections, encoded there, never on the caller's thread; a write offered while
+    ``max_pending_write_bytes`` of them are queued or under way (default: two pipelines
+    per thread) is dropped at once, counted in ``failed`` and :attr:`skipped_backlog`, so
+    a server slower than the write-back never grows the queue without end; reads run on
     ``io_threads`` threads of their own, so none waits behind a write. ``breaker`` is
     the standalone server's; in Cluster mode every node gets a fresh one with
     its settings (:attr:`breakers`), and every node a read breaker and a write breaker
@@ -255,11 +259,17 @@ class RemoteTier:
         chunk_bytes: int = 256 * 2**20,
         enable_events: bool = False,
         resolver: Resolver | None = None,
+        max_pending_write_bytes: int | None = None,
     ) -> None:
         # Checked before start-up connects: a pool that cannot be made leaked its connection.
         check_fingerprint(fingerprint)
         check_io_threads(io_threads)
         check_integer("chunk_bytes", chunk_bytes, 1)
+        self._backlog = WriteBacklog(
+            default_pending_bytes(io_threads, chunk_bytes)
+            if max_pending_write_bytes is None
+            else max_pending_write_bytes
+        )
         self.address = parse_remote_url(url)
         self._resolver = resolver or Resolver()
         self._chunk_bytes = chunk_bytes
@@ -275,6 +285,10 @@ class RemoteTier:
         self.skipped_full = 0
         """Blocks whose store was not sent, its node resting after an ``OOM`` or ``MISCONF``
         reply (:meth:`_Node.is_resting`); they count in ``failed`` too."""
+        self.skipped_backlog = 0
+        """Blocks dropped unsent as they were offered, the writes queued or under way being at
+        ``max_pending_write_bytes`` (:attr:`pending_write_bytes`); they count in ``failed``
+        too."""
         self._lock = threading.Lock()
         self._credentials = Credentials(
             self.address.username,
@@ -304,6 +318,15 @@ class RemoteTier:
         """Hashes a batch's single-buffer payloads while they go out (one per I/O thread)."""
         self._writes: list[_WriteJob] = []
         self._events = EventLog(enable_events)
+
+    @property
+    def pending_write_bytes(self) -> int:
+        """Payload bytes of the writes queued or under way."""
+        return self._backlog.pending_bytes
+
+    @property
+    def max_pending_write_bytes(self) -> int:
+        return self._backlog.max_bytes
 
     @property
     def breakers(self) -> dict[str, CircuitBreaker]:
@@ -384,21 +407,29 @@ class RemoteTier:
         return done_future([False] * len(keys))
 
     def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> None:
-        """Encode and send on the I/O threads: one pipeline per ``chunk_bytes`` of the batch.
+        """Encode and send on the I/O threads: one pipeline per ``chunk_bytes`` of the batch;
+        nothing queued if the writes not done yet are at ``max_pending_write_bytes``.
 
         Each pipeline waits for its replies before its thread takes the next
         job, so small pipelines leave the link idle: 16 MiB ones stored at 0.72
         of plain SET, one per 256 MiB batch at 0.87 (medians of 8 rounds, dev VM).
         """
         keys, payloads = list(keys), list(payloads)
-        step = max(1, self._chunk_bytes // max(1, payload_size(payloads[0]) if payloads else 1))
+        size = payload_size(payloads[0]) if payloads else 0
+        step = max(1, self._chunk_bytes // max(1, size))
         with self._lock:
             if not self._closed:
-                for start in range(0, len(keys), step):
-                    chunk = keys[start : start + step]
-                    job = self._pool.submit(self._write, chunk, payloads[start : start + step])
-                    self._writes.append((chunk, job))
-                return
+                if self._backlog.is_full:
+                    self.skipped_backlog += len(keys)
+                else:
+                    for start in range(0, len(keys), step):
+                        chunk = keys[start : start + step]
+                        release = self._backlog.hold(size * len(chunk))
+                        job = self._pool.submit(
+                            self._write_then, release, chunk, payloads[start : start + step]
+                        )
+                        self._writes.append((chunk, job))
+                    return
         self.stats.add(failed=len(keys))
 
     def poll(self, wait: bool) -> None:
@@ -956,6 +987,16 @@ class RemoteTier:
             connection.send([b"".join(command(b"DEL", name) for name in found)], deadline)
             deleted = sum(_ok(connection.read_reply(deadline, MAX_LINE)) == 1 for _ in found)
         return (reply[0] if isinstance(reply[0], bytes) else b"0"), deleted
+
+    def _write_then(
+        self, release: Callable[[], None], keys: list[OffloadKey], payloads: list[bytes]
+    ) -> list[bool]:
+        """:meth:`_write`, then its bytes out of the backlog before its future says it is
+        done, so a waiting poll returns with them out."""
+        try:
+            return self._write(keys, payloads)
+        finally:
+            release()
 
     def _write(self, keys: list[OffloadKey], payloads: list[bytes]) -> list[bool]:
         writes = [
