@@ -14,12 +14,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
 import pytest
-from tier_helpers import content
+from tier_helpers import STALL_S, content, finishes
+from tier_helpers import remote_store as store
 
 from kvoffload import OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
@@ -29,8 +30,6 @@ from tier_servers import ValkeyProcess
 
 BLOCK = 32
 KEYS = [block_id_key(i, 17) for i in range(8)]
-STALL_S = 20.0
-"""Far longer than any deadline here: reaching it means the call stalled."""
 NAME = "kv.test"
 
 
@@ -67,21 +66,6 @@ def url(server: ValkeyProcess, timeout_ms: int = 300) -> str:
 
 def fingerprint(name: str) -> bytes:
     return layout_fingerprint(name, layout_preset("tiny"), BLOCK)
-
-
-def finishes(call: Callable[[], object]) -> object:
-    """``call()`` in a thread; fails the test if it has not returned within STALL_S."""
-    result: list[object] = []
-    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
-    thread.start()
-    thread.join(STALL_S)
-    assert not thread.is_alive(), "the call stalled"
-    return result[0]
-
-
-def store(tier: RemoteTier, keys: list[OffloadKey]) -> None:
-    tier.write(keys, [content(key, BLOCK) for key in keys])
-    tier.poll(wait=True)
 
 
 def read(tier: RemoteTier, keys: list[OffloadKey]) -> list[bool]:

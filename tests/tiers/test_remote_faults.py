@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Callable
 
-from tier_helpers import content
+from tier_helpers import content, finishes
+from tier_helpers import remote_read as read
+from tier_helpers import remote_store as store
 
-from kvoffload import OffloadKey, block_id_key
+from kvoffload import block_id_key
 from kvoffload.core.layout import layout_preset
 from kvoffload.tiers import CircuitBreaker, RemoteTier, layout_fingerprint
 from kvoffload.tiers.format import encode_trailed_block
@@ -25,35 +26,10 @@ BLOCK = 32
 BIG = 256 * 2**10
 """A block size whose batch outlasts the start of a pause: the socket buffers fill."""
 KEYS = [block_id_key(i, 11) for i in range(48)]
-STALL_S = 20.0
-"""Longer than any deadline here by far: reaching it means the call stalled."""
 
 
 def fingerprint(name: str, size: int = BLOCK) -> bytes:
     return layout_fingerprint(name, layout_preset("tiny"), size)
-
-
-def read(tier: RemoteTier, keys: list[OffloadKey], size: int = BLOCK) -> list[bool]:
-    """Which keys loaded; every one that did holds its own bytes."""
-    buffers = [bytearray(size) for _ in keys]
-    ok = tier.read(keys, lambda i: memoryview(buffers[i])).result(timeout=STALL_S)
-    assert all(bytes(buffers[i]) == content(k, size) for i, k in enumerate(keys) if ok[i])
-    return ok
-
-
-def store(tier: RemoteTier, keys: list[OffloadKey], size: int = BLOCK) -> None:
-    tier.write(keys, [content(key, size) for key in keys])
-    tier.poll(wait=True)
-
-
-def finishes(call: Callable[[], object]) -> object:
-    """``call()`` in a thread; fails the test if it has not returned within STALL_S."""
-    result: list[object] = []
-    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
-    thread.start()
-    thread.join(STALL_S)
-    assert not thread.is_alive(), "the call stalled"
-    return result[0]
 
 
 def test_a_flushall_behind_the_tier_s_back_is_plain_misses(own_server: ValkeyProcess) -> None:

@@ -24,7 +24,9 @@ from itertools import pairwise
 from pathlib import Path
 
 import pytest
-from tier_helpers import content
+from tier_helpers import STALL_S, content, finishes
+from tier_helpers import remote_read as read
+from tier_helpers import remote_store as store
 
 from kvoffload import OffloadKey, block_id_key
 from kvoffload.cli.main import main
@@ -43,8 +45,6 @@ from tier_servers import (
 
 BLOCK = 32
 KEYS = [block_id_key(i, 5) for i in range(12)]
-STALL_S = 20.0
-"""Longer than any deadline here by far: reaching it means the call stalled."""
 HELD_DESCRIPTORS = 1100
 """Open descriptors that push every socket opened next past ``select``'s 1024."""
 
@@ -55,28 +55,6 @@ CLI += ["--no-progress"]
 
 def fingerprint(name: str, size: int = BLOCK) -> bytes:
     return layout_fingerprint(name, layout_preset("tiny"), size)
-
-
-def read(tier: RemoteTier, keys: list[OffloadKey], size: int = BLOCK) -> list[bool]:
-    buffers = [bytearray(size) for _ in keys]
-    ok = tier.read(keys, lambda i: memoryview(buffers[i])).result(timeout=STALL_S)
-    assert all(bytes(buffers[i]) == content(k, size) for i, k in enumerate(keys) if ok[i])
-    return ok
-
-
-def store(tier: RemoteTier, keys: list[OffloadKey], size: int = BLOCK) -> None:
-    tier.write(keys, [content(key, size) for key in keys])
-    tier.poll(wait=True)
-
-
-def finishes(call: Callable[[], object]) -> object:
-    """``call()`` in a thread; fails the test if it has not returned within STALL_S."""
-    result: list[object] = []
-    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
-    thread.start()
-    thread.join(STALL_S)
-    assert not thread.is_alive(), "the call stalled"
-    return result[0]
 
 
 @pytest.fixture

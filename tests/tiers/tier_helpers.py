@@ -1,11 +1,17 @@
-"""CPU slot bytes in a plain bytearray (a CPU tier's memory, without torch); a disk byte flipper."""
+"""CPU slot bytes in a plain bytearray (a CPU tier's memory, without torch); a disk byte flipper;
+the shared tier's fault tests' store, read-back and stall guard."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 from kvoffload import OffloadKey
-from kvoffload.tiers import DiskTier
+from kvoffload.tiers import DiskTier, RemoteTier
+
+STALL_S = 20.0
+"""Longer than any deadline in the tier tests by far: reaching it means the call stalled."""
+SMALL_BLOCK = 32
 
 
 class ByteSlots:
@@ -39,3 +45,27 @@ def flip_byte(tier: DiskTier, key: bytes, offset: int) -> None:
         byte = file.read(1)
         file.seek(start + offset)
         file.write(bytes([byte[0] ^ 0xFF]))
+
+
+def finishes(call: Callable[[], object]) -> object:
+    """``call()`` in a thread; fails the test if it has not returned within STALL_S."""
+    result: list[object] = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+    thread.join(STALL_S)
+    assert not thread.is_alive(), "the call stalled"
+    return result[0]
+
+
+def remote_read(tier: RemoteTier, keys: list[OffloadKey], size: int = SMALL_BLOCK) -> list[bool]:
+    """Which keys loaded; every one that did holds its own bytes."""
+    buffers = [bytearray(size) for _ in keys]
+    ok = tier.read(keys, lambda i: memoryview(buffers[i])).result(timeout=STALL_S)
+    assert all(bytes(buffers[i]) == content(k, size) for i, k in enumerate(keys) if ok[i])
+    return ok
+
+
+def remote_store(tier: RemoteTier, keys: list[OffloadKey], size: int = SMALL_BLOCK) -> None:
+    """Write ``keys`` with their own bytes and wait until the tier has them (or failed)."""
+    tier.write(keys, [content(key, size) for key in keys])
+    tier.poll(wait=True)
