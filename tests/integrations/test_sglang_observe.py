@@ -316,6 +316,19 @@ def _two_free_ports() -> int:
         return port
 
 
+def _stores_completed(port: int) -> Any:
+    """The one ``kvoffload_l3_stores_completed_total`` sample served on ``port``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    [stored] = [
+        sample
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "kvoffload_l3_stores_completed_total"
+    ]
+    return stored
+
+
 def test_each_rank_serves_its_metrics_on_its_own_port_and_rank_0_publishes(
     backend_of: Any, tmp_path: Path
 ) -> None:
@@ -332,14 +345,7 @@ def test_each_rank_serves_its_metrics_on_its_own_port_and_rank_0_publishes(
     pools[1].fill([0, 1, 2], seed=4)
     assert all(ranks[1].batch_set_v1(KEYS[:3], pools[1].indices([0, 1, 2])))
     for rank in (0, 1):
-        with urllib.request.urlopen(f"http://127.0.0.1:{port + rank}/metrics", timeout=5) as r:
-            text = r.read().decode()
-        [stored] = [
-            sample
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == "kvoffload_l3_stores_completed_total"
-        ]
+        stored = _stores_completed(port + rank)
         assert stored.labels["tp_rank"] == str(rank) and stored.value == (3 if rank else 0)
     assert ranks[0].publishes_events and not ranks[1].publishes_events
     assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
@@ -374,14 +380,7 @@ def test_plain_data_parallel_replicas_keep_their_disk_metrics_and_events_apart(
     assert replicas[0].batch_exists(KEYS[:2]) == 0  # each replica's disk tier is its own
     assert sorted(path.name for path in tmp_path.iterdir()) == ["dp0", "dp1"]
     for replica in (0, 1):
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics + replica}/metrics") as r:
-            text = r.read().decode()
-        [stored] = [
-            sample
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == "kvoffload_l3_stores_completed_total"
-        ]
+        stored = _stores_completed(metrics + replica)
         assert stored.labels["dp_rank"] == str(replica) and stored.value == 2 * replica
     replicas[1].flush_events()
     endpoints = (f"tcp://127.0.0.1:{pub + 1}", f"tcp://127.0.0.1:{replay + 1}")

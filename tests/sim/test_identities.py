@@ -8,15 +8,15 @@ from collections.abc import Iterable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pin_probe import PinProbe
+from tree_workloads import tree_workloads
 
-from kvoffload import block_id_key
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.managers.stack import build_cpu_stack
 from kvoffload.sim.engine import EngineStats, ServingEngine
 from kvoffload.sim.run import SimConfig, simulate
-from kvoffload.sim.workload import Request, Workload
+from kvoffload.sim.workload import Workload
 
 
 class EventCount(PinProbe):
@@ -44,31 +44,13 @@ class EventCount(PinProbe):
         self._take_events()
 
 
-@st.composite
-def workloads(draw: st.DrawFn) -> Workload:
-    """Requests walking a small prefix tree, some empty, some with a partial last block or
-    an unkeyed tail (a long prefill), arriving together or apart."""
-    ids: dict[tuple[int, ...], int] = {}
-    requests = []
-    at = 0.0
-    for _ in range(draw(st.integers(1, 20))):
-        at += draw(st.sampled_from([0.0, 0.001, 0.01, 0.5]))
-        path = tuple(draw(st.lists(st.integers(0, 2), max_size=5)))
-        keys = [block_id_key(ids.setdefault(path[:depth], len(ids))) for depth in range(1, 6)]
-        keys = keys[: len(path)]
-        tokens = max(0, 16 * len(keys) - draw(st.integers(0, 15)))
-        tokens += draw(st.sampled_from([0, 0, 0, 150]))
-        requests.append(Request(at, tokens, draw(st.integers(0, 8)), keys))
-    return Workload("tree", 16, requests)
-
-
 def counts(stats: EngineStats) -> dict[str, int]:
     return {name: value for name, value in vars(stats).items() if isinstance(value, int)}
 
 
 @settings(max_examples=150, deadline=None)
 @given(
-    workload=workloads(),
+    workload=tree_workloads(),
     concurrency=st.integers(1, 4),
     spare_gpu=st.integers(0, 5),
     cpu_blocks=st.integers(0, 6),

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tree_workloads import tree_workloads
 
 from kvoffload import block_id_key
 from kvoffload.admission import WriteBudget
@@ -42,24 +43,6 @@ RATE_BUDGET = WriteBudget.parse("100kB/s")
 BUDGET_BYTES_PER_S = 100_000
 SHARES = [0.0, 0.02, 0.1, 0.3, 1.0]
 """Sizes as shares of the workload's distinct blocks: tiers that hold little, some, all."""
-
-
-@st.composite
-def tree_workloads(draw: st.DrawFn) -> Workload:
-    """Requests walking a small prefix tree, arriving together or apart, some with a
-    partial last block or an unkeyed tail."""
-    ids: dict[tuple[int, ...], int] = {}
-    requests = []
-    at = 0.0
-    for _ in range(draw(st.integers(1, 30))):
-        at += draw(st.sampled_from([0.0, 0.001, 0.01, 0.5]))
-        path = tuple(draw(st.lists(st.integers(0, 2), max_size=6)))
-        keys = [block_id_key(ids.setdefault(path[:depth], len(ids))) for depth in range(1, 7)]
-        keys = keys[: len(path)]
-        tokens = max(0, 16 * len(keys) - draw(st.integers(0, 15)))
-        tokens += draw(st.sampled_from([0, 0, 0, 150]))
-        requests.append(Request(at, tokens, draw(st.integers(0, 8)), keys))
-    return Workload("tree", 16, requests)
 
 
 @st.composite
@@ -230,7 +213,9 @@ def check_bound(r: RunReport, config: SimConfig) -> None:
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    workload=st.one_of(tree_workloads(), returning_workloads(), synthetic_workloads()),
+    workload=st.one_of(
+        tree_workloads(max_requests=30, max_depth=6), returning_workloads(), synthetic_workloads()
+    ),
     concurrency=st.sampled_from([1, 1, 2, 4]),
     gpu_share=st.sampled_from([0.0, *SHARES[:-1]]),
     cpu_share=st.sampled_from(SHARES),
