@@ -156,8 +156,12 @@ def test_a_lookup_claims_its_reservation_and_an_unclaimed_one_expires(disk: Disk
         assert m.lookup([K(9)]) is None  # K(0) lands during this lookup, the 1st after it
         assert m.is_reserved(K(0)) and m.cpu.block_status(K(0)).ref_cnt == 1  # type: ignore[union-attr]
         assert m.lookup([K(10)]) == 0  # no room: K(0) and K(9) are reserved, not evictable
-        assert m.lookup([K(9)]) == 1  # claimed by its lookup: unpinned
-        assert not m.is_reserved(K(9)) and m.cpu.block_status(K(9)).ref_cnt == 0  # type: ignore[union-attr]
+        assert m.lookup([K(9)]) == 1  # claimed by its lookup: pinned for its load
+        assert m.is_reserved(K(9)) and m.cpu.block_status(K(9)).ref_cnt == 1  # type: ignore[union-attr]
+        m.prepare_load([K(9)])  # the load's pin alone
+        assert not m.is_reserved(K(9)) and m.cpu.block_status(K(9)).ref_cnt == 1  # type: ignore[union-attr]
+        m.complete_load([K(9)])
+        assert m.cpu.block_status(K(9)).ref_cnt == 0  # type: ignore[union-attr]
         assert m.is_reserved(K(0))
         assert m.lookup([K(11)]) is None  # the 4th lookup since K(0) landed: it expired
         assert not m.is_reserved(K(0)) and m.promotions_in_flight == 1

@@ -202,7 +202,11 @@ def test_only_the_intact_prefix_of_a_promotion_is_reserved(tmp_path: Path) -> No
         assert m.cpu.block_status(K[0]).ref_cnt == 1  # type: ignore[union-attr]
         assert m.cpu.block_status(K[2]).ref_cnt == 0 and not m.cpu.holds(K[1])  # type: ignore[union-attr]
         assert disk.stats.corrupt == 1 and disk.stats.hit_blocks == 2
-        assert m.lookup(K[:3]) == 1 and not m.is_reserved(K[0])  # claimed, unpinned
+        assert m.lookup(K[:3]) == 1 and m.is_reserved(K[0])  # claimed for the caller's load
+        m.prepare_load([K[0]])
+        assert not m.is_reserved(K[0])  # the load's pin alone
+        assert m.cpu.block_status(K[0]).ref_cnt == 1  # type: ignore[union-attr]
+        m.complete_load([K[0]])
         assert m.cpu.block_status(K[0]).ref_cnt == 0  # type: ignore[union-attr]
         assert bytes(slots.view(m.cpu.block_status(K[0]).block_id)) == content(K[0], 40)  # type: ignore[union-attr]
     finally:
@@ -231,9 +235,50 @@ def test_a_retry_that_starts_elsewhere_still_ends_the_reservation(
         m.poll()
         assert all(m.is_reserved(key) for key in K[:4])
         assert m.lookup(retry) == hits
+        if hits:  # claimed for the retry's load, which ends the reservation
+            assert all(m.is_reserved(key) for key in K[:4])
+            m.prepare_load(retry[:hits])
+            m.complete_load(retry[:hits])
         assert not any(m.is_reserved(key) for key in K[:4])
         assert [m.cpu.block_status(key).ref_cnt for key in K[:4]] == [0] * 4  # type: ignore[union-attr]
         store(m, K[4:8])  # and the CPU tier has room again
+    finally:
+        m.close()
+
+
+def scan(m: TieredOffloadingManager, keys: list[OffloadKey]) -> list[int | None]:
+    """vLLM 0.33's lookup of a request: one key at a time, on past a ``None``, to a miss."""
+    answers: list[int | None] = []
+    for key in keys:
+        answers.append(m.lookup([key]))
+        if answers[-1] == 0:
+            break
+    return answers
+
+
+def test_a_request_looked_up_one_key_at_a_time_is_answered_when_the_cpu_tier_is_smaller(
+    tmp_path: Path,
+) -> None:
+    """Three blocks on disk, room for two in the CPU tier. The second scan hits the two
+    promoted blocks; released by those one-key hits, they were evicted by the promotion
+    its third key started, and every later scan promoted again what the one before had
+    evicted: the request was deferred for ever and each of its blocks read again and
+    again. Claimed by the hits, they wait for the load and the third key is a miss."""
+    disk = DiskTier(tmp_path / "disk", 8, FP)
+    disk.write(K[:3], [b""] * 3)
+    disk.poll(wait=True)
+    m = TieredOffloadingManager(
+        CPUOffloadingManager(2), [(disk, TierSettings())], wait_for_tiers=True
+    )
+    try:
+        assert scan(m, K[:3]) == [None, None, 0]
+        assert scan(m, K[:3]) == [1, 1, 0]
+        assert m.is_reserved(K[0]) and m.is_reserved(K[1])  # until the load
+        m.prepare_load(K[:2])
+        m.complete_load(K[:2])
+        assert not m.is_reserved(K[0]) and not m.is_reserved(K[1])
+        assert [m.cpu.block_status(key).ref_cnt for key in K[:2]] == [0, 0]  # type: ignore[union-attr]
+        assert disk.stats.hit_blocks == 2 and m.promotion_batches == [2]  # each read once
     finally:
         m.close()
 

@@ -11,11 +11,13 @@ CPU tier's invariants hold across the stack.
 A promotion is started once per block run and only for the longest prefix
 the CPU tier can take without evicting pinned, pending or reserved blocks.
 Once landed, the promoted prefix is *reserved* (pinned on behalf of the
-caller that asked) until a lookup reaches any block of it, so the promotions
-of other waiting requests cannot evict it before its requester asks again: a
-caller that retries always finds what was promoted for it, and every
-promoted block is read from its tier once. A reservation nobody reaches ends
-after ``reserve_lookups`` further lookups. A block whose promotion failed
+caller that asked) until an answered lookup reaches any block of it, so the
+promotions of other waiting requests cannot evict it before its requester
+asks again: a caller that retries always finds what was promoted for it, and
+every promoted block is read from its tier once. A lookup that answers it as
+hits claims it instead, pinned until the caller's load: vLLM 0.33 asks one
+key at a time. A reservation nobody reaches or loads ends after
+``reserve_lookups`` further lookups. A block whose promotion failed
 answers a miss to the next lookup that reaches it rather than being promoted
 again at once, so a caller that retries on ``None`` never waits forever for
 a block its tier cannot deliver.
@@ -206,7 +208,7 @@ class TieredOffloadingManager(OffloadingManager):
             self._expire()
         hits = self._lookup(keys)
         if hits is not None and self._reserved:
-            self._release_reached(keys)
+            self._release_reached(keys, keys[:hits])
         return hits
 
     def _lookup(self, keys: list[OffloadKey]) -> int | None:
@@ -287,7 +289,12 @@ class TieredOffloadingManager(OffloadingManager):
         return found
 
     def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
+        """Pin ``keys`` for a load; the reservations a lookup claimed for it pass to the load."""
+        if not isinstance(keys, SINGLE_KEY_TYPES):  # refused by the CPU tier
+            keys = list(keys)
         spec = self.cpu.prepare_load(keys)
+        if self._reserved:
+            self._release_reached(keys, [])
         self.cpu_stats.add(hit_blocks=len(spec.block_ids))
         return spec
 
@@ -448,20 +455,35 @@ class TieredOffloadingManager(OffloadingManager):
             fit += 1
         return fit
 
-    def _release_reached(self, keys: list[OffloadKey]) -> None:
+    def _release_reached(self, keys: list[OffloadKey], hits: list[OffloadKey]) -> None:
         """End every reservation that ``keys``, answered, reach a block of, all of its
-        blocks: the lookup is its requester's retry (whose hits then pass to it, unpinned)
-        or another request of the same prefix, for which its blocks are as good or as
-        useless. Released only when claimed as hits, a reservation outlived its use
-        whenever the retry started elsewhere, as vLLM's scheduler re-matches the GPU prefix
-        on each try: past blocks the GPU had cached meanwhile, or before a block the GPU
-        had evicted and no tier held. Those stayed pinned for ``reserve_lookups`` more
+        blocks, but those the answer's ``hits`` reach, which it claims: the lookup is its
+        requester's retry or another request of the same prefix, for which its blocks are
+        as good or as useless. Released only when claimed as hits, a reservation outlived
+        its use whenever the retry started elsewhere, as vLLM's scheduler re-matches the GPU
+        prefix on each try: past blocks the GPU had cached meanwhile, or before a block the
+        GPU had evicted and no tier held. Those stayed pinned for ``reserve_lookups`` more
         lookups, and filled a small CPU tier for good. A lookup answered ``None`` releases
         nothing: it waits for a promotion in front of them, and its request will ask again.
+
+        A claimed reservation stays, from now, until the caller's load (``prepare_load``)
+        or ``reserve_lookups`` lookups. vLLM 0.33 looks a request up one key at a time and
+        scans on past a promotion it started: released by a one-key lookup that answered it
+        as a hit, a promoted block was evicted by the promotion the scan's next key started,
+        and a request whose blocks a lower tier held outnumbered the CPU tier's room was
+        deferred for ever, its promotions evicting one another.
         """
         reserved = self._reserved
-        for batch in [reserved[key][1] for key in keys if key in reserved]:
-            self._release([key for key in batch if key in reserved])  # once per batch
+        reached = {id(reserved[key][1]): reserved[key][1] for key in keys if key in reserved}
+        claimed = set(hits)
+        for batch in reached.values():  # each once, however many of its keys are reached
+            held = [key for key in batch if key in reserved]
+            if claimed.isdisjoint(batch):
+                self._release(held)
+            else:  # moved to the end: the order of reservations is their stamps' order
+                for key in held:
+                    del reserved[key]
+                reserved.update(dict.fromkeys(held, (self._lookups, batch)))
 
     def _expire(self) -> None:
         """Unpin the reservations no lookup claimed within ``reserve_lookups`` lookups."""

@@ -1,0 +1,534 @@
+"""Model-based test of the stack driven the way vLLM's connector drives it.
+
+Several requests are interleaved. Each one, when scheduled, touches all of its
+blocks and looks up the blocks past its GPU prefix (in one lookup, as the seed's
+connector does, or one key at a time, as vLLM 0.33's); a ``None`` parks it, and its
+retry comes with a GPU prefix that may have grown or shrunk meanwhile (vLLM
+re-matches the prefix cache on every try), or it is aborted and never asks
+again. Hits are loaded (pinned until the load completes), the rest is stored a
+few blocks per step, each store completing (or failing) when the test says.
+The engine calls the stack's outermost manager (the CPU tier's own admission
+layer or reuse filter, if any, over the tiered manager). Below the CPU tier sit
+one or two in-memory tiers, written back or through, behind an optional lookup
+threshold and admission layer, whose reads land, fail or half fail whenever the
+test says (without ``wait_for_tiers``): promotions land at arbitrary times, before,
+between or after their requesters' retries. The tiers are in memory rather than
+on disk because only there can a test hold a read for as long as it likes.
+
+After every step: every pin is a load in flight or a reservation (which a later
+lookup ends); every block the CPU tier holds ready, and every block a lower tier
+holds, has its key's bytes, so a load reads exactly what was stored; events
+replay to what each tier holds; the counters match what the engine saw. And
+whenever the engine drains (every request finished, every transfer landed), a
+bounded number of lookups leaves every CPU block evictable: the tier never wedges.
+
+``KVOFFLOAD_HUNT_EXAMPLES`` (e.g. 5000) and ``KVOFFLOAD_HUNT_STEPS`` (e.g. 100) run a long hunt
+instead of the default (600 examples of 40 steps).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from tier_helpers import ByteSlots, content
+
+from kvoffload import CPUOffloadingManager, OffloadKey, block_id_key
+from kvoffload.core.manager import OffloadingEvent
+from kvoffload.core.specs import CPULoadStoreSpec
+from kvoffload.core.tier_protocol import Target, TierStats
+from kvoffload.managers.stack import Stack, StackConfig, assemble
+from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
+from kvoffload.policies import PENDING_STORE
+
+SIZE = 32
+UNIVERSE = [block_id_key(i) for i in range(9)]
+PROMPTS = [
+    UNIVERSE[:5],
+    UNIVERSE[:2] + UNIVERSE[5:7],
+    [*UNIVERSE[:3], UNIVERSE[7]],
+    [UNIVERSE[8], UNIVERSE[3]],
+]
+"""Requests' block chains: shared prefixes, as a prefix cache sees them."""
+ELSEWHERE = block_id_key(1000)
+"""A key no request holds: the lookups of unrelated traffic."""
+GARBAGE = b"\xee" * SIZE
+READ_OUTCOMES = st.sampled_from(["intact", "intact", "fails", "half fails"])
+ADMISSIONS = ["none", "none", "feedback", "filter"]
+"""A lower tier's admission layer over its threshold."""
+MEANWHILE = st.sampled_from(
+    [""] * 8
+    + ["a parked request is aborted", "a tier forgets a block", "unrelated lookups"]
+    + ["the engine drains"]
+)
+
+
+@dataclass
+class Read:
+    """A lower tier's read in flight: the bytes it found when it started, delivered later."""
+
+    keys: list[OffloadKey]
+    payloads: list[bytes | None]
+    target: Target
+    result: Future[list[bool]] = field(default_factory=Future)
+
+    def land(self, outcome: str) -> list[bool]:
+        intact = []
+        for index, payload in enumerate(self.payloads):
+            ok = payload is not None and not (
+                outcome == "fails" or (outcome == "half fails" and index >= len(self.keys) // 2)
+            )
+            if ok:
+                assert payload is not None
+                self.target(index)[:] = payload
+            intact.append(ok)
+        self.result.set_result(intact)
+        return intact
+
+
+class HeldTier:
+    """A lower tier in memory (the :class:`LowerTier` protocol), LRU over ``capacity``
+    blocks. With ``gated``, its reads wait for :meth:`land`; writes apply at ``poll``."""
+
+    def __init__(self, medium: str, capacity: int, gated: bool) -> None:
+        self.medium = medium
+        self.stats = TierStats()
+        self.capacity = capacity
+        self.gated = gated
+        self.blocks: OrderedDict[OffloadKey, bytes] = OrderedDict()
+        self.writes: list[tuple[list[OffloadKey], list[bytes]]] = []
+        self.reads: list[Read] = []
+        self.events: list[OffloadingEvent] = []
+        self.reads_started = 0
+        self.written_blocks = 0
+        self.intact_reads = 0
+
+    def present(self, keys: Sequence[OffloadKey]) -> int:
+        run = 0
+        while run < len(keys) and keys[run] in self.blocks:
+            run += 1
+        return run
+
+    def held(self, keys: Sequence[OffloadKey]) -> list[bool]:
+        return [key in self.blocks for key in keys]
+
+    def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
+        self.reads_started += 1
+        for key in keys:
+            if key in self.blocks:
+                self.blocks.move_to_end(key)
+        read = Read(list(keys), [self.blocks.get(key) for key in keys], target)
+        if self.gated:
+            self.reads.append(read)
+        else:
+            self.land(read, "intact")
+        return read.result
+
+    def land(self, read: Read, outcome: str) -> None:
+        self.intact_reads += sum(read.land(outcome))
+
+    def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> None:
+        self.written_blocks += len(keys)
+        self.writes.append((list(keys), list(payloads)))
+
+    def poll(self, wait: bool) -> None:
+        writes, self.writes = self.writes, []
+        for keys, payloads in writes:
+            stored = [key for key in dict.fromkeys(keys) if key not in self.blocks]
+            self.blocks.update((key, payloads[keys.index(key)]) for key in stored)
+            evicted = []
+            while len(self.blocks) > self.capacity:
+                evicted.append(self.blocks.popitem(last=False)[0])
+            if stored:
+                self.events.append(OffloadingEvent(stored, self.medium, removed=False))
+            if evicted:
+                self.events.append(OffloadingEvent(evicted, self.medium, removed=True))
+
+    def take_events(self) -> list[OffloadingEvent]:
+        events, self.events = self.events, []
+        return events
+
+    def close(self) -> None:
+        assert not self.reads, "the stack closed with a read in flight"
+
+
+@dataclass
+class Request:
+    keys: list[OffloadKey]
+    gpu: int
+    """Blocks the GPU prefix cache holds: the lookup starts past them."""
+    next_store: int = 0
+    loading: list[OffloadKey] | None = None
+    running: bool = False
+
+
+class ConnectorMachine(RuleBasedStateMachine):
+    @initialize(
+        cpu=st.integers(1, 4),
+        capacities=st.tuples(st.integers(1, 6), st.integers(1, 6)),
+        policy=st.sampled_from(["lru", "arc"]),
+        tiers=st.lists(
+            st.tuples(st.booleans(), st.sampled_from([0, 2]), st.sampled_from(ADMISSIONS)),
+            min_size=1,
+            max_size=2,
+        ),
+        wait=st.booleans(),
+        reserve_lookups=st.integers(1, 5),
+        outer=st.sampled_from(["none", "none", "filter", "feedback"]),
+        per_key=st.booleans(),
+    )
+    def setup(
+        self,
+        cpu: int,
+        capacities: tuple[int, int],
+        policy: str,
+        tiers: list[tuple[bool, int, str]],
+        wait: bool,
+        reserve_lookups: int,
+        outer: str,
+        per_key: bool,
+    ) -> None:
+        if per_key:
+            # A reservation counts lookups, and a one-key scan makes one per block: to be
+            # claimed by its requester's next scan it must outlive this many of them.
+            reserve_lookups += max(map(len, PROMPTS))
+        self.cpu_capacity, self.reserve_lookups = cpu, reserve_lookups
+        self.per_key = per_key
+        self.slots = ByteSlots(cpu, SIZE)
+        self.tiers = [
+            HeldTier(f"T{index}", capacity, gated=not wait)
+            for index, capacity in zip(range(len(tiers)), capacities, strict=False)
+        ]
+        self.m = TieredOffloadingManager(
+            CPUOffloadingManager(cpu, policy, enable_events=True),
+            [
+                (
+                    tier,
+                    TierSettings(
+                        write_through=through,
+                        store_threshold=threshold,
+                        admission=admission,
+                        capacity=tier.capacity,
+                    ),
+                )
+                for tier, (through, threshold, admission) in zip(self.tiers, tiers, strict=True)
+            ],
+            self.slots,
+            wait_for_tiers=wait,
+            reserve_lookups=reserve_lookups,
+        )
+        self.stack = assemble(
+            StackConfig(
+                cpu,
+                policy,
+                store_threshold=2 if outer == "filter" else 0,
+                admission="none" if outer == "filter" else outer,
+            ),
+            Stack(self.m, self.m.cpu, tiered=self.m),
+        )
+        self.outer = self.stack.manager
+        assert self.stack.direct is self.m
+        """What the engine calls: the stack's own admission and reuse filter, if any, over
+        the tiered manager, as :func:`~kvoffload.managers.stack.assemble` orders them."""
+        self.requests: list[Request] = []
+        self.stores: list[tuple[list[OffloadKey], list[int]]] = []
+        self.loads: list[list[OffloadKey]] = []
+        self.replayed: dict[str, set[OffloadKey]] = {"CPU": set()}
+        self.replayed.update((tier.medium, set()) for tier in self.tiers)
+        self.hit_blocks = 0
+        self.stored_blocks = 0
+        self.evicted_blocks = 0
+        self.cpu_removed = 0
+
+    def teardown(self) -> None:
+        if hasattr(self, "m"):
+            self.drain()
+            self.m.close()
+
+    # The engine's side.
+
+    @rule(prompt=st.sampled_from(PROMPTS), gpu=st.integers(0, 5), meanwhile=MEANWHILE)
+    def arrive(self, prompt: list[OffloadKey], gpu: int, meanwhile: str) -> None:
+        """A new request is scheduled for the first time; meanwhile, now and then, something
+        rarer happens (a parameter, not a rule of its own, so that it stays rare)."""
+        request = Request(prompt, min(gpu, len(prompt)))
+        self.requests.append(request)
+        self.schedule(request, 0)
+        self.happens(meanwhile)
+
+    @precondition(lambda self: self.parked())
+    @rule(data=st.data(), gpu_change=st.integers(-2, 2))
+    def retry(self, data: st.DataObject, gpu_change: int) -> None:
+        """A parked request asks again: its GPU prefix may have grown (another request
+        computed those blocks) or shrunk (the GPU evicted them)."""
+        self.schedule(data.draw(st.sampled_from(self.parked())), gpu_change)
+
+    @precondition(lambda self: self.parked())
+    @rule(data=st.data())
+    def retry_until_answered(self, data: st.DataObject) -> None:
+        """A parked request asks again at once each time, its reads landing in between: it
+        is answered within as many tries as it has blocks (never waits forever)."""
+        request = data.draw(st.sampled_from(self.parked()))
+        for _ in range(len(request.keys) + 1):
+            for tier in self.tiers:
+                while tier.reads:
+                    tier.land(tier.reads.pop(0), "intact")
+            self.schedule(request, 0)
+            if request.running:
+                return
+        raise AssertionError("a retried lookup waits forever")
+
+    @precondition(lambda self: self.parked())
+    @rule(data=st.data(), gpu_change=st.integers(-2, 2), meanwhile=MEANWHILE)
+    def retry_later(self, data: st.DataObject, gpu_change: int, meanwhile: str) -> None:
+        """:meth:`retry` after something rarer (a second rule: retries are most of what a
+        parked request does)."""
+        self.happens(meanwhile)
+        if self.parked():  # unless it was aborted or the engine drained
+            self.retry(data, gpu_change)
+
+    def parked(self) -> list[Request]:
+        return [r for r in self.requests if not r.running]
+
+    def schedule(self, request: Request, gpu_change: int) -> None:
+        """What the connector does for a waiting request: touch all of its blocks, look up
+        those past its GPU prefix, load the hits; on ``None`` it stays parked."""
+        keys = request.keys
+        request.gpu = max(0, min(len(keys), request.gpu + gpu_change))
+        self.outer.touch(keys)
+        if request.gpu == len(keys):
+            request.running, request.next_store = True, len(keys)
+            return
+        past_gpu = keys[request.gpu :]
+        found = self.scan(past_gpu) if self.per_key else self.outer.lookup(past_gpu)
+        if found is None:
+            # A scan's later lookup may land the promotion an earlier one started.
+            assert self.m.promotions_in_flight > 0 or self.per_key
+            return
+        assert found == self.ready_run(past_gpu)
+        if found:
+            spec = self.outer.prepare_load(past_gpu[:found])
+            assert isinstance(spec, CPULoadStoreSpec)
+            for key, slot in zip(past_gpu, spec.block_ids.tolist(), strict=False):
+                assert bytes(self.slots.view(slot)) == content(key, SIZE), key
+            self.hit_blocks += found
+            request.loading = past_gpu[:found]
+            self.loads.append(request.loading)
+        request.running, request.next_store = True, request.gpu + found
+
+    def scan(self, keys: list[OffloadKey]) -> int | None:
+        """vLLM 0.33's lookup (``_maximal_prefix_lookup``): one key at a time, past the
+        stack's admission (as kvoffload's adapter sends them), on past a ``None`` (so that
+        the promotions of the later blocks start too) until a miss; ``None`` if any was."""
+        hits, deferred = 0, False
+        for key in keys:
+            found = self.m.lookup([key])
+            if found == 0:
+                break
+            hits += found or 0
+            deferred |= found is None
+        return None if deferred else hits
+
+    @precondition(lambda self: any(r.running for r in self.requests))
+    @rule(data=st.data(), blocks=st.integers(1, 5), outcome=st.sampled_from(["lands", "later"]))
+    def step(self, data: st.DataObject, blocks: int, outcome: str) -> None:
+        """A running request computes up to ``blocks`` more blocks and offers them for
+        storing (refused: offered again next step); done, it leaves once its load has."""
+        request = data.draw(st.sampled_from([r for r in self.requests if r.running]))
+        keys = request.keys
+        if request.next_store < len(keys):
+            offered = keys[request.next_store : request.next_store + blocks]
+            held = {key for key in offered if self.m.holds(key)}
+            output = self.outer.prepare_store(offered)
+            if output is None:
+                return
+            request.next_store += len(offered)
+            self.evicted_blocks += len(output.evicted_keys)
+            assert held.isdisjoint(output.keys_to_store)
+            if output.keys_to_store:
+                self.outer.touch(keys[: request.next_store])
+                assert isinstance(output.store_spec, CPULoadStoreSpec)
+                ids = output.store_spec.block_ids.tolist()
+                for slot in ids:  # the transfer into the slot has not landed yet
+                    self.slots.view(slot)[:] = GARBAGE
+                self.stores.append((output.keys_to_store, ids))
+                if outcome == "lands":
+                    self.finish_store_at(len(self.stores) - 1, True)
+        elif request.loading is None:
+            self.requests.remove(request)
+
+    @precondition(lambda self: self.stores)
+    @rule(data=st.data(), success=st.sampled_from([True, True, False]))
+    def finish_store(self, data: st.DataObject, success: bool) -> None:
+        self.finish_store_at(data.draw(st.integers(0, len(self.stores) - 1)), success)
+
+    def finish_store_at(self, index: int, success: bool) -> None:
+        keys, ids = self.stores.pop(index)
+        if success:
+            for key, slot in zip(keys, ids, strict=True):
+                self.slots.view(slot)[:] = content(key, SIZE)
+            self.stored_blocks += len(keys)
+        self.outer.complete_store(keys, success)
+
+    @precondition(lambda self: any(r.loading is not None for r in self.requests))
+    @rule(data=st.data())
+    def finish_load(self, data: st.DataObject) -> None:
+        request = data.draw(st.sampled_from([r for r in self.requests if r.loading is not None]))
+        assert request.loading is not None
+        self.outer.complete_load(request.loading)
+        self.loads.remove(request.loading)
+        request.loading = None
+
+    def happens(self, meanwhile: str) -> None:
+        if meanwhile == "a parked request is aborted" and self.parked():
+            self.requests.remove(self.parked()[0])
+        elif meanwhile == "a tier forgets a block":
+            # Its own eviction, a server restart: perhaps a block a lookup just found there,
+            # whose promotion's read then fails.
+            for tier in self.tiers:
+                if tier.blocks:
+                    key = next(iter(reversed(tier.blocks)))
+                    del tier.blocks[key]
+                    tier.events.append(OffloadingEvent([key], tier.medium, removed=True))
+                    break
+        elif meanwhile == "unrelated lookups":
+            for _ in range(self.reserve_lookups):
+                assert self.outer.lookup([ELSEWHERE]) == 0
+        elif meanwhile == "the engine drains":
+            self.engine_drains()
+
+    # The lower tiers' side.
+
+    @precondition(lambda self: any(tier.reads for tier in self.tiers))
+    @rule(data=st.data(), outcome=READ_OUTCOMES)
+    def land_read(self, data: st.DataObject, outcome: str) -> None:
+        tier = data.draw(st.sampled_from([tier for tier in self.tiers if tier.reads]))
+        tier.land(tier.reads.pop(data.draw(st.integers(0, len(tier.reads) - 1))), outcome)
+
+    def engine_drains(self) -> None:
+        """Every request finishes, every transfer lands; then, after ``reserve_lookups``
+        lookups of other blocks, every CPU block is evictable again."""
+        self.drain()
+        for _ in range(self.reserve_lookups):
+            assert self.outer.lookup([ELSEWHERE]) == 0
+        self.m.poll()
+        assert not self.m._reserved
+        stuck = {k: b.ref_cnt for k, b in self.m.cpu._blocks.items() if b.ref_cnt != 0}
+        assert not stuck, f"the CPU tier wedged: {stuck}"
+        assert self.m.cpu.num_evictable_blocks(()) + self.m.cpu.num_free_blocks == (
+            self.cpu_capacity
+        )
+
+    def drain(self) -> None:
+        for request in self.requests:
+            if request.loading is not None:
+                self.outer.complete_load(request.loading)
+        self.requests.clear()
+        self.loads.clear()
+        while self.stores:
+            self.finish_store_at(0, True)
+        for tier in self.tiers:
+            while tier.reads:
+                tier.land(tier.reads.pop(0), "intact")
+        self.m.poll()
+        assert not self.m.promotions_in_flight
+
+    # Invariants.
+
+    def ready_run(self, keys: list[OffloadKey]) -> int:
+        run = 0
+        while run < len(keys):
+            block = self.m.cpu.block_status(keys[run])
+            if block is None or block.ref_cnt < 0:
+                break
+            run += 1
+        return run
+
+    @invariant()
+    def every_pin_has_a_holder(self) -> None:
+        """A pin is a load in flight or a reservation that a later lookup ends; a pending
+        block is a store in flight or a promotion."""
+        if not hasattr(self, "m"):
+            return
+        pins: dict[OffloadKey, int] = {}
+        for keys in self.loads:
+            for key in keys:
+                pins[key] = pins.get(key, 0) + 1
+        storing = {key for keys, _ in self.stores for key in keys}
+        for key, block in self.m.cpu._blocks.items():
+            if block.ref_cnt == PENDING_STORE:
+                assert key in storing or key in self.m._promoting
+                assert not self.m.is_reserved(key)
+            else:
+                assert block.ref_cnt == pins.get(key, 0) + self.m.is_reserved(key), key
+        oldest = self.m._lookups - self.reserve_lookups
+        for key, (stamp, batch) in self.m._reserved.items():
+            assert key in batch and self.m.holds(key)
+            assert stamp > oldest, "a reservation outlived reserve_lookups lookups"
+
+    @invariant()
+    def every_block_holds_its_own_bytes(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        assert len(self.m.cpu._blocks) <= self.cpu_capacity
+        for key, block in self.m.cpu._blocks.items():
+            if block.ref_cnt >= 0:
+                assert bytes(self.slots.view(block.block_id)) == content(key, SIZE), key
+        for tier in self.tiers:
+            for keys, payloads in tier.writes:
+                for key, payload in zip(keys, payloads, strict=True):
+                    assert payload == content(key, SIZE), (tier.medium, key)
+            for key, payload in tier.blocks.items():
+                assert payload == content(key, SIZE), (tier.medium, key)
+
+    @invariant()
+    def events_replay_to_the_tiers(self) -> None:
+        if hasattr(self, "m"):
+            self.replay()
+            ready = {k for k, b in self.m.cpu._blocks.items() if b.ref_cnt >= 0}
+            assert self.replayed["CPU"] == ready
+            for tier in self.tiers:
+                assert self.replayed[tier.medium] == set(tier.blocks)
+
+    def replay(self) -> None:
+        self.m.poll()
+        for event in self.m.take_events():
+            if event.removed:
+                if event.medium == "CPU":
+                    assert self.replayed["CPU"].issuperset(event.keys), event
+                    self.cpu_removed += len(event.keys)
+                self.replayed[event.medium].difference_update(event.keys)
+            else:
+                assert self.replayed[event.medium].isdisjoint(event.keys), event
+                self.replayed[event.medium].update(event.keys)
+
+    @invariant()
+    def counters_match_the_engine(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        self.replay()
+        stats = self.m.cpu_stats
+        assert stats.hit_blocks == self.hit_blocks
+        promoted = sum(tier.intact_reads for tier in self.tiers)
+        assert stats.stored_blocks == self.stored_blocks + promoted
+        for index, tier in enumerate(self.tiers):
+            assert self.m.promotion_batches[index] == tier.reads_started
+            assert self.m.admitted_blocks[index] <= self.m.offered_blocks[index]
+            assert tier.written_blocks == self.m.admitted_blocks[index]
+        assert stats.evicted >= self.evicted_blocks
+        assert stats.evicted == self.cpu_removed
+
+
+HUNT = int(os.environ.get("KVOFFLOAD_HUNT_EXAMPLES", "0"))
+ConnectorMachine.TestCase.settings = settings(
+    max_examples=HUNT or 600,
+    stateful_step_count=int(os.environ.get("KVOFFLOAD_HUNT_STEPS", "40")),
+    deadline=None,
+)
+TestConnector = ConnectorMachine.TestCase
