@@ -283,6 +283,31 @@ def test_a_request_looked_up_one_key_at_a_time_is_answered_when_the_cpu_tier_is_
         m.close()
 
 
+def test_a_scan_longer_than_a_thousand_keys_keeps_its_claims_until_the_load(
+    tmp_path: Path,
+) -> None:
+    """1,200 blocks on disk, room for 1,100 in the CPU tier, asked one key at a time. The
+    second scan's first claims expired after 1,024 lookups, before its end: its 1,101st
+    key found room, promoted, evicted the first block, and every scan after read again
+    what the one before had evicted. By default a reservation now outlives twice the CPU
+    tier's blocks in lookups."""
+    keys = [block_id_key(i, 12) for i in range(1200)]
+    disk = DiskTier(tmp_path / "disk", 1200, FP)
+    disk.write(keys, [b""] * len(keys))
+    disk.poll(wait=True)
+    m = TieredOffloadingManager(
+        CPUOffloadingManager(1100), [(disk, TierSettings())], wait_for_tiers=True
+    )
+    try:
+        assert scan(m, keys) == [None] * 1100 + [0]
+        assert scan(m, keys) == [1] * 1100 + [0]
+        m.prepare_load(keys[:1100])
+        m.complete_load(keys[:1100])
+        assert disk.stats.hit_blocks == 1100  # each read once
+    finally:
+        m.close()
+
+
 class GatedSlots(ByteSlots):
     """Slot bytes that can be made unreachable, as a worker's buffer not mapped yet."""
 

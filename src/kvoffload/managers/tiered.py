@@ -115,6 +115,15 @@ class _Promotion:
     result: Future[list[bool]]
 
 
+RESERVE_LOOKUPS = 1024
+"""The default ``reserve_lookups`` (lookups after which a reservation nobody reached or
+loaded ends), or twice the CPU tier's blocks where that is more: vLLM 0.33 looks a request
+up one key at a time, so a reservation claimed early in a scan must outlive the rest of
+it, up to a CPU tier's worth of keys. At 1,024 a claim expired mid-scan, the scan's last
+promotion evicted it, and a request with more blocks on a lower tier than the CPU tier
+had room for was read again scan after scan and ended a miss."""
+
+
 class TieredOffloadingManager(OffloadingManager):
     """The CPU tier plus ``tiers`` in order, e.g. ``[(disk, ...), (remote, ...)]``.
 
@@ -133,9 +142,11 @@ class TieredOffloadingManager(OffloadingManager):
         *,
         wait_for_tiers: bool = False,
         max_tracker_size: int = 64_000,
-        reserve_lookups: int = 1024,
+        reserve_lookups: int | None = None,
     ) -> None:
         check_integer("max_tracker_size", max_tracker_size, 1)
+        if reserve_lookups is None:
+            reserve_lookups = max(RESERVE_LOOKUPS, 2 * cpu.num_blocks)
         check_integer("reserve_lookups", reserve_lookups, 1)
         self.cpu = cpu
         self.tiers = [tier for tier, _ in tiers]
