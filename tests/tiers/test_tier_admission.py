@@ -18,7 +18,7 @@ from kvoffload.admission import (
 from kvoffload.admission.budget import BURST_REFS as BUDGET_BURST_REFS
 from kvoffload.admission.optimiser import tier_policy
 from kvoffload.managers import CPUOffloadingManager
-from kvoffload.managers.stack import StackConfig
+from kvoffload.managers.stack import Stack, StackConfig
 from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
 from kvoffload.sim.engine import EngineConfig, ServingEngine
 from kvoffload.sim.run import SimConfig, simulate
@@ -107,9 +107,12 @@ def test_a_disk_write_budget_holds_over_every_window(tmp_path: Path, budget: flo
     assert writes[-1] <= budget * refs[-1] + 1
 
 
-def test_a_retried_lookup_is_one_reference_to_the_tier(tmp_path: Path) -> None:
-    """The retry after ``None`` (the same keys, past the promoted blocks) is not shown to the
-    tier's layer again; the same keys asked by a later request are."""
+FOUR = [block_id_key(i) for i in range(4)]
+
+
+def three_blocks_on_disk(tmp_path: Path) -> tuple[Stack, TieredOffloadingManager]:
+    """A stack whose disk tier, behind the feedback rule, holds the first 3 of :data:`FOUR`,
+    and its tiered manager."""
     config = StackConfig(
         8,
         disk_dir=str(tmp_path),
@@ -120,13 +123,31 @@ def test_a_retried_lookup_is_one_reference_to_the_tier(tmp_path: Path) -> None:
     )
     stack = build_stack(config)
     assert stack.tiered is not None and stack.disk is not None
-    tiered, keys = stack.tiered, [block_id_key(i) for i in range(4)]
+    stack.disk.write(FOUR[:3], [b""] * 3)
+    stack.disk.poll(wait=True)
+    return stack, stack.tiered
+
+
+def test_a_retried_lookup_is_one_reference_to_the_tier(tmp_path: Path) -> None:
+    """The retry after ``None`` (the same keys, past the promoted blocks) is not shown to the
+    tier's layer again; the same keys asked by a later request are."""
+    stack, tiered = three_blocks_on_disk(tmp_path)
     try:
-        stack.disk.write(keys[:3], [b""] * 3)
-        stack.disk.poll(wait=True)
-        assert tiered.lookup(keys) is None and tiered.judged_blocks == 4
-        assert tiered.lookup(keys) == 3 and tiered.judged_blocks == 4
-        assert tiered.lookup(keys) == 3 and tiered.judged_blocks == 5
+        assert tiered.lookup(FOUR) is None and tiered.judged_blocks == 4
+        assert tiered.lookup(FOUR) == 3 and tiered.judged_blocks == 4
+        assert tiered.lookup(FOUR) == 3 and tiered.judged_blocks == 5
+    finally:
+        stack.close()
+
+
+def test_a_retry_that_starts_elsewhere_is_no_new_reference_either(tmp_path: Path) -> None:
+    """vLLM re-matches a parked request's GPU prefix on each try: the retry after ``None``
+    may start past blocks the GPU cached meanwhile. Known by its keys' count as well as its
+    last key, it was shown to the tier's layer again as a new request."""
+    stack, tiered = three_blocks_on_disk(tmp_path)
+    try:
+        assert tiered.lookup(FOUR) is None and tiered.judged_blocks == 4
+        assert tiered.lookup(FOUR[1:]) == 2 and tiered.judged_blocks == 4
     finally:
         stack.close()
 

@@ -183,8 +183,9 @@ class TieredOffloadingManager(OffloadingManager):
         ]
         """Per lower tier, its admission layer (``None``: its threshold alone decides)."""
         self._judging = any(layer is not None for layer in self.admissions)
-        self._sighted: OrderedDict[tuple[OffloadKey, int], None] = OrderedDict()
-        """Lookups answered ``None`` whose keys the books saw: their retries are not new."""
+        self._sighted: OrderedDict[OffloadKey, None] = OrderedDict()
+        """The last keys of lookups answered ``None`` whose keys the books saw: their retries
+        are not new."""
         self.offered_blocks = [0] * len(self.tiers)
         self.admitted_blocks = [0] * len(self.tiers)
         """Per lower tier, blocks offered for writing and those its admission let through."""
@@ -278,10 +279,13 @@ class TieredOffloadingManager(OffloadingManager):
 
     def _judged(self, keys: list[OffloadKey], hits: int) -> int | None:
         """:meth:`_reach`, first showing the lower tiers' books the keys this lookup takes
-        past the CPU tier, once per request: a retry after ``None`` (the same keys) is no
-        new reference. No offer follows such a sighting (the tier's stores come from the
-        CPU tier's write-back), so whether the tier served it does not matter to the book."""
-        request = (keys[-1], len(keys))
+        past the CPU tier, once per request: a retry after ``None`` is no new reference.
+        The retry is known by its last key, which (keys chain their prefix) names the
+        request's prompt whatever its first: vLLM re-matches the GPU prefix on each try, so
+        a retry may start elsewhere, and known by its keys' count too it was counted again.
+        No offer follows such a sighting (the tier's stores come from the CPU tier's
+        write-back), so whether the tier served it does not matter to the book."""
+        request = keys[-1]
         sighted = self._sighted
         fresh = request not in sighted
         rest = keys[hits:]
