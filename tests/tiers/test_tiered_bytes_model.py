@@ -29,7 +29,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from tier_helpers import ByteSlots, content, flip_byte
+from tier_helpers import ByteSlots, content, flip_byte, pins_of
 
 from kvoffload import CPUOffloadingManager, OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
@@ -392,10 +392,7 @@ class BytesStackMachine(RuleBasedStateMachine):
     def pins_are_the_loads_in_flight(self) -> None:
         if not hasattr(self, "m"):
             return
-        pins: dict[OffloadKey, int] = {}
-        for keys in self.loads:
-            for key in keys:
-                pins[key] = pins.get(key, 0) + 1
+        pins = pins_of(self.loads)
         in_flight = {key for keys, _ in self.stores for key in keys}
         for key, block in self.m.cpu._blocks.items():
             if block.ref_cnt == PENDING_STORE:

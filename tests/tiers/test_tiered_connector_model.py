@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from tier_helpers import ByteSlots, content
+from tier_helpers import ByteSlots, content, pins_of
 
 from kvoffload import CPUOffloadingManager, OffloadKey, block_id_key
 from kvoffload.core.manager import OffloadingEvent
@@ -456,10 +456,7 @@ class ConnectorMachine(RuleBasedStateMachine):
         block is a store in flight or a promotion."""
         if not hasattr(self, "m"):
             return
-        pins: dict[OffloadKey, int] = {}
-        for keys in self.loads:
-            for key in keys:
-                pins[key] = pins.get(key, 0) + 1
+        pins = pins_of(self.loads)
         storing = {key for keys, _ in self.stores for key in keys}
         for key, block in self.m.cpu._blocks.items():
             if block.ref_cnt == PENDING_STORE:

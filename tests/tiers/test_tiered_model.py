@@ -20,6 +20,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from tier_helpers import pins_of
 
 from kvoffload import BlockStateError, CPUOffloadingManager, OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
@@ -170,10 +171,7 @@ class StackMachine(RuleBasedStateMachine):
     def pins_and_pending_blocks_have_owners(self) -> None:
         if not hasattr(self, "m"):
             return
-        pins: dict[OffloadKey, int] = {}
-        for keys in self.loads:
-            for key in keys:
-                pins[key] = pins.get(key, 0) + 1
+        pins = pins_of(self.loads)
         in_flight = {key for keys in self.stores for key in keys}
         for key, block in self.m.cpu._blocks.items():
             if block.ref_cnt == PENDING_STORE:

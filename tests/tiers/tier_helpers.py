@@ -4,7 +4,8 @@ the shared tier's fault tests' store, read-back and stall guard."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 
 from kvoffload import OffloadKey
 from kvoffload.tiers import DiskTier, RemoteTier
@@ -69,3 +70,8 @@ def remote_store(tier: RemoteTier, keys: list[OffloadKey], size: int = SMALL_BLO
     """Write ``keys`` with their own bytes and wait until the tier has them (or failed)."""
     tier.write(keys, [content(key, size) for key in keys])
     tier.poll(wait=True)
+
+
+def pins_of(loads: Iterable[Sequence[OffloadKey]]) -> Counter[OffloadKey]:
+    """How many of the loads in flight pin each key (a key listed twice in one, twice)."""
+    return Counter(key for keys in loads for key in keys)
