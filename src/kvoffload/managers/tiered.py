@@ -472,24 +472,22 @@ class TieredOffloadingManager(OffloadingManager):
 
     def _release_reached(self, keys: list[OffloadKey], hits: list[OffloadKey]) -> None:
         """End every reservation that ``keys``, answered, reach a block of, all of its
-        blocks, but those the answer's ``hits`` reach, which it claims: the lookup is its
-        requester's retry or another request of the same prefix, for which its blocks are
-        as good or as useless. Released only when claimed as hits, a reservation outlived
-        its use whenever the retry started elsewhere, as vLLM's scheduler re-matches the GPU
-        prefix on each try: past blocks the GPU had cached meanwhile, or before a block the
-        GPU had evicted and no tier held. Those stayed pinned for ``reserve_lookups`` more
-        lookups, and filled a small CPU tier for good. A lookup answered ``None`` releases
-        nothing: it waits for a promotion in front of them, and its request will ask again.
+        blocks; one that the answer's ``hits`` reach is claimed instead (stamped anew, it
+        waits for the caller's load or ``reserve_lookups`` lookups).
 
-        A claimed reservation stays, from now, until the caller's load (``prepare_load``)
-        or ``reserve_lookups`` lookups. vLLM 0.33 looks a request up one key at a time and
-        scans on past a promotion it started: released by a one-key lookup that answered it
-        as a hit, a promoted block was evicted by the promotion the scan's next key started,
-        and a request whose blocks a lower tier held outnumbered the CPU tier's room was
-        deferred for ever, its promotions evicting one another.
+        Reached but not hit, it is of no use to this lookup, which is its requester's retry
+        started elsewhere (vLLM's scheduler re-matches the GPU prefix on each try: past
+        blocks the GPU cached meanwhile, or before a block it evicted and no tier holds) or
+        another request of the same prefix; kept pinned until it was hit, such reservations
+        filled a small CPU tier. Hit, it is kept for the load: vLLM 0.33 looks a request up
+        one key at a time and scans on, and a block released by its one-key hit was evicted
+        by the promotion the scan's next key started. A lookup answered ``None`` releases
+        nothing: it waits for a promotion in front of them, and its request will ask again.
         """
         reserved = self._reserved
         reached = {id(reserved[key][1]): reserved[key][1] for key in keys if key in reserved}
+        if not reached:
+            return
         claimed = set(hits)
         for batch in reached.values():  # each once, however many of its keys are reached
             held = [key for key in batch if key in reserved]
@@ -559,8 +557,8 @@ class TieredOffloadingManager(OffloadingManager):
             usable = intact.index(False) if bad else len(keys)
             if usable:
                 self.cpu.prepare_load(keys[:usable])
-                landed = (self._lookups, keys[:usable])
-                self._reserved.update(dict.fromkeys(landed[1], landed))
+                batch = keys[:usable]
+                self._reserved.update(dict.fromkeys(batch, (self._lookups, batch)))
         if bad:
             self.cpu.complete_store(bad, False)
             failed = self._failed
