@@ -246,6 +246,28 @@ def test_a_retry_that_starts_elsewhere_still_ends_the_reservation(
         m.close()
 
 
+def test_a_lookup_that_waits_on_its_own_promotion_releases_no_reservation(
+    tmp_path: Path,
+) -> None:
+    """Another request of the same prefix, parked on a promotion past it, will hit the
+    reserved blocks when it asks again, and so will their requester: released by that
+    parked lookup, they could be evicted by the next promotion before either asked."""
+    disk = DiskTier(tmp_path / "disk", 8, FP)
+    disk.write(K[:3], [b""] * 3)
+    disk.poll(wait=True)
+    m = TieredOffloadingManager(
+        CPUOffloadingManager(4), [(disk, TierSettings())], wait_for_tiers=True
+    )
+    try:
+        assert m.lookup(K[:2]) is None
+        m.poll()  # K0 and K1 land, reserved for their requester
+        assert m.lookup(K[:3]) is None  # another request: hits K0 K1, waits on K2
+        assert m.is_reserved(K[0]) and m.is_reserved(K[1])
+        assert m.lookup(K[:2]) == 2  # the requester's retry claims them
+    finally:
+        m.close()
+
+
 def scan(m: TieredOffloadingManager, keys: list[OffloadKey]) -> list[int | None]:
     """vLLM 0.33's lookup of a request: one key at a time, on past a ``None``, to a miss."""
     answers: list[int | None] = []
