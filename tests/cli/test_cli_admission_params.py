@@ -134,3 +134,14 @@ def test_help_of_an_unknown_rule_is_the_unknown_rule_error(
     assert main([*SMALL, "--admission", "bogus", "--admission-param", "help"]) == 1
     captured = capsys.readouterr()
     assert "--admission: unknown admission 'bogus'" in captured.err and captured.out == ""
+
+
+def test_help_writes_the_widest_bounds_as_the_docs_do(capsys: pytest.CaptureFixture[str]) -> None:
+    """2^62 and 2^59 - 1, not 4.61169e+18 or 576460752303423487."""
+    assert main([*SMALL, "--admission", "filter", "--admission-param", "help"]) == 0
+    listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert "  2 to 2^62  " in listed["store_threshold"]
+    assert "  64,000  1 to 2^59 - 1  " in listed["max_tracker_size"]
+    assert main([*SMALL, "--admission", "feedback", "--admission-param", "help"]) == 0
+    listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert "  1 to 2^20  " in listed["root_groups"] and "  >= 0  " in listed["prior_returns"]
