@@ -16,6 +16,7 @@ from typing import TypeVar
 import pytest
 import valkey
 from tier_helpers import ByteSlots, content
+from tier_helpers import tiny_fingerprint as fingerprint
 
 from kvoffload import CPUOffloadingManager, OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
@@ -27,10 +28,6 @@ from tier_servers import ValkeyClusterProcesses, ValkeyProcess
 
 KEYS = [block_id_key(i) for i in range(40)]
 T = TypeVar("T")
-
-
-def fingerprint(name: str) -> bytes:
-    return layout_fingerprint(name, layout_preset("tiny"), 32)
 
 
 def payload(key: OffloadKey) -> bytes:

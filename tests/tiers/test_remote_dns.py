@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 from tier_helpers import STALL_S, content, finishes
 from tier_helpers import remote_store as store
+from tier_helpers import tiny_fingerprint as fingerprint
 
 from kvoffload import OffloadKey, block_id_key
-from kvoffload.core.layout import layout_preset
-from kvoffload.tiers import CircuitBreaker, RemoteTier, RemoteTierError, layout_fingerprint
+from kvoffload.tiers import CircuitBreaker, RemoteTier, RemoteTierError
 from kvoffload.tiers.resp import Address, ConnectError, Deadline, Resolver
 from tier_servers import ValkeyProcess
 
@@ -62,10 +62,6 @@ def lookup() -> Iterator[ControlledLookup]:
 
 def url(server: ValkeyProcess, timeout_ms: int = 300) -> str:
     return f"redis://{NAME}:{server.port}/0?timeout_ms={timeout_ms}"
-
-
-def fingerprint(name: str) -> bytes:
-    return layout_fingerprint(name, layout_preset("tiny"), BLOCK)
 
 
 def read(tier: RemoteTier, keys: list[OffloadKey]) -> list[bool]:

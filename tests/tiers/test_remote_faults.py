@@ -15,10 +15,10 @@ import threading
 from tier_helpers import content, finishes
 from tier_helpers import remote_read as read
 from tier_helpers import remote_store as store
+from tier_helpers import tiny_fingerprint as fingerprint
 
 from kvoffload import block_id_key
-from kvoffload.core.layout import layout_preset
-from kvoffload.tiers import CircuitBreaker, RemoteTier, layout_fingerprint
+from kvoffload.tiers import CircuitBreaker, RemoteTier
 from kvoffload.tiers.format import encode_trailed_block
 from tier_servers import ValkeyProcess
 
@@ -26,10 +26,6 @@ BLOCK = 32
 BIG = 256 * 2**10
 """A block size whose batch outlasts the start of a pause: the socket buffers fill."""
 KEYS = [block_id_key(i, 11) for i in range(48)]
-
-
-def fingerprint(name: str, size: int = BLOCK) -> bytes:
-    return layout_fingerprint(name, layout_preset("tiny"), size)
 
 
 def test_a_flushall_behind_the_tier_s_back_is_plain_misses(own_server: ValkeyProcess) -> None:

@@ -27,12 +27,12 @@ import pytest
 from tier_helpers import STALL_S, content, finishes
 from tier_helpers import remote_read as read
 from tier_helpers import remote_store as store
+from tier_helpers import tiny_fingerprint as fingerprint
 
 from kvoffload import OffloadKey, block_id_key
 from kvoffload.cli.main import main
 from kvoffload.core.errors import InvalidArgumentError
-from kvoffload.core.layout import layout_preset
-from kvoffload.tiers import CircuitBreaker, RemoteTier, RemoteTierError, layout_fingerprint
+from kvoffload.tiers import CircuitBreaker, RemoteTier, RemoteTierError
 from kvoffload.tiers.format import encode_trailed_block, payload_digest, payload_hasher
 from kvoffload.tiers.resp import Address, Resolver
 from tier_servers import (
@@ -51,10 +51,6 @@ HELD_DESCRIPTORS = 1100
 
 CLI = [sys.executable, "-m", "kvoffload", "simulate", "--requests", "5", "--no-bound"]
 CLI += ["--no-progress"]
-
-
-def fingerprint(name: str, size: int = BLOCK) -> bytes:
-    return layout_fingerprint(name, layout_preset("tiny"), size)
 
 
 @pytest.fixture

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 from tier_helpers import content
+from tier_helpers import tiny_fingerprint as fingerprint
 
 from kvoffload import OffloadKey, block_id_key
 from kvoffload.core.errors import InvalidArgumentError
@@ -228,10 +229,6 @@ def mtls_server(tmp_path_factory: pytest.TempPathFactory, certs: Certs) -> Itera
         yield server
     finally:
         server.stop()
-
-
-def fingerprint(name: str) -> bytes:
-    return layout_fingerprint(name, layout_preset("tiny"), 32)
 
 
 def round_trip(tier: RemoteTier, keys: list[OffloadKey]) -> None:

@@ -8,7 +8,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 from kvoffload import OffloadKey
-from kvoffload.tiers import DiskTier, RemoteTier
+from kvoffload.core.layout import layout_preset
+from kvoffload.tiers import DiskTier, RemoteTier, layout_fingerprint
 
 STALL_S = 20.0
 """Longer than any deadline in the tier tests by far: reaching it means the call stalled."""
@@ -46,6 +47,11 @@ def flip_byte(tier: DiskTier, key: bytes, offset: int) -> None:
         byte = file.read(1)
         file.seek(start + offset)
         file.write(bytes([byte[0] ^ 0xFF]))
+
+
+def tiny_fingerprint(name: str, size: int = SMALL_BLOCK) -> bytes:
+    """The fingerprint of model ``name``'s blocks of ``size`` bytes in the tiny layout."""
+    return layout_fingerprint(name, layout_preset("tiny"), size)
 
 
 def finishes(call: Callable[[], object]) -> object:
