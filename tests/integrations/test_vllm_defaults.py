@@ -38,6 +38,8 @@ DOCUMENTED = {
     "kvoffload.remote_write_budget": ("remote_write_budget", None),
     "kvoffload.remote_bytes": ("remote_bytes", 0),
     "kvoffload.disk_timeout_ms": ("disk_timeout_ms", 10_000.0),
+    "kvoffload.disk_max_pending_write_bytes": ("disk_max_pending_write_bytes", None),
+    "kvoffload.remote_max_pending_write_bytes": ("remote_max_pending_write_bytes", None),
     "kvoffload.write_budget": ("write_budget", None),
     "kvoffload.drive_bytes": ("drive_bytes", None),
 }

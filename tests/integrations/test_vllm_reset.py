@@ -144,10 +144,12 @@ def test_a_reset_whose_lower_tiers_cannot_open_again_leaves_the_cpu_tier_running
 ) -> None:
     """A reset reopens the lower tiers; one that cannot (here the disk directory replaced
     by a link; a shared server down is the same) raised into vLLM's reset. The engine now
-    goes on with its CPU tier alone, logged, until it restarts."""
+    goes on with its CPU tier alone, logged, until it restarts (its bound on the disk's
+    write backlog set: the tier's own settings go with the tier)."""
     from vllm.v1.kv_offload.base import LookupResult
 
     extra = _disk(tmp_path, 1, slot_start(16, slot_stride(BLOCK_BYTES)))
+    extra["kvoffload.disk_max_pending_write_bytes"] = 4 * BLOCK_BYTES
     instance = instances(extra)
     _store_in_pairs(instance, KEYS[:4])
     directory = instance.manager.backing.tiers[0].path.parent

@@ -3,6 +3,7 @@ refused naming its field, and tiers opened before a failure are closed again."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManag
 from kvoffload.managers.stack import LowerTierConfig, StackConfig, build_cpu_stack
 from kvoffload.managers.tiered import TieredOffloadingManager
 from kvoffload.tiers import DiskTier, RemoteTier, RemoteTierError, build_stack
+from kvoffload.tiers.backlog import default_pending_bytes
 from kvoffload.tiers.slot_file import DiskTierError
 from tier_servers import ValkeyProcess
 
@@ -99,6 +101,38 @@ def test_a_remote_stack_names_its_tier(valkey_server: ValkeyProcess) -> None:
         stack.close()
 
 
+def test_each_tier_takes_its_write_backlog_bound(
+    tmp_path: Path, valkey_server: ValkeyProcess
+) -> None:
+    """``disk_max_pending_write_bytes`` / ``remote_max_pending_write_bytes`` reach the tiers
+    the stack opens (they could be set on a tier opened by hand only); unset, each tier
+    keeps its default."""
+    config = StackConfig(
+        8,
+        disk_dir=str(tmp_path / "bound"),
+        disk_blocks=4,
+        disk_max_pending_write_bytes=3000,
+        remote_url=valkey_server.url,
+        remote_max_pending_write_bytes=5000,
+        fingerprint=b"stack-backlog-ts",
+    )
+    for fields, disk_bound, remote_bound in (
+        ({}, 3000, 5000),
+        (
+            {"disk_max_pending_write_bytes": None, "remote_max_pending_write_bytes": None},
+            default_pending_bytes(2),
+            default_pending_bytes(2),
+        ),
+    ):
+        stack = build_stack(dataclasses.replace(config, **fields))
+        try:
+            assert isinstance(stack.disk, DiskTier) and isinstance(stack.remote, RemoteTier)
+            assert stack.disk.max_pending_write_bytes == disk_bound
+            assert stack.remote.max_pending_write_bytes == remote_bound
+        finally:
+            stack.close()
+
+
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
@@ -135,6 +169,23 @@ def test_a_remote_stack_names_its_tier(valkey_server: ValkeyProcess) -> None:
         ),
         ({"remote_url": "redis://h:1", "remote_admission": "recommended"}, "remote_blocks"),
         ({"remote_admission": "recommended", "remote_blocks": 4}, "remote_admission"),
+        ({"disk_max_pending_write_bytes": 1 << 20}, "disk_max_pending_write_bytes needs a disk"),
+        (
+            {"remote_max_pending_write_bytes": 1 << 20},
+            "remote_max_pending_write_bytes needs a shared",
+        ),
+        (
+            {"disk_dir": "d", "disk_blocks": 4, "disk_max_pending_write_bytes": 0},
+            "disk_max_pending_write_bytes must be an integer >= 1",
+        ),
+        (
+            {"disk_dir": "d", "disk_blocks": 4, "disk_max_pending_write_bytes": True},
+            "disk_max_pending_write_bytes must be an integer >= 1",
+        ),
+        (
+            {"remote_url": "redis://h:1", "remote_max_pending_write_bytes": 1.5},
+            "remote_max_pending_write_bytes must be an integer >= 1",
+        ),
     ],
 )
 def test_a_bad_setting_is_refused_naming_its_field(fields: dict[str, Any], named: str) -> None:

@@ -65,6 +65,9 @@ class LowerTierConfig:
     """The tier's I/O threads (the shared tier's connections)."""
     fsync: bool = False
     """Whether the disk tier syncs each write to the device before reporting it."""
+    max_pending_write_bytes: int | None = None
+    """The payload bytes of writes queued or under way past which the tier drops a write
+    offered (:mod:`kvoffload.tiers.backlog`); ``None``: the tier's default."""
     where: str = field(default="", compare=False, repr=False)
     names: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     size_key: str = field(default="", compare=False, repr=False)
@@ -111,6 +114,8 @@ class LowerTierConfig:
             )
         if self.deadline_s is not None:
             check_deadline_s(self.deadline_s, self.key("deadline_s"))
+        if self.max_pending_write_bytes is not None:
+            check_integer(self.key("max_pending_write_bytes"), self.max_pending_write_bytes, 1)
         if self.kind == DISK:
             _policy(self.key("policy"), self.policy)
         admission, budget = self.key("admission"), self.key("write_budget")
@@ -159,6 +164,9 @@ class StackConfig:
     """``None``: the CPU tier's policy."""
     disk_deadline_s: float | None = None
     """The deadline of each disk I/O job; ``None``: the disk tier's default."""
+    disk_max_pending_write_bytes: int | None = None
+    """The disk tier's bound on the bytes of its writes not done yet, past which a write
+    offered is dropped; ``None``: the tier's default (see :class:`LowerTierConfig`)."""
     remote_url: str | None = field(default=None, repr=False)  # may hold a password
     remote_blocks: int = 0
     tier_store_threshold: int = 0
@@ -166,6 +174,8 @@ class StackConfig:
     disk_write_budget: float | WriteBudget | None = None
     remote_admission: str = "none"
     remote_write_budget: float | WriteBudget | None = None
+    remote_max_pending_write_bytes: int | None = None
+    """The shared tier's, as ``disk_max_pending_write_bytes``."""
     enable_events: bool = False
     wait_for_tiers: bool = False
     slot_bytes: SlotBytes | None = field(default=None, compare=False)
@@ -209,7 +219,8 @@ class StackConfig:
         ):
             if getattr(self, where) is not None:
                 continue
-            for name in (f"{kind}_admission", f"{kind}_write_budget"):
+            names = (f"{kind}_admission", f"{kind}_write_budget", f"{kind}_max_pending_write_bytes")
+            for name in names:
                 if getattr(self, name) not in ("none", None):
                     raise InvalidArgumentError(f"{name} needs {tier} tier ({where})")
         disk = remote = None
@@ -223,6 +234,7 @@ class StackConfig:
                 self.disk_admission,
                 None,
                 self.disk_write_budget,
+                max_pending_write_bytes=self.disk_max_pending_write_bytes,
                 names=_field_names(DISK, "disk_dir"),
                 size_key=self.size_keys.get("disk_blocks", ""),
             )
@@ -233,6 +245,7 @@ class StackConfig:
                 self.remote_blocks,
                 admission=self.remote_admission,
                 write_budget=self.remote_write_budget,
+                max_pending_write_bytes=self.remote_max_pending_write_bytes,
                 names=_field_names(REMOTE, "remote_url"),
                 size_key=self.size_keys.get("remote_blocks", ""),
             )
@@ -246,7 +259,8 @@ class StackConfig:
 
 def _field_names(kind: str, location: str) -> dict[str, str]:
     """A :class:`StackConfig` tier's fields by their :class:`LowerTierConfig` names."""
-    names = {name: f"{kind}_{name}" for name in ("blocks", "policy", "deadline_s")}
+    own = ("blocks", "policy", "deadline_s", "max_pending_write_bytes")
+    names = {name: f"{kind}_{name}" for name in own}
     names.update(admission=f"{kind}_admission", write_budget=f"{kind}_write_budget")
     names.update(admission_params=f"{kind}_admission_params", location=location)
     return names

@@ -65,6 +65,7 @@ def tier_opener(
                     fsync=config.fsync,
                     enable_events=enable_events,
                     deadline_s=config.deadline_s or DEFAULT_DEADLINE_S,
+                    max_pending_write_bytes=config.max_pending_write_bytes,
                 )
             except InvalidArgumentError as exc:
                 if not config.where:
@@ -80,6 +81,7 @@ def tier_opener(
                 fingerprint,
                 io_threads=config.io_threads,
                 enable_events=enable_events,
+                max_pending_write_bytes=config.max_pending_write_bytes,
             )
         except (InvalidArgumentError, RemoteTierError) as exc:
             if not config.where:

@@ -86,6 +86,11 @@ TIER_ADMISSION_KEYS = frozenset(
 DISK_TIMEOUT_KEY = f"{PREFIX}disk_timeout_ms"
 """The deadline of each disk tier operation in milliseconds (needs the disk tier)."""
 
+DISK_BACKLOG_KEY = f"{PREFIX}disk_max_pending_write_bytes"
+REMOTE_BACKLOG_KEY = f"{PREFIX}remote_max_pending_write_bytes"
+"""Each lower tier's bound on the payload bytes of its writes not done yet, past which a
+write offered is dropped (a byte count or a size such as ``"512MiB"``; needs the tier)."""
+
 WRITE_BUDGET_KEY = f"{PREFIX}write_budget"
 DRIVE_BYTES_KEY = f"{PREFIX}drive_bytes"
 """The optimiser's write budget (``--write-budget``'s strings: ``0.2``, ``200MB/s``,
@@ -99,6 +104,8 @@ OWN_KEYS = frozenset(
         DISK_DIR_KEY,
         DISK_BYTES_KEY,
         DISK_TIMEOUT_KEY,
+        DISK_BACKLOG_KEY,
+        REMOTE_BACKLOG_KEY,
         *TIER_ADMISSION_KEYS,
         WRITE_BUDGET_KEY,
         DRIVE_BYTES_KEY,
@@ -126,6 +133,9 @@ class SpecSettings:
     remote_write_budget: WriteBudget | None = None
     remote_bytes: int = 0
     disk_timeout_ms: float = DEFAULT_TIMEOUT_MS
+    disk_max_pending_write_bytes: int | None = None
+    remote_max_pending_write_bytes: int | None = None
+    """``None``: the tier's default bound (:mod:`kvoffload.tiers.backlog`)."""
     write_budget: WriteBudget | None = None
     drive_bytes: int | None = None
 
@@ -195,6 +205,15 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
         ),
         **tier_admission,
         disk_timeout_ms=disk_timeout_ms,
+        disk_max_pending_write_bytes=_backlog_bound(
+            extra_config,
+            DISK_BACKLOG_KEY,
+            disk_dir,
+            f"disk tier ({DISK_DIR_KEY!r} and {DISK_BYTES_KEY!r})",
+        ),
+        remote_max_pending_write_bytes=_backlog_bound(
+            extra_config, REMOTE_BACKLOG_KEY, remote_url, f"remote tier ({REMOTE_URL_KEY!r})"
+        ),
         write_budget=write_budget,
         drive_bytes=drive_bytes,
     )
@@ -245,6 +264,19 @@ def _tier_admission(
         _int(config, REMOTE_BYTES_KEY, 1, 0, MAX_BYTES) if REMOTE_BYTES_KEY in config else 0
     )
     return settings
+
+
+def _backlog_bound(
+    config: Mapping[str, Any], key: str, location: str | None, tier: str
+) -> int | None:
+    """The bound under ``key`` in bytes (an integer or a size such as ``"512MiB"``), if set;
+    refused without its tier, where it would be taken and ignored."""
+    if key not in config:
+        return None
+    where = f"kv_connector_extra_config {key!r}"
+    if location is None:
+        raise InvalidArgumentError(f"{where} needs the {tier}")
+    return parse_bytes(config[key], where)
 
 
 def _parsed_budget(config: Mapping[str, Any], key: str) -> WriteBudget | None:

@@ -308,6 +308,8 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             disk_write_budget=None,
             remote_admission="none",
             remote_write_budget=None,
+            disk_max_pending_write_bytes=None,
+            remote_max_pending_write_bytes=None,
         )
         self._stack = build_stack(alone)  # a reset after this one tries the tiers again
         return self._stack
@@ -324,12 +326,14 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             disk_dir=settings.disk_dir,
             disk_blocks=self.disk_blocks,
             disk_deadline_s=settings.disk_timeout_ms / 1000,
+            disk_max_pending_write_bytes=settings.disk_max_pending_write_bytes,
             remote_url=settings.remote_url,
             remote_blocks=self.remote_blocks,
             disk_admission=settings.disk_admission,
             disk_write_budget=self.disk_write_budget,
             remote_admission=settings.remote_admission,
             remote_write_budget=self.remote_write_budget,
+            remote_max_pending_write_bytes=settings.remote_max_pending_write_bytes,
             enable_events=events,
             slot_bytes=slot_bytes,
             fingerprint=self.fingerprint,
