@@ -390,6 +390,45 @@ def test_unreachable_slot_bytes_are_counted_failures_and_a_failed_promotion_a_mi
         m.close()
 
 
+class CountingSlots(ByteSlots):
+    """Slot bytes that count the slots copied out."""
+
+    def __init__(self, num_slots: int, slot_bytes: int) -> None:
+        super().__init__(num_slots, slot_bytes)
+        self.copied = 0
+
+    def snapshot(self, slots: Sequence[int]) -> list[bytes]:
+        self.copied += len(slots)
+        return super().snapshot(slots)
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected_writes"),
+    [(TierSettings(write_through=True), 6), (TierSettings(store_threshold=2), 0)],
+    ids=["write-through", "write-back-refusing"],
+)
+def test_a_cpu_eviction_copies_only_the_blocks_a_write_back_tier_takes(
+    tmp_path: Path, settings: TierSettings, expected_writes: int
+) -> None:
+    """An evicted block's bytes are copied out for a write-back tier that writes it down,
+    never for a write-through tier (which wrote it when it was stored) nor for one whose
+    admission refuses it: the copy is a block's worth of memory traffic per eviction."""
+    disk = DiskTier(tmp_path / "disk", 16, layout_fingerprint("copies", layout_preset("tiny"), 40))
+    slots = CountingSlots(2, 40)
+    m = TieredOffloadingManager(
+        CPUOffloadingManager(2), [(disk, settings)], slots, wait_for_tiers=True
+    )
+    try:
+        for key in K[:6]:
+            store_with_bytes(m, slots, key)  # the last four evict one block each
+        m.poll()
+        assert m.cpu_stats.evicted == 4
+        assert disk.stats.stored_blocks == expected_writes
+        assert slots.copied == expected_writes  # write-through: copied as each was stored
+    finally:
+        m.close()
+
+
 class BuggySlots(ByteSlots):
     """Slot bytes whose views raise what no tier expects, once :attr:`broken`: a bug."""
 

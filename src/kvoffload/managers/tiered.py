@@ -104,9 +104,10 @@ class _BookSpec(LoadStoreSpec):
         return "TIER"
 
 
-_Demotion = tuple[list[OffloadKey], list[bytes] | None]
-"""Blocks the CPU tier evicted, with copies of their bytes (empty when keeping books only,
-``None`` when the bytes could not be read)."""
+_Demotion = tuple[int, list[OffloadKey], list[bytes] | None]
+"""What one write-back tier takes of the blocks the CPU tier evicted: the tier's index, the
+keys, and copies of their bytes (empty ones when keeping books only, ``None`` when the
+bytes could not be read)."""
 
 
 @dataclass
@@ -391,38 +392,48 @@ class TieredOffloadingManager(OffloadingManager):
     def _count(self, keys: list[OffloadKey]) -> None:
         self._seen.count(keys)
 
-    def _placed(self, output: PrepareStoreOutput) -> _Demotion:
-        """Record new slots; copy out the bytes of the blocks evicted for them."""
+    def _placed(self, output: PrepareStoreOutput) -> list[_Demotion]:
+        """Record new slots; ask each write-back tier which of the blocks evicted for them
+        it takes, and copy out the bytes of those alone (a block no tier takes, as every
+        block where the lower tiers are write-through, is never copied)."""
         keys = output.evicted_keys
-        payloads: list[bytes] | None = []
+        demotions: list[_Demotion] = []
         if keys:
             self.cpu_stats.add(evicted=len(keys))
-            if self._slot_bytes is not None:
-                slots = [self._slots.pop(key) for key in keys]
+            slots = [self._slots.pop(key) for key in keys] if self._slot_bytes is not None else []
+            chosen_by_tier = [
+                (index, chosen)
+                for index, settings in enumerate(self._settings)
+                if not settings.write_through and (chosen := self._admitted(index, keys))
+            ]
+            copies: dict[int, bytes] | None = None
+            wanted = sorted({i for _, chosen in chosen_by_tier for i in chosen})
+            if self._slot_bytes is not None and wanted:
                 try:
-                    payloads = self._slot_bytes.snapshot(slots)
+                    snapshot = self._slot_bytes.snapshot([slots[i] for i in wanted])
+                    copies = dict(zip(wanted, snapshot, strict=True))
                 except SlotBytesUnavailableError:
-                    payloads = None
+                    pass
+            for index, chosen in chosen_by_tier:
+                payloads: list[bytes] | None
+                if self._slot_bytes is None:
+                    payloads = [b""] * len(chosen)
+                else:
+                    payloads = None if copies is None else [copies[i] for i in chosen]
+                demotions.append((index, [keys[i] for i in chosen], payloads))
         if self._slot_bytes is not None and output.keys_to_store:
             ids = cast(CPULoadStoreSpec, output.store_spec).block_ids.tolist()
             self._slots.update(zip(output.keys_to_store, ids, strict=True))
-        return keys, payloads
+        return demotions
 
-    def _demote(self, demotion: _Demotion) -> None:
-        """Write evicted blocks to every write-back tier that admits them."""
-        keys, payloads = demotion
-        if not keys:
-            return
-        for index, (tier, settings) in enumerate(zip(self.tiers, self._settings, strict=True)):
-            if not settings.write_through:
-                chosen = self._admitted(index, keys)
-                if chosen and payloads is None:
-                    tier.stats.add(failed=len(chosen))
-                elif chosen:
-                    tier.write(
-                        [keys[i] for i in chosen],
-                        [payloads[i] for i in chosen] if payloads else [b""] * len(chosen),
-                    )
+    def _demote(self, demotions: list[_Demotion]) -> None:
+        """Write evicted blocks to the write-back tiers that took them."""
+        for index, keys, payloads in demotions:
+            tier = self.tiers[index]
+            if payloads is None:
+                tier.stats.add(failed=len(keys))
+            else:
+                tier.write(keys, payloads)
 
     def _write(self, index: int, keys: Sequence[OffloadKey]) -> None:
         """Write ``keys``, ready in CPU slots, to lower tier ``index`` (write-through)."""
