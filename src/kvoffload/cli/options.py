@@ -29,7 +29,15 @@ from kvoffload.core.memory import check_fits
 from kvoffload.core.specs import CPULoadStoreSpec
 from kvoffload.managers.admit_all import admission_book
 from kvoffload.sim.engine import PARTIAL_BLOCK_MODES
-from kvoffload.sim.generators import DEFAULT_MIX, DEFAULT_RATE, DEFAULT_REQUESTS, parse_mix
+from kvoffload.sim.generators import (
+    BYTES_PER_REQUEST,
+    DEFAULT_MIX,
+    DEFAULT_RATE,
+    DEFAULT_REQUESTS,
+    RateTooLowError,
+    parse_mix,
+    rate_too_low,
+)
 from kvoffload.sim.gpu_cache import BYTES_PER_SLOT
 from kvoffload.sim.plots import PLOT_FILES
 from kvoffload.sim.run import SimConfig, blocks_for_gib
@@ -196,6 +204,8 @@ def workload_source(args: argparse.Namespace) -> WorkloadSource:
         return WorkloadSource(trace=args.trace, fmt=args.format, block_tokens=args.block_size)
     if args.format != "auto":
         raise InvalidArgumentError(f"--format {args.format} names a trace's schema: give --trace")
+    if "requests" in given:  # else refused by the generator, naming no option
+        check_fits(args.requests * BYTES_PER_REQUEST, f"--requests {args.requests}")
     if "mix" in given:
         try:
             given["mix"] = tuple(parse_mix(args.mix).items())
@@ -212,6 +222,8 @@ def load_workload(source: WorkloadSource, progress: bool | None) -> Workload:
     bar = ProgressBar(label, ProgressBar.wanted(progress))
     try:
         return source.load(bar)
+    except RateTooLowError:  # found only as arrivals are drawn; named as the generator's
+        raise rate_too_low(source.rate, "--rate") from None
     finally:
         bar.close()
 
