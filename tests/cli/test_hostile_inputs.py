@@ -334,6 +334,22 @@ def test_a_rate_whose_arrivals_overflow_is_refused_not_looped(rate: str, request
     _assert_one_line(result, 1, f"kvoffload: error: --rate {rate} is too low: arrival times")
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--mix", "rag=1e308"],
+        ["--mix", "chat=1e-320,rag=1e308"],
+        ["--rate", "1e308", "--mix", "chat=2"],
+    ],
+)
+def test_a_session_rate_past_a_float_is_drawn_not_looped(args: list[str]) -> None:
+    """The rate times a kind's weight overflowed: every session then started at 0, and the
+    draw waited forever for one that started later."""
+    result = run_cli("simulate", "--requests", "10", "--no-bound", "--json", "-", *args)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["requests"] == 10
+
+
 def test_library_rejects_a_single_key_where_keys_are_expected() -> None:
     tier = CPUOffloadingManager(8)
     key = block_id_key(1)

@@ -320,6 +320,8 @@ def generate(
             continue
         rng = random.Random(seed * 1000 + index)
         session_rate = rate * share / total / per_session[kind]
+        if not 0 < session_rate < math.inf:  # rate * share overflowed or underflowed
+            session_rate = rate * (share / total) / per_session[kind]
         if not session_rate > 0:  # underflowed: expovariate would divide by zero
             raise rate_too_low(rate)
         if progress is not None:
