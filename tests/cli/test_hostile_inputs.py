@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 from cli_helpers import one_line_error
 
+from compiled import needs
 from kvoffload import CPUOffloadingManager, FilterReusedOffloadingManager, block_id_key
 from kvoffload.admission.budget import WriteBudget
-from kvoffload.admission.reuse_counts import MAX_TRACKED_KEYS
+from kvoffload.admission.reuse_counts import MAX_TRACKED_KEYS, CompiledReuseCounts
 from kvoffload.cli import options
 from kvoffload.cli.main import main
 from kvoffload.cli.output import one_line
@@ -165,7 +166,12 @@ def test_minus_zero_is_zero() -> None:
             ["--mix", "rag=1, chat=1e309"],
             "mix weight for 'chat': must be a finite number, got '1e309'",
         ),
-        (["--gpu-blocks", "1000000000000"], "GPU prefix cache of 1,000,000,000,000 blocks"),
+        (
+            ["--gpu-blocks", "1000000000000"],
+            "--gpu-blocks 1000000000000 (a GPU prefix cache of 1,000,000,000,000 blocks)",
+        ),
+        # Refused by the GPU cache as the run started, naming no option.
+        (["--gpu-gb", "1e9"], "--gpu-gb 1e+09 (a GPU prefix cache of 512,000,000,000 blocks)"),
         # Refused by the generator as "1,000,000,000,000,000 synthetic requests".
         (["--requests", "1000000000000000"], "--requests 1000000000000000 would need about "),
         (["--json", "/nonexistent/dir/out.json"], "no such directory"),
@@ -196,6 +202,24 @@ def test_bad_values_found_before_work(
 )
 def test_bad_sweep_lists(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sweep", "--requests", "20", "--jobs", "1", "--no-progress", *args]) == 1
+    assert message in one_line_error(capsys)
+
+
+@needs(CompiledReuseCounts)
+@pytest.mark.parametrize(
+    "command",
+    [
+        [*SMALL, "--store-threshold", "2"],
+        ["sweep", *SMALL[1:-1], "--thresholds", "2", "--jobs", "1"],
+    ],
+)
+def test_a_tracker_size_beyond_memory_names_the_option(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The compiled table, filled up front, was refused as a run built it, naming no option
+    (in a sweep, after the runs before it)."""
+    assert main([*command, "--max-tracker-size", str(10**12)]) == 1
+    message = f"--max-tracker-size {10**12} (a reuse count table of 1,000,000,000,000 keys)"
     assert message in one_line_error(capsys)
 
 

@@ -20,7 +20,12 @@ from kvoffload.admission.registry import (
     params_class,
     resolve_admission,
 )
-from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD, MAX_TRACKED_KEYS
+from kvoffload.admission.reuse_counts import (
+    COMPILED_BYTES_PER_KEY,
+    MAX_STORE_THRESHOLD,
+    MAX_TRACKED_KEYS,
+    CompiledReuseCounts,
+)
 from kvoffload.cli import output
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.core.errors import InvalidArgumentError
@@ -250,6 +255,14 @@ def check_tracker_size_used(args: argparse.Namespace, thresholds: Sequence[int],
         raise InvalidArgumentError(
             f"--max-tracker-size sizes the store filter's reuse table: it needs {need}"
         )
+    if args.max_tracker_size is not None and CompiledReuseCounts is not None:
+        # Else refused as the run builds its table (the compiled one fills it up front),
+        # naming no option: in a sweep, after the runs before it.
+        keys = args.max_tracker_size
+        check_fits(
+            keys * COMPILED_BYTES_PER_KEY,
+            f"--max-tracker-size {keys} (a reuse count table of {keys:,} keys)",
+        )
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -315,21 +328,32 @@ def _blocks(blocks: int | None, gib: float | None, default_gib: float, layout: s
     return blocks_for_gib(default_gib if gib is None else gib, layout, bt)
 
 
+def gpu_size(args: argparse.Namespace) -> str:
+    """The GPU prefix cache's size as it was given, for an error to name: the option as
+    typed, or the default."""
+    if args.gpu_blocks is not None:
+        return f"--gpu-blocks {args.gpu_blocks}"
+    if args.gpu_gb is not None:
+        return f"--gpu-gb {args.gpu_gb:g}"
+    return f"the default GPU size, {DEFAULT_GPU_GIB:g} GiB,"
+
+
+def _gpu_cache_of(size: str, blocks: int) -> str:
+    return f"{size} (a GPU prefix cache of {blocks:,} blocks)"
+
+
 def base_config(args: argparse.Namespace, block_tokens: int, default_layout: str) -> SimConfig:
     """The run configuration from the engine and GPU options; offload tier still empty."""
     layout = args.layout or default_layout
     gpu_blocks = _blocks(args.gpu_blocks, args.gpu_gb, DEFAULT_GPU_GIB, layout, block_tokens)
     if gpu_blocks == 0:  # only a size in GiB gives none (--gpu-blocks is at least 1)
         block = layout_preset(layout).with_block_size(block_tokens).bytes_per_block
-        size = (
-            f"--gpu-gb {args.gpu_gb:g}"
-            if args.gpu_gb is not None
-            else f"the default GPU size, {DEFAULT_GPU_GIB:g} GiB,"
-        )
         raise InvalidArgumentError(
-            f"{size} holds no block of {output.size(block)} "
+            f"{gpu_size(args)} holds no block of {output.size(block)} "
             f"({layout}, {block_tokens} tokens); give the GPU at least one"
         )
+    # Else refused by the GPU cache as the run starts, naming no option.
+    check_fits(gpu_blocks * BYTES_PER_SLOT, _gpu_cache_of(gpu_size(args), gpu_blocks))
     return SimConfig(
         gpu_blocks=gpu_blocks,
         cpu_blocks=0,
@@ -540,7 +564,9 @@ def check_before_work(args: argparse.Namespace) -> None:
             )
     gpu_blocks = getattr(args, "gpu_blocks", None)
     if gpu_blocks is not None:
-        check_fits(gpu_blocks * BYTES_PER_SLOT, f"a GPU prefix cache of {gpu_blocks:,} blocks")
+        check_fits(
+            gpu_blocks * BYTES_PER_SLOT, _gpu_cache_of(f"--gpu-blocks {gpu_blocks}", gpu_blocks)
+        )
     transfer = getattr(args, "transfer_gb_per_s", None)
     if transfer is not None and not math.isfinite(transfer * 1e9):
         # Else refused by the run's settings, naming their field (transfer_gb_per_s).
