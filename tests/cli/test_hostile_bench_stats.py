@@ -61,11 +61,28 @@ def test_bench_tiers_dir_must_be_an_existing_directory(
     assert one_line_error(capsys) == f"kvoffload: error: --dir {path}: {message}\n"
 
 
+@pytest.mark.parametrize(
+    ("sglang", "what"), [([], "100000000 blocks"), (["--sglang"], "100000000 SGLang pages")]
+)
 def test_bench_tiers_larger_than_memory_is_refused_before_allocating(
+    sglang: list[str], what: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The error named the benchmark's figures, not the options that set them."""
+    if sglang:
+        pytest.importorskip("kvoffload.integrations.sglang.bench")
+    args = ["bench", "tiers", "--blocks", "100000000", "--block-mib", "1000", *sglang]
+    assert main(args) == 1
+    message = f"error: --blocks 100000000 --block-mib 1000: {what} of 1000 MiB would need about "
+    assert message in one_line_error(capsys)
+
+
+def test_bench_tiers_block_below_the_least_names_the_option(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["bench", "tiers", "--blocks", "100000000", "--block-mib", "1000"]) == 1
-    assert "GiB of memory" in one_line_error(capsys)
+    """It was "a block of 0.0001 MiB is 104 bytes: ...", naming no option."""
+    assert main(["bench", "tiers", "--block-mib", "0.0001"]) == 1
+    message = "error: --block-mib 0.0001 is a block of 104 bytes: at least 1024 (0.000976562 MiB)"
+    assert message in one_line_error(capsys)
 
 
 @pytest.mark.parametrize(
@@ -97,3 +114,29 @@ def test_bench_json_is_checked_before_the_benchmark(
     monkeypatch.setattr(transfer, "run_from_args", _never)
     assert main(["bench", "transfer", "--json", "/nonexistent/x.json"]) == 1
     assert "--json /nonexistent/x.json: no such directory" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("redis://127.0.0.1:1/0", "--remote: remote tier redis://127.0.0.1:1/0 is not reachable"),
+        ("garbage://x", "--remote: remote tier URL 'garbage://x' must start with one of"),
+    ],
+)
+@pytest.mark.parametrize("sglang", [[], ["--sglang"]])
+def test_bench_tiers_remote_is_checked_before_the_benchmark(
+    url: str,
+    message: str,
+    sglang: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A bad --remote was found only once the disk tier's rounds had run, and not named."""
+    import kvoffload.tiers.bench
+
+    monkeypatch.setattr(kvoffload.tiers.bench, "measure_tiers", _never)
+    if sglang:
+        sglang_bench = pytest.importorskip("kvoffload.integrations.sglang.bench")
+        monkeypatch.setattr(sglang_bench, "measure_sglang", _never)
+    assert main(["bench", "tiers", "--remote", url, *sglang]) == 1
+    assert one_line_error(capsys).startswith(f"kvoffload: error: {message}")

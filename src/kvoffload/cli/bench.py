@@ -12,12 +12,13 @@ import contextlib
 import importlib
 import json
 import os
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 from kvoffload.cli import options, output, tier_options
 from kvoffload.cli.progress import ProgressBar
-from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
+from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError, KVOffloadError
 
 BENCH_MODULE = "kvoffload.dataplane.bench"
 
@@ -140,6 +141,30 @@ def _report(args: argparse.Namespace, results: dict[str, Any]) -> None:
         print(output.key_value_table(rows) if rows else "(no results)")
 
 
+def _check_block_mib(block_mib: float) -> None:
+    """Refuse a block below the benchmark's least, naming ``--block-mib``."""
+    from kvoffload.tiers.bench import MIB, MIN_BLOCK_BYTES
+
+    size = int(block_mib * MIB)
+    if size < MIN_BLOCK_BYTES:
+        raise InvalidArgumentError(
+            f"--block-mib {block_mib:g} is a block of {size} bytes: at least {MIN_BLOCK_BYTES} "
+            f"({MIN_BLOCK_BYTES / MIB:g} MiB) are needed"
+        )
+
+
+@contextlib.contextmanager
+def _sized_by_blocks(args: argparse.Namespace) -> Iterator[None]:
+    """A benchmark's buffers beyond memory named by the options that size them (the
+    benchmark names only its figures: "100000 blocks of 1024 MiB would need ...")."""
+    try:
+        yield
+    except InsufficientMemoryError as exc:
+        raise InsufficientMemoryError(
+            f"--blocks {args.blocks} --block-mib {args.block_mib:g}: {exc}"
+        ) from None
+
+
 def run_tiers(args: argparse.Namespace) -> int:
     """``bench tiers``: torch-free; the shared tier's client is needed only with ``--remote``."""
     from kvoffload.tiers.bench import measure_tiers
@@ -147,20 +172,24 @@ def run_tiers(args: argparse.Namespace) -> int:
 
     _check_json(args)
     _check_dir(args.dir)
+    if args.remote is not None:  # else found only after the disk tier's rounds
+        tier_options.check_remote(args.remote)
     if args.sglang is not None:
         return _run_sglang(args)
+    _check_block_mib(args.block_mib)
     bar = ProgressBar("bench tiers", ProgressBar.wanted(args.progress))
     try:
-        results = measure_tiers(
-            args.blocks,
-            args.block_mib,
-            args.rounds,
-            args.dir,
-            args.remote,
-            fsync=args.fsync,
-            disk_timeout_ms=args.disk_timeout_ms or DEFAULT_TIMEOUT_MS,
-            progress=bar,
-        )
+        with _sized_by_blocks(args):
+            results = measure_tiers(
+                args.blocks,
+                args.block_mib,
+                args.rounds,
+                args.dir,
+                args.remote,
+                fsync=args.fsync,
+                disk_timeout_ms=args.disk_timeout_ms or DEFAULT_TIMEOUT_MS,
+                progress=bar,
+            )
     finally:
         bar.close()
     if args.json:
@@ -197,15 +226,16 @@ def _run_sglang(args: argparse.Namespace) -> int:
         started += 1
 
     try:
-        results = measure_sglang(
-            args.blocks,
-            args.block_mib,
-            args.rounds,
-            args.dir,
-            args.remote,
-            interfaces,
-            row_starts,
-        )
+        with _sized_by_blocks(args):
+            results = measure_sglang(
+                args.blocks,
+                args.block_mib,
+                args.rounds,
+                args.dir,
+                args.remote,
+                interfaces,
+                row_starts,
+            )
         bar(total, total)
     finally:
         bar.close()
