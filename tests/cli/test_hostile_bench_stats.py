@@ -140,3 +140,43 @@ def test_bench_tiers_remote_is_checked_before_the_benchmark(
         monkeypatch.setattr(sglang_bench, "measure_sglang", _never)
     assert main(["bench", "tiers", "--remote", url, *sglang]) == 1
     assert one_line_error(capsys).startswith(f"kvoffload: error: {message}")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--layout", "gpt-9"], "--layout: unknown KV layout 'gpt-9'; known: "),
+        (
+            ["--cpu-blocks", "600"],
+            "--cpu-blocks 600 of --block-size-factor 1 GPU blocks each take 600 GPU blocks, "
+            "more than --gpu-blocks 512",
+        ),
+        (
+            ["--block-size-factor", "2"],
+            "--cpu-blocks 512 of --block-size-factor 2 GPU blocks each take 1,024 GPU blocks",
+        ),
+        (
+            ["--gpu-blocks", str(2**40)],
+            f"--gpu-blocks {2**40} (a paged KV cache of 1,099,511,627,776 blocks of 2 MiB on "
+            "the CPU) would need about ",
+        ),
+        (
+            ["--gpu-blocks", str(2**40), "--cpu-blocks", str(2**40)],
+            f"--cpu-blocks {2**40} (a CPU block store of 1,099,511,627,776 blocks of 2 MiB)",
+        ),
+        (["--device", "gpu0"], "--device gpu0: unknown device 'gpu0'"),
+    ],
+)
+def test_bench_transfer_bad_values_name_the_option_before_the_benchmark(
+    args: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The benchmark named its parameters ("600 CPU blocks of 1 GPU blocks do not fit in
+    512 GPU blocks"), torch its buffers ("cannot allocate ... for the paged KV cache"), or
+    nothing named the option ("unknown KV layout")."""
+    transfer = pytest.importorskip("kvoffload.dataplane.bench")
+    monkeypatch.setattr(transfer, "run_from_args", _never)
+    assert main(["bench", "transfer", *args]) == 1
+    assert one_line_error(capsys).startswith(f"kvoffload: error: {message}")

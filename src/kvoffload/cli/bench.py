@@ -19,8 +19,10 @@ from typing import Any
 from kvoffload.cli import options, output, tier_options
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError, KVOffloadError
+from kvoffload.core.layout import layout_preset
 
 BENCH_MODULE = "kvoffload.dataplane.bench"
+ALLOCATION_MODULE = "kvoffload.dataplane.allocation"
 
 
 def register(commands: Any) -> argparse.ArgumentParser:
@@ -118,8 +120,29 @@ def _check_json(args: argparse.Namespace) -> None:
         output.check_writable_file(path, "--json")
 
 
+def _check_transfer(args: argparse.Namespace) -> None:
+    """Refuse, naming the options, what the benchmark refuses naming its parameters ("512
+    CPU blocks of 1 GPU blocks do not fit in 512 GPU blocks") or torch only as it allocates
+    (and fills: a buffer beyond memory is the kernel's out-of-memory kill)."""
+    options.check_name(args.layout, "--layout", layout_preset)
+    gpu, cpu, factor = args.gpu_blocks, args.cpu_blocks, args.block_size_factor
+    if cpu * factor > gpu:
+        raise InvalidArgumentError(
+            f"--cpu-blocks {cpu} of --block-size-factor {factor} GPU blocks each take "
+            f"{cpu * factor:,} GPU blocks, more than --gpu-blocks {gpu}"
+        )
+    on_cpu = options.device_on_cpu(importlib.import_module(ALLOCATION_MODULE), args.device)
+    block = layout_preset(args.layout).bytes_per_block
+    options.check_kv_buffers_fit(
+        options.KVBuffer(gpu, block, f"--gpu-blocks {gpu}"),
+        options.KVBuffer(cpu, factor * block, f"--cpu-blocks {cpu}"),
+        on_cpu,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     _check_json(args)
+    _check_transfer(args)
     bar = ProgressBar("bench transfer", ProgressBar.wanted(args.progress))
     try:
         results: dict[str, Any] = _bench_module().run_from_args(args, bar)

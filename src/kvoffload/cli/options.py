@@ -9,6 +9,8 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
 from typing import TypeVar
 
 from kvoffload.admission import admission_params, parse_pairs
@@ -582,3 +584,43 @@ def check_before_work(args: argparse.Namespace) -> None:
             "--drive-bytes is the drive a budget in drive writes per day counts against: "
             "it needs --write-budget, --disk-write-budget or --remote-write-budget"
         )
+
+
+@dataclass(frozen=True)
+class KVBuffer:
+    """A data-plane buffer an option sizes: ``blocks`` of ``block_bytes``, sized by
+    ``size`` (the option as typed, or the default) for an error to name."""
+
+    blocks: int
+    block_bytes: int
+    size: str
+
+    def describe(self, what: str) -> str:
+        return f"{what} of {self.blocks:,} blocks of {output.size(self.block_bytes)}"
+
+
+def device_on_cpu(allocation: ModuleType, device: str) -> bool:
+    """Whether ``--device`` (checked by the data plane's ``allocation`` module, which needs
+    torch) is the CPU, where the paged KV cache shares host memory with the CPU tier."""
+    try:
+        return bool(allocation.resolve_device(device).type == "cpu")
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"--device {device}: {exc}") from None
+
+
+def check_kv_buffers_fit(gpu: KVBuffer, cpu: KVBuffer, on_cpu: bool, context: str = "") -> None:
+    """Refuse data-plane buffers beyond the machine's memory, naming the option that sized
+    each (torch's refusal names only the buffer, "the CPU block store", and a buffer it
+    grants beyond memory ends in the kernel's out-of-memory kill as it fills). The CPU
+    block store is in host memory, and so is the paged KV cache on the CPU."""
+    store = cpu.describe("a CPU block store")
+    check_fits(cpu.blocks * cpu.block_bytes, f"{cpu.size}{context} ({store})")
+    if not on_cpu:
+        return
+    cache = gpu.describe("a paged KV cache") + " on the CPU"
+    gpu_bytes = gpu.blocks * gpu.block_bytes
+    check_fits(gpu_bytes, f"{gpu.size}{context} ({cache})")
+    check_fits(
+        gpu_bytes + cpu.blocks * cpu.block_bytes,
+        f"{gpu.size} and {cpu.size}{context} ({cache}, and {store})",
+    )

@@ -13,7 +13,6 @@ from kvoffload.cli import observe_options, options, output, tier_options
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.core.errors import InsufficientMemoryError, KVOffloadError
 from kvoffload.core.layout import layout_preset
-from kvoffload.core.memory import check_fits
 from kvoffload.policies import available_policies, resolve_policy
 from kvoffload.sim.run import RunReport, SimConfig, blocks_for_gib, simulate
 
@@ -135,37 +134,21 @@ def _data_plane(config: SimConfig, block_tokens: int, device: str, sizes: _Sizes
         raise KVOffloadError(
             f"--data-plane needs {exc.name}; install it with: pip install 'kvoffload[torch]'"
         ) from None
-    try:
-        on_cpu = allocation.resolve_device(device).type == "cpu"
-    except KVOffloadError as exc:
-        raise KVOffloadError(f"--device {device}: {exc}") from None
+    on_cpu = options.device_on_cpu(allocation, device)
     layout = config.kv_layout(block_tokens)
-    _check_buffers_fit(config.gpu_blocks, config.cpu_blocks, layout.bytes_per_block, on_cpu, sizes)
+    block = layout.bytes_per_block
+    options.check_kv_buffers_fit(
+        options.KVBuffer(config.gpu_blocks, block, sizes.gpu),
+        options.KVBuffer(config.cpu_blocks, block, sizes.cpu),
+        on_cpu,
+        " with --data-plane",
+    )
     try:
         return module.DataPlaneBackend(layout, config.gpu_blocks, config.cpu_blocks, device)
     except InsufficientMemoryError as exc:  # the device's own memory (or pinning) refused
         raise InsufficientMemoryError(
             f"{sizes.gpu} and {sizes.cpu} with --data-plane: {exc}"
         ) from None
-
-
-def _check_buffers_fit(
-    gpu_blocks: int, cpu_blocks: int, block_bytes: int, on_cpu: bool, sizes: _Sizes
-) -> None:
-    """Refuse data-plane buffers beyond the machine's memory, naming the option that sized
-    each (the allocation names only its buffer, "the CPU block store"). The CPU block
-    store is in host memory, and so is the paged KV cache on the CPU device."""
-    block = output.size(block_bytes)
-    store = f"a CPU block store of {cpu_blocks:,} blocks of {block}"
-    check_fits(cpu_blocks * block_bytes, f"{sizes.cpu} with --data-plane ({store})")
-    if not on_cpu:
-        return
-    cache = f"a paged KV cache of {gpu_blocks:,} blocks of {block} on the CPU"
-    check_fits(gpu_blocks * block_bytes, f"{sizes.gpu} with --data-plane ({cache})")
-    check_fits(
-        (gpu_blocks + cpu_blocks) * block_bytes,
-        f"{sizes.gpu} and {sizes.cpu} with --data-plane ({cache}, and {store})",
-    )
 
 
 def _default_capacities_in_blocks(args: argparse.Namespace, block_tokens: int) -> None:
