@@ -415,6 +415,12 @@ def test_library_lists_the_admission_names() -> None:
         (["--kv-events-endpoint", "tcp://127.0.0.1"], "'tcp://127.0.0.1': expected tcp://"),
         (["--kv-events-endpoint", "tcp://127.0.0.1:99999"], "port must be 0..65535 or *"),
         (["--kv-events-endpoint", "tcp://10.255.255.254:5557"], "cannot bind"),
+        # Refused by ZMQ once the workload was built: "cannot bind KV events to ...".
+        (
+            ["--kv-events-endpoint", "tcp://256.1.1.1:5557"],
+            "--kv-events-endpoint 'tcp://256.1.1.1:5557': cannot bind: no interface or host "
+            "named '256.1.1.1'",
+        ),
         (
             ["--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-replay-endpoint", "x"],
             "--kv-events-replay-endpoint 'x': expected tcp://HOST:PORT",
@@ -442,6 +448,16 @@ def test_bad_names_and_endpoints_are_refused_before_the_workload(
     trace.write_text("{\n")
     assert main(["simulate", "--trace", str(trace), "--no-progress", *args]) == 1
     assert message in one_line_error(capsys)
+
+
+def test_an_endpoint_may_name_a_host_or_an_interface(capsys: pytest.CaptureFixture[str]) -> None:
+    """ZMQ binds a host name it resolves and an interface's name: neither is refused."""
+    pytest.importorskip("zmq")
+    interface = socket.if_nameindex()[0][1]
+    events = ["--kv-events-endpoint", "tcp://localhost:0"]
+    events += ["--kv-events-replay-endpoint", f"tcp://{interface}:0"]
+    assert main([*SMALL, *events, "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["requests"] == 30
 
 
 @pytest.mark.parametrize(
