@@ -283,6 +283,17 @@ def test_hostile_trace_lines(
     assert message in one_line_error(capsys)
 
 
+def test_a_json_lines_trace_named_csv_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Read as CSV, its first record was the header: "missing field 'timestamp'" on line 2."""
+    trace = tmp_path / "t.csv"
+    trace.write_text(f"{RECORD}\n{RECORD}\n")
+    assert main(["simulate", "--trace", str(trace), "--no-progress"]) == 1
+    message = f"{trace}:1: a JSON object, not a CSV header; a trace named *.csv is read as CSV"
+    assert message in one_line_error(capsys)
+
+
 def test_binary_and_directory_traces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     binary = tmp_path / "t.jsonl"
     binary.write_bytes(b"\xff\xfe\x00garbage")
