@@ -13,6 +13,7 @@ import pytest
 from cli_helpers import one_line_error
 
 from kvoffload.cli.main import main
+from kvoffload.core import memory
 from kvoffload.core.layout import KVLayout, layout_preset
 from kvoffload.sim.transfers import NullTransferBackend
 
@@ -126,3 +127,67 @@ def test_data_plane_without_an_offload_tier_names_the_option(
     assert main([*args, *size]) == 1
     message = f"--data-plane moves bytes to an offload tier, and {' '.join(size)} leaves none"
     assert message in one_line_error(capsys)
+
+
+DATA_PLANE = ["simulate", "--data-plane", "--requests", "10", "--no-bound", "--no-progress"]
+
+
+@pytest.mark.parametrize(
+    ("size", "message"),
+    [
+        (
+            ["--cpu-blocks", str(2**40)],
+            f"--cpu-blocks {2**40} with --data-plane (a CPU block store of 1,099,511,627,776 "
+            "blocks of 4 KiB) would need about ",
+        ),
+        (["--cpu-gb", "1e6"], "--cpu-gb 1e+06 with --data-plane (a CPU block store of "),
+    ],
+)
+def test_a_data_plane_tier_beyond_memory_names_the_option(
+    size: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The allocation's error named only its buffer: "cannot allocate 4194304.0 GiB for
+    the CPU block store on cpu"."""
+    pytest.importorskip("kvoffload.sim.dataplane_backend")
+    assert main([*DATA_PLANE, *size]) == 1
+    assert message in one_line_error(capsys)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        (
+            ["--gpu-blocks", "300000", "--cpu-blocks", "10"],
+            "--gpu-blocks 300000 with --data-plane (a paged KV cache of 300,000 blocks of "
+            "4 KiB on the CPU) would need about 1.1 GiB of memory, more than the 1.0 GiB",
+        ),
+        (
+            ["--gpu-blocks", "200000", "--cpu-blocks", "200000"],
+            "--gpu-blocks 200000 and --cpu-blocks 200000 with --data-plane (a paged KV cache "
+            "of 200,000 blocks of 4 KiB on the CPU, and a CPU block store of 200,000 blocks",
+        ),
+        (
+            ["--layout", "llama-3.1-8b"],
+            "the default offload tier with --data-plane (a CPU block store of 49,152 blocks "
+            "of 2 MiB) would need about 96.0 GiB",
+        ),
+    ],
+)
+def test_data_plane_buffers_beyond_memory_are_refused_naming_their_options(
+    sizes: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Buffers past memory were allocated anyway (the CPU block store is not touched until
+    stored to) or refused by torch naming no option."""
+    pytest.importorskip("kvoffload.sim.dataplane_backend")
+    monkeypatch.setattr(memory, "available_bytes", lambda: 2**30)
+    assert main([*DATA_PLANE, *sizes]) == 1
+    assert message in one_line_error(capsys)
+
+
+def test_an_unknown_data_plane_device_names_the_option(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("kvoffload.sim.dataplane_backend")
+    assert main([*DATA_PLANE, "--device", "gpu0"]) == 1
+    assert one_line_error(capsys).startswith("kvoffload: error: --device gpu0: unknown device")

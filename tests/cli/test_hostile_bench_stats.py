@@ -61,11 +61,28 @@ def test_bench_tiers_dir_must_be_an_existing_directory(
     assert one_line_error(capsys) == f"kvoffload: error: --dir {path}: {message}\n"
 
 
+@pytest.mark.parametrize(
+    ("sglang", "what"), [([], "100000000 blocks"), (["--sglang"], "100000000 SGLang pages")]
+)
 def test_bench_tiers_larger_than_memory_is_refused_before_allocating(
+    sglang: list[str], what: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The error named the benchmark's figures, not the options that set them."""
+    if sglang:
+        pytest.importorskip("kvoffload.integrations.sglang.bench")
+    args = ["bench", "tiers", "--blocks", "100000000", "--block-mib", "1000", *sglang]
+    assert main(args) == 1
+    message = f"error: --blocks 100000000 --block-mib 1000: {what} of 1000 MiB would need about "
+    assert message in one_line_error(capsys)
+
+
+def test_bench_tiers_block_below_the_least_names_the_option(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["bench", "tiers", "--blocks", "100000000", "--block-mib", "1000"]) == 1
-    assert "GiB of memory" in one_line_error(capsys)
+    """It was "a block of 0.0001 MiB is 104 bytes: ...", naming no option."""
+    assert main(["bench", "tiers", "--block-mib", "0.0001"]) == 1
+    message = "error: --block-mib 0.0001 is a block of 104 bytes: at least 1024 (0.000976562 MiB)"
+    assert message in one_line_error(capsys)
 
 
 @pytest.mark.parametrize(
@@ -97,3 +114,69 @@ def test_bench_json_is_checked_before_the_benchmark(
     monkeypatch.setattr(transfer, "run_from_args", _never)
     assert main(["bench", "transfer", "--json", "/nonexistent/x.json"]) == 1
     assert "--json /nonexistent/x.json: no such directory" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("redis://127.0.0.1:1/0", "--remote: remote tier redis://127.0.0.1:1/0 is not reachable"),
+        ("garbage://x", "--remote: remote tier URL 'garbage://x' must start with one of"),
+    ],
+)
+@pytest.mark.parametrize("sglang", [[], ["--sglang"]])
+def test_bench_tiers_remote_is_checked_before_the_benchmark(
+    url: str,
+    message: str,
+    sglang: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A bad --remote was found only once the disk tier's rounds had run, and not named."""
+    import kvoffload.tiers.bench
+
+    monkeypatch.setattr(kvoffload.tiers.bench, "measure_tiers", _never)
+    if sglang:
+        sglang_bench = pytest.importorskip("kvoffload.integrations.sglang.bench")
+        monkeypatch.setattr(sglang_bench, "measure_sglang", _never)
+    assert main(["bench", "tiers", "--remote", url, *sglang]) == 1
+    assert one_line_error(capsys).startswith(f"kvoffload: error: {message}")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--layout", "gpt-9"], "--layout: unknown KV layout 'gpt-9'; known: "),
+        (
+            ["--cpu-blocks", "600"],
+            "--cpu-blocks 600 of --block-size-factor 1 GPU blocks each take 600 GPU blocks, "
+            "more than --gpu-blocks 512",
+        ),
+        (
+            ["--block-size-factor", "2"],
+            "--cpu-blocks 512 of --block-size-factor 2 GPU blocks each take 1,024 GPU blocks",
+        ),
+        (
+            ["--gpu-blocks", str(2**40)],
+            f"--gpu-blocks {2**40} (a paged KV cache of 1,099,511,627,776 blocks of 2 MiB on "
+            "the CPU) would need about ",
+        ),
+        (
+            ["--gpu-blocks", str(2**40), "--cpu-blocks", str(2**40)],
+            f"--cpu-blocks {2**40} (a CPU block store of 1,099,511,627,776 blocks of 2 MiB)",
+        ),
+        (["--device", "gpu0"], "--device gpu0: unknown device 'gpu0'"),
+    ],
+)
+def test_bench_transfer_bad_values_name_the_option_before_the_benchmark(
+    args: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The benchmark named its parameters ("600 CPU blocks of 1 GPU blocks do not fit in
+    512 GPU blocks"), torch its buffers ("cannot allocate ... for the paged KV cache"), or
+    nothing named the option ("unknown KV layout")."""
+    transfer = pytest.importorskip("kvoffload.dataplane.bench")
+    monkeypatch.setattr(transfer, "run_from_args", _never)
+    assert main(["bench", "transfer", *args]) == 1
+    assert one_line_error(capsys).startswith(f"kvoffload: error: {message}")

@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 from cli_helpers import one_line_error
 
+from compiled import needs
 from kvoffload import CPUOffloadingManager, FilterReusedOffloadingManager, block_id_key
 from kvoffload.admission.budget import WriteBudget
-from kvoffload.admission.reuse_counts import MAX_TRACKED_KEYS
+from kvoffload.admission.reuse_counts import MAX_TRACKED_KEYS, CompiledReuseCounts
 from kvoffload.cli import options
 from kvoffload.cli.main import main
 from kvoffload.cli.output import one_line
@@ -165,8 +166,14 @@ def test_minus_zero_is_zero() -> None:
             ["--mix", "rag=1, chat=1e309"],
             "mix weight for 'chat': must be a finite number, got '1e309'",
         ),
-        (["--gpu-blocks", "1000000000000"], "GPU prefix cache of 1,000,000,000,000 blocks"),
-        (["--requests", "1000000000000000"], "1,000,000,000,000,000 synthetic requests"),
+        (
+            ["--gpu-blocks", "1000000000000"],
+            "--gpu-blocks 1000000000000 (a GPU prefix cache of 1,000,000,000,000 blocks)",
+        ),
+        # Refused by the GPU cache as the run started, naming no option.
+        (["--gpu-gb", "1e9"], "--gpu-gb 1e+09 (a GPU prefix cache of 512,000,000,000 blocks)"),
+        # Refused by the generator as "1,000,000,000,000,000 synthetic requests".
+        (["--requests", "1000000000000000"], "--requests 1000000000000000 would need about "),
         (["--json", "/nonexistent/dir/out.json"], "no such directory"),
         (["--csv", "/"], "--csv /: is a directory"),
     ],
@@ -195,6 +202,24 @@ def test_bad_values_found_before_work(
 )
 def test_bad_sweep_lists(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sweep", "--requests", "20", "--jobs", "1", "--no-progress", *args]) == 1
+    assert message in one_line_error(capsys)
+
+
+@needs(CompiledReuseCounts)
+@pytest.mark.parametrize(
+    "command",
+    [
+        [*SMALL, "--store-threshold", "2"],
+        ["sweep", *SMALL[1:-1], "--thresholds", "2", "--jobs", "1"],
+    ],
+)
+def test_a_tracker_size_beyond_memory_names_the_option(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The compiled table, filled up front, was refused as a run built it, naming no option
+    (in a sweep, after the runs before it)."""
+    assert main([*command, "--max-tracker-size", str(10**12)]) == 1
+    message = f"--max-tracker-size {10**12} (a reuse count table of 1,000,000,000,000 keys)"
     assert message in one_line_error(capsys)
 
 
@@ -255,6 +280,17 @@ def test_hostile_trace_lines(
     trace = tmp_path / "t.jsonl"
     trace.write_text(content)
     assert main(["simulate", "--trace", str(trace), "--no-progress"]) == 1
+    assert message in one_line_error(capsys)
+
+
+def test_a_json_lines_trace_named_csv_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Read as CSV, its first record was the header: "missing field 'timestamp'" on line 2."""
+    trace = tmp_path / "t.csv"
+    trace.write_text(f"{RECORD}\n{RECORD}\n")
+    assert main(["simulate", "--trace", str(trace), "--no-progress"]) == 1
+    message = f"{trace}:1: a JSON object, not a CSV header; a trace named *.csv is read as CSV"
     assert message in one_line_error(capsys)
 
 
@@ -327,9 +363,26 @@ def test_mix_weights_near_the_float_maximum_do_not_loop() -> None:
 
 @pytest.mark.parametrize(("rate", "requests"), [("5e-324", "10"), ("1e-306", "2000")])
 def test_a_rate_whose_arrivals_overflow_is_refused_not_looped(rate: str, requests: str) -> None:
-    """An underflowed session rate divided by zero; infinite arrivals were drawn forever."""
+    """An underflowed session rate divided by zero; infinite arrivals were drawn forever.
+    The error named the generator's ``rate``, not the option."""
     result = run_cli("simulate", "--requests", requests, "--no-bound", "--rate", rate)
-    _assert_one_line(result, 1, f"rate {rate} is too low: arrival times overflow a float")
+    _assert_one_line(result, 1, f"kvoffload: error: --rate {rate} is too low: arrival times")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--mix", "rag=1e308"],
+        ["--mix", "chat=1e-320,rag=1e308"],
+        ["--rate", "1e308", "--mix", "chat=2"],
+    ],
+)
+def test_a_session_rate_past_a_float_is_drawn_not_looped(args: list[str]) -> None:
+    """The rate times a kind's weight overflowed: every session then started at 0, and the
+    draw waited forever for one that started later."""
+    result = run_cli("simulate", "--requests", "10", "--no-bound", "--json", "-", *args)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["requests"] == 10
 
 
 def test_library_rejects_a_single_key_where_keys_are_expected() -> None:
@@ -373,6 +426,12 @@ def test_library_lists_the_admission_names() -> None:
         (["--kv-events-endpoint", "tcp://127.0.0.1"], "'tcp://127.0.0.1': expected tcp://"),
         (["--kv-events-endpoint", "tcp://127.0.0.1:99999"], "port must be 0..65535 or *"),
         (["--kv-events-endpoint", "tcp://10.255.255.254:5557"], "cannot bind"),
+        # Refused by ZMQ once the workload was built: "cannot bind KV events to ...".
+        (
+            ["--kv-events-endpoint", "tcp://256.1.1.1:5557"],
+            "--kv-events-endpoint 'tcp://256.1.1.1:5557': cannot bind: no interface or host "
+            "named '256.1.1.1'",
+        ),
         (
             ["--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-replay-endpoint", "x"],
             "--kv-events-replay-endpoint 'x': expected tcp://HOST:PORT",
@@ -400,6 +459,16 @@ def test_bad_names_and_endpoints_are_refused_before_the_workload(
     trace.write_text("{\n")
     assert main(["simulate", "--trace", str(trace), "--no-progress", *args]) == 1
     assert message in one_line_error(capsys)
+
+
+def test_an_endpoint_may_name_a_host_or_an_interface(capsys: pytest.CaptureFixture[str]) -> None:
+    """ZMQ binds a host name it resolves and an interface's name: neither is refused."""
+    pytest.importorskip("zmq")
+    interface = socket.if_nameindex()[0][1]
+    events = ["--kv-events-endpoint", "tcp://localhost:0"]
+    events += ["--kv-events-replay-endpoint", f"tcp://{interface}:0"]
+    assert main([*SMALL, *events, "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["requests"] == 30
 
 
 @pytest.mark.parametrize(

@@ -12,14 +12,17 @@ import contextlib
 import importlib
 import json
 import os
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 from kvoffload.cli import options, output, tier_options
 from kvoffload.cli.progress import ProgressBar
-from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
+from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError, KVOffloadError
+from kvoffload.core.layout import layout_preset
 
 BENCH_MODULE = "kvoffload.dataplane.bench"
+ALLOCATION_MODULE = "kvoffload.dataplane.allocation"
 
 
 def register(commands: Any) -> argparse.ArgumentParser:
@@ -117,8 +120,29 @@ def _check_json(args: argparse.Namespace) -> None:
         output.check_writable_file(path, "--json")
 
 
+def _check_transfer(args: argparse.Namespace) -> None:
+    """Refuse, naming the options, what the benchmark refuses naming its parameters ("512
+    CPU blocks of 1 GPU blocks do not fit in 512 GPU blocks") or torch only as it allocates
+    (and fills: a buffer beyond memory is the kernel's out-of-memory kill)."""
+    options.check_name(args.layout, "--layout", layout_preset)
+    gpu, cpu, factor = args.gpu_blocks, args.cpu_blocks, args.block_size_factor
+    if cpu * factor > gpu:
+        raise InvalidArgumentError(
+            f"--cpu-blocks {cpu} of --block-size-factor {factor} GPU blocks each take "
+            f"{cpu * factor:,} GPU blocks, more than --gpu-blocks {gpu}"
+        )
+    on_cpu = options.device_on_cpu(importlib.import_module(ALLOCATION_MODULE), args.device)
+    block = layout_preset(args.layout).bytes_per_block
+    options.check_kv_buffers_fit(
+        options.KVBuffer(gpu, block, f"--gpu-blocks {gpu}"),
+        options.KVBuffer(cpu, factor * block, f"--cpu-blocks {cpu}"),
+        on_cpu,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     _check_json(args)
+    _check_transfer(args)
     bar = ProgressBar("bench transfer", ProgressBar.wanted(args.progress))
     try:
         results: dict[str, Any] = _bench_module().run_from_args(args, bar)
@@ -140,6 +164,30 @@ def _report(args: argparse.Namespace, results: dict[str, Any]) -> None:
         print(output.key_value_table(rows) if rows else "(no results)")
 
 
+def _check_block_mib(block_mib: float) -> None:
+    """Refuse a block below the benchmark's least, naming ``--block-mib``."""
+    from kvoffload.tiers.bench import MIB, MIN_BLOCK_BYTES
+
+    size = int(block_mib * MIB)
+    if size < MIN_BLOCK_BYTES:
+        raise InvalidArgumentError(
+            f"--block-mib {block_mib:g} is a block of {size} bytes: at least {MIN_BLOCK_BYTES} "
+            f"({MIN_BLOCK_BYTES / MIB:g} MiB) are needed"
+        )
+
+
+@contextlib.contextmanager
+def _sized_by_blocks(args: argparse.Namespace) -> Iterator[None]:
+    """A benchmark's buffers beyond memory named by the options that size them (the
+    benchmark names only its figures: "100000 blocks of 1024 MiB would need ...")."""
+    try:
+        yield
+    except InsufficientMemoryError as exc:
+        raise InsufficientMemoryError(
+            f"--blocks {args.blocks} --block-mib {args.block_mib:g}: {exc}"
+        ) from None
+
+
 def run_tiers(args: argparse.Namespace) -> int:
     """``bench tiers``: torch-free; the shared tier's client is needed only with ``--remote``."""
     from kvoffload.tiers.bench import measure_tiers
@@ -147,20 +195,24 @@ def run_tiers(args: argparse.Namespace) -> int:
 
     _check_json(args)
     _check_dir(args.dir)
+    if args.remote is not None:  # else found only after the disk tier's rounds
+        tier_options.check_remote(args.remote)
     if args.sglang is not None:
         return _run_sglang(args)
+    _check_block_mib(args.block_mib)
     bar = ProgressBar("bench tiers", ProgressBar.wanted(args.progress))
     try:
-        results = measure_tiers(
-            args.blocks,
-            args.block_mib,
-            args.rounds,
-            args.dir,
-            args.remote,
-            fsync=args.fsync,
-            disk_timeout_ms=args.disk_timeout_ms or DEFAULT_TIMEOUT_MS,
-            progress=bar,
-        )
+        with _sized_by_blocks(args):
+            results = measure_tiers(
+                args.blocks,
+                args.block_mib,
+                args.rounds,
+                args.dir,
+                args.remote,
+                fsync=args.fsync,
+                disk_timeout_ms=args.disk_timeout_ms or DEFAULT_TIMEOUT_MS,
+                progress=bar,
+            )
     finally:
         bar.close()
     if args.json:
@@ -197,15 +249,16 @@ def _run_sglang(args: argparse.Namespace) -> int:
         started += 1
 
     try:
-        results = measure_sglang(
-            args.blocks,
-            args.block_mib,
-            args.rounds,
-            args.dir,
-            args.remote,
-            interfaces,
-            row_starts,
-        )
+        with _sized_by_blocks(args):
+            results = measure_sglang(
+                args.blocks,
+                args.block_mib,
+                args.rounds,
+                args.dir,
+                args.remote,
+                interfaces,
+                row_starts,
+            )
         bar(total, total)
     finally:
         bar.close()

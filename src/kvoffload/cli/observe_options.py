@@ -139,11 +139,32 @@ def _check_endpoint(endpoint: str, option: str) -> None:
     host = host.strip("[]")
     if host == "*":
         host = "0.0.0.0"
+    what = f"{option} {endpoint!r}"
     try:
         ipaddress.ip_address(host)
     except ValueError:
-        return  # a host or interface name: ZMQ resolves it when binding, and says so if it fails
-    _check_free(host, int(port_text), f"{option} {endpoint!r}")
+        if host in _interface_names():
+            return  # ZMQ binds the interface's own address
+        host = _host_address(host, what)
+    _check_free(host, int(port_text), what)
+
+
+def _interface_names() -> set[str]:
+    try:
+        return {name for _, name in socket.if_nameindex()}
+    except OSError:  # not offered here: every name is then taken for a host's
+        return set()
+
+
+def _host_address(name: str, what: str) -> str:
+    """The address ``name`` resolves to, to bind: a name that resolves to none was refused
+    only by ZMQ, once the workload had been built ("No such device"), naming no option."""
+    try:
+        return str(socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)[0][4][0])
+    except (OSError, UnicodeError):
+        raise InvalidArgumentError(
+            f"{what}: cannot bind: no interface or host named {name!r}"
+        ) from None
 
 
 def _check_free(host: str, port: int, what: str) -> None:

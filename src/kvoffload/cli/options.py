@@ -9,6 +9,8 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
 from typing import TypeVar
 
 from kvoffload.admission import admission_params, parse_pairs
@@ -20,7 +22,12 @@ from kvoffload.admission.registry import (
     params_class,
     resolve_admission,
 )
-from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD, MAX_TRACKED_KEYS
+from kvoffload.admission.reuse_counts import (
+    COMPILED_BYTES_PER_KEY,
+    MAX_STORE_THRESHOLD,
+    MAX_TRACKED_KEYS,
+    CompiledReuseCounts,
+)
 from kvoffload.cli import output
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.core.errors import InvalidArgumentError
@@ -29,7 +36,15 @@ from kvoffload.core.memory import check_fits
 from kvoffload.core.specs import CPULoadStoreSpec
 from kvoffload.managers.admit_all import admission_book
 from kvoffload.sim.engine import PARTIAL_BLOCK_MODES
-from kvoffload.sim.generators import DEFAULT_MIX, DEFAULT_RATE, DEFAULT_REQUESTS, parse_mix
+from kvoffload.sim.generators import (
+    BYTES_PER_REQUEST,
+    DEFAULT_MIX,
+    DEFAULT_RATE,
+    DEFAULT_REQUESTS,
+    RateTooLowError,
+    parse_mix,
+    rate_too_low,
+)
 from kvoffload.sim.gpu_cache import BYTES_PER_SLOT
 from kvoffload.sim.plots import PLOT_FILES
 from kvoffload.sim.run import SimConfig, blocks_for_gib
@@ -196,6 +211,8 @@ def workload_source(args: argparse.Namespace) -> WorkloadSource:
         return WorkloadSource(trace=args.trace, fmt=args.format, block_tokens=args.block_size)
     if args.format != "auto":
         raise InvalidArgumentError(f"--format {args.format} names a trace's schema: give --trace")
+    if "requests" in given:  # else refused by the generator, naming no option
+        check_fits(args.requests * BYTES_PER_REQUEST, f"--requests {args.requests}")
     if "mix" in given:
         try:
             given["mix"] = tuple(parse_mix(args.mix).items())
@@ -212,6 +229,8 @@ def load_workload(source: WorkloadSource, progress: bool | None) -> Workload:
     bar = ProgressBar(label, ProgressBar.wanted(progress))
     try:
         return source.load(bar)
+    except RateTooLowError:  # found only as arrivals are drawn; named as the generator's
+        raise rate_too_low(source.rate, "--rate") from None
     finally:
         bar.close()
 
@@ -237,6 +256,14 @@ def check_tracker_size_used(args: argparse.Namespace, thresholds: Sequence[int],
     if args.max_tracker_size is not None and all(threshold < 2 for threshold in thresholds):
         raise InvalidArgumentError(
             f"--max-tracker-size sizes the store filter's reuse table: it needs {need}"
+        )
+    if args.max_tracker_size is not None and CompiledReuseCounts is not None:
+        # Else refused as the run builds its table (the compiled one fills it up front),
+        # naming no option: in a sweep, after the runs before it.
+        keys = args.max_tracker_size
+        check_fits(
+            keys * COMPILED_BYTES_PER_KEY,
+            f"--max-tracker-size {keys} (a reuse count table of {keys:,} keys)",
         )
 
 
@@ -303,21 +330,32 @@ def _blocks(blocks: int | None, gib: float | None, default_gib: float, layout: s
     return blocks_for_gib(default_gib if gib is None else gib, layout, bt)
 
 
+def gpu_size(args: argparse.Namespace) -> str:
+    """The GPU prefix cache's size as it was given, for an error to name: the option as
+    typed, or the default."""
+    if args.gpu_blocks is not None:
+        return f"--gpu-blocks {args.gpu_blocks}"
+    if args.gpu_gb is not None:
+        return f"--gpu-gb {args.gpu_gb:g}"
+    return f"the default GPU size, {DEFAULT_GPU_GIB:g} GiB,"
+
+
+def _gpu_cache_of(size: str, blocks: int) -> str:
+    return f"{size} (a GPU prefix cache of {blocks:,} blocks)"
+
+
 def base_config(args: argparse.Namespace, block_tokens: int, default_layout: str) -> SimConfig:
     """The run configuration from the engine and GPU options; offload tier still empty."""
     layout = args.layout or default_layout
     gpu_blocks = _blocks(args.gpu_blocks, args.gpu_gb, DEFAULT_GPU_GIB, layout, block_tokens)
     if gpu_blocks == 0:  # only a size in GiB gives none (--gpu-blocks is at least 1)
         block = layout_preset(layout).with_block_size(block_tokens).bytes_per_block
-        size = (
-            f"--gpu-gb {args.gpu_gb:g}"
-            if args.gpu_gb is not None
-            else f"the default GPU size, {DEFAULT_GPU_GIB:g} GiB,"
-        )
         raise InvalidArgumentError(
-            f"{size} holds no block of {output.size(block)} "
+            f"{gpu_size(args)} holds no block of {output.size(block)} "
             f"({layout}, {block_tokens} tokens); give the GPU at least one"
         )
+    # Else refused by the GPU cache as the run starts, naming no option.
+    check_fits(gpu_blocks * BYTES_PER_SLOT, _gpu_cache_of(gpu_size(args), gpu_blocks))
     return SimConfig(
         gpu_blocks=gpu_blocks,
         cpu_blocks=0,
@@ -528,7 +566,9 @@ def check_before_work(args: argparse.Namespace) -> None:
             )
     gpu_blocks = getattr(args, "gpu_blocks", None)
     if gpu_blocks is not None:
-        check_fits(gpu_blocks * BYTES_PER_SLOT, f"a GPU prefix cache of {gpu_blocks:,} blocks")
+        check_fits(
+            gpu_blocks * BYTES_PER_SLOT, _gpu_cache_of(f"--gpu-blocks {gpu_blocks}", gpu_blocks)
+        )
     transfer = getattr(args, "transfer_gb_per_s", None)
     if transfer is not None and not math.isfinite(transfer * 1e9):
         # Else refused by the run's settings, naming their field (transfer_gb_per_s).
@@ -544,3 +584,43 @@ def check_before_work(args: argparse.Namespace) -> None:
             "--drive-bytes is the drive a budget in drive writes per day counts against: "
             "it needs --write-budget, --disk-write-budget or --remote-write-budget"
         )
+
+
+@dataclass(frozen=True)
+class KVBuffer:
+    """A data-plane buffer an option sizes: ``blocks`` of ``block_bytes``, sized by
+    ``size`` (the option as typed, or the default) for an error to name."""
+
+    blocks: int
+    block_bytes: int
+    size: str
+
+    def describe(self, what: str) -> str:
+        return f"{what} of {self.blocks:,} blocks of {output.size(self.block_bytes)}"
+
+
+def device_on_cpu(allocation: ModuleType, device: str) -> bool:
+    """Whether ``--device`` (checked by the data plane's ``allocation`` module, which needs
+    torch) is the CPU, where the paged KV cache shares host memory with the CPU tier."""
+    try:
+        return bool(allocation.resolve_device(device).type == "cpu")
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"--device {device}: {exc}") from None
+
+
+def check_kv_buffers_fit(gpu: KVBuffer, cpu: KVBuffer, on_cpu: bool, context: str = "") -> None:
+    """Refuse data-plane buffers beyond the machine's memory, naming the option that sized
+    each (torch's refusal names only the buffer, "the CPU block store", and a buffer it
+    grants beyond memory ends in the kernel's out-of-memory kill as it fills). The CPU
+    block store is in host memory, and so is the paged KV cache on the CPU."""
+    store = cpu.describe("a CPU block store")
+    check_fits(cpu.blocks * cpu.block_bytes, f"{cpu.size}{context} ({store})")
+    if not on_cpu:
+        return
+    cache = gpu.describe("a paged KV cache") + " on the CPU"
+    gpu_bytes = gpu.blocks * gpu.block_bytes
+    check_fits(gpu_bytes, f"{gpu.size}{context} ({cache})")
+    check_fits(
+        gpu_bytes + cpu.blocks * cpu.block_bytes,
+        f"{gpu.size} and {cpu.size}{context} ({cache}, and {store})",
+    )

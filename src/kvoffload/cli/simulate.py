@@ -11,7 +11,7 @@ from typing import Any
 from kvoffload.admission import available_admissions, resolve_admission
 from kvoffload.cli import observe_options, options, output, tier_options
 from kvoffload.cli.progress import ProgressBar
-from kvoffload.core.errors import KVOffloadError
+from kvoffload.core.errors import InsufficientMemoryError, KVOffloadError
 from kvoffload.core.layout import layout_preset
 from kvoffload.policies import available_policies, resolve_policy
 from kvoffload.sim.run import RunReport, SimConfig, blocks_for_gib, simulate
@@ -104,10 +104,28 @@ def register(commands: Any) -> None:
     parser.set_defaults(run=run)
 
 
-def _data_plane(config: SimConfig, block_tokens: int, device: str) -> Any:
+@dataclass(frozen=True)
+class _Sizes:
+    """How the GPU cache's and the offload tier's sizes were given (an option as typed, or
+    the default), for the data plane's errors to name."""
+
+    gpu: str
+    cpu: str
+
+
+def _sizes(args: argparse.Namespace) -> _Sizes:
+    """``args``' sizes as typed: called before the data plane's defaults fill them in."""
+    typed = args.cpu_blocks is not None or args.cpu_gb is not None
+    return _Sizes(
+        options.gpu_size(args), _cpu_option(args) if typed else "the default offload tier"
+    )
+
+
+def _data_plane(config: SimConfig, block_tokens: int, device: str, sizes: _Sizes) -> Any:
     """The data plane's ``DataPlaneBackend``, imported only now: it needs torch."""
     try:
         module = importlib.import_module("kvoffload.sim.dataplane_backend")
+        allocation = importlib.import_module("kvoffload.dataplane.allocation")
     except ModuleNotFoundError as exc:
         if exc.name in ("kvoffload.sim.dataplane_backend", "kvoffload.dataplane"):
             raise KVOffloadError(
@@ -116,9 +134,21 @@ def _data_plane(config: SimConfig, block_tokens: int, device: str) -> Any:
         raise KVOffloadError(
             f"--data-plane needs {exc.name}; install it with: pip install 'kvoffload[torch]'"
         ) from None
-    return module.DataPlaneBackend(
-        config.kv_layout(block_tokens), config.gpu_blocks, config.cpu_blocks, device
+    on_cpu = options.device_on_cpu(allocation, device)
+    layout = config.kv_layout(block_tokens)
+    block = layout.bytes_per_block
+    options.check_kv_buffers_fit(
+        options.KVBuffer(config.gpu_blocks, block, sizes.gpu),
+        options.KVBuffer(config.cpu_blocks, block, sizes.cpu),
+        on_cpu,
+        " with --data-plane",
     )
+    try:
+        return module.DataPlaneBackend(layout, config.gpu_blocks, config.cpu_blocks, device)
+    except InsufficientMemoryError as exc:  # the device's own memory (or pinning) refused
+        raise InsufficientMemoryError(
+            f"{sizes.gpu} and {sizes.cpu} with --data-plane: {exc}"
+        ) from None
 
 
 def _default_capacities_in_blocks(args: argparse.Namespace, block_tokens: int) -> None:
@@ -183,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
     observe_options.check_before_work(args)
     workload = options.load_workload(options.workload_source(args), args.progress)
     bt = workload.block_tokens
+    sizes = _sizes(args)
     if args.data_plane:
         _default_capacities_in_blocks(args, bt)
     config = options.base_config(
@@ -210,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, bound=False)
     # The data plane's backend is duck-typed: a TransferBackend plus its check counters.
     device = args.device or DATA_PLANE_DEVICE
-    backend: Any = _data_plane(config, bt, device) if args.data_plane else None
+    backend: Any = _data_plane(config, bt, device, sizes) if args.data_plane else None
     bar = ProgressBar("simulate", ProgressBar.wanted(args.progress))
     with observe_options.observing(args, bt) as observing:
         try:

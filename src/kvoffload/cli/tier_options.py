@@ -200,7 +200,7 @@ def check_before_work(args: argparse.Namespace) -> None:
                 f"--{tier}-admission",
             )
     if args.remote is not None:
-        _check_remote(args.remote)
+        check_remote(args.remote)
 
 
 def _check_capacity(disk_blocks: int, option: str) -> None:
@@ -228,7 +228,7 @@ def _check_disk_dir(path: str) -> None:
         raise InvalidArgumentError(f"--disk-dir {path}: {place} is not writable")
 
 
-def _check_remote(url: str) -> None:
+def check_remote(url: str) -> None:
     """Connect once (the URL's own timeout bounds it), so a typo costs no run."""
     from kvoffload.tiers import RemoteTier
 

@@ -320,8 +320,10 @@ def generate(
             continue
         rng = random.Random(seed * 1000 + index)
         session_rate = rate * share / total / per_session[kind]
+        if not 0 < session_rate < math.inf:  # rate * share overflowed or underflowed
+            session_rate = rate * (share / total) / per_session[kind]
         if not session_rate > 0:  # underflowed: expovariate would divide by zero
-            raise InvalidArgumentError(_TOO_SLOW.format(rate=rate))
+            raise rate_too_low(rate)
         if progress is not None:
             report = functools.partial(_drawn, progress, len(requests), num_requests)
         requests += _take(generators[kind](rng, keys, session_rate), counts[kind], rate, report)
@@ -346,7 +348,14 @@ def _apportion(n: int, shares: Mapping[str, float]) -> dict[str, int]:
     return counts
 
 
-_TOO_SLOW = "rate {rate!r} is too low: arrival times overflow a float"
+class RateTooLowError(InvalidArgumentError):
+    """Arrival times drawn at the ``rate`` asked for overflow a float: a class of its own, so
+    that a caller that took the rate under another name (the CLI's ``--rate``) can name it."""
+
+
+def rate_too_low(rate: float, name: str = "rate") -> RateTooLowError:
+    """The error of a ``rate`` whose arrival times overflow, naming it ``name``."""
+    return RateTooLowError(f"{name} {rate!r} is too low: arrival times overflow a float")
 
 
 PROGRESS_REQUESTS = 1024
@@ -376,7 +385,7 @@ def _take(
             reported = len(taken)
             report(min(reported, n))
         if math.isinf(session[0].arrival_s):
-            raise InvalidArgumentError(_TOO_SLOW.format(rate=rate))
+            raise rate_too_low(rate)
         if len(taken) >= n:
             taken.sort(key=lambda r: r.arrival_s)
             if session[0].arrival_s > taken[n - 1].arrival_s:

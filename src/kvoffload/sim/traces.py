@@ -300,6 +300,11 @@ def _csv_records(
                 reason = "a quoted field not closed on its line"
             raise TraceFormatError(f"{path}:{line_no}: invalid CSV: {reason}") from None
         if header is None:
+            if line.lstrip().startswith("{"):  # else "missing field 'timestamp'" on line 2
+                raise TraceFormatError(
+                    f"{path}:{line_no}: a JSON object, not a CSV header; a trace named *.csv "
+                    "is read as CSV: name a JSON-lines trace *.jsonl"
+                )
             header = [name.strip() for name in row]
             twice = next((name for name in header if header.count(name) > 1), None)
             if twice is not None:  # the last column of the name would win, silently

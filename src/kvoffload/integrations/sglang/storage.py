@@ -77,14 +77,32 @@ def _metrics_class() -> type[Any]:
     return found if isinstance(found, type) else L3Metrics
 
 
+PAGE_HASH_BYTES = 32
+"""SGLang's page hash: a SHA-256 digest, written as 64 lowercase hex digits."""
+TEXT_MARK = b"\xff"
+"""Ends the bytes of a key that is not a page hash: a byte UTF-8 never holds."""
+
+
 def page_key(key: str) -> OffloadKey:
-    """SGLang's page hash (hex) as our key; any other string by its UTF-8 bytes (a lone
-    surrogate kept), any other key by its ``str()``, as SGLang's own backends format keys."""
+    """SGLang's page hash as our key, its 32 bytes; any other string by its UTF-8 bytes (a
+    lone surrogate kept) and one :data:`TEXT_MARK`, two where one would make 32 bytes; any
+    other key by its ``str()``, as SGLang's own backends format keys.
+
+    No two strings share a page: only a page hash in SGLang's own spelling is read as
+    bytes (not ``"30"``, which would be ``"0"``'s, nor ``"AB"``, ``"ab"``'s), and the
+    bytes of any other string are never 32 long.
+    """
     text = key if isinstance(key, str) else str(key)
-    try:
-        raw = bytes.fromhex(text)
-    except ValueError:
-        raw = text.encode("utf-8", "surrogatepass")
+    if len(text) == 2 * PAGE_HASH_BYTES:
+        try:
+            digest = bytes.fromhex(text)
+        except ValueError:
+            digest = b""
+        if digest.hex() == text:  # not "AB.." for "ab..", nor digits spaced out
+            return make_offload_key(digest, 0)
+    raw = text.encode("utf-8", "surrogatepass") + TEXT_MARK
+    if len(raw) == PAGE_HASH_BYTES:
+        raw += TEXT_MARK
     return make_offload_key(raw, 0)
 
 
