@@ -47,12 +47,16 @@ def _disk(tmp_path: Path, cpu_blocks: int = 2, world_size: int = 1) -> dict[str,
 
 
 def _settle(instance: Instance, keys: list[OffloadKey], context: Any) -> None:
-    """Look ``keys`` up one by one as vLLM does: each is RETRY while promoted, then HIT."""
+    """Look ``keys`` up one by one as vLLM does: the first is RETRY while all of them are
+    promoted, in one read, then each is HIT."""
     from vllm.v1.kv_offload.base import LookupResult
 
-    for key in keys:
-        answers = lookup_until_settled(instance.manager, key, context)
-        assert answers[0] is LookupResult.RETRY and answers[-1] is LookupResult.HIT, answers
+    reads = sum(instance.manager.backing.promotion_batches)
+    answers = lookup_until_settled(instance.manager, keys[0], context)
+    assert answers[0] is LookupResult.RETRY and answers[-1] is LookupResult.HIT, answers
+    for key in keys[1:]:
+        assert instance.manager.lookup(key, context) is LookupResult.HIT
+    assert sum(instance.manager.backing.promotion_batches) == reads + 1
 
 
 def _evict_to_disk(instance: Instance) -> Any:

@@ -2,7 +2,9 @@
 
 Several requests are interleaved. Each one, when scheduled, touches all of its
 blocks and looks up the blocks past its GPU prefix (in one lookup, as the seed's
-connector does, or one key at a time, as vLLM 0.33's); a ``None`` parks it, and its
+connector does, or one key at a time, as vLLM's, answered as kvoffload's adapter
+answers them: one batch lookup at the scan's first key, the later keys from what
+the CPU tier then holds); a ``None`` parks it, and its
 retry comes with a GPU prefix that may have grown or shrunk meanwhile (vLLM
 re-matches the prefix cache on every try), or it is aborted and never asks
 again. Hits are loaded (pinned until the load completes), the rest is stored a
@@ -194,10 +196,6 @@ class ConnectorMachine(RuleBasedStateMachine):
         outer: str,
         per_key: bool,
     ) -> None:
-        if per_key:
-            # A reservation counts lookups, and a one-key scan makes one per block: to be
-            # claimed by its requester's next scan it must outlive this many of them.
-            reserve_lookups += max(map(len, PROMPTS))
         self.cpu_capacity, self.reserve_lookups = cpu, reserve_lookups
         self.per_key = per_key
         self.slots = ByteSlots(cpu, SIZE)
@@ -308,8 +306,8 @@ class ConnectorMachine(RuleBasedStateMachine):
         past_gpu = keys[request.gpu :]
         found = self.scan(past_gpu) if self.per_key else self.outer.lookup(past_gpu)
         if found is None:
-            # A scan's later lookup may land the promotion an earlier one started.
-            assert self.m.promotions_in_flight > 0 or self.per_key
+            # Asked again only while a promotion runs (its read was started, not held back).
+            assert self.m.promotions_in_flight > 0
             return
         assert found == self.ready_run(past_gpu)
         if found:
@@ -323,16 +321,22 @@ class ConnectorMachine(RuleBasedStateMachine):
         request.running, request.next_store = True, request.gpu + found
 
     def scan(self, keys: list[OffloadKey]) -> int | None:
-        """vLLM 0.33's lookup (``_maximal_prefix_lookup``): one key at a time, past the
-        stack's admission (as kvoffload's adapter sends them), on past a ``None`` (so that
-        the promotions of the later blocks start too) until a miss; ``None`` if any was."""
+        """vLLM's lookup (``_maximal_prefix_lookup``: one key at a time, on past a deferred
+        key until a miss; ``None`` if any was deferred) as kvoffload's adapter answers it:
+        the scan's first key looks the request up in one batch, past the stack's admission,
+        and each key is answered from what the CPU tier then holds: ready, a hit; promoting,
+        deferred, and so is a key it lacks behind a deferred one; otherwise a miss (a store
+        in flight too: vLLM would wait for it, which this engine does not model)."""
+        self.m.lookup(keys)
         hits, deferred = 0, False
         for key in keys:
-            found = self.m.lookup([key])
-            if found == 0:
+            block = self.m.cpu.block_status(key)
+            if block is not None and block.is_ready:
+                hits += 1
+            elif self.m.is_promoting(key) or (block is None and deferred):
+                deferred = True
+            else:
                 break
-            hits += found or 0
-            deferred |= found is None
         return None if deferred else hits
 
     @precondition(lambda self: any(r.running for r in self.requests))
@@ -460,7 +464,7 @@ class ConnectorMachine(RuleBasedStateMachine):
         storing = {key for keys, _ in self.stores for key in keys}
         for key, block in self.m.cpu._blocks.items():
             if block.ref_cnt == PENDING_STORE:
-                assert key in storing or key in self.m._promoting
+                assert key in storing or self.m.is_promoting(key)
                 assert not self.m.is_reserved(key)
             else:
                 assert block.ref_cnt == pins.get(key, 0) + self.m.is_reserved(key), key

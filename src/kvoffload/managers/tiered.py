@@ -207,6 +207,11 @@ class TieredOffloadingManager(OffloadingManager):
         """Whether ``key`` is a landed promotion pinned until a lookup claims it."""
         return key in self._reserved
 
+    def is_promoting(self, key: OffloadKey) -> bool:
+        """Whether ``key``'s promotion into the CPU tier is in flight (its slot is pending;
+        a pending slot that is not promoting is a CPU store in flight)."""
+        return key in self._promoting
+
     def holds(self, key: OffloadKey) -> bool:
         """Whether the CPU tier has a slot for ``key`` (ready, pinned or pending)."""
         return self.cpu.holds(key)

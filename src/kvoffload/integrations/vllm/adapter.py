@@ -1,9 +1,13 @@
 """vLLM 0.33's per-key manager API on top of a kvoffload manager (the seed batch API).
 
-Every call keeps its meaning: ``lookup(key)`` is a one-key batch lookup whose
-``None`` ("ask again") is ``RETRY`` and whose pending block is
-``HIT_PENDING``; loads and stores pass straight through. Where vLLM 0.33 and
-the seed differ, this adapter follows vLLM:
+Every call keeps its meaning: ``lookup(key)`` answers as a one-key batch
+lookup, its ``None`` ("ask again") ``RETRY`` and its pending block
+``HIT_PENDING``; loads and stores pass straight through. With lower tiers below
+the CPU tier, vLLM's scan of a request (its keys one at a time, in prefix order)
+is looked up as the seed's connector looked a request up, in one batch lookup
+at the scan's first key, so that a run only a lower tier holds is promoted in
+one read; the scan's later keys are answered from what the CPU tier then holds.
+Where vLLM 0.33 and the seed differ, this adapter follows vLLM:
 
 * recency is request-scoped: keys a request reads or stores become recent
   when first seen by it (head of the prefix most recent; vLLM 0.33 only, 0.32
@@ -48,7 +52,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from kvoffload.admission import AdmissionLayer, AdmissionStats
-from kvoffload.core.keys import OffloadKey
+from kvoffload.core.keys import GROUP_IDX_BYTES, OffloadKey
 from kvoffload.core.manager import OffloadingManager as SeedManager
 from kvoffload.core.specs import BlockIDsLoadStoreSpec
 from kvoffload.integrations.vllm.offer_filter import OfferCountFilter
@@ -155,6 +159,30 @@ class _RequestKeys:
     """Keys it got a slot for."""
     store_missed: set[OffloadKey] = field(default_factory=set)
     """Keys it offered that the tier lacked, told to the policy once (ARC's ghosts)."""
+    order: dict[bytes, list[OffloadKey]] = field(default_factory=dict)
+    """Its keys in prefix order, per KV group (a key's last bytes), from the positions
+    vLLM recorded for it."""
+    index: dict[OffloadKey, int] = field(default_factory=dict)
+    """Each key's place in its group's ``order``."""
+    recorded: int = 0
+    """How many key positions vLLM had recorded when ``order`` was built."""
+    scan: _Scan | None = None
+    """vLLM's scan of its keys in progress, if any."""
+
+
+@dataclass
+class _Scan:
+    """vLLM's one-key lookups of one request in one step, in prefix order."""
+
+    step: int
+    """The adapter's scheduler step it runs in: vLLM scans a request once a step."""
+    last: int
+    """The place (in the request's ``order``) of the key it looked up last."""
+    batched: bool
+    """Begun by a batch lookup of the request from its first key: its later keys are
+    answered from the CPU tier (otherwise each is a one-key lookup)."""
+    deferred: bool = False
+    """A key of it was answered ``RETRY`` or ``HIT_PENDING``: vLLM asks again later."""
 
 
 class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
@@ -186,6 +214,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._lock = threading.Lock()
         self._promotions_held = False
         self._generation = 0
+        self._step = 0
         self._install()
         self._filter = offer_filter
         self._bytes_per_block = bytes_per_block
@@ -209,6 +238,9 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._cpu: CPUOffloadingManager = stack.cpu
         self._tiered = stack.tiered
         self._has_lower_tiers = stack.tiered is not None and bool(stack.tiered.tiers)
+        self._promoting: Callable[[OffloadKey], bool] = (
+            stack.tiered.is_promoting if stack.tiered is not None else _never
+        )
         self._lower_layers = [
             (tier, layer)
             for tier, layer in (("disk", stack.disk_admission), ("remote", stack.remote_admission))
@@ -241,17 +273,84 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             state = self._request_keys(req_context)
             state.unsighted[key] = None
             self._looked_up_in_step[req_context.req_id] = state
-        if self._promotions_held and self._probe(key) is None:
-            # Until on_reset_flushed, a worker may still write a slot the reset freed: no
-            # promotion may fill one, so a block only in a lower tier is recomputed.
-            return LookupResult.MISS
+        if self._promotions_held:
+            if self._probe(key) is None:
+                # Until on_reset_flushed, a worker may still write a slot the reset freed:
+                # no promotion may fill one, so a block only in a lower tier is recomputed.
+                return LookupResult.MISS
+            answer = self._lookup_one(key)
+        elif self._has_lower_tiers:
+            answer = self._lookup_in_scan(key, req_context)
+        else:
+            answer = self._lookup_one(key)
+        if answer is LookupResult.HIT:
+            self.counters.lookup_hit_blocks += 1
+        return answer
+
+    def _lookup_one(self, key: OffloadKey) -> LookupResult:
+        """``key``'s answer as a one-key batch lookup."""
         hits = self._direct.lookup((key,))
         if hits is None:
             return LookupResult.RETRY
         if hits:
-            self.counters.lookup_hit_blocks += 1
             return LookupResult.HIT
         return LookupResult.MISS if self._probe(key) is None else LookupResult.HIT_PENDING
+
+    def _lookup_in_scan(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """``key``'s answer within vLLM's scan of its request, with lower tiers below.
+
+        The scan's first key looks the request up from that key on in one batch lookup,
+        as the seed's connector did: a run only the lower tiers hold is promoted in one
+        read (one key at a time, each key started a read, and a round trip, of its own),
+        the CPU hits in front are shielded from the eviction that makes room for it, and
+        the lower tiers' books see the request once, not each key as a request. The
+        scan's later keys are answered from what the CPU tier then holds, without asking
+        the backing manager again: nothing else enters it before vLLM loads what the scan
+        found (it holds the lock), and the hits the batch lookup answered are claimed for
+        that load. A key the CPU tier lacks past one still to come (promoted or stored) is
+        ``RETRY``: vLLM asks again, and its next scan looks the key up. Keys vLLM asks
+        from the last one back (a sliding window) are one-key lookups, as before: a batch
+        from each would read the request's tail again for every key.
+        """
+        state = self._request_keys(req_context)
+        index = self._place(state, key, req_context)
+        scan = state.scan
+        if scan is not None and scan.step != self._step:
+            scan = None
+        if index is None:
+            state.scan = None
+            return self._lookup_one(key)
+        if scan is not None and index == scan.last - 1:
+            state.scan = _Scan(self._step, index, batched=False)
+            return self._lookup_one(key)
+        if scan is None or index != scan.last + 1 or not scan.batched:
+            scan = state.scan = _Scan(self._step, index, batched=True)
+            self._direct.lookup(state.order[key[-GROUP_IDX_BYTES:]][index:])
+        scan.last = index
+        block = self._probe(key)
+        if block is None:
+            answer = LookupResult.RETRY if scan.deferred else LookupResult.MISS
+        elif block.is_ready:
+            answer = LookupResult.HIT
+        elif self._promoting(key):
+            answer = LookupResult.RETRY
+        else:
+            answer = LookupResult.HIT_PENDING
+        scan.deferred |= answer in (LookupResult.RETRY, LookupResult.HIT_PENDING)
+        return answer
+
+    def _place(self, state: _RequestKeys, key: OffloadKey, req_context: ReqContext) -> int | None:
+        """``key``'s place in its request's prefix order (``None``: vLLM recorded no
+        position for it)."""
+        recorded: Mapping[OffloadKey, int] = getattr(req_context, "_offload_key_positions", {})
+        if len(recorded) != state.recorded:
+            # vLLM records a request's keys as its blocks fill: the order grows with them.
+            state.order = _prefix_order(recorded)
+            state.index = {
+                key: place for keys in state.order.values() for place, key in enumerate(keys)
+            }
+            state.recorded = len(recorded)
+        return state.index.get(key)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> Any:
         keys = list(keys)
@@ -388,6 +487,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         delayed it, for a tier still answering or blocks another request is loading, or
         it did not fit) is asked again in a later step, from the GPU hit it has then: the
         keys it looked up now say nothing of that hit, and are forgotten."""
+        self._step += 1
         scheduled = set(context.new_req_ids)
         for req_id, state in self._looked_up_in_step.items():
             if req_id in scheduled:
@@ -563,6 +663,19 @@ def _first_position(req_context: ReqContext, keys: Sequence[OffloadKey]) -> int 
     """Where the first of ``keys`` ends (``None``: no keys, or one without a position)."""
     positions = [req_context.get_offload_key_position(key) for key in keys]
     return None if not positions or None in positions else min(positions)
+
+
+def _prefix_order(recorded: Mapping[OffloadKey, int]) -> dict[bytes, list[OffloadKey]]:
+    """The recorded keys in prefix order (by the token each ends at), per KV group."""
+    order: dict[bytes, list[tuple[int, OffloadKey]]] = {}
+    for key, position in recorded.items():
+        order.setdefault(key[-GROUP_IDX_BYTES:], []).append((position, key))
+    return {group: [key for _, key in sorted(keys)] for group, keys in order.items()}
+
+
+def _never(key: OffloadKey) -> bool:
+    """A stack without lower tiers promotes nothing."""
+    return False
 
 
 def _leading_keys(req_context: ReqContext, before: int | None) -> list[OffloadKey]:

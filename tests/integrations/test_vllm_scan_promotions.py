@@ -1,0 +1,197 @@
+"""vLLM's one-key scans read a request's run of lower-tier blocks in one promotion.
+
+vLLM's scheduler (0.32 and 0.33) looks a request up one key at a time; with a
+disk or shared tier below the CPU tier, each block only a lower tier held used to
+start a read of its own (a 10-block request: 10 reads, 10 round trips to the
+server). The adapter now looks the request up in one batch at the first key of
+each scan, as the seed's batch lookup and the simulator do, and answers the
+scan's later keys from what the CPU tier then holds. vLLM's own connector
+scheduler drives the spec here; its workers copy real bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from vllm_helpers import Instance, request_context
+from vllm_scheduler import connector_scheduler, end_step, offload_keys, vllm_request
+
+from kvoffload import block_id_key
+from kvoffload.tiers.slot_file import slot_start, slot_stride
+from tier_servers import ValkeyProcess
+
+torch = pytest.importorskip("torch")
+
+BLOCKS = 10
+BLOCK_BYTES = 2 * 256
+"""Two KV tensors of 256-byte pages per block (``Instance``'s default)."""
+OTHERS = [block_id_key(1000 + i) for i in range(BLOCKS)]
+WAIT_S = 30.0
+
+
+def _written_below(instance: Instance, keys: list[Any]) -> Any:
+    """Store ``keys``, then as many other blocks: the CPU tier of ``BLOCKS`` blocks keeps
+    the others, and ``keys`` are on the lower tier only (written back when evicted, or
+    through when stored). The GPU contents ``keys`` were stored from."""
+    gpu_blocks = list(range(BLOCKS))
+    expected = instance.gpu(0, gpu_blocks)
+    for name, stored in (("first", keys), ("others", OTHERS)):
+        context = request_context(name, stored)
+        instance.store(stored, gpu_blocks, context)
+        instance.manager.on_request_finished(context)
+    tiered = instance.manager.backing
+    (tier,) = tiered.tiers
+    tier.poll(wait=True)
+    assert tier.present(keys) == BLOCKS and not any(tiered.holds(key) for key in keys)
+    return expected
+
+
+def _matched(scheduler: Any, request: Any) -> int:
+    """vLLM's scheduler asking for ``request`` at each step until the manager can tell."""
+    scheduler.on_new_request(request)
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        matched, _ = scheduler.get_num_new_matched_tokens(request, 0)
+        if matched is not None:
+            return int(matched)
+        end_step(scheduler)
+        assert time.monotonic() < deadline, "the lookup never settled"
+        time.sleep(0.005)
+
+
+def _disk(tmp_path: Path) -> dict[str, Any]:
+    return {
+        "cpu_bytes_to_use": BLOCKS * BLOCK_BYTES,
+        "kvoffload.disk_dir": str(tmp_path / "disk"),
+        "kvoffload.disk_bytes": slot_start(4 * BLOCKS, slot_stride(BLOCK_BYTES)),
+    }
+
+
+@pytest.mark.parametrize("tier", ["disk", "remote"])
+def test_a_request_only_a_lower_tier_holds_is_read_in_one_promotion(
+    vllm_modules: dict[str, ModuleType],
+    tmp_path: Path,
+    valkey_server: ValkeyProcess,
+    instances: Callable[..., Instance],
+    tier: str,
+) -> None:
+    remote = {"cpu_bytes_to_use": BLOCKS * BLOCK_BYTES, "kvoffload.remote_url": valkey_server.url}
+    extra = _disk(tmp_path) if tier == "disk" else remote
+    instance = instances(extra, model=f"one-read-{tier}-{tmp_path.name}")
+    request = vllm_request("reader", list(range(16 * BLOCKS + 1)))
+    keys = offload_keys(request)
+    assert len(keys) == BLOCKS
+    expected = _written_below(instance, keys)
+    scheduler = connector_scheduler(instance.scheduler)
+
+    assert _matched(scheduler, request) == 16 * BLOCKS
+    tiered = instance.manager.backing
+    assert tiered.promotion_batches == [1]
+    assert tiered.tiers[0].stats.hit_blocks == BLOCKS
+    instance.clear_gpu()
+    instance.load(keys, list(range(BLOCKS)), request_context("load", keys))
+    for loaded, want in zip(instance.gpu(0, list(range(BLOCKS))), expected, strict=True):
+        assert torch.equal(loaded, want)
+
+
+def test_the_disk_tier_s_admission_sees_a_scanned_request_once(
+    vllm_modules: dict[str, ModuleType],
+    tmp_path: Path,
+    instances: Callable[..., Instance],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The disk tier's layer is shown the request's keys once, as one request, though vLLM
+    asks each key, and asks again at the next step while the promotion runs (each key was
+    a request of its own)."""
+    extra = {**_disk(tmp_path), "kvoffload.disk_admission": "feedback"}
+    instance = instances(extra, model=f"one-sighting-{tmp_path.name}")
+    request = vllm_request("reader", list(range(16 * BLOCKS + 1)))
+    keys = offload_keys(request)
+    (disk,) = instance.manager.backing.tiers
+    disk.write(keys, [bytes([i]) * instance.scheduler.bytes_per_block for i in range(BLOCKS)])
+    disk.poll(wait=True)  # written there before, as by an earlier run
+    layer = instance.scheduler._stack.disk_admission
+    shown: list[list[Any]] = []
+    begin_request = layer.begin_request
+
+    def record(keys: list[Any], **options: Any) -> None:
+        shown.append(list(keys))
+        begin_request(keys, **options)
+
+    monkeypatch.setattr(layer, "begin_request", record)
+    scheduler = connector_scheduler(instance.scheduler)
+
+    assert _matched(scheduler, request) == 16 * BLOCKS
+    assert shown == [keys]
+
+
+@pytest.mark.parametrize(
+    ("cpu_blocks", "on_disk", "loaded"),
+    [(BLOCKS, 6, 6), (4, BLOCKS, 4)],
+    ids=["tail-on-no-tier", "more-than-the-cpu-tier-holds"],
+)
+def test_a_scan_loads_the_run_the_cpu_tier_could_take(
+    vllm_modules: dict[str, ModuleType],
+    tmp_path: Path,
+    instances: Callable[..., Instance],
+    cpu_blocks: int,
+    on_disk: int,
+    loaded: int,
+) -> None:
+    """The batch lookup stops at the first block no tier holds, and promotes only what the
+    CPU tier has room for: the scan is asked again while that read runs (the keys past it
+    ``RETRY``), then loads the promoted blocks, which its own lookups never evicted."""
+    extra = {**_disk(tmp_path), "cpu_bytes_to_use": cpu_blocks * BLOCK_BYTES}
+    instance = instances(extra, model=f"run-{tmp_path.name}")
+    request = vllm_request("reader", list(range(16 * BLOCKS + 1)))
+    keys = offload_keys(request)
+    tiered = instance.manager.backing
+    (disk,) = tiered.tiers
+    size = instance.scheduler.bytes_per_block
+    disk.write(keys[:on_disk], [bytes([i]) * size for i in range(on_disk)])
+    disk.poll(wait=True)
+    scheduler = connector_scheduler(instance.scheduler)
+
+    assert _matched(scheduler, request) == 16 * loaded
+    assert tiered.promotion_batches == [1]
+    assert disk.stats.hit_blocks == loaded
+    assert [tiered.is_reserved(key) for key in keys] == [True] * loaded + [False] * (
+        BLOCKS - loaded
+    )
+
+
+def test_keys_asked_from_the_last_back_are_looked_up_one_at_a_time(
+    vllm_modules: dict[str, ModuleType],
+    tmp_path: Path,
+    instances: Callable[..., Instance],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM asks a sliding-window layer's keys from the newest back: each is a one-key
+    lookup, not a batch of the request's tail that asks the tier about it again per key."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    instance = instances(_disk(tmp_path), model=f"backwards-{tmp_path.name}")
+    keys = [block_id_key(i) for i in range(1, BLOCKS + 1)]
+    tiered = instance.manager.backing
+    (disk,) = tiered.tiers
+    disk.write(keys, [bytes([i]) * instance.scheduler.bytes_per_block for i in range(BLOCKS)])
+    disk.poll(wait=True)
+    asked: list[int] = []
+    present = disk.present
+
+    def record(keys: list[Any]) -> int:
+        asked.append(len(keys))
+        return present(keys)
+
+    monkeypatch.setattr(disk, "present", record)
+    context = request_context("window", keys)
+    answers = [instance.manager.lookup(key, context) for key in reversed(keys)]
+
+    assert answers == [LookupResult.RETRY] * BLOCKS
+    assert asked == [1] * BLOCKS
+    assert tiered.promotion_batches == [BLOCKS]
