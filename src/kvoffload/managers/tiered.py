@@ -118,11 +118,12 @@ class _Promotion:
 
 RESERVE_LOOKUPS = 1024
 """The default ``reserve_lookups`` (lookups after which a reservation nobody reached or
-loaded ends), or twice the CPU tier's blocks where that is more: vLLM 0.33 looks a request
-up one key at a time, so a reservation claimed early in a scan must outlive the rest of
-it, up to a CPU tier's worth of keys. At 1,024 a claim expired mid-scan, the scan's last
-promotion evicted it, and a request with more blocks on a lower tier than the CPU tier
-had room for was read again scan after scan and ended a miss."""
+loaded ends), or twice the CPU tier's blocks where that is more: a caller that looks a
+request up one key at a time (vLLM's adapter does where vLLM recorded no key positions, or
+scans from the last key back) claims early in its scan, and the claim must outlive the
+rest of it, up to a CPU tier's worth of keys. At 1,024 a claim expired mid-scan, the
+scan's last promotion evicted it, and a request with more blocks on a lower tier than the
+CPU tier had room for was read again scan after scan and ended a miss."""
 
 
 class TieredOffloadingManager(OffloadingManager):
