@@ -1102,6 +1102,29 @@ def test_a_lower_tiers_mini_tiers_sample_what_is_let_go_by_its_own_keys() -> Non
     assert figure.hit_ratio == pytest.approx(1 / 2)  # first hits, between misses
 
 
+def test_a_lower_tiers_switch_away_from_store_everything_is_taken_back_on_trial() -> None:
+    """Once one-shot traffic has tied every candidate at no hit, a lower tier leaves
+    store-everything for the rule that writes least; when the blocks that rule refused
+    then come back, store-everything's mini-tier out-hits it by the allowance within a few
+    requests, and store-everything is taken back before the switch's dwell ends (it used
+    to hold for the dwell: a refused block is offered again only once recomputed)."""
+    capacity = 1024  # every key sampled
+    layer = OptimisingAdmission(CPUOffloadingManager(capacity), capacity)
+    requests = [[block_id_key(10 * r + b) for b in range(10)] for r in range(300)]
+    for keys in requests[:300]:  # never seen again, so far
+        layer.begin_request(keys, will_offer=False)
+        layer.prepare_store(keys)
+    assert layer.chosen != STORE_ALL and layer.switches == 1
+    trial_from, dwell_end = layer._seen, layer._dwell_until
+    for keys in requests[250:300]:  # come back (store-everything's tier holds them)
+        layer.begin_request(keys, will_offer=False)
+        layer.prepare_store(keys)
+        if layer.chosen == STORE_ALL:
+            break
+    assert layer.chosen == STORE_ALL and layer.switches == 2
+    assert layer._seen - trial_from < (dwell_end - trial_from) / 2
+
+
 def test_every_tier_starts_on_store_everything_whatever_its_first_request_says() -> None:
     """A per-key driver may announce a request the tier fully served (no offer follows)
     before any it will offer: the tier does not mirror then, and mirrors from the next

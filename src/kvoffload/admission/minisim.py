@@ -757,6 +757,8 @@ class MiniSimulation:
         self._admit_all: dict[str, tuple[Collection[OffloadKey] | None, int]] = {
             name: (None, 0) for name in self.candidates
         }
+        self._marks: dict[str, int] = {}
+        """Each 1x tier's hits since the start at :meth:`mark`."""
 
     def _bits_of(self, capacity: int, factor: float) -> int:
         """The 1x tiers at the base rate; the others, which only feed what-if figures, at the
@@ -1023,6 +1025,15 @@ class MiniSimulation:
             )
             for name in self.candidates
         }
+
+    def mark(self) -> None:
+        """Start counting the 1x tiers' hits since now (a lower tier's last switch)."""
+        self._marks = {name: self.tiers[name, 1.0][0].total_hits for name in self.candidates}
+
+    def hits_since_mark(self, name: str) -> int:
+        """Sampled hits of ``name``'s 1x tier since :meth:`mark` (since the start before it),
+        counted in full: a switch's trial spans less than a window."""
+        return self.tiers[name, 1.0][0].total_hits - self._marks.get(name, 0)
 
     def _halve(self, factor: float = 0.5) -> None:
         for level in (*self._levels, self._exact):

@@ -52,7 +52,10 @@ approximations (:func:`~kvoffload.admission.worlds.exact_worlds`) its sampled
 A lower tier of the tiered manager is only told of lookups, and offered what the
 tier above evicts: it cannot mirror. There each candidate rule also runs fed what
 the real tier answers, the sampled 1x mini-tiers rank them, and the tier stores
-what the chosen rule admits.
+what the chosen rule admits. A switch away from store-everything is on trial while
+it dwells: store-everything is taken back once its mini-tier has out-hit the followed
+rule's since the switch by the guard's allowance (a refused block is not offered again
+until it is recomputed, so each hit a thriftier rule loses stays lost).
 """
 
 from __future__ import annotations
@@ -317,6 +320,10 @@ class OptimisingAdmission(AdmissionLayer):
         self._next_choice = 0.0
         self._dwell_until = 0.0
         """References before which only the guard changes the choice (a switch dwells)."""
+        self._left = DEFAULT
+        """The rule the last switch left: store-everything puts a lower tier's switch on trial."""
+        self._switched_at = 0
+        """References seen at the last switch (a lower tier's trial counts from there)."""
         self._loaded = 0
         """The real tier's hits since the start: the blocks loaded from it."""
         self._written = 0
@@ -604,6 +611,8 @@ class OptimisingAdmission(AdmissionLayer):
             informed = best >= self.params.evidence_tiers * self.capacity
         else:
             if self._seen < self._dwell_until:
+                if self._left == STORE_ALL and self._trial_lost():
+                    self._switch(STORE_ALL)
                 return
             seen, tier = self._minisim.seen, self._minisim.tiers[STORE_ALL, 1.0][0]
             if self._settled_at is None:
@@ -686,6 +695,18 @@ class OptimisingAdmission(AdmissionLayer):
         self._switch(leader)
         return True
 
+    def _trial_lost(self) -> bool:
+        """Whether a lower tier's switch away from store-everything has lost its trial:
+        store-everything's sampled 1x tier has out-hit the followed rule's since the switch
+        by the guard's allowance (``loss_share`` of the references since, plus
+        ``loss_tiers`` tier-fulls), scaled to the sampled keys. The blocks a thriftier rule
+        refused are offered again only once recomputed and let go anew, so a dwell spent on
+        a losing rule costs every hit it loses, and the refill after."""
+        sim, p = self._minisim, self.params
+        allowance = p.loss_share * (self._seen - self._switched_at) + p.loss_tiers * self.capacity
+        lead = sim.hits_since_mark(STORE_ALL) - sim.hits_since_mark(self.chosen)
+        return lead > allowance * sim.sampling_rate
+
     def _gained(self, candidate: str) -> float:
         """Hits ``candidate``'s world made beyond the followed world's since the last
         switch, over the window: a switch must first have paid for the refill it costs."""
@@ -694,9 +715,12 @@ class OptimisingAdmission(AdmissionLayer):
 
     def _switch(self, candidate: str) -> None:
         if candidate != self.chosen:
-            self.chosen = candidate
+            self._left, self.chosen = self.chosen, candidate
             self.switches += 1
             self.worlds.mark()
+            self._switched_at = self._seen
+            if self._minisim.decides:
+                self._minisim.mark()
             dwell = self.params.dwell_tiers * self.capacity
             self._dwell_until = self._seen + min(dwell, DWELL_SHARE * self._seen)
 
