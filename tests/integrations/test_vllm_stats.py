@@ -3,9 +3,11 @@ seconds as seconds. Each report goes through vLLM's own offloading metrics front
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -25,8 +27,8 @@ from tier_servers import ValkeyProcess
 KEYS = [block_id_key(i) for i in range(1, 9)]
 
 
-def _sample(registry: Any, name: str) -> float:
-    value = registry.get_sample_value(name, {"engine": "0"})
+def _sample(registry: Any, name: str, **labels: str) -> float:
+    value = registry.get_sample_value(name, {"engine": "0", **labels})
     assert value is not None, name
     return float(value)
 
@@ -143,3 +145,56 @@ def test_transfer_times_reach_vllm_as_seconds(vllm_modules: dict[str, ModuleType
     assert 0 < stats.store.time <= elapsed
     assert 0 < stats.load.time <= elapsed
     connector.shutdown()
+
+
+def test_a_disk_tiers_failed_writes_reach_metrics_and_survive_a_reset(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, instances: Callable[..., Instance]
+) -> None:
+    """The disk tier's own counts reached no metric: a disk whose writes failed (here its
+    slot file removed under it) showed nothing on vLLM's ``/metrics``. They are counters
+    labelled ``tier``, reported as increments: a reset closes the tier and opens a new one
+    counting from 0, and the totals neither go back nor count the closed tier twice."""
+    from kvoffload.tiers import DiskTier
+
+    extra = {
+        "cpu_bytes_to_use": 4 * 512,
+        "kvoffload.disk_dir": str(tmp_path),
+        "kvoffload.disk_bytes": 1 << 20,
+    }
+    frontend, registry = metrics_frontend({**SPEC_CONFIG, **extra})
+    engine = instances(extra)
+    manager = engine.manager
+
+    def disk() -> DiskTier:
+        tier = manager.backing.tiers[0]
+        assert isinstance(tier, DiskTier)
+        return tier
+
+    def store_pairs(tag: str, keys: list[Any]) -> None:
+        """Store ``keys`` two at a time: past the CPU tier's 4 slots each pair evicts the
+        oldest pair, which is written back to the disk tier."""
+        for start in range(0, len(keys), 2):
+            engine.store(keys[start : start + 2], [0, 1], request_context(tag, keys))
+
+    def settled(stored: int, failed: int) -> dict[str, float]:
+        deadline = time.monotonic() + 30
+        while (disk().stats.stored_blocks, disk().stats.failed) != (stored, failed):
+            assert time.monotonic() < deadline, disk().stats
+            manager.backing.poll()
+            time.sleep(0.01)
+        frontend.observe(manager.get_stats().data, 0)
+        return {
+            name: _sample(registry, f"vllm:kvoffload_tier_{name}_blocks_total", tier="disk")
+            for name in ("stored", "failed", "skipped_backlog")
+        }
+
+    store_pairs("a", KEYS[:6])
+    assert settled(stored=2, failed=0) == {"stored": 2, "failed": 0, "skipped_backlog": 0}
+    os.remove(disk().path)  # a failing disk: every write from now on fails
+    store_pairs("b", KEYS[6:8])
+    assert settled(stored=2, failed=2) == {"stored": 2, "failed": 2, "skipped_backlog": 0}
+    manager.reset_cache()
+    manager.on_reset_flushed()
+    assert settled(stored=0, failed=0) == {"stored": 2, "failed": 2, "skipped_backlog": 0}
+    store_pairs("c", [block_id_key(i) for i in range(20, 26)])
+    assert settled(stored=2, failed=0) == {"stored": 4, "failed": 2, "skipped_backlog": 0}

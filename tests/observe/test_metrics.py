@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -132,19 +133,17 @@ def _optimiser_series(
     }
 
 
-def test_simulate_exports_the_disk_tiers_optimiser_labelled_by_tier(tmp_path: Path) -> None:
-    """``--disk-admission recommended`` exported none of the disk tier's optimiser: its
-    what-if gauges, chosen rule and switches now carry ``tier="disk"``, and the CPU tier's
-    optimiser keeps its series as they were (no ``tier`` label)."""
+def _simulate_and_scrape(
+    tmp_path: Path, options: list[str]
+) -> tuple[dict[tuple[str, frozenset[tuple[str, str]]], float], dict[str, Any]]:
+    """``kvoffload simulate`` with ``options``, scraped once its JSON is written: every
+    sample (:func:`scrape_labelled`) and the JSON."""
     from test_events import free_port
 
     port = free_port()
     result = tmp_path / "run.json"
     command = [
-        sys.executable, "-m", "kvoffload", "simulate", "--requests", "300", "--seed", "1",
-        "--gpu-blocks", "2000", "--cpu-blocks", "600", "--admission", "recommended",
-        "--disk-dir", str(tmp_path / "disk"), "--disk-blocks", "4000",
-        "--disk-admission", "recommended", "--no-bound", "--no-progress",
+        sys.executable, "-m", "kvoffload", "simulate", *options, "--no-bound", "--no-progress",
         "--json", str(result), "--metrics-port", str(port), "--serve-after", "5",
     ]  # fmt: skip
     with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
@@ -158,7 +157,21 @@ def test_simulate_exports_the_disk_tiers_optimiser_labelled_by_tier(tmp_path: Pa
         finally:
             proc.wait(timeout=60)
     assert proc.returncode == 0
-    report = json.loads(result.read_text())
+    return metrics, json.loads(result.read_text())
+
+
+def test_simulate_exports_the_disk_tiers_optimiser_labelled_by_tier(tmp_path: Path) -> None:
+    """``--disk-admission recommended`` exported none of the disk tier's optimiser: its
+    what-if gauges, chosen rule and switches now carry ``tier="disk"``, and the CPU tier's
+    optimiser keeps its series as they were (no ``tier`` label)."""
+    metrics, report = _simulate_and_scrape(
+        tmp_path,
+        [
+            "--requests", "300", "--seed", "1", "--gpu-blocks", "2000", "--cpu-blocks", "600",
+            "--admission", "recommended", "--disk-dir", str(tmp_path / "disk"),
+            "--disk-blocks", "4000", "--disk-admission", "recommended",
+        ],
+    )  # fmt: skip
     candidates = ("store-all", "filter", "feedback")
     # The CPU tier's figures at the top of the JSON, the disk tier's in its entry.
     for tier, run in ((None, report), ("disk", report["tiers"]["disk"])):
@@ -179,6 +192,38 @@ def test_simulate_exports_the_disk_tiers_optimiser_labelled_by_tier(tmp_path: Pa
         assert switches == run["admission_switches"]
         assert len(series) == 2 * 12 + 3 + 1
     assert not _optimiser_series(metrics, "remote")
+
+
+def test_simulate_exports_each_lower_tiers_counts_labelled_by_tier(
+    tmp_path: Path, valkey_server: ValkeyProcess
+) -> None:
+    """The disk and shared tiers' own counts (hits, stores, failures, corrupt blocks,
+    evictions, rejections, writes skipped for the backlog) were not exported: an operator
+    saw only what the disk tier recovered on start. Each is now a counter labelled by
+    ``tier``, equal to the tier's entry in the run's JSON."""
+    metrics, report = _simulate_and_scrape(
+        tmp_path,
+        [
+            "--requests", "300", "--seed", "1", "--gpu-blocks", "2000", "--cpu-blocks", "600",
+            "--disk-dir", str(tmp_path / "disk"), "--disk-blocks", "1000",
+            "--remote", valkey_server.url,
+        ],
+    )  # fmt: skip
+    in_json = {
+        "hit": "hit_blocks", "stored": "stored_blocks", "failed": "failed",
+        "corrupt": "corrupt", "evicted": "evicted", "rejected": "rejected",
+    }  # fmt: skip
+    for tier in ("disk", "remote"):
+        entry = report["tiers"][tier]
+        exported = {
+            name: metrics[f"kvoffload_tier_{name}_blocks_total", frozenset({("tier", tier)})]
+            for name in [*in_json, "skipped_backlog"]
+        }
+        assert exported == {name: entry[key] for name, key in in_json.items()} | {
+            "skipped_backlog": 0  # the simulator waits for every write
+        }
+        assert entry["stored_blocks"] > 0 and entry["hit_blocks"] > 0
+    assert report["tiers"]["disk"]["evicted"] > 0
 
 
 def test_the_shared_tiers_optimiser_is_exported_as_tier_remote(
@@ -478,6 +523,7 @@ def test_every_exported_metric_is_in_the_table_with_its_type() -> None:
     from kvoffload.observe.metrics import (
         AdmissionCollector,
         RecoveryCollector,
+        TierCountsCollector,
         TransferCollector,
     )
     from kvoffload.tiers.slot_file import Recovery
@@ -490,6 +536,7 @@ def test_every_exported_metric_is_in_the_table_with_its_type() -> None:
     collectors = [
         ManagerCollector(ManagerCounters, {"tier": "cpu"}),
         RecoveryCollector(lambda: {"disk": Recovery().as_dict()}),
+        TierCountsCollector(dict),
         AdmissionCollector(lambda: stats),
         TransferCollector({"store": LatencyHistogram()}),
     ]

@@ -282,6 +282,7 @@ def observing(args: argparse.Namespace, block_tokens: int) -> Iterator[Observing
                 tiers = lower_tiers(observed)
                 if tiers:
                     server.add(metrics.RecoveryCollector(lambda: recovery_by_tier(tiers)))
+                    server.add(metrics.TierCountsCollector(lambda: metrics.tier_counts(tiers)))
                 layer = find_admission(observed)
                 if layer is not None:
                     server.add(metrics.AdmissionCollector(layer.stats))

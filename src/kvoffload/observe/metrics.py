@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector, RestrictedRegistry
 
 from kvoffload.admission.base import AdmissionStats
 from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.tier_protocol import LowerTier
 from kvoffload.observe.counters import COUNTER_DOCS, LatencyHistogram, ManagerCounters
 
 PREFIX = "kvoffload_"
@@ -51,6 +52,40 @@ def recovery_samples(
         for name, value in found.items():
             if name.startswith("dropped_"):
                 yield DROPPED_BLOCKS, (tier, name.removeprefix("dropped_")), value
+
+
+TIER_COUNT_DOCS = {
+    "tier_hit_blocks": "Blocks a lower tier read back intact.",
+    "tier_stored_blocks": "Blocks a lower tier wrote.",
+    "tier_failed_blocks": "Blocks a lower tier failed to write or read (an I/O error, a missed "
+    "deadline, an open breaker, a write dropped for the backlog).",
+    "tier_corrupt_blocks": "Blocks a lower tier read back broken (failing their checksum).",
+    "tier_evicted_blocks": "Blocks a lower tier evicted to make room for new ones.",
+    "tier_rejected_blocks": "Blocks offered to a lower tier that did not fit.",
+    "tier_skipped_backlog_blocks": "Blocks a lower tier dropped unwritten because "
+    "max_pending_write_bytes of writes were queued (counted as failed too).",
+}
+"""Each lower tier's own counters (``kvoffload_<name>_total``, label ``tier``), by name
+without prefix: here and on vLLM's ``/metrics``."""
+
+
+def tier_counts(tiers: Iterable[LowerTier]) -> dict[str, dict[str, int]]:
+    """Each tier's counts by tier name (``disk``, ``remote``) and then by
+    :data:`TIER_COUNT_DOCS` name: one reading for both ``/metrics`` endpoints. A tier
+    without a write backlog to skip for (not the disk or shared tier) reads 0 there."""
+    counts = {}
+    for tier in tiers:
+        stats = tier.stats
+        counts[tier.medium.lower()] = {
+            "tier_hit_blocks": stats.hit_blocks,
+            "tier_stored_blocks": stats.stored_blocks,
+            "tier_failed_blocks": stats.failed,
+            "tier_corrupt_blocks": stats.corrupt,
+            "tier_evicted_blocks": stats.evicted,
+            "tier_rejected_blocks": stats.rejected,
+            "tier_skipped_backlog_blocks": getattr(tier, "skipped_backlog", 0),
+        }
+    return counts
 
 
 WHATIF_HIT_RATIO, WHATIF_WRITES, CANDIDATE = (
@@ -141,6 +176,25 @@ class RecoveryCollector(Collector):
         for name, labels, value in recovery_samples(self._counts()):
             families[name].add_metric(list(labels), value)
         yield from families.values()
+
+
+class TierCountsCollector(Collector):
+    """Exports what each lower tier did (:data:`TIER_COUNT_DOCS`) as
+    ``kvoffload_tier_<count>_blocks_total`` counters labelled ``tier``.
+
+    ``counts()`` is :func:`tier_counts` of the tiers, read at each scrape.
+    """
+
+    def __init__(self, counts: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._counts()
+        for name, doc in TIER_COUNT_DOCS.items():
+            family = CounterMetricFamily(f"{PREFIX}{name}", doc, labels=["tier"])
+            for tier, found in counts.items():
+                family.add_metric([tier], found[name])
+            yield family
 
 
 class AdmissionCollector(Collector):

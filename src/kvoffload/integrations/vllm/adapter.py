@@ -59,7 +59,7 @@ from kvoffload.integrations.vllm.offer_filter import OfferCountFilter
 from kvoffload.managers import CPUOffloadingManager
 from kvoffload.managers.stack import Stack
 from kvoffload.observe.counters import ManagerCounters
-from kvoffload.observe.metrics import SWITCHES, recovery_samples, whatif_gauges
+from kvoffload.observe.metrics import SWITCHES, recovery_samples, tier_counts, whatif_gauges
 from kvoffload.policies import BlockStatus, CachePolicy
 from kvoffload.sim.tier_model import recovery_counts
 
@@ -119,6 +119,36 @@ class LayerCount:
         total = self._carried + count
         grown, self._reported = total - self._reported, total
         return grown
+
+
+class TierCounts:
+    """The lower tiers' counts (:func:`~kvoffload.observe.metrics.tier_counts`), reported to
+    vLLM as increments. A reset closes the tiers and builds new ones that count from 0, so
+    the closed tiers' final counts are carried."""
+
+    def __init__(self) -> None:
+        self._carried: dict[tuple[str, str], int] = {}
+        self._reported: dict[tuple[str, str], int] = {}
+
+    def carry(self, counts: Mapping[str, Mapping[str, int]]) -> None:
+        """The final counts of tiers a reset closed."""
+        for key, value in _by_name_and_tier(counts).items():
+            self._carried[key] = self._carried.get(key, 0) + value
+
+    def increments(self, counts: Mapping[str, Mapping[str, int]]) -> dict[tuple[str, str], int]:
+        """What each ``(name, tier)`` total grew by since the last report, ``counts`` being
+        the open tiers' now; a tier the reset left out (it could not open again) reports its
+        carried total still, grown by 0."""
+        total = dict(self._carried)
+        for key, value in _by_name_and_tier(counts).items():
+            total[key] = total.get(key, 0) + value
+        grown = {key: value - self._reported.get(key, 0) for key, value in total.items()}
+        self._reported = total
+        return grown
+
+
+def _by_name_and_tier(counts: Mapping[str, Mapping[str, int]]) -> dict[tuple[str, str], int]:
+    return {(name, tier): value for tier, found in counts.items() for name, value in found.items()}
 
 
 def report_whatif(
@@ -222,6 +252,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._reported = ManagerCounters()
         self._ghost_hits = LayerCount()
         self._switches = LayerCount()
+        self._tier_counts = TierCounts()
         self._queued: list[Any] = []
         """Events in call order, not taken yet: vLLM's (converted from the backing manager's,
         which a reset replaces) and failed stores' released keys (a list each)."""
@@ -537,9 +568,11 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             self._switches.carry(self._layer.switches)
         for tier, layer in self._lower_layers:
             self._lower_switches[tier].carry(layer.switches)
+        closing = self._tiered.tiers if self._tiered is not None else []
         # As vLLM's manager, whose reset keeps its queue: events from before it still go out.
         self._queue_events()
         self._install()
+        self._tier_counts.carry(tier_counts(closing))  # read once closed: their writes are in
         self._generation += 1
         self._promotions_held = self._has_lower_tiers and REPORTS_FLUSH
 
@@ -582,6 +615,9 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             found = {name: tier_counts for name, tier_counts in counts.items() if tier_counts}
             for name, labels, value in recovery_samples(found):
                 stats.set_gauge(f"{METRIC_PREFIX}{name}", value, labels)
+        lower = tier_counts(self._tiered.tiers) if self._tiered is not None else {}
+        for (name, tier), grown in self._tier_counts.increments(lower).items():
+            stats.increase_counter(f"{METRIC_PREFIX}{name}", grown, (tier,))
         return stats
 
     def _request_keys(self, req_context: ReqContext) -> _RequestKeys:

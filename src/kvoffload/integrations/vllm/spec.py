@@ -55,6 +55,7 @@ from kvoffload.observe.metrics import (
     RECOVERY_DOCS,
     RECOVERY_LABELS,
     SWITCHES_DOC,
+    TIER_COUNT_DOCS,
     WHATIF_DOCS,
     WHATIF_LABELS,
 )
@@ -118,6 +119,11 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             for name, doc in RECOVERY_DOCS.items():
                 definitions[f"{METRIC_PREFIX}{name}"] = OffloadingGaugeMetadata(
                     documentation=doc, labelnames=RECOVERY_LABELS[name]
+                )
+        if any(extra_config.get(key) is not None for key in (DISK_DIR_KEY, REMOTE_URL_KEY)):
+            for name, doc in TIER_COUNT_DOCS.items():  # what each lower tier did
+                definitions[f"{METRIC_PREFIX}{name}"] = OffloadingCounterMetadata(
+                    documentation=doc, labelnames=("tier",)
                 )
         return definitions
 
