@@ -44,8 +44,9 @@ APART_S = 1000.0
 """Between two arrivals: longer than any request of these workloads takes in the simulator."""
 
 
-@pytest.fixture(autouse=True)
-def _recency_at_access(vllm_modules: dict[str, ModuleType]) -> None:
+@pytest.fixture
+def recency_at_access(vllm_modules: dict[str, ModuleType]) -> None:
+    """Skips a comparison with the simulator under a vLLM whose recency rule is another."""
     from kvoffload.integrations.vllm.versions import running_release
 
     if not running_release().recency_at_access:
@@ -80,7 +81,7 @@ Adapter = Callable[[SimConfig, int], tuple[Any, Stack]]
 
 
 @pytest.fixture
-def adapter() -> Iterator[Adapter]:
+def adapter(vllm_modules: dict[str, ModuleType]) -> Iterator[Adapter]:
     """Builds our vLLM adapter over the stack a ``SimConfig`` describes; closes its tiers."""
     from kvoffload.integrations.vllm.adapter import VLLMManagerAdapter
     from kvoffload.tiers import build_stack, fingerprint_of
@@ -132,6 +133,7 @@ def _disk_figures(stack: Stack) -> dict[str, Any]:
 
 @pytest.mark.parametrize("disk_admission", ["none", "recommended"])
 @pytest.mark.parametrize("name", list(WORKLOADS))
+@pytest.mark.usefixtures("recency_at_access")
 def test_the_tiers_decide_the_same_under_vllms_adapter(
     tmp_path: Path, adapter: Adapter, name: str, disk_admission: str
 ) -> None:
@@ -181,6 +183,7 @@ class _TouchingFirst:
         return answer
 
 
+@pytest.mark.usefixtures("recency_at_access")
 def test_a_promotion_evicting_its_own_requests_blocks_is_the_whole_difference(
     tmp_path: Path, adapter: Adapter
 ) -> None:
