@@ -96,15 +96,17 @@ def test_a_block_too_small_to_hold_a_block_is_one_line(
 ) -> None:
     argv = ["bench", "tiers", "--blocks", "4", "--block-mib", "0.000001", "--dir", str(tmp_path)]
     assert main(argv) == 1
-    assert "a block of 1e-06 MiB is 1 bytes: at least 1024" in one_line(capsys)
+    assert "--block-mib 1e-06 is a block of 1 bytes: at least 1024" in one_line(capsys)
     assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(
     ("die_after", "message"),
     [
-        (12, "failed mid-run"),  # during the raw-socket baseline's loads
-        (34, "the shared tier lost 8 of 8 blocks"),  # during the tier's stores
+        (9, "is not reachable"),  # during the check before the run
+        (12, "bench tiers: the server at"),  # as the raw-socket baseline opens its socket
+        (16, "failed mid-run"),  # during the raw-socket baseline's loads
+        (40, "bench tiers: the shared tier lost 8 of 8 blocks"),  # during the tier's stores
     ],
 )
 def test_a_server_dying_mid_bench_is_one_line_and_no_scratch_is_left(
@@ -117,7 +119,7 @@ def test_a_server_dying_mid_bench_is_one_line_and_no_scratch_is_left(
     finally:
         server.stop()
     line = one_line(capsys)
-    assert line.startswith("kvoffload: error: bench tiers: ") and message in line
+    assert line.startswith("kvoffload: error: ") and message in line
     assert list(tmp_path.iterdir()) == []
 
 

@@ -33,6 +33,7 @@ from kvoffload.core.memory import check_fits
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.format import layout_fingerprint
 from kvoffload.tiers.remote import RemoteTier
+from kvoffload.tiers.resp import ConnectError
 from kvoffload.tiers.slot_file import DEFAULT_DEADLINE_S
 
 MIB = 2**20
@@ -178,7 +179,7 @@ def measure_remote(
             return stored - started, loaded - stored
 
         plain_times, tier_times = _alternate(rounds, plain, tier, blocks, step)
-    except OSError as exc:
+    except (OSError, ConnectError) as exc:  # ConnectError: a socket opened as it failed
         raise KVOffloadError(
             f"bench tiers: the server at {remote.address.redacted()} failed mid-run ({exc})"
         ) from None
