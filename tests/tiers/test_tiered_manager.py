@@ -61,6 +61,25 @@ def test_a_cpu_eviction_falls_to_disk_and_a_disk_hit_is_promoted_first(tmp_path:
         m.close()
 
 
+def test_a_promotion_never_evicts_the_cpu_blocks_right_after_it(tmp_path: Path) -> None:
+    """A request whose head is on disk and whose next blocks the CPU tier still holds:
+    the promotion makes room by evicting other blocks, not those, which its hit run reaches
+    once it lands (vLLM's scheduler touches none of a request's keys before its lookup, so
+    they can be the coldest: they were written down and read back in a second promotion)."""
+    m = stack(tmp_path, cpu_blocks=4)
+    try:
+        store(m, K[:2])
+        store(m, K[2:4])
+        store(m, K[4:6])  # K0, K1 to disk; the CPU holds K2, K3 (coldest), K4, K5
+        request = K[:4]
+        assert m.lookup(request) is None  # K0, K1 promoted
+        assert m.lookup(request) == 4
+        assert m.promotion_batches == [1]
+        assert m.tiers[0].present([K[2]]) == 0 and m.tiers[0].present([K[4]]) == 1
+    finally:
+        m.close()
+
+
 def test_a_promotion_never_evicts_the_cpu_hits_in_front_of_it(tmp_path: Path) -> None:
     m = stack(tmp_path)
     try:

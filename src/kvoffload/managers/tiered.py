@@ -263,8 +263,16 @@ class TieredOffloadingManager(OffloadingManager):
                 break
         if not found:
             return hits
-        # Offering the CPU hits too shields them from the eviction that makes room.
-        output = self.cpu.prepare_store(keys[: hits + found])
+        # Offering the CPU hits too shields them from the eviction that makes room, and so
+        # are the request's CPU blocks after the run, which its hit run reaches once this
+        # and any later promotion land (a caller that touched none of its keys, as vLLM's
+        # scheduler, would otherwise see them evicted as the coldest, written down and read
+        # back); if that leaves no room, they are not shielded.
+        holds = self.cpu.holds
+        after = [key for key in keys[hits + found :] if holds(key)]
+        output = self.cpu.prepare_store(keys[: hits + found] + after) if after else None
+        if output is None:
+            output = self.cpu.prepare_store(keys[: hits + found])
         if output is None:
             fit = self._fitting(keys[: hits + found], rest[:found])
             output = self.cpu.prepare_store(keys[: hits + fit]) if fit else None
