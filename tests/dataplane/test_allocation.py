@@ -54,13 +54,13 @@ def test_a_block_count_past_torchs_sizes_is_a_buffer_too_big(num_blocks: int) ->
             build(layout, num_blocks)
 
 
-def test_the_cli_reports_a_gpu_cache_past_torchs_sizes_in_one_line(
+def test_the_cli_reports_a_gpu_cache_past_torchs_sizes_in_one_line_naming_the_option(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     args = ["bench", "transfer", "--layout", "tiny", "--gpu-blocks", str(10**19)]
     assert main([*args, "--cpu-blocks", "8", "--no-progress"]) == 1
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("kvoffload: error: cannot allocate ") and "paged KV cache" in line
+    assert line.startswith(f"kvoffload: error: --gpu-blocks {10**19} (a paged KV cache of ")
 
 
 @NO_CUDA
@@ -69,7 +69,8 @@ def test_cli_reports_a_missing_device_in_one_line(capsys: pytest.CaptureFixture[
     assert main(args) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
-        "kvoffload: error: device 'cuda' asked for, but this torch build sees no CUDA device"
+        "kvoffload: error: --device cuda: device 'cuda' asked for, but this torch build sees "
+        "no CUDA device"
     ]
 
 
