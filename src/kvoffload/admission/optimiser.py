@@ -55,7 +55,8 @@ the real tier answers, the sampled 1x mini-tiers rank them, and the tier stores
 what the chosen rule admits. A switch away from store-everything is on trial while
 it dwells: store-everything is taken back once its mini-tier has out-hit the followed
 rule's since the switch by the guard's allowance (a refused block is not offered again
-until it is recomputed, so each hit a thriftier rule loses stays lost).
+until it is recomputed, so each hit a thriftier rule loses stays lost), and the rule it
+was lost to is chosen again only once it has out-hit store-everything by as much.
 """
 
 from __future__ import annotations
@@ -324,6 +325,8 @@ class OptimisingAdmission(AdmissionLayer):
         """The rule the last switch left: store-everything puts a lower tier's switch on trial."""
         self._switched_at = 0
         """References seen at the last switch (a lower tier's trial counts from there)."""
+        self._barred: set[str] = set()
+        """Rules a lower tier's trial was lost to, each until it earns its way back."""
         self._loaded = 0
         """The real tier's hits since the start: the blocks loaded from it."""
         self._written = 0
@@ -612,6 +615,7 @@ class OptimisingAdmission(AdmissionLayer):
         else:
             if self._seen < self._dwell_until:
                 if self._left == STORE_ALL and self._trial_lost():
+                    self._barred.add(self.chosen)
                     self._switch(STORE_ALL)
                 return
             seen, tier = self._minisim.seen, self._minisim.tiers[STORE_ALL, 1.0][0]
@@ -632,6 +636,11 @@ class OptimisingAdmission(AdmissionLayer):
             tolerance, margin = SAMPLED_OBJECTIVE
             objective = replace(objective, hit_tolerance=tolerance, switch_margin=margin)
         candidate = objective.choose(scores, self.chosen, informed)
+        if candidate in self._barred:
+            if self._regained(candidate):
+                self._barred.discard(candidate)
+            else:
+                candidate = self.chosen
         leaves = candidate != self.chosen and informed and self._mirrors
         if (
             leaves
@@ -705,6 +714,18 @@ class OptimisingAdmission(AdmissionLayer):
         sim, p = self._minisim, self.params
         allowance = p.loss_share * (self._seen - self._switched_at) + p.loss_tiers * self.capacity
         lead = sim.hits_since_mark(STORE_ALL) - sim.hits_since_mark(self.chosen)
+        return lead > allowance * sim.sampling_rate
+
+    def _regained(self, candidate: str) -> bool:
+        """Whether a rule a lower tier's trial was lost to may be chosen again: its sampled
+        1x tier has out-hit store-everything's since the last switch (the take-back, while
+        store-everything is followed) by the trial's allowance. A rule that ties
+        store-everything over the window yet loses each trial was otherwise left for after
+        every dwell and taken back within the next: the tier flapped, each stay on the rule
+        losing the hits its refusals cost."""
+        sim, p = self._minisim, self.params
+        allowance = p.loss_share * (self._seen - self._switched_at) + p.loss_tiers * self.capacity
+        lead = sim.hits_since_mark(candidate) - sim.hits_since_mark(STORE_ALL)
         return lead > allowance * sim.sampling_rate
 
     def _gained(self, candidate: str) -> float:
