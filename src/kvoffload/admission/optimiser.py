@@ -707,14 +707,10 @@ class OptimisingAdmission(AdmissionLayer):
     def _trial_lost(self) -> bool:
         """Whether a lower tier's switch away from store-everything has lost its trial:
         store-everything's sampled 1x tier has out-hit the followed rule's since the switch
-        by the guard's allowance (``loss_share`` of the references since, plus
-        ``loss_tiers`` tier-fulls), scaled to the sampled keys. The blocks a thriftier rule
+        (:meth:`_outhit`). The blocks a thriftier rule
         refused are offered again only once recomputed and let go anew, so a dwell spent on
         a losing rule costs every hit it loses, and the refill after."""
-        sim, p = self._minisim, self.params
-        allowance = p.loss_share * (self._seen - self._switched_at) + p.loss_tiers * self.capacity
-        lead = sim.hits_since_mark(STORE_ALL) - sim.hits_since_mark(self.chosen)
-        return lead > allowance * sim.sampling_rate
+        return self._outhit(STORE_ALL, self.chosen)
 
     def _regained(self, candidate: str) -> bool:
         """Whether a rule a lower tier's trial was lost to may be chosen again: its sampled
@@ -723,9 +719,15 @@ class OptimisingAdmission(AdmissionLayer):
         store-everything over the window yet loses each trial was otherwise left for after
         every dwell and taken back within the next: the tier flapped, each stay on the rule
         losing the hits its refusals cost."""
+        return self._outhit(candidate, STORE_ALL)
+
+    def _outhit(self, leader: str, other: str) -> bool:
+        """Whether ``leader``'s sampled 1x tier has out-hit ``other``'s since the last switch
+        by the guard's allowance (``loss_share`` of the references since, plus
+        ``loss_tiers`` tier-fulls), scaled to the sampled keys."""
         sim, p = self._minisim, self.params
         allowance = p.loss_share * (self._seen - self._switched_at) + p.loss_tiers * self.capacity
-        lead = sim.hits_since_mark(candidate) - sim.hits_since_mark(STORE_ALL)
+        lead = sim.hits_since_mark(leader) - sim.hits_since_mark(other)
         return lead > allowance * sim.sampling_rate
 
     def _gained(self, candidate: str) -> float:
