@@ -31,7 +31,9 @@ class WriteBacklog:
     Thread-safe: writes are held on the caller's thread and released on I/O threads.
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int | None, default_bytes: int) -> None:
+        """``max_bytes`` as its tier was given it; ``None``: ``default_bytes``."""
+        max_bytes = default_bytes if max_bytes is None else max_bytes
         check_integer("max_pending_write_bytes", max_bytes, 1)
         self.max_bytes = max_bytes
         self._bytes = 0
@@ -63,3 +65,18 @@ class WriteBacklog:
                     self._bytes -= nbytes
 
         return release
+
+
+class BacklogFigures:
+    """What a tier with a :class:`WriteBacklog` (its ``_backlog``) shows of it."""
+
+    _backlog: WriteBacklog
+
+    @property
+    def pending_write_bytes(self) -> int:
+        """Payload bytes of the writes queued or under way."""
+        return self._backlog.pending_bytes
+
+    @property
+    def max_pending_write_bytes(self) -> int:
+        return self._backlog.max_bytes

@@ -34,7 +34,7 @@ from kvoffload.core.tier_protocol import (
 )
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.policies import CachePolicy
-from kvoffload.tiers.backlog import WriteBacklog, default_pending_bytes
+from kvoffload.tiers.backlog import BacklogFigures, WriteBacklog, default_pending_bytes
 from kvoffload.tiers.breaker import CircuitBreaker
 from kvoffload.tiers.format import check_fingerprint, payload_size
 from kvoffload.tiers.slot_file import (
@@ -107,7 +107,7 @@ class _SlotMap:
         return free + bisect.bisect_right(self._free_before, free)
 
 
-class DiskTier:
+class DiskTier(BacklogFigures):
     """Up to ``capacity_blocks`` blocks in ``directory/<fingerprint hex>/blocks.kvs``.
 
     ``fsync`` makes each batch durable before its headers make it visible
@@ -172,11 +172,7 @@ class DiskTier:
         check_fingerprint(fingerprint)
         check_deadline_s(deadline_s, "the disk deadline")
         check_capacity(capacity_blocks)
-        self._backlog = WriteBacklog(
-            default_pending_bytes(io_threads)
-            if max_pending_write_bytes is None
-            else max_pending_write_bytes
-        )
+        self._backlog = WriteBacklog(max_pending_write_bytes, default_pending_bytes(io_threads))
         self._index = CPUOffloadingManager(capacity_blocks, cache_policy)
         self._events = EventLog(enable_events)  # checked before any file, lock or thread
         self.capacity_blocks = capacity_blocks
@@ -229,15 +225,6 @@ class DiskTier:
     def policy(self) -> CachePolicy:
         """The eviction policy instance (for inspection and tests)."""
         return self._index.policy
-
-    @property
-    def pending_write_bytes(self) -> int:
-        """Payload bytes of the writes queued or under way."""
-        return self._backlog.pending_bytes
-
-    @property
-    def max_pending_write_bytes(self) -> int:
-        return self._backlog.max_bytes
 
     @property
     def deadline_s(self) -> float:

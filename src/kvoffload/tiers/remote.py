@@ -43,7 +43,7 @@ from kvoffload.core.errors import KVOffloadError, check_integer
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import EventLog, OffloadingEvent
 from kvoffload.core.tier_protocol import Target, TierStats, check_io_threads
-from kvoffload.tiers.backlog import WriteBacklog, default_pending_bytes
+from kvoffload.tiers.backlog import BacklogFigures, WriteBacklog, default_pending_bytes
 from kvoffload.tiers.block_sets import BlockWrite, DigestsAhead, pack_sets
 from kvoffload.tiers.breaker import CircuitBreaker
 from kvoffload.tiers.deadline import done_future
@@ -219,7 +219,7 @@ _WriteJob = tuple[list[OffloadKey], Future[list[bool]]]
 ASKING = command("ASKING")
 
 
-class RemoteTier:
+class RemoteTier(BacklogFigures):
     """Blocks on a Valkey/Redis server or Cluster named by ``url`` (see :mod:`.url`).
 
     Writes go out in pipelines of about ``chunk_bytes`` on ``io_threads``
@@ -266,9 +266,7 @@ class RemoteTier:
         check_io_threads(io_threads)
         check_integer("chunk_bytes", chunk_bytes, 1)
         self._backlog = WriteBacklog(
-            default_pending_bytes(io_threads, chunk_bytes)
-            if max_pending_write_bytes is None
-            else max_pending_write_bytes
+            max_pending_write_bytes, default_pending_bytes(io_threads, chunk_bytes)
         )
         self.address = parse_remote_url(url)
         self._resolver = resolver or Resolver()
@@ -318,15 +316,6 @@ class RemoteTier:
         """Hashes a batch's single-buffer payloads while they go out (one per I/O thread)."""
         self._writes: list[_WriteJob] = []
         self._events = EventLog(enable_events)
-
-    @property
-    def pending_write_bytes(self) -> int:
-        """Payload bytes of the writes queued or under way."""
-        return self._backlog.pending_bytes
-
-    @property
-    def max_pending_write_bytes(self) -> int:
-        return self._backlog.max_bytes
 
     @property
     def breakers(self) -> dict[str, CircuitBreaker]:
