@@ -121,32 +121,6 @@ class LayerCount:
         return grown
 
 
-class TierCounts:
-    """The lower tiers' counts (:func:`~kvoffload.observe.metrics.tier_counts`), reported to
-    vLLM as increments. A reset closes the tiers and builds new ones that count from 0, so
-    the closed tiers' final counts are carried."""
-
-    def __init__(self) -> None:
-        self._carried: dict[tuple[str, str], int] = {}
-        self._reported: dict[tuple[str, str], int] = {}
-
-    def carry(self, counts: Mapping[str, Mapping[str, int]]) -> None:
-        """The final counts of tiers a reset closed."""
-        for key, value in _by_name_and_tier(counts).items():
-            self._carried[key] = self._carried.get(key, 0) + value
-
-    def increments(self, counts: Mapping[str, Mapping[str, int]]) -> dict[tuple[str, str], int]:
-        """What each ``(name, tier)`` total grew by since the last report, ``counts`` being
-        the open tiers' now; a tier the reset left out (it could not open again) reports its
-        carried total still, grown by 0."""
-        total = dict(self._carried)
-        for key, value in _by_name_and_tier(counts).items():
-            total[key] = total.get(key, 0) + value
-        grown = {key: value - self._reported.get(key, 0) for key, value in total.items()}
-        self._reported = total
-        return grown
-
-
 def _by_name_and_tier(counts: Mapping[str, Mapping[str, int]]) -> dict[tuple[str, str], int]:
     return {(name, tier): value for tier, found in counts.items() for name, value in found.items()}
 
@@ -252,7 +226,9 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._reported = ManagerCounters()
         self._ghost_hits = LayerCount()
         self._switches = LayerCount()
-        self._tier_counts = TierCounts()
+        self._tier_counts: dict[tuple[str, str], LayerCount] = {}
+        """Each lower tier's counts (:func:`~kvoffload.observe.metrics.tier_counts`), by name
+        and tier: a reset closes the tiers and builds new ones that count from 0."""
         self._queued: list[Any] = []
         """Events in call order, not taken yet: vLLM's (converted from the backing manager's,
         which a reset replaces) and failed stores' released keys (a list each)."""
@@ -269,9 +245,6 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._cpu: CPUOffloadingManager = stack.cpu
         self._tiered = stack.tiered
         self._has_lower_tiers = stack.tiered is not None and bool(stack.tiered.tiers)
-        self._promoting: Callable[[OffloadKey], bool] = (
-            stack.tiered.is_promoting if stack.tiered is not None else _never
-        )
         self._lower_layers = [
             (tier, layer)
             for tier, layer in (("disk", stack.disk_admission), ("remote", stack.remote_admission))
@@ -363,7 +336,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             answer = LookupResult.RETRY if scan.deferred else LookupResult.MISS
         elif block.is_ready:
             answer = LookupResult.HIT
-        elif self._promoting(key):
+        elif self._tiered is not None and self._tiered.is_promoting(key):
             answer = LookupResult.RETRY
         else:
             answer = LookupResult.HIT_PENDING
@@ -572,7 +545,9 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         # As vLLM's manager, whose reset keeps its queue: events from before it still go out.
         self._queue_events()
         self._install()
-        self._tier_counts.carry(tier_counts(closing))  # read once closed: their writes are in
+        # Read once closed, when their writes are in.
+        for key, count in _by_name_and_tier(tier_counts(closing)).items():
+            self._tier_counts.setdefault(key, LayerCount()).carry(count)
         self._generation += 1
         self._promotions_held = self._has_lower_tiers and REPORTS_FLUSH
 
@@ -615,8 +590,12 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             found = {name: tier_counts for name, tier_counts in counts.items() if tier_counts}
             for name, labels, value in recovery_samples(found):
                 stats.set_gauge(f"{METRIC_PREFIX}{name}", value, labels)
-        lower = tier_counts(self._tiered.tiers) if self._tiered is not None else {}
-        for (name, tier), grown in self._tier_counts.increments(lower).items():
+        open_tiers = self._tiered.tiers if self._tiered is not None else []
+        lower = _by_name_and_tier(tier_counts(open_tiers))
+        for key in lower:
+            self._tier_counts.setdefault(key, LayerCount())
+        for (name, tier), count in self._tier_counts.items():  # a tier not reopened: 0 more
+            grown = count.increment(lower.get((name, tier), 0))
             stats.increase_counter(f"{METRIC_PREFIX}{name}", grown, (tier,))
         return stats
 
@@ -707,11 +686,6 @@ def _prefix_order(recorded: Mapping[OffloadKey, int]) -> dict[bytes, list[Offloa
     for key, position in recorded.items():
         order.setdefault(key[-GROUP_IDX_BYTES:], []).append((position, key))
     return {group: [key for _, key in sorted(keys)] for group, keys in order.items()}
-
-
-def _never(key: OffloadKey) -> bool:
-    """A stack without lower tiers promotes nothing."""
-    return False
 
 
 def _leading_keys(req_context: ReqContext, before: int | None) -> list[OffloadKey]:
