@@ -1126,6 +1126,30 @@ def test_a_lower_tiers_switch_away_from_store_everything_is_taken_back_on_trial(
     assert layer._seen - trial_from < (dwell_end - trial_from) / 2
 
 
+def test_the_rule_a_trial_was_lost_to_stays_barred_while_store_everything_leads() -> None:
+    """After a take-back the rule it was lost to is barred, and it regains its place only
+    by out-hitting store-everything since the take-back, not by being out-hit by it."""
+    capacity = 1024  # every key sampled
+    layer = OptimisingAdmission(CPUOffloadingManager(capacity), capacity)
+    requests = [[block_id_key(10 * r + b) for b in range(10)] for r in range(300)]
+    for keys in requests:  # one-shot so far: the thriftiest rule is chosen
+        layer.begin_request(keys, will_offer=False)
+        layer.prepare_store(keys)
+    left_for = layer.chosen
+    returning = iter(requests[250:300])  # store-everything's tier holds them, the rule's not
+    while layer.chosen != STORE_ALL:
+        keys = next(returning)
+        layer.begin_request(keys, will_offer=False)
+        layer.prepare_store(keys)
+    assert layer._barred == {left_for}
+    for keys in returning:
+        layer.begin_request(keys, will_offer=False)
+        layer.prepare_store(keys)
+    assert layer._outhit(STORE_ALL, left_for)  # store-everything leads by far
+    assert not layer._regained(left_for)
+    assert layer.chosen == STORE_ALL and layer._barred == {left_for}
+
+
 def test_a_small_sampled_disk_tier_flaps_less_on_chat(tmp_path: Path) -> None:
     """Chat at a disk tier of a tenth of the unique blocks, sampled 1 in 4: store-everything
     and the feedback rule trade sampled leads by a trial's allowance within a few requests.
