@@ -29,6 +29,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvoffload.admission import resolve_admission
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
+
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[2] / "shared/data/traces/mooncake_synthetic_trace.jsonl"
 )
@@ -51,7 +54,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.disk_blocks:
-        tiered(args)
+        _check_tiered(parser, args)
+        try:
+            tiered(args)
+        except (KVOffloadError, OSError) as exc:  # the trace, the disk tier's directory
+            parser.error(str(exc))
         return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -127,6 +134,19 @@ TIERED_FIGURES = [
     ("delayed lookups", "delayed_lookups", "{}"),
     ("disk rule/switches", "disk_rule_switches", "{}"),
 ]
+
+
+def _check_tiered(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse bad tier options before the replays, naming the option."""
+    if args.disk_blocks < 0:
+        parser.error(f"--disk-blocks must be >= 0 (0: no disk tier), got {args.disk_blocks}")
+    for option, value in (("--blocks", args.blocks), ("--gpu-blocks", args.gpu_blocks)):
+        if value < 1:
+            parser.error(f"{option} must be >= 1, got {value}")
+    try:
+        resolve_admission(args.disk_admission)
+    except InvalidArgumentError as exc:
+        parser.error(f"--disk-admission: {exc}")
 
 
 def tiered(args: argparse.Namespace) -> None:

@@ -42,6 +42,9 @@ def test_the_scripts_are_found() -> None:
         ("tier_admission", ["--disk-share", "-0.25"], "argument --disk-share"),
         ("tier_admission", ["--budget", "-1"], "argument --budget"),
         ("tier_admission", ["--json", "."], "--json .: is a directory"),
+        ("vllm_replay", ["--disk-blocks", "-5"], "--disk-blocks must be >= 0"),
+        ("vllm_replay", ["--disk-blocks", "9", "--gpu-blocks", "0"], "--gpu-blocks must be >= 1"),
+        ("vllm_replay", ["--disk-blocks", "9", "--disk-admission", "x"], "--disk-admission: unkn"),
     ],
 )
 def test_a_bad_argument_is_one_line_before_the_run(
