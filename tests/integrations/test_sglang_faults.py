@@ -306,3 +306,38 @@ def test_a_cluster_node_down_fails_only_its_own_pages(backends: Any, tmp_path: P
         assert remote["stores_failed"] == 16 - sum(on_live)
     finally:
         cluster.stop()
+
+
+def test_a_page_one_tier_passed_over_and_the_other_failed_is_a_failed_write(
+    backends: Any, own_server: ValkeyProcess, tmp_path: Path
+) -> None:
+    """A page is stored if some tier holds it, and a write held back by admission is no
+    failure; but a page the disk's admission passed over while the shared tier failed to
+    write it is stored nowhere: SGLang hears ``False``, as from the shared tier alone (it
+    heard ``True``, and went on backing up the pages behind it)."""
+    own_server.start()
+    pool = HostPool()
+    page = len(pool.page_bytes(0))
+    url = own_server.url.replace("timeout_ms=2000", "timeout_ms=300")
+    extra = {
+        "interface_v1": 1,
+        "kvoffload.disk_dir": str(tmp_path / "l3"),
+        "kvoffload.disk_bytes": footprint(16, page),
+        "kvoffload.disk_admission": "sketch",  # holds back a page's first sighting
+        "kvoffload.remote_url": url,
+    }
+    backend = backends(extra, pool, model="passed-over")
+    pool.fill(list(range(8)), seed=8)
+    assert backend.batch_set_v1(KEYS[:2], pool.indices([0, 1])) == [True, True]
+    assert backend.get_stats().kvoffload["disk"]["stores_skipped"] == 2
+    assert backend.batch_exists(KEYS[:2]) == 2  # on the server alone
+    own_server.stop()
+    assert backend.batch_set_v1(KEYS[2:4], pool.indices([2, 3])) == [False, False]
+    assert backend.batch_set(KEYS[4:5], [pool.get_data_page(int(pool.indices([4])[0]))]) is False
+    counters = backend.get_stats().kvoffload
+    assert counters["disk"]["stores_skipped"] == 5 and counters["disk"]["stores_failed"] == 0
+    assert counters["remote"]["stores_failed"] == 3
+    # Seen twice, the disk takes the pages: stored there, beside the server's failure.
+    assert backend.batch_exists(KEYS[2:4]) == 0 and backend.batch_exists(KEYS[2:4]) == 0
+    assert backend.batch_set_v1(KEYS[2:4], pool.indices([2, 3])) == [True, True]
+    assert backend.batch_exists(KEYS[2:4]) == 2

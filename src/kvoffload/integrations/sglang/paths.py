@@ -95,6 +95,10 @@ class WriteBatch:
         self.admitted = admitted
         self.result = [True] * len(keys)
         """Per key once the batch is done: ``False`` only for a write that failed."""
+        self.holds = [False] * len(keys)
+        """Per key once the batch is done: whether the tier is known to hold it (written, or
+        held already); a page admission held back counts only where the tier's own index
+        says so (the disk tier), as asking a server would cost a round trip."""
         self.stored = 0
         """Pages the tier wrote once the batch is done (not those it held already)."""
         self.sent: list[int] = []
@@ -239,7 +243,11 @@ class TierPath:
                 self.tier.poll(wait=True)
                 stored = self.tier.stats.stored_blocks - stored_before
                 sent = batch.sent
-                if isinstance(self.tier, DiskTier) or 0 < stored < len(sent):
+                if isinstance(self.tier, DiskTier):
+                    # Every key: one that admission held back may be on disk already.
+                    batch.holds = self.tier.held(keys)
+                    outcome = [batch.holds[i] for i in sent]
+                elif 0 < stored < len(sent):
                     # The shared tier asked only when some pages failed beside others
                     # (a Cluster node down): which ones, for the result and the counters.
                     outcome = self.tier.held([keys[i] for i in sent])
@@ -253,7 +261,7 @@ class TierPath:
                     c.stores_failed += outcome.count(False)
                     c.bytes_stored += stored * self.page_bytes
                 for i, ok in zip(sent, outcome, strict=True):
-                    batch.result[i] = ok
+                    batch.result[i] = batch.holds[i] = ok
 
     def write(self, keys: Sequence[OffloadKey], payloads: Sequence[Payload]) -> WriteBatch:
         """Offer ``keys`` to admission and write the admitted ones; the done batch says per

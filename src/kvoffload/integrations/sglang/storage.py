@@ -560,8 +560,10 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         return intact
 
     def _write(self, keys: list[OffloadKey], payloads: Sequence[Payload]) -> tuple[list[bool], int]:
-        """Per page, whether some tier stored it or every tier's admission held it back;
-        and the bytes the tiers wrote (pages held back, or held already, move none).
+        """Per page, whether some tier holds it or no tier failed it (each stored it or its
+        admission held it back): a page one tier's admission passed over and the other
+        failed to write is stored nowhere, so it is a failed write, as with that tier
+        alone; and the bytes the tiers wrote (pages held back, or held already, move none).
 
         The tiers write at the same time, each on its own thread and under its own lock
         only: a tier still taking its pages (a slow server, up to its deadline) never keeps
@@ -579,7 +581,10 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             finally:
                 wait(jobs)  # the pages' bytes are the tiers' until every write is done
             batches += [job.result() for job in jobs]
-        done = [any(batch.result[i] for batch in batches) for i in range(len(keys))]
+        done = [
+            any(batch.holds[i] for batch in batches) or all(batch.result[i] for batch in batches)
+            for i in range(len(keys))
+        ]
         return done, sum(batch.stored for batch in batches) * first.page_bytes
 
     def _note(self, kind: str, pages: int, moved_bytes: int, started: float) -> None:
