@@ -240,6 +240,35 @@ def test_batch_exists_counts_the_leading_run_across_tiers(
     assert counters["disk"]["loads"] == 2 and counters["remote"]["loads"] == 1
 
 
+def test_a_look_up_counts_once_per_tier_and_asks_no_tier_for_the_page_that_ended_its_run(
+    backends: Any, tmp_path: Path, valkey_server: ValkeyProcess
+) -> None:
+    """``lookups`` counts the ``batch_exists`` calls that reached a tier: a run that stopped
+    part-way asked the tier that served it again for the page it stopped at (which it
+    cannot hold), counted once more each time, and a server alone took a second round
+    trip for every partial hit."""
+    pool = HostPool()
+    remote = {"interface_v1": 1, "kvoffload.remote_url": valkey_server.url}
+    remote_only = backends(remote, pool, model="asked")
+    pool.fill(list(range(4)), seed=5)
+    assert all(remote_only.batch_set_v1(KEYS[:2], pool.indices([0, 1])))
+    client = valkey_server.client()
+    asked_before = client.info("commandstats").get("cmdstat_exists", {}).get("calls", 0)
+    assert remote_only.batch_exists(KEYS[:4]) == 2
+    asked = client.info("commandstats")["cmdstat_exists"]["calls"] - asked_before
+    assert asked <= 4  # each page at most once
+    counters = remote_only.get_stats().kvoffload["remote"]
+    assert counters["lookups"] == 1 and counters["lookup_hit_pages"] == 2
+    # Page 0 on both tiers, 1 on the server only, 2 on disk only: disk, server, disk.
+    both = backends({**remote, **disk(tmp_path)}, pool, model="asked")
+    assert all(both.batch_set_v1([KEYS[0], KEYS[2]], pool.indices([0, 2])))
+    client.delete(both.paths[1].tier.name(page_key(KEYS[2])))
+    assert both.batch_exists(KEYS[:4]) == 3
+    counters = both.get_stats().kvoffload
+    assert (counters["disk"]["lookups"], counters["disk"]["lookup_hit_pages"]) == (1, 2)
+    assert (counters["remote"]["lookups"], counters["remote"]["lookup_hit_pages"]) == (1, 1)
+
+
 def test_two_backends_share_the_valkey_tier(backends: Any, valkey_server: ValkeyProcess) -> None:
     """Two SGLang workers of one model: what one writes, the other loads."""
     extra = {"interface_v1": 1, "kvoffload.remote_url": valkey_server.url}

@@ -192,13 +192,16 @@ class TierPath:
             return dataclasses.replace(self._counters)
 
     def present(self, keys: Sequence[OffloadKey]) -> int:
-        """Leading run of ``keys`` this tier holds."""
+        """Leading run of ``keys`` this tier holds (counted by :meth:`looked_up`: a look-up
+        of SGLang's may ask a tier more than once)."""
         with self._lookup_lock:
-            held = self.tier.present(keys)
+            return self.tier.present(keys)
+
+    def looked_up(self, hit_pages: int) -> None:
+        """One look-up of SGLang's reached this tier and found ``hit_pages`` of its run here."""
         with self._count_lock:
             self._counters.lookups += 1
-            self._counters.lookup_hit_pages += held
-        return held
+            self._counters.lookup_hit_pages += hit_pages
 
     def sighted(self, request: Sequence[OffloadKey], served: bool) -> None:
         """A lookup reached L3 for ``request`` (the pages before it included); ``served``:

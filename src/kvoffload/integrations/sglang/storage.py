@@ -531,19 +531,27 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
 
     def _present(self, keys: list[OffloadKey]) -> tuple[int, list[str]]:
         """Leading run held by the tiers together (each run from the first tier holding it),
-        and which tiers served part of it."""
+        and which tiers served part of it. The tier whose run just ended is not asked for
+        the page it ended at, which it does not hold (a server would take a round trip more
+        per partial hit); each tier asked counts one look-up."""
         found = 0
-        served: list[str] = []
+        hits: dict[TierPath, int] = {}
+        ended: TierPath | None = None
         while found < len(keys):
             for path in self.paths:
+                if path is ended:
+                    continue
                 held = path.present(keys[found:])
+                hits[path] = hits.get(path, 0) + held
                 if held:
                     found += held
-                    served.append(path.name)
+                    ended = path
                     break
             else:
                 break
-        return found, served
+        for path, held in hits.items():
+            path.looked_up(held)
+        return found, [path.name for path, held in hits.items() if held]
 
     def _read(self, keys: list[OffloadKey], target: Any) -> list[bool]:
         """Each key from the first tier that delivers it intact."""
