@@ -341,3 +341,25 @@ def test_a_page_one_tier_passed_over_and_the_other_failed_is_a_failed_write(
     assert backend.batch_exists(KEYS[2:4]) == 0 and backend.batch_exists(KEYS[2:4]) == 0
     assert backend.batch_set_v1(KEYS[2:4], pool.indices([2, 3])) == [True, True]
     assert backend.batch_exists(KEYS[2:4]) == 2
+
+
+def test_an_events_endpoint_that_cannot_be_bound_is_named_by_its_own_key(
+    sglang: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    """The replay endpoint's error named ``kvoffload.kv_events_endpoint``, whose value was
+    fine."""
+    pool = HostPool()
+    extra = {
+        "kvoffload.disk_dir": str(tmp_path / "l3"),
+        "kvoffload.disk_bytes": 10**6,
+        "kvoffload.kv_events_endpoint": "tcp://127.0.0.1:0",
+        "kvoffload.kv_events_replay_endpoint": "no-transport",
+    }
+    replay = "'kvoffload.kv_events_replay_endpoint': cannot bind KV events to 'no-transport'"
+    with pytest.raises(InvalidArgumentError, match=re.escape(replay)):
+        create_backend(sglang, extra, pool)
+    extra["kvoffload.kv_events_endpoint"] = "no-transport"
+    extra["kvoffload.kv_events_replay_endpoint"] = "tcp://127.0.0.1:0"
+    main = "'kvoffload.kv_events_endpoint': cannot bind KV events to 'no-transport'"
+    with pytest.raises(InvalidArgumentError, match=re.escape(main)):
+        create_backend(sglang, extra, pool)

@@ -41,6 +41,7 @@ from kvoffload.integrations.sglang.settings import (
     DISK_BYTES,
     DISK_DIR,
     EVENTS_ENDPOINT,
+    EVENTS_REPLAY_ENDPOINT,
     METRICS_PORT,
     REMOTE_BYTES,
     REMOTE_URL,
@@ -428,16 +429,20 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
 
             stage = self.dp_rank * c.pp_size + c.pp_rank
             replay = s.kv_events_replay_endpoint
+            replay_at = None if replay is None else offset_endpoint(replay, stage)
             try:
                 self._publisher = KVEventPublisher(
                     offset_endpoint(s.kv_events_endpoint, stage),
-                    None if replay is None else offset_endpoint(replay, stage),
+                    replay_at,
                     block_size=pages.page_size,
                     data_parallel_rank=self.dp_rank,
                 )
             except InvalidArgumentError as exc:
+                # The publisher's error quotes the endpoint it could not bind.
+                replay_failed = replay_at is not None and repr(replay_at) in str(exc)
+                key = EVENTS_REPLAY_ENDPOINT if replay_failed else EVENTS_ENDPOINT
                 raise InvalidArgumentError(
-                    f"hicache-storage-backend-extra-config {EVENTS_ENDPOINT!r}: {exc}"
+                    f"hicache-storage-backend-extra-config {key!r}: {exc}"
                 ) from None
         sink = None if self._publisher is None else self._publish
         events = sink is not None
