@@ -53,7 +53,10 @@ NextUse = tuple[int, int]
 
 @dataclass(frozen=True)
 class BeladyResult:
-    """Hits of the bound run, in blocks."""
+    """Hits of the bound run, in blocks.
+
+    Its ratios multiply by ``1 / refs`` as a run's report does (dividing differs in the last
+    bit), so a run that reaches its bound shows the same figure, never one above it."""
 
     refs: int
     gpu_hit_blocks: int
@@ -61,11 +64,15 @@ class BeladyResult:
 
     @property
     def total_hit_ratio(self) -> float:
-        return (self.gpu_hit_blocks + self.offload_hit_blocks) / self.refs if self.refs else 0.0
+        return (self.gpu_hit_blocks + self.offload_hit_blocks) * self._per_ref
 
     @property
     def offload_hit_ratio(self) -> float:
-        return self.offload_hit_blocks / self.refs if self.refs else 0.0
+        return self.offload_hit_blocks * self._per_ref
+
+    @property
+    def _per_ref(self) -> float:
+        return 1.0 / self.refs if self.refs else 0.0
 
 
 def gpu_prefix_hits(
