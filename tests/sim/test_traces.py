@@ -220,6 +220,46 @@ def test_malformed_line_names_file_and_line(tmp_path: Path, bad_line: str, messa
     assert isinstance(info.value, KVOffloadError)
 
 
+LONG = "9" * 1_000_000
+"""A field's text far past any error line: a line holds up to 16 Mi characters."""
+DIGITS = LONG[:4000]
+"""Digits that still make an int (Python converts at most 4,300)."""
+
+
+@pytest.mark.parametrize(
+    ("fmt", "line", "message"),
+    [
+        ("mooncake", f'"timestamp": "{LONG}x", "input_length": 5, "hash_ids": [1]', "a number"),
+        ("mooncake", f'"timestamp": 0, "input_length": "5.5{LONG}", "hash_ids": [1]', "integer"),
+        ("mooncake", f'"timestamp": 0, "input_length": 5, "hash_ids": ["{LONG}x"]', "integer"),
+        ("mooncake", f'"timestamp": 0, "input_length": 5, "hash_ids": [{DIGITS}]', "outside"),
+        ("lmbench", f'"timestamp": "{DIGITS}", "input_length": 5, "hash_ids": [1]', "2\\*\\*64"),
+        ("lmbench", f'"timestamp": "{LONG}x", "input_length": 5, "hash_ids": [1]', "whole"),
+    ],
+    ids=["text", "fraction", "hash-id-text", "hash-id-range", "nanoseconds", "not-whole"],
+)
+def test_a_huge_field_is_cut_short_in_its_error(
+    tmp_path: Path, fmt: str, line: str, message: str
+) -> None:
+    """The error printed the field whole: a line of a million characters on the terminal."""
+    path = tmp_path / "t.jsonl"
+    first = '{"timestamp": "1733450000000000000",' if fmt == "lmbench" else '{"timestamp": 0,'
+    head = first + ' "input_length": 5, "output_length": 1, "hash_ids": [1]}'
+    path.write_text(f'{head}\n{{{line}, "output_length": 1}}\n')
+    with pytest.raises(TraceFormatError, match=message) as info:
+        read_trace(path, fmt)
+    assert str(info.value).startswith(f"{path}:2: ")
+    assert len(str(info.value)) < 300
+
+
+def test_a_huge_csv_header_name_is_cut_short_in_its_error(tmp_path: Path) -> None:
+    path = tmp_path / "q.csv"
+    path.write_text(f"{LONG},hash_ids,{LONG}\n")
+    with pytest.raises(TraceFormatError, match=r"q\.csv:1: CSV header names '9{10}") as info:
+        read_trace(path)
+    assert len(str(info.value)) < 300
+
+
 def test_a_csv_trace_not_named_csv_is_told_how_it_is_read(tmp_path: Path) -> None:
     """It read only "invalid JSON: Expecting value": the format is known by the name."""
     path = tmp_path / "q.txt"

@@ -61,6 +61,18 @@ class TraceFormatError(KVOffloadError, ValueError):
     """A trace file is missing, unreadable or has a malformed record."""
 
 
+SHOWN_CHARS = 60
+"""How much of a bad field an error shows: a field can run to millions of characters."""
+
+
+def _shown(value: object) -> str:
+    """``value``'s repr for an error line, cut to ``SHOWN_CHARS`` with its full length."""
+    text = repr(value)
+    if len(text) <= SHOWN_CHARS:
+        return text
+    return f"{text[:SHOWN_CHARS]}... ({len(text):,} characters)"
+
+
 NANOSECOND_EPOCH_FLOOR = 10**16
 """A numeric timestamp from here on is nanoseconds since an epoch (LMBench's, written as a
 number; 10^16 ns is 1970-04-26), never Mooncake's milliseconds (10^16 ms is 317,000
@@ -308,7 +320,7 @@ def _csv_records(
             header = [name.strip() for name in row]
             twice = next((name for name in header if header.count(name) > 1), None)
             if twice is not None:  # the last column of the name would win, silently
-                raise TraceFormatError(f"{path}:{line_no}: CSV header names {twice!r} twice")
+                raise TraceFormatError(f"{path}:{line_no}: CSV header names {_shown(twice)} twice")
             continue
         if len(row) != len(header):
             raise TraceFormatError(
@@ -391,13 +403,15 @@ def _whole(record: Mapping[str, Any], where: str) -> int:
             value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise TraceFormatError(
-            f"{where}: field 'timestamp' must be a whole number of nanoseconds, got {raw!r}"
+            f"{where}: field 'timestamp' must be a whole number of nanoseconds, got {_shown(raw)}"
         )
     if value < 0:
-        raise TraceFormatError(f"{where}: field 'timestamp' must be non-negative, got {raw!r}")
+        raise TraceFormatError(
+            f"{where}: field 'timestamp' must be non-negative, got {_shown(raw)}"
+        )
     if value > _MAX_NANOSECONDS:  # its distance from the first would overflow a float
         raise TraceFormatError(
-            f"{where}: field 'timestamp' must be at most 2**64-1 nanoseconds, got {raw!r}"
+            f"{where}: field 'timestamp' must be at most 2**64-1 nanoseconds, got {_shown(raw)}"
         )
     return value
 
@@ -408,10 +422,10 @@ def _number(record: Mapping[str, Any], name: str, where: str, integer: bool = Fa
     raw = record[name]
     value = _finite(raw)
     if value is None:
-        raise TraceFormatError(f"{where}: field {name!r} is not a number: {raw!r}")
+        raise TraceFormatError(f"{where}: field {name!r} is not a number: {_shown(raw)}")
     if value < 0 or (integer and value != int(value)):
         kind = "a non-negative integer" if integer else "non-negative"
-        raise TraceFormatError(f"{where}: field {name!r} must be {kind}, got {raw!r}")
+        raise TraceFormatError(f"{where}: field {name!r} must be {kind}, got {_shown(raw)}")
     return value
 
 
@@ -442,8 +456,8 @@ def _block_ids(record: Mapping[str, Any], where: str) -> list[int]:
         except ValueError:
             block_id = None
         if isinstance(block_id, bool) or not isinstance(block_id, int):
-            raise TraceFormatError(f"{where}: 'hash_ids' holds a non-integer {item!r}")
+            raise TraceFormatError(f"{where}: 'hash_ids' holds a non-integer {_shown(item)}")
         if not 0 <= block_id <= _MAX_BLOCK_ID:
-            raise TraceFormatError(f"{where}: hash id {block_id} is outside 0 .. 2**64-1")
+            raise TraceFormatError(f"{where}: hash id {_shown(block_id)} is outside 0 .. 2**64-1")
         ids.append(block_id)
     return ids
