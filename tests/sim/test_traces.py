@@ -344,6 +344,30 @@ def test_a_byte_that_is_not_utf8_is_named_by_its_line(tmp_path: Path) -> None:
         read_trace(path)
 
 
+@pytest.mark.parametrize(
+    "lines",
+    [
+        ["good", "good", "bad", "good"],
+        ["good", "good", "good", "good", "bad"],
+    ],
+)
+@pytest.mark.parametrize("end", ["\r", "\r\n"], ids=["cr", "crlf"])
+def test_a_byte_that_is_not_utf8_is_named_by_its_line_whatever_the_line_ends(
+    tmp_path: Path, lines: list[str], end: str
+) -> None:
+    """The reader ends a line at "\\r" too; the bad byte's line counted only "\\n", so a file
+    of "\\r" line ends named line 1. The first line runs to the 1 MiB the search reads at a
+    time, its "\\r\\n" split across two reads, which ends one line, not two."""
+    good = json.dumps(MOONCAKE[0])
+    first = good + " " * (2**20 - len(good) - 1) + end
+    text = {"good": good.encode() + end.encode(), "bad": b'{"x": "\xe9"}' + end.encode()}
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(first.encode() + b"".join(text[kind] for kind in lines[1:]))
+    where = re.escape(f"{path}:{lines.index('bad') + 1}")
+    with pytest.raises(TraceFormatError, match=rf"^{where}: not a UTF-8 text file"):
+        read_trace(path)
+
+
 def test_reading_reports_its_bytes_from_the_start_to_the_file_size(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     line = json.dumps(MOONCAKE[0]) + "\n"

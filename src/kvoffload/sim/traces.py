@@ -247,16 +247,26 @@ def _undecodable_line(path: Path) -> int | None:
         with path.open("rb") as raw:
             decoder = codecs.getincrementaldecoder("utf-8")()
             line_no = 1
+            after_cr = False
             while chunk := raw.read(2**20):
                 held = len(decoder.getstate()[0])  # a character split across chunks
                 try:
                     decoder.decode(chunk)
                 except UnicodeDecodeError as exc:
-                    return line_no + chunk.count(b"\n", 0, max(0, exc.start - held))
-                line_no += chunk.count(b"\n")
+                    return line_no + _line_ends(chunk[: max(0, exc.start - held)], after_cr)
+                line_no += _line_ends(chunk, after_cr)
+                after_cr = chunk.endswith(b"\r")
     except OSError:
         return None
     return None
+
+
+def _line_ends(data: bytes, after_cr: bool) -> int:
+    """How many lines ``data`` ends where the text reader ends them: at a line feed, a
+    carriage return, or the two in a row (``after_cr``: the bytes before ``data`` ended in a
+    carriage return, so a line feed opening ``data`` ends no line)."""
+    ends = data.count(b"\n") + data.count(b"\r") - data.count(b"\r\n")
+    return ends - (after_cr and data.startswith(b"\n"))
 
 
 def _json_records(
