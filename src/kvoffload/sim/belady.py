@@ -4,10 +4,10 @@ The bound replays the workload through the same GPU prefix cache, and gives
 the offload tier perfect knowledge of the future: every newly computed block
 is admitted, and whenever the tier is over capacity the block whose next use
 lies furthest ahead leaves (possibly the one just admitted, which amounts to
-not storing it). Comparing a policy with this number shows how much any
-smarter policy could still gain.
+not storing it). Comparing a policy with this number shows roughly how much a
+smarter policy could still gain (not exactly: see below).
 
-Two details make it an upper bound under KV-prefix semantics, where a tier
+Three details keep it above a policy under KV-prefix semantics, where a tier
 hit counts only in the leading run of blocks past the GPU hit:
 
 - a *use* is a request that needs the block from the tier: one where it lies
@@ -28,7 +28,9 @@ request's blocks twice, when it starts (as if stored at once) and again where
 the run stored them, so every choice the run made is one the bound could make.
 
 Furthest-next-use is provably optimal only for independent blocks; under
-prefix semantics it is a heuristic that no tested policy has beaten.
+prefix semantics it is a heuristic that no tested policy has beaten, and not the
+optimum: it can drop a parent and keep its child for nothing (docs/simulate.md
+has six requests on which it gets 2 tier hits where 3 can be had).
 
 Next uses are precomputed in one backward pass and eviction uses a heap with
 lazy deletion, so the whole bound costs O(n log n) in the block references.
