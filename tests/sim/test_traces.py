@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bz2
 import gzip
+import itertools
 import json
 import lzma
 import os
@@ -16,7 +17,13 @@ import pytest
 
 from kvoffload import block_id_key
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
-from kvoffload.sim.traces import PROGRESS_LINES, TraceFormatError, detect_format, read_trace
+from kvoffload.sim.traces import (
+    PROGRESS_CHARS,
+    PROGRESS_LINES,
+    TraceFormatError,
+    detect_format,
+    read_trace,
+)
 from kvoffload.sim.workload import Workload
 
 MOONCAKE = [
@@ -381,6 +388,22 @@ def test_reading_reports_its_bytes_from_the_start_to_the_file_size(tmp_path: Pat
     assert all(total == size for _, total in calls)
     done = [d for d, _ in calls]
     assert done == sorted(done) and 0 < done[0] < done[1] < size
+
+
+def test_reading_long_lines_reports_every_few_mebibytes(tmp_path: Path) -> None:
+    """Reports came only every 4096 lines: 200 prompts of a million tokens in 16-token blocks
+    (114 MB) showed 0% for 8 s, then 100%."""
+    path = tmp_path / "t.jsonl"
+    line = json.dumps(MOONCAKE[0])
+    line += " " * (2**19 - len(line) - 1) + "\n"  # half a MiB, blank-padded
+    path.write_text(line * (4 * PROGRESS_CHARS // len(line)))
+    calls: list[tuple[int, int]] = []
+    read_trace(path, progress=lambda *call: calls.append(call))
+    size = path.stat().st_size
+    done = [0] + [d for d, _ in calls]
+    assert calls[-1] == (size, size) and done == sorted(done)
+    # At most a report's worth, a line and the text reader's chunk between two reports.
+    assert max(b - a for a, b in itertools.pairwise(done)) <= PROGRESS_CHARS + len(line) + 2**16
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs a named pipe")

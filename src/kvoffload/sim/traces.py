@@ -53,6 +53,9 @@ _MAX_NANOSECONDS = 2**64 - 1
 """An LMBench timestamp's bound: the year 2554, and a float holds any distance below it."""
 PROGRESS_LINES = 4096
 """Lines read between two reports to a progress callback."""
+PROGRESS_CHARS = 4 * 2**20
+"""Characters read between two reports at most: long lines (a million-token prompt is half a
+MiB of 16-token blocks' ids) make 4096 of them gigabytes."""
 MAX_LINE_CHARS = 16 * 2**20
 """16 Mi characters: a million-token prompt in 16-token blocks takes well under 1 Mi."""
 
@@ -191,10 +194,15 @@ def _open_lines(path: Path, progress: Progress | None = None) -> Iterator[tuple[
             size = status.st_size if stat.S_ISREG(status.st_mode) else 0
             if not size:
                 progress = None
+            unreported = 0  # characters read since the last report
             while line := lines.readline(MAX_LINE_CHARS + 1):
-                if progress is not None and not line_no % PROGRESS_LINES:
+                if progress is not None and (
+                    not line_no % PROGRESS_LINES or unreported >= PROGRESS_CHARS
+                ):
                     # The bytes under the text reader: at most one chunk ahead of the line.
                     progress(min(raw.tell(), size), size)
+                    unreported = 0
+                unreported += len(line)
                 line_no += 1
                 if len(line) > MAX_LINE_CHARS:
                     raise TraceFormatError(
