@@ -182,6 +182,37 @@ def test_bad_lmbench_timestamps_name_file_and_line(
     assert f"{path}:2:" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("records", "message"),
+    [
+        (
+            [LMBENCH[0], {**MOONCAKE[1], "timestamp": 2000}],
+            r"2000 looks like a mooncake trace's \(.*\), but the trace reads as lmbench",
+        ),
+        (
+            [MOONCAKE[1], {**MOONCAKE[0], "timestamp": "1733450000000000000"}],
+            r"'1733450000000000000' looks like a lmbench trace's \(.*\), but the trace reads as "
+            "mooncake",
+        ),
+        (
+            [MOONCAKE[1], {**MOONCAKE[0], "timestamp": 17334500000000000000}],
+            r"17334500000000000000 looks like a lmbench trace's",
+        ),
+    ],
+    ids=["milliseconds-in-lmbench", "string-in-mooncake", "nanoseconds-in-mooncake"],
+)
+def test_a_record_timed_as_another_format_is_refused(
+    tmp_path: Path, records: list[dict[str, object]], message: str
+) -> None:
+    """Two traces joined were read in the first one's unit: an LMBench trace with one of
+    Mooncake's millisecond stamps replayed over 1.7e9 s, though docs/simulate.md says
+    --format lmbench refuses a number below 10^16, and the reverse over 1.7e15 s."""
+    path = write_jsonl(tmp_path / "t.jsonl", records)
+    with pytest.raises(TraceFormatError, match=message) as info:
+        read_trace(path)
+    assert str(info.value).startswith(f"{path}:2: field 'timestamp' ")
+
+
 def test_format_detection(tmp_path: Path) -> None:
     records = [dict(zip(QWEN_FIELDS, row, strict=True)) for row in QWEN]
     assert detect_format(write_jsonl(tmp_path / "m.jsonl", MOONCAKE)) == "mooncake"

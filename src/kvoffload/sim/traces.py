@@ -98,7 +98,12 @@ def _format_of(path: Path, first: tuple[int, Mapping[str, Any]] | None) -> str:
     record = first[1]
     if "chat_id" in record:
         return "qwen"
-    stamp = record.get("timestamp")
+    return _format_of_stamp(record.get("timestamp"))
+
+
+def _format_of_stamp(stamp: object) -> str:
+    """``"lmbench"`` or ``"mooncake"``: which of the two a record without ``chat_id`` is, by
+    its timestamp."""
     if isinstance(stamp, str):
         return "lmbench"
     if isinstance(stamp, int) and not isinstance(stamp, bool) and stamp >= NANOSECOND_EPOCH_FLOOR:
@@ -164,9 +169,7 @@ def read_trace(
         raise InvalidArgumentError(f"block size must be >= 1 token, got {block_tokens}")
     keys_by_id: dict[int, OffloadKey] = {}
     exact = fmt == "lmbench"
-    stamped = [
-        _to_request(path, line, rec, block_tokens, exact, keys_by_id) for line, rec in records
-    ]
+    stamped = [_to_request(path, line, rec, fmt, block_tokens, keys_by_id) for line, rec in records]
     if not stamped:
         raise TraceFormatError(f"{path}: the trace has no records")
     if not _prefix_chained(req.keys for _, req in stamped):
@@ -351,13 +354,13 @@ def _to_request(
     path: Path,
     line_no: int,
     record: Mapping[str, Any],
+    fmt: str,
     block_tokens: int,
-    exact_time: bool,
     keys_by_id: dict[int, OffloadKey],
 ) -> tuple[float | int, Request]:
     """The record's timestamp in its own unit, and its request (arrival not set yet)."""
     where = f"{path}:{line_no}"
-    timestamp = _whole(record, where) if exact_time else _number(record, "timestamp", where)
+    timestamp = _timestamp(record, fmt, where)
     input_tokens = int(_number(record, "input_length", where, integer=True))
     output_tokens = int(_number(record, "output_length", where, integer=True))
     block_ids = _block_ids(record, where)
@@ -407,6 +410,21 @@ def _covers(num_ids: int, input_tokens: int, block_tokens: int) -> bool:
     """Whether ``num_ids`` keys are the prompt's full blocks, with or without its partial one."""
     full, partial = divmod(input_tokens, block_tokens)
     return full <= num_ids <= full + (partial > 0)
+
+
+def _timestamp(record: Mapping[str, Any], fmt: str, where: str) -> float | int:
+    """The record's timestamp in ``fmt``'s unit. One that detection would take for another
+    format's (two traces joined) is refused: read in this one's unit, a Mooncake stamp among
+    LMBench's put its request 1.7e9 s before the others, and an LMBench one among Mooncake's
+    1.7e15 s after."""
+    stamp = _whole(record, where) if fmt == "lmbench" else _number(record, "timestamp", where)
+    raw = record["timestamp"]
+    if fmt != "qwen" and (looks := _format_of_stamp(raw)) != fmt:
+        raise TraceFormatError(
+            f"{where}: field 'timestamp' {_shown(raw)} looks like a {looks} trace's "
+            f"({_TELLS[looks]}), but the trace reads as {fmt}; are two traces joined?"
+        )
+    return stamp
 
 
 def _whole(record: Mapping[str, Any], where: str) -> int:
