@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import re
 from collections.abc import Callable
 
 import pytest
@@ -373,3 +374,20 @@ def test_equal_hit_counts_print_equal_ratios(make_workload: MakeWorkload, cpu_bl
     assert report.total_hit_ratio == report.belady_total_hit_ratio
     assert report.offload_hit_ratio == report.belady_offload_hit_ratio
     assert f"{report.belady_total_hit_ratio:.3f}" == f"{report.total_hit_ratio:.3f}"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"offload_blocks": -1}, "offload_blocks must be an integer >= 0, got -1"),
+        ({"offload_blocks": 2.5}, "offload_blocks must be an integer >= 0, got 2.5"),
+        ({"offload_blocks": True}, "offload_blocks must be an integer >= 0, got True"),
+        ({"drop_partial_of": 0}, "drop_partial_of must be an integer >= 1, got 0"),
+    ],
+)
+def test_capacities_and_block_size_are_checked(arguments: dict[str, object], message: str) -> None:
+    """A tier of -1 blocks ended in an IndexError, one of 2.5 (or True) blocks ran, and a block
+    size of 0 was taken for 1-token blocks."""
+    requests = [_timed(0.0, [1, 2]), _timed(1.0, [1, 2])]
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        belady_bound(requests, **{"gpu_blocks": 2, "offload_blocks": 2, **arguments})  # type: ignore[arg-type]

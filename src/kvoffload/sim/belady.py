@@ -44,7 +44,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InvalidArgumentError, check_integer
 from kvoffload.core.keys import OffloadKey
 from kvoffload.sim.gpu_cache import GPUPrefixCache
 from kvoffload.sim.workload import Request, cacheable_keys, max_gpu_hit
@@ -156,6 +156,9 @@ def belady_bound(
     offered its blocks to the tier (overlapping requests store after later ones
     looked up); ``None``: each stores before the next one starts.
     """
+    check_integer("offload_blocks", offload_blocks, 0)
+    if drop_partial_of is not None:
+        check_integer("drop_partial_of", drop_partial_of, 1)
     if gpu_hits is not None and len(gpu_hits) != len(requests):
         raise InvalidArgumentError(f"{len(gpu_hits)} GPU hit counts for {len(requests)} requests")
     if store_points is not None and len(store_points) != len(requests):
