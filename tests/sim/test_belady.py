@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import re
 from collections.abc import Callable
 
 import pytest
@@ -286,10 +287,13 @@ def test_no_policy_beats_the_bound(
     report = simulate(workload, config)
     assert report.belady_offload_hit_ratio is not None
     assert report.belady_total_hit_ratio is not None
-    # In blocks: the report's ratios multiply by 1/refs, the bound's divide by refs.
     assert report.offload_hit_blocks <= round(report.belady_offload_hit_ratio * report.refs)
     hits = report.gpu_hit_blocks + report.offload_hit_blocks
     assert hits <= round(report.belady_total_hit_ratio * report.refs)
+    # As printed: the figures beside each other in the table.
+    assert report.total_hit_ratio <= report.belady_total_hit_ratio
+    assert report.offload_hit_ratio <= report.belady_offload_hit_ratio
+    assert float(f"{report.total_hit_ratio:.3f}") <= float(f"{report.belady_total_hit_ratio:.3f}")
 
 
 def _timed(at: float, ids: list[int], tokens: int | None = None) -> Request:
@@ -354,3 +358,36 @@ def test_store_points_are_checked() -> None:
     # Stores in start order, each before the next start: the sequential bound.
     sequential = belady_bound(requests, 2, 1)
     assert belady_bound(requests, 2, 1, gpu_hits=[0, 0], store_points=[1, 2]) == sequential
+
+
+@pytest.mark.parametrize("cpu_blocks", [0, 4])
+def test_equal_hit_counts_print_equal_ratios(make_workload: MakeWorkload, cpu_blocks: int) -> None:
+    """A run that reaches its bound shows the same ratio: of 80 references, the run's 3 hits
+    made 3 * (1/80) and the bound's 3 / 80, a bit apart, printed as 0.038 beside a bound of
+    0.037."""
+    workload = make_workload([1, 2, 3], *[[block] for block in range(100, 174)], [1, 2, 3])
+    assert workload.num_refs == 80
+    report = simulate(workload, SimConfig(gpu_blocks=80, cpu_blocks=cpu_blocks, layout="tiny"))
+    assert report.gpu_hit_blocks + report.offload_hit_blocks == 3
+    assert report.belady_total_hit_ratio is not None
+    assert report.belady_offload_hit_ratio is not None
+    assert report.total_hit_ratio == report.belady_total_hit_ratio
+    assert report.offload_hit_ratio == report.belady_offload_hit_ratio
+    assert f"{report.belady_total_hit_ratio:.3f}" == f"{report.total_hit_ratio:.3f}"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"offload_blocks": -1}, "offload_blocks must be an integer >= 0, got -1"),
+        ({"offload_blocks": 2.5}, "offload_blocks must be an integer >= 0, got 2.5"),
+        ({"offload_blocks": True}, "offload_blocks must be an integer >= 0, got True"),
+        ({"drop_partial_of": 0}, "drop_partial_of must be an integer >= 1, got 0"),
+    ],
+)
+def test_capacities_and_block_size_are_checked(arguments: dict[str, object], message: str) -> None:
+    """A tier of -1 blocks ended in an IndexError, one of 2.5 (or True) blocks ran, and a block
+    size of 0 was taken for 1-token blocks."""
+    requests = [_timed(0.0, [1, 2]), _timed(1.0, [1, 2])]
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        belady_bound(requests, **{"gpu_blocks": 2, "offload_blocks": 2, **arguments})  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bz2
 import gzip
+import itertools
 import json
 import lzma
 import os
@@ -16,7 +17,13 @@ import pytest
 
 from kvoffload import block_id_key
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
-from kvoffload.sim.traces import PROGRESS_LINES, TraceFormatError, detect_format, read_trace
+from kvoffload.sim.traces import (
+    PROGRESS_CHARS,
+    PROGRESS_LINES,
+    TraceFormatError,
+    detect_format,
+    read_trace,
+)
 from kvoffload.sim.workload import Workload
 
 MOONCAKE = [
@@ -175,6 +182,37 @@ def test_bad_lmbench_timestamps_name_file_and_line(
     assert f"{path}:2:" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("records", "message"),
+    [
+        (
+            [LMBENCH[0], {**MOONCAKE[1], "timestamp": 2000}],
+            r"2000 looks like a mooncake trace's \(.*\), but the trace reads as lmbench",
+        ),
+        (
+            [MOONCAKE[1], {**MOONCAKE[0], "timestamp": "1733450000000000000"}],
+            r"'1733450000000000000' looks like a lmbench trace's \(.*\), but the trace reads as "
+            "mooncake",
+        ),
+        (
+            [MOONCAKE[1], {**MOONCAKE[0], "timestamp": 17334500000000000000}],
+            r"17334500000000000000 looks like a lmbench trace's",
+        ),
+    ],
+    ids=["milliseconds-in-lmbench", "string-in-mooncake", "nanoseconds-in-mooncake"],
+)
+def test_a_record_timed_as_another_format_is_refused(
+    tmp_path: Path, records: list[dict[str, object]], message: str
+) -> None:
+    """Two traces joined were read in the first one's unit: an LMBench trace with one of
+    Mooncake's millisecond stamps replayed over 1.7e9 s, though docs/simulate.md says
+    --format lmbench refuses a number below 10^16, and the reverse over 1.7e15 s."""
+    path = write_jsonl(tmp_path / "t.jsonl", records)
+    with pytest.raises(TraceFormatError, match=message) as info:
+        read_trace(path)
+    assert str(info.value).startswith(f"{path}:2: field 'timestamp' ")
+
+
 def test_format_detection(tmp_path: Path) -> None:
     records = [dict(zip(QWEN_FIELDS, row, strict=True)) for row in QWEN]
     assert detect_format(write_jsonl(tmp_path / "m.jsonl", MOONCAKE)) == "mooncake"
@@ -218,6 +256,46 @@ def test_malformed_line_names_file_and_line(tmp_path: Path, bad_line: str, messa
         read_trace(path, "mooncake")
     assert f"{path}:3:" in str(info.value)
     assert isinstance(info.value, KVOffloadError)
+
+
+LONG = "9" * 1_000_000
+"""A field's text far past any error line: a line holds up to 16 Mi characters."""
+DIGITS = LONG[:4000]
+"""Digits that still make an int (Python converts at most 4,300)."""
+
+
+@pytest.mark.parametrize(
+    ("fmt", "line", "message"),
+    [
+        ("mooncake", f'"timestamp": "{LONG}x", "input_length": 5, "hash_ids": [1]', "a number"),
+        ("mooncake", f'"timestamp": 0, "input_length": "5.5{LONG}", "hash_ids": [1]', "integer"),
+        ("mooncake", f'"timestamp": 0, "input_length": 5, "hash_ids": ["{LONG}x"]', "integer"),
+        ("mooncake", f'"timestamp": 0, "input_length": 5, "hash_ids": [{DIGITS}]', "outside"),
+        ("lmbench", f'"timestamp": "{DIGITS}", "input_length": 5, "hash_ids": [1]', "2\\*\\*64"),
+        ("lmbench", f'"timestamp": "{LONG}x", "input_length": 5, "hash_ids": [1]', "whole"),
+    ],
+    ids=["text", "fraction", "hash-id-text", "hash-id-range", "nanoseconds", "not-whole"],
+)
+def test_a_huge_field_is_cut_short_in_its_error(
+    tmp_path: Path, fmt: str, line: str, message: str
+) -> None:
+    """The error printed the field whole: a line of a million characters on the terminal."""
+    path = tmp_path / "t.jsonl"
+    first = '{"timestamp": "1733450000000000000",' if fmt == "lmbench" else '{"timestamp": 0,'
+    head = first + ' "input_length": 5, "output_length": 1, "hash_ids": [1]}'
+    path.write_text(f'{head}\n{{{line}, "output_length": 1}}\n')
+    with pytest.raises(TraceFormatError, match=message) as info:
+        read_trace(path, fmt)
+    assert str(info.value).startswith(f"{path}:2: ")
+    assert len(str(info.value)) < 300
+
+
+def test_a_huge_csv_header_name_is_cut_short_in_its_error(tmp_path: Path) -> None:
+    path = tmp_path / "q.csv"
+    path.write_text(f"{LONG},hash_ids,{LONG}\n")
+    with pytest.raises(TraceFormatError, match=r"q\.csv:1: CSV header names '9{10}") as info:
+        read_trace(path)
+    assert len(str(info.value)) < 300
 
 
 def test_a_csv_trace_not_named_csv_is_told_how_it_is_read(tmp_path: Path) -> None:
@@ -304,6 +382,30 @@ def test_a_byte_that_is_not_utf8_is_named_by_its_line(tmp_path: Path) -> None:
         read_trace(path)
 
 
+@pytest.mark.parametrize(
+    "lines",
+    [
+        ["good", "good", "bad", "good"],
+        ["good", "good", "good", "good", "bad"],
+    ],
+)
+@pytest.mark.parametrize("end", ["\r", "\r\n"], ids=["cr", "crlf"])
+def test_a_byte_that_is_not_utf8_is_named_by_its_line_whatever_the_line_ends(
+    tmp_path: Path, lines: list[str], end: str
+) -> None:
+    """The reader ends a line at "\\r" too; the bad byte's line counted only "\\n", so a file
+    of "\\r" line ends named line 1. The first line runs to the 1 MiB the search reads at a
+    time, its "\\r\\n" split across two reads, which ends one line, not two."""
+    good = json.dumps(MOONCAKE[0])
+    first = good + " " * (2**20 - len(good) - 1) + end
+    text = {"good": good.encode() + end.encode(), "bad": b'{"x": "\xe9"}' + end.encode()}
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(first.encode() + b"".join(text[kind] for kind in lines[1:]))
+    where = re.escape(f"{path}:{lines.index('bad') + 1}")
+    with pytest.raises(TraceFormatError, match=rf"^{where}: not a UTF-8 text file"):
+        read_trace(path)
+
+
 def test_reading_reports_its_bytes_from_the_start_to_the_file_size(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     line = json.dumps(MOONCAKE[0]) + "\n"
@@ -317,6 +419,22 @@ def test_reading_reports_its_bytes_from_the_start_to_the_file_size(tmp_path: Pat
     assert all(total == size for _, total in calls)
     done = [d for d, _ in calls]
     assert done == sorted(done) and 0 < done[0] < done[1] < size
+
+
+def test_reading_long_lines_reports_every_few_mebibytes(tmp_path: Path) -> None:
+    """Reports came only every 4096 lines: 200 prompts of a million tokens in 16-token blocks
+    (114 MB) showed 0% for 8 s, then 100%."""
+    path = tmp_path / "t.jsonl"
+    line = json.dumps(MOONCAKE[0])
+    line += " " * (2**19 - len(line) - 1) + "\n"  # half a MiB, blank-padded
+    path.write_text(line * (4 * PROGRESS_CHARS // len(line)))
+    calls: list[tuple[int, int]] = []
+    read_trace(path, progress=lambda *call: calls.append(call))
+    size = path.stat().st_size
+    done = [0] + [d for d, _ in calls]
+    assert calls[-1] == (size, size) and done == sorted(done)
+    # At most a report's worth, a line and the text reader's chunk between two reports.
+    assert max(b - a for a, b in itertools.pairwise(done)) <= PROGRESS_CHARS + len(line) + 2**16
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs a named pipe")

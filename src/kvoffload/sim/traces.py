@@ -53,12 +53,27 @@ _MAX_NANOSECONDS = 2**64 - 1
 """An LMBench timestamp's bound: the year 2554, and a float holds any distance below it."""
 PROGRESS_LINES = 4096
 """Lines read between two reports to a progress callback."""
+PROGRESS_CHARS = 4 * 2**20
+"""Characters read between two reports at most: long lines (a million-token prompt is half a
+MiB of 16-token blocks' ids) make 4096 of them gigabytes."""
 MAX_LINE_CHARS = 16 * 2**20
 """16 Mi characters: a million-token prompt in 16-token blocks takes well under 1 Mi."""
 
 
 class TraceFormatError(KVOffloadError, ValueError):
     """A trace file is missing, unreadable or has a malformed record."""
+
+
+SHOWN_CHARS = 60
+"""How much of a bad field an error shows: a field can run to millions of characters."""
+
+
+def _shown(value: object) -> str:
+    """``value``'s repr for an error line, cut to ``SHOWN_CHARS`` with its full length."""
+    text = repr(value)
+    if len(text) <= SHOWN_CHARS:
+        return text
+    return f"{text[:SHOWN_CHARS]}... ({len(text):,} characters)"
 
 
 NANOSECOND_EPOCH_FLOOR = 10**16
@@ -83,7 +98,12 @@ def _format_of(path: Path, first: tuple[int, Mapping[str, Any]] | None) -> str:
     record = first[1]
     if "chat_id" in record:
         return "qwen"
-    stamp = record.get("timestamp")
+    return _format_of_stamp(record.get("timestamp"))
+
+
+def _format_of_stamp(stamp: object) -> str:
+    """``"lmbench"`` or ``"mooncake"``: which of the two a record without ``chat_id`` is, by
+    its timestamp."""
     if isinstance(stamp, str):
         return "lmbench"
     if isinstance(stamp, int) and not isinstance(stamp, bool) and stamp >= NANOSECOND_EPOCH_FLOOR:
@@ -149,9 +169,7 @@ def read_trace(
         raise InvalidArgumentError(f"block size must be >= 1 token, got {block_tokens}")
     keys_by_id: dict[int, OffloadKey] = {}
     exact = fmt == "lmbench"
-    stamped = [
-        _to_request(path, line, rec, block_tokens, exact, keys_by_id) for line, rec in records
-    ]
+    stamped = [_to_request(path, line, rec, fmt, block_tokens, keys_by_id) for line, rec in records]
     if not stamped:
         raise TraceFormatError(f"{path}: the trace has no records")
     if not _prefix_chained(req.keys for _, req in stamped):
@@ -179,10 +197,15 @@ def _open_lines(path: Path, progress: Progress | None = None) -> Iterator[tuple[
             size = status.st_size if stat.S_ISREG(status.st_mode) else 0
             if not size:
                 progress = None
+            unreported = 0  # characters read since the last report
             while line := lines.readline(MAX_LINE_CHARS + 1):
-                if progress is not None and not line_no % PROGRESS_LINES:
+                if progress is not None and (
+                    not line_no % PROGRESS_LINES or unreported >= PROGRESS_CHARS
+                ):
                     # The bytes under the text reader: at most one chunk ahead of the line.
                     progress(min(raw.tell(), size), size)
+                    unreported = 0
+                unreported += len(line)
                 line_no += 1
                 if len(line) > MAX_LINE_CHARS:
                     raise TraceFormatError(
@@ -235,16 +258,26 @@ def _undecodable_line(path: Path) -> int | None:
         with path.open("rb") as raw:
             decoder = codecs.getincrementaldecoder("utf-8")()
             line_no = 1
+            after_cr = False
             while chunk := raw.read(2**20):
                 held = len(decoder.getstate()[0])  # a character split across chunks
                 try:
                     decoder.decode(chunk)
                 except UnicodeDecodeError as exc:
-                    return line_no + chunk.count(b"\n", 0, max(0, exc.start - held))
-                line_no += chunk.count(b"\n")
+                    return line_no + _line_ends(chunk[: max(0, exc.start - held)], after_cr)
+                line_no += _line_ends(chunk, after_cr)
+                after_cr = chunk.endswith(b"\r")
     except OSError:
         return None
     return None
+
+
+def _line_ends(data: bytes, after_cr: bool) -> int:
+    """How many lines ``data`` ends where the text reader ends them: at a line feed, a
+    carriage return, or the two in a row (``after_cr``: the bytes before ``data`` ended in a
+    carriage return, so a line feed opening ``data`` ends no line)."""
+    ends = data.count(b"\n") + data.count(b"\r") - data.count(b"\r\n")
+    return ends - (after_cr and data.startswith(b"\n"))
 
 
 def _json_records(
@@ -308,7 +341,7 @@ def _csv_records(
             header = [name.strip() for name in row]
             twice = next((name for name in header if header.count(name) > 1), None)
             if twice is not None:  # the last column of the name would win, silently
-                raise TraceFormatError(f"{path}:{line_no}: CSV header names {twice!r} twice")
+                raise TraceFormatError(f"{path}:{line_no}: CSV header names {_shown(twice)} twice")
             continue
         if len(row) != len(header):
             raise TraceFormatError(
@@ -321,13 +354,13 @@ def _to_request(
     path: Path,
     line_no: int,
     record: Mapping[str, Any],
+    fmt: str,
     block_tokens: int,
-    exact_time: bool,
     keys_by_id: dict[int, OffloadKey],
 ) -> tuple[float | int, Request]:
     """The record's timestamp in its own unit, and its request (arrival not set yet)."""
     where = f"{path}:{line_no}"
-    timestamp = _whole(record, where) if exact_time else _number(record, "timestamp", where)
+    timestamp = _timestamp(record, fmt, where)
     input_tokens = int(_number(record, "input_length", where, integer=True))
     output_tokens = int(_number(record, "output_length", where, integer=True))
     block_ids = _block_ids(record, where)
@@ -379,6 +412,21 @@ def _covers(num_ids: int, input_tokens: int, block_tokens: int) -> bool:
     return full <= num_ids <= full + (partial > 0)
 
 
+def _timestamp(record: Mapping[str, Any], fmt: str, where: str) -> float | int:
+    """The record's timestamp in ``fmt``'s unit. One that detection would take for another
+    format's (two traces joined) is refused: read in this one's unit, a Mooncake stamp among
+    LMBench's put its request 1.7e9 s before the others, and an LMBench one among Mooncake's
+    1.7e15 s after."""
+    stamp = _whole(record, where) if fmt == "lmbench" else _number(record, "timestamp", where)
+    raw = record["timestamp"]
+    if fmt != "qwen" and (looks := _format_of_stamp(raw)) != fmt:
+        raise TraceFormatError(
+            f"{where}: field 'timestamp' {_shown(raw)} looks like a {looks} trace's "
+            f"({_TELLS[looks]}), but the trace reads as {fmt}; are two traces joined?"
+        )
+    return stamp
+
+
 def _whole(record: Mapping[str, Any], where: str) -> int:
     """An LMBench timestamp: a whole number of nanoseconds, as a string or an integer."""
     if "timestamp" not in record:
@@ -391,13 +439,15 @@ def _whole(record: Mapping[str, Any], where: str) -> int:
             value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise TraceFormatError(
-            f"{where}: field 'timestamp' must be a whole number of nanoseconds, got {raw!r}"
+            f"{where}: field 'timestamp' must be a whole number of nanoseconds, got {_shown(raw)}"
         )
     if value < 0:
-        raise TraceFormatError(f"{where}: field 'timestamp' must be non-negative, got {raw!r}")
+        raise TraceFormatError(
+            f"{where}: field 'timestamp' must be non-negative, got {_shown(raw)}"
+        )
     if value > _MAX_NANOSECONDS:  # its distance from the first would overflow a float
         raise TraceFormatError(
-            f"{where}: field 'timestamp' must be at most 2**64-1 nanoseconds, got {raw!r}"
+            f"{where}: field 'timestamp' must be at most 2**64-1 nanoseconds, got {_shown(raw)}"
         )
     return value
 
@@ -408,10 +458,10 @@ def _number(record: Mapping[str, Any], name: str, where: str, integer: bool = Fa
     raw = record[name]
     value = _finite(raw)
     if value is None:
-        raise TraceFormatError(f"{where}: field {name!r} is not a number: {raw!r}")
+        raise TraceFormatError(f"{where}: field {name!r} is not a number: {_shown(raw)}")
     if value < 0 or (integer and value != int(value)):
         kind = "a non-negative integer" if integer else "non-negative"
-        raise TraceFormatError(f"{where}: field {name!r} must be {kind}, got {raw!r}")
+        raise TraceFormatError(f"{where}: field {name!r} must be {kind}, got {_shown(raw)}")
     return value
 
 
@@ -442,8 +492,8 @@ def _block_ids(record: Mapping[str, Any], where: str) -> list[int]:
         except ValueError:
             block_id = None
         if isinstance(block_id, bool) or not isinstance(block_id, int):
-            raise TraceFormatError(f"{where}: 'hash_ids' holds a non-integer {item!r}")
+            raise TraceFormatError(f"{where}: 'hash_ids' holds a non-integer {_shown(item)}")
         if not 0 <= block_id <= _MAX_BLOCK_ID:
-            raise TraceFormatError(f"{where}: hash id {block_id} is outside 0 .. 2**64-1")
+            raise TraceFormatError(f"{where}: hash id {_shown(block_id)} is outside 0 .. 2**64-1")
         ids.append(block_id)
     return ids
