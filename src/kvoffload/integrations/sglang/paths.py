@@ -203,13 +203,14 @@ class TierPath:
             self._counters.lookups += 1
             self._counters.lookup_hit_pages += hit_pages
 
-    def sighted(self, request: Sequence[OffloadKey], served: bool) -> None:
-        """A lookup reached L3 for ``request`` (the pages before it included); ``served``:
-        this tier held part of what was asked."""
+    def sighted(self, request: Sequence[OffloadKey], served: bool, held: int = 0) -> None:
+        """A lookup reached L3 for ``request`` past its first ``held`` pages (those held
+        above L3, shown for the request's chain but not looked up here); ``served``: this
+        tier held part of what was asked."""
         if self.layer is None or not request:
             return
         with self._admission_lock:
-            self.layer.begin_request(request, tier_hit=served)
+            self.layer.begin_request(request, tier_hit=served, gpu_held=held)
 
     def read(self, keys: Sequence[OffloadKey], target: Target) -> list[bool]:
         """Read ``keys`` into ``target`` (per key one buffer or its parts); per key, whether

@@ -225,15 +225,22 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        """Leading run of ``keys`` held by the tiers together; a sighting for admission."""
+        """Leading run of ``keys`` held by the tiers together; a sighting for admission.
+
+        The pages SGLang passes before ``keys`` (``hicache_storage_pass_prefix_keys``) lead
+        the request but were not looked up here, as vLLM's GPU-held blocks: the device and
+        host hold them, and in a query's later 128-page batch the earlier batches (which
+        this query looked up, and found, before). Admission sees each batch's lookup as
+        its own pages alone, so its worlds count an L3 hit only where L3 served one."""
         if not keys:
             return 0
         ours = [page_key(key) for key in keys]
         found, served = self._present(ours)
-        prefix = extra_info.prefix_keys if extra_info is not None else None
-        request = [page_key(key) for key in prefix or ()] + ours
+        given = extra_info.prefix_keys if extra_info is not None else None
+        prefix = [page_key(key) for key in given or ()]
+        request = prefix + ours
         for path in self.paths:
-            path.sighted(request, path.name in served)
+            path.sighted(request, path.name in served, held=len(prefix))
         return found
 
     def batch_get_v1(
