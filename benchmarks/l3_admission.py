@@ -144,7 +144,7 @@ def replay(workload: Workload, gpu: int, host: int, l3: int, admission: str) -> 
         if rest:
             l3_lookups += len(rest)
             found = path.present(rest)
-            path.sighted(keys, found > 0)
+            path.sighted(keys, found > 0, held=g + h)
             if found:
                 path.read(rest[:found], lambda i: memoryview(b""))
         gpu_hits, host_hits, l3_hits = gpu_hits + g, host_hits + h, l3_hits + found
