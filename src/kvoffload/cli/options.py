@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvoffload.admission import admission_params, parse_pairs
 from kvoffload.admission.budget import WriteBudget, parse_bytes
@@ -37,11 +37,12 @@ from kvoffload.core.specs import CPULoadStoreSpec
 from kvoffload.managers.admit_all import admission_book
 from kvoffload.sim.engine import PARTIAL_BLOCK_MODES
 from kvoffload.sim.generators import (
-    BYTES_PER_REQUEST,
+    DEFAULT_BLOCK_TOKENS,
     DEFAULT_MIX,
     DEFAULT_RATE,
     DEFAULT_REQUESTS,
     RateTooLowError,
+    estimated_bytes,
     parse_mix,
     rate_too_low,
 )
@@ -211,14 +212,27 @@ def workload_source(args: argparse.Namespace) -> WorkloadSource:
         return WorkloadSource(trace=args.trace, fmt=args.format, block_tokens=args.block_size)
     if args.format != "auto":
         raise InvalidArgumentError(f"--format {args.format} names a trace's schema: give --trace")
-    if "requests" in given:  # else refused by the generator, naming no option
-        check_fits(args.requests * BYTES_PER_REQUEST, f"--requests {args.requests}")
     if "mix" in given:
         try:
             given["mix"] = tuple(parse_mix(args.mix).items())
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"--mix {args.mix}: {exc}") from None
+    _check_synthetic_fits(args, given)
     return WorkloadSource(block_tokens=args.block_size, **given)
+
+
+def _check_synthetic_fits(args: argparse.Namespace, given: dict[str, Any]) -> None:
+    """Refuse a synthetic workload the machine cannot draw, naming the options that size it
+    (else refused by the generator, naming none)."""
+    requests = given.get("requests", DEFAULT_REQUESTS)
+    block_tokens = args.block_size or DEFAULT_BLOCK_TOKENS
+    count = f"--requests {requests}" if "requests" in given else f"{requests:,} synthetic requests"
+    mix = f"--mix {args.mix}" if "mix" in given else "the default mix"
+    size = f"--block-size {block_tokens}" if args.block_size else f"{block_tokens} tokens per block"
+    check_fits(
+        estimated_bytes(dict(given.get("mix", DEFAULT_MIX.items())), requests, block_tokens),
+        f"{count} of {mix} at {size}",
+    )
 
 
 def load_workload(source: WorkloadSource, progress: bool | None) -> Workload:
