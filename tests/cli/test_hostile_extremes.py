@@ -72,18 +72,23 @@ def _assert_one_line(result: subprocess.CompletedProcess[str], status: int, mess
 
 
 @pytest.mark.parametrize(
-    "throughput",
+    ("throughput", "named"),
     [
-        ["--decode-tokens-per-s", "1e-306"],
-        ["--decode-tokens-per-s", "1e-306", "--concurrency", "3"],
-        ["--prefill-tokens-per-s", "1e-306"],
+        (["--decode-tokens-per-s", "1e-306"], "output tokens at --decode-tokens-per-s 1e-306"),
+        (
+            ["--decode-tokens-per-s", "1e-306", "--concurrency", "3"],
+            "output tokens at --decode-tokens-per-s 1e-306",
+        ),
+        (["--prefill-tokens-per-s", "1e-306"], "prompt tokens at --prefill-tokens-per-s 1e-306"),
     ],
 )
-def test_a_throughput_whose_times_overflow_is_refused_not_looped(throughput: list[str]) -> None:
+def test_a_throughput_whose_times_overflow_is_refused_not_looped(
+    throughput: list[str], named: str
+) -> None:
     """An event at infinite time was never due, and the engine's loop spun forever."""
     argv = [*SMALL, "--gpu-blocks", "1000", *throughput]
     result = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=60, check=False)
-    _assert_one_line(result, 1, "simulated time overflows a float")
+    _assert_one_line(result, 1, named)
 
 
 def test_a_trace_whose_decode_time_overflows_is_refused_not_looped(tmp_path: Path) -> None:
@@ -92,7 +97,8 @@ def test_a_trace_whose_decode_time_overflows_is_refused_not_looped(tmp_path: Pat
     trace.write_text(record.format(0) + "\n" + record.format(1) + "\n")
     argv = ["simulate", "--trace", str(trace), "--no-progress", "--decode-tokens-per-s", "0.5"]
     result = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=60, check=False)
-    _assert_one_line(result, 1, "simulated time overflows a float")
+    named = "the workload's about 10^308 output tokens at --decode-tokens-per-s 0.5 take more"
+    _assert_one_line(result, 1, named)
 
 
 @pytest.mark.parametrize("command", ["simulate", "sweep"])

@@ -385,6 +385,76 @@ def base_config(args: argparse.Namespace, block_tokens: int, default_layout: str
     )
 
 
+def check_simulated_time(workload: Workload, config: SimConfig, transfers: bool) -> None:
+    """Refuse a replay whose simulated clock could pass what a float holds, naming the
+    options whose times make it: the engine refuses only when its clock gets there (after
+    the requests before, in a sweep after the runs before), naming none of them.
+
+    Past the last arrival some prefill, decode, transfer (``transfers``: with an offload
+    tier) or retry is always under way, so the clock never passes the last arrival plus
+    every request's whole prefill, decode and transfer of all its blocks: while that sum
+    is finite, so is the clock. Named are its largest parts that alone pass a float.
+    """
+    requests = workload.requests
+    if not requests:
+        return
+    engine = config.engine_config(workload.block_tokens)
+    prompt = sum(request.input_tokens for request in requests)
+    answer = sum(request.output_tokens for request in requests)
+    parts = [
+        (
+            _seconds(prompt, config.prefill_tokens_per_s),
+            f"{_count(prompt)} prompt tokens at --prefill-tokens-per-s "
+            f"{config.prefill_tokens_per_s:g}",
+        ),
+        (
+            _seconds(answer, config.decode_tokens_per_s),
+            f"{_count(answer)} output tokens at --decode-tokens-per-s "
+            f"{config.decode_tokens_per_s:g}",
+        ),
+    ]
+    last = max(request.arrival_s for request in requests)
+    parts.append((last, f"arrivals until {last:.3g} s"))
+    if transfers:
+        blocks = sum(len(request.keys) for request in requests)
+        parts.append(
+            (
+                _seconds(blocks * engine.bytes_per_block, engine.transfer_bytes_per_s),
+                f"{_count(blocks)} blocks of {output.size(engine.bytes_per_block)} at "
+                f"--transfer-gb-per-s {config.transfer_gb_per_s:g}",
+            )
+        )
+    retries = len(requests) * engine.max_lookup_retries * engine.lookup_retry_s
+    if math.isfinite(sum(seconds for seconds, _ in parts) + retries):
+        return
+    named: list[str] = []
+    clock = 0.0
+    for seconds, what in sorted(parts, key=lambda part: part[0], reverse=True):
+        clock += seconds
+        named.append(what)
+        if math.isinf(clock):
+            break
+    raise InvalidArgumentError(
+        f"the workload's {' and '.join(named)} take more seconds than the simulated clock "
+        "(a float) can count"
+    )
+
+
+def _seconds(amount: int, per_second: float) -> float:
+    """``amount`` at ``per_second``; ``inf`` past a float (an int past it cannot divide)."""
+    try:
+        return amount / per_second
+    except OverflowError:
+        return math.inf
+
+
+def _count(amount: int) -> str:
+    """A count as a reader takes it in: digits up to a quadrillion, beyond it a power of ten."""
+    if amount < 10**15:
+        return f"{amount:,}"
+    return f"about 10^{int((amount.bit_length() - 1) * math.log10(2))}"
+
+
 def cpu_blocks(blocks: int | None, gib: float | None, config: SimConfig, block_tokens: int) -> int:
     """Offload capacity in blocks, from ``--cpu-blocks`` or ``--cpu-gb`` (or the default)."""
     if blocks is None and gib is not None:

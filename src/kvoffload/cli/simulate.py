@@ -227,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
             args.admission, params, cpu, f"{size} ({cpu:,} blocks)", "--admission"
         )
     config = options.with_offload(config, cpu, args.policy, args.store_threshold)
+    options.check_simulated_time(workload, config, transfers=cpu > 0)
     # The tiers first: a budget in drive writes per day is checked at once, and without
     # --drive-bytes it counts against the disk tier's size.
     config = tier_options.with_tiers(config, args, bt)

@@ -168,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
     base = options.base_config(args, bt, options.DEFAULT_LAYOUT)
     base = tier_options.with_tiers(base, args, bt)
     sized = _capacities(args, base.gpu_blocks, base.layout, bt)
+    options.check_simulated_time(workload, base, transfers=any(blocks for blocks, _ in sized))
     if args.cpu_blocks is None:
         _check_admissions_fit(typed_admissions, sized)
     configs = sweep_configs(
