@@ -232,6 +232,7 @@ def _run_sglang(args: argparse.Namespace) -> int:
     try:
         from kvoffload.integrations.sglang.bench import (
             SHAPES,
+            check_page_mib,
             measure_sglang,
             parse_interfaces,
             table_rows,
@@ -239,6 +240,10 @@ def _run_sglang(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise KVOffloadError(f"bench tiers --sglang needs {exc.name}; see docs/sglang.md") from None
     interfaces = parse_interfaces(args.sglang)
+    try:
+        check_page_mib(args.block_mib)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"--block-mib {args.block_mib:g}: {exc}") from None
     bar = ProgressBar("bench tiers --sglang", ProgressBar.wanted(args.progress))
     total = len(SHAPES) * len(interfaces) * (1 if args.remote is None else 2)
     started = 0
