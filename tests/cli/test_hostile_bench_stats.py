@@ -85,6 +85,22 @@ def test_bench_tiers_block_below_the_least_names_the_option(
     assert message in one_line_error(capsys)
 
 
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--fsync"], "--fsync is for the plain tier benchmark; --sglang measures"),
+        (["--disk-timeout-ms", "5"], "--disk-timeout-ms is for the plain tier benchmark"),
+    ],
+)
+def test_bench_tiers_sglang_refuses_the_plain_benchmarks_disk_options(
+    option: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--disk-timeout-ms was ignored with --sglang, unsaid: the backend ran its default."""
+    argv = ["bench", "tiers", "--sglang", "v1", "--blocks", "2", "--rounds", "1", "--no-progress"]
+    assert main([*argv, "--dir", str(tmp_path), *option]) == 1
+    assert message in one_line_error(capsys)
+
+
 @pytest.mark.parametrize("value", ["1e-300", "0.0625"])
 def test_bench_tiers_sglang_pages_of_no_layer_are_refused_naming_the_option(
     value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -229,6 +229,11 @@ def _run_sglang(args: argparse.Namespace) -> int:
             "bench tiers: --fsync is for the plain tier benchmark; --sglang measures the "
             "backend's disk tier as SGLang runs it (no --fsync)"
         )
+    if args.disk_timeout_ms is not None:  # it would be ignored, unsaid
+        raise KVOffloadError(
+            "bench tiers: --disk-timeout-ms is for the plain tier benchmark; --sglang measures "
+            "the backend's disk tier with its default deadline"
+        )
     try:
         from kvoffload.integrations.sglang.bench import (
             SHAPES,
