@@ -162,3 +162,22 @@ def test_a_result_file_where_the_plots_go_is_refused_before_the_sweep(
     assert main([*argv, *(arg.format(tmp=tmp_path) for arg in outputs)]) == 1
     assert message.format(tmp=tmp_path) in one_line_error(capsys)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--disk-gb-per-s", "1e-308", "must be >= 1e-09, got 1e-308"),
+        ("--disk-latency-ms", "1e308", "must be <= 604,800,000, got 1e308"),
+        ("--remote-gb-per-s", "1e-10", "must be >= 1e-09, got 1e-10"),
+        ("--remote-latency-ms", "6.1e8", "must be <= 604,800,000, got 6.1e8"),
+    ],
+)
+def test_a_tier_model_whose_times_overflow_is_a_usage_error(
+    option: str, value: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The disk tier's modelled read time was inf: the table said "-inf s" of prefill saved,
+    and the JSON held -Infinity, which no JSON reader takes."""
+    disk = ["--disk-dir", str(tmp_path), "--disk-blocks", "100"]
+    assert main([*SMALL, *disk, "--cpu-blocks", "30", option, value]) == 2
+    assert f"argument {option}: {message}" in one_line_error(capsys)
