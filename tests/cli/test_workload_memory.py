@@ -41,3 +41,17 @@ def test_a_request_count_past_the_float_range_is_one_line(
     """Its bytes were divided into GiB as an int: OverflowError, a traceback."""
     assert main(["simulate", "--requests", "1" + "0" * 400, *QUICK]) == 1
     assert "would need more memory than a float can count" in one_line_error(capsys)
+
+
+def test_a_sweep_counts_the_copy_each_worker_draws(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Some 11 MB a copy: one fits in 40 MiB, five do not; the workers, each drawing its own,
+    were killed for memory one by one, and the error named no option."""
+    monkeypatch.setattr(memory, "available_bytes", lambda: 40 * MIB)
+    argv = ["sweep", "--requests", "600", "--no-progress", "--policies", "lru"]
+    argv += ["--thresholds", "0", "--cpu-blocks", "100,200,300,400"]
+    assert main([*argv, "--jobs", "4"]) == 1
+    err = one_line_error(capsys)
+    assert "error: --jobs 4: --requests 600 of the default mix at 16 tokens per block, " in err
+    assert "drawn by each of 4 workers and here, would need about 0.1 GiB of memory" in err

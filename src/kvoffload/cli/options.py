@@ -200,7 +200,9 @@ SYNTHETIC_OPTIONS = ("mix", "requests", "seed", "rate")
 """What shapes a synthetic workload, and nothing of a trace's."""
 
 
-def workload_source(args: argparse.Namespace) -> WorkloadSource:
+def workload_source(args: argparse.Namespace, workers: int = 0) -> WorkloadSource:
+    """The workload the options describe, a synthetic one refused if the machine cannot
+    draw it in this process and in each of ``workers`` (a sweep's, each drawing its own)."""
     given = {name: getattr(args, name) for name in SYNTHETIC_OPTIONS}
     given = {name: value for name, value in given.items() if value is not None}
     if args.trace is not None:
@@ -217,21 +219,26 @@ def workload_source(args: argparse.Namespace) -> WorkloadSource:
             given["mix"] = tuple(parse_mix(args.mix).items())
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"--mix {args.mix}: {exc}") from None
-    _check_synthetic_fits(args, given)
+    _check_synthetic_fits(args, given, workers)
     return WorkloadSource(block_tokens=args.block_size, **given)
 
 
-def _check_synthetic_fits(args: argparse.Namespace, given: dict[str, Any]) -> None:
-    """Refuse a synthetic workload the machine cannot draw, naming the options that size it
-    (else refused by the generator, naming none)."""
+def _check_synthetic_fits(args: argparse.Namespace, given: dict[str, Any], workers: int) -> None:
+    """Refuse a synthetic workload the machine cannot draw, here and in ``workers`` more
+    processes, naming the options that size it (else refused by the generator, naming
+    none; a sweep's workers, killed for memory, named nothing)."""
     requests = given.get("requests", DEFAULT_REQUESTS)
     block_tokens = args.block_size or DEFAULT_BLOCK_TOKENS
     count = f"--requests {requests}" if "requests" in given else f"{requests:,} synthetic requests"
     mix = f"--mix {args.mix}" if "mix" in given else "the default mix"
     size = f"--block-size {block_tokens}" if args.block_size else f"{block_tokens} tokens per block"
+    what = f"{count} of {mix} at {size}"
+    if workers:
+        what = f"--jobs {args.jobs}: {what}, drawn by each of {workers} workers and here,"
     check_fits(
-        estimated_bytes(dict(given.get("mix", DEFAULT_MIX.items())), requests, block_tokens),
-        f"{count} of {mix} at {size}",
+        (workers + 1)
+        * estimated_bytes(dict(given.get("mix", DEFAULT_MIX.items())), requests, block_tokens),
+        what,
     )
 
 

@@ -162,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
         capacities = len(set(options.parse_floats(args.cpu_gb, "--cpu-gb", options.MAX_GIB)))
     runs = capacities * len(policies) * len(thresholds) * len(admissions)
     tier_options.check_one_run_with_remote(args, runs)
-    source = options.workload_source(args)
+    # Each worker draws its own copy of a synthetic workload (at most one a run).
+    source = options.workload_source(args, 0 if args.jobs == 1 else min(args.jobs, runs))
     workload = options.load_workload(source, args.progress)
     bt = workload.block_tokens
     base = options.base_config(args, bt, options.DEFAULT_LAYOUT)
