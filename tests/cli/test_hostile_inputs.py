@@ -835,3 +835,26 @@ def test_a_wrong_remote_password_is_refused_before_the_workload(
             assert "wrong" not in err.replace("WRONGPASS", "")
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(
+    ("command", "size"),
+    [
+        (["simulate", "--gpu-blocks", "10"], "--gpu-blocks 10 (a GPU prefix cache of 10 blocks)"),
+        (["simulate", "--gpu-gb", "0.01"], "--gpu-gb 0.01 (a GPU prefix cache of 5 blocks)"),
+        (
+            ["sweep", "--jobs", "2", "--gpu-blocks", "10"],
+            "--gpu-blocks 10 (a GPU prefix cache of 10 blocks)",
+        ),
+    ],
+)
+def test_a_gpu_smaller_than_the_longest_request_is_named_before_any_run(
+    command: list[str], size: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The engine refused it as the run started, naming no option ("give the GPU more
+    blocks"); a sweep started its workers and reported it as its first run's failure."""
+    assert main([*command, "--requests", "5", "--no-progress"]) == 1
+    assert one_line_error(capsys) == (
+        f"kvoffload: error: {size} cannot hold the workload's longest request, of 414 blocks; "
+        "give the GPU at least that many\n"
+    )

@@ -392,6 +392,18 @@ def base_config(args: argparse.Namespace, block_tokens: int, default_layout: str
     )
 
 
+def check_gpu_holds_requests(args: argparse.Namespace, workload: Workload, gpu_blocks: int) -> None:
+    """Refuse a GPU cache smaller than the workload's longest request, naming its size as
+    given: the engine refuses it only as the run starts (in a sweep, as the failure of its
+    first run, after the workers start), saying only "give the GPU more blocks"."""
+    longest = max((len(request.keys) for request in workload.requests), default=0)
+    if longest > gpu_blocks:
+        raise InvalidArgumentError(
+            f"{_gpu_cache_of(gpu_size(args), gpu_blocks)} cannot hold the workload's longest "
+            f"request, of {longest:,} blocks; give the GPU at least that many"
+        )
+
+
 def check_simulated_time(workload: Workload, config: SimConfig, transfers: bool) -> None:
     """Refuse a replay whose simulated clock could pass what a float holds, naming the
     options whose times make it: the engine refuses only when its clock gets there (after

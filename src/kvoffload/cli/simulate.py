@@ -219,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
     config = options.base_config(
         args, bt, DATA_PLANE_LAYOUT if args.data_plane else options.DEFAULT_LAYOUT
     )
+    options.check_gpu_holds_requests(args, workload, config.gpu_blocks)
     cpu = options.cpu_blocks(args.cpu_blocks, args.cpu_gb, config, bt)
     _check_cpu_tier(args, cpu)
     if not typed_blocks:

@@ -167,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
     workload = options.load_workload(source, args.progress)
     bt = workload.block_tokens
     base = options.base_config(args, bt, options.DEFAULT_LAYOUT)
+    options.check_gpu_holds_requests(args, workload, base.gpu_blocks)
     base = tier_options.with_tiers(base, args, bt)
     sized = _capacities(args, base.gpu_blocks, base.layout, bt)
     options.check_simulated_time(workload, base, transfers=any(blocks for blocks, _ in sized))
