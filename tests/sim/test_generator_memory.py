@@ -57,7 +57,9 @@ def test_a_workload_past_memory_is_refused_before_it_is_drawn(
 ) -> None:
     """200 longchat requests of one token per block take some 330 MB to draw."""
     monkeypatch.setattr(memory, "available_bytes", lambda: 150 * MIB)
-    with pytest.raises(InsufficientMemoryError, match="200 synthetic requests of 1 tokens per"):
+    with pytest.raises(
+        InsufficientMemoryError, match="200 synthetic requests at block_tokens=1 would"
+    ):
         generate({"longchat": 1.0}, 200, block_tokens=1)
 
 

@@ -42,6 +42,7 @@ DEFAULT_REQUESTS = 2000
 DEFAULT_RATE = 4.0
 """Requests per second across the whole mix."""
 DEFAULT_BLOCK_TOKENS = 16
+"""Tokens per block of a synthetic workload unless told otherwise."""
 REQUEST_BYTES = 512
 """Memory of one drawn request apart from its blocks (its record, key list and numbers:
 about 250 bytes measured), rounded up."""
@@ -355,7 +356,7 @@ def generate(
         raise InvalidArgumentError(f"rate must be a finite number > 0, got {rate!r}")
     check_fits(
         estimated_bytes(mix, num_requests, block_tokens, chat_shape),
-        f"{num_requests:,} synthetic requests of {block_tokens} tokens per block",
+        f"{num_requests:,} synthetic requests at block_tokens={block_tokens}",
     )
     keys = _Keys(block_tokens)
     counts = _apportion(num_requests, {k: w / total for k, w in mix.items()})
