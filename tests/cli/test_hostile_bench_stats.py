@@ -86,6 +86,36 @@ def test_bench_tiers_block_below_the_least_names_the_option(
 
 
 @pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--fsync"], "--fsync is for the plain tier benchmark; --sglang measures"),
+        (["--disk-timeout-ms", "5"], "--disk-timeout-ms is for the plain tier benchmark"),
+    ],
+)
+def test_bench_tiers_sglang_refuses_the_plain_benchmarks_disk_options(
+    option: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--disk-timeout-ms was ignored with --sglang, unsaid: the backend ran its default."""
+    argv = ["bench", "tiers", "--sglang", "v1", "--blocks", "2", "--rounds", "1", "--no-progress"]
+    assert main([*argv, "--dir", str(tmp_path), *option]) == 1
+    assert message in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("value", ["1e-300", "0.0625"])
+def test_bench_tiers_sglang_pages_of_no_layer_are_refused_naming_the_option(
+    value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """They ran at one layer a page (128 KiB, 36 KiB for MLA), whatever was asked for."""
+    pytest.importorskip("kvoffload.integrations.sglang.bench")
+    argv = ["bench", "tiers", "--sglang", "v1", "--blocks", "2", "--rounds", "1"]
+    assert main([*argv, "--dir", str(tmp_path), "--block-mib", value, "--no-progress"]) == 1
+    assert one_line_error(capsys) == (
+        f"kvoffload: error: --block-mib {value}: pages of {value} MiB round to no layer of "
+        "128 KiB (an MHA page's): give more than 0.0625 MiB\n"
+    )
+
+
+@pytest.mark.parametrize(
     ("value", "message"), [("0", "must be >= 1"), ("x", "expected an integer")]
 )
 def test_trace_stats_bad_block_size_is_a_usage_error(

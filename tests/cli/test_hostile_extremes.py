@@ -72,18 +72,23 @@ def _assert_one_line(result: subprocess.CompletedProcess[str], status: int, mess
 
 
 @pytest.mark.parametrize(
-    "throughput",
+    ("throughput", "named"),
     [
-        ["--decode-tokens-per-s", "1e-306"],
-        ["--decode-tokens-per-s", "1e-306", "--concurrency", "3"],
-        ["--prefill-tokens-per-s", "1e-306"],
+        (["--decode-tokens-per-s", "1e-306"], "output tokens at --decode-tokens-per-s 1e-306"),
+        (
+            ["--decode-tokens-per-s", "1e-306", "--concurrency", "3"],
+            "output tokens at --decode-tokens-per-s 1e-306",
+        ),
+        (["--prefill-tokens-per-s", "1e-306"], "prompt tokens at --prefill-tokens-per-s 1e-306"),
     ],
 )
-def test_a_throughput_whose_times_overflow_is_refused_not_looped(throughput: list[str]) -> None:
+def test_a_throughput_whose_times_overflow_is_refused_not_looped(
+    throughput: list[str], named: str
+) -> None:
     """An event at infinite time was never due, and the engine's loop spun forever."""
     argv = [*SMALL, "--gpu-blocks", "1000", *throughput]
     result = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=60, check=False)
-    _assert_one_line(result, 1, "simulated time overflows a float")
+    _assert_one_line(result, 1, named)
 
 
 def test_a_trace_whose_decode_time_overflows_is_refused_not_looped(tmp_path: Path) -> None:
@@ -92,7 +97,8 @@ def test_a_trace_whose_decode_time_overflows_is_refused_not_looped(tmp_path: Pat
     trace.write_text(record.format(0) + "\n" + record.format(1) + "\n")
     argv = ["simulate", "--trace", str(trace), "--no-progress", "--decode-tokens-per-s", "0.5"]
     result = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=60, check=False)
-    _assert_one_line(result, 1, "simulated time overflows a float")
+    named = "the workload's about 10^308 output tokens at --decode-tokens-per-s 0.5 take more"
+    _assert_one_line(result, 1, named)
 
 
 @pytest.mark.parametrize("command", ["simulate", "sweep"])
@@ -156,3 +162,22 @@ def test_a_result_file_where_the_plots_go_is_refused_before_the_sweep(
     assert main([*argv, *(arg.format(tmp=tmp_path) for arg in outputs)]) == 1
     assert message.format(tmp=tmp_path) in one_line_error(capsys)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--disk-gb-per-s", "1e-308", "must be >= 1e-09, got 1e-308"),
+        ("--disk-latency-ms", "1e308", "must be <= 604,800,000, got 1e308"),
+        ("--remote-gb-per-s", "1e-10", "must be >= 1e-09, got 1e-10"),
+        ("--remote-latency-ms", "6.1e8", "must be <= 604,800,000, got 6.1e8"),
+    ],
+)
+def test_a_tier_model_whose_times_overflow_is_a_usage_error(
+    option: str, value: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The disk tier's modelled read time was inf: the table said "-inf s" of prefill saved,
+    and the JSON held -Infinity, which no JSON reader takes."""
+    disk = ["--disk-dir", str(tmp_path), "--disk-blocks", "100"]
+    assert main([*SMALL, *disk, "--cpu-blocks", "30", option, value]) == 2
+    assert f"argument {option}: {message}" in one_line_error(capsys)

@@ -173,7 +173,11 @@ def test_minus_zero_is_zero() -> None:
         # Refused by the GPU cache as the run started, naming no option.
         (["--gpu-gb", "1e9"], "--gpu-gb 1e+09 (a GPU prefix cache of 512,000,000,000 blocks)"),
         # Refused by the generator as "1,000,000,000,000,000 synthetic requests".
-        (["--requests", "1000000000000000"], "--requests 1000000000000000 would need about "),
+        (
+            ["--requests", "1000000000000000"],
+            "--requests 1000000000000000 of the default mix at 16 tokens per block would "
+            "need about ",
+        ),
         (["--json", "/nonexistent/dir/out.json"], "no such directory"),
         (["--csv", "/"], "--csv /: is a directory"),
     ],
@@ -719,7 +723,7 @@ def test_an_interrupted_sweep_with_no_finished_run_keeps_an_earlier_file(
         (["--disk-dir", "d", "--disk-blocks", "-1"], "--disk-blocks: must be >= 1"),
         (["--disk-dir", "d", "--disk-blocks", "1e12"], "--disk-blocks: expected an integer"),
         (["--disk-gb-per-s", "nan"], "--disk-gb-per-s: must be a finite number"),
-        (["--remote-gb-per-s", "0"], "--remote-gb-per-s: must be > 0"),
+        (["--remote-gb-per-s", "0"], "--remote-gb-per-s: must be >= 1e-09, got 0"),
         (["--disk-latency-ms", "inf"], "--disk-latency-ms: must be a finite number"),
         (["--remote-latency-ms", "-1"], "--remote-latency-ms: must be >= 0"),
         (["--tier-store-threshold", "1.5"], "--tier-store-threshold: expected an integer"),
@@ -835,3 +839,37 @@ def test_a_wrong_remote_password_is_refused_before_the_workload(
             assert "wrong" not in err.replace("WRONGPASS", "")
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(
+    ("command", "size"),
+    [
+        (["simulate", "--gpu-blocks", "10"], "--gpu-blocks 10 (a GPU prefix cache of 10 blocks)"),
+        (["simulate", "--gpu-gb", "0.01"], "--gpu-gb 0.01 (a GPU prefix cache of 5 blocks)"),
+        (
+            ["sweep", "--jobs", "2", "--gpu-blocks", "10"],
+            "--gpu-blocks 10 (a GPU prefix cache of 10 blocks)",
+        ),
+    ],
+)
+def test_a_gpu_smaller_than_the_longest_request_is_named_before_any_run(
+    command: list[str], size: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The engine refused it as the run started, naming no option ("give the GPU more
+    blocks"); a sweep started its workers and reported it as its first run's failure."""
+    assert main([*command, "--requests", "5", "--no-progress"]) == 1
+    assert one_line_error(capsys) == (
+        f"kvoffload: error: {size} cannot hold the workload's longest request, of 414 blocks; "
+        "give the GPU at least that many\n"
+    )
+
+
+def test_a_kv_events_topic_without_the_events_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """It was ignored, unsaid: no events were published under it or any other topic."""
+    argv = ["simulate", "--requests", "5", "--no-progress", "--kv-events-topic", "mine"]
+    assert main(argv) == 1
+    assert one_line_error(capsys) == (
+        "kvoffload: error: --kv-events-topic needs --kv-events-endpoint\n"
+    )

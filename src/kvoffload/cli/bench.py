@@ -229,9 +229,15 @@ def _run_sglang(args: argparse.Namespace) -> int:
             "bench tiers: --fsync is for the plain tier benchmark; --sglang measures the "
             "backend's disk tier as SGLang runs it (no --fsync)"
         )
+    if args.disk_timeout_ms is not None:  # it would be ignored, unsaid
+        raise KVOffloadError(
+            "bench tiers: --disk-timeout-ms is for the plain tier benchmark; --sglang measures "
+            "the backend's disk tier with its default deadline"
+        )
     try:
         from kvoffload.integrations.sglang.bench import (
             SHAPES,
+            check_page_mib,
             measure_sglang,
             parse_interfaces,
             table_rows,
@@ -239,6 +245,10 @@ def _run_sglang(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise KVOffloadError(f"bench tiers --sglang needs {exc.name}; see docs/sglang.md") from None
     interfaces = parse_interfaces(args.sglang)
+    try:
+        check_page_mib(args.block_mib)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"--block-mib {args.block_mib:g}: {exc}") from None
     bar = ProgressBar("bench tiers --sglang", ProgressBar.wanted(args.progress))
     total = len(SHAPES) * len(interfaces) * (1 if args.remote is None else 2)
     started = 0

@@ -37,6 +37,7 @@ MAX_PORT = 65535
 ENDPOINT_SCHEMES = ("tcp://", "ipc://")
 """ZMQ transports a subscriber in another process can reach."""
 
+DEFAULT_TOPIC = "kvoffload"
 CHOSEN_AT_RUN_TIME = (":0", ":*")
 """How an endpoint asks for any free port: the one bound is then told on stderr."""
 
@@ -54,8 +55,8 @@ def add_observe_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="serve missed KV event batches to late or gapped subscribers here (ZMQ ROUTER)",
     )
-    group.add_argument(
-        "--kv-events-topic", default="kvoffload", help="topic of the KV events (default: kvoffload)"
+    group.add_argument(  # no default here: given without the events, it is refused
+        "--kv-events-topic", help=f"topic of the KV events (default: {DEFAULT_TOPIC})"
     )
     group.add_argument(
         "--metrics-port",
@@ -82,6 +83,11 @@ def _require(module: str, extra: str) -> ModuleType:
         ) from None
 
 
+def _topic(args: argparse.Namespace) -> str:
+    """The KV events' topic: as given (an empty one too), or the default."""
+    return DEFAULT_TOPIC if args.kv_events_topic is None else str(args.kv_events_topic)
+
+
 def check_before_work(args: argparse.Namespace) -> None:
     """Refuse bad endpoints, ports, topics and combinations before the workload is built.
 
@@ -90,6 +96,9 @@ def check_before_work(args: argparse.Namespace) -> None:
     events, replay = args.kv_events_endpoint, args.kv_events_replay_endpoint
     if replay and not events:
         raise InvalidArgumentError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+    topic = args.kv_events_topic
+    if topic is not None and not events:  # it would be ignored, unsaid
+        raise InvalidArgumentError("--kv-events-topic needs --kv-events-endpoint")
     if args.serve_after > 0 and not events and args.metrics_port is None:
         raise InvalidArgumentError("--serve-after needs --kv-events-endpoint or --metrics-port")
     port = args.metrics_port
@@ -106,11 +115,9 @@ def check_before_work(args: argparse.Namespace) -> None:
         if endpoint:
             _check_endpoint(endpoint, option)
     try:
-        args.kv_events_topic.encode("utf-8")
+        _topic(args).encode("utf-8")
     except UnicodeEncodeError:
-        raise InvalidArgumentError(
-            f"--kv-events-topic must be UTF-8 text, got {args.kv_events_topic!r}"
-        ) from None
+        raise InvalidArgumentError(f"--kv-events-topic must be UTF-8 text, got {topic!r}") from None
 
 
 def _check_endpoint(endpoint: str, option: str) -> None:
@@ -258,7 +265,7 @@ def observing(args: argparse.Namespace, block_tokens: int) -> Iterator[Observing
                 publisher_module.KVEventPublisher(
                     args.kv_events_endpoint,
                     args.kv_events_replay_endpoint,
-                    topic=args.kv_events_topic,
+                    topic=_topic(args),
                     block_size=block_tokens,
                 )
             )

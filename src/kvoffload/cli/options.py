@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvoffload.admission import admission_params, parse_pairs
 from kvoffload.admission.budget import WriteBudget, parse_bytes
@@ -37,11 +37,12 @@ from kvoffload.core.specs import CPULoadStoreSpec
 from kvoffload.managers.admit_all import admission_book
 from kvoffload.sim.engine import PARTIAL_BLOCK_MODES
 from kvoffload.sim.generators import (
-    BYTES_PER_REQUEST,
+    DEFAULT_BLOCK_TOKENS,
     DEFAULT_MIX,
     DEFAULT_RATE,
     DEFAULT_REQUESTS,
     RateTooLowError,
+    estimated_bytes,
     parse_mix,
     rate_too_low,
 )
@@ -199,7 +200,9 @@ SYNTHETIC_OPTIONS = ("mix", "requests", "seed", "rate")
 """What shapes a synthetic workload, and nothing of a trace's."""
 
 
-def workload_source(args: argparse.Namespace) -> WorkloadSource:
+def workload_source(args: argparse.Namespace, workers: int = 0) -> WorkloadSource:
+    """The workload the options describe, a synthetic one refused if the machine cannot
+    draw it in this process and in each of ``workers`` (a sweep's, each drawing its own)."""
     given = {name: getattr(args, name) for name in SYNTHETIC_OPTIONS}
     given = {name: value for name, value in given.items() if value is not None}
     if args.trace is not None:
@@ -211,14 +214,32 @@ def workload_source(args: argparse.Namespace) -> WorkloadSource:
         return WorkloadSource(trace=args.trace, fmt=args.format, block_tokens=args.block_size)
     if args.format != "auto":
         raise InvalidArgumentError(f"--format {args.format} names a trace's schema: give --trace")
-    if "requests" in given:  # else refused by the generator, naming no option
-        check_fits(args.requests * BYTES_PER_REQUEST, f"--requests {args.requests}")
     if "mix" in given:
         try:
             given["mix"] = tuple(parse_mix(args.mix).items())
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"--mix {args.mix}: {exc}") from None
+    _check_synthetic_fits(args, given, workers)
     return WorkloadSource(block_tokens=args.block_size, **given)
+
+
+def _check_synthetic_fits(args: argparse.Namespace, given: dict[str, Any], workers: int) -> None:
+    """Refuse a synthetic workload the machine cannot draw, here and in ``workers`` more
+    processes, naming the options that size it (else refused by the generator, naming
+    none; a sweep's workers, killed for memory, named nothing)."""
+    requests = given.get("requests", DEFAULT_REQUESTS)
+    block_tokens = args.block_size or DEFAULT_BLOCK_TOKENS
+    count = f"--requests {requests}" if "requests" in given else f"{requests:,} synthetic requests"
+    mix = f"--mix {args.mix}" if "mix" in given else "the default mix"
+    size = f"--block-size {block_tokens}" if args.block_size else f"{block_tokens} tokens per block"
+    what = f"{count} of {mix} at {size}"
+    if workers:
+        what = f"--jobs {args.jobs}: {what}, drawn by each of {workers} workers and here,"
+    check_fits(
+        (workers + 1)
+        * estimated_bytes(dict(given.get("mix", DEFAULT_MIX.items())), requests, block_tokens),
+        what,
+    )
 
 
 def load_workload(source: WorkloadSource, progress: bool | None) -> Workload:
@@ -369,6 +390,88 @@ def base_config(args: argparse.Namespace, block_tokens: int, default_layout: str
         transfer_gb_per_s=args.transfer_gb_per_s,
         partial_block=args.partial_block,
     )
+
+
+def check_gpu_holds_requests(args: argparse.Namespace, workload: Workload, gpu_blocks: int) -> None:
+    """Refuse a GPU cache smaller than the workload's longest request, naming its size as
+    given: the engine refuses it only as the run starts (in a sweep, as the failure of its
+    first run, after the workers start), saying only "give the GPU more blocks"."""
+    longest = max((len(request.keys) for request in workload.requests), default=0)
+    if longest > gpu_blocks:
+        raise InvalidArgumentError(
+            f"{_gpu_cache_of(gpu_size(args), gpu_blocks)} cannot hold the workload's longest "
+            f"request, of {longest:,} blocks; give the GPU at least that many"
+        )
+
+
+def check_simulated_time(workload: Workload, config: SimConfig, transfers: bool) -> None:
+    """Refuse a replay whose simulated clock could pass what a float holds, naming the
+    options whose times make it: the engine refuses only when its clock gets there (after
+    the requests before, in a sweep after the runs before), naming none of them.
+
+    Past the last arrival some prefill, decode, transfer (``transfers``: with an offload
+    tier) or retry is always under way, so the clock never passes the last arrival plus
+    every request's whole prefill, decode and transfer of all its blocks: while that sum
+    is finite, so is the clock. Named are its largest parts that alone pass a float.
+    """
+    requests = workload.requests
+    if not requests:
+        return
+    engine = config.engine_config(workload.block_tokens)
+    prompt = sum(request.input_tokens for request in requests)
+    answer = sum(request.output_tokens for request in requests)
+    parts = [
+        (
+            _seconds(prompt, config.prefill_tokens_per_s),
+            f"{_count(prompt)} prompt tokens at --prefill-tokens-per-s "
+            f"{config.prefill_tokens_per_s:g}",
+        ),
+        (
+            _seconds(answer, config.decode_tokens_per_s),
+            f"{_count(answer)} output tokens at --decode-tokens-per-s "
+            f"{config.decode_tokens_per_s:g}",
+        ),
+    ]
+    last = max(request.arrival_s for request in requests)
+    parts.append((last, f"arrivals until {last:.3g} s"))
+    if transfers:
+        blocks = sum(len(request.keys) for request in requests)
+        parts.append(
+            (
+                _seconds(blocks * engine.bytes_per_block, engine.transfer_bytes_per_s),
+                f"{_count(blocks)} blocks of {output.size(engine.bytes_per_block)} at "
+                f"--transfer-gb-per-s {config.transfer_gb_per_s:g}",
+            )
+        )
+    retries = len(requests) * engine.max_lookup_retries * engine.lookup_retry_s
+    if math.isfinite(sum(seconds for seconds, _ in parts) + retries):
+        return
+    named: list[str] = []
+    clock = 0.0
+    for seconds, what in sorted(parts, key=lambda part: part[0], reverse=True):
+        clock += seconds
+        named.append(what)
+        if math.isinf(clock):
+            break
+    raise InvalidArgumentError(
+        f"the workload's {' and '.join(named)} take more seconds than the simulated clock "
+        "(a float) can count"
+    )
+
+
+def _seconds(amount: int, per_second: float) -> float:
+    """``amount`` at ``per_second``; ``inf`` past a float (an int past it cannot divide)."""
+    try:
+        return amount / per_second
+    except OverflowError:
+        return math.inf
+
+
+def _count(amount: int) -> str:
+    """A count as a reader takes it in: digits up to a quadrillion, beyond it a power of ten."""
+    if amount < 10**15:
+        return f"{amount:,}"
+    return f"about 10^{int((amount.bit_length() - 1) * math.log10(2))}"
 
 
 def cpu_blocks(blocks: int | None, gib: float | None, config: SimConfig, block_tokens: int) -> int:

@@ -219,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
     config = options.base_config(
         args, bt, DATA_PLANE_LAYOUT if args.data_plane else options.DEFAULT_LAYOUT
     )
+    options.check_gpu_holds_requests(args, workload, config.gpu_blocks)
     cpu = options.cpu_blocks(args.cpu_blocks, args.cpu_gb, config, bt)
     _check_cpu_tier(args, cpu)
     if not typed_blocks:
@@ -227,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
             args.admission, params, cpu, f"{size} ({cpu:,} blocks)", "--admission"
         )
     config = options.with_offload(config, cpu, args.policy, args.store_threshold)
+    options.check_simulated_time(workload, config, transfers=cpu > 0)
     # The tiers first: a budget in drive writes per day is checked at once, and without
     # --drive-bytes it counts against the disk tier's size.
     config = tier_options.with_tiers(config, args, bt)

@@ -162,12 +162,15 @@ def run(args: argparse.Namespace) -> int:
         capacities = len(set(options.parse_floats(args.cpu_gb, "--cpu-gb", options.MAX_GIB)))
     runs = capacities * len(policies) * len(thresholds) * len(admissions)
     tier_options.check_one_run_with_remote(args, runs)
-    source = options.workload_source(args)
+    # Each worker draws its own copy of a synthetic workload (at most one a run).
+    source = options.workload_source(args, 0 if args.jobs == 1 else min(args.jobs, runs))
     workload = options.load_workload(source, args.progress)
     bt = workload.block_tokens
     base = options.base_config(args, bt, options.DEFAULT_LAYOUT)
+    options.check_gpu_holds_requests(args, workload, base.gpu_blocks)
     base = tier_options.with_tiers(base, args, bt)
     sized = _capacities(args, base.gpu_blocks, base.layout, bt)
+    options.check_simulated_time(workload, base, transfers=any(blocks for blocks, _ in sized))
     if args.cpu_blocks is None:
         _check_admissions_fit(typed_admissions, sized)
     configs = sweep_configs(

@@ -27,6 +27,13 @@ from kvoffload.tiers.disk import (
 from kvoffload.tiers.format import FINGERPRINT_BYTES, layout_fingerprint
 from kvoffload.tiers.slot_file import SLOT_FILE, footprint, slot_stride
 
+MIN_TIER_GB_PER_S = 1e-9
+"""A modelled tier's least bandwidth, a byte per second: a run's bytes over it take a finite
+time; over 1e-308 GB/s they took ``inf`` seconds, and the report said "-inf s" saved."""
+MAX_TIER_LATENCY_MS = 7 * 24 * 3600 * 1000.0
+"""A modelled tier's most latency per read batch, a week: a run's batches at it take a
+finite time; at 1e308 ms they took ``inf`` seconds, written to JSON as ``Infinity``."""
+
 
 def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
@@ -81,7 +88,7 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="the shared tier's size in blocks as --remote-admission models it (required with it)",
     )
-    latency = options.number(0.0)
+    latency = options.number(0.0, maximum=MAX_TIER_LATENCY_MS)
     for name, what, default, kind in (
         ("disk-gb-per-s", "modelled disk bandwidth, GB/s", tier_model.DISK_GB_PER_S, None),
         ("disk-latency-ms", "modelled disk latency per read batch", tier_model.DISK_LATENCY_MS, 0),
@@ -95,7 +102,7 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     ):
         group.add_argument(  # no default here: given without its tier, it is refused
             f"--{name}",
-            type=options.POSITIVE if kind is None else latency,
+            type=options.number(MIN_TIER_GB_PER_S) if kind is None else latency,
             help=f"{what} (default: {default:g})",
         )
 

@@ -168,6 +168,14 @@ class _Running:
 
 
 _LOAD_DONE, _PREFILL_DONE, _STORE_DONE, _DECODE_DONE, _RETRY = range(5)
+_WAITS = {
+    _LOAD_DONE: ("load", "transfer_bytes_per_s"),
+    _PREFILL_DONE: ("prefill", "prefill_tokens_per_s"),
+    _STORE_DONE: ("store", "transfer_bytes_per_s"),
+    _DECODE_DONE: ("decode", "decode_tokens_per_s"),
+    _RETRY: ("lookup retry", "lookup_retry_s"),
+}
+"""What each event waits for, and the setting that times it: for an overflow to name."""
 _STARTED, _NO_ROOM, _PARKED = range(3)
 
 Event = tuple[float, int, int, Any, int, list[OffloadKey]]
@@ -303,9 +311,12 @@ class ServingEngine:
     ) -> None:
         when = self._now + delay
         if not math.isfinite(when):  # an event at infinity never comes: the loop would spin
+            what, setting = _WAITS[kind]
             raise InvalidArgumentError(
-                f"simulated time overflows a float after {self._now:.3g} s: a prefill, decode "
-                "or transfer throughput is too low for the workload's tokens"
+                f"simulated time overflows a float after {self._now:.3g} s, at a {what} timed "
+                f"by {setting} {getattr(self.config, setting):g} (due {delay:.3g} s later): a "
+                "prefill, decode or transfer throughput is too low for the workload's tokens, "
+                "or its arrivals too late"
             )
         self._seq += 1
         heapq.heappush(self._events, (when, self._seq, kind, payload, job, keys))

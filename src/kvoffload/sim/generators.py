@@ -41,8 +41,24 @@ DEFAULT_MIX: dict[str, float] = {"chat": 0.4, "rag": 0.25, "agent": 0.2, "onesho
 DEFAULT_REQUESTS = 2000
 DEFAULT_RATE = 4.0
 """Requests per second across the whole mix."""
-BYTES_PER_REQUEST = 8192
-"""A generous estimate of one generated request's memory (its key list, mostly)."""
+DEFAULT_BLOCK_TOKENS = 16
+"""Tokens per block of a synthetic workload unless told otherwise."""
+REQUEST_BYTES = 512
+"""Memory of one drawn request apart from its blocks (its record, key list and numbers:
+about 250 bytes measured), rounded up."""
+BYTES_PER_BLOCK = {"chat": 70, "rag": 50, "agent": 24, "oneshot": 170, "longchat": 150}
+"""Peak memory while drawing, per block of a request's prompt: 8 bytes in its key list and
+8 in its prefix's ids, and for each new block its key, id and table entry (some 150 bytes),
+so a kind that shares more blocks costs less. Measured with ``tracemalloc`` at 1, 16 and
+512 tokens per block (longchat 137, 110, 131; chat 64, 62; rag 44, 39; agent 18, 18;
+oneshot 158, 161), rounded up."""
+EXTRA_REQUESTS = 100
+"""Requests' worth of memory a workload takes beyond its own: it draws whole sessions, whose
+later turns past its last arrival it drops, and prefixes shared across requests (agent's
+tool prompt, rag's documents) once; measured up to 80 at 20 to 300 requests."""
+MEAN_PROMPT_TOKENS = {"chat": 3_600, "rag": 4_000, "agent": 12_500, "oneshot": 1_550}
+"""Prompt tokens per request of each kind, from its draws, rounded up (chat's with its
+longest system prompt); ``longchat``'s come from its :class:`ChatShape`."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +160,12 @@ def _oneshot(rng: random.Random, keys: _Keys, session_rate: float) -> Sessions:
 
 LONGCHAT_MAX_TOKENS = 126_000
 """The longest ``longchat`` prompt: 246 blocks of 512 tokens."""
+LONGCHAT_MAX_TURNS = 40
+LONGCHAT_OUTPUT_TOKENS = (200, 1200)
+"""The fewest and most tokens of a ``longchat`` answer (uniform)."""
+PASTE_SIGMA = 0.9
+MESSAGE_SIGMA = 1.2
+"""The spreads (of their logarithms) of a pasted text and of a conversation's messages."""
 
 
 @dataclass(frozen=True)
@@ -183,6 +205,31 @@ class ChatShape:
         conversation = 2 + 1 / math.expm1(1 / self.extra_turns)
         return round(self.one_turn + (1 - self.one_turn) * conversation, 2)
 
+    def mean_prompt_tokens(self) -> float:
+        """Prompt tokens per request, from the shape's medians and spreads: at least the
+        mean the draws give (taken as uncapped when a message would pass the longest
+        prompt, and sessions as going on when one does), for a workload's memory to be
+        estimated before it is drawn."""
+        lognormal_mean = math.exp(MESSAGE_SIGMA**2 / 2)
+        pasted = min(
+            self.system_tokens + self.paste_tokens * math.exp(PASTE_SIGMA**2 / 2),
+            LONGCHAT_MAX_TOKENS,
+        )
+        first = self.system_tokens + self.first_tokens * lognormal_mean
+        per_turn = self.follow_up_tokens * lognormal_mean + sum(LONGCHAT_OUTPUT_TOKENS) / 2
+        stay = math.exp(-1 / self.extra_turns)  # chance of one more turn past the second
+        session_tokens = session_requests = prompt = 0.0
+        for turn in range(1, LONGCHAT_MAX_TURNS + 1):
+            prompt += min(first + (turn - 1) * per_turn, LONGCHAT_MAX_TOKENS)
+            if turn < 2:
+                continue
+            last = turn == LONGCHAT_MAX_TURNS
+            chance = stay ** (turn - 2) * (1 if last else -math.expm1(-1 / self.extra_turns))
+            session_tokens += chance * prompt
+            session_requests += chance * turn
+        one = self.one_turn
+        return (one * pasted + (1 - one) * session_tokens) / (one + (1 - one) * session_requests)
+
 
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
@@ -197,21 +244,21 @@ def longchat_sessions(shape: ChatShape) -> Callable[[random.Random, _Keys, float
         while True:
             start += rng.expovariate(session_rate)
             if rng.random() < shape.one_turn:
-                turns, message = 1, rng.lognormvariate(math.log(shape.paste_tokens), 0.9)
+                turns, message = 1, rng.lognormvariate(math.log(shape.paste_tokens), PASTE_SIGMA)
             else:
                 turns = 2 + int(rng.expovariate(1 / shape.extra_turns))
-                message = rng.lognormvariate(math.log(shape.first_tokens), 1.2)
+                message = rng.lognormvariate(math.log(shape.first_tokens), MESSAGE_SIGMA)
             context, now, session = system, start, []
-            for _ in range(min(turns, 40)):
+            for _ in range(min(turns, LONGCHAT_MAX_TURNS)):
                 tokens = min(int(message), LONGCHAT_MAX_TOKENS - context.tokens)
                 if tokens < 1:
                     break
                 context = keys.extend(context, tokens)
-                output = rng.randint(200, 1200)
+                output = rng.randint(*LONGCHAT_OUTPUT_TOKENS)
                 session.append(keys.request(now, context, output))
                 context = keys.extend(context, output)
                 now += rng.lognormvariate(math.log(shape.turn_gap_s), 1.2)
-                message = rng.lognormvariate(math.log(shape.follow_up_tokens), 1.2)
+                message = rng.lognormvariate(math.log(shape.follow_up_tokens), MESSAGE_SIGMA)
             yield session
 
     return sessions
@@ -268,7 +315,7 @@ def generate(
     mix: Mapping[str, float] | None = None,
     num_requests: int = DEFAULT_REQUESTS,
     seed: int = 0,
-    block_tokens: int = 16,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
     rate: float = DEFAULT_RATE,
     chat_shape: ChatShape | None = None,
     progress: Progress | None = None,
@@ -307,7 +354,10 @@ def generate(
             raise InvalidArgumentError(f"{name} must be an integer >= 1, got {value!r}")
     if not (isinstance(rate, int | float) and math.isfinite(rate) and rate > 0):
         raise InvalidArgumentError(f"rate must be a finite number > 0, got {rate!r}")
-    check_fits(num_requests * BYTES_PER_REQUEST, f"{num_requests:,} synthetic requests")
+    check_fits(
+        estimated_bytes(mix, num_requests, block_tokens, chat_shape),
+        f"{num_requests:,} synthetic requests at block_tokens={block_tokens}",
+    )
     keys = _Keys(block_tokens)
     counts = _apportion(num_requests, {k: w / total for k, w in mix.items()})
     chat_shape = ChatShape() if chat_shape is None else chat_shape
@@ -336,6 +386,28 @@ def generate(
     return Workload(
         name=f"synthetic({name}, seed={seed})", block_tokens=block_tokens, requests=requests
     )
+
+
+def estimated_bytes(
+    mix: Mapping[str, float],
+    num_requests: int,
+    block_tokens: int,
+    chat_shape: ChatShape | None = None,
+) -> float:
+    """The memory :func:`generate` needs at its peak to draw ``num_requests`` of ``mix``
+    (checked weights), a little above what it takes: each request's blocks, its prompt
+    tokens over ``block_tokens``, at what a block of its kind costs, for
+    :data:`EXTRA_REQUESTS` more than it keeps (``inf`` past a float)."""
+    total = sum(mix.values())
+    tokens = {**MEAN_PROMPT_TOKENS, "longchat": (chat_shape or ChatShape()).mean_prompt_tokens()}
+    per_request = sum(
+        weight / total * (REQUEST_BYTES + BYTES_PER_BLOCK[kind] * tokens[kind] / block_tokens)
+        for kind, weight in mix.items()
+    )
+    try:
+        return (float(num_requests) + EXTRA_REQUESTS) * per_request
+    except OverflowError:  # a count past the float range: past any machine's memory too
+        return math.inf
 
 
 def _apportion(n: int, shares: Mapping[str, float]) -> dict[str, int]:

@@ -140,10 +140,25 @@ class BenchPool:
         return bytes(flat.view(torch.uint8).numpy())
 
 
+def layer_bytes(mla: bool) -> int:
+    """One layer of a page: 128 KiB for MHA (K and V), 36 KiB for MLA."""
+    return PAGE_TOKENS * (MLA_DIM if mla else 2 * HEADS * HEAD_DIM) * 2
+
+
 def layers_for(page_mib: float, mla: bool) -> int:
     """Layers that make a page of about ``page_mib`` (at least one)."""
-    per_layer = PAGE_TOKENS * (MLA_DIM if mla else 2 * HEADS * HEAD_DIM) * 2
-    return max(1, round(page_mib * MIB / per_layer))
+    return max(1, round(page_mib * MIB / layer_bytes(mla)))
+
+
+def check_page_mib(page_mib: float) -> None:
+    """Refuse pages that round to no layer of an MHA page, the widest: they would run at
+    one layer (128 KiB), far from the size asked for, unsaid."""
+    widest = layer_bytes(mla=False)
+    if round(page_mib * MIB / widest) < 1:
+        raise InvalidArgumentError(
+            f"pages of {page_mib:g} MiB round to no layer of {widest // 1024} KiB (an MHA "
+            f"page's): give more than {widest / 2 / MIB:g} MiB"
+        )
 
 
 Times = list[tuple[float, float]]
@@ -302,6 +317,7 @@ def measure_sglang(
         import sglang.srt.mem_cache.hicache_storage  # noqa: F401
     except ImportError:
         raise KVOffloadError(SGLANG_MISSING) from None
+    check_page_mib(page_mib)
     # The pool holds two copies of each page; the expected bytes and the landing buffer one.
     check_fits(4 * pages * page_mib * MIB, f"{pages} SGLang pages of {page_mib:g} MiB")
     rows: list[dict[str, Any]] = []
