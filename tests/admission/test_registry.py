@@ -353,6 +353,15 @@ def test_key_value_pairs_and_extra_config_values() -> None:
         config_params("sketch", {"x": 1}, "where")
 
 
+def test_a_parameter_named_twice_in_json_text_is_refused_naming_it() -> None:
+    """``json.loads`` keeps the last of two equal names: the 3 written first went unused."""
+    twice = r"^where gives admission parameter 'threshold' twice$"
+    with pytest.raises(InvalidArgumentError, match=twice):
+        config_params("sketch", '{"threshold": 3, "threshold": 5}', "where")
+    with pytest.raises(InvalidArgumentError, match=twice):
+        config_params("sketch", '{"threshold": 3, "threshold": 3}', "where")
+
+
 def test_the_docs_parameter_table_lists_every_parameter_with_its_default() -> None:
     """docs/admission.md's table is what operators set parameters by: a key added,
     renamed or given a new default in a dataclass must show there too."""

@@ -174,6 +174,18 @@ def read_number(
     return 0.0 if value == 0 else value  # -0 is 0
 
 
+def read_integer(text: str) -> int | None:
+    """The integer ``text`` writes as the command line reads one (Python's ``int()``: a
+    sign, blanks around it, ``_`` between digits as in ``1_000``), or ``None``. The one
+    reader of integers given as text in engines' extra-config: an ``isdigit()`` test before
+    ``int()`` refused ``1_000``, which the command line, a timeout's ``float()`` and vLLM's
+    own ``int()`` of its sizes take, and let ``'²'`` through to ``int()``'s own error."""
+    try:
+        return int(text)
+    except ValueError:  # no integer, or past int()'s 4,300 digits
+        return None
+
+
 def shown(value: object) -> str:
     """``value`` for an error message: its repr, but not the hundreds of digits of an int
     past a float's range (nor the ``ValueError`` repr raises past 4,300 of them)."""
@@ -191,10 +203,9 @@ def _convert(value: object, field: dataclasses.Field[Any], rule: str) -> int | f
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"admission parameter {key!r} of {rule!r}: {exc}") from None
     if isinstance(value, str):
-        try:
-            return int(value)
-        except ValueError:
-            pass
+        whole = read_integer(value)
+        if whole is not None:
+            return whole
     elif not isinstance(value, bool) and isinstance(value, int | float):
         if not wants_int and is_finite(value):
             return float(value)

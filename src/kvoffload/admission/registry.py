@@ -143,6 +143,36 @@ def admission_params(name: str, raw: RawParams | object | None = None) -> Any:
     return parse_params(cls, raw, resolve_admission(name))
 
 
+class _NameGivenTwice(Exception):
+    """A name that occurs twice in one JSON object (not a ``ValueError``, which the JSON
+    decoder's own errors are)."""
+
+
+def _unique_names(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's members, refusing a name given twice: ``json`` keeps the last one
+    silently, so of ``{"threshold": 3, "threshold": 5}`` an operator's 3 went unused."""
+    members: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in members:
+            raise _NameGivenTwice(name)
+        members[name] = value
+    return members
+
+
+def params_json(text: str) -> object:
+    """Admission parameters written as JSON text, decoded; :class:`InvalidArgumentError`
+    whose line the caller prefixes with the setting's name (``must be a JSON object ...``,
+    ``gives admission parameter 'x' twice``) for text that is no JSON or names one twice."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique_names)
+    except _NameGivenTwice as twice:
+        raise InvalidArgumentError(f"gives admission parameter {twice.args[0]!r} twice") from None
+    except ValueError:
+        raise InvalidArgumentError(
+            f"must be a JSON object of admission parameters, got {text!r}"
+        ) from None
+
+
 def config_params(name: str, value: object, where: str) -> ParamPairs:
     """Raw parameters of rule ``name`` from an engine's extra-config, checked: ``value`` is
     ``None``, a mapping of name to value, or JSON text of one; errors start with ``where``."""
@@ -150,11 +180,9 @@ def config_params(name: str, value: object, where: str) -> ParamPairs:
         return ()
     if isinstance(value, str):
         try:
-            value = json.loads(value)
-        except ValueError:
-            raise InvalidArgumentError(
-                f"{where} must be a JSON object of admission parameters, got {value!r}"
-            ) from None
+            value = params_json(value)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"{where} {exc}") from None
     if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
         raise InvalidArgumentError(
             f"{where} must be a mapping of admission parameter to value, got {value!r}"

@@ -124,6 +124,9 @@ class DiskTier(BacklogFigures):
     ``deadline_s``). :attr:`recovery` says what the start-up scan found; with
     ``enable_events`` the blocks it recovered are the first event, a store on the tier's
     medium.
+    Other layouts' slot files under ``directory`` that no running tier holds (an earlier
+    model's) are emptied, oldest first, only while the file system lacks room for this
+    tier's full file (see docs/tiers.md, "Slot files of other layouts").
     An empty ``directory`` is refused: as a path it is the working directory, which a
     setting left blank never meant. Start-up raises
     :class:`~kvoffload.tiers.slot_file.DiskTierError` for an unsafe or busy directory.

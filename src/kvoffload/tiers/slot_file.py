@@ -28,7 +28,10 @@ single link), not a symbolic link, and owned by the running user. What this
 class creates is private (directories 0700, files 0600). An exclusive
 ``flock`` on ``lock`` (which names the holder's pid) and one on the slot file
 itself (``lock`` may be deleted under its holder) keep a second process from
-wiping the first one's slots; a child the holder forks lets go of both.
+wiping the first one's slots; a child the holder forks lets go of both. Other
+layouts' slot files in ``DIR`` that no running tier holds (an earlier model's)
+are emptied, oldest first, only while the file system lacks room for this
+tier's file when full (:meth:`SlotFile._make_room`).
 
 File I/O runs on single-threaded stripes keyed by slot (slot % stripes), so
 a read of a slot and a later write into that slot, reused by another key,
@@ -53,9 +56,11 @@ import fcntl
 import functools
 import logging
 import os
+import re
 import stat
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -209,6 +214,7 @@ class Superblock:
     ours: bool
     stride: int
     payload_bytes: int
+    fingerprint: bytes
 
 
 def parse_superblock(data: bytes, fingerprint: bytes) -> Superblock | None:
@@ -222,7 +228,7 @@ def parse_superblock(data: bytes, fingerprint: bytes) -> Superblock | None:
     if stride <= 0 or stride % ALIGN:
         return None
     ours = version == SUPER_VERSION and found == fingerprint and slot_stride(payload) == stride
-    return Superblock(ours, int(stride), int(payload))
+    return Superblock(ours, int(stride), int(payload), bytes(found))
 
 
 class FileLayer:
@@ -264,11 +270,17 @@ class FileLayer:
     def fstat(self, fd: int) -> os.stat_result:
         return os.fstat(fd)
 
+    def free_bytes(self, fd: int) -> int:
+        """Bytes the running user may still take in the file system holding ``fd``."""
+        info = os.fstatvfs(fd)
+        return info.f_bavail * info.f_frsize
+
 
 @dataclass
 class _Opened:
     fd: int
     lock_fd: int
+    root_fd: int
     found: list[tuple[OffloadKey, int]]
     recovery: Recovery
     superblock: Superblock | None
@@ -318,7 +330,7 @@ class SlotFile:
                     else f"cannot open the disk tier in {self.directory}"
                 )
             raise DiskTierError(opened)
-        self._fd, self._lock_fd = opened.fd, opened.lock_fd
+        self._fd, self._lock_fd, self._root_fd = opened.fd, opened.lock_fd, opened.root_fd
         self.found, self.recovery = opened.found, opened.recovery
         self._superblock: Future[bool] | None = None
         if opened.superblock is not None:
@@ -367,7 +379,8 @@ class SlotFile:
         if self._fd < 0:
             return
         emptying = self.layer if empty else None
-        self.stripes.close(functools.partial(_close_all, [self._fd, self._lock_fd], emptying))
+        held = [self._fd, self._lock_fd, self._root_fd]
+        self.stripes.close(functools.partial(_close_all, held, emptying))
         self._fd = -1
 
     # The calling thread's side: jobs out, futures back.
@@ -522,6 +535,8 @@ class SlotFile:
         return Outcome.OK
 
     def _put_superblock(self, data: bytes) -> bool:
+        self._make_room(self._root_fd, self._fd, self.payload_bytes or 0)
+
         def put() -> Outcome:
             written = self.layer.pwrite(self._fd, data, 0)
             if self._fsync:
@@ -622,16 +637,57 @@ class SlotFile:
             found, recovery, superblock = self._scan(fd)
             if self._fsync:
                 self._sync_entries(root, directory, made)
+            if superblock is not None:
+                self._make_room(root, fd, superblock.payload_bytes)
         except DiskTierError as exc:
             _close_all(fds)
             return str(exc)
         except OSError as exc:
             _close_all(fds)
             return f"cannot use disk tier directory {self.directory}: {exc.strerror or exc}"
-        _close_all(fds[:2])
+        _close_all([directory])  # ``DIR`` stays open: other layouts' files are found there
         if not job.claim():  # too late: the caller has given up; keep nothing open
-            _close_all(fds[2:])
-        return _Opened(fd, lock_fd, found, recovery, superblock)
+            _close_all([root, *fds[2:]])
+        return _Opened(fd, lock_fd, root, found, recovery, superblock)
+
+    def _make_room(self, root: int, fd: int, payload_bytes: int) -> None:
+        """Empty other layouts' slot files in ``DIR`` (``root``) that no running tier holds,
+        those written longest ago first, while the file system has less room than this
+        tier's file (``fd``) may still take when full; each emptied is one logged line.
+
+        Nothing is touched while there is room: a rank or engine sharing ``DIR`` that has
+        not started yet, or a model switched back to, finds its blocks again. Run on
+        stripe 0 once the layout is known (on start if the file has one, else before the
+        superblock's first write); a failure to look only warns.
+        """
+        try:
+            wanted = footprint(self.capacity, payload_bytes) - _allocated(self.layer.fstat(fd))
+            free = self.layer.free_bytes(fd)
+            if wanted <= free:
+                return
+            for name, written in _other_layouts(root, self.directory.name):
+                freed = _empty_if_stale(root, name)
+                if freed is None:
+                    continue
+                logger.warning(
+                    "disk tier: emptied %s, freeing %s bytes: a slot file of another layout "
+                    "that no running tier holds, last written %s ago, while this tier's file "
+                    "may take %s bytes more and %s were free",
+                    self.root / name / SLOT_FILE,
+                    f"{freed:,}",
+                    _age(written),
+                    f"{wanted:,}",
+                    f"{free:,}",
+                )
+                free += freed
+                if wanted <= free:
+                    return
+        except OSError as exc:
+            logger.warning(
+                "disk tier: could not look for other layouts' slot files in %s: %s",
+                self.root,
+                exc.strerror or exc,
+            )
 
     def _sync_entries(self, root: int, directory: int, made: list[Path]) -> None:
         """Make the names the tier may just have made durable: the slot file's in its
@@ -721,6 +777,93 @@ class SlotFile:
         if header.payload_bytes != payload or len(header.key) > MAX_KEY_BYTES:
             return "corrupt"
         return header.key
+
+
+_LAYOUT_NAME = re.compile(r"[0-9a-f]{32}")
+"""A fingerprint directory's name: 16 bytes in lowercase hex."""
+
+
+def _allocated(info: os.stat_result) -> int:
+    """Bytes a file takes on disk (a sparse file: fewer than its size)."""
+    return info.st_blocks * 512
+
+
+def _age(written: float) -> str:
+    """How long ago ``written`` (a modification time) was, for a log line."""
+    seconds = max(0.0, time.time() - written)
+    for unit, length in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= length:
+            return f"{seconds / length:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def _other_layouts(root: int, own: str) -> list[tuple[str, float]]:
+    """The fingerprint directories in ``root`` but ``own`` that hold a slot file, with the
+    file's modification time, written longest ago first; links are not followed."""
+    found = []
+    for name in os.listdir(root):
+        if name == own or not _LAYOUT_NAME.fullmatch(name):
+            continue
+        try:
+            directory = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root)
+        except OSError:  # a link, a file, gone since: not a tier's
+            continue
+        try:
+            info = os.stat(SLOT_FILE, dir_fd=directory, follow_symlinks=False)
+        except OSError:
+            continue
+        finally:
+            os.close(directory)
+        if stat.S_ISREG(info.st_mode) and info.st_size:
+            found.append((name, info.st_mtime))
+    return sorted(found, key=lambda entry: entry[1])
+
+
+def _empty_if_stale(root: int, name: str) -> int | None:
+    """Empty the slot file in ``root``/``name`` if it is a tier's and no running tier holds
+    it; the bytes it took on disk, or ``None`` where it was left alone.
+
+    A tier's: a directory and regular files of the running user, opened without following
+    a link, the file with one link and an intact superblock that names the directory's
+    fingerprint. Held: either lock taken (``lock``, or the slot file's own, which a tier
+    whose ``lock`` was removed still holds). Emptied through the descriptor that was
+    checked, under both locks, never by its name; its directory and ``lock`` stay (a
+    start of that layout at this moment finds a file, empty, rather than none).
+    """
+    fds: list[int] = []
+    try:
+        fds.append(os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root))
+        if os.fstat(fds[0]).st_uid != os.geteuid():
+            return None
+        for file in (LOCK_FILE, SLOT_FILE):
+            flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            try:
+                fds.append(os.open(file, flags, dir_fd=fds[0]))
+            except FileNotFoundError:
+                if file == SLOT_FILE:
+                    return None
+                continue  # ``lock`` removed: the slot file's own lock still tells
+            info = os.fstat(fds[-1])
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                return None
+            if info.st_nlink != 1:
+                return None
+            try:
+                fcntl.flock(fds[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a running tier's
+                return None
+        slot = fds[-1]
+        found = parse_superblock(os.pread(slot, _SUPER.size + _CRC.size, 0), b"")
+        if found is None or found.fingerprint.hex() != name:
+            return None
+        freed = _allocated(os.fstat(slot))
+        os.ftruncate(slot, 0)
+        return freed
+    except OSError:  # a link (ELOOP), not a directory, gone since, not ours to open
+        return None
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _missing(path: Path) -> list[Path]:

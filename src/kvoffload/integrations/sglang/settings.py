@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvoffload.admission import WriteBudget, config_params
+from kvoffload.admission.params import read_integer
 from kvoffload.admission.registry import ParamPairs
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.managers.stack import DISK, REMOTE, LowerTierConfig
@@ -257,8 +258,8 @@ def _int(
 ) -> int:
     value = config.get(key, default)
     # As vLLM's keys: numeric strings and whole floats, as JSON may spell a size (500e9).
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
+    if isinstance(value, str) and (whole := read_integer(value)) is not None:
+        value = whole
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     bad = isinstance(value, bool) or not isinstance(value, int) or value < minimum

@@ -10,13 +10,13 @@ and skip them.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
 from kvoffload.admission import WriteBudget
-from kvoffload.admission.registry import ParamPairs
+from kvoffload.admission.params import read_integer
+from kvoffload.admission.registry import ParamPairs, params_json
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.integrations.vllm.settings import MAX_BYTES
 from kvoffload.managers.stack import DISK, REMOTE, LowerTierConfig
@@ -219,13 +219,9 @@ def _admission_params(tier_type: str, entry: Mapping[str, Any]) -> object:
     value = entry.get("admission_params")
     if isinstance(value, str):
         try:
-            value = json.loads(value)
-        except ValueError:
-            raise _error(
-                tier_type,
-                "admission_params",
-                f"must be a JSON object of admission parameters, got {value!r}",
-            ) from None
+            value = params_json(value)
+        except InvalidArgumentError as exc:
+            raise _error(tier_type, "admission_params", str(exc)) from None
     if isinstance(value, Mapping) and all(isinstance(key, str) for key in value):
         return tuple(sorted(value.items()))
     return value
@@ -245,8 +241,8 @@ def _budget(tier_type: str, entry: Mapping[str, Any]) -> WriteBudget | None:
 def _integral(value: Any) -> Any:
     """A count as JSON from the command line may spell it (``"4"``, ``4.0``) as an int;
     anything else unchanged, for the check to refuse."""
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value)
+    if isinstance(value, str) and (whole := read_integer(value)) is not None:
+        return whole
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return value

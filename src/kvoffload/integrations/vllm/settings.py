@@ -19,6 +19,7 @@ from kvoffload.admission import (
     parse_bytes,
     resolve_admission,
 )
+from kvoffload.admission.params import read_integer
 from kvoffload.admission.registry import ParamPairs
 from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD
 from kvoffload.core.errors import InvalidArgumentError
@@ -326,8 +327,8 @@ def _int(
     value = config.get(key, default)
     # vLLM's own spec takes int() of these, so accept what that keeps whole: numeric strings
     # (JSON from the command line) and whole floats (a JSON number written 64e9).
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        value = int(value)
+    if isinstance(value, str) and (whole := read_integer(value)) is not None:
+        value = whole
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     bad = isinstance(value, bool) or not isinstance(value, int) or value < minimum

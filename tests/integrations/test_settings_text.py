@@ -1,0 +1,131 @@
+"""Settings written as text in vLLM's and SGLang's extra-config: a number read one way for
+every key (as the command line reads it), and admission parameters named once each."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+
+from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.integrations.sglang.settings import parse_settings as parse_sglang
+from kvoffload.integrations.vllm.secondary_settings import parse_disk_settings
+from kvoffload.integrations.vllm.settings import parse_settings as parse_vllm
+
+DISK = "/nvme/kv"
+
+
+def _vllm(disk_bytes: object, timeout_ms: object = 5) -> tuple[int, float]:
+    settings = parse_vllm(
+        {
+            "cpu_bytes_to_use": 1 << 20,
+            "kvoffload.disk_dir": DISK,
+            "kvoffload.disk_bytes": disk_bytes,
+            "kvoffload.disk_timeout_ms": timeout_ms,
+        }
+    )
+    return settings.disk_bytes, settings.disk_timeout_ms / 1000
+
+
+def _sglang(disk_bytes: object, timeout_ms: object = 5) -> tuple[int, float]:
+    settings = parse_sglang(
+        {
+            "kvoffload.disk_dir": DISK,
+            "kvoffload.disk_bytes": disk_bytes,
+            "kvoffload.disk_timeout_ms": timeout_ms,
+        }
+    )
+    assert settings.disk_deadline_s is not None
+    return settings.disk_bytes, settings.disk_deadline_s
+
+
+def _secondary(disk_bytes: object, timeout_ms: object = 5) -> tuple[int, float]:
+    entry = {"disk_dir": DISK, "disk_bytes": disk_bytes, "disk_timeout_ms": timeout_ms}
+    settings = parse_disk_settings("KVOffloadDiskTier", entry)
+    assert settings.tier.deadline_s is not None
+    return settings.capacity_bytes, settings.tier.deadline_s
+
+
+PARSERS: dict[str, Callable[..., tuple[int, float]]] = {
+    "vllm": _vllm,
+    "sglang": _sglang,
+    "vllm-secondary": _secondary,
+}
+
+
+@pytest.mark.parametrize("parse", PARSERS.values(), ids=PARSERS.keys())
+def test_a_size_and_a_timeout_take_underscores_alike(
+    parse: Callable[..., tuple[int, float]],
+) -> None:
+    """``disk_timeout_ms: "1_000"`` was taken (``float()`` reads it) and ``disk_bytes:
+    "1_000_000"`` refused as no integer: one key read as the command line reads numbers,
+    the next not."""
+    assert parse("1_000_000", "1_000") == (1_000_000, 1.0)
+    assert parse(" 1000000 ", "1000") == (1_000_000, 1.0)
+
+
+@pytest.mark.parametrize("text", ["²", "--5", "1__000", "_1000", "1000_", "1e6", "0x10"])
+@pytest.mark.parametrize("parse", PARSERS.values(), ids=PARSERS.keys())
+def test_text_that_is_no_integer_is_one_line_naming_the_key(
+    parse: Callable[..., tuple[int, float]], text: str
+) -> None:
+    """``"²"`` passed an ``isdigit()`` test and failed in ``int()``, and vLLM's ``"--5"``
+    passed its ``lstrip("-")``: a bare ``ValueError`` that named no key."""
+    with pytest.raises(InvalidArgumentError) as error:
+        parse(text)
+    message = str(error.value)
+    assert "disk_bytes" in message and repr(text) in message and "\n" not in message
+
+
+@pytest.mark.parametrize("text", ["1__000", "_1000", "1000_", "1_e3"])
+@pytest.mark.parametrize("parse", PARSERS.values(), ids=PARSERS.keys())
+def test_a_timeout_with_underscores_out_of_place_is_refused(
+    parse: Callable[..., tuple[int, float]], text: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"disk_timeout_ms.* must be a number"):
+        parse(1 << 20, text)
+
+
+DUPLICATED = '{"threshold": 3, "threshold": 5}'
+
+ADMISSION_ENTRIES: dict[str, tuple[Callable[[Mapping[str, Any]], object], dict[str, Any]]] = {
+    "vllm": (
+        parse_vllm,
+        {
+            "cpu_bytes_to_use": 1 << 20,
+            "kvoffload.admission": "sketch",
+            "kvoffload.admission_params": DUPLICATED,
+        },
+    ),
+    "sglang": (
+        parse_sglang,
+        {
+            "kvoffload.disk_dir": DISK,
+            "kvoffload.disk_bytes": 1 << 20,
+            "kvoffload.disk_admission": "sketch",
+            "kvoffload.disk_admission_params": DUPLICATED,
+        },
+    ),
+    "vllm-secondary": (
+        lambda entry: parse_disk_settings("KVOffloadDiskTier", entry),
+        {
+            "disk_dir": DISK,
+            "disk_bytes": 1 << 20,
+            "admission": "sketch",
+            "admission_params": DUPLICATED,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize(("parse", "config"), ADMISSION_ENTRIES.values(), ids=ADMISSION_ENTRIES)
+def test_a_parameter_named_twice_in_json_is_refused_naming_it(
+    parse: Callable[[Mapping[str, Any]], object], config: dict[str, Any]
+) -> None:
+    """JSON keeps the last of two equal names silently: the 3 written first went unused."""
+    with pytest.raises(InvalidArgumentError) as error:
+        parse(config)
+    message = str(error.value)
+    assert "admission_params" in message and "\n" not in message
+    assert "gives admission parameter 'threshold' twice" in message
