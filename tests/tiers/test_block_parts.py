@@ -4,6 +4,7 @@ part by part, read back into parts, checksummed over all of them, on disk and re
 from __future__ import annotations
 
 import random
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -165,3 +166,42 @@ def test_more_large_parts_than_one_recvmsg_into_takes(valkey_server: ValkeyProce
     finally:
         tier.delete_all()
         tier.close()
+
+
+BIG = 512 * 1024
+"""A block past the size at which the tiers read straight into the destination."""
+BIG_FP = layout_fingerprint("block-parts-2d", layout_preset("tiny"), BIG)
+
+
+def two_dimensional(fmt: str) -> memoryview:
+    """A destination shaped as a host pool's page is: rows of ``fmt`` items, not flat bytes."""
+    width = struct.calcsize(fmt)
+    return memoryview(bytearray(BIG)).cast("B").cast(fmt, [64, BIG // 64 // width])
+
+
+@pytest.mark.parametrize("fmt", ["B", "f"])
+def test_a_block_reads_into_a_two_dimensional_buffer(
+    tmp_path: Path, valkey_server: ValkeyProcess, fmt: str
+) -> None:
+    """A large block read from a fresh disk tier (nothing cached) or from Valkey into a
+    2-D view arrives whole, whatever its item format (a 2-D ``uint8`` view failed the
+    read, and the batch's other blocks with it)."""
+    payloads = [random.Random(i).randbytes(BIG) for i in range(2)]
+    keys = KEYS[:2]
+    disk = DiskTier(tmp_path, 4, BIG_FP)
+    disk.write(keys, payloads)
+    disk.poll(wait=True)
+    disk.close()
+    remote = RemoteTier(valkey_server.url, BIG_FP)
+    remote.write(keys, payloads)
+    remote.poll(wait=True)
+    tiers = [DiskTier(tmp_path, 4, BIG_FP), remote]
+    try:
+        for tier in tiers:
+            targets = [two_dimensional(fmt) for _ in keys]
+            assert tier.read(keys, targets.__getitem__).result(timeout=10) == [True, True]
+            assert [t.tobytes() for t in targets] == payloads
+    finally:
+        remote.delete_all()
+        for tier in tiers:
+            tier.close()

@@ -23,7 +23,8 @@ def destination_parts(
         for view in got if isinstance(got, list | tuple) else [got]:
             if not isinstance(view, memoryview) or view.readonly:
                 return None
-            parts.append(view.cast("B") if view.format != "B" else view)
+            flat = view.format == "B" and view.ndim == 1
+            parts.append(view if flat else view.cast("B"))  # a page's rows read as its bytes
     except Exception:  # the destination's failure is this block's failed read, nothing more
         return None
     if size is not None and sum(part.nbytes for part in parts) != size:
