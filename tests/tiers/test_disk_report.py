@@ -169,7 +169,7 @@ def test_simulate_refuses_a_disk_tier_larger_than_the_free_space(
 ) -> None:
     """``tiny`` blocks are 4 KiB in 8 KiB slots: 200 of them need 1.57 MiB of a 1 MiB disk."""
     pytest.importorskip("torch")
-    argv = ["simulate", "--requests", "5", "--gpu-blocks", "64", "--cpu-blocks", "32"]
+    argv = ["simulate", "--requests", "5", "--gpu-blocks", "512", "--cpu-blocks", "32"]
     argv += ["--layout", "tiny", "--no-bound", "--no-progress", "--data-plane"]
     assert main([*argv, "--disk-dir", str(small_fs / "d"), "--disk-blocks", "200"]) != 0
     err = capsys.readouterr().err
