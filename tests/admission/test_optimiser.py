@@ -1232,3 +1232,33 @@ def test_a_mirroring_tier_reports_the_real_fed_candidates_every_layer_makes() ->
         mirrors.stats().memory_bytes - mirrors.minisim.memory_bytes
         == lower.stats().memory_bytes - lower.minisim.memory_bytes
     )
+
+
+def test_a_request_not_looked_up_misses_in_every_world_and_is_judged_by_each_rule() -> None:
+    """A driver that offers pages no look-up asked for (SGLang's backup of a prompt it never
+    queried) announces them with ``looked_up=False``: store-everything's world stores them,
+    so the real tier mirroring it writes them; the seed filter's stores them at their second
+    sighting; and no world counts a hit on pages it holds, as the real tier served none."""
+    layer = OptimisingAdmission(CPUOffloadingManager(64), 64)
+    prompt = [block_id_key(i) for i in range(2)]
+    computed = [block_id_key(10 + i) for i in range(4)]
+    request = prompt + computed
+    layer.begin_request(request, gpu_held=len(prompt), looked_up=False)
+    output = layer.prepare_store(computed)
+    layer.end_request(computed)
+    assert layer.chosen == STORE_ALL
+    assert output is not None and list(output.keys_to_store) == computed
+    assert layer.worlds[STORE_ALL].tier.held_among(computed) == computed
+    assert layer.worlds[FILTER].tier.held_among(computed) == []  # seen once
+    layer.begin_request(request, gpu_held=len(prompt), looked_up=False)
+    assert layer.worlds[FILTER].tier.held_among(computed) == computed  # seen twice
+    assert all(world.tier.total_hits == 0 for world in layer.worlds.worlds.values())
+    assert all(tier.total_hits == 0 for tier, _ in layer.minisim.tiers.values())
+    assert layer.worlds.total_gpu_hits == 2 * len(prompt)
+    layer.begin_request(request, gpu_held=len(prompt))  # asked this time: the tier hits
+    assert layer.worlds[STORE_ALL].tier.total_hits == len(computed)
+    assert layer.minisim.tiers[STORE_ALL, 2.0][0].total_hits == len(computed)
+    refs = layer.worlds.total_refs
+    with pytest.raises(InvalidArgumentError, match="tier_hit needs looked_up"):
+        layer.begin_request(request, tier_hit=True, looked_up=False)
+    assert layer.worlds.total_refs == refs

@@ -141,6 +141,7 @@ class AdmissionLayer(OffloadingManager):
         counted: int = 0,
         tier_hit: bool = False,
         gpu_held: int = 0,
+        looked_up: bool = True,
     ) -> None:
         """A request's keys in prefix order (GPU-held blocks included), from a driver that
         knows request boundaries; counts one sighting.
@@ -153,10 +154,14 @@ class AdmissionLayer(OffloadingManager):
         ``will_offer`` an offer ending at the same key learns how many blocks precede it.
         ``counted``: leading keys an earlier call already showed for the same request (a
         request offered in parts), not counted again.
+        ``looked_up=False``: the driver did not ask the tier for ``keys[gpu_held:]`` (it
+        computed them and offers them next: an offer no look-up covered, as SGLang backs
+        up pages it never queried), so they count as missed by every tier, never as hits.
         """
         if isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "begin_request")
         counted, gpu_held = check_request_counts(counted, gpu_held)
+        check_looked_up(tier_hit, looked_up)
         self._announced = True
         if not keys:
             return
@@ -242,6 +247,12 @@ def check_request_counts(counted: object, gpu_held: object) -> tuple[int, int]:
     if type(counted) is int and type(gpu_held) is int and counted >= 0 and gpu_held >= 0:
         return counted, gpu_held
     return _count("counted", counted), _count("gpu_held", gpu_held)
+
+
+def check_looked_up(tier_hit: bool, looked_up: bool) -> None:
+    """:class:`InvalidArgumentError` for a tier hit in a request the tier was not asked for."""
+    if tier_hit and not looked_up:
+        raise InvalidArgumentError("begin_request: tier_hit needs looked_up (no look-up, no hit)")
 
 
 def _count(name: str, value: object) -> int:

@@ -859,9 +859,9 @@ class MiniSimulation:
             if self._since_halving >= self.window:
                 self._halve()
 
-    def on_lookup(self, keys: Sequence[OffloadKey]) -> None:
+    def on_lookup(self, keys: Sequence[OffloadKey], looked_up: bool = True) -> None:
         """The keys past the GPU hit (a suffix of the request) were looked up: score each
-        mini-tier's leading run."""
+        mini-tier's leading run (none where the tier was not asked: not ``looked_up``)."""
         if not keys:
             return
         entry = self._open.get(keys[-1])
@@ -888,7 +888,9 @@ class MiniSimulation:
             suffix_at.append(inside)
             level.lookups += len(sampled)
             level.total_lookups += len(sampled)
-            runs.append([tier.hit_run(sampled) for tier in tiers])
+            runs.append(
+                [tier.hit_run(sampled) for tier in tiers] if looked_up else [0] * len(tiers)
+            )
 
     def on_written_back(
         self,

@@ -68,7 +68,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kvoffload.admission.base import AdmissionLayer, AdmissionStats, check_request_counts
+from kvoffload.admission.base import (
+    AdmissionLayer,
+    AdmissionStats,
+    check_looked_up,
+    check_request_counts,
+)
 from kvoffload.admission.budget import BudgetCredit, WriteBudget, check_write_budget
 from kvoffload.admission.feedback import FeedbackAdmission
 from kvoffload.admission.minisim import WINDOW_TIERS, MiniSimulation, WhatIf
@@ -446,6 +451,7 @@ class OptimisingAdmission(AdmissionLayer):
         counted: int = 0,
         tier_hit: bool = False,
         gpu_held: int = 0,
+        looked_up: bool = True,
     ) -> None:
         """See :meth:`AdmissionLayer.begin_request`. For per-key drivers (no
         ``lookup_follows``) ``keys[gpu_held:]`` stand for the request's lookup too, so the
@@ -457,10 +463,14 @@ class OptimisingAdmission(AdmissionLayer):
 
         A later part of a request offered in parts (``counted`` > 0) counts only its new
         keys in the filter; the mini-tiers scored the request's lookup with its first part.
+        A request not looked up (``looked_up=False``) runs the same way, every world and
+        mini-tier missing its keys past ``gpu_held``: the real tier served none of them,
+        whatever a world holds.
         """
         if isinstance(keys, SINGLE_KEY_TYPES):  # before any change here
             refuse_single_key(keys, "begin_request")
         counted, gpu_held = check_request_counts(counted, gpu_held)
+        check_looked_up(tier_hit, looked_up)
         if keys:  # a request of no keys announces nothing
             if lookup_follows or will_offer:
                 self._offers_follow = True
@@ -476,23 +486,24 @@ class OptimisingAdmission(AdmissionLayer):
             counted=counted,
             tier_hit=tier_hit,
             gpu_held=gpu_held,
+            looked_up=looked_up,
         )
         if not keys or lookup_follows:
             return
         if counted:
             self._pending = None  # a later part: the worlds ran the request with its first
         else:
-            self._run_worlds(gpu_held)
+            self._run_worlds(gpu_held, looked_up)
         if not self._mirrors:
             self.feedback.begin_request(
                 keys, will_offer=will_offer, counted=counted, tier_hit=tier_hit
             )
             self._probe.found = 0
-            looked_up = max(counted, gpu_held)
-            if looked_up < len(keys):
-                self.filter.lookup(list(keys[looked_up:]))
+            first_new = max(counted, gpu_held)
+            if first_new < len(keys):
+                self.filter.lookup(list(keys[first_new:]))
         if counted == 0 and gpu_held < len(keys):
-            self._minisim.on_lookup(keys[gpu_held:] if gpu_held else keys)
+            self._minisim.on_lookup(keys[gpu_held:] if gpu_held else keys, looked_up)
             if not will_offer:
                 if self._mirrors:  # announced after its loads: no offer follows
                     self._minisim.on_full_hit(keys[-1])
@@ -594,13 +605,15 @@ class OptimisingAdmission(AdmissionLayer):
                 self.write_credit.spend(len(output.keys_to_store))
         return output
 
-    def _run_worlds(self, gpu_held: int) -> None:
-        """Run the pending request through every world, ``gpu_held`` of its keys on the GPU."""
+    def _run_worlds(self, gpu_held: int, looked_up: bool = True) -> None:
+        """Run the pending request through every world, ``gpu_held`` of its keys on the GPU
+        (``looked_up``: see :meth:`begin_request`)."""
         keys = self._pending
         self._pending = None
         if keys:
             # Not min(): a builtin call costs more, and this runs every request.
-            self.worlds.request(keys, gpu_held if gpu_held < len(keys) else len(keys))
+            held = gpu_held if gpu_held < len(keys) else len(keys)
+            self.worlds.request(keys, held, looked_up)
             self._seen += len(keys)
 
     def _choose(self) -> None:

@@ -105,16 +105,24 @@ class World:
     def __contains__(self, key: object) -> bool:
         return key in self.tier
 
-    def request(self, keys: Sequence[OffloadKey], gpu_held: int, unique: bool = False) -> None:
-        """Run a request; ``unique``: its keys are known to be distinct (no deduplication).
+    def request(
+        self,
+        keys: Sequence[OffloadKey],
+        gpu_held: int,
+        unique: bool = False,
+        looked_up: bool = True,
+    ) -> None:
+        """Run a request; ``unique``: its keys are known to be distinct (no deduplication);
+        not ``looked_up``: the keys past ``gpu_held`` miss whatever the tier holds (the real
+        tier was not asked for them).
 
         An LRU tier makes the keys recent once, after the store: the same order as
         :meth:`_request`'s touch before the lookup and again after a write."""
         tier = self._lru
         if tier is None:
-            self._request(keys, gpu_held, unique)
+            self._request(keys, gpu_held, unique, looked_up)
             return
-        offered = self._lookup(keys, gpu_held, unique)
+        offered = self._lookup(keys, gpu_held, unique, looked_up)
         admitted = None
         if offered:
             rule = self.rule
@@ -123,14 +131,16 @@ class World:
         self._admitted = admitted
         tier.touch(keys)
 
-    def _lookup(self, keys: Sequence[OffloadKey], gpu_held: int, unique: bool) -> list[OffloadKey]:
+    def _lookup(
+        self, keys: Sequence[OffloadKey], gpu_held: int, unique: bool, looked_up: bool
+    ) -> list[OffloadKey]:
         """The request's lookup, counted and shown to the rule; the keys it offers.
 
         The rule's own ``lookup`` is not called, as its backing would only echo the hit
         run: a layer learns the request and whether the tier served part of it in one
         ``begin_request``, the seed filter's counts are counted directly."""
         looked = keys[gpu_held:] if gpu_held else keys
-        found = self.tier.hit_run(looked) if looked else 0
+        found = self.tier.hit_run(looked) if looked and looked_up else 0
         self.hits += found
         layer = self._layer
         if layer is not None:
@@ -165,10 +175,12 @@ class World:
             gap += 1
         return keep, gap
 
-    def _request(self, keys: Sequence[OffloadKey], gpu_held: int, unique: bool) -> None:
+    def _request(
+        self, keys: Sequence[OffloadKey], gpu_held: int, unique: bool, looked_up: bool
+    ) -> None:
         tier, rule = self.tier, self.rule
         tier.touch(keys)
-        offered = self._lookup(keys, gpu_held, unique)
+        offered = self._lookup(keys, gpu_held, unique, looked_up)
         self._admitted = None
         if not offered:
             return
@@ -228,11 +240,12 @@ class Worlds:
     def __getitem__(self, name: str) -> World:
         return self.worlds[name]
 
-    def request(self, keys: Sequence[OffloadKey], gpu_held: int) -> None:
+    def request(self, keys: Sequence[OffloadKey], gpu_held: int, looked_up: bool = True) -> None:
+        """Run a request through every world (see :meth:`World.request`)."""
         n = len(keys)
         unique = len(set(keys)) == n
         for world in self.worlds.values():
-            world.request(keys, gpu_held, unique)
+            world.request(keys, gpu_held, unique, looked_up)
         self.refs += n
         self.gpu_hits += gpu_held
         self.total_refs += n

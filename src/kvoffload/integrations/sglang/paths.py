@@ -5,7 +5,10 @@ query, the prefetch I/O and the backup thread); our tiers expect one caller
 for what changes their state, so that goes through the path's lock (see
 :class:`TierPath`). The admission layer
 sees what this tier sees: the lookups that reach L3 (sightings) and the
-host tier's write-backs (offers); it sits on an ``AdmitAllManager`` that keeps
+host tier's write-backs (offers); a write-back of pages no lookup asked for (SGLang
+queries no prompt whose uncached part is below its prefetch threshold, nor generated
+pages, nor a query's batches past one not found whole) is a request of its own, its
+pages computed; it sits on an ``AdmitAllManager`` that keeps
 nothing, since the tier below decides eviction itself. Tier and layer come from the
 stack builder (:func:`kvoffload.tiers.stack.lower_tiers`). No SGLang import.
 """
@@ -16,6 +19,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -34,6 +38,12 @@ from kvoffload.tiers.remote import RemoteTier
 EventSink = Callable[[list[OffloadingEvent]], None]
 
 logger = logging.getLogger(__name__)
+
+LOOKED_UP_PAGES = 1 << 16
+"""Pages looked up and not yet written back that a path remembers, the oldest forgotten
+first: SGLang writes a query's missed pages back once their prefill is done, so only the
+pages of the requests in prefill wait here. One forgotten too early is judged again at its
+write-back (a sighting counted twice); nothing is lost."""
 
 
 @dataclass
@@ -184,6 +194,8 @@ class TierPath:
         self._seen = (0, 0, 0, 0, 0)
         """The tier's (evicted, corrupt, rejected, unavailable, skipped_full) already in the
         counters."""
+        self._looked_up: OrderedDict[OffloadKey, None] = OrderedDict()
+        """Pages a lookup asked this tier for, until their write-back (see :meth:`_admit`)."""
 
     def counters(self) -> TierCounters:
         """A snapshot of the counters, the tier's own counts brought up to date."""
@@ -206,11 +218,18 @@ class TierPath:
     def sighted(self, request: Sequence[OffloadKey], served: bool, held: int = 0) -> None:
         """A lookup reached L3 for ``request`` past its first ``held`` pages (those held
         above L3, shown for the request's chain but not looked up here); ``served``: this
-        tier held part of what was asked."""
+        tier held part of what was asked. The pages asked for are remembered until their
+        write-back, which :meth:`_admit` then knows is no request of its own."""
         if self.layer is None or not request:
             return
         with self._admission_lock:
             self.layer.begin_request(request, tier_hit=served, gpu_held=held)
+            asked = self._looked_up
+            for key in request[held:]:
+                asked[key] = None
+                asked.move_to_end(key)
+            while len(asked) > LOOKED_UP_PAGES:
+                asked.popitem(last=False)
 
     def read(self, keys: Sequence[OffloadKey], target: Target) -> list[bool]:
         """Read ``keys`` into ``target`` (per key one buffer or its parts); per key, whether
@@ -233,11 +252,14 @@ class TierPath:
         return intact
 
     @contextlib.contextmanager
-    def writing(self, keys: Sequence[OffloadKey]) -> Iterator[WriteBatch]:
-        """Offer ``keys`` to admission, then take their bytes (:meth:`WriteBatch.send`, sent
+    def writing(
+        self, keys: Sequence[OffloadKey], prefix: Sequence[OffloadKey] = ()
+    ) -> Iterator[WriteBatch]:
+        """Offer ``keys`` to admission (``prefix``: the request's pages before them, as
+        SGLang passes them), then take their bytes (:meth:`WriteBatch.send`, sent
         at once) and wait for all at the end. This tier's lock is held until then: another
         tier's write inside it would keep this tier's readers waiting on that one."""
-        batch = WriteBatch(keys, self._admit(keys) if keys else set())
+        batch = WriteBatch(keys, self._admit(keys, prefix) if keys else set())
         with self._lock:
             stored_before = self.tier.stats.stored_blocks
             try:
@@ -267,11 +289,17 @@ class TierPath:
                 for i, ok in zip(sent, outcome, strict=True):
                     batch.result[i] = batch.holds[i] = ok
 
-    def write(self, keys: Sequence[OffloadKey], payloads: Sequence[Payload]) -> WriteBatch:
-        """Offer ``keys`` to admission and write the admitted ones; the done batch says per
+    def write(
+        self,
+        keys: Sequence[OffloadKey],
+        payloads: Sequence[Payload],
+        prefix: Sequence[OffloadKey] = (),
+    ) -> WriteBatch:
+        """Offer ``keys`` to admission (``prefix``: see :meth:`writing`) and write the
+        admitted ones; the done batch says per
         key ``False`` only for a write that failed (a page held back by admission reads
         ``True``), and how many pages the tier wrote."""
-        with self.writing(keys) as batch:
+        with self.writing(keys, prefix) as batch:
             batch.send(payloads)
         return batch
 
@@ -320,11 +348,25 @@ class TierPath:
         with self._admission_lock:
             return self.layer.stats().numbers()
 
-    def _admit(self, keys: Sequence[OffloadKey]) -> set[OffloadKey]:
+    def _admit(self, keys: Sequence[OffloadKey], prefix: Sequence[OffloadKey]) -> set[OffloadKey]:
+        """The offered ``keys`` admission passes. Those past the leading run a lookup asked
+        for were computed unasked: they are a request of their own, its held part ``prefix``
+        and that run, told to the layer before the offer, so that every candidate rule
+        judges them (the layer counts only the pages of requests it was told of)."""
         if self.layer is None:
             admitted = set(keys)
         else:
             with self._admission_lock:
+                asked = self._looked_up
+                covered = 0
+                while covered < len(keys) and keys[covered] in asked:
+                    covered += 1
+                for key in keys:
+                    asked.pop(key, None)
+                if covered < len(keys):
+                    self.layer.begin_request(
+                        [*prefix, *keys], gpu_held=len(prefix) + covered, looked_up=False
+                    )
                 output = self.layer.prepare_store(keys)
                 if keys:
                     self.layer.end_request(keys)

@@ -274,7 +274,12 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         if not keys or not pages.fits(host_indices, len(keys)):
             return [False] * len(keys)
         started = time.perf_counter()
-        done, moved = self._write([page_key(key) for key in keys], pages.segments(host_indices))
+        given = extra_info.prefix_keys if extra_info is not None else None
+        done, moved = self._write(
+            [page_key(key) for key in keys],
+            pages.segments(host_indices),
+            [page_key(key) for key in given or ()],
+        )
         self._note(BACKUP, len(done), moved, started)
         return done
 
@@ -579,11 +584,17 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             wanted = [i for i in asked if not intact[i]]
         return intact
 
-    def _write(self, keys: list[OffloadKey], payloads: Sequence[Payload]) -> tuple[list[bool], int]:
+    def _write(
+        self,
+        keys: list[OffloadKey],
+        payloads: Sequence[Payload],
+        prefix: Sequence[OffloadKey] = (),
+    ) -> tuple[list[bool], int]:
         """Per page, whether some tier holds it or no tier failed it (each stored it or its
         admission held it back): a page one tier's admission passed over and the other
         failed to write is stored nowhere, so it is a failed write, as with that tier
         alone; and the bytes the tiers wrote (pages held back, or held already, move none).
+        ``prefix``: the pages SGLang passes before ``keys`` (:meth:`TierPath.writing`).
 
         The tiers write at the same time, each on its own thread and under its own lock
         only: a tier still taking its pages (a slow server, up to its deadline) never keeps
@@ -593,11 +604,11 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         beside = self._beside
         first, *others = self.paths
         if beside is None:  # one tier (or closing: one after the other)
-            batches = [path.write(keys, payloads) for path in self.paths]
+            batches = [path.write(keys, payloads, prefix) for path in self.paths]
         else:
-            jobs = [beside.submit(path.write, keys, payloads) for path in others]
+            jobs = [beside.submit(path.write, keys, payloads, prefix) for path in others]
             try:
-                batches = [first.write(keys, payloads)]
+                batches = [first.write(keys, payloads, prefix)]
             finally:
                 wait(jobs)  # the pages' bytes are the tiers' until every write is done
             batches += [job.result() for job in jobs]
