@@ -873,3 +873,24 @@ def test_a_kv_events_topic_without_the_events_is_refused(
     assert one_line_error(capsys) == (
         "kvoffload: error: --kv-events-topic needs --kv-events-endpoint\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--cpu-gb", "1,,2"),
+        ("--cpu-gb", "1,2,"),
+        ("--cpu-blocks", ",64"),
+        ("--thresholds", "1, ,2"),
+        ("--policies", "lru,,arc"),
+    ],
+)
+def test_a_sweep_list_with_an_empty_item_is_refused(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty item was dropped, so ``--cpu-gb 1,,2`` ran two capacities where a third
+    was likely meant; ``--mix`` refuses one, and so do the sweep's lists now."""
+    assert main(["sweep", "--requests", "5", "--no-progress", flag, value]) == 1
+    assert one_line_error(capsys) == (
+        f"kvoffload: error: {flag} {value!r} has an empty item between its commas\n"
+    )

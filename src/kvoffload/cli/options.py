@@ -498,15 +498,21 @@ def with_offload(config: SimConfig, cpu: int, policy: str, threshold: int) -> Si
     return dataclasses.replace(config, cpu_blocks=cpu, policy=policy, store_threshold=threshold)
 
 
-def _parts(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
+def _parts(text: str, what: str) -> list[str]:
+    """The items of a comma-separated list; an empty one (``1,,2``, a trailing comma) is
+    refused, as ``--mix`` refuses one, rather than dropped from the runs asked for."""
+    parts = [part.strip() for part in text.split(",")]
+    if any(parts) and not all(parts):
+        raise InvalidArgumentError(f"{what} {text!r} has an empty item between its commas")
+    return [part for part in parts if part]
 
 
 def parse_ints(text: str, what: str, minimum: int = 0, maximum: int | None = None) -> list[int]:
     """A comma-separated list of integers >= ``minimum`` (and <= ``maximum``), e.g. ``"0,2"``;
     a value out of range is named as typed."""
+    parts = _parts(text, what)
     try:
-        values = [(part, int(part)) for part in _parts(text)]
+        values = [(part, int(part)) for part in parts]
     except ValueError:
         raise InvalidArgumentError(
             f"{what} must be comma-separated integers, got {text!r}"
@@ -524,7 +530,7 @@ def parse_floats(text: str, what: str, maximum: float = math.inf) -> list[float]
     """A comma-separated list of finite numbers >= 0 (and <= ``maximum``), e.g. ``"0,16,32.5"``,
     each read as written (``1e309``, not the ``inf`` it reads as)."""
     values = []
-    for part in _parts(text):
+    for part in _parts(text, what):
         try:
             values.append(read_number(part, 0.0, maximum))
         except InvalidArgumentError as exc:
@@ -597,7 +603,7 @@ def check_admission_fits(
 
 def parse_names(text: str, what: str, resolve: Callable[[str], str]) -> list[str]:
     """A comma-separated list of registry names, each checked by ``resolve`` (which lists them)."""
-    names = [part.strip() for part in text.split(",") if part.strip()]
+    names = _parts(text, what)
     for name in names:
         check_name(name, what, resolve)
     return _not_empty(names, text, what)
