@@ -22,6 +22,15 @@ from kvoffload.core.manager import OffloadingEvent
 BlockHash = Union[bytes, int]  # noqa: UP007 - msgspec resolves the alias at run time
 """vLLM's ``ExternalBlockHash``: our keys' hash part is bytes."""
 
+INT_HASH_MASK = (1 << 64) - 1
+
+
+def external_block_hash(hash_bytes: bytes, as_int: bool) -> BlockHash:
+    """A key's hash part as events name it: the bytes, or as vLLM does by default
+    (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``) the unsigned 64-bit integer of their last
+    8 bytes, big-endian, for routers that read block hashes as 64-bit integers only."""
+    return int.from_bytes(hash_bytes, "big") & INT_HASH_MASK if as_int else hash_bytes
+
 
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """Base of the tagged event structs."""
@@ -82,8 +91,11 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     return _DECODER.decode(payload)
 
 
-def to_kv_events(events: Iterable[OffloadingEvent], block_size: int) -> list[Event]:
-    """One vLLM event per manager event and KV group, keys in order.
+def to_kv_events(
+    events: Iterable[OffloadingEvent], block_size: int, int_hashes: bool = False
+) -> list[Event]:
+    """One vLLM event per manager event and KV group, keys in order; block hashes as
+    :func:`external_block_hash` names them.
 
     The manager knows blocks only by key, so stores carry no token ids and
     no parent hash, as vLLM's own offloading events without
@@ -93,7 +105,8 @@ def to_kv_events(events: Iterable[OffloadingEvent], block_size: int) -> list[Eve
     for event in events:
         groups: dict[int, list[BlockHash]] = {}
         for key in event.keys:
-            groups.setdefault(get_offload_group_idx(key), []).append(get_offload_block_hash(key))
+            block_hash = external_block_hash(get_offload_block_hash(key), int_hashes)
+            groups.setdefault(get_offload_group_idx(key), []).append(block_hash)
         for group, hashes in groups.items():
             if event.removed:
                 out.append(BlockRemoved(hashes, event.medium, group_idx=group))

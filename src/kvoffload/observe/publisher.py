@@ -39,9 +39,11 @@ class KVEventPublisher:
     """Binds ``endpoint`` (PUB) and, if given, ``replay_endpoint`` (ROUTER) at once.
 
     A port that cannot be bound is an :class:`InvalidArgumentError` naming
-    the endpoint. The last ``buffer_batches`` batches stay available for
-    replay until :meth:`close`. Usable as an event sink of
-    :class:`~kvoffload.observe.ObservedManager` (``publisher.publish``).
+    the endpoint. Blocks are named by their keys' hash bytes, or with
+    ``int_block_hashes`` as vLLM names them by default, 64-bit integers (routers that
+    decode only integers, Dynamo's, refuse a batch that holds bytes). The last
+    ``buffer_batches`` batches stay available for replay until :meth:`close`. Usable as
+    an event sink of :class:`~kvoffload.observe.ObservedManager` (``publisher.publish``).
     A batch given after :meth:`close` is dropped, never queued (no thread is left to
     send it), and counted in :attr:`dropped_after_close`; the first is logged.
 
@@ -60,9 +62,15 @@ class KVEventPublisher:
         block_size: int = 16,
         buffer_batches: int = 10_000,
         data_parallel_rank: int = 0,
+        int_block_hashes: bool = False,
     ) -> None:
         # Checked before binding: refused, the publisher binds no port.
         check_integer("buffer_batches", buffer_batches, 0)
+        if not isinstance(int_block_hashes, bool):  # "no" is not "off" by accident
+            raise InvalidArgumentError(
+                f"int_block_hashes must be true or false, got {int_block_hashes!r}"
+            )
+        self.int_block_hashes = int_block_hashes
         self.topic = topic.encode()
         self.block_size = block_size
         self.data_parallel_rank = data_parallel_rank
@@ -89,12 +97,18 @@ class KVEventPublisher:
 
     def publish(self, events: Sequence[OffloadingEvent]) -> None:
         """Queue the manager's events as one batch (nothing is sent for no events)."""
-        kv_events = to_kv_events(events, self.block_size)
+        kv_events = to_kv_events(events, self.block_size, self.int_block_hashes)
         if kv_events:
             self._put(make_batch(kv_events, self.data_parallel_rank))
 
     def publish_batch(self, batch: KVEventBatch) -> None:
-        """Queue ``batch``; one that does not encode is logged and dropped, unnumbered."""
+        """Queue ``batch``; one that does not encode is logged and dropped, unnumbered.
+
+        A batch without a ``data_parallel_rank`` goes out with the publisher's, as vLLM's
+        publisher sends it: routers tell the ranks' batches apart by it. The caller's
+        batch is left as it was."""
+        if batch.data_parallel_rank is None:
+            batch = KVEventBatch(batch.ts, batch.events, self.data_parallel_rank)
         self._put(batch)
 
     def _put(self, batch: KVEventBatch) -> None:
