@@ -573,6 +573,40 @@ def test_a_peer_asking_for_replay_without_pause_does_not_hold_up_publishing() ->
     assert [seq for seq, _ in got] == [first]
 
 
+def test_a_peer_asking_for_replays_it_never_reads_is_not_queued_without_bound() -> None:
+    """Each replay queued for a peer that does not read stayed in the engine's memory (200
+    unread replays of 200 batches of 18 KB held 775 MiB). Now a peer has at most twice a
+    whole replay queued (vLLM's bound), plus what the kernel's socket buffers hold; once
+    it reads, it is answered in full again."""
+    batches, requests = 5, 60
+    with KVEventPublisher(LOCAL, LOCAL, buffer_batches=batches) as pub:
+        for _ in range(batches):  # 256 KiB each: the kernel's buffers hold few of them
+            pub.publish_batch(KVEventBatch(0.0, [BlockRemoved([bytes(8)] * 32768, "CPU")]))
+        pub.flush()
+        with zmq.Context.instance().socket(zmq.DEALER) as peer:
+            peer.setsockopt(zmq.LINGER, 0)
+            peer.setsockopt(zmq.RCVHWM, 1)
+            peer.connect(str(pub.replay_endpoint))
+            for _ in range(requests):
+                peer.send_multipart((b"", _seq(0)))
+            for _ in range(3 * requests):  # a turn of the thread each, serving a request
+                pub.flush()
+            queued = 0
+            while peer.poll(2000):
+                peer.recv_multipart()
+                queued += 1
+            peer.send_multipart((b"", _seq(0)))
+            answer = []
+            while peer.poll(10_000):
+                answer.append(peer.recv_multipart())
+                if answer[-1][2] == b"":
+                    break
+    assert queued < requests * (batches + 1) / 3
+    assert [frames[2] for frames in answer] == [_seq(i) for i in range(batches)] + [
+        (-1).to_bytes(8, "big", signed=True)
+    ]
+
+
 def test_negative_timeouts_wait_for_nothing_or_are_refused() -> None:
     """ZMQ waits without end for a negative time: ``receive(-1)`` never returned, and a
     negative ``replay_timeout_s`` hung every repair on a replay socket that does not answer."""

@@ -84,6 +84,11 @@ class KVEventPublisher:
         """Orders each queued batch before :meth:`close`'s stop, or drops it after."""
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = self._bind(zmq.PUB, endpoint)
+        self._replay_hwm = 2 * (buffer_batches + 1)
+        """Messages queued per replay peer: a whole replay and its end marker fit twice over
+        (ZMQ learns of a peer's reads only every half HWM, as vLLM's publisher allows for);
+        past it a peer that asks without reading gets nothing more, where without bound
+        each unread replay stayed queued in the engine's memory."""
         self._replay = None if replay_endpoint is None else self._bind(zmq.ROUTER, replay_endpoint)
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint = (
@@ -172,7 +177,7 @@ class KVEventPublisher:
     def _bind(self, kind: int, endpoint: str) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self._context.socket(kind)
         if kind == zmq.ROUTER:
-            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.SNDHWM, self._replay_hwm)
         if is_ipv6(endpoint):
             sock.setsockopt(zmq.IPV6, 1)
         try:
