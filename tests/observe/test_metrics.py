@@ -515,12 +515,14 @@ def test_a_second_collector_of_the_same_series_is_refused_naming_it() -> None:
 
 
 def test_every_exported_metric_is_in_the_table_with_its_type() -> None:
-    """docs/metrics.md's table lists the simulator's metrics by name and type: one added,
-    renamed or retyped in the code without the table (or the reverse) fails here."""
+    """docs/metrics.md's table lists the simulator's metrics by name, type and labels: one
+    added, renamed, retyped or relabelled in the code without the table (or the reverse)
+    fails here."""
     from kvoffload.admission.base import AdmissionStats
     from kvoffload.admission.minisim import WhatIf
     from kvoffload.observe.counters import LatencyHistogram, ManagerCounters
     from kvoffload.observe.metrics import (
+        TIER_COUNT_DOCS,
         AdmissionCollector,
         RecoveryCollector,
         TierCountsCollector,
@@ -536,17 +538,30 @@ def test_every_exported_metric_is_in_the_table_with_its_type() -> None:
     collectors = [
         ManagerCollector(ManagerCounters, {"tier": "cpu"}),
         RecoveryCollector(lambda: {"disk": Recovery().as_dict()}),
-        TierCountsCollector(dict),
+        TierCountsCollector(lambda: {"disk": {name: 0 for name in TIER_COUNT_DOCS}}),
         AdmissionCollector(lambda: stats),
         TransferCollector({"store": LatencyHistogram()}),
     ]
+    families = [family for collector in collectors for family in collector.collect()]
     exported = {
         (family.name + ("_total" if family.type == "counter" else ""), family.type)
-        for collector in collectors
-        for family in collector.collect()
+        for family in families
     }
     table = (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
-    documented = set(
-        re.findall(r"^\| `(kvoffload_\w+)` \| (counter|gauge|histogram) \|", table, re.MULTILINE)
+    rows = re.findall(
+        r"^\| `(kvoffload_\w+)` \| (counter|gauge|histogram) \| ([^|]*) \|", table, re.MULTILINE
     )
-    assert exported == documented
+    assert exported == {(name, kind) for name, kind, _ in rows}
+    # The labels column names each label in backticks, its values in parentheses (and a
+    # lower tier's extra ``tier`` label too, in the switches row: the CPU tier's has none).
+    documented_labels = {
+        name: set(re.findall(r"`(\w+)`", re.sub(r"\([^)]*\)", "", labels)))
+        for name, _, labels in rows
+    }
+    exported_labels = {
+        family.name + ("_total" if family.type == "counter" else ""): {
+            label for sample in family.samples for label in sample.labels if label != "le"
+        }
+        for family in families
+    }
+    assert exported_labels == documented_labels
