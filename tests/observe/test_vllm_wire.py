@@ -211,7 +211,7 @@ def test_our_subscriber_follows_vllms_publisher_past_its_replay_buffer(tmp_path:
 
 
 def test_int_block_hashes_that_is_no_bool_is_refused_naming_it() -> None:
-    """"no" or 0 is not "off" by accident; refused before a port is bound."""
+    """A "no" or a 0 is not "off" by accident; refused before a port is bound."""
     from kvoffload import InvalidArgumentError
 
     with pytest.raises(InvalidArgumentError, match="int_block_hashes must be true or false"):
