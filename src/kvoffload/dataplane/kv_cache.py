@@ -136,7 +136,8 @@ def _rows_meet(first: torch.Tensor, second: torch.Tensor) -> bool:
     rows, length = first.shape
     stride = first.stride(0) if rows > 1 else length
     apart = second.data_ptr() - first.data_ptr()
-    nearest = {-(apart // stride), -(-apart // stride)} if stride else {0}
+    # The row offsets k that bring ``apart + k * stride`` nearest zero: either side of it.
+    nearest = {-(apart // stride), -apart // stride} if stride else {0}
     return any(abs(apart + k * stride) < length for k in nearest if -(rows - 1) <= k <= rows - 1)
 
 
