@@ -19,18 +19,30 @@ LAYOUTS = {
 
 
 def random_layers(
-    layout: KVLayout, num_blocks: int, seed: int, separate: bool
+    layout: KVLayout, num_blocks: int, seed: int, separate: bool, interleaved: bool = False
 ) -> list[torch.Tensor]:
-    """Layers of random bytes (NaN patterns included): one allocation, or one per layer."""
-    if separate:
-        dtype = PagedKVCache(layout, 1).layers[0].dtype
-        shape = (2, num_blocks, layout.tokens_per_block, layout.kv_heads, layout.head_dim)
-        layers = [torch.empty(shape, dtype=dtype) for _ in range(layout.num_layers)]
+    """Layers of random bytes (NaN patterns included): one allocation, or one per layer.
+
+    ``interleaved``: one allocation per layer, K and V pages alternating block by block
+    (``[num_blocks, 2, ...]`` seen as ``[2, num_blocks, ...]``, as FlashInfer keeps them
+    and as vLLM's worker splits each canonical page into two halves).
+    """
+    dtype = PagedKVCache(layout, 1).layers[0].dtype
+    page = (layout.tokens_per_block, layout.kv_heads, layout.head_dim)
+    if interleaved:
+        blocks_first = [
+            torch.empty((num_blocks, 2, *page), dtype=dtype) for _ in range(layout.num_layers)
+        ]
+        layers = [layer.transpose(0, 1) for layer in blocks_first]
+    elif separate:
+        layers = [
+            torch.empty((2, num_blocks, *page), dtype=dtype) for _ in range(layout.num_layers)
+        ]
     else:
         layers = PagedKVCache(layout, num_blocks).layers
     generator = torch.Generator().manual_seed(seed)
     for layer in layers:
-        raw = layer.view(torch.uint8)
+        raw = layer.view(torch.uint8)  # a view of the same strides: fine when interleaved
         raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
     return layers
 

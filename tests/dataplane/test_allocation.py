@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -81,3 +84,31 @@ def test_a_strided_buffer_for_the_cpu_store_is_an_input_error() -> None:
     every_other_byte = torch.zeros(2 * 4 * layout.bytes_per_block, dtype=torch.uint8)[::2]
     with pytest.raises(InvalidArgumentError, match=r"must be contiguous, got strides \(2,\)"):
         CPUBlockStore(layout, 4, buffer=every_other_byte)
+
+
+@pytest.mark.parametrize("value", [0, 2.5, "3", True, None])
+@pytest.mark.parametrize(
+    ("build", "name"),
+    [
+        (lambda n: PagedKVCache(layout_preset("tiny"), n), "num_blocks"),
+        (lambda n: CPUBlockStore(layout_preset("tiny"), n, pin_memory=False), "num_blocks"),
+        (
+            lambda n: CPUBlockStore(layout_preset("tiny"), 2, n, pin_memory=False),
+            "block_size_factor",
+        ),
+    ],
+    ids=["kv-cache", "store", "store-factor"],
+)
+def test_a_block_count_that_is_no_positive_int_is_one_line_naming_it(
+    build: Callable[[object], object], name: str, value: object
+) -> None:
+    """A float or a string once reached torch (a TypeError from deep inside), and True was
+    taken as a factor of 1."""
+    with pytest.raises(InvalidArgumentError, match=rf"^{name} must be an int >= 1, got {value!r}$"):
+        build(value)
+
+
+def test_numpy_block_counts_are_taken_as_ints() -> None:
+    store = CPUBlockStore(layout_preset("tiny"), np.int64(3), np.int32(2), pin_memory=False)
+    assert (store.num_blocks, store.block_size_factor) == (3, 2)
+    assert type(store.slot_bytes) is int

@@ -9,8 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvoffload.cli import options  # noqa: E402
-from kvoffload.core.errors import InvalidArgumentError  # noqa: E402
-from kvoffload.dataplane import bench  # noqa: E402
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError  # noqa: E402
+from kvoffload.dataplane import bench, handlers  # noqa: E402
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -75,7 +75,13 @@ def test_rates_count_the_bytes_moved_when_the_last_job_is_partial(
 ) -> None:
     """17 blocks in jobs of 16 move 17 blocks, not two full jobs' 32."""
     copied: list[list[int]] = []
-    monkeypatch.setattr(bench, "_timed_jobs", lambda worker, specs: 1.0)
+    run_jobs = bench._timed_jobs
+
+    def one_second_jobs(worker: object, specs: list[object]) -> float:
+        run_jobs(worker, specs)  # type: ignore[arg-type]  # run: their bytes are checked
+        return 1.0
+
+    monkeypatch.setattr(bench, "_timed_jobs", one_second_jobs)
 
     def copies(dst: object, src: object, sizes: list[int]) -> float:
         copied.append(sizes)
@@ -134,3 +140,21 @@ def test_torch_runs_on_the_callers_threads_again_after_the_benchmark(fails: bool
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(callers)
+
+
+@pytest.mark.parametrize("broken", ["store", "load"])
+def test_a_phase_that_moves_no_bytes_fails_the_benchmark_instead_of_being_timed(
+    monkeypatch: pytest.MonkeyPatch, broken: str
+) -> None:
+    """Jobs that reported success without moving a byte were timed as fast transfers: the
+    GPU cache was all zeros, stored to zeroed slots and loaded back into the blocks it
+    came from, so nothing could tell."""
+    copy_direct = handlers.copy_direct
+
+    def copy_one_way(*args: object) -> None:
+        if args[3] != (broken == "store"):  # to_cpu
+            copy_direct(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(handlers, "copy_direct", copy_one_way)
+    with pytest.raises(KVOffloadError, match=f"{broken} job 0 reported success but moved other"):
+        bench.measure_transfer(layout="tiny", gpu_blocks=32, cpu_blocks=8, blocks_per_job=4)

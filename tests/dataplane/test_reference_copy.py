@@ -1,6 +1,7 @@
 """The handlers against a plain reference: every store and load, page by page, in Python.
 
-Random layouts, ``block_size_factor``, one allocation or one per layer, each copy
+Random layouts, ``block_size_factor``, one allocation, one per layer or one per layer
+with K and V pages alternating block by block (as vLLM's worker hands them over), each copy
 path with small scratch and staging buffers, and sequences of stores and loads
 (partial first blocks by ``block_indices`` or by default) must leave exactly the
 bytes a per-page copy would, in the CPU slots and in the GPU blocks, and nothing
@@ -42,8 +43,9 @@ def test_handlers_copy_what_a_per_page_reference_copies(data: st.DataObject) -> 
     layout = LAYOUTS[data.draw(st.sampled_from(sorted(LAYOUTS)), "layout")]
     factor = data.draw(st.integers(1, 4), "factor")
     num_gpu, num_cpu = data.draw(st.integers(4, 16), "gpu"), data.draw(st.integers(1, 5), "cpu")
-    separate = data.draw(st.booleans(), "separate")
-    layers = random_layers(layout, num_gpu, seed=data.draw(st.integers(0, 9)), separate=separate)
+    separate, interleaved = data.draw(st.booleans(), "separate"), data.draw(st.booleans())
+    seed = data.draw(st.integers(0, 9))
+    layers = random_layers(layout, num_gpu, seed, separate=separate, interleaved=interleaved)
     store = CPUBlockStore(layout, num_cpu, factor, pin_memory=False)
     staged, min_run = PATHS[data.draw(st.sampled_from(sorted(PATHS)), "path")]
     options = {

@@ -166,3 +166,20 @@ def test_layers_that_are_not_dense_tensors_are_refused_as_such() -> None:
     arrays = [np.zeros(shape, dtype=np.float16)] * 2
     with pytest.raises(InvalidArgumentError, match="dense torch tensors, got ndarray"):
         CPUGPUHandler(arrays, CPUBlockStore(layout, 4), to_cpu=True)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value_offset", [150, 250])
+def test_a_v_page_overlapping_the_next_blocks_k_page_is_refused(value_offset: int) -> None:
+    """Blocks 192 elements apart, pages of 128: V starting 150 elements after K (past K of
+    its own block, over the start of K of the next) was accepted, and a load of V rewrote
+    the next block's K, reporting success. 250 (over the end of it) was already refused."""
+    layout = LAYOUTS["tiny-f16"]  # 128 elements per page
+    shape = (2, 8, layout.tokens_per_block, layout.kv_heads, layout.head_dim)
+    memory = torch.zeros(3000, dtype=torch.float16)
+    plain = torch.zeros(shape, dtype=torch.float16)
+    aliased = torch.as_strided(memory, shape, (value_offset, 128 + 64, 32, 16, 1))
+    with pytest.raises(
+        InvalidArgumentError,
+        match=f"K and V must not share memory, but V starts {value_offset} elements after K",
+    ):
+        CPUGPUHandler([aliased, plain], CPUBlockStore(layout, 4), to_cpu=False)

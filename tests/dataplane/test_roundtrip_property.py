@@ -2,10 +2,13 @@
 
 The fixed cases of ``test_roundtrip`` pick one scattering of blocks per
 layout; here hypothesis draws the layout (1-byte fp8 to fp32, odd page
-sizes), the offloaded-block factor, the GPU and CPU ids, the copy path and
-its chunk sizes, splits the store into jobs in flight together, scrambles
-the GPU cache and loads into other GPU blocks, then compares every byte,
-including those of the slots and GPU blocks no job named.
+sizes), how the layers lie in memory (one allocation, one per layer, or K
+and V pages alternating block by block as vLLM's worker hands them over),
+the offloaded-block factor, the GPU and CPU ids, the copy path and its
+chunk sizes, splits the store into jobs in flight together, scrambles the
+GPU cache and loads into other GPU blocks, then compares every byte,
+including those of the slots and GPU blocks no job named. Ids named twice
+in one job are refused, with no byte touched.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class Case:
     implicit_skip: bool
     path: str
     separate: bool
+    interleaved: bool
     chunk_bytes: int
     seed: int
 
@@ -83,6 +87,7 @@ def cases(draw: st.DrawFn) -> Case:
         implicit_skip=skip == -len(load_gpu) % factor and draw(st.booleans()),
         path=draw(st.sampled_from(sorted(PATHS))),
         separate=draw(st.booleans()),
+        interleaved=draw(st.booleans()),
         chunk_bytes=draw(st.integers(1, 4096)),
         seed=draw(st.integers(0, 2**16)),
     )
@@ -123,7 +128,7 @@ def all_block_bytes(layers: list[torch.Tensor], num_blocks: int) -> list[torch.T
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_every_stored_byte_loads_back_and_nothing_else_changes(case: Case) -> None:
-    layers = random_layers(case.layout, case.num_gpu, case.seed, case.separate)
+    layers = random_layers(case.layout, case.num_gpu, case.seed, case.separate, case.interleaved)
     store = CPUBlockStore(case.layout, case.num_cpu, case.factor)
     generator = torch.Generator().manual_seed(case.seed + 1)
     store.data.copy_(random_bytes(store.data.shape, generator))
@@ -157,4 +162,39 @@ def test_every_stored_byte_loads_back_and_nothing_else_changes(case: Case) -> No
         assert torch.equal(block_bytes(layers, gpu_block), stored[source])
     for gpu_block in sorted(set(range(case.num_gpu)) - set(case.load_gpu)):
         assert torch.equal(block_bytes(layers, gpu_block), scrambled[gpu_block])
+    worker.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases(), data=st.data())
+def test_an_id_named_twice_in_a_job_is_refused_and_no_byte_moves(
+    case: Case, data: st.DataObject
+) -> None:
+    """Two pages of one job into one GPU block or CPU slot would leave whichever copy came
+    last; two out of one would give one block twice. Neither is a transfer vLLM asks for."""
+    if not case.slots:
+        return
+    layers = random_layers(case.layout, case.num_gpu, case.seed, case.separate, case.interleaved)
+    store = CPUBlockStore(case.layout, case.num_cpu, case.factor)
+    worker = make_worker(layers, store, case)
+    gpu_before, slots_before = all_block_bytes(layers, case.num_gpu), store.data.clone()
+    twice = data.draw(st.sampled_from(["store slots", "store GPU", "load slots", "load GPU"]))
+    slots, gpu = list(case.slots), list(case.store_gpu if "store" in twice else case.load_gpu)
+    ids = slots if twice.endswith("slots") else gpu
+    if len(ids) < 2:
+        return
+    first, second = data.draw(st.permutations(range(len(ids))))[:2]
+    ids[first] = ids[second]  # the counts stay right: only the repeat is wrong
+    gpu_spec = GPULoadStoreSpec(gpu, [len(gpu)], block_indices=[case.skip])
+    spec: TransferSpec = (
+        (GPULoadStoreSpec(gpu, [len(gpu)]), CPULoadStoreSpec(slots))
+        if "store" in twice
+        else (CPULoadStoreSpec(slots), gpu_spec)
+    )
+    assert not worker.transfer_async(1, spec)
+    worker.wait({1})
+    assert worker.get_finished() == []
+    assert torch.equal(store.data, slots_before)
+    for block in range(case.num_gpu):
+        assert torch.equal(block_bytes(layers, block), gpu_before[block]), block
     worker.close()

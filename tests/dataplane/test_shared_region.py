@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -210,3 +213,64 @@ def test_a_snapshot_of_a_slot_the_regions_lack_is_refused_naming_it(
     finally:
         slots.close()
         region.close()
+
+
+def _finishes(action: Callable[[], object], fifos: list[Path]) -> BaseException | None:
+    """Run ``action`` on a thread; fail if it is still blocked after 30 s (opening a
+    FIFO to read waits for a writer), then free it by opening ``fifos`` to write."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            action()
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)
+    blocked = thread.is_alive()
+    for fifo in fifos:
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    thread.join()
+    assert not blocked, "blocked opening a FIFO"
+    return outcome[0]
+
+
+def test_a_fifo_among_the_region_files_never_blocks_the_sweep(tmp_path: Path) -> None:
+    """Every worker's start sweeps the directory (/dev/shm, writable by anyone): an old FIFO
+    of a region's name blocked it for good, opening the FIFO to read until a writer came."""
+    fifo = region_path(tmp_path, "planted", 0)
+    os.mkfifo(fifo)
+    _age(fifo, 3600)
+    path = region_path(tmp_path, "launch", 0)
+    regions: list[SharedRegion] = []
+    assert _finishes(lambda: regions.append(SharedRegion(path, 4096, pin=False)), [fifo]) is None
+    regions[0].close()
+    assert fifo.exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "dangling symlink", "symlink"])
+def test_an_entry_no_worker_made_under_the_regions_name_is_refused_in_one_line(
+    tmp_path: Path, kind: str
+) -> None:
+    """A FIFO there blocked the start for good; a directory raised IsADirectoryError from
+    deep inside; a dangling symlink was said to "keep existing"; a symlink was followed
+    (its target locked) and removed. None is a file a worker made: each is left alone."""
+    path = region_path(tmp_path, "launch", 0)
+    target = tmp_path / "target"
+    target.write_bytes(b"x")
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to(target if kind == "symlink" else tmp_path / "missing")
+    error = _finishes(lambda: SharedRegion(path, 4096, pin=False), [path])
+    assert isinstance(error, InvalidArgumentError), error
+    message = str(error)
+    assert "\n" not in message and message.startswith(f"cannot replace {path}"), message
+    assert "remove it or give this vLLM instance another engine_id" in message
+    assert os.path.lexists(path) and target.read_bytes() == b"x"

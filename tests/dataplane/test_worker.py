@@ -122,3 +122,19 @@ def test_a_job_id_in_flight_is_refused_in_the_other_direction_too() -> None:
     assert [r.job_id for r in worker.get_finished()] == [1]
     assert torch.equal(block_bytes(layers, 5), block_bytes(layers, 1))
     worker.close()
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [None, (CPULoadStoreSpec([0]),), (None, None), (CPULoadStoreSpec([0]), 5)],
+    ids=["none", "one-spec", "no-specs", "not-a-spec"],
+)
+def test_a_spec_that_is_no_pair_of_specs_is_refused_not_raised(
+    spec: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    """transfer_async promises never to raise into the engine's loop, but unpacking or
+    routing a malformed spec raised ValueError, TypeError or AttributeError."""
+    worker = OffloadingWorker([(GPULoadStoreSpec, CPULoadStoreSpec, Recorder())])
+    assert not worker.transfer_async(1, spec)  # type: ignore[arg-type]
+    assert "no (source, destination) pair of load/store specs" in caplog.text
+    assert worker.get_finished() == []

@@ -8,6 +8,8 @@ error worth one clear line.
 from __future__ import annotations
 
 import math
+import operator
+from typing import SupportsIndex
 
 import torch
 
@@ -27,6 +29,17 @@ def resolve_device(device: str | torch.device) -> torch.device:
             f"device {device!r} asked for, but this torch build sees no CUDA device"
         )
     return resolved
+
+
+def block_count(name: str, value: object) -> int:
+    """``value`` as an int >= 1 (NumPy's integers too), or one line naming ``name``: a
+    float or a string reached torch as a ``TypeError`` from deep inside."""
+    count = -1
+    if isinstance(value, SupportsIndex) and not isinstance(value, bool):
+        count = operator.index(value)
+    if count < 1:
+        raise InvalidArgumentError(f"{name} must be an int >= 1, got {value!r}")
+    return count
 
 
 def allocate(

@@ -5,7 +5,10 @@ Each round fills the CPU tier through the real manager and store handler
 back through the load handler, then copies the same number of bytes with
 one contiguous ``copy_`` per job. Phases alternate within each round, so
 the machine's drift hits all three alike; each figure is the median over
-rounds.
+rounds. Every byte is checked after each phase, off the clock: each round
+gives the GPU cache new content (every 8 bytes a value of their own) and
+clears it before the loads, so a page left out, misplaced or not yet
+landed when a job reported done fails the run instead of being timed.
 """
 
 from __future__ import annotations
@@ -15,16 +18,16 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from kvoffload.core.cpus import usable_cpus
-from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError
+from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError, KVOffloadError
 from kvoffload.core.keys import OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
-from kvoffload.core.specs import GPULoadStoreSpec, TransferSpec
+from kvoffload.core.specs import CPULoadStoreSpec, GPULoadStoreSpec, TransferSpec
 from kvoffload.dataplane.allocation import allocate
 from kvoffload.dataplane.cpu_store import CPUBlockStore
 from kvoffload.dataplane.handlers import cpu_gpu_handlers
@@ -105,19 +108,21 @@ def measure_transfer(
                 next_key += cpu_blocks
                 jobs = [keys[i : i + blocks_per_job] for i in range(0, cpu_blocks, blocks_per_job)]
                 gpu_ids = [_gpu_ids(rng, gpu_blocks, len(job) * block_size_factor) for job in jobs]
-                store_seconds = _timed_jobs(
-                    worker, [_store(manager, *j) for j in zip(jobs, gpu_ids, strict=True)]
-                )
+                _fill(kv, done)
+                stores = [_store(manager, *j) for j in zip(jobs, gpu_ids, strict=True)]
+                store_seconds = _timed_jobs(worker, list(stores))
+                _verify(kv, store, stores, "store")
                 for job in jobs:
                     manager.complete_store(job)
-                load_seconds = _timed_jobs(
-                    worker, [_load(manager, *j) for j in zip(jobs, gpu_ids, strict=True)]
-                )
-                for job in jobs:
-                    manager.complete_load(job)
+                _fill(kv, None)
+                loads = [_load(manager, *j) for j in zip(jobs, gpu_ids, strict=True)]
+                load_seconds = _timed_jobs(worker, [(cpu, gpu) for gpu, cpu in loads])
                 copy_seconds = _timed_copies(
                     copy_dst, copy_src, [len(job) * block_bytes for job in jobs]
                 )
+                _verify(kv, store, loads, "load")  # after the copies, which follow loads as before
+                for job in jobs:
+                    manager.complete_load(job)
                 moved = cpu_blocks * block_bytes / 1e9
                 for name, seconds in (
                     ("store", store_seconds),
@@ -215,17 +220,19 @@ def _gpu_ids(rng: np.random.Generator, gpu_blocks: int, n: int) -> list[int]:
 
 def _store(
     manager: CPUOffloadingManager, keys: list[OffloadKey], gpu_ids: list[int]
-) -> TransferSpec:
+) -> tuple[GPULoadStoreSpec, CPULoadStoreSpec]:
     output = manager.prepare_store(keys)
     if output is None or len(output.keys_to_store) != len(keys):
         raise InvalidArgumentError("the benchmark's CPU tier could not take a job")
-    return GPULoadStoreSpec(gpu_ids, [len(gpu_ids)]), output.store_spec
+    # The CPU manager's stores go to its slots.
+    return GPULoadStoreSpec(gpu_ids, [len(gpu_ids)]), cast(CPULoadStoreSpec, output.store_spec)
 
 
 def _load(
     manager: CPUOffloadingManager, keys: list[OffloadKey], gpu_ids: list[int]
-) -> TransferSpec:
-    return manager.prepare_load(keys), GPULoadStoreSpec(gpu_ids, [len(gpu_ids)])
+) -> tuple[GPULoadStoreSpec, CPULoadStoreSpec]:
+    """The GPU and CPU ends of a load, in the order :func:`_verify` takes them."""
+    return GPULoadStoreSpec(gpu_ids, [len(gpu_ids)]), manager.prepare_load(keys)
 
 
 def _timed_jobs(worker: OffloadingWorker, specs: list[TransferSpec]) -> float:
@@ -240,6 +247,43 @@ def _timed_jobs(worker: OffloadingWorker, specs: list[TransferSpec]) -> float:
     if failed:
         raise InvalidArgumentError(f"benchmark jobs {failed} failed")
     return seconds
+
+
+def _fill(kv: PagedKVCache, round_number: int | None) -> None:
+    """Give every 8 bytes of the GPU cache a value of their own, different in each round
+    (``None``: clear it), and wait for it, so that the fill is not timed as a copy."""
+    raw = kv.buffer.view(-1).view(torch.uint8)
+    words = raw[: raw.numel() // 8 * 8].view(torch.int64)
+    if round_number is None:
+        raw.zero_()
+    else:
+        first = round_number * words.numel()
+        torch.arange(first, first + words.numel(), out=words)
+    if raw.device.type == "cuda":
+        torch.cuda.synchronize(raw.device)
+
+
+def _verify(
+    kv: PagedKVCache,
+    store: CPUBlockStore,
+    jobs: list[tuple[GPULoadStoreSpec, CPULoadStoreSpec]],
+    phase: str,
+) -> None:
+    """Every page of every job is where the job put it: GPU block ``gpu_ids[i]``'s pages of
+    all layers' K and V in CPU row ``i`` of the job's slots. Loads that write one GPU block
+    twice bring it the same bytes (both slots were stored from that block)."""
+    layout = kv.layout
+    pages = kv.buffer.view(torch.uint8).view(2 * layout.num_layers, kv.num_blocks, -1)
+    factor = store.block_size_factor
+    for job_id, (gpu, cpu) in enumerate(jobs):
+        rows = (cpu.block_ids[:, None] * factor + np.arange(factor)).ravel()
+        ids = torch.from_numpy(gpu.block_ids).to(pages.device)
+        on_gpu = pages.index_select(1, ids).transpose(0, 1).cpu()
+        if not torch.equal(on_gpu, store.rows()[torch.from_numpy(rows)]):
+            raise KVOffloadError(
+                f"benchmark {phase} job {job_id} reported success but moved other bytes "
+                "than its blocks'; the data plane is broken, its rates mean nothing"
+            )
 
 
 def _copy_target(num_bytes: int, pinned: bool) -> torch.Tensor:

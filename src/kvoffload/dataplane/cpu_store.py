@@ -14,7 +14,7 @@ import torch
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import KVLayout
-from kvoffload.dataplane.allocation import allocate
+from kvoffload.dataplane.allocation import allocate, block_count
 from kvoffload.dataplane.pinning import register, unregister, wants_pinning
 
 
@@ -37,9 +37,8 @@ class CPUBlockStore:
         pin_memory: bool | None = None,
         buffer: torch.Tensor | None = None,
     ):
-        for name, value in (("num_blocks", num_blocks), ("block_size_factor", block_size_factor)):
-            if value < 1:
-                raise InvalidArgumentError(f"{name} must be >= 1, got {value}")
+        num_blocks = block_count("num_blocks", num_blocks)
+        block_size_factor = block_count("block_size_factor", block_size_factor)
         self.layout = layout
         self.num_blocks = num_blocks
         self.block_size_factor = block_size_factor

@@ -17,7 +17,7 @@ import torch
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import KVLayout
-from kvoffload.dataplane.allocation import allocate, resolve_device
+from kvoffload.dataplane.allocation import allocate, block_count, resolve_device
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -45,8 +45,7 @@ class PagedKVCache:
     """
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu"):
-        if num_blocks < 1:
-            raise InvalidArgumentError(f"num_blocks must be >= 1, got {num_blocks}")
+        num_blocks = block_count("num_blocks", num_blocks)
         self.layout = layout
         self.num_blocks = num_blocks
         shape = (2, num_blocks, layout.tokens_per_block, layout.kv_heads, layout.head_dim)
@@ -136,7 +135,8 @@ def _rows_meet(first: torch.Tensor, second: torch.Tensor) -> bool:
     rows, length = first.shape
     stride = first.stride(0) if rows > 1 else length
     apart = second.data_ptr() - first.data_ptr()
-    nearest = {-(apart // stride), -(-apart // stride)} if stride else {0}
+    # The row offsets k that bring ``apart + k * stride`` nearest zero: either side of it.
+    nearest = {-(apart // stride), -apart // stride} if stride else {0}
     return any(abs(apart + k * stride) < length for k in nearest if -(rows - 1) <= k <= rows - 1)
 
 

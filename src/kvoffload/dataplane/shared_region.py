@@ -25,6 +25,7 @@ import logging
 import mmap
 import os
 import re
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -91,6 +92,22 @@ def _lock_fresh(fd: int) -> None:
         time.sleep(0.001)
 
 
+def _open_regular(path: Path) -> int:
+    """``path`` opened read-only, never following a symlink nor waiting on a FIFO (whose
+    open would block until a writer came); an :class:`OSError` unless it is a regular
+    file, as every region file is (a symlink, FIFO or directory there is none of ours)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "a symbolic link") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file")
+    return fd
+
+
 def _same_file(fd: int, path: Path) -> bool:
     try:
         st = os.stat(path)
@@ -106,11 +123,11 @@ def sweep_stale_regions(directory: Path, older_than_s: float = STALE_AFTER_S) ->
     now = time.time()
     for path in directory.glob(f"{PREFIX}*{SUFFIX}"):
         try:
-            if now - path.stat().st_mtime < older_than_s:
+            if now - path.lstat().st_mtime < older_than_s:
                 continue
-            fd = os.open(path, os.O_RDONLY)
+            fd = _open_regular(path)
         except OSError:
-            continue
+            continue  # gone already, or not a file a worker made
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if _same_file(fd, path):
@@ -212,19 +229,33 @@ class SharedRegion:
 
     @staticmethod
     def _replace_stale(path: Path) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                if _locked_elsewhere(fd):
-                    raise InvalidArgumentError(
-                        f"the shared KV buffer {path} belongs to a running launch with the same "
-                        "engine id and rank; give each vLLM instance its own engine_id"
-                    )
-                if _same_file(fd, path):
-                    path.unlink()
-                    logger.warning("kvoffload: replaced a crashed launch's KV buffer %s", path)
-            finally:
-                os.close(fd)
+        try:
+            fd = _open_regular(path)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise InvalidArgumentError(
+                f"cannot replace {path}, in the way of this launch's shared KV buffer: "
+                f"{exc.strerror}; remove it or give this vLLM instance another engine_id"
+            ) from None
+        try:
+            if _locked_elsewhere(fd):
+                raise InvalidArgumentError(
+                    f"the shared KV buffer {path} belongs to a running launch with the same "
+                    "engine id and rank; give each vLLM instance its own engine_id"
+                )
+            if _same_file(fd, path):
+                path.unlink()
+                logger.warning("kvoffload: replaced a crashed launch's KV buffer %s", path)
+        except FileNotFoundError:
+            pass  # removed meanwhile: the next exclusive create takes the name
+        except OSError as exc:
+            raise InvalidArgumentError(
+                f"cannot replace the crashed launch's KV buffer {path}: {exc.strerror}; "
+                "remove it or give this vLLM instance another engine_id"
+            ) from None
+        finally:
+            os.close(fd)
 
     def _unlink(self) -> None:
         if _same_file(self._fd, self.path):

@@ -42,8 +42,16 @@ class OffloadingWorker:
         self._handlers[pair] = handler
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
-        src, dst = spec
-        pair = (src.medium(), dst.medium())
+        try:
+            src, dst = spec
+            pair = (src.medium(), dst.medium())
+        except (TypeError, ValueError, AttributeError):
+            logger.warning(
+                "job %d: refused, %r is no (source, destination) pair of load/store specs",
+                job_id,
+                spec,
+            )
+            return False
         handler = self._handlers.get(pair)
         if handler is None:
             logger.warning("job %d: no handler for %s->%s", job_id, *pair)
