@@ -396,6 +396,9 @@ def test_writes_a_full_server_was_not_sent_reach_vllm_s_metrics(
         ({"eviction_policy": "fifo-ish"}, "eviction_policy"),
         ({"offer_hits": "yes"}, "offer_hits"),
         ({"io_threads": 0}, "io_threads"),
+        # Digits int() cannot read: its ValueError, not one line, before.
+        ({"io_threads": "²"}, "io_threads"),
+        ({"disk_bytes": "4" * 5000}, "disk_bytes"),
         ({"locality": "MARS"}, "locality"),
     ],
 )
@@ -430,6 +433,10 @@ def test_a_bad_shared_entry_stops_start_up_naming_the_key(
     with pytest.raises(InvalidArgumentError, match="key 'url'"):
         TieringOffloadingSpec.build_metric_definitions(
             {"secondary_tiers": [_shared("ftp://nowhere")]}
+        )
+    with pytest.raises(InvalidArgumentError, match="key 'remote_bytes'"):
+        TieringOffloadingSpec.build_metric_definitions(
+            {"secondary_tiers": [_shared(url, remote_bytes="²")]}
         )
 
 

@@ -244,9 +244,13 @@ def _budget(tier_type: str, entry: Mapping[str, Any]) -> WriteBudget | None:
 
 def _integral(value: Any) -> Any:
     """A count as JSON from the command line may spell it (``"4"``, ``4.0``) as an int;
-    anything else unchanged, for the check to refuse."""
+    anything else unchanged, for the check to refuse (digits ``int`` cannot read, ``"²"`` or
+    more than Python converts, raised its ``ValueError`` from here)."""
     if isinstance(value, str) and value.strip().isdigit():
-        return int(value)
+        try:
+            return int(value)
+        except ValueError:
+            return value
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return value
