@@ -615,6 +615,21 @@ def test_a_key_set_to_null_takes_its_default(tmp_path: Path) -> None:
         parse_disk_settings("KVOffloadDiskTier", {**disk, "disk_dir": None})
 
 
+@pytest.mark.parametrize("blank", ["", " ", "\n", "\t "])
+def test_a_blank_directory_or_url_is_refused_before_anything_opens(blank: str) -> None:
+    """A blank disk_dir named a directory of spaces (or a newline) in vLLM's working directory,
+    which no setting meant; refused as an empty one is, and so is a blank url."""
+    from kvoffload.integrations.vllm.secondary_settings import (
+        parse_disk_settings,
+        parse_shared_settings,
+    )
+
+    with pytest.raises(InvalidArgumentError, match="key 'disk_dir': must be a non-blank string"):
+        parse_disk_settings("KVOffloadDiskTier", {"disk_dir": blank, "disk_bytes": 1 << 20})
+    with pytest.raises(InvalidArgumentError, match="key 'url': must be a non-blank string"):
+        parse_shared_settings("KVOffloadSharedTier", {"url": blank, "remote_bytes": 1 << 20})
+
+
 def test_the_cascade_begins_and_ends_every_request_at_the_admission_layer(
     vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
 ) -> None:
