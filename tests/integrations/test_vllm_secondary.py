@@ -225,6 +225,34 @@ def test_a_broken_disk_block_fails_its_promotion_and_is_recomputed(
     assert disk.tier.held(KEYS[:1]) == [True]
 
 
+def test_a_block_whose_promotion_failed_is_judged_and_written_again_when_recomputed(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    """Our tier answered HIT, its read found the block broken: the request computes it, so its
+    offer is judged and, admitted, written. It was taken for a block the tier had served (a
+    sighting, never a write), so with any admission layer the broken block stayed unwritten."""
+    from kvoffload.tiers.format import HEADER_BYTES
+
+    admits_all = {"admission": "sketch", "admission_params": {"threshold": 1}}
+    engine = engines([_disk(tmp_path, **admits_all)], cpu_blocks=2)
+    engine.replay.request(KEYS[:2])
+    engine.replay.request(KEYS[2:4])  # the 2-chunk CPU tier drops KEYS[:2]; the disk keeps them
+    disk = engine.tiers[0]
+    start = disk.tier.slot_offset(KEYS[0])
+    assert start is not None
+    with open(disk.tier.path, "r+b") as file:
+        file.seek(start + HEADER_BYTES + len(KEYS[0]) + 7)
+        byte = file.read(1)[0]
+        file.seek(-1, 1)
+        file.write(bytes([byte ^ 0xFF]))
+    assert engine.replay.request(KEYS[:2]) == 0
+    assert disk.counters.load_failures == 1
+    assert disk.tier.held(KEYS[:2]) == [True, True]
+    assert disk.counters.written_blocks == 5  # four, then the broken one again
+    assert engine.replay.request(KEYS[2:4]) == 2  # the CPU tier has let KEYS[2:4] go
+    assert engine.replay.request(KEYS[:2]) == 2  # and now KEYS[:2]: both from the disk
+
+
 @pytest.mark.parametrize("fault", ["deleted", "server stopped"])
 def test_a_shared_block_gone_between_the_hit_and_its_promotion_is_a_miss(
     vllm_modules: dict[str, ModuleType],
