@@ -355,6 +355,23 @@ def test_the_disk_tier_publishes_its_stores_and_evictions_as_vllm_kv_events(
     assert len(removed) == 2 and set(removed) <= set(KEYS[:4])
 
 
+def test_blocks_a_restarted_disk_tier_recovered_are_published_before_any_job(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    """The disk tier announces the blocks it found on opening as stores; vLLM's first event
+    poll publishes them, so a router learns what a restarted tier serves at once. They were
+    held back until the tier's first cascade or promotion, which an idle engine never has."""
+    from vllm.v1.kv_offload.base import Medium
+
+    entry = _disk(tmp_path, admission="none", enable_kv_events=True)
+    first = engines([entry], events=True)
+    first.replay.request(KEYS[:3])
+    first.close()  # the slot file keeps the blocks
+    restarted = engines([entry], events=True)
+    events = [e for e in restarted.manager.take_events() if e.medium is Medium.STORAGE]
+    assert [(sorted(e.keys), e.removed) for e in events] == [(sorted(KEYS[:3]), False)]
+
+
 def test_a_second_shutdown_does_nothing(
     vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
 ) -> None:

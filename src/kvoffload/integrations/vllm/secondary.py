@@ -191,6 +191,9 @@ class _Owner:
         self._closed = False
         self._taken: AdmissionStats | None = None
         self._taking: Future[AdmissionStats] | None = None
+        # What the tier found on opening (the disk's recovered blocks, announced as stores):
+        # vLLM's next event poll publishes it, not the first job's, perhaps long after.
+        self._take_events()
 
     def held(self, keys: list[OffloadKey]) -> list[bool]:
         """Per key, whether the tier holds it (blocks the caller)."""
