@@ -444,6 +444,8 @@ def test_writes_a_full_server_was_not_sent_reach_vllm_s_metrics(
         # Digits int() cannot read: its ValueError, not one line, before.
         ({"io_threads": "²"}, "io_threads"),
         ({"disk_bytes": "4" * 5000}, "disk_bytes"),
+        # JSON text nested past the decoder's depth: its RecursionError, before.
+        ({"admission": "feedback", "admission_params": "[" * 100_000}, "admission_params"),
         ({"locality": "MARS"}, "locality"),
     ],
 )

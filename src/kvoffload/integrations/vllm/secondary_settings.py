@@ -220,7 +220,7 @@ def _admission_params(tier_type: str, entry: Mapping[str, Any]) -> object:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the decoder's depth: not a parameter
             raise _error(
                 tier_type,
                 "admission_params",
