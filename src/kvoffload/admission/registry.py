@@ -167,9 +167,10 @@ def params_json(text: str) -> object:
         return json.loads(text, object_pairs_hook=_unique_names)
     except _NameGivenTwice as twice:
         raise InvalidArgumentError(f"gives admission parameter {twice.args[0]!r} twice") from None
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the decoder's depth: no parameters
+        echo = repr(text) if len(text) <= 80 else f"{text[:60]!r}... ({len(text):,} characters)"
         raise InvalidArgumentError(
-            f"must be a JSON object of admission parameters, got {text!r}"
+            f"must be a JSON object of admission parameters, got {echo}"
         ) from None
 
 

@@ -191,6 +191,9 @@ class _Owner:
         self._closed = False
         self._taken: AdmissionStats | None = None
         self._taking: Future[AdmissionStats] | None = None
+        # What the tier found on opening (the disk's recovered blocks, announced as stores):
+        # vLLM's next event poll publishes it, not the first job's, perhaps long after.
+        self._take_events()
 
     def held(self, keys: list[OffloadKey]) -> list[bool]:
         """Per key, whether the tier holds it (blocks the caller)."""
@@ -384,6 +387,7 @@ class _Job:
     keys: list[OffloadKey]
     is_load: bool
     started: float
+    context: ReqContext
 
 
 class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
@@ -527,7 +531,7 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             store = _failed(exc)
         else:
             store = self._owner.store(sighting, judged, payloads)
-        self._jobs[job_metadata.job_id] = _Job(store, judged, False, time.monotonic())
+        self._jobs[job_metadata.job_id] = _Job(store, judged, False, time.monotonic(), context)
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
@@ -542,7 +546,9 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
                 return rows[index]
 
             load = self._owner.load(keys, target)
-        self._jobs[job_metadata.job_id] = _Job(load, keys, True, time.monotonic())
+        self._jobs[job_metadata.job_id] = _Job(
+            load, keys, True, time.monotonic(), job_metadata.req_context
+        )
 
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
@@ -673,6 +679,17 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         view: _RequestView = views.by_tier.setdefault(id(self), _RequestView())
         return view
 
+    def _not_served(self, context: ReqContext, keys: list[OffloadKey]) -> None:
+        """Keys whose promotion failed were hits this tier did not serve: the request computes
+        them (vLLM's prefix ends at the first), so its offer of them is judged and written, not
+        taken for a sighting of blocks it was served (which left a broken block unwritten)."""
+        views = context.get_state(_RequestViews)
+        view = None if views is None else views.by_tier.get(id(self))
+        if view is not None:
+            view.hits.difference_update(keys)
+            view.misses.update(keys)
+            view.tier_hit = bool(view.hits)
+
     def _finish(self, job_id: int, job: _Job) -> JobResult:
         elapsed = time.monotonic() - job.started
         c = self.counters
@@ -685,6 +702,7 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             c.load_failures += len(failed)
             if failed:
                 self._lookups.mark_miss(failed)  # so vLLM does not ask to promote them again
+                self._not_served(job.context, failed)
                 return JobResult(job_id, False, successful_keys=good or None, transfer_time=elapsed)
             return JobResult(
                 job_id, True, transfer_time=elapsed, transfer_bytes=len(good) * self.payload_bytes

@@ -249,11 +249,13 @@ def _integral(value: Any) -> Any:
 
 
 def _required_str(tier_type: str, entry: Mapping[str, Any], key: str) -> str:
+    """A required text setting; blank (spaces, a newline from a template) is refused as empty
+    is: a ``disk_dir`` of ``" "`` made a directory of that name in vLLM's working directory."""
     value = entry.get(key)
     if value is None:
         raise _error(tier_type, key, "required")
-    if not isinstance(value, str) or not value:
-        raise _error(tier_type, key, f"must be a non-empty string, got {value!r}")
+    if not isinstance(value, str) or not value.strip():
+        raise _error(tier_type, key, f"must be a non-blank string, got {value!r}")
     return value
 
 
