@@ -129,3 +129,26 @@ def test_a_parameter_named_twice_in_json_is_refused_naming_it(
     message = str(error.value)
     assert "admission_params" in message and "\n" not in message
     assert "gives admission parameter 'threshold' twice" in message
+
+
+@pytest.mark.parametrize("blank", [" ", "\n", "\t "])
+@pytest.mark.parametrize(
+    ("parse", "key"),
+    [
+        (lambda key, v: parse_vllm({"cpu_bytes_to_use": 1 << 20, key: v}), "kvoffload.disk_dir"),
+        (lambda key, v: parse_vllm({"cpu_bytes_to_use": 1 << 20, key: v}), "kvoffload.remote_url"),
+        (
+            lambda key, v: parse_sglang({key: v, "kvoffload.disk_bytes": 1 << 20}),
+            "kvoffload.disk_dir",
+        ),
+        (lambda key, v: parse_sglang({key: v}), "kvoffload.remote_url"),
+    ],
+    ids=["vllm-disk", "vllm-remote", "sglang-disk", "sglang-remote"],
+)
+def test_a_blank_directory_or_url_is_refused_naming_its_key(
+    parse: Callable[[str, str], object], key: str, blank: str
+) -> None:
+    """A blank value (a template's empty line) opened a disk tier in a directory named by
+    spaces inside the engine's working directory, as the secondary tiers already refuse."""
+    with pytest.raises(InvalidArgumentError, match=rf"'{key}' must be a non-blank string"):
+        parse(key, blank)

@@ -279,9 +279,9 @@ def _params(config: Mapping[str, Any], key: str, admission: str) -> ParamPairs:
 
 def _str(config: Mapping[str, Any], key: str) -> str | None:
     value = config.get(key)
-    if value is not None and (not isinstance(value, str) or not value):
+    if value is not None and (not isinstance(value, str) or not value.strip()):
         raise InvalidArgumentError(
-            f"hicache-storage-backend-extra-config {key!r} must be a non-empty string, "
+            f"hicache-storage-backend-extra-config {key!r} must be a non-blank string, "
             f"got {value!r}"
         )
     return value

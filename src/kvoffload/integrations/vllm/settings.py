@@ -342,8 +342,8 @@ def _int(
 
 def _str(config: Mapping[str, Any], key: str) -> str | None:
     value = config.get(key)
-    if value is not None and (not isinstance(value, str) or not value):
+    if value is not None and (not isinstance(value, str) or not value.strip()):
         raise InvalidArgumentError(
-            f"kv_connector_extra_config {key!r} must be a non-empty string, got {value!r}"
+            f"kv_connector_extra_config {key!r} must be a non-blank string, got {value!r}"
         )
     return value
