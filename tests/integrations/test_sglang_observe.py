@@ -1,7 +1,7 @@
-"""What the world sees of the backend: KV events (media DISK and REMOTE), Prometheus, get_stats.
+"""What the world sees of the backend: KV events (media DISK and EXTERNAL), Prometheus, get_stats.
 
 SGLang's routers see nothing of L3 today; the backend publishes our KV
-events (vLLM's wire format) and serves our per-tier counters.
+events (SGLang's wire format, ``test_sglang_event_wire``) and serves our per-tier counters.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ pytest.importorskip("zmq")
 pytest.importorskip("prometheus_client")
 
 from prometheus_client.parser import text_string_to_metric_families
+from sglang.srt.mem_cache.utils import hash_str_to_int64
 from sglang_helpers import HeldLink, HostPool, create_backend, page_hash
 
 from kvoffload.integrations.sglang.storage import offset_endpoint
@@ -32,6 +33,8 @@ from kvoffload.tiers.slot_file import footprint
 from tier_servers import ValkeyProcess, free_port
 
 KEYS = [page_hash(i) for i in range(8)]
+KEY_OF = {hash_str_to_int64(key): key for key in KEYS}
+"""Each page's key by the number SGLang's events give it."""
 STALL_S = 20.0
 """Far longer than any step here takes: reaching it means a thread never got there."""
 
@@ -98,11 +101,11 @@ def test_kv_events_name_the_medium_of_each_store_and_eviction(
     for _, batch in batches:
         for event in batch.events:
             if isinstance(event, (BlockStored, BlockRemoved)):
-                hashes = {bytes(h).hex() for h in event.block_hashes}
+                hashes = {KEY_OF[h] for h in event.block_hashes}
                 seen.setdefault((type(event).__name__, event.medium), set()).update(hashes)
     assert seen == {
         ("BlockStored", "DISK"): set(KEYS[:6]),
-        ("BlockStored", "REMOTE"): set(KEYS[:6]),
+        ("BlockStored", "EXTERNAL"): set(KEYS[:6]),
         ("BlockRemoved", "DISK"): set(KEYS[:2]),
     }
 
@@ -169,7 +172,7 @@ def _announced(backend: Any, events: dict[str, str]) -> dict[str | None, set[str
                 if isinstance(event, AllBlocksCleared):
                     held.clear()
                     continue
-                hashes = {bytes(h).hex() for h in event.block_hashes}
+                hashes = {KEY_OF[h] for h in event.block_hashes}
                 if isinstance(event, BlockStored):
                     held.setdefault(event.medium, set()).update(hashes)
                 else:

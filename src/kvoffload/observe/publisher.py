@@ -16,7 +16,8 @@ import math
 import queue
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import zmq
 
@@ -28,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The ``seq`` frame that ends a replay."""
+
+EventsOf = Callable[[Sequence[OffloadingEvent]], list[Any]]
+"""Turns the manager's events into another engine's event structs (``to_events``)."""
 
 
 def is_ipv6(endpoint: str) -> bool:
@@ -44,6 +48,9 @@ class KVEventPublisher:
     decode only integers, Dynamo's, refuse a batch that holds bytes). The last
     ``buffer_batches`` batches stay available for replay until :meth:`close`. Usable as
     an event sink of :class:`~kvoffload.observe.ObservedManager` (``publisher.publish``).
+    ``to_events`` turns the manager's events into another engine's structs, for routers
+    that decode that engine's (SGLang's: the same batch array and frames, other events);
+    without it they are vLLM's.
     A batch given after :meth:`close` is dropped, never queued (no thread is left to
     send it), and counted in :attr:`dropped_after_close`; the first is logged.
 
@@ -63,6 +70,7 @@ class KVEventPublisher:
         buffer_batches: int = 10_000,
         data_parallel_rank: int = 0,
         int_block_hashes: bool = False,
+        to_events: EventsOf | None = None,
     ) -> None:
         # Checked before binding: refused, the publisher binds no port.
         check_integer("buffer_batches", buffer_batches, 0)
@@ -71,6 +79,7 @@ class KVEventPublisher:
                 f"int_block_hashes must be true or false, got {int_block_hashes!r}"
             )
         self.int_block_hashes = int_block_hashes
+        self._to_events: EventsOf = to_events or self._vllm_events
         self.topic = topic.encode()
         self.block_size = block_size
         self.data_parallel_rank = data_parallel_rank
@@ -102,9 +111,12 @@ class KVEventPublisher:
 
     def publish(self, events: Sequence[OffloadingEvent]) -> None:
         """Queue the manager's events as one batch (nothing is sent for no events)."""
-        kv_events = to_kv_events(events, self.block_size, self.int_block_hashes)
+        kv_events = self._to_events(events)
         if kv_events:
             self._put(make_batch(kv_events, self.data_parallel_rank))
+
+    def _vllm_events(self, events: Sequence[OffloadingEvent]) -> list[Any]:
+        return to_kv_events(events, self.block_size, self.int_block_hashes)
 
     def publish_batch(self, batch: KVEventBatch) -> None:
         """Queue ``batch``; one that does not encode is logged and dropped, unnumbered.

@@ -437,6 +437,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         # The TP ranks of a stage hold the same pages (each its shard): the first one speaks
         # for them, on the endpoints' ports plus its data-parallel replica and stage.
         if s.kv_events_endpoint is not None and c.tp_rank == 0 and c.attn_cp_rank == 0:
+            from kvoffload.integrations.sglang.events import to_sglang_events
             from kvoffload.observe.publisher import KVEventPublisher
 
             stage = self.dp_rank * c.pp_size + c.pp_rank
@@ -448,6 +449,8 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
                     replay_at,
                     block_size=pages.page_size,
                     data_parallel_rank=self.dp_rank,
+                    # SGLang's routers decode SGLang's events: its structs, its page numbers.
+                    to_events=functools.partial(to_sglang_events, page_size=pages.page_size),
                 )
             except InvalidArgumentError as exc:
                 # The publisher's error quotes the endpoint it could not bind.
@@ -534,7 +537,8 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
 
     def _announce_cleared(self) -> None:
         """Tell routers this server holds no page now (with a disk tier, under its path's
-        lock, so no store landing during the clear is announced before it)."""
+        lock, so no store landing during the clear is announced before it); vLLM's
+        ``AllBlocksCleared`` is SGLang's, to the byte."""
         publisher = self._publisher
         if publisher is not None:
             from kvoffload.observe.events import AllBlocksCleared, make_batch
