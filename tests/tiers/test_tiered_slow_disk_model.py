@@ -50,7 +50,8 @@ KEY_LISTS = st.builds(
     st.sampled_from(PROMPTS),
     st.integers(0, 3),
     st.integers(1, 4),
-)
+) | st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=5)
+"""Mostly requests' chains; now and then any keys, a key listed twice included."""
 GARBAGE = b"\xee" * SIZE
 RUNS = itertools.count()
 
