@@ -648,3 +648,35 @@ def test_a_promotion_past_its_deadline_frees_its_slot_and_its_late_read_lands_no
     finally:
         layer.answering.set()
         m.close()
+
+
+def test_a_lookup_retried_after_none_is_not_counted_again_by_a_tier_threshold(
+    tmp_path: Path,
+) -> None:
+    """A request whose head is promoted is asked again: its keys were seen once, so its tail,
+    stored and evicted, stays off a tier that wants blocks seen twice (before, the retry
+    counted them a second time and one request's blocks were written)."""
+    m = stack(tmp_path, cpu_blocks=2, threshold=2)
+    disk = m.tiers[0]
+    try:
+        for _ in range(2):
+            m.lookup([K[0]])
+        store(m, [K[0]])
+        store(m, [K[4], K[5]])  # K0, seen twice, falls to disk
+        m.poll()
+        assert disk.present([K[0]]) == 1
+        assert m.lookup([K[0], K[1]]) is None  # K0 promoting
+        assert m.lookup([K[0], K[1]]) == 1  # the retry: K1 is not seen a second time
+        m.prepare_load([K[0]])
+        m.complete_load([K[0]])
+        store(m, [K[1]])
+        store(m, [K[6], K[7]])  # K0 and K1 evicted: K1, seen once, is not written
+        m.poll()
+        assert disk.present([K[1]]) == 0
+        assert m.lookup([K[2], K[1]]) == 0  # another request: K1 seen a second time
+        store(m, [K[1]])
+        store(m, [K[8], K[9]])
+        m.poll()
+        assert disk.present([K[1]]) == 1
+    finally:
+        m.close()
