@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from tier_helpers import ByteSlots, content, flip_byte
+from tier_helpers import STALL_S, ByteSlots, content, flip_byte
 
 from kvoffload import BlockNotPinnedError, CPUOffloadingManager, OffloadKey, block_id_key
 from kvoffload.core.keys import NotAKeyIterableError
@@ -18,6 +18,7 @@ from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
 from kvoffload.policies import PENDING_STORE
 from kvoffload.tiers import DiskTier, RemoteTier, layout_fingerprint
 from kvoffload.tiers.format import HEADER_BYTES
+from kvoffload.tiers.slot_file import FileLayer
 from tier_servers import ValkeyProcess
 
 FP = layout_fingerprint("tiered-test", layout_preset("tiny"), 0)
@@ -585,5 +586,97 @@ def test_a_single_key_where_keys_are_expected_is_refused_by_every_call(tmp_path:
                 call(K[0])
         m.complete_store(K[:1])
         assert m.lookup(K[:1]) == 1
+    finally:
+        m.close()
+
+
+class HungPayloadReads(FileLayer):
+    """Payload reads (the tier's reads past a block's header) of the tier's I/O threads wait
+    while :attr:`answering` is clear: a file system that hangs mid-promotion."""
+
+    def __init__(self) -> None:
+        self.answering = threading.Event()
+        self.answering.set()
+        self.stuck = threading.Event()
+
+    def _wait(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            self.stuck.set()
+            self.answering.wait(STALL_S)
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview | bytearray], offset: int) -> int:
+        self._wait()
+        return super().preadv(fd, buffers, offset)
+
+    def preadv_cached(self, fd: int, buffers: Sequence[memoryview | bytearray], offset: int) -> int:
+        return 0  # never from the page cache: every payload read takes preadv
+
+
+def test_a_promotion_past_its_deadline_frees_its_slot_and_its_late_read_lands_nowhere(
+    tmp_path: Path,
+) -> None:
+    """A disk read that outlives its deadline is a failed promotion: its slot is freed at
+    once and may be stored into by the next request. When the stuck read returns, its
+    bytes must land nowhere (the slot is another block's now)."""
+    fp = layout_fingerprint("hung-promotion", layout_preset("tiny"), 40)
+    layer = HungPayloadReads()
+    disk = DiskTier(tmp_path / "disk", 8, fp, io_threads=1, deadline_s=0.05, file_layer=layer)
+    slots = ByteSlots(1, 40)
+    m = TieredOffloadingManager(CPUOffloadingManager(1), [(disk, TierSettings())], slots)
+    try:
+        store_with_bytes(m, slots, K[0])
+        store_with_bytes(m, slots, K[1])  # K0 falls to disk
+        disk.poll(wait=True)
+        assert disk.present([K[0]]) == 1
+        layer.answering.clear()
+        assert m.lookup([K[0]]) is None  # promoting into K1's slot, the disk hangs
+        assert layer.stuck.wait(STALL_S)
+        assert m._promotions[0].result.result(timeout=STALL_S) == [False]  # past its deadline
+        assert m.lookup([K[0]]) == 0  # the failed promotion lands: a miss, its slot free
+        assert not m.cpu.holds(K[0]) and m.promotions_in_flight == 0
+        store_with_bytes(m, slots, K[2])  # into the slot the promotion had
+        layer.answering.set()  # the stuck read returns and its job ends
+        stripes = disk._file.stripes
+        give_up = time.monotonic() + STALL_S
+        while stripes.stuck and time.monotonic() < give_up:
+            time.sleep(0.001)
+        assert not stripes.stuck
+        assert m.lookup([K[2]]) == 1
+        spec = m.prepare_load([K[2]])
+        assert slots.view(int(spec.block_ids[0])).tobytes() == content(K[2], 40)  # type: ignore[attr-defined]
+        m.complete_load([K[2]])
+    finally:
+        layer.answering.set()
+        m.close()
+
+
+def test_a_lookup_retried_after_none_is_not_counted_again_by_a_tier_threshold(
+    tmp_path: Path,
+) -> None:
+    """A request whose head is promoted is asked again: its keys were seen once, so its tail,
+    stored and evicted, stays off a tier that wants blocks seen twice (before, the retry
+    counted them a second time and one request's blocks were written)."""
+    m = stack(tmp_path, cpu_blocks=2, threshold=2)
+    disk = m.tiers[0]
+    try:
+        for _ in range(2):
+            m.lookup([K[0]])
+        store(m, [K[0]])
+        store(m, [K[4], K[5]])  # K0, seen twice, falls to disk
+        m.poll()
+        assert disk.present([K[0]]) == 1
+        assert m.lookup([K[0], K[1]]) is None  # K0 promoting
+        assert m.lookup([K[0], K[1]]) == 1  # the retry: K1 is not seen a second time
+        m.prepare_load([K[0]])
+        m.complete_load([K[0]])
+        store(m, [K[1]])
+        store(m, [K[6], K[7]])  # K0 and K1 evicted: K1, seen once, is not written
+        m.poll()
+        assert disk.present([K[1]]) == 0
+        assert m.lookup([K[2], K[1]]) == 0  # another request: K1 seen a second time
+        store(m, [K[1]])
+        store(m, [K[8], K[9]])
+        m.poll()
+        assert disk.present([K[1]]) == 1
     finally:
         m.close()

@@ -65,7 +65,8 @@ class TierSettings:
 
     ``write_through``: as soon as their CPU store completes; otherwise when
     the CPU tier evicts them. ``store_threshold``: a block is written only
-    once lookups have seen it this many times (below 2: every block).
+    once lookups have seen it this many times (below 2: every block); a lookup
+    retried after ``None`` is not counted again, as for the admission layers.
     ``admission``: then an admission layer by name decides among those
     (``none``: all pass), modelling a tier of ``capacity`` blocks and keeping,
     with the optimiser, to ``write_budget`` (writes per block reference that
@@ -188,6 +189,9 @@ class TieredOffloadingManager(OffloadingManager):
         self._sighted: OrderedDict[OffloadKey, None] = OrderedDict()
         """The last keys of lookups answered ``None`` whose keys the books saw: their retries
         are not new."""
+        self._counted: OrderedDict[OffloadKey, None] = OrderedDict()
+        """The last keys of lookups answered ``None`` whose keys the tiers' thresholds counted:
+        their retries are not counted again."""
         self.offered_blocks = [0] * len(self.tiers)
         self.admitted_blocks = [0] * len(self.tiers)
         """Per lower tier, blocks offered for writing and those its admission let through."""
@@ -226,13 +230,15 @@ class TieredOffloadingManager(OffloadingManager):
         if self._reserved:
             self._expire()
         hits = self._lookup(keys)
+        if self._counting and keys:
+            _remember_unanswered(self._counted, keys[-1], hits is None, self._max_tracker)
         if hits is not None and self._reserved:
             self._release_reached(keys, keys[:hits])
         return hits
 
     def _lookup(self, keys: list[OffloadKey]) -> int | None:
         """:meth:`lookup`'s answer, once the finished promotions have landed."""
-        if self._counting:
+        if self._counting and keys and keys[-1] not in self._counted:
             self._count(keys)
         hits = self.cpu.lookup(keys)
         if hits == len(keys) or not self.tiers:
@@ -310,12 +316,7 @@ class TieredOffloadingManager(OffloadingManager):
             for layer in layers:
                 layer.begin_request(rest, will_offer=False)
         found = self._reach(keys, hits)
-        if found is None:
-            sighted[request] = None
-            while len(sighted) > self._max_tracker:
-                sighted.popitem(last=False)
-        else:
-            sighted.pop(request, None)
+        _remember_unanswered(sighted, request, found is None, self._max_tracker)
         return found
 
     def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
@@ -592,6 +593,19 @@ class TieredOffloadingManager(OffloadingManager):
                 failed[key] = None
             while len(failed) > self._max_tracker:
                 failed.popitem(last=False)
+
+
+def _remember_unanswered(
+    table: OrderedDict[OffloadKey, None], request: OffloadKey, unanswered: bool, limit: int
+) -> None:
+    """Keep ``request`` (a lookup's last key) in ``table`` while its lookups are answered
+    ``None``, at most ``limit`` of them, the oldest dropped first; forget it once answered."""
+    if unanswered:
+        table[request] = None
+        while len(table) > limit:
+            table.popitem(last=False)
+    else:
+        table.pop(request, None)
 
 
 def _policy_of(tier: LowerTier) -> CachePolicy | None:
