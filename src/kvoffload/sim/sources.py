@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvoffload.sim.generators import (
+    DEFAULT_BLOCK_TOKENS,
     DEFAULT_MIX,
     DEFAULT_RATE,
     DEFAULT_REQUESTS,
@@ -43,7 +44,7 @@ class WorkloadSource:
             dict(self.mix),
             num_requests=self.requests,
             seed=self.seed,
-            block_tokens=16 if self.block_tokens is None else self.block_tokens,
+            block_tokens=DEFAULT_BLOCK_TOKENS if self.block_tokens is None else self.block_tokens,
             rate=self.rate,
             chat_shape=self.chat_shape,
             progress=progress,
