@@ -32,7 +32,7 @@ they count no sightings.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +53,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from kvoffload.admission import AdmissionLayer, AdmissionStats
 from kvoffload.core.keys import GROUP_IDX_BYTES, OffloadKey
+from kvoffload.core.manager import OffloadingEvent as SeedEvent
 from kvoffload.core.manager import OffloadingManager as SeedManager
 from kvoffload.core.specs import BlockIDsLoadStoreSpec
 from kvoffload.integrations.vllm.offer_filter import OfferCountFilter
@@ -518,9 +519,9 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
                 events.append(item)
         return events
 
-    def _queue_events(self) -> None:
-        """The backing manager's events, as vLLM's, onto the queue in call order."""
-        for event in self._manager.take_events():
+    def _queue_events(self, events: Iterable[SeedEvent] | None = None) -> None:
+        """``events`` (the backing manager's), as vLLM's, onto the queue in call order."""
+        for event in self._manager.take_events() if events is None else events:
             medium, locality, ownership, announces_removal = _EVENT_MEDIA[event.medium]
             self._queued.append(
                 OffloadingEvent(
@@ -544,7 +545,14 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         closing = self._tiered.tiers if self._tiered is not None else []
         # As vLLM's manager, whose reset keeps its queue: events from before it still go out.
         self._queue_events()
+        closed = self._manager
         self._install()
+        # Closing the old tiers lands their writes in flight (the shared tier keeps those
+        # blocks) and may remove broken ones: their events go out too, but not the stores of
+        # promotions landing in the CPU tier the reset dropped.
+        self._queue_events(
+            event for event in closed.take_events() if event.medium != "CPU" or event.removed
+        )
         # Read once closed, when their writes are in.
         for key, count in _by_name_and_tier(tier_counts(closing)).items():
             self._tier_counts.setdefault(key, LayerCount()).carry(count)
