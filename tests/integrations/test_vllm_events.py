@@ -198,6 +198,16 @@ def test_writes_landing_at_a_reset_are_announced(
     assert believed[("STORAGE", "REMOTE")] == on_server
 
 
+def test_blocks_a_reset_wipes_from_disk_are_announced_removed(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, valkey_server: ValkeyProcess
+) -> None:
+    """The disk tier promises to announce its removals (vLLM keeps a block's payload until
+    it does), but the blocks a reset wiped from it got no event: a router kept them."""
+    believed, on_disk, _ = _across_a_reset(tmp_path, valkey_server)
+    assert on_disk == set()
+    assert believed[("STORAGE", "DISK")] == on_disk
+
+
 def test_a_promotion_landing_at_a_reset_announces_no_cpu_block(
     vllm_modules: dict[str, ModuleType], tmp_path: Path
 ) -> None:

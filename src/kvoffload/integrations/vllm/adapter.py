@@ -233,6 +233,10 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._queued: list[Any] = []
         """Events in call order, not taken yet: vLLM's (converted from the backing manager's,
         which a reset replaces) and failed stores' released keys (a list each)."""
+        self._dropped_at_reset = _dropped_at_reset(self._info)
+        """Our media whose blocks a reset removes with an event each (the local disk tier)."""
+        self._announced: dict[str, set[OffloadKey]] = {}
+        """Per such medium, the keys its events said it holds (stored, not removed since)."""
         self._looked_up_in_step: dict[str, _RequestKeys] = {}
         """The requests that looked up keys in this scheduler step, by request id."""
 
@@ -520,8 +524,15 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         return events
 
     def _queue_events(self, events: Iterable[SeedEvent] | None = None) -> None:
-        """``events`` (the backing manager's), as vLLM's, onto the queue in call order."""
+        """``events`` (the backing manager's), as vLLM's, onto the queue in call order; what
+        they say the media a reset drops hold is kept for the reset."""
         for event in self._manager.take_events() if events is None else events:
+            if event.medium in self._dropped_at_reset:
+                announced = self._announced.setdefault(event.medium, set())
+                if event.removed:
+                    announced.difference_update(event.keys)
+                else:
+                    announced.update(event.keys)
             medium, locality, ownership, announces_removal = _EVENT_MEDIA[event.medium]
             self._queued.append(
                 OffloadingEvent(
@@ -553,11 +564,28 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._queue_events(
             event for event in closed.take_events() if event.medium != "CPU" or event.removed
         )
+        self._announce_dropped()
         # Read once closed, when their writes are in.
         for key, count in _by_name_and_tier(tier_counts(closing)).items():
             self._tier_counts.setdefault(key, LayerCount()).carry(count)
         self._generation += 1
         self._promotions_held = self._has_lower_tiers and REPORTS_FLUSH
+
+    def _announce_dropped(self) -> None:
+        """A removal for every block a medium the reset dropped was last said to hold."""
+        for medium in sorted(self._dropped_at_reset):
+            keys = self._announced.pop(medium, set())
+            if keys:
+                vllm_medium, locality, ownership, _ = _EVENT_MEDIA[medium]
+                self._queued.append(
+                    OffloadingEvent(
+                        keys=sorted(keys),
+                        medium=vllm_medium,
+                        removed=True,
+                        locality=locality,
+                        ownership=ownership,
+                    )
+                )
 
     def on_reset_flushed(self) -> None:
         """The workers have reported every job in flight at the reset: promotions may
@@ -680,6 +708,19 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             seen.update(dict.fromkeys(new))
             if self._recency_at_access and self._cpu.policy.recent_at_access:
                 self._direct.touch(new)
+
+
+def _dropped_at_reset(info: Sequence[InfoSeries]) -> set[str]:
+    """The media whose blocks a reset drops (by ``info``) and that announce their removals
+    (the local disk tier): a router keeps their stored blocks until told they are gone, so
+    the reset announces their removal. The CPU tier is left to vLLM's own reset, which
+    announces nothing for it either."""
+    dropped = set()
+    for series in info:
+        medium = str(series.get("medium"))
+        if series.get("reset_drops_blocks") and medium in _EVENT_MEDIA and _EVENT_MEDIA[medium][3]:
+            dropped.add(medium)
+    return dropped
 
 
 def _first_position(req_context: ReqContext, keys: Sequence[OffloadKey]) -> int | None:
