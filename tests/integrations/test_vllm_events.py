@@ -123,3 +123,136 @@ def test_only_the_disk_tier_promises_to_announce_removals(
         worker.shutdown()
         spec.close()
     assert stored == {(None, False), ("DISK", True), ("REMOTE", False)}
+
+
+def _replay(events: Any, into: dict[tuple[str, str | None], set[Any]]) -> None:
+    """What a router following vLLM's KV events believes each medium holds."""
+    for event in events:
+        held = into.setdefault((event.medium, event.ownership), set())
+        if type(event).__name__ == "BlockStored":
+            held.update(event.block_hashes)
+        elif type(event).__name__ == "BlockRemoved":
+            held.difference_update(event.block_hashes)
+
+
+def _across_a_reset(
+    tmp_path: Path, valkey_server: ValkeyProcess
+) -> tuple[dict[tuple[str, str | None], set[Any]], set[Any], set[Any]]:
+    """Three pairs stored through a 2-block CPU tier (each evicts the one before to disk;
+    all go through to the shared tier), events taken after each, then vLLM's cache reset
+    with the last writes still to land: what the events, replayed per medium, say, and
+    what the disk and shared tiers hold after the reset."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    extra = {
+        "cpu_bytes_to_use": 2 * BLOCK_BYTES,
+        "kvoffload.disk_dir": str(tmp_path / "disk"),
+        "kvoffload.disk_bytes": slot_start(8, slot_stride(BLOCK_BYTES)),
+        "kvoffload.remote_url": valkey_server.url,
+    }
+    options: dict[str, Any] = {
+        "bytes_per_block": BLOCK_BYTES,
+        "events": True,
+        "engine_id": f"test-{uuid.uuid4().hex[:12]}",
+        "model": f"reset-events-{uuid.uuid4().hex[:8]}",
+    }
+    spec = create_spec(extra, **options)
+    worker = create_spec(extra, **options).get_worker(canonical_caches(2, 8, 256, seed=3))
+    scheduler = connector_scheduler(spec)
+    manager = spec.get_manager()
+    believed: dict[tuple[str, str | None], set[Any]] = {}
+    try:
+        for index in range(0, 6, 2):
+            keys = KEYS[index : index + 2]
+            context = request_context(f"r{index}", keys)
+            output = manager.prepare_store(keys, context)
+            assert output is not None and output.keys_to_store == keys
+            assert worker.submit_store(index, GPULoadStoreSpec([0, 1], [2], [0]), output.store_spec)
+            worker.wait({index})
+            assert all(result.success for result in worker.get_finished())
+            manager.complete_store(keys, context)
+            manager.on_request_finished(context)
+            _replay(scheduler.take_events(), believed)
+        assert believed[("STORAGE", "DISK")]  # the router knows of blocks on disk
+        scheduler.reset_cache()
+        _replay(scheduler.take_events(), believed)
+        disk, remote = manager.backing.tiers
+        on_disk = {_block_hash(k) for k, held in zip(KEYS, disk.held(KEYS), strict=True) if held}
+        on_server = {
+            _block_hash(k) for k, held in zip(KEYS, remote.held(KEYS), strict=True) if held
+        }
+    finally:
+        worker.shutdown()
+        spec.close()
+    return believed, on_disk, on_server
+
+
+def test_writes_landing_at_a_reset_are_announced(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, valkey_server: ValkeyProcess
+) -> None:
+    """The reset took the events before closing the old tiers, so those recorded while
+    closing were lost: the shared tier's writes that landed then were never announced,
+    though the server keeps those blocks across the reset."""
+    believed, _, on_server = _across_a_reset(tmp_path, valkey_server)
+    assert on_server == {_block_hash(k) for k in KEYS}
+    assert believed[("STORAGE", "REMOTE")] == on_server
+
+
+def test_blocks_a_reset_wipes_from_disk_are_announced_removed(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, valkey_server: ValkeyProcess
+) -> None:
+    """The disk tier promises to announce its removals (vLLM keeps a block's payload until
+    it does), but the blocks a reset wiped from it got no event: a router kept them."""
+    believed, on_disk, _ = _across_a_reset(tmp_path, valkey_server)
+    assert on_disk == set()
+    assert believed[("STORAGE", "DISK")] == on_disk
+
+
+def test_a_promotion_landing_at_a_reset_announces_no_cpu_block(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    """vLLM's reset announces nothing per block for its CPU tier (the engine's cache reset
+    publishes ``AllBlocksCleared`` before the connector's events). A promotion from disk
+    still in flight lands, while the old tiers close, in the CPU tier the reset threw
+    away: announcing that store would tell a router of CPU blocks that are gone."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult
+
+    extra = {
+        "cpu_bytes_to_use": 2 * BLOCK_BYTES,
+        "kvoffload.disk_dir": str(tmp_path / "disk"),
+        "kvoffload.disk_bytes": slot_start(8, slot_stride(BLOCK_BYTES)),
+    }
+    options: dict[str, Any] = {
+        "bytes_per_block": BLOCK_BYTES,
+        "events": True,
+        "engine_id": f"test-{uuid.uuid4().hex[:12]}",
+    }
+    spec = create_spec(extra, **options)
+    worker = create_spec(extra, **options).get_worker(canonical_caches(2, 8, 256, seed=4))
+    scheduler = connector_scheduler(spec)
+    manager = spec.get_manager()
+    believed: dict[tuple[str, str | None], set[Any]] = {}
+    try:
+        for index in range(0, 4, 2):  # the second pair evicts the first to disk
+            keys = KEYS[index : index + 2]
+            context = request_context(f"r{index}", keys)
+            output = manager.prepare_store(keys, context)
+            assert output is not None
+            assert worker.submit_store(index, GPULoadStoreSpec([0, 1], [2], [0]), output.store_spec)
+            worker.wait({index})
+            assert all(result.success for result in worker.get_finished())
+            manager.complete_store(keys, context)
+            manager.on_request_finished(context)
+        manager.backing.tiers[0].poll(wait=True)
+        _replay(scheduler.take_events(), believed)
+        reader = request_context("reader", KEYS[:2])
+        assert manager.lookup(KEYS[0], reader) is LookupResult.RETRY  # promoting from disk
+        scheduler.reset_cache()
+        believed[("CPU", None)] = set()  # as a router does on vLLM's AllBlocksCleared
+        _replay(scheduler.take_events(), believed)
+        held = [manager.backing.cpu.holds(key) for key in KEYS]
+    finally:
+        worker.shutdown()
+        spec.close()
+    assert held == [False] * len(KEYS)
+    assert believed[("CPU", None)] == set()

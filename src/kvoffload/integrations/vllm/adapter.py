@@ -32,7 +32,7 @@ they count no sightings.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +53,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from kvoffload.admission import AdmissionLayer, AdmissionStats
 from kvoffload.core.keys import GROUP_IDX_BYTES, OffloadKey
+from kvoffload.core.manager import OffloadingEvent as SeedEvent
 from kvoffload.core.manager import OffloadingManager as SeedManager
 from kvoffload.core.specs import BlockIDsLoadStoreSpec
 from kvoffload.integrations.vllm.offer_filter import OfferCountFilter
@@ -232,6 +233,10 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._queued: list[Any] = []
         """Events in call order, not taken yet: vLLM's (converted from the backing manager's,
         which a reset replaces) and failed stores' released keys (a list each)."""
+        self._dropped_at_reset = _dropped_at_reset(self._info)
+        """Our media whose blocks a reset removes with an event each (the local disk tier)."""
+        self._announced: dict[str, set[OffloadKey]] = {}
+        """Per such medium, the keys its events said it holds (stored, not removed since)."""
         self._looked_up_in_step: dict[str, _RequestKeys] = {}
         """The requests that looked up keys in this scheduler step, by request id."""
 
@@ -518,9 +523,16 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
                 events.append(item)
         return events
 
-    def _queue_events(self) -> None:
-        """The backing manager's events, as vLLM's, onto the queue in call order."""
-        for event in self._manager.take_events():
+    def _queue_events(self, events: Iterable[SeedEvent] | None = None) -> None:
+        """``events`` (the backing manager's), as vLLM's, onto the queue in call order; what
+        they say the media a reset drops hold is kept for the reset."""
+        for event in self._manager.take_events() if events is None else events:
+            if event.medium in self._dropped_at_reset:
+                announced = self._announced.setdefault(event.medium, set())
+                if event.removed:
+                    announced.difference_update(event.keys)
+                else:
+                    announced.update(event.keys)
             medium, locality, ownership, announces_removal = _EVENT_MEDIA[event.medium]
             self._queued.append(
                 OffloadingEvent(
@@ -544,12 +556,36 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         closing = self._tiered.tiers if self._tiered is not None else []
         # As vLLM's manager, whose reset keeps its queue: events from before it still go out.
         self._queue_events()
+        closed = self._manager
         self._install()
+        # Closing the old tiers lands their writes in flight (the shared tier keeps those
+        # blocks) and may remove broken ones: their events go out too, but not the stores of
+        # promotions landing in the CPU tier the reset dropped.
+        self._queue_events(
+            event for event in closed.take_events() if event.medium != "CPU" or event.removed
+        )
+        self._announce_dropped()
         # Read once closed, when their writes are in.
         for key, count in _by_name_and_tier(tier_counts(closing)).items():
             self._tier_counts.setdefault(key, LayerCount()).carry(count)
         self._generation += 1
         self._promotions_held = self._has_lower_tiers and REPORTS_FLUSH
+
+    def _announce_dropped(self) -> None:
+        """A removal for every block a medium the reset dropped was last said to hold."""
+        for medium in sorted(self._dropped_at_reset):
+            keys = self._announced.pop(medium, set())
+            if keys:
+                vllm_medium, locality, ownership, _ = _EVENT_MEDIA[medium]
+                self._queued.append(
+                    OffloadingEvent(
+                        keys=sorted(keys),
+                        medium=vllm_medium,
+                        removed=True,
+                        locality=locality,
+                        ownership=ownership,
+                    )
+                )
 
     def on_reset_flushed(self) -> None:
         """The workers have reported every job in flight at the reset: promotions may
@@ -672,6 +708,19 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             seen.update(dict.fromkeys(new))
             if self._recency_at_access and self._cpu.policy.recent_at_access:
                 self._direct.touch(new)
+
+
+def _dropped_at_reset(info: Sequence[InfoSeries]) -> set[str]:
+    """The media whose blocks a reset drops (by ``info``) and that announce their removals
+    (the local disk tier): a router keeps their stored blocks until told they are gone, so
+    the reset announces their removal. The CPU tier is left to vLLM's own reset, which
+    announces nothing for it either."""
+    dropped = set()
+    for series in info:
+        medium = str(series.get("medium"))
+        if series.get("reset_drops_blocks") and medium in _EVENT_MEDIA and _EVENT_MEDIA[medium][3]:
+            dropped.add(medium)
+    return dropped
 
 
 def _first_position(req_context: ReqContext, keys: Sequence[OffloadKey]) -> int | None:
