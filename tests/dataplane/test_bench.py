@@ -98,6 +98,39 @@ def test_rates_count_the_bytes_moved_when_the_last_job_is_partial(
     assert copied[-1] == [16 * results["block_bytes"], results["block_bytes"]]
 
 
+def test_the_plain_copy_walks_as_much_distinct_memory_as_the_jobs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The plain copy once copied every job into one job-sized buffer: cache-resident on a
+    CPU, it ran twice as fast as copying the tier's bytes and made the jobs look slow."""
+    copy = bench._timed_copies
+    rounds: list[int] = []
+
+    def checked_copies(dst: torch.Tensor, src: torch.Tensor, sizes: list[int]) -> float:
+        total = sum(sizes)
+        assert dst.is_contiguous() and src.is_contiguous()
+        assert dst.numel() >= total and src.numel() >= total, "buffers smaller than the jobs"
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        ranges = [slice(start, start + size) for start, size in zip(starts, sizes, strict=True)]
+        assert all(not torch.equal(dst[r], src[r]) for r in ranges)  # each job's bytes new
+        seconds = copy(dst, src, sizes)
+        assert all(torch.equal(dst[r], src[r]) for r in ranges), "a job's range not copied"
+        rounds.append(total)
+        return seconds
+
+    monkeypatch.setattr(bench, "_timed_copies", checked_copies)
+    results = bench.measure_transfer(
+        layout="tiny",
+        gpu_blocks=64,
+        cpu_blocks=16,
+        blocks_per_job=4,
+        block_size_factor=2,
+        rounds=2,
+    )
+    assert results["jobs_per_round"] == 4
+    assert rounds == [16 * 2 * results["block_bytes"]] * 3  # the tier's bytes, warm-up too
+
+
 def test_a_job_larger_than_the_tier_is_the_whole_tier() -> None:
     """--blocks-per-job 10000000000 once allocated its plain copy's buffer at that size."""
     results = bench.measure_transfer(

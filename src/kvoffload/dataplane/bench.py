@@ -2,13 +2,17 @@
 
 Each round fills the CPU tier through the real manager and store handler
 (GPU ids shuffled, as an engine's free list leaves them), loads every block
-back through the load handler, then copies the same number of bytes with
-one contiguous ``copy_`` per job. Phases alternate within each round, so
-the machine's drift hits all three alike; each figure is the median over
-rounds. Every byte is checked after each phase, off the clock: each round
-gives the GPU cache new content (every 8 bytes a value of their own) and
-clears it before the loads, so a page left out, misplaced or not yet
-landed when a job reported done fails the run instead of being timed.
+back through the load handler, then copies the same number of bytes from the
+GPU cache into the tier's memory with one contiguous ``copy_`` per job, each
+job's bytes after the last's: the plain copy walks as much distinct memory as
+the jobs (a job-sized buffer copied over and over stays in the CPU's cache:
+with 16 MiB jobs it ran twice as fast on a 2-core VM). Phases
+alternate within each round, so the machine's drift hits all three alike;
+each figure is the median over rounds. Every byte is checked after each
+store and load phase, off the clock: each round gives the GPU cache new
+content (every 8 bytes a value of their own) and clears it before the loads,
+so a page left out, misplaced or not yet landed when a job reported done
+fails the run instead of being timed.
 """
 
 from __future__ import annotations
@@ -24,11 +28,10 @@ import numpy as np
 import torch
 
 from kvoffload.core.cpus import usable_cpus
-from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError, KVOffloadError
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.keys import OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
 from kvoffload.core.specs import CPULoadStoreSpec, GPULoadStoreSpec, TransferSpec
-from kvoffload.dataplane.allocation import allocate
 from kvoffload.dataplane.cpu_store import CPUBlockStore
 from kvoffload.dataplane.handlers import cpu_gpu_handlers
 from kvoffload.dataplane.kv_cache import PagedKVCache
@@ -65,7 +68,7 @@ def measure_transfer(
 
     ``blocks_per_job`` counts offloaded blocks (of ``block_size_factor`` GPU
     blocks each), at most the tier's ``cpu_blocks``, which must fit in the
-    ``gpu_blocks`` GPU blocks. On CUDA the plain copy is device-to-pinned-host.
+    ``gpu_blocks`` GPU blocks. On CUDA the plain copy is device-to-pinned-host (into the tier).
     Rates count the bytes each phase moved: a round's last job may be partial.
     ``progress(done, total)`` is told the rounds done (the warm-up's included) at the
     start and after each round.
@@ -95,9 +98,8 @@ def measure_transfer(
         manager = CPUOffloadingManager(cpu_blocks)
         block_bytes = block_size_factor * kv_layout.bytes_per_block
         job_bytes = blocks_per_job * block_bytes
-        copy_src = allocate((job_bytes,), torch.uint8, kv.device, "the plain copy's source")
-        copy_src.fill_(1)
-        copy_dst = _copy_target(job_bytes, pinned=kv.device.type == "cuda")
+        gpu_bytes = kv.buffer.view(-1).view(torch.uint8)  # holds at least the tier's bytes
+        tier_bytes = store.data.view(-1)
         samples: dict[str, list[float]] = {"store": [], "load": [], "copy": []}
         next_key = 0
         if progress is not None:
@@ -117,10 +119,11 @@ def measure_transfer(
                 _fill(kv, None)
                 loads = [_load(manager, *j) for j in zip(jobs, gpu_ids, strict=True)]
                 load_seconds = _timed_jobs(worker, [(cpu, gpu) for gpu, cpu in loads])
+                _verify(kv, store, loads, "load")
+                # Overwrites the tier's slots, every one of which the next round stores anew.
                 copy_seconds = _timed_copies(
-                    copy_dst, copy_src, [len(job) * block_bytes for job in jobs]
+                    tier_bytes, gpu_bytes, [len(job) * block_bytes for job in jobs]
                 )
-                _verify(kv, store, loads, "load")  # after the copies, which follow loads as before
                 for job in jobs:
                     manager.complete_load(job)
                 moved = cpu_blocks * block_bytes / 1e9
@@ -286,24 +289,14 @@ def _verify(
             )
 
 
-def _copy_target(num_bytes: int, pinned: bool) -> torch.Tensor:
-    """The plain copy's host buffer (pinned beside a GPU); one error if it does not fit."""
-    if not pinned:
-        return allocate((num_bytes,), torch.uint8, torch.device("cpu"), "the plain copy", zero=True)
-    try:
-        return torch.zeros(num_bytes, dtype=torch.uint8, pin_memory=True)
-    except RuntimeError:
-        raise InsufficientMemoryError(
-            f"cannot allocate {num_bytes / 2**30:.1f} GiB of pinned memory for the plain copy; "
-            "use fewer --blocks-per-job"
-        ) from None
-
-
 def _timed_copies(dst: torch.Tensor, src: torch.Tensor, sizes: list[int]) -> float:
-    """Seconds to copy ``sizes`` bytes, one contiguous copy each (the jobs' sizes)."""
+    """Seconds to copy ``sizes`` bytes of ``src`` into ``dst``, one contiguous copy each (the
+    jobs' sizes), each from where the last ended: as much distinct memory as the jobs."""
     start = time.perf_counter()
+    offset = 0
     for size in sizes:
-        dst[:size].copy_(src[:size], non_blocking=True)
+        dst[offset : offset + size].copy_(src[offset : offset + size], non_blocking=True)
+        offset += size
     if src.device.type == "cuda":
         torch.cuda.synchronize(src.device)
     return time.perf_counter() - start
