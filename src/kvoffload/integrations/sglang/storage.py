@@ -598,7 +598,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         admission held it back): a page one tier's admission passed over and the other
         failed to write is stored nowhere, so it is a failed write, as with that tier
         alone; and the bytes the tiers wrote (pages held back, or held already, move none).
-        ``prefix``: the pages SGLang passes before ``keys`` (:meth:`TierPath.writing`).
+        ``prefix``: the pages SGLang passes before ``keys`` (:meth:`TierPath.write`).
 
         The tiers write at the same time, each on its own thread and under its own lock
         only: a tier still taking its pages (a slow server, up to its deadline) never keeps
