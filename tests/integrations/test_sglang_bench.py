@@ -63,3 +63,17 @@ def test_sglang_rows_for_every_tier_shape_and_interface(
     assert "remote, pipelined SET / GET of the same bytes on a plain socket" in lines[-1]
     assert list(tmp_path.iterdir()) == [path]  # scratch removed
     assert valkey_server.client().dbsize() == before  # the backend cleared its pages
+
+
+def test_reads_beside_backups_gives_each_phases_figures(tmp_path: Path) -> None:
+    pytest.importorskip("sglang", reason="SGLang is not installed (CI installs it --no-deps)")
+    from kvoffload.integrations.sglang.bench import measure_reads_beside_backups
+
+    out = measure_reads_beside_backups(
+        str(tmp_path), page_mib=0.125, read_pages=2, backup_pages=4, reads=5, rounds=1
+    )
+    for phase in ("alone", "beside_backups"):
+        assert 0 < out[f"{phase}_p50_ms"] <= out[f"{phase}_p99_ms"]
+        assert out[f"{phase}_misses"] >= 0
+    assert out["backup_pages_per_s"] > 0 and out["page_bytes"] == 128 * 1024
+    assert list(tmp_path.iterdir()) == []  # its scratch directory went with it

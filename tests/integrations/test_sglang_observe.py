@@ -6,6 +6,7 @@ events (SGLang's wire format, ``test_sglang_event_wire``) and serves our per-tie
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -23,7 +24,7 @@ pytest.importorskip("prometheus_client")
 
 from prometheus_client.parser import text_string_to_metric_families
 from sglang.srt.mem_cache.utils import hash_str_to_int64
-from sglang_helpers import HeldLink, HostPool, create_backend, page_hash
+from sglang_helpers import HeldLink, HostPool, create_backend, page_hash, storage_config
 
 from kvoffload.integrations.sglang.storage import offset_endpoint
 from kvoffload.observe.events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -390,6 +391,54 @@ def test_plain_data_parallel_replicas_keep_their_disk_metrics_and_events_apart(
     with KVEventSubscriber(*endpoints) as subscriber:
         batches = [batch for _, batch in subscriber.catch_up()]
     assert batches and {batch.data_parallel_rank for batch in batches} == {1}
+
+
+def test_only_the_first_pipeline_stage_publishes_on_the_port_of_its_data_parallel_rank(
+    sglang: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    """SGLang 0.5.23 publishes one KV event stream per data-parallel replica, from pipeline
+    stage 0, on the endpoint's port plus the replica (``is_kv_publisher_rank``,
+    ``select_kv_publisher_dp_rank``): a router set up for SGLang subscribes to those ports.
+    Before, every stage published, on the port plus ``dp * pp_size + pp``: replica 0's
+    second stage took replica 1's port, and replica 1 went out on a port nobody reads."""
+    from sglang.srt.runtime_context import get_parallel
+
+    pub, replay = _two_free_ports(), _two_free_ports()
+    extra = {
+        "interface_v1": 1,
+        "kvoffload.disk_dir": str(tmp_path),
+        "kvoffload.disk_bytes": footprint(8, len(HostPool().page_bytes(0))),
+        "kvoffload.kv_events_endpoint": f"tcp://127.0.0.1:{pub}",
+        "kvoffload.kv_events_replay_endpoint": f"tcp://127.0.0.1:{replay}",
+    }
+    factory = sglang["sglang.srt.mem_cache.storage.backend_factory"].StorageBackendFactory
+    pools = {(d, p): HostPool() for d in (0, 1) for p in (0, 1)}
+    backends = {}
+    try:
+        for (replica, stage), pool in pools.items():
+            config = dataclasses.replace(
+                storage_config(sglang, extra, model="stages"), pp_rank=stage, pp_size=2
+            )
+            with get_parallel().override(dp_rank=replica):
+                backend = factory.create_backend("dynamic", config, pool)
+                backends[replica, stage] = backend
+                backend.register_mem_pool_host(pool)
+        assert {at: b.publishes_events for at, b in backends.items()} == {
+            (0, 0): True,
+            (0, 1): False,
+            (1, 0): True,
+            (1, 1): False,
+        }
+        pools[1, 0].fill([0, 1], seed=6)
+        assert backends[1, 0].batch_set_v1(KEYS[:2], pools[1, 0].indices([0, 1])) == [True] * 2
+        backends[1, 0].flush_events()
+        endpoints = (f"tcp://127.0.0.1:{pub + 1}", f"tcp://127.0.0.1:{replay + 1}")
+        with KVEventSubscriber(*endpoints) as subscriber:
+            batches = [batch for _, batch in subscriber.catch_up()]
+        assert batches and {batch.data_parallel_rank for batch in batches} == {1}
+    finally:
+        for backend in backends.values():
+            backend.close()
 
 
 def test_backup_bandwidth_counts_only_the_bytes_the_tiers_wrote(

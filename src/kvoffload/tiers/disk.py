@@ -358,6 +358,14 @@ class DiskTier(BacklogFigures):
             self.stats.add(stored_blocks=len(landed))
             self._events.record(landed, MEDIUM, removed=False)
 
+    def wait_written(self) -> None:
+        """Wait until the writes queued so far are done or past their deadline. Unlike
+        :meth:`poll` it touches no index, so it may run on a thread of its own while the
+        caller's thread goes on: a caller that serialises the tier's calls under a lock
+        waits here without it (its readers go on), then polls under it."""
+        for _, job in list(self._writes):
+            job.result()
+
     def take_events(self) -> list[OffloadingEvent]:
         return self._events.take()
 

@@ -343,6 +343,109 @@ def measure_sglang(
     return {"pages": pages, "rounds": rounds, "sglang": rows}
 
 
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def measure_reads_beside_backups(
+    directory: str | None = None,
+    page_mib: float = 0.5,
+    read_pages: int = 4,
+    backup_pages: int = 64,
+    reads: int = 150,
+    rounds: int = 2,
+) -> dict[str, float]:
+    """Prefetch latency on the disk tier, alone and beside SGLang's backup thread: one
+    thread looks ``read_pages`` up and reads them (``batch_exists``, ``batch_get_v1``, what
+    a waiting request costs), ``reads`` times per phase, while another writes batches of
+    ``backup_pages`` new pages back to back (``batch_set_v1``) or rests. Phases alternate,
+    ``rounds`` of each; milliseconds at the 50th and 99th percentile, and the pages the
+    backups offered per second, and the reads that found their pages evicted meanwhile
+    (stored again off the clock). A read that waited for a backup's disk I/O shows in
+    p99."""
+    import threading
+
+    from kvoffload.integrations.sglang.storage import KVOffloadStorage
+
+    check_page_mib(page_mib)
+    check_fits(4 * (read_pages + backup_pages) * page_mib * MIB, "the benchmark's host pool")
+    layers = layers_for(page_mib, mla=False)
+    pool = BenchPool("page_first", False, 2 * read_pages + backup_pages, layers)
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=torch.Generator()))
+    page_bytes = len(pool.page_bytes(0))
+    scratch = scratch_path(directory)
+    latency: dict[bool, list[float]] = {False: [], True: []}
+    missed = {False: 0, True: 0}
+    written = [0]
+    backup_seconds = 0.0
+    try:
+        scratch.mkdir(mode=0o700)
+        backend = KVOffloadStorage(
+            _config(
+                {
+                    "interface_v1": 1,
+                    "kvoffload.disk_dir": str(scratch),
+                    "kvoffload.disk_bytes": footprint(4 * backup_pages + read_pages, page_bytes),
+                    "kvoffload.disk_admission": "none",
+                },
+                False,
+                "bench-reads-beside-backups",
+            )
+        )
+        backend.register_mem_pool_host(pool)
+        try:
+            keys = [f"read-{i}" for i in range(read_pages)]
+            if not all(backend.batch_set_v1(keys, pool.indices(range(read_pages)))):
+                raise KVOffloadError("bench: the disk tier did not take the pages to read")
+            into = pool.indices(range(read_pages, 2 * read_pages))
+            source = pool.indices(range(2 * read_pages, 2 * read_pages + backup_pages))
+
+            def backups(stop: threading.Event, phase: int) -> None:
+                batch = 0
+                while not stop.is_set():
+                    batch += 1
+                    new = [f"backup-{phase}-{batch}-{j}" for j in range(backup_pages)]
+                    backend.batch_set_v1(new, source)
+                    written[0] += backup_pages
+
+            for r in range(2 * rounds):
+                beside = r % 2 == 1
+                stop = threading.Event()
+                writer = threading.Thread(target=backups, args=(stop, r), name="bench-backup")
+                started = time.perf_counter()
+                if beside:
+                    writer.start()
+                try:
+                    for _ in range(reads):
+                        began = time.perf_counter()
+                        found = backend.batch_exists(keys)
+                        intact = backend.batch_get_v1(keys, into)
+                        latency[beside].append(time.perf_counter() - began)
+                        if found != read_pages or not all(intact):
+                            # Evicted by the backups while the reads waited: stored again,
+                            # off the clock, and counted.
+                            missed[beside] += 1
+                            backend.batch_set_v1(keys, pool.indices(range(read_pages)))
+                        time.sleep(0.002)  # requests arrive; they do not queue back to back
+                finally:
+                    stop.set()
+                    if beside:
+                        writer.join()
+                        backup_seconds += time.perf_counter() - started
+        finally:
+            backend.close()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    out = {"page_bytes": float(page_bytes)}
+    for beside, name in ((False, "alone"), (True, "beside_backups")):
+        for q in (0.5, 0.99):
+            out[f"{name}_p{round(q * 100)}_ms"] = _quantile(latency[beside], q) * 1e3
+        out[f"{name}_misses"] = float(missed[beside])
+    out["backup_pages_per_s"] = written[0] / backup_seconds if backup_seconds else 0.0
+    return out
+
+
 def table_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]], str]:
     """Headers, one row per tier, page shape and interface (backend GB/s beside the plain tier
     path's, ratios), and the note under them."""

@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, cast
@@ -166,8 +166,10 @@ class TierPath:
     page is written); ``page_bytes`` sizes the byte counts.
 
     Locks: ``_lock`` serialises what changes the tier's own state (writes, polls, events,
-    and for the disk tier every call: its index belongs to one caller); the shared tier's
-    look-ups and reads are thread-safe, so a prefetch never waits behind a backup there.
+    and for the disk tier every call: its index belongs to one caller), held only for
+    those calls, never while a disk write's I/O is under way; ``_write_lock`` lets one
+    write batch through at a time. The shared tier's look-ups and reads are thread-safe,
+    so a prefetch never takes ``_lock`` there.
     """
 
     def __init__(
@@ -185,6 +187,7 @@ class TierPath:
         self._open = open_tier
         self._sink = sink
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
         self._count_lock = threading.Lock()
         self._admission_lock = threading.Lock()
         self.tier = open_tier()
@@ -251,57 +254,66 @@ class TierPath:
             c.bytes_loaded += got * self.page_bytes
         return intact
 
-    @contextlib.contextmanager
-    def writing(
-        self, keys: Sequence[OffloadKey], prefix: Sequence[OffloadKey] = ()
-    ) -> Iterator[WriteBatch]:
-        """Offer ``keys`` to admission (``prefix``: the request's pages before them, as
-        SGLang passes them), then take their bytes (:meth:`WriteBatch.send`, sent
-        at once) and wait for all at the end. This tier's lock is held until then: another
-        tier's write inside it would keep this tier's readers waiting on that one."""
-        batch = WriteBatch(keys, self._admit(keys, prefix) if keys else set())
-        with self._lock:
-            stored_before = self.tier.stats.stored_blocks
-            try:
-                batch.tier = self.tier
-                yield batch
-            finally:
-                self.tier.poll(wait=True)
-                stored = self.tier.stats.stored_blocks - stored_before
-                sent = batch.sent
-                if isinstance(self.tier, DiskTier):
-                    # Every key: one that admission held back may be on disk already.
-                    batch.holds = self.tier.held(keys)
-                    outcome = [batch.holds[i] for i in sent]
-                elif 0 < stored < len(sent):
-                    # The shared tier asked only when some pages failed beside others
-                    # (a Cluster node down): which ones, for the result and the counters.
-                    outcome = self.tier.held([keys[i] for i in sent])
-                else:
-                    outcome = [stored == len(sent)] * len(sent)
-                self._drain_events()
-                batch.stored = stored
-                with self._count_lock:
-                    c = self._counters
-                    c.stores_completed += stored
-                    c.stores_failed += outcome.count(False)
-                    c.bytes_stored += stored * self.page_bytes
-                for i, ok in zip(sent, outcome, strict=True):
-                    batch.result[i] = batch.holds[i] = ok
-
     def write(
         self,
         keys: Sequence[OffloadKey],
         payloads: Sequence[Payload],
         prefix: Sequence[OffloadKey] = (),
     ) -> WriteBatch:
-        """Offer ``keys`` to admission (``prefix``: see :meth:`writing`) and write the
-        admitted ones; the done batch says per
-        key ``False`` only for a write that failed (a page held back by admission reads
-        ``True``), and how many pages the tier wrote."""
-        with self.writing(keys, prefix) as batch:
-            batch.send(payloads)
+        """Offer ``keys`` to admission (``prefix``: the request's pages before them, as
+        SGLang passes them) and write the admitted ones, waiting for all (the bytes are the
+        tier's until then); the done batch says per key ``False`` only for a write that
+        failed (a page held back by admission reads ``True``), and how many pages the tier
+        wrote.
+
+        One batch at a time (``_write_lock``), so the tier's stored count moves by this
+        batch's pages alone. The disk tier's lock is held to queue the writes and to poll
+        them, not while they are under way: SGLang's prefetch look-ups and reads (a request
+        waits on them) would otherwise wait for the whole batch, up to its deadline."""
+        batch = WriteBatch(keys, self._admit(keys, prefix) if keys else set())
+        with self._write_lock:
+            with self._lock:
+                tier = batch.tier = self.tier
+                stored_before = tier.stats.stored_blocks
+                try:
+                    batch.send(payloads)
+                except BaseException:
+                    self._finish(batch, tier, stored_before)  # what was queued, waited for
+                    raise
+            if isinstance(tier, DiskTier):
+                tier.wait_written()
+            with self._lock:
+                # A clear meanwhile closed ``tier`` (its writes done): the batch ends on it,
+                # as if the clear came just after. The shared tier waits here, its readers
+                # never taking this lock.
+                self._finish(batch, tier, stored_before)
         return batch
+
+    def _finish(self, batch: WriteBatch, tier: LowerTier, stored_before: int) -> None:
+        """Make ``batch``'s writes readable, then its results and counters (under the lock)."""
+        tier.poll(wait=True)
+        stored = tier.stats.stored_blocks - stored_before
+        sent = batch.sent
+        keys = batch.keys
+        if isinstance(tier, DiskTier):
+            # Every key: one that admission held back may be on disk already.
+            batch.holds = tier.held(keys)
+            outcome = [batch.holds[i] for i in sent]
+        elif 0 < stored < len(sent):
+            # The shared tier asked only when some pages failed beside others
+            # (a Cluster node down): which ones, for the result and the counters.
+            outcome = tier.held([keys[i] for i in sent])
+        else:
+            outcome = [stored == len(sent)] * len(sent)
+        self._drain_events()
+        batch.stored = stored
+        with self._count_lock:
+            c = self._counters
+            c.stores_completed += stored
+            c.stores_failed += outcome.count(False)
+            c.bytes_stored += stored * self.page_bytes
+        for i, ok in zip(sent, outcome, strict=True):
+            batch.result[i] = batch.holds[i] = ok
 
     def clear(self, announce: Callable[[], None]) -> None:
         """Drop every page of a disk tier (this process's own), then ``announce`` it before

@@ -392,7 +392,8 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
 
     @property
     def publishes_events(self) -> bool:
-        """Whether this rank publishes KV events (the first TP rank of each stage does)."""
+        """Whether this rank publishes KV events (the first TP rank of the first pipeline
+        stage does, for its data-parallel replica)."""
         return self._publisher is not None
 
     def flush_events(self, timeout_s: float = 10.0) -> None:
@@ -434,18 +435,25 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
 
     def _open_parts(self, pages: HostPages) -> None:
         s, c = self.settings, self.storage_config
-        # The TP ranks of a stage hold the same pages (each its shard): the first one speaks
-        # for them, on the endpoints' ports plus its data-parallel replica and stage.
-        if s.kv_events_endpoint is not None and c.tp_rank == 0 and c.attn_cp_rank == 0:
+        # One stream per data-parallel replica, as SGLang's own (its is_kv_publisher_rank and
+        # select_kv_publisher_dp_rank): the first TP and CP rank of the first pipeline stage
+        # speaks for the replica (the other ranks hold the same pages, each its shard; the
+        # other stages those pages' other layers), on the endpoints' ports plus the replica,
+        # the ports a router set up for SGLang reads.
+        if (
+            s.kv_events_endpoint is not None
+            and c.tp_rank == 0
+            and c.attn_cp_rank == 0
+            and c.pp_rank == 0
+        ):
             from kvoffload.integrations.sglang.events import to_sglang_events
             from kvoffload.observe.publisher import KVEventPublisher
 
-            stage = self.dp_rank * c.pp_size + c.pp_rank
             replay = s.kv_events_replay_endpoint
-            replay_at = None if replay is None else offset_endpoint(replay, stage)
+            replay_at = None if replay is None else offset_endpoint(replay, self.dp_rank)
             try:
                 self._publisher = KVEventPublisher(
-                    offset_endpoint(s.kv_events_endpoint, stage),
+                    offset_endpoint(s.kv_events_endpoint, self.dp_rank),
                     replay_at,
                     block_size=pages.page_size,
                     data_parallel_rank=self.dp_rank,
@@ -598,7 +606,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         admission held it back): a page one tier's admission passed over and the other
         failed to write is stored nowhere, so it is a failed write, as with that tier
         alone; and the bytes the tiers wrote (pages held back, or held already, move none).
-        ``prefix``: the pages SGLang passes before ``keys`` (:meth:`TierPath.writing`).
+        ``prefix``: the pages SGLang passes before ``keys`` (:meth:`TierPath.write`).
 
         The tiers write at the same time, each on its own thread and under its own lock
         only: a tier still taking its pages (a slow server, up to its deadline) never keeps
