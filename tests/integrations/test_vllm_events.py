@@ -4,6 +4,7 @@ our medium as the event's ownership."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 from types import ModuleType
@@ -172,6 +173,11 @@ def _across_a_reset(
             assert all(result.success for result in worker.get_finished())
             manager.complete_store(keys, context)
             manager.on_request_finished(context)
+            _replay(scheduler.take_events(), believed)
+        deadline = time.monotonic() + 30  # the demotions land on the disk's own threads
+        while not believed.get(("STORAGE", "DISK")) and time.monotonic() < deadline:
+            time.sleep(0.005)
+            manager.backing.poll()
             _replay(scheduler.take_events(), believed)
         assert believed[("STORAGE", "DISK")]  # the router knows of blocks on disk
         scheduler.reset_cache()
