@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypeVar
 from kvoffload.admission.base import AdmissionLayer
 from kvoffload.admission.budget import WriteBudget, check_write_budget
 from kvoffload.admission.params import NoParams, ParamValue, check_params, parse_params
-from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError
+from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError, brief
 from kvoffload.core.manager import OffloadingManager
 
 NO_ADMISSION = "none"
@@ -168,9 +168,8 @@ def params_json(text: str) -> object:
     except _NameGivenTwice as twice:
         raise InvalidArgumentError(f"gives admission parameter {twice.args[0]!r} twice") from None
     except (ValueError, RecursionError):  # nested past the decoder's depth: no parameters
-        echo = repr(text) if len(text) <= 80 else f"{text[:60]!r}... ({len(text):,} characters)"
         raise InvalidArgumentError(
-            f"must be a JSON object of admission parameters, got {echo}"
+            f"must be a JSON object of admission parameters, got {brief(text)}"
         ) from None
 
 

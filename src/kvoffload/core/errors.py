@@ -54,3 +54,16 @@ def check_integer(name: str, value: object, minimum: int) -> None:
     which Python counts as one) of at least ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+SHOWN_CHARS = 60
+"""How much of a bad value an error line shows: a trace field or a setting's text can run
+to millions of characters."""
+
+
+def brief(value: object) -> str:
+    """``value``'s repr for an error line, cut to ``SHOWN_CHARS`` with its full length."""
+    text = repr(value)
+    if len(text) <= SHOWN_CHARS:
+        return text
+    return f"{text[:SHOWN_CHARS]}... ({len(text):,} characters)"

@@ -39,7 +39,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePath
 from typing import Any
 
-from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError, brief
 from kvoffload.core.keys import OffloadKey, block_id_key
 from kvoffload.sim.workload import Progress, Request, Workload
 
@@ -62,18 +62,6 @@ MAX_LINE_CHARS = 16 * 2**20
 
 class TraceFormatError(KVOffloadError, ValueError):
     """A trace file is missing, unreadable or has a malformed record."""
-
-
-SHOWN_CHARS = 60
-"""How much of a bad field an error shows: a field can run to millions of characters."""
-
-
-def _shown(value: object) -> str:
-    """``value``'s repr for an error line, cut to ``SHOWN_CHARS`` with its full length."""
-    text = repr(value)
-    if len(text) <= SHOWN_CHARS:
-        return text
-    return f"{text[:SHOWN_CHARS]}... ({len(text):,} characters)"
 
 
 NANOSECOND_EPOCH_FLOOR = 10**16
@@ -341,7 +329,7 @@ def _csv_records(
             header = [name.strip() for name in row]
             twice = next((name for name in header if header.count(name) > 1), None)
             if twice is not None:  # the last column of the name would win, silently
-                raise TraceFormatError(f"{path}:{line_no}: CSV header names {_shown(twice)} twice")
+                raise TraceFormatError(f"{path}:{line_no}: CSV header names {brief(twice)} twice")
             continue
         if len(row) != len(header):
             raise TraceFormatError(
@@ -421,7 +409,7 @@ def _timestamp(record: Mapping[str, Any], fmt: str, where: str) -> float | int:
     raw = record["timestamp"]
     if fmt != "qwen" and (looks := _format_of_stamp(raw)) != fmt:
         raise TraceFormatError(
-            f"{where}: field 'timestamp' {_shown(raw)} looks like a {looks} trace's "
+            f"{where}: field 'timestamp' {brief(raw)} looks like a {looks} trace's "
             f"({_TELLS[looks]}), but the trace reads as {fmt}; are two traces joined?"
         )
     return stamp
@@ -439,15 +427,13 @@ def _whole(record: Mapping[str, Any], where: str) -> int:
             value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise TraceFormatError(
-            f"{where}: field 'timestamp' must be a whole number of nanoseconds, got {_shown(raw)}"
+            f"{where}: field 'timestamp' must be a whole number of nanoseconds, got {brief(raw)}"
         )
     if value < 0:
-        raise TraceFormatError(
-            f"{where}: field 'timestamp' must be non-negative, got {_shown(raw)}"
-        )
+        raise TraceFormatError(f"{where}: field 'timestamp' must be non-negative, got {brief(raw)}")
     if value > _MAX_NANOSECONDS:  # its distance from the first would overflow a float
         raise TraceFormatError(
-            f"{where}: field 'timestamp' must be at most 2**64-1 nanoseconds, got {_shown(raw)}"
+            f"{where}: field 'timestamp' must be at most 2**64-1 nanoseconds, got {brief(raw)}"
         )
     return value
 
@@ -458,10 +444,10 @@ def _number(record: Mapping[str, Any], name: str, where: str, integer: bool = Fa
     raw = record[name]
     value = _finite(raw)
     if value is None:
-        raise TraceFormatError(f"{where}: field {name!r} is not a number: {_shown(raw)}")
+        raise TraceFormatError(f"{where}: field {name!r} is not a number: {brief(raw)}")
     if value < 0 or (integer and value != int(value)):
         kind = "a non-negative integer" if integer else "non-negative"
-        raise TraceFormatError(f"{where}: field {name!r} must be {kind}, got {_shown(raw)}")
+        raise TraceFormatError(f"{where}: field {name!r} must be {kind}, got {brief(raw)}")
     return value
 
 
@@ -492,8 +478,8 @@ def _block_ids(record: Mapping[str, Any], where: str) -> list[int]:
         except ValueError:
             block_id = None
         if isinstance(block_id, bool) or not isinstance(block_id, int):
-            raise TraceFormatError(f"{where}: 'hash_ids' holds a non-integer {_shown(item)}")
+            raise TraceFormatError(f"{where}: 'hash_ids' holds a non-integer {brief(item)}")
         if not 0 <= block_id <= _MAX_BLOCK_ID:
-            raise TraceFormatError(f"{where}: hash id {_shown(block_id)} is outside 0 .. 2**64-1")
+            raise TraceFormatError(f"{where}: hash id {brief(block_id)} is outside 0 .. 2**64-1")
         ids.append(block_id)
     return ids
