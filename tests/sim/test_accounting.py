@@ -387,3 +387,19 @@ def test_prefill_saved_by_offload_is_net_of_the_lower_tiers_reads(tmp_path: Path
     expected = 32 / 1600 - 2 * block_s - disk_read_s
     assert report.prefill_seconds_saved_by_offload == pytest.approx(expected)
     assert report.prefill_seconds_saved == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("with_disk", [False, True])
+def test_the_cpu_tiers_entry_counts_the_stores_that_found_no_room(
+    tmp_path: Path, with_disk: bool
+) -> None:
+    # Two requests start at once on a 3-block tier: r0's store of 1,2,3 fills it with
+    # pending blocks, so r1's offer of 4,5,6 at the same instant finds nothing to evict.
+    reqs = [request(0, [1, 2, 3]), request(0, [4, 5, 6])]
+    disk_dir = str(tmp_path) if with_disk else None
+    config = SimConfig(
+        8, 3, layout="tiny", concurrency=2, bound=False, disk_dir=disk_dir, disk_blocks=10
+    )
+    report = simulate(Workload("hand", 16, reqs), config)
+    assert (report.offload_blocks_written, report.stores_rejected) == (3, 3)
+    assert report.tiers["cpu"]["rejected"] == 3

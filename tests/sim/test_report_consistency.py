@@ -131,6 +131,7 @@ def check_tiers(r: RunReport, config: SimConfig) -> None:
     cpu = r.tiers["cpu"]
     assert cpu["hit_blocks"] == r.offload_hit_blocks
     assert cpu["failed"] == r.stores_failed + r.loads_failed
+    assert cpu["rejected"] == r.stores_rejected
     assert cpu["evicted"] == r.offload_evictions
     lower = {name: entry for name, entry in r.tiers.items() if name != "cpu"}
     assert bool(lower) == config.has_lower_tiers

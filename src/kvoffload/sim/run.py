@@ -632,14 +632,16 @@ def _stack(
 
 
 def _cpu_stats(stats: EngineStats, tiered: TieredOffloadingManager | None) -> TierStats:
-    """The CPU tier's entry: its hits are the blocks loaded intact and its failures the
-    copies to or from the GPU that failed, as the engine counts them (the manager knows
-    the loads it started, not which copies failed); with lower tiers, its stores and
-    evictions are the manager's, which include the promotions no engine call makes."""
+    """The CPU tier's entry: its hits are the blocks loaded intact, its failures the
+    copies to or from the GPU that failed and its rejections the offered blocks that
+    found no room, as the engine counts them (the manager knows the loads it started,
+    not which copies failed); with lower tiers, its stores and evictions are the
+    manager's, which include the promotions no engine call makes."""
     cpu = tiered.cpu_stats if tiered is not None else None
     return TierStats(
         hit_blocks=stats.offload_hit_blocks,
         stored_blocks=stats.stored_blocks if cpu is None else cpu.stored_blocks,
         failed=stats.stores_failed + stats.loads_failed,
         evicted=stats.offload_evictions if cpu is None else cpu.evicted,
+        rejected=stats.stores_rejected,
     )
