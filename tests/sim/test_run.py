@@ -136,3 +136,12 @@ def test_a_request_the_replay_cannot_time_is_refused_naming_its_field(
 def test_the_config_s_repr_never_shows_the_remote_url_s_password() -> None:
     config = SimConfig(gpu_blocks=100, cpu_blocks=10, remote_url="redis://alice:Hunter2@h:6379/0")
     assert "Hunter2" not in repr(config) and "Hunter2" not in str(config)
+
+
+def test_requests_out_of_arrival_order_are_refused() -> None:
+    # Replayed in list order, the request arriving at 5 s started only at 10 s, unsaid.
+    keys = [[block_id_key(i)] for i in range(3)]
+    requests = [Request(0.0, 16, 1, keys[0]), Request(10.0, 16, 1, keys[1])]
+    requests.append(Request(5.0, 16, 1, keys[2]))
+    with pytest.raises(InvalidArgumentError, match=r"^request 2 arrives at 5 s, before request 1"):
+        simulate(Workload("unsorted", 16, requests), SimConfig(gpu_blocks=4, cpu_blocks=2))

@@ -184,6 +184,18 @@ Event = tuple[float, int, int, Any, int, list[OffloadKey]]
 _NO_KEYS: list[OffloadKey] = []
 
 
+def _check_order(requests: Sequence[Request]) -> None:
+    """Refuse requests out of arrival order: the replay starts them in list order and its
+    clock never goes back, so an earlier arrival listed later would start late, unsaid."""
+    for index in range(1, len(requests)):
+        before, after = requests[index - 1].arrival_s, requests[index].arrival_s
+        if after < before:
+            raise InvalidArgumentError(
+                f"request {index} arrives at {after:g} s, before request {index - 1} at "
+                f"{before:g} s: sort the requests by arrival_s"
+            )
+
+
 class ServingEngine:
     """Replays requests through a GPU prefix cache in front of an optional offload tier."""
 
@@ -264,6 +276,7 @@ class ServingEngine:
         """Replay ``requests`` (sorted by arrival) to completion and return the counters."""
         for index, request in enumerate(requests):
             self._check(index, request)
+        _check_order(requests)
         waiting: deque[Request] = deque()
         next_arrival, active, finished, total = 0, 0, 0, len(requests)
         events = self._events
