@@ -7,10 +7,12 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
-from compiled import needs, python_and_compiled
+from compiled import NOT_BUILT, needs, python_and_compiled
 from kvoffload import OffloadKey, block_id_key, build_manager
 from kvoffload.admission import MiniSimulation, MiniTier, key_hashes, minisim
 from kvoffload.admission.minisim import (
@@ -73,6 +75,73 @@ def test_a_specialised_mini_tier_decides_as_the_generic_one(
         arc = isinstance(generic.policy, ARCCachePolicy)
         same_decisions(generic, fast, rng, 300, 16, arc)
         assert fast.writes > capacity  # evictions happened
+
+
+COLLIDING_KEYS: list[Any] = [-1, -2, 0, 2**61 - 1, 2 * (2**61 - 1), 2**64 - 1, -(2**63)]
+"""Keys whose hashes collide in pairs and triples (-1 and -2; 0 and multiples of 2**61 - 1)
+or sit at the 64-bit limits: they take the compiled tables' probe-past-an-equal-hash path,
+which distinct block keys almost never do."""
+KEY_POOL = [*COLLIDING_KEYS, block_id_key(1), block_id_key(2)]
+STEPS = st.lists(
+    st.tuples(
+        st.sampled_from(["touch", "hit_run", "prefix", "store", "store_gaps", "admitted"]),
+        st.lists(st.sampled_from(KEY_POOL), max_size=6),
+        st.integers(0, 2**16),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    specialised=st.sampled_from(
+        [
+            (LRUCachePolicy, CompiledLRUMiniTier or LRUMiniTier),
+            (S3FIFOCachePolicy, CompiledS3FIFOMiniTier or S3FIFOMiniTier),
+            (ARCCachePolicy, CompiledARCMiniTier),
+            (SIEVECachePolicy, CompiledSIEVEMiniTier),
+            (SLRUCachePolicy, CompiledSLRUMiniTier),
+        ]
+    ),
+    capacity=st.integers(1, 4),
+    pending=st.booleans(),
+    steps=STEPS,
+)
+def test_a_specialised_mini_tier_decides_as_the_generic_one_over_colliding_keys(
+    specialised: tuple[type[CachePolicy], Any],
+    capacity: int,
+    pending: bool,
+    steps: list[tuple[str, list[Any], int]],
+) -> None:
+    """Repeated keys in one call, and keys that share a hash: the same answers and held
+    keys after every step as the generic tier (tiny tiers, so that most stores evict)."""
+    policy, fast_class = specialised
+    if fast_class is None:
+        pytest.skip(NOT_BUILT)
+    fast = mini_tier(capacity, policy, pending=pending)
+    generic = MiniTier(capacity, policy, pending)
+    for action, keys, bits in steps:
+        gaps = [bool(bits >> i & 1) for i in range(len(keys))]
+        if action == "touch":
+            generic.touch(keys)
+            fast.touch(keys)
+        elif action == "hit_run":
+            assert fast.hit_run(keys) == generic.hit_run(keys)
+        elif action == "prefix":
+            assert fast.held_among(keys) == generic.held_among(keys)
+            assert fast.leading_held(keys) == generic.leading_held(keys)
+        elif action.startswith("store"):
+            behind = gaps if action == "store_gaps" else []
+            assert fast.store(keys, behind) == generic.store(keys, behind)
+        elif action == "admitted":
+            at = [-1 if gap else i for i, gap in enumerate(gaps)]
+            keep, gap = set(keys[bits % 3 :]), bits % 5
+            assert fast.store_admitted(keys, at, keep, gap) == generic.store_admitted(
+                keys, at, keep, gap
+            )
+        assert len(fast) == len(generic)
+        assert [key in fast for key in KEY_POOL] == [key in generic for key in KEY_POOL]
+    assert (fast.hits, fast.writes) == (generic.hits, generic.writes)
 
 
 @pytest.mark.parametrize("lru_tier", LRU_TIERS)

@@ -116,6 +116,16 @@ def test_the_strided_hashes_of_any_key_width_agree_with_the_per_key_path(width: 
     assert len(set(vectorised)) == len(keys)
 
 
+def test_keys_of_other_lengths_that_join_to_a_whole_width_are_hashed_key_by_key() -> None:
+    """Lengths 16, 15 and 17 join to 3 x 16 bytes, as three 16-byte keys would: the
+    strided read took the second key's last 12 bytes from the bytes after it (and the
+    compiled hashes, key by key, disagreed with the pure-Python ones)."""
+    rng = random.Random(7)
+    keys = [OffloadKey(rng.randbytes(length)) for length in (16, 15, 17)]
+    one_by_one = [sketch_module.numpy_hashes([key]).tolist()[0] for key in keys]
+    assert sketch_module.numpy_hashes(keys).tolist() == one_by_one
+
+
 def test_request_hashes_reuse_the_request_for_its_offer_and_hash_anything_else() -> None:
     from kvoffload.admission.sketch import RequestHashes
 

@@ -86,7 +86,8 @@ def numpy_hashes(keys: Sequence[OffloadKey]) -> np.ndarray:
     width = len(keys[0]) if n else 0
     data = b"".join(keys)
     raw: np.ndarray
-    if width >= TAIL_BYTES and len(data) == width * n:
+    # Every length, not the joined total: keys of other lengths can add up to ``width * n``.
+    if width >= TAIL_BYTES and len(data) == width * n and set(map(len, keys)) == {width}:
         last_two = np.ndarray((n,), ">u8", data, width - 8, (width,))
         first_word = np.ndarray((n,), ">u4", data, width - TAIL_BYTES, (width,))
         raw = last_two ^ first_word
