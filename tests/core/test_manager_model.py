@@ -141,6 +141,21 @@ class ManagerMachine(RuleBasedStateMachine):
             self.ref[key] = PENDING
             self.slot[key] = block_id
 
+    @rule(keys=st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=2))
+    def store_a_few(self, keys: list[OffloadKey]) -> None:
+        """An offer that fits a full tier: longer ones mostly outgrew it and were refused,
+        so a victim was seldom chosen."""
+        self.prepare_store(keys)
+
+    @rule(keys=st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=2), ok=st.booleans())
+    def serve_a_request(self, keys: list[OffloadKey], ok: bool) -> None:
+        """A request's whole round, as an engine drives it: looked up until the filter
+        admits it, offered, and its write finished (or failed). The filtered machines
+        otherwise never filled a tier and evicted from it."""
+        self.lookup_until_eligible(keys)
+        self.prepare_store(keys)
+        self.complete_store([k for k in keys if self.ref.get(k) == PENDING], ok)
+
     @rule(data=st.data())
     def prepare_load(self, data: st.DataObject) -> None:
         ready = sorted(k for k, r in self.ref.items() if r >= 0)
@@ -171,6 +186,28 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         self.manager.complete_load(iter(keys))
         for key in keys:
+            self.ref[key] -= 1
+
+    @rule(keys=KEY_LISTS)
+    def lookup_until_eligible(self, keys: list[OffloadKey]) -> None:
+        """A prefix asked for ``threshold`` times, as repeated requests do: without it the
+        filtered machines seldom stored a block, and never filled a tier."""
+        for _ in range(self.threshold):
+            self.lookup(keys)
+
+    @rule(data=st.data(), success=st.booleans())
+    def complete_every_pending_store(self, data: st.DataObject, success: bool) -> None:
+        """The writes in flight all finish, in any order: random key lists left blocks
+        pending so long that stores were mostly refused and a victim was seldom chosen."""
+        pending = [k for k, r in self.ref.items() if r == PENDING]
+        self.complete_store(data.draw(st.permutations(pending)), success)
+
+    @rule()
+    def complete_every_load(self) -> None:
+        """Every pin released: random releases seldom matched the pins, which piled up."""
+        pinned = [k for k, r in self.ref.items() for _ in range(r)]
+        self.manager.complete_load(iter(pinned))
+        for key in pinned:
             self.ref[key] -= 1
 
     @rule(keys=KEY_LISTS, success=st.booleans())
@@ -208,6 +245,9 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         held = {k: (b.block_id, b.ref_cnt) for k, b in self.cpu._blocks.items()}
         assert held == {k: (self.slot[k], self.ref[k]) for k in self.ref}
+        evictable = {k for k, r in self.ref.items() if r == 0}
+        assert self.cpu.num_evictable_blocks(()) == len(evictable)
+        assert self.cpu.num_evictable_blocks(UNIVERSE[:2] * 2) == len(evictable - {*UNIVERSE[:2]})
         slots = [block_id for block_id, _ in held.values()]
         assert len(set(slots)) == len(slots)
         assert all(0 <= s < self.capacity for s in slots)

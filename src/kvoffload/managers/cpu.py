@@ -6,7 +6,7 @@ chosen by name; everything else about a block's life is decided here.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable
+from collections.abc import Collection, Iterable
 
 import numpy as np
 
@@ -40,7 +40,10 @@ class CPUOffloadingManager(OffloadingManager):
     free list last-in-first-out. A freed slot keeps its :class:`BlockStatus`
     object, which the next store of that slot reuses: no allocation per block
     once the tier has filled. ``prepare_store`` is atomic: when it cannot
-    make room it returns ``None`` and nothing changes. Removal events are
+    make room it returns ``None`` and nothing changes, and it asks the policy
+    only when the tier has enough evictable blocks (they are counted, not
+    searched for: a full tier of pinned and pending blocks refused each store
+    after a walk over all of them, vLLM's #45757). Removal events are
     emitted when blocks are evicted (at prepare time), store events when a
     store completes successfully.
 
@@ -59,6 +62,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._blocks: dict[OffloadKey, BlockStatus] = {}
         self._num_allocated = 0
         self._free: list[BlockStatus] = []
+        self._num_evictable = 0
+        """Held blocks that are ready and unpinned (``ref_cnt`` 0)."""
         self._events = EventLog(enable_events)
 
     @property
@@ -83,14 +88,25 @@ class CPUOffloadingManager(OffloadingManager):
         """Whether ``key`` has a slot here (ready, pinned or still pending)."""
         return key in self._blocks
 
-    def num_evictable_blocks(self, protected: Container[OffloadKey]) -> int:
+    def num_evictable_blocks(self, protected: Collection[OffloadKey]) -> int:
         """Ready, unpinned blocks outside ``protected``: what a store could evict now.
 
-        A scan of the tier; callers use it only when a store did not fit.
+        Counted as blocks change state, so this costs a look-up per protected key,
+        not a walk over the tier.
         """
-        return sum(
-            1 for key, block in self._blocks.items() if block.ref_cnt == 0 and key not in protected
-        )
+        if not isinstance(protected, set | frozenset | dict):
+            protected = set(protected)  # a key listed twice is one block
+        return self._num_evictable - self._num_ready_among(protected)
+
+    def _num_ready_among(self, keys: Iterable[OffloadKey]) -> int:
+        """How many of ``keys`` (each listed once) are held ready and unpinned."""
+        blocks = self._blocks
+        ready = 0
+        for key in keys:
+            block = blocks.get(key)
+            if block is not None and block.ref_cnt == 0:
+                ready += 1
+        return ready
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int:
         if isinstance(keys, SINGLE_KEY_TYPES):
@@ -110,16 +126,20 @@ class CPUOffloadingManager(OffloadingManager):
             refuse_single_key(keys, "prepare_load")
         blocks = self._blocks
         pinned: list[BlockStatus] = []
+        newly_pinned = 0
         for key in keys:
             block = blocks.get(key)
-            if block is None or block.ref_cnt < 0:
+            if block is None or (ref_cnt := block.ref_cnt) < 0:
                 for done in pinned:
                     done.ref_cnt -= 1
                 if block is None:
                     raise BlockNotFoundError(f"cannot load {key!r}: it is not offloaded", key)
                 raise BlockNotReadyError(f"cannot load {key!r}: its store has not completed", key)
-            block.ref_cnt += 1
+            if not ref_cnt:
+                newly_pinned += 1
+            block.ref_cnt = ref_cnt + 1
             pinned.append(block)
+        self._num_evictable -= newly_pinned
         return CPULoadStoreSpec([block.block_id for block in pinned])
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
@@ -133,16 +153,20 @@ class CPUOffloadingManager(OffloadingManager):
             refuse_single_key(keys, "complete_load")
         blocks = self._blocks
         released: list[BlockStatus] = []
+        unpinned = 0
         for key in keys:
             block = blocks.get(key)
-            if block is None or block.ref_cnt <= 0:
+            if block is None or (ref_cnt := block.ref_cnt) <= 0:
                 for done in released:
                     done.ref_cnt += 1
                 raise BlockNotPinnedError(
                     f"cannot complete a load of {key!r}: no load holds it", key
                 )
-            block.ref_cnt -= 1
+            if ref_cnt == 1:
+                unpinned += 1
+            block.ref_cnt = ref_cnt - 1
             released.append(block)
+        self._num_evictable += unpinned
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
         if isinstance(keys, SINGLE_KEY_TYPES):
@@ -153,19 +177,21 @@ class CPUOffloadingManager(OffloadingManager):
         if not offered:  # Most offers behind an admission filter: nothing to store.
             return PrepareStoreOutput([], CPULoadStoreSpec(_NO_IDS), [])
         # Usually none is held: then one pass in C (a set intersection) finds that.
-        if blocks.keys() & offered:
-            to_store = [key for key in offered if key not in blocks]
-        else:
-            to_store = list(offered)
+        held = blocks.keys() & offered
+        to_store = [key for key in offered if key not in blocks] if held else list(offered)
         if not to_store:
             return PrepareStoreOutput([], CPULoadStoreSpec(_NO_IDS), [])
 
         evicted_keys: list[OffloadKey] = []
         need = len(to_store) - self.num_free_blocks
         if need > 0:
+            # Offered keys are shielded from this eviction.
+            if need > self._num_evictable - (self._num_ready_among(held) if held else 0):
+                return None
             victims = self._policy.evict(need, offered)
             if victims is None:
                 return None
+            self._num_evictable -= len(victims)
             evicted_keys = []
             append_key, free = evicted_keys.append, self._free.append
             for key, block in victims:
@@ -192,6 +218,7 @@ class CPUOffloadingManager(OffloadingManager):
                     block.ref_cnt = 0
                     changed.append(key)
             if changed:
+                self._num_evictable += len(changed)
                 self._events.record(changed, MEDIUM, removed=False)
             return
         free = self._free
@@ -221,6 +248,7 @@ class CPUOffloadingManager(OffloadingManager):
                 self._free.append(block)
                 removed.append(key)
         if removed:
+            self._num_evictable -= len(removed)
             self._policy.remove(removed)
         return removed
 
