@@ -148,6 +148,17 @@ def column_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line(headers), rule, *(line(r) for r in rows)])
 
 
+def show(text: str) -> None:
+    """Print ``text`` to standard output in one write, its newline included. ``print``
+    writes the two apart: at once under ``PYTHONUNBUFFERED=1`` (common in containers), and
+    for a text past the stream's buffer (a long sweep table) the newline only at exit. A
+    reader that took what it wanted and went (``| head -1``) then failed the run, the latter
+    with "Exception ignored ... BrokenPipeError" and status 120. Nothing where standard
+    output was closed at start (``>&-``), as ``print``."""
+    if sys.stdout is not None:
+        sys.stdout.write(text + "\n")
+
+
 def one_line(text: str) -> str:
     """``text`` with line breaks and other unprintable characters escaped as Python writes
     them (``\\n``): an error stays one line when a path or an argument holds a newline."""

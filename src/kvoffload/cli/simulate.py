@@ -190,7 +190,7 @@ def _check_cpu_tier(args: argparse.Namespace, cpu_blocks: int | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if options.wants_param_list(args):
-        print(options.param_list(args.admission))
+        output.show(options.param_list(args.admission))
         return 0
     options.check_before_work(args)
     if args.device is not None and not args.data_plane:  # it would be ignored, unsaid
@@ -274,7 +274,7 @@ def _write_results(
     if args.csv:
         output.write_csv(args.csv, [data])
     if "-" not in (args.json, args.csv):
-        print(format_report(report, plane, trace_format))
+        output.show(format_report(report, plane, trace_format))
     if plane is not None and plane.mismatched_blocks:
         raise DataPlaneMismatchError(
             f"data plane: {plane.mismatched_blocks} loaded blocks did not hold what was stored"
