@@ -227,13 +227,20 @@ def check_distinct_outputs(
 
 
 def check_writable_dir(path: str, option: str) -> None:
-    """:class:`InvalidArgumentError` unless ``path`` is, or can be made, a writable directory."""
+    """:class:`InvalidArgumentError` unless ``path`` is, or can be made, a writable directory.
+    A symbolic link that leads nowhere, as ``path`` or above it, is refused here: making the
+    directory fails on it ("File exists"), once the whole sweep has run."""
     target = Path(path)
     existing = target
-    while not existing.exists():
+    while not os.path.lexists(existing):
         if existing.parent == existing:
             break
         existing = existing.parent
+    if existing.is_symlink() and not existing.exists():
+        raise InvalidArgumentError(
+            f"{option} {path}: {existing} is a symbolic link to {os.readlink(existing)}, "
+            "which does not exist"
+        )
     if not existing.is_dir():
         raise InvalidArgumentError(f"{option} {path}: {existing} is not a directory")
     if not os.access(existing, os.W_OK):
