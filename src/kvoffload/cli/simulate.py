@@ -220,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
     options.check_tracker_size_used(args, [args.store_threshold], "--store-threshold 2 or more")
     options.check_name(args.policy, "--policy", resolve_policy)
     options.check_name(args.admission, "--admission", resolve_admission)
+    options.check_write_budget_runs(args)
     if args.layout is not None:  # else the data plane's or the default model's
         options.check_name(args.layout, "--layout", layout_preset)
     params = options.admission_param_pairs(args)
