@@ -91,7 +91,7 @@ def test_a_disk_tier_without_an_optimiser_reports_no_what_if_figures(
         ("-0.5", "argument --write-budget: must be >= 0"),
         ("x", "argument --write-budget: expected writes per block reference (0.2), bytes per"),
         ("200MB", "argument --write-budget: expected writes per block reference"),
-        ("1dwpd", "needs the drive's size (--drive-bytes or kvoffload.drive_bytes, or a disk"),
+        ("1dwpd", "needs the drive's size: --drive-bytes, or a disk tier (--disk-dir), whose"),
     ],
 )
 def test_bad_write_budgets_are_one_clear_error(
@@ -100,6 +100,31 @@ def test_bad_write_budgets_are_one_clear_error(
     assert main([*SMALL, *TIER, "--admission", "recommended", "--write-budget", budget]) != 0
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (
+            ["--write-budget", "0.1"],
+            "a write budget needs --admission recommended (the optimiser), not 'none'",
+        ),
+        (
+            ["--admission", "recommended", "--write-budget", "1dwpd"],
+            "a write budget of 1 drive writes per day needs the drive's size",
+        ),
+    ],
+)
+def test_a_write_budget_that_cannot_run_is_refused_before_the_workload(
+    settings: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused only once the trace had been read (minutes, for a large one), where a lower
+    tier's budget without its optimiser was refused at once."""
+    bad_trace = tmp_path / "bad.jsonl"  # an error about it would mean it was read first
+    bad_trace.write_text("{\n")
+    assert main(["simulate", "--trace", str(bad_trace), "--no-progress", *settings]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvoffload: error: {message}") and err.count("\n") == 1
 
 
 def test_a_write_budget_needs_the_optimiser_and_keeps_to_it(

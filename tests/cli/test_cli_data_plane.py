@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -190,4 +191,38 @@ def test_data_plane_buffers_beyond_memory_are_refused_naming_their_options(
 def test_an_unknown_data_plane_device_names_the_option(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("kvoffload.sim.dataplane_backend")
     assert main([*DATA_PLANE, "--device", "gpu0"]) == 1
+    assert one_line_error(capsys).startswith("kvoffload: error: --device gpu0: unknown device")
+
+
+def _bad_trace(tmp_path: Path) -> Path:
+    """A trace whose first line is not JSON: an error about it means it was read."""
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text("{\n")
+    return trace
+
+
+def test_a_data_plane_without_torch_is_refused_before_the_workload(tmp_path: Path) -> None:
+    """The trace was read first (minutes, for a large one), then torch was found missing."""
+    code = (  # torch not installed, as where the extra was left out
+        "import sys; sys.modules['torch'] = None; "
+        "from kvoffload.cli.main import main; sys.exit(main())"
+    )
+    argv = ["simulate", "--trace", str(_bad_trace(tmp_path)), "--data-plane", "--no-progress"]
+    done = subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120
+    )
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == (
+        "kvoffload: error: --data-plane needs torch; install it with: "
+        "pip install 'kvoffload[torch]'\n"
+    )
+
+
+def test_a_data_plane_device_is_checked_before_the_workload(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--device cuda`` on a machine without CUDA was refused only once the trace was read."""
+    pytest.importorskip("kvoffload.sim.dataplane_backend")
+    argv = ["simulate", "--trace", str(_bad_trace(tmp_path)), "--data-plane", "--no-progress"]
+    assert main([*argv, "--device", "gpu0"]) == 1
     assert one_line_error(capsys).startswith("kvoffload: error: --device gpu0: unknown device")

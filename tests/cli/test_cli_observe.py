@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from kvoffload.cli.main import main
@@ -24,6 +28,35 @@ def test_bad_observe_options(
     err = capsys.readouterr().err
     assert message in err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("missing", "option", "extra"),
+    [
+        ("prometheus_client", ["--metrics-port", "0"], "metrics"),
+        ("zmq", ["--kv-events-endpoint", "tcp://127.0.0.1:0"], "events"),
+    ],
+)
+def test_a_missing_extra_is_refused_before_the_workload_naming_the_option(
+    missing: str, option: list[str], extra: str, tmp_path: Path
+) -> None:
+    """Without the extra, the trace was read (minutes, for a large one) before one line said
+    "this option needs prometheus_client", of two options the run may have had."""
+    bad_trace = tmp_path / "bad.jsonl"  # an error about it would mean it was read first
+    bad_trace.write_text("{\n")
+    code = (  # the package not installed, as where the extra was left out
+        f"import sys; sys.modules[{missing!r}] = None; "
+        "from kvoffload.cli.main import main; sys.exit(main())"
+    )
+    argv = ["simulate", "--trace", str(bad_trace), "--no-progress", *option]
+    done = subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120
+    )
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == (
+        f"kvoffload: error: {option[0]} needs {missing}; install it with: "
+        f"pip install 'kvoffload[{extra}]'\n"
+    )
 
 
 def test_endpoints_on_free_ports_leave_the_result_unchanged(

@@ -253,6 +253,25 @@ def test_output_paths_are_checked_before_the_run(
     assert "--plot-dir" in one_line_error(capsys)
 
 
+@pytest.mark.parametrize("below", ["", "plots"])
+def test_a_plot_dir_through_a_dangling_link_is_refused_before_the_run(
+    below: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A symbolic link to a directory not there (yet) passed the check; the sweep ran, then
+    making the directory failed on the link: "kvoffload: error: File exists: PATH"."""
+    bad_trace = tmp_path / "bad.jsonl"  # read only if the plot directory passed
+    bad_trace.write_text("{\n")
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "gone" / "plots")
+    plot_dir = link / below if below else link
+    assert main(["sweep", "--trace", str(bad_trace), "--plot-dir", str(plot_dir)]) == 1
+    assert one_line_error(capsys) == (
+        f"kvoffload: error: --plot-dir {plot_dir}: {link} is a symbolic link to "
+        f"{tmp_path / 'gone' / 'plots'}, which does not exist\n"
+    )
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["bad.jsonl", "link"]
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [

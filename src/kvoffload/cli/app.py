@@ -213,6 +213,10 @@ def run(args_list: list[str]) -> int:
             if output.names_standard_output(getattr(args, option, None)):
                 setattr(args, option, "-")
         status: int = args.run(args)
+        if sys.stdout is not None:
+            # Here, not at exit: a reader gone by now is the quiet status 1 below, where the
+            # interpreter's own last flush said "Exception ignored ..." and exited 120.
+            sys.stdout.flush()
         return status
     except KVOffloadError as exc:
         _error(str(exc))

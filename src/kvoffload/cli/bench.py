@@ -161,7 +161,7 @@ def _report(args: argparse.Namespace, results: dict[str, Any]) -> None:
             (str(name), value if isinstance(value, str) else json.dumps(value))
             for name, value in results.items()
         ]
-        print(output.key_value_table(rows) if rows else "(no results)")
+        output.show(output.key_value_table(rows) if rows else "(no results)")
 
 
 def _check_block_mib(block_mib: float) -> None:
@@ -218,7 +218,7 @@ def run_tiers(args: argparse.Namespace) -> int:
     if args.json:
         output.write_json(args.json, results)
     if args.json != "-":
-        print(tier_table(results))
+        output.show(tier_table(results))
     return 0
 
 
@@ -276,7 +276,7 @@ def _run_sglang(args: argparse.Namespace) -> int:
         output.write_json(args.json, results)
     if args.json != "-":
         headers, rows, note = table_rows(results)
-        print(output.column_table(headers, rows) + "\n" + note)
+        output.show(output.column_table(headers, rows) + "\n" + note)
     return 0
 
 

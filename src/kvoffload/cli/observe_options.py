@@ -74,12 +74,17 @@ def add_observe_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _require(module: str, extra: str) -> ModuleType:
+EVENTS_MODULE = "kvoffload.observe.publisher"
+METRICS_MODULE = "kvoffload.observe.metrics"
+
+
+def _require(module: str, extra: str, option: str) -> ModuleType:
+    """``module``, or one line naming ``option`` and the extra that installs what it lacks."""
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as exc:
         raise KVOffloadError(
-            f"this option needs {exc.name}; install it with: pip install 'kvoffload[{extra}]'"
+            f"{option} needs {exc.name}; install it with: pip install 'kvoffload[{extra}]'"
         ) from None
 
 
@@ -101,8 +106,12 @@ def check_before_work(args: argparse.Namespace) -> None:
         raise InvalidArgumentError("--kv-events-topic needs --kv-events-endpoint")
     if args.serve_after > 0 and not events and args.metrics_port is None:
         raise InvalidArgumentError("--serve-after needs --kv-events-endpoint or --metrics-port")
+    # An extra left out is found here, not once the workload is built.
+    if events:
+        _require(EVENTS_MODULE, "events", "--kv-events-endpoint")
     port = args.metrics_port
     if port is not None:
+        _require(METRICS_MODULE, "metrics", "--metrics-port")
         _check_free("127.0.0.1", port, f"--metrics-port {port}")
     if events and events == replay and not events.endswith(CHOSEN_AT_RUN_TIME):
         raise InvalidArgumentError(
@@ -260,7 +269,7 @@ def observing(args: argparse.Namespace, block_tokens: int) -> Iterator[Observing
     transfer_hooks: list[Callable[[ObservedWorker], None]] = []
     with ExitStack() as stack:
         if args.kv_events_endpoint:
-            publisher_module = _require("kvoffload.observe.publisher", "events")
+            publisher_module = _require(EVENTS_MODULE, "events", "--kv-events-endpoint")
             publisher = stack.enter_context(
                 publisher_module.KVEventPublisher(
                     args.kv_events_endpoint,
@@ -277,7 +286,7 @@ def observing(args: argparse.Namespace, block_tokens: int) -> Iterator[Observing
                     "KV event replay on", args.kv_events_replay_endpoint, publisher.replay_endpoint
                 )
         if args.metrics_port is not None:
-            metrics = _require("kvoffload.observe.metrics", "metrics")
+            metrics = _require(METRICS_MODULE, "metrics", "--metrics-port")
             server = stack.enter_context(metrics.MetricsServer(args.metrics_port))
             if args.metrics_port == 0:
                 print(

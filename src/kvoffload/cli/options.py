@@ -14,7 +14,7 @@ from types import ModuleType
 from typing import Any, TypeVar
 
 from kvoffload.admission import admission_params, parse_pairs
-from kvoffload.admission.budget import WriteBudget, parse_bytes
+from kvoffload.admission.budget import DWPD, WriteBudget, parse_bytes
 from kvoffload.admission.params import describe_params, read_number
 from kvoffload.admission.registry import (
     NO_ADMISSION,
@@ -269,6 +269,24 @@ def add_gpu_arguments(group: argparse._ActionsContainer) -> None:
         metavar="X",
         help=f"GPU prefix cache size in GiB of KV (default: {DEFAULT_GPU_GIB:g})",
     )
+
+
+def check_write_budget_runs(args: argparse.Namespace) -> None:
+    """``--write-budget`` needs the optimiser, and drive writes per day a drive: refused
+    before the workload is built, as a lower tier's budget is (the run's settings refuse
+    them too, once the trace has been read)."""
+    budget: WriteBudget | None = args.write_budget
+    if budget is None:
+        return
+    if resolve_admission(args.admission) != "optimiser":
+        raise InvalidArgumentError(
+            f"a write budget needs --admission recommended (the optimiser), not {args.admission!r}"
+        )
+    if budget.unit == DWPD and args.drive_bytes is None and args.disk_dir is None:
+        raise InvalidArgumentError(
+            f"a write budget of {budget.describe()} needs the drive's size: --drive-bytes, "
+            "or a disk tier (--disk-dir), whose size is taken"
+        )
 
 
 def check_tracker_size_used(args: argparse.Namespace, thresholds: Sequence[int], need: str) -> None:

@@ -148,6 +148,17 @@ def column_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line(headers), rule, *(line(r) for r in rows)])
 
 
+def show(text: str) -> None:
+    """Print ``text`` to standard output in one write, its newline included. ``print``
+    writes the two apart: at once under ``PYTHONUNBUFFERED=1`` (common in containers), and
+    for a text past the stream's buffer (a long sweep table) the newline only at exit. A
+    reader that took what it wanted and went (``| head -1``) then failed the run, the latter
+    with "Exception ignored ... BrokenPipeError" and status 120. Nothing where standard
+    output was closed at start (``>&-``), as ``print``."""
+    if sys.stdout is not None:
+        sys.stdout.write(text + "\n")
+
+
 def one_line(text: str) -> str:
     """``text`` with line breaks and other unprintable characters escaped as Python writes
     them (``\\n``): an error stays one line when a path or an argument holds a newline."""
@@ -216,13 +227,20 @@ def check_distinct_outputs(
 
 
 def check_writable_dir(path: str, option: str) -> None:
-    """:class:`InvalidArgumentError` unless ``path`` is, or can be made, a writable directory."""
+    """:class:`InvalidArgumentError` unless ``path`` is, or can be made, a writable directory.
+    A symbolic link that leads nowhere, as ``path`` or above it, is refused here: making the
+    directory fails on it ("File exists"), once the whole sweep has run."""
     target = Path(path)
     existing = target
-    while not existing.exists():
+    while not os.path.lexists(existing):
         if existing.parent == existing:
             break
         existing = existing.parent
+    if existing.is_symlink() and not existing.exists():
+        raise InvalidArgumentError(
+            f"{option} {path}: {existing} is a symbolic link to {os.readlink(existing)}, "
+            "which does not exist"
+        )
     if not existing.is_dir():
         raise InvalidArgumentError(f"{option} {path}: {existing} is not a directory")
     if not os.access(existing, os.W_OK):

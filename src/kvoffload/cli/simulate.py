@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import importlib
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 from kvoffload.admission import available_admissions, resolve_admission
@@ -121,8 +122,19 @@ def _sizes(args: argparse.Namespace) -> _Sizes:
     )
 
 
-def _data_plane(config: SimConfig, block_tokens: int, device: str, sizes: _Sizes) -> Any:
-    """The data plane's ``DataPlaneBackend``, imported only now: it needs torch."""
+@dataclass(frozen=True)
+class _DataPlane:
+    """The data plane's backend module and where its GPU blocks go, found before the
+    workload loads: torch missing, or a ``--device`` it does not have, is refused then,
+    not once a large trace has been read."""
+
+    module: ModuleType
+    device: str
+    on_cpu: bool
+
+
+def _data_plane_checked(device: str) -> _DataPlane:
+    """Import the data plane (it needs torch) and resolve ``device``."""
     try:
         module = importlib.import_module("kvoffload.sim.dataplane_backend")
         allocation = importlib.import_module("kvoffload.dataplane.allocation")
@@ -134,17 +146,23 @@ def _data_plane(config: SimConfig, block_tokens: int, device: str, sizes: _Sizes
         raise KVOffloadError(
             f"--data-plane needs {exc.name}; install it with: pip install 'kvoffload[torch]'"
         ) from None
-    on_cpu = options.device_on_cpu(allocation, device)
+    return _DataPlane(module, device, options.device_on_cpu(allocation, device))
+
+
+def _data_plane(plane: _DataPlane, config: SimConfig, block_tokens: int, sizes: _Sizes) -> Any:
+    """The data plane's ``DataPlaneBackend``, its buffers checked against memory first."""
     layout = config.kv_layout(block_tokens)
     block = layout.bytes_per_block
     options.check_kv_buffers_fit(
         options.KVBuffer(config.gpu_blocks, block, sizes.gpu),
         options.KVBuffer(config.cpu_blocks, block, sizes.cpu),
-        on_cpu,
+        plane.on_cpu,
         " with --data-plane",
     )
     try:
-        return module.DataPlaneBackend(layout, config.gpu_blocks, config.cpu_blocks, device)
+        return plane.module.DataPlaneBackend(
+            layout, config.gpu_blocks, config.cpu_blocks, plane.device
+        )
     except InsufficientMemoryError as exc:  # the device's own memory (or pinning) refused
         raise InsufficientMemoryError(
             f"{sizes.gpu} and {sizes.cpu} with --data-plane: {exc}"
@@ -190,7 +208,7 @@ def _check_cpu_tier(args: argparse.Namespace, cpu_blocks: int | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if options.wants_param_list(args):
-        print(options.param_list(args.admission))
+        output.show(options.param_list(args.admission))
         return 0
     options.check_before_work(args)
     if args.device is not None and not args.data_plane:  # it would be ignored, unsaid
@@ -202,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
     options.check_tracker_size_used(args, [args.store_threshold], "--store-threshold 2 or more")
     options.check_name(args.policy, "--policy", resolve_policy)
     options.check_name(args.admission, "--admission", resolve_admission)
+    options.check_write_budget_runs(args)
     if args.layout is not None:  # else the data plane's or the default model's
         options.check_name(args.layout, "--layout", layout_preset)
     params = options.admission_param_pairs(args)
@@ -211,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
             args.admission, params, args.cpu_blocks, _cpu_option(args), "--admission"
         )
     observe_options.check_before_work(args)
+    plane = _data_plane_checked(args.device or DATA_PLANE_DEVICE) if args.data_plane else None
     workload = options.load_workload(options.workload_source(args), args.progress)
     bt = workload.block_tokens
     sizes = _sizes(args)
@@ -242,8 +262,7 @@ def run(args: argparse.Namespace) -> int:
     if args.no_bound:
         config = dataclasses.replace(config, bound=False)
     # The data plane's backend is duck-typed: a TransferBackend plus its check counters.
-    device = args.device or DATA_PLANE_DEVICE
-    backend: Any = _data_plane(config, bt, device, sizes) if args.data_plane else None
+    backend: Any = _data_plane(plane, config, bt, sizes) if plane is not None else None
     bar = ProgressBar("simulate", ProgressBar.wanted(args.progress))
     with observe_options.observing(args, bt) as observing:
         try:
@@ -274,7 +293,7 @@ def _write_results(
     if args.csv:
         output.write_csv(args.csv, [data])
     if "-" not in (args.json, args.csv):
-        print(format_report(report, plane, trace_format))
+        output.show(format_report(report, plane, trace_format))
     if plane is not None and plane.mismatched_blocks:
         raise DataPlaneMismatchError(
             f"data plane: {plane.mismatched_blocks} loaded blocks did not hold what was stored"

@@ -199,9 +199,7 @@ def run(args: argparse.Namespace) -> int:
 
         plots = plot_sweep(reports, args.plot_dir, _write_plot)
     if "-" not in (args.json, args.csv):
-        print(format_sweep(reports))
-        for path in plots:
-            print(f"plot: {path}")
+        output.show("\n".join([format_sweep(reports), *(f"plot: {path}" for path in plots)]))
     return 0
 
 
@@ -231,7 +229,7 @@ def _keep_finished(args: argparse.Namespace, stop: SweepStopped, label: str, sta
     else:
         _write(args, reports)
         if "-" not in (args.json, args.csv):
-            print(format_sweep(reports))
+            output.show(format_sweep(reports))
         if written:
             kept = f"the finished runs were written to {' and '.join(written)}"
         else:

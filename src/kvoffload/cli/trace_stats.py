@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         output.write_json(args.json, stats.as_dict())
     if args.json != "-":
-        print(format_stats(stats))
+        output.show(format_stats(stats))
     return 0
 
 
