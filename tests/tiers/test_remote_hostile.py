@@ -1278,6 +1278,43 @@ def test_after_a_failover_the_tier_finds_the_promoted_replica(tmp_path: Path) ->
         cluster.stop()
 
 
+def test_a_dead_node_s_address_answering_clusterdown_still_finds_the_promoted_replica(
+    tmp_path: Path,
+) -> None:
+    """A primary dies and a blank Cluster node (its ``nodes.conf`` lost) starts at its
+    address, then the replica takes the slots over: the blank node answers every command
+    with ``CLUSTERDOWN Hash slot not served``, never ``MOVED``, and an answer opens no
+    breaker, so the tier sent those slots there for good unless it asked for the map."""
+    cluster = ValkeyClusterProcesses(tmp_path / "blank").start()
+    replica = blank = None
+    tier = RemoteTier(cluster.url, fingerprint("blank"), breaker=CircuitBreaker(1, 0.2))
+    try:
+        keys = [block_id_key(i, 14) for i in range(30)]
+        store(tier, keys)
+        primary = cluster.nodes[2]
+        on_primary = [k for k in keys if tier.node_address(tier.name(k))[1] == primary.port]
+        assert 0 < len(on_primary) < len(keys)
+        replica = replica_of(primary, tmp_path / "replica")
+        primary.stop()
+        cluster_mode = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+        blank = ValkeyProcess(tmp_path / "restarted", *cluster_mode)
+        blank.port = primary.port
+        blank.start()
+        assert not any(read(tier, on_primary))
+        replica.client().execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
+        until = time.monotonic() + STALL_S
+        while not all(read(tier, on_primary)):
+            assert time.monotonic() < until, "the slots stayed on the blank node"
+            time.sleep(0.1)
+        assert {tier.node_address(tier.name(k))[1] for k in on_primary} == {replica.port}
+    finally:
+        tier.close()
+        for server in (replica, blank):
+            if server is not None:
+                server.stop()
+        cluster.stop()
+
+
 def test_simulate_against_a_server_paused_with_sigstop_at_start_up_or_mid_run(
     tmp_path: Path, own_server: ValkeyProcess
 ) -> None:

@@ -17,10 +17,10 @@ a write's through its write breaker: when a server is slow, paused or down, look
 and stores are dropped, counted, and the tier reconnects by itself once a trial call
 succeeds; reads, or writes, that keep failing while the node's other calls succeed (a
 server that drips its values, or takes in large requests slowly) are rested on their own.
-A Cluster's slot map is asked again of a live node when a node fails or is refused (a failover
-moves a dead node's slots, and the dead node cannot say where). A part left less time
-than the parts before it took is not charged to its node when it runs out of it
-(:meth:`RemoteTier._call`). A block the server evicted (maxmemory) is a plain miss. A
+A Cluster's slot map is asked again of a live node when a node fails, is refused or answers
+``CLUSTERDOWN`` (a failover moves a dead node's slots, and the dead node cannot say where).
+A part left less time than the parts before it took is not charged to its node when it runs
+out of it (:meth:`RemoteTier._call`). A block the server evicted (maxmemory) is a plain miss. A
 value that fails its header check, or whose announced length is not the layout's
 (refused before its bytes are read), is never loaded: it is counted corrupt and deleted.
 """
@@ -92,6 +92,12 @@ MAX_NODES = 1024
 a node beyond them is not followed, so a hostile server's made-up addresses cannot grow
 the tier's nodes, breakers and lookup threads without end. A node a new slot map leaves
 out is forgotten once no call uses it, so the cap bounds live nodes, not a long run's."""
+NOT_SERVED = "CLUSTERDOWN"
+"""Error code of a Cluster node that serves none of the slot's keys, without ``MOVED`` to say
+where they went: a node restarted blank at a dead node's address (its ``nodes.conf`` lost)
+answers it for every slot, and so does a Cluster while it is down. It has the slot map
+asked again, as a failure does: the breaker counts no failure for an answer, so without
+it the tier sent the slots there for good, after their failover too."""
 REFUSES_STORES = frozenset({"OOM", "MISCONF"})
 """Error codes of a server that will refuse every store until an operator acts: ``OOM``
 (full, maxmemory with ``noeviction``) and ``MISCONF`` (a snapshot failed to save, with
@@ -525,7 +531,8 @@ class RemoteTier(BacklogFigures):
         reply fails the call but is no failure of the node's: a full server (``OOM``,
         maxmemory with ``noeviction``) refusing stores opened its breaker, and its loads
         were refused with them. An ``OOM`` or ``MISCONF`` rests the node from stores instead
-        (:meth:`_Node.is_resting`)."""
+        (:meth:`_Node.is_resting`); a ``CLUSTERDOWN`` has the slot map asked again
+        (:data:`NOT_SERVED`)."""
         if deadline.passed():
             with self._lock:
                 self.unavailable += 1
@@ -566,6 +573,8 @@ class RemoteTier(BacklogFigures):
                     breaker.success()
                 if exc.code in REFUSES_STORES:
                     node.full_at = time.monotonic()
+                elif exc.code == NOT_SERVED:
+                    self._refresh_map_soon(node)
             elif starved and deadline.passed():
                 for breaker in breakers:
                     breaker.excuse()
