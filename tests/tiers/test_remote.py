@@ -394,6 +394,31 @@ def test_an_unreachable_server_fails_clearly_at_start_up(own_server: ValkeyProce
         RemoteTier(f"redis://127.0.0.1:{own_server.port}/0?timeout_ms=100", fingerprint("x"))
 
 
+def test_a_seed_that_refuses_the_connection_is_passed_over_for_the_next(
+    tmp_path: Path,
+) -> None:
+    """A Cluster URL's first seed at its ``maxclients`` (or ``LOADING`` as it restarts)
+    answers the connection with an error reply: start-up ended there, with the Cluster's
+    other seeds never asked; a standalone server's refusal still ends it in one line."""
+    cluster = ValkeyClusterProcesses(tmp_path / "seeds").start()
+    try:
+        full = cluster.nodes[0]
+        full.client().config_set("maxclients", 1)  # its one client: the admin connection
+        tier = RemoteTier(cluster.url, fingerprint("seeds"))
+        try:
+            assert tier.is_cluster
+            full.client().config_set("maxclients", 100)
+            store(tier, KEYS[:10])
+            assert tier.present(KEYS[:10]) == 10
+        finally:
+            tier.close()
+        full.client().config_set("maxclients", 1)
+        with pytest.raises(RemoteTierError, match="max number of clients"):
+            RemoteTier(full.url, fingerprint("seeds"))
+    finally:
+        cluster.stop()
+
+
 def test_blocks_the_server_evicted_are_plain_misses(tmp_path: Path) -> None:
     server = ValkeyProcess(
         tmp_path / "small", "--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru"

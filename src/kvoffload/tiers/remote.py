@@ -598,8 +598,12 @@ class RemoteTier(BacklogFigures):
     # Start-up: one deadline, clear errors.
 
     def _start(self) -> bool:
-        """Connect to the first seed that answers, all seeds under one deadline (hung
-        ones would otherwise cost ``timeout_ms`` each); whether it is a Cluster."""
+        """Connect to the first seed that answers and takes the tier, all seeds under one
+        deadline (hung ones would otherwise cost ``timeout_ms`` each); whether it is a
+        Cluster. A seed that refuses the connection with an error reply (``LOADING`` while
+        it restarts, at ``maxclients``) is passed over like one that does not answer; a
+        wrong password or a failed TLS handshake ends start-up at once, as every node
+        shares them."""
         where = self.address.redacted()
         last: ConnectError | None = None
         deadline = Deadline(self.address.timeout_s)
@@ -607,7 +611,7 @@ class RemoteTier(BacklogFigures):
             try:
                 connection = self._open(host, port, deadline)
             except ConnectError as exc:
-                if exc.kind not in ("network", "resolve"):
+                if exc.kind not in ("network", "resolve", "server"):
                     raise _start_error(exc, self.address, where) from None
                 last = exc
                 continue
