@@ -184,6 +184,23 @@ def test_ip_addresses_are_never_looked_up(host: str, lookup: ControlledLookup) -
     assert address[3][:2] == (host, 6379) and lookup.calls == 0
 
 
+@pytest.mark.parametrize("zone", ["lo", str(socket.if_nametoindex("lo"))])
+def test_an_ipv6_zone_becomes_the_address_s_scope(zone: str, lookup: ControlledLookup) -> None:
+    """``[fe80::1%25eth0]`` (docs/tiers.md): Python's ``connect`` takes the scope from the
+    address tuple, which said 0, so a link-local server was refused (``EINVAL``) whatever
+    its zone. The address is the system's own for that text, still without a lookup; an
+    interface that does not exist fails as a name that does not resolve."""
+    lookup.mode = "fail"
+    resolver = Resolver(lookup)
+    host = f"fe80::1%{zone}"
+    (address,) = resolver.resolve(host, 6379, Deadline(1))
+    numeric = socket.getaddrinfo(host, 6379, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    assert address[0] == socket.AF_INET6 and address[3] == numeric[0][4] and lookup.calls == 0
+    with pytest.raises(ConnectError, match="no network interface 'nosuch0'") as refused:
+        resolver.resolve("fe80::1%nosuch0", 6379, Deadline(1))
+    assert refused.value.kind == "resolve"
+
+
 UNSUPPORTED_FAMILY = 12345
 """An address family no kernel has, as AF_INET6 is on one booted with IPv6 turned off."""
 

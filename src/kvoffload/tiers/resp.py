@@ -304,14 +304,33 @@ class Resolver:
 
 
 def _numeric(host: str, port: int) -> list[Address] | None:
-    """The address of an IP ``host``, no lookup; ``None`` for a name."""
+    """The address of an IP ``host``, no lookup; ``None`` for a name. An IPv6 zone
+    (``fe80::1%eth0``) becomes the address's scope: Python's ``connect`` takes the scope
+    from the address tuple, not from the text, and a link-local address without one is
+    refused (``EINVAL``)."""
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
         return None
-    if ip.version == 4:
+    if isinstance(ip, ipaddress.IPv4Address):
         return [(socket.AF_INET, socket.SOCK_STREAM, 0, (host, port))]
-    return [(socket.AF_INET6, socket.SOCK_STREAM, 0, (host, port, 0, 0))]
+    address = host.partition("%")[0]
+    return [(socket.AF_INET6, socket.SOCK_STREAM, 0, (address, port, 0, _scope(ip, host)))]
+
+
+def _scope(ip: ipaddress.IPv6Address, host: str) -> int:
+    """The interface index of ``ip``'s zone (a name or a number); 0 without one."""
+    zone = ip.scope_id
+    if not zone:
+        return 0
+    if zone.isdigit():
+        return int(zone)
+    try:
+        return socket.if_nametoindex(zone)
+    except OSError:
+        raise ConnectError(
+            "resolve", f"cannot resolve host {host!r} (no network interface {zone!r})"
+        ) from None
 
 
 def _connect(addresses: list[Address], deadline: Deadline) -> socket.socket:
