@@ -177,6 +177,41 @@ def test_a_name_that_moved_is_looked_up_again_once_its_address_refuses(
         moved.stop()
 
 
+def test_stores_follow_the_name_once_its_old_primary_became_a_replica(tmp_path: Path) -> None:
+    """A standalone failover behind a name (a managed service's primary endpoint): the old
+    primary stays up as a replica, serving reads and answering every store ``READONLY``.
+    The tier's pooled connections and kept answer sent every store there (for the answer's
+    minute; for good with a longer time to keep it, as here); now a store or two later
+    they reach the new primary."""
+    old = ValkeyProcess(tmp_path / "old").start()
+    new = ValkeyProcess(tmp_path / "new").start()
+    where = {"port": old.port}
+
+    def lookup(host: str, port: int) -> list[Address]:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 0, ("127.0.0.1", where["port"]))]
+
+    tier = RemoteTier(
+        f"redis://{NAME}:6379/0?timeout_ms=2000",
+        fingerprint("demoted"),
+        resolver=Resolver(lookup, ttl_s=3600),
+    )
+    try:
+        store(tier, KEYS[:2])
+        new.client().execute_command("REPLICAOF", "NO", "ONE")
+        old.client().execute_command("REPLICAOF", "127.0.0.1", new.port)
+        where["port"] = new.port
+        for _ in range(10):
+            store(tier, KEYS[2:4])
+            if tier.stats.stored_blocks > 2:
+                break
+            tier.present(KEYS[:2])  # a lookup between, as an engine makes: a pooled connection
+        assert new.client().exists(tier.name(KEYS[2]), tier.name(KEYS[3])) == 2
+    finally:
+        tier.close()
+        old.stop()
+        new.stop()
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
 def test_ip_addresses_are_never_looked_up(host: str, lookup: ControlledLookup) -> None:
     lookup.mode = "fail"

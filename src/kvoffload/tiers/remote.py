@@ -98,6 +98,12 @@ where they went: a node restarted blank at a dead node's address (its ``nodes.co
 answers it for every slot, and so does a Cluster while it is down. It has the slot map
 asked again, as a failure does: the breaker counts no failure for an answer, so without
 it the tier sent the slots there for good, after their failover too."""
+DEMOTED = "READONLY"
+"""Error code of a server that became a replica: a standalone failover behind a DNS name (a
+managed service's primary endpoint) leaves the old primary up, serving reads and refusing
+every store. Its idle connections are closed and its name looked up again, so the stores
+after the next reach the new primary; before, pooled connections and the kept answer
+(a minute old at most) sent every store to the replica for that long."""
 REFUSES_STORES = frozenset({"OOM", "MISCONF"})
 """Error codes of a server that will refuse every store until an operator acts: ``OOM``
 (full, maxmemory with ``noeviction``) and ``MISCONF`` (a snapshot failed to save, with
@@ -193,12 +199,17 @@ class _Node:
                 return
         connection.close()
 
-    def close(self) -> None:
+    def drop_idle(self) -> None:
+        """Close the idle connections: they reach a server that no longer takes stores."""
         with self._lock:
-            self._closed = True
             idle, self._idle = self._idle, []
         for connection in idle:
             connection.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self.drop_idle()
 
 
 # What one block of a batch came to on its node.
@@ -532,7 +543,8 @@ class RemoteTier(BacklogFigures):
         maxmemory with ``noeviction``) refusing stores opened its breaker, and its loads
         were refused with them. An ``OOM`` or ``MISCONF`` rests the node from stores instead
         (:meth:`_Node.is_resting`); a ``CLUSTERDOWN`` has the slot map asked again
-        (:data:`NOT_SERVED`)."""
+        (:data:`NOT_SERVED`); a ``READONLY`` has the node's name looked up again
+        (:data:`DEMOTED`)."""
         if deadline.passed():
             with self._lock:
                 self.unavailable += 1
@@ -575,6 +587,9 @@ class RemoteTier(BacklogFigures):
                     node.full_at = time.monotonic()
                 elif exc.code == NOT_SERVED:
                     self._refresh_map_soon(node)
+                elif exc.code == DEMOTED:
+                    node.drop_idle()
+                    self._resolver.expire(node.host, node.port)
             elif starved and deadline.passed():
                 for breaker in breakers:
                     breaker.excuse()
