@@ -359,6 +359,30 @@ def test_a_user_the_acl_refuses_the_tier_s_commands_fails_clearly_at_start_up(
     assert own_server.client().keys("*") == []  # the probe wrote nothing
 
 
+def test_a_cluster_user_the_acl_refuses_asking_fails_clearly_at_start_up(
+    tmp_path: Path,
+) -> None:
+    """A Cluster's tier sends ASKING before each command an ``ASK`` redirects (a slot being
+    migrated): a user refused it started, then failed every block of a migrating slot,
+    counted, with no word of why; the message named only EXISTS, GET, SET and DEL."""
+    cluster = ValkeyClusterProcesses(tmp_path / "acl").start()
+    try:
+        for node in cluster.nodes:  # ACLs are each node's own
+            node.client().execute_command("ACL", "SETUSER", "kv", "on", ">pw", "~*", "+@all")
+            node.client().execute_command("ACL", "SETUSER", "kv", "-asking")
+        url = cluster.url.replace("redis://", "redis://kv:pw@")
+        with pytest.raises(RemoteTierError, match="may not run the tier's commands") as refusal:
+            RemoteTier(url, fingerprint("acl"))
+        assert "'asking'" in str(refusal.value) and "(and ASKING in a Cluster)" in str(
+            refusal.value
+        )
+        for node in cluster.nodes:
+            node.client().execute_command("ACL", "SETUSER", "kv", "+asking")
+        RemoteTier(url, fingerprint("acl")).close()
+    finally:
+        cluster.stop()
+
+
 def test_a_read_only_replica_fails_clearly_at_start_up(tmp_path: Path) -> None:
     """Every store to a replica fails with READONLY: start-up says so instead."""
     primary = ValkeyProcess(tmp_path / "primary").start()

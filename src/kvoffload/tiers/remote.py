@@ -632,7 +632,7 @@ class RemoteTier(BacklogFigures):
                 continue
             try:
                 cluster = self._discover(host, port, connection, deadline)
-                self._check_commands(connection, deadline)
+                self._check_commands(connection, deadline, cluster)
             except (OSError, ServerReplyError) as exc:
                 connection.close()
                 # A reply we refuse is the server's doing, not the network's.
@@ -660,20 +660,24 @@ class RemoteTier(BacklogFigures):
             self._learn_slots(host, connection, deadline)
         return cluster
 
-    def _check_commands(self, connection: Connection, deadline: Deadline) -> None:
+    def _check_commands(self, connection: Connection, deadline: Deadline, cluster: bool) -> None:
         """:class:`ServerReplyError` if the server refuses the commands the tier runs on its
         names: an ACL that denies one (``NOPERM``), a read-only replica, or a command
         renamed or disabled by ``rename-command`` (unknown). Such a tier started, then
         failed every lookup or store, counted, with no word of why. The probe name is never
         a block's (those end in hex); ``SET ... XX`` of an absent name writes nothing, and a
-        redirection means the command was allowed."""
+        redirection means the command was allowed. A Cluster's ``ASKING`` is probed first
+        (the EXISTS after it takes its flag): refused, every block of a slot being migrated
+        failed, counted, for as long as the migration ran."""
         probe = self._prefix + b"probe"
-        probes = {
+        probes = {"ASKING": ASKING} if cluster else {}
+        probes |= {
             "EXISTS": command(b"EXISTS", probe),
             "GET": command(b"GET", probe),
             "SET": command(b"SET", probe, b"", b"XX"),
             "DEL": command(b"DEL", probe),
         }
+        asking = " (and ASKING in a Cluster)" if cluster else ""
         connection.send([b"".join(probes.values())], deadline)
         replies = [connection.read_reply(deadline, MAX_LINE) for _ in probes]
         for name, reply in zip(probes, replies, strict=True):
@@ -682,12 +686,12 @@ class RemoteTier(BacklogFigures):
             if reply.code == "ERR" and "unknown command" in reply.message:
                 raise ServerReplyError(
                     f"the server does not know {name}, renamed or disabled (rename-command):"
-                    f" the tier needs EXISTS, GET, SET and DEL under their own names"
+                    f" the tier needs EXISTS, GET, SET and DEL{asking} under their own names"
                 )
             if reply.code == "NOPERM":
                 raise ServerReplyError(
                     f"the user may not run the tier's commands ({reply.message}): it needs "
-                    f"EXISTS, GET, SET and DEL on keys kvo{TRAILED_VERSION}:*"
+                    f"EXISTS, GET, SET and DEL on keys kvo{TRAILED_VERSION}:*{asking}"
                 )
             if reply.code == "READONLY":
                 raise ServerReplyError(
