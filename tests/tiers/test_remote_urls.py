@@ -176,6 +176,24 @@ def test_a_percent_encoded_password_authenticates_against_a_real_server(tmp_path
         server.stop()
 
 
+@pytest.mark.parametrize("username", ["", "kv"])
+@pytest.mark.parametrize("password", [SECRET, f"{SECRET}{'x' * 130}"])
+def test_a_server_that_quotes_auth_back_never_shows_the_password(
+    tmp_path: Path, username: str, password: str
+) -> None:
+    """A server without AUTH (``rename-command AUTH ""``, or one that lacks it) answers
+    ``unknown command 'AUTH', with args beginning with: 'pw'``, the quote cut at 128
+    bytes: start-up's error showed the password, or its first part."""
+    server = ValkeyProcess(tmp_path / "renamed", "--rename-command", "AUTH", "").start()
+    url = f"redis://{username}:{quote(password, safe='')}@127.0.0.1:{server.port}/0"
+    try:
+        with pytest.raises(RemoteTierError, match="unknown command 'AUTH'") as error:
+            RemoteTier(url, layout_fingerprint("quoted", layout_preset("tiny"), 8))
+        assert shows_no_secret(str(error.value)), str(error.value)
+    finally:
+        server.stop()
+
+
 def test_no_output_of_a_run_holds_the_password(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

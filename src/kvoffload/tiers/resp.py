@@ -113,10 +113,21 @@ def error_code(message: str) -> str:
 Reply = bytes | int | None | list["Reply"] | ErrorReply
 
 
-def _refused(reply: ErrorReply) -> ConnectError:
-    """The error of a connection whose set-up the server answered with ``reply``."""
-    auth = reply.code in ("WRONGPASS", "NOAUTH") or "AUTH" in reply.message
-    return ConnectError("auth" if auth else "server", reply.message)
+ECHOED_ARGUMENTS = ", with args beginning with:"
+"""Where Valkey's (and Redis's) reply to a command it does not know starts to quote the
+command's arguments: an AUTH renamed away (``rename-command``), or sent to a server that
+lacks it, had the password quoted back, and start-up's error showed it."""
+
+
+def _refused(reply: ErrorReply, password: str | None) -> ConnectError:
+    """The error of a connection whose set-up the server answered with ``reply``, without
+    ``password``: the arguments a server quotes back are cut off (it quotes a long one
+    cut, which no search for the whole would find), and the password anywhere else hidden."""
+    message = reply.message.partition(ECHOED_ARGUMENTS)[0]
+    if password:
+        message = message.replace(password, "***")
+    auth = reply.code in ("WRONGPASS", "NOAUTH") or "AUTH" in message
+    return ConnectError("auth" if auth else "server", message)
 
 
 class Deadline:
@@ -424,12 +435,12 @@ class Connection:
         *setup, ping = replies
         for reply in setup:
             if isinstance(reply, ErrorReply):
-                raise _refused(reply)
+                raise _refused(reply, credentials.password)
         # A server that cannot persist refuses PING with MISCONF as it refuses writes, yet
         # serves reads: it answered in RESP, so the connection is good (its stores then rest
         # the node, see the shared tier's ``REFUSES_STORES``), not a failure of every call.
         if isinstance(ping, ErrorReply) and ping.code != "MISCONF":
-            raise _refused(ping)
+            raise _refused(ping, credentials.password)
 
     def close(self) -> None:
         self.sock.close()
