@@ -71,6 +71,7 @@ from kvoffload.tiers.resp import (
     ProtocolError,
     Reply,
     Resolver,
+    TLSContexts,
     command,
     error_code,
 )
@@ -311,7 +312,7 @@ class RemoteTier(BacklogFigures):
             self.address.db,
             self.address.tls_options,
         )
-        self._context = _tls_context(self._credentials, self.address.redacted())
+        self._tls = _tls_contexts(self._credentials, self.address.redacted())
         self._nodes: dict[tuple[str, int], _Node] = {}
         self._slots: list[_Node] | None = None
         """A Cluster's owner of each hash slot; ``None`` for a standalone server."""
@@ -607,7 +608,7 @@ class RemoteTier(BacklogFigures):
 
     def _open(self, host: str, port: int, deadline: Deadline) -> Connection:
         return Connection.open(
-            host, port, self._credentials, self._context, deadline, self._resolver
+            host, port, self._credentials, self._tls.get(), deadline, self._resolver
         )
 
     # Start-up: one deadline, clear errors.
@@ -1150,9 +1151,9 @@ def _read_error(reply: ErrorReply) -> _Status:
     raise ServerReplyError(reply.message)
 
 
-def _tls_context(credentials: Credentials, where: str) -> ssl.SSLContext | None:
+def _tls_contexts(credentials: Credentials, where: str) -> TLSContexts:
     try:
-        return credentials.context()
+        return TLSContexts(credentials)
     except (OSError, ssl.SSLError) as exc:
         raise RemoteTierError(f"remote tier {where}: cannot load the TLS files ({exc})") from None
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import os
 import select
 import socket
 import ssl
@@ -194,6 +195,59 @@ class Credentials:
         if options.certfile:
             context.load_cert_chain(options.certfile, options.keyfile, _no_pass_phrase)
         return context
+
+
+FileStamp = tuple[int, int, int] | None
+"""A file's inode, size and modification time (ns); ``None`` if it cannot be read."""
+
+
+class TLSContexts:
+    """The client's TLS context for each new connection, made again from ``credentials``'
+    files (CA bundle, certificate, key) once one of them changes on disk.
+
+    Certificates are rotated in place (cert-manager's renewals, short-lived SPIFFE ones):
+    a context made once kept the first files, so once they expired, or the server's CA
+    moved on, every new connection of a running tier failed its handshake until a restart.
+    A change seen mid-rotation (a certificate whose key is not written yet) keeps the
+    context in use and is tried again at the next connection. Thread-safe."""
+
+    def __init__(self, credentials: Credentials) -> None:
+        options = credentials.tls
+        self._credentials = credentials
+        self._paths = (
+            []
+            if options is None
+            else [path for path in (options.ca_certs, options.certfile, options.keyfile) if path]
+        )
+        self._lock = threading.Lock()
+        self._stamps = self._read_stamps()
+        self._context = credentials.context()  # raises at start-up, where it is reported
+
+    def get(self) -> ssl.SSLContext | None:
+        """The context to connect with: the files' own, as they are now where they can be
+        loaded."""
+        if not self._paths:
+            return self._context
+        stamps = self._read_stamps()
+        with self._lock:
+            if stamps != self._stamps:
+                try:
+                    self._context = self._credentials.context()
+                    self._stamps = stamps
+                except (OSError, ssl.SSLError):
+                    pass  # half rotated: the files in use keep serving, read again next time
+            return self._context
+
+    def _read_stamps(self) -> list[FileStamp]:
+        stamps: list[FileStamp] = []
+        for path in self._paths:
+            try:
+                status = os.stat(path)
+            except OSError:
+                stamps.append(None)
+                continue
+            stamps.append((status.st_ino, status.st_size, status.st_mtime_ns))
+        return stamps
 
 
 def _no_pass_phrase() -> bytes:
