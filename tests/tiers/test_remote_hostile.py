@@ -1103,6 +1103,30 @@ def test_after_a_resharding_one_moved_reply_teaches_the_whole_slot_map(tmp_path:
         cluster.stop()
 
 
+def test_a_redirection_to_a_node_of_unknown_host_name_goes_to_the_answering_host(
+    tmp_path: Path,
+) -> None:
+    """With ``cluster-preferred-endpoint-type hostname``, a node without a host name is
+    announced as ``?``: CLUSTER SLOTS' ``?`` was the seed's host, but ``MOVED 3999 ?:port``
+    was looked up as a name, and the moved slot's keys failed until the next slot map."""
+    cluster = ValkeyClusterProcesses(tmp_path / "unknown-host").start()
+    tier = RemoteTier(cluster.url, fingerprint("unknown-host"), breaker=CircuitBreaker(100))
+    try:
+        for node in cluster.nodes:
+            node.client().config_set("cluster-preferred-endpoint-type", "hostname")
+        source, target = cluster.nodes[2], cluster.nodes[0]
+        keys = [block_id_key(i, 18) for i in range(200)]
+        key = next(k for k in keys if tier.node_address(tier.name(k))[1] == source.port)
+        store(tier, [key])
+        slot = source.client().execute_command("CLUSTER", "KEYSLOT", tier.name(key))
+        move_slot(cluster, slot, source, target)
+        assert tier.held([key]) == [True]
+        assert tier.node_address(tier.name(key)) == ("127.0.0.1", target.port)
+    finally:
+        tier.close()
+        cluster.stop()
+
+
 def test_each_key_of_a_batch_has_its_own_redirections(tmp_path: Path) -> None:
     """Three slots, one per node, each moved to the next node and then migrating on to the
     third: each key takes a MOVED and an ASK, two redirections, six in the batch. With one

@@ -1101,14 +1101,19 @@ def _ok(reply: Reply) -> Reply:
 
 def _redirect(reply: ErrorReply) -> _Redirect | None:
     """The redirection in ``-MOVED 3999 host:port`` or ``-ASK 3999 host:port`` (``None``:
-    not one, or to no TCP port)."""
+    not one, or to no TCP port). A host of ``""`` or ``?`` (a node without the host name a
+    Cluster with ``cluster-preferred-endpoint-type hostname`` announces) is the answering
+    node's, as CLUSTER SLOTS' is the seed's: ``?`` was looked up as a name, and every key
+    of the slot failed until the next slot map."""
     parts = reply.message.split()
     if len(parts) != 3 or parts[0] not in ("MOVED", "ASK"):
         return None
     host, _, port = parts[2].rpartition(":")
+    host = host.strip("[]")
     try:
         number = int(port)
-        redirect = _Redirect(int(parts[1]) % SLOTS, (host.strip("[]"), number), parts[0] == "ASK")
+        address = ("" if host == "?" else host, number)
+        redirect = _Redirect(int(parts[1]) % SLOTS, address, parts[0] == "ASK")
     except ValueError:
         return None
     return redirect if 0 < number <= MAX_PORT else None  # no TCP port: an error, not a node
