@@ -359,6 +359,30 @@ def test_a_user_the_acl_refuses_the_tier_s_commands_fails_clearly_at_start_up(
     assert own_server.client().keys("*") == []  # the probe wrote nothing
 
 
+def test_a_cluster_user_the_acl_refuses_asking_fails_clearly_at_start_up(
+    tmp_path: Path,
+) -> None:
+    """A Cluster's tier sends ASKING before each command an ``ASK`` redirects (a slot being
+    migrated): a user refused it started, then failed every block of a migrating slot,
+    counted, with no word of why; the message named only EXISTS, GET, SET and DEL."""
+    cluster = ValkeyClusterProcesses(tmp_path / "acl").start()
+    try:
+        for node in cluster.nodes:  # ACLs are each node's own
+            node.client().execute_command("ACL", "SETUSER", "kv", "on", ">pw", "~*", "+@all")
+            node.client().execute_command("ACL", "SETUSER", "kv", "-asking")
+        url = cluster.url.replace("redis://", "redis://kv:pw@")
+        with pytest.raises(RemoteTierError, match="may not run the tier's commands") as refusal:
+            RemoteTier(url, fingerprint("acl"))
+        assert "'asking'" in str(refusal.value) and "(and ASKING in a Cluster)" in str(
+            refusal.value
+        )
+        for node in cluster.nodes:
+            node.client().execute_command("ACL", "SETUSER", "kv", "+asking")
+        RemoteTier(url, fingerprint("acl")).close()
+    finally:
+        cluster.stop()
+
+
 def test_a_read_only_replica_fails_clearly_at_start_up(tmp_path: Path) -> None:
     """Every store to a replica fails with READONLY: start-up says so instead."""
     primary = ValkeyProcess(tmp_path / "primary").start()
@@ -392,6 +416,31 @@ def test_a_server_that_renamed_a_tier_command_fails_clearly_at_start_up(
 def test_an_unreachable_server_fails_clearly_at_start_up(own_server: ValkeyProcess) -> None:
     with pytest.raises(RemoteTierError, match="not reachable"):
         RemoteTier(f"redis://127.0.0.1:{own_server.port}/0?timeout_ms=100", fingerprint("x"))
+
+
+def test_a_seed_that_refuses_the_connection_is_passed_over_for_the_next(
+    tmp_path: Path,
+) -> None:
+    """A Cluster URL's first seed at its ``maxclients`` (or ``LOADING`` as it restarts)
+    answers the connection with an error reply: start-up ended there, with the Cluster's
+    other seeds never asked; a standalone server's refusal still ends it in one line."""
+    cluster = ValkeyClusterProcesses(tmp_path / "seeds").start()
+    try:
+        full = cluster.nodes[0]
+        full.client().config_set("maxclients", 1)  # its one client: the admin connection
+        tier = RemoteTier(cluster.url, fingerprint("seeds"))
+        try:
+            assert tier.is_cluster
+            full.client().config_set("maxclients", 100)
+            store(tier, KEYS[:10])
+            assert tier.present(KEYS[:10]) == 10
+        finally:
+            tier.close()
+        full.client().config_set("maxclients", 1)
+        with pytest.raises(RemoteTierError, match="max number of clients"):
+            RemoteTier(full.url, fingerprint("seeds"))
+    finally:
+        cluster.stop()
 
 
 def test_blocks_the_server_evicted_are_plain_misses(tmp_path: Path) -> None:

@@ -177,11 +177,63 @@ def test_a_name_that_moved_is_looked_up_again_once_its_address_refuses(
         moved.stop()
 
 
+def test_stores_follow_the_name_once_its_old_primary_became_a_replica(tmp_path: Path) -> None:
+    """A standalone failover behind a name (a managed service's primary endpoint): the old
+    primary stays up as a replica, serving reads and answering every store ``READONLY``.
+    The tier's pooled connections and kept answer sent every store there (for the answer's
+    minute; for good with a longer time to keep it, as here); now a store or two later
+    they reach the new primary."""
+    old = ValkeyProcess(tmp_path / "old").start()
+    new = ValkeyProcess(tmp_path / "new").start()
+    where = {"port": old.port}
+
+    def lookup(host: str, port: int) -> list[Address]:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 0, ("127.0.0.1", where["port"]))]
+
+    tier = RemoteTier(
+        f"redis://{NAME}:6379/0?timeout_ms=2000",
+        fingerprint("demoted"),
+        resolver=Resolver(lookup, ttl_s=3600),
+    )
+    try:
+        store(tier, KEYS[:2])
+        new.client().execute_command("REPLICAOF", "NO", "ONE")
+        old.client().execute_command("REPLICAOF", "127.0.0.1", new.port)
+        where["port"] = new.port
+        for _ in range(10):
+            store(tier, KEYS[2:4])
+            if tier.stats.stored_blocks > 2:
+                break
+            tier.present(KEYS[:2])  # a lookup between, as an engine makes: a pooled connection
+        assert new.client().exists(tier.name(KEYS[2]), tier.name(KEYS[3])) == 2
+    finally:
+        tier.close()
+        old.stop()
+        new.stop()
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
 def test_ip_addresses_are_never_looked_up(host: str, lookup: ControlledLookup) -> None:
     lookup.mode = "fail"
     (address,) = Resolver(lookup).resolve(host, 6379, Deadline(1))
     assert address[3][:2] == (host, 6379) and lookup.calls == 0
+
+
+@pytest.mark.parametrize("zone", ["lo", str(socket.if_nametoindex("lo"))])
+def test_an_ipv6_zone_becomes_the_address_s_scope(zone: str, lookup: ControlledLookup) -> None:
+    """``[fe80::1%25eth0]`` (docs/tiers.md): Python's ``connect`` takes the scope from the
+    address tuple, which said 0, so a link-local server was refused (``EINVAL``) whatever
+    its zone. The address is the system's own for that text, still without a lookup; an
+    interface that does not exist fails as a name that does not resolve."""
+    lookup.mode = "fail"
+    resolver = Resolver(lookup)
+    host = f"fe80::1%{zone}"
+    (address,) = resolver.resolve(host, 6379, Deadline(1))
+    numeric = socket.getaddrinfo(host, 6379, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    assert address[0] == socket.AF_INET6 and address[3] == numeric[0][4] and lookup.calls == 0
+    with pytest.raises(ConnectError, match="no network interface 'nosuch0'") as refused:
+        resolver.resolve("fe80::1%nosuch0", 6379, Deadline(1))
+    assert refused.value.kind == "resolve"
 
 
 UNSUPPORTED_FAMILY = 12345

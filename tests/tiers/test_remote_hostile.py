@@ -1103,6 +1103,30 @@ def test_after_a_resharding_one_moved_reply_teaches_the_whole_slot_map(tmp_path:
         cluster.stop()
 
 
+def test_a_redirection_to_a_node_of_unknown_host_name_goes_to_the_answering_host(
+    tmp_path: Path,
+) -> None:
+    """With ``cluster-preferred-endpoint-type hostname``, a node without a host name is
+    announced as ``?``: CLUSTER SLOTS' ``?`` was the seed's host, but ``MOVED 3999 ?:port``
+    was looked up as a name, and the moved slot's keys failed until the next slot map."""
+    cluster = ValkeyClusterProcesses(tmp_path / "unknown-host").start()
+    tier = RemoteTier(cluster.url, fingerprint("unknown-host"), breaker=CircuitBreaker(100))
+    try:
+        for node in cluster.nodes:
+            node.client().config_set("cluster-preferred-endpoint-type", "hostname")
+        source, target = cluster.nodes[2], cluster.nodes[0]
+        keys = [block_id_key(i, 18) for i in range(200)]
+        key = next(k for k in keys if tier.node_address(tier.name(k))[1] == source.port)
+        store(tier, [key])
+        slot = source.client().execute_command("CLUSTER", "KEYSLOT", tier.name(key))
+        move_slot(cluster, slot, source, target)
+        assert tier.held([key]) == [True]
+        assert tier.node_address(tier.name(key)) == ("127.0.0.1", target.port)
+    finally:
+        tier.close()
+        cluster.stop()
+
+
 def test_each_key_of_a_batch_has_its_own_redirections(tmp_path: Path) -> None:
     """Three slots, one per node, each moved to the next node and then migrating on to the
     third: each key takes a MOVED and an ASK, two redirections, six in the batch. With one
@@ -1275,6 +1299,43 @@ def test_after_a_failover_the_tier_finds_the_promoted_replica(tmp_path: Path) ->
         tier.close()
         if replica is not None:
             replica.stop()
+        cluster.stop()
+
+
+def test_a_dead_node_s_address_answering_clusterdown_still_finds_the_promoted_replica(
+    tmp_path: Path,
+) -> None:
+    """A primary dies and a blank Cluster node (its ``nodes.conf`` lost) starts at its
+    address, then the replica takes the slots over: the blank node answers every command
+    with ``CLUSTERDOWN Hash slot not served``, never ``MOVED``, and an answer opens no
+    breaker, so the tier sent those slots there for good unless it asked for the map."""
+    cluster = ValkeyClusterProcesses(tmp_path / "blank").start()
+    replica = blank = None
+    tier = RemoteTier(cluster.url, fingerprint("blank"), breaker=CircuitBreaker(1, 0.2))
+    try:
+        keys = [block_id_key(i, 14) for i in range(30)]
+        store(tier, keys)
+        primary = cluster.nodes[2]
+        on_primary = [k for k in keys if tier.node_address(tier.name(k))[1] == primary.port]
+        assert 0 < len(on_primary) < len(keys)
+        replica = replica_of(primary, tmp_path / "replica")
+        primary.stop()
+        cluster_mode = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+        blank = ValkeyProcess(tmp_path / "restarted", *cluster_mode)
+        blank.port = primary.port
+        blank.start()
+        assert not any(read(tier, on_primary))
+        replica.client().execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
+        until = time.monotonic() + STALL_S
+        while not all(read(tier, on_primary)):
+            assert time.monotonic() < until, "the slots stayed on the blank node"
+            time.sleep(0.1)
+        assert {tier.node_address(tier.name(k))[1] for k in on_primary} == {replica.port}
+    finally:
+        tier.close()
+        for server in (replica, blank):
+            if server is not None:
+                server.stop()
         cluster.stop()
 
 

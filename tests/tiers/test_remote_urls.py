@@ -156,6 +156,25 @@ def test_a_password_option_is_refused_by_name_from_the_command_line(
     assert shows_no_secret(line), line
 
 
+def test_an_empty_password_without_a_user_asks_for_no_auth(tmp_path: Path) -> None:
+    """``redis://:@host``, as a template with an empty password writes it, sent AUTH "",
+    which a server without a password refuses too: start-up failed with "authentication
+    failed" under a URL that showed no credentials. A user's empty password is still sent."""
+    server = ValkeyProcess(tmp_path / "no-password").start()
+    fp = layout_fingerprint("empty", layout_preset("tiny"), 8)
+    try:
+        tier = RemoteTier(f"redis://:@127.0.0.1:{server.port}/0", fp)
+        try:
+            tier.write([block_id_key(1)], [b"12345678"])
+            tier.poll(wait=True)
+            assert tier.present([block_id_key(1)]) == 1
+        finally:
+            tier.close()
+    finally:
+        server.stop()
+    assert parse_remote_url("redis://kv:@h").password == ""
+
+
 def test_a_percent_encoded_password_authenticates_against_a_real_server(tmp_path: Path) -> None:
     password = f"{SECRET}/?@#%:"
     server = ValkeyProcess(tmp_path / "pw", password=password).start()
@@ -172,6 +191,24 @@ def test_a_percent_encoded_password_authenticates_against_a_real_server(tmp_path
         with pytest.raises(RemoteTierError, match="authentication failed") as error:
             RemoteTier(wrong, fp)
         assert shows_no_secret(str(error.value))
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("username", ["", "kv"])
+@pytest.mark.parametrize("password", [SECRET, f"{SECRET}{'x' * 130}"])
+def test_a_server_that_quotes_auth_back_never_shows_the_password(
+    tmp_path: Path, username: str, password: str
+) -> None:
+    """A server without AUTH (``rename-command AUTH ""``, or one that lacks it) answers
+    ``unknown command 'AUTH', with args beginning with: 'pw'``, the quote cut at 128
+    bytes: start-up's error showed the password, or its first part."""
+    server = ValkeyProcess(tmp_path / "renamed", "--rename-command", "AUTH", "").start()
+    url = f"redis://{username}:{quote(password, safe='')}@127.0.0.1:{server.port}/0"
+    try:
+        with pytest.raises(RemoteTierError, match="unknown command 'AUTH'") as error:
+            RemoteTier(url, layout_fingerprint("quoted", layout_preset("tiny"), 8))
+        assert shows_no_secret(str(error.value)), str(error.value)
     finally:
         server.stop()
 

@@ -34,7 +34,13 @@ from tier_helpers import tiny_fingerprint as fingerprint
 from kvoffload import OffloadKey, block_id_key
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.layout import layout_preset
-from kvoffload.tiers import RemoteTier, RemoteTierError, layout_fingerprint, parse_remote_url
+from kvoffload.tiers import (
+    CircuitBreaker,
+    RemoteTier,
+    RemoteTierError,
+    layout_fingerprint,
+    parse_remote_url,
+)
 from kvoffload.tiers.format import encode_trailed_block
 from tier_servers import BUS_OFFSET, ValkeyClusterProcesses, ValkeyProcess
 
@@ -331,6 +337,48 @@ def test_mutual_tls_with_and_without_a_client_certificate(
     stranger = mtls_server.url(ssl_ca_certs=certs.ca, ssl_certfile=certs.stranger_ca)
     with pytest.raises(RemoteTierError, match="TLS handshake failed"):
         RemoteTier(f"{stranger}&ssl_keyfile={certs.stranger_key}", fingerprint("mtls"))
+
+
+def test_a_client_certificate_rotated_on_disk_is_taken_by_new_connections(
+    tmp_path: Path, certs: Certs
+) -> None:
+    """cert-manager (or a SPIFFE agent) rewrites the client's certificate and key in place,
+    and the server comes to trust only the new one (the old one expired, or its CA moved
+    on): the tier kept the files it read at start-up, so every connection it made after
+    failed its handshake, until a restart."""
+    mounted = tmp_path / "mounted"
+    mounted.mkdir()
+    shutil.copy(certs.client, mounted / "client.pem")
+    shutil.copy(certs.client_key, mounted / "client.key")
+    by_stranger = ("-CA", str(certs.stranger_ca), "-CAkey", str(certs.stranger_key))
+    _certificate(tmp_path, "rotated", "/CN=kvoffload rotated client", *by_stranger)
+    server = TLSServer(tmp_path / "server", certs, client_certs=True)
+    try:
+        files = {"ssl_certfile": mounted / "client.pem", "ssl_keyfile": mounted / "client.key"}
+        url = server.url(ssl_ca_certs=certs.ca, **files)
+        tier = RemoteTier(url, fingerprint("rotated"), breaker=CircuitBreaker(threshold=100))
+        try:
+            round_trip(tier, KEYS)
+            for suffix in ("pem", "key"):  # each replaced whole, as a mounted secret is
+                staged = mounted / f"staged.{suffix}"
+                shutil.copy(tmp_path / f"rotated.{suffix}", staged)
+                os.replace(staged, mounted / f"client.{suffix}")
+            trusting_the_new = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            trusting_the_new.load_cert_chain(certs.server, certs.server_key)
+            trusting_the_new.load_verify_locations(certs.stranger_ca)
+            trusting_the_new.verify_mode = ssl.CERT_REQUIRED
+            assert server.terminator is not None
+            server.terminator.context = trusting_the_new
+            server.backend.client().execute_command("CLIENT", "KILL", "TYPE", "normal")
+            for _ in range(10):  # the pooled connections end as their backend's do
+                if tier.present(KEYS) == len(KEYS):
+                    break
+                time.sleep(0.1)
+            assert tier.present(KEYS) == len(KEYS)
+        finally:
+            tier.close()
+    finally:
+        server.stop()
 
 
 def test_tls_options_are_parsed_and_passed_to_the_client(certs: Certs) -> None:

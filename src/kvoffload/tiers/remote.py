@@ -17,10 +17,10 @@ a write's through its write breaker: when a server is slow, paused or down, look
 and stores are dropped, counted, and the tier reconnects by itself once a trial call
 succeeds; reads, or writes, that keep failing while the node's other calls succeed (a
 server that drips its values, or takes in large requests slowly) are rested on their own.
-A Cluster's slot map is asked again of a live node when a node fails or is refused (a failover
-moves a dead node's slots, and the dead node cannot say where). A part left less time
-than the parts before it took is not charged to its node when it runs out of it
-(:meth:`RemoteTier._call`). A block the server evicted (maxmemory) is a plain miss. A
+A Cluster's slot map is asked again of a live node when a node fails, is refused or answers
+``CLUSTERDOWN`` (a failover moves a dead node's slots, and the dead node cannot say where).
+A part left less time than the parts before it took is not charged to its node when it runs
+out of it (:meth:`RemoteTier._call`). A block the server evicted (maxmemory) is a plain miss. A
 value that fails its header check, or whose announced length is not the layout's
 (refused before its bytes are read), is never loaded: it is counted corrupt and deleted.
 """
@@ -71,6 +71,7 @@ from kvoffload.tiers.resp import (
     ProtocolError,
     Reply,
     Resolver,
+    TLSContexts,
     command,
     error_code,
 )
@@ -92,6 +93,18 @@ MAX_NODES = 1024
 a node beyond them is not followed, so a hostile server's made-up addresses cannot grow
 the tier's nodes, breakers and lookup threads without end. A node a new slot map leaves
 out is forgotten once no call uses it, so the cap bounds live nodes, not a long run's."""
+NOT_SERVED = "CLUSTERDOWN"
+"""Error code of a Cluster node that serves none of the slot's keys, without ``MOVED`` to say
+where they went: a node restarted blank at a dead node's address (its ``nodes.conf`` lost)
+answers it for every slot, and so does a Cluster while it is down. It has the slot map
+asked again, as a failure does: the breaker counts no failure for an answer, so without
+it the tier sent the slots there for good, after their failover too."""
+DEMOTED = "READONLY"
+"""Error code of a server that became a replica: a standalone failover behind a DNS name (a
+managed service's primary endpoint) leaves the old primary up, serving reads and refusing
+every store. Its idle connections are closed and its name looked up again, so the stores
+after the next reach the new primary; before, pooled connections and the kept answer
+(a minute old at most) sent every store to the replica for that long."""
 REFUSES_STORES = frozenset({"OOM", "MISCONF"})
 """Error codes of a server that will refuse every store until an operator acts: ``OOM``
 (full, maxmemory with ``noeviction``) and ``MISCONF`` (a snapshot failed to save, with
@@ -187,12 +200,17 @@ class _Node:
                 return
         connection.close()
 
-    def close(self) -> None:
+    def drop_idle(self) -> None:
+        """Close the idle connections: they reach a server that no longer takes stores."""
         with self._lock:
-            self._closed = True
             idle, self._idle = self._idle, []
         for connection in idle:
             connection.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self.drop_idle()
 
 
 # What one block of a batch came to on its node.
@@ -294,7 +312,7 @@ class RemoteTier(BacklogFigures):
             self.address.db,
             self.address.tls_options,
         )
-        self._context = _tls_context(self._credentials, self.address.redacted())
+        self._tls = _tls_contexts(self._credentials, self.address.redacted())
         self._nodes: dict[tuple[str, int], _Node] = {}
         self._slots: list[_Node] | None = None
         """A Cluster's owner of each hash slot; ``None`` for a standalone server."""
@@ -525,7 +543,9 @@ class RemoteTier(BacklogFigures):
         reply fails the call but is no failure of the node's: a full server (``OOM``,
         maxmemory with ``noeviction``) refusing stores opened its breaker, and its loads
         were refused with them. An ``OOM`` or ``MISCONF`` rests the node from stores instead
-        (:meth:`_Node.is_resting`)."""
+        (:meth:`_Node.is_resting`); a ``CLUSTERDOWN`` has the slot map asked again
+        (:data:`NOT_SERVED`); a ``READONLY`` has the node's name looked up again
+        (:data:`DEMOTED`)."""
         if deadline.passed():
             with self._lock:
                 self.unavailable += 1
@@ -566,6 +586,11 @@ class RemoteTier(BacklogFigures):
                     breaker.success()
                 if exc.code in REFUSES_STORES:
                     node.full_at = time.monotonic()
+                elif exc.code == NOT_SERVED:
+                    self._refresh_map_soon(node)
+                elif exc.code == DEMOTED:
+                    node.drop_idle()
+                    self._resolver.expire(node.host, node.port)
             elif starved and deadline.passed():
                 for breaker in breakers:
                     breaker.excuse()
@@ -583,14 +608,18 @@ class RemoteTier(BacklogFigures):
 
     def _open(self, host: str, port: int, deadline: Deadline) -> Connection:
         return Connection.open(
-            host, port, self._credentials, self._context, deadline, self._resolver
+            host, port, self._credentials, self._tls.get(), deadline, self._resolver
         )
 
     # Start-up: one deadline, clear errors.
 
     def _start(self) -> bool:
-        """Connect to the first seed that answers, all seeds under one deadline (hung
-        ones would otherwise cost ``timeout_ms`` each); whether it is a Cluster."""
+        """Connect to the first seed that answers and takes the tier, all seeds under one
+        deadline (hung ones would otherwise cost ``timeout_ms`` each); whether it is a
+        Cluster. A seed that refuses the connection with an error reply (``LOADING`` while
+        it restarts, at ``maxclients``) is passed over like one that does not answer; a
+        wrong password or a failed TLS handshake ends start-up at once, as every node
+        shares them."""
         where = self.address.redacted()
         last: ConnectError | None = None
         deadline = Deadline(self.address.timeout_s)
@@ -598,13 +627,13 @@ class RemoteTier(BacklogFigures):
             try:
                 connection = self._open(host, port, deadline)
             except ConnectError as exc:
-                if exc.kind not in ("network", "resolve"):
+                if exc.kind not in ("network", "resolve", "server"):
                     raise _start_error(exc, self.address, where) from None
                 last = exc
                 continue
             try:
                 cluster = self._discover(host, port, connection, deadline)
-                self._check_commands(connection, deadline)
+                self._check_commands(connection, deadline, cluster)
             except (OSError, ServerReplyError) as exc:
                 connection.close()
                 # A reply we refuse is the server's doing, not the network's.
@@ -632,20 +661,24 @@ class RemoteTier(BacklogFigures):
             self._learn_slots(host, connection, deadline)
         return cluster
 
-    def _check_commands(self, connection: Connection, deadline: Deadline) -> None:
+    def _check_commands(self, connection: Connection, deadline: Deadline, cluster: bool) -> None:
         """:class:`ServerReplyError` if the server refuses the commands the tier runs on its
         names: an ACL that denies one (``NOPERM``), a read-only replica, or a command
         renamed or disabled by ``rename-command`` (unknown). Such a tier started, then
         failed every lookup or store, counted, with no word of why. The probe name is never
         a block's (those end in hex); ``SET ... XX`` of an absent name writes nothing, and a
-        redirection means the command was allowed."""
+        redirection means the command was allowed. A Cluster's ``ASKING`` is probed first
+        (the EXISTS after it takes its flag): refused, every block of a slot being migrated
+        failed, counted, for as long as the migration ran."""
         probe = self._prefix + b"probe"
-        probes = {
+        probes = {"ASKING": ASKING} if cluster else {}
+        probes |= {
             "EXISTS": command(b"EXISTS", probe),
             "GET": command(b"GET", probe),
             "SET": command(b"SET", probe, b"", b"XX"),
             "DEL": command(b"DEL", probe),
         }
+        asking = " (and ASKING in a Cluster)" if cluster else ""
         connection.send([b"".join(probes.values())], deadline)
         replies = [connection.read_reply(deadline, MAX_LINE) for _ in probes]
         for name, reply in zip(probes, replies, strict=True):
@@ -654,12 +687,12 @@ class RemoteTier(BacklogFigures):
             if reply.code == "ERR" and "unknown command" in reply.message:
                 raise ServerReplyError(
                     f"the server does not know {name}, renamed or disabled (rename-command):"
-                    f" the tier needs EXISTS, GET, SET and DEL under their own names"
+                    f" the tier needs EXISTS, GET, SET and DEL{asking} under their own names"
                 )
             if reply.code == "NOPERM":
                 raise ServerReplyError(
                     f"the user may not run the tier's commands ({reply.message}): it needs "
-                    f"EXISTS, GET, SET and DEL on keys kvo{TRAILED_VERSION}:*"
+                    f"EXISTS, GET, SET and DEL on keys kvo{TRAILED_VERSION}:*{asking}"
                 )
             if reply.code == "READONLY":
                 raise ServerReplyError(
@@ -1068,14 +1101,19 @@ def _ok(reply: Reply) -> Reply:
 
 def _redirect(reply: ErrorReply) -> _Redirect | None:
     """The redirection in ``-MOVED 3999 host:port`` or ``-ASK 3999 host:port`` (``None``:
-    not one, or to no TCP port)."""
+    not one, or to no TCP port). A host of ``""`` or ``?`` (a node without the host name a
+    Cluster with ``cluster-preferred-endpoint-type hostname`` announces) is the answering
+    node's, as CLUSTER SLOTS' is the seed's: ``?`` was looked up as a name, and every key
+    of the slot failed until the next slot map."""
     parts = reply.message.split()
     if len(parts) != 3 or parts[0] not in ("MOVED", "ASK"):
         return None
     host, _, port = parts[2].rpartition(":")
+    host = host.strip("[]")
     try:
         number = int(port)
-        redirect = _Redirect(int(parts[1]) % SLOTS, (host.strip("[]"), number), parts[0] == "ASK")
+        address = ("" if host == "?" else host, number)
+        redirect = _Redirect(int(parts[1]) % SLOTS, address, parts[0] == "ASK")
     except ValueError:
         return None
     return redirect if 0 < number <= MAX_PORT else None  # no TCP port: an error, not a node
@@ -1118,9 +1156,9 @@ def _read_error(reply: ErrorReply) -> _Status:
     raise ServerReplyError(reply.message)
 
 
-def _tls_context(credentials: Credentials, where: str) -> ssl.SSLContext | None:
+def _tls_contexts(credentials: Credentials, where: str) -> TLSContexts:
     try:
-        return credentials.context()
+        return TLSContexts(credentials)
     except (OSError, ssl.SSLError) as exc:
         raise RemoteTierError(f"remote tier {where}: cannot load the TLS files ({exc})") from None
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import os
 import select
 import socket
 import ssl
@@ -113,10 +114,21 @@ def error_code(message: str) -> str:
 Reply = bytes | int | None | list["Reply"] | ErrorReply
 
 
-def _refused(reply: ErrorReply) -> ConnectError:
-    """The error of a connection whose set-up the server answered with ``reply``."""
-    auth = reply.code in ("WRONGPASS", "NOAUTH") or "AUTH" in reply.message
-    return ConnectError("auth" if auth else "server", reply.message)
+ECHOED_ARGUMENTS = ", with args beginning with:"
+"""Where Valkey's (and Redis's) reply to a command it does not know starts to quote the
+command's arguments: an AUTH renamed away (``rename-command``), or sent to a server that
+lacks it, had the password quoted back, and start-up's error showed it."""
+
+
+def _refused(reply: ErrorReply, password: str | None) -> ConnectError:
+    """The error of a connection whose set-up the server answered with ``reply``, without
+    ``password``: the arguments a server quotes back are cut off (it quotes a long one
+    cut, which no search for the whole would find), and the password anywhere else hidden."""
+    message = reply.message.partition(ECHOED_ARGUMENTS)[0]
+    if password:
+        message = message.replace(password, "***")
+    auth = reply.code in ("WRONGPASS", "NOAUTH") or "AUTH" in message
+    return ConnectError("auth" if auth else "server", message)
 
 
 class Deadline:
@@ -183,6 +195,59 @@ class Credentials:
         if options.certfile:
             context.load_cert_chain(options.certfile, options.keyfile, _no_pass_phrase)
         return context
+
+
+FileStamp = tuple[int, int, int] | None
+"""A file's inode, size and modification time (ns); ``None`` if it cannot be read."""
+
+
+class TLSContexts:
+    """The client's TLS context for each new connection, made again from ``credentials``'
+    files (CA bundle, certificate, key) once one of them changes on disk.
+
+    Certificates are rotated in place (cert-manager's renewals, short-lived SPIFFE ones):
+    a context made once kept the first files, so once they expired, or the server's CA
+    moved on, every new connection of a running tier failed its handshake until a restart.
+    A change seen mid-rotation (a certificate whose key is not written yet) keeps the
+    context in use and is tried again at the next connection. Thread-safe."""
+
+    def __init__(self, credentials: Credentials) -> None:
+        options = credentials.tls
+        self._credentials = credentials
+        self._paths = (
+            []
+            if options is None
+            else [path for path in (options.ca_certs, options.certfile, options.keyfile) if path]
+        )
+        self._lock = threading.Lock()
+        self._stamps = self._read_stamps()
+        self._context = credentials.context()  # raises at start-up, where it is reported
+
+    def get(self) -> ssl.SSLContext | None:
+        """The context to connect with: the files' own, as they are now where they can be
+        loaded."""
+        if not self._paths:
+            return self._context
+        stamps = self._read_stamps()
+        with self._lock:
+            if stamps != self._stamps:
+                try:
+                    self._context = self._credentials.context()
+                    self._stamps = stamps
+                except (OSError, ssl.SSLError):
+                    pass  # half rotated: the files in use keep serving, read again next time
+            return self._context
+
+    def _read_stamps(self) -> list[FileStamp]:
+        stamps: list[FileStamp] = []
+        for path in self._paths:
+            try:
+                status = os.stat(path)
+            except OSError:
+                stamps.append(None)
+                continue
+            stamps.append((status.st_ino, status.st_size, status.st_mtime_ns))
+        return stamps
 
 
 def _no_pass_phrase() -> bytes:
@@ -304,14 +369,33 @@ class Resolver:
 
 
 def _numeric(host: str, port: int) -> list[Address] | None:
-    """The address of an IP ``host``, no lookup; ``None`` for a name."""
+    """The address of an IP ``host``, no lookup; ``None`` for a name. An IPv6 zone
+    (``fe80::1%eth0``) becomes the address's scope: Python's ``connect`` takes the scope
+    from the address tuple, not from the text, and a link-local address without one is
+    refused (``EINVAL``)."""
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
         return None
-    if ip.version == 4:
+    if isinstance(ip, ipaddress.IPv4Address):
         return [(socket.AF_INET, socket.SOCK_STREAM, 0, (host, port))]
-    return [(socket.AF_INET6, socket.SOCK_STREAM, 0, (host, port, 0, 0))]
+    address = host.partition("%")[0]
+    return [(socket.AF_INET6, socket.SOCK_STREAM, 0, (address, port, 0, _scope(ip, host)))]
+
+
+def _scope(ip: ipaddress.IPv6Address, host: str) -> int:
+    """The interface index of ``ip``'s zone (a name or a number); 0 without one."""
+    zone = ip.scope_id
+    if not zone:
+        return 0
+    if zone.isdigit():
+        return int(zone)
+    try:
+        return socket.if_nametoindex(zone)
+    except OSError:
+        raise ConnectError(
+            "resolve", f"cannot resolve host {host!r} (no network interface {zone!r})"
+        ) from None
 
 
 def _connect(addresses: list[Address], deadline: Deadline) -> socket.socket:
@@ -405,12 +489,12 @@ class Connection:
         *setup, ping = replies
         for reply in setup:
             if isinstance(reply, ErrorReply):
-                raise _refused(reply)
+                raise _refused(reply, credentials.password)
         # A server that cannot persist refuses PING with MISCONF as it refuses writes, yet
         # serves reads: it answered in RESP, so the connection is good (its stores then rest
         # the node, see the shared tier's ``REFUSES_STORES``), not a failure of every call.
         if isinstance(ping, ErrorReply) and ping.code != "MISCONF":
-            raise _refused(ping)
+            raise _refused(ping, credentials.password)
 
     def close(self) -> None:
         self.sock.close()

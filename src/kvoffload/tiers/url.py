@@ -148,6 +148,11 @@ def parse_remote_url(url: str) -> RemoteAddress:
         if not colon and username is not None:
             # "redis://secret@host" is a password alone, as redis-py reads it.
             username, password = None, username
+        if username is None and not password:
+            # "redis://:@host" (a template's empty password) asks for no AUTH, as redis-py
+            # reads it: a server without a password refuses AUTH "", and one with a
+            # password takes "" only if an ACL set the default user's to it.
+            password = None
     hosts = tuple(_host(part, shown) for part in hostlist.split(","))
     db = _int(path.strip("/") or "0", "database number", shown)
     options = parse_qs(query, keep_blank_values=True)
