@@ -318,6 +318,14 @@ class TieredOffloadingManager(OffloadingManager):
         _remember_unanswered(sighted, request, found is None)
         return found
 
+    def release_reservations(self, keys: Iterable[OffloadKey]) -> None:
+        """The requester that looked ``keys`` up has gone (finished or aborted): end every
+        reservation they reach, as an answered lookup that reaches one without hitting it
+        does. An aborted request's promotion would otherwise stay pinned for
+        ``reserve_lookups`` lookups, and on a small CPU tier refuse stores meanwhile."""
+        if self._reserved:
+            self._release_reached(list(keys), [])
+
     def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
         """Pin ``keys`` for a load; the reservations a lookup claimed for it pass to the load."""
         if not isinstance(keys, SINGLE_KEY_TYPES):  # refused by the CPU tier
