@@ -195,3 +195,37 @@ def test_keys_asked_from_the_last_back_are_looked_up_one_at_a_time(
     assert answers == [LookupResult.RETRY] * BLOCKS
     assert asked == [1] * BLOCKS
     assert tiered.promotion_batches == [BLOCKS]
+
+
+def test_an_aborted_request_s_promotion_is_released_for_other_stores(
+    vllm_modules: dict[str, ModuleType],
+    tmp_path: Path,
+    instances: Callable[..., Instance],
+) -> None:
+    """A request vLLM aborts after its promotion landed (a client gone while it waited)
+    left the promoted blocks reserved for ``reserve_lookups`` lookups: on a CPU tier they
+    fill, every store was refused meanwhile. Its finish now releases them."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import RequestStatus
+
+    extra = {**_disk(tmp_path), "cpu_bytes_to_use": 4 * BLOCK_BYTES}
+    instance = instances(extra, model=f"abort-{tmp_path.name}")
+    request = vllm_request("gone", list(range(16 * BLOCKS + 1)))
+    keys = offload_keys(request)
+    tiered = instance.manager.backing
+    (disk,) = tiered.tiers
+    size = instance.scheduler.bytes_per_block
+    disk.write(keys, [bytes([i]) * size for i in range(BLOCKS)])
+    disk.poll(wait=True)
+    scheduler = connector_scheduler(instance.scheduler)
+    assert _matched(scheduler, request) == 16 * 4
+    assert all(tiered.is_reserved(key) for key in keys[:4])
+
+    request.status = RequestStatus.FINISHED_ABORTED
+    scheduler.request_finished(request)
+    step = SchedulerOutput.make_empty()  # the step that tells the manager of the finish
+    step.finished_req_ids = {request.request_id}
+    scheduler.build_connector_meta(step)
+
+    assert not any(tiered.is_reserved(key) for key in keys)
+    assert instance.manager.prepare_store(OTHERS[:4], request_context("next", OTHERS[:4]))

@@ -680,3 +680,35 @@ def test_a_lookup_retried_after_none_is_not_counted_again_by_a_tier_threshold(
         assert disk.present([K[1]]) == 1
     finally:
         m.close()
+
+
+def test_a_requester_that_goes_away_releases_its_promotion(tmp_path: Path) -> None:
+    """An aborted request's landed promotion stayed pinned for ``reserve_lookups`` lookups
+    (1,024 by default): on a 4-block CPU tier every store was refused meanwhile."""
+    m = stack(tmp_path, cpu_blocks=4)
+    try:
+        store(m, K[:4])
+        store(m, K[4:8])  # K0..K3 fall to disk
+        assert m.lookup(K[:4]) is None
+        m.poll()  # landed and reserved; the requester never asks again
+        assert all(m.is_reserved(key) for key in K[:4])
+        assert m.prepare_store([K[8]]) is None  # the whole tier is reserved
+        m.release_reservations(K[:4])
+        assert not any(m.is_reserved(key) for key in K[:4])
+        store(m, [K[8]])
+        assert sum(m.holds(key) for key in K[:4]) == 3  # released, not dropped: one made room
+    finally:
+        m.close()
+
+
+def test_releasing_keys_that_reach_no_reservation_changes_nothing(tmp_path: Path) -> None:
+    m = stack(tmp_path, cpu_blocks=4)
+    try:
+        store(m, K[:4])
+        store(m, K[4:8])
+        assert m.lookup(K[:2]) is None
+        m.poll()
+        m.release_reservations(K[6:9])
+        assert m.is_reserved(K[0]) and m.is_reserved(K[1])
+    finally:
+        m.close()

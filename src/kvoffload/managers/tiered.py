@@ -34,7 +34,6 @@ this module moves no bytes itself and imports no tier.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from kvoffload.admission.reuse_counts import reuse_counts
 from kvoffload.core.errors import BlockNotPinnedError, InvalidArgumentError, check_integer
 from kvoffload.core.keys import SINGLE_KEY_TYPES, OffloadKey, refuse_single_key
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from kvoffload.core.recent import RecentKeys
 from kvoffload.core.specs import CPULoadStoreSpec, LoadStoreSpec
 from kvoffload.core.tier_protocol import (
     LowerTier,
@@ -156,7 +156,6 @@ class TieredOffloadingManager(OffloadingManager):
         self._settings = [settings for _, settings in tiers]
         self._slot_bytes = slot_bytes
         self._wait = wait_for_tiers
-        self._max_tracker = max_tracker_size
         self._counting = any(s.store_threshold >= 2 for s in self._settings)
         self._seen = reuse_counts(max_tracker_size)
         self._slots: dict[OffloadKey, int] = {}
@@ -167,7 +166,7 @@ class TieredOffloadingManager(OffloadingManager):
         and the keys that landed with it (released together)."""
         self._reserve_lookups = reserve_lookups
         self._lookups = 0
-        self._failed: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._failed = RecentKeys(max_tracker_size)
         """Blocks whose promotion failed since a lookup last reached them (capped)."""
         self.cpu_stats = TierStats()
         self.promotion_batches = [0] * len(self.tiers)
@@ -186,10 +185,10 @@ class TieredOffloadingManager(OffloadingManager):
         ]
         """Per lower tier, its admission layer (``None``: its threshold alone decides)."""
         self._judging = any(layer is not None for layer in self.admissions)
-        self._sighted: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._sighted = RecentKeys(max_tracker_size)
         """The last keys of lookups answered ``None`` whose keys the books saw: their retries
         are not new."""
-        self._counted: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._counted = RecentKeys(max_tracker_size)
         """The last keys of lookups answered ``None`` whose keys the tiers' thresholds counted:
         their retries are not counted again."""
         self.offered_blocks = [0] * len(self.tiers)
@@ -231,7 +230,7 @@ class TieredOffloadingManager(OffloadingManager):
             self._expire()
         hits = self._lookup(keys)
         if self._counting and keys:
-            _remember_unanswered(self._counted, keys[-1], hits is None, self._max_tracker)
+            _remember_unanswered(self._counted, keys[-1], hits is None)
         if hits is not None and self._reserved:
             self._release_reached(keys, keys[:hits])
         return hits
@@ -254,7 +253,7 @@ class TieredOffloadingManager(OffloadingManager):
         rest = keys[hits:]
         if self._failed and keys[hits] in self._failed:
             for key in rest:
-                self._failed.pop(key, None)
+                self._failed.discard(key)
             return hits
         sources: list[tuple[int, list[OffloadKey]]] = []
         found = 0
@@ -316,8 +315,16 @@ class TieredOffloadingManager(OffloadingManager):
             for layer in layers:
                 layer.begin_request(rest, will_offer=False)
         found = self._reach(keys, hits)
-        _remember_unanswered(sighted, request, found is None, self._max_tracker)
+        _remember_unanswered(sighted, request, found is None)
         return found
+
+    def release_reservations(self, keys: Iterable[OffloadKey]) -> None:
+        """The requester that looked ``keys`` up has gone (finished or aborted): end every
+        reservation they reach, as an answered lookup that reaches one without hitting it
+        does. An aborted request's promotion would otherwise stay pinned for
+        ``reserve_lookups`` lookups, and on a small CPU tier refuse stores meanwhile."""
+        if self._reserved:
+            self._release_reached(list(keys), [])
 
     def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
         """Pin ``keys`` for a load; the reservations a lookup claimed for it pass to the load."""
@@ -587,25 +594,18 @@ class TieredOffloadingManager(OffloadingManager):
                 self._reserved.update(dict.fromkeys(batch, (self._lookups, batch)))
         if bad:
             self.cpu.complete_store(bad, False)
-            failed = self._failed
             for key in bad:
                 self._slots.pop(key, None)
-                failed[key] = None
-            while len(failed) > self._max_tracker:
-                failed.popitem(last=False)
+            self._failed.add_all(bad)
 
 
-def _remember_unanswered(
-    table: OrderedDict[OffloadKey, None], request: OffloadKey, unanswered: bool, limit: int
-) -> None:
+def _remember_unanswered(table: RecentKeys, request: OffloadKey, unanswered: bool) -> None:
     """Keep ``request`` (a lookup's last key) in ``table`` while its lookups are answered
-    ``None``, at most ``limit`` of them, the oldest dropped first; forget it once answered."""
+    ``None``; forget it once answered."""
     if unanswered:
-        table[request] = None
-        while len(table) > limit:
-            table.popitem(last=False)
+        table.add(request)
     else:
-        table.pop(request, None)
+        table.discard(request)
 
 
 def _policy_of(tier: LowerTier) -> CachePolicy | None:

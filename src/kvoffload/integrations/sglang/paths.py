@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import Any, cast
 from kvoffload.admission import AdmissionLayer
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent
+from kvoffload.core.recent import RecentKeys
 from kvoffload.core.specs import LoadStoreSpec
 from kvoffload.core.tier_protocol import LowerTier, Target, TierStats
 from kvoffload.tiers.block_sets import Payload
@@ -197,7 +197,7 @@ class TierPath:
         self._seen = (0, 0, 0, 0, 0)
         """The tier's (evicted, corrupt, rejected, unavailable, skipped_full) already in the
         counters."""
-        self._looked_up: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._looked_up = RecentKeys(LOOKED_UP_PAGES)
         """Pages a lookup asked this tier for, until their write-back (see :meth:`_admit`)."""
 
     def counters(self) -> TierCounters:
@@ -227,12 +227,7 @@ class TierPath:
             return
         with self._admission_lock:
             self.layer.begin_request(request, tier_hit=served, gpu_held=held)
-            asked = self._looked_up
-            for key in request[held:]:
-                asked[key] = None
-                asked.move_to_end(key)
-            while len(asked) > LOOKED_UP_PAGES:
-                asked.popitem(last=False)
+            self._looked_up.add_all(request[held:])
 
     def read(self, keys: Sequence[OffloadKey], target: Target) -> list[bool]:
         """Read ``keys`` into ``target`` (per key one buffer or its parts); per key, whether
@@ -374,7 +369,7 @@ class TierPath:
                 while covered < len(keys) and keys[covered] in asked:
                     covered += 1
                 for key in keys:
-                    asked.pop(key, None)
+                    asked.discard(key)
                 if covered < len(keys):
                     self.layer.begin_request(
                         [*prefix, *keys], gpu_held=len(prefix) + covered, looked_up=False

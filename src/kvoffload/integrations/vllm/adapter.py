@@ -34,6 +34,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -481,6 +482,9 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             began = self._sight(self._layer, (), req_context, will_offer=False)
             if began:
                 self._layer.end_request(began)
+        if self._tiered is not None:
+            # A promotion that landed for a request vLLM then aborted is of no use to it.
+            self._tiered.release_reservations(chain(state.index, state.seen))
         if not state.seen:
             return
         keys = list(state.seen)
