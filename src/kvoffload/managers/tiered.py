@@ -161,7 +161,7 @@ class TieredOffloadingManager(OffloadingManager):
         self._seen = reuse_counts(max_tracker_size)
         self._slots: dict[OffloadKey, int] = {}
         self._promotions: list[_Promotion] = []
-        self._promoting: set[OffloadKey] = set()
+        self._promoting: dict[OffloadKey, int] = {}
         self._reserved: dict[OffloadKey, tuple[int, list[OffloadKey]]] = {}
         """Landed promotions pinned for their requester: per key, the lookup count at landing
         and the keys that landed with it (released together)."""
@@ -216,6 +216,12 @@ class TieredOffloadingManager(OffloadingManager):
         """Whether ``key``'s promotion into the CPU tier is in flight (its slot is pending;
         a pending slot that is not promoting is a CPU store in flight)."""
         return key in self._promoting
+
+    def promoting_from(self, key: OffloadKey) -> str | None:
+        """The medium of the lower tier ``key``'s promotion in flight reads from (``None``:
+        none in flight), for callers that report where a hit came from."""
+        index = self._promoting.get(key)
+        return None if index is None else self.tiers[index].medium
 
     def holds(self, key: OffloadKey) -> bool:
         """Whether the CPU tier has a slot for ``key`` (ready, pinned or pending)."""
@@ -551,7 +557,7 @@ class TieredOffloadingManager(OffloadingManager):
             def target(index: int) -> memoryview:
                 return slot_bytes.view(slots[index])
 
-        self._promoting.update(keys)
+        self._promoting.update(dict.fromkeys(keys, index))
         self._promotions.append(_Promotion(keys, tier.read(keys, target)))
 
     def _drain(self, wait: bool = False) -> None:
@@ -571,7 +577,8 @@ class TieredOffloadingManager(OffloadingManager):
     def _land(self, promotion: _Promotion) -> None:
         intact = promotion.result.result()
         keys = promotion.keys
-        self._promoting.difference_update(keys)
+        for key in keys:
+            self._promoting.pop(key, None)
         if self._slot_bytes is not None:
             self._slot_bytes.landed([self._slots[key] for key in keys], intact)
         good = [key for key, ok in zip(keys, intact, strict=True) if ok]

@@ -50,6 +50,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoffload.admission import AdmissionLayer, AdmissionStats
 from kvoffload.core.keys import GROUP_IDX_BYTES, OffloadKey
@@ -101,6 +102,12 @@ _EVENT_MEDIA: dict[str, tuple[Any, Any, str | None, bool]] = {
 removal_expected)``: vLLM's ``Medium`` has CPU and STORAGE only, so a lower tier is
 STORAGE with its locality and our medium name as the event's ownership (the tier that
 published it). The disk tier announces its evictions; the shared tier never removes."""
+
+_PROMOTED_SOURCES = {"DISK": CacheHitSource.DISK, "REMOTE": CacheHitSource.EXTERNAL_UNSPECIFIED}
+"""Where a block promoted from each lower tier came from, in vLLM's
+``vllm:prompt_tokens_cached_by_source`` terms (a remote store is its
+``external_unspecified``, as for the shared tier as a vLLM secondary tier); a block the CPU
+tier held is ``host``."""
 
 
 class LayerCount:
@@ -164,6 +171,8 @@ class _RequestKeys:
     """Keys it got a slot for."""
     store_missed: set[OffloadKey] = field(default_factory=set)
     """Keys it offered that the tier lacked, told to the policy once (ARC's ghosts)."""
+    promoted_from: dict[OffloadKey, str] = field(default_factory=dict)
+    """Keys it found being promoted from a lower tier, and that tier's medium."""
     order: dict[bytes, list[OffloadKey]] = field(default_factory=dict)
     """Its keys in prefix order, per KV group (a key's last bytes), from the positions
     vLLM recorded for it."""
@@ -294,7 +303,19 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             answer = self._lookup_one(key)
         if answer is LookupResult.HIT:
             self.counters.lookup_hit_blocks += 1
+        elif answer is LookupResult.RETRY and self._tiered is not None:
+            medium = self._tiered.promoting_from(key)
+            if medium is not None:
+                self._request_keys(req_context).promoted_from[key] = medium
         return answer
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        """Where a block vLLM loads for the request came from: our CPU tier (``host``, as
+        vLLM's own CPU manager answers), or the lower tier the request saw it promoted from."""
+        state = req_context.get_state(_RequestKeys)
+        if not self._owns(state) or key not in state.promoted_from:
+            return CacheHitSource.HOST
+        return _PROMOTED_SOURCES.get(state.promoted_from[key], CacheHitSource.HOST)
 
     def _lookup_one(self, key: OffloadKey) -> LookupResult:
         """``key``'s answer as a one-key batch lookup."""
