@@ -108,6 +108,43 @@ def test_vllm_counts_loaded_tokens_under_the_tier_they_came_from(
     assert sources == {CacheHitSource(source): 16 * BLOCKS}
 
 
+@pytest.mark.parametrize(
+    ("tier", "allowed", "read"),
+    [
+        ("disk", [{"medium": "cpu"}], False),
+        ("disk", [{"locality": "remote"}], False),
+        ("disk", [{"medium": "storage", "locality": "local"}], True),
+        ("remote", [{"locality": "local"}], False),
+        ("remote", [{"medium": "storage"}], True),
+    ],
+)
+def test_a_request_reads_only_the_lower_tiers_its_kv_load_tiers_name(
+    vllm_modules: dict[str, ModuleType],
+    tmp_path: Path,
+    valkey_server: ValkeyProcess,
+    instances: Callable[..., Instance],
+    tier: str,
+    allowed: list[dict[str, str]],
+    read: bool,
+) -> None:
+    """vLLM turns a request's ``kv_load_tiers`` (in its ``kv_transfer_params``) into the
+    tier filter of its request context: a lower tier the filter leaves out is not read for
+    the request (its blocks are recomputed), as vLLM's own tiering skips it; one it names is.
+    Each tier matches as its KV events describe it: the disk tier local storage, the shared
+    tier remote storage."""
+    remote = {"cpu_bytes_to_use": BLOCKS * BLOCK_BYTES, "kvoffload.remote_url": valkey_server.url}
+    extra = _disk(tmp_path) if tier == "disk" else remote
+    instance = instances(extra, model=f"filter-{tier}-{tmp_path.name}")
+    request = vllm_request("reader", list(range(16 * BLOCKS + 1)))
+    keys = offload_keys(request)
+    _written_below(instance, keys)
+    request.kv_transfer_params = {"kv_load_tiers": allowed}
+    scheduler = connector_scheduler(instance.scheduler)
+
+    assert _matched(scheduler, request) == (16 * BLOCKS if read else 0)
+    assert instance.manager.backing.promotion_batches == [1 if read else 0]
+
+
 @pytest.mark.parametrize("tier", ["disk", "remote"])
 def test_a_request_only_a_lower_tier_holds_is_read_in_one_promotion(
     vllm_modules: dict[str, ModuleType],

@@ -35,7 +35,7 @@ this module moves no bytes itself and imports no tier.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import cast
@@ -227,7 +227,12 @@ class TieredOffloadingManager(OffloadingManager):
         """Whether the CPU tier has a slot for ``key`` (ready, pinned or pending)."""
         return self.cpu.holds(key)
 
-    def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
+    def lookup(
+        self, keys: Iterable[OffloadKey], tiers: Collection[int] | None = None
+    ) -> int | None:
+        """The seed's lookup; ``tiers``: the indices of the lower tiers it may promote from
+        (``None``: every one), as a caller's request may name them (vLLM's per-request
+        ``kv_load_tiers``). The CPU tier always answers."""
         if isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "lookup")
         keys = list(keys)
@@ -235,27 +240,29 @@ class TieredOffloadingManager(OffloadingManager):
         self._lookups += 1
         if self._reserved:
             self._expire()
-        hits = self._lookup(keys)
+        hits = self._lookup(keys, tiers)
         if self._counting and keys:
             _remember_unanswered(self._counted, keys[-1], hits is None, self._max_tracker)
         if hits is not None and self._reserved:
             self._release_reached(keys, keys[:hits])
         return hits
 
-    def _lookup(self, keys: list[OffloadKey]) -> int | None:
+    def _lookup(self, keys: list[OffloadKey], tiers: Collection[int] | None) -> int | None:
         """:meth:`lookup`'s answer, once the finished promotions have landed."""
         if self._counting and keys and keys[-1] not in self._counted:
             self._count(keys)
         hits = self.cpu.lookup(keys)
-        if hits == len(keys) or not self.tiers:
+        if hits == len(keys) or not self.tiers or (tiers is not None and not tiers):
             return hits
         if keys[hits] in self._promoting:
             return None
         if self._judging:
-            return self._judged(keys, hits)
-        return self._reach(keys, hits)
+            return self._judged(keys, hits, tiers)
+        return self._reach(keys, hits, tiers)
 
-    def _reach(self, keys: list[OffloadKey], hits: int) -> int | None:
+    def _reach(
+        self, keys: list[OffloadKey], hits: int, tiers: Collection[int] | None
+    ) -> int | None:
         """The lookup past the CPU tier's ``hits``: promote what the lower tiers hold."""
         rest = keys[hits:]
         if self._failed and keys[hits] in self._failed:
@@ -266,6 +273,8 @@ class TieredOffloadingManager(OffloadingManager):
         found = 0
         while found < len(rest):
             for index, tier in enumerate(self.tiers):
+                if tiers is not None and index not in tiers:
+                    continue
                 held = tier.present(rest[found:])
                 if held:
                     sources.append((index, rest[found : found + held]))
@@ -304,7 +313,9 @@ class TieredOffloadingManager(OffloadingManager):
         self._demote(demoted)
         return None if started else self.cpu.lookup(keys)
 
-    def _judged(self, keys: list[OffloadKey], hits: int) -> int | None:
+    def _judged(
+        self, keys: list[OffloadKey], hits: int, tiers: Collection[int] | None
+    ) -> int | None:
         """:meth:`_reach`, first showing the lower tiers' books the keys this lookup takes
         past the CPU tier, once per request: a retry after ``None`` is no new reference.
         The retry is known by its last key, which (keys chain their prefix) names the
@@ -321,7 +332,7 @@ class TieredOffloadingManager(OffloadingManager):
             self.judged_blocks += len(rest)
             for layer in layers:
                 layer.begin_request(rest, will_offer=False)
-        found = self._reach(keys, hits)
+        found = self._reach(keys, hits, tiers)
         _remember_unanswered(sighted, request, found is None, self._max_tracker)
         return found
 

@@ -48,6 +48,7 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+    TierFilter,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -296,11 +297,11 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
                 # Until on_reset_flushed, a worker may still write a slot the reset freed:
                 # no promotion may fill one, so a block only in a lower tier is recomputed.
                 return LookupResult.MISS
-            answer = self._lookup_one(key)
+            answer = self._lookup_one(key, req_context)
         elif self._has_lower_tiers:
             answer = self._lookup_in_scan(key, req_context)
         else:
-            answer = self._lookup_one(key)
+            answer = self._lookup_one(key, req_context)
         if answer is LookupResult.HIT:
             self.counters.lookup_hit_blocks += 1
         elif answer is LookupResult.RETRY and self._tiered is not None:
@@ -317,9 +318,9 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             return CacheHitSource.HOST
         return _PROMOTED_SOURCES.get(state.promoted_from[key], CacheHitSource.HOST)
 
-    def _lookup_one(self, key: OffloadKey) -> LookupResult:
+    def _lookup_one(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """``key``'s answer as a one-key batch lookup."""
-        hits = self._direct.lookup((key,))
+        hits = self._batch_lookup((key,), req_context)
         if hits is None:
             return LookupResult.RETRY
         if hits:
@@ -349,13 +350,13 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             scan = None
         if index is None:
             state.scan = None
-            return self._lookup_one(key)
+            return self._lookup_one(key, req_context)
         if scan is not None and index == scan.last - 1:
             state.scan = _Scan(self._step, index, batched=False)
-            return self._lookup_one(key)
+            return self._lookup_one(key, req_context)
         if scan is None or index != scan.last + 1 or not scan.batched:
             scan = state.scan = _Scan(self._step, index, batched=True)
-            self._direct.lookup(state.order[key[-GROUP_IDX_BYTES:]][index:])
+            self._batch_lookup(state.order[key[-GROUP_IDX_BYTES:]][index:], req_context)
         scan.last = index
         block = self._probe(key)
         if block is None:
@@ -368,6 +369,20 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             answer = LookupResult.HIT_PENDING
         scan.deferred |= answer in (LookupResult.RETRY, LookupResult.HIT_PENDING)
         return answer
+
+    def _batch_lookup(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> int | None:
+        """The seed's lookup of ``keys``, promoting only from the lower tiers the request
+        lets it read (vLLM's per-request ``kv_load_tiers``, by each tier's medium and
+        locality; the CPU tier always answers, as in vLLM's tiering)."""
+        allowed = req_context.load_tier_filter
+        if self._tiered is None or allowed is TierFilter.ALL:
+            return self._direct.lookup(keys)
+        tiers = [
+            index
+            for index, tier in enumerate(self._tiered.tiers)
+            if allowed.allows(*_EVENT_MEDIA[tier.medium][:2])
+        ]
+        return self._tiered.lookup(keys, tiers)
 
     def _place(self, state: _RequestKeys, key: OffloadKey, req_context: ReqContext) -> int | None:
         """``key``'s place in its request's prefix order (``None``: vLLM recorded no
