@@ -409,6 +409,10 @@ class TieredOffloadingManager(OffloadingManager):
         """Apply the promotions and tier writes that have finished (all of them when waiting)."""
         self._drain()
 
+    def has_pending_work(self) -> bool:
+        """Whether a promotion or a tier write is in flight or not yet applied by :meth:`poll`."""
+        return bool(self._promotions) or any(tier.has_pending_work() for tier in self.tiers)
+
     def close(self) -> None:
         """Wait for every promotion and write in flight, then close the tiers."""
         self._drain(wait=True)

@@ -541,6 +541,18 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
                 state.unsighted.clear()
         self._looked_up_in_step.clear()
 
+    def has_pending_work(self) -> bool:
+        """Whether vLLM must keep stepping, as it does while so even with no request: a lower
+        tier's promotion or write is unsettled, or what one settled is yet to be published.
+        Settled work is applied here, so that an idle engine publishes a block its disk
+        tier stored (or a write that failed) at once, not with its next request."""
+        if self._tiered is None:
+            return False
+        unsettled = self._tiered.has_pending_work()  # before the poll: none finishes unseen
+        self._tiered.poll()
+        self._queue_events()
+        return unsettled or bool(self._queued)
+
     def take_events(self) -> list[Any]:
         self._queue_events()
         queued, self._queued = self._queued, []
