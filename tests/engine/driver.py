@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 SAMPLING = {"temperature": 0.0, "max_tokens": 8, "logprobs": 1, "seed": 0}
-OUR_LABELS = ("candidate", "capacity_factor")
-"""kvoffload's metric labels (the what-if gauges'), kept apart by :func:`metrics`."""
+OUR_LABELS = ("candidate", "capacity_factor", "source")
+"""The labels :func:`metrics` keeps apart: kvoffload's (the what-if gauges') and the source
+tier of vLLM's ``vllm:prompt_tokens_cached_by_source``."""
 
 
 def kv_transfer_config(extra: dict[str, Any]) -> Any:

@@ -301,6 +301,10 @@ def test_the_disk_tier_serves_what_the_cpu_tier_evicted(runs: dict[str, Any]) ->
     assert (
         _counter(after_a, "vllm:kvoffload_loads") - _counter(after_c, "vllm:kvoffload_loads") == 4
     )
+    # vLLM counts loaded tokens by the tier they came from: C's from the CPU tier, A's from disk.
+    cached = "vllm:prompt_tokens_cached_by_source"
+    assert _labelled(after_c, cached)["source=host"] == _counter(after_c, hits)
+    assert _labelled(after_a, cached)["source=disk"] == len(A)
 
 
 def test_two_engines_share_one_valkey_tier(

@@ -11,7 +11,7 @@ from types import ModuleType
 from typing import Any
 
 from vllm_helpers import canonical_caches, create_spec, request_context
-from vllm_scheduler import connector_scheduler
+from vllm_scheduler import connector_scheduler, end_step
 
 from kvoffload import block_id_key
 from kvoffload.tiers.slot_file import slot_start, slot_stride
@@ -80,6 +80,63 @@ def test_tier_events_pass_vllms_connector_with_their_media(
         expected.add(("BlockRemoved", "CPU", None, None, h))
         expected.add(("BlockStored", "STORAGE", "LOCAL", "DISK", h))
     assert published == expected
+
+
+def test_an_idle_engine_steps_until_the_disk_tiers_writes_are_published(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    """vLLM keeps stepping an engine with no request while its connector has pending work,
+    and publishes each step's events. The disk tier writes back the blocks the CPU tier
+    evicted on its own threads: the manager reports that work pending until it is applied
+    and published, so a router learns of those blocks when they land, not with the
+    engine's next request (which the router, not knowing them, may send elsewhere)."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    extra = {
+        "cpu_bytes_to_use": 2 * BLOCK_BYTES,
+        "kvoffload.disk_dir": str(tmp_path / "disk"),
+        "kvoffload.disk_bytes": slot_start(8, slot_stride(BLOCK_BYTES)),
+    }
+    options: dict[str, Any] = {
+        "bytes_per_block": BLOCK_BYTES,
+        "events": True,
+        "engine_id": f"test-{uuid.uuid4().hex[:12]}",
+    }
+    spec = create_spec(extra, **options)
+    worker = create_spec(extra, **options).get_worker(canonical_caches(2, 8, 256, seed=1))
+    scheduler = connector_scheduler(spec)
+    manager = spec.get_manager()
+    published: set[Any] = set()
+
+    def step() -> None:
+        end_step(scheduler)
+        published.update(
+            (type(event).__name__, event.ownership, h)
+            for event in scheduler.take_events()
+            for h in event.block_hashes
+        )
+
+    try:
+        for index in range(0, 4, 2):  # the second pair evicts the first to disk
+            keys = KEYS[index : index + 2]
+            context = request_context(f"r{index}", keys)
+            output = manager.prepare_store(keys, context)
+            assert output is not None and output.keys_to_store == keys
+            assert worker.submit_store(index, GPULoadStoreSpec([0, 1], [2], [0]), output.store_spec)
+            worker.wait({index})
+            assert all(result.success for result in worker.get_finished())
+            manager.complete_store(keys, context)
+            manager.on_request_finished(context)
+            step()
+        deadline = time.monotonic() + 30
+        while scheduler.has_pending_push_work():  # what vLLM's engine asks before a step
+            assert time.monotonic() < deadline, "the disk tier's writes never settled"
+            step()
+            time.sleep(0.005)
+    finally:
+        worker.shutdown()
+        spec.close()
+    assert {("BlockStored", "DISK", _block_hash(key)) for key in KEYS[:2]} <= published
 
 
 def test_only_the_disk_tier_promises_to_announce_removals(

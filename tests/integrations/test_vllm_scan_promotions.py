@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from vllm_helpers import Instance, request_context
-from vllm_scheduler import connector_scheduler, end_step, offload_keys, vllm_request
+from vllm_scheduler import allocate, connector_scheduler, end_step, offload_keys, vllm_request
 
 from kvoffload import block_id_key
 from kvoffload.tiers.slot_file import slot_start, slot_stride
@@ -70,6 +70,79 @@ def _disk(tmp_path: Path) -> dict[str, Any]:
         "kvoffload.disk_dir": str(tmp_path / "disk"),
         "kvoffload.disk_bytes": slot_start(4 * BLOCKS, slot_stride(BLOCK_BYTES)),
     }
+
+
+@pytest.mark.parametrize(
+    ("tier", "source"), [("cpu", "host"), ("disk", "disk"), ("remote", "external_unspecified")]
+)
+def test_vllm_counts_loaded_tokens_under_the_tier_they_came_from(
+    vllm_modules: dict[str, ModuleType],
+    tmp_path: Path,
+    valkey_server: ValkeyProcess,
+    instances: Callable[..., Instance],
+    tier: str,
+    source: str,
+) -> None:
+    """vLLM's ``vllm:prompt_tokens_cached_by_source`` asks the manager where each block it
+    loads came from: the CPU tier's blocks are ``host`` (as vLLM's own CPU manager
+    answers), blocks promoted for the request from the disk tier ``disk``, from the shared
+    tier ``external_unspecified`` (a remote store, in vLLM's terms). Every block was
+    ``external_unspecified``, the answer of a manager that does not say."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    cpu = {"cpu_bytes_to_use": BLOCKS * BLOCK_BYTES}
+    remote = {**cpu, "kvoffload.remote_url": valkey_server.url}
+    extra = {"cpu": cpu, "disk": _disk(tmp_path), "remote": remote}[tier]
+    instance = instances(extra, model=f"source-{tier}-{tmp_path.name}")
+    request = vllm_request("reader", list(range(16 * BLOCKS + 1)))
+    keys = offload_keys(request)
+    if tier == "cpu":
+        instance.store(keys, list(range(BLOCKS)), request_context("writer", keys))
+    else:
+        _written_below(instance, keys)
+    scheduler = connector_scheduler(instance.scheduler)
+
+    assert _matched(scheduler, request) == 16 * BLOCKS
+    allocate(scheduler, request, BLOCKS + 1, 16 * BLOCKS)
+    sources = scheduler.get_external_cache_hit_sources(request, 16 * BLOCKS)
+    assert sources == {CacheHitSource(source): 16 * BLOCKS}
+
+
+@pytest.mark.parametrize(
+    ("tier", "allowed", "read"),
+    [
+        ("disk", [{"medium": "cpu"}], False),
+        ("disk", [{"locality": "remote"}], False),
+        ("disk", [{"medium": "storage", "locality": "local"}], True),
+        ("remote", [{"locality": "local"}], False),
+        ("remote", [{"medium": "storage"}], True),
+    ],
+)
+def test_a_request_reads_only_the_lower_tiers_its_kv_load_tiers_name(
+    vllm_modules: dict[str, ModuleType],
+    tmp_path: Path,
+    valkey_server: ValkeyProcess,
+    instances: Callable[..., Instance],
+    tier: str,
+    allowed: list[dict[str, str]],
+    read: bool,
+) -> None:
+    """vLLM turns a request's ``kv_load_tiers`` (in its ``kv_transfer_params``) into the
+    tier filter of its request context: a lower tier the filter leaves out is not read for
+    the request (its blocks are recomputed), as vLLM's own tiering skips it; one it names is.
+    Each tier matches as its KV events describe it: the disk tier local storage, the shared
+    tier remote storage."""
+    remote = {"cpu_bytes_to_use": BLOCKS * BLOCK_BYTES, "kvoffload.remote_url": valkey_server.url}
+    extra = _disk(tmp_path) if tier == "disk" else remote
+    instance = instances(extra, model=f"filter-{tier}-{tmp_path.name}")
+    request = vllm_request("reader", list(range(16 * BLOCKS + 1)))
+    keys = offload_keys(request)
+    _written_below(instance, keys)
+    request.kv_transfer_params = {"kv_load_tiers": allowed}
+    scheduler = connector_scheduler(instance.scheduler)
+
+    assert _matched(scheduler, request) == (16 * BLOCKS if read else 0)
+    assert instance.manager.backing.promotion_batches == [1 if read else 0]
 
 
 @pytest.mark.parametrize("tier", ["disk", "remote"])

@@ -34,7 +34,7 @@ this module moves no bytes itself and imports no tier.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import cast
@@ -160,7 +160,7 @@ class TieredOffloadingManager(OffloadingManager):
         self._seen = reuse_counts(max_tracker_size)
         self._slots: dict[OffloadKey, int] = {}
         self._promotions: list[_Promotion] = []
-        self._promoting: set[OffloadKey] = set()
+        self._promoting: dict[OffloadKey, int] = {}
         self._reserved: dict[OffloadKey, tuple[int, list[OffloadKey]]] = {}
         """Landed promotions pinned for their requester: per key, the lookup count at landing
         and the keys that landed with it (released together)."""
@@ -216,11 +216,22 @@ class TieredOffloadingManager(OffloadingManager):
         a pending slot that is not promoting is a CPU store in flight)."""
         return key in self._promoting
 
+    def promoting_from(self, key: OffloadKey) -> str | None:
+        """The medium of the lower tier ``key``'s promotion in flight reads from (``None``:
+        none in flight), for callers that report where a hit came from."""
+        index = self._promoting.get(key)
+        return None if index is None else self.tiers[index].medium
+
     def holds(self, key: OffloadKey) -> bool:
         """Whether the CPU tier has a slot for ``key`` (ready, pinned or pending)."""
         return self.cpu.holds(key)
 
-    def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
+    def lookup(
+        self, keys: Iterable[OffloadKey], tiers: Collection[int] | None = None
+    ) -> int | None:
+        """The seed's lookup; ``tiers``: the indices of the lower tiers it may promote from
+        (``None``: every one), as a caller's request may name them (vLLM's per-request
+        ``kv_load_tiers``). The CPU tier always answers."""
         if isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "lookup")
         keys = list(keys)
@@ -228,27 +239,29 @@ class TieredOffloadingManager(OffloadingManager):
         self._lookups += 1
         if self._reserved:
             self._expire()
-        hits = self._lookup(keys)
+        hits = self._lookup(keys, tiers)
         if self._counting and keys:
             _remember_unanswered(self._counted, keys[-1], hits is None)
         if hits is not None and self._reserved:
             self._release_reached(keys, keys[:hits])
         return hits
 
-    def _lookup(self, keys: list[OffloadKey]) -> int | None:
+    def _lookup(self, keys: list[OffloadKey], tiers: Collection[int] | None) -> int | None:
         """:meth:`lookup`'s answer, once the finished promotions have landed."""
         if self._counting and keys and keys[-1] not in self._counted:
             self._count(keys)
         hits = self.cpu.lookup(keys)
-        if hits == len(keys) or not self.tiers:
+        if hits == len(keys) or not self.tiers or (tiers is not None and not tiers):
             return hits
         if keys[hits] in self._promoting:
             return None
         if self._judging:
-            return self._judged(keys, hits)
-        return self._reach(keys, hits)
+            return self._judged(keys, hits, tiers)
+        return self._reach(keys, hits, tiers)
 
-    def _reach(self, keys: list[OffloadKey], hits: int) -> int | None:
+    def _reach(
+        self, keys: list[OffloadKey], hits: int, tiers: Collection[int] | None
+    ) -> int | None:
         """The lookup past the CPU tier's ``hits``: promote what the lower tiers hold."""
         rest = keys[hits:]
         if self._failed and keys[hits] in self._failed:
@@ -259,6 +272,8 @@ class TieredOffloadingManager(OffloadingManager):
         found = 0
         while found < len(rest):
             for index, tier in enumerate(self.tiers):
+                if tiers is not None and index not in tiers:
+                    continue
                 held = tier.present(rest[found:])
                 if held:
                     sources.append((index, rest[found : found + held]))
@@ -297,7 +312,9 @@ class TieredOffloadingManager(OffloadingManager):
         self._demote(demoted)
         return None if started else self.cpu.lookup(keys)
 
-    def _judged(self, keys: list[OffloadKey], hits: int) -> int | None:
+    def _judged(
+        self, keys: list[OffloadKey], hits: int, tiers: Collection[int] | None
+    ) -> int | None:
         """:meth:`_reach`, first showing the lower tiers' books the keys this lookup takes
         past the CPU tier, once per request: a retry after ``None`` is no new reference.
         The retry is known by its last key, which (keys chain their prefix) names the
@@ -314,7 +331,7 @@ class TieredOffloadingManager(OffloadingManager):
             self.judged_blocks += len(rest)
             for layer in layers:
                 layer.begin_request(rest, will_offer=False)
-        found = self._reach(keys, hits)
+        found = self._reach(keys, hits, tiers)
         _remember_unanswered(sighted, request, found is None)
         return found
 
@@ -398,6 +415,10 @@ class TieredOffloadingManager(OffloadingManager):
     def poll(self) -> None:
         """Apply the promotions and tier writes that have finished (all of them when waiting)."""
         self._drain()
+
+    def has_pending_work(self) -> bool:
+        """Whether a promotion or a tier write is in flight or not yet applied by :meth:`poll`."""
+        return bool(self._promotions) or any(tier.has_pending_work() for tier in self.tiers)
 
     def close(self) -> None:
         """Wait for every promotion and write in flight, then close the tiers."""
@@ -558,7 +579,7 @@ class TieredOffloadingManager(OffloadingManager):
             def target(index: int) -> memoryview:
                 return slot_bytes.view(slots[index])
 
-        self._promoting.update(keys)
+        self._promoting.update(dict.fromkeys(keys, index))
         self._promotions.append(_Promotion(keys, tier.read(keys, target)))
 
     def _drain(self, wait: bool = False) -> None:
@@ -578,7 +599,8 @@ class TieredOffloadingManager(OffloadingManager):
     def _land(self, promotion: _Promotion) -> None:
         intact = promotion.result.result()
         keys = promotion.keys
-        self._promoting.difference_update(keys)
+        for key in keys:
+            self._promoting.pop(key, None)
         if self._slot_bytes is not None:
             self._slot_bytes.landed([self._slots[key] for key in keys], intact)
         good = [key for key, ok in zip(keys, intact, strict=True) if ok]

@@ -327,6 +327,10 @@ class DiskTier(BacklogFigures):
         self._held[job] = release
         self._writes.append((batch, job))
 
+    def has_pending_work(self) -> bool:
+        """Writes not yet polled, or blocks found broken and not yet forgotten."""
+        return bool(self._writes) or not self._broken.empty()
+
     def poll(self, wait: bool) -> None:
         """Forget blocks found broken, make finished writes readable, free failed ones."""
         broken = []

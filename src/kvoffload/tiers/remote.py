@@ -439,6 +439,11 @@ class RemoteTier(BacklogFigures):
                     return
         self.stats.add(failed=len(keys))
 
+    def has_pending_work(self) -> bool:
+        """Writes not yet polled (read under the tier's lock, as its other calls take it)."""
+        with self._lock:
+            return bool(self._writes)
+
     def poll(self, wait: bool) -> None:
         """Count (and tell, as events) the writes that finished; with ``wait``, first wait
         for every write submitted before the call.

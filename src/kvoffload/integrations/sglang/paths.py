@@ -150,6 +150,9 @@ class OffTier:
     def poll(self, wait: bool) -> None:
         return None
 
+    def has_pending_work(self) -> bool:
+        return False
+
     def take_events(self) -> list[OffloadingEvent]:
         return []
 

@@ -49,8 +49,10 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+    TierFilter,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoffload.admission import AdmissionLayer, AdmissionStats
 from kvoffload.core.keys import GROUP_IDX_BYTES, OffloadKey
@@ -102,6 +104,12 @@ _EVENT_MEDIA: dict[str, tuple[Any, Any, str | None, bool]] = {
 removal_expected)``: vLLM's ``Medium`` has CPU and STORAGE only, so a lower tier is
 STORAGE with its locality and our medium name as the event's ownership (the tier that
 published it). The disk tier announces its evictions; the shared tier never removes."""
+
+_PROMOTED_SOURCES = {"DISK": CacheHitSource.DISK, "REMOTE": CacheHitSource.EXTERNAL_UNSPECIFIED}
+"""Where a block promoted from each lower tier came from, in vLLM's
+``vllm:prompt_tokens_cached_by_source`` terms (a remote store is its
+``external_unspecified``, as for the shared tier as a vLLM secondary tier); a block the CPU
+tier held is ``host``."""
 
 
 class LayerCount:
@@ -165,6 +173,8 @@ class _RequestKeys:
     """Keys it got a slot for."""
     store_missed: set[OffloadKey] = field(default_factory=set)
     """Keys it offered that the tier lacked, told to the policy once (ARC's ghosts)."""
+    promoted_from: dict[OffloadKey, str] = field(default_factory=dict)
+    """Keys it found being promoted from a lower tier, and that tier's medium."""
     order: dict[bytes, list[OffloadKey]] = field(default_factory=dict)
     """Its keys in prefix order, per KV group (a key's last bytes), from the positions
     vLLM recorded for it."""
@@ -288,18 +298,30 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
                 # Until on_reset_flushed, a worker may still write a slot the reset freed:
                 # no promotion may fill one, so a block only in a lower tier is recomputed.
                 return LookupResult.MISS
-            answer = self._lookup_one(key)
+            answer = self._lookup_one(key, req_context)
         elif self._has_lower_tiers:
             answer = self._lookup_in_scan(key, req_context)
         else:
-            answer = self._lookup_one(key)
+            answer = self._lookup_one(key, req_context)
         if answer is LookupResult.HIT:
             self.counters.lookup_hit_blocks += 1
+        elif answer is LookupResult.RETRY and self._tiered is not None:
+            medium = self._tiered.promoting_from(key)
+            if medium is not None:
+                self._request_keys(req_context).promoted_from[key] = medium
         return answer
 
-    def _lookup_one(self, key: OffloadKey) -> LookupResult:
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        """Where a block vLLM loads for the request came from: our CPU tier (``host``, as
+        vLLM's own CPU manager answers), or the lower tier the request saw it promoted from."""
+        state = req_context.get_state(_RequestKeys)
+        if not self._owns(state) or key not in state.promoted_from:
+            return CacheHitSource.HOST
+        return _PROMOTED_SOURCES.get(state.promoted_from[key], CacheHitSource.HOST)
+
+    def _lookup_one(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """``key``'s answer as a one-key batch lookup."""
-        hits = self._direct.lookup((key,))
+        hits = self._batch_lookup((key,), req_context)
         if hits is None:
             return LookupResult.RETRY
         if hits:
@@ -329,13 +351,13 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             scan = None
         if index is None:
             state.scan = None
-            return self._lookup_one(key)
+            return self._lookup_one(key, req_context)
         if scan is not None and index == scan.last - 1:
             state.scan = _Scan(self._step, index, batched=False)
-            return self._lookup_one(key)
+            return self._lookup_one(key, req_context)
         if scan is None or index != scan.last + 1 or not scan.batched:
             scan = state.scan = _Scan(self._step, index, batched=True)
-            self._direct.lookup(state.order[key[-GROUP_IDX_BYTES:]][index:])
+            self._batch_lookup(state.order[key[-GROUP_IDX_BYTES:]][index:], req_context)
         scan.last = index
         block = self._probe(key)
         if block is None:
@@ -348,6 +370,20 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             answer = LookupResult.HIT_PENDING
         scan.deferred |= answer in (LookupResult.RETRY, LookupResult.HIT_PENDING)
         return answer
+
+    def _batch_lookup(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> int | None:
+        """The seed's lookup of ``keys``, promoting only from the lower tiers the request
+        lets it read (vLLM's per-request ``kv_load_tiers``, by each tier's medium and
+        locality; the CPU tier always answers, as in vLLM's tiering)."""
+        allowed = req_context.load_tier_filter
+        if self._tiered is None or allowed is TierFilter.ALL:
+            return self._direct.lookup(keys)
+        tiers = [
+            index
+            for index, tier in enumerate(self._tiered.tiers)
+            if allowed.allows(*_EVENT_MEDIA[tier.medium][:2])
+        ]
+        return self._tiered.lookup(keys, tiers)
 
     def _place(self, state: _RequestKeys, key: OffloadKey, req_context: ReqContext) -> int | None:
         """``key``'s place in its request's prefix order (``None``: vLLM recorded no
@@ -508,6 +544,18 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             elif not state.scheduled:
                 state.unsighted.clear()
         self._looked_up_in_step.clear()
+
+    def has_pending_work(self) -> bool:
+        """Whether vLLM must keep stepping, as it does while so even with no request: a lower
+        tier's promotion or write is unsettled, or what one settled is yet to be published.
+        Settled work is applied here, so that an idle engine publishes a block its disk
+        tier stored (or a write that failed) at once, not with its next request."""
+        if self._tiered is None:
+            return False
+        unsettled = self._tiered.has_pending_work()  # before the poll: none finishes unseen
+        self._tiered.poll()
+        self._queue_events()
+        return unsettled or bool(self._queued)
 
     def take_events(self) -> list[Any]:
         self._queue_events()
