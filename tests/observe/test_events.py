@@ -573,6 +573,66 @@ def test_a_peer_asking_for_replay_without_pause_does_not_hold_up_publishing() ->
     assert [seq for seq, _ in got] == [first]
 
 
+class _Stall(logging.Handler):
+    """Holds up the thread that logs, until released: the publisher's thread stops where
+    the test chose, while the test queues batches and replay requests behind it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.stalled, self.released = threading.Event(), threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stalled.set()
+        self.released.wait(30)
+
+
+def test_replay_answers_and_queued_batches_take_turns_a_quarter_buffer_each() -> None:
+    """The publisher sent one batch per replay request served: while peers kept asking (six
+    catching up in a loop), it sent ~15 batches a second of the 350 published and its
+    queue grew without bound. Sending every queued batch before the next answer instead
+    kept a repair request waiting behind a backlog while the buffer rolled past the
+    batches it asked for. Now each answer is followed by up to a quarter of the buffer's
+    worth of queued batches (2 of 8 here): both go on, and what the first request asked
+    for is still there when it is answered."""
+    buffer_batches, batches, requests = 8, 20, 5
+    stall = _Stall()
+    log = logging.getLogger("kvoffload.observe.publisher")
+    log.addHandler(stall)
+    try:
+        # inproc: a request sent is at the replay socket when the send returns
+        with (
+            KVEventPublisher(
+                LOCAL, f"inproc://replay-{id(stall)}", buffer_batches=buffer_batches
+            ) as pub,
+            KVEventSubscriber(pub.endpoint) as sub,
+            zmq.Context.instance().socket(zmq.DEALER) as peer,
+        ):
+            _connect(pub, sub)
+            first = sub.next_seq
+            peer.setsockopt(zmq.LINGER, 0)
+            peer.connect(str(pub.replay_endpoint))
+            unencodable: Any = [object()]
+            pub.publish_batch(KVEventBatch(0.0, unencodable))  # its warning holds the thread
+            assert stall.stalled.wait(30)
+            for _ in range(requests):
+                peer.send_multipart((b"", _seq(first)))
+            for i in range(batches):
+                pub.publish(_stored(i))
+            stall.released.set()
+            answered: list[list[int]] = []
+            while len(answered) < requests and peer.poll(10_000):
+                answer = []
+                while (frames := peer.recv_multipart())[1]:  # the end marker has no topic
+                    answer.append(int.from_bytes(frames[2], "big"))
+                answered.append(answer)
+            got = _receive_until(sub, batches)
+    finally:
+        stall.released.set()
+        log.removeHandler(stall)
+    assert answered == [list(range(first, first + 2 * turn)) for turn in range(requests)]
+    assert [seq for seq, _ in got] == list(range(first, first + batches))
+
+
 def test_a_peer_asking_for_replays_it_never_reads_is_not_queued_without_bound() -> None:
     """Each replay queued for a peer that does not read stayed in the engine's memory (200
     unread replays of 200 batches of 18 KB held 775 MiB). Now a peer has at most twice a

@@ -514,6 +514,21 @@ def test_a_second_collector_of_the_same_series_is_refused_naming_it() -> None:
     }
 
 
+def test_a_label_value_that_is_no_str_is_refused_when_the_collector_is_made() -> None:
+    """It was taken, and every scrape of the endpoint failed afterwards, every other
+    collector's metrics too: prometheus_client's exposition raised on the int (a 500, a
+    traceback on stderr)."""
+    from kvoffload.observe.counters import ManagerCounters
+
+    with MetricsServer(0) as server:
+        refused = "metric label 'rank' must be a str, got 0"
+        int_rank: Any = {"tier": "cpu", "rank": 0}
+        with pytest.raises(InvalidArgumentError, match=re.escape(refused)):
+            server.add(ManagerCollector(ManagerCounters, int_rank))
+        server.add(ManagerCollector(ManagerCounters, {"tier": "cpu", "rank": "0"}))
+        assert scrape(server.port)['kvoffload_lookups_total{rank="0"}'] == 0
+
+
 def test_every_exported_metric_is_in_the_table_with_its_type() -> None:
     """docs/metrics.md's table lists the simulator's metrics by name, type and labels: one
     added, renamed, retyped or relabelled in the code without the table (or the reverse)

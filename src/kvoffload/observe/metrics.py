@@ -130,18 +130,29 @@ def whatif_gauges(stats: AdmissionStats) -> dict[str, dict[tuple[str, ...], floa
     return gauges
 
 
+def checked_labels(labels: Mapping[str, str] | None) -> dict[str, str]:
+    """``labels`` if every value is a str; else :class:`InvalidArgumentError` naming the
+    label. Taken as it was, a value of another type (an int rank) failed every scrape of the
+    endpoint, every collector's metrics with it (a 500 and a traceback on stderr)."""
+    checked = dict(labels or {})
+    for name, value in checked.items():
+        if not isinstance(value, str):
+            raise InvalidArgumentError(f"metric label {name!r} must be a str, got {value!r}")
+    return checked
+
+
 class ManagerCollector(Collector):
     """Exports ``counters()`` as ``kvoffload_<name>_total`` counters and ``kvoffload_held_blocks``.
 
     ``labels`` (e.g. ``{"tier": "cpu", "policy": "lru"}``) tell managers apart
-    when one registry holds several.
+    when one registry holds several; each value must be a str (:func:`checked_labels`).
     """
 
     def __init__(
         self, counters: Callable[[], ManagerCounters], labels: dict[str, str] | None = None
     ) -> None:
         self._counters = counters
-        self._labels = dict(labels or {})
+        self._labels = checked_labels(labels)
 
     def collect(self) -> Iterator[Metric]:
         values = self._counters().as_dict()

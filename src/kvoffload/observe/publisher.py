@@ -104,6 +104,11 @@ class KVEventPublisher:
             None if self._replay is None else self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         )
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self._batches_a_turn = max(1, buffer_batches // 4)
+        """Queued batches sent between two replay answers at most. One a turn fell behind
+        while peers kept asking for replays, the queue growing without bound; every one
+        queued kept a replay request waiting while a backlog rolled the buffer past the
+        batches it asked for. A quarter of the buffer keeps both going."""
         # A batch to send, an Event to set once everything before it is sent, or None: stop.
         self._queue: queue.Queue[KVEventBatch | threading.Event | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
@@ -207,35 +212,46 @@ class KVEventPublisher:
             # held up every batch after it for as long as it kept asking.
             served = self._replay is not None and self._answer_replay()
             try:
-                batch = self._queue.get(block=not served, timeout=0.02)
+                item = self._queue.get(block=not served, timeout=0.02)
             except queue.Empty:
                 continue
-            if batch is None:
+            # Then the batches queued by now, up to a turn's worth (``_batches_a_turn``).
+            for _ in range(min(self._queue.qsize(), self._batches_a_turn - 1)):
+                if not self._handle(item):
+                    return
+                item = self._queue.get_nowait()  # this thread alone takes from the queue
+            if not self._handle(item):
                 return
-            if isinstance(batch, threading.Event):
-                batch.set()
-                continue
-            # A value msgpack cannot hold: another type, too wide an int, or a str that is
-            # no UTF-8 (UnicodeEncodeError, a ValueError).
-            try:
-                payload = encode_batch(batch)
-            except (TypeError, OverflowError, ValueError) as exc:
-                logger.warning("dropping a KV event batch that does not encode: %s", exc)
-                continue
-            seq = self.published
-            try:
-                self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
-            except zmq.ZMQError:
-                self.send_failures += 1
-                if self.send_failures == 1:
-                    logger.exception(
-                        "KV event batch %d not sent on %s; batches that fail are counted in "
-                        "send_failures and kept for replay",
-                        seq,
-                        self.endpoint,
-                    )
-            self._buffer.append((seq, payload))
-            self.published += 1
+
+    def _handle(self, item: KVEventBatch | threading.Event | None) -> bool:
+        """Send a batch or set a flush's event; ``False`` for the stop."""
+        if item is None:
+            return False
+        if isinstance(item, threading.Event):
+            item.set()
+            return True
+        # A value msgpack cannot hold: another type, too wide an int, or a str that is
+        # no UTF-8 (UnicodeEncodeError, a ValueError).
+        try:
+            payload = encode_batch(item)
+        except (TypeError, OverflowError, ValueError) as exc:
+            logger.warning("dropping a KV event batch that does not encode: %s", exc)
+            return True
+        seq = self.published
+        try:
+            self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+        except zmq.ZMQError:
+            self.send_failures += 1
+            if self.send_failures == 1:
+                logger.exception(
+                    "KV event batch %d not sent on %s; batches that fail are counted in "
+                    "send_failures and kept for replay",
+                    seq,
+                    self.endpoint,
+                )
+        self._buffer.append((seq, payload))
+        self.published += 1
+        return True
 
     def _answer_replay(self) -> bool:
         """Serve one waiting replay request, if any; whether one was waiting."""
