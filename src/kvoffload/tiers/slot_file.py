@@ -633,7 +633,7 @@ class SlotFile:
             fd = _open_file(self.path, directory)
             fds.append(fd)
             _lock_slot_file(fd, self.directory)
-            _name_holder(lock_fd)
+            _name_holder(lock_fd, self.directory / LOCK_FILE)
             found, recovery, superblock = self._scan(fd)
             if self._fsync:
                 self._sync_entries(root, directory, made)
@@ -975,10 +975,26 @@ def _in_use(directory: Path, holder: str) -> DiskTierError:
     )
 
 
-def _name_holder(fd: int) -> None:
-    """Write this process's pid in ``lock`` (``fd``), once the tier holds the directory."""
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+def _name_holder(fd: int, path: Path) -> None:
+    """Write this process's pid in ``lock`` (``fd``, at ``path``), once the tier holds the
+    directory.
+
+    Only a name for the refusal of a second process: the ``flock`` is what holds the
+    directory, so a pid that cannot be written (a disk full to the last block, whose
+    other layouts' files the tier's first write may yet empty) only warns. Written over
+    the old one before the file is cut to its length, so a page the file has is reused.
+    """
+    pid = f"{os.getpid()}\n".encode()
+    try:
+        os.pwrite(fd, pid, 0)
+        os.ftruncate(fd, len(pid))
+    except OSError as exc:
+        logger.warning(
+            "disk tier: could not write this process's pid in %s (%s); a second process "
+            "is refused all the same, naming no holder",
+            path,
+            exc.strerror or exc,
+        )
 
 
 def _drop_inherited_locks() -> None:
