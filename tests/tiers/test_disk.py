@@ -725,3 +725,21 @@ def test_a_tier_emptied_on_close_restarts_empty_and_a_failed_truncate_only_warns
     failing.empty_on_close = True
     failing.close()  # no raise: the blocks stay, each intact under its own key
     assert "could not be emptied" in caplog.text
+
+
+def test_the_start_up_scan_has_the_time_its_slots_take(tmp_path: Path) -> None:
+    """Every slot's header is read on start: the scan may take the deadline plus a page per
+    slot at the slowest device rate, as a job moving those bytes may, so a large tier (here
+    300,000 slots on a deadline of 50 ms) restarts; before, a scan longer than the bare
+    deadline refused the start as a file system that did not answer."""
+    slots = 300_000
+    first = stored(DiskTier(tmp_path, slots, FP), KEYS[:1])
+    first.close()
+    os.truncate(first.path, SUPER_BYTES + slots * slot_stride(64))  # sparse: no room taken
+    again = DiskTier(tmp_path, slots, FP, deadline_s=0.05)
+    try:
+        assert again.recovery == Recovery(recovered=1)
+        ok, got = read_all(again, KEYS[:1])
+        assert ok == [True] and got[0] == payload(KEYS[0])
+    finally:
+        again.close()

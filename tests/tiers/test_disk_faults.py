@@ -338,18 +338,67 @@ def test_start_up_on_a_hung_file_system_is_one_clear_error(
         DiskTier(tmp_path, 8, FP, deadline_s=0.2, file_layer=layer)
 
 
-def test_a_start_up_whose_deadline_passes_as_it_returns_leaves_nothing_locked(
+class ScanStalls(FileLayer):
+    """Reads of the slot file after the first (the superblock's) wait for
+    :attr:`answering`: a file system that stops answering as the start-up scan begins."""
+
+    def __init__(self) -> None:
+        self.answering = threading.Event()
+        self.reads = 0
+
+    def pread(self, fd: int, size: int, offset: int) -> bytes:
+        self.reads += 1
+        if self.reads > 1:
+            self.answering.wait()
+        return super().pread(fd, size, offset)
+
+
+def test_a_scan_that_hangs_is_one_clear_error_and_frees_the_directory_once_it_returns(
     tmp_path: Path,
 ) -> None:
-    """The file opened, locked and scanned, the deadline passes just before the start-up
-    hands it over: the start-up succeeds or fails, and if it fails it keeps nothing open,
-    so the directory is free again (a result dropped unclaimed would hold its lock for
-    the life of the process).
+    """The scan is a job of its own: past its deadline the start is refused in one line,
+    the files stay open (and locked) while a call is stuck in them, and close once it
+    returns, the blocks untouched."""
+    first = DiskTier(tmp_path, 8, FP)
+    first.write(KEYS[:2], [content(key, SIZE) for key in KEYS[:2]])
+    first.close()
+    stalls = ScanStalls()
+    try:
+        with pytest.raises(DiskTierError, match=r"did not answer within 0\.2 s"):
+            DiskTier(tmp_path, 8, FP, deadline_s=0.2, file_layer=stalls)
+        with pytest.raises(DiskTierError, match="is in use by process"):
+            DiskTier(tmp_path, 8, FP)
+    finally:
+        stalls.answering.set()
+    again = None
+    for _ in range(300):  # the stuck thread leaves, then the files close: within 30 s
+        try:
+            again = DiskTier(tmp_path, 8, FP)
+            break
+        except DiskTierError:
+            threading.Event().wait(0.1)
+    assert again is not None, "the directory stays locked after the stuck scan returned"
+    try:
+        assert again.recovery == Recovery(recovered=2)
+        ok, buffers = read(again, KEYS[:2])
+        assert all(ok) and [bytes(b) for b in buffers] == [content(k, SIZE) for k in KEYS[:2]]
+    finally:
+        again.close()
 
-    The stripe thread is held where its open job returns, as by a debugger's breakpoint,
+
+@pytest.mark.parametrize("step", [SlotFile._open, SlotFile._start], ids=["open", "scan"])
+def test_a_start_up_whose_deadline_passes_as_it_returns_leaves_nothing_locked(
+    tmp_path: Path, step: Callable[..., object]
+) -> None:
+    """The file opened and locked, or then scanned, the deadline passes just before that
+    job hands it over: the start-up succeeds or fails, and if it fails it keeps nothing
+    open, so the directory is free again (a result dropped unclaimed would hold its lock
+    for the life of the process).
+
+    The stripe thread is held where the job returns, as by a debugger's breakpoint,
     until the deadline has failed the job (or, if it can no longer fail it, for a while).
     """
-    open_job = SlotFile._open.__code__
+    open_job = step.__code__
     resumed = threading.Event()
 
     def hold_on_return(frame: FrameType, event: str, _: object) -> TraceFunction:
