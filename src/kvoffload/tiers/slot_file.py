@@ -150,7 +150,8 @@ class Recovery:
     foreign: int = 0
     """Blocks of another layout fingerprint (a whole file of another layout: all its slots)."""
     corrupt: int = 0
-    """Headers that fail their checks, or announce another payload length than the layout's."""
+    """Headers that fail their checks, announce another payload length than the layout's,
+    or cannot be read (EIO: a bad sector)."""
     duplicate: int = 0
     """Further intact copies of a key found in more than one slot (a slot whose block was
     evicted keeps it until its next write lands, and the key may since have been stored
@@ -781,7 +782,13 @@ class SlotFile:
         intact: list[tuple[OffloadKey, int]] = []  # in slot order
         for slot in range(-(-max(size - SUPER_BYTES, 0) // stride)):
             start = slot_start(slot, stride)
-            kind = self._classify(layer.pread(fd, HEADER_BYTES + MAX_KEY_BYTES, start), payload)
+            try:
+                head = layer.pread(fd, HEADER_BYTES + MAX_KEY_BYTES, start)
+            except OSError as exc:
+                if exc.errno != errno.EIO:
+                    raise
+                head = None  # a bad sector: its slot is lost, not the tier
+            kind = "corrupt" if head is None else self._classify(head, payload)
             if isinstance(kind, bytes):
                 if start + HEADER_BYTES + len(kind) + payload > size:
                     kind = "torn"
@@ -792,7 +799,7 @@ class SlotFile:
                 continue
             setattr(recovery, kind, getattr(recovery, kind) + 1)
             if slot < self.capacity:  # past it, the file is cut off below
-                layer.pwrite(fd, _ZERO_HEADER, start)  # counted once: blank from now on
+                self._blank_found(fd, start)
         held: set[OffloadKey] = set()
         found = []
         for key, slot in intact:
@@ -800,7 +807,7 @@ class SlotFile:
                 recovery.beyond_capacity += 1
             elif key in held:
                 recovery.duplicate += 1
-                layer.pwrite(fd, _ZERO_HEADER, slot_start(slot, stride))
+                self._blank_found(fd, slot_start(slot, stride))
             else:
                 held.add(key)
                 found.append((key, slot))
@@ -809,6 +816,16 @@ class SlotFile:
             layer.ftruncate(fd, limit)
         recovery.recovered = len(found)
         return _Scanned(found, recovery, found_super)
+
+    def _blank_found(self, fd: int, start: int) -> None:
+        """Blank a slot the scan drops, so that it is counted once; a disk failing there
+        (EIO) leaves it to be dropped again by the next start, the tier starting all the
+        same."""
+        try:
+            self.layer.pwrite(fd, _ZERO_HEADER, start)
+        except OSError as exc:
+            if exc.errno != errno.EIO:
+                raise
 
     def _classify(self, head: bytes, payload: int) -> bytes | str | None:
         """A slot's key if its header is intact, ``None`` if blank, else why it is dropped."""
