@@ -19,7 +19,7 @@ import pytest
 from kvoffload import OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
 from kvoffload.tiers import DiskTier, layout_fingerprint
-from kvoffload.tiers.slot_file import LOCK_FILE, SLOT_FILE, FileLayer, footprint
+from kvoffload.tiers.slot_file import LOCK_FILE, SLOT_FILE, DiskTierError, FileLayer, footprint
 
 SIZE = 16384
 CAPACITY = 8
@@ -280,11 +280,14 @@ def test_a_tier_starts_on_a_disk_full_of_a_left_behind_file_and_empties_it(
     full_fs: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """No page free at all: writing the holder's pid in ``lock`` fails, which must not stop
-    the start (the lock is the ``flock``, the pid only names its holder); the first write
-    then empties the other layout's file and lands."""
+    the start (the lock is the ``flock``, the pid only names its holder: one warning); the
+    first write then empties the other layout's file and lands."""
     caplog.set_level(logging.WARNING, logger="kvoffload.tiers.slot_file")
     tier = filled(full_fs, "now")
     try:
         assert reads_back(tier) and len(emptied_lines(caplog)) == 1
+        assert "could not write this process's pid" in caplog.text
+        with pytest.raises(DiskTierError, match="is in use by process unknown"):
+            DiskTier(full_fs, CAPACITY, fingerprint("now"))
     finally:
         tier.close()

@@ -50,6 +50,7 @@ runtime failures pass through :meth:`SlotFile._guard`.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import fcntl
@@ -364,7 +365,8 @@ class SlotFile:
 
     def _refuse_start(self, reason: str | None, release: Callable[[], None]) -> NoReturn:
         """Stop the stripes, ``release`` what start-up kept open once no thread is inside
-        it, and raise the one-line ``reason`` (``None``: a deadline passed)."""
+        it, and raise the one-line ``reason`` (``None``: the job did not run to its end, its
+        deadline passed or the breaker refused it)."""
         self.stripes.close(release)
         if reason is None:
             reason = (
@@ -1046,14 +1048,17 @@ def _name_holder(fd: int, path: Path) -> None:
 
     Only a name for the refusal of a second process: the ``flock`` is what holds the
     directory, so a pid that cannot be written (a disk full to the last block, whose
-    other layouts' files the tier's first write may yet empty) only warns. Written over
-    the old one before the file is cut to its length, so a page the file has is reused.
+    other layouts' files the tier's first write may yet empty) only warns, the file
+    emptied so that it names no process that has ended. Written over the old one before
+    the file is cut to its length, so a page the file has is reused.
     """
     pid = f"{os.getpid()}\n".encode()
     try:
         os.pwrite(fd, pid, 0)
         os.ftruncate(fd, len(pid))
     except OSError as exc:
+        with contextlib.suppress(OSError):  # cutting a file takes no room
+            os.ftruncate(fd, 0)
         logger.warning(
             "disk tier: could not write this process's pid in %s (%s); a second process "
             "is refused all the same, naming no holder",
