@@ -659,3 +659,30 @@ def test_a_job_that_raises_a_bug_fails_its_blocks_instead_of_leaving_callers_wai
         assert m.lookup(KEYS[3:4]) == 1  # the CPU tier serves on
     finally:
         m.close()  # returns: no job is left unsettled
+
+
+def test_a_scan_given_up_on_stops_and_frees_the_directory(tmp_path: Path) -> None:
+    """A slot file grown to 1 TiB of holes (a bogus size: no tier of 8 slots wrote it) is
+    refused at the deadline as before: the scan's allowance counts the slots within the
+    capacity only, not the file's 268 million. The scan then stops at its next slot rather
+    than read every header, which kept a core busy and the directory locked for minutes,
+    refusing a tier opened on it again in the same process."""
+    first = DiskTier(tmp_path, 8, FP)
+    first.write(KEYS[:2], [content(key, SIZE) for key in KEYS[:2]])
+    first.close()
+    os.truncate(first.path, 2**40)
+    with pytest.raises(DiskTierError, match=r"did not answer within 0\.2 s"):
+        DiskTier(tmp_path, 8, FP, deadline_s=0.2)
+    os.truncate(first.path, 4 * 2**20)  # a size a tier of 8 slots may leave
+    again = None
+    for _ in range(300):  # the scan stops, then the files close: within 30 s
+        try:
+            again = DiskTier(tmp_path, 8, FP)
+            break
+        except DiskTierError:
+            threading.Event().wait(0.1)
+    assert again is not None, "the directory stays locked by a scan given up on"
+    try:
+        assert again.recovery.recovered == 2
+    finally:
+        again.close()

@@ -350,9 +350,11 @@ class SlotFile:
         opened = self.stripes.submit(0, self._open, None, 0).result()
         if not isinstance(opened, _Opened):
             self._refuse_start(opened, _nothing)  # a start-up given up on closes its own files
-        # A job of its own, which may take the time its header reads take, a page a slot.
+        # A job of its own, which may take the time its header reads take, a page a slot
+        # within the capacity: a file whose size is bogus (holes) is refused at its deadline.
         scan = functools.partial(self._start, opened)
-        scanned = self.stripes.submit(0, scan, None, opened.slots * ALIGN).result()
+        reads = min(opened.slots, capacity) * ALIGN
+        scanned = self.stripes.submit(0, scan, None, reads).result()
         if not isinstance(scanned, _Scanned):
             self._refuse_start(scanned, functools.partial(_close_all, opened.fds))
         self._fd, self._lock_fd, self._root_fd = opened.fd, opened.lock_fd, opened.root_fd
@@ -686,11 +688,14 @@ class SlotFile:
         found_super = parse_superblock(head, self.fingerprint)
         return _Opened(fd, lock_fd, root, directory, made, size, found_super)
 
-    def _start(self, opened: _Opened, job: Job[_Scanned | str | None]) -> _Scanned | str:
+    def _start(self, opened: _Opened, job: Job[_Scanned | str | None]) -> _Scanned | str | None:
         """The blocks the scan found, the names made durable and room made; or the one-line
-        reason the file cannot be used (the caller closes what ``opened`` holds)."""
+        reason the file cannot be used, or ``None`` once given up on (the caller closes what
+        ``opened`` holds)."""
         try:
-            scanned = self._scan(opened.fd, opened.size, opened.found_super)
+            scanned = self._scan(job, opened.fd, opened.size, opened.found_super)
+            if scanned is None:
+                return None
             if self._fsync:
                 self._sync_entries(opened.root_fd, opened.directory_fd, opened.made)
             if scanned.superblock is not None:
@@ -767,9 +772,14 @@ class SlotFile:
             if exc.errno != errno.EINVAL:  # EINVAL: the file system syncs no directory
                 raise
 
-    def _scan(self, fd: int, size: int, found_super: Superblock | None) -> _Scanned:
+    def _scan(
+        self, job: Job[_Scanned | str | None], fd: int, size: int, found_super: Superblock | None
+    ) -> _Scanned | None:
         """The intact blocks in the file of ``size`` bytes, in slot order, within the
-        capacity and each key in one slot; a foreign or broken file starts over empty."""
+        capacity and each key in one slot; a foreign or broken file starts over empty.
+        ``None`` once ``job`` is given up on: it stops there, as a kill would (what it
+        blanked stays blank, the next start goes on), rather than keep a core and the
+        directory's lock for every slot left."""
         recovery = Recovery()
         layer = self.layer
         if found_super is None or not found_super.ours:
@@ -783,6 +793,8 @@ class SlotFile:
         stride, payload = found_super.stride, found_super.payload_bytes
         intact: list[tuple[OffloadKey, int]] = []  # in slot order
         for slot in range(-(-max(size - SUPER_BYTES, 0) // stride)):
+            if job.abandoned:
+                return None
             start = slot_start(slot, stride)
             try:
                 head = layer.pread(fd, HEADER_BYTES + MAX_KEY_BYTES, start)
