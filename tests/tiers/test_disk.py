@@ -725,3 +725,69 @@ def test_a_tier_emptied_on_close_restarts_empty_and_a_failed_truncate_only_warns
     failing.empty_on_close = True
     failing.close()  # no raise: the blocks stay, each intact under its own key
     assert "could not be emptied" in caplog.text
+
+
+def test_the_start_up_scan_has_the_time_its_slots_take(tmp_path: Path) -> None:
+    """Every slot's header is read on start: the scan may take the deadline plus a page per
+    slot at the slowest device rate, as a job moving those bytes may, so a large tier (here
+    300,000 slots on a deadline of 50 ms) restarts; before, a scan longer than the bare
+    deadline refused the start as a file system that did not answer."""
+    slots = 300_000
+    first = stored(DiskTier(tmp_path, slots, FP), KEYS[:1])
+    first.close()
+    os.truncate(first.path, SUPER_BYTES + slots * slot_stride(64))  # sparse: no room taken
+    again = DiskTier(tmp_path, slots, FP, deadline_s=0.05)
+    try:
+        assert again.recovery == Recovery(recovered=1)
+        ok, got = read_all(again, KEYS[:1])
+        assert ok == [True] and got[0] == payload(KEYS[0])
+    finally:
+        again.close()
+
+
+class BadSector(FileLayer):
+    """Reads at one offset fail with EIO, as from a bad sector; writes there too unless
+    ``writable`` (a disk remaps a sector written over)."""
+
+    def __init__(self, offset: int, writable: bool) -> None:
+        self.offset = offset
+        self.writable = writable
+
+    def _check(self, offset: int) -> None:
+        if offset == self.offset:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    def pread(self, fd: int, size: int, offset: int) -> bytes:
+        self._check(offset)
+        return super().pread(fd, size, offset)
+
+    def pwrite(self, fd: int, data: bytes | memoryview, offset: int) -> int:
+        if not self.writable:
+            self._check(offset)
+        return super().pwrite(fd, data, offset)
+
+
+@pytest.mark.parametrize("writable", [True, False])
+def test_a_header_the_disk_cannot_read_drops_its_slot_not_the_start(
+    tmp_path: Path, writable: bool
+) -> None:
+    """A failing disk fails what it cannot read: one unreadable header is a slot dropped
+    as corrupt, the other blocks served; before, it refused the start. Blanked where it
+    can be written, so counted once; where not, the next start looks at it again."""
+    tier = stored(DiskTier(tmp_path, 8, FP), KEYS[:4])
+    bad = tier.slot_offset(KEYS[1])
+    tier.close()
+    assert bad is not None
+    again = DiskTier(tmp_path, 8, FP, file_layer=BadSector(bad, writable))
+    try:
+        assert again.recovery == Recovery(recovered=3, corrupt=1)
+        assert again.present(KEYS[1:2]) == 0
+        ok, got = read_all(again, [KEYS[0], KEYS[2], KEYS[3]])
+        assert all(ok) and list(got.values()) == [payload(KEYS[k]) for k in (0, 2, 3)]
+    finally:
+        again.close()
+    healed = DiskTier(tmp_path, 8, FP)  # the sector readable again
+    try:
+        assert healed.recovery == Recovery(recovered=3 if writable else 4)
+    finally:
+        healed.close()

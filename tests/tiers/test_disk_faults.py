@@ -338,18 +338,67 @@ def test_start_up_on_a_hung_file_system_is_one_clear_error(
         DiskTier(tmp_path, 8, FP, deadline_s=0.2, file_layer=layer)
 
 
-def test_a_start_up_whose_deadline_passes_as_it_returns_leaves_nothing_locked(
+class ScanStalls(FileLayer):
+    """Reads of the slot file after the first (the superblock's) wait for
+    :attr:`answering`: a file system that stops answering as the start-up scan begins."""
+
+    def __init__(self) -> None:
+        self.answering = threading.Event()
+        self.reads = 0
+
+    def pread(self, fd: int, size: int, offset: int) -> bytes:
+        self.reads += 1
+        if self.reads > 1:
+            self.answering.wait()
+        return super().pread(fd, size, offset)
+
+
+def test_a_scan_that_hangs_is_one_clear_error_and_frees_the_directory_once_it_returns(
     tmp_path: Path,
 ) -> None:
-    """The file opened, locked and scanned, the deadline passes just before the start-up
-    hands it over: the start-up succeeds or fails, and if it fails it keeps nothing open,
-    so the directory is free again (a result dropped unclaimed would hold its lock for
-    the life of the process).
+    """The scan is a job of its own: past its deadline the start is refused in one line,
+    the files stay open (and locked) while a call is stuck in them, and close once it
+    returns, the blocks untouched."""
+    first = DiskTier(tmp_path, 8, FP)
+    first.write(KEYS[:2], [content(key, SIZE) for key in KEYS[:2]])
+    first.close()
+    stalls = ScanStalls()
+    try:
+        with pytest.raises(DiskTierError, match=r"did not answer within 0\.2 s"):
+            DiskTier(tmp_path, 8, FP, deadline_s=0.2, file_layer=stalls)
+        with pytest.raises(DiskTierError, match="is in use by process"):
+            DiskTier(tmp_path, 8, FP)
+    finally:
+        stalls.answering.set()
+    again = None
+    for _ in range(300):  # the stuck thread leaves, then the files close: within 30 s
+        try:
+            again = DiskTier(tmp_path, 8, FP)
+            break
+        except DiskTierError:
+            threading.Event().wait(0.1)
+    assert again is not None, "the directory stays locked after the stuck scan returned"
+    try:
+        assert again.recovery == Recovery(recovered=2)
+        ok, buffers = read(again, KEYS[:2])
+        assert all(ok) and [bytes(b) for b in buffers] == [content(k, SIZE) for k in KEYS[:2]]
+    finally:
+        again.close()
 
-    The stripe thread is held where its open job returns, as by a debugger's breakpoint,
+
+@pytest.mark.parametrize("step", [SlotFile._open, SlotFile._start], ids=["open", "scan"])
+def test_a_start_up_whose_deadline_passes_as_it_returns_leaves_nothing_locked(
+    tmp_path: Path, step: Callable[..., object]
+) -> None:
+    """The file opened and locked, or then scanned, the deadline passes just before that
+    job hands it over: the start-up succeeds or fails, and if it fails it keeps nothing
+    open, so the directory is free again (a result dropped unclaimed would hold its lock
+    for the life of the process).
+
+    The stripe thread is held where the job returns, as by a debugger's breakpoint,
     until the deadline has failed the job (or, if it can no longer fail it, for a while).
     """
-    open_job = SlotFile._open.__code__
+    open_job = step.__code__
     resumed = threading.Event()
 
     def hold_on_return(frame: FrameType, event: str, _: object) -> TraceFunction:
@@ -610,3 +659,30 @@ def test_a_job_that_raises_a_bug_fails_its_blocks_instead_of_leaving_callers_wai
         assert m.lookup(KEYS[3:4]) == 1  # the CPU tier serves on
     finally:
         m.close()  # returns: no job is left unsettled
+
+
+def test_a_scan_given_up_on_stops_and_frees_the_directory(tmp_path: Path) -> None:
+    """A slot file grown to 1 TiB of holes (a bogus size: no tier of 8 slots wrote it) is
+    refused at the deadline as before: the scan's allowance counts the slots within the
+    capacity only, not the file's 268 million. The scan then stops at its next slot rather
+    than read every header, which kept a core busy and the directory locked for minutes,
+    refusing a tier opened on it again in the same process."""
+    first = DiskTier(tmp_path, 8, FP)
+    first.write(KEYS[:2], [content(key, SIZE) for key in KEYS[:2]])
+    first.close()
+    os.truncate(first.path, 2**40)
+    with pytest.raises(DiskTierError, match=r"did not answer within 0\.2 s"):
+        DiskTier(tmp_path, 8, FP, deadline_s=0.2)
+    os.truncate(first.path, 4 * 2**20)  # a size a tier of 8 slots may leave
+    again = None
+    for _ in range(300):  # the scan stops, then the files close: within 30 s
+        try:
+            again = DiskTier(tmp_path, 8, FP)
+            break
+        except DiskTierError:
+            threading.Event().wait(0.1)
+    assert again is not None, "the directory stays locked by a scan given up on"
+    try:
+        assert again.recovery.recovered == 2
+    finally:
+        again.close()

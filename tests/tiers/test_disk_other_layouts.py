@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ import pytest
 from kvoffload import OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
 from kvoffload.tiers import DiskTier, layout_fingerprint
-from kvoffload.tiers.slot_file import LOCK_FILE, SLOT_FILE, FileLayer, footprint
+from kvoffload.tiers.slot_file import LOCK_FILE, SLOT_FILE, DiskTierError, FileLayer, footprint
 
 SIZE = 16384
 CAPACITY = 8
@@ -249,3 +250,44 @@ def test_what_is_not_a_left_behind_slot_file_is_never_touched(tmp_path: Path) ->
     filled(root, "now", Room(0)).close()
     assert {kind: path.read_bytes() for kind, path in planted.items()} == contents
     assert taken(victim) == victim_size
+
+
+@pytest.fixture
+def full_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs filled to the last page by a slot file of another layout that no
+    tier holds any more (mounting needs root)."""
+    path = tmp_path / "full"
+    path.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1024k", "tmpfs", str(path)],
+        capture_output=True,
+        check=False,
+    )
+    if mounted.returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        earlier = DiskTier(path, 100, fingerprint("earlier"))
+        earlier.write([block_id_key(i) for i in range(100)], [payload(KEYS[0])] * 100)
+        earlier.poll(wait=True)
+        earlier.close()
+        assert earlier.stats.failed and os.statvfs(path).f_bavail == 0
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_tier_starts_on_a_disk_full_of_a_left_behind_file_and_empties_it(
+    full_fs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No page free at all: writing the holder's pid in ``lock`` fails, which must not stop
+    the start (the lock is the ``flock``, the pid only names its holder: one warning); the
+    first write then empties the other layout's file and lands."""
+    caplog.set_level(logging.WARNING, logger="kvoffload.tiers.slot_file")
+    tier = filled(full_fs, "now")
+    try:
+        assert reads_back(tier) and len(emptied_lines(caplog)) == 1
+        assert "could not write this process's pid" in caplog.text
+        with pytest.raises(DiskTierError, match="is in use by process unknown"):
+            DiskTier(full_fs, CAPACITY, fingerprint("now"))
+    finally:
+        tier.close()

@@ -50,6 +50,7 @@ runtime failures pass through :meth:`SlotFile._guard`.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import fcntl
@@ -66,7 +67,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
@@ -150,7 +151,8 @@ class Recovery:
     foreign: int = 0
     """Blocks of another layout fingerprint (a whole file of another layout: all its slots)."""
     corrupt: int = 0
-    """Headers that fail their checks, or announce another payload length than the layout's."""
+    """Headers that fail their checks, announce another payload length than the layout's,
+    or cannot be read (EIO: a bad sector)."""
     duplicate: int = 0
     """Further intact copies of a key found in more than one slot (a slot whose block was
     evicted keeps it until its next write lands, and the key may since have been stored
@@ -278,9 +280,34 @@ class FileLayer:
 
 @dataclass
 class _Opened:
+    """The files start-up opened and locked, and the slot file's size and superblock as
+    found (``None``: none intact)."""
+
     fd: int
     lock_fd: int
     root_fd: int
+    directory_fd: int
+    made: list[Path]
+    """``DIR`` and those of its parents that start-up made (with ``fsync`` only)."""
+    size: int
+    found_super: Superblock | None
+
+    @property
+    def fds(self) -> list[int]:
+        """Every descriptor held, the slot file's first."""
+        return [self.fd, self.lock_fd, self.root_fd, self.directory_fd]
+
+    @property
+    def slots(self) -> int:
+        """Slots the scan reads a header of: none in a file it starts over."""
+        found = self.found_super
+        if found is None or not found.ours:
+            return 0
+        return -(-max(self.size - SUPER_BYTES, 0) // found.stride)
+
+
+@dataclass
+class _Scanned:
     found: list[tuple[OffloadKey, int]]
     recovery: Recovery
     superblock: Superblock | None
@@ -322,21 +349,35 @@ class SlotFile:
         )
         opened = self.stripes.submit(0, self._open, None, 0).result()
         if not isinstance(opened, _Opened):
-            self.stripes.close(_nothing)  # a start-up given up on closes its own files
-            if opened is None:
-                opened = (
-                    f"disk tier directory {self.directory} did not answer within {deadline_s:g} s"
-                    if self.stripes.expired
-                    else f"cannot open the disk tier in {self.directory}"
-                )
-            raise DiskTierError(opened)
+            self._refuse_start(opened, _nothing)  # a start-up given up on closes its own files
+        # A job of its own, which may take the time its header reads take, a page a slot
+        # within the capacity: a file whose size is bogus (holes) is refused at its deadline.
+        scan = functools.partial(self._start, opened)
+        reads = min(opened.slots, capacity) * ALIGN
+        scanned = self.stripes.submit(0, scan, None, reads).result()
+        if not isinstance(scanned, _Scanned):
+            self._refuse_start(scanned, functools.partial(_close_all, opened.fds))
         self._fd, self._lock_fd, self._root_fd = opened.fd, opened.lock_fd, opened.root_fd
-        self.found, self.recovery = opened.found, opened.recovery
+        self.found, self.recovery = scanned.found, scanned.recovery
         self._superblock: Future[bool] | None = None
-        if opened.superblock is not None:
-            self.stride = opened.superblock.stride
-            self.payload_bytes = opened.superblock.payload_bytes
+        if scanned.superblock is not None:
+            self.stride = scanned.superblock.stride
+            self.payload_bytes = scanned.superblock.payload_bytes
             self._superblock = done_future(True)
+
+    def _refuse_start(self, reason: str | None, release: Callable[[], None]) -> NoReturn:
+        """Stop the stripes, ``release`` what start-up kept open once no thread is inside
+        it, and raise the one-line ``reason`` (``None``: the job did not run to its end, its
+        deadline passed or the breaker refused it)."""
+        self.stripes.close(release)
+        if reason is None:
+            reason = (
+                f"disk tier directory {self.directory} did not answer within "
+                f"{self.stripes.deadline_s:g} s"
+                if self.stripes.expired
+                else f"cannot open the disk tier in {self.directory}"
+            )
+        raise DiskTierError(reason)
 
     def fix_layout(self, payload_bytes: int) -> None:
         """The first write fixes the layout (a file found on start has fixed it already)."""
@@ -616,10 +657,10 @@ class SlotFile:
             return Outcome.OK
         return Outcome.OK if self.layer.pwrite(self._fd, data, 0) == len(data) else Outcome.FAILED
 
-    # Start-up, on stripe 0 under the deadline: open, lock, scan.
+    # Start-up, on stripe 0 under the deadline: open and lock, then scan.
 
     def _open(self, job: Job[_Opened | str | None]) -> _Opened | str:
-        """The opened, locked and scanned file, or the one-line reason it cannot be used."""
+        """The opened and locked file, or the one-line reason it cannot be used."""
         fds: list[int] = []
         made = _missing(self.root) if self._fsync else []
         try:
@@ -633,22 +674,40 @@ class SlotFile:
             fd = _open_file(self.path, directory)
             fds.append(fd)
             _lock_slot_file(fd, self.directory)
-            _name_holder(lock_fd)
-            found, recovery, superblock = self._scan(fd)
-            if self._fsync:
-                self._sync_entries(root, directory, made)
-            if superblock is not None:
-                self._make_room(root, fd, superblock.payload_bytes)
+            _name_holder(lock_fd, self.directory / LOCK_FILE)
+            size = self.layer.fstat(fd).st_size
+            head = self.layer.pread(fd, _SUPER.size + _CRC.size, 0)
         except DiskTierError as exc:
             _close_all(fds)
             return str(exc)
         except OSError as exc:
             _close_all(fds)
-            return f"cannot use disk tier directory {self.directory}: {exc.strerror or exc}"
-        _close_all([directory])  # ``DIR`` stays open: other layouts' files are found there
+            return self._unusable(exc)
         if not job.claim():  # too late: the caller has given up; keep nothing open
-            _close_all([root, *fds[2:]])
-        return _Opened(fd, lock_fd, root, found, recovery, superblock)
+            _close_all(fds)
+        found_super = parse_superblock(head, self.fingerprint)
+        return _Opened(fd, lock_fd, root, directory, made, size, found_super)
+
+    def _start(self, opened: _Opened, job: Job[_Scanned | str | None]) -> _Scanned | str | None:
+        """The blocks the scan found, the names made durable and room made; or the one-line
+        reason the file cannot be used, or ``None`` once given up on (the caller closes what
+        ``opened`` holds)."""
+        try:
+            scanned = self._scan(job, opened.fd, opened.size, opened.found_super)
+            if scanned is None:
+                return None
+            if self._fsync:
+                self._sync_entries(opened.root_fd, opened.directory_fd, opened.made)
+            if scanned.superblock is not None:
+                self._make_room(opened.root_fd, opened.fd, scanned.superblock.payload_bytes)
+        except OSError as exc:
+            return self._unusable(exc)
+        if job.claim():  # ``DIR`` stays open: other layouts' files are found there
+            _close_all([opened.directory_fd])
+        return scanned
+
+    def _unusable(self, exc: OSError) -> str:
+        return f"cannot use disk tier directory {self.directory}: {exc.strerror or exc}"
 
     def _make_room(self, root: int, fd: int, payload_bytes: int) -> None:
         """Empty other layouts' slot files in ``DIR`` (``root``) that no running tier holds,
@@ -713,14 +772,16 @@ class SlotFile:
             if exc.errno != errno.EINVAL:  # EINVAL: the file system syncs no directory
                 raise
 
-    def _scan(self, fd: int) -> tuple[list[tuple[OffloadKey, int]], Recovery, Superblock | None]:
-        """The intact blocks in slot order, within the capacity and each key in one slot;
-        a foreign or broken file starts over empty."""
+    def _scan(
+        self, job: Job[_Scanned | str | None], fd: int, size: int, found_super: Superblock | None
+    ) -> _Scanned | None:
+        """The intact blocks in the file of ``size`` bytes, in slot order, within the
+        capacity and each key in one slot; a foreign or broken file starts over empty.
+        ``None`` once ``job`` is given up on: it stops there, as a kill would (what it
+        blanked stays blank, the next start goes on), rather than keep a core and the
+        directory's lock for every slot left."""
         recovery = Recovery()
         layer = self.layer
-        size = layer.fstat(fd).st_size
-        head = layer.pread(fd, _SUPER.size + _CRC.size, 0)
-        found_super = parse_superblock(head, self.fingerprint)
         if found_super is None or not found_super.ours:
             if size:
                 if found_super is None:
@@ -728,12 +789,20 @@ class SlotFile:
                 else:
                     recovery.foreign += -(-max(size - SUPER_BYTES, 0) // found_super.stride)
                 layer.ftruncate(fd, 0)
-            return [], recovery, None
+            return _Scanned([], recovery, None)
         stride, payload = found_super.stride, found_super.payload_bytes
         intact: list[tuple[OffloadKey, int]] = []  # in slot order
         for slot in range(-(-max(size - SUPER_BYTES, 0) // stride)):
+            if job.abandoned:
+                return None
             start = slot_start(slot, stride)
-            kind = self._classify(layer.pread(fd, HEADER_BYTES + MAX_KEY_BYTES, start), payload)
+            try:
+                head = layer.pread(fd, HEADER_BYTES + MAX_KEY_BYTES, start)
+            except OSError as exc:
+                if exc.errno != errno.EIO:
+                    raise
+                head = None  # a bad sector: its slot is lost, not the tier
+            kind = "corrupt" if head is None else self._classify(head, payload)
             if isinstance(kind, bytes):
                 if start + HEADER_BYTES + len(kind) + payload > size:
                     kind = "torn"
@@ -744,7 +813,7 @@ class SlotFile:
                 continue
             setattr(recovery, kind, getattr(recovery, kind) + 1)
             if slot < self.capacity:  # past it, the file is cut off below
-                layer.pwrite(fd, _ZERO_HEADER, start)  # counted once: blank from now on
+                self._blank_found(fd, start)
         held: set[OffloadKey] = set()
         found = []
         for key, slot in intact:
@@ -752,7 +821,7 @@ class SlotFile:
                 recovery.beyond_capacity += 1
             elif key in held:
                 recovery.duplicate += 1
-                layer.pwrite(fd, _ZERO_HEADER, slot_start(slot, stride))
+                self._blank_found(fd, slot_start(slot, stride))
             else:
                 held.add(key)
                 found.append((key, slot))
@@ -760,7 +829,17 @@ class SlotFile:
         if size > limit:
             layer.ftruncate(fd, limit)
         recovery.recovered = len(found)
-        return found, recovery, found_super
+        return _Scanned(found, recovery, found_super)
+
+    def _blank_found(self, fd: int, start: int) -> None:
+        """Blank a slot the scan drops, so that it is counted once; a disk failing there
+        (EIO) leaves it to be dropped again by the next start, the tier starting all the
+        same."""
+        try:
+            self.layer.pwrite(fd, _ZERO_HEADER, start)
+        except OSError as exc:
+            if exc.errno != errno.EIO:
+                raise
 
     def _classify(self, head: bytes, payload: int) -> bytes | str | None:
         """A slot's key if its header is intact, ``None`` if blank, else why it is dropped."""
@@ -975,10 +1054,29 @@ def _in_use(directory: Path, holder: str) -> DiskTierError:
     )
 
 
-def _name_holder(fd: int) -> None:
-    """Write this process's pid in ``lock`` (``fd``), once the tier holds the directory."""
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+def _name_holder(fd: int, path: Path) -> None:
+    """Write this process's pid in ``lock`` (``fd``, at ``path``), once the tier holds the
+    directory.
+
+    Only a name for the refusal of a second process: the ``flock`` is what holds the
+    directory, so a pid that cannot be written (a disk full to the last block, whose
+    other layouts' files the tier's first write may yet empty) only warns, the file
+    emptied so that it names no process that has ended. Written over the old one before
+    the file is cut to its length, so a page the file has is reused.
+    """
+    pid = f"{os.getpid()}\n".encode()
+    try:
+        os.pwrite(fd, pid, 0)
+        os.ftruncate(fd, len(pid))
+    except OSError as exc:
+        with contextlib.suppress(OSError):  # cutting a file takes no room
+            os.ftruncate(fd, 0)
+        logger.warning(
+            "disk tier: could not write this process's pid in %s (%s); a second process "
+            "is refused all the same, naming no holder",
+            path,
+            exc.strerror or exc,
+        )
 
 
 def _drop_inherited_locks() -> None:
