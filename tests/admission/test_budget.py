@@ -18,6 +18,7 @@ from kvoffload.admission.budget import (
     SECONDS_PER_DAY,
     BudgetCredit,
 )
+from kvoffload.cli.main import main
 from kvoffload.core.manager import PrepareStoreOutput
 from kvoffload.managers import build_manager
 from kvoffload.sim.engine import EngineConfig, ServingEngine
@@ -302,3 +303,38 @@ def test_the_simulator_keeps_drive_writes_per_day_on_its_trace_clock() -> None:
             admission="recommended",
             write_budget=config.write_budget,
         )
+
+
+def test_a_drive_size_beside_the_shared_tier_s_budget_alone_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The shared tier's drive writes per day count against its own size (``--remote-blocks``,
+    as vLLM's ``remote_bytes`` and SGLang's): ``--drive-bytes 2TB`` beside
+    ``--remote-write-budget 1dwpd`` alone was accepted and ignored, the budget 1 DWPD of the
+    modelled 1,000 blocks. Refused now, before any server is asked."""
+    remote = [
+        "--remote",
+        "redis://127.0.0.1:1",
+        "--remote-blocks",
+        "1000",
+        "--remote-admission",
+        "recommended",
+        "--remote-write-budget",
+        "1dwpd",
+    ]
+    small = ["simulate", "--requests", "5", "--gpu-blocks", "2000", "--cpu-blocks", "100"]
+    assert main([*small, *remote, "--drive-bytes", "2TB"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "--drive-bytes is the drive" in err and "--remote-blocks" in err
+    config = SimConfig(
+        gpu_blocks=100,
+        cpu_blocks=100,
+        remote_url="redis://127.0.0.1:1",
+        remote_blocks=1000,
+        remote_admission="recommended",
+        remote_write_budget=WriteBudget.parse("1dwpd"),
+        drive_bytes=2 * 10**12,
+    )
+    sized = config.stack_config(bytes_per_block=MIB).remote_write_budget
+    assert sized is not None and sized.drive_bytes == 1000 * MIB

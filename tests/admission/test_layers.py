@@ -27,7 +27,9 @@ from kvoffload.admission import (
 from kvoffload.admission.feedback import first_seen_class, root_group
 from kvoffload.admission.worlds import Probe, World
 from kvoffload.core.keys import NotAKeyIterableError
+from kvoffload.core.specs import CPULoadStoreSpec
 from kvoffload.managers import build_manager
+from kvoffload.managers.admit_all import ReuseBook, admission_book
 from kvoffload.policies.lru import LRUCachePolicy
 
 
@@ -194,6 +196,23 @@ def test_memory_stays_bounded_whatever_the_traffic(
     assert len(layer.ghost) <= capacity
     assert len(layer._requests._open) <= 1  # every request was recognised and closed
     assert layer.sketch.resets > 0  # aged: old sightings do not pile up
+
+
+def test_the_filter_as_a_tier_s_book_reports_its_table_s_memory() -> None:
+    """A lower tier's ``filter`` (vLLM's secondary tiers, SGLang's L3) reported 160 bytes a
+    tracked key, the ghost list's figure, for a table that counts its own bytes: 10.2 MB for
+    the default 64,000 keys where the compiled table takes 3.7 MB. It reports the table's
+    figure now, the one the optimiser's filter candidates report for the same table."""
+    book = admission_book("filter", CPULoadStoreSpec([]), 1000, params={"max_tracker_size": 5000})
+    assert isinstance(book, ReuseBook)
+    stats = book.stats()
+    assert stats.memory_bytes == book.rule.reuse.memory_bytes > 0
+    assert stats.tracked_keys == 5000
+    optimiser = admission_book(
+        "recommended", CPULoadStoreSpec([]), 1000, params={"filter_tracker": 5000}
+    )
+    assert isinstance(optimiser, OptimisingAdmission)
+    assert stats.memory_bytes == optimiser.filter.reuse.memory_bytes
 
 
 def test_a_driver_that_looks_up_past_the_layer_can_report_tier_hits() -> None:

@@ -703,13 +703,17 @@ def check_before_work(args: argparse.Namespace) -> None:
             f"--transfer-gb-per-s {transfer:g}: past what a float holds in bytes per second "
             f"(about {sys.float_info.max / 1e9:.2g} GB/s)"
         )
-    budgets = ("write_budget", "disk_write_budget", "remote_write_budget")
+    # Not --remote-write-budget: the shared tier's drive writes per day count against its
+    # own size (--remote-blocks), as vLLM's and SGLang's do; beside it alone, the drive size
+    # was taken and ignored.
+    budgets = ("write_budget", "disk_write_budget")
     if getattr(args, "drive_bytes", None) is not None and not any(
         getattr(args, budget, None) is not None for budget in budgets
     ):
         raise InvalidArgumentError(
             "--drive-bytes is the drive a budget in drive writes per day counts against: "
-            "it needs --write-budget, --disk-write-budget or --remote-write-budget"
+            "it needs --write-budget or --disk-write-budget (--remote-write-budget counts "
+            "against the shared tier's own size, --remote-blocks)"
         )
 
 
