@@ -8,7 +8,13 @@ from collections.abc import Iterable
 import pytest
 
 from kvoffload import CPUOffloadingManager, InvalidArgumentError, OffloadKey
-from kvoffload.admission import OptimisingAdmission, WriteBudget, attach_clock, parse_bytes
+from kvoffload.admission import (
+    Objective,
+    OptimisingAdmission,
+    WriteBudget,
+    attach_clock,
+    parse_bytes,
+)
 from kvoffload.admission.budget import (
     BURST_REFS,
     BURST_SECONDS,
@@ -338,3 +344,16 @@ def test_a_drive_size_beside_the_shared_tier_s_budget_alone_is_refused(
     )
     sized = config.stack_config(bytes_per_block=MIB).remote_write_budget
     assert sized is not None and sized.drive_bytes == 1000 * MIB
+
+
+def test_a_budget_beside_an_objective_ranks_the_candidates_too() -> None:
+    """Given with an objective of the caller's, the budget only capped the writes: the
+    objective kept no budget, so the candidates were ranked as if there were none."""
+    layer = OptimisingAdmission(
+        CPUOffloadingManager(8), 8, write_budget=0.05, objective=Objective()
+    )
+    assert layer.objective.write_budget == pytest.approx(0.05)
+    with pytest.raises(InvalidArgumentError, match="give the write budget once"):
+        OptimisingAdmission(
+            CPUOffloadingManager(8), 8, write_budget=0.05, objective=Objective(write_budget=0.1)
+        )

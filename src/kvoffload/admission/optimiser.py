@@ -293,11 +293,14 @@ class OptimisingAdmission(AdmissionLayer):
         self.write_credit = None if budget is None else BudgetCredit(budget, clock)
         """The budget's token bucket; ``clock`` (seconds) drives a per-time budget."""
         per_ref = None if self.write_credit is None else self.write_credit.writes_per_ref()
-        self.objective = objective or Objective(
-            p.hit_tolerance, p.switch_margin, p.write_margin, per_ref
-        )
-        if self.objective.write_budget not in (None, per_ref):
+        if objective is not None and objective.write_budget not in (None, per_ref):
             raise InvalidArgumentError("give the write budget once: in the objective or alone")
+        # A budget given beside an objective ranks the candidates too, not only caps writes.
+        self.objective = (
+            Objective(p.hit_tolerance, p.switch_margin, p.write_margin, per_ref)
+            if objective is None
+            else replace(objective, write_budget=per_ref)
+        )
         self._probe = Probe()
         self.feedback = FeedbackAdmission(self._probe, capacity)
         self.filter = FilterReusedOffloadingManager(
