@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvoffload.admission import available_admissions
 from kvoffload.cli.main import main
 
 SMALL = ["simulate", "--requests", "120", "--seed", "3", "--no-progress", "--no-bound"]
@@ -190,7 +191,7 @@ def test_without_admission_the_json_says_none(capsys: pytest.CaptureFixture[str]
     [
         (
             "--admission",
-            "unknown admission 'tiny'; known: feedback, filter, none, optimiser, recommended, ",
+            f"unknown admission 'tiny'; known: {', '.join(available_admissions())}",
         ),
         ("--policy", "unknown cache policy 'tiny'; known: arc, lru, "),
     ],
