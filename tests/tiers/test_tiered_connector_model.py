@@ -139,6 +139,9 @@ class HeldTier:
         self.written_blocks += len(keys)
         self.writes.append((list(keys), list(payloads)))
 
+    def has_pending_work(self) -> bool:
+        return bool(self.writes)
+
     def poll(self, wait: bool) -> None:
         writes, self.writes = self.writes, []
         for keys, payloads in writes:
