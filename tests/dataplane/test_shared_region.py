@@ -120,6 +120,33 @@ def test_a_store_over_a_region_and_its_buffer_checks(tmp_path: Path) -> None:
         region.close()
 
 
+def _mapped(path: Path) -> bool:
+    """Whether this process still maps ``path`` (``/proc/self/maps`` names it, unlinked too)."""
+    return f" {path}" in Path("/proc/self/maps").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc")
+def test_a_region_closed_under_a_store_stays_mapped_until_the_stores_tensors_go(
+    tmp_path: Path,
+) -> None:
+    """The worker's shutdown closes its region while its CPU store and handlers still hold
+    tensors over it. ``torch.frombuffer`` holds no buffer of the mapping, so the close
+    unmapped it under them: a later read or copy through them (a look at the slots, a job
+    queued after the shutdown) touched unmapped memory, a segfault or another mapping's
+    bytes."""
+    layout = layout_preset("tiny")
+    path = region_path(tmp_path, "closed", 0)
+    region = SharedRegion(path, 2 * layout.bytes_per_block, pin=False)
+    store = CPUBlockStore(layout, 2, buffer=region.tensor)
+    store.block(1).fill_(7)
+    region.close()
+    assert not path.exists()
+    assert _mapped(path)  # before reading: unmapped memory would crash the run
+    assert store.block(1).eq(7).all() and not store.block(0).any()
+    del store
+    assert not _mapped(path)  # given back once nothing views it
+
+
 def test_slot_bytes_map_lazily_and_count_what_they_could_not_move(tmp_path: Path) -> None:
     paths = [region_path(tmp_path, "lazy", rank) for rank in range(2)]
     slots = SharedSlotBytes(paths, 4, SLOT)

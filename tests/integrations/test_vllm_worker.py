@@ -6,6 +6,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from vllm_helpers import canonical_caches, create_spec, finish
 
 torch = pytest.importorskip("torch")
@@ -54,6 +56,64 @@ def test_store_then_load_round_trips_bytes(
     for t, want in zip(gpu, expected, strict=True):
         assert torch.equal(t[targets], want)
         assert not t[source_blocks].any()
+    worker.shutdown()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_every_stored_byte_loads_back_whatever_the_canonical_layout(
+    vllm_modules: dict[str, ModuleType], data: st.DataObject
+) -> None:
+    """vLLM's canonical tensors are int8 views into its own allocations: one per layer or one
+    packed for all, at any byte offset. Random tensor counts, page sizes, offsets, chunk
+    factors, slots, GPU ids, load skips and queues: every stored byte comes back, and the
+    blocks no load named keep theirs."""
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+    )
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    num_tensors, page = data.draw(st.integers(1, 3)), 2 * data.draw(st.integers(1, 40))
+    num_blocks, offset = data.draw(st.integers(1, 9)), data.draw(st.integers(0, 15))
+    factor, num_slots = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4))
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    size = offset + num_tensors * num_blocks * page
+    allocation = torch.randint(-128, 128, (size,), dtype=torch.int8, generator=generator)
+    tensors = [
+        allocation[offset + i * num_blocks * page :][: num_blocks * page].view(num_blocks, page)
+        for i in range(num_tensors)
+    ]
+    caches = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(t, page) for t in tensors],
+        [[CanonicalKVCacheRef(i, page) for i in range(num_tensors)]],
+    )
+    spec = create_spec(
+        {"cpu_bytes_to_use": num_slots * num_tensors * page * factor},
+        bytes_per_block=num_tensors * page,
+        blocks_per_chunk=factor,
+    )
+    worker = spec.get_worker(caches)
+    used = data.draw(st.integers(0, min(num_slots, num_blocks // factor)))
+    slots = data.draw(st.permutations(range(num_slots)))[:used]
+    sources = data.draw(st.permutations(range(num_blocks)))[: used * factor]
+    stored = [t.clone() for t in tensors]
+    gpu = GPULoadStoreSpec(sources, [len(sources)], [0])
+    assert worker.submit_store(1, gpu, CPULoadStoreSpec(slots))
+    assert finish(worker, {1})[1].success
+    allocation.copy_(torch.randint(-128, 128, (size,), dtype=torch.int8, generator=generator))
+    scrambled = [t.clone() for t in tensors]
+    skip = data.draw(st.integers(0, factor - 1)) if used else 0
+    targets = data.draw(st.permutations(range(num_blocks)))[: used * factor - skip]
+    load = GPULoadStoreSpec(targets, [len(targets)], [skip])
+    assert worker.submit_load(2, CPULoadStoreSpec(slots), load, data.draw(st.booleans()))
+    assert finish(worker, {2})[2].success
+    untouched = sorted(set(range(num_blocks)) - set(targets))
+    for t, before, after in zip(tensors, stored, scrambled, strict=True):
+        assert torch.equal(t[targets], before[sources[skip:]])
+        assert torch.equal(t[untouched], after[untouched])
     worker.shutdown()
 
 

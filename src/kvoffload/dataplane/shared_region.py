@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError
@@ -185,7 +186,7 @@ class SharedRegion:
                 os.posix_fallocate(self._fd, 0, size)
             else:
                 os.ftruncate(self._fd, size)
-            self._map = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED)
+            mapping = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED)
         except OSError as exc:
             self._unlink()
             os.close(self._fd)
@@ -193,7 +194,10 @@ class SharedRegion:
                 f"cannot create the shared KV buffer {path} of {size / 2**30:.2f} GiB: {exc}; "
                 f"make {path.parent} larger (e.g. docker --shm-size) or lower cpu_bytes_to_use"
             ) from None
-        self.tensor: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._map: mmap.mmap | None = mapping
+        # Through NumPy, which holds the mapping's buffer (torch.frombuffer holds none): while
+        # any tensor over it lives (the CPU store, the handlers), close cannot unmap it.
+        self.tensor: torch.Tensor | None = torch.from_numpy(np.frombuffer(mapping, np.uint8))
         self._pinned = register(self.tensor, str(path)) if pin else 0
 
     @property
@@ -262,7 +266,9 @@ class SharedRegion:
             self.path.unlink()
 
     def close(self) -> None:
-        """Unpin, unlink and unmap (the scheduler's mapping stays valid until it closes)."""
+        """Unpin, unlink and unmap, or leave the unmapping to the last tensor still viewing
+        the buffer (a store's, a handler's); the scheduler's mapping stays valid until it
+        closes."""
         if self.tensor is None:
             return
         unregister(self._pinned)
@@ -270,5 +276,7 @@ class SharedRegion:
         self.tensor = None
         self._unlink()
         os.close(self._fd)
-        with contextlib.suppress(BufferError):  # views still alive: unmapped when they go
-            self._map.close()
+        mapping, self._map = self._map, None
+        if mapping is not None:
+            with contextlib.suppress(BufferError):  # views still alive: unmapped when they go
+                mapping.close()
