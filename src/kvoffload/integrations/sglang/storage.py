@@ -433,6 +433,14 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             c.attn_cp_size,
         )
 
+    def _page_shards(self) -> int:
+        """Ranks whose values make up one page on the shared tier: every TP rank of an MHA
+        model (an MLA model's page is one writer's, or one per DCP shard), times the pipeline
+        stages and context-parallel ranks (stages of unequal layers: about)."""
+        c = self.storage_config
+        ranks = c.dcp_size if c.is_mla_model else c.tp_size
+        return max(1, int(ranks) * int(c.pp_size) * int(c.attn_cp_size))
+
     def _open_parts(self, pages: HostPages) -> None:
         s, c = self.settings, self.storage_config
         # One stream per data-parallel replica, as SGLang's own (its is_kv_publisher_rank and
@@ -489,17 +497,21 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
                 ),
             )
         if s.remote_tier is not None:
-            capacity = s.remote_bytes // pages.page_bytes
+            # The server's room is the instance's, and a page there is every rank's share of
+            # it: each rank counts whole pages, so the ranks together keep to its size and
+            # budget (as a vLLM block is every rank's bytes).
+            whole_page = pages.page_bytes * self._page_shards()
+            capacity = s.remote_bytes // whole_page
             if s.remote_admission != "none" and capacity < 1:
                 raise InvalidArgumentError(
                     f"hicache-storage-backend-extra-config {REMOTE_BYTES!r} {s.remote_bytes} "
-                    f"holds no page of {pages.page_bytes} bytes"
+                    f"holds no page of {whole_page} bytes (every rank's share)"
                 )
             remote = dataclasses.replace(
                 s.remote_tier,
                 blocks=capacity,
                 write_budget=_sized_budget(
-                    s.remote_write_budget, pages.page_bytes, s.remote_bytes or None, "remote"
+                    s.remote_write_budget, whole_page, s.remote_bytes or None, "remote"
                 ),
             )
         # Openers, not open tiers: a path opens its own, and reopens a disk tier it emptied.
