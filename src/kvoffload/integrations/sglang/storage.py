@@ -148,6 +148,23 @@ def data_parallel_rank(storage_config: HiCacheStorageConfig) -> int:
     return replica if isinstance(replica, int) and replica > 0 else 0
 
 
+BYTE_DTYPE = str(torch.uint8)
+"""What SGLang's host pools hold an fp8 KV cache as (its device pool's ``store_dtype``),
+whichever fp8 format it is."""
+
+
+def kv_cache_dtype() -> str | None:
+    """SGLang's ``--kv-cache-dtype`` (``fp8_e4m3``, ``fp8_e5m2``, ``auto``...) from the config
+    its process published; ``None`` where none is (a backend built outside SGLang)."""
+    try:
+        from sglang.srt.runtime_context import get_model
+
+        value = get_model().kv_cache_dtype
+    except (ImportError, AttributeError, RuntimeError, ValueError):  # nothing published
+        return None
+    return value if isinstance(value, str) else None
+
+
 class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
     """A HiCache L3 backend over kvoffload's disk tier and shared tier.
 
@@ -167,6 +184,8 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         self.is_writer = bool(storage_config.is_storage_writer)
         self.dp_rank = data_parallel_rank(storage_config)
         """What keeps data-parallel replicas' slot files, ports and events apart."""
+        self.kv_cache_dtype = kv_cache_dtype()
+        """SGLang's KV cache dtype as given: which fp8 format a pool of bytes holds."""
         if (
             self.settings.disk_dir is not None
             and storage_config.is_mla_model
@@ -423,7 +442,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             c.model_name or "",
             pages.layout,
             pages.page_size,
-            pages.dtype,
+            self._page_dtype(pages),
             pages.page_bytes,
             "v1" if self.settings.interface_v1 else "copy",
             *shard,
@@ -432,6 +451,14 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             c.attn_cp_rank,
             c.attn_cp_size,
         )
+
+    def _page_dtype(self, pages: HostPages) -> str:
+        """The pages' dtype; for a pool of bytes, with the fp8 format SGLang stores in them
+        (``fp8_e4m3`` and ``fp8_e5m2`` pages are both ``uint8`` there: the same bytes read
+        in the other format are other numbers)."""
+        if pages.dtype == BYTE_DTYPE and self.kv_cache_dtype is not None:
+            return f"{pages.dtype}:{self.kv_cache_dtype}"
+        return pages.dtype
 
     def _page_shards(self) -> int:
         """Ranks whose values make up one page on the shared tier: every TP rank of an MHA
