@@ -48,6 +48,7 @@ from kvoffload.integrations.sglang.settings import (
     BackendSettings,
     parse_settings,
 )
+from kvoffload.managers.stack import LowerTierConfig
 from kvoffload.tiers import fingerprint_of, lower_tiers
 from kvoffload.tiers.format import Payload, payload_size
 from kvoffload.tiers.slot_file import slot_note, slots_within
@@ -541,6 +542,11 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
                     s.remote_write_budget, whole_page, s.remote_bytes or None, "remote"
                 ),
             )
+        if not self.is_writer:
+            # An MLA model's other ranks write nothing (SGLang skips their backups): an
+            # admission layer there would only hold memory (the optimiser's worlds, sized by
+            # the tier's pages) and take the prefetch thread's time at every look-up.
+            disk, remote = _never_written(disk), _never_written(remote)
         # Openers, not open tiers: a path opens its own, and reopens a disk tier it emptied.
         tiers = lower_tiers(disk, remote, self.fingerprint, L3_SPEC, enable_events=events)
         for name, parts in (("disk", tiers.disk), ("remote", tiers.remote)):
@@ -684,6 +690,13 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             else:
                 recent.backup_pgs.append(pages)
                 recent.backup_bandwidth.append(rate)
+
+
+def _never_written(tier: LowerTierConfig | None) -> LowerTierConfig | None:
+    """``tier`` for a rank that never writes to it: no admission layer, no write budget."""
+    if tier is None:
+        return None
+    return dataclasses.replace(tier, admission="none", admission_params=None, write_budget=None)
 
 
 def _sized_budget(
