@@ -15,7 +15,7 @@ import hashlib
 import importlib
 import socket
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -107,6 +107,21 @@ BAD_CONFIGS = [
     ),
 ]
 """Extra configs that must stop start-up, and the key each error must name."""
+
+
+@contextlib.contextmanager
+def sglang_model_config(**leaves: Any) -> Iterator[None]:
+    """SGLang's process config with these ``model`` leaves (``get_model().kv_cache_dtype``),
+    as its scheduler publishes them from the server arguments (which do not import here:
+    SGLang's model configs pull ``torchvision``); the process's own config comes back after."""
+    context_module = importlib.import_module("sglang.srt.runtime_context")
+    context = context_module.RuntimeContext(parallel=context_module.ParallelContext())
+    model = context_module._ConfigBag("model")
+    for name, value in leaves.items():
+        model._set(name, value)
+    context._config_bags = {"model": model}
+    with context_module.use_context(context):
+        yield
 
 
 def import_sglang() -> dict[str, ModuleType]:

@@ -303,6 +303,31 @@ def test_mla_has_one_writer_rank_and_every_rank_reads(
         backends(disk(tmp_path), HostPool(mla=True), mla=True, tp_rank=0, tp_size=2)
 
 
+def test_only_the_mla_writer_rank_keeps_an_admission_layer(
+    backends: Any, valkey_server: ValkeyProcess
+) -> None:
+    """An MLA model's other ranks write nothing (SGLang skips their backups), so an
+    admission layer there would only take memory (the optimiser's worlds, sized by the
+    server's pages) and prefetch-thread time on every look-up, on every rank but one."""
+    extra = {
+        "interface_v1": 1,
+        "kvoffload.remote_url": valkey_server.url,
+        "kvoffload.remote_admission": "recommended",
+        "kvoffload.remote_bytes": 64 * len(HostPool(mla=True).page_bytes(0)),
+    }
+    ranks = [
+        backends(extra, HostPool(mla=True), model="mla-admission", mla=True, tp_rank=r, tp_size=2)
+        for r in (0, 1)
+    ]
+    assert [rank.is_writer for rank in ranks] == [True, False]
+    for rank in ranks:
+        rank.batch_exists(KEYS)
+    writer, reader = (rank.get_stats().kvoffload["remote"] for rank in ranks)
+    assert writer["admission"]["tracked_keys"] > 0
+    assert "admission" not in reader
+    assert reader["lookups"] == 1
+
+
 @pytest.mark.parametrize("interface_v1", [1, 0])
 def test_mla_under_decode_context_parallelism_keeps_each_shard_apart(
     backends: Any, valkey_server: ValkeyProcess, interface_v1: int

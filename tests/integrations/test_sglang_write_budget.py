@@ -70,3 +70,36 @@ def test_the_disk_tiers_optimiser_counts_its_pages_and_its_size_as_the_drive(
     credit = path.layer.write_credit
     assert credit is not None and credit.budget.block_bytes == page_bytes
     assert credit.budget.bytes_per_second() == pytest.approx(64 * page_bytes / 86_400)
+
+
+@pytest.mark.parametrize(("mla", "shards"), [(False, 2), (True, 1)], ids=["mha", "mla"])
+def test_the_shared_tier_is_sized_in_whole_pages_of_every_rank(
+    backends: Any, valkey_server: Any, mla: bool, shards: int
+) -> None:
+    """``kvoffload.remote_bytes`` is the server's room for the whole instance: with TP=2 an
+    MHA page is both ranks' halves there, so each rank's admission counts whole pages and
+    the two ranks together keep a bytes budget (an MLA page is its one writer's, the only
+    rank with an admission layer)."""
+    pytest.importorskip("sglang", reason="SGLang is not installed (CI installs it --no-deps)")
+    from sglang_helpers import HostPool
+
+    page_bytes = len(HostPool(mla=mla).page_bytes(0))
+    whole_page = shards * page_bytes
+    extra = {
+        "kvoffload.remote_url": valkey_server.url,
+        "kvoffload.remote_admission": "recommended",
+        "kvoffload.remote_bytes": 64 * whole_page,
+        "kvoffload.remote_write_budget": f"{10 * whole_page}B/s",
+    }
+    for rank in range(2):
+        pool = HostPool(mla=mla)
+        backend = backends(extra, pool, tp_rank=rank, tp_size=2, mla=mla, model="whole-pages")
+        (path,) = backend.paths
+        if not backend.is_writer:  # an MLA model's other rank writes nothing
+            assert path.layer is None
+            continue
+        assert isinstance(path.layer, OptimisingAdmission)
+        assert path.layer.capacity == 64
+        credit = path.layer.write_credit
+        assert credit is not None
+        assert credit.budget.blocks_per_second() == pytest.approx(10)

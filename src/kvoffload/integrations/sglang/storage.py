@@ -48,6 +48,7 @@ from kvoffload.integrations.sglang.settings import (
     BackendSettings,
     parse_settings,
 )
+from kvoffload.managers.stack import LowerTierConfig
 from kvoffload.tiers import fingerprint_of, lower_tiers
 from kvoffload.tiers.format import Payload, payload_size
 from kvoffload.tiers.slot_file import slot_note, slots_within
@@ -148,6 +149,23 @@ def data_parallel_rank(storage_config: HiCacheStorageConfig) -> int:
     return replica if isinstance(replica, int) and replica > 0 else 0
 
 
+BYTE_DTYPE = str(torch.uint8)
+"""What SGLang's host pools hold an fp8 KV cache as (its device pool's ``store_dtype``),
+whichever fp8 format it is."""
+
+
+def kv_cache_dtype() -> str | None:
+    """SGLang's ``--kv-cache-dtype`` (``fp8_e4m3``, ``fp8_e5m2``, ``auto``...) from the config
+    its process published; ``None`` where none is (a backend built outside SGLang)."""
+    try:
+        from sglang.srt.runtime_context import get_model
+
+        value = get_model().kv_cache_dtype
+    except (ImportError, AttributeError, RuntimeError, ValueError):  # nothing published
+        return None
+    return value if isinstance(value, str) else None
+
+
 class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
     """A HiCache L3 backend over kvoffload's disk tier and shared tier.
 
@@ -167,6 +185,8 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         self.is_writer = bool(storage_config.is_storage_writer)
         self.dp_rank = data_parallel_rank(storage_config)
         """What keeps data-parallel replicas' slot files, ports and events apart."""
+        self.kv_cache_dtype = kv_cache_dtype()
+        """SGLang's KV cache dtype as given: which fp8 format a pool of bytes holds."""
         if (
             self.settings.disk_dir is not None
             and storage_config.is_mla_model
@@ -423,7 +443,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             c.model_name or "",
             pages.layout,
             pages.page_size,
-            pages.dtype,
+            self._page_dtype(pages),
             pages.page_bytes,
             "v1" if self.settings.interface_v1 else "copy",
             *shard,
@@ -432,6 +452,22 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             c.attn_cp_rank,
             c.attn_cp_size,
         )
+
+    def _page_dtype(self, pages: HostPages) -> str:
+        """The pages' dtype; for a pool of bytes, with the fp8 format SGLang stores in them
+        (``fp8_e4m3`` and ``fp8_e5m2`` pages are both ``uint8`` there: the same bytes read
+        in the other format are other numbers)."""
+        if pages.dtype == BYTE_DTYPE and self.kv_cache_dtype is not None:
+            return f"{pages.dtype}:{self.kv_cache_dtype}"
+        return pages.dtype
+
+    def _page_shards(self) -> int:
+        """Ranks whose values make up one page on the shared tier: every TP rank of an MHA
+        model (an MLA model's page is one writer's, or one per DCP shard), times the pipeline
+        stages and context-parallel ranks (stages of unequal layers: about)."""
+        c = self.storage_config
+        ranks = c.dcp_size if c.is_mla_model else c.tp_size
+        return max(1, int(ranks) * int(c.pp_size) * int(c.attn_cp_size))
 
     def _open_parts(self, pages: HostPages) -> None:
         s, c = self.settings, self.storage_config
@@ -489,19 +525,28 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
                 ),
             )
         if s.remote_tier is not None:
-            capacity = s.remote_bytes // pages.page_bytes
+            # The server's room is the instance's, and a page there is every rank's share of
+            # it: each rank counts whole pages, so the ranks together keep to its size and
+            # budget (as a vLLM block is every rank's bytes).
+            whole_page = pages.page_bytes * self._page_shards()
+            capacity = s.remote_bytes // whole_page
             if s.remote_admission != "none" and capacity < 1:
                 raise InvalidArgumentError(
                     f"hicache-storage-backend-extra-config {REMOTE_BYTES!r} {s.remote_bytes} "
-                    f"holds no page of {pages.page_bytes} bytes"
+                    f"holds no page of {whole_page} bytes (every rank's share)"
                 )
             remote = dataclasses.replace(
                 s.remote_tier,
                 blocks=capacity,
                 write_budget=_sized_budget(
-                    s.remote_write_budget, pages.page_bytes, s.remote_bytes or None, "remote"
+                    s.remote_write_budget, whole_page, s.remote_bytes or None, "remote"
                 ),
             )
+        if not self.is_writer:
+            # An MLA model's other ranks write nothing (SGLang skips their backups): an
+            # admission layer there would only hold memory (the optimiser's worlds, sized by
+            # the tier's pages) and take the prefetch thread's time at every look-up.
+            disk, remote = _never_written(disk), _never_written(remote)
         # Openers, not open tiers: a path opens its own, and reopens a disk tier it emptied.
         tiers = lower_tiers(disk, remote, self.fingerprint, L3_SPEC, enable_events=events)
         for name, parts in (("disk", tiers.disk), ("remote", tiers.remote)):
@@ -645,6 +690,13 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
             else:
                 recent.backup_pgs.append(pages)
                 recent.backup_bandwidth.append(rate)
+
+
+def _never_written(tier: LowerTierConfig | None) -> LowerTierConfig | None:
+    """``tier`` for a rank that never writes to it: no admission layer, no write budget."""
+    if tier is None:
+        return None
+    return dataclasses.replace(tier, admission="none", admission_params=None, write_budget=None)
 
 
 def _sized_budget(
