@@ -394,6 +394,12 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
     """One of our tiers behind its own admission layer, in vLLM's secondary-tier contract."""
 
     tolerates_off_thread_polling: ClassVar[bool] = False
+    announces_removals: ClassVar[bool] = False
+    """Whether the tier publishes its removals (evictions) as KV events: its stores then ask
+    vLLM's event tracker to keep the chunk's block hashes until the removal names them all
+    (``removal_expected``); a tier that never announces one must not, or they are kept
+    for good. Each event's ``ownership`` is the tier's ``tier`` label, so a removal from one
+    tier ends that tier's residency only, and a router tells the tiers apart."""
 
     def __init__(
         self,
@@ -571,6 +577,8 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
                 medium=Medium.STORAGE,
                 removed=event.removed,
                 locality=self.locality,
+                ownership=self.tier_label,
+                removal_expected=self.announces_removals and not event.removed,
             )
 
     @override
@@ -732,6 +740,7 @@ class KVOffloadDiskTier(_KVOffloadSecondaryTier):
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
+    announces_removals: ClassVar[bool] = True
 
     @classmethod
     @override

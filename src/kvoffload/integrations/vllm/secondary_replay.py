@@ -42,8 +42,12 @@ def tiering_config(
     engine_id: str = "replay",
     model: str = "replay-model",
     events: bool = False,
+    self_describing_events: bool = False,
+    blocks_per_chunk: int = 1,
 ) -> Any:
-    """vLLM's offloading config for its tiering spec over ``secondary_tiers`` (one rank)."""
+    """vLLM's offloading config for its tiering spec over ``secondary_tiers`` (one rank);
+    ``self_describing_events``: vLLM's ``self_describing_kv_events`` (events carry every
+    block hash of a chunk, its tokens, and keep them until the last removal announced)."""
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -56,6 +60,7 @@ def tiering_config(
         "spec_name": "TieringOffloadingSpec",
         "cpu_bytes_to_use": cpu_bytes,
         "secondary_tiers": secondary_tiers,
+        "self_describing_kv_events": self_describing_events,
     }
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(16, ("layer.0", "layer.1"), 0),),
@@ -64,7 +69,7 @@ def tiering_config(
         extra_config=extra,
         engine_id=engine_id,
         model=OffloadingModelConfig(model, "float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
         parallel=OffloadingParallelConfig(
             rank=0,
             world_size=1,
