@@ -347,7 +347,8 @@ def test_the_disk_tier_publishes_its_stores_and_evictions_as_vllm_kv_events(
     )
     engine.replay.request(KEYS[:4])
     engine.replay.request(KEYS[4:6])  # the disk tier holds four: two are evicted
-    events = [e for e in engine.manager.take_events() if e.medium is Medium.STORAGE]
+    taken = engine.replay.events + list(engine.manager.take_events())
+    events = [e for e in taken if e.medium is Medium.STORAGE]
     assert all(e.locality is Locality.LOCAL for e in events)
     stored = [key for e in events if not e.removed for key in e.keys]
     removed = [key for e in events if e.removed for key in e.keys]
@@ -370,6 +371,40 @@ def test_blocks_a_restarted_disk_tier_recovered_are_published_before_any_job(
     restarted = engines([entry], events=True)
     events = [e for e in restarted.manager.take_events() if e.medium is Medium.STORAGE]
     assert [(sorted(e.keys), e.removed) for e in events] == [(sorted(KEYS[:3]), False)]
+
+
+def test_an_idle_restarted_engine_steps_until_the_recovered_blocks_are_published(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    """vLLM steps an engine with no request only while its connector has pending work, and
+    publishes each step's events: the disk tier's events not taken yet are pending work, so
+    a restarted engine that gets no request still publishes the blocks its disk recovered
+    (a router, not knowing them, would send it none of their prefixes)."""
+    from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+    from vllm.v1.kv_offload.base import get_offload_block_hash
+    from vllm_scheduler import connector_scheduler, end_step
+
+    entry = _disk(tmp_path, admission="none", enable_kv_events=True)
+    first = engines([entry], events=True)
+    first.replay.request(KEYS[:3])
+    first.close()  # the slot file keeps the blocks
+    restarted = engines([entry], events=True)
+    scheduler = connector_scheduler(restarted.spec)
+    published = set()
+    for _ in range(100):  # what vLLM's engine asks before each step
+        if not scheduler.has_pending_push_work():
+            break
+        end_step(scheduler)
+        published |= {
+            (type(event).__name__, event.medium, h)
+            for event in scheduler.take_events()
+            for h in event.block_hashes
+        }
+    assert not scheduler.has_pending_push_work()
+    assert published == {
+        ("BlockStored", "STORAGE", maybe_convert_block_hash(BlockHash(get_offload_block_hash(k))))
+        for k in KEYS[:3]
+    }
 
 
 def test_a_second_shutdown_does_nothing(

@@ -565,7 +565,10 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
 
     @override
     def has_pending_work(self) -> bool:
-        return bool(self._jobs or self._done)
+        """Jobs to report, or KV events not taken yet: vLLM steps an engine with no request
+        only while this holds, and takes the events at each step (the blocks a restarted
+        disk tier recovered are published though no request comes)."""
+        return bool(self._jobs or self._done) or not self._owner.events.empty()
 
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:

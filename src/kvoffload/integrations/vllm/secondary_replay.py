@@ -130,6 +130,8 @@ class TieringReplay:
         self._row_bytes = primary.strides[0]
         self._count = 0
         self.refs = self.gpu_hits = self.offload_hits = self.stored = 0
+        self.events: list[Any] = []
+        """The KV events the steps took (vLLM's ``OffloadingEvent``), in order."""
 
     def close(self) -> None:
         """Let go of the CPU tier's rows (before the manager's ``shutdown`` unmaps them)."""
@@ -214,7 +216,10 @@ class TieringReplay:
             self._step(deadline)
 
     def _step(self, deadline: float) -> None:
+        """One engine step: its end, then its KV events taken, as vLLM's scheduler takes them
+        at every step (events not taken are pending work)."""
         if time.monotonic() > deadline:
             raise TimeoutError(f"the tiers did not answer within {self.max_wait_s} s")
         self.manager.on_schedule_end(ScheduleEndContext((), ()))
+        self.events.extend(self.manager.take_events())
         time.sleep(STEP_PAUSE_S)
