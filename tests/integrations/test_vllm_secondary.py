@@ -225,6 +225,71 @@ def test_a_broken_disk_block_fails_its_promotion_and_is_recomputed(
     assert disk.tier.held(KEYS[:1]) == [True]
 
 
+def test_a_lookup_and_a_promotion_go_by_a_disk_write_held_in_its_file_system_call(
+    vllm_modules: dict[str, ModuleType],
+    tmp_path: Path,
+    engines: Callable[..., Engine],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request waits on its lookups and promotions, nobody on a cascade: while a cascade's
+    disk write is held inside the file system (a slow disk), a block on the disk's other
+    stripe is looked up and promoted, its bytes intact. Both waited behind the write, and
+    every write queued before it, on the tier's one thread. The order decides, never a
+    duration: the write is released only once the load is in."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvoffload.tiers.slot_file import SUPER_BYTES, FileLayer
+
+    stripes = 2
+    entry = _disk(tmp_path, admission="none", io_threads=stripes, disk_timeout_ms=300_000)
+    engine = engines([entry], cpu_blocks=2)  # a deadline that never ends the held write
+    engine.replay.request(KEYS[:2])
+    engine.replay.request(KEYS[2:4])  # the 2-chunk CPU tier drops KEYS[:2]; the disk keeps them
+    disk = engine.tiers[0].tier
+    stride = disk.stride
+    assert stride is not None
+
+    def stripe(offset: int | None) -> int:
+        assert offset is not None
+        return (offset - SUPER_BYTES) // stride % stripes
+
+    gate, holding, entered = threading.Event(), threading.Event(), []
+    write = FileLayer.pwritev
+
+    def held_write(layer: FileLayer, fd: int, buffers: Any, offset: int) -> int:
+        if not gate.is_set():
+            entered.append(offset)
+            holding.set()
+            gate.wait(60)
+        return write(layer, fd, buffers, offset)
+
+    monkeypatch.setattr(FileLayer, "pwritev", held_write)
+    manager = engine.manager
+    cascade = ReqContext(req_id="cascade")
+    manager.on_new_request(cascade)
+    output = manager.prepare_store(KEYS[4:5], cascade)
+    assert output is not None and list(output.keys_to_store) == KEYS[4:5]
+    engine.replay.fill(KEYS[4], engine.replay.row(output.store_spec.block_ids.tolist()[0]))
+    manager.complete_store(KEYS[4:5], cascade)  # the cascade to the disk tier
+    manager.on_request_finished(cascade)
+    try:
+        assert holding.wait(30), "the cascade's write never reached the disk"
+        # A read on the held write's stripe waits for it by the tier's design (a slot's I/O
+        # runs in call order): the other stripe's blocks.
+        free = [k for k in KEYS[:2] if stripe(disk.slot_offset(k)) != stripe(entered[0])]
+        assert free
+        loaded = engine.loaded(free)  # looked up, promoted, loaded from the CPU tier
+        assert disk.deadline_misses == 0 and manager.has_pending_work()  # still held
+    finally:
+        gate.set()
+    assert [bytes(row.numpy()) for row in loaded] == [
+        bytes(engine.payloads[k].numpy()) for k in free
+    ]
+    engine.replay.settle()
+    assert disk.held(KEYS[4:5]) == [True]
+    assert engine.tiers[0].counters.written_blocks == 5
+
+
 def test_a_block_whose_promotion_failed_is_judged_and_written_again_when_recomputed(
     vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
 ) -> None:
