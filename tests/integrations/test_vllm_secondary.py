@@ -290,6 +290,40 @@ def test_a_lookup_and_a_promotion_go_by_a_disk_write_held_in_its_file_system_cal
     assert engine.tiers[0].counters.written_blocks == 5
 
 
+def test_a_lookup_and_a_promotion_go_by_a_shared_write_the_server_holds(
+    vllm_modules: dict[str, ModuleType], own_server: ValkeyProcess, engines: Callable[..., Engine]
+) -> None:
+    """The same with the shared tier: the server holds its writes (``CLIENT PAUSE ...
+    WRITE``; reads go on) while a cascade's SET is sent, and a stored block is looked up
+    and promoted meanwhile, its bytes intact; the write lands once the server resumes."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    entry = _shared(own_server.start().url_with(300_000), admission="none")
+    engine = engines([entry], cpu_blocks=2)  # a deadline that never ends the held write
+    engine.replay.request(KEYS[:2])
+    engine.replay.request(KEYS[2:4])  # the 2-chunk CPU tier drops KEYS[:2]; the server keeps them
+    shared = engine.tiers[0]
+    manager = engine.manager
+    client = own_server.client()
+    client.client_pause(300_000, all=False)
+    try:
+        cascade = ReqContext(req_id="cascade")
+        manager.on_new_request(cascade)
+        output = manager.prepare_store(KEYS[4:5], cascade)
+        assert output is not None and list(output.keys_to_store) == KEYS[4:5]
+        engine.replay.fill(KEYS[4], engine.replay.row(output.store_spec.block_ids.tolist()[0]))
+        manager.complete_store(KEYS[4:5], cascade)  # the cascade to the shared tier
+        manager.on_request_finished(cascade)
+        # One: the cascade's chunk is pinned in the 2-chunk CPU tier until written.
+        loaded = engine.loaded(KEYS[:1])  # looked up, promoted, loaded from the CPU tier
+        assert manager.has_pending_work() and shared.counters.written_blocks == 4  # held
+    finally:
+        client.client_unpause()
+    assert [bytes(row.numpy()) for row in loaded] == [bytes(engine.payloads[KEYS[0]].numpy())]
+    engine.replay.settle()
+    assert shared.counters.written_blocks == 5 and shared.counters.write_failures == 0
+
+
 def test_a_block_whose_promotion_failed_is_judged_and_written_again_when_recomputed(
     vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
 ) -> None:
