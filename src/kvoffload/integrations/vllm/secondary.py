@@ -480,7 +480,7 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
 
     @property
     def tier(self) -> LowerTier:
-        """Our tier underneath (its owner thread is the only caller while running)."""
+        """Our tier underneath (called by its owner's threads while running: :class:`_Owner`)."""
         return self._owner.tier
 
     @classmethod
