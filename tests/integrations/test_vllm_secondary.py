@@ -225,6 +225,105 @@ def test_a_broken_disk_block_fails_its_promotion_and_is_recomputed(
     assert disk.tier.held(KEYS[:1]) == [True]
 
 
+def test_a_lookup_and_a_promotion_go_by_a_disk_write_held_in_its_file_system_call(
+    vllm_modules: dict[str, ModuleType],
+    tmp_path: Path,
+    engines: Callable[..., Engine],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request waits on its lookups and promotions, nobody on a cascade: while a cascade's
+    disk write is held inside the file system (a slow disk), a block on the disk's other
+    stripe is looked up and promoted, its bytes intact. Both waited behind the write, and
+    every write queued before it, on the tier's one thread. The order decides, never a
+    duration: the write is released only once the load is in."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvoffload.tiers.slot_file import SUPER_BYTES, FileLayer
+
+    stripes = 2
+    entry = _disk(tmp_path, admission="none", io_threads=stripes, disk_timeout_ms=300_000)
+    engine = engines([entry], cpu_blocks=2)  # a deadline that never ends the held write
+    engine.replay.request(KEYS[:2])
+    engine.replay.request(KEYS[2:4])  # the 2-chunk CPU tier drops KEYS[:2]; the disk keeps them
+    disk = engine.tiers[0].tier
+    stride = disk.stride
+    assert stride is not None
+
+    def stripe(offset: int | None) -> int:
+        assert offset is not None
+        return (offset - SUPER_BYTES) // stride % stripes
+
+    gate, holding, entered = threading.Event(), threading.Event(), []
+    write = FileLayer.pwritev
+
+    def held_write(layer: FileLayer, fd: int, buffers: Any, offset: int) -> int:
+        if not gate.is_set():
+            entered.append(offset)
+            holding.set()
+            gate.wait(60)
+        return write(layer, fd, buffers, offset)
+
+    monkeypatch.setattr(FileLayer, "pwritev", held_write)
+    manager = engine.manager
+    cascade = ReqContext(req_id="cascade")
+    manager.on_new_request(cascade)
+    output = manager.prepare_store(KEYS[4:5], cascade)
+    assert output is not None and list(output.keys_to_store) == KEYS[4:5]
+    engine.replay.fill(KEYS[4], engine.replay.row(output.store_spec.block_ids.tolist()[0]))
+    manager.complete_store(KEYS[4:5], cascade)  # the cascade to the disk tier
+    manager.on_request_finished(cascade)
+    try:
+        assert holding.wait(30), "the cascade's write never reached the disk"
+        # A read on the held write's stripe waits for it by the tier's design (a slot's I/O
+        # runs in call order): the other stripe's blocks.
+        free = [k for k in KEYS[:2] if stripe(disk.slot_offset(k)) != stripe(entered[0])]
+        assert free
+        loaded = engine.loaded(free)  # looked up, promoted, loaded from the CPU tier
+        assert disk.deadline_misses == 0 and manager.has_pending_work()  # still held
+    finally:
+        gate.set()
+    assert [bytes(row.numpy()) for row in loaded] == [
+        bytes(engine.payloads[k].numpy()) for k in free
+    ]
+    engine.replay.settle()
+    assert disk.held(KEYS[4:5]) == [True]
+    assert engine.tiers[0].counters.written_blocks == 5
+
+
+def test_a_lookup_and_a_promotion_go_by_a_shared_write_the_server_holds(
+    vllm_modules: dict[str, ModuleType], own_server: ValkeyProcess, engines: Callable[..., Engine]
+) -> None:
+    """The same with the shared tier: the server holds its writes (``CLIENT PAUSE ...
+    WRITE``; reads go on) while a cascade's SET is sent, and a stored block is looked up
+    and promoted meanwhile, its bytes intact; the write lands once the server resumes."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    entry = _shared(own_server.start().url_with(300_000), admission="none")
+    engine = engines([entry], cpu_blocks=2)  # a deadline that never ends the held write
+    engine.replay.request(KEYS[:2])
+    engine.replay.request(KEYS[2:4])  # the 2-chunk CPU tier drops KEYS[:2]; the server keeps them
+    shared = engine.tiers[0]
+    manager = engine.manager
+    client = own_server.client()
+    client.client_pause(300_000, all=False)
+    try:
+        cascade = ReqContext(req_id="cascade")
+        manager.on_new_request(cascade)
+        output = manager.prepare_store(KEYS[4:5], cascade)
+        assert output is not None and list(output.keys_to_store) == KEYS[4:5]
+        engine.replay.fill(KEYS[4], engine.replay.row(output.store_spec.block_ids.tolist()[0]))
+        manager.complete_store(KEYS[4:5], cascade)  # the cascade to the shared tier
+        manager.on_request_finished(cascade)
+        # One: the cascade's chunk is pinned in the 2-chunk CPU tier until written.
+        loaded = engine.loaded(KEYS[:1])  # looked up, promoted, loaded from the CPU tier
+        assert manager.has_pending_work() and shared.counters.written_blocks == 4  # held
+    finally:
+        client.client_unpause()
+    assert [bytes(row.numpy()) for row in loaded] == [bytes(engine.payloads[KEYS[0]].numpy())]
+    engine.replay.settle()
+    assert shared.counters.written_blocks == 5 and shared.counters.write_failures == 0
+
+
 def test_a_block_whose_promotion_failed_is_judged_and_written_again_when_recomputed(
     vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
 ) -> None:
@@ -347,7 +446,8 @@ def test_the_disk_tier_publishes_its_stores_and_evictions_as_vllm_kv_events(
     )
     engine.replay.request(KEYS[:4])
     engine.replay.request(KEYS[4:6])  # the disk tier holds four: two are evicted
-    events = [e for e in engine.manager.take_events() if e.medium is Medium.STORAGE]
+    taken = engine.replay.events + list(engine.manager.take_events())
+    events = [e for e in taken if e.medium is Medium.STORAGE]
     assert all(e.locality is Locality.LOCAL for e in events)
     stored = [key for e in events if not e.removed for key in e.keys]
     removed = [key for e in events if e.removed for key in e.keys]
@@ -370,6 +470,40 @@ def test_blocks_a_restarted_disk_tier_recovered_are_published_before_any_job(
     restarted = engines([entry], events=True)
     events = [e for e in restarted.manager.take_events() if e.medium is Medium.STORAGE]
     assert [(sorted(e.keys), e.removed) for e in events] == [(sorted(KEYS[:3]), False)]
+
+
+def test_an_idle_restarted_engine_steps_until_the_recovered_blocks_are_published(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    """vLLM steps an engine with no request only while its connector has pending work, and
+    publishes each step's events: the disk tier's events not taken yet are pending work, so
+    a restarted engine that gets no request still publishes the blocks its disk recovered
+    (a router, not knowing them, would send it none of their prefixes)."""
+    from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+    from vllm.v1.kv_offload.base import get_offload_block_hash
+    from vllm_scheduler import connector_scheduler, end_step
+
+    entry = _disk(tmp_path, admission="none", enable_kv_events=True)
+    first = engines([entry], events=True)
+    first.replay.request(KEYS[:3])
+    first.close()  # the slot file keeps the blocks
+    restarted = engines([entry], events=True)
+    scheduler = connector_scheduler(restarted.spec)
+    published = set()
+    for _ in range(100):  # what vLLM's engine asks before each step
+        if not scheduler.has_pending_push_work():
+            break
+        end_step(scheduler)
+        published |= {
+            (type(event).__name__, event.medium, h)
+            for event in scheduler.take_events()
+            for h in event.block_hashes
+        }
+    assert not scheduler.has_pending_push_work()
+    assert published == {
+        ("BlockStored", "STORAGE", maybe_convert_block_hash(BlockHash(get_offload_block_hash(k))))
+        for k in KEYS[:3]
+    }
 
 
 def test_a_second_shutdown_does_nothing(

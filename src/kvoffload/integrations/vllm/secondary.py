@@ -14,10 +14,10 @@ CPU tier missed). vLLM loads the classes out of tree from its extra config::
        {"type": "KVOffloadSharedTier", "module_path": "kvoffload.integrations.vllm.secondary",
         "url": "redis://cache:6379/0", "remote_bytes": 2000000000000}]}
 
-Every call vLLM makes returns at once: each tier is owned by one thread of
-its own, which runs its lookups, writes and reads in call order (our tiers
-expect a single caller); lookups go through vLLM's ``AsyncLookupManager``
-(``RETRY`` until the answer is in, as vLLM's ``fs`` tier does). A cascade
+Every call vLLM makes returns at once: one thread of each tier judges and
+writes its cascades in call order, and its lookups (vLLM's ``AsyncLookupManager``,
+``RETRY`` until the answer is in, as vLLM's ``fs`` tier does) and promotions
+go beside them, never behind a write under way (:class:`_Owner`). A cascade
 job keeps its CPU chunks pinned until its admitted blocks are written, and
 they are written straight from the CPU tier's shared memory, never copied
 on the scheduler thread. A slow or dead server, a full disk, a broken block,
@@ -27,8 +27,10 @@ exception into the engine.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
+import threading
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -75,6 +77,7 @@ from kvoffload.integrations.vllm.secondary_settings import (
     set_keys,
 )
 from kvoffload.integrations.vllm.spec import config_fingerprint, whatif_definitions
+from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.remote import RemoteTier
 from kvoffload.tiers.stack import tier_book, tier_opener
 
@@ -177,10 +180,17 @@ class _Stored:
 
 
 class _Owner:
-    """The one thread that calls the tier and its admission layer, in call order.
+    """The threads that call the tier and its admission layer.
 
-    Every operation turns the tier's failures into results; a surprise from the
-    tier (a bug) is a failed operation here, never an exception in the engine.
+    One thread judges and writes the stores, in call order, and alone calls the
+    admission layer; lookups (on vLLM's lookup thread) and promotions (on a
+    thread of their own) go beside it, never behind a write under way: a request
+    waits on them, nobody waits on a cascade. The disk tier expects one caller
+    at a time: its calls take a lock, held to queue a write and to apply it, not
+    while the write is under way (:meth:`DiskTier.wait_written`); the shared tier
+    takes its own locks, and its calls none here. Every operation turns the
+    tier's failures into results; a surprise from the tier (a bug) is a failed
+    operation here, never an exception in the engine.
     """
 
     def __init__(self, tier: LowerTier, layer: AdmissionLayer | None, tier_label: str) -> None:
@@ -188,6 +198,11 @@ class _Owner:
         self.layer = layer
         self.events: queue.SimpleQueue[TierEvent] = queue.SimpleQueue()
         self._thread = ThreadPoolExecutor(1, f"kvoffload-{tier_label}")
+        self._reads = ThreadPoolExecutor(1, f"kvoffload-{tier_label}-reads")
+        self._calls: contextlib.AbstractContextManager[Any] = (
+            contextlib.nullcontext() if isinstance(tier, RemoteTier) else threading.RLock()
+        )
+        """Held around each call of a tier that expects one caller at a time."""
         self._closed = False
         self._taken: AdmissionStats | None = None
         self._taking: Future[AdmissionStats] | None = None
@@ -196,11 +211,14 @@ class _Owner:
         self._take_events()
 
     def held(self, keys: list[OffloadKey]) -> list[bool]:
-        """Per key, whether the tier holds it (blocks the caller)."""
-        try:
-            return self._thread.submit(self.tier.held, keys).result()
-        except Exception:  # a failed lookup is a miss
-            return [False] * len(keys)
+        """Per key, whether the tier holds it (on the caller's thread; misses once closed)."""
+        with self._calls:
+            if self._closed:
+                return [False] * len(keys)
+            try:
+                return self.tier.held(keys)
+            except Exception:  # a failed lookup is a miss
+                return [False] * len(keys)
 
     def sight(self, sighting: _Sighting) -> None:
         """Show the admission layer a request (in the background, in call order)."""
@@ -217,7 +235,7 @@ class _Owner:
         return self._thread.submit(self._store, sighting, keys, payloads)
 
     def load(self, keys: list[OffloadKey], target: Target) -> Future[list[bool]]:
-        return self._thread.submit(self._load, keys, target)
+        return self._reads.submit(self._load, keys, target)
 
     def admission_stats(self) -> dict[str, float] | None:
         return self._thread.submit(self._admission_stats).result()
@@ -240,6 +258,7 @@ class _Owner:
         if self._closed:
             return
         self._closed = True
+        self._reads.shutdown(wait=True)
         self._thread.submit(self._close).result()
         self._thread.shutdown(wait=True)
 
@@ -263,7 +282,8 @@ class _Owner:
             self._sight(sighting)
         try:
             # Per key: several KV groups, or a sliding window, offer out of prefix order.
-            holds = tier.held(keys)
+            with self._calls:
+                holds = tier.held(keys)
         except Exception:  # unknown: judge and write them all
             holds = [False] * len(keys)
         fresh = [key for key, there in zip(keys, holds, strict=True) if not there]
@@ -280,25 +300,34 @@ class _Owner:
             return _Stored(held, 0, held_back, 0, 0)
         chosen_payloads = dict(zip(keys, payloads, strict=True))
         stats = tier.stats
-        stored, failed = stats.stored_blocks, stats.failed + stats.rejected
-        skipped = _skipped_full(tier)
         try:
-            # Straight from the CPU tier's rows: our tiers send any buffer as it is.
-            tier.write(admitted, [chosen_payloads[key] for key in admitted])
-            tier.poll(wait=True)
+            with self._calls:
+                # Only this thread writes: the counts move by this batch alone (reads
+                # beside it count their own failures, so a write's are what it did not store).
+                stored, skipped = stats.stored_blocks, _skipped_full(tier)
+                # Straight from the CPU tier's rows: our tiers send any buffer as it is.
+                tier.write(admitted, [chosen_payloads[key] for key in admitted])
+            if isinstance(tier, DiskTier):
+                tier.wait_written()  # without the lock: lookups and reads go on
+            with self._calls:
+                tier.poll(wait=True)
         except Exception:  # a surprise from the tier is a failed write of the whole batch
             self._take_events()
             return _Stored(held, len(admitted), held_back, 0, len(admitted))
         self._take_events()
         written = stats.stored_blocks - stored
-        failed = stats.failed + stats.rejected - failed
         skipped_full = _skipped_full(tier) - skipped
-        return _Stored(held, len(admitted), held_back, written, failed, skipped_full)
+        return _Stored(
+            held, len(admitted), held_back, written, len(admitted) - written, skipped_full
+        )
 
     def _load(self, keys: list[OffloadKey], target: Target) -> list[bool]:
         try:
-            intact = self.tier.read(keys, target).result()
-            self.tier.poll(wait=False)  # forgets the disk's broken slots at once
+            with self._calls:
+                reading = self.tier.read(keys, target)
+            intact = reading.result()
+            with self._calls:
+                self.tier.poll(wait=False)  # forgets the disk's broken slots at once
         except Exception:  # a surprise from the tier is a failed read
             intact = [False] * len(keys)
         self._take_events()
@@ -311,17 +340,20 @@ class _Owner:
 
     def _close(self) -> None:
         try:
-            self.tier.close()
+            with self._calls:
+                self.tier.close()
         finally:
             self._take_events()
 
     def _take_events(self) -> None:
-        for event in self.tier.take_events():
+        with self._calls:
+            taken = self.tier.take_events()
+        for event in taken:
             self.events.put(event)
 
 
 class _Lookups(AsyncLookupManager):  # type: ignore[misc]
-    """vLLM's batched, asynchronous lookups, answered by the tier's owner thread."""
+    """vLLM's batched, asynchronous lookups, answered on vLLM's lookup thread."""
 
     def __init__(self, owner: _Owner, tier_type: str) -> None:
         super().__init__(tier_type=tier_type)
@@ -394,6 +426,12 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
     """One of our tiers behind its own admission layer, in vLLM's secondary-tier contract."""
 
     tolerates_off_thread_polling: ClassVar[bool] = False
+    announces_removals: ClassVar[bool] = False
+    """Whether the tier publishes its removals (evictions) as KV events: its stores then ask
+    vLLM's event tracker to keep the chunk's block hashes until the removal names them all
+    (``removal_expected``); a tier that never announces one must not, or they are kept
+    for good. Each event's ``ownership`` is the tier's ``tier`` label, so a removal from one
+    tier ends that tier's residency only, and a router tells the tiers apart."""
 
     def __init__(
         self,
@@ -442,7 +480,7 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
 
     @property
     def tier(self) -> LowerTier:
-        """Our tier underneath (its owner thread is the only caller while running)."""
+        """Our tier underneath (called by its owner's threads while running: :class:`_Owner`)."""
         return self._owner.tier
 
     @classmethod
@@ -559,7 +597,10 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
 
     @override
     def has_pending_work(self) -> bool:
-        return bool(self._jobs or self._done)
+        """Jobs to report, or KV events not taken yet: vLLM steps an engine with no request
+        only while this holds, and takes the events at each step (the blocks a restarted
+        disk tier recovered are published though no request comes)."""
+        return bool(self._jobs or self._done) or not self._owner.events.empty()
 
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -571,6 +612,8 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
                 medium=Medium.STORAGE,
                 removed=event.removed,
                 locality=self.locality,
+                ownership=self.tier_label,
+                removal_expected=self.announces_removals and not event.removed,
             )
 
     @override
@@ -732,6 +775,7 @@ class KVOffloadDiskTier(_KVOffloadSecondaryTier):
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
+    announces_removals: ClassVar[bool] = True
 
     @classmethod
     @override

@@ -42,8 +42,12 @@ def tiering_config(
     engine_id: str = "replay",
     model: str = "replay-model",
     events: bool = False,
+    self_describing_events: bool = False,
+    blocks_per_chunk: int = 1,
 ) -> Any:
-    """vLLM's offloading config for its tiering spec over ``secondary_tiers`` (one rank)."""
+    """vLLM's offloading config for its tiering spec over ``secondary_tiers`` (one rank);
+    ``self_describing_events``: vLLM's ``self_describing_kv_events`` (events carry every
+    block hash of a chunk, its tokens, and keep them until the last removal announced)."""
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -56,6 +60,7 @@ def tiering_config(
         "spec_name": "TieringOffloadingSpec",
         "cpu_bytes_to_use": cpu_bytes,
         "secondary_tiers": secondary_tiers,
+        "self_describing_kv_events": self_describing_events,
     }
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(16, ("layer.0", "layer.1"), 0),),
@@ -64,7 +69,7 @@ def tiering_config(
         extra_config=extra,
         engine_id=engine_id,
         model=OffloadingModelConfig(model, "float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
         parallel=OffloadingParallelConfig(
             rank=0,
             world_size=1,
@@ -125,6 +130,8 @@ class TieringReplay:
         self._row_bytes = primary.strides[0]
         self._count = 0
         self.refs = self.gpu_hits = self.offload_hits = self.stored = 0
+        self.events: list[Any] = []
+        """The KV events the steps took (vLLM's ``OffloadingEvent``), in order."""
 
     def close(self) -> None:
         """Let go of the CPU tier's rows (before the manager's ``shutdown`` unmaps them)."""
@@ -209,7 +216,10 @@ class TieringReplay:
             self._step(deadline)
 
     def _step(self, deadline: float) -> None:
+        """One engine step: its end, then its KV events taken, as vLLM's scheduler takes them
+        at every step (events not taken are pending work)."""
         if time.monotonic() > deadline:
             raise TimeoutError(f"the tiers did not answer within {self.max_wait_s} s")
         self.manager.on_schedule_end(ScheduleEndContext((), ()))
+        self.events.extend(self.manager.take_events())
         time.sleep(STEP_PAUSE_S)
