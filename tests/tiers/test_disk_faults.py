@@ -220,6 +220,51 @@ def test_a_caller_told_of_an_outcome_finds_the_breaker_and_counts_updated(
         tier.close()
 
 
+class AllCached(FileLayer):
+    """A page cache that holds every range: each read lands whole, then is hashed."""
+
+    def preadv_cached(self, fd: int, buffers: Sequence[memoryview | bytearray], offset: int) -> int:
+        return os.preadv(fd, buffers, offset)
+
+
+def test_a_read_given_up_on_while_hashing_keeps_its_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read whose deadline passes as it hashes the bytes that landed hashes the caller's
+    buffer, which the caller, told of the miss, may already fill with other bytes: no
+    verdict then, so the intact block is not dropped as corrupt."""
+    import kvoffload.tiers.slot_file as slot_file
+
+    reused, hashed = threading.Event(), threading.Event()
+    digest = slot_file.payload_digest
+
+    def hash_after_reuse(parts: Sequence[memoryview]) -> int:
+        reused.wait(30)
+        try:
+            return digest(parts)
+        finally:
+            hashed.set()
+
+    tier = DiskTier(tmp_path, 8, FP, io_threads=1, deadline_s=0.2, file_layer=AllCached())
+    try:
+        tier.write(KEYS[1:2], [content(KEYS[1], SIZE)])
+        tier.poll(wait=True)
+        monkeypatch.setattr(slot_file, "payload_digest", hash_after_reuse)
+        buffer = bytearray(SIZE)
+        assert tier.read(KEYS[1:2], lambda i: memoryview(buffer)).result(timeout=30) == [False]
+        buffer[:] = b"\xff" * SIZE  # the caller, told of the miss, reuses its buffer
+        reused.set()
+        assert hashed.wait(30), "the read never hashed what it had read"
+        monkeypatch.undo()
+        tier.poll(wait=True)
+        ok, again = read(tier, KEYS[1:2])
+        assert ok == [True] and bytes(again[0]) == content(KEYS[1], SIZE)
+        assert tier.stats.corrupt == 0
+    finally:
+        reused.set()
+        tier.close()
+
+
 def test_closing_over_a_hung_file_system_returns(tmp_path: Path, layer: StalledLayer) -> None:
     tier = DiskTier(tmp_path, 8, FP, io_threads=2, deadline_s=0.2, file_layer=layer)
     tier.write(KEYS[:4], [content(key, SIZE) for key in KEYS[:4]])
