@@ -60,6 +60,9 @@ def test_load_must_use_every_listed_slot(
     [
         ([0, 8], [0, 1], r"GPU block ids must lie in \[0, 8\)"),
         ([0, 1], [0, 4], r"CPU block ids must lie in \[0, 4\)"),
+        # A negative id would index from the end: another block's page, silently.
+        ([-1, 1], [0, 1], r"GPU block ids must lie in \[0, 8\)"),
+        ([0, 1], [0, -1], r"CPU block ids must lie in \[0, 4\)"),
         ([0, 1], [2, 2], "CPU block ids must be distinct"),
         ([3, 3], [0, 1], "GPU block ids must be distinct"),
     ],
