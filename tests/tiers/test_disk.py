@@ -524,6 +524,49 @@ def test_fsync_keeps_the_same_blocks(tmp_path: Path) -> None:
         again.close()
 
 
+class WriteOrder(FileLayer):
+    """Records the slot file's writes and data syncs, in order, once :attr:`on` is set."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.calls: list[str] = []
+
+    def pwrite(self, fd: int, data: bytes | memoryview, offset: int) -> int:
+        if self.on:
+            self.calls.append("header")
+        return super().pwrite(fd, data, offset)
+
+    def pwritev(self, fd: int, buffers: Sequence[bytes | memoryview], offset: int) -> int:
+        if self.on:
+            self.calls.append("payload")
+        return super().pwritev(fd, buffers, offset)
+
+    def fdatasync(self, fd: int) -> None:
+        if self.on:
+            self.calls.append("sync")
+        super().fdatasync(fd)
+
+
+@pytest.mark.parametrize("fsync", [True, False])
+def test_fsync_syncs_a_batch_s_payloads_before_its_headers_and_the_headers_after(
+    tmp_path: Path, fsync: bool
+) -> None:
+    """A power cut then leaves a slot's header only over the payload it names, and a
+    block reported stored is on the disk: the guarantee ``fsync=True`` gives."""
+    layer = WriteOrder()
+    tier = DiskTier(tmp_path, 8, FP, io_threads=1, fsync=fsync, file_layer=layer)
+    try:
+        stored(tier, KEYS[:1])  # the superblock goes down with the first batch
+        layer.on = True
+        stored(tier, KEYS[1:3])
+        if fsync:
+            assert layer.calls == ["payload", "payload", "sync", "header", "header", "sync"]
+        else:
+            assert layer.calls == ["payload", "payload", "header", "header"]
+    finally:
+        tier.close()
+
+
 class SyncRecorder(FileLayer):
     """Records what each ``fsync`` synced, as ``(device, inode)``."""
 
