@@ -33,7 +33,13 @@ from kvoffload import OffloadKey, block_id_key
 from kvoffload.cli.main import main
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.tiers import CircuitBreaker, RemoteTier, RemoteTierError
-from kvoffload.tiers.format import encode_trailed_block, payload_digest, payload_hasher
+from kvoffload.tiers.format import (
+    encode_trailed_block,
+    encode_trailed_header,
+    encode_trailer,
+    payload_digest,
+    payload_hasher,
+)
 from kvoffload.tiers.resp import Address, Resolver
 from tier_servers import (
     FakeValkey,
@@ -999,6 +1005,26 @@ def test_a_valid_header_with_the_wrong_length_is_counted_once_and_deleted(
     assert planted.stats.corrupt == 1 and planted.stats.failed == 0
     assert client.exists(planted.name(KEYS[1])) == 0  # so it is never read again
     assert read(planted, KEYS[:3]) == [True, False, True] and planted.stats.corrupt == 1
+
+
+def test_a_header_that_misstates_the_payload_length_is_corrupt_and_deleted(
+    planted: RemoteTier, valkey_server: ValkeyProcess
+) -> None:
+    """The value has the layout's length and its trailer matches the payload, but the
+    header announces 64 payload bytes: a header that lies is not trusted for the rest."""
+    client = valkey_server.client()
+    store(planted, KEYS[:3])
+    body = content(KEYS[1], BLOCK)
+    lying = b"".join(
+        (
+            encode_trailed_header(KEYS[1], planted.fingerprint, 2 * BLOCK),
+            body,
+            encode_trailer(payload_digest(body)),
+        )
+    )
+    client.set(planted.name(KEYS[1]), lying)
+    assert read(planted, KEYS[:3]) == [True, False, True]
+    assert planted.stats.corrupt == 1 and client.exists(planted.name(KEYS[1])) == 0
 
 
 def test_a_long_planted_value_is_refused_before_its_bytes_are_read(
