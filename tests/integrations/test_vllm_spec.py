@@ -188,10 +188,14 @@ def test_stats_are_increments_and_declared_as_metrics(vllm_modules: dict[str, Mo
     context = _context("r", keys)
     manager.prepare_store(keys[:2], context)
     manager.complete_store(keys[:2], context)
+    manager.prepare_load(keys[:1], context)
+    manager.complete_load(keys[:1], context)
     manager.prepare_store(keys[2:], context)  # evicts one
     manager.lookup(keys[2], context)
     first = manager.get_stats()
     values = first.reduce()
+    assert values["vllm:kvoffload_loads"] == 1
+    assert values["vllm:kvoffload_bytes_loaded"] == 1024
     assert values["vllm:kvoffload_stores_offered"] == 3
     assert values["vllm:kvoffload_stores_admitted"] == 3
     assert values["vllm:kvoffload_evictions"] == 1
