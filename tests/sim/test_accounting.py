@@ -237,6 +237,38 @@ def test_failed_store_keys_leave_the_held_set() -> None:
     assert eng.stats.stores_skipped_by_admission == 1
 
 
+class SlotRecorder(NullTransferBackend):
+    """Which GPU block each key was computed into, and which one each store copies from."""
+
+    def __init__(self) -> None:
+        self.computed: dict[OffloadKey, int] = {}
+        self.stored: dict[OffloadKey, int] = {}
+
+    def compute(self, keys: Sequence[OffloadKey], gpu_block_ids: Sequence[int]) -> None:
+        self.computed.update(zip(keys, gpu_block_ids, strict=True))
+
+    def submit_store(
+        self,
+        job_id: int,
+        keys: Sequence[OffloadKey],
+        gpu_block_ids: Sequence[int],
+        dst: LoadStoreSpec,
+    ) -> None:
+        self.stored.update(zip(keys, gpu_block_ids, strict=True))
+
+
+def test_a_store_the_tier_thins_copies_each_key_from_its_own_gpu_block() -> None:
+    # The tier refuses 2 of the offer 1,2,3 and already holds 5 of 4,5,6: the blocks it
+    # stores are not the offer's first ones, so their GPU blocks must be found by key.
+    manager = DictManager(ready=[5], refuse=[2])
+    backend = SlotRecorder()
+    engine(manager, gpu_blocks=3, backend=backend).run(
+        [request(0, [1, 2, 3]), request(1, [4, 5, 6])]
+    )
+    assert set(backend.stored) == {K(1), K(3), K(4), K(6)}
+    assert backend.stored == {key: backend.computed[key] for key in backend.stored}
+
+
 def test_stores_queue_on_their_link_and_pending_blocks_peak_together() -> None:
     # Both prefills end at 20 ms; the stores share one link: 20-22 ms and 22-24 ms.
     reqs = [request(0, [1, 2]), request(0, [3, 4])]
