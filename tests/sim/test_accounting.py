@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvoffload import block_id_key
+from kvoffload.admission.registry import wrap_with_admission
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.layout import layout_preset
 from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
@@ -302,6 +303,17 @@ def test_deferred_lookups_are_retried(nones: int, hits: int) -> None:
     prefill = 0.01 * (3 - hits)
     store = 0.001  # the manager holds 1,2 already: only 3 is stored
     assert stats.simulated_seconds == pytest.approx(parked * 0.001 + load + prefill + store)
+
+
+@pytest.mark.parametrize("rule", ["sketch", "feedback"])
+def test_a_retried_lookup_is_one_sighting_for_an_admission_layer(rule: str) -> None:
+    # Both rules store a block seen twice: a request parked once and retried is still
+    # seen once, so its first blocks are skipped as if no lookup had been deferred.
+    for nones in (0, 1):
+        tier = wrap_with_admission(rule, DictManager(nones=nones), 8)
+        stats = engine(tier, gpu_blocks=2).run([request(0, [1, 2])])
+        assert stats.lookups_deferred == nones
+        assert (stats.stored_blocks, stats.stores_skipped_by_admission) == (0, 2)
 
 
 def test_a_parked_request_lets_the_next_one_start() -> None:
