@@ -181,3 +181,21 @@ def test_only_a_read_promotes_under_request_scoped_driving(
             assert isinstance(p, SLRUCachePolicy)
             promoted = set(p.protected)
         assert promoted <= read_since_stored
+
+
+@pytest.mark.parametrize("policy", ["s3fifo", "sieve", "slru"])
+def test_a_removed_block_stored_again_starts_unread(policy: str) -> None:
+    """A tier removes a block whose bytes broke; stored again, it is new bytes nobody
+    read, so it keeps no mark its old copy earned (SIEVE's hand would pass it once)."""
+    m = stored(policy, 3, 1, 2, 3)
+    m.touch(keys(1))
+    assert m.remove(keys(1)) == keys(1)
+    assert evicted(m, 1) == []
+    p = m.policy
+    if isinstance(p, S3FIFOCachePolicy):
+        assert not p.freq.get(keys(1)[0])
+    elif isinstance(p, SIEVECachePolicy):
+        assert keys(1)[0] not in p.visited
+    else:
+        assert isinstance(p, SLRUCachePolicy)
+        assert keys(1)[0] not in p.protected
