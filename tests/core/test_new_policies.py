@@ -66,6 +66,33 @@ def test_s3fifo_touch_of_a_pending_block_does_not_count() -> None:
     assert evicted(m, 3) == [1]
 
 
+def test_s3fifo_counts_at_most_three_touches_and_promotion_spends_them() -> None:
+    m = stored("s3fifo", 10, *range(10))
+    m.touch(keys(0, 0, 0, 0, 0))
+    policy = m.policy
+    assert isinstance(policy, S3FIFOCachePolicy)
+    assert policy.freq[keys(0)[0]] == 3  # up to 3 touches buy 3 more rounds in main
+    assert evicted(m, 10) == [1]
+    assert ids(policy.main) == [0] and policy.freq[keys(0)[0]] == 0
+
+
+def test_s3fifo_evicts_from_small_once_it_holds_its_share() -> None:
+    # Capacity 10: small's share is one block. 0-8 move to main, 9 leaves; then 10 is
+    # small's one block, which is its share, so small gives the next victim, not main.
+    m = stored("s3fifo", 10, *range(10))
+    m.touch(keys(*range(9)))
+    assert evicted(m, 10) == [9]
+    assert evicted(m, 11) == [10]
+
+
+def test_s3fifo_ghost_remembers_only_the_tiers_size_newest_first_kept() -> None:
+    m = stored("s3fifo", 2, 1, 2)
+    assert [evicted(m, 3), evicted(m, 4), evicted(m, 5)] == [[1], [2], [3]]
+    policy = m.policy
+    assert isinstance(policy, S3FIFOCachePolicy)
+    assert ids(policy.ghost) == [2, 3]
+
+
 def test_sieve_keeps_a_visited_block_in_place_and_moves_the_hand() -> None:
     m = stored("sieve", 3, 1, 2, 3)
     m.touch(keys(1))
