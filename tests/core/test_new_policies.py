@@ -118,6 +118,33 @@ def test_sieve_skips_pinned_blocks_and_fails_atomically() -> None:
     assert evicted(m, 3) == [1]
 
 
+def test_slru_touch_of_a_pending_block_makes_it_recent_in_probation_only() -> None:
+    m = stored("slru", 4, 1, 2)
+    m.prepare_store(keys(3, 4))
+    m.touch(keys(3))  # pending: not promoted, but the most recent of probation
+    policy = m.policy
+    assert isinstance(policy, SLRUCachePolicy)
+    assert ids(policy.probation) == [1, 2, 4, 3] and not policy.protected
+
+
+def test_slru_a_request_store_makes_its_block_recent_in_its_own_segment() -> None:
+    m = stored("slru", 10, 1, 2, 3, 4)
+    m.touch(keys(1, 2))
+    policy = m.policy
+    assert isinstance(policy, SLRUCachePolicy)
+    policy.finish_request(keys(2, 3), set(), set(keys(2, 3)))
+    assert ids(policy.protected) == [1, 2] and ids(policy.probation) == [4, 3]
+
+
+def test_slru_protected_holds_four_fifths_of_the_tier() -> None:
+    # Touched in reverse, 0 is the most recent: 8, the least, is demoted past 8 blocks.
+    m = stored("slru", 10, *range(10))
+    m.touch(keys(*range(9)))
+    policy = m.policy
+    assert isinstance(policy, SLRUCachePolicy)
+    assert len(policy.protected) == 8 and ids(policy.probation) == [9, 8]
+
+
 def test_slru_evicts_probation_before_protected() -> None:
     m = stored("slru", 4, 1, 2, 3, 4)
     m.touch(keys(1, 2))
