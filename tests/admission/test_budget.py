@@ -169,6 +169,21 @@ def test_a_per_time_credit_earns_by_the_clock_and_banks_at_most_its_burst() -> N
     assert BudgetCredit(WriteBudget.parse("1MB/s").sized(MB)).writes_per_ref() == math.inf
 
 
+def test_a_clock_that_steps_back_earns_each_span_once_and_takes_nothing_back() -> None:
+    """Callers may pass times out of order: a step back earns nothing and costs nothing,
+    and the time up to the latest ``now`` already seen is not earned a second time."""
+    credit = BudgetCredit(WriteBudget.parse("1MB/s").sized(MB))  # 1 block per second
+    credit.earn(0, now=0.0)
+    credit.earn(0, now=4.0)
+    assert credit.allowance() == 4
+    credit.earn(0, now=1.0)
+    assert credit.allowance() == 4
+    credit.earn(0, now=4.0)
+    assert credit.allowance() == 4
+    credit.earn(0, now=6.0)
+    assert credit.allowance() == 6
+
+
 def test_a_per_reference_credit_is_the_bucket_it_always_was() -> None:
     """Credit ``W`` per reference, at most ``W x BURST_REFS`` banked, spent by writes."""
     credit, expected = BudgetCredit(0.25), 0.0

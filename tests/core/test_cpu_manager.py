@@ -244,3 +244,25 @@ def test_a_store_that_cannot_fit_fails_without_asking_the_policy() -> None:
         assert m.remove(keys(1)) == keys(1) and m.num_evictable_blocks(set()) == 0
     finally:
         _POLICIES.pop("test-counting-lru", None)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_remove_drops_only_ready_unpinned_blocks(policy: str) -> None:
+    """A tier drops blocks whose bytes broke; a pending block's slot is still being
+    written and a pinned one's still read, so freeing either would let the next store
+    reuse a slot under a transfer."""
+    m = CPUOffloadingManager(num_blocks=3, cache_policy=policy, enable_events=True)
+    m.prepare_store(keys(1, 2, 3))
+    m.complete_store(keys(1, 2))
+    m.prepare_load(keys(2))  # 1 ready, 2 pinned, 3 pending
+    m.take_events()
+    assert m.remove(keys(1, 2, 3, 4)) == keys(1)
+    assert [m.holds(key) for key in keys(1, 2, 3)] == [False, True, True]
+    assert m.num_free_blocks == 1 and m.num_evictable_blocks(set()) == 0
+    assert m.take_events() == []  # the caller reports its own removal
+    # The freed slot is the only one a store may take: nothing else is evictable.
+    check_store(m.prepare_store(keys(5)), [5], [0], [])
+    assert m.prepare_store(keys(6)) is None
+    m.complete_store(keys(3))
+    m.complete_load(keys(2))
+    assert m.lookup(keys(2, 3)) == 2

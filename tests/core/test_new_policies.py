@@ -66,6 +66,33 @@ def test_s3fifo_touch_of_a_pending_block_does_not_count() -> None:
     assert evicted(m, 3) == [1]
 
 
+def test_s3fifo_counts_at_most_three_touches_and_promotion_spends_them() -> None:
+    m = stored("s3fifo", 10, *range(10))
+    m.touch(keys(0, 0, 0, 0, 0))
+    policy = m.policy
+    assert isinstance(policy, S3FIFOCachePolicy)
+    assert policy.freq[keys(0)[0]] == 3  # up to 3 touches buy 3 more rounds in main
+    assert evicted(m, 10) == [1]
+    assert ids(policy.main) == [0] and policy.freq[keys(0)[0]] == 0
+
+
+def test_s3fifo_evicts_from_small_once_it_holds_its_share() -> None:
+    # Capacity 10: small's share is one block. 0-8 move to main, 9 leaves; then 10 is
+    # small's one block, which is its share, so small gives the next victim, not main.
+    m = stored("s3fifo", 10, *range(10))
+    m.touch(keys(*range(9)))
+    assert evicted(m, 10) == [9]
+    assert evicted(m, 11) == [10]
+
+
+def test_s3fifo_ghost_remembers_only_the_tiers_size_newest_first_kept() -> None:
+    m = stored("s3fifo", 2, 1, 2)
+    assert [evicted(m, 3), evicted(m, 4), evicted(m, 5)] == [[1], [2], [3]]
+    policy = m.policy
+    assert isinstance(policy, S3FIFOCachePolicy)
+    assert ids(policy.ghost) == [2, 3]
+
+
 def test_sieve_keeps_a_visited_block_in_place_and_moves_the_hand() -> None:
     m = stored("sieve", 3, 1, 2, 3)
     m.touch(keys(1))
@@ -89,6 +116,33 @@ def test_sieve_skips_pinned_blocks_and_fails_atomically() -> None:
     assert (ids(policy.swept), ids(policy.unswept), set(policy.visited)) == before
     m.complete_load(keys(1))
     assert evicted(m, 3) == [1]
+
+
+def test_slru_touch_of_a_pending_block_makes_it_recent_in_probation_only() -> None:
+    m = stored("slru", 4, 1, 2)
+    m.prepare_store(keys(3, 4))
+    m.touch(keys(3))  # pending: not promoted, but the most recent of probation
+    policy = m.policy
+    assert isinstance(policy, SLRUCachePolicy)
+    assert ids(policy.probation) == [1, 2, 4, 3] and not policy.protected
+
+
+def test_slru_a_request_store_makes_its_block_recent_in_its_own_segment() -> None:
+    m = stored("slru", 10, 1, 2, 3, 4)
+    m.touch(keys(1, 2))
+    policy = m.policy
+    assert isinstance(policy, SLRUCachePolicy)
+    policy.finish_request(keys(2, 3), set(), set(keys(2, 3)))
+    assert ids(policy.protected) == [1, 2] and ids(policy.probation) == [4, 3]
+
+
+def test_slru_protected_holds_four_fifths_of_the_tier() -> None:
+    # Touched in reverse, 0 is the most recent: 8, the least, is demoted past 8 blocks.
+    m = stored("slru", 10, *range(10))
+    m.touch(keys(*range(9)))
+    policy = m.policy
+    assert isinstance(policy, SLRUCachePolicy)
+    assert len(policy.protected) == 8 and ids(policy.probation) == [9, 8]
 
 
 def test_slru_evicts_probation_before_protected() -> None:
@@ -181,3 +235,21 @@ def test_only_a_read_promotes_under_request_scoped_driving(
             assert isinstance(p, SLRUCachePolicy)
             promoted = set(p.protected)
         assert promoted <= read_since_stored
+
+
+@pytest.mark.parametrize("policy", ["s3fifo", "sieve", "slru"])
+def test_a_removed_block_stored_again_starts_unread(policy: str) -> None:
+    """A tier removes a block whose bytes broke; stored again, it is new bytes nobody
+    read, so it keeps no mark its old copy earned (SIEVE's hand would pass it once)."""
+    m = stored(policy, 3, 1, 2, 3)
+    m.touch(keys(1))
+    assert m.remove(keys(1)) == keys(1)
+    assert evicted(m, 1) == []
+    p = m.policy
+    if isinstance(p, S3FIFOCachePolicy):
+        assert not p.freq.get(keys(1)[0])
+    elif isinstance(p, SIEVECachePolicy):
+        assert keys(1)[0] not in p.visited
+    else:
+        assert isinstance(p, SLRUCachePolicy)
+        assert keys(1)[0] not in p.protected

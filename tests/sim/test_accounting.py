@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvoffload import block_id_key
+from kvoffload.admission.registry import wrap_with_admission
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.layout import layout_preset
 from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
@@ -237,6 +238,38 @@ def test_failed_store_keys_leave_the_held_set() -> None:
     assert eng.stats.stores_skipped_by_admission == 1
 
 
+class SlotRecorder(NullTransferBackend):
+    """Which GPU block each key was computed into, and which one each store copies from."""
+
+    def __init__(self) -> None:
+        self.computed: dict[OffloadKey, int] = {}
+        self.stored: dict[OffloadKey, int] = {}
+
+    def compute(self, keys: Sequence[OffloadKey], gpu_block_ids: Sequence[int]) -> None:
+        self.computed.update(zip(keys, gpu_block_ids, strict=True))
+
+    def submit_store(
+        self,
+        job_id: int,
+        keys: Sequence[OffloadKey],
+        gpu_block_ids: Sequence[int],
+        dst: LoadStoreSpec,
+    ) -> None:
+        self.stored.update(zip(keys, gpu_block_ids, strict=True))
+
+
+def test_a_store_the_tier_thins_copies_each_key_from_its_own_gpu_block() -> None:
+    # The tier refuses 2 of the offer 1,2,3 and already holds 5 of 4,5,6: the blocks it
+    # stores are not the offer's first ones, so their GPU blocks must be found by key.
+    manager = DictManager(ready=[5], refuse=[2])
+    backend = SlotRecorder()
+    engine(manager, gpu_blocks=3, backend=backend).run(
+        [request(0, [1, 2, 3]), request(1, [4, 5, 6])]
+    )
+    assert set(backend.stored) == {K(1), K(3), K(4), K(6)}
+    assert backend.stored == {key: backend.computed[key] for key in backend.stored}
+
+
 def test_stores_queue_on_their_link_and_pending_blocks_peak_together() -> None:
     # Both prefills end at 20 ms; the stores share one link: 20-22 ms and 22-24 ms.
     reqs = [request(0, [1, 2]), request(0, [3, 4])]
@@ -270,6 +303,17 @@ def test_deferred_lookups_are_retried(nones: int, hits: int) -> None:
     prefill = 0.01 * (3 - hits)
     store = 0.001  # the manager holds 1,2 already: only 3 is stored
     assert stats.simulated_seconds == pytest.approx(parked * 0.001 + load + prefill + store)
+
+
+@pytest.mark.parametrize("rule", ["sketch", "feedback"])
+def test_a_retried_lookup_is_one_sighting_for_an_admission_layer(rule: str) -> None:
+    # Both rules store a block seen twice: a request parked once and retried is still
+    # seen once, so its first blocks are skipped as if no lookup had been deferred.
+    for nones in (0, 1):
+        tier = wrap_with_admission(rule, DictManager(nones=nones), 8)
+        stats = engine(tier, gpu_blocks=2).run([request(0, [1, 2])])
+        assert stats.lookups_deferred == nones
+        assert (stats.stored_blocks, stats.stores_skipped_by_admission) == (0, 2)
 
 
 def test_a_parked_request_lets_the_next_one_start() -> None:
