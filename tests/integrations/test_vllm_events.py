@@ -28,28 +28,42 @@ def _block_hash(key: bytes) -> Any:
     return maybe_convert_block_hash(BlockHash(key[:-4]))
 
 
+def _spec(
+    tmp_path: Path,
+    seed: int,
+    cpu_blocks: int = 2,
+    remote_url: str | None = None,
+    model: str | None = None,
+) -> tuple[Any, Any, Any]:
+    """A spec with KV events over a CPU tier of ``cpu_blocks`` blocks, a disk tier of 8 (and
+    the shared tier at ``remote_url``), a worker of its own over GPU caches of 8 blocks
+    filled from ``seed``, and its scheduler-side manager."""
+    extra: dict[str, Any] = {
+        "cpu_bytes_to_use": cpu_blocks * BLOCK_BYTES,
+        "kvoffload.disk_dir": str(tmp_path / "disk"),
+        "kvoffload.disk_bytes": slot_start(8, slot_stride(BLOCK_BYTES)),
+    }
+    if remote_url is not None:
+        extra["kvoffload.remote_url"] = remote_url
+    options: dict[str, Any] = {
+        "bytes_per_block": BLOCK_BYTES,
+        "events": True,
+        "engine_id": f"test-{uuid.uuid4().hex[:12]}",
+    }
+    if model is not None:
+        options["model"] = f"{model}-{uuid.uuid4().hex[:8]}"
+    spec = create_spec(extra, **options)
+    worker = create_spec(extra, **options).get_worker(canonical_caches(2, 8, 256, seed=seed))
+    return spec, worker, spec.get_manager()
+
+
 def test_tier_events_pass_vllms_connector_with_their_media(
     vllm_modules: dict[str, ModuleType], tmp_path: Path, valkey_server: ValkeyProcess
 ) -> None:
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-    extra = {
-        "cpu_bytes_to_use": 2 * BLOCK_BYTES,
-        "kvoffload.disk_dir": str(tmp_path / "disk"),
-        "kvoffload.disk_bytes": slot_start(8, slot_stride(BLOCK_BYTES)),
-        "kvoffload.remote_url": valkey_server.url,
-    }
-    engine = f"test-{uuid.uuid4().hex[:12]}"
-    options: dict[str, Any] = {
-        "bytes_per_block": BLOCK_BYTES,
-        "events": True,
-        "engine_id": engine,
-        "model": f"events-{uuid.uuid4().hex[:8]}",
-    }
-    spec = create_spec(extra, **options)
-    worker = create_spec(extra, **options).get_worker(canonical_caches(2, 8, 256, seed=1))
+    spec, worker, manager = _spec(tmp_path, 1, remote_url=valkey_server.url, model="events")
     scheduler = connector_scheduler(spec)
-    manager = spec.get_manager()
     try:
         for index in range(0, 4, 2):  # the second pair evicts the first to disk
             keys = KEYS[index : index + 2]
@@ -92,20 +106,8 @@ def test_an_idle_engine_steps_until_the_disk_tiers_writes_are_published(
     engine's next request (which the router, not knowing them, may send elsewhere)."""
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-    extra = {
-        "cpu_bytes_to_use": 2 * BLOCK_BYTES,
-        "kvoffload.disk_dir": str(tmp_path / "disk"),
-        "kvoffload.disk_bytes": slot_start(8, slot_stride(BLOCK_BYTES)),
-    }
-    options: dict[str, Any] = {
-        "bytes_per_block": BLOCK_BYTES,
-        "events": True,
-        "engine_id": f"test-{uuid.uuid4().hex[:12]}",
-    }
-    spec = create_spec(extra, **options)
-    worker = create_spec(extra, **options).get_worker(canonical_caches(2, 8, 256, seed=1))
+    spec, worker, manager = _spec(tmp_path, 1)
     scheduler = connector_scheduler(spec)
-    manager = spec.get_manager()
     published: set[Any] = set()
 
     def step() -> None:
@@ -147,21 +149,9 @@ def test_only_the_disk_tier_promises_to_announce_removals(
     tier never removes, and the CPU tier's residency is vLLM's own."""
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-    extra = {
-        "cpu_bytes_to_use": BLOCK_BYTES,
-        "kvoffload.disk_dir": str(tmp_path / "disk"),
-        "kvoffload.disk_bytes": slot_start(8, slot_stride(BLOCK_BYTES)),
-        "kvoffload.remote_url": valkey_server.url,
-    }
-    options: dict[str, Any] = {
-        "bytes_per_block": BLOCK_BYTES,
-        "events": True,
-        "engine_id": f"test-{uuid.uuid4().hex[:12]}",
-        "model": f"removal-{uuid.uuid4().hex[:8]}",
-    }
-    spec = create_spec(extra, **options)
-    worker = create_spec(extra, **options).get_worker(canonical_caches(2, 8, 256, seed=2))
-    manager = spec.get_manager()
+    spec, worker, manager = _spec(
+        tmp_path, 2, cpu_blocks=1, remote_url=valkey_server.url, model="removal"
+    )
     try:
         for index, key in enumerate(KEYS[:2]):  # the second evicts the first to disk
             context = request_context(f"r{index}", [key])
@@ -202,22 +192,8 @@ def _across_a_reset(
     what the disk and shared tiers hold after the reset."""
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-    extra = {
-        "cpu_bytes_to_use": 2 * BLOCK_BYTES,
-        "kvoffload.disk_dir": str(tmp_path / "disk"),
-        "kvoffload.disk_bytes": slot_start(8, slot_stride(BLOCK_BYTES)),
-        "kvoffload.remote_url": valkey_server.url,
-    }
-    options: dict[str, Any] = {
-        "bytes_per_block": BLOCK_BYTES,
-        "events": True,
-        "engine_id": f"test-{uuid.uuid4().hex[:12]}",
-        "model": f"reset-events-{uuid.uuid4().hex[:8]}",
-    }
-    spec = create_spec(extra, **options)
-    worker = create_spec(extra, **options).get_worker(canonical_caches(2, 8, 256, seed=3))
+    spec, worker, manager = _spec(tmp_path, 3, remote_url=valkey_server.url, model="reset-events")
     scheduler = connector_scheduler(spec)
-    manager = spec.get_manager()
     believed: dict[tuple[str, str | None], set[Any]] = {}
     try:
         for index in range(0, 6, 2):
@@ -280,20 +256,8 @@ def test_a_promotion_landing_at_a_reset_announces_no_cpu_block(
     away: announcing that store would tell a router of CPU blocks that are gone."""
     from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult
 
-    extra = {
-        "cpu_bytes_to_use": 2 * BLOCK_BYTES,
-        "kvoffload.disk_dir": str(tmp_path / "disk"),
-        "kvoffload.disk_bytes": slot_start(8, slot_stride(BLOCK_BYTES)),
-    }
-    options: dict[str, Any] = {
-        "bytes_per_block": BLOCK_BYTES,
-        "events": True,
-        "engine_id": f"test-{uuid.uuid4().hex[:12]}",
-    }
-    spec = create_spec(extra, **options)
-    worker = create_spec(extra, **options).get_worker(canonical_caches(2, 8, 256, seed=4))
+    spec, worker, manager = _spec(tmp_path, 4)
     scheduler = connector_scheduler(spec)
-    manager = spec.get_manager()
     believed: dict[tuple[str, str | None], set[Any]] = {}
     try:
         for index in range(0, 4, 2):  # the second pair evicts the first to disk
