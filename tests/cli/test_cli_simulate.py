@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -162,3 +163,45 @@ def test_a_synthetic_workload_has_no_trace_format(
     assert main([*SMALL, "--no-bound", "--json", str(json_path)]) == 0
     assert "trace)" not in capsys.readouterr().out
     assert json.loads(json_path.read_text())["trace_format"] is None
+
+
+def test_a_trace_read_through_a_pipe_is_named_a_pipe(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--trace <(cat t.jsonl)`` reads ``/dev/fd/63``: its workload was named "63"."""
+    read_end, write_end = os.pipe()
+    os.write(write_end, (TRACE_RECORDS["mooncake"] + "\n").encode())
+    os.close(write_end)
+    json_path = tmp_path / "run.json"
+    try:
+        trace = f"/dev/fd/{read_end}"
+        assert main(["simulate", "--trace", trace, "--no-progress", "--json", str(json_path)]) == 0
+    finally:
+        os.close(read_end)
+    assert f"workload               pipe {trace} (mooncake trace)\n" in capsys.readouterr().out
+    assert json.loads(json_path.read_text())["workload"] == f"pipe {trace}"
+
+
+def test_a_file_opened_on_a_descriptor_keeps_its_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--trace /dev/fd/3 3<trace.jsonl``: the descriptor holds a named file."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(TRACE_RECORDS["mooncake"] + "\n")
+    with trace.open() as opened:
+        assert (
+            main(["simulate", "--trace", f"/proc/self/fd/{opened.fileno()}", "--no-progress"]) == 0
+        )
+    assert "workload               trace.jsonl (mooncake trace)\n" in capsys.readouterr().out
+
+
+def test_one_request_one_ref_and_a_one_token_block_are_singular(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [0]}\n')
+    argv = ["simulate", "--trace", str(trace), "--block-size", "1", "--no-progress"]
+    assert main(argv) == 0
+    assert "  1 request, 1 block ref, 1 unique block of 1 token\n" in capsys.readouterr().out
+    assert main([*SMALL, "--no-bound"]) == 0  # many of each stay plural
+    assert " 120 requests, " in capsys.readouterr().out

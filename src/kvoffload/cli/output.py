@@ -39,6 +39,11 @@ def count(value: Value) -> str:
     return f"{value:,}" if isinstance(value, int) else "-"
 
 
+def counted(number: int, noun: str) -> str:
+    """``number`` of ``noun`` in the plural unless one: "1 requests" reads as a slip."""
+    return f"{number:,} {noun}" if number == 1 else f"{number:,} {noun}s"
+
+
 def ratio(value: Value) -> str:
     return f"{value:.3f}" if isinstance(value, int | float) else "-"
 

@@ -329,8 +329,9 @@ def format_report(
         ("workload", workload),
         (
             "",
-            f"{r.requests:,} requests, {r.refs:,} block refs, {r.unique_blocks:,} unique blocks "
-            f"of {r.block_tokens} tokens",
+            f"{output.counted(r.requests, 'request')}, {output.counted(r.refs, 'block ref')}, "
+            f"{output.counted(r.unique_blocks, 'unique block')} "
+            f"of {output.counted(r.block_tokens, 'token')}",
         ),
         ("KV layout", f"{r.layout}, {output.size(r.bytes_per_block)} per block"),
         ("GPU prefix cache", f"{output.size(r.gpu_gib * 2**30)} ({r.gpu_blocks:,} blocks)"),

@@ -137,6 +137,7 @@ def read_trace(
     # One pass: the first record, detected, goes back in front of the rest, so a pipe
     # (read once) loses nothing.
     csv_file = path.suffix.lower() == ".csv"
+    name = _workload_name(path)  # before reading: a pipe's descriptor may close once read
     records = _csv_records(path, progress) if csv_file else _json_records(path, progress)
     if csv_file:
         detected = "qwen"
@@ -170,7 +171,28 @@ def read_trace(
         for stamp, req in stamped
     ]
     requests.sort(key=lambda r: r.arrival_s)
-    return Workload(path.name, block_tokens, requests, trace_format=fmt)
+    return Workload(name, block_tokens, requests, trace_format=fmt)
+
+
+_OPEN_FILE_DIRS = ("/dev/fd", "/proc/self/fd")
+
+
+def _workload_name(path: Path) -> str:
+    """The trace's file name, as the reports show it; a trace read through an open file
+    descriptor (``--trace <(cat t.jsonl)`` reads ``/dev/fd/63``) is named for what the
+    descriptor holds, since its bare number ("63") tells an operator nothing."""
+    fd_dir = str(path.parent)
+    if fd_dir not in _OPEN_FILE_DIRS and not (
+        fd_dir.startswith("/proc/") and fd_dir.endswith("/fd")
+    ):
+        return path.name
+    try:
+        target = os.readlink(path)
+    except OSError:
+        return str(path)
+    if target.startswith("pipe:"):
+        return f"pipe {path}"
+    return Path(target).name if target.startswith("/") else str(path)
 
 
 def _open_lines(path: Path, progress: Progress | None = None) -> Iterator[tuple[int, str]]:
