@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -89,3 +90,26 @@ def test_serve_after_says_why_the_command_has_not_returned(
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "the endpoints stay up 0.01 s more (--serve-after; Ctrl-C ends it)" in err, err
+
+
+@pytest.mark.parametrize("option", ["--kv-events-endpoint", "--kv-events-replay-endpoint"])
+def test_metrics_on_an_event_endpoints_port_is_refused_before_the_workload(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, option: str
+) -> None:
+    """Each port passed its own trial bind, so the clash showed only once the trace was read
+    and the metrics server started ("Address already in use", naming neither option)."""
+    pytest.importorskip("zmq")
+    pytest.importorskip("prometheus_client")
+    with socket.socket() as probe:  # a port free now, closed before the run binds it
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    endpoints = {"--kv-events-endpoint": "tcp://127.0.0.1:0", option: endpoint}
+    bad_trace = tmp_path / "bad.jsonl"  # an error about it would mean it was read first
+    bad_trace.write_text("{\n")
+    argv = ["simulate", "--trace", str(bad_trace), "--no-progress", "--metrics-port", str(port)]
+    assert main([*argv, *(word for pair in endpoints.items() for word in pair)]) == 1
+    assert capsys.readouterr().err == (
+        f"kvoffload: error: --metrics-port {port} and {option} {endpoint!r} both bind port "
+        f"{port}: give them different ports\n"
+    )

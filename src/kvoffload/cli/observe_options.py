@@ -123,6 +123,16 @@ def check_before_work(args: argparse.Namespace) -> None:
     ):
         if endpoint:
             _check_endpoint(endpoint, option)
+    if port:  # both trial binds pass, one after the other; the two servers would not
+        for option, endpoint in (
+            ("--kv-events-endpoint", events),
+            ("--kv-events-replay-endpoint", replay),
+        ):
+            if endpoint and _tcp_port(endpoint) == port:
+                raise InvalidArgumentError(
+                    f"--metrics-port {port} and {option} {endpoint!r} both bind port {port}: "
+                    "give them different ports"
+                )
     try:
         _topic(args).encode("utf-8")
     except UnicodeEncodeError:
@@ -163,6 +173,12 @@ def _check_endpoint(endpoint: str, option: str) -> None:
             return  # ZMQ binds the interface's own address
         host = _host_address(host, what)
     _check_free(host, int(port_text), what)
+
+
+def _tcp_port(endpoint: str) -> int | None:
+    """The port a checked endpoint binds, if it names one (a ``tcp://`` one, not ``*``)."""
+    port_text = endpoint.rpartition(":")[2]
+    return int(port_text) if endpoint.startswith("tcp://") and port_text.isdigit() else None
 
 
 def _interface_names() -> set[str]:
