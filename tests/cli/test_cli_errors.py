@@ -112,6 +112,27 @@ def test_sweep_names_a_cpu_size_too_small_for_one_block(capsys: pytest.CaptureFi
     assert "--cpu-gb 0.001 holds no block" in one_line_error(capsys)
 
 
+@pytest.mark.parametrize("capacities", [["--cpu-blocks", "0,200"], ["--cpu-gb", "0,1"]])
+@pytest.mark.parametrize("lower", ["disk", "remote"])
+def test_sweep_refuses_no_cpu_tier_above_a_lower_tier_before_the_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], capacities: list[str], lower: str
+) -> None:
+    """As ``simulate`` refuses it: the 0 row ran with no disk or shared tier, unsaid. Refused
+    before the trace is read, and before a --remote server is reached (none listens here)."""
+    tiers = {
+        "disk": ["--disk-dir", str(tmp_path / "disk"), "--disk-blocks", "500"],
+        "remote": ["--remote", "redis://127.0.0.1:1"],
+    }[lower]
+    missing = tmp_path / "not-there.jsonl"
+    argv = ["sweep", "--trace", str(missing), "--jobs", "1", "--no-progress", *capacities]
+    assert main([*argv, *tiers]) == 1
+    option = capacities[0]
+    assert one_line_error(capsys) == (
+        "kvoffload: error: a disk or shared tier (--disk-dir, --remote) sits below the CPU "
+        f"tier, and {option} 0 leaves none: drop 0 from {option}\n"
+    )
+
+
 def test_usage_errors_are_argparse_status_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--no-such-flag"]) == 2
     assert "unrecognized arguments: --no-such-flag" in one_line_error(capsys)

@@ -121,6 +121,27 @@ def _distinct(names: list[str], resolve: Callable[[str], str]) -> list[str]:
     return list(dict.fromkeys(resolve(name) for name in names))
 
 
+def _check_cpu_tier(args: argparse.Namespace) -> None:
+    """Refuse a capacity of no CPU tier beside a disk or shared tier, as ``simulate`` does:
+    they sit below the CPU tier, so its row would run without them, unsaid. Only a 0 gives
+    none (a positive --cpu-gb under one block is refused, and the GPU holds a block)."""
+    if args.disk_dir is None and args.remote is None:
+        return
+    if args.cpu_blocks is not None:
+        option = "--cpu-blocks"
+        no_cpu_tier = 0 in options.parse_ints(args.cpu_blocks, option, maximum=options.MAX_BLOCKS)
+    elif args.cpu_gb is not None:
+        option = "--cpu-gb"
+        no_cpu_tier = 0 in options.parse_floats(args.cpu_gb, option, options.MAX_GIB)
+    else:
+        return
+    if no_cpu_tier:
+        raise InvalidArgumentError(
+            f"a disk or shared tier (--disk-dir, --remote) sits below the CPU tier, and "
+            f"{option} 0 leaves none: drop 0 from {option}"
+        )
+
+
 def _check_trace_rereadable(trace: str | None) -> None:
     """Each run reads the trace anew (in its own process, or from the path again with
     ``--jobs 1``): a pipe would give the first its records and the rest none."""
@@ -139,6 +160,7 @@ def _check_trace_rereadable(trace: str | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     options.check_before_work(args)
+    _check_cpu_tier(args)  # before the tiers' checks, which reach a --remote server
     tier_options.check_before_work(args)
     _check_trace_rereadable(args.trace)
     thresholds = options.parse_ints(args.thresholds, "--thresholds", maximum=MAX_STORE_THRESHOLD)
