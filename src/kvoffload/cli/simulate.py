@@ -183,9 +183,6 @@ def _default_capacities_in_blocks(args: argparse.Namespace, block_tokens: int) -
 
 
 _NO_TIER = "--data-plane moves bytes to an offload tier, and {option} leaves none"
-_NO_CPU_TIER = (
-    "a disk or shared tier (--disk-dir, --remote) sits below the CPU tier, and {option} leaves none"
-)
 
 
 def _cpu_option(args: argparse.Namespace) -> str:
@@ -203,7 +200,7 @@ def _check_cpu_tier(args: argparse.Namespace, cpu_blocks: int | None) -> None:
     if args.data_plane:
         raise KVOffloadError(_NO_TIER.format(option=_cpu_option(args)))
     if args.disk_dir is not None or args.remote is not None:
-        raise KVOffloadError(_NO_CPU_TIER.format(option=_cpu_option(args)))
+        raise KVOffloadError(tier_options.NO_CPU_TIER.format(option=_cpu_option(args)))
 
 
 def run(args: argparse.Namespace) -> int:

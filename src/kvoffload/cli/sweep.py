@@ -136,10 +136,8 @@ def _check_cpu_tier(args: argparse.Namespace) -> None:
     else:
         return
     if no_cpu_tier:
-        raise InvalidArgumentError(
-            f"a disk or shared tier (--disk-dir, --remote) sits below the CPU tier, and "
-            f"{option} 0 leaves none: drop 0 from {option}"
-        )
+        refusal = tier_options.NO_CPU_TIER.format(option=f"{option} 0")
+        raise InvalidArgumentError(f"{refusal}: drop 0 from {option}")
 
 
 def _check_trace_rereadable(trace: str | None) -> None:

@@ -27,6 +27,10 @@ from kvoffload.tiers.disk import (
 from kvoffload.tiers.format import FINGERPRINT_BYTES, layout_fingerprint
 from kvoffload.tiers.slot_file import SLOT_FILE, footprint, slot_stride
 
+NO_CPU_TIER = (
+    "a disk or shared tier (--disk-dir, --remote) sits below the CPU tier, and {option} leaves none"
+)
+"""The refusal of lower tiers without a CPU tier (``simulate`` and ``sweep``)."""
 MIN_TIER_GB_PER_S = 1e-9
 """A modelled tier's least bandwidth, a byte per second: a run's bytes over it take a finite
 time; over 1e-308 GB/s they took ``inf`` seconds, and the report said "-inf s" saved."""
