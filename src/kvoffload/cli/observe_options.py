@@ -121,18 +121,15 @@ def check_before_work(args: argparse.Namespace) -> None:
         ("--kv-events-endpoint", events),
         ("--kv-events-replay-endpoint", replay),
     ):
-        if endpoint:
-            _check_endpoint(endpoint, option)
-    if port:  # both trial binds pass, one after the other; the two servers would not
-        for option, endpoint in (
-            ("--kv-events-endpoint", events),
-            ("--kv-events-replay-endpoint", replay),
-        ):
-            if endpoint and _tcp_port(endpoint) == port:
-                raise InvalidArgumentError(
-                    f"--metrics-port {port} and {option} {endpoint!r} both bind port {port}: "
-                    "give them different ports"
-                )
+        if not endpoint:
+            continue
+        _check_endpoint(endpoint, option)
+        # Both trial binds pass, one after the other; the two servers would not.
+        if port and _tcp_port(endpoint) == port:
+            raise InvalidArgumentError(
+                f"--metrics-port {port} and {option} {endpoint!r} both bind port {port}: "
+                "give them different ports"
+            )
     try:
         _topic(args).encode("utf-8")
     except UnicodeEncodeError:
