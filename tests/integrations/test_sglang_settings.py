@@ -68,3 +68,23 @@ def test_a_size_json_spells_as_a_whole_float_is_taken_as_vllm_takes_it() -> None
     assert isinstance(settings.disk_bytes, int)
     with pytest.raises(InvalidArgumentError, match=re.escape("'kvoffload.disk_bytes'")):
         parse_settings({"kvoffload.disk_dir": "/nvme/l3", "kvoffload.disk_bytes": 4096.5})
+
+
+def test_a_json_null_is_the_keys_default_as_sglang_reads_its_own_keys() -> None:
+    """SGLang reads ``"interface_v1": null`` as its copy interface (``bool(get(key, 0))``);
+    the backend stopped start-up on it ("must be 0 or 1, got None") and on a null
+    ``kvoffload.remote_bytes``, though every other optional key's null was its default.
+    Null is now the default for every key; a required key given as null is missing."""
+    nulls = {
+        "interface_v1": None,
+        "kvoffload.remote_url": "redis://a:1",
+        "kvoffload.remote_bytes": None,
+        "kvoffload.metrics_port": None,
+    }
+    assert parse_settings(nulls) == BackendSettings(remote_url="redis://a:1")
+    with pytest.raises(InvalidArgumentError, match=re.escape("'kvoffload.remote_bytes'")):
+        parse_settings({**nulls, "kvoffload.remote_admission": "sketch"})
+    with pytest.raises(InvalidArgumentError, match=re.escape("'kvoffload.disk_bytes' is missing")):
+        parse_settings({"kvoffload.disk_dir": "/nvme/l3", "kvoffload.disk_bytes": None})
+    with pytest.raises(InvalidArgumentError, match=r"unknown .* key 'kvoffload\.disk_byte'"):
+        parse_settings({**nulls, "kvoffload.disk_byte": None})

@@ -172,13 +172,16 @@ def _tier_keys(kind: str, location: str, size: str) -> dict[str, str]:
 
 def parse_settings(extra_config: Mapping[str, Any] | None) -> BackendSettings:
     """Check every key and value; an :class:`InvalidArgumentError` names the bad one."""
-    config = dict(extra_config or {})
-    unknown = sorted(set(config) - SGLANG_KEYS - OWN_KEYS, key=repr)
+    written = dict(extra_config or {})
+    unknown = sorted(set(written) - SGLANG_KEYS - OWN_KEYS, key=repr)
     if unknown:
         raise InvalidArgumentError(
             f"unknown hicache-storage-backend-extra-config key {unknown[0]!r} for kvoffload; "
             f"known: {', '.join(sorted(OWN_KEYS))} and SGLang's {', '.join(sorted(SGLANG_KEYS))}"
         )
+    # A JSON null is the key's default, as SGLang reads its own keys (``interface_v1`` by
+    # ``bool(get(key, 0))``): one rule for every key, the required ones then missing.
+    config = {key: value for key, value in written.items() if value is not None}
     disk_dir = _str(config, DISK_DIR)
     remote_url = _str(config, REMOTE_URL)
     if disk_dir is None and remote_url is None:
