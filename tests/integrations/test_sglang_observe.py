@@ -356,6 +356,37 @@ def test_each_rank_serves_its_metrics_on_its_own_port_and_rank_0_publishes(
     assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv-1"
 
 
+def test_with_metrics_port_0_each_rank_says_which_port_it_picked(
+    backend_of: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``kvoffload.metrics_port`` 0 gives every rank a free port: each rank logs its port
+    once and exposes it as ``metrics_port``, and that port serves that rank's counters.
+    Before, the picked ports were said nowhere, so nobody could scrape them."""
+    extra = {
+        "kvoffload.disk_dir": str(tmp_path),
+        "kvoffload.disk_bytes": footprint(8, len(HostPool().page_bytes(0))),
+        "kvoffload.metrics_port": 0,
+    }
+    pools = [HostPool(), HostPool()]
+    with caplog.at_level("INFO", logger="kvoffload.integrations.sglang.storage"):
+        ranks = [backend_of(extra, pools[r], model="port0", tp_rank=r, tp_size=2) for r in (0, 1)]
+    ports = [rank.metrics_port for rank in ranks]
+    assert all(isinstance(port, int) and port > 0 for port in ports) and ports[0] != ports[1]
+    said = [record.getMessage() for record in caplog.records if "/metrics" in record.message]
+    assert said == [
+        f"kvoffload: L3 metrics of tp_rank {r}, pp_rank 0, dp_rank 0 on "
+        f"http://127.0.0.1:{ports[r]}/metrics"
+        for r in (0, 1)
+    ]
+    pools[1].fill([0, 1], seed=6)
+    assert all(ranks[1].batch_set_v1(KEYS[:2], pools[1].indices([0, 1])))
+    for rank in (0, 1):
+        stored = _stores_completed(ports[rank])
+        assert stored.labels["tp_rank"] == str(rank) and stored.value == 2 * rank
+    ranks[0].close()
+    assert ranks[0].metrics_port is None
+
+
 def test_plain_data_parallel_replicas_keep_their_disk_metrics_and_events_apart(
     backend_of: Any, tmp_path: Path
 ) -> None:

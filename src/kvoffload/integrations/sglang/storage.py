@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import sys
 import threading
 import time
@@ -52,6 +53,8 @@ from kvoffload.managers.stack import LowerTierConfig
 from kvoffload.tiers import fingerprint_of, lower_tiers
 from kvoffload.tiers.format import Payload, payload_size
 from kvoffload.tiers.slot_file import slot_note, slots_within
+
+logger = logging.getLogger(__name__)
 
 GB = 1e9
 PREFETCH, BACKUP = "prefetch", "backup"
@@ -411,6 +414,12 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         return out
 
     @property
+    def metrics_port(self) -> int | None:
+        """The port this rank serves ``/metrics`` on (the one picked for
+        ``kvoffload.metrics_port`` 0), ``None`` without an endpoint."""
+        return None if self._metrics is None else int(self._metrics.port)
+
+    @property
     def publishes_events(self) -> bool:
         """Whether this rank publishes KV events (the first TP rank of the first pipeline
         stage does, for its data-parallel replica)."""
@@ -573,6 +582,12 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
                 "dp_rank": str(self.dp_rank),
             }
             self._metrics.add(TierCollector(self.paths, labels))
+            # With port 0 the port is the server's pick: said here, or no one could scrape it.
+            logger.info(
+                "kvoffload: L3 metrics of %s on http://127.0.0.1:%d/metrics",
+                ", ".join(f"{name} {value}" for name, value in labels.items()),
+                self._metrics.port,
+            )
 
     def _close_parts(self) -> None:
         if self._beside is not None:
