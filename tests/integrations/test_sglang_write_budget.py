@@ -12,6 +12,7 @@ from kvoffload.admission import OptimisingAdmission
 from kvoffload.admission.budget import BYTES_PER_S, DWPD, PER_REF
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.integrations.sglang.settings import parse_settings
+from kvoffload.tiers.slot_file import footprint
 
 DISK = {"kvoffload.disk_dir": "/tmp/unused", "kvoffload.disk_bytes": 1 << 20}
 OPTIMISER = {"kvoffload.disk_admission": "recommended"}
@@ -103,3 +104,36 @@ def test_the_shared_tier_is_sized_in_whole_pages_of_every_rank(
         credit = path.layer.write_credit
         assert credit is not None
         assert credit.budget.blocks_per_second() == pytest.approx(10)
+
+
+@pytest.mark.parametrize("budget", ["bytes", "dwpd"])
+def test_the_ranks_disk_tiers_keep_one_budget_together(
+    backends: Any, tmp_path: Path, budget: str
+) -> None:
+    """Each TP rank has its own slot file of ``kvoffload.disk_bytes``, all on the drive under
+    ``kvoffload.disk_dir``: with TP=2 an MHA page is both ranks' halves, so each rank's
+    optimiser counts whole pages and the two ranks together keep a bytes-per-second
+    budget (each kept the whole of it: twice the bytes per second on the drive). Drive
+    writes per day count against both ranks' files: the same pages per second per rank."""
+    pytest.importorskip("sglang", reason="SGLang is not installed (CI installs it --no-deps)")
+    from sglang_helpers import HostPool
+
+    page_bytes = len(HostPool().page_bytes(0))
+    whole_page = 2 * page_bytes
+    disk_bytes = footprint(64, page_bytes)
+    written = f"{10 * whole_page}B/s" if budget == "bytes" else "1dwpd"
+    extra = {
+        "kvoffload.disk_dir": str(tmp_path / "l3"),
+        "kvoffload.disk_bytes": disk_bytes,
+        **OPTIMISER,
+        "kvoffload.disk_write_budget": written,
+    }
+    for rank in range(2):
+        pool = HostPool()
+        backend = backends(extra, pool, tp_rank=rank, tp_size=2, model="disk-whole-pages")
+        (path,) = backend.paths
+        assert isinstance(path.layer, OptimisingAdmission)
+        credit = path.layer.write_credit
+        assert credit is not None and credit.budget.block_bytes == whole_page
+        pages_per_second = 10 if budget == "bytes" else disk_bytes / page_bytes / 86_400
+        assert credit.budget.blocks_per_second() == pytest.approx(pages_per_second)

@@ -471,7 +471,7 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         return pages.dtype
 
     def _page_shards(self) -> int:
-        """Ranks whose values make up one page on the shared tier: every TP rank of an MHA
+        """Ranks whose values make up one page of the instance: every TP rank of an MHA
         model (an MLA model's page is one writer's, or one per DCP shard), times the pipeline
         stages and context-parallel ranks (stages of unequal layers: about)."""
         c = self.storage_config
@@ -524,13 +524,20 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
                     f"no page of {pages.page_bytes} bytes ({slot_note(pages.page_bytes)})"
                 )
             # Data-parallel replicas have the same shard (fingerprint), not the same disk;
-            # the tier itself locks its directory against a second process.
+            # the tier itself locks its directory against a second process. Each rank has its
+            # own file of disk_bytes, all of them on the drive under disk_dir: the budget
+            # counts whole pages against every rank's files, so the ranks together keep a
+            # bytes-per-second budget, and drive writes per day come to the same per rank.
+            shards = self._page_shards()
             disk = dataclasses.replace(
                 s.disk_tier,
                 location=str(Path(s.disk_tier.location) / f"dp{self.dp_rank}"),
                 blocks=blocks,
                 write_budget=_sized_budget(
-                    s.disk_write_budget, pages.page_bytes, s.disk_bytes, "disk"
+                    s.disk_write_budget,
+                    pages.page_bytes * shards,
+                    s.disk_bytes * shards,
+                    "disk",
                 ),
             )
         if s.remote_tier is not None:
