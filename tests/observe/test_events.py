@@ -86,6 +86,18 @@ def test_a_late_subscriber_catches_up_then_follows() -> None:
     assert (event.medium, event.block_size, event.group_idx) == ("CPU", 16, 0)
 
 
+def test_a_catch_up_delivers_only_the_subscribed_topics_batches() -> None:
+    """Replay filters by topic prefix as the SUB socket does live: a subscriber of another
+    topic would otherwise index a publisher it never subscribed to."""
+    with KVEventPublisher(LOCAL, LOCAL, topic="engine-b") as pub:
+        pub.publish(_stored(1))
+        pub.flush()
+        with KVEventSubscriber(pub.endpoint, pub.replay_endpoint, topic="engine-a") as other:
+            assert (other.catch_up(), other.next_seq, other.lost) == ([], 0, 0)
+        with KVEventSubscriber(pub.endpoint, pub.replay_endpoint, topic="engine") as prefix:
+            assert [seq for seq, _ in prefix.catch_up()] == [0]
+
+
 class _Lossy(KVEventSubscriber):
     """Loses batch ``drop`` the first time it arrives, as a congested PUB socket does."""
 
