@@ -38,6 +38,34 @@ def test_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert pngs == ["hit_ratio_vs_capacity.png", "hit_ratio_vs_writes.png"]
 
 
+def test_sweep_rows_carry_the_trace_format_and_one_block_is_singular(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As ``simulate --json`` does, each row says the format the trace was read in (a
+    synthetic mix: null); the title read "(1 blocks)" for a GPU cache of one block."""
+    trace = tmp_path / "one.jsonl"
+    lines = [
+        {"timestamp": t, "input_length": 100, "output_length": 1, "hash_ids": [h]}
+        for t, h in ((0, 1), (10, 1), (20, 2))
+    ]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = ["sweep", "--gpu-blocks", "1", "--cpu-blocks", "1", "--policies", "lru"]
+    args += ["--thresholds", "0", "--jobs", "1", "--no-progress"]
+    assert main([*args, "--trace", str(trace), "--json", str(tmp_path / "t.json")]) == 0
+    assert "one.jsonl: 3 block refs; GPU 64 MiB (1 block), layout" in capsys.readouterr().out
+    trace.write_text(json.dumps(lines[0]) + "\n")
+    assert main([*args, "--trace", str(trace)]) == 0
+    assert "one.jsonl: 1 block ref; GPU" in capsys.readouterr().out
+    assert [r["trace_format"] for r in json.loads((tmp_path / "t.json").read_text())] == [
+        "mooncake"
+    ]
+    synthetic = ["sweep", "--requests", "20", "--cpu-blocks", "300", "--policies", "lru"]
+    synthetic += ["--thresholds", "0", "--jobs", "1", "--no-progress"]
+    assert main([*synthetic, "--csv", str(tmp_path / "s.csv")]) == 0
+    [row] = csv.DictReader((tmp_path / "s.csv").read_text().splitlines())
+    assert row["trace_format"] == ""
+
+
 def test_sweep_csv_has_every_runs_columns(tmp_path: Path) -> None:
     """The optimiser's row has columns the first row lacks; the header once came from the
     first row alone and the write failed with a traceback."""

@@ -40,6 +40,17 @@ def test_defaults_are_the_8b_class_layout() -> None:
     assert (args.layout, args.gpu_blocks, args.blocks_per_job) == ("llama-3.1-8b", 512, 64)
 
 
+def test_help_shows_every_options_default(capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench transfer --help`` gave the numbers' defaults but not --layout's nor --device's."""
+    from kvoffload.cli.main import main
+
+    assert main(["bench", "transfer", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help
+    assert "--layout LAYOUT KV layout preset, one of" in text
+    assert "tiny" in text and "(llama-3.1-8b)" in text
+    assert "--device DEVICE device of the KV cache (cpu)" in text
+
+
 def test_a_tier_larger_than_the_gpu_cache_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="do not fit"):
         bench.measure_transfer(layout="tiny", gpu_blocks=8, cpu_blocks=8, block_size_factor=2)

@@ -86,6 +86,18 @@ def test_a_late_subscriber_catches_up_then_follows() -> None:
     assert (event.medium, event.block_size, event.group_idx) == ("CPU", 16, 0)
 
 
+def test_a_catch_up_delivers_only_the_subscribed_topics_batches() -> None:
+    """Replay filters by topic prefix as the SUB socket does live: a subscriber of another
+    topic would otherwise index a publisher it never subscribed to."""
+    with KVEventPublisher(LOCAL, LOCAL, topic="engine-b") as pub:
+        pub.publish(_stored(1))
+        pub.flush()
+        with KVEventSubscriber(pub.endpoint, pub.replay_endpoint, topic="engine-a") as other:
+            assert (other.catch_up(), other.next_seq, other.lost) == ([], 0, 0)
+        with KVEventSubscriber(pub.endpoint, pub.replay_endpoint, topic="engine") as prefix:
+            assert [seq for seq, _ in prefix.catch_up()] == [0]
+
+
 class _Lossy(KVEventSubscriber):
     """Loses batch ``drop`` the first time it arrives, as a congested PUB socket does."""
 
@@ -151,6 +163,42 @@ def test_indexer_answers_the_longest_prefix() -> None:
     index.apply("a", make_batch([BlockStored([h[0]], None, [], 16, None, "GPU", None)]))
     index.apply("a", make_batch([BlockRemoved([h[0]], "CPU")]))
     assert index.holds("a", h[0])
+
+
+def test_a_clear_empties_the_media_the_index_was_told_it_covers() -> None:
+    """vLLM's ``AllBlocksCleared`` is its GPU prefix cache's (with the connector's CPU
+    tier, which announces no removals): the disk and shared tiers' blocks stay, and an
+    index told so keeps them. By default a clear still empties every medium."""
+    from kvoffload.observe.events import AllBlocksCleared, make_batch
+
+    h = [i.to_bytes(8, "big") for i in range(4)]
+    stores = make_batch(
+        [
+            BlockStored(h[:2], None, [], 16, None, "GPU", None),
+            BlockStored(h[1:3], None, [], 16, None, "CPU", None),
+            BlockStored(h[:4], None, [], 16, None, "STORAGE", None),
+            BlockStored([h[0]], None, [], 16, None, "GPU", None),  # announced twice
+        ]
+    )
+    cleared = make_batch([AllBlocksCleared()])
+    gpu_and_cpu, every_medium = PrefixIndex(cleared_media={"GPU", "CPU"}), PrefixIndex()
+    for index in (gpu_and_cpu, every_medium):
+        index.apply("a", stores)
+        index.apply("a", cleared)
+    assert gpu_and_cpu.longest_prefix(h) == ("a", 4)
+    assert every_medium.longest_prefix(h) == (None, 0)
+    gpu_and_cpu.apply("a", make_batch([BlockRemoved([h[2]], "STORAGE")]))
+    assert (gpu_and_cpu.longest_prefix(h), gpu_and_cpu.num_blocks("a")) == (("a", 2), 3)
+    # The cleared media hold nothing more: a second removal of GPU's h[0] is no one's.
+    gpu_and_cpu.apply("a", make_batch([BlockRemoved([h[0]], "GPU")]))
+    assert gpu_and_cpu.holds("a", h[0])
+    gpu_and_cpu.forget("a")
+    assert (gpu_and_cpu.num_blocks("a"), gpu_and_cpu.longest_prefix(h)) == (0, (None, 0))
+
+
+def test_cleared_media_given_as_one_string_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="collection of media, got the string 'GPU'"):
+        PrefixIndex(cleared_media="GPU")
 
 
 def test_simulate_publishes_what_the_tier_holds(mooncake_trace: Path, tmp_path: Path) -> None:

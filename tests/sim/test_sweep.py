@@ -161,6 +161,23 @@ def test_a_run_that_raises_stops_the_sweep_with_the_finished_runs(
     assert isinstance(stopped.value.__cause__, ZeroDivisionError)
 
 
+def test_a_failed_run_of_one_offload_block_is_named_in_the_singular(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvoffload.sim import sweep as sim_sweep
+
+    def fails(workload: Workload, config: SimConfig, is_bound: bool) -> RunReport:
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(sim_sweep, "_run_on", fails)
+    one_block = sweep_configs(SimConfig(gpu_blocks=1500, cpu_blocks=0), [1], ["lru"], [0])
+    with pytest.raises(SweepFailed) as stopped:
+        run_sweep(SOURCE, one_block, jobs=1)
+    assert stopped.value.failed == (
+        "run 1 of 1 (admission none, policy lru, threshold 0, 1 offload block)"
+    )
+
+
 def test_each_run_gets_the_bound_of_its_gpu_and_partial_block_mode(tmp_path: Path) -> None:
     # A sequential run's bound depends on its GPU cache and partial block mode too: runs
     # differing there all got the first run's bound, which the larger GPU's hits beat.

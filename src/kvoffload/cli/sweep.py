@@ -206,13 +206,13 @@ def run(args: argparse.Namespace) -> int:
         reports = run_sweep(source, configs, jobs=args.jobs, progress=bar, loaded=workload)
     except SweepInterrupted as stop:
         bar.close()
-        return _keep_finished(args, stop, "interrupted", 130)
+        return _keep_finished(args, stop, "interrupted", 130, workload.trace_format)
     except SweepFailed as stop:
         bar.close()
-        return _keep_finished(args, stop, "error", 1)
+        return _keep_finished(args, stop, "error", 1, workload.trace_format)
     finally:
         bar.close()
-    _write(args, reports)
+    _write(args, reports, workload.trace_format)
     plots: list[Path] = []
     if args.plot_dir:
         from kvoffload.sim.plots import plot_sweep
@@ -227,15 +227,19 @@ def _write_plot(path: Path, png: bytes) -> None:
     output.write_file(str(path), png, "--plot-dir")
 
 
-def _write(args: argparse.Namespace, reports: list[RunReport]) -> None:
-    rows = [report.as_dict() for report in reports]
+def _write(args: argparse.Namespace, reports: list[RunReport], trace_format: str | None) -> None:
+    """Each run's row, with the format the trace was read in as simulate's JSON has it
+    (``None``: a synthetic workload)."""
+    rows = [{**report.as_dict(), "trace_format": trace_format} for report in reports]
     if args.json:
         output.write_json(args.json, rows)
     if args.csv and rows:
         output.write_csv(args.csv, rows)
 
 
-def _keep_finished(args: argparse.Namespace, stop: SweepStopped, label: str, status: int) -> int:
+def _keep_finished(
+    args: argparse.Namespace, stop: SweepStopped, label: str, status: int, trace_format: str | None
+) -> int:
     """Keep what finished: write and show it, then say on one line why the sweep stopped
     (``kvoffload: {label}: ...``) and return ``status``: an hour of finished runs is not lost
     to Ctrl-C nor to one run that fails. With nothing finished nothing is written, so the
@@ -247,7 +251,7 @@ def _keep_finished(args: argparse.Namespace, stop: SweepStopped, label: str, sta
         if written:
             kept += f"; {' and '.join(written)} not written"
     else:
-        _write(args, reports)
+        _write(args, reports, trace_format)
         if "-" not in (args.json, args.csv):
             output.show(format_sweep(reports))
         if written:
@@ -279,7 +283,8 @@ def format_sweep(reports: list[RunReport]) -> str:
     ]
     first = reports[0]
     title = (
-        f"{first.workload}: {first.refs:,} block refs; GPU {output.size(first.gpu_gib * 2**30)} "
-        f"({first.gpu_blocks:,} blocks), layout {first.layout}"
+        f"{first.workload}: {output.counted(first.refs, 'block ref')}; "
+        f"GPU {output.size(first.gpu_gib * 2**30)} "
+        f"({output.counted(first.gpu_blocks, 'block')}), layout {first.layout}"
     )
     return title + "\n\n" + output.column_table(headers, rows)

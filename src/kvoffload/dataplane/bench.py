@@ -30,7 +30,7 @@ import torch
 from kvoffload.core.cpus import usable_cpus
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.keys import OffloadKey, block_id_key
-from kvoffload.core.layout import layout_preset
+from kvoffload.core.layout import LAYOUT_PRESETS, layout_preset
 from kvoffload.core.specs import CPULoadStoreSpec, GPULoadStoreSpec, TransferSpec
 from kvoffload.dataplane.cpu_store import CPUBlockStore
 from kvoffload.dataplane.handlers import cpu_gpu_handlers
@@ -161,7 +161,11 @@ def add_cli_arguments(
     """Options of ``kvoffload bench transfer`` (the CLI adds ``--json``);
     ``integer(minimum, maximum)`` is the CLI's argparse type of an integer in that range
     (``None``: unbounded)."""
-    parser.add_argument("--layout", default=DEFAULTS["layout"], help="KV layout preset")
+    parser.add_argument(
+        "--layout",
+        default=DEFAULTS["layout"],
+        help=f"KV layout preset, one of {', '.join(sorted(LAYOUT_PRESETS))} ({DEFAULTS['layout']})",
+    )
     for name, minimum, help_text in (
         ("gpu-blocks", 1, "GPU KV cache size in GPU blocks"),
         ("cpu-blocks", 1, "CPU tier size in offloaded blocks"),
@@ -177,7 +181,11 @@ def add_cli_arguments(
             default=default,
             help=f"{help_text} ({default})",
         )
-    parser.add_argument("--device", default=DEFAULTS["device"], help="device of the KV cache")
+    parser.add_argument(
+        "--device",
+        default=DEFAULTS["device"],
+        help=f"device of the KV cache ({DEFAULTS['device']})",
+    )
     parser.add_argument(
         "--threads",
         type=integer(1, usable_cpus()),

@@ -56,7 +56,8 @@ class KVEventSubscriber:
 
     A message that is no batch (another number of frames, a number that is not 8
     bytes from 0 up), live or from replay, is logged and ignored: a batch it stood
-    for shows as a gap.
+    for shows as a gap. Replay, like the live socket, delivers only batches whose topic
+    starts with ``topic`` (until 2026-12-06 a catch-up delivered every topic's).
     """
 
     def __init__(
@@ -74,8 +75,9 @@ class KVEventSubscriber:
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         if replay_endpoint is not None:
             self._check_replay_endpoint(replay_endpoint)
+        self._topic = topic.encode()
         self._sub = self._context.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         if is_ipv6(endpoint):
             self._sub.setsockopt(zmq.IPV6, 1)
         try:
@@ -204,6 +206,8 @@ class KVEventSubscriber:
                     logger.warning("ignoring a malformed replay message of %d frames", len(frames))
                     continue
                 if seq < self.next_seq or (before is not None and seq >= before):
+                    continue
+                if not frames[1].startswith(self._topic):  # as the SUB socket filters live
                     continue
                 payload = frames[3]
                 self._skip_to(seq)  # older batches have left the replay buffer

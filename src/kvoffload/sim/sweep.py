@@ -194,13 +194,18 @@ def _describe(task: Task, index: int, num_runs: int) -> str:
     _, config, is_bound = task
     if is_bound:
         return (
-            f"the Belady bound of {config.cpu_blocks:,} offload blocks "
-            f"(GPU {config.gpu_blocks:,} blocks)"
+            f"the Belady bound of {_blocks(config.cpu_blocks, 'offload block')} "
+            f"(GPU {_blocks(config.gpu_blocks, 'block')})"
         )
     return (
         f"run {index + 1} of {num_runs} (admission {config.admission}, policy {config.policy}, "
-        f"threshold {config.store_threshold}, {config.cpu_blocks:,} offload blocks)"
+        f"threshold {config.store_threshold}, {_blocks(config.cpu_blocks, 'offload block')})"
     )
+
+
+def _blocks(number: int, noun: str) -> str:
+    """``number`` of ``noun``, in the plural unless one ("1 offload blocks" reads as a slip)."""
+    return f"{number:,} {noun}" if number == 1 else f"{number:,} {noun}s"
 
 
 def _bound_key(run: SimConfig | RunReport) -> BoundKey:
