@@ -24,6 +24,7 @@ from dataplane_helpers import LAYOUTS, block_bytes, random_layers  # noqa: E402
 
 from kvoffload.core.specs import CPULoadStoreSpec, GPULoadStoreSpec  # noqa: E402
 from kvoffload.dataplane import CPUBlockStore, CPUGPUHandler, OffloadingWorker  # noqa: E402
+from kvoffload.dataplane.runners import CudaStreamRunner  # noqa: E402
 from kvoffload.dataplane.shared_region import (  # noqa: E402
     SharedRegion,
     default_directory,
@@ -251,3 +252,15 @@ def test_a_cpu_store_locks_exactly_its_own_bytes() -> None:
     size = store.data.numel()
     assert store.data.is_pinned()
     assert 0.9 * size <= grown <= 1.1 * size, (grown, size)
+
+
+def test_a_closed_stream_runner_refuses_a_job_and_never_runs_it() -> None:
+    """It queued one after ``close``, to copy into buffers the engine had freed."""
+    ran: list[int] = []
+    runner = CudaStreamRunner(torch.device("cuda"))
+    runner.close()
+    with pytest.raises(RuntimeError, match=r"^transfer job 3 refused: its runner is closed$"):
+        runner.submit(3, lambda: ran.append(3), after_compute=True)
+    runner.wait([3])
+    assert (runner.poll(), ran) == ([], [])
+
