@@ -13,7 +13,11 @@ from kvoffload.cli.main import main  # noqa: E402
 from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError  # noqa: E402
 from kvoffload.core.layout import layout_preset  # noqa: E402
 from kvoffload.dataplane import CPUBlockStore, PagedKVCache  # noqa: E402
-from kvoffload.dataplane.allocation import allocate, resolve_device  # noqa: E402
+from kvoffload.dataplane.allocation import (  # noqa: E402
+    allocate,
+    check_device_present,
+    resolve_device,
+)
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 
@@ -32,6 +36,31 @@ def test_unknown_or_unsupported_device(name: str) -> None:
 def test_cuda_without_cuda_is_an_input_error() -> None:
     with pytest.raises(InvalidArgumentError, match="sees no CUDA device"):
         PagedKVCache(layout_preset("tiny"), 4, "cuda")
+
+
+@pytest.mark.parametrize(
+    ("cuda_devices", "present"),
+    [
+        (0, "no CUDA device"),
+        (1, "1 CUDA device (cuda:0)"),
+        (3, "3 CUDA devices (cuda:0 to cuda:2)"),
+    ],
+)
+def test_a_cuda_index_past_the_gpus_present_is_one_line_naming_their_count(
+    cuda_devices: int, present: str
+) -> None:
+    """cuda:3 on a 1-GPU machine was taken, and the first allocation there failed with
+    CUDA's "invalid device ordinal", reported as too little memory."""
+    with pytest.raises(InvalidArgumentError) as refused:
+        check_device_present(torch.device("cuda:3"), cuda_devices)
+    assert str(refused.value) == f"device 'cuda:3' asked for, but torch sees {present}"
+
+
+@pytest.mark.parametrize(
+    ("device", "cuda_devices"), [("cuda:0", 1), ("cuda", 1), ("cuda:3", 4), ("cpu", 0)]
+)
+def test_a_device_the_machine_has_is_taken(device: str, cuda_devices: int) -> None:
+    check_device_present(torch.device(device), cuda_devices)
 
 
 @NO_CUDA

@@ -22,8 +22,12 @@ if not torch.cuda.is_available():
 
 from dataplane_helpers import LAYOUTS, block_bytes, random_layers  # noqa: E402
 
+from kvoffload.cli.main import main  # noqa: E402
+from kvoffload.core.errors import InvalidArgumentError  # noqa: E402
 from kvoffload.core.specs import CPULoadStoreSpec, GPULoadStoreSpec  # noqa: E402
 from kvoffload.dataplane import CPUBlockStore, CPUGPUHandler, OffloadingWorker  # noqa: E402
+from kvoffload.dataplane.allocation import resolve_device  # noqa: E402
+from kvoffload.dataplane.runners import CudaStreamRunner  # noqa: E402
 from kvoffload.dataplane.shared_region import (  # noqa: E402
     SharedRegion,
     default_directory,
@@ -251,3 +255,31 @@ def test_a_cpu_store_locks_exactly_its_own_bytes() -> None:
     size = store.data.numel()
     assert store.data.is_pinned()
     assert 0.9 * size <= grown <= 1.1 * size, (grown, size)
+
+
+def test_a_closed_stream_runner_refuses_a_job_and_never_runs_it() -> None:
+    """It queued one after ``close``, to copy into buffers the engine had freed."""
+    ran: list[int] = []
+    runner = CudaStreamRunner(torch.device("cuda"))
+    runner.close()
+    with pytest.raises(RuntimeError, match=r"^transfer job 3 refused: its runner is closed$"):
+        runner.submit(3, lambda: ran.append(3), after_compute=True)
+    runner.wait([3])
+    assert (runner.poll(), ran) == ([], [])
+
+
+def test_a_cuda_device_past_the_gpus_present_is_one_line_naming_their_count(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--device cuda:N`` past the GPUs was taken, and the first allocation there was
+    reported as too little memory."""
+    count = torch.cuda.device_count()
+    with pytest.raises(InvalidArgumentError, match=rf"^device 'cuda:{count}' asked for, but"):
+        resolve_device(f"cuda:{count}")
+    args = ["bench", "transfer", "--layout", "tiny", "--gpu-blocks", "8", "--cpu-blocks", "8"]
+    assert main([*args, "--device", f"cuda:{count}", "--no-progress"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"kvoffload: error: --device cuda:{count}: device 'cuda:{count}' asked for, but torch "
+        f"sees {count} CUDA device{'s' if count > 1 else ''} "
+        f"({'cuda:0' if count == 1 else f'cuda:0 to cuda:{count - 1}'})"
+    ]

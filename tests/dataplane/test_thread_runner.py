@@ -1,4 +1,5 @@
-"""The thread runner's ``poll`` never waits: the engine's loop asks it every step."""
+"""The thread runner's ``poll`` never waits (the engine's loop asks it every step), and once
+closed it takes no job, as the CUDA runner, which shares that code."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kvoffload.dataplane.runners import ThreadRunner
+from kvoffload.dataplane.runners import CudaStreamRunner, ThreadRunner
 
 
 def test_poll_returns_at_once_while_a_job_runs() -> None:
@@ -70,3 +71,21 @@ def test_a_job_is_either_refused_and_never_run_or_run_and_reported(
         assert ran == reported == ([1, 2] if accepted else [2])
     finally:
         runner.close()
+
+
+def test_a_closed_runner_refuses_a_job_and_never_runs_it() -> None:
+    ran: list[int] = []
+    runner = ThreadRunner()
+    runner.close()
+    with pytest.raises(RuntimeError, match=r"^transfer job 7 refused: its runner is closed$"):
+        runner.submit(7, lambda: ran.append(7), after_compute=False)
+    runner.wait([7])
+    assert (runner.poll(), ran) == ([], [])
+
+
+def test_the_cuda_runner_refuses_a_job_after_close_as_the_thread_runner_does() -> None:
+    """The CUDA runner queued a job after ``close`` on its stream, which then copied into
+    buffers the engine had freed (the CPU runner's pool refused it). Both now take
+    ``submit`` and ``close`` from one base, whose refusal the test above runs on the CPU."""
+    for method in ("submit", "close"):
+        assert getattr(CudaStreamRunner, method) is getattr(ThreadRunner, method)

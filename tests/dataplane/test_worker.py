@@ -99,7 +99,7 @@ def test_a_submission_the_runner_refuses_leaves_no_job_in_flight() -> None:
     handler.close()
     spec = (GPULoadStoreSpec([1], [1]), CPULoadStoreSpec([0]))
     for _ in range(2):  # the second time too: the id was never taken, so not "in flight"
-        with pytest.raises(RuntimeError, match="shutdown"):
+        with pytest.raises(RuntimeError, match="its runner is closed"):
             handler.transfer_async(3, spec)
     assert handler.get_finished() == []
 

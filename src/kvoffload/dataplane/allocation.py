@@ -24,11 +24,30 @@ def resolve_device(device: str | torch.device) -> torch.device:
         raise InvalidArgumentError(f"unknown device {device!r}: {exc}") from None
     if resolved.type not in ("cpu", "cuda"):
         raise InvalidArgumentError(f"device {device!r}: only cpu and cuda devices are supported")
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidArgumentError(
-            f"device {device!r} asked for, but this torch build sees no CUDA device"
-        )
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidArgumentError(
+                f"device {device!r} asked for, but this torch build sees no CUDA device"
+            )
+        check_device_present(resolved, torch.cuda.device_count())
     return resolved
+
+
+def check_device_present(device: torch.device, cuda_devices: int) -> None:
+    """Refuse ``cuda:N`` on a machine of ``cuda_devices`` GPUs that has no GPU N.
+
+    torch takes the name, and the first allocation there failed deep inside (CUDA's
+    "invalid device ordinal", which :func:`allocate` then reported as memory too small).
+    """
+    if device.type != "cuda" or device.index is None or device.index < cuda_devices:
+        return
+    if cuda_devices == 0:
+        present = "no CUDA device"
+    elif cuda_devices == 1:
+        present = "1 CUDA device (cuda:0)"
+    else:
+        present = f"{cuda_devices} CUDA devices (cuda:0 to cuda:{cuda_devices - 1})"
+    raise InvalidArgumentError(f"device '{device}' asked for, but torch sees {present}")
 
 
 def block_count(name: str, value: object) -> int:

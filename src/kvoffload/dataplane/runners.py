@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,7 +53,37 @@ def _run(job_id: int, job: Job) -> bool:
     return True
 
 
-class ThreadRunner:
+class _ClosableRunner(ABC):
+    """What both runners share: once closed, a job is refused before anything is queued.
+
+    After ``close`` the engine may have freed the buffers a job would copy (a shared
+    region's mapping, the KV cache): a CUDA stream would still run it into that memory.
+    The check is here, in the ``submit`` both runners inherit, so the CPU tests run the
+    code that guards the CUDA runner.
+    """
+
+    def __init__(self) -> None:
+        self._closed = False
+
+    def submit(self, job_id: int, job: Job, after_compute: bool) -> None:
+        if self._closed:
+            raise RuntimeError(f"transfer job {job_id} refused: its runner is closed")
+        self._enqueue(job_id, job, after_compute)
+
+    def close(self) -> None:
+        self._closed = True
+        self._release()
+
+    @abstractmethod
+    def _enqueue(self, job_id: int, job: Job, after_compute: bool) -> None:
+        """Queue ``job`` (the runner is open)."""
+
+    @abstractmethod
+    def _release(self) -> None:
+        """Wait for every job, then release the thread or stream."""
+
+
+class ThreadRunner(_ClosableRunner):
     """Runs jobs one at a time on a single background thread (CPU tensors).
 
     The caller's CPU work is synchronous, so the queue needs no compute
@@ -61,6 +92,7 @@ class ThreadRunner:
     """
 
     def __init__(self, name: str = "kvoffload-transfer") -> None:
+        super().__init__()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         # The pool starts its thread on its first submission, after queueing the job: a
         # thread that could not start there would refuse the job yet leave it queued, to
@@ -69,7 +101,7 @@ class ThreadRunner:
         self._pool.submit(lambda: None).result()
         self._pending: deque[tuple[int, Future[JobOutcome]]] = deque()
 
-    def submit(self, job_id: int, job: Job, after_compute: bool) -> None:
+    def _enqueue(self, job_id: int, job: Job, after_compute: bool) -> None:
         self._pending.append((job_id, self._pool.submit(self._timed, job_id, job)))
 
     @staticmethod
@@ -95,11 +127,11 @@ class ThreadRunner:
             if job_id in job_ids:
                 future.result()
 
-    def close(self) -> None:
+    def _release(self) -> None:
         self._pool.shutdown(wait=True)
 
 
-class CudaStreamRunner:
+class CudaStreamRunner(_ClosableRunner):
     """Enqueues jobs on one dedicated CUDA stream, bracketed by timing events.
 
     One stream per direction keeps its jobs in order without cross-stream
@@ -110,11 +142,12 @@ class CudaStreamRunner:
     """
 
     def __init__(self, device: torch.device) -> None:
+        super().__init__()
         self._device = device
         self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         self._pending: deque[tuple[int, bool, torch.cuda.Event, torch.cuda.Event]] = deque()
 
-    def submit(self, job_id: int, job: Job, after_compute: bool) -> None:
+    def _enqueue(self, job_id: int, job: Job, after_compute: bool) -> None:
         start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         if after_compute:
@@ -137,5 +170,5 @@ class CudaStreamRunner:
             if job_id in job_ids:
                 end.synchronize()
 
-    def close(self) -> None:
+    def _release(self) -> None:
         self._stream.synchronize()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Iterable
+from typing import Protocol
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.specs import LoadStoreSpec, TransferSpec, TransferType
@@ -12,6 +13,33 @@ from kvoffload.dataplane.handlers import OffloadingHandler, TransferResult
 logger = logging.getLogger(__name__)
 
 HandlerEntry = tuple[type[LoadStoreSpec], type[LoadStoreSpec], OffloadingHandler]
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+def close_all(resources: Iterable[Closable | None]) -> None:
+    """Close each resource (``None``: none there) in order, every one even after an earlier
+    close raised, then re-raise the first error.
+
+    A handler's close that fails (a CUDA error left on its stream, an interrupt while it
+    waits for a copy) must not leave the others' threads running, nor a shared region's
+    file, which holds its memory until the next launch's sweep removes it.
+    """
+    first: BaseException | None = None
+    for resource in resources:
+        if resource is None:
+            continue
+        try:
+            resource.close()
+        except BaseException as exc:
+            if first is None:
+                first = exc
+            else:
+                logger.warning("closing %r failed too", resource, exc_info=True)
+    if first is not None:
+        raise first
 
 
 class OffloadingWorker:
@@ -80,5 +108,4 @@ class OffloadingWorker:
             handler.wait(job_ids)
 
     def close(self) -> None:
-        for handler in self._handlers.values():
-            handler.close()
+        close_all(self._handlers.values())

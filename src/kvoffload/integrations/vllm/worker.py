@@ -26,6 +26,7 @@ from kvoffload.core.layout import KVLayout
 from kvoffload.core.specs import CPULoadStoreSpec, GPULoadStoreSpec, TransferSpec
 from kvoffload.dataplane import CPUBlockStore, CPUGPUHandler, OffloadingHandler, cpu_gpu_handlers
 from kvoffload.dataplane.shared_region import SharedRegion
+from kvoffload.dataplane.worker import close_all
 
 logger = logging.getLogger(__name__)
 
@@ -120,10 +121,7 @@ class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
             handler.wait(job_ids)
 
     def shutdown(self) -> None:
-        for handler in self._handlers():
-            handler.close()
-        if self.region is not None:
-            self.region.close()
+        close_all([*self._handlers(), self.region])
 
     def _handlers(self) -> tuple[OffloadingHandler, ...]:
         return (self._store, self._load, self._expedited)
