@@ -57,7 +57,7 @@ class KVEventSubscriber:
     A message that is no batch (another number of frames, a number that is not 8
     bytes from 0 up), live or from replay, is logged and ignored: a batch it stood
     for shows as a gap. Replay, like the live socket, delivers only batches whose topic
-    starts with ``topic`` (until 2026-12-06 a catch-up delivered every topic's).
+    starts with ``topic``.
     """
 
     def __init__(
