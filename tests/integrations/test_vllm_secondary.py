@@ -324,6 +324,102 @@ def test_a_lookup_and_a_promotion_go_by_a_shared_write_the_server_holds(
     assert shared.counters.written_blocks == 5 and shared.counters.write_failures == 0
 
 
+def _cascade(engine: Engine, key: OffloadKey) -> Any:
+    """One request that stores ``key`` into the CPU tier, which cascades it, in an engine step
+    of its own (vLLM 0.32 takes the tiers' finished jobs once a step); vLLM's output of the CPU
+    tier's ``prepare_store`` (``None``: every chunk pinned, the store refused)."""
+    from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext
+
+    manager = engine.manager
+    context = ReqContext(req_id=f"cascade-{uuid.uuid4().hex[:6]}")
+    manager.on_new_request(context)
+    output = manager.prepare_store([key], context)
+    if output is not None:
+        engine.replay.fill(key, engine.replay.row(output.store_spec.block_ids.tolist()[0]))
+        manager.complete_store([key], context)
+    manager.on_request_finished(context)
+    manager.on_schedule_end(ScheduleEndContext((), ()))
+    return output
+
+
+def test_a_cascade_past_the_pending_bound_is_refused_and_pins_no_chunk(
+    vllm_modules: dict[str, ModuleType],
+    tmp_path: Path,
+    engines: Callable[..., Engine],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A disk slower than the cascade (its write held in the file system): a cascade offered
+    while those queued pin ``max_pending_write_bytes`` of the CPU tier is refused at once,
+    counted, and vLLM unpins its chunk, so the CPU tier keeps taking stores. Queued behind
+    the held write, every cascade kept its chunk pinned: the 2-chunk CPU tier refused the
+    third store. Nothing refused is written; once the disk resumes the tier writes again."""
+    from kvoffload.tiers.slot_file import FileLayer
+
+    entry = _disk(tmp_path, admission="none", max_pending_write_bytes=1, disk_timeout_ms=300_000)
+    engine = engines([entry], cpu_blocks=2)  # a deadline that never ends the held write
+    gate, holding = threading.Event(), threading.Event()
+    write = FileLayer.pwritev
+
+    def held_write(layer: FileLayer, fd: int, buffers: Any, offset: int) -> int:
+        holding.set()
+        gate.wait(60)
+        return write(layer, fd, buffers, offset)
+
+    monkeypatch.setattr(FileLayer, "pwritev", held_write)
+    tier = engine.tiers[0]
+    try:
+        assert _cascade(engine, KEYS[0]) is not None
+        assert holding.wait(30), "the cascade's write never reached the disk"
+        assert _cascade(engine, KEYS[1]) is not None  # refused: the first pins the bound
+        assert (tier.counters.write_failures, tier.counters.writes_skipped_backlog) == (1, 1)
+        third = _cascade(engine, KEYS[2])  # the CPU tier evicts the refused chunk for it
+        assert third is not None and list(third.keys_to_store) == KEYS[2:3]
+    finally:
+        gate.set()
+    engine.replay.settle()
+    c = tier.counters
+    assert (c.written_blocks, c.write_failures, c.writes_skipped_backlog) == (1, 2, 2)
+    assert tier.tier.held(KEYS[:3]) == [True, False, False]
+    engine.replay.request(KEYS[3:4])  # nothing pending: written again
+    assert tier.tier.held(KEYS[3:4]) == [True] and tier.counters.written_blocks == 2
+
+
+def test_a_shared_cascade_past_the_pending_bound_is_refused_while_the_server_holds_writes(
+    vllm_modules: dict[str, ModuleType], own_server: ValkeyProcess, engines: Callable[..., Engine]
+) -> None:
+    """The same with the shared tier, its server holding writes (``CLIENT PAUSE ... WRITE``)."""
+    entry = _shared(
+        own_server.start().url_with(300_000), admission="none", max_pending_write_bytes=1
+    )
+    engine = engines([entry], cpu_blocks=2)  # a deadline that never ends the held write
+    tier = engine.tiers[0]
+    client = own_server.client()
+    client.client_pause(300_000, all=False)
+    try:
+        assert _cascade(engine, KEYS[0]) is not None
+        assert _cascade(engine, KEYS[1]) is not None  # refused: the first pins the bound
+        third = _cascade(engine, KEYS[2])  # the CPU tier evicts the refused chunk for it
+        assert third is not None and list(third.keys_to_store) == KEYS[2:3]
+    finally:
+        client.client_unpause()
+    engine.replay.settle()
+    c = tier.counters
+    assert (c.written_blocks, c.write_failures, c.writes_skipped_backlog) == (1, 2, 2)
+    assert tier.tier.held(KEYS[:3]) == [True, False, False]
+
+
+def test_a_bad_pending_bound_stops_start_up_naming_the_key(tmp_path: Path) -> None:
+    from kvoffload.integrations.vllm.secondary_settings import parse_disk_settings
+
+    entry = _disk(tmp_path, max_pending_write_bytes="512MiB")
+    assert parse_disk_settings("KVOffloadDiskTier", entry).max_pending_write_bytes == 2**29
+    with pytest.raises(InvalidArgumentError) as caught:
+        parse_disk_settings("KVOffloadDiskTier", {**entry, "max_pending_write_bytes": 0})
+    assert str(caught.value) == (
+        "secondary tier 'KVOffloadDiskTier' key 'max_pending_write_bytes': must be >= 1 byte, got 0"
+    )
+
+
 def test_a_block_whose_promotion_failed_is_judged_and_written_again_when_recomputed(
     vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
 ) -> None:

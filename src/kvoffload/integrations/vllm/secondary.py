@@ -20,9 +20,10 @@ writes its cascades in call order, and its lookups (vLLM's ``AsyncLookupManager`
 go beside them, never behind a write under way (:class:`_Owner`). A cascade
 job keeps its CPU chunks pinned until its admitted blocks are written, and
 they are written straight from the CPU tier's shared memory, never copied
-on the scheduler thread. A slow or dead server, a full disk, a broken block,
-a chunk outside the CPU tier: counted misses and failed jobs, never an
-exception into the engine.
+on the scheduler thread; one offered while those queued pin
+``max_pending_write_bytes`` is refused at once. A slow or dead server, a full
+disk, a broken block, a chunk outside the CPU tier: counted misses and failed
+jobs, never an exception into the engine.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ from kvoffload.integrations.vllm.secondary_settings import (
     set_keys,
 )
 from kvoffload.integrations.vllm.spec import config_fingerprint, whatif_definitions
+from kvoffload.tiers.backlog import WriteBacklog, default_pending_bytes
 from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.remote import RemoteTier
 from kvoffload.tiers.stack import tier_book, tier_opener
@@ -115,6 +117,9 @@ class SecondaryCounters:
     writes_skipped_full: int = 0
     """Blocks of ``write_failures`` the shared tier did not send: its server refused a store
     as full (``OOM``) or unable to persist (``MISCONF``) less than a breaker cool-down ago."""
+    writes_skipped_backlog: int = 0
+    """Blocks of ``write_failures`` refused unqueued: the cascades queued or under way pinned
+    ``max_pending_write_bytes`` of vLLM's CPU chunks (a disk or server slower than the cascade)."""
     loaded_blocks: int = 0
     bytes_read: int = 0
     load_failures: int = 0
@@ -140,6 +145,8 @@ COUNTER_DOCS = {
     "write_failures": "Blocks whose write failed (server down or slow, disk full, ...).",
     "writes_skipped_full": "Failed writes the shared tier did not send: its server refused a "
     "store as full (OOM) or unable to persist (MISCONF) less than a breaker cool-down ago.",
+    "writes_skipped_backlog": "Failed writes refused unqueued: the cascades queued or under "
+    "way pinned max_pending_write_bytes of vLLM's CPU chunks.",
     "loaded_blocks": "Blocks promoted from this secondary tier into the CPU tier, intact.",
     "bytes_read": "Bytes promoted from this secondary tier into the CPU tier.",
     "load_failures": "Blocks whose promotion failed (absent, unreachable or corrupt).",
@@ -420,6 +427,8 @@ class _Job:
     is_load: bool
     started: float
     context: ReqContext
+    release: Callable[[], None] | None = None
+    """Takes a cascade's pinned chunks out of the tier's backlog once vLLM learns it ended."""
 
 
 class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
@@ -468,6 +477,10 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         self._whatif_tier = (self.tier_label,) if _has_optimiser(settings) else None
         """The ``tier`` label of this tier's what-if series; ``None``: not the optimiser."""
         self._switches = LayerCount()
+        self._backlog = WriteBacklog(
+            settings.max_pending_write_bytes, default_pending_bytes(self.tier_config.io_threads)
+        )
+        """The bytes of vLLM's CPU chunks our cascades pin until vLLM learns they ended."""
         self._owner = _Owner(tier, layer, self.tier_label)
         self._lookups = _Lookups(self._owner, tier_type)
         self._jobs: dict[int, _Job] = {}
@@ -561,6 +574,9 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             )
             return
         judged = [keys[i] for i in computed]
+        if self._backlog.is_full:
+            self._refuse(job_metadata.job_id, sighting, len(judged))
+            return
         try:
             payloads = self._rows(job_metadata.job_id, [chunks[i] for i in computed])
         except IndexError as exc:
@@ -569,7 +585,21 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             store = _failed(exc)
         else:
             store = self._owner.store(sighting, judged, payloads)
-        self._jobs[job_metadata.job_id] = _Job(store, judged, False, time.monotonic(), context)
+        release = self._backlog.hold(len(chunks) * self.block_size_bytes)
+        self._jobs[job_metadata.job_id] = _Job(
+            store, judged, False, time.monotonic(), context, release
+        )
+
+    def _refuse(self, job_id: int, sighting: _Sighting | None, blocks: int) -> None:
+        """Fail a cascade at once, nothing queued or written: the cascades before it pin
+        ``max_pending_write_bytes`` of vLLM's CPU chunks, which a tier slower than the cascade
+        would otherwise pin without end (vLLM's own tiers queue every store). vLLM unpins its
+        chunks at its next poll, and counts a failed cascade (its back-pressure detector too)."""
+        if sighting is not None:
+            self._owner.sight(sighting)
+        self.counters.write_failures += blocks
+        self.counters.writes_skipped_backlog += blocks
+        self._done.append(JobResult(job_id, False, transfer_time=0.0, transfer_bytes=0))
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
@@ -735,6 +765,8 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
 
     def _finish(self, job_id: int, job: _Job) -> JobResult:
         elapsed = time.monotonic() - job.started
+        if job.release is not None:
+            job.release()  # vLLM unpins the chunks as it takes this result
         c = self.counters
         if job.is_load:
             intact = _result(job.result, [False] * len(job.keys))
@@ -771,7 +803,8 @@ class KVOffloadDiskTier(_KVOffloadSecondaryTier):
 
     Entry keys: ``disk_dir``, ``disk_bytes`` (required), ``eviction_policy``,
     ``disk_timeout_ms``, ``admission``, ``admission_params``, ``write_budget``,
-    ``io_threads``, ``fsync``, ``enable_kv_events``, ``locality``.
+    ``io_threads``, ``fsync``, ``enable_kv_events``, ``locality``,
+    ``max_pending_write_bytes``.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -789,8 +822,8 @@ class KVOffloadSharedTier(_KVOffloadSecondaryTier):
     Entry keys: ``url`` (required), ``remote_bytes`` (this instance's share of
     the server, which sizes the admission layer; required unless ``admission``
     is ``none``), ``admission``, ``admission_params``, ``write_budget``,
-    ``io_threads``, ``enable_kv_events``, ``locality`` (default ``REMOTE``). The
-    server's own ``maxmemory-policy`` evicts.
+    ``io_threads``, ``enable_kv_events``, ``locality`` (default ``REMOTE``),
+    ``max_pending_write_bytes``. The server's own ``maxmemory-policy`` evicts.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE

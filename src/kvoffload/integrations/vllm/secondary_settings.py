@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
-from kvoffload.admission import WriteBudget
+from kvoffload.admission import WriteBudget, parse_bytes
 from kvoffload.admission.params import read_integer
 from kvoffload.admission.registry import ParamPairs, params_json
 from kvoffload.core.errors import InvalidArgumentError
@@ -36,6 +36,7 @@ COMMON_KEYS = frozenset(
         "io_threads",
         "enable_kv_events",
         "locality",
+        "max_pending_write_bytes",
     }
 )
 DISK_KEYS = COMMON_KEYS | {"disk_dir", "disk_bytes", "eviction_policy", "fsync", "disk_timeout_ms"}
@@ -75,6 +76,10 @@ class SecondarySettings:
     offer_hits: bool = True
     enable_kv_events: bool = False
     locality: str | None = None
+    max_pending_write_bytes: int | None = None
+    """Bytes of vLLM's CPU chunks the tier's cascades queued or under way may pin before a
+    cascade offered is refused; ``None``: the tier's default
+    (:func:`~kvoffload.tiers.backlog.default_pending_bytes` of its I/O threads)."""
 
     @property
     def admission(self) -> str:
@@ -135,6 +140,7 @@ def parse_disk_settings(tier_type: str, entry: Mapping[str, Any]) -> SecondarySe
         offer_hits=_bool(tier_type, entry, "offer_hits", True),
         enable_kv_events=_bool(tier_type, entry, "enable_kv_events"),
         locality=_locality(tier_type, entry, None),
+        max_pending_write_bytes=_pending_bound(tier_type, entry),
     )
 
 
@@ -161,6 +167,7 @@ def parse_shared_settings(tier_type: str, entry: Mapping[str, Any]) -> Secondary
         offer_hits=_bool(tier_type, entry, "offer_hits", True),
         enable_kv_events=_bool(tier_type, entry, "enable_kv_events"),
         locality=_locality(tier_type, entry, "REMOTE"),
+        max_pending_write_bytes=_pending_bound(tier_type, entry),
     )
 
 
@@ -236,6 +243,15 @@ def _budget(tier_type: str, entry: Mapping[str, Any]) -> WriteBudget | None:
         return WriteBudget.parse(value)
     except InvalidArgumentError as exc:
         raise _error(tier_type, "write_budget", str(exc)) from None
+
+
+def _pending_bound(tier_type: str, entry: Mapping[str, Any]) -> int | None:
+    """The entry's bound on the CPU chunk bytes its cascades pin: a byte count or a size
+    (``"512MiB"``), as the spec's ``*_max_pending_write_bytes``; ``None`` if unset."""
+    value = entry.get("max_pending_write_bytes")
+    if value is None:
+        return None
+    return parse_bytes(value, f"secondary tier {tier_type!r} key 'max_pending_write_bytes'")
 
 
 def _integral(value: Any) -> Any:
