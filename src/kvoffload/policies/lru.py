@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Container, Iterable, Iterator, KeysView, Sequence
+from heapq import heappop, heappush
 
 from kvoffload.core.keys import OffloadKey
 from kvoffload.policies.base import BlockStatus, CachePolicy, Victims, take_evictable
@@ -33,6 +34,10 @@ class LRUCachePolicy(CachePolicy):
         self._parked_ready: dict[OffloadKey, int] = {}
         """The parked blocks reported evictable since, by place (one pinned again since is
         dropped when met)."""
+        self._ready_heap: list[tuple[int, OffloadKey]] = []
+        """``_parked_ready``'s entries by place, least recent first, so that an eviction takes
+        its few victims without sorting every ready block; an entry whose key has left
+        ``_parked_ready`` (or came back with another place) is dropped when met."""
         self._places = 0
         self._parking = False
 
@@ -61,11 +66,12 @@ class LRUCachePolicy(CachePolicy):
     def became_evictable(self, keys: Iterable[OffloadKey]) -> None:
         parked = self._parked
         if parked:
-            ready = self._parked_ready
+            ready, heap = self._parked_ready, self._ready_heap
             for key in keys:
                 entry = parked.get(key)
-                if entry is not None and entry[1].ref_cnt == 0:
+                if entry is not None and entry[1].ref_cnt == 0 and key not in ready:
                     ready[key] = entry[0]
+                    heappush(heap, (entry[0], key))
 
     def coldest(self) -> Collection[OffloadKey]:
         if self._parked:
@@ -83,7 +89,7 @@ class LRUCachePolicy(CachePolicy):
             for key, _ in victims:
                 del order[key]
             return victims
-        victims = self._take_parked(n, protected) if self._parked_ready else []
+        victims = self._take_parked(n, protected) if self._ready_heap else []
         # The front is popped while it is pinned, pending or a victim; the first block that
         # stays (protected) ends the popping, and the rest is only walked, as without parking.
         order = self._order
@@ -105,6 +111,7 @@ class LRUCachePolicy(CachePolicy):
                 need -= 1
         walked = take_evictable(iter(order.items()), need, protected) if need else []
         if len(walked) < need:
+            self._unpark_failed(victims)
             self._park_failed(front, held)
             return None
         if held:
@@ -122,18 +129,31 @@ class LRUCachePolicy(CachePolicy):
         return victims + walked if walked else victims
 
     def _take_parked(self, n: int, protected: Container[OffloadKey]) -> Victims:
-        """Up to ``n`` parked, evictable, unprotected blocks, least recent first (kept)."""
-        parked, ready = self._parked, self._parked_ready
+        """Up to ``n`` parked, evictable, unprotected blocks, least recent first, taken off
+        the heap (:meth:`_unpark_failed` puts them back) and left parked."""
+        parked, ready, heap = self._parked, self._parked_ready, self._ready_heap
         taken: Victims = []
-        for key in sorted(ready, key=ready.__getitem__):
+        protected_entries: list[tuple[int, OffloadKey]] = []
+        while heap and len(taken) < n:
+            place, key = heappop(heap)
+            if ready.get(key) != place:
+                continue  # evicted, removed or touched back since
             block = parked[key][1]
             if block.ref_cnt != 0:
-                del ready[key]
-            elif key not in protected:
+                del ready[key]  # pinned again: became_evictable brings it back
+            elif key in protected:
+                protected_entries.append((place, key))
+            else:
                 taken.append((key, block))
-                if len(taken) == n:
-                    break
+        for entry in protected_entries:
+            heappush(heap, entry)
         return taken
+
+    def _unpark_failed(self, victims: Victims) -> None:
+        """Parked victims of an eviction that failed back on the heap, as they were."""
+        ready, heap = self._parked_ready, self._ready_heap
+        for key, _ in victims:
+            heappush(heap, (ready[key], key))
 
     def _park(self, held: list[tuple[OffloadKey, BlockStatus, int]]) -> None:
         """Set aside the pinned and pending blocks popped, in order, behind those parked."""
@@ -160,6 +180,7 @@ class LRUCachePolicy(CachePolicy):
             parked[key] = (place, block)
             if block.ref_cnt == 0:
                 ready[key] = place
+                heappush(self._ready_heap, (place, key))
             place += 1
         self._places = place
 
