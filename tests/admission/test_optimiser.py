@@ -311,7 +311,7 @@ def test_without_steering_the_tier_evicts_blocks_the_followed_world_keeps() -> N
     workload = generate(mix, num_requests=requests, seed=0, block_tokens=block_tokens, rate=rate)
     cpu = _Recording(capacity)
     layer = OptimisingAdmission(cpu, capacity)
-    layer._cold_order = None
+    layer._cold_policy = None
     cpu.layer = layer
     gpu = 2 * max(len(r.keys) for r in workload.requests)
     ServingEngine(EngineConfig(gpu, 1, block_tokens), layer).run(workload.requests)
@@ -323,11 +323,11 @@ def test_steered_eviction_needs_a_policy_with_one_order() -> None:
     steered (LRU, the recommended one); under the others the tier only mirrors."""
     steered = OptimiserParams(steer=1)
     lru = OptimisingAdmission(build_manager(64, "lru"), 64, params=steered)
-    assert lru._cold_order is not None  # the tier's (empty) eviction order
-    assert OptimisingAdmission(build_manager(64, "lru"), 64)._cold_order is None  # default
+    assert lru._cold_policy is not None  # the tier's policy, whose order steers
+    assert OptimisingAdmission(build_manager(64, "lru"), 64)._cold_policy is None  # default
     for policy in ("arc", "s3fifo", "sieve", "slru"):
         layer = OptimisingAdmission(build_manager(64, policy), 64, params=steered)
-        assert layer._cold_order is None
+        assert layer._cold_policy is None
 
 
 def _scan_then_burst() -> list[Request]:

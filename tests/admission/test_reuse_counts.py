@@ -86,6 +86,18 @@ def test_both_rules_match_their_models_in_counts_and_order(
         assert [key in counter.counts for key in KEYS] == [counter.get(key) > 0 for key in KEYS]
 
 
+@pytest.mark.parametrize("table", TABLES)
+def test_a_key_listed_twice_in_one_offer_counts_as_vllm_counts_it(
+    table: type[ReuseCounts],
+) -> None:
+    """vLLM 0.33's ``_record_accesses`` counts every listing of a tracked key (its first
+    pass) but enters a new key once (its second pass skips a key already entered)."""
+    counter = table(4)
+    counter.count_shielded(KEYS[:1])
+    counter.count_shielded([KEYS[0], KEYS[1], KEYS[0], KEYS[1]])
+    assert list(counter.counts.items()) == [(KEYS[0], 3), (KEYS[1], 1)]
+
+
 def test_the_table_turns_ordered_only_when_it_could_overflow() -> None:
     counter = ReuseCounts(3)
     counter.count(KEYS[:3])

@@ -8,7 +8,13 @@ import pytest
 
 from kvoffload import InvalidArgumentError
 from kvoffload.admission import available_admissions
-from kvoffload.managers import CPUOffloadingManager, FilterReusedOffloadingManager, build_manager
+from kvoffload.admission.reuse_counts import MAX_TRACKED_KEYS
+from kvoffload.managers import (
+    CPUOffloadingManager,
+    FilterReusedOffloadingManager,
+    TieredOffloadingManager,
+    build_manager,
+)
 
 
 @pytest.mark.parametrize("threshold", [1.5, 2.0, "2", True, None, -1])
@@ -29,3 +35,15 @@ def test_an_unknown_admission_lists_the_valid_names() -> None:
     with pytest.raises(InvalidArgumentError, match="'bogus'") as error:
         build_manager(8, admission="bogus")
     assert all(name in str(error.value) for name in available_admissions())
+
+
+def test_a_tracker_size_beyond_the_tables_limit_is_refused_by_name() -> None:
+    """The reuse table's own refusal named no setting ("max tracked keys ...")."""
+    too_big = MAX_TRACKED_KEYS + 1
+    expected = f"max_tracker_size must be an integer from 1 to {MAX_TRACKED_KEYS:,}, got {too_big}"
+    with pytest.raises(InvalidArgumentError) as error:
+        build_manager(8, store_threshold=2, max_tracker_size=too_big)
+    assert str(error.value) == expected
+    with pytest.raises(InvalidArgumentError) as error:
+        TieredOffloadingManager(CPUOffloadingManager(8), max_tracker_size=too_big)
+    assert str(error.value) == expected

@@ -70,6 +70,10 @@ def test_every_key_is_counted_per_occurrence_even_after_a_miss() -> None:
         ({"store_threshold": 0}, "got 0; a threshold of 0 or 1 means no filter"),
         ({"store_threshold": 2**63}, f"store_threshold must be from 2 to .*, got {2**63}"),
         ({"max_tracker_size": 0}, "max_tracker_size must be >= 1, got 0"),
+        (
+            {"max_tracker_size": 2**59},
+            f"FilterReusedOffloadingManager max_tracker_size must be at most .*, got {2**59}",
+        ),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, int], message: str) -> None:

@@ -260,7 +260,7 @@ RECENCY_GUARDED(counter_items)
 static PyMethodDef counter_methods[] = {
     {"count", (PyCFunction)counter_count_guarded, METH_O, "count($self, keys, /)\n--\n\nCount each key once more, in order."},
     {"count_shielded", (PyCFunction)counter_count_shielded_guarded, METH_O,
-     "count_shielded($self, keys, /)\n--\n\nCount keys once each, tracked keys first (see ReuseCounts.count_shielded)."},
+     "count_shielded($self, keys, /)\n--\n\nCount keys, tracked keys first (see ReuseCounts.count_shielded)."},
     {"at_least", (PyCFunction)counter_at_least_guarded, METH_VARARGS, "at_least($self, keys, threshold, /)\n--\n\nThe keys counted at least threshold times."},
     {"get", (PyCFunction)counter_get_guarded, METH_O, "get($self, key, /)\n--\n\nA key's count (0 if not tracked)."},
     {"items", (PyCFunction)counter_items_guarded, METH_NOARGS, "items($self, /)\n--\n\n(key, count) pairs, least recently counted first."},

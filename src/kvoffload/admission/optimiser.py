@@ -349,8 +349,9 @@ class OptimisingAdmission(AdmissionLayer):
         """The baseline the guard makes the real tier follow; ``None`` while it does not."""
         self.hedged = 0
         """Blocks the hedge stored beyond the followed world's (offered, not yet stored)."""
-        self._cold_order = _cold_order(backing) if p.steer else None
-        """The real tier's keys, the next evicted first, where touches steer its eviction."""
+        self._cold_policy = _steerable_policy(backing) if p.steer else None
+        """The real tier's policy where touches steer its eviction (its ``coldest`` view is
+        asked for at each store: it may change with an eviction)."""
         self._pending: Sequence[OffloadKey] | None = None
         """The request whose worlds wait for its lookup (to learn the GPU's prefix hit)."""
         self._settled_at: float | None = None
@@ -554,8 +555,10 @@ class OptimisingAdmission(AdmissionLayer):
         if self._mirrors:
             tier = self.worlds.worlds[self.chosen].tier
             keys = tier.held_among(offered)
-            if self.chosen != STORE_ALL and self._cold_order is not None:
-                keys = self._steer(offered, keys, tier.held, self._cold_order)
+            if self.chosen != STORE_ALL and self._cold_policy is not None:
+                coldest = self._cold_policy.coldest()
+                if coldest is not None:
+                    keys = self._steer(offered, keys, tier.held, coldest)
             # Never more writes than store-everything: a refill after a switch (blocks that
             # world hit, the tier lacks) waits for writes the thriftier rule left unspent.
             if self._whole_requests:
@@ -854,8 +857,8 @@ def tier_policy(manager: OffloadingManager) -> type[CachePolicy]:
     return LRUCachePolicy if policy is None else type(policy)
 
 
-def _cold_order(manager: OffloadingManager) -> Collection[OffloadKey] | None:
-    """The keys of the tier under ``manager``, the next evicted first, where touches steer
-    its evictions (:meth:`CachePolicy.coldest`)."""
+def _steerable_policy(manager: OffloadingManager) -> CachePolicy | None:
+    """The policy of the tier under ``manager`` where touches steer its evictions
+    (:meth:`CachePolicy.coldest` is not ``None``); ``None`` where they do not."""
     policy = _policy_of(manager)
-    return None if policy is None else policy.coldest()
+    return None if policy is None or policy.coldest() is None else policy

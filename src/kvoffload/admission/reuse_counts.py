@@ -108,9 +108,10 @@ class ReuseCounts:
                 counts[key] = 1
 
     def count_shielded(self, keys: Sequence[OffloadKey]) -> None:
-        """Count ``keys`` once each, tracked keys first: a key already tracked is shielded
-        from being pushed out by the batch's new keys, so a batch larger than the table
-        still counts something (vLLM's offer filter)."""
+        """Count ``keys``, tracked keys first: a key already tracked is shielded from being
+        pushed out by the batch's new keys, so a batch larger than the table still counts
+        something (vLLM's offer filter). As vLLM 0.33 counts an offer, a tracked key listed
+        twice gains 2 and a new key listed twice enters once, at 1."""
         counts = self._ordered()
         shielded: set[OffloadKey] = set()
         for key in keys:

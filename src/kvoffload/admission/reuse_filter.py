@@ -73,6 +73,11 @@ class FilterReusedOffloadingManager(OffloadingManager):
                 "FilterReusedOffloadingManager max_tracker_size must be >= 1, "
                 f"got {max_tracker_size}"
             )
+        if max_tracker_size > MAX_TRACKED_KEYS:
+            raise InvalidArgumentError(
+                "FilterReusedOffloadingManager max_tracker_size must be at most "
+                f"{MAX_TRACKED_KEYS:,} (the reuse table's limit), got {max_tracker_size}"
+            )
         self._backing = backing
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size

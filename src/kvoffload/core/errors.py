@@ -49,11 +49,18 @@ class InsufficientMemoryError(KVOffloadError, MemoryError):
     """A buffer asked for does not fit in its device's memory; nothing was allocated."""
 
 
-def check_integer(name: str, value: object, minimum: int) -> None:
+def check_integer(name: str, value: object, minimum: int, maximum: int | None = None) -> None:
     """:class:`InvalidArgumentError` naming ``name`` unless ``value`` is an int (not a bool,
-    which Python counts as one) of at least ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    which Python counts as one) of at least ``minimum`` (and at most ``maximum``, where given:
+    else a deeper check would refuse it without naming the setting)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < minimum
+        or (maximum is not None and value > maximum)
+    ):
+        bound = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum:,}"
+        raise InvalidArgumentError(f"{name} must be an integer {bound}, got {value!r}")
 
 
 SHOWN_CHARS = 60

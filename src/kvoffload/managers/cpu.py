@@ -59,6 +59,7 @@ class CPUOffloadingManager(OffloadingManager):
             raise InvalidArgumentError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self._policy = create_cache_policy(cache_policy, num_blocks)
+        self._policy.follow_evictable()
         self._blocks: dict[OffloadKey, BlockStatus] = {}
         self._num_allocated = 0
         self._free: list[BlockStatus] = []
@@ -153,7 +154,7 @@ class CPUOffloadingManager(OffloadingManager):
             refuse_single_key(keys, "complete_load")
         blocks = self._blocks
         released: list[BlockStatus] = []
-        unpinned = 0
+        unpinned: list[OffloadKey] = []
         for key in keys:
             block = blocks.get(key)
             if block is None or (ref_cnt := block.ref_cnt) <= 0:
@@ -163,10 +164,12 @@ class CPUOffloadingManager(OffloadingManager):
                     f"cannot complete a load of {key!r}: no load holds it", key
                 )
             if ref_cnt == 1:
-                unpinned += 1
+                unpinned.append(key)
             block.ref_cnt = ref_cnt - 1
             released.append(block)
-        self._num_evictable += unpinned
+        if unpinned:
+            self._num_evictable += len(unpinned)
+            self._policy.became_evictable(unpinned)
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
         if isinstance(keys, SINGLE_KEY_TYPES):
@@ -219,6 +222,7 @@ class CPUOffloadingManager(OffloadingManager):
                     changed.append(key)
             if changed:
                 self._num_evictable += len(changed)
+                self._policy.became_evictable(changed)
                 self._events.record(changed, MEDIUM, removed=False)
             return
         free = self._free

@@ -23,7 +23,7 @@ from kvoffload.admission import (
     wrap_with_admission,
 )
 from kvoffload.admission.registry import admission_params
-from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD
+from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD, MAX_TRACKED_KEYS
 from kvoffload.core.errors import InvalidArgumentError, check_integer
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager
@@ -200,7 +200,7 @@ class StackConfig:
                 f"store_threshold must be from 0 to {MAX_STORE_THRESHOLD} (0 or 1: no filter), "
                 f"got {self.store_threshold}"
             )
-        check_integer("max_tracker_size", self.max_tracker_size, 1)
+        check_integer("max_tracker_size", self.max_tracker_size, 1, MAX_TRACKED_KEYS)
         check_integer("tier_store_threshold", self.tier_store_threshold, 0)
         _policy("policy", self.policy)
         for name in ("enable_events", "wait_for_tiers"):

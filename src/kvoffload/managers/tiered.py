@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from kvoffload.admission import AdmissionLayer, WriteBudget, resolve_admission
-from kvoffload.admission.reuse_counts import reuse_counts
+from kvoffload.admission.reuse_counts import MAX_TRACKED_KEYS, reuse_counts
 from kvoffload.core.errors import BlockNotPinnedError, InvalidArgumentError, check_integer
 from kvoffload.core.keys import SINGLE_KEY_TYPES, OffloadKey, refuse_single_key
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
@@ -147,7 +147,7 @@ class TieredOffloadingManager(OffloadingManager):
         max_tracker_size: int = 64_000,
         reserve_lookups: int | None = None,
     ) -> None:
-        check_integer("max_tracker_size", max_tracker_size, 1)
+        check_integer("max_tracker_size", max_tracker_size, 1, MAX_TRACKED_KEYS)
         if reserve_lookups is None:
             reserve_lookups = max(RESERVE_LOOKUPS, 2 * cpu.num_blocks)
         check_integer("reserve_lookups", reserve_lookups, 1)

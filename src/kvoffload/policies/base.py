@@ -99,11 +99,23 @@ class CachePolicy(ABC):
     def evict(self, n: int, protected: Container[OffloadKey]) -> Victims | None:
         """Choose ``n`` ready, unpinned blocks outside ``protected``, or ``None``."""
 
+    def follow_evictable(self) -> None:
+        """The driver's promise: from now on it calls :meth:`became_evictable` whenever a
+        block's ``ref_cnt`` turns 0 (as vLLM 0.33's manager calls ``mark_evictable``), so
+        that a policy may set aside pinned and pending blocks its evictions walk past.
+        Without it a policy rereads every ``ref_cnt`` it walks. Default: nothing."""
+        return
+
+    def became_evictable(self, keys: Iterable[OffloadKey]) -> None:
+        """Blocks among ``keys`` whose ``ref_cnt`` turned 0 (a store completed, the last load
+        released them); see :meth:`follow_evictable`. Default: nothing."""
+        return
+
     def coldest(self) -> Collection[OffloadKey] | None:
-        """The tracked keys, the next to be evicted first, as a view that stays current,
-        where one order decides evictions and ``touch`` moves a key out of its front (so a
-        caller may steer which block leaves); ``None`` for policies whose victims depend on
-        more than one order."""
+        """The tracked keys, the next to be evicted first, as a view that stays current until
+        the next :meth:`evict` (ask again after one), where one order decides evictions and
+        ``touch`` moves a key out of its front (so a caller may steer which block leaves);
+        ``None`` for policies whose victims depend on more than one order."""
         return None
 
 
