@@ -369,6 +369,24 @@ def test_key_value_pairs_and_extra_config_values() -> None:
         config_params("sketch", {"x": 1}, "where")
 
 
+def test_an_integer_parameter_takes_a_json_float_that_is_a_whole_number() -> None:
+    """JSON writes 16 as ``16.0`` or ``1e4`` too (a tool's float, a config generator): an
+    integer parameter takes it as the integer it is, and refuses a fraction naming the key."""
+    assert admission_params("sketch", {"threshold": 3.0}).threshold == 3
+    parsed = admission_params(
+        "filter", dict(config_params("filter", '{"max_tracker_size": 1e4}', "w"))
+    )
+    assert parsed.max_tracker_size == 10_000 and type(parsed.max_tracker_size) is int
+    with pytest.raises(
+        InvalidArgumentError, match=r"'threshold' of 'sketch' must be an integer, got 3.5$"
+    ):
+        config_params("sketch", '{"threshold": 3.5}', "where")
+    with pytest.raises(
+        InvalidArgumentError, match=r"'threshold' of 'sketch' must be in \[1, 15\], got 16$"
+    ):
+        admission_params("sketch", {"threshold": 16.0})
+
+
 def test_a_parameter_named_twice_in_json_text_is_refused_naming_it() -> None:
     """``json.loads`` keeps the last of two equal names: the 3 written first went unused."""
     twice = r"^where gives admission parameter 'threshold' twice$"
