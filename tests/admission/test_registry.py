@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -110,6 +111,32 @@ def test_a_rule_added_as_the_docs_say_keeps_the_registry_tests_passing(
     assert parameter_table_mismatches() == []
     register_admission("every-nth", params=EveryNthParams)(EveryNth)
     assert parameter_table_mismatches() == ["every-nth: table ['-'], dataclass ['every']"]
+
+
+def test_a_rule_file_that_fails_to_import_is_named_and_hides_no_other(
+    scratch_registry: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Its exception once ended the discovery: the first look-up raised it bare, naming no
+    file, and every later one found the rule files after it unknown, with no word of why."""
+    (tmp_path / "aaa_broken.py").write_text("import kvoffload_no_such_module\n")
+    (tmp_path / "zzz_every_other.py").write_text(
+        "from kvoffload.admission.registry import register_admission\n"
+        "from kvoffload.admission.seen_twice import SketchAdmission\n"
+        "register_admission('every-other')(type('EveryOther', (SketchAdmission,), {}))\n"
+    )
+    package = sys.modules["kvoffload.admission"]
+    monkeypatch.setattr(package, "__path__", [*package.__path__, str(tmp_path)])
+    monkeypatch.setattr(registry, "_loaded", False)
+    monkeypatch.setattr(registry, "_BROKEN", {}, raising=False)
+    try:
+        for _ in range(2):  # the same answer on each look-up, not only on the first
+            assert resolve_admission("every-other") == "every-other"
+            message = f"unknown admission 'aaa-broken'; .* {tmp_path / 'aaa_broken.py'} "
+            with pytest.raises(InvalidArgumentError, match=message + r"\(ModuleNotFoundError: "):
+                resolve_admission("aaa-broken")
+    finally:
+        for name in ("aaa_broken", "zzz_every_other"):
+            sys.modules.pop(f"kvoffload.admission.{name}", None)
 
 
 def test_every_name_builds_its_class() -> None:
