@@ -706,14 +706,26 @@ def check_before_work(args: argparse.Namespace) -> None:
     # Not --remote-write-budget: the shared tier's drive writes per day count against its
     # own size (--remote-blocks), as vLLM's and SGLang's do; beside it alone, the drive size
     # was taken and ignored.
-    budgets = ("write_budget", "disk_write_budget")
-    if getattr(args, "drive_bytes", None) is not None and not any(
-        getattr(args, budget, None) is not None for budget in budgets
-    ):
+    budgets: dict[str, WriteBudget | None] = {
+        f"--{name.replace('_', '-')}": getattr(args, name, None)
+        for name in ("write_budget", "disk_write_budget")
+    }
+    given = {option: budget for option, budget in budgets.items() if budget is not None}
+    if getattr(args, "drive_bytes", None) is None:
+        return
+    if not given:
         raise InvalidArgumentError(
             "--drive-bytes is the drive a budget in drive writes per day counts against: "
             "it needs --write-budget or --disk-write-budget (--remote-write-budget counts "
             "against the shared tier's own size, --remote-blocks)"
+        )
+    # Beside budgets in other units alone the drive size was taken and ignored.
+    if all(budget.unit != DWPD for budget in given.values()):
+        named = ", ".join(f"{option}: {budget.describe()}" for option, budget in given.items())
+        raise InvalidArgumentError(
+            "--drive-bytes is the drive a budget in drive writes per day counts against, and "
+            f"no budget given is one ({named}): give it in drive writes per day (1dwpd) or "
+            "leave --drive-bytes out"
         )
 
 
