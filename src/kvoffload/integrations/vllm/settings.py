@@ -19,6 +19,7 @@ from kvoffload.admission import (
     parse_bytes,
     resolve_admission,
 )
+from kvoffload.admission.budget import DWPD
 from kvoffload.admission.params import read_integer
 from kvoffload.admission.registry import ParamPairs
 from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD
@@ -349,6 +350,16 @@ def _write_budget(
             f"kv_connector_extra_config {DRIVE_BYTES_KEY!r} is the drive a write budget in "
             f"drive writes per day counts against: it needs {WRITE_BUDGET_KEY!r} or "
             f"{DISK_WRITE_BUDGET_KEY!r}"
+        )
+    budgets = {WRITE_BUDGET_KEY: budget, DISK_WRITE_BUDGET_KEY: config.get(DISK_WRITE_BUDGET_KEY)}
+    given = {key: WriteBudget.parse(value) for key, value in budgets.items() if value is not None}
+    # Beside budgets in other units alone the drive size was taken and ignored.
+    if drive_bytes is not None and all(each.unit != DWPD for each in given.values()):
+        named = ", ".join(f"{key!r}: {each.describe()}" for key, each in given.items())
+        raise InvalidArgumentError(
+            f"kv_connector_extra_config {DRIVE_BYTES_KEY!r} is the drive a write budget in "
+            f"drive writes per day counts against, and no budget given is one ({named}): give "
+            f'it in drive writes per day ("1dwpd") or leave {DRIVE_BYTES_KEY!r} out'
         )
     if budget is not None and resolve_admission(admission) != "optimiser":
         raise InvalidArgumentError(
