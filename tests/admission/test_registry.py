@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -110,6 +111,32 @@ def test_a_rule_added_as_the_docs_say_keeps_the_registry_tests_passing(
     assert parameter_table_mismatches() == []
     register_admission("every-nth", params=EveryNthParams)(EveryNth)
     assert parameter_table_mismatches() == ["every-nth: table ['-'], dataclass ['every']"]
+
+
+def test_a_rule_file_that_fails_to_import_is_named_and_hides_no_other(
+    scratch_registry: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Its exception once ended the discovery: the first look-up raised it bare, naming no
+    file, and every later one found the rule files after it unknown, with no word of why."""
+    (tmp_path / "aaa_broken.py").write_text("import kvoffload_no_such_module\n")
+    (tmp_path / "zzz_every_other.py").write_text(
+        "from kvoffload.admission.registry import register_admission\n"
+        "from kvoffload.admission.seen_twice import SketchAdmission\n"
+        "register_admission('every-other')(type('EveryOther', (SketchAdmission,), {}))\n"
+    )
+    package = sys.modules["kvoffload.admission"]
+    monkeypatch.setattr(package, "__path__", [*package.__path__, str(tmp_path)])
+    monkeypatch.setattr(registry, "_loaded", False)
+    monkeypatch.setattr(registry, "_BROKEN", {}, raising=False)
+    try:
+        for _ in range(2):  # the same answer on each look-up, not only on the first
+            assert resolve_admission("every-other") == "every-other"
+            message = f"unknown admission 'aaa-broken'; .* {tmp_path / 'aaa_broken.py'} "
+            with pytest.raises(InvalidArgumentError, match=message + r"\(ModuleNotFoundError: "):
+                resolve_admission("aaa-broken")
+    finally:
+        for name in ("aaa_broken", "zzz_every_other"):
+            sys.modules.pop(f"kvoffload.admission.{name}", None)
 
 
 def test_every_name_builds_its_class() -> None:
@@ -367,6 +394,24 @@ def test_key_value_pairs_and_extra_config_values() -> None:
         config_params("sketch", [1], "where")
     with pytest.raises(InvalidArgumentError, match=r"^where: unknown admission parameter 'x'"):
         config_params("sketch", {"x": 1}, "where")
+
+
+def test_an_integer_parameter_takes_a_json_float_that_is_a_whole_number() -> None:
+    """JSON writes 16 as ``16.0`` or ``1e4`` too (a tool's float, a config generator): an
+    integer parameter takes it as the integer it is, and refuses a fraction naming the key."""
+    assert admission_params("sketch", {"threshold": 3.0}).threshold == 3
+    parsed = admission_params(
+        "filter", dict(config_params("filter", '{"max_tracker_size": 1e4}', "w"))
+    )
+    assert parsed.max_tracker_size == 10_000 and type(parsed.max_tracker_size) is int
+    with pytest.raises(
+        InvalidArgumentError, match=r"'threshold' of 'sketch' must be an integer, got 3.5$"
+    ):
+        config_params("sketch", '{"threshold": 3.5}', "where")
+    with pytest.raises(
+        InvalidArgumentError, match=r"'threshold' of 'sketch' must be in \[1, 15\], got 16$"
+    ):
+        admission_params("sketch", {"threshold": 16.0})
 
 
 def test_a_parameter_named_twice_in_json_text_is_refused_naming_it() -> None:

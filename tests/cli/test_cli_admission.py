@@ -85,6 +85,82 @@ def test_a_disk_tier_without_an_optimiser_reports_no_what_if_figures(
     assert not {"admission_candidate", "admission_switches", "whatif"} & set(entry)
 
 
+def test_a_disk_tier_s_rule_takes_its_parameters_as_the_cpu_tier_s_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--disk-admission-param`` sets the disk tier's rule as ``--admission-param`` sets the
+    CPU tier's: there was no way to, and the rule ran on its defaults. The filter at a
+    threshold of 3 writes fewer blocks than at its default, 2; simulate and sweep both
+    take it."""
+    written = []
+    for params in ([], ["--disk-admission-param", "store_threshold=3"]):
+        disk_dir = tmp_path / str(len(params))
+        disk = ["--disk-dir", str(disk_dir), "--disk-blocks", "4000", "--disk-admission", "filter"]
+        assert main([*SMALL, *TIER, *disk, *params, "--json", "-"]) == 0
+        written.append(json.loads(capsys.readouterr().out)["tiers"]["disk"]["admitted_blocks"])
+    assert written[1] < written[0]
+    swept = []
+    for params in ([], ["--disk-admission-param", "store_threshold=3"]):
+        sweep = ["sweep", "--requests", "120", "--seed", "3", "--no-progress", "--json", "-"]
+        disk = ["--disk-dir", str(tmp_path / f"sweep{len(params)}"), "--disk-blocks", "4000"]
+        tier = ["--gpu-blocks", "1500", "--cpu-blocks", "3000", *disk, "--policies", "lru"]
+        tier += ["--thresholds", "0", "--disk-admission", "filter", *params]
+        assert main([*sweep, *tier]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        swept.append(sum(row["tiers"]["disk"]["admitted_blocks"] for row in rows))
+    assert swept[1] < swept[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--disk-admission-param", "threshold=3"], "--disk-admission-param needs --disk-dir"),
+        (
+            ["--remote-admission-param", "threshold=3"],
+            "--remote-admission-param needs --remote",
+        ),
+        (
+            ["--disk-admission", "sketch", "--disk-admission-param", "thresold=3"],
+            "--disk-admission-param: unknown admission parameter 'thresold' for 'sketch'; "
+            "valid: min_sample, sample_factor, threshold",
+        ),
+        (
+            ["--disk-admission", "sketch", "--disk-admission-param", "threshold=3.5"],
+            "--disk-admission-param: admission parameter 'threshold' of 'sketch' must be an "
+            "integer, got '3.5'",
+        ),
+        (
+            ["--disk-admission-param", "threshold=3"],
+            "--disk-admission-param: admission 'none' takes no parameters, got threshold",
+        ),
+    ],
+)
+def test_a_bad_tier_admission_parameter_is_one_line_naming_the_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    disk = (
+        []
+        if "--remote-admission-param" in args or "needs" in message
+        else [
+            "--disk-dir",
+            str(tmp_path),
+            "--disk-blocks",
+            "400",
+        ]
+    )
+    assert main([*SMALL, *TIER, *disk, *args]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.endswith(message), err
+    assert not list(tmp_path.iterdir())  # refused before the run made its directory
+
+
+def test_help_lists_a_tier_s_rule_parameters(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SMALL, "--disk-admission", "sketch", "--disk-admission-param", "help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("--disk-admission sketch: --disk-admission-param KEY=VALUE")
+    assert "threshold" in out and "sample_factor" in out
+
+
 @pytest.mark.parametrize(
     ("budget", "message"),
     [
@@ -149,7 +225,8 @@ def test_budgets_in_bytes_per_second_and_drive_writes_keep_to_trace_time(
     per_s = free["offload_bytes_written"] / free["simulated_seconds"] / 4
     drive = per_s * 86_400
     for budget in (f"{per_s:.0f}B/s", f"{per_s / 2**20:.6f}MiB/s", "1dwpd"):
-        assert main([*args, "--write-budget", budget, "--drive-bytes", f"{drive:.0f}"]) == 0
+        drive_bytes = ["--drive-bytes", f"{drive:.0f}"] if budget.endswith("dwpd") else []
+        assert main([*args, "--write-budget", budget, *drive_bytes]) == 0
         report = json.loads(capsys.readouterr().out)
         assert 0 < report["offload_bytes_written"] <= per_s * report["simulated_seconds"] * 1.0001
     assert main([*args, "--write-budget", "1dwpd", "--drive-bytes", "0"]) != 0

@@ -47,6 +47,15 @@ def test_malformed_trace_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         (["--device", "cuda"], "--device cuda places the data plane's GPU blocks: it needs"),
         # A drive size alone was taken and ignored.
         (["--drive-bytes", "1TB"], "--drive-bytes is the drive a budget in drive writes"),
+        # Beside a budget in another unit it was taken and ignored too.
+        (
+            ["--admission", "recommended", "--write-budget", "200MB/s", "--drive-bytes", "1TB"],
+            "no budget given is one (--write-budget: 200 MB/s): give it in drive writes per day",
+        ),
+        (
+            ["--admission", "recommended", "--write-budget", "0.2", "--drive-bytes", "1TB"],
+            "no budget given is one (--write-budget: 0.2 writes per block reference)",
+        ),
         # Lower tiers sit below the CPU tier: without one, the disk tier was dropped unsaid.
         (
             ["--cpu-blocks", "0", "--disk-dir", "/tmp/kvoffload-no-cpu", "--disk-blocks", "9"],

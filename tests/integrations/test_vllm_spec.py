@@ -75,6 +75,16 @@ def test_factory_builds_our_spec_and_sizes_the_tier(vllm_modules: dict[str, Modu
         # Keys that mean nothing alone, taken and ignored before.
         ({"cpu_bytes_to_use": 4096, "kvoffload.remote_bytes": 1 << 30}, "needs the remote"),
         ({"cpu_bytes_to_use": 4096, "kvoffload.drive_bytes": "1TB"}, "it needs 'kvoffload"),
+        # Beside a budget in another unit alone it was taken and ignored too.
+        (
+            {
+                "cpu_bytes_to_use": 4096,
+                "kvoffload.admission": "recommended",
+                "kvoffload.write_budget": "200MB/s",
+                "kvoffload.drive_bytes": "1TB",
+            },
+            r"no budget given is one \('kvoffload.write_budget': 200 MB/s\)",
+        ),
     ],
 )
 def test_bad_settings_fail_at_start_up_naming_the_key(

@@ -178,3 +178,75 @@ def test_the_drive_key_sizes_the_disk_tier_s_drive_writes_per_day(
     sized = create_spec(extra).stack_config(events=False).disk_write_budget
     assert isinstance(sized, WriteBudget)
     assert sized.bytes_per_second() == pytest.approx(2 * 1.92e12 / 86_400)
+
+
+def test_each_lower_tier_s_rule_takes_its_parameters_as_the_cpu_tier_s_does(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    """``kvoffload.disk_admission_params`` / ``kvoffload.remote_admission_params`` set a
+    lower tier's rule as ``kvoffload.admission_params`` sets the CPU tier's (a mapping or
+    JSON text of one): before them a lower tier's rule ran on its defaults, whatever the
+    operator meant."""
+    extra = {
+        "cpu_bytes_to_use": 16 * 1024,
+        "kvoffload.disk_dir": str(tmp_path),
+        "kvoffload.disk_bytes": 1 << 20,
+        "kvoffload.disk_admission": "recommended",
+        "kvoffload.disk_admission_params": {"filter_threshold": 3, "hit_tolerance": "0.01"},
+        "kvoffload.remote_url": "redis://127.0.0.1:1/0",  # never asked: no stack is built
+        "kvoffload.remote_admission": "sketch",
+        "kvoffload.remote_bytes": 1 << 30,
+        "kvoffload.remote_admission_params": '{"threshold": 4.0}',
+    }
+    spec = create_spec(extra, model="tier-params")
+    config = spec.stack_config(events=False)
+    assert config.disk_tier is not None and config.remote_tier is not None
+    assert dict(config.disk_tier.admission_params) == {  # type: ignore[call-overload]
+        "filter_threshold": 3,
+        "hit_tolerance": "0.01",
+    }
+    assert dict(config.remote_tier.admission_params) == {"threshold": 4.0}  # type: ignore[call-overload]
+    del extra["kvoffload.remote_url"], extra["kvoffload.remote_admission"]
+    del extra["kvoffload.remote_bytes"], extra["kvoffload.remote_admission_params"]
+    spec = create_spec(extra, model="tier-params-disk")
+    try:
+        spec.get_manager()
+        assert spec._stack is not None
+        layer = spec._stack.disk_admission
+        assert isinstance(layer, OptimisingAdmission)
+        assert layer.filter.store_threshold == 3 and layer.objective.hit_tolerance == 0.01
+    finally:
+        spec.close()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            {"kvoffload.disk_admission": "sketch", "kvoffload.disk_admission_params": {"x": 1}},
+            r"'kvoffload\.disk_admission_params': unknown admission parameter 'x' for "
+            r"'sketch'; valid: min_sample, sample_factor, threshold$",
+        ),
+        (
+            {"kvoffload.disk_admission_params": {"threshold": 3}},
+            r"'kvoffload\.disk_admission_params': admission 'none' takes no parameters",
+        ),
+        (
+            {
+                "kvoffload.disk_admission": "sketch",
+                "kvoffload.disk_admission_params": '{"threshold": 2.5}',
+            },
+            r"'kvoffload\.disk_admission_params': .*'threshold' of 'sketch' must be an integer",
+        ),
+        (
+            {"kvoffload.remote_admission_params": {"threshold": 3}},
+            r"'kvoffload\.remote_admission_params' needs the remote tier",
+        ),
+    ],
+)
+def test_a_bad_tier_admission_parameter_is_refused_naming_its_key(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, extra: dict[str, Any], message: str
+) -> None:
+    disk = {"kvoffload.disk_dir": str(tmp_path), "kvoffload.disk_bytes": 1 << 20}
+    with pytest.raises(InvalidArgumentError, match=message):
+        create_spec({"cpu_bytes_to_use": 16 * 1024, **disk, **extra})

@@ -135,9 +135,10 @@ class HeldTier:
     def land(self, read: Read, outcome: str) -> None:
         self.intact_reads += sum(read.land(outcome))
 
-    def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> None:
+    def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> int:
         self.written_blocks += len(keys)
         self.writes.append((list(keys), list(payloads)))
+        return len(keys)
 
     def has_pending_work(self) -> bool:
         return bool(self.writes)

@@ -227,6 +227,10 @@ class AdmissionLayer(OffloadingManager):
         self._requests.on_store(offered, bool(admitted))
         return admitted
 
+    def wrote(self, blocks: int) -> None:
+        """``blocks`` of what :meth:`admit` passed on were really written (a tier skips the
+        blocks it holds): a layer that keeps to a write budget is charged for these."""
+
     def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
         return self._backing.prepare_load(keys)
 

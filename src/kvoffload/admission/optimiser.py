@@ -606,10 +606,13 @@ class OptimisingAdmission(AdmissionLayer):
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
         output = super().prepare_store(keys)
         if output is not None:
-            self._written += len(output.keys_to_store)
-            if self.write_credit is not None:
-                self.write_credit.spend(len(output.keys_to_store))
+            self.wrote(len(output.keys_to_store))
         return output
+
+    def wrote(self, blocks: int) -> None:
+        self._written += blocks
+        if self.write_credit is not None:
+            self.write_credit.spend(blocks)
 
     def _run_worlds(self, gpu_held: int, looked_up: bool = True) -> None:
         """Run the pending request through every world, ``gpu_held`` of its keys on the GPU

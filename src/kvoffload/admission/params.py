@@ -211,6 +211,8 @@ def _convert(value: object, field: dataclasses.Field[Any], rule: str) -> int | f
             return float(value)
         if wants_int and isinstance(value, int):
             return value
+        if wants_int and is_finite(value) and float(value).is_integer():
+            return int(value)  # JSON's 16.0 (or 1e4) is the integer it writes
     raise InvalidArgumentError(
         f"admission parameter {key!r} of {rule!r} must be {kind}, got {shown(value)}"
     )

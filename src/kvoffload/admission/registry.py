@@ -52,6 +52,8 @@ class Registered:
 
 _RULES: dict[str, Registered] = {}
 _loaded = False
+_BROKEN: dict[str, str] = {}
+"""Modules of the package that failed to import on discovery: file -> the one-line cause."""
 
 R = TypeVar("R", bound=type[Any])
 
@@ -86,14 +88,37 @@ def register_admission(name: str, params: type[Any] = NoParams) -> Callable[[R],
 
 
 def _rules() -> dict[str, Registered]:
-    """The registry, after importing every module of the package once (which registers)."""
+    """The registry, after importing every module of the package once (which registers).
+
+    A module that fails to import is recorded in :data:`_BROKEN` and the others are still
+    imported: its exception, raised from here, once ended the discovery, and every rule
+    file after it stayed unknown for the rest of the process, named by no error."""
     global _loaded
     if not _loaded:
         _loaded = True
         package = importlib.import_module("kvoffload.admission")
         for module in pkgutil.iter_modules(package.__path__):
-            importlib.import_module(f"kvoffload.admission.{module.name}")
+            try:
+                importlib.import_module(f"kvoffload.admission.{module.name}")
+            except Exception as exc:  # any error a rule file raises names that file
+                cause = str(exc).strip().splitlines()
+                _BROKEN[_file_of(module)] = ": ".join([type(exc).__name__, *cause[:1]])
     return _RULES
+
+
+def _file_of(module: pkgutil.ModuleInfo) -> str:
+    """The file a module of the package was found in, as the error names it."""
+    spec = module.module_finder.find_spec(module.name)  # type: ignore[call-arg]
+    origin = None if spec is None else spec.origin
+    return origin or f"kvoffload.admission.{module.name}"
+
+
+def _broken_files() -> str:
+    """The modules that failed to import, for the error of a name they may have held."""
+    if not _BROKEN:
+        return ""
+    files = "; ".join(f"{path} ({cause})" for path, cause in sorted(_BROKEN.items()))
+    return f"; rule files that failed to import: {files}"
 
 
 def available_admissions() -> list[str]:
@@ -107,6 +132,7 @@ def resolve_admission(name: str) -> str:
     if canonical is None or (canonical != NO_ADMISSION and canonical not in _rules()):
         raise InvalidArgumentError(
             f"unknown admission {name!r}; known: {', '.join(available_admissions())}"
+            f"{_broken_files()}"
         )
     return canonical
 

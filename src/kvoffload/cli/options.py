@@ -577,28 +577,33 @@ def wants_param_list(args: argparse.Namespace) -> bool:
     return PARAM_LIST in args.admission_param
 
 
-def param_list(rule: str) -> str:
+def param_list(rule: str, option: str = "--admission") -> str:
     """The parameters of admission ``rule`` (as typed) as a table: name, default, range and
-    what each sets; the one line of help each parameter carries is shown nowhere else."""
-    check_name(rule, "--admission", resolve_admission)
+    what each sets; the one line of help each parameter carries is shown nowhere else.
+    ``option`` chose the rule (``--disk-admission``: a lower tier's, set by
+    ``--disk-admission-param``)."""
+    check_name(rule, option, resolve_admission)
     rows = describe_params(params_class(rule))
     if not rows:
-        return f"--admission {rule} takes no parameters"
+        return f"{option} {rule} takes no parameters"
     widths = [max(len(row[column]) for row in rows) for column in range(3)]
-    lines = [f"--admission {rule}: --admission-param KEY=VALUE, one per key"]
+    lines = [f"{option} {rule}: {option}-param KEY=VALUE, one per key"]
     for *cells, meaning in rows:
         padded = (cell.ljust(width) for cell, width in zip(cells, widths, strict=True))
         lines.append("  " + "  ".join(padded) + "  " + meaning)
     return "\n".join(lines)
 
 
-def admission_param_pairs(args: argparse.Namespace) -> ParamPairs:
-    """The checked ``--admission-param`` values for ``args.admission``."""
-    pairs = parse_pairs(args.admission_param, "--admission-param")
+def admission_param_pairs(args: argparse.Namespace, tier: str = "") -> ParamPairs:
+    """The checked ``--admission-param`` values for ``args.admission``; with ``tier``
+    (``disk``, ``remote``) that tier's ``--disk-admission-param`` for ``--disk-admission``."""
+    prefix = f"{tier}_" if tier else ""
+    option = f"--{tier}-admission-param" if tier else "--admission-param"
+    pairs = parse_pairs(getattr(args, f"{prefix}admission_param"), option)
     try:
-        admission_params(args.admission, pairs)
+        admission_params(getattr(args, f"{prefix}admission"), pairs)
     except InvalidArgumentError as exc:
-        raise InvalidArgumentError(f"--admission-param: {exc}") from None
+        raise InvalidArgumentError(f"{option}: {exc}") from None
     return tuple(sorted(pairs.items()))
 
 
@@ -706,14 +711,26 @@ def check_before_work(args: argparse.Namespace) -> None:
     # Not --remote-write-budget: the shared tier's drive writes per day count against its
     # own size (--remote-blocks), as vLLM's and SGLang's do; beside it alone, the drive size
     # was taken and ignored.
-    budgets = ("write_budget", "disk_write_budget")
-    if getattr(args, "drive_bytes", None) is not None and not any(
-        getattr(args, budget, None) is not None for budget in budgets
-    ):
+    budgets: dict[str, WriteBudget | None] = {
+        f"--{name.replace('_', '-')}": getattr(args, name, None)
+        for name in ("write_budget", "disk_write_budget")
+    }
+    given = {option: budget for option, budget in budgets.items() if budget is not None}
+    if getattr(args, "drive_bytes", None) is None:
+        return
+    if not given:
         raise InvalidArgumentError(
             "--drive-bytes is the drive a budget in drive writes per day counts against: "
             "it needs --write-budget or --disk-write-budget (--remote-write-budget counts "
             "against the shared tier's own size, --remote-blocks)"
+        )
+    # Beside budgets in other units alone the drive size was taken and ignored.
+    if all(budget.unit != DWPD for budget in given.values()):
+        named = ", ".join(f"{option}: {budget.describe()}" for option, budget in given.items())
+        raise InvalidArgumentError(
+            "--drive-bytes is the drive a budget in drive writes per day counts against, and "
+            f"no budget given is one ({named}): give it in drive writes per day (1dwpd) or "
+            "leave --drive-bytes out"
         )
 
 

@@ -207,6 +207,10 @@ def run(args: argparse.Namespace) -> int:
     if options.wants_param_list(args):
         output.show(options.param_list(args.admission))
         return 0
+    table = tier_options.param_list_wanted(args)
+    if table is not None:
+        output.show(table)
+        return 0
     options.check_before_work(args)
     if args.device is not None and not args.data_plane:  # it would be ignored, unsaid
         raise KVOffloadError(

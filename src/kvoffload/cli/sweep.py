@@ -157,6 +157,10 @@ def _check_trace_rereadable(trace: str | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    table = tier_options.param_list_wanted(args)
+    if table is not None:
+        output.show(table)
+        return 0
     options.check_before_work(args)
     _check_cpu_tier(args)  # before the tiers' checks, which reach a --remote server
     tier_options.check_before_work(args)

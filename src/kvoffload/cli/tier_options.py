@@ -78,6 +78,14 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
             f"{output.choices(available_admissions(), resolve_admission)} (default: none)",
         )
         group.add_argument(
+            f"--{tier}-admission-param",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help=f"a parameter of the --{tier}-admission rule, repeatable, as --admission-param "
+            f"is the CPU tier's; 'help' lists the rule's parameters",
+        )
+        group.add_argument(
             f"--{tier}-write-budget",
             type=options.WRITE_BUDGET,
             default=None,
@@ -133,6 +141,15 @@ def disk_timeout_ms(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("it ")) from None
 
 
+def param_list_wanted(args: argparse.Namespace) -> str | None:
+    """The parameter table ``--disk-admission-param help`` (or the remote tier's) asked for
+    instead of a run, if one did."""
+    for tier in ("disk", "remote"):
+        if options.PARAM_LIST in getattr(args, f"{tier}_admission_param"):
+            return options.param_list(getattr(args, f"{tier}_admission"), f"--{tier}-admission")
+    return None
+
+
 def check_before_work(args: argparse.Namespace) -> None:
     """Refuse tier options that would fail only once the workload is built: a size or
     policy without a disk tier, an unusable directory, a server that cannot be reached.
@@ -166,11 +183,19 @@ def check_before_work(args: argparse.Namespace) -> None:
             getattr(args, f"{tier}_write_budget"),
         )
         options.check_name(admission, f"--{tier}-admission", resolve_admission)
-        if not present and (admission != "none" or budget is not None):
-            option = f"--{tier}-admission" if admission != "none" else f"--{tier}-write-budget"
+        given = getattr(args, f"{tier}_admission_param")
+        if not present and (admission != "none" or budget is not None or given):
+            option = (
+                f"--{tier}-admission"
+                if admission != "none"
+                else f"--{tier}-write-budget"
+                if budget is not None
+                else f"--{tier}-admission-param"
+            )
             raise InvalidArgumentError(
                 f"{option} needs {'--disk-dir' if tier == 'disk' else '--remote'}"
             )
+        options.admission_param_pairs(args, tier)
         if budget is not None and resolve_admission(admission) != "optimiser":
             raise InvalidArgumentError(
                 f"--{tier}-write-budget needs --{tier}-admission recommended (the optimiser), "
@@ -205,7 +230,7 @@ def check_before_work(args: argparse.Namespace) -> None:
         if blocks is not None:  # --disk-gb needs the block size: checked in with_tiers
             options.check_admission_fits(
                 getattr(args, f"{tier}_admission"),
-                (),
+                options.admission_param_pairs(args, tier),
                 blocks,
                 f"--{tier}-blocks {blocks}",
                 f"--{tier}-admission",
@@ -288,7 +313,7 @@ def with_tiers(config: SimConfig, args: argparse.Namespace, block_tokens: int) -
             disk_blocks = blocks_for_gib(args.disk_gb, config.layout, block_tokens)
             options.check_admission_fits(
                 args.disk_admission,
-                (),
+                options.admission_param_pairs(args, "disk"),
                 disk_blocks,
                 f"--disk-gb {args.disk_gb:g} ({disk_blocks:,} blocks)",
                 "--disk-admission",
@@ -303,8 +328,10 @@ def with_tiers(config: SimConfig, args: argparse.Namespace, block_tokens: int) -
         tier_store_threshold=args.tier_store_threshold,
         disk_admission=args.disk_admission,
         disk_write_budget=args.disk_write_budget,
+        disk_admission_params=options.admission_param_pairs(args, "disk"),
         remote_admission=args.remote_admission,
         remote_write_budget=args.remote_write_budget,
+        remote_admission_params=options.admission_param_pairs(args, "remote"),
         remote_blocks=args.remote_blocks or 0,
         disk_policy=args.disk_policy,
         disk_timeout_ms=args.disk_timeout_ms or DEFAULT_TIMEOUT_MS,

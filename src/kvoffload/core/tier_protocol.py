@@ -110,8 +110,9 @@ class LowerTier(Protocol):
         """Read ``keys`` in the background into ``target``; per key, whether it arrived intact."""
         ...
 
-    def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> None:
-        """Store ``keys`` in the background (keys already held are skipped)."""
+    def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> int:
+        """Store ``keys`` in the background (keys already held are skipped); returns how many
+        blocks it set out to write, what a write budget is charged for."""
         ...
 
     def poll(self, wait: bool) -> None:

@@ -172,8 +172,11 @@ class StackConfig:
     tier_store_threshold: int = 0
     disk_admission: str = "none"
     disk_write_budget: float | WriteBudget | None = None
+    disk_admission_params: object | None = field(default=None, compare=False)
+    """The disk tier's rule's parameters, as ``admission_params`` for the CPU tier's."""
     remote_admission: str = "none"
     remote_write_budget: float | WriteBudget | None = None
+    remote_admission_params: object | None = field(default=None, compare=False)
     remote_max_pending_write_bytes: int | None = None
     """The shared tier's, as ``disk_max_pending_write_bytes``."""
     enable_events: bool = False
@@ -219,9 +222,14 @@ class StackConfig:
         ):
             if getattr(self, where) is not None:
                 continue
-            names = (f"{kind}_admission", f"{kind}_write_budget", f"{kind}_max_pending_write_bytes")
+            names = (
+                f"{kind}_admission",
+                f"{kind}_write_budget",
+                f"{kind}_admission_params",
+                f"{kind}_max_pending_write_bytes",
+            )
             for name in names:
-                if getattr(self, name) not in ("none", None):
+                if getattr(self, name) not in ("none", None, ()):
                     raise InvalidArgumentError(f"{name} needs {tier} tier ({where})")
         disk = remote = None
         if self.disk_dir is not None:
@@ -232,7 +240,7 @@ class StackConfig:
                 self.policy if self.disk_policy is None else self.disk_policy,
                 self.disk_deadline_s,
                 self.disk_admission,
-                None,
+                self.disk_admission_params,
                 self.disk_write_budget,
                 max_pending_write_bytes=self.disk_max_pending_write_bytes,
                 names=_field_names(DISK, "disk_dir"),
@@ -244,6 +252,7 @@ class StackConfig:
                 self.remote_url,
                 self.remote_blocks,
                 admission=self.remote_admission,
+                admission_params=self.remote_admission_params,
                 write_budget=self.remote_write_budget,
                 max_pending_write_bytes=self.remote_max_pending_write_bytes,
                 names=_field_names(REMOTE, "remote_url"),

@@ -85,8 +85,12 @@ class SimConfig:
     """The disk tier's own admission layer, after ``tier_store_threshold``."""
     disk_write_budget: float | WriteBudget | None = None
     """Writes per block reference reaching the disk tier (``disk_admission="recommended"``)."""
+    disk_admission_params: ParamPairs = ()
+    """The disk tier's rule's parameters (``--disk-admission-param``)."""
     remote_admission: str = "none"
     remote_write_budget: float | WriteBudget | None = None
+    remote_admission_params: ParamPairs = ()
+    """The shared tier's rule's parameters (``--remote-admission-param``)."""
     remote_blocks: int = 0
     """The shared tier's size as its admission layer models it."""
     disk_gb_per_s: float = tier_model.DISK_GB_PER_S
@@ -194,7 +198,9 @@ class SimConfig:
                 bytes_per_block,
                 self.drive_bytes or self.disk_blocks * bytes_per_block,
             ),
+            disk_admission_params=self.disk_admission_params,
             remote_admission=self.remote_admission,
+            remote_admission_params=self.remote_admission_params,
             remote_write_budget=_sized(
                 self.remote_write_budget, bytes_per_block, self.remote_blocks * bytes_per_block
             ),

@@ -291,18 +291,19 @@ class DiskTier(BacklogFigures):
             return -1
         return self._slot_of[block.block_id]
 
-    def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> None:
+    def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> int:
         """Queue writes of the keys not held yet, evicting to make room where possible;
-        none while the writes not done yet are at ``max_pending_write_bytes``."""
+        none while the writes not done yet are at ``max_pending_write_bytes``. Returns how
+        many it queued."""
         index = self._index
         offered = {key: payload for key, payload in zip(keys, payloads, strict=True)}
         new = [key for key in offered if not index.holds(key)]
         if not new:
-            return
+            return 0
         if self._backlog.is_full:
             self.skipped_backlog += len(new)
             self.stats.add(failed=len(new))
-            return
+            return 0
         size = payload_size(offered[new[0]])
         self._file.fix_layout(size)
         output = index.prepare_store(offered)
@@ -312,13 +313,13 @@ class DiskTier(BacklogFigures):
             left_out = set(new[fit:])
             output = index.prepare_store([key for key in offered if key not in left_out])
             if output is None:
-                return
+                return 0
         if output.evicted_keys:
             self.stats.add(evicted=len(output.evicted_keys))
             self._events.record(output.evicted_keys, MEDIUM, removed=True)
         batch = output.keys_to_store
         if not batch:
-            return
+            return 0
         ids = cast(CPULoadStoreSpec, output.store_spec).block_ids.tolist()
         slots = [self._slot_of[i] for i in ids]
         job = self._file.write(batch, slots, [offered[k] for k in batch])
@@ -326,6 +327,7 @@ class DiskTier(BacklogFigures):
         job.add_done_callback(lambda _: release())
         self._held[job] = release
         self._writes.append((batch, job))
+        return len(batch)
 
     def has_pending_work(self) -> bool:
         """Writes not yet polled, or blocks found broken and not yet forgotten."""

@@ -413,9 +413,10 @@ class RemoteTier(BacklogFigures):
                 return self._reads.submit(self._read, keys, target)
         return done_future([False] * len(keys))
 
-    def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> None:
+    def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> int:
         """Encode and send on the I/O threads: one pipeline per ``chunk_bytes`` of the batch;
-        nothing queued if the writes not done yet are at ``max_pending_write_bytes``.
+        nothing queued if the writes not done yet are at ``max_pending_write_bytes``. Returns
+        how many blocks it queued (every key: the server's SET writes a held one again).
 
         Each pipeline waits for its replies before its thread takes the next
         job, so small pipelines leave the link idle: 16 MiB ones stored at 0.72
@@ -436,8 +437,9 @@ class RemoteTier(BacklogFigures):
                             self._write_then, release, chunk, payloads[start : start + step]
                         )
                         self._writes.append((chunk, job))
-                    return
+                    return len(keys)
         self.stats.add(failed=len(keys))
+        return 0
 
     def has_pending_work(self) -> bool:
         """Writes not yet polled (read under the tier's lock, as its other calls take it)."""

@@ -144,8 +144,8 @@ class OffTier:
     def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
         return done_future([False] * len(keys))
 
-    def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> None:
-        return None
+    def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> int:
+        return 0
 
     def poll(self, wait: bool) -> None:
         return None

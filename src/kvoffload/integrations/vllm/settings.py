@@ -19,6 +19,7 @@ from kvoffload.admission import (
     parse_bytes,
     resolve_admission,
 )
+from kvoffload.admission.budget import DWPD
 from kvoffload.admission.params import read_integer
 from kvoffload.admission.registry import ParamPairs
 from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD
@@ -68,17 +69,22 @@ DISK_BYTES_KEY = f"{PREFIX}disk_bytes"
 """A local-disk tier: its directory and size; each needs the other."""
 
 DISK_ADMISSION_KEY = f"{PREFIX}disk_admission"
+DISK_ADMISSION_PARAMS_KEY = f"{PREFIX}disk_admission_params"
 DISK_WRITE_BUDGET_KEY = f"{PREFIX}disk_write_budget"
 REMOTE_ADMISSION_KEY = f"{PREFIX}remote_admission"
+REMOTE_ADMISSION_PARAMS_KEY = f"{PREFIX}remote_admission_params"
 REMOTE_WRITE_BUDGET_KEY = f"{PREFIX}remote_write_budget"
 REMOTE_BYTES_KEY = f"{PREFIX}remote_bytes"
-"""Each lower tier's own admission layer and write budget (writes per block reference
-reaching it); the shared tier's size as its admission layer models it."""
+"""Each lower tier's own admission layer, its parameters (as ``admission_params`` the CPU
+tier's) and write budget (writes per block reference reaching it); the shared tier's size
+as its admission layer models it."""
 TIER_ADMISSION_KEYS = frozenset(
     {
         DISK_ADMISSION_KEY,
+        DISK_ADMISSION_PARAMS_KEY,
         DISK_WRITE_BUDGET_KEY,
         REMOTE_ADMISSION_KEY,
+        REMOTE_ADMISSION_PARAMS_KEY,
         REMOTE_WRITE_BUDGET_KEY,
         REMOTE_BYTES_KEY,
     }
@@ -129,8 +135,10 @@ class SpecSettings:
     disk_dir: str | None = None
     disk_bytes: int = 0
     disk_admission: str = "none"
+    disk_admission_params: ParamPairs = ()
     disk_write_budget: WriteBudget | None = None
     remote_admission: str = "none"
+    remote_admission_params: ParamPairs = ()
     remote_write_budget: WriteBudget | None = None
     remote_bytes: int = 0
     disk_timeout_ms: float = DEFAULT_TIMEOUT_MS
@@ -227,29 +235,63 @@ def _tier_admission(
     :class:`LowerTierConfig` (its size still unknown), each error naming this spec's key.
     A budget takes what ``kvoffload.write_budget`` takes; it is sized by the spec."""
     settings: dict[str, Any] = {}
-    for kind, location, location_key, key, budget_key in (
-        (DISK, disk_dir, DISK_DIR_KEY, DISK_ADMISSION_KEY, DISK_WRITE_BUDGET_KEY),
-        (REMOTE, remote_url, REMOTE_URL_KEY, REMOTE_ADMISSION_KEY, REMOTE_WRITE_BUDGET_KEY),
+    for kind, location, location_key, key, params_key, budget_key in (
+        (
+            DISK,
+            disk_dir,
+            DISK_DIR_KEY,
+            DISK_ADMISSION_KEY,
+            DISK_ADMISSION_PARAMS_KEY,
+            DISK_WRITE_BUDGET_KEY,
+        ),
+        (
+            REMOTE,
+            remote_url,
+            REMOTE_URL_KEY,
+            REMOTE_ADMISSION_KEY,
+            REMOTE_ADMISSION_PARAMS_KEY,
+            REMOTE_WRITE_BUDGET_KEY,
+        ),
     ):
         admission = _str(config, key) or "none"
         budget = _parsed_budget(config, budget_key)
+        given = [
+            name
+            for name, is_set in (
+                (key, admission != "none"),
+                (budget_key, budget is not None),
+                (params_key, config.get(params_key) is not None),
+            )
+            if is_set
+        ]
+        params: ParamPairs = ()
         if location is None:
-            if admission != "none" or budget is not None:
+            if given:
                 raise InvalidArgumentError(
-                    f"kv_connector_extra_config {key if admission != 'none' else budget_key!r} "
-                    f"needs the {kind} tier ({location_key!r})"
+                    f"kv_connector_extra_config {given[0]!r} needs the {kind} tier "
+                    f"({location_key!r})"
                 )
         else:
+            if admission in available_admissions():  # else refused below, naming its key
+                params = config_params(
+                    admission, config.get(params_key), f"kv_connector_extra_config {params_key!r}"
+                )
             LowerTierConfig(
                 kind,
                 location,
                 None,
                 admission=admission,
+                admission_params=params,
                 write_budget=budget,
                 where="kv_connector_extra_config ",
-                names={"admission": repr(key), "write_budget": repr(budget_key)},
+                names={
+                    "admission": repr(key),
+                    "admission_params": repr(params_key),
+                    "write_budget": repr(budget_key),
+                },
             )
         settings[f"{kind}_admission"] = admission
+        settings[f"{kind}_admission_params"] = params
         settings[f"{kind}_write_budget"] = budget
     if remote_url is None and REMOTE_BYTES_KEY in config:
         raise InvalidArgumentError(
@@ -308,6 +350,16 @@ def _write_budget(
             f"kv_connector_extra_config {DRIVE_BYTES_KEY!r} is the drive a write budget in "
             f"drive writes per day counts against: it needs {WRITE_BUDGET_KEY!r} or "
             f"{DISK_WRITE_BUDGET_KEY!r}"
+        )
+    budgets = {WRITE_BUDGET_KEY: budget, DISK_WRITE_BUDGET_KEY: config.get(DISK_WRITE_BUDGET_KEY)}
+    given = {key: WriteBudget.parse(value) for key, value in budgets.items() if value is not None}
+    # Beside budgets in other units alone the drive size was taken and ignored.
+    if drive_bytes is not None and all(each.unit != DWPD for each in given.values()):
+        named = ", ".join(f"{key!r}: {each.describe()}" for key, each in given.items())
+        raise InvalidArgumentError(
+            f"kv_connector_extra_config {DRIVE_BYTES_KEY!r} is the drive a write budget in "
+            f"drive writes per day counts against, and no budget given is one ({named}): give "
+            f'it in drive writes per day ("1dwpd") or leave {DRIVE_BYTES_KEY!r} out'
         )
     if budget is not None and resolve_admission(admission) != "optimiser":
         raise InvalidArgumentError(
