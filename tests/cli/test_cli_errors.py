@@ -35,6 +35,7 @@ def test_malformed_trace_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         (["--layout", "gpt-9"], "unknown KV layout"),
         (["--mix", "video=1"], "unknown workload kind"),
         (["--gpu-blocks", "3"], "--gpu-blocks 3 (a GPU prefix cache of 3 blocks) cannot hold"),
+        (["--gpu-blocks", "1"], "--gpu-blocks 1 (a GPU prefix cache of 1 block) cannot hold"),
         (["--json", "/nonexistent/dir/out.json"], "/nonexistent/dir/out.json"),
         # The option, not the run's field name (it said "gpu_blocks ... must be >= 1").
         (["--gpu-gb", "0.001"], "--gpu-gb 0.001 holds no block of 2 MiB"),

@@ -202,6 +202,12 @@ def test_one_request_one_ref_and_a_one_token_block_are_singular(
     trace.write_text('{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [0]}\n')
     argv = ["simulate", "--trace", str(trace), "--block-size", "1", "--no-progress"]
     assert main(argv) == 0
-    assert "  1 request, 1 block ref, 1 unique block of 1 token\n" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "  1 request, 1 block ref, 1 unique block of 1 token\n" in out
+    argv += ["--gpu-blocks", "1", "--cpu-blocks", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "(1 block)\n" in out, "the GPU prefix cache's row"
+    assert "(1 block), lru," in out, "the offload tier's row"
     assert main([*SMALL, "--no-bound"]) == 0  # many of each stay plural
     assert " 120 requests, " in capsys.readouterr().out

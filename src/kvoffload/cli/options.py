@@ -380,7 +380,7 @@ def gpu_size(args: argparse.Namespace) -> str:
 
 
 def _gpu_cache_of(size: str, blocks: int) -> str:
-    return f"{size} (a GPU prefix cache of {blocks:,} blocks)"
+    return f"{size} (a GPU prefix cache of {output.counted(blocks, 'block')})"
 
 
 def base_config(args: argparse.Namespace, block_tokens: int, default_layout: str) -> SimConfig:

@@ -246,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     if not typed_blocks:
         size = _cpu_option(args) if args.cpu_gb is not None else "the default offload tier"
         options.check_admission_fits(
-            args.admission, params, cpu, f"{size} ({cpu:,} blocks)", "--admission"
+            args.admission, params, cpu, f"{size} ({output.counted(cpu, 'block')})", "--admission"
         )
     config = options.with_offload(config, cpu, args.policy, args.store_threshold)
     options.check_simulated_time(workload, config, transfers=cpu > 0)
@@ -324,7 +324,8 @@ def format_report(
     tier = "none"
     if r.cpu_blocks:
         tier = (
-            f"{output.size(r.cpu_gib * 2**30)} ({r.cpu_blocks:,} blocks), {r.policy}, {admission}"
+            f"{output.size(r.cpu_gib * 2**30)} ({output.counted(r.cpu_blocks, 'block')}), "
+            f"{r.policy}, {admission}"
         )
     rows = [
         ("workload", workload),
@@ -335,7 +336,10 @@ def format_report(
             f"of {output.counted(r.block_tokens, 'token')}",
         ),
         ("KV layout", f"{r.layout}, {output.size(r.bytes_per_block)} per block"),
-        ("GPU prefix cache", f"{output.size(r.gpu_gib * 2**30)} ({r.gpu_blocks:,} blocks)"),
+        (
+            "GPU prefix cache",
+            f"{output.size(r.gpu_gib * 2**30)} ({output.counted(r.gpu_blocks, 'block')})",
+        ),
         ("offload tier", tier),
         ("concurrency", str(r.concurrency)),
         ("", ""),
