@@ -111,6 +111,21 @@ CACHED_READ_BYTES = 8 * 2**20
 milliseconds, that the deadline may wait): a 2 MiB block in one call loads 10-15% faster
 than in 256 KiB chunks hashed in cache."""
 
+
+def _iov_max() -> int:
+    """Buffers one ``preadv`` or ``pwritev`` may take (1024 on Linux; the POSIX floor, 16,
+    where the system does not say): past it the call fails with EINVAL."""
+    try:
+        limit = os.sysconf("SC_IOV_MAX")
+    except (ValueError, OSError):
+        limit = -1
+    return limit if limit > 0 else 16
+
+
+IOV_MAX = _iov_max()
+"""A block stored from more parts than this (many layers, K and V each split) is written
+and read in calls of at most this many buffers each."""
+
 _NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
 _NOT_CACHED = frozenset({errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS})
 """A ``RWF_NOWAIT`` read's errors that say only "not from the cache": read it the slow way."""
@@ -538,7 +553,7 @@ class SlotFile:
                 if job.abandoned:
                     return Outcome.FAILED
                 ahead, _ = _views_from(parts, cursor, min(CACHED_READ_BYTES, size - done))
-                got = self.layer.preadv_cached(self._fd, ahead, at)
+                got = self.layer.preadv_cached(self._fd, ahead[:IOV_MAX], at)
             if got:
                 landed, cursor = _views_from(parts, cursor, got)
                 if got == size:  # the usual case: hashed as a store hashes it (many small
@@ -628,16 +643,21 @@ class SlotFile:
         return ok
 
     def _put(self, start: int, header: bytes, payload: Payload | None = None) -> Outcome:
-        """The header alone, or the payload (its parts in one ``pwritev``) behind a zeroed
-        header of the same length."""
+        """The header alone, or the payload behind a zeroed header of the same length: its
+        parts in one ``pwritev``, or one per :data:`IOV_MAX` of them."""
         if payload is None:
-            done, size = self.layer.pwrite(self._fd, header, start), len(header)
-        else:
-            blank = memoryview(_ZERO_HEADER)[: len(header)]
-            parts = [memoryview(part) for part in payload_parts(payload)]
-            done = self.layer.pwritev(self._fd, [blank, *parts], start)
-            size = len(header) + payload_size(payload)
-        return Outcome.OK if done == size else Outcome.FAILED
+            written = self.layer.pwrite(self._fd, header, start) == len(header)
+            return Outcome.OK if written else Outcome.FAILED
+        blank = memoryview(_ZERO_HEADER)[: len(header)]
+        buffers = [blank, *(memoryview(part) for part in payload_parts(payload))]
+        at = start
+        for first in range(0, len(buffers), IOV_MAX):
+            group = buffers[first : first + IOV_MAX]
+            size = sum(buffer.nbytes for buffer in group)
+            if self.layer.pwritev(self._fd, group, at) != size:
+                return Outcome.FAILED
+            at += size
+        return Outcome.OK
 
     def _sync(self) -> Outcome:
         self.layer.fdatasync(self._fd)
