@@ -990,11 +990,15 @@ def _open_dir(path: Path, parent: int | None, name: str) -> int:
         pass
     except FileNotFoundError:
         raise DiskTierError(f"disk tier directory {path}: its parent does not exist") from None
+    except PermissionError as exc:  # ``DIR``'s parents are made by name: the one refused
+        raise _cannot_create(Path(exc.filename) if parent is None else path) from None
     try:
         fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             _refuse(path, "is not a directory (or is a symbolic link, which is never followed)")
+        if isinstance(exc, PermissionError):
+            raise _denied(path, parent, where, "read, write and search (rwx)") from None
         raise
     try:
         info = os.fstat(fd)
@@ -1021,6 +1025,8 @@ def _open_file(path: Path, parent: int) -> int:
             _refuse(path, "is a symbolic link, which is never followed")
         if exc.errno in (errno.EISDIR, errno.ENXIO, errno.ENODEV):  # a directory, socket, device
             _refuse(path, "is not a regular file")
+        if isinstance(exc, PermissionError):
+            raise _denied(path, parent, path.name, "read and write (rw)") from None
         raise
     try:
         info = os.fstat(fd)
@@ -1036,6 +1042,48 @@ def _open_file(path: Path, parent: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _cannot_create(path: Path) -> DiskTierError:
+    """The one line for a directory the running user may not make: where, and what to do."""
+    return DiskTierError(
+        f"disk tier directory {path} cannot be created: the running user (uid {os.geteuid()}) "
+        f"may not write in {path.parent}{_owner_and_mode(path.parent)}; give that user write "
+        "permission there, or choose another disk directory"
+    )
+
+
+def _denied(path: Path, parent: int | None, name: str, needs: str) -> DiskTierError:
+    """The one line for ``path`` (``name`` in ``parent``) that the running user may not open:
+    whose it is, or the permission its owner lacks, and what to do."""
+    uid = os.geteuid()
+    try:
+        info = os.stat(name, dir_fd=parent, follow_symlinks=False)
+    except OSError:  # a directory above it may not be searched
+        return DiskTierError(
+            f"disk tier path {path} cannot be reached by the running user (uid {uid}): "
+            "permission denied on a directory above it; give that user search permission (x) "
+            "on each, or choose another disk directory"
+        )
+    if info.st_uid != uid:
+        return DiskTierError(
+            f"disk tier path {path} is owned by uid {info.st_uid}, not by the running user "
+            f"(uid {uid}); chown it to that user, or choose another disk directory"
+        )
+    return DiskTierError(
+        f"disk tier path {path} cannot be opened by its owner, the running user (uid {uid}): "
+        f"permission denied (mode {stat.S_IMODE(info.st_mode):04o}); give its owner {needs} "
+        "permission, or choose another disk directory"
+    )
+
+
+def _owner_and_mode(path: Path) -> str:
+    """`` (owner uid U, mode M)`` of ``path`` for an error line; empty if it cannot be read."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return ""
+    return f" (owner uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):04o})"
 
 
 def _lock(fd: int, directory: Path) -> None:
