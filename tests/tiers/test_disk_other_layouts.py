@@ -7,6 +7,7 @@ at hand); everything else is real: slot files, locks, another process holding it
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import subprocess
@@ -291,3 +292,85 @@ def test_a_tier_starts_on_a_disk_full_of_a_left_behind_file_and_empties_it(
             DiskTier(full_fs, CAPACITY, fingerprint("now"))
     finally:
         tier.close()
+
+
+@pytest.fixture
+def full_ext4(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MiB ext4 without blocks reserved for root, filled to the last block by a slot
+    file of another layout that no tier holds any more: as a disk with reserved blocks is
+    to all users but root, it cannot make a directory, which takes a block (a tmpfs
+    directory takes none). Mounting a loop device needs root."""
+    image, path = tmp_path / "ext4.img", tmp_path / "full"
+    path.mkdir()
+    with image.open("wb") as file:
+        file.truncate(8 * 2**20)
+    made = subprocess.run(
+        ["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], capture_output=True, check=False
+    )
+    if made.returncode:
+        pytest.skip("mkfs.ext4 is not at hand")
+    mounted = subprocess.run(
+        ["mount", "-o", "loop", str(image), str(path)], capture_output=True, check=False
+    )
+    if mounted.returncode:
+        pytest.skip("mounting a loop device needs root")
+    try:
+        earlier = DiskTier(path, 1000, fingerprint("earlier"))
+        earlier.write([block_id_key(i) for i in range(1000)], [payload(KEYS[0])] * 1000)
+        earlier.poll(wait=True)
+        earlier.close()
+        assert earlier.stats.failed and os.statvfs(path).f_bavail == 0
+        with pytest.raises(OSError) as full:
+            os.mkdir(path / "probe")
+        assert full.value.errno == errno.ENOSPC
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_new_layout_starts_on_an_ext4_full_of_a_left_behind_file_and_empties_it(
+    full_ext4: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The start itself empties the other layout's file, to make the new layout's
+    directory (a model switched on a disk its predecessor filled); it stopped there."""
+    caplog.set_level(logging.WARNING, logger="kvoffload.tiers.slot_file")
+    tier = filled(full_ext4, "now")
+    try:
+        assert reads_back(tier)
+        [line] = emptied_lines(caplog)
+        assert f"no room left to make {tier.directory}" in line
+    finally:
+        tier.close()
+
+
+def test_a_full_ext4_whose_other_layout_a_running_tier_holds_refuses_in_one_line(
+    full_ext4: Path,
+) -> None:
+    earlier = DiskTier(full_ext4, 1000, fingerprint("earlier"))
+    held = len(earlier)
+    try:
+        directory = full_ext4 / OURS.hex()
+        with pytest.raises(DiskTierError) as refused:
+            DiskTier(full_ext4, CAPACITY, OURS)
+        line = str(refused.value)
+        assert line.startswith(f"disk tier directory {directory} cannot be created: its file")
+        assert "full (No space left on device)" in line and "\n" not in line
+        assert "holds no other layout's slot file that no running tier holds" in line
+        assert held and len(earlier) == held and not directory.exists()
+    finally:
+        earlier.close()
+    again = DiskTier(full_ext4, 1000, fingerprint("earlier"))
+    again.close()
+    assert again.recovery.recovered == held
+
+
+def test_a_disk_directory_a_full_ext4_cannot_make_is_named_in_one_line(full_ext4: Path) -> None:
+    """Nothing of ours in it to empty: the line names the directory that could not be made."""
+    root = full_ext4 / "models" / "kv"
+    with pytest.raises(DiskTierError) as refused:
+        DiskTier(root, CAPACITY, OURS)
+    line = str(refused.value)
+    assert line.startswith(f"disk tier directory {root.parent} cannot be created: its file")
+    assert line.endswith(
+        "full (No space left on device); free room there, or choose another disk directory"
+    )

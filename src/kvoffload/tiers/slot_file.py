@@ -63,7 +63,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +126,8 @@ IOV_MAX = _iov_max()
 """A block stored from more parts than this (many layers, K and V each split) is written
 and read in calls of at most this many buffers each."""
 
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT})
+"""What a file system without a block to spare for the running user answers."""
 _NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
 _NOT_CACHED = frozenset({errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS})
 """A ``RWF_NOWAIT`` read's errors that say only "not from the cache": read it the slow way."""
@@ -686,7 +688,7 @@ class SlotFile:
         try:
             root = _open_dir(self.root, None, self.root.name or str(self.root))
             fds.append(root)
-            directory = _open_dir(self.directory, root, self.directory.name)
+            directory = self._open_layout_directory(root)
             fds.append(directory)
             lock_fd = _open_file(self.directory / LOCK_FILE, directory)
             fds.append(lock_fd)
@@ -725,6 +727,50 @@ class SlotFile:
         if job.claim():  # ``DIR`` stays open: other layouts' files are found there
             _close_all([opened.directory_fd])
         return scanned
+
+    def _open_layout_directory(self, root: int) -> int:
+        """The fingerprint directory in ``DIR`` (``root``), made if missing.
+
+        A file system full to the last block cannot make it (ENOSPC, EDQUOT: ext4 is so
+        for all but root once only its reserved blocks are left), though other layouts'
+        files may fill it: those no running tier holds are emptied, written longest ago
+        first, until it can be made, as :meth:`_make_room` would at the first write (not
+        when it is out of inodes, which no emptied file gives back).
+        """
+        stale: Iterator[tuple[str, float]] | None = None
+        why = ""
+        while True:
+            try:
+                return _open_dir(self.directory, root, self.directory.name)
+            except OSError as exc:
+                if exc.errno not in _NO_ROOM:
+                    raise
+                full = exc
+            if stale is None:
+                inodes = os.fstatvfs(root)
+                if inodes.f_files > 0 and inodes.f_favail == 0:  # no files: inodes uncounted
+                    stale, why = iter([]), ", out of inodes"
+                else:
+                    stale = iter(_other_layouts(root, self.directory.name))
+                    why = (
+                        f", and {self.root} holds no other layout's slot file that no "
+                        "running tier holds to empty"
+                    )
+            for name, written in stale:
+                freed = _empty_if_stale(root, name)
+                if freed is not None:
+                    logger.warning(
+                        "disk tier: emptied %s, freeing %s bytes: a slot file of another "
+                        "layout that no running tier holds, last written %s ago, while the "
+                        "file system had no room left to make %s",
+                        self.root / name / SLOT_FILE,
+                        f"{freed:,}",
+                        _age(written),
+                        self.directory,
+                    )
+                    break
+            else:
+                raise _no_room(self.directory, full, why)
 
     def _unusable(self, exc: OSError) -> str:
         return f"cannot use disk tier directory {self.directory}: {exc.strerror or exc}"
@@ -992,6 +1038,10 @@ def _open_dir(path: Path, parent: int | None, name: str) -> int:
         raise DiskTierError(f"disk tier directory {path}: its parent does not exist") from None
     except PermissionError as exc:  # ``DIR``'s parents are made by name: the one refused
         raise _cannot_create(Path(exc.filename) if parent is None else path) from None
+    except OSError as exc:
+        if exc.errno in _NO_ROOM and parent is None:
+            raise _no_room(Path(exc.filename), exc) from None
+        raise
     try:
         fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
     except OSError as exc:
@@ -1050,6 +1100,14 @@ def _cannot_create(path: Path) -> DiskTierError:
         f"disk tier directory {path} cannot be created: the running user (uid {os.geteuid()}) "
         f"may not write in {path.parent}{_owner_and_mode(path.parent)}; give that user write "
         "permission there, or choose another disk directory"
+    )
+
+
+def _no_room(path: Path, exc: OSError, why: str = "") -> DiskTierError:
+    """The one line for a directory a full file system cannot make."""
+    return DiskTierError(
+        f"disk tier directory {path} cannot be created: its file system is full "
+        f"({exc.strerror}){why}; free room there, or choose another disk directory"
     )
 
 
