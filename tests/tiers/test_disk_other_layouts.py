@@ -7,11 +7,14 @@ at hand); everything else is real: slot files, locks, another process holding it
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -295,37 +298,55 @@ def test_a_tier_starts_on_a_disk_full_of_a_left_behind_file_and_empties_it(
 
 
 @pytest.fixture
-def full_ext4(tmp_path: Path) -> Iterator[Path]:
+def full_ext4() -> Iterator[Path]:
     """An 8 MiB ext4 without blocks reserved for root, filled to the last block by a slot
     file of another layout that no tier holds any more: as a disk with reserved blocks is
     to all users but root, it cannot make a directory, which takes a block (a tmpfs
-    directory takes none). Mounting a loop device needs root."""
-    image, path = tmp_path / "ext4.img", tmp_path / "full"
+    directory takes none). Mounting a loop device needs root. Made outside pytest's
+    temporary directories, which another pytest run's clean-up may rename under it."""
+    scratch = Path(tempfile.mkdtemp(prefix="kvoffload-ext4-"))
+    image, path = scratch / "ext4.img", scratch / "full"
     path.mkdir()
     with image.open("wb") as file:
         file.truncate(8 * 2**20)
-    made = subprocess.run(
-        ["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], capture_output=True, check=False
-    )
-    if made.returncode:
-        pytest.skip("mkfs.ext4 is not at hand")
-    mounted = subprocess.run(
-        ["mount", "-o", "loop", str(image), str(path)], capture_output=True, check=False
-    )
-    if mounted.returncode:
-        pytest.skip("mounting a loop device needs root")
     try:
-        earlier = DiskTier(path, 1000, fingerprint("earlier"))
-        earlier.write([block_id_key(i) for i in range(1000)], [payload(KEYS[0])] * 1000)
-        earlier.poll(wait=True)
-        earlier.close()
-        assert earlier.stats.failed and os.statvfs(path).f_bavail == 0
-        with pytest.raises(OSError) as full:
-            os.mkdir(path / "probe")
-        assert full.value.errno == errno.ENOSPC
-        yield path
+        made = subprocess.run(
+            ["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], capture_output=True, check=False
+        )
+        if made.returncode:
+            pytest.skip("mkfs.ext4 is not at hand")
+        mounted = subprocess.run(
+            ["mount", "-o", "loop", str(image), str(path)], capture_output=True, check=False
+        )
+        if mounted.returncode:
+            pytest.skip("mounting a loop device needs root")
+        try:
+            root = path / "kv"
+            earlier = DiskTier(root, 1000, fingerprint("earlier"))
+            earlier.write([block_id_key(i) for i in range(1000)], [payload(KEYS[0])] * 1000)
+            earlier.poll(wait=True)
+            earlier.close()
+            assert earlier.stats.failed
+            fill(path / "filler")
+            assert os.statvfs(path).f_bavail == 0
+            with pytest.raises(OSError) as full:
+                os.mkdir(path / "probe")
+            assert full.value.errno == errno.ENOSPC
+            yield root
+        finally:
+            subprocess.run(["umount", str(path)], check=True)
     finally:
-        subprocess.run(["umount", str(path)], check=True)
+        shutil.rmtree(scratch)
+
+
+def fill(path: Path) -> None:
+    """Take the blocks a slot file's failed writes left (ext4 keeps a few for its own
+    metadata, a number that varies), a block at a time, to the last one."""
+    with path.open("ab", buffering=0) as file:
+        with contextlib.suppress(OSError):
+            while True:
+                file.write(bytes(1024))
+        os.fsync(file.fileno())
 
 
 def test_a_new_layout_starts_on_an_ext4_full_of_a_left_behind_file_and_empties_it(
