@@ -3,8 +3,10 @@ part by part, read back into parts, checksummed over all of them, on disk and re
 
 from __future__ import annotations
 
+import os
 import random
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from kvoffload.tiers.format import (
     payload_digest,
 )
 from kvoffload.tiers.resp import DIRECT_PIECE
+from kvoffload.tiers.slot_file import FileLayer
 from tier_servers import ValkeyProcess
 
 SPLIT = [JOIN_BELOW + 7, 2 * JOIN_BELOW, 100, 3 * JOIN_BELOW]
@@ -34,6 +37,8 @@ they are, gathered in one ``sendmsg``)."""
 SIZE = sum(SPLIT)
 FP = layout_fingerprint("block-parts", layout_preset("tiny"), SIZE)
 KEYS = [block_id_key(i, 31) for i in range(4)]
+IOV_MAX = os.sysconf("SC_IOV_MAX")
+"""Buffers one vectored system call takes (1,024 on Linux)."""
 
 
 def parts_of(i: int, split: list[int] = SPLIT) -> list[memoryview]:
@@ -115,6 +120,52 @@ def test_disk_tier_writes_parts_and_reads_into_parts(tmp_path: Path, read_split:
         assert tier.read(KEYS[:1], short.__getitem__).result(timeout=10) == [False]
     finally:
         tier.close()
+
+
+class CountsBuffers(FileLayer):
+    """Records how many buffers each vectored read from the cache and each write took."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def preadv_cached(self, fd: int, buffers: Sequence[memoryview | bytearray], offset: int) -> int:
+        self.counts.append(len(buffers))
+        return super().preadv_cached(fd, buffers, offset)
+
+    def pwritev(self, fd: int, buffers: Sequence[bytes | memoryview], offset: int) -> int:
+        self.counts.append(len(buffers))
+        return super().pwritev(fd, buffers, offset)
+
+
+def test_disk_tier_stores_and_loads_blocks_of_more_parts_than_one_system_call_takes(
+    tmp_path: Path,
+) -> None:
+    """80 layers, K and V each split in 8: 1,280 parts a block, past IOV_MAX (1,024 on
+    Linux), where one ``pwritev`` of them all failed every store with EINVAL."""
+    split = [48 + i % 5 for i in range(80 * 2 * 8)]
+    assert len(split) > IOV_MAX
+    fingerprint = layout_fingerprint("many-parts", layout_preset("tiny"), sum(split))
+    written = [parts_of(i, split) for i in range(3)]
+    layer = CountsBuffers()
+    tier = DiskTier(tmp_path, 8, fingerprint, file_layer=layer)
+    try:
+        tier.write(KEYS[:3], written)
+        tier.poll(wait=True)
+        assert tier.stats.stored_blocks == 3 and tier.stats.failed == 0
+        targets = into_parts(split, 3)
+        assert tier.read(KEYS[:3], targets.__getitem__).result(timeout=10) == [True] * 3
+        assert [joined(t) for t in targets] == [joined(p) for p in written]
+    finally:
+        tier.close()
+    assert layer.counts and max(layer.counts) <= IOV_MAX
+    again = DiskTier(tmp_path, 8, fingerprint)
+    try:
+        assert again.recovery.recovered == 3
+        targets = into_parts(split, 3)
+        assert again.read(KEYS[:3], targets.__getitem__).result(timeout=10) == [True] * 3
+        assert [joined(t) for t in targets] == [joined(p) for p in written]
+    finally:
+        again.close()
 
 
 @pytest.mark.parametrize("read_split", [SPLIT, [SIZE], [5, SIZE - 5 - 9, 9]])

@@ -7,10 +7,14 @@ at hand); everything else is real: slot files, locks, another process holding it
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -291,3 +295,103 @@ def test_a_tier_starts_on_a_disk_full_of_a_left_behind_file_and_empties_it(
             DiskTier(full_fs, CAPACITY, fingerprint("now"))
     finally:
         tier.close()
+
+
+@pytest.fixture
+def full_ext4() -> Iterator[Path]:
+    """An 8 MiB ext4 without blocks reserved for root, filled to the last block by a slot
+    file of another layout that no tier holds any more: as a disk with reserved blocks is
+    to all users but root, it cannot make a directory, which takes a block (a tmpfs
+    directory takes none). Mounting a loop device needs root. Made outside pytest's
+    temporary directories, which another pytest run's clean-up may rename under it."""
+    scratch = Path(tempfile.mkdtemp(prefix="kvoffload-ext4-"))
+    image, path = scratch / "ext4.img", scratch / "full"
+    path.mkdir()
+    with image.open("wb") as file:
+        file.truncate(8 * 2**20)
+    try:
+        made = subprocess.run(
+            ["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], capture_output=True, check=False
+        )
+        if made.returncode:
+            pytest.skip("mkfs.ext4 is not at hand")
+        mounted = subprocess.run(
+            ["mount", "-o", "loop", str(image), str(path)], capture_output=True, check=False
+        )
+        if mounted.returncode:
+            pytest.skip("mounting a loop device needs root")
+        try:
+            root = path / "kv"
+            earlier = DiskTier(root, 1000, fingerprint("earlier"))
+            earlier.write([block_id_key(i) for i in range(1000)], [payload(KEYS[0])] * 1000)
+            earlier.poll(wait=True)
+            earlier.close()
+            assert earlier.stats.failed
+            fill(path / "filler")
+            assert os.statvfs(path).f_bavail == 0
+            with pytest.raises(OSError) as full:
+                os.mkdir(path / "probe")
+            assert full.value.errno == errno.ENOSPC
+            yield root
+        finally:
+            subprocess.run(["umount", str(path)], check=True)
+    finally:
+        shutil.rmtree(scratch)
+
+
+def fill(path: Path) -> None:
+    """Take the blocks a slot file's failed writes left (ext4 keeps a few for its own
+    metadata, a number that varies), a block at a time, to the last one."""
+    with path.open("ab", buffering=0) as file:
+        with contextlib.suppress(OSError):
+            while True:
+                file.write(bytes(1024))
+        os.fsync(file.fileno())
+
+
+def test_a_new_layout_starts_on_an_ext4_full_of_a_left_behind_file_and_empties_it(
+    full_ext4: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The start itself empties the other layout's file, to make the new layout's
+    directory (a model switched on a disk its predecessor filled); it stopped there."""
+    caplog.set_level(logging.WARNING, logger="kvoffload.tiers.slot_file")
+    tier = filled(full_ext4, "now")
+    try:
+        assert reads_back(tier)
+        [line] = emptied_lines(caplog)
+        assert f"no room left to make {tier.directory}" in line
+    finally:
+        tier.close()
+
+
+def test_a_full_ext4_whose_other_layout_a_running_tier_holds_refuses_in_one_line(
+    full_ext4: Path,
+) -> None:
+    earlier = DiskTier(full_ext4, 1000, fingerprint("earlier"))
+    held = len(earlier)
+    try:
+        directory = full_ext4 / OURS.hex()
+        with pytest.raises(DiskTierError) as refused:
+            DiskTier(full_ext4, CAPACITY, OURS)
+        line = str(refused.value)
+        assert line.startswith(f"disk tier directory {directory} cannot be created: its file")
+        assert "full (No space left on device)" in line and "\n" not in line
+        assert "holds no other layout's slot file that no running tier holds" in line
+        assert held and len(earlier) == held and not directory.exists()
+    finally:
+        earlier.close()
+    again = DiskTier(full_ext4, 1000, fingerprint("earlier"))
+    again.close()
+    assert again.recovery.recovered == held
+
+
+def test_a_disk_directory_a_full_ext4_cannot_make_is_named_in_one_line(full_ext4: Path) -> None:
+    """Nothing of ours in it to empty: the line names the directory that could not be made."""
+    root = full_ext4 / "models" / "kv"
+    with pytest.raises(DiskTierError) as refused:
+        DiskTier(root, CAPACITY, OURS)
+    line = str(refused.value)
+    assert line.startswith(f"disk tier directory {root.parent} cannot be created: its file")
+    assert line.endswith(
+        "full (No space left on device); free room there, or choose another disk directory"
+    )

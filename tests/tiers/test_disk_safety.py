@@ -10,6 +10,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,22 @@ PRECIOUS = b"root:x:0:0:root:/root:/bin/bash\n"
 OTHER_UID = 65534  # nobody
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+
+
+def modes_bind() -> bool:
+    """Whether a file's mode binds this process: not for root, whose CAP_DAC_OVERRIDE
+    opens a file of mode 0400 for writing all the same (a root without it: they do)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        probe = Path(scratch) / "probe"
+        probe.touch(0o400)
+        try:
+            probe.open("r+b").close()
+        except PermissionError:
+            return True
+    return False
+
+
+needs_binding_modes = pytest.mark.skipif(not modes_bind(), reason="root ignores file modes")
 
 
 def one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
@@ -168,6 +185,73 @@ def test_a_fingerprint_directory_its_owner_may_not_write_in_is_refused_as_it_is(
         DiskTier(tmp_path, 4, FP)
     assert stat.S_IMODE(directory.stat().st_mode) == 0o555
     assert sorted(path.name for path in directory.iterdir()) == before
+
+
+@needs_binding_modes
+@pytest.mark.parametrize(
+    ("denied", "mode", "says"),
+    [
+        (
+            "lock",
+            0o400,
+            r"cannot be opened by its owner.*\(mode 0400\); give its owner read and write",
+        ),
+        ("blocks.kvs", 0o400, r"cannot be opened by its owner.*\(mode 0400\)"),
+        ("blocks.kvs", 0o200, r"cannot be opened by its owner.*\(mode 0200\)"),
+        (".", 0o300, r"cannot be opened by its owner.*\(mode 0300\); give its owner read, write"),
+    ],
+    ids=["lock", "slot file read-only", "slot file write-only", "fingerprint directory"],
+)
+def test_a_file_its_owner_may_not_open_is_named_with_what_to_do(
+    tmp_path: Path, denied: str, mode: int, says: str
+) -> None:
+    """An operator's chmod, or files left by another account: the line names the file the
+    running user may not open (not just the directory), its mode, and what to do."""
+    DiskTier(tmp_path, 4, FP).close()
+    path = tmp_path / FP.hex() / denied if denied != "." else tmp_path / FP.hex()
+    path.chmod(mode)
+    try:
+        with pytest.raises(DiskTierError, match=f"^disk tier path {re.escape(str(path))} {says}"):
+            DiskTier(tmp_path, 4, FP)
+        assert stat.S_IMODE(path.stat().st_mode) == mode  # refused as it is
+    finally:
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    DiskTier(tmp_path, 4, FP).close()
+
+
+@needs_binding_modes
+@pytest.mark.parametrize("made", ["fingerprint directory", "disk-dir"])
+def test_a_directory_the_running_user_may_not_make_is_named_with_where_it_may_not_write(
+    tmp_path: Path, made: str
+) -> None:
+    """As an engine starts the tier (no command line checked the directory first)."""
+    root = tmp_path / "disk"
+    parent, child = (root, root / FP.hex()) if made != "disk-dir" else (tmp_path, root)
+    parent.mkdir(exist_ok=True)
+    parent.chmod(0o500)
+    try:
+        with pytest.raises(DiskTierError) as refused:
+            DiskTier(root, 4, FP)
+    finally:
+        parent.chmod(0o700)
+    line = str(refused.value)
+    assert line.startswith(f"disk tier directory {child} cannot be created"), line
+    assert f"may not write in {parent} (owner uid {os.geteuid()}, mode 0500)" in line
+
+
+@needs_root
+@needs_binding_modes
+def test_another_user_s_file_the_running_user_may_not_open_is_named_with_its_owner(
+    tmp_path: Path,
+) -> None:
+    """Left by a run under another account (0600, that account's): its owner is what to fix."""
+    DiskTier(tmp_path, 4, FP).close()
+    lock = tmp_path / FP.hex() / "lock"
+    os.chown(lock, OTHER_UID, OTHER_UID)
+    with pytest.raises(
+        DiskTierError, match=f"{re.escape(str(lock))} is owned by uid {OTHER_UID}, not by the"
+    ):
+        DiskTier(tmp_path, 4, FP)
 
 
 HOLDER = """

@@ -130,6 +130,15 @@ class DiskTier(BacklogFigures):
     An empty ``directory`` is refused: as a path it is the working directory, which a
     setting left blank never meant. Start-up raises
     :class:`~kvoffload.tiers.slot_file.DiskTierError` for an unsafe or busy directory.
+
+    Threads: the index is not locked here. :meth:`read`, :meth:`write`, :meth:`poll`,
+    :meth:`present`, :meth:`held`, :meth:`take_events`, :meth:`slot_offset` and
+    :meth:`close` must run one at a time: callers on several threads hold one lock around
+    each call. Not around what they wait for: a read's future and :meth:`wait_written`
+    (which touches no index) are resolved by the I/O threads, which change only what is
+    thread-safe (``stats``, the backlog, the queue of broken slots), so a writer waits for
+    its batch without the lock, its readers going on, and polls under it. Reading
+    ``stats``, ``len()`` or :attr:`pending_write_bytes` needs none (a figure of the moment).
     """
 
     medium = MEDIUM

@@ -63,7 +63,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,6 +111,23 @@ CACHED_READ_BYTES = 8 * 2**20
 milliseconds, that the deadline may wait): a 2 MiB block in one call loads 10-15% faster
 than in 256 KiB chunks hashed in cache."""
 
+
+def _iov_max() -> int:
+    """Buffers one ``preadv`` or ``pwritev`` may take (1024 on Linux; the POSIX floor, 16,
+    where the system does not say): past it the call fails with EINVAL."""
+    try:
+        limit = os.sysconf("SC_IOV_MAX")
+    except (ValueError, OSError):
+        limit = -1
+    return limit if limit > 0 else 16
+
+
+IOV_MAX = _iov_max()
+"""A block stored from more parts than this (many layers, K and V each split) is written
+and read in calls of at most this many buffers each."""
+
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT})
+"""What a file system without a block to spare for the running user answers."""
 _NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
 _NOT_CACHED = frozenset({errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS})
 """A ``RWF_NOWAIT`` read's errors that say only "not from the cache": read it the slow way."""
@@ -538,7 +555,7 @@ class SlotFile:
                 if job.abandoned:
                     return Outcome.FAILED
                 ahead, _ = _views_from(parts, cursor, min(CACHED_READ_BYTES, size - done))
-                got = self.layer.preadv_cached(self._fd, ahead, at)
+                got = self.layer.preadv_cached(self._fd, ahead[:IOV_MAX], at)
             if got:
                 landed, cursor = _views_from(parts, cursor, got)
                 if got == size:  # the usual case: hashed as a store hashes it (many small
@@ -628,16 +645,21 @@ class SlotFile:
         return ok
 
     def _put(self, start: int, header: bytes, payload: Payload | None = None) -> Outcome:
-        """The header alone, or the payload (its parts in one ``pwritev``) behind a zeroed
-        header of the same length."""
+        """The header alone, or the payload behind a zeroed header of the same length: its
+        parts in one ``pwritev``, or one per :data:`IOV_MAX` of them."""
         if payload is None:
-            done, size = self.layer.pwrite(self._fd, header, start), len(header)
-        else:
-            blank = memoryview(_ZERO_HEADER)[: len(header)]
-            parts = [memoryview(part) for part in payload_parts(payload)]
-            done = self.layer.pwritev(self._fd, [blank, *parts], start)
-            size = len(header) + payload_size(payload)
-        return Outcome.OK if done == size else Outcome.FAILED
+            written = self.layer.pwrite(self._fd, header, start) == len(header)
+            return Outcome.OK if written else Outcome.FAILED
+        blank = memoryview(_ZERO_HEADER)[: len(header)]
+        buffers = [blank, *(memoryview(part) for part in payload_parts(payload))]
+        at = start
+        for first in range(0, len(buffers), IOV_MAX):
+            group = buffers[first : first + IOV_MAX]
+            size = sum(buffer.nbytes for buffer in group)
+            if self.layer.pwritev(self._fd, group, at) != size:
+                return Outcome.FAILED
+            at += size
+        return Outcome.OK
 
     def _sync(self) -> Outcome:
         self.layer.fdatasync(self._fd)
@@ -666,7 +688,7 @@ class SlotFile:
         try:
             root = _open_dir(self.root, None, self.root.name or str(self.root))
             fds.append(root)
-            directory = _open_dir(self.directory, root, self.directory.name)
+            directory = self._open_layout_directory(root)
             fds.append(directory)
             lock_fd = _open_file(self.directory / LOCK_FILE, directory)
             fds.append(lock_fd)
@@ -705,6 +727,50 @@ class SlotFile:
         if job.claim():  # ``DIR`` stays open: other layouts' files are found there
             _close_all([opened.directory_fd])
         return scanned
+
+    def _open_layout_directory(self, root: int) -> int:
+        """The fingerprint directory in ``DIR`` (``root``), made if missing.
+
+        A file system full to the last block cannot make it (ENOSPC, EDQUOT: ext4 is so
+        for all but root once only its reserved blocks are left), though other layouts'
+        files may fill it: those no running tier holds are emptied, written longest ago
+        first, until it can be made, as :meth:`_make_room` would at the first write (not
+        when it is out of inodes, which no emptied file gives back).
+        """
+        stale: Iterator[tuple[str, float]] | None = None
+        why = ""
+        while True:
+            try:
+                return _open_dir(self.directory, root, self.directory.name)
+            except OSError as exc:
+                if exc.errno not in _NO_ROOM:
+                    raise
+                full = exc
+            if stale is None:
+                inodes = os.fstatvfs(root)
+                if inodes.f_files > 0 and inodes.f_favail == 0:  # no files: inodes uncounted
+                    stale, why = iter([]), ", out of inodes"
+                else:
+                    stale = iter(_other_layouts(root, self.directory.name))
+                    why = (
+                        f", and {self.root} holds no other layout's slot file that no "
+                        "running tier holds to empty"
+                    )
+            for name, written in stale:
+                freed = _empty_if_stale(root, name)
+                if freed is not None:
+                    logger.warning(
+                        "disk tier: emptied %s, freeing %s bytes: a slot file of another "
+                        "layout that no running tier holds, last written %s ago, while the "
+                        "file system had no room left to make %s",
+                        self.root / name / SLOT_FILE,
+                        f"{freed:,}",
+                        _age(written),
+                        self.directory,
+                    )
+                    break
+            else:
+                raise _no_room(self.directory, full, why)
 
     def _unusable(self, exc: OSError) -> str:
         return f"cannot use disk tier directory {self.directory}: {exc.strerror or exc}"
@@ -970,11 +1036,19 @@ def _open_dir(path: Path, parent: int | None, name: str) -> int:
         pass
     except FileNotFoundError:
         raise DiskTierError(f"disk tier directory {path}: its parent does not exist") from None
+    except PermissionError as exc:  # ``DIR``'s parents are made by name: the one refused
+        raise _cannot_create(Path(exc.filename) if parent is None else path) from None
+    except OSError as exc:
+        if exc.errno in _NO_ROOM and parent is None:
+            raise _no_room(Path(exc.filename), exc) from None
+        raise
     try:
         fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             _refuse(path, "is not a directory (or is a symbolic link, which is never followed)")
+        if isinstance(exc, PermissionError):
+            raise _denied(path, parent, where, "read, write and search (rwx)") from None
         raise
     try:
         info = os.fstat(fd)
@@ -1001,6 +1075,8 @@ def _open_file(path: Path, parent: int) -> int:
             _refuse(path, "is a symbolic link, which is never followed")
         if exc.errno in (errno.EISDIR, errno.ENXIO, errno.ENODEV):  # a directory, socket, device
             _refuse(path, "is not a regular file")
+        if isinstance(exc, PermissionError):
+            raise _denied(path, parent, path.name, "read and write (rw)") from None
         raise
     try:
         info = os.fstat(fd)
@@ -1016,6 +1092,56 @@ def _open_file(path: Path, parent: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _cannot_create(path: Path) -> DiskTierError:
+    """The one line for a directory the running user may not make: where, and what to do."""
+    return DiskTierError(
+        f"disk tier directory {path} cannot be created: the running user (uid {os.geteuid()}) "
+        f"may not write in {path.parent}{_owner_and_mode(path.parent)}; give that user write "
+        "permission there, or choose another disk directory"
+    )
+
+
+def _no_room(path: Path, exc: OSError, why: str = "") -> DiskTierError:
+    """The one line for a directory a full file system cannot make."""
+    return DiskTierError(
+        f"disk tier directory {path} cannot be created: its file system is full "
+        f"({exc.strerror}){why}; free room there, or choose another disk directory"
+    )
+
+
+def _denied(path: Path, parent: int | None, name: str, needs: str) -> DiskTierError:
+    """The one line for ``path`` (``name`` in ``parent``) that the running user may not open:
+    whose it is, or the permission its owner lacks, and what to do."""
+    uid = os.geteuid()
+    try:
+        info = os.stat(name, dir_fd=parent, follow_symlinks=False)
+    except OSError:  # a directory above it may not be searched
+        return DiskTierError(
+            f"disk tier path {path} cannot be reached by the running user (uid {uid}): "
+            "permission denied on a directory above it; give that user search permission (x) "
+            "on each, or choose another disk directory"
+        )
+    if info.st_uid != uid:
+        return DiskTierError(
+            f"disk tier path {path} is owned by uid {info.st_uid}, not by the running user "
+            f"(uid {uid}); chown it to that user, or choose another disk directory"
+        )
+    return DiskTierError(
+        f"disk tier path {path} cannot be opened by its owner, the running user (uid {uid}): "
+        f"permission denied (mode {stat.S_IMODE(info.st_mode):04o}); give its owner {needs} "
+        "permission, or choose another disk directory"
+    )
+
+
+def _owner_and_mode(path: Path) -> str:
+    """`` (owner uid U, mode M)`` of ``path`` for an error line; empty if it cannot be read."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return ""
+    return f" (owner uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):04o})"
 
 
 def _lock(fd: int, directory: Path) -> None:
