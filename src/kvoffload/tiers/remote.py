@@ -45,7 +45,7 @@ from kvoffload.core.manager import EventLog, OffloadingEvent
 from kvoffload.core.tier_protocol import Target, TierStats, check_io_threads
 from kvoffload.tiers.backlog import BacklogFigures, WriteBacklog, default_pending_bytes
 from kvoffload.tiers.block_sets import BlockWrite, DigestsAhead, pack_sets
-from kvoffload.tiers.breaker import CircuitBreaker
+from kvoffload.tiers.breaker import CircuitBreaker, Pass
 from kvoffload.tiers.deadline import done_future
 from kvoffload.tiers.format import (
     HEADER_BYTES,
@@ -556,7 +556,8 @@ class RemoteTier(BacklogFigures):
                 self.unavailable += 1
             return None
         breakers = (node.breaker,) if lane is None else (lane, node.breaker)
-        if not _allow(breakers):
+        granted = _allow(breakers)
+        if granted is None:
             with self._lock:
                 self.unavailable += 1
             self._refresh_map_soon(node)
@@ -564,7 +565,7 @@ class RemoteTier(BacklogFigures):
         with self._lock:
             node.calls += 1
         try:
-            return self._call_on(node, op, deadline, breakers)
+            return self._call_on(node, op, deadline, granted)
         finally:
             with self._lock:
                 node.calls -= 1
@@ -574,9 +575,10 @@ class RemoteTier(BacklogFigures):
         node: _Node,
         op: Callable[[Connection, Deadline], T],
         deadline: Deadline,
-        breakers: tuple[CircuitBreaker, ...],
+        granted: list[tuple[CircuitBreaker, Pass]],
     ) -> T | None:
-        """:meth:`_call`'s part once ``breakers`` let it through."""
+        """:meth:`_call`'s part once its breakers let it through (``granted``: each with
+        the call's pass)."""
         begun = time.monotonic()
         connection = None
         try:
@@ -587,8 +589,8 @@ class RemoteTier(BacklogFigures):
                 connection.close()
             starved = deadline.at - begun < begun - deadline.since
             if isinstance(exc, ServerReplyError):  # an answer: the node is up (full, loading)
-                for breaker in breakers:
-                    breaker.success()
+                for breaker, ticket in granted:
+                    breaker.success(ticket)
                 if exc.code in REFUSES_STORES:
                     node.full_at = time.monotonic()
                 elif exc.code == NOT_SERVED:
@@ -597,18 +599,18 @@ class RemoteTier(BacklogFigures):
                     node.drop_idle()
                     self._resolver.expire(node.host, node.port)
             elif starved and deadline.passed():
-                for breaker in breakers:
-                    breaker.excuse()
+                for breaker, ticket in granted:
+                    breaker.excuse(ticket)
             else:
-                for breaker in breakers:
-                    breaker.failure()
+                for breaker, ticket in granted:
+                    breaker.failure(ticket)
                 self._refresh_map_soon(node)
             with self._lock:
                 self.unavailable += 1
             return None
         node.give(connection)
-        for breaker in breakers:
-            breaker.success()
+        for breaker, ticket in granted:
+            breaker.success(ticket)
         return result
 
     def _open(self, host: str, port: int, deadline: Deadline) -> Connection:
@@ -1086,15 +1088,19 @@ class RemoteTier(BacklogFigures):
         return statuses
 
 
-def _allow(breakers: tuple[CircuitBreaker, ...]) -> bool:
-    """Whether every one of ``breakers`` lets a call through; when one refuses, the trial
-    an earlier one let through is handed back (:meth:`CircuitBreaker.excuse`)."""
-    for position, breaker in enumerate(breakers):
-        if not breaker.allow():
-            for granted in breakers[:position]:
-                granted.excuse()
-            return False
-    return True
+def _allow(breakers: tuple[CircuitBreaker, ...]) -> list[tuple[CircuitBreaker, Pass]] | None:
+    """Each of ``breakers`` with the pass it let a call through with, if every one did;
+    when one refuses, the trial an earlier one let through is handed back
+    (:meth:`CircuitBreaker.excuse`)."""
+    granted: list[tuple[CircuitBreaker, Pass]] = []
+    for breaker in breakers:
+        ticket = breaker.allow()
+        if ticket is None:
+            for earlier, given in granted:
+                earlier.excuse(given)
+            return None
+        granted.append((breaker, ticket))
+    return granted
 
 
 def _ok(reply: Reply) -> Reply:
