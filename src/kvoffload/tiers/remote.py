@@ -3,10 +3,11 @@
 Values are trailed :mod:`~kvoffload.tiers.format` blocks (a checksummed header,
 the raw bytes, then their digest) under ``kvo3:<fingerprint hex>:<key hex>``, so two
 models never read each other's blocks. Reads are one pipeline of GETs per batch and node,
-each reply received straight into its destination slot and checksummed as it lands
-(:mod:`.resp`); writes one pipeline of SETs per batch and node, header, payload and
-digest sent apart (:mod:`.block_sets`), never joined, each piece of the payload hashed
-just before it goes out.
+sent :data:`READ_WINDOW` bytes of values ahead of those received, each reply received
+straight into its destination slot and checksummed as it lands (:mod:`.resp`); writes
+one pipeline of SETs per batch and node, header, payload and digest sent apart
+(:mod:`.block_sets`), never joined, each piece of the payload hashed just before it
+goes out.
 
 Every operation (a lookup, a read batch, a write pipeline) has one deadline on the whole
 of it, name lookup, connect, send and full reply, on every node it asks, retries and
@@ -85,6 +86,14 @@ SLOWEST_LINK = 100e6
 SKIP_BELOW = 1 << 20
 """A value of the wrong length up to this size is read and dropped; a longer one is
 never read: its connection is closed instead."""
+READ_WINDOW = 8 * 2**20
+"""Bytes of values a read asks one node for ahead of those it has received: a batch's GETs
+go out as its values come in (more once half of these have), so the replies the server
+holds for the connection stay small. Sent all at once, a large batch's replies piled up in
+the server's output buffer, and a ``client-output-buffer-limit normal`` set below them
+closed the connection: the whole batch failed, every time it was asked. Valkey counts
+about twice the values' bytes against that limit (its reply blocks): a limit of 16 MiB
+or more is never reached."""
 MAX_HOPS = 4
 """MOVED/ASK redirections followed per key before its block counts as failed: each key has
 its own, so a batch over many moved slots is served as each key alone would be."""
@@ -930,16 +939,28 @@ class RemoteTier(BacklogFigures):
         deadline: Deadline,
     ) -> list[_Status]:
         """GET each value straight into its view: the length first (a wrong one is refused
-        unread), then header and key (checked), then the payload, checksummed in place."""
+        unread), then header and key (checked), then the payload, checksummed in place.
+        The GETs go out :data:`READ_WINDOW` bytes of values ahead of those received."""
         prefix = ASKING if asking else b""
-        connection.send([b"".join(prefix + command(b"GET", names[i]) for i in indices)], deadline)
+        gets = [prefix + command(b"GET", names[i]) for i in indices]
+        sent = 0
+        ahead = 0  # bytes of the values asked for and not yet received
         statuses: list[_Status] = []
         for position, index in enumerate(indices):
+            if sent < len(indices) and ahead <= READ_WINDOW // 2:
+                first = sent
+                while sent < len(indices) and (
+                    sent == position or ahead + sizes[indices[sent]] <= READ_WINDOW
+                ):
+                    ahead += sizes[indices[sent]]
+                    sent += 1
+                connection.send([b"".join(gets[first:sent])], deadline)
+            size = sizes[index]
+            ahead -= size
             if asking:
                 _ok(connection.read_reply(deadline, MAX_LINE))
             view = views[index]
             assert view is not None
-            size = sizes[index]
             large = size >= DIRECT_BELOW
             length = connection.read_bulk_length(deadline, large)
             if isinstance(length, ErrorReply):
