@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from kvoffload.tiers.breaker import CircuitBreaker, Pass
 
@@ -94,18 +94,32 @@ class Job(Generic[T]):
         self.future.set_result(self.failed)
 
 
-class _Watchdog:
+class Expiring(Protocol):
+    """What a :class:`Watchdog` watches: a future it expires unless done by its deadline."""
+
+    @property
+    def deadline(self) -> float:
+        """When to expire it (``time.monotonic``)."""
+        ...
+
+    @property
+    def future(self) -> Future[Any]: ...
+
+    def expire(self) -> None: ...
+
+
+class Watchdog:
     """One daemon thread that expires the jobs whose deadline passed."""
 
     def __init__(self, name: str) -> None:
-        self._heap: list[tuple[float, int, Job[Any]]] = []
+        self._heap: list[tuple[float, int, Expiring]] = []
         self._order = itertools.count()
         self._wake = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def watch(self, job: Job[T]) -> None:
+    def watch(self, job: Expiring) -> None:
         with self._wake:
             heapq.heappush(self._heap, (job.deadline, next(self._order), job))
             self._wake.notify()
@@ -118,7 +132,7 @@ class _Watchdog:
 
     def _run(self) -> None:
         while True:
-            due: list[Job[Any]] = []
+            due: list[Expiring] = []
             with self._wake:
                 if self._closed:
                     return
@@ -196,7 +210,7 @@ class DeadlineStripes:
         """Set by :meth:`close`: later jobs fail at once, where no thread would ever run
         them and no watchdog expire them."""
         self._stripes = [_Stripe(f"{name}-{i}") for i in range(count)]
-        self._watchdog = _Watchdog(f"{name}-deadline")
+        self._watchdog = Watchdog(f"{name}-deadline")
 
     def __len__(self) -> int:
         return len(self._stripes)

@@ -47,7 +47,7 @@ from kvoffload.core.tier_protocol import Target, TierStats, check_io_threads
 from kvoffload.tiers.backlog import BacklogFigures, WriteBacklog, default_pending_bytes
 from kvoffload.tiers.block_sets import BlockWrite, DigestsAhead, pack_sets
 from kvoffload.tiers.breaker import CircuitBreaker, Pass
-from kvoffload.tiers.deadline import done_future
+from kvoffload.tiers.deadline import Watchdog, done_future
 from kvoffload.tiers.format import (
     HEADER_BYTES,
     TRAILED_VERSION,
@@ -339,6 +339,8 @@ class RemoteTier(BacklogFigures):
         """Reads apart from the writes: a read's deadline starts when it is asked, not once
         the write pipelines queued before it (each with a deadline of its own bytes, up to
         seconds) have gone out or failed, as on a hung server."""
+        self._waiting = Watchdog("kvoffload-remote-read-deadline")
+        """Fails the reads still waiting for a read thread at their deadline."""
         self._ahead = ThreadPoolExecutor(io_threads, "kvoffload-remote-ahead")
         """Hashes a batch's single-buffer payloads while they go out (one per I/O thread)."""
         self._writes: list[_WriteJob] = []
@@ -416,10 +418,22 @@ class RemoteTier(BacklogFigures):
         return found
 
     def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
+        """Read ``keys`` into ``target`` on a read thread, under a deadline that starts now:
+        a read still waiting for a thread ``timeout_ms`` after it was asked (behind reads
+        of larger batches, or on a hung server) fails unsent, counted, so its caller
+        waits no longer than its deadline."""
         keys = list(keys)
+        asked = time.monotonic()
         with self._lock:  # close sets _closed under it: no call submits to a pool shut down
             if not self._closed:
-                return self._reads.submit(self._read, keys, target)
+                queued = _QueuedRead(
+                    self._reads.submit(self._read, keys, target, asked),
+                    asked + self.address.timeout_s,
+                    len(keys),
+                    self._unsent,
+                )
+                self._waiting.watch(queued)
+                return queued.outcome
         return done_future([False] * len(keys))
 
     def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> None:
@@ -492,6 +506,7 @@ class RemoteTier(BacklogFigures):
         self.poll(wait=True)
         self._pool.shutdown(wait=True)
         self._reads.shutdown(wait=True)
+        self._waiting.close()
         self._ahead.shutdown(wait=True)
         with self._lock:
             refresher = self._refresher
@@ -534,10 +549,10 @@ class RemoteTier(BacklogFigures):
 
     # The one funnel of every runtime operation.
 
-    def _deadline(self, size: int) -> Deadline:
+    def _deadline(self, size: int, since: float | None = None) -> Deadline:
         """One operation's deadline: ``timeout_ms`` plus its ``size`` bytes at
-        :data:`SLOWEST_LINK`."""
-        return Deadline(self.address.timeout_s + size / SLOWEST_LINK)
+        :data:`SLOWEST_LINK`, from ``since`` (default: now)."""
+        return Deadline(self.address.timeout_s + size / SLOWEST_LINK, since)
 
     def _call(
         self,
@@ -887,7 +902,13 @@ class RemoteTier(BacklogFigures):
                 raise ServerReplyError(reply.message)
         return replies
 
-    def _read(self, keys: list[OffloadKey], target: Target) -> list[bool]:
+    def _unsent(self, blocks: int) -> None:
+        """A read of ``blocks`` failed unsent, its deadline come while it waited."""
+        with self._lock:
+            self.unavailable += 1
+        self.stats.add(failed=blocks)
+
+    def _read(self, keys: list[OffloadKey], target: Target, asked: float) -> list[bool]:
         names = [self.name(key) for key in keys]
         views = [destination_parts(target, i) for i in range(len(keys))]
         outcome = [False] * len(keys)
@@ -895,7 +916,7 @@ class RemoteTier(BacklogFigures):
         failed = sum(view is None for view in views)
         sizes = [0 if view is None else sum(part.nbytes for part in view) for view in views]
         readable = [i for i, view in enumerate(views) if view is not None]
-        deadline = self._deadline(sum(len(names[i]) + sizes[i] for i in readable))
+        deadline = self._deadline(sum(len(names[i]) + sizes[i] for i in readable), asked)
         groups = self._by_node(names, readable)
         jobs: list[_Job] = [(node, got, False, 0) for node, got in groups.items()]
         while jobs:
@@ -1107,6 +1128,40 @@ class RemoteTier(BacklogFigures):
         if error is not None:
             raise ServerReplyError(error.message)
         return statuses
+
+
+class _QueuedRead:
+    """A read on the read threads and the future its caller holds: the read's, or, if no
+    thread took the read by ``deadline``, a failure (counted by ``unsent``)."""
+
+    __slots__ = ("blocks", "deadline", "future", "outcome", "unsent")
+
+    def __init__(
+        self,
+        future: Future[list[bool]],
+        deadline: float,
+        blocks: int,
+        unsent: Callable[[int], None],
+    ) -> None:
+        self.future = future
+        self.deadline = deadline
+        self.blocks = blocks
+        self.unsent = unsent
+        self.outcome: Future[list[bool]] = Future()
+        future.add_done_callback(self._done)
+
+    def expire(self) -> None:
+        """The deadline came: the read fails unless a thread took it (it then ends by it)."""
+        self.future.cancel()
+
+    def _done(self, future: Future[list[bool]]) -> None:
+        if future.cancelled():
+            self.unsent(self.blocks)
+            self.outcome.set_result([False] * self.blocks)
+        elif (error := future.exception()) is not None:
+            self.outcome.set_exception(error)
+        else:
+            self.outcome.set_result(future.result())
 
 
 def _allow(breakers: tuple[CircuitBreaker, ...]) -> list[tuple[CircuitBreaker, Pass]] | None:
