@@ -1470,3 +1470,37 @@ def test_pooled_connections_are_reused_in_a_process_with_over_1024_descriptors(
     finally:
         tier.delete_all()
         tier.close()
+
+
+def test_a_value_found_corrupt_as_a_read_runs_out_of_time_is_still_deleted(
+    tmp_path: Path,
+) -> None:
+    """A read of a block on a paused node and a corrupt block on another asks the corrupt
+    one's node first (the last node's part goes first), then the paused node takes the
+    rest of the deadline: the corrupt value is deleted all the same, under a deadline of
+    its own. (Its deletion was skipped with no time left: the value stayed, held by every
+    lookup and failed by every read.)"""
+    cluster = ValkeyClusterProcesses(tmp_path / "late-corrupt").start()
+    hosts = ",".join(f"127.0.0.1:{node.port}" for node in cluster.nodes)
+    tier = RemoteTier(f"redis://{hosts}?timeout_ms=300", fingerprint("late-corrupt"))
+    paused, other = cluster.nodes[0], cluster.nodes[1]
+    process = paused.process
+    assert process is not None
+    try:
+        keys = [block_id_key(i, 16) for i in range(200)]
+        ports = [tier.node_address(tier.name(key))[1] for key in keys]
+        hung = keys[ports.index(paused.port)]
+        bad = keys[ports.index(other.port)]
+        store(tier, [hung, bad])
+        flipped = bytearray(other.client().get(tier.name(bad)) or b"")
+        flipped[-1] ^= 0x10
+        other.client().set(tier.name(bad), bytes(flipped))
+        process.send_signal(signal.SIGSTOP)
+        assert read(tier, [hung, bad]) == [False, False]
+        assert tier.stats.corrupt == 1
+        tier.close()  # waits for the deletion, if one was handed on
+        assert other.client().exists(tier.name(bad)) == 0
+    finally:
+        process.send_signal(signal.SIGCONT)
+        tier.close()
+        cluster.stop()

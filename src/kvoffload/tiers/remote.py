@@ -943,10 +943,25 @@ class RemoteTier(BacklogFigures):
             elif moved:
                 jobs += [(where, got, ask, hops + 1) for (where, ask), got in moved.items()]
         if corrupt:
-            for node, indices in self._by_node(names, corrupt).items():
-                self._call(node, partial(self._delete, [names[i] for i in indices]), deadline)
+            self._delete_corrupt([names[i] for i in corrupt], deadline)
         self.stats.add(hit_blocks=sum(outcome), corrupt=len(corrupt), failed=failed)
         return outcome
+
+    def _delete_corrupt(self, names: list[bytes], deadline: Deadline) -> None:
+        """Delete the values ``names`` a read found corrupt: in what is left of its
+        ``deadline``, or, if none is, on a write thread under a deadline of their own (left
+        in place, each was held by every lookup and failed by every read of it, until one
+        found it with time to spare)."""
+        if not deadline.passed():
+            self._delete_all_of(names, deadline)
+            return
+        with self._lock:  # close sets _closed under it: no call submits to a pool shut down
+            if not self._closed:
+                self._pool.submit(lambda: self._delete_all_of(names, self._deadline(0)))
+
+    def _delete_all_of(self, names: list[bytes], deadline: Deadline) -> None:
+        for node, indices in self._by_node(names, range(len(names))).items():
+            self._call(node, partial(self._delete, [names[i] for i in indices]), deadline)
 
     def _get_into(
         self,
