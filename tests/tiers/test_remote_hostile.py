@@ -46,6 +46,7 @@ from tier_servers import (
     FakeValkeyCluster,
     ValkeyClusterProcesses,
     ValkeyProcess,
+    _cluster_ok,
     free_port,
 )
 
@@ -1503,4 +1504,38 @@ def test_a_value_found_corrupt_as_a_read_runs_out_of_time_is_still_deleted(
     finally:
         process.send_signal(signal.SIGCONT)
         tier.close()
+        cluster.stop()
+
+
+def test_delete_all_follows_a_del_redirected_by_a_node_now_a_replica(tmp_path: Path) -> None:
+    """After a failover the tier's slot map still names the old primary, now a replica: its
+    SCAN lists the blocks, its DEL answers MOVED to the promoted replica, and the DEL is
+    sent there, so every block goes. (The first MOVED ended the node's deletion: the
+    promoted replica's blocks, all of those slots', stayed.)"""
+    cluster = ValkeyClusterProcesses(tmp_path / "delete-all").start()
+    replica = None
+    tier = RemoteTier(cluster.url, fingerprint("delete-all"))
+    try:
+        keys = [block_id_key(i, 17) for i in range(30)]
+        store(tier, keys)
+        old = cluster.nodes[2]
+        held = sum(tier.node_address(tier.name(k))[1] == old.port for k in keys)
+        assert 0 < held < len(keys)
+        replica = replica_of(old, tmp_path / "replica")
+        replica.client().execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
+        until = time.monotonic() + STALL_S
+        while (
+            old.client().execute_command("ROLE")[::3] != [b"slave", b"connected"]
+            or old.client().dbsize() < held  # resynced from the promoted replica
+            or not all(_cluster_ok(node) for node in [*cluster.nodes, replica])
+        ):
+            assert time.monotonic() < until, "the old primary never followed the new one"
+            time.sleep(0.05)
+        assert tier.delete_all() == len(keys)
+        primaries = [*cluster.nodes[:2], replica]
+        assert [node.client().dbsize() for node in primaries] == [0, 0, 0]
+    finally:
+        tier.close()
+        if replica is not None:
+            replica.stop()
         cluster.stop()

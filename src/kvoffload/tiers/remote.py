@@ -519,18 +519,20 @@ class RemoteTier(BacklogFigures):
 
     def delete_all(self) -> int:
         """Delete every block under this tier's fingerprint (for tests and resets); none
-        once closed."""
+        once closed. Each node's names are scanned, then deleted where the slot map puts
+        them, a redirected DEL followed (a slot moved meanwhile, a node now a replica)."""
         deleted = 0
         if self._closed:
             return deleted
         for node in self._primaries():
             cursor = b"0"
             while True:  # a deadline per page: a large keyspace takes many
-                page = self._call(node, partial(self._scan_page, cursor), self._deadline(0))
+                deadline = self._deadline(0)
+                page = self._call(node, partial(self._scan_page, cursor), deadline)
                 if page is None:
                     break
-                cursor, count = page
-                deleted += count
+                cursor, names = page
+                deleted += self._delete_names(names, deadline)
                 if cursor == b"0":
                     break
         return deleted
@@ -953,15 +955,33 @@ class RemoteTier(BacklogFigures):
         in place, each was held by every lookup and failed by every read of it, until one
         found it with time to spare)."""
         if not deadline.passed():
-            self._delete_all_of(names, deadline)
+            self._delete_names(names, deadline)
             return
         with self._lock:  # close sets _closed under it: no call submits to a pool shut down
             if not self._closed:
-                self._pool.submit(lambda: self._delete_all_of(names, self._deadline(0)))
+                self._pool.submit(lambda: self._delete_names(names, self._deadline(0)))
 
-    def _delete_all_of(self, names: list[bytes], deadline: Deadline) -> None:
-        for node, indices in self._by_node(names, range(len(names))).items():
-            self._call(node, partial(self._delete, [names[i] for i in indices]), deadline)
+    def _delete_names(self, names: list[bytes], deadline: Deadline) -> int:
+        """DEL each of ``names`` on its node, a redirected one where it points (after ASKING
+        for an ``ASK``), at most :data:`MAX_HOPS` times; how many the servers deleted."""
+        deleted = 0
+        jobs: list[_Job] = [
+            (node, got, False, 0) for node, got in self._by_node(names, range(len(names))).items()
+        ]
+        while jobs:
+            node, indices, asking, hops = jobs.pop()
+            replies = self._call(node, partial(self._delete, names, indices, asking), deadline)
+            if replies is None:
+                continue
+            moved: dict[tuple[_Node, bool], list[int]] = {}
+            for index, reply in zip(indices, replies, strict=True):
+                if isinstance(reply, _Redirect):
+                    moved.setdefault((self._follow(reply, node), reply.ask), []).append(index)
+                else:
+                    deleted += reply
+            if hops < MAX_HOPS:
+                jobs += [(where, got, ask, hops + 1) for (where, ask), got in moved.items()]
+        return deleted
 
     def _get_into(
         self,
@@ -1052,15 +1072,33 @@ class RemoteTier(BacklogFigures):
             return _CORRUPT
         return _HIT if digest.intdigest() == parse_trailer(trailer) else _CORRUPT
 
-    def _delete(self, names: list[bytes], connection: Connection, deadline: Deadline) -> None:
-        connection.send([b"".join(command(b"DEL", name) for name in names)], deadline)
-        for _ in names:
-            connection.read_reply(deadline, MAX_LINE)  # a redirected one is left for later
+    def _delete(
+        self,
+        names: list[bytes],
+        indices: list[int],
+        asking: bool,
+        connection: Connection,
+        deadline: Deadline,
+    ) -> list[int | _Redirect]:
+        """DEL each name (one each: a Cluster refuses one over several slots): how many it
+        deleted (0 or 1), or its redirection."""
+        prefix = ASKING if asking else b""
+        connection.send([b"".join(prefix + command(b"DEL", names[i]) for i in indices)], deadline)
+        replies: list[Reply] = []
+        for _ in indices:
+            if asking:
+                _ok(connection.read_reply(deadline, MAX_LINE))
+            replies.append(connection.read_reply(deadline, MAX_LINE))
+        counts: list[int | _Redirect] = []
+        for reply in replies:
+            redirect = _redirect(reply) if isinstance(reply, ErrorReply) else None
+            counts.append(redirect or int(_ok(reply) == 1))
+        return counts
 
     def _scan_page(
         self, cursor: bytes, connection: Connection, deadline: Deadline
-    ) -> tuple[bytes, int]:
-        """One SCAN page of this tier's names, deleted; the next cursor (``b"0"``: done)."""
+    ) -> tuple[bytes, list[bytes]]:
+        """One SCAN page of this tier's names; the next cursor (``b"0"``: done)."""
         connection.send(
             [command(b"SCAN", cursor, b"MATCH", self._prefix + b"*", b"COUNT", 1000)], deadline
         )
@@ -1068,11 +1106,7 @@ class RemoteTier(BacklogFigures):
         if not isinstance(reply, list) or len(reply) != 2 or not isinstance(reply[1], list):
             raise ServerReplyError("SCAN gave a reply of an unknown shape")
         found = [name for name in reply[1] if isinstance(name, bytes)]
-        deleted = 0
-        if found:  # one DEL each: a Cluster refuses one over several slots
-            connection.send([b"".join(command(b"DEL", name) for name in found)], deadline)
-            deleted = sum(_ok(connection.read_reply(deadline, MAX_LINE)) == 1 for _ in found)
-        return (reply[0] if isinstance(reply[0], bytes) else b"0"), deleted
+        return (reply[0] if isinstance(reply[0], bytes) else b"0"), found
 
     def _write_then(
         self, release: Callable[[], None], keys: list[OffloadKey], payloads: list[bytes]
