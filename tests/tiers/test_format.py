@@ -8,6 +8,7 @@ from kvoffload import block_id_key
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.layout import layout_preset
 from kvoffload.tiers import CircuitBreaker, CorruptBlockError, layout_fingerprint, parse_remote_url
+from kvoffload.tiers.breaker import Pass
 from kvoffload.tiers.format import HEADER_BYTES, decode_block, encode_block
 
 FP = layout_fingerprint("m", layout_preset("tiny"), 16)
@@ -124,17 +125,76 @@ def test_url_errors_never_show_the_password(url: str, shown: str) -> None:
 def test_the_breaker_opens_cools_down_and_closes_on_a_good_trial() -> None:
     now = [0.0]
     breaker = CircuitBreaker(threshold=2, cooldown_s=1.0, clock=lambda: now[0])
-    breaker.failure()
-    assert breaker.allow()
-    breaker.failure()
-    assert breaker.is_open and not breaker.allow()
+    first = breaker.allow()
+    assert first is not None
+    breaker.failure(first)
+    second = breaker.allow()
+    assert second is not None
+    breaker.failure(second)
+    assert breaker.is_open and breaker.allow() is None
     now[0] = 1.5
-    assert breaker.allow()  # the one trial
-    assert not breaker.allow()  # no second one while it runs
-    breaker.failure()  # the trial failed: open again, cooling down from now
+    trial = breaker.allow()  # the one trial
+    assert trial is not None
+    assert breaker.allow() is None  # no second one while it runs
+    breaker.failure(trial)  # the trial failed: open again, cooling down from now
     now[0] = 2.0
-    assert not breaker.allow()
+    assert breaker.allow() is None
     now[0] = 2.6
-    assert breaker.allow()
-    breaker.success()
+    trial = breaker.allow()
+    assert trial is not None
+    breaker.success(trial)
     assert not breaker.is_open and breaker.allow() and breaker.times_opened == 1
+
+
+def _opened_with_a_call_under_way(now: list[float], threshold: int) -> tuple[CircuitBreaker, Pass]:
+    """A breaker opened at 0 by ``threshold`` failures, and the pass of a call let through
+    before, still under way."""
+    breaker = CircuitBreaker(threshold=threshold, cooldown_s=1.0, clock=lambda: now[0])
+    passes = [breaker.allow() for _ in range(threshold + 1)]
+    assert all(passes)
+    for failed in passes[:threshold]:
+        assert failed is not None
+        breaker.failure(failed)
+    late = passes[threshold]
+    assert breaker.is_open and late is not None
+    return breaker, late
+
+
+def test_a_late_failure_does_not_restamp_the_opening() -> None:
+    """A call let through before the breaker opened, failing near the end of the cool-down,
+    leaves the trial due at the end of it. (It restamped the opening: the breaker stayed
+    open a cool-down longer, and as long again for each such call.)"""
+    now = [0.0]
+    breaker, late = _opened_with_a_call_under_way(now, threshold=2)
+    now[0] = 0.9
+    breaker.failure(late)
+    now[0] = 1.5
+    assert breaker.allow() is not None
+
+
+def test_a_late_failure_or_excuse_does_not_end_the_trial_under_way() -> None:
+    """While the trial runs, a call let through before the opening failing or excused is
+    not the trial's outcome: no second trial is let through. (Either cleared the trial,
+    and the next call went through as a second one beside it.)"""
+    for outcome in (CircuitBreaker.failure, CircuitBreaker.excuse):
+        now = [0.0]
+        breaker, late = _opened_with_a_call_under_way(now, threshold=1)
+        now[0] = 1.5
+        assert breaker.allow() is not None  # the trial
+        outcome(breaker, late)
+        now[0] = 3.0
+        assert breaker.allow() is None
+
+
+def test_a_late_failure_does_not_reopen_what_a_trial_closed() -> None:
+    """A call let through before the opening failing after the trial closed the breaker
+    leaves it closed. (With threshold 1 it opened it again: the trial's success was
+    overruled by a failure older than it.)"""
+    now = [0.0]
+    breaker, late = _opened_with_a_call_under_way(now, threshold=1)
+    now[0] = 1.5
+    trial = breaker.allow()
+    assert trial is not None
+    breaker.success(trial)
+    breaker.failure(late)
+    assert not breaker.is_open and breaker.times_opened == 1

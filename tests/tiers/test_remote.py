@@ -470,6 +470,34 @@ def test_blocks_the_server_evicted_are_plain_misses(tmp_path: Path) -> None:
         server.stop()
 
 
+def test_a_batch_larger_than_the_server_s_output_buffer_limit_is_read_whole(
+    tmp_path: Path,
+) -> None:
+    """A server with ``client-output-buffer-limit normal 24mb`` serves a 128 MiB read batch,
+    twice: its GETs go out as the values come in, so the replies waiting in the server's
+    output buffer stay under the limit. (Sent all at once, the replies piled up past it and
+    the server closed the connection: every block of the batch failed.)"""
+    limit = "normal 24mb 0 0"
+    server = ValkeyProcess(tmp_path / "obuf", "--client-output-buffer-limit", limit).start()
+    size = 2**20
+    keys = [block_id_key(i) for i in range(128)]
+    try:
+        tier = RemoteTier(server.url, layout_fingerprint("obuf", layout_preset("tiny"), size))
+        try:
+            tier.write(keys, [content(key, size) for key in keys])
+            tier.poll(wait=True)
+            assert tier.stats.stored_blocks == len(keys)
+            buffers = [bytearray(size) for _ in keys]
+            for _ in range(2):
+                ok = tier.read(keys, lambda i: memoryview(buffers[i])).result(timeout=30)
+                assert ok == [True] * len(keys) and tier.unavailable == 0
+            assert all(bytes(buffers[i]) == content(key, size) for i, key in enumerate(keys))
+        finally:
+            tier.close()
+    finally:
+        server.stop()
+
+
 def test_a_full_server_refusing_stores_still_serves_loads(tmp_path: Path) -> None:
     """With maxmemory and Valkey's default policy, noeviction, a full server answers SET
     with OOM: the stores fail, but the server is up, so its breaker stays closed and the

@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 
-from tier_helpers import content, finishes
+from tier_helpers import STALL_S, content, finishes
 from tier_helpers import remote_read as read
 from tier_helpers import remote_store as store
 from tier_helpers import tiny_fingerprint as fingerprint
@@ -131,6 +131,38 @@ def test_a_read_is_not_held_behind_writes_to_a_paused_server(own_server: ValkeyP
         assert tier.stats.failed == 1  # the read's block alone: no write has ended yet
         finishes(lambda: tier.poll(wait=True))
         assert tier.stats.failed == 1 + len(written)
+    finally:
+        process.send_signal(signal.SIGCONT)
+        tier.close()
+
+
+def test_a_read_queued_behind_another_fails_by_its_own_deadline(
+    own_server: ValkeyProcess,
+) -> None:
+    """On one read thread, a one-block read asked behind a 16 MiB read to a paused server
+    fails by its own deadline (0.5 s from when it was asked), before the 16 MiB read's
+    (0.5 s + 0.17 s) frees the thread: the server resumed then serves it nothing. (Its
+    deadline started once the thread took it: it waited the 16 MiB read out, then got
+    0.5 s more, and loaded from the resumed server.)"""
+    own_server.start()
+    process = own_server.process
+    assert process is not None
+    size = 8 * 2**20
+    breaker = CircuitBreaker(threshold=100)  # the read ahead's failure refuses nothing
+    tier = RemoteTier(
+        own_server.url_with(500), fingerprint("queued", size), breaker=breaker, io_threads=1
+    )
+    try:
+        store(tier, KEYS[:3], size)
+        buffers = [bytearray(size) for _ in range(3)]
+        process.send_signal(signal.SIGSTOP)
+        ahead = tier.read(KEYS[:2], lambda i: memoryview(buffers[i]))
+        queued = tier.read(KEYS[2:3], lambda i: memoryview(buffers[2]))
+        assert ahead.result(timeout=STALL_S) == [False, False]
+        process.send_signal(signal.SIGCONT)
+        assert queued.result(timeout=STALL_S) == [False]
+        assert tier.stats.failed == 3 and tier.unavailable == 2
+        assert read(tier, KEYS[2:3], size) == [True]  # the thread is free again
     finally:
         process.send_signal(signal.SIGCONT)
         tier.close()

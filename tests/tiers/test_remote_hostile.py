@@ -46,6 +46,7 @@ from tier_servers import (
     FakeValkeyCluster,
     ValkeyClusterProcesses,
     ValkeyProcess,
+    _cluster_ok,
     free_port,
 )
 
@@ -1470,3 +1471,71 @@ def test_pooled_connections_are_reused_in_a_process_with_over_1024_descriptors(
     finally:
         tier.delete_all()
         tier.close()
+
+
+def test_a_value_found_corrupt_as_a_read_runs_out_of_time_is_still_deleted(
+    tmp_path: Path,
+) -> None:
+    """A read of a block on a paused node and a corrupt block on another asks the corrupt
+    one's node first (the last node's part goes first), then the paused node takes the
+    rest of the deadline: the corrupt value is deleted all the same, under a deadline of
+    its own. (Its deletion was skipped with no time left: the value stayed, held by every
+    lookup and failed by every read.)"""
+    cluster = ValkeyClusterProcesses(tmp_path / "late-corrupt").start()
+    hosts = ",".join(f"127.0.0.1:{node.port}" for node in cluster.nodes)
+    tier = RemoteTier(f"redis://{hosts}?timeout_ms=300", fingerprint("late-corrupt"))
+    paused, other = cluster.nodes[0], cluster.nodes[1]
+    process = paused.process
+    assert process is not None
+    try:
+        keys = [block_id_key(i, 16) for i in range(200)]
+        ports = [tier.node_address(tier.name(key))[1] for key in keys]
+        hung = keys[ports.index(paused.port)]
+        bad = keys[ports.index(other.port)]
+        store(tier, [hung, bad])
+        flipped = bytearray(other.client().get(tier.name(bad)) or b"")
+        flipped[-1] ^= 0x10
+        other.client().set(tier.name(bad), bytes(flipped))
+        process.send_signal(signal.SIGSTOP)
+        assert read(tier, [hung, bad]) == [False, False]
+        assert tier.stats.corrupt == 1
+        tier.close()  # waits for the deletion, if one was handed on
+        assert other.client().exists(tier.name(bad)) == 0
+    finally:
+        process.send_signal(signal.SIGCONT)
+        tier.close()
+        cluster.stop()
+
+
+def test_delete_all_follows_a_del_redirected_by_a_node_now_a_replica(tmp_path: Path) -> None:
+    """After a failover the tier's slot map still names the old primary, now a replica: its
+    SCAN lists the blocks, its DEL answers MOVED to the promoted replica, and the DEL is
+    sent there, so every block goes. (The first MOVED ended the node's deletion: the
+    promoted replica's blocks, all of those slots', stayed.)"""
+    cluster = ValkeyClusterProcesses(tmp_path / "delete-all").start()
+    replica = None
+    tier = RemoteTier(cluster.url, fingerprint("delete-all"))
+    try:
+        keys = [block_id_key(i, 17) for i in range(30)]
+        store(tier, keys)
+        old = cluster.nodes[2]
+        held = sum(tier.node_address(tier.name(k))[1] == old.port for k in keys)
+        assert 0 < held < len(keys)
+        replica = replica_of(old, tmp_path / "replica")
+        replica.client().execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
+        until = time.monotonic() + STALL_S
+        while (
+            old.client().execute_command("ROLE")[::3] != [b"slave", b"connected"]
+            or old.client().dbsize() < held  # resynced from the promoted replica
+            or not all(_cluster_ok(node) for node in [*cluster.nodes, replica])
+        ):
+            assert time.monotonic() < until, "the old primary never followed the new one"
+            time.sleep(0.05)
+        assert tier.delete_all() == len(keys)
+        primaries = [*cluster.nodes[:2], replica]
+        assert [node.client().dbsize() for node in primaries] == [0, 0, 0]
+    finally:
+        tier.close()
+        if replica is not None:
+            replica.stop()
+        cluster.stop()

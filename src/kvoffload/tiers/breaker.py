@@ -14,11 +14,24 @@ from collections.abc import Callable
 from kvoffload.core.errors import InvalidArgumentError
 
 
+class Pass:
+    """One call :meth:`CircuitBreaker.allow` let through: the state of the breaker it began
+    in, so an outcome that comes back after the breaker opened or closed is known as late."""
+
+    __slots__ = ("era",)
+
+    def __init__(self, era: int) -> None:
+        self.era = era
+
+
 class CircuitBreaker:
     """Opens after ``threshold`` consecutive failures; half-opens after ``cooldown_s``.
 
     Thread-safe: the scheduler thread and the tier's I/O threads share it.
-    ``clock`` is injectable so tests need not sleep.
+    ``clock`` is injectable so tests need not sleep. Each call's outcome is told with
+    the :class:`Pass` it was let through with: a call that began before the breaker last
+    opened or closed and fails (or is excused) after neither restamps the opening nor
+    reopens it, nor ends the trial under way.
     """
 
     def __init__(
@@ -37,43 +50,57 @@ class CircuitBreaker:
         self._lock = threading.Lock()
         self._failures = 0
         self._opened_at: float | None = None
-        self._trial_running = False
+        self._era = 0
+        """Moves on each time the breaker opens or closes."""
+        self._trial: Pass | None = None
         self.times_opened = 0
 
     @property
     def is_open(self) -> bool:
         return self._opened_at is not None
 
-    def allow(self) -> bool:
-        """Whether a call may go to the server now (at most one trial while half-open)."""
+    def allow(self) -> Pass | None:
+        """The call's pass if it may go to the server now (at most one trial while
+        half-open), else ``None``."""
         with self._lock:
             if self._opened_at is None:
-                return True
-            if self._trial_running or self._clock() - self._opened_at < self.cooldown_s:
-                return False
-            self._trial_running = True
-            return True
+                return Pass(self._era)
+            if self._trial is not None or self._clock() - self._opened_at < self.cooldown_s:
+                return None
+            self._trial = Pass(self._era)
+            return self._trial
 
-    def success(self) -> None:
+    def success(self, granted: Pass) -> None:
+        """The server answered: closed again, whenever the call began."""
         with self._lock:
             self._failures = 0
-            self._opened_at = None
-            self._trial_running = False
+            if self._opened_at is not None:
+                self._opened_at = None
+                self._era += 1
+            self._trial = None
 
-    def failure(self) -> None:
+    def failure(self, granted: Pass) -> None:
+        """A failure counts, or reopens after a failed trial, only from a call that began
+        in the breaker's present state."""
         with self._lock:
-            self._failures += 1
-            if self._trial_running or self._failures >= self.threshold:
-                if self._opened_at is None:
-                    self.times_opened += 1
-                self._opened_at = self._clock()
-            self._trial_running = False
+            if granted is self._trial:
+                self._trial = None
+            elif granted.era != self._era or self._opened_at is not None:
+                return
+            else:
+                self._failures += 1
+                if self._failures < self.threshold:
+                    return
+                self.times_opened += 1
+            self._opened_at = self._clock()
+            self._era += 1
 
-    def excuse(self) -> None:
+    def excuse(self, granted: Pass) -> None:
         """A call that failed for want of time it was never given: no failure counted; if
         it was the trial, the next call is let through as the trial."""
         with self._lock:
-            self._trial_running = False
+            if granted is self._trial:
+                self._trial = None
 
     def fresh(self) -> CircuitBreaker:
         """A closed breaker with these settings (one per Cluster node)."""

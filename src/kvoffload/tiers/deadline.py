@@ -27,9 +27,9 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
-from kvoffload.tiers.breaker import CircuitBreaker
+from kvoffload.tiers.breaker import CircuitBreaker, Pass
 
 T = TypeVar("T")
 
@@ -39,6 +39,7 @@ class Job(Generic[T]):
 
     __slots__ = (
         "_breaker",
+        "_pass",
         "_settled",
         "abandoned",
         "deadline",
@@ -53,6 +54,7 @@ class Job(Generic[T]):
         deadline: float,
         failed: T,
         breaker: CircuitBreaker,
+        granted: Pass,
         on_expire: Callable[[], None],
     ) -> None:
         self.future: Future[T] = Future()
@@ -63,11 +65,12 @@ class Job(Generic[T]):
         self.lock = threading.Lock()
         self.on_expire = on_expire
         self._breaker = breaker
+        self._pass = granted
 
     def finish(self, result: T) -> None:
         if not self.claim():
             return
-        self._breaker.success()  # before the caller hears: it finds the breaker closed
+        self._breaker.success(self._pass)  # before the caller hears: it finds the breaker closed
         self.future.set_result(result)  # outside the lock: callbacks run here
 
     def claim(self) -> bool:
@@ -86,23 +89,37 @@ class Job(Generic[T]):
             if self._settled or self.abandoned:
                 return
             self.abandoned = True
-        self._breaker.failure()  # counted before the caller hears of it
+        self._breaker.failure(self._pass)  # counted before the caller hears of it
         self.on_expire()
         self.future.set_result(self.failed)
 
 
-class _Watchdog:
+class Expiring(Protocol):
+    """What a :class:`Watchdog` watches: a future it expires unless done by its deadline."""
+
+    @property
+    def deadline(self) -> float:
+        """When to expire it (``time.monotonic``)."""
+        ...
+
+    @property
+    def future(self) -> Future[Any]: ...
+
+    def expire(self) -> None: ...
+
+
+class Watchdog:
     """One daemon thread that expires the jobs whose deadline passed."""
 
     def __init__(self, name: str) -> None:
-        self._heap: list[tuple[float, int, Job[Any]]] = []
+        self._heap: list[tuple[float, int, Expiring]] = []
         self._order = itertools.count()
         self._wake = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def watch(self, job: Job[T]) -> None:
+    def watch(self, job: Expiring) -> None:
         with self._wake:
             heapq.heappush(self._heap, (job.deadline, next(self._order), job))
             self._wake.notify()
@@ -115,7 +132,7 @@ class _Watchdog:
 
     def _run(self) -> None:
         while True:
-            due: list[Job[Any]] = []
+            due: list[Expiring] = []
             with self._wake:
                 if self._closed:
                     return
@@ -193,7 +210,7 @@ class DeadlineStripes:
         """Set by :meth:`close`: later jobs fail at once, where no thread would ever run
         them and no watchdog expire them."""
         self._stripes = [_Stripe(f"{name}-{i}") for i in range(count)]
-        self._watchdog = _Watchdog(f"{name}-deadline")
+        self._watchdog = Watchdog(f"{name}-deadline")
 
     def __len__(self) -> int:
         return len(self._stripes)
@@ -201,12 +218,14 @@ class DeadlineStripes:
     def submit(self, stripe: int, work: Callable[[Job[T]], T], failed: T, nbytes: int) -> Future[T]:
         """Run ``work`` on ``stripe``; its future holds ``failed`` if refused, raising, late
         or submitted after :meth:`close` began."""
-        if not self.breaker.allow():
+        granted = self.breaker.allow()
+        if granted is None:
             return done_future(failed)
         deadline = time.monotonic() + self.deadline_s + nbytes / self._bytes_per_s
-        job = Job(deadline, failed, self.breaker, self._count_expired)
+        job = Job(deadline, failed, self.breaker, granted, self._count_expired)
         with self._count_lock:
             if self._stopping:
+                self.breaker.excuse(granted)  # a trial that never runs is handed back
                 return done_future(failed)
             self._open.add(job.future)  # type: ignore[arg-type]
         job.future.add_done_callback(self._closed)  # type: ignore[arg-type]

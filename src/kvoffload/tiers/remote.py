@@ -3,10 +3,11 @@
 Values are trailed :mod:`~kvoffload.tiers.format` blocks (a checksummed header,
 the raw bytes, then their digest) under ``kvo3:<fingerprint hex>:<key hex>``, so two
 models never read each other's blocks. Reads are one pipeline of GETs per batch and node,
-each reply received straight into its destination slot and checksummed as it lands
-(:mod:`.resp`); writes one pipeline of SETs per batch and node, header, payload and
-digest sent apart (:mod:`.block_sets`), never joined, each piece of the payload hashed
-just before it goes out.
+sent :data:`READ_WINDOW` bytes of values ahead of those received, each reply received
+straight into its destination slot and checksummed as it lands (:mod:`.resp`); writes
+one pipeline of SETs per batch and node, header, payload and digest sent apart
+(:mod:`.block_sets`), never joined, each piece of the payload hashed just before it
+goes out.
 
 Every operation (a lookup, a read batch, a write pipeline) has one deadline on the whole
 of it, name lookup, connect, send and full reply, on every node it asks, retries and
@@ -45,8 +46,8 @@ from kvoffload.core.manager import EventLog, OffloadingEvent
 from kvoffload.core.tier_protocol import Target, TierStats, check_io_threads
 from kvoffload.tiers.backlog import BacklogFigures, WriteBacklog, default_pending_bytes
 from kvoffload.tiers.block_sets import BlockWrite, DigestsAhead, pack_sets
-from kvoffload.tiers.breaker import CircuitBreaker
-from kvoffload.tiers.deadline import done_future
+from kvoffload.tiers.breaker import CircuitBreaker, Pass
+from kvoffload.tiers.deadline import Watchdog, done_future
 from kvoffload.tiers.format import (
     HEADER_BYTES,
     TRAILED_VERSION,
@@ -85,6 +86,14 @@ SLOWEST_LINK = 100e6
 SKIP_BELOW = 1 << 20
 """A value of the wrong length up to this size is read and dropped; a longer one is
 never read: its connection is closed instead."""
+READ_WINDOW = 8 * 2**20
+"""Bytes of values a read asks one node for ahead of those it has received: a batch's GETs
+go out as its values come in (more once half of these have), so the replies the server
+holds for the connection stay small. Sent all at once, a large batch's replies piled up in
+the server's output buffer, and a ``client-output-buffer-limit normal`` set below them
+closed the connection: the whole batch failed, every time it was asked. Valkey counts
+about twice the values' bytes against that limit (its reply blocks): a limit of 16 MiB
+or more is never reached."""
 MAX_HOPS = 4
 """MOVED/ASK redirections followed per key before its block counts as failed: each key has
 its own, so a batch over many moved slots is served as each key alone would be."""
@@ -330,6 +339,8 @@ class RemoteTier(BacklogFigures):
         """Reads apart from the writes: a read's deadline starts when it is asked, not once
         the write pipelines queued before it (each with a deadline of its own bytes, up to
         seconds) have gone out or failed, as on a hung server."""
+        self._waiting = Watchdog("kvoffload-remote-read-deadline")
+        """Fails the reads still waiting for a read thread at their deadline."""
         self._ahead = ThreadPoolExecutor(io_threads, "kvoffload-remote-ahead")
         """Hashes a batch's single-buffer payloads while they go out (one per I/O thread)."""
         self._writes: list[_WriteJob] = []
@@ -407,10 +418,22 @@ class RemoteTier(BacklogFigures):
         return found
 
     def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
+        """Read ``keys`` into ``target`` on a read thread, under a deadline that starts now:
+        a read still waiting for a thread ``timeout_ms`` after it was asked (behind reads
+        of larger batches, or on a hung server) fails unsent, counted, so its caller
+        waits no longer than its deadline."""
         keys = list(keys)
+        asked = time.monotonic()
         with self._lock:  # close sets _closed under it: no call submits to a pool shut down
             if not self._closed:
-                return self._reads.submit(self._read, keys, target)
+                queued = _QueuedRead(
+                    self._reads.submit(self._read, keys, target, asked),
+                    asked + self.address.timeout_s,
+                    len(keys),
+                    self._unsent,
+                )
+                self._waiting.watch(queued)
+                return queued.outcome
         return done_future([False] * len(keys))
 
     def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> int:
@@ -485,6 +508,7 @@ class RemoteTier(BacklogFigures):
         self.poll(wait=True)
         self._pool.shutdown(wait=True)
         self._reads.shutdown(wait=True)
+        self._waiting.close()
         self._ahead.shutdown(wait=True)
         with self._lock:
             refresher = self._refresher
@@ -497,18 +521,20 @@ class RemoteTier(BacklogFigures):
 
     def delete_all(self) -> int:
         """Delete every block under this tier's fingerprint (for tests and resets); none
-        once closed."""
+        once closed. Each node's names are scanned, then deleted where the slot map puts
+        them, a redirected DEL followed (a slot moved meanwhile, a node now a replica)."""
         deleted = 0
         if self._closed:
             return deleted
         for node in self._primaries():
             cursor = b"0"
             while True:  # a deadline per page: a large keyspace takes many
-                page = self._call(node, partial(self._scan_page, cursor), self._deadline(0))
+                deadline = self._deadline(0)
+                page = self._call(node, partial(self._scan_page, cursor), deadline)
                 if page is None:
                     break
-                cursor, count = page
-                deleted += count
+                cursor, names = page
+                deleted += self._delete_names(names, deadline)
                 if cursor == b"0":
                     break
         return deleted
@@ -527,10 +553,10 @@ class RemoteTier(BacklogFigures):
 
     # The one funnel of every runtime operation.
 
-    def _deadline(self, size: int) -> Deadline:
+    def _deadline(self, size: int, since: float | None = None) -> Deadline:
         """One operation's deadline: ``timeout_ms`` plus its ``size`` bytes at
-        :data:`SLOWEST_LINK`."""
-        return Deadline(self.address.timeout_s + size / SLOWEST_LINK)
+        :data:`SLOWEST_LINK`, from ``since`` (default: now)."""
+        return Deadline(self.address.timeout_s + size / SLOWEST_LINK, since)
 
     def _call(
         self,
@@ -558,7 +584,8 @@ class RemoteTier(BacklogFigures):
                 self.unavailable += 1
             return None
         breakers = (node.breaker,) if lane is None else (lane, node.breaker)
-        if not _allow(breakers):
+        granted = _allow(breakers)
+        if granted is None:
             with self._lock:
                 self.unavailable += 1
             self._refresh_map_soon(node)
@@ -566,7 +593,7 @@ class RemoteTier(BacklogFigures):
         with self._lock:
             node.calls += 1
         try:
-            return self._call_on(node, op, deadline, breakers)
+            return self._call_on(node, op, deadline, granted)
         finally:
             with self._lock:
                 node.calls -= 1
@@ -576,9 +603,10 @@ class RemoteTier(BacklogFigures):
         node: _Node,
         op: Callable[[Connection, Deadline], T],
         deadline: Deadline,
-        breakers: tuple[CircuitBreaker, ...],
+        granted: list[tuple[CircuitBreaker, Pass]],
     ) -> T | None:
-        """:meth:`_call`'s part once ``breakers`` let it through."""
+        """:meth:`_call`'s part once its breakers let it through (``granted``: each with
+        the call's pass)."""
         begun = time.monotonic()
         connection = None
         try:
@@ -589,8 +617,8 @@ class RemoteTier(BacklogFigures):
                 connection.close()
             starved = deadline.at - begun < begun - deadline.since
             if isinstance(exc, ServerReplyError):  # an answer: the node is up (full, loading)
-                for breaker in breakers:
-                    breaker.success()
+                for breaker, ticket in granted:
+                    breaker.success(ticket)
                 if exc.code in REFUSES_STORES:
                     node.full_at = time.monotonic()
                 elif exc.code == NOT_SERVED:
@@ -599,18 +627,18 @@ class RemoteTier(BacklogFigures):
                     node.drop_idle()
                     self._resolver.expire(node.host, node.port)
             elif starved and deadline.passed():
-                for breaker in breakers:
-                    breaker.excuse()
+                for breaker, ticket in granted:
+                    breaker.excuse(ticket)
             else:
-                for breaker in breakers:
-                    breaker.failure()
+                for breaker, ticket in granted:
+                    breaker.failure(ticket)
                 self._refresh_map_soon(node)
             with self._lock:
                 self.unavailable += 1
             return None
         node.give(connection)
-        for breaker in breakers:
-            breaker.success()
+        for breaker, ticket in granted:
+            breaker.success(ticket)
         return result
 
     def _open(self, host: str, port: int, deadline: Deadline) -> Connection:
@@ -878,7 +906,13 @@ class RemoteTier(BacklogFigures):
                 raise ServerReplyError(reply.message)
         return replies
 
-    def _read(self, keys: list[OffloadKey], target: Target) -> list[bool]:
+    def _unsent(self, blocks: int) -> None:
+        """A read of ``blocks`` failed unsent, its deadline come while it waited."""
+        with self._lock:
+            self.unavailable += 1
+        self.stats.add(failed=blocks)
+
+    def _read(self, keys: list[OffloadKey], target: Target, asked: float) -> list[bool]:
         names = [self.name(key) for key in keys]
         views = [destination_parts(target, i) for i in range(len(keys))]
         outcome = [False] * len(keys)
@@ -886,7 +920,7 @@ class RemoteTier(BacklogFigures):
         failed = sum(view is None for view in views)
         sizes = [0 if view is None else sum(part.nbytes for part in view) for view in views]
         readable = [i for i, view in enumerate(views) if view is not None]
-        deadline = self._deadline(sum(len(names[i]) + sizes[i] for i in readable))
+        deadline = self._deadline(sum(len(names[i]) + sizes[i] for i in readable), asked)
         groups = self._by_node(names, readable)
         jobs: list[_Job] = [(node, got, False, 0) for node, got in groups.items()]
         while jobs:
@@ -913,10 +947,43 @@ class RemoteTier(BacklogFigures):
             elif moved:
                 jobs += [(where, got, ask, hops + 1) for (where, ask), got in moved.items()]
         if corrupt:
-            for node, indices in self._by_node(names, corrupt).items():
-                self._call(node, partial(self._delete, [names[i] for i in indices]), deadline)
+            self._delete_corrupt([names[i] for i in corrupt], deadline)
         self.stats.add(hit_blocks=sum(outcome), corrupt=len(corrupt), failed=failed)
         return outcome
+
+    def _delete_corrupt(self, names: list[bytes], deadline: Deadline) -> None:
+        """Delete the values ``names`` a read found corrupt: in what is left of its
+        ``deadline``, or, if none is, on a write thread under a deadline of their own (left
+        in place, each was held by every lookup and failed by every read of it, until one
+        found it with time to spare)."""
+        if not deadline.passed():
+            self._delete_names(names, deadline)
+            return
+        with self._lock:  # close sets _closed under it: no call submits to a pool shut down
+            if not self._closed:
+                self._pool.submit(lambda: self._delete_names(names, self._deadline(0)))
+
+    def _delete_names(self, names: list[bytes], deadline: Deadline) -> int:
+        """DEL each of ``names`` on its node, a redirected one where it points (after ASKING
+        for an ``ASK``), at most :data:`MAX_HOPS` times; how many the servers deleted."""
+        deleted = 0
+        jobs: list[_Job] = [
+            (node, got, False, 0) for node, got in self._by_node(names, range(len(names))).items()
+        ]
+        while jobs:
+            node, indices, asking, hops = jobs.pop()
+            replies = self._call(node, partial(self._delete, names, indices, asking), deadline)
+            if replies is None:
+                continue
+            moved: dict[tuple[_Node, bool], list[int]] = {}
+            for index, reply in zip(indices, replies, strict=True):
+                if isinstance(reply, _Redirect):
+                    moved.setdefault((self._follow(reply, node), reply.ask), []).append(index)
+                else:
+                    deleted += reply
+            if hops < MAX_HOPS:
+                jobs += [(where, got, ask, hops + 1) for (where, ask), got in moved.items()]
+        return deleted
 
     def _get_into(
         self,
@@ -930,16 +997,28 @@ class RemoteTier(BacklogFigures):
         deadline: Deadline,
     ) -> list[_Status]:
         """GET each value straight into its view: the length first (a wrong one is refused
-        unread), then header and key (checked), then the payload, checksummed in place."""
+        unread), then header and key (checked), then the payload, checksummed in place.
+        The GETs go out :data:`READ_WINDOW` bytes of values ahead of those received."""
         prefix = ASKING if asking else b""
-        connection.send([b"".join(prefix + command(b"GET", names[i]) for i in indices)], deadline)
+        gets = [prefix + command(b"GET", names[i]) for i in indices]
+        sent = 0
+        ahead = 0  # bytes of the values asked for and not yet received
         statuses: list[_Status] = []
         for position, index in enumerate(indices):
+            if sent < len(indices) and ahead <= READ_WINDOW // 2:
+                first = sent
+                while sent < len(indices) and (
+                    sent == position or ahead + sizes[indices[sent]] <= READ_WINDOW
+                ):
+                    ahead += sizes[indices[sent]]
+                    sent += 1
+                connection.send([b"".join(gets[first:sent])], deadline)
+            size = sizes[index]
+            ahead -= size
             if asking:
                 _ok(connection.read_reply(deadline, MAX_LINE))
             view = views[index]
             assert view is not None
-            size = sizes[index]
             large = size >= DIRECT_BELOW
             length = connection.read_bulk_length(deadline, large)
             if isinstance(length, ErrorReply):
@@ -995,15 +1074,33 @@ class RemoteTier(BacklogFigures):
             return _CORRUPT
         return _HIT if digest.intdigest() == parse_trailer(trailer) else _CORRUPT
 
-    def _delete(self, names: list[bytes], connection: Connection, deadline: Deadline) -> None:
-        connection.send([b"".join(command(b"DEL", name) for name in names)], deadline)
-        for _ in names:
-            connection.read_reply(deadline, MAX_LINE)  # a redirected one is left for later
+    def _delete(
+        self,
+        names: list[bytes],
+        indices: list[int],
+        asking: bool,
+        connection: Connection,
+        deadline: Deadline,
+    ) -> list[int | _Redirect]:
+        """DEL each name (one each: a Cluster refuses one over several slots): how many it
+        deleted (0 or 1), or its redirection."""
+        prefix = ASKING if asking else b""
+        connection.send([b"".join(prefix + command(b"DEL", names[i]) for i in indices)], deadline)
+        replies: list[Reply] = []
+        for _ in indices:
+            if asking:
+                _ok(connection.read_reply(deadline, MAX_LINE))
+            replies.append(connection.read_reply(deadline, MAX_LINE))
+        counts: list[int | _Redirect] = []
+        for reply in replies:
+            redirect = _redirect(reply) if isinstance(reply, ErrorReply) else None
+            counts.append(redirect or int(_ok(reply) == 1))
+        return counts
 
     def _scan_page(
         self, cursor: bytes, connection: Connection, deadline: Deadline
-    ) -> tuple[bytes, int]:
-        """One SCAN page of this tier's names, deleted; the next cursor (``b"0"``: done)."""
+    ) -> tuple[bytes, list[bytes]]:
+        """One SCAN page of this tier's names; the next cursor (``b"0"``: done)."""
         connection.send(
             [command(b"SCAN", cursor, b"MATCH", self._prefix + b"*", b"COUNT", 1000)], deadline
         )
@@ -1011,11 +1108,7 @@ class RemoteTier(BacklogFigures):
         if not isinstance(reply, list) or len(reply) != 2 or not isinstance(reply[1], list):
             raise ServerReplyError("SCAN gave a reply of an unknown shape")
         found = [name for name in reply[1] if isinstance(name, bytes)]
-        deleted = 0
-        if found:  # one DEL each: a Cluster refuses one over several slots
-            connection.send([b"".join(command(b"DEL", name) for name in found)], deadline)
-            deleted = sum(_ok(connection.read_reply(deadline, MAX_LINE)) == 1 for _ in found)
-        return (reply[0] if isinstance(reply[0], bytes) else b"0"), deleted
+        return (reply[0] if isinstance(reply[0], bytes) else b"0"), found
 
     def _write_then(
         self, release: Callable[[], None], keys: list[OffloadKey], payloads: list[bytes]
@@ -1088,15 +1181,53 @@ class RemoteTier(BacklogFigures):
         return statuses
 
 
-def _allow(breakers: tuple[CircuitBreaker, ...]) -> bool:
-    """Whether every one of ``breakers`` lets a call through; when one refuses, the trial
-    an earlier one let through is handed back (:meth:`CircuitBreaker.excuse`)."""
-    for position, breaker in enumerate(breakers):
-        if not breaker.allow():
-            for granted in breakers[:position]:
-                granted.excuse()
-            return False
-    return True
+class _QueuedRead:
+    """A read on the read threads and the future its caller holds: the read's, or, if no
+    thread took the read by ``deadline``, a failure (counted by ``unsent``)."""
+
+    __slots__ = ("blocks", "deadline", "future", "outcome", "unsent")
+
+    def __init__(
+        self,
+        future: Future[list[bool]],
+        deadline: float,
+        blocks: int,
+        unsent: Callable[[int], None],
+    ) -> None:
+        self.future = future
+        self.deadline = deadline
+        self.blocks = blocks
+        self.unsent = unsent
+        self.outcome: Future[list[bool]] = Future()
+        future.add_done_callback(self._done)
+
+    def expire(self) -> None:
+        """The deadline came: the read fails unless a thread took it (it then ends by it)."""
+        self.future.cancel()
+
+    def _done(self, future: Future[list[bool]]) -> None:
+        if future.cancelled():
+            self.unsent(self.blocks)
+            self.outcome.set_result([False] * self.blocks)
+        elif (error := future.exception()) is not None:
+            self.outcome.set_exception(error)
+        else:
+            self.outcome.set_result(future.result())
+
+
+def _allow(breakers: tuple[CircuitBreaker, ...]) -> list[tuple[CircuitBreaker, Pass]] | None:
+    """Each of ``breakers`` with the pass it let a call through with, if every one did;
+    when one refuses, the trial an earlier one let through is handed back
+    (:meth:`CircuitBreaker.excuse`)."""
+    granted: list[tuple[CircuitBreaker, Pass]] = []
+    for breaker in breakers:
+        ticket = breaker.allow()
+        if ticket is None:
+            for earlier, given in granted:
+                earlier.excuse(given)
+            return None
+        granted.append((breaker, ticket))
+    return granted
 
 
 def _ok(reply: Reply) -> Reply:

@@ -136,8 +136,9 @@ class Deadline:
 
     __slots__ = ("at", "since")
 
-    def __init__(self, seconds: float) -> None:
-        self.since = time.monotonic()
+    def __init__(self, seconds: float, since: float | None = None) -> None:
+        """``seconds`` from ``since`` (default: now)."""
+        self.since = time.monotonic() if since is None else since
         self.at = self.since + seconds
 
     def left(self) -> float:
