@@ -181,6 +181,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
+        check_one_kv_group(len(config.groups))
         self.release = running_release()
         self.settings: SpecSettings = parse_settings(set_keys(self.extra_config))
         if self.settings.remote_url is not None:
@@ -398,6 +399,18 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 kv_caches, self.num_blocks, self.blocks_per_chunk, region, self.rank_slot_bytes
             )
         return self._worker
+
+
+def check_one_kv_group(count: int) -> None:
+    """Refuse other than one KV-cache group: the worker copies one group's pages, and a hybrid
+    model (full attention beside sliding-window or Mamba layers) has several. The spec checks
+    at start-up, where vLLM's config lists the groups to offload, and the worker again when
+    it registers the caches."""
+    if count != 1:
+        raise InvalidArgumentError(
+            f"kvoffload's worker handles one KV-cache group, got {count} (a hybrid model: "
+            "full attention beside sliding-window or Mamba layers)"
+        )
 
 
 def set_keys(extra_config: Mapping[str, Any]) -> dict[str, Any]:
