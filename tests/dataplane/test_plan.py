@@ -85,10 +85,12 @@ def test_runs_split_where_cpu_rows_jump() -> None:
     assert PageMapping(np.empty(0, np.int64), np.empty(0, np.int64)).runs() == []
 
 
-def test_a_store_starting_inside_an_offloaded_block_is_refused() -> None:
-    # The request's block 1 is sub-block 1 of 2: copying it to sub-block 0 would misplace it.
-    spec = GPULoadStoreSpec([10, 11], [2], block_indices=[1])
-    with pytest.raises(InvalidArgumentError, match="offloaded-block boundary"):
-        map_store(spec, CPULoadStoreSpec([0]), 2, 20, 8)
+def test_a_store_starting_inside_an_offloaded_block_fills_it_from_that_sub_block() -> None:
+    # The request's block 1 is sub-block 1 of 2 (vLLM left block 0 out of the store):
+    # copied to sub-block 0 it would be misplaced. The store still ends on a boundary.
+    spec = GPULoadStoreSpec([11], [1], block_indices=[1])
+    assert pairs(map_store(spec, CPULoadStoreSpec([3]), 2, 20, 8)) == [(11, 7)]
+    with pytest.raises(InvalidArgumentError, match="needs 1 GPU blocks"):
+        map_store(GPULoadStoreSpec([10, 11], [2], [1]), CPULoadStoreSpec([0]), 2, 20, 8)
     aligned = GPULoadStoreSpec([10, 11], [2], block_indices=[2])
     assert pairs(map_store(aligned, CPULoadStoreSpec([0]), 2, 20, 8)) == [(10, 0), (11, 1)]

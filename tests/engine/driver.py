@@ -1,8 +1,8 @@
 """Runs real vLLM engines for the engine tests; started by them with the engine venv's python.
 
 ``python driver.py JOB.json OUT.json``. The job names the model, its dtype and a list of
-engines, each with its ``kv_connector_extra_config`` (``null``: no connector, the baseline)
-and its steps:
+engines, each with its ``kv_connector_extra_config`` (``null``: no connector, the baseline),
+optionally its ``block_size`` and ``max_num_batched_tokens`` (chunked prefill), and its steps:
 ``generate`` (token-id prompts, greedy, with logprobs), ``reset`` (``reset_prefix_cache()``:
 the engine's own prefix cache, so the next requests must load from the offload tier) and
 ``metrics`` (vLLM's ``get_metrics()``, summed over labels). Engines run one after another in
@@ -73,6 +73,8 @@ def run_engine(model: str, dtype: str, engine: dict[str, Any]) -> dict[str, Any]
 
     extra = engine.get("extra")
     kwargs: dict[str, Any] = {}
+    if "max_num_batched_tokens" in engine:  # prefill in chunks of this many tokens
+        kwargs["max_num_batched_tokens"] = engine["max_num_batched_tokens"]
     if extra is not None:
         kwargs["kv_transfer_config"] = kv_transfer_config(extra)
     start = time.perf_counter()

@@ -204,6 +204,58 @@ def test_the_disk_tier_s_admission_sees_a_scanned_request_once(
 
 
 @pytest.mark.parametrize(
+    ("allowed", "seen_by"),
+    [
+        (None, ["disk", "remote"]),
+        ([{"locality": "remote"}], ["remote"]),
+        ([{"locality": "local"}], ["disk"]),
+    ],
+)
+def test_a_lower_tier_s_admission_sees_only_requests_that_may_read_it(
+    vllm_modules: dict[str, ModuleType],
+    tmp_path: Path,
+    valkey_server: ValkeyProcess,
+    instances: Callable[..., Instance],
+    monkeypatch: pytest.MonkeyPatch,
+    allowed: list[dict[str, str]] | None,
+    seen_by: list[str],
+) -> None:
+    """A request whose ``kv_load_tiers`` leaves a lower tier out never reads from it, so its
+    lookups are no reference that tier could serve: vLLM's tiering does not ask a tier left
+    out, and a request that left out every lower tier was shown to none. One that left out
+    only one was still shown to that tier's admission layer, and counted in its reuse and
+    write budget. Stores still reach every tier, as in vLLM."""
+    extra = {
+        **_disk(tmp_path),
+        "kvoffload.disk_admission": "feedback",
+        "kvoffload.remote_url": valkey_server.url,
+        "kvoffload.remote_admission": "feedback",
+        "kvoffload.remote_bytes": 4 * BLOCKS * BLOCK_BYTES,
+    }
+    instance = instances(extra, model=f"filtered-books-{tmp_path.name}")
+    request = vllm_request("reader", list(range(16 * BLOCKS + 1)))
+    if allowed is not None:
+        request.kv_transfer_params = {"kv_load_tiers": allowed}
+    stack = instance.scheduler._stack
+    shown: dict[str, list[list[Any]]] = {"disk": [], "remote": []}
+    for tier, layer in (("disk", stack.disk_admission), ("remote", stack.remote_admission)):
+        begin_request = layer.begin_request
+
+        def record(
+            keys: list[Any], *, tier: str = tier, begin: Any = begin_request, **options: Any
+        ) -> None:
+            shown[tier].append(list(keys))
+            begin(keys, **options)
+
+        monkeypatch.setattr(layer, "begin_request", record)
+    scheduler = connector_scheduler(instance.scheduler)
+
+    assert _matched(scheduler, request) == 0
+    keys = offload_keys(request)
+    assert shown == {tier: [keys] if tier in seen_by else [] for tier in shown}
+
+
+@pytest.mark.parametrize(
     ("cpu_blocks", "on_disk", "loaded"),
     [(BLOCKS, 6, 6), (4, BLOCKS, 4)],
     ids=["tail-on-no-tier", "more-than-the-cpu-tier-holds"],

@@ -294,3 +294,35 @@ def test_a_failed_store_releases_its_slot_without_an_eviction(
     manager.complete_store([b], context, success=False)
     released = [e.keys for e in manager.take_events() if getattr(e, "metadata_only", False)]
     assert released == ([[b]] if RELEASES_METADATA else [])
+
+
+def test_a_key_set_to_null_takes_its_default(vllm_modules: dict[str, ModuleType]) -> None:
+    """JSON's ``null`` for a key is the key unset, as vLLM reads its own keys (a null
+    ``blocks_per_chunk`` is its default): a null ``store_threshold``, ``eviction_policy`` or
+    ``kvoffload.remote_bytes`` stopped start-up. A required key given as null is missing,
+    and an unknown key is refused whatever its value."""
+    nulls = {
+        key: None
+        for key in (
+            "eviction_policy",
+            "store_threshold",
+            "max_tracker_size",
+            "block_size",
+            "kvoffload.admission",
+            "kvoffload.admission_params",
+            "kvoffload.disk_dir",
+            "kvoffload.disk_bytes",
+            "kvoffload.disk_timeout_ms",
+            "kvoffload.disk_max_pending_write_bytes",
+            "kvoffload.remote_url",
+            "kvoffload.remote_bytes",
+            "kvoffload.remote_max_pending_write_bytes",
+            "kvoffload.write_budget",
+        )
+    }
+    spec = create_spec({"cpu_bytes_to_use": 4096, **nulls})
+    assert spec.settings == parse_settings({"cpu_bytes_to_use": 4096})
+    with pytest.raises(InvalidArgumentError, match="needs 'cpu_bytes_to_use'"):
+        create_spec({"cpu_bytes_to_use": None})
+    with pytest.raises(InvalidArgumentError, match="unknown kv_connector_extra_config key"):
+        create_spec({"cpu_bytes_to_use": 4096, "kvoffload.admision": None})

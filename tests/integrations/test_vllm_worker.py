@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from vllm_helpers import canonical_caches, create_spec, finish
+from vllm_helpers import canonical_caches, create_spec, finish, offloading_config
 
 torch = pytest.importorskip("torch")
 
@@ -117,6 +117,59 @@ def test_every_stored_byte_loads_back_whatever_the_canonical_layout(
     worker.shutdown()
 
 
+@pytest.mark.parametrize(
+    ("factor", "first", "sources", "slots"),
+    [
+        # A sliding-window group: the request's blocks 12-14 fell out of the window (null,
+        # left out), 15 ends chunk 3 and chunk 4 is whole.
+        (4, 15, [5, 6, 7, 8, 9], [2, 0]),
+        # A Mamba group's boundary state: one block, the last of its chunk.
+        (2, 5, [3], [2]),
+    ],
+)
+def test_a_store_starting_inside_an_offloaded_block_lands_where_its_load_reads(
+    vllm_modules: dict[str, ModuleType],
+    factor: int,
+    first: int,
+    sources: list[int],
+    slots: list[int],
+) -> None:
+    """vLLM 0.32 and 0.33 store a sliding-window or Mamba group with ``blocks_per_chunk``
+    above 1 from the first block still in reach, part-way into its chunk, and assert that
+    every store succeeds: ours was refused, which stopped the engine. The blocks land at
+    their sub-blocks (a load from the same request position reads them back), and the
+    sub-blocks before them keep their bytes."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    spec = create_spec(
+        {"cpu_bytes_to_use": 4 * factor * PAGE_BYTES},
+        bytes_per_block=PAGE_BYTES,
+        blocks_per_chunk=factor,
+    )
+    caches = _canonical_caches(1)
+    worker = spec.get_worker(caches)
+    (gpu,) = [t.tensor for t in caches.tensors]
+    whole = list(range(factor))  # first filled whole, as by an earlier request
+    assert worker.submit_store(1, GPULoadStoreSpec(whole, [factor], [0]), CPULoadStoreSpec([2]))
+    assert finish(worker, {1})[1].success
+    before, stored = gpu[whole].clone(), gpu[sources].clone()
+    store = GPULoadStoreSpec(sources, [len(sources)], [first])
+    assert worker.submit_store(2, store, CPULoadStoreSpec(slots))
+    assert finish(worker, {2})[2].success
+    gpu.zero_()
+    targets = list(range(NUM_GPU_BLOCKS - len(sources), NUM_GPU_BLOCKS))
+    load = GPULoadStoreSpec(targets, [len(targets)], [first])
+    assert worker.submit_load(3, CPULoadStoreSpec(slots), load)
+    assert worker.submit_load(4, CPULoadStoreSpec([2]), GPULoadStoreSpec(whole, [factor], [0]))
+    assert all(result.success for result in finish(worker, {3, 4}).values())
+    assert torch.equal(gpu[targets], stored)
+    skip = first % factor
+    assert torch.equal(gpu[whole[:skip]], before[:skip])
+    assert torch.equal(gpu[whole[skip:]], stored[: factor - skip])
+    worker.shutdown()
+
+
 def test_a_slot_larger_than_vllms_block_figure_is_refused_naming_both_sizes(
     vllm_modules: dict[str, ModuleType],
 ) -> None:
@@ -203,3 +256,32 @@ def test_a_job_id_in_flight_is_refused_on_every_queue(
     assert worker.submit_store(1, GPULoadStoreSpec([5], [1], [0]), CPULoadStoreSpec([2]))
     assert finish(worker, {1})[1].success
     worker.shutdown()
+
+
+def test_a_hybrid_model_is_refused_when_the_spec_is_built(
+    vllm_modules: dict[str, ModuleType],
+) -> None:
+    """A hybrid model (full attention beside sliding-window or Mamba layers) has several
+    KV-cache groups, and our worker copies one group's pages. vLLM's config lists the groups
+    in the scheduler too, so the spec refuses it at start-up; it was refused only once the
+    workers registered their caches. The worker still refuses such caches, with the same
+    message."""
+    import dataclasses
+
+    from vllm.v1.kv_offload.base import CanonicalKVCaches
+    from vllm.v1.kv_offload.config import OffloadingGroupConfig
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    from kvoffload.core.errors import InvalidArgumentError
+
+    extra = {"cpu_bytes_to_use": 8 * PAGE_BYTES}
+    config = offloading_config(extra, bytes_per_block=PAGE_BYTES)
+    window = OffloadingGroupConfig(16, ("layer.2",), 1)
+    hybrid = dataclasses.replace(config, groups=(*config.groups, window))
+    refusal = "handles one KV-cache group, got 2"
+    with pytest.raises(InvalidArgumentError, match=refusal):
+        OffloadingSpecFactory.create_spec(hybrid)
+    caches = _canonical_caches(1)
+    two_groups = CanonicalKVCaches(caches.tensors, caches.group_data_refs * 2)
+    with pytest.raises(InvalidArgumentError, match=refusal):
+        create_spec(extra, bytes_per_block=PAGE_BYTES).get_worker(two_groups)

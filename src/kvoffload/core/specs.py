@@ -65,10 +65,10 @@ class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
 class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
     """GPU block ids of every KV group, concatenated group after group.
 
-    ``group_sizes[i]`` is how many ids belong to group ``i``. For loads,
+    ``group_sizes[i]`` is how many ids belong to group ``i``. For loads and stores,
     ``block_indices[i]`` is the position within the request of group ``i``'s
     first GPU block, which tells the worker how much of the first offloaded
-    block to skip when a load does not start on an offloaded-block boundary.
+    block to skip when a transfer does not start on an offloaded-block boundary.
     """
 
     def __init__(

@@ -46,21 +46,22 @@ class PageMapping:
 def map_store(
     src: GPULoadStoreSpec, dst: CPULoadStoreSpec, factor: int, num_gpu: int, num_cpu: int
 ) -> PageMapping:
-    """Pages of a GPU->CPU store; stores always cover whole offloaded blocks."""
+    """Pages of a GPU->CPU store, which ends on an offloaded-block boundary.
+
+    It starts on one too, unless the spec gives its position in the request: then at
+    sub-block ``block_indices[0] % factor`` of the first slot, as vLLM stores a sliding-window
+    or Mamba group whose leading blocks are out of reach (its loads skip them too); the
+    sub-blocks before it keep what they held.
+    """
     gpu_ids = _single_group(src)
     slots = dst.block_ids
-    if src.block_indices is not None and src.block_indices[0] % factor:
-        # Copying from sub-block 0 would put every page ``skip`` sub-blocks off.
+    skip = 0 if src.block_indices is None else src.block_indices[0] % factor
+    if skip + len(gpu_ids) != len(slots) * factor:
         raise InvalidArgumentError(
-            f"a store must start on an offloaded-block boundary, but GPU block "
-            f"{src.block_indices[0]} is sub-block {src.block_indices[0] % factor} of {factor}"
+            f"a store of {len(slots)} CPU blocks needs {len(slots) * factor - skip} GPU blocks "
+            f"(block_size_factor {factor}, starting at sub-block {skip}), got {len(gpu_ids)}"
         )
-    if len(gpu_ids) != len(slots) * factor:
-        raise InvalidArgumentError(
-            f"a store of {len(slots)} CPU blocks needs {len(slots) * factor} GPU blocks "
-            f"(block_size_factor {factor}), got {len(gpu_ids)}"
-        )
-    return _mapping(gpu_ids, slots, 0, factor, num_gpu, num_cpu)
+    return _mapping(gpu_ids, slots, skip, factor, num_gpu, num_cpu)
 
 
 def map_load(

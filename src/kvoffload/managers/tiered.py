@@ -230,8 +230,8 @@ class TieredOffloadingManager(OffloadingManager):
         self, keys: Iterable[OffloadKey], tiers: Collection[int] | None = None
     ) -> int | None:
         """The seed's lookup; ``tiers``: the indices of the lower tiers it may promote from
-        (``None``: every one), as a caller's request may name them (vLLM's per-request
-        ``kv_load_tiers``). The CPU tier always answers."""
+        and whose admission layers it counts in (``None``: every one), as a caller's request
+        may name them (vLLM's per-request ``kv_load_tiers``). The CPU tier always answers."""
         if isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "lookup")
         keys = list(keys)
@@ -315,8 +315,9 @@ class TieredOffloadingManager(OffloadingManager):
     def _judged(
         self, keys: list[OffloadKey], hits: int, tiers: Collection[int] | None
     ) -> int | None:
-        """:meth:`_reach`, first showing the lower tiers' books the keys this lookup takes
-        past the CPU tier, once per request: a retry after ``None`` is no new reference.
+        """:meth:`_reach`, first showing the books of the lower tiers it may read (``tiers``;
+        a tier the request may not read serves none of it) the keys this lookup takes past
+        the CPU tier, once per request: a retry after ``None`` is no new reference.
         The retry is known by its last key, which (keys chain their prefix) names the
         request's prompt whatever its first: vLLM re-matches the GPU prefix on each try, so
         a retry may start elsewhere, and known by its keys' count too it was counted again.
@@ -326,8 +327,12 @@ class TieredOffloadingManager(OffloadingManager):
         sighted = self._sighted
         fresh = request not in sighted
         rest = keys[hits:]
-        layers = [layer for layer in self.admissions if layer is not None]
-        if fresh:
+        layers = [
+            layer
+            for index, layer in enumerate(self.admissions)
+            if layer is not None and (tiers is None or index in tiers)
+        ]
+        if fresh and layers:
             self.judged_blocks += len(rest)
             for layer in layers:
                 layer.begin_request(rest, will_offer=False)

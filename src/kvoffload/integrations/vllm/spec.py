@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +36,17 @@ from kvoffload.integrations.vllm.adapter import (
 from kvoffload.integrations.vllm.offer_filter import OfferCountFilter
 from kvoffload.integrations.vllm.settings import (
     ADMISSION_KEY,
+    CONNECTOR_KEYS,
     DISK_ADMISSION_KEY,
     DISK_BYTES_KEY,
     DISK_DIR_KEY,
     DISK_WRITE_BUDGET_KEY,
+    OWN_KEYS,
     REMOTE_ADMISSION_KEY,
     REMOTE_BYTES_KEY,
     REMOTE_URL_KEY,
     REMOTE_WRITE_BUDGET_KEY,
+    SPEC_KEYS,
     WRITE_BUDGET_KEY,
     SpecSettings,
     parse_settings,
@@ -177,8 +181,9 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
+        check_one_kv_group(len(config.groups))
         self.release = running_release()
-        self.settings: SpecSettings = parse_settings(self.extra_config)
+        self.settings: SpecSettings = parse_settings(set_keys(self.extra_config))
         if self.settings.remote_url is not None:
             # The URL's syntax now; the server answers when the scheduler builds its manager.
             try:
@@ -398,6 +403,29 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
                 kv_caches, self.num_blocks, self.blocks_per_chunk, region, self.rank_slot_bytes
             )
         return self._worker
+
+
+def check_one_kv_group(count: int) -> None:
+    """Refuse other than one KV-cache group: the worker copies one group's pages, and a hybrid
+    model (full attention beside sliding-window or Mamba layers) has several. The spec checks
+    at start-up, where vLLM's config lists the groups to offload, and the worker again when
+    it registers the caches."""
+    if count != 1:
+        raise InvalidArgumentError(
+            f"kvoffload's worker handles one KV-cache group, got {count} (a hybrid model: "
+            "full attention beside sliding-window or Mamba layers)"
+        )
+
+
+def set_keys(extra_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The extra config without the known keys set to ``null``: such a key is unset and takes
+    its default, as vLLM reads its own (``get(key) is None``: the default); a required key
+    given as ``null`` is missing, and an unknown key is kept, to be refused whatever its
+    value. A ``null`` ``store_threshold`` or ``kvoffload.remote_bytes`` stopped start-up."""
+    known = SPEC_KEYS | CONNECTOR_KEYS | OWN_KEYS
+    return {
+        key: value for key, value in extra_config.items() if value is not None or key not in known
+    }
 
 
 def whatif_tiers(extra_config: dict[str, Any]) -> tuple[str, ...]:

@@ -27,6 +27,7 @@ from kvoffload.core.specs import CPULoadStoreSpec, GPULoadStoreSpec, TransferSpe
 from kvoffload.dataplane import CPUBlockStore, CPUGPUHandler, OffloadingHandler, cpu_gpu_handlers
 from kvoffload.dataplane.shared_region import SharedRegion
 from kvoffload.dataplane.worker import close_all
+from kvoffload.integrations.vllm.spec import check_one_kv_group
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +52,7 @@ class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
         region: Path | None = None,
         slot_bytes: int | None = None,
     ) -> None:
-        if len(kv_caches.group_data_refs) != 1:
-            raise InvalidArgumentError(
-                f"kvoffload's worker handles one KV-cache group, got "
-                f"{len(kv_caches.group_data_refs)}"
-            )
+        check_one_kv_group(len(kv_caches.group_data_refs))
         pages = [_byte_rows(t.tensor) for t in kv_caches.tensors]
         if not pages or len({p.shape for p in pages}) != 1 or pages[0].shape[1] % 2:
             raise InvalidArgumentError(
