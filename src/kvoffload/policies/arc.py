@@ -136,6 +136,17 @@ class ARCCachePolicy(CachePolicy):
         # Each victim taken from T1 shrinks it; T1 gives victims while it is at
         # or above the target, then T2, then T1 again (the fallback).
         t1_turns = len(self.t1) - int(self.target_t1_size) + 1
+        # Most evictions take the front of the one list that gives every victim.
+        if n <= t1_turns:
+            victims = self.t1.take_front(n, protected)
+            if victims is not None:
+                self._remember(victims, [])
+                return victims
+        elif t1_turns <= 0:
+            victims = self.t2.take_front(n, protected)
+            if victims is not None:
+                self._remember([], victims)
+                return victims
         t1_walk = self.t1.walk(protected)
         first = t1_walk.take(n if n < t1_turns else t1_turns)
         if len(first) == n:

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Collection, Container, Iterable, Iterator, Sequence
 from heapq import heappop, heappush
+from itertools import islice
 from typing import ClassVar
 
 from kvoffload.core.errors import check_integer
@@ -227,6 +228,21 @@ class ParkingOrder(Collection[OffloadKey]):
                 if entry is not None and entry[1].ref_cnt == 0 and key not in ready:
                     ready[key] = entry[0]
                     heappush(heap, (entry[0], key))
+
+    def take_front(self, n: int, protected: Container[OffloadKey]) -> Victims | None:
+        """The first ``n`` blocks, forgotten, where each is a victim (ready, unpinned, not
+        protected) and no parked block is ready: most evictions, without a :meth:`walk`.
+        Otherwise ``None``, and nothing changed."""
+        order = self.order
+        if self._ready or len(order) < n:
+            return None
+        taken = list(islice(order.items(), n))
+        for key, block in taken:
+            if block.ref_cnt != 0 or key in protected:
+                return None
+        for key, _ in taken:
+            del order[key]
+        return taken
 
     def walk(self, protected: Container[OffloadKey]) -> OrderWalk:
         """Start one eviction's pass over this order."""

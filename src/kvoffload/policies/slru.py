@@ -117,6 +117,9 @@ class SLRUCachePolicy(CachePolicy):
     def evict(self, n: int, protected: Container[OffloadKey]) -> Victims | None:
         if n <= 0:
             return []
+        victims = self.probation.take_front(n, protected)
+        if victims is not None:
+            return victims
         first = self.probation.walk(protected)
         victims = first.take(n)
         if len(victims) < n:
