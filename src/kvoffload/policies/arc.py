@@ -9,7 +9,10 @@ the capacity on its own.
 One deliberate difference, a bug fix: when T1 is below its target and T2 has
 nothing evictable, vLLM's seed-era ARC gives up (stores fail with evictable
 blocks present); here eviction falls back to T1, as vLLM itself later did.
-Victims are found with one pass per list, not a rescan per victim.
+Victims are found with one pass per list, not a rescan per victim, and, where the
+driver follows blocks turning evictable, past the pinned and pending blocks the previous
+eviction walked (:class:`~kvoffload.policies.base.ParkingOrder`, vLLM's #46216): the
+victims are the same.
 """
 
 from __future__ import annotations
@@ -18,13 +21,7 @@ from collections import OrderedDict
 from collections.abc import Container, Iterable, Sequence
 
 from kvoffload.core.keys import OffloadKey
-from kvoffload.policies.base import (
-    BlockStatus,
-    CachePolicy,
-    Victims,
-    remove_from_either,
-    take_evictable,
-)
+from kvoffload.policies.base import BlockStatus, CachePolicy, ParkingOrder, Victims
 from kvoffload.policies.registry import register_cache_policy
 
 
@@ -37,13 +34,13 @@ class ARCCachePolicy(CachePolicy):
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self.target_t1_size = 0.0
-        self.t1: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
-        self.t2: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+        self.t1 = ParkingOrder()
+        self.t2 = ParkingOrder()
         self.b1: OrderedDict[OffloadKey, None] = OrderedDict()
         self.b2: OrderedDict[OffloadKey, None] = OrderedDict()
 
     def insert(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus]) -> None:
-        self.t1.update(zip(keys, blocks, strict=True))
+        self.t1.order.update(zip(keys, blocks, strict=True))
         b1, b2 = self.b1, self.b2
         if b1 or b2:
             for key in keys:
@@ -53,10 +50,14 @@ class ARCCachePolicy(CachePolicy):
                     del b2[key]
 
     def remove(self, keys: Iterable[OffloadKey]) -> None:
-        remove_from_either(keys, self.t1, self.t2)
+        t1, t2 = self.t1, self.t2
+        for key in keys:
+            if t1.pop(key) is None:
+                t2.pop(key)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
-        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
+        t1, t2, b1, b2 = self.t1.order, self.t2.order, self.b1, self.b2
+        parked = bool(self.t1.parked or self.t2.parked)
         for key in reversed(keys if isinstance(keys, list) else list(keys)):
             if key in t1:  # ``in`` then ``[]``: OrderedDict.get is several times slower
                 block = t1[key]
@@ -79,6 +80,12 @@ class ARCCachePolicy(CachePolicy):
                 target = self.target_t1_size - (delta if delta > 1.0 else 1.0)
                 self.target_t1_size = target if target >= 0.0 else 0.0
                 b2.move_to_end(key)
+            elif parked:
+                if key in self.t1.parked:
+                    block = self.t1.unpark(key)
+                    (t2 if block.ref_cnt >= 0 else t1)[key] = block
+                elif key in self.t2.parked:
+                    t2[key] = self.t2.unpark(key)
 
     def store_missed(self, keys: Sequence[OffloadKey]) -> None:
         """Adapt to the ghosts among keys about to be stored (``touch`` of an absent key only
@@ -94,39 +101,77 @@ class ARCCachePolicy(CachePolicy):
     ) -> None:
         """As vLLM 0.32/0.33: a read moves a block from T1 to T2 (or up T2); a store only makes
         it recent in its own list; any other key (a store that got no slot) is left alone."""
-        t1, t2 = self.t1, self.t2
+        t1, t2 = self.t1.order, self.t2.order
+        parked = bool(self.t1.parked or self.t2.parked)
         for key in reversed(keys):
             if key in t1:
                 if key in reused:
                     t2[key] = t1.pop(key)
                 elif key in stored_only:
                     t1.move_to_end(key)
-            elif key in t2 and (key in reused or key in stored_only):
-                t2.move_to_end(key)
+            elif key in t2:
+                if key in reused or key in stored_only:
+                    t2.move_to_end(key)
+            elif parked:
+                if key in self.t1.parked:
+                    if key in reused:
+                        t2[key] = self.t1.unpark(key)
+                    elif key in stored_only:
+                        t1[key] = self.t1.unpark(key)
+                elif key in self.t2.parked and (key in reused or key in stored_only):
+                    t2[key] = self.t2.unpark(key)
+
+    def follow_evictable(self) -> None:
+        self.t1.following = self.t2.following = True
+
+    def became_evictable(self, keys: Iterable[OffloadKey]) -> None:
+        if self.t1.parked or self.t2.parked:
+            keys = keys if isinstance(keys, list) else list(keys)
+            self.t1.became_evictable(keys)
+            self.t2.became_evictable(keys)
 
     def evict(self, n: int, protected: Container[OffloadKey]) -> Victims | None:
         if n <= 0:
             return []
-        t1_candidates = iter(self.t1.items())
         # Each victim taken from T1 shrinks it; T1 gives victims while it is at
         # or above the target, then T2, then T1 again (the fallback).
         t1_turns = len(self.t1) - int(self.target_t1_size) + 1
-        first = take_evictable(t1_candidates, n if n < t1_turns else t1_turns, protected)
-        second = take_evictable(iter(self.t2.items()), n - len(first), protected)
-        fallback = take_evictable(t1_candidates, n - len(first) - len(second), protected)
+        # Most evictions take the front of the one list that gives every victim.
+        if n <= t1_turns:
+            victims = self.t1.take_front(n, protected)
+            if victims is not None:
+                self._remember(victims, [])
+                return victims
+        elif t1_turns <= 0:
+            victims = self.t2.take_front(n, protected)
+            if victims is not None:
+                self._remember([], victims)
+                return victims
+        t1_walk = self.t1.walk(protected)
+        first = t1_walk.take(n if n < t1_turns else t1_turns)
+        if len(first) == n:
+            t1_walk.commit()
+            self._remember(first, [])
+            return first
+        t2_walk = self.t2.walk(protected)
+        second = t2_walk.take(n - len(first))
+        fallback = t1_walk.take(n - len(first) - len(second))
         victims = first + second + fallback
         if len(victims) < n:
+            t1_walk.undo()
+            t2_walk.undo()
             return None
-        self._apply(first + fallback, second)
+        t1_walk.commit()
+        t2_walk.commit()
+        self._remember(first + fallback, second)
         return victims
 
-    def _apply(self, from_t1: Victims, from_t2: Victims) -> None:
-        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
+    def _remember(self, from_t1: Victims, from_t2: Victims) -> None:
+        """The ghosts of the victims taken (each ghost list bounded by the capacity)."""
+        b1, b2 = self.b1, self.b2
         for key, _ in from_t1:
-            del t1[key]
             b1[key] = None
         for key, _ in from_t2:
-            del t2[key]
             b2[key] = None
         for ghosts in (b1, b2):
             for _ in range(len(ghosts) - self.capacity):

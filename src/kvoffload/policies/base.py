@@ -11,7 +11,10 @@ keyword costs an argument parse per call, and these calls are per block.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Collection, Container, Iterable, Iterator, Sequence
+from heapq import heappop, heappush
+from itertools import islice
 from typing import ClassVar
 
 from kvoffload.core.errors import check_integer
@@ -147,3 +150,253 @@ def remove_from_either(
     for key in keys:
         if first.pop(key, None) is None:
             second.pop(key, None)
+
+
+class ParkingOrder(Collection[OffloadKey]):
+    """One order of blocks, least recent first, whose pinned and pending blocks at the front
+    that an eviction walks past are set aside ("parked"), in order, ahead of the rest, while
+    the policy follows blocks turning evictable (vLLM's #46216): the next eviction takes the
+    parked blocks reported evictable since, then starts past the parked ones instead of
+    reading each again. The order itself, hence every victim, is the one a walk over every
+    block sees; iterating gives it, and :meth:`items` with the blocks.
+
+    Policies use ``order`` (the blocks not parked) directly on their hot paths; every parked
+    block is less recent than all of ``order``.
+    """
+
+    __slots__ = ("_heap", "_places", "_ready", "following", "order", "parked")
+
+    def __init__(self) -> None:
+        self.order: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+        self.parked: OrderedDict[OffloadKey, tuple[int, BlockStatus]] = OrderedDict()
+        """The parked blocks in order, each with its place (places only grow)."""
+        self.following = False
+        """Whether the policy follows blocks turning evictable: only then is anything parked."""
+        self._ready: dict[OffloadKey, int] = {}
+        """The parked blocks reported evictable since, by place (one pinned again since is
+        dropped when met)."""
+        self._heap: list[tuple[int, OffloadKey]] = []
+        """``_ready``'s entries by place, so that an eviction takes its few victims without
+        sorting every ready block; an entry whose key has left ``_ready`` (or came back with
+        another place) is dropped when met."""
+        self._places = 0
+
+    def __len__(self) -> int:
+        return len(self.order) + len(self.parked)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.order or key in self.parked
+
+    def __iter__(self) -> Iterator[OffloadKey]:
+        yield from self.parked
+        yield from self.order
+
+    def items(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
+        for key, (_, block) in self.parked.items():
+            yield key, block
+        yield from self.order.items()
+
+    def unpark(self, key: OffloadKey) -> BlockStatus:
+        """Take a parked block out of the parked ones; the caller puts it in an order."""
+        self._ready.pop(key, None)
+        block = self.parked.pop(key)[1]
+        if not self.parked:
+            self._heap.clear()  # only entries left behind by blocks no longer parked
+        return block
+
+    def pop(self, key: OffloadKey) -> BlockStatus | None:
+        """Forget ``key`` wherever it is; ``None`` if absent."""
+        block = self.order.pop(key, None)
+        if block is None and key in self.parked:
+            block = self.unpark(key)
+        return block
+
+    def pop_first(self) -> tuple[OffloadKey, BlockStatus]:
+        """Take out the least recent block, parked or not (the order must not be empty)."""
+        if self.parked:
+            key = next(iter(self.parked))
+            return key, self.unpark(key)
+        return self.order.popitem(False)
+
+    def became_evictable(self, keys: Iterable[OffloadKey]) -> None:
+        """Note the parked blocks among ``keys`` whose ``ref_cnt`` turned 0."""
+        parked = self.parked
+        if parked:
+            ready, heap = self._ready, self._heap
+            for key in keys:
+                entry = parked.get(key)
+                if entry is not None and entry[1].ref_cnt == 0 and key not in ready:
+                    ready[key] = entry[0]
+                    heappush(heap, (entry[0], key))
+
+    def take_front(self, n: int, protected: Container[OffloadKey]) -> Victims | None:
+        """The first ``n`` blocks, forgotten, where each is a victim (ready, unpinned, not
+        protected) and no parked block is ready: most evictions, without a :meth:`walk`.
+        Otherwise ``None``, and nothing changed."""
+        order = self.order
+        if self._ready or len(order) < n:
+            return None
+        taken = list(islice(order.items(), n))
+        for key, block in taken:
+            if block.ref_cnt != 0 or key in protected:
+                return None
+        for key, _ in taken:
+            del order[key]
+        return taken
+
+    def walk(self, protected: Container[OffloadKey]) -> OrderWalk:
+        """Start one eviction's pass over this order."""
+        return OrderWalk(self, protected)
+
+    def _park(self, popped: Victims) -> None:
+        """Set aside blocks popped from ``order``'s front, in order, behind those parked;
+        the evictable ones (of a walk undone) as ready."""
+        parked, ready, heap = self.parked, self._ready, self._heap
+        place = self._places
+        for key, block in popped:
+            parked[key] = (place, block)
+            if block.ref_cnt == 0:
+                ready[key] = place
+                heappush(heap, (place, key))
+            place += 1
+        self._places = place
+
+
+_PARKED, _FRONT, _REST = 0, 1, 2
+"""An :class:`OrderWalk`'s stages: the parked ready blocks, the front popped, the rest walked."""
+
+
+class OrderWalk:
+    """One eviction's pass over a :class:`ParkingOrder`, least recent first.
+
+    :meth:`take` goes on where the previous call stopped (ARC takes from T1 again after
+    T2); then :meth:`commit` forgets the victims and parks the pinned and pending blocks
+    popped on the way, or :meth:`undo` leaves the order as it was. The front is popped
+    while it is pinned, pending or a victim; the first block that stays (protected) ends
+    the popping, and the rest is only walked, as without parking.
+    """
+
+    __slots__ = (
+        "_blocks",
+        "_from_parked",
+        "_front",
+        "_held",
+        "_protected",
+        "_rest",
+        "_skipped",
+        "_stage",
+        "_walked",
+    )
+
+    def __init__(self, blocks: ParkingOrder, protected: Container[OffloadKey]) -> None:
+        self._blocks = blocks
+        self._protected = protected
+        self._stage = _PARKED if blocks.following else _REST
+        self._from_parked: Victims = []
+        self._skipped: list[tuple[int, OffloadKey]] = []
+        """Heap entries of parked ready blocks that are protected: pushed back at the end."""
+        self._front: Victims = []
+        """Victims popped from the front, in order."""
+        self._held: list[tuple[OffloadKey, BlockStatus, int]] = []
+        """Pinned and pending blocks popped from the front, each with the number of front
+        victims before it."""
+        self._rest: Iterator[tuple[OffloadKey, BlockStatus]] = (
+            iter(blocks.order.items()) if self._stage == _REST else iter(())
+        )
+        self._walked: Victims = []
+
+    def take(self, k: int) -> Victims:
+        """Up to ``k`` more victims: ready, unpinned blocks outside ``protected``, in order."""
+        taken: Victims = []
+        if k <= 0:
+            return taken
+        if self._stage == _PARKED:
+            self._take_parked(k, taken)
+            if len(taken) == k:
+                return taken
+            self._stage = _FRONT
+        if self._stage == _FRONT:
+            need = k - len(taken)
+            order, protected = self._blocks.order, self._protected
+            popitem = order.popitem
+            front, held = self._front, self._held
+            start = len(front)
+            while need and order:
+                key, block = popitem(False)
+                if block.ref_cnt != 0:
+                    held.append((key, block, len(front)))
+                elif key in protected:
+                    order[key] = block
+                    order.move_to_end(key, False)
+                    self._stage = _REST
+                    self._rest = iter(order.items())
+                    break
+                else:
+                    front.append((key, block))
+                    need -= 1
+            taken += front[start:]
+        if self._stage == _REST and len(taken) < k:
+            walked = take_evictable(self._rest, k - len(taken), self._protected)
+            self._walked += walked
+            taken += walked
+        return taken
+
+    def _take_parked(self, k: int, taken: Victims) -> None:
+        """Parked, evictable, unprotected blocks, least recent first, into ``taken`` until it
+        holds ``k``: taken off the heap, and left parked until :meth:`commit`."""
+        blocks, protected = self._blocks, self._protected
+        parked, ready, heap = blocks.parked, blocks._ready, blocks._heap
+        skipped, from_parked = self._skipped, self._from_parked
+        while heap and len(taken) < k:
+            place, key = heappop(heap)
+            if ready.get(key) != place:
+                continue  # evicted, removed or touched out since
+            block = parked[key][1]
+            if block.ref_cnt != 0:
+                del ready[key]  # pinned again: became_evictable brings it back
+            elif key in protected:
+                skipped.append((place, key))
+            else:
+                taken.append((key, block))
+                from_parked.append((key, block))
+
+    def commit(self) -> None:
+        """Forget the victims taken; park the pinned and pending blocks popped."""
+        blocks = self._blocks
+        heap = blocks._heap
+        for entry in self._skipped:
+            heappush(heap, entry)
+        if self._from_parked:
+            parked, ready = blocks.parked, blocks._ready
+            for key, _ in self._from_parked:
+                del parked[key]
+                del ready[key]
+            if not parked:
+                heap.clear()
+        if self._held:
+            blocks._park([(key, block) for key, block, _ in self._held])
+        if self._walked:
+            order = blocks.order
+            for key, _ in self._walked:
+                del order[key]
+
+    def undo(self) -> None:
+        """Leave the order as it was: the blocks popped from the front are parked in the
+        order they were popped (the evictable ones as ready), the parked victims stay."""
+        blocks = self._blocks
+        heap, ready = blocks._heap, blocks._ready
+        for entry in self._skipped:
+            heappush(heap, entry)
+        for key, _ in self._from_parked:
+            heappush(heap, (ready[key], key))
+        if self._held:
+            popped: Victims = []
+            taken = 0
+            for key, block, before in self._held:
+                popped += self._front[taken:before]
+                taken = before
+                popped.append((key, block))
+            popped += self._front[taken:]
+            blocks._park(popped)
+        elif self._front:
+            blocks._park(self._front)
