@@ -34,7 +34,19 @@ class PolicyShim(VLLMCachePolicy):  # type: ignore[misc]
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self._chunks: dict[OffloadKey, Any] = {}
-        self._policy: CachePolicy = create_cache_policy(self.policy_name, cache_capacity)
+        self._policy: CachePolicy = self._following_policy()
+
+    def _following_policy(self) -> CachePolicy:
+        """Our policy, told of every chunk whose ``ref_cnt`` turns 0: vLLM 0.32 and 0.33 call
+        :meth:`mark_evictable` at each such turn, so the policy may set aside the pinned and
+        pending chunks its evictions walk past (vLLM's #46216) instead of walking them at
+        every store."""
+        policy = create_cache_policy(self.policy_name, self.cache_capacity)
+        policy.follow_evictable()
+        return policy
+
+    def mark_evictable(self, key: OffloadKey) -> None:
+        self._policy.became_evictable((key,))
 
     def get(self, key: OffloadKey) -> Any:
         return self._chunks.get(key)
@@ -81,7 +93,7 @@ class PolicyShim(VLLMCachePolicy):  # type: ignore[misc]
 
     def clear(self) -> None:
         self._chunks.clear()
-        self._policy = create_cache_policy(self.policy_name, self.cache_capacity)
+        self._policy = self._following_policy()
 
 
 _SHIMS: dict[str, type[PolicyShim]] = {}
