@@ -40,6 +40,11 @@ def test_factory_builds_our_spec_and_sizes_the_tier(vllm_modules: dict[str, Modu
             "'store_threshold' must be an integer from 0 to 4,611,686,018,427,387,904",
         ),
         ({"cpu_bytes_to_use": 4096, "max_tracker_size": "many"}, "max_tracker_size"),
+        # Past the reuse table's limit: refused deeper, without the key's name, before.
+        (
+            {"cpu_bytes_to_use": 4096, "max_tracker_size": 2**62},
+            "'max_tracker_size' must be an integer from 1 to 576,460,752,303,423,487",
+        ),
         ({"cpu_bytes_to_use": 0}, "cpu_bytes_to_use"),
         # Past what one buffer holds: a TypeError from torch in every worker before.
         ({"cpu_bytes_to_use": 2**63}, "cpu_bytes_to_use"),

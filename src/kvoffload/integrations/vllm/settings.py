@@ -22,7 +22,7 @@ from kvoffload.admission import (
 from kvoffload.admission.budget import DWPD
 from kvoffload.admission.params import read_integer
 from kvoffload.admission.registry import ParamPairs
-from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD
+from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD, MAX_TRACKED_KEYS
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.managers.stack import DISK, REMOTE, LowerTierConfig
 from kvoffload.policies import available_policies
@@ -204,7 +204,7 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
         cpu_bytes_to_use=_int(extra_config, "cpu_bytes_to_use", 1, maximum=MAX_BYTES),
         eviction_policy=str(policy),
         store_threshold=_int(extra_config, "store_threshold", 0, 0, MAX_STORE_THRESHOLD),
-        max_tracker_size=_int(extra_config, "max_tracker_size", 1, 64_000),
+        max_tracker_size=_int(extra_config, "max_tracker_size", 1, 64_000, MAX_TRACKED_KEYS),
         admission=admission,
         admission_params=params,
         remote_url=remote_url,
