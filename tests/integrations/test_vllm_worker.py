@@ -285,3 +285,85 @@ def test_a_hybrid_model_is_refused_when_the_spec_is_built(
     two_groups = CanonicalKVCaches(caches.tensors, caches.group_data_refs * 2)
     with pytest.raises(InvalidArgumentError, match=refusal):
         create_spec(extra, bytes_per_block=PAGE_BYTES).get_worker(two_groups)
+
+
+def _store_job(slot: int) -> Any:
+    """vLLM's metadata for one store, job 7, of GPU block 2 into CPU slot ``slot``."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+        TransferJob,
+    )
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    job = TransferJob("req", GPULoadStoreSpec([2], [1], [0]), CPULoadStoreSpec([slot]))
+    return OffloadingConnectorMetadata(load_jobs={}, store_jobs={7: job})
+
+
+UNDER_O = r"; vLLM running under python -O cannot be told of a failed transfer"
+
+
+def test_with_vllms_asserts_off_a_failed_store_stops_the_engine_never_reported_stored(
+    vllm_modules: dict[str, ModuleType], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's connector worker asserts each result's success; under ``python -O`` it marked
+    a failed store completed, and its scheduler made the never-written slot loadable. With
+    asserts off our worker raises, naming the job, and vLLM never hears of it as done."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+    )
+    from vllm_scheduler import connector_worker
+
+    from kvoffload.integrations.vllm import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "VLLM_ASSERTS_SUCCESS", False)
+    spec = create_spec({"cpu_bytes_to_use": 4 * 2 * PAGE_BYTES}, bytes_per_block=2 * PAGE_BYTES)
+    connector = connector_worker(spec, _canonical_caches(2))
+    worker = connector.worker
+
+    def copy_error(job_id: int, step: int) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    worker._store._fault_hook = copy_error
+    connector.prepare_store_kv(_store_job(slot=3))
+    connector.start_kv_transfers(OffloadingConnectorMetadata(load_jobs={}, store_jobs={}))
+    worker.wait({7})
+    with pytest.raises(RuntimeError, match=rf"^kvoffload: transfer job 7 failed .*{UNDER_O}"):
+        connector.get_finished(set())
+    assert connector.build_connector_worker_meta() is None
+    connector.shutdown()
+
+
+def test_with_vllms_asserts_off_a_refused_job_stops_the_engine_naming_the_cause(
+    vllm_modules: dict[str, ModuleType], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM asserts that each submission succeeded; under ``python -O`` a refused store was
+    never reported (its slots held for good), a refused load left its request waiting, and a
+    refused in-step load let the request run on blocks never filled."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+    )
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+    from vllm_scheduler import connector_worker
+
+    from kvoffload.integrations.vllm import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "VLLM_ASSERTS_SUCCESS", False)
+    spec = create_spec({"cpu_bytes_to_use": 4 * 2 * PAGE_BYTES}, bytes_per_block=2 * PAGE_BYTES)
+    caches = _canonical_caches(2)
+    connector = connector_worker(spec, caches)
+    before = [t.tensor.clone() for t in caches.tensors]
+    connector.prepare_store_kv(_store_job(slot=99))
+    step = OffloadingConnectorMetadata(load_jobs={}, store_jobs={})
+    with pytest.raises(
+        RuntimeError, match=rf"^kvoffload: transfer job 7 refused \(Inv.*99.*{UNDER_O}"
+    ):
+        connector.start_kv_transfers(step)
+    worker = connector.worker
+    assert worker.submit_load(1, CPULoadStoreSpec([0]), GPULoadStoreSpec([3], [1], [0]))
+    with pytest.raises(RuntimeError, match=r"^kvoffload: transfer job 1 refused \(a job of th"):
+        worker.submit_store(1, GPULoadStoreSpec([5], [1], [0]), CPULoadStoreSpec([2]))
+    assert finish(worker, {1})[1].success
+    assert all(torch.equal(t.tensor[5], b[5]) for t, b in zip(caches.tensors, before, strict=True))
+    connector.shutdown()

@@ -31,6 +31,13 @@ from kvoffload.integrations.vllm.spec import check_one_kv_group
 
 logger = logging.getLogger(__name__)
 
+VLLM_ASSERTS_SUCCESS = __debug__
+"""Whether vLLM's connector worker stops the engine on a failed job. It supports none:
+it asserts that each submission and each result succeeded. Under ``python -O`` those
+asserts are stripped, and it would take a failed or refused store as stored (the scheduler
+then serves slots never written as KV) and a failed load as loaded (the request runs on
+blocks never filled): so with asserts off this worker raises instead of reporting one."""
+
 
 class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
     """Stores and loads for one KV-cache group, into a CPU store of ``num_blocks`` slots.
@@ -110,6 +117,13 @@ class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
             for handler in self._handlers()
             for r in handler.get_finished()
         ]
+        for result in results:
+            if not result.success and not VLLM_ASSERTS_SUCCESS:
+                raise _unreportable(
+                    result.job_id,
+                    f"failed (the warning 'transfer job {result.job_id} failed' logged "
+                    "above gives the error)",
+                )
         self._in_flight.difference_update(r.job_id for r in results)
         return results
 
@@ -126,7 +140,8 @@ class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
     def _submit(
         self, handler: OffloadingHandler, job_id: int, spec: Callable[[], TransferSpec]
     ) -> bool:
-        """Submit, turning a refused job into ``False`` as vLLM's worker loop expects.
+        """Submit, turning a refused job into ``False`` as vLLM's worker loop expects (an
+        error where its asserts are off, see :data:`VLLM_ASSERTS_SUCCESS`).
 
         ``spec`` converts vLLM's specs into ours inside the ``try``: the conversion
         validates them too, and a bad one must be refused, not raised into vLLM's loop.
@@ -134,16 +149,31 @@ class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
         two jobs of one id would report it finished while one of them still runs.
         """
         if job_id in self._in_flight:
-            logger.warning("kvoffload: job %d refused, a job of this id is in flight", job_id)
-            return False
+            return _refuse(job_id, "a job of this id is in flight")
         try:
             submitted = handler.transfer_async(job_id, spec())
-        except Exception:
-            logger.warning("kvoffload: job %d refused", job_id, exc_info=True)
-            return False
-        if submitted:
-            self._in_flight.add(job_id)
-        return submitted
+        except Exception as exc:
+            return _refuse(job_id, f"{type(exc).__name__}: {exc}", exc)
+        if not submitted:
+            return _refuse(job_id, "its handler declined it")
+        self._in_flight.add(job_id)
+        return True
+
+
+def _refuse(job_id: int, cause: str, error: Exception | None = None) -> bool:
+    """``False`` for vLLM's loop, logged; with vLLM's asserts off, an error that stops it."""
+    if not VLLM_ASSERTS_SUCCESS:
+        raise _unreportable(job_id, f"refused ({cause})") from error
+    logger.warning("kvoffload: job %d refused, %s", job_id, cause, exc_info=error)
+    return False
+
+
+def _unreportable(job_id: int, what: str) -> RuntimeError:
+    return RuntimeError(
+        f"kvoffload: transfer job {job_id} {what}; vLLM running under python -O cannot be "
+        "told of a failed transfer (its asserts on each job's success are stripped) and "
+        "would go on as if it had succeeded, so the engine stops here"
+    )
 
 
 def _byte_rows(tensor: torch.Tensor) -> torch.Tensor:
