@@ -56,6 +56,27 @@ def test_a_cuda_index_past_the_gpus_present_is_one_line_naming_their_count(
     assert str(refused.value) == f"device 'cuda:3' asked for, but torch sees {present}"
 
 
+@pytest.mark.parametrize("visible", ["3", "GPU-5f2a,1", ""])
+def test_a_cuda_index_past_the_visible_gpus_names_cuda_visible_devices(visible: str) -> None:
+    """Under CUDA_VISIBLE_DEVICES=3 the machine's GPU 3 is torch's cuda:0: an operator who
+    asked for cuda:3 was told only that torch sees one device."""
+    with pytest.raises(InvalidArgumentError) as refused:
+        check_device_present(torch.device("cuda:3"), 1, visible)
+    assert str(refused.value) == (
+        "device 'cuda:3' asked for, but torch sees 1 CUDA device (cuda:0); "
+        f"CUDA_VISIBLE_DEVICES={visible!r} is set: torch sees only the GPUs it lists, "
+        "numbered from cuda:0"
+    )
+
+
+@NO_CUDA
+def test_cuda_hidden_by_cuda_visible_devices_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty CUDA_VISIBLE_DEVICES hides every GPU: the refusal blamed the torch build."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(InvalidArgumentError, match=r"no CUDA device; CUDA_VISIBLE_DEVICES='' is"):
+        resolve_device("cuda:0")
+
+
 @pytest.mark.parametrize(
     ("device", "cuda_devices"), [("cuda:0", 1), ("cuda", 1), ("cuda:3", 4), ("cpu", 0)]
 )

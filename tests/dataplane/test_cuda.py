@@ -272,8 +272,15 @@ def test_a_cuda_device_past_the_gpus_present_is_one_line_naming_their_count(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """``--device cuda:N`` past the GPUs was taken, and the first allocation there was
-    reported as too little memory."""
+    reported as too little memory. Where CUDA_VISIBLE_DEVICES is set, the line names it."""
     count = torch.cuda.device_count()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    note = (
+        ""
+        if visible is None
+        else f"; CUDA_VISIBLE_DEVICES={visible!r} is set: torch sees only the GPUs it lists, "
+        "numbered from cuda:0"
+    )
     with pytest.raises(InvalidArgumentError, match=rf"^device 'cuda:{count}' asked for, but"):
         resolve_device(f"cuda:{count}")
     args = ["bench", "transfer", "--layout", "tiny", "--gpu-blocks", "8", "--cpu-blocks", "8"]
@@ -281,5 +288,5 @@ def test_a_cuda_device_past_the_gpus_present_is_one_line_naming_their_count(
     assert capsys.readouterr().err.splitlines() == [
         f"kvoffload: error: --device cuda:{count}: device 'cuda:{count}' asked for, but torch "
         f"sees {count} CUDA device{'s' if count > 1 else ''} "
-        f"({'cuda:0' if count == 1 else f'cuda:0 to cuda:{count - 1}'})"
+        f"({'cuda:0' if count == 1 else f'cuda:0 to cuda:{count - 1}'}){note}"
     ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 from typing import SupportsIndex
 
 import torch
@@ -25,19 +26,25 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if resolved.type not in ("cpu", "cuda"):
         raise InvalidArgumentError(f"device {device!r}: only cpu and cuda devices are supported")
     if resolved.type == "cuda":
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         if not torch.cuda.is_available():
             raise InvalidArgumentError(
                 f"device {device!r} asked for, but this torch build sees no CUDA device"
+                f"{_visible_note(visible)}"
             )
-        check_device_present(resolved, torch.cuda.device_count())
+        check_device_present(resolved, torch.cuda.device_count(), visible)
     return resolved
 
 
-def check_device_present(device: torch.device, cuda_devices: int) -> None:
+def check_device_present(
+    device: torch.device, cuda_devices: int, visible_devices: str | None = None
+) -> None:
     """Refuse ``cuda:N`` on a machine of ``cuda_devices`` GPUs that has no GPU N.
 
     torch takes the name, and the first allocation there failed deep inside (CUDA's
     "invalid device ordinal", which :func:`allocate` then reported as memory too small).
+    ``visible_devices``: ``CUDA_VISIBLE_DEVICES`` where set, named in the refusal, as it
+    renumbers the GPUs from 0 (``cuda:3`` of ``nvidia-smi`` may be torch's ``cuda:0``).
     """
     if device.type != "cuda" or device.index is None or device.index < cuda_devices:
         return
@@ -47,7 +54,18 @@ def check_device_present(device: torch.device, cuda_devices: int) -> None:
         present = "1 CUDA device (cuda:0)"
     else:
         present = f"{cuda_devices} CUDA devices (cuda:0 to cuda:{cuda_devices - 1})"
-    raise InvalidArgumentError(f"device '{device}' asked for, but torch sees {present}")
+    raise InvalidArgumentError(
+        f"device '{device}' asked for, but torch sees {present}{_visible_note(visible_devices)}"
+    )
+
+
+def _visible_note(visible_devices: str | None) -> str:
+    if visible_devices is None:
+        return ""
+    return (
+        f"; CUDA_VISIBLE_DEVICES={visible_devices!r} is set: torch sees only the GPUs it "
+        "lists, numbered from cuda:0"
+    )
 
 
 def block_count(name: str, value: object) -> int:
