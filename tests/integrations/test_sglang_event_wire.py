@@ -216,3 +216,40 @@ def test_our_sglang_structs_have_sglangs_names_fields_and_order() -> None:
         assert [f.name for f in msgspec.structs.fields(mine)] == [
             f.name for f in msgspec.structs.fields(theirs)
         ]
+
+
+def _chains(events: list[Any]) -> list[tuple[int | None, list[int]]]:
+    """Each ``BlockStored`` as SGLang's routers read it: a parent page, then a chain."""
+    return [
+        (event.parent_block_hash, event.block_hashes)
+        for event in events
+        if isinstance(event, sglang_events.BlockStored)
+    ]
+
+
+def test_stores_link_each_page_to_the_one_before_it_as_sglangs_own_events_do(
+    backend_of: Any, tmp_path: Path
+) -> None:
+    """SGLang's routers read a ``BlockStored``'s pages as one chain hanging from
+    ``parent_block_hash`` (SGLang's own events do so; a store with no parent starts at the
+    root). A write's pages follow each other, the first following SGLang's prefix keys, so
+    a router given no parent, or a page skipped inside the list, would hang the pages
+    under the wrong one: a longest-prefix walk would stop at the gap."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    events = _events_of()
+    pool = HostPool()
+    backend = backend_of({**_disk(tmp_path, 8), **events}, pool, model="sglang-chain")
+    pool.fill(list(range(7)), seed=5)
+    assert all(backend.batch_set_v1(KEYS[1:2], pool.indices([1])))
+    assert all(backend.batch_set_v1(KEYS[:4], pool.indices([0, 1, 2, 3])))  # KEYS[1] held
+    after = HiCacheStorageExtraInfo(prefix_keys=KEYS[:4])
+    assert all(backend.batch_set_v1(KEYS[4:7], pool.indices([4, 5, 6]), after))
+    batches = _decoded(backend, events["kvoffload.kv_events_replay_endpoint"])
+    number = [_page_number(key) for key in KEYS]
+    assert _chains([event for batch in batches for event in batch.events]) == [
+        (None, [number[1]]),
+        (None, [number[0]]),
+        (number[1], [number[2], number[3]]),
+        (number[3], [number[4], number[5], number[6]]),
+    ]

@@ -283,3 +283,46 @@ def test_a_promotion_landing_at_a_reset_announces_no_cpu_block(
         spec.close()
     assert held == [False] * len(KEYS)
     assert believed[("CPU", None)] == set()
+
+
+def test_a_promotion_landed_before_a_reset_but_unpublished_announces_no_cpu_block(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    """An idle engine's ``has_pending_work`` lands a promotion (a CPU store queued) between
+    steps; vLLM may run a cache reset before the next step publishes it. That step's batch
+    is vLLM's ``AllBlocksCleared`` then the connector's events: a CPU store from before the
+    reset, published after it, tells a router of a CPU block the reset threw away."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult
+
+    spec, worker, manager = _spec(tmp_path, 5)
+    scheduler = connector_scheduler(spec)
+    believed: dict[tuple[str, str | None], set[Any]] = {}
+    try:
+        for index in range(0, 4, 2):  # the second pair evicts the first to disk
+            keys = KEYS[index : index + 2]
+            context = request_context(f"r{index}", keys)
+            output = manager.prepare_store(keys, context)
+            assert output is not None
+            assert worker.submit_store(index, GPULoadStoreSpec([0, 1], [2], [0]), output.store_spec)
+            worker.wait({index})
+            assert all(result.success for result in worker.get_finished())
+            manager.complete_store(keys, context)
+            manager.on_request_finished(context)
+        manager.backing.tiers[0].poll(wait=True)
+        _replay(scheduler.take_events(), believed)
+        reader = request_context("reader", KEYS[:2])
+        assert manager.lookup(KEYS[0], reader) is LookupResult.RETRY  # promoting from disk
+        deadline = time.monotonic() + 30  # the read lands on the disk's own threads
+        while manager.backing.is_promoting(KEYS[0]) and time.monotonic() < deadline:
+            time.sleep(0.005)
+            manager.has_pending_work()  # the idle engine's poll: the promotion lands
+        assert manager.backing.cpu.holds(KEYS[0]) and not manager.backing.is_promoting(KEYS[0])
+        scheduler.reset_cache()
+        believed[("CPU", None)] = set()  # as a router does on vLLM's AllBlocksCleared
+        _replay(scheduler.take_events(), believed)
+        held = [manager.backing.cpu.holds(key) for key in KEYS]
+    finally:
+        worker.shutdown()
+        spec.close()
+    assert held == [False] * len(KEYS)
+    assert believed[("CPU", None)] == set()

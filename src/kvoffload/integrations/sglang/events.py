@@ -14,12 +14,12 @@ imported here, msgspec is.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
 
-from kvoffload.core.keys import get_offload_block_hash
+from kvoffload.core.keys import OffloadKey, get_offload_block_hash
 from kvoffload.core.manager import OffloadingEvent
 
 PAGE_DIGEST_BYTES = hashlib.sha256().digest_size
@@ -66,17 +66,40 @@ def page_number(hash_bytes: bytes) -> int:
     return int.from_bytes(hash_bytes[:8], "big", signed=True)
 
 
-def to_sglang_events(events: Iterable[OffloadingEvent], page_size: int) -> list[Any]:
-    """One SGLang event per manager event, pages in order. The tiers know pages by key
-    only, so stores carry no token ids and no parent hash."""
+def to_sglang_events(
+    events: Iterable[OffloadingEvent],
+    page_size: int,
+    parents: Mapping[OffloadKey, OffloadKey] | None = None,
+) -> list[Any]:
+    """SGLang's events for the manager's, pages in order. SGLang's routers read a
+    ``BlockStored``'s pages as one chain hanging from its ``parent_block_hash``, so a store
+    is split where a page does not follow the one before it in ``parents`` (each page's
+    page before it in its request, where known), each part naming its first page's
+    parent. The tiers know pages by key only, so stores carry no token ids."""
     out: list[Any] = []
     for event in events:
-        numbers = [page_number(get_offload_block_hash(key)) for key in event.keys]
-        if not numbers:
-            continue
         medium = MEDIA.get(event.medium, event.medium)
-        if event.removed:
+        if not event.removed:
+            for parent, chain in _chains(event.keys, parents or {}):
+                numbers = [page_number(get_offload_block_hash(key)) for key in chain]
+                parent_number = None if parent is None else page_number(parent)
+                out.append(SGLangBlockStored(numbers, parent_number, [], page_size, None, medium))
+        elif event.keys:
+            numbers = [page_number(get_offload_block_hash(key)) for key in event.keys]
             out.append(SGLangBlockRemoved(numbers, medium))
-        else:
-            out.append(SGLangBlockStored(numbers, None, [], page_size, None, medium))
     return out
+
+
+def _chains(
+    keys: Sequence[OffloadKey], parents: Mapping[OffloadKey, OffloadKey]
+) -> list[tuple[bytes | None, list[OffloadKey]]]:
+    """``keys`` cut into runs of pages that each follow the one before, each with the hash
+    part of the page its first follows (``None``: unknown, or the request's first)."""
+    runs: list[tuple[bytes | None, list[OffloadKey]]] = []
+    for key in keys:
+        parent = parents.get(key)
+        if runs and parent is not None and parent == runs[-1][1][-1]:
+            runs[-1][1].append(key)
+        else:
+            runs.append((None if parent is None else get_offload_block_hash(parent), [key]))
+    return runs

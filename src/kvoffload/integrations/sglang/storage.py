@@ -204,6 +204,11 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         self.paths: list[TierPath] = []
         self.fingerprint = b""
         self._publisher: Any = None
+        self._parents: dict[OffloadKey, OffloadKey] = {}
+        """Per page being written, the page before it in its request, for the store events
+        (SGLang's routers chain a store's pages from its parent page); kept during the write
+        alone, in which the tiers announce what they stored."""
+        self._parents_lock = threading.Lock()
         self._metrics: Any = None
         self._beside: ThreadPoolExecutor | None = None
         """Writes every tier but the first, while the caller's thread writes that one."""
@@ -503,7 +508,9 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
                     block_size=pages.page_size,
                     data_parallel_rank=self.dp_rank,
                     # SGLang's routers decode SGLang's events: its structs, its page numbers.
-                    to_events=functools.partial(to_sglang_events, page_size=pages.page_size),
+                    to_events=functools.partial(
+                        to_sglang_events, page_size=pages.page_size, parents=self._parents
+                    ),
                 )
             except InvalidArgumentError as exc:
                 # The publisher's error quotes the endpoint it could not bind.
@@ -680,6 +687,26 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
         SGLang's reads and look-ups from another tier."""
         if not self.paths:
             return [False] * len(keys), 0
+        if self._publisher is None:
+            return self._write_tiers(keys, payloads, prefix)
+        # SGLang's pages of one write follow each other, the first its prefix keys' last.
+        links = dict(zip(keys[1:], keys[:-1], strict=True))
+        if prefix and keys:
+            links[keys[0]] = prefix[-1]
+        with self._parents_lock:
+            self._parents.update(links)
+        try:
+            return self._write_tiers(keys, payloads, prefix)
+        finally:
+            with self._parents_lock:
+                for key, parent in links.items():
+                    if self._parents.get(key) == parent:
+                        del self._parents[key]
+
+    def _write_tiers(
+        self, keys: list[OffloadKey], payloads: Sequence[Payload], prefix: Sequence[OffloadKey]
+    ) -> tuple[list[bool], int]:
+        """:meth:`_write` on the tiers themselves."""
         beside = self._beside
         first, *others = self.paths
         if beside is None:  # one tier (or closing: one after the other)

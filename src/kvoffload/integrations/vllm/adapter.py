@@ -608,6 +608,10 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         closing = self._tiered.tiers if self._tiered is not None else []
         # As vLLM's manager, whose reset keeps its queue: events from before it still go out.
         self._queue_events()
+        if self._has_lower_tiers:
+            # Promotions land between steps too (has_pending_work); vLLM publishes their
+            # CPU stores after its AllBlocksCleared, telling of blocks the reset drops.
+            self._queued = [item for item in self._queued if not _announces_cpu_block(item)]
         closed = self._manager
         self._install()
         # Closing the old tiers lands their writes in flight (the shared tier keeps those
@@ -760,6 +764,12 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             seen.update(dict.fromkeys(new))
             if self._recency_at_access and self._cpu.policy.recent_at_access:
                 self._direct.touch(new)
+
+
+def _announces_cpu_block(item: Any) -> bool:
+    """Whether a queued event (a vLLM event or a failed store's released keys) stores a CPU
+    block."""
+    return isinstance(item, OffloadingEvent) and item.medium == Medium.CPU and not item.removed
 
 
 def _dropped_at_reset(info: Sequence[InfoSeries]) -> set[str]:
