@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 import valkey
@@ -24,7 +24,7 @@ from kvoffload.core.specs import CPULoadStoreSpec
 from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
 from kvoffload.tiers import CircuitBreaker, RemoteTier, RemoteTierError, layout_fingerprint
 from kvoffload.tiers.format import encode_trailed_block
-from tier_servers import ValkeyClusterProcesses, ValkeyProcess
+from tier_servers import ValkeyClusterProcesses, ValkeyProcess, _cluster_ok
 
 KEYS = [block_id_key(i) for i in range(40)]
 T = TypeVar("T")
@@ -165,6 +165,56 @@ def test_cluster_round_trip_spreads_blocks_over_the_nodes(
         assert tier.present(mixed) == 0
     finally:
         tier.close()
+
+
+def test_delete_all_asks_again_for_names_a_node_answered_clusterdown(tmp_path: Path) -> None:
+    """A node answering ``CLUSTERDOWN`` for a while (here one of its slots is dropped, so it
+    says the Cluster is down, as nodes do during a failover) failed its whole DEL pipeline
+    at the first answer: the reset left its blocks. Now each such name is asked again until
+    the page's deadline, and the reset deletes every block once the node serves again."""
+    cluster = ValkeyClusterProcesses(tmp_path / "down").start()
+    url = cluster.url.replace("timeout_ms=2000", "timeout_ms=30000")  # waits, never expires
+    tier = RemoteTier(url, fingerprint("down"))
+    try:
+        store(tier, KEYS)
+        node = cluster.nodes[2]
+        name = tier.name(next(k for k in KEYS if tier.node_address(tier.name(k))[1] == node.port))
+        admin = node.client()
+        slot = admin.execute_command("CLUSTER", "KEYSLOT", name)
+        admin.execute_command("CLUSTER", "DELSLOTS", slot)
+        with pytest.raises(valkey.exceptions.ResponseError, match="CLUSTERDOWN"):
+            admin.delete(name)
+        delete, answered_down = tier._delete, threading.Event()
+
+        def serving_again() -> None:
+            """Give the slot back once a DEL was answered CLUSTERDOWN, until it is served."""
+            if answered_down.is_set():
+                return
+            answered_down.set()
+            admin.execute_command("CLUSTER", "ADDSLOTS", slot)
+            until = time.monotonic() + 20
+            while not all(_cluster_ok(each) for each in cluster.nodes):
+                assert time.monotonic() < until, "the Cluster stayed down"
+                time.sleep(0.05)
+
+        def deleting(*args: Any) -> Any:
+            try:
+                counts = delete(*args)
+            except Exception as error:
+                if "CLUSTERDOWN" in str(error):
+                    serving_again()
+                raise
+            if None in counts:
+                serving_again()
+            return counts
+
+        tier._delete = deleting  # type: ignore[method-assign]
+        deleted = tier.delete_all()
+        assert answered_down.is_set()
+        assert (deleted, tier.held(KEYS)) == (len(KEYS), [False] * len(KEYS))
+    finally:
+        tier.close()
+        cluster.stop()
 
 
 ROUNDS = 150
