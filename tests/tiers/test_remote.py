@@ -217,6 +217,54 @@ def test_delete_all_asks_again_for_names_a_node_answered_clusterdown(tmp_path: P
         cluster.stop()
 
 
+def test_a_cluster_database_past_0_holds_the_tier_s_blocks_apart(tmp_path: Path) -> None:
+    """Valkey 9 Clusters serve several databases (``cluster-databases``): every node
+    connection selects the URL's, so blocks go there alone, and a tier on database 0 with
+    the same fingerprint sees none of them (the URL parser refused any but 0)."""
+    cluster = ValkeyClusterProcesses(tmp_path / "dbs", "--cluster-databases", "4").start()
+    tiers: list[RemoteTier] = []
+    try:
+        tier = RemoteTier(cluster.url.replace("?", "/2?"), fingerprint("dbs"))
+        tiers.append(tier)
+        first = cluster.nodes[0].port  # one seed: the Cluster found, then its map, in db 2
+        seeded = RemoteTier(f"redis://127.0.0.1:{first}/2?timeout_ms=2000", fingerprint("dbs"))
+        tiers.append(seeded)
+        beside = RemoteTier(cluster.url, fingerprint("dbs"))
+        tiers.append(beside)
+        assert tier.is_cluster and seeded.is_cluster
+        store(tier, KEYS)
+        ok, got = read_all(seeded, KEYS)
+        assert all(ok) and got == {i: payload(k) for i, k in enumerate(KEYS)}
+        assert beside.held(KEYS) == [False] * len(KEYS)
+        in_two = [valkey.Valkey("127.0.0.1", node.port, db=2) for node in cluster.nodes]
+        try:
+            assert all(client.dbsize() > 0 for client in in_two)
+            assert [node.client().dbsize() for node in cluster.nodes] == [0, 0, 0]
+            assert tier.delete_all() == len(KEYS)
+            assert [client.dbsize() for client in in_two] == [0, 0, 0]
+        finally:
+            for client in in_two:
+                client.close()
+    finally:
+        for each in tiers:
+            each.close()
+        cluster.stop()
+
+
+def test_a_database_a_cluster_does_not_serve_fails_start_up_saying_which_servers_do(
+    valkey_cluster: ValkeyClusterProcesses,
+) -> None:
+    """A Cluster at Valkey 9's default ``cluster-databases 1`` (or an older one, or Redis,
+    which refuse SELECT in Cluster mode) refuses database 1: one line, naming it and the
+    servers that take it."""
+    with pytest.raises(RemoteTierError) as error:
+        RemoteTier(valkey_cluster.url.replace("?", "/1?"), fingerprint("db1"))
+    message = str(error.value)
+    assert "database 1 refused (ERR DB index is out of range)" in message
+    assert "a Cluster takes one past 0 only from Valkey 9.0 on" in message
+    assert "\n" not in message
+
+
 ROUNDS = 150
 """Write-then-poll rounds per thread in the two-thread test: enough that unlocked polls
 lost or twice-counted writes in every run tried."""
