@@ -408,6 +408,58 @@ def test_a_shared_cascade_past_the_pending_bound_is_refused_while_the_server_hol
     assert tier.tier.held(KEYS[:3]) == [True, False, False]
 
 
+def test_a_refused_cascade_and_a_served_request_are_ended_at_the_admission_layer(
+    vllm_modules: dict[str, ModuleType],
+    tmp_path: Path,
+    engines: Callable[..., Engine],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cascade refused at the pending bound, and a request our tier served whole (nothing
+    to write), offer nothing: each is begun and ended at the layer, as a written one is, so
+    no request of theirs stays open for a later offer ending at the same key to be judged
+    against (its prefix and tier hit) until the bounded record drops it."""
+    from test_admission_entry_points import record
+
+    from kvoffload.tiers.slot_file import FileLayer
+
+    first = engines([_disk(tmp_path, admission="none")])
+    first.replay.request(KEYS[4:6])
+    first.close()
+    admits_all = {"admission": "sketch", "admission_params": {"threshold": 1}}
+    entry = _disk(tmp_path, max_pending_write_bytes=1, disk_timeout_ms=300_000, **admits_all)
+    engine = engines([entry], cpu_blocks=4)
+    tier = engine.tiers[0]
+    calls = record(tier.layer)
+    gate, holding = threading.Event(), threading.Event()
+    write = FileLayer.pwritev
+
+    def held_write(layer: FileLayer, fd: int, buffers: Any, offset: int) -> int:
+        holding.set()
+        gate.wait(60)
+        return write(layer, fd, buffers, offset)
+
+    monkeypatch.setattr(FileLayer, "pwritev", held_write)
+    try:
+        assert _cascade(engine, KEYS[0]) is not None
+        assert holding.wait(30), "the cascade's write never reached the disk"
+        assert _cascade(engine, KEYS[1]) is not None  # refused: the first pins the bound
+    finally:
+        gate.set()
+    engine.replay.settle()
+    assert tier.counters.writes_skipped_backlog == 1
+    assert engine.replay.request(KEYS[4:6]) == 2  # served whole from our disk tier
+    engine.close()  # the tier's thread has run every job
+    assert tier.counters.served_blocks == 2
+    assert [(name, keys) for name, keys, _ in calls] == [
+        ("begin", KEYS[0:1]),
+        ("end", KEYS[0:1]),
+        ("begin", KEYS[1:2]),
+        ("end", KEYS[1:2]),
+        ("begin", KEYS[4:6]),
+        ("end", KEYS[4:6]),
+    ]
+
+
 def test_a_bad_pending_bound_stops_start_up_naming_the_key(tmp_path: Path) -> None:
     from kvoffload.integrations.vllm.secondary_settings import parse_disk_settings
 

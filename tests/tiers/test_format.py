@@ -82,6 +82,7 @@ def test_urls_of_every_scheme() -> None:
     assert "s@cret" not in b.redacted()
     c = parse_remote_url("valkey://h1:1,h2:2,h3")
     assert c.cluster is True and c.hosts == (("h1", 1), ("h2", 2), ("h3", 6379))
+    assert parse_remote_url("valkey://h1:1,h2:2/3").db == 3  # Valkey 9: cluster-databases
     d = parse_remote_url("valkeys://:pw@h?cluster=no")
     assert (d.password, d.username, d.cluster, d.tls) == ("pw", None, False, True)
 
@@ -92,7 +93,6 @@ def test_urls_of_every_scheme() -> None:
         ("http://h:1", "must start with"),
         ("redis://h:port", "bad port"),
         ("redis://h:1/x", "database number"),
-        ("redis://h1:1,h2:2/2", "only database 0"),
         ("redis://h:1?colour=red", "unknown option"),
         ("redis://:1", "names no host"),
         ("redis://h:1?timeout_ms=abc", "timeout_ms must be a number"),

@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 import valkey
@@ -24,7 +24,7 @@ from kvoffload.core.specs import CPULoadStoreSpec
 from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
 from kvoffload.tiers import CircuitBreaker, RemoteTier, RemoteTierError, layout_fingerprint
 from kvoffload.tiers.format import encode_trailed_block
-from tier_servers import ValkeyClusterProcesses, ValkeyProcess
+from tier_servers import ValkeyClusterProcesses, ValkeyProcess, _cluster_ok
 
 KEYS = [block_id_key(i) for i in range(40)]
 T = TypeVar("T")
@@ -165,6 +165,104 @@ def test_cluster_round_trip_spreads_blocks_over_the_nodes(
         assert tier.present(mixed) == 0
     finally:
         tier.close()
+
+
+def test_delete_all_asks_again_for_names_a_node_answered_clusterdown(tmp_path: Path) -> None:
+    """A node answering ``CLUSTERDOWN`` for a while (here one of its slots is dropped, so it
+    says the Cluster is down, as nodes do during a failover) failed its whole DEL pipeline
+    at the first answer: the reset left its blocks. Now each such name is asked again until
+    the page's deadline, and the reset deletes every block once the node serves again."""
+    cluster = ValkeyClusterProcesses(tmp_path / "down").start()
+    url = cluster.url.replace("timeout_ms=2000", "timeout_ms=30000")  # waits, never expires
+    tier = RemoteTier(url, fingerprint("down"))
+    try:
+        store(tier, KEYS)
+        node = cluster.nodes[2]
+        name = tier.name(next(k for k in KEYS if tier.node_address(tier.name(k))[1] == node.port))
+        admin = node.client()
+        slot = admin.execute_command("CLUSTER", "KEYSLOT", name)
+        admin.execute_command("CLUSTER", "DELSLOTS", slot)
+        with pytest.raises(valkey.exceptions.ResponseError, match="CLUSTERDOWN"):
+            admin.delete(name)
+        delete, answered_down = tier._delete, threading.Event()
+
+        def serving_again() -> None:
+            """Give the slot back once a DEL was answered CLUSTERDOWN, until it is served."""
+            if answered_down.is_set():
+                return
+            answered_down.set()
+            admin.execute_command("CLUSTER", "ADDSLOTS", slot)
+            until = time.monotonic() + 20
+            while not all(_cluster_ok(each) for each in cluster.nodes):
+                assert time.monotonic() < until, "the Cluster stayed down"
+                time.sleep(0.05)
+
+        def deleting(*args: Any) -> Any:
+            try:
+                counts = delete(*args)
+            except Exception as error:
+                if "CLUSTERDOWN" in str(error):
+                    serving_again()
+                raise
+            if None in counts:
+                serving_again()
+            return counts
+
+        tier._delete = deleting  # type: ignore[method-assign]
+        deleted = tier.delete_all()
+        assert answered_down.is_set()
+        assert (deleted, tier.held(KEYS)) == (len(KEYS), [False] * len(KEYS))
+    finally:
+        tier.close()
+        cluster.stop()
+
+
+def test_a_cluster_database_past_0_holds_the_tier_s_blocks_apart(tmp_path: Path) -> None:
+    """Valkey 9 Clusters serve several databases (``cluster-databases``): every node
+    connection selects the URL's, so blocks go there alone, and a tier on database 0 with
+    the same fingerprint sees none of them (the URL parser refused any but 0)."""
+    cluster = ValkeyClusterProcesses(tmp_path / "dbs", "--cluster-databases", "4").start()
+    tiers: list[RemoteTier] = []
+    try:
+        tier = RemoteTier(cluster.url.replace("?", "/2?"), fingerprint("dbs"))
+        tiers.append(tier)
+        first = cluster.nodes[0].port  # one seed: the Cluster found, then its map, in db 2
+        seeded = RemoteTier(f"redis://127.0.0.1:{first}/2?timeout_ms=2000", fingerprint("dbs"))
+        tiers.append(seeded)
+        beside = RemoteTier(cluster.url, fingerprint("dbs"))
+        tiers.append(beside)
+        assert tier.is_cluster and seeded.is_cluster
+        store(tier, KEYS)
+        ok, got = read_all(seeded, KEYS)
+        assert all(ok) and got == {i: payload(k) for i, k in enumerate(KEYS)}
+        assert beside.held(KEYS) == [False] * len(KEYS)
+        in_two = [valkey.Valkey("127.0.0.1", node.port, db=2) for node in cluster.nodes]
+        try:
+            assert all(client.dbsize() > 0 for client in in_two)
+            assert [node.client().dbsize() for node in cluster.nodes] == [0, 0, 0]
+            assert tier.delete_all() == len(KEYS)
+            assert [client.dbsize() for client in in_two] == [0, 0, 0]
+        finally:
+            for client in in_two:
+                client.close()
+    finally:
+        for each in tiers:
+            each.close()
+        cluster.stop()
+
+
+def test_a_database_a_cluster_does_not_serve_fails_start_up_saying_which_servers_do(
+    valkey_cluster: ValkeyClusterProcesses,
+) -> None:
+    """A Cluster at Valkey 9's default ``cluster-databases 1`` (or an older one, or Redis,
+    which refuse SELECT in Cluster mode) refuses database 1: one line, naming it and the
+    servers that take it."""
+    with pytest.raises(RemoteTierError) as error:
+        RemoteTier(valkey_cluster.url.replace("?", "/1?"), fingerprint("db1"))
+    message = str(error.value)
+    assert "database 1 refused (ERR DB index is out of range)" in message
+    assert "a Cluster takes one past 0 only from Valkey 9.0 on" in message
+    assert "\n" not in message
 
 
 ROUNDS = 150

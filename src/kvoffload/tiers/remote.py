@@ -108,6 +108,9 @@ where they went: a node restarted blank at a dead node's address (its ``nodes.co
 answers it for every slot, and so does a Cluster while it is down. It has the slot map
 asked again, as a failure does: the breaker counts no failure for an answer, so without
 it the tier sent the slots there for good, after their failover too."""
+NOT_SERVED_PAUSE_S = 0.05
+"""Seconds :meth:`RemoteTier.delete_all` waits before it asks again for names a node
+answered ``CLUSTERDOWN`` (a failover under way), on the node the slot map then names."""
 DEMOTED = "READONLY"
 """Error code of a server that became a replica: a standalone failover behind a DNS name (a
 managed service's primary endpoint) leaves the old primary up, serving reads and refusing
@@ -522,7 +525,9 @@ class RemoteTier(BacklogFigures):
     def delete_all(self) -> int:
         """Delete every block under this tier's fingerprint (for tests and resets); none
         once closed. Each node's names are scanned, then deleted where the slot map puts
-        them, a redirected DEL followed (a slot moved meanwhile, a node now a replica)."""
+        them, a redirected DEL followed (a slot moved meanwhile, a node now a replica), one
+        answered ``CLUSTERDOWN`` (a failover under way) asked again until its page's
+        deadline."""
         deleted = 0
         if self._closed:
             return deleted
@@ -534,7 +539,7 @@ class RemoteTier(BacklogFigures):
                 if page is None:
                     break
                 cursor, names = page
-                deleted += self._delete_names(names, deadline)
+                deleted += self._delete_names(names, deadline, until_served=True)
                 if cursor == b"0":
                     break
         return deleted
@@ -963,9 +968,14 @@ class RemoteTier(BacklogFigures):
             if not self._closed:
                 self._pool.submit(lambda: self._delete_names(names, self._deadline(0)))
 
-    def _delete_names(self, names: list[bytes], deadline: Deadline) -> int:
+    def _delete_names(
+        self, names: list[bytes], deadline: Deadline, until_served: bool = False
+    ) -> int:
         """DEL each of ``names`` on its node, a redirected one where it points (after ASKING
-        for an ``ASK``), at most :data:`MAX_HOPS` times; how many the servers deleted."""
+        for an ``ASK``), at most :data:`MAX_HOPS` times; how many the servers deleted. A
+        name answered ``CLUSTERDOWN`` has the slot map asked again; ``until_served``: it is
+        asked again too, every :data:`NOT_SERVED_PAUSE_S`, until ``deadline`` (a read's
+        corrupt names are not: the read would wait for them)."""
         deleted = 0
         jobs: list[_Job] = [
             (node, got, False, 0) for node, got in self._by_node(names, range(len(names))).items()
@@ -976,13 +986,24 @@ class RemoteTier(BacklogFigures):
             if replies is None:
                 continue
             moved: dict[tuple[_Node, bool], list[int]] = {}
+            unserved: list[int] = []
             for index, reply in zip(indices, replies, strict=True):
-                if isinstance(reply, _Redirect):
+                if reply is None:
+                    unserved.append(index)
+                elif isinstance(reply, _Redirect):
                     moved.setdefault((self._follow(reply, node), reply.ask), []).append(index)
                 else:
                     deleted += reply
             if hops < MAX_HOPS:
                 jobs += [(where, got, ask, hops + 1) for (where, ask), got in moved.items()]
+            if unserved:
+                self._refresh_map_soon(node)
+                if until_served:
+                    time.sleep(max(0.0, min(NOT_SERVED_PAUSE_S, deadline.at - time.monotonic())))
+                    jobs += [
+                        (where, got, False, hops)
+                        for where, got in self._by_node(names, unserved).items()
+                    ]
         return deleted
 
     def _get_into(
@@ -1081,9 +1102,10 @@ class RemoteTier(BacklogFigures):
         asking: bool,
         connection: Connection,
         deadline: Deadline,
-    ) -> list[int | _Redirect]:
+    ) -> list[int | _Redirect | None]:
         """DEL each name (one each: a Cluster refuses one over several slots): how many it
-        deleted (0 or 1), or its redirection."""
+        deleted (0 or 1), its redirection, or ``None`` where the node answered ``CLUSTERDOWN``
+        (the others are deleted all the same)."""
         prefix = ASKING if asking else b""
         connection.send([b"".join(prefix + command(b"DEL", names[i]) for i in indices)], deadline)
         replies: list[Reply] = []
@@ -1091,8 +1113,11 @@ class RemoteTier(BacklogFigures):
             if asking:
                 _ok(connection.read_reply(deadline, MAX_LINE))
             replies.append(connection.read_reply(deadline, MAX_LINE))
-        counts: list[int | _Redirect] = []
+        counts: list[int | _Redirect | None] = []
         for reply in replies:
+            if isinstance(reply, ErrorReply) and reply.code == NOT_SERVED:
+                counts.append(None)
+                continue
             redirect = _redirect(reply) if isinstance(reply, ErrorReply) else None
             counts.append(redirect or int(_ok(reply) == 1))
         return counts

@@ -131,6 +131,18 @@ def _refused(reply: ErrorReply, password: str | None) -> ConnectError:
     return ConnectError("auth" if auth else "server", message)
 
 
+def _database_refused(db: int, refused: ConnectError) -> ConnectError:
+    """The error of a ``SELECT db`` the server refused, saying which servers take it: a
+    Cluster answered "SELECT is not allowed in cluster mode" (Redis, Valkey before 9.0) or
+    "DB index is out of range" (Valkey 9 with ``cluster-databases`` at its default, 1)."""
+    return ConnectError(
+        "server",
+        f"database {db} refused ({refused}): a standalone server takes databases up to its "
+        "databases - 1; a Cluster takes one past 0 only from Valkey 9.0 on, up to its "
+        "cluster-databases - 1",
+    )
+
+
 class Deadline:
     """A point in time (``time.monotonic``) an operation must end by, and when it began."""
 
@@ -488,9 +500,13 @@ class Connection:
         except OSError as exc:
             raise ConnectError("network", _describe(exc)) from None
         *setup, ping = replies
-        for reply in setup:
+        for position, reply in enumerate(setup):
             if isinstance(reply, ErrorReply):
-                raise _refused(reply, credentials.password)
+                refused = _refused(reply, credentials.password)
+                selecting = credentials.db and position == len(setup) - 1
+                if selecting and refused.kind == "server":
+                    raise _database_refused(credentials.db, refused)
+                raise refused
         # A server that cannot persist refuses PING with MISCONF as it refuses writes, yet
         # serves reads: it answered in RESP, so the connection is good (its stores then rest
         # the node, see the shared tier's ``REFUSES_STORES``), not a failure of every call.

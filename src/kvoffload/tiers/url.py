@@ -3,7 +3,8 @@
 ``scheme://[user[:password]@]host[:port][,host[:port]...][/db][?option=value&...]``.
 Several hosts are the seed nodes of a Cluster (``cluster=no`` with them is
 refused); one host is asked at start-up whether it runs in Cluster mode
-unless ``cluster=`` says so. Hosts are DNS
+unless ``cluster=`` says so. A Cluster takes a database past 0 from Valkey 9.0 on
+(``cluster-databases``); an older one, or Redis, refuses it at start-up. Hosts are DNS
 names (labels of 1 to 63 characters, 253 in all), IPv4 addresses or IPv6
 ones in brackets; ports run from 1 to 65535.
 
@@ -181,8 +182,6 @@ def parse_remote_url(url: str) -> RemoteAddress:
                 f"in {shown!r}"
             )
         raise InvalidArgumentError(f"unknown option(s) {', '.join(sorted(params))} in {shown!r}")
-    if cluster and db != 0:
-        raise InvalidArgumentError(f"a Cluster has only database 0, got {db} in {shown!r}")
     return RemoteAddress(
         hosts, username, password, db, tls, cluster, timeout_ms / 1000, tls_options
     )

@@ -228,8 +228,9 @@ class _Owner:
                 return [False] * len(keys)
 
     def sight(self, sighting: _Sighting) -> None:
-        """Show the admission layer a request (in the background, in call order)."""
-        self._thread.submit(self._sight, sighting)
+        """Show the admission layer a request that no offer follows (in the background, in
+        call order): begun and ended, so the layer's open requests keep none of it."""
+        self._thread.submit(self._sight, sighting, True)
 
     def store(
         self,
@@ -269,7 +270,9 @@ class _Owner:
         self._thread.submit(self._close).result()
         self._thread.shutdown(wait=True)
 
-    def _sight(self, sighting: _Sighting) -> None:
+    def _sight(self, sighting: _Sighting, ends: bool) -> None:
+        """Begin the request at the layer; end it too when ``ends`` (no offer of it follows
+        here: an offer reads the request's prefix, and :meth:`_store` ends it after)."""
         layer = self.layer
         if layer is not None and sighting.keys:
             layer.begin_request(
@@ -278,7 +281,7 @@ class _Owner:
                 counted=sighting.counted,
                 tier_hit=sighting.tier_hit,
             )
-            if not sighting.will_offer:
+            if ends or not sighting.will_offer:
                 layer.end_request(sighting.keys)
 
     def _store(
@@ -286,7 +289,7 @@ class _Owner:
     ) -> _Stored:
         tier, layer = self.tier, self.layer
         if sighting is not None:
-            self._sight(sighting)
+            self._sight(sighting, False)
         try:
             # Per key: several KV groups, or a sliding window, offer out of prefix order.
             with self._calls:
