@@ -93,7 +93,8 @@ holds for the connection stay small. Sent all at once, a large batch's replies p
 the server's output buffer, and a ``client-output-buffer-limit normal`` set below them
 closed the connection: the whole batch failed, every time it was asked. Valkey counts
 about twice the values' bytes against that limit (its reply blocks): a limit of 16 MiB
-or more is never reached."""
+or more is never reached by the window. One value is one reply, though: a block of about
+twice the limit or more (32 MiB under 16 MiB) still closes the connection."""
 MAX_HOPS = 4
 """MOVED/ASK redirections followed per key before its block counts as failed: each key has
 its own, so a batch over many moved slots is served as each key alone would be."""
