@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from kvoffload.admission import available_admissions
 from kvoffload.cli.app import build_parser
 from kvoffload.core.layout import LAYOUT_PRESETS
 from kvoffload.policies import available_policies
+from kvoffload.tiers.url import parse_remote_url
 
 
 def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
@@ -95,3 +97,16 @@ def test_simulate_lists_the_gpu_cache_with_its_tiers() -> None:
     ]
     options = {option for action in section._group_actions for option in action.option_strings}
     assert {"--gpu-blocks", "--gpu-gb", "--cpu-blocks", "--cpu-gb"} <= options
+
+
+def test_the_remote_help_shows_only_urls_the_tier_takes() -> None:
+    """docs/tiers.md: a Cluster's seed nodes follow the scheme (redis://h1:6379,h2:6379);
+    every URL the --remote help shows parses once its placeholders are filled in."""
+    parser, _ = build_parser()
+    for command in ("simulate", "sweep"):
+        text = _help(_subcommand(parser, command), "--remote")
+        shown = [url.rstrip(",") for url in re.findall(r"\S*host:port\S*", text)]
+        assert len(shown) == 2, (command, text)
+        for url in shown:
+            filled = url.replace("[user:pass@]", "").replace(",...", "")
+            parse_remote_url(filled.replace("host:port", "127.0.0.1:6379"))

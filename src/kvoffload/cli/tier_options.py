@@ -61,7 +61,7 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
         "--remote",
         metavar="URL",
         help="shared Valkey/Redis tier, e.g. redis://[user:pass@]host:port/0, rediss:// for "
-        "TLS, or host:port,host:port,... for a Cluster's seed nodes",
+        "TLS, or redis://host:port,host:port,... for a Cluster's seed nodes",
     )
     group.add_argument(
         "--tier-store-threshold",
