@@ -5,13 +5,21 @@ as the reference."""
 
 from __future__ import annotations
 
-import random
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Sequence
 from itertools import chain
 
 import hypothesis.strategies as st
 from hypothesis import given, settings
+from parking_drivers import (
+    KEYS,
+    CountingBlock,
+    drive,
+    random_ops,
+    request_end,
+    turn_ref_counts,
+)
+from parking_drivers import MANAGER_OPS as BASE_OPS
 
 from kvoffload import CPUOffloadingManager, block_id_key
 from kvoffload.core.keys import OffloadKey
@@ -203,22 +211,6 @@ class WalkingSLRU(CachePolicy):
         return victims
 
 
-class CountingBlock(BlockStatus):
-    """A block that counts how often a policy reads its ``ref_cnt``."""
-
-    __slots__ = ("_ref",)
-    reads = 0
-
-    @property  # type: ignore[override]
-    def ref_cnt(self) -> int:
-        CountingBlock.reads += 1
-        return self._ref
-
-    @ref_cnt.setter
-    def ref_cnt(self, value: int) -> None:
-        self._ref = value
-
-
 def counting_blocks(pinned: int, total: int) -> tuple[list[OffloadKey], list[CountingBlock]]:
     """``total`` ready blocks, the first ``pinned`` of them pinned."""
     keys = [block_id_key(i) for i in range(total)]
@@ -289,55 +281,7 @@ def test_an_slru_eviction_does_not_walk_again_the_pinned_blocks_of_protected() -
     assert list(slru.probation) == keys[:3] + keys[4:6]
 
 
-KEYS = [block_id_key(i) for i in range(8)]
-MANAGER_OPS = ["store", "stored", "complete", "fail", "touch", "load", "unload", "remove"]
-MANAGER_OPS += ["finish", "missed"]
-
-
-def random_ops(seed: int, names: list[str], count: int) -> list[tuple[str, list[int], int]]:
-    """A long random run: hypothesis's own lists stay short, and pinned or pending blocks
-    at the cold end of a full tier take a few dozen calls to arise."""
-    rng = random.Random(seed)
-    return [
-        (
-            rng.choice(names),
-            [rng.randrange(10) for _ in range(rng.randint(0, 4))],
-            rng.randint(0, 4),
-        )
-        for _ in range(count)
-    ]
-
-
-def request_end(policy: CachePolicy, op: str, keys: list[OffloadKey], n: int) -> None:
-    """A request-scoped driver's calls: the first ``n`` keys read, the rest only stored."""
-    if op == "missed":
-        policy.store_missed(keys)
-    else:
-        policy.finish_request(keys, set(keys[:n]), set(keys[n:]))
-
-
-def drive(m: CPUOffloadingManager, op: str, keys: list[OffloadKey], n: int) -> object:
-    """One call; returns what a caller observes."""
-    if op in ("store", "stored"):  # "stored": and completed at once
-        out = m.prepare_store(keys)
-        if out is not None and op == "stored":
-            m.complete_store(out.keys_to_store)
-        return None if out is None else (out.keys_to_store, out.evicted_keys)
-    if op in ("complete", "fail"):
-        m.complete_store(keys, success=op == "complete")
-    elif op == "touch":
-        m.touch(keys)
-    elif op == "load":
-        m.prepare_load([k for k in keys if (b := m.block_status(k)) is not None and b.is_ready])
-    elif op == "unload":
-        m.complete_load(
-            [k for k in dict.fromkeys(keys) if (b := m.block_status(k)) and b.ref_cnt > 0]
-        )
-    elif op in ("finish", "missed"):
-        request_end(m.policy, op, keys, n)
-    else:
-        return m.remove(keys)
-    return None
+MANAGER_OPS = [*BASE_OPS, "finish", "missed"]
 
 
 def state(policy: CachePolicy) -> tuple[object, ...]:
@@ -441,20 +385,7 @@ def directly(policy: str, capacity: int, seed: int) -> set[str]:
             for key, _ in victims or ():
                 del blocks[key]
         else:
-            turned = []
-            for key in keys:
-                block = blocks.get(key)
-                if block is None:
-                    continue
-                before = block.ref_cnt
-                if op == "ready" and before == -1:
-                    block.ref_cnt = 0
-                elif op == "pin" and before >= 0:
-                    block.ref_cnt += 1
-                elif op == "unpin" and before > 0:
-                    block.ref_cnt -= 1
-                if block.ref_cnt == 0 and before != 0:
-                    turned.append(key)
+            turned = turn_ref_counts(blocks, op, keys)
             fast.became_evictable(turned)
         same_lists(fast, walking)
         seen |= parked_lists(fast)

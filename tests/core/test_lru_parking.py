@@ -4,12 +4,19 @@ over every block makes."""
 
 from __future__ import annotations
 
-import random
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Sequence
 
 import hypothesis.strategies as st
 from hypothesis import given, settings
+from parking_drivers import (
+    KEYS,
+    MANAGER_OPS,
+    CountingBlock,
+    drive,
+    random_ops,
+    turn_ref_counts,
+)
 
 from kvoffload import CPUOffloadingManager, block_id_key
 from kvoffload.core.keys import OffloadKey
@@ -51,22 +58,6 @@ class WalkingLRU(CachePolicy):
         return victims
 
 
-class CountingBlock(BlockStatus):
-    """A block that counts how often a policy reads its ``ref_cnt``."""
-
-    __slots__ = ("_ref",)
-    reads = 0
-
-    @property  # type: ignore[override]
-    def ref_cnt(self) -> int:
-        CountingBlock.reads += 1
-        return self._ref
-
-    @ref_cnt.setter
-    def ref_cnt(self, value: int) -> None:
-        self._ref = value
-
-
 def test_an_eviction_does_not_walk_again_the_pinned_blocks_the_last_one_walked() -> None:
     policy = LRUCachePolicy(1000)
     policy.follow_evictable()
@@ -87,46 +78,6 @@ def test_an_eviction_does_not_walk_again_the_pinned_blocks_the_last_one_walked()
     assert len(policy.coldest()) == 995
 
 
-KEYS = [block_id_key(i) for i in range(8)]
-MANAGER_OPS = ["store", "stored", "complete", "fail", "touch", "load", "unload", "remove"]
-
-
-def random_ops(seed: int, names: list[str], count: int) -> list[tuple[str, list[int], int]]:
-    """A long random run: hypothesis's own lists stay short, and pinned or pending blocks
-    at the cold end of a full tier take a few dozen calls to arise."""
-    rng = random.Random(seed)
-    return [
-        (
-            rng.choice(names),
-            [rng.randrange(10) for _ in range(rng.randint(0, 4))],
-            rng.randint(0, 4),
-        )
-        for _ in range(count)
-    ]
-
-
-def drive(m: CPUOffloadingManager, op: str, keys: list[OffloadKey]) -> object:
-    """One call; returns what a caller observes."""
-    if op in ("store", "stored"):  # "stored": and completed at once
-        out = m.prepare_store(keys)
-        if out is not None and op == "stored":
-            m.complete_store(out.keys_to_store)
-        return None if out is None else (out.keys_to_store, out.evicted_keys)
-    if op in ("complete", "fail"):
-        m.complete_store(keys, success=op == "complete")
-    elif op == "touch":
-        m.touch(keys)
-    elif op == "load":
-        m.prepare_load([k for k in keys if (b := m.block_status(k)) is not None and b.is_ready])
-    elif op == "unload":
-        m.complete_load(
-            [k for k in dict.fromkeys(keys) if (b := m.block_status(k)) and b.ref_cnt > 0]
-        )
-    else:
-        return m.remove(keys)
-    return None
-
-
 @settings(max_examples=300, deadline=None)
 @given(capacity=st.integers(1, 7), seed=st.integers(0, 2**32 - 1))
 def test_lru_decides_as_the_walk_over_every_block(capacity: int, seed: int) -> None:
@@ -134,7 +85,7 @@ def test_lru_decides_as_the_walk_over_every_block(capacity: int, seed: int) -> N
     walking = CPUOffloadingManager(capacity, "walking-lru", enable_events=True)
     for op, ids, _ in random_ops(seed, MANAGER_OPS, 150):
         keys = [KEYS[i % len(KEYS)] for i in ids]
-        assert drive(lru, op, keys) == drive(walking, op, keys)
+        assert drive(lru, op, keys, 0) == drive(walking, op, keys, 0)
         assert list(lru.policy.coldest()) == list(walking.policy.order)
         assert len(lru.policy.coldest()) == len(walking.policy.order)
         assert all(key in lru.policy.coldest() for key in walking.policy.order)
@@ -190,20 +141,7 @@ def test_lru_policy_alone_decides_as_the_walk_failed_evictions_included(seed: in
             for key, _ in victims or ():
                 del blocks[key]
         else:
-            turned = []
-            for key in keys:
-                block = blocks.get(key)
-                if block is None:
-                    continue
-                before = block.ref_cnt
-                if op == "ready" and before == -1:
-                    block.ref_cnt = 0
-                elif op == "pin" and before >= 0:
-                    block.ref_cnt += 1
-                elif op == "unpin" and before > 0:
-                    block.ref_cnt -= 1
-                if block.ref_cnt == 0 and before != 0:
-                    turned.append(key)
+            turned = turn_ref_counts(blocks, op, keys)
             lru.became_evictable(turned)
         assert list(lru.coldest()) == list(walking.order)
 
