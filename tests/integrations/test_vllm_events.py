@@ -254,26 +254,12 @@ def test_a_promotion_landing_at_a_reset_announces_no_cpu_block(
     publishes ``AllBlocksCleared`` before the connector's events). A promotion from disk
     still in flight lands, while the old tiers close, in the CPU tier the reset threw
     away: announcing that store would tell a router of CPU blocks that are gone."""
-    from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult
 
     spec, worker, manager = _spec(tmp_path, 4)
     scheduler = connector_scheduler(spec)
     believed: dict[tuple[str, str | None], set[Any]] = {}
     try:
-        for index in range(0, 4, 2):  # the second pair evicts the first to disk
-            keys = KEYS[index : index + 2]
-            context = request_context(f"r{index}", keys)
-            output = manager.prepare_store(keys, context)
-            assert output is not None
-            assert worker.submit_store(index, GPULoadStoreSpec([0, 1], [2], [0]), output.store_spec)
-            worker.wait({index})
-            assert all(result.success for result in worker.get_finished())
-            manager.complete_store(keys, context)
-            manager.on_request_finished(context)
-        manager.backing.tiers[0].poll(wait=True)
-        _replay(scheduler.take_events(), believed)
-        reader = request_context("reader", KEYS[:2])
-        assert manager.lookup(KEYS[0], reader) is LookupResult.RETRY  # promoting from disk
+        _promote_from_disk(worker, manager, scheduler, believed)
         scheduler.reset_cache()
         believed[("CPU", None)] = set()  # as a router does on vLLM's AllBlocksCleared
         _replay(scheduler.take_events(), believed)
@@ -292,26 +278,12 @@ def test_a_promotion_landed_before_a_reset_but_unpublished_announces_no_cpu_bloc
     steps; vLLM may run a cache reset before the next step publishes it. That step's batch
     is vLLM's ``AllBlocksCleared`` then the connector's events: a CPU store from before the
     reset, published after it, tells a router of a CPU block the reset threw away."""
-    from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult
 
     spec, worker, manager = _spec(tmp_path, 5)
     scheduler = connector_scheduler(spec)
     believed: dict[tuple[str, str | None], set[Any]] = {}
     try:
-        for index in range(0, 4, 2):  # the second pair evicts the first to disk
-            keys = KEYS[index : index + 2]
-            context = request_context(f"r{index}", keys)
-            output = manager.prepare_store(keys, context)
-            assert output is not None
-            assert worker.submit_store(index, GPULoadStoreSpec([0, 1], [2], [0]), output.store_spec)
-            worker.wait({index})
-            assert all(result.success for result in worker.get_finished())
-            manager.complete_store(keys, context)
-            manager.on_request_finished(context)
-        manager.backing.tiers[0].poll(wait=True)
-        _replay(scheduler.take_events(), believed)
-        reader = request_context("reader", KEYS[:2])
-        assert manager.lookup(KEYS[0], reader) is LookupResult.RETRY  # promoting from disk
+        _promote_from_disk(worker, manager, scheduler, believed)
         deadline = time.monotonic() + 30  # the read lands on the disk's own threads
         while manager.backing.is_promoting(KEYS[0]) and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -326,3 +298,27 @@ def test_a_promotion_landed_before_a_reset_but_unpublished_announces_no_cpu_bloc
         spec.close()
     assert held == [False] * len(KEYS)
     assert believed[("CPU", None)] == set()
+
+
+def _promote_from_disk(
+    worker: Any, manager: Any, scheduler: Any, believed: dict[tuple[str, str | None], set[Any]]
+) -> None:
+    """Store two pairs of blocks through vLLM (the second pair evicts the first to disk),
+    replay their events into ``believed``, then look the first pair up: a promotion from
+    disk in flight."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult
+
+    for index in range(0, 4, 2):
+        keys = KEYS[index : index + 2]
+        context = request_context(f"r{index}", keys)
+        output = manager.prepare_store(keys, context)
+        assert output is not None
+        assert worker.submit_store(index, GPULoadStoreSpec([0, 1], [2], [0]), output.store_spec)
+        worker.wait({index})
+        assert all(result.success for result in worker.get_finished())
+        manager.complete_store(keys, context)
+        manager.on_request_finished(context)
+    manager.backing.tiers[0].poll(wait=True)
+    _replay(scheduler.take_events(), believed)
+    reader = request_context("reader", KEYS[:2])
+    assert manager.lookup(KEYS[0], reader) is LookupResult.RETRY

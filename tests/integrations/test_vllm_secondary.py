@@ -238,7 +238,7 @@ def test_a_lookup_and_a_promotion_go_by_a_disk_write_held_in_its_file_system_cal
     duration: the write is released only once the load is in."""
     from vllm.v1.kv_offload.base import ReqContext
 
-    from kvoffload.tiers.slot_file import SUPER_BYTES, FileLayer
+    from kvoffload.tiers.slot_file import SUPER_BYTES
 
     stripes = 2
     entry = _disk(tmp_path, admission="none", io_threads=stripes, disk_timeout_ms=300_000)
@@ -253,17 +253,7 @@ def test_a_lookup_and_a_promotion_go_by_a_disk_write_held_in_its_file_system_cal
         assert offset is not None
         return (offset - SUPER_BYTES) // stride % stripes
 
-    gate, holding, entered = threading.Event(), threading.Event(), []
-    write = FileLayer.pwritev
-
-    def held_write(layer: FileLayer, fd: int, buffers: Any, offset: int) -> int:
-        if not gate.is_set():
-            entered.append(offset)
-            holding.set()
-            gate.wait(60)
-        return write(layer, fd, buffers, offset)
-
-    monkeypatch.setattr(FileLayer, "pwritev", held_write)
+    gate, holding, entered = _held_disk_writes(monkeypatch)
     manager = engine.manager
     cascade = ReqContext(req_id="cascade")
     manager.on_new_request(cascade)
@@ -353,19 +343,9 @@ def test_a_cascade_past_the_pending_bound_is_refused_and_pins_no_chunk(
     counted, and vLLM unpins its chunk, so the CPU tier keeps taking stores. Queued behind
     the held write, every cascade kept its chunk pinned: the 2-chunk CPU tier refused the
     third store. Nothing refused is written; once the disk resumes the tier writes again."""
-    from kvoffload.tiers.slot_file import FileLayer
-
     entry = _disk(tmp_path, admission="none", max_pending_write_bytes=1, disk_timeout_ms=300_000)
     engine = engines([entry], cpu_blocks=2)  # a deadline that never ends the held write
-    gate, holding = threading.Event(), threading.Event()
-    write = FileLayer.pwritev
-
-    def held_write(layer: FileLayer, fd: int, buffers: Any, offset: int) -> int:
-        holding.set()
-        gate.wait(60)
-        return write(layer, fd, buffers, offset)
-
-    monkeypatch.setattr(FileLayer, "pwritev", held_write)
+    gate, holding, _ = _held_disk_writes(monkeypatch)
     tier = engine.tiers[0]
     try:
         assert _cascade(engine, KEYS[0]) is not None
@@ -420,8 +400,6 @@ def test_a_refused_cascade_and_a_served_request_are_ended_at_the_admission_layer
     against (its prefix and tier hit) until the bounded record drops it."""
     from test_admission_entry_points import record
 
-    from kvoffload.tiers.slot_file import FileLayer
-
     first = engines([_disk(tmp_path, admission="none")])
     first.replay.request(KEYS[4:6])
     first.close()
@@ -430,15 +408,7 @@ def test_a_refused_cascade_and_a_served_request_are_ended_at_the_admission_layer
     engine = engines([entry], cpu_blocks=4)
     tier = engine.tiers[0]
     calls = record(tier.layer)
-    gate, holding = threading.Event(), threading.Event()
-    write = FileLayer.pwritev
-
-    def held_write(layer: FileLayer, fd: int, buffers: Any, offset: int) -> int:
-        holding.set()
-        gate.wait(60)
-        return write(layer, fd, buffers, offset)
-
-    monkeypatch.setattr(FileLayer, "pwritev", held_write)
+    gate, holding, _ = _held_disk_writes(monkeypatch)
     try:
         assert _cascade(engine, KEYS[0]) is not None
         assert holding.wait(30), "the cascade's write never reached the disk"
@@ -1461,3 +1431,24 @@ def test_interleaved_requests_promote_only_their_own_bytes(
     )
     machine.TestCase().runTest()
     assert sum(loaded) > 0, "no example promoted a block: the machine checked none"
+
+
+def _held_disk_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[threading.Event, threading.Event, list[int]]:
+    """Hold each disk write in the file system until the gate (first) is set: the second event
+    is set once a write is held, the list gets the offsets of those held."""
+    from kvoffload.tiers.slot_file import FileLayer
+
+    gate, holding, entered = threading.Event(), threading.Event(), []
+    write = FileLayer.pwritev
+
+    def held_write(layer: FileLayer, fd: int, buffers: Any, offset: int) -> int:
+        if not gate.is_set():
+            entered.append(offset)
+            holding.set()
+            gate.wait(60)
+        return write(layer, fd, buffers, offset)
+
+    monkeypatch.setattr(FileLayer, "pwritev", held_write)
+    return gate, holding, entered
