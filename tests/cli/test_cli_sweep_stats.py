@@ -82,6 +82,23 @@ def test_sweep_csv_has_every_runs_columns(tmp_path: Path) -> None:
     assert next(iter(plain)) == "workload"  # the first row's columns first
 
 
+def test_sweep_csv_columns_are_in_a_runs_own_order(tmp_path: Path) -> None:
+    """A column only a later row has goes where that run's own CSV has it: the optimiser's
+    what-if columns came after ``trace_format``, which the docs keep last, when a run without
+    them came first, so the sweep's columns were not those of ``simulate --csv``."""
+    args = ["sweep", "--requests", "50", "--gpu-blocks", "1500", "--cpu-blocks", "300"]
+    args += ["--policies", "lru", "--thresholds", "0", "--jobs", "1", "--no-progress"]
+    args += ["--admissions", "none,recommended", "--csv", str(tmp_path / "s.csv")]
+    assert main(args) == 0
+    simulate = ["simulate", "--requests", "50", "--gpu-blocks", "1500", "--cpu-blocks", "300"]
+    simulate += ["--admission", "recommended", "--no-progress", "--csv", str(tmp_path / "r.csv")]
+    assert main(simulate) == 0
+    [header] = csv.reader((tmp_path / "s.csv").read_text().splitlines()[:1])
+    [own] = csv.reader((tmp_path / "r.csv").read_text().splitlines()[:1])
+    assert header[-1] == "trace_format"
+    assert header == own
+
+
 def test_sweep_runs_each_distinct_setting_once(tmp_path: Path) -> None:
     """Thresholds 0 and 1 both mean no filter, and a name given twice is the same run:
     the table once had two identical rows for each."""

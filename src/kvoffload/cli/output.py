@@ -313,12 +313,32 @@ def flatten(row: NestedRow, prefix: str = "") -> dict[str, Value]:
     return flat
 
 
+def columns(rows: Sequence[Mapping[str, Value]]) -> list[str]:
+    """Every row's keys, a key first seen in a later row placed after the key it follows
+    there: rows differ (an admission rule adds its own counters), and an optimiser's
+    what-if columns then sit where a run of its own has them, not after ``trace_format``,
+    which stays last."""
+    fields: list[str] = []
+    known: set[str] = set()
+    for row in rows:
+        if known.issuperset(row):
+            continue
+        position = 0
+        for key in row:
+            if key in known:
+                position = fields.index(key) + 1
+                continue
+            fields.insert(position, key)
+            known.add(key)
+            position += 1
+    return fields
+
+
 def write_csv(path: str, rows: Sequence[NestedRow], option: str = "--csv") -> None:
-    """One header line, then one line per row (nested: flattened). The header is every
-    row's keys in first-seen order, since rows differ (an admission rule adds its own
-    counters); a row without a column leaves it empty."""
+    """One header line (:func:`columns`), then one line per row (nested: flattened); a row
+    without a column leaves it empty."""
     flat = [flatten(row) for row in rows]
-    fields = list(dict.fromkeys(key for row in flat for key in row))
+    fields = columns(flat)
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=fields, restval="", lineterminator="\n")
     writer.writeheader()
