@@ -336,3 +336,19 @@ def test_plotting_no_run_is_refused(tmp_path: Path) -> None:
 
     with pytest.raises(InvalidArgumentError, match="at least one run"):
         plot_sweep([], tmp_path)
+
+
+@pytest.mark.parametrize("name", ["price_$5_to_$6.jsonl", "x$^$y.jsonl"])
+def test_a_workload_name_with_dollar_signs_is_plotted_as_written(
+    make_workload: MakeWorkload, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    # Two dollar signs made matplotlib read the trace's name as math: the plot failed with
+    # a parser's traceback once the whole sweep had run, and its table was never shown.
+    pytest.importorskip("matplotlib")
+    report = dataclasses.replace(_small_report(make_workload), workload=name)
+    for figure in _figures([report], tmp_path, monkeypatch):
+        assert figure.axes[0].get_title().startswith(f"{name}, GPU ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "hit_ratio_vs_capacity.png",
+        "hit_ratio_vs_writes.png",
+    ]

@@ -69,6 +69,13 @@ def _title(text: str) -> str:
     return "\n".join(textwrap.wrap(text, TITLE_CHARS))
 
 
+def _set_title(axes: Any, text: str) -> None:
+    """Title ``axes`` with ``text`` as written: matplotlib reads a text between two dollar
+    signs as math, and a trace named ``price_$5_to_$6.jsonl`` failed the plot (a parser's
+    traceback, after the whole sweep) or, where it parsed, showed a name it does not have."""
+    axes.set_title(_title(text), parse_math=False)
+
+
 def sweep_title(report: RunReport) -> str:
     """The plots' title: the workload and its GPU cache, in three significant digits
     (whole GiB from 999.5 on, where ``.3g`` turns to ``1e+03``)."""
@@ -116,11 +123,8 @@ def _capacity_figure(reports: Sequence[RunReport]) -> Any:
             color="black",
             label="Belady bound",
         )
-    axes.set(
-        xlabel="offload tier capacity (GiB)",
-        ylabel="total hit ratio (GPU + offload)",
-        title=_title(sweep_title(reports[0])),
-    )
+    axes.set(xlabel="offload tier capacity (GiB)", ylabel="total hit ratio (GPU + offload)")
+    _set_title(axes, sweep_title(reports[0]))
     axes.grid(alpha=0.3)
     axes.legend()
     return figure
@@ -137,11 +141,8 @@ def _writes_figure(reports: Sequence[RunReport]) -> Any:
             marker="o",
             label=label,
         )
-    axes.set(
-        xlabel="offload writes per block reference",
-        ylabel="total hit ratio (GPU + offload)",
-        title=_title(f"{sweep_title(reports[0])}: each point one capacity"),
-    )
+    axes.set(xlabel="offload writes per block reference", ylabel="total hit ratio (GPU + offload)")
+    _set_title(axes, f"{sweep_title(reports[0])}: each point one capacity")
     axes.grid(alpha=0.3)
     axes.legend()
     return figure
