@@ -245,3 +245,23 @@ def test_sweep_reads_the_trace_once(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     argv = ["sweep", "--trace", str(trace), "--cpu-blocks", "0,4", "--jobs", "1", "--json", "-"]
     assert main([*argv, "--no-progress"]) == 0
     assert reads == [str(trace)]
+
+
+def test_a_plot_that_cannot_be_written_still_shows_the_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The plots are written after every run: one that fails (here a directory holds its
+    name; a full disk alike) said so in one line, and the sweep's table, without ``--json``
+    its only record, was never shown."""
+    pytest.importorskip("matplotlib")
+    plots = tmp_path / "plots"
+    (plots / "hit_ratio_vs_capacity.png").mkdir(parents=True)
+    args = ["sweep", "--requests", "30", "--gpu-blocks", "1500", "--cpu-blocks", "300"]
+    args += ["--policies", "lru", "--thresholds", "0", "--jobs", "1", "--no-progress"]
+    assert main([*args, "--plot-dir", str(plots)]) == 1
+    captured = capsys.readouterr()
+    assert "total hit" in captured.out and "plot:" not in captured.out
+    assert captured.err == (
+        f"kvoffload: error: --plot-dir {plots / 'hit_ratio_vs_capacity.png'}: "
+        "cannot write: Is a directory\n"
+    )

@@ -15,7 +15,7 @@ from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD
 from kvoffload.cli import options, output, tier_options
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.core.cpus import usable_cpus
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.layout import layout_preset
 from kvoffload.policies import available_policies, resolve_policy
 from kvoffload.sim.run import RunReport
@@ -217,12 +217,19 @@ def run(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     _write(args, reports, workload.trace_format)
+    shown = "-" not in (args.json, args.csv)
     plots: list[Path] = []
     if args.plot_dir:
         from kvoffload.sim.plots import plot_sweep
 
-        plots = plot_sweep(reports, args.plot_dir, _write_plot)
-    if "-" not in (args.json, args.csv):
+        try:
+            plots = plot_sweep(reports, args.plot_dir, _write_plot)
+        except KVOffloadError:
+            # Every run is done: a plot that cannot be written does not hide their table.
+            if shown:
+                output.show(format_sweep(reports))
+            raise
+    if shown:
         output.show("\n".join([format_sweep(reports), *(f"plot: {path}" for path in plots)]))
     return 0
 
