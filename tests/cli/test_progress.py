@@ -17,6 +17,16 @@ def test_line_has_rate_and_time_left() -> None:
     assert "ETA 0:15" in line
 
 
+@pytest.mark.parametrize(
+    ("done", "elapsed", "rate"), [(3, 12.0, "0.25/s"), (1, 3600.0, "0.00028/s")]
+)
+def test_a_rate_below_one_a_second_is_not_shown_as_nought(
+    done: int, elapsed: float, rate: str
+) -> None:
+    # A sweep of runs of a minute each read "3/12 0/s ETA 0:36": stalled, by its rate.
+    assert f" {rate} " in status_line("sweep", done, 12, elapsed, 120)
+
+
 def test_finished_line_shows_elapsed() -> None:
     assert status_line("sweep", 8, 8, 3725.0, 120).endswith("1:02:05 elapsed")
 

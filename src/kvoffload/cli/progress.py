@@ -25,6 +25,12 @@ def _clock(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
+def _rate(rate: float) -> str:
+    """Steps per second, whole from 10 on, else two significant digits: a sweep of long
+    runs read "0/s", as if stalled, all the way through."""
+    return f"{rate:,.0f}/s" if rate >= 10 else f"{rate:.2g}/s"
+
+
 def status_line(label: str, done: int, total: int, elapsed: float, width: int) -> str:
     """``label [####----] done/total  rate/s  ETA m:ss``, dropping the bar, then the counts,
     until it fits in ``width`` columns."""
@@ -34,7 +40,7 @@ def status_line(label: str, done: int, total: int, elapsed: float, width: int) -
     else:
         timing = f"ETA {_clock((total - done) / rate)}" if rate > 0 else "ETA -"
     counts = f"{done:,}/{total:,}"
-    speed = f"{rate:,.0f}/s"
+    speed = _rate(rate)
     filled = BAR_WIDTH * done // total if total else BAR_WIDTH
     bar = "[" + "#" * filled + "-" * (BAR_WIDTH - filled) + "]"
     percent = f"{100 * done // total if total else 100}%"
@@ -156,7 +162,7 @@ class _RichBar:
             self._progress.start()
             self._drawing = True
         elapsed = time.monotonic() - self._started
-        rate = f"{done / elapsed:,.0f}/s" if elapsed > 0 else ""
+        rate = _rate(done / elapsed) if elapsed > 0 else ""
         self._progress.update(self._task, completed=done, total=total, rate=rate)
 
     def close(self) -> None:
