@@ -254,11 +254,35 @@ def test_prometheus_serves_each_tiers_counters(
             samples[("kvoffload_l3_stores_completed_total", tier)]
             == (counters[tier]["stores_completed"])
         )
-        assert samples[("kvoffload_l3_held_pages", tier)] == counters[tier]["held_pages"]
+    assert samples[("kvoffload_l3_held_pages", "disk")] == counters["disk"]["held_pages"] == 4
     assert samples[("kvoffload_l3_stores_completed_total", "disk")] == 4
     assert samples[("kvoffload_l3_rejected_total", "disk")] == 2
     assert samples[("kvoffload_l3_stores_completed_total", "remote")] == 6
     assert samples[("kvoffload_l3_loads_total", "disk")] == 2
+
+
+def test_held_pages_is_the_disk_tiers_alone(
+    backend_of: Any, tmp_path: Path, valkey_server: ValkeyProcess
+) -> None:
+    """The shared tier's pages are the server's to count (it evicts, other instances write
+    the same pages): its ``kvoffload_l3_held_pages`` was the pages this rank wrote, each
+    rewrite counted again, here 12 for the 6 pages the server holds."""
+    port = free_port()
+    pool = HostPool()
+    extra = {**tiers(tmp_path, valkey_server, 8), "kvoffload.metrics_port": port}
+    backend = backend_of(extra, pool, model="held", tp_rank=0)
+    pool.fill(list(range(6)), seed=4)
+    for _ in range(2):
+        assert all(backend.batch_set_v1(KEYS[:6], pool.indices(list(range(6)))))
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    held = {
+        sample.labels["tier"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "kvoffload_l3_held_pages"
+    }
+    assert held == {"disk": 6}
 
 
 def test_pages_a_full_server_was_not_sent_are_counted_in_stats_and_prometheus(

@@ -198,3 +198,49 @@ def test_a_disk_tiers_failed_writes_reach_metrics_and_survive_a_reset(
     assert settled(stored=0, failed=0) == {"stored": 2, "failed": 2, "skipped_backlog": 0}
     store_pairs("c", [block_id_key(i) for i in range(20, 26)])
     assert settled(stored=2, failed=0) == {"stored": 4, "failed": 2, "skipped_backlog": 0}
+
+
+def test_evictions_count_those_of_promotions_too_and_survive_a_reset(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, instances: Callable[..., Instance]
+) -> None:
+    """A promotion from a lower tier evicts CPU blocks as a store does: those evictions went
+    uncounted, so ``vllm:kvoffload_evictions`` read less than the CPU tier evicted (and less
+    than ``kvoffload simulate`` reports for the same run, its ``tiers.cpu.evicted``). A reset
+    builds a new CPU tier counting from 0: the total neither goes back nor doubles."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    extra = {
+        "cpu_bytes_to_use": 4 * 512,
+        "kvoffload.disk_dir": str(tmp_path),
+        "kvoffload.disk_bytes": 1 << 20,
+    }
+    frontend, registry = metrics_frontend({**SPEC_CONFIG, **extra})
+    engine = instances(extra)
+    manager = engine.manager
+
+    def evict_then_promote(tag: str, keys: list[Any]) -> None:
+        """Six blocks into the CPU tier's four slots evict the first pair (written back to
+        disk); looking that pair up promotes it, evicting two blocks more."""
+        for start in range(0, 6, 2):
+            engine.store(keys[start : start + 2], [0, 1], request_context(tag, keys))
+        deadline = time.monotonic() + 30
+        while manager.backing.tiers[0].stats.stored_blocks < 2:
+            assert time.monotonic() < deadline
+            manager.backing.poll()
+            time.sleep(0.01)
+        context = request_context(f"{tag}-again", keys[:2])
+        for key in keys[:2]:
+            assert lookup_until_settled(manager, key, context)[-1] is LookupResult.HIT
+
+    def evictions() -> float:
+        frontend.observe(manager.get_stats().data, 0)
+        return _sample(registry, "vllm:kvoffload_evictions_total")
+
+    evict_then_promote("a", KEYS[:6])
+    assert manager.backing.cpu_stats.evicted == 4
+    assert evictions() == 4
+    manager.reset_cache()
+    manager.on_reset_flushed()
+    assert evictions() == 4
+    evict_then_promote("b", [block_id_key(i) for i in range(20, 26)])
+    assert evictions() == 8

@@ -476,6 +476,26 @@ def test_a_port_that_is_no_integer_is_refused_naming_it(port: object) -> None:
         MetricsServer(port)  # type: ignore[arg-type]
 
 
+def test_a_host_it_cannot_serve_on_is_named_in_the_error() -> None:
+    """The error named the port alone (``port 0``) when the host was what failed: here an
+    address of no interface of this machine (TEST-NET-1)."""
+    with pytest.raises(InvalidArgumentError, match=re.escape("on 192.0.2.1:0: ")):
+        MetricsServer(0, host="192.0.2.1")
+
+
+def test_an_ipv6_host_in_brackets_is_served() -> None:
+    """``[::1]``, as a URL writes an IPv6 host, was looked up as a name and refused."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with MetricsServer(0, host="[::1]") as server:
+        url = f"http://[::1]:{server.port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            assert response.status == 200
+
+
 @pytest.mark.parametrize("timeout_s", [0.0, -1.0, math.inf, math.nan, "10", None])
 def test_a_client_timeout_that_is_no_positive_time_is_refused(timeout_s: float) -> None:
     with pytest.raises(InvalidArgumentError, match="client_timeout_s"):

@@ -385,10 +385,14 @@ class MetricsServer:
                 f"client_timeout_s must be a positive number of seconds, got {client_timeout_s!r}"
             )
         self.registry: CollectorRegistry = _Registry()
+        # An IPv6 host as a URL writes it ([::1]) was looked up as a name and refused.
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
         try:
             self._server = _ScrapeServer(host, port, client_timeout_s)
         except OSError as exc:
-            raise InvalidArgumentError(f"cannot serve metrics on port {port}: {exc}") from None
+            # The host named too: an address not on this machine failed as "port 0".
+            shown = f"[{host}]" if ":" in host else host
+            raise InvalidArgumentError(f"cannot serve metrics on {shown}:{port}: {exc}") from None
         self._server.set_app(make_wsgi_app(self.registry))
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="kvoffload-metrics", daemon=True

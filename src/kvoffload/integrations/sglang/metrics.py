@@ -38,8 +38,15 @@ COUNTER_DOCS = {
 }
 
 
+HELD_TIERS = frozenset({"disk"})
+"""The tiers whose held pages this process can count: the shared tier's server evicts, and
+other instances write the same pages, so what it holds is the server's to say (the pages
+this rank wrote there are ``stores_completed``)."""
+
+
 class TierCollector(Collector):
-    """``kvoffload_l3_<name>_total`` per tier, and the ``kvoffload_l3_held_pages`` gauge."""
+    """``kvoffload_l3_<name>_total`` per tier, and the disk tier's ``kvoffload_l3_held_pages``
+    gauge (:data:`HELD_TIERS`)."""
 
     def __init__(self, paths: Sequence[TierPath], labels: dict[str, str]) -> None:
         self._paths = list(paths)
@@ -54,7 +61,10 @@ class TierCollector(Collector):
             for tier, values in rows:
                 family.add_metric([tier, *extra], values[name])
             yield family
-        held = GaugeMetricFamily(f"{NAME}held_pages", "Pages held by the tier.", labels=names)
+        held = GaugeMetricFamily(
+            f"{NAME}held_pages", "Pages in the disk tier's slot file.", labels=names
+        )
         for tier, values in rows:
-            held.add_metric([tier, *extra], values["held_pages"])
+            if tier in HELD_TIERS:
+                held.add_metric([tier, *extra], values["held_pages"])
         yield held

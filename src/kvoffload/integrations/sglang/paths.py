@@ -73,7 +73,8 @@ class TierCounters:
     to persist (``MISCONF``); counted in ``stores_failed`` too (the shared tier only)."""
     rejected: int = 0
     held_pages: int = 0
-    """Disk: pages in the slot file; shared tier: pages written (the server may evict some)."""
+    """Disk: pages in the slot file; shared tier: pages this rank wrote, a rewrite counted
+    again (what the server holds is its own to count: not exported as held pages)."""
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

@@ -236,6 +236,9 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._bytes_per_block = bytes_per_block
         self.counters = ManagerCounters()
         self._reported = ManagerCounters()
+        self._evicted_before = 0
+        """With a tiered manager: what the CPU tiers a reset replaced evicted (each new one
+        counts from 0). Its own count is the evictions': promotions evict CPU blocks too."""
         self._ghost_hits = LayerCount()
         self._switches = LayerCount()
         self._tier_counts: dict[tuple[str, str], LayerCount] = {}
@@ -482,7 +485,8 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
             c.stores_rejected += len(offered)
             return None
         c.stores_admitted += len(output.keys_to_store)
-        c.evictions += len(output.evicted_keys)
+        if self._tiered is None:  # else counted by the tiered manager (:meth:`get_stats`)
+            c.evictions += len(output.evicted_keys)
         return PrepareStoreOutput(
             keys_to_store=list(output.keys_to_store),
             store_spec=_vllm_spec(output.store_spec),
@@ -606,6 +610,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         for tier, layer in self._lower_layers:
             self._lower_switches[tier].carry(layer.switches)
         closing = self._tiered.tiers if self._tiered is not None else []
+        closing_cpu = self._tiered.cpu_stats if self._tiered is not None else None
         # As vLLM's manager, whose reset keeps its queue: events from before it still go out.
         self._queue_events()
         if self._has_lower_tiers:
@@ -624,6 +629,8 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         # Read once closed, when their writes are in.
         for key, count in _by_name_and_tier(tier_counts(closing)).items():
             self._tier_counts.setdefault(key, LayerCount()).carry(count)
+        if closing_cpu is not None:
+            self._evicted_before += closing_cpu.evicted
         self._generation += 1
         self._promotions_held = self._has_lower_tiers and REPORTS_FLUSH
 
@@ -660,6 +667,8 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
     def get_stats(self) -> Any:
         """Our counters since the last call, as vLLM's stats (declared by the spec)."""
         self.counters.held_blocks = self._cpu.num_blocks - self._cpu.num_free_blocks
+        if self._tiered is not None:
+            self.counters.evictions = self._evicted_before + self._tiered.cpu_stats.evicted
         delta = self.counters.minus(self._reported)
         self._reported = self.counters.copy()
         stats = OffloadingConnectorStats()
