@@ -209,5 +209,11 @@ def test_one_request_one_ref_and_a_one_token_block_are_singular(
     out = capsys.readouterr().out
     assert "(1 block)\n" in out, "the GPU prefix cache's row"
     assert "(1 block), lru," in out, "the offload tier's row"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [0]}\n'
+        '{"timestamp": 1, "input_length": 1, "output_length": 1, "hash_ids": [1]}\n'
+    )
+    assert main(argv) == 0
+    assert "offload evictions      1 block\n" in capsys.readouterr().out
     assert main([*SMALL, "--no-bound"]) == 0  # many of each stay plural
     assert " 120 requests, " in capsys.readouterr().out

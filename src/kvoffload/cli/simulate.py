@@ -349,11 +349,11 @@ def format_report(
         ("writes per block ref", f"{r.writes_per_ref:.3f}"),
         ("offload written", _blocks_and_bytes(r.offload_blocks_written, r.offload_bytes_written)),
         ("offload read", _blocks_and_bytes(r.offload_blocks_read, r.offload_bytes_read)),
-        ("skipped by admission", f"{r.stores_skipped_by_admission:,} blocks"),
+        ("skipped by admission", output.counted(r.stores_skipped_by_admission, "block")),
         *_admission_rows(r),
-        ("rejected (tier full)", f"{r.stores_rejected:,} blocks"),
+        ("rejected (tier full)", output.counted(r.stores_rejected, "block")),
         ("failed stores / loads", f"{r.stores_failed:,} / {r.loads_failed:,} blocks"),
-        ("offload evictions", f"{r.offload_evictions:,} blocks"),
+        ("offload evictions", output.counted(r.offload_evictions, "block")),
         (
             "prefill time saved",
             f"{r.prefill_seconds_saved:,.1f} s of {r.prefill_seconds_baseline:,.1f} s "
