@@ -164,11 +164,36 @@ def test_trace_stats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         '2,1,3,48,5,text,2,"[1, 2, 3]"\n'
     )
     assert main(["trace-stats", str(trace)]) == 0
-    assert "one-hit-wonder fraction" in capsys.readouterr().out
+    lines = capsys.readouterr().out.splitlines()
+    assert "one-hit-wonder fraction  0.333  (of unique blocks)" in lines
+    assert "duration                 3.0 s" in lines
+    assert "reuse distance p50       1 block" in lines  # not "1 blocks"
     assert main(["trace-stats", str(trace), "--json", "-"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert (stats["requests"], stats["refs"], stats["unique_blocks"]) == (2, 5, 3)
     assert stats["block_tokens"] == 16
+
+
+def test_trace_stats_says_when_no_block_is_reused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A trace with no reuse printed "reuse distance p50 0 blocks", the best figure there is,
+    and its JSON held 0; a timestamp of 10^300 ms printed a duration of 298 digits."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 32, "output_length": 1, "hash_ids": [1, 2]}\n'
+        '{"timestamp": 1e300, "input_length": 32, "output_length": 1, "hash_ids": [3, 4]}\n'
+    )
+    argv = ["trace-stats", str(trace), "--block-size", "16"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for percentile in ("p50", "p90", "p99"):
+        assert f"reuse distance {percentile}       none (no block reused)" in lines
+    assert "duration                 1e+297 s" in lines
+    assert main([*argv, "--json", "-"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["repeat_fraction"] == 0.0
+    assert [stats[f"reuse_distance_{p}"] for p in ("p50", "p90", "p99")] == [None, None, None]
 
 
 def test_trace_stats_shows_progress_on_stderr_when_asked(

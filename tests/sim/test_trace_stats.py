@@ -41,6 +41,14 @@ def test_summary(make_workload: MakeWorkload) -> None:
     assert stats.max_blocks_per_request == 2
 
 
+def test_a_trace_without_reuse_has_no_reuse_distance(make_workload: MakeWorkload) -> None:
+    """Every block used once: the distances were 0, the closest reuse there is."""
+    stats = trace_stats(make_workload([1, 2], [3], [4, 5]))
+    assert stats.repeat_fraction == 0.0
+    distances = (stats.reuse_distance_p50, stats.reuse_distance_p90, stats.reuse_distance_p99)
+    assert distances == (None, None, None)
+
+
 def test_public_trace_figures(mooncake_trace: Path) -> None:
     stats = trace_stats(read_trace(mooncake_trace))
     assert stats.repeat_fraction == pytest.approx(0.640, abs=0.0005)

@@ -138,6 +138,8 @@ def test_what_is_not_a_regular_file_is_refused_naming_it(
 @needs_root
 @pytest.mark.parametrize("owned", ["slot file", "directory", "disk-dir"])
 def test_what_another_user_owns_is_refused(tmp_path: Path, owned: str) -> None:
+    """The slot file is compared once given back: a root without CAP_DAC_OVERRIDE may not
+    read it, or pass through a directory, while another user owns them (mode 0600, 0700)."""
     first = DiskTier(tmp_path / "disk", 4, FP)
     first.write(KEYS[:2], [bytes(64)] * 2)
     first.close()
@@ -147,9 +149,17 @@ def test_what_another_user_owns_is_refused(tmp_path: Path, owned: str) -> None:
         "disk-dir": tmp_path / "disk",
     }[owned]
     before = first.path.read_bytes()
+    mode = path.stat().st_mode
     os.chown(path, OTHER_UID, OTHER_UID)
-    with pytest.raises(DiskTierError, match=f"owned by uid {OTHER_UID}, not by the running user"):
-        DiskTier(tmp_path / "disk", 4, FP)
+    try:
+        with pytest.raises(
+            DiskTierError, match=f"owned by uid {OTHER_UID}, not by the running user"
+        ):
+            DiskTier(tmp_path / "disk", 4, FP)
+        owner = path.stat()
+        assert (owner.st_uid, owner.st_mode) == (OTHER_UID, mode)
+    finally:
+        os.chown(path, os.getuid(), os.getgid())
     assert first.path.read_bytes() == before
 
 

@@ -57,9 +57,24 @@ def format_stats(s: TraceStats) -> str:
             "blocks per request",
             f"{s.mean_blocks_per_request:.1f} mean, {s.max_blocks_per_request:,} max",
         ),
-        ("duration", f"{s.duration_seconds:,.1f} s"),
-        ("reuse distance p50", f"{s.reuse_distance_p50:,} blocks"),
-        ("reuse distance p90", f"{s.reuse_distance_p90:,} blocks"),
-        ("reuse distance p99", f"{s.reuse_distance_p99:,} blocks"),
+        ("duration", _seconds(s.duration_seconds)),
+        ("reuse distance p50", _distance(s.reuse_distance_p50)),
+        ("reuse distance p90", _distance(s.reuse_distance_p90)),
+        ("reuse distance p99", _distance(s.reuse_distance_p99)),
     ]
     return output.key_value_table(rows)
+
+
+LONGEST_PLAIN_SECONDS = 1e12
+"""About 31,700 years: a longer span (a far-off timestamp in the trace) is shown in
+scientific notation, not as every digit of it (hundreds near a float's limit)."""
+
+
+def _seconds(value: float) -> str:
+    """A span in seconds, in plain digits when it is short enough to read that way."""
+    return f"{value:,.1f} s" if value < LONGEST_PLAIN_SECONDS else f"{value:.3g} s"
+
+
+def _distance(blocks: int | None) -> str:
+    """A trace with no reuse has no distance; "0 blocks" would be the closest reuse."""
+    return "none (no block reused)" if blocks is None else output.counted(blocks, "block")

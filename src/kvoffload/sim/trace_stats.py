@@ -78,11 +78,13 @@ class TraceStats:
     mean_blocks_per_request: float
     max_blocks_per_request: int
     duration_seconds: float
-    reuse_distance_p50: int
-    reuse_distance_p90: int
-    reuse_distance_p99: int
+    reuse_distance_p50: int | None
+    """None where no block is used twice: there is no distance, and 0 would read as
+    the closest reuse there is."""
+    reuse_distance_p90: int | None
+    reuse_distance_p99: int | None
 
-    def as_dict(self) -> dict[str, str | int | float]:
+    def as_dict(self) -> dict[str, str | int | float | None]:
         return dataclasses.asdict(self)
 
 
@@ -97,7 +99,7 @@ def trace_stats(workload: Workload, progress: Progress | None = None) -> TraceSt
     unique = len(counts)
     requests = workload.requests
     distances = sorted(reuse_distances(workload, progress))
-    p50, p90, p99 = (_percentile(distances, p) if distances else 0 for p in PERCENTILES)
+    p50, p90, p99 = (_percentile(distances, p) if distances else None for p in PERCENTILES)
     return TraceStats(
         workload=workload.name,
         block_tokens=workload.block_tokens,
