@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvoffload.admission import available_admissions, resolve_admission
 from kvoffload.admission.params import read_number
+from kvoffload.admission.registry import ParamPairs
 from kvoffload.cli import options, output
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.layout import KVLayout
@@ -177,6 +178,7 @@ def check_before_work(args: argparse.Namespace) -> None:
             _check_capacity(args.disk_blocks, "--disk-blocks")
         if args.disk_policy is not None:
             options.check_name(args.disk_policy, "--disk-policy", resolve_policy)
+    params: dict[str, ParamPairs] = {}
     for tier, present in (("disk", args.disk_dir is not None), ("remote", args.remote is not None)):
         admission, budget = (
             getattr(args, f"{tier}_admission"),
@@ -195,7 +197,7 @@ def check_before_work(args: argparse.Namespace) -> None:
             raise InvalidArgumentError(
                 f"{option} needs {'--disk-dir' if tier == 'disk' else '--remote'}"
             )
-        options.admission_param_pairs(args, tier)
+        params[tier] = options.admission_param_pairs(args, tier)
         if budget is not None and resolve_admission(admission) != "optimiser":
             raise InvalidArgumentError(
                 f"--{tier}-write-budget needs --{tier}-admission recommended (the optimiser), "
@@ -230,7 +232,7 @@ def check_before_work(args: argparse.Namespace) -> None:
         if blocks is not None:  # --disk-gb needs the block size: checked in with_tiers
             options.check_admission_fits(
                 getattr(args, f"{tier}_admission"),
-                options.admission_param_pairs(args, tier),
+                params[tier],
                 blocks,
                 f"--{tier}-blocks {blocks}",
                 f"--{tier}-admission",
@@ -306,6 +308,7 @@ def _check_disk_space(
 
 def with_tiers(config: SimConfig, args: argparse.Namespace, block_tokens: int) -> SimConfig:
     """``config`` with the lower tiers the options ask for."""
+    disk_params = options.admission_param_pairs(args, "disk")
     disk_blocks = 0
     if args.disk_dir is not None:
         disk_blocks = args.disk_blocks or 0
@@ -313,7 +316,7 @@ def with_tiers(config: SimConfig, args: argparse.Namespace, block_tokens: int) -
             disk_blocks = blocks_for_gib(args.disk_gb, config.layout, block_tokens)
             options.check_admission_fits(
                 args.disk_admission,
-                options.admission_param_pairs(args, "disk"),
+                disk_params,
                 disk_blocks,
                 f"--disk-gb {args.disk_gb:g} ({disk_blocks:,} blocks)",
                 "--disk-admission",
@@ -328,7 +331,7 @@ def with_tiers(config: SimConfig, args: argparse.Namespace, block_tokens: int) -
         tier_store_threshold=args.tier_store_threshold,
         disk_admission=args.disk_admission,
         disk_write_budget=args.disk_write_budget,
-        disk_admission_params=options.admission_param_pairs(args, "disk"),
+        disk_admission_params=disk_params,
         remote_admission=args.remote_admission,
         remote_write_budget=args.remote_write_budget,
         remote_admission_params=options.admission_param_pairs(args, "remote"),

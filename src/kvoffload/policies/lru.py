@@ -33,10 +33,9 @@ class LRUCachePolicy(CachePolicy):
         self._order.update(zip(keys, blocks, strict=True))
 
     def remove(self, keys: Iterable[OffloadKey]) -> None:
-        order, blocks = self._order, self._blocks
+        pop = self._blocks.pop
         for key in keys:
-            if order.pop(key, None) is None and blocks.parked:
-                blocks.pop(key)
+            pop(key)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         order, blocks = self._order, self._blocks

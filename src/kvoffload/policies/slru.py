@@ -101,7 +101,7 @@ class SLRUCachePolicy(CachePolicy):
     def _demote(self) -> None:
         """Move protected's least recent blocks beyond its share to probation's recent end."""
         segment, probation = self.protected, self.probation.order
-        while len(segment.order) + len(segment.parked) > self.protected_limit:
+        while len(segment) > self.protected_limit:
             key, block = segment.pop_first()
             probation[key] = block
 
