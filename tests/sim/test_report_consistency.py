@@ -81,6 +81,11 @@ def synthetic_workloads(draw: st.DrawFn) -> Workload:
     )
 
 
+def blocks_of(count: int) -> str:
+    """A count of blocks as the table prints it: "1 block", else "N blocks"."""
+    return f"{count:,} block" if count == 1 else f"{count:,} blocks"
+
+
 def ratio_of(blocks: int, refs: int) -> float:
     return blocks / refs if refs else 0.0
 
@@ -329,12 +334,12 @@ def check_table(table: str, data: dict[str, Any]) -> None:
     assert_blocks_and_size(written, d["offload_blocks_written"], d["offload_bytes_written"])
     (read,) = rows["offload read"]
     assert_blocks_and_size(read, d["offload_blocks_read"], d["offload_bytes_read"])
-    assert rows["skipped by admission"] == [f"{d['stores_skipped_by_admission']:,} blocks"]
-    assert rows["rejected (tier full)"] == [f"{d['stores_rejected']:,} blocks"]
+    assert rows["skipped by admission"] == [blocks_of(d["stores_skipped_by_admission"])]
+    assert rows["rejected (tier full)"] == [blocks_of(d["stores_rejected"])]
     assert rows["failed stores / loads"] == [
         f"{d['stores_failed']:,} / {d['loads_failed']:,} blocks"
     ]
-    assert rows["offload evictions"] == [f"{d['offload_evictions']:,} blocks"]
+    assert rows["offload evictions"] == [blocks_of(d["offload_evictions"])]
     assert rows["prefill time saved"] == [
         f"{d['prefill_seconds_saved']:,.1f} s of {d['prefill_seconds_baseline']:,.1f} s "
         f"(offload tier: {d['prefill_seconds_saved_by_offload']:,.1f} s net of loads)"
