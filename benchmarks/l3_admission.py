@@ -90,6 +90,9 @@ class KeyTier:
     def poll(self, wait: bool) -> None:
         return None
 
+    def wait_written(self) -> None:
+        return None
+
     def has_pending_work(self) -> bool:
         return False
 

@@ -143,6 +143,9 @@ class HeldTier:
     def has_pending_work(self) -> bool:
         return bool(self.writes)
 
+    def wait_written(self) -> None:
+        return None  # nothing under way: queued writes apply at poll
+
     def poll(self, wait: bool) -> None:
         writes, self.writes = self.writes, []
         for keys, payloads in writes:

@@ -119,6 +119,14 @@ class LowerTier(Protocol):
         """Apply finished background writes; with ``wait``, first wait for all of them."""
         ...
 
+    def wait_written(self) -> None:
+        """Wait until the writes queued so far are done or past their deadline, applying
+        none (that is :meth:`poll`'s). It changes nothing the other calls read, so a caller
+        that serialises the tier's calls under a lock waits here without it, its look-ups
+        and reads going on, then polls under it; a tier whose writes are done when
+        :meth:`write` returns has nothing to wait for."""
+        ...
+
     def has_pending_work(self) -> bool:
         """Whether :meth:`poll` has work still to apply: writes queued, under way, or
         finished and not yet polled."""

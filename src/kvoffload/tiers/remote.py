@@ -483,9 +483,7 @@ class RemoteTier(BacklogFigures):
         or dropped, and a waiting poll returns only once its jobs are counted, whichever
         thread's poll took them."""
         if wait:
-            with self._lock:
-                submitted = [job for _, job in self._writes]
-            futures_wait(submitted)
+            self.wait_written()
         with self._lock:
             finished: list[_WriteJob] = []
             running: list[_WriteJob] = []
@@ -497,6 +495,15 @@ class RemoteTier(BacklogFigures):
                 self.stats.add(stored_blocks=len(stored), failed=len(keys) - len(stored))
                 if stored:
                     self._events.record(stored, MEDIUM, removed=False)
+
+    def wait_written(self) -> None:
+        """Wait until the write pipelines submitted so far are done or past their deadline
+        (each ends by its own, from when its thread takes it up): they go out on the I/O
+        threads after :meth:`write` returns. Outside the tier's lock, counting none of
+        them: the next :meth:`poll` does."""
+        with self._lock:
+            submitted = [job for _, job in self._writes]
+        futures_wait(submitted)
 
     def take_events(self) -> list[OffloadingEvent]:
         with self._lock:  # a poll's event recorded meanwhile lands in the next list

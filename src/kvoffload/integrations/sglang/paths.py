@@ -151,6 +151,9 @@ class OffTier:
     def poll(self, wait: bool) -> None:
         return None
 
+    def wait_written(self) -> None:
+        return None
+
     def has_pending_work(self) -> bool:
         return False
 
@@ -171,9 +174,9 @@ class TierPath:
 
     Locks: ``_lock`` serialises what changes the tier's own state (writes, polls, events,
     and for the disk tier every call: its index belongs to one caller), held only for
-    those calls, never while a disk write's I/O is under way; ``_write_lock`` lets one
-    write batch through at a time. The shared tier's look-ups and reads are thread-safe,
-    so a prefetch never takes ``_lock`` there.
+    those calls, never while a write's I/O is under way (:meth:`LowerTier.wait_written`);
+    ``_write_lock`` lets one write batch through at a time. The shared tier's look-ups and
+    reads are thread-safe, so a prefetch never takes ``_lock`` there.
     """
 
     def __init__(
@@ -279,12 +282,10 @@ class TierPath:
                 except BaseException:
                     self._finish(batch, tier, stored_before)  # what was queued, waited for
                     raise
-            if isinstance(tier, DiskTier):
-                tier.wait_written()
+            tier.wait_written()
             with self._lock:
-                # A clear meanwhile closed ``tier`` (its writes done): the batch ends on it,
-                # as if the clear came just after. The shared tier waits here, its readers
-                # never taking this lock.
+                # A clear or a close meanwhile closed ``tier`` (its writes done): the batch
+                # ends on it, as if that came just after.
                 self._finish(batch, tier, stored_before)
         return batch
 

@@ -79,7 +79,6 @@ from kvoffload.integrations.vllm.secondary_settings import (
 )
 from kvoffload.integrations.vllm.spec import config_fingerprint, whatif_definitions
 from kvoffload.tiers.backlog import WriteBacklog, default_pending_bytes
-from kvoffload.tiers.disk import DiskTier
 from kvoffload.tiers.remote import RemoteTier
 from kvoffload.tiers.stack import tier_book, tier_opener
 
@@ -194,7 +193,7 @@ class _Owner:
     thread of their own) go beside it, never behind a write under way: a request
     waits on them, nobody waits on a cascade. The disk tier expects one caller
     at a time: its calls take a lock, held to queue a write and to apply it, not
-    while the write is under way (:meth:`DiskTier.wait_written`); the shared tier
+    while the write is under way (:meth:`LowerTier.wait_written`); the shared tier
     takes its own locks, and its calls none here. Every operation turns the
     tier's failures into results; a surprise from the tier (a bug) is a failed
     operation here, never an exception in the engine.
@@ -317,8 +316,7 @@ class _Owner:
                 stored, skipped = stats.stored_blocks, _skipped_full(tier)
                 # Straight from the CPU tier's rows: our tiers send any buffer as it is.
                 tier.write(admitted, [chosen_payloads[key] for key in admitted])
-            if isinstance(tier, DiskTier):
-                tier.wait_written()  # without the lock: lookups and reads go on
+            tier.wait_written()  # without the lock: lookups and reads go on
             with self._calls:
                 tier.poll(wait=True)
         except Exception:  # a surprise from the tier is a failed write of the whole batch
