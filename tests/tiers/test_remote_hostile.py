@@ -380,6 +380,29 @@ def test_a_redirection_to_no_tcp_port_is_an_error_not_a_node(
         tier.close()
 
 
+def test_a_server_that_redirects_to_itself_has_each_key_asked_past_its_hops_no_more(
+    fake: FakeValkey,
+) -> None:
+    """Every GET and SET answered with a ``MOVED`` to the server itself (a confused node):
+    each key is sent once and then once per redirection it may follow, then fails, counted,
+    reads and stores alike; no operation loops."""
+    from kvoffload.tiers.remote import MAX_HOPS
+
+    tier = RemoteTier(fake.url, fingerprint("self-redirect"))
+    try:
+        store(tier, KEYS[:2])
+        fake.redirect = b"127.0.0.1:%d" % fake.port
+        sent = fake.commands
+        assert read(tier, KEYS[:2]) == [False, False]
+        assert fake.commands - sent == 2 * (1 + MAX_HOPS) and tier.stats.failed == 2
+        sent = fake.commands
+        store(tier, KEYS[2:4])
+        assert fake.commands - sent == 2 * (1 + MAX_HOPS) and tier.stats.failed == 4
+        assert tier.stats.stored_blocks == 2
+    finally:
+        tier.close()
+
+
 def test_redirections_never_grow_the_known_nodes_past_the_cap(
     fake: FakeValkey, monkeypatch: pytest.MonkeyPatch
 ) -> None:

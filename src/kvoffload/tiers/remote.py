@@ -894,6 +894,22 @@ class RemoteTier(BacklogFigures):
             self._refresh_map_soon(None)
         return target
 
+    def _redirected(
+        self, node: _Node, indices: list[int], statuses: Sequence[object], hops: int
+    ) -> tuple[list[_Job], int]:
+        """The jobs that follow the redirections among ``statuses`` (the replies of
+        ``indices`` on ``node``, those keys redirected ``hops`` times so far), one per node
+        they point to and kind (``ASK`` for one command, or ``MOVED``); and how many
+        redirected keys are not asked again, being past :data:`MAX_HOPS`. Shared by the
+        reads, stores and deletions, so all three follow redirections alike."""
+        moved: dict[tuple[_Node, bool], list[int]] = {}
+        for index, status in zip(indices, statuses, strict=True):
+            if isinstance(status, _Redirect):
+                moved.setdefault((self._follow(status, node), status.ask), []).append(index)
+        if hops == MAX_HOPS:
+            return [], sum(len(again) for again in moved.values())
+        return [(where, again, ask, hops + 1) for (where, ask), again in moved.items()], 0
+
     # One node's part of an operation, each on one connection under its deadline.
 
     def _exists(
@@ -946,19 +962,14 @@ class RemoteTier(BacklogFigures):
             again = [i for i, status in zip(indices, statuses, strict=True) if status == _AGAIN]
             if again:
                 jobs.append((node, again, asking, hops))
-            moved: dict[tuple[_Node, bool], list[int]] = {}
             for index, status in zip(indices, statuses, strict=True):
                 if status == _HIT:
                     outcome[index] = True
                 elif status == _CORRUPT:
                     corrupt.append(index)
-                elif isinstance(status, _Redirect):
-                    key = (self._follow(status, node), status.ask)
-                    moved.setdefault(key, []).append(index)
-            if moved and hops == MAX_HOPS:
-                failed += sum(len(indices) for indices in moved.values())
-            elif moved:
-                jobs += [(where, got, ask, hops + 1) for (where, ask), got in moved.items()]
+            followed, lost = self._redirected(node, indices, statuses, hops)
+            jobs += followed
+            failed += lost
         if corrupt:
             self._delete_corrupt([names[i] for i in corrupt], deadline)
         self.stats.add(hit_blocks=sum(outcome), corrupt=len(corrupt), failed=failed)
@@ -993,17 +1004,13 @@ class RemoteTier(BacklogFigures):
             replies = self._call(node, partial(self._delete, names, indices, asking), deadline)
             if replies is None:
                 continue
-            moved: dict[tuple[_Node, bool], list[int]] = {}
             unserved: list[int] = []
             for index, reply in zip(indices, replies, strict=True):
                 if reply is None:
                     unserved.append(index)
-                elif isinstance(reply, _Redirect):
-                    moved.setdefault((self._follow(reply, node), reply.ask), []).append(index)
-                else:
+                elif not isinstance(reply, _Redirect):
                     deleted += reply
-            if hops < MAX_HOPS:
-                jobs += [(where, got, ask, hops + 1) for (where, ask), got in moved.items()]
+            jobs += self._redirected(node, indices, replies, hops)[0]
             if unserved:
                 self._refresh_map_soon(node)
                 if until_served:
@@ -1175,14 +1182,10 @@ class RemoteTier(BacklogFigures):
             statuses = self._call(node, set_all, deadline, node.writes)
             if statuses is None:
                 continue
-            moved: dict[tuple[_Node, bool], list[int]] = {}
             for index, status in zip(indices, statuses, strict=True):
-                if isinstance(status, _Redirect):
-                    moved.setdefault((self._follow(status, node), status.ask), []).append(index)
-                else:
+                if not isinstance(status, _Redirect):
                     stored[index] = True
-            if hops < MAX_HOPS:
-                jobs += [(where, got, ask, hops + 1) for (where, ask), got in moved.items()]
+            jobs += self._redirected(node, indices, statuses, hops)[0]
         return stored
 
     def _set_all(
