@@ -126,6 +126,34 @@ def test_a_hung_file_system_fails_calls_by_their_deadline_and_opens_the_breaker(
         tier.close()
 
 
+def test_writes_offered_while_the_breaker_is_open_evict_nothing(tmp_path: Path) -> None:
+    """A write the open breaker will refuse is dropped before any eviction for it: the full
+    tier keeps every block it held (it evicted a batch's worth of its oldest, then failed
+    the write); once the breaker lets a trial through, the write evicts and lands."""
+    clock = Clock()
+    breaker = CircuitBreaker(threshold=1, cooldown_s=60, clock=clock)
+    tier = DiskTier(tmp_path, 4, FP, io_threads=1, breaker=breaker, enable_events=True)
+    try:
+        tier.write(KEYS[4:8], [content(key, SIZE) for key in KEYS[4:8]])
+        tier.poll(wait=True)
+        tier.take_events()
+        opening = breaker.allow()
+        assert opening is not None
+        breaker.failure(opening)
+        tier.write(KEYS[:2], [content(key, SIZE) for key in KEYS[:2]])
+        tier.poll(wait=True)
+        assert tier.held(KEYS[4:8]) == [True] * 4 and tier.held(KEYS[:2]) == [False] * 2
+        assert tier.stats.evicted == 0 and tier.stats.failed == 2
+        assert tier.take_events() == []
+        clock.now = 61
+        tier.write(KEYS[:2], [content(key, SIZE) for key in KEYS[:2]])
+        tier.poll(wait=True)
+        assert tier.held(KEYS[:2]) == [True] * 2 and not breaker.is_open
+        assert tier.stats.evicted == 2 and tier.stats.stored_blocks == 6
+    finally:
+        tier.close()
+
+
 def test_writes_offered_while_the_backlog_is_full_are_dropped_and_counted(
     tmp_path: Path, layer: StalledLayer
 ) -> None:

@@ -59,6 +59,15 @@ class CircuitBreaker:
     def is_open(self) -> bool:
         return self._opened_at is not None
 
+    @property
+    def refuses(self) -> bool:
+        """Whether :meth:`allow` would refuse a call now, asked without taking the trial:
+        a caller can skip work done only for a call that would be refused."""
+        with self._lock:
+            if self._opened_at is None:
+                return False
+            return self._trial is not None or self._clock() - self._opened_at < self.cooldown_s
+
     def allow(self) -> Pass | None:
         """The call's pass if it may go to the server now (at most one trial while
         half-open), else ``None``."""

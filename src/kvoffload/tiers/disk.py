@@ -302,8 +302,8 @@ class DiskTier(BacklogFigures):
 
     def write(self, keys: Sequence[OffloadKey], payloads: Sequence[bytes]) -> int:
         """Queue writes of the keys not held yet, evicting to make room where possible;
-        none while the writes not done yet are at ``max_pending_write_bytes``. Returns how
-        many it queued."""
+        none while the writes not done yet are at ``max_pending_write_bytes`` or the
+        breaker would refuse them (counted failed). Returns how many it queued."""
         index = self._index
         offered = {key: payload for key, payload in zip(keys, payloads, strict=True)}
         new = [key for key in offered if not index.holds(key)]
@@ -311,6 +311,9 @@ class DiskTier(BacklogFigures):
             return 0
         if self._backlog.is_full:
             self.skipped_backlog += len(new)
+            self.stats.add(failed=len(new))
+            return 0
+        if self.breaker.refuses:  # refused before evicting blocks to make room for it
             self.stats.add(failed=len(new))
             return 0
         size = payload_size(offered[new[0]])
