@@ -411,6 +411,34 @@ def test_a_reader_that_has_gone_ends_the_output_quietly(unbuffered: bool) -> Non
         os.close(write_end)
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["--version"],
+        ["simulate", "--help"],
+        ["sweep", "--help"],
+        ["trace-stats", "--help"],
+        ["bench", "--help"],
+        ["bench", "tiers", "--help"],
+        ["bench", "transfer", "--help"],
+    ],
+    ids=" ".join,
+)
+def test_help_and_version_to_a_reader_that_has_gone_end_quietly(argv: list[str]) -> None:
+    """``kvoffload --help | true``: status 1 and nothing on stderr, as a run's table. Help
+    and version end the parser with SystemExit before the run's own flush, so a text that
+    fit standard output's buffer was written only at exit: "Exception ignored ...
+    BrokenPipeError" and status 120."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = _cli(argv, stdout=write_end, env=_environment(unbuffered=False))
+    finally:
+        os.close(write_end)
+    assert (result.returncode, result.stderr) == (1, "")
+
+
 LONG_SWEEP = ["sweep", "--requests", "20", "--cpu-blocks", "100,200,300,400,500", "--jobs", "1"]
 LONG_SWEEP += ["--policies", "lru,arc,sieve,slru,s3fifo", "--thresholds", "0,2,3", "--no-progress"]
 """75 runs: a table of more than the 8 KiB that standard output buffers."""

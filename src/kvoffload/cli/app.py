@@ -17,7 +17,7 @@ import select
 import sys
 from collections.abc import Sequence
 from importlib import metadata
-from typing import Any, NoReturn
+from typing import IO, Any, NoReturn
 
 from kvoffload.admission.compiled import compiled_summary
 from kvoffload.cli import bench, output, simulate, sweep, trace_stats
@@ -45,6 +45,14 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+
+    def print_help(self, file: IO[str] | None = None) -> None:
+        """Written as the rest of the command's output: argparse's own drops a failed write,
+        so help cut short by a reader gone (``--help | head -1``) exited 0, not the quiet 1
+        that :func:`run` gives any other output."""
+        stream = file or sys.stdout
+        if stream is not None:  # stdout closed (``>&-``)
+            stream.write(self.format_help())
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, output.one_line(f"{PROG}: error: {message} (see {self.prog} --help)") + "\n")
@@ -188,34 +196,40 @@ def _error(message: str) -> None:
     print(output.one_line(f"{PROG}: error: {message}"), file=sys.stderr)
 
 
+def _status(args_list: list[str]) -> int:
+    """Parse ``args_list`` and run its command: the exit status, with ``--help``'s,
+    ``--version``'s and a usage error's."""
+    parser, transfer = build_parser()
+    if args_list[:2] == ["bench", "transfer"]:
+        bench.add_transfer_options(transfer)
+    flags = _flags(parser) | _flags(_command_parser(parser, args_list))
+    args_list = _attach_negative_values(args_list, flags)
+    try:
+        args, unknown = parser.parse_known_args(args_list)
+        if unknown:  # named by the command's own parser, so the hint is its --help
+            _command_parser(parser, args_list).error(f"unrecognized arguments: {' '.join(unknown)}")
+        empty = next((dest for dest in NAMED_BY_TEXT if getattr(args, dest, None) == ""), None)
+        if empty is not None:
+            command = _command_parser(parser, args_list)
+            command.error(f"argument {_argument_name(command, empty)}: must not be empty")
+    except SystemExit as exc:  # --help, or a usage error already reported by argparse
+        return exc.code if isinstance(exc.code, int) else 2
+    for option in ("json", "csv"):
+        if output.names_standard_output(getattr(args, option, None)):
+            setattr(args, option, "-")
+    status: int = args.run(args)
+    return status
+
+
 def run(args_list: list[str]) -> int:
     """The command line's exit status, every error reported on one line of stderr (Ctrl-C
     is :func:`~kvoffload.cli.main.main`'s to set up)."""
     try:
-        parser, transfer = build_parser()
-        if args_list[:2] == ["bench", "transfer"]:
-            bench.add_transfer_options(transfer)
-        flags = _flags(parser) | _flags(_command_parser(parser, args_list))
-        args_list = _attach_negative_values(args_list, flags)
-        try:
-            args, unknown = parser.parse_known_args(args_list)
-            if unknown:  # named by the command's own parser, so the hint is its --help
-                _command_parser(parser, args_list).error(
-                    f"unrecognized arguments: {' '.join(unknown)}"
-                )
-            empty = next((dest for dest in NAMED_BY_TEXT if getattr(args, dest, None) == ""), None)
-            if empty is not None:
-                command = _command_parser(parser, args_list)
-                command.error(f"argument {_argument_name(command, empty)}: must not be empty")
-        except SystemExit as exc:  # --help, or a usage error already reported by argparse
-            return exc.code if isinstance(exc.code, int) else 2
-        for option in ("json", "csv"):
-            if output.names_standard_output(getattr(args, option, None)):
-                setattr(args, option, "-")
-        status: int = args.run(args)
+        status = _status(args_list)
         if sys.stdout is not None:
-            # Here, not at exit: a reader gone by now is the quiet status 1 below, where the
-            # interpreter's own last flush said "Exception ignored ..." and exited 120.
+            # Here, not at exit, whatever the command (--help and --version included): a
+            # reader gone by now is the quiet status 1 below, where the interpreter's own
+            # last flush said "Exception ignored ..." and exited 120.
             sys.stdout.flush()
         return status
     except KVOffloadError as exc:
