@@ -274,6 +274,24 @@ def test_a_plot_dir_through_a_dangling_link_is_refused_before_the_run(
     assert sorted(path.name for path in tmp_path.iterdir()) == ["bad.jsonl", "link"]
 
 
+@pytest.mark.parametrize("below", ["", "missing"])
+def test_a_plot_dir_name_past_the_file_system_is_refused_before_the_run(
+    below: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A directory name longer than the file system takes passed the check (only what exists
+    was looked at); the whole sweep ran, then making the directory failed with "kvoffload:
+    error: File name too long: PATH", naming no option and hiding the finished runs' table."""
+    bad_trace = tmp_path / "bad.jsonl"  # read only if the plot directory passed
+    bad_trace.write_text("{\n")
+    name = "p" * (os.pathconf(tmp_path, "PC_NAME_MAX") + 1)
+    plot_dir = tmp_path / below / name if below else tmp_path / name
+    assert main(["sweep", "--trace", str(bad_trace), "--plot-dir", str(plot_dir)]) == 1
+    assert one_line_error(capsys).startswith(
+        f"kvoffload: error: --plot-dir {plot_dir}: the name {name[:16]}... is longer than"
+    )
+    assert [path.name for path in tmp_path.iterdir()] == ["bad.jsonl"]
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
