@@ -33,6 +33,7 @@ from kvoffload.cli import options
 from kvoffload.cli.main import main
 from kvoffload.cli.output import one_line
 from kvoffload.managers import build_manager
+from kvoffload.sim.plots import PLOT_FILES
 
 CLI = [sys.executable, "-c", "import sys; from kvoffload.cli.main import main; sys.exit(main())"]
 SMALL = ["simulate", "--requests", "30", "--no-progress", "--no-bound"]
@@ -753,6 +754,81 @@ def test_an_interrupted_sweep_with_no_finished_run_keeps_an_earlier_file(
     assert err == expected
     assert out_json.read_text() == earlier
     assert out_csv.read_text() == "policy\nlru\n"
+
+
+DRAWN_THEN = """
+import os, signal, sys
+from pathlib import Path
+from matplotlib.figure import Figure
+from kvoffload.cli.main import main
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
+render = Figure.savefig
+rendered = []
+then, plot_dir = sys.argv[1], sys.argv[-1]
+
+def savefig(figure, *args, **kwargs):
+    rendered.append(figure)
+    if len(rendered) == 2 and then == "ctrl-c":  # as the second plot is drawn
+        os.kill(os.getpid(), signal.SIGINT)
+    if len(rendered) == 2 and then == "a file at the plot directory":
+        Path(plot_dir).write_text("")
+    return render(figure, *args, **kwargs)
+
+Figure.savefig = savefig
+sys.exit(main(sys.argv[2:]))
+"""
+"""A sweep whose second plot being drawn is followed by ``argv[1]``: Ctrl-C, or a file made
+where its ``--plot-dir`` (the last argument) is to be."""
+
+
+def _sweep_drawn_then(then: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    sweep = ["sweep", "--requests", "30", "--jobs", "1", "--no-progress", "--cpu-blocks", "0,50"]
+    sweep += ["--policies", "lru", "--thresholds", "0"]
+    return subprocess.run(
+        [sys.executable, "-c", DRAWN_THEN, then, *sweep, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_ctrl_c_while_plotting_keeps_the_earlier_plots_and_says_what_was_written(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C once every run had finished, as the plots were drawn: the first plot had
+    replaced the earlier sweep's (a set from two sweeps), and the one line,
+    "kvoffload: interrupted", said neither that --json had been written nor showed the runs."""
+    pytest.importorskip("matplotlib")
+    plots = tmp_path / "plots"
+    plots.mkdir()
+    for name in PLOT_FILES:
+        (plots / name).write_bytes(b"the earlier plot")
+    out_json = tmp_path / "runs.json"
+    result = _sweep_drawn_then("ctrl-c", "--json", str(out_json), "--plot-dir", str(plots))
+    assert result.returncode == 130
+    assert result.stderr == (
+        "kvoffload: interrupted: sweep interrupted while plotting, after its 2 runs; "
+        f"the runs were written to {out_json}; no plot was written\n"
+    )
+    assert len(json.loads(out_json.read_text())) == 2
+    assert "offload" in result.stdout  # the runs' table
+    assert {p.name: p.read_bytes() for p in plots.iterdir()} == dict.fromkeys(
+        PLOT_FILES, b"the earlier plot"
+    )
+
+
+def test_a_plot_dir_that_cannot_be_made_after_the_runs_names_the_option(tmp_path: Path) -> None:
+    """The plot directory checked before the sweep, but not makeable once its runs were done
+    (here a file put there meanwhile): "kvoffload: error: File exists: PATH", naming no
+    option, and the finished runs' table was not shown."""
+    pytest.importorskip("matplotlib")
+    plot_dir = tmp_path / "plots"
+    result = _sweep_drawn_then("a file at the plot directory", "--plot-dir", str(plot_dir))
+    assert result.returncode == 1
+    assert result.stderr == f"kvoffload: error: --plot-dir {plot_dir}: cannot write: File exists\n"
+    assert "offload" in result.stdout  # the runs' table
 
 
 @pytest.mark.parametrize(
