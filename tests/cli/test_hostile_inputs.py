@@ -782,15 +782,17 @@ sys.exit(main(sys.argv[2:]))
 where its ``--plot-dir`` (the last argument) is to be."""
 
 
-def _sweep_drawn_then(then: str, *argv: str) -> subprocess.CompletedProcess[str]:
+def _sweep_drawn_then(then: str, *argv: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
     sweep = ["sweep", "--requests", "30", "--jobs", "1", "--no-progress", "--cpu-blocks", "0,50"]
     sweep += ["--policies", "lru", "--thresholds", "0"]
+    kwargs.setdefault("stdout", subprocess.PIPE)
     return subprocess.run(
         [sys.executable, "-c", DRAWN_THEN, then, *sweep, *argv],
-        capture_output=True,
+        stderr=subprocess.PIPE,
         text=True,
         timeout=120,
         check=False,
+        **kwargs,
     )
 
 
@@ -829,6 +831,34 @@ def test_a_plot_dir_that_cannot_be_made_after_the_runs_names_the_option(tmp_path
     assert result.returncode == 1
     assert result.stderr == f"kvoffload: error: --plot-dir {plot_dir}: cannot write: File exists\n"
     assert "offload" in result.stdout  # the runs' table
+
+
+@pytest.mark.parametrize(
+    ("then", "status", "line"),
+    [
+        ("a file at the plot directory", 1, "kvoffload: error: --plot-dir {}: cannot write: "),
+        ("ctrl-c", 130, "kvoffload: interrupted: sweep interrupted while plotting, "),
+    ],
+)
+def test_a_stopped_sweep_whose_table_meets_a_reader_gone_keeps_its_status_and_line(
+    then: str, status: int, line: str, tmp_path: Path
+) -> None:
+    """``kvoffload sweep ... | head -1`` whose plots fail, or that Ctrl-C stops, after its
+    table: the table, left in stdout's buffer (Python's default), was written only at exit,
+    which a reader gone by then turned into "Exception ignored ... BrokenPipeError" below
+    the error line and status 120 (1 where Ctrl-C's 130 was due)."""
+    pytest.importorskip("matplotlib")
+    plot_dir = tmp_path / "plots"
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = _sweep_drawn_then(then, "--plot-dir", str(plot_dir), stdout=write_end, env=env)
+    finally:
+        os.close(write_end)
+    assert result.returncode == status
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(line.format(plot_dir)), result.stderr
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ Library errors (:class:`~kvoffload.core.errors.KVOffloadError`) and file
 errors become one line on stderr and exit status 1, usage errors one line and
 status 2, Ctrl-C or SIGTERM one line and status 130; never a traceback. A
 reader of stdout that has gone before the output is written (``| true``) ends the
-command quietly, status 1.
+command quietly, status 1 (a command that failed or was interrupted keeps its own).
 """
 
 from __future__ import annotations
@@ -224,14 +224,24 @@ def _status(args_list: list[str]) -> int:
 def run(args_list: list[str]) -> int:
     """The command line's exit status, every error reported on one line of stderr (Ctrl-C
     is :func:`~kvoffload.cli.main.main`'s to set up)."""
+    status = _reported(args_list)
     try:
-        status = _status(args_list)
         if sys.stdout is not None:
-            # Here, not at exit, whatever the command (--help and --version included): a
-            # reader gone by now is the quiet status 1 below, where the interpreter's own
-            # last flush said "Exception ignored ..." and exited 120.
+            # Here, not at exit, however the command ended (--help, an error or Ctrl-C after
+            # a table too): the interpreter's own last flush to a reader gone by now said
+            # "Exception ignored ..." and exited 120.
             sys.stdout.flush()
-        return status
+    except BrokenPipeError as exc:
+        if not _reader_gone() and status == 0:
+            _error(exc.strerror or str(exc))
+        return status or 1  # a failure or Ctrl-C keeps its own status
+    return status
+
+
+def _reported(args_list: list[str]) -> int:
+    """The exit status of :func:`_status`, with each error it raises reported on one line."""
+    try:
+        return _status(args_list)
     except KVOffloadError as exc:
         _error(str(exc))
         return 1
