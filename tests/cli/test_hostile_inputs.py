@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cli_helpers import one_line_error
@@ -254,6 +255,20 @@ def test_output_paths_are_checked_before_the_run(
     argv = ["sweep", "--trace", str(bad_trace), "--plot-dir", str(a_file / "plots")]
     assert main(argv) == 1
     assert "--plot-dir" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("command", [SMALL, ["trace-stats", "TRACE"]])
+def test_a_result_file_name_past_the_file_system_names_the_option(
+    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--json`` with a name longer than the file system takes said "kvoffload: error: File
+    name too long: PATH", naming no option."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(RECORD + "\n")
+    out = tmp_path / ("j" * (os.pathconf(tmp_path, "PC_NAME_MAX") + 1))
+    argv = [str(trace) if word == "TRACE" else word for word in command]
+    assert main([*argv, "--json", str(out)]) == 1
+    assert one_line_error(capsys) == f"kvoffload: error: --json {out}: File name too long\n"
 
 
 @pytest.mark.parametrize("below", ["", "plots"])
@@ -759,6 +774,7 @@ def test_an_interrupted_sweep_with_no_finished_run_keeps_an_earlier_file(
 DRAWN_THEN = """
 import os, signal, sys
 from pathlib import Path
+from typing import Any
 from matplotlib.figure import Figure
 from kvoffload.cli.main import main
 

@@ -188,6 +188,13 @@ def check_writable_file(path: str, option: str) -> None:
         if sys.stdout is None:
             raise InvalidArgumentError(f"{option} -: standard output is closed")
         return
+    try:
+        _check_writable_path(path, option)
+    except OSError as exc:  # a name too long to look up: the error names no option
+        raise InvalidArgumentError(f"{option} {path}: {exc.strerror or exc}") from None
+
+
+def _check_writable_path(path: str, option: str) -> None:
     target = Path(path)
     if target.is_dir():
         raise InvalidArgumentError(f"{option} {path}: is a directory")
