@@ -11,13 +11,14 @@ command quietly, status 1 (a command that failed or was interrupted keeps its ow
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import select
 import sys
 from collections.abc import Sequence
 from importlib import metadata
-from typing import IO, Any, NoReturn
+from typing import IO, Any, NoReturn, TextIO
 
 from kvoffload.admission.compiled import compiled_summary
 from kvoffload.cli import bench, output, simulate, sweep, trace_stats
@@ -140,12 +141,12 @@ def _argument_name(parser: argparse.ArgumentParser, dest: str) -> str:
     return "/".join(action.option_strings) or metavar or dest
 
 
-def _reader_gone() -> bool:
-    """Whether stdout's reader has gone (``kvoffload ... | true``): the output was cut short
-    on purpose, so the exit is quiet, as other command-line tools'. Stdout is pointed at
-    ``/dev/null`` so that the interpreter's last flush does not fail once more."""
+def _reader_gone(stream: TextIO) -> bool:
+    """Whether ``stream``'s reader has gone (``kvoffload ... | true``): the output was cut
+    short on purpose, so the exit is quiet, as other command-line tools'. The stream is
+    pointed at ``/dev/null`` so that the interpreter's last flush does not fail once more."""
     try:
-        fd = sys.stdout.fileno()
+        fd = stream.fileno()
         poller = select.poll()
         poller.register(fd, 0)
         if not any(events & select.POLLERR for _, events in poller.poll(0)):
@@ -153,7 +154,7 @@ def _reader_gone() -> bool:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, fd)
         os.close(devnull)
-    except (AttributeError, OSError, ValueError):  # no stdout, or not a file
+    except (AttributeError, OSError, ValueError):  # no stream, or not a file
         return False
     return True
 
@@ -224,17 +225,32 @@ def _status(args_list: list[str]) -> int:
 def run(args_list: list[str]) -> int:
     """The command line's exit status, every error reported on one line of stderr (Ctrl-C
     is :func:`~kvoffload.cli.main.main`'s to set up)."""
-    status = _reported(args_list)
+    try:
+        status = _reported(args_list)
+    except BrokenPipeError:  # stderr's reader gone too, as the error was said (2>&1 | true)
+        status = 1
+    return _flushed(status)
+
+
+def _flushed(status: int) -> int:
+    """``status`` once stdout and stderr are flushed: here, not at exit, however the command
+    ended (--help, an error or Ctrl-C after a table too), as the interpreter's own last flush
+    to a reader gone by then said "Exception ignored ..." and exited 120. A reader gone
+    turns success into the quiet status 1; a failure or Ctrl-C keeps its own."""
     try:
         if sys.stdout is not None:
-            # Here, not at exit, however the command ended (--help, an error or Ctrl-C after
-            # a table too): the interpreter's own last flush to a reader gone by now said
-            # "Exception ignored ..." and exited 120.
             sys.stdout.flush()
     except BrokenPipeError as exc:
-        if not _reader_gone() and status == 0:
-            _error(exc.strerror or str(exc))
-        return status or 1  # a failure or Ctrl-C keeps its own status
+        if not _reader_gone(sys.stdout) and status == 0:
+            with contextlib.suppress(BrokenPipeError):
+                _error(exc.strerror or str(exc))
+        status = status or 1
+    try:
+        if sys.stderr is not None:
+            sys.stderr.flush()
+    except BrokenPipeError:  # nowhere left to say so
+        _reader_gone(sys.stderr)
+        status = status or 1
     return status
 
 
@@ -246,7 +262,7 @@ def _reported(args_list: list[str]) -> int:
         _error(str(exc))
         return 1
     except BrokenPipeError as exc:
-        if not _reader_gone():
+        if not _reader_gone(sys.stdout):
             _error(exc.strerror or str(exc))
         return 1
     except OSError as exc:
