@@ -18,7 +18,7 @@ import select
 import sys
 from collections.abc import Sequence
 from importlib import metadata
-from typing import IO, Any, NoReturn, TextIO
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from kvoffload.admission.compiled import compiled_summary
 from kvoffload.cli import bench, output, simulate, sweep, trace_stats
@@ -30,6 +30,9 @@ from kvoffload.integrations.vllm.versions import (
     installed_version,
     release_of,
 )
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 PROG = "kvoffload"
 NAMED_BY_TEXT = ("json", "csv", "plot_dir", "layout", "device", "trace", "path", "dir")
@@ -47,7 +50,7 @@ class _Parser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
-    def print_help(self, file: IO[str] | None = None) -> None:
+    def print_help(self, file: SupportsWrite[str] | None = None) -> None:
         """Written as the rest of the command's output: argparse's own drops a failed write,
         so help cut short by a reader gone (``--help | head -1``) exited 0, not the quiet 1
         that :func:`run` gives any other output."""

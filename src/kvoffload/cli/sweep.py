@@ -230,11 +230,11 @@ def run(args: argparse.Namespace) -> int:
             if not isinstance(stop, KeyboardInterrupt):
                 raise
             written = " and ".join(str(path) for path in plots) or "no plot"
-            runs = output.counted(len(reports), "run")
+            finished = output.counted(len(reports), "run")
             print(
                 output.one_line(
                     f"kvoffload: interrupted: sweep interrupted while plotting, after its "
-                    f"{runs}; {_kept(args)}; {written} {'were' if len(plots) > 1 else 'was'} "
+                    f"{finished}; {_kept(args)}; {written} {'were' if len(plots) > 1 else 'was'} "
                     "written"
                 ),
                 file=sys.stderr,
