@@ -256,7 +256,10 @@ def _plot(reports: list[RunReport], plot_dir: str, written: list[Path]) -> list[
 
     try:
         return plot_sweep(reports, plot_dir, write)
-    except OSError as exc:  # making the directory
+    except OSError as exc:
+        made = Path(plot_dir)
+        if exc.filename is None or Path(exc.filename) not in (made, *made.parents):
+            raise  # not making the directory (a font matplotlib could not read, say)
         raise output.OutputError(
             f"--plot-dir {plot_dir}: cannot write: {exc.strerror or exc}"
         ) from None
