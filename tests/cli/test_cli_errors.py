@@ -411,6 +411,69 @@ def test_a_reader_that_has_gone_ends_the_output_quietly(unbuffered: bool) -> Non
         os.close(write_end)
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["--version"],
+        ["simulate", "--help"],
+        ["sweep", "--help"],
+        ["trace-stats", "--help"],
+        ["bench", "--help"],
+        ["bench", "tiers", "--help"],
+        ["bench", "transfer", "--help"],
+    ],
+    ids=" ".join,
+)
+def test_help_and_version_to_a_reader_that_has_gone_end_quietly(argv: list[str]) -> None:
+    """``kvoffload --help | true``: status 1 and nothing on stderr, as a run's table. Help
+    and version end the parser with SystemExit before the run's own flush, so a text that
+    fit standard output's buffer was written only at exit: "Exception ignored ...
+    BrokenPipeError" and status 120."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = _cli(argv, stdout=write_end, env=_environment(unbuffered=False))
+    finally:
+        os.close(write_end)
+    assert (result.returncode, result.stderr) == (1, "")
+
+
+@pytest.mark.parametrize(
+    ("argv", "status"),
+    [
+        (["simulate", "--bogus"], 2),
+        (["simulate", "--trace", "/nonexistent/trace.jsonl"], 1),
+        ([*SMALL, "--no-bound"], 1),
+        (["--help"], 1),
+    ],
+    ids=["usage error", "error", "run", "help"],
+)
+def test_errors_to_a_reader_that_has_gone_keep_their_status(argv: list[str], status: int) -> None:
+    """``kvoffload ... 2>&1 | true``: the error line meets a reader gone too. It stayed in
+    stderr's buffer, whose last flush at exit failed: "Exception ignored ..." to nowhere
+    and status 120, not the usage error's 2 or the error's 1."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from kvoffload.cli.main import main; sys.exit(main())",
+                *argv,
+            ],
+            stdout=write_end,
+            stderr=write_end,
+            env=_environment(unbuffered=False),
+            timeout=120,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert result.returncode == status
+
+
 LONG_SWEEP = ["sweep", "--requests", "20", "--cpu-blocks", "100,200,300,400,500", "--jobs", "1"]
 LONG_SWEEP += ["--policies", "lru,arc,sieve,slru,s3fifo", "--thresholds", "0,2,3", "--no-progress"]
 """75 runs: a table of more than the 8 KiB that standard output buffers."""

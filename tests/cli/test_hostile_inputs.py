@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cli_helpers import one_line_error
@@ -33,6 +34,7 @@ from kvoffload.cli import options
 from kvoffload.cli.main import main
 from kvoffload.cli.output import one_line
 from kvoffload.managers import build_manager
+from kvoffload.sim.plots import PLOT_FILES
 
 CLI = [sys.executable, "-c", "import sys; from kvoffload.cli.main import main; sys.exit(main())"]
 SMALL = ["simulate", "--requests", "30", "--no-progress", "--no-bound"]
@@ -255,6 +257,20 @@ def test_output_paths_are_checked_before_the_run(
     assert "--plot-dir" in one_line_error(capsys)
 
 
+@pytest.mark.parametrize("command", [SMALL, ["trace-stats", "TRACE"]])
+def test_a_result_file_name_past_the_file_system_names_the_option(
+    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--json`` with a name longer than the file system takes said "kvoffload: error: File
+    name too long: PATH", naming no option."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(RECORD + "\n")
+    out = tmp_path / ("j" * (os.pathconf(tmp_path, "PC_NAME_MAX") + 1))
+    argv = [str(trace) if word == "TRACE" else word for word in command]
+    assert main([*argv, "--json", str(out)]) == 1
+    assert one_line_error(capsys) == f"kvoffload: error: --json {out}: File name too long\n"
+
+
 @pytest.mark.parametrize("below", ["", "plots"])
 def test_a_plot_dir_through_a_dangling_link_is_refused_before_the_run(
     below: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -272,6 +288,24 @@ def test_a_plot_dir_through_a_dangling_link_is_refused_before_the_run(
         f"{tmp_path / 'gone' / 'plots'}, which does not exist\n"
     )
     assert sorted(path.name for path in tmp_path.iterdir()) == ["bad.jsonl", "link"]
+
+
+@pytest.mark.parametrize("below", ["", "missing"])
+def test_a_plot_dir_name_past_the_file_system_is_refused_before_the_run(
+    below: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A directory name longer than the file system takes passed the check (only what exists
+    was looked at); the whole sweep ran, then making the directory failed with "kvoffload:
+    error: File name too long: PATH", naming no option and hiding the finished runs' table."""
+    bad_trace = tmp_path / "bad.jsonl"  # read only if the plot directory passed
+    bad_trace.write_text("{\n")
+    name = "p" * (os.pathconf(tmp_path, "PC_NAME_MAX") + 1)
+    plot_dir = tmp_path / below / name if below else tmp_path / name
+    assert main(["sweep", "--trace", str(bad_trace), "--plot-dir", str(plot_dir)]) == 1
+    assert one_line_error(capsys).startswith(
+        f"kvoffload: error: --plot-dir {plot_dir}: the name {name[:16]}... is longer than"
+    )
+    assert [path.name for path in tmp_path.iterdir()] == ["bad.jsonl"]
 
 
 @pytest.mark.parametrize(
@@ -735,6 +769,112 @@ def test_an_interrupted_sweep_with_no_finished_run_keeps_an_earlier_file(
     assert err == expected
     assert out_json.read_text() == earlier
     assert out_csv.read_text() == "policy\nlru\n"
+
+
+DRAWN_THEN = """
+import os, signal, sys
+from pathlib import Path
+from typing import Any
+from matplotlib.figure import Figure
+from kvoffload.cli.main import main
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
+render = Figure.savefig
+rendered = []
+then, plot_dir = sys.argv[1], sys.argv[-1]
+
+def savefig(figure, *args, **kwargs):
+    rendered.append(figure)
+    if len(rendered) == 2 and then == "ctrl-c":  # as the second plot is drawn
+        os.kill(os.getpid(), signal.SIGINT)
+    if len(rendered) == 2 and then == "a file at the plot directory":
+        Path(plot_dir).write_text("")
+    return render(figure, *args, **kwargs)
+
+Figure.savefig = savefig
+sys.exit(main(sys.argv[2:]))
+"""
+"""A sweep whose second plot being drawn is followed by ``argv[1]``: Ctrl-C, or a file made
+where its ``--plot-dir`` (the last argument) is to be."""
+
+
+def _sweep_drawn_then(then: str, *argv: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    sweep = ["sweep", "--requests", "30", "--jobs", "1", "--no-progress", "--cpu-blocks", "0,50"]
+    sweep += ["--policies", "lru", "--thresholds", "0"]
+    kwargs.setdefault("stdout", subprocess.PIPE)
+    return subprocess.run(
+        [sys.executable, "-c", DRAWN_THEN, then, *sweep, *argv],
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+        check=False,
+        **kwargs,
+    )
+
+
+def test_ctrl_c_while_plotting_keeps_the_earlier_plots_and_says_what_was_written(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C once every run had finished, as the plots were drawn: the first plot had
+    replaced the earlier sweep's (a set from two sweeps), and the one line,
+    "kvoffload: interrupted", said neither that --json had been written nor showed the runs."""
+    pytest.importorskip("matplotlib")
+    plots = tmp_path / "plots"
+    plots.mkdir()
+    for name in PLOT_FILES:
+        (plots / name).write_bytes(b"the earlier plot")
+    out_json = tmp_path / "runs.json"
+    result = _sweep_drawn_then("ctrl-c", "--json", str(out_json), "--plot-dir", str(plots))
+    assert result.returncode == 130
+    assert result.stderr == (
+        "kvoffload: interrupted: sweep interrupted while plotting, after its 2 runs; "
+        f"the runs were written to {out_json}; no plot was written\n"
+    )
+    assert len(json.loads(out_json.read_text())) == 2
+    assert "offload" in result.stdout  # the runs' table
+    assert {p.name: p.read_bytes() for p in plots.iterdir()} == dict.fromkeys(
+        PLOT_FILES, b"the earlier plot"
+    )
+
+
+def test_a_plot_dir_that_cannot_be_made_after_the_runs_names_the_option(tmp_path: Path) -> None:
+    """The plot directory checked before the sweep, but not makeable once its runs were done
+    (here a file put there meanwhile): "kvoffload: error: File exists: PATH", naming no
+    option, and the finished runs' table was not shown."""
+    pytest.importorskip("matplotlib")
+    plot_dir = tmp_path / "plots"
+    result = _sweep_drawn_then("a file at the plot directory", "--plot-dir", str(plot_dir))
+    assert result.returncode == 1
+    assert result.stderr == f"kvoffload: error: --plot-dir {plot_dir}: cannot write: File exists\n"
+    assert "offload" in result.stdout  # the runs' table
+
+
+@pytest.mark.parametrize(
+    ("then", "status", "line"),
+    [
+        ("a file at the plot directory", 1, "kvoffload: error: --plot-dir {}: cannot write: "),
+        ("ctrl-c", 130, "kvoffload: interrupted: sweep interrupted while plotting, "),
+    ],
+)
+def test_a_stopped_sweep_whose_table_meets_a_reader_gone_keeps_its_status_and_line(
+    then: str, status: int, line: str, tmp_path: Path
+) -> None:
+    """``kvoffload sweep ... | head -1`` whose plots fail, or that Ctrl-C stops, after its
+    table: the table, left in stdout's buffer (Python's default), was written only at exit,
+    which a reader gone by then turned into "Exception ignored ... BrokenPipeError" below
+    the error line and status 120 (1 where Ctrl-C's 130 was due)."""
+    pytest.importorskip("matplotlib")
+    plot_dir = tmp_path / "plots"
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = _sweep_drawn_then(then, "--plot-dir", str(plot_dir), stdout=write_end, env=env)
+    finally:
+        os.close(write_end)
+    assert result.returncode == status
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(line.format(plot_dir)), result.stderr
 
 
 @pytest.mark.parametrize(

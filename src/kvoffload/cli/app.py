@@ -5,19 +5,20 @@ Library errors (:class:`~kvoffload.core.errors.KVOffloadError`) and file
 errors become one line on stderr and exit status 1, usage errors one line and
 status 2, Ctrl-C or SIGTERM one line and status 130; never a traceback. A
 reader of stdout that has gone before the output is written (``| true``) ends the
-command quietly, status 1.
+command quietly, status 1 (a command that failed or was interrupted keeps its own).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import select
 import sys
 from collections.abc import Sequence
 from importlib import metadata
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from kvoffload.admission.compiled import compiled_summary
 from kvoffload.cli import bench, output, simulate, sweep, trace_stats
@@ -29,6 +30,9 @@ from kvoffload.integrations.vllm.versions import (
     installed_version,
     release_of,
 )
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 PROG = "kvoffload"
 NAMED_BY_TEXT = ("json", "csv", "plot_dir", "layout", "device", "trace", "path", "dir")
@@ -45,6 +49,14 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+
+    def print_help(self, file: SupportsWrite[str] | None = None) -> None:
+        """Written as the rest of the command's output: argparse's own drops a failed write,
+        so help cut short by a reader gone (``--help | head -1``) exited 0, not the quiet 1
+        that :func:`run` gives any other output."""
+        stream = file or sys.stdout
+        if stream is not None:  # stdout closed (``>&-``)
+            stream.write(self.format_help())
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, output.one_line(f"{PROG}: error: {message} (see {self.prog} --help)") + "\n")
@@ -132,12 +144,12 @@ def _argument_name(parser: argparse.ArgumentParser, dest: str) -> str:
     return "/".join(action.option_strings) or metavar or dest
 
 
-def _reader_gone() -> bool:
-    """Whether stdout's reader has gone (``kvoffload ... | true``): the output was cut short
-    on purpose, so the exit is quiet, as other command-line tools'. Stdout is pointed at
-    ``/dev/null`` so that the interpreter's last flush does not fail once more."""
+def _reader_gone(stream: TextIO) -> bool:
+    """Whether ``stream``'s reader has gone (``kvoffload ... | true``): the output was cut
+    short on purpose, so the exit is quiet, as other command-line tools'. The stream is
+    pointed at ``/dev/null`` so that the interpreter's last flush does not fail once more."""
     try:
-        fd = sys.stdout.fileno()
+        fd = stream.fileno()
         poller = select.poll()
         poller.register(fd, 0)
         if not any(events & select.POLLERR for _, events in poller.poll(0)):
@@ -145,7 +157,7 @@ def _reader_gone() -> bool:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, fd)
         os.close(devnull)
-    except (AttributeError, OSError, ValueError):  # no stdout, or not a file
+    except (AttributeError, OSError, ValueError):  # no stream, or not a file
         return False
     return True
 
@@ -188,41 +200,72 @@ def _error(message: str) -> None:
     print(output.one_line(f"{PROG}: error: {message}"), file=sys.stderr)
 
 
+def _status(args_list: list[str]) -> int:
+    """Parse ``args_list`` and run its command: the exit status, with ``--help``'s,
+    ``--version``'s and a usage error's."""
+    parser, transfer = build_parser()
+    if args_list[:2] == ["bench", "transfer"]:
+        bench.add_transfer_options(transfer)
+    flags = _flags(parser) | _flags(_command_parser(parser, args_list))
+    args_list = _attach_negative_values(args_list, flags)
+    try:
+        args, unknown = parser.parse_known_args(args_list)
+        if unknown:  # named by the command's own parser, so the hint is its --help
+            _command_parser(parser, args_list).error(f"unrecognized arguments: {' '.join(unknown)}")
+        empty = next((dest for dest in NAMED_BY_TEXT if getattr(args, dest, None) == ""), None)
+        if empty is not None:
+            command = _command_parser(parser, args_list)
+            command.error(f"argument {_argument_name(command, empty)}: must not be empty")
+    except SystemExit as exc:  # --help, or a usage error already reported by argparse
+        return exc.code if isinstance(exc.code, int) else 2
+    for option in ("json", "csv"):
+        if output.names_standard_output(getattr(args, option, None)):
+            setattr(args, option, "-")
+    status: int = args.run(args)
+    return status
+
+
 def run(args_list: list[str]) -> int:
     """The command line's exit status, every error reported on one line of stderr (Ctrl-C
     is :func:`~kvoffload.cli.main.main`'s to set up)."""
     try:
-        parser, transfer = build_parser()
-        if args_list[:2] == ["bench", "transfer"]:
-            bench.add_transfer_options(transfer)
-        flags = _flags(parser) | _flags(_command_parser(parser, args_list))
-        args_list = _attach_negative_values(args_list, flags)
-        try:
-            args, unknown = parser.parse_known_args(args_list)
-            if unknown:  # named by the command's own parser, so the hint is its --help
-                _command_parser(parser, args_list).error(
-                    f"unrecognized arguments: {' '.join(unknown)}"
-                )
-            empty = next((dest for dest in NAMED_BY_TEXT if getattr(args, dest, None) == ""), None)
-            if empty is not None:
-                command = _command_parser(parser, args_list)
-                command.error(f"argument {_argument_name(command, empty)}: must not be empty")
-        except SystemExit as exc:  # --help, or a usage error already reported by argparse
-            return exc.code if isinstance(exc.code, int) else 2
-        for option in ("json", "csv"):
-            if output.names_standard_output(getattr(args, option, None)):
-                setattr(args, option, "-")
-        status: int = args.run(args)
+        status = _reported(args_list)
+    except BrokenPipeError:  # stderr's reader gone too, as the error was said (2>&1 | true)
+        status = 1
+    return _flushed(status)
+
+
+def _flushed(status: int) -> int:
+    """``status`` once stdout and stderr are flushed: here, not at exit, however the command
+    ended (--help, an error or Ctrl-C after a table too), as the interpreter's own last flush
+    to a reader gone by then said "Exception ignored ..." and exited 120. A reader gone
+    turns success into the quiet status 1; a failure or Ctrl-C keeps its own."""
+    try:
         if sys.stdout is not None:
-            # Here, not at exit: a reader gone by now is the quiet status 1 below, where the
-            # interpreter's own last flush said "Exception ignored ..." and exited 120.
             sys.stdout.flush()
-        return status
+    except BrokenPipeError as exc:
+        if not _reader_gone(sys.stdout) and status == 0:
+            with contextlib.suppress(BrokenPipeError):
+                _error(exc.strerror or str(exc))
+        status = status or 1
+    try:
+        if sys.stderr is not None:
+            sys.stderr.flush()
+    except BrokenPipeError:  # nowhere left to say so
+        _reader_gone(sys.stderr)
+        status = status or 1
+    return status
+
+
+def _reported(args_list: list[str]) -> int:
+    """The exit status of :func:`_status`, with each error it raises reported on one line."""
+    try:
+        return _status(args_list)
     except KVOffloadError as exc:
         _error(str(exc))
         return 1
     except BrokenPipeError as exc:
-        if not _reader_gone():
+        if not _reader_gone(sys.stdout):
             _error(exc.strerror or str(exc))
         return 1
     except OSError as exc:

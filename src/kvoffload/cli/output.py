@@ -188,6 +188,13 @@ def check_writable_file(path: str, option: str) -> None:
         if sys.stdout is None:
             raise InvalidArgumentError(f"{option} -: standard output is closed")
         return
+    try:
+        _check_writable_path(path, option)
+    except OSError as exc:  # a name too long to look up: the error names no option
+        raise InvalidArgumentError(f"{option} {path}: {exc.strerror or exc}") from None
+
+
+def _check_writable_path(path: str, option: str) -> None:
     target = Path(path)
     if target.is_dir():
         raise InvalidArgumentError(f"{option} {path}: is a directory")
@@ -237,9 +244,11 @@ def check_writable_dir(path: str, option: str) -> None:
     directory fails on it ("File exists"), once the whole sweep has run."""
     target = Path(path)
     existing = target
-    while not os.path.lexists(existing):
+    missing: list[str] = []
+    while not os.path.lexists(existing):  # also where a name is too long to look up
         if existing.parent == existing:
             break
+        missing.append(existing.name)
         existing = existing.parent
     if existing.is_symlink() and not existing.exists():
         raise InvalidArgumentError(
@@ -250,6 +259,22 @@ def check_writable_dir(path: str, option: str) -> None:
         raise InvalidArgumentError(f"{option} {path}: {existing} is not a directory")
     if not os.access(existing, os.W_OK):
         raise InvalidArgumentError(f"{option} {path}: {existing} is not writable")
+    _check_name_lengths(path, option, existing, missing)
+
+
+def _check_name_lengths(path: str, option: str, existing: Path, missing: Sequence[str]) -> None:
+    """Refuse a directory still to be made whose name its file system cannot hold: found only
+    as it is made, once the whole sweep has run, and then in a line that named no option."""
+    try:
+        longest = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):  # no limit the file system tells
+        return
+    for name in missing:
+        if len(os.fsencode(name)) > longest:
+            raise InvalidArgumentError(
+                f"{option} {path}: the name {name[:16]}... is longer than the "
+                f"{longest} bytes its file system takes"
+            )
 
 
 class OutputError(KVOffloadError):

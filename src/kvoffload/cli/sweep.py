@@ -220,22 +220,49 @@ def run(args: argparse.Namespace) -> int:
     shown = "-" not in (args.json, args.csv)
     plots: list[Path] = []
     if args.plot_dir:
-        from kvoffload.sim.plots import plot_sweep
-
         try:
-            plots = plot_sweep(reports, args.plot_dir, _write_plot)
-        except KVOffloadError:
-            # Every run is done: a plot that cannot be written does not hide their table.
+            plots = _plot(reports, args.plot_dir, plots)
+        except (KVOffloadError, KeyboardInterrupt) as stop:
+            # Every run is done: a plot that cannot be written, or Ctrl-C as the plots are
+            # drawn, does not hide their table nor what was written.
             if shown:
                 output.show(format_sweep(reports))
-            raise
+            if not isinstance(stop, KeyboardInterrupt):
+                raise
+            written = " and ".join(str(path) for path in plots) or "no plot"
+            finished = output.counted(len(reports), "run")
+            print(
+                output.one_line(
+                    f"kvoffload: interrupted: sweep interrupted while plotting, after its "
+                    f"{finished}; {_kept(args)}; {written} {'were' if len(plots) > 1 else 'was'} "
+                    "written"
+                ),
+                file=sys.stderr,
+            )
+            return 130
     if shown:
         output.show("\n".join([format_sweep(reports), *(f"plot: {path}" for path in plots)]))
     return 0
 
 
-def _write_plot(path: Path, png: bytes) -> None:
-    output.write_file(str(path), png, "--plot-dir")
+def _plot(reports: list[RunReport], plot_dir: str, written: list[Path]) -> list[Path]:
+    """Write the sweep's plots into ``plot_dir``, adding each to ``written`` once it is (an
+    interrupted sweep names them); an error names ``--plot-dir``."""
+    from kvoffload.sim.plots import plot_sweep
+
+    def write(path: Path, png: bytes) -> None:
+        output.write_file(str(path), png, "--plot-dir")
+        written.append(path)
+
+    try:
+        return plot_sweep(reports, plot_dir, write)
+    except OSError as exc:
+        made = Path(plot_dir)
+        if exc.filename is None or Path(exc.filename) not in (made, *made.parents):
+            raise  # not making the directory (a font matplotlib could not read, say)
+        raise output.OutputError(
+            f"--plot-dir {plot_dir}: cannot write: {exc.strerror or exc}"
+        ) from None
 
 
 def _write(args: argparse.Namespace, reports: list[RunReport], trace_format: str | None) -> None:
@@ -256,21 +283,31 @@ def _keep_finished(
     to Ctrl-C nor to one run that fails. With nothing finished nothing is written, so the
     files of an earlier sweep stay as they were."""
     reports = stop.reports
-    written = [path for path in (args.json, args.csv) if path and path != "-"]
     if not reports:
         kept = "no run had finished"
+        written = _result_files(args)
         if written:
             kept += f"; {' and '.join(written)} not written"
     else:
         _write(args, reports, trace_format)
         if "-" not in (args.json, args.csv):
             output.show(format_sweep(reports))
-        if written:
-            kept = f"the finished runs were written to {' and '.join(written)}"
-        else:
-            kept = "the finished runs are shown above"
+        kept = _kept(args, "the finished runs")
     print(output.one_line(f"kvoffload: {label}: {stop}; {kept}"), file=sys.stderr)
     return status
+
+
+def _result_files(args: argparse.Namespace) -> list[str]:
+    """The files ``--json`` and ``--csv`` name (not standard output)."""
+    return [path for path in (args.json, args.csv) if path and path != "-"]
+
+
+def _kept(args: argparse.Namespace, runs: str = "the runs") -> str:
+    """Where the written ``runs`` are, for the line that says why a sweep stopped."""
+    written = _result_files(args)
+    if written:
+        return f"{runs} were written to {' and '.join(written)}"
+    return f"{runs} are shown above"
 
 
 def format_sweep(reports: list[RunReport]) -> str:

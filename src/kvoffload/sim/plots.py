@@ -156,15 +156,20 @@ def plot_sweep(
     """Write :data:`PLOT_FILES` into ``out_dir`` with ``write(path, png)``; return their
     paths. The command line passes a ``write`` that replaces a file whole or not at all:
     saved straight to its path, a plot cut short (a full disk, Ctrl-C) stayed truncated,
-    over the earlier sweep's."""
+    over the earlier sweep's. Every plot is drawn before any is written: drawing takes
+    the time, and a Ctrl-C then left the first plot beside the earlier sweep's second."""
     if not reports:
         raise InvalidArgumentError("a plot needs at least one run")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     paths = [out / CAPACITY_PLOT, out / WRITES_PLOT]
-    figures = [_capacity_figure(reports), _writes_figure(reports)]
-    for figure, path in zip(figures, paths, strict=True):
-        png = io.BytesIO()
-        figure.savefig(png, format="png", dpi=120)
-        write(path, png.getvalue())
+    pngs = [_png(_capacity_figure(reports)), _png(_writes_figure(reports))]
+    out.mkdir(parents=True, exist_ok=True)
+    for path, png in zip(paths, pngs, strict=True):
+        write(path, png)
     return paths
+
+
+def _png(figure: Any) -> bytes:
+    png = io.BytesIO()
+    figure.savefig(png, format="png", dpi=120)
+    return png.getvalue()
