@@ -85,6 +85,25 @@ def test_bad_specs_and_duplicate_jobs_are_refused_not_raised() -> None:
     worker.close()
 
 
+def test_a_spec_refused_as_bad_input_is_logged_as_one_line_naming_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The warning said only "transfer refused", the reason buried at the foot of a
+    traceback from deep inside the handler, for a spec that was merely out of range."""
+    layout = LAYOUTS["tiny-f16"]
+    worker = OffloadingWorker(
+        cpu_gpu_handlers(random_layers(layout, 8, 0, separate=False), CPUBlockStore(layout, 4))
+    )
+    with caplog.at_level("WARNING", logger="kvoffload.dataplane.worker"):
+        assert not worker.transfer_async(1, (GPULoadStoreSpec([9], [1]), CPULoadStoreSpec([0])))
+    worker.close()
+    [record] = caplog.records
+    assert record.getMessage() == (
+        "job 1: GPU->CPU transfer refused: GPU block ids must lie in [0, 8), got [9]"
+    )
+    assert record.exc_info is None
+
+
 def test_handler_rejects_a_store_of_another_shape() -> None:
     layers = random_layers(LAYOUTS["tiny-f16"], 8, 0, separate=False)
     with pytest.raises(InvalidArgumentError, match="pages of"):

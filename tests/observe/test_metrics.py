@@ -549,6 +549,25 @@ def test_a_label_value_that_is_no_str_is_refused_when_the_collector_is_made() ->
         assert scrape(server.port)['kvoffload_lookups_total{rank="0"}'] == 0
 
 
+@pytest.mark.parametrize("name", ["", "__name__", "__meta", "tier-name", "9rank"])
+def test_a_label_name_prometheus_refuses_is_refused_when_the_collector_is_made(
+    name: str,
+) -> None:
+    """An empty name or one starting ``__`` (reserved) was taken and made every scrape of
+    the endpoint unparseable, every other collector's metrics lost with it; one with a
+    character a name may not hold was exported under another name (``tier_name``)."""
+    from kvoffload.observe.counters import ManagerCounters
+
+    with MetricsServer(0) as server:
+        server.add(ManagerCollector(ManagerCounters, {"tier": "cpu"}))
+        with pytest.raises(InvalidArgumentError, match=re.escape(f"metric label {name!r}")):
+            server.add(ManagerCollector(ManagerCounters, {"tier": "disk", name: "x"}))
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics") as response:
+            families = list(text_string_to_metric_families(response.read().decode()))
+        lookups = [f for f in families if f.name == "kvoffload_lookups"]
+        assert [sample.labels for sample in lookups[0].samples] == [{"tier": "cpu"}]
+
+
 def test_every_exported_metric_is_in_the_table_with_its_type() -> None:
     """docs/metrics.md's table lists the simulator's metrics by name, type and labels: one
     added, renamed, retyped or relabelled in the code without the table (or the reverse)

@@ -89,8 +89,19 @@ class OffloadingWorker:
             return False
         try:
             submitted = handler.transfer_async(job_id, spec)
-        except Exception:
-            logger.warning("job %d: %s->%s transfer refused", job_id, *pair, exc_info=True)
+        except InvalidArgumentError as exc:
+            # Bad input: the message says why, and a traceback would bury it.
+            logger.warning("job %d: %s->%s transfer refused: %s", job_id, *pair, exc)
+            return False
+        except Exception as exc:
+            logger.warning(
+                "job %d: %s->%s transfer refused: %s: %s",
+                job_id,
+                *pair,
+                type(exc).__name__,
+                exc,
+                exc_info=True,
+            )
             return False
         if not submitted:
             logger.warning("job %d: %s->%s handler declined the transfer", job_id, *pair)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -130,12 +131,23 @@ def whatif_gauges(stats: AdmissionStats) -> dict[str, dict[tuple[str, ...], floa
     return gauges
 
 
+LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+"""What Prometheus takes as a label name; one starting ``__`` is reserved for its own use."""
+
+
 def checked_labels(labels: Mapping[str, str] | None) -> dict[str, str]:
-    """``labels`` if every value is a str; else :class:`InvalidArgumentError` naming the
-    label. Taken as it was, a value of another type (an int rank) failed every scrape of the
-    endpoint, every collector's metrics with it (a 500 and a traceback on stderr)."""
+    """``labels`` if every name is a Prometheus label name and every value a str; else
+    :class:`InvalidArgumentError` naming the label. Taken as it was, a value of another type
+    (an int rank) failed every scrape of the endpoint, every collector's metrics with it (a
+    500 and a traceback on stderr); an empty name or one starting ``__`` made every scrape
+    unparseable, and one with another character (``tier-name``) was exported renamed."""
     checked = dict(labels or {})
     for name, value in checked.items():
+        if not (isinstance(name, str) and LABEL_NAME.fullmatch(name)) or name.startswith("__"):
+            raise InvalidArgumentError(
+                f"metric label {name!r} is no Prometheus label name: letters, digits and "
+                "underscores, not starting with a digit nor with two underscores"
+            )
         if not isinstance(value, str):
             raise InvalidArgumentError(f"metric label {name!r} must be a str, got {value!r}")
     return checked
@@ -145,7 +157,8 @@ class ManagerCollector(Collector):
     """Exports ``counters()`` as ``kvoffload_<name>_total`` counters and ``kvoffload_held_blocks``.
 
     ``labels`` (e.g. ``{"tier": "cpu", "policy": "lru"}``) tell managers apart
-    when one registry holds several; each value must be a str (:func:`checked_labels`).
+    when one registry holds several; each name must be a Prometheus label name and each
+    value a str (:func:`checked_labels`).
     """
 
     def __init__(
