@@ -21,7 +21,13 @@ from collections import OrderedDict
 from collections.abc import Container, Iterable, Sequence
 
 from kvoffload.core.keys import OffloadKey
-from kvoffload.policies.base import BlockStatus, CachePolicy, ParkingOrder, Victims
+from kvoffload.policies.base import (
+    BlockStatus,
+    CachePolicy,
+    ParkingOrder,
+    Victims,
+    remove_from_either,
+)
 from kvoffload.policies.registry import register_cache_policy
 
 
@@ -50,10 +56,7 @@ class ARCCachePolicy(CachePolicy):
                     del b2[key]
 
     def remove(self, keys: Iterable[OffloadKey]) -> None:
-        t1, t2 = self.t1, self.t2
-        for key in keys:
-            if t1.pop(key) is None:
-                t2.pop(key)
+        remove_from_either(keys, self.t1, self.t2)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         t1, t2, b1, b2 = self.t1.order, self.t2.order, self.b1, self.b2

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Container, Iterable, Iterator, Sequence
 from heapq import heappop, heappush
 from itertools import islice
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 from kvoffload.core.errors import check_integer
 from kvoffload.core.keys import OffloadKey
@@ -140,13 +140,15 @@ def take_evictable(
     return taken
 
 
-def remove_from_either(
-    keys: Iterable[OffloadKey],
-    first: dict[OffloadKey, BlockStatus],
-    second: dict[OffloadKey, BlockStatus],
-) -> None:
+class Segment(Protocol):
+    """Blocks one part of a policy keeps: a dict, or a :class:`ParkingOrder`."""
+
+    def pop(self, key: OffloadKey, default: None, /) -> BlockStatus | None: ...
+
+
+def remove_from_either(keys: Iterable[OffloadKey], first: Segment, second: Segment) -> None:
     """Forget ``keys`` from whichever of two segments holds each (an absent key is skipped):
-    ``remove`` of a policy that keeps every block in exactly one of two ordered dicts."""
+    ``remove`` of a policy that keeps every block in exactly one of two segments."""
     for key in keys:
         if first.pop(key, None) is None:
             second.pop(key, None)
@@ -204,8 +206,9 @@ class ParkingOrder(Collection[OffloadKey]):
             self._heap.clear()  # only entries left behind by blocks no longer parked
         return block
 
-    def pop(self, key: OffloadKey) -> BlockStatus | None:
-        """Forget ``key`` wherever it is; ``None`` if absent."""
+    def pop(self, key: OffloadKey, default: None = None, /) -> BlockStatus | None:
+        """Forget ``key`` wherever it is; ``None`` if absent (``default`` only lets an order
+        stand where a dict's ``pop(key, None)`` is called: :func:`remove_from_either`)."""
         block = self.order.pop(key, None)
         if block is None and key in self.parked:
             block = self.unpark(key)

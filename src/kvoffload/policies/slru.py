@@ -18,7 +18,13 @@ from __future__ import annotations
 from collections.abc import Container, Iterable, Sequence
 
 from kvoffload.core.keys import OffloadKey
-from kvoffload.policies.base import BlockStatus, CachePolicy, ParkingOrder, Victims
+from kvoffload.policies.base import (
+    BlockStatus,
+    CachePolicy,
+    ParkingOrder,
+    Victims,
+    remove_from_either,
+)
 from kvoffload.policies.registry import register_cache_policy
 
 PROTECTED_SHARE = 0.8
@@ -44,10 +50,7 @@ class SLRUCachePolicy(CachePolicy):
         self.probation.order.update(zip(keys, blocks, strict=True))
 
     def remove(self, keys: Iterable[OffloadKey]) -> None:
-        probation, protected = self.probation, self.protected
-        for key in keys:
-            if probation.pop(key) is None:
-                protected.pop(key)
+        remove_from_either(keys, self.probation, self.protected)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         probation, protected = self.probation.order, self.protected.order
