@@ -7,7 +7,8 @@ the model then follows what the tier was actually offered.
 
 After every step: lookups agree with the model's longest ready prefix, slot
 ids are unique and in range, the held blocks and their states match the
-model, and replaying all events gives exactly the ready set. A ``None`` from
+model, and replaying all events (and the removals of broken blocks, which the
+caller announces) gives exactly the ready set. A ``None`` from
 ``prepare_store`` must leave every bit of state as it was; evictions may only
 take ready, unpinned keys outside the offer.
 """
@@ -219,6 +220,16 @@ class ManagerMachine(RuleBasedStateMachine):
                     self.ref[key] = 0
                 else:
                     del self.ref[key], self.slot[key]
+
+    @rule(keys=KEY_LISTS)
+    def remove_broken(self, keys: list[OffloadKey]) -> None:
+        """A lower tier found these blocks' bytes broken: the ready, unpinned ones go, their
+        slots free at once, with no event (the caller announces its own removal)."""
+        expected = [k for k in dict.fromkeys(keys) if self.ref.get(k) == 0]
+        assert self.cpu.remove(iter(keys)) == expected
+        for key in expected:
+            del self.ref[key], self.slot[key]
+        self.replayed.difference_update(expected)
 
     @rule(key=st.sampled_from(UNIVERSE))
     def bad_calls_change_nothing(self, key: OffloadKey) -> None:
