@@ -253,3 +253,73 @@ def test_stores_link_each_page_to_the_one_before_it_as_sglangs_own_events_do(
         (number[1], [number[2], number[3]]),
         (number[3], [number[4], number[5], number[6]]),
     ]
+
+
+@pytest.mark.parametrize("ending", ["clear", "close"])
+def test_a_clear_or_a_close_during_a_shared_write_the_server_holds_loses_nothing(
+    backend_of: Any, own_server: ValkeyProcess, ending: str
+) -> None:
+    """SGLang's ``clear`` or ``close`` while the server holds a shared-tier write batch
+    (``CLIENT PAUSE ... WRITE``, as during a failover; the path waits for the batch outside
+    its lock). A clear never waits for it (the server keeps its pages), and the batch's
+    pages are announced once, after ``AllBlocksCleared``, so a router applying events in
+    order keeps them; a close waits for it. Either way the batch ends stored and counted
+    once, nothing raises, and no thread of ours is left behind."""
+    import threading
+
+    own_server.start()
+    events = _events_of()
+    extra = {"kvoffload.remote_url": own_server.url_with(300_000), **events}
+    ours_before = set(threading.enumerate())
+    pool = HostPool()
+    backend = backend_of(extra, pool, model=f"sglang-held-{ending}")
+    [path] = backend.paths
+    pool.fill([0, 1, 2, 3], seed=6)
+    raised: list[BaseException] = []
+    done: list[list[bool]] = []
+
+    def guarded(job: Any) -> None:
+        try:
+            job()
+        except BaseException as exc:  # collected for the test thread to report
+            raised.append(exc)
+
+    client = own_server.client()
+    client.client_pause(300_000, all=False)
+    try:
+
+        def write() -> None:
+            done.append(backend.batch_set_v1(KEYS[:4], pool.indices([0, 1, 2, 3])))
+
+        writer = threading.Thread(target=guarded, args=(write,))
+        writer.start()
+        for _ in range(1000):
+            if path.tier.has_pending_work():
+                break
+            writer.join(0.01)
+        assert path.tier.has_pending_work(), "the write never reached the shared tier"
+        ender = threading.Thread(target=guarded, args=(getattr(backend, ending),))
+        ender.start()
+        if ending == "clear":
+            ender.join(60)
+            assert not ender.is_alive(), "the clear waits for the write the server holds"
+    finally:
+        client.client_unpause()
+    writer.join(60)
+    ender.join(60)
+    assert not writer.is_alive() and not ender.is_alive()
+    assert raised == [] and done == [[True] * 4]
+    c = path.counters()
+    assert (c.stores_completed, c.stores_failed, c.bytes_stored) == (4, 0, 4 * path.page_bytes)
+    if ending == "clear":
+        batches = _decoded(backend, events["kvoffload.kv_events_replay_endpoint"])
+        in_order = [event for batch in batches for event in batch.events]
+        assert in_order[0] == sglang_events.AllBlocksCleared()
+        stored = [h for e in in_order[1:] for h in e.block_hashes]
+        assert stored == [_page_number(key) for key in KEYS[:4]]
+        assert backend.batch_exists(KEYS[:4]) == 4
+        backend.close()
+    left = [t.name for t in set(threading.enumerate()) - ours_before if t.is_alive()]
+    assert not [name for name in left if name.startswith("kvoffload")], left
+    again = backend_of(extra | _events_of(), HostPool(), model=f"sglang-held-{ending}")
+    assert again.batch_exists(KEYS[:4]) == 4

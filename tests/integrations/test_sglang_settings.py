@@ -88,3 +88,43 @@ def test_a_json_null_is_the_keys_default_as_sglang_reads_its_own_keys() -> None:
         parse_settings({"kvoffload.disk_dir": "/nvme/l3", "kvoffload.disk_bytes": None})
     with pytest.raises(InvalidArgumentError, match=r"unknown .* key 'kvoffload\.disk_byte'"):
         parse_settings({**nulls, "kvoffload.disk_byte": None})
+
+
+TOML_FILE = """
+backend_name = "kvoffload"
+module_path = "kvoffload.integrations.sglang"
+class_name = "KVOffloadStorage"
+interface_v1 = 1
+kvoffload.disk_dir = "/nvme/l3"
+kvoffload.disk_bytes = 4_096
+kvoffload.disk_admission = "recommended"
+kvoffload.disk_admission_params = { switch_margin = 0.5 }
+"""
+
+
+def test_a_toml_files_dotted_keys_are_read_as_the_keys_they_spell() -> None:
+    """SGLang reads ``--hicache-storage-backend-extra-config @l3.toml`` (and ``.yaml``) too,
+    and TOML makes ``kvoffload.disk_dir = ...`` a ``kvoffload`` table, as a YAML file
+    nesting the keys under ``kvoffload:`` does: start-up was refused ('unknown key
+    'kvoffload'') for the documented keys. The table is read as the keys it spells; a key
+    given both ways is refused, naming it."""
+    import tomllib
+
+    read = parse_settings(tomllib.loads(TOML_FILE))
+    dotted = parse_settings(
+        {
+            "interface_v1": 1,
+            "kvoffload.disk_dir": "/nvme/l3",
+            "kvoffload.disk_bytes": 4096,
+            "kvoffload.disk_admission": "recommended",
+            "kvoffload.disk_admission_params": {"switch_margin": 0.5},
+        }
+    )
+    assert read == dotted and read.disk_dir == "/nvme/l3" and read.disk_bytes == 4096
+    twice = {"kvoffload.disk_dir": "/a", "kvoffload": {"disk_dir": "/b", "disk_bytes": 9}}
+    with pytest.raises(
+        InvalidArgumentError, match=re.escape("'kvoffload.disk_dir' is given twice")
+    ):
+        parse_settings(twice)
+    with pytest.raises(InvalidArgumentError, match=r"unknown .* key 'kvoffload\.disk_byte'"):
+        parse_settings({"kvoffload": {"disk_dir": "/a", "disk_byte": 9}})

@@ -172,7 +172,7 @@ def _tier_keys(kind: str, location: str, size: str) -> dict[str, str]:
 
 def parse_settings(extra_config: Mapping[str, Any] | None) -> BackendSettings:
     """Check every key and value; an :class:`InvalidArgumentError` names the bad one."""
-    written = dict(extra_config or {})
+    written = _dotted(extra_config or {})
     unknown = sorted(set(written) - SGLANG_KEYS - OWN_KEYS, key=repr)
     if unknown:
         raise InvalidArgumentError(
@@ -235,6 +235,24 @@ def parse_settings(extra_config: Mapping[str, Any] | None) -> BackendSettings:
     )
     _ = settings.disk_tier, settings.remote_tier  # their checks stop a budget without its rule
     return settings
+
+
+def _dotted(extra_config: Mapping[str, Any]) -> dict[str, Any]:
+    """``extra_config`` with a ``kvoffload`` table read as the keys it spells: SGLang also
+    reads the mapping from a TOML or YAML file (``@l3.toml``), where
+    ``kvoffload.disk_dir = ...`` (TOML's dotted key) or keys nested under ``kvoffload:``
+    make one table of ours."""
+    written = dict(extra_config)
+    table = written.get(PREFIX[:-1])
+    if not isinstance(table, Mapping):
+        return written
+    del written[PREFIX[:-1]]
+    for name, value in table.items():
+        key = f"{PREFIX}{name}"
+        if key in written:
+            raise InvalidArgumentError(f"{WHERE}{key!r} is given twice, dotted and in a table")
+        written[key] = value
+    return written
 
 
 def _deadline_s(config: Mapping[str, Any]) -> float | None:
