@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import random
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import given, settings
 
 from kvoffload import InvalidArgumentError, block_id_key
 from kvoffload.admission import GhostRecords, ReuseController
@@ -134,3 +136,39 @@ def test_ghost_batch_calls_match_one_key_at_a_time() -> None:
     assert [key in one for key in k] == [key in batch for key in k]
     assert batch.take_all([k[6], k[5], k[0], k[5]]) == [1, 1]  # k[6] never added, k[5] once
     assert k[5] not in batch and k[0] not in batch and len(batch) == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    classes=st.integers(1, 4),
+    groups=st.integers(1, 4),
+    strength=st.sampled_from([0.0, 0.5, 4.0]),
+    threshold=st.sampled_from([0.0, 0.25, 0.5, 1.0]),
+    outcomes=st.lists(
+        st.tuples(st.lists(st.integers(0, 15), max_size=5), st.booleans(), st.booleans()),
+        max_size=40,
+    ),
+)
+def test_the_admitting_share_is_the_share_of_groups_whose_rate_admits_after_every_outcome(
+    classes: int,
+    groups: int,
+    strength: float,
+    threshold: float,
+    outcomes: list[tuple[list[int], bool, bool]],
+) -> None:
+    """The share, read between outcomes (it is kept until the next one) and across halvings,
+    is always the share of tags whose own :meth:`rate` admits."""
+    controller = ReuseController(
+        classes, threshold=threshold, window=7, groups=groups, group_strength=strength
+    )
+    tags = range(classes * groups)
+
+    def share() -> float:
+        return sum(controller.rate(tag) >= threshold for tag in tags) / len(tags)
+
+    assert controller.admitting_share == share()
+    for chosen, returned, read in outcomes:
+        controller.record_all([tag % len(tags) for tag in chosen], returned)
+        if read:
+            assert controller.admitting_share == share()
+    assert controller.admitting_share == share()
