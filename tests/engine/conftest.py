@@ -16,6 +16,7 @@ from engine_helpers import (
     build_tiny_model,
     engine_python,
     engine_python_path,
+    keep_engine_files_in,
     stop_engine_scripts,
 )
 
@@ -34,6 +35,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     python = engine_python_path()
     if not modules or session.config.option.collectonly or not python.exists():
         return  # the fixtures skip (or fail under CI) where the venv is missing
+    keep_engine_files_in(session.config._tmp_path_factory.mktemp("tmp"))
     begin(python, modules, session.config._tmp_path_factory.mktemp("engine"))
 
 

@@ -13,10 +13,12 @@ their fixtures wait for that work, which is the same as they would run themselve
 from __future__ import annotations
 
 import contextlib
+import getpass
 import json
 import os
 import signal
 import subprocess
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -71,10 +73,32 @@ def engine_python() -> Path:
     return python
 
 
+INDUCTOR_CACHE = str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
+"""torch's default compile cache (without ``TORCHINDUCTOR_CACHE_DIR``), kept across sessions."""
+
+_TEMP_FOLDER: list[Path] = []
+"""The session's folder for the engines' own temporary files, once conftest made it."""
+
+
+def keep_engine_files_in(folder: Path) -> None:
+    """Give the engines ``folder`` (pytest's, which it removes in later sessions) for their
+    temporary files. vLLM binds its ZMQ IPC sockets under ``VLLM_RPC_BASE_PATH`` (default:
+    the temp dir) and its executor's file store in the temp dir, and leaves both behind: a
+    dozen sockets in /tmp per engine module otherwise."""
+    _TEMP_FOLDER[:] = [folder]
+
+
 def engine_env() -> dict[str, str]:
-    """The environment of every engine process: this clone's source first on the path."""
+    """The environment of every engine process: this clone's source first on the path, and
+    temporary files in the session's folder."""
+    if not _TEMP_FOLDER:
+        raise RuntimeError("keep_engine_files_in was not called before the engines ran")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
     env.update(ENGINE_ENV)
+    env["TMPDIR"] = env["VLLM_RPC_BASE_PATH"] = str(_TEMP_FOLDER[0])
+    # torch's compile cache stays where it was (its default is under the temp dir), for
+    # the next session to reuse instead of compiling again
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", INDUCTOR_CACHE)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     return env
 

@@ -72,6 +72,25 @@ def _disk(tmp_path: Path) -> dict[str, Any]:
     }
 
 
+def _record_sightings(
+    monkeypatch: pytest.MonkeyPatch, stack: Any, tiers: tuple[str, ...]
+) -> dict[str, list[list[Any]]]:
+    """The keys each of ``tiers``' admission layers is shown, call by call."""
+    shown: dict[str, list[list[Any]]] = {tier: [] for tier in tiers}
+    for tier in tiers:
+        layer = getattr(stack, f"{tier}_admission")
+        begin_request = layer.begin_request
+
+        def record(
+            keys: list[Any], *, tier: str = tier, begin: Any = begin_request, **options: Any
+        ) -> None:
+            shown[tier].append(list(keys))
+            begin(keys, **options)
+
+        monkeypatch.setattr(layer, "begin_request", record)
+    return shown
+
+
 @pytest.mark.parametrize(
     ("tier", "source"), [("cpu", "host"), ("disk", "disk"), ("remote", "external_unspecified")]
 )
@@ -236,23 +255,85 @@ def test_a_lower_tier_s_admission_sees_only_requests_that_may_read_it(
     request = vllm_request("reader", list(range(16 * BLOCKS + 1)))
     if allowed is not None:
         request.kv_transfer_params = {"kv_load_tiers": allowed}
-    stack = instance.scheduler._stack
-    shown: dict[str, list[list[Any]]] = {"disk": [], "remote": []}
-    for tier, layer in (("disk", stack.disk_admission), ("remote", stack.remote_admission)):
-        begin_request = layer.begin_request
-
-        def record(
-            keys: list[Any], *, tier: str = tier, begin: Any = begin_request, **options: Any
-        ) -> None:
-            shown[tier].append(list(keys))
-            begin(keys, **options)
-
-        monkeypatch.setattr(layer, "begin_request", record)
+    shown = _record_sightings(monkeypatch, instance.scheduler._stack, ("disk", "remote"))
     scheduler = connector_scheduler(instance.scheduler)
 
     assert _matched(scheduler, request) == 0
     keys = offload_keys(request)
     assert shown == {tier: [keys] if tier in seen_by else [] for tier in shown}
+
+
+def test_a_prompt_read_from_the_disk_tier_again_is_a_new_reference_to_it(
+    vllm_modules: dict[str, ModuleType],
+    tmp_path: Path,
+    instances: Callable[..., Instance],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request whose whole run the disk tier promoted is asked again once the read lands,
+    and the CPU tier then answers it alone. That answer did not end the record of the
+    request as one waiting for a retry: every later request with the same prompt that
+    reached the disk tier again was taken for that retry and never shown to the disk
+    tier's admission layer, which saw a prompt read from it over and over as read once."""
+    extra = {**_disk(tmp_path), "kvoffload.disk_admission": "feedback"}
+    instance = instances(extra, model=f"read-again-{tmp_path.name}")
+    tokens = list(range(16 * BLOCKS + 1))
+    keys = offload_keys(vllm_request("first", tokens))
+    (disk,) = instance.manager.backing.tiers
+    disk.write(keys, [bytes([i]) * instance.scheduler.bytes_per_block for i in range(BLOCKS)])
+    disk.poll(wait=True)
+    shown = _record_sightings(monkeypatch, instance.scheduler._stack, ("disk",))
+    scheduler = connector_scheduler(instance.scheduler)
+
+    assert _matched(scheduler, vllm_request("first", tokens)) == 16 * BLOCKS
+    instance.load(keys, list(range(BLOCKS)), request_context("load", keys))
+    others = request_context("others", OTHERS)
+    instance.store(OTHERS, list(range(BLOCKS)), others)  # the CPU tier evicts the prompt
+    instance.manager.on_request_finished(others)
+    assert not any(instance.manager.backing.holds(key) for key in keys)
+    assert _matched(scheduler, vllm_request("second", tokens)) == 16 * BLOCKS
+
+    assert shown == {"disk": [keys, keys]}
+
+
+def test_a_request_that_may_read_another_tier_is_new_to_it_while_one_like_it_waits(
+    vllm_modules: dict[str, ModuleType],
+    tmp_path: Path,
+    valkey_server: ValkeyProcess,
+    instances: Callable[..., Instance],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two requests with one prompt, the first allowed the disk tier only
+    (``kv_load_tiers``), the second every tier, asked while the first waits for its
+    promotion of the blocks the disk held. A retry is known by its prompt's last key; the
+    second request, taken for the first's retry, was shown to no tier, so the shared tier's
+    admission layer, which the first could not read from, never saw the second at all."""
+    extra = {
+        **_disk(tmp_path),
+        "kvoffload.disk_admission": "feedback",
+        "kvoffload.remote_url": valkey_server.url,
+        "kvoffload.remote_admission": "feedback",
+        "kvoffload.remote_bytes": 4 * BLOCKS * BLOCK_BYTES,
+    }
+    instance = instances(extra, model=f"other-tiers-{tmp_path.name}")
+    tokens = list(range(16 * BLOCKS + 1))
+    local_only, every_tier = vllm_request("local", tokens), vllm_request("every", tokens)
+    local_only.kv_transfer_params = {"kv_load_tiers": [{"locality": "local"}]}
+    keys = offload_keys(local_only)
+    disk, _ = instance.manager.backing.tiers
+    size = instance.scheduler.bytes_per_block
+    disk.write(keys[:4], [bytes([i]) * size for i in range(4)])
+    disk.poll(wait=True)
+    shown = _record_sightings(monkeypatch, instance.scheduler._stack, ("disk", "remote"))
+    scheduler = connector_scheduler(instance.scheduler)
+    scheduler.on_new_request(local_only)
+    assert scheduler.get_num_new_matched_tokens(local_only, 0)[0] is None  # promoting
+    end_step(scheduler)
+
+    # Asked before the first request asks again: its answer waits for the promotion, or
+    # finds it landed.
+    assert _matched(scheduler, every_tier) == 16 * 4
+    assert _matched(scheduler, local_only) == 16 * 4
+    assert shown["remote"] == [keys[4:]]
 
 
 @pytest.mark.parametrize(

@@ -1011,6 +1011,32 @@ def test_blocks_computed_past_every_lookup_are_judged_and_written(
     assert disk.counters.written_blocks == 8
 
 
+def test_the_optimisers_whatif_sizes_count_what_the_tier_served_whole(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    """A prompt our disk tier serves whole, turn after turn (the CPU tier evicts it in
+    between), is offered back only as a sighting. Its sighting was begun as an offer that
+    never came: the optimiser's mini-tiers scored its lookup and never stored it, so at
+    every size but the real one (0.5x, 2x, 4x) the what-if figures said no rule would
+    ever hit, though the tier served half of every turn's blocks."""
+    prompt = [block_id_key(i) for i in range(100, 116)]
+    first = engines([_disk(tmp_path, admission="none")], cpu_blocks=32)
+    first.replay.request(prompt)
+    first.close()
+    engine = engines([_disk(tmp_path, admission="recommended")], cpu_blocks=16)
+    tier = engine.tiers[0]
+    for turn in range(6):
+        assert engine.replay.request(prompt) == len(prompt)
+        engine.replay.request([block_id_key(1000 + 100 * turn + i) for i in range(16)])
+    engine.replay.settle()
+    assert tier.counters.served_blocks == 6 * len(prompt)
+
+    figures = tier.layer.stats().whatif
+    assert {figure.capacity_factor for figure in figures} == {0.5, 1.0, 2.0, 4.0}
+    for figure in figures:
+        assert figure.hit_ratio is not None and figure.hit_ratio > 0.3, figure
+
+
 def test_a_sighting_that_writes_nothing_reports_no_bytes_to_back_pressure(
     vllm_modules: dict[str, ModuleType],
     tmp_path: Path,

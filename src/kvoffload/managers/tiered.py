@@ -185,9 +185,10 @@ class TieredOffloadingManager(OffloadingManager):
         ]
         """Per lower tier, its admission layer (``None``: its threshold alone decides)."""
         self._judging = any(layer is not None for layer in self.admissions)
-        self._sighted = RecentKeys(max_tracker_size)
-        """The last keys of lookups answered ``None`` whose keys the books saw: their retries
-        are not new."""
+        self._sighted = [RecentKeys(max_tracker_size) for _ in self.tiers]
+        """Per lower tier, the last keys of lookups answered ``None`` whose keys its book saw:
+        their retries are not new to it. Per tier: a request whose ``tiers`` differ (vLLM's
+        ``kv_load_tiers``) is new to a tier the first one could not read."""
         self._counted = RecentKeys(max_tracker_size)
         """The last keys of lookups answered ``None`` whose keys the tiers' thresholds counted:
         their retries are not counted again."""
@@ -242,6 +243,11 @@ class TieredOffloadingManager(OffloadingManager):
         hits = self._lookup(keys, tiers)
         if self._counting and keys:
             _remember_unanswered(self._counted, keys[-1], hits is None)
+        if self._judging and keys and hits is not None:
+            # Answered, on any path (a retry the promotions it waited for answer from the
+            # CPU tier alone as well): the request's next lookup is a new reference.
+            for sighted in self._sighted:
+                sighted.discard(keys[-1])
         if hits is not None and self._reserved:
             self._release_reached(keys, keys[:hits])
         return hits
@@ -318,26 +324,29 @@ class TieredOffloadingManager(OffloadingManager):
         """:meth:`_reach`, first showing the books of the lower tiers it may read (``tiers``;
         a tier the request may not read serves none of it) the keys this lookup takes past
         the CPU tier, once per request: a retry after ``None`` is no new reference.
-        The retry is known by its last key, which (keys chain their prefix) names the
+        The retry is known by its last key (per tier: a tier the request's first try could
+        not read has not seen it), which (keys chain their prefix) names the
         request's prompt whatever its first: vLLM re-matches the GPU prefix on each try, so
         a retry may start elsewhere, and known by its keys' count too it was counted again.
         No offer follows such a sighting (the tier's stores come from the CPU tier's
         write-back), so whether the tier served it does not matter to the book."""
         request = keys[-1]
-        sighted = self._sighted
-        fresh = request not in sighted
         rest = keys[hits:]
-        layers = [
-            layer
+        shown = [
+            (index, layer)
             for index, layer in enumerate(self.admissions)
-            if layer is not None and (tiers is None or index in tiers)
+            if layer is not None
+            and (tiers is None or index in tiers)
+            and request not in self._sighted[index]
         ]
-        if fresh and layers:
+        if shown:
             self.judged_blocks += len(rest)
-            for layer in layers:
+            for _, layer in shown:
                 layer.begin_request(rest, will_offer=False)
         found = self._reach(keys, hits, tiers)
-        _remember_unanswered(sighted, request, found is None)
+        if found is None:
+            for index, _ in shown:
+                self._sighted[index].add(request)
         return found
 
     def release_reservations(self, keys: Iterable[OffloadKey]) -> None:

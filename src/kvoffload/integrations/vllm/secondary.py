@@ -556,7 +556,6 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
         keys = list(job_metadata.keys)
         context = job_metadata.req_context
         view = self._view(context)
-        sighting = self._sighting(view, keys, context)
         chunks = job_metadata.chunk_ids.tolist()
         if self._owner.layer is None:  # vLLM's cascade-everything: every offer is written
             computed = list(range(len(keys)))
@@ -564,6 +563,11 @@ class _KVOffloadSecondaryTier(SecondaryTierManager):  # type: ignore[misc]
             views = context.get_state(_RequestViews)
             was_computed = views.computed(context)
             computed = [i for i, key in enumerate(keys) if was_computed(key)]
+        # A request served all it offers offers the layer nothing: the optimiser's mini-tiers
+        # then store what they lack of it, as the tier holds it. Begun as an offer that never
+        # came, its lookup was scored and never stored: at every size but the real one the
+        # what-if figures missed it for good.
+        sighting = self._sighting(view, keys, context, will_offer=bool(computed))
         self.counters.offered_blocks += len(keys)
         self.counters.served_blocks += len(keys) - len(computed)
         if not computed:
