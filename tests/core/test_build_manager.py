@@ -47,3 +47,20 @@ def test_a_tracker_size_beyond_the_tables_limit_is_refused_by_name() -> None:
     with pytest.raises(InvalidArgumentError) as error:
         TieredOffloadingManager(CPUOffloadingManager(8), max_tracker_size=too_big)
     assert str(error.value) == expected
+
+
+@pytest.mark.parametrize(
+    ("arguments", "expected"),
+    [
+        ({"num_blocks": 0}, "num_blocks must be an integer >= 1, got 0"),
+        ({"num_blocks": 8, "cache_policy": "bogus"}, "unknown cache policy 'bogus'"),
+    ],
+)
+def test_a_bad_size_or_policy_is_refused_by_build_managers_own_name(
+    arguments: dict[str, Any], expected: str
+) -> None:
+    """StackConfig's check named its own fields (``cpu_blocks``, ``policy``), which a
+    caller of ``build_manager`` never wrote."""
+    with pytest.raises(InvalidArgumentError) as error:
+        build_manager(**arguments)
+    assert str(error.value).startswith(expected)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from kvoffload.admission import WriteBudget
+from kvoffload.core.errors import check_integer
 from kvoffload.core.manager import OffloadingManager
 from kvoffload.managers.cpu import CPUOffloadingManager
 from kvoffload.managers.reuse_filter import FilterReusedOffloadingManager
 from kvoffload.managers.stack import Stack, StackConfig, build_cpu_stack
 from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
+from kvoffload.policies import resolve_policy
 
 
 def build_manager(
@@ -29,6 +31,9 @@ def build_manager(
     Thresholds 0 and 1 mean "no filter", as in vLLM's configuration; anything but an
     integer >= 0 is refused, so that ``1.5`` or ``"2"`` is not silently "no filter".
     """
+    # Checked here, as named here: StackConfig's errors name its fields cpu_blocks and policy.
+    check_integer("num_blocks", num_blocks, 1)
+    resolve_policy(cache_policy)
     config = StackConfig(
         num_blocks,
         cache_policy,
