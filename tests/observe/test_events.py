@@ -808,6 +808,30 @@ def test_a_bad_buffer_size_is_refused_by_name_before_any_port_is_bound(
         assert (pub.endpoint, pub.replay_endpoint) == (endpoint, replay)
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("block_size", "16", "block_size must be an integer >= 1"),
+        ("block_size", 0, "block_size must be an integer >= 1"),
+        ("data_parallel_rank", "x", "data_parallel_rank must be an integer >= 0"),
+        ("data_parallel_rank", -1, "data_parallel_rank must be an integer >= 0"),
+        ("topic", None, "topic must be a str"),
+        ("topic", "kv\udcff", "topic must be UTF-8"),
+    ],
+)
+def test_a_bad_batch_field_or_topic_is_refused_by_name_before_any_port_is_bound(
+    option: str, value: Any, message: str
+) -> None:
+    """A str block size or rank was taken, and every batch it sent then failed to decode
+    at the subscriber (counted lost); a topic of None or one that is not UTF-8 raised
+    ``AttributeError`` or ``UnicodeEncodeError`` from inside."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    with pytest.raises(InvalidArgumentError, match=message):
+        KVEventPublisher(endpoint, **{option: value})
+    with KVEventPublisher(endpoint) as pub:  # the port is still free
+        assert pub.endpoint == endpoint
+
+
 @pytest.mark.parametrize("bind", [True, False])
 def test_an_endpoint_the_subscriber_cannot_use_is_refused_naming_it(bind: bool) -> None:
     """A port in use (``bind=True``) or an endpoint ZMQ cannot parse raised ZMQ's own

@@ -74,13 +74,21 @@ class KVEventPublisher:
     ) -> None:
         # Checked before binding: refused, the publisher binds no port.
         check_integer("buffer_batches", buffer_batches, 0)
+        # Sent in every batch: a str one was taken, and no subscriber decoded a batch.
+        check_integer("block_size", block_size, 1)
+        check_integer("data_parallel_rank", data_parallel_rank, 0)
+        if not isinstance(topic, str):
+            raise InvalidArgumentError(f"topic must be a str, got {topic!r}")
+        try:
+            self.topic = topic.encode()
+        except UnicodeEncodeError:
+            raise InvalidArgumentError(f"topic must be UTF-8, got {topic!r}") from None
         if not isinstance(int_block_hashes, bool):  # "no" is not "off" by accident
             raise InvalidArgumentError(
                 f"int_block_hashes must be true or false, got {int_block_hashes!r}"
             )
         self.int_block_hashes = int_block_hashes
         self._to_events: EventsOf = to_events or self._vllm_events
-        self.topic = topic.encode()
         self.block_size = block_size
         self.data_parallel_rank = data_parallel_rank
         self.published = 0
