@@ -244,3 +244,44 @@ def test_evictions_count_those_of_promotions_too_and_survive_a_reset(
     assert evictions() == 4
     evict_then_promote("b", [block_id_key(i) for i in range(20, 26)])
     assert evictions() == 8
+
+
+def test_each_report_holds_the_counters_growth_since_the_last_one_step_after_step(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    """vLLM asks for stats on every scheduler step, so the report reads the counters once:
+    each step's counters are still what grew since the last report (0 for one that did not)
+    and held blocks the level, across steps that offer, steps with nothing new and a reset;
+    and the increments add up to the counters."""
+    from kvoffload.integrations.vllm.replay import replay
+    from kvoffload.observe.counters import ManagerCounters
+    from kvoffload.sim.generators import generate
+
+    extra = {
+        **SPEC_CONFIG,
+        "cpu_bytes_to_use": 40 * 1024,
+        "kvoffload.admission": "recommended",
+        "kvoffload.disk_dir": str(tmp_path),
+        "kvoffload.disk_bytes": 1 << 20,
+    }
+    manager = create_spec(extra).get_manager()
+    workload = generate({"chat": 1.0}, num_requests=120, seed=3, block_tokens=16, rate=2.0)
+    last = ManagerCounters()
+    totals: dict[str, int] = {}
+    for step in range(30):
+        if step == 20:
+            manager.reset_cache()
+            manager.on_reset_flushed()
+        elif step % 3:  # every third step offers nothing new
+            requests = workload.requests[4 * step : 4 * step + 4]
+            replay(manager, requests, workload.block_tokens)
+        data = manager.get_stats().data["data"]
+        now = manager.counters.copy()
+        for name, grown in now.minus(last).as_dict().items():
+            assert data[f"vllm:kvoffload_{name}"] == {(): grown}, (step, name)
+            totals[name] = totals.get(name, 0) + grown
+        last = now
+    counted = last.as_dict()
+    assert totals.pop("held_blocks") > 0 and counted.pop("held_blocks") > 0
+    assert totals == counted
+    assert totals["stores_admitted"] > 0 and totals["lookups"] > 0

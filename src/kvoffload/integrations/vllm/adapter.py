@@ -80,6 +80,9 @@ CONTROL_METRIC = f"{METRIC_PREFIX}admission_control"
 SWITCHES_METRIC = f"{METRIC_PREFIX}{SWITCHES}"
 """Reported only for the optimiser (a layer with what-if figures)."""
 
+_COUNTER_METRICS = {name: f"{METRIC_PREFIX}{name}" for name in ManagerCounters().as_dict()}
+"""Each counter's vLLM metric name, formatted once rather than on every step's report."""
+
 Probe = Callable[[OffloadKey], BlockStatus | None]
 """Where a key stands in the tier: ``None`` if absent, else its status (pending or ready)."""
 
@@ -235,7 +238,8 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self._filter = offer_filter
         self._bytes_per_block = bytes_per_block
         self.counters = ManagerCounters()
-        self._reported = ManagerCounters()
+        self._reported = ManagerCounters().as_dict()
+        """The counters as the last :meth:`get_stats` read them."""
         self._evicted_before = 0
         """With a tiered manager: what the CPU tiers a reset replaced evicted (each new one
         counts from 0). Its own count is the evictions': promotions evict CPU blocks too."""
@@ -669,14 +673,14 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self.counters.held_blocks = self._cpu.num_blocks - self._cpu.num_free_blocks
         if self._tiered is not None:
             self.counters.evictions = self._evicted_before + self._tiered.cpu_stats.evicted
-        delta = self.counters.minus(self._reported)
-        self._reported = self.counters.copy()
+        # Read once: vLLM asks every step, and each reading copies every counter (asdict).
+        reported, self._reported = self._reported, self.counters.as_dict()
         stats = OffloadingConnectorStats()
-        for name, value in delta.as_dict().items():
+        for name, value in self._reported.items():
             if name == "held_blocks":
                 stats.set_gauge(HELD_BLOCKS_METRIC, value)
             else:
-                stats.increase_counter(f"{METRIC_PREFIX}{name}", value)
+                stats.increase_counter(_COUNTER_METRICS[name], value - reported[name])
         if self._layer is not None:
             ghost_hits = self._ghost_hits.increment(self._layer.ghost_hits)
             stats.increase_counter(GHOST_HITS_METRIC, ghost_hits)
