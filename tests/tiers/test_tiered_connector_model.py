@@ -17,6 +17,12 @@ test says (without ``wait_for_tiers``): promotions land at arbitrary times, befo
 between or after their requesters' retries. The tiers are in memory rather than
 on disk because only there can a test hold a read for as long as it likes.
 
+A request may read only some lower tiers (vLLM's ``kv_load_tiers``), and a block
+may rot in a lower tier (its next read fails, and the tier removes it). Each lookup
+the tiered manager answers is checked against a plain model of what each lower
+tier's admission layer must be shown (a retry after ``None`` is no new reference
+to a tier that saw its first try; any answer ends that).
+
 After every step: every pin is a load in flight or a reservation (which a later
 lookup ends); every block the CPU tier holds ready, and every block a lower tier
 holds, has its key's bytes, so a load reads exactly what was stored; events
@@ -25,16 +31,17 @@ whenever the engine drains (every request finished, every transfer landed), a
 bounded number of lookups leaves every CPU block evictable: the tier never wedges.
 
 ``KVOFFLOAD_HUNT_EXAMPLES`` (e.g. 5000) and ``KVOFFLOAD_HUNT_STEPS`` (e.g. 100) run a long hunt
-instead of the default (600 examples of 40 steps).
+instead of the default (600 examples of 40 steps, 200 of the machine with held reads).
 """
 
 from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import hypothesis.strategies as st
 from hypothesis import settings
@@ -64,6 +71,8 @@ GARBAGE = b"\xee" * SIZE
 READ_OUTCOMES = st.sampled_from(["intact", "intact", "fails", "half fails"])
 ADMISSIONS = ["none", "none", "feedback", "filter"]
 """A lower tier's admission layer over its threshold."""
+LOAD_TIERS = st.sampled_from([None, None, None, (), (0,), (1,), (0, 1)])
+"""A request's ``kv_load_tiers``, as lower tiers' indices (a missing tier is dropped)."""
 MEANWHILE = st.sampled_from(
     [""] * 8
     + ["a parked request is aborted", "a tier forgets a block", "unrelated lookups"]
@@ -110,6 +119,10 @@ class HeldTier:
         self.reads_started = 0
         self.written_blocks = 0
         self.intact_reads = 0
+        self.rotten: set[OffloadKey] = set()
+        """Blocks whose bytes no longer match their checksum: a read finds them broken."""
+        self.found_broken: list[OffloadKey] = []
+        """Blocks a read found broken, removed at the next :meth:`poll` (as the disk tier)."""
 
     def present(self, keys: Sequence[OffloadKey]) -> int:
         run = 0
@@ -125,7 +138,12 @@ class HeldTier:
         for key in keys:
             if key in self.blocks:
                 self.blocks.move_to_end(key)
-        read = Read(list(keys), [self.blocks.get(key) for key in keys], target)
+        read = Read(
+            list(keys),
+            [None if key in self.rotten else self.blocks.get(key) for key in keys],
+            target,
+        )
+        self.found_broken += [key for key in keys if key in self.rotten]
         if self.gated:
             self.reads.append(read)
         else:
@@ -147,6 +165,10 @@ class HeldTier:
         return None  # nothing under way: queued writes apply at poll
 
     def poll(self, wait: bool) -> None:
+        broken = [key for key in dict.fromkeys(self.found_broken) if key in self.blocks]
+        self.found_broken.clear()
+        if broken:
+            self.forget(broken)
         writes, self.writes = self.writes, []
         for keys, payloads in writes:
             stored = [key for key in dict.fromkeys(keys) if key not in self.blocks]
@@ -154,10 +176,18 @@ class HeldTier:
             evicted = []
             while len(self.blocks) > self.capacity:
                 evicted.append(self.blocks.popitem(last=False)[0])
+                self.rotten.discard(evicted[-1])
             if stored:
                 self.events.append(OffloadingEvent(stored, self.medium, removed=False))
             if evicted:
                 self.events.append(OffloadingEvent(evicted, self.medium, removed=True))
+
+    def forget(self, keys: list[OffloadKey]) -> None:
+        """Remove ``keys``, held, with their event."""
+        for key in keys:
+            del self.blocks[key]
+            self.rotten.discard(key)
+        self.events.append(OffloadingEvent(keys, self.medium, removed=True))
 
     def take_events(self) -> list[OffloadingEvent]:
         events, self.events = self.events, []
@@ -172,6 +202,8 @@ class Request:
     keys: list[OffloadKey]
     gpu: int
     """Blocks the GPU prefix cache holds: the lookup starts past them."""
+    tiers: tuple[int, ...] | None = None
+    """The lower tiers it may read (vLLM's ``kv_load_tiers``; ``None``: every one)."""
     next_store: int = 0
     loading: list[OffloadKey] | None = None
     running: bool = False
@@ -228,6 +260,7 @@ class ConnectorMachine(RuleBasedStateMachine):
             wait_for_tiers=wait,
             reserve_lookups=reserve_lookups,
         )
+        self.watch_the_lower_tiers_books()
         self.stack = assemble(
             StackConfig(
                 cpu,
@@ -256,13 +289,85 @@ class ConnectorMachine(RuleBasedStateMachine):
             self.drain()
             self.m.close()
 
+    def watch_the_lower_tiers_books(self) -> None:
+        """Record what each lower tier's admission layer is shown, and check each lookup
+        the tiered manager answers (the engine's, those of its stack's outer layers, and
+        unrelated ones) against a plain model of it: a lookup that goes past the CPU tier's
+        hit, to a block no promotion is bringing, shows the keys past that hit to the layer
+        of every lower tier the lookup may read, unless that tier was shown the same prompt
+        (known by its last key) by a lookup answered ``None`` that no answered lookup of the
+        prompt has followed since: that is the request's retry, no new reference."""
+        self.shown: list[tuple[int, list[OffloadKey]]] = []
+        self.waiting: list[set[OffloadKey]] = [set() for _ in self.tiers]
+        """Per lower tier, the prompts shown to it and answered ``None`` since."""
+        self.judged_blocks = 0
+        for index, layer in enumerate(self.m.admissions):
+            if layer is not None:
+                begin = layer.begin_request
+
+                def record(
+                    keys: Sequence[OffloadKey],
+                    *,
+                    index: int = index,
+                    begin: Callable[..., None] = begin,
+                    **options: Any,
+                ) -> None:
+                    assert options.get("will_offer") is False, "no offer follows a sighting"
+                    self.shown.append((index, list(keys)))
+                    begin(keys, **options)
+
+                layer.begin_request = record  # type: ignore[method-assign]
+        lookup = self.m.lookup
+
+        def checked(keys: Iterable[OffloadKey], tiers: Collection[int] | None = None) -> int | None:
+            keys = list(keys)
+            self.m.poll()  # the lookup's own first step: the model sees what it will see
+            hits = self.ready_run(keys)
+            reaches = (
+                hits < len(keys)
+                and (tiers is None or len(tiers) > 0)
+                and not self.m.is_promoting(keys[hits])
+            )
+            prompt = keys[-1]
+            expected = [
+                (index, keys[hits:])
+                for index, layer in enumerate(self.m.admissions)
+                if reaches
+                and layer is not None
+                and (tiers is None or index in tiers)
+                and prompt not in self.waiting[index]
+            ]
+            self.shown.clear()
+            found = lookup(keys, tiers)
+            assert self.shown == expected, (keys, tiers, found)
+            if expected:
+                self.judged_blocks += len(keys) - hits
+            for index, waiting in enumerate(self.waiting):
+                if found is not None:
+                    waiting.discard(prompt)
+                elif any(shown == index for shown, _ in expected):
+                    waiting.add(prompt)
+            return found
+
+        self.m.lookup = checked  # type: ignore[method-assign]
+
     # The engine's side.
 
-    @rule(prompt=st.sampled_from(PROMPTS), gpu=st.integers(0, 5), meanwhile=MEANWHILE)
-    def arrive(self, prompt: list[OffloadKey], gpu: int, meanwhile: str) -> None:
+    @rule(
+        prompt=st.sampled_from(PROMPTS),
+        gpu=st.integers(0, 5),
+        meanwhile=MEANWHILE,
+        tiers=LOAD_TIERS,
+    )
+    def arrive(
+        self, prompt: list[OffloadKey], gpu: int, meanwhile: str, tiers: tuple[int, ...] | None
+    ) -> None:
         """A new request is scheduled for the first time; meanwhile, now and then, something
-        rarer happens (a parameter, not a rule of its own, so that it stays rare)."""
-        request = Request(prompt, min(gpu, len(prompt)))
+        rarer happens (a parameter, not a rule of its own, so that it stays rare). Now and
+        then it may read only some lower tiers, or none."""
+        if tiers is not None:
+            tiers = tuple(index for index in tiers if index < len(self.tiers))
+        request = Request(prompt, min(gpu, len(prompt)), tiers)
         self.requests.append(request)
         self.schedule(request, 0)
         self.happens(meanwhile)
@@ -311,7 +416,12 @@ class ConnectorMachine(RuleBasedStateMachine):
             request.running, request.next_store = True, len(keys)
             return
         past_gpu = keys[request.gpu :]
-        found = self.scan(past_gpu) if self.per_key else self.outer.lookup(past_gpu)
+        if self.per_key:
+            found = self.scan(past_gpu, request.tiers)
+        elif request.tiers is None:
+            found = self.outer.lookup(past_gpu)
+        else:  # as kvoffload's adapter: the tiered manager, told which tiers
+            found = self.m.lookup(past_gpu, request.tiers)
         if found is None:
             # Asked again only while a promotion runs (its read was started, not held back).
             assert self.m.promotions_in_flight > 0
@@ -327,14 +437,14 @@ class ConnectorMachine(RuleBasedStateMachine):
             self.loads.append(request.loading)
         request.running, request.next_store = True, request.gpu + found
 
-    def scan(self, keys: list[OffloadKey]) -> int | None:
+    def scan(self, keys: list[OffloadKey], tiers: tuple[int, ...] | None) -> int | None:
         """vLLM's lookup (``_maximal_prefix_lookup``: one key at a time, on past a deferred
         key until a miss; ``None`` if any was deferred) as kvoffload's adapter answers it:
         the scan's first key looks the request up in one batch, past the stack's admission,
         and each key is answered from what the CPU tier then holds: ready, a hit; promoting,
         deferred, and so is a key it lacks behind a deferred one; otherwise a miss (a store
         in flight too: vLLM would wait for it, which this engine does not model)."""
-        self.m.lookup(keys)
+        self.m.lookup(keys, tiers)
         hits, deferred = 0, False
         for key in keys:
             block = self.m.cpu.block_status(key)
@@ -404,9 +514,7 @@ class ConnectorMachine(RuleBasedStateMachine):
             # whose promotion's read then fails.
             for tier in self.tiers:
                 if tier.blocks:
-                    key = next(iter(reversed(tier.blocks)))
-                    del tier.blocks[key]
-                    tier.events.append(OffloadingEvent([key], tier.medium, removed=True))
+                    tier.forget([next(iter(reversed(tier.blocks)))])
                     break
         elif meanwhile == "unrelated lookups":
             for _ in range(self.reserve_lookups):
@@ -421,6 +529,14 @@ class ConnectorMachine(RuleBasedStateMachine):
     def land_read(self, data: st.DataObject, outcome: str) -> None:
         tier = data.draw(st.sampled_from([tier for tier in self.tiers if tier.reads]))
         tier.land(tier.reads.pop(data.draw(st.integers(0, len(tier.reads) - 1))), outcome)
+
+    @precondition(lambda self: any(tier.blocks for tier in self.tiers))
+    @rule(data=st.data())
+    def a_block_rots(self, data: st.DataObject) -> None:
+        """A block's bytes in a lower tier stop matching their checksum: the next read of it
+        fails, and the tier removes it (announced) at its next poll."""
+        tier = data.draw(st.sampled_from([tier for tier in self.tiers if tier.blocks]))
+        tier.rotten.add(data.draw(st.sampled_from(sorted(tier.blocks))))
 
     def engine_drains(self) -> None:
         """Every request finishes, every transfer lands; then, after ``reserve_lookups``
@@ -529,8 +645,78 @@ class ConnectorMachine(RuleBasedStateMachine):
             assert self.m.promotion_batches[index] == tier.reads_started
             assert self.m.admitted_blocks[index] <= self.m.offered_blocks[index]
             assert tier.written_blocks == self.m.admitted_blocks[index]
+        assert self.m.judged_blocks == self.judged_blocks
         assert stats.evicted >= self.evicted_blocks
         assert stats.evicted == self.cpu_removed
+
+
+THROUGH = st.sampled_from([True, True, False])
+"""Mostly write-through: the lower tiers fill, and lookups find blocks there to promote."""
+LAYERS = ["feedback", "filter"]
+"""Every lower tier behind a layer: what one tier was shown another may not have been."""
+
+
+class AsyncBooksMachine(ConnectorMachine):
+    """The same engine over two lower tiers whose reads land when the test says, each
+    behind an admission layer, which another engine sharing them fills too: lookups
+    answered ``None`` and their retries, beside new requests of the same prompts and
+    requests that may read only some tiers, are much of what the lower tiers' books see
+    (a few dozen in the machine above's whole run, too few to tell the tiers apart)."""
+
+    @initialize(
+        cpu=st.integers(2, 4),
+        capacities=st.tuples(st.integers(2, 6), st.integers(2, 6)),
+        policy=st.sampled_from(["lru", "arc"]),
+        tiers=st.tuples(*[st.tuples(THROUGH, st.just(0), st.sampled_from(LAYERS))] * 2),
+        reserve_lookups=st.integers(1, 5),
+        per_key=st.booleans(),
+    )
+    def setup(  # type: ignore[override]
+        self,
+        cpu: int,
+        capacities: tuple[int, int],
+        policy: str,
+        tiers: tuple[tuple[bool, int, str], ...],
+        reserve_lookups: int,
+        per_key: bool,
+    ) -> None:
+        super().setup(cpu, capacities, policy, list(tiers), False, reserve_lookups, "none", per_key)
+
+    @precondition(lambda self: self.parked())
+    @rule(data=st.data(), gpu=st.integers(0, 5), tiers=LOAD_TIERS)
+    def the_same_prompt_arrives(
+        self, data: st.DataObject, gpu: int, tiers: tuple[int, ...] | None
+    ) -> None:
+        """A new request of a parked request's prompt, perhaps reading other tiers: a new
+        reference to the tiers it may read that the parked one's lookups did not show it
+        to (the lower tiers know a request by its prompt alone)."""
+        prompt = data.draw(st.sampled_from(self.parked())).keys
+        self.arrive(prompt, gpu, "", tiers)
+
+    @rule(data=st.data(), prompt=st.sampled_from(PROMPTS), blocks=st.integers(1, 5))
+    def another_engine_writes(
+        self, data: st.DataObject, prompt: list[OffloadKey], blocks: int
+    ) -> None:
+        """Another engine sharing a lower tier writes the first ``blocks`` of a prompt there
+        (past this stack's admission): requests find blocks to promote."""
+        tier = data.draw(st.sampled_from(self.tiers))
+        keys = prompt[:blocks]
+        tier.writes.append((keys, [content(key, SIZE) for key in keys]))
+
+    @rule(blocks=st.integers(1, 4))
+    def other_traffic_evicts(self, blocks: int) -> None:
+        """Requests this engine does not model offer ``blocks`` blocks whose stores then
+        fail: the CPU tier evicts room for them (written back to the lower tiers that take
+        them) and keeps none, so requests find more of their blocks in the lower tiers."""
+        keys = [block_id_key(2000 + index) for index in range(blocks)]
+        output = self.outer.prepare_store(keys)
+        if output is None:
+            return
+        self.evicted_blocks += len(output.evicted_keys)
+        if output.keys_to_store:
+            assert isinstance(output.store_spec, CPULoadStoreSpec)
+            self.stores.append((output.keys_to_store, output.store_spec.block_ids.tolist()))
+            self.finish_store_at(len(self.stores) - 1, False)
 
 
 HUNT = int(os.environ.get("KVOFFLOAD_HUNT_EXAMPLES", "0"))
@@ -540,3 +726,7 @@ ConnectorMachine.TestCase.settings = settings(
     deadline=None,
 )
 TestConnector = ConnectorMachine.TestCase
+AsyncBooksMachine.TestCase.settings = settings(
+    ConnectorMachine.TestCase.settings, max_examples=HUNT or 200
+)
+TestAsyncBooks = AsyncBooksMachine.TestCase

@@ -3,7 +3,8 @@ the engine's calls until the test lets the disk catch up.
 
 The other stack models let every read and write finish before the next call; here a
 promotion or a demotion's write may still run while other requests look up, load, store
-and evict around it, and the disk may fail any of its reads and writes (EIO) on the way.
+and evict around it, and the disk may fail any of its reads and writes (EIO) or a block
+on it rot (its read fails, and the tier removes it) on the way.
 The disk is the real tier on a temporary directory; only its file calls are held (a gate
 in the tier's own :class:`~kvoffload.tiers.slot_file.FileLayer`) or failed.
 
@@ -30,7 +31,7 @@ from pathlib import Path
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from tier_helpers import ByteSlots, content, pins_of
+from tier_helpers import ByteSlots, content, flip_byte, pins_of
 
 from kvoffload import CPUOffloadingManager, OffloadKey, block_id_key
 from kvoffload.core.layout import layout_preset
@@ -39,6 +40,7 @@ from kvoffload.core.specs import CPULoadStoreSpec
 from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
 from kvoffload.policies import PENDING_STORE, available_policies
 from kvoffload.tiers import DiskTier, layout_fingerprint
+from kvoffload.tiers.format import HEADER_BYTES
 from kvoffload.tiers.slot_file import FileLayer
 
 SIZE = 48
@@ -113,6 +115,8 @@ class SlowDiskStackMachine(RuleBasedStateMachine):
         self.fingerprint = layout_fingerprint(f"slow-{next(RUNS)}", layout_preset("tiny"), SIZE)
         self.layer = SlowDisk()
         self.slots = ByteSlots(cpu, SIZE)
+        self.rotten: set[OffloadKey] = set()
+        """Blocks a byte of which flipped on disk (perhaps rewritten whole since)."""
         self.open()
 
     def open(self) -> None:
@@ -243,6 +247,23 @@ class SlowDiskStackMachine(RuleBasedStateMachine):
         fail."""
         self.layer.failures = failures
 
+    def whole_on_disk(self) -> list[OffloadKey]:
+        return sorted(
+            key
+            for key, block in self.disk._index._blocks.items()
+            if block.ref_cnt >= 0 and key not in self.rotten
+        )
+
+    @precondition(lambda self: self.whole_on_disk())
+    @rule(data=st.data(), spot=st.integers(0, 2**16))
+    def a_block_on_disk_rots(self, data: st.DataObject, spot: int) -> None:
+        """A byte (header, key or payload) of a block whole on disk flips, perhaps under a
+        promotion's read held in flight: the read fails rather than land it, and the tier
+        removes the block, announced, at its next poll."""
+        key = data.draw(st.sampled_from(self.whole_on_disk()))
+        flip_byte(self.disk, key, spot % (HEADER_BYTES + len(key) + SIZE))
+        self.rotten.add(key)
+
     @rule()
     def disk_catches_up(self) -> None:
         """Every call the disk holds finishes: the next call of the stack finds the work
@@ -297,7 +318,7 @@ class SlowDiskStackMachine(RuleBasedStateMachine):
         if wipe:
             assert not self.disk_events
         else:  # more is possible: a block evicted whose slot's next write failed is whole
-            assert kept <= self.disk_events
+            assert kept - self.rotten <= self.disk_events
 
     def replay(self, events: list[OffloadingEvent]) -> None:
         replayed = {"CPU": self.cpu_events, "DISK": self.disk_events}
