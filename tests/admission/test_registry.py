@@ -185,6 +185,36 @@ def test_a_rule_without_a_parameters_dataclass_or_a_builder_is_refused_when_regi
     assert "every-nth" not in available_admissions()
 
 
+@dataclasses.dataclass(frozen=True)
+class UndeclaredParams:
+    """A parameter written as a plain dataclass field, without :func:`param`."""
+
+    every: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class BadDefaultParams:
+    every: int = param(0, 1, help="a default below its own bound")
+
+
+@pytest.mark.parametrize(
+    ("params", "refusal"),
+    [
+        (UndeclaredParams, "'every' of UndeclaredParams is not declared with param"),
+        (BadDefaultParams, "default parameters: .*'every' of 'every-nth' must be >= 1, got 0"),
+    ],
+)
+def test_a_parameters_dataclass_the_registry_cannot_read_is_refused_when_registered(
+    scratch_registry: None, params: type, refusal: str
+) -> None:
+    """Registered, a field without ``param()`` was a ``KeyError: 'low'`` at the rule's
+    ``--admission-param help`` and at an instance of its parameters, and a default out of
+    its own range an error at its first use, naming no mistake in the rule's file."""
+    with pytest.raises(InvalidArgumentError, match=refusal):
+        register_admission("every-nth", params=params)
+    assert "every-nth" not in available_admissions()
+
+
 def test_a_new_rule_is_one_decorator_and_takes_its_parameters(scratch_registry: None) -> None:
     register_admission("every-nth", params=EveryNthParams)(EveryNth)
     assert "every-nth" in available_admissions()
