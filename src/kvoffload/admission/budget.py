@@ -55,8 +55,12 @@ _DIGITS = r"\d(?:_?\d)*"
 """Digits as Python's float() reads them, one underscore allowed between two (``1_000``),
 as every other number on the command line takes them."""
 _NUMBER = (
-    rf"([-+]?(?:{_DIGITS}\.?(?:{_DIGITS})?|\.{_DIGITS})(?:e[-+]?{_DIGITS})?|nan|[-+]?inf(?:inity)?)"
+    rf"([-+]?(?:{_DIGITS}(?:\.(?:{_DIGITS})?)?|\.{_DIGITS})(?:e[-+]?{_DIGITS})?"
+    r"|nan|[-+]?inf(?:inity)?)"
 )
+"""A number as ``float()`` reads one. The fraction's digits follow the point only: with
+the point optional before them, digits could be split between the whole and the
+fraction at every place, and refusing a long run of them took quadratic time."""
 _PER_REF = re.compile(rf"{_NUMBER}\s*(?:/\s*ref)?", re.IGNORECASE)
 _PER_SECOND = re.compile(rf"{_NUMBER}\s*([kmgtp]i?b|b)\s*/\s*s(?:ec)?", re.IGNORECASE)
 _DWPD = re.compile(rf"{_NUMBER}\s*dwpd", re.IGNORECASE)
