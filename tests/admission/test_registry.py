@@ -20,6 +20,7 @@ from kvoffload.admission import (
     FilterReusedOffloadingManager,
     OptimisingAdmission,
     SketchAdmission,
+    SketchParams,
     admission_params,
     available_admissions,
     config_params,
@@ -487,3 +488,21 @@ def test_the_docs_parameter_table_lists_every_parameter_with_its_default() -> No
     """docs/admission.md's table is what operators set parameters by: a key added,
     renamed or given a new default in a dataclass must show there too."""
     assert parameter_table_mismatches() == []
+
+
+@pytest.mark.parametrize(
+    ("name", "given", "wanted"),
+    [
+        ("feedback", SketchParams(), "FeedbackParams"),
+        ("recommended", FeedbackParams(), "OptimiserParams"),
+        ("none", FeedbackParams(), "NoParams"),
+    ],
+)
+def test_another_rule_s_parameters_are_named_as_the_wrong_rule_s(
+    name: str, given: object, wanted: str
+) -> None:
+    """They were refused as no mapping of name to value, as though the rule's own dataclass
+    were not taken either."""
+    with pytest.raises(InvalidArgumentError, match=f"must be {wanted} or a mapping") as error:
+        wrap_with_admission(name, CPUOffloadingManager(8), 8, params=given)
+    assert type(given).__name__ in str(error.value)

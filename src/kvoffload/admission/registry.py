@@ -176,6 +176,11 @@ def admission_params(name: str, raw: RawParams | object | None = None) -> Any:
         # once escaped as dict()'s "update sequence element #0 has length 9".
         with contextlib.suppress(TypeError, ValueError):
             raw = dict(raw)
+    if dataclasses.is_dataclass(raw) and not isinstance(raw, type):  # another rule's
+        raise InvalidArgumentError(
+            f"params of {resolve_admission(name)!r} must be {cls.__name__} or a mapping of "
+            f"name to value, got {type(raw).__name__}"
+        )
     if not isinstance(raw, Mapping):
         raise InvalidArgumentError(
             f"admission parameters must be a mapping of name to value, got {raw!r}"
