@@ -375,3 +375,17 @@ def test_parameters_of_another_type_are_refused_by_name(
     at the first field read."""
     with pytest.raises(InvalidArgumentError, match=r"params of '[a-z]+' must be [A-Za-z]+Params"):
         layer_class(CPUOffloadingManager(16), 16, params)  # type: ignore[arg-type]
+
+
+NAMES = {SketchAdmission: "sketch", FeedbackAdmission: "feedback", OptimisingAdmission: "optimiser"}
+
+
+@pytest.mark.parametrize("layer", [SketchAdmission, FeedbackAdmission, OptimisingAdmission])
+def test_a_capacity_past_a_float_s_range_is_the_capacity_s_error(
+    layer: type[SketchAdmission | FeedbackAdmission | OptimisingAdmission],
+) -> None:
+    """Its memory check divided it into GiB: an ``OverflowError`` from inside the sketch."""
+    with pytest.raises(InvalidArgumentError, match=r"admission capacity .* outside a float's"):
+        layer(CPUOffloadingManager(8), 10**400)
+    with pytest.raises(InvalidArgumentError, match=r"admission capacity .* outside a float's"):
+        wrap_with_admission(NAMES[layer], CPUOffloadingManager(8), 10**400)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload.admission.minisim import WhatIf
+from kvoffload.admission.params import is_finite, shown
 from kvoffload.admission.requests import RequestTracker
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import SINGLE_KEY_TYPES, OffloadKey, refuse_single_key
@@ -76,8 +77,12 @@ class AdmissionLayer(OffloadingManager):
     """Wraps ``backing``; ``capacity`` (the tier's blocks) sizes the layer's memory."""
 
     def __init__(self, backing: OffloadingManager, capacity: int) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise InvalidArgumentError(f"admission capacity must be an int >= 1, got {capacity!r}")
+        # A float must hold it: the memory checks of the layer's tables divide it into GiB.
+        bad = isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
+        if bad or not is_finite(capacity):
+            raise InvalidArgumentError(
+                f"admission capacity must be an int >= 1, got {shown(capacity)}"
+            )
         self._backing = backing
         self.capacity = capacity
         self._requests = RequestTracker()
