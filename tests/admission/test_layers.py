@@ -334,6 +334,38 @@ def test_a_single_key_where_keys_are_expected_is_refused_changing_nothing(
     assert manager.stats() == untouched.stats()
 
 
+@pytest.mark.parametrize("layer", [SketchAdmission, FeedbackAdmission, OptimisingAdmission])
+@pytest.mark.parametrize("call", ["begin_request", "end_request"])
+@pytest.mark.parametrize(
+    "given",
+    [
+        lambda: (key for key in keys(1, 2)),
+        lambda: set(keys(1, 2)),
+        lambda: dict.fromkeys(keys(1, 2)).keys(),
+        lambda: None,
+        lambda: 3,
+    ],
+    ids=["generator", "set", "dict-keys", "None", "int"],
+)
+def test_a_request_that_is_no_sequence_of_keys_is_refused_changing_nothing(
+    layer: type[SketchAdmission | FeedbackAdmission | OptimisingAdmission],
+    call: str,
+    given: object,
+) -> None:
+    """A request's keys are a sequence in prefix order: a generator, a set or an int failed
+    with a ``TypeError`` from the request tracker once the layer had switched to announced
+    boundaries (the optimiser to mirroring its worlds), and ``None`` switched it silently,
+    so that touches and lookups were no longer counted."""
+    manager, untouched = layer(CPUOffloadingManager(8), 8), layer(CPUOffloadingManager(8), 8)
+    with pytest.raises(InvalidArgumentError, match=f"{call}: keys must be a sequence of keys"):
+        getattr(manager, call)(given())  # type: ignore[operator]
+    assert not manager.announced
+    assert manager.stats() == untouched.stats()
+    for each in (manager, untouched):
+        serve(each, keys(1, 2, 3))  # type: ignore[arg-type]
+    assert manager.stats() == untouched.stats()
+
+
 @pytest.mark.parametrize("layer_class", [FeedbackAdmission, SketchAdmission])
 @pytest.mark.parametrize("params", [{"threshold": 3}, object()])
 def test_parameters_of_another_type_are_refused_by_name(
@@ -343,3 +375,17 @@ def test_parameters_of_another_type_are_refused_by_name(
     at the first field read."""
     with pytest.raises(InvalidArgumentError, match=r"params of '[a-z]+' must be [A-Za-z]+Params"):
         layer_class(CPUOffloadingManager(16), 16, params)  # type: ignore[arg-type]
+
+
+NAMES = {SketchAdmission: "sketch", FeedbackAdmission: "feedback", OptimisingAdmission: "optimiser"}
+
+
+@pytest.mark.parametrize("layer", [SketchAdmission, FeedbackAdmission, OptimisingAdmission])
+def test_a_capacity_past_a_float_s_range_is_the_capacity_s_error(
+    layer: type[SketchAdmission | FeedbackAdmission | OptimisingAdmission],
+) -> None:
+    """Its memory check divided it into GiB: an ``OverflowError`` from inside the sketch."""
+    with pytest.raises(InvalidArgumentError, match=r"admission capacity .* outside a float's"):
+        layer(CPUOffloadingManager(8), 10**400)
+    with pytest.raises(InvalidArgumentError, match=r"admission capacity .* outside a float's"):
+        wrap_with_admission(NAMES[layer], CPUOffloadingManager(8), 10**400)

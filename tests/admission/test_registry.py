@@ -20,6 +20,7 @@ from kvoffload.admission import (
     FilterReusedOffloadingManager,
     OptimisingAdmission,
     SketchAdmission,
+    SketchParams,
     admission_params,
     available_admissions,
     config_params,
@@ -182,6 +183,36 @@ def test_a_rule_without_a_parameters_dataclass_or_a_builder_is_refused_when_regi
         register_admission("every-nth", params=EveryNthParams())  # an instance
     with pytest.raises(InvalidArgumentError, match="has no from_params"):
         register_admission("every-nth", params=EveryNthParams)(EveryNthParams)
+    assert "every-nth" not in available_admissions()
+
+
+@dataclasses.dataclass(frozen=True)
+class UndeclaredParams:
+    """A parameter written as a plain dataclass field, without :func:`param`."""
+
+    every: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class BadDefaultParams:
+    every: int = param(0, 1, help="a default below its own bound")
+
+
+@pytest.mark.parametrize(
+    ("params", "refusal"),
+    [
+        (UndeclaredParams, "'every' of UndeclaredParams is not declared with param"),
+        (BadDefaultParams, "default parameters: .*'every' of 'every-nth' must be >= 1, got 0"),
+    ],
+)
+def test_a_parameters_dataclass_the_registry_cannot_read_is_refused_when_registered(
+    scratch_registry: None, params: type, refusal: str
+) -> None:
+    """Registered, a field without ``param()`` was a ``KeyError: 'low'`` at the rule's
+    ``--admission-param help`` and at an instance of its parameters, and a default out of
+    its own range an error at its first use, naming no mistake in the rule's file."""
+    with pytest.raises(InvalidArgumentError, match=refusal):
+        register_admission("every-nth", params=params)
     assert "every-nth" not in available_admissions()
 
 
@@ -457,3 +488,21 @@ def test_the_docs_parameter_table_lists_every_parameter_with_its_default() -> No
     """docs/admission.md's table is what operators set parameters by: a key added,
     renamed or given a new default in a dataclass must show there too."""
     assert parameter_table_mismatches() == []
+
+
+@pytest.mark.parametrize(
+    ("name", "given", "wanted"),
+    [
+        ("feedback", SketchParams(), "FeedbackParams"),
+        ("recommended", FeedbackParams(), "OptimiserParams"),
+        ("none", FeedbackParams(), "NoParams"),
+    ],
+)
+def test_another_rule_s_parameters_are_named_as_the_wrong_rule_s(
+    name: str, given: object, wanted: str
+) -> None:
+    """They were refused as no mapping of name to value, as though the rule's own dataclass
+    were not taken either."""
+    with pytest.raises(InvalidArgumentError, match=f"must be {wanted} or a mapping") as error:
+        wrap_with_admission(name, CPUOffloadingManager(8), 8, params=given)
+    assert type(given).__name__ in str(error.value)

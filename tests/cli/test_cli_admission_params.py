@@ -145,3 +145,31 @@ def test_help_writes_the_widest_bounds_as_the_docs_do(capsys: pytest.CaptureFixt
     assert main([*SMALL, "--admission", "feedback", "--admission-param", "help"]) == 0
     listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
     assert "  1 to 2^20  " in listed["root_groups"] and "  >= 0  " in listed["prior_returns"]
+
+
+LONG = "9" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--admission", "feedback", "--admission-param", f"threshold={LONG}"], "'threshold'"),
+        (["--admission", "feedback", "--admission-param", f"root_groups={LONG}"], "'root_groups'"),
+        (["--admission", "feedback", "--admission-param", f"threshold=-{LONG}"], "'threshold'"),
+        (["--admission", "recommended", "--write-budget", f"{LONG}x"], "--write-budget"),
+        (["--admission", "recommended", "--write-budget", f"{LONG}dwpd"], "--write-budget"),
+        (["--admission", "recommended", "--write-budget", f"-{LONG}"], "--write-budget"),
+        (
+            ["--admission", "recommended", "--write-budget", "1dwpd", "--drive-bytes", f"{LONG}x"],
+            "--drive-bytes",
+        ),
+    ],
+)
+def test_a_long_bad_value_is_named_in_a_short_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], named: str
+) -> None:
+    """The error echoed every character given: a line of 100,000 digits on the terminal (or
+    in an engine's log) for one mistyped value."""
+    assert main([*SMALL, *argv]) in (1, 2)
+    err = one_line_error(capsys)
+    assert named in err and "100,00" in err and len(err) < 400, err[:500]

@@ -181,3 +181,26 @@ def test_a_tier_model_whose_times_overflow_is_a_usage_error(
     disk = ["--disk-dir", str(tmp_path), "--disk-blocks", "100"]
     assert main([*SMALL, *disk, "--cpu-blocks", "30", option, value]) == 2
     assert f"argument {option}: {message}" in one_line_error(capsys)
+
+
+LONG_NUMBER = "9" * 100_000 + "x"
+"""Digits that are no write budget or size: the number's pattern could split them between
+its whole and its fractional part (the point was optional) at every place, so a refusal
+took time quadratic in their length (8,000 digits 8 s, these about 20 minutes)."""
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (["--write-budget", LONG_NUMBER], "argument --write-budget"),
+        (["--write-budget", "1dwpd", "--drive-bytes", LONG_NUMBER], "argument --drive-bytes"),
+        (
+            ["--disk-dir", ".", "--disk-blocks", "8", "--disk-write-budget", LONG_NUMBER],
+            "argument --disk-write-budget",
+        ),
+    ],
+)
+def test_a_long_write_budget_or_drive_size_is_refused_at_once(argv: list[str], option: str) -> None:
+    argv = [*SMALL, "--admission", "recommended", *argv]
+    result = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=60, check=False)
+    _assert_one_line(result, 2, option)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload.admission.minisim import WhatIf
+from kvoffload.admission.params import is_finite, shown
 from kvoffload.admission.requests import RequestTracker
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import SINGLE_KEY_TYPES, OffloadKey, refuse_single_key
@@ -76,8 +77,12 @@ class AdmissionLayer(OffloadingManager):
     """Wraps ``backing``; ``capacity`` (the tier's blocks) sizes the layer's memory."""
 
     def __init__(self, backing: OffloadingManager, capacity: int) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise InvalidArgumentError(f"admission capacity must be an int >= 1, got {capacity!r}")
+        # A float must hold it: the memory checks of the layer's tables divide it into GiB.
+        bad = isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
+        if bad or not is_finite(capacity):
+            raise InvalidArgumentError(
+                f"admission capacity must be an int >= 1, got {shown(capacity)}"
+            )
         self._backing = backing
         self.capacity = capacity
         self._requests = RequestTracker()
@@ -158,8 +163,7 @@ class AdmissionLayer(OffloadingManager):
         computed them and offers them next: an offer no look-up covered, as SGLang backs
         up pages it never queried), so they count as missed by every tier, never as hits.
         """
-        if isinstance(keys, SINGLE_KEY_TYPES):
-            refuse_single_key(keys, "begin_request")
+        check_request_keys(keys, "begin_request")
         counted, gpu_held = check_request_counts(counted, gpu_held)
         check_looked_up(tier_hit, looked_up)
         self._announced = True
@@ -180,8 +184,7 @@ class AdmissionLayer(OffloadingManager):
 
         A request never ended stays open until the bounded tracker drops it (or, for
         drivers without ``lookup_follows``, until its offer)."""
-        if isinstance(keys, SINGLE_KEY_TYPES):
-            refuse_single_key(keys, "end_request")
+        check_request_keys(keys, "end_request")
         if keys:
             self._requests.close(keys)
 
@@ -242,6 +245,22 @@ class AdmissionLayer(OffloadingManager):
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         return self._backing.take_events()
+
+
+def check_request_keys(keys: object, method: str) -> None:
+    """Refuse, before any change, a request that is no sequence of keys: one key alone
+    iterates as integer "keys", and a generator, a set or an int failed with a
+    ``TypeError`` from the request tracker after the layer had switched to announced
+    boundaries (``None`` switched it silently). Lists and tuples cost two type tests."""
+    if type(keys) is list or type(keys) is tuple:
+        return
+    if isinstance(keys, SINGLE_KEY_TYPES):
+        refuse_single_key(keys, method)
+    if not isinstance(keys, Sequence):
+        raise InvalidArgumentError(
+            f"{method}: keys must be a sequence of keys in prefix order (a list), "
+            f"got {type(keys).__name__}"
+        )
 
 
 def check_request_counts(counted: object, gpu_held: object) -> tuple[int, int]:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kvoffload.admission.params import is_finite, read_number, shown
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InvalidArgumentError, brief
 
 PER_REF, BYTES_PER_S, DWPD = "writes/ref", "bytes/s", "dwpd"
 UNITS = (PER_REF, BYTES_PER_S, DWPD)
@@ -55,8 +55,12 @@ _DIGITS = r"\d(?:_?\d)*"
 """Digits as Python's float() reads them, one underscore allowed between two (``1_000``),
 as every other number on the command line takes them."""
 _NUMBER = (
-    rf"([-+]?(?:{_DIGITS}\.?(?:{_DIGITS})?|\.{_DIGITS})(?:e[-+]?{_DIGITS})?|nan|[-+]?inf(?:inity)?)"
+    rf"([-+]?(?:{_DIGITS}(?:\.(?:{_DIGITS})?)?|\.{_DIGITS})(?:e[-+]?{_DIGITS})?"
+    r"|nan|[-+]?inf(?:inity)?)"
 )
+"""A number as ``float()`` reads one. The fraction's digits follow the point only: with
+the point optional before them, digits could be split between the whole and the
+fraction at every place, and refusing a long run of them took quadratic time."""
 _PER_REF = re.compile(rf"{_NUMBER}\s*(?:/\s*ref)?", re.IGNORECASE)
 _PER_SECOND = re.compile(rf"{_NUMBER}\s*([kmgtp]i?b|b)\s*/\s*s(?:ec)?", re.IGNORECASE)
 _DWPD = re.compile(rf"{_NUMBER}\s*dwpd", re.IGNORECASE)
@@ -77,7 +81,7 @@ def parse_bytes(text: str | int, what: str = "a size") -> int:
     """A byte count: an integer, or a number with B, kB/MB/GB/TB (powers of 1000) or
     KiB/MiB/GiB/TiB (powers of 1024), e.g. ``"1.92TB"``."""
     if isinstance(text, bool):
-        raise InvalidArgumentError(f"{what}: must be a number of bytes, got {text!r}")
+        raise InvalidArgumentError(f"{what}: must be a number of bytes, got {brief(text)}")
     if isinstance(text, int):
         if text < 1:
             raise InvalidArgumentError(f"{what}: must be >= 1 byte, got {shown(text)}")
@@ -89,16 +93,16 @@ def parse_bytes(text: str | int, what: str = "a size") -> int:
     match = _BYTES.fullmatch(str(text).strip())
     if match is None:
         raise InvalidArgumentError(
-            f"{what}: must be a number of bytes, e.g. 1.92TB or 2TiB, got {text!r}"
+            f"{what}: must be a number of bytes, e.g. 1.92TB or 2TiB, got {brief(text)}"
         )
     # One message for every size below a byte: -1e-400 and 1e-400 (which reads as 0) too.
     if match[1].lstrip().startswith("-") or float(match[1]) == 0:
-        raise InvalidArgumentError(f"{what}: must be >= 1 byte, got {text!r}")
+        raise InvalidArgumentError(f"{what}: must be >= 1 byte, got {brief(text)}")
     value = _amount(match[1], what) * _BYTE_UNITS[(match[2] or "").lower()]
     if value < 1:
-        raise InvalidArgumentError(f"{what}: must be >= 1 byte, got {text!r}")
+        raise InvalidArgumentError(f"{what}: must be >= 1 byte, got {brief(text)}")
     if math.isinf(value):  # a finite number times its unit can overflow: 1e300TB
-        raise InvalidArgumentError(f"{what}: must be a finite number of bytes, got {text!r}")
+        raise InvalidArgumentError(f"{what}: must be a finite number of bytes, got {brief(text)}")
     return int(value)
 
 
@@ -145,18 +149,22 @@ class WriteBudget:
             check_write_budget(text)  # before float(), which overflows for a huge int
             return cls(float(text))
         if not isinstance(text, str):
-            raise InvalidArgumentError(f"write budget must be a number or a string, got {text!r}")
+            raise InvalidArgumentError(
+                f"write budget must be a number or a string, got {brief(text)}"
+            )
         stripped = text.strip()
         if match := _PER_REF.fullmatch(stripped):
             return cls(_amount(match[1], "write budget"))
         if match := _PER_SECOND.fullmatch(stripped):
             per_s = _amount(match[1], "write budget") * _BYTE_UNITS[match[2].lower()]
             if math.isinf(per_s):  # a finite number times its unit can overflow: 1e300TB/s
-                raise InvalidArgumentError(f"write budget: must be a finite rate, got {text!r}")
+                raise InvalidArgumentError(
+                    f"write budget: must be a finite rate, got {brief(text)}"
+                )
             return cls(per_s, BYTES_PER_S)
         if match := _DWPD.fullmatch(stripped):
             return cls(_amount(match[1], "write budget"), DWPD)
-        raise InvalidArgumentError(f"write budget: expected {FORMS}, got {text!r}")
+        raise InvalidArgumentError(f"write budget: expected {FORMS}, got {brief(text)}")
 
     @property
     def per_ref(self) -> bool:

@@ -73,6 +73,7 @@ from kvoffload.admission.base import (
     AdmissionStats,
     check_looked_up,
     check_request_counts,
+    check_request_keys,
 )
 from kvoffload.admission.budget import BudgetCredit, WriteBudget, check_write_budget
 from kvoffload.admission.feedback import FeedbackAdmission
@@ -471,8 +472,7 @@ class OptimisingAdmission(AdmissionLayer):
         mini-tier missing its keys past ``gpu_held``: the real tier served none of them,
         whatever a world holds.
         """
-        if isinstance(keys, SINGLE_KEY_TYPES):  # before any change here
-            refuse_single_key(keys, "begin_request")
+        check_request_keys(keys, "begin_request")  # before any change here
         counted, gpu_held = check_request_counts(counted, gpu_held)
         check_looked_up(tier_hit, looked_up)
         if keys:  # a request of no keys announces nothing
@@ -517,8 +517,7 @@ class OptimisingAdmission(AdmissionLayer):
     def end_request(self, keys: Sequence[OffloadKey]) -> None:
         """See :meth:`AdmissionLayer.end_request`; a request never looked up (the GPU held
         all of it) runs through the worlds here, so that the last one counts too."""
-        if isinstance(keys, SINGLE_KEY_TYPES):
-            refuse_single_key(keys, "end_request")
+        check_request_keys(keys, "end_request")
         pending = self._pending
         if pending is not None and keys and pending[-1] == keys[-1]:
             self._run_worlds(len(pending))

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from decimal import Decimal, InvalidOperation
 from typing import Any, TypeVar
 
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import SHOWN_CHARS, InvalidArgumentError, brief
 
 ParamValue = str | int | float
 """A raw parameter value: text from the command line, or a JSON number."""
@@ -154,9 +154,9 @@ def read_number(
     try:
         value = float(text)
     except ValueError:
-        raise InvalidArgumentError(f"expected a number, got {text!r}") from None
+        raise InvalidArgumentError(f"expected a number, got {brief(text)}") from None
     if not math.isfinite(value):
-        raise InvalidArgumentError(f"must be a finite number, got {text!r}")
+        raise InvalidArgumentError(f"must be a finite number, got {brief(text)}")
     try:
         written = Decimal(text)
     except InvalidOperation:  # a spelling float() reads and Decimal() does not
@@ -165,12 +165,14 @@ def read_number(
     # below the float 0.01, which is 0.01000000000000000020...
     lowest = Decimal(repr(low))
     if written < lowest or (above_low and written == lowest):
-        raise InvalidArgumentError(f"must be {'>' if above_low else '>='} {low:g}, got {text}")
+        raise InvalidArgumentError(
+            f"must be {'>' if above_low else '>='} {low:g}, got {as_written(text)}"
+        )
     if written > Decimal(repr(high)):
         bound = f"{high:,.0f}" if float(high).is_integer() else f"{high:g}"
-        raise InvalidArgumentError(f"must be <= {bound}, got {text}")
+        raise InvalidArgumentError(f"must be <= {bound}, got {as_written(text)}")
     if value == 0 and written != 0:
-        raise InvalidArgumentError(f"{text} is too small to tell from 0")
+        raise InvalidArgumentError(f"{as_written(text)} is too small to tell from 0")
     return 0.0 if value == 0 else value  # -0 is 0
 
 
@@ -188,10 +190,17 @@ def read_integer(text: str) -> int | None:
 
 def shown(value: object) -> str:
     """``value`` for an error message: its repr, but not the hundreds of digits of an int
-    past a float's range (nor the ``ValueError`` repr raises past 4,300 of them)."""
+    past a float's range (nor the ``ValueError`` repr raises past 4,300 of them), and a long
+    text cut (:func:`~kvoffload.core.errors.brief`)."""
     if isinstance(value, int) and not isinstance(value, bool) and not is_finite(value):
         return "an integer outside a float's range"
-    return repr(value)
+    return brief(value)
+
+
+def as_written(text: str) -> str:
+    """``text`` unquoted as an error line shows a number, or quoted and cut where long: a
+    value pasted by mistake was echoed whole, a line of 100,000 digits."""
+    return text if len(text) <= SHOWN_CHARS else brief(text)
 
 
 def _convert(value: object, field: dataclasses.Field[Any], rule: str) -> int | float:

@@ -72,6 +72,7 @@ def register_admission(name: str, params: type[Any] = NoParams) -> Callable[[R],
         raise InvalidArgumentError(
             f"admission {name!r}: params must be a dataclass of its parameters, got {params!r}"
         )
+    _check_declared(name, params)
 
     def register(cls: R) -> R:
         if not callable(getattr(cls, "from_params", None)):
@@ -85,6 +86,23 @@ def register_admission(name: str, params: type[Any] = NoParams) -> Callable[[R],
         return cls
 
     return register
+
+
+def _check_declared(name: str, params: type[Any]) -> None:
+    """Refuse a parameters dataclass the registry cannot read: a field declared without
+    :func:`~kvoffload.admission.params.param` has no bounds (``--admission-param help``
+    and every check of an instance failed with ``KeyError: 'low'``), and defaults outside
+    their own bounds failed only at the rule's first use."""
+    for field in dataclasses.fields(params):
+        if "low" not in field.metadata:
+            raise InvalidArgumentError(
+                f"admission {name!r}: parameter {field.name!r} of {params.__name__} is not "
+                "declared with param(default, low, high, help)"
+            )
+    try:
+        check_params(params(), name)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"admission {name!r}: default parameters: {exc}") from None
 
 
 def _rules() -> dict[str, Registered]:
@@ -158,6 +176,11 @@ def admission_params(name: str, raw: RawParams | object | None = None) -> Any:
         # once escaped as dict()'s "update sequence element #0 has length 9".
         with contextlib.suppress(TypeError, ValueError):
             raw = dict(raw)
+    if dataclasses.is_dataclass(raw) and not isinstance(raw, type):  # another rule's
+        raise InvalidArgumentError(
+            f"params of {resolve_admission(name)!r} must be {cls.__name__} or a mapping of "
+            f"name to value, got {type(raw).__name__}"
+        )
     if not isinstance(raw, Mapping):
         raise InvalidArgumentError(
             f"admission parameters must be a mapping of name to value, got {raw!r}"
