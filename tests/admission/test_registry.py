@@ -427,6 +427,27 @@ def test_key_value_pairs_and_extra_config_values() -> None:
         config_params("sketch", {"x": 1}, "where")
 
 
+LONG_ARRAY = "[" + "1, " * 5_000 + "1]"
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: config_params("sketch", LONG_ARRAY, "where"),
+        lambda: config_params("sketch", [1] * 5_000, "where"),
+        lambda: admission_params("sketch", LONG_ARRAY),
+    ],
+)
+def test_parameters_of_no_mapping_are_shown_cut_with_their_length(
+    call: Callable[[], object],
+) -> None:
+    """An engine's extra-config admission parameters pasted as a JSON array (valid JSON, no
+    object) were echoed whole: a 15,000-character error line for a 5,001-item array."""
+    with pytest.raises(InvalidArgumentError, match="must be a mapping") as refused:
+        call()
+    assert "characters)" in str(refused.value) and len(str(refused.value)) < 300
+
+
 def test_an_integer_parameter_takes_a_json_float_that_is_a_whole_number() -> None:
     """JSON writes 16 as ``16.0`` or ``1e4`` too (a tool's float, a config generator): an
     integer parameter takes it as the integer it is, and refuses a fraction naming the key."""

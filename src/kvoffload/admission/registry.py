@@ -183,7 +183,7 @@ def admission_params(name: str, raw: RawParams | object | None = None) -> Any:
         )
     if not isinstance(raw, Mapping):
         raise InvalidArgumentError(
-            f"admission parameters must be a mapping of name to value, got {raw!r}"
+            f"admission parameters must be a mapping of name to value, got {brief(raw)}"
         )
     if raw and cls is NoParams:
         raise InvalidArgumentError(
@@ -234,7 +234,7 @@ def config_params(name: str, value: object, where: str) -> ParamPairs:
             raise InvalidArgumentError(f"{where} {exc}") from None
     if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
         raise InvalidArgumentError(
-            f"{where} must be a mapping of admission parameter to value, got {value!r}"
+            f"{where} must be a mapping of admission parameter to value, got {brief(value)}"
         )
     try:
         admission_params(name, value)
