@@ -269,9 +269,10 @@ class TierPath:
         wrote.
 
         One batch at a time (``_write_lock``), so the tier's stored count moves by this
-        batch's pages alone. The disk tier's lock is held to queue the writes and to poll
-        them, not while they are under way: SGLang's prefetch look-ups and reads (a request
-        waits on them) would otherwise wait for the whole batch, up to its deadline."""
+        batch's pages alone. The path's lock is held to queue the writes and to poll
+        them, not while they are under way (:meth:`LowerTier.wait_written`): SGLang's
+        prefetch look-ups and reads of the disk tier (a request waits on them) would
+        otherwise wait for the whole batch, up to its deadline."""
         batch = WriteBatch(keys, self._admit(keys, prefix) if keys else set())
         with self._write_lock:
             with self._lock:

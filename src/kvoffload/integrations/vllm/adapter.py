@@ -673,7 +673,7 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         self.counters.held_blocks = self._cpu.num_blocks - self._cpu.num_free_blocks
         if self._tiered is not None:
             self.counters.evictions = self._evicted_before + self._tiered.cpu_stats.evicted
-        # Read once: vLLM asks every step, and each reading copies every counter (asdict).
+        # Read once: vLLM asks every step, and each reading copies every counter.
         reported, self._reported = self._reported, self.counters.as_dict()
         stats = OffloadingConnectorStats()
         for name, value in self._reported.items():
