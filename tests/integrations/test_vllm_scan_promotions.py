@@ -72,6 +72,17 @@ def _disk(tmp_path: Path) -> dict[str, Any]:
     }
 
 
+def _disk_and_shared(tmp_path: Path, valkey_server: ValkeyProcess) -> dict[str, Any]:
+    """A disk and a shared tier below the CPU tier, each with the feedback rule's book."""
+    return {
+        **_disk(tmp_path),
+        "kvoffload.disk_admission": "feedback",
+        "kvoffload.remote_url": valkey_server.url,
+        "kvoffload.remote_admission": "feedback",
+        "kvoffload.remote_bytes": 4 * BLOCKS * BLOCK_BYTES,
+    }
+
+
 def _record_sightings(
     monkeypatch: pytest.MonkeyPatch, stack: Any, tiers: tuple[str, ...]
 ) -> dict[str, list[list[Any]]]:
@@ -244,13 +255,7 @@ def test_a_lower_tier_s_admission_sees_only_requests_that_may_read_it(
     out, and a request that left out every lower tier was shown to none. One that left out
     only one was still shown to that tier's admission layer, and counted in its reuse and
     write budget. Stores still reach every tier, as in vLLM."""
-    extra = {
-        **_disk(tmp_path),
-        "kvoffload.disk_admission": "feedback",
-        "kvoffload.remote_url": valkey_server.url,
-        "kvoffload.remote_admission": "feedback",
-        "kvoffload.remote_bytes": 4 * BLOCKS * BLOCK_BYTES,
-    }
+    extra = _disk_and_shared(tmp_path, valkey_server)
     instance = instances(extra, model=f"filtered-books-{tmp_path.name}")
     request = vllm_request("reader", list(range(16 * BLOCKS + 1)))
     if allowed is not None:
@@ -307,13 +312,7 @@ def test_a_request_that_may_read_another_tier_is_new_to_it_while_one_like_it_wai
     promotion of the blocks the disk held. A retry is known by its prompt's last key; the
     second request, taken for the first's retry, was shown to no tier, so the shared tier's
     admission layer, which the first could not read from, never saw the second at all."""
-    extra = {
-        **_disk(tmp_path),
-        "kvoffload.disk_admission": "feedback",
-        "kvoffload.remote_url": valkey_server.url,
-        "kvoffload.remote_admission": "feedback",
-        "kvoffload.remote_bytes": 4 * BLOCKS * BLOCK_BYTES,
-    }
+    extra = _disk_and_shared(tmp_path, valkey_server)
     instance = instances(extra, model=f"other-tiers-{tmp_path.name}")
     tokens = list(range(16 * BLOCKS + 1))
     local_only, every_tier = vllm_request("local", tokens), vllm_request("every", tokens)
