@@ -64,9 +64,7 @@ class CircuitBreaker:
         """Whether :meth:`allow` would refuse a call now, asked without taking the trial:
         a caller can skip work done only for a call that would be refused."""
         with self._lock:
-            if self._opened_at is None:
-                return False
-            return self._trial is not None or self._clock() - self._opened_at < self.cooldown_s
+            return self._opened_at is not None and self._resting(self._opened_at)
 
     def allow(self) -> Pass | None:
         """The call's pass if it may go to the server now (at most one trial while
@@ -74,10 +72,15 @@ class CircuitBreaker:
         with self._lock:
             if self._opened_at is None:
                 return Pass(self._era)
-            if self._trial is not None or self._clock() - self._opened_at < self.cooldown_s:
+            if self._resting(self._opened_at):
                 return None
             self._trial = Pass(self._era)
             return self._trial
+
+    def _resting(self, opened_at: float) -> bool:
+        """Whether the open breaker lets no call through now: cooling down, or its one trial
+        under way. The one rule :meth:`allow` and :attr:`refuses` apply (under the lock)."""
+        return self._trial is not None or self._clock() - opened_at < self.cooldown_s
 
     def success(self, granted: Pass) -> None:
         """The server answered: closed again, whenever the call began."""
