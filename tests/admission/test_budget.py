@@ -93,6 +93,8 @@ BEYOND_A_FLOAT = 10**400
         lambda: WriteBudget(1.0, DWPD, block_bytes=MB, drive_bytes=BEYOND_A_FLOAT).check(),
         lambda: WriteBudget(1e9, BYTES_PER_S, block_bytes=BEYOND_A_FLOAT).check(),
         lambda: WriteBudget.parse("1e300TB/s"),
+        lambda: WriteBudget(1e306, DWPD, block_bytes=1, drive_bytes=10**12).check(),
+        lambda: BudgetCredit(WriteBudget(1e306, DWPD, block_bytes=1, drive_bytes=10**12)),
     ],
     ids=[
         "parse",
@@ -104,11 +106,15 @@ BEYOND_A_FLOAT = 10**400
         "dwpd-drive",
         "block-size",
         "rate-overflow",
+        "dwpd-overflow",
+        "dwpd-credit",
     ],
 )
 def test_a_number_past_a_float_s_range_is_one_clear_error(make: object) -> None:
     """A budget or size no float holds was an ``OverflowError`` traceback (``float()`` and
-    ``math.isfinite`` of the int), or, for ``1e300TB/s``, an error that showed ``inf``."""
+    ``math.isfinite`` of the int), or, for ``1e300TB/s``, an error that showed ``inf``; drive
+    writes per day past a float's bytes on their drive were a rate of inf blocks a second,
+    no budget at all, unsaid."""
     with pytest.raises(InvalidArgumentError) as error:
         make()  # type: ignore[operator]
     message = str(error.value)
@@ -213,7 +219,7 @@ def test_a_budget_below_one_block_per_burst_still_writes_at_its_rate() -> None:
     [
         1e307,
         WriteBudget(1e308, BYTES_PER_S, block_bytes=1),
-        WriteBudget(1e306, DWPD, block_bytes=1, drive_bytes=10**12),  # inf blocks/s
+        WriteBudget(1e296, DWPD, block_bytes=1, drive_bytes=10**12),  # 1e308 bytes a day
     ],
 )
 def test_a_huge_budget_is_an_allowance_not_an_overflow(budget: float | WriteBudget) -> None:

@@ -215,6 +215,18 @@ def test_the_filter_as_a_tier_s_book_reports_its_table_s_memory() -> None:
     assert stats.memory_bytes == optimiser.filter.reuse.memory_bytes
 
 
+@pytest.mark.parametrize("admission", ["none", "filter", "recommended"])
+@pytest.mark.parametrize("capacity", ["100", 10.5, None, True, -1])
+def test_a_tier_s_book_refuses_a_capacity_that_is_not_a_count(
+    admission: str, capacity: object
+) -> None:
+    """A size read from a config file as text ended in ``'>' not supported between
+    instances of 'str' and 'int'`` from inside the book's assembly, naming nothing; one
+    line names the argument now, whatever the rule (``none`` builds no layer at all)."""
+    with pytest.raises(InvalidArgumentError, match=r"^capacity must be an integer >= 0, got "):
+        admission_book(admission, CPULoadStoreSpec([]), capacity)  # type: ignore[arg-type]
+
+
 def test_a_driver_that_looks_up_past_the_layer_can_report_tier_hits() -> None:
     """vLLM's per-key lookups go to the backing manager directly: the driver announces the
     request and reports that the tier served part of it."""

@@ -128,6 +128,23 @@ def test_a_drive_size_past_a_float_is_a_usage_error(capsys: pytest.CaptureFixtur
     )
 
 
+def test_drive_writes_past_a_float_s_bytes_a_day_are_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``1e308dwpd`` of a 2 TB drive came to inf blocks a second: the run went on as if no
+    budget had been given (the same writes), unsaid."""
+    argv = ["--admission", "recommended", "--write-budget", "1e308dwpd", "--drive-bytes", "2TB"]
+    assert main([*SMALL, *argv]) == 1
+    assert (
+        one_line_error(capsys)
+        .rstrip()
+        .endswith(
+            "a write budget of 1e+308 drive writes per day comes to more bytes a day than a float "
+            "holds on its drive: give a finite one, or leave it out for no budget"
+        )
+    )
+
+
 @pytest.mark.parametrize(
     ("args", "status", "message"),
     [

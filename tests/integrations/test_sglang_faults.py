@@ -308,6 +308,49 @@ def test_a_cluster_node_down_fails_only_its_own_pages(backends: Any, tmp_path: P
         cluster.stop()
 
 
+def test_a_close_during_a_partly_failed_batch_leaves_its_stored_pages_stored(
+    backends: Any, tmp_path: Path
+) -> None:
+    """A close while a batch waited on its writes, one node of three down, closed the tier
+    before the batch asked which pages had landed: asked a closed tier, every page of the
+    batch read as failed, the ones the live nodes took too. The close waits for the batch's
+    outcome now. The live nodes hold their writes back a while (``CLIENT PAUSE``), so that
+    the batch is still waiting on them when the close comes."""
+    cluster = ValkeyClusterProcesses(tmp_path / "cluster").start()
+    try:
+        pool = HostPool(pages=32)
+        url = cluster.url.replace(f"timeout_ms={TEST_TIMEOUT_MS}", "timeout_ms=10000")
+        backend = backends({"interface_v1": 1, "kvoffload.remote_url": url}, pool, model="close")
+        (path,) = backend.paths
+        tier = path.tier
+        down = cluster.nodes[2].port
+        on_live = [tier.node_address(tier.name(page_key(k)))[1] != down for k in KEYS[:16]]
+        assert 0 < sum(on_live) < 16
+        cluster.nodes[2].stop()
+        for node in cluster.nodes[:2]:
+            node.client().execute_command("CLIENT", "PAUSE", 2000, "WRITE")
+        pool.fill(list(range(16)), seed=9)
+        done: list[list[bool]] = []
+        writer = threading.Thread(
+            target=lambda: done.append(
+                backend.batch_set_v1(KEYS[:16], pool.indices(list(range(16))))
+            )
+        )
+        writer.start()
+        deadline = time.monotonic() + STALL_S  # only so that a failing run ends
+        while not path._write_lock.locked() and writer.is_alive():
+            assert time.monotonic() < deadline, "the batch never started"
+            time.sleep(0.001)
+        backend.close()
+        writer.join(STALL_S)
+        assert done == [on_live]
+        counters = path.counters()
+        assert counters.stores_completed == sum(on_live)
+        assert counters.stores_failed == 16 - sum(on_live)
+    finally:
+        cluster.stop()
+
+
 def test_a_page_one_tier_passed_over_and_the_other_failed_is_a_failed_write(
     backends: Any, own_server: ValkeyProcess, tmp_path: Path
 ) -> None:

@@ -73,6 +73,29 @@ def test_the_disk_tiers_optimiser_counts_its_pages_and_its_size_as_the_drive(
     assert credit.budget.bytes_per_second() == pytest.approx(64 * page_bytes / 86_400)
 
 
+def test_drive_writes_past_a_float_s_bytes_a_day_are_refused_naming_the_key(
+    backends: Any, tmp_path: Path
+) -> None:
+    """``1e305dwpd`` of the disk tier's pages came to inf pages a second: the tier wrote as
+    if no budget had been given, unsaid."""
+    pytest.importorskip("sglang", reason="SGLang is not installed (CI installs it --no-deps)")
+    from sglang_helpers import HostPool
+
+    pool = HostPool()
+    extra = {
+        "kvoffload.disk_dir": str(tmp_path / "l3"),
+        "kvoffload.disk_bytes": 64 * len(pool.page_bytes(0)),
+        **OPTIMISER,
+        "kvoffload.disk_write_budget": "1e305dwpd",
+    }
+    with pytest.raises(InvalidArgumentError) as error:
+        backends(extra, pool, model="budget-overflow")
+    assert str(error.value).startswith(
+        "hicache-storage-backend-extra-config 'kvoffload.disk_write_budget': a write budget of "
+        "1e+305 drive writes per day comes to more bytes a day than a float holds"
+    )
+
+
 @pytest.mark.parametrize(("mla", "shards"), [(False, 2), (True, 1)], ids=["mha", "mla"])
 def test_the_shared_tier_is_sized_in_whole_pages_of_every_rank(
     backends: Any, valkey_server: Any, mla: bool, shards: int

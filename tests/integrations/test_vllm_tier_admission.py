@@ -143,6 +143,8 @@ def test_a_string_write_budget_reaches_the_disk_tier_s_optimiser(
         ("kvoffload.disk_write_budget", True, "must be a number or a string"),
         ("kvoffload.remote_write_budget", "-1MB/s", "write budget: must"),
         ("kvoffload.remote_write_budget", "1e300TB/s", "finite rate"),
+        ("kvoffload.disk_write_budget", "1e303dwpd", "more bytes a day than a float holds"),
+        ("kvoffload.remote_write_budget", "1e300dwpd", "more bytes a day than a float holds"),
     ],
 )
 def test_a_bad_tier_write_budget_is_refused_naming_its_key(

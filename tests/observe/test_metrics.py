@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("prometheus_client")
@@ -466,14 +467,36 @@ def test_a_client_that_resets_its_connection_prints_nothing(
     assert capfd.readouterr().err == ""
 
 
-@pytest.mark.parametrize("port", [True, 8000.5, "9090", None])
+@pytest.mark.parametrize("port", [True, np.True_, 8000.5, np.float64(9090), "9090", None])
 def test_a_port_that_is_no_integer_is_refused_naming_it(port: object) -> None:
     """``True`` (an int to Python) served on port 1; a float, a str or ``None`` raised a
     bare ``TypeError`` from the comparison or the socket."""
     with pytest.raises(
-        InvalidArgumentError, match=re.escape(f"metrics port must be in 0..65535, got {port!r}")
+        InvalidArgumentError,
+        match=re.escape(f"metrics port must be an integer in 0..65535, got {port!r}"),
     ):
         MetricsServer(port)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("port", [-1, 65536, np.int64(70000)])
+def test_a_port_out_of_range_is_refused_naming_it(port: object) -> None:
+    with pytest.raises(
+        InvalidArgumentError,
+        match=re.escape(f"metrics port must be an integer in 0..65535, got {port!r}"),
+    ):
+        MetricsServer(port)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("integer", [np.int64, np.uint16, np.int32])
+def test_a_numpy_integer_port_is_served(integer: type) -> None:
+    """A port read from a NumPy config array (``np.int64(9090)``) was refused with "must be
+    in 0..65535, got np.int64(9090)", as if it were out of range; any integer type serves."""
+    from kvoffload.observe.counters import ManagerCounters
+
+    with MetricsServer(integer(0)) as server:
+        server.add(ManagerCollector(lambda: ManagerCounters(lookups=7), {"tier": "cpu"}))
+        assert type(server.port) is int
+        assert scrape(server.port)["kvoffload_lookups_total"] == 7
 
 
 def test_a_host_it_cannot_serve_on_is_named_in_the_error() -> None:

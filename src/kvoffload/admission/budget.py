@@ -189,7 +189,13 @@ class WriteBudget:
                     f"a write budget of {self.describe()} needs the drive's size "
                     "(--drive-bytes or kvoffload.drive_bytes, or a disk tier, whose size is taken)"
                 )
-            return self.amount * self._size("drive_bytes", self.drive_bytes) / SECONDS_PER_DAY
+            per_day = self.amount * self._size("drive_bytes", self.drive_bytes)
+            if math.isinf(per_day):  # else a rate of inf blocks a second: no budget, unsaid
+                raise InvalidArgumentError(
+                    f"a write budget of {self.describe()} comes to more bytes a day than a "
+                    "float holds on its drive: give a finite one, or leave it out for no budget"
+                )
+            return per_day / SECONDS_PER_DAY
         raise InvalidArgumentError(f"a write budget of {self.describe()} is not per second")
 
     def blocks_per_second(self) -> float:

@@ -17,6 +17,7 @@ from kvoffload.admission import (
     WriteBudget,
     wrap_with_admission,
 )
+from kvoffload.core.errors import check_integer
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import LoadStoreSpec
@@ -59,8 +60,11 @@ def admission_book(
     ``size_key``: the caller's key of ``capacity``, named by a memory error.
 
     The one assembly of a tier's own decision book: the tiered stack's lower tiers,
-    SGLang's L3 tiers and vLLM's secondary tiers all use it.
+    SGLang's L3 tiers and vLLM's secondary tiers all use it. ``capacity`` is checked
+    before it is raised to 1 block: a size read from a config file as text (``"100"``)
+    failed there with a ``TypeError`` that named nothing.
     """
+    check_integer("capacity", capacity, 0)
     book = AdmitAllManager(spec, policy)
     layer = wrap_with_admission(admission, book, max(1, capacity), write_budget, params, size_key)
     if isinstance(layer, FilterReusedOffloadingManager):

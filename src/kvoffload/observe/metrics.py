@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 import re
 import socket
 import threading
@@ -380,6 +381,19 @@ class _ScrapeServer(ThreadingMixIn, WSGIServer):
         super().__init__((host, port), _ScrapeHandler)
 
 
+def _port(port: object) -> int:
+    """``port`` as an int in 0..65535: any integer type (``operator.index``: a NumPy integer
+    read from a config array was refused as if out of range), not a bool (True served on
+    port 1), a float or a str (each raised a bare ``TypeError``)."""
+    try:
+        number = -1 if isinstance(port, bool) else operator.index(port)  # type: ignore[arg-type]
+    except TypeError:
+        number = -1
+    if not 0 <= number <= 65535:
+        raise InvalidArgumentError(f"metrics port must be an integer in 0..65535, got {port!r}")
+    return number
+
+
 class MetricsServer:
     """An HTTP ``/metrics`` endpoint on 127.0.0.1 for one registry; ``port=0`` picks a free port.
 
@@ -390,9 +404,7 @@ class MetricsServer:
     """
 
     def __init__(self, port: int, host: str = "127.0.0.1", client_timeout_s: float = 10.0) -> None:
-        # A bool is an int to Python: True served on port 1; a float or a str raised TypeError.
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise InvalidArgumentError(f"metrics port must be in 0..65535, got {port!r}")
+        port = _port(port)
         if not (isinstance(client_timeout_s, int | float) and 0 < client_timeout_s < math.inf):
             raise InvalidArgumentError(
                 f"client_timeout_s must be a positive number of seconds, got {client_timeout_s!r}"

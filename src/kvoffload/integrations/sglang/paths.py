@@ -175,8 +175,8 @@ class TierPath:
     Locks: ``_lock`` serialises what changes the tier's own state (writes, polls, events,
     and for the disk tier every call: its index belongs to one caller), held only for
     those calls, never while a write's I/O is under way (:meth:`LowerTier.wait_written`);
-    ``_write_lock`` lets one write batch through at a time. The shared tier's look-ups and
-    reads are thread-safe, so a prefetch never takes ``_lock`` there.
+    ``_write_lock`` lets one write batch through at a time, and :meth:`close` waits for it. The
+    shared tier's look-ups and reads are thread-safe, so a prefetch never takes ``_lock`` there.
     """
 
     def __init__(
@@ -350,7 +350,10 @@ class TierPath:
             return OffTier(closed.medium)
 
     def close(self) -> None:
-        with self._lock:
+        """Close the tier once a write batch under way has its outcome: closed beneath it,
+        a shared tier's batch that partly failed asked the closed tier which pages landed
+        and read every one as failed."""
+        with self._write_lock, self._lock:
             self.tier.poll(wait=True)
             self._drain_events()
             self.tier.close()
