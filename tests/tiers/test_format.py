@@ -126,8 +126,9 @@ def test_the_breaker_opens_cools_down_and_closes_on_a_good_trial() -> None:
     now = [0.0]
     breaker = CircuitBreaker(threshold=2, cooldown_s=1.0, clock=lambda: now[0])
     first = breaker.allow()
-    assert first is not None
+    assert first is not None and not breaker.failing
     breaker.failure(first)
+    assert breaker.failing and not breaker.is_open  # asked last by a Cluster operation
     second = breaker.allow()
     assert second is not None
     breaker.failure(second)
@@ -144,6 +145,7 @@ def test_the_breaker_opens_cools_down_and_closes_on_a_good_trial() -> None:
     assert trial is not None
     breaker.success(trial)
     assert not breaker.is_open and breaker.allow() and breaker.times_opened == 1
+    assert not breaker.failing
 
 
 def _opened_with_a_call_under_way(now: list[float], threshold: int) -> tuple[CircuitBreaker, Pass]:

@@ -742,15 +742,41 @@ def test_a_node_that_fails_with_its_fair_time_still_opens_its_breaker(
         (a,), (b,), (c,) = keys_by_node(tier, 1)
         store(tier, [a, b, c])
         server_of(tier, fake_cluster, a).delay_s = 2 * timeout_s
-        for _ in range(2):  # b never asked: the deadline had passed
-            assert finishes(lambda: tier.held([a, b])) == [False, False]
+        # b never asked (the deadline had passed), then asked first: a, failing, goes last.
+        assert finishes(lambda: tier.held([a, b])) == [False, False]
+        assert finishes(lambda: tier.held([a, b])) == [False, True]
         assert breaker_of(tier, a).is_open and not breaker_of(tier, b).is_open
         assert finishes(lambda: tier.held([a, b])) == [False, True]  # a refused at once
         server_of(tier, fake_cluster, b).mode = "hang"
         for _ in range(2):
             assert finishes(lambda: tier.held([c, b])) == [True, False]
         assert breaker_of(tier, b).is_open and not breaker_of(tier, c).is_open
-        assert tier.unavailable == 7
+        assert tier.unavailable == 6
+    finally:
+        fake_cluster.stop()
+        tier.close()
+
+
+def test_a_node_whose_last_call_failed_is_asked_last(fake_cluster: FakeValkeyCluster) -> None:
+    """Under one deadline per operation, a hung node asked first left the others no time:
+    until its breaker opened, every whole look-up, read and store spread over the Cluster
+    failed on every node (a paused node had SGLang's shared tier count a batch whose other
+    pages had landed as failed, all of it). A node whose last call failed now goes last."""
+    tier = RemoteTier(fake_cluster.url, fingerprint("failing-last"), breaker=CircuitBreaker(100))
+    try:
+        (a, a2), (b, b2), (c, c2) = keys_by_node(tier, 2)
+        store(tier, [a, b, c])
+        hung = server_of(tier, fake_cluster, a)
+        hung.mode = "hang"
+        assert finishes(lambda: tier.held([a, b, c])) == [False, False, False]  # a first
+        assert breaker_of(tier, a).failing and not breaker_of(tier, a).is_open
+        assert finishes(lambda: tier.held([a, b, c])) == [False, True, True]
+        assert finishes(lambda: read(tier, [c, b, a])) == [True, True, False]
+        stored = tier.stats.stored_blocks
+        finishes(lambda: store(tier, [c2, b2, a2]))
+        assert tier.stats.stored_blocks == stored + 2
+        hung.mode = "normal"
+        assert finishes(lambda: tier.held([a2, b2, c2])) == [False, True, True]
     finally:
         fake_cluster.stop()
         tier.close()

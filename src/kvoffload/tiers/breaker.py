@@ -66,6 +66,13 @@ class CircuitBreaker:
         with self._lock:
             return self._opened_at is not None and self._resting(self._opened_at)
 
+    @property
+    def failing(self) -> bool:
+        """Whether the last call told ended in a failure (or the breaker is open): an
+        operation over several servers asks such a one last."""
+        with self._lock:
+            return self._failures > 0 or self._opened_at is not None
+
     def allow(self) -> Pass | None:
         """The call's pass if it may go to the server now (at most one trial while
         half-open), else ``None``."""

@@ -394,7 +394,10 @@ class RemoteTier(BacklogFigures):
         deadline = self._deadline(0)
         run = len(names)  # the first index found absent, or whose node failed
         # Nodes come in the order of their first key, every key before it already answered.
-        for node, indices in self._by_node(names, range(len(names))).items():
+        groups = self._by_node(names, range(len(names)))
+        # A lookup's leading run takes the nodes in key order; a whole answer takes a failing
+        # node last, so that a hung one spends only the time the others left.
+        for node, indices in groups.items() if not whole else _failing_last(groups):
             if not whole and run < indices[0]:
                 break
             jobs: list[_Job] = [(node, indices, False, 0)]
@@ -950,8 +953,7 @@ class RemoteTier(BacklogFigures):
         sizes = [0 if view is None else sum(part.nbytes for part in view) for view in views]
         readable = [i for i, view in enumerate(views) if view is not None]
         deadline = self._deadline(sum(len(names[i]) + sizes[i] for i in readable), asked)
-        groups = self._by_node(names, readable)
-        jobs: list[_Job] = [(node, got, False, 0) for node, got in groups.items()]
+        jobs = _first_hops(self._by_node(names, readable), lambda node: node.reads)
         while jobs:
             node, indices, asking, hops = jobs.pop()
             get = partial(self._get_into, keys, names, views, sizes, indices, asking)
@@ -996,9 +998,7 @@ class RemoteTier(BacklogFigures):
         asked again too, every :data:`NOT_SERVED_PAUSE_S`, until ``deadline`` (a read's
         corrupt names are not: the read would wait for them)."""
         deleted = 0
-        jobs: list[_Job] = [
-            (node, got, False, 0) for node, got in self._by_node(names, range(len(names))).items()
-        ]
+        jobs = _first_hops(self._by_node(names, range(len(names))))
         while jobs:
             node, indices, asking, hops = jobs.pop()
             replies = self._call(node, partial(self._delete, names, indices, asking), deadline)
@@ -1168,9 +1168,7 @@ class RemoteTier(BacklogFigures):
         names = [write.name for write in writes]
         deadline = self._deadline(sum(payload_size(write.payload) for write in writes))
         stored = [False] * len(writes)
-        jobs: list[_Job] = [
-            (node, got, False, 0) for node, got in self._by_node(names, range(len(writes))).items()
-        ]
+        jobs = _first_hops(self._by_node(names, range(len(writes))), lambda node: node.writes)
         while jobs:
             node, indices, asking, hops = jobs.pop()
             if node.is_resting():
@@ -1249,6 +1247,26 @@ class _QueuedRead:
             self.outcome.set_exception(error)
         else:
             self.outcome.set_result(future.result())
+
+
+def _failing_last(groups: dict[_Node, list[int]]) -> list[tuple[_Node, list[int]]]:
+    """Each node's part of an operation under one deadline, a node whose last call failed
+    (hung, paused, partitioned) after the others: first, it spent the whole deadline and the
+    healthy nodes after it were never asked (their blocks failed, or read as absent)."""
+    return sorted(groups.items(), key=lambda part: part[0].breaker.failing)
+
+
+def _first_hops(
+    groups: dict[_Node, list[int]], lane: Callable[[_Node], CircuitBreaker] | None = None
+) -> list[_Job]:
+    """The jobs of each node's part, unredirected, as a stack popped from its end: a node
+    whose last call, or last call of ``lane`` (its reads or its writes: a node that drips
+    values still answers look-ups), failed is popped after the others, as in
+    :func:`_failing_last`."""
+    jobs: list[_Job] = [(node, got, False, 0) for node, got in groups.items()]
+    if lane is None:
+        return sorted(jobs, key=lambda job: not job[0].breaker.failing)
+    return sorted(jobs, key=lambda job: not (job[0].breaker.failing or lane(job[0]).failing))
 
 
 def _allow(breakers: tuple[CircuitBreaker, ...]) -> list[tuple[CircuitBreaker, Pass]] | None:
