@@ -34,6 +34,13 @@ def _ticked(cell: str) -> list[str]:
     return re.findall(r"`([^`]+)`", cell)
 
 
+def _url_timeout_ms(cell: str) -> float:
+    """The default of the URL's ``?timeout_ms=`` as a key's cell gives it."""
+    found = re.search(r"`\?timeout_ms=` \(default (\d+)\)", cell)
+    assert found is not None, cell
+    return float(found.group(1))
+
+
 def test_sglang_pages_keys_and_defaults_are_the_backends() -> None:
     from kvoffload.integrations.sglang.settings import (
         OWN_KEYS,
@@ -60,9 +67,7 @@ def test_sglang_pages_keys_and_defaults_are_the_backends() -> None:
         else f"{settings.disk_deadline_s * 1000:.0f}",
     }
     assert {key: _ticked(documented[key])[0] for key in parsed} == parsed
-    url_timeout = re.search(r"`\?timeout_ms=` \(default (\d+)\)", values["kvoffload.remote_url"])
-    assert url_timeout is not None
-    assert float(url_timeout.group(1)) == URL_TIMEOUT_MS
+    assert _url_timeout_ms(values["kvoffload.remote_url"]) == URL_TIMEOUT_MS
 
 
 def test_sglang_pages_l3_counters_are_the_ones_exported() -> None:
@@ -114,6 +119,8 @@ def test_secondary_pages_entry_keys_and_defaults_are_the_tiers() -> None:
     assert {key: _ticked(documented[key])[0] for key in parsed} == parsed
     assert (shared.admission, shared.locality, disk.locality) == ("recommended", "REMOTE", None)
     assert "shared: `REMOTE`" in documented["locality"]
+    url_row = next(cells for cells in rows if _ticked(cells[0]) == ["url"])
+    assert _url_timeout_ms(url_row[3]) == URL_TIMEOUT_MS
 
     text = (DOCS / "vllm-secondary.md").read_text()
     listed = re.search(r"`vllm:kvoffload_secondary_\{([a-z_,]+)\}`", text)
