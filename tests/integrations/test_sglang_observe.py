@@ -496,6 +496,38 @@ def test_only_the_first_pipeline_stage_publishes_on_the_port_of_its_data_paralle
             backend.close()
 
 
+def test_only_the_first_context_parallel_rank_publishes_and_each_serves_its_own_port(
+    sglang: dict[str, ModuleType], tmp_path: Path
+) -> None:
+    """SGLang's ``is_kv_publisher_rank`` names the first TP and attention-CP rank of stage
+    0: the other CP ranks hold their shards of the same pages, so one stream speaks for them
+    (as the Keys table says of ``kvoffload.kv_events_endpoint``), while each rank has its
+    own tiers and so its own metrics port, the given one plus its rank."""
+    port, pub = _two_free_ports(), free_port()
+    extra = {
+        "kvoffload.disk_dir": str(tmp_path),
+        "kvoffload.disk_bytes": footprint(8, len(HostPool().page_bytes(0))),
+        "kvoffload.kv_events_endpoint": f"tcp://127.0.0.1:{pub}",
+        "kvoffload.metrics_port": port,
+    }
+    factory = sglang["sglang.srt.mem_cache.storage.backend_factory"].StorageBackendFactory
+    backends = []
+    try:
+        for cp_rank in (0, 1):
+            config = dataclasses.replace(
+                storage_config(sglang, extra, model="cp"), attn_cp_rank=cp_rank, attn_cp_size=2
+            )
+            pool = HostPool()
+            backend = factory.create_backend("dynamic", config, pool)
+            backends.append(backend)
+            backend.register_mem_pool_host(pool)
+        assert [b.publishes_events for b in backends] == [True, False]
+        assert [b.metrics_port for b in backends] == [port, port + 1]
+    finally:
+        for backend in backends:
+            backend.close()
+
+
 def test_backup_bandwidth_counts_only_the_bytes_the_tiers_wrote(
     backend_of: Any, tmp_path: Path
 ) -> None:

@@ -322,6 +322,22 @@ def test_ports_given_are_not_told(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().err == ""
 
 
+def test_a_run_keeping_its_endpoints_up_says_so_once_its_results_are_written(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """docs/kv-events.md quotes this line: a run that seems done and has not returned says
+    why, and how to end it."""
+    pytest.importorskip("prometheus_client")
+    from kvoffload.cli.main import main
+
+    args = ["simulate", "--requests", "5", "--no-bound", "--metrics-port", str(free_port())]
+    assert main([*args, "--serve-after", "0.2"]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "kvoffload: results written; the endpoints stay up 0.2 s more "
+        "(--serve-after; Ctrl-C ends it)"
+    ]
+
+
 def _bound_again(endpoint: str, replay: str) -> KVEventPublisher:
     """A publisher on endpoints another has just closed (ZeroMQ lets go of them shortly)."""
     for _ in range(100):
