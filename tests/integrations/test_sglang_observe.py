@@ -398,7 +398,7 @@ def test_with_metrics_port_0_each_rank_says_which_port_it_picked(
     assert all(isinstance(port, int) and port > 0 for port in ports) and ports[0] != ports[1]
     said = [record.getMessage() for record in caplog.records if "/metrics" in record.message]
     assert said == [
-        f"kvoffload: L3 metrics of tp_rank {r}, pp_rank 0, dp_rank 0 on "
+        f"kvoffload: L3 metrics of tp_rank {r}, pp_rank 0, cp_rank 0, dp_rank 0 on "
         f"http://127.0.0.1:{ports[r]}/metrics"
         for r in (0, 1)
     ]
@@ -523,6 +523,8 @@ def test_only_the_first_context_parallel_rank_publishes_and_each_serves_its_own_
             backend.register_mem_pool_host(pool)
         assert [b.publishes_events for b in backends] == [True, False]
         assert [b.metrics_port for b in backends] == [port, port + 1]
+        for cp_rank, backend in enumerate(backends):  # series told apart by label, not port
+            assert _stores_completed(backend.metrics_port).labels["cp_rank"] == str(cp_rank)
     finally:
         for backend in backends:
             backend.close()

@@ -590,9 +590,10 @@ class KVOffloadStorage(HiCacheStorage):  # type: ignore[misc]
                 raise InvalidArgumentError(
                     f"hicache-storage-backend-extra-config {METRICS_PORT!r}: {exc}"
                 ) from None
-            labels = {
+            labels = {  # cp_rank too: ranks of one TP rank and stage differ by it alone
                 "tp_rank": str(c.tp_rank),
                 "pp_rank": str(c.pp_rank),
+                "cp_rank": str(c.attn_cp_rank),
                 "dp_rank": str(self.dp_rank),
             }
             self._metrics.add(TierCollector(self.paths, labels))
