@@ -782,6 +782,31 @@ def test_a_node_whose_last_call_failed_is_asked_last(fake_cluster: FakeValkeyClu
         tier.close()
 
 
+def test_a_hung_node_asked_last_behind_a_slow_one_still_opens_its_breaker(
+    fake_cluster: FakeValkeyCluster,
+) -> None:
+    """A node that failed is asked last; behind a node that takes most of the deadline it
+    begins with less time left than the operation spent, which excuses a healthy node.
+    It is charged all the same, having failed with its fair time before: excused, its
+    breaker never opened, and every operation waited out the deadline on it."""
+    tier = RemoteTier(fake_cluster.url, fingerprint("hung-behind-slow"))
+    timeout_s = fake_cluster.timeout_ms / 1000
+    try:
+        (a,), (b,), _ = keys_by_node(tier, 1)
+        store(tier, [a, b])
+        server_of(tier, fake_cluster, a).mode = "hang"
+        server_of(tier, fake_cluster, b).delay_s = 0.6 * timeout_s  # on its pooled connection
+        assert finishes(lambda: tier.held([a, b])) == [False, False]  # a first, charged
+        for _ in range(tier.breaker.threshold - 1):  # b first now, a starved but charged
+            assert finishes(lambda: tier.held([a, b])) == [False, True]
+        assert breaker_of(tier, a).is_open and not breaker_of(tier, b).is_open
+        assert finishes(lambda: tier.held([a, b])) == [False, True]  # a refused at once
+        assert tier.unavailable == 2 + tier.breaker.threshold
+    finally:
+        fake_cluster.stop()
+        tier.close()
+
+
 def test_a_cluster_node_that_drips_its_values_has_only_its_reads_rested(
     fake_cluster: FakeValkeyCluster,
 ) -> None:

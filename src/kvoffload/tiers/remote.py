@@ -588,10 +588,12 @@ class RemoteTier(BacklogFigures):
         tried: no failure of this node's. Nor is one that runs out of time having begun with
         less left than the operation had spent: had the node been first, it would have had
         longer than the earlier nodes took, so they are the slow ones, and a healthy node
-        left a sliver by a slow one would otherwise have its breaker opened by it. An error
-        reply fails the call but is no failure of the node's: a full server (``OOM``,
-        maxmemory with ``noeviction``) refusing stores opened its breaker, and its loads
-        were refused with them. An ``OOM`` or ``MISCONF`` rests the node from stores instead
+        left a sliver by a slow one would otherwise have its breaker opened by it. Unless it
+        failed its last call too (its breaker still closed): asked last for that, it would
+        be excused every time behind slow nodes, and its breaker never open however long it
+        hung. An error reply fails the call but is no failure of the node's: a full server
+        (``OOM``, maxmemory with ``noeviction``) refusing stores opened its breaker, and its
+        loads were refused with them. An ``OOM`` or ``MISCONF`` rests the node from stores instead
         (:meth:`_Node.is_resting`); a ``CLUSTERDOWN`` has the slot map asked again
         (:data:`NOT_SERVED`); a ``READONLY`` has the node's name looked up again
         (:data:`DEMOTED`)."""
@@ -631,7 +633,10 @@ class RemoteTier(BacklogFigures):
         except Exception as exc:  # any socket, TLS or protocol failure is the server's
             if connection is not None:
                 connection.close()
-            starved = deadline.at - begun < begun - deadline.since
+            # A node asked last for a failed last call (_failing_last) is no slow one's victim.
+            starved = deadline.at - begun < begun - deadline.since and not any(
+                breaker.failing and not breaker.is_open for breaker, _ in granted
+            )
             if isinstance(exc, ServerReplyError):  # an answer: the node is up (full, loading)
                 for breaker, ticket in granted:
                     breaker.success(ticket)
