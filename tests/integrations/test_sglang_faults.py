@@ -308,6 +308,42 @@ def test_a_cluster_node_down_fails_only_its_own_pages(backends: Any, tmp_path: P
         cluster.stop()
 
 
+def test_a_paused_cluster_node_fails_only_its_own_pages(backends: Any, tmp_path: Path) -> None:
+    """A node paused (``SIGSTOP``: its connections open, never answered) is a hung node, not a
+    refused one: each batch waits for it until the deadline. Asked first, it took the whole
+    of it, and the check of which pages had landed never reached the live nodes: every page
+    of the batch read as failed, those stored too (counted completed and failed at once)."""
+    cluster = ValkeyClusterProcesses(tmp_path / "cluster").start()
+    try:
+        pool = HostPool(pages=32)
+        url = cluster.url.replace(f"timeout_ms={TEST_TIMEOUT_MS}", "timeout_ms=500")
+        backend = backends({"interface_v1": 1, "kvoffload.remote_url": url}, pool, model="paused")
+        tier = backend.paths[0].tier
+        first = tier.node_address(tier.name(page_key(KEYS[0])))[1]  # the look-up asks it first
+        paused = next(node for node in cluster.nodes if node.port == first)
+        assert paused.process is not None
+        paused.process.send_signal(signal.SIGSTOP)
+        later = sorted(
+            KEYS[16:32], key=lambda k: tier.node_address(tier.name(page_key(k)))[1] != first
+        )
+        for batch in (KEYS[:16], later):  # each begins on the paused node
+            on_live = [tier.node_address(tier.name(page_key(k)))[1] != first for k in batch]
+            pool.fill(list(range(16)), seed=7)
+            before = backend.get_stats().kvoffload["remote"]
+            done = backend.batch_set_v1(batch, pool.indices(list(range(16))))
+            remote = backend.get_stats().kvoffload["remote"]
+            completed = remote["stores_completed"] - before["stores_completed"]
+            failed = remote["stores_failed"] - before["stores_failed"]
+            assert not on_live[0] and 0 < sum(on_live) < 16
+            assert done == on_live
+            assert (completed, failed) == (sum(on_live), 16 - sum(on_live))
+    finally:
+        for node in cluster.nodes:
+            if node.process is not None:
+                node.process.send_signal(signal.SIGCONT)
+        cluster.stop()
+
+
 def test_a_close_during_a_partly_failed_batch_leaves_its_stored_pages_stored(
     backends: Any, tmp_path: Path
 ) -> None:
