@@ -104,6 +104,25 @@ def test_a_spec_refused_as_bad_input_is_logged_as_one_line_naming_why(
     assert record.exc_info is None
 
 
+def test_a_job_after_close_is_logged_as_one_line_naming_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A job after shutdown is the caller's mistake, like a bad spec: its warning carried a
+    traceback from deep inside the runner."""
+    layout = LAYOUTS["tiny-f16"]
+    worker = OffloadingWorker(
+        cpu_gpu_handlers(random_layers(layout, 8, 0, separate=False), CPUBlockStore(layout, 4))
+    )
+    worker.close()
+    with caplog.at_level("WARNING", logger="kvoffload.dataplane.worker"):
+        assert not worker.transfer_async(1, (GPULoadStoreSpec([1], [1]), CPULoadStoreSpec([0])))
+    [record] = caplog.records
+    assert record.getMessage() == (
+        "job 1: GPU->CPU transfer refused: transfer job 1 refused: its runner is closed"
+    )
+    assert record.exc_info is None
+
+
 def test_handler_rejects_a_store_of_another_shape() -> None:
     layers = random_layers(LAYOUTS["tiny-f16"], 8, 0, separate=False)
     with pytest.raises(InvalidArgumentError, match="pages of"):

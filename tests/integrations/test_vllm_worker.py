@@ -216,6 +216,30 @@ def test_a_bad_job_is_refused_not_raised(vllm_modules: dict[str, ModuleType]) ->
     worker.shutdown()
 
 
+def test_a_refused_job_is_logged_as_one_line_naming_why(
+    vllm_modules: dict[str, ModuleType], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A spec out of range, or a job after shutdown, is bad input: the warning carried a
+    traceback from deep inside the data plane, the reason at its foot."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    spec = create_spec({"cpu_bytes_to_use": 4 * 2 * PAGE_BYTES}, bytes_per_block=2 * PAGE_BYTES)
+    worker = spec.get_worker(_canonical_caches(2))
+    logger = "kvoffload.integrations.vllm.worker"
+    with caplog.at_level("WARNING", logger=logger):
+        assert not worker.submit_store(1, GPULoadStoreSpec([0], [1], [0]), CPULoadStoreSpec([99]))
+        worker.shutdown()
+        assert not worker.submit_load(2, CPULoadStoreSpec([0]), GPULoadStoreSpec([0], [1], [0]))
+    records = [r for r in caplog.records if r.name == logger]
+    assert [r.getMessage() for r in records] == [
+        "kvoffload: job 1 refused, InvalidArgumentError: CPU block ids must lie in [0, 4), "
+        "got [99]",
+        "kvoffload: job 2 refused, RunnerClosedError: transfer job 2 refused: its runner is closed",
+    ]
+    assert [r.exc_info for r in records] == [None, None]
+
+
 def test_a_spec_our_conversion_refuses_is_false_not_raised(
     vllm_modules: dict[str, ModuleType],
 ) -> None:

@@ -18,6 +18,8 @@ from typing import Protocol
 
 import torch
 
+from kvoffload.core.errors import KVOffloadError
+
 logger = logging.getLogger(__name__)
 
 Job = Callable[[], None]
@@ -53,6 +55,11 @@ def _run(job_id: int, job: Job) -> bool:
     return True
 
 
+class RunnerClosedError(KVOffloadError, RuntimeError):
+    """A job submitted after its runner was closed (the worker was shut down): the
+    caller's mistake, refused in one line, not a fault inside the data plane."""
+
+
 class _ClosableRunner(ABC):
     """What both runners share: once closed, a job is refused before anything is queued.
 
@@ -67,7 +74,7 @@ class _ClosableRunner(ABC):
 
     def submit(self, job_id: int, job: Job, after_compute: bool) -> None:
         if self._closed:
-            raise RuntimeError(f"transfer job {job_id} refused: its runner is closed")
+            raise RunnerClosedError(f"transfer job {job_id} refused: its runner is closed")
         self._enqueue(job_id, job, after_compute)
 
     def close(self) -> None:

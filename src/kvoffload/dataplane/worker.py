@@ -6,7 +6,7 @@ import logging
 from collections.abc import Collection, Iterable
 from typing import Protocol
 
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.specs import LoadStoreSpec, TransferSpec, TransferType
 from kvoffload.dataplane.handlers import OffloadingHandler, TransferResult
 
@@ -89,8 +89,8 @@ class OffloadingWorker:
             return False
         try:
             submitted = handler.transfer_async(job_id, spec)
-        except InvalidArgumentError as exc:
-            # Bad input: the message says why, and a traceback would bury it.
+        except KVOffloadError as exc:
+            # Bad input, or a job after close: the message says why, a traceback would bury it.
             logger.warning("job %d: %s->%s transfer refused: %s", job_id, *pair, exc)
             return False
         except Exception as exc:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.layout import KVLayout
 from kvoffload.core.specs import CPULoadStoreSpec, GPULoadStoreSpec, TransferSpec
 from kvoffload.dataplane import CPUBlockStore, CPUGPUHandler, OffloadingHandler, cpu_gpu_handlers
@@ -161,10 +161,15 @@ class KVOffloadWorker(OffloadingWorker):  # type: ignore[misc]
 
 
 def _refuse(job_id: int, cause: str, error: Exception | None = None) -> bool:
-    """``False`` for vLLM's loop, logged; with vLLM's asserts off, an error that stops it."""
+    """``False`` for vLLM's loop, logged; with vLLM's asserts off, an error that stops it.
+
+    Bad input (a spec out of range, a job after shutdown) is one line naming why: the
+    traceback from deep inside the data plane buried the reason. Other errors keep theirs.
+    """
     if not VLLM_ASSERTS_SUCCESS:
         raise _unreportable(job_id, f"refused ({cause})") from error
-    logger.warning("kvoffload: job %d refused, %s", job_id, cause, exc_info=error)
+    trace = None if isinstance(error, KVOffloadError) else error
+    logger.warning("kvoffload: job %d refused, %s", job_id, cause, exc_info=trace)
     return False
 
 
