@@ -18,6 +18,7 @@ from kvoffload.core.cpus import usable_cpus
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.layout import layout_preset
 from kvoffload.policies import available_policies, resolve_policy
+from kvoffload.sim.plots import lower_tiers
 from kvoffload.sim.run import RunReport
 from kvoffload.sim.sweep import (
     SweepFailed,
@@ -335,4 +336,7 @@ def format_sweep(reports: list[RunReport]) -> str:
         f"GPU {output.size(first.gpu_gib * 2**30)} "
         f"({output.counted(first.gpu_blocks, 'block')}), layout {first.layout}"
     )
+    below = lower_tiers(first)
+    if below:  # their hits are in "total hit", their capacity in no column
+        title += f"; {below} each offload tier"
     return title + "\n\n" + output.column_table(headers, rows)
