@@ -38,6 +38,21 @@ def test_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert pngs == ["hit_ratio_vs_capacity.png", "hit_ratio_vs_writes.png"]
 
 
+def test_a_sweep_over_a_disk_tier_says_so_in_its_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The disk tier's hits are in "total hit", while "offload" is the CPU tier alone: the
+    table read as that of a sweep without one."""
+    args = ["sweep", "--requests", "30", "--gpu-blocks", "1500", "--cpu-blocks", "600,1200"]
+    args += ["--policies", "lru", "--thresholds", "0", "--jobs", "1", "--no-progress"]
+    assert main(args) == 0
+    assert "tier below" not in capsys.readouterr().out
+    args += ["--disk-dir", str(tmp_path / "disk"), "--disk-blocks", "3000"]
+    assert main(args) == 0
+    title = capsys.readouterr().out.splitlines()[0]
+    assert title.endswith("; a disk tier below each offload tier")
+
+
 def test_sweep_rows_carry_the_trace_format_and_one_block_is_singular(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from cli_helpers import one_line_error
 
+from kvoffload.cli.bench import tier_table
 from kvoffload.cli.main import main
 
 MOONCAKE_LIKE = '{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}'
@@ -210,3 +211,33 @@ def test_bench_transfer_bad_values_name_the_option_before_the_benchmark(
     monkeypatch.setattr(transfer, "run_from_args", _never)
     assert main(["bench", "transfer", *args]) == 1
     assert one_line_error(capsys).startswith(f"kvoffload: error: {message}")
+
+
+def test_bench_tiers_table_shows_slow_rates_in_figures_not_zeros() -> None:
+    """A disk synced each batch stores at a few MB/s: the table read "0.00" GB/s beside a
+    ratio of it, and "1 blocks"."""
+    results = {"blocks": 1, "block_bytes": 4096, "rounds": 1, "fsync": True}
+    figures = {
+        "store_gbps": 0.0042,
+        "plain_write_gbps": 0.031,
+        "store_ratio": 0.135,
+        "store_ratio_median": 0.135,
+        "load_gbps": 2.5,
+        "plain_read_gbps": 3.0,
+        "load_ratio": 0.833,
+        "load_ratio_median": 0.833,
+    }
+    results.update({f"disk_{name}": value for name, value in figures.items()})
+    _, _, row, note = tier_table(results).splitlines()
+    assert row.split() == [
+        "disk",
+        "0.0042",
+        "0.031",
+        "0.14",
+        "0.14",
+        "2.50",
+        "3.00",
+        "0.83",
+        "0.83",
+    ]
+    assert note.startswith("1 block of 4 KiB;")

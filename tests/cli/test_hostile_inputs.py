@@ -393,12 +393,42 @@ def test_a_trace_from_a_pipe_loses_no_records(tmp_path: Path) -> None:
 
 
 def test_sweep_refuses_a_trace_it_could_read_only_once(tmp_path: Path) -> None:
-    """Every run reads the trace again: from a pipe, all but the first would get nothing
+    """Every worker process reads the trace again: from a pipe, they would get nothing
     (here, with nobody writing the pipe, the first read would wait forever)."""
     fifo = tmp_path / "trace.fifo"
     os.mkfifo(fifo)
-    result = run_cli("sweep", "--trace", str(fifo), "--jobs", "1", "--no-progress")
-    _assert_one_line(result, 1, f"--trace {fifo}: sweep reads the trace once per run")
+    result = run_cli("sweep", "--trace", str(fifo), "--jobs", "2", "--no-progress")
+    _assert_one_line(
+        result, 1, f"--trace {fifo}: with --jobs 2 each worker process reads the trace again"
+    )
+    assert result.stderr.rstrip().endswith("save it to a file first, or pass --jobs 1")
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_a_sweep_of_one_job_replays_a_trace_from_a_pipe(tmp_path: Path) -> None:
+    """With --jobs 1 the runs use the workload read once, as simulate does: a pipe was
+    refused all the same, and a compressed trace had to be saved first."""
+    trace = _many_records(tmp_path / "t.jsonl")
+    sweep = [*CLI, "sweep", "--cpu-blocks", "0,4", "--policies", "lru", "--thresholds", "0"]
+    sweep += ["--jobs", "1", "--json", "-", "--trace"]
+    command = " ".join(shlex.quote(arg) for arg in sweep)
+    result = subprocess.run(
+        ["bash", "-c", f"{command} <(cat {shlex.quote(str(trace))})"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    piped = json.loads(result.stdout)
+    from_file = run_cli(*sweep[len(CLI) :], str(trace))
+    assert from_file.returncode == 0, from_file.stderr
+    timing = {"wall_seconds", "refs_per_second", "manager_us_per_block", "workload"}
+    expected = json.loads(from_file.stdout)
+    assert [r["refs"] for r in piped] == [400 * 2, 400 * 2]
+    assert [{k: v for k, v in r.items() if k not in timing} for r in piped] == [
+        {k: v for k, v in r.items() if k not in timing} for r in expected
+    ]
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")

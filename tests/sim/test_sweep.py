@@ -308,6 +308,26 @@ def test_a_long_workload_name_stays_inside_the_plot(
         assert axes.get_title().replace("\n", " ").startswith(name)
 
 
+def test_the_plots_name_the_tiers_below_the_offload_tier(
+    make_workload: MakeWorkload, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk tier's hits count in the total hit ratio, while the capacity axis is the
+    offload tier's alone: the plots read as those of a sweep without one."""
+    pytest.importorskip("matplotlib")
+    from kvoffload.sim.plots import sweep_title
+
+    workload = make_workload(*[[i % 3, 10 + i % 3] for i in range(12)])
+    config = SimConfig(2, 4, layout="tiny", disk_dir=str(tmp_path / "disk"), disk_blocks=8)
+    report = simulate(workload, config)
+    for figure in _figures([report], tmp_path / "plots", monkeypatch):
+        [axes] = figure.axes
+        assert ", a disk tier below the offload tier" in axes.get_title().replace("\n", " ")
+    both = dataclasses.replace(report, tiers={**report.tiers, "remote": {}})
+    assert sweep_title(both).endswith("GiB, disk and shared tiers below the offload tier")
+    alone = simulate(workload, SimConfig(2, 4, layout="tiny"))
+    assert sweep_title(alone) == f"{alone.workload}, GPU {alone.gpu_gib:.3g} GiB"
+
+
 def test_a_legend_says_no_filter_only_where_nothing_judges_the_writes(
     make_workload: MakeWorkload, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -232,6 +232,19 @@ def test_a_forced_format_that_does_not_match_is_refused(tmp_path: Path) -> None:
     assert read_trace(mooncake, "mooncake").block_tokens == 512
 
 
+def test_a_forced_format_refused_for_a_csv_trace_gives_the_csv_name_as_the_reason(
+    tmp_path: Path,
+) -> None:
+    """A CSV trace reads as Qwen's by its name: the refusal said "(has 'chat_id')" of a CSV
+    file with no such column."""
+    csv_trace = tmp_path / "m.csv"
+    csv_trace.write_text('timestamp,input_length,output_length,hash_ids\n0,1200,50,"0 1 2"\n')
+    with pytest.raises(TraceFormatError) as refused:
+        read_trace(csv_trace, "mooncake")
+    assert "chat_id" not in str(refused.value)
+    assert "named *.csv" in str(refused.value)
+
+
 GOOD = '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}'
 
 

@@ -287,16 +287,23 @@ def tier_table(results: dict[str, Any]) -> str:
     figures = ["store_gbps", "plain_write_gbps", "store_ratio", "store_ratio_median"]
     figures += ["load_gbps", "plain_read_gbps", "load_ratio", "load_ratio_median"]
     rows = [
-        [tier, *(f"{results[f'{tier}_{figure}']:.2f}" for figure in figures)]
+        [tier, *(_figure(results[f"{tier}_{figure}"]) for figure in figures)]
         for tier in ("disk", "remote")
         if f"{tier}_store_gbps" in results
     ]
     size = output.size(results["block_bytes"])
     rounds = results["rounds"]
     note = (
-        f"{results['blocks']} blocks of {size}; rates and ratios of the best of {rounds} "
-        f"round{'s' * (rounds != 1)}, median of the rounds' own ratios"
+        f"{output.counted(results['blocks'], 'block')} of {size}; rates and ratios of the "
+        f"best of {rounds} round{'s' * (rounds != 1)}, median of the rounds' own ratios"
     )
     if results.get("fsync"):
         note += "; synced to disk"
     return output.column_table(headers, rows) + "\n" + note
+
+
+def _figure(value: float) -> str:
+    """A rate or ratio of the table in two decimals, or two significant digits below 0.1: a
+    disk synced each batch at a few MB/s read "0.00" GB/s, beside a ratio of it the JSON
+    holds and the table did not."""
+    return f"{value:.2f}" if value >= 0.1 else f"{value:.2g}"

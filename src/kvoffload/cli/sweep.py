@@ -18,6 +18,7 @@ from kvoffload.core.cpus import usable_cpus
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.layout import layout_preset
 from kvoffload.policies import available_policies, resolve_policy
+from kvoffload.sim.plots import lower_tiers
 from kvoffload.sim.run import RunReport
 from kvoffload.sim.sweep import (
     SweepFailed,
@@ -140,10 +141,12 @@ def _check_cpu_tier(args: argparse.Namespace) -> None:
         raise InvalidArgumentError(f"{refusal}: drop 0 from {option}")
 
 
-def _check_trace_rereadable(trace: str | None) -> None:
-    """Each run reads the trace anew (in its own process, or from the path again with
-    ``--jobs 1``): a pipe would give the first its records and the rest none."""
-    if trace is None:
+def _check_trace_rereadable(trace: str | None, jobs: int) -> None:
+    """Each worker process (``--jobs`` above 1) reads the trace anew, after this process
+    has: a pipe would give this one its records and the workers none. With ``--jobs 1``
+    the runs use the workload read here, so a pipe is read once, as ``simulate`` reads it
+    (it was refused all the same)."""
+    if trace is None or jobs == 1:
         return
     try:
         mode = os.stat(trace).st_mode
@@ -151,8 +154,9 @@ def _check_trace_rereadable(trace: str | None) -> None:
         return  # reading it reports what is wrong
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
         raise InvalidArgumentError(
-            f"--trace {trace}: sweep reads the trace once per run, and a pipe or device can "
-            "be read only once; save it to a file first"
+            f"--trace {trace}: with --jobs {jobs} each worker process reads the trace again, "
+            "and a pipe or device can be read only once; save it to a file first, or pass "
+            "--jobs 1"
         )
 
 
@@ -164,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     options.check_before_work(args)
     _check_cpu_tier(args)  # before the tiers' checks, which reach a --remote server
     tier_options.check_before_work(args)
-    _check_trace_rereadable(args.trace)
+    _check_trace_rereadable(args.trace, args.jobs)
     thresholds = options.parse_ints(args.thresholds, "--thresholds", maximum=MAX_STORE_THRESHOLD)
     # 0 and 1 both mean no filter, an alias is its rule (the report names the rule), and a
     # value given twice is the same run: each distinct setting runs once.
@@ -335,4 +339,7 @@ def format_sweep(reports: list[RunReport]) -> str:
         f"GPU {output.size(first.gpu_gib * 2**30)} "
         f"({output.counted(first.gpu_blocks, 'block')}), layout {first.layout}"
     )
+    below = lower_tiers(first)
+    if below:  # their hits are in "total hit", their capacity in no column
+        title += f"; {below} each offload tier"
     return title + "\n\n" + output.column_table(headers, rows)

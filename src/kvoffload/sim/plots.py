@@ -76,12 +76,31 @@ def _set_title(axes: Any, text: str) -> None:
     axes.set_title(_title(text), parse_math=False)
 
 
+LOWER_TIER_NAMES = {"disk": "disk", "remote": "shared"}
+"""The tiers below the offload (CPU) tier, by their key in a run's ``tiers``, as the
+command line names them."""
+
+
+def lower_tiers(report: RunReport) -> str:
+    """``a disk tier below``, ``disk and shared tiers below``, or empty: their hits count
+    in the total hit ratio (promoted through the offload tier), while the capacity axis and
+    the table's ``offload`` are the offload tier's alone."""
+    names = [name for key, name in LOWER_TIER_NAMES.items() if key in report.tiers]
+    if not names:
+        return ""
+    if len(names) == 1:
+        return f"a {names[0]} tier below"
+    return f"{' and '.join(names)} tiers below"
+
+
 def sweep_title(report: RunReport) -> str:
     """The plots' title: the workload and its GPU cache, in three significant digits
-    (whole GiB from 999.5 on, where ``.3g`` turns to ``1e+03``)."""
+    (whole GiB from 999.5 on, where ``.3g`` turns to ``1e+03``), and the tiers below the
+    offload tier, if any: a sweep with a disk tier plotted as one without."""
     gib = report.gpu_gib
     size = f"{gib:.3g}" if gib < 999.5 else f"{gib:,.0f}"
-    return f"{report.workload}, GPU {size} GiB"
+    below = lower_tiers(report)
+    return f"{report.workload}, GPU {size} GiB" + (f", {below} the offload tier" if below else "")
 
 
 def _bound_line(reports: Sequence[RunReport]) -> tuple[list[float], list[float]]:

@@ -104,6 +104,8 @@ _TELLS = {
     "lmbench": "string timestamps, or nanoseconds since an epoch",
     "mooncake": "no 'chat_id', numeric timestamps below 10^16: Mooncake's milliseconds",
 }
+_CSV_TELLS = "named *.csv, and a CSV trace is read as Qwen's"
+"""Why a CSV trace reads as ``qwen`` whatever its columns (it need not have ``chat_id``)."""
 
 
 def read_trace(
@@ -148,9 +150,12 @@ def read_trace(
     if fmt == "auto":
         fmt = detected
     elif fmt != detected:
-        # The schemas differ in time unit and block size: a mix-up would run, wrongly.
+        # The schemas differ in time unit and block size: a mix-up would run, wrongly. A
+        # CSV trace is Qwen's by its name, whatever its columns: "has 'chat_id'" was said
+        # of CSV files without one.
+        tells = _CSV_TELLS if csv_file else _TELLS[detected]
         raise TraceFormatError(
-            f"{path}: looks like a {detected} trace, not {fmt} ({_TELLS[detected]}); "
+            f"{path}: looks like a {detected} trace, not {fmt} ({tells}); "
             f"pass --format {detected} or auto"
         )
     block_tokens = DEFAULT_BLOCK_TOKENS[fmt] if block_tokens is None else block_tokens
