@@ -376,18 +376,24 @@ def _many_records(path: Path, count: int = 400) -> Path:
     return path
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_a_trace_from_a_pipe_loses_no_records(tmp_path: Path) -> None:
-    """Detecting the format once read the first chunk of the pipe and threw it away."""
-    trace = _many_records(tmp_path / "t.jsonl")
-    command = " ".join(shlex.quote(arg) for arg in [*CLI, "trace-stats", "--json", "-"])
-    result = subprocess.run(
-        ["bash", "-c", f"{command} <(cat {shlex.quote(str(trace))})"],
+def _from_a_pipe(command: list[str], trace: Path) -> subprocess.CompletedProcess[str]:
+    """``command`` with ``trace``'s lines from a pipe (bash's ``<(cat ...)``) as its last
+    argument."""
+    line = " ".join(shlex.quote(arg) for arg in command)
+    return subprocess.run(
+        ["bash", "-c", f"{line} <(cat {shlex.quote(str(trace))})"],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_a_trace_from_a_pipe_loses_no_records(tmp_path: Path) -> None:
+    """Detecting the format once read the first chunk of the pipe and threw it away."""
+    trace = _many_records(tmp_path / "t.jsonl")
+    result = _from_a_pipe([*CLI, "trace-stats", "--json", "-"], trace)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["requests"] == 400
 
@@ -411,14 +417,7 @@ def test_a_sweep_of_one_job_replays_a_trace_from_a_pipe(tmp_path: Path) -> None:
     trace = _many_records(tmp_path / "t.jsonl")
     sweep = [*CLI, "sweep", "--cpu-blocks", "0,4", "--policies", "lru", "--thresholds", "0"]
     sweep += ["--jobs", "1", "--json", "-", "--trace"]
-    command = " ".join(shlex.quote(arg) for arg in sweep)
-    result = subprocess.run(
-        ["bash", "-c", f"{command} <(cat {shlex.quote(str(trace))})"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = _from_a_pipe(sweep, trace)
     assert result.returncode == 0, result.stderr
     piped = json.loads(result.stdout)
     from_file = run_cli(*sweep[len(CLI) :], str(trace))

@@ -77,3 +77,38 @@ def test_reads_beside_backups_gives_each_phases_figures(tmp_path: Path) -> None:
         assert out[f"{phase}_misses"] >= 0
     assert out["backup_pages_per_s"] > 0 and out["page_bytes"] == 128 * 1024
     assert list(tmp_path.iterdir()) == []  # its scratch directory went with it
+
+
+def test_sglang_rows_show_slow_rates_in_figures_not_zeros() -> None:
+    """A tier at a few MB/s (a disk synced each batch) read "0.00" GB/s in the table beside
+    the ratio of it the JSON held, as ``bench tiers`` did."""
+    from kvoffload.integrations.sglang.bench import table_rows
+
+    figures = {
+        "store_gbps": 0.0034,
+        "plain_store_gbps": 0.028,
+        "store_ratio": 0.12,
+        "store_ratio_median": 0.125,
+        "load_gbps": 1.5,
+        "plain_load_gbps": 1.6,
+        "load_ratio": 0.94,
+        "load_ratio_median": 0.93,
+    }
+    row = {"tier": "disk", "shape": "mha", "interface": "v1", "page_bytes": 4096, **figures}
+    _, rows, _ = table_rows({"sglang": [row], "rounds": 3, "pages": 8})
+    assert rows == [
+        [
+            "disk",
+            "mha",
+            "v1",
+            "4",
+            "0.0034",
+            "0.028",
+            "0.12",
+            "0.12",
+            "1.50",
+            "1.60",
+            "0.94",
+            "0.93",
+        ]
+    ]

@@ -282,12 +282,14 @@ def _run_sglang(args: argparse.Namespace) -> int:
 
 def tier_table(results: dict[str, Any]) -> str:
     """One row per measured tier: its GB/s beside the plain baseline's, and the ratios."""
+    from kvoffload.tiers.bench import shown_figure
+
     headers = ["tier", "store GB/s", "plain", "ratio", "median"]
     headers += ["load GB/s", "plain", "ratio", "median"]
     figures = ["store_gbps", "plain_write_gbps", "store_ratio", "store_ratio_median"]
     figures += ["load_gbps", "plain_read_gbps", "load_ratio", "load_ratio_median"]
     rows = [
-        [tier, *(_figure(results[f"{tier}_{figure}"]) for figure in figures)]
+        [tier, *(shown_figure(results[f"{tier}_{figure}"]) for figure in figures)]
         for tier in ("disk", "remote")
         if f"{tier}_store_gbps" in results
     ]
@@ -300,10 +302,3 @@ def tier_table(results: dict[str, Any]) -> str:
     if results.get("fsync"):
         note += "; synced to disk"
     return output.column_table(headers, rows) + "\n" + note
-
-
-def _figure(value: float) -> str:
-    """A rate or ratio of the table in two decimals, or two significant digits below 0.1: a
-    disk synced each batch at a few MB/s read "0.00" GB/s, beside a ratio of it the JSON
-    holds and the table did not."""
-    return f"{value:.2f}" if value >= 0.1 else f"{value:.2g}"

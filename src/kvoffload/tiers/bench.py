@@ -51,6 +51,13 @@ def _gbps(num_bytes: int, seconds: float) -> float:
     return num_bytes / seconds / 1e9 if seconds > 0 else 0.0
 
 
+def shown_figure(value: float) -> str:
+    """A rate or ratio of a bench table in two decimals, or two significant digits below
+    0.1: a disk synced each batch at a few MB/s read "0.00" GB/s beside a ratio of it that
+    the JSON holds and the table did not."""
+    return f"{value:.2f}" if value >= 0.1 else f"{value:.2g}"
+
+
 def scratch_path(directory: str | None) -> Path:
     """A fresh name for a benchmark's scratch directory under ``directory`` (default: the
     system's temporary one), not yet made. The caller makes it inside the ``try`` whose

@@ -32,7 +32,7 @@ import torch
 
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.memory import check_fits
-from kvoffload.tiers.bench import BenchBlocks, RawSockets, scratch_path
+from kvoffload.tiers.bench import BenchBlocks, RawSockets, scratch_path, shown_figure
 from kvoffload.tiers.remote import RemoteTier
 from kvoffload.tiers.slot_file import footprint
 
@@ -456,7 +456,7 @@ def table_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]], str
         cells = [row["tier"], row["shape"], row["interface"], f"{row['page_bytes'] / 1024:.0f}"]
         for what in ("store", "load"):
             cells += [
-                f"{row[figure]:.2f}"
+                shown_figure(row[figure])
                 for figure in (
                     f"{what}_gbps",
                     f"plain_{what}_gbps",
