@@ -16,7 +16,6 @@ fallback: boundaries guessed from the call order
 
 from __future__ import annotations
 
-import operator
 from abc import abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from typing import Any
 from kvoffload.admission.minisim import WhatIf
 from kvoffload.admission.params import is_finite, shown
 from kvoffload.admission.requests import RequestTracker
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InvalidArgumentError, integer_value
 from kvoffload.core.keys import SINGLE_KEY_TYPES, OffloadKey, refuse_single_key
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import LoadStoreSpec
@@ -280,10 +279,7 @@ def check_looked_up(tier_hit: bool, looked_up: bool) -> None:
 
 def _count(name: str, value: object) -> int:
     """``value`` as an int >= 0, or :class:`InvalidArgumentError` naming ``name``."""
-    try:
-        number = -1 if isinstance(value, bool) else operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        number = -1
-    if number < 0:
+    number = integer_value(value)
+    if number is None or number < 0:
         raise InvalidArgumentError(f"{name} must be an integer >= 0, got {value!r}")
     return number

@@ -8,6 +8,8 @@ both ``except KVOffloadError`` and ``except KeyError`` work.
 
 from __future__ import annotations
 
+import operator
+
 
 class KVOffloadError(Exception):
     """Base class of every error kvoffload raises for bad input."""
@@ -61,6 +63,17 @@ def check_integer(name: str, value: object, minimum: int, maximum: int | None = 
     ):
         bound = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum:,}"
         raise InvalidArgumentError(f"{name} must be an integer {bound}, got {value!r}")
+
+
+def integer_value(value: object) -> int | None:
+    """``value`` as an int if it is one of any integer type (``operator.index``: NumPy's,
+    a 0-d tensor's), else ``None``: a bool (an int to Python), a float, a str."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 SHOWN_CHARS = 60

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import math
-import operator
 import re
 import socket
 import threading
@@ -28,7 +27,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, RestrictedRegistry
 
 from kvoffload.admission.base import AdmissionStats
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InvalidArgumentError, integer_value
 from kvoffload.core.tier_protocol import LowerTier
 from kvoffload.observe.counters import COUNTER_DOCS, LatencyHistogram, ManagerCounters
 
@@ -385,11 +384,8 @@ def _port(port: object) -> int:
     """``port`` as an int in 0..65535: any integer type (``operator.index``: a NumPy integer
     read from a config array was refused as if out of range), not a bool (True served on
     port 1), a float or a str (each raised a bare ``TypeError``)."""
-    try:
-        number = -1 if isinstance(port, bool) else operator.index(port)  # type: ignore[arg-type]
-    except TypeError:
-        number = -1
-    if not 0 <= number <= 65535:
+    number = integer_value(port)
+    if number is None or not 0 <= number <= 65535:
         raise InvalidArgumentError(f"metrics port must be an integer in 0..65535, got {port!r}")
     return number
 
