@@ -1254,24 +1254,26 @@ class _QueuedRead:
             self.outcome.set_result(future.result())
 
 
+def _failing(node: _Node, lane: Callable[[_Node], CircuitBreaker] | None = None) -> bool:
+    """Whether ``node``'s last call, or last call of ``lane`` (its reads or its writes: a
+    node that drips values still answers look-ups), failed."""
+    return node.breaker.failing or (lane is not None and lane(node).failing)
+
+
 def _failing_last(groups: dict[_Node, list[int]]) -> list[tuple[_Node, list[int]]]:
-    """Each node's part of an operation under one deadline, a node whose last call failed
-    (hung, paused, partitioned) after the others: first, it spent the whole deadline and the
+    """Each node's part of an operation under one deadline, a :func:`_failing` node (hung,
+    paused, partitioned) after the others: first, it spent the whole deadline and the
     healthy nodes after it were never asked (their blocks failed, or read as absent)."""
-    return sorted(groups.items(), key=lambda part: part[0].breaker.failing)
+    return sorted(groups.items(), key=lambda part: _failing(part[0]))
 
 
 def _first_hops(
     groups: dict[_Node, list[int]], lane: Callable[[_Node], CircuitBreaker] | None = None
 ) -> list[_Job]:
-    """The jobs of each node's part, unredirected, as a stack popped from its end: a node
-    whose last call, or last call of ``lane`` (its reads or its writes: a node that drips
-    values still answers look-ups), failed is popped after the others, as in
-    :func:`_failing_last`."""
+    """The jobs of each node's part, unredirected, as a stack popped from its end: a
+    :func:`_failing` node is popped after the others, as in :func:`_failing_last`."""
     jobs: list[_Job] = [(node, got, False, 0) for node, got in groups.items()]
-    if lane is None:
-        return sorted(jobs, key=lambda job: not job[0].breaker.failing)
-    return sorted(jobs, key=lambda job: not (job[0].breaker.failing or lane(job[0]).failing))
+    return sorted(jobs, key=lambda job: not _failing(job[0], lane))
 
 
 def _allow(breakers: tuple[CircuitBreaker, ...]) -> list[tuple[CircuitBreaker, Pass]] | None:
