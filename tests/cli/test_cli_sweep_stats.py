@@ -211,6 +211,23 @@ def test_trace_stats_says_when_no_block_is_reused(
     assert [stats[f"reuse_distance_{p}"] for p in ("p50", "p90", "p99")] == [None, None, None]
 
 
+@pytest.mark.parametrize(
+    ("last_ms", "shown"),
+    [("30", "30.0 ms"), ("0.0004", "400.0 ns"), ("999.96", "1.0 s"), ("0", "0.0 s")],
+)
+def test_trace_stats_shows_a_short_span_in_a_unit_it_fills(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], last_ms: str, shown: str
+) -> None:
+    """A trace of 30 ms read "duration 0.0 s", as if all its requests came at once."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 32, "output_length": 1, "hash_ids": [1, 2]}\n'
+        f'{{"timestamp": {last_ms}, "input_length": 16, "output_length": 1, "hash_ids": [1]}}\n'
+    )
+    assert main(["trace-stats", str(trace), "--block-size", "16"]) == 0
+    assert f"duration                 {shown}" in capsys.readouterr().out.splitlines()
+
+
 def test_trace_stats_shows_progress_on_stderr_when_asked(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -70,9 +70,21 @@ LONGEST_PLAIN_SECONDS = 1e12
 scientific notation, not as every digit of it (hundreds near a float's limit)."""
 
 
+SPAN_UNITS = ((1.0, "s"), (1e-3, "ms"), (1e-6, "us"), (1e-9, "ns"))
+"""Units for a span, the largest it fills first: in tenths of a second alone, a real
+trace of 30 ms read ``0.0 s``, as if all its requests arrived at once."""
+
+
 def _seconds(value: float) -> str:
-    """A span in seconds, in plain digits when it is short enough to read that way."""
-    return f"{value:,.1f} s" if value < LONGEST_PLAIN_SECONDS else f"{value:.3g} s"
+    """A span in plain digits when it is short enough to read that way, in the largest unit
+    it fills (``30.0 ms``; one it rounds up to, ``1.0 s`` for 0.99996 s, not ``1000.0 ms``)."""
+    if value >= LONGEST_PLAIN_SECONDS:
+        return f"{value:.3g} s"
+    for scale, unit in SPAN_UNITS:
+        if round(value / scale, 1) >= 1:
+            return f"{value / scale:,.1f} {unit}"
+    # None (a single request), or under a nanosecond: finer than any trace's clock.
+    return "0.0 s" if value == 0 else f"{value:.3g} s"
 
 
 def _distance(blocks: int | None) -> str:
