@@ -68,14 +68,25 @@ def test_plots_are_png(tmp_path: Path) -> None:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize(("gib", "shown"), [(24.0, "24"), (999.4, "999"), (1000.0, "1,000")])
+@pytest.mark.parametrize(
+    ("gib", "shown"),
+    [
+        (24.0, "24 GiB"),
+        (999.4, "999 GiB"),
+        (1000.0, "1,000 GiB"),
+        (0.5, "512 MiB"),
+        (2**-17, "8 KiB"),  # two blocks of the tiny layout, which read "7.63e-06 GiB"
+        (0.9996 / 2**10, "1 MiB"),  # not "1,024 KiB"
+        (256 / 2**30, "256 B"),
+    ],
+)
 def test_the_plot_title_never_shows_an_exponent(gib: float, shown: str) -> None:
     pytest.importorskip("matplotlib")
     from kvoffload.sim.plots import sweep_title
 
     [report] = run_sweep(SOURCE, configs()[:1], jobs=1)
     report = dataclasses.replace(report, gpu_gib=gib)
-    assert sweep_title(report) == f"{report.workload}, GPU {shown} GiB"
+    assert sweep_title(report) == f"{report.workload}, GPU {shown}"
 
 
 def test_interrupted_sweep_keeps_the_finished_runs() -> None:
@@ -323,9 +334,9 @@ def test_the_plots_name_the_tiers_below_the_offload_tier(
         [axes] = figure.axes
         assert ", a disk tier below the offload tier" in axes.get_title().replace("\n", " ")
     both = dataclasses.replace(report, tiers={**report.tiers, "remote": {}})
-    assert sweep_title(both).endswith("GiB, disk and shared tiers below the offload tier")
+    assert sweep_title(both).endswith("GPU 8 KiB, disk and shared tiers below the offload tier")
     alone = simulate(workload, SimConfig(2, 4, layout="tiny"))
-    assert sweep_title(alone) == f"{alone.workload}, GPU {alone.gpu_gib:.3g} GiB"
+    assert sweep_title(alone) == f"{alone.workload}, GPU 8 KiB"  # not 7.63e-06 GiB
 
 
 def test_a_legend_says_no_filter_only_where_nothing_judges_the_writes(

@@ -93,14 +93,26 @@ def lower_tiers(report: RunReport) -> str:
     return f"{' and '.join(names)} tiers below"
 
 
+UNITS_PER_GIB = (("GiB", 1), ("MiB", 2**10), ("KiB", 2**20), ("B", 2**30))
+
+
+def _size(gib: float) -> str:
+    """``gib`` GiB in the largest binary unit it fills once shown in three significant
+    digits (the tiny layout's GPU cache read ``7.63e-06 GiB``), whole units from 999.5
+    on, where ``.3g`` turns to ``1e+03``."""
+    unit, per_gib = next(
+        ((u, n) for u, n in UNITS_PER_GIB if float(f"{gib * n:.3g}") >= 1), UNITS_PER_GIB[-1]
+    )
+    value = gib * per_gib
+    return f"{value:.3g} {unit}" if value < 999.5 else f"{value:,.0f} {unit}"
+
+
 def sweep_title(report: RunReport) -> str:
-    """The plots' title: the workload and its GPU cache, in three significant digits
-    (whole GiB from 999.5 on, where ``.3g`` turns to ``1e+03``), and the tiers below the
-    offload tier, if any: a sweep with a disk tier plotted as one without."""
-    gib = report.gpu_gib
-    size = f"{gib:.3g}" if gib < 999.5 else f"{gib:,.0f}"
+    """The plots' title: the workload and the size of its GPU cache, and the tiers below
+    the offload tier, if any: a sweep with a disk tier plotted as one without."""
     below = lower_tiers(report)
-    return f"{report.workload}, GPU {size} GiB" + (f", {below} the offload tier" if below else "")
+    title = f"{report.workload}, GPU {_size(report.gpu_gib)}"
+    return title + (f", {below} the offload tier" if below else "")
 
 
 def _bound_line(reports: Sequence[RunReport]) -> tuple[list[float], list[float]]:
