@@ -204,6 +204,35 @@ def test_a_write_budget_that_cannot_run_is_refused_before_the_workload(
     assert err.startswith(f"kvoffload: error: {message}") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    ("settings", "option"),
+    [
+        (["--admission", "recommended", "--write-budget", "1e308dwpd"], "--write-budget"),
+        # Past a float only at the disk tier's bytes: passed the run's settings, refused
+        # once the stack was built.
+        (["--admission", "recommended", "--write-budget", "1e303dwpd"], "--write-budget"),
+        (
+            ["--disk-admission", "recommended", "--disk-write-budget", "1e308dwpd"],
+            "--disk-write-budget",
+        ),
+    ],
+)
+def test_a_budget_past_a_float_on_its_drive_names_its_option(
+    settings: list[str], option: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both budgets read "a write budget of 1e+308 drive writes per day comes to more
+    bytes a day than a float holds": which of them, it did not say."""
+    disk = ["--disk-dir", str(tmp_path / "disk"), "--disk-blocks", "1000"]
+    assert main([*SMALL, *TIER, *disk, *settings]) == 1
+    err = capsys.readouterr().err
+    amount = settings[-1].removesuffix("dwpd").replace("e3", "e+3")
+    assert err == (
+        f"kvoffload: error: {option}: a write budget of {amount} drive writes per day comes "
+        "to more bytes a day than a float holds on its drive: give a finite one, or leave it "
+        "out for no budget\n"
+    )
+
+
 def test_a_write_budget_needs_the_optimiser_and_keeps_to_it(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -154,7 +154,7 @@ class SimConfig:
         drive = self.drive_bytes
         if drive is None and self.disk_dir is not None:
             drive = self.disk_blocks * bytes_per_block
-        return _sized(self.write_budget, bytes_per_block, drive)
+        return _sized(self.write_budget, bytes_per_block, drive, "--write-budget")
 
     @property
     def has_lower_tiers(self) -> bool:
@@ -197,12 +197,16 @@ class SimConfig:
                 self.disk_write_budget,
                 bytes_per_block,
                 self.drive_bytes or self.disk_blocks * bytes_per_block,
+                "--disk-write-budget",
             ),
             disk_admission_params=self.disk_admission_params,
             remote_admission=self.remote_admission,
             remote_admission_params=self.remote_admission_params,
             remote_write_budget=_sized(
-                self.remote_write_budget, bytes_per_block, self.remote_blocks * bytes_per_block
+                self.remote_write_budget,
+                bytes_per_block,
+                self.remote_blocks * bytes_per_block,
+                "--remote-write-budget",
             ),
             enable_events=enable_events,
             wait_for_tiers=True,
@@ -602,13 +606,17 @@ def whatif_table(figures: Sequence[WhatIf]) -> dict[str, dict[str, dict[str, flo
 
 
 def _sized(
-    budget: float | WriteBudget | None, bytes_per_block: int, drive_bytes: int | None
+    budget: float | WriteBudget | None, bytes_per_block: int, drive_bytes: int | None, option: str
 ) -> WriteBudget | None:
-    """``budget`` with the block and drive sizes a per-time budget converts with."""
+    """``budget`` with the block and drive sizes a per-time budget converts with; an error
+    names ``option``, the budget's: with budgets of two tiers, it said neither."""
     if budget is None:
         return None
     sized = WriteBudget.parse(budget).sized(bytes_per_block, drive_bytes or None)
-    sized.check()
+    try:
+        sized.check()
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"{option}: {exc}") from None
     return sized
 
 
