@@ -13,6 +13,7 @@ import pytest
 from kvoffload.cli.app import build_parser
 from kvoffload.cli.main import main
 from kvoffload.sim import Workload, read_trace, sources
+from tier_servers import ValkeyProcess
 
 
 def test_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -322,3 +323,20 @@ def test_a_plot_that_cannot_be_written_still_shows_the_runs(
         f"kvoffload: error: --plot-dir {plots / 'hit_ratio_vs_capacity.png'}: "
         "cannot write: Is a directory\n"
     )
+
+
+def test_a_sweep_against_one_server_counts_runs_by_their_blocks(
+    own_server: ValkeyProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two sizes in GiB of one block count are one run, which a shared tier allows; they
+    were refused as two."""
+    own_server.start()
+    sweep = ["sweep", "--requests", "20", "--gpu-blocks", "1500", "--policies", "lru"]
+    sweep += ["--thresholds", "0", "--layout", "tiny", "--jobs", "1", "--no-progress"]
+    sweep += ["--remote", own_server.url, "--json", "-"]
+    assert main([*sweep, "--cpu-gb", "0.001,0.0010000001"]) == 0
+    [report] = json.loads(capsys.readouterr().out)
+    assert report["cpu_blocks"] == 262
+    assert main([*sweep, "--cpu-gb", "0.001,0.002"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvoffload: error: --remote: the 2 runs of this sweep would share")

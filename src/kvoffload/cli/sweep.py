@@ -189,7 +189,10 @@ def run(args: argparse.Namespace) -> int:
     if args.cpu_gb is not None:
         capacities = len(set(options.parse_floats(args.cpu_gb, "--cpu-gb", options.MAX_GIB)))
     runs = capacities * len(policies) * len(thresholds) * len(admissions)
-    tier_options.check_one_run_with_remote(args, runs)
+    # Sizes in GiB may round to one block count (one run): counted again once sized.
+    tier_options.check_one_run_with_remote(
+        args, runs if args.cpu_gb is None else runs // capacities
+    )
     # Each worker draws its own copy of a synthetic workload (at most one a run).
     source = options.workload_source(args, 0 if args.jobs == 1 else min(args.jobs, runs))
     workload = options.load_workload(source, args.progress)
@@ -208,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
         thresholds,
         admissions,
     )
+    tier_options.check_one_run_with_remote(args, len(configs))
     configs = tier_options.separate_disk_dirs(configs)
     bar = ProgressBar("sweep", ProgressBar.wanted(args.progress))
     try:
