@@ -383,3 +383,20 @@ def test_a_workload_name_with_dollar_signs_is_plotted_as_written(
         "hit_ratio_vs_capacity.png",
         "hit_ratio_vs_writes.png",
     ]
+
+
+def test_rules_with_the_same_figures_stay_apart_in_the_plots(
+    make_workload: MakeWorkload, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two rules with the same writes and hits drew one line over the other: the plot
+    showed one rule. Each line now has a style and marker of its own, hollow markers."""
+    pytest.importorskip("matplotlib")
+    plain = _small_report(make_workload)
+    runs = [plain, dataclasses.replace(plain, policy="arc")]
+    for figure in _figures(runs, tmp_path, monkeypatch):
+        lines = [line for line in figure.axes[0].get_lines() if line.get_label() != "Belady bound"]
+        assert [line.get_label() for line in lines] == ["lru, no filter", "arc, no filter"]
+        assert list(lines[0].get_xydata().flat) == list(lines[1].get_xydata().flat)
+        styles = {(line.get_linestyle(), line.get_marker()) for line in lines}
+        assert len(styles) == 2
+        assert all(line.get_fillstyle() == "none" for line in lines)

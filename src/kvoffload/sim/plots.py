@@ -60,6 +60,23 @@ def _floats(line: Sequence[RunReport], name: str) -> list[float]:
     return [float("nan") if v is None else float(v) for v in values]
 
 
+LINE_STYLES = ("-", "--", "-.", ":")
+MARKERS = ("o", "s", "^", "v", "D", "P")
+"""Each configuration's line and marker, hollow: two rules with the same figures drew one
+line over the other, and the plot showed one of them. Dashes let the line beneath show
+through, and hollow markers of different shapes both show at a shared point; the two
+cycles give 12 configurations a pair of their own."""
+
+
+def _line_style(index: int) -> dict[str, str]:
+    """The line style, marker and fill of the ``index``-th configuration's line."""
+    return {
+        "linestyle": LINE_STYLES[index % len(LINE_STYLES)],
+        "marker": MARKERS[index % len(MARKERS)],
+        "fillstyle": "none",
+    }
+
+
 TITLE_CHARS = 64
 """Characters of a title line that fit above the plot: a longer title (the synthetic mix's
 name, a long trace path) is wrapped, not cut off at both edges."""
@@ -138,9 +155,12 @@ def _capacity_figure(reports: Sequence[RunReport]) -> Any:
     Belady bound where one is known."""
     figure = _figure()
     axes = figure.add_subplot()
-    for label, line in _lines(reports).items():
+    for index, (label, line) in enumerate(_lines(reports).items()):
         axes.plot(
-            _floats(line, "cpu_gib"), _floats(line, "total_hit_ratio"), marker="o", label=label
+            _floats(line, "cpu_gib"),
+            _floats(line, "total_hit_ratio"),
+            label=label,
+            **_line_style(index),
         )
     capacities, bounds = _bound_line(reports)
     if bounds:  # none with lower tiers, or runs without one: no empty legend entry
@@ -165,12 +185,12 @@ def _writes_figure(reports: Sequence[RunReport]) -> Any:
     """Total hit ratio against offload writes per block reference, each point a capacity."""
     figure = _figure()
     axes = figure.add_subplot()
-    for label, line in _lines(reports).items():
+    for index, (label, line) in enumerate(_lines(reports).items()):
         axes.plot(
             _floats(line, "writes_per_ref"),
             _floats(line, "total_hit_ratio"),
-            marker="o",
             label=label,
+            **_line_style(index),
         )
     axes.set(xlabel="offload writes per block reference", ylabel="total hit ratio (GPU + offload)")
     _set_title(axes, f"{sweep_title(reports[0])}: each point one capacity")
