@@ -1,7 +1,11 @@
-"""A synthetic workload the machine cannot draw is refused before it is drawn, on one line
-that names the options that size it: the count, the mix and the block size."""
+"""A workload the machine cannot hold is refused before it is built, on one line that names
+the options that size it: a synthetic one's count, mix and block size, and the trace a
+sweep's workers each read again."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 from cli_helpers import one_line_error
@@ -55,3 +59,26 @@ def test_a_sweep_counts_the_copy_each_worker_draws(
     err = one_line_error(capsys)
     assert "error: --jobs 4: --requests 600 of the default mix at 16 tokens per block, " in err
     assert "drawn by each of 4 workers and here, would need about 0.1 GiB of memory" in err
+
+
+def test_a_sweep_counts_the_copy_of_the_trace_each_worker_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each worker reads the trace again, at once: some 2.3 MB here, 9 MB for four, more
+    than 6 MiB. A trace of 25 MB took 500 MiB in each; nothing checked that they fit."""
+    trace = tmp_path / "t.jsonl"
+    lines = (
+        f'{{"timestamp": {i}, "input_length": 10240, "output_length": 1, '
+        f'"hash_ids": {list(range(20 * i, 20 * i + 20))}}}\n'
+        for i in range(500)
+    )
+    trace.write_text("".join(lines))
+    monkeypatch.setattr(memory, "available_bytes", lambda: 6 * MIB)
+    argv = ["sweep", "--trace", str(trace), "--gpu-blocks", "100", "--no-progress"]
+    argv += ["--policies", "lru", "--thresholds", "0", "--cpu-blocks", "100,200,300,400"]
+    assert main([*argv, "--jobs", "4"]) == 1
+    err = one_line_error(capsys)
+    assert f"error: --jobs 4: the trace {trace}, read again by each of 4 workers, would " in err
+    assert err.endswith("; pass a smaller --jobs (with --jobs 1 the runs use the copy read here)\n")
+    assert main([*argv, "--jobs", "1", "--json", "-"]) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 4

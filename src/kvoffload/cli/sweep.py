@@ -15,8 +15,9 @@ from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD
 from kvoffload.cli import options, output, tier_options
 from kvoffload.cli.progress import ProgressBar
 from kvoffload.core.cpus import usable_cpus
-from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
+from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError, KVOffloadError
 from kvoffload.core.layout import layout_preset
+from kvoffload.core.memory import check_fits
 from kvoffload.policies import available_policies, resolve_policy
 from kvoffload.sim.plots import lower_tiers
 from kvoffload.sim.run import RunReport
@@ -26,7 +27,10 @@ from kvoffload.sim.sweep import (
     SweepStopped,
     run_sweep,
     sweep_configs,
+    worker_processes,
 )
+from kvoffload.sim.traces import estimated_read_bytes
+from kvoffload.sim.workload import Workload
 
 DEFAULT_FACTORS = (1, 2, 4, 8)
 """Offload capacities swept by default, in GPU caches."""
@@ -160,6 +164,22 @@ def _check_trace_rereadable(trace: str | None, jobs: int) -> None:
         )
 
 
+def _check_trace_copies_fit(args: argparse.Namespace, workload: Workload, workers: int) -> None:
+    """Refuse a sweep whose worker processes (``--jobs`` above 1) cannot each read the
+    trace again, as a synthetic workload drawn by each is refused: they read it at once,
+    at up to some 20 times its file's size each, and nothing checked that they fit. With
+    ``--jobs 1`` the runs use the copy read here."""
+    if args.trace is None or not workers:
+        return
+    what = f"--jobs {args.jobs}: the trace {args.trace}, read again by each of {workers} workers,"
+    try:
+        check_fits(workers * estimated_read_bytes(workload), what)
+    except InsufficientMemoryError as exc:
+        raise InsufficientMemoryError(
+            f"{exc}; pass a smaller --jobs (with --jobs 1 the runs use the copy read here)"
+        ) from None
+
+
 def run(args: argparse.Namespace) -> int:
     table = tier_options.param_list_wanted(args)
     if table is not None:
@@ -212,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
         admissions,
     )
     tier_options.check_one_run_with_remote(args, len(configs))
+    _check_trace_copies_fit(args, workload, worker_processes(configs, args.jobs))
     configs = tier_options.separate_disk_dirs(configs)
     bar = ProgressBar("sweep", ProgressBar.wanted(args.progress))
     try:

@@ -142,16 +142,7 @@ def run_sweep(
     """
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise InvalidArgumentError(f"jobs must be an integer >= 1, got {jobs!r}")
-    if all(c.concurrency == 1 and not c.has_lower_tiers for c in configs):
-        bound_configs: dict[BoundKey, SimConfig] = {}
-        for config in configs:
-            bound_configs.setdefault(_bound_key(config), config)
-        bound_keys = sorted(bound_configs)
-        tasks: list[Task] = [(source, c, False) for c in configs]
-        tasks += [(source, bound_configs[key], True) for key in bound_keys]
-    else:  # each run its own bound, or none
-        bound_keys = []
-        tasks = [(source, dataclasses.replace(c, bound=True), False) for c in configs]
+    tasks, bound_keys = _tasks(source, configs)
     results: list[RunReport | BeladyResult | None] = [None] * len(tasks)
     try:
         if jobs == 1:
@@ -176,6 +167,28 @@ def run_sweep(
     if len(reports) != len(configs):
         raise RuntimeError("a sweep run returned no report")
     return reports
+
+
+def _tasks(
+    source: WorkloadSource, configs: Sequence[SimConfig]
+) -> tuple[list[Task], list[BoundKey]]:
+    """The runs of ``configs`` and the bounds they share, and the keys of those bounds
+    (none where each run computes its own bound, or has none)."""
+    if all(c.concurrency == 1 and not c.has_lower_tiers for c in configs):
+        bound_configs: dict[BoundKey, SimConfig] = {}
+        for config in configs:
+            bound_configs.setdefault(_bound_key(config), config)
+        bound_keys = sorted(bound_configs)
+        tasks: list[Task] = [(source, c, False) for c in configs]
+        tasks += [(source, bound_configs[key], True) for key in bound_keys]
+        return tasks, bound_keys
+    return [(source, dataclasses.replace(c, bound=True), False) for c in configs], []
+
+
+def worker_processes(configs: Sequence[SimConfig], jobs: int) -> int:
+    """How many worker processes :func:`run_sweep` starts for ``configs`` on ``jobs``,
+    each building its own copy of the workload (none with ``jobs`` 1)."""
+    return 0 if jobs == 1 else min(jobs, len(_tasks(WorkloadSource(), configs)[0]))
 
 
 def _reason(exc: Exception) -> str:
