@@ -862,6 +862,26 @@ def test_an_endpoint_the_subscriber_cannot_use_is_refused_naming_it(bind: bool) 
     assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("topic", b"kvoffload", "topic must be a str, got b'kvoffload'"),
+        ("topic", None, "topic must be a str, got None"),
+        ("topic", "\udcff", "topic must be UTF-8"),
+        ("replay_timeout_s", "5", "replay_timeout_s must be a finite number of seconds"),
+        ("replay_timeout_s", None, "replay_timeout_s must be a finite number of seconds"),
+    ],
+)
+def test_a_subscriber_topic_or_replay_timeout_of_another_type_is_refused_naming_it(
+    option: str, value: Any, message: str
+) -> None:
+    """A bytes topic (ZMQ's frames are bytes) raised ``AttributeError`` from inside, one that
+    is no UTF-8 ``UnicodeEncodeError``, and a replay timeout given as text ``TypeError``
+    from a comparison; each is now refused as the publisher refuses them, naming it."""
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        KVEventSubscriber(LOCAL, LOCAL, bind=True, **{option: value})
+
+
 def test_a_replay_endpoint_the_subscriber_cannot_use_is_refused_when_made() -> None:
     """A replay endpoint ZMQ cannot parse was taken, then raised ``ZMQError`` out of the
     first ``receive`` that saw a gap, and the live batch that showed it was lost."""

@@ -572,6 +572,29 @@ def test_a_label_value_that_is_no_str_is_refused_when_the_collector_is_made() ->
         assert scrape(server.port)['kvoffload_lookups_total{rank="0"}'] == 0
 
 
+def test_an_admission_collectors_tier_that_is_no_str_is_refused_when_it_is_made() -> None:
+    """``AdmissionCollector(stats, tier=1)`` was taken as ``ManagerCollector``'s int label
+    was: every scrape of the endpoint then failed, a 500 for the other collectors' metrics
+    too, as soon as the optimiser had figures to export."""
+    from kvoffload.admission import find_admission
+    from kvoffload.managers import StackConfig, build_cpu_stack
+    from kvoffload.observe.counters import ManagerCounters
+    from kvoffload.observe.metrics import AdmissionCollector
+
+    layer = find_admission(build_cpu_stack(StackConfig(64, admission="recommended")).manager)
+    assert layer is not None and layer.stats().whatif
+    with MetricsServer(0) as server:
+        server.add(ManagerCollector(ManagerCounters, {"tier": "cpu"}))
+        int_tier: Any = 1
+        refused = "metric label 'tier' must be a str, got 1"
+        with pytest.raises(InvalidArgumentError, match=re.escape(refused)):
+            server.add(AdmissionCollector(layer.stats, int_tier))
+        server.add(AdmissionCollector(layer.stats, "1"))
+        metrics = scrape_labelled(server.port)
+    assert metrics["kvoffload_lookups_total", frozenset({("tier", "cpu")})] == 0
+    assert metrics["kvoffload_admission_switches_total", frozenset({("tier", "1")})] == 0
+
+
 @pytest.mark.parametrize("name", ["", "__name__", "__meta", "tier-name", "9rank"])
 def test_a_label_name_prometheus_refuses_is_refused_when_the_collector_is_made(
     name: str,

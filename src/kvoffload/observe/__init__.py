@@ -3,7 +3,7 @@
 Fed from a manager's calls and ``take_events()`` by :class:`ObservedManager`;
 imported by ``sim``, ``cli`` and ``integrations``, never by ``core`` or
 ``managers``. pyzmq, msgspec and prometheus_client are imported only by the
-modules that need them (``events``, ``metrics``).
+modules that need them (``publisher`` and ``subscriber``, ``events``, ``metrics``).
 """
 
 from kvoffload.observe.counters import ManagerCounters

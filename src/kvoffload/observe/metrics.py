@@ -231,12 +231,13 @@ class AdmissionCollector(Collector):
 
     ``tier`` names a lower tier's own layer (``disk``, ``remote``): its series carry it as
     a ``tier`` label, as the other per-tier metrics do. The CPU tier's layer has no such
-    label (``tier=None``), so the series it always exported stay as they were.
+    label (``tier=None``), so the series it always exported stay as they were. A ``tier``
+    that is no str is refused as a :class:`ManagerCollector` label is (:func:`checked_labels`).
     """
 
     def __init__(self, stats: Callable[[], AdmissionStats], tier: str | None = None) -> None:
         self._stats = stats
-        self._tier = () if tier is None else (tier,)
+        self._tier = () if tier is None else (checked_labels({"tier": tier})["tier"],)
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()

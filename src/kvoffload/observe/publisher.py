@@ -34,6 +34,18 @@ EventsOf = Callable[[Sequence[OffloadingEvent]], list[Any]]
 """Turns the manager's events into another engine's event structs (``to_events``)."""
 
 
+def topic_bytes(topic: object) -> bytes:
+    """``topic`` as the bytes a ZMQ frame carries; :class:`InvalidArgumentError` for one that
+    is no str (``b"kvoffload"``, ``None``) or no UTF-8, which raised ``AttributeError`` or
+    ``UnicodeEncodeError`` from inside."""
+    if not isinstance(topic, str):
+        raise InvalidArgumentError(f"topic must be a str, got {topic!r}")
+    try:
+        return topic.encode()
+    except UnicodeEncodeError:
+        raise InvalidArgumentError(f"topic must be UTF-8, got {topic!r}") from None
+
+
 def is_ipv6(endpoint: str) -> bool:
     """A ``tcp://[ADDRESS]:PORT`` endpoint: ZMQ sockets refuse IPv6 unless told (``zmq.IPV6``)."""
     return endpoint.startswith("tcp://[")
@@ -77,12 +89,7 @@ class KVEventPublisher:
         # Sent in every batch: a str one was taken, and no subscriber decoded a batch.
         check_integer("block_size", block_size, 1)
         check_integer("data_parallel_rank", data_parallel_rank, 0)
-        if not isinstance(topic, str):
-            raise InvalidArgumentError(f"topic must be a str, got {topic!r}")
-        try:
-            self.topic = topic.encode()
-        except UnicodeEncodeError:
-            raise InvalidArgumentError(f"topic must be UTF-8, got {topic!r}") from None
+        self.topic = topic_bytes(topic)
         if not isinstance(int_block_hashes, bool):  # "no" is not "off" by accident
             raise InvalidArgumentError(
                 f"int_block_hashes must be true or false, got {int_block_hashes!r}"

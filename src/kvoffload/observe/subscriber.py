@@ -17,7 +17,7 @@ import zmq
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.observe.events import AllBlocksCleared, DecodeError, KVEventBatch, decode_batch
-from kvoffload.observe.publisher import END_SEQ, is_ipv6
+from kvoffload.observe.publisher import END_SEQ, is_ipv6, topic_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -68,14 +68,16 @@ class KVEventSubscriber:
         replay_timeout_s: float = 5.0,
         bind: bool = False,
     ) -> None:
-        if not 0 <= replay_timeout_s < math.inf:  # ZMQ waits without end for a negative time
+        # ZMQ waits without end for a negative time; a str compared raised TypeError.
+        if not (isinstance(replay_timeout_s, int | float) and 0 <= replay_timeout_s < math.inf):
             raise InvalidArgumentError(
-                f"replay_timeout_s must be finite and >= 0, got {replay_timeout_s!r}"
+                f"replay_timeout_s must be a finite number of seconds >= 0, "
+                f"got {replay_timeout_s!r}"
             )
+        self._topic = topic_bytes(topic)
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         if replay_endpoint is not None:
             self._check_replay_endpoint(replay_endpoint)
-        self._topic = topic.encode()
         self._sub = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         if is_ipv6(endpoint):
