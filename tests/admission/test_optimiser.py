@@ -705,7 +705,7 @@ def test_mini_simulation_checks_its_arguments() -> None:
     [
         ({"window_tiers": 0}, "'window_tiers' of 'optimiser' must be >= 0.01, got 0"),
         ({"window_tiers": -1.0}, "'window_tiers' of 'optimiser' must be >= 0.01"),
-        ({"window_tiers": float("nan")}, "'window_tiers' of 'optimiser' must be a number"),
+        ({"window_tiers": float("nan")}, "'window_tiers' of 'optimiser' must be a finite number"),
         ({"window_tiers": "4"}, "'window_tiers' of 'optimiser' must be a number"),
         ({"params": {"guard": 1}}, "params must be OptimiserParams"),
         ({"objective": {"hit_tolerance": 0.1}}, "objective must be an Objective"),

@@ -333,13 +333,43 @@ def test_a_number_past_the_float_range_is_one_error_naming_the_key() -> None:
     cases = [
         (lambda: admission_params("sketch", {"threshold": int(huge)}), "in \\[1, 15\\]"),
         (lambda: admission_params("sketch", {"threshold": huge}), "in \\[1, 15\\]"),
-        (lambda: admission_params("feedback", {"prior_returns": int(huge)}), "a number"),
-        (lambda: config_params("feedback", f'{{"prior_returns": {huge}}}', "where"), "a number"),
-        (lambda: params_class("feedback")(prior_returns=int(huge)), "a number"),
+        (lambda: admission_params("feedback", {"prior_returns": int(huge)}), "a finite number"),
+        (
+            lambda: config_params("feedback", f'{{"prior_returns": {huge}}}', "where"),
+            "a finite number",
+        ),
+        (lambda: params_class("feedback")(prior_returns=int(huge)), "a finite number"),
     ]
     for build, message in cases:
         with pytest.raises(InvalidArgumentError, match=f"parameter '[a-z_]+' .* must be {message}"):
             build()
+
+
+@pytest.mark.parametrize(
+    ("build", "shown"),
+    [
+        (lambda: config_params("optimiser", '{"hit_tolerance": Infinity}', "where"), "inf"),
+        (lambda: config_params("optimiser", '{"hit_tolerance": NaN}', "where"), "nan"),
+        (lambda: config_params("optimiser", '{"hit_tolerance": 1e400}', "where"), "inf"),
+        (lambda: admission_params("optimiser", {"hit_tolerance": -math.inf}), "-inf"),
+        (lambda: params_class("optimiser")(hit_tolerance=math.nan), "nan"),
+    ],
+)
+def test_a_float_parameter_given_a_number_no_float_holds_is_told_it_must_be_finite(
+    build: Callable[[], object], shown: str
+) -> None:
+    """JSON's ``Infinity`` (or ``1e400``) was told "must be a number, got inf", the same
+    value on the command line "must be a finite number": the first read as if inf were no
+    number at all."""
+    with pytest.raises(
+        InvalidArgumentError,
+        match=f"'hit_tolerance' of 'optimiser' must be a finite number, got {shown}$",
+    ):
+        build()
+    with pytest.raises(
+        InvalidArgumentError, match="'hit_tolerance' of 'optimiser' must be a number"
+    ):
+        admission_params("optimiser", {"hit_tolerance": None})
 
 
 def test_an_integer_too_long_to_print_is_still_the_key_s_error() -> None:

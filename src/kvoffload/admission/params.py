@@ -45,14 +45,14 @@ def check_params(params: object, rule: str) -> None:
         value = getattr(params, field.name)
         low, high = field.metadata["low"], field.metadata["high"]
         wants_int = _wants_int(field)
-        kind = "an integer" if wants_int else "a number"
         if (
             isinstance(value, bool)
             or not isinstance(value, int if wants_int else int | float)
             or not (wants_int or is_finite(value))
         ):
             raise InvalidArgumentError(
-                f"admission parameter {field.name!r} of {rule!r} must be {kind}, got {shown(value)}"
+                f"admission parameter {field.name!r} of {rule!r} must be "
+                f"{_kind(wants_int, value)}, got {shown(value)}"
             )
         if not low <= value <= high:
             bounds = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
@@ -203,9 +203,18 @@ def as_written(text: str) -> str:
     return text if len(text) <= SHOWN_CHARS else brief(text)
 
 
+def _kind(wants_int: bool, value: object) -> str:
+    """What a field wants, as its error says it: "a finite number" for a float field given
+    a number no float holds finitely (``inf`` from JSON's ``Infinity``, a 400-digit
+    integer), which "must be a number" told an operator it already was."""
+    if wants_int:
+        return "an integer"
+    number = not isinstance(value, bool) and isinstance(value, int | float)
+    return "a finite number" if number else "a number"
+
+
 def _convert(value: object, field: dataclasses.Field[Any], rule: str) -> int | float:
     key, wants_int = field.name, _wants_int(field)
-    kind = "an integer" if wants_int else "a number"
     if isinstance(value, str) and not wants_int:  # as written: "-1e-400" is below 0
         try:
             return read_number(value, field.metadata["low"], field.metadata["high"])
@@ -223,5 +232,6 @@ def _convert(value: object, field: dataclasses.Field[Any], rule: str) -> int | f
         if wants_int and is_finite(value) and float(value).is_integer():
             return int(value)  # JSON's 16.0 (or 1e4) is the integer it writes
     raise InvalidArgumentError(
-        f"admission parameter {key!r} of {rule!r} must be {kind}, got {shown(value)}"
+        f"admission parameter {key!r} of {rule!r} must be {_kind(wants_int, value)}, "
+        f"got {shown(value)}"
     )
