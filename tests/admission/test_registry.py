@@ -478,6 +478,41 @@ def test_parameters_of_no_mapping_are_shown_cut_with_their_length(
     assert "characters)" in str(refused.value) and len(str(refused.value)) < 300
 
 
+PASTED = "k" * 100_000
+"""A key or name pasted by mistake: a whole file's line, say."""
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: admission_params("sketch", {PASTED: "1"}),
+        lambda: admission_params("none", {PASTED: "1"}),
+        lambda: parse_pairs([PASTED], "--admission-param"),
+        lambda: parse_pairs([f"{PASTED}="], "--admission-param"),
+        lambda: parse_pairs(PASTED, "--admission-param"),
+        lambda: resolve_admission(PASTED),
+        lambda: config_params("sketch", f'{{"{PASTED}": 1, "{PASTED}": 2}}', "where"),
+    ],
+)
+def test_a_key_or_name_pasted_by_mistake_is_shown_cut_with_its_length(
+    call: Callable[[], object],
+) -> None:
+    """Values were cut, but an unknown key, a pair without ``=``, a rule's name and a key
+    named twice were echoed whole: ``--admission-param`` with a 100,000-character key made
+    an error line of 100,000 characters."""
+    with pytest.raises(InvalidArgumentError) as refused:
+        call()
+    assert "characters)" in str(refused.value) and len(str(refused.value)) < 400
+
+
+def test_parameters_of_a_rule_that_takes_none_are_refused_whatever_their_keys() -> None:
+    """``admission_params("none", {1: 2})`` was a bare ``TypeError`` (``sequence item 0:
+    expected str instance``) from listing the keys, not the error it was listing them for."""
+    for raw in ({1: 2}, {1: 2, "guard": 1}):
+        with pytest.raises(InvalidArgumentError, match="'none' takes no parameters, got 1"):
+            admission_params("none", raw)
+
+
 def test_an_integer_parameter_takes_a_json_float_that_is_a_whole_number() -> None:
     """JSON writes 16 as ``16.0`` or ``1e4`` too (a tool's float, a config generator): an
     integer parameter takes it as the integer it is, and refuses a fraction naming the key."""

@@ -154,6 +154,24 @@ def test_a_bad_tier_admission_parameter_is_one_line_naming_the_option(
     assert not list(tmp_path.iterdir())  # refused before the run made its directory
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--admission", "sketch", "--admission-param", f"{'k' * 100_000}=1"],
+        ["--admission", "sketch", "--admission-param", "k" * 100_000],
+        ["--admission-param", f"{'k' * 100_000}=1"],
+        ["--admission", "k" * 100_000],
+    ],
+)
+def test_a_pasted_key_or_rule_name_is_one_short_line(
+    capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    """A key or rule name pasted by mistake was echoed whole: one error line as long as it."""
+    assert main([*SMALL, *TIER, *args]) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "characters)" in err and len(err) < 400, err[:200]
+
+
 def test_help_lists_a_tier_s_rule_parameters(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*SMALL, "--disk-admission", "sketch", "--disk-admission-param", "help"]) == 0
     out = capsys.readouterr().out

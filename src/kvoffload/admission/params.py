@@ -83,7 +83,7 @@ def parse_params(cls: type[P], raw: Mapping[str, ParamValue], rule: str) -> P:
         if field is None:
             valid = ", ".join(sorted(fields)) or "none"
             raise InvalidArgumentError(
-                f"unknown admission parameter {key!r} for {rule!r}; valid: {valid}"
+                f"unknown admission parameter {brief(key)} for {rule!r}; valid: {valid}"
             )
         values[key] = _convert(value, field, rule)
     return cls(**values)
@@ -115,14 +115,14 @@ def _plain(value: int | float) -> str:
 def parse_pairs(pairs: list[str] | tuple[str, ...], what: str) -> dict[str, str]:
     """``["key=value", ...]`` as a mapping (a later key wins); ``what`` names the option."""
     if not isinstance(pairs, list | tuple):  # a lone "key=value" would iterate by letter
-        raise InvalidArgumentError(f"{what} takes a list of key=value, got {pairs!r}")
+        raise InvalidArgumentError(f"{what} takes a list of key=value, got {brief(pairs)}")
     parsed: dict[str, str] = {}
     for pair in pairs:
         if not isinstance(pair, str):
-            raise InvalidArgumentError(f"{what} takes key=value, got {pair!r}")
+            raise InvalidArgumentError(f"{what} takes key=value, got {brief(pair)}")
         key, sep, value = pair.partition("=")
         if not sep or not key.strip() or not value.strip():
-            raise InvalidArgumentError(f"{what} takes key=value, got {pair!r}")
+            raise InvalidArgumentError(f"{what} takes key=value, got {brief(pair)}")
         parsed[key.strip()] = value.strip()
     return parsed
 

@@ -20,7 +20,13 @@ from typing import Any, Protocol, TypeVar
 
 from kvoffload.admission.base import AdmissionLayer
 from kvoffload.admission.budget import WriteBudget, check_write_budget
-from kvoffload.admission.params import NoParams, ParamValue, check_params, parse_params
+from kvoffload.admission.params import (
+    NoParams,
+    ParamValue,
+    as_written,
+    check_params,
+    parse_params,
+)
 from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError, brief
 from kvoffload.core.manager import OffloadingManager
 
@@ -149,7 +155,7 @@ def resolve_admission(name: str) -> str:
     canonical = ALIASES.get(name, name) if isinstance(name, str) else None  # a list: no key
     if canonical is None or (canonical != NO_ADMISSION and canonical not in _rules()):
         raise InvalidArgumentError(
-            f"unknown admission {name!r}; known: {', '.join(available_admissions())}"
+            f"unknown admission {brief(name)}; known: {', '.join(available_admissions())}"
             f"{_broken_files()}"
         )
     return canonical
@@ -186,8 +192,9 @@ def admission_params(name: str, raw: RawParams | object | None = None) -> Any:
             f"admission parameters must be a mapping of name to value, got {brief(raw)}"
         )
     if raw and cls is NoParams:
+        given = ", ".join(sorted(map(str, raw)))  # keys of any type: {1: 2} was a TypeError
         raise InvalidArgumentError(
-            f"admission {name!r} takes no parameters, got {', '.join(sorted(raw))}"
+            f"admission {brief(name)} takes no parameters, got {as_written(given)}"
         )
     return parse_params(cls, raw, resolve_admission(name))
 
@@ -215,7 +222,9 @@ def params_json(text: str) -> object:
     try:
         return json.loads(text, object_pairs_hook=_unique_names)
     except _NameGivenTwice as twice:
-        raise InvalidArgumentError(f"gives admission parameter {twice.args[0]!r} twice") from None
+        raise InvalidArgumentError(
+            f"gives admission parameter {brief(twice.args[0])} twice"
+        ) from None
     except (ValueError, RecursionError):  # nested past the decoder's depth: no parameters
         raise InvalidArgumentError(
             f"must be a JSON object of admission parameters, got {brief(text)}"
