@@ -544,14 +544,9 @@ def parameter_table_mismatches() -> list[str]:
     """How docs/admission.md's parameter table differs from the registered rules'
     dataclasses: per rule, the keys each gives, or the key whose default differs. A rule
     without parameters needs no row."""
-    text = (Path(__file__).resolve().parents[2] / "docs" / "admission.md").read_text()
-    table = text[text.index("## Parameters") :].split("\n## ")[0]
     documented: dict[str, dict[str, str]] = {}
-    for line in table.splitlines():
-        if line.startswith("| `"):
-            rule, key, default = (cell.strip() for cell in line.strip("|").split("|")[:3])
-            canonical = resolve_admission(rule.split("`")[1])
-            documented.setdefault(canonical, {})[key.strip("`")] = default.replace(",", "")
+    for rule, key, default, _ in parameter_rows():
+        documented.setdefault(rule, {})[key] = default.replace(",", "")
     mismatches = []
     for rule in sorted({resolve_admission(name) for name in available_admissions()} - {"none"}):
         defaults = params_class(rule)()
@@ -570,10 +565,55 @@ def parameter_table_mismatches() -> list[str]:
     return mismatches
 
 
+def parameter_rows() -> list[tuple[str, str, str, str]]:
+    """docs/admission.md's parameter table: each row's canonical rule, key, default and
+    range as written."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "admission.md").read_text()
+    table = text[text.index("## Parameters") :].split("\n## ")[0]
+    rows = []
+    for line in table.splitlines():
+        if line.startswith("| `"):
+            rule, key, default, bounds = (cell.strip() for cell in line.strip("|").split("|")[:4])
+            rows.append((resolve_admission(rule.split("`")[1]), key.strip("`"), default, bounds))
+    return rows
+
+
+def documented_bound(text: str) -> float:
+    """A bound as the table writes it (``1,048,576``, ``2^62``, ``2^59 - 1``); one that
+    names another parameter (``prior_outcomes``) is checked by the dataclass itself, so its
+    field has no upper bound."""
+    text = text.strip().replace(",", "")
+    if "`" in text:
+        return math.inf
+    if match := re.fullmatch(r"2\^(\d+)( - 1)?", text):
+        return 2 ** int(match[1]) - (1 if match[2] else 0)
+    return float(text)
+
+
+def documented_range(text: str) -> tuple[float, float]:
+    """``0 to 1``, ``0 or 1`` or ``>= 0.01`` as (low, high)."""
+    if text.startswith(">="):
+        return documented_bound(text[2:]), math.inf
+    low, high = re.split(r" to | or ", text)
+    return documented_bound(low), documented_bound(high)
+
+
 def test_the_docs_parameter_table_lists_every_parameter_with_its_default() -> None:
     """docs/admission.md's table is what operators set parameters by: a key added,
     renamed or given a new default in a dataclass must show there too."""
     assert parameter_table_mismatches() == []
+
+
+def test_the_docs_parameter_table_gives_every_parameter_s_range() -> None:
+    """Its range column was checked against nothing: a bound moved in a dataclass left the
+    table promising values the parameter refuses, or refusing values it takes."""
+    mismatches = []
+    for rule, key, _, bounds in parameter_rows():
+        field = {field.name: field for field in dataclasses.fields(params_class(rule))}[key]
+        declared = (field.metadata["low"], field.metadata["high"])
+        if documented_range(bounds) != declared:
+            mismatches.append(f"{rule}: {key} {bounds} in the table, {declared} declared")
+    assert mismatches == []
 
 
 @pytest.mark.parametrize(
