@@ -713,14 +713,17 @@ def test_a_healthy_node_left_a_sliver_of_the_deadline_keeps_its_breaker_closed(
     are the operation's, not b's, and open no breaker of b's (before, 3 of them did and
     b's keys were refused until a trial). b's delay leaves its last lookup time for two
     answers, as that one opens a fresh connection (a PING, then the EXISTS): at half the
-    timeout each, the second landed on the deadline itself and lost the race now and then."""
+    timeout each, the second landed on the deadline itself and lost the race now and then.
+    Behind a, b's answer must land well past the wait slice the deadline falls in, whose
+    bytes are taken: at 0.7 and 0.35 of the timeout it landed 10 ms after that slice's end,
+    and a loaded machine took it now and then (b held, the test failed)."""
     tier = RemoteTier(fake_cluster.url, fingerprint("starved-node"))
     timeout_s = fake_cluster.timeout_ms / 1000
     try:
         (a,), (b,), _ = keys_by_node(tier, 1)
         store(tier, [a, b])
-        server_of(tier, fake_cluster, a).delay_s = 0.7 * timeout_s
-        server_of(tier, fake_cluster, b).delay_s = 0.35 * timeout_s  # more than a leaves
+        server_of(tier, fake_cluster, a).delay_s = 0.8 * timeout_s
+        server_of(tier, fake_cluster, b).delay_s = 0.4 * timeout_s  # more than a leaves
         for _ in range(tier.breaker.threshold):
             assert finishes(lambda: tier.held([a, b])) == [True, False]
         assert tier.unavailable == tier.breaker.threshold
