@@ -987,6 +987,42 @@ def test_an_unwritable_disk_dir_is_refused(
 
 
 @pytest.mark.parametrize(
+    ("command", "data_plane"),
+    [("simulate", []), ("sweep", []), ("simulate", ["--data-plane", "--layout", "tiny"])],
+)
+def test_a_disk_dir_whose_file_system_does_not_answer_is_refused_by_its_deadline(
+    tmp_path: Path,
+    command: str,
+    data_plane: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The command's own checks of --disk-dir (is it a writable directory; with real bytes,
+    does the tier fit) ran on the main thread with no deadline: on a hung FUSE mount the
+    command waited as long as the mount did (113 s), not the tier's --disk-timeout-ms.
+    Here the check that hangs is the one a hung mount stops: the directory's access check,
+    or the free space of its file system."""
+    answer = threading.Event()
+
+    def hung(*args: object, **kwargs: object) -> object:
+        answer.wait(60)
+        raise OSError("the file system came back too late")
+
+    monkeypatch.setattr(os, "access" if not data_plane else "statvfs", hung)
+    extra = ["--jobs", "1", "--cpu-gb", "0.001"] if command == "sweep" else ["--cpu-blocks", "64"]
+    argv = [command, "--requests", "10", "--no-progress", *extra, *data_plane]
+    argv += ["--disk-dir", str(tmp_path), "--disk-blocks", "8", "--disk-timeout-ms", "200"]
+    statuses: list[int] = []
+    run = threading.Thread(target=lambda: statuses.append(main(argv)), daemon=True)
+    run.start()
+    run.join(30)
+    answer.set()  # the thread left waiting ends
+    assert statuses == [1]
+    message = f"kvoffload: error: --disk-dir {tmp_path}: did not answer within 0.2 s\n"
+    assert one_line_error(capsys) == message
+
+
+@pytest.mark.parametrize(
     ("size", "blocks"),
     [(["--disk-blocks", str(10**20)], "100,000,000,000,000,000,000"), (["--disk-gb", "1e15"], "")],
 )

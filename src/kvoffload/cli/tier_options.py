@@ -7,6 +7,8 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from kvoffload.admission import available_admissions, resolve_admission
@@ -26,7 +28,7 @@ from kvoffload.tiers.disk import (
     check_timeout_ms,
 )
 from kvoffload.tiers.format import FINGERPRINT_BYTES, layout_fingerprint
-from kvoffload.tiers.slot_file import SLOT_FILE, footprint, slot_stride
+from kvoffload.tiers.slot_file import SLOT_FILE, DiskTierError, footprint, slot_stride
 
 NO_CPU_TIER = (
     "a disk or shared tier (--disk-dir, --remote) sits below the CPU tier, and {option} leaves none"
@@ -173,7 +175,7 @@ def check_before_work(args: argparse.Namespace) -> None:
     else:
         if args.disk_gb is None and args.disk_blocks is None:
             raise InvalidArgumentError("--disk-dir needs a size: --disk-gb or --disk-blocks")
-        _check_disk_dir(args.disk_dir)
+        answered_in_time(lambda: _check_disk_dir(args.disk_dir), args)
         if args.disk_blocks is not None:  # --disk-gb needs the block size: checked later
             _check_capacity(args.disk_blocks, "--disk-blocks")
         if args.disk_policy is not None:
@@ -248,6 +250,31 @@ def _check_capacity(disk_blocks: int, option: str) -> None:
         raise InvalidArgumentError(f"{option}: {exc}") from None
 
 
+def answered_in_time(check: Callable[[], None], args: argparse.Namespace) -> None:
+    """Run ``check``, file-system calls on ``--disk-dir``, by the disk tier's deadline
+    (``--disk-timeout-ms``): on a file system that stops answering (an NFS server gone, a
+    FUSE daemon hung) they waited without end on the main thread, before the tier, whose
+    own start ends by that deadline, was made. The thread left behind is a daemon."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            check()
+        except BaseException as exc:  # handed to the caller's thread, raised there
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=run, name="kvoffload-disk-dir-check", daemon=True)
+    thread.start()
+    timeout_s = (args.disk_timeout_ms or DEFAULT_TIMEOUT_MS) / 1000
+    thread.join(timeout_s)
+    if not outcome:
+        raise DiskTierError(f"--disk-dir {args.disk_dir}: did not answer within {timeout_s:g} s")
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
 def _check_disk_dir(path: str) -> None:
     """An existing writable directory, or one that can be made in an existing one (not
     ``""``, which as a path is the working directory)."""
@@ -303,7 +330,7 @@ def _check_disk_space(
     payload = layout.bytes_per_block
     fingerprint = layout_fingerprint(name, layout, payload)  # as the run names its directory
     reused = Path(args.disk_dir) / fingerprint.hex() / SLOT_FILE
-    check_disk_fits(args.disk_dir, disk_blocks, payload, reused)
+    answered_in_time(lambda: check_disk_fits(args.disk_dir, disk_blocks, payload, reused), args)
 
 
 def with_tiers(config: SimConfig, args: argparse.Namespace, block_tokens: int) -> SimConfig:

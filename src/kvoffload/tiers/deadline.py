@@ -11,8 +11,9 @@ each step that has an effect outside the file (delivering bytes into a
 caller's buffer), under :attr:`Job.lock`, so nothing lands after the caller
 was told it failed. A job whose result holds something open (the start-up's
 files) settles itself with :meth:`Job.claim` before handing it over, and
-releases it if the deadline came first. Stripe threads are daemons: a stuck
-one never holds up the process's exit.
+releases it if the deadline came first. Stripe threads are daemons: Python
+does not wait for a stuck one at exit, though a call the kernel waits on
+uninterruptibly (a frozen file system) delays the process's end until it returns.
 
 Errors that come back (``EIO``, ``ENOSPC``) are the job's own result, not a
 breaker failure: they cost no time, and a full disk still serves reads.
