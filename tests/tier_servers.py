@@ -7,11 +7,13 @@ always kills it, and the fixtures call ``stop`` also when a test fails.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import random
 import socket
 import subprocess
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import quote
 
@@ -307,7 +309,7 @@ class FakeValkey:
             return
         if self.mode == "trickle":
             connection.sendall(b"+")
-            self._drip(connection, b"P" * 10**9)
+            self._drip(connection, itertools.repeat(ord("P"), 10**9))
             return
         if self.redirect is not None and name in (b"GET", b"SET", b"EXISTS"):
             connection.sendall(b"-MOVED 0 %b\r\n" % self.redirect)
@@ -326,7 +328,7 @@ class FakeValkey:
                 self._drip(connection, value + b"\r\n")
             elif self.mode == "huge":
                 connection.sendall(b"$%d\r\n" % self.HUGE)
-                self._drip(connection, bytes(self.HUGE))
+                self._drip(connection, itertools.repeat(0, self.HUGE))
             else:
                 connection.sendall(b"$%d\r\n%b\r\n" % (len(value), value))
             return
@@ -355,11 +357,13 @@ class FakeValkey:
             return b"+OK\r\n"
         return b"-ERR unknown command\r\n"
 
-    def _drip(self, connection: socket.socket, data: bytes) -> None:
-        for i in range(len(data)):
+    def _drip(self, connection: socket.socket, data: Iterable[int]) -> None:
+        """Send ``data`` a byte per ``interval_s``; an endless reply comes from a
+        generator, where it was built whole first (1 GB, 0.4 s before its first byte)."""
+        for byte in data:
             if self._stopping.wait(self.interval_s):
                 return
-            connection.sendall(data[i : i + 1])
+            connection.sendall(bytes((byte,)))
 
 
 class FakeValkeyCluster:
