@@ -9,9 +9,9 @@ the engine's own prefix cache, so the next requests must load from the offload t
 Valkey server on 127.0.0.1 ``port``, with ``password``, once they are ``at_least`` that many
 or ``within_s`` has passed: an engine's stores are written after its requests end) and
 ``signal`` (send ``signal``, a name such as ``SIGSTOP``, to process ``pid``: a test's server
-frozen or woken between two steps). Engines run one after another in
-this process, each shut down before the next starts. The output has, per engine, its start-up
-seconds and each step's result.
+frozen or woken between two steps). An engine's ``env`` is set while it runs. Engines run
+one after another in this process, each shut down before the next starts. The output has,
+per engine, its start-up seconds and each step's result.
 
 vLLM's engine spawns processes that import ``__main__`` again: everything runs under the guard.
 """
@@ -135,7 +135,17 @@ def run_engine(model: str, dtype: str, engine: dict[str, Any]) -> dict[str, Any]
 
 def main(job_path: str, out_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
-    results = [run_engine(job["model"], job["dtype"], engine) for engine in job["engines"]]
+    results = []
+    for engine in job["engines"]:
+        # An engine's own environment (a password kept out of its config), which the
+        # processes it spawns inherit; the next engine starts without it.
+        env = engine.get("env", {})
+        os.environ.update(env)
+        try:
+            results.append(run_engine(job["model"], job["dtype"], engine))
+        finally:
+            for name in env:
+                os.environ.pop(name, None)
     Path(out_path).write_text(json.dumps({"engines": results}))
 
 

@@ -4,6 +4,8 @@ line for every odd URL, at parse time or against a real server."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +20,7 @@ from kvoffload.core.layout import layout_preset
 from kvoffload.core.tier_protocol import MAX_IO_THREADS
 from kvoffload.tiers import RemoteTier, RemoteTierError, layout_fingerprint, parse_remote_url
 from kvoffload.tiers.url import redact_url
-from tier_servers import ValkeyProcess
+from tier_servers import TEST_TIMEOUT_MS, ValkeyProcess
 
 SECRET = "hunt3r-Two"
 """In every password below: no message may hold it, or any part of it."""
@@ -272,3 +274,81 @@ def test_odd_urls_end_in_one_line_from_the_command_line(
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 1 and len(lines) == 1, done.stderr
     assert lines[0].startswith("kvoffload: error: --remote: ") and message in lines[0]
+
+
+def _kept_apart(server: ValkeyProcess, user: str, option: str) -> str:
+    """``server``'s URL with no password in it, ``user@`` and ``option`` instead."""
+    return f"redis://{user}127.0.0.1:{server.port}/0?timeout_ms={TEST_TIMEOUT_MS}&{option}"
+
+
+@pytest.mark.parametrize("user", ["", "default@"])
+def test_a_password_kept_out_of_the_url_authenticates_against_a_real_server(
+    tmp_path: Path, user: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM logs its connector's extra config as given, a URL's password with it: from
+    the environment or a file (a mounted secret, with its trailing newline) the URL holds
+    none. ``user@`` is then the user name, not a password alone."""
+    password = f"{SECRET}/?@#%:"
+    server = ValkeyProcess(tmp_path / "apart", password=password).start()
+    fp = layout_fingerprint("apart", layout_preset("tiny"), 8)
+    monkeypatch.setenv("KVO_TEST_PASSWORD", password)
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(password + "\n")
+    try:
+        for option in ("password_env=KVO_TEST_PASSWORD", f"password_file={secret_file}"):
+            url = _kept_apart(server, user, option)
+            assert shows_no_secret(url) and shows_no_secret(repr(parse_remote_url(url)))
+            tier = RemoteTier(url, fp)
+            try:
+                tier.write([block_id_key(1)], [b"12345678"])
+                tier.poll(wait=True)
+                assert tier.present([block_id_key(1)]) == 1
+            finally:
+                tier.close()
+        monkeypatch.setenv("KVO_TEST_PASSWORD", password[:-1])
+        with pytest.raises(RemoteTierError, match="authentication failed") as error:
+            RemoteTier(_kept_apart(server, user, "password_env=KVO_TEST_PASSWORD"), fp)
+        assert shows_no_secret(str(error.value))
+    finally:
+        server.stop()
+    assert parse_remote_url("redis://kv@h?password_env=KVO_TEST_PASSWORD").username == "kv"
+
+
+@pytest.mark.parametrize(
+    ("tail", "message"),
+    [
+        ("password_env=NO_SUCH_VAR_KVO", "names a variable this process's environment does not"),
+        ("password_env=hunt3r-Two", "must name an environment variable"),
+        ("password_env=EMPTY_KVO", "password_env= gives an empty password"),
+        ("password_file={tmp}/hunt3r-Two", "password_file= cannot be read (No such file"),
+        ("password_file={tmp}", "password_file= cannot be read (Is a directory)"),
+        ("password_file={tmp}/fifo", "password_file= is not a regular file"),
+        ("password_file={tmp}/big", "holds more than 65,536 bytes"),
+        ("password_file={tmp}/latin1", "password_file= is not UTF-8 text"),
+        ("password_file={tmp}/newline", "password_file= gives an empty password"),
+        ("password_env=PATH&password_file={tmp}/big", "gives password_env= and password_file="),
+    ],
+)
+def test_a_password_source_that_gives_none_is_refused_never_showing_it(
+    tmp_path: Path, tail: str, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One line naming the option; the variable's name or the file's path are not shown
+    (a password written there by mistake would be), and a FIFO is refused, not waited on."""
+    monkeypatch.setenv("EMPTY_KVO", "")
+    monkeypatch.delenv("NO_SUCH_VAR_KVO", raising=False)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "big").write_bytes(b"x" * (64 * 1024 + 1))
+    (tmp_path / "latin1").write_bytes(b"hunt3r-Two\xe9")
+    (tmp_path / "newline").write_text("\n")
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)) as error:
+        parse_remote_url(f"redis://h:6379/0?{tail.format(tmp=tmp_path)}")
+    assert shows_no_secret(str(error.value)) and str(tmp_path) not in str(error.value)
+
+
+def test_a_url_with_a_password_and_a_password_source_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVO_TEST_PASSWORD", "other")
+    with pytest.raises(InvalidArgumentError, match="gives a password and password_env=") as error:
+        parse_remote_url("redis://kv:hunt3r-Two@h?password_env=KVO_TEST_PASSWORD")
+    assert shows_no_secret(str(error.value))

@@ -14,6 +14,11 @@ must be written ``%2F %3F %23 %40 %25``. An ``@`` past the host part (an
 unencoded ``/``, ``?`` or ``#`` in a password) is an error whose message
 hides everything before it; no message ever shows the password, nor any
 option's value (a ``?password=`` meant for another client is refused by name).
+Where the URL itself is logged (vLLM prints its connector's extra config as given),
+the password can stay out of it: ``password_env=NAME`` reads it from the environment
+variable ``NAME``, ``password_file=PATH`` from a file (one trailing newline dropped,
+as a mounted secret has), in the process that opens the tier; a URL with either
+takes ``user@`` as the user name, and refuses a password of its own.
 
 Options: ``timeout_ms=N`` (default 250, from 1 to 600000): the deadline of each
 whole operation (connect, send, the full reply), plus the time its bytes take
@@ -40,7 +45,9 @@ an error that names it.
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qs, unquote
@@ -63,6 +70,10 @@ ENCODE_HINT = "'/' '?' '#' '@' '%' as %2F %3F %23 %40 %25"
 _LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?")
 _BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
 _FLAGS = {"yes": True, "true": True, "1": True, "no": False, "false": False, "0": False}
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+PASSWORD_SOURCES = ("password_env", "password_file")
+MAX_PASSWORD_FILE_BYTES = 64 * 1024
+"""A password file past this is no password (a path given by mistake), refused unread."""
 
 
 @dataclass(frozen=True)
@@ -141,21 +152,6 @@ def parse_remote_url(url: str) -> RemoteAddress:
         raise InvalidArgumentError(f"remote tier URL {shown!r} has a '#': write it as %23")
     path, _, query = tail.partition("?")
     userinfo, at, hostlist = netloc.rpartition("@")
-    username = password = None
-    if at:
-        user, colon, secret = userinfo.partition(":")
-        username = _decode(user, shown) or None
-        password = _decode(secret, shown) if colon else None
-        if not colon and username is not None:
-            # "redis://secret@host" is a password alone, as redis-py reads it.
-            username, password = None, username
-        if username is None and not password:
-            # "redis://:@host" (a template's empty password) asks for no AUTH, as redis-py
-            # reads it: a server without a password refuses AUTH "", and one with a
-            # password takes "" only if an ACL set the default user's to it.
-            password = None
-    hosts = tuple(_host(part, shown) for part in hostlist.split(","))
-    db = _int(path.strip("/") or "0", "database number", shown)
     options = parse_qs(query, keep_blank_values=True)
     twice = sorted(name for name, values in options.items() if len(values) > 1)
     if twice:
@@ -163,6 +159,28 @@ def parse_remote_url(url: str) -> RemoteAddress:
             f"option(s) {', '.join(twice)} given more than once in {shown!r}"
         )
     params = {name: values[0] for name, values in options.items()}
+    kept = _password_kept_apart(params, shown)
+    username = password = None
+    if at:
+        user, colon, secret = userinfo.partition(":")
+        username = _decode(user, shown) or None
+        password = _decode(secret, shown) if colon else None
+        if kept is not None and password:
+            raise InvalidArgumentError(
+                f"remote tier URL {shown!r} gives a password and {kept[0]}=: give it once"
+            )
+        if not colon and username is not None and kept is None:
+            # "redis://secret@host" is a password alone, as redis-py reads it.
+            username, password = None, username
+        if username is None and not password:
+            # "redis://:@host" (a template's empty password) asks for no AUTH, as redis-py
+            # reads it: a server without a password refuses AUTH "", and one with a
+            # password takes "" only if an ACL set the default user's to it.
+            password = None
+    if kept is not None:
+        password = kept[1]
+    hosts = tuple(_host(part, shown) for part in hostlist.split(","))
+    db = _int(path.strip("/") or "0", "database number", shown)
     cluster = _flag(params.pop("cluster"), "cluster", shown) if "cluster" in params else None
     if len(hosts) > 1:
         if cluster is False:  # it was ignored: CLUSTER SLOTS, then "cluster support disabled"
@@ -242,6 +260,64 @@ def _decode(text: str, shown: str) -> str:
         raise InvalidArgumentError(
             f"remote tier URL {shown!r}: its user part must be UTF-8 once percent-decoded"
         ) from None
+
+
+def _password_kept_apart(params: dict[str, str], shown: str) -> tuple[str, str] | None:
+    """Pop ``password_env`` or ``password_file`` from ``params``: the option and the
+    password it names, read now (``None`` without either). Errors show neither the
+    variable's name nor the file's path, as the URL's other option values: a password
+    written there by mistake would be shown."""
+    given = [name for name in PASSWORD_SOURCES if name in params]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise InvalidArgumentError(
+            f"remote tier URL {shown!r} gives password_env= and password_file=: give one"
+        )
+    option = given[0]
+    where = params.pop(option)
+    if option == "password_env":
+        if not _ENV_NAME.fullmatch(where):
+            raise InvalidArgumentError(
+                "password_env= must name an environment variable (letters, digits and '_', "
+                f"not first a digit), in {shown!r}"
+            )
+        password = os.environ.get(where)
+        if password is None:
+            raise InvalidArgumentError(
+                f"password_env= names a variable this process's environment does not have, "
+                f"in {shown!r}"
+            )
+    else:
+        password = _password_file(where, shown)
+    if not password:
+        raise InvalidArgumentError(f"{option}= gives an empty password, in {shown!r}")
+    return option, password
+
+
+def _password_file(path: str, shown: str) -> str:
+    """The password in the file ``path``: its text, UTF-8, less one trailing newline. A
+    regular file only, opened without waiting: a FIFO would wait for a writer forever."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as file:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise InvalidArgumentError(f"password_file= is not a regular file, in {shown!r}")
+            data = file.read(MAX_PASSWORD_FILE_BYTES + 1)
+    except OSError as exc:
+        raise InvalidArgumentError(
+            f"password_file= cannot be read ({exc.strerror or type(exc).__name__}), in {shown!r}"
+        ) from None
+    if len(data) > MAX_PASSWORD_FILE_BYTES:
+        raise InvalidArgumentError(
+            f"password_file= holds more than {MAX_PASSWORD_FILE_BYTES:,} bytes, no password, "
+            f"in {shown!r}"
+        )
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        raise InvalidArgumentError(f"password_file= is not UTF-8 text, in {shown!r}") from None
+    return text.removesuffix("\n").removesuffix("\r")
 
 
 def _timeout_ms(text: str | None, shown: str) -> float:
