@@ -152,3 +152,11 @@ def test_a_blank_directory_or_url_is_refused_naming_its_key(
     spaces inside the engine's working directory, as the secondary tiers already refuse."""
     with pytest.raises(InvalidArgumentError, match=rf"'{key}' must be a non-blank string"):
         parse(key, blank)
+
+
+@pytest.mark.parametrize("key", ["eviction_policy", "kvoffload.admission"])
+def test_a_pasted_policy_or_admission_name_is_shown_cut(key: str) -> None:
+    """A name of 100,000 characters was echoed whole: one error line of 100 kB."""
+    with pytest.raises(InvalidArgumentError, match=r"\(100,002 characters\)") as error:
+        parse_vllm({"cpu_bytes_to_use": 1 << 20, key: "x" * 100_000})
+    assert len(str(error.value)) < 1_000

@@ -23,7 +23,7 @@ from kvoffload.admission.budget import DWPD
 from kvoffload.admission.params import read_integer
 from kvoffload.admission.registry import ParamPairs
 from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD, MAX_TRACKED_KEYS
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InvalidArgumentError, brief
 from kvoffload.managers.stack import DISK, REMOTE, LowerTierConfig
 from kvoffload.policies import available_policies
 from kvoffload.tiers.disk import DEFAULT_TIMEOUT_MS, check_timeout_ms
@@ -167,13 +167,13 @@ def parse_settings(extra_config: Mapping[str, Any]) -> SpecSettings:
     policy = extra_config.get("eviction_policy", "lru")
     if policy not in available_policies():
         raise InvalidArgumentError(
-            f"eviction_policy {policy!r} is not a kvoffload policy; "
+            f"eviction_policy {brief(policy)} is not a kvoffload policy; "
             f"known: {', '.join(available_policies())}"
         )
     admission = _str(extra_config, ADMISSION_KEY) or "none"
     if admission not in available_admissions():
         raise InvalidArgumentError(
-            f"kv_connector_extra_config {ADMISSION_KEY!r} {admission!r} is not a kvoffload "
+            f"kv_connector_extra_config {ADMISSION_KEY!r} {brief(admission)} is not a kvoffload "
             f"admission layer; known: {', '.join(available_admissions())}"
         )
     params = config_params(
@@ -364,7 +364,7 @@ def _write_budget(
     if budget is not None and resolve_admission(admission) != "optimiser":
         raise InvalidArgumentError(
             f"kv_connector_extra_config {WRITE_BUDGET_KEY!r} needs {ADMISSION_KEY!r} "
-            f"'recommended' (the optimiser), not {admission!r}"
+            f"'recommended' (the optimiser), not {brief(admission)}"
         )
     return budget, drive_bytes
 
