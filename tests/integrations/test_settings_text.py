@@ -10,7 +10,10 @@ import pytest
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.integrations.sglang.settings import parse_settings as parse_sglang
-from kvoffload.integrations.vllm.secondary_settings import parse_disk_settings
+from kvoffload.integrations.vllm.secondary_settings import (
+    parse_disk_settings,
+    parse_shared_settings,
+)
 from kvoffload.integrations.vllm.settings import parse_settings as parse_vllm
 
 DISK = "/nvme/kv"
@@ -160,3 +163,13 @@ def test_a_pasted_policy_or_admission_name_is_shown_cut(key: str) -> None:
     with pytest.raises(InvalidArgumentError, match=r"\(100,002 characters\)") as error:
         parse_vllm({"cpu_bytes_to_use": 1 << 20, key: "x" * 100_000})
     assert len(str(error.value)) < 1_000
+
+
+def test_a_password_source_is_read_by_no_settings_parser(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM builds its spec in every worker too, whose environment (Ray copies only some
+    variables) may lack the variable: only the process that opens the tier reads it."""
+    monkeypatch.delenv("KVO_UNSET_PASSWORD", raising=False)
+    url = "redis://cache:6379/0?password_env=KVO_UNSET_PASSWORD"
+    assert parse_vllm({"cpu_bytes_to_use": 1 << 20, "kvoffload.remote_url": url})
+    assert parse_sglang({"kvoffload.remote_url": url})
+    assert parse_shared_settings("KVOffloadSharedTier", {"url": url, "admission": "none"})

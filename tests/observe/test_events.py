@@ -870,6 +870,8 @@ def test_an_endpoint_the_subscriber_cannot_use_is_refused_naming_it(bind: bool) 
         ("topic", "\udcff", "topic must be UTF-8"),
         ("replay_timeout_s", "5", "replay_timeout_s must be a finite number of seconds"),
         ("replay_timeout_s", None, "replay_timeout_s must be a finite number of seconds"),
+        ("replay_timeout_s", True, "replay_timeout_s must be a finite number of seconds"),
+        ("topic", b"k" * 10_000, "(10,003 characters)"),
     ],
 )
 def test_a_subscriber_topic_or_replay_timeout_of_another_type_is_refused_naming_it(

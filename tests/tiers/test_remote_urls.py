@@ -297,7 +297,8 @@ def test_a_password_kept_out_of_the_url_authenticates_against_a_real_server(
     try:
         for option in ("password_env=KVO_TEST_PASSWORD", f"password_file={secret_file}"):
             url = _kept_apart(server, user, option)
-            assert shows_no_secret(url) and shows_no_secret(repr(parse_remote_url(url)))
+            address = parse_remote_url(url)
+            assert shows_no_secret(repr(address)) and shows_no_secret(address.redacted())
             tier = RemoteTier(url, fp)
             try:
                 tier.write([block_id_key(1)], [b"12345678"])
@@ -317,32 +318,66 @@ def test_a_password_kept_out_of_the_url_authenticates_against_a_real_server(
 @pytest.mark.parametrize(
     ("tail", "message"),
     [
-        ("password_env=NO_SUCH_VAR_KVO", "names a variable this process's environment does not"),
         ("password_env=hunt3r-Two", "must name an environment variable"),
+        ("password_file=", "password_file= names no file"),
+        ("password_env=PATH&password_file={tmp}/big", "gives password_env= and password_file="),
+    ],
+)
+def test_a_password_source_of_the_wrong_shape_is_refused_as_the_url_is_parsed(
+    tmp_path: Path, tail: str, message: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)) as error:
+        parse_remote_url(f"redis://h:6379/0?{tail.format(tmp=tmp_path)}")
+    assert shows_no_secret(str(error.value)) and str(tmp_path) not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("tail", "message"),
+    [
+        ("password_env=NO_SUCH_VAR_KVO", "names a variable this process's environment does not"),
         ("password_env=EMPTY_KVO", "password_env= gives an empty password"),
+        ("password_env=LATIN1_KVO", "password_env= is not UTF-8 text"),
         ("password_file={tmp}/hunt3r-Two", "password_file= cannot be read (No such file"),
-        ("password_file={tmp}", "password_file= cannot be read (Is a directory)"),
+        ("password_file={tmp}", "password_file= is not a regular file"),
         ("password_file={tmp}/fifo", "password_file= is not a regular file"),
         ("password_file={tmp}/big", "holds more than 65,536 bytes"),
         ("password_file={tmp}/latin1", "password_file= is not UTF-8 text"),
         ("password_file={tmp}/newline", "password_file= gives an empty password"),
-        ("password_env=PATH&password_file={tmp}/big", "gives password_env= and password_file="),
     ],
 )
-def test_a_password_source_that_gives_none_is_refused_never_showing_it(
+def test_a_password_source_that_gives_none_is_refused_as_the_tier_opens_never_showing_it(
     tmp_path: Path, tail: str, message: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One line naming the option; the variable's name or the file's path are not shown
-    (a password written there by mistake would be), and a FIFO is refused, not waited on."""
+    """Parsed alike (a process that only checks the configuration, as vLLM's workers do,
+    reads nothing), refused in one line as the tier opens, naming neither the variable nor
+    the path (a password written there by mistake would be shown); a FIFO is refused, not
+    waited on; a variable of bytes no UTF-8 (surrogates in Python) ended in a traceback
+    from AUTH's encoding, which showed where its odd byte sat."""
     monkeypatch.setenv("EMPTY_KVO", "")
+    monkeypatch.setenv("LATIN1_KVO", "hunt3r-Two\udce9")
     monkeypatch.delenv("NO_SUCH_VAR_KVO", raising=False)
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "big").write_bytes(b"x" * (64 * 1024 + 1))
     (tmp_path / "latin1").write_bytes(b"hunt3r-Two\xe9")
     (tmp_path / "newline").write_text("\n")
+    url = f"redis://127.0.0.1:1/0?{tail.format(tmp=tmp_path)}"
+    address = parse_remote_url(url)
     with pytest.raises(InvalidArgumentError, match=re.escape(message)) as error:
-        parse_remote_url(f"redis://h:6379/0?{tail.format(tmp=tmp_path)}")
-    assert shows_no_secret(str(error.value)) and str(tmp_path) not in str(error.value)
+        address.secret()
+    with pytest.raises(RemoteTierError, match=re.escape(message)) as opened:
+        RemoteTier(url, layout_fingerprint("apart", layout_preset("tiny"), 8))
+    for text in (str(error.value), str(opened.value)):
+        assert shows_no_secret(text) and str(tmp_path) not in text
+
+
+def test_a_password_file_that_is_a_directory_leaves_no_descriptor_open(tmp_path: Path) -> None:
+    """Each read of one left its descriptor open."""
+    address = parse_remote_url(f"redis://h:6379/0?password_file={tmp_path}")
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(50):
+        with pytest.raises(InvalidArgumentError, match="is not a regular file"):
+            address.secret()
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 def test_a_url_with_a_password_and_a_password_source_is_refused(

@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from kvoffload.core.errors import InvalidArgumentError, check_integer
+from kvoffload.core.errors import InvalidArgumentError, brief, check_integer
 from kvoffload.core.manager import OffloadingEvent
 from kvoffload.observe.events import KVEventBatch, encode_batch, make_batch, to_kv_events
 
@@ -39,11 +39,11 @@ def topic_bytes(topic: object) -> bytes:
     is no str (``b"kvoffload"``, ``None``) or no UTF-8, which raised ``AttributeError`` or
     ``UnicodeEncodeError`` from inside."""
     if not isinstance(topic, str):
-        raise InvalidArgumentError(f"topic must be a str, got {topic!r}")
+        raise InvalidArgumentError(f"topic must be a str, got {brief(topic)}")
     try:
         return topic.encode()
     except UnicodeEncodeError:
-        raise InvalidArgumentError(f"topic must be UTF-8, got {topic!r}") from None
+        raise InvalidArgumentError(f"topic must be UTF-8, got {brief(topic)}") from None
 
 
 def is_ipv6(endpoint: str) -> bool:

@@ -69,7 +69,9 @@ class KVEventSubscriber:
         bind: bool = False,
     ) -> None:
         # ZMQ waits without end for a negative time; a str compared raised TypeError.
-        if not (isinstance(replay_timeout_s, int | float) and 0 <= replay_timeout_s < math.inf):
+        timeout = replay_timeout_s
+        number = isinstance(timeout, int | float) and not isinstance(timeout, bool)
+        if not (number and 0 <= timeout < math.inf):
             raise InvalidArgumentError(
                 f"replay_timeout_s must be a finite number of seconds >= 0, "
                 f"got {replay_timeout_s!r}"

@@ -40,7 +40,7 @@ from concurrent.futures import wait as futures_wait
 from functools import partial
 from typing import TypeVar
 
-from kvoffload.core.errors import KVOffloadError, check_integer
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError, check_integer
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import EventLog, OffloadingEvent
 from kvoffload.core.tier_protocol import Target, TierStats, check_io_threads
@@ -319,9 +319,13 @@ class RemoteTier(BacklogFigures):
         ``max_pending_write_bytes`` (:attr:`pending_write_bytes`); they count in ``failed``
         too."""
         self._lock = threading.Lock()
+        try:
+            password = self.address.secret()  # read as the tier opens, not where parsed
+        except InvalidArgumentError as exc:
+            raise RemoteTierError(str(exc)) from None
         self._credentials = Credentials(
             self.address.username,
-            self.address.password,
+            password,
             self.address.db,
             self.address.tls_options,
         )

@@ -13,12 +13,16 @@ and the client libraries read them: any character works, and ``/ ? # @ %``
 must be written ``%2F %3F %23 %40 %25``. An ``@`` past the host part (an
 unencoded ``/``, ``?`` or ``#`` in a password) is an error whose message
 hides everything before it; no message ever shows the password, nor any
-option's value (a ``?password=`` meant for another client is refused by name).
+option's value in the URL it quotes (a ``?password=`` meant for another client is
+refused by name; a bad ``timeout_ms``, ``cluster`` or ``ssl_*`` value is quoted in
+its own message).
 Where the URL itself is logged (vLLM prints its connector's extra config as given),
 the password can stay out of it: ``password_env=NAME`` reads it from the environment
 variable ``NAME``, ``password_file=PATH`` from a file (one trailing newline dropped,
-as a mounted secret has), in the process that opens the tier; a URL with either
-takes ``user@`` as the user name, and refuses a password of its own.
+as a mounted secret has), when the tier opens (:meth:`RemoteAddress.secret`), not when
+the URL is parsed: a process that only checks the configuration (vLLM's workers) needs
+neither. A URL with either takes ``user@`` as the user name, and refuses a password of
+its own.
 
 Options: ``timeout_ms=N`` (default 250, from 1 to 600000): the deadline of each
 whole operation (connect, send, the full reply), plus the time its bytes take
@@ -112,18 +116,32 @@ class RemoteAddress:
     timeout_s: float = DEFAULT_TIMEOUT_MS / 1000
     tls_options: TLSOptions | None = None
     """Set exactly when ``tls`` is."""
+    password_from: tuple[str, str] | None = field(default=None, repr=False)
+    """``("password_env", NAME)`` or ``("password_file", PATH)``: where :meth:`secret`
+    reads the password, which the URL does not hold."""
 
     def redacted(self) -> str:
         """The address without its password, for messages."""
         hosts = ",".join(
             f"[{host}]:{port}" if ":" in host else f"{host}:{port}" for host, port in self.hosts
         )
-        user = (
-            f"{self.username or ''}{':***' if self.password else ''}@"
-            if (self.username or self.password)
-            else ""
-        )
+        hidden = ":***" if self.password or self.password_from else ""
+        user = f"{self.username or ''}{hidden}@" if (self.username or hidden) else ""
         return f"{'rediss' if self.tls else 'redis'}://{user}{hosts}/{self.db}"
+
+    def secret(self) -> str | None:
+        """The password to send: the URL's, or the one its ``password_env`` or
+        ``password_file`` gives, read now (:class:`InvalidArgumentError`, naming neither
+        the variable nor the path, where it gives none)."""
+        if self.password_from is None:
+            return self.password
+        option, where = self.password_from
+        shown = self.redacted()
+        read = _password_env if option == "password_env" else _password_file
+        password = read(where, shown)
+        if not password:
+            raise InvalidArgumentError(f"{option}= gives an empty password, in {shown!r}")
+        return password
 
 
 def parse_remote_url(url: str) -> RemoteAddress:
@@ -159,7 +177,7 @@ def parse_remote_url(url: str) -> RemoteAddress:
             f"option(s) {', '.join(twice)} given more than once in {shown!r}"
         )
     params = {name: values[0] for name, values in options.items()}
-    kept = _password_kept_apart(params, shown)
+    kept = _password_source(params, shown)
     username = password = None
     if at:
         user, colon, secret = userinfo.partition(":")
@@ -177,8 +195,6 @@ def parse_remote_url(url: str) -> RemoteAddress:
             # reads it: a server without a password refuses AUTH "", and one with a
             # password takes "" only if an ACL set the default user's to it.
             password = None
-    if kept is not None:
-        password = kept[1]
     hosts = tuple(_host(part, shown) for part in hostlist.split(","))
     db = _int(path.strip("/") or "0", "database number", shown)
     cluster = _flag(params.pop("cluster"), "cluster", shown) if "cluster" in params else None
@@ -201,7 +217,7 @@ def parse_remote_url(url: str) -> RemoteAddress:
             )
         raise InvalidArgumentError(f"unknown option(s) {', '.join(sorted(params))} in {shown!r}")
     return RemoteAddress(
-        hosts, username, password, db, tls, cluster, timeout_ms / 1000, tls_options
+        hosts, username, password, db, tls, cluster, timeout_ms / 1000, tls_options, kept
     )
 
 
@@ -262,11 +278,11 @@ def _decode(text: str, shown: str) -> str:
         ) from None
 
 
-def _password_kept_apart(params: dict[str, str], shown: str) -> tuple[str, str] | None:
-    """Pop ``password_env`` or ``password_file`` from ``params``: the option and the
-    password it names, read now (``None`` without either). Errors show neither the
-    variable's name nor the file's path, as the URL's other option values: a password
-    written there by mistake would be shown."""
+def _password_source(params: dict[str, str], shown: str) -> tuple[str, str] | None:
+    """Pop ``password_env`` or ``password_file`` from ``params``: the option and its value,
+    checked for shape only (``None`` without either); :meth:`RemoteAddress.secret` reads
+    it. Errors show neither the variable's name nor the file's path: a password written
+    there by mistake would be shown."""
     given = [name for name in PASSWORD_SOURCES if name in params]
     if not given:
         return None
@@ -276,38 +292,58 @@ def _password_kept_apart(params: dict[str, str], shown: str) -> tuple[str, str] 
         )
     option = given[0]
     where = params.pop(option)
-    if option == "password_env":
-        if not _ENV_NAME.fullmatch(where):
-            raise InvalidArgumentError(
-                "password_env= must name an environment variable (letters, digits and '_', "
-                f"not first a digit), in {shown!r}"
-            )
-        password = os.environ.get(where)
-        if password is None:
-            raise InvalidArgumentError(
-                f"password_env= names a variable this process's environment does not have, "
-                f"in {shown!r}"
-            )
-    else:
-        password = _password_file(where, shown)
-    if not password:
-        raise InvalidArgumentError(f"{option}= gives an empty password, in {shown!r}")
-    return option, password
+    if option == "password_env" and not _ENV_NAME.fullmatch(where):
+        raise InvalidArgumentError(
+            "password_env= must name an environment variable (letters, digits and '_', "
+            f"not first a digit), in {shown!r}"
+        )
+    if not where:
+        raise InvalidArgumentError(f"{option}= names no file, in {shown!r}")
+    return option, where
+
+
+def _password_env(name: str, shown: str) -> str:
+    """The password in the environment variable ``name``, which must be UTF-8: the bytes of
+    one that is not came back as surrogates, and encoding AUTH failed with a traceback
+    that showed where the odd byte sat."""
+    password = os.environ.get(name)
+    if password is None:
+        raise InvalidArgumentError(
+            f"password_env= names a variable this process's environment does not have, in {shown!r}"
+        )
+    try:
+        password.encode()
+    except UnicodeEncodeError:
+        raise InvalidArgumentError(f"password_env= is not UTF-8 text, in {shown!r}") from None
+    return password
 
 
 def _password_file(path: str, shown: str) -> str:
     """The password in the file ``path``: its text, UTF-8, less one trailing newline. A
-    regular file only, opened without waiting: a FIFO would wait for a writer forever."""
+    regular file only, opened without waiting (a FIFO would wait for a writer forever),
+    and closed whatever it is."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        with open(fd, "rb") as file:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise InvalidArgumentError(f"password_file= is not a regular file, in {shown!r}")
-            data = file.read(MAX_PASSWORD_FILE_BYTES + 1)
     except OSError as exc:
         raise InvalidArgumentError(
             f"password_file= cannot be read ({exc.strerror or type(exc).__name__}), in {shown!r}"
         ) from None
+    chunks: list[bytes] = []
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        left = MAX_PASSWORD_FILE_BYTES + 1
+        while regular and left > 0 and (chunk := os.read(fd, left)):
+            chunks.append(chunk)
+            left -= len(chunk)
+    except OSError as exc:
+        raise InvalidArgumentError(
+            f"password_file= cannot be read ({exc.strerror or type(exc).__name__}), in {shown!r}"
+        ) from None
+    finally:
+        os.close(fd)
+    if not regular:
+        raise InvalidArgumentError(f"password_file= is not a regular file, in {shown!r}")
+    data = b"".join(chunks)
     if len(data) > MAX_PASSWORD_FILE_BYTES:
         raise InvalidArgumentError(
             f"password_file= holds more than {MAX_PASSWORD_FILE_BYTES:,} bytes, no password, "
