@@ -30,6 +30,17 @@ def shows_no_secret(text: str) -> bool:
     return all(part not in text for part in ("hunt3r", "Two"))
 
 
+def stores_and_finds_a_block(url: str, fp: bytes) -> bool:
+    """Whether a tier opened on ``url`` (so authenticated) stores a block and finds it."""
+    tier = RemoteTier(url, fp)
+    try:
+        tier.write([block_id_key(1)], [b"12345678"])
+        tier.poll(wait=True)
+        return tier.present([block_id_key(1)]) == 1
+    finally:
+        tier.close()
+
+
 CLI = [sys.executable, "-m", "kvoffload", "simulate", "--requests", "5", "--no-bound"]
 CLI += ["--no-progress"]
 
@@ -165,13 +176,7 @@ def test_an_empty_password_without_a_user_asks_for_no_auth(tmp_path: Path) -> No
     server = ValkeyProcess(tmp_path / "no-password").start()
     fp = layout_fingerprint("empty", layout_preset("tiny"), 8)
     try:
-        tier = RemoteTier(f"redis://:@127.0.0.1:{server.port}/0", fp)
-        try:
-            tier.write([block_id_key(1)], [b"12345678"])
-            tier.poll(wait=True)
-            assert tier.present([block_id_key(1)]) == 1
-        finally:
-            tier.close()
+        assert stores_and_finds_a_block(f"redis://:@127.0.0.1:{server.port}/0", fp)
     finally:
         server.stop()
     assert parse_remote_url("redis://kv:@h").password == ""
@@ -182,13 +187,7 @@ def test_a_percent_encoded_password_authenticates_against_a_real_server(tmp_path
     server = ValkeyProcess(tmp_path / "pw", password=password).start()
     fp = layout_fingerprint("password", layout_preset("tiny"), 8)
     try:
-        tier = RemoteTier(server.url, fp)  # the URL percent-encodes the password
-        try:
-            tier.write([block_id_key(1)], [b"12345678"])
-            tier.poll(wait=True)
-            assert tier.present([block_id_key(1)]) == 1
-        finally:
-            tier.close()
+        assert stores_and_finds_a_block(server.url, fp)  # the URL percent-encodes the password
         wrong = server.url.replace(quote(password, safe=""), quote(password[:-1], safe=""))
         with pytest.raises(RemoteTierError, match="authentication failed") as error:
             RemoteTier(wrong, fp)
@@ -299,13 +298,7 @@ def test_a_password_kept_out_of_the_url_authenticates_against_a_real_server(
             url = _kept_apart(server, user, option)
             address = parse_remote_url(url)
             assert shows_no_secret(repr(address)) and shows_no_secret(address.redacted())
-            tier = RemoteTier(url, fp)
-            try:
-                tier.write([block_id_key(1)], [b"12345678"])
-                tier.poll(wait=True)
-                assert tier.present([block_id_key(1)]) == 1
-            finally:
-                tier.close()
+            assert stores_and_finds_a_block(url, fp)
         monkeypatch.setenv("KVO_TEST_PASSWORD", password[:-1])
         with pytest.raises(RemoteTierError, match="authentication failed") as error:
             RemoteTier(_kept_apart(server, user, "password_env=KVO_TEST_PASSWORD"), fp)
