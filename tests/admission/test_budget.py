@@ -134,6 +134,19 @@ def test_a_negative_integer_too_long_to_print_is_one_clear_error() -> None:
             make()
 
 
+@pytest.mark.parametrize(
+    ("text", "unit"), [("10Gb/s", "Gb"), ("400 Mb/s", "Mb"), ("2Mib/s", "Mib"), ("1Tb/sec", "Tb")]
+)
+def test_a_rate_written_in_bits_is_refused_not_read_as_bytes(text: str, unit: str) -> None:
+    """``10Gb/s``, a 10 Gbit/s link as network gear writes it, was read as 10 GB/s: a
+    budget eight times the one meant. Bytes in any case still parse (``64kb/sec``)."""
+    with pytest.raises(InvalidArgumentError, match=f"'{unit}' reads as bits; give bytes"):
+        WriteBudget.parse(text)
+    with pytest.raises(InvalidArgumentError, match=f"drive: '{unit}' reads as bits"):
+        parse_bytes(text.partition("/")[0], "drive")
+    assert WriteBudget.parse("10GB/s").amount == WriteBudget.parse("10gb/s").amount == 10 * 10**9
+
+
 def test_sizes_parse_in_decimal_and_binary_units() -> None:
     assert parse_bytes("1.92TB") == 1_920_000_000_000
     assert parse_bytes("2TiB") == 2 * 2**40

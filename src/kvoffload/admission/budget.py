@@ -51,6 +51,9 @@ _BYTE_UNITS = {
     "tib": 2**40,
     "pib": 2**50,
 }
+_BITS = re.compile(r"[KMGTP]i?b")
+"""A unit written as bits are (``Gb``, ``Mib``): a 10 Gbit/s link given as ``10Gb/s`` read as
+10 GB/s, eight times the budget meant. Units are read whatever their case otherwise."""
 _DIGITS = r"\d(?:_?\d)*"
 """Digits as Python's float() reads them, one underscore allowed between two (``1_000``),
 as every other number on the command line takes them."""
@@ -77,6 +80,17 @@ def _amount(text: str, what: str) -> float:
         raise InvalidArgumentError(f"{what}: {exc}") from None
 
 
+def _byte_unit(unit: str, text: object, what: str) -> int:
+    """The bytes ``unit`` stands for; one written as bits (``Gb``) is refused, not read as
+    bytes (:data:`_BITS`)."""
+    if _BITS.fullmatch(unit):
+        raise InvalidArgumentError(
+            f"{what}: {unit!r} reads as bits; give bytes, {unit[:-1]}B (a byte is 8 bits), "
+            f"got {brief(text)}"
+        )
+    return _BYTE_UNITS[unit.lower()]
+
+
 def parse_bytes(text: str | int, what: str = "a size") -> int:
     """A byte count: an integer, or a number with B, kB/MB/GB/TB (powers of 1000) or
     KiB/MiB/GiB/TiB (powers of 1024), e.g. ``"1.92TB"``."""
@@ -98,7 +112,7 @@ def parse_bytes(text: str | int, what: str = "a size") -> int:
     # One message for every size below a byte: -1e-400 and 1e-400 (which reads as 0) too.
     if match[1].lstrip().startswith("-") or float(match[1]) == 0:
         raise InvalidArgumentError(f"{what}: must be >= 1 byte, got {brief(text)}")
-    value = _amount(match[1], what) * _BYTE_UNITS[(match[2] or "").lower()]
+    value = _amount(match[1], what) * _byte_unit(match[2] or "", text, what)
     if value < 1:
         raise InvalidArgumentError(f"{what}: must be >= 1 byte, got {brief(text)}")
     if math.isinf(value):  # a finite number times its unit can overflow: 1e300TB
@@ -156,7 +170,7 @@ class WriteBudget:
         if match := _PER_REF.fullmatch(stripped):
             return cls(_amount(match[1], "write budget"))
         if match := _PER_SECOND.fullmatch(stripped):
-            per_s = _amount(match[1], "write budget") * _BYTE_UNITS[match[2].lower()]
+            per_s = _amount(match[1], "write budget") * _byte_unit(match[2], text, "write budget")
             if math.isinf(per_s):  # a finite number times its unit can overflow: 1e300TB/s
                 raise InvalidArgumentError(
                     f"write budget: must be a finite rate, got {brief(text)}"
