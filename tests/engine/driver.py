@@ -7,11 +7,12 @@ optionally its ``block_size`` and ``max_num_batched_tokens`` (chunked prefill), 
 the engine's own prefix cache, so the next requests must load from the offload tier) and
 ``metrics`` (vLLM's ``get_metrics()``, summed over labels), ``server_keys`` (the keys of the
 Valkey server on 127.0.0.1 ``port``, with ``password``, once they are ``at_least`` that many
-or ``within_s`` has passed: an engine's stores are written after its requests end) and
+or ``within_s`` has passed: an engine's stores are written after its requests end),
 ``signal`` (send ``signal``, a name such as ``SIGSTOP``, to process ``pid``: a test's server
-frozen or woken between two steps). An engine's ``env`` is set while it runs. Engines run
-one after another in this process, each shut down before the next starts. The output has,
-per engine, its start-up seconds and each step's result.
+frozen or woken between two steps) and ``sleep`` (``seconds``: a deadline let pass). An
+engine's ``env`` is set while it runs. Engines run one after another in this process, each
+shut down before the next starts. The output has, per engine, its start-up seconds and each
+step's result.
 
 vLLM's engine spawns processes that import ``__main__`` again: everything runs under the guard.
 """
@@ -125,6 +126,9 @@ def run_engine(model: str, dtype: str, engine: dict[str, Any]) -> dict[str, Any]
             elif step["do"] == "signal":
                 os.kill(step["pid"], signal.Signals[step["signal"]])
                 result["steps"].append({"signal": step["signal"]})
+            elif step["do"] == "sleep":
+                time.sleep(step["seconds"])
+                result["steps"].append({"sleep": step["seconds"]})
             else:
                 raise ValueError(f"unknown step {step['do']!r}")
     finally:
