@@ -12,7 +12,6 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any
 
 from kvoffload.admission import (
@@ -468,7 +467,7 @@ def simulate(
         workload=workload.name,
         requests=stats.requests,
         refs=refs,
-        unique_blocks=len(set(chain.from_iterable(req.keys for req in workload.requests))),
+        unique_blocks=workload.unique_blocks,
         block_tokens=workload.block_tokens,
         layout=config.layout,
         bytes_per_block=bytes_per_block,

@@ -71,8 +71,7 @@ Mooncake trace's peak fits to within 1%; a Qwen CSV takes less. Rounded up."""
 def estimated_read_bytes(workload: Workload) -> int:
     """The memory reading ``workload``'s trace again takes at its peak, as each worker
     process of a sweep does before its first run."""
-    blocks = len({key for request in workload.requests for key in request.keys})
-    return workload.num_refs * READ_BYTES_PER_REF + blocks * READ_BYTES_PER_BLOCK
+    return workload.num_refs * READ_BYTES_PER_REF + workload.unique_blocks * READ_BYTES_PER_BLOCK
 
 
 class TraceFormatError(KVOffloadError, ValueError):

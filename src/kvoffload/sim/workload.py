@@ -68,3 +68,8 @@ class Workload:
     def num_refs(self) -> int:
         """Block references: the sum of every request's key count."""
         return sum(len(r.keys) for r in self.requests)
+
+    @property
+    def unique_blocks(self) -> int:
+        """Distinct blocks: the keys of every request, each counted once."""
+        return len({key for request in self.requests for key in request.keys})
