@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from decimal import Decimal, InvalidOperation
 from typing import Any, TypeVar
 
-from kvoffload.core.errors import SHOWN_CHARS, InvalidArgumentError, brief
+from kvoffload.core.errors import SHOWN_CHARS, InvalidArgumentError, brief, is_number
 
 ParamValue = str | int | float
 """A raw parameter value: text from the command line, or a JSON number."""
@@ -209,8 +209,7 @@ def _kind(wants_int: bool, value: object) -> str:
     integer), which "must be a number" told an operator it already was."""
     if wants_int:
         return "an integer"
-    number = not isinstance(value, bool) and isinstance(value, int | float)
-    return "a finite number" if number else "a number"
+    return "a finite number" if is_number(value) else "a number"
 
 
 def _convert(value: object, field: dataclasses.Field[Any], rule: str) -> int | float:
@@ -224,7 +223,7 @@ def _convert(value: object, field: dataclasses.Field[Any], rule: str) -> int | f
         whole = read_integer(value)
         if whole is not None:
             return whole
-    elif not isinstance(value, bool) and isinstance(value, int | float):
+    elif is_number(value):
         if not wants_int and is_finite(value):
             return float(value)
         if wants_int and isinstance(value, int):

@@ -9,6 +9,7 @@ both ``except KVOffloadError`` and ``except KeyError`` work.
 from __future__ import annotations
 
 import operator
+from typing import TypeGuard
 
 
 class KVOffloadError(Exception):
@@ -63,6 +64,11 @@ def check_integer(name: str, value: object, minimum: int, maximum: int | None = 
     ):
         bound = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum:,}"
         raise InvalidArgumentError(f"{name} must be an integer {bound}, got {value!r}")
+
+
+def is_number(value: object) -> TypeGuard[int | float]:
+    """Whether ``value`` is an int or a float, and not a bool (an int to Python)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def integer_value(value: object) -> int | None:

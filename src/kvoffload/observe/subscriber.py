@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 import zmq
 
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InvalidArgumentError, is_number
 from kvoffload.observe.events import AllBlocksCleared, DecodeError, KVEventBatch, decode_batch
 from kvoffload.observe.publisher import END_SEQ, is_ipv6, topic_bytes
 
@@ -69,9 +69,7 @@ class KVEventSubscriber:
         bind: bool = False,
     ) -> None:
         # ZMQ waits without end for a negative time; a str compared raised TypeError.
-        timeout = replay_timeout_s
-        number = isinstance(timeout, int | float) and not isinstance(timeout, bool)
-        if not (number and 0 <= timeout < math.inf):
+        if not (is_number(replay_timeout_s) and 0 <= replay_timeout_s < math.inf):
             raise InvalidArgumentError(
                 f"replay_timeout_s must be a finite number of seconds >= 0, "
                 f"got {replay_timeout_s!r}"

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from kvoffload.admission.params import read_number
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InvalidArgumentError, is_number
 from kvoffload.core.keys import OffloadKey, block_id_key
 from kvoffload.core.memory import check_fits
 from kvoffload.sim.workload import Progress, Request, Workload
@@ -189,12 +189,12 @@ class ChatShape:
     system_tokens: int = 700
 
     def __post_init__(self) -> None:
-        if not (_is_number(self.one_turn) and 0.0 <= self.one_turn <= 1.0):
+        if not (is_number(self.one_turn) and 0.0 <= self.one_turn <= 1.0):
             raise InvalidArgumentError(f"one_turn must be a share in [0, 1], got {self.one_turn!r}")
         sizes = ("paste_tokens", "first_tokens", "follow_up_tokens", "extra_turns", "turn_gap_s")
         for name in sizes:
             value = getattr(self, name)
-            if not (_is_number(value) and math.isfinite(value) and value > 0):
+            if not (is_number(value) and math.isfinite(value) and value > 0):
                 raise InvalidArgumentError(f"{name} must be a finite number > 0, got {value!r}")
         tokens = self.system_tokens
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
@@ -229,10 +229,6 @@ class ChatShape:
             session_requests += chance * turn
         one = self.one_turn
         return (one * pasted + (1 - one) * session_tokens) / (one + (1 - one) * session_requests)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def longchat_sessions(shape: ChatShape) -> Callable[[random.Random, _Keys, float], Sessions]:
@@ -340,7 +336,7 @@ def generate(
             f"unknown workload kind {unknown[0]!r}; known: {', '.join(GENERATORS)}"
         )
     weights = mix.values()
-    if not all(_is_number(w) and math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+    if not all(is_number(w) and math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
         raise InvalidArgumentError(
             f"mix weights must be finite, >= 0 and not all zero, got {dict(mix)}"
         )

@@ -24,7 +24,7 @@ from kvoffload.admission import (
     resolve_admission,
 )
 from kvoffload.admission.registry import ParamPairs
-from kvoffload.core.errors import InvalidArgumentError, check_integer
+from kvoffload.core.errors import InvalidArgumentError, check_integer, is_number
 from kvoffload.core.layout import KVLayout, layout_preset
 from kvoffload.core.tier_protocol import SlotBytes, TierStats
 from kvoffload.managers.stack import Stack, StackConfig, build_cpu_stack
@@ -258,10 +258,6 @@ _RATE_FIELDS = (
 _LATENCY_FIELDS = ("disk_latency_ms", "remote_latency_ms")
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 def _check_numbers(config: SimConfig) -> None:
     """Integers must be integers, rates finite and positive and latencies finite and not
     negative, whatever the caller passed (a tier's, even when the run has no such tier)."""
@@ -274,7 +270,7 @@ def _check_numbers(config: SimConfig) -> None:
         )
     for name in _RATE_FIELDS:
         value = getattr(config, name)
-        if not (_is_number(value) and math.isfinite(value) and value > 0):
+        if not (is_number(value) and math.isfinite(value) and value > 0):
             raise InvalidArgumentError(f"{name} must be a finite number > 0, got {value!r}")
     if not math.isfinite(config.transfer_gb_per_s * 1e9):  # the engine runs on bytes per second
         raise InvalidArgumentError(
@@ -283,9 +279,9 @@ def _check_numbers(config: SimConfig) -> None:
         )
     for name in _LATENCY_FIELDS:
         value = getattr(config, name)
-        if not (_is_number(value) and math.isfinite(value) and value >= 0):
+        if not (is_number(value) and math.isfinite(value) and value >= 0):
             raise InvalidArgumentError(f"{name} must be a finite number >= 0, got {value!r}")
-    if not _is_number(config.disk_timeout_ms):  # its range is checked with a disk tier
+    if not is_number(config.disk_timeout_ms):  # its range is checked with a disk tier
         raise InvalidArgumentError(
             f"disk_timeout_ms must be a number of milliseconds, got {config.disk_timeout_ms!r}"
         )
@@ -297,7 +293,7 @@ def _check_numbers(config: SimConfig) -> None:
 
 def blocks_for_gib(gib: float, layout: str, block_tokens: int) -> int:
     """How many whole blocks of ``block_tokens`` tokens fit in ``gib`` GiB under ``layout``."""
-    if not (_is_number(gib) and math.isfinite(gib)) or gib < 0:
+    if not (is_number(gib) and math.isfinite(gib)) or gib < 0:
         raise InvalidArgumentError(f"a capacity in GB must be a finite number >= 0, got {gib!r}")
     blocks = gib * GIB // layout_preset(layout).with_block_size(block_tokens).bytes_per_block
     if not math.isfinite(blocks):  # past the float range in bytes
