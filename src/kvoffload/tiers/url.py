@@ -322,25 +322,21 @@ def _password_file(path: str, shown: str) -> str:
     """The password in the file ``path``: its text, UTF-8, less one trailing newline. A
     regular file only, opened without waiting (a FIFO would wait for a writer forever),
     and closed whatever it is."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise InvalidArgumentError(
-            f"password_file= cannot be read ({exc.strerror or type(exc).__name__}), in {shown!r}"
-        ) from None
     chunks: list[bytes] = []
     try:
-        regular = stat.S_ISREG(os.fstat(fd).st_mode)
-        left = MAX_PASSWORD_FILE_BYTES + 1
-        while regular and left > 0 and (chunk := os.read(fd, left)):
-            chunks.append(chunk)
-            left -= len(chunk)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+            left = MAX_PASSWORD_FILE_BYTES + 1
+            while regular and left > 0 and (chunk := os.read(fd, left)):
+                chunks.append(chunk)
+                left -= len(chunk)
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise InvalidArgumentError(
             f"password_file= cannot be read ({exc.strerror or type(exc).__name__}), in {shown!r}"
         ) from None
-    finally:
-        os.close(fd)
     if not regular:
         raise InvalidArgumentError(f"password_file= is not a regular file, in {shown!r}")
     data = b"".join(chunks)
