@@ -170,6 +170,9 @@ def test_each_tier_takes_its_write_backlog_bound(
         ({"remote_url": "redis://h:1", "remote_admission": "recommended"}, "remote_blocks"),
         ({"remote_admission": "recommended", "remote_blocks": 4}, "remote_admission"),
         ({"disk_max_pending_write_bytes": 1 << 20}, "disk_max_pending_write_bytes needs a disk"),
+        ({"disk_policy": "arc"}, r"^disk_policy needs a disk tier \(disk_dir\)$"),
+        ({"disk_deadline_s": 0.5}, r"^disk_deadline_s needs a disk tier \(disk_dir\)$"),
+        ({"remote_url": "redis://h:1", "disk_policy": "arc"}, "disk_policy needs a disk"),
         (
             {"remote_max_pending_write_bytes": 1 << 20},
             "remote_max_pending_write_bytes needs a shared",

@@ -161,7 +161,9 @@ class StackConfig:
     disk_dir: str | None = None
     disk_blocks: int = 0
     disk_policy: str | None = None
-    """``None``: the CPU tier's policy."""
+    """``None``: the CPU tier's policy. Given (not ``None``) without ``disk_dir`` it is
+    refused, as ``disk_deadline_s`` and the tier's admission settings are: it would be
+    ignored."""
     disk_deadline_s: float | None = None
     """The deadline of each disk I/O job; ``None``: the disk tier's default."""
     disk_max_pending_write_bytes: int | None = None
@@ -216,9 +218,9 @@ class StackConfig:
             admission_params(self.admission, self.admission_params)
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"admission_params: {exc}") from None
-        for kind, where, tier in (
-            ("disk", "disk_dir", "a disk"),
-            ("remote", "remote_url", "a shared"),
+        for kind, where, tier, own in (
+            ("disk", "disk_dir", "a disk", ("disk_policy", "disk_deadline_s")),
+            ("remote", "remote_url", "a shared", ()),
         ):
             if getattr(self, where) is not None:
                 continue
@@ -227,6 +229,7 @@ class StackConfig:
                 f"{kind}_write_budget",
                 f"{kind}_admission_params",
                 f"{kind}_max_pending_write_bytes",
+                *own,
             )
             for name in names:
                 if getattr(self, name) not in ("none", None, ()):

@@ -176,6 +176,7 @@ class SimConfig:
         """The manager stack of this run (lower tiers only behind a CPU tier); the write
         budget is sized to ``bytes_per_block``."""
         tiers = self.has_lower_tiers
+        disk_dir = self.disk_dir if tiers else None
         return StackConfig(
             self.cpu_blocks,
             self.policy,
@@ -184,10 +185,10 @@ class SimConfig:
             self.admission,
             self.sized_write_budget(bytes_per_block),
             admission_params=self.admission_params,
-            disk_dir=self.disk_dir if tiers else None,
+            disk_dir=disk_dir,
             disk_blocks=self.disk_blocks,
             disk_policy=self.disk_policy,
-            disk_deadline_s=self.disk_timeout_ms / 1000,
+            disk_deadline_s=None if disk_dir is None else self.disk_timeout_ms / 1000,
             remote_url=self.remote_url if tiers else None,
             remote_blocks=self.remote_blocks,
             tier_store_threshold=self.tier_store_threshold,

@@ -314,6 +314,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
         alone = dataclasses.replace(
             config,
             disk_dir=None,
+            disk_deadline_s=None,
             remote_url=None,
             disk_admission="none",
             disk_write_budget=None,
@@ -338,7 +339,7 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
             admission_params=settings.admission_params,
             disk_dir=settings.disk_dir,
             disk_blocks=self.disk_blocks,
-            disk_deadline_s=settings.disk_timeout_ms / 1000,
+            disk_deadline_s=None if settings.disk_dir is None else settings.disk_timeout_ms / 1000,
             disk_max_pending_write_bytes=settings.disk_max_pending_write_bytes,
             remote_url=settings.remote_url,
             remote_blocks=self.remote_blocks,
