@@ -557,6 +557,21 @@ def test_a_second_collector_of_the_same_series_is_refused_naming_it() -> None:
     }
 
 
+def test_a_second_transfer_collector_is_refused_with_a_hint_it_can_follow() -> None:
+    """The hint told it to take labels of its own, which a ``TransferCollector`` cannot."""
+    from kvoffload.observe.counters import LatencyHistogram
+    from kvoffload.observe.metrics import TransferCollector
+
+    with MetricsServer(0) as server:
+        server.add(TransferCollector({"store": LatencyHistogram()}))
+        with pytest.raises(InvalidArgumentError) as error:
+            server.add(TransferCollector({"store": LatencyHistogram()}))
+    assert str(error.value).startswith("metric kvoffload_transfer_seconds_bucket{")
+    assert str(error.value).endswith(
+        "is exported already: a TransferCollector takes no labels: add one to a server only once"
+    )
+
+
 def test_a_label_value_that_is_no_str_is_refused_when_the_collector_is_made() -> None:
     """It was taken, and every scrape of the endpoint failed afterwards, every other
     collector's metrics too: prometheus_client's exposition raised on the int (a 500, a

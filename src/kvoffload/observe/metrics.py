@@ -314,8 +314,7 @@ class _Registry(CollectorRegistry):
             name, labels = clash[0]
             shown = ",".join(f'{key}="{value}"' for key, value in labels)
             raise InvalidArgumentError(
-                f"metric {name}{{{shown}}} is exported already: give each manager's "
-                f"collector labels of its own (e.g. a tier or instance name)"
+                f"metric {name}{{{shown}}} is exported already: {_clash_hint(collector)}"
             )
         super().register(collector)
 
@@ -334,6 +333,16 @@ class _Registry(CollectorRegistry):
             else:
                 found.samples = found.samples + metric.samples
         yield from families.values()
+
+
+def _clash_hint(collector: Collector) -> str:
+    """What would tell ``collector``'s series from those served already, in the terms its
+    constructor takes: a hint naming labels to a collector that takes none was false."""
+    if isinstance(collector, ManagerCollector):
+        return "give each manager's collector labels of its own (e.g. a tier or instance name)"
+    if isinstance(collector, AdmissionCollector):
+        return "give each lower tier's admission collector a tier of its own"
+    return f"a {type(collector).__name__} takes no labels: add one to a server only once"
 
 
 def _series(metrics: Iterable[Metric]) -> list[tuple[str, tuple[tuple[str, str], ...]]]:
