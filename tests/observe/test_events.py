@@ -23,7 +23,7 @@ pytest.importorskip("msgspec")
 
 import zmq
 
-from kvoffload import InvalidArgumentError, OffloadingEvent, block_id_key
+from kvoffload import InvalidArgumentError, KVOffloadError, OffloadingEvent, block_id_key
 from kvoffload.observe.events import (
     BlockRemoved,
     BlockStored,
@@ -33,7 +33,7 @@ from kvoffload.observe.events import (
 )
 from kvoffload.observe.indexer import PrefixIndex
 from kvoffload.observe.publisher import KVEventPublisher
-from kvoffload.observe.subscriber import Delivered, KVEventSubscriber
+from kvoffload.observe.subscriber import Delivered, KVEventSubscriber, SubscriberClosedError
 
 LOCAL = "tcp://127.0.0.1:0"
 
@@ -383,6 +383,17 @@ def test_a_live_batch_numbered_as_the_last_one_is_a_restart() -> None:
             sub.accept(seq, payload, delivered)
     assert (sub.restarts, sub.gaps) == (1, 1)  # no replay here: the new 0 and 1 are a gap
     assert [seq for seq, _ in delivered] == [0, 1, 2, -1, 2]
+
+
+def test_receive_after_close_is_refused_in_one_line() -> None:
+    """ZMQ's own ``ZMQError: Operation not supported`` said nothing of what was wrong."""
+    with KVEventSubscriber(LOCAL, bind=True) as sub:
+        endpoint = sub.endpoint
+    with pytest.raises(SubscriberClosedError) as error:
+        sub.receive(0.0)
+    assert str(error.value) == f"receive on the KV event subscriber of {endpoint!r}: it is closed"
+    assert isinstance(error.value, KVOffloadError)
+    sub.close()  # a second close changes nothing
 
 
 def test_a_publisher_restarted_after_a_catch_up_is_followed() -> None:

@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 import zmq
 
-from kvoffload.core.errors import InvalidArgumentError, is_number
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError, is_number
 from kvoffload.observe.events import AllBlocksCleared, DecodeError, KVEventBatch, decode_batch
 from kvoffload.observe.publisher import END_SEQ, is_ipv6, topic_bytes
 
@@ -28,6 +28,11 @@ RESTART_SEQ = -1
 
 MAX_POLL_MS = 2**31 - 1
 """The longest wait ZMQ's poll takes in one call (a C int of milliseconds, ~24.8 days)."""
+
+
+class SubscriberClosedError(KVOffloadError, RuntimeError):
+    """:meth:`KVEventSubscriber.receive` after ``close``: the caller's mistake, said in one
+    line (ZMQ's own error said only "Operation not supported")."""
 
 
 class KVEventSubscriber:
@@ -110,9 +115,13 @@ class KVEventSubscriber:
     def receive(self, timeout_s: float = 1.0) -> Delivered:
         """Batches that arrived within ``timeout_s`` (waiting only for the first), in order;
         a negative ``timeout_s`` waits for none (ZMQ would wait without end), ``math.inf``
-        for the first without end."""
+        for the first without end. After :meth:`close`, :class:`SubscriberClosedError`."""
         if math.isnan(timeout_s):
             raise InvalidArgumentError("receive's timeout_s must be a number of seconds, got nan")
+        if self._sub.closed:
+            raise SubscriberClosedError(
+                f"receive on the KV event subscriber of {self.endpoint!r}: it is closed"
+            )
         delivered: Delivered = []
         timeout_ms = -1 if timeout_s == math.inf else max(0, int(timeout_s * 1000))
         while _ready(self._sub, timeout_ms):
