@@ -361,6 +361,24 @@ def test_a_legend_says_no_filter_only_where_nothing_judges_the_writes(
         ]
 
 
+def test_tiny_capacities_are_ticked_as_themselves_without_an_offset(
+    make_workload: MakeWorkload, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiny layout's capacities (about 1e-5 GiB) were ticked 1.0 to 3.0, with ``1e-5``
+    alone at the axis's far corner: easy to read as GiB."""
+    pytest.importorskip("matplotlib")
+    report = _small_report(make_workload)
+    assert report.cpu_gib < 1e-4
+    wider = dataclasses.replace(report, cpu_blocks=8, cpu_gib=2 * report.cpu_gib)
+    for figure in _figures([report, wider], tmp_path, monkeypatch):
+        [axes] = figure.axes
+        for axis in (axes.xaxis, axes.yaxis):
+            assert axis.get_offset_text().get_text() == ""
+    [capacity_axes] = _figures([report, wider], tmp_path, monkeypatch)[0].axes
+    ticks = [float(label.get_text()) for label in capacity_axes.get_xticklabels()]
+    assert max(ticks) < 1e-4  # the capacities themselves, in GiB
+
+
 def test_plotting_no_run_is_refused(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from kvoffload.sim.plots import plot_sweep

@@ -132,6 +132,13 @@ def sweep_title(report: RunReport) -> str:
     return title + (f", {below} the offload tier" if below else "")
 
 
+def _plain_ticks(axes: Any) -> None:
+    """Tick labels that read as the numbers they are: the tiny layout's capacities (about
+    1e-5 GiB) were ticked 1.0 to 3.0, their ``1e-5`` alone at the axis's far corner, and
+    figures close together got an offset (``+4.62e-1``) the same way."""
+    axes.ticklabel_format(style="plain", useOffset=False)
+
+
 def _bound_line(reports: Sequence[RunReport]) -> tuple[list[float], list[float]]:
     """The Belady bound to draw: per capacity with a known bound, the highest of its runs'.
 
@@ -175,6 +182,7 @@ def _capacity_figure(reports: Sequence[RunReport]) -> Any:
             label="Belady bound",
         )
     axes.set(xlabel="offload tier capacity (GiB)", ylabel="total hit ratio (GPU + offload)")
+    _plain_ticks(axes)
     _set_title(axes, sweep_title(reports[0]))
     axes.grid(alpha=0.3)
     axes.legend()
@@ -193,6 +201,7 @@ def _writes_figure(reports: Sequence[RunReport]) -> Any:
             **_line_style(index),
         )
     axes.set(xlabel="offload writes per block reference", ylabel="total hit ratio (GPU + offload)")
+    _plain_ticks(axes)
     _set_title(axes, f"{sweep_title(reports[0])}: each point one capacity")
     axes.grid(alpha=0.3)
     axes.legend()
