@@ -173,3 +173,81 @@ def test_a_long_bad_value_is_named_in_a_short_line(
     assert main([*SMALL, *argv]) in (1, 2)
     err = one_line_error(capsys)
     assert named in err and "100,00" in err and len(err) < 400, err[:500]
+
+
+SWEEP = ["sweep", "--requests", "120", "--seed", "3", "--no-progress", "--jobs", "1"]
+SWEPT = ["--gpu-blocks", "1500", "--cpu-blocks", "3000", "--policies", "lru", "--thresholds", "0"]
+
+
+def _swept(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, int]:
+    """Each run's admitted blocks, by rule."""
+    assert main([*SWEEP, *SWEPT, *args, "--json", "-"]) == 0
+    return {
+        row["admission"]: row["admission_admitted"] for row in json.loads(capsys.readouterr().out)
+    }
+
+
+def test_sweep_takes_admission_param_for_its_rules_as_simulate_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``sweep`` took ``--admission-param`` only for the lower tiers' rules: the CPU tier's
+    rules ran on their defaults. It sets each rule of ``--admissions`` but ``none``."""
+    default = _swept(capsys, "--admissions", "none,sketch")
+    given = _swept(capsys, "--admissions", "none,sketch", "--admission-param", "threshold=1")
+    assert given["sketch"] > default["sketch"]  # stores on first sight
+    assert given["none"] == default["none"]
+    assert main([*SMALL, *TIER, "--admission-param=threshold=1"]) == 0
+    assert json.loads(capsys.readouterr().out)["admission_admitted"] == given["sketch"]
+
+
+@pytest.mark.parametrize(
+    ("admissions", "param", "message"),
+    [
+        (
+            "none",
+            "threshold=2",
+            "--admission-param: admission 'none' takes no parameters, got threshold",
+        ),
+        (
+            "sketch",
+            "thresold=2",
+            "--admission-param: unknown admission parameter 'thresold' for 'sketch'",
+        ),
+        (
+            "none,feedback,sketch",
+            "threshold=0.4",
+            "--admission-param: admission parameter 'threshold' of 'sketch' must be an integer",
+        ),
+        ("sketch", "threshold", "--admission-param takes key=value, got 'threshold'"),
+    ],
+)
+def test_a_bad_sweep_admission_param_stops_before_the_runs(
+    capsys: pytest.CaptureFixture[str], admissions: str, param: str, message: str
+) -> None:
+    argv = [*SWEEP, *SWEPT, "--admissions", admissions, "--admission-param", param]
+    assert main(argv) == 1
+    assert message in one_line_error(capsys)
+
+
+def test_sweep_admission_param_help_lists_each_rule_but_none(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main([*SWEEP, "--admissions", "none,sketch,reuse", "--admission-param", "help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("--admissions sketch: --admission-param KEY=VALUE, one per key")
+    assert "\n\n--admissions reuse: --admission-param KEY=VALUE" in out
+    assert "--admissions none" not in out
+    assert main([*SWEEP, "--admission-param", "help"]) == 0
+    assert capsys.readouterr().out == "--admissions none takes no parameters\n"
+
+
+def test_sweep_sizes_each_rule_with_its_parameters_before_the_runs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The machine's memory is checked against the rule as the parameters make it: a
+    sketch sampled 1,000 tier-fulls deep, not 10 (the default)."""
+    argv = [*SWEEP, "--gpu-blocks", "1500", "--cpu-blocks", str(10**8), "--admissions", "sketch"]
+    assert main([*argv, "--admission-param", "sample_factor=1000"]) == 1
+    error = one_line_error(capsys)
+    assert f"--cpu-blocks {10**8} with --admissions sketch: " in error
+    assert "sketch of 100,000,000,000 sightings" in error

@@ -560,14 +560,17 @@ PARAM_LIST = "help"
 """The ``--admission-param`` value that lists the rule's parameters."""
 
 
-def add_admission_param_argument(group: argparse._ArgumentGroup) -> None:
-    """``--admission-param key=value``, repeatable: the admission rule's parameters."""
+def add_admission_param_argument(
+    group: argparse._ActionsContainer, rules: str = "the --admission rule"
+) -> None:
+    """``--admission-param key=value``, repeatable: the parameters of the admission
+    ``rules`` (as the help names them)."""
     group.add_argument(
         "--admission-param",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a parameter of the --admission rule, repeatable; 'help' lists the rule's "
+        help=f"a parameter of {rules}, repeatable; 'help' lists the rule's "
         "parameters with their defaults and ranges (docs/admission.md, Parameters)",
     )
 
@@ -577,17 +580,18 @@ def wants_param_list(args: argparse.Namespace) -> bool:
     return PARAM_LIST in args.admission_param
 
 
-def param_list(rule: str, option: str = "--admission") -> str:
+def param_list(rule: str, option: str = "--admission", param_option: str = "") -> str:
     """The parameters of admission ``rule`` (as typed) as a table: name, default, range and
     what each sets; the one line of help each parameter carries is shown nowhere else.
     ``option`` chose the rule (``--disk-admission``: a lower tier's, set by
-    ``--disk-admission-param``)."""
+    ``--disk-admission-param``); ``param_option`` sets them where it is not ``option``'s
+    name and ``-param`` (``--admissions``: ``--admission-param``)."""
     check_name(rule, option, resolve_admission)
     rows = describe_params(params_class(rule))
     if not rows:
         return f"{option} {rule} takes no parameters"
     widths = [max(len(row[column]) for row in rows) for column in range(3)]
-    lines = [f"{option} {rule}: {option}-param KEY=VALUE, one per key"]
+    lines = [f"{option} {rule}: {param_option or option + '-param'} KEY=VALUE, one per key"]
     for *cells, meaning in rows:
         padded = (cell.ljust(width) for cell, width in zip(cells, widths, strict=True))
         lines.append("  " + "  ".join(padded) + "  " + meaning)
@@ -599,9 +603,17 @@ def admission_param_pairs(args: argparse.Namespace, tier: str = "") -> ParamPair
     (``disk``, ``remote``) that tier's ``--disk-admission-param`` for ``--disk-admission``."""
     prefix = f"{tier}_" if tier else ""
     option = f"--{tier}-admission-param" if tier else "--admission-param"
-    pairs = parse_pairs(getattr(args, f"{prefix}admission_param"), option)
+    return checked_param_pairs(
+        getattr(args, f"{prefix}admission"), getattr(args, f"{prefix}admission_param"), option
+    )
+
+
+def checked_param_pairs(rule: str, given: list[str], option: str) -> ParamPairs:
+    """``given`` (``KEY=VALUE`` texts) checked as the parameters of admission ``rule``,
+    sorted; an error names ``option``."""
+    pairs = parse_pairs(given, option)
     try:
-        admission_params(getattr(args, f"{prefix}admission"), pairs)
+        admission_params(rule, pairs)
     except InvalidArgumentError as exc:
         raise InvalidArgumentError(f"{option}: {exc}") from None
     return tuple(sorted(pairs.items()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import stat
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.admission import available_admissions, resolve_admission
+from kvoffload.admission.registry import NO_ADMISSION, ParamPairs
 from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD
 from kvoffload.cli import options, output, tier_options
 from kvoffload.cli.progress import ProgressBar
@@ -20,7 +22,7 @@ from kvoffload.core.layout import layout_preset
 from kvoffload.core.memory import check_fits
 from kvoffload.policies import available_policies, resolve_policy
 from kvoffload.sim.plots import lower_tiers
-from kvoffload.sim.run import RunReport
+from kvoffload.sim.run import RunReport, SimConfig
 from kvoffload.sim.sweep import (
     SweepFailed,
     SweepInterrupted,
@@ -73,6 +75,7 @@ def register(commands: Any) -> None:
         help="admission layers, from "
         f"{output.choices(available_admissions(), resolve_admission)} (default: none)",
     )
+    options.add_admission_param_argument(parser, "each --admissions rule but none")
     options.add_engine_arguments(parser)
     tier_options.add_tier_arguments(parser)
     parser.add_argument(
@@ -107,16 +110,53 @@ def _capacities(
     ]
 
 
-def _check_admissions_fit(typed: list[str], capacities: list[tuple[int, str]]) -> None:
-    """Refuse, before the first run, a run whose admission layer the machine cannot hold:
-    it failed only as it started, after the runs before it. Each rule is named as
-    ``typed`` first names it (``recommended``, not ``optimiser``)."""
-    first_names: dict[str, str] = {}
-    for name in typed:
-        first_names.setdefault(resolve_admission(name), name)
+def _check_admissions_fit(
+    typed: list[str], params: ParamPairs, capacities: list[tuple[int, str]]
+) -> None:
+    """Refuse, before the first run, a run whose admission layer (with ``params``) the
+    machine cannot hold: it failed only as it started, after the runs before it. Each rule
+    is named as ``typed`` first names it (``recommended``, not ``optimiser``)."""
     for blocks, size in dict.fromkeys(capacities):
-        for admission in first_names.values():
-            options.check_admission_fits(admission, (), blocks, size, "--admissions")
+        for admission in _first_names(typed).values():
+            options.check_admission_fits(admission, params, blocks, size, "--admissions")
+
+
+def _first_names(typed: list[str]) -> dict[str, str]:
+    """Each rule of ``typed`` (``--admissions``) by its name, as typed first."""
+    first: dict[str, str] = {}
+    for name in typed:
+        first.setdefault(resolve_admission(name), name)
+    return first
+
+
+def _parameterised(typed: list[str]) -> list[str]:
+    """The rules ``--admission-param`` sets, as typed: each of ``--admissions`` but
+    ``none``, which takes no parameters; ``none`` when it is the only one (it refuses any,
+    as ``simulate --admission none`` does)."""
+    first = _first_names(typed)
+    return [name for rule, name in first.items() if rule != NO_ADMISSION] or list(first.values())
+
+
+def _admission_params(args: argparse.Namespace, typed: list[str]) -> ParamPairs:
+    """``--admission-param``, checked as ``simulate``'s is against each rule it sets: a key
+    one of them lacks is refused, naming that rule."""
+    checked = [
+        options.checked_param_pairs(rule, args.admission_param, "--admission-param")
+        for rule in _parameterised(typed)
+    ]
+    return checked[0]
+
+
+def _with_params(configs: list[SimConfig], params: ParamPairs) -> list[SimConfig]:
+    """The runs of a rule with parameters given ``params``; ``none``'s take none."""
+    if not params:
+        return configs
+    return [
+        config
+        if config.admission == NO_ADMISSION
+        else dataclasses.replace(config, admission_params=params)
+        for config in configs
+    ]
 
 
 def _distinct(names: list[str], resolve: Callable[[str], str]) -> list[str]:
@@ -181,6 +221,14 @@ def _check_trace_copies_fit(args: argparse.Namespace, workload: Workload, worker
 
 
 def run(args: argparse.Namespace) -> int:
+    if options.wants_param_list(args):
+        named = options.parse_names(args.admissions, "--admissions", resolve_admission)
+        tables = (
+            options.param_list(rule, "--admissions", "--admission-param")
+            for rule in _parameterised(named)
+        )
+        output.show("\n\n".join(tables))
+        return 0
     table = tier_options.param_list_wanted(args)
     if table is not None:
         output.show(table)
@@ -198,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
     policies = _distinct(policies, resolve_policy)
     typed_admissions = options.parse_names(args.admissions, "--admissions", resolve_admission)
     admissions = _distinct(typed_admissions, resolve_admission)
+    params = _admission_params(args, typed_admissions)
     if args.layout is not None:
         options.check_name(args.layout, "--layout", layout_preset)
     # Parsed once now only to refuse a bad list before the workload is built.
@@ -205,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     if args.cpu_blocks is not None:  # checked now: no block size needed
         typed = _capacities(args, 0, options.DEFAULT_LAYOUT, 1)
         capacities = len(set(typed))
-        _check_admissions_fit(typed_admissions, typed)
+        _check_admissions_fit(typed_admissions, params, typed)
     if args.cpu_gb is not None:
         capacities = len(set(options.parse_floats(args.cpu_gb, "--cpu-gb", options.MAX_GIB)))
     runs = capacities * len(policies) * len(thresholds) * len(admissions)
@@ -223,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
     sized = _capacities(args, base.gpu_blocks, base.layout, bt)
     options.check_simulated_time(workload, base, transfers=any(blocks for blocks, _ in sized))
     if args.cpu_blocks is None:
-        _check_admissions_fit(typed_admissions, sized)
+        _check_admissions_fit(typed_admissions, params, sized)
     configs = sweep_configs(
         base,
         list(dict.fromkeys(blocks for blocks, _ in sized)),
@@ -231,6 +280,7 @@ def run(args: argparse.Namespace) -> int:
         thresholds,
         admissions,
     )
+    configs = _with_params(configs, params)
     tier_options.check_one_run_with_remote(args, len(configs))
     _check_trace_copies_fit(args, workload, worker_processes(configs, args.jobs))
     configs = tier_options.separate_disk_dirs(configs)
