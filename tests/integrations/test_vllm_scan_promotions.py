@@ -434,3 +434,39 @@ def test_an_aborted_request_s_promotion_is_released_for_other_stores(
 
     assert not any(tiered.is_reserved(key) for key in keys)
     assert instance.manager.prepare_store(OTHERS[:4], request_context("next", OTHERS[:4]))
+
+
+def test_a_request_aborted_while_its_promotion_runs_hides_no_later_request(
+    vllm_modules: dict[str, ModuleType],
+    tmp_path: Path,
+    instances: Callable[..., Instance],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lookup answered ``None`` records its prompt (by its last key) so that the retry is
+    no new reference to the disk tier's admission layer. A request vLLM aborted while it
+    waited never retried, and its record stayed: the next request with that prompt, a new
+    reference, was taken for the retry and never shown to the layer."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import RequestStatus
+
+    extra = {**_disk(tmp_path), "kvoffload.disk_admission": "feedback"}
+    instance = instances(extra, model=f"aborted-waiter-{tmp_path.name}")
+    tokens = list(range(16 * BLOCKS + 1))
+    gone = vllm_request("gone", tokens)
+    keys = offload_keys(gone)
+    (disk,) = instance.manager.backing.tiers
+    size = instance.scheduler.bytes_per_block
+    disk.write(keys[:4], [bytes([i]) * size for i in range(4)])
+    disk.poll(wait=True)
+    shown = _record_sightings(monkeypatch, instance.scheduler._stack, ("disk",))
+    scheduler = connector_scheduler(instance.scheduler)
+    scheduler.on_new_request(gone)
+    assert scheduler.get_num_new_matched_tokens(gone, 0)[0] is None  # promoting
+    gone.status = RequestStatus.FINISHED_ABORTED
+    scheduler.request_finished(gone)
+    step = SchedulerOutput.make_empty()  # the step that tells the manager of the finish
+    step.finished_req_ids = {gone.request_id}
+    scheduler.build_connector_meta(step)
+
+    assert _matched(scheduler, vllm_request("next", tokens)) == 16 * 4
+    assert shown == {"disk": [keys, keys[4:]]}

@@ -272,3 +272,18 @@ def test_a_parked_request_is_one_request_to_the_cpu_tiers_optimiser(tmp_path: Pa
     report = simulate(workload, config)
     assert report.lookups_deferred > 0
     assert report.offload_blocks_written <= budget * (report.refs + BUDGET_BURST_REFS)
+
+
+def test_a_request_gone_while_it_waited_hides_no_later_request_with_its_prompt(
+    tmp_path: Path,
+) -> None:
+    """The record that kept a retry from counting again outlived a request aborted while
+    it waited for its promotion: the next request with the prompt was taken for that
+    retry and never shown to the tier's layer."""
+    stack, tiered = three_blocks_on_disk(tmp_path)
+    try:
+        assert tiered.lookup(FOUR, request="gone") is None and tiered.judged_blocks == 4
+        tiered.request_finished("gone")  # aborted: its retry never comes
+        assert tiered.lookup(FOUR, request="next") == 3 and tiered.judged_blocks == 5
+    finally:
+        stack.close()

@@ -21,7 +21,9 @@ A request may read only some lower tiers (vLLM's ``kv_load_tiers``), and a block
 may rot in a lower tier (its next read fails, and the tier removes it). Each lookup
 the tiered manager answers is checked against a plain model of what each lower
 tier's admission layer must be shown (a retry after ``None`` is no new reference
-to a tier that saw its first try; any answer ends that).
+to a tier that saw its first try; any answer ends that, and so does the finish of
+the last request with that prompt that waits for its retry, as kvoffload's adapter
+tells the manager of each request it named in its lookups).
 
 After every step: every pin is a load in flight or a reservation (which a later
 lookup ends); every block the CPU tier holds ready, and every block a lower tier
@@ -41,6 +43,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from itertools import count
 from typing import Any
 
 import hypothesis.strategies as st
@@ -207,6 +210,8 @@ class Request:
     next_store: int = 0
     loading: list[OffloadKey] | None = None
     running: bool = False
+    name: int = field(default_factory=count().__next__)
+    """What the engine calls it in the lookups it names it in (as vLLM's request id)."""
 
 
 class ConnectorMachine(RuleBasedStateMachine):
@@ -296,10 +301,14 @@ class ConnectorMachine(RuleBasedStateMachine):
         hit, to a block no promotion is bringing, shows the keys past that hit to the layer
         of every lower tier the lookup may read, unless that tier was shown the same prompt
         (known by its last key) by a lookup answered ``None`` that no answered lookup of the
-        prompt has followed since: that is the request's retry, no new reference."""
+        prompt has followed since: that is the request's retry, no new reference. Unless
+        every request named in lookups of the prompt answered ``None`` since has finished:
+        a retry that will never come."""
         self.shown: list[tuple[int, list[OffloadKey]]] = []
         self.waiting: list[set[OffloadKey]] = [set() for _ in self.tiers]
         """Per lower tier, the prompts shown to it and answered ``None`` since."""
+        self.waiters: dict[OffloadKey, set[int]] = {}
+        """Per prompt, the requests named in its lookups answered ``None`` since."""
         self.judged_blocks = 0
         for index, layer in enumerate(self.m.admissions):
             if layer is not None:
@@ -319,7 +328,12 @@ class ConnectorMachine(RuleBasedStateMachine):
                 layer.begin_request = record  # type: ignore[method-assign]
         lookup = self.m.lookup
 
-        def checked(keys: Iterable[OffloadKey], tiers: Collection[int] | None = None) -> int | None:
+        def checked(
+            keys: Iterable[OffloadKey],
+            tiers: Collection[int] | None = None,
+            *,
+            request: int | None = None,
+        ) -> int | None:
             keys = list(keys)
             self.m.poll()  # the lookup's own first step: the model sees what it will see
             hits = self.ready_run(keys)
@@ -338,7 +352,7 @@ class ConnectorMachine(RuleBasedStateMachine):
                 and prompt not in self.waiting[index]
             ]
             self.shown.clear()
-            found = lookup(keys, tiers)
+            found = lookup(keys, tiers, request=request)
             assert self.shown == expected, (keys, tiers, found)
             if expected:
                 self.judged_blocks += len(keys) - hits
@@ -347,6 +361,10 @@ class ConnectorMachine(RuleBasedStateMachine):
                     waiting.discard(prompt)
                 elif any(shown == index for shown, _ in expected):
                     waiting.add(prompt)
+            if found is not None:
+                self.waiters.pop(prompt, None)
+            elif request is not None:
+                self.waiters.setdefault(prompt, set()).add(request)
             return found
 
         self.m.lookup = checked  # type: ignore[method-assign]
@@ -417,11 +435,11 @@ class ConnectorMachine(RuleBasedStateMachine):
             return
         past_gpu = keys[request.gpu :]
         if self.per_key:
-            found = self.scan(past_gpu, request.tiers)
+            found = self.scan(past_gpu, request)
         elif request.tiers is None:
             found = self.outer.lookup(past_gpu)
         else:  # as kvoffload's adapter: the tiered manager, told which tiers
-            found = self.m.lookup(past_gpu, request.tiers)
+            found = self.m.lookup(past_gpu, request.tiers, request=request.name)
         if found is None:
             # Asked again only while a promotion runs (its read was started, not held back).
             assert self.m.promotions_in_flight > 0
@@ -437,14 +455,14 @@ class ConnectorMachine(RuleBasedStateMachine):
             self.loads.append(request.loading)
         request.running, request.next_store = True, request.gpu + found
 
-    def scan(self, keys: list[OffloadKey], tiers: tuple[int, ...] | None) -> int | None:
+    def scan(self, keys: list[OffloadKey], request: Request) -> int | None:
         """vLLM's lookup (``_maximal_prefix_lookup``: one key at a time, on past a deferred
         key until a miss; ``None`` if any was deferred) as kvoffload's adapter answers it:
         the scan's first key looks the request up in one batch, past the stack's admission,
         and each key is answered from what the CPU tier then holds: ready, a hit; promoting,
         deferred, and so is a key it lacks behind a deferred one; otherwise a miss (a store
         in flight too: vLLM would wait for it, which this engine does not model)."""
-        self.m.lookup(keys, tiers)
+        self.m.lookup(keys, request.tiers, request=request.name)
         hits, deferred = 0, False
         for key in keys:
             block = self.m.cpu.block_status(key)
@@ -482,7 +500,7 @@ class ConnectorMachine(RuleBasedStateMachine):
                 if outcome == "lands":
                     self.finish_store_at(len(self.stores) - 1, True)
         elif request.loading is None:
-            self.requests.remove(request)
+            self.finish(request)
 
     @precondition(lambda self: self.stores)
     @rule(data=st.data(), success=st.sampled_from([True, True, False]))
@@ -506,9 +524,21 @@ class ConnectorMachine(RuleBasedStateMachine):
         self.loads.remove(request.loading)
         request.loading = None
 
+    def finish(self, request: Request) -> None:
+        """The request leaves (done or aborted): the manager is told, as vLLM's adapter
+        tells it, and the model's waiting prompts no request waits on any more end."""
+        self.requests.remove(request)
+        self.m.request_finished(request.name)
+        for prompt, waiters in list(self.waiters.items()):
+            waiters.discard(request.name)
+            if not waiters:
+                del self.waiters[prompt]
+                for waiting in self.waiting:
+                    waiting.discard(prompt)
+
     def happens(self, meanwhile: str) -> None:
         if meanwhile == "a parked request is aborted" and self.parked():
-            self.requests.remove(self.parked()[0])
+            self.finish(self.parked()[0])
         elif meanwhile == "a tier forgets a block":
             # Its own eviction, a server restart: perhaps a block a lookup just found there,
             # whose promotion's read then fails.
@@ -546,6 +576,7 @@ class ConnectorMachine(RuleBasedStateMachine):
             assert self.outer.lookup([ELSEWHERE]) == 0
         self.m.poll()
         assert not self.m._reserved
+        assert not self.m._waiters, "a finished request still waits for its retry"
         stuck = {k: b.ref_cnt for k, b in self.m.cpu._blocks.items() if b.ref_cnt != 0}
         assert not stuck, f"the CPU tier wedged: {stuck}"
         assert self.m.cpu.num_evictable_blocks(()) + self.m.cpu.num_free_blocks == (
@@ -553,10 +584,10 @@ class ConnectorMachine(RuleBasedStateMachine):
         )
 
     def drain(self) -> None:
-        for request in self.requests:
+        for request in list(self.requests):
             if request.loading is not None:
                 self.outer.complete_load(request.loading)
-        self.requests.clear()
+            self.finish(request)
         self.loads.clear()
         while self.stores:
             self.finish_store_at(0, True)
@@ -683,15 +714,18 @@ class AsyncBooksMachine(ConnectorMachine):
         super().setup(cpu, capacities, policy, list(tiers), False, reserve_lookups, "none", per_key)
 
     @precondition(lambda self: self.parked())
-    @rule(data=st.data(), gpu=st.integers(0, 5), tiers=LOAD_TIERS)
+    @rule(data=st.data(), gpu=st.integers(0, 5), tiers=LOAD_TIERS, aborted=st.booleans())
     def the_same_prompt_arrives(
-        self, data: st.DataObject, gpu: int, tiers: tuple[int, ...] | None
+        self, data: st.DataObject, gpu: int, tiers: tuple[int, ...] | None, aborted: bool
     ) -> None:
         """A new request of a parked request's prompt, perhaps reading other tiers: a new
         reference to the tiers it may read that the parked one's lookups did not show it
-        to (the lower tiers know a request by its prompt alone)."""
-        prompt = data.draw(st.sampled_from(self.parked())).keys
-        self.arrive(prompt, gpu, "", tiers)
+        to (the lower tiers know a request by its prompt alone). Then perhaps the parked
+        one is aborted: the new one, if parked too, still waits for its retry."""
+        first = data.draw(st.sampled_from(self.parked()))
+        self.arrive(first.keys, gpu, "", tiers)
+        if aborted:
+            self.finish(first)
 
     @rule(data=st.data(), prompt=st.sampled_from(PROMPTS), blocks=st.integers(1, 5))
     def another_engine_writes(

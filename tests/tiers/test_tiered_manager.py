@@ -712,3 +712,60 @@ def test_releasing_keys_that_reach_no_reservation_changes_nothing(tmp_path: Path
         assert m.is_reserved(K[0]) and m.is_reserved(K[1])
     finally:
         m.close()
+
+
+def test_a_request_gone_while_it_waited_leaves_its_prompt_countable_by_a_tier_threshold(
+    tmp_path: Path,
+) -> None:
+    """An aborted request's retry never comes: the next request with its prompt is a new
+    sighting of its keys (the record kept for the retry hid it, and K1, seen by two
+    requests, stayed off a tier that wants blocks seen twice)."""
+    m = stack(tmp_path, cpu_blocks=2, threshold=2)
+    disk = m.tiers[0]
+    try:
+        for _ in range(2):
+            m.lookup([K[0]])
+        store(m, [K[0]])
+        store(m, [K[4], K[5]])  # K0, seen twice, falls to disk
+        m.poll()
+        assert m.lookup([K[0], K[1]], request="gone") is None  # K0 promoting
+        m.request_finished("gone")
+        assert m.lookup([K[0], K[1]], request="next") == 1  # K1 seen a second time
+        m.prepare_load([K[0]])
+        m.complete_load([K[0]])
+        store(m, [K[1]])
+        store(m, [K[6], K[7]])  # K0 and K1 evicted: K1, seen twice, is written
+        m.poll()
+        assert disk.present([K[1]]) == 1
+    finally:
+        m.close()
+
+
+def test_a_request_gone_while_one_like_it_waits_keeps_that_ones_retry_no_new_reference(
+    tmp_path: Path,
+) -> None:
+    """Two requests with one prompt wait for the same promotion and share the record of
+    their prompt's retry: the first's abort must not end it, or the second's retry
+    reached the disk tier's layer as a new reference."""
+    fp = layout_fingerprint("twin-waiters", layout_preset("tiny"), 40)
+    layer = HungPayloadReads()
+    disk = DiskTier(tmp_path / "disk", 8, fp, io_threads=1, file_layer=layer)
+    settings = TierSettings(admission="feedback", capacity=8)
+    m = TieredOffloadingManager(CPUOffloadingManager(4), [(disk, settings)], ByteSlots(4, 40))
+    try:
+        disk.write(K[:3], [content(key, 40) for key in K[:3]])
+        disk.poll(wait=True)
+        layer.answering.clear()
+        assert m.lookup(K[:4], request="first") is None and m.judged_blocks == 4
+        assert layer.stuck.wait(STALL_S)
+        assert m.lookup(K[:4], request="twin") is None  # the same promotion, still reading
+        m.request_finished("first")  # aborted
+        layer.answering.set()
+        assert m._promotions[0].result.result(timeout=STALL_S) == [True] * 3
+        assert m.lookup(K[:4], request="twin") == 3 and m.judged_blocks == 4  # its retry
+        m.prepare_load(K[:3])
+        m.complete_load(K[:3])
+        assert m.lookup(K[:4], request="third") == 3 and m.judged_blocks == 5  # a new one
+    finally:
+        layer.answering.set()
+        m.close()

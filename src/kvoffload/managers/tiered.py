@@ -34,7 +34,7 @@ this module moves no bytes itself and imports no tier.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import cast
@@ -192,6 +192,11 @@ class TieredOffloadingManager(OffloadingManager):
         self._counted = RecentKeys(max_tracker_size)
         """The last keys of lookups answered ``None`` whose keys the tiers' thresholds counted:
         their retries are not counted again."""
+        self._waiters: dict[OffloadKey, set[Hashable]] = {}
+        """Per last key of lookups answered ``None``, the requests (as callers name them)
+        whose retries that key's records in ``_sighted`` and ``_counted`` are kept for:
+        requests with one prompt share them, and they end with the last such request
+        (:meth:`request_finished`) if no answer ended them first."""
         self.offered_blocks = [0] * len(self.tiers)
         self.admitted_blocks = [0] * len(self.tiers)
         """Per lower tier, blocks offered for writing and those its admission let through."""
@@ -228,11 +233,17 @@ class TieredOffloadingManager(OffloadingManager):
         return self.cpu.holds(key)
 
     def lookup(
-        self, keys: Iterable[OffloadKey], tiers: Collection[int] | None = None
+        self,
+        keys: Iterable[OffloadKey],
+        tiers: Collection[int] | None = None,
+        *,
+        request: Hashable | None = None,
     ) -> int | None:
         """The seed's lookup; ``tiers``: the indices of the lower tiers it may promote from
         and whose admission layers it counts in (``None``: every one), as a caller's request
-        may name them (vLLM's per-request ``kv_load_tiers``). The CPU tier always answers."""
+        may name them (vLLM's per-request ``kv_load_tiers``). The CPU tier always answers.
+        ``request``: the caller's name for the request, whose :meth:`request_finished`
+        then ends what its ``None`` answers recorded for a retry that will not come."""
         if isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "lookup")
         keys = list(keys)
@@ -248,6 +259,8 @@ class TieredOffloadingManager(OffloadingManager):
             # CPU tier alone as well): the request's next lookup is a new reference.
             for sighted in self._sighted:
                 sighted.discard(keys[-1])
+        if request is not None and keys and (self._counting or self._judging):
+            self._note_waiter(keys[-1], request, hits is None)
         if hits is not None and self._reserved:
             self._release_reached(keys, keys[:hits])
         return hits
@@ -357,6 +370,26 @@ class TieredOffloadingManager(OffloadingManager):
         if self._reserved:
             self._release_reached(list(keys), [])
 
+    def request_finished(self, request: Hashable) -> None:
+        """The request named ``request`` in its lookups has gone (finished or aborted): the
+        retry its ``None`` answers were recorded for will not come. Each record it shares
+        with no other waiting request ends; left, it took the next new request with that
+        prompt for the retry, hidden from the lower tiers' admission layers and thresholds.
+        A record another request with the same prompt waits on stays: that one's retry is
+        still no new reference."""
+        if not self._waiters:
+            return
+        ended = []
+        for last, waiters in self._waiters.items():
+            waiters.discard(request)
+            if not waiters:
+                ended.append(last)
+        for last in ended:
+            del self._waiters[last]
+            self._counted.discard(last)
+            for sighted in self._sighted:
+                sighted.discard(last)
+
     def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
         """Pin ``keys`` for a load; the reservations a lookup claimed for it pass to the load."""
         if not isinstance(keys, SINGLE_KEY_TYPES):  # refused by the CPU tier
@@ -445,6 +478,18 @@ class TieredOffloadingManager(OffloadingManager):
     def _is_pending(self, key: OffloadKey) -> bool:
         block = self.cpu.block_status(key)
         return block is not None and block.ref_cnt == PENDING_STORE
+
+    def _note_waiter(self, last: OffloadKey, request: Hashable, unanswered: bool) -> None:
+        """Keep ``request`` among the waiters of ``last``'s records while its lookups are
+        answered ``None``; an answer ends the records, and so their waiters."""
+        if not unanswered:
+            self._waiters.pop(last, None)
+            return
+        waiters = self._waiters.get(last)
+        if waiters is None:
+            self._waiters[last] = {request}
+        else:
+            waiters.add(request)
 
     def _count(self, keys: list[OffloadKey]) -> None:
         self._seen.count(keys)

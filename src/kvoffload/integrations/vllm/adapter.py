@@ -382,15 +382,19 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         """The seed's lookup of ``keys``, promoting only from the lower tiers the request
         lets it read (vLLM's per-request ``kv_load_tiers``, by each tier's medium and
         locality; the CPU tier always answers, as in vLLM's tiering)."""
-        allowed = req_context.load_tier_filter
-        if self._tiered is None or allowed is TierFilter.ALL:
+        if self._tiered is None:
             return self._direct.lookup(keys)
-        tiers = [
-            index
-            for index, tier in enumerate(self._tiered.tiers)
-            if allowed.allows(*_EVENT_MEDIA[tier.medium][:2])
-        ]
-        return self._tiered.lookup(keys, tiers)
+        allowed = req_context.load_tier_filter
+        tiers = (
+            None
+            if allowed is TierFilter.ALL
+            else [
+                index
+                for index, tier in enumerate(self._tiered.tiers)
+                if allowed.allows(*_EVENT_MEDIA[tier.medium][:2])
+            ]
+        )
+        return self._tiered.lookup(keys, tiers, request=req_context.req_id)
 
     def _place(self, state: _RequestKeys, key: OffloadKey, req_context: ReqContext) -> int | None:
         """``key``'s place in its request's prefix order (``None``: vLLM recorded no
@@ -517,6 +521,9 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._looked_up_in_step.pop(req_context.req_id, None)
+        if self._tiered is not None:
+            # An aborted request's retry will not come: its prompt's next request is new.
+            self._tiered.request_finished(req_context.req_id)
         state = req_context.get_state(_RequestKeys)
         if not self._owns(state):
             return
