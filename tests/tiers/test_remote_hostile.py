@@ -136,10 +136,37 @@ def simulate_error(url: str, capsys: pytest.CaptureFixture[str]) -> str:
 def test_a_reply_nested_thousands_deep_at_start_up_ends_in_one_line(
     fake: FakeValkey, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Parsing recurses once per array: a hostile server must not choose how deep."""
+    """Parsing recurses once per array: a hostile server must not choose how deep. The server
+    answered, in RESP, with no sane reply: the line says so, with no hint about TLS (it read
+    "not reachable ... (if that port speaks TLS, use rediss://)")."""
     fake.mode = "nested"
     line = simulate_error(fake.url, capsys)
-    assert "not reachable: arrays nested more than 8 deep" in line
+    unexpected = "the server answered with something unexpected (arrays nested more than 8 deep"
+    assert unexpected in line
+    assert "not reachable" not in line and "rediss://" not in line
+
+
+class AlertingValkey(FakeValkey):
+    """A :class:`FakeValkey` that answers as a TLS port answers a plain client: an alert
+    record, then the connection closed."""
+
+    def _answer(self, connection: socket.socket, args: list[bytes]) -> None:
+        connection.sendall(b"\x15\x03\x03\x00\x02\x02\x46")
+        connection.shutdown(socket.SHUT_RDWR)
+
+
+def test_a_port_that_answers_as_tls_does_at_start_up_keeps_the_tls_hint(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Bytes cut off before a whole line are no answer: the hint about TLS stays."""
+    server = AlertingValkey()
+    try:
+        line = simulate_error(server.url, capsys)
+    finally:
+        server.stop()
+    assert line.endswith(
+        "is not reachable: the server closed the connection (if that port speaks TLS, use rediss://)"
+    )
 
 
 def one_range(node: bytes, low: int = 0, high: int = 16383) -> bytes:
