@@ -242,6 +242,30 @@ def test_a_key_length_past_the_slots_room_is_corrupt_not_torn(tmp_path: Path) ->
     assert recovery_on_restart(tmp_path) == Recovery(recovered=2, corrupt=1)
 
 
+@pytest.mark.parametrize("length", [MAX_KEY_BYTES - 1, MAX_KEY_BYTES, MAX_KEY_BYTES + 1])
+def test_a_payload_under_a_zeroed_header_is_torn_for_every_key_length(
+    tmp_path: Path, length: int
+) -> None:
+    """A store puts the payload down behind a zeroed header and key, then the header: cut in
+    between, the slot is torn, with the longest key too (a start read only the header and
+    the longest key's room, all zero under a key of ``MAX_KEY_BYTES``: counted blank). A key
+    past that room is never stored."""
+    key = OffloadKey(b"k" * length)
+    first = stored(DiskTier(tmp_path, 20, FP), [KEYS[0], key])
+    where = first.slot_offset(key)
+    first.close()
+    if length > MAX_KEY_BYTES:
+        assert where is None and first.stats.failed == 1
+        assert recovery_on_restart(tmp_path) == Recovery(recovered=1)
+        return
+    assert where is not None
+    with open(first.path, "r+b") as file:
+        file.seek(where)
+        file.write(bytes(HEADER_BYTES + length))  # as the store leaves it before the header
+    assert recovery_on_restart(tmp_path) == Recovery(recovered=1, torn=1)
+    assert recovery_on_restart(tmp_path) == Recovery(recovered=1)  # blanked: counted once
+
+
 def recovery_on_restart(directory: Path) -> Recovery:
     """What a tier of 20 blocks finds in ``directory`` when it starts."""
     again = DiskTier(directory, 20, FP)

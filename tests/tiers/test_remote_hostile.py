@@ -20,6 +20,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from functools import partial
 from itertools import pairwise
 from pathlib import Path
 
@@ -136,10 +137,37 @@ def simulate_error(url: str, capsys: pytest.CaptureFixture[str]) -> str:
 def test_a_reply_nested_thousands_deep_at_start_up_ends_in_one_line(
     fake: FakeValkey, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Parsing recurses once per array: a hostile server must not choose how deep."""
+    """Parsing recurses once per array: a hostile server must not choose how deep. The server
+    answered, in RESP, with no sane reply: the line says so, with no hint about TLS (it read
+    "not reachable ... (if that port speaks TLS, use rediss://)")."""
     fake.mode = "nested"
     line = simulate_error(fake.url, capsys)
-    assert "not reachable: arrays nested more than 8 deep" in line
+    unexpected = "the server answered with something unexpected (arrays nested more than 8 deep"
+    assert unexpected in line
+    assert "not reachable" not in line and "rediss://" not in line
+
+
+class AlertingValkey(FakeValkey):
+    """A :class:`FakeValkey` that answers as a TLS port answers a plain client: an alert
+    record, then the connection closed."""
+
+    def _answer(self, connection: socket.socket, args: list[bytes]) -> None:
+        connection.sendall(b"\x15\x03\x03\x00\x02\x02\x46")
+        connection.shutdown(socket.SHUT_RDWR)
+
+
+def test_a_port_that_answers_as_tls_does_at_start_up_keeps_the_tls_hint(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Bytes cut off before a whole line are no answer: the hint about TLS stays."""
+    server = AlertingValkey()
+    try:
+        line = simulate_error(server.url, capsys)
+    finally:
+        server.stop()
+    assert line.endswith(
+        "is not reachable: the server closed the connection (if that port speaks TLS, use rediss://)"
+    )
 
 
 def one_range(node: bytes, low: int = 0, high: int = 16383) -> bytes:
@@ -711,7 +739,9 @@ def test_a_healthy_node_left_a_sliver_of_the_deadline_keeps_its_breaker_closed(
 ) -> None:
     """Node a answers in time but late, leaving b less time than a took: b's timeouts
     are the operation's, not b's, and open no breaker of b's (before, 3 of them did and
-    b's keys were refused until a trial). b's delay leaves its last lookup time for two
+    b's keys were refused until a trial). A lookup's leading run asks its nodes in turn,
+    in the order of their keys (a whole lookup asks them at once). b's delay leaves its
+    last lookup time for two
     answers, as that one opens a fresh connection (a PING, then the EXISTS): at half the
     timeout each, the second landed on the deadline itself and lost the race now and then.
     Behind a, b's answer must land well past the wait slice the deadline falls in, whose
@@ -725,7 +755,7 @@ def test_a_healthy_node_left_a_sliver_of_the_deadline_keeps_its_breaker_closed(
         server_of(tier, fake_cluster, a).delay_s = 0.8 * timeout_s
         server_of(tier, fake_cluster, b).delay_s = 0.4 * timeout_s  # more than a leaves
         for _ in range(tier.breaker.threshold):
-            assert finishes(lambda: tier.held([a, b])) == [True, False]
+            assert finishes(lambda: tier.present([a, b])) == 1
         assert tier.unavailable == tier.breaker.threshold
         assert not breaker_of(tier, a).is_open and not breaker_of(tier, b).is_open
         assert finishes(lambda: tier.held([b])) == [True]  # given its time, b answers
@@ -745,33 +775,34 @@ def test_a_node_that_fails_with_its_fair_time_still_opens_its_breaker(
         (a,), (b,), (c,) = keys_by_node(tier, 1)
         store(tier, [a, b, c])
         server_of(tier, fake_cluster, a).delay_s = 2 * timeout_s
-        # b never asked (the deadline had passed), then asked first: a, failing, goes last.
-        assert finishes(lambda: tier.held([a, b])) == [False, False]
-        assert finishes(lambda: tier.held([a, b])) == [False, True]
+        for _ in range(2):  # a asked as b is: it has the whole deadline
+            assert finishes(lambda: tier.held([a, b])) == [False, True]
         assert breaker_of(tier, a).is_open and not breaker_of(tier, b).is_open
         assert finishes(lambda: tier.held([a, b])) == [False, True]  # a refused at once
         server_of(tier, fake_cluster, b).mode = "hang"
         for _ in range(2):
             assert finishes(lambda: tier.held([c, b])) == [True, False]
         assert breaker_of(tier, b).is_open and not breaker_of(tier, c).is_open
-        assert tier.unavailable == 6
+        assert tier.unavailable == 5
     finally:
         fake_cluster.stop()
         tier.close()
 
 
-def test_a_node_whose_last_call_failed_is_asked_last(fake_cluster: FakeValkeyCluster) -> None:
+def test_a_hung_node_costs_only_its_own_keys(fake_cluster: FakeValkeyCluster) -> None:
     """Under one deadline per operation, a hung node asked first left the others no time:
     until its breaker opened, every whole look-up, read and store spread over the Cluster
     failed on every node (a paused node had SGLang's shared tier count a batch whose other
-    pages had landed as failed, all of it). A node whose last call failed now goes last."""
+    pages had landed as failed, all of it). Then a node whose last call failed went last,
+    and only the first operation after the hang failed on every node; now every node is
+    asked at once, the first operation's too."""
     tier = RemoteTier(fake_cluster.url, fingerprint("failing-last"), breaker=CircuitBreaker(100))
     try:
         (a, a2), (b, b2), (c, c2) = keys_by_node(tier, 2)
         store(tier, [a, b, c])
         hung = server_of(tier, fake_cluster, a)
         hung.mode = "hang"
-        assert finishes(lambda: tier.held([a, b, c])) == [False, False, False]  # a first
+        assert finishes(lambda: tier.held([a, b, c])) == [False, True, True]
         assert breaker_of(tier, a).failing and not breaker_of(tier, a).is_open
         assert finishes(lambda: tier.held([a, b, c])) == [False, True, True]
         assert finishes(lambda: read(tier, [c, b, a])) == [True, True, False]
@@ -788,10 +819,10 @@ def test_a_node_whose_last_call_failed_is_asked_last(fake_cluster: FakeValkeyClu
 def test_a_hung_node_asked_last_behind_a_slow_one_still_opens_its_breaker(
     fake_cluster: FakeValkeyCluster,
 ) -> None:
-    """A node that failed is asked last; behind a node that takes most of the deadline it
-    begins with less time left than the operation spent, which excuses a healthy node.
-    It is charged all the same, having failed with its fair time before: excused, its
-    breaker never opened, and every operation waited out the deadline on it."""
+    """A lookup's leading run asks its nodes in turn: behind a node that takes most of the
+    deadline, a node begins with less time left than the operation spent, which excuses a
+    healthy node. One that failed with its fair time before is charged all the same:
+    excused, its breaker never opened, and every such lookup waited out the deadline on it."""
     tier = RemoteTier(fake_cluster.url, fingerprint("hung-behind-slow"))
     timeout_s = fake_cluster.timeout_ms / 1000
     try:
@@ -799,12 +830,12 @@ def test_a_hung_node_asked_last_behind_a_slow_one_still_opens_its_breaker(
         store(tier, [a, b])
         server_of(tier, fake_cluster, a).mode = "hang"
         server_of(tier, fake_cluster, b).delay_s = 0.6 * timeout_s  # on its pooled connection
-        assert finishes(lambda: tier.held([a, b])) == [False, False]  # a first, charged
-        for _ in range(tier.breaker.threshold - 1):  # b first now, a starved but charged
-            assert finishes(lambda: tier.held([a, b])) == [False, True]
+        assert finishes(lambda: tier.present([a, b])) == 0  # a first, charged
+        for _ in range(tier.breaker.threshold - 1):  # b first, a starved but charged
+            assert finishes(lambda: tier.present([b, a])) == 1
         assert breaker_of(tier, a).is_open and not breaker_of(tier, b).is_open
-        assert finishes(lambda: tier.held([a, b])) == [False, True]  # a refused at once
-        assert tier.unavailable == 2 + tier.breaker.threshold
+        assert finishes(lambda: tier.present([b, a])) == 1  # a refused at once
+        assert tier.unavailable == 1 + tier.breaker.threshold
     finally:
         fake_cluster.stop()
         tier.close()
@@ -855,7 +886,7 @@ def test_a_trial_left_a_sliver_of_the_deadline_is_tried_again(
         assert breaker_of(tier, b).is_open
         healthy.mode = "normal"
         slow.delay_s, healthy.delay_s = 0.7 * timeout_s, 0.5 * timeout_s
-        assert finishes(lambda: tier.held([a, b])) == [True, False]  # b's trial starved
+        assert finishes(lambda: tier.present([a, b])) == 1  # b's trial starved, behind a
         assert breaker_of(tier, b).is_open
         slow.delay_s = healthy.delay_s = 0.0
         assert finishes(lambda: tier.held([a, b])) == [True, True]
@@ -1555,11 +1586,10 @@ def test_pooled_connections_are_reused_in_a_process_with_over_1024_descriptors(
 def test_a_value_found_corrupt_as_a_read_runs_out_of_time_is_still_deleted(
     tmp_path: Path,
 ) -> None:
-    """A read of a block on a paused node and a corrupt block on another asks the corrupt
-    one's node first (the last node's part goes first), then the paused node takes the
-    rest of the deadline: the corrupt value is deleted all the same, under a deadline of
-    its own. (Its deletion was skipped with no time left: the value stayed, held by every
-    lookup and failed by every read.)"""
+    """A read of a block on a paused node and a corrupt block on another ends only at its
+    deadline, waiting for the paused node: the corrupt value is deleted all the same, under
+    a deadline of its own. (Its deletion was skipped with no time left: the value stayed,
+    held by every lookup and failed by every read.)"""
     cluster = ValkeyClusterProcesses(tmp_path / "late-corrupt").start()
     hosts = ",".join(f"127.0.0.1:{node.port}" for node in cluster.nodes)
     tier = RemoteTier(f"redis://{hosts}?timeout_ms=300", fingerprint("late-corrupt"))
@@ -1617,4 +1647,52 @@ def test_delete_all_follows_a_del_redirected_by_a_node_now_a_replica(tmp_path: P
         tier.close()
         if replica is not None:
             replica.stop()
+        cluster.stop()
+
+
+def test_the_first_operation_after_a_cluster_node_freezes_gets_the_other_nodes_blocks(
+    tmp_path: Path,
+) -> None:
+    """A node paused (``SIGSTOP``) before anything marked it as failing: the very first
+    lookup, read and store spread over the Cluster still get the other nodes' blocks, the
+    paused node's keys first in the batch or last. Its nodes asked one after another under
+    the operation's one deadline, that first operation spent all of it on the paused node
+    whenever it was asked first, and the nodes after it got none: their blocks read as
+    absent, failed, or were dropped unstored (only the next operation asked it last)."""
+    cluster = ValkeyClusterProcesses(tmp_path / "frozen").start()
+    hosts = ",".join(f"127.0.0.1:{node.port}" for node in cluster.nodes)
+    url = f"redis://{hosts}?timeout_ms=300"
+    frozen = cluster.nodes[0]
+    process = frozen.process
+    assert process is not None
+    tiers: list[RemoteTier] = []
+    try:
+        for _ in range(6):
+            tiers.append(RemoteTier(url, fingerprint("frozen-node"), breaker=CircuitBreaker(100)))
+        by_node = keys_by_node(tiers[0], 4)
+        ports = [tiers[0].node_address(tiers[0].name(keys[0]))[1] for keys in by_node]
+        hung = by_node[ports.index(frozen.port)]
+        live = [key for keys in by_node if keys is not hung for key in keys]
+        held, fresh = [*hung[:2], *live[::2]], [*hung[2:], *live[1::2]]
+        store(tiers[0], held)
+        for tier in tiers:  # every node has a pooled connection, as in a running engine
+            assert tier.held(held) == [True] * len(held)
+        process.send_signal(signal.SIGSTOP)
+        for first, tier in zip((True, False), tiers[:2], strict=True):
+            batch = held if first else held[::-1]
+            expected = [key not in hung for key in batch]
+            assert finishes(partial(tier.held, batch)) == expected, f"paused node first: {first}"
+        for first, tier in zip((True, False), tiers[2:4], strict=True):
+            batch = held if first else held[::-1]
+            expected = [key not in hung for key in batch]
+            assert finishes(partial(read, tier, batch)) == expected, f"paused node first: {first}"
+            assert tier.stats.failed == 2
+        for first, tier in zip((True, False), tiers[4:], strict=True):
+            finishes(partial(store, tier, fresh if first else fresh[::-1]))
+            assert tier.stats.stored_blocks == len(live) // 2, f"paused node first: {first}"
+            assert tier.stats.failed == 2
+    finally:
+        process.send_signal(signal.SIGCONT)
+        for tier in tiers:
+            tier.close()
         cluster.stop()

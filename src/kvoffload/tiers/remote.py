@@ -13,7 +13,8 @@ Every operation (a lookup, a read batch, a write pipeline) has one deadline on t
 of it, name lookup, connect, send and full reply, on every node it asks, retries and
 redirections included: ``timeout_ms`` plus the time its bytes take at :data:`SLOWEST_LINK`.
 Each node's part goes through one call wrapper and the breaker of that node (one per Cluster
-node, so a dead node fails its slots only), a read's through the node's read breaker too,
+node, so a dead node fails its slots only), on a thread of its own (a hung node costs only
+its own keys, :meth:`RemoteTier._each_node`), a read's through the node's read breaker too,
 a write's through its write breaker: when a server is slow, paused or down, lookups miss
 and stores are dropped, counted, and the tier reconnects by itself once a trial call
 succeeds; reads, or writes, that keep failing while the node's other calls succeed (a
@@ -122,6 +123,10 @@ REFUSES_STORES = frozenset({"OOM", "MISCONF"})
 """Error codes of a server that will refuse every store until an operator acts: ``OOM``
 (full, maxmemory with ``noeviction``) and ``MISCONF`` (a snapshot failed to save, with
 ``stop-writes-on-bgsave-error``). Either rests the node from stores; loads go on."""
+NODE_THREADS = 64
+"""Threads at most that ask a node for its part of an operation spread over a Cluster,
+beside the operation's own thread (which asks one node itself); a part finding none free
+waits for one, its deadline running."""
 MAP_REFRESH_S = 1.0
 """Seconds between two refreshes of a Cluster's slot map at least. A node that fails or is
 refused has its map asked again of a live node: after a failover or a node's removal its
@@ -245,6 +250,10 @@ _Status = str | _Redirect
 _Job = tuple[_Node, list[int], bool, int]
 """A node, the indices of a batch to send it, whether each command needs ASKING, and the
 redirections those indices have followed so far (each key has :data:`MAX_HOPS`)."""
+_Part = Callable[[_Job], tuple[list[_Job], int]]
+"""One node's part of an operation: asks the node for a job's keys, records what it
+answered, and gives the jobs that follow from it (redirections, a rest sent again) and a
+count (blocks failed, names deleted)."""
 _WriteJob = tuple[list[OffloadKey], Future[list[bool]]]
 """A write pipeline's keys and its job on the I/O pool, until a poll counts it."""
 ASKING = command("ASKING")
@@ -351,6 +360,8 @@ class RemoteTier(BacklogFigures):
         """Fails the reads still waiting for a read thread at their deadline."""
         self._ahead = ThreadPoolExecutor(io_threads, "kvoffload-remote-ahead")
         """Hashes a batch's single-buffer payloads while they go out (one per I/O thread)."""
+        self._per_node = ThreadPoolExecutor(NODE_THREADS, "kvoffload-remote-node")
+        """Asks the nodes of an operation spread over a Cluster at once (:meth:`_each_node`)."""
         self._writes: list[_WriteJob] = []
         self._events = EventLog(enable_events)
 
@@ -383,49 +394,44 @@ class RemoteTier(BacklogFigures):
         return found.index(False) if False in found else len(found)
 
     def held(self, keys: Sequence[OffloadKey]) -> list[bool]:
-        """Per key, whether the server holds it: every node asked, under one deadline."""
+        """Per key, whether the server holds it: every node asked at once, under one
+        deadline."""
         return self._exists_all(keys, whole=True)
 
     def _exists_all(self, keys: Sequence[OffloadKey], whole: bool) -> list[bool]:
         """Per key, whether the server answered that it holds it (a failed node's keys:
-        no). Without ``whole`` a node is skipped once a key before its first is known
-        absent: a leading run cannot reach it. A redirected key is asked where it points
-        (after ASKING for an ``ASK``) before the next node, at most :data:`MAX_HOPS` times."""
+        no). With ``whole`` the nodes are asked at once (:meth:`_each_node`); without, in
+        the order of their first key, and a node is skipped once a key before its first is
+        not found: a leading run cannot reach it. A redirected key is asked where it points
+        (after ASKING for an ``ASK``), at most :data:`MAX_HOPS` times."""
         names = [self.name(key) for key in keys]
         found = [False] * len(names)
         if self._closed:
             return found
         deadline = self._deadline(0)
-        run = len(names)  # the first index found absent, or whose node failed
-        # Nodes come in the order of their first key, every key before it already answered.
+
+        def part(job: _Job) -> tuple[list[_Job], int]:
+            node, indices, asking, hops = job
+            exists = partial(self._exists, names, indices, asking)
+            replies = self._call(node, exists, deadline)
+            if replies is None:
+                return [], 0
+            statuses: list[object] = []
+            for index, reply in zip(indices, replies, strict=True):
+                redirect = _redirect(reply) if isinstance(reply, ErrorReply) else None
+                found[index] = redirect is None and reply == 1
+                statuses.append(redirect)
+            return self._redirected(node, indices, statuses, hops)[0], 0
+
         groups = self._by_node(names, range(len(names)))
-        # A lookup's leading run takes the nodes in key order; a whole answer takes a failing
-        # node last, so that a hung one spends only the time the others left.
-        for node, indices in groups.items() if not whole else _failing_last(groups):
-            if not whole and run < indices[0]:
+        if whole:
+            self._each_node(_first_hops(groups), part)
+            return found
+        # Nodes come in the order of their first key, every key before it already answered.
+        for node, indices in groups.items():
+            if not all(found[: indices[0]]):
                 break
-            jobs: list[_Job] = [(node, indices, False, 0)]
-            while jobs:
-                where, asked, asking, hops = jobs.pop()
-                exists = partial(self._exists, names, asked, asking)
-                replies = self._call(where, exists, deadline)
-                if replies is None:
-                    run = min(run, asked[0])
-                    continue
-                moved: dict[tuple[_Node, bool], list[int]] = {}
-                for index, reply in zip(asked, replies, strict=True):
-                    redirect = _redirect(reply) if isinstance(reply, ErrorReply) else None
-                    if redirect is not None:
-                        key = (self._follow(redirect, where), redirect.ask)
-                        moved.setdefault(key, []).append(index)
-                    elif reply == 1:
-                        found[index] = True
-                    else:
-                        run = min(run, index)
-                if moved and hops == MAX_HOPS:
-                    run = min(run, *(min(again) for again in moved.values()))
-                elif moved:
-                    jobs += [(to, again, ask, hops + 1) for (to, ask), again in moved.items()]
+            self._in_turn([(node, indices, False, 0)], part)
         return found
 
     def read(self, keys: Sequence[OffloadKey], target: Target) -> Future[list[bool]]:
@@ -528,6 +534,7 @@ class RemoteTier(BacklogFigures):
         self._reads.shutdown(wait=True)
         self._waiting.close()
         self._ahead.shutdown(wait=True)
+        self._per_node.shutdown(wait=True)
         with self._lock:
             refresher = self._refresher
         if refresher is not None:
@@ -637,7 +644,7 @@ class RemoteTier(BacklogFigures):
         except Exception as exc:  # any socket, TLS or protocol failure is the server's
             if connection is not None:
                 connection.close()
-            # A node asked last for a failed last call (_failing_last) is no slow one's victim.
+            # A node asked last for a failed last call (_first_hops) is no slow one's victim.
             starved = deadline.at - begun < begun - deadline.since and not any(
                 breaker.failing and not breaker.is_open for breaker, _ in granted
             )
@@ -665,6 +672,32 @@ class RemoteTier(BacklogFigures):
         for breaker, ticket in granted:
             breaker.success(ticket)
         return result
+
+    def _each_node(self, jobs: list[_Job], part: _Part) -> int:
+        """``part`` of each of ``jobs`` (an operation's, one per node, under its one deadline)
+        and of the jobs it leads to, every node's on a thread of its own: a node that hangs
+        costs its own keys only. Asked one after another, the first operation after a node
+        hung (nothing yet known to ask it last, :func:`_failing`) spent the whole deadline
+        on it whenever it came first, and the nodes after it were left none: their blocks
+        failed, read as absent or went unstored. What the parts counted, summed."""
+        with self._lock:  # close sets _closed under it: nothing reaches a pool shut down
+            handed = [] if self._closed else jobs[1:]
+            asked = [self._per_node.submit(self._in_turn, [job], part) for job in handed]
+        try:
+            counted = self._in_turn(jobs[:1] if handed else jobs, part)
+        finally:
+            futures_wait(asked)
+        return counted + sum(future.result() for future in asked)
+
+    def _in_turn(self, jobs: list[_Job], part: _Part) -> int:
+        """``part`` of each of ``jobs`` and of the jobs it leads to, one after another, on this
+        thread; what they counted, summed."""
+        counted = 0
+        while jobs:
+            more, count = part(jobs.pop())
+            jobs += more
+            counted += count
+        return counted
 
     def _open(self, host: str, port: int, deadline: Deadline) -> Connection:
         return Connection.open(
@@ -962,25 +995,26 @@ class RemoteTier(BacklogFigures):
         sizes = [0 if view is None else sum(part.nbytes for part in view) for view in views]
         readable = [i for i, view in enumerate(views) if view is not None]
         deadline = self._deadline(sum(len(names[i]) + sizes[i] for i in readable), asked)
-        jobs = _first_hops(self._by_node(names, readable), lambda node: node.reads)
-        while jobs:
-            node, indices, asking, hops = jobs.pop()
+
+        def part(job: _Job) -> tuple[list[_Job], int]:
+            node, indices, asking, hops = job
             get = partial(self._get_into, keys, names, views, sizes, indices, asking)
             statuses = self._call(node, get, deadline, node.reads)
             if statuses is None:
-                failed += len(indices)
-                continue
+                return [], len(indices)
             again = [i for i, status in zip(indices, statuses, strict=True) if status == _AGAIN]
-            if again:
-                jobs.append((node, again, asking, hops))
             for index, status in zip(indices, statuses, strict=True):
                 if status == _HIT:
                     outcome[index] = True
                 elif status == _CORRUPT:
                     corrupt.append(index)
             followed, lost = self._redirected(node, indices, statuses, hops)
-            jobs += followed
-            failed += lost
+            if again:
+                followed.append((node, again, asking, hops))
+            return followed, lost
+
+        jobs = _first_hops(self._by_node(names, readable), lambda node: node.reads)
+        failed += self._each_node(jobs, part)
         if corrupt:
             self._delete_corrupt([names[i] for i in corrupt], deadline)
         self.stats.add(hit_blocks=sum(outcome), corrupt=len(corrupt), failed=failed)
@@ -1006,20 +1040,20 @@ class RemoteTier(BacklogFigures):
         name answered ``CLUSTERDOWN`` has the slot map asked again; ``until_served``: it is
         asked again too, every :data:`NOT_SERVED_PAUSE_S`, until ``deadline`` (a read's
         corrupt names are not: the read would wait for them)."""
-        deleted = 0
-        jobs = _first_hops(self._by_node(names, range(len(names))))
-        while jobs:
-            node, indices, asking, hops = jobs.pop()
+
+        def part(job: _Job) -> tuple[list[_Job], int]:
+            node, indices, asking, hops = job
             replies = self._call(node, partial(self._delete, names, indices, asking), deadline)
             if replies is None:
-                continue
+                return [], 0
+            deleted = 0
             unserved: list[int] = []
             for index, reply in zip(indices, replies, strict=True):
                 if reply is None:
                     unserved.append(index)
                 elif not isinstance(reply, _Redirect):
                     deleted += reply
-            jobs += self._redirected(node, indices, replies, hops)[0]
+            jobs = self._redirected(node, indices, replies, hops)[0]
             if unserved:
                 self._refresh_map_soon(node)
                 if until_served:
@@ -1028,7 +1062,9 @@ class RemoteTier(BacklogFigures):
                         (where, got, False, hops)
                         for where, got in self._by_node(names, unserved).items()
                     ]
-        return deleted
+            return jobs, deleted
+
+        return self._each_node(_first_hops(self._by_node(names, range(len(names)))), part)
 
     def _get_into(
         self,
@@ -1177,22 +1213,25 @@ class RemoteTier(BacklogFigures):
         names = [write.name for write in writes]
         deadline = self._deadline(sum(payload_size(write.payload) for write in writes))
         stored = [False] * len(writes)
-        jobs = _first_hops(self._by_node(names, range(len(writes))), lambda node: node.writes)
-        while jobs:
-            node, indices, asking, hops = jobs.pop()
+
+        def part(job: _Job) -> tuple[list[_Job], int]:
+            node, indices, asking, hops = job
             if node.is_resting():
                 with self._lock:
                     self.skipped_full += len(indices)
-                continue
+                return [], 0
             batch = [writes[i] for i in indices]
             set_all = partial(self._set_all, batch, asking)
             statuses = self._call(node, set_all, deadline, node.writes)
             if statuses is None:
-                continue
+                return [], 0
             for index, status in zip(indices, statuses, strict=True):
                 if not isinstance(status, _Redirect):
                     stored[index] = True
-            jobs += self._redirected(node, indices, statuses, hops)[0]
+            return self._redirected(node, indices, statuses, hops)[0], 0
+
+        jobs = _first_hops(self._by_node(names, range(len(writes))), lambda node: node.writes)
+        self._each_node(jobs, part)
         return stored
 
     def _set_all(
@@ -1264,18 +1303,14 @@ def _failing(node: _Node, lane: Callable[[_Node], CircuitBreaker] | None = None)
     return node.breaker.failing or (lane is not None and lane(node).failing)
 
 
-def _failing_last(groups: dict[_Node, list[int]]) -> list[tuple[_Node, list[int]]]:
-    """Each node's part of an operation under one deadline, a :func:`_failing` node (hung,
-    paused, partitioned) after the others: first, it spent the whole deadline and the
-    healthy nodes after it were never asked (their blocks failed, or read as absent)."""
-    return sorted(groups.items(), key=lambda part: _failing(part[0]))
-
-
 def _first_hops(
     groups: dict[_Node, list[int]], lane: Callable[[_Node], CircuitBreaker] | None = None
 ) -> list[_Job]:
     """The jobs of each node's part, unredirected, as a stack popped from its end: a
-    :func:`_failing` node is popped after the others, as in :func:`_failing_last`."""
+    :func:`_failing` node (hung, paused, partitioned) after the others, so that asked in
+    turn (the tier closed) it spends only the time they left, and asked at once it is the
+    part the operation's own thread asks, the others handed to the node threads first
+    (:meth:`RemoteTier._each_node`)."""
     jobs: list[_Job] = [(node, got, False, 0) for node, got in groups.items()]
     return sorted(jobs, key=lambda job: not _failing(job[0], lane))
 

@@ -495,6 +495,10 @@ class Connection:
             replies = [self.read_reply(deadline, MAX_LINE) for _ in parts]
         except ssl.SSLError as exc:  # TLS 1.3 refuses a missing client certificate here
             raise ConnectError("tls-refused", _describe(exc)) from None
+        except ProtocolError as exc:  # an answer, not a sane one: the server's, not the network's
+            raise ConnectError(
+                "server", f"the server answered with something unexpected ({exc})"
+            ) from None
         except TimeoutError:
             raise ConnectError("network", "no full answer before the deadline") from None
         except OSError as exc:

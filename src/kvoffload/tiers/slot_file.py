@@ -135,7 +135,14 @@ _NOT_CACHED = frozenset({errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL, errno.ENO
 _SUPER = struct.Struct("<4sHH16sQQ")
 """magic, version, reserved, fingerprint, stride, payload length; a CRC32 of these follows."""
 _CRC = struct.Struct("<I")
-_ZERO_HEADER = bytes(HEADER_BYTES + MAX_KEY_BYTES)
+_SCANNED_BYTES = HEADER_BYTES + MAX_KEY_BYTES + 1
+"""What a start reads of each slot: the header, the room of the longest key, and one byte
+more, so that a payload put down behind a zeroed header (a store cut short) shows for
+every key length: behind the longest key's, the room held zeros alone (counted blank).
+Within every slot, a stride being whole pages (:func:`slot_stride`)."""
+_ZERO_HEADER = bytes(_SCANNED_BYTES)
+"""Written over a slot's start to blank it, as much as a start reads of it: a slot blanked
+reads blank, so each dropped slot is counted once."""
 _OWNER_WRITES = stat.S_IWUSR | stat.S_IXUSR
 """What creating a file in a directory takes of its owner's permissions."""
 _HELD_LOCKS: set[int] = set()
@@ -863,7 +870,7 @@ class SlotFile:
                 return None
             start = slot_start(slot, stride)
             try:
-                head = layer.pread(fd, HEADER_BYTES + MAX_KEY_BYTES, start)
+                head = layer.pread(fd, _SCANNED_BYTES, start)
             except OSError as exc:
                 if exc.errno != errno.EIO:
                     raise
@@ -914,7 +921,7 @@ class SlotFile:
         try:
             header = parse_header(head)
         except CutShortError:  # torn if the file ends inside the header or key (read short)
-            return "torn" if len(head) < HEADER_BYTES + MAX_KEY_BYTES else "corrupt"
+            return "torn" if len(head) < _SCANNED_BYTES else "corrupt"
         except CorruptBlockError:
             return "corrupt"
         if header.fingerprint != self.fingerprint:
