@@ -572,6 +572,26 @@ def test_a_second_transfer_collector_is_refused_with_a_hint_it_can_follow() -> N
     )
 
 
+def test_a_second_labelled_prometheus_metric_is_refused_without_a_false_hint() -> None:
+    """A collector of the caller's own (a labelled ``prometheus_client`` counter) was told
+    it "takes no labels" beside the very labels its clashing series showed."""
+    from prometheus_client import Counter
+
+    def counter() -> Counter:
+        made = Counter("app_requests", "requests", ["model"], registry=None)
+        made.labels("m1").inc()
+        return made
+
+    with MetricsServer(0) as server:
+        server.add(counter())
+        with pytest.raises(InvalidArgumentError) as error:
+            server.add(counter())
+    assert str(error.value) == (
+        'metric app_requests_total{model="m1"} is exported already: add each collector to '
+        "a server once, its series told apart from those served by name or labels"
+    )
+
+
 def test_a_label_value_that_is_no_str_is_refused_when_the_collector_is_made() -> None:
     """It was taken, and every scrape of the endpoint failed afterwards, every other
     collector's metrics too: prometheus_client's exposition raised on the int (a 500, a

@@ -337,12 +337,19 @@ class _Registry(CollectorRegistry):
 
 def _clash_hint(collector: Collector) -> str:
     """What would tell ``collector``'s series from those served already, in the terms its
-    constructor takes: a hint naming labels to a collector that takes none was false."""
+    constructor takes: a hint naming labels to a collector that takes none was false, and
+    one saying a caller's own labelled metric takes none contradicted the series shown."""
     if isinstance(collector, ManagerCollector):
         return "give each manager's collector labels of its own (e.g. a tier or instance name)"
     if isinstance(collector, AdmissionCollector):
         return "give each lower tier's admission collector a tier of its own"
-    return f"a {type(collector).__name__} takes no labels: add one to a server only once"
+    if isinstance(collector, RecoveryCollector | TierCountsCollector | TransferCollector):
+        return f"a {type(collector).__name__} takes no labels: add one to a server only once"
+    # A caller's own collector (a prometheus_client metric): its labels are its own to set.
+    return (
+        "add each collector to a server once, its series told apart from those served by "
+        "name or labels"
+    )
 
 
 def _series(metrics: Iterable[Metric]) -> list[tuple[str, tuple[tuple[str, str], ...]]]:
