@@ -650,6 +650,16 @@ def test_a_promotion_past_its_deadline_frees_its_slot_and_its_late_read_lands_no
         m.close()
 
 
+def _seen_twice_on_disk(m: TieredOffloadingManager) -> None:
+    """K0 looked up by two requests, stored, then evicted to disk by K4 and K5 (a 2-block
+    CPU tier, a threshold of 2)."""
+    for _ in range(2):
+        m.lookup([K[0]])
+    store(m, [K[0]])
+    store(m, [K[4], K[5]])
+    m.poll()
+
+
 def test_a_lookup_retried_after_none_is_not_counted_again_by_a_tier_threshold(
     tmp_path: Path,
 ) -> None:
@@ -659,11 +669,7 @@ def test_a_lookup_retried_after_none_is_not_counted_again_by_a_tier_threshold(
     m = stack(tmp_path, cpu_blocks=2, threshold=2)
     disk = m.tiers[0]
     try:
-        for _ in range(2):
-            m.lookup([K[0]])
-        store(m, [K[0]])
-        store(m, [K[4], K[5]])  # K0, seen twice, falls to disk
-        m.poll()
+        _seen_twice_on_disk(m)
         assert disk.present([K[0]]) == 1
         assert m.lookup([K[0], K[1]]) is None  # K0 promoting
         assert m.lookup([K[0], K[1]]) == 1  # the retry: K1 is not seen a second time
@@ -723,11 +729,7 @@ def test_a_request_gone_while_it_waited_leaves_its_prompt_countable_by_a_tier_th
     m = stack(tmp_path, cpu_blocks=2, threshold=2)
     disk = m.tiers[0]
     try:
-        for _ in range(2):
-            m.lookup([K[0]])
-        store(m, [K[0]])
-        store(m, [K[4], K[5]])  # K0, seen twice, falls to disk
-        m.poll()
+        _seen_twice_on_disk(m)
         assert m.lookup([K[0], K[1]], request="gone") is None  # K0 promoting
         m.request_finished("gone")
         assert m.lookup([K[0], K[1]], request="next") == 1  # K1 seen a second time
