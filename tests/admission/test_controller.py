@@ -172,3 +172,32 @@ def test_the_admitting_share_is_the_share_of_groups_whose_rate_admits_after_ever
         if read:
             assert controller.admitting_share == share()
     assert controller.admitting_share == share()
+
+
+def test_a_read_counts_again_only_the_classes_with_outcomes_since_the_last(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engines read the share at every step, and a step's outcomes fall in one or two
+    of the classes: only those are counted again (all 384 groups of a layer took about
+    37 us per busy step), every class after a halving, none on an idle step."""
+    counted: list[int] = []
+    count = ReuseController._class_admitting
+
+    def recorded(controller: ReuseController, cls: int) -> int:
+        counted.append(cls)
+        return count(controller, cls)
+
+    monkeypatch.setattr(ReuseController, "_class_admitting", recorded)
+    controller = ReuseController(6, threshold=0.5, window=5, groups=64)
+    tags = range(6 * 64)
+    assert controller.admitting_share == 0.0 and counted == list(range(6))
+    for outcomes, recounted in (
+        ([controller.tag(2, 5), controller.tag(2, 9), controller.tag(4, 0)], [2, 4]),
+        ([], []),
+        ([controller.tag(2, 5)], [2]),
+        ([controller.tag(1, 3)], list(range(6))),  # the fifth outcome halves every count
+    ):
+        counted.clear()
+        controller.record_all(outcomes, True)
+        share = sum(controller.rate(tag) >= 0.5 for tag in tags) / len(tags)
+        assert controller.admitting_share == share > 0 and counted == recounted

@@ -3,6 +3,7 @@ connector stats to its ``/metrics``, and ``kvoffload.write_budget`` keeps its bu
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -248,3 +249,55 @@ def test_without_a_lower_tiers_optimiser_the_whatif_series_have_no_tier_label(
     assert definitions[HIT].labelnames == ("candidate", "capacity_factor", "tier")
     assert definitions[CANDIDATE].labelnames == ("candidate", "tier")
     assert definitions[SWITCHES].labelnames == ("tier",)
+
+
+def test_each_steps_stats_are_the_optimisers_own_without_computing_the_cumulative_figures(
+    vllm_modules: dict[str, ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM asks for the stats at every engine step. The CPU and disk tiers' optimisers
+    report there exactly what their full ``stats()`` give, read after each request and
+    again on an idle step; the cumulative what-if figures, which only the simulator's
+    report reads, are no longer computed for a step (about 20 us per layer)."""
+    from kvoffload.integrations.vllm.adapter import CONTROL_METRIC, METRIC_PREFIX
+    from kvoffload.integrations.vllm.replay import replay
+    from kvoffload.observe.metrics import whatif_gauges
+
+    extra = {
+        **SPEC_CONFIG,
+        "cpu_bytes_to_use": 64 * 1024,
+        "kvoffload.admission": "recommended",
+        "kvoffload.disk_dir": str(tmp_path),
+        "kvoffload.disk_bytes": 1 << 22,
+        "kvoffload.disk_admission": "recommended",
+    }
+    spec = create_spec(extra)
+    manager = spec.get_manager()
+    layers = {"": _optimiser(manager), "disk": spec._stack.disk_admission}
+    asked: list[bool] = []
+    whatif = OptimisingAdmission.whatif
+
+    def recorded(layer: OptimisingAdmission, cumulative: bool = False) -> Any:
+        asked.append(cumulative)
+        return whatif(layer, cumulative)
+
+    monkeypatch.setattr(OptimisingAdmission, "whatif", recorded)
+    workload = _workload()
+    compared = 0
+    for request in workload.requests[:150]:
+        replay(manager, [request], workload.block_tokens)
+        for _ in range(2):  # the step after the request, then an idle one
+            asked.clear()
+            data = manager.get_stats().data["data"]
+            assert asked == [False, False]  # each layer's recent figures, once
+            assert data[CONTROL_METRIC][()] == layers[""].stats().control
+            for tier, layer in layers.items():
+                assert isinstance(layer, OptimisingAdmission)
+                full = layer.stats()
+                assert layer.step_stats() == replace(full, whatif_total=())
+                assert full.whatif_total == tuple(whatif(layer, cumulative=True))
+                for name, series in whatif_gauges(full).items():
+                    for labels, level in series.items():
+                        assert data[f"{METRIC_PREFIX}{name}"][(*labels, tier)] == level
+                        compared += 1
+    assert compared > 150 * 2 * 2 * 12
+    assert layers[""].switches >= 1 and layers[""].stats().whatif_total

@@ -115,6 +115,12 @@ class AdmissionLayer(OffloadingManager):
     def stats(self) -> AdmissionStats:
         """Counters and footprint, for reports."""
 
+    def step_stats(self) -> AdmissionStats:
+        """:meth:`stats` for an engine's report at every step: a layer may leave out what
+        no step reports, where computing it would cost every step (the optimiser leaves
+        ``whatif_total`` empty, which only the end-of-run reports read)."""
+        return self.stats()
+
     def _stats(
         self, control: float, memory_bytes: int, tracked_keys: int, ghost_hits: int | None = None
     ) -> AdmissionStats:

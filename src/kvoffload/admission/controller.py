@@ -29,6 +29,8 @@ never fills the tier while the controller waits for evidence."""
 GROUP_STRENGTH = 4.0
 """How many outcomes' worth of weight a group gives its class's pooled rate."""
 BYTES_PER_COUNT = 8
+UNCOUNTED = -1
+"""A class whose admitting groups are to be counted again (it had an outcome since)."""
 
 
 def refused_priors(prior_returns: float, prior_outcomes: float) -> str:
@@ -92,6 +94,9 @@ class ReuseController:
         self._since_halving = 0
         self._share: float | None = None
         """:attr:`admitting_share` since the last outcome."""
+        self._admitting = [UNCOUNTED] * num_classes
+        """Each class's admitting groups since its last outcome: an engine step's outcomes
+        fall in one or two classes, so a busy step's share counts those classes only."""
 
     @property
     def memory_bytes(self) -> int:
@@ -123,22 +128,25 @@ class ReuseController:
         :meth:`rate` call per group cost 70 us for a layer's 384 groups: kept until the
         next outcome, and :meth:`rate` inlined with each class's pooled rate once."""
         if self._share is None:
-            self._share = self._admitting_share()
+            counts = self._admitting
+            for cls, count in enumerate(counts):
+                if count == UNCOUNTED:
+                    counts[cls] = self._class_admitting(cls)
+            self._share = sum(counts) / len(self.group_outcomes)
         return self._share
 
-    def _admitting_share(self) -> float:
+    def _class_admitting(self, cls: int) -> int:
+        """How many of class ``cls``'s groups admit first-seen blocks."""
         groups, strength, threshold = self.groups, self.group_strength, self.threshold
-        prior_returns, prior_outcomes = self.prior_returns, self.prior_outcomes
         group_returns, group_outcomes = self.group_returns, self.group_outcomes
+        pooled = self.class_rate(cls)
         admitting = 0
-        for cls, (returns, outcomes) in enumerate(zip(self.returns, self.outcomes, strict=True)):
-            pooled = (returns + prior_returns) / (outcomes + prior_outcomes)
-            start = cls * groups
-            for tag in range(start, start + groups):
-                weight = group_outcomes[tag] + strength
-                rate = (group_returns[tag] + strength * pooled) / weight if weight else pooled
-                admitting += rate >= threshold
-        return admitting / len(group_outcomes)
+        start = cls * groups
+        for tag in range(start, start + groups):
+            weight = group_outcomes[tag] + strength
+            rate = (group_returns[tag] + strength * pooled) / weight if weight else pooled
+            admitting += rate >= threshold
+        return admitting
 
     def record(self, tag: int, returned: bool) -> None:
         """One outcome under ``tag``: its block came back (``True``) or expired."""
@@ -151,6 +159,7 @@ class ReuseController:
         self._share = None
         for tag in tags:
             cls = tag // groups
+            self._admitting[cls] = UNCOUNTED
             self.outcomes[cls] += 1.0
             self.group_outcomes[tag] += 1.0
             if returned:
@@ -166,3 +175,4 @@ class ReuseController:
         self.group_returns = [r / 2 for r in self.group_returns]
         self.group_outcomes = [o / 2 for o in self.group_outcomes]
         self._since_halving = 0
+        self._admitting = [UNCOUNTED] * len(self.returns)

@@ -781,7 +781,15 @@ class OptimisingAdmission(AdmissionLayer):
         return figures
 
     def stats(self) -> AdmissionStats:
-        """The real-fed candidates count in memory whether fed or not: they are made with
+        """:meth:`step_stats` with the cumulative what-if figures (``whatif_total``)."""
+        return replace(self.step_stats(), whatif_total=tuple(self.whatif(cumulative=True)))
+
+    def step_stats(self) -> AdmissionStats:
+        """Every figure but ``whatif_total``: the engines report the recent what-if figures
+        at every step, and the cumulative ones (about 20 us more per call on the dev VM)
+        only the simulator's report reads, once.
+
+        The real-fed candidates count in memory whether fed or not: they are made with
         the layer (a tier may stop mirroring at any request), and their tables take their
         size then. Control and ghost hits are the rule the real tier's choice is made on."""
         world_rule, real_rule = self._world_feedback.stats(), self.feedback.stats()
@@ -799,12 +807,7 @@ class OptimisingAdmission(AdmissionLayer):
             + self.worlds.tracked_keys,
             rules[0].ghost_hits,
         )
-        return replace(
-            counted,
-            candidate=self.chosen,
-            whatif=tuple(self.whatif()),
-            whatif_total=tuple(self.whatif(cumulative=True)),
-        )
+        return replace(counted, candidate=self.chosen, whatif=tuple(self.whatif()))
 
 
 OBJECTIVE_PARAMS = ("hit_tolerance", "switch_margin", "write_margin")

@@ -691,12 +691,12 @@ class VLLMManagerAdapter(OffloadingManager):  # type: ignore[misc]
         if self._layer is not None:
             ghost_hits = self._ghost_hits.increment(self._layer.ghost_hits)
             stats.increase_counter(GHOST_HITS_METRIC, ghost_hits)
-            layer_stats = self._layer.stats()
+            layer_stats = self._layer.step_stats()
             stats.set_gauge(CONTROL_METRIC, layer_stats.control)
             report_whatif(stats, layer_stats, self._switches, self._tier_label)
         if self._tier_label:  # declared: the lower tiers' optimisers export too
             for tier, layer in self._lower_layers:
-                report_whatif(stats, layer.stats(), self._lower_switches[tier], (tier,))
+                report_whatif(stats, layer.step_stats(), self._lower_switches[tier], (tier,))
         if self._tiered is not None:
             counts = {tier.medium.lower(): recovery_counts(tier) for tier in self._tiered.tiers}
             found = {name: tier_counts for name, tier_counts in counts.items() if tier_counts}

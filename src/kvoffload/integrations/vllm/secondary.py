@@ -259,7 +259,7 @@ class _Owner:
         if self._taking is None or self._taking.done():
             if self._taking is not None:
                 self._taken = _result(self._taking, self._taken)
-            self._taking = self._thread.submit(layer.stats)
+            self._taking = self._thread.submit(layer.step_stats)
         return self._taken
 
     def close(self) -> None:
