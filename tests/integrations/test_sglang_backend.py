@@ -19,6 +19,7 @@ pytest.importorskip("sglang", reason="SGLang is not installed (CI installs it --
 
 from sglang_helpers import AsymmetricHostPool, DcpHostPool, HostPool, page_hash
 
+from kvoffload.admission.optimiser import OptimisingAdmission
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.integrations.sglang.storage import page_key
 from kvoffload.tiers.disk import DEFAULT_DEADLINE_S
@@ -459,7 +460,11 @@ def test_mha_pages_reach_the_tier_as_their_segments_never_joined(
     assert [bytes(t.view(torch.uint8).numpy()) for t in got] == expected
 
 
-def test_stats_of_the_recommended_admission_reach_get_stats(backends: Any, tmp_path: Path) -> None:
+def test_stats_of_the_recommended_admission_reach_get_stats(
+    backends: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang asks for them at every scheduler step: the layer's own numbers, without the
+    cumulative what-if figures, which they do not show (about 20 us a step)."""
     pool = HostPool()
     extra = {
         "interface_v1": 1,
@@ -470,9 +475,21 @@ def test_stats_of_the_recommended_admission_reach_get_stats(backends: Any, tmp_p
     pool.fill(list(range(4)), seed=7)
     assert backend.batch_exists(KEYS[:4]) == 0
     backend.batch_set_v1(KEYS[:4], pool.indices([0, 1, 2, 3]))
+    asked: list[bool] = []
+    whatif = OptimisingAdmission.whatif
+
+    def recorded(layer: OptimisingAdmission, cumulative: bool = False) -> Any:
+        asked.append(cumulative)
+        return whatif(layer, cumulative)
+
+    monkeypatch.setattr(OptimisingAdmission, "whatif", recorded)
     admission = backend.get_stats().kvoffload["disk"]["admission"]
+    assert True not in asked
     assert admission["offers"] == 4.0
     assert all(isinstance(value, float) for value in admission.values())
+    monkeypatch.undo()
+    (path,) = [path for path in backend.paths if path.name == "disk"]
+    assert admission == path.layer.stats().numbers()
 
 
 def test_a_hybrid_models_extra_host_pool_stops_the_attach_naming_it(

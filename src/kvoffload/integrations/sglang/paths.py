@@ -359,10 +359,12 @@ class TierPath:
             self.tier.close()
 
     def admission_stats(self) -> dict[str, float] | None:
+        """The layer's numbers, read at every scheduler step: its step stats, which leave
+        out the cumulative what-if figures the numbers do not show."""
         if self.layer is None:
             return None
         with self._admission_lock:
-            return self.layer.stats().numbers()
+            return self.layer.step_stats().numbers()
 
     def _admit(self, keys: Sequence[OffloadKey], prefix: Sequence[OffloadKey]) -> set[OffloadKey]:
         """The offered ``keys`` admission passes. Those past the leading run a lookup asked
