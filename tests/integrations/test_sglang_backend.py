@@ -18,8 +18,8 @@ import pytest
 pytest.importorskip("sglang", reason="SGLang is not installed (CI installs it --no-deps)")
 
 from sglang_helpers import AsymmetricHostPool, DcpHostPool, HostPool, page_hash
+from whatif_calls import record_whatif_calls
 
-from kvoffload.admission.optimiser import OptimisingAdmission
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.integrations.sglang.storage import page_key
 from kvoffload.tiers.disk import DEFAULT_DEADLINE_S
@@ -475,14 +475,7 @@ def test_stats_of_the_recommended_admission_reach_get_stats(
     pool.fill(list(range(4)), seed=7)
     assert backend.batch_exists(KEYS[:4]) == 0
     backend.batch_set_v1(KEYS[:4], pool.indices([0, 1, 2, 3]))
-    asked: list[bool] = []
-    whatif = OptimisingAdmission.whatif
-
-    def recorded(layer: OptimisingAdmission, cumulative: bool = False) -> Any:
-        asked.append(cumulative)
-        return whatif(layer, cumulative)
-
-    monkeypatch.setattr(OptimisingAdmission, "whatif", recorded)
+    asked = record_whatif_calls(monkeypatch)
     admission = backend.get_stats().kvoffload["disk"]["admission"]
     assert True not in asked
     assert admission["offers"] == 4.0

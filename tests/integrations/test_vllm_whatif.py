@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from vllm_helpers import SPEC_CONFIG, create_spec, metrics_frontend
 from vllm_scheduler import connector_scheduler
+from whatif_calls import record_whatif_calls
 
 from kvoffload import InvalidArgumentError
 from kvoffload.admission import OptimisingAdmission, find_admission
@@ -273,14 +274,8 @@ def test_each_steps_stats_are_the_optimisers_own_without_computing_the_cumulativ
     spec = create_spec(extra)
     manager = spec.get_manager()
     layers = {"": _optimiser(manager), "disk": spec._stack.disk_admission}
-    asked: list[bool] = []
     whatif = OptimisingAdmission.whatif
-
-    def recorded(layer: OptimisingAdmission, cumulative: bool = False) -> Any:
-        asked.append(cumulative)
-        return whatif(layer, cumulative)
-
-    monkeypatch.setattr(OptimisingAdmission, "whatif", recorded)
+    asked = record_whatif_calls(monkeypatch)
     workload = _workload()
     compared = 0
     for request in workload.requests[:150]:
