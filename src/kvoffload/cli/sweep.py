@@ -116,8 +116,9 @@ def _check_admissions_fit(
     """Refuse, before the first run, a run whose admission layer (with ``params``) the
     machine cannot hold: it failed only as it started, after the runs before it. Each rule
     is named as ``typed`` first names it (``recommended``, not ``optimiser``)."""
+    named = _first_names(typed).values()
     for blocks, size in dict.fromkeys(capacities):
-        for admission in _first_names(typed).values():
+        for admission in named:
             options.check_admission_fits(admission, params, blocks, size, "--admissions")
 
 
