@@ -92,8 +92,6 @@ class ReuseController:
         self.group_returns = [0.0] * (num_classes * groups)
         self.group_outcomes = [0.0] * (num_classes * groups)
         self._since_halving = 0
-        self._share: float | None = None
-        """:attr:`admitting_share` since the last outcome."""
         self._admitting = [UNCOUNTED] * num_classes
         """Each class's admitting groups since its last outcome: an engine step's outcomes
         fall in one or two classes, so a busy step's share counts those classes only."""
@@ -125,15 +123,13 @@ class ReuseController:
     def admitting_share(self) -> float:
         """The control value: the share of class groups whose first-seen blocks are admitted.
         The engines read it with every stats call (SGLang on each scheduler step), where a
-        :meth:`rate` call per group cost 70 us for a layer's 384 groups: kept until the
-        next outcome, and :meth:`rate` inlined with each class's pooled rate once."""
-        if self._share is None:
-            counts = self._admitting
-            for cls, count in enumerate(counts):
-                if count == UNCOUNTED:
-                    counts[cls] = self._class_admitting(cls)
-            self._share = sum(counts) / len(self.group_outcomes)
-        return self._share
+        :meth:`rate` call per group cost 70 us for a layer's 384 groups: each class's count
+        is kept until its next outcome, and :meth:`rate` inlined with its pooled rate once."""
+        counts = self._admitting
+        for cls, count in enumerate(counts):
+            if count == UNCOUNTED:
+                counts[cls] = self._class_admitting(cls)
+        return sum(counts) / len(self.group_outcomes)
 
     def _class_admitting(self, cls: int) -> int:
         """How many of class ``cls``'s groups admit first-seen blocks."""
@@ -156,7 +152,6 @@ class ReuseController:
         """One outcome under each of ``tags`` in turn, all the same (the layer's path: an
         offer's pushed-out and expired records come by the dozen)."""
         groups, window = self.groups, self.window
-        self._share = None
         for tag in tags:
             cls = tag // groups
             self._admitting[cls] = UNCOUNTED
