@@ -200,27 +200,35 @@ def _error(message: str) -> None:
     print(output.one_line(f"{PROG}: error: {message}"), file=sys.stderr)
 
 
-def _status(args_list: list[str]) -> int:
-    """Parse ``args_list`` and run its command: the exit status, with ``--help``'s,
-    ``--version``'s and a usage error's."""
+def parse_arguments(args_list: list[str]) -> argparse.Namespace:
+    """``args_list`` parsed as the command line is, without running its command (the
+    manual's tests check each documented line so). ``--help``, ``--version`` and a usage
+    error, reported on stderr, raise :class:`SystemExit` with the status."""
     parser, transfer = build_parser()
     if args_list[:2] == ["bench", "transfer"]:
         bench.add_transfer_options(transfer)
     flags = _flags(parser) | _flags(_command_parser(parser, args_list))
     args_list = _attach_negative_values(args_list, flags)
-    try:
-        args, unknown = parser.parse_known_args(args_list)
-        if unknown:  # named by the command's own parser, so the hint is its --help
-            _command_parser(parser, args_list).error(f"unrecognized arguments: {' '.join(unknown)}")
-        empty = next((dest for dest in NAMED_BY_TEXT if getattr(args, dest, None) == ""), None)
-        if empty is not None:
-            command = _command_parser(parser, args_list)
-            command.error(f"argument {_argument_name(command, empty)}: must not be empty")
-    except SystemExit as exc:  # --help, or a usage error already reported by argparse
-        return exc.code if isinstance(exc.code, int) else 2
+    args, unknown = parser.parse_known_args(args_list)
+    if unknown:  # named by the command's own parser, so the hint is its --help
+        _command_parser(parser, args_list).error(f"unrecognized arguments: {' '.join(unknown)}")
+    empty = next((dest for dest in NAMED_BY_TEXT if getattr(args, dest, None) == ""), None)
+    if empty is not None:
+        command = _command_parser(parser, args_list)
+        command.error(f"argument {_argument_name(command, empty)}: must not be empty")
     for option in ("json", "csv"):
         if output.names_standard_output(getattr(args, option, None)):
             setattr(args, option, "-")
+    return args
+
+
+def _status(args_list: list[str]) -> int:
+    """Parse ``args_list`` and run its command: the exit status, with ``--help``'s,
+    ``--version``'s and a usage error's."""
+    try:
+        args = parse_arguments(args_list)
+    except SystemExit as exc:  # --help, or a usage error already reported by argparse
+        return exc.code if isinstance(exc.code, int) else 2
     status: int = args.run(args)
     return status
 
