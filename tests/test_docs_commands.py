@@ -2,12 +2,14 @@
 accepted: a flag or key renamed since a page was written fails here, not in the terminal
 of the operator who copied it. Nothing is run: each is parsed as its program parses it.
 
-Command lines: each ``kvoffload simulate|sweep|trace-stats|bench ...`` and each
+Command lines: each ``kvoffload simulate|sweep|trace-stats|bench|--version ...`` and each
 ``python benchmarks/<script>.py ...`` (or ``cd benchmarks && python <script>.py ...``) in a
 fenced block (``\\`` continuations joined, ``$`` prompts, environment settings, ``nice``
 and ``# comments`` dropped, ``&&``/``|``/``;`` split; in a block with ``$`` prompts the
 other lines are output) or in inline backticks (line breaks inside them joined), parsed by
-the command's own parser, the job stopped before it starts.
+the command's own parser, the job stopped before it starts. The names a ``kvoffload`` line
+gives (policy, admission rule, layout, admission parameters) and the workloads a script's
+line gives are checked too, as the run checks them before its work.
 
 * A ``$`` sample followed by a usage error (``kvoffload: error: ... (see kvoffload
   simulate --help)``) shows a refusal: it must still be refused with that line. An error of
@@ -52,7 +54,7 @@ import pytest
 
 from kvoffload.admission import resolve_admission
 from kvoffload.cli import app, bench, options
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.layout import layout_preset
 from kvoffload.integrations.sglang.settings import parse_settings as parse_sglang_settings
 from kvoffload.integrations.vllm.secondary_settings import (
@@ -241,11 +243,13 @@ def concrete_arguments(words: tuple[str, ...]) -> list[list[str]]:
 
 
 class _Parsed(Exception):
-    """Raised in place of running a benchmark once its arguments are parsed: its parser."""
+    """Raised in place of running a benchmark once its arguments are parsed: its parser
+    and what it parsed (``None``: not asked to parse)."""
 
-    def __init__(self, parser: argparse.ArgumentParser) -> None:
+    def __init__(self, parser: argparse.ArgumentParser, args: argparse.Namespace | None) -> None:
         super().__init__(parser.prog)
         self.parser = parser
+        self.namespace = args
 
 
 def parse_cli(arguments: list[str]) -> tuple[int, str]:
@@ -292,18 +296,15 @@ def check_names(args: argparse.Namespace) -> None:
             options.admission_param_pairs(args, tier)
 
 
-def _script_parser(
-    name: str, arguments: list[str] | None, patch: pytest.MonkeyPatch
-) -> argparse.ArgumentParser:
-    """``python benchmarks/<name>.py arguments`` as far as its parser: the parser, once it
-    has parsed them (``None``: as soon as it is asked to), the job stopped there. A usage
-    error raises :class:`SystemExit`."""
+def _script_parser(name: str, arguments: list[str] | None, patch: pytest.MonkeyPatch) -> _Parsed:
+    """``python benchmarks/<name>.py arguments`` as far as its parser: the parser and what
+    it parsed (``None``: stopped as soon as it is asked to parse), the job stopped there. A
+    usage error raises :class:`SystemExit`."""
     original = argparse.ArgumentParser.parse_args
 
     def parse_then_stop(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
-        if arguments is not None:
-            original(self, *args, **kwargs)
-        raise _Parsed(self)
+        parsed = None if arguments is None else original(self, *args, **kwargs)
+        raise _Parsed(self, parsed)
 
     patch.syspath_prepend(str(BENCHMARKS))  # as ``python benchmarks/x.py`` has it
     module = load_benchmark(name)
@@ -312,8 +313,31 @@ def _script_parser(
     try:
         module.main()
     except _Parsed as parsed:
-        return parsed.parser
+        unknown = _unknown_workloads(getattr(module, "WORKLOADS", None), parsed.namespace)
+        if unknown:
+            known = ", ".join(module.WORKLOADS)
+            parsed.parser.error(f"unknown workload {unknown[0]!r}; known: {known}")
+        return parsed
     raise AssertionError(f"benchmarks/{name}.py ran without parsing its arguments")
+
+
+WORKLOAD_ARGUMENTS = ("workloads", "workload", "rows")
+"""The scripts' arguments that name workloads (``rows``: ``workload:share``), checked
+against the script's ``WORKLOADS`` only once it has parsed them."""
+
+
+def _unknown_workloads(
+    workloads: Mapping[str, object] | None, args: argparse.Namespace | None
+) -> list[str]:
+    """The workloads ``args`` names that ``workloads`` does not have."""
+    if workloads is None or args is None:
+        return []
+    named: list[str] = []
+    for dest in WORKLOAD_ARGUMENTS:
+        value = getattr(args, dest, None)
+        for text in [value] if isinstance(value, str) else value or []:
+            named += [str(part).rpartition(":")[0] or str(part) for part in str(text).split(",")]
+    return [name.strip() for name in named if name.strip() not in workloads]
 
 
 def parse_script(
@@ -339,6 +363,8 @@ def command_problem(command: Command, monkeypatch: pytest.MonkeyPatch) -> str | 
     torch is not installed."""
     for arguments in concrete_arguments(command.words):
         if command.words[0] == "kvoffload":
+            if arguments[:2] == ["bench", "transfer"]:  # its options come from its torch code
+                pytest.importorskip("torch")
             status, error = parse_cli(arguments)
         else:
             script = SCRIPT.match(command.words[0])
@@ -397,12 +423,13 @@ def our_options(monkeypatch: pytest.MonkeyPatch) -> set[str]:
     """Every option of ``kvoffload``'s commands and of the scripts of ``benchmarks/``
     (those whose engine or torch is installed)."""
     parser, transfer = app.build_parser()
-    bench.add_transfer_options(transfer)
+    with contextlib.suppress(KVOffloadError):  # torch not installed: its options unknown
+        bench.add_transfer_options(transfer)
     found = _option_strings(parser)
     for path in sorted(BENCHMARKS.glob("*.py")):
         if "__main__" in path.read_text():
             with monkeypatch.context() as patch, contextlib.suppress(ModuleNotFoundError):
-                found |= _option_strings(_script_parser(path.stem, None, patch))
+                found |= _option_strings(_script_parser(path.stem, None, patch).parser)
     return found
 
 
@@ -599,7 +626,7 @@ vllm serve m --kv-transfer-config '{"kv_connector_extra_config": {"spec_name": "
 A run of `python benchmarks/manager.py --repeats
 3` per `kvoffload sweep --capacity`'s rows, `benchmarks/no_such.py` and `--remote-gib`.
 Or `kvoffload simulate --admission feedback --admission-param tresh=0.4`, `kvoffload simulate
---policy lur`.
+--policy lur`. And `python benchmarks/admission_diagnostics.py rag:0.25 agnet:0.05`.
 
 | key | default |
 |---|---|
@@ -611,7 +638,7 @@ Or `kvoffload simulate --admission feedback --admission-param tresh=0.4`, `kvoff
 def test_stale_lines_are_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each check fails on a stale line: a misspelt flag in a fenced command (continued
     over two lines), in an inline one and as a named option, a missing script, a renamed
-    admission parameter or policy, an unknown option, an unknown extra-config key and an
+    admission parameter, policy or workload, an unknown option, an unknown extra-config key and an
     unknown table key."""
     page = tmp_path / "stale.md"
     page.write_text(STALE_PAGE)
@@ -623,9 +650,11 @@ def test_stale_lines_are_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         "stale.md:10: benchmarks/no_such.py",
         "stale.md:11: kvoffload simulate --admission feedback --admission-param tresh=0.4",
         "stale.md:11: kvoffload simulate --policy lur",
+        "stale.md:12: benchmarks/admission_diagnostics.py rag:0.25 agnet:0.05",
     }
     assert all(problem is not None for problem in problems.values()), problems
     assert "unrecognized arguments: --store-treshold 2" in str(problems)
+    assert "unknown workload 'agnet'" in str(problems)
     (config,) = documented_configs([page])
     assert "'kvoffload.disk'" in (config_problem(config) or "")
     known = {"--remote-gb", "--repeat", "--admission", "--admission-param", "--policy"}
