@@ -10,6 +10,7 @@ import pytest
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import block_id_key
 from kvoffload.core.layout import layout_preset
+from kvoffload.sim.engine import EngineConfig
 from kvoffload.sim.generators import generate
 from kvoffload.sim.run import GIB, SimConfig, blocks_for_gib, simulate
 from kvoffload.sim.workload import Request, Workload
@@ -110,6 +111,8 @@ def test_request_larger_than_the_gpu(small: Workload) -> None:
         ({"arrival_s": math.inf}, "arrival_s"),  # the event loop waited for it for ever
         ({"arrival_s": math.nan}, "arrival_s"),
         ({"arrival_s": None}, "arrival_s"),
+        ({"arrival_s": 10**400}, "arrival_s"),  # raised OverflowError from math.isfinite
+        ({"arrival_s": True}, "arrival_s"),  # a bool is no time
         ({"input_tokens": math.nan}, "input_tokens"),  # so did a nan prefill time
         ({"input_tokens": 64.0}, "input_tokens"),
         ({"output_tokens": math.inf}, "output_tokens"),
@@ -145,3 +148,13 @@ def test_requests_out_of_arrival_order_are_refused() -> None:
     requests.append(Request(5.0, 16, 1, keys[2]))
     with pytest.raises(InvalidArgumentError, match=r"^request 2 arrives at 5 s, before request 1"):
         simulate(Workload("unsorted", 16, requests), SimConfig(gpu_blocks=4, cpu_blocks=2))
+
+
+@pytest.mark.parametrize("name", ["prefill_tokens_per_s", "transfer_bytes_per_s", "lookup_retry_s"])
+@pytest.mark.parametrize("value", [True, pytest.param(10**400, id="10**400"), math.nan, 0])
+def test_an_engine_rate_that_is_no_finite_positive_number_is_refused_naming_it(
+    name: str, value: object
+) -> None:
+    # A bool passed as 1 per second, and an int past a float's range raised OverflowError.
+    with pytest.raises(InvalidArgumentError, match=rf"^{name} must be finite and > 0"):
+        EngineConfig(gpu_blocks=4, bytes_per_block=1, block_tokens=16, **{name: value})

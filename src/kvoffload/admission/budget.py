@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kvoffload.admission.params import is_finite, read_number, shown
-from kvoffload.core.errors import InvalidArgumentError, brief
+from kvoffload.core.errors import InvalidArgumentError, brief, is_number
 
 PER_REF, BYTES_PER_S, DWPD = "writes/ref", "bytes/s", "dwpd"
 UNITS = (PER_REF, BYTES_PER_S, DWPD)
@@ -140,7 +140,7 @@ class WriteBudget:
                 f"write budget unit must be one of {', '.join(UNITS)}, got {self.unit!r}"
             )
         amount = self.amount
-        if isinstance(amount, bool) or not isinstance(amount, int | float):
+        if not is_number(amount):
             raise InvalidArgumentError(f"write budget must be a number, got {amount!r}")
         if not is_finite(amount) or amount < 0:
             raise InvalidArgumentError(
@@ -159,7 +159,7 @@ class WriteBudget:
         """``0.2`` or ``0.2/ref``, ``200MB/s`` or ``1.5GiB/s``, ``1dwpd``; one clear error else."""
         if isinstance(text, WriteBudget):
             return text
-        if isinstance(text, int | float) and not isinstance(text, bool):
+        if is_number(text):
             check_write_budget(text)  # before float(), which overflows for a huge int
             return cls(float(text))
         if not isinstance(text, str):
@@ -251,7 +251,7 @@ def check_write_budget(budget: float | WriteBudget | None) -> None:
     block reference >= 0."""
     if budget is None or isinstance(budget, WriteBudget):
         return
-    if isinstance(budget, bool) or not isinstance(budget, int | float):
+    if not is_number(budget):
         raise InvalidArgumentError(f"write budget must be a number, got {budget!r}")
     if not is_finite(budget) or budget < 0:
         raise InvalidArgumentError(

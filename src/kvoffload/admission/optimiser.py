@@ -84,7 +84,7 @@ from kvoffload.admission.reuse_counts import MAX_STORE_THRESHOLD, MAX_TRACKED_KE
 from kvoffload.admission.reuse_filter import FilterReusedOffloadingManager
 from kvoffload.admission.sketch import key_hashes
 from kvoffload.admission.worlds import Probe, World, Worlds, exact_worlds
-from kvoffload.core.errors import InvalidArgumentError
+from kvoffload.core.errors import InvalidArgumentError, is_number
 from kvoffload.core.keys import SINGLE_KEY_TYPES, OffloadKey, refuse_single_key
 from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import LoadStoreSpec
@@ -167,15 +167,13 @@ class Objective:
         bounds = (("hit_tolerance", 1.0), ("switch_margin", 1.0), ("write_margin", math.inf))
         for name, high in bounds:
             value = getattr(self, name)
-            number = not isinstance(value, bool) and isinstance(value, int | float)
-            if not number or not is_finite(value) or not 0 <= value <= high:
+            if not is_number(value) or not is_finite(value) or not 0 <= value <= high:
                 allowed = ">= 0" if high == math.inf else f"in [0, {high:g}]"
                 raise InvalidArgumentError(
                     f"objective {name} must be a finite number {allowed}, got {shown(value)}"
                 )
         budget = self.write_budget
-        number = not isinstance(budget, bool) and isinstance(budget, int | float)
-        if budget is not None and not (number and budget >= 0):
+        if budget is not None and not (is_number(budget) and budget >= 0):
             raise InvalidArgumentError(
                 f"objective write_budget must be None or a number of writes per block "
                 f"reference >= 0, got {shown(budget)}"

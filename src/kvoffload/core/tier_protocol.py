@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
+from kvoffload.core.errors import InvalidArgumentError, KVOffloadError, is_number
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingEvent
 
@@ -41,11 +41,7 @@ and count as failed; past 10 minutes a hung call would hold the engine that long
 def check_deadline_s(value: object, name: str) -> None:
     """:class:`InvalidArgumentError` naming ``name`` unless ``value`` is a number of seconds
     from :data:`MIN_DEADLINE_S` to :data:`MAX_DEADLINE_S` (nan fails both comparisons)."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not MIN_DEADLINE_S <= value <= MAX_DEADLINE_S
-    ):
+    if not is_number(value) or not MIN_DEADLINE_S <= value <= MAX_DEADLINE_S:
         raise InvalidArgumentError(
             f"{name} must be from {MIN_DEADLINE_S:g} s to {MAX_DEADLINE_S:.0f} s, got {value!r}"
         )

@@ -50,7 +50,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload.admission import AdmissionLayer, find_admission
-from kvoffload.core.errors import InvalidArgumentError, check_integer
+from kvoffload.admission.params import is_finite
+from kvoffload.core.errors import InvalidArgumentError, brief, check_integer, is_number
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager
 from kvoffload.sim.gpu_cache import GPUPrefixCache
@@ -85,11 +86,11 @@ class EngineConfig:
             check_integer(name, getattr(self, name), 1)
         for name in ("prefill_tokens_per_s", "decode_tokens_per_s", "transfer_bytes_per_s"):
             value = getattr(self, name)
-            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-                raise InvalidArgumentError(f"{name} must be finite and > 0, got {value!r}")
+            if not (is_number(value) and is_finite(value) and value > 0):
+                raise InvalidArgumentError(f"{name} must be finite and > 0, got {brief(value)}")
         retry = self.lookup_retry_s
-        if not (isinstance(retry, int | float) and math.isfinite(retry) and retry > 0):
-            raise InvalidArgumentError(f"lookup_retry_s must be finite and > 0, got {retry!r}")
+        if not (is_number(retry) and is_finite(retry) and retry > 0):
+            raise InvalidArgumentError(f"lookup_retry_s must be finite and > 0, got {brief(retry)}")
         check_integer("max_lookup_retries", self.max_lookup_retries, 0)
         if self.partial_block not in PARTIAL_BLOCK_MODES:
             raise InvalidArgumentError(
@@ -248,12 +249,10 @@ class ServingEngine:
         time or token count would stall its event loop, a fractional or negative count run
         in nonsense, and more blocks than the GPU holds never start."""
         arrival = request.arrival_s
-        if isinstance(arrival, bool) or not isinstance(arrival, int | float):
-            arrival = math.nan
-        if not math.isfinite(arrival):
+        if not (is_number(arrival) and is_finite(arrival)):
             raise InvalidArgumentError(
                 f"request {index}: arrival_s must be a finite number of seconds, "
-                f"got {request.arrival_s!r}"
+                f"got {brief(request.arrival_s)}"
             )
         for name in ("input_tokens", "output_tokens"):
             check_integer(f"request {index}: {name}", getattr(request, name), 0)
