@@ -218,7 +218,9 @@ def test_a_failed_write_keeps_the_earlier_file_and_names_the_path(
 def test_a_failed_plot_keeps_the_earlier_one_and_names_the_path(tmp_path: Path) -> None:
     """A plot was saved straight to its path: a full disk (here: a file size limit) left it
     truncated over the earlier sweep's, and the error named no path."""
-    pytest.importorskip("matplotlib")
+    # Imported here, matplotlib writes its font cache where the command will read it: on a
+    # machine without one the command's first import failed to save it, and said so.
+    pytest.importorskip("matplotlib.font_manager")
     plots = tmp_path / "plots"
     plots.mkdir()
     for name in PLOT_FILES:
