@@ -56,7 +56,10 @@ from kvoffload.admission import resolve_admission
 from kvoffload.cli import app, bench, options
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.core.layout import layout_preset
+from kvoffload.integrations.sglang import settings as sglang_settings
 from kvoffload.integrations.sglang.settings import parse_settings as parse_sglang_settings
+from kvoffload.integrations.vllm import secondary_settings
+from kvoffload.integrations.vllm import settings as spec_settings
 from kvoffload.integrations.vllm.secondary_settings import (
     parse_disk_settings,
     parse_shared_settings,
@@ -612,6 +615,21 @@ def test_every_key_a_table_lists_is_known(page: str) -> None:
         if (problem := key_problem(KEY_PARSERS[page], key, second)) is not None
     ]
     assert not stale, "\n".join(stale)
+
+
+OWN_KEYS = {
+    "vllm.md": spec_settings.OWN_KEYS,
+    "sglang.md": sglang_settings.OWN_KEYS,
+    "vllm-secondary.md": secondary_settings.DISK_KEYS | secondary_settings.SHARED_KEYS,
+}
+"""The keys each page's tables document: kvoffload's own, not the engine's."""
+
+
+@pytest.mark.parametrize("page", sorted(OWN_KEYS))
+def test_every_key_a_parser_takes_is_in_its_page_s_table(page: str) -> None:
+    """A key added to a parser and not to its page is one no operator finds."""
+    listed = {key for _, key, _ in table_keys(ROOT / "docs" / page)}
+    assert not OWN_KEYS[page] - listed, f"{page} lists no row for {sorted(OWN_KEYS[page] - listed)}"
 
 
 STALE_PAGE = """\
