@@ -8,8 +8,10 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
+from compiled import needs
 from kvoffload import InvalidArgumentError, block_id_key
 from kvoffload.admission import GhostRecords, ReuseController
+from kvoffload.admission.controller import record_outcomes
 
 
 def feed(controller: ReuseController, cls: int, rate: float, n: int, rng: random.Random) -> None:
@@ -201,3 +203,37 @@ def test_a_read_counts_again_only_the_classes_with_outcomes_since_the_last(
         controller.record_all(outcomes, True)
         share = sum(controller.rate(tag) >= 0.5 for tag in tags) / len(tags)
         assert controller.admitting_share == share > 0 and counted == recounted
+
+
+@needs(record_outcomes)
+@settings(max_examples=60, deadline=None)
+@given(
+    window=st.integers(1, 12),
+    groups=st.integers(1, 4),
+    batches=st.lists(
+        st.tuples(st.lists(st.integers(0, 11), max_size=30), st.booleans(), st.booleans()),
+        max_size=25,
+    ),
+)
+def test_compiled_outcomes_count_as_the_python_loop(
+    window: int, groups: int, batches: list[tuple[list[int], bool, bool]]
+) -> None:
+    """``record_all`` in C and the Python loop it replaces give the same floats, halvings
+    and admitting counts after every batch (small windows: halvings inside batches)."""
+    compiled, python = (ReuseController(12 // groups, 0.5, window, groups) for _ in range(2))
+    for tags, returned, as_tuple in batches:
+        tags = [tag % (compiled.groups * len(compiled.outcomes)) for tag in tags]
+        compiled.record_all(tuple(tags) if as_tuple else tags, returned)
+        python._record_each(tags, returned)
+        for name in ("returns", "outcomes", "group_returns", "group_outcomes", "_admitting"):
+            assert getattr(compiled, name) == getattr(python, name), name
+        assert compiled._since_halving == python._since_halving
+        assert compiled.admitting_share == python.admitting_share
+
+
+@needs(record_outcomes)
+def test_compiled_outcomes_refuse_a_bad_tag_before_counting_any() -> None:
+    controller = ReuseController(2, 0.5, window=100)
+    with pytest.raises(IndexError):
+        controller.record_all([0, 1, 7], True)
+    assert controller.outcomes == [0.0, 0.0] and controller._since_halving == 0

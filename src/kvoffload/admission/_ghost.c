@@ -235,11 +235,132 @@ static PyTypeObject GhostTableType = {
     .tp_new = ghost_new,
 };
 
+/* ``index`` into a list of ``size`` items as Python indexes one (negative: from the end),
+ * or -1 with IndexError. */
+static Py_ssize_t
+list_position(Py_ssize_t index, Py_ssize_t size)
+{
+    Py_ssize_t position = index < 0 ? index + size : index;
+    if (position < 0 || position >= size) {
+        PyErr_SetString(PyExc_IndexError, "list index out of range");
+        return -1;
+    }
+    return position;
+}
+
+/* ``list[position] += 1.0`` as Python computes it (a new float object), or -1. */
+static int
+add_one(PyObject *list, Py_ssize_t position, PyObject *one)
+{
+    PyObject *sum = PyNumber_Add(PyList_GET_ITEM(list, position), one);
+    if (sum == NULL) {
+        return -1;
+    }
+    return PyList_SetItem(list, position, sum);
+}
+
+/* The controller's outcomes (``ReuseController.record_all``, its Python loop the reference):
+ * for each tag in turn its class's admitting count is set to ``uncounted``, its class's and
+ * group's outcome counts (and, ``returned``, return counts) gain 1.0, and ``since`` gains 1;
+ * it stops after the tag that brings ``since`` to ``window``, where the caller halves the
+ * counts. Every tag is checked before any count changes. Returns (tags counted, since). */
+static PyObject *
+record_outcomes(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "record_outcomes expected 6 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *counts = args[5];
+    Py_ssize_t groups = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t window = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t since = PyLong_AsSsize_t(args[4]);
+    int returned = PyObject_IsTrue(args[1]);
+    if (PyErr_Occurred() || returned < 0) {
+        return NULL;
+    }
+    if (groups < 1) {
+        PyErr_SetString(PyExc_ValueError, "record_outcomes: groups must be >= 1");
+        return NULL;
+    }
+    PyObject *admitting, *outcomes, *group_outcomes, *returns, *group_returns, *uncounted;
+    if (!PyArg_ParseTuple(counts, "O!O!O!O!O!O:record_outcomes", &PyList_Type, &admitting,
+                          &PyList_Type, &outcomes, &PyList_Type, &group_outcomes, &PyList_Type,
+                          &returns, &PyList_Type, &group_returns, &uncounted)) {
+        return NULL;
+    }
+    PyObject *tags = PySequence_Fast(args[0], "record_outcomes: tags must be a sequence");
+    if (tags == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(tags);
+    Py_ssize_t classes = PyList_GET_SIZE(outcomes);
+    Py_ssize_t tagged = PyList_GET_SIZE(group_outcomes);
+    if (PyList_GET_SIZE(admitting) != classes || PyList_GET_SIZE(returns) != classes
+        || PyList_GET_SIZE(group_returns) != tagged) {
+        Py_DECREF(tags);
+        PyErr_SetString(PyExc_ValueError, "record_outcomes: count lists of unequal lengths");
+        return NULL;
+    }
+    PyObject *one = PyFloat_FromDouble(1.0);
+    if (one == NULL) {
+        Py_DECREF(tags);
+        return NULL;
+    }
+    Py_ssize_t stop = n < window - since ? n : window - since;
+    if (stop < 1) {
+        stop = n < 1 ? n : 1; /* already at the window: one tag, then the caller halves */
+    }
+    PyObject **items = PySequence_Fast_ITEMS(tags);
+    Py_ssize_t done = 0;
+    for (Py_ssize_t i = 0; i < stop; i++) { /* checked first: a bad tag changes nothing */
+        Py_ssize_t tag = PyLong_AsSsize_t(items[i]);
+        if ((tag == -1 && PyErr_Occurred()) || list_position(tag, tagged) < 0) {
+            goto failed;
+        }
+        Py_ssize_t cls = tag / groups - (tag % groups != 0 && tag < 0); /* Python's // */
+        if (list_position(cls, classes) < 0) {
+            goto failed;
+        }
+    }
+    for (; done < stop; done++) {
+        Py_ssize_t tag = PyLong_AsSsize_t(items[done]);
+        Py_ssize_t cls = tag / groups - (tag % groups != 0 && tag < 0);
+        Py_ssize_t at_class = cls < 0 ? cls + classes : cls;
+        Py_ssize_t at_tag = tag < 0 ? tag + tagged : tag;
+        Py_INCREF(uncounted);
+        if (PyList_SetItem(admitting, at_class, uncounted) < 0
+            || add_one(outcomes, at_class, one) < 0 || add_one(group_outcomes, at_tag, one) < 0
+            || (returned
+                && (add_one(returns, at_class, one) < 0
+                    || add_one(group_returns, at_tag, one) < 0))) {
+            goto failed;
+        }
+        since++;
+    }
+    Py_DECREF(one);
+    Py_DECREF(tags);
+    return Py_BuildValue("nn", done, since);
+failed:
+    Py_DECREF(one);
+    Py_DECREF(tags);
+    return NULL;
+}
+
+static PyMethodDef ghost_module_methods[] = {
+    {"record_outcomes", (PyCFunction)(void (*)(void))record_outcomes, METH_FASTCALL,
+     "record_outcomes(tags, returned, groups, window, since, counts, /)\n--\n\n"
+     "The controller's outcomes of ``tags`` up to a halving: (tags counted, since)."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef ghost_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "kvoffload.admission._ghost",
-    .m_doc = "Ghost records in C (ghost.GhostRecords is the reference).",
+    .m_doc = "Ghost records in C (ghost.GhostRecords is the reference), and the feedback "
+             "controller's outcome counts (controller.ReuseController.record_all).",
     .m_size = -1,
+    .m_methods = ghost_module_methods,
 };
 
 PyMODINIT_FUNC

@@ -15,3 +15,13 @@ class GhostTable:
     def take_all(self, keys: Sequence[OffloadKey], /) -> list[int]: ...
     def expire(self, before: int, /) -> list[int]: ...
     def records(self) -> list[tuple[OffloadKey, int, int]]: ...
+
+def record_outcomes(
+    tags: Sequence[int],
+    returned: bool,
+    groups: int,
+    window: int,
+    since: int,
+    counts: tuple[list[int], list[float], list[float], list[float], list[float], int],
+    /,
+) -> tuple[int, int]: ...

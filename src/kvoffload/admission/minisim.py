@@ -675,7 +675,10 @@ class _Level:
 
 
 class _Open:
-    """A request between its lookup and its store: its sampled keys per level."""
+    """A request between its lookup and its store: its sampled keys per level.
+
+    :attr:`requested`, :attr:`suffix`, :attr:`suffix_at` and :attr:`runs` end at the first
+    level without a key (an empty list): the levels nest, so no deeper level has one."""
 
     __slots__ = ("length", "positions", "requested", "runs", "suffix", "suffix_at")
 
@@ -839,7 +842,7 @@ class MiniSimulation:
         for level, picked, tiers in zip(self._levels, positions, self._tiers_of):  # noqa: B905
             if not picked:  # many requests have no key at the sparser rates
                 requested.append([])
-                continue
+                break  # the levels nest: none deeper either (zips over levels stop here)
             sampled = [keys[i] for i in picked]
             requested.append(sampled)
             level.refs += len(sampled)
@@ -881,7 +884,7 @@ class MiniSimulation:
                 suffix.append([])
                 suffix_at.append([])
                 runs.append([])
-                continue
+                break  # the levels nest: no deeper level has a key past ``start`` either
             inside = picked[cut:] if cut else picked
             sampled = [keys[i - start] for i in inside]
             suffix.append(sampled)
