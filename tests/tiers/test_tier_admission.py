@@ -23,6 +23,7 @@ from kvoffload.managers.tiered import TieredOffloadingManager, TierSettings
 from kvoffload.sim.engine import EngineConfig, ServingEngine
 from kvoffload.sim.run import SimConfig, simulate
 from kvoffload.sim.sources import WorkloadSource
+from kvoffload.sim.workload import Request
 from kvoffload.tiers import DiskTier, build_stack
 
 ONE_SHOT_HEAVY = WorkloadSource(mix=(("oneshot", 0.7), ("chat", 0.3)), requests=300)
@@ -113,11 +114,13 @@ def test_a_disk_write_budget_holds_over_every_window(tmp_path: Path, budget: flo
 FOUR = [block_id_key(i) for i in range(4)]
 
 
-def three_blocks_on_disk(tmp_path: Path) -> tuple[Stack, TieredOffloadingManager]:
+def three_blocks_on_disk(
+    tmp_path: Path, cpu_blocks: int = 8
+) -> tuple[Stack, TieredOffloadingManager]:
     """A stack whose disk tier, behind the feedback rule, holds the first 3 of :data:`FOUR`,
     and its tiered manager."""
     config = StackConfig(
-        8,
+        cpu_blocks,
         disk_dir=str(tmp_path),
         disk_blocks=8,
         disk_admission="feedback",
@@ -287,3 +290,84 @@ def test_a_request_gone_while_it_waited_hides_no_later_request_with_its_prompt(
         assert tiered.lookup(FOUR, request="next") == 3 and tiered.judged_blocks == 5
     finally:
         stack.close()
+
+
+@pytest.mark.parametrize(
+    ("admission", "store_threshold"),
+    [("none", 0), ("feedback", 0), ("none", 2)],
+    ids=["bare", "cpu-admission", "reuse-filter"],
+)
+def test_a_request_out_of_retries_hides_no_later_request_with_its_prompt(
+    tmp_path: Path, admission: str, store_threshold: int
+) -> None:
+    """The engine's request that gives up on its retries (none allowed here) proceeds
+    without its promotion; its record as one waiting for a retry outlived it, and the next
+    request with the prompt was taken for that retry: the disk tier's layer never saw it.
+
+    The CPU tier's 3 slots take the promotion of :data:`FOUR`'s first 3 blocks, reserved
+    for the request that gave up, so nothing else is stored there: the filler (4 other
+    blocks) only evicts the prompt from the 4-block GPU cache, and the prompt's next
+    request hits the 3 promoted blocks and shows the disk's layer its last one. Whatever
+    layers the stack puts over the tiered manager, which pass no request's name on."""
+    config = StackConfig(
+        3,
+        store_threshold=store_threshold,
+        admission=admission,
+        disk_dir=str(tmp_path),
+        disk_blocks=8,
+        disk_admission="feedback",
+        wait_for_tiers=True,
+        fingerprint=bytes(16),
+    )
+    stack = build_stack(config)
+    assert stack.tiered is not None and stack.disk is not None
+    stack.disk.write(FOUR[:3], [b""] * 3)
+    stack.disk.poll(wait=True)
+    filler = [block_id_key(i) for i in range(10, 14)]
+    requests = [
+        Request(0.0, 64, 1, FOUR),
+        Request(10.0, 64, 1, filler),
+        Request(20.0, 64, 1, FOUR),
+    ]
+    engine_config = EngineConfig(4, 1000, 16, max_lookup_retries=0)
+    try:
+        stats = ServingEngine(engine_config, stack.manager).run(requests)
+    finally:
+        stack.close()
+    assert stats.lookups_deferred == 1 and stats.offload_hit_blocks == 3
+    assert stack.tiered.judged_blocks == 4 + 4 + 1
+
+
+def test_a_parked_request_whose_retry_looks_nothing_up_hides_no_later_request(
+    tmp_path: Path,
+) -> None:
+    """A parked request whose retry finds its whole prompt in the GPU cache (a longer
+    request with its prefix computed it meanwhile) looks nothing up again: no answer ends
+    its record as one waiting for a retry, and the prompt's next request was taken for
+    that retry, never shown to the disk tier's layer.
+
+    FOUR (0.0 s) starts the promotion of its 3 blocks on disk and parks for 0.1 s; FIVE,
+    the same prefix and one block more, starts beside it, loads the 3 promoted blocks,
+    computes the other 2 and is done long before the retry, which the GPU then answers
+    whole. The filler evicts the GPU cache (its 5 blocks do not fit the 3-slot CPU tier,
+    which keeps block 0 and FIVE's last 2); FOUR again (2.0 s) hits block 0 there, parks
+    while blocks 1 and 2 come back from disk, and is shown to the layer once, the 3
+    blocks past its CPU hit: 4 + 2 + 5 + 3 blocks."""
+    stack, tiered = three_blocks_on_disk(tmp_path, cpu_blocks=3)
+    five = [block_id_key(i) for i in range(5)]
+    filler = [block_id_key(i) for i in range(10, 15)]
+    requests = [
+        Request(0.0, 64, 1, FOUR),
+        Request(0.0, 80, 1, five),
+        Request(1.0, 80, 1, filler),
+        Request(2.0, 64, 1, FOUR),
+    ]
+    engine = ServingEngine(
+        EngineConfig(5, 1000, 16, concurrency=2, lookup_retry_s=0.1), stack.manager
+    )
+    try:
+        stats = engine.run(requests)
+    finally:
+        stack.close()
+    assert engine.gpu_hits_by_start == [0, 4, 0, 0] and stats.lookups == 5
+    assert tiered.judged_blocks == 4 + 2 + 5 + 3

@@ -370,6 +370,15 @@ class TieredOffloadingManager(OffloadingManager):
         if self._reserved:
             self._release_reached(list(keys), [])
 
+    def request_waits(self, request: Hashable, keys: Sequence[OffloadKey]) -> None:
+        """Name ``request`` as the one whose lookup of ``keys`` was just answered ``None``,
+        as :meth:`lookup`'s ``request`` does, for a caller whose lookups reach this manager
+        through layers that pass no name on (the simulator's engine under a reuse filter,
+        an admission layer or observers): its :meth:`request_finished` then ends the
+        records kept for its retry."""
+        if keys and (self._counting or self._judging):
+            self._note_waiter(keys[-1], request, True)
+
     def request_finished(self, request: Hashable) -> None:
         """The request named ``request`` in its lookups has gone (finished or aborted): the
         retry its ``None`` answers were recorded for will not come. Each record it shares

@@ -32,6 +32,11 @@ announces each request to it (``begin_request`` before the touch and lookup,
 ``end_request`` after the store offer), so the layer does not guess them
 from the call order. A parked request is announced again with each retry of
 its touch and lookup, and counted again, as the guessed boundaries counted it.
+A tiered manager in the stack is told which request (by its index in the run)
+each ``None`` answer kept waiting, and when that request's wait ends (it
+starts, answered or out of retries): the record that keeps its retry from
+counting again in the lower tiers then ends with it, not with the next request
+that has its prompt.
 
 Time is simulated: prefill and decode from token throughputs, transfers
 from a bandwidth shared first come, first served per direction. With
@@ -54,6 +59,7 @@ from kvoffload.admission.params import is_finite
 from kvoffload.core.errors import InvalidArgumentError, brief, check_integer, is_number
 from kvoffload.core.keys import OffloadKey
 from kvoffload.core.manager import OffloadingManager
+from kvoffload.managers.tiered import TieredOffloadingManager
 from kvoffload.sim.gpu_cache import GPUPrefixCache
 from kvoffload.sim.transfers import NullTransferBackend, TransferBackend
 from kvoffload.sim.workload import Request, cacheable_keys, max_gpu_hit
@@ -180,7 +186,8 @@ _WAITS = {
 _STARTED, _NO_ROOM, _PARKED = range(3)
 
 Event = tuple[float, int, int, Any, int, list[OffloadKey]]
-"""(time, sequence number, kind, a ``_Running`` or a parked ``Request``, job id, job keys)."""
+"""(time, sequence number, kind, a ``_Running`` or a parked request's index, job id, job
+keys)."""
 
 _NO_KEYS: list[OffloadKey] = []
 
@@ -229,7 +236,11 @@ class ServingEngine:
         """For each request, in the order they started: how many requests had started when
         it offered its blocks to the tier (at the end of its prefill)."""
         self._retries: dict[int, int] = {}
-        """Times each parked request (by ``id``) has been parked so far."""
+        """Per request (by its index in the run) waiting after ``None``: the ``None`` answers
+        it has had so far."""
+        self._tiered = _find_tiered(manager)
+        """The tiered manager under ``manager``'s layers, told which request each ``None``
+        answer kept waiting and when its wait ends (the layers pass no name on)."""
         self._holds: Callable[[OffloadKey], bool] = (
             holds or getattr(manager, "holds", None) or self._held.__contains__
         )
@@ -276,7 +287,7 @@ class ServingEngine:
         for index, request in enumerate(requests):
             self._check(index, request)
         _check_order(requests)
-        waiting: deque[Request] = deque()
+        waiting: deque[int] = deque()  # the indices of arrived requests not yet started
         next_arrival, active, finished, total = 0, 0, 0, len(requests)
         events = self._events
         concurrency = self.config.concurrency
@@ -297,10 +308,10 @@ class ServingEngine:
             elif next_arrival < total:
                 if arrival > self._now:
                     self._now = arrival
-                waiting.append(requests[next_arrival])
+                waiting.append(next_arrival)
                 next_arrival += 1
             while waiting and active < concurrency:
-                outcome = self._start(waiting[0])
+                outcome = self._start(waiting[0], requests[waiting[0]])
                 if outcome == _NO_ROOM:
                     break
                 waiting.popleft()
@@ -347,36 +358,41 @@ class ServingEngine:
     def _timed(self, started: float) -> None:
         self.stats.manager_seconds += time.perf_counter() - started
 
-    def _lookup(self, req: Request, keys: list[OffloadKey], gpu_hits: int) -> int | None:
-        """Touch and look up ``keys`` in the tier: the offload hit, or ``None`` if parked."""
+    def _lookup(self, index: int, keys: list[OffloadKey], gpu_hits: int) -> int | None:
+        """Touch and look up ``keys`` of request ``index`` in the tier: the offload hit, or
+        ``None`` if parked."""
         manager, stats = self.manager, self.stats
         if manager is None or not keys:
             return 0
         started = time.perf_counter()
         if self._layer is not None:
             # A retry after a parked lookup is the same request: shown once, not again.
-            retried = id(req) in self._retries
+            retried = index in self._retries
             counted = len(keys) if retried else 0
             self._layer.begin_request(keys, lookup_follows=True, counted=counted)
         manager.touch(keys)
         found: int | None = 0
         if len(keys) > gpu_hits:
-            found = manager.lookup(keys[gpu_hits:])
+            looked_up = keys[gpu_hits:]
+            found = manager.lookup(looked_up)
             stats.lookups += 1
+            if found is None and self._tiered is not None:
+                self._tiered.request_waits(index, looked_up)
         self._timed(started)
         if found is not None:
             return found
         stats.lookups_deferred += 1
         retries = self._retries
-        parked = retries.get(id(req), 0)
+        parked = retries.get(index, 0)
+        retries[index] = parked + 1
         if parked < self.config.max_lookup_retries:
-            retries[id(req)] = parked + 1
-            self._at(self.config.lookup_retry_s, _RETRY, req)
+            self._at(self.config.lookup_retry_s, _RETRY, index)
             return None
         return 0
 
-    def _start(self, req: Request) -> int:
-        """Admit ``req`` if its blocks fit on the GPU now; return what became of it."""
+    def _start(self, index: int, req: Request) -> int:
+        """Admit ``req`` (``index`` in the run) if its blocks fit on the GPU now; return what
+        became of it."""
         gpu, stats = self.gpu, self.stats
         block_tokens, drop = self.config.block_tokens, self._drop_partial
         keys = cacheable_keys(req, block_tokens, drop)
@@ -385,11 +401,11 @@ class ServingEngine:
         shared = gpu.slots_of(keys[:gpu_hits])
         if not gpu.fits_slots(shared, num_blocks - gpu_hits):
             return _NO_ROOM
-        load_hits = self._lookup(req, keys, gpu_hits)
+        load_hits = self._lookup(index, keys, gpu_hits)
         if load_hits is None:
             return _PARKED
-        if self._retries:
-            self._retries.pop(id(req), None)
+        if self._retries and self._retries.pop(index, None) is not None:
+            self._wait_ended(index)
         slots = gpu.acquire_slots(shared, num_blocks - gpu_hits)
         running = _Running(req, keys, slots, gpu_hits, load_hits, len(self.requests_by_start))
         self.requests_by_start.append(req)
@@ -416,6 +432,16 @@ class ServingEngine:
         else:
             self._prefill(running)
         return _STARTED
+
+    def _wait_ended(self, index: int) -> None:
+        """Request ``index``, kept waiting by a ``None`` answer, starts (answered, out of
+        retries, or with no lookup left past a GPU hit that grew meanwhile): its retry will
+        not come, and the tiered manager's record of it must not take the next request with
+        its prompt for that retry."""
+        if self._tiered is not None:
+            started = time.perf_counter()
+            self._tiered.request_finished(index)
+            self._timed(started)
 
     def _job_id(self) -> int:
         self._seq += 1
@@ -533,3 +559,13 @@ class ServingEngine:
         else:
             self.stats.stores_failed += len(keys)
             self._held.difference_update(keys)
+
+
+def _find_tiered(manager: OffloadingManager | None) -> TieredOffloadingManager | None:
+    """The tiered manager in a stack of decorators, following ``backing``."""
+    current: object = manager
+    while current is not None:
+        if isinstance(current, TieredOffloadingManager):
+            return current
+        current = getattr(current, "backing", None)
+    return None
