@@ -115,12 +115,14 @@ FOUR = [block_id_key(i) for i in range(4)]
 
 
 def three_blocks_on_disk(
-    tmp_path: Path, cpu_blocks: int = 8
+    tmp_path: Path, cpu_blocks: int = 8, admission: str = "none", store_threshold: int = 0
 ) -> tuple[Stack, TieredOffloadingManager]:
     """A stack whose disk tier, behind the feedback rule, holds the first 3 of :data:`FOUR`,
-    and its tiered manager."""
+    and its tiered manager (under the CPU tier's ``admission`` and ``store_threshold``)."""
     config = StackConfig(
         cpu_blocks,
+        store_threshold=store_threshold,
+        admission=admission,
         disk_dir=str(tmp_path),
         disk_blocks=8,
         disk_admission="feedback",
@@ -309,20 +311,7 @@ def test_a_request_out_of_retries_hides_no_later_request_with_its_prompt(
     blocks) only evicts the prompt from the 4-block GPU cache, and the prompt's next
     request hits the 3 promoted blocks and shows the disk's layer its last one. Whatever
     layers the stack puts over the tiered manager, which pass no request's name on."""
-    config = StackConfig(
-        3,
-        store_threshold=store_threshold,
-        admission=admission,
-        disk_dir=str(tmp_path),
-        disk_blocks=8,
-        disk_admission="feedback",
-        wait_for_tiers=True,
-        fingerprint=bytes(16),
-    )
-    stack = build_stack(config)
-    assert stack.tiered is not None and stack.disk is not None
-    stack.disk.write(FOUR[:3], [b""] * 3)
-    stack.disk.poll(wait=True)
+    stack, tiered = three_blocks_on_disk(tmp_path, 3, admission, store_threshold)
     filler = [block_id_key(i) for i in range(10, 14)]
     requests = [
         Request(0.0, 64, 1, FOUR),
@@ -335,7 +324,7 @@ def test_a_request_out_of_retries_hides_no_later_request_with_its_prompt(
     finally:
         stack.close()
     assert stats.lookups_deferred == 1 and stats.offload_hit_blocks == 3
-    assert stack.tiered.judged_blocks == 4 + 4 + 1
+    assert tiered.judged_blocks == 4 + 4 + 1
 
 
 def test_a_parked_request_whose_retry_looks_nothing_up_hides_no_later_request(

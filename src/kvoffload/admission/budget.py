@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from kvoffload.admission.params import is_finite, read_number, shown
 from kvoffload.core.errors import InvalidArgumentError, brief, is_number
+from kvoffload.core.manager import stack_layers
 
 PER_REF, BYTES_PER_S, DWPD = "writes/ref", "bytes/s", "dwpd"
 UNITS = (PER_REF, BYTES_PER_S, DWPD)
@@ -329,11 +330,10 @@ class BudgetCredit:
 def attach_clock(manager: object, clock: Callable[[], float]) -> int:
     """Give every write budget in a stack of decorators (following ``backing``) ``clock``;
     returns how many there were. The simulator hands its trace clock down this way."""
-    found, current = 0, manager
-    while current is not None:
-        credit = getattr(current, "write_credit", None)
+    found = 0
+    for layer in stack_layers(manager):
+        credit = getattr(layer, "write_credit", None)
         if isinstance(credit, BudgetCredit):
             credit.clock = clock
             found += 1
-        current = getattr(current, "backing", None)
     return found

@@ -86,7 +86,7 @@ from kvoffload.admission.sketch import key_hashes
 from kvoffload.admission.worlds import Probe, World, Worlds, exact_worlds
 from kvoffload.core.errors import InvalidArgumentError, is_number
 from kvoffload.core.keys import SINGLE_KEY_TYPES, OffloadKey, refuse_single_key
-from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
+from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput, stack_layers
 from kvoffload.core.specs import LoadStoreSpec
 from kvoffload.policies.base import CachePolicy
 from kvoffload.policies.lru import LRUCachePolicy
@@ -841,16 +841,13 @@ def _merged_params(
 
 def _policy_of(manager: OffloadingManager) -> CachePolicy | None:
     """The eviction policy of the tier under ``manager``, if one is found."""
-    current: object = manager
-    while current is not None:
-        policy = getattr(current, "policy", None)
+    for layer in stack_layers(manager):
+        policy = getattr(layer, "policy", None)
         if isinstance(policy, CachePolicy):
             return policy
-        cpu = getattr(current, "cpu", None)
-        policy = getattr(cpu, "policy", None)
+        policy = getattr(getattr(layer, "cpu", None), "policy", None)
         if isinstance(policy, CachePolicy):
             return policy
-        current = getattr(current, "backing", None)
     return None
 
 

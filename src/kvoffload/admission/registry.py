@@ -28,7 +28,7 @@ from kvoffload.admission.params import (
     parse_params,
 )
 from kvoffload.core.errors import InsufficientMemoryError, InvalidArgumentError, brief
-from kvoffload.core.manager import OffloadingManager
+from kvoffload.core.manager import OffloadingManager, stack_layers
 
 NO_ADMISSION = "none"
 OPTIMISER = "optimiser"
@@ -301,9 +301,7 @@ def _wrap(
 
 def find_admission(manager: OffloadingManager) -> AdmissionLayer | None:
     """The first admission layer in a stack of decorators, following ``backing``."""
-    current: object = manager
-    while current is not None:
-        if isinstance(current, AdmissionLayer):
-            return current
-        current = getattr(current, "backing", None)
+    for layer in stack_layers(manager):
+        if isinstance(layer, AdmissionLayer):  # abstract: find_layer's type[...] refuses it
+            return layer
     return None

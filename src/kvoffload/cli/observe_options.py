@@ -22,7 +22,7 @@ from typing import Any
 from kvoffload.admission import AdmissionLayer, find_admission
 from kvoffload.cli.options import integer, number
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
-from kvoffload.core.manager import OffloadingManager
+from kvoffload.core.manager import OffloadingManager, find_layer
 from kvoffload.core.tier_protocol import LowerTier
 from kvoffload.managers.tiered import TieredOffloadingManager
 from kvoffload.observe import ObservedManager, Observers
@@ -212,12 +212,7 @@ def _check_free(host: str, port: int, what: str) -> None:
 
 def _tiered(manager: OffloadingManager) -> TieredOffloadingManager | None:
     """The tiered manager under ``manager``'s wrappers (``None`` if the stack is flat)."""
-    found: object = manager
-    while not isinstance(found, TieredOffloadingManager):
-        found = getattr(found, "backing", None)
-        if found is None:
-            return None
-    return found
+    return find_layer(manager, TieredOffloadingManager)
 
 
 def lower_tiers(manager: OffloadingManager) -> list[LowerTier]:

@@ -10,8 +10,9 @@ Every method accepts any iterable of keys, generators included.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvoffload.core.errors import InvalidArgumentError
 from kvoffload.core.keys import OffloadKey
@@ -101,3 +102,23 @@ class OffloadingManager(ABC):
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Events since the last call; the batch is detached when this is called."""
         return ()
+
+
+Layer = TypeVar("Layer")
+
+
+def stack_layers(manager: object) -> Iterator[object]:
+    """``manager``, then each manager under it, following the decorators' ``backing``:
+    filters, admission layers and observers wrap a tier manager that way."""
+    current = manager
+    while current is not None:
+        yield current
+        current = getattr(current, "backing", None)
+
+
+def find_layer(manager: object, kind: type[Layer]) -> Layer | None:
+    """The first layer of ``kind`` in ``manager``'s stack (:func:`stack_layers`), if any."""
+    for layer in stack_layers(manager):
+        if isinstance(layer, kind):
+            return layer
+    return None

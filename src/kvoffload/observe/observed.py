@@ -12,7 +12,12 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from kvoffload.core.keys import OffloadKey
-from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from kvoffload.core.manager import (
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    stack_layers,
+)
 from kvoffload.core.specs import LoadStoreSpec
 from kvoffload.core.tier_protocol import TierStats
 from kvoffload.observe.counters import ManagerCounters
@@ -100,13 +105,13 @@ class ObservedManager(OffloadingManager):
         self._take: Callable[[], Iterable[OffloadingEvent]] = backing.take_events
         """Where events come from: straight from the tiers when reached (the layers above
         pass ``take_events`` through), a drain with nothing to hand costing next to nothing."""
-        found: object = backing
-        while found is not None and self._cpu is None:
+        for found in stack_layers(backing):
             if isinstance(found, _Tiered):
                 self._tiered, self._cpu, self._take = found, found.cpu, found.take_events
-            elif isinstance(found, _CPUTier):
+                break
+            if isinstance(found, _CPUTier):
                 self._cpu, self._take = found, found.take_events
-            found = getattr(found, "backing", None)
+                break
 
     @property
     def backing(self) -> OffloadingManager:

@@ -58,7 +58,7 @@ from kvoffload.admission import AdmissionLayer, find_admission
 from kvoffload.admission.params import is_finite
 from kvoffload.core.errors import InvalidArgumentError, brief, check_integer, is_number
 from kvoffload.core.keys import OffloadKey
-from kvoffload.core.manager import OffloadingManager
+from kvoffload.core.manager import OffloadingManager, find_layer
 from kvoffload.managers.tiered import TieredOffloadingManager
 from kvoffload.sim.gpu_cache import GPUPrefixCache
 from kvoffload.sim.transfers import NullTransferBackend, TransferBackend
@@ -238,7 +238,7 @@ class ServingEngine:
         self._retries: dict[int, int] = {}
         """Per request (by its index in the run) waiting after ``None``: the ``None`` answers
         it has had so far."""
-        self._tiered = _find_tiered(manager)
+        self._tiered = find_layer(manager, TieredOffloadingManager)
         """The tiered manager under ``manager``'s layers, told which request each ``None``
         answer kept waiting and when its wait ends (the layers pass no name on)."""
         self._holds: Callable[[OffloadKey], bool] = (
@@ -559,13 +559,3 @@ class ServingEngine:
         else:
             self.stats.stores_failed += len(keys)
             self._held.difference_update(keys)
-
-
-def _find_tiered(manager: OffloadingManager | None) -> TieredOffloadingManager | None:
-    """The tiered manager in a stack of decorators, following ``backing``."""
-    current: object = manager
-    while current is not None:
-        if isinstance(current, TieredOffloadingManager):
-            return current
-        current = getattr(current, "backing", None)
-    return None
