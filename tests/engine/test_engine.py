@@ -251,13 +251,30 @@ def _metrics(steps: list[dict[str, Any]]) -> list[dict[str, float]]:
     return [s["metrics"] for s in steps if "metrics" in s]
 
 
-def _assert_same_outputs(engine: dict[str, Any], baseline: list[dict[str, Any]]) -> None:
-    """Greedy tokens and logprobs, pass by pass, equal to the baseline's, exactly."""
+FULL_HIT_LOGPROB_TOLERANCE = 1e-5
+"""How far an engine's logprobs may sit from the baseline's where its whole prompt came
+from the tier (the baseline prefilled all of it). On the Intel Xeon VMs they were
+bit-identical; on an AMD EPYC VM (2026-12-07, twice) float32 rounded them differently in
+the last bit (4.8e-7 at -6.89) from the third generated token on, every token the same,
+where a prompt partly from the tier stayed bit-identical. A block loaded wrong moves them
+far more."""
+
+
+def _assert_same_outputs(
+    engine: dict[str, Any], baseline: list[dict[str, Any]], logprob_tolerance: float = 0.0
+) -> None:
+    """Greedy tokens, pass by pass, equal to the baseline's, and logprobs too: exactly, or
+    within ``logprob_tolerance``."""
     ours, theirs = _generations(engine["steps"]), _generations(baseline)
     assert len(ours) == len(theirs) > 0
     for mine, base in zip(ours, theirs, strict=True):
         assert mine["tokens"] == base["tokens"]
-        assert mine["logprobs"] == base["logprobs"]
+        if not logprob_tolerance:
+            assert mine["logprobs"] == base["logprobs"]
+            continue
+        assert [len(row) for row in mine["logprobs"]] == [len(row) for row in base["logprobs"]]
+        for row, base_row in zip(mine["logprobs"], base["logprobs"], strict=True):
+            assert row == pytest.approx(base_row, rel=0, abs=logprob_tolerance)
 
 
 def _labelled(metrics: dict[str, float], name: str) -> dict[str, float]:
@@ -398,7 +415,7 @@ def test_two_engines_share_one_valkey_tier(
     """Engine A computes a long prompt; engine B, started afresh, loads it from Valkey."""
     (a, b), (base, _) = runs["shared"]["engines"], runs["shared"]["baseline"]
     _assert_same_outputs(a, base)
-    _assert_same_outputs(b, base)
+    _assert_same_outputs(b, base, FULL_HIT_LOGPROB_TOLERANCE)
     (a_metrics,), (b_metrics,) = _metrics(a["steps"]), _metrics(b["steps"])
     hits = "vllm:external_prefix_cache_hits"
     assert _counter(a_metrics, hits) == 0
@@ -409,7 +426,8 @@ def test_two_engines_share_one_valkey_tier(
         capsys,
         [
             f"shared Valkey tier: engine B loaded {len(LONG) // BLOCK_TOKENS} blocks that "
-            "engine A computed; outputs identical to A's and the baseline's"
+            "engine A computed; tokens identical to A's and the baseline's, logprobs "
+            f"within {FULL_HIT_LOGPROB_TOLERANCE:g} of theirs"
         ],
     )
 
