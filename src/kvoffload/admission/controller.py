@@ -122,16 +122,7 @@ class ReuseController:
         return (self.group_returns[tag] + strength * pooled) / weight if weight else pooled
 
     def admits(self, tag: int) -> bool:
-        """Whether :meth:`rate` reaches the threshold: the rate computed inline, the same
-        floats, as every offer of the feedback rule asks twice."""
-        cls = tag // self.groups
-        pooled = (self.returns[cls] + self.prior_returns) / (
-            self.outcomes[cls] + self.prior_outcomes
-        )
-        strength = self.group_strength
-        weight = self.group_outcomes[tag] + strength
-        rate = (self.group_returns[tag] + strength * pooled) / weight if weight else pooled
-        return rate >= self.threshold
+        return self.rate(tag) >= self.threshold
 
     @property
     def admitting_share(self) -> float:
