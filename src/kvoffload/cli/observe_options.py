@@ -210,20 +210,15 @@ def _check_free(host: str, port: int, what: str) -> None:
             raise InvalidArgumentError(f"{what}: cannot bind: {reason}") from None
 
 
-def _tiered(manager: OffloadingManager) -> TieredOffloadingManager | None:
-    """The tiered manager under ``manager``'s wrappers (``None`` if the stack is flat)."""
-    return find_layer(manager, TieredOffloadingManager)
-
-
 def lower_tiers(manager: OffloadingManager) -> list[LowerTier]:
     """The tiers below the CPU tier of the stack under ``manager``'s wrappers (none if flat)."""
-    tiered = _tiered(manager)
+    tiered = find_layer(manager, TieredOffloadingManager)
     return [] if tiered is None else tiered.tiers
 
 
 def lower_tier_admissions(manager: OffloadingManager) -> list[tuple[str, AdmissionLayer]]:
     """``(tier name, its own admission layer)`` for each lower tier that has one."""
-    tiered = _tiered(manager)
+    tiered = find_layer(manager, TieredOffloadingManager)
     if tiered is None:
         return []
     return [
