@@ -17,5 +17,8 @@ echo 'torch==2.13.0+cpu' >"$constraints"
 # They arrive as CUDA builds: torchvision breaks transformers (torchvision::nms), torchcodec breaks
 # `import vllm` (an OSError its audio module does not catch). A text model needs none of them.
 "$venv/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec
-"$venv/bin/pip" install --quiet -c "$constraints" -e '.[test]' tokenizers
+# One editable build at a time where flock exists: it compiles into src/, and .ci/run builds the
+# main venv beside this one.
+one_build_at_a_time() { if command -v flock >/dev/null; then flock setup.py "$@"; else "$@"; fi; }
+one_build_at_a_time "$venv/bin/pip" install --quiet -c "$constraints" -e '.[test]' tokenizers
 "$venv/bin/python" -m kvoffload --version
