@@ -6,6 +6,7 @@ import io
 
 import pytest
 
+from kvoffload.cli.main import main
 from kvoffload.cli.progress import ProgressBar, status_line
 
 
@@ -119,3 +120,17 @@ def test_tables_fit_narrow_terminals(width: int) -> None:
     assert all(len(line) <= width for line in text.splitlines())
     # Nothing lost or reordered: the same characters, only the white space differs.
     assert "".join(text.split()) == "".join("".join(pair).replace(" ", "") for pair in ROWS)
+
+
+@pytest.mark.parametrize("bound", [True, False])
+def test_simulate_shows_the_belady_bound_s_progress_after_the_replay_s(
+    bound: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The bound's passes, after the replay, take a fifth as long again: the replay's bar
+    stood full and nothing moved until the table came."""
+    argv = ["simulate", "--requests", "40", "--gpu-blocks", "3000", "--progress"]
+    assert main(argv if bound else [*argv, "--no-bound"]) == 0
+    labels = [line.split(" [")[0] for line in capsys.readouterr().err.splitlines()]
+    replayed = len(labels) - labels[::-1].index("simulate")
+    assert labels[replayed:] == (["Belady bound"] * (len(labels) - replayed) if bound else [])
+    assert labels.count("Belady bound") > 1 if bound else "Belady bound" not in labels

@@ -118,6 +118,29 @@ class ProgressBar:
         self.stream.flush()
 
 
+class FollowingBar:
+    """The bar of work that follows ``before``'s (a simulation's Belady bound after its
+    replay): made at its first report, when ``before`` is closed, so its rate and time left
+    count from there and the two never draw over each other. Work that never reports
+    (no bound to compute) leaves no bar."""
+
+    def __init__(self, label: str, enabled: bool, before: ProgressBar) -> None:
+        self._label = label
+        self._enabled = enabled
+        self._before = before
+        self._bar: ProgressBar | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._bar is None:
+            self._before.close()
+            self._bar = ProgressBar(self._label, self._enabled, self._before.stream)
+        self._bar(done, total)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
 def _isatty(stream: TextIO) -> bool:
     isatty = getattr(stream, "isatty", None)
     return bool(isatty and isatty())
