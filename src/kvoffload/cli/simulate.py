@@ -360,8 +360,9 @@ def format_report(
         ("offload evictions", output.counted(r.offload_evictions, "block")),
         (
             "prefill time saved",
-            f"{r.prefill_seconds_saved:,.1f} s of {r.prefill_seconds_baseline:,.1f} s "
-            f"(offload tier: {r.prefill_seconds_saved_by_offload:,.1f} s net of loads)",
+            f"{output.seconds(r.prefill_seconds_saved)} of "
+            f"{output.seconds(r.prefill_seconds_baseline)} (offload tier: "
+            f"{output.seconds(r.prefill_seconds_saved_by_offload)} net of loads)",
         ),
         ("manager time", f"{r.manager_us_per_block:.2f} us per block ref"),
         ("replay", f"{r.wall_seconds:.2f} s, {r.refs_per_second:,.0f} block refs/s"),

@@ -419,7 +419,7 @@ def tier_rows(report: RunReport) -> list[tuple[str, str]]:
                 f"{name} tier",
                 f"{output.count(entry['hit_blocks'])} blocks hit "
                 f"({output.size(entry['read_bytes'])}, modelled "
-                f"{output.ratio(entry.get('read_seconds'))} s), "
+                f"{output.seconds(entry.get('read_seconds'), 3)}), "
                 f"{output.count(entry['stored_blocks'])} stored "
                 f"({output.size(entry['written_bytes'])}), "
                 f"{output.count(entry['failed'])} failed, {output.count(entry['corrupt'])} corrupt",

@@ -65,11 +65,6 @@ def format_stats(s: TraceStats) -> str:
     return output.key_value_table(rows)
 
 
-LONGEST_PLAIN_SECONDS = 1e12
-"""About 31,700 years: a longer span (a far-off timestamp in the trace) is shown in
-scientific notation, not as every digit of it (hundreds near a float's limit)."""
-
-
 SPAN_UNITS = ((1.0, "s"), (1e-3, "ms"), (1e-6, "us"), (1e-9, "ns"))
 """Units for a span, the largest it fills first: in tenths of a second alone, a real
 trace of 30 ms read ``0.0 s``, as if all its requests arrived at once."""
@@ -78,8 +73,8 @@ trace of 30 ms read ``0.0 s``, as if all its requests arrived at once."""
 def _seconds(value: float) -> str:
     """A span in plain digits when it is short enough to read that way, in the largest unit
     it fills (``30.0 ms``; one it rounds up to, ``1.0 s`` for 0.99996 s, not ``1000.0 ms``)."""
-    if value >= LONGEST_PLAIN_SECONDS:
-        return f"{value:.3g} s"
+    if value >= output.LONGEST_PLAIN_SECONDS:
+        return output.seconds(value)
     for scale, unit in SPAN_UNITS:
         if round(value / scale, 1) >= 1:
             return f"{value / scale:,.1f} {unit}"
