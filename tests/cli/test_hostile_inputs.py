@@ -976,6 +976,22 @@ def test_bad_tier_options_are_refused_before_the_workload(
     assert not (tmp_path / "d").exists()
 
 
+@pytest.mark.parametrize("command", ["simulate", "sweep"])
+def test_a_disk_size_below_one_block_names_the_option_and_the_block(
+    tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--disk-gb 0.01`` of 64 MiB blocks was "a disk tier (--disk-dir) needs a size of >= 1
+    block: --disk-gb or --disk-blocks", as if no size had been given."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(RECORD + "\n")
+    args = ["--trace", str(trace), "--no-progress", "--disk-dir", str(tmp_path / "d")]
+    assert main([command, *args, "--disk-gb", "0.01"]) == 1
+    assert one_line_error(capsys).startswith(
+        "kvoffload: error: --disk-gb 0.01 holds no block of 64 MiB (llama-3.1-8b, 512 tokens)"
+    )
+    assert not (tmp_path / "d").exists()
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
 def test_an_unwritable_disk_dir_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
