@@ -257,6 +257,30 @@ def test_output_paths_are_checked_before_the_run(
     assert "--plot-dir" in one_line_error(capsys)
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["simulate", "--trace", "TRACE", "--json"],
+        ["simulate", "--trace", "TRACE", "--csv"],
+        ["sweep", "--trace", "TRACE", "--jobs", "1", "--csv"],
+        ["trace-stats", "TRACE", "--json"],
+    ],
+)
+@pytest.mark.parametrize("ending", ["/", "/."])
+def test_a_result_path_ending_in_a_slash_is_no_file_name(
+    command: list[str], ending: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--json results/`` (a directory meant, not made yet) wrote a file named ``results``,
+    where a later ``mkdir results`` then failed; the shell's ``> results/`` refuses it."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(RECORD + "\n")
+    path = f"{tmp_path / 'results'}{ending}"
+    argv = [str(trace) if arg == "TRACE" else arg for arg in command]
+    assert main([*argv, path, "--no-progress"]) == 1
+    assert f"{path}: names a directory, which does not exist" in one_line_error(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
+
+
 @pytest.mark.parametrize("command", [SMALL, ["trace-stats", "TRACE"]])
 def test_a_result_file_name_past_the_file_system_names_the_option(
     command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -215,6 +215,10 @@ def _check_writable_path(path: str, option: str) -> None:
     target = Path(path)
     if target.is_dir():
         raise InvalidArgumentError(f"{option} {path}: is a directory")
+    if path.endswith((os.sep, f"{os.sep}.")):  # Path() drops it: "out/" wrote a file "out"
+        raise InvalidArgumentError(
+            f"{option} {path}: names a directory, which does not exist; give a file's name"
+        )
     if not target.exists():  # a new file, made where a (dangling) symbolic link leads
         target = Path(os.path.realpath(path))
     parent = target.parent
