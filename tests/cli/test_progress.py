@@ -28,6 +28,14 @@ def test_a_rate_below_one_a_second_is_not_shown_as_nought(
     assert f" {rate} " in status_line("sweep", done, 12, elapsed, 120)
 
 
+def test_no_rate_nor_time_left_is_guessed_from_the_first_moment() -> None:
+    """The first step, start-up costs and all, put ``1/20,000 9.4/s ETA 35:31`` on a
+    12-second replay's first line."""
+    line = status_line("simulate", 1, 20_000, 0.106, 120)
+    assert line.endswith(" 1/20,000 -/s ETA -"), line
+    assert status_line("simulate", 300, 300, 0.2, 120).endswith(" 1,500/s 0:00 elapsed")
+
+
 def test_finished_line_shows_elapsed() -> None:
     assert status_line("sweep", 8, 8, 3725.0, 120).endswith("1:02:05 elapsed")
 
