@@ -239,6 +239,45 @@ def _writes_figure(reports: Sequence[RunReport]) -> Any:
     return figure
 
 
+def reuse_png(distances: Sequence[int], refs: int, unique_blocks: int, title: str) -> bytes:
+    """:func:`reuse_figure` as a PNG."""
+    return _png(reuse_figure(distances, refs, unique_blocks, title))
+
+
+def reuse_figure(distances: Sequence[int], refs: int, unique_blocks: int, title: str) -> Any:
+    """The hit ratio an LRU cache of each size would give on a trace's block references
+    (ignoring the prefix rule): a reference hits a cache of more blocks than its reuse
+    distance, so the curve is the share of ``refs`` whose (sorted) ``distances`` are below
+    each size, up to the repeat fraction, which a cache of every ``unique_blocks`` reaches."""
+    figure = _figure()
+    axes = figure.add_subplot()
+    sizes = [1]
+    ratios = [0.0]
+    per_ref = 1.0 / refs if refs else 0.0
+    for index, distance in enumerate(distances):
+        if distance + 1 != sizes[-1]:
+            sizes.append(distance + 1)
+            ratios.append(ratios[-1])
+        ratios[-1] = (index + 1) * per_ref
+    last = max(unique_blocks, sizes[-1], 2)
+    axes.step(
+        [*sizes, last], [*ratios, ratios[-1]], where="post", label="LRU cache, by reuse distance"
+    )
+    axes.axhline(
+        ratios[-1], color="black", linestyle="--", label=f"unbounded cache ({ratios[-1]:.3f})"
+    )
+    axes.set_xscale("log")
+    axes.set(
+        xlabel="cache capacity (blocks, log scale)",
+        ylabel="hit ratio of block references",
+        ylim=(0, max(ratios[-1] * 1.1, 0.05)),
+    )
+    _set_title(axes, title)
+    axes.grid(alpha=0.3)
+    _legend(figure, axes)
+    return figure
+
+
 def plot_sweep(
     reports: Sequence[RunReport],
     out_dir: str | Path,
