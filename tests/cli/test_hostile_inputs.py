@@ -355,6 +355,10 @@ def test_a_plot_dir_name_past_the_file_system_is_refused_before_the_run(
         ),
         ("\n\n", "the trace has no records"),
         ("[1, 2]\n", ":1: expected a JSON object per line"),
+        (  # json keeps the last silently: read as a request at 5 ms
+            RECORD + "\n" + RECORD.replace("{", '{"timestamp": 5, ') + "\n",
+            ":2: the record names field 'timestamp' twice",
+        ),
     ],
 )
 def test_hostile_trace_lines(
