@@ -226,3 +226,46 @@ def test_a_data_plane_device_is_checked_before_the_workload(
     argv = ["simulate", "--trace", str(_bad_trace(tmp_path)), "--data-plane", "--no-progress"]
     assert main([*argv, "--device", "gpu0"]) == 1
     assert one_line_error(capsys).startswith("kvoffload: error: --device gpu0: unknown device")
+
+
+TRANSFER_RESULTS = {
+    "layout": "llama-3.1-8b",
+    "device": "cpu",
+    "threads": 2,
+    "block_bytes": 2_097_152,
+    "block_size_factor": 2,
+    "bytes_per_job": 67_108_864,
+    "jobs_per_round": 4,
+    "rounds": 5,
+    "store_gbps": 3.152,
+    "load_gbps": 3.301,
+    "copy_gbps": 3.22,
+    "store_vs_copy": 0.979,
+    "load_vs_copy": 1.025,
+}
+
+
+def test_bench_transfer_shows_sizes_and_rates_in_words_and_units(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its table was the JSON's keys and bare numbers (``bytes_per_job  67108864``,
+    ``store_vs_copy  0.979``), where ``bench tiers`` shows units and words."""
+    transfer = pytest.importorskip("kvoffload.dataplane.bench")
+    extra = {**TRANSFER_RESULTS, "verified_jobs": 20}
+    monkeypatch.setattr(transfer, "run_from_args", lambda args, progress: extra)
+    assert main(["bench", "transfer"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "layout           llama-3.1-8b, 2 MiB per GPU block",
+        "device           cpu, 2 torch threads",
+        "offloaded block  4 MiB (2 GPU blocks)",
+        "job              64 MiB (16 blocks), 4 per round",
+        "rounds           median of 5, after one warm-up round",
+        "store            3.152 GB/s, 0.979 of a plain copy's",
+        "load             3.301 GB/s, 1.025 of a plain copy's",
+        "plain copy       3.220 GB/s",
+        "verified_jobs    20",
+    ]
+    unknown = {"store_gbps": 1.5}  # another benchmark's figures: each as it is named
+    monkeypatch.setattr(transfer, "run_from_args", lambda args, progress: unknown)
+    assert main(["bench", "transfer"]) == 0
+    assert capsys.readouterr().out == "store_gbps  1.5\n"

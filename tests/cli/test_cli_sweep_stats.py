@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_helpers import one_line_error
 
 from kvoffload.cli.app import build_parser
 from kvoffload.cli.main import main
@@ -340,3 +341,41 @@ def test_a_sweep_against_one_server_counts_runs_by_their_blocks(
     assert main([*sweep, "--cpu-gb", "0.001,0.002"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("kvoffload: error: --remote: the 2 runs of this sweep would share")
+
+
+def test_trace_stats_plots_the_hit_ratio_by_cache_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Three percentiles were all the table and the JSON gave of the reuse distances."""
+    pytest.importorskip("matplotlib")
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 32, "output_length": 1, "hash_ids": [1, 2]}\n'
+        '{"timestamp": 1, "input_length": 32, "output_length": 1, "hash_ids": [1, 2]}\n'
+    )
+    plot = tmp_path / "reuse.png"
+    assert main(["trace-stats", str(trace), "--block-size", "16", "--plot", str(plot)]) == 0
+    assert capsys.readouterr().out.endswith(f"reuse distance p99       1 block\nplot: {plot}\n")
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--plot", "-"], "--plot -: a PNG is not written to standard output; name a file"),
+        (["--plot", ""], "argument --plot: must not be empty"),
+        (["--plot", "{tmp}/no/r.png"], "--plot {tmp}/no/r.png: no such directory"),
+        (["--plot", "{tmp}/r", "--json", "{tmp}/r"], "--json {tmp}/r and --plot {tmp}/r are one"),
+        (["--plot", "{tmp}/bad.jsonl"], "--plot {tmp}/bad.jsonl is the trace file being read"),
+    ],
+)
+def test_trace_stats_checks_its_plot_before_reading(
+    tmp_path: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The trace is bad too: an error naming --plot shows it was checked first."""
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text("{\n")
+    argv = [arg.format(tmp=tmp_path) for arg in args]
+    assert main(["trace-stats", str(trace), *argv]) == (2 if "empty" in message else 1)
+    assert message.format(tmp=tmp_path) in one_line_error(capsys)
+    assert trace.read_text() == "{\n"

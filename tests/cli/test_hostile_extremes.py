@@ -221,3 +221,32 @@ def test_a_long_write_budget_or_drive_size_is_refused_at_once(argv: list[str], o
     argv = [*SMALL, "--admission", "recommended", *argv]
     result = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=60, check=False)
     _assert_one_line(result, 2, option)
+
+
+def test_a_prefill_time_near_a_float_s_limit_is_short(capsys: pytest.CaptureFixture[str]) -> None:
+    """A prefill rate near zero gives times of 10^300 s: the table printed each of them with
+    every digit and separator, a row of over 800 characters."""
+    argv = [*SMALL, "--gpu-blocks", "1000", "--cpu-blocks", "100", "--prefill-tokens-per-s"]
+    assert main([*argv, "1e-300"]) == 0
+    [row] = [line for line in capsys.readouterr().out.splitlines() if "prefill time" in line]
+    assert len(row) < 120 and "e+30" in row, row
+
+
+@pytest.mark.parametrize(
+    ("value", "places", "shown"),
+    [
+        (2733075595264.099, 3, "2.73e+12 s"),
+        (-2.7e12, 1, "-2.7e+12 s"),
+        (999_999_999_999.0, 1, "999,999,999,999.0 s"),
+        (1234.5678, 3, "1,234.568 s"),
+        (None, 3, "-"),
+    ],
+)
+def test_seconds_are_grouped_and_past_a_trillion_in_scientific_notation(
+    value: float | None, places: int, shown: str
+) -> None:
+    """A disk tier's modelled read time read ``modelled 2733075595264.099 s``, beside a
+    prefill time of ``-2,733,075,593,061.5 s`` in the row above."""
+    from kvoffload.cli.output import seconds
+
+    assert seconds(value, places) == shown

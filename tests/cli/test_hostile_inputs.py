@@ -257,6 +257,30 @@ def test_output_paths_are_checked_before_the_run(
     assert "--plot-dir" in one_line_error(capsys)
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["simulate", "--trace", "TRACE", "--json"],
+        ["simulate", "--trace", "TRACE", "--csv"],
+        ["sweep", "--trace", "TRACE", "--jobs", "1", "--csv"],
+        ["trace-stats", "TRACE", "--json"],
+    ],
+)
+@pytest.mark.parametrize("ending", ["/", "/."])
+def test_a_result_path_ending_in_a_slash_is_no_file_name(
+    command: list[str], ending: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--json results/`` (a directory meant, not made yet) wrote a file named ``results``,
+    where a later ``mkdir results`` then failed; the shell's ``> results/`` refuses it."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(RECORD + "\n")
+    path = f"{tmp_path / 'results'}{ending}"
+    argv = [str(trace) if arg == "TRACE" else arg for arg in command]
+    assert main([*argv, path, "--no-progress"]) == 1
+    assert f"{path}: names a directory, which does not exist" in one_line_error(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
+
+
 @pytest.mark.parametrize("command", [SMALL, ["trace-stats", "TRACE"]])
 def test_a_result_file_name_past_the_file_system_names_the_option(
     command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -331,6 +355,10 @@ def test_a_plot_dir_name_past_the_file_system_is_refused_before_the_run(
         ),
         ("\n\n", "the trace has no records"),
         ("[1, 2]\n", ":1: expected a JSON object per line"),
+        (  # json keeps the last silently: read as a request at 5 ms
+            RECORD + "\n" + RECORD.replace("{", '{"timestamp": 5, ') + "\n",
+            ":2: the record names field 'timestamp' twice",
+        ),
     ],
 )
 def test_hostile_trace_lines(
@@ -973,6 +1001,22 @@ def test_bad_tier_options_are_refused_before_the_workload(
     args = [arg.format(tmp=tmp_path) for arg in args]
     assert main([command, *common, *extra, *args]) == 1
     assert message in one_line_error(capsys)
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("command", ["simulate", "sweep"])
+def test_a_disk_size_below_one_block_names_the_option_and_the_block(
+    tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--disk-gb 0.01`` of 64 MiB blocks was "a disk tier (--disk-dir) needs a size of >= 1
+    block: --disk-gb or --disk-blocks", as if no size had been given."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(RECORD + "\n")
+    args = ["--trace", str(trace), "--no-progress", "--disk-dir", str(tmp_path / "d")]
+    assert main([command, *args, "--disk-gb", "0.01"]) == 1
+    assert one_line_error(capsys).startswith(
+        "kvoffload: error: --disk-gb 0.01 holds no block of 64 MiB (llama-3.1-8b, 512 tokens)"
+    )
     assert not (tmp_path / "d").exists()
 
 

@@ -6,6 +6,7 @@ import io
 
 import pytest
 
+from kvoffload.cli.main import main
 from kvoffload.cli.progress import ProgressBar, status_line
 
 
@@ -25,6 +26,14 @@ def test_a_rate_below_one_a_second_is_not_shown_as_nought(
 ) -> None:
     # A sweep of runs of a minute each read "3/12 0/s ETA 0:36": stalled, by its rate.
     assert f" {rate} " in status_line("sweep", done, 12, elapsed, 120)
+
+
+def test_no_rate_nor_time_left_is_guessed_from_the_first_moment() -> None:
+    """The first step, start-up costs and all, put ``1/20,000 9.4/s ETA 35:31`` on a
+    12-second replay's first line."""
+    line = status_line("simulate", 1, 20_000, 0.106, 120)
+    assert line.endswith(" 1/20,000 -/s ETA -"), line
+    assert status_line("simulate", 300, 300, 0.2, 120).endswith(" 1,500/s 0:00 elapsed")
 
 
 def test_finished_line_shows_elapsed() -> None:
@@ -119,3 +128,17 @@ def test_tables_fit_narrow_terminals(width: int) -> None:
     assert all(len(line) <= width for line in text.splitlines())
     # Nothing lost or reordered: the same characters, only the white space differs.
     assert "".join(text.split()) == "".join("".join(pair).replace(" ", "") for pair in ROWS)
+
+
+@pytest.mark.parametrize("bound", [True, False])
+def test_simulate_shows_the_belady_bound_s_progress_after_the_replay_s(
+    bound: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The bound's passes, after the replay, take a fifth as long again: the replay's bar
+    stood full and nothing moved until the table came."""
+    argv = ["simulate", "--requests", "40", "--gpu-blocks", "3000", "--progress"]
+    assert main(argv if bound else [*argv, "--no-bound"]) == 0
+    labels = [line.split(" [")[0] for line in capsys.readouterr().err.splitlines()]
+    replayed = len(labels) - labels[::-1].index("simulate")
+    assert labels[replayed:] == (["Belady bound"] * (len(labels) - replayed) if bound else [])
+    assert labels.count("Belady bound") > 1 if bound else "Belady bound" not in labels

@@ -51,6 +51,24 @@ def test_without_a_tier_the_bound_is_the_gpu_cache(make_workload: MakeWorkload) 
     assert (bound.refs, bound.gpu_hit_blocks, bound.offload_hit_blocks) == (7, 4, 0)
 
 
+@pytest.mark.parametrize("gpu_hits_given", [False, True])
+def test_the_bound_reports_its_passes_to_the_end(gpu_hits_given: bool) -> None:
+    """Its passes take a fifth of a simulation's time once the replay's progress has ended:
+    told nothing, an operator's bar stood full and silent through them."""
+    workload = generate(num_requests=700, seed=3)
+    steps: list[tuple[int, int]] = []
+    hits = [0] * len(workload.requests) if gpu_hits_given else None
+    bound = belady_bound(
+        workload.requests, 2000, 4000, gpu_hits=hits, progress=lambda d, t: steps.append((d, t))
+    )
+    total = len(workload.requests) * (2 if gpu_hits_given else 3)
+    assert steps[-1] == (total, total) and {t for _, t in steps} == {total}
+    done = [d for d, _ in steps]
+    assert done == sorted(done) and len(done) > 3  # along the way, not only at the end
+    quiet = belady_bound(workload.requests, 2000, 4000, gpu_hits=hits)
+    assert bound == quiet
+
+
 @pytest.fixture(scope="module")
 def mixed() -> Workload:
     return generate(num_requests=400, seed=2)

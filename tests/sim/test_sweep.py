@@ -418,3 +418,32 @@ def test_rules_with_the_same_figures_stay_apart_in_the_plots(
         styles = {(line.get_linestyle(), line.get_marker()) for line in lines}
         assert len(styles) == 2
         assert all(line.get_fillstyle() == "none" for line in lines)
+
+
+@pytest.mark.parametrize("lines", [2, 18, 60])
+def test_a_legend_of_many_lines_hides_neither_the_plot_nor_the_title(
+    make_workload: MakeWorkload, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lines: int
+) -> None:
+    """A sweep of three admissions, three policies and two thresholds draws 18 lines: their
+    legend, inside the axes, covered the points and the title and ran off the top edge."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    plain = _small_report(make_workload)
+    wider = dataclasses.replace(plain, cpu_blocks=8, cpu_gib=2 * plain.cpu_gib)
+    runs = [
+        dataclasses.replace(run, policy=f"policy{index}", admission="feedback")
+        for index in range(lines)
+        for run in (plain, wider)
+    ]
+    for figure in _figures(runs, tmp_path, monkeypatch):
+        renderer = FigureCanvasAgg(figure).get_renderer()
+        [axes] = figure.axes
+        legend = axes.get_legend().get_window_extent(renderer)
+        plot = axes.get_window_extent(renderer)
+        title = axes.title.get_window_extent(renderer)
+        assert len(axes.get_legend().get_texts()) >= lines
+        assert legend.x0 >= 0 and legend.y0 >= 0, legend
+        assert legend.x1 <= figure.bbox.width and legend.y1 <= figure.bbox.height, legend
+        if lines > 2:  # a few entries fit inside the axes, placed where no line runs
+            assert not legend.overlaps(plot) and not legend.overlaps(title), (legend, plot)

@@ -53,3 +53,24 @@ def test_public_trace_figures(mooncake_trace: Path) -> None:
     stats = trace_stats(read_trace(mooncake_trace))
     assert stats.repeat_fraction == pytest.approx(0.640, abs=0.0005)
     assert stats.one_hit_wonder_fraction == pytest.approx(0.584, abs=0.0005)
+
+
+def test_the_reuse_plot_is_the_hit_ratio_of_an_lru_cache_of_each_size(
+    make_workload: MakeWorkload,
+) -> None:
+    """An operator sizing a cache reads the whole curve, not three percentiles of it."""
+    pytest.importorskip("matplotlib")
+    from kvoffload.sim.plots import reuse_figure
+    from kvoffload.sim.trace_stats import stats_and_distances
+
+    # Reference stream a b a c b b: distances 0 (b after b), 1 (a), 2 (b after a, c).
+    workload = make_workload([1, 2], [1, 3], [2], [2])
+    stats, distances = stats_and_distances(workload)
+    assert stats == trace_stats(workload) and distances == [0, 1, 2]
+    [axes] = reuse_figure(distances, stats.refs, stats.unique_blocks, "t").axes
+    curve, unbounded = axes.get_lines()
+    assert list(curve.get_xdata()) == [1, 2, 3, 3]  # cache sizes in blocks, to every block
+    assert list(curve.get_ydata()) == pytest.approx([1 / 6, 2 / 6, 3 / 6, 3 / 6])
+    assert list(unbounded.get_ydata()) == pytest.approx([stats.repeat_fraction] * 2)
+    [none_reused] = reuse_figure([], 3, 3, "t").axes
+    assert set(none_reused.get_lines()[0].get_ydata()) == {0.0}

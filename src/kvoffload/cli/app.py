@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from _typeshed import SupportsWrite
 
 PROG = "kvoffload"
-NAMED_BY_TEXT = ("json", "csv", "plot_dir", "layout", "device", "trace", "path", "dir")
+NAMED_BY_TEXT = ("json", "csv", "plot_dir", "plot", "layout", "device", "trace", "path", "dir")
 """Arguments an empty string would silently turn off (no file, no plots, the default layout
 or device) or point at the current directory (a trace, ``bench tiers --dir``), as ``--json "$OUT"``
 does with ``OUT`` unset: refused instead."""

@@ -157,11 +157,59 @@ def _report(args: argparse.Namespace, results: dict[str, Any]) -> None:
     if path:
         output.write_json(path, results)
     if path != "-":
-        rows = [
-            (str(name), value if isinstance(value, str) else json.dumps(value))
-            for name, value in results.items()
-        ]
-        output.show(output.key_value_table(rows) if rows else "(no results)")
+        output.show(transfer_table(results))
+
+
+TRANSFER_FIGURES = (
+    "layout",
+    "device",
+    "threads",
+    "block_bytes",
+    "block_size_factor",
+    "bytes_per_job",
+    "jobs_per_round",
+    "rounds",
+    "store_gbps",
+    "load_gbps",
+    "copy_gbps",
+    "store_vs_copy",
+    "load_vs_copy",
+)
+"""The transfer benchmark's figures that :func:`transfer_table` words; any other it
+returns is shown as it is named, after them."""
+
+
+def transfer_table(results: dict[str, Any]) -> str:
+    """The transfer benchmark's figures for people, as ``bench tiers`` shows its own: sizes
+    in binary units, rates in GB/s beside the plain copy's (its keys and bare numbers,
+    ``bytes_per_job 262144``, were the table)."""
+    worded = all(name in results for name in TRANSFER_FIGURES)  # else each as it is named
+    rest = [
+        (str(name), value if isinstance(value, str) else json.dumps(value))
+        for name, value in results.items()
+        if not (worded and name in TRANSFER_FIGURES)
+    ]
+    if not worded:
+        return output.key_value_table(rest) if rest else "(no results)"
+    r = results
+    offloaded = r["block_bytes"] * r["block_size_factor"]
+    per_job = r["bytes_per_job"] // offloaded if offloaded else 0
+    gpu_blocks = output.counted(r["block_size_factor"], "GPU block")
+    rows = [
+        ("layout", f"{r['layout']}, {output.size(r['block_bytes'])} per GPU block"),
+        ("device", f"{r['device']}, {output.counted(r['threads'], 'torch thread')}"),
+        ("offloaded block", f"{output.size(offloaded)} ({gpu_blocks})"),
+        (
+            "job",
+            f"{output.size(r['bytes_per_job'])} ({output.counted(per_job, 'block')}), "
+            f"{r['jobs_per_round']:,} per round",
+        ),
+        ("rounds", f"median of {r['rounds']:,}, after one warm-up round"),
+        ("store", f"{r['store_gbps']:.3f} GB/s, {r['store_vs_copy']:.3f} of a plain copy's"),
+        ("load", f"{r['load_gbps']:.3f} GB/s, {r['load_vs_copy']:.3f} of a plain copy's"),
+        ("plain copy", f"{r['copy_gbps']:.3f} GB/s"),
+    ]
+    return output.key_value_table(rows + rest)
 
 
 def _check_block_mib(block_mib: float) -> None:

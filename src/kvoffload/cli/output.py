@@ -48,6 +48,23 @@ def ratio(value: Value) -> str:
     return f"{value:.3f}" if isinstance(value, int | float) else "-"
 
 
+LONGEST_PLAIN_SECONDS = 1e12
+"""About 31,700 years: a longer span (a far-off timestamp in a trace, a prefill rate or a
+tier's bandwidth near zero) is shown in scientific notation, not as every digit of it
+(hundreds near a float's limit)."""
+
+
+def seconds(value: Value, places: int = 1) -> str:
+    """A time in seconds with ``places`` decimals and thousands separated, in scientific
+    notation from :data:`LONGEST_PLAIN_SECONDS` on (either sign: a tier slower than
+    recomputing saves a negative time); ``-`` where unknown."""
+    if not isinstance(value, int | float):
+        return "-"
+    if abs(value) >= LONGEST_PLAIN_SECONDS:
+        return f"{value:.3g} s"
+    return f"{value:,.{places}f} s"
+
+
 def size(num_bytes: Value) -> str:
     """Bytes in binary units (KiB, MiB, GiB, TiB)."""
     if not isinstance(num_bytes, int | float):
@@ -198,6 +215,10 @@ def _check_writable_path(path: str, option: str) -> None:
     target = Path(path)
     if target.is_dir():
         raise InvalidArgumentError(f"{option} {path}: is a directory")
+    if path.endswith((os.sep, f"{os.sep}.")):  # Path() drops it: "out/" wrote a file "out"
+        raise InvalidArgumentError(
+            f"{option} {path}: names a directory, which does not exist; give a file's name"
+        )
     if not target.exists():  # a new file, made where a (dangling) symbolic link leads
         target = Path(os.path.realpath(path))
     parent = target.parent

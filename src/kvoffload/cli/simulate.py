@@ -11,7 +11,7 @@ from typing import Any
 
 from kvoffload.admission import available_admissions, resolve_admission
 from kvoffload.cli import observe_options, options, output, tier_options
-from kvoffload.cli.progress import ProgressBar
+from kvoffload.cli.progress import FollowingBar, ProgressBar
 from kvoffload.core.errors import InsufficientMemoryError, KVOffloadError
 from kvoffload.core.layout import layout_preset
 from kvoffload.policies import available_policies, resolve_policy
@@ -264,12 +264,16 @@ def run(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, bound=False)
     # The data plane's backend is duck-typed: a TransferBackend plus its check counters.
     backend: Any = _data_plane(plane, config, bt, sizes) if plane is not None else None
-    bar = ProgressBar("simulate", ProgressBar.wanted(args.progress))
+    wanted = ProgressBar.wanted(args.progress)
+    bar = ProgressBar("simulate", wanted)
+    # The bound's passes take a fifth as long again, silent once the replay's bar was full.
+    bound_bar = FollowingBar("Belady bound", wanted, bar)
     with observe_options.observing(args, bt) as observing:
         try:
-            report = simulate(workload, config, backend, bar, observing.observers)
+            report = simulate(workload, config, backend, bar, observing.observers, bound_bar)
         finally:
             bar.close()
+            bound_bar.close()
         observing.settle()
         # Inside: results are written while the events and metrics endpoints are still up.
         _write_results(args, report, backend, workload.trace_format)
@@ -356,8 +360,9 @@ def format_report(
         ("offload evictions", output.counted(r.offload_evictions, "block")),
         (
             "prefill time saved",
-            f"{r.prefill_seconds_saved:,.1f} s of {r.prefill_seconds_baseline:,.1f} s "
-            f"(offload tier: {r.prefill_seconds_saved_by_offload:,.1f} s net of loads)",
+            f"{output.seconds(r.prefill_seconds_saved)} of "
+            f"{output.seconds(r.prefill_seconds_baseline)} (offload tier: "
+            f"{output.seconds(r.prefill_seconds_saved_by_offload)} net of loads)",
         ),
         ("manager time", f"{r.manager_us_per_block:.2f} us per block ref"),
         ("replay", f"{r.wall_seconds:.2f} s, {r.refs_per_second:,.0f} block refs/s"),

@@ -341,6 +341,12 @@ def with_tiers(config: SimConfig, args: argparse.Namespace, block_tokens: int) -
         disk_blocks = args.disk_blocks or 0
         if args.disk_gb is not None:
             disk_blocks = blocks_for_gib(args.disk_gb, config.layout, block_tokens)
+            if disk_blocks == 0:  # else "needs a size of >= 1 block", as if none were given
+                block = config.kv_layout(block_tokens).bytes_per_block
+                raise InvalidArgumentError(
+                    f"--disk-gb {args.disk_gb:g} holds no block of {output.size(block)} "
+                    f"({config.layout}, {block_tokens} tokens); give the disk tier at least one"
+                )
             options.check_admission_fits(
                 args.disk_admission,
                 disk_params,
@@ -419,7 +425,7 @@ def tier_rows(report: RunReport) -> list[tuple[str, str]]:
                 f"{name} tier",
                 f"{output.count(entry['hit_blocks'])} blocks hit "
                 f"({output.size(entry['read_bytes'])}, modelled "
-                f"{output.ratio(entry.get('read_seconds'))} s), "
+                f"{output.seconds(entry.get('read_seconds'), 3)}), "
                 f"{output.count(entry['stored_blocks'])} stored "
                 f"({output.size(entry['written_bytes'])}), "
                 f"{output.count(entry['failed'])} failed, {output.count(entry['corrupt'])} corrupt",

@@ -86,6 +86,37 @@ def _title(text: str) -> str:
     return "\n".join(textwrap.wrap(text, TITLE_CHARS))
 
 
+LEGEND_INSIDE = 6
+"""Legend entries that fit inside the axes without hiding the lines: more go beside them
+(a sweep of three admissions, three policies and two thresholds draws 18 lines, whose
+legend covered the points and the title and ran off the figure's top edge)."""
+LEGEND_ROWS = 20
+"""Entries in one column of a legend beside the axes; more make more columns."""
+LEGEND_ROW_INCHES = 0.22
+LEGEND_CHAR_INCHES = 0.075
+LEGEND_HANDLE_INCHES = 0.8
+"""A legend entry's height, a label character's width and a line sample's width with its
+padding, at the default font: the figure grows by what the legend beside it takes, so the
+axes keep their size."""
+
+
+def _legend(figure: Any, axes: Any) -> None:
+    """The legend inside ``axes`` for a few lines, else beside them, in as many columns of
+    :data:`LEGEND_ROWS` as it needs, ``figure`` made wide and tall enough to hold it."""
+    labels = axes.get_legend_handles_labels()[1]
+    if len(labels) <= LEGEND_INSIDE:
+        axes.legend()
+        return
+    columns = -(-len(labels) // LEGEND_ROWS)
+    rows = -(-len(labels) // columns)
+    width, height = figure.get_size_inches()
+    column_inches = LEGEND_HANDLE_INCHES + LEGEND_CHAR_INCHES * max(map(len, labels))
+    figure.set_size_inches(
+        width + columns * column_inches, max(height, LEGEND_ROW_INCHES * rows + 1.5)
+    )
+    axes.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, ncols=columns)
+
+
 def _set_title(axes: Any, text: str) -> None:
     """Title ``axes`` with ``text`` as written: matplotlib reads a text between two dollar
     signs as math, and a trace named ``price_$5_to_$6.jsonl`` failed the plot (a parser's
@@ -185,7 +216,7 @@ def _capacity_figure(reports: Sequence[RunReport]) -> Any:
     _plain_ticks(axes)
     _set_title(axes, sweep_title(reports[0]))
     axes.grid(alpha=0.3)
-    axes.legend()
+    _legend(figure, axes)
     return figure
 
 
@@ -204,7 +235,46 @@ def _writes_figure(reports: Sequence[RunReport]) -> Any:
     _plain_ticks(axes)
     _set_title(axes, f"{sweep_title(reports[0])}: each point one capacity")
     axes.grid(alpha=0.3)
-    axes.legend()
+    _legend(figure, axes)
+    return figure
+
+
+def reuse_png(distances: Sequence[int], refs: int, unique_blocks: int, title: str) -> bytes:
+    """:func:`reuse_figure` as a PNG."""
+    return _png(reuse_figure(distances, refs, unique_blocks, title))
+
+
+def reuse_figure(distances: Sequence[int], refs: int, unique_blocks: int, title: str) -> Any:
+    """The hit ratio an LRU cache of each size would give on a trace's block references
+    (ignoring the prefix rule): a reference hits a cache of more blocks than its reuse
+    distance, so the curve is the share of ``refs`` whose (sorted) ``distances`` are below
+    each size, up to the repeat fraction, which a cache of every ``unique_blocks`` reaches."""
+    figure = _figure()
+    axes = figure.add_subplot()
+    sizes = [1]
+    ratios = [0.0]
+    per_ref = 1.0 / refs if refs else 0.0
+    for index, distance in enumerate(distances):
+        if distance + 1 != sizes[-1]:
+            sizes.append(distance + 1)
+            ratios.append(ratios[-1])
+        ratios[-1] = (index + 1) * per_ref
+    last = max(unique_blocks, sizes[-1], 2)
+    axes.step(
+        [*sizes, last], [*ratios, ratios[-1]], where="post", label="LRU cache, by reuse distance"
+    )
+    axes.axhline(
+        ratios[-1], color="black", linestyle="--", label=f"unbounded cache ({ratios[-1]:.3f})"
+    )
+    axes.set_xscale("log")
+    axes.set(
+        xlabel="cache capacity (blocks, log scale)",
+        ylabel="hit ratio of block references",
+        ylim=(0, max(ratios[-1] * 1.1, 0.05)),
+    )
+    _set_title(axes, title)
+    axes.grid(alpha=0.3)
+    _legend(figure, axes)
     return figure
 
 

@@ -397,11 +397,13 @@ def simulate(
     backend: TransferBackend | None = None,
     progress: Progress | None = None,
     observers: Observers | None = None,
+    bound_progress: Progress | None = None,
 ) -> RunReport:
     """Replay ``workload`` under ``config`` and return the run's metrics.
 
     ``observers`` wrap the tier's manager (see :class:`~kvoffload.observe.Observers`)
-    to export its KV events and metrics while the replay runs.
+    to export its KV events and metrics while the replay runs. ``progress`` follows the
+    replay, ``bound_progress`` the Belady bound's passes after it.
     """
     started = time.perf_counter()
     engine_config = config.engine_config(workload.block_tokens)
@@ -443,6 +445,7 @@ def simulate(
             _drop_partial_of(workload, config),
             engine.gpu_hits_by_start,
             engine.store_points_by_start,
+            bound_progress,
         )
     wall = time.perf_counter() - started
 

@@ -91,6 +91,14 @@ class TraceStats:
 def trace_stats(workload: Workload, progress: Progress | None = None) -> TraceStats:
     """Requests, references, unique blocks, repeat and one-hit fractions, reuse distances;
     ``progress`` follows the reuse distances, the long part (see :func:`reuse_distances`)."""
+    return stats_and_distances(workload, progress)[0]
+
+
+def stats_and_distances(
+    workload: Workload, progress: Progress | None = None
+) -> tuple[TraceStats, list[int]]:
+    """:func:`trace_stats` and the sorted reuse distances it summarises (a plot draws them
+    all), from one pass."""
     counts: dict[OffloadKey, int] = {}
     for req in workload.requests:
         for key in req.keys:
@@ -100,7 +108,7 @@ def trace_stats(workload: Workload, progress: Progress | None = None) -> TraceSt
     requests = workload.requests
     distances = sorted(reuse_distances(workload, progress))
     p50, p90, p99 = (_percentile(distances, p) if distances else None for p in PERCENTILES)
-    return TraceStats(
+    stats = TraceStats(
         workload=workload.name,
         block_tokens=workload.block_tokens,
         requests=len(requests),
@@ -117,3 +125,4 @@ def trace_stats(workload: Workload, progress: Progress | None = None) -> TraceSt
         reuse_distance_p90=p90,
         reuse_distance_p99=p99,
     )
+    return stats, distances

@@ -309,6 +309,22 @@ def _line_ends(data: bytes, after_cr: bool) -> int:
     return ends - (after_cr and data.startswith(b"\n"))
 
 
+class _RepeatedField(Exception):
+    """A JSON object names a field twice (its name is the argument)."""
+
+
+def _fields_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's fields, refusing one given twice: ``json`` keeps the last silently
+    (``{"timestamp": 0, "timestamp": 5}`` read as 5), where a CSV header naming a column
+    twice is refused."""
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        raise _RepeatedField(
+            next(name for name, _ in pairs if sum(n == name for n, _ in pairs) > 1)
+        )
+    return record
+
+
 def _json_records(
     path: Path, progress: Progress | None = None
 ) -> Iterator[tuple[int, Mapping[str, Any]]]:
@@ -317,7 +333,11 @@ def _json_records(
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(line, object_pairs_hook=_fields_once)
+        except _RepeatedField as exc:
+            raise TraceFormatError(
+                f"{path}:{line_no}: the record names field {brief(exc.args[0])} twice"
+            ) from None
         except json.JSONDecodeError as exc:
             hint = (
                 "; a CSV trace is read as CSV when named *.csv"
