@@ -154,6 +154,26 @@ def test_the_lru_loops_match_their_reference(
 
 
 @needs_compiled
+@settings(max_examples=300, deadline=None)
+@given(
+    keys=st.lists(
+        st.one_of(st.binary(max_size=2), st.integers(-3, 3), st.floats(0, 2), st.text(max_size=1)),
+        max_size=90,
+    )
+)
+def test_distinct_keys_match_their_reference(keys: list[object]) -> None:
+    """An offer's keys each once, in order: equal keys of other types (1, 1.0), equal bytes
+    that are other objects, offers longer than the compiled table's room on the stack; the
+    first of equal keys kept, as the very object."""
+    copies = [bytes(key) if isinstance(key, bytes) else key for key in keys]
+    kept = compiled.distinct(copies + keys)
+    assert kept == block_loops.distinct(copies + keys)
+    assert all(a is b for a, b in zip(kept, block_loops.distinct(copies + keys), strict=True))
+    with pytest.raises(TypeError, match="unhashable"):
+        compiled.distinct([b"a", []])
+
+
+@needs_compiled
 def test_loops_refuse_bad_arguments_as_the_reference_does() -> None:
     """A negative eviction size, and pairs of different lengths (after the pairs they share)."""
     for front in both("front_victims"):

@@ -119,13 +119,13 @@ class CPUOffloadingManager(OffloadingManager):
         return ready
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int:
-        if isinstance(keys, SINGLE_KEY_TYPES):
+        if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "lookup")
         return leading_ready(self._blocks, keys)
 
     def prepare_load(self, keys: Iterable[OffloadKey]) -> CPULoadStoreSpec:
         """Pin ``keys``; :class:`BlockNotFoundError` / :class:`BlockNotReadyError` otherwise."""
-        if isinstance(keys, SINGLE_KEY_TYPES):
+        if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "prepare_load")
         keys = keys if type(keys) is list else list(keys)
         pinned = pin_all(self._blocks, keys)
@@ -139,13 +139,13 @@ class CPUOffloadingManager(OffloadingManager):
         return CPULoadStoreSpec(block_ids)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
-        if isinstance(keys, SINGLE_KEY_TYPES):
+        if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "touch")
         self._policy.touch(keys)
 
     def complete_load(self, keys: Iterable[OffloadKey]) -> None:
         """Unpin ``keys``; :class:`BlockNotPinnedError` for a key no load holds."""
-        if isinstance(keys, SINGLE_KEY_TYPES):
+        if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "complete_load")
         keys = keys if type(keys) is list else list(keys)
         unpinned = unpin_all(self._blocks, keys)
@@ -157,7 +157,7 @@ class CPUOffloadingManager(OffloadingManager):
             self._policy.became_evictable(unpinned)
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
-        if isinstance(keys, SINGLE_KEY_TYPES):
+        if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "prepare_store")
         blocks = self._blocks
         # Ordered and deduplicated; doubles as the set shielded from this eviction.
@@ -190,7 +190,7 @@ class CPUOffloadingManager(OffloadingManager):
         return PrepareStoreOutput(to_store, CPULoadStoreSpec(block_ids), evicted_keys)
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
-        if isinstance(keys, SINGLE_KEY_TYPES):
+        if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "complete_store")
         blocks = self._blocks
         if success:
@@ -217,7 +217,7 @@ class CPUOffloadingManager(OffloadingManager):
         Their slots are free at once; pending or pinned blocks stay. Returns
         the keys dropped; no event is recorded (the caller reports its own).
         """
-        if isinstance(keys, SINGLE_KEY_TYPES):
+        if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "remove")
         blocks = self._blocks
         removed: list[OffloadKey] = []

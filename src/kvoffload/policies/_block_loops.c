@@ -16,6 +16,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <string.h>
 
 #define PENDING_STORE (-1)
 
@@ -512,6 +513,78 @@ store_pairs(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* ``list(dict.fromkeys(keys))`` without the dict: an offer's keys, each once, where it
+ * first comes (equal by hash and ``==``, the first of equal keys kept), over a probe table
+ * of their positions sized for the call. */
+static PyObject *
+distinct(PyObject *module, PyObject *keys)
+{
+    enum { IN_PLACE = 128 };
+    Py_ssize_t table_in_place[IN_PLACE];
+    Py_hash_t hashes_in_place[IN_PLACE / 2];
+    PyObject *seq = PySequence_Fast(keys, "keys must be iterable");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    size_t slots = 8;
+    while (slots < (size_t)n * 2) {
+        slots <<= 1;
+    }
+    Py_ssize_t *table = slots <= IN_PLACE ? table_in_place : PyMem_New(Py_ssize_t, slots);
+    Py_hash_t *hashes = slots <= IN_PLACE ? hashes_in_place : PyMem_New(Py_hash_t, (size_t)n);
+    PyObject *result = PyList_New(0);
+    if (table == NULL || hashes == NULL || result == NULL) {
+        if (result != NULL) {
+            PyErr_NoMemory();
+        }
+        Py_CLEAR(result);
+        goto done;
+    }
+    memset(table, 0xff, slots * sizeof(Py_ssize_t));
+    PyObject *key;
+    for (Py_ssize_t i = 0; (key = key_at(seq, i)) != NULL; i++) {
+        Py_hash_t hash = PyObject_Hash(key);
+        int seen = hash == -1 ? -1 : 0;
+        size_t slot = (size_t)hash & (slots - 1);
+        while (seen == 0 && table[slot] != -1) {
+            Py_ssize_t at = table[slot];
+            if (hashes[at] == hash) {
+                PyObject *kept = PyList_GET_ITEM(result, at);
+                Py_INCREF(kept);
+                seen = kept == key ? 1 : PyObject_RichCompareBool(kept, key, Py_EQ);
+                Py_DECREF(kept);
+            }
+            slot = (slot + 1) & (slots - 1);
+        }
+        if (seen == 0) {
+            Py_ssize_t at = PyList_GET_SIZE(result);
+            if (at >= n) {  /* the keys grew while compared: no room left to index them */
+                PyErr_SetString(PyExc_RuntimeError, "keys changed while read");
+                seen = -1;
+            } else {
+                table[slot] = at;
+                hashes[at] = hash;
+                seen = PyList_Append(result, key) < 0 ? -1 : 0;
+            }
+        }
+        Py_DECREF(key);
+        if (seen < 0) {
+            Py_CLEAR(result);
+            break;
+        }
+    }
+done:
+    if (table != table_in_place) {
+        PyMem_Free(table);
+    }
+    if (hashes != hashes_in_place) {
+        PyMem_Free(hashes);
+    }
+    Py_DECREF(seq);
+    return result;
+}
+
 static PyObject *
 front_victims(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -596,6 +669,8 @@ static PyMethodDef block_loops_methods[] = {
      "move_recent($module, order, parking, keys, /)\n--\n\nMake keys recent, the first most recent."},
     {"store_pairs", (PyCFunction)(void (*)(void))store_pairs, METH_FASTCALL,
      "store_pairs($module, mapping, keys, values, /)\n--\n\nmapping[key] = value, pairwise, in order (the lengths must match)."},
+    {"distinct", distinct, METH_O,
+     "distinct($module, keys, /)\n--\n\nThe keys, each once, where it first comes."},
     {"front_victims", (PyCFunction)(void (*)(void))front_victims, METH_FASTCALL,
      "front_victims($module, order, n, protected, /)\n--\n\nThe first n blocks, taken out, where each is a victim; else None."},
     {NULL, NULL, 0, NULL},

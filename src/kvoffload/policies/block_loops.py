@@ -140,6 +140,11 @@ def move_recent(
             order[key] = parking.unpark(key)
 
 
+def distinct(keys: Iterable[OffloadKey], /) -> list[OffloadKey]:
+    """``keys`` each once, where it first comes: an offer as the tier takes it."""
+    return list(dict.fromkeys(keys))
+
+
 def front_victims(
     order: OrderedDict[OffloadKey, BlockStatus], n: int, protected: Container[OffloadKey], /
 ) -> Victims | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 try:
     from kvoffload.policies._block_loops import (
         claim_pending,
+        distinct,
         drop_victims,
         front_victims,
         leading_ready,
@@ -18,6 +19,7 @@ try:
 except ImportError:  # built without a C compiler: the same steps in Python
     from kvoffload.policies.block_loops import (
         claim_pending,
+        distinct,
         drop_victims,
         front_victims,
         leading_ready,
@@ -30,6 +32,7 @@ except ImportError:  # built without a C compiler: the same steps in Python
 
 __all__ = [
     "claim_pending",
+    "distinct",
     "drop_victims",
     "front_victims",
     "leading_ready",
