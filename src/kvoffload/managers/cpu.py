@@ -31,6 +31,7 @@ from kvoffload.core.specs import CPULoadStoreSpec
 from kvoffload.policies import PENDING_STORE, BlockStatus, CachePolicy, create_cache_policy
 from kvoffload.policies.loops import (
     claim_pending,
+    distinct,
     drop_victims,
     leading_ready,
     mark_ready,
@@ -160,23 +161,22 @@ class CPUOffloadingManager(OffloadingManager):
         if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "prepare_store")
         blocks = self._blocks
-        # Ordered and deduplicated; doubles as the set shielded from this eviction.
-        offered = dict.fromkeys(keys)
+        offered = distinct(keys)  # each key once, in order (a new list)
         if not offered:  # Most offers behind an admission filter: nothing to store.
             return PrepareStoreOutput([], _NO_STORE, [])
         # Usually none is held: then one pass in C (a set intersection) finds that.
         held = blocks.keys() & offered
-        to_store = [key for key in offered if key not in blocks] if held else list(offered)
+        to_store = [key for key in offered if key not in blocks] if held else offered
         if not to_store:
             return PrepareStoreOutput([], _NO_STORE, [])
 
         evicted_keys: list[OffloadKey] = []
         need = len(to_store) - self.num_free_blocks
         if need > 0:
-            # Offered keys are shielded from this eviction.
             if need > self._num_evictable - (self._num_ready_among(held) if held else 0):
                 return None
-            victims = self._policy.evict(need, offered)
+            # Offered keys are shielded from this eviction.
+            victims = self._policy.evict(need, set(offered))
             if victims is None:
                 return None
             self._num_evictable -= len(victims)
