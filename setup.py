@@ -58,5 +58,10 @@ setup(
             ["src/kvoffload/admission/_sketch.c"],
             optional=True,
         ),
+        Extension(
+            "kvoffload.policies._block_loops",
+            ["src/kvoffload/policies/_block_loops.c"],
+            optional=True,
+        ),
     ]
 )

@@ -28,6 +28,7 @@ from kvoffload.core.errors import InvalidArgumentError, integer_value
 from kvoffload.core.keys import SINGLE_KEY_TYPES, OffloadKey, refuse_single_key
 from kvoffload.core.manager import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import LoadStoreSpec
+from kvoffload.policies.loops import distinct
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ class AdmissionLayer(OffloadingManager):
             self._requests.close(keys)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
-        if isinstance(keys, SINGLE_KEY_TYPES):
+        if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "touch")
         keys = keys if isinstance(keys, list) else list(keys)
         if keys and not self._announced and self._requests.on_touch(keys):
@@ -202,7 +203,7 @@ class AdmissionLayer(OffloadingManager):
         self._backing.touch(keys)
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
-        if isinstance(keys, SINGLE_KEY_TYPES):
+        if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "lookup")
         keys = keys if isinstance(keys, list) else list(keys)
         if keys and not self._announced and self._requests.on_lookup(keys):
@@ -213,9 +214,9 @@ class AdmissionLayer(OffloadingManager):
         return found
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
-        if isinstance(keys, SINGLE_KEY_TYPES):
+        if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "prepare_store")
-        offered = list(dict.fromkeys(keys))
+        offered = distinct(keys)
         if not offered:
             return self._backing.prepare_store(offered)
         admitted = self._admit(offered, self._requests.prefix_length(offered))

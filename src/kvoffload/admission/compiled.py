@@ -1,4 +1,5 @@
-"""Which of the admission layer's compiled modules this installation runs.
+"""Which of the compiled modules (the admission layer's, and the real tier's per-key loops
+in ``kvoffload.policies``) this installation runs.
 
 Each is optional (``setup.py``): where the build found no C compiler, the same code
 runs in Python, with the same decisions and about twice the optimiser's manager time.
@@ -10,14 +11,15 @@ from __future__ import annotations
 from importlib import import_module
 
 COMPILED_MODULES = (
-    "_lru_tier",
-    "_arc_tier",
-    "_s3fifo_tier",
-    "_sieve_tier",
-    "_slru_tier",
-    "_reuse_counts",
-    "_ghost",
-    "_sketch",
+    "kvoffload.admission._lru_tier",
+    "kvoffload.admission._arc_tier",
+    "kvoffload.admission._s3fifo_tier",
+    "kvoffload.admission._sieve_tier",
+    "kvoffload.admission._slru_tier",
+    "kvoffload.admission._reuse_counts",
+    "kvoffload.admission._ghost",
+    "kvoffload.admission._sketch",
+    "kvoffload.policies._block_loops",
 )
 
 
@@ -26,7 +28,7 @@ def compiled_modules() -> list[str]:
     found = []
     for name in COMPILED_MODULES:
         try:
-            import_module(f"kvoffload.admission.{name}")
+            import_module(name)
         except ImportError:
             continue
         found.append(name)
@@ -37,13 +39,13 @@ def compiled_summary() -> str:
     """One line: how many compiled modules run, and what that means."""
     found = compiled_modules()
     if len(found) == len(COMPILED_MODULES):
-        return f"admission hot paths: compiled ({len(found)} of {len(COMPILED_MODULES)} modules)"
+        return f"hot paths: compiled ({len(found)} of {len(COMPILED_MODULES)} modules)"
     if not found:
-        return (
-            "admission hot paths: pure Python (built without a C compiler; same decisions, slower)"
-        )
-    missing = ", ".join(sorted(set(COMPILED_MODULES) - set(found)))
+        return "hot paths: pure Python (built without a C compiler; same decisions, slower)"
+    missing = ", ".join(
+        sorted(name.rsplit(".", 1)[1] for name in set(COMPILED_MODULES) - set(found))
+    )
     return (
-        f"admission hot paths: partly compiled ({len(found)} of {len(COMPILED_MODULES)};"
+        f"hot paths: partly compiled ({len(found)} of {len(COMPILED_MODULES)};"
         f" in Python: {missing})"
     )

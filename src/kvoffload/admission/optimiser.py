@@ -398,7 +398,7 @@ class OptimisingAdmission(AdmissionLayer):
         """Only blocks the followed world holds are made recent in the real tier (the
         others, written under an earlier rule, age out first). No candidate rule sees a
         touch: each world shows its rule the request where it starts."""
-        if isinstance(keys, SINGLE_KEY_TYPES):
+        if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "touch")
         keys = keys if isinstance(keys, list) else list(keys)
         if keys and not self._announced and self._requests.on_touch(keys):
@@ -408,7 +408,7 @@ class OptimisingAdmission(AdmissionLayer):
         self._backing.touch(keys)
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
-        if isinstance(keys, SINGLE_KEY_TYPES):
+        if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "lookup")
         keys = keys if isinstance(keys, list) else list(keys)
         found = super().lookup(keys)
@@ -434,7 +434,7 @@ class OptimisingAdmission(AdmissionLayer):
         self._backing.touch(self.worlds.worlds[self.chosen].tier.held_among(hits))
 
     def prepare_load(self, keys: Iterable[OffloadKey]) -> LoadStoreSpec:
-        if isinstance(keys, SINGLE_KEY_TYPES):
+        if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "prepare_load")
         keys = keys if isinstance(keys, list) else list(keys)
         # Counted once the tier has taken the load: a load it refuses (a block not stored,

@@ -99,14 +99,14 @@ class FilterReusedOffloadingManager(OffloadingManager):
         return self.reuse.counts
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int | None:
-        if isinstance(keys, SINGLE_KEY_TYPES):
+        if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "lookup")
         keys = keys if type(keys) is list else list(keys)
         self.reuse.count(keys)
         return self._backing.lookup(keys)
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
-        if isinstance(keys, SINGLE_KEY_TYPES):
+        if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "prepare_store")
         keys = keys if type(keys) is list else list(keys)
         return self._backing.prepare_store(self.admit(keys))

@@ -34,6 +34,7 @@ from kvoffload.core.manager import OffloadingManager, PrepareStoreOutput
 from kvoffload.core.specs import CPULoadStoreSpec, LoadStoreSpec
 from kvoffload.policies.arc import ARCCachePolicy
 from kvoffload.policies.base import CachePolicy
+from kvoffload.policies.loops import distinct
 from kvoffload.policies.lru import LRUCachePolicy
 from kvoffload.policies.slru import SLRUCachePolicy
 
@@ -150,7 +151,7 @@ class World:
         offered = looked[found:]
         if not offered:
             return []
-        return offered if unique and type(offered) is list else list(dict.fromkeys(offered))
+        return offered if unique and type(offered) is list else distinct(offered)
 
     def kept_of(self, offered: Sequence[OffloadKey]) -> tuple[Container[OffloadKey] | None, int]:
         """What a tier running this world's rule keeps of ``offered`` (an offer of the last
@@ -243,7 +244,7 @@ class Worlds:
     def request(self, keys: Sequence[OffloadKey], gpu_held: int, looked_up: bool = True) -> None:
         """Run a request through every world (see :meth:`World.request`)."""
         n = len(keys)
-        unique = len(set(keys)) == n
+        unique = len(distinct(keys)) == n  # compiled, cheaper than a set of tens of keys
         for world in self.worlds.values():
             world.request(keys, gpu_held, unique, looked_up)
         self.refs += n

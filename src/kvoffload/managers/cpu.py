@@ -29,6 +29,16 @@ from kvoffload.core.manager import (
 )
 from kvoffload.core.specs import CPULoadStoreSpec
 from kvoffload.policies import PENDING_STORE, BlockStatus, CachePolicy, create_cache_policy
+from kvoffload.policies.loops import (
+    claim_pending,
+    distinct,
+    drop_victims,
+    leading_ready,
+    mark_ready,
+    pin_all,
+    store_pairs,
+    unpin_all,
+)
 
 MEDIUM = CPULoadStoreSpec.medium()
 
@@ -110,130 +120,96 @@ class CPUOffloadingManager(OffloadingManager):
         return ready
 
     def lookup(self, keys: Iterable[OffloadKey]) -> int:
-        if isinstance(keys, SINGLE_KEY_TYPES):
+        if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "lookup")
-        blocks = self._blocks
-        hits = 0
-        for key in keys:
-            block = blocks.get(key)
-            if block is None or block.ref_cnt < 0:
-                break
-            hits += 1
-        return hits
+        return leading_ready(self._blocks, keys)
 
     def prepare_load(self, keys: Iterable[OffloadKey]) -> CPULoadStoreSpec:
         """Pin ``keys``; :class:`BlockNotFoundError` / :class:`BlockNotReadyError` otherwise."""
-        if isinstance(keys, SINGLE_KEY_TYPES):
+        if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "prepare_load")
-        blocks = self._blocks
-        pinned: list[BlockStatus] = []
-        newly_pinned = 0
-        for key in keys:
-            block = blocks.get(key)
-            if block is None or (ref_cnt := block.ref_cnt) < 0:
-                for done in pinned:
-                    done.ref_cnt -= 1
-                if block is None:
-                    raise BlockNotFoundError(f"cannot load {key!r}: it is not offloaded", key)
-                raise BlockNotReadyError(f"cannot load {key!r}: its store has not completed", key)
-            if not ref_cnt:
-                newly_pinned += 1
-            block.ref_cnt = ref_cnt + 1
-            pinned.append(block)
+        keys = keys if type(keys) is list else list(keys)
+        pinned = pin_all(self._blocks, keys)
+        if isinstance(pinned, int):  # the index of a key not held ready; nothing stays pinned
+            key = keys[pinned]
+            if key not in self._blocks:
+                raise BlockNotFoundError(f"cannot load {key!r}: it is not offloaded", key)
+            raise BlockNotReadyError(f"cannot load {key!r}: its store has not completed", key)
+        block_ids, newly_pinned = pinned
         self._num_evictable -= newly_pinned
-        return CPULoadStoreSpec([block.block_id for block in pinned])
+        return CPULoadStoreSpec(block_ids)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
-        if isinstance(keys, SINGLE_KEY_TYPES):
+        if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "touch")
         self._policy.touch(keys)
 
     def complete_load(self, keys: Iterable[OffloadKey]) -> None:
         """Unpin ``keys``; :class:`BlockNotPinnedError` for a key no load holds."""
-        if isinstance(keys, SINGLE_KEY_TYPES):
+        if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "complete_load")
-        blocks = self._blocks
-        released: list[BlockStatus] = []
-        unpinned: list[OffloadKey] = []
-        for key in keys:
-            block = blocks.get(key)
-            if block is None or (ref_cnt := block.ref_cnt) <= 0:
-                for done in released:
-                    done.ref_cnt += 1
-                raise BlockNotPinnedError(
-                    f"cannot complete a load of {key!r}: no load holds it", key
-                )
-            if ref_cnt == 1:
-                unpinned.append(key)
-            block.ref_cnt = ref_cnt - 1
-            released.append(block)
+        keys = keys if type(keys) is list else list(keys)
+        unpinned = unpin_all(self._blocks, keys)
+        if isinstance(unpinned, int):  # the index of a key no load holds; every pin is back
+            key = keys[unpinned]
+            raise BlockNotPinnedError(f"cannot complete a load of {key!r}: no load holds it", key)
         if unpinned:
             self._num_evictable += len(unpinned)
             self._policy.became_evictable(unpinned)
 
     def prepare_store(self, keys: Iterable[OffloadKey]) -> PrepareStoreOutput | None:
-        if isinstance(keys, SINGLE_KEY_TYPES):
+        if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "prepare_store")
         blocks = self._blocks
-        # Ordered and deduplicated; doubles as the set shielded from this eviction.
-        offered = dict.fromkeys(keys)
+        offered = distinct(keys)  # each key once, in order (a new list)
         if not offered:  # Most offers behind an admission filter: nothing to store.
             return PrepareStoreOutput([], _NO_STORE, [])
         # Usually none is held: then one pass in C (a set intersection) finds that.
         held = blocks.keys() & offered
-        to_store = [key for key in offered if key not in blocks] if held else list(offered)
+        to_store = [key for key in offered if key not in blocks] if held else offered
         if not to_store:
             return PrepareStoreOutput([], _NO_STORE, [])
 
         evicted_keys: list[OffloadKey] = []
         need = len(to_store) - self.num_free_blocks
         if need > 0:
-            # Offered keys are shielded from this eviction.
             if need > self._num_evictable - (self._num_ready_among(held) if held else 0):
                 return None
-            victims = self._policy.evict(need, offered)
+            # Offered keys are shielded from this eviction.
+            victims = self._policy.evict(need, set(offered))
             if victims is None:
                 return None
             self._num_evictable -= len(victims)
-            evicted_keys = []
-            append_key, free = evicted_keys.append, self._free.append
-            for key, block in victims:
-                del blocks[key]
-                append_key(key)
-                free(block)
+            evicted_keys = drop_victims(blocks, victims, self._free)
             self._events.record(evicted_keys, MEDIUM, removed=True)
 
         new_blocks = self._allocate(len(to_store))
-        blocks.update(zip(to_store, new_blocks, strict=True))
+        block_ids = claim_pending(new_blocks)
+        store_pairs(blocks, to_store, new_blocks)
         self._policy.insert(to_store, new_blocks)
-        block_ids = [block.block_id for block in new_blocks]
         return PrepareStoreOutput(to_store, CPULoadStoreSpec(block_ids), evicted_keys)
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
-        if isinstance(keys, SINGLE_KEY_TYPES):
+        if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "complete_store")
         blocks = self._blocks
-        changed: list[OffloadKey] = []
         if success:
-            for key in keys:
-                block = blocks.get(key)
-                if block is not None and block.ref_cnt == PENDING_STORE:
-                    block.ref_cnt = 0
-                    changed.append(key)
+            changed = mark_ready(blocks, keys)
             if changed:
                 self._num_evictable += len(changed)
                 self._policy.became_evictable(changed)
                 self._events.record(changed, MEDIUM, removed=False)
             return
         free = self._free
+        dropped: list[OffloadKey] = []
         for key in keys:
             block = blocks.get(key)
             if block is not None and block.ref_cnt == PENDING_STORE:
                 del blocks[key]
                 free.append(block)
-                changed.append(key)
-        if changed:
-            self._policy.remove(changed)
+                dropped.append(key)
+        if dropped:
+            self._policy.remove(dropped)
 
     def remove(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
         """Drop the ready, unpinned blocks among ``keys`` (a tier found their bytes broken).
@@ -241,7 +217,7 @@ class CPUOffloadingManager(OffloadingManager):
         Their slots are free at once; pending or pinned blocks stay. Returns
         the keys dropped; no event is recorded (the caller reports its own).
         """
-        if isinstance(keys, SINGLE_KEY_TYPES):
+        if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "remove")
         blocks = self._blocks
         removed: list[OffloadKey] = []
@@ -261,7 +237,8 @@ class CPUOffloadingManager(OffloadingManager):
         return self._events.take()
 
     def _allocate(self, n: int) -> list[BlockStatus]:
-        """Pending blocks for ``n`` slots: fresh ids first, then freed ones, last freed first."""
+        """Blocks for ``n`` slots: fresh ids first, then freed ones, last freed first (the
+        caller marks them pending: :func:`~kvoffload.policies.loops.claim_pending`)."""
         fresh = min(n, self.num_blocks - self._num_allocated)
         new_blocks = [
             BlockStatus(block_id)
@@ -274,8 +251,6 @@ class CPUOffloadingManager(OffloadingManager):
             recycled = free[-reused:]
             del free[-reused:]
             recycled.reverse()
-            for block in recycled:
-                block.ref_cnt = PENDING_STORE
             new_blocks += recycled
         return new_blocks
 

@@ -244,7 +244,7 @@ class TieredOffloadingManager(OffloadingManager):
         may name them (vLLM's per-request ``kv_load_tiers``). The CPU tier always answers.
         ``request``: the caller's name for the request, whose :meth:`request_finished`
         then ends what its ``None`` answers recorded for a retry that will not come."""
-        if isinstance(keys, SINGLE_KEY_TYPES):
+        if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "lookup")
         keys = list(keys)
         self._drain()
@@ -444,7 +444,8 @@ class TieredOffloadingManager(OffloadingManager):
         return output
 
     def complete_store(self, keys: Iterable[OffloadKey], success: bool = True) -> None:
-        if isinstance(keys, SINGLE_KEY_TYPES):  # its bytes, as keys, would complete nothing
+        # One key alone: its bytes, as keys, would complete nothing.
+        if type(keys) is not list and isinstance(keys, SINGLE_KEY_TYPES):
             refuse_single_key(keys, "complete_store")
         # Each key once: a key listed twice lands once, and is counted and written once.
         landing = [

@@ -14,14 +14,12 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Collection, Container, Iterable, Iterator, Sequence
 from heapq import heappop, heappush
-from itertools import islice
 from typing import ClassVar, Protocol
 
 from kvoffload.core.errors import check_integer
 from kvoffload.core.keys import OffloadKey
-
-PENDING_STORE = -1
-"""``ref_cnt`` of a block whose store has not completed: neither loadable nor evictable."""
+from kvoffload.policies.block_loops import PENDING_STORE as PENDING_STORE
+from kvoffload.policies.loops import front_victims
 
 
 class BlockStatus:
@@ -239,13 +237,7 @@ class ParkingOrder(Collection[OffloadKey]):
         order = self.order
         if self._ready or len(order) < n:
             return None
-        taken = list(islice(order.items(), n))
-        for key, block in taken:
-            if block.ref_cnt != 0 or key in protected:
-                return None
-        for key, _ in taken:
-            del order[key]
-        return taken
+        return front_victims(order, n, protected)
 
     def walk(self, protected: Container[OffloadKey]) -> OrderWalk:
         """Start one eviction's pass over this order."""

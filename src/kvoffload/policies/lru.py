@@ -6,6 +6,7 @@ from collections.abc import Collection, Container, Iterable, Sequence
 
 from kvoffload.core.keys import OffloadKey
 from kvoffload.policies.base import BlockStatus, CachePolicy, ParkingOrder, Victims
+from kvoffload.policies.loops import move_recent, store_pairs
 from kvoffload.policies.registry import register_cache_policy
 
 
@@ -30,7 +31,7 @@ class LRUCachePolicy(CachePolicy):
         """The blocks not set aside, least recent first: what the hot paths touch."""
 
     def insert(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus]) -> None:
-        self._order.update(zip(keys, blocks, strict=True))
+        store_pairs(self._order, keys, blocks)
 
     def remove(self, keys: Iterable[OffloadKey]) -> None:
         pop = self._blocks.pop
@@ -38,14 +39,7 @@ class LRUCachePolicy(CachePolicy):
             pop(key)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
-        order, blocks = self._order, self._blocks
-        parked = blocks.parked
-        move_to_end = order.move_to_end
-        for key in reversed(keys if isinstance(keys, list) else list(keys)):
-            if key in order:
-                move_to_end(key)
-            elif parked and key in parked:
-                order[key] = blocks.unpark(key)
+        move_recent(self._order, self._blocks, keys)
 
     def follow_evictable(self) -> None:
         self._blocks.following = True
