@@ -1,5 +1,6 @@
 """Fixtures of the whole suite: the public Mooncake trace (skipped when absent) and
-session-wide Valkey servers (standalone and a 3-node Cluster), always stopped.
+session-wide Valkey servers (standalone and a 3-node Cluster), always stopped; and the
+pytest-xdist hooks (``xdist_plan`` says what they do).
 """
 
 from __future__ import annotations
@@ -7,12 +8,24 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tier_servers import ValkeyClusterProcesses, ValkeyProcess
+from xdist_plan import auto_workers, engine_tests_last
 
 TRACE_NAME = "mooncake_synthetic_trace.jsonl"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers() -> int:
+    return auto_workers()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    return engine_tests_last(config, log) if config.getvalue("dist") == "loadscope" else None
 
 
 def shared_dir() -> Path:

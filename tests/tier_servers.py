@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import random
 import socket
 import subprocess
@@ -40,18 +41,31 @@ def _ephemeral_low() -> int:
         return 32_768
 
 
+def _worker_share(lowest: int, highest: int) -> tuple[int, int]:
+    """This pytest-xdist worker's own slice of ``lowest..highest`` (all of it outside xdist):
+    a port one worker checked free, or freed to restart a server on, is never another's."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count <= 1:
+        return lowest, highest
+    index = int(worker[2:]) % count
+    width = (highest - lowest + 1) // count
+    return lowest + index * width, lowest + (index + 1) * width - 1
+
+
 def free_port() -> int:
     """A free port whose cluster bus port (+10000) is free too, as Cluster mode needs.
 
     Both lie below the kernel's ephemeral range where it leaves room: a port taken from
     that range, free when checked, could go to any outgoing connection or port-0 socket
     (a TLS terminator's) before its server binds it, and the server then failed to start.
-    None is handed out twice in one process (servers are made before they start)."""
-    highest = min(_ephemeral_low(), 65_536) - BUS_OFFSET - 1
+    None is handed out twice in one process (servers are made before they start), nor
+    by two xdist workers (each draws from its own slice)."""
+    lowest, highest = _worker_share(LOWEST_PORT, min(_ephemeral_low(), 65_536) - BUS_OFFSET - 1)
     randomly = random.Random()
     while True:
-        if highest - LOWEST_PORT >= 1_000:
-            port = randomly.randint(LOWEST_PORT, highest)
+        if highest - lowest >= 1_000:
+            port = randomly.randint(lowest, highest)
         else:  # no room below the ephemeral range: ask the kernel, as before
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))

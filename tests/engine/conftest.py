@@ -1,7 +1,9 @@
 """Fixtures of the engine tests: the engine venv's python and the tiny model (once each).
 
 The engine tests run last, and their engines start when collection ends, in a thread: they
-run beside every other test instead of before them (``engine_helpers`` says why).
+run beside every other test instead of before them (``engine_helpers`` says why). Under
+pytest-xdist (``-n``) one worker alone begins them, and runs the engine tests last
+(``xdist_plan`` says how).
 """
 
 from __future__ import annotations
@@ -20,9 +22,17 @@ from engine_helpers import (
     stop_engine_scripts,
 )
 
+from xdist_plan import ENGINE_WORKER
+
 
 def _ours(item: pytest.Item) -> bool:
     return item.path.resolve().parent == HERE
+
+
+def _begins_engines(config: pytest.Config) -> bool:
+    """Outside xdist, and on the one worker that runs the engine tests under it."""
+    workerinput = getattr(config, "workerinput", None)
+    return workerinput is None or workerinput["workerid"] == ENGINE_WORKER
 
 
 @pytest.hookimpl(trylast=True)
@@ -35,6 +45,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     python = engine_python_path()
     if not modules or session.config.option.collectonly or not python.exists():
         return  # the fixtures skip (or fail under CI) where the venv is missing
+    if not _begins_engines(session.config):
+        return  # another worker's; were one of the tests to come here, it would run its own
     keep_engine_files_in(session.config._tmp_path_factory.mktemp("tmp"))
     begin(python, modules, session.config._tmp_path_factory.mktemp("engine"))
 

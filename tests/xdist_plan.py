@@ -1,0 +1,47 @@
+"""How the suite runs under pytest-xdist (``-n auto``, as the README's test command says).
+
+``--dist loadscope`` (pyproject's addopts) hands out a module or class per unit, so module- and
+class-wide fixtures are computed once. The engine tests are one unit, kept for
+:data:`ENGINE_WORKER`'s last: their engines take minutes that mostly leave the CPU idle, so
+that worker begins them when collection ends, in threads, and runs other tests meanwhile
+(``tests/engine/conftest.py``); the other workers stop once only the engine tests are left.
+(xdist's ``loadgroup`` would need the group in the node id, which pytest 9.2 no longer lets a
+plugin rename.)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+MAX_WORKERS = 4
+"""Workers ``-n auto`` starts at most: each imports torch and starts its own Valkey servers,
+and the engine tests take minutes whatever the number."""
+ENGINE_TESTS = "tests/engine/"
+"""Node ids of the engine tests start with this."""
+ENGINE_WORKER = "gw0"
+"""The worker that begins the engines when collection ends and runs the engine tests."""
+
+
+def auto_workers() -> int:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(MAX_WORKERS, cpus or 1))
+
+
+def engine_tests_last(config: Any, log: Any) -> Any:
+    """xdist's ``loadscope`` scheduler, with the engine tests kept for :data:`ENGINE_WORKER`."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EngineTestsLast(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return ENGINE_TESTS if nodeid.startswith(ENGINE_TESTS) else super()._split_scope(nodeid)
+
+        def _assign_work_unit(self, node: Any) -> None:
+            if ENGINE_TESTS in self.workqueue:
+                self.workqueue.move_to_end(ENGINE_TESTS)
+                if len(self.workqueue) == 1 and node.workerinput["workerid"] != ENGINE_WORKER:
+                    node.shutdown()  # after the tests it holds
+                    return
+            super()._assign_work_unit(node)
+
+    return EngineTestsLast(config, log)
