@@ -27,6 +27,20 @@ def test_script_prints_its_usage(script: Path) -> None:
         assert len(set(listed)) == len(listed), f"a usage that reads {{{choices}}} is ambiguous"
 
 
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: path.stem)
+def test_script_refuses_an_abbreviated_option(script: Path) -> None:
+    """argparse takes a unique prefix of a long option for it, so a typo could set another
+    option, and one added later would change what an abbreviation meant. ``--hel`` probes
+    every script alike and never starts a run: taken for ``--help`` it prints the help and
+    exits 0; refused, it is a usage error (or a missing argument's, reported first)."""
+    done = run_script(script, ["--hel"], timeout=120)
+    missing = OPTIONAL.search(done.stderr)
+    if missing:
+        pytest.skip(f"{script.name} needs {missing.group(1)}")
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    assert re.search(r"unrecognized arguments: --hel|arguments are required", done.stderr)
+
+
 def test_the_scripts_are_found() -> None:
     assert any(path.stem == "transfer_cuda" for path in SCRIPTS)
 
