@@ -262,7 +262,7 @@ def _median(values: list[int]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("rows", nargs="+", help="workload:share, e.g. rag:0.25")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic workloads")
     args = parser.parse_args()

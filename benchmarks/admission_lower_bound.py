@@ -70,7 +70,7 @@ def hit_ratio(requests: list[Request], capacity: int, config: dict[str, object])
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--capacity", type=int, default=2000, help="the tier's blocks (>= 2)")
     args = parser.parse_args()
     if args.capacity < 2:

@@ -109,7 +109,7 @@ def draw(by_workload: dict[str, list[dict[str, Any]]], out: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("rows", type=Path, help="JSON written by admission_table.py --json")
     parser.add_argument("out", type=Path, help="PNG to write")
     args = parser.parse_args()

@@ -518,7 +518,7 @@ def _times(ratio: float) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--shapes", type=positive_int, default=250, help="how many shapes to draw")
     parser.add_argument("--seed", type=int, default=0, help="seed of the shape drawing")
     parser.add_argument(

@@ -260,7 +260,7 @@ def write_rows(path: Path, data: object) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--jobs", type=positive_int, default=2)
     parser.add_argument(
         "--shares",

@@ -167,7 +167,7 @@ FP = layout_fingerprint("bench", layout_preset("tiny"), 0)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--blocks", type=int, default=128)
     parser.add_argument("--block-mib", type=float, default=2.0)
     parser.add_argument("--rounds", type=int, default=3)

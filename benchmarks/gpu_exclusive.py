@@ -101,7 +101,7 @@ def run_row(row: str) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("rows", nargs="*", default=list(ROWS), help="workload:share rows")
     args = parser.parse_args()
     print("| workload | tier | GPU | plain hit / writes | GPU-exclusive touch hit / writes |")

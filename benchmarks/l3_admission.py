@@ -216,7 +216,7 @@ def plot(rows: list[dict[str, Any]], path: Path, host_share: float) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--jobs", type=positive_int, default=2)
     parser.add_argument("--shares", default="0.1,0.25", help="L3 capacity shares of unique blocks")
     parser.add_argument("--host-share", type=float, default=0.05, help="host tier share")

@@ -223,7 +223,7 @@ def policy_names(text: str) -> set[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument(
         "--repeat", type=positive_int, default=3, help="runs per config; the fastest counts"

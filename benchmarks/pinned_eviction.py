@@ -66,7 +66,7 @@ def measure(policy: str, blocks: int, pinned: int, batch: int, rounds: int) -> d
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--blocks", type=int, default=50_000)
     parser.add_argument("--pinned-share", type=float, default=0.9)
     parser.add_argument("--batch", type=int, default=16)

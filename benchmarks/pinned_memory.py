@@ -92,7 +92,7 @@ def copy_gbps(host: torch.Tensor, gpu: torch.Tensor, to_gpu: bool, jobs: list[li
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--gib", type=int, default=4, help="each buffer's size in GiB")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", type=Path, help="also write the results here")

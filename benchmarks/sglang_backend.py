@@ -180,7 +180,7 @@ def _spans(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--pages", type=int, default=128, help="pages per batch (SGLang: 128)")
     parser.add_argument("--page-size", type=int, default=32, help="tokens per page")
     parser.add_argument("--layers", type=int, default=8)

@@ -52,7 +52,7 @@ def _measure(slots: SlotBytes, count: int, repeats: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--slot-kib", type=int, default=512, help="bytes per slot and rank, KiB")
     parser.add_argument("--slots", type=int, default=64, help="slots per snapshot or promotion")
     parser.add_argument("--repeats", type=int, default=20)

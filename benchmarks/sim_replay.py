@@ -44,7 +44,7 @@ def _measure(name: str, source: WorkloadSource, config: SimConfig, repeat: int) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
     parser.add_argument("--repeat", type=int, default=5, help="best of N (default: 5)")
     repeat = parser.parse_args().repeat
     mix = WorkloadSource()

@@ -107,7 +107,7 @@ def disk_budget(text: str) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--workloads", type=workload_names, default="mooncake,rag,oneshot")
     parser.add_argument("--cpu-share", type=share, default=0.05)
     parser.add_argument("--disk-share", type=share, default=0.25)

@@ -41,7 +41,7 @@ def pinned_copy_gbps(job_bytes: int, jobs: int, rounds: int) -> dict[str, float]
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     bench.add_cli_arguments(parser, options.integer)
     parser.set_defaults(device="cuda", gpu_blocks=2048, cpu_blocks=2048)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")

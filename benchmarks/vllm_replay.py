@@ -39,7 +39,7 @@ CONFIGS = [("lru", 0), ("lru", 2), ("arc", 0), ("arc", 2)]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--blocks", type=int, default=4392, help="tier size (default: 4392)")
     parser.add_argument("--repeat", type=int, default=3)

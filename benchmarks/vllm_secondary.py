@@ -177,7 +177,7 @@ def run_mode(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--limit", type=int, default=0, help="first N requests of each (0: all)")
     parser.add_argument("--cpu-share", type=float, default=0.05)

@@ -26,7 +26,7 @@ FACTORS = ("0.5", "1", "2", "4")
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("workloads", nargs="*", default=["mooncake", "chat"])
     parser.add_argument("--share", type=float, default=0.1, help="tier share of unique blocks")
     args = parser.parse_args()

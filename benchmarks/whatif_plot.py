@@ -28,7 +28,7 @@ FULL_RUNS = {"store-all": {"store_threshold": 0}, "filter": {"store_threshold": 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--workload", default="longchat", choices=sorted(WORKLOADS))
     parser.add_argument("--share", type=float, default=0.1, help="tier share of unique blocks")
     parser.add_argument("--out", type=Path, default=Path("docs/img/whatif.png"))

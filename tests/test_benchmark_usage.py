@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from sim.benchmark_scripts import BENCHMARKS, run_script
+from test_docs_commands import OPTIONAL_MODULE, parse_script
 
 SCRIPTS = sorted(path for path in BENCHMARKS.glob("*.py") if "__main__" in path.read_text())
 OPTIONAL = re.compile(r"ModuleNotFoundError: No module named '(torch|vllm|sglang)[.']")
@@ -25,6 +26,26 @@ def test_script_prints_its_usage(script: Path) -> None:
     for choices in re.findall(r"\{([^}]*)\}", done.stdout):
         listed = choices.split(",")
         assert len(set(listed)) == len(listed), f"a usage that reads {{{choices}}} is ambiguous"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: path.stem)
+def test_script_refuses_an_abbreviated_option(
+    script: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """argparse takes a unique prefix of a long option for it, so a typo could set another
+    option, and one added later would change what an abbreviation meant. ``--hel`` probes
+    every script alike, parsed in this process by the script's own parser: taken for
+    ``--help`` it prints the help and exits 0; refused, it is a usage error (or a missing
+    argument's, reported first)."""
+    try:
+        status, error = parse_script(script.stem, ["--hel"], monkeypatch)
+    except ModuleNotFoundError as exc:
+        missing = OPTIONAL_MODULE.search(str(exc))
+        if missing is None:
+            raise
+        pytest.skip(f"{script.name} needs {missing.group(1)}")
+    assert status == 2, f"{script.name} took --hel for --help"
+    assert re.search(r"unrecognized arguments: --hel|arguments are required", error), error
 
 
 def test_the_scripts_are_found() -> None:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Iterator
+
+import pytest
 
 from kvoffload.admission import available_admissions
+from kvoffload.cli import bench
 from kvoffload.cli.app import build_parser
 from kvoffload.core.layout import LAYOUT_PRESETS
 from kvoffload.policies import available_policies
@@ -110,3 +114,31 @@ def test_the_remote_help_shows_only_urls_the_tier_takes() -> None:
         for url in shown:
             filled = url.replace("[user:pass@]", "").replace(",...", "")
             parse_remote_url(filled.replace("host:port", "127.0.0.1:6379"))
+
+
+def _options(parser: argparse.ArgumentParser) -> Iterator[tuple[str, argparse.Action]]:
+    """Every option of ``parser`` and of its subcommands, each with its command's name."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _options(sub)
+        elif action.option_strings:
+            yield parser.prog, action
+
+
+def test_every_default_shown_is_worded_default() -> None:
+    """``bench transfer --help`` ended its options with a bare "(512)" where every other
+    command says "(default: 512)"; a reader could take it for a limit (--threads' was one)."""
+    pytest.importorskip("kvoffload.dataplane.bench")
+    parser, transfer = build_parser()
+    bench.add_transfer_options(transfer)
+    for command, action in _options(parser):
+        remark = re.search(r"\(([^()]*)\)$", action.help or "")
+        if remark is None or action.default in (None, False, [], argparse.SUPPRESS):
+            continue
+        shown = f"{action.default:g}" if isinstance(action.default, float) else action.default
+        if re.search(rf"\b{re.escape(str(shown))}\b", remark[1]):
+            assert remark[1].startswith("default: "), (command, action.help)
+    transfer_help = {action.dest: action.help or "" for _, action in _options(transfer)}
+    assert "(default: torch's own" in transfer_help["threads"], transfer_help["threads"]
+    assert "(default: 5)" in transfer_help["rounds"], transfer_help["rounds"]

@@ -71,6 +71,16 @@ def test_sizes_just_under_the_next_unit_are_not_in_exponent_notation(
     assert output.size(999.4 * 2**20) == "999 MiB"
 
 
+def test_sizes_go_on_to_pib_and_eib() -> None:
+    """Sizes stopped at TiB: 3 PiB read "3,072.0 TiB", 2**70 bytes "1,073,741,824.0 TiB"."""
+    assert output.size(1.5 * 2**40) == "1.5 TiB"
+    assert output.size(3 * 2**50) == "3 PiB"
+    assert output.size(-3 * 2**50) == "-3 PiB"
+    assert output.size(5 * 2**60) == "5 EiB"
+    assert output.size(2**70) == "1,024 EiB"
+    assert output.size(1e30) == "8.67e+11 EiB"  # not every digit of a count gone wrong
+
+
 def test_a_table_of_no_rows_is_its_header() -> None:
     """A column's width was the max of its header and its cells: with no cells, a TypeError."""
     assert output.column_table(["policy", "hit"], []) == "policy  hit\n------  ---"

@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 from cli_helpers import one_line_error
 
+from kvoffload.cli import sweep
 from kvoffload.cli.app import build_parser
 from kvoffload.cli.main import main
-from kvoffload.sim import Workload, read_trace, sources
+from kvoffload.sim import Workload, plots, read_trace, sources
 from tier_servers import ValkeyProcess
 
 
@@ -379,3 +380,36 @@ def test_trace_stats_checks_its_plot_before_reading(
     assert main(["trace-stats", str(trace), *argv]) == (2 if "empty" in message else 1)
     assert message.format(tmp=tmp_path) in one_line_error(capsys)
     assert trace.read_text() == "{\n"
+
+
+@pytest.mark.parametrize(("asked", "used"), [("1000", 2), ("2", 2), ("1", 1)])
+def test_a_sweep_runs_at_most_one_worker_a_cpu(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], asked: str, used: int
+) -> None:
+    """``--jobs 1000`` on 2 CPUs started a pool of up to 1000 processes, each with its own
+    copy of the workload, to take turns on 2 CPUs; it runs on 2 and says so once."""
+    real_run_sweep = sweep.run_sweep
+    jobs_given: list[int] = []
+
+    def run_here(*args: Any, jobs: int, **kwargs: Any) -> Any:
+        jobs_given.append(jobs)
+        return real_run_sweep(*args, jobs=1, **kwargs)  # no worker processes in a test
+
+    monkeypatch.setattr(sweep, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(sweep, "run_sweep", run_here)
+    argv = ["sweep", "--requests", "30", "--cpu-blocks", "100,200,300", "--policies", "lru"]
+    assert main([*argv, "--thresholds", "0", "--jobs", asked, "--no-progress"]) == 0
+    assert jobs_given == [used]
+    note = f"kvoffload: --jobs {asked}: using 2, the CPUs this process may use\n"
+    assert capsys.readouterr().err == (note if used < int(asked) else "")
+
+
+def test_twenty_sweep_lines_each_have_a_style_of_their_own() -> None:
+    """Colours came from matplotlib's cycle (10 by default, fewer in some styles) and the
+    dash and marker cycles told 12 apart: a sweep of 18 configurations drew lines alike."""
+    styles = [plots._line_style(index) for index in range(20)]
+    drawn = [(style.get("color"), style["linestyle"], style["marker"]) for style in styles]
+    assert len(set(drawn)) == len(drawn), drawn
+    for colour in {colour for colour, _, _ in drawn}:
+        alike = [(dash, marker) for drawn_colour, dash, marker in drawn if drawn_colour == colour]
+        assert len({dash for dash, _ in alike}) == len({m for _, m in alike}) == len(alike), alike

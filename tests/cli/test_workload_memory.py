@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from cli_helpers import one_line_error
 
+from kvoffload.cli import sweep
 from kvoffload.cli.main import main
 from kvoffload.core import memory
 
@@ -53,6 +54,7 @@ def test_a_sweep_counts_the_copy_each_worker_draws(
     """Some 11 MB a copy: one fits in 40 MiB, five do not; the workers, each drawing its own,
     were killed for memory one by one, and the error named no option."""
     monkeypatch.setattr(memory, "available_bytes", lambda: 40 * MIB)
+    monkeypatch.setattr(sweep, "usable_cpus", lambda: 4)  # --jobs 4 is taken as asked
     argv = ["sweep", "--requests", "600", "--no-progress", "--policies", "lru"]
     argv += ["--thresholds", "0", "--cpu-blocks", "100,200,300,400"]
     assert main([*argv, "--jobs", "4"]) == 1
@@ -74,6 +76,7 @@ def test_a_sweep_counts_the_copy_of_the_trace_each_worker_reads(
     )
     trace.write_text("".join(lines))
     monkeypatch.setattr(memory, "available_bytes", lambda: 6 * MIB)
+    monkeypatch.setattr(sweep, "usable_cpus", lambda: 4)  # --jobs 4 is taken as asked
     argv = ["sweep", "--trace", str(trace), "--gpu-blocks", "100", "--no-progress"]
     argv += ["--policies", "lru", "--thresholds", "0", "--cpu-blocks", "100,200,300,400"]
     assert main([*argv, "--jobs", "4"]) == 1

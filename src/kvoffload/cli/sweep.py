@@ -82,7 +82,7 @@ def register(commands: Any) -> None:
         "--jobs",
         type=options.POSITIVE_INT,
         default=usable_cpus(),
-        help="parallel processes (default: the CPUs this process may run on)",
+        help="parallel processes, at most the CPUs this process may run on (default: all of them)",
     )
     parser.add_argument("--plot-dir", metavar="DIR", help="write PNG plots into DIR")
     parser.add_argument("--json", metavar="PATH", help="write every run as a JSON list (- stdout)")
@@ -186,6 +186,18 @@ def _check_cpu_tier(args: argparse.Namespace) -> None:
         raise InvalidArgumentError(f"{refusal}: drop 0 from {option}")
 
 
+def _jobs_within_cpus(jobs: int) -> int:
+    """At most the CPUs this process may use, said once on stderr when fewer than asked:
+    more workers than CPUs only take turns, each holding its own copy of the workload
+    (``--jobs 1000`` on 2 CPUs started a pool of up to 1000 processes)."""
+    cpus = usable_cpus()
+    if jobs <= cpus:
+        return jobs
+    note = f"kvoffload: --jobs {jobs}: using {cpus}, the CPUs this process may use"
+    print(note, file=sys.stderr)
+    return cpus
+
+
 def _check_trace_rereadable(trace: str | None, jobs: int) -> None:
     """Each worker process (``--jobs`` above 1) reads the trace anew, after this process
     has: a pipe would give this one its records and the workers none. With ``--jobs 1``
@@ -234,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
     if table is not None:
         output.show(table)
         return 0
+    args.jobs = _jobs_within_cpus(args.jobs)
     options.check_before_work(args)
     _check_cpu_tier(args)  # before the tiers' checks, which reach a --remote server
     tier_options.check_before_work(args)

@@ -164,14 +164,15 @@ def add_cli_arguments(
     parser.add_argument(
         "--layout",
         default=DEFAULTS["layout"],
-        help=f"KV layout preset, one of {', '.join(sorted(LAYOUT_PRESETS))} ({DEFAULTS['layout']})",
+        help=f"KV layout preset, one of {', '.join(sorted(LAYOUT_PRESETS))} "
+        f"(default: {DEFAULTS['layout']})",
     )
     for name, minimum, help_text in (
         ("gpu-blocks", 1, "GPU KV cache size in GPU blocks"),
         ("cpu-blocks", 1, "CPU tier size in offloaded blocks"),
         ("blocks-per-job", 1, "offloaded blocks per transfer job, at most --cpu-blocks"),
         ("block-size-factor", 1, "GPU blocks per offloaded block"),
-        ("rounds", 1, "measured rounds (after one warm-up round)"),
+        ("rounds", 1, "measured rounds, after one warm-up round"),
         ("seed", 0, "seed of the GPU block shuffle"),
     ):
         default = DEFAULTS[name.replace("-", "_")]
@@ -179,18 +180,19 @@ def add_cli_arguments(
             f"--{name}",
             type=integer(minimum, None),
             default=default,
-            help=f"{help_text} ({default})",
+            help=f"{help_text} (default: {default})",
         )
     parser.add_argument(
         "--device",
         default=DEFAULTS["device"],
-        help=f"device of the KV cache ({DEFAULTS['device']})",
+        help=f"device of the KV cache (default: {DEFAULTS['device']})",
     )
     parser.add_argument(
         "--threads",
         type=integer(1, usable_cpus()),
         default=None,
-        help=f"torch CPU threads, at most the CPUs this process may use ({usable_cpus()})",
+        help=f"torch CPU threads, from 1 to {usable_cpus()}, the CPUs this process may use "
+        f"(default: torch's own, {torch.get_num_threads()} here)",
     )
 
 

@@ -60,17 +60,32 @@ def _floats(line: Sequence[RunReport], name: str) -> list[float]:
     return [float("nan") if v is None else float(v) for v in values]
 
 
+COLOURS = (
+    "tab:blue",
+    "tab:orange",
+    "tab:green",
+    "tab:red",
+    "tab:purple",
+    "tab:brown",
+    "tab:pink",
+    "tab:gray",
+    "tab:olive",
+    "tab:cyan",
+)
 LINE_STYLES = ("-", "--", "-.", ":")
 MARKERS = ("o", "s", "^", "v", "D", "P")
-"""Each configuration's line and marker, hollow: two rules with the same figures drew one
-line over the other, and the plot showed one of them. Dashes let the line beneath show
-through, and hollow markers of different shapes both show at a shared point; the two
-cycles give 12 configurations a pair of their own."""
+"""Each configuration's colour, line and marker, hollow: two rules with the same figures
+drew one line over the other, and the plot showed one of them. Dashes let the line beneath
+show through, and hollow markers of different shapes both show at a shared point. The
+colours are named here, not taken from matplotlib's settings (whose cycle may be shorter
+than 10); the three cycles give 60 configurations a combination of their own, and the two
+lines of a colour among the first 20 differ in both dash and marker."""
 
 
 def _line_style(index: int) -> dict[str, str]:
-    """The line style, marker and fill of the ``index``-th configuration's line."""
+    """The colour, line style, marker and fill of the ``index``-th configuration's line."""
     return {
+        "color": COLOURS[index % len(COLOURS)],
         "linestyle": LINE_STYLES[index % len(LINE_STYLES)],
         "marker": MARKERS[index % len(MARKERS)],
         "fillstyle": "none",
