@@ -41,7 +41,7 @@ def _ephemeral_low() -> int:
         return 32_768
 
 
-def _worker_share(lowest: int, highest: int) -> tuple[int, int]:
+def worker_port_range(lowest: int, highest: int) -> tuple[int, int]:
     """This pytest-xdist worker's own slice of ``lowest..highest`` (all of it outside xdist):
     a port one worker checked free, or freed to restart a server on, is never another's."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
@@ -61,7 +61,7 @@ def free_port() -> int:
     (a TLS terminator's) before its server binds it, and the server then failed to start.
     None is handed out twice in one process (servers are made before they start), nor
     by two xdist workers (each draws from its own slice)."""
-    lowest, highest = _worker_share(LOWEST_PORT, min(_ephemeral_low(), 65_536) - BUS_OFFSET - 1)
+    lowest, highest = worker_port_range(LOWEST_PORT, min(_ephemeral_low(), 65_536) - BUS_OFFSET - 1)
     randomly = random.Random()
     while True:
         if highest - lowest >= 1_000:
