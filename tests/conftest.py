@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tier_servers import ValkeyClusterProcesses, ValkeyProcess
-from xdist_plan import auto_workers, engine_tests_last
+from xdist_plan import ENGINE_FIGURES, auto_workers, engine_tests_last
 
 TRACE_NAME = "mooncake_synthetic_trace.jsonl"
 
@@ -26,6 +26,22 @@ def pytest_collection_finish() -> None:
     112 s -> 102 s."""
     gc.collect()
     gc.freeze()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The engine tests' measured figures, which they record as user properties."""
+    figures = [
+        f"[engine] {value}"
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if isinstance(report, pytest.TestReport) and report.when == "call"
+        for name, value in report.user_properties
+        if name == ENGINE_FIGURES
+    ]
+    if figures:
+        terminalreporter.write_sep("-", "engine figures")
+        for line in figures:
+            terminalreporter.write_line(line)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -19,6 +19,9 @@ MAX_WORKERS = 4
 and the engine tests take minutes whatever the number."""
 ENGINE_TESTS = "tests/engine/"
 """Node ids of the engine tests start with this."""
+ENGINE_FIGURES = "engine"
+"""The user property under which the engine tests leave their measured figures; the root
+conftest prints them at the end of the run (a worker's own output reaches no terminal)."""
 ENGINE_WORKER = "gw0"
 """The worker that begins the engines when collection ends and runs the engine tests."""
 

@@ -26,6 +26,8 @@ from typing import Any, Generic, TypeVar
 
 import pytest
 
+from xdist_plan import ENGINE_FIGURES
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 ENGINE_PYTHON_VAR = "KVOFFLOAD_ENGINE_PYTHON"
@@ -266,7 +268,8 @@ def run_driver(python: Path, job: dict[str, Any], work: Path) -> dict[str, Any]:
     return result
 
 
-def report(capsys: pytest.CaptureFixture[str], lines: list[str]) -> None:
-    """Measured figures, on the terminal even though pytest captures the test's output."""
-    with capsys.disabled():
-        print("\n" + "\n".join(f"[engine] {line}" for line in lines))
+def report(record_property: Callable[[str, object], None], lines: list[str]) -> None:
+    """Measured figures, for the root conftest to print in the run's summary: a test's own
+    output reaches no terminal from a pytest-xdist worker."""
+    for line in lines:
+        record_property(ENGINE_FIGURES, line)

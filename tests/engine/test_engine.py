@@ -14,6 +14,7 @@ loads. ``vllm serve`` is tested on its own.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -293,7 +294,7 @@ def _counter(metrics: dict[str, float], name: str) -> float:
 
 
 def test_the_cpu_tier_serves_identical_outputs_after_a_reset(
-    runs: dict[str, Any], capsys: pytest.CaptureFixture[str]
+    runs: dict[str, Any], record_property: Callable[[str, object], None]
 ) -> None:
     engine, baseline = runs["cpu"]["engines"][0], runs["cpu"]["baseline"][0]
     _assert_same_outputs(engine, baseline)
@@ -308,7 +309,7 @@ def test_the_cpu_tier_serves_identical_outputs_after_a_reset(
     base_metrics = _metrics(baseline)[-1]
     assert _counter(base_metrics, "vllm:external_prefix_cache_hits") == 0
     report(
-        capsys,
+        record_property,
         [
             f"engine start-up s: {', '.join(f'{s:.1f}' for s in runs['startup'])}",
             f"cpu tier: {loads:.0f} blocks loaded after the reset, "
@@ -356,7 +357,7 @@ def test_the_optimisers_whatif_reaches_vllms_metrics(runs: dict[str, Any]) -> No
 
 
 def test_a_write_budget_caps_what_the_engine_stores(
-    runs: dict[str, Any], capsys: pytest.CaptureFixture[str]
+    runs: dict[str, Any], record_property: Callable[[str, object], None]
 ) -> None:
     """The budget's bucket starts empty and earns per block reference, so the first pass
     (3 prompts of 10 blocks) may store at most a quarter of its 30 references, half of what
@@ -370,7 +371,7 @@ def test_a_write_budget_caps_what_the_engine_stores(
     assert _counter(last, "vllm:kvoffload_stores_completed") <= WRITE_BUDGET * 2 * references
     assert _counter(last, "vllm:kvoffload_loads") > 0
     report(
-        capsys,
+        record_property,
         [
             f"write budget {WRITE_BUDGET}/ref: {stored:.0f} of {DISTINCT_SHARED_BLOCKS} blocks "
             f"stored in the first pass ({references} references), "
@@ -410,7 +411,7 @@ def test_the_disk_tier_serves_what_the_cpu_tier_evicted(runs: dict[str, Any]) ->
 
 
 def test_two_engines_share_one_valkey_tier(
-    runs: dict[str, Any], capsys: pytest.CaptureFixture[str]
+    runs: dict[str, Any], record_property: Callable[[str, object], None]
 ) -> None:
     """Engine A computes a long prompt; engine B, started afresh, loads it from Valkey."""
     (a, b), (base, _) = runs["shared"]["engines"], runs["shared"]["baseline"]
@@ -423,7 +424,7 @@ def test_two_engines_share_one_valkey_tier(
     assert _counter(b_metrics, "vllm:kvoffload_loads") == len(LONG) // BLOCK_TOKENS
     assert _counter(b_metrics, "vllm:kvoffload_stores_completed") == 0
     report(
-        capsys,
+        record_property,
         [
             f"shared Valkey tier: engine B loaded {len(LONG) // BLOCK_TOKENS} blocks that "
             "engine A computed; tokens identical to A's and the baseline's, logprobs "
@@ -433,7 +434,7 @@ def test_two_engines_share_one_valkey_tier(
 
 
 def test_a_frozen_shared_tier_server_is_a_miss_never_a_stall(
-    runs: dict[str, Any], capsys: pytest.CaptureFixture[str]
+    runs: dict[str, Any], record_property: Callable[[str, object], None]
 ) -> None:
     """The shared tier's server, behind a password with ``/``, ``@`` and ``:``, takes the
     first prompts' blocks; frozen, it holds a load and stores: each ends by the tier's
@@ -457,7 +458,7 @@ def test_a_frozen_shared_tier_server_is_a_miss_never_a_stall(
     assert runs["password_lines"] == []
     seconds = [f"{g['seconds']:.1f}" for g in _generations(engine["steps"])[3:]]
     report(
-        capsys,
+        record_property,
         [
             f"frozen shared tier: {written} blocks on the server before SIGSTOP; frozen, "
             f"A (on the server only), D, and D after a reset took {', '.join(seconds)} s; "

@@ -18,7 +18,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,7 +161,7 @@ def _metric(text: str, name: str) -> float:
 
 
 def test_vllm_serve_with_kvoffload(
-    served: tuple[Server, float], capsys: pytest.CaptureFixture[str]
+    served: tuple[Server, float], record_property: Callable[[str, object], None]
 ) -> None:
     server, startup = served
     assert server.request("/health")[0] == 200
@@ -181,6 +181,6 @@ def test_vllm_serve_with_kvoffload(
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     report(
-        capsys,
+        record_property,
         [f"vllm serve (api_server) healthy after {startup:.1f} s; {loads:.0f} blocks loaded"],
     )
