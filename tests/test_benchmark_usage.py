@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sim.benchmark_scripts import BENCHMARKS, run_script
-from test_docs_commands import OPTIONAL_MODULE, parse_script, script_parser
+from test_docs_commands import parse_script, script_parser, skipped_without_engine
 
 SCRIPTS = sorted(path for path in BENCHMARKS.glob("*.py") if "__main__" in path.read_text())
 
@@ -17,14 +17,8 @@ SCRIPTS = sorted(path for path in BENCHMARKS.glob("*.py") if "__main__" in path.
 def test_script_prints_its_usage(script: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Built in this process as ``python benchmarks/<name>.py`` builds it (a process each
     took about 50 s in all; one script still answers in a process of its own, below)."""
-    try:
-        with monkeypatch.context() as patch:
-            usage = script_parser(script.stem, patch).format_help()
-    except ModuleNotFoundError as exc:
-        missing = OPTIONAL_MODULE.search(str(exc))
-        if missing is None:
-            raise
-        pytest.skip(f"{script.name} needs {missing.group(1)}")
+    with skipped_without_engine(script.name), monkeypatch.context() as patch:
+        usage = script_parser(script.stem, patch).format_help()
     assert usage.startswith(f"usage: {script.name}"), usage
     for choices in re.findall(r"\{([^}]*)\}", usage):
         listed = choices.split(",")
@@ -46,13 +40,8 @@ def test_script_refuses_an_abbreviated_option(
     every script alike, parsed in this process by the script's own parser: taken for
     ``--help`` it prints the help and exits 0; refused, it is a usage error (or a missing
     argument's, reported first)."""
-    try:
+    with skipped_without_engine(script.name):
         status, error = parse_script(script.stem, ["--hel"], monkeypatch)
-    except ModuleNotFoundError as exc:
-        missing = OPTIONAL_MODULE.search(str(exc))
-        if missing is None:
-            raise
-        pytest.skip(f"{script.name} needs {missing.group(1)}")
     assert status == 2, f"{script.name} took --hel for --help"
     assert re.search(r"unrecognized arguments: --hel|arguments are required", error), error
 

@@ -126,6 +126,18 @@ OPTIONAL_MODULE = re.compile(r"No module named '(torch|vllm|sglang)[.']?")
 """Engines and torch are optional: a script that needs one is skipped where it is absent."""
 
 
+@contextlib.contextmanager
+def skipped_without_engine(what: str) -> Iterator[None]:
+    """Skip, naming ``what`` and the module, where an engine or torch is not installed."""
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        missing = OPTIONAL_MODULE.search(str(exc))
+        if missing is None:
+            raise
+        pytest.skip(f"{what} needs {missing.group(1)}")
+
+
 @dataclass(frozen=True)
 class Command:
     """One documented command line: where it is, its words as a shell splits them, the
@@ -382,13 +394,8 @@ def command_problem(command: Command, monkeypatch: pytest.MonkeyPatch) -> str | 
                 return "no such script"
             if command.names_script:
                 return None
-            try:
+            with skipped_without_engine(f"{script.group(1)}.py"):
                 status, error = parse_script(script.group(1), arguments, monkeypatch)
-            except ModuleNotFoundError as exc:
-                missing = OPTIONAL_MODULE.search(str(exc))
-                if missing is None:
-                    raise
-                pytest.skip(f"needs {missing.group(1)}")
         if command.names_option and status != 0:
             if f"argument {arguments[-1]}: expected one argument" not in error:
                 return f"does not name an option: {error}"

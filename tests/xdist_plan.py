@@ -11,8 +11,9 @@ plugin rename.)
 
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from kvoffload.core.cpus import usable_cpus
 
 MAX_WORKERS = 4
 """Workers ``-n auto`` starts at most: each imports torch and starts its own Valkey servers,
@@ -27,8 +28,7 @@ ENGINE_WORKER = "gw0"
 
 
 def auto_workers() -> int:
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(MAX_WORKERS, cpus or 1))
+    return min(MAX_WORKERS, usable_cpus())
 
 
 def engine_tests_last(config: Any, log: Any) -> Any:
