@@ -13,6 +13,7 @@ import signal
 import threading
 
 from tier_helpers import STALL_S, content, finishes
+from tier_helpers import remote_preload as preload
 from tier_helpers import remote_read as read
 from tier_helpers import remote_store as store
 from tier_helpers import tiny_fingerprint as fingerprint
@@ -148,12 +149,11 @@ def test_a_read_queued_behind_another_fails_by_its_own_deadline(
     process = own_server.process
     assert process is not None
     size = 8 * 2**20
+    fp = fingerprint("queued", size)
+    preload(own_server.url, fp, KEYS[:3], size)
     breaker = CircuitBreaker(threshold=100)  # the read ahead's failure refuses nothing
-    tier = RemoteTier(
-        own_server.url_with(500), fingerprint("queued", size), breaker=breaker, io_threads=1
-    )
+    tier = RemoteTier(own_server.url_with(500), fp, breaker=breaker, io_threads=1)
     try:
-        store(tier, KEYS[:3], size)
         buffers = [bytearray(size) for _ in range(3)]
         process.send_signal(signal.SIGSTOP)
         ahead = tier.read(KEYS[:2], lambda i: memoryview(buffers[i]))

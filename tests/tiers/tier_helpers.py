@@ -78,6 +78,20 @@ def remote_store(tier: RemoteTier, keys: list[OffloadKey], size: int = SMALL_BLO
     tier.poll(wait=True)
 
 
+def remote_preload(
+    url: str, fingerprint: bytes, keys: list[OffloadKey], size: int = SMALL_BLOCK
+) -> None:
+    """Write ``keys`` through a tier of their own at ``url`` (the generous test deadline)
+    and check that all landed: a test's short deadline is for what it tests, and its
+    set-up may outlast it on a loaded machine."""
+    writer = RemoteTier(url, fingerprint)
+    try:
+        remote_store(writer, keys, size)
+        assert writer.stats.stored_blocks == len(keys), writer.stats
+    finally:
+        writer.close()
+
+
 def pins_of(loads: Iterable[Sequence[OffloadKey]]) -> Counter[OffloadKey]:
     """How many of the loads in flight pin each key (a key listed twice in one, twice)."""
     return Counter(key for keys in loads for key in keys)
