@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cli_helpers import one_line_error
+from cli_helpers import needs_two_cpus, one_line_error
 
 from kvoffload.cli import sweep
 from kvoffload.cli.app import build_parser
@@ -141,7 +141,7 @@ def test_sweep_runs_an_alias_and_its_rule_once(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.parametrize("jobs", ["1", "2"])
+@pytest.mark.parametrize("jobs", ["1", pytest.param("2", marks=needs_two_cpus)])
 def test_a_failed_run_keeps_the_finished_ones(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], jobs: str
 ) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cli_helpers import one_line_error
+from cli_helpers import needs_two_cpus, one_line_error
 
 from compiled import needs
 from kvoffload import CPUOffloadingManager, FilterReusedOffloadingManager, block_id_key
@@ -426,6 +426,7 @@ def test_a_trace_from_a_pipe_loses_no_records(tmp_path: Path) -> None:
     assert json.loads(result.stdout)["requests"] == 400
 
 
+@needs_two_cpus
 def test_sweep_refuses_a_trace_it_could_read_only_once(tmp_path: Path) -> None:
     """Every worker process reads the trace again: from a pipe, they would get nothing
     (here, with nobody writing the pipe, the first read would wait forever)."""
@@ -689,6 +690,7 @@ def _watch_first_run(
     return seen, first_done, reader
 
 
+@needs_two_cpus
 def test_ctrl_c_stops_a_sweep_and_keeps_finished_runs(tmp_path: Path) -> None:
     folder = tmp_path / "new\nline"  # the one line that names the files stays one line
     folder.mkdir()
@@ -765,6 +767,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@needs_two_cpus
 def test_sigterm_stops_a_sweep_and_its_workers(tmp_path: Path) -> None:
     """SIGTERM (``kill``, ``timeout``, a service manager) used to end the parent on the spot,
     leaving each worker to finish its run (minutes, on a large workload) unwatched."""
@@ -1119,9 +1122,10 @@ def test_a_wrong_remote_password_is_refused_before_the_workload(
     [
         (["simulate", "--gpu-blocks", "10"], "--gpu-blocks 10 (a GPU prefix cache of 10 blocks)"),
         (["simulate", "--gpu-gb", "0.01"], "--gpu-gb 0.01 (a GPU prefix cache of 5 blocks)"),
-        (
+        pytest.param(
             ["sweep", "--jobs", "2", "--gpu-blocks", "10"],
             "--gpu-blocks 10 (a GPU prefix cache of 10 blocks)",
+            marks=needs_two_cpus,
         ),
     ],
 )
