@@ -16,7 +16,7 @@ step's result.
 
 Each engine's core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the scheduler
 and the worker, and so both halves of the connector, run the same code as in a process of
-their own, and each engine starts in about 4 s instead of 30-40 s of importing vLLM and torch
+their own, and each engine starts in 3-5 s instead of 35-60 s of importing vLLM and torch
 again on 2 cores. ``test_serve.py`` runs the engine core in its own process, as ``vllm serve``
 does. Everything runs under the ``__main__`` guard all the same.
 """

@@ -34,14 +34,9 @@ from kvoffload.observe.events import (
 from kvoffload.observe.indexer import PrefixIndex
 from kvoffload.observe.publisher import KVEventPublisher
 from kvoffload.observe.subscriber import Delivered, KVEventSubscriber, SubscriberClosedError
+from tier_servers import free_port
 
 LOCAL = "tcp://127.0.0.1:0"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _stored(*ids: int) -> list[OffloadingEvent]:

@@ -7,7 +7,6 @@ process of its own paid its import (about 10 s of CPU) once a test.
 from __future__ import annotations
 
 import hashlib
-import socket
 import time
 import warnings
 from typing import Any
@@ -26,16 +25,11 @@ from kvoffload.observe import events as ours
 from kvoffload.observe.events import AllBlocksCleared, BlockStored, decode_batch, make_batch
 from kvoffload.observe.publisher import KVEventPublisher
 from kvoffload.observe.subscriber import Delivered, KVEventSubscriber
+from tier_servers import free_port
 
 LOCAL = "tcp://127.0.0.1:0"
 SHA_KEY = make_offload_key(hashlib.sha256(b"a page").digest(), 1)
 """A 32-byte hash, as SGLang's pages and vLLM's sha256 blocks have, in KV group 1."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _vllm_kv_events() -> Any:
