@@ -157,3 +157,22 @@ def test_managers_python_example_runs() -> None:
     blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL)
     assert blocks, "docs/managers.md has no python example"
     exec(compile(blocks[0], str(page), "exec"), {})
+
+
+def _pip_installs(text: str) -> list[list[str]]:
+    """Each ``.venv/bin/pip install`` in ``text``, its arguments without ``--quiet``."""
+    found = re.findall(r"\.venv/bin/pip install ([^&\n]+)", text)
+    return [[arg for arg in shlex.split(args) if arg != "--quiet"] for args in found]
+
+
+def test_ci_installs_what_the_readme_installs() -> None:
+    """CI must make the venv the README's set-up makes: the same installs, in the same order,
+    with the same flags (``--no-compile`` among them, which the suite's timings count on)."""
+    readme = README.read_text()
+    setup = readme[readme.index("## Set-up") :]
+    setup = setup[: setup.index("```", setup.index("```") + 3)]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert _pip_installs(setup), setup
+    assert _pip_installs(ci) == _pip_installs(setup)
+    assert "bash tests/engine/setup_venv.sh .venv-vllm-cpu" in setup
+    assert "tests/engine/setup_venv.sh .venv-vllm-cpu" in ci

@@ -14,6 +14,7 @@ from xdist_plan import ENGINE_TESTS, ENGINE_WORKER, engine_tests_last
 
 pytest.importorskip("xdist")
 
+MACHINE = "TestStackMachine"
 COLLECTION = [
     *(f"tests/core/test_a.py::test_{i}" for i in range(6)),
     *(f"{ENGINE_TESTS}test_engine.py::test_{i}" for i in range(3)),
@@ -21,9 +22,10 @@ COLLECTION = [
     *(f"tests/sim/test_b.py::test_{i}" for i in range(2)),
     f"{ENGINE_TESTS}test_serve.py::test_serve",
     *(f"tests/tiers/test_c.py::test_{i}" for i in range(5)),
+    f"tests/tiers/test_d.py::{MACHINE}::runTest",
 ]
 """Engine tests of two modules among others: the module of 6 is the largest unit, which
-plain ``loadscope`` hands out first, and the engine tests are not."""
+plain ``loadscope`` hands out first, and the engine tests are not; a state machine last."""
 
 
 class StandInWorker:
@@ -64,6 +66,8 @@ def test_the_engine_tests_go_last_to_the_worker_that_began_the_engines(
                 ran[worker] += 1
     engine = sorted(i for i, nodeid in enumerate(COLLECTION) if nodeid.startswith(ENGINE_TESTS))
     assert sends[-1] == (ENGINE_WORKER, engine), sends
+    machine = [i for i, nodeid in enumerate(COLLECTION) if MACHINE in nodeid]
+    assert sends[0] == (workers[0], machine), sends  # the longest unit, first
     assert sorted(i for worker in stand_ins for i in worker.sent) == list(range(len(COLLECTION)))
     assert all(worker.shutting_down for worker in stand_ins)
 

@@ -699,7 +699,7 @@ def test_ctrl_c_stops_a_sweep_and_keeps_finished_runs(tmp_path: Path) -> None:
     # A shell's background job (`nohup ... &`, some CI runners) starts with Ctrl-C ignored, and
     # a child inherits that: this one takes Ctrl-C as an interactive terminal's child does.
     interactive = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
-    argv = [*CLI[:2], interactive + CLI[2], "sweep", "--requests", "8000", "--seed", "3"]
+    argv = [*CLI[:2], interactive + CLI[2], "sweep", "--requests", "2000", "--seed", "3"]
     argv += ["--gpu-blocks", "3000", "--cpu-blocks", capacities, "--jobs", "2", "--progress"]
     argv += ["--json", str(out_json), "--csv", str(out_csv)]
     with subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL) as process:
@@ -773,7 +773,7 @@ def test_sigterm_stops_a_sweep_and_its_workers(tmp_path: Path) -> None:
     leaving each worker to finish its run (minutes, on a large workload) unwatched."""
     out_json = tmp_path / "runs.json"
     capacities = ",".join(str(1000 * (i + 1)) for i in range(12))
-    argv = [*CLI, "sweep", "--requests", "8000", "--seed", "3", "--gpu-blocks", "3000"]
+    argv = [*CLI, "sweep", "--requests", "2000", "--seed", "3", "--gpu-blocks", "3000"]
     argv += ["--cpu-blocks", capacities, "--jobs", "2", "--progress", "--json", str(out_json)]
     with subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL) as process:
         seen, first_done, reader = _watch_first_run(process)
