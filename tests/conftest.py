@@ -29,7 +29,9 @@ def pytest_configure(config: pytest.Config) -> None:
     suite's Python processes compiled what it imported again (kvoffload's editable source,
     and the packages that the README's set-up installs with ``--no-compile``). The files go
     to ``__pycache__`` folders inside the clone and its venvs. Set here, before xdist starts
-    its workers, so that they and every process they start inherit it."""
+    its workers, so that they and every process they start inherit it. A process that a test
+    runs under a file size cap must not write any: Python keeps a ``.pyc`` cut at the cap
+    (``tests/cli/test_cli_errors.py``, ``tests/tiers/test_disk.py``)."""
     sys.dont_write_bytecode = False
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 

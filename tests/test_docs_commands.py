@@ -118,6 +118,7 @@ FOREIGN_OPTIONS = frozenset(
         "--inplace",  # setup.py build_ext
         "--strict",  # mkdocs build
         "--dist",  # pytest-xdist
+        "--no-compile",  # pip
     }
 )
 """Options the pages name that are not ours."""

@@ -187,17 +187,40 @@ def _limited_file_size() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (512, 512))
 
 
-def _run_with_little_room(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    """The command in a process whose files may not pass 512 bytes: a full disk's writes."""
-    cli = "import sys; from kvoffload.cli.main import main; sys.exit(main())"
+def _with_little_room(command: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    """``command`` in a process whose files may not pass 512 bytes: a full disk's writes.
+    It writes no bytecode: Python keeps a ``.pyc`` cut at the cap as it is (its write is not
+    checked for a short count), and every later import of that module fails."""
     return subprocess.run(
-        [sys.executable, "-c", cli, *argv],
+        command,
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
         preexec_fn=_limited_file_size,
+        env={**os.environ, **env, "PYTHONDONTWRITEBYTECODE": "1"},
     )
+
+
+def _run_with_little_room(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    cli = "import sys; from kvoffload.cli.main import main; sys.exit(main())"
+    return _with_little_room([sys.executable, "-c", cli, *argv])
+
+
+def test_a_process_with_little_room_leaves_no_cut_bytecode(tmp_path: Path) -> None:
+    """The session writes bytecode (tests/conftest.py): a module first imported under the cap
+    was kept cut, and 88 of matplotlib's then failed every later import in one run."""
+    (tmp_path / "padded.py").write_text(f"PADDING = {'x' * 4096!r}\n")
+    first = _with_little_room([sys.executable, "-c", "import padded"], PYTHONPATH=str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    again = subprocess.run(
+        [sys.executable, "-c", "import padded"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert again.returncode == 0, again.stderr
 
 
 @pytest.mark.parametrize("option", ["--json", "--csv"])

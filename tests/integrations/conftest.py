@@ -2,32 +2,14 @@
 
 from __future__ import annotations
 
-import importlib
 import uuid
-import warnings
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-VLLM_MODULES = (
-    "vllm.v1.kv_offload.base",
-    "vllm.v1.kv_offload.config",
-    "vllm.v1.kv_offload.factory",
-    "vllm.v1.kv_offload.cpu.manager",
-    "vllm.distributed.kv_events",
-)
-
-
-def import_vllm() -> dict[str, ModuleType]:
-    """vLLM's modules; torch's own deprecation warnings from that import are not ours."""
-    pytest.importorskip("vllm", reason="vLLM is not installed (CI installs it)")
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message=r".*torch\.jit\.script_method.*", category=DeprecationWarning
-        )
-        return {name: importlib.import_module(name) for name in VLLM_MODULES}
+from vllm_import import import_vllm
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-import warnings
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -26,24 +26,17 @@ from kvoffload.observe.events import AllBlocksCleared, BlockStored, decode_batch
 from kvoffload.observe.publisher import KVEventPublisher
 from kvoffload.observe.subscriber import Delivered, KVEventSubscriber
 from tier_servers import free_port
+from vllm_import import VLLM_MODULES, import_vllm
 
 LOCAL = "tcp://127.0.0.1:0"
 SHA_KEY = make_offload_key(hashlib.sha256(b"a page").digest(), 1)
 """A 32-byte hash, as SGLang's pages and vLLM's sha256 blocks have, in KV group 1."""
 
 
-def _vllm_kv_events() -> Any:
-    """vLLM's ``kv_events`` module, or skip; torch's own deprecation warnings from the
-    import are not ours."""
-    pytest.importorskip("vllm")
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message=r".*torch\.jit\.script_method.*", category=DeprecationWarning
-        )
-        from vllm.distributed import kv_events
-        from vllm.v1.core import kv_cache_utils  # noqa: F401 (imported under the filter)
-        from vllm.v1.kv_offload import base  # noqa: F401
-    return kv_events
+def _vllm_kv_events() -> ModuleType:
+    """vLLM's ``kv_events`` module, with its KV cache utilities (whose import warns too)."""
+    modules = import_vllm((*VLLM_MODULES, "vllm.v1.core.kv_cache_utils"))
+    return modules["vllm.distributed.kv_events"]
 
 
 def _replayed(pub: KVEventPublisher) -> list[list[bytes]]:
