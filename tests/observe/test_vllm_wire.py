@@ -26,7 +26,7 @@ from kvoffload.observe.events import AllBlocksCleared, BlockStored, decode_batch
 from kvoffload.observe.publisher import KVEventPublisher
 from kvoffload.observe.subscriber import Delivered, KVEventSubscriber
 from tier_servers import free_port
-from vllm_import import VLLM_MODULES, import_vllm
+from vllm_import import import_vllm
 
 LOCAL = "tcp://127.0.0.1:0"
 SHA_KEY = make_offload_key(hashlib.sha256(b"a page").digest(), 1)
@@ -34,9 +34,10 @@ SHA_KEY = make_offload_key(hashlib.sha256(b"a page").digest(), 1)
 
 
 def _vllm_kv_events() -> ModuleType:
-    """vLLM's ``kv_events`` module, with its KV cache utilities (whose import warns too)."""
-    modules = import_vllm((*VLLM_MODULES, "vllm.v1.core.kv_cache_utils"))
-    return modules["vllm.distributed.kv_events"]
+    """vLLM's ``kv_events`` module, with the modules its publisher goes on to import (whose
+    import warns too)."""
+    events = "vllm.distributed.kv_events"
+    return import_vllm((events, "vllm.v1.core.kv_cache_utils", "vllm.v1.kv_offload.base"))[events]
 
 
 def _replayed(pub: KVEventPublisher) -> list[list[bytes]]:

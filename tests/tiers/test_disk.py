@@ -681,14 +681,14 @@ def small_filesystem(path: Path, size_kib: int) -> Iterator[str]:
         return
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    writes_bytecode = not sys.dont_write_bytecode
+    dont_write_bytecode = sys.dont_write_bytecode
     sys.dont_write_bytecode = True  # a module first imported under the cap would keep a cut .pyc
     resource.setrlimit(resource.RLIMIT_FSIZE, (size_kib * 1024, hard))
     try:
         yield "rlimit"
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        sys.dont_write_bytecode = not writes_bytecode
+        sys.dont_write_bytecode = dont_write_bytecode
         signal.signal(signal.SIGXFSZ, previous)
 
 
