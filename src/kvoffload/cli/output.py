@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
+from kvoffload.core.units import binary_size
 
 Value = str | int | float | None
 Row = Mapping[str, Value]
@@ -65,29 +66,12 @@ def seconds(value: Value, places: int = 1) -> str:
     return f"{value:,.{places}f} s"
 
 
-SIZE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
-MOST_WHOLE_EIB = 1e6
-"""Beyond a million EiB (no memory or disk, an overflowed count) a size is shown in
-scientific notation, not as every digit of it."""
-
-
 def size(num_bytes: Value) -> str:
-    """Bytes in binary units, B to EiB, in three significant digits: a byte count in
-    petabytes read as thousands of TiB."""
+    """Bytes in binary units (:func:`~kvoffload.core.units.binary_size`); ``-`` where
+    unknown."""
     if not isinstance(num_bytes, int | float):
         return "-"
-    value = float(num_bytes)
-    index = 0
-    while abs(value) >= 1024 and index < len(SIZE_UNITS) - 1:
-        value /= 1024
-        index += 1
-    unit = SIZE_UNITS[index]
-    if unit == "B":
-        return f"{int(value)} B"
-    # Whole units from 999.5 on, where ".3g" gives "1e+03".
-    if abs(value) < 999.5 or abs(value) >= MOST_WHOLE_EIB:
-        return f"{value:.3g} {unit}"
-    return f"{value:,.0f} {unit}"
+    return binary_size(num_bytes)
 
 
 NARROW = 50

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.core.errors import InvalidArgumentError, KVOffloadError
+from kvoffload.core.units import binary_size
 from kvoffload.sim.run import RunReport
 
 CAPACITY_PLOT = "hit_ratio_vs_capacity.png"
@@ -156,25 +157,11 @@ def lower_tiers(report: RunReport) -> str:
     return f"{' and '.join(names)} tiers below"
 
 
-UNITS_PER_GIB = (("GiB", 1), ("MiB", 2**10), ("KiB", 2**20), ("B", 2**30))
-
-
-def _size(gib: float) -> str:
-    """``gib`` GiB in the largest binary unit it fills once shown in three significant
-    digits (the tiny layout's GPU cache read ``7.63e-06 GiB``), whole units from 999.5
-    on, where ``.3g`` turns to ``1e+03``."""
-    unit, per_gib = next(
-        ((u, n) for u, n in UNITS_PER_GIB if float(f"{gib * n:.3g}") >= 1), UNITS_PER_GIB[-1]
-    )
-    value = gib * per_gib
-    return f"{value:.3g} {unit}" if value < 999.5 else f"{value:,.0f} {unit}"
-
-
 def sweep_title(report: RunReport) -> str:
     """The plots' title: the workload and the size of its GPU cache, and the tiers below
     the offload tier, if any: a sweep with a disk tier plotted as one without."""
     below = lower_tiers(report)
-    title = f"{report.workload}, GPU {_size(report.gpu_gib)}"
+    title = f"{report.workload}, GPU {binary_size(report.gpu_gib * 2**30)}"
     return title + (f", {below} the offload tier" if below else "")
 
 
