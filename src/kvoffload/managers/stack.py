@@ -162,7 +162,8 @@ class StackConfig:
     disk_blocks: int = 0
     disk_policy: str | None = None
     """``None``: the CPU tier's policy. Given (not ``None``) without ``disk_dir`` it is
-    refused, as ``disk_deadline_s`` and the tier's admission settings are: it would be
+    refused, as ``disk_blocks``, ``disk_deadline_s`` and the tier's admission settings are
+    (and ``remote_blocks`` and the shared tier's without ``remote_url``): it would be
     ignored."""
     disk_deadline_s: float | None = None
     """The deadline of each disk I/O job; ``None``: the disk tier's default."""
@@ -219,8 +220,8 @@ class StackConfig:
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"admission_params: {exc}") from None
         for kind, where, tier, own in (
-            ("disk", "disk_dir", "a disk", ("disk_policy", "disk_deadline_s")),
-            ("remote", "remote_url", "a shared", ()),
+            ("disk", "disk_dir", "a disk", ("disk_blocks", "disk_policy", "disk_deadline_s")),
+            ("remote", "remote_url", "a shared", ("remote_blocks",)),
         ):
             if getattr(self, where) is not None:
                 continue
@@ -232,7 +233,7 @@ class StackConfig:
                 *own,
             )
             for name in names:
-                if getattr(self, name) not in ("none", None, ()):
+                if getattr(self, name) not in ("none", None, (), 0):
                     raise InvalidArgumentError(f"{name} needs {tier} tier ({where})")
         disk = remote = None
         if self.disk_dir is not None:

@@ -177,6 +177,7 @@ class SimConfig:
         budget is sized to ``bytes_per_block``."""
         tiers = self.has_lower_tiers
         disk_dir = self.disk_dir if tiers else None
+        remote_url = self.remote_url if tiers else None
         return StackConfig(
             self.cpu_blocks,
             self.policy,
@@ -186,11 +187,11 @@ class SimConfig:
             self.sized_write_budget(bytes_per_block),
             admission_params=self.admission_params,
             disk_dir=disk_dir,
-            disk_blocks=self.disk_blocks,
+            disk_blocks=0 if disk_dir is None else self.disk_blocks,
             disk_policy=self.disk_policy,
             disk_deadline_s=None if disk_dir is None else self.disk_timeout_ms / 1000,
-            remote_url=self.remote_url if tiers else None,
-            remote_blocks=self.remote_blocks,
+            remote_url=remote_url,
+            remote_blocks=0 if remote_url is None else self.remote_blocks,
             tier_store_threshold=self.tier_store_threshold,
             disk_admission=self.disk_admission,
             disk_write_budget=_sized(

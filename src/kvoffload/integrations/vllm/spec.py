@@ -314,8 +314,10 @@ class KVOffloadSpec(OffloadingSpec):  # type: ignore[misc]
         alone = dataclasses.replace(
             config,
             disk_dir=None,
+            disk_blocks=0,
             disk_deadline_s=None,
             remote_url=None,
+            remote_blocks=0,
             disk_admission="none",
             disk_write_budget=None,
             disk_admission_params=None,
