@@ -174,6 +174,7 @@ def test_each_tier_takes_its_write_backlog_bound(
         ({"disk_deadline_s": 0.5}, r"^disk_deadline_s needs a disk tier \(disk_dir\)$"),
         ({"disk_blocks": 4}, r"^disk_blocks needs a disk tier \(disk_dir\)$"),
         ({"disk_dir": "d", "remote_blocks": 4}, r"^remote_blocks needs a shared tier"),
+        ({"disk_write_budget": 0.0}, r"^disk_write_budget needs a disk tier \(disk_dir\)$"),
         ({"remote_url": "redis://h:1", "disk_policy": "arc"}, "disk_policy needs a disk"),
         (
             {"remote_max_pending_write_bytes": 1 << 20},

@@ -220,8 +220,8 @@ class StackConfig:
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"admission_params: {exc}") from None
         for kind, where, tier, own in (
-            ("disk", "disk_dir", "a disk", ("disk_blocks", "disk_policy", "disk_deadline_s")),
-            ("remote", "remote_url", "a shared", ("remote_blocks",)),
+            ("disk", "disk_dir", "a disk", ("disk_policy", "disk_deadline_s")),
+            ("remote", "remote_url", "a shared", ()),
         ):
             if getattr(self, where) is not None:
                 continue
@@ -233,8 +233,10 @@ class StackConfig:
                 *own,
             )
             for name in names:
-                if getattr(self, name) not in ("none", None, (), 0):
+                if getattr(self, name) not in ("none", None, ()):
                     raise InvalidArgumentError(f"{name} needs {tier} tier ({where})")
+            if getattr(self, f"{kind}_blocks"):
+                raise InvalidArgumentError(f"{kind}_blocks needs {tier} tier ({where})")
         disk = remote = None
         if self.disk_dir is not None:
             disk = LowerTierConfig(
