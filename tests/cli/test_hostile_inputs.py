@@ -257,6 +257,22 @@ def test_output_paths_are_checked_before_the_run(
     assert "--plot-dir" in one_line_error(capsys)
 
 
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs Linux's /proc")
+def test_a_result_file_in_a_directory_that_takes_no_new_file_is_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--json /proc/self/status`` passed the check (root may write anything, says
+    ``os.access``) and failed only when the results were written, after the run. The bad
+    trace shows that the path was checked first."""
+    bad_trace = tmp_path / "bad.jsonl"
+    bad_trace.write_text("{\n")
+    assert main(["simulate", "--trace", str(bad_trace), "--json", "/proc/self/status"]) == 1
+    assert "--json /proc/self/status: cannot write a file in /proc/" in one_line_error(capsys)
+    assert main(["simulate", "--trace", str(bad_trace), "--json", str(tmp_path / "r.json")]) == 1
+    assert "bad.jsonl" in one_line_error(capsys)
+    assert [p.name for p in tmp_path.iterdir()] == ["bad.jsonl"]  # no probe left behind
+
+
 @pytest.mark.parametrize(
     "command",
     [

@@ -220,6 +220,23 @@ def _check_writable_path(path: str, option: str) -> None:
         raise InvalidArgumentError(f"{option} {path}: no such directory: {parent}")
     if not os.access(target if target.exists() else parent, os.W_OK):
         raise InvalidArgumentError(f"{option} {path}: not writable")
+    if not target.exists() or target.is_file():
+        _probe_directory(Path(os.path.realpath(path)).parent, path, option)
+
+
+def _probe_directory(directory: Path, path: str, option: str) -> None:
+    """Make and remove a file where :func:`write_file` will make its own: a directory that
+    takes no new file (``/proc``, a read-only mount, for root as for anyone) passed
+    ``os.access`` and failed the write once the whole run was done."""
+    probe = directory / f".{secrets.token_hex(4)}.probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError as exc:
+        raise InvalidArgumentError(
+            f"{option} {path}: cannot write a file in {directory}: {exc.strerror or exc}"
+        ) from None
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
 
 
 def same_file(first: str, second: str) -> bool:
